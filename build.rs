@@ -1,0 +1,48 @@
+//! Link settings the torch-sys build script cannot give a dependent binary, and the C++ shim.
+//!
+//! - `-Wl,-rpath,<torch lib>` so `trainguard` starts without `LD_LIBRARY_PATH`.
+//! - `libtorch_cuda` / `libc10_cuda` linked with `-as-needed` switched off: nothing in Rust calls
+//!   them directly, so a plain link would drop them and CUDA would stay invisible on GPU machines
+//!   ("Cannot initialize CUDA without ATen_cuda library").
+//! - `src/ffi/shim.cpp` (allocator statistics and cache control) compiled against the same libtorch.
+use std::path::PathBuf;
+
+fn main() {
+    // torch-sys prints `cargo:libtorch_lib=…`; we see it because torch-sys is a direct dependency.
+    let lib_dir = PathBuf::from(
+        std::env::var("DEP_TCH_LIBTORCH_LIB")
+            .expect("torch-sys did not report its libtorch lib dir (DEP_TCH_LIBTORCH_LIB); see LIBTORCH.md"),
+    );
+    let torch_dir = lib_dir.parent().expect("libtorch lib dir has a parent").to_path_buf();
+    let include = torch_dir.join("include");
+
+    println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+
+    cc::Build::new()
+        .cpp(true)
+        .file("src/ffi/shim.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag("-Wno-unused-parameter")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .warnings(false)
+        .compile("trainguard_shim");
+
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    for name in ["torch", "torch_cpu", "c10"] {
+        println!("cargo:rustc-link-lib=dylib={name}");
+    }
+    // The `-as-needed` link modifier is nightly-only, so the CUDA libraries go to the linker
+    // directly, wrapped in --no-as-needed (order inside one -Wl is kept).
+    let cuda: Vec<String> = ["torch_cuda", "c10_cuda"]
+        .iter()
+        .filter(|n| lib_dir.join(format!("lib{n}.so")).exists())
+        .map(|n| format!("-l{n}"))
+        .collect();
+    if !cuda.is_empty() {
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-L{},{},--as-needed", lib_dir.display(), cuda.join(","));
+    }
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Prepares a fresh Debian machine (with Rust and Python 3) to build and run trainguard.
+# Idempotent: every step checks before it acts, so rerunning it is cheap and safe.
+#   - Debian packages the build needs (a C++ compiler for torch-sys and the shim, Gloo headers)
+#   - the project venv `.venv` with torch==2.11.0 from PyPI (the libtorch that tch 0.24 binds)
+# Afterwards plain `cargo build`, `cargo test` and `cargo run` work: `.cargo/config.toml` points
+# torch-sys at `.venv`'s torch.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.11.0
+VENV=.venv
+
+say() { printf '[setup] %s\n' "$*"; }
+
+# --- Debian packages ----------------------------------------------------------------------------
+need_pkgs=()
+command -v g++ >/dev/null 2>&1 || need_pkgs+=(g++)
+command -v make >/dev/null 2>&1 || need_pkgs+=(make)
+command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  say "installing Debian packages: ${need_pkgs[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_pkgs[@]}"
+else
+  say "Debian packages present"
+fi
+
+# --- Python venv with torch ---------------------------------------------------------------------
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+have=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+if [ "${have%%+*}" != "$TORCH_VERSION" ]; then
+  say "installing torch==$TORCH_VERSION into $VENV (about 4.6 GB with its CUDA wheels; a few minutes)"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" safetensors numpy
+else
+  say "torch $have present in $VENV"
+fi
+"$VENV/bin/python" -c 'import safetensors, numpy' 2>/dev/null \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy
+
+# --- sanity check -------------------------------------------------------------------------------
+TORCH_DIR=$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')
+[ -f "$TORCH_DIR/lib/libtorch_cpu.so" ] || { echo "setup: $TORCH_DIR/lib/libtorch_cpu.so missing" >&2; exit 1; }
+# A path that does not depend on the venv's Python version, for .cargo/config.toml's LIBTORCH.
+ln -sfn "$TORCH_DIR" "$VENV/libtorch"
+say "libtorch: $TORCH_DIR"
+say "ready: cargo build / cargo test / cargo run work from $(pwd)"

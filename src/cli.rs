@@ -1,0 +1,35 @@
+//! The command line (clap): what the user typed, parsed and nothing more.
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(name = "trainguard", version, about = "Pretrain GPT models on libtorch; runs survive CUDA out of memory.")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model from a YAML config.
+    Train(ConfigArgs),
+    /// Inspect configs.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the resolved config (file + overrides + defaults) as YAML.
+    Show(ConfigArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// YAML config; without it, the built-in defaults (the debug model on the synthetic corpus).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Override a key: `--set train.lr=1e-3` (repeatable, applied in order).
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub overrides: Vec<String>,
+}

@@ -1,0 +1,175 @@
+//! Reading a config: YAML file → `--set` overrides applied to the YAML tree → typed [`Config`]
+//! (type errors carry their key path) → [`validate`](super::validate) (every problem at once).
+use super::{validate, Config, Problem};
+use serde_yaml::Value;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path} not found")]
+    NotFound { path: PathBuf },
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not valid YAML: {message}")]
+    Yaml { path: PathBuf, message: String },
+    #[error("{path}: key `{key}`: {message}")]
+    Type { path: PathBuf, key: String, message: String },
+    #[error("bad --set `{arg}`: {why}")]
+    Override { arg: String, why: String },
+    #[error("{path}: {} problem(s) in the config:\n{}", .problems.len(), Problem::list(.problems))]
+    Invalid { path: PathBuf, problems: Vec<Problem> },
+}
+
+/// Reads `path` (or only defaults when `None`), applies `key.path=value` overrides in order and
+/// validates the result.
+pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+    let shown = path.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("<defaults>"));
+    let mut tree = match path {
+        Some(p) => read_yaml(p)?,
+        None => Value::Mapping(Default::default()),
+    };
+    if tree.is_null() {
+        tree = Value::Mapping(Default::default()); // an empty file means "all defaults"
+    }
+    for arg in overrides {
+        apply_override(&mut tree, arg)?;
+    }
+    let config: Config = serde_path_to_error::deserialize(tree).map_err(|e| ConfigError::Type {
+        path: shown.clone(),
+        key: e.path().to_string(),
+        message: e.into_inner().to_string(),
+    })?;
+    let problems = validate(&config);
+    if problems.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid { path: shown, problems })
+    }
+}
+
+fn read_yaml(path: &Path) -> Result<Value, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => ConfigError::NotFound { path: path.to_path_buf() },
+        _ => ConfigError::Read { path: path.to_path_buf(), source },
+    })?;
+    serde_yaml::from_str(&text)
+        .map_err(|e| ConfigError::Yaml { path: path.to_path_buf(), message: e.to_string() })
+}
+
+/// Applies one `a.b.c=value` override to a YAML tree. The value is read as YAML, so numbers,
+/// booleans and lists keep their types; `1e-3` (YAML would read a string) is taken as a number.
+pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
+    let bad = |why: &str| ConfigError::Override { arg: arg.to_string(), why: why.to_string() };
+    let (key, raw) = arg.split_once('=').ok_or_else(|| bad("expected key.path=value"))?;
+    let parts: Vec<&str> = key.split('.').collect();
+    if parts.iter().any(|p| p.trim().is_empty()) {
+        return Err(bad("empty key segment"));
+    }
+    let mut value: Value = serde_yaml::from_str(raw).map_err(|e| bad(&format!("value is not YAML: {e}")))?;
+    if let Value::String(s) = &value {
+        if let Ok(x) = s.parse::<f64>() {
+            value = Value::Number(x.into());
+        }
+    }
+    let mut node = tree;
+    for (i, part) in parts.iter().enumerate() {
+        let map = match node {
+            Value::Mapping(m) => m,
+            _ => return Err(bad(&format!("`{}` is not a section", parts[..i].join(".")))),
+        };
+        let k = Value::String(part.to_string());
+        if i + 1 == parts.len() {
+            map.insert(k, value);
+            return Ok(());
+        }
+        node = map.entry(k).or_insert_with(|| Value::Mapping(Default::default()));
+        if node.is_null() {
+            *node = Value::Mapping(Default::default());
+        }
+    }
+    unreachable!("split always yields at least one segment")
+}
+
+/// Parses `16GiB`, `512MiB`, `1.5GB`, `100000` (bytes) into bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{text}` is not a size like 16GiB, 512MiB or 1000000"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" | "k" => 1024.0,
+        "mib" | "m" => 1024f64.powi(2),
+        "gib" | "g" => 1024f64.powi(3),
+        "tib" | "t" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        other => return Err(format!("unknown size unit `{other}` in `{text}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
+    };
+    let bytes = n * mult;
+    if !(bytes >= 1.0) {
+        return Err(format!("`{text}` must be at least one byte"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn override_creates_sections_and_keeps_types() {
+        let mut t: Value = serde_yaml::from_str("train: {lr: 0.1}").unwrap();
+        apply_override(&mut t, "train.lr=1e-3").unwrap();
+        apply_override(&mut t, "model.n_layer=4").unwrap();
+        apply_override(&mut t, "model.bias=false").unwrap();
+        assert_eq!(t["train"]["lr"].as_f64(), Some(1e-3));
+        assert_eq!(t["model"]["n_layer"].as_u64(), Some(4));
+        assert_eq!(t["model"]["bias"].as_bool(), Some(false));
+    }
+
+    #[test]
+    fn override_rejects_malformed_arguments() {
+        let mut t = Value::Mapping(Default::default());
+        assert!(apply_override(&mut t, "train.lr").is_err());
+        assert!(apply_override(&mut t, "train..lr=1").is_err());
+        apply_override(&mut t, "seed=1").unwrap();
+        let err = apply_override(&mut t, "seed.x=1").unwrap_err().to_string();
+        assert!(err.contains("`seed` is not a section"), "{err}");
+    }
+
+    #[test]
+    fn sizes_parse_in_binary_and_decimal_units() {
+        assert_eq!(parse_size("16GiB").unwrap(), 16 << 30);
+        assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3 parsecs").is_err());
+        assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn type_errors_name_the_key_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "train:\n  max_steps: many\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("train.max_steps"), "{err}");
+        std::fs::write(&p, "model:\n  n_layers: 3\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("n_layers"), "{err}");
+    }
+
+    #[test]
+    fn missing_file_and_bad_yaml_are_one_line_errors() {
+        let err = load(Some(Path::new("/nonexistent/x.yaml")), &[]).unwrap_err();
+        assert!(matches!(err, ConfigError::NotFound { .. }));
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "train: [unclosed\n").unwrap();
+        assert!(matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Yaml { .. }));
+    }
+}

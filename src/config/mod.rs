@@ -1,0 +1,166 @@
+//! The raw run configuration: serde structs with their defaults, read from YAML and `--set`
+//! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
+//! derive anything from the environment (that is `plan`'s job).
+mod load;
+mod validate;
+
+pub use load::{apply_override, load, parse_size, ConfigError};
+pub use validate::{validate, Problem};
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Everything a run reads from its YAML file. Unknown keys are rejected at every level.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Run directory: resolved config, metrics.jsonl, events.jsonl.
+    pub out_dir: PathBuf,
+    /// Seeds weight init, sampling and dropout.
+    pub seed: u64,
+    /// `auto | cpu | cuda | cuda:N`.
+    pub device: String,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub oom: OomConfig,
+    pub memory: MemoryConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            out_dir: PathBuf::from("runs/debug"),
+            seed: 1337,
+            device: "auto".into(),
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            train: TrainConfig::default(),
+            oom: OomConfig::default(),
+            memory: MemoryConfig::default(),
+        }
+    }
+}
+
+/// GPT-2-style decoder sizes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub vocab_size: usize,
+    pub seq_len: usize,
+    pub dropout: f64,
+    /// Biases in linear layers and LayerNorms.
+    pub bias: bool,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self { n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 256, seq_len: 64, dropout: 0.0, bias: true }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `synthetic | text:<path> | tokens:<path>`.
+    pub source: String,
+    /// Share of the corpus (its tail) held out for validation.
+    pub val_fraction: f64,
+    /// Length of the built-in synthetic corpus, in tokens.
+    pub synthetic_tokens: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self { source: "synthetic".into(), val_fraction: 0.1, synthetic_tokens: 1 << 20 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Sequences per optimizer step, summed over all ranks.
+    pub global_batch_size: usize,
+    /// Sequences per forward/backward pass on one rank.
+    pub micro_batch_size: usize,
+    pub max_steps: u64,
+    /// Peak learning rate, reached at the end of warmup.
+    pub lr: f64,
+    /// Floor of the cosine decay.
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Steps over which the cosine decays to `min_lr`; default `max_steps`.
+    pub lr_decay_steps: Option<u64>,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Clip the global gradient norm to this; 0 turns clipping off.
+    pub grad_clip: f64,
+    /// Evaluate every N steps (and after the last); 0 turns evaluation off.
+    pub eval_interval: u64,
+    pub eval_batches: usize,
+    pub log_interval: u64,
+    /// Intra-op CPU threads; default: libtorch's choice (one per core).
+    pub threads: Option<usize>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            global_batch_size: 32,
+            micro_batch_size: 8,
+            max_steps: 200,
+            lr: 3.0e-3,
+            min_lr: 3.0e-4,
+            warmup_steps: 20,
+            lr_decay_steps: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_interval: 50,
+            eval_batches: 4,
+            log_interval: 10,
+            threads: None,
+        }
+    }
+}
+
+/// What the OOM guard does when a step runs out of memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OomConfig {
+    pub policy: OomPolicy,
+    /// The guard never goes below this micro-batch.
+    pub min_micro_batch: usize,
+    /// After this many clean steps below the configured micro-batch, try doubling back; 0 = never.
+    pub regrow_after_steps: u64,
+}
+
+impl Default for OomConfig {
+    fn default() -> Self {
+        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OomPolicy {
+    /// Halve the micro-batch, double accumulation, replay the step.
+    Adapt,
+    /// Treat out-of-memory as fatal (exit code 3) without retrying.
+    Fail,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// Make the real allocator fail at this size (`16GiB`, `512MiB`, bytes): a CUDA memory
+    /// fraction on GPUs, an address-space limit on CPU. See README "Memory cap".
+    pub limit: Option<String>,
+}

@@ -1,0 +1,234 @@
+//! Per-key rules for a [`Config`]: every broken rule becomes a [`Problem`] naming its key path,
+//! and all of them are reported together. Rules that need the environment (world size, device
+//! presence) live in `plan`.
+use super::{parse_size, Config};
+use std::fmt;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Problem {
+    pub key: String,
+    pub message: String,
+}
+
+impl Problem {
+    pub fn new(key: &str, message: impl Into<String>) -> Self {
+        Self { key: key.to_string(), message: message.into() }
+    }
+
+    pub(crate) fn list(problems: &[Problem]) -> String {
+        problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n")
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+/// Checks every rule; an empty list means the config is valid.
+pub fn validate(c: &Config) -> Vec<Problem> {
+    let mut p = Vec::new();
+    let mut check = |ok: bool, key: &str, msg: String| {
+        if !ok {
+            p.push(Problem::new(key, msg));
+        }
+    };
+    let m = &c.model;
+    check(m.n_layer >= 1, "model.n_layer", format!("must be at least 1, got {}", m.n_layer));
+    check(m.n_head >= 1, "model.n_head", format!("must be at least 1, got {}", m.n_head));
+    check(m.n_embd >= 1, "model.n_embd", format!("must be at least 1, got {}", m.n_embd));
+    check(
+        m.n_head == 0 || m.n_embd % m.n_head == 0,
+        "model.n_embd",
+        format!("must be divisible by model.n_head ({}), got {}", m.n_head, m.n_embd),
+    );
+    check(
+        (1..=65536).contains(&m.vocab_size),
+        "model.vocab_size",
+        format!("must be in 1..=65536 (tokens are stored as uint16), got {}", m.vocab_size),
+    );
+    check(m.seq_len >= 1, "model.seq_len", format!("must be at least 1, got {}", m.seq_len));
+    check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
+
+    check_device(&c.device, &mut check);
+    check_source(c, &mut check);
+    let d = &c.data;
+    check(
+        d.val_fraction > 0.0 && d.val_fraction < 1.0,
+        "data.val_fraction",
+        format!("must be in (0, 1), got {}", d.val_fraction),
+    );
+    let needed = 2 * (m.seq_len + 1);
+    check(
+        d.synthetic_tokens >= needed,
+        "data.synthetic_tokens",
+        format!("must be at least {needed} (two sequences of model.seq_len + 1), got {}", d.synthetic_tokens),
+    );
+
+    let t = &c.train;
+    check(t.global_batch_size >= 1, "train.global_batch_size", format!("must be at least 1, got {}", t.global_batch_size));
+    check(t.micro_batch_size >= 1, "train.micro_batch_size", format!("must be at least 1, got {}", t.micro_batch_size));
+    check(
+        t.micro_batch_size <= t.global_batch_size,
+        "train.micro_batch_size",
+        format!("must not exceed train.global_batch_size ({}), got {}", t.global_batch_size, t.micro_batch_size),
+    );
+    check(t.max_steps >= 1, "train.max_steps", format!("must be at least 1, got {}", t.max_steps));
+    check(t.lr > 0.0 && t.lr.is_finite(), "train.lr", format!("must be a positive number, got {}", t.lr));
+    check(
+        !(t.lr > 0.0) || (t.min_lr >= 0.0 && t.min_lr <= t.lr),
+        "train.min_lr",
+        format!("must be in [0, train.lr = {}], got {}", t.lr, t.min_lr),
+    );
+    check(
+        t.warmup_steps <= t.max_steps,
+        "train.warmup_steps",
+        format!("must not exceed train.max_steps ({}), got {}", t.max_steps, t.warmup_steps),
+    );
+    if let Some(n) = t.lr_decay_steps {
+        check(n > t.warmup_steps, "train.lr_decay_steps", format!("must exceed train.warmup_steps ({}), got {n}", t.warmup_steps));
+    }
+    check(t.weight_decay >= 0.0, "train.weight_decay", format!("must be >= 0, got {}", t.weight_decay));
+    check((0.0..1.0).contains(&t.beta1), "train.beta1", format!("must be in [0, 1), got {}", t.beta1));
+    check((0.0..1.0).contains(&t.beta2), "train.beta2", format!("must be in [0, 1), got {}", t.beta2));
+    check(t.eps > 0.0, "train.eps", format!("must be > 0, got {}", t.eps));
+    check(t.grad_clip >= 0.0, "train.grad_clip", format!("must be >= 0 (0 = off), got {}", t.grad_clip));
+    check(t.eval_batches >= 1, "train.eval_batches", format!("must be at least 1, got {}", t.eval_batches));
+    check(t.log_interval >= 1, "train.log_interval", format!("must be at least 1, got {}", t.log_interval));
+    if let Some(n) = t.threads {
+        check(n >= 1, "train.threads", format!("must be at least 1, got {n}"));
+    }
+
+    let o = &c.oom;
+    check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
+    check(
+        t.micro_batch_size == 0 || o.min_micro_batch <= t.micro_batch_size,
+        "oom.min_micro_batch",
+        format!("must not exceed train.micro_batch_size ({}), got {}", t.micro_batch_size, o.min_micro_batch),
+    );
+    if let Some(limit) = &c.memory.limit {
+        if let Err(e) = parse_size(limit) {
+            check(false, "memory.limit", e);
+        }
+    }
+    p
+}
+
+fn check_device(device: &str, check: &mut impl FnMut(bool, &str, String)) {
+    let ok = match device {
+        "auto" | "cpu" | "cuda" => true,
+        d => d.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok()),
+    };
+    check(ok, "device", format!("must be auto, cpu, cuda or cuda:N, got `{device}`"));
+}
+
+fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
+    let source = c.data.source.as_str();
+    if source == "synthetic" {
+        return;
+    }
+    let Some((kind, path)) = source.split_once(':') else {
+        check(false, "data.source", format!("must be synthetic, text:<path> or tokens:<path>, got `{source}`"));
+        return;
+    };
+    match kind {
+        "text" | "tokens" => {
+            check(
+                std::path::Path::new(path).is_file(),
+                "data.source",
+                format!("file `{path}` does not exist or is not a file"),
+            );
+            if kind == "text" {
+                check(
+                    c.model.vocab_size >= 256,
+                    "model.vocab_size",
+                    format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
+                );
+            }
+        }
+        _ => check(false, "data.source", format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(c: &Config) -> Vec<String> {
+        validate(c).into_iter().map(|p| p.key).collect()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        assert!(validate(&Config::default()).is_empty());
+    }
+
+    #[test]
+    fn each_model_rule_names_its_key() {
+        let mut c = Config::default();
+        c.model.n_layer = 0;
+        assert_eq!(keys(&c), ["model.n_layer"]);
+        let mut c = Config::default();
+        c.model.n_embd = 65;
+        assert_eq!(keys(&c), ["model.n_embd"]);
+        let mut c = Config::default();
+        c.model.vocab_size = 70_000;
+        assert_eq!(keys(&c), ["model.vocab_size"]);
+        let mut c = Config::default();
+        c.model.dropout = 1.0;
+        assert_eq!(keys(&c), ["model.dropout"]);
+        let mut c = Config::default();
+        c.model.n_head = 0;
+        assert_eq!(keys(&c), ["model.n_head"]);
+    }
+
+    #[test]
+    fn each_train_rule_names_its_key() {
+        let cases: Vec<(fn(&mut Config), &str)> = vec![
+            (|c| c.train.micro_batch_size = 0, "train.micro_batch_size"),
+            (|c| c.train.micro_batch_size = 64, "train.micro_batch_size"),
+            (|c| { c.train.max_steps = 0; c.train.warmup_steps = 0 }, "train.max_steps"),
+            (|c| c.train.lr = -1.0, "train.lr"),
+            (|c| c.train.min_lr = 1.0, "train.min_lr"),
+            (|c| c.train.warmup_steps = 1000, "train.warmup_steps"),
+            (|c| c.train.lr_decay_steps = Some(5), "train.lr_decay_steps"),
+            (|c| c.train.weight_decay = -0.1, "train.weight_decay"),
+            (|c| c.train.beta2 = 1.0, "train.beta2"),
+            (|c| c.train.grad_clip = -1.0, "train.grad_clip"),
+            (|c| c.train.log_interval = 0, "train.log_interval"),
+            (|c| c.train.eval_batches = 0, "train.eval_batches"),
+            (|c| c.data.val_fraction = 0.0, "data.val_fraction"),
+            (|c| c.data.source = "csv:x".into(), "data.source"),
+            (|c| c.data.source = "tokens:/no/such/file.bin".into(), "data.source"),
+            (|c| c.device = "tpu".into(), "device"),
+            (|c| c.device = "cuda:x".into(), "device"),
+            (|c| c.oom.min_micro_batch = 16, "oom.min_micro_batch"),
+            (|c| c.memory.limit = Some("lots".into()), "memory.limit"),
+        ];
+        for (mutate, key) in cases {
+            let mut c = Config::default();
+            mutate(&mut c);
+            assert_eq!(keys(&c), [key], "rule for {key}");
+        }
+    }
+
+    #[test]
+    fn all_problems_are_reported_at_once() {
+        let mut c = Config::default();
+        c.model.n_layer = 0;
+        c.train.log_interval = 0;
+        c.device = "gpu".into();
+        let k = keys(&c);
+        assert_eq!(k.len(), 3, "{k:?}");
+    }
+
+    #[test]
+    fn cuda_devices_parse() {
+        for d in ["auto", "cpu", "cuda", "cuda:0", "cuda:7"] {
+            let mut c = Config::default();
+            c.device = d.into();
+            assert!(validate(&c).is_empty(), "{d}");
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Which windows of the corpus make up a batch. Sample `i` of optimizer step `t` starts at an
+//! offset that is a pure function of (seed, t, i), so the samples of any step can be produced
+//! again in any split: the OOM guard replays a step at a smaller micro-batch, a resumed run
+//! continues exactly, and rank r of N reads indices [r·B/N, (r+1)·B/N) of the same global batch.
+use super::{Corpus, Split};
+use std::ops::Range;
+use tch::{Device, Kind, TchError, Tensor};
+
+const EVAL_SALT: u64 = 0x6576_616c; // keeps validation windows apart from training windows
+
+/// SplitMix64 finaliser over a sequence of words: a fast, well-mixed, stateless hash.
+pub fn mix(words: &[u64]) -> u64 {
+    let mut h: u64 = 0x9E37_79B9_7F4A_7C15;
+    for &w in words {
+        let mut z = h ^ w.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        h = z ^ (z >> 31);
+    }
+    h
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Sampler {
+    pub seed: u64,
+    pub seq_len: usize,
+}
+
+impl Sampler {
+    /// Start offset (within the split) of global sample `index` of training step `step`.
+    pub fn train_offset(&self, corpus: &Corpus, step: u64, index: usize) -> usize {
+        let span = corpus.windows(Split::Train, self.seq_len);
+        (mix(&[self.seed, step, index as u64]) % span as u64) as usize
+    }
+
+    /// Start offset of sample `index` of validation batch `batch` (the same at every eval).
+    pub fn val_offset(&self, corpus: &Corpus, batch: usize, index: usize) -> usize {
+        let span = corpus.windows(Split::Val, self.seq_len);
+        (mix(&[self.seed ^ EVAL_SALT, batch as u64, index as u64]) % span as u64) as usize
+    }
+
+    /// Inputs and targets `[n, seq_len]` (int64) for global samples `indices` of step `step`.
+    pub fn train_batch(&self, corpus: &Corpus, step: u64, indices: Range<usize>, device: Device) -> Result<(Tensor, Tensor), TchError> {
+        let offsets: Vec<usize> = indices.map(|i| self.train_offset(corpus, step, i)).collect();
+        self.build(corpus, Split::Train, &offsets, device)
+    }
+
+    /// Inputs and targets for samples `indices` of validation batch `batch`.
+    pub fn val_batch(&self, corpus: &Corpus, batch: usize, indices: Range<usize>, device: Device) -> Result<(Tensor, Tensor), TchError> {
+        let offsets: Vec<usize> = indices.map(|i| self.val_offset(corpus, batch, i)).collect();
+        self.build(corpus, Split::Val, &offsets, device)
+    }
+
+    fn build(&self, corpus: &Corpus, split: Split, offsets: &[usize], device: Device) -> Result<(Tensor, Tensor), TchError> {
+        let t = self.seq_len;
+        let mut x = Vec::with_capacity(offsets.len() * t);
+        let mut y = Vec::with_capacity(offsets.len() * t);
+        let mut window = vec![0u16; t + 1];
+        for &off in offsets {
+            corpus.read(split, off, &mut window);
+            x.extend(window[..t].iter().map(|&v| v as i64));
+            y.extend(window[1..].iter().map(|&v| v as i64));
+        }
+        let shape = [offsets.len() as i64, t as i64];
+        let x = Tensor::f_from_slice(&x)?.f_view(shape)?.f_to_device(device)?;
+        let y = Tensor::f_from_slice(&y)?.f_view(shape)?.f_to_device(device)?;
+        debug_assert_eq!(x.kind(), Kind::Int64);
+        Ok((x, y))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mix_is_deterministic_and_sensitive_to_each_word() {
+        assert_eq!(mix(&[1, 2, 3]), mix(&[1, 2, 3]));
+        assert_ne!(mix(&[1, 2, 3]), mix(&[1, 2, 4]));
+        assert_ne!(mix(&[1, 2, 3]), mix(&[2, 1, 3]));
+    }
+
+    #[test]
+    fn a_step_has_the_same_samples_in_any_split() {
+        let corpus = Corpus::synthetic(256, 50_000, 0.1);
+        let s = Sampler { seed: 7, seq_len: 16 };
+        let whole: Vec<usize> = (0..32).map(|i| s.train_offset(&corpus, 3, i)).collect();
+        let halves: Vec<usize> = crate::batch::split(32, 5)
+            .into_iter()
+            .flat_map(|r| r.map(|i| s.train_offset(&corpus, 3, i)).collect::<Vec<_>>())
+            .collect();
+        assert_eq!(whole, halves);
+        let other_step: Vec<usize> = (0..32).map(|i| s.train_offset(&corpus, 4, i)).collect();
+        assert_ne!(whole, other_step);
+        let other_seed = Sampler { seed: 8, seq_len: 16 };
+        assert_ne!(whole[0..4], (0..4).map(|i| other_seed.train_offset(&corpus, 3, i)).collect::<Vec<_>>()[..]);
+    }
+
+    #[test]
+    fn batches_are_shifted_windows_of_the_corpus() {
+        let corpus = Corpus::synthetic(256, 50_000, 0.1);
+        let s = Sampler { seed: 1, seq_len: 8 };
+        let (x, y) = s.train_batch(&corpus, 0, 0..4, Device::Cpu).unwrap();
+        assert_eq!(x.size(), [4, 8]);
+        let x0: Vec<i64> = Vec::try_from(x.get(0)).unwrap();
+        let y0: Vec<i64> = Vec::try_from(y.get(0)).unwrap();
+        assert_eq!(x0[1..], y0[..7]);
+        let mut w = vec![0u16; 9];
+        corpus.read(Split::Train, s.train_offset(&corpus, 0, 0), &mut w);
+        assert_eq!(x0, w[..8].iter().map(|&v| v as i64).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,161 @@
+//! What a run reports, and where it goes. The training loop emits [`Event`]s; the [`Reporter`]
+//! turns them into human log lines (through `tracing`), one `metrics.jsonl` line per optimizer
+//! step and one `events.jsonl` line per everything else. Only the writing rank opens files.
+use crate::memory::{human, MemorySnapshot};
+use serde::Serialize;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// One optimizer step's figures (a metrics.jsonl line).
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    /// Validation loss, on steps where evaluation ran.
+    pub val_loss: Option<f64>,
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub step_time_s: f64,
+    pub elapsed_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OomRecovery {
+    pub step: u64,
+    pub old_micro_batch: usize,
+    pub new_micro_batch: usize,
+    pub old_accumulation: usize,
+    pub new_accumulation: usize,
+    /// A failed regrow trial being undone (rather than a halving).
+    pub regrow_backoff: bool,
+    pub requested_bytes: Option<u64>,
+    pub before: MemorySnapshot,
+    pub after: MemorySnapshot,
+    /// From the failed allocation to the first micro-step that succeeded after it.
+    pub recover_ms: f64,
+    pub error: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub steps: u64,
+    pub final_loss: f64,
+    pub final_val_loss: Option<f64>,
+    pub oom_recoveries: u64,
+    pub configured_micro_batch: usize,
+    pub final_micro_batch: usize,
+    pub time_lost_s: f64,
+    pub elapsed_s: f64,
+    pub tokens_per_s: f64,
+    /// CPU runs: the most address space mapped above start-up (what `memory.limit` counts).
+    pub peak_mapped_above_start_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    RunStarted {
+        device: String,
+        params: i64,
+        corpus: String,
+        unigram_entropy: f64,
+        global_batch_size: usize,
+        micro_batch_size: usize,
+        accumulation: usize,
+        world_size: usize,
+        tokens_per_step: usize,
+        max_steps: u64,
+        memory_limit_bytes: Option<u64>,
+    },
+    Step(StepMetrics),
+    RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
+    OomRecovered(OomRecovery),
+    RunFinished(RunSummary),
+}
+
+pub struct Reporter {
+    metrics: Option<BufWriter<File>>,
+    events: Option<BufWriter<File>>,
+    log_interval: u64,
+    max_steps: u64,
+}
+
+impl Reporter {
+    /// `out_dir = None`: log lines only (non-writing ranks, tests).
+    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64) -> std::io::Result<Self> {
+        let open = |name: &str| -> std::io::Result<Option<BufWriter<File>>> {
+            out_dir.map(|d| File::create(d.join(name)).map(BufWriter::new)).transpose()
+        };
+        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps })
+    }
+
+    pub fn emit(&mut self, event: Event) {
+        self.log(&event);
+        let sink = if matches!(event, Event::Step(_)) { &mut self.metrics } else { &mut self.events };
+        if let Some(w) = sink {
+            let line = match &event {
+                Event::Step(m) => serde_json::to_string(m),
+                e => serde_json::to_string(e),
+            };
+            // Flushed per line: a killed run keeps every line up to its last step.
+            let written = line.map_err(std::io::Error::other).and_then(|l| writeln!(w, "{l}")).and_then(|_| w.flush());
+            if let Err(e) = written {
+                tracing::warn!("cannot write run files: {e}");
+            }
+        }
+    }
+
+    fn log(&self, event: &Event) {
+        match event {
+            Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes } => {
+                tracing::info!(
+                    "run: {:.2}M parameters on {device}, corpus {corpus} (unigram entropy {unigram_entropy:.3} nats)",
+                    *params as f64 / 1e6
+                );
+                tracing::info!(
+                    "batch: global {global_batch_size} = micro {micro_batch_size} × accumulation {accumulation} × world {world_size}; {tokens_per_step} tokens/step; {max_steps} steps"
+                );
+                if let Some(l) = memory_limit_bytes {
+                    tracing::info!("memory cap: {}", human(*l));
+                }
+            }
+            Event::Step(m) => {
+                let last = m.step + 1 == self.max_steps;
+                if m.step % self.log_interval == 0 || last || m.val_loss.is_some() {
+                    let val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+                    tracing::info!(
+                        "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | micro {}×{} | {:.1}s",
+                        m.step, self.max_steps, m.loss, m.lr, m.tokens_per_s, m.micro_batch, m.accumulation, m.elapsed_s
+                    );
+                }
+            }
+            Event::RegrowAttempt { step, from_micro_batch, to_micro_batch } => {
+                tracing::info!("step {step}: trying micro-batch {to_micro_batch} again (was {from_micro_batch})");
+            }
+            Event::OomRecovered(r) => {
+                let fmt = |s: &MemorySnapshot| match (s.allocated_bytes, s.reserved_bytes) {
+                    (Some(a), Some(r)) => format!("{} allocated / {} reserved", human(a), human(r)),
+                    _ => "memory figures unavailable".into(),
+                };
+                let asked = r.requested_bytes.map(|b| format!(" (asked for {})", human(b))).unwrap_or_default();
+                let what = if r.regrow_backoff { "regrow failed, backing off" } else { "out of memory" };
+                tracing::warn!(
+                    "step {}: {what}{asked}; micro-batch {} → {}, accumulation {} → {}; memory before {}, after {}; replaying the same samples ({:.0} ms to recover)",
+                    r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after), r.recover_ms
+                );
+            }
+            Event::RunFinished(s) => {
+                let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
+                tracing::info!(
+                    "done: {} steps in {:.1}s ({:.0} tok/s), loss {:.4}{val}; OOM recoveries {}, micro-batch {} (configured {}), time lost {:.2}s",
+                    s.steps, s.elapsed_s, s.tokens_per_s, s.final_loss, s.oom_recoveries, s.final_micro_batch, s.configured_micro_batch, s.time_lost_s
+                );
+            }
+        }
+    }
+}

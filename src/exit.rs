@@ -1,0 +1,24 @@
+//! Exit codes a job script can branch on, and the mapping from an error chain to one.
+use crate::config::ConfigError;
+use crate::guard::GuardError;
+use crate::plan::PlanError;
+
+pub const SUCCESS: i32 = 0;
+/// Anything not listed below (I/O, data files, libtorch errors that are not out-of-memory).
+pub const FAILURE: i32 = 1;
+/// Bad config, bad `--set`, bad command line (clap uses 2 as well).
+pub const CONFIG: i32 = 2;
+/// Out of memory even at the smallest allowed micro-batch (or with `oom.policy: fail`).
+pub const OUT_OF_MEMORY: i32 = 3;
+
+pub fn code_for(err: &anyhow::Error) -> i32 {
+    for cause in err.chain() {
+        if cause.is::<ConfigError>() || cause.is::<PlanError>() {
+            return CONFIG;
+        }
+        if let Some(GuardError::OutOfMemory(_)) = cause.downcast_ref::<GuardError>() {
+            return OUT_OF_MEMORY;
+        }
+    }
+    FAILURE
+}

@@ -1,0 +1,128 @@
+//! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
+//! allocator settings) and over the few OS calls trainguard makes ([`os`]). Each call returns a
+//! typed result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
+pub mod os;
+
+use std::ffi::{c_char, c_int, CStr, CString};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ShimError {
+    #[error("no CUDA device: allocator statistics are unavailable")]
+    Unavailable,
+    #[error("libtorch: {0}")]
+    Torch(String),
+}
+
+/// Caching-allocator statistics of one device, in bytes. Pools: `[aggregate, small, large]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AllocatorStats {
+    pub allocated_current: [i64; 3],
+    pub allocated_peak: [i64; 3],
+    pub reserved_current: [i64; 3],
+    pub reserved_peak: [i64; 3],
+    pub active_current: i64,
+    pub active_peak: i64,
+    pub requested_current: i64,
+    pub requested_peak: i64,
+    pub inactive_split_current: i64,
+    pub num_alloc_retries: i64,
+    pub num_ooms: i64,
+}
+
+extern "C" {
+    fn tg_accelerator_available() -> c_int;
+    fn tg_device_stats(device: c_int, out: *mut AllocatorStats, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_get_allocator_settings(out: *mut c_char, out_len: usize) -> c_int;
+}
+
+const ERR_LEN: usize = 4096;
+
+fn result(code: c_int, err: &[u8]) -> Result<(), ShimError> {
+    match code {
+        0 => Ok(()),
+        2 => Err(ShimError::Unavailable),
+        _ => {
+            let msg = CStr::from_bytes_until_nul(err).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+            Err(ShimError::Torch(msg))
+        }
+    }
+}
+
+pub fn accelerator_available() -> bool {
+    // SAFETY: no arguments; the shim catches every exception.
+    unsafe { tg_accelerator_available() == 1 }
+}
+
+pub fn device_stats(device: usize) -> Result<AllocatorStats, ShimError> {
+    let mut out = AllocatorStats::default();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `out` is a repr(C) mirror of tg_stats; `err` is ERR_LEN bytes.
+    let code = unsafe { tg_device_stats(device as c_int, &mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err).map(|_| out)
+}
+
+/// (free, total) bytes of a device as the driver reports them.
+pub fn memory_info(device: usize) -> Result<(u64, u64), ShimError> {
+    let (mut free, mut total) = (0i64, 0i64);
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: both outputs are valid i64s; `err` is ERR_LEN bytes.
+    let code = unsafe { tg_memory_info(device as c_int, &mut free, &mut total, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err).map(|_| (free as u64, total as u64))
+}
+
+/// Returns the caching allocator's unused cached blocks to the device.
+pub fn empty_cache() -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `err` is ERR_LEN bytes.
+    result(unsafe { tg_empty_cache(err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+pub fn reset_peak_stats(device: usize) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `err` is ERR_LEN bytes.
+    result(unsafe { tg_reset_peak_stats(device as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Applies a `PYTORCH_CUDA_ALLOC_CONF`-style string (`key:value,...`).
+pub fn set_allocator_settings(settings: &str) -> Result<(), ShimError> {
+    let c = CString::new(settings).map_err(|_| ShimError::Torch("settings contain a NUL byte".into()))?;
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `c` is NUL-terminated and outlives the call; `err` is ERR_LEN bytes.
+    result(unsafe { tg_set_allocator_settings(c.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// The last settings string the allocator accepted.
+pub fn allocator_settings() -> String {
+    let mut out = [0u8; ERR_LEN];
+    // SAFETY: `out` is ERR_LEN bytes; the shim NUL-terminates.
+    unsafe { tg_get_allocator_settings(out.as_mut_ptr().cast(), ERR_LEN) };
+    CStr::from_bytes_until_nul(&out).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_gpu_stats_are_unavailable_not_an_abort() {
+        if accelerator_available() {
+            eprintln!("skipped: a CUDA device is present (this test covers the no-GPU path)");
+            return;
+        }
+        assert_eq!(device_stats(0), Err(ShimError::Unavailable));
+        assert_eq!(empty_cache(), Err(ShimError::Unavailable));
+        assert_eq!(reset_peak_stats(0), Err(ShimError::Unavailable));
+    }
+
+    #[test]
+    fn allocator_settings_are_parsed_and_bad_keys_come_back_as_errors() {
+        set_allocator_settings("expandable_segments:False").unwrap();
+        let err = set_allocator_settings("no_such_key:1").unwrap_err();
+        assert!(matches!(&err, ShimError::Torch(m) if m.contains("no_such_key")), "{err:?}");
+    }
+}

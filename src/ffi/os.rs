@@ -1,0 +1,30 @@
+//! The OS calls trainguard makes: an address-space limit and glibc allocator tuning for the CPU
+//! memory cap, and read-only memory maps of token files.
+use std::fs::File;
+
+/// Makes glibc serve every block over 128 KiB with its own `mmap` (fixed threshold, so freed
+/// blocks go back to the OS at once) from a single arena (no 64 MiB per-thread reservations).
+pub fn malloc_for_exact_accounting() {
+    // SAFETY: mallopt only tunes glibc's allocator; both values are valid for these options.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+/// Sets the soft `RLIMIT_AS` (address space) of this process to `bytes`.
+pub fn limit_address_space(bytes: u64) -> std::io::Result<()> {
+    let rl = libc::rlimit { rlim_cur: bytes, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: plain syscall with a valid struct; lowering the soft limit needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &rl) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Maps `file` read-only.
+pub fn map_readonly(file: &File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the map is read-only; a file truncated by another process while mapped would
+    // fault, as with numpy.memmap in nanoGPT: training data is not edited mid-run.
+    unsafe { memmap2::Mmap::map(file) }
+}

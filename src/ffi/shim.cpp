@@ -1,0 +1,107 @@
+// trainguard's C++ shim: what tch does not expose, compiled by build.rs against the same libtorch.
+// Every entry point catches C++ exceptions and returns them as a message: no exception crosses
+// into Rust. Return value: 0 = ok, 1 = error (message in `err`), 2 = unavailable (no accelerator).
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/AllocatorConfig.h>
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+namespace {
+void copy_message(const std::string& text, char* out, size_t out_len) {
+  if (out == nullptr || out_len == 0) return;
+  size_t n = text.size() < out_len - 1 ? text.size() : out_len - 1;
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+
+bool have_accelerator() {
+  return at::accelerator::getAccelerator(false).has_value() && at::accelerator::deviceCount() > 0;
+}
+
+template <typename F>
+int guarded(char* err, size_t err_len, F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    copy_message(e.what(), err, err_len);
+  } catch (...) {
+    copy_message("unknown C++ exception", err, err_len);
+  }
+  return 1;
+}
+}  // namespace
+
+extern "C" {
+
+// Mirrors trainguard::ffi::RawStats (repr(C)). Pools: [0] aggregate, [1] small, [2] large.
+struct tg_stats {
+  int64_t allocated_current[3], allocated_peak[3];
+  int64_t reserved_current[3], reserved_peak[3];
+  int64_t active_current, active_peak;
+  int64_t requested_current, requested_peak;
+  int64_t inactive_split_current;
+  int64_t num_alloc_retries, num_ooms;
+};
+
+int tg_accelerator_available() { return have_accelerator() ? 1 : 0; }
+
+int tg_device_stats(int device, tg_stats* out, char* err, size_t err_len) {
+  if (!have_accelerator()) return 2;
+  return guarded(err, err_len, [&] {
+    auto s = at::accelerator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+    for (int p = 0; p < 3; ++p) {
+      out->allocated_current[p] = s.allocated_bytes[p].current;
+      out->allocated_peak[p] = s.allocated_bytes[p].peak;
+      out->reserved_current[p] = s.reserved_bytes[p].current;
+      out->reserved_peak[p] = s.reserved_bytes[p].peak;
+    }
+    out->active_current = s.active_bytes[0].current;
+    out->active_peak = s.active_bytes[0].peak;
+    out->requested_current = s.requested_bytes[0].current;
+    out->requested_peak = s.requested_bytes[0].peak;
+    out->inactive_split_current = s.inactive_split_bytes[0].current;
+    out->num_alloc_retries = s.num_alloc_retries;
+    out->num_ooms = s.num_ooms;
+  });
+}
+
+int tg_memory_info(int device, int64_t* free_bytes, int64_t* total_bytes, char* err, size_t err_len) {
+  if (!have_accelerator()) return 2;
+  return guarded(err, err_len, [&] {
+    auto info = at::accelerator::getMemoryInfo(static_cast<c10::DeviceIndex>(device));
+    *free_bytes = static_cast<int64_t>(info.first);
+    *total_bytes = static_cast<int64_t>(info.second);
+  });
+}
+
+int tg_empty_cache(char* err, size_t err_len) {
+  if (!have_accelerator()) return 2;
+  return guarded(err, err_len, [&] { at::accelerator::emptyCache(); });
+}
+
+int tg_reset_peak_stats(int device, char* err, size_t err_len) {
+  if (!have_accelerator()) return 2;
+  return guarded(err, err_len, [&] {
+    at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+  });
+}
+
+// Parses `key:value,...` exactly as PYTORCH_CUDA_ALLOC_CONF; must run before the first CUDA
+// allocation to affect the caching allocator. Works (parses) without a GPU too.
+int tg_set_allocator_settings(const char* settings, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { c10::CachingAllocator::setAllocatorSettings(settings); });
+}
+
+int tg_get_allocator_settings(char* out, size_t out_len) {
+  char ignored[8];
+  return guarded(ignored, sizeof ignored, [&] {
+    copy_message(c10::CachingAllocator::getAllocatorSettings(), out, out_len);
+  });
+}
+
+}  // extern "C"

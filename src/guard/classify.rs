@@ -1,0 +1,84 @@
+//! The one place that decides whether a libtorch error means "out of memory". tch loses the
+//! C++ exception type (c10::OutOfMemoryError), so this reads the message.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// An allocation failed; the size asked for when the message says it.
+    OutOfMemory { requested_bytes: Option<u64> },
+    Other,
+}
+
+/// Messages of allocation failures: the CUDA caching allocator, raw CUDA, the CPU allocator,
+/// and cuBLAS/cuDNN workspace allocations. `CUDNN_STATUS_NOT_SUPPORTED`, which some libraries
+/// also treat as OOM, is deliberately not here: it is usually a real unsupported configuration.
+const OOM_MARKERS: [&str; 5] = [
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "DefaultCPUAllocator: can't allocate memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+];
+
+pub fn classify(message: &str) -> ErrorKind {
+    if OOM_MARKERS.iter().any(|m| message.contains(m)) {
+        ErrorKind::OutOfMemory { requested_bytes: requested_bytes(message) }
+    } else {
+        ErrorKind::Other
+    }
+}
+
+/// "Tried to allocate 2.00 GiB" (CUDA) or "you tried to allocate 40000000000 bytes" (CPU).
+fn requested_bytes(message: &str) -> Option<u64> {
+    let lower = message.to_ascii_lowercase();
+    let at = lower.find("tried to allocate ")? + "tried to allocate ".len();
+    let mut words = message[at..].split_whitespace();
+    let number: f64 = words.next()?.parse().ok()?;
+    let unit = words.next().unwrap_or("bytes").trim_end_matches(['.', ',', ';', ')']);
+    let mult = match unit {
+        "bytes" | "B" => 1.0,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "TiB" => 1024f64.powi(4),
+        _ => return None,
+    };
+    Some((number * mult).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Texts as libtorch 2.x prints them (the CPU one captured on this project's build machine
+    // under `ulimit -v`; the CUDA ones from PyTorch's c10 sources and user reports).
+    const CUDA_CACHING: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory 75.50 GiB is allocated by PyTorch, and 1.98 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1353 (most recent call first):";
+    const CUDA_RAW: &str = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n";
+    const CPU: &str = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)\nException raised from alloc_cpu at /pytorch/c10/core/impl/alloc_cpu.cpp:127 (most recent call first):";
+    const CUBLAS: &str = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`";
+    const CUDNN: &str = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED\nException raised from operator() at /pytorch/aten/src/ATen/native/cudnn/Conv_v8.cpp:919";
+
+    #[test]
+    fn every_allocation_failure_is_oom_with_its_size() {
+        assert_eq!(classify(CUDA_CACHING), ErrorKind::OutOfMemory { requested_bytes: Some(2 << 30) });
+        assert_eq!(classify(CPU), ErrorKind::OutOfMemory { requested_bytes: Some(40_000_000_000) });
+        assert_eq!(classify(CUDA_RAW), ErrorKind::OutOfMemory { requested_bytes: None });
+        assert_eq!(classify(CUBLAS), ErrorKind::OutOfMemory { requested_bytes: None });
+        assert_eq!(classify(CUDNN), ErrorKind::OutOfMemory { requested_bytes: None });
+        let mib = "CUDA out of memory. Tried to allocate 20.50 MiB. GPU 0 has a total capacity of 15.77 GiB";
+        assert_eq!(classify(mib), ErrorKind::OutOfMemory { requested_bytes: Some(21_495_808) });
+    }
+
+    #[test]
+    fn other_errors_are_not_swallowed() {
+        for msg in [
+            "index out of range in self",
+            "CUDA error: device-side assert triggered",
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+            "mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)",
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error",
+            "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!",
+        ] {
+            assert_eq!(classify(msg), ErrorKind::Other, "{msg}");
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! The OOM guard. [`classify`] decides whether an error is an out-of-memory (one function, one
+//! place); [`policy`] decides what to do next (pure: halve, back off, give up, regrow);
+//! [`Guard::run`] acts: it runs an attempt, lets everything the attempt held be dropped, empties
+//! the allocator cache, and replays the same step at the micro-batch the policy chose.
+mod classify;
+mod policy;
+
+pub use classify::{classify, ErrorKind};
+pub use policy::{Decision, GuardState};
+
+use crate::config::OomPolicy;
+use crate::events::{Event, OomRecovery, Reporter};
+use crate::memory::{self, MemorySnapshot};
+use std::time::{Duration, Instant};
+use tch::{Device, TchError};
+
+/// An out-of-memory the guard could not recover from.
+#[derive(Debug, Clone)]
+pub struct OomFailure {
+    pub step: Option<u64>,
+    pub micro_batch: usize,
+    pub requested_bytes: Option<u64>,
+    pub memory: MemorySnapshot,
+    pub message: String,
+}
+
+impl OomFailure {
+    /// What to tell a person whose run could not fit even the smallest micro-batch.
+    pub fn advice(&self) -> String {
+        let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
+        let asked = self.requested_bytes.map(|b| format!(", asking for {}", crate::memory::human(b))).unwrap_or_default();
+        let mem = match (self.memory.allocated_bytes, self.memory.reserved_bytes) {
+            (Some(a), Some(r)) => format!("{} allocated, {} reserved", crate::memory::human(a), crate::memory::human(r)),
+            _ => "memory figures unavailable".into(),
+        };
+        format!(
+            "out of memory {at} at micro-batch {}{asked}; nothing smaller is allowed (oom.min_micro_batch).\n\
+             memory after freeing the failed attempt: {mem}\n\
+             first line of the error: {}\n\
+             what to change:\n\
+             - a shorter sequence (model.seq_len): activations and logits grow with it\n\
+             - a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)\n\
+             - a larger memory.limit or a device with more memory\n\
+             - `trainguard plan` (when available) to see what fits before you start",
+            self.micro_batch,
+            first_line(&self.message)
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GuardError {
+    #[error("out of memory at micro-batch {}: {}", .0.micro_batch, first_line(&.0.message))]
+    OutOfMemory(Box<OomFailure>),
+    #[error("libtorch error: {0}")]
+    Torch(TchError),
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or(s)
+}
+
+/// Progress of one attempt, so the guard can time recovery to the first micro-step that
+/// succeeds after a failure.
+#[derive(Debug, Default)]
+pub struct Progress {
+    first_micro_done: Option<Instant>,
+}
+
+impl Progress {
+    pub fn micro_step_done(&mut self) {
+        self.first_micro_done.get_or_insert_with(Instant::now);
+    }
+}
+
+/// Totals the run summary reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GuardTotals {
+    pub recoveries: u64,
+    pub time_lost: Duration,
+}
+
+pub struct Guard {
+    pub state: GuardState,
+    policy: OomPolicy,
+    device: Device,
+    rank_batch: usize,
+    pub totals: GuardTotals,
+}
+
+impl Guard {
+    pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
+        Self { state, policy, device, rank_batch, totals: GuardTotals::default() }
+    }
+
+    pub fn micro_batch(&self) -> usize {
+        self.state.current()
+    }
+
+    pub fn accumulation(&self) -> usize {
+        crate::batch::micro_steps(self.rank_batch, self.state.current())
+    }
+
+    /// Called once before each optimizer step: lets the policy try a larger micro-batch.
+    pub fn begin_step(&mut self, step: u64, reporter: &mut Reporter) {
+        let from = self.state.current();
+        if let Some(to) = self.state.begin_step(step) {
+            reporter.emit(Event::RegrowAttempt { step, from_micro_batch: from, to_micro_batch: to });
+        }
+    }
+
+    /// Runs `attempt(micro_batch, progress)` until it succeeds, replaying it at a smaller
+    /// micro-batch after each out-of-memory. The attempt must be a pure function of the micro-
+    /// batch (same samples, same state) and must leave no side effect behind when it fails.
+    pub fn run<T>(
+        &mut self,
+        step: u64,
+        reporter: &mut Reporter,
+        mut attempt: impl FnMut(usize, &mut Progress) -> Result<T, TchError>,
+    ) -> Result<T, GuardError> {
+        let mut pending: Option<(OomRecovery, Instant)> = None;
+        loop {
+            let micro = self.state.current();
+            let mut progress = Progress::default();
+            // Everything the attempt allocated (activations, losses, partial gradients) is owned
+            // inside it and dropped when it returns: the error below holds only a message.
+            let outcome = attempt(micro, &mut progress);
+            if let Some((mut rec, failed_at)) = pending.take() {
+                if outcome.is_ok() || progress.first_micro_done.is_some() {
+                    let done = progress.first_micro_done.unwrap_or_else(Instant::now);
+                    rec.recover_ms = done.duration_since(failed_at).as_secs_f64() * 1e3;
+                }
+                reporter.emit(Event::OomRecovered(rec));
+            }
+            let err = match outcome {
+                Ok(v) => {
+                    self.state.on_success();
+                    return Ok(v);
+                }
+                Err(e) => e,
+            };
+            let failed_at = Instant::now();
+            let message = err.to_string();
+            let ErrorKind::OutOfMemory { requested_bytes } = classify(&message) else {
+                return Err(GuardError::Torch(err));
+            };
+            drop(err);
+            let before = memory::snapshot(self.device);
+            memory::empty_cache(self.device);
+            let after = memory::snapshot(self.device);
+            let decision = match self.policy {
+                OomPolicy::Adapt => self.state.on_oom(step),
+                OomPolicy::Fail => Decision::GiveUp,
+            };
+            match decision {
+                Decision::GiveUp => {
+                    return Err(GuardError::OutOfMemory(Box::new(OomFailure {
+                        step: Some(step),
+                        micro_batch: micro,
+                        requested_bytes,
+                        memory: after,
+                        message,
+                    })))
+                }
+                Decision::Retry { micro_batch: new, backoff } => {
+                    self.totals.recoveries += 1;
+                    let rec = OomRecovery {
+                        step,
+                        old_micro_batch: micro,
+                        new_micro_batch: new,
+                        old_accumulation: crate::batch::micro_steps(self.rank_batch, micro),
+                        new_accumulation: crate::batch::micro_steps(self.rank_batch, new),
+                        regrow_backoff: backoff,
+                        requested_bytes,
+                        before,
+                        after,
+                        recover_ms: f64::NAN,
+                        error: first_line(&message).to_string(),
+                    };
+                    pending = Some((rec, failed_at));
+                }
+            }
+            self.totals.time_lost += failed_at.elapsed();
+        }
+    }
+}

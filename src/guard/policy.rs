@@ -1,0 +1,179 @@
+//! What the guard does next, as a pure state machine over micro-batch sizes.
+//!
+//! - Out of memory at size m: retry at ⌈m/2⌉, never below the floor; at the floor, give up.
+//! - Regrow (optional): after `regrow_after` clean steps below the configured size, try twice
+//!   the current size (capped at the configured one). An OOM on that trial backs off to the size
+//!   that worked and blocks the failed size for `regrow_after · 2^failures` steps, so repeated
+//!   failures at one size are tried ever more rarely (no oscillation).
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Replay the step at this micro-batch. `backoff`: it is a regrow trial being undone.
+    Retry { micro_batch: usize, backoff: bool },
+    GiveUp,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuardState {
+    configured: usize,
+    floor: usize,
+    current: usize,
+    regrow_after: u64,
+    clean_steps: u64,
+    /// During a regrow trial: the size to return to if it fails.
+    trial_from: Option<usize>,
+    /// Size → (first step it may be tried again, failures so far).
+    blocked: Vec<(usize, u64, u32)>,
+}
+
+impl GuardState {
+    pub fn new(configured: usize, floor: usize, regrow_after: u64) -> Self {
+        let floor = floor.clamp(1, configured.max(1));
+        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, trial_from: None, blocked: Vec::new() }
+    }
+
+    /// Starts from a micro-batch settled on earlier (e.g. restored from a checkpoint).
+    pub fn with_current(mut self, current: usize) -> Self {
+        self.current = current.clamp(self.floor, self.configured);
+        self
+    }
+
+    pub fn current(&self) -> usize {
+        self.current
+    }
+
+    pub fn configured(&self) -> usize {
+        self.configured
+    }
+
+    /// Before step `step`: returns the new size if a regrow trial starts.
+    pub fn begin_step(&mut self, step: u64) -> Option<usize> {
+        if self.regrow_after == 0 || self.current >= self.configured || self.clean_steps < self.regrow_after {
+            return None;
+        }
+        let candidate = (self.current * 2).min(self.configured);
+        if self.blocked.iter().any(|&(size, until, _)| size == candidate && step < until) {
+            return None;
+        }
+        self.trial_from = Some(self.current);
+        self.current = candidate;
+        self.clean_steps = 0;
+        Some(candidate)
+    }
+
+    pub fn on_success(&mut self) {
+        self.trial_from = None;
+        self.clean_steps += 1;
+    }
+
+    pub fn on_oom(&mut self, step: u64) -> Decision {
+        let failed = self.current;
+        self.clean_steps = 0;
+        if let Some(prev) = self.trial_from.take() {
+            self.block(failed, step);
+            self.current = prev;
+            return Decision::Retry { micro_batch: prev, backoff: true };
+        }
+        if failed <= self.floor {
+            return Decision::GiveUp;
+        }
+        self.block(failed, step);
+        self.current = failed.div_ceil(2).max(self.floor);
+        Decision::Retry { micro_batch: self.current, backoff: false }
+    }
+
+    fn block(&mut self, size: usize, step: u64) {
+        let failures = match self.blocked.iter_mut().find(|b| b.0 == size) {
+            Some(b) => {
+                b.2 += 1;
+                b.2
+            }
+            None => {
+                self.blocked.push((size, 0, 1));
+                1
+            }
+        };
+        let wait = self.regrow_after.saturating_mul(1u64 << failures.min(20));
+        if let Some(b) = self.blocked.iter_mut().find(|b| b.0 == size) {
+            b.1 = step.saturating_add(wait);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn halves_down_to_the_floor_then_gives_up() {
+        let mut s = GuardState::new(64, 1, 0);
+        let mut seen = vec![];
+        while let Decision::Retry { micro_batch, .. } = s.on_oom(0) {
+            seen.push(micro_batch);
+        }
+        assert_eq!(seen, [32, 16, 8, 4, 2, 1]);
+        let mut s = GuardState::new(24, 4, 0);
+        assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 12, backoff: false });
+        assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 6, backoff: false });
+        assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 4, backoff: false });
+        assert_eq!(s.on_oom(0), Decision::GiveUp);
+    }
+
+    #[test]
+    fn without_regrow_the_size_never_grows() {
+        let mut s = GuardState::new(32, 1, 0);
+        s.on_oom(0);
+        for step in 1..100 {
+            assert_eq!(s.begin_step(step), None);
+            s.on_success();
+        }
+        assert_eq!(s.current(), 16);
+    }
+
+    /// Memory fits 16 but not 32; configured 32, regrow after 5 clean steps.
+    fn simulate(steps: u64) -> (Vec<u64>, GuardState) {
+        let mut s = GuardState::new(32, 1, 5);
+        let mut trials = vec![];
+        for step in 0..steps {
+            if s.begin_step(step).is_some() {
+                trials.push(step);
+            }
+            while s.current() > 16 {
+                assert!(matches!(s.on_oom(step), Decision::Retry { .. }));
+            }
+            s.on_success();
+        }
+        (trials, s)
+    }
+
+    #[test]
+    fn regrow_retries_then_backs_off_ever_more_rarely() {
+        let (trials, s) = simulate(200);
+        assert!(!trials.is_empty(), "regrow must try again");
+        assert_eq!(s.current(), 16);
+        let gaps: Vec<u64> = trials.windows(2).map(|w| w[1] - w[0]).collect();
+        assert!(gaps.windows(2).all(|g| g[1] > g[0]), "waits grow: {trials:?}");
+        assert!(trials.len() <= 6, "no oscillation: {trials:?}");
+    }
+
+    #[test]
+    fn regrow_succeeds_when_memory_allows_and_never_exceeds_configured() {
+        let mut s = GuardState::new(32, 1, 3).with_current(8);
+        for step in 0..50 {
+            s.begin_step(step);
+            s.on_success();
+            assert!(s.current() <= 32);
+        }
+        assert_eq!(s.current(), 32);
+    }
+
+    #[test]
+    fn backoff_returns_to_the_size_that_worked() {
+        let mut s = GuardState::new(32, 1, 2).with_current(16);
+        s.on_success();
+        s.on_success();
+        assert_eq!(s.begin_step(10), Some(32));
+        assert_eq!(s.on_oom(10), Decision::Retry { micro_batch: 16, backoff: true });
+        assert_eq!(s.current(), 16);
+    }
+}

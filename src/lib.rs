@@ -1,0 +1,16 @@
+//! trainguard: a training runtime on libtorch whose runs do not die of "CUDA out of memory".
+//!
+//! Data flows one way: YAML + `--set` → [`config`] → [`plan`] → [`train`] → [`events`] → sinks.
+pub mod batch;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod events;
+pub mod exit;
+pub mod ffi;
+pub mod guard;
+pub mod memory;
+pub mod model;
+pub mod optim;
+pub mod plan;
+pub mod train;

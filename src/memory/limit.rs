@@ -1,0 +1,59 @@
+//! `memory.limit`: make the real allocator fail at a chosen size, to rehearse a smaller device
+//! and to test the OOM guard.
+//!
+//! - CUDA: the caching allocator's per-process memory fraction (`limit / device total`), set
+//!   through the allocator settings before the first CUDA allocation. Counts what the caching
+//!   allocator reserves on that device (not the CUDA context).
+//! - CPU: an address-space limit (`RLIMIT_AS`) of *what the process maps after this point*:
+//!   the limit is set to the current mapped size plus `limit`, so the libraries and thread
+//!   pools already mapped do not count; weights, optimizer state, activations and batches do.
+//!   Large blocks are forced onto `mmap` (fixed threshold, one malloc arena) so that freed
+//!   memory goes back at once and the cap is reproducible. libtorch's CPU allocator then fails
+//!   with "DefaultCPUAllocator: can't allocate memory", which the guard catches.
+use super::ProcessMemory;
+use crate::ffi;
+use tch::Device;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    #[error("memory.limit: cannot read this process's memory size from /proc/self/status")]
+    NoProcStatus,
+    #[error("memory.limit: setrlimit(RLIMIT_AS) failed: {0}")]
+    Rlimit(std::io::Error),
+    #[error("memory.limit: {0}")]
+    Cuda(String),
+}
+
+/// What was applied, for the log.
+#[derive(Debug, Clone, Copy)]
+pub struct LimitReport {
+    pub limit_bytes: u64,
+    /// CPU: mapped bytes at the moment the cap was set (the cap is on top of this).
+    pub baseline_bytes: u64,
+    /// CUDA: the fraction of the device applied.
+    pub fraction: Option<f64>,
+}
+
+pub fn apply_limit(limit_bytes: u64, device: Device) -> Result<LimitReport, LimitError> {
+    match device {
+        Device::Cuda(i) => apply_cuda(limit_bytes, i),
+        _ => apply_cpu(limit_bytes),
+    }
+}
+
+fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError> {
+    let total = ffi::memory_info(device).map_err(|e| LimitError::Cuda(e.to_string()))?.1;
+    let fraction = (limit_bytes as f64 / total as f64).min(1.0);
+    ffi::set_allocator_settings(&format!("per_process_memory_fraction:{fraction:.6}"))
+        .map_err(|e| LimitError::Cuda(e.to_string()))?;
+    Ok(LimitReport { limit_bytes, baseline_bytes: 0, fraction: Some(fraction) })
+}
+
+fn apply_cpu(limit_bytes: u64) -> Result<LimitReport, LimitError> {
+    // Start the intra-op thread pool first so its stacks count as baseline, not as training.
+    let _ = tch::Tensor::f_ones([1 << 20], (tch::Kind::Float, Device::Cpu)).and_then(|t| t.f_sum(tch::Kind::Float));
+    ffi::os::malloc_for_exact_accounting();
+    let baseline = ProcessMemory::read().ok_or(LimitError::NoProcStatus)?.vm_bytes;
+    ffi::os::limit_address_space(baseline.saturating_add(limit_bytes)).map_err(LimitError::Rlimit)?;
+    Ok(LimitReport { limit_bytes, baseline_bytes: baseline, fraction: None })
+}

@@ -1,0 +1,59 @@
+//! Memory as the runtime sees it: a snapshot of what the device's allocator holds (the CUDA
+//! caching allocator through the shim; on CPU, the process's own figures), returning cached
+//! blocks, and the memory cap (`memory.limit`).
+mod limit;
+mod process;
+
+pub use limit::{apply_limit, LimitError, LimitReport};
+pub use process::ProcessMemory;
+
+use crate::ffi;
+use serde::Serialize;
+use tch::Device;
+
+/// Allocated / reserved bytes at one moment. On CUDA: the caching allocator's allocated and
+/// reserved bytes. On CPU: resident set size and mapped address space of the process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct MemorySnapshot {
+    pub allocated_bytes: Option<u64>,
+    pub reserved_bytes: Option<u64>,
+}
+
+pub fn snapshot(device: Device) -> MemorySnapshot {
+    match device {
+        Device::Cuda(i) => match ffi::device_stats(i) {
+            Ok(s) => MemorySnapshot {
+                allocated_bytes: Some(s.allocated_current[0].max(0) as u64),
+                reserved_bytes: Some(s.reserved_current[0].max(0) as u64),
+            },
+            Err(_) => MemorySnapshot::default(),
+        },
+        _ => {
+            let p = ProcessMemory::read();
+            MemorySnapshot { allocated_bytes: p.map(|p| p.rss_bytes), reserved_bytes: p.map(|p| p.vm_bytes) }
+        }
+    }
+}
+
+/// Returns cached, unused blocks to the device (CUDA); a no-op on CPU, whose allocator caches
+/// nothing.
+pub fn empty_cache(device: Device) {
+    if device.is_cuda() {
+        if let Err(e) = ffi::empty_cache() {
+            tracing::warn!("could not empty the CUDA cache: {e}");
+        }
+    }
+}
+
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// `1.23 GiB` / `45.6 MiB`, for messages.
+pub fn human(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", gib(bytes))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}

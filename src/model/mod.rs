@@ -1,0 +1,7 @@
+//! Models trainguard trains. Owns parameter creation (named, GPT-2 initialisation), the
+//! fallible forward pass and the loss; it does not own gradients or optimizer state.
+mod gpt;
+mod params;
+
+pub use gpt::Gpt;
+pub use params::Params;

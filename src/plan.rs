@@ -1,0 +1,146 @@
+//! A validated config plus the environment → the [`RunPlan`] a run executes: the device, the
+//! world (ranks), the per-rank batch, micro-batch and accumulation, the memory cap in bytes.
+//! Pure: the environment comes in as [`Environment`], so every rule is unit-tested.
+use crate::batch;
+use crate::config::{parse_size, Config, Problem};
+use tch::Device;
+
+/// What the plan needs to know about the machine and the launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Environment {
+    pub cuda_devices: usize,
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl Environment {
+    /// The current process, single-process (multi-process launch comes from torchrun later).
+    pub fn detect() -> Self {
+        Self { cuda_devices: tch::Cuda::device_count().max(0) as usize, rank: 0, world_size: 1 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RunPlan {
+    pub config: Config,
+    pub device: Device,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Sequences this rank processes per optimizer step (global / world).
+    pub rank_batch: usize,
+    /// Configured micro-batch (the OOM guard may lower it during the run).
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    pub tokens_per_step: usize,
+    pub memory_limit: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{} problem(s) with the run plan:\n{}", .0.len(), Problem::list(.0))]
+pub struct PlanError(pub Vec<Problem>);
+
+impl RunPlan {
+    pub fn build(config: Config, env: Environment) -> Result<Self, PlanError> {
+        let mut problems = Vec::new();
+        let device = resolve_device(&config.device, env.cuda_devices).unwrap_or_else(|msg| {
+            problems.push(Problem::new("device", msg));
+            Device::Cpu
+        });
+        let t = &config.train;
+        let accumulation = batch::accumulation(t.global_batch_size, t.micro_batch_size, env.world_size)
+            .unwrap_or_else(|msg| {
+                problems.push(Problem::new("train.global_batch_size", msg));
+                0
+            });
+        let memory_limit = config.memory.limit.as_deref().map(parse_size).transpose().unwrap_or_else(|msg| {
+            problems.push(Problem::new("memory.limit", msg));
+            None
+        });
+        if !problems.is_empty() {
+            return Err(PlanError(problems));
+        }
+        let rank_batch = t.global_batch_size / env.world_size;
+        Ok(Self {
+            device,
+            rank: env.rank,
+            world_size: env.world_size,
+            rank_batch,
+            micro_batch: t.micro_batch_size,
+            accumulation,
+            tokens_per_step: t.global_batch_size * config.model.seq_len,
+            memory_limit,
+            config,
+        })
+    }
+
+    pub fn is_writer(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// `auto` picks CUDA device 0 when there is one, else the CPU.
+pub fn resolve_device(spec: &str, cuda_devices: usize) -> Result<Device, String> {
+    match spec {
+        "auto" => Ok(if cuda_devices > 0 { Device::Cuda(0) } else { Device::Cpu }),
+        "cpu" => Ok(Device::Cpu),
+        _ => {
+            let index = match spec.strip_prefix("cuda") {
+                Some("") => 0,
+                Some(rest) => rest
+                    .strip_prefix(':')
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .ok_or_else(|| format!("must be auto, cpu, cuda or cuda:N, got `{spec}`"))?,
+                None => return Err(format!("must be auto, cpu, cuda or cuda:N, got `{spec}`")),
+            };
+            if index >= cuda_devices {
+                Err(format!(
+                    "`{spec}` asked for, but this machine has {cuda_devices} CUDA device(s) visible to libtorch \
+                     (see `trainguard env` and LIBTORCH.md)"
+                ))
+            } else {
+                Ok(Device::Cuda(index))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, world_size: 1 };
+
+    #[test]
+    fn derives_accumulation_and_tokens() {
+        let plan = RunPlan::build(Config::default(), CPU_ONLY).unwrap();
+        assert_eq!((plan.rank_batch, plan.micro_batch, plan.accumulation), (32, 8, 4));
+        assert_eq!(plan.tokens_per_step, 32 * 64);
+        let two = Environment { world_size: 2, ..CPU_ONLY };
+        let plan = RunPlan::build(Config::default(), two).unwrap();
+        assert_eq!((plan.rank_batch, plan.accumulation), (16, 2));
+    }
+
+    #[test]
+    fn rejects_non_divisible_batches_with_the_key() {
+        let mut c = Config::default();
+        c.train.global_batch_size = 30;
+        let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
+        assert_eq!(err.0[0].key, "train.global_batch_size");
+    }
+
+    #[test]
+    fn devices_resolve_against_what_exists() {
+        assert_eq!(resolve_device("auto", 0), Ok(Device::Cpu));
+        assert_eq!(resolve_device("auto", 2), Ok(Device::Cuda(0)));
+        assert_eq!(resolve_device("cuda:1", 2), Ok(Device::Cuda(1)));
+        assert!(resolve_device("cuda", 0).unwrap_err().contains("0 CUDA device"));
+        assert!(resolve_device("cuda:2", 2).is_err());
+    }
+
+    #[test]
+    fn memory_limit_is_parsed_to_bytes() {
+        let mut c = Config::default();
+        c.memory.limit = Some("1GiB".into());
+        assert_eq!(RunPlan::build(c, CPU_ONLY).unwrap().memory_limit, Some(1 << 30));
+    }
+}

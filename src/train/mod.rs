@@ -1,0 +1,8 @@
+//! The training loop and one optimizer step. Owns the order of work within a step (micro-steps,
+//! clipping, update) and across steps (schedule, evaluation, reporting); reports through
+//! [`events`](crate::events) only.
+mod step;
+mod trainer;
+
+pub use step::{evaluate, forward_backward, StepData};
+pub use trainer::{train, TrainError};
