@@ -144,9 +144,10 @@ impl Reporter {
                 };
                 let asked = r.requested_bytes.map(|b| format!(" (asked for {})", human(b))).unwrap_or_default();
                 let what = if r.regrow_backoff { "regrow failed, backing off" } else { "out of memory" };
+                let recovered = if r.recover_ms.is_finite() { format!("recovered in {:.0} ms", r.recover_ms) } else { "did not recover".into() };
                 tracing::warn!(
-                    "step {}: {what}{asked}; micro-batch {} → {}, accumulation {} → {}; memory before {}, after {}; replaying the same samples ({:.0} ms to recover)",
-                    r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after), r.recover_ms
+                    "step {}: {what}{asked}; micro-batch {} → {}, accumulation {} → {}; memory before {}, after {}; replaying the same samples ({recovered})",
+                    r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after)
                 );
             }
             Event::RunFinished(s) => {

@@ -2,6 +2,7 @@
 use crate::config::ConfigError;
 use crate::guard::GuardError;
 use crate::plan::PlanError;
+use crate::train::TrainError;
 
 pub const SUCCESS: i32 = 0;
 /// Anything not listed below (I/O, data files, libtorch errors that are not out-of-memory).
@@ -16,9 +17,20 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
         if cause.is::<ConfigError>() || cause.is::<PlanError>() {
             return CONFIG;
         }
-        if let Some(GuardError::OutOfMemory(_)) = cause.downcast_ref::<GuardError>() {
+        if oom_in(cause).is_some() {
             return OUT_OF_MEMORY;
         }
     }
     FAILURE
+}
+
+/// The unrecoverable out-of-memory behind an error, wherever it sits in the chain.
+pub fn oom_in<'a>(cause: &'a (dyn std::error::Error + 'static)) -> Option<&'a crate::guard::OomFailure> {
+    if let Some(t) = cause.downcast_ref::<TrainError>() {
+        return t.oom();
+    }
+    match cause.downcast_ref::<GuardError>() {
+        Some(GuardError::OutOfMemory(f)) => Some(f),
+        _ => None,
+    }
 }

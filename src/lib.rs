@@ -2,6 +2,7 @@
 //!
 //! Data flows one way: YAML + `--set` → [`config`] → [`plan`] → [`train`] → [`events`] → sinks.
 pub mod batch;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;

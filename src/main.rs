@@ -2,7 +2,7 @@
 use anyhow::Context;
 use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand};
-use trainguard::{config, exit, guard::GuardError, plan, train};
+use trainguard::{config, exit, plan, train};
 
 fn main() {
     init_logging();
@@ -48,7 +48,7 @@ fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
 
 /// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change.
 fn report(err: &anyhow::Error) {
-    if let Some(GuardError::OutOfMemory(f)) = err.chain().find_map(|c| c.downcast_ref::<GuardError>()) {
+    if let Some(f) = err.chain().find_map(exit::oom_in) {
         eprintln!("error: {}", f.advice());
         return;
     }

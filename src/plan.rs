@@ -2,7 +2,7 @@
 //! world (ranks), the per-rank batch, micro-batch and accumulation, the memory cap in bytes.
 //! Pure: the environment comes in as [`Environment`], so every rule is unit-tested.
 use crate::batch;
-use crate::config::{parse_size, Config, Problem};
+use crate::config::{Config, Problem};
 use tch::Device;
 
 /// What the plan needs to know about the machine and the launch.
@@ -52,7 +52,7 @@ impl RunPlan {
                 problems.push(Problem::new("train.global_batch_size", msg));
                 0
             });
-        let memory_limit = config.memory.limit.as_deref().map(parse_size).transpose().unwrap_or_else(|msg| {
+        let memory_limit = config.memory.limit.as_ref().map(|s| s.bytes()).transpose().unwrap_or_else(|msg| {
             problems.push(Problem::new("memory.limit", msg));
             None
         });
@@ -140,7 +140,7 @@ mod tests {
     #[test]
     fn memory_limit_is_parsed_to_bytes() {
         let mut c = Config::default();
-        c.memory.limit = Some("1GiB".into());
+        c.memory.limit = Some(crate::config::Size::Text("1GiB".into()));
         assert_eq!(RunPlan::build(c, CPU_ONLY).unwrap().memory_limit, Some(1 << 30));
     }
 }

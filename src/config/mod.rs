@@ -162,5 +162,22 @@ pub enum OomPolicy {
 pub struct MemoryConfig {
     /// Make the real allocator fail at this size (`16GiB`, `512MiB`, bytes): a CUDA memory
     /// fraction on GPUs, an address-space limit on CPU. See README "Memory cap".
-    pub limit: Option<String>,
+    pub limit: Option<Size>,
+}
+
+/// A size as written in YAML: `16GiB`, `512MiB`, `1.5GB`, or a plain number of bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Size {
+    pub fn bytes(&self) -> Result<u64, String> {
+        match self {
+            Size::Bytes(b) => Ok(*b),
+            Size::Text(t) => parse_size(t),
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! Per-key rules for a [`Config`]: every broken rule becomes a [`Problem`] naming its key path,
 //! and all of them are reported together. Rules that need the environment (world size, device
 //! presence) live in `plan`.
-use super::{parse_size, Config};
+use super::Config;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -108,7 +108,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must not exceed train.micro_batch_size ({}), got {}", t.micro_batch_size, o.min_micro_batch),
     );
     if let Some(limit) = &c.memory.limit {
-        if let Err(e) = parse_size(limit) {
+        if let Err(e) = limit.bytes() {
             check(false, "memory.limit", e);
         }
     }
@@ -204,7 +204,7 @@ mod tests {
             (|c| c.device = "tpu".into(), "device"),
             (|c| c.device = "cuda:x".into(), "device"),
             (|c| c.oom.min_micro_batch = 16, "oom.min_micro_batch"),
-            (|c| c.memory.limit = Some("lots".into()), "memory.limit"),
+            (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
         ];
         for (mutate, key) in cases {
             let mut c = Config::default();

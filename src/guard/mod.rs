@@ -118,19 +118,20 @@ impl Guard {
         reporter: &mut Reporter,
         mut attempt: impl FnMut(usize, &mut Progress) -> Result<T, TchError>,
     ) -> Result<T, GuardError> {
-        let mut pending: Option<(OomRecovery, Instant)> = None;
+        // Recoveries waiting for the first micro-step that succeeds after them.
+        let mut pending: Vec<(OomRecovery, Instant)> = Vec::new();
         loop {
             let micro = self.state.current();
             let mut progress = Progress::default();
+            let started = Instant::now();
             // Everything the attempt allocated (activations, losses, partial gradients) is owned
             // inside it and dropped when it returns: the error below holds only a message.
             let outcome = attempt(micro, &mut progress);
-            if let Some((mut rec, failed_at)) = pending.take() {
-                if outcome.is_ok() || progress.first_micro_done.is_some() {
-                    let done = progress.first_micro_done.unwrap_or_else(Instant::now);
+            if let Some(done) = progress.first_micro_done.or_else(|| outcome.is_ok().then(Instant::now)) {
+                for (mut rec, failed_at) in pending.drain(..) {
                     rec.recover_ms = done.duration_since(failed_at).as_secs_f64() * 1e3;
+                    reporter.emit(Event::OomRecovered(rec));
                 }
-                reporter.emit(Event::OomRecovered(rec));
             }
             let err = match outcome {
                 Ok(v) => {
@@ -152,35 +153,37 @@ impl Guard {
                 OomPolicy::Adapt => self.state.on_oom(step),
                 OomPolicy::Fail => Decision::GiveUp,
             };
-            match decision {
-                Decision::GiveUp => {
-                    return Err(GuardError::OutOfMemory(Box::new(OomFailure {
-                        step: Some(step),
-                        micro_batch: micro,
-                        requested_bytes,
-                        memory: after,
-                        message,
-                    })))
+            // The failed attempt's work is lost, and so is the time spent recovering.
+            self.totals.time_lost += started.elapsed();
+            let Decision::Retry { micro_batch: new, backoff } = decision else {
+                for (rec, _) in pending.drain(..) {
+                    reporter.emit(Event::OomRecovered(rec)); // never recovered: recover_ms null
                 }
-                Decision::Retry { micro_batch: new, backoff } => {
-                    self.totals.recoveries += 1;
-                    let rec = OomRecovery {
-                        step,
-                        old_micro_batch: micro,
-                        new_micro_batch: new,
-                        old_accumulation: crate::batch::micro_steps(self.rank_batch, micro),
-                        new_accumulation: crate::batch::micro_steps(self.rank_batch, new),
-                        regrow_backoff: backoff,
-                        requested_bytes,
-                        before,
-                        after,
-                        recover_ms: f64::NAN,
-                        error: first_line(&message).to_string(),
-                    };
-                    pending = Some((rec, failed_at));
-                }
-            }
-            self.totals.time_lost += failed_at.elapsed();
+                return Err(GuardError::OutOfMemory(Box::new(OomFailure {
+                    step: Some(step),
+                    micro_batch: micro,
+                    requested_bytes,
+                    memory: after,
+                    message,
+                })));
+            };
+            self.totals.recoveries += 1;
+            pending.push((
+                OomRecovery {
+                    step,
+                    old_micro_batch: micro,
+                    new_micro_batch: new,
+                    old_accumulation: crate::batch::micro_steps(self.rank_batch, micro),
+                    new_accumulation: crate::batch::micro_steps(self.rank_batch, new),
+                    regrow_backoff: backoff,
+                    requested_bytes,
+                    before,
+                    after,
+                    recover_ms: f64::NAN,
+                    error: first_line(&message).to_string(),
+                },
+                failed_at,
+            ));
         }
     }
 }

@@ -20,8 +20,20 @@ pub enum TrainError {
     Guard(#[from] GuardError),
     #[error(transparent)]
     Limit(#[from] LimitError),
+    #[error(transparent)]
+    Save(#[from] crate::checkpoint::SaveError),
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
+}
+
+impl TrainError {
+    /// The out-of-memory the run could not recover from, if that is what ended it.
+    pub fn oom(&self) -> Option<&OomFailure> {
+        match self {
+            TrainError::Guard(GuardError::OutOfMemory(f)) => Some(f),
+            _ => None,
+        }
+    }
 }
 
 /// An error while setting up (outside any step): out-of-memory is still reported as such.
@@ -136,6 +148,9 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
     }
 
     let elapsed = started.elapsed().as_secs_f64();
+    if let Some(dir) = run_dir {
+        crate::checkpoint::save_weights(dir, &model.params)?;
+    }
     let summary = RunSummary {
         steps: t.max_steps,
         final_loss: last_loss,

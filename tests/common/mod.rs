@@ -1,0 +1,90 @@
+//! Helpers for tests that run the real `trainguard` binary in a fresh directory.
+#![allow(dead_code)]
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub struct Run {
+    pub output: Output,
+    pub dir: PathBuf,
+}
+
+impl Run {
+    pub fn code(&self) -> i32 {
+        self.output.status.code().unwrap_or(-1)
+    }
+    pub fn stderr(&self) -> String {
+        String::from_utf8_lossy(&self.output.stderr).into_owned()
+    }
+    pub fn stdout(&self) -> String {
+        String::from_utf8_lossy(&self.output.stdout).into_owned()
+    }
+    pub fn metrics(&self) -> Vec<Value> {
+        read_jsonl(&self.dir.join("metrics.jsonl"))
+    }
+    pub fn events(&self) -> Vec<Value> {
+        read_jsonl(&self.dir.join("events.jsonl"))
+    }
+    pub fn events_of(&self, kind: &str) -> Vec<Value> {
+        self.events().into_iter().filter(|e| e["event"] == kind).collect()
+    }
+    pub fn summary(&self) -> Value {
+        self.events_of("run_finished").pop().unwrap_or_else(|| panic!("no run_finished event; stderr:\n{}", self.stderr()))
+    }
+    /// Asserts success and returns self.
+    pub fn ok(self) -> Self {
+        assert_eq!(self.code(), 0, "trainguard failed:\n{}", self.stderr());
+        self
+    }
+}
+
+pub fn read_jsonl(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}"))).collect()
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_trainguard")
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `trainguard train --config <config> --set out_dir=<dir> --set train.threads=1 <sets…>`.
+pub fn train(dir: &Path, config: &str, sets: &[&str]) -> Run {
+    let mut cmd = Command::new(bin());
+    cmd.arg("train").arg("--config").arg(repo().join(config));
+    cmd.arg("--set").arg(format!("out_dir={}", dir.display()));
+    cmd.arg("--set").arg("train.threads=1");
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    let output = cmd.output().expect("run trainguard");
+    Run { output, dir: dir.to_path_buf() }
+}
+
+/// Loads `model.safetensors` of a run directory as (name, tensor) pairs.
+pub fn weights(dir: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut w = tch::Tensor::read_safetensors(dir.join("model.safetensors")).expect("read weights");
+    w.sort_by(|a, b| a.0.cmp(&b.0));
+    w
+}
+
+/// Largest absolute difference between two runs' final weights.
+pub fn max_weight_diff(a: &Path, b: &Path) -> f64 {
+    let (wa, wb) = (weights(a), weights(b));
+    assert_eq!(wa.len(), wb.len());
+    wa.iter()
+        .zip(&wb)
+        .map(|((na, ta), (nb, tb))| {
+            assert_eq!(na, nb);
+            (ta - tb).abs().max().double_value(&[])
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The per-step series of one metrics field.
+pub fn series(metrics: &[Value], key: &str) -> Vec<Value> {
+    metrics.iter().map(|m| m[key].clone()).collect()
+}

@@ -1,0 +1,124 @@
+//! The OOM guard against real allocator failures: a CPU address-space cap (`memory.limit`)
+//! makes libtorch's own CPU allocator fail. The cap is calibrated in the test from the peaks
+//! this machine measures at micro-batch 16 and 32, so it fits 16 and not 32 here and on CI.
+mod common;
+use common::*;
+use std::path::Path;
+
+const BASE: [&str; 4] = ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+
+fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    BASE.iter().copied().chain(extra.iter().copied()).collect()
+}
+
+/// Peak address space above start-up of a short run at `micro` (same allocator settings as
+/// under a cap: a cap far above need).
+fn peak_at(micro: usize) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let m = format!("train.micro_batch_size={micro}");
+    let run = train(dir.path(), "configs/debug.yaml", &sets(&[&m, "train.max_steps=2", "memory.limit=1TiB"])).ok();
+    run.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
+}
+
+/// A cap between the peaks of micro-batch 16 and 32.
+fn cap_fitting_16() -> String {
+    let (p16, p32) = (peak_at(16), peak_at(32));
+    assert!(p32 > p16 + (4 << 20), "micro-batch 32 should need clearly more than 16: {p16} vs {p32}");
+    format!("memory.limit={}", (p16 + p32) / 2)
+}
+
+fn micro_changes(events: &[serde_json::Value]) -> Vec<(u64, u64, u64, u64, u64)> {
+    events
+        .iter()
+        .filter(|e| e["event"] == "oom_recovered")
+        .map(|e| {
+            let f = |k: &str| e[k].as_u64().unwrap();
+            (f("step"), f("old_micro_batch"), f("new_micro_batch"), f("old_accumulation"), f("new_accumulation"))
+        })
+        .collect()
+}
+
+#[test]
+fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
+    let cap = cap_fitting_16();
+    let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let steps = "train.max_steps=8";
+    let a = train(capped.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", steps, &cap])).ok();
+    assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "events: {:?}", a.events());
+    for rec in a.events_of("oom_recovered") {
+        assert!(rec["requested_bytes"].as_u64().unwrap() > 0, "asked-for size parsed: {rec}");
+        assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+    }
+    assert!(a.events_of("oom_recovered")[1]["recover_ms"].as_f64().is_some(), "recovery timed");
+    let stderr = a.stderr();
+    assert!(stderr.contains("micro-batch 64 → 32") && stderr.contains("micro-batch 32 → 16"), "{stderr}");
+    let summary = a.summary();
+    assert_eq!((summary["oom_recoveries"].as_u64(), summary["final_micro_batch"].as_u64()), (Some(2), Some(16)));
+
+    let b = train(plain.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=16", steps])).ok();
+    let (ma, mb) = (a.metrics(), b.metrics());
+    assert_eq!(ma.len(), 8, "no step lost");
+    for key in ["step", "loss", "grad_norm", "lr", "micro_batch", "accumulation", "tokens"] {
+        assert_eq!(series(&ma, key), series(&mb, key), "{key} differs step for step");
+    }
+    // Global batch unchanged: micro × accumulation stays 64 on every step.
+    assert!(ma.iter().all(|m| m["micro_batch"].as_u64().unwrap() * m["accumulation"].as_u64().unwrap() == 64));
+    let diff = max_weight_diff(capped.path(), plain.path());
+    assert!(diff <= 1e-5, "final weights differ by {diff}");
+}
+
+#[test]
+fn regrow_tries_the_configured_size_again_backs_off_and_does_not_oscillate() {
+    let cap = cap_fitting_16();
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=32", "train.max_steps=40", "oom.regrow_after_steps=3", &cap])).ok();
+    let attempts: Vec<u64> = run.events_of("regrow_attempt").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert!(!attempts.is_empty(), "regrow never tried: {:?}", run.events());
+    assert!(run.events_of("regrow_attempt").iter().all(|e| e["to_micro_batch"] == 32), "never above configured");
+    let backoffs = run.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
+    assert_eq!(backoffs, attempts.len(), "each failed trial backs off");
+    let gaps: Vec<u64> = attempts.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(gaps.windows(2).all(|g| g[1] > g[0]), "waits between trials grow: {attempts:?}");
+    assert!(attempts.len() <= 3, "no oscillation in 40 steps: {attempts:?}");
+    let metrics = run.metrics();
+    assert_eq!(metrics.len(), 40);
+    assert!(metrics.iter().all(|m| m["micro_batch"] == 16), "every completed step ran at 16");
+}
+
+/// A model whose weights fit a 12 MiB cap but whose micro-batch 1 (8 MiB of logits alone)
+/// does not.
+#[test]
+fn a_cap_too_small_for_micro_batch_1_exits_3_with_advice_and_keeps_the_run_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "train.warmup_steps=0",
+            "train.max_steps=3",
+            "model.seq_len=512",
+            "model.vocab_size=4096",
+            "model.n_embd=32",
+            "model.n_layer=1",
+            "memory.limit=12MiB",
+        ],
+    );
+    let err = run.stderr();
+    assert_eq!(run.code(), 3, "{err}");
+    assert!(err.contains("out of memory at step 0 at micro-batch 1"), "{err}");
+    assert!(err.contains("what to change") && err.contains("model.seq_len"), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
+    assert_eq!(micro_changes(&run.events()), [(0, 4, 2, 1, 2), (0, 2, 1, 2, 4)]);
+    assert!(Path::new(&dir.path().join("config.yaml")).is_file(), "run directory intact");
+    assert!(dir.path().join("metrics.jsonl").is_file());
+}
+
+#[test]
+fn policy_fail_exits_3_at_the_first_oom() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=2", "oom.policy=fail", "memory.limit=20MiB"]));
+    assert_eq!(run.code(), 3, "{}", run.stderr());
+    assert!(run.events_of("oom_recovered").is_empty());
+}

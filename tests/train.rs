@@ -1,0 +1,99 @@
+//! The foundation, on the real binary: training learns, is deterministic, and bad configs are
+//! refused with exit 2 and the key's path.
+mod common;
+use common::*;
+use std::process::Command;
+
+#[test]
+fn debug_config_learns_below_the_unigram_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(dir.path(), "configs/debug.yaml", &[]).ok();
+    let started = &run.events_of("run_started")[0];
+    let unigram = started["unigram_entropy"].as_f64().unwrap();
+    let val = run.summary()["final_val_loss"].as_f64().unwrap();
+    // The synthetic chain's floor is 1.21 nats; a uniform guess is ln 256 = 5.55.
+    assert!(unigram > 4.0, "unigram entropy {unigram}");
+    assert!(val < unigram - 2.5, "val loss {val} not clearly below unigram entropy {unigram}");
+    let metrics = run.metrics();
+    assert_eq!(metrics.len(), 200);
+    let first = metrics[0]["loss"].as_f64().unwrap();
+    assert!(first > val + 2.0, "loss went from {first} to {val}");
+    for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "micro_batch", "accumulation", "elapsed_s"] {
+        assert!(!metrics[5][key].is_null(), "metrics line lacks {key}: {}", metrics[5]);
+    }
+    assert_eq!(metrics[5]["accumulation"], 4);
+    assert!(dir.path().join("config.yaml").is_file());
+    assert!(dir.path().join("model.safetensors").is_file());
+}
+
+#[test]
+fn same_seed_gives_identical_metrics_and_weights() {
+    let (a, b, c) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = ["train.max_steps=25", "train.eval_interval=10", "model.dropout=0.1"];
+    let ra = train(a.path(), "configs/debug.yaml", &sets).ok();
+    let rb = train(b.path(), "configs/debug.yaml", &sets).ok();
+    for key in ["loss", "lr", "grad_norm", "val_loss"] {
+        assert_eq!(series(&ra.metrics(), key), series(&rb.metrics(), key), "{key} differs");
+    }
+    assert_eq!(max_weight_diff(a.path(), b.path()), 0.0);
+    let rc = train(c.path(), "configs/debug.yaml", &[&sets[..], &["seed=7"]].concat()).ok();
+    assert_ne!(series(&ra.metrics(), "loss"), series(&rc.metrics(), "loss"), "another seed must differ");
+}
+
+#[test]
+fn every_shipped_config_parses_and_validates() {
+    let mut seen = 0;
+    for entry in std::fs::read_dir(repo().join("configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let out = Command::new(bin()).args(["config", "show", "--config"]).arg(&path).output().unwrap();
+            assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 2);
+}
+
+fn expect_config_error(yaml: &str, sets: &[&str], needles: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.yaml");
+    std::fs::write(&cfg, yaml).unwrap();
+    let mut cmd = Command::new(bin());
+    cmd.args(["train", "--config"]).arg(&cfg);
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "yaml {yaml:?} sets {sets:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "message lacks {n:?}: {err}");
+    }
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
+}
+
+#[test]
+fn bad_configs_exit_2_naming_the_key() {
+    expect_config_error("model:\n  n_layers: 3\n", &[], &["n_layers"]);
+    expect_config_error("train:\n  max_steps: lots\n", &[], &["train.max_steps"]);
+    expect_config_error("model:\n  n_embd: 65\n  n_head: 2\n", &[], &["model.n_embd", "divisible"]);
+    expect_config_error("train:\n  global_batch_size: 30\n  micro_batch_size: 8\n", &[], &["train.global_batch_size", "not divisible"]);
+    expect_config_error("train: [unclosed\n", &[], &["not valid YAML"]);
+    expect_config_error("", &["train.lr"], &["--set", "key.path=value"]);
+    expect_config_error("", &["device=tpu"], &["device"]);
+    // Every problem at once.
+    expect_config_error("model:\n  n_layer: 0\ntrain:\n  log_interval: 0\n", &[], &["model.n_layer", "train.log_interval", "2 problem"]);
+    let out = Command::new(bin()).args(["train", "--config", "/no/such/file.yaml"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.yaml"));
+}
+
+#[test]
+fn version_and_config_show() {
+    let out = Command::new(bin()).arg("--version").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains(env!("CARGO_PKG_VERSION")));
+    let out = Command::new(bin()).args(["config", "show", "--set", "train.lr=1e-3"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("lr: 0.001"), "{text}");
+    assert!(text.contains("micro_batch_size: 8"), "defaults are filled in: {text}");
+}
