@@ -18,6 +18,8 @@ need_pkgs=()
 command -v g++ >/dev/null 2>&1 || need_pkgs+=(g++)
 command -v make >/dev/null 2>&1 || need_pkgs+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+# Debian's python3 needs python3-venv for `python3 -m venv` (pyenv/conda Pythons have it built in).
+${PYTHON:-python3} -c 'import ensurepip, venv' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_pkgs[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -37,12 +39,12 @@ have=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/nul
 if [ "${have%%+*}" != "$TORCH_VERSION" ]; then
   say "installing torch==$TORCH_VERSION into $VENV (about 4.6 GB with its CUDA wheels; a few minutes)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" safetensors numpy
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" safetensors numpy pyyaml
 else
   say "torch $have present in $VENV"
 fi
-"$VENV/bin/python" -c 'import safetensors, numpy' 2>/dev/null \
-  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy
+"$VENV/bin/python" -c 'import safetensors, numpy, yaml' 2>/dev/null \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy pyyaml
 
 # --- sanity check -------------------------------------------------------------------------------
 TORCH_DIR=$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')

@@ -155,6 +155,9 @@ pub enum OomPolicy {
     Adapt,
     /// Treat out-of-memory as fatal (exit code 3) without retrying.
     Fail,
+    /// No guard at all: each step runs once, unwrapped; an out-of-memory ends the run (exit 3).
+    /// For measuring the guard's own cost.
+    Off,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]

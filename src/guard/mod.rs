@@ -88,6 +88,22 @@ pub struct Guard {
     pub totals: GuardTotals,
 }
 
+/// An error met with no retry (outside any step, or with the guard off): an out-of-memory is
+/// still reported as one.
+pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device: Device) -> GuardError {
+    let message = err.to_string();
+    match classify(&message) {
+        ErrorKind::OutOfMemory { requested_bytes } => GuardError::OutOfMemory(Box::new(OomFailure {
+            step,
+            micro_batch,
+            requested_bytes,
+            memory: memory::snapshot(device),
+            message,
+        })),
+        ErrorKind::Other => GuardError::Torch(err),
+    }
+}
+
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
         Self { state, policy, device, rank_batch, totals: GuardTotals::default() }
@@ -118,6 +134,10 @@ impl Guard {
         reporter: &mut Reporter,
         mut attempt: impl FnMut(usize, &mut Progress) -> Result<T, TchError>,
     ) -> Result<T, GuardError> {
+        if self.policy == OomPolicy::Off {
+            let micro = self.state.current();
+            return attempt(micro, &mut Progress::default()).map_err(|e| unrecovered(e, Some(step), micro, self.device));
+        }
         // Recoveries waiting for the first micro-step that succeeds after them.
         let mut pending: Vec<(OomRecovery, Instant)> = Vec::new();
         loop {
@@ -151,7 +171,7 @@ impl Guard {
             let after = memory::snapshot(self.device);
             let decision = match self.policy {
                 OomPolicy::Adapt => self.state.on_oom(step),
-                OomPolicy::Fail => Decision::GiveUp,
+                OomPolicy::Fail | OomPolicy::Off => Decision::GiveUp,
             };
             // The failed attempt's work is lost, and so is the time spent recovering.
             self.totals.time_lost += started.elapsed();

@@ -3,14 +3,13 @@
 use super::step::{evaluate, forward_backward, StepData};
 use crate::data::{mix, Corpus, DataError, Split};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics};
-use crate::guard::{classify, ErrorKind, Guard, GuardError, GuardState, OomFailure};
-use crate::memory::{self, apply_limit, LimitError, ProcessMemory};
+use crate::guard::{unrecovered, Guard, GuardError, GuardState, OomFailure};
+use crate::memory::{apply_limit, LimitError, ProcessMemory};
 use crate::model::Gpt;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::plan::RunPlan;
 use std::path::PathBuf;
 use std::time::Instant;
-use tch::TchError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -33,21 +32,6 @@ impl TrainError {
             TrainError::Guard(GuardError::OutOfMemory(f)) => Some(f),
             _ => None,
         }
-    }
-}
-
-/// An error while setting up (outside any step): out-of-memory is still reported as such.
-fn setup_error(e: TchError, micro_batch: usize, device: tch::Device) -> TrainError {
-    let message = e.to_string();
-    match classify(&message) {
-        ErrorKind::OutOfMemory { requested_bytes } => TrainError::Guard(GuardError::OutOfMemory(Box::new(OomFailure {
-            step: None,
-            micro_batch,
-            requested_bytes,
-            memory: memory::snapshot(device),
-            message,
-        }))),
-        ErrorKind::Other => TrainError::Guard(GuardError::Torch(e)),
     }
 }
 
@@ -77,10 +61,10 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
         None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
     };
 
-    let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| setup_error(e, plan.micro_batch, device))?;
+    let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
     let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay };
-    let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| setup_error(e, plan.micro_batch, device))?;
+    let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let schedule = LrSchedule::from_config(t);
     let state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
     let mut guard = Guard::new(state, cfg.oom.policy, device, plan.rank_batch);

@@ -1,0 +1,113 @@
+"""The same GPT, batch split and AdamW as trainguard, in plain PyTorch eager mode.
+
+Used by scripts/bench_vs_pytorch.sh to measure trainguard's throughput against PyTorch on
+the same machine. Reads the same YAML config (model and train keys) and prints one JSON line
+with tokens/s measured over the steps after warm-up.
+"""
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+
+class Block(nn.Module):
+    def __init__(self, c, h, bias, dropout):
+        super().__init__()
+        self.h, self.dropout = h, dropout
+        self.ln_1 = nn.LayerNorm(c, bias=bias)
+        self.c_attn = nn.Linear(c, 3 * c, bias=bias)
+        self.c_proj = nn.Linear(c, c, bias=bias)
+        self.ln_2 = nn.LayerNorm(c, bias=bias)
+        self.c_fc = nn.Linear(c, 4 * c, bias=bias)
+        self.mlp_proj = nn.Linear(4 * c, c, bias=bias)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.h, c // self.h).transpose(1, 2) for z in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        x = x + F.dropout(self.c_proj(y), p, self.training)
+        x = x + F.dropout(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))), p, self.training)
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        c = m["n_embd"]
+        self.wte = nn.Embedding(m["vocab_size"], c)
+        self.wpe = nn.Embedding(m["seq_len"], c)
+        self.blocks = nn.ModuleList(Block(c, m["n_head"], m["bias"], m["dropout"]) for _ in range(m["n_layer"]))
+        self.ln_f = nn.LayerNorm(c, bias=m["bias"])
+        self.dropout = m["dropout"]
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * m["n_layer"]) if name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = F.dropout(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)), self.dropout, self.training)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    cfg = yaml.safe_load(open(args.config))
+    m = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 64, "dropout": 0.0, "bias": True, **(cfg.get("model") or {})}
+    t = {"global_batch_size": 32, "micro_batch_size": 8, "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, **(cfg.get("train") or {})}
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(1337)
+    dev = torch.device(args.device)
+    model = GPT(m).to(dev)
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
+    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
+                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8)
+    corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64)
+    g, micro, s = t["global_batch_size"], t["micro_batch_size"], m["seq_len"]
+    accum = g // micro
+    times = []
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        for _ in range(accum):
+            ix = torch.randint(0, corpus.numel() - s - 1, (micro,))
+            x = torch.stack([corpus[i:i + s] for i in ix]).to(dev)
+            y = torch.stack([corpus[i + 1:i + 1 + s] for i in ix]).to(dev)
+            loss = model(x, y) * (micro / g)
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # the same one host sync per step as trainguard's
+        float(norm)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    mean = sum(times) / len(times)
+    print(json.dumps({"impl": "pytorch", "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
+                      "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(), "last_loss": loss_value}))
+
+
+if __name__ == "__main__":
+    main()
