@@ -70,6 +70,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
     args = ap.parse_args()
     cfg = yaml.safe_load(open(args.config))
     m = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 64, "dropout": 0.0, "bias": True, **(cfg.get("model") or {})}
@@ -82,7 +83,7 @@ def main():
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
     other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
-                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8)
+                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8, fused=args.fused or None)
     corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64)
     g, micro, s = t["global_batch_size"], t["micro_batch_size"], m["seq_len"]
     accum = g // micro
@@ -105,7 +106,7 @@ def main():
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     mean = sum(times) / len(times)
-    print(json.dumps({"impl": "pytorch", "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
+    print(json.dumps({"impl": "pytorch-fused-adamw" if args.fused else "pytorch", "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
                       "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(), "last_loss": loss_value}))
 
 

@@ -98,6 +98,8 @@ pub struct TrainConfig {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
+    /// AdamW through ATen's fused kernel (one pass per tensor); false: the unfused reference path.
+    pub fused_adamw: bool,
     /// Clip the global gradient norm to this; 0 turns clipping off.
     pub grad_clip: f64,
     /// Evaluate every N steps (and after the last); 0 turns evaluation off.
@@ -122,6 +124,7 @@ impl Default for TrainConfig {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
+            fused_adamw: true,
             grad_clip: 1.0,
             eval_interval: 50,
             eval_batches: 4,

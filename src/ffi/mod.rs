@@ -3,7 +3,8 @@
 //! typed result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
 pub mod os;
 
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use tch::Tensor;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShimError {
@@ -38,6 +39,22 @@ extern "C" {
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_get_allocator_settings(out: *mut c_char, out_len: usize) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn tg_fused_adamw(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void,
+        steps: *const *const c_void,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 const ERR_LEN: usize = 4096;
@@ -102,6 +119,32 @@ pub fn allocator_settings() -> String {
     // SAFETY: `out` is ERR_LEN bytes; the shim NUL-terminates.
     unsafe { tg_get_allocator_settings(out.as_mut_ptr().cast(), ERR_LEN) };
     CStr::from_bytes_until_nul(&out).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// Hyper-parameters of one fused AdamW call.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
+/// scalar tensors already incremented for this update.
+pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], steps: &[&Tensor], h: AdamWHyper) -> Result<(), ShimError> {
+    let n = params.len();
+    assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "tensor lists differ in length");
+    let ptrs = |ts: &[&Tensor]| -> Vec<*const c_void> { ts.iter().map(|t| t.as_ptr() as *const c_void).collect() };
+    let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs), ptrs(steps));
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
+    // the shim copies the handles (refcounted) and catches every exception.
+    let code = unsafe {
+        tg_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, err.as_mut_ptr().cast(), ERR_LEN)
+    };
+    result(code, &err)
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 // Every entry point catches C++ exceptions and returns them as a message: no exception crosses
 // into Rust. Return value: 0 = ok, 1 = error (message in `err`), 2 = unavailable (no accelerator).
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/ops/_fused_adamw.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 namespace {
 void copy_message(const std::string& text, char* out, size_t out_len) {
@@ -101,6 +103,25 @@ int tg_get_allocator_settings(char* out, size_t out_len) {
   char ignored[8];
   return guarded(ignored, sizeof ignored, [&] {
     copy_message(c10::CachingAllocator::getAllocatorSettings(), out, out_len);
+  });
+}
+
+// One AdamW update of `n` tensors with ATen's fused kernel (CPU and CUDA): reads each tensor
+// once. The tensors are tch handles (`at::Tensor*`). `steps` must already be incremented.
+int tg_fused_adamw(const void* const* params, const void* const* grads, const void* const* exp_avgs,
+                   const void* const* exp_avg_sqs, const void* const* steps, size_t n, double lr,
+                   double beta1, double beta2, double weight_decay, double eps, char* err,
+                   size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto list = [n](const void* const* ptrs) {
+      std::vector<at::Tensor> v;
+      v.reserve(n);
+      for (size_t i = 0; i < n; ++i) v.push_back(*static_cast<const at::Tensor*>(ptrs[i]));
+      return v;
+    };
+    auto p = list(params), g = list(grads), m = list(exp_avgs), v = list(exp_avg_sqs), s = list(steps);
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
   });
 }
 

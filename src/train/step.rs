@@ -66,3 +66,37 @@ pub fn evaluate(model: &Gpt, data: &StepData, batches: usize, micro: usize, prog
     }
     Ok(total / batches as f64)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    fn setup() -> (Gpt, Corpus) {
+        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true };
+        (Gpt::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1))
+    }
+
+    #[test]
+    fn gradients_do_not_depend_on_the_split_even_with_a_short_last_micro_batch() {
+        let (model, corpus) = setup();
+        let data = StepData { corpus: &corpus, sampler: Sampler { seed: 1, seq_len: 8 }, device: Device::Cpu, rank_start: 0, rank_batch: 10 };
+        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &mut Progress::default()).unwrap();
+        for micro in [3, 4, 7] {
+            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &mut Progress::default()).unwrap();
+            assert!((loss_whole - loss_split).abs() < 1e-5, "micro {micro}: loss {loss_whole} vs {loss_split}");
+            for (a, b) in whole.iter().zip(&split) {
+                let diff = (a - b).abs().max().double_value(&[]);
+                assert!(diff < 1e-5, "micro {micro}: gradient differs by {diff}");
+            }
+        }
+        assert!(model.params.tensors.iter().all(|p| !p.grad().defined()), "nothing is left in .grad");
+    }
+
+    #[test]
+    fn a_real_allocation_failure_comes_back_as_an_oom_error() {
+        // 2^50 floats: the CPU allocator refuses, libtorch raises, tch returns Err.
+        let err = Tensor::f_empty([1i64 << 50], (tch::Kind::Float, Device::Cpu)).unwrap_err().to_string();
+        assert!(matches!(crate::guard::classify(&err), crate::guard::ErrorKind::OutOfMemory { requested_bytes: Some(b) } if b == 1 << 52), "{err}");
+    }
+}
