@@ -28,7 +28,10 @@ on=0; off=0
 for _ in $(seq "$ROUNDS"); do
   on=$("$PY" -c "print(max($on, $(tps adapt)))"); off=$("$PY" -c "print(max($off, $(tps off)))")
 done
-"$PY" -c "print(f'guard on  {$on:10.0f} tok/s\nguard off {$off:10.0f} tok/s\noverhead  {100*(1-$on/$off):+.2f}% (negative = guard run was faster: noise)')"
+"$PY" -c "print(f'guard on  {$on:10.0f} tok/s\nguard off {$off:10.0f} tok/s\nA/B difference {100*(1-$on/$off):+.2f}% (negative = the guarded run was faster: run-to-run noise)')"
+"$PY" -c "
+import json; s=[json.loads(l) for l in open('$out/adapt/events.jsonl')][-1]
+print(f\"guard's own time (outside the step, measured inside the guard): {s['guard_overhead_s']*1e6/s['steps']:.1f} us/step = {100*s['guard_overhead_s']/s['elapsed_s']:.4f}% of the run\")"
 
 echo "== recovery latency (micro-batch 64 under a cap that fits 16)"
 peak() {

@@ -50,6 +50,8 @@ pub struct RunSummary {
     pub configured_micro_batch: usize,
     pub final_micro_batch: usize,
     pub time_lost_s: f64,
+    /// The guard's own cost: its time outside the attempts on clean steps.
+    pub guard_overhead_s: f64,
     pub elapsed_s: f64,
     pub tokens_per_s: f64,
     /// CPU runs: the most address space mapped above start-up (what `memory.limit` counts).

@@ -78,6 +78,8 @@ impl Progress {
 pub struct GuardTotals {
     pub recoveries: u64,
     pub time_lost: Duration,
+    /// Time spent in the guard itself on steps that succeeded, outside the attempts: its cost.
+    pub bookkeeping: Duration,
 }
 
 pub struct Guard {
@@ -140,6 +142,8 @@ impl Guard {
         }
         // Recoveries waiting for the first micro-step that succeeds after them.
         let mut pending: Vec<(OomRecovery, Instant)> = Vec::new();
+        let entered = Instant::now();
+        let mut in_attempts = Duration::ZERO;
         loop {
             let micro = self.state.current();
             let mut progress = Progress::default();
@@ -147,6 +151,7 @@ impl Guard {
             // Everything the attempt allocated (activations, losses, partial gradients) is owned
             // inside it and dropped when it returns: the error below holds only a message.
             let outcome = attempt(micro, &mut progress);
+            in_attempts += started.elapsed();
             if let Some(done) = progress.first_micro_done.or_else(|| outcome.is_ok().then(Instant::now)) {
                 for (mut rec, failed_at) in pending.drain(..) {
                     rec.recover_ms = done.duration_since(failed_at).as_secs_f64() * 1e3;
@@ -156,6 +161,9 @@ impl Guard {
             let err = match outcome {
                 Ok(v) => {
                     self.state.on_success();
+                    if pending.is_empty() && self.totals.recoveries == 0 {
+                        self.totals.bookkeeping += entered.elapsed().saturating_sub(in_attempts);
+                    }
                     return Ok(v);
                 }
                 Err(e) => e,

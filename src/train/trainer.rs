@@ -143,6 +143,7 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
         configured_micro_batch: plan.micro_batch,
         final_micro_batch: guard.micro_batch(),
         time_lost_s: guard.totals.time_lost.as_secs_f64(),
+        guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
         elapsed_s: elapsed,
         tokens_per_s: (t.max_steps as f64 * plan.tokens_per_step as f64) / elapsed,
         peak_mapped_above_start_bytes: (!device.is_cuda())
