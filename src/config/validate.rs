@@ -204,6 +204,14 @@ mod tests {
             (|c| c.device = "tpu".into(), "device"),
             (|c| c.device = "cuda:x".into(), "device"),
             (|c| c.oom.min_micro_batch = 16, "oom.min_micro_batch"),
+            (|c| c.oom.min_micro_batch = 0, "oom.min_micro_batch"),
+            (|c| c.model.seq_len = 0, "model.seq_len"),
+            (|c| c.model.n_embd = 0, "model.n_embd"),
+            (|c| c.data.synthetic_tokens = 10, "data.synthetic_tokens"),
+            (|c| c.train.beta1 = 1.0, "train.beta1"),
+            (|c| c.train.eps = 0.0, "train.eps"),
+            (|c| c.train.threads = Some(0), "train.threads"),
+            (|c| c.data.source = "text:/no/such/file.txt".into(), "data.source"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
         ];
         for (mutate, key) in cases {
@@ -211,6 +219,18 @@ mod tests {
             mutate(&mut c);
             assert_eq!(keys(&c), [key], "rule for {key}");
         }
+    }
+
+    #[test]
+    fn text_sources_need_a_byte_vocabulary() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.txt");
+        std::fs::write(&p, "hello").unwrap();
+        let mut c = Config::default();
+        c.data.source = format!("text:{}", p.display());
+        assert!(validate(&c).is_empty());
+        c.model.vocab_size = 100;
+        assert_eq!(keys(&c), ["model.vocab_size"]);
     }
 
     #[test]
