@@ -12,7 +12,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model from a YAML config.
-    Train(ConfigArgs),
+    Train(TrainArgs),
     /// Inspect configs.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -22,6 +22,20 @@ pub enum Command {
 pub enum ConfigCommand {
     /// Print the resolved config (file + overrides + defaults) as YAML.
     Show(ConfigArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Where to start: `auto` (newest complete checkpoint in out_dir, else step 0), a checkpoint
+    /// directory, or `none`. Default `none`, or `auto` under a torchrun restart
+    /// (TORCHELASTIC_RESTART_COUNT > 0).
+    #[arg(long, value_name = "auto|PATH|none")]
+    pub resume: Option<String>,
+    /// Stop cleanly with a checkpoint before this wall-clock time (`7h30m`); sets train.max_duration.
+    #[arg(long, value_name = "DURATION")]
+    pub max_duration: Option<String>,
 }
 
 #[derive(Debug, Args)]

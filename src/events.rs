@@ -1,6 +1,7 @@
 //! What a run reports, and where it goes. The training loop emits [`Event`]s; the [`Reporter`]
-//! turns them into human log lines (through `tracing`), one `metrics.jsonl` line per optimizer
-//! step and one `events.jsonl` line per everything else. Only the writing rank opens files.
+//! turns them into human log lines (through `tracing`; a progress bar on a terminal), one
+//! `metrics.jsonl` line per optimizer step and one `events.jsonl` line per everything else.
+//! Only the writing rank opens files.
 use crate::memory::{human, MemorySnapshot};
 use serde::Serialize;
 use std::fs::File;
@@ -77,6 +78,13 @@ pub enum Event {
     Step(StepMetrics),
     RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
     OomRecovered(OomRecovery),
+    Resumed { step: u64, path: String, changed: Vec<String> },
+    CheckpointSkipped { path: String, reason: String },
+    CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
+    CheckpointFailed { step: u64, error: String },
+    NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
+    /// The run stops before max_steps: `signal`, `time_limit`, `nonfinite`, `out_of_memory`.
+    Stopped { step: u64, reason: String, checkpoint: Option<String> },
     RunFinished(RunSummary),
 }
 
@@ -85,19 +93,48 @@ pub struct Reporter {
     events: Option<BufWriter<File>>,
     log_interval: u64,
     max_steps: u64,
+    bar: Option<indicatif::ProgressBar>,
 }
 
 impl Reporter {
-    /// `out_dir = None`: log lines only (non-writing ranks, tests).
-    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64) -> std::io::Result<Self> {
+    /// `out_dir = None`: log lines only (non-writing ranks, tests). `resume_at`: the step a
+    /// resumed run starts at; metrics of later steps (from before a kill) are dropped, since the
+    /// run computes them again, and both files are appended to.
+    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64, resume_at: Option<u64>) -> std::io::Result<Self> {
         let open = |name: &str| -> std::io::Result<Option<BufWriter<File>>> {
-            out_dir.map(|d| File::create(d.join(name)).map(BufWriter::new)).transpose()
+            let Some(d) = out_dir else { return Ok(None) };
+            let path = d.join(name);
+            match (resume_at, name) {
+                (Some(step), "metrics.jsonl") => keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step))?,
+                // A run killed mid-write may have left half a line.
+                (Some(_), _) => keep_lines(&path, |_| true)?,
+                _ => {}
+            }
+            let file = if resume_at.is_some() { File::options().create(true).append(true).open(&path)? } else { File::create(&path)? };
+            Ok(Some(BufWriter::new(file)))
         };
-        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps })
+        let bar = crate::logging::progress_bar_wanted().then(|| {
+            let bar = indicatif::ProgressBar::new(max_steps);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | ETA {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.set_position(resume_at.unwrap_or(0));
+            bar
+        });
+        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar })
     }
 
     pub fn emit(&mut self, event: Event) {
         self.log(&event);
+        if let (Some(bar), Event::Step(m)) = (&self.bar, &event) {
+            let mem = crate::memory::ProcessMemory::read().map(|p| format!(" | rss {}", human(p.rss_bytes))).unwrap_or_default();
+            bar.set_position(m.step + 1);
+            bar.set_message(format!("loss {:.4} | {:.0} tok/s | micro {}×{}{mem}", m.loss, m.tokens_per_s, m.micro_batch, m.accumulation));
+        }
+        if let (Some(bar), Event::RunFinished(_) | Event::Stopped { .. }) = (&self.bar, &event) {
+            bar.finish();
+        }
         let sink = if matches!(event, Event::Step(_)) { &mut self.metrics } else { &mut self.events };
         if let Some(w) = sink {
             let line = match &event {
@@ -152,6 +189,25 @@ impl Reporter {
                     r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after)
                 );
             }
+            Event::Resumed { step, path, changed } => {
+                tracing::info!("resuming at step {step} from {path}");
+                for c in changed {
+                    tracing::info!("changed since the checkpoint: {c}");
+                }
+            }
+            Event::CheckpointSkipped { path, reason } => tracing::warn!("skipping checkpoint {path}: {reason}"),
+            Event::CheckpointSaved { step, path, seconds, deleted } => {
+                let gone = if deleted.is_empty() { String::new() } else { format!(", removed steps {deleted:?}") };
+                tracing::info!("checkpoint at step {step}: {path} ({seconds:.2}s{gone})");
+            }
+            Event::CheckpointFailed { step, error } => tracing::warn!("checkpoint at step {step} failed, training goes on: {error}"),
+            Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
+                tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
+            }
+            Event::Stopped { step, reason, checkpoint } => {
+                let ck = checkpoint.as_deref().map(|c| format!("; checkpoint {c}")).unwrap_or_else(|| "; no checkpoint".into());
+                tracing::warn!("stopping at step {step} ({reason}){ck}");
+            }
             Event::RunFinished(s) => {
                 let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
                 tracing::info!(
@@ -161,4 +217,15 @@ impl Reporter {
             }
         }
     }
+}
+
+/// Rewrites a JSONL file keeping the complete lines that `keep` accepts.
+fn keep_lines(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> std::io::Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| keep(&v)))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(path, kept)
 }

@@ -11,6 +11,10 @@ pub const FAILURE: i32 = 1;
 pub const CONFIG: i32 = 2;
 /// Out of memory even at the smallest allowed micro-batch (or with `oom.policy: fail`).
 pub const OUT_OF_MEMORY: i32 = 3;
+/// Stopped by SIGINT/SIGTERM or `train.max_duration` after writing a checkpoint: resumable.
+pub const INTERRUPTED: i32 = 4;
+/// Too many non-finite updates in a row (`nan.max_consecutive`); last good state checkpointed.
+pub const NONFINITE: i32 = 5;
 
 pub fn code_for(err: &anyhow::Error) -> i32 {
     for cause in err.chain() {
@@ -19,6 +23,14 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
         }
         if oom_in(cause).is_some() {
             return OUT_OF_MEMORY;
+        }
+        match cause.downcast_ref::<TrainError>() {
+            Some(TrainError::Interrupted { .. }) => return INTERRUPTED,
+            Some(TrainError::NonFinite { .. }) => return NONFINITE,
+            // A checkpoint named on the command line that cannot be used, or a model that
+            // differs from the checkpoint's: the user's input is wrong.
+            Some(TrainError::Checkpoint(_)) => return CONFIG,
+            _ => {}
         }
     }
     FAILURE

@@ -10,6 +10,8 @@ pub mod events;
 pub mod exit;
 pub mod ffi;
 pub mod guard;
+pub mod interrupt;
+pub mod logging;
 pub mod memory;
 pub mod model;
 pub mod optim;

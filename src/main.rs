@@ -1,11 +1,13 @@
 //! CLI entry: parse, run, map the error chain to a documented exit code (see `exit`).
 use anyhow::Context;
 use clap::Parser;
-use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand};
+use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
+use trainguard::interrupt::Interrupter;
+use trainguard::train::Resume;
 use trainguard::{config, exit, plan, train};
 
 fn main() {
-    init_logging();
+    trainguard::logging::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => run_train(&args),
@@ -18,25 +20,31 @@ fn main() {
     std::process::exit(exit::SUCCESS);
 }
 
-fn init_logging() {
-    use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
     Ok(config::load(args.config.as_deref(), &args.overrides)?)
 }
 
-fn run_train(args: &ConfigArgs) -> anyhow::Result<()> {
-    let cfg = load(args)?;
+fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
+    let mut overrides = args.config.overrides.clone();
+    if let Some(d) = &args.max_duration {
+        overrides.push(format!("train.max_duration={d}"));
+    }
+    let cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let plan = plan::RunPlan::build(cfg, plan::Environment::detect())?;
-    train::train(&plan).context("training failed")?;
+    let restarted = std::env::var("TORCHELASTIC_RESTART_COUNT").ok().and_then(|v| v.parse::<u64>().ok()).is_some_and(|n| n > 0);
+    let resume = match args.resume.as_deref() {
+        Some("auto") => Resume::Auto,
+        Some("none") => Resume::Fresh,
+        Some(path) => Resume::Path(path.into()),
+        None if restarted => Resume::Auto,
+        None => Resume::Fresh,
+    };
+    if plan.memory_limit.is_some() && !plan.device.is_cuda() {
+        trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
+    }
+    let stop = Interrupter::new();
+    stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
+    train::train(&plan, &resume, &stop).context("training failed")?;
     Ok(())
 }
 

@@ -115,6 +115,38 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Parses `7h30m`, `45m`, `90s`, `1d2h`, `1.5h` into a duration.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("`{text}` is not a duration like 7h30m, 45m or 90s");
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(bad());
+    }
+    let (mut total, mut num) = (0.0f64, String::new());
+    for c in t.chars() {
+        if c.is_ascii_digit() || c == '.' {
+            num.push(c);
+            continue;
+        }
+        let unit = match c {
+            'd' => 86400.0,
+            'h' => 3600.0,
+            'm' => 60.0,
+            's' => 1.0,
+            _ => return Err(bad()),
+        };
+        total += num.parse::<f64>().map_err(|_| bad())? * unit;
+        num.clear();
+    }
+    if !num.is_empty() {
+        return Err(bad()); // a number without a unit
+    }
+    if total <= 0.0 {
+        return Err(format!("`{text}` must be longer than zero"));
+    }
+    Ok(std::time::Duration::from_secs_f64(total))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +181,18 @@ mod tests {
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
         assert!(parse_size("0").is_err());
+    }
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("7h30m").unwrap().as_secs(), 27_000);
+        assert_eq!(parse_duration("45m").unwrap().as_secs(), 2700);
+        assert_eq!(parse_duration("90s").unwrap().as_secs(), 90);
+        assert_eq!(parse_duration("1d2h").unwrap().as_secs(), 93_600);
+        assert_eq!(parse_duration("1.5h").unwrap().as_secs(), 5400);
+        for bad in ["", "7", "7x", "h", "0s"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

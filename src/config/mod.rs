@@ -4,7 +4,7 @@
 mod load;
 mod validate;
 
-pub use load::{apply_override, load, parse_size, ConfigError};
+pub use load::{apply_override, load, parse_duration, parse_size, ConfigError};
 pub use validate::{validate, Problem};
 
 use serde::{Deserialize, Serialize};
@@ -25,6 +25,10 @@ pub struct Config {
     pub train: TrainConfig,
     pub oom: OomConfig,
     pub memory: MemoryConfig,
+    pub checkpoint: CheckpointConfig,
+    pub nan: NanConfig,
+    /// Test-only fault injection; leave empty in real runs.
+    pub faults: FaultsConfig,
 }
 
 impl Default for Config {
@@ -38,6 +42,9 @@ impl Default for Config {
             train: TrainConfig::default(),
             oom: OomConfig::default(),
             memory: MemoryConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+            nan: NanConfig::default(),
+            faults: FaultsConfig::default(),
         }
     }
 }
@@ -108,6 +115,8 @@ pub struct TrainConfig {
     pub log_interval: u64,
     /// Intra-op CPU threads; default: libtorch's choice (one per core).
     pub threads: Option<usize>,
+    /// Stop cleanly, with a checkpoint, before this much wall-clock time (`7h30m`, `45m`, `90s`).
+    pub max_duration: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -130,6 +139,7 @@ impl Default for TrainConfig {
             eval_batches: 4,
             log_interval: 10,
             threads: None,
+            max_duration: None,
         }
     }
 }
@@ -186,4 +196,50 @@ impl Size {
             Size::Text(t) => parse_size(t),
         }
     }
+}
+
+/// When checkpoints are written and which are kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Every N optimizer steps (and always after the last step); 0 = only at the end.
+    pub interval: u64,
+    /// Also when this many minutes passed since the last one.
+    pub interval_minutes: Option<f64>,
+    /// Keep the newest N.
+    pub keep_last: usize,
+    /// Also keep every checkpoint whose step is a multiple of N; 0 = none.
+    pub keep_every: u64,
+    /// Also keep the one with the best validation loss.
+    pub keep_best: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { interval: 1000, interval_minutes: None, keep_last: 3, keep_every: 0, keep_best: false }
+    }
+}
+
+/// Non-finite losses and gradient norms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NanConfig {
+    /// Skip at most this many updates in a row before stopping with exit code 5.
+    pub max_consecutive: u64,
+}
+
+impl Default for NanConfig {
+    fn default() -> Self {
+        Self { max_consecutive: 10 }
+    }
+}
+
+/// Failures injected on purpose, to test recovery paths on the real binary.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultsConfig {
+    /// Steps whose loss is replaced by NaN (the update must be skipped).
+    pub nonfinite_loss_at_steps: Vec<u64>,
+    /// Behave as if SIGTERM arrived just before this step (checkpoint, exit 4).
+    pub interrupt_at_step: Option<u64>,
 }

@@ -100,6 +100,16 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         check(n >= 1, "train.threads", format!("must be at least 1, got {n}"));
     }
 
+    if let Some(d) = &t.max_duration {
+        if let Err(e) = super::parse_duration(d) {
+            check(false, "train.max_duration", e);
+        }
+    }
+    if let Some(m) = c.checkpoint.interval_minutes {
+        check(m > 0.0, "checkpoint.interval_minutes", format!("must be > 0, got {m}"));
+    }
+    check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
+
     let o = &c.oom;
     check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
     check(
@@ -212,6 +222,9 @@ mod tests {
             (|c| c.train.eps = 0.0, "train.eps"),
             (|c| c.train.threads = Some(0), "train.threads"),
             (|c| c.data.source = "text:/no/such/file.txt".into(), "data.source"),
+            (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
+            (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
+            (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
         ];
         for (mutate, key) in cases {

@@ -49,10 +49,17 @@ fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError
     Ok(LimitReport { limit_bytes, baseline_bytes: 0, fraction: Some(fraction) })
 }
 
+/// Allocator settings a CPU cap needs, to be made before the process starts any thread of its
+/// own: a thread's first allocation otherwise reserves a 64 MiB malloc arena, and one that
+/// happens after the cap is set would count against it at random.
+pub fn prepare_cpu_limit() {
+    ffi::os::malloc_for_exact_accounting();
+}
+
 fn apply_cpu(limit_bytes: u64) -> Result<LimitReport, LimitError> {
+    prepare_cpu_limit();
     // Start the intra-op thread pool first so its stacks count as baseline, not as training.
     let _ = tch::Tensor::f_ones([1 << 20], (tch::Kind::Float, Device::Cpu)).and_then(|t| t.f_sum(tch::Kind::Float));
-    ffi::os::malloc_for_exact_accounting();
     let baseline = ProcessMemory::read().ok_or(LimitError::NoProcStatus)?.vm_bytes;
     ffi::os::limit_address_space(baseline.saturating_add(limit_bytes)).map_err(LimitError::Rlimit)?;
     Ok(LimitReport { limit_bytes, baseline_bytes: baseline, fraction: None })

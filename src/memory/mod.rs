@@ -4,7 +4,7 @@
 mod limit;
 mod process;
 
-pub use limit::{apply_limit, LimitError, LimitReport};
+pub use limit::{apply_limit, prepare_cpu_limit, LimitError, LimitReport};
 pub use process::ProcessMemory;
 
 use crate::ffi;

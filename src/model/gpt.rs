@@ -1,7 +1,8 @@
 //! A GPT-2-style decoder: token + learned position embeddings, pre-LayerNorm blocks with causal
 //! self-attention (`scaled_dot_product_attention`, which picks flash / memory-efficient kernels
 //! on CUDA) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
-//! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
+//! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)),
+//! drawn from trainguard's own generator (see `Params`), the same on every device.
 //! Every op is a fallible `f_*` call so that an allocator failure is an `Err`, never a panic.
 use super::params::{Init, Params};
 use crate::config::ModelConfig;
@@ -37,11 +38,10 @@ pub struct Gpt {
 impl Gpt {
     /// Builds the model on `device`; weights depend only on `seed` and the config.
     pub fn new(cfg: &ModelConfig, seed: u64, device: Device) -> Result<Self, TchError> {
-        tch::manual_seed(seed as i64);
         let (c, v, t) = (cfg.n_embd as i64, cfg.vocab_size as i64, cfg.seq_len as i64);
         let std = 0.02;
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
-        let mut p = Params::default();
+        let mut p = Params { seed, ..Params::default() };
         let wte = p.add("wte.weight".into(), &[v, c], Init::Normal(std), false, device)?;
         let wpe = p.add("wpe.weight".into(), &[t, c], Init::Normal(std), false, device)?;
         let mut blocks = Vec::with_capacity(cfg.n_layer);

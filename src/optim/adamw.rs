@@ -78,6 +78,36 @@ impl AdamW {
         Ok(())
     }
 
+    /// The moments as named tensors for a checkpoint: `exp_avg.<param>`, `exp_avg_sq.<param>`.
+    pub fn state_tensors(&self, names: &[String]) -> Vec<(String, Tensor)> {
+        let mut out = Vec::with_capacity(2 * names.len());
+        for (i, n) in names.iter().enumerate() {
+            out.push((format!("exp_avg.{n}"), self.exp_avg[i].shallow_clone()));
+            out.push((format!("exp_avg_sq.{n}"), self.exp_avg_sq[i].shallow_clone()));
+        }
+        out
+    }
+
+    /// Restores moments saved by [`state_tensors`](Self::state_tensors) and the update count.
+    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+        let _no_grad = tch::no_grad_guard();
+        let find = |key: &str| saved.iter().find(|(k, _)| k == key).map(|(_, t)| t).ok_or_else(|| format!("optimizer state lacks `{key}`"));
+        for (i, n) in names.iter().enumerate() {
+            for (kind, dst) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
+                let src = find(&format!("{kind}.{n}"))?;
+                if src.size() != dst.size() {
+                    return Err(format!("`{kind}.{n}` has shape {:?}, the model needs {:?}", src.size(), dst.size()));
+                }
+                dst.f_copy_(src).map_err(|e| e.to_string())?;
+            }
+        }
+        self.steps = steps;
+        for s in &mut self.state_steps {
+            let _ = s.f_fill_(steps as f64).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
     /// Two kernel calls: parameters with weight decay, then those without.
     fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         for s in &mut self.state_steps {

@@ -5,4 +5,4 @@ mod step;
 mod trainer;
 
 pub use step::{evaluate, forward_backward, StepData};
-pub use trainer::{train, TrainError};
+pub use trainer::{train, Resume, TrainError};

@@ -1,15 +1,32 @@
-//! The loop: build what a run needs from its plan, then for each optimizer step run the
-//! guarded step (gradients → clip → update), evaluate on schedule and report.
+//! The loop: build what a run needs from its plan (resuming from a checkpoint when asked), then
+//! for each optimizer step run the guarded step (gradients → clip → non-finite check → update),
+//! evaluate and checkpoint on schedule, stop cleanly on a signal or time limit, and report.
 use super::step::{evaluate, forward_backward, StepData};
-use crate::data::{mix, Corpus, DataError, Split};
+use crate::checkpoint::retention::{self, Retention};
+use crate::checkpoint::state::*;
+use crate::checkpoint::{compare, store, CheckpointError, Loaded};
+use crate::config::{parse_duration, Config};
+use crate::data::{mix, Corpus, DataError, Sampler, Split};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics};
 use crate::guard::{unrecovered, Guard, GuardError, GuardState, OomFailure};
+use crate::interrupt::Interrupter;
 use crate::memory::{apply_limit, LimitError, ProcessMemory};
 use crate::model::Gpt;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
 use crate::plan::RunPlan;
-use std::path::PathBuf;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Where a run starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// From step 0.
+    Fresh,
+    /// From the newest complete checkpoint in `out_dir`, else from step 0.
+    Auto,
+    /// From this checkpoint directory; failing to load it is an error.
+    Path(PathBuf),
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -21,8 +38,14 @@ pub enum TrainError {
     Limit(#[from] LimitError),
     #[error(transparent)]
     Save(#[from] crate::checkpoint::SaveError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
+    #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
+    Interrupted { step: u64, reason: String, checkpoint: Option<PathBuf> },
+    #[error("{count} updates in a row had a non-finite loss or gradient norm (last at step {step}); stopped with the last good state checkpointed. Lower train.lr, check the data, or raise nan.max_consecutive")]
+    NonFinite { step: u64, count: u64 },
 }
 
 impl TrainError {
@@ -35,7 +58,23 @@ impl TrainError {
     }
 }
 
-pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
+/// What one guarded step produced.
+struct StepOutcome {
+    loss: f64,
+    grad_norm: f64,
+    applied: bool,
+}
+
+/// Counters that go into `trainer_state.json`.
+#[derive(Debug, Clone, Default)]
+struct Progress {
+    micro_steps: u64,
+    best_val: Option<(f64, u64)>,
+    nonfinite_skips: u64,
+    elapsed_before: f64,
+}
+
+pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunSummary, TrainError> {
     let cfg = &plan.config;
     let t = &cfg.train;
     let device = plan.device;
@@ -46,35 +85,56 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
     let unigram_entropy = corpus.unigram_entropy(Split::Val);
 
     let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
+    let ckpt_root = store::root(&cfg.out_dir);
+    let (loaded, skipped) = resolve_resume(resume, &ckpt_root)?;
+    let changed = match &loaded {
+        Some(l) => check_compatible(l, cfg)?,
+        None => vec![],
+    };
     if let Some(dir) = run_dir {
         let io = |source| TrainError::RunDir { path: dir.to_path_buf(), source };
         std::fs::create_dir_all(dir).map_err(io)?;
-        let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
-        std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
+        std::fs::write(dir.join("config.yaml"), serde_yaml::to_string(cfg).expect("a Config always serialises")).map_err(io)?;
+        crate::logging::also_to_file(&dir.join("train.log")).map_err(io)?;
     }
-    let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps)
+    let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
+    let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
         .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
+    for e in skipped {
+        reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
+    }
 
     // The cap goes on after the corpus is loaded: it counts what training allocates.
     let baseline = match plan.memory_limit {
         Some(limit) => apply_limit(limit, device)?.baseline_bytes,
         None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
     };
-
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
     let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: t.fused_adamw };
     let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-    let schedule = LrSchedule::from_config(t);
-    let state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
+    let mut state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
+    let mut progress = Progress::default();
+    if let Some(l) = &loaded {
+        restore(l, &model, &mut opt)?;
+        state = state.with_current(l.state.guard.micro_batch);
+        progress = Progress {
+            micro_steps: l.state.micro_steps,
+            best_val: l.state.best_val_loss.zip(l.state.best_val_step),
+            nonfinite_skips: l.state.nonfinite_skips,
+            elapsed_before: l.state.elapsed_s,
+        };
+    }
     let mut guard = Guard::new(state, cfg.oom.policy, device, plan.rank_batch);
     let data = StepData {
         corpus: &corpus,
-        sampler: crate::data::Sampler { seed: cfg.seed, seq_len: cfg.model.seq_len },
+        sampler: Sampler { seed: cfg.seed, seq_len: cfg.model.seq_len },
         device,
         rank_start: plan.rank * plan.rank_batch,
         rank_batch: plan.rank_batch,
     };
+    let schedule = LrSchedule::from_config(t);
+    let time_limit = t.max_duration.as_deref().map(|d| parse_duration(d).expect("validated"));
 
     reporter.emit(Event::RunStarted {
         device: format!("{device:?}").to_lowercase(),
@@ -89,52 +149,125 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
         max_steps: t.max_steps,
         memory_limit_bytes: plan.memory_limit,
     });
+    if let Some(l) = &loaded {
+        reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
+    }
 
+    let mut ckpt = Checkpointer {
+        root: ckpt_root,
+        writer: plan.is_writer(),
+        retention: Retention { keep_last: cfg.checkpoint.keep_last, keep_every: cfg.checkpoint.keep_every },
+        keep_best: cfg.checkpoint.keep_best,
+        last_at: Instant::now(),
+        last_seconds: 0.0,
+    };
     let started = Instant::now();
     let (mut last_loss, mut last_val) = (f64::NAN, None);
-    for step in 0..t.max_steps {
+    let (mut consecutive_bad, mut slowest_recent) = (0u64, 0.0f64);
+    let mut last_saved: Option<u64> = None;
+    let mut step = start_step;
+    while step < t.max_steps {
+        if cfg.faults.interrupt_at_step == Some(step) {
+            stop.request();
+        }
+        let stop_reason = if stop.requested() {
+            Some("signal")
+        } else {
+            time_limit
+                .filter(|limit| started.elapsed() + Duration::from_secs_f64(slowest_recent + 1.5 * ckpt.last_seconds + 1.0) > *limit)
+                .map(|_| "time_limit")
+        };
+        if let Some(reason) = stop_reason {
+            let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+            reporter.emit(Event::Stopped { step, reason: reason.into(), checkpoint: path.as_ref().map(|p| p.display().to_string()) });
+            return Err(TrainError::Interrupted { step, reason: reason.into(), checkpoint: path });
+        }
         let step_started = Instant::now();
         let lr = schedule.at(step);
         guard.begin_step(step, &mut reporter);
-        let (loss, grad_norm) = guard.run(step, &mut reporter, |micro, progress| {
-            // Dropout masks depend on (seed, step) only, so a replay draws the same ones.
+        let outcome = guard.run(step, &mut reporter, |micro, p| {
+            // Dropout masks depend on (seed, step) only, so a replay or a resume draws the same.
             tch::manual_seed(mix(&[cfg.seed, step]) as i64);
-            let (mut grads, loss) = forward_backward(&model, &data, step, micro, progress)?;
-            let norm = clip_grad_norm(&mut grads, t.grad_clip)?;
-            opt.step(params, &grads, lr)?;
-            Ok((loss, norm))
-        })?;
+            let (mut grads, mut loss) = forward_backward(&model, &data, step, micro, p)?;
+            if cfg.faults.nonfinite_loss_at_steps.contains(&step) {
+                loss = f64::NAN;
+            }
+            let grad_norm = clip_grad_norm(&mut grads, t.grad_clip)?;
+            let applied = loss.is_finite() && grad_norm.is_finite();
+            if applied {
+                opt.step(params, &grads, lr)?;
+            }
+            Ok(StepOutcome { loss, grad_norm, applied })
+        });
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e @ GuardError::OutOfMemory(_)) => {
+                // The failed step changed nothing: the model is still the last good state.
+                let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+                reporter.emit(Event::Stopped { step, reason: "out_of_memory".into(), checkpoint: path.map(|p| p.display().to_string()) });
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        progress.micro_steps += guard.accumulation() as u64;
+        if outcome.applied {
+            consecutive_bad = 0;
+        } else {
+            consecutive_bad += 1;
+            progress.nonfinite_skips += 1;
+            reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive: consecutive_bad });
+            if consecutive_bad >= cfg.nan.max_consecutive {
+                let path = ckpt.save(step + 1, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+                reporter.emit(Event::Stopped { step, reason: "nonfinite".into(), checkpoint: path.map(|p| p.display().to_string()) });
+                return Err(TrainError::NonFinite { step, count: consecutive_bad });
+            }
+        }
         // Throughput counts the optimizer step only, not evaluation.
         let step_time = step_started.elapsed().as_secs_f64();
         let is_last = step + 1 == t.max_steps;
         let val_loss = if t.eval_interval > 0 && (step % t.eval_interval == 0 || is_last) {
-            let v = guard.run(step, &mut reporter, |micro, progress| evaluate(&model, &data, t.eval_batches, micro, progress))?;
+            let v = guard.run(step, &mut reporter, |micro, p| evaluate(&model, &data, t.eval_batches, micro, p))?;
+            if progress.best_val.is_none_or(|(b, _)| v < b) {
+                progress.best_val = Some((v, step + 1));
+            }
             last_val = Some(v);
             Some(v)
         } else {
             None
         };
-        last_loss = loss;
+        last_loss = outcome.loss;
+        // A slowly forgetting maximum of step times (eval included): the time-limit margin.
+        slowest_recent = step_started.elapsed().as_secs_f64().max(slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
         reporter.emit(Event::Step(StepMetrics {
             step,
-            loss,
+            loss: outcome.loss,
             lr,
-            grad_norm,
+            grad_norm: outcome.grad_norm,
             val_loss,
             micro_batch: guard.micro_batch(),
             accumulation: guard.accumulation(),
             tokens,
             tokens_per_s: tokens as f64 / step_time,
             step_time_s: step_time,
-            elapsed_s: started.elapsed().as_secs_f64(),
+            elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
         }));
+        step += 1;
+        if ckpt.due(step, cfg) || step == t.max_steps {
+            ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+            last_saved = Some(step);
+        }
+    }
+    if last_saved != Some(step) && loaded.is_some() {
+        // Resumed at or past max_steps: the newest checkpoint already holds this state.
+        tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
     }
 
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(dir) = run_dir {
         crate::checkpoint::save_weights(dir, &model.params)?;
     }
+    let steps_run = t.max_steps.saturating_sub(start_step);
     let summary = RunSummary {
         steps: t.max_steps,
         final_loss: last_loss,
@@ -145,11 +278,125 @@ pub fn train(plan: &RunPlan) -> Result<RunSummary, TrainError> {
         time_lost_s: guard.totals.time_lost.as_secs_f64(),
         guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
         elapsed_s: elapsed,
-        tokens_per_s: (t.max_steps as f64 * plan.tokens_per_step as f64) / elapsed,
+        tokens_per_s: (steps_run as f64 * plan.tokens_per_step as f64) / elapsed,
         peak_mapped_above_start_bytes: (!device.is_cuda())
             .then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(baseline)))
             .flatten(),
     };
     reporter.emit(Event::RunFinished(summary.clone()));
     Ok(summary)
+}
+
+fn corrupt_path(e: &CheckpointError) -> String {
+    match e {
+        CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
+        CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
+    }
+}
+
+/// The checkpoint to start from, and the broken ones `auto` passed over.
+fn resolve_resume(resume: &Resume, root: &Path) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
+    match resume {
+        Resume::Fresh => Ok((None, vec![])),
+        Resume::Auto => {
+            store::clean_temporaries(root);
+            Ok(store::newest_valid(root))
+        }
+        Resume::Path(p) => Ok((Some(store::load(p)?), vec![])),
+    }
+}
+
+/// Refuses a checkpoint whose model differs from the config; returns the safe changes.
+fn check_compatible(l: &Loaded, cfg: &Config) -> Result<Vec<String>, CheckpointError> {
+    let (model, other) = compare::differences(&l.config, cfg);
+    if !model.is_empty() {
+        return Err(CheckpointError::Incompatible { path: l.path.clone(), differences: model });
+    }
+    Ok(other)
+}
+
+fn restore(l: &Loaded, model: &Gpt, opt: &mut AdamW) -> Result<(), CheckpointError> {
+    let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
+    let _no_grad = tch::no_grad_guard();
+    for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
+        let src = l.weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| corrupt(format!("model.safetensors lacks `{name}`")))?;
+        if src.size() != p.size() {
+            return Err(corrupt(format!("`{name}` has shape {:?}, the model needs {:?}", src.size(), p.size())));
+        }
+        p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
+    }
+    opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
+}
+
+/// When to checkpoint, and writing one with retention applied.
+struct Checkpointer {
+    root: PathBuf,
+    writer: bool,
+    retention: Retention,
+    keep_best: bool,
+    last_at: Instant,
+    last_seconds: f64,
+}
+
+impl Checkpointer {
+    fn due(&self, completed: u64, cfg: &Config) -> bool {
+        let c = &cfg.checkpoint;
+        (c.interval > 0 && completed % c.interval == 0)
+            || c.interval_minutes.is_some_and(|m| self.last_at.elapsed().as_secs_f64() >= m * 60.0)
+    }
+
+    /// Writes a checkpoint of `completed` steps; a failure is reported and training goes on.
+    #[allow(clippy::too_many_arguments)]
+    fn save(
+        &mut self,
+        completed: u64,
+        cfg: &Config,
+        model: &Gpt,
+        opt: &AdamW,
+        guard: &Guard,
+        progress: &Progress,
+        started: Instant,
+        plan: &RunPlan,
+        reporter: &mut Reporter,
+    ) -> Option<PathBuf> {
+        if !self.writer {
+            return None;
+        }
+        let t0 = Instant::now();
+        let state = TrainerState {
+            format: STATE_FORMAT,
+            step: completed,
+            micro_steps: progress.micro_steps,
+            tokens_seen: completed * plan.tokens_per_step as u64,
+            sampler: SamplerState { seed: cfg.seed, next_step: completed },
+            rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
+            loss_scaler: None,
+            guard: GuardSnapshot { micro_batch: guard.micro_batch(), accumulation: guard.accumulation(), configured_micro_batch: plan.micro_batch },
+            optimizer: OptimizerSnapshot { kind: "adamw".into(), steps: opt.steps },
+            best_val_loss: progress.best_val.map(|b| b.0),
+            best_val_step: progress.best_val.map(|b| b.1),
+            nonfinite_skips: progress.nonfinite_skips,
+            elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
+            files: Default::default(),
+        };
+        let weights: Vec<(String, tch::Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.shallow_clone())).collect();
+        match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
+            Ok(path) => {
+                let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
+                let best = if self.keep_best { progress.best_val.map(|b| b.1) } else { None };
+                let deleted = retention::to_delete(&steps, self.retention, best);
+                for s in &deleted {
+                    let _ = std::fs::remove_dir_all(self.root.join(store::dir_name(*s)));
+                }
+                self.last_at = Instant::now();
+                self.last_seconds = t0.elapsed().as_secs_f64();
+                reporter.emit(Event::CheckpointSaved { step: completed, path: path.display().to_string(), seconds: self.last_seconds, deleted });
+                Some(path)
+            }
+            Err(e) => {
+                reporter.emit(Event::CheckpointFailed { step: completed, error: e.to_string() });
+                None
+            }
+        }
+    }
 }

@@ -1,9 +1,16 @@
-//! What a run leaves on disk besides its logs. For now: the final weights as safetensors
-//! (`out_dir/model.safetensors`, tensor names as in [`Params`](crate::model::Params)), written
-//! under a temporary name and renamed, so the file is complete or absent.
+//! What a run leaves on disk to be resumed: checkpoints ([`store`]), their `trainer_state.json`
+//! ([`state`]), which ones to keep ([`retention`], pure) and what may change between a
+//! checkpoint and the config resuming it ([`compare`]). Also the final weights file.
+pub mod compare;
+pub mod retention;
+pub mod state;
+pub mod store;
+
 use crate::model::Params;
 use std::path::{Path, PathBuf};
 use tch::Tensor;
+
+pub use store::{CheckpointError, Loaded};
 
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 
@@ -14,6 +21,7 @@ pub struct SaveError {
     pub message: String,
 }
 
+/// `dir/model.safetensors`, written under a temporary name and renamed.
 pub fn save_weights(dir: &Path, params: &Params) -> Result<PathBuf, SaveError> {
     let path = dir.join(WEIGHTS_FILE);
     let tmp = dir.join(format!(".{WEIGHTS_FILE}.tmp"));

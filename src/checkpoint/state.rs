@@ -1,0 +1,62 @@
+//! `trainer_state.json`: everything besides tensors that a resumed run needs to continue
+//! exactly where the checkpoint left off.
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub const STATE_FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: u32,
+    /// Optimizer steps completed: the resumed run starts at this step.
+    pub step: u64,
+    /// Successful micro-steps so far (forward + backward passes).
+    pub micro_steps: u64,
+    pub tokens_seen: u64,
+    /// The sampler is a pure function of (seed, step, sample): its position is the step.
+    pub sampler: SamplerState,
+    /// How random numbers are drawn: libtorch's generator is reseeded from (seed, step) before
+    /// each step, so nothing else needs saving.
+    pub rng: RngState,
+    /// Dynamic loss scaling (fp16): none in fp32 runs.
+    pub loss_scaler: Option<serde_json::Value>,
+    /// What the OOM guard settled on.
+    pub guard: GuardSnapshot,
+    pub optimizer: OptimizerSnapshot,
+    pub best_val_loss: Option<f64>,
+    pub best_val_step: Option<u64>,
+    /// Updates skipped for a non-finite loss or gradient norm, over the whole run.
+    pub nonfinite_skips: u64,
+    /// Training time before this checkpoint, over all resumes.
+    pub elapsed_s: f64,
+    /// Size in bytes of each tensor file: a truncated file is caught before it is parsed.
+    pub files: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplerState {
+    pub seed: u64,
+    pub next_step: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RngState {
+    pub scheme: String,
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuardSnapshot {
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    pub configured_micro_batch: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerSnapshot {
+    pub kind: String,
+    /// Updates applied (AdamW's bias correction depends on it).
+    pub steps: u64,
+}
+
+pub const RNG_SCHEME: &str = "libtorch generator reseeded with mix(seed, step) before each step";

@@ -1,0 +1,34 @@
+//! Stopping a run from outside without a panic: SIGINT/SIGTERM set a flag that the training loop
+//! reads between steps (it then checkpoints and exits with the "interrupted" code); a second
+//! signal exits at once.
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+#[derive(Debug, Clone, Default)]
+pub struct Interrupter(Arc<AtomicU32>);
+
+impl Interrupter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature).
+    pub fn install_signal_handler(&self) -> Result<(), ctrlc::Error> {
+        let count = self.0.clone();
+        ctrlc::set_handler(move || {
+            if count.fetch_add(1, Ordering::SeqCst) >= 1 {
+                eprintln!("second signal: exiting now; --resume auto continues from the last complete checkpoint");
+                std::process::exit(crate::exit::INTERRUPTED);
+            }
+            eprintln!("signal received: finishing the current step, then checkpointing (send it again to exit at once)");
+        })
+    }
+
+    pub fn request(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn requested(&self) -> bool {
+        self.0.load(Ordering::SeqCst) > 0
+    }
+}
