@@ -84,6 +84,15 @@ pub fn clean_temporaries(root: &Path) -> Vec<PathBuf> {
     leftovers
 }
 
+/// Deletes a checkpoint so that it is never seen half-deleted: renamed out of the
+/// `step-XXXXXXXX` namespace first (one atomic step), then removed.
+pub fn remove(root: &Path, step: u64) -> Result<(), CheckpointError> {
+    let dir = root.join(dir_name(step));
+    let doomed = root.join(format!("{TMP_PREFIX}del-{}", dir_name(step)));
+    fs::rename(&dir, &doomed).map_err(io(&dir))?;
+    fs::remove_dir_all(&doomed).map_err(io(&doomed))
+}
+
 /// Writes one checkpoint atomically and returns its directory.
 pub fn save(
     root: &Path,
@@ -107,8 +116,12 @@ pub fn save(
     }
     fsync(&tmp)?;
     if final_dir.exists() {
-        // The same step again (a resumed run re-checkpointing): replace it.
+        // The same step again (a resumed run re-checkpointing): replace it. Between the two
+        // renames the step is briefly absent, never half there.
         let old = root.join(format!("{TMP_PREFIX}old-{name}"));
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(io(&old))?;
+        }
         fs::rename(&final_dir, &old).map_err(io(&final_dir))?;
         fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
         let _ = fs::remove_dir_all(&old);

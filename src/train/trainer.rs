@@ -386,7 +386,9 @@ impl Checkpointer {
                 let best = if self.keep_best { progress.best_val.map(|b| b.1) } else { None };
                 let deleted = retention::to_delete(&steps, self.retention, best);
                 for s in &deleted {
-                    let _ = std::fs::remove_dir_all(self.root.join(store::dir_name(*s)));
+                    if let Err(e) = store::remove(&self.root, *s) {
+                        tracing::warn!("could not remove an old checkpoint: {e}");
+                    }
                 }
                 self.last_at = Instant::now();
                 self.last_seconds = t0.elapsed().as_secs_f64();

@@ -52,7 +52,7 @@ pub fn repo() -> PathBuf {
 }
 
 /// `trainguard train --config <config> --set out_dir=<dir> --set train.threads=1 <sets…>`.
-pub fn train(dir: &Path, config: &str, sets: &[&str]) -> Run {
+pub fn command(dir: &Path, config: &str, sets: &[&str]) -> Command {
     let mut cmd = Command::new(bin());
     cmd.arg("train").arg("--config").arg(repo().join(config));
     cmd.arg("--set").arg(format!("out_dir={}", dir.display()));
@@ -60,8 +60,16 @@ pub fn train(dir: &Path, config: &str, sets: &[&str]) -> Run {
     for s in sets {
         cmd.arg("--set").arg(s);
     }
+    cmd
+}
+
+pub fn run(mut cmd: Command, dir: &Path) -> Run {
     let output = cmd.output().expect("run trainguard");
     Run { output, dir: dir.to_path_buf() }
+}
+
+pub fn train(dir: &Path, config: &str, sets: &[&str]) -> Run {
+    run(command(dir, config, sets), dir)
 }
 
 /// Loads `model.safetensors` of a run directory as (name, tensor) pairs.
