@@ -112,6 +112,10 @@ fn a_cap_too_small_for_micro_batch_1_exits_3_with_advice_and_keeps_the_run_dir()
     assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
     assert_eq!(micro_changes(&run.events()), [(0, 4, 2, 1, 2), (0, 2, 1, 2, 4)]);
     assert!(Path::new(&dir.path().join("config.yaml")).is_file(), "run directory intact");
+    let stopped = run.events_of("stopped");
+    assert_eq!(stopped[0]["reason"], "out_of_memory");
+    let ckpt = stopped[0]["checkpoint"].as_str().expect("the last good state is checkpointed");
+    assert!(Path::new(ckpt).join("model.safetensors").is_file());
     assert!(dir.path().join("metrics.jsonl").is_file());
 }
 
