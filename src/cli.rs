@@ -16,6 +16,8 @@ pub enum Command {
     /// Inspect configs.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Versions, CUDA, GPUs and allocator settings: what to paste into a bug report.
+    Env(ConfigArgs),
 }
 
 #[derive(Debug, Subcommand)]

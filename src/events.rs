@@ -2,7 +2,7 @@
 //! turns them into human log lines (through `tracing`; a progress bar on a terminal), one
 //! `metrics.jsonl` line per optimizer step and one `events.jsonl` line per everything else.
 //! Only the writing rank opens files.
-use crate::memory::{human, MemorySnapshot};
+use crate::memory::{gib, human, MemorySnapshot};
 use serde::Serialize;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -23,6 +23,8 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     pub step_time_s: f64,
     pub elapsed_s: f64,
+    #[serde(flatten)]
+    pub memory: crate::memory::telemetry::MemoryMetrics,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -74,6 +76,7 @@ pub enum Event {
         tokens_per_step: usize,
         max_steps: u64,
         memory_limit_bytes: Option<u64>,
+        allocator: crate::memory::allocator::EffectiveSettings,
     },
     Step(StepMetrics),
     RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
@@ -83,6 +86,9 @@ pub enum Event {
     CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
     CheckpointFailed { step: u64, error: String },
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
+    LeakSuspected { step: u64, message: String },
+    /// Allocation retries rose step after step; `action`: `warn` or `shrink`.
+    ThrashDetected { step: u64, total_retries: i64, action: String, new_micro_batch: Option<usize> },
     /// The run stops before max_steps: `signal`, `time_limit`, `nonfinite`, `out_of_memory`.
     Stopped { step: u64, reason: String, checkpoint: Option<String> },
     RunFinished(RunSummary),
@@ -151,7 +157,7 @@ impl Reporter {
 
     fn log(&self, event: &Event) {
         match event {
-            Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes } => {
+            Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes, allocator } => {
                 tracing::info!(
                     "run: {:.2}M parameters on {device}, corpus {corpus} (unigram entropy {unigram_entropy:.3} nats)",
                     *params as f64 / 1e6
@@ -162,13 +168,21 @@ impl Reporter {
                 if let Some(l) = memory_limit_bytes {
                     tracing::info!("memory cap: {}", human(*l));
                 }
+                if allocator.source != "none" {
+                    tracing::info!("allocator settings: {} (from {})", allocator.conf, allocator.source);
+                }
             }
             Event::Step(m) => {
                 let last = m.step + 1 == self.max_steps;
                 if m.step % self.log_interval == 0 || last || m.val_loss.is_some() {
                     let val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+                    let mem = &m.memory;
+                    let mem = match (mem.allocated_bytes, mem.reserved_bytes, mem.peak_allocated_bytes) {
+                        (Some(a), Some(r), Some(p)) => format!(" | mem {:.2}/{:.2}/{:.2} GiB alloc/reserved/peak", gib(a), gib(r), gib(p)),
+                        _ => mem.rss_bytes.map(|r| format!(" | rss {:.2} GiB", gib(r))).unwrap_or_default(),
+                    };
                     tracing::info!(
-                        "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | micro {}×{} | {:.1}s",
+                        "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | micro {}×{}{mem} | {:.1}s",
                         m.step, self.max_steps, m.loss, m.lr, m.tokens_per_s, m.micro_batch, m.accumulation, m.elapsed_s
                     );
                 }
@@ -203,6 +217,11 @@ impl Reporter {
             Event::CheckpointFailed { step, error } => tracing::warn!("checkpoint at step {step} failed, training goes on: {error}"),
             Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
                 tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
+            }
+            Event::LeakSuspected { step, message } => tracing::warn!("step {step}: possible memory leak: {message}"),
+            Event::ThrashDetected { step, total_retries, action, new_micro_batch } => {
+                let what = new_micro_batch.map(|m| format!("micro-batch lowered to {m} before an out-of-memory")).unwrap_or_else(|| format!("oom.on_thrash: {action}"));
+                tracing::warn!("step {step}: the CUDA allocator keeps flushing its cache to satisfy requests ({total_retries} retries so far), which slows every step; {what}");
             }
             Event::Stopped { step, reason, checkpoint } => {
                 let ck = checkpoint.as_deref().map(|c| format!("; checkpoint {c}")).unwrap_or_else(|| "; no checkpoint".into());

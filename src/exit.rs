@@ -18,7 +18,7 @@ pub const NONFINITE: i32 = 5;
 
 pub fn code_for(err: &anyhow::Error) -> i32 {
     for cause in err.chain() {
-        if cause.is::<ConfigError>() || cause.is::<PlanError>() {
+        if cause.is::<ConfigError>() || cause.is::<PlanError>() || cause.is::<crate::memory::allocator::AllocatorError>() {
             return CONFIG;
         }
         if oom_in(cause).is_some() {
@@ -29,7 +29,7 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
             Some(TrainError::NonFinite { .. }) => return NONFINITE,
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
-            Some(TrainError::Checkpoint(_)) => return CONFIG,
+            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_)) => return CONFIG,
             _ => {}
         }
     }

@@ -12,6 +12,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => run_train(&args),
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
+        Command::Env(args) => show_env(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -51,6 +52,11 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
     let cfg = load(args)?;
     print!("{}", serde_yaml::to_string(&cfg)?);
+    Ok(())
+}
+
+fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
+    print!("{}", trainguard::envinfo::report(&load(args)?));
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! The raw run configuration: serde structs with their defaults, read from YAML and `--set`
 //! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
 //! derive anything from the environment (that is `plan`'s job).
+pub mod allocator;
 mod load;
 mod validate;
 
@@ -153,12 +154,22 @@ pub struct OomConfig {
     pub min_micro_batch: usize,
     /// After this many clean steps below the configured micro-batch, try doubling back; 0 = never.
     pub regrow_after_steps: u64,
+    /// When allocation retries rise 3 steps in a row (CUDA): `warn`, or `shrink` the
+    /// micro-batch before an OOM happens.
+    pub on_thrash: ThrashAction,
 }
 
 impl Default for OomConfig {
     fn default() -> Self {
-        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0 }
+        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThrashAction {
+    Warn,
+    Shrink,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,12 +184,22 @@ pub enum OomPolicy {
     Off,
 }
 
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MemoryConfig {
     /// Make the real allocator fail at this size (`16GiB`, `512MiB`, bytes): a CUDA memory
     /// fraction on GPUs, an address-space limit on CPU. See README "Memory cap".
     pub limit: Option<Size>,
+    /// CUDA caching-allocator options (PYTORCH_CUDA_ALLOC_CONF keys); see README "Allocator".
+    pub allocator: allocator::AllocatorConfig,
+    /// Warn when memory grows steadily over this many steps (after 5 warm-up steps); 0 = off.
+    pub leak_check_steps: usize,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self { limit: None, allocator: Default::default(), leak_check_steps: 20 }
+    }
 }
 
 /// A size as written in YAML: `16GiB`, `512MiB`, `1.5GB`, or a plain number of bytes.
@@ -242,4 +263,6 @@ pub struct FaultsConfig {
     pub nonfinite_loss_at_steps: Vec<u64>,
     /// Behave as if SIGTERM arrived just before this step (checkpoint, exit 4).
     pub interrupt_at_step: Option<u64>,
+    /// Keep every step's forward graph alive, as a leaking training script would.
+    pub leak_graphs: bool,
 }

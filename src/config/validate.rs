@@ -110,6 +110,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
     check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
 
+    for problem in c.memory.allocator.problems() {
+        check(false, &problem.key, problem.message);
+    }
+
     let o = &c.oom;
     check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
     check(

@@ -31,7 +31,25 @@ pub struct AllocatorStats {
     pub num_ooms: i64,
 }
 
+/// Versions and capabilities of the libtorch this binary runs on.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Versions {
+    pub torch_major: i32,
+    pub torch_minor: i32,
+    pub torch_patch: i32,
+    pub cuda_available: i32,
+    pub cudnn_available: i32,
+    /// CUDA runtime as 13000 = 13.0; -1 unknown.
+    pub cudart_version: i64,
+    /// cuDNN as 91002 = 9.10.2; -1 unknown.
+    pub cudnn_version: i64,
+    pub cuda_devices: i32,
+    pub intra_op_threads: i32,
+}
+
 extern "C" {
+    fn tg_versions(out: *mut Versions, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_accelerator_available() -> c_int;
     fn tg_device_stats(device: c_int, out: *mut AllocatorStats, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
@@ -68,6 +86,14 @@ fn result(code: c_int, err: &[u8]) -> Result<(), ShimError> {
             Err(ShimError::Torch(msg))
         }
     }
+}
+
+pub fn versions() -> Result<Versions, ShimError> {
+    let mut out = Versions::default();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `out` is a repr(C) mirror of tg_versions; `err` is ERR_LEN bytes.
+    let code = unsafe { tg_versions(&mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err).map(|_| out)
 }
 
 pub fn accelerator_available() -> bool {
@@ -160,6 +186,14 @@ mod tests {
         assert_eq!(device_stats(0), Err(ShimError::Unavailable));
         assert_eq!(empty_cache(), Err(ShimError::Unavailable));
         assert_eq!(reset_peak_stats(0), Err(ShimError::Unavailable));
+    }
+
+    #[test]
+    fn versions_name_the_pinned_libtorch() {
+        let v = versions().unwrap();
+        assert_eq!((v.torch_major, v.torch_minor, v.torch_patch), (2, 11, 0));
+        assert!(v.intra_op_threads >= 1);
+        assert_eq!(v.cuda_available == 1, tch::Cuda::is_available());
     }
 
     #[test]

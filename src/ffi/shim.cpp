@@ -2,6 +2,9 @@
 // Every entry point catches C++ exceptions and returns them as a message: no exception crosses
 // into Rust. Return value: 0 = ok, 1 = error (message in `err`), 2 = unavailable (no accelerator).
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/Parallel.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/headeronly/version.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -103,6 +106,31 @@ int tg_get_allocator_settings(char* out, size_t out_len) {
   char ignored[8];
   return guarded(ignored, sizeof ignored, [&] {
     copy_message(c10::CachingAllocator::getAllocatorSettings(), out, out_len);
+  });
+}
+
+// Mirrors trainguard::ffi::Versions (repr(C)).
+struct tg_versions {
+  int32_t torch_major, torch_minor, torch_patch;
+  int32_t cuda_available, cudnn_available;
+  int64_t cudart_version, cudnn_version;
+  int32_t cuda_devices, intra_op_threads;
+};
+
+int tg_versions(tg_versions* out, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    out->torch_major = TORCH_VERSION_MAJOR;
+    out->torch_minor = TORCH_VERSION_MINOR;
+    out->torch_patch = TORCH_VERSION_PATCH;
+    const auto& cuda = at::detail::getCUDAHooks();
+    out->cuda_available = cuda.hasCUDA() ? 1 : 0;
+    out->cudnn_available = cuda.hasCuDNN() ? 1 : 0;
+    out->cudart_version = -1;
+    out->cudnn_version = -1;
+    try { out->cudart_version = cuda.versionCUDART(); } catch (...) {}
+    try { if (out->cudnn_available) out->cudnn_version = cuda.versionCuDNN(); } catch (...) {}
+    out->cuda_devices = out->cuda_available ? cuda.getNumGPUs() : 0;
+    out->intra_op_threads = at::get_num_threads();
   });
 }
 

@@ -82,6 +82,18 @@ impl GuardState {
         Decision::Retry { micro_batch: self.current, backoff: false }
     }
 
+    /// Halves the micro-batch ahead of an out-of-memory (allocator thrashing); `None` at the
+    /// floor.
+    pub fn shrink(&mut self, step: u64) -> Option<usize> {
+        if self.current <= self.floor {
+            return None;
+        }
+        self.block(self.current, step);
+        self.current = self.current.div_ceil(2).max(self.floor);
+        self.clean_steps = 0;
+        Some(self.current)
+    }
+
     fn block(&mut self, size: usize, step: u64) {
         let failures = match self.blocked.iter_mut().find(|b| b.0 == size) {
             Some(b) => {
@@ -165,6 +177,15 @@ mod tests {
             assert!(s.current() <= 32);
         }
         assert_eq!(s.current(), 32);
+    }
+
+    #[test]
+    fn shrink_halves_ahead_of_an_oom_until_the_floor() {
+        let mut s = GuardState::new(8, 2, 0);
+        assert_eq!(s.shrink(0), Some(4));
+        assert_eq!(s.shrink(1), Some(2));
+        assert_eq!(s.shrink(2), None);
+        assert_eq!(s.current(), 2);
     }
 
     #[test]

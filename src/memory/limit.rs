@@ -41,11 +41,16 @@ pub fn apply_limit(limit_bytes: u64, device: Device) -> Result<LimitReport, Limi
     }
 }
 
-fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError> {
+/// The share of CUDA device `device` that `limit_bytes` is. Applied together with the other
+/// allocator settings (`allocator::configure`), before the first CUDA allocation.
+pub fn cuda_fraction(limit_bytes: u64, device: usize) -> Result<f64, LimitError> {
     let total = ffi::memory_info(device).map_err(|e| LimitError::Cuda(e.to_string()))?.1;
-    let fraction = (limit_bytes as f64 / total as f64).min(1.0);
-    ffi::set_allocator_settings(&format!("per_process_memory_fraction:{fraction:.6}"))
-        .map_err(|e| LimitError::Cuda(e.to_string()))?;
+    Ok((limit_bytes as f64 / total as f64).min(1.0))
+}
+
+fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError> {
+    // The fraction itself went in with the allocator settings; this only reports it.
+    let fraction = cuda_fraction(limit_bytes, device)?;
     Ok(LimitReport { limit_bytes, baseline_bytes: 0, fraction: Some(fraction) })
 }
 

@@ -1,10 +1,16 @@
 //! Memory as the runtime sees it: a snapshot of what the device's allocator holds (the CUDA
 //! caching allocator through the shim; on CPU, the process's own figures), returning cached
-//! blocks, and the memory cap (`memory.limit`).
+//! blocks, the memory cap (`memory.limit`), allocator settings, per-step telemetry (with NVML),
+//! leak and thrash detectors, and the summary table.
+pub mod allocator;
+pub mod detect;
+pub mod gpu;
 mod limit;
 mod process;
+pub mod summary;
+pub mod telemetry;
 
-pub use limit::{apply_limit, prepare_cpu_limit, LimitError, LimitReport};
+pub use limit::{apply_limit, cuda_fraction, prepare_cpu_limit, LimitError, LimitReport};
 pub use process::ProcessMemory;
 
 use crate::ffi;

@@ -10,6 +10,10 @@ use crate::data::{mix, Corpus, DataError, Sampler, Split};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics};
 use crate::guard::{unrecovered, Guard, GuardError, GuardState, OomFailure};
 use crate::interrupt::Interrupter;
+use crate::config::ThrashAction;
+use crate::memory::detect::{LeakDetector, ThrashDetector};
+use crate::memory::summary::table as memory_summary;
+use crate::memory::telemetry::Telemetry;
 use crate::memory::{apply_limit, LimitError, ProcessMemory};
 use crate::model::Gpt;
 use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
@@ -36,6 +40,8 @@ pub enum TrainError {
     Guard(#[from] GuardError),
     #[error(transparent)]
     Limit(#[from] LimitError),
+    #[error(transparent)]
+    Allocator(#[from] crate::memory::allocator::AllocatorError),
     #[error(transparent)]
     Save(#[from] crate::checkpoint::SaveError),
     #[error(transparent)]
@@ -104,6 +110,19 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
     }
 
+    // Before the first CUDA allocation: allocator options and the CUDA memory cap.
+    let fraction = match (plan.memory_limit, device) {
+        (Some(limit), tch::Device::Cuda(i)) => Some(crate::memory::cuda_fraction(limit, i)?),
+        _ => None,
+    };
+    let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction)?;
+    for w in cfg.memory.allocator.warnings(fraction.is_some()) {
+        tracing::warn!("{w}");
+    }
+    for o in &allocator.overridden {
+        tracing::warn!("PYTORCH_CUDA_ALLOC_CONF overridden by the config: {o}");
+    }
+
     // The cap goes on after the corpus is loaded: it counts what training allocates.
     let baseline = match plan.memory_limit {
         Some(limit) => apply_limit(limit, device)?.baseline_bytes,
@@ -148,11 +167,17 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         tokens_per_step: plan.tokens_per_step,
         max_steps: t.max_steps,
         memory_limit_bytes: plan.memory_limit,
+        allocator: allocator.clone(),
     });
     if let Some(l) = &loaded {
         reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
     }
 
+    let mut telemetry = Telemetry::new(device);
+    let mut leak = LeakDetector::new(cfg.memory.leak_check_steps, 5);
+    let mut thrash = ThrashDetector::new(3);
+    // faults.leak_graphs: what a leaking training script keeps alive.
+    let mut leaked: Vec<tch::Tensor> = Vec::new();
     let mut ckpt = Checkpointer {
         root: ckpt_root,
         writer: plan.is_writer(),
@@ -197,11 +222,16 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
             if applied {
                 opt.step(params, &grads, lr)?;
             }
+            if cfg.faults.leak_graphs {
+                let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
+                leaked.push(model.forward(&x, true)?);
+            }
             Ok(StepOutcome { loss, grad_norm, applied })
         });
         let outcome = match outcome {
             Ok(o) => o,
             Err(e @ GuardError::OutOfMemory(_)) => {
+                tracing::warn!("{}", memory_summary(device));
                 // The failed step changed nothing: the model is still the last good state.
                 let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
                 reporter.emit(Event::Stopped { step, reason: "out_of_memory".into(), checkpoint: path.map(|p| p.display().to_string()) });
@@ -239,6 +269,16 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         // A slowly forgetting maximum of step times (eval included): the time-limit margin.
         slowest_recent = step_started.elapsed().as_secs_f64().max(slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
+        let memory = telemetry.sample();
+        if let Some(message) = Telemetry::leak_figure(&memory).and_then(|b| leak.observe(b)) {
+            reporter.emit(Event::LeakSuspected { step, message });
+        }
+        if memory.alloc_retries.is_some() && thrash.observe(telemetry.total_retries) {
+            let shrink = cfg.oom.on_thrash == ThrashAction::Shrink;
+            let new_micro_batch = if shrink { guard.state.shrink(step) } else { None };
+            let action = if shrink { "shrink" } else { "warn" }.to_string();
+            reporter.emit(Event::ThrashDetected { step, total_retries: telemetry.total_retries, action, new_micro_batch });
+        }
         reporter.emit(Event::Step(StepMetrics {
             step,
             loss: outcome.loss,
@@ -251,6 +291,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
             tokens_per_s: tokens as f64 / step_time,
             step_time_s: step_time,
             elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
+            memory,
         }));
         step += 1;
         if ckpt.due(step, cfg) || step == t.max_steps {
@@ -283,6 +324,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
             .then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(baseline)))
             .flatten(),
     };
+    tracing::info!("{}", memory_summary(device));
     reporter.emit(Event::RunFinished(summary.clone()));
     Ok(summary)
 }

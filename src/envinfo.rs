@@ -1,0 +1,71 @@
+//! `trainguard env`: what a user pastes into a bug report — trainguard and libtorch versions,
+//! CUDA and cuDNN, every GPU NVML sees, and the allocator settings a run would use and where
+//! they come from.
+use crate::config::Config;
+use crate::ffi;
+use crate::memory::allocator::merge;
+use crate::memory::gpu::Gpus;
+use crate::memory::human;
+use std::fmt::Write;
+
+fn version(v: i64, parts: &[i64]) -> String {
+    if v < 0 {
+        return "unknown".into();
+    }
+    let (mut rest, mut out) = (v, Vec::new());
+    for &p in parts {
+        out.push((rest / p).to_string());
+        rest %= p;
+    }
+    out.push(rest.to_string());
+    out.join(".")
+}
+
+/// The report; `config` supplies the allocator settings a run of it would use.
+pub fn report(config: &Config) -> String {
+    let mut r = String::new();
+    let _ = writeln!(r, "[trainguard]\nversion: {}", env!("CARGO_PKG_VERSION"));
+    let _ = writeln!(r, "\n[libtorch]");
+    match ffi::versions() {
+        Ok(v) => {
+            let _ = writeln!(r, "version: {}.{}.{}", v.torch_major, v.torch_minor, v.torch_patch);
+            let _ = writeln!(r, "intra-op threads: {}", v.intra_op_threads);
+            let _ = writeln!(r, "\n[cuda]");
+            let _ = writeln!(r, "available: {}", if v.cuda_available == 1 { "yes" } else { "no" });
+            let _ = writeln!(r, "devices: {}", v.cuda_devices);
+            // cudaRuntimeGetVersion: 1000·major + 10·minor.
+            let _ = writeln!(r, "cuda runtime: {}", if v.cudart_version < 0 { "unknown".into() } else { format!("{}.{}", v.cudart_version / 1000, (v.cudart_version % 1000) / 10) });
+            let _ = writeln!(r, "cudnn: {}", if v.cudnn_available == 1 { version(v.cudnn_version, &[10000, 100]) } else { "not available".into() });
+        }
+        Err(e) => {
+            let _ = writeln!(r, "unavailable: {e}");
+        }
+    }
+    let _ = writeln!(r, "\n[gpus]");
+    match Gpus::open() {
+        Ok(g) => {
+            let _ = writeln!(r, "driver: {}", g.driver_version().unwrap_or_else(|| "unknown".into()));
+            let list = g.list();
+            if list.is_empty() {
+                let _ = writeln!(r, "none");
+            }
+            for d in list {
+                let _ = writeln!(r, "{}: {} ({} total, {} free)", d.index, d.name, human(d.memory_total_bytes), human(d.memory_free_bytes));
+            }
+        }
+        Err(why) => {
+            let _ = writeln!(r, "{why}");
+        }
+    }
+    let _ = writeln!(r, "\n[allocator]");
+    let env = crate::memory::allocator::env_conf();
+    let _ = writeln!(r, "PYTORCH_CUDA_ALLOC_CONF in the environment: {}", env.as_deref().unwrap_or("(unset)"));
+    let eff = merge(env.as_deref(), &config.memory.allocator.pairs(), None);
+    let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
+    let _ = writeln!(r, "effective: {shown}");
+    let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
+    for o in eff.overridden {
+        let _ = writeln!(r, "overridden by the config: {o}");
+    }
+    r
+}

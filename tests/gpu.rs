@@ -1,0 +1,65 @@
+//! Checks that need a CUDA device. Without one each test says "skipped: no CUDA device" and
+//! passes: CI has no GPU. Run them on a GPU machine with `cargo test --release --test gpu -- --nocapture`.
+mod common;
+use common::*;
+use tch::{Device, Kind, Tensor};
+use trainguard::ffi;
+
+fn cuda() -> Option<Device> {
+    if tch::Cuda::is_available() {
+        Some(Device::Cuda(0))
+    } else {
+        eprintln!("skipped: no CUDA device");
+        None
+    }
+}
+
+#[test]
+fn a_1_gib_tensor_moves_allocated_by_1_gib_and_empty_cache_returns_it() {
+    let Some(dev) = cuda() else { return };
+    let before = ffi::device_stats(0).unwrap();
+    let t = Tensor::zeros([1 << 28], (Kind::Float, dev)); // 2^28 floats = 1 GiB
+    let during = ffi::device_stats(0).unwrap();
+    let grew = during.allocated_current[0] - before.allocated_current[0];
+    eprintln!("allocated grew by {grew} bytes; reserved {} -> {}", before.reserved_current[0], during.reserved_current[0]);
+    assert!((grew - (1 << 30)).abs() <= 2 << 20, "allocated moved by {grew}");
+    assert!(during.reserved_current[0] - before.reserved_current[0] >= 1 << 30);
+    drop(t);
+    ffi::empty_cache().unwrap();
+    let after = ffi::device_stats(0).unwrap();
+    eprintln!("after empty_cache: reserved {}", after.reserved_current[0]);
+    assert!(after.reserved_current[0] < during.reserved_current[0] - (1 << 29));
+}
+
+#[test]
+fn the_guard_replays_on_real_cuda_ooms_under_a_memory_cap() {
+    if cuda().is_none() {
+        return;
+    }
+    let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.seq_len=512", "model.vocab_size=8192", "train.global_batch_size=64", "train.warmup_steps=0", "train.max_steps=4", "train.eval_interval=0", "device=cuda"];
+    let a = train(capped.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=64", "memory.limit=2GiB"]].concat()).ok();
+    eprintln!("{}", a.stderr());
+    let recoveries = a.events_of("oom_recovered");
+    assert!(!recoveries.is_empty(), "the cap should force at least one halving");
+    assert!(recoveries[0]["error"].as_str().unwrap().contains("CUDA out of memory"));
+    let settled = a.summary()["final_micro_batch"].as_u64().unwrap().to_string();
+    let b = train(plain.path(), "configs/debug.yaml", &[&base[..], &[format!("train.micro_batch_size={settled}").as_str()]].concat()).ok();
+    assert_eq!(series(&a.metrics(), "micro_batch"), series(&b.metrics(), "micro_batch"));
+    let diff = max_weight_diff(capped.path(), plain.path());
+    eprintln!("max weight difference against a run at {settled}: {diff}");
+    assert!(diff <= 1e-4, "{diff}");
+}
+
+#[test]
+fn expandable_segments_shows_in_the_effective_settings() {
+    if cuda().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["device=cuda", "train.max_steps=2", "train.warmup_steps=0", "memory.allocator.expandable_segments=true"]).ok();
+    assert_eq!(r.events_of("run_started")[0]["allocator"]["conf"], "expandable_segments:True");
+    let m = r.metrics();
+    assert!(m[1]["allocated_bytes"].as_u64().unwrap() > 0);
+    assert!(m[1]["gpu_memory_total_bytes"].as_u64().unwrap_or(0) > 0, "NVML reports the card: {}", m[1]);
+}

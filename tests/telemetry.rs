@@ -1,0 +1,84 @@
+//! Memory telemetry and allocator control on the real binary (CPU): `trainguard env`, the
+//! allocator settings' validation and merge with the environment, per-step memory fields, and
+//! the leak warning.
+mod common;
+use common::*;
+use std::process::Command;
+
+#[test]
+fn env_prints_every_section() {
+    let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for section in ["[trainguard]", "[libtorch]", "version: 2.11.0", "[cuda]", "available:", "[gpus]", "[allocator]", "effective:"] {
+        assert!(text.contains(section), "lacks {section}:\n{text}");
+    }
+    let nvml_present = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1").exists();
+    if !nvml_present {
+        assert!(text.contains("NVML unavailable"), "the NVML-absent path is reported:\n{text}");
+    }
+}
+
+#[test]
+fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
+    let out = Command::new(bin())
+        .args(["env", "--set", "memory.allocator.max_split_size_mb=256"])
+        .env("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("effective: max_split_size_mb:256,expandable_segments:False"), "{text}");
+    assert!(text.contains("source: environment+config") && text.contains("max_split_size_mb: environment 128, config 256"), "{text}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=0", "memory.allocator.max_split_size_mb=256"]);
+    cmd.env("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False");
+    let r = run(cmd, dir.path()).ok();
+    let started = &r.events_of("run_started")[0];
+    assert_eq!(started["allocator"]["conf"], "max_split_size_mb:256,expandable_segments:False");
+    assert!(r.stderr().contains("PYTORCH_CUDA_ALLOC_CONF overridden by the config"), "{}", r.stderr());
+}
+
+#[test]
+fn allocator_settings_are_validated_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["memory.allocator.max_split_size_mb=10", "memory.allocator.garbage_collection_threshold=1.5", "memory.allocator.backend=tcmalloc"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("memory.allocator.backend"), "type error first: {}", r.stderr());
+    let r = train(dir.path(), "configs/debug.yaml", &["memory.allocator.max_split_size_mb=10", "memory.allocator.garbage_collection_threshold=1.5"]);
+    assert_eq!(r.code(), 2);
+    let err = r.stderr();
+    assert!(err.contains("memory.allocator.max_split_size_mb: must be >= 20") && err.contains("memory.allocator.garbage_collection_threshold"), "{err}");
+    // A key libtorch itself does not know, coming from the environment: refused, exit 2.
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=1", "train.warmup_steps=0", "memory.allocator.expandable_segments=true"]);
+    cmd.env("PYTORCH_CUDA_ALLOC_CONF", "no_such_option:1");
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("libtorch refused") && r.stderr().contains("no_such_option"), "{}", r.stderr());
+}
+
+#[test]
+fn metrics_carry_memory_fields_and_a_clean_run_does_not_warn_of_leaks() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=60", "train.warmup_steps=5", "memory.leak_check_steps=20"]).ok();
+    let m = r.metrics();
+    for key in ["allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "alloc_retries", "gpu_utilization_pct", "gpu_power_w"] {
+        assert!(m[10].get(key).is_some(), "metrics line lacks {key}");
+    }
+    assert!(m[10]["rss_bytes"].as_u64().unwrap() > 0);
+    if !tch::Cuda::is_available() {
+        assert!(m[10]["allocated_bytes"].is_null(), "no CUDA allocator on CPU");
+    }
+    assert!(r.events_of("leak_suspected").is_empty(), "{:?}", r.events_of("leak_suspected"));
+    assert!(r.stderr().contains("memory summary"), "summary table at the end");
+}
+
+#[test]
+fn keeping_graphs_across_steps_triggers_the_leak_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=40", "train.warmup_steps=5", "memory.leak_check_steps=20", "faults.leak_graphs=true"]).ok();
+    let leaks = r.events_of("leak_suspected");
+    assert_eq!(leaks.len(), 1, "one warning per run");
+    assert!(leaks[0]["message"].as_str().unwrap().contains("kept across steps"));
+    assert!(r.stderr().contains("possible memory leak"));
+}
