@@ -2,6 +2,7 @@
 //! passes: CI has no GPU. Run them on a GPU machine with `cargo test --release --test gpu -- --nocapture`.
 mod common;
 use common::*;
+use std::io::Write;
 use tch::{Device, Kind, Tensor};
 use trainguard::ffi;
 
@@ -9,7 +10,8 @@ fn cuda() -> Option<Device> {
     if tch::Cuda::is_available() {
         Some(Device::Cuda(0))
     } else {
-        eprintln!("skipped: no CUDA device");
+        // Written past the test harness' capture so the reason shows in every run.
+        let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({})", std::thread::current().name().unwrap_or("gpu test"));
         None
     }
 }
