@@ -4,7 +4,8 @@
 //! - `libtorch_cuda` / `libc10_cuda` linked with `-as-needed` switched off: nothing in Rust calls
 //!   them directly, so a plain link would drop them and CUDA would stay invisible on GPU machines
 //!   ("Cannot initialize CUDA without ATen_cuda library").
-//! - `src/ffi/shim.cpp` (allocator statistics and cache control) compiled against the same libtorch.
+//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW) and `src/ffi/dist.cpp` (c10d process
+//!   groups) compiled against the same libtorch.
 use std::path::PathBuf;
 
 fn main() {
@@ -17,6 +18,7 @@ fn main() {
     let include = torch_dir.join("include");
 
     println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
     cc::Build::new()
@@ -29,6 +31,19 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .warnings(false)
         .compile("trainguard_shim");
+
+    // c10d (process groups). ProcessGroupGloo.hpp needs gloo's headers, which the torch wheel
+    // does not ship: Debian's libgloo-dev provides them (scripts/setup.sh installs it).
+    cc::Build::new()
+        .cpp(true)
+        .file("src/ffi/dist.cpp")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .define("USE_C10D_GLOO", None)
+        .warnings(false)
+        .compile("trainguard_dist");
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     for name in ["torch", "torch_cpu", "c10"] {

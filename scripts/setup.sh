@@ -18,6 +18,8 @@ need_pkgs=()
 command -v g++ >/dev/null 2>&1 || need_pkgs+=(g++)
 command -v make >/dev/null 2>&1 || need_pkgs+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
+# Gloo's headers for the c10d shim (src/ffi/dist.cpp); the torch wheel ships c10d's, not gloo's.
+[ -f /usr/include/gloo/allreduce.h ] || need_pkgs+=(libgloo-dev)
 # Debian's python3 needs python3-venv for `python3 -m venv` (pyenv/conda Pythons have it built in).
 ${PYTHON:-python3} -c 'import ensurepip, venv' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
 if [ ${#need_pkgs[@]} -gt 0 ]; then

@@ -91,6 +91,8 @@ pub enum Event {
     ThrashDetected { step: u64, total_retries: i64, action: String, new_micro_batch: Option<usize> },
     /// The run stops before max_steps: `signal`, `time_limit`, `nonfinite`, `out_of_memory`.
     Stopped { step: u64, reason: String, checkpoint: Option<String> },
+    /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
+    RanksCompared { world_size: usize, checksum_spread: f64 },
     RunFinished(RunSummary),
 }
 
@@ -226,6 +228,13 @@ impl Reporter {
             Event::Stopped { step, reason, checkpoint } => {
                 let ck = checkpoint.as_deref().map(|c| format!("; checkpoint {c}")).unwrap_or_else(|| "; no checkpoint".into());
                 tracing::warn!("stopping at step {step} ({reason}){ck}");
+            }
+            Event::RanksCompared { world_size, checksum_spread } => {
+                if *checksum_spread == 0.0 {
+                    tracing::info!("all {world_size} ranks hold identical weights");
+                } else {
+                    tracing::warn!("ranks' weights differ (checksum spread {checksum_spread:e}): data-parallel replicas diverged");
+                }
             }
             Event::RunFinished(s) => {
                 let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();

@@ -18,7 +18,11 @@ pub const NONFINITE: i32 = 5;
 
 pub fn code_for(err: &anyhow::Error) -> i32 {
     for cause in err.chain() {
-        if cause.is::<ConfigError>() || cause.is::<PlanError>() || cause.is::<crate::memory::allocator::AllocatorError>() {
+        if cause.is::<ConfigError>()
+            || cause.is::<PlanError>()
+            || cause.is::<crate::memory::allocator::AllocatorError>()
+            || cause.is::<crate::dist::EnvError>()
+        {
             return CONFIG;
         }
         if oom_in(cause).is_some() {
@@ -44,5 +48,16 @@ pub fn oom_in<'a>(cause: &'a (dyn std::error::Error + 'static)) -> Option<&'a cr
     match cause.downcast_ref::<GuardError>() {
         Some(GuardError::OutOfMemory(f)) => Some(f),
         _ => None,
+    }
+}
+
+/// A name for the error kind behind an exit code (torchelastic's error file).
+pub fn kind_name(code: i32) -> &'static str {
+    match code {
+        CONFIG => "ConfigError",
+        OUT_OF_MEMORY => "OutOfMemoryError",
+        INTERRUPTED => "Interrupted",
+        NONFINITE => "NonFiniteLoss",
+        _ => "TrainguardError",
     }
 }

@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod envinfo;
 pub mod events;
 pub mod exit;

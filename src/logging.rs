@@ -31,13 +31,33 @@ pub fn progress_bar_wanted() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("TRAINGUARD_NO_PROGRESS").is_none()
 }
 
+/// Prefixes each line a non-zero rank writes with `[rank N]`.
+struct RankWriter(Option<usize>);
+
+impl Write for RankWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut err = std::io::stderr().lock();
+        if let Some(r) = self.0 {
+            write!(err, "[rank {r}] ")?;
+        }
+        err.write_all(buf)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
+/// Only rank 0 logs progress; other ranks (`RANK` > 0 under torchrun) log warnings and errors,
+/// each line marked with its rank.
 pub fn init() {
-    let stderr_level = if progress_bar_wanted() { "warn" } else { "info" };
+    let rank = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()).filter(|&r| r > 0);
+    let stderr_level = if progress_bar_wanted() || rank.is_some() { "warn" } else { "info" };
     let stderr_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| stderr_level.into());
     let stderr = fmt::layer()
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
+        .with_writer(move || RankWriter(rank))
         .with_filter(stderr_filter);
     let file = fmt::layer().with_target(false).with_ansi(false).with_writer(|| FileWriter).with_filter(EnvFilter::new("info"));
     let _ = tracing_subscriber::registry().with(stderr).with(file).try_init();

@@ -4,7 +4,7 @@ use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::interrupt::Interrupter;
 use trainguard::train::Resume;
-use trainguard::{config, exit, plan, train};
+use trainguard::{config, dist, exit, plan, train};
 
 fn main() {
     trainguard::logging::init();
@@ -16,7 +16,16 @@ fn main() {
     };
     if let Err(err) = result {
         report(&err);
-        std::process::exit(exit::code_for(&err));
+        let code = exit::code_for(&err);
+        // Under torchrun: tell the agent the real cause.
+        if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
+            let kind = exit::kind_name(code);
+            let text = err.chain().map(|c| c.to_string().lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": ");
+            if let Err(e) = dist::write_error_file(std::path::Path::new(&path), kind, &text) {
+                eprintln!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy());
+            }
+        }
+        std::process::exit(code);
     }
     std::process::exit(exit::SUCCESS);
 }
@@ -31,8 +40,9 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         overrides.push(format!("train.max_duration={d}"));
     }
     let cfg = config::load(args.config.config.as_deref(), &overrides)?;
-    let plan = plan::RunPlan::build(cfg, plan::Environment::detect())?;
-    let restarted = std::env::var("TORCHELASTIC_RESTART_COUNT").ok().and_then(|v| v.parse::<u64>().ok()).is_some_and(|n| n > 0);
+    let launch = dist::from_process_env()?;
+    let plan = plan::RunPlan::build(cfg, plan::Environment::detect(launch.as_ref()))?;
+    let restarted = launch.as_ref().is_some_and(|l| l.restart_count > 0);
     let resume = match args.resume.as_deref() {
         Some("auto") => Resume::Auto,
         Some("none") => Resume::Fresh,
@@ -45,7 +55,11 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let stop = Interrupter::new();
     stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
-    train::train(&plan, &resume, &stop).context("training failed")?;
+    let mut group = match &launch {
+        Some(l) if l.world_size > 1 => Some(dist::Dist::init(l, plan.config.dist.timeout_s)?),
+        _ => None,
+    };
+    train::train(&plan, &resume, &stop, group.as_mut()).context("training failed")?;
     Ok(())
 }
 

@@ -10,13 +10,19 @@ use tch::Device;
 pub struct Environment {
     pub cuda_devices: usize,
     pub rank: usize,
+    pub local_rank: usize,
     pub world_size: usize,
+    pub restart_count: u64,
 }
 
 impl Environment {
-    /// The current process, single-process (multi-process launch comes from torchrun later).
-    pub fn detect() -> Self {
-        Self { cuda_devices: tch::Cuda::device_count().max(0) as usize, rank: 0, world_size: 1 }
+    /// This process: the CUDA devices libtorch sees and the launch (`None`: one process).
+    pub fn detect(launch: Option<&crate::dist::DistEnv>) -> Self {
+        let cuda_devices = tch::Cuda::device_count().max(0) as usize;
+        match launch {
+            Some(d) => Self { cuda_devices, rank: d.rank, local_rank: d.local_rank, world_size: d.world_size, restart_count: d.restart_count },
+            None => Self { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 },
+        }
     }
 }
 
@@ -26,6 +32,8 @@ pub struct RunPlan {
     pub device: Device,
     pub rank: usize,
     pub world_size: usize,
+    /// torchrun's TORCHELASTIC_RESTART_COUNT (0 outside torchrun).
+    pub restart_count: u64,
     /// Sequences this rank processes per optimizer step (global / world).
     pub rank_batch: usize,
     /// Configured micro-batch (the OOM guard may lower it during the run).
@@ -42,7 +50,7 @@ pub struct PlanError(pub Vec<Problem>);
 impl RunPlan {
     pub fn build(config: Config, env: Environment) -> Result<Self, PlanError> {
         let mut problems = Vec::new();
-        let device = resolve_device(&config.device, env.cuda_devices).unwrap_or_else(|msg| {
+        let device = resolve_device(&config.device, env.cuda_devices, env.local_rank).unwrap_or_else(|msg| {
             problems.push(Problem::new("device", msg));
             Device::Cpu
         });
@@ -52,6 +60,12 @@ impl RunPlan {
                 problems.push(Problem::new("train.global_batch_size", msg));
                 0
             });
+        if env.world_size > 1 && config.dist.backend == crate::config::DistBackend::Nccl {
+            problems.push(Problem::new(
+                "dist.backend",
+                "nccl is not built into this trainguard yet; use gloo (or auto), which also reduces CUDA tensors",
+            ));
+        }
         let memory_limit = config.memory.limit.as_ref().map(|s| s.bytes()).transpose().unwrap_or_else(|msg| {
             problems.push(Problem::new("memory.limit", msg));
             None
@@ -64,6 +78,7 @@ impl RunPlan {
             device,
             rank: env.rank,
             world_size: env.world_size,
+            restart_count: env.restart_count,
             rank_batch,
             micro_batch: t.micro_batch_size,
             accumulation,
@@ -78,14 +93,15 @@ impl RunPlan {
     }
 }
 
-/// `auto` picks CUDA device 0 when there is one, else the CPU.
-pub fn resolve_device(spec: &str, cuda_devices: usize) -> Result<Device, String> {
+/// `auto` picks CUDA device `local_rank` (0 in a single process) when there is one, else the
+/// CPU; `cuda` is `cuda:<local_rank>`.
+pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Result<Device, String> {
     match spec {
-        "auto" => Ok(if cuda_devices > 0 { Device::Cuda(0) } else { Device::Cpu }),
+        "auto" => Ok(if cuda_devices > 0 { Device::Cuda(local_rank % cuda_devices) } else { Device::Cpu }),
         "cpu" => Ok(Device::Cpu),
         _ => {
             let index = match spec.strip_prefix("cuda") {
-                Some("") => 0,
+                Some("") => local_rank,
                 Some(rest) => rest
                     .strip_prefix(':')
                     .and_then(|n| n.parse::<usize>().ok())
@@ -108,7 +124,7 @@ pub fn resolve_device(spec: &str, cuda_devices: usize) -> Result<Device, String>
 mod tests {
     use super::*;
 
-    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, world_size: 1 };
+    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 };
 
     #[test]
     fn derives_accumulation_and_tokens() {
@@ -130,11 +146,13 @@ mod tests {
 
     #[test]
     fn devices_resolve_against_what_exists() {
-        assert_eq!(resolve_device("auto", 0), Ok(Device::Cpu));
-        assert_eq!(resolve_device("auto", 2), Ok(Device::Cuda(0)));
-        assert_eq!(resolve_device("cuda:1", 2), Ok(Device::Cuda(1)));
-        assert!(resolve_device("cuda", 0).unwrap_err().contains("0 CUDA device"));
-        assert!(resolve_device("cuda:2", 2).is_err());
+        assert_eq!(resolve_device("auto", 0, 0), Ok(Device::Cpu));
+        assert_eq!(resolve_device("auto", 2, 0), Ok(Device::Cuda(0)));
+        assert_eq!(resolve_device("auto", 2, 1), Ok(Device::Cuda(1)), "one GPU per local rank");
+        assert_eq!(resolve_device("cuda", 2, 1), Ok(Device::Cuda(1)));
+        assert_eq!(resolve_device("cuda:1", 2, 0), Ok(Device::Cuda(1)));
+        assert!(resolve_device("cuda", 0, 0).unwrap_err().contains("0 CUDA device"));
+        assert!(resolve_device("cuda:2", 2, 0).is_err());
     }
 
     #[test]

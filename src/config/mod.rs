@@ -28,6 +28,7 @@ pub struct Config {
     pub memory: MemoryConfig,
     pub checkpoint: CheckpointConfig,
     pub nan: NanConfig,
+    pub dist: DistConfig,
     /// Test-only fault injection; leave empty in real runs.
     pub faults: FaultsConfig,
 }
@@ -45,6 +46,7 @@ impl Default for Config {
             memory: MemoryConfig::default(),
             checkpoint: CheckpointConfig::default(),
             nan: NanConfig::default(),
+            dist: DistConfig::default(),
             faults: FaultsConfig::default(),
         }
     }
@@ -265,4 +267,34 @@ pub struct FaultsConfig {
     pub interrupt_at_step: Option<u64>,
     /// Keep every step's forward graph alive, as a leaking training script would.
     pub leak_graphs: bool,
+    /// Rank `crash_rank` fails with exit 1 just before this step, on the first attempt of a
+    /// torchrun group only (TORCHELASTIC_RESTART_COUNT = 0).
+    pub crash_at_step: Option<u64>,
+    pub crash_rank: usize,
+}
+
+/// Multi-process runs (torchrun).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// `auto` (Gloo: this build's c10d backend, for CPU and CUDA tensors), `gloo`, or `nccl`.
+    pub backend: DistBackend,
+    /// A collective that does not finish in this many seconds fails the run (a dead or hung rank).
+    pub timeout_s: u64,
+    /// Gradients are averaged in flat buckets of about this size.
+    pub bucket_mb: f64,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self { backend: DistBackend::Auto, timeout_s: 300, bucket_mb: 25.0 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DistBackend {
+    Auto,
+    Gloo,
+    Nccl,
 }

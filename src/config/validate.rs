@@ -114,6 +114,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         check(false, &problem.key, problem.message);
     }
 
+    check(c.dist.timeout_s >= 1, "dist.timeout_s", format!("must be at least 1, got {}", c.dist.timeout_s));
+    check(c.dist.bucket_mb > 0.0, "dist.bucket_mb", format!("must be > 0, got {}", c.dist.bucket_mb));
+
     let o = &c.oom;
     check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
     check(
@@ -229,6 +232,8 @@ mod tests {
             (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
+            (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
+            (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
         ];
         for (mutate, key) in cases {

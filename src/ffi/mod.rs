@@ -1,6 +1,7 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
 //! allocator settings) and over the few OS calls trainguard makes ([`os`]). Each call returns a
 //! typed result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
+pub mod dist;
 pub mod os;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};

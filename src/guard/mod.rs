@@ -54,10 +54,29 @@ pub enum GuardError {
     OutOfMemory(Box<OomFailure>),
     #[error("libtorch error: {0}")]
     Torch(TchError),
+    #[error(transparent)]
+    Fatal(Box<dyn std::error::Error + Send + Sync>),
 }
 
 fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or(s)
+}
+
+/// Why an attempt failed.
+#[derive(Debug)]
+pub enum StepError {
+    /// A libtorch error on this rank (out-of-memory or not: [`classify`] decides).
+    Torch(TchError),
+    /// This rank was fine but another rank ran out of memory: all ranks replay together.
+    PeerOutOfMemory,
+    /// Anything else that must end the run (a failed collective, …), already typed.
+    Fatal(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl From<TchError> for StepError {
+    fn from(e: TchError) -> Self {
+        StepError::Torch(e)
+    }
 }
 
 /// Progress of one attempt, so the guard can time recovery to the first micro-step that
@@ -106,6 +125,18 @@ pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device:
     }
 }
 
+const PEER_OOM: &str = "out of memory on another rank (this rank's attempt succeeded)";
+
+fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
+    GuardError::OutOfMemory(Box::new(OomFailure {
+        step: Some(step),
+        micro_batch,
+        requested_bytes: None,
+        memory: memory::snapshot(device),
+        message: PEER_OOM.into(),
+    }))
+}
+
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
         Self { state, policy, device, rank_batch, totals: GuardTotals::default() }
@@ -134,11 +165,15 @@ impl Guard {
         &mut self,
         step: u64,
         reporter: &mut Reporter,
-        mut attempt: impl FnMut(usize, &mut Progress) -> Result<T, TchError>,
+        mut attempt: impl FnMut(usize, &mut Progress) -> Result<T, StepError>,
     ) -> Result<T, GuardError> {
         if self.policy == OomPolicy::Off {
             let micro = self.state.current();
-            return attempt(micro, &mut Progress::default()).map_err(|e| unrecovered(e, Some(step), micro, self.device));
+            return attempt(micro, &mut Progress::default()).map_err(|e| match e {
+                StepError::Torch(e) => unrecovered(e, Some(step), micro, self.device),
+                StepError::PeerOutOfMemory => peer_oom(step, micro, self.device),
+                StepError::Fatal(e) => GuardError::Fatal(e),
+            });
         }
         // Recoveries waiting for the first micro-step that succeeds after them.
         let mut pending: Vec<(OomRecovery, Instant)> = Vec::new();
@@ -169,11 +204,17 @@ impl Guard {
                 Err(e) => e,
             };
             let failed_at = Instant::now();
-            let message = err.to_string();
-            let ErrorKind::OutOfMemory { requested_bytes } = classify(&message) else {
-                return Err(GuardError::Torch(err));
+            let (message, requested_bytes) = match err {
+                StepError::Torch(e) => {
+                    let message = e.to_string();
+                    let ErrorKind::OutOfMemory { requested_bytes } = classify(&message) else {
+                        return Err(GuardError::Torch(e));
+                    };
+                    (message, requested_bytes)
+                }
+                StepError::PeerOutOfMemory => (PEER_OOM.to_string(), None),
+                StepError::Fatal(e) => return Err(GuardError::Fatal(e)),
             };
-            drop(err);
             let before = memory::snapshot(self.device);
             memory::empty_cache(self.device);
             let after = memory::snapshot(self.device);

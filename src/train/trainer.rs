@@ -8,7 +8,8 @@ use crate::checkpoint::{compare, store, CheckpointError, Loaded};
 use crate::config::{parse_duration, Config};
 use crate::data::{mix, Corpus, DataError, Sampler, Split};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics};
-use crate::guard::{unrecovered, Guard, GuardError, GuardState, OomFailure};
+use crate::dist::Dist;
+use crate::guard::{classify, unrecovered, ErrorKind, Guard, GuardError, GuardState, OomFailure, StepError};
 use crate::interrupt::Interrupter;
 use crate::config::ThrashAction;
 use crate::memory::detect::{LeakDetector, ThrashDetector};
@@ -46,6 +47,10 @@ pub enum TrainError {
     Save(#[from] crate::checkpoint::SaveError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
+    #[error("injected failure at step {step} (faults.crash_at_step)")]
+    InjectedCrash { step: u64 },
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
@@ -80,7 +85,7 @@ struct Progress {
     elapsed_before: f64,
 }
 
-pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunSummary, TrainError> {
+pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Option<&mut Dist>) -> Result<RunSummary, TrainError> {
     let cfg = &plan.config;
     let t = &cfg.train;
     let device = plan.device;
@@ -92,7 +97,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
 
     let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
     let ckpt_root = store::root(&cfg.out_dir);
-    let (loaded, skipped) = resolve_resume(resume, &ckpt_root)?;
+    let (loaded, skipped) = resolve_resume(resume, &ckpt_root, plan.is_writer())?;
     let changed = match &loaded {
         Some(l) => check_compatible(l, cfg)?,
         None => vec![],
@@ -143,6 +148,14 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
             nonfinite_skips: l.state.nonfinite_skips,
             elapsed_before: l.state.elapsed_s,
         };
+    }
+    if let Some(d) = dist.as_deref_mut() {
+        // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are
+        // deterministic), and gradients are averaged in buckets laid out once.
+        d.broadcast_params(params)?;
+        d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
+            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+        tracing::info!("rank {} of {}: gradients averaged in {} bucket(s)", d.rank, d.world_size, d.bucket_count());
     }
     let mut guard = Guard::new(state, cfg.oom.policy, device, plan.rank_batch);
     let data = StepData {
@@ -195,13 +208,22 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         if cfg.faults.interrupt_at_step == Some(step) {
             stop.request();
         }
-        let stop_reason = if stop.requested() {
+        if cfg.faults.crash_at_step == Some(step) && cfg.faults.crash_rank == plan.rank && plan.restart_count == 0 {
+            return Err(TrainError::InjectedCrash { step });
+        }
+        let mut stop_reason = if stop.requested() {
             Some("signal")
         } else {
             time_limit
                 .filter(|limit| started.elapsed() + Duration::from_secs_f64(slowest_recent + 1.5 * ckpt.last_seconds + 1.0) > *limit)
                 .map(|_| "time_limit")
         };
+        // All ranks stop at the same step, or the others would wait in a collective.
+        if let Some(d) = dist.as_deref() {
+            if d.any(stop_reason.is_some())? && stop_reason.is_none() {
+                stop_reason = Some("peer_stop");
+            }
+        }
         if let Some(reason) = stop_reason {
             let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
             reporter.emit(Event::Stopped { step, reason: reason.into(), checkpoint: path.as_ref().map(|p| p.display().to_string()) });
@@ -211,9 +233,32 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         let lr = schedule.at(step);
         guard.begin_step(step, &mut reporter);
         let outcome = guard.run(step, &mut reporter, |micro, p| {
-            // Dropout masks depend on (seed, step) only, so a replay or a resume draws the same.
-            tch::manual_seed(mix(&[cfg.seed, step]) as i64);
-            let (mut grads, mut loss) = forward_backward(&model, &data, step, micro, p)?;
+            // Dropout masks depend on (seed, step, rank) only, so a replay or a resume draws the same.
+            tch::manual_seed(mix(&[cfg.seed, step, plan.rank as u64]) as i64);
+            let local = forward_backward(&model, &data, step, micro, p);
+            let (mut grads, mut loss) = match dist.as_deref_mut() {
+                None => local?,
+                Some(d) => {
+                    // Before the gradient all-reduce every rank says whether it ran out of
+                    // memory: if any did, all drop the attempt and replay it together.
+                    let local_oom = matches!(&local, Err(e) if matches!(classify(&e.to_string()), ErrorKind::OutOfMemory { .. }));
+                    let local = match local {
+                        Err(e) if !local_oom => return Err(e.into()),
+                        other => other,
+                    };
+                    let loss = local.as_ref().map(|l| l.1).unwrap_or(0.0);
+                    let agreed = d.agree(local_oom, loss).map_err(|e| StepError::Fatal(Box::new(e)))?;
+                    if agreed.any_oom {
+                        return Err(match local {
+                            Err(e) => StepError::Torch(e),
+                            Ok(_) => StepError::PeerOutOfMemory,
+                        });
+                    }
+                    let (mut grads, _) = local?;
+                    d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))?;
+                    (grads, agreed.mean_value)
+                }
+            };
             if cfg.faults.nonfinite_loss_at_steps.contains(&step) {
                 loss = f64::NAN;
             }
@@ -256,7 +301,17 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         let step_time = step_started.elapsed().as_secs_f64();
         let is_last = step + 1 == t.max_steps;
         let val_loss = if t.eval_interval > 0 && (step % t.eval_interval == 0 || is_last) {
-            let v = guard.run(step, &mut reporter, |micro, p| evaluate(&model, &data, t.eval_batches, micro, p))?;
+            let v = guard.run(step, &mut reporter, |micro, p| {
+                let local = evaluate(&model, &data, t.eval_batches, micro, p);
+                let Some(d) = dist.as_deref() else { return Ok(local?) };
+                let local_oom = matches!(&local, Err(e) if matches!(classify(&e.to_string()), ErrorKind::OutOfMemory { .. }));
+                let agreed = d.agree(local_oom, *local.as_ref().unwrap_or(&0.0)).map_err(|e| StepError::Fatal(Box::new(e)))?;
+                match (agreed.any_oom, local) {
+                    (false, _) => Ok(agreed.mean_value),
+                    (true, Err(e)) => Err(StepError::Torch(e)),
+                    (true, Ok(_)) => Err(StepError::PeerOutOfMemory),
+                }
+            })?;
             if progress.best_val.is_none_or(|(b, _)| v < b) {
                 progress.best_val = Some((v, step + 1));
             }
@@ -304,6 +359,10 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter) -> Result<RunS
         tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
     }
 
+    if let Some(d) = dist.as_deref() {
+        let spread = d.weight_spread(params)?;
+        reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
+    }
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(dir) = run_dir {
         crate::checkpoint::save_weights(dir, &model.params)?;
@@ -337,11 +396,13 @@ fn corrupt_path(e: &CheckpointError) -> String {
 }
 
 /// The checkpoint to start from, and the broken ones `auto` passed over.
-fn resolve_resume(resume: &Resume, root: &Path) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
+fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
     match resume {
         Resume::Fresh => Ok((None, vec![])),
         Resume::Auto => {
-            store::clean_temporaries(root);
+            if writer {
+                store::clean_temporaries(root);
+            }
             Ok(store::newest_valid(root))
         }
         Resume::Path(p) => Ok((Some(store::load(p)?), vec![])),

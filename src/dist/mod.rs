@@ -1,0 +1,149 @@
+//! Everything that knows about ranks. The step asks it to "average these gradients" and "did
+//! any rank run out of memory?", and works the same with one process (no `Dist`).
+//! Uses PyTorch's own c10d engine through the shim: TCPStore + ProcessGroupGloo.
+pub mod env;
+mod error_file;
+
+pub use env::{from_process_env, DistEnv, EnvError};
+pub use error_file::write_error_file;
+
+use crate::ffi::dist::{ProcessGroup, ReduceOp};
+use crate::ffi::ShimError;
+use tch::{Device, Kind, TchError, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    #[error("cannot join the process group at {addr}: {message}")]
+    Init { addr: String, message: String },
+    #[error("collective `{what}` failed (a rank died, hung or timed out?): {message}")]
+    Collective { what: &'static str, message: String },
+    #[error("dist.backend: {0}")]
+    Backend(String),
+}
+
+/// What the ranks agreed on after a step's local work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Agreement {
+    pub any_oom: bool,
+    pub mean_value: f64,
+}
+
+/// This rank's membership in the data-parallel group.
+pub struct Dist {
+    pub rank: usize,
+    pub world_size: usize,
+    group: ProcessGroup,
+    buckets: Vec<Bucket>,
+}
+
+/// A flat buffer made once, so averaging gradients allocates nothing.
+struct Bucket {
+    flat: Tensor,
+    /// (parameter index, offset, numel)
+    slots: Vec<(usize, i64, i64)>,
+}
+
+fn collective(what: &'static str) -> impl Fn(ShimError) -> DistError {
+    move |e| DistError::Collective { what, message: e.to_string() }
+}
+
+impl Dist {
+    /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
+    /// (TORCHELASTIC_USE_AGENT_STORE) or by rank 0. Keys are namespaced by the restart count.
+    pub fn init(env: &DistEnv, timeout_s: u64) -> Result<Self, DistError> {
+        let host_store = !env.use_agent_store && env.rank == 0;
+        let prefix = format!("trainguard/restart-{}/", env.restart_count);
+        let group = ProcessGroup::new(&env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
+            .map_err(|e| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message: e.to_string() })?;
+        Ok(Self { rank: env.rank, world_size: env.world_size, group, buckets: Vec::new() })
+    }
+
+    /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order.
+    pub fn plan_buckets(&mut self, params: &[Tensor], bucket_bytes: usize, device: Device) -> Result<(), TchError> {
+        let mut buckets = Vec::new();
+        let mut slots = Vec::new();
+        let mut len = 0i64;
+        let flush = |slots: &mut Vec<(usize, i64, i64)>, len: &mut i64, out: &mut Vec<Bucket>| -> Result<(), TchError> {
+            if !slots.is_empty() {
+                out.push(Bucket { flat: Tensor::f_zeros([*len], (Kind::Float, device))?, slots: std::mem::take(slots) });
+                *len = 0;
+            }
+            Ok(())
+        };
+        for (i, p) in params.iter().enumerate() {
+            let n = p.numel() as i64;
+            slots.push((i, len, n));
+            len += n;
+            if (len as usize) * 4 >= bucket_bytes {
+                flush(&mut slots, &mut len, &mut buckets)?;
+            }
+        }
+        flush(&mut slots, &mut len, &mut buckets)?;
+        self.buckets = buckets;
+        Ok(())
+    }
+
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Replaces each gradient by its mean over ranks: one all-reduce per bucket.
+    pub fn average_gradients(&mut self, grads: &mut [Tensor]) -> Result<(), DistError> {
+        let torch = |e: TchError| DistError::Collective { what: "gradient all-reduce", message: e.to_string() };
+        let _no_grad = tch::no_grad_guard();
+        let scale = 1.0 / self.world_size as f64;
+        for b in &mut self.buckets {
+            for &(i, off, n) in &b.slots {
+                b.flat.f_narrow(0, off, n).map_err(torch)?.f_copy_(&grads[i].f_reshape([n]).map_err(torch)?).map_err(torch)?;
+            }
+            self.group.all_reduce(&mut b.flat, ReduceOp::Sum).map_err(collective("gradient all-reduce"))?;
+            for &(i, off, n) in &b.slots {
+                let avg = b.flat.f_narrow(0, off, n).map_err(torch)?.f_view(grads[i].size().as_slice()).map_err(torch)?;
+                grads[i].f_copy_(&avg).map_err(torch)?;
+                let _ = grads[i].f_mul_scalar_(scale).map_err(torch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All ranks learn whether any ran out of memory, and the mean of `value` (e.g. the loss).
+    pub fn agree(&self, local_oom: bool, value: f64) -> Result<Agreement, DistError> {
+        let mut t = Tensor::from_slice(&[if local_oom { 1.0f64 } else { 0.0 }, if local_oom { 0.0 } else { value }]);
+        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement"))?;
+        let v: Vec<f64> = Vec::try_from(&t).map_err(|e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string() })?;
+        Ok(Agreement { any_oom: v[0] > 0.0, mean_value: v[1] / self.world_size as f64 })
+    }
+
+    /// True on every rank when any rank wants to stop (signal, time limit).
+    pub fn any(&self, flag: bool) -> Result<bool, DistError> {
+        let mut t = Tensor::from_slice(&[flag as i64 as f64]);
+        self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement"))?;
+        Ok(t.double_value(&[0]) > 0.0)
+    }
+
+    /// Rank 0's parameter values on every rank.
+    pub fn broadcast_params(&self, params: &[Tensor]) -> Result<(), DistError> {
+        let _no_grad = tch::no_grad_guard();
+        for p in params {
+            let mut p = p.shallow_clone();
+            self.group.broadcast(&mut p, 0).map_err(collective("weight broadcast"))?;
+        }
+        Ok(())
+    }
+
+    /// Largest difference of a per-parameter checksum across ranks: 0 when all ranks hold the
+    /// same weights (DDP's parameter verification, cheaply).
+    pub fn weight_spread(&self, params: &[Tensor]) -> Result<f64, DistError> {
+        let sums: Vec<f64> = params.iter().map(|p| p.to_kind(Kind::Double).abs().sum(Kind::Double).double_value(&[])).collect();
+        let mut hi = Tensor::from_slice(&sums);
+        let mut lo = Tensor::from_slice(&sums.iter().map(|s| -s).collect::<Vec<_>>());
+        self.group.all_reduce(&mut hi, ReduceOp::Max).map_err(collective("weight check"))?;
+        self.group.all_reduce(&mut lo, ReduceOp::Max).map_err(collective("weight check"))?;
+        let spread = (&hi + &lo).abs().max().double_value(&[]);
+        Ok(spread)
+    }
+
+    pub fn barrier(&self) -> Result<(), DistError> {
+        self.group.barrier().map_err(collective("barrier"))
+    }
+}

@@ -1,0 +1,99 @@
+// trainguard's c10d shim: PyTorch's own process groups (TCPStore + ProcessGroupGloo) for
+// data-parallel training, compiled by build.rs with -DUSE_C10D_GLOO against the same libtorch
+// and Debian's gloo headers. Exceptions are caught here and returned as messages.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+void set_error(const std::string& text, char* out, size_t out_len) {
+  if (out == nullptr || out_len == 0) return;
+  size_t n = text.size() < out_len - 1 ? text.size() : out_len - 1;
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+
+struct Group {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+template <typename F>
+int guarded(char* err, size_t err_len, F&& body) {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(e.what(), err, err_len);
+  } catch (...) {
+    set_error("unknown C++ exception", err, err_len);
+  }
+  return 1;
+}
+}  // namespace
+
+extern "C" {
+
+// Joins (or, with host_store, hosts) the TCPStore at host:port and builds a Gloo process
+// group of `world` ranks. Keys live under `prefix`, so a restarted group never reads the keys
+// of an earlier attempt. Returns an opaque handle or null (message in err).
+void* tg_pg_new(const char* host, int port, int rank, int world, int host_store,
+                int64_t timeout_ms, const char* prefix, char* err, size_t err_len) {
+  Group* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto timeout = std::chrono::milliseconds(timeout_ms);
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(port);
+    opts.isServer = host_store != 0;
+    opts.numWorkers = world;
+    opts.waitWorkers = false;
+    opts.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    auto gopts = c10d::ProcessGroupGloo::Options::create(timeout);
+    gopts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gopts);
+    out = new Group{store, pg};
+  });
+  return out;
+}
+
+// op: 0 = sum, 1 = max. In place on one tensor (a flat bucket).
+int tg_pg_allreduce(void* group, void* tensor, int op, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == 1 ? c10d::ReduceOp(c10d::ReduceOp::MAX) : c10d::ReduceOp(c10d::ReduceOp::SUM);
+    g->backend->allreduce(ts, o)->wait();
+  });
+}
+
+int tg_pg_broadcast(void* group, void* tensor, int root, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    g->backend->broadcast(ts, o)->wait();
+  });
+}
+
+int tg_pg_barrier(void* group, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { static_cast<Group*>(group)->backend->barrier()->wait(); });
+}
+
+void tg_pg_free(void* group) {
+  try {
+    delete static_cast<Group*>(group);
+  } catch (...) {
+  }
+}
+
+}  // extern "C"

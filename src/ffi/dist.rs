@@ -1,0 +1,84 @@
+//! Thin wrapper over `dist.cpp`: a c10d process group (TCPStore + Gloo) owned by Rust.
+use super::ShimError;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use tch::Tensor;
+
+extern "C" {
+    fn tg_pg_new(host: *const c_char, port: c_int, rank: c_int, world: c_int, host_store: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
+    fn tg_pg_allreduce(group: *mut c_void, tensor: *mut c_void, op: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_pg_broadcast(group: *mut c_void, tensor: *mut c_void, root: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_pg_free(group: *mut c_void);
+}
+
+const ERR_LEN: usize = 4096;
+
+fn message(err: &[u8]) -> String {
+    CStr::from_bytes_until_nul(err).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+fn check(code: c_int, err: &[u8]) -> Result<(), ShimError> {
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(ShimError::Torch(message(err)))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum ReduceOp {
+    Sum = 0,
+    Max = 1,
+}
+
+/// A Gloo process group. Dropping it leaves the group.
+pub struct ProcessGroup {
+    handle: *mut c_void,
+}
+
+// SAFETY: the handle is only used through &self/&mut self from one thread at a time; c10d's
+// process group is itself thread-safe.
+unsafe impl Send for ProcessGroup {}
+
+impl ProcessGroup {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(host: &str, port: u16, rank: usize, world: usize, host_store: bool, timeout_ms: u64, prefix: &str) -> Result<Self, ShimError> {
+        let host = CString::new(host).map_err(|_| ShimError::Torch("host contains NUL".into()))?;
+        let prefix = CString::new(prefix).map_err(|_| ShimError::Torch("prefix contains NUL".into()))?;
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: both strings are NUL-terminated and outlive the call; `err` is ERR_LEN bytes.
+        let handle = unsafe {
+            tg_pg_new(host.as_ptr(), port as c_int, rank as c_int, world as c_int, host_store as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN)
+        };
+        if handle.is_null() {
+            return Err(ShimError::Torch(message(&err)));
+        }
+        Ok(Self { handle })
+    }
+
+    /// In-place all-reduce of one tensor across ranks.
+    pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: `tensor` is a live tch handle (an at::Tensor*); the call blocks until done.
+        check(unsafe { tg_pg_allreduce(self.handle, tensor.as_mut_ptr().cast(), op as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    }
+
+    pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: as in all_reduce.
+        check(unsafe { tg_pg_broadcast(self.handle, tensor.as_mut_ptr().cast(), root as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    }
+
+    pub fn barrier(&self) -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: the handle is live until drop.
+        check(unsafe { tg_pg_barrier(self.handle, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: created by tg_pg_new, freed once.
+        unsafe { tg_pg_free(self.handle) }
+    }
+}
