@@ -1,0 +1,178 @@
+//! Data parallel on CPU with Gloo, launched by the project venv's real `torchrun` or by hand:
+//! equivalence with one process, OOM agreement, a dead rank, a torchrun restart.
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const RUN: [&str; 5] = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "train.eval_interval=5", "dist.timeout_s=20"];
+
+fn torchrun() -> PathBuf {
+    repo().join(".venv/bin/torchrun")
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
+    let mut a = vec!["train".to_string(), "--config".into(), repo().join("configs/debug.yaml").display().to_string()];
+    for s in [format!("out_dir={}", dir.display()), "train.threads=1".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+        a.push("--set".into());
+        a.push(s);
+    }
+    a
+}
+
+/// Starts rank `rank` of `world` by hand, as torchrun would.
+fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -> Child {
+    Command::new(bin())
+        .args(args(dir, sets))
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_ok(children: Vec<Child>) {
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        assert!(out.status.success(), "a rank failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+fn assert_matches_single_process(dist_dir: &Path, single: &Run) {
+    let metrics = read_jsonl(&dist_dir.join("metrics.jsonl"));
+    assert_eq!(metrics.len(), single.metrics().len());
+    for (a, b) in metrics.iter().zip(single.metrics()) {
+        for key in ["loss", "grad_norm"] {
+            let (x, y) = (a[key].as_f64().unwrap(), b[key].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "step {}: {key} {x} vs {y}", a["step"]);
+        }
+        assert_eq!(a["micro_batch"], b["micro_batch"]);
+    }
+    let diff = max_weight_diff(dist_dir, &single.dir);
+    assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
+    let compared: Vec<_> = read_jsonl(&dist_dir.join("events.jsonl")).into_iter().filter(|e| e["event"] == "ranks_compared").collect();
+    assert_eq!(compared[0]["checksum_spread"].as_f64(), Some(0.0), "both ranks hold identical weights");
+}
+
+#[test]
+fn two_ranks_under_torchrun_equal_one_process() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=16"]].concat()).ok();
+    let out = Command::new(torchrun())
+        .args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={}", free_port()), "--no-python", bin()])
+        .args(args(d.path(), &[&RUN[..], &["train.micro_batch_size=16"]].concat()))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_matches_single_process(d.path(), &single);
+    let started = &read_jsonl(&d.path().join("events.jsonl"))[0];
+    assert_eq!((started["world_size"].as_u64(), started["accumulation"].as_u64()), (Some(2), Some(2)));
+}
+
+#[test]
+fn two_ranks_launched_by_hand_work_the_same() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=8"]].concat()).ok();
+    let port = free_port();
+    let sets = [&RUN[..], &["train.micro_batch_size=8"]].concat();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    assert_matches_single_process(d.path(), &single);
+}
+
+/// Peak mapped memory above start-up of one rank's share (32 sequences) at `micro`.
+fn peak_at(micro: usize) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let m = format!("train.micro_batch_size={micro}");
+    let r = train(dir.path(), "configs/debug.yaml", &["train.global_batch_size=32", "train.warmup_steps=0", "train.max_steps=2", "train.eval_interval=0", "memory.limit=1TiB", &m]).ok();
+    r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
+}
+
+#[test]
+fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
+    let cap = format!("memory.limit={}", (peak_at(8) + peak_at(16)) / 2);
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=32"]].concat();
+    let port = free_port();
+    let rank1_sets = [&sets[..], &[cap.as_str()]].concat();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &rank1_sets)]);
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let changes: Vec<(u64, u64, u64)> = events
+        .iter()
+        .filter(|e| e["event"] == "oom_recovered")
+        .map(|e| (e["step"].as_u64().unwrap(), e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(changes, [(0, 32, 16), (0, 16, 8)], "rank 0 (which had memory) followed rank 1 down");
+    assert!(events.iter().any(|e| e["event"] == "oom_recovered" && e["error"].as_str().unwrap().contains("another rank")));
+    let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
+    assert!(metrics.iter().all(|m| m["micro_batch"] == 8 && m["accumulation"] == 4), "global batch kept: 8 × 4 × 2 ranks");
+    // The settled split, from the start, in one process: 8 × 8 = 64.
+    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=8"]].concat()).ok();
+    assert_matches_single_process(d.path(), &single);
+}
+
+#[test]
+fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=100000", "dist.timeout_s=5", "checkpoint.interval=0"];
+    let port = free_port();
+    let mut r0 = spawn_rank(0, 2, port, d.path(), &sets);
+    let mut r1 = spawn_rank(1, 2, port, d.path(), &sets);
+    let metrics = d.path().join("metrics.jsonl");
+    let t0 = Instant::now();
+    while read_jsonl(&metrics).len() < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the group never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    r1.kill().unwrap();
+    r1.wait().unwrap();
+    let killed_at = Instant::now();
+    let status = loop {
+        if let Some(s) = r0.try_wait().unwrap() {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(30) {
+            r0.kill().unwrap();
+            panic!("rank 0 still running 30 s after its peer died");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(r0.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("collective") || err.contains("Connection"), "a clear error: {err}");
+    eprintln!("survivor exited {:?} after {:.1}s", status.code(), killed_at.elapsed().as_secs_f64());
+}
+
+#[test]
+fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
+    let (d, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=16", "checkpoint.interval=3"]].concat();
+    let port = free_port().to_string();
+    let tr = |dir: &Path, extra: &[&str]| {
+        Command::new(torchrun())
+            .args(["--nproc_per_node=2", "--max-restarts=1", "--master_addr=127.0.0.1", &format!("--master_port={port}"), "--no-python", bin()])
+            .args(args(dir, &[&sets[..], extra].concat()))
+            .output()
+            .unwrap()
+    };
+    let reference = tr(plain.path(), &[]);
+    assert!(reference.status.success(), "{}", String::from_utf8_lossy(&reference.stderr));
+    let out = tr(d.path(), &["faults.crash_at_step=7", "faults.crash_rank=1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let resumed: Vec<_> = read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").collect();
+    assert_eq!(resumed.len(), 1, "the restarted group resumed by itself: {err}");
+    assert_eq!(resumed[0]["step"], 6, "from the newest complete checkpoint");
+    let diff = max_weight_diff(d.path(), plain.path());
+    assert_eq!(diff, 0.0, "same final weights as an uninterrupted run");
+}
