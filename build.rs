@@ -34,16 +34,28 @@ fn main() {
 
     // c10d (process groups). ProcessGroupGloo.hpp needs gloo's headers, which the torch wheel
     // does not ship: Debian's libgloo-dev provides them (scripts/setup.sh installs it).
-    cc::Build::new()
-        .cpp(true)
+    let mut dist = cc::Build::new();
+    dist.cpp(true)
         .file("src/ffi/dist.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .define("USE_C10D_GLOO", None)
-        .warnings(false)
-        .compile("trainguard_dist");
+        .warnings(false);
+    // NCCL's process group needs the CUDA headers (PyPI wheels nvidia-cuda-crt/-cccl, installed
+    // by scripts/setup.sh) and NCCL's; without them the build has Gloo only.
+    let site = torch_dir.canonicalize().unwrap_or_else(|_| torch_dir.clone());
+    let nvidia = site.parent().map(|p| p.join("nvidia")).unwrap_or_default();
+    let (cuda_inc, nccl_inc) = (nvidia.join("cu13/include"), nvidia.join("nccl/include"));
+    if cuda_inc.join("crt/host_defines.h").exists() && cuda_inc.join("cuda_runtime_api.h").exists() && nccl_inc.join("nccl.h").exists() {
+        dist.include(&cuda_inc).include(&nccl_inc).define("USE_C10D_NCCL", None).define("TG_WITH_NCCL", None);
+        println!("cargo:rustc-cfg=tg_nccl");
+    } else {
+        println!("cargo:warning=NCCL process groups not built: CUDA/NCCL headers not found under {}", nvidia.display());
+    }
+    println!("cargo:rustc-check-cfg=cfg(tg_nccl)");
+    dist.compile("trainguard_dist");
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     for name in ["torch", "torch_cpu", "c10"] {

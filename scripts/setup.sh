@@ -47,6 +47,10 @@ else
 fi
 "$VENV/bin/python" -c 'import safetensors, numpy, yaml' 2>/dev/null \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy pyyaml
+# CUDA headers the c10d shim needs to build ProcessGroupNCCL (a few MB; torch's wheel has NCCL's).
+SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
+[ -f "$SITE/nvidia/cu13/include/crt/host_defines.h" ] && [ -f "$SITE/nvidia/cu13/include/nv/target" ] \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*"
 
 # --- sanity check -------------------------------------------------------------------------------
 TORCH_DIR=$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')

@@ -41,6 +41,7 @@ pub fn report(config: &Config) -> String {
             let _ = writeln!(r, "unavailable: {e}");
         }
     }
+    let _ = writeln!(r, "c10d backends: gloo{}", if ffi::dist::nccl_built() { ", nccl" } else { " (nccl not built: CUDA headers missing at build time)" });
     let _ = writeln!(r, "\n[gpus]");
     match Gpus::open() {
         Ok(g) => {

@@ -22,6 +22,7 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
             || cause.is::<PlanError>()
             || cause.is::<crate::memory::allocator::AllocatorError>()
             || cause.is::<crate::dist::EnvError>()
+            || matches!(cause.downcast_ref::<crate::dist::DistError>(), Some(crate::dist::DistError::Backend(_)))
         {
             return CONFIG;
         }

@@ -55,9 +55,13 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let stop = Interrupter::new();
     stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
+    // Under a launcher (RANK set) there is always a group, world size 1 included.
     let mut group = match &launch {
-        Some(l) if l.world_size > 1 => Some(dist::Dist::init(l, plan.config.dist.timeout_s)?),
-        _ => None,
+        Some(l) => {
+            let backend = dist::Dist::choose_backend(plan.config.dist.backend, plan.device)?;
+            Some(dist::Dist::init(l, backend, plan.device, plan.config.dist.timeout_s)?)
+        }
+        None => None,
     };
     train::train(&plan, &resume, &stop, group.as_mut()).context("training failed")?;
     Ok(())

@@ -60,12 +60,6 @@ impl RunPlan {
                 problems.push(Problem::new("train.global_batch_size", msg));
                 0
             });
-        if env.world_size > 1 && config.dist.backend == crate::config::DistBackend::Nccl {
-            problems.push(Problem::new(
-                "dist.backend",
-                "nccl is not built into this trainguard yet; use gloo (or auto), which also reduces CUDA tensors",
-            ));
-        }
         let memory_limit = config.memory.limit.as_ref().map(|s| s.bytes()).transpose().unwrap_or_else(|msg| {
             problems.push(Problem::new("memory.limit", msg));
             None

@@ -176,3 +176,14 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let diff = max_weight_diff(d.path(), plain.path());
     assert_eq!(diff, 0.0, "same final weights as an uninterrupted run");
 }
+
+#[test]
+fn nccl_on_the_cpu_is_refused_clearly() {
+    let d = tempfile::tempdir().unwrap();
+    let mut c = spawn_rank(0, 1, free_port(), d.path(), &["device=cpu", "dist.backend=nccl", "train.max_steps=1", "train.warmup_steps=0"]);
+    let status = c.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("nccl needs CUDA devices"), "{err}");
+}

@@ -65,3 +65,20 @@ fn expandable_segments_shows_in_the_effective_settings() {
     assert!(m[1]["allocated_bytes"].as_u64().unwrap() > 0);
     assert!(m[1]["gpu_memory_total_bytes"].as_u64().unwrap_or(0) > 0, "NVML reports the card: {}", m[1]);
 }
+
+#[test]
+fn nccl_with_one_rank_trains_like_the_plain_run() {
+    if cuda().is_none() {
+        return;
+    }
+    let (d, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = ["device=cuda", "train.max_steps=10", "train.warmup_steps=2", "dist.backend=nccl"];
+    let single = train(plain.path(), "configs/debug.yaml", &sets).ok();
+    let mut cmd = command(d.path(), "configs/debug.yaml", &sets);
+    cmd.env("RANK", "0").env("LOCAL_RANK", "0").env("WORLD_SIZE", "1").env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", "29531");
+    let r = run(cmd, d.path()).ok();
+    assert_eq!(series(&single.metrics(), "loss").len(), series(&r.metrics(), "loss").len());
+    let diff = max_weight_diff(d.path(), plain.path());
+    eprintln!("NCCL world 1 vs plain: max weight difference {diff}");
+    assert!(diff <= 1e-5);
+}

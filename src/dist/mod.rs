@@ -7,7 +7,7 @@ mod error_file;
 pub use env::{from_process_env, DistEnv, EnvError};
 pub use error_file::write_error_file;
 
-use crate::ffi::dist::{ProcessGroup, ReduceOp};
+use crate::ffi::dist::{Backend, ProcessGroup, ReduceOp};
 use crate::ffi::ShimError;
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -32,8 +32,11 @@ pub struct Agreement {
 pub struct Dist {
     pub rank: usize,
     pub world_size: usize,
+    pub backend: Backend,
     group: ProcessGroup,
     buckets: Vec<Bucket>,
+    /// Where small agreement tensors live: the CPU for Gloo, the rank's GPU for NCCL.
+    small: Device,
 }
 
 /// A flat buffer made once, so averaging gradients allocates nothing.
@@ -50,12 +53,26 @@ fn collective(what: &'static str) -> impl Fn(ShimError) -> DistError {
 impl Dist {
     /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
     /// (TORCHELASTIC_USE_AGENT_STORE) or by rank 0. Keys are namespaced by the restart count.
-    pub fn init(env: &DistEnv, timeout_s: u64) -> Result<Self, DistError> {
+    pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64) -> Result<Self, DistError> {
         let host_store = !env.use_agent_store && env.rank == 0;
         let prefix = format!("trainguard/restart-{}/", env.restart_count);
-        let group = ProcessGroup::new(&env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
+        let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
             .map_err(|e| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message: e.to_string() })?;
-        Ok(Self { rank: env.rank, world_size: env.world_size, group, buckets: Vec::new() })
+        let small = if backend == Backend::Nccl { device } else { Device::Cpu };
+        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), small })
+    }
+
+    /// `dist.backend` for this device: `auto` is NCCL on CUDA when this build has it, else Gloo.
+    pub fn choose_backend(wanted: crate::config::DistBackend, device: Device) -> Result<Backend, DistError> {
+        use crate::config::DistBackend as B;
+        let nccl = crate::ffi::dist::nccl_built();
+        match wanted {
+            B::Gloo => Ok(Backend::Gloo),
+            B::Auto => Ok(if device.is_cuda() && nccl { Backend::Nccl } else { Backend::Gloo }),
+            B::Nccl if !device.is_cuda() => Err(DistError::Backend("nccl needs CUDA devices; this run is on the CPU (use gloo or auto)".into())),
+            B::Nccl if !nccl => Err(DistError::Backend("this trainguard was built without NCCL (CUDA/NCCL headers were missing at build time); use gloo".into())),
+            B::Nccl => Ok(Backend::Nccl),
+        }
     }
 
     /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order.
@@ -108,17 +125,21 @@ impl Dist {
 
     /// All ranks learn whether any ran out of memory, and the mean of `value` (e.g. the loss).
     pub fn agree(&self, local_oom: bool, value: f64) -> Result<Agreement, DistError> {
-        let mut t = Tensor::from_slice(&[if local_oom { 1.0f64 } else { 0.0 }, if local_oom { 0.0 } else { value }]);
+        let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string() };
+        let mut t = Tensor::f_from_slice(&[if local_oom { 1.0f64 } else { 0.0 }, if local_oom { 0.0 } else { value }])
+            .and_then(|t| t.f_to_device(self.small))
+            .map_err(torch)?;
         self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement"))?;
-        let v: Vec<f64> = Vec::try_from(&t).map_err(|e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string() })?;
+        let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
         Ok(Agreement { any_oom: v[0] > 0.0, mean_value: v[1] / self.world_size as f64 })
     }
 
     /// True on every rank when any rank wants to stop (signal, time limit).
     pub fn any(&self, flag: bool) -> Result<bool, DistError> {
-        let mut t = Tensor::from_slice(&[flag as i64 as f64]);
+        let torch = |e: TchError| DistError::Collective { what: "stop agreement", message: e.to_string() };
+        let mut t = Tensor::f_from_slice(&[flag as i64 as f64]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
         self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement"))?;
-        Ok(t.double_value(&[0]) > 0.0)
+        Ok(t.f_double_value(&[0]).map_err(torch)? > 0.0)
     }
 
     /// Rank 0's parameter values on every rank.
@@ -134,13 +155,18 @@ impl Dist {
     /// Largest difference of a per-parameter checksum across ranks: 0 when all ranks hold the
     /// same weights (DDP's parameter verification, cheaply).
     pub fn weight_spread(&self, params: &[Tensor]) -> Result<f64, DistError> {
-        let sums: Vec<f64> = params.iter().map(|p| p.to_kind(Kind::Double).abs().sum(Kind::Double).double_value(&[])).collect();
-        let mut hi = Tensor::from_slice(&sums);
-        let mut lo = Tensor::from_slice(&sums.iter().map(|s| -s).collect::<Vec<_>>());
+        let torch = |e: TchError| DistError::Collective { what: "weight check", message: e.to_string() };
+        let sums = params
+            .iter()
+            .map(|p| p.f_to_kind(Kind::Double)?.f_abs()?.f_sum(Kind::Double)?.f_double_value(&[]))
+            .collect::<Result<Vec<f64>, _>>()
+            .map_err(torch)?;
+        let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
+        let on_small = |v: &[f64]| Tensor::f_from_slice(v).and_then(|t| t.f_to_device(self.small));
+        let (mut hi, mut lo) = (on_small(&sums).map_err(torch)?, on_small(&negated).map_err(torch)?);
         self.group.all_reduce(&mut hi, ReduceOp::Max).map_err(collective("weight check"))?;
         self.group.all_reduce(&mut lo, ReduceOp::Max).map_err(collective("weight check"))?;
-        let spread = (&hi + &lo).abs().max().double_value(&[]);
-        Ok(spread)
+        hi.f_add(&lo).and_then(|d| d.f_abs()?.f_max()?.f_double_value(&[])).map_err(torch)
     }
 
     pub fn barrier(&self) -> Result<(), DistError> {

@@ -4,11 +4,15 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef TG_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <string>
+#include <stdexcept>
 #include <vector>
 
 namespace {
@@ -40,10 +44,19 @@ int guarded(char* err, size_t err_len, F&& body) {
 
 extern "C" {
 
-// Joins (or, with host_store, hosts) the TCPStore at host:port and builds a Gloo process
-// group of `world` ranks. Keys live under `prefix`, so a restarted group never reads the keys
-// of an earlier attempt. Returns an opaque handle or null (message in err).
-void* tg_pg_new(const char* host, int port, int rank, int world, int host_store,
+int tg_pg_nccl_built() {
+#ifdef TG_WITH_NCCL
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Joins (or, with host_store, hosts) the TCPStore at host:port and builds a process group of
+// `world` ranks: backend 0 = Gloo, 1 = NCCL (when built in). Keys live under `prefix`, so a
+// restarted group never reads the keys of an earlier attempt. Returns an opaque handle or null
+// (message in err).
+void* tg_pg_new(int backend, const char* host, int port, int rank, int world, int host_store,
                 int64_t timeout_ms, const char* prefix, char* err, size_t err_len) {
   Group* out = nullptr;
   guarded(err, err_len, [&] {
@@ -56,6 +69,17 @@ void* tg_pg_new(const char* host, int port, int rank, int world, int host_store,
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
     c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    if (backend == 1) {
+#ifdef TG_WITH_NCCL
+      auto nopts = c10d::ProcessGroupNCCL::Options::create();
+      nopts->timeout = timeout;
+      auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, nopts);
+      out = new Group{store, pg};
+      return;
+#else
+      throw std::runtime_error("this trainguard was built without NCCL");
+#endif
+    }
     auto gopts = c10d::ProcessGroupGloo::Options::create(timeout);
     gopts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, world, gopts);

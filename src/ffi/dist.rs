@@ -4,7 +4,8 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_pg_new(host: *const c_char, port: c_int, rank: c_int, world: c_int, host_store: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
+    fn tg_pg_nccl_built() -> c_int;
+    fn tg_pg_new(backend: c_int, host: *const c_char, port: c_int, rank: c_int, world: c_int, host_store: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
     fn tg_pg_allreduce(group: *mut c_void, tensor: *mut c_void, op: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_broadcast(group: *mut c_void, tensor: *mut c_void, root: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
@@ -25,6 +26,18 @@ fn check(code: c_int, err: &[u8]) -> Result<(), ShimError> {
     }
 }
 
+/// Whether this binary's c10d shim includes ProcessGroupNCCL.
+pub fn nccl_built() -> bool {
+    // SAFETY: no arguments, no state.
+    unsafe { tg_pg_nccl_built() == 1 }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Gloo = 0,
+    Nccl = 1,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub enum ReduceOp {
     Sum = 0,
@@ -42,13 +55,13 @@ unsafe impl Send for ProcessGroup {}
 
 impl ProcessGroup {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(host: &str, port: u16, rank: usize, world: usize, host_store: bool, timeout_ms: u64, prefix: &str) -> Result<Self, ShimError> {
+    pub fn new(backend: Backend, host: &str, port: u16, rank: usize, world: usize, host_store: bool, timeout_ms: u64, prefix: &str) -> Result<Self, ShimError> {
         let host = CString::new(host).map_err(|_| ShimError::Torch("host contains NUL".into()))?;
         let prefix = CString::new(prefix).map_err(|_| ShimError::Torch("prefix contains NUL".into()))?;
         let mut err = [0u8; ERR_LEN];
         // SAFETY: both strings are NUL-terminated and outlive the call; `err` is ERR_LEN bytes.
         let handle = unsafe {
-            tg_pg_new(host.as_ptr(), port as c_int, rank as c_int, world as c_int, host_store as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN)
+            tg_pg_new(backend as c_int, host.as_ptr(), port as c_int, rank as c_int, world as c_int, host_store as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN)
         };
         if handle.is_null() {
             return Err(ShimError::Torch(message(&err)));
