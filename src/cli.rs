@@ -16,6 +16,8 @@ pub enum Command {
     /// Inspect configs.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Estimate (and with --profile measure) what fits on a GPU; recommend a micro-batch.
+    Plan(crate::planner::PlanArgs),
 }
 
 #[derive(Debug, Subcommand)]

@@ -10,6 +10,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => run_train(&args),
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
+        Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
     };
     if let Err(err) = result {
         report(&err);
