@@ -537,8 +537,10 @@ mod tests {
         let s = setup(Precision::Fp32, Optimizer::AdamW);
         let (one, two) = (estimate(&m, &s, 4, 1), estimate(&m, &s, 4, 2));
         assert_eq!(two.peak_allocated - one.peak_allocated, one.gradients);
-        assert_eq!(two.linear(4), two.total, "fixed + slope·b is exact while accumulating");
-        assert_eq!(estimate(&m, &s, 9, 3).linear(9), estimate(&m, &s, 9, 3).total);
+        // fixed + slope·b while accumulating, to the byte per sample (rounding of the margin).
+        assert!(two.linear(4).abs_diff(two.total) <= 4);
+        let nine = estimate(&m, &Setup { target: Target::Cuda, fragmentation: 0.1, cuda_overhead: 1 << 30, ..s.clone() }, 9, 3);
+        assert!(nine.linear(9).abs_diff(nine.total) <= 9, "{} vs {}", nine.linear(9), nine.total);
         // A tiny batch: activations are smaller than the gradients, which then set the peak.
         let short = Transformer { seq_len: 1, ..gpt2() };
         let e = estimate(&short, &s, 1, 1);
