@@ -198,7 +198,7 @@ fn profile_on_cpu_runs_real_steps_and_compares_with_the_estimate() {
     }
     let fit = &p["fit"];
     let slope = fit["per_sample_bytes"].as_f64().unwrap();
-    let est_slope = u(&p["estimate_per_sample_bytes"]) as f64;
+    let est_slope = p["estimate_fit"]["per_sample_bytes"].as_f64().unwrap();
     assert!((slope / est_slope - 1.0).abs() < 0.25, "per-sample: measured {slope}, estimated {est_slope}");
     assert!(p["largest_fitting"].is_null(), "explicit sizes: no search");
 }

@@ -430,7 +430,6 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
         sizes: args.micro_batches.clone(),
         steps: args.profile_steps,
         rank_batch: inputs.rank_batch,
-        capacity: Some(capacity),
         margin: args.margin,
         isolate: args.profile_isolate,
         model: &inputs.model,

@@ -79,6 +79,8 @@ pub struct Measured {
 pub struct Point {
     pub micro_batch: u64,
     pub estimate_bytes: u64,
+    /// Where the estimate puts the peak: `start of backward` or `end of backward`.
+    pub peak_phase: &'static str,
     pub measured_bytes: Option<u64>,
     /// (estimate − measured) / measured, in %.
     pub error_pct: Option<f64>,
@@ -102,9 +104,9 @@ pub struct ProfileReport {
     pub budget_bytes: u64,
     pub points: Vec<Point>,
     pub fit: Option<Fit>,
-    /// The estimate's own fixed part and slope, for the target compared (allocated only).
-    pub estimate_fixed_bytes: u64,
-    pub estimate_per_sample_bytes: u64,
+    /// The same least-squares line through the estimates at the measured sizes (so both lines
+    /// describe the same regime: end of backward at small sizes, activations at large ones).
+    pub estimate_fit: Option<Fit>,
     /// Found by the search (double, then bisect); none when sizes were given or 1 did not fit.
     pub largest_fitting: Option<u64>,
     /// Largest divisor of the per-GPU batch at or under `largest_fitting`, and its accumulation.
@@ -121,8 +123,6 @@ pub struct Plan<'a> {
     pub steps: u64,
     /// Per-GPU batch (bounds the search and picks divisors); none: search up to 1024.
     pub rank_batch: Option<u64>,
-    /// Memory the run may use; none: the device's (CUDA total, CPU available memory).
-    pub capacity: Option<u64>,
     pub margin: f64,
     /// Run each size in a child process even where `clear_refs` works.
     pub isolate: bool,
@@ -310,14 +310,15 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
                 return false;
             }
         };
-        let estimate_bytes = est(b).peak_allocated;
+        let e = est(b);
+        let (estimate_bytes, peak_phase) = (e.peak_allocated, e.peak_phase);
         let outcome = match (m.oom, m.device_used.or(m.peak)) {
             (true, _) | (false, None) => Outcome::OutOfMemory,
             (false, Some(used)) if used <= budget => Outcome::Fits,
             _ => Outcome::OverBudget,
         };
         let error_pct = m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
-        points.push(Point { micro_batch: b, estimate_bytes, measured_bytes: m.peak, error_pct, outcome });
+        points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome });
         outcome == Outcome::Fits
     };
     let largest = if plan.sizes.is_empty() {
@@ -332,13 +333,17 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
         return Err(e);
     }
     points.sort_by_key(|p| p.micro_batch);
-    let xy: Vec<(f64, f64)> = points.iter().filter_map(|p| p.measured_bytes.map(|m| (p.micro_batch as f64, m as f64))).collect();
-    let fit = fit_line(&xy).map(|(fixed, slope)| Fit { fixed_bytes: fixed, per_sample_bytes: slope, points: xy.len() });
+    let measured: Vec<&Point> = points.iter().filter(|p| p.measured_bytes.is_some()).collect();
+    let line = |y: &dyn Fn(&Point) -> u64| {
+        let xy: Vec<(f64, f64)> = measured.iter().map(|p| (p.micro_batch as f64, y(p) as f64)).collect();
+        fit_line(&xy).map(|(fixed, slope)| Fit { fixed_bytes: fixed, per_sample_bytes: slope, points: xy.len() })
+    };
+    let fit = line(&|p| p.measured_bytes.unwrap_or_default());
+    let estimate_fit = line(&|p| p.estimate_bytes);
     let micro_batch = largest.map(|l| match plan.rank_batch {
         Some(r) => divisors(r).into_iter().filter(|&d| d <= l).max().unwrap_or(1),
         None => l,
     });
-    let e1 = est(1);
     Ok(ProfileReport {
         device: format!("{:?}", plan.device).to_lowercase(),
         method: String::new(),
@@ -348,8 +353,7 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
         budget_bytes: budget,
         points,
         fit,
-        estimate_fixed_bytes: e1.fixed,
-        estimate_per_sample_bytes: e1.per_sample,
+        estimate_fit,
         largest_fitting: largest,
         micro_batch,
         micro_accumulation: micro_batch.and_then(|b| plan.rank_batch.map(|r| r / b)),

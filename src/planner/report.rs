@@ -215,7 +215,7 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
 fn render_profile(o: &mut String, p: &ProfileReport) {
     let _ = writeln!(o, "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}", p.device, p.steps, p.accumulation, size(p.budget_bytes as f64), size(p.capacity_bytes as f64));
     let _ = writeln!(o, "  measured: {}", p.method);
-    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  outcome", "micro-batch", "estimate", "measured", "error");
+    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<18} outcome", "micro-batch", "estimate", "measured", "error", "estimated peak at");
     for pt in &p.points {
         let measured = pt.measured_bytes.map_or("—".into(), |m| size(m as f64));
         let err = pt.error_pct.map_or("—".into(), |e| format!("{e:+.1}%"));
@@ -224,21 +224,21 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
             Outcome::OverBudget => "over budget",
             Outcome::OutOfMemory => "out of memory (caught by the guard)",
         };
-        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err);
+        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<18} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
     }
-    match &p.fit {
-        Some(f) => {
+    match (&p.fit, &p.estimate_fit) {
+        (Some(f), Some(e)) => {
             let _ = writeln!(
                 o,
-                "  fit over {} sizes: {} + {} per sample (estimate: {} + {} per sample)",
+                "  least squares over {} sizes: measured {} + {} per sample; estimated {} + {} per sample",
                 f.points,
                 size(f.fixed_bytes),
                 size(f.per_sample_bytes),
-                size(p.estimate_fixed_bytes as f64),
-                size(p.estimate_per_sample_bytes as f64)
+                size(e.fixed_bytes),
+                size(e.per_sample_bytes)
             );
         }
-        None => {
+        _ => {
             let _ = writeln!(o, "  no fit: fewer than two sizes ran");
         }
     }
