@@ -244,10 +244,14 @@ pub struct Estimate {
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
+    /// Backward through the last block, after logits and cross-entropy are freed: the MLP's
+    /// widest gradients (GELU input and output, f·s·b) and the residual stream's (h·s·b).
+    pub block_backward_transient: u64,
     /// End of backward: the tied token embedding's gradient arrives in two parts (from the head
     /// and from the embedding) that autograd sums out of place: 2·v·h extra gradient elements.
     pub embedding_grad_transient: u64,
-    /// Which moment sets the peak: `start of backward` (activations, logits, cross-entropy) or
+    /// Which moment sets the peak: `start of backward` (activations, logits, cross-entropy),
+    /// `last block's backward` (activations and that block's gradients; small vocabularies) or
     /// `end of backward` (gradients complete).
     pub peak_phase: &'static str,
     /// Peak of what the allocator hands out (what `allocated_peak` measures).
@@ -329,10 +333,12 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
 
 /// The estimate at micro-batch `micro` (≥ 1) with `accumulation` (≥ 1) micro-steps per update.
 ///
-/// The peak is at the start of backward — weights, master weights, optimizer state, every saved
-/// activation, the log-probabilities and cross-entropy's two gradient buffers — or at its end,
-/// when the gradients are complete (plus the tied embedding's two partial gradients), whichever
-/// is larger; the gradients of earlier micro-steps are held through both when accumulating.
+/// On top of weights, master weights and optimizer state, the peak is the largest of three
+/// moments: the start of backward (every saved activation, the log-probabilities and
+/// cross-entropy's two gradient buffers), the last block's backward (every saved activation and
+/// that block's MLP and residual gradients; it wins only with small vocabularies), and the end
+/// of backward (the gradients complete, plus the tied embedding's two partial gradients). The
+/// gradients of earlier micro-steps are held through all three when accumulating.
 pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Estimate {
     let p = s.precision;
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
@@ -352,7 +358,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
 
     let base = weights + master_weights + optimizer + dp_buffers;
     let held = if accumulation > 1 { gradients } else { 0 };
-    let transient = activations + logits + cross_entropy;
+    let block_backward_transient = (m.ffn + m.hidden) * m.seq_len * micro * p.activation_bytes();
+    let transient = activations + (logits + cross_entropy).max(block_backward_transient);
     let grads_done = gradients + embedding_grad_transient;
     let peak_allocated = base + held + transient.max(grads_done);
     let (fragmentation, cuda_overhead) = match s.target {
@@ -378,7 +385,14 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         cross_entropy,
         dp_buffers,
         embedding_grad_transient,
-        peak_phase: if transient >= grads_done { "start of backward" } else { "end of backward" },
+        block_backward_transient,
+        peak_phase: if transient < grads_done {
+            "end of backward"
+        } else if block_backward_transient > logits + cross_entropy {
+            "last block's backward"
+        } else {
+            "start of backward"
+        },
         peak_allocated,
         fragmentation,
         cuda_overhead,
@@ -548,6 +562,18 @@ mod tests {
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.embedding_grad_transient);
         assert_eq!(e.peak_phase, "end of backward");
         assert_eq!(two.peak_phase, "start of backward");
+    }
+
+    #[test]
+    fn a_byte_vocabulary_puts_the_peak_in_the_last_blocks_backward() {
+        // bench-10m: h = 384, f = 1536, v = 256: 12·v = 3072 bytes/token of logits and
+        // cross-entropy against (f + h)·4 = 7680 bytes/token of the last block's gradients.
+        let m = Transformer { layers: 6, hidden: 384, heads: 6, vocab: 256, seq_len: 256, ffn: 1536, bias: true, params_override: None };
+        let e = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 8, 2);
+        assert_eq!(e.block_backward_transient, (1536 + 384) * 256 * 8 * 4);
+        assert_eq!(e.peak_phase, "last block's backward");
+        assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.activations + e.block_backward_transient);
+        assert_eq!(estimate(&gpt2(), &setup(Precision::Fp32, Optimizer::AdamW), 8, 2).peak_phase, "start of backward");
     }
 
     #[test]

@@ -33,14 +33,19 @@ pub struct PlanArgs {
     /// from GPT-2's; weights, gradients and optimizer state follow it.
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub params: Option<String>,
+    /// Transformer blocks.
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub layers: Option<u64>,
+    /// Hidden size.
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub hidden: Option<u64>,
+    /// Attention heads (must divide --hidden).
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub heads: Option<u64>,
+    /// Vocabulary size.
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub vocab: Option<u64>,
+    /// Sequence length in tokens.
     #[arg(long = "seq-len", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub seq_len: Option<u64>,
     /// MLP width (default 4 × hidden).

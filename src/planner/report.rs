@@ -130,6 +130,14 @@ pub fn render(r: &Report) -> String {
             ""
         }
     );
+    if e.peak_phase == "last block's backward" {
+        let _ = writeln!(
+            o,
+            "  the peak is in the last block's backward: its MLP and residual gradients ({}) outweigh logits and cross-entropy, \
+             which are freed by then",
+            size(e.block_backward_transient as f64)
+        );
+    }
     if e.peak_phase == "end of backward" {
         let _ = writeln!(
             o,
@@ -215,7 +223,7 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
 fn render_profile(o: &mut String, p: &ProfileReport) {
     let _ = writeln!(o, "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}", p.device, p.steps, p.accumulation, size(p.budget_bytes as f64), size(p.capacity_bytes as f64));
     let _ = writeln!(o, "  measured: {}", p.method);
-    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<18} outcome", "micro-batch", "estimate", "measured", "error", "estimated peak at");
+    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} outcome", "micro-batch", "estimate", "measured", "error", "estimated peak at");
     for pt in &p.points {
         let measured = pt.measured_bytes.map_or("—".into(), |m| size(m as f64));
         let err = pt.error_pct.map_or("—".into(), |e| format!("{e:+.1}%"));
@@ -224,7 +232,7 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
             Outcome::OverBudget => "over budget",
             Outcome::OutOfMemory => "out of memory (caught by the guard)",
         };
-        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<18} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
+        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
     }
     match (&p.fit, &p.estimate_fit) {
         (Some(f), Some(e)) => {
