@@ -377,6 +377,64 @@ mod tests {
         assert!((s - 2.6).abs() < 1e-9, "{s}");
     }
 
+    fn plan_parts() -> (Config, Transformer, Setup) {
+        let cfg = Config::default();
+        let model = Transformer::from_gpt(&cfg.model);
+        let setup = Setup {
+            precision: super::super::estimate::Precision::Fp32,
+            optimizer: super::super::estimate::Optimizer::AdamW,
+            activation_checkpointing: false,
+            flash: true,
+            dropout: false,
+            target: super::super::estimate::Target::Cpu,
+            gpus: 1,
+            cuda_overhead: 0,
+            fragmentation: 0.0,
+        };
+        (cfg, model, setup)
+    }
+
+    /// A device where a step at micro-batch b peaks at 100 + 10·b bytes and b ≥ 45 runs out of memory.
+    fn fake(b: u64) -> Result<Measured, ProfileError> {
+        Ok(if b >= 45 { Measured { peak: None, device_used: None, oom: true } } else { Measured { peak: Some(100 + 10 * b), device_used: None, oom: false } })
+    }
+
+    #[test]
+    fn the_search_doubles_then_bisects_on_measurements_within_the_margin() {
+        let (cfg, model, setup) = plan_parts();
+        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let mut seen = Vec::new();
+        // Capacity 1000 at margin 0.5: a budget of 500 bytes, so 40 is the largest that fits.
+        let r = run(&plan, 1000, |b| {
+            seen.push(b);
+            fake(b)
+        })
+        .unwrap();
+        assert_eq!(seen, [1, 2, 4, 8, 16, 32, 48, 40, 44, 42, 41], "doubling (capped at the per-GPU batch), then bisection");
+        assert_eq!(r.largest_fitting, Some(40));
+        assert_eq!((r.micro_batch, r.micro_accumulation), (Some(24), Some(2)), "the largest divisor of 48 that fits");
+        let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
+        assert_eq!((outcome(40), outcome(41), outcome(48)), (Outcome::Fits, Outcome::OverBudget, Outcome::OutOfMemory));
+        let fit = r.fit.unwrap();
+        assert!((fit.fixed_bytes - 100.0).abs() < 1e-6 && (fit.per_sample_bytes - 10.0).abs() < 1e-6, "{fit:?}");
+        assert_eq!(fit.points, 10, "every size that ran, over budget or not; not the one out of memory");
+        assert!(r.points.windows(2).all(|w| w[0].micro_batch < w[1].micro_batch));
+    }
+
+    #[test]
+    fn explicit_sizes_are_measured_as_given_and_failures_propagate() {
+        let (cfg, model, setup) = plan_parts();
+        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![4, 1, 2], steps: 1, rank_batch: None, margin: 0.85, isolate: false, model: &model, setup: &setup };
+        let r = run(&plan, 1 << 30, fake).unwrap();
+        assert_eq!(r.points.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(r.largest_fitting, None, "no search");
+        let p = &r.points[0];
+        let want = (p.estimate_bytes as f64 - 110.0) / 110.0 * 100.0;
+        assert!((p.error_pct.unwrap() - want).abs() < 1e-9);
+        let err = run(&plan, 1 << 30, |b| if b == 2 { Err(ProfileError::NoProcStatus) } else { fake(b) });
+        assert!(matches!(err, Err(ProfileError::NoProcStatus)));
+    }
+
     #[test]
     fn the_peak_resident_size_can_be_reset_here() {
         // Documents the machine: where this fails, the profile uses child processes.
