@@ -18,6 +18,8 @@ pub enum Command {
     Config(ConfigCommand),
     /// Versions, CUDA, GPUs and allocator settings: what to paste into a bug report.
     Env(ConfigArgs),
+    /// Estimate (and with --profile measure) what fits on a GPU; recommend a micro-batch.
+    Plan(crate::planner::PlanArgs),
 }
 
 #[derive(Debug, Subcommand)]

@@ -26,6 +26,9 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
         {
             return CONFIG;
         }
+        if cause.downcast_ref::<crate::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
+            return CONFIG;
+        }
         if oom_in(cause).is_some() {
             return OUT_OF_MEMORY;
         }

@@ -18,4 +18,5 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod planner;
 pub mod train;

@@ -13,6 +13,7 @@ fn main() {
         Command::Train(args) => run_train(&args),
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
         Command::Env(args) => show_env(&args),
+        Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
     };
     if let Err(err) = result {
         report(&err);

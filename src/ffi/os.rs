@@ -12,6 +12,15 @@ pub fn malloc_for_exact_accounting() {
     }
 }
 
+/// Returns the free memory at the top of glibc's heap to the OS (`malloc_trim(0)`), so that a
+/// later peak resident size counts what is allocated after this point.
+pub fn release_free_heap() {
+    // SAFETY: malloc_trim only releases free memory; it touches no live allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Sets the soft `RLIMIT_AS` (address space) of this process to `bytes`.
 pub fn limit_address_space(bytes: u64) -> std::io::Result<()> {
     let rl = libc::rlimit { rlim_cur: bytes, rlim_max: libc::RLIM_INFINITY };

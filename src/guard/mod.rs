@@ -41,7 +41,7 @@ impl OomFailure {
              - a shorter sequence (model.seq_len): activations and logits grow with it\n\
              - a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)\n\
              - a larger memory.limit or a device with more memory\n\
-             - `trainguard plan` (when available) to see what fits before you start",
+             - `trainguard plan --config <file>` to see what fits, or `--profile` to measure it",
             self.micro_batch,
             first_line(&self.message)
         )

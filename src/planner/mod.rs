@@ -1,0 +1,593 @@
+//! `trainguard plan`: what fits on a GPU before a long run. Owns the command's flags
+//! ([`PlanArgs`]), turning them into a model, a setup and a target, and the order of work:
+//! estimate ([`estimate`], pure) → recommendation ([`recommend`], pure) → optional measurement
+//! ([`profile`]) → optional edit of the config ([`apply`]) → table or JSON ([`report`]).
+//! It does not train and never changes a config except through `--apply`.
+pub mod apply;
+pub mod estimate;
+pub mod gpu;
+pub mod presets;
+pub mod profile;
+pub mod recommend;
+pub mod report;
+
+use crate::config::{self, Config, ConfigError, ModelConfig};
+use estimate::{Optimizer, Precision, Setup, Target, Transformer};
+use gpu::GpuTarget;
+use profile::{Measured, ProfileError, ProfileReport};
+use recommend::Budget;
+use std::path::{Path, PathBuf};
+use tch::Device;
+
+/// `trainguard plan` flags.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct PlanArgs {
+    /// YAML config of the built-in GPT; without it (and without --layers …) the built-in defaults.
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Override a config key: `--set model.seq_len=2048` (repeatable).
+    #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
+    pub overrides: Vec<String>,
+
+    /// Parameter count of a generic transformer (`124M`, `8B`, `8.03e9`) whose tensors differ
+    /// from GPT-2's; weights, gradients and optimizer state follow it.
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub params: Option<String>,
+    /// Transformer blocks.
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub layers: Option<u64>,
+    /// Hidden size.
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub hidden: Option<u64>,
+    /// Attention heads (must divide --hidden).
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub heads: Option<u64>,
+    /// Vocabulary size.
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub vocab: Option<u64>,
+    /// Sequence length in tokens.
+    #[arg(long = "seq-len", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub seq_len: Option<u64>,
+    /// MLP width (default 4 × hidden).
+    #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub ffn: Option<u64>,
+    /// No biases in linear layers and LayerNorms.
+    #[arg(long, help_heading = "Model (generic transformer; overrides the config)")]
+    pub no_bias: bool,
+
+    /// Default: the config's (fp32: trainguard trains in fp32 today).
+    #[arg(long, value_enum, help_heading = "Training setup")]
+    pub precision: Option<Precision>,
+    #[arg(long, value_enum, default_value = "adamw", help_heading = "Training setup")]
+    pub optimizer: Optimizer,
+    /// Keep only each block's input and recompute the block in backward.
+    #[arg(long, help_heading = "Training setup")]
+    pub activation_checkpointing: bool,
+    /// Flash / memory-efficient attention (the default): no b·a·s² scores kept.
+    #[arg(long, overrides_with = "no_flash", help_heading = "Training setup")]
+    pub flash: bool,
+    /// Materialised attention scores (eager attention).
+    #[arg(long, overrides_with = "flash", help_heading = "Training setup")]
+    pub no_flash: bool,
+    /// Micro-batch of the table (default: the config's, else 1).
+    #[arg(long, value_name = "N", help_heading = "Training setup")]
+    pub micro_batch: Option<u64>,
+    /// Target global batch in sequences (default: the config's train.global_batch_size).
+    #[arg(long, value_name = "N", help_heading = "Training setup")]
+    pub global_batch: Option<u64>,
+
+    /// `auto` (NVML), or a preset: t4, l4, a10, rtx6000, v100-16, v100-32, a100-40, a100-80, h100, h200, …
+    #[arg(long, value_name = "NAME", help_heading = "GPU")]
+    pub gpu: Option<String>,
+    /// Memory per GPU (`24GiB`, `80GB`); overrides a preset; the fallback for `--gpu auto`.
+    #[arg(long, value_name = "SIZE", help_heading = "GPU")]
+    pub gpu_memory: Option<String>,
+    /// Data-parallel GPUs (the global batch is split over them).
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "GPU")]
+    pub gpus: u64,
+    /// Share of the GPU's memory a plan may fill.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.85, help_heading = "GPU")]
+    pub margin: f64,
+    /// CUDA context, cuBLAS/cuDNN workspaces and the like, per process.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", help_heading = "GPU")]
+    pub cuda_overhead: String,
+    /// Allocator fragmentation margin, as a share of the peak allocated.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.10, help_heading = "GPU")]
+    pub fragmentation: f64,
+
+    /// Print one JSON object instead of the table.
+    #[arg(long, help_heading = "Output and actions")]
+    pub json: bool,
+    /// Measure: real steps at growing micro-batches on the device (CPU: the process's peak
+    /// resident memory), estimate vs measured, and the largest micro-batch that fits.
+    #[arg(long, help_heading = "Output and actions")]
+    pub profile: bool,
+    /// Device for --profile: cpu, cuda, cuda:N (default: the config's `device`).
+    #[arg(long, value_name = "DEVICE", help_heading = "Output and actions")]
+    pub device: Option<String>,
+    /// Measure exactly these micro-batches (`1,2,4`) instead of searching.
+    #[arg(long, value_name = "N,N,…", value_delimiter = ',', help_heading = "Output and actions")]
+    pub micro_batches: Vec<u64>,
+    /// Optimizer steps per measured micro-batch.
+    #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Output and actions")]
+    pub profile_steps: u64,
+    /// Write the chosen micro-batch (and --global-batch) into the config, keeping a backup.
+    #[arg(long, help_heading = "Output and actions")]
+    pub apply: bool,
+    /// Run each profiled size in a child process (the fallback where clear_refs is refused).
+    #[arg(long, hide = true)]
+    pub profile_isolate: bool,
+    /// Internal: measure one micro-batch and print it as JSON (the child of --profile-isolate).
+    #[arg(long, hide = true, value_name = "N")]
+    pub profile_one: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlannerError {
+    /// Bad flags or values (exit code 2).
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("--apply: {0}")]
+    Edit(#[from] apply::EditError),
+    #[error("--profile: {0}")]
+    Profile(#[from] ProfileError),
+    /// `--apply` with nothing that fits: nothing was written.
+    #[error("{0}")]
+    NothingFits(String),
+    #[error("--apply: cannot {what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+impl PlannerError {
+    /// Errors in what the user typed or wrote (exit code 2).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, PlannerError::Usage(_) | PlannerError::Config(_) | PlannerError::Edit(_))
+    }
+}
+
+fn usage(msg: impl Into<String>) -> PlannerError {
+    PlannerError::Usage(msg.into())
+}
+
+/// What `--apply` did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Applied {
+    pub path: PathBuf,
+    /// None when the file already held these values (nothing written).
+    pub backup: Option<PathBuf>,
+    pub micro_batch: u64,
+    pub global_batch: u64,
+    pub accumulation: u64,
+    pub diff: String,
+}
+
+/// Everything resolved from the flags.
+struct Inputs {
+    config: Option<Config>,
+    source: String,
+    model: Transformer,
+    setup: Setup,
+    micro: u64,
+    global: Option<u64>,
+    rank_batch: Option<u64>,
+    /// Accumulation of the table (2 = "accumulating" when no global batch is known).
+    accumulation: u64,
+    target: Option<GpuTarget>,
+}
+
+const GENERIC_REQUIRED: [&str; 5] = ["--layers", "--hidden", "--heads", "--vocab", "--seq-len"];
+
+impl Inputs {
+    fn resolve(a: &PlanArgs) -> Result<Self, PlannerError> {
+        if !(a.margin > 0.0 && a.margin <= 1.0) {
+            return Err(usage(format!("--margin must be in (0, 1], got {}", a.margin)));
+        }
+        if !(0.0..1.0).contains(&a.fragmentation) {
+            return Err(usage(format!("--fragmentation must be in [0, 1), got {}", a.fragmentation)));
+        }
+        if a.gpus == 0 {
+            return Err(usage("--gpus must be at least 1, got 0"));
+        }
+        if a.profile_steps == 0 {
+            return Err(usage("--profile-steps must be at least 1, got 0"));
+        }
+        if a.micro_batches.contains(&0) {
+            return Err(usage("--micro-batches must list sizes of at least 1"));
+        }
+        let size = |flag: &str, v: &str| config::parse_size(v).map_err(|e| usage(format!("{flag}: {e}")));
+        let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
+        let gpu_memory = a.gpu_memory.as_deref().map(|v| size("--gpu-memory", v)).transpose()?;
+        let params = a.params.as_deref().map(parse_count).transpose()?;
+
+        let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
+        let generic = given.iter().any(Option::is_some) || a.ffn.is_some() || params.is_some() || a.no_bias;
+        let (config, source) = if a.config.is_some() || !generic {
+            let cfg = config::load(a.config.as_deref(), &a.overrides)?;
+            (Some(cfg), a.config.as_ref().map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()))
+        } else {
+            if !a.overrides.is_empty() {
+                return Err(usage("--set edits a config: give --config, or describe the model with --layers, --hidden, --heads, --vocab, --seq-len"));
+            }
+            let missing: Vec<&str> = GENERIC_REQUIRED.iter().zip(given).filter(|(_, v)| v.is_none()).map(|(f, _)| *f).collect();
+            if !missing.is_empty() {
+                return Err(usage(format!(
+                    "a generic transformer needs {} (missing: {}), or a --config",
+                    GENERIC_REQUIRED.join(", "),
+                    missing.join(", ")
+                )));
+            }
+            (None, "command line".into())
+        };
+        let base = config.as_ref().map(|c| Transformer::from_gpt(&c.model));
+        let pick = |flag: Option<u64>, from: fn(&Transformer) -> u64| flag.or(base.as_ref().map(from)).expect("required flags checked above");
+        let hidden = pick(a.hidden, |t| t.hidden);
+        let model = Transformer {
+            layers: pick(a.layers, |t| t.layers),
+            hidden,
+            heads: pick(a.heads, |t| t.heads),
+            vocab: pick(a.vocab, |t| t.vocab),
+            seq_len: pick(a.seq_len, |t| t.seq_len),
+            ffn: a.ffn.unwrap_or(4 * hidden),
+            bias: !a.no_bias && base.as_ref().is_none_or(|t| t.bias),
+            params_override: params,
+        };
+        check_model(&model)?;
+
+        let setup = Setup {
+            precision: a.precision.unwrap_or(Precision::Fp32),
+            optimizer: a.optimizer,
+            activation_checkpointing: a.activation_checkpointing,
+            flash: !a.no_flash,
+            dropout: config.as_ref().is_some_and(|c| c.model.dropout > 0.0),
+            target: Target::Cuda,
+            gpus: a.gpus,
+            cuda_overhead,
+            fragmentation: a.fragmentation,
+        };
+
+        let global = a.global_batch.or(config.as_ref().map(|c| c.train.global_batch_size as u64));
+        let micro = a.micro_batch.or(config.as_ref().map(|c| c.train.micro_batch_size as u64)).unwrap_or(1);
+        if micro == 0 {
+            return Err(usage("--micro-batch must be at least 1, got 0"));
+        }
+        let rank_batch = match global {
+            Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
+            Some(g) if g % a.gpus != 0 => {
+                return Err(usage(format!("--global-batch {g} is not divisible by --gpus {}: every GPU takes an equal share", a.gpus)))
+            }
+            Some(g) => Some(g / a.gpus),
+            None => None,
+        };
+        if let Some(r) = rank_batch {
+            if micro > r {
+                return Err(usage(format!("--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)")));
+            }
+        }
+        let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
+        let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;
+        Ok(Self { config, source, model, setup, micro, global, rank_batch, accumulation, target })
+    }
+}
+
+fn check_model(m: &Transformer) -> Result<(), PlannerError> {
+    for (flag, v) in [("--layers", m.layers), ("--hidden", m.hidden), ("--heads", m.heads), ("--vocab", m.vocab), ("--seq-len", m.seq_len), ("--ffn", m.ffn)] {
+        if v == 0 {
+            return Err(usage(format!("{flag} must be at least 1, got 0")));
+        }
+    }
+    if m.hidden % m.heads != 0 {
+        return Err(usage(format!("--heads {} must divide --hidden {} (each head gets hidden / heads channels)", m.heads, m.hidden)));
+    }
+    if m.params_override == Some(0) {
+        return Err(usage("--params must be at least 1"));
+    }
+    Ok(())
+}
+
+/// `124M`, `8B`, `1.5e9`, `350000000` → a parameter count.
+pub fn parse_count(text: &str) -> Result<u64, PlannerError> {
+    let t = text.trim();
+    let bad = || usage(format!("--params: `{text}` is not a parameter count like 124M, 8B, 1.5e9 or 350000000"));
+    let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&t[..t.len() - 1], 1e3),
+        Some('M') => (&t[..t.len() - 1], 1e6),
+        Some('B') | Some('G') => (&t[..t.len() - 1], 1e9),
+        Some('T') => (&t[..t.len() - 1], 1e12),
+        _ => (t, 1.0),
+    };
+    let n: f64 = num.trim().parse().map_err(|_| bad())?;
+    let count = (n * mult).round();
+    if !(count >= 1.0 && count.is_finite()) {
+        return Err(bad());
+    }
+    Ok(count as u64)
+}
+
+/// Runs `trainguard plan`.
+pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
+    let inputs = Inputs::resolve(args)?;
+    if let Some(micro) = args.profile_one {
+        return profile_child(args, &inputs, micro);
+    }
+    if args.apply {
+        if args.config.is_none() {
+            return Err(usage("--apply writes into a config file: give --config FILE"));
+        }
+        if !args.overrides.is_empty() {
+            return Err(usage("--apply cannot be combined with --set: the plan would be for a config the file does not hold"));
+        }
+        if inputs.target.is_none() && !args.profile {
+            return Err(usage("--apply needs something to choose by: a GPU (--gpu NAME|auto, --gpu-memory SIZE) or --profile"));
+        }
+        if args.profile && !args.micro_batches.is_empty() {
+            return Err(usage("--apply with --profile needs the search: drop --micro-batches"));
+        }
+    }
+    let est = estimate::estimate(&inputs.model, &inputs.setup, inputs.micro, inputs.accumulation);
+    let rec = inputs.target.as_ref().map(|t| {
+        recommend::recommend(&inputs.model, &inputs.setup, inputs.rank_batch, Budget { capacity: t.capacity_bytes, margin: args.margin })
+    });
+    let prof = if args.profile { Some(run_profile(args, &inputs)?) } else { None };
+
+    let mut nothing_fits = None;
+    let applied = if args.apply {
+        let chosen = match &prof {
+            Some(p) => p.micro_batch,
+            None => rec.as_ref().and_then(|r| r.micro_batch),
+        };
+        match chosen {
+            Some(micro) => Some(apply_choice(args, &inputs, micro)?),
+            None => {
+                nothing_fits = Some(format!(
+                    "--apply: nothing fits even at micro-batch 1 ({}); {} left unchanged",
+                    if prof.is_some() { "measured" } else { "estimated" },
+                    args.config.as_ref().map(|p| p.display().to_string()).unwrap_or_default()
+                ));
+                None
+            }
+        }
+    } else {
+        None
+    };
+
+    let out = report::Report {
+        schema: report::SCHEMA,
+        source: &inputs.source,
+        model: &inputs.model,
+        params: inputs.model.params(),
+        setup: &inputs.setup,
+        global_batch: inputs.global,
+        gpus: args.gpus,
+        micro_batch: inputs.micro,
+        accumulation: inputs.rank_batch.map(|r| r.div_ceil(inputs.micro)),
+        estimate: &est,
+        gpu: inputs.target.as_ref(),
+        recommendation: rec.as_ref(),
+        profile: prof.as_ref(),
+        applied: applied.as_ref(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out).expect("the report always serialises"));
+    } else {
+        print!("{}", report::render(&out));
+    }
+    match nothing_fits {
+        Some(msg) => Err(PlannerError::NothingFits(msg)),
+        None => Ok(()),
+    }
+}
+
+/// The config, device and comparison setup a profile runs with.
+fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, Setup), PlannerError> {
+    let s = &inputs.setup;
+    if s.precision != Precision::Fp32 || s.optimizer != Optimizer::AdamW || s.activation_checkpointing || !s.flash {
+        return Err(usage(
+            "--profile measures the built-in GPT as it trains today (fp32, AdamW, no activation checkpointing, \
+             scaled_dot_product_attention): drop --precision, --optimizer, --activation-checkpointing and --no-flash, \
+             or plan without --profile",
+        ));
+    }
+    let m = &inputs.model;
+    if m.params_override.is_some() || m.ffn != 4 * m.hidden {
+        return Err(usage("--profile runs the built-in GPT: --params and an --ffn other than 4 × hidden describe a model it cannot build"));
+    }
+    let mut cfg = inputs.config.clone().unwrap_or_default();
+    let to_usize = |v: u64| v as usize;
+    cfg.model = ModelConfig {
+        n_layer: to_usize(m.layers),
+        n_head: to_usize(m.heads),
+        n_embd: to_usize(m.hidden),
+        vocab_size: to_usize(m.vocab),
+        seq_len: to_usize(m.seq_len),
+        bias: m.bias,
+        ..cfg.model
+    };
+    let problems = config::validate(&cfg);
+    if !problems.is_empty() {
+        let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
+        return Err(usage(format!("--profile: the model cannot be built: {}", list.join("; "))));
+    }
+    let spec = args.device.clone().unwrap_or_else(|| cfg.device.clone());
+    let device = crate::plan::resolve_device(&spec, tch::Cuda::device_count().max(0) as usize, 0).map_err(|e| usage(format!("--device: {e}")))?;
+    let setup = Setup {
+        precision: Precision::Fp32,
+        optimizer: Optimizer::AdamW,
+        activation_checkpointing: false,
+        // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
+        flash: device.is_cuda() || cfg.model.dropout == 0.0,
+        dropout: cfg.model.dropout > 0.0,
+        target: if device.is_cuda() { Target::Cuda } else { Target::Cpu },
+        gpus: 1,
+        cuda_overhead: 0,
+        fragmentation: 0.0,
+    };
+    Ok((cfg, device, setup))
+}
+
+fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, PlannerError> {
+    let (cfg, device, setup) = profile_inputs(args, inputs)?;
+    let capacity = profile::capacity(device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
+    let plan = profile::Plan {
+        config: &cfg,
+        device,
+        sizes: args.micro_batches.clone(),
+        steps: args.profile_steps,
+        rank_batch: inputs.rank_batch,
+        margin: args.margin,
+        isolate: args.profile_isolate,
+        model: &inputs.model,
+        setup: &setup,
+    };
+    let in_process = device.is_cuda() || (!plan.isolate && profile::can_reset_peak());
+    let mut report = if in_process {
+        let mut session = profile::Session::open(&cfg, device, capacity)?;
+        profile::run(&plan, capacity, |b| session.measure(b, plan.steps))?
+    } else {
+        profile::run(&plan, capacity, |b| measure_in_child(b))?
+    };
+    report.method = match (device.is_cuda(), in_process) {
+        (true, _) => "CUDA caching allocator: allocated_peak above what was allocated before the model was built; \
+                      fits when reserved_peak plus the memory in use before (context, other processes) is within the budget"
+            .into(),
+        (false, true) => "CPU analogue: peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident \
+                          size before the model was built; compared with the estimate's parts that apply on CPU"
+            .into(),
+        (false, false) => "CPU analogue, one child process per micro-batch: each child's peak resident set above its \
+                           resident size before the model was built; compared with the estimate's parts that apply on CPU"
+            .into(),
+    };
+    Ok(report)
+}
+
+/// Runs this binary again with the same flags plus `--profile-one B` and reads its JSON line.
+fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
+    let child_err = |why: String| ProfileError::Child { micro, why };
+    let exe = std::env::current_exe().map_err(|e| child_err(format!("cannot find this executable: {e}")))?;
+    let out = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .arg("--profile-one")
+        .arg(micro.to_string())
+        .output()
+        .map_err(|e| child_err(format!("cannot start: {e}")))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        return Err(child_err(format!("exited with {}: {}", out.status, stderr.lines().last().unwrap_or(""))));
+    }
+    let line = stdout.lines().last().unwrap_or("");
+    serde_json::from_str(line).map_err(|e| child_err(format!("unreadable answer `{line}`: {e}")))
+}
+
+/// The child side of [`measure_in_child`]: one size, one JSON line on stdout.
+fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), PlannerError> {
+    let (cfg, device, _) = profile_inputs(args, inputs)?;
+    let capacity = profile::capacity(device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
+    let mut session = profile::Session::open(&cfg, device, capacity)?;
+    let m = session.measure(micro, args.profile_steps)?;
+    println!("{}", serde_json::to_string(&m).expect("a measurement always serialises"));
+    Ok(())
+}
+
+/// Writes `micro` (and `--global-batch`, when it differs) into the config file.
+fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied, PlannerError> {
+    let path = args.config.as_deref().expect("checked before");
+    let cfg = inputs.config.as_ref().expect("a config was loaded");
+    let global = inputs.global.unwrap_or(cfg.train.global_batch_size as u64);
+    let io = |what: &'static str, p: &Path| {
+        let p = p.to_path_buf();
+        move |source| PlannerError::Io { what, path: p, source }
+    };
+    let old = std::fs::read_to_string(path).map_err(io("read", path))?;
+    let mut new = apply::set_value(&old, "train", "micro_batch_size", &micro.to_string())?;
+    if global != cfg.train.global_batch_size as u64 {
+        new = apply::set_value(&new, "train", "global_batch_size", &global.to_string())?;
+    }
+    let accumulation = global / (micro * args.gpus);
+    let mut applied = Applied { path: path.to_path_buf(), backup: None, micro_batch: micro, global_batch: global, accumulation, diff: apply::diff(&old, &new) };
+    if new == old {
+        return Ok(applied);
+    }
+    // The edited text must load, as a valid config holding the new values, before anything is written.
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
+    let tmp = path.with_file_name(format!(".{name}.trainguard-apply"));
+    std::fs::write(&tmp, &new).map_err(io("write", &tmp))?;
+    let check = config::load(Some(&tmp), &[]).map_err(|e| e.to_string()).and_then(|c| {
+        let got = (c.train.micro_batch_size as u64, c.train.global_batch_size as u64);
+        if got == (micro, global) { Ok(()) } else { Err(format!("the edited file reads back as micro-batch {} and global batch {}", got.0, got.1)) }
+    });
+    if let Err(why) = check {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(usage(format!("--apply: the edited {} would not be valid, nothing written: {why}", path.display())));
+    }
+    let backup = apply::backup_path(path);
+    std::fs::copy(path, &backup).map_err(io("back up to", &backup))?;
+    std::fs::rename(&tmp, path).map_err(io("replace", path))?;
+    applied.backup = Some(backup);
+    Ok(applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts_parse_with_suffixes() {
+        assert_eq!(parse_count("124M").unwrap(), 124_000_000);
+        assert_eq!(parse_count("8B").unwrap(), 8_000_000_000);
+        assert_eq!(parse_count("8.03e9").unwrap(), 8_030_000_000);
+        assert_eq!(parse_count("350000000").unwrap(), 350_000_000);
+        assert_eq!(parse_count("1.5k").unwrap(), 1500);
+        for bad in ["", "lots", "0", "-5M", "M"] {
+            let err = parse_count(bad).unwrap_err();
+            assert!(err.is_usage() && err.to_string().contains("--params"), "{bad}: {err}");
+        }
+    }
+
+    fn args() -> PlanArgs {
+        PlanArgs { margin: 0.85, fragmentation: 0.1, gpus: 1, profile_steps: 2, cuda_overhead: "1GiB".into(), ..Default::default() }
+    }
+
+    #[test]
+    fn generic_flags_need_the_core_sizes_and_name_what_is_missing() {
+        let a = PlanArgs { layers: Some(12), hidden: Some(768), ..args() };
+        let err = Inputs::resolve(&a).err().unwrap().to_string();
+        assert!(err.contains("missing: --heads, --vocab, --seq-len"), "{err}");
+        let a = PlanArgs { heads: Some(12), vocab: Some(50257), seq_len: Some(1024), ..a };
+        let i = Inputs::resolve(&a).unwrap();
+        assert_eq!((i.model.ffn, i.model.params()), (3072, 124_439_808));
+        assert_eq!((i.micro, i.global, i.accumulation), (1, None, 2));
+    }
+
+    #[test]
+    fn bad_shapes_and_batches_are_usage_errors_naming_the_flag() {
+        let gpt = || PlanArgs { layers: Some(2), hidden: Some(64), heads: Some(2), vocab: Some(256), seq_len: Some(64), ..args() };
+        let cases: Vec<(PlanArgs, &str)> = vec![
+            (PlanArgs { layers: Some(0), ..gpt() }, "--layers must be at least 1, got 0"),
+            (PlanArgs { heads: Some(3), ..gpt() }, "--heads 3 must divide --hidden 64"),
+            (PlanArgs { margin: 1.5, ..gpt() }, "--margin must be in (0, 1]"),
+            (PlanArgs { global_batch: Some(30), gpus: 4, ..gpt() }, "--global-batch 30 is not divisible by --gpus 4"),
+            (PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() }, "--micro-batch 16 exceeds the per-GPU batch 8"),
+            (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
+            (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),
+        ];
+        for (a, want) in cases {
+            let err = Inputs::resolve(&a).err().unwrap();
+            assert!(err.is_usage() && err.to_string().contains(want), "want `{want}`, got `{err}`");
+        }
+    }
+
+    #[test]
+    fn config_values_are_the_defaults_and_flags_override_them() {
+        let i = Inputs::resolve(&args()).unwrap();
+        let d = Config::default();
+        assert_eq!((i.model.layers, i.model.seq_len), (d.model.n_layer as u64, d.model.seq_len as u64));
+        assert_eq!((i.micro, i.global, i.accumulation), (8, Some(32), 4));
+        // With a config, generic flags override its sizes; without one they describe the whole model.
+        let debug = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/debug.yaml");
+        let i = Inputs::resolve(&PlanArgs { config: Some(debug), seq_len: Some(32), global_batch: Some(64), gpus: 2, ..args() }).unwrap();
+        assert_eq!((i.model.seq_len, i.rank_batch, i.accumulation), (32, Some(32), 4));
+        assert_eq!(i.model.layers, d.model.n_layer as u64, "other sizes still come from the config");
+    }
+}

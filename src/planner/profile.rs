@@ -1,0 +1,457 @@
+//! `--profile`: measures what the estimate predicts. Builds the real model and optimizer on the
+//! device, runs a few real steps (forward, backward, clipping, AdamW) at each micro-batch inside
+//! the OOM guard (`oom.policy: fail`, so an out-of-memory is an answer — "does not fit" — never a
+//! crash), reads the peak, and fits fixed + per-sample cost by least squares. Without an explicit
+//! list of sizes it finds the largest micro-batch that fits by measurement: doubling, then
+//! bisection, within the safety margin.
+//!
+//! What "peak" means:
+//! - CUDA: the caching allocator's `allocated_peak` (reset before each size) above what was
+//!   allocated before the model was built; fitting is judged on `reserved_peak` plus what the
+//!   device had in use before (the CUDA context and other processes).
+//! - CPU (the analogue): the process's peak resident set (VmHWM, reset by writing 5 to
+//!   `/proc/self/clear_refs`) above the resident size before the model was built; glibc is set
+//!   to return large blocks at once (as under `memory.limit`) so the figure is reproducible. Where
+//!   `clear_refs` cannot be written each size runs in a child process of the same binary. This
+//!   is not the CUDA figure: no context, no caching allocator; the estimate it is compared with
+//!   is the one for the CPU target (the parts that apply: weights, gradients, optimizer state,
+//!   activations, logits and cross-entropy).
+//!
+//! Each measured step accumulates [`ACCUMULATION`] micro-batches, so the gradients of the first
+//! are held while the second runs: the peak of any run that accumulates.
+use super::estimate::{estimate, Setup, Transformer};
+use super::recommend::{divisors, largest_fitting};
+use crate::config::{Config, OomPolicy};
+use crate::data::{Corpus, DataError, Sampler};
+use crate::events::Reporter;
+use crate::ffi::{self, ShimError};
+use crate::guard::{Guard, GuardError, GuardState};
+use crate::memory::{self, LimitError, ProcessMemory};
+use crate::model::Gpt;
+use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::train::{forward_backward, StepData};
+use serde::{Deserialize, Serialize};
+use tch::{Device, TchError};
+
+/// Micro-steps in each measured step.
+pub const ACCUMULATION: u64 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error(transparent)]
+    Data(#[from] DataError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] TchError),
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    #[error("allocator statistics: {0}")]
+    Shim(#[from] ShimError),
+    #[error("cannot read this process's memory from /proc/self/status")]
+    NoProcStatus,
+    #[error("profile step: {0}")]
+    Step(String),
+    #[error("cannot reset the peak resident size through /proc/self/clear_refs: {0}")]
+    ResetPeak(std::io::Error),
+    #[error("child process for micro-batch {micro}: {why}")]
+    Child { micro: u64, why: String },
+}
+
+/// How one size went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Fits,
+    /// Ran, but above the budget.
+    OverBudget,
+    /// The allocator refused; the guard caught it.
+    OutOfMemory,
+}
+
+/// One size's raw measurement (also what a child process prints).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Peak above the baseline (none when out of memory).
+    pub peak: Option<u64>,
+    /// CUDA: reserved peak plus what was in use before the model (context, other processes).
+    pub device_used: Option<u64>,
+    pub oom: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Point {
+    pub micro_batch: u64,
+    pub estimate_bytes: u64,
+    /// Where the estimate puts the peak: `start of backward` or `end of backward`.
+    pub peak_phase: &'static str,
+    pub measured_bytes: Option<u64>,
+    /// (estimate − measured) / measured, in %.
+    pub error_pct: Option<f64>,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Fit {
+    pub fixed_bytes: f64,
+    pub per_sample_bytes: f64,
+    pub points: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProfileReport {
+    pub device: String,
+    pub method: String,
+    pub accumulation: u64,
+    pub steps: u64,
+    pub capacity_bytes: u64,
+    pub budget_bytes: u64,
+    pub points: Vec<Point>,
+    pub fit: Option<Fit>,
+    /// The same least-squares line through the estimates at the measured sizes (so both lines
+    /// describe the same regime: end of backward at small sizes, activations at large ones).
+    pub estimate_fit: Option<Fit>,
+    /// Found by the search (double, then bisect); none when sizes were given or 1 did not fit.
+    pub largest_fitting: Option<u64>,
+    /// Largest divisor of the per-GPU batch at or under `largest_fitting`, and its accumulation.
+    pub micro_batch: Option<u64>,
+    pub micro_accumulation: Option<u64>,
+}
+
+/// What to measure and against what.
+pub struct Plan<'a> {
+    pub config: &'a Config,
+    pub device: Device,
+    /// Explicit sizes; empty: search.
+    pub sizes: Vec<u64>,
+    pub steps: u64,
+    /// Per-GPU batch (bounds the search and picks divisors); none: search up to 1024.
+    pub rank_batch: Option<u64>,
+    pub margin: f64,
+    /// Run each size in a child process even where `clear_refs` works.
+    pub isolate: bool,
+    /// The estimate compared with: the model and a setup for the device measured on.
+    pub model: &'a Transformer,
+    pub setup: &'a Setup,
+}
+
+/// The memory a profile may use on `device`, and the cap to enforce it with (`None`: no cap).
+pub fn capacity(device: Device, asked: Option<u64>) -> Result<u64, ProfileError> {
+    match device {
+        Device::Cuda(i) => {
+            let (_, total) = ffi::memory_info(i)?;
+            Ok(asked.map_or(total, |a| a.min(total)))
+        }
+        // Never more than what the machine has free: past it the kernel's OOM killer would end
+        // the process before the allocator could refuse.
+        _ => {
+            let avail = mem_available().unwrap_or(u64::MAX);
+            Ok(asked.map_or(avail, |a| a.min(avail)))
+        }
+    }
+}
+
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line["MemAvailable:".len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A model, its optimizer and the corpus, built once; sizes are measured one after another.
+pub struct Session {
+    model: Gpt,
+    opt: AdamW,
+    corpus: Corpus,
+    config: Config,
+    device: Device,
+    baseline: u64,
+    used_before: u64,
+}
+
+impl Session {
+    /// Caps memory at `cap` (the allocator then fails there and the guard reports it), warms
+    /// libtorch up, records the baseline, builds the model and AdamW.
+    pub fn open(config: &Config, device: Device, cap: u64) -> Result<Self, ProfileError> {
+        if let Some(n) = config.train.threads {
+            tch::set_num_threads(n as i32);
+        }
+        let m = &config.model;
+        let corpus = Corpus::load(&config.data, m.vocab_size, m.seq_len)?;
+        let limit_now = match device {
+            Device::Cuda(i) => ffi::memory_info(i)?.1 > cap,
+            _ => true,
+        };
+        if limit_now {
+            memory::apply_limit(cap, device)?;
+        }
+        // One step of a one-block copy of the model before the baseline: what libtorch sets up
+        // once per process (kernel code paged in, BLAS buffers, cuBLAS workspaces) then belongs
+        // to the baseline, not to the first size measured.
+        {
+            let mut small = config.model.clone();
+            small.n_layer = 1;
+            let model = Gpt::new(&small, config.seed, device)?;
+            let mut opt = AdamW::new(adamw_config(config), &model.params.tensors, &model.params.decay, device)?;
+            if steps(&model, &mut opt, &corpus, config, device, 1, 1)?.is_none() {
+                tracing::warn!("profile: the warm-up step ran out of memory");
+            }
+        }
+        memory::empty_cache(device);
+        if !device.is_cuda() {
+            ffi::os::release_free_heap();
+        }
+        let (baseline, used_before) = match device {
+            Device::Cuda(i) => {
+                let (free, total) = ffi::memory_info(i)?;
+                (ffi::device_stats(i)?.allocated_current[0].max(0) as u64, total - free)
+            }
+            _ => (ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?.rss_bytes, 0),
+        };
+        let model = Gpt::new(m, config.seed, device)?;
+        let opt = AdamW::new(adamw_config(config), &model.params.tensors, &model.params.decay, device)?;
+        Ok(Self { model, opt, corpus, config: config.clone(), device, baseline, used_before })
+    }
+
+    /// `steps` guarded optimizer steps at micro-batch `micro` (accumulating [`ACCUMULATION`]).
+    pub fn measure(&mut self, micro: u64, n: u64) -> Result<Measured, ProfileError> {
+        let device = self.device;
+        reset_peak(device)?;
+        if steps(&self.model, &mut self.opt, &self.corpus, &self.config, device, micro, n)?.is_none() {
+            return Ok(Measured { peak: None, device_used: None, oom: true });
+        }
+        match device {
+            Device::Cuda(i) => {
+                let s = ffi::device_stats(i)?;
+                let peak = (s.allocated_peak[0].max(0) as u64).saturating_sub(self.baseline);
+                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), oom: false })
+            }
+            _ => {
+                let p = ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?;
+                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, oom: false })
+            }
+        }
+    }
+}
+
+fn adamw_config(config: &Config) -> AdamWConfig {
+    let t = &config.train;
+    AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: t.fused_adamw }
+}
+
+/// `n` optimizer steps (forward, backward, clipping, AdamW) at micro-batch `micro`, each inside
+/// the guard with `oom.policy: fail`. `None`: out of memory (caught, everything freed).
+fn steps(model: &Gpt, opt: &mut AdamW, corpus: &Corpus, config: &Config, device: Device, micro: u64, n: u64) -> Result<Option<()>, ProfileError> {
+    let rank_batch = (micro * ACCUMULATION) as usize;
+    let data = StepData { corpus, sampler: Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_start: 0, rank_batch };
+    let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
+    let mut reporter = Reporter::new(None, 1, n, None).expect("a reporter without files cannot fail");
+    let (t, params) = (&config.train, &model.params.tensors);
+    for step in 0..n {
+        let outcome = guard.run(step, &mut reporter, |m, progress| {
+            let (mut grads, _) = forward_backward(model, &data, step, m, progress)?;
+            clip_grad_norm(&mut grads, t.grad_clip)?;
+            Ok(opt.step(params, &grads, t.lr)?)
+        });
+        match outcome {
+            Ok(()) => {}
+            Err(GuardError::OutOfMemory(_)) => return Ok(None),
+            Err(GuardError::Torch(e)) => return Err(e.into()),
+            Err(GuardError::Fatal(e)) => return Err(ProfileError::Step(e.to_string())),
+        }
+    }
+    Ok(Some(()))
+}
+
+/// Starts a new peak: the allocator's peak counters on CUDA, VmHWM on CPU.
+fn reset_peak(device: Device) -> Result<(), ProfileError> {
+    match device {
+        Device::Cuda(i) => {
+            memory::empty_cache(device);
+            Ok(ffi::reset_peak_stats(i)?)
+        }
+        _ => std::fs::write("/proc/self/clear_refs", "5").map_err(ProfileError::ResetPeak),
+    }
+}
+
+/// Whether this process can reset its peak resident size (else sizes run in child processes).
+pub fn can_reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Least squares `y = fixed + slope · x`; none with fewer than two distinct sizes.
+pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    let (sx, sy) = points.iter().fold((0.0, 0.0), |(a, b), (x, y)| (a + x, b + y));
+    let (mx, my) = (sx / n, sy / n);
+    let sxx: f64 = points.iter().map(|(x, _)| (x - mx).powi(2)).sum();
+    if points.len() < 2 || sxx == 0.0 {
+        return None;
+    }
+    let sxy: f64 = points.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let slope = sxy / sxx;
+    Some((my - slope * mx, slope))
+}
+
+/// Runs the profile. `measure_one(b)` is either an in-process [`Session`] or a child process;
+/// the caller picks (see `planner::run_profile`).
+pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Result<Measured, ProfileError>) -> Result<ProfileReport, ProfileError> {
+    let budget = (capacity as f64 * plan.margin).floor() as u64;
+    let est = |b: u64| estimate(plan.model, plan.setup, b, ACCUMULATION);
+    let mut points: Vec<Point> = Vec::new();
+    let mut failure: Option<ProfileError> = None;
+    let mut record = |b: u64, points: &mut Vec<Point>| -> bool {
+        if failure.is_some() {
+            return false;
+        }
+        if let Some(p) = points.iter().find(|p| p.micro_batch == b) {
+            return p.outcome == Outcome::Fits;
+        }
+        tracing::info!("profile: micro-batch {b} ({} steps of {ACCUMULATION} micro-steps)", plan.steps);
+        let m = match measure_one(b) {
+            Ok(m) => m,
+            Err(e) => {
+                failure = Some(e);
+                return false;
+            }
+        };
+        let e = est(b);
+        let (estimate_bytes, peak_phase) = (e.peak_allocated, e.peak_phase);
+        let outcome = match (m.oom, m.device_used.or(m.peak)) {
+            (true, _) | (false, None) => Outcome::OutOfMemory,
+            (false, Some(used)) if used <= budget => Outcome::Fits,
+            _ => Outcome::OverBudget,
+        };
+        let error_pct = m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
+        points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome });
+        outcome == Outcome::Fits
+    };
+    let largest = if plan.sizes.is_empty() {
+        largest_fitting(plan.rank_batch.unwrap_or(1024), |b| record(b, &mut points))
+    } else {
+        for &b in &plan.sizes {
+            record(b, &mut points);
+        }
+        None
+    };
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    points.sort_by_key(|p| p.micro_batch);
+    let measured: Vec<&Point> = points.iter().filter(|p| p.measured_bytes.is_some()).collect();
+    let line = |y: &dyn Fn(&Point) -> u64| {
+        let xy: Vec<(f64, f64)> = measured.iter().map(|p| (p.micro_batch as f64, y(p) as f64)).collect();
+        fit_line(&xy).map(|(fixed, slope)| Fit { fixed_bytes: fixed, per_sample_bytes: slope, points: xy.len() })
+    };
+    let fit = line(&|p| p.measured_bytes.unwrap_or_default());
+    let estimate_fit = line(&|p| p.estimate_bytes);
+    let micro_batch = largest.map(|l| match plan.rank_batch {
+        Some(r) => divisors(r).into_iter().filter(|&d| d <= l).max().unwrap_or(1),
+        None => l,
+    });
+    Ok(ProfileReport {
+        device: format!("{:?}", plan.device).to_lowercase(),
+        method: String::new(),
+        accumulation: ACCUMULATION,
+        steps: plan.steps,
+        capacity_bytes: capacity,
+        budget_bytes: budget,
+        points,
+        fit,
+        estimate_fit,
+        largest_fitting: largest,
+        micro_batch,
+        micro_accumulation: micro_batch.and_then(|b| plan.rank_batch.map(|r| r / b)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_squares_recovers_a_line_and_needs_two_sizes() {
+        let pts: Vec<(f64, f64)> = [1.0, 2.0, 4.0, 8.0].iter().map(|&x| (x, 100.0 + 25.0 * x)).collect();
+        let (a, b) = fit_line(&pts).unwrap();
+        assert!((a - 100.0).abs() < 1e-9 && (b - 25.0).abs() < 1e-9, "{a} {b}");
+        assert!(fit_line(&[(2.0, 1.0)]).is_none());
+        assert!(fit_line(&[(2.0, 1.0), (2.0, 3.0)]).is_none());
+        // Noise: the slope of y = 10 + 3x ± 1 stays near 3.
+        let noisy = [(1.0, 14.0), (2.0, 15.0), (3.0, 20.0), (4.0, 21.0)];
+        let (_, s) = fit_line(&noisy).unwrap();
+        assert!((s - 2.6).abs() < 1e-9, "{s}");
+    }
+
+    fn plan_parts() -> (Config, Transformer, Setup) {
+        let cfg = Config::default();
+        let model = Transformer::from_gpt(&cfg.model);
+        let setup = Setup {
+            precision: super::super::estimate::Precision::Fp32,
+            optimizer: super::super::estimate::Optimizer::AdamW,
+            activation_checkpointing: false,
+            flash: true,
+            dropout: false,
+            target: super::super::estimate::Target::Cpu,
+            gpus: 1,
+            cuda_overhead: 0,
+            fragmentation: 0.0,
+        };
+        (cfg, model, setup)
+    }
+
+    /// A device where a step at micro-batch b peaks at 100 + 10·b bytes and b ≥ 45 runs out of memory.
+    fn fake(b: u64) -> Result<Measured, ProfileError> {
+        Ok(if b >= 45 { Measured { peak: None, device_used: None, oom: true } } else { Measured { peak: Some(100 + 10 * b), device_used: None, oom: false } })
+    }
+
+    #[test]
+    fn the_search_doubles_then_bisects_on_measurements_within_the_margin() {
+        let (cfg, model, setup) = plan_parts();
+        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let mut seen = Vec::new();
+        // Capacity 1000 at margin 0.5: a budget of 500 bytes, so 40 is the largest that fits.
+        let r = run(&plan, 1000, |b| {
+            seen.push(b);
+            fake(b)
+        })
+        .unwrap();
+        assert_eq!(seen, [1, 2, 4, 8, 16, 32, 48, 40, 44, 42, 41], "doubling (capped at the per-GPU batch), then bisection");
+        assert_eq!(r.largest_fitting, Some(40));
+        assert_eq!((r.micro_batch, r.micro_accumulation), (Some(24), Some(2)), "the largest divisor of 48 that fits");
+        let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
+        assert_eq!((outcome(40), outcome(41), outcome(48)), (Outcome::Fits, Outcome::OverBudget, Outcome::OutOfMemory));
+        let fit = r.fit.unwrap();
+        assert!((fit.fixed_bytes - 100.0).abs() < 1e-6 && (fit.per_sample_bytes - 10.0).abs() < 1e-6, "{fit:?}");
+        assert_eq!(fit.points, 10, "every size that ran, over budget or not; not the one out of memory");
+        assert!(r.points.windows(2).all(|w| w[0].micro_batch < w[1].micro_batch));
+    }
+
+    #[test]
+    fn explicit_sizes_are_measured_as_given_and_failures_propagate() {
+        let (cfg, model, setup) = plan_parts();
+        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![4, 1, 2], steps: 1, rank_batch: None, margin: 0.85, isolate: false, model: &model, setup: &setup };
+        let r = run(&plan, 1 << 30, fake).unwrap();
+        assert_eq!(r.points.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), [1, 2, 4]);
+        assert_eq!(r.largest_fitting, None, "no search");
+        let p = &r.points[0];
+        let want = (p.estimate_bytes as f64 - 110.0) / 110.0 * 100.0;
+        assert!((p.error_pct.unwrap() - want).abs() < 1e-9);
+        let err = run(&plan, 1 << 30, |b| if b == 2 { Err(ProfileError::NoProcStatus) } else { fake(b) });
+        assert!(matches!(err, Err(ProfileError::NoProcStatus)));
+    }
+
+    #[test]
+    fn the_peak_resident_size_can_be_reset_here() {
+        // Documents the machine: where this fails, the profile uses child processes.
+        if !can_reset_peak() {
+            eprintln!("skipped: /proc/self/clear_refs is not writable here; --profile uses child processes");
+            return;
+        }
+        let before = ProcessMemory::read().unwrap();
+        let v = vec![1u8; 64 << 20];
+        std::hint::black_box(&v);
+        drop(v);
+        assert!(ProcessMemory::read().unwrap().rss_peak_bytes >= before.rss_bytes + (60 << 20));
+        assert!(can_reset_peak());
+        let after = ProcessMemory::read().unwrap();
+        assert!(after.rss_peak_bytes < after.rss_bytes + (32 << 20), "VmHWM back near VmRSS: {after:?}");
+    }
+}

@@ -1,0 +1,326 @@
+//! The recommendation, pure: the largest micro-batch that divides the per-GPU batch and fits
+//! within `margin × capacity`, its accumulation and utilisation; when nothing fits even at
+//! micro-batch 1, by how much, and which levers (optimizer, precision, activation checkpointing,
+//! flash attention, a shorter sequence) close the gap, each with its estimated saving.
+//! Also the search used by the measurement: double, then bisect.
+use super::estimate::{estimate, Optimizer, Precision, Setup, Transformer};
+use serde::Serialize;
+
+/// What a run may use on one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Budget {
+    pub capacity: u64,
+    /// Share of the capacity a plan may fill (default 0.85).
+    pub margin: f64,
+}
+
+impl Budget {
+    pub fn bytes(&self) -> u64 {
+        (self.capacity as f64 * self.margin).floor() as u64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Recommendation {
+    pub fits: bool,
+    pub capacity_bytes: u64,
+    pub margin: f64,
+    pub budget_bytes: u64,
+    /// Sequences per GPU per optimizer step (global batch / GPUs), when a global batch is known.
+    pub rank_batch: Option<u64>,
+    /// Largest micro-batch that fits and divides `rank_batch`.
+    pub micro_batch: Option<u64>,
+    pub accumulation: Option<u64>,
+    /// Largest micro-batch that fits, divisor or not.
+    pub largest_fitting: Option<u64>,
+    /// Estimated total at the recommendation (at micro-batch 1 when nothing fits).
+    pub total_bytes: u64,
+    /// `total / capacity`.
+    pub utilisation: f64,
+    /// Nothing fits: total at micro-batch 1 minus the budget.
+    pub over_by_bytes: Option<u64>,
+    /// Nothing fits: what each change would save at micro-batch 1, largest saving first.
+    pub levers: Vec<Lever>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Lever {
+    pub change: String,
+    pub saving_bytes: u64,
+    pub total_bytes: u64,
+    /// The change alone brings micro-batch 1 within the budget.
+    pub closes_gap: bool,
+}
+
+/// Largest `b` in `1..=limit` for which `fits(b)` holds, assuming that once a size does not fit
+/// no larger one does: doubling from 1, then bisection between the last fit and the first miss.
+/// `None` when 1 does not fit. Calls `fits` O(log limit) times.
+pub fn largest_fitting(limit: u64, mut fits: impl FnMut(u64) -> bool) -> Option<u64> {
+    if limit == 0 || !fits(1) {
+        return None;
+    }
+    let mut lo = 1;
+    let hi = loop {
+        if lo == limit {
+            return Some(lo);
+        }
+        let next = (lo * 2).min(limit);
+        if !fits(next) {
+            break next;
+        }
+        lo = next;
+    };
+    let mut hi = hi; // fits(lo), !fits(hi)
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
+/// Divisors of `n`, ascending.
+pub fn divisors(n: u64) -> Vec<u64> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut d = 1;
+    while d * d <= n {
+        if n % d == 0 {
+            small.push(d);
+            if d * d != n {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+/// The estimated total at micro-batch `b` for a per-GPU batch `rank_batch` (unknown: assume
+/// accumulation, the conservative case).
+pub fn total_at(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, b: u64) -> u64 {
+    let accumulation = rank_batch.map_or(2, |r| r.div_ceil(b));
+    estimate(model, setup, b, accumulation).total
+}
+
+pub fn recommend(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, budget: Budget) -> Recommendation {
+    let limit = budget.bytes();
+    let cost = |b: u64| total_at(model, setup, rank_batch, b);
+    // Divisibility aside, with accumulation (monotone in b).
+    let search_limit = rank_batch.unwrap_or(1 << 20);
+    let largest = largest_fitting(search_limit, |b| estimate(model, setup, b, 2).total <= limit);
+    let chosen = match rank_batch {
+        // Descending over divisors: at b = rank_batch there is no accumulation and the held
+        // gradients vanish, so that size can fit when its half does not.
+        Some(r) => divisors(r).into_iter().rev().find(|&d| cost(d) <= limit),
+        None => largest,
+    };
+    let base = Recommendation {
+        fits: chosen.is_some(),
+        capacity_bytes: budget.capacity,
+        margin: budget.margin,
+        budget_bytes: limit,
+        rank_batch,
+        micro_batch: chosen,
+        accumulation: chosen.and_then(|b| rank_batch.map(|r| r / b)),
+        largest_fitting: largest.max(chosen),
+        total_bytes: 0,
+        utilisation: 0.0,
+        over_by_bytes: None,
+        levers: Vec::new(),
+    };
+    let total = cost(chosen.unwrap_or(1));
+    let utilisation = total as f64 / budget.capacity as f64;
+    match chosen {
+        Some(_) => Recommendation { total_bytes: total, utilisation, ..base },
+        None => Recommendation {
+            total_bytes: total,
+            utilisation,
+            over_by_bytes: Some(total - limit),
+            levers: levers(model, setup, rank_batch, limit),
+            ..base
+        },
+    }
+}
+
+/// Each change on its own at micro-batch 1, then the model-preserving ones together.
+pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit: u64) -> Vec<Lever> {
+    let now = total_at(model, setup, rank_batch, 1);
+    let mut options: Vec<(String, Transformer, Setup)> = Vec::new();
+    for o in Optimizer::ALL.into_iter().filter(|&o| o != setup.optimizer) {
+        options.push((format!("optimizer {} instead of {}", o.name(), setup.optimizer.name()), model.clone(), Setup { optimizer: o, ..setup.clone() }));
+    }
+    let precisions: &[Precision] = match setup.precision {
+        Precision::Fp32 => &[Precision::Bf16Mixed, Precision::Bf16Pure],
+        Precision::Bf16Mixed | Precision::Fp16Mixed => &[Precision::Bf16Pure],
+        Precision::Bf16Pure => &[],
+    };
+    for &p in precisions {
+        options.push((format!("precision {} instead of {}", p.name(), setup.precision.name()), model.clone(), Setup { precision: p, ..setup.clone() }));
+    }
+    if !setup.activation_checkpointing {
+        options.push(("activation checkpointing".into(), model.clone(), Setup { activation_checkpointing: true, ..setup.clone() }));
+    }
+    if !setup.flash {
+        options.push(("flash attention".into(), model.clone(), Setup { flash: true, ..setup.clone() }));
+    }
+    if model.seq_len >= 2 {
+        let half = model.seq_len / 2;
+        options.push((format!("sequence length {half} instead of {}", model.seq_len), Transformer { seq_len: half, ..model.clone() }, setup.clone()));
+    }
+    let mut out: Vec<Lever> = options
+        .into_iter()
+        .map(|(change, m, s)| (change, total_at(&m, &s, rank_batch, 1)))
+        .filter(|(_, total)| *total < now)
+        .map(|(change, total)| Lever { change, saving_bytes: now - total, total_bytes: total, closes_gap: total <= limit })
+        .collect();
+    out.sort_by(|a, b| b.saving_bytes.cmp(&a.saving_bytes).then_with(|| a.change.cmp(&b.change)));
+
+    // Everything that keeps the model and the task: the lightest optimizer, the lightest
+    // precision, checkpointing, flash.
+    let all = Setup {
+        activation_checkpointing: true,
+        flash: true,
+        precision: precisions.last().copied().unwrap_or(setup.precision),
+        ..setup.clone()
+    };
+    let best = Optimizer::ALL
+        .into_iter()
+        .map(|o| (o, total_at(model, &Setup { optimizer: o, ..all.clone() }, rank_batch, 1)))
+        .min_by_key(|&(_, t)| t)
+        .expect("at least one optimizer");
+    if best.1 < now {
+        out.push(Lever {
+            change: format!(
+                "all together: optimizer {}, precision {}, activation checkpointing, flash attention",
+                best.0.name(),
+                all.precision.name()
+            ),
+            saving_bytes: now - best.1,
+            total_bytes: best.1,
+            closes_gap: best.1 <= limit,
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::estimate::Target;
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn gpt2() -> Transformer {
+        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None }
+    }
+
+    fn setup() -> Setup {
+        Setup {
+            precision: Precision::Fp32,
+            optimizer: Optimizer::AdamW,
+            activation_checkpointing: false,
+            flash: true,
+            dropout: false,
+            target: Target::Cuda,
+            gpus: 1,
+            cuda_overhead: GIB,
+            fragmentation: 0.1,
+        }
+    }
+
+    #[test]
+    fn search_doubles_then_bisects_to_the_exact_boundary() {
+        for limit_fit in [1u64, 2, 3, 7, 8, 9, 100, 1000] {
+            let mut calls = 0;
+            let got = largest_fitting(1 << 20, |b| {
+                calls += 1;
+                b <= limit_fit
+            });
+            assert_eq!(got, Some(limit_fit));
+            assert!(calls <= 2 * 64, "{calls} calls");
+        }
+        assert_eq!(largest_fitting(1 << 20, |_| false), None);
+        assert_eq!(largest_fitting(48, |_| true), Some(48), "capped at the limit, which need not be a power of two");
+        assert_eq!(largest_fitting(48, |b| b <= 40), Some(40));
+    }
+
+    #[test]
+    fn divisors_are_complete_and_sorted() {
+        assert_eq!(divisors(480).len(), 24);
+        assert_eq!(divisors(36), [1, 2, 3, 4, 6, 9, 12, 18, 36]);
+        assert_eq!(divisors(1), [1]);
+        assert_eq!(divisors(13), [1, 13]);
+    }
+
+    #[test]
+    fn the_margin_decides_and_the_choice_divides_the_batch() {
+        let (m, s) = (gpt2(), setup());
+        // A capacity where the per-sample slope places the boundary between divisors of 60.
+        let e = estimate(&m, &s, 1, 2);
+        let capacity = ((e.fixed + 25 * e.per_sample + e.per_sample / 2) as f64 / 0.85) as u64;
+        let tight = recommend(&m, &s, Some(60), Budget { capacity, margin: 0.85 });
+        assert!(tight.fits);
+        assert_eq!(tight.largest_fitting, Some(25));
+        assert_eq!((tight.micro_batch, tight.accumulation), (Some(20), Some(3)), "20 divides 60, 25 does not");
+        assert!(tight.total_bytes <= tight.budget_bytes);
+        assert!((tight.utilisation - tight.total_bytes as f64 / capacity as f64).abs() < 1e-12);
+        // The whole card: the budget grows by 15%, enough for 30 (which divides 60).
+        let loose = recommend(&m, &s, Some(60), Budget { capacity, margin: 1.0 });
+        assert_eq!((loose.micro_batch, loose.accumulation), (Some(30), Some(2)));
+    }
+
+    #[test]
+    fn the_whole_batch_in_one_micro_step_drops_the_held_gradients() {
+        let (m, s) = (gpt2(), setup());
+        let (two, one) = (estimate(&m, &s, 8, 2).total, estimate(&m, &s, 8, 1).total);
+        assert!(one < two);
+        // A budget between the two: 8 fits only as the whole per-GPU batch.
+        let capacity = (one + two) / 2;
+        let r = recommend(&m, &s, Some(8), Budget { capacity, margin: 1.0 });
+        assert_eq!((r.micro_batch, r.accumulation), (Some(8), Some(1)));
+    }
+
+    #[test]
+    fn without_a_global_batch_the_largest_fitting_size_is_recommended() {
+        let (m, s) = (gpt2(), setup());
+        let r = recommend(&m, &s, None, Budget { capacity: 80 * GIB, margin: 0.85 });
+        let b = r.micro_batch.unwrap();
+        assert!(estimate(&m, &s, b, 2).total <= r.budget_bytes);
+        assert!(estimate(&m, &s, b + 1, 2).total > r.budget_bytes);
+        assert_eq!(r.accumulation, None);
+    }
+
+    #[test]
+    fn nothing_fits_says_by_how_much_and_which_levers_close_the_gap() {
+        let m = Transformer { layers: 32, hidden: 4096, heads: 32, vocab: 128_256, seq_len: 8192, ffn: 14_336, bias: false, params_override: Some(8_030_261_248) };
+        let s = Setup { precision: Precision::Bf16Mixed, ..setup() };
+        let r = recommend(&m, &s, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
+        assert!(!r.fits);
+        assert_eq!(r.micro_batch, None);
+        let now = total_at(&m, &s, Some(64), 1);
+        assert_eq!(r.over_by_bytes, Some(now - r.budget_bytes));
+        assert!(r.levers.len() >= 5, "{:#?}", r.levers);
+        for l in &r.levers {
+            assert_eq!(l.saving_bytes, now - l.total_bytes, "{}", l.change);
+            assert_eq!(l.closes_gap, l.total_bytes <= r.budget_bytes);
+        }
+        let singles: Vec<_> = r.levers.iter().filter(|l| !l.change.starts_with("all")).collect();
+        assert!(singles.windows(2).all(|w| w[0].saving_bytes >= w[1].saving_bytes), "largest saving first");
+        let names: Vec<&str> = r.levers.iter().map(|l| l.change.as_str()).collect();
+        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096"] {
+            assert!(names.iter().any(|n| n.starts_with(want)), "{want} missing from {names:?}");
+        }
+        // The 8-bit optimizer saves 6 of AdamW's 8 bytes per parameter (less the block scales).
+        let eight = r.levers.iter().find(|l| l.change.starts_with("optimizer adamw8bit")).unwrap();
+        let p = 8_030_261_248f64;
+        let with_margin = 6.0 * p * (1.0 + s.fragmentation);
+        assert!((eight.saving_bytes as f64 / with_margin - 1.0).abs() < 0.02, "{}", eight.saving_bytes as f64 / p);
+        // 8B with mixed precision needs 18 bytes/param: no single lever fits it into 34 GiB.
+        assert!(singles.iter().all(|l| !l.closes_gap));
+    }
+}

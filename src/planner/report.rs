@@ -1,0 +1,370 @@
+//! What `trainguard plan` prints: the estimate table, the recommendation (or the gap and the
+//! levers), the profile's estimate-vs-measured table and the `--apply` diff; or all of it as one
+//! JSON object (`--json`, schema [`SCHEMA`]; every size in bytes).
+use super::estimate::{Estimate, Setup, Transformer};
+use super::gpu::GpuTarget;
+use super::profile::{Outcome, ProfileReport};
+use super::recommend::Recommendation;
+use super::Applied;
+use serde::Serialize;
+use std::fmt::Write;
+
+/// Bumped when a field changes meaning or disappears.
+pub const SCHEMA: u32 = 1;
+
+#[derive(Debug, Serialize)]
+pub struct Report<'a> {
+    pub schema: u32,
+    /// The config file, or "command line".
+    pub source: &'a str,
+    pub model: &'a Transformer,
+    pub params: u64,
+    pub setup: &'a Setup,
+    pub global_batch: Option<u64>,
+    pub gpus: u64,
+    pub micro_batch: u64,
+    /// None without a global batch.
+    pub accumulation: Option<u64>,
+    pub estimate: &'a Estimate,
+    pub gpu: Option<&'a GpuTarget>,
+    pub recommendation: Option<&'a Recommendation>,
+    pub profile: Option<&'a ProfileReport>,
+    pub applied: Option<&'a Applied>,
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// `12.34 GiB` or `56.7 MiB`.
+pub fn size(bytes: f64) -> String {
+    if bytes.abs() >= GIB {
+        format!("{:.2} GiB", bytes / GIB)
+    } else {
+        format!("{:.1} MiB", bytes / MIB)
+    }
+}
+
+fn count(n: u64) -> String {
+    match n {
+        n if n >= 1_000_000_000 => format!("{:.2}B", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.2}M", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1}K", n as f64 / 1e3),
+        n => n.to_string(),
+    }
+}
+
+pub fn render(r: &Report) -> String {
+    let mut o = String::new();
+    let (m, s, e) = (r.model, r.setup, r.estimate);
+    let _ = writeln!(o, "trainguard plan: {}", r.source);
+    let params = match m.params_override {
+        Some(_) => format!("{} parameters (--params; GPT-2 layout: {})", count(r.params), count(m.layout_params())),
+        None => format!("{} parameters", count(r.params)),
+    };
+    let _ = writeln!(
+        o,
+        "model     {params}; {} layers, hidden {}, {} heads, vocab {}, seq {}, MLP {}{}",
+        m.layers,
+        m.hidden,
+        m.heads,
+        m.vocab,
+        m.seq_len,
+        m.ffn,
+        if m.bias { ", biases" } else { ", no biases" }
+    );
+    let _ = writeln!(
+        o,
+        "training  {}, {}, {} attention, activation checkpointing {}{}",
+        s.precision.name(),
+        s.optimizer.name(),
+        if s.flash { "flash" } else { "materialised" },
+        if s.activation_checkpointing { "on" } else { "off" },
+        if s.dropout { ", dropout" } else { "" }
+    );
+    let batch = match (r.global_batch, r.accumulation) {
+        (Some(g), Some(k)) => format!("micro-batch {} × accumulation {k} × {} GPU(s) = global {g}", r.micro_batch, r.gpus),
+        _ => format!("micro-batch {} (no global batch: gradients assumed held across micro-steps)", r.micro_batch),
+    };
+    let _ = writeln!(o, "batch     {batch}");
+
+    // One unit for the whole table: GiB for real models, MiB for toys.
+    let (unit, div) = if e.total as f64 >= GIB { ("GiB", GIB) } else { ("MiB", MIB) };
+    let v = |b: u64| if b == 0 { "—".to_string() } else { format!("{:.3}", b as f64 / div) };
+    let mut rows: Vec<(String, String)> = vec![
+        (format!("weights ({})", if s.precision.weight_bytes() == 4 { "fp32" } else { "16-bit" }), v(e.weights)),
+        ("fp32 master weights".into(), v(e.master_weights)),
+        (format!("gradients ({})", if s.precision.grad_bytes() == 4 { "fp32" } else { "bf16" }), v(e.gradients)),
+        (format!("optimizer state ({})", s.optimizer.name()), v(e.optimizer)),
+        (
+            format!(
+                "activations: {} {unit}/layer × {} + {} outside{}",
+                v(e.activations_per_layer),
+                if s.activation_checkpointing { 1 } else { m.layers },
+                v(e.activations_outside),
+                if s.activation_checkpointing { " (checkpointed)" } else { "" }
+            ),
+            v(e.activations),
+        ),
+        ("logits (b·s·v, fp32)".into(), v(e.logits)),
+        ("cross-entropy (log-softmax gradients, fp32)".into(), v(e.cross_entropy)),
+    ];
+    if r.gpus > 1 {
+        rows.push(("data-parallel gradient buckets".into(), v(e.dp_buffers)));
+    }
+    rows.push(("= peak allocated".into(), v(e.peak_allocated)));
+    rows.push((format!("allocator fragmentation margin ({:.0}%)", s.fragmentation * 100.0), v(e.fragmentation)));
+    rows.push(("CUDA context and workspaces".into(), v(e.cuda_overhead)));
+    rows.push(("= total per GPU".into(), v(e.total)));
+    let _ = writeln!(o, "\n  {:<50} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));
+    for (name, value) in rows {
+        let _ = writeln!(o, "  {name:<50} {value:>10}");
+    }
+    let _ = writeln!(
+        o,
+        "  fixed {} + {} per sample of the micro-batch (while accumulating){}",
+        size(e.fixed as f64),
+        size(e.per_sample as f64),
+        if r.accumulation == Some(1) && e.gradients > 0 {
+            "; with accumulation 1 the gradients replace the activations at the end of backward, so the total is lower"
+        } else {
+            ""
+        }
+    );
+    if e.peak_phase == "last block's backward" {
+        let _ = writeln!(
+            o,
+            "  the peak is in the last block's backward: its MLP and residual gradients ({}) outweigh logits and cross-entropy, \
+             which are freed by then",
+            size(e.block_backward_transient as f64)
+        );
+    }
+    if e.peak_phase == "end of backward" {
+        let _ = writeln!(
+            o,
+            "  the peak is at the end of backward: gradients complete plus the tied embedding's two partial gradients ({}), \
+             more than activations, logits and cross-entropy",
+            size(e.embedding_grad_transient as f64)
+        );
+    }
+    if e.states() > 0 {
+        let _ = writeln!(o, "  before the first activation (weights, master, gradients, optimizer): {} ({:.1} GB)", size(e.states() as f64), e.states() as f64 / 1e9);
+    }
+
+    match (r.gpu, r.recommendation) {
+        (Some(g), Some(rec)) => render_recommendation(&mut o, r, g, rec),
+        _ => {
+            let _ = writeln!(o, "\nno GPU given: add --gpu NAME|auto or --gpu-memory SIZE for a recommendation");
+        }
+    }
+    if let Some(p) = r.profile {
+        render_profile(&mut o, p);
+    }
+    if let Some(a) = r.applied {
+        render_applied(&mut o, a, r.gpus);
+    }
+    o
+}
+
+fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recommendation) {
+    let origin = match (g.source.as_str(), g.total_bytes, g.free_bytes) {
+        ("nvml", Some(t), Some(f)) => format!("NVML: {} total, {} free", size(t as f64), size(f as f64)),
+        (src, _, _) => src.to_string(),
+    };
+    let _ = writeln!(
+        o,
+        "\nGPU       {} ({origin}): {} per GPU × {}; safety margin {} → budget {}",
+        g.name,
+        size(rec.capacity_bytes as f64),
+        r.gpus,
+        rec.margin,
+        size(rec.budget_bytes as f64)
+    );
+    if let Some(note) = &g.note {
+        let _ = writeln!(o, "          {note}");
+    }
+    if rec.fits {
+        let micro = rec.micro_batch.unwrap_or(1);
+        let split = match (rec.accumulation, r.global_batch) {
+            (Some(k), Some(gb)) => format!("micro-batch {micro} × accumulation {k} (global {gb} over {} GPU(s))", r.gpus),
+            _ => format!("micro-batch {micro}"),
+        };
+        let _ = writeln!(o, "fits      {split}: {} estimated, {:.0}% of the card", size(rec.total_bytes as f64), rec.utilisation * 100.0);
+        if let (Some(l), Some(b)) = (rec.largest_fitting, rec.micro_batch) {
+            if l > b {
+                let _ = writeln!(o, "          (micro-batch {l} would fit too but does not divide the per-GPU batch {})", rec.rank_batch.unwrap_or(0));
+            }
+        }
+    } else {
+        let _ = writeln!(
+            o,
+            "does not fit: micro-batch 1 needs {}, {} over the budget of {}",
+            size(rec.total_bytes as f64),
+            size(rec.over_by_bytes.unwrap_or(0) as f64),
+            size(rec.budget_bytes as f64)
+        );
+        if rec.levers.is_empty() {
+            let _ = writeln!(o, "          no lever modelled here helps: a larger GPU, or shard the model state (ZeRO/FSDP)");
+        } else {
+            let _ = writeln!(o, "levers (saving at micro-batch 1, each on its own unless said):");
+            for l in &rec.levers {
+                let _ = writeln!(
+                    o,
+                    "  - {:<62} saves {:>11} → {:>11}  {}",
+                    l.change,
+                    size(l.saving_bytes as f64),
+                    size(l.total_bytes as f64),
+                    if l.closes_gap { "fits" } else { "still over" }
+                );
+            }
+        }
+    }
+}
+
+fn render_profile(o: &mut String, p: &ProfileReport) {
+    let _ = writeln!(o, "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}", p.device, p.steps, p.accumulation, size(p.budget_bytes as f64), size(p.capacity_bytes as f64));
+    let _ = writeln!(o, "  measured: {}", p.method);
+    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} outcome", "micro-batch", "estimate", "measured", "error", "estimated peak at");
+    for pt in &p.points {
+        let measured = pt.measured_bytes.map_or("—".into(), |m| size(m as f64));
+        let err = pt.error_pct.map_or("—".into(), |e| format!("{e:+.1}%"));
+        let outcome = match pt.outcome {
+            Outcome::Fits => "fits",
+            Outcome::OverBudget => "over budget",
+            Outcome::OutOfMemory => "out of memory (caught by the guard)",
+        };
+        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
+    }
+    match (&p.fit, &p.estimate_fit) {
+        (Some(f), Some(e)) => {
+            let _ = writeln!(
+                o,
+                "  least squares over {} sizes: measured {} + {} per sample; estimated {} + {} per sample",
+                f.points,
+                size(f.fixed_bytes),
+                size(f.per_sample_bytes),
+                size(e.fixed_bytes),
+                size(e.per_sample_bytes)
+            );
+        }
+        _ => {
+            let _ = writeln!(o, "  no fit: fewer than two sizes ran");
+        }
+    }
+    if p.points.len() > 1 || p.largest_fitting.is_some() {
+        match (p.largest_fitting, p.micro_batch) {
+            (Some(l), Some(b)) => {
+                let acc = p.micro_accumulation.map(|k| format!(" × accumulation {k}")).unwrap_or_default();
+                let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc}");
+            }
+            _ if p.points.iter().all(|pt| pt.outcome != Outcome::Fits) => {
+                let _ = writeln!(o, "  nothing fits by measurement, not even micro-batch {}", p.points.first().map_or(1, |pt| pt.micro_batch));
+            }
+            _ => {}
+        }
+    }
+}
+
+fn render_applied(o: &mut String, a: &Applied, gpus: u64) {
+    match &a.backup {
+        Some(b) => {
+            let _ = writeln!(o, "\napplied to {} (original kept as {}):", a.path.display(), b.display());
+            o.push_str(&a.diff);
+        }
+        None => {
+            let _ = writeln!(o, "\n{} already has micro_batch_size {}: nothing written", a.path.display(), a.micro_batch);
+        }
+    }
+    let _ = writeln!(o, "accumulation {} = global {} / (micro-batch {} × {gpus} GPU(s))", a.accumulation, a.global_batch, a.micro_batch);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::estimate::{estimate, Optimizer, Precision, Target};
+    use super::super::recommend::{recommend, Budget};
+    use super::*;
+
+    fn inputs() -> (Transformer, Setup) {
+        let m = Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None };
+        let s = Setup {
+            precision: Precision::Fp32,
+            optimizer: Optimizer::AdamW,
+            activation_checkpointing: false,
+            flash: true,
+            dropout: false,
+            target: Target::Cuda,
+            gpus: 1,
+            cuda_overhead: 1 << 30,
+            fragmentation: 0.1,
+        };
+        (m, s)
+    }
+
+    #[test]
+    fn json_has_the_documented_fields_and_consistent_sums() {
+        let (m, s) = inputs();
+        let e = estimate(&m, &s, 16, 30);
+        let g = GpuTarget { name: "a100-40".into(), capacity_bytes: 40 << 30, total_bytes: None, free_bytes: None, source: "preset".into(), note: None };
+        let rec = recommend(&m, &s, Some(480), Budget { capacity: g.capacity_bytes, margin: 0.85 });
+        let r = Report {
+            schema: SCHEMA,
+            source: "x.yaml",
+            model: &m,
+            params: m.params(),
+            setup: &s,
+            global_batch: Some(480),
+            gpus: 1,
+            micro_batch: 16,
+            accumulation: Some(30),
+            estimate: &e,
+            gpu: Some(&g),
+            recommendation: Some(&rec),
+            profile: None,
+            applied: None,
+        };
+        let j: serde_json::Value = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(j["schema"], 1);
+        assert_eq!(j["params"], 124_439_808u64);
+        assert_eq!(j["setup"]["precision"], "fp32");
+        assert_eq!(j["setup"]["optimizer"], "adamw");
+        let est = &j["estimate"];
+        let part = |k: &str| est[k].as_u64().unwrap_or_else(|| panic!("estimate.{k} missing"));
+        let sum = part("weights") + part("master_weights") + part("gradients") + part("optimizer") + part("activations") + part("logits") + part("cross_entropy") + part("dp_buffers");
+        assert_eq!(sum, part("peak_allocated"), "accumulating: every part is held at once");
+        assert_eq!(part("peak_allocated") + part("fragmentation") + part("cuda_overhead"), part("total"));
+        let rj = &j["recommendation"];
+        assert_eq!(rj["fits"], true);
+        let (b, k) = (rj["micro_batch"].as_u64().unwrap(), rj["accumulation"].as_u64().unwrap());
+        assert_eq!(b * k, 480);
+        assert!(rj["total_bytes"].as_u64().unwrap() <= rj["budget_bytes"].as_u64().unwrap());
+        assert!(j["profile"].is_null() && j["applied"].is_null());
+    }
+
+    #[test]
+    fn table_lists_every_part_and_the_recommendation() {
+        let (m, s) = inputs();
+        let e = estimate(&m, &s, 16, 30);
+        let g = GpuTarget { name: "a100-40".into(), capacity_bytes: 40 << 30, total_bytes: None, free_bytes: None, source: "preset".into(), note: None };
+        let rec = recommend(&m, &s, Some(480), Budget { capacity: g.capacity_bytes, margin: 0.85 });
+        let r = Report {
+            schema: SCHEMA,
+            source: "x.yaml",
+            model: &m,
+            params: m.params(),
+            setup: &s,
+            global_batch: Some(480),
+            gpus: 1,
+            micro_batch: 16,
+            accumulation: Some(30),
+            estimate: &e,
+            gpu: Some(&g),
+            recommendation: Some(&rec),
+            profile: None,
+            applied: None,
+        };
+        let text = render(&r);
+        for row in ["weights (fp32)", "fp32 master weights", "gradients", "optimizer state (adamw)", "activations:", "logits", "cross-entropy", "fragmentation", "CUDA context", "= total per GPU", "fixed", "per sample", "fits      micro-batch"] {
+            assert!(text.contains(row), "`{row}` missing:\n{text}");
+        }
+        assert!(text.contains(&format!("{:.3}", e.total as f64 / GIB)), "{text}");
+    }
+}

@@ -1,0 +1,313 @@
+//! `trainguard plan` end to end: the real binary for tables, JSON, errors, `--profile` on the
+//! CPU and `--apply`; the library for the one fact everything rests on — the estimator counts
+//! exactly the parameters the model builds.
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+use tch::Device;
+use trainguard::config::ModelConfig;
+use trainguard::model::Gpt;
+use trainguard::planner::estimate::Transformer;
+
+/// `trainguard plan <args>` run in `dir`.
+fn plan_in(dir: &Path, args: &[&str]) -> Run {
+    let output = Command::new(bin()).arg("plan").args(args).current_dir(dir).output().expect("run trainguard");
+    Run { output, dir: dir.to_path_buf() }
+}
+
+fn plan(args: &[&str]) -> Run {
+    plan_in(&repo(), args)
+}
+
+fn json(run: &Run) -> Value {
+    serde_json::from_str(&run.stdout()).unwrap_or_else(|e| panic!("not JSON ({e}):\n{}\nstderr:\n{}", run.stdout(), run.stderr()))
+}
+
+fn config(name: &str) -> String {
+    repo().join("configs").join(name).display().to_string()
+}
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+#[test]
+fn estimator_counts_exactly_the_parameters_the_model_builds() {
+    let shapes = [(2, 2, 64, 256, 64), (3, 4, 48, 1000, 17), (1, 1, 8, 5, 3), (4, 6, 96, 300, 33)];
+    for (n_layer, n_head, n_embd, vocab_size, seq_len) in shapes {
+        for bias in [true, false] {
+            let cfg = ModelConfig { n_layer, n_head, n_embd, vocab_size, seq_len, dropout: 0.0, bias };
+            let real = Gpt::new(&cfg, 0, Device::Cpu).unwrap().num_params() as u64;
+            assert_eq!(Transformer::from_gpt(&cfg).params(), real, "{cfg:?}");
+            let shapes: Vec<Vec<u64>> = Gpt::new(&cfg, 0, Device::Cpu).unwrap().params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
+            assert_eq!(Transformer::from_gpt(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
+        }
+    }
+    // And through the command line, for the shipped configs.
+    for (file, bias) in [("debug.yaml", "true"), ("debug.yaml", "false"), ("bench-10m.yaml", "false")] {
+        let set = format!("model.bias={bias}");
+        let j = json(&plan(&["--config", &config(file), "--set", &set, "--json"]).ok());
+        let cfg = trainguard::config::load(Some(Path::new(&config(file))), &[set]).unwrap();
+        assert_eq!(u(&j["params"]), Gpt::new(&cfg.model, 0, Device::Cpu).unwrap().num_params() as u64, "{file} bias={bias}");
+    }
+}
+
+#[test]
+fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
+    let j = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--gpu", "a100-40", "--json"]).ok());
+    assert_eq!(j["schema"], 1);
+    assert_eq!(u(&j["params"]), 124_439_808);
+    assert_eq!((u(&j["micro_batch"]), u(&j["global_batch"]), u(&j["accumulation"])), (16, 480, 30));
+    let e = &j["estimate"];
+    for k in ["weights", "master_weights", "gradients", "optimizer", "activations_per_layer", "activations", "logits", "cross_entropy", "fragmentation", "cuda_overhead", "peak_allocated", "total", "fixed", "per_sample"] {
+        assert!(e[k].is_u64(), "estimate.{k} missing: {e}");
+    }
+    assert_eq!(u(&e["total"]), u(&e["peak_allocated"]) + u(&e["fragmentation"]) + u(&e["cuda_overhead"]));
+    let linear = u(&e["fixed"]) + 16 * u(&e["per_sample"]);
+    assert!(u(&e["total"]).abs_diff(linear) <= 16, "fixed + slope × micro-batch, to the byte per sample: {} vs {linear}", e["total"]);
+    let rounding = u(&e["weights"]) - 4 * 124_439_808;
+    assert!(rounding < 512 * 200, "fp32 weights, each of the ~150 tensors rounded up to 512 bytes: {rounding}");
+    assert_eq!(j["gpu"]["name"], "a100-40");
+    let r = &j["recommendation"];
+    assert_eq!(r["fits"], true);
+    let (b, k) = (u(&r["micro_batch"]), u(&r["accumulation"]));
+    assert_eq!(b * k, 480);
+    assert!(u(&r["total_bytes"]) <= u(&r["budget_bytes"]));
+    assert_eq!(u(&r["budget_bytes"]), (40_960.0 * 1024.0 * 1024.0 * 0.85f64).floor() as u64);
+    // The next divisor up would not fit: the recommendation is the largest.
+    let next = [20, 24, 30, 32, 40, 48].into_iter().find(|&d| d > b).unwrap();
+    let bigger = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--micro-batch", &next.to_string(), "--json"]).ok());
+    assert!(u(&bigger["estimate"]["total"]) > u(&r["budget_bytes"]), "micro-batch {next} should not fit");
+}
+
+#[test]
+fn the_table_names_every_part_in_gib() {
+    let run = plan(&["--config", &config("gpt2-124m.yaml"), "--gpu", "h100", "--precision", "bf16-mixed", "--optimizer", "adamw8bit"]).ok();
+    let out = run.stdout();
+    for row in ["GiB", "weights (16-bit)", "fp32 master weights", "gradients (fp32)", "optimizer state (adamw8bit)", "activations:", "/layer × 12", "logits", "cross-entropy", "allocator fragmentation margin (10%)", "CUDA context and workspaces", "= total per GPU", "per sample", "h100 (preset)", "fits"] {
+        assert!(out.contains(row), "`{row}` missing:\n{out}");
+    }
+}
+
+#[test]
+fn llama_8b_with_adamw_in_bf16_needs_about_60_gb_and_does_not_fit_a_40_gb_card() {
+    let llama = ["--params", "8.03B", "--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "128256", "--seq-len", "8192", "--ffn", "14336", "--no-bias"];
+    let mut args = llama.to_vec();
+    args.extend(["--precision", "bf16-pure", "--gpu", "a100-40", "--global-batch", "64", "--json"]);
+    let j = json(&plan(&args).ok());
+    let e = &j["estimate"];
+    let states = u(&e["weights"]) + u(&e["gradients"]) + u(&e["optimizer"]);
+    assert!((states as f64 / 1e9 - 64.2).abs() < 1.0, "{} GB before activations", states as f64 / 1e9);
+    let r = &j["recommendation"];
+    assert_eq!(r["fits"], false);
+    assert!(r["micro_batch"].is_null());
+    assert_eq!(u(&r["over_by_bytes"]), u(&r["total_bytes"]) - u(&r["budget_bytes"]));
+    let levers = r["levers"].as_array().unwrap();
+    assert!(levers.iter().any(|l| l["change"].as_str().unwrap().starts_with("activation checkpointing")), "{levers:?}");
+    // The text says by how much and lists the levers.
+    args.pop();
+    let out = plan(&args).ok().stdout();
+    assert!(out.contains("does not fit: micro-batch 1 needs") && out.contains("over the budget of 34.00 GiB") && out.contains("saves"), "{out}");
+}
+
+#[test]
+fn gpt2_small_at_512_by_512_is_dominated_by_49_gib_of_logits() {
+    let run = plan(&["--config", &config("gpt2-124m.yaml"), "--seq-len", "512", "--micro-batch", "512", "--global-batch", "512", "--json"]).ok();
+    let e = json(&run)["estimate"].clone();
+    let logits = u(&e["logits"]) as f64 / GIB;
+    assert!((logits - 49.07).abs() < 0.01, "{logits} GiB");
+    assert!(u(&e["logits"]) + u(&e["cross_entropy"]) > u(&e["activations"]));
+    assert!(u(&e["logits"]) > 3 * u(&e["activations_per_layer"]));
+}
+
+fn assert_usage_error(args: &[&str], wants: &[&str]) {
+    let run = plan(args);
+    let err = run.stderr();
+    assert_eq!(run.code(), 2, "{args:?}: exit code; stderr:\n{err}");
+    for want in wants {
+        assert!(err.contains(want), "{args:?}: `{want}` missing from:\n{err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bad_inputs_are_one_clear_error_and_exit_code_2() {
+    let gpt = ["--layers", "12", "--hidden", "768", "--heads", "12", "--vocab", "50257", "--seq-len", "1024"];
+    let with = |extra: &[&'static str], replace: Option<(&str, &'static str)>| -> Vec<&'static str> {
+        let mut v: Vec<&'static str> = gpt.to_vec();
+        if let Some((flag, value)) = replace {
+            let i = v.iter().position(|a| *a == flag).unwrap();
+            v[i + 1] = value;
+        }
+        v.extend(extra);
+        v
+    };
+    assert_usage_error(&with(&[], Some(("--layers", "0"))), &["--layers must be at least 1, got 0"]);
+    assert_usage_error(&with(&[], Some(("--heads", "5"))), &["--heads 5 must divide --hidden 768"]);
+    assert_usage_error(&with(&["--gpu", "a100-50"], None), &["unknown GPU `a100-50`", "t4", "a100-80", "h100", "h200"]);
+    assert_usage_error(&with(&["--margin", "0"], None), &["--margin must be in (0, 1]"]);
+    assert_usage_error(&with(&["--gpu-memory", "lots"], None), &["--gpu-memory"]);
+    assert_usage_error(&["--layers", "12", "--hidden", "768"], &["missing: --heads, --vocab, --seq-len"]);
+    assert_usage_error(&with(&["--optimizer", "lion"], None), &["lion"]);
+    assert_usage_error(&["--config", "/nonexistent/c.yaml"], &["not found"]);
+    assert_usage_error(&["--config", &config("debug.yaml"), "--set", "model.n_layer=0"], &["model.n_layer"]);
+    assert_usage_error(&with(&["--params", "many"], None), &["--params"]);
+}
+
+#[test]
+fn gpu_auto_without_nvml_says_so_and_falls_back_to_gpu_memory() {
+    let run = plan(&["--config", &config("debug.yaml"), "--gpu", "auto"]);
+    if run.code() == 0 {
+        eprintln!("skipped: NVML found a GPU here (this test covers machines without one)");
+        return;
+    }
+    assert_eq!(run.code(), 2, "{}", run.stderr());
+    assert!(run.stderr().contains("--gpu auto: no NVIDIA GPU"), "{}", run.stderr());
+    let fallback = plan(&["--config", &config("debug.yaml"), "--gpu", "auto", "--gpu-memory", "24GiB", "--json"]).ok();
+    let j = json(&fallback);
+    assert_eq!(u(&j["gpu"]["capacity_bytes"]), 24 << 30);
+    assert!(j["gpu"]["note"].as_str().unwrap().contains("using --gpu-memory"));
+}
+
+/// A small GPT whose tensors are large enough (≥ 128 KiB) that the CPU figures are not lost in
+/// glibc's small-block heap.
+const MID: [&str; 8] = ["--set", "model.n_embd=128", "--set", "model.seq_len=128", "--set", "train.threads=1", "--set", "model.vocab_size=512"];
+
+#[test]
+fn profile_on_cpu_runs_real_steps_and_compares_with_the_estimate() {
+    let debug = config("debug.yaml");
+    let mut args = vec!["--config", &debug, "--profile", "--micro-batches", "2,4,8", "--profile-steps", "1", "--json"];
+    args.extend(MID);
+    let j = json(&plan(&args).ok());
+    let p = &j["profile"];
+    assert_eq!(p["device"], "cpu");
+    assert!(p["method"].as_str().unwrap().contains("CPU analogue"));
+    let points = p["points"].as_array().unwrap();
+    assert_eq!(points.iter().map(|x| u(&x["micro_batch"])).collect::<Vec<_>>(), [2, 4, 8]);
+    let measured: Vec<u64> = points.iter().map(|x| u(&x["measured_bytes"])).collect();
+    assert!(measured.windows(2).all(|w| w[1] > w[0]), "more samples, more memory: {measured:?}");
+    for x in points {
+        assert_eq!(x["outcome"], "fits");
+        let err = x["error_pct"].as_f64().unwrap();
+        // The CPU analogue of the ±10% CUDA target, with room for this machine's allocator.
+        assert!(err.abs() < 25.0, "estimate {} vs measured {}: {err:.1}%", x["estimate_bytes"], x["measured_bytes"]);
+    }
+    let fit = &p["fit"];
+    let slope = fit["per_sample_bytes"].as_f64().unwrap();
+    let est_slope = p["estimate_fit"]["per_sample_bytes"].as_f64().unwrap();
+    assert!((slope / est_slope - 1.0).abs() < 0.25, "per-sample: measured {slope}, estimated {est_slope}");
+    assert!(p["largest_fitting"].is_null(), "explicit sizes: no search");
+}
+
+#[test]
+fn profile_search_finds_the_largest_fitting_micro_batch_by_measurement_and_apply_writes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.yaml");
+    std::fs::copy(config("debug.yaml"), &cfg).unwrap();
+    let cfg_s = cfg.display().to_string();
+    // Calibrate on this machine: the measured peaks of micro-batch 4 and 32.
+    let mut probe = vec!["--config", &cfg_s, "--profile", "--micro-batches", "4,32", "--profile-steps", "1", "--json"];
+    probe.extend(MID);
+    let j = json(&plan(&probe).ok());
+    let m: Vec<u64> = j["profile"]["points"].as_array().unwrap().iter().map(|x| u(&x["measured_bytes"])).collect();
+    assert!(m[1] > m[0] + (4 << 20), "{m:?}");
+    // A card whose budget (0.85 of it) lies between the two.
+    let capacity = (((m[0] + m[1]) / 2) as f64 / 0.85) as u64;
+    let cap = capacity.to_string();
+    let mut search = vec!["--config", &cfg_s, "--profile", "--profile-steps", "1", "--gpu-memory", &cap, "--global-batch", "64", "--apply", "--json"];
+    search.extend(&MID[4..6]); // threads only: --apply refuses --set for model keys …
+    let run = plan(&search);
+    assert_eq!(run.code(), 2, "… because the plan would be for a config the file does not hold: {}", run.stderr());
+    // Write the model keys into the copy instead, then search and apply.
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("n_embd: 64 ", "n_embd: 128").replace("seq_len: 64 ", "seq_len: 128").replace("vocab_size: 256 ", "vocab_size: 512").replace("# threads: 2 ", "threads: 1  ");
+    std::fs::write(&cfg, &text).unwrap();
+    let run = plan(&search[..search.len() - 2]).ok();
+    let p = json(&run)["profile"].clone();
+    let budget = u(&p["budget_bytes"]);
+    let largest = u(&p["largest_fitting"]);
+    assert!((4..32).contains(&largest), "largest fitting {largest} should lie between 4 and 32");
+    let points = p["points"].as_array().unwrap();
+    let at = |b: u64| points.iter().find(|x| u(&x["micro_batch"]) == b).unwrap_or_else(|| panic!("{b} not measured: {points:?}"));
+    assert!(u(&at(largest)["measured_bytes"]) <= budget);
+    assert_ne!(at(largest + 1)["outcome"], "fits", "the search measured the size just above: {points:?}");
+    assert!(points.iter().all(|x| (u(&x["micro_batch"]) <= largest) == (x["outcome"] == "fits")), "{points:?}");
+    // Doubling then bisection: a handful of sizes, not every one.
+    assert!(points.len() <= 12, "{} sizes measured", points.len());
+    let chosen = u(&p["micro_batch"]);
+    assert!(chosen <= largest && 64 % chosen == 0);
+    let applied = &json(&run)["applied"];
+    assert_eq!(u(&applied["micro_batch"]), chosen);
+    assert_eq!(u(&applied["global_batch"]), 64);
+    let loaded = trainguard::config::load(Some(&cfg), &[]).unwrap();
+    assert_eq!((loaded.train.micro_batch_size as u64, loaded.train.global_batch_size), (chosen, 64));
+    assert_eq!(std::fs::read_to_string(dir.path().join("run.yaml.bak")).unwrap(), text, "the original is kept next to it");
+}
+
+#[test]
+fn profile_in_child_processes_measures_the_same_sizes() {
+    let debug = config("debug.yaml");
+    let mut args = vec!["--config", &debug, "--profile", "--micro-batches", "4,16", "--profile-steps", "1", "--json"];
+    args.extend(MID);
+    let inproc = json(&plan(&args).ok());
+    args.push("--profile-isolate");
+    let child = json(&plan(&args).ok());
+    assert!(child["profile"]["method"].as_str().unwrap().contains("child process"));
+    for (a, b) in inproc["profile"]["points"].as_array().unwrap().iter().zip(child["profile"]["points"].as_array().unwrap()) {
+        let (a, b) = (u(&a["measured_bytes"]) as f64, u(&b["measured_bytes"]) as f64);
+        assert!((a / b - 1.0).abs() < 0.25, "in-process {a} vs child {b}");
+    }
+}
+
+#[test]
+fn apply_edits_the_value_in_place_keeps_comments_and_backs_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("debug.yaml");
+    std::fs::copy(config("debug.yaml"), &cfg).unwrap();
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    let cfg_s = cfg.display().to_string();
+    let run = plan_in(dir.path(), &["--config", &cfg_s, "--gpu", "t4", "--apply"]).ok();
+    let edited = std::fs::read_to_string(&cfg).unwrap();
+    assert_eq!(std::fs::read_to_string(dir.path().join("debug.yaml.bak")).unwrap(), original);
+    let (old, new): (Vec<&str>, Vec<&str>) = (original.lines().collect(), edited.lines().collect());
+    assert_eq!(old.len(), new.len());
+    let changed: Vec<(&str, &str)> = old.iter().zip(&new).filter(|(a, b)| a != b).map(|(a, b)| (*a, *b)).collect();
+    assert_eq!(changed.len(), 1, "{changed:?}");
+    let (before, after) = changed[0];
+    assert!(before.trim_start().starts_with("micro_batch_size: 8"), "{before}");
+    assert!(after.trim_start().starts_with("micro_batch_size: 32"), "{after}");
+    let comment = |l: &str| l[l.find('#').unwrap()..].to_string();
+    assert_eq!(comment(before), comment(after), "the comment survives");
+    assert_eq!(before.find('#'), after.find('#'), "in its column");
+    let out = run.stdout();
+    assert!(out.contains(&format!("-{}: {before}", old.iter().position(|l| *l == before).unwrap() + 1)), "diff printed:\n{out}");
+    assert!(out.contains("original kept as") && out.contains("accumulation 1 = global 32"), "{out}");
+    // The result is a valid config the trainer reads.
+    let show = Command::new(bin()).args(["config", "show", "--config", &cfg_s]).output().unwrap();
+    assert!(String::from_utf8_lossy(&show.stdout).contains("micro_batch_size: 32"));
+    // A second apply with nothing to change writes nothing.
+    let again = plan_in(dir.path(), &["--config", &cfg_s, "--gpu", "t4", "--apply"]).ok();
+    assert!(again.stdout().contains("nothing written"), "{}", again.stdout());
+    assert!(!dir.path().join("debug.yaml.bak.1").exists());
+}
+
+#[test]
+fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("gpt2.yaml");
+    std::fs::copy(config("gpt2-124m.yaml"), &cfg).unwrap();
+    let cfg_s = cfg.display().to_string();
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256", "--seq-len", "64", "--gpu", "t4", "--apply"], &["--apply", "--config"]);
+    assert_usage_error(&["--config", &cfg_s, "--apply"], &["--apply needs", "--gpu"]);
+    assert_usage_error(&["--config", &cfg_s, "--gpu", "t4", "--set", "train.lr=1e-3", "--apply"], &["--set"]);
+    let run = plan(&["--config", &cfg_s, "--gpu-memory", "1GiB", "--apply"]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    assert!(run.stderr().contains("nothing fits even at micro-batch 1"), "{}", run.stderr());
+    assert!(run.stdout().contains("does not fit"), "the plan is still printed");
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), original);
+    assert!(!dir.path().join("gpt2.yaml.bak").exists());
+}
