@@ -21,9 +21,12 @@ pub struct Config {
     pub seed: u64,
     /// `auto | cpu | cuda | cuda:N`.
     pub device: String,
+    /// `fp32 | bf16-mixed | fp16-mixed | bf16-pure`.
+    pub precision: Precision,
     pub model: ModelConfig,
     pub data: DataConfig,
     pub train: TrainConfig,
+    pub optimizer: OptimizerConfig,
     pub oom: OomConfig,
     pub memory: MemoryConfig,
     pub checkpoint: CheckpointConfig,
@@ -39,9 +42,11 @@ impl Default for Config {
             out_dir: PathBuf::from("runs/debug"),
             seed: 1337,
             device: "auto".into(),
+            precision: Precision::Fp32,
             model: ModelConfig::default(),
             data: DataConfig::default(),
             train: TrainConfig::default(),
+            optimizer: OptimizerConfig::default(),
             oom: OomConfig::default(),
             memory: MemoryConfig::default(),
             checkpoint: CheckpointConfig::default(),
@@ -108,8 +113,6 @@ pub struct TrainConfig {
     pub beta1: f64,
     pub beta2: f64,
     pub eps: f64,
-    /// AdamW through ATen's fused kernel (one pass per tensor); false: the unfused reference path.
-    pub fused_adamw: bool,
     /// Clip the global gradient norm to this; 0 turns clipping off.
     pub grad_clip: f64,
     /// Evaluate every N steps (and after the last); 0 turns evaluation off.
@@ -136,7 +139,6 @@ impl Default for TrainConfig {
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
-            fused_adamw: true,
             grad_clip: 1.0,
             eval_interval: 50,
             eval_batches: 4,
@@ -145,6 +147,48 @@ impl Default for TrainConfig {
             max_duration: None,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precision {
+    #[serde(rename = "fp32")]
+    Fp32,
+    /// Autocast to bf16, fp32 master weights and optimizer state.
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    /// Autocast to fp16 with dynamic loss scaling, fp32 master weights and optimizer state.
+    #[serde(rename = "fp16-mixed")]
+    Fp16Mixed,
+    /// Weights, gradients and optimizer state in bf16.
+    #[serde(rename = "bf16-pure")]
+    Bf16Pure,
+}
+
+/// The optimizer. Its betas, eps and weight decay are `train.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub name: OptimizerName,
+    /// AdamW through ATen's fused kernel (one pass per tensor); false: the unfused path.
+    pub fused: bool,
+    /// Momentum of `sgd_momentum`.
+    pub momentum: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self { name: OptimizerName::Adamw, fused: true, momentum: 0.9 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerName {
+    Adamw,
+    Sgd,
+    SgdMomentum,
+    Adafactor,
+    Adamw8bit,
 }
 
 /// What the OOM guard does when a step runs out of memory.
@@ -159,11 +203,20 @@ pub struct OomConfig {
     /// When allocation retries rise 3 steps in a row (CUDA): `warn`, or `shrink` the
     /// micro-batch before an OOM happens.
     pub on_thrash: ThrashAction,
+    /// At `min_micro_batch`, still out of memory: switch these on, in order, before giving up.
+    pub escalate: Vec<Escalation>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Escalation {
+    ActivationCheckpointing,
+    OffloadActivations,
 }
 
 impl Default for OomConfig {
     fn default() -> Self {
-        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn }
+        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn, escalate: vec![] }
     }
 }
 
@@ -196,11 +249,26 @@ pub struct MemoryConfig {
     pub allocator: allocator::AllocatorConfig,
     /// Warn when memory grows steadily over this many steps (after 5 warm-up steps); 0 = off.
     pub leak_check_steps: usize,
+    /// `none`, `blocks` (recompute every block in the backward pass), or `every_n:<k>`
+    /// (segments of k blocks: only their inputs are kept).
+    pub activation_checkpointing: String,
+    /// Checkpointed segments' inputs wait in (pinned) CPU memory for the backward pass.
+    pub offload_activations: bool,
+    /// LM head and cross-entropy over chunks of this many tokens: the full logits are never
+    /// materialised at once. None = one piece.
+    pub loss_chunk_tokens: Option<usize>,
 }
 
 impl Default for MemoryConfig {
     fn default() -> Self {
-        Self { limit: None, allocator: Default::default(), leak_check_steps: 20 }
+        Self {
+            limit: None,
+            allocator: Default::default(),
+            leak_check_steps: 20,
+            activation_checkpointing: "none".into(),
+            offload_activations: false,
+            loss_chunk_tokens: None,
+        }
     }
 }
 
@@ -297,4 +365,27 @@ pub enum DistBackend {
     Auto,
     Gloo,
     Nccl,
+}
+
+/// `memory.activation_checkpointing`, parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpointing {
+    None,
+    /// Segments of this many consecutive blocks.
+    Every(usize),
+}
+
+impl Checkpointing {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text.trim() {
+            "none" => Ok(Self::None),
+            "blocks" => Ok(Self::Every(1)),
+            t => t
+                .strip_prefix("every_n:")
+                .and_then(|k| k.trim().parse::<usize>().ok())
+                .filter(|&k| k >= 1)
+                .map(Self::Every)
+                .ok_or_else(|| format!("must be none, blocks or every_n:<k> with k >= 1, got `{text}`")),
+        }
+    }
 }

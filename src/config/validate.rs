@@ -110,6 +110,17 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
     check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
 
+    if let Err(e) = super::Checkpointing::parse(&c.memory.activation_checkpointing) {
+        check(false, "memory.activation_checkpointing", e);
+    }
+    if let Some(n) = c.memory.loss_chunk_tokens {
+        check(n >= 1, "memory.loss_chunk_tokens", format!("must be at least 1, got {n}"));
+    }
+    check(
+        (0.0..1.0).contains(&c.optimizer.momentum),
+        "optimizer.momentum",
+        format!("must be in [0, 1), got {}", c.optimizer.momentum),
+    );
     for problem in c.memory.allocator.problems() {
         check(false, &problem.key, problem.message);
     }
@@ -233,6 +244,10 @@ mod tests {
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
+            (|c| c.memory.activation_checkpointing = "sometimes".into(), "memory.activation_checkpointing"),
+            (|c| c.memory.activation_checkpointing = "every_n:0".into(), "memory.activation_checkpointing"),
+            (|c| c.memory.loss_chunk_tokens = Some(0), "memory.loss_chunk_tokens"),
+            (|c| c.optimizer.momentum = 1.5, "optimizer.momentum"),
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
         ];

@@ -234,7 +234,7 @@ impl Session {
 
 fn adamw_config(config: &Config) -> AdamWConfig {
     let t = &config.train;
-    AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: t.fused_adamw }
+    AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: config.optimizer.fused }
 }
 
 /// `n` optimizer steps (forward, backward, clipping, AdamW) at micro-batch `micro`, each inside

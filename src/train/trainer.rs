@@ -135,7 +135,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
     };
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
-    let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: t.fused_adamw };
+    let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: cfg.optimizer.fused };
     let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let mut state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
     let mut progress = Progress::default();
