@@ -80,6 +80,8 @@ pub enum Event {
     },
     Step(StepMetrics),
     RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
+    /// Out of memory at the smallest micro-batch: a memory saver from `oom.escalate` switched on.
+    OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String },
     OomRecovered(OomRecovery),
     Resumed { step: u64, path: String, changed: Vec<String> },
     CheckpointSkipped { path: String, reason: String },
@@ -87,6 +89,8 @@ pub enum Event {
     CheckpointFailed { step: u64, error: String },
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
     LeakSuspected { step: u64, message: String },
+    /// fp16 loss scaling: `overflow` (update skipped, scale backed off) or `growth`.
+    LossScaleChanged { step: u64, scale: f64, reason: String },
     /// Allocation retries rose step after step; `action`: `warn` or `shrink`.
     ThrashDetected { step: u64, total_retries: i64, action: String, new_micro_batch: Option<usize> },
     /// The run stops before max_steps: `signal`, `time_limit`, `nonfinite`, `out_of_memory`.
@@ -189,6 +193,9 @@ impl Reporter {
                     );
                 }
             }
+            Event::OomEscalated { step, micro_batch, level, switched_on } => {
+                tracing::warn!("step {step}: out of memory at micro-batch {micro_batch}, the smallest allowed: switching on {switched_on} (escalation {level}) and replaying");
+            }
             Event::RegrowAttempt { step, from_micro_batch, to_micro_batch } => {
                 tracing::info!("step {step}: trying micro-batch {to_micro_batch} again (was {from_micro_batch})");
             }
@@ -220,6 +227,10 @@ impl Reporter {
             Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
                 tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
             }
+            Event::LossScaleChanged { step, scale, reason } => match reason.as_str() {
+                "overflow" => tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale lowered to {scale}"),
+                _ => tracing::info!("step {step}: loss scale raised to {scale}"),
+            },
             Event::LeakSuspected { step, message } => tracing::warn!("step {step}: possible memory leak: {message}"),
             Event::ThrashDetected { step, total_retries, action, new_micro_batch } => {
                 let what = new_micro_batch.map(|m| format!("micro-batch lowered to {m} before an out-of-memory")).unwrap_or_else(|| format!("oom.on_thrash: {action}"));

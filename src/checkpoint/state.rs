@@ -50,6 +50,9 @@ pub struct GuardSnapshot {
     pub micro_batch: usize,
     pub accumulation: usize,
     pub configured_micro_batch: usize,
+    /// How many of `oom.escalate`'s savers the guard switched on.
+    #[serde(default)]
+    pub escalation_level: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

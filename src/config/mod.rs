@@ -123,6 +123,9 @@ pub struct TrainConfig {
     pub threads: Option<usize>,
     /// Stop cleanly, with a checkpoint, before this much wall-clock time (`7h30m`, `45m`, `90s`).
     pub max_duration: Option<String>,
+    /// fp16-mixed: the loss scale to start from, and clean steps before it doubles.
+    pub loss_scale_initial: f64,
+    pub loss_scale_growth_interval: u64,
 }
 
 impl Default for TrainConfig {
@@ -145,6 +148,8 @@ impl Default for TrainConfig {
             log_interval: 10,
             threads: None,
             max_duration: None,
+            loss_scale_initial: 65536.0,
+            loss_scale_growth_interval: 2000,
         }
     }
 }
@@ -331,6 +336,8 @@ impl Default for NanConfig {
 pub struct FaultsConfig {
     /// Steps whose loss is replaced by NaN (the update must be skipped).
     pub nonfinite_loss_at_steps: Vec<u64>,
+    /// Steps whose (fp16-mixed) gradients are made infinite after unscaling: an overflow.
+    pub fp16_overflow_at_steps: Vec<u64>,
     /// Behave as if SIGTERM arrived just before this step (checkpoint, exit 4).
     pub interrupt_at_step: Option<u64>,
     /// Keep every step's forward graph alive, as a leaking training script would.

@@ -52,6 +52,8 @@ pub struct Versions {
 extern "C" {
     fn tg_versions(out: *mut Versions, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_accelerator_available() -> c_int;
+    fn tg_autocast(cuda: c_int, enabled: c_int, dtype: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_set_matmul_precision(p: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_device_stats(device: c_int, out: *mut AllocatorStats, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
@@ -95,6 +97,21 @@ pub fn versions() -> Result<Versions, ShimError> {
     // SAFETY: `out` is a repr(C) mirror of tg_versions; `err` is ERR_LEN bytes.
     let code = unsafe { tg_versions(&mut out, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err).map(|_| out)
+}
+
+/// Turns autocast on (to `half`: fp16, else bf16) or off for CUDA or CPU ops.
+pub fn set_autocast(cuda: bool, enabled: bool, half: bool) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: plain values; `err` is ERR_LEN bytes.
+    result(unsafe { tg_autocast(cuda as c_int, enabled as c_int, half as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// `highest` (true fp32) or `high` (TF32 matmuls on Ampere and newer).
+pub fn set_matmul_precision(p: &str) -> Result<(), ShimError> {
+    let c = CString::new(p).map_err(|_| ShimError::Torch("NUL in precision".into()))?;
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `c` is NUL-terminated and outlives the call.
+    result(unsafe { tg_set_matmul_precision(c.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 pub fn accelerator_available() -> bool {

@@ -3,6 +3,8 @@
 // into Rust. Return value: 0 = ok, 1 = error (message in `err`), 2 = unavailable (no accelerator).
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -132,6 +134,21 @@ int tg_versions(tg_versions* out, char* err, size_t err_len) {
     out->cuda_devices = out->cuda_available ? cuda.getNumGPUs() : 0;
     out->intra_op_threads = at::get_num_threads();
   });
+}
+
+// Autocast for `cuda` (1) or CPU (0) devices: enabled with dtype 0 = bf16, 1 = fp16, or off.
+int tg_autocast(int cuda, int enabled, int dtype, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto dev = cuda ? at::kCUDA : at::kCPU;
+    if (enabled) at::autocast::set_autocast_dtype(dev, dtype == 1 ? at::kHalf : at::kBFloat16);
+    at::autocast::set_autocast_enabled(dev, enabled != 0);
+    if (!enabled) at::autocast::clear_cache();
+  });
+}
+
+// torch.set_float32_matmul_precision: "highest" (fp32) or "high" (TF32 on Ampere+).
+int tg_set_matmul_precision(const char* p, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { at::globalContext().setFloat32MatmulPrecision(std::string(p)); });
 }
 
 // One AdamW update of `n` tensors with ATen's fused kernel (CPU and CUDA): reads each tensor

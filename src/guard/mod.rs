@@ -84,9 +84,15 @@ impl From<TchError> for StepError {
 #[derive(Debug, Default)]
 pub struct Progress {
     first_micro_done: Option<Instant>,
+    level: usize,
 }
 
 impl Progress {
+    /// How many of `oom.escalate`'s memory savers this attempt must switch on.
+    pub fn escalation_level(&self) -> usize {
+        self.level
+    }
+
     pub fn micro_step_done(&mut self) {
         self.first_micro_done.get_or_insert_with(Instant::now);
     }
@@ -103,6 +109,7 @@ pub struct GuardTotals {
 
 pub struct Guard {
     pub state: GuardState,
+    escalate: Vec<crate::config::Escalation>,
     policy: OomPolicy,
     device: Device,
     rank_batch: usize,
@@ -139,7 +146,14 @@ fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
 
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
-        Self { state, policy, device, rank_batch, totals: GuardTotals::default() }
+        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default() }
+    }
+
+    /// The memory savers to switch on, in order, at the floor (oom.escalate).
+    pub fn with_escalation(mut self, escalate: Vec<crate::config::Escalation>) -> Self {
+        self.state = self.state.with_escalations(escalate.len());
+        self.escalate = escalate;
+        self
     }
 
     pub fn micro_batch(&self) -> usize {
@@ -169,7 +183,7 @@ impl Guard {
     ) -> Result<T, GuardError> {
         if self.policy == OomPolicy::Off {
             let micro = self.state.current();
-            return attempt(micro, &mut Progress::default()).map_err(|e| match e {
+            return attempt(micro, &mut Progress { first_micro_done: None, level: self.state.level() }).map_err(|e| match e {
                 StepError::Torch(e) => unrecovered(e, Some(step), micro, self.device),
                 StepError::PeerOutOfMemory => peer_oom(step, micro, self.device),
                 StepError::Fatal(e) => GuardError::Fatal(e),
@@ -181,7 +195,7 @@ impl Guard {
         let mut in_attempts = Duration::ZERO;
         loop {
             let micro = self.state.current();
-            let mut progress = Progress::default();
+            let mut progress = Progress { first_micro_done: None, level: self.state.level() };
             let started = Instant::now();
             // Everything the attempt allocated (activations, losses, partial gradients) is owned
             // inside it and dropped when it returns: the error below holds only a message.
@@ -224,6 +238,11 @@ impl Guard {
             };
             // The failed attempt's work is lost, and so is the time spent recovering.
             self.totals.time_lost += started.elapsed();
+            if let Decision::Escalate { level } = decision {
+                let what = self.escalate.get(level - 1).map(|e| format!("{e:?}")).unwrap_or_default();
+                reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on: what });
+                continue;
+            }
             let Decision::Retry { micro_batch: new, backoff } = decision else {
                 for (rec, _) in pending.drain(..) {
                     reporter.emit(Event::OomRecovered(rec)); // never recovered: recover_ms null

@@ -10,6 +10,8 @@
 pub enum Decision {
     /// Replay the step at this micro-batch. `backoff`: it is a regrow trial being undone.
     Retry { micro_batch: usize, backoff: bool },
+    /// At the floor: replay with the next memory saver switched on (`level` savers on now).
+    Escalate { level: usize },
     GiveUp,
 }
 
@@ -24,12 +26,31 @@ pub struct GuardState {
     trial_from: Option<usize>,
     /// Size → (first step it may be tried again, failures so far).
     blocked: Vec<(usize, u64, u32)>,
+    /// Memory savers the guard may switch on at the floor, and how many are on.
+    escalations: usize,
+    level: usize,
 }
 
 impl GuardState {
     pub fn new(configured: usize, floor: usize, regrow_after: u64) -> Self {
         let floor = floor.clamp(1, configured.max(1));
-        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, trial_from: None, blocked: Vec::new() }
+        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, trial_from: None, blocked: Vec::new(), escalations: 0, level: 0 }
+    }
+
+    /// Allows `n` escalation steps (oom.escalate) before giving up at the floor.
+    pub fn with_escalations(mut self, n: usize) -> Self {
+        self.escalations = n;
+        self
+    }
+
+    /// Escalation steps taken (restored from a checkpoint with [`with_level`](Self::with_level)).
+    pub fn level(&self) -> usize {
+        self.level
+    }
+
+    pub fn with_level(mut self, level: usize) -> Self {
+        self.level = level.min(self.escalations);
+        self
     }
 
     /// Starts from a micro-batch settled on earlier (e.g. restored from a checkpoint).
@@ -75,6 +96,10 @@ impl GuardState {
             return Decision::Retry { micro_batch: prev, backoff: true };
         }
         if failed <= self.floor {
+            if self.level < self.escalations {
+                self.level += 1;
+                return Decision::Escalate { level: self.level };
+            }
             return Decision::GiveUp;
         }
         self.block(failed, step);
@@ -129,6 +154,16 @@ mod tests {
         assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 6, backoff: false });
         assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 4, backoff: false });
         assert_eq!(s.on_oom(0), Decision::GiveUp);
+    }
+
+    #[test]
+    fn at_the_floor_escalations_come_before_giving_up() {
+        let mut s = GuardState::new(2, 1, 0).with_escalations(2);
+        assert_eq!(s.on_oom(0), Decision::Retry { micro_batch: 1, backoff: false });
+        assert_eq!(s.on_oom(0), Decision::Escalate { level: 1 });
+        assert_eq!(s.on_oom(0), Decision::Escalate { level: 2 });
+        assert_eq!(s.on_oom(0), Decision::GiveUp);
+        assert_eq!((s.current(), s.level()), (1, 2));
     }
 
     #[test]

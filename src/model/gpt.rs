@@ -69,23 +69,53 @@ impl Gpt {
         self.params.count()
     }
 
-    /// Logits `[b, t, vocab]` for token ids `[b, t]`.
-    pub fn forward(&self, idx: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let (b, t) = idx.size2()?;
-        let c = self.cfg.n_embd as i64;
+    /// Logits `[b, t, vocab]` for token ids `[b, t]`. `seed`: reseeds the generator before the
+    /// embedding and each block (dropout), so a recomputed block draws the same masks.
+    pub fn forward(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
+        let mut x = self.embed(idx, train, seed)?;
+        for i in 0..self.blocks.len() {
+            x = self.block(i, &x, train, seed)?;
+        }
+        self.head(&x)
+    }
+
+    pub fn n_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn reseed(&self, train: bool, seed: Option<u64>, stage: u64) {
+        if let (true, Some(s)) = (train && self.cfg.dropout > 0.0, seed) {
+            tch::manual_seed(crate::data::mix(&[s, stage]) as i64);
+        }
+    }
+
+    /// Token + position embeddings (and dropout): `[b, t, c]`.
+    pub fn embed(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
+        let (_, t) = idx.size2()?;
         let p = if train { self.cfg.dropout } else { 0.0 };
+        self.reseed(train, seed, 0);
         let pos = Tensor::f_arange(t, (Kind::Int64, idx.device()))?;
         let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
         let pe = Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?;
-        let mut x = tok.f_add(&pe)?.f_dropout(p, train)?;
-        for blk in &self.blocks {
-            let a = self.attention(blk, &ln(&x, &blk.ln_1, c)?, b, t, p, train)?;
-            x = x.f_add(&a)?;
-            let h = ln(&x, &blk.ln_2, c)?.f_linear(&blk.fc_w, blk.fc_b.as_ref())?.f_gelu("none")?;
-            let m = h.f_linear(&blk.mlp_proj_w, blk.mlp_proj_b.as_ref())?.f_dropout(p, train)?;
-            x = x.f_add(&m)?;
-        }
-        ln(&x, &self.ln_f, c)?.f_linear::<Tensor>(&self.wte, None)
+        tok.f_add(&pe)?.f_dropout(p, train)
+    }
+
+    /// Transformer block `i` on `x` `[b, t, c]`.
+    pub fn block(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
+        let (b, t, c) = x.size3()?;
+        let p = if train { self.cfg.dropout } else { 0.0 };
+        let blk = &self.blocks[i];
+        self.reseed(train, seed, 1 + i as u64);
+        let a = self.attention(blk, &ln(x, &blk.ln_1, c)?, b, t, p, train)?;
+        let x = x.f_add(&a)?;
+        let h = ln(&x, &blk.ln_2, c)?.f_linear(&blk.fc_w, blk.fc_b.as_ref())?.f_gelu("none")?;
+        let m = h.f_linear(&blk.mlp_proj_w, blk.mlp_proj_b.as_ref())?.f_dropout(p, train)?;
+        x.f_add(&m)
+    }
+
+    /// Final LayerNorm and the tied LM head: logits `[…, vocab]` for hidden states `[…, c]`.
+    pub fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        ln(x, &self.ln_f, self.cfg.n_embd as i64)?.f_linear::<Tensor>(&self.wte, None)
     }
 
     fn attention(&self, blk: &Block, x: &Tensor, b: i64, t: i64, p: f64, train: bool) -> Result<Tensor, TchError> {
@@ -99,11 +129,34 @@ impl Gpt {
     }
 
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
-    pub fn loss(&self, x: &Tensor, y: &Tensor, train: bool) -> Result<Tensor, TchError> {
-        let logits = self.forward(x, train)?;
-        let v = self.cfg.vocab_size as i64;
-        logits.f_view([-1, v])?.f_cross_entropy_loss::<Tensor>(&y.f_view([-1])?, None, Reduction::Mean, -100, 0.0)
+    pub fn loss(&self, x: &Tensor, y: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
+        cross_entropy(&self.forward(x, train, seed)?, y, Reduction::Mean)
     }
+
+    /// Indices into `params` of the embedding's, each block's and the head's parameters (the
+    /// tied `wte.weight` is in both the embedding's and the head's).
+    pub fn param_groups(&self) -> ParamGroups {
+        let idx = |pred: &dyn Fn(&str) -> bool| -> Vec<usize> { self.params.names.iter().enumerate().filter(|(_, n)| pred(n)).map(|(i, _)| i).collect() };
+        ParamGroups {
+            embed: idx(&|n| n == "wte.weight" || n == "wpe.weight"),
+            blocks: (0..self.blocks.len()).map(|b| idx(&|n| n.starts_with(&format!("h.{b}.")))).collect(),
+            head: idx(&|n| n.starts_with("ln_f.") || n == "wte.weight"),
+        }
+    }
+}
+
+/// See [`Gpt::param_groups`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamGroups {
+    pub embed: Vec<usize>,
+    pub blocks: Vec<Vec<usize>>,
+    pub head: Vec<usize>,
+}
+
+/// Cross-entropy of logits `[…, v]` against targets `[…]`.
+pub fn cross_entropy(logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
+    let v = *logits.size().last().unwrap_or(&1);
+    logits.f_view([-1, v])?.f_cross_entropy_loss::<Tensor>(&y.f_reshape([-1])?, None, reduction, -100, 0.0)
 }
 
 fn layer_norm(p: &mut Params, name: &str, c: i64, bias: bool, device: Device) -> Result<LayerNorm, TchError> {
@@ -140,8 +193,8 @@ mod tests {
     fn forward_shapes_and_initial_loss_near_uniform() {
         let m = Gpt::new(&cfg(), 0, Device::Cpu).unwrap();
         let x = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3, 2, 1]).view([2, 8]);
-        assert_eq!(m.forward(&x, false).unwrap().size(), [2, 8, 32]);
-        let loss = m.loss(&x, &x, false).unwrap().double_value(&[]);
+        assert_eq!(m.forward(&x, false, None).unwrap().size(), [2, 8, 32]);
+        let loss = m.loss(&x, &x, false, None).unwrap().double_value(&[]);
         assert!((loss - (32f64).ln()).abs() < 0.3, "{loss}");
     }
 
@@ -155,8 +208,8 @@ mod tests {
         // Changing a later token must not change earlier logits.
         let x1 = Tensor::from_slice(&[1i64, 2, 3, 4]).view([1, 4]);
         let x2 = Tensor::from_slice(&[1i64, 2, 3, 9]).view([1, 4]);
-        let l1 = a.forward(&x1, false).unwrap().narrow(1, 0, 3);
-        let l2 = a.forward(&x2, false).unwrap().narrow(1, 0, 3);
+        let l1 = a.forward(&x1, false, None).unwrap().narrow(1, 0, 3);
+        let l2 = a.forward(&x2, false, None).unwrap().narrow(1, 0, 3);
         assert!(l1.allclose(&l2, 1e-6, 1e-6, false));
     }
 
@@ -164,6 +217,6 @@ mod tests {
     fn out_of_range_tokens_are_errors_not_panics() {
         let m = Gpt::new(&cfg(), 0, Device::Cpu).unwrap();
         let x = Tensor::from_slice(&[100i64]).view([1, 1]);
-        assert!(m.forward(&x, false).is_err());
+        assert!(m.forward(&x, false, None).is_err());
     }
 }

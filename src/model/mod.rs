@@ -3,5 +3,5 @@
 mod gpt;
 mod params;
 
-pub use gpt::Gpt;
+pub use gpt::{cross_entropy, Gpt, ParamGroups};
 pub use params::Params;

@@ -42,7 +42,8 @@ impl AdamW {
             exp_avg_sq: params.iter().map(zeros).collect::<Result<_, _>>()?,
             steps: 0,
             decay: decay.to_vec(),
-            scratch: Tensor::f_empty([scratch_len], (Kind::Float, device))?,
+            // Same dtype as the parameters (bf16 under precision bf16-pure).
+            scratch: Tensor::f_empty([scratch_len], (params.first().map_or(Kind::Float, Tensor::kind), device))?,
             state_steps: (0..step_counters).map(|_| Tensor::f_zeros([], (Kind::Float, device))).collect::<Result<_, _>>()?,
         })
     }

@@ -245,9 +245,10 @@ fn steps(model: &Gpt, opt: &mut AdamW, corpus: &Corpus, config: &Config, device:
     let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
     let mut reporter = Reporter::new(None, 1, n, None).expect("a reporter without files cannot fail");
     let (t, params) = (&config.train, &model.params.tensors);
+    let savers = crate::train::savers::Savers::from_config(&config.memory);
     for step in 0..n {
         let outcome = guard.run(step, &mut reporter, |m, progress| {
-            let (mut grads, _) = forward_backward(model, &data, step, m, progress)?;
+            let (mut grads, _) = forward_backward(model, &data, step, m, &savers, 1.0, progress)?;
             clip_grad_norm(&mut grads, t.grad_clip)?;
             Ok(opt.step(params, &grads, t.lr)?)
         });

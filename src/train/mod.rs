@@ -1,6 +1,8 @@
 //! The training loop and one optimizer step. Owns the order of work within a step (micro-steps,
 //! clipping, update) and across steps (schedule, evaluation, reporting); reports through
 //! [`events`](crate::events) only.
+pub mod precision;
+pub mod savers;
 mod step;
 mod trainer;
 

@@ -6,6 +6,7 @@ use crate::batch;
 use crate::data::{Corpus, Sampler};
 use crate::guard::Progress;
 use crate::model::Gpt;
+use super::savers::{loss_and_grads, Savers};
 use tch::{Device, TchError, Tensor};
 
 /// Where a rank's samples come from.
@@ -18,19 +19,19 @@ pub struct StepData<'a> {
     pub rank_batch: usize,
 }
 
-/// Gradients of the mean loss over this rank's batch of step `step`, computed in micro-batches
-/// of `micro`, and that loss. Each micro-batch's loss is weighted by its share of the tokens,
+/// Gradients of the mean loss over this rank's batch of step `step` multiplied by `scale` (fp16
+/// loss scaling; 1 otherwise), computed in micro-batches of `micro`, and that loss (unscaled). Each micro-batch's loss is weighted by its share of the tokens,
 /// so the result does not depend on the split.
-pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
-    let params = &model.params.tensors;
+pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
     let mut grads: Vec<Tensor> = Vec::new();
     let mut loss_sum: Option<Tensor> = None;
     for r in batch::split(data.rank_batch, micro) {
         let weight = batch::loss_weight(r.len(), data.rank_batch);
         let indices = data.rank_start + r.start..data.rank_start + r.end;
+        // Dropout masks are a function of (seed, step, first sample): replays draw the same.
+        let seed = crate::data::mix(&[data.sampler.seed, step, indices.start as u64]);
         let (x, y) = data.sampler.train_batch(data.corpus, step, indices, data.device)?;
-        let loss = model.loss(&x, &y, true)?.f_mul_scalar(weight)?;
-        let micro_grads = Tensor::f_run_backward(&[&loss], params, false, false)?;
+        let (loss, micro_grads) = loss_and_grads(model, &x, &y, weight * scale, seed, savers)?;
         if grads.is_empty() {
             grads = micro_grads;
         } else {
@@ -38,7 +39,6 @@ pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, p
                 let _ = g.f_add_(m)?;
             }
         }
-        let loss = loss.f_detach()?;
         loss_sum = Some(match loss_sum {
             None => loss,
             Some(s) => s.f_add(&loss)?,
@@ -46,7 +46,7 @@ pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, p
         progress.micro_step_done();
     }
     // One host sync per step, after all micro-steps were queued.
-    let loss = loss_sum.map(|l| l.f_double_value(&[])).transpose()?.unwrap_or(f64::NAN);
+    let loss = loss_sum.map(|l| l.f_double_value(&[])).transpose()?.map_or(f64::NAN, |l| l / scale);
     Ok((grads, loss))
 }
 
@@ -60,7 +60,7 @@ pub fn evaluate(model: &Gpt, data: &StepData, batches: usize, micro: usize, prog
             let weight = batch::loss_weight(r.len(), data.rank_batch);
             let indices = data.rank_start + r.start..data.rank_start + r.end;
             let (x, y) = data.sampler.val_batch(data.corpus, b, indices, data.device)?;
-            total += model.loss(&x, &y, false)?.f_double_value(&[])? * weight;
+            total += model.loss(&x, &y, false, None)?.f_double_value(&[])? * weight;
             progress.micro_step_done();
         }
     }
@@ -81,9 +81,10 @@ mod tests {
     fn gradients_do_not_depend_on_the_split_even_with_a_short_last_micro_batch() {
         let (model, corpus) = setup();
         let data = StepData { corpus: &corpus, sampler: Sampler { seed: 1, seq_len: 8 }, device: Device::Cpu, rank_start: 0, rank_batch: 10 };
-        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &mut Progress::default()).unwrap();
+        let plain = Savers::default();
+        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &plain, 1.0, &mut Progress::default()).unwrap();
         for micro in [3, 4, 7] {
-            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &mut Progress::default()).unwrap();
+            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &plain, 1.0, &mut Progress::default()).unwrap();
             assert!((loss_whole - loss_split).abs() < 1e-5, "micro {micro}: loss {loss_whole} vs {loss_split}");
             for (a, b) in whole.iter().zip(&split) {
                 let diff = (a - b).abs().max().double_value(&[]);

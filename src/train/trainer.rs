@@ -1,17 +1,19 @@
 //! The loop: build what a run needs from its plan (resuming from a checkpoint when asked), then
 //! for each optimizer step run the guarded step (gradients → clip → non-finite check → update),
 //! evaluate and checkpoint on schedule, stop cleanly on a signal or time limit, and report.
+use super::precision::{Autocast, LossScaler, ScaleChange};
+use super::savers::Savers;
 use super::step::{evaluate, forward_backward, StepData};
 use crate::checkpoint::retention::{self, Retention};
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
 use crate::config::{parse_duration, Config};
-use crate::data::{mix, Corpus, DataError, Sampler, Split};
+use crate::data::{Corpus, DataError, Sampler, Split};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics};
 use crate::dist::Dist;
 use crate::guard::{classify, unrecovered, ErrorKind, Guard, GuardError, GuardState, OomFailure, StepError};
 use crate::interrupt::Interrupter;
-use crate::config::ThrashAction;
+use crate::config::{Precision, ThrashAction};
 use crate::memory::detect::{LeakDetector, ThrashDetector};
 use crate::memory::summary::table as memory_summary;
 use crate::memory::telemetry::Telemetry;
@@ -74,6 +76,8 @@ struct StepOutcome {
     loss: f64,
     grad_norm: f64,
     applied: bool,
+    /// fp16: the scaled gradients overflowed (the scaler handles it; not a bad batch).
+    overflow: bool,
 }
 
 /// Counters that go into `trainer_state.json`.
@@ -135,6 +139,30 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
     };
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
+    match cfg.precision {
+        Precision::Bf16Pure => {
+            // Weights (and so gradients and optimizer state) in bf16, no fp32 master copy.
+            let _no_grad = tch::no_grad_guard();
+            for p in params {
+                let bf16 = p.f_to_kind(tch::Kind::BFloat16).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+                p.shallow_clone().f_set_data(&bf16).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+            }
+        }
+        Precision::Fp32 if device.is_cuda() => {
+            // TF32 matmuls on Ampere and newer: PyTorch's "high" precision.
+            match crate::ffi::set_matmul_precision("high") {
+                Ok(()) => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
+                Err(e) => tracing::warn!("cannot allow TF32 matmuls: {e}"),
+            }
+        }
+        _ => {}
+    }
+    let mut scaler = (cfg.precision == Precision::Fp16Mixed).then(|| LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval));
+    if let (Some(s), Some(l)) = (&mut scaler, &loaded) {
+        if let Some(saved) = l.state.loss_scaler.clone().and_then(|v| serde_json::from_value::<LossScaler>(v).ok()) {
+            *s = saved;
+        }
+    }
     let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: cfg.optimizer.fused };
     let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let mut state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
@@ -157,7 +185,11 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
             .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
         tracing::info!("rank {} of {}: gradients averaged in {} bucket(s)", d.rank, d.world_size, d.bucket_count());
     }
-    let mut guard = Guard::new(state, cfg.oom.policy, device, plan.rank_batch);
+    let mut guard = Guard::new(state, cfg.oom.policy, device, plan.rank_batch).with_escalation(cfg.oom.escalate.clone());
+    if let Some(l) = &loaded {
+        guard.state = guard.state.clone().with_level(l.state.guard.escalation_level);
+    }
+    let base_savers = Savers::from_config(&cfg.memory);
     let data = StepData {
         corpus: &corpus,
         sampler: Sampler { seed: cfg.seed, seq_len: cfg.model.seq_len },
@@ -225,7 +257,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
             }
         }
         if let Some(reason) = stop_reason {
-            let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+            let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, scaler.as_ref(), started, plan, &mut reporter);
             reporter.emit(Event::Stopped { step, reason: reason.into(), checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             return Err(TrainError::Interrupted { step, reason: reason.into(), checkpoint: path });
         }
@@ -233,9 +265,11 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         let lr = schedule.at(step);
         guard.begin_step(step, &mut reporter);
         let outcome = guard.run(step, &mut reporter, |micro, p| {
-            // Dropout masks depend on (seed, step, rank) only, so a replay or a resume draws the same.
-            tch::manual_seed(mix(&[cfg.seed, step, plan.rank as u64]) as i64);
-            let local = forward_backward(&model, &data, step, micro, p);
+            let savers = cfg.oom.escalate[..p.escalation_level()].iter().fold(base_savers, |s, e| s.escalated(*e));
+            let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+            let autocast = Autocast::enter(cfg.precision, device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+            let local = forward_backward(&model, &data, step, micro, &savers, scale, p);
+            drop(autocast);
             let (mut grads, mut loss) = match dist.as_deref_mut() {
                 None => local?,
                 Some(d) => {
@@ -262,37 +296,53 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
             if cfg.faults.nonfinite_loss_at_steps.contains(&step) {
                 loss = f64::NAN;
             }
+            if scale != 1.0 {
+                for g in grads.iter_mut() {
+                    let _ = g.f_mul_scalar_(1.0 / scale)?;
+                }
+            }
+            if cfg.faults.fp16_overflow_at_steps.contains(&step) && scaler.is_some() {
+                let _ = grads[0].f_fill_(f64::INFINITY)?;
+            }
             let grad_norm = clip_grad_norm(&mut grads, t.grad_clip)?;
+            let overflow = scaler.is_some() && !grad_norm.is_finite();
             let applied = loss.is_finite() && grad_norm.is_finite();
             if applied {
                 opt.step(params, &grads, lr)?;
             }
             if cfg.faults.leak_graphs {
                 let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
-                leaked.push(model.forward(&x, true)?);
+                leaked.push(model.forward(&x, true, None)?);
             }
-            Ok(StepOutcome { loss, grad_norm, applied })
+            Ok(StepOutcome { loss, grad_norm, applied, overflow })
         });
         let outcome = match outcome {
             Ok(o) => o,
             Err(e @ GuardError::OutOfMemory(_)) => {
                 tracing::warn!("{}", memory_summary(device));
                 // The failed step changed nothing: the model is still the last good state.
-                let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+                let path = ckpt.save(step, cfg, &model, &opt, &guard, &progress, scaler.as_ref(), started, plan, &mut reporter);
                 reporter.emit(Event::Stopped { step, reason: "out_of_memory".into(), checkpoint: path.map(|p| p.display().to_string()) });
                 return Err(e.into());
             }
             Err(e) => return Err(e.into()),
         };
         progress.micro_steps += guard.accumulation() as u64;
-        if outcome.applied {
+        if let Some(s) = &mut scaler {
+            match s.update(outcome.overflow) {
+                ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: "overflow".into() }),
+                ScaleChange::Grew(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: "growth".into() }),
+                ScaleChange::Unchanged => {}
+            }
+        }
+        if outcome.applied || outcome.overflow {
             consecutive_bad = 0;
         } else {
             consecutive_bad += 1;
             progress.nonfinite_skips += 1;
             reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive: consecutive_bad });
             if consecutive_bad >= cfg.nan.max_consecutive {
-                let path = ckpt.save(step + 1, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+                let path = ckpt.save(step + 1, cfg, &model, &opt, &guard, &progress, scaler.as_ref(), started, plan, &mut reporter);
                 reporter.emit(Event::Stopped { step, reason: "nonfinite".into(), checkpoint: path.map(|p| p.display().to_string()) });
                 return Err(TrainError::NonFinite { step, count: consecutive_bad });
             }
@@ -350,7 +400,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         }));
         step += 1;
         if ckpt.due(step, cfg) || step == t.max_steps {
-            ckpt.save(step, cfg, &model, &opt, &guard, &progress, started, plan, &mut reporter);
+            ckpt.save(step, cfg, &model, &opt, &guard, &progress, scaler.as_ref(), started, plan, &mut reporter);
             last_saved = Some(step);
         }
     }
@@ -458,6 +508,7 @@ impl Checkpointer {
         opt: &AdamW,
         guard: &Guard,
         progress: &Progress,
+        scaler: Option<&LossScaler>,
         started: Instant,
         plan: &RunPlan,
         reporter: &mut Reporter,
@@ -473,8 +524,13 @@ impl Checkpointer {
             tokens_seen: completed * plan.tokens_per_step as u64,
             sampler: SamplerState { seed: cfg.seed, next_step: completed },
             rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
-            loss_scaler: None,
-            guard: GuardSnapshot { micro_batch: guard.micro_batch(), accumulation: guard.accumulation(), configured_micro_batch: plan.micro_batch },
+            loss_scaler: scaler.map(|s| serde_json::to_value(s).expect("LossScaler serialises")),
+            guard: GuardSnapshot {
+                micro_batch: guard.micro_batch(),
+                accumulation: guard.accumulation(),
+                configured_micro_batch: plan.micro_batch,
+                escalation_level: guard.state.level(),
+            },
             optimizer: OptimizerSnapshot { kind: "adamw".into(), steps: opt.steps },
             best_val_loss: progress.best_val.map(|b| b.0),
             best_val_step: progress.best_val.map(|b| b.1),

@@ -1,0 +1,267 @@
+//! Memory savers for one micro-batch's forward and backward, built by hand because tch has no
+//! checkpoint API or saved-tensor hooks:
+//!
+//! - **Activation checkpointing**: the body runs under no-grad keeping only each segment's input
+//!   (a segment is `k` consecutive blocks); the backward pass recomputes one segment at a time
+//!   from its input, pushes the incoming gradient through it and hands the input's gradient to
+//!   the segment before. Dropout draws the same masks in the recomputation because the model
+//!   reseeds its generator per block.
+//! - **Offload**: those segment inputs wait in (pinned) CPU memory until their segment's turn.
+//! - **Chunked loss**: the final LayerNorm, the LM head and the cross-entropy run over chunks of
+//!   tokens, each chunk's backward before the next chunk's forward, so the batch × seq × vocab
+//!   logits never exist at once.
+//!
+//! The result is the same loss and gradients as the plain path (checked in the tests).
+use crate::config::{Checkpointing, Escalation, MemoryConfig};
+use crate::model::{cross_entropy, Gpt};
+use tch::{Device, Reduction, TchError, Tensor};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Savers {
+    /// Blocks per checkpointed segment; 0 = no checkpointing.
+    pub checkpoint_every: usize,
+    pub offload: bool,
+    pub loss_chunk_tokens: Option<usize>,
+}
+
+impl Savers {
+    pub fn from_config(m: &MemoryConfig) -> Self {
+        let checkpoint_every = match Checkpointing::parse(&m.activation_checkpointing) {
+            Ok(Checkpointing::Every(k)) => k,
+            _ => 0,
+        };
+        Self { checkpoint_every, offload: m.offload_activations, loss_chunk_tokens: m.loss_chunk_tokens }
+    }
+
+    /// Nothing switched on: the plain forward + backward.
+    pub fn plain(&self) -> bool {
+        self.checkpoint_every == 0 && self.loss_chunk_tokens.is_none()
+    }
+
+    /// With one escalation step of the OOM guard applied.
+    pub fn escalated(mut self, e: Escalation) -> Self {
+        match e {
+            Escalation::ActivationCheckpointing => {
+                if self.checkpoint_every == 0 {
+                    self.checkpoint_every = 1;
+                }
+            }
+            Escalation::OffloadActivations => {
+                if self.checkpoint_every == 0 {
+                    self.checkpoint_every = 1; // offload applies to checkpointed inputs
+                }
+                self.offload = true;
+            }
+        }
+        self
+    }
+}
+
+fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> Result<(), TchError> {
+    for (&i, g) in idx.iter().zip(new) {
+        match &mut grads[i] {
+            Some(acc) => {
+                let _ = acc.f_add_(&g)?;
+            }
+            slot => *slot = Some(g),
+        }
+    }
+    Ok(())
+}
+
+/// `loss · weight` for one micro-batch and the gradients of every parameter (in the model's
+/// parameter order), computed with `savers`. Returns the weighted loss, detached.
+pub fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
+    let params = &model.params.tensors;
+    if savers.plain() {
+        let loss = model.loss(x, y, true, Some(seed))?.f_mul_scalar(weight)?;
+        let grads = Tensor::f_run_backward(&[&loss], params, false, false)?;
+        return Ok((loss.f_detach()?, grads));
+    }
+    let groups = model.param_groups();
+    let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
+    let pick = |idx: &[usize]| -> Vec<Tensor> { idx.iter().map(|&i| params[i].shallow_clone()).collect() };
+    let device = x.device();
+    let k = savers.checkpoint_every;
+
+    // Body forward: with its graph, or keeping only segment inputs.
+    let mut saved: Vec<(usize, Tensor)> = Vec::new();
+    let body_out = if k == 0 {
+        let mut h = model.embed(x, true, Some(seed))?;
+        for i in 0..model.n_blocks() {
+            h = model.block(i, &h, true, Some(seed))?;
+        }
+        h
+    } else {
+        let _no_grad = tch::no_grad_guard();
+        let mut h = model.embed(x, true, Some(seed))?;
+        for i in 0..model.n_blocks() {
+            if i % k == 0 {
+                let keep = if savers.offload { offload(&h)? } else { h.shallow_clone() };
+                saved.push((i, keep));
+            }
+            h = model.block(i, &h, true, Some(seed))?;
+        }
+        h
+    };
+
+    // Head and loss, from a detached copy of the body's output.
+    let hidden = body_out.f_detach()?.f_set_requires_grad(true)?;
+    let (loss, grad_hidden) = head_backward(model, &hidden, y, weight, savers.loss_chunk_tokens, &groups.head, &mut grads)?;
+
+    // Body backward.
+    if k == 0 {
+        let body_idx: Vec<usize> = groups.embed.iter().chain(groups.blocks.iter().flatten()).copied().collect();
+        let push = body_out.f_mul(&grad_hidden)?.f_sum(body_out.kind())?;
+        let g = Tensor::f_run_backward(&[&push], &pick(&body_idx), false, false)?;
+        accumulate(&mut grads, &body_idx, g)?;
+    } else {
+        let mut grad_out = grad_hidden;
+        for (start, input) in saved.into_iter().rev() {
+            let input = input.f_to_device(device)?.f_detach()?.f_set_requires_grad(true)?;
+            let mut h = input.shallow_clone();
+            let end = (start + k).min(model.n_blocks());
+            for i in start..end {
+                h = model.block(i, &h, true, Some(seed))?;
+            }
+            let seg_idx: Vec<usize> = groups.blocks[start..end].iter().flatten().copied().collect();
+            let mut inputs = pick(&seg_idx);
+            inputs.push(input);
+            let push = h.f_mul(&grad_out)?.f_sum(h.kind())?;
+            let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
+            grad_out = g.pop().expect("the segment input's gradient");
+            accumulate(&mut grads, &seg_idx, g)?;
+        }
+        let e = model.embed(x, true, Some(seed))?;
+        let push = e.f_mul(&grad_out)?.f_sum(e.kind())?;
+        let g = Tensor::f_run_backward(&[&push], &pick(&groups.embed), false, false)?;
+        accumulate(&mut grads, &groups.embed, g)?;
+    }
+    let grads = grads
+        .into_iter()
+        .zip(params)
+        .map(|(g, p)| g.map_or_else(|| Tensor::f_zeros_like(p), Ok))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((loss, grads))
+}
+
+/// Head + loss on `hidden` (requires grad): the head's gradients go into `grads`; returns the
+/// weighted loss (detached) and the gradient with respect to `hidden`.
+fn head_backward(
+    model: &Gpt,
+    hidden: &Tensor,
+    y: &Tensor,
+    weight: f64,
+    chunk: Option<usize>,
+    head_idx: &[usize],
+    grads: &mut [Option<Tensor>],
+) -> Result<(Tensor, Tensor), TchError> {
+    let head_params: Vec<Tensor> = head_idx.iter().map(|&i| model.params.tensors[i].shallow_clone()).collect();
+    let Some(chunk) = chunk else {
+        let loss = cross_entropy(&model.head(hidden)?, y, Reduction::Mean)?.f_mul_scalar(weight)?;
+        let mut inputs = head_params;
+        inputs.push(hidden.shallow_clone());
+        let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
+        let grad_hidden = g.pop().expect("hidden's gradient");
+        accumulate(grads, head_idx, g)?;
+        return Ok((loss.f_detach()?, grad_hidden));
+    };
+    let c = *hidden.size().last().expect("hidden has a last dimension");
+    let flat = hidden.f_detach()?.f_reshape([-1, c])?;
+    let targets = y.f_reshape([-1])?;
+    let n = flat.size()[0];
+    let mut total: Option<Tensor> = None;
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    while start < n {
+        let len = (chunk as i64).min(n - start);
+        let inp = flat.f_narrow(0, start, len)?.f_detach()?.f_set_requires_grad(true)?;
+        // Sum over the chunk ÷ all tokens: the chunks add up to the mean.
+        let loss = cross_entropy(&model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum)?.f_mul_scalar(weight / n as f64)?;
+        let mut inputs: Vec<Tensor> = head_params.iter().map(|t| t.shallow_clone()).collect();
+        inputs.push(inp);
+        let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
+        pieces.push(g.pop().expect("chunk input's gradient"));
+        accumulate(grads, head_idx, g)?;
+        let loss = loss.f_detach()?;
+        total = Some(match total {
+            None => loss,
+            Some(t) => t.f_add(&loss)?,
+        });
+        start += len;
+    }
+    let grad_hidden = Tensor::f_cat(&pieces, 0)?.f_view(hidden.size().as_slice())?;
+    Ok((total.expect("at least one chunk"), grad_hidden))
+}
+
+/// A copy of `t` in CPU memory (pinned when it comes from a GPU, so the copy back is fast).
+fn offload(t: &Tensor) -> Result<Tensor, TchError> {
+    let cpu = t.f_to_device(Device::Cpu)?;
+    if t.device().is_cuda() {
+        cpu.f_pin_memory(t.device())
+    } else {
+        Ok(cpu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ModelConfig;
+
+    /// Dropout draws from libtorch's global generator, which the model reseeds per block; tests
+    /// that run in parallel threads must not reseed it in between.
+    static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn setup(dropout: f64) -> (Gpt, Tensor, Tensor) {
+        let cfg = ModelConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout, bias: true };
+        let m = Gpt::new(&cfg, 11, Device::Cpu).unwrap();
+        let x = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
+        let y = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
+        (m, x, y)
+    }
+
+    fn max_diff(a: &[Tensor], b: &[Tensor]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs().max().double_value(&[])).fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn every_saver_gives_the_plain_gradients_with_and_without_dropout() {
+        let _rng = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        for dropout in [0.0, 0.1] {
+            let (m, x, y) = setup(dropout);
+            let (loss0, plain) = loss_and_grads(&m, &x, &y, 0.5, 7, &Savers::default()).unwrap();
+            let variants = [
+                Savers { checkpoint_every: 1, ..Default::default() },
+                Savers { checkpoint_every: 3, ..Default::default() },
+                Savers { loss_chunk_tokens: Some(5), ..Default::default() },
+                Savers { checkpoint_every: 2, offload: true, loss_chunk_tokens: Some(16) },
+            ];
+            for s in variants {
+                let (loss, g) = loss_and_grads(&m, &x, &y, 0.5, 7, &s).unwrap();
+                let dl = (loss.double_value(&[]) - loss0.double_value(&[])).abs();
+                let dg = max_diff(&plain, &g);
+                assert!(dl <= 1e-6 && dg <= 1e-5, "dropout {dropout} {s:?}: loss diff {dl}, grad diff {dg}");
+            }
+        }
+    }
+
+    #[test]
+    fn offload_matches_checkpointing_alone() {
+        let _rng = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, x, y) = setup(0.1);
+        let (_, a) = loss_and_grads(&m, &x, &y, 1.0, 3, &Savers { checkpoint_every: 1, ..Default::default() }).unwrap();
+        let (_, b) = loss_and_grads(&m, &x, &y, 1.0, 3, &Savers { checkpoint_every: 1, offload: true, ..Default::default() }).unwrap();
+        assert_eq!(max_diff(&a, &b), 0.0);
+    }
+
+    #[test]
+    fn escalation_switches_savers_on_in_order() {
+        let s = Savers::default().escalated(Escalation::ActivationCheckpointing);
+        assert_eq!((s.checkpoint_every, s.offload), (1, false));
+        let s = s.escalated(Escalation::OffloadActivations);
+        assert_eq!((s.checkpoint_every, s.offload), (1, true));
+        let keep = Savers { checkpoint_every: 3, ..Default::default() }.escalated(Escalation::ActivationCheckpointing);
+        assert_eq!(keep.checkpoint_every, 3, "an explicit segment length is kept");
+    }
+}

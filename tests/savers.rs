@@ -1,0 +1,109 @@
+//! Memory savers and precision on the real binary (CPU): the same training with each saver,
+//! the guard escalating to checkpointing at the floor, fp16 loss scaling, bf16 paths.
+mod common;
+use common::*;
+
+const SHORT: [&str; 4] = ["train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=0", "model.dropout=0.1"];
+
+fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    SHORT.iter().copied().chain(extra.iter().copied()).collect()
+}
+
+#[test]
+fn checkpointing_offload_and_chunked_loss_train_like_the_plain_path() {
+    let plain_dir = tempfile::tempdir().unwrap();
+    let plain = train(plain_dir.path(), "configs/debug.yaml", &sets(&[])).ok();
+    for extra in [
+        &["memory.activation_checkpointing=blocks"][..],
+        &["memory.activation_checkpointing=every_n:2", "memory.offload_activations=true"],
+        &["memory.loss_chunk_tokens=100"],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let r = train(dir.path(), "configs/debug.yaml", &sets(extra)).ok();
+        for (a, b) in plain.metrics().iter().zip(r.metrics()) {
+            let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+            assert!((x - y).abs() < 1e-4, "{extra:?} step {}: loss {x} vs {y}", a["step"]);
+        }
+        let diff = max_weight_diff(plain_dir.path(), dir.path());
+        assert!(diff < 1e-4, "{extra:?}: weights differ by {diff}");
+    }
+}
+
+/// Peak above start-up at micro-batch 1 of a deep, narrow model (activations dominate).
+fn peak(extra: &[&str]) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["model.n_layer=12", "model.seq_len=256", "train.global_batch_size=1", "train.micro_batch_size=1", "train.max_steps=2", "train.warmup_steps=0", "train.eval_interval=0", "memory.limit=1TiB"];
+    let r = train(dir.path(), "configs/debug.yaml", &[&base[..], extra].concat()).ok();
+    r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
+}
+
+#[test]
+fn at_the_floor_the_guard_switches_checkpointing_on_and_the_run_completes() {
+    let (plain, ckpt) = (peak(&[]), peak(&["memory.activation_checkpointing=blocks"]));
+    assert!(plain > ckpt + (4 << 20), "checkpointing must save memory here: {plain} vs {ckpt}");
+    let cap = format!("memory.limit={}", (plain + ckpt) / 2);
+    let base = ["model.n_layer=12", "model.seq_len=256", "train.global_batch_size=1", "train.micro_batch_size=1", "train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0"];
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let escalated = train(a.path(), "configs/debug.yaml", &[&base[..], &[cap.as_str(), "oom.escalate=[activation_checkpointing, offload_activations]"]].concat()).ok();
+    let esc = escalated.events_of("oom_escalated");
+    assert_eq!(esc.len(), 1, "{:?}", escalated.events());
+    assert_eq!(esc[0]["switched_on"], "ActivationCheckpointing");
+    let from_start = train(b.path(), "configs/debug.yaml", &[&base[..], &["memory.activation_checkpointing=blocks"]].concat()).ok();
+    assert_eq!(series(&escalated.metrics(), "loss"), series(&from_start.metrics(), "loss"), "same as checkpointing from the start");
+    // Without escalation the same cap is fatal.
+    let c = tempfile::tempdir().unwrap();
+    let r = train(c.path(), "configs/debug.yaml", &[&base[..], &[cap.as_str()]].concat());
+    assert_eq!(r.code(), 3, "{}", r.stderr());
+}
+
+#[test]
+fn fp16_overflow_skips_the_update_and_halves_the_scale_then_it_grows_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "precision=fp16-mixed",
+            "train.global_batch_size=8",
+            "train.max_steps=9",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "train.loss_scale_initial=1024",
+            "train.loss_scale_growth_interval=4",
+            "faults.fp16_overflow_at_steps=[2]",
+        ],
+    );
+    if r.code() != 0 && r.stderr().contains("autocast") {
+        eprintln!("skipped: this libtorch has no fp16 autocast on CPU: {}", r.stderr());
+        return;
+    }
+    let r = r.ok();
+    let changes: Vec<(u64, f64, String)> = r
+        .events_of("loss_scale_changed")
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["scale"].as_f64().unwrap(), e["reason"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(changes, [(2, 512.0, "overflow".to_string()), (6, 1024.0, "growth".to_string())]);
+    assert!(r.events_of("nonfinite_skipped").is_empty(), "an fp16 overflow is the scaler's business, not a bad batch");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("checkpoints/step-00000009/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["optimizer"]["steps"], 8, "the overflowed step's update was skipped");
+    assert_eq!(state["loss_scaler"]["scale"], 1024.0);
+}
+
+#[test]
+fn bf16_mixed_and_pure_run_on_the_cpu() {
+    for p in ["bf16-mixed", "bf16-pure"] {
+        let dir = tempfile::tempdir().unwrap();
+        let r = train(dir.path(), "configs/debug.yaml", &[&format!("precision={p}"), "train.global_batch_size=8", "train.max_steps=4", "train.warmup_steps=0", "train.eval_interval=0"]);
+        assert_eq!(r.code(), 0, "{p}: {}", r.stderr());
+        let m = r.metrics();
+        assert!(m.iter().all(|x| x["loss"].as_f64().is_some_and(f64::is_finite)), "{p}");
+        assert!(m[3]["loss"].as_f64().unwrap() < m[0]["loss"].as_f64().unwrap(), "{p} learns");
+        let w = tch::Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
+        let kind = w[0].1.kind();
+        assert_eq!(kind, if p == "bf16-pure" { tch::Kind::BFloat16 } else { tch::Kind::Float }, "{p}: master weights");
+    }
+}
