@@ -59,6 +59,8 @@ pub struct RunSummary {
     pub tokens_per_s: f64,
     /// CPU runs: the most address space mapped above start-up (what `memory.limit` counts).
     pub peak_mapped_above_start_bytes: Option<u64>,
+    /// CPU runs: the peak resident size above the resident size at start-up (memory touched).
+    pub peak_resident_above_start_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]

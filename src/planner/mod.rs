@@ -55,12 +55,14 @@ pub struct PlanArgs {
     #[arg(long, help_heading = "Model (generic transformer; overrides the config)")]
     pub no_bias: bool,
 
-    /// Default: the config's (fp32: trainguard trains in fp32 today).
+    /// Default: the config's `precision` (fp32 without a config).
     #[arg(long, value_enum, help_heading = "Training setup")]
     pub precision: Option<Precision>,
-    #[arg(long, value_enum, default_value = "adamw", help_heading = "Training setup")]
-    pub optimizer: Optimizer,
-    /// Keep only each block's input and recompute the block in backward.
+    /// Default: the config's `optimizer.name` (adamw without a config).
+    #[arg(long, value_enum, help_heading = "Training setup")]
+    pub optimizer: Option<Optimizer>,
+    /// Keep only each block's input and recompute the block in backward (also on when the
+    /// config's memory.activation_checkpointing is).
     #[arg(long, help_heading = "Training setup")]
     pub activation_checkpointing: bool,
     /// Flash / memory-efficient attention (the default): no b·a·s² scores kept.
@@ -235,10 +237,26 @@ impl Inputs {
         };
         check_model(&model)?;
 
+        let from_config_precision = config.as_ref().map(|c| match c.precision {
+            config::Precision::Fp32 => Precision::Fp32,
+            config::Precision::Bf16Mixed => Precision::Bf16Mixed,
+            config::Precision::Fp16Mixed => Precision::Fp16Mixed,
+            config::Precision::Bf16Pure => Precision::Bf16Pure,
+        });
+        let from_config_optimizer = config.as_ref().map(|c| match c.optimizer.name {
+            config::OptimizerName::Adamw => Optimizer::AdamW,
+            config::OptimizerName::Sgd => Optimizer::Sgd,
+            config::OptimizerName::SgdMomentum => Optimizer::SgdMomentum,
+            config::OptimizerName::Adafactor => Optimizer::Adafactor,
+            config::OptimizerName::Adamw8bit => Optimizer::AdamW8bit,
+        });
+        let config_checkpointing = config
+            .as_ref()
+            .is_some_and(|c| !matches!(config::Checkpointing::parse(&c.memory.activation_checkpointing), Ok(config::Checkpointing::None)));
         let setup = Setup {
-            precision: a.precision.unwrap_or(Precision::Fp32),
-            optimizer: a.optimizer,
-            activation_checkpointing: a.activation_checkpointing,
+            precision: a.precision.or(from_config_precision).unwrap_or(Precision::Fp32),
+            optimizer: a.optimizer.or(from_config_optimizer).unwrap_or_default(),
+            activation_checkpointing: a.activation_checkpointing || config_checkpointing,
             flash: !a.no_flash,
             dropout: config.as_ref().is_some_and(|c| c.model.dropout > 0.0),
             target: Target::Cuda,

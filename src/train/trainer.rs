@@ -137,6 +137,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         Some(limit) => apply_limit(limit, device)?.baseline_bytes,
         None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
     };
+    let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
     match cfg.precision {
@@ -431,6 +432,9 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         tokens_per_s: (steps_run as f64 * plan.tokens_per_step as f64) / elapsed,
         peak_mapped_above_start_bytes: (!device.is_cuda())
             .then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(baseline)))
+            .flatten(),
+        peak_resident_above_start_bytes: (!device.is_cuda())
+            .then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(baseline_rss)))
             .flatten(),
     };
     tracing::info!("{}", memory_summary(device));
