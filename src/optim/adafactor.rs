@@ -227,7 +227,7 @@ impl Adafactor {
     fn update_full(&self, i: usize, g: &Tensor, eps1: f64) -> Result<Tensor, TchError> {
         let SecondMoment::Full { variance } = &self.state[i] else { unreachable!("only unfactored parameters have a full variance") };
         let mut u = self.scratch.f_narrow(0, 0, g.numel() as i64)?.f_view(g.size().as_slice())?;
-        let _ = u.f_copy_(variance)?;
+        u.f_copy_(variance)?;
         let _ = u.f_clamp_min_(eps1 * eps1)?;
         let _ = u.f_rsqrt_()?;
         let _ = u.f_mul_(g)?;
@@ -237,7 +237,7 @@ impl Adafactor {
     /// `alpha = ‖p‖₂` (through `norm` when the parameters are not fp32).
     fn norm_into_alpha(&mut self, p: &Tensor) -> Result<(), TchError> {
         let _ = p.f_norm_scalar_out(&self.norm)?;
-        let _ = self.alpha.f_copy_(&self.norm)?;
+        self.alpha.f_copy_(&self.norm)?;
         Ok(())
     }
 
@@ -245,7 +245,7 @@ impl Adafactor {
     fn norm_into(&mut self, u: &Tensor, set: bool) -> Result<(), TchError> {
         let _ = u.f_norm_scalar_out(&self.norm)?;
         if set {
-            let _ = self.denom.f_copy_(&self.norm)?;
+            self.denom.f_copy_(&self.norm)?;
         } else {
             let _ = self.denom.f_addcmul_(&self.norm, &self.norm)?;
         }
@@ -333,13 +333,17 @@ mod tests {
     ///     w.grad = torch.tensor(gw); b.grad = torch.tensor(gb); opt.step()
     /// print(w.tolist(), b.tolist(), opt.state[w]["row_var"].flatten().tolist(), opt.state[w]["col_var"].flatten().tolist())
     /// ```
+    #[allow(clippy::excessive_precision)] // PyTorch's printout, verbatim
     const REFERENCE_W: [[f32; 4]; 3] = [
         [0.406_673_58, -0.251_179_904, 0.718_644_261, 0.115_468_763],
         [-0.574_286_759, 0.145_820_2, 0.342_072_904, -0.961_388_528],
         [0.710_429_788, -0.130_105_287, -0.522_679_15, 0.259_333_014],
     ];
+    #[allow(clippy::excessive_precision)]
     const REFERENCE_B: [f32; 4] = [0.047_913_461_9, -0.022_833_088_4, 0.098_427_504_3, -0.002_898_366_19];
+    #[allow(clippy::excessive_precision)]
     const REFERENCE_ROW_VAR: [f32; 3] = [0.035_551_130_77, 0.053_634_606_30, 0.039_690_371_60];
+    #[allow(clippy::excessive_precision)]
     const REFERENCE_COL_VAR: [f32; 4] = [0.028_310_272_84, 0.055_611_532_18, 0.052_045_822_14, 0.035_867_180_68];
 
     fn run(chunk_elements: i64) -> (Adafactor, Tensor, Tensor) {

@@ -208,7 +208,7 @@ fn as_fp32(g: &Tensor, grad32: &Tensor) -> Result<Tensor, TchError> {
         return Ok(g.shallow_clone());
     }
     let mut out = grad32.f_narrow(0, 0, g.numel() as i64)?.f_view(g.size().as_slice())?;
-    let _ = out.f_copy_(g)?;
+    out.f_copy_(g)?;
     Ok(out)
 }
 

@@ -67,7 +67,7 @@ pub fn quantise_signed(x: &mut Tensor, q: &Tensor, absmax: &mut Tensor, tmp: &mu
 
 /// Inverse of [`quantise_signed`]: `x = sign(q) · (q/127)² · absmax`. `tmp` is fp32 scratch.
 pub fn dequantise_signed(q: &Tensor, absmax: &Tensor, x: &mut Tensor, tmp: &mut Tensor) -> Result<(), TchError> {
-    let _ = x.f_copy_(q)?;
+    x.f_copy_(q)?;
     let _ = x.f_abs_out(tmp)?;
     let _ = x.f_mul_(tmp)?;
     let _ = x.f_mul_(absmax)?;
@@ -92,7 +92,7 @@ pub fn quantise_unsigned(x: &mut Tensor, q: &Tensor, absmax: &mut Tensor) -> Res
 
 /// Inverse of [`quantise_unsigned`]: `x = (q/255)⁴ · absmax`.
 pub fn dequantise_unsigned(q: &Tensor, absmax: &Tensor, x: &mut Tensor) -> Result<(), TchError> {
-    let _ = x.f_copy_(q)?;
+    x.f_copy_(q)?;
     let _ = x.f_div_scalar_(255.0)?;
     let _ = x.f_square_()?;
     let _ = x.f_square_()?;
@@ -118,7 +118,7 @@ mod tests {
                 (if i % 3 == 0 { -mag } else { mag }) as f32
             })
             .collect();
-        v.extend(std::iter::repeat(0.0).take(BLOCK as usize));
+        v.extend(std::iter::repeat_n(0.0, BLOCK as usize));
         Tensor::from_slice(&v).view([4, BLOCK])
     }
 
