@@ -1,0 +1,173 @@
+//! The optimizer a run uses, chosen by `optimizer.name`: one enum over the implementations so
+//! that the trainer steps, checkpoints and accounts for memory the same way whichever it is.
+//! Owns the mapping from configuration to implementation; not the update rules.
+use super::adafactor::{Adafactor, AdafactorConfig};
+use super::adamw::{AdamW, AdamWConfig};
+use super::adamw8bit::{AdamW8bit, AdamW8bitConfig};
+use super::sgd::{Sgd, SgdConfig};
+use crate::config::{OptimizerConfig, OptimizerName, TrainConfig};
+use tch::{Device, TchError, Tensor};
+
+/// Everything that picks and parameterises an optimizer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OptimizerSpec {
+    pub name: OptimizerName,
+    /// AdamW only: ATen's fused kernel. The other optimizers have one path and ignore it.
+    pub fused: bool,
+    /// `sgd_momentum` only; `sgd` has none whatever this says.
+    pub momentum: f64,
+    /// AdamW and 8-bit AdamW. Adafactor has no first moment and its own decay schedule and
+    /// epsilons (PyTorch's defaults), so it uses none of these three.
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Decoupled for AdamW, 8-bit AdamW and Adafactor; coupled (added to the gradient) for SGD,
+    /// as in PyTorch. Only parameters whose `decay` flag is set decay.
+    pub weight_decay: f64,
+}
+
+impl OptimizerSpec {
+    pub fn from_config(optimizer: &OptimizerConfig, train: &TrainConfig) -> Self {
+        Self {
+            name: optimizer.name,
+            fused: optimizer.fused,
+            momentum: optimizer.momentum,
+            beta1: train.beta1,
+            beta2: train.beta2,
+            eps: train.eps,
+            weight_decay: train.weight_decay,
+        }
+    }
+}
+
+pub enum Optimizer {
+    AdamW(AdamW),
+    /// `sgd` and `sgd_momentum`.
+    Sgd(Sgd),
+    Adafactor(Adafactor),
+    AdamW8bit(AdamW8bit),
+}
+
+impl Optimizer {
+    /// Builds the state for `params` (with their weight-decay flags) on `device`.
+    pub fn new(spec: &OptimizerSpec, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+        let OptimizerSpec { name, fused, momentum, beta1, beta2, eps, weight_decay } = *spec;
+        Ok(match name {
+            OptimizerName::Adamw => Self::AdamW(AdamW::new(AdamWConfig { beta1, beta2, eps, weight_decay, fused }, params, decay, device)?),
+            OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay }, params, decay, device)?),
+            OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay }, params, decay, device)?),
+            OptimizerName::Adafactor => Self::Adafactor(Adafactor::new(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device)?),
+            OptimizerName::Adamw8bit => Self::AdamW8bit(AdamW8bit::new(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device)?),
+        })
+    }
+
+    /// One update with learning rate `lr`; `grads` in the order of `params`. Runs under
+    /// `no_grad`; an allocator failure is an `Err`. Once the gradients exist the update makes no
+    /// allocation the size of a tensor (scratch is made at construction; at most the few bytes
+    /// of workspace a CUDA reduction takes), so it cannot run out of memory half-way with some
+    /// parameters updated and others not.
+    pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
+        match self {
+            Self::AdamW(o) => o.step(params, grads, lr),
+            Self::Sgd(o) => o.step(params, grads, lr),
+            Self::Adafactor(o) => o.step(params, grads, lr),
+            Self::AdamW8bit(o) => o.step(params, grads, lr),
+        }
+    }
+
+    /// The state as named tensors for `optimizer.safetensors`: `<state kind>.<param name>`
+    /// (`exp_avg.h.0.mlp.c_fc.weight`, `momentum_buffer.…`, `row_var.…`, `exp_avg_q8.…`).
+    pub fn state_tensors(&self, names: &[String]) -> Vec<(String, Tensor)> {
+        match self {
+            Self::AdamW(o) => o.state_tensors(names),
+            Self::Sgd(o) => o.state_tensors(names),
+            Self::Adafactor(o) => o.state_tensors(names),
+            Self::AdamW8bit(o) => o.state_tensors(names),
+        }
+    }
+
+    /// Restores what [`state_tensors`](Self::state_tensors) saved, and the update count. A
+    /// missing tensor, or one of another shape or dtype, is an error naming it.
+    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+        match self {
+            Self::AdamW(o) => o.load_state(names, saved, steps),
+            Self::Sgd(o) => o.load_state(names, saved, steps),
+            Self::Adafactor(o) => o.load_state(names, saved, steps),
+            Self::AdamW8bit(o) => o.load_state(names, saved, steps),
+        }
+    }
+
+    /// Updates applied so far.
+    pub fn steps(&self) -> u64 {
+        match self {
+            Self::AdamW(o) => o.steps,
+            Self::Sgd(o) => o.steps,
+            Self::Adafactor(o) => o.steps,
+            Self::AdamW8bit(o) => o.steps,
+        }
+    }
+
+    /// The configuration name (`optimizer.name`) of what was built.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::AdamW(_) => "adamw",
+            Self::Sgd(o) if o.cfg.momentum.is_some() => "sgd_momentum",
+            Self::Sgd(_) => "sgd",
+            Self::Adafactor(_) => "adafactor",
+            Self::AdamW8bit(_) => "adamw8bit",
+        }
+    }
+
+    /// Bytes of the tensors [`state_tensors`](Self::state_tensors) returns (what a checkpoint
+    /// holds). Scratch buffers and AdamW's fused-kernel step counters are not counted.
+    pub fn state_bytes(&self) -> u64 {
+        match self {
+            Self::AdamW(o) => o.exp_avg.iter().chain(&o.exp_avg_sq).map(super::state::bytes).sum(),
+            Self::Sgd(o) => o.state_bytes(),
+            Self::Adafactor(o) => o.state_bytes(),
+            Self::AdamW8bit(o) => o.state_bytes(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    fn spec(name: OptimizerName) -> OptimizerSpec {
+        OptimizerSpec { name, fused: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+
+    #[test]
+    fn each_name_builds_its_optimizer() {
+        let params = [Tensor::zeros([64, 64], (Kind::Float, Device::Cpu)), Tensor::zeros([64], (Kind::Float, Device::Cpu))];
+        let want = [
+            (OptimizerName::Adamw, "adamw", 2 * 4160 * 4),
+            (OptimizerName::Sgd, "sgd", 0),
+            (OptimizerName::SgdMomentum, "sgd_momentum", 4160 * 4),
+            (OptimizerName::Adafactor, "adafactor", (64 + 64 + 64) * 4),
+            (OptimizerName::Adamw8bit, "adamw8bit", 2 * 4096 + 2 * 2 * 4 + 2 * 64 * 4),
+        ];
+        for (name, kind, bytes) in want {
+            let opt = Optimizer::new(&spec(name), &params, &[true, false], Device::Cpu).unwrap();
+            assert_eq!((opt.kind(), opt.state_bytes(), opt.steps()), (kind, bytes, 0), "{name:?}");
+        }
+    }
+
+    #[test]
+    fn plain_sgd_ignores_the_configured_momentum() {
+        // optimizer.momentum defaults to 0.9 for every optimizer; only sgd_momentum uses it.
+        let opt = Optimizer::new(&spec(OptimizerName::Sgd), &[Tensor::zeros([3], (Kind::Float, Device::Cpu))], &[true], Device::Cpu).unwrap();
+        assert!(matches!(&opt, Optimizer::Sgd(s) if s.cfg.momentum.is_none()));
+    }
+
+    #[test]
+    fn a_step_with_the_wrong_number_of_gradients_is_an_error() {
+        let p = [Tensor::zeros([3], (Kind::Float, Device::Cpu))];
+        for name in [OptimizerName::Sgd, OptimizerName::Adafactor, OptimizerName::Adamw8bit] {
+            let mut opt = Optimizer::new(&spec(name), &p, &[true], Device::Cpu).unwrap();
+            assert!(matches!(opt.step(&p, &[], 0.1), Err(TchError::Shape(_))), "{name:?}");
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! What the optimizers share about their state: restoring a saved tensor into place (checked
+//! against the shape and kind the optimizer built), counting the bytes state occupies, and
+//! checking that a step was handed one gradient per parameter. No update rules here.
+use tch::{TchError, Tensor};
+
+/// Copies the tensor saved as `key` into `dst`. A missing key, another shape or another kind is
+/// an error (a checkpoint from another optimizer or model must not load silently converted).
+pub(crate) fn restore(dst: &mut Tensor, saved: &[(String, Tensor)], key: &str) -> Result<(), String> {
+    let src = saved.iter().find(|(k, _)| k == key).map(|(_, t)| t).ok_or_else(|| format!("optimizer state lacks `{key}`"))?;
+    if src.size() != dst.size() {
+        return Err(format!("`{key}` has shape {:?}, the model needs {:?}", src.size(), dst.size()));
+    }
+    if src.kind() != dst.kind() {
+        return Err(format!("`{key}` holds {:?}, the optimizer keeps {:?}", src.kind(), dst.kind()));
+    }
+    dst.f_copy_(src).map_err(|e| e.to_string())
+}
+
+/// Bytes the tensor's elements occupy.
+pub(crate) fn bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// A step needs exactly one gradient per parameter, in the order the optimizer was built with.
+pub(crate) fn check_lengths(params: &[Tensor], grads: &[Tensor], built_for: usize) -> Result<(), TchError> {
+    if params.len() != built_for || grads.len() != built_for {
+        return Err(TchError::Shape(format!(
+            "the optimizer was built for {built_for} parameters, the step got {} parameters and {} gradients",
+            params.len(),
+            grads.len()
+        )));
+    }
+    Ok(())
+}
