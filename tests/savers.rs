@@ -107,3 +107,43 @@ fn bf16_mixed_and_pure_run_on_the_cpu() {
         assert_eq!(kind, if p == "bf16-pure" { tch::Kind::BFloat16 } else { tch::Kind::Float }, "{p}: master weights");
     }
 }
+
+#[test]
+fn every_optimizer_trains_the_debug_model_and_8bit_adamw_tracks_adamw() {
+    let mut finals = std::collections::HashMap::new();
+    for (name, lr) in [("adamw", "3e-3"), ("adamw8bit", "3e-3"), ("sgd", "0.3"), ("sgd_momentum", "0.1"), ("adafactor", "0.05")] {
+        let dir = tempfile::tempdir().unwrap();
+        let r = train(dir.path(), "configs/debug.yaml", &[&format!("optimizer.name={name}"), &format!("train.lr={lr}"), "train.min_lr=0", "train.max_steps=80", "train.eval_interval=0"]).ok();
+        let m = r.metrics();
+        let (first, last) = (m[0]["loss"].as_f64().unwrap(), m[79]["loss"].as_f64().unwrap());
+        assert!(last < first - 1.0, "{name}: loss {first} -> {last}");
+        let kind = serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(dir.path().join("checkpoints/step-00000080/trainer_state.json")).unwrap()).unwrap();
+        assert_eq!(kind["optimizer"]["kind"], name);
+        finals.insert(name, last);
+    }
+    // Stated tolerance: 8-bit AdamW ends within 5% of fp32 AdamW's loss on the debug run.
+    let (a, q) = (finals["adamw"], finals["adamw8bit"]);
+    assert!((q - a).abs() / a < 0.05, "adamw {a} vs adamw8bit {q}");
+}
+
+#[test]
+fn resuming_with_another_optimizer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    train(dir.path(), "configs/debug.yaml", &["train.max_steps=4", "train.warmup_steps=1", "optimizer.name=adamw8bit"]).ok();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=8", "train.warmup_steps=1", "optimizer.name=adamw"]);
+    cmd.args(["--resume", "auto"]);
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("optimizer: checkpoint adamw8bit, config adamw"), "{}", r.stderr());
+    // The same optimizer resumes bit for bit.
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = ["train.max_steps=8", "train.warmup_steps=1", "optimizer.name=adamw8bit", "checkpoint.interval=4"];
+    let straight = train(a.path(), "configs/debug.yaml", &sets).ok();
+    let first = train(b.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=4"]].concat());
+    assert_eq!(first.code(), 4);
+    let mut cmd = command(b.path(), "configs/debug.yaml", &sets);
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, b.path()).ok();
+    assert_eq!(series(&straight.metrics(), "loss"), series(&resumed.metrics(), "loss"));
+    assert_eq!(max_weight_diff(a.path(), b.path()), 0.0);
+}

@@ -68,6 +68,9 @@ impl AdamW {
             let _ = self.exp_avg[i].f_lerp_(g, 1.0 - beta1)?;
             let _ = g.f_mul_out(&tmp, g)?;
             let _ = self.exp_avg_sq[i].f_lerp_(&tmp, 1.0 - beta2)?;
+            if lr <= 0.0 {
+                continue; // moments move, parameters do not (and 0 · ∞ below would make NaN)
+            }
             if self.decay[i] && weight_decay > 0.0 {
                 let _ = p.f_mul_scalar_(1.0 - lr * weight_decay)?;
             }
@@ -151,6 +154,17 @@ mod tests {
     ///     p.grad = torch.tensor(g); opt.step()
     /// print(p.tolist())
     /// ```
+    #[test]
+    fn a_zero_learning_rate_leaves_parameters_finite_and_unchanged() {
+        for fused in [false, true] {
+            let p = Tensor::from_slice(&[1.0f32, 2.0]);
+            let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused };
+            let mut opt = AdamW::new(cfg, &[p.shallow_clone()], &[true], Device::Cpu).unwrap();
+            opt.step(&[p.shallow_clone()], &[Tensor::from_slice(&[0.5f32, 0.0])], 0.0).unwrap();
+            assert_eq!(Vec::<f32>::try_from(&p).unwrap(), [1.0, 2.0], "fused={fused}");
+        }
+    }
+
     #[test]
     fn both_paths_match_torch_optim_adamw() {
         for fused in [false, true] {

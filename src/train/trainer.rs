@@ -19,7 +19,7 @@ use crate::memory::summary::table as memory_summary;
 use crate::memory::telemetry::Telemetry;
 use crate::memory::{apply_limit, LimitError, ProcessMemory};
 use crate::model::Gpt;
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{clip_grad_norm, LrSchedule, Optimizer, OptimizerSpec};
 use crate::plan::RunPlan;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -164,8 +164,8 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
             *s = saved;
         }
     }
-    let adamw = AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: cfg.optimizer.fused };
-    let mut opt = AdamW::new(adamw, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+    let spec = OptimizerSpec::from_config(&cfg.optimizer, t);
+    let mut opt = Optimizer::new(&spec, params, &model.params.decay, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let mut state = GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps);
     let mut progress = Progress::default();
     if let Some(l) = &loaded {
@@ -472,7 +472,7 @@ fn check_compatible(l: &Loaded, cfg: &Config) -> Result<Vec<String>, CheckpointE
     Ok(other)
 }
 
-fn restore(l: &Loaded, model: &Gpt, opt: &mut AdamW) -> Result<(), CheckpointError> {
+fn restore(l: &Loaded, model: &Gpt, opt: &mut Optimizer) -> Result<(), CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
     let _no_grad = tch::no_grad_guard();
     for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
@@ -481,6 +481,12 @@ fn restore(l: &Loaded, model: &Gpt, opt: &mut AdamW) -> Result<(), CheckpointErr
             return Err(corrupt(format!("`{name}` has shape {:?}, the model needs {:?}", src.size(), p.size())));
         }
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
+    }
+    if l.state.optimizer.kind != opt.kind() {
+        return Err(CheckpointError::Incompatible {
+            path: l.path.clone(),
+            differences: vec![format!("optimizer: checkpoint {}, config {}", l.state.optimizer.kind, opt.kind())],
+        });
     }
     opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
 }
@@ -509,7 +515,7 @@ impl Checkpointer {
         completed: u64,
         cfg: &Config,
         model: &Gpt,
-        opt: &AdamW,
+        opt: &Optimizer,
         guard: &Guard,
         progress: &Progress,
         scaler: Option<&LossScaler>,
@@ -535,7 +541,7 @@ impl Checkpointer {
                 configured_micro_batch: plan.micro_batch,
                 escalation_level: guard.state.level(),
             },
-            optimizer: OptimizerSnapshot { kind: "adamw".into(), steps: opt.steps },
+            optimizer: OptimizerSnapshot { kind: opt.kind().into(), steps: opt.steps() },
             best_val_loss: progress.best_val.map(|b| b.0),
             best_val_step: progress.best_val.map(|b| b.1),
             nonfinite_skips: progress.nonfinite_skips,
