@@ -19,6 +19,7 @@ fn main() {
 
     println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
     println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
     cc::Build::new()

@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "guarded.h"
+
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -16,30 +18,12 @@
 #include <vector>
 
 namespace {
-void set_error(const std::string& text, char* out, size_t out_len) {
-  if (out == nullptr || out_len == 0) return;
-  size_t n = text.size() < out_len - 1 ? text.size() : out_len - 1;
-  std::memcpy(out, text.data(), n);
-  out[n] = '\0';
-}
+using trainguard::guarded;
 
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
 };
-
-template <typename F>
-int guarded(char* err, size_t err_len, F&& body) {
-  try {
-    body();
-    return 0;
-  } catch (const std::exception& e) {
-    set_error(e.what(), err, err_len);
-  } catch (...) {
-    set_error("unknown C++ exception", err, err_len);
-  }
-  return 1;
-}
 }  // namespace
 
 extern "C" {

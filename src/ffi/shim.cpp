@@ -11,6 +11,8 @@
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include "guarded.h"
+
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -18,28 +20,11 @@
 #include <vector>
 
 namespace {
-void copy_message(const std::string& text, char* out, size_t out_len) {
-  if (out == nullptr || out_len == 0) return;
-  size_t n = text.size() < out_len - 1 ? text.size() : out_len - 1;
-  std::memcpy(out, text.data(), n);
-  out[n] = '\0';
-}
+using trainguard::copy_message;
+using trainguard::guarded;
 
 bool have_accelerator() {
   return at::accelerator::getAccelerator(false).has_value() && at::accelerator::deviceCount() > 0;
-}
-
-template <typename F>
-int guarded(char* err, size_t err_len, F&& body) {
-  try {
-    body();
-    return 0;
-  } catch (const std::exception& e) {
-    copy_message(e.what(), err, err_len);
-  } catch (...) {
-    copy_message("unknown C++ exception", err, err_len);
-  }
-  return 1;
 }
 }  // namespace
 
