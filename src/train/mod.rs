@@ -2,6 +2,7 @@
 //! clipping, update) and across steps (schedule, evaluation, reporting); reports through
 //! [`events`](crate::events) only.
 pub mod precision;
+mod resume;
 pub mod savers;
 mod step;
 mod trainer;
