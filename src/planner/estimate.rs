@@ -416,15 +416,38 @@ impl Estimate {
     }
 }
 
+/// Inputs the planner's tests share.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+
+    /// GPT-2 small: 12 × 768, 12 heads, vocab 50257, seq 1024, biases.
+    pub fn gpt2_small() -> Transformer {
+        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None }
+    }
+
+    /// fp32 AdamW on one CUDA GPU, flash attention, 1 GiB context, 10% fragmentation.
+    pub fn cuda_fp32_adamw() -> Setup {
+        Setup {
+            precision: Precision::Fp32,
+            optimizer: Optimizer::AdamW,
+            activation_checkpointing: false,
+            flash: true,
+            dropout: false,
+            target: Target::Cuda,
+            gpus: 1,
+            cuda_overhead: 1 << 30,
+            fragmentation: 0.1,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::fixtures::gpt2_small as gpt2;
     use super::*;
 
     const GIB: f64 = (1u64 << 30) as f64;
-
-    fn gpt2() -> Transformer {
-        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None }
-    }
 
     fn setup(precision: Precision, optimizer: Optimizer) -> Setup {
         Setup {

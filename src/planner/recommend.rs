@@ -210,28 +210,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
 
 #[cfg(test)]
 mod tests {
-    use super::super::estimate::Target;
     use super::*;
 
     const GIB: u64 = 1 << 30;
 
-    fn gpt2() -> Transformer {
-        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None }
-    }
-
-    fn setup() -> Setup {
-        Setup {
-            precision: Precision::Fp32,
-            optimizer: Optimizer::AdamW,
-            activation_checkpointing: false,
-            flash: true,
-            dropout: false,
-            target: Target::Cuda,
-            gpus: 1,
-            cuda_overhead: GIB,
-            fragmentation: 0.1,
-        }
-    }
+    use crate::planner::estimate::fixtures::{cuda_fp32_adamw as setup, gpt2_small as gpt2};
 
     #[test]
     fn search_doubles_then_bisects_to_the_exact_boundary() {

@@ -279,24 +279,13 @@ fn render_applied(o: &mut String, a: &Applied, gpus: u64) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::estimate::{estimate, Optimizer, Precision, Target};
+    use super::super::estimate::estimate;
     use super::super::recommend::{recommend, Budget};
     use super::*;
 
     fn inputs() -> (Transformer, Setup) {
-        let m = Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None };
-        let s = Setup {
-            precision: Precision::Fp32,
-            optimizer: Optimizer::AdamW,
-            activation_checkpointing: false,
-            flash: true,
-            dropout: false,
-            target: Target::Cuda,
-            gpus: 1,
-            cuda_overhead: 1 << 30,
-            fragmentation: 0.1,
-        };
-        (m, s)
+        use crate::planner::estimate::fixtures::{cuda_fp32_adamw, gpt2_small};
+        (gpt2_small(), cuda_fp32_adamw())
     }
 
     /// GPT-2 small on an a100-40, micro-batch 16 × 30: the report both tests read.
