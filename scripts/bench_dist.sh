@@ -5,10 +5,8 @@
 # the 1-rank run with 2 threads (the same cores used another way).
 # Usage: scripts/bench_dist.sh [config] (default configs/bench-10m.yaml; env STEPS=8)
 set -euo pipefail
-cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-cargo build --release --quiet
-cfg=${1:-configs/bench-10m.yaml}; STEPS=${STEPS:-8}; PY=.venv/bin/python
+source "$(dirname "$0")/tools.sh"
+cfg=${1:-configs/bench-10m.yaml}; STEPS=${STEPS:-8}
 out=$(mktemp -d)
 common=(--config "$cfg" --set train.max_steps=$((STEPS + 2)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0)
 tps() {  # mean tokens/s over steps 2.. of metrics.jsonl
@@ -16,9 +14,9 @@ tps() {  # mean tokens/s over steps 2.. of metrics.jsonl
 import json; m=[json.loads(l) for l in open('$1/metrics.jsonl')][2:]
 print(sum(x['tokens'] for x in m)/sum(x['step_time_s'] for x in m))"
 }
-target/release/trainguard train "${common[@]}" --set out_dir="$out/one1" --set train.threads=1 2>/dev/null
-target/release/trainguard train "${common[@]}" --set out_dir="$out/one2" --set train.threads=2 2>/dev/null
-.venv/bin/torchrun --standalone --nproc_per_node=2 --no-python target/release/trainguard train "${common[@]}" \
+"$BIN" train "${common[@]}" --set out_dir="$out/one1" --set train.threads=1 2>/dev/null
+"$BIN" train "${common[@]}" --set out_dir="$out/one2" --set train.threads=2 2>/dev/null
+"${TORCHRUN[@]}" --standalone --nproc_per_node=2 --no-python "$BIN" train "${common[@]}" \
   --set out_dir="$out/two" --set train.threads=1 >/dev/null 2>&1
 one1=$(tps "$out/one1"); one2=$(tps "$out/one2"); two=$(tps "$out/two")
 "$PY" -c "

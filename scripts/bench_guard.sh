@@ -8,10 +8,7 @@
 #     succeeds after it, from events.jsonl.
 # Usage: scripts/bench_guard.sh   (env: ROUNDS=3 STEPS=300 THREADS=$(nproc))
 set -euo pipefail
-cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-cargo build --release --quiet
-BIN=target/release/trainguard; PY=.venv/bin/python
+source "$(dirname "$0")/tools.sh"
 ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-300}; THREADS=${THREADS:-$(nproc)}
 out=$(mktemp -d)
 common=(--config configs/debug.yaml --set train.threads="$THREADS" --set train.eval_interval=0 --set train.log_interval=1000)

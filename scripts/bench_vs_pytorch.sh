@@ -6,7 +6,7 @@
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [config.yaml ...]
 # Defaults: cpu, all cores, configs/debug.yaml and configs/bench-10m.yaml.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/tools.sh"
 device=cpu; threads=$(nproc); configs=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -16,10 +16,6 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml)
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-cargo build --release --quiet
-BIN=target/release/trainguard
-PY=.venv/bin/python
 STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
 

@@ -5,35 +5,53 @@
 #
 #   scripts/plan_accuracy.sh                 # CPU: the analogue (peak resident set; see README)
 #   scripts/plan_accuracy.sh --device cuda   # GPU: the caching allocator's allocated_peak
+#   scripts/plan_accuracy.sh --savers [--device cuda]
+#       gpt2-124m with each memory saver (activation checkpointing by block and in segments of
+#       three, chunked loss, both) instead of the three configs
 #
 # CPU defaults keep it to a few minutes on 2 cores: short sequences, one step per size.
 # Env: THREADS (default: all cores), STEPS (optimizer steps per size; default 1 on CPU, 2 on CUDA).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-DEVICE=cpu
-if [ "${1:-}" = "--device" ]; then DEVICE=${2:?--device needs a value}; fi
-[ -x .venv/bin/python ] || bash scripts/setup.sh
-cargo build --release --quiet
-BIN=target/release/trainguard; PY=.venv/bin/python
+source "$(dirname "$0")/tools.sh"
+DEVICE=cpu; SAVERS=no
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE=${2:?--device needs a value}; shift 2 ;;
+    --savers) SAVERS=yes; shift ;;
+    *) echo "usage: $0 [--device cpu|cuda] [--savers]" >&2; exit 2 ;;
+  esac
+done
 THREADS=${THREADS:-$(nproc)}
-if [ "$DEVICE" = cpu ]; then
-  STEPS=${STEPS:-1}
-  # config | sequence lengths | micro-batches
+if [ "$DEVICE" = cpu ]; then STEPS=${STEPS:-1}; else STEPS=${STEPS:-2}; fi
+# label | config | sequence lengths | micro-batches | --set overrides
+if [ "$SAVERS" = yes ]; then
+  if [ "$DEVICE" = cpu ]; then seq=256; else seq=1024; fi
+  g=gpt2-124m.yaml; b="1,4,8"
+  RUNS=("plain|$g|$seq|$b|"
+        "chunked loss 256|$g|$seq|$b|memory.loss_chunk_tokens=256"
+        "checkpointing (blocks)|$g|$seq|$b|memory.activation_checkpointing=blocks"
+        "checkpointing (every_n:3)|$g|$seq|$b|memory.activation_checkpointing=every_n:3"
+        "blocks + chunked 256|$g|$seq|$b|memory.activation_checkpointing=blocks memory.loss_chunk_tokens=256"
+        "every_n:3 + chunked 256|$g|$seq|$b|memory.activation_checkpointing=every_n:3 memory.loss_chunk_tokens=256")
+elif [ "$DEVICE" = cpu ]; then
   # Sizes on both sides of where activations overtake the gradients (end of backward) as the peak.
-  RUNS=("debug.yaml|64 128|8,16,32" "gpt2-124m.yaml|128 256|1,4,8" "gpt2-350m.yaml|64 256|1,2,4")
+  RUNS=("debug|debug.yaml|64 128|8,16,32|" "gpt2-124m|gpt2-124m.yaml|128 256|1,4,8|" "gpt2-350m|gpt2-350m.yaml|64 256|1,2,4|")
 else
-  STEPS=${STEPS:-2}
-  RUNS=("debug.yaml|64 256|8,16,32" "gpt2-124m.yaml|512 1024|1,2,4" "gpt2-350m.yaml|512 1024|1,2,4")
+  RUNS=("debug|debug.yaml|64 256|8,16,32|" "gpt2-124m|gpt2-124m.yaml|512 1024|1,2,4|" "gpt2-350m|gpt2-350m.yaml|512 1024|1,2,4|")
 fi
 out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 echo "device $DEVICE, $STEPS step(s) of 2 micro-steps per size, $THREADS threads; $(date -u +%Y-%m-%d)" >&2
+n=0
 for run in "${RUNS[@]}"; do
-  IFS='|' read -r cfg seqs micros <<<"$run"
+  IFS='|' read -r label cfg seqs micros sets <<<"$run"
+  extra=(); for s in $sets; do extra+=(--set "$s"); done
   for seq in $seqs; do
-    echo "  $cfg seq $seq: micro-batches $micros" >&2
+    echo "  $label seq $seq: micro-batches $micros" >&2
+    n=$((n + 1))
     "$BIN" plan --config "configs/$cfg" --profile --json --device "$DEVICE" --micro-batches "$micros" \
       --profile-steps "$STEPS" --set model.seq_len="$seq" --set data.synthetic_tokens=1048576 \
-      --set train.threads="$THREADS" >"$out/${cfg%.yaml}-$seq.json"
+      --set train.threads="$THREADS" "${extra[@]}" >"$out/$(printf %03d $n).json"
+    echo "$label" >"$out/$(printf %03d $n).label"
   done
 done
 "$PY" - "$out" <<'PYEOF'
@@ -42,15 +60,13 @@ MiB = 2**20
 def size(b):
     return f"{b / 2**30:.3f} GiB" if b >= 2**30 else f"{b / MiB:.1f} MiB"
 rows, worst = [], 0.0
-order = {"debug": 0, "gpt2-124m": 1, "gpt2-350m": 2}
-files = sorted(glob.glob(os.path.join(sys.argv[1], "*.json")),
-               key=lambda f: (order.get(os.path.basename(f).rsplit("-", 1)[0], 9), int(f.rsplit("-", 1)[1][:-5])))
+files = sorted(glob.glob(os.path.join(sys.argv[1], "*.json")))
 print("| config | params | seq | micro-batch | estimate | measured | error | peak at |")
 print("|---|---|---|---|---|---|---|---|")
 fits = []
 for f in files:
     j = json.load(open(f)); p = j["profile"]
-    name = os.path.basename(f).rsplit("-", 1)[0]
+    name = open(f[:-5] + ".label").read().strip()
     for pt in p["points"]:
         if pt["measured_bytes"] is None:
             print(f"| {name} | {j['params']/1e6:.1f}M | {j['model']['seq_len']} | {pt['micro_batch']} | {size(pt['estimate_bytes'])} | out of memory | — | |")

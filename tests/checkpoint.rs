@@ -143,6 +143,43 @@ fn sigterm_checkpoints_the_last_completed_step_and_exits_4() {
     assert_eq!(checkpoint_steps(dir.path()), [done], "checkpoint at the last completed step");
 }
 
+/// The second signal does not wait for the step (seconds here): the process exits at once with
+/// code 4, whatever it was doing, checkpoint write included, and `--resume auto` continues from
+/// the newest complete checkpoint.
+#[test]
+fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=1", "data.synthetic_tokens=262144"];
+    let mut child = command(dir.path(), "configs/bench-10m.yaml", &sets).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let metrics = dir.path().join("metrics.jsonl");
+    let t0 = Instant::now();
+    while read_jsonl(&metrics).is_empty() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let step_time = read_jsonl(&metrics)[0]["step_time_s"].as_f64().unwrap();
+    let term = || Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    term();
+    std::thread::sleep(Duration::from_millis(100));
+    let second = Instant::now();
+    term();
+    let output = child.wait_with_output().unwrap();
+    let took = second.elapsed().as_secs_f64();
+    assert_eq!(output.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("second signal: exiting now"));
+    assert!(took < step_time / 2.0, "exit took {took:.2}s after the second signal; a step takes {step_time:.2}s");
+    let done = read_jsonl(&metrics).len() as u64;
+    assert!(done < 4, "stopped before the end");
+    let newest = *checkpoint_steps(dir.path()).last().expect("the checkpoint of step 1 stands");
+    assert!(newest == done || newest + 1 == done, "newest checkpoint {newest} after {done} completed steps");
+    let mut cmd = command(dir.path(), "configs/bench-10m.yaml", &sets);
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, dir.path()).ok();
+    assert_eq!(resumed.events_of("resumed")[0]["step"], newest);
+    assert_eq!(series(&resumed.metrics(), "step"), (0..4).map(serde_json::Value::from).collect::<Vec<_>>());
+}
+
 #[test]
 fn max_duration_stops_in_time_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();

@@ -69,7 +69,7 @@ fn two_ranks_under_torchrun_equal_one_process() {
     let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=16"]].concat()).ok();
     let out = Command::new(torchrun())
-        .args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={}", free_port()), "--no-python", bin()])
+        .args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={}", free_port()), "--no-python", &bin()])
         .args(args(d.path(), &[&RUN[..], &["train.micro_batch_size=16"]].concat()))
         .output()
         .unwrap();
@@ -160,7 +160,7 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let port = free_port().to_string();
     let tr = |dir: &Path, extra: &[&str]| {
         Command::new(torchrun())
-            .args(["--nproc_per_node=2", "--max-restarts=1", "--master_addr=127.0.0.1", &format!("--master_port={port}"), "--no-python", bin()])
+            .args(["--nproc_per_node=2", "--max-restarts=1", "--master_addr=127.0.0.1", &format!("--master_port={port}"), "--no-python", &bin()])
             .args(args(dir, &[&sets[..], extra].concat()))
             .output()
             .unwrap()

@@ -82,3 +82,29 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
     eprintln!("NCCL world 1 vs plain: max weight difference {diff}");
     assert!(diff <= 1e-5);
 }
+
+/// The planner's accuracy target (issue 6), as a check: `plan --profile` on the GPU, estimated
+/// peak allocated within ±10% of the allocator's measured peak. scripts/plan_accuracy.sh prints
+/// the full table (three configs × three micro-batches × two sequence lengths).
+#[test]
+fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
+    if cuda().is_none() {
+        return;
+    }
+    for (config, seq, micros) in [("configs/debug.yaml", 256, "8,16,32"), ("configs/gpt2-124m.yaml", 512, "1,2,4")] {
+        let out = std::process::Command::new(bin())
+            .args(["plan", "--profile", "--json", "--device", "cuda", "--profile-steps", "1", "--micro-batches", micros])
+            .arg("--config")
+            .arg(repo().join(config))
+            .args(["--set", &format!("model.seq_len={seq}"), "--set", "data.synthetic_tokens=1048576"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "plan --profile failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for p in j["profile"]["points"].as_array().unwrap() {
+            let err = p["error_pct"].as_f64().unwrap_or_else(|| panic!("{config}: no measurement at {p}"));
+            eprintln!("{config} seq {seq} micro {}: estimate {} measured {} error {err:+.1}%", p["micro_batch"], p["estimate_bytes"], p["measured_bytes"]);
+            assert!(err.abs() <= 10.0, "{config} seq {seq} micro {}: {err:+.1}%", p["micro_batch"]);
+        }
+    }
+}

@@ -71,18 +71,33 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
 fn regrow_tries_the_configured_size_again_backs_off_and_does_not_oscillate() {
     let cap = cap_fitting_16();
     let dir = tempfile::tempdir().unwrap();
-    let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=32", "train.max_steps=40", "oom.regrow_after_steps=3", &cap])).ok();
-    let attempts: Vec<u64> = run.events_of("regrow_attempt").iter().map(|e| e["step"].as_u64().unwrap()).collect();
-    assert!(!attempts.is_empty(), "regrow never tried: {:?}", run.events());
-    assert!(run.events_of("regrow_attempt").iter().all(|e| e["to_micro_batch"] == 32), "never above configured");
-    let backoffs = run.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
+    let straight = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=32", "train.max_steps=40", "oom.regrow_after_steps=3", &cap])).ok();
+    let attempts: Vec<u64> = straight.events_of("regrow_attempt").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert!(!attempts.is_empty(), "regrow never tried: {:?}", straight.events());
+    assert!(straight.events_of("regrow_attempt").iter().all(|e| e["to_micro_batch"] == 32), "never above configured");
+    let backoffs = straight.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
     assert_eq!(backoffs, attempts.len(), "each failed trial backs off");
     let gaps: Vec<u64> = attempts.windows(2).map(|w| w[1] - w[0]).collect();
     assert!(gaps.windows(2).all(|g| g[1] > g[0]), "waits between trials grow: {attempts:?}");
     assert!(attempts.len() <= 3, "no oscillation in 40 steps: {attempts:?}");
-    let metrics = run.metrics();
+    let metrics = straight.metrics();
     assert_eq!(metrics.len(), 40);
     assert!(metrics.iter().all(|m| m["micro_batch"] == 16), "every completed step ran at 16");
+
+    // Stopped two steps after the first failed trial and resumed: the checkpoint carries what
+    // regrow learnt, so the trials fall on the same steps as in the straight run (a resumed
+    // run that forgot would try 32 again three clean steps after the restart).
+    let split = tempfile::tempdir().unwrap();
+    let stop = format!("faults.interrupt_at_step={}", attempts[0] + 2);
+    let regrow = ["train.micro_batch_size=32", "train.max_steps=40", "oom.regrow_after_steps=3", &cap];
+    let first = train(split.path(), "configs/debug.yaml", &sets(&[&regrow[..], &[stop.as_str()]].concat()));
+    assert_eq!(first.code(), 4, "{}", first.stderr());
+    let mut cmd = command(split.path(), "configs/debug.yaml", &sets(&regrow));
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, split.path()).ok();
+    let resumed_attempts: Vec<u64> = resumed.events_of("regrow_attempt").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(resumed_attempts, attempts, "trials after a resume");
+    assert_eq!(series(&resumed.metrics(), "loss"), series(&metrics, "loss"));
 }
 
 /// A model whose weights fit a 12 MiB cap but whose micro-batch 1 (8 MiB of logits alone)

@@ -203,6 +203,43 @@ fn profile_on_cpu_runs_real_steps_and_compares_with_the_estimate() {
     assert!(p["largest_fitting"].is_null(), "explicit sizes: no search");
 }
 
+/// The memory savers change where the peak is (the head's chunks, the recomputed segments); the
+/// estimate follows the config's switches, and `--profile` measures with them on.
+#[test]
+fn profile_with_chunked_loss_and_checkpointing_matches_the_estimate() {
+    let debug = config("debug.yaml");
+    let shape = ["--set", "model.n_layer=6", "--set", "model.n_embd=256", "--set", "model.n_head=4", "--set", "model.vocab_size=16384", "--set", "model.seq_len=128", "--set", "train.threads=1"];
+    let peaks = |savers: &[&str]| -> Vec<(u64, f64, String)> {
+        let mut args = vec!["--config", &debug, "--profile", "--micro-batches", "2,8", "--profile-steps", "1", "--json"];
+        args.extend(shape);
+        for s in savers {
+            args.extend(["--set", s]);
+        }
+        let j = json(&plan(&args).ok());
+        j["profile"]["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (u(&x["measured_bytes"]), x["error_pct"].as_f64().unwrap(), x["peak_phase"].as_str().unwrap().to_string()))
+            .collect()
+    };
+    let plain = peaks(&[]);
+    let chunked = peaks(&["memory.loss_chunk_tokens=256"]);
+    let segments = peaks(&["memory.activation_checkpointing=every_n:2"]);
+    let both = peaks(&["memory.loss_chunk_tokens=128", "memory.activation_checkpointing=blocks"]);
+    for (name, points) in [("plain", &plain), ("chunked", &chunked), ("every_n:2", &segments), ("both", &both)] {
+        for (measured, err, phase) in points.iter() {
+            eprintln!("{name}: measured {measured}, error {err:+.1}% ({phase})");
+            assert!(err.abs() < 8.0, "{name}: estimate off by {err:.1}% of {measured} ({phase})");
+        }
+    }
+    // At micro-batch 8 each saver measurably lowers the peak, and both together the most.
+    let at8 = |p: &[(u64, f64, String)]| p[1].0;
+    assert!(at8(&chunked) < at8(&plain) && at8(&segments) < at8(&plain));
+    assert!(at8(&both) < at8(&chunked).min(at8(&segments)));
+    assert_eq!(both[1].2, "first blocks' recomputed backward");
+}
+
 #[test]
 fn profile_search_finds_the_largest_fitting_micro_batch_by_measurement_and_apply_writes_it() {
     let dir = tempfile::tempdir().unwrap();

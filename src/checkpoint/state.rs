@@ -2,6 +2,7 @@
 //! exactly where the checkpoint left off.
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use crate::guard::RegrowMemory;
 
 pub const STATE_FORMAT: u32 = 1;
 
@@ -53,6 +54,9 @@ pub struct GuardSnapshot {
     /// How many of `oom.escalate`'s savers the guard switched on.
     #[serde(default)]
     pub escalation_level: usize,
+    /// The regrow rule's clean-step count and blocked sizes (absent in older checkpoints).
+    #[serde(default)]
+    pub regrow: RegrowMemory,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -203,7 +203,7 @@ mod tests {
             sampler: SamplerState { seed: 1, next_step: step },
             rng: RngState { scheme: RNG_SCHEME.into(), seed: 1 },
             loss_scaler: None,
-            guard: GuardSnapshot { micro_batch: 8, accumulation: 4, configured_micro_batch: 8, escalation_level: 0 },
+            guard: GuardSnapshot { micro_batch: 8, accumulation: 4, configured_micro_batch: 8, escalation_level: 0, regrow: Default::default() },
             optimizer: OptimizerSnapshot { kind: "adamw".into(), steps: step },
             best_val_loss: Some(1.5),
             best_val_step: Some(step),

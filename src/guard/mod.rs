@@ -6,7 +6,7 @@ mod classify;
 mod policy;
 
 pub use classify::{classify, ErrorKind};
-pub use policy::{Decision, GuardState};
+pub use policy::{BlockedSize, Decision, GuardState, RegrowMemory};
 
 use crate::config::OomPolicy;
 use crate::events::{Event, OomRecovery, Reporter};

@@ -5,6 +5,9 @@
 //!   the current size (capped at the configured one). An OOM on that trial backs off to the size
 //!   that worked and blocks the failed size for `regrow_after · 2^failures` steps, so repeated
 //!   failures at one size are tried ever more rarely (no oscillation).
+//! - What regrow has learnt (clean steps so far, blocked sizes) is [`RegrowMemory`]: checkpoints
+//!   keep it, so a resumed run does not retry at once a size that failed before the restart.
+use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
@@ -13,6 +16,22 @@ pub enum Decision {
     /// At the floor: replay with the next memory saver switched on (`level` savers on now).
     Escalate { level: usize },
     GiveUp,
+}
+
+/// A size the regrow rule may not try before `until_step`, after `failures` failures there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedSize {
+    pub micro_batch: usize,
+    pub until_step: u64,
+    pub failures: u32,
+}
+
+/// The regrow rule's history, carried across a resume.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegrowMemory {
+    /// Clean steps since the last out-of-memory or trial.
+    pub clean_steps: u64,
+    pub blocked: Vec<BlockedSize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,8 +43,7 @@ pub struct GuardState {
     clean_steps: u64,
     /// During a regrow trial: the size to return to if it fails.
     trial_from: Option<usize>,
-    /// Size → (first step it may be tried again, failures so far).
-    blocked: Vec<(usize, u64, u32)>,
+    blocked: Vec<BlockedSize>,
     /// Memory savers the guard may switch on at the floor, and how many are on.
     escalations: usize,
     level: usize,
@@ -63,6 +81,18 @@ impl GuardState {
         self.current
     }
 
+    /// What a checkpoint keeps of the regrow rule (restore with
+    /// [`with_regrow_memory`](Self::with_regrow_memory)).
+    pub fn regrow_memory(&self) -> RegrowMemory {
+        RegrowMemory { clean_steps: self.clean_steps, blocked: self.blocked.clone() }
+    }
+
+    pub fn with_regrow_memory(mut self, memory: RegrowMemory) -> Self {
+        self.clean_steps = memory.clean_steps;
+        self.blocked = memory.blocked;
+        self
+    }
+
     pub fn configured(&self) -> usize {
         self.configured
     }
@@ -73,7 +103,7 @@ impl GuardState {
             return None;
         }
         let candidate = (self.current * 2).min(self.configured);
-        if self.blocked.iter().any(|&(size, until, _)| size == candidate && step < until) {
+        if self.blocked.iter().any(|b| b.micro_batch == candidate && step < b.until_step) {
             return None;
         }
         self.trial_from = Some(self.current);
@@ -120,20 +150,16 @@ impl GuardState {
     }
 
     fn block(&mut self, size: usize, step: u64) {
-        let failures = match self.blocked.iter_mut().find(|b| b.0 == size) {
-            Some(b) => {
-                b.2 += 1;
-                b.2
-            }
+        let i = match self.blocked.iter().position(|b| b.micro_batch == size) {
+            Some(i) => i,
             None => {
-                self.blocked.push((size, 0, 1));
-                1
+                self.blocked.push(BlockedSize { micro_batch: size, until_step: 0, failures: 0 });
+                self.blocked.len() - 1
             }
         };
-        let wait = self.regrow_after.saturating_mul(1u64 << failures.min(20));
-        if let Some(b) = self.blocked.iter_mut().find(|b| b.0 == size) {
-            b.1 = step.saturating_add(wait);
-        }
+        let b = &mut self.blocked[i];
+        b.failures += 1;
+        b.until_step = step.saturating_add(self.regrow_after.saturating_mul(1u64 << b.failures.min(20)));
     }
 }
 
@@ -231,5 +257,19 @@ mod tests {
         assert_eq!(s.begin_step(10), Some(32));
         assert_eq!(s.on_oom(10), Decision::Retry { micro_batch: 16, backoff: true });
         assert_eq!(s.current(), 16);
+    }
+
+    #[test]
+    fn a_restored_regrow_memory_behaves_as_if_never_interrupted() {
+        // Two failed trials at 32 by step 60, then a "restart": the resumed state must wait
+        // exactly as long as the uninterrupted one before trying 32 again.
+        let (_, before) = simulate(60);
+        let resumed = GuardState::new(32, 1, 5).with_current(before.current()).with_regrow_memory(before.regrow_memory());
+        let next_trial = |mut s: GuardState| (60..1000).find(|&step| s.begin_step(step).is_some());
+        let (straight, restored) = (next_trial(before.clone()), next_trial(resumed));
+        assert!(straight.is_some());
+        assert_eq!(straight, restored);
+        let fresh = next_trial(GuardState::new(32, 1, 5).with_current(16));
+        assert!(fresh < straight, "without the memory the size is retried sooner: {fresh:?} vs {straight:?}");
     }
 }

@@ -206,10 +206,15 @@ pub struct Setup {
     pub precision: Precision,
     pub optimizer: Optimizer,
     pub activation_checkpointing: bool,
+    /// Blocks recomputed together when checkpointing (`every_n:k`; 1 for `blocks`).
+    pub checkpoint_blocks: u64,
     /// Flash / memory-efficient attention (no b·a·s² scores kept) vs materialised scores.
     pub flash: bool,
     /// Dropout > 0: masks are kept for backward.
     pub dropout: bool,
+    /// `memory.loss_chunk_tokens`: the final LayerNorm, head and cross-entropy run over chunks
+    /// of this many tokens, so only one chunk's logits exist at a time.
+    pub loss_chunk_tokens: Option<u64>,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -217,6 +222,19 @@ pub struct Setup {
     pub cuda_overhead: u64,
     /// Allocator fragmentation margin as a share of the peak allocated.
     pub fragmentation: f64,
+}
+
+impl Setup {
+    /// Any memory saver on: trainguard then runs the head and the body as separate backward
+    /// passes and adds the tied embedding's two gradients in place (one transient copy, not two).
+    pub fn split_backward(&self) -> bool {
+        self.activation_checkpointing || self.loss_chunk_tokens.is_some()
+    }
+
+    /// Blocks whose activations exist at once in a checkpointed backward.
+    fn segment(&self) -> u64 {
+        self.checkpoint_blocks.max(1)
+    }
 }
 
 /// One estimate at micro-batch `micro_batch` with `accumulation` micro-steps per optimizer step.
@@ -230,9 +248,10 @@ pub struct Estimate {
     pub master_weights: u64,
     pub gradients: u64,
     pub optimizer: u64,
-    /// One transformer block's saved activations (with checkpointing: one recomputed block).
+    /// One transformer block's saved activations.
     pub activations_per_layer: u64,
-    /// Everything saved for backward: the blocks plus what lies outside them.
+    /// Everything saved for backward: the blocks (with checkpointing: one recomputed segment)
+    /// plus what lies outside them.
     pub activations: u64,
     /// Outside the blocks: final LayerNorm, input tokens, embedding dropout mask; with
     /// checkpointing also every block's saved input.
@@ -317,16 +336,20 @@ fn mask_bytes(s: &Setup) -> u64 {
 }
 
 /// Activations outside the blocks at micro-batch `b`: final LayerNorm input and output (and its
-/// statistics), the int64 inputs and targets, the embedding dropout mask.
+/// statistics; with a chunked loss only the input), the int64 inputs and targets, the embedding
+/// dropout mask.
 pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
     let e = s.precision.activation_bytes();
     let sbh = m.seq_len * b * m.hidden;
     let mut bytes = 2 * sbh * e + 2 * 4 * m.seq_len * b + 2 * 8 * m.seq_len * b;
+    if s.loss_chunk_tokens.is_some() {
+        bytes -= sbh * e + 2 * 4 * m.seq_len * b; // the final LayerNorm's output and statistics live per chunk
+    }
     if s.dropout {
         bytes += sbh * mask_bytes(s);
     }
     if s.activation_checkpointing {
-        bytes += m.layers * sbh * e; // each block's input, kept to recompute it
+        bytes += m.layers.div_ceil(s.segment()) * sbh * e; // each segment's input, kept to recompute it
     }
     bytes
 }
@@ -337,8 +360,13 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
 /// moments: the start of backward (every saved activation, the log-probabilities and
 /// cross-entropy's two gradient buffers), the last block's backward (every saved activation and
 /// that block's MLP and residual gradients; it wins only with small vocabularies), and the end
-/// of backward (the gradients complete, plus the tied embedding's two partial gradients). The
+/// of backward (the gradients complete, plus the tied embedding's partial gradients). The
 /// gradients of earlier micro-steps are held through all three when accumulating.
+///
+/// With a memory saver on ([`Setup::split_backward`]) the head runs its own backward first: its
+/// gradients (the tied embedding's v·h above all) are held from then on, the embedding's second
+/// gradient is added in place, and with a chunked loss the logits are one chunk's, with the
+/// head's gradient of the chunk before alive while the next chunk's arrives.
 pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Estimate {
     let p = s.precision;
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
@@ -346,30 +374,25 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
     let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes()));
     let dp_buffers = if s.gpus > 1 { gradients } else { 0 };
-
-    let per_layer = layer_activations(m, s, micro);
-    let layers_held = if s.activation_checkpointing { 1 } else { m.layers };
-    let outside = outside_activations(m, s, micro);
-    let activations = layers_held * per_layer + outside;
-    let logits = 4 * micro * m.seq_len * m.vocab;
-    let cross_entropy = 2 * logits;
-
-    let embedding_grad_transient = 2 * m.vocab * m.hidden * p.grad_bytes() * layout_scale(m);
-
     let base = weights + master_weights + optimizer + dp_buffers;
     let held = if accumulation > 1 { gradients } else { 0 };
-    let block_backward_transient = (m.ffn + m.hidden) * m.seq_len * micro * p.activation_bytes();
-    let transient = activations + (logits + cross_entropy).max(block_backward_transient);
-    let grads_done = gradients + embedding_grad_transient;
-    let peak_allocated = base + held + transient.max(grads_done);
+
+    let at = Moments::at(m, s, micro);
+    let grads_done = gradients + at.embedding_grad_transient;
+    let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
+    let peak_allocated = base + held + at.transient.max(grads_done).max(first_blocks);
     let (fragmentation, cuda_overhead) = match s.target {
         Target::Cuda => ((peak_allocated as f64 * s.fragmentation).round() as u64, s.cuda_overhead),
         Target::Cpu => (0, 0),
     };
     let scale = 1.0 + if s.target == Target::Cuda { s.fragmentation } else { 0.0 };
-    // Every part of `transient` is proportional to the micro-batch.
-    let per_sample = (transient as f64 / micro as f64 * scale).round() as u64;
-    let fixed = ((base + gradients) as f64 * scale).round() as u64 + cuda_overhead;
+    // The transient's slope per sample and its part that does not grow with the batch (the
+    // head's gradients and one chunk's logits with a saver on; nothing otherwise), from the
+    // transient at twice the micro-batch.
+    let slope = Moments::at(m, s, 2 * micro).transient.saturating_sub(at.transient) / micro;
+    let constant = at.transient.saturating_sub(slope * micro);
+    let per_sample = (slope as f64 * scale).round() as u64;
+    let fixed = ((base + gradients + constant) as f64 * scale).round() as u64 + cuda_overhead;
     Estimate {
         micro_batch: micro,
         accumulation,
@@ -378,17 +401,19 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         master_weights,
         gradients,
         optimizer,
-        activations_per_layer: per_layer,
-        activations,
-        activations_outside: outside,
-        logits,
-        cross_entropy,
+        activations_per_layer: at.per_layer,
+        activations: at.activations,
+        activations_outside: at.outside,
+        logits: at.logits,
+        cross_entropy: at.cross_entropy,
         dp_buffers,
-        embedding_grad_transient,
-        block_backward_transient,
-        peak_phase: if transient < grads_done {
+        embedding_grad_transient: at.embedding_grad_transient,
+        block_backward_transient: at.block_backward,
+        peak_phase: if first_blocks > at.transient.max(grads_done) {
+            "first blocks' recomputed backward"
+        } else if at.transient < grads_done {
             "end of backward"
-        } else if block_backward_transient > logits + cross_entropy {
+        } else if !at.head_wins {
             "last block's backward"
         } else {
             "start of backward"
@@ -399,6 +424,89 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         total: peak_allocated + fragmentation + cuda_overhead,
         fixed,
         per_sample,
+    }
+}
+
+/// Checkpointing only (else 0): the segment of the first blocks is recomputed and pushed
+/// through last, so every later block's gradient and the head's are held while its activations
+/// and their gradients exist: all gradients but that segment's and the position embedding's,
+/// plus the segment's activations, the MLP's widest gradients and the incoming gradient.
+fn first_segment_backward(m: &Transformer, s: &Setup, micro: u64, gradients: u64, at: &Moments) -> u64 {
+    if !s.activation_checkpointing {
+        return 0;
+    }
+    let k = m.layers.min(s.segment());
+    let e = s.precision.activation_bytes();
+    let tokens = micro * m.seq_len;
+    let outside_blocks = (m.vocab + m.seq_len) * m.hidden + m.hidden * (1 + u64::from(m.bias));
+    let block_params = m.layout_params().saturating_sub(outside_blocks) / m.layers.max(1);
+    // The segment's and wpe's share of the gradients, in the same units (and rounding) as `gradients`.
+    let not_yet = (gradients as f64 * (k * block_params + m.seq_len * m.hidden) as f64 / m.layout_params().max(1) as f64) as u64;
+    gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + (m.ffn + 2 * m.hidden) * tokens * e
+}
+
+/// What one micro-batch adds on top of the states at the moments [`estimate`] compares.
+struct Moments {
+    per_layer: u64,
+    outside: u64,
+    activations: u64,
+    logits: u64,
+    cross_entropy: u64,
+    /// The last block's backward on top of the activations (the head's, `head` in
+    /// [`Moments::at`], is the start of backward).
+    block_backward: u64,
+    embedding_grad_transient: u64,
+    /// The larger of the two moments with the activations each holds.
+    transient: u64,
+    /// Which of them: the head's backward (`start of backward`) or the last block's.
+    head_wins: bool,
+}
+
+impl Moments {
+    fn at(m: &Transformer, s: &Setup, micro: u64) -> Self {
+        let p = s.precision;
+        let per_layer = layer_activations(m, s, micro);
+        let outside = outside_activations(m, s, micro);
+        // Checkpointing: no block's activations during the head's backward, one segment's
+        // (recomputed) during the body's.
+        let (in_head, in_body) = match s.activation_checkpointing {
+            true => (0, m.layers.min(s.segment()) * per_layer),
+            false => (m.layers * per_layer, m.layers * per_layer),
+        };
+        let activations = in_body + outside;
+        let tokens = micro * m.seq_len;
+        let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));
+        let logits = 4 * chunk * m.vocab;
+        let cross_entropy = 2 * logits;
+        // The head's weight gradient (the token embedding's, tied; under --params an untied
+        // head's, which has no second gradient to add at the end).
+        let head_grad = m.vocab * m.hidden * p.grad_bytes();
+        let tied = layout_scale(m);
+        let mut block_backward = (m.ffn + m.hidden) * tokens * p.activation_bytes();
+        let (head, embedding_grad_transient) = if s.split_backward() {
+            // Chunk after chunk: log-probabilities and their two gradients, then the chunk's
+            // logit gradient with the head's new weight gradient, each next to the gradient
+            // summed over the chunks before; the gradients of the chunk inputs pile up to the
+            // hidden state's size. Afterwards the head's gradient and the hidden state's are
+            // held through the body's backward.
+            let later = u64::from(chunk < tokens);
+            let hidden_grad = tokens * m.hidden * p.activation_bytes();
+            block_backward += head_grad + hidden_grad;
+            ((3 * logits + later * head_grad).max(logits + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
+        } else {
+            (logits + cross_entropy, tied * 2 * head_grad)
+        };
+        Self {
+            per_layer,
+            outside,
+            activations,
+            logits,
+            cross_entropy,
+            block_backward,
+            embedding_grad_transient,
+            transient: outside + (in_head + head).max(in_body + block_backward),
+            head_wins: in_head + head >= in_body + block_backward,
+        }
     }
 }
 
@@ -432,13 +540,20 @@ pub(crate) mod fixtures {
             precision: Precision::Fp32,
             optimizer: Optimizer::AdamW,
             activation_checkpointing: false,
+            checkpoint_blocks: 1,
             flash: true,
             dropout: false,
+            loss_chunk_tokens: None,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,
             fragmentation: 0.1,
         }
+    }
+
+    /// The same on the CPU (the analogue `--profile` measures): no context, no fragmentation.
+    pub fn cpu_fp32_adamw() -> Setup {
+        Setup { target: Target::Cpu, cuda_overhead: 0, fragmentation: 0.0, ..cuda_fp32_adamw() }
     }
 }
 
@@ -450,17 +565,7 @@ mod tests {
     const GIB: f64 = (1u64 << 30) as f64;
 
     fn setup(precision: Precision, optimizer: Optimizer) -> Setup {
-        Setup {
-            precision,
-            optimizer,
-            activation_checkpointing: false,
-            flash: true,
-            dropout: false,
-            target: Target::Cpu,
-            gpus: 1,
-            cuda_overhead: 0,
-            fragmentation: 0.0,
-        }
+        Setup { precision, optimizer, ..super::fixtures::cpu_fp32_adamw() }
     }
 
     #[test]
@@ -533,6 +638,57 @@ mod tests {
         let sbh = 1024 * 8 * 768;
         assert_eq!(with.activations, plain.activations - 12 * plain.activations_per_layer + plain.activations_per_layer + 12 * sbh * 4);
         assert!(with.activations * 4 < plain.activations);
+    }
+
+    #[test]
+    fn segments_of_three_blocks_keep_four_inputs_and_recompute_three_blocks() {
+        let m = gpt2();
+        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let e = estimate(&m, &s, 8, 2);
+        let sbh = 1024 * 8 * 768;
+        let blocks = Setup { checkpoint_blocks: 1, ..s.clone() };
+        let one = estimate(&m, &blocks, 8, 2);
+        assert_eq!(e.activations_outside, one.activations_outside - 8 * sbh * 4, "12 / 3 = 4 saved inputs instead of 12");
+        assert_eq!(e.activations, 3 * e.activations_per_layer + e.activations_outside);
+    }
+
+    /// GPT-2 small, seq 1024, micro-batch 4, fp32: 4096 tokens in chunks of 1024.
+    #[test]
+    fn a_chunked_loss_holds_one_chunk_of_logits_and_the_heads_gradient() {
+        let m = gpt2();
+        let s = Setup { loss_chunk_tokens: Some(1024), ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let e = estimate(&m, &s, 4, 1);
+        let (l, g, hidden) = (4 * 1024 * 50257, 50257 * 768 * 4, 4096 * 768 * 4);
+        assert_eq!((e.logits, e.cross_entropy), (l, 2 * l));
+        // Chunk after the first: three logit-sized buffers next to the head's summed gradient,
+        // or one next to that and the chunk's new one; plus the chunk inputs' gradients.
+        let head = (3 * l + g).max(l + 2 * g) + hidden;
+        assert_eq!(e.peak_phase, "start of backward");
+        assert_eq!(e.peak_allocated, e.weights + e.optimizer + 12 * e.activations_per_layer + e.activations_outside + head);
+        // Without chunks: 3 × 4 × 4096 × 50257 bytes (2.30 GiB) of logits and their gradients
+        // against 0.73 GiB with them.
+        let plain = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 4, 1);
+        let saved = (plain.peak_allocated - e.peak_allocated) as f64 / GIB;
+        assert!((saved - 1.58).abs() < 0.01, "{saved} GiB");
+        // The final LayerNorm's output and statistics live per chunk, not for the batch.
+        assert_eq!(plain.activations_outside - e.activations_outside, 4096 * 768 * 4 + 2 * 4 * 4096);
+        // The tied embedding's second gradient is added in place: one copy at the end, not two.
+        assert_eq!(e.embedding_grad_transient, g);
+        assert_eq!(plain.embedding_grad_transient, 2 * g);
+    }
+
+    #[test]
+    fn checkpointed_the_first_blocks_backward_holds_every_later_gradient() {
+        // A short sequence with a 2-chunk loss: the logits are small, the gradients are not.
+        let m = Transformer { seq_len: 256, ..gpt2() };
+        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, loss_chunk_tokens: Some(256), ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let e = estimate(&m, &s, 8, 2);
+        assert_eq!(e.peak_phase, "first blocks' recomputed backward");
+        let block = (12 * 768 * 768 + 13 * 768) as f64; // 4h² + 2fh weights, 9h + f biases and LayerNorms
+        let not_yet = (e.gradients as f64 * (3.0 * block + 256.0 * 768.0) / m.layout_params() as f64) as u64;
+        let tokens = 8 * 256;
+        let expected = e.gradients - not_yet + e.activations_outside + 3 * e.activations_per_layer + (3072 + 2 * 768) * tokens * 4;
+        assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + expected);
     }
 
     #[test]

@@ -71,6 +71,10 @@ pub struct PlanArgs {
     /// Materialised attention scores (eager attention).
     #[arg(long, overrides_with = "flash", help_heading = "Training setup")]
     pub no_flash: bool,
+    /// Chunked loss: head and cross-entropy over chunks of N tokens (default: the config's
+    /// memory.loss_chunk_tokens; none without a config).
+    #[arg(long, value_name = "N", help_heading = "Training setup")]
+    pub loss_chunk_tokens: Option<u64>,
     /// Micro-batch of the table (default: the config's, else 1).
     #[arg(long, value_name = "N", help_heading = "Training setup")]
     pub micro_batch: Option<u64>,
@@ -250,21 +254,27 @@ impl Inputs {
             config::OptimizerName::Adafactor => Optimizer::Adafactor,
             config::OptimizerName::Adamw8bit => Optimizer::AdamW8bit,
         });
-        let config_checkpointing = config
-            .as_ref()
-            .is_some_and(|c| !matches!(config::Checkpointing::parse(&c.memory.activation_checkpointing), Ok(config::Checkpointing::None)));
+        let config_segment = match config.as_ref().map(|c| config::Checkpointing::parse(&c.memory.activation_checkpointing)) {
+            Some(Ok(config::Checkpointing::Every(k))) => Some(k as u64),
+            _ => None,
+        };
         let setup = Setup {
             precision: a.precision.or(from_config_precision).unwrap_or(Precision::Fp32),
             optimizer: a.optimizer.or(from_config_optimizer).unwrap_or_default(),
-            activation_checkpointing: a.activation_checkpointing || config_checkpointing,
+            activation_checkpointing: a.activation_checkpointing || config_segment.is_some(),
+            checkpoint_blocks: config_segment.unwrap_or(1),
             flash: !a.no_flash,
             dropout: config.as_ref().is_some_and(|c| c.model.dropout > 0.0),
+            loss_chunk_tokens: a.loss_chunk_tokens.or(config.as_ref().and_then(|c| c.memory.loss_chunk_tokens.map(|n| n as u64))),
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,
             fragmentation: a.fragmentation,
         };
 
+        if setup.loss_chunk_tokens == Some(0) {
+            return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
+        }
         let global = a.global_batch.or(config.as_ref().map(|c| c.train.global_batch_size as u64));
         let micro = a.micro_batch.or(config.as_ref().map(|c| c.train.micro_batch_size as u64)).unwrap_or(1);
         if micro == 0 {
@@ -400,11 +410,10 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
 /// The config, device and comparison setup a profile runs with.
 fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, Setup), PlannerError> {
     let s = &inputs.setup;
-    if s.precision != Precision::Fp32 || s.optimizer != Optimizer::AdamW || s.activation_checkpointing || !s.flash {
+    if s.precision != Precision::Fp32 || s.optimizer != Optimizer::AdamW || !s.flash {
         return Err(usage(
-            "--profile measures the built-in GPT as it trains today (fp32, AdamW, no activation checkpointing, \
-             scaled_dot_product_attention): drop --precision, --optimizer, --activation-checkpointing and --no-flash, \
-             or plan without --profile",
+            "--profile measures the built-in GPT in fp32 with AdamW and scaled_dot_product_attention (memory savers \
+             included): drop --precision, --optimizer and --no-flash, or plan without --profile",
         ));
     }
     let m = &inputs.model;
@@ -422,6 +431,10 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, S
         bias: m.bias,
         ..cfg.model
     };
+    cfg.memory.loss_chunk_tokens = s.loss_chunk_tokens.map(|n| n as usize);
+    if s.activation_checkpointing && cfg.memory.activation_checkpointing == "none" {
+        cfg.memory.activation_checkpointing = "blocks".into();
+    }
     let problems = config::validate(&cfg);
     if !problems.is_empty() {
         let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
@@ -432,10 +445,12 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, S
     let setup = Setup {
         precision: Precision::Fp32,
         optimizer: Optimizer::AdamW,
-        activation_checkpointing: false,
+        activation_checkpointing: s.activation_checkpointing,
+        checkpoint_blocks: s.checkpoint_blocks,
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
         flash: device.is_cuda() || cfg.model.dropout == 0.0,
         dropout: cfg.model.dropout > 0.0,
+        loss_chunk_tokens: s.loss_chunk_tokens,
         target: if device.is_cuda() { Target::Cuda } else { Target::Cpu },
         gpus: 1,
         cuda_overhead: 0,

@@ -384,17 +384,7 @@ mod tests {
     fn plan_parts() -> (Config, Transformer, Setup) {
         let cfg = Config::default();
         let model = Transformer::from_gpt(&cfg.model);
-        let setup = Setup {
-            precision: super::super::estimate::Precision::Fp32,
-            optimizer: super::super::estimate::Optimizer::AdamW,
-            activation_checkpointing: false,
-            flash: true,
-            dropout: false,
-            target: super::super::estimate::Target::Cpu,
-            gpus: 1,
-            cuda_overhead: 0,
-            fragmentation: 0.0,
-        };
+        let setup = super::super::estimate::fixtures::cpu_fp32_adamw();
         (cfg, model, setup)
     }
 

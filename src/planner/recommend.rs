@@ -168,6 +168,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     if !setup.flash {
         options.push(("flash attention".into(), model.clone(), Setup { flash: true, ..setup.clone() }));
     }
+    let chunk = (model.seq_len / 4).clamp(1, 1024);
+    if setup.loss_chunk_tokens.is_none() && chunk < model.seq_len {
+        let change = format!("chunked loss (memory.loss_chunk_tokens: {chunk})");
+        options.push((change, model.clone(), Setup { loss_chunk_tokens: Some(chunk), ..setup.clone() }));
+    }
     if model.seq_len >= 2 {
         let half = model.seq_len / 2;
         options.push((format!("sequence length {half} instead of {}", model.seq_len), Transformer { seq_len: half, ..model.clone() }, setup.clone()));
@@ -185,6 +190,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     let all = Setup {
         activation_checkpointing: true,
         flash: true,
+        loss_chunk_tokens: setup.loss_chunk_tokens.or(Some(chunk)),
         precision: precisions.last().copied().unwrap_or(setup.precision),
         ..setup.clone()
     };
@@ -196,9 +202,10 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     if best.1 < now {
         out.push(Lever {
             change: format!(
-                "all together: optimizer {}, precision {}, activation checkpointing, flash attention",
+                "all together: optimizer {}, precision {}, activation checkpointing, flash attention, loss in chunks of {} tokens",
                 best.0.name(),
-                all.precision.name()
+                all.precision.name(),
+                all.loss_chunk_tokens.unwrap_or(chunk)
             ),
             saving_bytes: now - best.1,
             total_bytes: best.1,
@@ -295,7 +302,7 @@ mod tests {
         let singles: Vec<_> = r.levers.iter().filter(|l| !l.change.starts_with("all")).collect();
         assert!(singles.windows(2).all(|w| w[0].saving_bytes >= w[1].saving_bytes), "largest saving first");
         let names: Vec<&str> = r.levers.iter().map(|l| l.change.as_str()).collect();
-        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096"] {
+        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096", "chunked loss (memory.loss_chunk_tokens: 1024)"] {
             assert!(names.iter().any(|n| n.starts_with(want)), "{want} missing from {names:?}");
         }
         // The 8-bit optimizer saves 6 of AdamW's 8 bytes per parameter (less the block scales).

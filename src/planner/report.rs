@@ -74,11 +74,16 @@ pub fn render(r: &Report) -> String {
     );
     let _ = writeln!(
         o,
-        "training  {}, {}, {} attention, activation checkpointing {}{}",
+        "training  {}, {}, {} attention, activation checkpointing {}{}{}",
         s.precision.name(),
         s.optimizer.name(),
         if s.flash { "flash" } else { "materialised" },
-        if s.activation_checkpointing { "on" } else { "off" },
+        match (s.activation_checkpointing, s.checkpoint_blocks) {
+            (false, _) => "off".to_string(),
+            (true, k) if k <= 1 => "on (every block)".to_string(),
+            (true, k) => format!("on (segments of {k} blocks)"),
+        },
+        s.loss_chunk_tokens.map_or(String::new(), |c| format!(", loss in chunks of {c} tokens")),
         if s.dropout { ", dropout" } else { "" }
     );
     let batch = match (r.global_batch, r.accumulation) {
@@ -99,13 +104,13 @@ pub fn render(r: &Report) -> String {
             format!(
                 "activations: {} {unit}/layer × {} + {} outside{}",
                 v(e.activations_per_layer),
-                if s.activation_checkpointing { 1 } else { m.layers },
+                if s.activation_checkpointing { m.layers.min(s.checkpoint_blocks.max(1)) } else { m.layers },
                 v(e.activations_outside),
                 if s.activation_checkpointing { " (checkpointed)" } else { "" }
             ),
             v(e.activations),
         ),
-        ("logits (b·s·v, fp32)".into(), v(e.logits)),
+        (if s.loss_chunk_tokens.is_some() { "logits (one chunk × v, fp32)" } else { "logits (b·s·v, fp32)" }.into(), v(e.logits)),
         ("cross-entropy (log-softmax gradients, fp32)".into(), v(e.cross_entropy)),
     ];
     if r.gpus > 1 {

@@ -5,6 +5,27 @@ use crate::ffi;
 use serde::{Deserialize, Serialize};
 use tch::Device;
 
+/// Puts freshly built parameters in the run's precision: bf16-pure casts them to bf16 (so
+/// gradients and optimizer state follow; no fp32 master copy); fp32 on CUDA allows TF32 matmuls
+/// (PyTorch's "high" float32 matmul precision) on Ampere and newer.
+pub fn prepare(params: &[tch::Tensor], p: Precision, device: Device) -> Result<(), tch::TchError> {
+    match p {
+        Precision::Bf16Pure => {
+            let _no_grad = tch::no_grad_guard();
+            for t in params {
+                let bf16 = t.f_to_kind(tch::Kind::BFloat16)?;
+                t.shallow_clone().f_set_data(&bf16)?;
+            }
+        }
+        Precision::Fp32 if device.is_cuda() => match ffi::set_matmul_precision("high") {
+            Ok(()) => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
+            Err(e) => tracing::warn!("cannot allow TF32 matmuls: {e}"),
+        },
+        _ => {}
+    }
+    Ok(())
+}
+
 /// Autocast on while this lives; off again on drop, errors included.
 pub struct Autocast {
     cuda: bool,

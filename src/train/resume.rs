@@ -114,6 +114,7 @@ impl Checkpointer {
                 accumulation: guard.accumulation(),
                 configured_micro_batch: plan.micro_batch,
                 escalation_level: guard.state.level(),
+                regrow: guard.state.regrow_memory(),
             },
             optimizer: OptimizerSnapshot { kind: opt.kind().into(), steps: opt.steps() },
             best_val_loss: progress.best_val.map(|b| b.0),

@@ -1,22 +1,21 @@
 //! The loop: build what a run needs from its plan (resuming from a checkpoint when asked), then
 //! for each optimizer step run the guarded step (gradients → clip → non-finite check → update),
 //! evaluate and checkpoint on schedule, stop cleanly on a signal or time limit, and report.
+use super::agree;
 use super::precision::{Autocast, LossScaler, ScaleChange};
-use super::savers::Savers;
 use super::resume::{check_compatible, corrupt_path, resolve_resume, restore, Checkpointer};
+use super::savers::Savers;
 use super::step::{evaluate, forward_backward, StepData};
+use super::watch::MemoryWatch;
 use crate::checkpoint::retention::Retention;
 use crate::checkpoint::{store, CheckpointError};
-use crate::config::parse_duration;
+use crate::config::{parse_duration, Precision};
 use crate::data::{Corpus, DataError, Sampler, Split};
-use crate::events::{Event, Reporter, RunSummary, StepMetrics};
 use crate::dist::Dist;
-use crate::guard::{classify, unrecovered, ErrorKind, Guard, GuardError, GuardState, OomFailure, StepError};
+use crate::events::{Event, Reporter, RunSummary, StepMetrics};
+use crate::guard::{unrecovered, Guard, GuardError, GuardState, OomFailure, StepError};
 use crate::interrupt::Interrupter;
-use crate::config::{Precision, ThrashAction};
-use crate::memory::detect::{LeakDetector, ThrashDetector};
 use crate::memory::summary::table as memory_summary;
-use crate::memory::telemetry::Telemetry;
 use crate::memory::{apply_limit, LimitError, ProcessMemory};
 use crate::model::Gpt;
 use crate::optim::{clip_grad_norm, LrSchedule, Optimizer, OptimizerSpec};
@@ -140,24 +139,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
     let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let params = model.params.tensors.as_slice();
-    match cfg.precision {
-        Precision::Bf16Pure => {
-            // Weights (and so gradients and optimizer state) in bf16, no fp32 master copy.
-            let _no_grad = tch::no_grad_guard();
-            for p in params {
-                let bf16 = p.f_to_kind(tch::Kind::BFloat16).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-                p.shallow_clone().f_set_data(&bf16).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-            }
-        }
-        Precision::Fp32 if device.is_cuda() => {
-            // TF32 matmuls on Ampere and newer: PyTorch's "high" precision.
-            match crate::ffi::set_matmul_precision("high") {
-                Ok(()) => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
-                Err(e) => tracing::warn!("cannot allow TF32 matmuls: {e}"),
-            }
-        }
-        _ => {}
-    }
+    super::precision::prepare(params, cfg.precision, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let mut scaler = (cfg.precision == Precision::Fp16Mixed).then(|| LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval));
     if let (Some(s), Some(l)) = (&mut scaler, &loaded) {
         if let Some(saved) = l.state.loss_scaler.clone().and_then(|v| serde_json::from_value::<LossScaler>(v).ok()) {
@@ -170,7 +152,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
     let mut progress = Progress::default();
     if let Some(l) = &loaded {
         restore(l, &model, &mut opt)?;
-        state = state.with_current(l.state.guard.micro_batch);
+        state = state.with_current(l.state.guard.micro_batch).with_regrow_memory(l.state.guard.regrow.clone());
         progress = Progress {
             micro_steps: l.state.micro_steps,
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
@@ -219,9 +201,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
     }
 
-    let mut telemetry = Telemetry::new(device);
-    let mut leak = LeakDetector::new(cfg.memory.leak_check_steps, 5);
-    let mut thrash = ThrashDetector::new(3);
+    let mut watch = MemoryWatch::new(cfg, device);
     // faults.leak_graphs: what a leaking training script keeps alive.
     let mut leaked: Vec<tch::Tensor> = Vec::new();
     let mut ckpt = Checkpointer {
@@ -271,29 +251,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
             let autocast = Autocast::enter(cfg.precision, device).map_err(|e| StepError::Fatal(Box::new(e)))?;
             let local = forward_backward(&model, &data, step, micro, &savers, scale, p);
             drop(autocast);
-            let (mut grads, mut loss) = match dist.as_deref_mut() {
-                None => local?,
-                Some(d) => {
-                    // Before the gradient all-reduce every rank says whether it ran out of
-                    // memory: if any did, all drop the attempt and replay it together.
-                    let local_oom = matches!(&local, Err(e) if matches!(classify(&e.to_string()), ErrorKind::OutOfMemory { .. }));
-                    let local = match local {
-                        Err(e) if !local_oom => return Err(e.into()),
-                        other => other,
-                    };
-                    let loss = local.as_ref().map(|l| l.1).unwrap_or(0.0);
-                    let agreed = d.agree(local_oom, loss).map_err(|e| StepError::Fatal(Box::new(e)))?;
-                    if agreed.any_oom {
-                        return Err(match local {
-                            Err(e) => StepError::Torch(e),
-                            Ok(_) => StepError::PeerOutOfMemory,
-                        });
-                    }
-                    let (mut grads, _) = local?;
-                    d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))?;
-                    (grads, agreed.mean_value)
-                }
-            };
+            let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
             if cfg.faults.nonfinite_loss_at_steps.contains(&step) {
                 loss = f64::NAN;
             }
@@ -353,15 +311,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         let is_last = step + 1 == t.max_steps;
         let val_loss = if t.eval_interval > 0 && (step % t.eval_interval == 0 || is_last) {
             let v = guard.run(step, &mut reporter, |micro, p| {
-                let local = evaluate(&model, &data, t.eval_batches, micro, p);
-                let Some(d) = dist.as_deref() else { return Ok(local?) };
-                let local_oom = matches!(&local, Err(e) if matches!(classify(&e.to_string()), ErrorKind::OutOfMemory { .. }));
-                let agreed = d.agree(local_oom, *local.as_ref().unwrap_or(&0.0)).map_err(|e| StepError::Fatal(Box::new(e)))?;
-                match (agreed.any_oom, local) {
-                    (false, _) => Ok(agreed.mean_value),
-                    (true, Err(e)) => Err(StepError::Torch(e)),
-                    (true, Ok(_)) => Err(StepError::PeerOutOfMemory),
-                }
+                agree::validation_loss(evaluate(&model, &data, t.eval_batches, micro, p), dist.as_deref())
             })?;
             if progress.best_val.is_none_or(|(b, _)| v < b) {
                 progress.best_val = Some((v, step + 1));
@@ -375,16 +325,7 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
         // A slowly forgetting maximum of step times (eval included): the time-limit margin.
         slowest_recent = step_started.elapsed().as_secs_f64().max(slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
-        let memory = telemetry.sample();
-        if let Some(message) = Telemetry::leak_figure(&memory).and_then(|b| leak.observe(b)) {
-            reporter.emit(Event::LeakSuspected { step, message });
-        }
-        if memory.alloc_retries.is_some() && thrash.observe(telemetry.total_retries) {
-            let shrink = cfg.oom.on_thrash == ThrashAction::Shrink;
-            let new_micro_batch = if shrink { guard.state.shrink(step) } else { None };
-            let action = if shrink { "shrink" } else { "warn" }.to_string();
-            reporter.emit(Event::ThrashDetected { step, total_retries: telemetry.total_retries, action, new_micro_batch });
-        }
+        let memory = watch.after_step(step, &mut guard.state, &mut reporter);
         reporter.emit(Event::Step(StepMetrics {
             step,
             loss: outcome.loss,

@@ -43,12 +43,15 @@ pub fn read_jsonl(path: &Path) -> Vec<Value> {
     text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}"))).collect()
 }
 
-pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_trainguard")
+/// The binary under test. `TRAINGUARD_BIN` overrides the path cargo baked in, so a test binary
+/// built here can run on a machine without a Rust toolchain (scripts/gpu_checks.sh).
+pub fn bin() -> String {
+    std::env::var("TRAINGUARD_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_trainguard").to_string())
 }
 
+/// The checkout whose configs the tests read; `TRAINGUARD_REPO` overrides it as `bin()`'s does.
 pub fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    std::env::var_os("TRAINGUARD_REPO").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
 
 /// `trainguard train --config <config> --set out_dir=<dir> --set train.threads=1 <sets…>`.

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, for a machine with one (see BENCHMARKS.md, "GPU checks").
+# Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
+# (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
+# one line per part to summary.txt; a failing part does not stop the others.
+#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench savers cap (default: all)
+#   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit,
+#           expandable_segments + NVML, NCCL with one rank, the planner within ±10%
+#   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
+#   bench   scripts/bench_vs_pytorch.sh --device cuda on configs/gpt2-124m.yaml
+#   savers  scripts/bench_savers.sh --device cuda: peak allocated per memory saver
+#   cap     gpt2-124m at micro-batch 64 under memory.limit=16GiB: the guard settles the size
+set -uo pipefail
+source "$(dirname "$0")/tools.sh"
+dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
+"$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench savers cap)
+
+part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and time
+  local name=$1 t0=$SECONDS rc; shift
+  echo "== $name: $*" >&2
+  "$@" >"$dest/$name.log" 2>&1; rc=$?
+  echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$dest/summary.txt" >&2
+}
+
+tests_bin=target/release/gpu-tests
+for p in "${parts[@]}"; do
+  case "$p" in
+    env) part env bash -c "nvidia-smi; '$BIN' env" ;;
+    tests)
+      if [ ! -x "$tests_bin" ]; then bash scripts/gpu_bundle.sh >/dev/null; fi
+      part tests env TRAINGUARD_REPO="$PWD" "$tests_bin" --nocapture --test-threads=1 ;;
+    plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
+    bench) part bench env STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda configs/gpt2-124m.yaml ;;
+    savers) part savers bash scripts/bench_savers.sh --device cuda ;;
+    cap)
+      run_dir=$(mktemp -d)  # not under $dest: the run's checkpoints are gigabytes
+      part cap "$BIN" train --config configs/gpt2-124m.yaml --set device=cuda --set out_dir="$run_dir" \
+        --set train.micro_batch_size=64 --set train.global_batch_size=64 --set train.max_steps=6 \
+        --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set memory.limit=16GiB
+      cp "$run_dir/events.jsonl" "$dest/cap-events.jsonl" 2>/dev/null; rm -rf "$run_dir" ;;
+    *) echo "unknown part '$p' (env tests plan bench savers cap)" >&2; exit 2 ;;
+  esac
+done
+cat "$dest/summary.txt"
