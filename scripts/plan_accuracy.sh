@@ -7,7 +7,7 @@
 #   scripts/plan_accuracy.sh --device cuda   # GPU: the caching allocator's allocated_peak
 #   scripts/plan_accuracy.sh --savers [--device cuda]
 #       gpt2-124m with each memory saver (activation checkpointing by block and in segments of
-#       three, chunked loss, both) instead of the three configs
+#       three, chunked loss, both, the lighter optimizers) instead of the three configs
 #
 # CPU defaults keep it to a few minutes on 2 cores: short sequences, one step per size.
 # Env: THREADS (default: all cores), STEPS (optimizer steps per size; default 1 on CPU, 2 on CUDA).
@@ -32,7 +32,11 @@ if [ "$SAVERS" = yes ]; then
         "checkpointing (blocks)|$g|$seq|$b|memory.activation_checkpointing=blocks"
         "checkpointing (every_n:3)|$g|$seq|$b|memory.activation_checkpointing=every_n:3"
         "blocks + chunked 256|$g|$seq|$b|memory.activation_checkpointing=blocks memory.loss_chunk_tokens=256"
-        "every_n:3 + chunked 256|$g|$seq|$b|memory.activation_checkpointing=every_n:3 memory.loss_chunk_tokens=256")
+        "every_n:3 + chunked 256|$g|$seq|$b|memory.activation_checkpointing=every_n:3 memory.loss_chunk_tokens=256"
+        "sgd|$g|$seq|$b|optimizer.name=sgd"
+        "sgd_momentum|$g|$seq|$b|optimizer.name=sgd_momentum"
+        "adafactor|$g|$seq|$b|optimizer.name=adafactor"
+        "8-bit AdamW|$g|$seq|$b|optimizer.name=adamw8bit")
 elif [ "$DEVICE" = cpu ]; then
   # Sizes on both sides of where activations overtake the gradients (end of backward) as the peak.
   RUNS=("debug|debug.yaml|64 128|8,16,32|" "gpt2-124m|gpt2-124m.yaml|128 256|1,4,8|" "gpt2-350m|gpt2-350m.yaml|64 256|1,2,4|")

@@ -100,6 +100,8 @@ pub enum Precision {
 }
 
 impl Precision {
+    pub const ALL: [Precision; 4] = [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure];
+
     /// Bytes per element of the working weights.
     pub fn weight_bytes(self) -> u64 {
         if self == Precision::Fp32 { 4 } else { 2 }
@@ -117,6 +119,16 @@ impl Precision {
     }
     pub fn activation_bytes(self) -> u64 {
         if self == Precision::Fp32 { 4 } else { 2 }
+    }
+    /// Bytes per element of the residual stream (what the LayerNorms see): autocast runs
+    /// LayerNorm in fp32 and fp32 + bf16 sums stay fp32, so only bf16-pure keeps it in 16 bits.
+    pub fn residual_bytes(self) -> u64 {
+        if self == Precision::Bf16Pure { 2 } else { 4 }
+    }
+    /// Bytes per logit and log-probability: autocast computes log-softmax in fp32; bf16-pure
+    /// stays in bf16.
+    pub fn logit_bytes(self) -> u64 {
+        self.residual_bytes()
     }
     pub fn is_mixed(self) -> bool {
         matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
@@ -311,11 +323,12 @@ fn layout_scale(m: &Transformer) -> u64 {
 /// materialised keeps the softmax output b·a·s²·e (and its dropout output and mask).
 /// In 16-bit with dropout and f = 4h this is s·b·h·(34 + 5·a·s/h) + 16·b·s.
 pub fn layer_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
-    let e = s.precision.activation_bytes();
+    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
     let mask = mask_bytes(s);
     let (seq, h, a) = (m.seq_len, m.hidden, m.heads);
     let sb = seq * b;
-    let dense = sb * (8 * h + 2 * m.ffn) * e;
+    // The two LayerNorm inputs are the residual stream; the rest is matmul and GELU traffic.
+    let dense = sb * (2 * h * r + (6 * h + 2 * m.ffn) * e);
     let masks = if s.dropout { 2 * sb * h * mask } else { 0 };
     let ln_stats = 2 * 2 * sb * 4;
     let attention = if s.flash {
@@ -339,9 +352,9 @@ fn mask_bytes(s: &Setup) -> u64 {
 /// statistics; with a chunked loss only the input), the int64 inputs and targets, the embedding
 /// dropout mask.
 pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
-    let e = s.precision.activation_bytes();
+    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
     let sbh = m.seq_len * b * m.hidden;
-    let mut bytes = 2 * sbh * e + 2 * 4 * m.seq_len * b + 2 * 8 * m.seq_len * b;
+    let mut bytes = sbh * (r + e) + 2 * 4 * m.seq_len * b + 2 * 8 * m.seq_len * b;
     if s.loss_chunk_tokens.is_some() {
         bytes -= sbh * e + 2 * 4 * m.seq_len * b; // the final LayerNorm's output and statistics live per chunk
     }
@@ -349,7 +362,7 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
         bytes += sbh * mask_bytes(s);
     }
     if s.activation_checkpointing {
-        bytes += m.layers.div_ceil(s.segment()) * sbh * e; // each segment's input, kept to recompute it
+        bytes += m.layers.div_ceil(s.segment()) * sbh * r; // each segment's input, kept to recompute it
     }
     bytes
 }
@@ -436,13 +449,13 @@ fn first_segment_backward(m: &Transformer, s: &Setup, micro: u64, gradients: u64
         return 0;
     }
     let k = m.layers.min(s.segment());
-    let e = s.precision.activation_bytes();
+    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
     let tokens = micro * m.seq_len;
     let outside_blocks = (m.vocab + m.seq_len) * m.hidden + m.hidden * (1 + u64::from(m.bias));
     let block_params = m.layout_params().saturating_sub(outside_blocks) / m.layers.max(1);
     // The segment's and wpe's share of the gradients, in the same units (and rounding) as `gradients`.
     let not_yet = (gradients as f64 * (k * block_params + m.seq_len * m.hidden) as f64 / m.layout_params().max(1) as f64) as u64;
-    gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + (m.ffn + 2 * m.hidden) * tokens * e
+    gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + (m.ffn * e + 2 * m.hidden * r) * tokens
 }
 
 /// What one micro-batch adds on top of the states at the moments [`estimate`] compares.
@@ -476,13 +489,13 @@ impl Moments {
         let activations = in_body + outside;
         let tokens = micro * m.seq_len;
         let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));
-        let logits = 4 * chunk * m.vocab;
+        let logits = p.logit_bytes() * chunk * m.vocab;
         let cross_entropy = 2 * logits;
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
         let head_grad = m.vocab * m.hidden * p.grad_bytes();
         let tied = layout_scale(m);
-        let mut block_backward = (m.ffn + m.hidden) * tokens * p.activation_bytes();
+        let mut block_backward = (m.ffn * p.activation_bytes() + m.hidden * p.residual_bytes()) * tokens;
         let (head, embedding_grad_transient) = if s.split_backward() {
             // Chunk after chunk: log-probabilities and their two gradients, then the chunk's
             // logit gradient with the head's new weight gradient, each next to the gradient
@@ -490,7 +503,7 @@ impl Moments {
             // hidden state's size. Afterwards the head's gradient and the hidden state's are
             // held through the body's backward.
             let later = u64::from(chunk < tokens);
-            let hidden_grad = tokens * m.hidden * p.activation_bytes();
+            let hidden_grad = tokens * m.hidden * p.residual_bytes();
             block_backward += head_grad + hidden_grad;
             ((3 * logits + later * head_grad).max(logits + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
         } else {
@@ -611,7 +624,8 @@ mod tests {
     #[test]
     fn korthikanti_activations_in_16_bit_with_dropout_and_materialised_attention() {
         let m = gpt2();
-        let s = Setup { dropout: true, flash: false, target: Target::Cuda, ..setup(Precision::Bf16Mixed, Optimizer::AdamW) };
+        // Everything in 16 bits, the residual stream included, as in Megatron's accounting.
+        let s = Setup { dropout: true, flash: false, target: Target::Cuda, ..setup(Precision::Bf16Pure, Optimizer::AdamW) };
         let (seq, b, h, a) = (1024u64, 4u64, 768u64, 12u64);
         // s·b·h·(34 + 5·a·s/h) plus the fp32 LayerNorm statistics (2 norms × mean, rstd).
         let korthikanti = seq * b * h * 34 + 5 * a * seq * seq * b;
@@ -619,6 +633,9 @@ mod tests {
         // Flash keeps the fp32 log-sum-exp instead of the b·a·s² scores.
         let flash = Setup { flash: true, ..s.clone() };
         assert_eq!(layer_activations(&m, &flash, b), seq * b * h * 34 + 4 * b * a * seq + 16 * b * seq);
+        // Under autocast the residual stream stays fp32: the two LayerNorm inputs take 4 bytes.
+        let mixed = Setup { precision: Precision::Bf16Mixed, ..s.clone() };
+        assert_eq!(layer_activations(&m, &mixed, b), korthikanti + 16 * b * seq + 2 * 2 * seq * b * h);
     }
 
     #[test]

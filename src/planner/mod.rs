@@ -241,19 +241,8 @@ impl Inputs {
         };
         check_model(&model)?;
 
-        let from_config_precision = config.as_ref().map(|c| match c.precision {
-            config::Precision::Fp32 => Precision::Fp32,
-            config::Precision::Bf16Mixed => Precision::Bf16Mixed,
-            config::Precision::Fp16Mixed => Precision::Fp16Mixed,
-            config::Precision::Bf16Pure => Precision::Bf16Pure,
-        });
-        let from_config_optimizer = config.as_ref().map(|c| match c.optimizer.name {
-            config::OptimizerName::Adamw => Optimizer::AdamW,
-            config::OptimizerName::Sgd => Optimizer::Sgd,
-            config::OptimizerName::SgdMomentum => Optimizer::SgdMomentum,
-            config::OptimizerName::Adafactor => Optimizer::Adafactor,
-            config::OptimizerName::Adamw8bit => Optimizer::AdamW8bit,
-        });
+        let from_config_precision = config.as_ref().map(|c| Precision::ALL.into_iter().find(|&p| config_precision(p) == c.precision).unwrap_or(Precision::Fp32));
+        let from_config_optimizer = config.as_ref().map(|c| Optimizer::ALL.into_iter().find(|&o| config_optimizer(o) == c.optimizer.name).unwrap_or_default());
         let config_segment = match config.as_ref().map(|c| config::Checkpointing::parse(&c.memory.activation_checkpointing)) {
             Some(Ok(config::Checkpointing::Every(k))) => Some(k as u64),
             _ => None,
@@ -407,13 +396,33 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
     }
 }
 
+/// The config's name for a planner optimizer (training builds it from this).
+fn config_optimizer(o: Optimizer) -> config::OptimizerName {
+    match o {
+        Optimizer::AdamW => config::OptimizerName::Adamw,
+        Optimizer::Sgd => config::OptimizerName::Sgd,
+        Optimizer::SgdMomentum => config::OptimizerName::SgdMomentum,
+        Optimizer::Adafactor => config::OptimizerName::Adafactor,
+        Optimizer::AdamW8bit => config::OptimizerName::Adamw8bit,
+    }
+}
+
+/// The config's name for a planner precision.
+fn config_precision(p: Precision) -> config::Precision {
+    match p {
+        Precision::Fp32 => config::Precision::Fp32,
+        Precision::Bf16Mixed => config::Precision::Bf16Mixed,
+        Precision::Fp16Mixed => config::Precision::Fp16Mixed,
+        Precision::Bf16Pure => config::Precision::Bf16Pure,
+    }
+}
+
 /// The config, device and comparison setup a profile runs with.
 fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, Setup), PlannerError> {
     let s = &inputs.setup;
-    if s.precision != Precision::Fp32 || s.optimizer != Optimizer::AdamW || !s.flash {
+    if !s.flash {
         return Err(usage(
-            "--profile measures the built-in GPT in fp32 with AdamW and scaled_dot_product_attention (memory savers \
-             included): drop --precision, --optimizer and --no-flash, or plan without --profile",
+            "--profile measures the built-in GPT, which uses scaled_dot_product_attention: drop --no-flash, or plan without --profile",
         ));
     }
     let m = &inputs.model;
@@ -432,6 +441,8 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, S
         ..cfg.model
     };
     cfg.memory.loss_chunk_tokens = s.loss_chunk_tokens.map(|n| n as usize);
+    cfg.optimizer.name = config_optimizer(s.optimizer);
+    cfg.precision = config_precision(s.precision);
     if s.activation_checkpointing && cfg.memory.activation_checkpointing == "none" {
         cfg.memory.activation_checkpointing = "blocks".into();
     }
@@ -443,8 +454,8 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, S
     let spec = args.device.clone().unwrap_or_else(|| cfg.device.clone());
     let device = crate::plan::resolve_device(&spec, tch::Cuda::device_count().max(0) as usize, 0).map_err(|e| usage(format!("--device: {e}")))?;
     let setup = Setup {
-        precision: Precision::Fp32,
-        optimizer: Optimizer::AdamW,
+        precision: s.precision,
+        optimizer: s.optimizer,
         activation_checkpointing: s.activation_checkpointing,
         checkpoint_blocks: s.checkpoint_blocks,
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.

@@ -1,9 +1,10 @@
-//! `--profile`: measures what the estimate predicts. Builds the real model and optimizer on the
-//! device, runs a few real steps (forward, backward, clipping, AdamW) at each micro-batch inside
-//! the OOM guard (`oom.policy: fail`, so an out-of-memory is an answer — "does not fit" — never a
-//! crash), reads the peak, and fits fixed + per-sample cost by least squares. Without an explicit
-//! list of sizes it finds the largest micro-batch that fits by measurement: doubling, then
-//! bisection, within the safety margin.
+//! `--profile`: measures what the estimate predicts. Builds the real model and the configured
+//! optimizer on the device, runs a few real steps (forward, backward, clipping, update) at each
+//! micro-batch inside the OOM guard (`oom.policy: fail`, so an out-of-memory is an answer —
+//! "does not fit" — never a crash), with the config's memory savers, reads the peak, and fits
+//! fixed + per-sample cost by least squares. Without an explicit list of sizes it finds the
+//! largest micro-batch that fits by measurement: doubling, then bisection, within the safety
+//! margin.
 //!
 //! What "peak" means:
 //! - CUDA: the caching allocator's `allocated_peak` (reset before each size) above what was
@@ -25,10 +26,11 @@ use crate::config::{Config, OomPolicy};
 use crate::data::{Corpus, DataError, Sampler};
 use crate::events::Reporter;
 use crate::ffi::{self, ShimError};
-use crate::guard::{Guard, GuardError, GuardState};
+use crate::guard::{Guard, GuardError, GuardState, StepError};
 use crate::memory::{self, LimitError, ProcessMemory};
 use crate::model::Gpt;
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::optim::{clip_grad_norm, Optimizer, OptimizerSpec};
+use crate::train::precision::{self, Autocast};
 use crate::train::{forward_backward, StepData};
 use serde::{Deserialize, Serialize};
 use tch::{Device, TchError};
@@ -159,7 +161,7 @@ fn mem_available() -> Option<u64> {
 /// A model, its optimizer and the corpus, built once; sizes are measured one after another.
 pub struct Session {
     model: Gpt,
-    opt: AdamW,
+    opt: Optimizer,
     corpus: Corpus,
     config: Config,
     device: Device,
@@ -169,7 +171,7 @@ pub struct Session {
 
 impl Session {
     /// Caps memory at `cap` (the allocator then fails there and the guard reports it), warms
-    /// libtorch up, records the baseline, builds the model and AdamW.
+    /// libtorch up, records the baseline, builds the model and its optimizer.
     pub fn open(config: &Config, device: Device, cap: u64) -> Result<Self, ProfileError> {
         if let Some(n) = config.train.threads {
             tch::set_num_threads(n as i32);
@@ -190,7 +192,8 @@ impl Session {
             let mut small = config.model.clone();
             small.n_layer = 1;
             let model = Gpt::new(&small, config.seed, device)?;
-            let mut opt = AdamW::new(adamw_config(config), &model.params.tensors, &model.params.decay, device)?;
+            precision::prepare(&model.params.tensors, config.precision, device)?;
+            let mut opt = new_optimizer(config, &model, device)?;
             if steps(&model, &mut opt, &corpus, config, device, 1, 1)?.is_none() {
                 tracing::warn!("profile: the warm-up step ran out of memory");
             }
@@ -207,7 +210,8 @@ impl Session {
             _ => (ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?.rss_bytes, 0),
         };
         let model = Gpt::new(m, config.seed, device)?;
-        let opt = AdamW::new(adamw_config(config), &model.params.tensors, &model.params.decay, device)?;
+        precision::prepare(&model.params.tensors, config.precision, device)?;
+        let opt = new_optimizer(config, &model, device)?;
         Ok(Self { model, opt, corpus, config: config.clone(), device, baseline, used_before })
     }
 
@@ -232,14 +236,14 @@ impl Session {
     }
 }
 
-fn adamw_config(config: &Config) -> AdamWConfig {
-    let t = &config.train;
-    AdamWConfig { beta1: t.beta1, beta2: t.beta2, eps: t.eps, weight_decay: t.weight_decay, fused: config.optimizer.fused }
+/// The config's optimizer, as training builds it.
+fn new_optimizer(config: &Config, model: &Gpt, device: Device) -> Result<Optimizer, TchError> {
+    Optimizer::new(&OptimizerSpec::from_config(&config.optimizer, &config.train), &model.params.tensors, &model.params.decay, device)
 }
 
-/// `n` optimizer steps (forward, backward, clipping, AdamW) at micro-batch `micro`, each inside
+/// `n` optimizer steps (forward, backward, clipping, update) at micro-batch `micro`, each inside
 /// the guard with `oom.policy: fail`. `None`: out of memory (caught, everything freed).
-fn steps(model: &Gpt, opt: &mut AdamW, corpus: &Corpus, config: &Config, device: Device, micro: u64, n: u64) -> Result<Option<()>, ProfileError> {
+fn steps(model: &Gpt, opt: &mut Optimizer, corpus: &Corpus, config: &Config, device: Device, micro: u64, n: u64) -> Result<Option<()>, ProfileError> {
     let rank_batch = (micro * ACCUMULATION) as usize;
     let data = StepData { corpus, sampler: Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_start: 0, rank_batch };
     let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
@@ -248,7 +252,9 @@ fn steps(model: &Gpt, opt: &mut AdamW, corpus: &Corpus, config: &Config, device:
     let savers = crate::train::savers::Savers::from_config(&config.memory);
     for step in 0..n {
         let outcome = guard.run(step, &mut reporter, |m, progress| {
+            let autocast = Autocast::enter(config.precision, device).map_err(|e| StepError::Fatal(Box::new(e)))?;
             let (mut grads, _) = forward_backward(model, &data, step, m, &savers, 1.0, progress)?;
+            drop(autocast);
             clip_grad_norm(&mut grads, t.grad_clip)?;
             Ok(opt.step(params, &grads, t.lr)?)
         });

@@ -95,6 +95,7 @@ pub fn render(r: &Report) -> String {
     // One unit for the whole table: GiB for real models, MiB for toys.
     let (unit, div) = if e.total as f64 >= GIB { ("GiB", GIB) } else { ("MiB", MIB) };
     let v = |b: u64| if b == 0 { "—".to_string() } else { format!("{:.3}", b as f64 / div) };
+    let dtype = if s.precision.logit_bytes() == 4 { "fp32" } else { "bf16" };
     let mut rows: Vec<(String, String)> = vec![
         (format!("weights ({})", if s.precision.weight_bytes() == 4 { "fp32" } else { "16-bit" }), v(e.weights)),
         ("fp32 master weights".into(), v(e.master_weights)),
@@ -110,8 +111,8 @@ pub fn render(r: &Report) -> String {
             ),
             v(e.activations),
         ),
-        (if s.loss_chunk_tokens.is_some() { "logits (one chunk × v, fp32)" } else { "logits (b·s·v, fp32)" }.into(), v(e.logits)),
-        ("cross-entropy (log-softmax gradients, fp32)".into(), v(e.cross_entropy)),
+        (format!("logits ({}, {dtype})", if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }), v(e.logits)),
+        (format!("cross-entropy (log-softmax gradients, {dtype})"), v(e.cross_entropy)),
     ];
     if r.gpus > 1 {
         rows.push(("data-parallel gradient buckets".into(), v(e.dp_buffers)));
