@@ -266,24 +266,28 @@ pub struct Estimate {
     /// plus what lies outside them.
     pub activations: u64,
     /// Outside the blocks: final LayerNorm, input tokens, embedding dropout mask; with
-    /// checkpointing also every block's saved input.
+    /// checkpointing also every segment's saved input.
     pub activations_outside: u64,
-    /// b·s·v fp32 logits (or the log-probabilities that replace them).
+    /// b·s·v logits (or the log-probabilities that replace them), fp32 except in bf16-pure;
+    /// one chunk's with a chunked loss.
     pub logits: u64,
-    /// Cross-entropy's fp32 gradient buffers alive with the log-probabilities at the start of
-    /// backward: 2·4·b·s·v.
+    /// Cross-entropy's two gradient buffers alive with the log-probabilities at the start of
+    /// backward: twice `logits`.
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
     /// Backward through the last block, after logits and cross-entropy are freed: the MLP's
-    /// widest gradients (GELU input and output, f·s·b) and the residual stream's (h·s·b).
+    /// widest gradients (GELU input and output, f·s·b) and the residual stream's (h·s·b); with
+    /// a saver on also the head's gradient and the hidden state's, held meanwhile.
     pub block_backward_transient: u64,
     /// End of backward: the tied token embedding's gradient arrives in two parts (from the head
-    /// and from the embedding) that autograd sums out of place: 2·v·h extra gradient elements.
+    /// and from the embedding) that autograd sums out of place: 2·v·h extra gradient elements
+    /// (v·h with a saver on: trainguard adds the second in place).
     pub embedding_grad_transient: u64,
     /// Which moment sets the peak: `start of backward` (activations, logits, cross-entropy),
-    /// `last block's backward` (activations and that block's gradients; small vocabularies) or
-    /// `end of backward` (gradients complete).
+    /// `last block's backward` (activations and that block's gradients; small vocabularies),
+    /// `end of backward` (gradients complete) or, checkpointed, `first blocks' recomputed
+    /// backward` (every later gradient held).
     pub peak_phase: &'static str,
     /// Peak of what the allocator hands out (what `allocated_peak` measures).
     pub peak_allocated: u64,
