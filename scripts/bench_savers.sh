@@ -2,8 +2,9 @@
 # Memory savers, each measured: a GPT-2-124M-shaped model (12 × 768, vocab 50257) on this
 # machine's CPU, sequence 256 and micro-batch 4 (1024 tokens a step) so a CPU finishes in
 # minutes. For each switch: the process's peak resident memory above start-up (the CPU
-# analogue of peak allocated, with glibc set as under memory.limit), tokens/s, both relative to the fp32 baseline, and
-# `trainguard plan`'s estimate of peak allocated for the same switch with its error.
+# analogue of peak allocated, with glibc set as under memory.limit), tokens/s, both relative
+# to the fp32 baseline, and `trainguard plan`'s estimate of peak allocated for the same switch
+# with its error.
 # On a GPU (`--device cuda`) the memory column is the caching allocator's peak allocated over
 # the measured steps (the figure the planner estimates), not an analogue.
 # Usage: scripts/bench_savers.sh [--device cpu|cuda]   (env STEPS=3 THREADS=$(nproc))

@@ -243,9 +243,14 @@ impl Setup {
         self.activation_checkpointing || self.loss_chunk_tokens.is_some()
     }
 
-    /// Blocks whose activations exist at once in a checkpointed backward.
+    /// Blocks per checkpointed segment (at least one).
     fn segment(&self) -> u64 {
         self.checkpoint_blocks.max(1)
+    }
+
+    /// Blocks whose activations exist at once in a checkpointed backward: one segment.
+    pub fn recomputed_blocks(&self, m: &Transformer) -> u64 {
+        m.layers.min(self.segment())
     }
 }
 
@@ -358,9 +363,9 @@ fn mask_bytes(s: &Setup) -> u64 {
 pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
     let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
     let sbh = m.seq_len * b * m.hidden;
-    let mut bytes = sbh * (r + e) + 2 * 4 * m.seq_len * b + 2 * 8 * m.seq_len * b;
-    if s.loss_chunk_tokens.is_some() {
-        bytes -= sbh * e + 2 * 4 * m.seq_len * b; // the final LayerNorm's output and statistics live per chunk
+    let mut bytes = sbh * r + 2 * 8 * m.seq_len * b;
+    if s.loss_chunk_tokens.is_none() {
+        bytes += sbh * e + 2 * 4 * m.seq_len * b; // the final LayerNorm's output and statistics (per chunk when chunked)
     }
     if s.dropout {
         bytes += sbh * mask_bytes(s);
@@ -452,7 +457,7 @@ fn first_segment_backward(m: &Transformer, s: &Setup, micro: u64, gradients: u64
     if !s.activation_checkpointing {
         return 0;
     }
-    let k = m.layers.min(s.segment());
+    let k = s.recomputed_blocks(m);
     let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
     let tokens = micro * m.seq_len;
     let outside_blocks = (m.vocab + m.seq_len) * m.hidden + m.hidden * (1 + u64::from(m.bias));
@@ -487,7 +492,7 @@ impl Moments {
         // Checkpointing: no block's activations during the head's backward, one segment's
         // (recomputed) during the body's.
         let (in_head, in_body) = match s.activation_checkpointing {
-            true => (0, m.layers.min(s.segment()) * per_layer),
+            true => (0, s.recomputed_blocks(m) * per_layer),
             false => (m.layers * per_layer, m.layers * per_layer),
         };
         let activations = in_body + outside;

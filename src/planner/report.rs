@@ -105,7 +105,7 @@ pub fn render(r: &Report) -> String {
             format!(
                 "activations: {} {unit}/layer × {} + {} outside{}",
                 v(e.activations_per_layer),
-                if s.activation_checkpointing { m.layers.min(s.checkpoint_blocks.max(1)) } else { m.layers },
+                if s.activation_checkpointing { s.recomputed_blocks(m) } else { m.layers },
                 v(e.activations_outside),
                 if s.activation_checkpointing { " (checkpointed)" } else { "" }
             ),
