@@ -21,6 +21,12 @@ pub fn accumulation(global: usize, micro: usize, world: usize) -> Result<usize, 
     Ok(global / (micro * world))
 }
 
+/// Sequences per rank when `global` is split over `world` ranks: every rank takes an equal share,
+/// so `world` must divide `global`.
+pub fn rank_share(global: usize, world: usize) -> Option<usize> {
+    (world > 0 && global % world == 0).then(|| global / world)
+}
+
 /// The micro-batches of a per-rank batch of `n` sequences at micro-batch `micro`, as index
 /// ranges into that batch. All but the last are exactly `micro` long.
 pub fn split(n: usize, micro: usize) -> Vec<Range<usize>> {
@@ -52,6 +58,13 @@ mod tests {
         assert!(e.contains("30 is not divisible"), "{e}");
         assert!(accumulation(32, 8, 3).is_err());
         assert!(accumulation(32, 0, 1).is_err());
+    }
+
+    #[test]
+    fn ranks_take_equal_shares() {
+        assert_eq!(rank_share(32, 4), Some(8));
+        assert_eq!(rank_share(30, 4), None);
+        assert_eq!(rank_share(30, 0), None);
     }
 
     #[test]

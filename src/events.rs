@@ -92,14 +92,58 @@ pub enum Event {
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
     LeakSuspected { step: u64, message: String },
     /// fp16 loss scaling: `overflow` (update skipped, scale backed off) or `growth`.
-    LossScaleChanged { step: u64, scale: f64, reason: String },
+    LossScaleChanged { step: u64, scale: f64, reason: LossScaleReason },
     /// Allocation retries rose step after step; `action`: `warn` or `shrink`.
     ThrashDetected { step: u64, total_retries: i64, action: String, new_micro_batch: Option<usize> },
-    /// The run stops before max_steps: `signal`, `time_limit`, `nonfinite`, `out_of_memory`.
-    Stopped { step: u64, reason: String, checkpoint: Option<String> },
+    /// The run stops before max_steps (see [`StopReason`]).
+    Stopped { step: u64, reason: StopReason, checkpoint: Option<String> },
     /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
     RanksCompared { world_size: usize, checksum_spread: f64 },
     RunFinished(RunSummary),
+}
+
+/// Why a run stopped before `train.max_steps` (`events.jsonl` spells it in snake_case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// SIGINT/SIGTERM (or `faults.interrupt_at_step`).
+    Signal,
+    /// `train.max_duration` would be passed before the next step and checkpoint end.
+    TimeLimit,
+    /// Another rank is stopping: every rank stops at the same step.
+    PeerStop,
+    /// `nan.max_consecutive` non-finite updates in a row.
+    Nonfinite,
+    /// Out of memory even at the smallest micro-batch.
+    OutOfMemory,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Signal => "signal",
+            StopReason::TimeLimit => "time_limit",
+            StopReason::PeerStop => "peer_stop",
+            StopReason::Nonfinite => "nonfinite",
+            StopReason::OutOfMemory => "out_of_memory",
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why the fp16 loss scale changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossScaleReason {
+    /// Gradients overflowed: update skipped, scale backed off.
+    Overflow,
+    /// `train.loss_scale_growth_interval` clean steps in a row.
+    Growth,
 }
 
 pub struct Reporter {
@@ -229,9 +273,9 @@ impl Reporter {
             Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
                 tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
             }
-            Event::LossScaleChanged { step, scale, reason } => match reason.as_str() {
-                "overflow" => tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale lowered to {scale}"),
-                _ => tracing::info!("step {step}: loss scale raised to {scale}"),
+            Event::LossScaleChanged { step, scale, reason } => match reason {
+                LossScaleReason::Overflow => tracing::warn!("step {step}: fp16 gradients overflowed: update skipped, loss scale lowered to {scale}"),
+                LossScaleReason::Growth => tracing::info!("step {step}: loss scale raised to {scale}"),
             },
             Event::LeakSuspected { step, message } => tracing::warn!("step {step}: possible memory leak: {message}"),
             Event::ThrashDetected { step, total_retries, action, new_micro_batch } => {

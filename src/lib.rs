@@ -1,6 +1,6 @@
 //! trainguard: a training runtime on libtorch whose runs do not die of "CUDA out of memory".
 //!
-//! Data flows one way: YAML + `--set` → [`config`] → [`plan`] → [`train`] → [`events`] → sinks.
+//! Data flows one way: YAML + `--set` → [`config`] → [`run_plan`] → [`train`] → [`events`] → sinks.
 pub mod batch;
 pub mod checkpoint;
 pub mod cli;
@@ -17,6 +17,7 @@ pub mod logging;
 pub mod memory;
 pub mod model;
 pub mod optim;
-pub mod plan;
+pub mod run_plan;
+pub mod step;
 pub mod planner;
 pub mod train;

@@ -1,10 +1,11 @@
-//! CLI entry: parse, run, map the error chain to a documented exit code (see `exit`).
+//! CLI entry: parse, run, map the error chain to a documented exit code (the codes are in
+//! `trainguard::exit`; the mapping lives here, the one place that sees every error type).
 use anyhow::Context;
 use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::interrupt::Interrupter;
 use trainguard::train::Resume;
-use trainguard::{config, dist, exit, plan, train};
+use trainguard::{config, dist, exit, run_plan, train};
 
 fn main() {
     trainguard::logging::init();
@@ -17,7 +18,7 @@ fn main() {
     };
     if let Err(err) = result {
         report(&err);
-        let code = exit::code_for(&err);
+        let code = exit_code(&err);
         // Under torchrun: tell the agent the real cause.
         if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
             let kind = exit::kind_name(code);
@@ -42,7 +43,7 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let launch = dist::from_process_env()?;
-    let plan = plan::RunPlan::build(cfg, plan::Environment::detect(launch.as_ref()))?;
+    let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
     let restarted = launch.as_ref().is_some_and(|l| l.restart_count > 0);
     let resume = match args.resume.as_deref() {
         Some("auto") => Resume::Auto,
@@ -81,7 +82,7 @@ fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
 
 /// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change.
 fn report(err: &anyhow::Error) {
-    if let Some(f) = err.chain().find_map(exit::oom_in) {
+    if let Some(f) = err.chain().find_map(oom_in) {
         eprintln!("error: {}", f.advice());
         return;
     }
@@ -92,5 +93,46 @@ fn report(err: &anyhow::Error) {
     eprintln!("error: {}", lines.next().unwrap_or_default());
     for l in lines.take_while(|l| !l.starts_with("Exception raised from")).take(20) {
         eprintln!("{l}");
+    }
+}
+
+/// The exit code for an error chain: the first cause that names one decides.
+fn exit_code(err: &anyhow::Error) -> i32 {
+    use trainguard::train::TrainError;
+    for cause in err.chain() {
+        if cause.is::<config::ConfigError>()
+            || cause.is::<run_plan::PlanError>()
+            || cause.is::<trainguard::memory::allocator::AllocatorError>()
+            || cause.is::<dist::EnvError>()
+            || matches!(cause.downcast_ref::<dist::DistError>(), Some(dist::DistError::Backend(_)))
+        {
+            return exit::CONFIG;
+        }
+        if cause.downcast_ref::<trainguard::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
+            return exit::CONFIG;
+        }
+        if oom_in(cause).is_some() {
+            return exit::OUT_OF_MEMORY;
+        }
+        match cause.downcast_ref::<TrainError>() {
+            Some(TrainError::Interrupted { .. }) => return exit::INTERRUPTED,
+            Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
+            // A checkpoint named on the command line that cannot be used, or a model that
+            // differs from the checkpoint's: the user's input is wrong.
+            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_)) => return exit::CONFIG,
+            _ => {}
+        }
+    }
+    exit::FAILURE
+}
+
+/// The unrecoverable out-of-memory behind an error, wherever it sits in the chain.
+fn oom_in<'a>(cause: &'a (dyn std::error::Error + 'static)) -> Option<&'a trainguard::guard::OomFailure> {
+    if let Some(t) = cause.downcast_ref::<train::TrainError>() {
+        return t.oom();
+    }
+    match cause.downcast_ref::<trainguard::guard::GuardError>() {
+        Some(trainguard::guard::GuardError::OutOfMemory(f)) => Some(f),
+        _ => None,
     }
 }

@@ -7,7 +7,7 @@ use tch::{Device, Kind, Tensor};
 use trainguard::config::{ModelConfig, OptimizerName};
 use trainguard::model::Gpt;
 use trainguard::optim::{Optimizer, OptimizerSpec};
-use trainguard::planner::estimate::Optimizer as Estimate;
+use trainguard::planner::estimate::OptimizerState;
 
 /// Every optimizer, AdamW on both of its paths.
 const ALL: [(OptimizerName, bool); 6] = [
@@ -171,16 +171,6 @@ fn adamw8bit_tracks_fp32_adamw_with_a_quarter_of_the_state() {
     assert!((0.25..0.27).contains(&ratio), "{ratio}");
 }
 
-fn planner_name(name: OptimizerName) -> Estimate {
-    match name {
-        OptimizerName::Adamw => Estimate::AdamW,
-        OptimizerName::Sgd => Estimate::Sgd,
-        OptimizerName::SgdMomentum => Estimate::SgdMomentum,
-        OptimizerName::Adafactor => Estimate::Adafactor,
-        OptimizerName::Adamw8bit => Estimate::AdamW8bit,
-    }
-}
-
 /// State bytes of each optimizer for `model`, the planner's estimate from the same shapes, and
 /// the device scratch the update uses besides (fused AdamW and SGD have none).
 fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
@@ -191,7 +181,7 @@ fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
         .map(|name| {
             // Fused AdamW: no scratch the size of the embedding.
             let opt = Optimizer::new(&spec(name, true), &p.tensors, &p.decay, Device::Cpu).unwrap();
-            let estimate = p.tensors.iter().map(|t| planner_name(name).state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4)).sum();
+            let estimate = p.tensors.iter().map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4)).sum();
             let scratch = match &opt {
                 Optimizer::Adafactor(a) => a.scratch_bytes(),
                 Optimizer::AdamW8bit(a) => a.scratch_bytes(),

@@ -359,3 +359,29 @@ fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
     assert_eq!(std::fs::read_to_string(&cfg).unwrap(), original);
     assert!(!dir.path().join("gpt2.yaml.bak").exists());
 }
+
+/// `--profile` measures training's own step: with fp16-mixed it scales the loss and backs the
+/// scale off on an overflow, and it skips a non-finite update, exactly as `train` does with the
+/// same config (the same injected faults, the same counts, the same final loss scale).
+#[test]
+fn profile_runs_the_training_step_with_loss_scaling_and_the_non_finite_check() {
+    let sets = ["precision=fp16-mixed", "faults.fp16_overflow_at_steps=[0]", "faults.nonfinite_loss_at_steps=[1]"];
+    let mut args = vec!["--profile", "--json", "--micro-batches", "1", "--profile-steps", "3"];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let run = plan(&args);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    let steps = json(&run)["profile"]["points"][0]["steps"].clone();
+    assert_eq!((steps["applied"].as_u64(), steps["skipped"].as_u64()), (Some(1), Some(2)), "{steps}");
+    assert_eq!(steps["loss_scale"].as_f64(), Some(32768.0), "65536 backed off once by the overflow: {steps}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut train_sets = vec!["train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0"];
+    train_sets.extend(sets);
+    let trained = train(dir.path(), "configs/debug.yaml", &train_sets).ok();
+    let backoffs: Vec<f64> = trained.events_of("loss_scale_changed").iter().filter(|e| e["reason"] == "overflow").map(|e| e["scale"].as_f64().unwrap()).collect();
+    assert_eq!(backoffs, [32768.0], "training backs off the same way");
+    let skipped: Vec<u64> = trained.events_of("nonfinite_skipped").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(skipped, [1], "training skips the same non-finite update (the overflow is the scaler's, not a bad batch)");
+}

@@ -154,19 +154,36 @@ impl Default for TrainConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 pub enum Precision {
+    /// Everything in fp32 (TF32 matmuls on CUDA).
     #[serde(rename = "fp32")]
+    #[value(name = "fp32")]
     Fp32,
     /// Autocast to bf16, fp32 master weights and optimizer state.
     #[serde(rename = "bf16-mixed")]
+    #[value(name = "bf16-mixed")]
     Bf16Mixed,
     /// Autocast to fp16 with dynamic loss scaling, fp32 master weights and optimizer state.
     #[serde(rename = "fp16-mixed")]
+    #[value(name = "fp16-mixed")]
     Fp16Mixed,
     /// Weights, gradients and optimizer state in bf16.
     #[serde(rename = "bf16-pure")]
+    #[value(name = "bf16-pure")]
     Bf16Pure,
+}
+
+impl Precision {
+    /// The name configs and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Fp16Mixed => "fp16-mixed",
+            Precision::Bf16Pure => "bf16-pure",
+        }
+    }
 }
 
 /// The optimizer. Its betas, eps and weight decay are `train.*`.
@@ -186,14 +203,33 @@ impl Default for OptimizerConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerName {
+    #[default]
+    #[value(name = "adamw")]
     Adamw,
+    #[value(name = "sgd")]
     Sgd,
+    #[value(name = "sgd_momentum", alias = "sgd-momentum")]
     SgdMomentum,
+    #[value(name = "adafactor")]
     Adafactor,
+    #[value(name = "adamw8bit", alias = "adamw-8bit")]
     Adamw8bit,
+}
+
+impl OptimizerName {
+    /// The name configs and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerName::Adamw => "adamw",
+            OptimizerName::Sgd => "sgd",
+            OptimizerName::SgdMomentum => "sgd_momentum",
+            OptimizerName::Adafactor => "adafactor",
+            OptimizerName::Adamw8bit => "adamw8bit",
+        }
+    }
 }
 
 /// What the OOM guard does when a step runs out of memory.

@@ -84,115 +84,85 @@ impl Transformer {
     }
 }
 
-/// How weights, gradients, optimizer state and activations are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Precision {
-    /// Everything in fp32 (what trainguard trains in today).
-    Fp32,
-    /// Autocast to bf16: fp32 parameters are the master copy, 16-bit copies of the weights live
-    /// through forward and backward, gradients land on the fp32 parameters.
-    Bf16Mixed,
-    /// As bf16-mixed with fp16 (and a loss scaler, whose state is negligible).
-    Fp16Mixed,
-    /// Parameters, gradients and optimizer state all in bf16 (no master copy).
-    Bf16Pure,
+pub use crate::config::{OptimizerName, Precision};
+
+/// The precisions the recommendation compares, in the order it lists them.
+pub const PRECISIONS: [Precision; 4] = [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure];
+/// The optimizers the recommendation compares, most memory first.
+pub const OPTIMIZERS: [OptimizerName; 5] = [OptimizerName::Adamw, OptimizerName::Adamw8bit, OptimizerName::Adafactor, OptimizerName::SgdMomentum, OptimizerName::Sgd];
+
+/// How a precision stores weights, gradients, optimizer state and activations, in bytes per
+/// element. bf16-mixed / fp16-mixed: fp32 parameters are the master copy, 16-bit copies of the
+/// weights live through forward and backward, gradients land on the fp32 parameters; bf16-pure:
+/// parameters, gradients and optimizer state all in bf16, no master copy.
+pub trait PrecisionBytes: Copy {
+    fn weight_bytes(self) -> u64;
+    fn master_bytes(self) -> u64;
+    fn grad_bytes(self) -> u64;
+    fn state_bytes(self) -> u64;
+    fn activation_bytes(self) -> u64;
+    fn residual_bytes(self) -> u64;
+    fn logit_bytes(self) -> u64;
+    fn is_mixed(self) -> bool;
 }
 
-impl Precision {
-    pub const ALL: [Precision; 4] = [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure];
-
+impl PrecisionBytes for Precision {
     /// Bytes per element of the working weights.
-    pub fn weight_bytes(self) -> u64 {
+    fn weight_bytes(self) -> u64 {
         if self == Precision::Fp32 { 4 } else { 2 }
     }
     /// Bytes per element of the fp32 master copy (0: none).
-    pub fn master_bytes(self) -> u64 {
+    fn master_bytes(self) -> u64 {
         if self.is_mixed() { 4 } else { 0 }
     }
-    pub fn grad_bytes(self) -> u64 {
+    fn grad_bytes(self) -> u64 {
         if self == Precision::Bf16Pure { 2 } else { 4 }
     }
     /// Optimizer state follows the parameters it belongs to (`zeros_like(param)` in PyTorch).
-    pub fn state_bytes(self) -> u64 {
+    fn state_bytes(self) -> u64 {
         self.grad_bytes()
     }
-    pub fn activation_bytes(self) -> u64 {
+    fn activation_bytes(self) -> u64 {
         if self == Precision::Fp32 { 4 } else { 2 }
     }
     /// Bytes per element of the residual stream (what the LayerNorms see): autocast runs
     /// LayerNorm in fp32 and fp32 + bf16 sums stay fp32, so only bf16-pure keeps it in 16 bits.
-    pub fn residual_bytes(self) -> u64 {
+    fn residual_bytes(self) -> u64 {
         if self == Precision::Bf16Pure { 2 } else { 4 }
     }
     /// Bytes per logit and log-probability: autocast computes log-softmax in fp32; bf16-pure
     /// stays in bf16.
-    pub fn logit_bytes(self) -> u64 {
+    fn logit_bytes(self) -> u64 {
         self.residual_bytes()
     }
-    pub fn is_mixed(self) -> bool {
+    fn is_mixed(self) -> bool {
         matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
     }
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Bf16Mixed => "bf16-mixed",
-            Precision::Fp16Mixed => "fp16-mixed",
-            Precision::Bf16Pure => "bf16-pure",
-        }
-    }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, clap::ValueEnum)]
-pub enum Optimizer {
-    #[default]
-    #[value(name = "adamw")]
-    #[serde(rename = "adamw")]
-    AdamW,
-    #[value(name = "sgd")]
-    #[serde(rename = "sgd")]
-    Sgd,
-    #[value(name = "sgd_momentum", alias = "sgd-momentum")]
-    #[serde(rename = "sgd_momentum")]
-    SgdMomentum,
-    #[value(name = "adafactor")]
-    #[serde(rename = "adafactor")]
-    Adafactor,
-    #[value(name = "adamw8bit", alias = "adamw-8bit")]
-    #[serde(rename = "adamw8bit")]
-    AdamW8bit,
+/// Optimizer state bytes per parameter tensor.
+pub trait OptimizerState: Copy {
+    fn state_for(self, shape: &[u64], state: u64) -> u64;
 }
 
-impl Optimizer {
-    pub const ALL: [Optimizer; 5] = [Optimizer::AdamW, Optimizer::AdamW8bit, Optimizer::Adafactor, Optimizer::SgdMomentum, Optimizer::Sgd];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Optimizer::AdamW => "adamw",
-            Optimizer::Sgd => "sgd",
-            Optimizer::SgdMomentum => "sgd_momentum",
-            Optimizer::Adafactor => "adafactor",
-            Optimizer::AdamW8bit => "adamw8bit",
-        }
-    }
-
+impl OptimizerState for OptimizerName {
     /// State bytes for one parameter tensor of `shape`, with `state` bytes per full-precision
     /// state element.
-    pub fn state_for(self, shape: &[u64], state: u64) -> u64 {
+    fn state_for(self, shape: &[u64], state: u64) -> u64 {
         let n: u64 = shape.iter().product();
         match self {
-            Optimizer::AdamW => 2 * n * state,
-            Optimizer::Sgd => 0,
-            Optimizer::SgdMomentum => n * state,
+            OptimizerName::Adamw => 2 * n * state,
+            OptimizerName::Sgd => 0,
+            OptimizerName::SgdMomentum => n * state,
             // Factored second moment (row and column means) for matrices, no first moment
             // (beta1 = None, the default); vectors keep a full second moment.
-            Optimizer::Adafactor => match shape {
+            OptimizerName::Adafactor => match shape {
                 [rows, cols] => (rows + cols) * state,
                 _ => n * state,
             },
             // bitsandbytes blockwise 8-bit: one byte per element per moment plus an fp32 scale
             // per 2048-element block; tensors under 4096 elements keep 32-bit moments.
-            Optimizer::AdamW8bit => {
+            OptimizerName::Adamw8bit => {
                 if n < 4096 {
                     2 * n * 4
                 } else {
@@ -216,7 +186,7 @@ pub enum Target {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Setup {
     pub precision: Precision,
-    pub optimizer: Optimizer,
+    pub optimizer: OptimizerName,
     pub activation_checkpointing: bool,
     /// Blocks recomputed together when checkpointing (`every_n:k`; 1 for `blocks`).
     pub checkpoint_blocks: u64,
@@ -560,7 +530,7 @@ pub(crate) mod fixtures {
     pub fn cuda_fp32_adamw() -> Setup {
         Setup {
             precision: Precision::Fp32,
-            optimizer: Optimizer::AdamW,
+            optimizer: OptimizerName::Adamw,
             activation_checkpointing: false,
             checkpoint_blocks: 1,
             flash: true,
@@ -586,7 +556,7 @@ mod tests {
 
     const GIB: f64 = (1u64 << 30) as f64;
 
-    fn setup(precision: Precision, optimizer: Optimizer) -> Setup {
+    fn setup(precision: Precision, optimizer: OptimizerName) -> Setup {
         Setup { precision, optimizer, ..super::fixtures::cpu_fp32_adamw() }
     }
 
@@ -605,15 +575,15 @@ mod tests {
     fn states_per_precision_and_optimizer_match_bytes_per_parameter() {
         let m = Transformer { params_override: None, ..gpt2() };
         let p = m.params();
-        let e = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 1, 1);
+        let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 1, 1);
         assert_eq!((e.weights, e.master_weights, e.gradients, e.optimizer), (4 * p, 0, 4 * p, 8 * p));
-        let e = estimate(&m, &setup(Precision::Bf16Mixed, Optimizer::AdamW), 1, 1);
+        let e = estimate(&m, &setup(Precision::Bf16Mixed, OptimizerName::Adamw), 1, 1);
         assert_eq!((e.weights, e.master_weights, e.gradients, e.optimizer), (2 * p, 4 * p, 4 * p, 8 * p));
         assert_eq!(e.states(), 18 * p, "mixed-precision AdamW: 16-18 bytes/param");
-        let e = estimate(&m, &setup(Precision::Bf16Pure, Optimizer::AdamW), 1, 1);
+        let e = estimate(&m, &setup(Precision::Bf16Pure, OptimizerName::Adamw), 1, 1);
         assert_eq!(e.states(), 8 * p);
-        assert_eq!(estimate(&m, &setup(Precision::Fp32, Optimizer::Sgd), 1, 1).optimizer, 0);
-        assert_eq!(estimate(&m, &setup(Precision::Fp32, Optimizer::SgdMomentum), 1, 1).optimizer, 4 * p);
+        assert_eq!(estimate(&m, &setup(Precision::Fp32, OptimizerName::Sgd), 1, 1).optimizer, 0);
+        assert_eq!(estimate(&m, &setup(Precision::Fp32, OptimizerName::SgdMomentum), 1, 1).optimizer, 4 * p);
     }
 
     #[test]
@@ -622,19 +592,19 @@ mod tests {
         let s = |o| estimate(&tiny, &setup(Precision::Fp32, o), 1, 1).optimizer;
         // Matrices: wte 128×64, wpe 16×64, qkv 192×64, proj 64×64, fc 256×64, proj 64×256; vectors: 3 LN weights of 64.
         let factored = (128 + 64) + (16 + 64) + (192 + 64) + (64 + 64) + (256 + 64) + (64 + 256);
-        assert_eq!(s(Optimizer::Adafactor), 4 * (factored + 3 * 64));
+        assert_eq!(s(OptimizerName::Adafactor), 4 * (factored + 3 * 64));
         // 8-bit: tensors of ≥ 4096 elements take 2 bytes/element + 8 bytes per 2048-block; smaller ones 8 bytes/element.
         let big = [128 * 64, 192 * 64, 64 * 64, 256 * 64, 64 * 256];
         let small = 16 * 64 + 3 * 64;
         let eight: u64 = big.iter().map(|&n: &u64| 2 * n + 8 * n.div_ceil(2048)).sum::<u64>() + 8 * small;
-        assert_eq!(s(Optimizer::AdamW8bit), eight);
+        assert_eq!(s(OptimizerName::Adamw8bit), eight);
     }
 
     #[test]
     fn korthikanti_activations_in_16_bit_with_dropout_and_materialised_attention() {
         let m = gpt2();
         // Everything in 16 bits, the residual stream included, as in Megatron's accounting.
-        let s = Setup { dropout: true, flash: false, target: Target::Cuda, ..setup(Precision::Bf16Pure, Optimizer::AdamW) };
+        let s = Setup { dropout: true, flash: false, target: Target::Cuda, ..setup(Precision::Bf16Pure, OptimizerName::Adamw) };
         let (seq, b, h, a) = (1024u64, 4u64, 768u64, 12u64);
         // s·b·h·(34 + 5·a·s/h) plus the fp32 LayerNorm statistics (2 norms × mean, rstd).
         let korthikanti = seq * b * h * 34 + 5 * a * seq * seq * b;
@@ -650,7 +620,7 @@ mod tests {
     #[test]
     fn fp32_flash_without_dropout_keeps_sixteen_activations_per_token_and_channel() {
         let m = gpt2();
-        let s = setup(Precision::Fp32, Optimizer::AdamW);
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
         let (seq, b, h, a) = (1024u64, 2u64, 768u64, 12u64);
         assert_eq!(layer_activations(&m, &s, b), seq * b * h * 16 * 4 + 4 * b * a * seq + 16 * b * seq);
     }
@@ -658,7 +628,7 @@ mod tests {
     #[test]
     fn checkpointing_keeps_block_inputs_and_one_block() {
         let m = gpt2();
-        let s = setup(Precision::Fp32, Optimizer::AdamW);
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
         let ck = Setup { activation_checkpointing: true, ..s.clone() };
         let (plain, with) = (estimate(&m, &s, 8, 2), estimate(&m, &ck, 8, 2));
         let sbh = 1024 * 8 * 768;
@@ -669,7 +639,7 @@ mod tests {
     #[test]
     fn segments_of_three_blocks_keep_four_inputs_and_recompute_three_blocks() {
         let m = gpt2();
-        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&m, &s, 8, 2);
         let sbh = 1024 * 8 * 768;
         let blocks = Setup { checkpoint_blocks: 1, ..s.clone() };
@@ -682,7 +652,7 @@ mod tests {
     #[test]
     fn a_chunked_loss_holds_one_chunk_of_logits_and_the_heads_gradient() {
         let m = gpt2();
-        let s = Setup { loss_chunk_tokens: Some(1024), ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let s = Setup { loss_chunk_tokens: Some(1024), ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&m, &s, 4, 1);
         let (l, g, hidden) = (4 * 1024 * 50257, 50257 * 768 * 4, 4096 * 768 * 4);
         assert_eq!((e.logits, e.cross_entropy), (l, 2 * l));
@@ -693,7 +663,7 @@ mod tests {
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + 12 * e.activations_per_layer + e.activations_outside + head);
         // Without chunks: 3 × 4 × 4096 × 50257 bytes (2.30 GiB) of logits and their gradients
         // against 0.73 GiB with them.
-        let plain = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 4, 1);
+        let plain = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 4, 1);
         let saved = (plain.peak_allocated - e.peak_allocated) as f64 / GIB;
         assert!((saved - 1.58).abs() < 0.01, "{saved} GiB");
         // The final LayerNorm's output and statistics live per chunk, not for the batch.
@@ -707,7 +677,7 @@ mod tests {
     fn checkpointed_the_first_blocks_backward_holds_every_later_gradient() {
         // A short sequence with a 2-chunk loss: the logits are small, the gradients are not.
         let m = Transformer { seq_len: 256, ..gpt2() };
-        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, loss_chunk_tokens: Some(256), ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, loss_chunk_tokens: Some(256), ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&m, &s, 8, 2);
         assert_eq!(e.peak_phase, "first blocks' recomputed backward");
         let block = (12 * 768 * 768 + 13 * 768) as f64; // 4h² + 2fh weights, 9h + f biases and LayerNorms
@@ -720,7 +690,7 @@ mod tests {
     #[test]
     fn gpt2_at_512_by_512_is_dominated_by_49_gib_of_fp32_logits() {
         let m = Transformer { seq_len: 512, ..gpt2() };
-        let e = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 512, 1);
+        let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 512, 1);
         assert_eq!(e.logits, 4 * 512 * 512 * 50257);
         assert!((e.logits as f64 / GIB - 49.07).abs() < 0.01, "{}", e.logits as f64 / GIB);
         // The vocabulary term is the largest part: log-probabilities and cross-entropy's two
@@ -744,7 +714,7 @@ mod tests {
             bias: false,
             params_override: Some(8_030_261_248),
         };
-        let e = estimate(&m, &setup(Precision::Bf16Pure, Optimizer::AdamW), 1, 1);
+        let e = estimate(&m, &setup(Precision::Bf16Pure, OptimizerName::Adamw), 1, 1);
         let gb = e.states() as f64 / 1e9;
         assert!((gb - 64.2).abs() < 0.5, "{gb} GB: 2 (weights) + 2 (grads) + 4 (two bf16 moments) bytes/param");
         assert!(e.states() > 40 * (1 << 30), "does not fit a 40 GB card before the first activation");
@@ -753,7 +723,7 @@ mod tests {
     #[test]
     fn peak_counts_held_gradients_only_when_accumulating() {
         let m = gpt2();
-        let s = setup(Precision::Fp32, Optimizer::AdamW);
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
         let (one, two) = (estimate(&m, &s, 4, 1), estimate(&m, &s, 4, 2));
         assert_eq!(two.peak_allocated - one.peak_allocated, one.gradients);
         // fixed + slope·b while accumulating, to the byte per sample (rounding of the margin).
@@ -774,17 +744,17 @@ mod tests {
         // bench-10m: h = 384, f = 1536, v = 256: 12·v = 3072 bytes/token of logits and
         // cross-entropy against (f + h)·4 = 7680 bytes/token of the last block's gradients.
         let m = Transformer { layers: 6, hidden: 384, heads: 6, vocab: 256, seq_len: 256, ffn: 1536, bias: true, params_override: None };
-        let e = estimate(&m, &setup(Precision::Fp32, Optimizer::AdamW), 8, 2);
+        let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2);
         assert_eq!(e.block_backward_transient, (1536 + 384) * 256 * 8 * 4);
         assert_eq!(e.peak_phase, "last block's backward");
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.activations + e.block_backward_transient);
-        assert_eq!(estimate(&gpt2(), &setup(Precision::Fp32, Optimizer::AdamW), 8, 2).peak_phase, "start of backward");
+        assert_eq!(estimate(&gpt2(), &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2).peak_phase, "start of backward");
     }
 
     #[test]
     fn cuda_target_adds_rounding_fragmentation_and_context() {
         let m = Transformer { layers: 1, hidden: 8, heads: 2, vocab: 16, seq_len: 4, ffn: 32, bias: true, params_override: None };
-        let cpu = setup(Precision::Fp32, Optimizer::AdamW);
+        let cpu = setup(Precision::Fp32, OptimizerName::Adamw);
         let cuda = Setup { target: Target::Cuda, cuda_overhead: 1 << 30, fragmentation: 0.1, ..cpu.clone() };
         let (a, b) = (estimate(&m, &cpu, 2, 2), estimate(&m, &cuda, 2, 2));
         // Every one of the 16 tensors rounds up to 512 bytes or more.
@@ -798,7 +768,7 @@ mod tests {
 
     #[test]
     fn data_parallel_adds_gradient_buckets() {
-        let s = Setup { gpus: 4, ..setup(Precision::Fp32, Optimizer::AdamW) };
+        let s = Setup { gpus: 4, ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&gpt2(), &s, 1, 1);
         assert_eq!(e.dp_buffers, e.gradients);
     }

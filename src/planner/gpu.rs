@@ -29,17 +29,12 @@ pub struct DetectedGpu {
     pub count: u32,
 }
 
-/// The first NVIDIA GPU through NVML, or why there is none.
+/// The first NVIDIA GPU through NVML (the reader telemetry uses), or why there is none.
 pub fn detect() -> Result<DetectedGpu, String> {
-    let nvml = nvml_wrapper::Nvml::init().map_err(|e| format!("no NVIDIA GPU found: NVML (libnvidia-ml) could not be loaded ({e})"))?;
-    let count = nvml.device_count().map_err(|e| format!("NVML could not count devices: {e}"))?;
-    if count == 0 {
-        return Err("NVML reports no NVIDIA GPU on this machine".into());
-    }
-    let dev = nvml.device_by_index(0).map_err(|e| format!("NVML could not open GPU 0: {e}"))?;
-    let name = dev.name().map_err(|e| format!("NVML could not read GPU 0's name: {e}"))?;
-    let mem = dev.memory_info().map_err(|e| format!("NVML could not read GPU 0's memory: {e}"))?;
-    Ok(DetectedGpu { name, total: mem.total, free: mem.free, count })
+    let gpus = crate::memory::gpu::Gpus::open().map_err(|e| format!("no NVIDIA GPU found: {e}"))?;
+    let list = gpus.list();
+    let first = list.first().ok_or("NVML reports no NVIDIA GPU on this machine")?;
+    Ok(DetectedGpu { name: first.name.clone(), total: first.memory_total_bytes, free: first.memory_free_bytes, count: list.len() as u32 })
 }
 
 /// Resolves `--gpu` / `--gpu-memory` (already parsed to bytes). `detect` is injected so the

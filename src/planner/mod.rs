@@ -11,13 +11,13 @@ pub mod profile;
 pub mod recommend;
 pub mod report;
 
-use crate::config::{self, Config, ConfigError, ModelConfig};
-use estimate::{Optimizer, Precision, Setup, Target, Transformer};
+use crate::config::{self, Config, ConfigError};
+use crate::run_plan::{self, RunPlan};
+use estimate::{OptimizerName, Precision, Setup, Target, Transformer};
 use gpu::GpuTarget;
 use profile::{Measured, ProfileError, ProfileReport};
 use recommend::Budget;
 use std::path::{Path, PathBuf};
-use tch::Device;
 
 /// `trainguard plan` flags.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -60,7 +60,7 @@ pub struct PlanArgs {
     pub precision: Option<Precision>,
     /// Default: the config's `optimizer.name` (adamw without a config).
     #[arg(long, value_enum, help_heading = "Training setup")]
-    pub optimizer: Option<Optimizer>,
+    pub optimizer: Option<OptimizerName>,
     /// Keep only each block's input and recompute the block in backward (also on when the
     /// config's memory.activation_checkpointing is).
     #[arg(long, help_heading = "Training setup")]
@@ -171,7 +171,10 @@ pub struct Applied {
 
 /// Everything resolved from the flags.
 struct Inputs {
-    config: Option<Config>,
+    /// The config the plan is for: the file (or the built-in defaults) with `--set` and then the
+    /// model and setup flags applied, as overrides, in one place. The estimate's model and setup
+    /// and `--profile`'s run plan are all read from it.
+    config: Config,
     source: String,
     model: Transformer,
     setup: Setup,
@@ -209,7 +212,7 @@ impl Inputs {
 
         let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
         let generic = given.iter().any(Option::is_some) || a.ffn.is_some() || params.is_some() || a.no_bias;
-        let (config, source) = if a.config.is_some() || !generic {
+        let (file, source) = if a.config.is_some() || !generic {
             let cfg = config::load(a.config.as_deref(), &a.overrides)?;
             (Some(cfg), a.config.as_ref().map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()))
         } else {
@@ -226,55 +229,57 @@ impl Inputs {
             }
             (None, "command line".into())
         };
-        let base = config.as_ref().map(|c| Transformer::from_gpt(&c.model));
-        let pick = |flag: Option<u64>, from: fn(&Transformer) -> u64| flag.or(base.as_ref().map(from)).expect("required flags checked above");
-        let hidden = pick(a.hidden, |t| t.hidden);
-        let model = Transformer {
-            layers: pick(a.layers, |t| t.layers),
-            hidden,
-            heads: pick(a.heads, |t| t.heads),
-            vocab: pick(a.vocab, |t| t.vocab),
-            seq_len: pick(a.seq_len, |t| t.seq_len),
-            ffn: a.ffn.unwrap_or(4 * hidden),
-            bias: !a.no_bias && base.as_ref().is_none_or(|t| t.bias),
-            params_override: params,
-        };
-        check_model(&model)?;
+        let global = a.global_batch.or(file.as_ref().map(|c| c.train.global_batch_size as u64));
+        // A generic transformer: the built-in defaults stand in for what the flags do not say
+        // (no dropout, fp32, AdamW, no savers); every size comes from the flags.
+        let described_by_flags = file.is_none();
+        let mut config = file.unwrap_or_default();
+        let m = &mut config.model;
+        for (flag, key) in [(a.layers, &mut m.n_layer), (a.hidden, &mut m.n_embd), (a.heads, &mut m.n_head), (a.vocab, &mut m.vocab_size), (a.seq_len, &mut m.seq_len)] {
+            if let Some(v) = flag {
+                *key = v as usize;
+            }
+        }
+        m.bias &= !a.no_bias;
+        config.precision = a.precision.unwrap_or(config.precision);
+        config.optimizer.name = a.optimizer.unwrap_or(config.optimizer.name);
+        if a.activation_checkpointing && config.memory.activation_checkpointing == "none" {
+            config.memory.activation_checkpointing = "blocks".into();
+        }
+        if a.loss_chunk_tokens == Some(0) {
+            return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
+        }
+        config.memory.loss_chunk_tokens = a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
 
-        let from_config_precision = config.as_ref().map(|c| Precision::ALL.into_iter().find(|&p| config_precision(p) == c.precision).unwrap_or(Precision::Fp32));
-        let from_config_optimizer = config.as_ref().map(|c| Optimizer::ALL.into_iter().find(|&o| config_optimizer(o) == c.optimizer.name).unwrap_or_default());
-        let config_segment = match config.as_ref().map(|c| config::Checkpointing::parse(&c.memory.activation_checkpointing)) {
-            Some(Ok(config::Checkpointing::Every(k))) => Some(k as u64),
+        let model = Transformer { ffn: a.ffn.unwrap_or(4 * config.model.n_embd as u64), params_override: params, ..Transformer::from_gpt(&config.model) };
+        check_model(&model)?;
+        let segment = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
+            Ok(config::Checkpointing::Every(k)) => Some(k as u64),
             _ => None,
         };
         let setup = Setup {
-            precision: a.precision.or(from_config_precision).unwrap_or(Precision::Fp32),
-            optimizer: a.optimizer.or(from_config_optimizer).unwrap_or_default(),
-            activation_checkpointing: a.activation_checkpointing || config_segment.is_some(),
-            checkpoint_blocks: config_segment.unwrap_or(1),
+            precision: config.precision,
+            optimizer: config.optimizer.name,
+            activation_checkpointing: segment.is_some(),
+            checkpoint_blocks: segment.unwrap_or(1),
             flash: !a.no_flash,
-            dropout: config.as_ref().is_some_and(|c| c.model.dropout > 0.0),
-            loss_chunk_tokens: a.loss_chunk_tokens.or(config.as_ref().and_then(|c| c.memory.loss_chunk_tokens.map(|n| n as u64))),
+            dropout: config.model.dropout > 0.0,
+            loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,
             fragmentation: a.fragmentation,
         };
 
-        if setup.loss_chunk_tokens == Some(0) {
-            return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
-        }
-        let global = a.global_batch.or(config.as_ref().map(|c| c.train.global_batch_size as u64));
-        let micro = a.micro_batch.or(config.as_ref().map(|c| c.train.micro_batch_size as u64)).unwrap_or(1);
+        let micro = a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
         if micro == 0 {
             return Err(usage("--micro-batch must be at least 1, got 0"));
         }
         let rank_batch = match global {
             Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
-            Some(g) if g % a.gpus != 0 => {
-                return Err(usage(format!("--global-batch {g} is not divisible by --gpus {}: every GPU takes an equal share", a.gpus)))
-            }
-            Some(g) => Some(g / a.gpus),
+            Some(g) => Some(crate::batch::rank_share(g as usize, a.gpus as usize).ok_or_else(|| {
+                usage(format!("--global-batch {g} is not divisible by --gpus {}: every GPU takes an equal share", a.gpus))
+            })? as u64),
             None => None,
         };
         if let Some(r) = rank_batch {
@@ -396,29 +401,9 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
     }
 }
 
-/// The config's name for a planner optimizer (training builds it from this).
-fn config_optimizer(o: Optimizer) -> config::OptimizerName {
-    match o {
-        Optimizer::AdamW => config::OptimizerName::Adamw,
-        Optimizer::Sgd => config::OptimizerName::Sgd,
-        Optimizer::SgdMomentum => config::OptimizerName::SgdMomentum,
-        Optimizer::Adafactor => config::OptimizerName::Adafactor,
-        Optimizer::AdamW8bit => config::OptimizerName::Adamw8bit,
-    }
-}
-
-/// The config's name for a planner precision.
-fn config_precision(p: Precision) -> config::Precision {
-    match p {
-        Precision::Fp32 => config::Precision::Fp32,
-        Precision::Bf16Mixed => config::Precision::Bf16Mixed,
-        Precision::Fp16Mixed => config::Precision::Fp16Mixed,
-        Precision::Bf16Pure => config::Precision::Bf16Pure,
-    }
-}
-
-/// The config, device and comparison setup a profile runs with.
-fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, Setup), PlannerError> {
+/// The run plan (training's, for one process on the profiled device) and the comparison setup a
+/// profile runs with.
+fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), PlannerError> {
     let s = &inputs.setup;
     if !s.flash {
         return Err(usage(
@@ -429,52 +414,35 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(Config, Device, S
     if m.params_override.is_some() || m.ffn != 4 * m.hidden {
         return Err(usage("--profile runs the built-in GPT: --params and an --ffn other than 4 × hidden describe a model it cannot build"));
     }
-    let mut cfg = inputs.config.clone().unwrap_or_default();
-    let to_usize = |v: u64| v as usize;
-    cfg.model = ModelConfig {
-        n_layer: to_usize(m.layers),
-        n_head: to_usize(m.heads),
-        n_embd: to_usize(m.hidden),
-        vocab_size: to_usize(m.vocab),
-        seq_len: to_usize(m.seq_len),
-        bias: m.bias,
-        ..cfg.model
-    };
-    cfg.memory.loss_chunk_tokens = s.loss_chunk_tokens.map(|n| n as usize);
-    cfg.optimizer.name = config_optimizer(s.optimizer);
-    cfg.precision = config_precision(s.precision);
-    if s.activation_checkpointing && cfg.memory.activation_checkpointing == "none" {
-        cfg.memory.activation_checkpointing = "blocks".into();
-    }
+    let mut cfg = inputs.config.clone();
     let problems = config::validate(&cfg);
     if !problems.is_empty() {
         let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
         return Err(usage(format!("--profile: the model cannot be built: {}", list.join("; "))));
     }
     let spec = args.device.clone().unwrap_or_else(|| cfg.device.clone());
-    let device = crate::plan::resolve_device(&spec, tch::Cuda::device_count().max(0) as usize, 0).map_err(|e| usage(format!("--device: {e}")))?;
+    let cuda_devices = tch::Cuda::device_count().max(0) as usize;
+    let device = run_plan::resolve_device(&spec, cuda_devices, 0).map_err(|e| usage(format!("--device: {e}")))?;
+    cfg.device = spec;
+    let env = run_plan::Environment { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 };
+    let plan = RunPlan::build(cfg, env).map_err(|e| usage(format!("--profile: {e}")))?;
     let setup = Setup {
-        precision: s.precision,
-        optimizer: s.optimizer,
-        activation_checkpointing: s.activation_checkpointing,
-        checkpoint_blocks: s.checkpoint_blocks,
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
-        flash: device.is_cuda() || cfg.model.dropout == 0.0,
-        dropout: cfg.model.dropout > 0.0,
-        loss_chunk_tokens: s.loss_chunk_tokens,
+        flash: device.is_cuda() || plan.config.model.dropout == 0.0,
         target: if device.is_cuda() { Target::Cuda } else { Target::Cpu },
         gpus: 1,
         cuda_overhead: 0,
         fragmentation: 0.0,
+        ..s.clone()
     };
-    Ok((cfg, device, setup))
+    Ok((plan, setup))
 }
 
 fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, PlannerError> {
-    let (cfg, device, setup) = profile_inputs(args, inputs)?;
+    let (run_plan, setup) = profile_inputs(args, inputs)?;
+    let device = run_plan.device;
     let capacity = profile::capacity(device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
     let plan = profile::Plan {
-        config: &cfg,
         device,
         sizes: args.micro_batches.clone(),
         steps: args.profile_steps,
@@ -486,7 +454,7 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
     };
     let in_process = device.is_cuda() || (!plan.isolate && profile::can_reset_peak());
     let mut report = if in_process {
-        let mut session = profile::Session::open(&cfg, device, capacity)?;
+        let mut session = profile::Session::open(run_plan, capacity)?;
         profile::run(&plan, capacity, |b| session.measure(b, plan.steps))?
     } else {
         profile::run(&plan, capacity, |b| measure_in_child(b))?
@@ -526,9 +494,9 @@ fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
 
 /// The child side of [`measure_in_child`]: one size, one JSON line on stdout.
 fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), PlannerError> {
-    let (cfg, device, _) = profile_inputs(args, inputs)?;
-    let capacity = profile::capacity(device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
-    let mut session = profile::Session::open(&cfg, device, capacity)?;
+    let (run_plan, _) = profile_inputs(args, inputs)?;
+    let capacity = profile::capacity(run_plan.device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
+    let mut session = profile::Session::open(run_plan, capacity)?;
     let m = session.measure(micro, args.profile_steps)?;
     println!("{}", serde_json::to_string(&m).expect("a measurement always serialises"));
     Ok(())
@@ -537,7 +505,7 @@ fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), Pla
 /// Writes `micro` (and `--global-batch`, when it differs) into the config file.
 fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied, PlannerError> {
     let path = args.config.as_deref().expect("checked before");
-    let cfg = inputs.config.as_ref().expect("a config was loaded");
+    let cfg = &inputs.config;
     let global = inputs.global.unwrap_or(cfg.train.global_batch_size as u64);
     let io = |what: &'static str, p: &Path| {
         let p = p.to_path_buf();
@@ -548,7 +516,7 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     if global != cfg.train.global_batch_size as u64 {
         new = apply::set_value(&new, "train", "global_batch_size", &global.to_string())?;
     }
-    let accumulation = global / (micro * args.gpus);
+    let accumulation = crate::batch::micro_steps((global / args.gpus) as usize, micro as usize) as u64;
     let mut applied = Applied { path: path.to_path_buf(), backup: None, micro_batch: micro, global_batch: global, accumulation, diff: apply::diff(&old, &new) };
     if new == old {
         return Ok(applied);

@@ -22,16 +22,14 @@
 //! are held while the second runs: the peak of any run that accumulates.
 use super::estimate::{estimate, Setup, Transformer};
 use super::recommend::{divisors, largest_fitting};
-use crate::config::{Config, OomPolicy};
+use crate::config::OomPolicy;
 use crate::data::{Corpus, DataError, Sampler};
 use crate::events::Reporter;
 use crate::ffi::{self, ShimError};
-use crate::guard::{Guard, GuardError, GuardState, StepError};
+use crate::guard::{Guard, GuardError, GuardState};
 use crate::memory::{self, LimitError, ProcessMemory};
-use crate::model::Gpt;
-use crate::optim::{clip_grad_norm, Optimizer, OptimizerSpec};
-use crate::train::precision::{self, Autocast};
-use crate::train::{forward_backward, StepData};
+use crate::run_plan::RunPlan;
+use crate::step::{optimizer_step, Faults, StepData, Trainable};
 use serde::{Deserialize, Serialize};
 use tch::{Device, TchError};
 
@@ -70,13 +68,27 @@ pub enum Outcome {
 }
 
 /// One size's raw measurement (also what a child process prints).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Measured {
     /// Peak above the baseline (none when out of memory).
     pub peak: Option<u64>,
     /// CUDA: reserved peak plus what was in use before the model (context, other processes).
     pub device_used: Option<u64>,
     pub oom: bool,
+    /// How the measured steps went, as training counts them.
+    #[serde(default)]
+    pub steps: StepCounts,
+}
+
+/// What the measured optimizer steps did: they are training's steps (loss scaling, the
+/// non-finite check, injected `faults.*`), so a skipped update is skipped here too.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepCounts {
+    pub applied: u64,
+    /// Not applied: a non-finite loss or gradient norm (fp16 overflows included).
+    pub skipped: u64,
+    /// fp16-mixed: the loss scale after the last step.
+    pub loss_scale: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -89,6 +101,7 @@ pub struct Point {
     /// (estimate − measured) / measured, in %.
     pub error_pct: Option<f64>,
     pub outcome: Outcome,
+    pub steps: StepCounts,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -120,7 +133,6 @@ pub struct ProfileReport {
 
 /// What to measure and against what.
 pub struct Plan<'a> {
-    pub config: &'a Config,
     pub device: Device,
     /// Explicit sizes; empty: search.
     pub sizes: Vec<u64>,
@@ -160,19 +172,18 @@ fn mem_available() -> Option<u64> {
 
 /// A model, its optimizer and the corpus, built once; sizes are measured one after another.
 pub struct Session {
-    model: Gpt,
-    opt: Optimizer,
+    trainable: Trainable,
     corpus: Corpus,
-    config: Config,
-    device: Device,
+    plan: RunPlan,
     baseline: u64,
     used_before: u64,
 }
 
 impl Session {
     /// Caps memory at `cap` (the allocator then fails there and the guard reports it), warms
-    /// libtorch up, records the baseline, builds the model and its optimizer.
-    pub fn open(config: &Config, device: Device, cap: u64) -> Result<Self, ProfileError> {
+    /// libtorch up, records the baseline, builds the model and its optimizer as training does.
+    pub fn open(plan: RunPlan, cap: u64) -> Result<Self, ProfileError> {
+        let (config, device) = (&plan.config, plan.device);
         if let Some(n) = config.train.threads {
             tch::set_num_threads(n as i32);
         }
@@ -191,10 +202,8 @@ impl Session {
         {
             let mut small = config.model.clone();
             small.n_layer = 1;
-            let model = Gpt::new(&small, config.seed, device)?;
-            precision::prepare(&model.params.tensors, config.precision, device)?;
-            let mut opt = new_optimizer(config, &model, device)?;
-            if steps(&model, &mut opt, &corpus, config, device, 1, 1)?.is_none() {
+            let mut warm = build(&plan, &small)?;
+            if steps(&mut warm, &corpus, &plan, 1, 1)?.is_none() {
                 tracing::warn!("profile: the warm-up step ran out of memory");
             }
         }
@@ -209,63 +218,59 @@ impl Session {
             }
             _ => (ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?.rss_bytes, 0),
         };
-        let model = Gpt::new(m, config.seed, device)?;
-        precision::prepare(&model.params.tensors, config.precision, device)?;
-        let opt = new_optimizer(config, &model, device)?;
-        Ok(Self { model, opt, corpus, config: config.clone(), device, baseline, used_before })
+        let trainable = build(&plan, m)?;
+        Ok(Self { trainable, corpus, plan, baseline, used_before })
     }
 
     /// `steps` guarded optimizer steps at micro-batch `micro` (accumulating [`ACCUMULATION`]).
     pub fn measure(&mut self, micro: u64, n: u64) -> Result<Measured, ProfileError> {
-        let device = self.device;
+        let device = self.plan.device;
         reset_peak(device)?;
-        if steps(&self.model, &mut self.opt, &self.corpus, &self.config, device, micro, n)?.is_none() {
-            return Ok(Measured { peak: None, device_used: None, oom: true });
-        }
+        let Some(steps) = steps(&mut self.trainable, &self.corpus, &self.plan, micro, n)? else {
+            return Ok(Measured { oom: true, ..Default::default() });
+        };
         match device {
             Device::Cuda(i) => {
                 let s = ffi::device_stats(i)?;
                 let peak = (s.allocated_peak[0].max(0) as u64).saturating_sub(self.baseline);
-                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), oom: false })
+                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), oom: false, steps })
             }
             _ => {
                 let p = ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?;
-                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, oom: false })
+                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, oom: false, steps })
             }
         }
     }
 }
 
-/// The config's optimizer, as training builds it.
-fn new_optimizer(config: &Config, model: &Gpt, device: Device) -> Result<Optimizer, TchError> {
-    Optimizer::new(&OptimizerSpec::from_config(&config.optimizer, &config.train), &model.params.tensors, &model.params.decay, device)
+/// The model, optimizer and loss scaler training would build for `plan`, with `model`'s shape.
+fn build(plan: &RunPlan, model: &crate::config::ModelConfig) -> Result<Trainable, TchError> {
+    let (c, t) = (&plan.config, &plan.config.train);
+    let scaler = crate::step::LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+    Trainable::build(model, &plan.optimizer, c.precision, scaler, c.seed, plan.device)
 }
 
-/// `n` optimizer steps (forward, backward, clipping, update) at micro-batch `micro`, each inside
-/// the guard with `oom.policy: fail`. `None`: out of memory (caught, everything freed).
-fn steps(model: &Gpt, opt: &mut Optimizer, corpus: &Corpus, config: &Config, device: Device, micro: u64, n: u64) -> Result<Option<()>, ProfileError> {
+/// `n` of training's optimizer steps at micro-batch `micro`, each inside the guard with
+/// `oom.policy: fail`. `None`: out of memory (caught, everything freed).
+fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64) -> Result<Option<StepCounts>, ProfileError> {
+    let (config, device) = (&plan.config, plan.device);
     let rank_batch = (micro * ACCUMULATION) as usize;
     let data = StepData { corpus, sampler: Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_start: 0, rank_batch };
     let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
-    let mut reporter = Reporter::new(None, 1, n, None).expect("a reporter without files cannot fail");
-    let (t, params) = (&config.train, &model.params.tensors);
-    let savers = crate::train::savers::Savers::from_config(&config.memory);
+    let mut reporter = Reporter::new(None, 1, n, None).map_err(|e| ProfileError::Step(e.to_string()))?;
+    let mut faults = Faults::new(&config.faults, 0, 0);
+    let mut counts = StepCounts::default();
     for step in 0..n {
-        let outcome = guard.run(step, &mut reporter, |m, progress| {
-            let autocast = Autocast::enter(config.precision, device).map_err(|e| StepError::Fatal(Box::new(e)))?;
-            let (mut grads, _) = forward_backward(model, &data, step, m, &savers, 1.0, progress)?;
-            drop(autocast);
-            clip_grad_norm(&mut grads, t.grad_clip)?;
-            Ok(opt.step(params, &grads, t.lr)?)
-        });
-        match outcome {
-            Ok(()) => {}
+        match optimizer_step(t, &mut guard, &plan.step, &data, step, config.train.lr, None, &mut faults, &mut reporter) {
+            Ok(o) if o.applied => counts.applied += 1,
+            Ok(_) => counts.skipped += 1,
             Err(GuardError::OutOfMemory(_)) => return Ok(None),
             Err(GuardError::Torch(e)) => return Err(e.into()),
             Err(GuardError::Fatal(e)) => return Err(ProfileError::Step(e.to_string())),
         }
     }
-    Ok(Some(()))
+    counts.loss_scale = t.scaler.as_ref().map(|s| s.scale);
+    Ok(Some(counts))
 }
 
 /// Starts a new peak: the allocator's peak counters on CUDA, VmHWM on CPU.
@@ -328,7 +333,7 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
             _ => Outcome::OverBudget,
         };
         let error_pct = m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
-        points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome });
+        points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome, steps: m.steps });
         outcome == Outcome::Fits
     };
     let largest = if plan.sizes.is_empty() {
@@ -387,22 +392,21 @@ mod tests {
         assert!((s - 2.6).abs() < 1e-9, "{s}");
     }
 
-    fn plan_parts() -> (Config, Transformer, Setup) {
-        let cfg = Config::default();
-        let model = Transformer::from_gpt(&cfg.model);
+    fn plan_parts() -> (Transformer, Setup) {
+        let model = Transformer::from_gpt(&crate::config::Config::default().model);
         let setup = super::super::estimate::fixtures::cpu_fp32_adamw();
-        (cfg, model, setup)
+        (model, setup)
     }
 
     /// A device where a step at micro-batch b peaks at 100 + 10·b bytes and b ≥ 45 runs out of memory.
     fn fake(b: u64) -> Result<Measured, ProfileError> {
-        Ok(if b >= 45 { Measured { peak: None, device_used: None, oom: true } } else { Measured { peak: Some(100 + 10 * b), device_used: None, oom: false } })
+        Ok(if b >= 45 { Measured { oom: true, ..Default::default() } } else { Measured { peak: Some(100 + 10 * b), ..Default::default() } })
     }
 
     #[test]
     fn the_search_doubles_then_bisects_on_measurements_within_the_margin() {
-        let (cfg, model, setup) = plan_parts();
-        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let (model, setup) = plan_parts();
+        let plan = Plan { device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
         let mut seen = Vec::new();
         // Capacity 1000 at margin 0.5: a budget of 500 bytes, so 40 is the largest that fits.
         let r = run(&plan, 1000, |b| {
@@ -423,8 +427,8 @@ mod tests {
 
     #[test]
     fn explicit_sizes_are_measured_as_given_and_failures_propagate() {
-        let (cfg, model, setup) = plan_parts();
-        let plan = Plan { config: &cfg, device: Device::Cpu, sizes: vec![4, 1, 2], steps: 1, rank_batch: None, margin: 0.85, isolate: false, model: &model, setup: &setup };
+        let (model, setup) = plan_parts();
+        let plan = Plan { device: Device::Cpu, sizes: vec![4, 1, 2], steps: 1, rank_batch: None, margin: 0.85, isolate: false, model: &model, setup: &setup };
         let r = run(&plan, 1 << 30, fake).unwrap();
         assert_eq!(r.points.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), [1, 2, 4]);
         assert_eq!(r.largest_fitting, None, "no search");

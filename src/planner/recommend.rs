@@ -3,7 +3,7 @@
 //! micro-batch 1, by how much, and which levers (optimizer, precision, activation checkpointing,
 //! flash attention, a shorter sequence) close the gap, each with its estimated saving.
 //! Also the search used by the measurement: double, then bisect.
-use super::estimate::{estimate, Optimizer, Precision, Setup, Transformer};
+use super::estimate::{estimate, Precision, Setup, Transformer, OPTIMIZERS};
 use serde::Serialize;
 
 /// What a run may use on one GPU.
@@ -151,7 +151,7 @@ pub fn recommend(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, bu
 pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit: u64) -> Vec<Lever> {
     let now = total_at(model, setup, rank_batch, 1);
     let mut options: Vec<(String, Transformer, Setup)> = Vec::new();
-    for o in Optimizer::ALL.into_iter().filter(|&o| o != setup.optimizer) {
+    for o in OPTIMIZERS.into_iter().filter(|&o| o != setup.optimizer) {
         options.push((format!("optimizer {} instead of {}", o.name(), setup.optimizer.name()), model.clone(), Setup { optimizer: o, ..setup.clone() }));
     }
     let precisions: &[Precision] = match setup.precision {
@@ -194,7 +194,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         precision: precisions.last().copied().unwrap_or(setup.precision),
         ..setup.clone()
     };
-    let best = Optimizer::ALL
+    let best = OPTIMIZERS
         .into_iter()
         .map(|o| (o, total_at(model, &Setup { optimizer: o, ..all.clone() }, rank_batch, 1)))
         .min_by_key(|&(_, t)| t)

@@ -1,7 +1,7 @@
 //! What `trainguard plan` prints: the estimate table, the recommendation (or the gap and the
 //! levers), the profile's estimate-vs-measured table and the `--apply` diff; or all of it as one
 //! JSON object (`--json`, schema [`SCHEMA`]; every size in bytes).
-use super::estimate::{Estimate, Setup, Transformer};
+use super::estimate::{Estimate, PrecisionBytes, Setup, Transformer};
 use super::gpu::GpuTarget;
 use super::profile::{Outcome, ProfileReport};
 use super::recommend::Recommendation;

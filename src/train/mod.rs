@@ -1,13 +1,11 @@
-//! The training loop and one optimizer step. Owns the order of work within a step (micro-steps,
-//! clipping, update) and across steps (schedule, evaluation, reporting); reports through
-//! [`events`](crate::events) only.
-mod agree;
-pub mod precision;
+//! Training: a run's state and its loop across optimizer steps (schedule, evaluation,
+//! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
+//! itself lives in [`step`](crate::step).
 mod resume;
-pub mod savers;
-mod step;
+mod run;
 mod trainer;
 mod watch;
 
-pub use step::{evaluate, forward_backward, StepData};
-pub use trainer::{train, Resume, TrainError};
+pub use resume::Resume;
+pub use run::Run;
+pub use trainer::{train, TrainError};

@@ -1,19 +1,66 @@
-//! Where a run starts and what it leaves behind: choosing and checking the checkpoint to
-//! resume from, restoring weights and optimizer state from it, and writing checkpoints on
-//! schedule with retention applied (rank 0 only).
-use super::precision::LossScaler;
-use super::trainer::{Progress, Resume};
-use crate::checkpoint::retention::{self, Retention};
+//! Where a run starts and what it leaves behind: the state a checkpoint holds ([`TrainState`]:
+//! model, optimizer, loss scaler, guard, counters), choosing and checking the checkpoint to resume
+//! from, restoring that state from it, and writing checkpoints on schedule with retention applied
+//! (rank 0 only).
+use crate::checkpoint::retention;
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
 use crate::config::Config;
 use crate::events::{Event, Reporter};
 use crate::guard::Guard;
-use crate::model::Gpt;
-use crate::optim::Optimizer;
-use crate::plan::RunPlan;
+use crate::run_plan::{CheckpointPlan, RunPlan};
+use crate::step::{LossScaler, Trainable};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// Where a run starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resume {
+    /// From step 0.
+    Fresh,
+    /// From the newest complete checkpoint in `out_dir`, else from step 0.
+    Auto,
+    /// From this checkpoint directory; failing to load it is an error.
+    Path(PathBuf),
+}
+
+/// Counters that go into `trainer_state.json`.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Progress {
+    pub(super) micro_steps: u64,
+    pub(super) best_val: Option<(f64, u64)>,
+    pub(super) nonfinite_skips: u64,
+    pub(super) elapsed_before: f64,
+}
+
+/// Everything a checkpoint saves and a resume restores.
+pub(super) struct TrainState {
+    pub(super) trainable: Trainable,
+    pub(super) guard: Guard,
+    pub(super) progress: Progress,
+}
+
+impl TrainState {
+    /// Weights, optimizer state, loss scale, the guard's micro-batch, escalation and regrow
+    /// history, and the counters, from checkpoint `l`.
+    pub(super) fn restore(&mut self, l: &Loaded) -> Result<(), CheckpointError> {
+        restore(l, &mut self.trainable)?;
+        if let (Some(s), Some(saved)) = (&mut self.trainable.scaler, l.state.loss_scaler.clone()) {
+            if let Ok(saved) = serde_json::from_value::<LossScaler>(saved) {
+                *s = saved;
+            }
+        }
+        let g = &l.state.guard;
+        self.guard.state = self.guard.state.clone().with_current(g.micro_batch).with_regrow_memory(g.regrow.clone()).with_level(g.escalation_level);
+        self.progress = Progress {
+            micro_steps: l.state.micro_steps,
+            best_val: l.state.best_val_loss.zip(l.state.best_val_step),
+            nonfinite_skips: l.state.nonfinite_skips,
+            elapsed_before: l.state.elapsed_s,
+        };
+        Ok(())
+    }
+}
 
 pub(super) fn corrupt_path(e: &CheckpointError) -> String {
     match e {
@@ -45,7 +92,8 @@ pub(super) fn check_compatible(l: &Loaded, cfg: &Config) -> Result<Vec<String>, 
     Ok(other)
 }
 
-pub(super) fn restore(l: &Loaded, model: &Gpt, opt: &mut Optimizer) -> Result<(), CheckpointError> {
+fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
+    let (model, opt) = (&t.model, &mut t.opt);
     let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
     let _no_grad = tch::no_grad_guard();
     for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
@@ -66,40 +114,45 @@ pub(super) fn restore(l: &Loaded, model: &Gpt, opt: &mut Optimizer) -> Result<()
 
 /// When to checkpoint, and writing one with retention applied.
 pub(super) struct Checkpointer {
-    pub(super) root: PathBuf,
-    pub(super) writer: bool,
-    pub(super) retention: Retention,
-    pub(super) keep_best: bool,
-    pub(super) last_at: Instant,
+    root: PathBuf,
+    writer: bool,
+    plan: CheckpointPlan,
+    last_at: Instant,
     /// How long the last write took: the time-limit margin uses it.
     pub(super) last_seconds: f64,
+    /// The step of the newest checkpoint written by this run.
+    pub(super) last_saved: Option<u64>,
 }
 
 impl Checkpointer {
-    pub(super) fn due(&self, completed: u64, cfg: &Config) -> bool {
-        let c = &cfg.checkpoint;
-        (c.interval > 0 && completed % c.interval == 0)
-            || c.interval_minutes.is_some_and(|m| self.last_at.elapsed().as_secs_f64() >= m * 60.0)
+    pub(super) fn new(plan: &RunPlan) -> Self {
+        Self {
+            root: store::root(&plan.config.out_dir),
+            writer: plan.is_writer(),
+            plan: plan.checkpoints,
+            last_at: Instant::now(),
+            last_seconds: 0.0,
+            last_saved: None,
+        }
     }
 
-    /// Writes a checkpoint of `completed` steps; a failure is reported and training goes on.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn save(
-        &mut self,
-        completed: u64,
-        cfg: &Config,
-        model: &Gpt,
-        opt: &Optimizer,
-        guard: &Guard,
-        progress: &Progress,
-        scaler: Option<&LossScaler>,
-        started: Instant,
-        plan: &RunPlan,
-        reporter: &mut Reporter,
-    ) -> Option<PathBuf> {
+    pub(super) fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub(super) fn due(&self, completed: u64) -> bool {
+        self.plan.due(completed, self.last_at.elapsed())
+    }
+
+    /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is
+    /// reported and training goes on.
+    pub(super) fn save(&mut self, completed: u64, s: &TrainState, started: Instant, plan: &RunPlan, reporter: &mut Reporter) -> Option<PathBuf> {
         if !self.writer {
             return None;
         }
+        let cfg = &plan.config;
+        let (model, opt, guard, progress) = (&s.trainable.model, &s.trainable.opt, &s.guard, &s.progress);
+        let scaler = s.trainable.scaler.as_ref();
         let t0 = Instant::now();
         let state = TrainerState {
             format: STATE_FORMAT,
@@ -127,8 +180,8 @@ impl Checkpointer {
         match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
             Ok(path) => {
                 let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
-                let best = if self.keep_best { progress.best_val.map(|b| b.1) } else { None };
-                let deleted = retention::to_delete(&steps, self.retention, best);
+                let best = if self.plan.keep_best { progress.best_val.map(|b| b.1) } else { None };
+                let deleted = retention::to_delete(&steps, self.plan.retention, best);
                 for s in &deleted {
                     if let Err(e) = store::remove(&self.root, *s) {
                         tracing::warn!("could not remove an old checkpoint: {e}");
@@ -136,6 +189,7 @@ impl Checkpointer {
                 }
                 self.last_at = Instant::now();
                 self.last_seconds = t0.elapsed().as_secs_f64();
+                self.last_saved = Some(completed);
                 reporter.emit(Event::CheckpointSaved { step: completed, path: path.display().to_string(), seconds: self.last_seconds, deleted });
                 Some(path)
             }

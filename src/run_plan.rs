@@ -1,8 +1,15 @@
-//! A validated config plus the environment → the [`RunPlan`] a run executes: the device, the
-//! world (ranks), the per-rank batch, micro-batch and accumulation, the memory cap in bytes.
+//! A validated config plus the environment → the [`RunPlan`] a run executes, every value
+//! resolved once into its typed form: the device, the world (ranks), the per-rank batch,
+//! micro-batch and accumulation, the memory cap in bytes, the time limit, the step's settings
+//! (precision, clipping, memory savers), the optimizer, the schedule and the checkpoint cadence.
+//! Downstream code reads these, never re-parses the config's strings.
 //! Pure: the environment comes in as [`Environment`], so every rule is unit-tested.
 use crate::batch;
-use crate::config::{Config, Problem};
+use crate::checkpoint::retention::Retention;
+use crate::config::{parse_duration, Checkpointing, Config, Problem};
+use crate::optim::{LrSchedule, OptimizerSpec};
+use crate::step::{Savers, StepSettings};
+use std::time::Duration;
 use tch::Device;
 
 /// What the plan needs to know about the machine and the launch.
@@ -41,6 +48,31 @@ pub struct RunPlan {
     pub accumulation: usize,
     pub tokens_per_step: usize,
     pub memory_limit: Option<u64>,
+    /// `train.max_duration`.
+    pub time_limit: Option<Duration>,
+    /// Precision, clipping and memory savers of every step.
+    pub step: StepSettings,
+    pub optimizer: OptimizerSpec,
+    pub schedule: LrSchedule,
+    pub checkpoints: CheckpointPlan,
+}
+
+/// When checkpoints are written and which are kept (`checkpoint.*`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CheckpointPlan {
+    /// Every this many steps (0: only at the end and on stops).
+    pub every_steps: u64,
+    /// And whenever this much time has passed since the last one.
+    pub every: Option<Duration>,
+    pub retention: Retention,
+    pub keep_best: bool,
+}
+
+impl CheckpointPlan {
+    /// Whether a checkpoint is due after `completed` steps, `since_last` after the previous one.
+    pub fn due(&self, completed: u64, since_last: Duration) -> bool {
+        (self.every_steps > 0 && completed % self.every_steps == 0) || self.every.is_some_and(|d| since_last >= d)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -64,10 +96,33 @@ impl RunPlan {
             problems.push(Problem::new("memory.limit", msg));
             None
         });
+        let time_limit = t.max_duration.as_deref().map(parse_duration).transpose().unwrap_or_else(|msg| {
+            problems.push(Problem::new("train.max_duration", msg));
+            None
+        });
+        let m = &config.memory;
+        let checkpointing = Checkpointing::parse(&m.activation_checkpointing).unwrap_or_else(|msg| {
+            problems.push(Problem::new("memory.activation_checkpointing", msg));
+            Checkpointing::None
+        });
         if !problems.is_empty() {
             return Err(PlanError(problems));
         }
-        let rank_batch = t.global_batch_size / env.world_size;
+        let step = StepSettings {
+            precision: config.precision,
+            device,
+            grad_clip: t.grad_clip,
+            savers: Savers::new(checkpointing, m.offload_activations, m.loss_chunk_tokens),
+            escalate: config.oom.escalate.clone(),
+        };
+        let c = &config.checkpoint;
+        let checkpoints = CheckpointPlan {
+            every_steps: c.interval,
+            every: c.interval_minutes.map(|m| Duration::from_secs_f64(m * 60.0)),
+            retention: Retention { keep_last: c.keep_last, keep_every: c.keep_every },
+            keep_best: c.keep_best,
+        };
+        let rank_batch = accumulation * t.micro_batch_size;
         Ok(Self {
             device,
             rank: env.rank,
@@ -78,6 +133,11 @@ impl RunPlan {
             accumulation,
             tokens_per_step: t.global_batch_size * config.model.seq_len,
             memory_limit,
+            time_limit,
+            step,
+            optimizer: OptimizerSpec::from_config(&config.optimizer, t),
+            schedule: LrSchedule::from_config(t),
+            checkpoints,
             config,
         })
     }
@@ -147,6 +207,24 @@ mod tests {
         assert_eq!(resolve_device("cuda:1", 2, 0), Ok(Device::Cuda(1)));
         assert!(resolve_device("cuda", 0, 0).unwrap_err().contains("0 CUDA device"));
         assert!(resolve_device("cuda:2", 2, 0).is_err());
+    }
+
+    #[test]
+    fn strings_are_resolved_once_into_typed_values() {
+        let mut c = Config::default();
+        c.train.max_duration = Some("1h30m".into());
+        c.memory.activation_checkpointing = "every_n:3".into();
+        c.checkpoint.interval_minutes = Some(0.5);
+        let plan = RunPlan::build(c, CPU_ONLY).unwrap();
+        assert_eq!(plan.time_limit, Some(Duration::from_secs(5400)));
+        assert_eq!(plan.step.savers.checkpoint_every, 3);
+        assert_eq!(plan.checkpoints.every, Some(Duration::from_secs(30)));
+        assert!(plan.checkpoints.due(7, Duration::from_secs(31)) && !plan.checkpoints.due(7, Duration::from_secs(29)));
+        let mut bad = Config::default();
+        bad.train.max_duration = Some("soon".into());
+        bad.memory.activation_checkpointing = "sometimes".into();
+        let keys: Vec<String> = RunPlan::build(bad, CPU_ONLY).unwrap_err().0.into_iter().map(|p| p.key).collect();
+        assert_eq!(keys, ["train.max_duration", "memory.activation_checkpointing"], "reported with their key paths, never a panic");
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //!   logits never exist at once.
 //!
 //! The result is the same loss and gradients as the plain path (checked in the tests).
-use crate::config::{Checkpointing, Escalation, MemoryConfig};
+use crate::config::{Checkpointing, Escalation};
 use crate::model::{cross_entropy, Gpt};
 use tch::{Device, Reduction, TchError, Tensor};
 
@@ -25,12 +25,13 @@ pub struct Savers {
 }
 
 impl Savers {
-    pub fn from_config(m: &MemoryConfig) -> Self {
-        let checkpoint_every = match Checkpointing::parse(&m.activation_checkpointing) {
-            Ok(Checkpointing::Every(k)) => k,
-            _ => 0,
+    /// The savers `memory.*` asks for (`activation_checkpointing` already parsed).
+    pub fn new(checkpointing: Checkpointing, offload: bool, loss_chunk_tokens: Option<usize>) -> Self {
+        let checkpoint_every = match checkpointing {
+            Checkpointing::Every(k) => k,
+            Checkpointing::None => 0,
         };
-        Self { checkpoint_every, offload: m.offload_activations, loss_chunk_tokens: m.loss_chunk_tokens }
+        Self { checkpoint_every, offload, loss_chunk_tokens }
     }
 
     /// Nothing switched on: the plain forward + backward.

@@ -1,0 +1,128 @@
+//! The guarded optimizer step and what it works on. [`optimizer_step`] is the step training runs
+//! and `plan --profile` measures: each attempt (at the micro-batch the guard chooses) runs the
+//! micro-batches under autocast with the memory savers, lets the ranks agree, unscales, applies
+//! the injected faults, clips, and updates only when the loss and gradient norm are finite.
+use super::agree;
+use super::faults::Faults;
+use super::micro::{evaluate, forward_backward, StepData};
+use super::precision::{self, Autocast, LossScaler, ScaleChange};
+use super::savers::Savers;
+use crate::config::{Escalation, ModelConfig, Precision};
+use crate::dist::Dist;
+use crate::events::{Event, LossScaleReason, Reporter};
+use crate::guard::{Guard, GuardError, StepError};
+use crate::model::Gpt;
+use crate::optim::{clip_grad_norm, Optimizer, OptimizerSpec};
+use tch::{Device, TchError, Tensor};
+
+/// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
+/// what a checkpoint saves with the step's counters.
+pub struct Trainable {
+    pub model: Gpt,
+    pub opt: Optimizer,
+    pub scaler: Option<LossScaler>,
+}
+
+impl Trainable {
+    /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
+    /// `precision` is fp16-mixed.
+    pub fn build(model: &ModelConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
+        let model = Gpt::new(model, seed, device)?;
+        precision::prepare(&model.params.tensors, precision, device)?;
+        let opt = Optimizer::new(spec, &model.params.tensors, &model.params.decay, device)?;
+        Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler) })
+    }
+
+    pub fn params(&self) -> &[Tensor] {
+        &self.model.params.tensors
+    }
+}
+
+/// How a step is computed: the run plan's precision, clipping and memory savers.
+#[derive(Debug, Clone)]
+pub struct StepSettings {
+    pub precision: Precision,
+    pub device: Device,
+    pub grad_clip: f64,
+    /// The configured savers; the guard's escalation level adds `escalate[..level]`.
+    pub savers: Savers,
+    pub escalate: Vec<Escalation>,
+}
+
+impl StepSettings {
+    fn savers_at(&self, level: usize) -> Savers {
+        self.escalate[..level].iter().fold(self.savers, |s, e| s.escalated(*e))
+    }
+}
+
+/// What one optimizer step produced.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOutcome {
+    /// Mean loss over the global batch (unscaled).
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// The update was applied (loss and gradient norm finite).
+    pub applied: bool,
+    /// fp16: the scaled gradients overflowed (the scaler backs off; not a bad batch).
+    pub overflow: bool,
+}
+
+impl StepOutcome {
+    /// Skipped for a non-finite loss or gradient that loss scaling does not explain.
+    pub fn skipped_as_nonfinite(&self) -> bool {
+        !self.applied && !self.overflow
+    }
+}
+
+/// One optimizer step `step` at learning rate `lr`, replayed by the guard at smaller
+/// micro-batches after an out-of-memory. Emits regrow trials, recoveries and loss-scale changes.
+#[allow(clippy::too_many_arguments)]
+pub fn optimizer_step(
+    t: &mut Trainable,
+    guard: &mut Guard,
+    settings: &StepSettings,
+    data: &StepData,
+    step: u64,
+    lr: f64,
+    mut dist: Option<&mut Dist>,
+    faults: &mut Faults,
+    reporter: &mut Reporter,
+) -> Result<StepOutcome, GuardError> {
+    let Trainable { model, opt, scaler } = t;
+    guard.begin_step(step, reporter);
+    let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+    let outcome = guard.run(step, reporter, |micro, p| {
+        let savers = settings.savers_at(p.escalation_level());
+        let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+        let local = forward_backward(model, data, step, micro, &savers, scale, p);
+        drop(autocast);
+        let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
+        if scale != 1.0 {
+            for g in grads.iter_mut() {
+                let _ = g.f_mul_scalar_(1.0 / scale)?;
+            }
+        }
+        faults.corrupt(step, &mut loss, &mut grads, scaler.is_some())?;
+        let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
+        let overflow = scaler.is_some() && !grad_norm.is_finite();
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        if applied {
+            opt.step(&model.params.tensors, &grads, lr)?;
+        }
+        faults.after_update(model, data, step, micro)?;
+        Ok(StepOutcome { loss, grad_norm, applied, overflow })
+    })?;
+    if let Some(s) = scaler {
+        match s.update(outcome.overflow) {
+            ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow }),
+            ScaleChange::Grew(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Growth }),
+            ScaleChange::Unchanged => {}
+        }
+    }
+    Ok(outcome)
+}
+
+/// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.
+pub fn validation_loss(model: &Gpt, guard: &mut Guard, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
+    guard.run(step, reporter, |micro, p| agree::validation_loss(evaluate(model, data, batches, micro, p), dist))
+}

@@ -1,0 +1,61 @@
+//! Failures injected on purpose (`faults.*` in the config), at the points of a step where real
+//! ones happen, so recovery paths are tested on the real binary. One hook object instead of
+//! checks scattered through the loop; with the defaults every method is a no-op.
+use super::micro::StepData;
+use crate::config::FaultsConfig;
+use crate::model::Gpt;
+use tch::{TchError, Tensor};
+
+/// What the run must do before a step, as if something outside had happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepFault {
+    /// As if SIGTERM arrived (`faults.interrupt_at_step`).
+    Interrupt,
+    /// This rank fails with exit 1 (`faults.crash_at_step`, first torchrun attempt only).
+    Crash,
+}
+
+#[derive(Default)]
+pub struct Faults {
+    cfg: FaultsConfig,
+    rank: usize,
+    restart_count: u64,
+    /// `faults.leak_graphs`: what a leaking training script keeps alive.
+    leaked: Vec<Tensor>,
+}
+
+impl Faults {
+    pub fn new(cfg: &FaultsConfig, rank: usize, restart_count: u64) -> Self {
+        Self { cfg: cfg.clone(), rank, restart_count, leaked: Vec::new() }
+    }
+
+    /// Checked before step `step` starts.
+    pub fn before_step(&self, step: u64) -> Option<StepFault> {
+        if self.cfg.crash_at_step == Some(step) && self.cfg.crash_rank == self.rank && self.restart_count == 0 {
+            return Some(StepFault::Crash);
+        }
+        (self.cfg.interrupt_at_step == Some(step)).then_some(StepFault::Interrupt)
+    }
+
+    /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow.
+    pub(super) fn corrupt(&self, step: u64, loss: &mut f64, grads: &mut [Tensor], loss_scaled: bool) -> Result<(), TchError> {
+        if self.cfg.nonfinite_loss_at_steps.contains(&step) {
+            *loss = f64::NAN;
+        }
+        if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) {
+            if let Some(g) = grads.first_mut() {
+                let _ = g.f_fill_(f64::INFINITY)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the update: keep a forward graph alive if asked to leak.
+    pub(super) fn after_update(&mut self, model: &Gpt, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
+        if self.cfg.leak_graphs {
+            let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
+            self.leaked.push(model.forward(&x, true, None)?);
+        }
+        Ok(())
+    }
+}

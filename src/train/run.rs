@@ -1,0 +1,329 @@
+//! A run: everything built from the plan ([`Run::build`]: corpus, run directory, allocator
+//! settings and memory cap, model and optimizer, resumed state, data-parallel group), one
+//! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
+//! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
+//! `step::optimizer_step`, the same one `plan --profile` measures.
+use super::resume::{check_compatible, corrupt_path, resolve_resume, Checkpointer, Progress, Resume, TrainState};
+use super::watch::MemoryWatch;
+use super::TrainError;
+use crate::data::{Corpus, Sampler, Split};
+use crate::dist::Dist;
+use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
+use crate::guard::{unrecovered, Guard, GuardError, GuardState};
+use crate::interrupt::Interrupter;
+use crate::memory::summary::table as memory_summary;
+use crate::memory::{apply_limit, ProcessMemory};
+use crate::run_plan::RunPlan;
+use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+pub struct Run<'a> {
+    plan: &'a RunPlan,
+    state: TrainState,
+    corpus: Corpus,
+    reporter: Reporter,
+    ckpt: Checkpointer,
+    watch: MemoryWatch,
+    faults: Faults,
+    dist: Option<&'a mut Dist>,
+    started: Instant,
+    start_step: u64,
+    resumed: bool,
+    /// The next step to run.
+    step: u64,
+    last_loss: f64,
+    last_val: Option<f64>,
+    consecutive_bad: u64,
+    /// A slowly forgetting maximum of step times (eval included): the time-limit margin.
+    slowest_recent: f64,
+    /// Process memory at start-up (CPU runs' summary figures).
+    baseline_vm: u64,
+    baseline_rss: u64,
+}
+
+impl<'a> Run<'a> {
+    /// Builds what the run needs, resuming from a checkpoint when asked.
+    pub fn build(plan: &'a RunPlan, resume: &Resume, mut dist: Option<&'a mut Dist>) -> Result<Self, TrainError> {
+        let cfg = &plan.config;
+        let t = &cfg.train;
+        let device = plan.device;
+        if let Some(n) = t.threads {
+            tch::set_num_threads(n as i32);
+        }
+        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len)?;
+        let unigram_entropy = corpus.unigram_entropy(Split::Val);
+
+        let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
+        let ckpt = Checkpointer::new(plan);
+        let (loaded, skipped) = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
+        let changed = match &loaded {
+            Some(l) => check_compatible(l, cfg)?,
+            None => vec![],
+        };
+        if let Some(dir) = run_dir {
+            prepare_run_dir(dir, plan)?;
+        }
+        let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
+        let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
+            .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
+        for e in skipped {
+            reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
+        }
+
+        // Before the first CUDA allocation: allocator options and the CUDA memory cap.
+        let fraction = match (plan.memory_limit, device) {
+            (Some(limit), tch::Device::Cuda(i)) => Some(crate::memory::cuda_fraction(limit, i)?),
+            _ => None,
+        };
+        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction)?;
+        for w in cfg.memory.allocator.warnings(fraction.is_some()) {
+            tracing::warn!("{w}");
+        }
+        for o in &allocator.overridden {
+            tracing::warn!("PYTORCH_CUDA_ALLOC_CONF overridden by the config: {o}");
+        }
+
+        // The cap goes on after the corpus is loaded: it counts what training allocates.
+        let baseline_vm = match plan.memory_limit {
+            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
+            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
+        };
+        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
+        let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+        let trainable = Trainable::build(&cfg.model, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
+            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+        let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
+            .with_escalation(cfg.oom.escalate.clone());
+        let mut state = TrainState { trainable, guard, progress: Progress::default() };
+        if let Some(l) = &loaded {
+            state.restore(l)?;
+        }
+        if let Some(d) = dist.as_deref_mut() {
+            // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are
+            // deterministic), and gradients are averaged in buckets laid out once.
+            let params = state.trainable.params();
+            d.broadcast_params(params)?;
+            d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
+                .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+            tracing::info!("rank {} of {}: gradients averaged in {} bucket(s)", d.rank, d.world_size, d.bucket_count());
+        }
+
+        reporter.emit(Event::RunStarted {
+            device: format!("{device:?}").to_lowercase(),
+            params: state.trainable.model.num_params(),
+            corpus: corpus.description.clone(),
+            unigram_entropy,
+            global_batch_size: t.global_batch_size,
+            micro_batch_size: plan.micro_batch,
+            accumulation: plan.accumulation,
+            world_size: plan.world_size,
+            tokens_per_step: plan.tokens_per_step,
+            max_steps: t.max_steps,
+            memory_limit_bytes: plan.memory_limit,
+            allocator: allocator.clone(),
+        });
+        if let Some(l) = &loaded {
+            reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
+        }
+        Ok(Self {
+            plan,
+            state,
+            corpus,
+            reporter,
+            ckpt,
+            watch: MemoryWatch::new(cfg, device),
+            faults: Faults::new(&cfg.faults, plan.rank, plan.restart_count),
+            dist,
+            started: Instant::now(),
+            start_step,
+            resumed: loaded.is_some(),
+            step: start_step,
+            last_loss: f64::NAN,
+            last_val: None,
+            consecutive_bad: 0,
+            slowest_recent: 0.0,
+            baseline_vm,
+            baseline_rss,
+        })
+    }
+
+    /// Whether steps remain before `train.max_steps`.
+    pub fn has_next(&self) -> bool {
+        self.step < self.plan.config.train.max_steps
+    }
+
+    /// Runs the next optimizer step (or stops cleanly before it, with a checkpoint, when a
+    /// signal or the time limit asks): the guarded step, the non-finite policy, evaluation on
+    /// schedule, the step's metrics, a checkpoint when due.
+    pub fn step(&mut self, stop: &Interrupter) -> Result<(), TrainError> {
+        let (plan, step) = (self.plan, self.step);
+        let t = &plan.config.train;
+        match self.faults.before_step(step) {
+            Some(StepFault::Interrupt) => stop.request(),
+            Some(StepFault::Crash) => return Err(TrainError::InjectedCrash { step }),
+            None => {}
+        }
+        if let Some(reason) = self.stop_reason(stop)? {
+            let path = self.save(step);
+            self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
+            return Err(TrainError::Interrupted { step, reason, checkpoint: path });
+        }
+        let step_started = Instant::now();
+        let lr = plan.schedule.at(step);
+        let data = step_data(&self.corpus, plan);
+        let outcome = optimizer_step(
+            &mut self.state.trainable,
+            &mut self.state.guard,
+            &plan.step,
+            &data,
+            step,
+            lr,
+            self.dist.as_deref_mut(),
+            &mut self.faults,
+            &mut self.reporter,
+        );
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e @ GuardError::OutOfMemory(_)) => {
+                tracing::warn!("{}", memory_summary(plan.device));
+                // The failed step changed nothing: the model is still the last good state.
+                let path = self.save(step);
+                self.reporter.emit(Event::Stopped { step, reason: StopReason::OutOfMemory, checkpoint: path.map(|p| p.display().to_string()) });
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.state.progress.micro_steps += self.state.guard.accumulation() as u64;
+        if outcome.skipped_as_nonfinite() {
+            self.consecutive_bad += 1;
+            self.state.progress.nonfinite_skips += 1;
+            let consecutive = self.consecutive_bad;
+            self.reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive });
+            if consecutive >= plan.config.nan.max_consecutive {
+                let path = self.save(step + 1);
+                self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
+                return Err(TrainError::NonFinite { step, count: consecutive });
+            }
+        } else {
+            self.consecutive_bad = 0;
+        }
+        // Throughput counts the optimizer step only, not evaluation.
+        let step_time = step_started.elapsed().as_secs_f64();
+        let is_last = step + 1 == t.max_steps;
+        let val_loss = if t.eval_interval > 0 && (step % t.eval_interval == 0 || is_last) {
+            let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
+            let best = &mut self.state.progress.best_val;
+            if best.is_none_or(|(b, _)| v < b) {
+                *best = Some((v, step + 1));
+            }
+            self.last_val = Some(v);
+            Some(v)
+        } else {
+            None
+        };
+        self.last_loss = outcome.loss;
+        self.slowest_recent = step_started.elapsed().as_secs_f64().max(self.slowest_recent * 0.95);
+        let tokens = plan.tokens_per_step as u64;
+        let memory = self.watch.after_step(step, &mut self.state.guard.state, &mut self.reporter);
+        self.reporter.emit(Event::Step(StepMetrics {
+            step,
+            loss: outcome.loss,
+            lr,
+            grad_norm: outcome.grad_norm,
+            val_loss,
+            micro_batch: self.state.guard.micro_batch(),
+            accumulation: self.state.guard.accumulation(),
+            tokens,
+            tokens_per_s: tokens as f64 / step_time,
+            step_time_s: step_time,
+            elapsed_s: self.state.progress.elapsed_before + self.started.elapsed().as_secs_f64(),
+            memory,
+        }));
+        self.step += 1;
+        if self.ckpt.due(self.step) || self.step == t.max_steps {
+            self.save(self.step);
+        }
+        Ok(())
+    }
+
+    /// Why to stop before the next step, if anything says so; every rank agrees on it.
+    fn stop_reason(&self, stop: &Interrupter) -> Result<Option<StopReason>, TrainError> {
+        let margin = Duration::from_secs_f64(self.slowest_recent + 1.5 * self.ckpt.last_seconds + 1.0);
+        let mut reason = if stop.requested() {
+            Some(StopReason::Signal)
+        } else {
+            self.plan.time_limit.filter(|limit| self.started.elapsed() + margin > *limit).map(|_| StopReason::TimeLimit)
+        };
+        // All ranks stop at the same step, or the others would wait in a collective.
+        if let Some(d) = self.dist.as_deref() {
+            if d.any(reason.is_some())? && reason.is_none() {
+                reason = Some(StopReason::PeerStop);
+            }
+        }
+        Ok(reason)
+    }
+
+    fn save(&mut self, completed: u64) -> Option<std::path::PathBuf> {
+        self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter)
+    }
+
+    /// After the last step: ranks compared, final weights written, the summary.
+    pub fn finish(mut self) -> Result<RunSummary, TrainError> {
+        let (plan, step) = (self.plan, self.step);
+        let t = &plan.config.train;
+        if self.ckpt.last_saved != Some(step) && self.resumed {
+            // Resumed at or past max_steps: the newest checkpoint already holds this state.
+            tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
+        }
+        let params = self.state.trainable.params();
+        if let Some(d) = self.dist.as_deref() {
+            let spread = d.weight_spread(params)?;
+            self.reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
+        }
+        let elapsed = self.started.elapsed().as_secs_f64();
+        if plan.is_writer() {
+            crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params)?;
+        }
+        let steps_run = t.max_steps.saturating_sub(self.start_step);
+        let guard = &self.state.guard;
+        let cpu = !plan.device.is_cuda();
+        let summary = RunSummary {
+            steps: t.max_steps,
+            final_loss: self.last_loss,
+            final_val_loss: self.last_val,
+            oom_recoveries: guard.totals.recoveries,
+            configured_micro_batch: plan.micro_batch,
+            final_micro_batch: guard.micro_batch(),
+            time_lost_s: guard.totals.time_lost.as_secs_f64(),
+            guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
+            elapsed_s: elapsed,
+            tokens_per_s: (steps_run as f64 * plan.tokens_per_step as f64) / elapsed,
+            peak_mapped_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(self.baseline_vm))).flatten(),
+            peak_resident_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(self.baseline_rss))).flatten(),
+        };
+        tracing::info!("{}", memory_summary(plan.device));
+        self.reporter.emit(Event::RunFinished(summary.clone()));
+        Ok(summary)
+    }
+}
+
+/// Where this rank's samples come from.
+fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
+    StepData {
+        corpus,
+        sampler: Sampler { seed: plan.config.seed, seq_len: plan.config.model.seq_len },
+        device: plan.device,
+        rank_start: plan.rank * plan.rank_batch,
+        rank_batch: plan.rank_batch,
+    }
+}
+
+/// The run directory with the resolved config, and the log file beside it (rank 0).
+fn prepare_run_dir(dir: &Path, plan: &RunPlan) -> Result<(), TrainError> {
+    let io = |source| TrainError::RunDir { path: dir.to_path_buf(), source };
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let yaml = serde_yaml::to_string(&plan.config).map_err(|e| io(std::io::Error::other(e)))?;
+    std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
+    crate::logging::also_to_file(&dir.join("train.log")).map_err(io)
+}
