@@ -5,7 +5,7 @@
 //! tests next to each implementation.)
 use tch::{Device, Kind, Tensor};
 use trainguard::config::{ModelConfig, OptimizerName};
-use trainguard::model::Gpt;
+use trainguard::model::Model;
 use trainguard::optim::{Optimizer, OptimizerSpec};
 use trainguard::planner::estimate::OptimizerState;
 
@@ -174,7 +174,7 @@ fn adamw8bit_tracks_fp32_adamw_with_a_quarter_of_the_state() {
 /// State bytes of each optimizer for `model`, the planner's estimate from the same shapes, and
 /// the device scratch the update uses besides (fused AdamW and SGD have none).
 fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
-    let gpt = Gpt::new(model, 0, Device::Cpu).unwrap();
+    let gpt = Model::new(model, 0, Device::Cpu).unwrap();
     let p = &gpt.params;
     [OptimizerName::Adamw, OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit]
         .into_iter()
@@ -204,7 +204,7 @@ fn state_bytes_equal_the_planners_estimate_for_the_debug_model() {
 #[test]
 #[ignore]
 fn print_state_bytes_for_debug_and_gpt2_124m() {
-    let gpt2 = ModelConfig { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024, dropout: 0.0, bias: true };
+    let gpt2 = ModelConfig { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024, dropout: 0.0, bias: true, ..ModelConfig::default() };
     for (label, model) in [("debug", ModelConfig::default()), ("gpt2-124m", gpt2)] {
         let rows = state_bytes(&model);
         let adamw = rows[0].1 as f64;

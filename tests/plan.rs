@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use tch::Device;
 use trainguard::config::ModelConfig;
-use trainguard::model::Gpt;
+use trainguard::model::Model;
 use trainguard::planner::estimate::Transformer;
 
 /// `trainguard plan <args>` run in `dir`.
@@ -40,10 +40,10 @@ fn estimator_counts_exactly_the_parameters_the_model_builds() {
     let shapes = [(2, 2, 64, 256, 64), (3, 4, 48, 1000, 17), (1, 1, 8, 5, 3), (4, 6, 96, 300, 33)];
     for (n_layer, n_head, n_embd, vocab_size, seq_len) in shapes {
         for bias in [true, false] {
-            let cfg = ModelConfig { n_layer, n_head, n_embd, vocab_size, seq_len, dropout: 0.0, bias };
-            let real = Gpt::new(&cfg, 0, Device::Cpu).unwrap().num_params() as u64;
+            let cfg = ModelConfig { n_layer, n_head, n_embd, vocab_size, seq_len, dropout: 0.0, bias, ..ModelConfig::default() };
+            let real = Model::new(&cfg, 0, Device::Cpu).unwrap().num_params() as u64;
             assert_eq!(Transformer::from_gpt(&cfg).params(), real, "{cfg:?}");
-            let shapes: Vec<Vec<u64>> = Gpt::new(&cfg, 0, Device::Cpu).unwrap().params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
+            let shapes: Vec<Vec<u64>> = Model::new(&cfg, 0, Device::Cpu).unwrap().params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
             assert_eq!(Transformer::from_gpt(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
         }
     }
@@ -52,7 +52,7 @@ fn estimator_counts_exactly_the_parameters_the_model_builds() {
         let set = format!("model.bias={bias}");
         let j = json(&plan(&["--config", &config(file), "--set", &set, "--json"]).ok());
         let cfg = trainguard::config::load(Some(Path::new(&config(file))), &[set]).unwrap();
-        assert_eq!(u(&j["params"]), Gpt::new(&cfg.model, 0, Device::Cpu).unwrap().num_params() as u64, "{file} bias={bias}");
+        assert_eq!(u(&j["params"]), Model::new(&cfg.model, 0, Device::Cpu).unwrap().num_params() as u64, "{file} bias={bias}");
     }
 }
 

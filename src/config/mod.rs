@@ -57,24 +57,80 @@ impl Default for Config {
     }
 }
 
-/// GPT-2-style decoder sizes.
+/// The decoder: its architecture and sizes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
+    /// `gpt2` (learned positions, LayerNorm, GELU MLP, tied head) or `llama` (RoPE, RMSNorm,
+    /// SwiGLU, grouped-query attention).
+    pub arch: Arch,
     pub n_layer: usize,
     pub n_head: usize,
     pub n_embd: usize,
     pub vocab_size: usize,
     pub seq_len: usize,
     pub dropout: f64,
-    /// Biases in linear layers and LayerNorms.
+    /// Biases in linear layers (and, for gpt2, LayerNorms).
     pub bias: bool,
+    /// llama: key/value heads (grouped-query attention); must divide n_head. None = n_head.
+    pub n_kv_head: Option<usize>,
+    /// MLP width: gpt2's hidden layer (default 4 × n_embd), llama's SwiGLU width (required).
+    pub ffn_hidden: Option<usize>,
+    /// llama: RoPE base frequency.
+    pub rope_theta: f64,
+    /// llama: RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// llama: LM head shares the token embedding (gpt2 always does).
+    pub tie_embeddings: bool,
 }
 
 impl Default for ModelConfig {
     fn default() -> Self {
-        Self { n_layer: 2, n_head: 2, n_embd: 64, vocab_size: 256, seq_len: 64, dropout: 0.0, bias: true }
+        Self {
+            arch: Arch::Gpt2,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            vocab_size: 256,
+            seq_len: 64,
+            dropout: 0.0,
+            bias: true,
+            n_kv_head: None,
+            ffn_hidden: None,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tie_embeddings: true,
+        }
     }
+}
+
+impl ModelConfig {
+    /// Key/value heads (n_head without grouped-query attention).
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// Channels per attention head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head.max(1)
+    }
+
+    /// The MLP's hidden width.
+    pub fn ffn(&self) -> usize {
+        self.ffn_hidden.unwrap_or(4 * self.n_embd)
+    }
+}
+
+/// Model architectures (`model.arch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2: learned positions, pre-LayerNorm, GELU MLP, tied head.
+    #[default]
+    Gpt2,
+    /// Llama family (Llama 3, SmolLM, TinyLlama, Qwen, Mistral shapes): RoPE, RMSNorm, SwiGLU,
+    /// grouped-query attention.
+    Llama,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -44,10 +44,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must be divisible by model.n_head ({}), got {}", m.n_head, m.n_embd),
     );
     check(
-        (1..=65536).contains(&m.vocab_size),
+        (1..=i32::MAX as usize).contains(&m.vocab_size),
         "model.vocab_size",
-        format!("must be in 1..=65536 (tokens are stored as uint16), got {}", m.vocab_size),
+        format!("must be in 1..={}, got {}", i32::MAX, m.vocab_size),
     );
+    check_arch(m, &mut check);
     check(m.seq_len >= 1, "model.seq_len", format!("must be at least 1, got {}", m.seq_len));
     check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
 
@@ -151,6 +152,29 @@ fn check_device(device: &str, check: &mut impl FnMut(bool, &str, String)) {
     check(ok, "device", format!("must be auto, cpu, cuda or cuda:N, got `{device}`"));
 }
 
+/// Shapes each architecture can build.
+fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)) {
+    let kv = m.kv_heads();
+    match m.arch {
+        super::Arch::Gpt2 => {
+            check(kv == m.n_head, "model.n_kv_head", format!("gpt2 has no grouped-query attention: leave it unset or equal to model.n_head ({}), got {kv}", m.n_head));
+            check(m.tie_embeddings, "model.tie_embeddings", "gpt2 always ties its head to the token embedding: must be true".into());
+        }
+        super::Arch::Llama => {
+            check(m.ffn_hidden.is_some(), "model.ffn_hidden", "llama needs its SwiGLU width (e.g. 8192 for Llama 3.2 1B)".into());
+            check(m.n_head > 0 && m.n_embd % m.n_head == 0 && m.head_dim() % 2 == 0, "model.n_embd", format!("llama's rotary embedding needs an even head size: n_embd / n_head = {} / {} must be an even integer", m.n_embd, m.n_head));
+            check(m.rope_theta > 0.0 && m.rope_theta.is_finite(), "model.rope_theta", format!("must be a positive number, got {}", m.rope_theta));
+            check(m.norm_eps > 0.0 && m.norm_eps.is_finite(), "model.norm_eps", format!("must be a positive number, got {}", m.norm_eps));
+        }
+    }
+    if m.n_head >= 1 {
+        check(kv >= 1 && m.n_head % kv == 0, "model.n_kv_head", format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head));
+    }
+    if let Some(f) = m.ffn_hidden {
+        check(f >= 1, "model.ffn_hidden", format!("must be at least 1, got {f}"));
+    }
+}
+
 fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     let source = c.data.source.as_str();
     if source == "synthetic" {
@@ -201,8 +225,11 @@ mod tests {
         c.model.n_embd = 65;
         assert_eq!(keys(&c), ["model.n_embd"]);
         let mut c = Config::default();
-        c.model.vocab_size = 70_000;
+        c.model.vocab_size = 0;
         assert_eq!(keys(&c), ["model.vocab_size"]);
+        let mut c = Config::default();
+        c.model.vocab_size = 128_256;
+        assert!(keys(&c).is_empty(), "vocabularies above uint16 are fine (Llama 3)");
         let mut c = Config::default();
         c.model.dropout = 1.0;
         assert_eq!(keys(&c), ["model.dropout"]);
@@ -256,6 +283,35 @@ mod tests {
             mutate(&mut c);
             assert_eq!(keys(&c), [key], "rule for {key}");
         }
+    }
+
+    #[test]
+    fn impossible_llama_shapes_name_their_keys() {
+        let llama = || {
+            let mut c = Config::default();
+            c.model.arch = crate::config::Arch::Llama;
+            c.model.ffn_hidden = Some(172);
+            c.model.n_head = 4;
+            c.model.n_kv_head = Some(2);
+            c
+        };
+        assert!(keys(&llama()).is_empty());
+        let mut c = llama();
+        c.model.n_kv_head = Some(3);
+        assert_eq!(keys(&c), ["model.n_kv_head"], "3 does not divide 4 heads");
+        let mut c = llama();
+        c.model.n_head = 32; // head size 2 is even; 64 / 64 = 1 is odd
+        c.model.n_kv_head = Some(8);
+        c.model.n_embd = 32 * 3;
+        assert_eq!(keys(&c), ["model.n_embd"], "odd head size for RoPE");
+        let mut c = llama();
+        c.model.ffn_hidden = None;
+        c.model.rope_theta = 0.0;
+        assert_eq!(keys(&c), ["model.ffn_hidden", "model.rope_theta"]);
+        let mut c = Config::default();
+        c.model.n_kv_head = Some(1);
+        c.model.tie_embeddings = false;
+        assert_eq!(keys(&c), ["model.n_kv_head", "model.tie_embeddings"], "gpt2 has neither");
     }
 
     #[test]

@@ -81,6 +81,8 @@ impl Corpus {
     }
 
     pub fn synthetic(vocab: usize, len: usize, val_fraction: f64) -> Self {
+        // Stored as uint16: a larger vocabulary draws from its first 65,536 ids.
+        let vocab = vocab.min(1 << 16);
         Self::split(Tokens::Owned(synthetic::generate(vocab, len)), val_fraction, format!("synthetic ({len} tokens)"))
     }
 

@@ -44,6 +44,7 @@ pub struct Params {
 }
 
 /// How a parameter starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Init {
     Normal(f64),
     Zeros,

@@ -39,41 +39,33 @@ impl Transformer {
             heads: cfg.n_head as u64,
             vocab: cfg.vocab_size as u64,
             seq_len: cfg.seq_len as u64,
-            ffn: 4 * cfg.n_embd as u64,
+            ffn: cfg.ffn() as u64,
             bias: cfg.bias,
             params_override: None,
         }
     }
 
-    /// Parameter shapes in the order `model::Gpt::new` creates them.
-    pub fn tensors(&self) -> Vec<Vec<u64>> {
-        let (h, f) = (self.hidden, self.ffn);
-        let mut t = vec![vec![self.vocab, h], vec![self.seq_len, h]];
-        let norm = |t: &mut Vec<Vec<u64>>| {
-            t.push(vec![h]);
-            if self.bias {
-                t.push(vec![h]);
-            }
-        };
-        let linear = |t: &mut Vec<Vec<u64>>, out: u64, inp: u64| {
-            t.push(vec![out, inp]);
-            if self.bias {
-                t.push(vec![out]);
-            }
-        };
-        for _ in 0..self.layers {
-            norm(&mut t);
-            linear(&mut t, 3 * h, h);
-            linear(&mut t, h, h);
-            norm(&mut t);
-            linear(&mut t, f, h);
-            linear(&mut t, h, f);
+    /// The model config these sizes describe (GPT-2's layout).
+    pub fn model_config(&self) -> ModelConfig {
+        ModelConfig {
+            n_layer: self.layers as usize,
+            n_head: self.heads as usize,
+            n_embd: self.hidden as usize,
+            vocab_size: self.vocab as usize,
+            seq_len: self.seq_len as usize,
+            bias: self.bias,
+            ffn_hidden: Some(self.ffn as usize),
+            ..ModelConfig::default()
         }
-        norm(&mut t);
-        t
     }
 
-    /// Parameters of the GPT-2 layout (what `model::Gpt::num_params` counts).
+    /// Parameter shapes in the order the model creates them: the model's own description
+    /// (`model::describe`), not a copy of it.
+    pub fn tensors(&self) -> Vec<Vec<u64>> {
+        crate::model::describe(&self.model_config()).iter().map(|t| t.shape.iter().map(|&d| d as u64).collect()).collect()
+    }
+
+    /// Parameters of the GPT-2 layout (what `model::Model::num_params` counts).
     pub fn layout_params(&self) -> u64 {
         self.tensors().iter().map(|s| s.iter().product::<u64>()).sum()
     }

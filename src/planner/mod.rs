@@ -251,7 +251,10 @@ impl Inputs {
         }
         config.memory.loss_chunk_tokens = a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
 
-        let model = Transformer { ffn: a.ffn.unwrap_or(4 * config.model.n_embd as u64), params_override: params, ..Transformer::from_gpt(&config.model) };
+        if let Some(f) = a.ffn {
+            config.model.ffn_hidden = Some(f as usize);
+        }
+        let model = Transformer { params_override: params, ..Transformer::from_gpt(&config.model) };
         check_model(&model)?;
         let segment = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
             Ok(config::Checkpointing::Every(k)) => Some(k as u64),
@@ -411,8 +414,8 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
         ));
     }
     let m = &inputs.model;
-    if m.params_override.is_some() || m.ffn != 4 * m.hidden {
-        return Err(usage("--profile runs the built-in GPT: --params and an --ffn other than 4 × hidden describe a model it cannot build"));
+    if m.params_override.is_some() {
+        return Err(usage("--profile builds the model it measures: --params describes one it cannot build (give its sizes instead)"));
     }
     let mut cfg = inputs.config.clone();
     let problems = config::validate(&cfg);

@@ -11,14 +11,14 @@ use crate::config::{Escalation, ModelConfig, Precision};
 use crate::dist::Dist;
 use crate::events::{Event, LossScaleReason, Reporter};
 use crate::guard::{Guard, GuardError, StepError};
-use crate::model::Gpt;
+use crate::model::Model;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerSpec};
 use tch::{Device, TchError, Tensor};
 
 /// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
 /// what a checkpoint saves with the step's counters.
 pub struct Trainable {
-    pub model: Gpt,
+    pub model: Model,
     pub opt: Optimizer,
     pub scaler: Option<LossScaler>,
 }
@@ -27,7 +27,7 @@ impl Trainable {
     /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
     /// `precision` is fp16-mixed.
     pub fn build(model: &ModelConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
-        let model = Gpt::new(model, seed, device)?;
+        let model = Model::new(model, seed, device)?;
         precision::prepare(&model.params.tensors, precision, device)?;
         let opt = Optimizer::new(spec, &model.params.tensors, &model.params.decay, device)?;
         Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler) })
@@ -123,6 +123,6 @@ pub fn optimizer_step(
 }
 
 /// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.
-pub fn validation_loss(model: &Gpt, guard: &mut Guard, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
+pub fn validation_loss(model: &Model, guard: &mut Guard, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
     guard.run(step, reporter, |micro, p| agree::validation_loss(evaluate(model, data, batches, micro, p), dist))
 }

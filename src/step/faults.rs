@@ -3,7 +3,7 @@
 //! checks scattered through the loop; with the defaults every method is a no-op.
 use super::micro::StepData;
 use crate::config::FaultsConfig;
-use crate::model::Gpt;
+use crate::model::Model;
 use tch::{TchError, Tensor};
 
 /// What the run must do before a step, as if something outside had happened.
@@ -51,7 +51,7 @@ impl Faults {
     }
 
     /// After the update: keep a forward graph alive if asked to leak.
-    pub(super) fn after_update(&mut self, model: &Gpt, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
+    pub(super) fn after_update(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
         if self.cfg.leak_graphs {
             let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
             self.leaked.push(model.forward(&x, true, None)?);

@@ -5,7 +5,7 @@
 use crate::batch;
 use crate::data::{Corpus, Sampler};
 use crate::guard::Progress;
-use crate::model::Gpt;
+use crate::model::Model;
 use super::savers::{loss_and_grads, Savers};
 use tch::{Device, TchError, Tensor};
 
@@ -22,7 +22,7 @@ pub struct StepData<'a> {
 /// Gradients of the mean loss over this rank's batch of step `step` multiplied by `scale` (fp16
 /// loss scaling; 1 otherwise), computed in micro-batches of `micro`, and that loss (unscaled). Each micro-batch's loss is weighted by its share of the tokens,
 /// so the result does not depend on the split.
-pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
+pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
     let mut grads: Vec<Tensor> = Vec::new();
     let mut loss_sum: Option<Tensor> = None;
     for r in batch::split(data.rank_batch, micro) {
@@ -52,7 +52,7 @@ pub fn forward_backward(model: &Gpt, data: &StepData, step: u64, micro: usize, s
 
 /// Mean validation loss over `batches` fixed batches of `batch_size` samples, evaluated in
 /// chunks of `micro`.
-pub fn evaluate(model: &Gpt, data: &StepData, batches: usize, micro: usize, progress: &mut Progress) -> Result<f64, TchError> {
+pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, progress: &mut Progress) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
     let mut total = 0.0;
     for b in 0..batches {
@@ -72,9 +72,9 @@ mod tests {
     use super::*;
     use crate::config::ModelConfig;
 
-    fn setup() -> (Gpt, Corpus) {
-        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true };
-        (Gpt::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1))
+    fn setup() -> (Model, Corpus) {
+        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        (Model::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1))
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //!
 //! The result is the same loss and gradients as the plain path (checked in the tests).
 use crate::config::{Checkpointing, Escalation};
-use crate::model::{cross_entropy, Gpt};
+use crate::model::{cross_entropy, Model};
 use tch::{Device, Reduction, TchError, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,7 +72,7 @@ fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> 
 
 /// `loss · weight` for one micro-batch and the gradients of every parameter (in the model's
 /// parameter order), computed with `savers`. Returns the weighted loss, detached.
-pub fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
+pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
     let params = &model.params.tensors;
     if savers.plain() {
         let loss = model.loss(x, y, true, Some(seed))?.f_mul_scalar(weight)?;
@@ -149,7 +149,7 @@ pub fn loss_and_grads(model: &Gpt, x: &Tensor, y: &Tensor, weight: f64, seed: u6
 /// Head + loss on `hidden` (requires grad): the head's gradients go into `grads`; returns the
 /// weighted loss (detached) and the gradient with respect to `hidden`.
 fn head_backward(
-    model: &Gpt,
+    model: &Model,
     hidden: &Tensor,
     y: &Tensor,
     weight: f64,
@@ -214,9 +214,9 @@ mod tests {
     /// that run in parallel threads must not reseed it in between.
     static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-    fn setup(dropout: f64) -> (Gpt, Tensor, Tensor) {
-        let cfg = ModelConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout, bias: true };
-        let m = Gpt::new(&cfg, 11, Device::Cpu).unwrap();
+    fn setup(dropout: f64) -> (Model, Tensor, Tensor) {
+        let cfg = ModelConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout, bias: true, ..ModelConfig::default() };
+        let m = Model::new(&cfg, 11, Device::Cpu).unwrap();
         let x = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
         let y = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
         (m, x, y)

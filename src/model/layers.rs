@@ -1,0 +1,112 @@
+//! The layers the architectures are assembled from, each a fallible function of tensors:
+//! linear, LayerNorm, RMSNorm, rotary position embedding, causal attention over
+//! `scaled_dot_product_attention` (grouped-query heads included), GELU and SwiGLU MLPs.
+use super::params::Params;
+use tch::{Device, Kind, TchError, Tensor};
+
+/// The parameter `name` of `params` (a handle to the same storage).
+pub fn param(params: &Params, name: &str) -> Result<Tensor, TchError> {
+    params.get(name).map(Tensor::shallow_clone).ok_or_else(|| TchError::Torch(format!("model: no parameter `{name}`")))
+}
+
+pub struct Linear {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
+    pub fn load(params: &Params, prefix: &str, bias: bool) -> Result<Self, TchError> {
+        let bias = if bias { Some(param(params, &format!("{prefix}.bias"))?) } else { None };
+        Ok(Self { weight: param(params, &format!("{prefix}.weight"))?, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        x.f_linear(&self.weight, self.bias.as_ref())
+    }
+}
+
+pub struct LayerNorm {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+}
+
+impl LayerNorm {
+    pub fn load(params: &Params, prefix: &str, bias: bool) -> Result<Self, TchError> {
+        let Linear { weight, bias } = Linear::load(params, prefix, bias)?;
+        Ok(Self { weight, bias })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let c = self.weight.size()[0];
+        x.f_layer_norm(&[c], Some(&self.weight), self.bias.as_ref(), 1e-5, true)
+    }
+}
+
+/// Root-mean-square norm as the Llama family computes it: in fp32, then back to the input's
+/// dtype, then scaled by the weight.
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let xf = x.f_to_kind(Kind::Float)?;
+        let var = xf.f_square()?.f_mean_dim(&[-1i64][..], true, Kind::Float)?;
+        let normed = xf.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?.f_to_kind(x.kind())?;
+        self.weight.f_mul(&normed)
+    }
+}
+
+/// Rotary position embedding (the "rotate half" layout of Hugging Face's Llama): cos and sin
+/// tables for every position up to the sequence length, made once.
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// In fp32 step by step as `transformers` computes them, so positions far into the
+    /// sequence rotate by the same angles.
+    pub fn new(head_dim: i64, max_len: i64, theta: f64, device: Device) -> Result<Self, TchError> {
+        let _no_grad = tch::no_grad_guard();
+        let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Int64, device))?.f_to_kind(Kind::Float)?.f_div_scalar(head_dim as f64)?;
+        let inv_freq = Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()?;
+        let pos = Tensor::f_arange(max_len, (Kind::Float, device))?;
+        let freqs = pos.f_outer(&inv_freq)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?;
+        Ok(Self { cos: emb.f_cos()?, sin: emb.f_sin()? })
+    }
+
+    /// `x` `[b, heads, t, head_dim]` rotated by its positions `0..t`.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let (t, d) = (x.size()[2], x.size()[3]);
+        let cos = self.cos.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
+        let sin = self.sin.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
+        let half = d / 2;
+        let rotated = Tensor::f_cat(&[&x.f_narrow(-1, half, half)?.f_neg()?, &x.f_narrow(-1, 0, half)?], -1)?;
+        x.f_mul(&cos)?.f_add(&rotated.f_mul(&sin)?)
+    }
+}
+
+/// Causal attention of `q` `[b, heads, t, d]` over `k`, `v` `[b, kv_heads, t, d]`; when there
+/// are fewer key/value heads each serves `heads / kv_heads` query heads. Returns `[b, t, heads·d]`.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, dropout: f64) -> Result<Tensor, TchError> {
+    let (b, h, t, d) = q.size4()?;
+    let gqa = k.size()[1] != h;
+    let y = Tensor::f_scaled_dot_product_attention::<Tensor>(q, k, v, None, dropout, true, None, gqa)?;
+    y.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d])
+}
+
+/// `[b, t, heads·d]` → `[b, heads, t, d]`.
+pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
+    let (b, t, c) = x.size3()?;
+    x.f_view([b, t, heads, c / heads])?.f_transpose(1, 2)
+}
+
+/// SwiGLU: `down(silu(gate(x)) · up(x))`.
+pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<Tensor, TchError> {
+    let g = gate.forward(x)?.f_silu()?;
+    down.forward(&g.f_mul(&up.forward(x)?)?)
+}

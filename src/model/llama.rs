@@ -1,0 +1,180 @@
+//! The Llama family (Llama 3, SmolLM, TinyLlama, Qwen and Mistral share the shape): token
+//! embedding, pre-RMSNorm blocks with rotary position embedding on queries and keys,
+//! grouped-query causal attention and a SwiGLU MLP, a final RMSNorm and an LM head (tied to the
+//! embedding or not). Names and layouts are Hugging Face's `LlamaForCausalLM`
+//! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
+//! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
+//! ones for the norms.
+use super::layers::{causal_attention, param, split_heads, swiglu, Linear, RmsNorm, Rope};
+use super::params::{Init, Params};
+use super::spec::{Part, TensorSpec};
+use super::Decoder;
+use crate::config::ModelConfig;
+use tch::{Device, TchError, Tensor};
+
+const STD: f64 = 0.02;
+
+/// Llama's parameters in creation order.
+pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let (h, v, f) = (cfg.n_embd as i64, cfg.vocab_size as i64, cfg.ffn() as i64);
+    let d = cfg.head_dim() as i64;
+    let (q, kv) = (cfg.n_head as i64 * d, cfg.kv_heads() as i64 * d);
+    let embed_part = if cfg.tie_embeddings { Part::TiedEmbedding } else { Part::Embedding };
+    let mut out = vec![TensorSpec::new("model.embed_tokens.weight", &[v, h], Init::Normal(STD), false, embed_part)];
+    for i in 0..cfg.n_layer {
+        let part = Part::Block(i);
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let linear = |out: &mut Vec<TensorSpec>, name: &str, o: i64, inp: i64| {
+            out.push(TensorSpec::new(p(&format!("{name}.weight")), &[o, inp], Init::Normal(STD), true, part));
+            if cfg.bias {
+                out.push(TensorSpec::new(p(&format!("{name}.bias")), &[o], Init::Zeros, false, part));
+            }
+        };
+        out.push(TensorSpec::new(p("input_layernorm.weight"), &[h], Init::Ones, false, part));
+        linear(&mut out, "self_attn.q_proj", q, h);
+        linear(&mut out, "self_attn.k_proj", kv, h);
+        linear(&mut out, "self_attn.v_proj", kv, h);
+        linear(&mut out, "self_attn.o_proj", h, q);
+        out.push(TensorSpec::new(p("post_attention_layernorm.weight"), &[h], Init::Ones, false, part));
+        linear(&mut out, "mlp.gate_proj", f, h);
+        linear(&mut out, "mlp.up_proj", f, h);
+        linear(&mut out, "mlp.down_proj", h, f);
+    }
+    out.push(TensorSpec::new("model.norm.weight", &[h], Init::Ones, false, Part::Head));
+    if !cfg.tie_embeddings {
+        out.push(TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head));
+    }
+    out
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    post_norm: RmsNorm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub struct Llama {
+    n_head: i64,
+    n_kv_head: i64,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rope: Rope,
+}
+
+impl Llama {
+    pub fn new(cfg: &ModelConfig, params: &Params, device: Device) -> Result<Self, TchError> {
+        let (bias, eps) = (cfg.bias, cfg.norm_eps);
+        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps }) };
+        let layers = (0..cfg.n_layer)
+            .map(|i| {
+                let p = |s: &str| format!("model.layers.{i}.{s}");
+                Ok(Layer {
+                    input_norm: norm(&p("input_layernorm.weight"))?,
+                    q: Linear::load(params, &p("self_attn.q_proj"), bias)?,
+                    k: Linear::load(params, &p("self_attn.k_proj"), bias)?,
+                    v: Linear::load(params, &p("self_attn.v_proj"), bias)?,
+                    o: Linear::load(params, &p("self_attn.o_proj"), bias)?,
+                    post_norm: norm(&p("post_attention_layernorm.weight"))?,
+                    gate: Linear::load(params, &p("mlp.gate_proj"), bias)?,
+                    up: Linear::load(params, &p("mlp.up_proj"), bias)?,
+                    down: Linear::load(params, &p("mlp.down_proj"), bias)?,
+                })
+            })
+            .collect::<Result<_, TchError>>()?;
+        let embed = param(params, "model.embed_tokens.weight")?;
+        let lm_head = if cfg.tie_embeddings { embed.shallow_clone() } else { param(params, "lm_head.weight")? };
+        Ok(Self {
+            n_head: cfg.n_head as i64,
+            n_kv_head: cfg.kv_heads() as i64,
+            embed,
+            layers,
+            norm: norm("model.norm.weight")?,
+            lm_head,
+            rope: Rope::new(cfg.head_dim() as i64, cfg.seq_len as i64, cfg.rope_theta, device)?,
+        })
+    }
+}
+
+impl Decoder for Llama {
+    fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
+        Tensor::f_embedding(&self.embed, idx, -1, false, false)?.f_dropout(dropout, train)
+    }
+
+    fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
+        let l = &self.layers[i];
+        let h = l.input_norm.forward(x)?;
+        let q = self.rope.apply(&split_heads(&l.q.forward(&h)?, self.n_head)?)?;
+        let k = self.rope.apply(&split_heads(&l.k.forward(&h)?, self.n_kv_head)?)?;
+        let v = split_heads(&l.v.forward(&h)?, self.n_kv_head)?;
+        let y = causal_attention(&q, &k, &v, dropout)?;
+        let x = x.f_add(&l.o.forward(&y)?.f_dropout(dropout, train)?)?;
+        let m = swiglu(&l.post_norm.forward(&x)?, &l.gate, &l.up, &l.down)?;
+        x.f_add(&m.f_dropout(dropout, train)?)
+    }
+
+    fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        self.norm.forward(x)?.f_linear::<Tensor>(&self.lm_head, None)
+    }
+
+    fn n_blocks(&self) -> usize {
+        self.layers.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Model;
+    use crate::config::{Arch, ModelConfig};
+    use tch::{Device, Kind, Tensor};
+
+    fn cfg() -> ModelConfig {
+        ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: Some(2), n_embd: 32, ffn_hidden: Some(48), vocab_size: 40, seq_len: 16, bias: false, ..ModelConfig::default() }
+    }
+
+    #[test]
+    fn parameters_follow_the_llama_layout_with_grouped_query_heads() {
+        let m = Model::new(&cfg(), 0, Device::Cpu).unwrap();
+        let (l, h, f, v, kv) = (2i64, 32i64, 48i64, 40i64, 16i64);
+        let per_layer = 2 * h + h * h + 2 * kv * h + h * h + 3 * h * f;
+        assert_eq!(m.num_params(), v * h + l * per_layer + h, "tied head counted once");
+        assert_eq!(m.params.names[2], "model.layers.0.self_attn.q_proj.weight");
+        assert_eq!(m.params.get("model.layers.1.self_attn.k_proj.weight").unwrap().size(), [kv, h]);
+        let untied = Model::new(&ModelConfig { tie_embeddings: false, ..cfg() }, 0, Device::Cpu).unwrap();
+        assert_eq!(untied.num_params(), m.num_params() + v * h);
+        assert_eq!(untied.params.names.last().unwrap(), "lm_head.weight");
+    }
+
+    #[test]
+    fn forward_is_causal_and_starts_near_uniform() {
+        let m = Model::new(&cfg(), 1, Device::Cpu).unwrap();
+        let x1 = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6]).view([1, 6]);
+        let x2 = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 9]).view([1, 6]);
+        let l1 = m.forward(&x1, false, None).unwrap();
+        assert_eq!(l1.size(), [1, 6, 40]);
+        let l2 = m.forward(&x2, false, None).unwrap();
+        assert!(l1.narrow(1, 0, 5).allclose(&l2.narrow(1, 0, 5), 1e-6, 1e-6, false));
+        let next = Tensor::from_slice(&[2i64, 3, 4, 5, 6, 7]).view([1, 6]);
+        let loss = m.loss(&x1, &next, false, None).unwrap().double_value(&[]);
+        assert!((loss - 40f64.ln()).abs() < 0.3, "{loss}");
+    }
+
+    #[test]
+    fn grouped_query_attention_equals_repeating_the_key_value_heads() {
+        // Each KV head serves n_head / n_kv_head consecutive query heads, as repeat_kv does.
+        let q = Tensor::randn([1, 4, 5, 8], (Kind::Float, Device::Cpu));
+        let k = Tensor::randn([1, 2, 5, 8], (Kind::Float, Device::Cpu));
+        let v = Tensor::randn([1, 2, 5, 8], (Kind::Float, Device::Cpu));
+        let grouped = super::causal_attention(&q, &k, &v, 0.0).unwrap();
+        let rep = |t: &Tensor| t.repeat_interleave_self_int(2, 1, None);
+        let full = super::causal_attention(&q, &rep(&k), &rep(&v), 0.0).unwrap();
+        assert!(grouped.allclose(&full, 1e-6, 1e-6, false));
+    }
+}
