@@ -3,7 +3,7 @@
 //! the switch works without script), the plotted data as JSON, and a small script for a hover
 //! readout that records `data-status="ok"` on `<body>` when it ran (errors go there too).
 use super::read::RunData;
-use super::series::{self, Mark, PanelDef, GIB, PANELS};
+use super::series::{self, Mark, PanelDef, Points, GIB, PANELS};
 use super::svg::{self, esc, fmt_num, HLine, Line, VMark};
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -13,7 +13,7 @@ const DASHES: &[&str] = &["", "7 3", "2 2", "9 3 2 3", "4 4", "12 2"];
 
 /// The points drawn for each run, keyed by metrics field, and its markers.
 struct Drawn {
-    series: Vec<(&'static str, Vec<(u64, f64, f64)>)>,
+    series: Vec<(&'static str, Points)>,
     marks: Vec<(Mark, f64)>,
 }
 
@@ -128,8 +128,12 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
             if let Some(total) = r.series("gpu_memory_total_bytes").last() {
                 hlines.push(HLine { label: format!("{who}device total {:.1} GiB", total.2 / GIB), y: total.2 / GIB, color });
             }
-            if let Some(limit) = r.last_event("run_started").and_then(|e| e["memory_limit_bytes"].as_f64()) {
-                hlines.push(HLine { label: format!("{who}memory.limit {:.2} GiB", limit / GIB), y: limit / GIB, color: "#d62728" });
+            let started = r.last_event("run_started");
+            if let Some(limit) = started.and_then(|e| e["memory_limit_bytes"].as_f64()) {
+                // On CPU the cap is on address space mapped above start-up, not on resident size.
+                let cpu = started.is_some_and(|e| e["device"] == "cpu");
+                let what = if cpu { " (CPU: address space above start-up)" } else { "" };
+                hlines.push(HLine { label: format!("{who}memory.limit {:.2} GiB{what}", limit / GIB), y: limit / GIB, color: "#d62728" });
             }
         }
     }
@@ -238,7 +242,8 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     let device = st("device").and_then(Value::as_str).map(str::to_string).or_else(|| cfg("device")).unwrap_or("?".into());
     row(&mut t, "device", device);
     if let Some(l) = cfg("memory.limit") {
-        row(&mut t, "memory.limit", l);
+        let bytes = l.parse::<f64>().map(|b| format!(" ({:.3} GiB)", b / GIB)).unwrap_or_default();
+        row(&mut t, "memory.limit", format!("{l}{bytes}"));
     }
     let saver = cfg("memory.activation_checkpointing").filter(|s| s != "none");
     if let Some(s) = saver {
@@ -271,8 +276,14 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     if let Some(v) = val {
         row(&mut t, "final val loss", format!("{v:.4}"));
     }
-    let ooms = sm("oom_recoveries").unwrap_or(r.events_of("oom_recovered").count() as f64);
-    row(&mut t, "OOM recoveries", format!("{ooms}"));
+    // A resumed run's summary counts its last session; events.jsonl has every session's.
+    let in_events = r.events_of("oom_recovered").count();
+    let ooms = match sm("oom_recoveries") {
+        Some(n) if n as usize != in_events => format!("{n} (last session); {in_events} in events.jsonl"),
+        Some(n) => format!("{n}"),
+        None => format!("{in_events} in events.jsonl"),
+    };
+    row(&mut t, "OOM recoveries", ooms);
     if let (Some(f), Some(c)) = (sm("final_micro_batch"), sm("configured_micro_batch")) {
         row(&mut t, "micro-batch", format!("{f} (configured {c})"));
     }

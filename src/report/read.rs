@@ -106,6 +106,8 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(source) => return Err(ReportError::Read { path: dir.join("config.yaml"), source }),
     }
+    let order = |f: &str| ["metrics.jsonl", "events.jsonl", "config.yaml"].iter().position(|n| *n == f);
+    run.skipped.sort_by_key(|s| (order(&s.file), s.line));
     run.memory_table = std::fs::read(dir.join("train.log")).ok().and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
     Ok(run)
 }

@@ -6,6 +6,9 @@ use serde_json::Value;
 
 pub const GIB: f64 = (1u64 << 30) as f64;
 
+/// (step, elapsed_s, value) points of one metrics field.
+pub type Points = Vec<(u64, f64, f64)>;
+
 /// One curve: a metrics.jsonl field, its legend label, and the factor to the panel's unit.
 pub struct SeriesDef {
     pub key: &'static str,
@@ -87,7 +90,7 @@ pub fn changes(points: &[(u64, f64, f64)]) -> Vec<(u64, f64, f64)> {
 }
 
 /// The points drawn for a field of a run.
-pub fn drawn(run: &RunData, key: &str, steps: bool) -> Vec<(u64, f64, f64)> {
+pub fn drawn(run: &RunData, key: &str, steps: bool) -> Points {
     let all = run.series(key);
     if steps {
         downsample(&changes(&all), BUCKETS)

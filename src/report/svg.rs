@@ -71,7 +71,7 @@ pub fn fmt_num(v: f64) -> String {
 /// About `n` round ticks (1, 2, 5 × 10^k) covering [lo, hi].
 pub fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     let span = hi - lo;
-    if !(span > 0.0) || !span.is_finite() {
+    if span.is_nan() || span <= 0.0 || span.is_infinite() {
         return vec![lo];
     }
     let raw = span / n as f64;

@@ -159,6 +159,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[allow(clippy::manual_rotate)] // written as TensorFlow's crc32c.h writes Mask()
     fn crc32c_and_mask_match_known_values() {
         // CRC-32C of "123456789" is 0xE3069283 (the standard check value).
         assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
