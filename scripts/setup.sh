@@ -2,7 +2,9 @@
 # Prepares a fresh Debian machine (with Rust and Python 3) to build and run trainguard.
 # Idempotent: every step checks before it acts, so rerunning it is cheap and safe.
 #   - Debian packages the build needs (a C++ compiler for torch-sys and the shim, Gloo headers)
-#   - the project venv `.venv` with torch==2.11.0 from PyPI (the libtorch that tch 0.24 binds)
+#   - the project venv `.venv` with torch==2.11.0 from PyPI (the libtorch that tch 0.24 binds),
+#     and tensorboard (tests read the event files back with it)
+#   - chromium, optional: the report page's rendering test (skipped without it)
 # Afterwards plain `cargo build`, `cargo test` and `cargo run` work: `.cargo/config.toml` points
 # torch-sys at `.venv`'s torch.
 set -euo pipefail
@@ -31,6 +33,16 @@ else
   say "Debian packages present"
 fi
 
+# A headless browser for the test that renders `trainguard report`'s page (tests/report.rs).
+# Optional: where apt cannot install it, setup goes on and that test prints "skipped: ...".
+if ! command -v chromium >/dev/null 2>&1; then
+  say "installing chromium (headless, for the report page's rendering test)"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium; }; then
+    say "chromium could not be installed; the report's browser test will be skipped"
+  fi
+fi
+
 # --- Python venv with torch ---------------------------------------------------------------------
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
@@ -47,6 +59,10 @@ else
 fi
 "$VENV/bin/python" -c 'import safetensors, numpy, yaml' 2>/dev/null \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy pyyaml
+# TensorBoard's reader for tests/report.rs (checks the `metrics.tensorboard` event files).
+TENSORBOARD_VERSION=2.20.0
+[ "$("$VENV/bin/python" -c 'import tensorboard; print(tensorboard.__version__)' 2>/dev/null)" = "$TENSORBOARD_VERSION" ] \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION"
 # CUDA headers the c10d shim needs to build ProcessGroupNCCL (a few MB; torch's wheel has NCCL's).
 SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -f "$SITE/nvidia/cu13/include/crt/host_defines.h" ] && [ -f "$SITE/nvidia/cu13/include/nv/target" ] \

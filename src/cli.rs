@@ -20,6 +20,18 @@ pub enum Command {
     Env(ConfigArgs),
     /// Estimate (and with --profile measure) what fits on a GPU; recommend a micro-batch.
     Plan(crate::planner::PlanArgs),
+    /// One self-contained HTML page of a run's curves and events (several runs: overlaid).
+    Report(ReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Run directories (a run's out_dir); a running or resumed run works too.
+    #[arg(required = true, value_name = "RUN_DIR")]
+    pub runs: Vec<PathBuf>,
+    /// Where to write the page (default: RUN_DIR/report.html of the first run).
+    #[arg(long, short, value_name = "FILE")]
+    pub out: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

@@ -152,6 +152,8 @@ pub struct Reporter {
     log_interval: u64,
     max_steps: u64,
     bar: Option<indicatif::ProgressBar>,
+    /// `metrics.tensorboard: true`: the same lines as TensorBoard event files.
+    tensorboard: Option<crate::report::tensorboard::TensorBoardWriter>,
 }
 
 impl Reporter {
@@ -180,7 +182,16 @@ impl Reporter {
             bar.set_position(resume_at.unwrap_or(0));
             bar
         });
-        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar })
+        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar, tensorboard: None })
+    }
+
+    /// Also writes TensorBoard event files into `dir` (the writing rank's `out_dir/tb`), starting
+    /// with the resolved config as text.
+    pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> std::io::Result<()> {
+        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir)?;
+        tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```"))?;
+        self.tensorboard = Some(tb);
+        Ok(())
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -203,6 +214,18 @@ impl Reporter {
             let written = line.map_err(std::io::Error::other).and_then(|l| writeln!(w, "{l}")).and_then(|_| w.flush());
             if let Err(e) = written {
                 tracing::warn!("cannot write run files: {e}");
+            }
+        }
+        if let Some(tb) = &mut self.tensorboard {
+            let written = match &event {
+                Event::Step(m) => serde_json::to_value(m).map_err(std::io::Error::other).and_then(|v| tb.scalars(&v)),
+                e => serde_json::to_value(e).map_err(std::io::Error::other).and_then(|v| {
+                    tb.text("events", v["step"].as_i64(), &v.to_string())
+                }),
+            };
+            if let Err(e) = written {
+                tracing::warn!("cannot write TensorBoard files, no more will be written: {e}");
+                self.tensorboard = None;
             }
         }
     }

@@ -20,4 +20,5 @@ pub mod optim;
 pub mod run_plan;
 pub mod step;
 pub mod planner;
+pub mod report;
 pub mod train;

@@ -15,6 +15,7 @@ fn main() {
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
         Command::Env(args) => show_env(&args),
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
+        Command::Report(args) => run_report(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -69,6 +70,12 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn run_report(args: &trainguard::cli::ReportArgs) -> anyhow::Result<()> {
+    let out = trainguard::report::run(&args.runs, args.out.as_deref())?;
+    println!("{}", out.display());
+    Ok(())
+}
+
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
     let cfg = load(args)?;
     print!("{}", serde_yaml::to_string(&cfg)?);
@@ -109,6 +116,9 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             return exit::CONFIG;
         }
         if cause.downcast_ref::<trainguard::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
+            return exit::CONFIG;
+        }
+        if cause.downcast_ref::<trainguard::report::ReportError>().is_some_and(|e| e.is_usage()) {
             return exit::CONFIG;
         }
         if oom_in(cause).is_some() {

@@ -32,6 +32,8 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     pub nan: NanConfig,
     pub dist: DistConfig,
+    /// Extra metric sinks beside metrics.jsonl.
+    pub metrics: MetricsConfig,
     /// Test-only fault injection; leave empty in real runs.
     pub faults: FaultsConfig,
 }
@@ -52,6 +54,7 @@ impl Default for Config {
             checkpoint: CheckpointConfig::default(),
             nan: NanConfig::default(),
             dist: DistConfig::default(),
+            metrics: MetricsConfig::default(),
             faults: FaultsConfig::default(),
         }
     }
@@ -420,6 +423,15 @@ impl Default for NanConfig {
     fn default() -> Self {
         Self { max_consecutive: 10 }
     }
+}
+
+/// Where metrics go besides `metrics.jsonl` (always written).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Also write TensorBoard event files to `out_dir/tb/` (rank 0): every numeric metric as a
+    /// scalar, the config and the events as text.
+    pub tensorboard: bool,
 }
 
 /// Failures injected on purpose, to test recovery paths on the real binary.

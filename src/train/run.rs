@@ -67,6 +67,10 @@ impl<'a> Run<'a> {
         let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
+        if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
+            let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
+            reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|source| TrainError::RunDir { path: dir.join("tb"), source })?;
+        }
         for e in skipped {
             reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
         }

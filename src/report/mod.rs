@@ -1,0 +1,55 @@
+//! Looking at runs outside the log: `trainguard report` (one self-contained HTML page of curves
+//! and events for one or more run directories) and the TensorBoard event-file sink.
+//!
+//! `read` parses a run directory leniently, `series` decides what is drawn (panels, downsampling,
+//! markers), `svg` draws a panel, `html` assembles the page. The page needs no network: SVG is
+//! inline, the data is embedded as JSON, and a small inline script adds a hover readout.
+pub mod html;
+pub mod read;
+pub mod series;
+pub mod svg;
+pub mod tensorboard;
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("{}: not a trainguard run directory: {why}", dir.display())]
+    NotARun { dir: PathBuf, why: String },
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("cannot write {}: {source}", path.display())]
+    Write { path: PathBuf, source: std::io::Error },
+}
+
+impl ReportError {
+    /// The user named something that is not a run (exit code 2).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Self::NotARun { .. })
+    }
+}
+
+/// Where the page goes when `--out` is not given: the first run's `report.html`.
+pub fn default_out(runs: &[PathBuf]) -> PathBuf {
+    runs.first().map_or_else(|| PathBuf::from("report.html"), |d| d.join("report.html"))
+}
+
+/// Reads every run, writes the page, and prints what was skipped on stderr. Returns the path.
+pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError> {
+    let runs = dirs.iter().map(|d| read::read_run(d)).collect::<Result<Vec<_>, _>>()?;
+    for r in &runs {
+        const SHOWN: usize = 10;
+        for s in r.skipped.iter().take(SHOWN) {
+            eprintln!("warning: {}: {} line {}: {}; skipped", r.dir.display(), s.file, s.line, s.reason);
+        }
+        if r.skipped.len() > SHOWN {
+            eprintln!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN);
+        }
+    }
+    let page = html::page(&runs);
+    let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
+    // Written under a temporary name and renamed: a browser reloading the page never sees half.
+    let tmp = out.with_extension("html.tmp");
+    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, &out)).map_err(|source| ReportError::Write { path: out.clone(), source })?;
+    Ok(out)
+}

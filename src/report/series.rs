@@ -1,0 +1,205 @@
+//! What the report draws, independent of how: the panels and their metrics.jsonl fields, the
+//! downsampling that keeps a 100k-step run small without hiding spikes, and the event markers.
+//! Pure functions over [`RunData`].
+use super::read::RunData;
+use serde_json::Value;
+
+pub const GIB: f64 = (1u64 << 30) as f64;
+
+/// (step, elapsed_s, value) points of one metrics field.
+pub type Points = Vec<(u64, f64, f64)>;
+
+/// One curve: a metrics.jsonl field, its legend label, and the factor to the panel's unit.
+pub struct SeriesDef {
+    pub key: &'static str,
+    pub label: &'static str,
+    pub scale: f64,
+}
+
+pub struct PanelDef {
+    pub id: &'static str,
+    pub title: &'static str,
+    pub unit: &'static str,
+    pub series: &'static [SeriesDef],
+    /// Drawn as a staircase (the value holds until the next point), and thinned to its changes.
+    pub steps: bool,
+    /// The y axis starts at zero (amounts, not losses).
+    pub from_zero: bool,
+}
+
+const fn s(key: &'static str, label: &'static str) -> SeriesDef {
+    SeriesDef { key, label, scale: 1.0 }
+}
+const fn gib(key: &'static str, label: &'static str) -> SeriesDef {
+    SeriesDef { key, label, scale: 1.0 / GIB }
+}
+
+pub const PANELS: &[PanelDef] = &[
+    PanelDef { id: "loss", title: "Loss", unit: "nats", series: &[s("loss", "train"), s("val_loss", "validation")], steps: false, from_zero: false },
+    PanelDef { id: "lr", title: "Learning rate", unit: "", series: &[s("lr", "lr")], steps: false, from_zero: true },
+    PanelDef { id: "throughput", title: "Throughput", unit: "tokens/s", series: &[s("tokens_per_s", "tokens/s")], steps: false, from_zero: true },
+    PanelDef {
+        id: "memory",
+        title: "Memory",
+        unit: "GiB",
+        series: &[
+            gib("allocated_bytes", "allocated"),
+            gib("reserved_bytes", "reserved"),
+            gib("peak_allocated_bytes", "peak allocated"),
+            gib("peak_reserved_bytes", "peak reserved"),
+            gib("gpu_memory_used_bytes", "device used (NVML)"),
+            gib("rss_bytes", "process resident"),
+        ],
+        steps: false,
+        from_zero: true,
+    },
+    PanelDef { id: "batch", title: "Micro-batch × accumulation", unit: "", series: &[s("micro_batch", "micro-batch"), s("accumulation", "accumulation")], steps: true, from_zero: true },
+];
+
+/// Buckets per curve: about one per pixel column of a full-width panel.
+pub const BUCKETS: usize = 1000;
+
+/// At most ~2·`buckets` points: per bucket of consecutive points, the lowest and the highest (in
+/// their order), plus the first and last point, so a one-step spike is still drawn.
+pub fn downsample(points: &[(u64, f64, f64)], buckets: usize) -> Vec<(u64, f64, f64)> {
+    if points.len() <= 2 * buckets {
+        return points.to_vec();
+    }
+    let mut keep = vec![false; points.len()];
+    keep[0] = true;
+    keep[points.len() - 1] = true;
+    for b in 0..buckets {
+        let (lo, hi) = (b * points.len() / buckets, (b + 1) * points.len() / buckets);
+        let chunk = &points[lo..hi];
+        let by = |f: fn(f64, f64) -> bool| chunk.iter().enumerate().fold(0, |best, (i, p)| if f(p.2, chunk[best].2) { i } else { best });
+        keep[lo + by(|a, b| a < b)] = true;
+        keep[lo + by(|a, b| a > b)] = true;
+    }
+    points.iter().zip(keep).filter(|(_, k)| *k).map(|(p, _)| *p).collect()
+}
+
+/// A staircase needs only the points where the value changes (and the last one).
+pub fn changes(points: &[(u64, f64, f64)]) -> Vec<(u64, f64, f64)> {
+    let mut out: Vec<(u64, f64, f64)> = vec![];
+    for (i, p) in points.iter().enumerate() {
+        if out.last().is_none_or(|l| l.2 != p.2) || i + 1 == points.len() {
+            out.push(*p);
+        }
+    }
+    out
+}
+
+/// The points drawn for a field of a run.
+pub fn drawn(run: &RunData, key: &str, steps: bool) -> Points {
+    let all = run.series(key);
+    if steps {
+        downsample(&changes(&all), BUCKETS)
+    } else {
+        downsample(&all, BUCKETS)
+    }
+}
+
+/// An event drawn on every panel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mark {
+    pub kind: String,
+    pub step: u64,
+    pub label: String,
+}
+
+/// Markers for the events that mark a moment in training; events without a step (run start,
+/// skipped checkpoints) are in the header instead.
+pub fn marks(run: &RunData) -> Vec<Mark> {
+    let n = |v: &Value, k: &str| match &v[k] {
+        Value::Null => "?".to_string(),
+        Value::String(s) => s.clone(),
+        x => x.to_string(),
+    };
+    let mut out = vec![];
+    for e in &run.events {
+        let kind = e["event"].as_str().unwrap_or_default();
+        let step = match kind {
+            "run_finished" => e["steps"].as_u64(),
+            _ => e["step"].as_u64(),
+        };
+        let Some(step) = step else { continue };
+        let label = match kind {
+            "oom_recovered" if e["regrow_backoff"] == true => format!("regrow trial failed: micro-batch {} → {}", n(e, "old_micro_batch"), n(e, "new_micro_batch")),
+            "oom_recovered" => {
+                let asked = e["requested_bytes"].as_f64().map(|b| format!(" (asked for {:.1} MiB)", b / (1u64 << 20) as f64)).unwrap_or_default();
+                format!(
+                    "OOM recovered{asked}: micro-batch {} → {}, accumulation {} → {}",
+                    n(e, "old_micro_batch"),
+                    n(e, "new_micro_batch"),
+                    n(e, "old_accumulation"),
+                    n(e, "new_accumulation")
+                )
+            }
+            "regrow_attempt" => format!("regrow trial: micro-batch {} → {}", n(e, "from_micro_batch"), n(e, "to_micro_batch")),
+            "oom_escalated" => format!("OOM at micro-batch {}: {} switched on", n(e, "micro_batch"), n(e, "switched_on")),
+            "checkpoint_saved" => format!("checkpoint {}", n(e, "path")),
+            "checkpoint_failed" => format!("checkpoint failed: {}", n(e, "error")),
+            "leak_suspected" => format!("leak suspected: {}", n(e, "message")),
+            "thrash_detected" => format!("allocator thrash ({} retries): {}", n(e, "total_retries"), n(e, "action")),
+            "nonfinite_skipped" => format!("non-finite loss or gradient: update skipped ({} in a row)", n(e, "consecutive")),
+            "loss_scale_changed" if e["reason"] == "overflow" => format!("fp16 overflow: loss scale {}", n(e, "scale")),
+            "resumed" => format!("resumed at step {step} from {}", n(e, "path")),
+            "stopped" => format!("stopped: {}", n(e, "reason")),
+            "run_finished" => format!("finished after {step} steps"),
+            _ => continue,
+        };
+        out.push(Mark { kind: kind.to_string(), step, label });
+    }
+    out
+}
+
+/// Marker colour by kind: red for out of memory, green for growth, grey for routine.
+pub fn mark_color(kind: &str) -> &'static str {
+    match kind {
+        "oom_recovered" => "#d62728",
+        "oom_escalated" => "#7f0000",
+        "regrow_attempt" => "#2ca02c",
+        "checkpoint_saved" => "#9a9a9a",
+        "checkpoint_failed" | "nonfinite_skipped" => "#ff7f0e",
+        "leak_suspected" | "thrash_detected" => "#9467bd",
+        "loss_scale_changed" => "#bcbd22",
+        "resumed" => "#1f77b4",
+        _ => "#222222",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pts(values: &[f64]) -> Vec<(u64, f64, f64)> {
+        values.iter().enumerate().map(|(i, &v)| (i as u64, i as f64, v)).collect()
+    }
+
+    #[test]
+    fn downsampling_keeps_spikes_and_ends() {
+        let mut v: Vec<f64> = (0..100_000).map(|i| 2.0 + (i as f64 * 0.01).sin() * 0.1).collect();
+        v[54_321] = 50.0;
+        v[77_777] = -3.0;
+        let d = downsample(&pts(&v), 1000);
+        assert!(d.len() <= 2002, "{}", d.len());
+        assert!(d.iter().any(|p| p.0 == 54_321 && p.2 == 50.0));
+        assert!(d.iter().any(|p| p.0 == 77_777 && p.2 == -3.0));
+        assert_eq!((d[0].0, d.last().unwrap().0), (0, 99_999));
+        assert!(d.windows(2).all(|w| w[0].0 < w[1].0), "order kept");
+        // Every drawn point is an original point.
+        assert!(d.iter().all(|p| v[p.0 as usize] == p.2));
+    }
+
+    #[test]
+    fn short_series_are_drawn_whole() {
+        let v = pts(&[1.0, 3.0, 2.0]);
+        assert_eq!(downsample(&v, 1000), v);
+    }
+
+    #[test]
+    fn staircase_keeps_changes_and_last() {
+        let c = changes(&pts(&[8.0, 8.0, 4.0, 4.0, 4.0, 8.0, 8.0]));
+        assert_eq!(c.iter().map(|p| (p.0, p.2)).collect::<Vec<_>>(), vec![(0, 8.0), (2, 4.0), (5, 8.0), (6, 8.0)]);
+    }
+}
