@@ -108,6 +108,8 @@ pub struct Reporter {
     log_interval: u64,
     max_steps: u64,
     bar: Option<indicatif::ProgressBar>,
+    /// The step a resumed run started at (a run resumed at or past max_steps trains nothing).
+    resume_at: Option<u64>,
 }
 
 impl Reporter {
@@ -136,7 +138,7 @@ impl Reporter {
             bar.set_position(resume_at.unwrap_or(0));
             bar
         });
-        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar })
+        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar, resume_at })
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -248,6 +250,13 @@ impl Reporter {
                 } else {
                     tracing::warn!("ranks' weights differ (checksum spread {checksum_spread:e}): data-parallel replicas diverged");
                 }
+            }
+            Event::RunFinished(s) if self.resume_at.is_some_and(|r| r >= s.steps) => {
+                tracing::info!(
+                    "done: nothing to train: resumed at step {}, and train.max_steps is {}; raise train.max_steps (or start a new run) to train further",
+                    self.resume_at.unwrap_or_default(),
+                    s.steps
+                );
             }
             Event::RunFinished(s) => {
                 let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();

@@ -3,8 +3,8 @@ use anyhow::Context;
 use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::interrupt::Interrupter;
-use trainguard::train::Resume;
-use trainguard::{config, dist, exit, plan, train};
+use trainguard::train::{Resume, TrainError};
+use trainguard::{checkpoint, config, deadline, dist, exit, plan, stop_record, train};
 
 fn main() {
     trainguard::logging::init();
@@ -40,8 +40,13 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if let Some(d) = &args.max_duration {
         overrides.push(format!("train.max_duration={d}"));
     }
-    let cfg = config::load(args.config.config.as_deref(), &overrides)?;
+    let mut cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let launch = dist::from_process_env()?;
+    let elastic = stop_record::under_elastic_agent(|k| std::env::var(k).ok());
+    let writer = launch.as_ref().is_none_or(|l| l.rank == 0);
+    if elastic {
+        carry_deadline(&mut cfg, launch.as_ref());
+    }
     let plan = plan::RunPlan::build(cfg, plan::Environment::detect(launch.as_ref()))?;
     let restarted = launch.as_ref().is_some_and(|l| l.restart_count > 0);
     let resume = match args.resume.as_deref() {
@@ -51,6 +56,16 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         None if restarted => Resume::Auto,
         None => Resume::Fresh,
     };
+    if args.overwrite && matches!(resume, Resume::Fresh) && writer {
+        move_old_run_aside(&plan.config.out_dir)?;
+    }
+    if writer {
+        // From here a crash must leave no stop record, whatever an earlier run left.
+        stop_record::clear(&plan.config.out_dir).with_context(|| format!("cannot remove {}", stop_record::path(&plan.config.out_dir).display()))?;
+        if elastic {
+            record_deadline(&plan.config, launch.as_ref());
+        }
+    }
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
     }
@@ -64,8 +79,69 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    train::train(&plan, &resume, &stop, group.as_mut()).context("training failed")?;
+    let out_dir = &plan.config.out_dir;
+    let record = |r: &stop_record::StopRecord| {
+        if let Err(e) = stop_record::write(out_dir, r) {
+            tracing::warn!("cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
+        }
+    };
+    match train::train(&plan, &resume, &stop, group.as_mut()) {
+        Ok(summary) => {
+            if writer {
+                record(&stop_record::StopRecord::finished(summary.steps));
+            }
+            Ok(())
+        }
+        Err(TrainError::Interrupted { step, reason, checkpoint }) => {
+            if writer {
+                record(&stop_record::StopRecord::stopped(step, &reason, checkpoint.as_deref()));
+            }
+            let err = TrainError::Interrupted { step, reason, checkpoint };
+            if elastic {
+                // torchrun restarts a worker that exits non-zero: a planned stop must end the job.
+                tracing::warn!("{err}; exiting 0 so that torchrun does not restart the group ({} says resumable)", stop_record::path(out_dir).display());
+                return Ok(());
+            }
+            Err(anyhow::Error::new(err).context("training failed"))
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("training failed")),
+    }
+}
+
+/// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted.
+fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
+    let steps: Vec<u64> = checkpoint::store::list(&checkpoint::store::root(out_dir)).iter().map(|(s, _)| *s).collect();
+    if checkpoint::fresh::decide(&steps, true) == checkpoint::fresh::FreshStart::MoveAside {
+        let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
+        std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
+        tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
+    }
     Ok(())
+}
+
+/// First attempt under torchrun: remember when `train.max_duration` ends (rank 0 writes it).
+fn record_deadline(cfg: &config::Config, launch: Option<&dist::DistEnv>) {
+    let (Some(limit), Ok(run_id)) = (cfg.train.max_duration.as_deref(), std::env::var("TORCHELASTIC_RUN_ID")) else { return };
+    if launch.is_some_and(|l| l.restart_count > 0) {
+        return;
+    }
+    let seconds = config::parse_duration(limit).expect("validated").as_secs_f64();
+    let d = deadline::Deadline { run_id, deadline_unix_s: deadline::now_unix_s() + seconds };
+    if let Err(e) = deadline::record(&cfg.out_dir, &d) {
+        tracing::warn!("cannot record the deadline in {}: {e}; a torchrun restart would get the full duration again", deadline::path(&cfg.out_dir).display());
+    }
+}
+
+/// A torchrun restart of the same run: only the time left of the first attempt's deadline.
+fn carry_deadline(cfg: &mut config::Config, launch: Option<&dist::DistEnv>) {
+    let (Some(l), Ok(run_id)) = (launch, std::env::var("TORCHELASTIC_RUN_ID")) else { return };
+    if cfg.train.max_duration.is_none() {
+        return;
+    }
+    if let Some(left) = deadline::remaining(deadline::load(&cfg.out_dir).as_ref(), &run_id, l.restart_count, deadline::now_unix_s()) {
+        tracing::info!("torchrun restart {}: train.max_duration {} is what is left of the first attempt's", l.restart_count, left);
+        cfg.train.max_duration = Some(left);
+    }
 }
 
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {

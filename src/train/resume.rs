@@ -19,13 +19,19 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
     match e {
         CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
         CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
+        CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
     }
 }
 
 /// The checkpoint to start from, and the broken ones `auto` passed over.
 pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
     match resume {
-        Resume::Fresh => Ok((None, vec![])),
+        Resume::Fresh => {
+            if writer {
+                crate::checkpoint::fresh::refuse_if_occupied(root)?; // another run's checkpoints: exit 2
+            }
+            Ok((None, vec![]))
+        }
         Resume::Auto => {
             if writer {
                 store::clean_temporaries(root);
