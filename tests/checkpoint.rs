@@ -106,6 +106,11 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         }
     }
     assert!(kills >= 10, "only {kills} kills happened");
+    // The kills landed while training, not only during start-up: most restarts resumed from a
+    // checkpoint, each from a later step than the one before.
+    let resumed: Vec<u64> = run_events(killed.path(), "resumed").iter().filter_map(|e| e["step"].as_u64()).collect();
+    assert!(resumed.len() >= KILLS / 2, "only {} of {kills} restarts resumed from a checkpoint: {resumed:?}", resumed.len());
+    assert!(resumed.windows(2).all(|w| w[0] <= w[1]) && resumed.iter().any(|&s| s >= 30), "{resumed:?}");
     assert_eq!(checkpoint_steps(killed.path()).last(), Some(&200), "the run finished");
     assert_bitwise_equal(&plain.path().join("model.safetensors"), &killed.path().join("model.safetensors"));
     let killed_metrics = read_jsonl(&killed.path().join("metrics.jsonl"));
