@@ -74,13 +74,20 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(Stdio::null());
         let mut child = cmd.spawn().unwrap();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let delay = Duration::from_millis(250 + (rng >> 33) % 900);
-        let started = Instant::now();
+        // The delay counts from the attempt's `run_started` (model built, about to train): on a
+        // loaded machine start-up alone can take longer than a fixed delay, and kills that only
+        // ever land in start-up would test nothing about checkpoints.
+        let delay = Duration::from_millis(20 + (rng >> 33) % 900);
+        let started_before = run_events(killed.path(), "run_started").len();
+        let mut started: Option<Instant> = None;
         let finished = loop {
             if let Some(status) = child.try_wait().unwrap() {
                 break Some(status);
             }
-            if kills < KILLS && started.elapsed() >= delay {
+            if started.is_none() && run_events(killed.path(), "run_started").len() > started_before {
+                started = Some(Instant::now());
+            }
+            if kills < KILLS && started.is_some_and(|t| t.elapsed() >= delay) {
                 break None;
             }
             std::thread::sleep(Duration::from_millis(5));
