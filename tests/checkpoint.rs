@@ -71,20 +71,20 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         let newest_before = checkpoint_steps(killed.path()).last().copied();
         let resumed_before = run_events(killed.path(), "resumed");
         let mut cmd = command(killed.path(), "configs/debug.yaml", &long);
-        cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(Stdio::null());
+        let log_path = plain.path().join(format!("attempt-{attempt}.log"));
+        cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(std::fs::File::create(&log_path).unwrap());
         let mut child = cmd.spawn().unwrap();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        // The delay counts from the attempt's `run_started` (model built, about to train): on a
-        // loaded machine start-up alone can take longer than a fixed delay, and kills that only
+        // The delay counts from the attempt's "batch:" log line (model built, about to train): on
+        // a loaded machine start-up alone can take longer than a fixed delay, and kills that only
         // ever land in start-up would test nothing about checkpoints.
         let delay = Duration::from_millis(20 + (rng >> 33) % 900);
-        let started_before = run_events(killed.path(), "run_started").len();
         let mut started: Option<Instant> = None;
         let finished = loop {
             if let Some(status) = child.try_wait().unwrap() {
                 break Some(status);
             }
-            if started.is_none() && run_events(killed.path(), "run_started").len() > started_before {
+            if started.is_none() && std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("batch: global")) {
                 started = Some(Instant::now());
             }
             if kills < KILLS && started.is_some_and(|t| t.elapsed() >= delay) {
