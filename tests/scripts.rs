@@ -169,7 +169,7 @@ fn torchrun_sh_exits_4_on_a_planned_stop_and_0_when_finished() {
 #[test]
 fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
     let d = tempfile::tempdir().unwrap();
-    let mut child = torchrun_sh(d.path(), &["--set", "train.max_steps=100000"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = torchrun_sh(d.path(), &["--set", "train.max_steps=100000"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     let metrics = d.path().join("metrics.jsonl");
     let t0 = Instant::now();
     while read_jsonl(&metrics).len() < 3 {
