@@ -1,14 +1,38 @@
 #!/usr/bin/env bash
 # Single-node data-parallel training under torchrun, one process per GPU (or N CPU processes).
 #   scripts/torchrun.sh NPROC CONFIG [trainguard train args...]
-# e.g. scripts/torchrun.sh 8 configs/gpt2-124m.yaml --resume auto
-# Restarts the whole group up to MAX_RESTARTS times (default 3) after a worker failure; a
-# restarted group resumes from the newest complete checkpoint by itself.
-set -euo pipefail
+# e.g. scripts/torchrun.sh 8 configs/gpt2-124m.yaml --resume auto --max-duration 7h30m
+# Restarts the whole group up to MAX_RESTARTS times (default 3) after a worker *failure*; a
+# restarted group resumes from the newest complete checkpoint by itself, with what is left of
+# --max-duration. A planned stop (SIGINT/SIGTERM to this script, or the time limit) is not a
+# failure: trainguard exits 0 under torchrun and leaves OUT_DIR/stop.json, so there is no restart.
+# Exit code: 0 finished, 4 stopped and resumable (`--resume auto` continues), else crashed
+# (torchrun's code, 1 if it had none).
+# TORCHRUN and TRAINGUARD override the launcher and binary paths.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/stop_record.sh
 [ $# -ge 2 ] || { echo "usage: $0 NPROC CONFIG [train args...]" >&2; exit 2; }
 nproc=$1; config=$2; shift 2
-[ -x .venv/bin/torchrun ] || bash scripts/setup.sh
-[ -x target/release/trainguard ] || cargo build --release
-exec .venv/bin/torchrun --standalone --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-3}" \
-  --no-python target/release/trainguard train --config "$config" "$@"
+torchrun=${TORCHRUN:-.venv/bin/torchrun}
+bin=${TRAINGUARD:-target/release/trainguard}
+[ -x "$torchrun" ] || bash scripts/setup.sh || exit 1
+[ -x "$bin" ] || cargo build --release || exit 1
+mapfile -d '' sets < <(sets_of "$@")
+out_dir=$(out_dir_of "$bin" "$config" "${sets[@]}") || exit 2   # a bad config: its error is printed
+rm -f "$out_dir/stop.json"
+"$torchrun" --standalone --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-3}" \
+  --no-python "$bin" train --config "$config" "$@" &
+pid=$!
+# torchrun forwards SIGINT/SIGTERM to its workers, which stop at the next step with a checkpoint.
+trap 'kill -TERM $pid 2>/dev/null' TERM
+trap 'kill -INT $pid 2>/dev/null' INT
+code=0
+wait $pid || code=$?
+while kill -0 $pid 2>/dev/null; do code=0; wait $pid || code=$?; done   # a trapped signal interrupts wait
+case $(stop_status "$out_dir") in
+  finished) echo "trainguard: finished ($out_dir)"; exit 0 ;;
+  stopped) echo "trainguard: stopped, resumable: rerun with --resume auto ($out_dir/stop.json)"; exit 4 ;;
+  *) echo "trainguard: crashed: torchrun exited $code and left no stop record in $out_dir" >&2
+     [ "$code" -ne 0 ] && exit "$code"; exit 1 ;;
+esac

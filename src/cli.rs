@@ -52,6 +52,11 @@ pub struct TrainArgs {
     /// Stop cleanly with a checkpoint before this wall-clock time (`7h30m`); sets train.max_duration.
     #[arg(long, value_name = "DURATION")]
     pub max_duration: Option<String>,
+    /// Start fresh even if out_dir holds checkpoints of another run: that run's directory is
+    /// first moved aside to `OUT_DIR.old-<unix time>` (nothing is deleted). Without it such a
+    /// start is refused (exit 2).
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
 }
 
 #[derive(Debug, Args)]

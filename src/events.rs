@@ -154,6 +154,8 @@ pub struct Reporter {
     bar: Option<indicatif::ProgressBar>,
     /// `metrics.tensorboard: true`: the same lines as TensorBoard event files.
     tensorboard: Option<crate::report::tensorboard::TensorBoardWriter>,
+    /// The step a resumed run started at (a run resumed at or past max_steps trains nothing).
+    resume_at: Option<u64>,
 }
 
 impl Reporter {
@@ -182,7 +184,7 @@ impl Reporter {
             bar.set_position(resume_at.unwrap_or(0));
             bar
         });
-        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar, tensorboard: None })
+        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar, tensorboard: None, resume_at })
     }
 
     /// Also writes TensorBoard event files into `dir` (the writing rank's `out_dir/tb`), starting
@@ -315,6 +317,13 @@ impl Reporter {
                 } else {
                     tracing::warn!("ranks' weights differ (checksum spread {checksum_spread:e}): data-parallel replicas diverged");
                 }
+            }
+            Event::RunFinished(s) if self.resume_at.is_some_and(|r| r >= s.steps) => {
+                tracing::info!(
+                    "done: nothing to train: resumed at step {}, and train.max_steps is {}; raise train.max_steps (or start a new run) to train further",
+                    self.resume_at.unwrap_or_default(),
+                    s.steps
+                );
             }
             Event::RunFinished(s) => {
                 let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();

@@ -4,8 +4,8 @@ use anyhow::Context;
 use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::interrupt::Interrupter;
-use trainguard::train::Resume;
-use trainguard::{config, dist, exit, run_plan, train};
+use trainguard::train::{Resume, TrainError};
+use trainguard::{checkpoint, config, deadline, dist, exit, run_plan, stop_record, train};
 
 fn main() {
     trainguard::logging::init();
@@ -42,8 +42,13 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if let Some(d) = &args.max_duration {
         overrides.push(format!("train.max_duration={d}"));
     }
-    let cfg = config::load(args.config.config.as_deref(), &overrides)?;
+    let mut cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let launch = dist::from_process_env()?;
+    let elastic = stop_record::under_elastic_agent(|k| std::env::var(k).ok());
+    let writer = launch.as_ref().is_none_or(|l| l.rank == 0);
+    if elastic {
+        carry_deadline(&mut cfg, launch.as_ref());
+    }
     let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
     let restarted = launch.as_ref().is_some_and(|l| l.restart_count > 0);
     let resume = match args.resume.as_deref() {
@@ -53,6 +58,16 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         None if restarted => Resume::Auto,
         None => Resume::Fresh,
     };
+    if args.overwrite && matches!(resume, Resume::Fresh) && writer {
+        move_old_run_aside(&plan.config.out_dir)?;
+    }
+    if writer {
+        // From here a crash must leave no stop record, whatever an earlier run left.
+        stop_record::clear(&plan.config.out_dir).with_context(|| format!("cannot remove {}", stop_record::path(&plan.config.out_dir).display()))?;
+        if elastic {
+            record_deadline(&plan, launch.as_ref());
+        }
+    }
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
     }
@@ -66,7 +81,43 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
-    train::train(&plan, &resume, &stop, group.as_mut()).context("training failed")?;
+    let out_dir = &plan.config.out_dir;
+    let record = |r: &stop_record::StopRecord| {
+        if let Err(e) = stop_record::write(out_dir, r) {
+            tracing::warn!("cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
+        }
+    };
+    match train::train(&plan, &resume, &stop, group.as_mut()) {
+        Ok(summary) => {
+            if writer {
+                record(&stop_record::StopRecord::finished(summary.steps));
+            }
+            Ok(())
+        }
+        Err(TrainError::Interrupted { step, reason, checkpoint }) => {
+            if writer {
+                record(&stop_record::StopRecord::stopped(step, reason.as_str(), checkpoint.as_deref()));
+            }
+            let err = TrainError::Interrupted { step, reason, checkpoint };
+            if elastic {
+                // torchrun restarts a worker that exits non-zero: a planned stop must end the job.
+                tracing::warn!("{err}; exiting 0 so that torchrun does not restart the group ({} says resumable)", stop_record::path(out_dir).display());
+                return Ok(());
+            }
+            Err(anyhow::Error::new(err).context("training failed"))
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("training failed")),
+    }
+}
+
+/// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted.
+fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
+    let steps: Vec<u64> = checkpoint::store::list(&checkpoint::store::root(out_dir)).iter().map(|(s, _)| *s).collect();
+    if checkpoint::fresh::decide(&steps, true) == checkpoint::fresh::FreshStart::MoveAside {
+        let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
+        std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
+        tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
+    }
     Ok(())
 }
 
@@ -74,6 +125,31 @@ fn run_report(args: &trainguard::cli::ReportArgs) -> anyhow::Result<()> {
     let out = trainguard::report::run(&args.runs, args.out.as_deref())?;
     println!("{}", out.display());
     Ok(())
+}
+
+/// First attempt under torchrun: remember when `train.max_duration` ends (rank 0 writes it).
+fn record_deadline(plan: &run_plan::RunPlan, launch: Option<&dist::DistEnv>) {
+    let (Some(limit), Ok(run_id)) = (plan.time_limit, std::env::var("TORCHELASTIC_RUN_ID")) else { return };
+    if launch.is_some_and(|l| l.restart_count > 0) {
+        return;
+    }
+    let out_dir = &plan.config.out_dir;
+    let d = deadline::Deadline { run_id, deadline_unix_s: deadline::now_unix_s() + limit.as_secs_f64() };
+    if let Err(e) = deadline::record(out_dir, &d) {
+        tracing::warn!("cannot record the deadline in {}: {e}; a torchrun restart would get the full duration again", deadline::path(out_dir).display());
+    }
+}
+
+/// A torchrun restart of the same run: only the time left of the first attempt's deadline.
+fn carry_deadline(cfg: &mut config::Config, launch: Option<&dist::DistEnv>) {
+    let (Some(l), Ok(run_id)) = (launch, std::env::var("TORCHELASTIC_RUN_ID")) else { return };
+    if cfg.train.max_duration.is_none() {
+        return;
+    }
+    if let Some(left) = deadline::remaining(deadline::load(&cfg.out_dir).as_ref(), &run_id, l.restart_count, deadline::now_unix_s()) {
+        tracing::info!("torchrun restart {}: train.max_duration {} is what is left of the first attempt's", l.restart_count, left);
+        cfg.train.max_duration = Some(left);
+    }
 }
 
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
@@ -91,6 +167,12 @@ fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
 fn report(err: &anyhow::Error) {
     if let Some(f) = err.chain().find_map(oom_in) {
         eprintln!("error: {}", f.advice());
+        return;
+    }
+    // A planned stop (signal, time limit) is not a failure: it says where it stopped and how
+    // to go on (exit code 4 all the same).
+    if let Some(stopped @ TrainError::Interrupted { .. }) = err.chain().find_map(|c| c.downcast_ref::<TrainError>()) {
+        eprintln!("{stopped}");
         return;
     }
     let chain: Vec<String> = err.chain().map(|c| c.to_string()).collect();

@@ -71,16 +71,23 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         let newest_before = checkpoint_steps(killed.path()).last().copied();
         let resumed_before = run_events(killed.path(), "resumed");
         let mut cmd = command(killed.path(), "configs/debug.yaml", &long);
-        cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(Stdio::null());
+        let log_path = plain.path().join(format!("attempt-{attempt}.log"));
+        cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(std::fs::File::create(&log_path).unwrap());
         let mut child = cmd.spawn().unwrap();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let delay = Duration::from_millis(250 + (rng >> 33) % 900);
-        let started = Instant::now();
+        // The delay counts from the attempt's "batch:" log line (model built, about to train): on
+        // a loaded machine start-up alone can take longer than a fixed delay, and kills that only
+        // ever land in start-up would test nothing about checkpoints.
+        let delay = Duration::from_millis(20 + (rng >> 33) % 900);
+        let mut started: Option<Instant> = None;
         let finished = loop {
             if let Some(status) = child.try_wait().unwrap() {
                 break Some(status);
             }
-            if kills < KILLS && started.elapsed() >= delay {
+            if started.is_none() && std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("batch: global")) {
+                started = Some(Instant::now());
+            }
+            if kills < KILLS && started.is_some_and(|t| t.elapsed() >= delay) {
                 break None;
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -106,6 +113,11 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         }
     }
     assert!(kills >= 10, "only {kills} kills happened");
+    // The kills landed while training, not only during start-up: most restarts resumed from a
+    // checkpoint, each from a later step than the one before.
+    let resumed: Vec<u64> = run_events(killed.path(), "resumed").iter().filter_map(|e| e["step"].as_u64()).collect();
+    assert!(resumed.len() >= KILLS / 2, "only {} of {kills} restarts resumed from a checkpoint: {resumed:?}", resumed.len());
+    assert!(resumed.windows(2).all(|w| w[0] <= w[1]) && resumed.iter().any(|&s| s >= 30), "{resumed:?}");
     assert_eq!(checkpoint_steps(killed.path()).last(), Some(&200), "the run finished");
     assert_bitwise_equal(&plain.path().join("model.safetensors"), &killed.path().join("model.safetensors"));
     let killed_metrics = read_jsonl(&killed.path().join("metrics.jsonl"));
@@ -263,4 +275,20 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     let state: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!((state["nonfinite_skips"].as_u64(), state["optimizer"]["steps"].as_u64()), (Some(3), Some(5)), "skipped updates left the optimizer untouched");
+}
+
+/// A stop right after an interval checkpoint: the checkpoint of that step is not written a second
+/// time, and the stop is reported as a stop (with how to resume), not as an error.
+#[test]
+fn a_stop_right_after_an_interval_checkpoint_writes_it_once_and_is_not_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=0", "checkpoint.interval=5", "faults.interrupt_at_step=5"]);
+    assert_eq!(r.code(), 4, "{}", r.stderr());
+    let saved: Vec<u64> = r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(saved, [5], "step 5 written once");
+    let stopped = r.events_of("stopped");
+    assert_eq!(stopped[0]["checkpoint"], r.events_of("checkpoint_saved")[0]["path"], "the stop points at the checkpoint just written");
+    let err = r.stderr();
+    assert!(err.contains("stopped at step 5 (signal); `--resume auto` continues from"), "{err}");
+    assert!(!err.contains("error:") && !err.contains("training failed"), "a planned stop is not a failure:\n{err}");
 }

@@ -220,18 +220,26 @@ fn print_state_bytes_for_debug_and_gpt2_124m() {
     }
 }
 
+/// Relative distance (norm) of three bf16 updates from the fp32 ones. Measured on CPU: AdamW and
+/// 8-bit AdamW 0.055, SGD 0.039, SGD+momentum 0.018, Adafactor 0.25 (its steps are a few bf16
+/// ulps). A no-op update scores 1.0.
+const MAX_BF16_UPDATE_ERROR: f64 = 0.3;
+
 #[test]
 fn bf16_parameters_train_like_fp32_ones() {
-    // AdamW is left out: its bf16 path belongs to the precision work on main.
-    for name in [OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit] {
+    for name in [OptimizerName::Adamw, OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit] {
         let (_, params, decay) = toy();
         let half: Vec<Tensor> = params.iter().map(|t| t.to_kind(Kind::BFloat16)).collect();
+        let (params0, half0) = (deep_copy(&params), deep_copy(&half));
         let mut full = Optimizer::new(&spec(name, false), &params, &decay, Device::Cpu).unwrap();
         let mut low = Optimizer::new(&spec(name, false), &half, &decay, Device::Cpu).unwrap();
+        // SGD's step is lr·g: at 0.01 it is below bf16's resolution (half an ulp of 0.5 is 2e-3)
+        // and would round away entirely, so SGD gets a learning rate whose steps bf16 can hold.
+        let lr = if matches!(name, OptimizerName::Sgd | OptimizerName::SgdMomentum) { 0.3 } else { 0.01 };
         for s in 0..3 {
             let g = grads(s);
-            full.step(&params, &g, 0.01).unwrap();
-            low.step(&half, &g.iter().map(|t| t.to_kind(Kind::BFloat16)).collect::<Vec<_>>(), 0.01).unwrap();
+            full.step(&params, &g, lr).unwrap();
+            low.step(&half, &g.iter().map(|t| t.to_kind(Kind::BFloat16)).collect::<Vec<_>>(), lr).unwrap();
         }
         for (a, b) in params.iter().zip(&half) {
             assert_eq!(b.kind(), Kind::BFloat16);
@@ -240,6 +248,14 @@ fn bf16_parameters_train_like_fp32_ones() {
             // updates) stay under 4·2⁻⁹ ≈ 7.8e-3.
             let diff = (a - b.to_kind(Kind::Float)).abs().max().double_value(&[]);
             assert!(diff < 7.9e-3, "{name:?}: bf16 parameters drift {diff} from fp32 ones");
+        }
+        // The bound above holds for an update that never happened too (the updates are small):
+        // the bf16 update itself must be the fp32 one, up to bf16 rounding.
+        for (((a, a0), b), b0) in params.iter().zip(&params0).zip(&half).zip(&half0) {
+            let moved = (a - a0).norm().double_value(&[]);
+            let update_bf16 = (b - b0).to_kind(Kind::Float);
+            let err = (&update_bf16 - (a - a0)).norm().double_value(&[]) / moved;
+            assert!(moved > 0.0 && err < MAX_BF16_UPDATE_ERROR, "{name:?}: the bf16 update is {err:.3} of the fp32 one away from it (a no-op update is 1.0)");
         }
     }
 }
@@ -271,7 +287,9 @@ fn on_cuda_updates_match_the_cpu_and_take_no_tensor_sized_memory() {
             on_gpu.step(&gpu, &g_gpu, 0.01).unwrap();
             tch::Cuda::synchronize(0);
             let peak = trainguard::ffi::device_stats(0).unwrap().allocated_peak[0];
-            assert!(peak - before <= 1 << 20, "{what}: step {s} took {} bytes beyond its state", peak - before);
+            // Below the largest parameter (80 × 64 fp32 = 20 KiB): a temporary the size of
+            // any of the larger tensors fails this, small reduction workspaces do not.
+            assert!(peak - before <= 16 << 10, "{what}: step {s} took {} bytes beyond its state", peak - before);
         }
         // 8-bit codes can round the other way on the two devices (a code apart is ≤ 1.6 % of one
         // element's moment); everything else differs only by kernels' summation order.

@@ -61,7 +61,7 @@ fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
     let j = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--gpu", "a100-40", "--json"]).ok());
     assert_eq!(j["schema"], 1);
     assert_eq!(u(&j["params"]), 124_439_808);
-    assert_eq!((u(&j["micro_batch"]), u(&j["global_batch"]), u(&j["accumulation"])), (16, 480, 30));
+    assert_eq!((u(&j["micro_batch"]), u(&j["global_batch"]), u(&j["accumulation"])), (16, 512, 32));
     let e = &j["estimate"];
     for k in ["weights", "master_weights", "gradients", "optimizer", "activations_per_layer", "activations", "logits", "cross_entropy", "fragmentation", "cuda_overhead", "peak_allocated", "total", "fixed", "per_sample"] {
         assert!(e[k].is_u64(), "estimate.{k} missing: {e}");
@@ -75,11 +75,11 @@ fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
     let r = &j["recommendation"];
     assert_eq!(r["fits"], true);
     let (b, k) = (u(&r["micro_batch"]), u(&r["accumulation"]));
-    assert_eq!(b * k, 480);
+    assert_eq!(b * k, 512);
     assert!(u(&r["total_bytes"]) <= u(&r["budget_bytes"]));
     assert_eq!(u(&r["budget_bytes"]), (40_960.0 * 1024.0 * 1024.0 * 0.85f64).floor() as u64);
     // The next divisor up would not fit: the recommendation is the largest.
-    let next = [20, 24, 30, 32, 40, 48].into_iter().find(|&d| d > b).unwrap();
+    let next = [2, 4, 8, 16, 32, 64, 128].into_iter().find(|&d| d > b).unwrap();
     let bigger = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--micro-batch", &next.to_string(), "--json"]).ok());
     assert!(u(&bigger["estimate"]["total"]) > u(&r["budget_bytes"]), "micro-batch {next} should not fit");
 }

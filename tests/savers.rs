@@ -20,6 +20,8 @@ fn checkpointing_offload_and_chunked_loss_train_like_the_plain_path() {
     ] {
         let dir = tempfile::tempdir().unwrap();
         let r = train(dir.path(), "configs/debug.yaml", &sets(extra)).ok();
+        assert_eq!(plain.metrics().len(), r.metrics().len(), "{extra:?}: every step logged");
+        assert!(!plain.metrics().is_empty());
         for (a, b) in plain.metrics().iter().zip(r.metrics()) {
             let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
             assert!((x - y).abs() < 1e-4, "{extra:?} step {}: loss {x} vs {y}", a["step"]);

@@ -62,8 +62,20 @@ fn metrics_carry_memory_fields_and_a_clean_run_does_not_warn_of_leaks() {
     let dir = tempfile::tempdir().unwrap();
     let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=60", "train.warmup_steps=5", "memory.leak_check_steps=20"]).ok();
     let m = r.metrics();
+    let cuda = tch::Cuda::is_available();
     for key in ["allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "alloc_retries", "gpu_utilization_pct", "gpu_power_w"] {
-        assert!(m[10].get(key).is_some(), "metrics line lacks {key}");
+        let line = m[10].as_object().unwrap();
+        assert!(line.contains_key(key), "metrics line lacks {key}: {line:?}");
+        if !cuda {
+            assert!(line[key].is_null(), "{key} on CPU: null, not a made-up number: {line:?}");
+        }
+    }
+    if cuda {
+        // The caching allocator's figures are real numbers: the weights alone are allocated.
+        for key in ["allocated_bytes", "reserved_bytes", "peak_allocated_bytes"] {
+            assert!(m[10][key].as_u64().is_some_and(|b| b > 0), "{key}: {}", m[10]);
+        }
+        assert!(m[10]["alloc_retries"].is_u64());
     }
     assert!(m[10]["rss_bytes"].as_u64().unwrap() > 0);
     if !tch::Cuda::is_available() {

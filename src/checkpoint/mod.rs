@@ -2,6 +2,7 @@
 //! ([`state`]), which ones to keep ([`retention`], pure) and what may change between a
 //! checkpoint and the config resuming it ([`compare`]). Also the final weights file.
 pub mod compare;
+pub mod fresh;
 pub mod retention;
 pub mod state;
 pub mod store;

@@ -24,6 +24,12 @@ pub enum CheckpointError {
     Incompatible { path: PathBuf, differences: Vec<String> },
     #[error("cannot save a checkpoint at {path}: {why}")]
     Save { path: PathBuf, why: String },
+    #[error(
+        "{} already holds {count} checkpoint(s) of another run (newest: step {newest}); a fresh run (`--resume none`, the default) would mix with them. \
+         Choose one: `--resume auto` to continue that run, another out_dir (`--set out_dir=...`), or `--overwrite` to move the old run aside to {}.old-<unix time>",
+        .out_dir.display(), .out_dir.display()
+    )]
+    RunExists { out_dir: PathBuf, newest: u64, count: usize },
 }
 
 /// A checkpoint read back from disk.

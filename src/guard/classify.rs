@@ -11,12 +11,15 @@ pub enum ErrorKind {
 /// Messages of allocation failures: the CUDA caching allocator, raw CUDA, the CPU allocator,
 /// and cuBLAS/cuDNN workspace allocations. `CUDNN_STATUS_NOT_SUPPORTED`, which some libraries
 /// also treat as OOM, is deliberately not here: it is usually a real unsupported configuration.
-const OOM_MARKERS: [&str; 5] = [
+/// `std::bad_alloc`: a host allocation inside libtorch that is not the tensor allocator's (a
+/// kernel's scratch vector, say) failing under the same memory cap.
+const OOM_MARKERS: [&str; 6] = [
     "CUDA out of memory",
     "CUDA error: out of memory",
     "DefaultCPUAllocator: can't allocate memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
+    "std::bad_alloc",
 ];
 
 pub fn classify(message: &str) -> ErrorKind {
@@ -54,6 +57,8 @@ mod tests {
     const CUDA_CACHING: &str = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the allocated memory 75.50 GiB is allocated by PyTorch, and 1.98 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)\nException raised from malloc at /pytorch/c10/cuda/CUDACachingAllocator.cpp:1353 (most recent call first):";
     const CUDA_RAW: &str = "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n";
     const CPU: &str = "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)\nException raised from alloc_cpu at /pytorch/c10/core/impl/alloc_cpu.cpp:127 (most recent call first):";
+    // Captured on this project's build machine: a run under `memory.limit=20MiB` on a loaded CPU.
+    const BAD_ALLOC: &str = "Internal torch error: std::bad_alloc";
     const CUBLAS: &str = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`";
     const CUDNN: &str = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED\nException raised from operator() at /pytorch/aten/src/ATen/native/cudnn/Conv_v8.cpp:919";
 
@@ -64,6 +69,7 @@ mod tests {
         assert_eq!(classify(CUDA_RAW), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(CUBLAS), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(CUDNN), ErrorKind::OutOfMemory { requested_bytes: None });
+        assert_eq!(classify(BAD_ALLOC), ErrorKind::OutOfMemory { requested_bytes: None });
         let mib = "CUDA out of memory. Tried to allocate 20.50 MiB. GPU 0 has a total capacity of 15.77 GiB";
         assert_eq!(classify(mib), ErrorKind::OutOfMemory { requested_bytes: Some(21_495_808) });
     }

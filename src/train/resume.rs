@@ -66,13 +66,19 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
     match e {
         CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
         CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
+        CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
     }
 }
 
 /// The checkpoint to start from, and the broken ones `auto` passed over.
 pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
     match resume {
-        Resume::Fresh => Ok((None, vec![])),
+        Resume::Fresh => {
+            if writer {
+                crate::checkpoint::fresh::refuse_if_occupied(root)?; // another run's checkpoints: exit 2
+            }
+            Ok((None, vec![]))
+        }
         Resume::Auto => {
             if writer {
                 store::clean_temporaries(root);
@@ -122,6 +128,7 @@ pub(super) struct Checkpointer {
     pub(super) last_seconds: f64,
     /// The step of the newest checkpoint written by this run.
     pub(super) last_saved: Option<u64>,
+    last_path: Option<PathBuf>,
 }
 
 impl Checkpointer {
@@ -133,11 +140,17 @@ impl Checkpointer {
             last_at: Instant::now(),
             last_seconds: 0.0,
             last_saved: None,
+            last_path: None,
         }
     }
 
     pub(super) fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The checkpoint this run wrote last, if it holds `completed` steps.
+    pub(super) fn last_saved_path(&self, completed: u64) -> Option<PathBuf> {
+        (self.last_saved == Some(completed)).then(|| self.last_path.clone()).flatten()
     }
 
     pub(super) fn due(&self, completed: u64) -> bool {
@@ -190,6 +203,7 @@ impl Checkpointer {
                 self.last_at = Instant::now();
                 self.last_seconds = t0.elapsed().as_secs_f64();
                 self.last_saved = Some(completed);
+                self.last_path = Some(path.clone());
                 reporter.emit(Event::CheckpointSaved { step: completed, path: path.display().to_string(), seconds: self.last_seconds, deleted });
                 Some(path)
             }

@@ -169,7 +169,7 @@ impl<'a> Run<'a> {
             None => {}
         }
         if let Some(reason) = self.stop_reason(stop)? {
-            let path = self.save(step);
+            let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             return Err(TrainError::Interrupted { step, reason, checkpoint: path });
         }
@@ -192,7 +192,7 @@ impl<'a> Run<'a> {
             Err(e @ GuardError::OutOfMemory(_)) => {
                 tracing::warn!("{}", memory_summary(plan.device));
                 // The failed step changed nothing: the model is still the last good state.
-                let path = self.save(step);
+                let path = self.save_for_stop(step);
                 self.reporter.emit(Event::Stopped { step, reason: StopReason::OutOfMemory, checkpoint: path.map(|p| p.display().to_string()) });
                 return Err(e.into());
             }
@@ -270,6 +270,15 @@ impl<'a> Run<'a> {
 
     fn save(&mut self, completed: u64) -> Option<std::path::PathBuf> {
         self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter)
+    }
+
+    /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it
+    /// already holds this step (a stop right after an interval checkpoint writes nothing twice).
+    fn save_for_stop(&mut self, completed: u64) -> Option<std::path::PathBuf> {
+        match self.ckpt.last_saved_path(completed) {
+            Some(path) => Some(path),
+            None => self.save(completed),
+        }
     }
 
     /// After the last step: ranks compared, final weights written, the summary.

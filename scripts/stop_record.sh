@@ -1,0 +1,33 @@
+# Sourced by scripts/torchrun.sh and scripts/slurm.sbatch: how a trainguard run ended, read from
+# the stop record it leaves in its run directory (README "Planned stops under torchrun and SLURM").
+#   OUT_DIR/stop.json  {"status":"stopped",…,"resumable":true}  → stopped, resume with --resume auto
+#                      {"status":"finished",…}                   → finished
+#   no file                                                     → crashed (trainguard removes the
+#                                                                  record when a run starts)
+
+# out_dir_of TRAINGUARD CONFIG [--set K=V ...]: the run directory the config resolves to.
+out_dir_of() {
+  local bin=$1 config=$2; shift 2
+  "$bin" config show --config "$config" "$@" | sed -n 's/^out_dir: *//p'
+}
+
+# sets_of ARGS...: only the `--set K=V` pairs of a trainguard command line (they may move out_dir).
+sets_of() {
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --set) [ $# -ge 2 ] && printf '%s\0%s\0' "$1" "$2"; shift 2 || shift ;;
+      --set=*) printf '%s\0' "$1"; shift ;;
+      *) shift ;;
+    esac
+  done
+}
+
+# stop_status OUT_DIR: prints stopped | finished | crashed.
+stop_status() {
+  local rec="$1/stop.json" status=""
+  [ -f "$rec" ] && status=$(sed -n 's/.*"status":"\([a-z_]*\)".*/\1/p' "$rec")
+  case $status in
+    stopped|finished) echo "$status" ;;
+    *) echo crashed ;;
+  esac
+}

@@ -1,0 +1,89 @@
+//! Whether a fresh run (`--resume none`) may start in an `out_dir`: one that already holds
+//! checkpoints belongs to another run, and starting over there would leave that run's newer
+//! checkpoints beside the new ones (a later `--resume auto` would pick them up). The decision is
+//! pure; moving an old run aside (`--overwrite`) happens at the edge (src/main.rs).
+use super::store::{self, CheckpointError};
+use std::path::{Path, PathBuf};
+
+/// What to do before a fresh run in a directory with these checkpoint steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FreshStart {
+    /// Nothing there: start.
+    Proceed,
+    /// Checkpoints of another run and no `--overwrite`: refuse (exit 2).
+    Refuse { steps: Vec<u64> },
+    /// `--overwrite`: move the old run directory aside, then start.
+    MoveAside,
+}
+
+pub fn decide(existing_steps: &[u64], overwrite: bool) -> FreshStart {
+    match (existing_steps.is_empty(), overwrite) {
+        (true, _) => FreshStart::Proceed,
+        (false, true) => FreshStart::MoveAside,
+        (false, false) => FreshStart::Refuse { steps: existing_steps.to_vec() },
+    }
+}
+
+/// Where `--overwrite` moves the old run: `OUT_DIR.old-<unix seconds>` (`-2`, `-3`, … if taken).
+pub fn aside_path(out_dir: &Path, unix_seconds: u64, taken: impl Fn(&Path) -> bool) -> PathBuf {
+    let base = format!("{}.old-{unix_seconds}", out_dir.display());
+    let mut candidate = PathBuf::from(&base);
+    let mut n = 2;
+    while taken(&candidate) {
+        candidate = PathBuf::from(format!("{base}-{n}"));
+        n += 1;
+    }
+    candidate
+}
+
+/// The error for a fresh start in `out_dir` (checkpoints under `root`) when another run is there.
+pub fn refuse_if_occupied(root: &Path) -> Result<(), CheckpointError> {
+    let steps: Vec<u64> = store::list(root).iter().map(|(s, _)| *s).collect();
+    match decide(&steps, false) {
+        FreshStart::Refuse { steps } => Err(CheckpointError::RunExists {
+            out_dir: root.parent().unwrap_or(root).to_path_buf(),
+            newest: *steps.last().expect("refused only with checkpoints"),
+            count: steps.len(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_directory_starts() {
+        assert_eq!(decide(&[], false), FreshStart::Proceed);
+        assert_eq!(decide(&[], true), FreshStart::Proceed);
+    }
+
+    #[test]
+    fn checkpoints_of_another_run_refuse_unless_overwrite() {
+        assert_eq!(decide(&[10, 20], false), FreshStart::Refuse { steps: vec![10, 20] });
+        assert_eq!(decide(&[10, 20], true), FreshStart::MoveAside);
+    }
+
+    #[test]
+    fn the_aside_name_never_reuses_an_existing_one() {
+        let out = Path::new("runs/x");
+        assert_eq!(aside_path(out, 1700000000, |_| false), PathBuf::from("runs/x.old-1700000000"));
+        let taken = |p: &Path| p == Path::new("runs/x.old-5") || p == Path::new("runs/x.old-5-2");
+        assert_eq!(aside_path(out, 5, taken), PathBuf::from("runs/x.old-5-3"));
+    }
+
+    #[test]
+    fn refusal_names_the_directory_the_newest_step_and_the_choices() {
+        let d = tempfile::tempdir().unwrap();
+        let root = store::root(d.path());
+        assert!(refuse_if_occupied(&root).is_ok(), "no checkpoints directory at all");
+        for s in [10, 20] {
+            std::fs::create_dir_all(root.join(store::dir_name(s))).unwrap();
+        }
+        let msg = refuse_if_occupied(&root).unwrap_err().to_string();
+        for needle in [d.path().display().to_string(), "step 20".into(), "--resume auto".into(), "--overwrite".into(), "out_dir".into()] {
+            assert!(msg.contains(&needle), "`{needle}` missing from: {msg}");
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Overnight on a cluster, as README and scripts/ say: a fresh run refuses another run's
+//! checkpoints, a planned stop under the real torchrun ends the job (no elastic restart, no fresh
+//! time budget) with a stop record the job scripts read, and resuming past max_steps says so.
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Instant;
+use trainguard::checkpoint::store;
+use trainguard::stop_record::{self, Status};
+
+const SHORT: [&str; 4] = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5", "train.global_batch_size=16"];
+
+fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    SHORT.iter().copied().chain(extra.iter().copied()).collect()
+}
+
+fn steps(out: &Path) -> Vec<u64> {
+    store::list(&store::root(out)).into_iter().map(|(s, _)| s).collect()
+}
+
+#[test]
+fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("run");
+    train(&out, "configs/debug.yaml", &sets(&["train.max_steps=20"])).ok();
+    assert_eq!(steps(&out), [10, 15, 20], "keep_last 3");
+    assert_eq!(stop_record::read(&out).map(|r| (r.status, r.step)), Some((Status::Finished, 20)));
+
+    // The case: the default `--resume none`, fewer steps, same directory.
+    let again = train(&out, "configs/debug.yaml", &sets(&["train.max_steps=10"]));
+    assert_eq!(again.code(), 2, "{}", again.stderr());
+    let err = again.stderr();
+    for needle in [out.display().to_string().as_str(), "step 20", "--resume auto", "out_dir", "--overwrite"] {
+        assert!(err.contains(needle), "`{needle}` missing: {err}");
+    }
+    assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "one error line: {err}");
+    assert_eq!(steps(&out), [10, 15, 20], "nothing touched");
+
+    // `--overwrite`: the old run is moved aside whole, the new one starts clean.
+    let mut cmd = command(&out, "configs/debug.yaml", &sets(&["train.max_steps=10"]));
+    cmd.arg("--overwrite");
+    let fresh = run(cmd, &out).ok();
+    assert_eq!(steps(&out), [5, 10]);
+    assert_eq!(fresh.metrics().len(), 10);
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert_eq!(steps(&aside[0]), [10, 15, 20], "the old run kept whole");
+    assert_eq!(read_jsonl(&aside[0].join("metrics.jsonl")).len(), 20);
+
+    // `--overwrite` with `--resume` is a contradiction: refused by the command line.
+    let mut cmd = command(&out, "configs/debug.yaml", &sets(&["train.max_steps=10"]));
+    cmd.args(["--overwrite", "--resume", "auto"]);
+    assert_eq!(run(cmd, &out).code(), 2);
+}
+
+#[test]
+fn resuming_at_or_past_max_steps_says_so_without_nan() {
+    let d = tempfile::tempdir().unwrap();
+    train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=20"])).ok();
+    let mut cmd = command(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"]));
+    cmd.args(["--resume", "auto"]);
+    let r = run(cmd, d.path()).ok();
+    let err = r.stderr();
+    assert!(err.contains("nothing to train: resumed at step 20, and train.max_steps is 10"), "{err}");
+    assert!(!err.contains("NaN"), "{err}");
+    assert_eq!(r.metrics().len(), 20, "no metrics lines invented");
+}
+
+fn torchrun(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets: &[&str]) -> (Output, f64) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
+    cmd.args([format!("--nproc_per_node={nproc}"), format!("--max-restarts={restarts}"), "--master_addr=127.0.0.1".into(), format!("--master_port={port}"), "--no-python".into(), bin()]);
+    cmd.args(["train", "--config"]).arg(repo().join("configs/debug.yaml"));
+    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.args(extra_args);
+    let t0 = Instant::now();
+    let o = cmd.output().unwrap();
+    (o, t0.elapsed().as_secs_f64())
+}
+
+#[test]
+fn a_time_limit_under_torchrun_ends_the_job_once_with_a_stop_record() {
+    let d = tempfile::tempdir().unwrap();
+    let (o, wall) = torchrun(d.path(), 2, 1, &["--max-duration", "3s"], &sets(&["train.max_steps=100000"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "torchrun exits 0 on a planned stop (no restart): {err}");
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let started = events.iter().filter(|e| e["event"] == "run_started").count();
+    assert_eq!(started, 1, "one attempt: torchrun did not restart it: {err}");
+    let rec = stop_record::read(d.path()).expect("stop.json");
+    assert_eq!((rec.status, rec.reason.as_deref(), rec.resumable), (Status::Stopped, Some("time_limit"), true));
+    assert_eq!(Some(rec.checkpoint.clone().unwrap()), steps(d.path()).last().map(|s| store::root(d.path()).join(store::dir_name(*s)).display().to_string()));
+    assert!(rec.step > 0 && rec.step == *steps(d.path()).last().unwrap());
+    eprintln!("torchrun wall {wall:.1}s for a 3 s budget");
+}
+
+#[test]
+fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
+    let d = tempfile::tempdir().unwrap();
+    // Rank 1 dies at step 60 of the first attempt; torchrun restarts the group, which resumes.
+    let (o, wall) = torchrun(d.path(), 2, 1, &["--max-duration", "20s"], &sets(&["train.max_steps=100000", "faults.crash_at_step=60", "faults.crash_rank=1"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let left: f64 = err
+        .lines()
+        .find_map(|l| l.split("train.max_duration ").nth(1).and_then(|t| t.split('s').next()).and_then(|n| n.parse().ok()))
+        .unwrap_or_else(|| panic!("the restart names its remaining budget: {err}"));
+    // The deadline was set before the first attempt trained, so what is left is at most the
+    // budget less the time the first attempt had trained when it checkpointed step 60.
+    let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
+    let trained = metrics.iter().find(|m| m["step"] == 59).and_then(|m| m["elapsed_s"].as_f64()).expect("step 59 of the first attempt");
+    assert!(left > 0.0 && left < 20.0 - trained, "left {left}, first attempt trained {trained}s");
+    eprintln!("restart left with {left:.1}s of 20 s; job wall {wall:.1}s");
+    let rec = stop_record::read(d.path()).expect("stop.json");
+    assert_eq!((rec.status, rec.reason.as_deref()), (Status::Stopped, Some("time_limit")));
+    let resumed = read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").count();
+    assert_eq!(resumed, 1);
+}
+
+#[test]
+fn a_crash_under_torchrun_leaves_no_stop_record_and_a_finish_says_finished() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(d.path()).unwrap();
+    // A stale record from an earlier job must not survive into this one.
+    stop_record::write(d.path(), &stop_record::StopRecord::stopped(3, "signal", None)).unwrap();
+    let (o, _) = torchrun(d.path(), 2, 0, &[], &sets(&["train.max_steps=100000", "faults.crash_at_step=3", "faults.crash_rank=1"]));
+    assert!(!o.status.success());
+    assert_eq!(stop_record::read(d.path()), None, "a crash leaves no record");
+
+    let e = tempfile::tempdir().unwrap();
+    let (o, _) = torchrun(e.path(), 2, 0, &[], &sets(&["train.max_steps=6"]));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(stop_record::read(e.path()).map(|r| (r.status, r.step, r.resumable)), Some((Status::Finished, 6, false)));
+}

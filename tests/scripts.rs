@@ -1,0 +1,185 @@
+//! The job scripts as a user runs them: scripts/slurm.sbatch driven with fake `srun`, `scontrol`,
+//! `squeue` and `torchrun` on PATH (what it runs, when it requeues), and scripts/torchrun.sh with
+//! the real torchrun (its exit code from the stop record).
+mod common;
+use common::*;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+struct Fakes {
+    dir: tempfile::TempDir,
+}
+
+impl Fakes {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, body: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, format!("#!/bin/bash\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        // srun: log, drop its own options, run the command (as the job step's task).
+        write("srun", r#"echo "srun $*" >> "$FAKE_LOG"; while [[ $1 == --* ]]; do shift; done; exec "$@""#);
+        write("scontrol", r#"echo "scontrol $*" >> "$FAKE_LOG"; [ "$1 $2" = "show hostnames" ] && printf 'node1\nnode2\n'; exit 0"#);
+        write("squeue", r#"echo "squeue $*" >> "$FAKE_LOG"; echo "$FAKE_SQUEUE""#);
+        // torchrun: log its arguments, then end the way FAKE_OUTCOME says (as trainguard would
+        // leave the run directory).
+        write(
+            "torchrun",
+            r#"echo "torchrun $*" >> "$FAKE_LOG"
+rec="$FAKE_OUT/stop.json"
+case $FAKE_OUTCOME in
+  stopped) mkdir -p "$FAKE_OUT"; echo '{"status":"stopped","reason":"time_limit","step":7,"resumable":true}' > "$rec"; exit 0 ;;
+  finished) mkdir -p "$FAKE_OUT"; echo '{"status":"finished","step":9,"resumable":false}' > "$rec"; exit 0 ;;
+  crash) exit 1 ;;
+  wait) trap 'mkdir -p "$FAKE_OUT"; echo "{\"status\":\"stopped\",\"reason\":\"signal\",\"step\":3,\"resumable\":true}" > "$rec"; echo got-term >> "$FAKE_LOG"; exit 1' TERM
+        touch "$FAKE_LOG.ready"; while true; do sleep 0.05; done ;;
+esac"#,
+        );
+        Self { dir }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+
+    fn out(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn sbatch(&self, outcome: &str, env: &[(&str, &str)]) -> Command {
+        let mut cmd = Command::new("bash");
+        cmd.current_dir(repo()).arg("scripts/slurm.sbatch").arg("configs/gpt2-124m.yaml").arg("--set").arg(format!("out_dir={}", self.out().display()));
+        let path = format!("{}:{}", self.dir.path().display(), std::env::var("PATH").unwrap());
+        cmd.env("PATH", path).env("TORCHRUN", self.dir.path().join("torchrun")).env("TRAINGUARD", bin());
+        cmd.env("FAKE_LOG", self.dir.path().join("log")).env("FAKE_OUT", self.out()).env("FAKE_OUTCOME", outcome);
+        cmd.env("SLURM_JOB_ID", "42").env("SLURM_JOB_NODELIST", "node[1-2]").env("SLURM_NNODES", "2").env_remove("SLURM_JOB_END_TIME");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn max_duration_s(log: &str) -> Option<u64> {
+    let line = log.lines().find(|l| l.starts_with("torchrun "))?;
+    line.split("--max-duration ").nth(1)?.split('s').next()?.parse().ok()
+}
+
+#[test]
+fn sbatch_runs_torchrun_under_srun_with_the_jobs_own_time_and_requeues_a_stop() {
+    let f = Fakes::new();
+    let end = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 3600;
+    let o = f.sbatch("stopped", &[("SLURM_JOB_END_TIME", &end.to_string())]).output().unwrap();
+    let log = f.log();
+    assert_eq!(o.status.code(), Some(0), "{}\n{log}", text(&o));
+    let srun = log.lines().find(|l| l.starts_with("srun ")).expect("torchrun started through srun (a job step gets SLURM's signals)");
+    assert!(srun.contains("--kill-on-bad-exit=1"), "{srun}");
+    let tr = log.lines().find(|l| l.starts_with("torchrun ")).unwrap();
+    for needle in ["--nnodes=2", "--nproc_per_node=8", "--rdzv_endpoint=node1:29500", "--rdzv_id=42", "--resume auto", "train --config configs/gpt2-124m.yaml"] {
+        assert!(tr.contains(needle), "`{needle}` missing: {tr}");
+    }
+    // An hour left, 300 s kept for the last checkpoint (a second may pass in between).
+    let d = max_duration_s(&log).expect("--max-duration from SLURM_JOB_END_TIME");
+    assert!((3298..=3300).contains(&d), "{d}");
+    assert!(log.contains("scontrol requeue 42"), "a stop record requeues: {log}");
+}
+
+#[test]
+fn sbatch_reads_squeue_when_the_end_time_is_not_exported_and_does_not_requeue_a_finished_run() {
+    let f = Fakes::new();
+    let o = f.sbatch("finished", &[("FAKE_SQUEUE", "1-02:03:04")]).output().unwrap();
+    let log = f.log();
+    assert_eq!(o.status.code(), Some(0), "{}\n{log}", text(&o));
+    assert!(log.contains("squeue -h -j 42 -o %L"), "{log}");
+    assert_eq!(max_duration_s(&log), Some(86400 + 2 * 3600 + 3 * 60 + 4 - 300));
+    assert!(!log.contains("requeue"), "finished: {log}");
+
+    // No limit known: no --max-duration at all (not a made-up constant).
+    let g = Fakes::new();
+    let o = g.sbatch("finished", &[("FAKE_SQUEUE", "UNLIMITED")]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(max_duration_s(&g.log()), None, "{}", g.log());
+}
+
+#[test]
+fn sbatch_reports_a_crash_and_does_not_requeue_even_with_an_old_stop_record() {
+    let f = Fakes::new();
+    std::fs::create_dir_all(f.out()).unwrap();
+    std::fs::write(f.out().join("stop.json"), r#"{"status":"stopped","reason":"signal","step":1,"resumable":true}"#).unwrap();
+    let o = f.sbatch("crash", &[("FAKE_SQUEUE", "10:00")]).output().unwrap();
+    let log = f.log();
+    assert_ne!(o.status.code(), Some(0));
+    assert!(text(&o).contains("crashed"), "{}", text(&o));
+    assert!(!log.contains("requeue"), "the earlier leg's record must not requeue a crash: {log}");
+    assert_eq!(max_duration_s(&log), Some(600 - 300));
+}
+
+#[test]
+fn sbatch_forwards_slurms_sigterm_to_the_job_step_and_requeues() {
+    let f = Fakes::new();
+    let mut child = f.sbatch("wait", &[("FAKE_SQUEUE", "UNLIMITED")]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let ready = f.dir.path().join("log.ready");
+    let t0 = Instant::now();
+    while !ready.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "fake torchrun never started: {}", f.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // What `--signal=B:TERM@120` does: SIGTERM to the batch shell only.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    let mut out = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    let log = f.log();
+    assert!(log.contains("got-term"), "the signal reached the job step: {log}\n{out}");
+    assert!(log.contains("scontrol requeue 42"), "{log}\n{out}");
+    assert_eq!(status.code(), Some(0), "{out}");
+}
+
+fn torchrun_sh(out: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new("bash");
+    cmd.current_dir(repo()).args(["scripts/torchrun.sh", "2", "configs/debug.yaml"]);
+    for s in [format!("out_dir={}", out.display()).as_str(), "train.threads=1", "train.global_batch_size=16", "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"] {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.args(extra).env("TRAINGUARD", bin()).env("MAX_RESTARTS", "1");
+    cmd
+}
+
+#[test]
+fn torchrun_sh_exits_4_on_a_planned_stop_and_0_when_finished() {
+    let d = tempfile::tempdir().unwrap();
+    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--max-duration", "3s"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("stopped, resumable"), "{}", text(&o));
+    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--resume", "auto", "--max-duration", "2s"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(4), "a second leg resumes and stops again: {}", text(&o));
+    let e = tempfile::tempdir().unwrap();
+    let o = torchrun_sh(e.path(), &["--set", "train.max_steps=6"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+}
+
+#[test]
+fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
+    let d = tempfile::tempdir().unwrap();
+    let child = torchrun_sh(d.path(), &["--set", "train.max_steps=100000"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let metrics = d.path().join("metrics.jsonl");
+    let t0 = Instant::now();
+    while read_jsonl(&metrics).len() < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "training never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    let rec = trainguard::stop_record::read(d.path()).expect("stop.json");
+    assert_eq!(rec.reason.as_deref(), Some("signal"));
+    assert!(rec.checkpoint.is_some_and(|c| Path::new(&c).join("trainer_state.json").exists()));
+}
