@@ -3,6 +3,12 @@
 Used by scripts/bench_vs_pytorch.sh to measure trainguard's throughput against PyTorch on
 the same machine. Reads the same YAML config (model and train keys) and prints one JSON line
 with tokens/s measured over the steps after warm-up.
+
+With --check-weights (tests/reference.rs) it is the reference trainguard's GPT is checked
+against instead: it loads trainguard's weights (safetensors, trainguard's names), runs
+--check-steps steps on the batch in --check-batch (loss, gradients, then torch.optim.AdamW with
+decay on the linear weights) and writes the first step's logits and each step's loss and
+gradients, under trainguard's names, to --check-out.
 """
 import argparse
 import json
@@ -54,6 +60,13 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
 
+    def logits(self, idx):
+        t = idx.shape[1]
+        x = F.dropout(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)), self.dropout, self.training)
+        for blk in self.blocks:
+            x = blk(x)
+        return F.linear(self.ln_f(x), self.wte.weight)
+
     def forward(self, idx, targets):
         t = idx.shape[1]
         x = F.dropout(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)), self.dropout, self.training)
@@ -61,6 +74,45 @@ class GPT(nn.Module):
             x = blk(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def ours_to_theirs(name):
+    """trainguard's parameter name → this module's."""
+    if not name.startswith("h."):
+        return name
+    _, i, rest = name.split(".", 2)
+    rest = {"attn.c_attn": "c_attn", "attn.c_proj": "c_proj", "mlp.c_fc": "c_fc", "mlp.c_proj": "mlp_proj"}.get(rest.rsplit(".", 1)[0], rest.rsplit(".", 1)[0]) + "." + rest.rsplit(".", 1)[1]
+    return f"blocks.{i}.{rest}"
+
+
+def check(args, m, t):
+    from safetensors.torch import load_file, save_file
+
+    torch.set_num_threads(1)
+    model = GPT(m).eval()
+    ours = load_file(args.check_weights)
+    theirs = {ours_to_theirs(k): v for k, v in ours.items()}
+    model.load_state_dict(theirs, strict=True)
+    names = {ours_to_theirs(k): k for k in ours}
+    batch = load_file(args.check_batch)
+    x, y = batch["x"].long(), batch["y"].long()
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
+    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
+                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t.get("eps", 1e-8))
+    out = {}
+    for step in range(args.check_steps):
+        logits = model.logits(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if step == 0:
+            out["logits"] = logits.detach().contiguous()
+        out[f"loss.{step}"] = loss.detach().reshape(1)
+        for n, p in model.named_parameters():
+            out[f"grad.{step}.{names[n]}"] = p.grad.detach().clone().contiguous()
+        opt.step()
+    save_file(out, args.check_out)
 
 
 def main():
@@ -71,10 +123,17 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
+    ap.add_argument("--check-weights", help="check mode: trainguard's weights (safetensors)")
+    ap.add_argument("--check-batch", help="check mode: safetensors with int64 `x` and `y`")
+    ap.add_argument("--check-out", help="check mode: where logits, losses and gradients go")
+    ap.add_argument("--check-steps", type=int, default=2)
     args = ap.parse_args()
-    cfg = yaml.safe_load(open(args.config))
+    # JSON is read as JSON: PyYAML takes `1e-8` (no dot) for a string.
+    cfg = json.load(open(args.config)) if args.config.endswith(".json") else yaml.safe_load(open(args.config))
     m = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 64, "dropout": 0.0, "bias": True, **(cfg.get("model") or {})}
     t = {"global_batch_size": 32, "micro_batch_size": 8, "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, **(cfg.get("train") or {})}
+    if args.check_weights:
+        return check(args, m, t)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1337)

@@ -1,10 +1,11 @@
-//! trainguard's Llama against a reference written with `torch.nn.functional`
-//! (scripts/reference_llama.py), from the same safetensors weights: logits, the loss and every
-//! gradient at the first step, then, after one AdamW update on each side, the loss and gradients
-//! of the second step — fp32 on the CPU. Positions run past 64 and one case uses Llama 3's
-//! `rope_theta` of 500000, so a wrong rotary table or head grouping cannot hide. Where
-//! `transformers` is installed (scripts/setup.sh pins it) its `LlamaForCausalLM`, built from the
-//! same config with no download, must agree too.
+//! trainguard's models against PyTorch references from the same safetensors weights: logits,
+//! the loss and every gradient at the first step, then, after one AdamW update on each side, the
+//! loss and gradients of the second step — fp32 on the CPU, within 1e-5.
+//! - Llama: scripts/reference_llama.py (written with `torch.nn.functional`). Positions run past
+//!   64 and one case uses Llama 3's `rope_theta` of 500000, so a wrong rotary table or head
+//!   grouping cannot hide. Where `transformers` is installed (scripts/setup.sh pins it) its
+//!   `LlamaForCausalLM`, built from the same config with no download, must agree too.
+//! - GPT-2: scripts/reference_gpt.py (the nn.Module the speed benchmark runs) in its check mode.
 mod common;
 use common::repo;
 use std::path::Path;
@@ -27,7 +28,7 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 fn sharpen(model: &Model) {
     let _no_grad = tch::no_grad_guard();
     for (name, t) in model.params.names.iter().zip(&model.params.tensors) {
-        if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") {
+        if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") || name.ends_with("attn.c_attn.weight") {
             let _ = t.shallow_clone().f_mul_scalar_(8.0).unwrap();
         }
     }
@@ -59,16 +60,25 @@ fn check(cfg: ModelConfig, dir: &Path) {
     }
 
     let python = repo().join(".venv/bin/python");
-    let has_transformers = Command::new(&python).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
+    let llama = cfg.arch == Arch::Llama;
+    let has_transformers = llama && Command::new(&python).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
     let mut cmd = Command::new(&python);
-    cmd.arg(repo().join("scripts/reference_llama.py")).current_dir(dir);
-    cmd.args(["--model", "model.json", "--weights", "w.safetensors", "--batch", "batch.safetensors", "--out", "ref.safetensors"]);
-    cmd.args(["--steps", "2", "--lr", &LR.to_string(), "--weight-decay", &train.weight_decay.to_string()]);
-    cmd.args(["--beta1", &train.beta1.to_string(), "--beta2", &train.beta2.to_string(), "--eps", &train.eps.to_string()]);
-    if has_transformers {
-        cmd.arg("--transformers");
+    cmd.current_dir(dir);
+    if llama {
+        cmd.arg(repo().join("scripts/reference_llama.py"));
+        cmd.args(["--model", "model.json", "--weights", "w.safetensors", "--batch", "batch.safetensors", "--out", "ref.safetensors"]);
+        cmd.args(["--steps", "2", "--lr", &LR.to_string(), "--weight-decay", &train.weight_decay.to_string()]);
+        cmd.args(["--beta1", &train.beta1.to_string(), "--beta2", &train.beta2.to_string(), "--eps", &train.eps.to_string()]);
+        if has_transformers {
+            cmd.arg("--transformers");
+        } else {
+            eprintln!("note: transformers is not installed in .venv; checked against the functional reference only");
+        }
     } else {
-        eprintln!("note: transformers is not installed in .venv; checked against the functional reference only");
+        let t = serde_json::json!({"lr": LR, "weight_decay": train.weight_decay, "beta1": train.beta1, "beta2": train.beta2, "eps": train.eps});
+        std::fs::write(dir.join("config.json"), serde_json::json!({"model": cfg, "train": t}).to_string()).unwrap();
+        cmd.arg(repo().join("scripts/reference_gpt.py"));
+        cmd.args(["--config", "config.json", "--check-weights", "w.safetensors", "--check-batch", "batch.safetensors", "--check-out", "ref.safetensors"]);
     }
     let out = cmd.output().expect("run scripts/reference_llama.py");
     assert!(out.status.success(), "reference failed:\n{}", String::from_utf8_lossy(&out.stderr));
@@ -108,4 +118,11 @@ fn grouped_query_untied_llama3_rope_matches_the_reference() {
 fn tied_multi_head_llama_with_biases_matches_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     check(ModelConfig { n_kv_head: None, tie_embeddings: true, bias: true, norm_eps: 1e-6, ..llama(96) }, dir.path());
+}
+
+#[test]
+fn gpt2_matches_the_reference_module() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig { n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 61, seq_len: 96, bias: true, ..ModelConfig::default() };
+    check(cfg, dir.path());
 }
