@@ -26,6 +26,15 @@ using trainguard::guarded;
 bool have_accelerator() {
   return at::accelerator::getAccelerator(false).has_value() && at::accelerator::deviceCount() > 0;
 }
+
+// The caching allocator's per-device tables exist only once the accelerator is initialised
+// (the first tensor on it does that): before, getDeviceStats answers "Invalid device argument".
+// Telemetry at run start or from `trainguard env` must not depend on something having been
+// allocated first, so every allocator entry point initialises lazily, as PyTorch's own
+// torch.cuda.memory_stats() does. Idempotent and cheap after the first call.
+void init_accelerator() {
+  if (auto type = at::accelerator::getAccelerator(false)) at::globalContext().lazyInitDevice(*type);
+}
 }  // namespace
 
 extern "C" {
@@ -45,6 +54,7 @@ int tg_accelerator_available() { return have_accelerator() ? 1 : 0; }
 int tg_device_stats(int device, tg_stats* out, char* err, size_t err_len) {
   if (!have_accelerator()) return 2;
   return guarded(err, err_len, [&] {
+    init_accelerator();
     auto s = at::accelerator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
     for (int p = 0; p < 3; ++p) {
       out->allocated_current[p] = s.allocated_bytes[p].current;
@@ -65,6 +75,7 @@ int tg_device_stats(int device, tg_stats* out, char* err, size_t err_len) {
 int tg_memory_info(int device, int64_t* free_bytes, int64_t* total_bytes, char* err, size_t err_len) {
   if (!have_accelerator()) return 2;
   return guarded(err, err_len, [&] {
+    init_accelerator();
     auto info = at::accelerator::getMemoryInfo(static_cast<c10::DeviceIndex>(device));
     *free_bytes = static_cast<int64_t>(info.first);
     *total_bytes = static_cast<int64_t>(info.second);
@@ -73,12 +84,16 @@ int tg_memory_info(int device, int64_t* free_bytes, int64_t* total_bytes, char* 
 
 int tg_empty_cache(char* err, size_t err_len) {
   if (!have_accelerator()) return 2;
-  return guarded(err, err_len, [&] { at::accelerator::emptyCache(); });
+  return guarded(err, err_len, [&] {
+    init_accelerator();
+    at::accelerator::emptyCache();
+  });
 }
 
 int tg_reset_peak_stats(int device, char* err, size_t err_len) {
   if (!have_accelerator()) return 2;
   return guarded(err, err_len, [&] {
+    init_accelerator();
     at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
   });
 }
