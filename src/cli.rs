@@ -20,6 +20,8 @@ pub enum Command {
     Env(ConfigArgs),
     /// Estimate (and with --profile measure) what fits on a GPU; recommend a micro-batch.
     Plan(crate::planner::PlanArgs),
+    /// Tokenize text (.txt, .jsonl) with a tokenizer.json into token shards for `data.source: tokens:DIR`.
+    Prepare(crate::prepare::PrepareArgs),
 }
 
 #[derive(Debug, Subcommand)]

@@ -29,6 +29,9 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
         if cause.downcast_ref::<crate::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
             return CONFIG;
         }
+        if cause.downcast_ref::<crate::data::DataError>().is_some_and(|e| e.is_usage()) || crate::prepare::is_usage(cause) {
+            return CONFIG;
+        }
         if oom_in(cause).is_some() {
             return OUT_OF_MEMORY;
         }
@@ -38,6 +41,7 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
             Some(TrainError::Checkpoint(_) | TrainError::Allocator(_)) => return CONFIG,
+            Some(TrainError::Data(e)) if e.is_usage() => return CONFIG,
             _ => {}
         }
     }

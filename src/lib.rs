@@ -19,4 +19,5 @@ pub mod model;
 pub mod optim;
 pub mod plan;
 pub mod planner;
+pub mod prepare;
 pub mod train;

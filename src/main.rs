@@ -14,6 +14,7 @@ fn main() {
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
         Command::Env(args) => show_env(&args),
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
+        Command::Prepare(args) => run_prepare(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -65,6 +66,27 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         None => None,
     };
     train::train(&plan, &resume, &stop, group.as_mut()).context("training failed")?;
+    Ok(())
+}
+
+fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let m = trainguard::prepare::run(args)?;
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {:?}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s",
+        args.out.display(),
+        m.documents,
+        m.train_tokens,
+        m.train.len(),
+        m.val_tokens,
+        m.dtype,
+        m.vocab_size,
+        m.eos_token,
+        m.eos_id,
+        m.input_bytes as f64 / 1e6 / secs,
+        (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
+    );
     Ok(())
 }
 
