@@ -18,10 +18,9 @@ pub fn byte_char(b: u8) -> char {
 /// (e.g. above 65,536 to get uint32 shards). Returns the vocabulary size (EOS is the last id).
 pub fn write(path: &Path, pad_to: usize) -> usize {
     let mut vocab = Map::new();
-    let mut next = 0u64;
-    let mut add = |vocab: &mut Map<String, Value>, tok: String| {
-        vocab.insert(tok, json!(next));
-        next += 1;
+    let add = |vocab: &mut Map<String, Value>, tok: String| {
+        let id = vocab.len();
+        vocab.insert(tok, json!(id));
     };
     for b in 0..=255u8 {
         add(&mut vocab, byte_char(b).to_string());
@@ -40,10 +39,11 @@ pub fn write(path: &Path, pad_to: usize) -> usize {
     for (a, b) in &merges {
         add(&mut vocab, format!("{a}{b}"));
     }
-    while (next as usize) < pad_to.saturating_sub(1) {
-        add(&mut vocab, format!("<unused_{next}>"));
+    while vocab.len() < pad_to.saturating_sub(1) {
+        let n = vocab.len();
+        add(&mut vocab, format!("<unused_{n}>"));
     }
-    let eos = next;
+    let eos = vocab.len();
     let tok = json!({
         "version": "1.0",
         "truncation": null,
