@@ -29,7 +29,10 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
         if cause.downcast_ref::<crate::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
             return CONFIG;
         }
-        if cause.downcast_ref::<crate::data::DataError>().is_some_and(|e| e.is_usage()) || crate::prepare::is_usage(cause) {
+        if cause.downcast_ref::<crate::data::DataError>().is_some_and(|e| e.is_usage()) || crate::prepare::is_usage(cause)
+            || crate::sample::is_usage(cause)
+            || crate::hf::is_usage(cause)
+        {
             return CONFIG;
         }
         if oom_in(cause).is_some() {
@@ -42,6 +45,7 @@ pub fn code_for(err: &anyhow::Error) -> i32 {
             // differs from the checkpoint's: the user's input is wrong.
             Some(TrainError::Checkpoint(_) | TrainError::Allocator(_)) => return CONFIG,
             Some(TrainError::Data(e)) if e.is_usage() => return CONFIG,
+            Some(TrainError::InitFrom(_)) => return CONFIG,
             _ => {}
         }
     }

@@ -15,6 +15,8 @@ fn main() {
         Command::Env(args) => show_env(&args),
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
         Command::Prepare(args) => run_prepare(&args),
+        Command::Sample(args) => trainguard::sample::run(&args).map(|text| print!("{text}")).map_err(Into::into),
+        Command::Export(args) => run_export(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -87,6 +89,14 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
         m.input_bytes as f64 / 1e6 / secs,
         (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
     );
+    Ok(())
+}
+
+fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
+    let trained = trainguard::sample::open(&args.target)?;
+    let model = trainguard::sample::build(&trained, tch::Device::Cpu)?;
+    let files = trainguard::hf::export(&model, trained.dataset.as_deref(), &args.hf)?;
+    println!("exported {} to {}: {}", args.target.display(), args.hf.display(), files.join(", "));
     Ok(())
 }
 

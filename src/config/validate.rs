@@ -53,6 +53,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
 
     check_device(&c.device, &mut check);
     check_source(c, &mut check);
+    if let Some(dir) = &c.init_from {
+        check(dir.join("config.json").is_file(), "init_from", format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display()));
+    }
     let d = &c.data;
     check(
         d.val_fraction > 0.0 && d.val_fraction < 1.0,

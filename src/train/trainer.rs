@@ -50,6 +50,8 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
+    #[error("init_from: {0}")]
+    InitFrom(#[from] crate::hf::HfError),
     #[error("injected failure at step {step} (faults.crash_at_step)")]
     InjectedCrash { step: u64 },
     #[error("cannot write run directory {path}: {source}")]
@@ -138,6 +140,9 @@ pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, mut dist: Opti
     };
     let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
     let model = Gpt::new(&cfg.model, cfg.seed, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+    if let (Some(dir), None) = (&cfg.init_from, &loaded) {
+        crate::hf::init_from(&model, dir)?; // a resumed run's weights come from its checkpoint
+    }
     let params = model.params.tensors.as_slice();
     super::precision::prepare(params, cfg.precision, device).map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let mut scaler = (cfg.precision == Precision::Fp16Mixed).then(|| LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval));
