@@ -2,8 +2,8 @@
 //! final `model.safetensors`, else its newest checkpoint — or a Hugging Face directory written by
 //! `export`) and continues a prompt with temperature and top-k sampling. The draws come from
 //! trainguard's own hash of (seed, position), so a seed gives the same text on every run. Text
-//! is encoded and decoded with the tokenizer of the run's `prepare` dataset, or as bytes for
-//! byte-level data (`synthetic`, `text:`).
+//! is encoded and decoded with the tokenizer of the run's `prepare` dataset, as bytes for
+//! byte-level data (`synthetic`, `text:`), or as space-separated ids for token data without one.
 use crate::checkpoint::store;
 use crate::config::{Config, ModelConfig};
 use crate::data::shards;
@@ -64,6 +64,8 @@ pub struct Trained {
     pub weights: Vec<(String, Tensor)>,
     /// The `prepare` directory behind `data.source`, if any (tokenizer.json, dataset.json).
     pub dataset: Option<PathBuf>,
+    /// Byte-level data (`synthetic`, `text:`): token i is byte i.
+    pub bytes: bool,
 }
 
 /// Opens a checkpoint, a run directory or an exported Hugging Face directory.
@@ -71,7 +73,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
-        return Ok(Trained { model, seed: 0, weights, dataset });
+        return Ok(Trained { model, seed: 0, weights, dataset, bytes: false });
     }
     let (config, weights) = if target.join(store::STATE_FILE).is_file() {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
@@ -92,7 +94,8 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         (config, weights)
     };
     let dataset = dataset_dir(&config.data.source);
-    Ok(Trained { model: config.model.clone(), seed: config.seed, weights, dataset })
+    let bytes = !config.data.source.starts_with("tokens:");
+    Ok(Trained { model: config.model.clone(), seed: config.seed, weights, dataset, bytes })
 }
 
 /// The `prepare` directory a `tokens:` source names, when it has a manifest.
@@ -124,11 +127,13 @@ pub fn copy_weights(model: &Gpt, weights: &[(String, Tensor)]) -> Result<(), Str
 enum Codec {
     Bytes,
     Tokenizer(Box<tokenizers::Tokenizer>, u32),
+    /// Token data without a tokenizer (a bare shard or train.bin): ids in, ids out.
+    Ids,
 }
 
 impl Codec {
-    fn open(dataset: Option<&Path>) -> Result<Self, SampleError> {
-        let Some(dir) = dataset else { return Ok(Codec::Bytes) };
+    fn open(t: &Trained) -> Result<Self, SampleError> {
+        let Some(dir) = t.dataset.as_deref() else { return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids }) };
         let m: Option<shards::Manifest> = std::fs::read_to_string(dir.join(shards::MANIFEST_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
         let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), m.as_ref().map(|m| m.eos_token.as_str())).map_err(|e| input(e.to_string()))?;
         Ok(Codec::Tokenizer(Box::new(v.tokenizer), v.eos_id))
@@ -137,6 +142,7 @@ impl Codec {
     fn encode(&self, text: &str) -> Result<Vec<i64>, SampleError> {
         match self {
             Codec::Bytes => Ok(text.bytes().map(i64::from).collect()),
+            Codec::Ids => text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("this run's data has no tokenizer (data.source is not a prepare directory): give the prompt as token ids, got `{w}`")))).collect(),
             Codec::Tokenizer(t, eos) => {
                 let ids: Vec<i64> = t.encode(text, false).map_err(|e| input(e.to_string()))?.get_ids().iter().map(|&i| i as i64).collect();
                 // An empty prompt starts a fresh document.
@@ -149,6 +155,7 @@ impl Codec {
         match self {
             Codec::Bytes => String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned(),
             Codec::Tokenizer(t, _) => t.decode(&ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
+            Codec::Ids => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
         }
     }
 }
@@ -169,7 +176,7 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
         return Err(input(format!("--temperature must be a number >= 0, got {}", args.temperature)));
     }
     let trained = open(&args.target)?;
-    let codec = Codec::open(trained.dataset.as_deref())?;
+    let codec = Codec::open(&trained)?;
     let model = build(&trained, device)?;
     let vocab = trained.model.vocab_size as i64;
     let mut ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };

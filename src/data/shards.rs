@@ -180,7 +180,7 @@ mod tests {
     fn headers_follow_llm_c_and_flat_files_are_uint16() {
         let h = header(Dtype::Uint16, 5);
         assert_eq!(h.len(), 1024);
-        assert_eq!(&h[..12], &[0x08, 0x0b, 0x35, 0x01, 1, 0, 0, 0, 5, 0, 0, 0]); // 20240520 = 0x01350b08
+        assert_eq!(&h[..12], &[0x88, 0xd8, 0x34, 0x01, 1, 0, 0, 0, 5, 0, 0, 0]); // 20240520 = 0x0134d888
         let l = layout(&h, 1024 + 10).unwrap();
         assert_eq!(l, Layout { offset: 1024, tokens: 5, dtype: Dtype::Uint16 });
         assert!(layout(&h, 1024 + 8).unwrap_err().contains("truncated"));
