@@ -75,13 +75,11 @@ impl Tokens {
             }
             Tokens::Mapped(pieces) => {
                 let mut k = pieces.partition_point(|p| p.start + p.len <= start);
-                let mut pos = start;
-                for o in out.iter_mut() {
+                for (pos, o) in (start..).zip(out.iter_mut()) {
                     while pos >= pieces[k].start + pieces[k].len {
                         k += 1;
                     }
                     *o = pieces[k].get(pos - pieces[k].start);
-                    pos += 1;
                 }
             }
         }

@@ -83,7 +83,7 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
         }
         return Ok(Layout { offset: HEADER_BYTES, tokens: tokens as usize, dtype });
     }
-    if size % 2 != 0 {
+    if !size.is_multiple_of(2) {
         return Err(format!("{size} bytes is not a whole number of uint16 tokens (and no llm.c header)"));
     }
     Ok(Layout { offset: 0, tokens: (size / 2) as usize, dtype: Dtype::Uint16 })

@@ -25,7 +25,7 @@ mod tests {
         assert_eq!(hf_name("wte.weight"), ("transformer.wte.weight".into(), false));
         assert_eq!(hf_name("h.3.attn.c_attn.weight"), ("transformer.h.3.attn.c_attn.weight".into(), true));
         assert_eq!(hf_name("h.3.attn.c_attn.bias"), ("transformer.h.3.attn.c_attn.bias".into(), false));
-        assert_eq!(hf_name("h.0.mlp.c_proj.weight").1, true);
-        assert_eq!(hf_name("ln_f.weight").1, false);
+        assert!(hf_name("h.0.mlp.c_proj.weight").1);
+        assert!(!hf_name("ln_f.weight").1);
     }
 }

@@ -58,5 +58,5 @@ pub fn write(path: &Path, pad_to: usize) -> usize {
                   "merges": merges.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>()}
     });
     std::fs::write(path, serde_json::to_string(&tok).unwrap()).unwrap();
-    eos as usize + 1
+    eos + 1
 }
