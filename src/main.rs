@@ -76,13 +76,13 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
     let m = trainguard::prepare::run(args)?;
     let secs = start.elapsed().as_secs_f64();
     println!(
-        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {:?}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s",
+        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s",
         args.out.display(),
         m.documents,
         m.train_tokens,
         m.train.len(),
         m.val_tokens,
-        m.dtype,
+        serde_json::to_value(m.dtype)?.as_str().unwrap_or_default(),
         m.vocab_size,
         m.eos_token,
         m.eos_id,
