@@ -4,7 +4,7 @@
 
 Writes OUT/corpus/stories.txt (documents separated by blank lines) and OUT/corpus/notes.jsonl
 ({"text": ...} per line): short generated stories from a fixed grammar (seeded, so every
-machine gets the same corpus, about 3.5 MB), and OUT/tokenizer.json: a byte-level BPE of at most
+machine gets the same corpus, about 2 MB), and OUT/tokenizer.json: a byte-level BPE of at most
 512 tokens (the grammar's words run out of merges at 424) with <|endoftext|>, trained on that corpus with the `tokenizers` package.
 """
 import json
