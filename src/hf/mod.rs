@@ -127,6 +127,7 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
     if c["activation_function"] != "gelu" {
         tracing::warn!("{}: activation_function {} differs from trainguard's exact GELU; logits will differ slightly", cpath.display(), c["activation_function"]);
     }
+    #[allow(clippy::needless_update)] // the lead's model restructure may add fields
     let cfg = ModelConfig {
         n_layer: num("n_layer")?,
         n_head: num("n_head")?,
@@ -135,6 +136,7 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
         seq_len: num("n_positions")?,
         dropout: c["resid_pdrop"].as_f64().unwrap_or(0.0),
         bias: true,
+        ..ModelConfig::default() // fields a later model family adds keep their defaults
     };
     let wpath = dir.join("model.safetensors");
     let raw = Tensor::read_safetensors(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
