@@ -63,6 +63,12 @@ fi
 TENSORBOARD_VERSION=2.20.0
 [ "$("$VENV/bin/python" -c 'import tensorboard; print(tensorboard.__version__)' 2>/dev/null)" = "$TENSORBOARD_VERSION" ] \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION"
+# Tokenizers and transformers for the tests of `prepare` (ids against Python's tokenizers), the
+# benchmark and the Hugging Face export/import checks; pinned so CI compares against fixed code.
+TOKENIZERS_VERSION=0.23.3
+TRANSFORMERS_VERSION=5.23.0
+"$VENV/bin/python" -c "import tokenizers, transformers, sys; sys.exit(tokenizers.__version__ != '$TOKENIZERS_VERSION' or transformers.__version__ != '$TRANSFORMERS_VERSION')" 2>/dev/null \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tokenizers==$TOKENIZERS_VERSION" "transformers==$TRANSFORMERS_VERSION"
 # CUDA headers the c10d shim needs to build ProcessGroupNCCL (a few MB; torch's wheel has NCCL's).
 SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -f "$SITE/nvidia/cu13/include/crt/host_defines.h" ] && [ -f "$SITE/nvidia/cu13/include/nv/target" ] \

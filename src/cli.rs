@@ -22,6 +22,21 @@ pub enum Command {
     Plan(crate::planner::PlanArgs),
     /// One self-contained HTML page of a run's curves and events (several runs: overlaid).
     Report(ReportArgs),
+    /// Tokenize text (.txt, .jsonl) with a tokenizer.json into token shards for `data.source: tokens:DIR`.
+    Prepare(crate::prepare::PrepareArgs),
+    /// Continue a prompt with a trained model (a checkpoint, a run directory or an exported directory).
+    Sample(crate::sample::SampleArgs),
+    /// Write a run's or checkpoint's model as a Hugging Face transformers directory.
+    Export(ExportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A run directory (its final weights, else its newest checkpoint) or a checkpoint directory.
+    pub target: PathBuf,
+    /// Output directory for config.json, model.safetensors, generation_config.json, tokenizer files.
+    #[arg(long, value_name = "OUT_DIR")]
+    pub hf: PathBuf,
 }
 
 #[derive(Debug, Args)]

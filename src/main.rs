@@ -16,6 +16,9 @@ fn main() {
         Command::Env(args) => show_env(&args),
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
         Command::Report(args) => run_report(&args),
+        Command::Prepare(args) => run_prepare(&args),
+        Command::Sample(args) => trainguard::sample::run(&args).map(|text| print!("{text}")).map_err(Into::into),
+        Command::Export(args) => run_export(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -152,6 +155,35 @@ fn carry_deadline(cfg: &mut config::Config, launch: Option<&dist::DistEnv>) {
     }
 }
 
+fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let m = trainguard::prepare::run(args)?;
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s",
+        args.out.display(),
+        m.documents,
+        m.train_tokens,
+        m.train.len(),
+        m.val_tokens,
+        serde_json::to_value(m.dtype)?.as_str().unwrap_or_default(),
+        m.vocab_size,
+        m.eos_token,
+        m.eos_id,
+        m.input_bytes as f64 / 1e6 / secs,
+        (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
+    );
+    Ok(())
+}
+
+fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
+    let trained = trainguard::sample::open(&args.target)?;
+    let model = trainguard::sample::build(&trained, tch::Device::Cpu)?;
+    let files = trainguard::hf::export(&model, trained.dataset.as_deref(), &args.hf)?;
+    println!("exported {} to {}: {}", args.target.display(), args.hf.display(), files.join(", "));
+    Ok(())
+}
+
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
     let cfg = load(args)?;
     print!("{}", serde_yaml::to_string(&cfg)?);
@@ -200,6 +232,13 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         if cause.downcast_ref::<trainguard::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
             return exit::CONFIG;
         }
+        if cause.downcast_ref::<trainguard::data::DataError>().is_some_and(|e| e.is_usage())
+            || trainguard::prepare::is_usage(cause)
+            || trainguard::sample::is_usage(cause)
+            || trainguard::hf::is_usage(cause)
+        {
+            return exit::CONFIG;
+        }
         if cause.downcast_ref::<trainguard::report::ReportError>().is_some_and(|e| e.is_usage()) {
             return exit::CONFIG;
         }
@@ -211,7 +250,8 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
-            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_)) => return exit::CONFIG,
+            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_)) => return exit::CONFIG,
+            Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
             _ => {}
         }
     }

@@ -36,6 +36,10 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// Test-only fault injection; leave empty in real runs.
     pub faults: FaultsConfig,
+    /// A Hugging Face GPT-2 directory (`trainguard export --hf`, or transformers'
+    /// `save_pretrained`) whose weights the model starts from instead of its random init.
+    /// Top-level rather than under `model:` because `model` is the shape a resume compares.
+    pub init_from: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -56,6 +60,7 @@ impl Default for Config {
             dist: DistConfig::default(),
             metrics: MetricsConfig::default(),
             faults: FaultsConfig::default(),
+            init_from: None,
         }
     }
 }

@@ -44,9 +44,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must be divisible by model.n_head ({}), got {}", m.n_head, m.n_embd),
     );
     check(
-        (1..=i32::MAX as usize).contains(&m.vocab_size),
+        (1..=MAX_VOCAB).contains(&m.vocab_size),
         "model.vocab_size",
-        format!("must be in 1..={}, got {}", i32::MAX, m.vocab_size),
+        format!("must be in 1..={MAX_VOCAB} (token ids are uint32 at most), got {}", m.vocab_size),
     );
     check_arch(m, &mut check);
     check(m.seq_len >= 1, "model.seq_len", format!("must be at least 1, got {}", m.seq_len));
@@ -54,6 +54,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
 
     check_device(&c.device, &mut check);
     check_source(c, &mut check);
+    if let Some(dir) = &c.init_from {
+        check(dir.join("config.json").is_file(), "init_from", format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display()));
+    }
     let d = &c.data;
     check(
         d.val_fraction > 0.0 && d.val_fraction < 1.0,
@@ -175,6 +178,9 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
     }
 }
 
+/// Token ids are stored as uint16 or uint32 (`data::shards`); int32 keeps llm.c's counts valid.
+const MAX_VOCAB: usize = i32::MAX as usize;
+
 fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     let source = c.data.source.as_str();
     if source == "synthetic" {
@@ -185,19 +191,24 @@ fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
         return;
     };
     match kind {
-        "text" | "tokens" => {
+        "tokens" => match crate::data::shards::resolve(path) {
+            Ok(s) => {
+                let missing = s.train.iter().chain(&s.val).find(|f| !f.is_file());
+                check(missing.is_none(), "data.source", format!("file `{}` does not exist or is not a file", missing.map_or(path.into(), |f| f.display().to_string())));
+            }
+            Err(e) => check(false, "data.source", e),
+        },
+        "text" => {
             check(
                 std::path::Path::new(path).is_file(),
                 "data.source",
                 format!("file `{path}` does not exist or is not a file"),
             );
-            if kind == "text" {
-                check(
-                    c.model.vocab_size >= 256,
-                    "model.vocab_size",
-                    format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
-                );
-            }
+            check(
+                c.model.vocab_size >= 256,
+                "model.vocab_size",
+                format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
+            );
         }
         _ => check(false, "data.source", format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>")),
     }

@@ -1,5 +1,6 @@
-//! A corpus of uint16 tokens in memory or memory-mapped from disk, split into a training head
-//! and a validation tail.
+//! A corpus of tokens in memory or memory-mapped from disk (one file or many shards read as
+//! one sequence), split into a training head and a validation tail or validation shards.
+use super::shards::{self, Dtype};
 use super::synthetic;
 use crate::config::DataConfig;
 use memmap2::Mmap;
@@ -11,6 +12,16 @@ pub enum DataError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("data file {path}: {message}")]
     Format { path: PathBuf, message: String },
+    /// Token ids that could fall outside the model's embedding: the config is wrong (exit 2).
+    #[error("data {path}: {message}")]
+    Vocab { path: PathBuf, message: String },
+}
+
+impl DataError {
+    /// Whether the user's config (not the data's bytes) is what must change.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, DataError::Vocab { .. })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,27 +30,56 @@ pub enum Split {
     Val,
 }
 
+/// One memory-mapped file's tokens, at position `start` of the concatenated sequence.
+struct Piece {
+    map: Mmap,
+    offset: usize,
+    dtype: Dtype,
+    start: usize,
+    len: usize,
+}
+
+impl Piece {
+    fn get(&self, i: usize) -> u32 {
+        let at = self.offset + i * self.dtype.width();
+        let b = &self.map[at..at + self.dtype.width()];
+        match self.dtype {
+            Dtype::Uint16 => u16::from_le_bytes([b[0], b[1]]) as u32,
+            Dtype::Uint32 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+}
+
 enum Tokens {
     Owned(Vec<u16>),
-    /// A flat little-endian uint16 file (nanoGPT's `train.bin`), read in place.
-    Mapped(Mmap),
+    /// Files read in place, in order, as one sequence (a window may cross a file boundary:
+    /// shards are consecutive pieces of one token stream).
+    Mapped(Vec<Piece>),
 }
 
 impl Tokens {
     fn len(&self) -> usize {
         match self {
             Tokens::Owned(v) => v.len(),
-            Tokens::Mapped(m) => m.len() / 2,
+            Tokens::Mapped(p) => p.last().map_or(0, |p| p.start + p.len),
         }
     }
 
-    fn copy_to(&self, start: usize, out: &mut [u16]) {
+    fn copy_to(&self, start: usize, out: &mut [u32]) {
         match self {
-            Tokens::Owned(v) => out.copy_from_slice(&v[start..start + out.len()]),
-            Tokens::Mapped(m) => {
-                let bytes = &m[2 * start..2 * (start + out.len())];
-                for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    *o = u16::from_le_bytes([b[0], b[1]]);
+            Tokens::Owned(v) => {
+                let n = out.len();
+                for (o, &t) in out.iter_mut().zip(&v[start..start + n]) {
+                    *o = t as u32;
+                }
+            }
+            Tokens::Mapped(pieces) => {
+                let mut k = pieces.partition_point(|p| p.start + p.len <= start);
+                for (pos, o) in (start..).zip(out.iter_mut()) {
+                    while pos >= pieces[k].start + pieces[k].len {
+                        k += 1;
+                    }
+                    *o = pieces[k].get(pos - pieces[k].start);
                 }
             }
         }
@@ -51,9 +91,11 @@ pub struct Corpus {
     /// Index of the first validation token.
     val_start: usize,
     pub description: String,
+    /// The `prepare` manifest behind a `tokens:<dir>` source.
+    pub manifest: Option<shards::Manifest>,
 }
 
-/// Files above this size are not scanned for out-of-vocabulary tokens at load time.
+/// Files above this size (in all) are not scanned for out-of-vocabulary tokens at load time.
 const SCAN_LIMIT_BYTES: u64 = 1 << 30;
 
 impl Corpus {
@@ -62,7 +104,7 @@ impl Corpus {
         let corpus = match cfg.source.split_once(':') {
             None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction),
             Some(("text", path)) => Self::text(Path::new(path), cfg.val_fraction)?,
-            Some((_, path)) => Self::token_file(Path::new(path), vocab, cfg.val_fraction)?,
+            Some((_, path)) => Self::token_source(path, vocab, cfg.val_fraction)?,
         };
         let need = seq_len + 2;
         if corpus.val_start < need || corpus.tokens.len() - corpus.val_start < need {
@@ -92,28 +134,54 @@ impl Corpus {
         Ok(Self::split(Tokens::Owned(tokens), val_fraction, format!("text:{}", path.display())))
     }
 
-    fn token_file(path: &Path, vocab: usize, val_fraction: f64) -> Result<Self, DataError> {
-        let io = |source| DataError::Io { path: path.into(), source };
-        let file = std::fs::File::open(path).map_err(io)?;
-        let size = file.metadata().map_err(io)?.len();
-        let format = |message: String| DataError::Format { path: path.into(), message };
-        if size % 2 != 0 {
-            return Err(format(format!("{size} bytes is not a whole number of uint16 tokens")));
-        }
-        let map = crate::ffi::os::map_readonly(&file).map_err(io)?;
-        if size <= SCAN_LIMIT_BYTES {
-            if let Some((i, tok)) =
-                map.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).enumerate().find(|(_, t)| *t as usize >= vocab)
-            {
-                return Err(format(format!("token {tok} at index {i} is outside model.vocab_size = {vocab}")));
+    /// `tokens:<path>`: a `prepare` directory, a directory or glob of shards, or one file.
+    fn token_source(path: &str, vocab: usize, val_fraction: f64) -> Result<Self, DataError> {
+        let sources = shards::resolve(path).map_err(|message| DataError::Format { path: path.into(), message })?;
+        if let Some(m) = &sources.manifest {
+            if m.vocab_size > vocab {
+                return Err(DataError::Vocab {
+                    path: path.into(),
+                    message: format!(
+                        "its tokenizer has {} tokens (ids up to {}) but model.vocab_size = {vocab}: set model.vocab_size to at least {}",
+                        m.vocab_size,
+                        m.vocab_size - 1,
+                        m.vocab_size
+                    ),
+                });
             }
         }
-        Ok(Self::split(Tokens::Mapped(map), val_fraction, format!("tokens:{}", path.display())))
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        for file in sources.train.iter().chain(&sources.val) {
+            let piece = map_piece(file, start)?;
+            start += piece.len;
+            pieces.push(piece);
+        }
+        let train_len: usize = pieces.iter().take(sources.train.len()).map(|p| p.len).sum();
+        if sources.manifest.is_none() {
+            check_vocab(&pieces, vocab)?;
+        }
+        let width = match pieces.iter().map(|p| p.dtype).max_by_key(|d| d.width()) {
+            Some(Dtype::Uint32) => "uint32",
+            _ => "uint16",
+        };
+        let description = match pieces.len() {
+            1 => format!("tokens:{path} ({width})"),
+            n => format!("tokens:{path} ({n} files, {width})"),
+        };
+        let tokens = Tokens::Mapped(pieces);
+        let mut corpus = if sources.val.is_empty() {
+            Self::split(tokens, val_fraction, description)
+        } else {
+            Self { tokens, val_start: train_len, description, manifest: None }
+        };
+        corpus.manifest = sources.manifest;
+        Ok(corpus)
     }
 
     fn split(tokens: Tokens, val_fraction: f64, description: String) -> Self {
         let val_start = ((tokens.len() as f64) * (1.0 - val_fraction)).round() as usize;
-        Self { tokens, val_start, description }
+        Self { tokens, val_start, description, manifest: None }
     }
 
     pub fn len(&self, split: Split) -> usize {
@@ -133,7 +201,7 @@ impl Corpus {
     }
 
     /// Copies `out.len()` tokens starting at `offset` within `split`.
-    pub fn read(&self, split: Split, offset: usize, out: &mut [u16]) {
+    pub fn read(&self, split: Split, offset: usize, out: &mut [u32]) {
         let base = if split == Split::Train { 0 } else { self.val_start };
         self.tokens.copy_to(base + offset, out);
     }
@@ -143,18 +211,49 @@ impl Corpus {
     pub fn unigram_entropy(&self, split: Split) -> f64 {
         let n = self.len(split);
         let mut counts = vec![0u64; 1 << 16];
-        let mut buf = vec![0u16; 1 << 16];
+        let mut buf = vec![0u32; 1 << 16];
         let mut pos = 0;
         while pos < n {
             let chunk = (n - pos).min(buf.len());
             self.read(split, pos, &mut buf[..chunk]);
             for &t in &buf[..chunk] {
+                if t as usize >= counts.len() {
+                    counts.resize(t as usize + 1, 0);
+                }
                 counts[t as usize] += 1;
             }
             pos += chunk;
         }
         counts.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.ln()).sum()
     }
+}
+
+fn map_piece(file: &Path, start: usize) -> Result<Piece, DataError> {
+    let io = |source| DataError::Io { path: file.into(), source };
+    let f = std::fs::File::open(file).map_err(io)?;
+    let size = f.metadata().map_err(io)?.len();
+    let map = crate::ffi::os::map_readonly(&f).map_err(io)?;
+    let l = shards::layout(&map[..map.len().min(shards::HEADER_BYTES)], size)
+        .map_err(|message| DataError::Format { path: file.into(), message })?;
+    Ok(Piece { map, offset: l.offset, dtype: l.dtype, start, len: l.tokens })
+}
+
+/// Refuses a token id outside the embedding, scanning up to `SCAN_LIMIT_BYTES` of the files
+/// (a `prepare` manifest's vocabulary size is checked instead).
+fn check_vocab(pieces: &[Piece], vocab: usize) -> Result<(), DataError> {
+    let total: u64 = pieces.iter().map(|p| (p.len * p.dtype.width()) as u64).sum();
+    if total > SCAN_LIMIT_BYTES {
+        return Ok(());
+    }
+    for p in pieces {
+        if let Some((i, tok)) = (0..p.len).map(|i| (i, p.get(i))).find(|(_, t)| *t as usize >= vocab) {
+            return Err(DataError::Vocab {
+                path: PathBuf::from(format!("token file (piece at {})", p.start)),
+                message: format!("token {tok} at index {i} is outside model.vocab_size = {vocab}"),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -170,7 +269,7 @@ mod tests {
         let cfg = DataConfig { source: format!("tokens:{}", p.display()), val_fraction: 0.1, ..Default::default() };
         let c = Corpus::load(&cfg, 512, 16).unwrap();
         assert_eq!((c.len(Split::Train), c.len(Split::Val)), (900, 100));
-        let mut w = [0u16; 3];
+        let mut w = [0u32; 3];
         c.read(Split::Val, 0, &mut w);
         assert_eq!(w, [0, 1, 2]); // token 900 is 900 % 300 = 0
         let err = Corpus::load(&cfg, 256, 16).err().unwrap().to_string();
@@ -180,13 +279,41 @@ mod tests {
     }
 
     #[test]
+    fn shards_are_one_sequence_with_val_shards_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, dtype: Dtype, toks: &[u32]| {
+            let mut bytes = shards::header(dtype, toks.len());
+            for &t in toks {
+                match dtype {
+                    Dtype::Uint16 => bytes.extend((t as u16).to_le_bytes()),
+                    Dtype::Uint32 => bytes.extend(t.to_le_bytes()),
+                }
+            }
+            std::fs::write(dir.path().join(name), bytes).unwrap();
+        };
+        write("d_train_000000.bin", Dtype::Uint32, &(0..40).map(|i| 70_000 + i).collect::<Vec<_>>());
+        write("d_train_000001.bin", Dtype::Uint32, &(40..100).map(|i| 70_000 + i).collect::<Vec<_>>());
+        write("d_val_000000.bin", Dtype::Uint32, &(0..30).collect::<Vec<_>>());
+        let cfg = DataConfig { source: format!("tokens:{}", dir.path().display()), ..Default::default() };
+        let c = Corpus::load(&cfg, 70_100, 8).unwrap();
+        assert_eq!((c.len(Split::Train), c.len(Split::Val)), (100, 30));
+        let mut w = [0u32; 4];
+        c.read(Split::Train, 38, &mut w); // crosses the shard boundary
+        assert_eq!(w, [70_038, 70_039, 70_040, 70_041]);
+        c.read(Split::Val, 26, &mut w);
+        assert_eq!(w, [26, 27, 28, 29]);
+        let err = Corpus::load(&cfg, 70_050, 8).err().unwrap();
+        assert!(err.is_usage() && err.to_string().contains("outside model.vocab_size = 70050"), "{err}");
+    }
+
+    #[test]
     fn text_is_bytes_and_short_corpora_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.txt");
         std::fs::write(&p, "hello world ".repeat(100)).unwrap();
         let cfg = DataConfig { source: format!("text:{}", p.display()), val_fraction: 0.1, ..Default::default() };
         let c = Corpus::load(&cfg, 256, 8).unwrap();
-        let mut w = [0u16; 5];
+        let mut w = [0u32; 5];
         c.read(Split::Train, 0, &mut w);
         assert_eq!(w, [104, 101, 108, 108, 111]);
         let err = Corpus::load(&cfg, 256, 200).err().unwrap().to_string();

@@ -55,7 +55,7 @@ impl Sampler {
         let t = self.seq_len;
         let mut x = Vec::with_capacity(offsets.len() * t);
         let mut y = Vec::with_capacity(offsets.len() * t);
-        let mut window = vec![0u16; t + 1];
+        let mut window = vec![0u32; t + 1];
         for &off in offsets {
             corpus.read(split, off, &mut window);
             x.extend(window[..t].iter().map(|&v| v as i64));
@@ -105,7 +105,7 @@ mod tests {
         let x0: Vec<i64> = Vec::try_from(x.get(0)).unwrap();
         let y0: Vec<i64> = Vec::try_from(y.get(0)).unwrap();
         assert_eq!(x0[1..], y0[..7]);
-        let mut w = vec![0u16; 9];
+        let mut w = vec![0u32; 9];
         corpus.read(Split::Train, s.train_offset(&corpus, 0, 0), &mut w);
         assert_eq!(x0, w[..8].iter().map(|&v| v as i64).collect::<Vec<_>>());
     }

@@ -100,8 +100,11 @@ impl<'a> Run<'a> {
         let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
             .with_escalation(cfg.oom.escalate.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
-        if let Some(l) = &loaded {
-            state.restore(l)?;
+        match (&loaded, &cfg.init_from) {
+            (Some(l), _) => state.restore(l)?,
+            // Continued pretraining: a fresh run starts from a Hugging Face model's weights.
+            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
+            (None, None) => {}
         }
         if let Some(d) = dist.as_deref_mut() {
             // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are

@@ -1,0 +1,212 @@
+//! Token shards on disk and the `dataset.json` manifest `trainguard prepare` writes. Owns the
+//! byte layout (llm.c's: a header of 256 little-endian int32 — magic, version, token count —
+//! then the tokens; uint16 is llm.c's GPT-2 format, magic 20240520 version 1, uint32 its
+//! Llama-3 format, magic 20240801 version 7), telling a headed shard from a flat nanoGPT
+//! `train.bin`, and which files a `tokens:<path>` source names. It does not read tokens for
+//! training (that is `corpus`) nor tokenize (that is `prepare`).
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const HEADER_INTS: usize = 256;
+pub const HEADER_BYTES: usize = HEADER_INTS * 4;
+pub const MANIFEST_FILE: &str = "dataset.json";
+pub const MANIFEST_FORMAT: &str = "trainguard-dataset/1";
+
+/// Width of one token on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Uint16,
+    Uint32,
+}
+
+impl Dtype {
+    /// The narrowest width that holds every id of a vocabulary of `vocab` tokens.
+    pub fn for_vocab(vocab: usize) -> Self {
+        if vocab <= 1 << 16 {
+            Dtype::Uint16
+        } else {
+            Dtype::Uint32
+        }
+    }
+
+    pub fn width(self) -> usize {
+        match self {
+            Dtype::Uint16 => 2,
+            Dtype::Uint32 => 4,
+        }
+    }
+
+    /// llm.c's (magic, version) for this width.
+    pub fn magic_version(self) -> (i32, i32) {
+        match self {
+            Dtype::Uint16 => (20240520, 1),
+            Dtype::Uint32 => (20240801, 7),
+        }
+    }
+}
+
+/// The 1024-byte header of a shard of `tokens` tokens of width `dtype`.
+pub fn header(dtype: Dtype, tokens: usize) -> Vec<u8> {
+    let (magic, version) = dtype.magic_version();
+    let mut ints = [0i32; HEADER_INTS];
+    ints[0] = magic;
+    ints[1] = version;
+    ints[2] = tokens as i32;
+    ints.iter().flat_map(|i| i.to_le_bytes()).collect()
+}
+
+/// Where the tokens of a file start, how many there are and how wide they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    pub offset: usize,
+    pub tokens: usize,
+    pub dtype: Dtype,
+}
+
+/// Reads the layout from the file's first bytes and its size: an llm.c header when the magic
+/// matches (the size must then agree with its token count), else a flat uint16 file.
+pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
+    let int = |i: usize| head.get(4 * i..4 * i + 4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    for dtype in [Dtype::Uint16, Dtype::Uint32] {
+        let (magic, version) = dtype.magic_version();
+        if int(0) != Some(magic) {
+            continue;
+        }
+        if int(1) != Some(version) {
+            return Err(format!("llm.c header with magic {magic} but version {:?}, expected {version}", int(1).unwrap_or(0)));
+        }
+        let tokens = int(2).unwrap_or(-1);
+        let expect = HEADER_BYTES as u64 + tokens.max(0) as u64 * dtype.width() as u64;
+        if tokens < 0 || size != expect {
+            return Err(format!("header says {tokens} tokens ({expect} bytes) but the file has {size} bytes (truncated?)"));
+        }
+        return Ok(Layout { offset: HEADER_BYTES, tokens: tokens as usize, dtype });
+    }
+    if !size.is_multiple_of(2) {
+        return Err(format!("{size} bytes is not a whole number of uint16 tokens (and no llm.c header)"));
+    }
+    Ok(Layout { offset: 0, tokens: (size / 2) as usize, dtype: Dtype::Uint16 })
+}
+
+/// One shard in the manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ShardEntry {
+    pub file: String,
+    pub tokens: u64,
+}
+
+/// `DIR/dataset.json`: what `trainguard prepare` wrote.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    /// The tokenizer copied next to the shards.
+    pub tokenizer: String,
+    /// One past the largest token id the tokenizer can produce (added tokens included).
+    pub vocab_size: usize,
+    pub eos_id: u32,
+    pub eos_token: String,
+    pub dtype: Dtype,
+    pub header_magic: i32,
+    pub header_version: i32,
+    pub train: Vec<ShardEntry>,
+    pub val: Vec<ShardEntry>,
+    pub train_tokens: u64,
+    pub val_tokens: u64,
+    pub documents: u64,
+    pub input_bytes: u64,
+    pub inputs: Vec<String>,
+}
+
+/// Where the shards of a `tokens:<path>` source are, and which hold validation tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sources {
+    pub train: Vec<PathBuf>,
+    /// Empty: the validation split is the tail of the training shards (`data.val_fraction`).
+    pub val: Vec<PathBuf>,
+    pub manifest: Option<Manifest>,
+}
+
+/// Resolves `path`: a `prepare` directory (its `dataset.json`), a directory of `.bin` shards, a
+/// glob, or one file. Outside a manifest, files whose name contains `val` are validation
+/// shards (llm.c's naming: `…_val_000000.bin`).
+pub fn resolve(path: &str) -> Result<Sources, String> {
+    let p = Path::new(path);
+    if p.is_dir() {
+        let manifest_path = p.join(MANIFEST_FILE);
+        if manifest_path.is_file() {
+            let text = std::fs::read_to_string(&manifest_path).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+            let m: Manifest = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+            if m.format != MANIFEST_FORMAT {
+                return Err(format!("{}: format `{}`, expected `{MANIFEST_FORMAT}`", manifest_path.display(), m.format));
+            }
+            let files = |v: &[ShardEntry]| v.iter().map(|s| p.join(&s.file)).collect::<Vec<_>>();
+            return Ok(Sources { train: files(&m.train), val: files(&m.val), manifest: Some(m) });
+        }
+        let mut bins: Vec<PathBuf> = std::fs::read_dir(p)
+            .map_err(|e| format!("{path}: {e}"))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|f| f.is_file() && f.extension().is_some_and(|x| x == "bin"))
+            .collect();
+        bins.sort();
+        return classify(bins, path);
+    }
+    if path.contains(['*', '?', '[']) {
+        let paths = glob::glob(path).map_err(|e| format!("bad glob `{path}`: {e}"))?;
+        let mut files: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file()).collect();
+        files.sort();
+        return classify(files, path);
+    }
+    Ok(Sources { train: vec![p.to_path_buf()], val: vec![], manifest: None })
+}
+
+fn classify(files: Vec<PathBuf>, what: &str) -> Result<Sources, String> {
+    if files.is_empty() {
+        return Err(format!("no token shards (.bin) at `{what}`"));
+    }
+    let is_val = |f: &PathBuf| f.file_name().is_some_and(|n| n.to_string_lossy().contains("val"));
+    let (val, train): (Vec<_>, Vec<_>) = files.into_iter().partition(is_val);
+    if train.is_empty() {
+        return Err(format!("only validation shards (names with `val`) at `{what}`"));
+    }
+    Ok(Sources { train, val, manifest: None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_follow_llm_c_and_flat_files_are_uint16() {
+        let h = header(Dtype::Uint16, 5);
+        assert_eq!(h.len(), 1024);
+        assert_eq!(&h[..12], &[0x88, 0xd8, 0x34, 0x01, 1, 0, 0, 0, 5, 0, 0, 0]); // 20240520 = 0x0134d888
+        let l = layout(&h, 1024 + 10).unwrap();
+        assert_eq!(l, Layout { offset: 1024, tokens: 5, dtype: Dtype::Uint16 });
+        assert!(layout(&h, 1024 + 8).unwrap_err().contains("truncated"));
+        let h32 = header(Dtype::Uint32, 3);
+        assert_eq!(layout(&h32, 1024 + 12).unwrap().dtype, Dtype::Uint32);
+        assert_eq!(i32::from_le_bytes(h32[4..8].try_into().unwrap()), 7);
+        // No magic: nanoGPT's flat uint16 file.
+        assert_eq!(layout(&[1, 0, 2, 0], 4).unwrap(), Layout { offset: 0, tokens: 2, dtype: Dtype::Uint16 });
+        assert!(layout(&[1, 0, 2], 3).is_err());
+        assert_eq!(Dtype::for_vocab(65536), Dtype::Uint16);
+        assert_eq!(Dtype::for_vocab(65537), Dtype::Uint32);
+    }
+
+    #[test]
+    fn directories_and_globs_split_val_shards_by_name() {
+        let d = tempfile::tempdir().unwrap();
+        for n in ["a_train_000001.bin", "a_train_000000.bin", "a_val_000000.bin", "notes.txt"] {
+            std::fs::write(d.path().join(n), [0u8, 0]).unwrap();
+        }
+        let s = resolve(d.path().to_str().unwrap()).unwrap();
+        let names = |v: &[PathBuf]| v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        assert_eq!(names(&s.train), ["a_train_000000.bin", "a_train_000001.bin"]);
+        assert_eq!(names(&s.val), ["a_val_000000.bin"]);
+        let g = resolve(&format!("{}/a_train_*.bin", d.path().display())).unwrap();
+        assert_eq!(names(&g.train), ["a_train_000000.bin", "a_train_000001.bin"]);
+        assert!(g.val.is_empty());
+        assert!(resolve(&format!("{}/zzz*.bin", d.path().display())).is_err());
+    }
+}

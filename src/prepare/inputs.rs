@@ -1,0 +1,198 @@
+//! What `prepare` reads: INPUT arguments expanded to files (a file, a directory searched
+//! recursively, a glob; sorted, so the output does not depend on the file system's order) and
+//! the documents in each file, read line by line so memory does not grow with the file.
+//! A `.txt` file holds one document per blank-line-separated block; a `.jsonl` file one
+//! document per line, the string under `--text-field`.
+use super::PrepareError;
+use std::io::BufRead;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Text,
+    Jsonl,
+}
+
+fn kind_of(path: &Path) -> Option<Kind> {
+    match path.extension()?.to_str()? {
+        "txt" => Some(Kind::Text),
+        "jsonl" => Some(Kind::Jsonl),
+        _ => None,
+    }
+}
+
+/// The input files in the order their tokens are written.
+pub fn expand(inputs: &[String]) -> Result<Vec<(PathBuf, Kind)>, PrepareError> {
+    let mut out = Vec::new();
+    for input in inputs {
+        let p = Path::new(input);
+        if p.is_dir() {
+            let mut found = Vec::new();
+            walk(p, &mut found)?;
+            found.sort();
+            if found.is_empty() {
+                return Err(PrepareError::input(p, None, "directory holds no .txt or .jsonl file"));
+            }
+            out.extend(found.into_iter().filter_map(|f| kind_of(&f).map(|k| (f, k))));
+        } else if !p.exists() && input.contains(['*', '?', '[']) {
+            let paths = glob::glob(input).map_err(|e| PrepareError::input(p, None, &format!("bad glob: {e}")))?;
+            let mut found: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file()).collect();
+            found.sort();
+            let before = out.len();
+            out.extend(found.into_iter().filter_map(|f| kind_of(&f).map(|k| (f, k))));
+            if out.len() == before {
+                return Err(PrepareError::input(p, None, "no .txt or .jsonl file matches this glob"));
+            }
+        } else {
+            let kind = kind_of(p).ok_or_else(|| PrepareError::input(p, None, "unsupported input: expected a .txt or .jsonl file, a directory or a glob"))?;
+            std::fs::metadata(p).map_err(|e| PrepareError::input(p, None, &format!("cannot read: {e}")))?;
+            out.push((p.to_path_buf(), kind));
+        }
+    }
+    Ok(out)
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?;
+    for e in entries {
+        let path = e.map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?.path();
+        if path.is_dir() {
+            walk(&path, out)?;
+        } else if kind_of(&path).is_some() {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// Streams the documents of one file.
+pub struct Documents {
+    path: PathBuf,
+    kind: Kind,
+    field: String,
+    reader: Box<dyn BufRead + Send>,
+    line: usize,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl Documents {
+    pub fn open(path: &Path, kind: Kind, field: &str) -> Result<Self, PrepareError> {
+        let f = std::fs::File::open(path).map_err(|e| PrepareError::input(path, None, &format!("cannot read: {e}")))?;
+        let reader = Box::new(std::io::BufReader::with_capacity(1 << 20, f));
+        Ok(Self { path: path.into(), kind, field: field.into(), reader, line: 0, buf: Vec::new(), done: false })
+    }
+
+    /// The next line without its newline, checked to be UTF-8; None at the end.
+    fn next_line(&mut self) -> Result<Option<&str>, PrepareError> {
+        self.buf.clear();
+        let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| PrepareError::input(&self.path, Some(self.line + 1), &format!("cannot read: {e}")))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        self.line += 1;
+        if self.buf.last() == Some(&b'\n') {
+            self.buf.pop();
+        }
+        match std::str::from_utf8(&self.buf) {
+            Ok(s) => Ok(Some(s)),
+            Err(e) => Err(PrepareError::input(&self.path, Some(self.line), &format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()))),
+        }
+    }
+
+    /// The next document, or None at the end of the file.
+    pub fn next_doc(&mut self) -> Result<Option<String>, PrepareError> {
+        if self.done {
+            return Ok(None);
+        }
+        match self.kind {
+            Kind::Jsonl => loop {
+                let (path, field) = (self.path.clone(), self.field.clone());
+                let line_no = self.line + 1; // the line next_line reads
+                let Some(line) = self.next_line()? else {
+                    self.done = true;
+                    return Ok(None);
+                };
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let bad = |m: &str| PrepareError::input(&path, Some(line_no), m);
+                let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(&format!("not JSON: {e}")))?;
+                return match v.get(&field) {
+                    Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+                    Some(_) => Err(bad(&format!("field `{field}` is not a string"))),
+                    None => Err(bad(&format!("no field `{field}` (set --text-field)"))),
+                };
+            },
+            Kind::Text => {
+                let mut doc = String::new();
+                loop {
+                    match self.next_line()? {
+                        None => {
+                            self.done = true;
+                            break;
+                        }
+                        Some(l) if l.trim().is_empty() => {
+                            if !doc.is_empty() {
+                                break;
+                            }
+                        }
+                        Some(l) => {
+                            if !doc.is_empty() {
+                                doc.push('\n');
+                            }
+                            doc.push_str(l.strip_suffix('\r').unwrap_or(l));
+                        }
+                    }
+                }
+                Ok((!doc.is_empty()).then_some(doc))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn docs(path: &Path, kind: Kind) -> Result<Vec<String>, PrepareError> {
+        let mut d = Documents::open(path, kind, "text")?;
+        let mut out = vec![];
+        while let Some(doc) = d.next_doc()? {
+            out.push(doc);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn text_blocks_and_jsonl_lines_are_documents() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("a.txt");
+        std::fs::write(&t, "one\nline two\n\n\n  \nsecond\r\n\nthird").unwrap();
+        assert_eq!(docs(&t, Kind::Text).unwrap(), ["one\nline two", "second", "third"]);
+        let j = dir.path().join("b.jsonl");
+        std::fs::write(&j, "{\"text\": \"x y\"}\n\n{\"text\": \"z\", \"id\": 2}\n").unwrap();
+        assert_eq!(docs(&j, Kind::Jsonl).unwrap(), ["x y", "z"]);
+        std::fs::write(&j, "{\"text\": \"x\"}\n{\"body\": \"z\"}\n").unwrap();
+        let e = docs(&j, Kind::Jsonl).unwrap_err().to_string();
+        assert!(e.contains("b.jsonl:2") && e.contains("no field `text`"), "{e}");
+        std::fs::write(&t, b"ok\n\xff\xfe\n").unwrap();
+        let e = docs(&t, Kind::Text).unwrap_err().to_string();
+        assert!(e.contains("a.txt:2") && e.contains("invalid UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn inputs_expand_sorted_from_dirs_and_globs() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        for n in ["b.txt", "a.jsonl", "sub/c.txt", "skip.md"] {
+            std::fs::write(dir.path().join(n), "x").unwrap();
+        }
+        let all = expand(&[dir.path().display().to_string()]).unwrap();
+        let names: Vec<_> = all.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
+        assert_eq!(names, ["a.jsonl", "b.txt", "sub/c.txt"]);
+        assert_eq!(expand(&[format!("{}/*.txt", dir.path().display())]).unwrap().len(), 1);
+        assert!(expand(&[dir.path().join("skip.md").display().to_string()]).is_err());
+        assert!(expand(&[dir.path().join("missing.txt").display().to_string()]).is_err());
+    }
+}

@@ -1,0 +1,271 @@
+//! `trainguard prepare`: text (`.txt`, `.jsonl`) → token shards with a Hugging Face
+//! `tokenizer.json`. Owns the command: reading documents in chunks, tokenizing the chunks in
+//! parallel (rayon) and writing them in input order, EOS after every document, the staging
+//! directory (everything is written under `DIR/.prepare-tmp-*` and moved into place only when
+//! the whole corpus is done, `dataset.json` last) and the progress display. The shard layout and
+//! manifest are `data::shards`'.
+mod inputs;
+mod writer;
+
+use crate::data::shards::{self, Dtype, Manifest};
+use clap::Args;
+use rayon::prelude::*;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tokenizers::Tokenizer;
+
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// A Hugging Face `tokenizer.json`.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: PathBuf,
+    /// Output directory (created; refused when it already holds a dataset).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// `.txt` files (one document per blank-line-separated block), `.jsonl` files (one per
+    /// line), directories (searched recursively) or globs.
+    #[arg(required = true, value_name = "INPUT")]
+    pub inputs: Vec<String>,
+    /// The JSONL field that holds the text.
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
+    /// Tokens per training shard.
+    #[arg(long, default_value_t = 100_000_000)]
+    pub shard_tokens: usize,
+    /// Tokens held out in `val_000000.bin` (the first ones of the corpus); 0: no validation
+    /// shard, training then holds out `data.val_fraction` of the training shards' tail.
+    #[arg(long, default_value_t = 0)]
+    pub val_tokens: usize,
+    /// The end-of-document token; default: the first of <|endoftext|>, </s>, <|end_of_text|>,
+    /// <eos>, <|eos|> the tokenizer knows.
+    #[arg(long, value_name = "TOKEN")]
+    pub eos: Option<String>,
+    /// Worker threads; default: one per core.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    /// Bad input: a file, a line, the tokenizer, a flag (exit 2).
+    #[error("{0}")]
+    Input(String),
+    #[error("cannot write {path}: {source}")]
+    Write { path: PathBuf, source: std::io::Error },
+}
+
+impl PrepareError {
+    pub fn input(path: &Path, line: Option<usize>, message: &str) -> Self {
+        match line {
+            Some(l) => PrepareError::Input(format!("{}:{l}: {message}", path.display())),
+            None => PrepareError::Input(format!("{}: {message}", path.display())),
+        }
+    }
+}
+
+/// Whether `cause` is a `prepare` error the user's input caused (exit 2).
+pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
+    matches!(cause.downcast_ref::<PrepareError>(), Some(PrepareError::Input(_)))
+}
+
+const EOS_CANDIDATES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>"];
+/// Text per work item: large enough to amortise scheduling, small enough that a window of
+/// them in flight stays a few tens of MB.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// A loaded tokenizer with the facts `prepare` and `sample` need.
+pub struct Vocab {
+    pub tokenizer: Tokenizer,
+    pub size: usize,
+    pub eos_id: u32,
+    pub eos: String,
+}
+
+pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareError> {
+    let tokenizer = Tokenizer::from_file(path).map_err(|e| PrepareError::input(path, None, &format!("not a valid tokenizer.json: {e}")))?;
+    let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m as usize + 1);
+    let (eos, eos_id) = match eos {
+        Some(t) => (t.to_string(), tokenizer.token_to_id(t).ok_or_else(|| PrepareError::input(path, None, &format!("--eos `{t}` is not in the vocabulary")))?),
+        None => EOS_CANDIDATES
+            .iter()
+            .find_map(|t| tokenizer.token_to_id(t).map(|id| (t.to_string(), id)))
+            .ok_or_else(|| PrepareError::input(path, None, &format!("no end-of-document token among {EOS_CANDIDATES:?}; name one with --eos")))?,
+    };
+    Ok(Vocab { tokenizer, size, eos_id, eos })
+}
+
+/// Runs the command; on any error the staging directory is removed.
+pub fn run(args: &PrepareArgs) -> Result<Manifest, PrepareError> {
+    if args.shard_tokens == 0 || args.shard_tokens >= i32::MAX as usize {
+        return Err(PrepareError::Input(format!("--shard-tokens must be between 1 and {} (llm.c's int32 count)", i32::MAX - 1)));
+    }
+    if args.val_tokens >= i32::MAX as usize {
+        return Err(PrepareError::Input(format!("--val-tokens must be below {}", i32::MAX)));
+    }
+    let vocab = load_tokenizer(&args.tokenizer, args.eos.as_deref())?;
+    let files = inputs::expand(&args.inputs)?;
+    check_out_dir(&args.out)?;
+    let created = !args.out.exists();
+    std::fs::create_dir_all(&args.out).map_err(|source| PrepareError::Write { path: args.out.clone(), source })?;
+    let staging = args.out.join(format!(".prepare-tmp-{}", std::process::id()));
+    std::fs::create_dir(&staging).map_err(|source| PrepareError::Write { path: staging.clone(), source })?;
+    let result = prepare_into(args, &vocab, &files, &staging).and_then(|m| publish(&staging, &args.out, &m).map(|_| m));
+    let _ = std::fs::remove_dir_all(&staging);
+    if result.is_err() && created {
+        let _ = std::fs::remove_dir(&args.out); // only if still empty
+    }
+    result
+}
+
+fn check_out_dir(out: &Path) -> Result<(), PrepareError> {
+    if out.join(shards::MANIFEST_FILE).exists() {
+        return Err(PrepareError::input(out, None, "already holds a dataset (dataset.json); choose another --out or remove it"));
+    }
+    if let Ok(entries) = std::fs::read_dir(out) {
+        if let Some(bin) = entries.filter_map(|e| e.ok()).find(|e| e.path().extension().is_some_and(|x| x == "bin")) {
+            return Err(PrepareError::input(out, None, &format!("already holds token shards ({}); choose another --out", bin.file_name().to_string_lossy())));
+        }
+    } else if out.exists() {
+        return Err(PrepareError::input(out, None, "exists and is not a directory"));
+    }
+    Ok(())
+}
+
+fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Kind)], staging: &Path) -> Result<Manifest, PrepareError> {
+    let write_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PrepareError::Write { path: path.clone(), source }
+    };
+    std::fs::copy(&args.tokenizer, staging.join("tokenizer.json")).map_err(write_err(&args.tokenizer))?;
+    let dtype = Dtype::for_vocab(vocab.size);
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| PrepareError::Input(format!("cannot start {threads} threads: {e}")))?;
+    let input_bytes: u64 = files.iter().map(|(p, _)| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
+    let progress = Progress::new(input_bytes);
+    let mut out = writer::ShardWriter::new(staging, dtype, args.shard_tokens, args.val_tokens);
+    let mut documents = 0u64;
+    // Chunks are read in order, a window of them is tokenized in parallel, and the results are
+    // written in order: the output does not depend on the thread count.
+    let window = threads * 4;
+    let mut pending: Vec<Vec<String>> = Vec::with_capacity(window);
+    let mut chunk: Vec<String> = Vec::new();
+    let mut chunk_bytes = 0;
+    let flush = |pending: &mut Vec<Vec<String>>, out: &mut writer::ShardWriter| -> Result<(), PrepareError> {
+        let encoded: Vec<Result<Vec<u32>, String>> = pool.install(|| pending.par_iter().map(|docs| encode(&vocab.tokenizer, docs, vocab.eos_id)).collect());
+        for (docs, toks) in pending.iter().zip(encoded) {
+            let toks = toks.map_err(|e| PrepareError::Input(format!("tokenizer failed: {e}")))?;
+            out.write(&toks).map_err(write_err(staging))?;
+            progress.advance(docs.iter().map(|d| d.len() as u64 + 1).sum(), out.total());
+        }
+        pending.clear();
+        Ok(())
+    };
+    for (path, kind) in files {
+        let mut docs = inputs::Documents::open(path, *kind, &args.text_field)?;
+        while let Some(doc) = docs.next_doc()? {
+            documents += 1;
+            chunk_bytes += doc.len();
+            chunk.push(doc);
+            if chunk_bytes >= CHUNK_BYTES {
+                pending.push(std::mem::take(&mut chunk));
+                chunk_bytes = 0;
+                if pending.len() == window {
+                    flush(&mut pending, &mut out)?;
+                }
+            }
+        }
+    }
+    if !chunk.is_empty() {
+        pending.push(chunk);
+    }
+    flush(&mut pending, &mut out)?;
+    out.close().map_err(write_err(staging))?;
+    progress.finish();
+    let val_tokens: u64 = out.val.iter().map(|s| s.tokens).sum();
+    let train_tokens: u64 = out.train.iter().map(|s| s.tokens).sum();
+    if train_tokens == 0 {
+        let total = train_tokens + val_tokens;
+        return Err(PrepareError::Input(format!("the inputs give {total} tokens, none left for training after --val-tokens {}", args.val_tokens)));
+    }
+    let (magic, version) = dtype.magic_version();
+    Ok(Manifest {
+        format: shards::MANIFEST_FORMAT.into(),
+        tokenizer: "tokenizer.json".into(),
+        vocab_size: vocab.size,
+        eos_id: vocab.eos_id,
+        eos_token: vocab.eos.clone(),
+        dtype,
+        header_magic: magic,
+        header_version: version,
+        train: out.train,
+        val: out.val,
+        train_tokens,
+        val_tokens,
+        documents,
+        input_bytes,
+        inputs: files.iter().map(|(p, _)| p.display().to_string()).collect(),
+    })
+}
+
+/// Tokens of `docs`, each followed by EOS.
+fn encode(tok: &Tokenizer, docs: &[String], eos: u32) -> Result<Vec<u32>, String> {
+    let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() / 3).sum());
+    for d in docs {
+        let enc = tok.encode_fast(d.as_str(), false).map_err(|e| e.to_string())?;
+        out.extend_from_slice(enc.get_ids());
+        out.push(eos);
+    }
+    Ok(out)
+}
+
+/// Moves the finished files into `out`, `dataset.json` last: a reader sees a manifest only
+/// when every shard it lists is in place.
+fn publish(staging: &Path, out: &Path, m: &Manifest) -> Result<(), PrepareError> {
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PrepareError::Write { path: path.clone(), source }
+    };
+    for f in m.val.iter().chain(&m.train).map(|s| s.file.as_str()).chain(["tokenizer.json"]) {
+        std::fs::rename(staging.join(f), out.join(f)).map_err(err(&out.join(f)))?;
+    }
+    let text = serde_json::to_string_pretty(m).expect("a Manifest always serialises");
+    let tmp = staging.join(shards::MANIFEST_FILE);
+    std::fs::write(&tmp, text + "\n").map_err(err(&tmp))?;
+    std::fs::rename(&tmp, out.join(shards::MANIFEST_FILE)).map_err(err(out))?;
+    Ok(())
+}
+
+/// A progress bar (bytes read, tokens/s) on a terminal; nothing otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    start: Instant,
+}
+
+impl Progress {
+    fn new(total_bytes: u64) -> Self {
+        let bar = (std::io::stderr().is_terminal() && std::env::var_os("TRAINGUARD_NO_PROGRESS").is_none()).then(|| {
+            let b = indicatif::ProgressBar::new(total_bytes);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}")
+                    .expect("a valid template"),
+            );
+            b
+        });
+        Self { bar, start: Instant::now() }
+    }
+
+    fn advance(&self, bytes: u64, tokens: u64) {
+        if let Some(b) = &self.bar {
+            b.inc(bytes);
+            let rate = tokens as f64 / self.start.elapsed().as_secs_f64().max(1e-9);
+            b.set_message(format!("{tokens} tokens, {:.2}M tokens/s", rate / 1e6));
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}

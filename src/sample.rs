@@ -1,0 +1,249 @@
+//! `trainguard sample`: opens a trained model (a checkpoint directory, a run directory — its
+//! final `model.safetensors`, else its newest checkpoint — or a Hugging Face directory written by
+//! `export`) and continues a prompt with temperature and top-k sampling. The draws come from
+//! trainguard's own hash of (seed, position), so a seed gives the same text on every run. Text
+//! is encoded and decoded with the tokenizer of the run's `prepare` dataset, as bytes for
+//! byte-level data (`synthetic`, `text:`), or as space-separated ids for token data without one.
+use crate::checkpoint::store;
+use crate::config::{Config, ModelConfig};
+use crate::data::shards;
+use crate::model::Model;
+use clap::Args;
+use std::path::{Path, PathBuf};
+use tch::{Device, Kind, Tensor};
+
+#[derive(Debug, Args)]
+pub struct SampleArgs {
+    /// A checkpoint directory, a run directory, or a directory written by `export --hf`.
+    pub target: PathBuf,
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    #[arg(long, default_value_t = 200)]
+    pub max_tokens: usize,
+    /// 0: always the most likely token.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Sample among the K most likely tokens only; 0: all.
+    #[arg(long, default_value_t = 50)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// `auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Token ids instead of --prompt (comma-separated); for tests.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    pub ids: Vec<i64>,
+    /// Write the logits of the prompt (`logits` [1, t, vocab], fp32) to this safetensors file and
+    /// stop; for comparing with other implementations.
+    #[arg(long, hide = true, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SampleError {
+    /// The target, a flag or the run's files are not usable (exit 2).
+    #[error("{0}")]
+    Input(String),
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
+    matches!(cause.downcast_ref::<SampleError>(), Some(SampleError::Input(_)))
+}
+
+fn input(m: impl Into<String>) -> SampleError {
+    SampleError::Input(m.into())
+}
+
+/// A trained model's config, weights and, when its data came from `prepare`, its tokenizer.
+pub struct Trained {
+    pub model: ModelConfig,
+    pub seed: u64,
+    pub weights: Vec<(String, Tensor)>,
+    /// The `prepare` directory behind `data.source`, if any (tokenizer.json, dataset.json).
+    pub dataset: Option<PathBuf>,
+    /// Byte-level data (`synthetic`, `text:`): token i is byte i.
+    pub bytes: bool,
+}
+
+/// Opens a checkpoint, a run directory or an exported Hugging Face directory.
+pub fn open(target: &Path) -> Result<Trained, SampleError> {
+    if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
+        let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
+        let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
+        return Ok(Trained { model, seed: 0, weights, dataset, bytes: false });
+    }
+    let (config, weights) = if target.join(store::STATE_FILE).is_file() {
+        let l = store::load(target).map_err(|e| input(e.to_string()))?;
+        (l.config, l.weights)
+    } else {
+        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE))
+            .map_err(|e| input(format!("{}: not a checkpoint, run or Hugging Face directory ({}: {e})", target.display(), store::CONFIG_FILE)))?;
+        let config: Config = serde_yaml::from_str(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        let final_weights = target.join(store::MODEL_FILE);
+        let weights = if final_weights.is_file() {
+            Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?
+        } else {
+            match store::newest_valid(&store::root(target)) {
+                (Some(l), _) => l.weights,
+                (None, _) => return Err(input(format!("{}: no model.safetensors and no complete checkpoint", target.display()))),
+            }
+        };
+        (config, weights)
+    };
+    let dataset = dataset_dir(&config.data.source);
+    let bytes = !config.data.source.starts_with("tokens:");
+    Ok(Trained { model: config.model.clone(), seed: config.seed, weights, dataset, bytes })
+}
+
+/// The `prepare` directory a `tokens:` source names, when it has a manifest.
+pub fn dataset_dir(source: &str) -> Option<PathBuf> {
+    let path = Path::new(source.strip_prefix("tokens:")?);
+    path.join(shards::MANIFEST_FILE).is_file().then(|| path.to_path_buf())
+}
+
+/// Builds the model on `device` and copies `weights` into it by name.
+pub fn build(t: &Trained, device: Device) -> Result<Model, SampleError> {
+    let model = Model::new(&t.model, t.seed, device)?;
+    copy_weights(&model, &t.weights).map_err(input)?;
+    Ok(model)
+}
+
+/// Copies named tensors into the model's parameters; every parameter must be present with its shape.
+pub fn copy_weights(model: &Model, weights: &[(String, Tensor)]) -> Result<(), String> {
+    let _no_grad = tch::no_grad_guard();
+    for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
+        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| format!("the weights lack `{name}`"))?;
+        if src.size() != p.size() {
+            return Err(format!("`{name}` has shape {:?}, the model expects {:?}", src.size(), p.size()));
+        }
+        p.shallow_clone().f_copy_(src).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+enum Codec {
+    Bytes,
+    Tokenizer(Box<tokenizers::Tokenizer>, u32),
+    /// Token data without a tokenizer (a bare shard or train.bin): ids in, ids out.
+    Ids,
+}
+
+impl Codec {
+    fn open(t: &Trained) -> Result<Self, SampleError> {
+        let Some(dir) = t.dataset.as_deref() else { return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids }) };
+        let m: Option<shards::Manifest> = std::fs::read_to_string(dir.join(shards::MANIFEST_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
+        let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), m.as_ref().map(|m| m.eos_token.as_str())).map_err(|e| input(e.to_string()))?;
+        Ok(Codec::Tokenizer(Box::new(v.tokenizer), v.eos_id))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<i64>, SampleError> {
+        match self {
+            Codec::Bytes => Ok(text.bytes().map(i64::from).collect()),
+            Codec::Ids => text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("this run's data has no tokenizer (data.source is not a prepare directory): give the prompt as token ids, got `{w}`")))).collect(),
+            Codec::Tokenizer(t, eos) => {
+                let ids: Vec<i64> = t.encode(text, false).map_err(|e| input(e.to_string()))?.get_ids().iter().map(|&i| i as i64).collect();
+                // An empty prompt starts a fresh document.
+                Ok(if ids.is_empty() { vec![*eos as i64] } else { ids })
+            }
+        }
+    }
+
+    fn decode(&self, ids: &[i64]) -> String {
+        match self {
+            Codec::Bytes => String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned(),
+            Codec::Tokenizer(t, _) => t.decode(&ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
+            Codec::Ids => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
+        }
+    }
+}
+
+pub fn device_from(name: &str) -> Result<Device, SampleError> {
+    match name {
+        "auto" => Ok(Device::cuda_if_available()),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        d => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Device::Cuda).ok_or_else(|| input(format!("--device must be auto, cpu, cuda or cuda:N, got `{d}`"))),
+    }
+}
+
+/// Runs the command: returns the prompt's continuation (or nothing with --dump-logits).
+pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
+    let device = device_from(&args.device)?;
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        return Err(input(format!("--temperature must be a number >= 0, got {}", args.temperature)));
+    }
+    let trained = open(&args.target)?;
+    let codec = Codec::open(&trained)?;
+    let model = build(&trained, device)?;
+    let vocab = trained.model.vocab_size as i64;
+    let mut ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
+    if ids.is_empty() {
+        return Err(input("--prompt is empty and byte-level data has no start token: give a prompt"));
+    }
+    if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= vocab) {
+        return Err(input(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
+    }
+    let _no_grad = tch::no_grad_guard();
+    if let Some(path) = &args.dump_logits {
+        let t = ids.len().min(trained.model.seq_len);
+        let x = Tensor::f_from_slice(&ids[ids.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
+        let logits = model.forward(&x, false, None)?.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?;
+        Tensor::write_safetensors(&[("logits", &logits)], path)?;
+        return Ok(String::new());
+    }
+    let start = ids.len();
+    for pos in 0..args.max_tokens {
+        let t = ids.len().min(trained.model.seq_len);
+        let x = Tensor::f_from_slice(&ids[ids.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
+        let logits = model.forward(&x, false, None)?.f_select(1, t as i64 - 1)?.f_view([-1])?.f_to_kind(Kind::Double)?.f_to_device(Device::Cpu)?;
+        let logits: Vec<f64> = Vec::try_from(&logits)?;
+        let u = (crate::data::mix(&[args.seed, pos as u64]) >> 11) as f64 / (1u64 << 53) as f64;
+        ids.push(pick(&logits, args.temperature, args.top_k, u) as i64);
+    }
+    Ok(codec.decode(&ids[start..]))
+}
+
+/// The token drawn from `logits` at `temperature` among the `top_k` best (0: all), by inverse
+/// CDF at the uniform `u`; temperature 0 is the arg-max. Ties keep the lower id.
+pub fn pick(logits: &[f64], temperature: f64, top_k: usize, u: f64) -> usize {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    if temperature == 0.0 {
+        return order[0];
+    }
+    let k = if top_k == 0 { order.len() } else { top_k.min(order.len()) };
+    let top = &order[..k];
+    let max = logits[top[0]];
+    let weights: Vec<f64> = top.iter().map(|&i| ((logits[i] - max) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    for (&i, w) in top.iter().zip(&weights) {
+        acc += w / total;
+        if u < acc {
+            return i;
+        }
+    }
+    top[k - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick;
+
+    #[test]
+    fn picks_follow_temperature_and_top_k() {
+        let l = [0.0, 2.0, 1.0, 2.0];
+        assert_eq!(pick(&l, 0.0, 0, 0.99), 1, "arg-max, lower id on ties");
+        assert_eq!(pick(&l, 1.0, 1, 0.99), 1, "top-1 is the arg-max");
+        // Two equal best: top-2 splits the mass evenly between ids 1 and 3.
+        assert_eq!(pick(&l, 1.0, 2, 0.49), 1);
+        assert_eq!(pick(&l, 1.0, 2, 0.51), 3);
+        // All four at temperature 1: the last bucket is id 0 (the smallest logit).
+        assert_eq!(pick(&l, 1.0, 0, 0.999), 0);
+        // A very low temperature is nearly the arg-max even at u close to 1.
+        assert_eq!(pick(&[0.0, 1.0, 5.0], 0.01, 0, 0.999_999), 2);
+    }
+}

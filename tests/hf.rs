@@ -1,0 +1,146 @@
+//! `sample`, `export --hf` and `init_from` on the real binary, checked against `transformers`
+//! (the venv's pinned version, CPU, fp32): an exported run gives the same logits there, a model
+//! saved by `transformers` gives the same logits here, and export → load is bit-exact.
+mod common;
+#[path = "support/tokenizer.rs"]
+mod tokenizer;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const IDS: &str = "5,17,30,2,9,100,200,64";
+
+fn tg(args: &[&str]) -> Run {
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    run(cmd, Path::new("."))
+}
+
+fn python(script: &str, args: &[&Path]) -> String {
+    let out = Command::new(repo().join(".venv/bin/python")).args(["-c", script]).args(args).output().expect("the venv's python");
+    assert!(out.status.success(), "python failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn logits(target: &Path, file: &Path) -> tch::Tensor {
+    tg(&["sample", target.to_str().unwrap(), "--ids", IDS, "--device", "cpu", "--dump-logits", file.to_str().unwrap()]).ok();
+    tch::Tensor::read_safetensors(file).unwrap().remove(0).1
+}
+
+const TRANSFORMERS_LOGITS: &str = "
+import sys, torch, transformers
+from safetensors.torch import load_file
+m = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
+ids = torch.tensor([[5,17,30,2,9,100,200,64]])
+with torch.no_grad():
+    l = m(ids).logits
+print((l - load_file(sys.argv[2])['logits']).abs().max().item())
+";
+
+/// A small run trained on a prepared dataset (with the test tokenizer).
+fn trained_run(root: &Path) -> PathBuf {
+    tokenizer::write(&root.join("tokenizer.json"), 0);
+    let text: String = (0..600).map(|i| format!("the cat {} sat on the mat and ran after her {}\n\n", ["dog", "rain", "inner"][i % 3], i % 7)).collect();
+    std::fs::write(root.join("c.txt"), text).unwrap();
+    let data = root.join("data");
+    let mut cmd = Command::new(bin());
+    cmd.arg("prepare").arg("--tokenizer").arg(root.join("tokenizer.json")).arg("--out").arg(&data).arg(root.join("c.txt")).args(["--val-tokens", "2000"]);
+    run(cmd, root).ok();
+    let out = root.join("run");
+    let source = format!("data.source=tokens:{}", data.display());
+    train(&out, "configs/debug.yaml", &[&source, "model.vocab_size=265", "model.n_embd=32", "model.seq_len=16", "train.max_steps=30", "train.warmup_steps=3", "train.eval_interval=30"]).ok();
+    out
+}
+
+#[test]
+fn samples_are_deterministic_per_seed_and_decoded_with_the_runs_tokenizer() {
+    let d = tempfile::tempdir().unwrap();
+    let run_dir = trained_run(d.path());
+    let s = |seed: &str| tg(&["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "30", "--seed", seed, "--device", "cpu"]).ok().stdout();
+    let (a, b, c) = (s("1"), s("1"), s("2"));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    // Decoded text, not ids: the model learned the corpus' words.
+    assert!(a.contains(" the") || a.contains("cat") || a.contains("mat"), "{a:?}");
+    let greedy = tg(&["sample", run_dir.join("checkpoints/step-00000030").to_str().unwrap(), "--prompt", "the cat", "--temperature", "0", "--max-tokens", "5"]).ok().stdout();
+    assert!(!greedy.is_empty());
+    let bad = tg(&["sample", d.path().to_str().unwrap(), "--prompt", "x"]);
+    assert_eq!(bad.code(), 2, "{}", bad.stderr());
+}
+
+#[test]
+fn byte_level_runs_sample_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let f = d.path().join("t.txt");
+    std::fs::write(&f, "abcabcabd ".repeat(400)).unwrap();
+    let source = format!("data.source=text:{}", f.display());
+    train(&d.path().join("run"), "configs/debug.yaml", &[&source, "model.seq_len=16", "train.max_steps=40", "train.warmup_steps=3"]).ok();
+    let out = tg(&["sample", d.path().join("run").to_str().unwrap(), "--prompt", "abca", "--temperature", "0", "--max-tokens", "8"]).ok().stdout();
+    assert_eq!(out.len(), 8, "{out:?}");
+    assert!(out.bytes().all(|b| b"abcd ".contains(&b)), "{out:?}");
+}
+
+#[test]
+fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exact() {
+    let d = tempfile::tempdir().unwrap();
+    let run_dir = trained_run(d.path());
+    let hf = d.path().join("hf");
+    let r = tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]).ok();
+    assert!(r.stdout().contains("tokenizer.json"), "{}", r.stdout());
+    let ours = d.path().join("ours.safetensors");
+    let l = logits(&run_dir, &ours);
+    let diff: f64 = python(TRANSFORMERS_LOGITS, &[&hf, &ours]).trim().parse().unwrap();
+    assert!(diff < 1e-4, "transformers' logits differ by {diff}");
+    // The tokenizer travels: transformers encodes text as the prepared dataset did.
+    let first_doc = "the cat dog sat on the mat and ran after her 0";
+    let enc = python(&format!("import sys, transformers\nprint(transformers.AutoTokenizer.from_pretrained(sys.argv[1])('{first_doc}').input_ids)"), &[&hf]);
+    let enc: Vec<u16> = serde_json::from_str(enc.trim()).unwrap();
+    let val = std::fs::read(d.path().join("data/val_000000.bin")).unwrap();
+    let shard: Vec<u16> = val[1024..].chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).take(enc.len() + 1).collect();
+    assert_eq!(enc[..], shard[..enc.len()]);
+    assert_eq!(shard[enc.len()], 264, "EOS after the document");
+    // Reading the export back (sample and init_from share the loader) is bit-exact.
+    let back = logits(&hf, &d.path().join("back.safetensors"));
+    assert!(l.equal(&back));
+    let again = tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]);
+    assert_eq!(again.code(), 2, "an existing export is not overwritten");
+}
+
+#[test]
+fn a_model_saved_by_transformers_starts_training_with_init_from() {
+    let d = tempfile::tempdir().unwrap();
+    let hf = d.path().join("tiny");
+    let ref_logits = d.path().join("ref.safetensors");
+    python(
+        "
+import sys, torch, transformers
+from safetensors.torch import save_file
+torch.manual_seed(0)
+c = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=2, activation_function='gelu', resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+m = transformers.GPT2LMHeadModel(c).eval()
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * 0.05)  # biases and LayerNorms away from 0 and 1
+    l = m(torch.tensor([[5,17,30,2,9,100,200,64]])).logits
+m.save_pretrained(sys.argv[1])
+save_file({'logits': l.contiguous()}, sys.argv[2])
+",
+        &[&hf, &ref_logits],
+    );
+    let want = tch::Tensor::read_safetensors(&ref_logits).unwrap().remove(0).1;
+    let direct = logits(&hf, &d.path().join("direct.safetensors"));
+    let diff = (&direct - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-4, "trainguard's logits differ from transformers' by {diff}");
+    // Training from it: one step at a negligible learning rate leaves those logits in place.
+    let init = format!("init_from={}", hf.display());
+    let sets = [init.as_str(), "model.vocab_size=300", "model.n_embd=32", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-12", "train.min_lr=0", "train.weight_decay=0"];
+    let out = d.path().join("run");
+    train(&out, "configs/debug.yaml", &sets).ok();
+    let trained = logits(&out, &d.path().join("trained.safetensors"));
+    let diff = (&trained - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-4, "after init_from the logits differ by {diff}");
+    // A model of another width: the tensor and both shapes are named, exit 2.
+    let r = train(&d.path().join("bad"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("`transformer.wte.weight` has shape [300, 32]; the model (its config) needs [300, 64]"), "{}", r.stderr());
+}

@@ -1,0 +1,200 @@
+//! `trainguard prepare` and training on its output, on the real binary: shards match the Python
+//! `tokenizers` package token for token, uint32 for large vocabularies, bad input exits 2 with
+//! nothing left behind, and a run on a prepared directory resumes bit for bit.
+mod common;
+#[path = "support/tokenizer.rs"]
+mod tokenizer;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const WORDS: [&str; 16] = ["the", "cat", "sat", "on", "an", "inner", "mat", "and", "then", "ran", "after", "her", "dog", "in", "rain", "é"];
+
+/// `n` documents of pseudo-random sentences (fixed for a given `seed`).
+fn documents(n: usize, seed: u64) -> Vec<String> {
+    let mut s = seed;
+    let mut next = || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (s >> 33) as usize
+    };
+    (0..n)
+        .map(|_| {
+            let lines = 1 + next() % 3;
+            (0..lines).map(|_| (0..4 + next() % 8).map(|_| WORDS[next() % WORDS.len()]).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n")
+        })
+        .collect()
+}
+
+struct Inputs {
+    dir: tempfile::TempDir,
+    docs: Vec<String>,
+}
+
+/// A tokenizer, a .txt of blank-line-separated documents and a .jsonl in a fresh directory.
+fn inputs(n: usize, pad_vocab_to: usize) -> Inputs {
+    let dir = tempfile::tempdir().unwrap();
+    tokenizer::write(&dir.path().join("tokenizer.json"), pad_vocab_to);
+    let docs = documents(n, 7);
+    let (a, b) = docs.split_at(n / 2);
+    std::fs::create_dir(dir.path().join("text")).unwrap();
+    std::fs::write(dir.path().join("text/a.txt"), a.join("\n\n") + "\n").unwrap();
+    let jsonl: String = b.iter().map(|d| serde_json::json!({"id": 1, "text": d}).to_string() + "\n").collect();
+    std::fs::write(dir.path().join("text/b.jsonl"), jsonl).unwrap();
+    Inputs { dir, docs }
+}
+
+fn prepare(inputs: &Path, out: &Path, extra: &[&str]) -> Run {
+    let mut cmd = Command::new(bin());
+    cmd.arg("prepare").arg("--tokenizer").arg(inputs.join("tokenizer.json")).arg("--out").arg(out).arg(inputs.join("text")).args(extra);
+    run(cmd, out)
+}
+
+fn manifest(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("dataset.json")).unwrap()).unwrap()
+}
+
+/// All tokens of the shards `files` (val first, as the manifest lists them), headers checked.
+fn shard_tokens(out: &Path, files: &[PathBuf]) -> Vec<u32> {
+    let mut all = vec![];
+    for f in files {
+        let bytes = std::fs::read(out.join(f)).unwrap();
+        let int = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+        let (width, n) = match (int(0), int(1)) {
+            (20240520, 1) => (2, int(2) as usize),
+            (20240801, 7) => (4, int(2) as usize),
+            other => panic!("bad header {other:?}"),
+        };
+        assert_eq!(bytes.len(), 1024 + n * width);
+        all.extend(bytes[1024..].chunks_exact(width).map(|c| if width == 2 { u16::from_le_bytes([c[0], c[1]]) as u32 } else { u32::from_le_bytes(c.try_into().unwrap()) }));
+    }
+    all
+}
+
+fn listed(m: &serde_json::Value) -> Vec<PathBuf> {
+    ["val", "train"].iter().flat_map(|k| m[k].as_array().unwrap().iter().map(|s| PathBuf::from(s["file"].as_str().unwrap()))).collect()
+}
+
+/// Python `tokenizers`' ids for each document followed by EOS: the reference.
+fn python_tokens(tokenizer: &Path, docs: &[String], eos: u32) -> Vec<u32> {
+    let script = "import json,sys\nfrom tokenizers import Tokenizer\nt=Tokenizer.from_file(sys.argv[1])\ndocs=json.load(sys.stdin)\nprint(json.dumps([e.ids for e in t.encode_batch(docs, add_special_tokens=False)]))";
+    let mut child = Command::new(repo().join(".venv/bin/python"))
+        .args(["-c", script])
+        .arg(tokenizer)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the venv's python (bash scripts/setup.sh installs tokenizers)");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(serde_json::to_string(docs).unwrap().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "python tokenizers failed: {}", String::from_utf8_lossy(&out.stderr));
+    let ids: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
+    ids.into_iter().flat_map(|mut d| {
+        d.push(eos);
+        d
+    }).collect()
+}
+
+#[test]
+fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
+    let inp = inputs(400, 0);
+    let out = inp.dir.path().join("data");
+    let r = prepare(inp.dir.path(), &out, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "2"]).ok();
+    assert!(r.stdout().contains("400 documents"), "{}", r.stdout());
+    let m = manifest(&out);
+    assert_eq!((m["dtype"].as_str(), m["vocab_size"].as_u64(), m["eos_id"].as_u64(), m["documents"].as_u64()), (Some("uint16"), Some(265), Some(264), Some(400)));
+    assert_eq!(m["val"][0]["tokens"], 1000);
+    let files = listed(&m);
+    assert!(files.len() >= 4, "{files:?}");
+    assert!(m["train"].as_array().unwrap().iter().rev().skip(1).all(|s| s["tokens"] == 3000));
+    let got = shard_tokens(&out, &files);
+    assert_eq!(got.len() as u64, m["train_tokens"].as_u64().unwrap() + 1000);
+    let want = python_tokens(&out.join("tokenizer.json"), &inp.docs, 264);
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "token streams differ at {:?}", got.iter().zip(&want).position(|(a, b)| a != b));
+    // The output does not depend on the thread count; a directory holding a dataset is refused.
+    let out1 = inp.dir.path().join("data1");
+    prepare(inp.dir.path(), &out1, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "1"]).ok();
+    for f in files.iter().chain([&PathBuf::from("tokenizer.json")]) {
+        assert_eq!(std::fs::read(out.join(f)).unwrap(), std::fs::read(out1.join(f)).unwrap(), "{f:?}");
+    }
+    let again = prepare(inp.dir.path(), &out, &[]);
+    assert_eq!(again.code(), 2);
+    assert!(again.stderr().contains("already holds a dataset"), "{}", again.stderr());
+}
+
+#[test]
+fn large_vocabularies_give_uint32_shards_that_train() {
+    let inp = inputs(300, 70_000);
+    let out = inp.dir.path().join("data");
+    prepare(inp.dir.path(), &out, &["--val-tokens", "800"]).ok();
+    let m = manifest(&out);
+    assert_eq!((m["dtype"].as_str(), m["header_magic"].as_i64(), m["eos_id"].as_u64()), (Some("uint32"), Some(20240801), Some(69_999)));
+    let got = shard_tokens(&out, &listed(&m));
+    assert_eq!(got, python_tokens(&out.join("tokenizer.json"), &inp.docs, 69_999));
+    let run_dir = inp.dir.path().join("run");
+    let source = format!("data.source=tokens:{}", out.display());
+    let small = ["model.n_embd=16", "model.seq_len=16", "train.max_steps=3", "train.warmup_steps=1", "train.eval_interval=3", "train.global_batch_size=4", "train.micro_batch_size=4"];
+    let sets: Vec<&str> = small.iter().copied().chain([source.as_str(), "model.vocab_size=70000"]).collect();
+    let r = train(&run_dir, "configs/debug.yaml", &sets).ok();
+    assert_eq!(r.metrics().len(), 3);
+    // One token id short of the data's vocabulary: refused before training, exit 2.
+    let sets: Vec<&str> = small.iter().copied().chain([source.as_str(), "model.vocab_size=69999"]).collect();
+    let r = train(&inp.dir.path().join("run2"), "configs/debug.yaml", &sets);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("model.vocab_size = 69999") && r.stderr().contains("at least 70000"), "{}", r.stderr());
+}
+
+#[test]
+fn bad_input_names_file_and_line_exits_2_and_leaves_no_shard() {
+    let inp = inputs(50, 0);
+    let d = inp.dir.path();
+    std::fs::write(d.join("text/c.jsonl"), "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let out = d.join("data");
+    let r = prepare(d, &out, &["--shard-tokens", "10"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("c.jsonl:3") && r.stderr().contains("no field `text`"), "{}", r.stderr());
+    assert!(!out.exists(), "the output directory it created is removed");
+    std::fs::remove_file(d.join("text/c.jsonl")).unwrap();
+    std::fs::write(d.join("text/z.txt"), b"fine\n\nbad \xff byte\n").unwrap();
+    std::fs::create_dir(&out).unwrap();
+    let r = prepare(d, &out, &["--shard-tokens", "10"]);
+    assert_eq!(r.code(), 2);
+    assert!(r.stderr().contains("z.txt:3") && r.stderr().contains("invalid UTF-8"), "{}", r.stderr());
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "no shard, manifest or staging left in an existing directory");
+    std::fs::remove_file(d.join("text/z.txt")).unwrap();
+    std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let r = prepare(d, &out, &[]);
+    assert_eq!(r.code(), 2);
+    assert!(r.stderr().contains("not a valid tokenizer.json"), "{}", r.stderr());
+}
+
+#[test]
+fn training_on_a_prepared_directory_resumes_bit_for_bit() {
+    let inp = inputs(1500, 0);
+    let out = inp.dir.path().join("data");
+    prepare(inp.dir.path(), &out, &["--shard-tokens", "8000", "--val-tokens", "2000"]).ok();
+    let source = format!("data.source=tokens:{}", out.display());
+    let base = ["model.vocab_size=265", "model.seq_len=32", "train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=6", "checkpoint.interval=6", "model.dropout=0.1"];
+    let sets = |extra: &[&'static str]| -> Vec<String> { base.iter().map(|s| s.to_string()).chain([source.clone()]).chain(extra.iter().map(|s| s.to_string())).collect() };
+    let (a, b) = (inp.dir.path().join("a"), inp.dir.path().join("b"));
+    let straight_sets = sets(&[]);
+    let straight = train(&a, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>()).ok();
+    assert!(straight.events_of("run_started")[0]["corpus"].as_str().unwrap().contains("files"), "{:?}", straight.events_of("run_started"));
+    let first_sets = sets(&["faults.interrupt_at_step=6"]);
+    let first = train(&b, "configs/debug.yaml", &first_sets.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(first.code(), 4, "{}", first.stderr());
+    let mut cmd = command(&b, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>());
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, &b).ok();
+    for key in ["loss", "grad_norm", "val_loss"] {
+        assert_eq!(series(&straight.metrics(), key), series(&resumed.metrics(), key), "{key} differs");
+    }
+    assert_eq!(max_weight_diff(&a, &b), 0.0);
+    // The validation split is the val shard: its loss is reported, and the model learned.
+    let losses = series(&straight.metrics(), "loss");
+    assert!(losses.last().unwrap().as_f64().unwrap() < losses[0].as_f64().unwrap() - 1.0, "{losses:?}");
+    // A model whose embedding is smaller than the tokenizer's vocabulary is refused (exit 2).
+    let small = train(&inp.dir.path().join("c"), "configs/debug.yaml", &[source.as_str(), "model.vocab_size=256"]);
+    assert_eq!(small.code(), 2, "{}", small.stderr());
+}
