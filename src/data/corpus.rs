@@ -15,12 +15,15 @@ pub enum DataError {
     /// Token ids that could fall outside the model's embedding: the config is wrong (exit 2).
     #[error("data {path}: {message}")]
     Vocab { path: PathBuf, message: String },
+    /// The built-in corpus does not fit in memory (`data.synthetic_tokens` too large: exit 2).
+    #[error("data.synthetic_tokens: {tokens} tokens ({} MiB) cannot be allocated: {why}", .tokens * 2 >> 20)]
+    TooLarge { tokens: usize, why: String },
 }
 
 impl DataError {
     /// Whether the user's config (not the data's bytes) is what must change.
     pub fn is_usage(&self) -> bool {
-        matches!(self, DataError::Vocab { .. })
+        matches!(self, DataError::Vocab { .. } | DataError::TooLarge { .. })
     }
 }
 
@@ -102,7 +105,7 @@ impl Corpus {
     /// Loads `data.source` for a model with `vocab` tokens and windows of `seq_len + 1`.
     pub fn load(cfg: &DataConfig, vocab: usize, seq_len: usize) -> Result<Self, DataError> {
         let corpus = match cfg.source.split_once(':') {
-            None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction),
+            None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction)?,
             Some(("text", path)) => Self::text(Path::new(path), cfg.val_fraction)?,
             Some((_, path)) => Self::token_source(path, vocab, cfg.val_fraction)?,
         };
@@ -122,10 +125,12 @@ impl Corpus {
         Ok(corpus)
     }
 
-    pub fn synthetic(vocab: usize, len: usize, val_fraction: f64) -> Self {
+    /// The built-in corpus, or why its memory cannot be had.
+    pub fn synthetic(vocab: usize, len: usize, val_fraction: f64) -> Result<Self, DataError> {
         // Stored as uint16: a larger vocabulary draws from its first 65,536 ids.
         let vocab = vocab.min(1 << 16);
-        Self::split(Tokens::Owned(synthetic::generate(vocab, len)), val_fraction, format!("synthetic ({len} tokens)"))
+        let tokens = synthetic::generate(vocab, len).map_err(|e| DataError::TooLarge { tokens: len, why: e.to_string() })?;
+        Ok(Self::split(Tokens::Owned(tokens), val_fraction, format!("synthetic ({len} tokens)")))
     }
 
     fn text(path: &Path, val_fraction: f64) -> Result<Self, DataError> {
@@ -322,7 +327,7 @@ mod tests {
 
     #[test]
     fn synthetic_unigram_entropy_is_far_above_its_floor() {
-        let c = Corpus::synthetic(256, 200_000, 0.1);
+        let c = Corpus::synthetic(256, 200_000, 0.1).unwrap();
         let h = c.unigram_entropy(Split::Val);
         assert!(h > 4.0 && h <= (256f64).ln() + 1e-9, "{h}");
         assert!(h > super::synthetic::conditional_entropy() * 3.0);

@@ -82,7 +82,7 @@ mod tests {
 
     #[test]
     fn a_step_has_the_same_samples_in_any_split() {
-        let corpus = Corpus::synthetic(256, 50_000, 0.1);
+        let corpus = Corpus::synthetic(256, 50_000, 0.1).unwrap();
         let s = Sampler { seed: 7, seq_len: 16 };
         let whole: Vec<usize> = (0..32).map(|i| s.train_offset(&corpus, 3, i)).collect();
         let halves: Vec<usize> = crate::batch::split(32, 5)
@@ -98,7 +98,7 @@ mod tests {
 
     #[test]
     fn batches_are_shifted_windows_of_the_corpus() {
-        let corpus = Corpus::synthetic(256, 50_000, 0.1);
+        let corpus = Corpus::synthetic(256, 50_000, 0.1).unwrap();
         let s = Sampler { seed: 1, seq_len: 8 };
         let (x, y) = s.train_batch(&corpus, 0, 0..4, Device::Cpu).unwrap();
         assert_eq!(x.size(), [4, 8]);

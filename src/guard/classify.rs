@@ -13,13 +13,14 @@ pub enum ErrorKind {
 /// also treat as OOM, is deliberately not here: it is usually a real unsupported configuration.
 /// `std::bad_alloc`: a host allocation inside libtorch that is not the tensor allocator's (a
 /// kernel's scratch vector, say) failing under the same memory cap.
-const OOM_MARKERS: [&str; 6] = [
+const OOM_MARKERS: [&str; 7] = [
     "CUDA out of memory",
     "CUDA error: out of memory",
     "DefaultCPUAllocator: can't allocate memory",
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
     "std::bad_alloc",
+    crate::model::HOST_ALLOCATION_FAILED,
 ];
 
 pub fn classify(message: &str) -> ErrorKind {

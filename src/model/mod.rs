@@ -11,7 +11,7 @@ mod llama;
 mod params;
 mod spec;
 
-pub use params::{Init, Params};
+pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 
 use crate::config::{Arch, ModelConfig};

@@ -74,7 +74,7 @@ mod tests {
 
     fn setup() -> (Model, Corpus) {
         let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
-        (Model::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1))
+        (Model::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1).unwrap())
     }
 
     #[test]
