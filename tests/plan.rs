@@ -42,9 +42,9 @@ fn estimator_counts_exactly_the_parameters_the_model_builds() {
         for bias in [true, false] {
             let cfg = ModelConfig { n_layer, n_head, n_embd, vocab_size, seq_len, dropout: 0.0, bias, ..ModelConfig::default() };
             let real = Model::new(&cfg, 0, Device::Cpu).unwrap().num_params() as u64;
-            assert_eq!(Transformer::from_gpt(&cfg).params(), real, "{cfg:?}");
+            assert_eq!(Transformer::from_config(&cfg).params(), real, "{cfg:?}");
             let shapes: Vec<Vec<u64>> = Model::new(&cfg, 0, Device::Cpu).unwrap().params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
-            assert_eq!(Transformer::from_gpt(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
+            assert_eq!(Transformer::from_config(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
         }
     }
     // And through the command line, for the shipped configs.

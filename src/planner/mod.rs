@@ -254,7 +254,7 @@ impl Inputs {
         if let Some(f) = a.ffn {
             config.model.ffn_hidden = Some(f as usize);
         }
-        let model = Transformer { params_override: params, ..Transformer::from_gpt(&config.model) };
+        let model = Transformer { params_override: params, ..Transformer::from_config(&config.model) };
         check_model(&model)?;
         let segment = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
             Ok(config::Checkpointing::Every(k)) => Some(k as u64),
