@@ -58,7 +58,7 @@ impl Transformer {
             seq_len: cfg.seq_len as u64,
             ffn: cfg.ffn() as u64,
             kv_heads: cfg.n_kv_head.map(|k| k as u64),
-            tied: cfg.arch == Arch::Gpt2 || cfg.tie_embeddings,
+            tied: cfg.tie_embeddings,
             bias: cfg.bias,
             params_override: None,
         }
@@ -575,6 +575,11 @@ pub(crate) mod fixtures {
         Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None, ..Default::default() }
     }
 
+    /// Llama 3.2 1B: 16 × 2048, 32 heads sharing 8 KV heads, SwiGLU 8192, vocab 128256, tied, seq 2048.
+    pub fn llama32_1b() -> Transformer {
+        Transformer { arch: Arch::Llama, layers: 16, hidden: 2048, heads: 32, kv_heads: Some(8), vocab: 128_256, seq_len: 2048, ffn: 8192, tied: true, bias: false, params_override: None }
+    }
+
     /// fp32 AdamW on one CUDA GPU, flash attention, 1 GiB context, 10% fragmentation.
     pub fn cuda_fp32_adamw() -> Setup {
         Setup {
@@ -821,5 +826,78 @@ mod tests {
         let s = Setup { gpus: 4, ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&gpt2(), &s, 1, 1);
         assert_eq!(e.dp_buffers, e.gradients);
+    }
+
+    #[test]
+    fn llama_3_2_1b_has_1_235_814_400_parameters_and_its_untied_head_adds_an_embedding() {
+        let m = super::fixtures::llama32_1b();
+        let (h, v, f, kv, l) = (2048u64, 128_256u64, 8192u64, 512u64, 16u64);
+        // Per layer: two RMSNorm weights, q and o (h × h), k and v (kv·d × h), gate, up, down (f × h).
+        let per_layer = 2 * h + 2 * h * h + 2 * kv * h + 3 * f * h;
+        assert_eq!(v * h + l * per_layer + h, 1_235_814_400);
+        assert_eq!(m.params(), 1_235_814_400);
+        let untied = Transformer { tied: false, ..m.clone() };
+        assert_eq!(untied.params(), 1_235_814_400 + v * h);
+        // Its gradient and AdamW moments follow: 4 + 8 bytes per parameter more in fp32.
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
+        let (a, b) = (estimate(&m, &s, 1, 1), estimate(&untied, &s, 1, 1));
+        assert_eq!((b.gradients - a.gradients, b.optimizer - a.optimizer), (4 * v * h, 8 * v * h));
+        // No second gradient of the token embedding to sum at the end of backward.
+        assert_eq!((a.embedding_grad_transient, b.embedding_grad_transient), (2 * v * h * 4, 0));
+    }
+
+    #[test]
+    fn grouped_query_attention_shrinks_k_and_v_weights_and_activations() {
+        let m = super::fixtures::llama32_1b();
+        let (h, d) = (2048u64, 64u64);
+        // q_proj, k_proj, v_proj of layer 0 (after its input norm and the embedding).
+        assert_eq!(m.tensors()[2..5], [vec![h, h], vec![8 * d, h], vec![8 * d, h]]);
+        let mha = Transformer { kv_heads: None, ..m.clone() };
+        assert_eq!(mha.params() - m.params(), 16 * 2 * (32 - 8) * d * h);
+        // Saved k and v: 2 × (32 − 8) × 64 fewer channels per token, at 2 bytes under autocast.
+        let s = setup(Precision::Bf16Mixed, OptimizerName::Adamw);
+        let (b, seq) = (3u64, 2048u64);
+        assert_eq!(layer_activations(&mha, &s, b) - layer_activations(&m, &s, b), 2 * 24 * d * b * seq * 2);
+    }
+
+    #[test]
+    fn a_llama_block_saves_rmsnorm_in_fp32_rotated_q_k_and_four_swiglu_tensors() {
+        let m = super::fixtures::llama32_1b();
+        let (h, kv, f, a, d, seq, b) = (2048u64, 512u64, 8192u64, 32u64, 64u64, 2048u64, 2u64);
+        let tokens = b * seq;
+        // fp32: each RMSNorm keeps its input, rsqrt, normalised input and output (3h + 1, the
+        // output once for all its readers); rotated q, rotated k, v, the attention output; the
+        // log-sum-exp per head; gate, up, silu(gate) and their product. RoPE's tables are views.
+        let fp32 = setup(Precision::Fp32, OptimizerName::Adamw);
+        let per_token = 4 * (2 * (3 * h + 1) + (h + 2 * kv + h) + 4 * f) + 4 * a;
+        assert_eq!(layer_activations(&m, &fp32, b), per_token * tokens);
+        // bf16-mixed: the norms stay fp32 (input, rsqrt, normalised), each linear layer keeps its
+        // own bf16 copy of the norm's output (3 for q, k, v; 2 for gate, up), the rest in bf16,
+        // and cos and sin are cast to bf16 for q and for k in every block.
+        let mixed = setup(Precision::Bf16Mixed, OptimizerName::Adamw);
+        let norms = (4 * (2 * h + 1)) * 2 + 2 * h * (3 + 2);
+        let per_token = norms + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * a;
+        assert_eq!(layer_activations(&m, &mixed, b), per_token * tokens + 4 * seq * d * 2);
+        // bf16-pure: the fp32 copy of each norm's input, its rsqrt, the bf16 normalised input and one bf16 output.
+        let pure = setup(Precision::Bf16Pure, OptimizerName::Adamw);
+        let per_token = 2 * (4 * h + 4 + 2 * h + 2 * h) + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * a;
+        assert_eq!(layer_activations(&m, &pure, b), per_token * tokens + 4 * seq * d * 2);
+        // The final RMSNorm outside the blocks, next to the int64 inputs and targets.
+        assert_eq!(outside_activations(&m, &fp32, b), (4 * (3 * h + 1) + 16) * tokens);
+        // The fp32 cos and sin tables, seq_len × head_dim each, held once.
+        let e = estimate(&m, &fp32, b, 1);
+        assert_eq!(e.buffers, 2 * seq * d * 4);
+        assert_eq!(estimate(&gpt2(), &fp32, b, 1).buffers, 0);
+    }
+
+    #[test]
+    fn llama_3_2_1b_in_bf16_mixed_with_checkpointing_fits_an_h100_at_micro_batch_8() {
+        let m = super::fixtures::llama32_1b();
+        let s = Setup { precision: Precision::Bf16Mixed, activation_checkpointing: true, ..super::fixtures::cuda_fp32_adamw() };
+        let e = estimate(&m, &s, 8, 32);
+        // 16 + 2 bytes per parameter (bf16 weights, fp32 master, fp32 gradients, two fp32 moments).
+        assert!((e.states() as f64 / 1e9 - 18.0 * 1.2358).abs() < 0.05, "{}", e.states());
+        let budget = ((81_559u64 << 20) as f64 * 0.85) as u64; // the h100 preset's 79.65 GiB, 85% of it
+        assert!(e.total < budget && estimate(&m, &s, 16, 16).total > budget, "{} GiB", e.total as f64 / GIB);
     }
 }
