@@ -265,7 +265,8 @@ impl Inputs {
             m.arch = arch;
         }
         // The Llama family has no biases; a config may still say otherwise.
-        m.bias &= !a.no_bias && !(described_by_flags && m.arch == Arch::Llama);
+        let llama_from_flags = described_by_flags && m.arch == Arch::Llama;
+        m.bias &= !(a.no_bias || llama_from_flags);
         if let Some(k) = a.kv_heads {
             m.n_kv_head = Some(k as usize);
         }
@@ -345,12 +346,12 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
             return Err(usage(format!("--kv-heads {kv} needs --arch llama: gpt2 has no grouped-query attention (its key/value heads are its {} heads)", m.heads)));
         }
         Arch::Gpt2 if !m.tied => return Err(usage("--untied needs --arch llama: gpt2 always ties its head to the token embedding")),
-        Arch::Llama if m.head_dim() % 2 != 0 => {
+        Arch::Llama if !m.head_dim().is_multiple_of(2) => {
             return Err(usage(format!("llama's rotary embedding needs an even head size: --hidden {} / --heads {} = {}", m.hidden, m.heads, m.head_dim())));
         }
         _ => {}
     }
-    if kv == 0 || m.heads % kv != 0 {
+    if kv == 0 || !m.heads.is_multiple_of(kv) {
         return Err(usage(format!("--kv-heads {kv} must divide --heads {} (each key/value head serves heads / kv-heads query heads)", m.heads)));
     }
     if m.params_override == Some(0) {
