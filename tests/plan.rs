@@ -42,9 +42,9 @@ fn estimator_counts_exactly_the_parameters_the_model_builds() {
         for bias in [true, false] {
             let cfg = ModelConfig { n_layer, n_head, n_embd, vocab_size, seq_len, dropout: 0.0, bias, ..ModelConfig::default() };
             let real = Model::new(&cfg, 0, Device::Cpu).unwrap().num_params() as u64;
-            assert_eq!(Transformer::from_gpt(&cfg).params(), real, "{cfg:?}");
+            assert_eq!(Transformer::from_config(&cfg).params(), real, "{cfg:?}");
             let shapes: Vec<Vec<u64>> = Model::new(&cfg, 0, Device::Cpu).unwrap().params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
-            assert_eq!(Transformer::from_gpt(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
+            assert_eq!(Transformer::from_config(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
         }
     }
     // And through the command line, for the shipped configs.
@@ -384,4 +384,83 @@ fn profile_runs_the_training_step_with_loss_scaling_and_the_non_finite_check() {
     assert_eq!(backoffs, [32768.0], "training backs off the same way");
     let skipped: Vec<u64> = trained.events_of("nonfinite_skipped").iter().map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(skipped, [1], "training skips the same non-finite update (the overflow is the scaler's, not a bad batch)");
+}
+
+// ---- Llama (issue 13): the planner reads the model's description of each architecture ----
+
+#[test]
+fn llama_estimates_count_exactly_the_parameters_the_model_builds() {
+    use trainguard::config::Arch;
+    for (kv, tie) in [(Some(2), true), (Some(1), false), (None, true)] {
+        let cfg = ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: kv, n_embd: 64, ffn_hidden: Some(172), vocab_size: 300, seq_len: 32, bias: false, tie_embeddings: tie, ..ModelConfig::default() };
+        let model = Model::new(&cfg, 0, Device::Cpu).unwrap();
+        let shapes: Vec<Vec<u64>> = model.params.tensors.iter().map(|t| t.size().iter().map(|&d| d as u64).collect()).collect();
+        assert_eq!(Transformer::from_config(&cfg).tensors(), shapes, "tensor by tensor: {cfg:?}");
+        assert_eq!(Transformer::from_config(&cfg).params(), model.num_params() as u64);
+    }
+    let j = json(&plan(&["--config", &config("llama-debug.yaml"), "--untied", "--json"]).ok());
+    let cfg = trainguard::config::load(Some(Path::new(&config("llama-debug.yaml"))), &["model.tie_embeddings=false".into()]).unwrap();
+    assert_eq!(u(&j["params"]), Model::new(&cfg.model, 0, Device::Cpu).unwrap().num_params() as u64);
+    assert_eq!((j["model"]["arch"].as_str(), j["model"]["tied"].as_bool()), (Some("llama"), Some(false)));
+}
+
+#[test]
+fn llama_3_2_1b_on_an_h100_has_its_parameter_count_and_a_micro_batch_that_fits() {
+    let run = plan(&["--config", &config("llama3.2-1b.yaml"), "--gpu", "h100", "--json"]).ok();
+    let j = json(&run);
+    assert_eq!(u(&j["params"]), 1_235_814_400, "Llama 3.2 1B, tied head counted once");
+    let r = &j["recommendation"];
+    assert_eq!(r["fits"], true, "{r}");
+    let (b, k) = (u(&r["micro_batch"]), u(&r["accumulation"]));
+    assert_eq!(b * k, 256, "the config's global batch");
+    assert!(b >= 4, "bf16-mixed with checkpointing on 80 GB: micro-batch {b}");
+    assert!(u(&r["total_bytes"]) <= u(&r["budget_bytes"]));
+    // RoPE's fp32 cos and sin tables, 2048 positions × head size 64 each.
+    assert_eq!(u(&j["estimate"]["buffers"]), 2 * 2048 * 64 * 4);
+    let out = plan(&["--config", &config("llama3.2-1b.yaml"), "--gpu", "h100"]).ok().stdout();
+    for part in ["1.24B parameters; llama:", "32 heads sharing 8 KV heads", "RMSNorm", "SwiGLU 8192", "RoPE", "tied head", "buffers (RoPE cos and sin tables, fp32)", "fits      micro-batch"] {
+        assert!(out.contains(part), "`{part}` missing:\n{out}");
+    }
+}
+
+#[test]
+fn generic_llama_flags_give_the_same_plan_as_the_config() {
+    let from_config = json(&plan(&["--config", &config("llama3.2-1b.yaml"), "--json", "--micro-batch", "4"]).ok());
+    let flags = ["--arch", "llama", "--layers", "16", "--hidden", "2048", "--heads", "32", "--kv-heads", "8", "--ffn", "8192", "--vocab", "128256", "--seq-len", "2048"];
+    let mut args = flags.to_vec();
+    args.extend(["--precision", "bf16-mixed", "--activation-checkpointing", "--micro-batch", "4", "--json"]);
+    let from_flags = json(&plan(&args).ok());
+    assert_eq!(from_flags["params"], from_config["params"]);
+    assert_eq!(from_flags["estimate"]["activations_per_layer"], from_config["estimate"]["activations_per_layer"]);
+    assert_usage_error(&["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64"], &["--arch llama needs --ffn"]);
+    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq-len", "64"], &["--kv-heads 2 needs --arch llama"]);
+}
+
+/// `--profile` builds and trains the Llama the config describes (RMSNorm, RoPE, grouped-query
+/// attention, SwiGLU, untied head here) and the estimate, read from the model's description,
+/// follows the measured peak. 4 × 256 with a 16384 vocabulary: tensors large enough that glibc's
+/// small-block heap (a few MiB here, BENCHMARKS.md) stays within the tolerance.
+#[test]
+fn profile_trains_a_llama_and_matches_its_estimate() {
+    let sets = [
+        "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=688",
+        "model.vocab_size=16384", "model.seq_len=128", "model.tie_embeddings=false", "train.threads=1",
+    ];
+    let cfg = config("llama-debug.yaml");
+    let mut args = vec!["--config", &cfg, "--profile", "--device", "cpu", "--micro-batches", "2,8", "--profile-steps", "1", "--json"];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let j = json(&plan(&args).ok());
+    assert_eq!(j["model"]["arch"], "llama");
+    let points = j["profile"]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for x in points {
+        assert_eq!(x["outcome"], "fits");
+        assert_eq!(x["steps"]["applied"], 1, "a real optimizer step ran: {x}");
+        let err = x["error_pct"].as_f64().unwrap();
+        assert!(err.abs() < 8.0, "estimate {} vs measured {}: {err:.1}%", x["estimate_bytes"], x["measured_bytes"]);
+    }
+    let (lo, hi) = (u(&points[0]["measured_bytes"]), u(&points[1]["measured_bytes"]));
+    assert!(hi > lo + (100 << 20), "6 more sequences of 128 tokens: logits alone are 3 × 4 × 768 × 16384 bytes: {lo} → {hi}");
 }

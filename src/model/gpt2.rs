@@ -3,6 +3,7 @@
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
 use super::layers::{causal_attention, param, split_heads, LayerNorm, Linear};
+use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
 use super::Decoder;
@@ -41,6 +42,28 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     }
     norm(&mut out, "ln_f".into(), Part::Head);
     out
+}
+
+/// What GPT-2's forward keeps for backward (see [`super::memory`]). Per block: two LayerNorms
+/// (input, statistics, output), the fused QKV output that attention reads, the attention output
+/// (the projection's input), GELU's input and output (the second projection's input), two
+/// residual dropout masks.
+pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
+    let (c, f, a) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64);
+    let mut block: Vec<Saved> = saves::layer_norm(c, 1).into();
+    block.extend(saves::attention(c, c, a, r));
+    block.extend(saves::dropout(c, r));
+    block.extend(saves::layer_norm(c, 1));
+    block.push(Saved::token("GELU input and output", 2 * f, Stored::Compute));
+    block.extend(saves::dropout(c, r));
+    Activations {
+        block,
+        embedding: saves::dropout(c, r).into_iter().collect(),
+        final_norm: saves::layer_norm(c, 1).into(),
+        buffers: vec![],
+        // GELU's input gradient replaces its output's, whose saved input is freed by then.
+        block_backward: vec![Saved::token("GELU gradient", f, Stored::Compute), Saved::token("residual gradient", c, Stored::Residual)],
+    }
 }
 
 struct Block {

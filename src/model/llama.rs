@@ -6,6 +6,7 @@
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
 use super::layers::{causal_attention, param, split_heads, swiglu, Linear, RmsNorm, Rope};
+use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
 use super::Decoder;
@@ -45,6 +46,34 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
         out.push(TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head));
     }
     out
+}
+
+/// What Llama's forward keeps for backward (see [`super::memory`]). Per block: the attention
+/// RMSNorm read by q, k and v (three 16-bit copies under autocast), RoPE's cos and sin cast to
+/// the compute dtype for q and for k (the rotation saves only them: the unrotated q and k are
+/// freed), attention over the rotated q and k and the grouped key/value heads as they are, the MLP
+/// RMSNorm read by gate and up, SwiGLU's gate output, up output, silu(gate) and their product
+/// (down's input), two residual dropout masks. Besides: the fp32 cos and sin tables
+/// (seq_len × head_dim each).
+pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
+    let (h, f, a, d) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64, cfg.head_dim() as u64);
+    let kv = cfg.kv_heads() as u64 * d;
+    let mut block: Vec<Saved> = saves::rms_norm(h, 3).into();
+    block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
+    block.extend(saves::attention(a * d, kv, a, r));
+    block.extend(saves::dropout(h, r));
+    block.extend(saves::rms_norm(h, 2));
+    block.push(Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute));
+    block.extend(saves::dropout(h, r));
+    Activations {
+        block,
+        embedding: saves::dropout(h, r).into_iter().collect(),
+        final_norm: saves::rms_norm(h, 1).into(),
+        buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
+        // The product's gradient splits into gate's and up's while the product itself (down's
+        // saved input) is freed: two f-wide gradients net.
+        block_backward: vec![Saved::token("SwiGLU gradients", 2 * f, Stored::Compute), Saved::token("residual gradient", h, Stored::Residual)],
+    }
 }
 
 struct Layer {

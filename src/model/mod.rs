@@ -1,16 +1,19 @@
 //! Models trainguard trains, behind one interface. Owns each architecture's parameter
 //! description ([`describe`]: names, shapes, initialisation — what the planner counts too),
+//! what the forward keeps for backward ([`saved_activations`], which the planner counts too),
 //! parameter creation, the fallible forward pass in pieces (embedding, blocks, head: what
 //! activation checkpointing and the chunked loss run separately) and the loss. It does not own
-//! gradients or optimizer state. Adding an architecture: one file with its `tensors()` and a
-//! [`Decoder`], and one arm in [`describe`] and [`Model::new`] — the only places that match on
-//! `model.arch`.
+//! gradients or optimizer state. Adding an architecture: one file with its `tensors()`, its
+//! `saved()` and a [`Decoder`], and one arm in [`describe`], [`saved_activations`] and
+//! [`Model::new`] — the only places that match on `model.arch`.
 mod gpt2;
 mod layers;
 mod llama;
+pub mod memory;
 mod params;
 mod spec;
 
+pub use memory::saved_activations;
 pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 

@@ -2,52 +2,74 @@
 //! device, part by part (weights, fp32 master weights, gradients, optimizer state, activations,
 //! logits and cross-entropy, data-parallel buffers, allocator margin, CUDA context), and the peak.
 //! No tensors, no device: every figure is a formula of the sizes, unit-tested against hand-computed
-//! cases. The formulas and where they come from are in `/README.md` ("trainguard plan").
+//! cases. What each architecture holds comes from the model's own descriptions: its parameters
+//! (`model::describe`) and what its forward saves for backward (`model::saved_activations`); this
+//! file adds what every decoder shares (logits, cross-entropy, the order of backward, optimizer
+//! state, the device). The formulas and where they come from are in `/README.md` ("trainguard plan").
 //!
 //! Notation: L layers, h hidden, a heads, s sequence length, b micro-batch, v vocabulary,
 //! f MLP width, e bytes per activation element (4 in fp32, 2 in 16-bit).
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
+use crate::model::memory::{Activations, Regime, Widths};
+use crate::model::{Part, TensorSpec};
 use serde::Serialize;
 
 /// The CUDA caching allocator hands out multiples of 512 bytes.
 pub const CUDA_ROUND: u64 = 512;
 
-/// A decoder-only transformer in GPT-2's layout: token + learned position embeddings, pre-LN
-/// blocks (fused QKV, output projection, MLP of width `ffn`), final LayerNorm, head tied to the
-/// token embedding.
+/// A decoder-only transformer of one of the model's architectures, by its sizes: GPT-2 (learned
+/// positions, LayerNorm, fused QKV, GELU MLP of width `ffn`, tied head) or Llama (RoPE, RMSNorm,
+/// grouped-query attention over `kv_heads`, SwiGLU of width `ffn`, tied or untied head).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Transformer {
+    pub arch: Arch,
     pub layers: u64,
     pub hidden: u64,
     pub heads: u64,
     pub vocab: u64,
     pub seq_len: u64,
     pub ffn: u64,
+    /// Key/value heads (grouped-query attention); none: `heads`.
+    pub kv_heads: Option<u64>,
+    /// The LM head is the token embedding (always for GPT-2).
+    pub tied: bool,
     /// Biases in linear layers and LayerNorms.
     pub bias: bool,
-    /// `--params`: a count for an architecture whose tensors differ from GPT-2's (gated MLP,
-    /// untied head, grouped-query attention). Weights, gradients and optimizer state then follow
-    /// this count; activations still follow the sizes.
+    /// `--params`: a count for an architecture whose tensors differ from the layout's. Weights,
+    /// gradients and optimizer state then follow this count; activations still follow the sizes.
     pub params_override: Option<u64>,
 }
 
+/// The built-in defaults' model (GPT-2 layout).
+impl Default for Transformer {
+    fn default() -> Self {
+        Self::from_config(&ModelConfig::default())
+    }
+}
+
 impl Transformer {
-    pub fn from_gpt(cfg: &ModelConfig) -> Self {
+    pub fn from_config(cfg: &ModelConfig) -> Self {
         Self {
+            arch: cfg.arch,
             layers: cfg.n_layer as u64,
             hidden: cfg.n_embd as u64,
             heads: cfg.n_head as u64,
             vocab: cfg.vocab_size as u64,
             seq_len: cfg.seq_len as u64,
             ffn: cfg.ffn() as u64,
+            kv_heads: cfg.n_kv_head.map(|k| k as u64),
+            tied: cfg.tie_embeddings,
             bias: cfg.bias,
             params_override: None,
         }
     }
 
-    /// The model config these sizes describe (GPT-2's layout).
+    /// The model config these sizes describe.
     pub fn model_config(&self) -> ModelConfig {
         ModelConfig {
+            arch: self.arch,
+            n_kv_head: self.kv_heads.map(|k| k as usize),
+            tie_embeddings: self.tied,
             n_layer: self.layers as usize,
             n_head: self.heads as usize,
             n_embd: self.hidden as usize,
@@ -59,13 +81,38 @@ impl Transformer {
         }
     }
 
-    /// Parameter shapes in the order the model creates them: the model's own description
+    /// The parameters in the order the model creates them: the model's own description
     /// (`model::describe`), not a copy of it.
-    pub fn tensors(&self) -> Vec<Vec<u64>> {
-        crate::model::describe(&self.model_config()).iter().map(|t| t.shape.iter().map(|&d| d as u64).collect()).collect()
+    pub fn specs(&self) -> Vec<TensorSpec> {
+        crate::model::describe(&self.model_config())
     }
 
-    /// Parameters of the GPT-2 layout (what `model::Model::num_params` counts).
+    /// Parameter shapes in creation order.
+    pub fn tensors(&self) -> Vec<Vec<u64>> {
+        self.specs().iter().map(|t| t.shape.iter().map(|&d| d as u64).collect()).collect()
+    }
+
+    /// Parameters in `part` (counted from the description).
+    fn params_in(&self, part: Part) -> u64 {
+        self.specs().iter().filter(|t| t.part == part).map(|t| t.numel() as u64).sum()
+    }
+
+    /// What the forward keeps for backward in `setup`'s regime (`model::saved_activations`).
+    pub fn saved(&self, s: &Setup) -> Activations {
+        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout })
+    }
+
+    /// Key/value heads (`heads` without grouped-query attention).
+    pub fn kv(&self) -> u64 {
+        self.kv_heads.unwrap_or(self.heads)
+    }
+
+    /// Channels per attention head.
+    pub fn head_dim(&self) -> u64 {
+        self.hidden / self.heads.max(1)
+    }
+
+    /// Parameters of the layout (what `model::Model::num_params` counts).
     pub fn layout_params(&self) -> u64 {
         self.tensors().iter().map(|s| s.iter().product::<u64>()).sum()
     }
@@ -130,6 +177,12 @@ impl PrecisionBytes for Precision {
     fn is_mixed(self) -> bool {
         matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
     }
+}
+
+/// Bytes per element of each kind of saved tensor, for the precision and the target.
+fn widths(s: &Setup) -> Widths {
+    let p = s.precision;
+    Widths { compute: p.activation_bytes(), residual: p.residual_bytes(), autocast: p.is_mixed(), mask: mask_bytes(s) }
 }
 
 /// Optimizer state bytes per parameter tensor.
@@ -243,6 +296,9 @@ pub struct Estimate {
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
+    /// Tables the model holds besides its parameters: RoPE's fp32 cos and sin (2 × s × head
+    /// dim); none for GPT-2.
+    pub buffers: u64,
     /// Backward through the last block, after logits and cross-entropy are freed: the MLP's
     /// widest gradients (GELU input and output, f·s·b) and the residual stream's (h·s·b); with
     /// a saver on also the head's gradient and the hidden state's, held meanwhile.
@@ -282,32 +338,31 @@ fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> 
     }
 }
 
-/// 1, or 0 when `--params` describes another layout (an untied head has no summed gradient).
-fn layout_scale(m: &Transformer) -> u64 {
-    u64::from(m.params_override.is_none())
+/// The tied embedding's partial gradients are summed at the end of backward: 1 when the head is
+/// tied, 0 when untied or when `--params` describes another layout.
+fn tied(m: &Transformer) -> u64 {
+    u64::from(m.params_override.is_none() && m.tied)
 }
 
-/// Saved activations of one block at micro-batch `b` (Korthikanti et al. 2022, generalised to
-/// element size e and MLP width f): s·b·(8h + 2f)·e for the LayerNorm inputs and outputs, QKV,
-/// attention output, MLP input/GELU input/GELU output; 2·s·b·h mask bytes with dropout; fp32
-/// LayerNorm statistics 16·b·s; attention: flash keeps its fp32 log-sum-exp (4·b·a·s),
-/// materialised keeps the softmax output b·a·s²·e (and its dropout output and mask).
+/// Bytes of a list of saved tensors at micro-batch `b`.
+fn sum(list: &[crate::model::memory::Saved], w: &Widths, b: u64, seq: u64) -> u64 {
+    list.iter().map(|t| t.bytes(w, b, seq)).sum()
+}
+
+/// Saved activations of one block at micro-batch `b`: the architecture's own list
+/// (`model::saved_activations`), in bytes for the precision. For GPT-2 this is Korthikanti et
+/// al. 2022 generalised to element size e and MLP width f: s·b·(8h + 2f)·e for the LayerNorm
+/// inputs and outputs, QKV, attention output, GELU input and output; 2·s·b·h mask bytes with
+/// dropout; fp32 LayerNorm statistics 16·b·s; attention: flash keeps its fp32 log-sum-exp
+/// (4·b·a·s), materialised keeps the softmax output b·a·s²·e (and its dropout output and mask).
 /// In 16-bit with dropout and f = 4h this is s·b·h·(34 + 5·a·s/h) + 16·b·s.
 pub fn layer_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
-    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
-    let mask = mask_bytes(s);
-    let (seq, h, a) = (m.seq_len, m.hidden, m.heads);
-    let sb = seq * b;
-    // The two LayerNorm inputs are the residual stream; the rest is matmul and GELU traffic.
-    let dense = sb * (2 * h * r + (6 * h + 2 * m.ffn) * e);
-    let masks = if s.dropout { 2 * sb * h * mask } else { 0 };
-    let ln_stats = 2 * 2 * sb * 4;
-    let attention = if s.flash {
-        4 * b * a * seq
-    } else {
-        b * a * seq * seq * (e + if s.dropout { e + mask } else { 0 })
-    };
-    dense + masks + ln_stats + attention
+    sum(&m.saved(s).block, &widths(s), b, m.seq_len)
+}
+
+/// Tables the model holds besides its parameters (RoPE's cos and sin): allocated once.
+pub fn buffers(m: &Transformer, s: &Setup) -> u64 {
+    sum(&m.saved(s).buffers, &widths(s), 1, m.seq_len)
 }
 
 /// A dropout mask element: a bool on CUDA; on CPU libtorch keeps a scaled noise tensor of the
@@ -319,19 +374,18 @@ fn mask_bytes(s: &Setup) -> u64 {
     }
 }
 
-/// Activations outside the blocks at micro-batch `b`: final LayerNorm input and output (and its
-/// statistics; with a chunked loss only the input), the int64 inputs and targets, the embedding
-/// dropout mask.
+/// Activations outside the blocks at micro-batch `b`: the final norm's saved tensors (with a
+/// chunked loss only its input, the hidden state: the rest exists per chunk), the int64 inputs
+/// and targets, the embedding's (dropout mask).
 pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
-    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
+    let (w, saved) = (widths(s), m.saved(s));
+    let r = s.precision.residual_bytes();
     let sbh = m.seq_len * b * m.hidden;
-    let mut bytes = sbh * r + 2 * 8 * m.seq_len * b;
-    if s.loss_chunk_tokens.is_none() {
-        bytes += sbh * e + 2 * 4 * m.seq_len * b; // the final LayerNorm's output and statistics (per chunk when chunked)
-    }
-    if s.dropout {
-        bytes += sbh * mask_bytes(s);
-    }
+    let mut bytes = 2 * 8 * m.seq_len * b + sum(&saved.embedding, &w, b, m.seq_len);
+    bytes += match s.loss_chunk_tokens {
+        Some(_) => sbh * r,
+        None => sum(&saved.final_norm, &w, b, m.seq_len),
+    };
     if s.activation_checkpointing {
         bytes += m.layers.div_ceil(s.segment()) * sbh * r; // each segment's input, kept to recompute it
     }
@@ -358,7 +412,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
     let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes()));
     let dp_buffers = if s.gpus > 1 { gradients } else { 0 };
-    let base = weights + master_weights + optimizer + dp_buffers;
+    let buffers = buffers(m, s);
+    let base = weights + master_weights + optimizer + dp_buffers + buffers;
     let held = if accumulation > 1 { gradients } else { 0 };
 
     let at = Moments::at(m, s, micro);
@@ -391,6 +446,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         logits: at.logits,
         cross_entropy: at.cross_entropy,
         dp_buffers,
+        buffers,
         embedding_grad_transient: at.embedding_grad_transient,
         block_backward_transient: at.block_backward,
         peak_phase: if first_blocks > at.transient.max(grads_done) {
@@ -420,13 +476,14 @@ fn first_segment_backward(m: &Transformer, s: &Setup, micro: u64, gradients: u64
         return 0;
     }
     let k = s.recomputed_blocks(m);
-    let (e, r) = (s.precision.activation_bytes(), s.precision.residual_bytes());
+    let r = s.precision.residual_bytes();
     let tokens = micro * m.seq_len;
-    let outside_blocks = (m.vocab + m.seq_len) * m.hidden + m.hidden * (1 + u64::from(m.bias));
-    let block_params = m.layout_params().saturating_sub(outside_blocks) / m.layers.max(1);
-    // The segment's and wpe's share of the gradients, in the same units (and rounding) as `gradients`.
-    let not_yet = (gradients as f64 * (k * block_params + m.seq_len * m.hidden) as f64 / m.layout_params().max(1) as f64) as u64;
-    gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + (m.ffn * e + 2 * m.hidden * r) * tokens
+    let block_params = m.params_in(Part::Block(0));
+    // The segment's and the untied embedding's (GPT-2's wpe, an untied Llama's token embedding)
+    // share of the gradients, in the same units (and rounding) as `gradients`.
+    let not_yet = (gradients as f64 * (k * block_params + m.params_in(Part::Embedding)) as f64 / m.layout_params().max(1) as f64) as u64;
+    let widest = sum(&m.saved(s).block_backward, &widths(s), micro, m.seq_len);
+    gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + widest + m.hidden * r * tokens
 }
 
 /// What one micro-batch adds on top of the states at the moments [`estimate`] compares.
@@ -465,8 +522,8 @@ impl Moments {
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
         let head_grad = m.vocab * m.hidden * p.grad_bytes();
-        let tied = layout_scale(m);
-        let mut block_backward = (m.ffn * p.activation_bytes() + m.hidden * p.residual_bytes()) * tokens;
+        let tied = tied(m);
+        let mut block_backward = sum(&m.saved(s).block_backward, &widths(s), micro, m.seq_len);
         let (head, embedding_grad_transient) = if s.split_backward() {
             // Chunk after chunk: log-probabilities and their two gradients, then the chunk's
             // logit gradient with the head's new weight gradient, each next to the gradient
@@ -515,7 +572,12 @@ pub(crate) mod fixtures {
 
     /// GPT-2 small: 12 × 768, 12 heads, vocab 50257, seq 1024, biases.
     pub fn gpt2_small() -> Transformer {
-        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None }
+        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None, ..Default::default() }
+    }
+
+    /// Llama 3.2 1B: 16 × 2048, 32 heads sharing 8 KV heads, SwiGLU 8192, vocab 128256, tied, seq 2048.
+    pub fn llama32_1b() -> Transformer {
+        Transformer { arch: Arch::Llama, layers: 16, hidden: 2048, heads: 32, kv_heads: Some(8), vocab: 128_256, seq_len: 2048, ffn: 8192, tied: true, bias: false, params_override: None }
     }
 
     /// fp32 AdamW on one CUDA GPU, flash attention, 1 GiB context, 10% fragmentation.
@@ -580,7 +642,7 @@ mod tests {
 
     #[test]
     fn adafactor_and_8bit_adamw_follow_the_tensor_shapes() {
-        let tiny = Transformer { layers: 1, hidden: 64, heads: 2, vocab: 128, seq_len: 16, ffn: 256, bias: false, params_override: None };
+        let tiny = Transformer { layers: 1, hidden: 64, heads: 2, vocab: 128, seq_len: 16, ffn: 256, bias: false, params_override: None, ..Default::default() };
         let s = |o| estimate(&tiny, &setup(Precision::Fp32, o), 1, 1).optimizer;
         // Matrices: wte 128×64, wpe 16×64, qkv 192×64, proj 64×64, fc 256×64, proj 64×256; vectors: 3 LN weights of 64.
         let factored = (128 + 64) + (16 + 64) + (192 + 64) + (64 + 64) + (256 + 64) + (64 + 256);
@@ -705,6 +767,7 @@ mod tests {
             ffn: 14_336,
             bias: false,
             params_override: Some(8_030_261_248),
+            ..Default::default()
         };
         let e = estimate(&m, &setup(Precision::Bf16Pure, OptimizerName::Adamw), 1, 1);
         let gb = e.states() as f64 / 1e9;
@@ -735,7 +798,7 @@ mod tests {
     fn a_byte_vocabulary_puts_the_peak_in_the_last_blocks_backward() {
         // bench-10m: h = 384, f = 1536, v = 256: 12·v = 3072 bytes/token of logits and
         // cross-entropy against (f + h)·4 = 7680 bytes/token of the last block's gradients.
-        let m = Transformer { layers: 6, hidden: 384, heads: 6, vocab: 256, seq_len: 256, ffn: 1536, bias: true, params_override: None };
+        let m = Transformer { layers: 6, hidden: 384, heads: 6, vocab: 256, seq_len: 256, ffn: 1536, bias: true, params_override: None, ..Default::default() };
         let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2);
         assert_eq!(e.block_backward_transient, (1536 + 384) * 256 * 8 * 4);
         assert_eq!(e.peak_phase, "last block's backward");
@@ -745,7 +808,7 @@ mod tests {
 
     #[test]
     fn cuda_target_adds_rounding_fragmentation_and_context() {
-        let m = Transformer { layers: 1, hidden: 8, heads: 2, vocab: 16, seq_len: 4, ffn: 32, bias: true, params_override: None };
+        let m = Transformer { layers: 1, hidden: 8, heads: 2, vocab: 16, seq_len: 4, ffn: 32, bias: true, params_override: None, ..Default::default() };
         let cpu = setup(Precision::Fp32, OptimizerName::Adamw);
         let cuda = Setup { target: Target::Cuda, cuda_overhead: 1 << 30, fragmentation: 0.1, ..cpu.clone() };
         let (a, b) = (estimate(&m, &cpu, 2, 2), estimate(&m, &cuda, 2, 2));
@@ -763,5 +826,78 @@ mod tests {
         let s = Setup { gpus: 4, ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&gpt2(), &s, 1, 1);
         assert_eq!(e.dp_buffers, e.gradients);
+    }
+
+    #[test]
+    fn llama_3_2_1b_has_1_235_814_400_parameters_and_its_untied_head_adds_an_embedding() {
+        let m = super::fixtures::llama32_1b();
+        let (h, v, f, kv, l) = (2048u64, 128_256u64, 8192u64, 512u64, 16u64);
+        // Per layer: two RMSNorm weights, q and o (h × h), k and v (kv·d × h), gate, up, down (f × h).
+        let per_layer = 2 * h + 2 * h * h + 2 * kv * h + 3 * f * h;
+        assert_eq!(v * h + l * per_layer + h, 1_235_814_400);
+        assert_eq!(m.params(), 1_235_814_400);
+        let untied = Transformer { tied: false, ..m.clone() };
+        assert_eq!(untied.params(), 1_235_814_400 + v * h);
+        // Its gradient and AdamW moments follow: 4 + 8 bytes per parameter more in fp32.
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
+        let (a, b) = (estimate(&m, &s, 1, 1), estimate(&untied, &s, 1, 1));
+        assert_eq!((b.gradients - a.gradients, b.optimizer - a.optimizer), (4 * v * h, 8 * v * h));
+        // No second gradient of the token embedding to sum at the end of backward.
+        assert_eq!((a.embedding_grad_transient, b.embedding_grad_transient), (2 * v * h * 4, 0));
+    }
+
+    #[test]
+    fn grouped_query_attention_shrinks_k_and_v_weights_and_activations() {
+        let m = super::fixtures::llama32_1b();
+        let (h, d) = (2048u64, 64u64);
+        // q_proj, k_proj, v_proj of layer 0 (after its input norm and the embedding).
+        assert_eq!(m.tensors()[2..5], [vec![h, h], vec![8 * d, h], vec![8 * d, h]]);
+        let mha = Transformer { kv_heads: None, ..m.clone() };
+        assert_eq!(mha.params() - m.params(), 16 * 2 * (32 - 8) * d * h);
+        // Saved k and v: 2 × (32 − 8) × 64 fewer channels per token, at 2 bytes under autocast.
+        let s = setup(Precision::Bf16Mixed, OptimizerName::Adamw);
+        let (b, seq) = (3u64, 2048u64);
+        assert_eq!(layer_activations(&mha, &s, b) - layer_activations(&m, &s, b), 2 * 24 * d * b * seq * 2);
+    }
+
+    #[test]
+    fn a_llama_block_saves_rmsnorm_in_fp32_rotated_q_k_and_four_swiglu_tensors() {
+        let m = super::fixtures::llama32_1b();
+        let (h, kv, f, a, d, seq, b) = (2048u64, 512u64, 8192u64, 32u64, 64u64, 2048u64, 2u64);
+        let tokens = b * seq;
+        // fp32: each RMSNorm keeps its input, rsqrt, normalised input and output (3h + 1, the
+        // output once for all its readers); rotated q, rotated k, v, the attention output; the
+        // log-sum-exp per head; gate, up, silu(gate) and their product. RoPE's tables are views.
+        let fp32 = setup(Precision::Fp32, OptimizerName::Adamw);
+        let per_token = 4 * (2 * (3 * h + 1) + (h + 2 * kv + h) + 4 * f) + 4 * a;
+        assert_eq!(layer_activations(&m, &fp32, b), per_token * tokens);
+        // bf16-mixed: the norms stay fp32 (input, rsqrt, normalised), each linear layer keeps its
+        // own bf16 copy of the norm's output (3 for q, k, v; 2 for gate, up), the rest in bf16,
+        // and cos and sin are cast to bf16 for q and for k in every block.
+        let mixed = setup(Precision::Bf16Mixed, OptimizerName::Adamw);
+        let norms = (4 * (2 * h + 1)) * 2 + 2 * h * (3 + 2);
+        let per_token = norms + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * a;
+        assert_eq!(layer_activations(&m, &mixed, b), per_token * tokens + 4 * seq * d * 2);
+        // bf16-pure: the fp32 copy of each norm's input, its rsqrt, the bf16 normalised input and one bf16 output.
+        let pure = setup(Precision::Bf16Pure, OptimizerName::Adamw);
+        let per_token = 2 * (4 * h + 4 + 2 * h + 2 * h) + 2 * (h + 2 * kv + h) + 2 * 4 * f + 4 * a;
+        assert_eq!(layer_activations(&m, &pure, b), per_token * tokens + 4 * seq * d * 2);
+        // The final RMSNorm outside the blocks, next to the int64 inputs and targets.
+        assert_eq!(outside_activations(&m, &fp32, b), (4 * (3 * h + 1) + 16) * tokens);
+        // The fp32 cos and sin tables, seq_len × head_dim each, held once.
+        let e = estimate(&m, &fp32, b, 1);
+        assert_eq!(e.buffers, 2 * seq * d * 4);
+        assert_eq!(estimate(&gpt2(), &fp32, b, 1).buffers, 0);
+    }
+
+    #[test]
+    fn llama_3_2_1b_in_bf16_mixed_with_checkpointing_fits_an_h100_at_micro_batch_8() {
+        let m = super::fixtures::llama32_1b();
+        let s = Setup { precision: Precision::Bf16Mixed, activation_checkpointing: true, ..super::fixtures::cuda_fp32_adamw() };
+        let e = estimate(&m, &s, 8, 32);
+        // 16 + 2 bytes per parameter (bf16 weights, fp32 master, fp32 gradients, two fp32 moments).
+        assert!((e.states() as f64 / 1e9 - 18.0 * 1.2358).abs() < 0.05, "{}", e.states());
+        let budget = ((81_559u64 << 20) as f64 * 0.85) as u64; // the h100 preset's 79.65 GiB, 85% of it
+        assert!(e.total < budget && estimate(&m, &s, 16, 16).total > budget, "{} GiB", e.total as f64 / GIB);
     }
 }

@@ -11,7 +11,7 @@ pub mod profile;
 pub mod recommend;
 pub mod report;
 
-use crate::config::{self, Config, ConfigError};
+use crate::config::{self, Arch, Config, ConfigError};
 use crate::run_plan::{self, RunPlan};
 use estimate::{OptimizerName, Precision, Setup, Target, Transformer};
 use gpu::GpuTarget;
@@ -22,15 +22,20 @@ use std::path::{Path, PathBuf};
 /// `trainguard plan` flags.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PlanArgs {
-    /// YAML config of the built-in GPT; without it (and without --layers …) the built-in defaults.
+    /// YAML config (any architecture); without it (and without --layers …) the built-in defaults.
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Override a config key: `--set model.seq_len=2048` (repeatable).
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub overrides: Vec<String>,
 
+    /// Architecture: gpt2 (LayerNorm, GELU MLP, learned positions) or llama (RMSNorm, SwiGLU,
+    /// RoPE, grouped-query attention; no biases unless a config says so). Default: the config's
+    /// model.arch, gpt2 without a config.
+    #[arg(long, value_enum, help_heading = "Model (generic transformer; overrides the config)")]
+    pub arch: Option<Arch>,
     /// Parameter count of a generic transformer (`124M`, `8B`, `8.03e9`) whose tensors differ
-    /// from GPT-2's; weights, gradients and optimizer state follow it.
+    /// from the architecture's layout; weights, gradients and optimizer state follow it.
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub params: Option<String>,
     /// Transformer blocks.
@@ -48,9 +53,18 @@ pub struct PlanArgs {
     /// Sequence length in tokens.
     #[arg(long = "seq-len", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub seq_len: Option<u64>,
-    /// MLP width (default 4 × hidden).
+    /// MLP width: gpt2's hidden layer (default 4 × hidden); llama's SwiGLU width (required).
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub ffn: Option<u64>,
+    /// llama: key/value heads of grouped-query attention (must divide --heads; default --heads).
+    #[arg(long = "kv-heads", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    pub kv_heads: Option<u64>,
+    /// llama: a separate LM head (`lm_head.weight`) instead of the token embedding.
+    #[arg(long, overrides_with = "tied", help_heading = "Model (generic transformer; overrides the config)")]
+    pub untied: bool,
+    /// llama: the LM head is the token embedding (the default).
+    #[arg(long, overrides_with = "untied", help_heading = "Model (generic transformer; overrides the config)")]
+    pub tied: bool,
     /// No biases in linear layers and LayerNorms.
     #[arg(long, help_heading = "Model (generic transformer; overrides the config)")]
     pub no_bias: bool,
@@ -211,7 +225,14 @@ impl Inputs {
         let params = a.params.as_deref().map(parse_count).transpose()?;
 
         let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
-        let generic = given.iter().any(Option::is_some) || a.ffn.is_some() || params.is_some() || a.no_bias;
+        let generic = given.iter().any(Option::is_some)
+            || a.ffn.is_some()
+            || params.is_some()
+            || a.no_bias
+            || a.arch.is_some()
+            || a.kv_heads.is_some()
+            || a.untied
+            || a.tied;
         let (file, source) = if a.config.is_some() || !generic {
             let cfg = config::load(a.config.as_deref(), &a.overrides)?;
             (Some(cfg), a.config.as_ref().map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()))
@@ -240,7 +261,18 @@ impl Inputs {
                 *key = v as usize;
             }
         }
-        m.bias &= !a.no_bias;
+        if let Some(arch) = a.arch {
+            m.arch = arch;
+        }
+        // The Llama family has no biases; a config may still say otherwise.
+        let llama_from_flags = described_by_flags && m.arch == Arch::Llama;
+        m.bias &= !(a.no_bias || llama_from_flags);
+        if let Some(k) = a.kv_heads {
+            m.n_kv_head = Some(k as usize);
+        }
+        if a.untied || a.tied {
+            m.tie_embeddings = a.tied;
+        }
         config.precision = a.precision.unwrap_or(config.precision);
         config.optimizer.name = a.optimizer.unwrap_or(config.optimizer.name);
         if a.activation_checkpointing && config.memory.activation_checkpointing == "none" {
@@ -254,7 +286,10 @@ impl Inputs {
         if let Some(f) = a.ffn {
             config.model.ffn_hidden = Some(f as usize);
         }
-        let model = Transformer { params_override: params, ..Transformer::from_gpt(&config.model) };
+        if config.model.arch == Arch::Llama && config.model.ffn_hidden.is_none() {
+            return Err(usage("--arch llama needs --ffn N: its SwiGLU width (e.g. 8192 for Llama 3.2 1B, 1536 for SmolLM2-135M)"));
+        }
+        let model = Transformer { params_override: params, ..Transformer::from_config(&config.model) };
         check_model(&model)?;
         let segment = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
             Ok(config::Checkpointing::Every(k)) => Some(k as u64),
@@ -304,6 +339,20 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
     }
     if m.hidden % m.heads != 0 {
         return Err(usage(format!("--heads {} must divide --hidden {} (each head gets hidden / heads channels)", m.heads, m.hidden)));
+    }
+    let kv = m.kv();
+    match m.arch {
+        Arch::Gpt2 if kv != m.heads => {
+            return Err(usage(format!("--kv-heads {kv} needs --arch llama: gpt2 has no grouped-query attention (its key/value heads are its {} heads)", m.heads)));
+        }
+        Arch::Gpt2 if !m.tied => return Err(usage("--untied needs --arch llama: gpt2 always ties its head to the token embedding")),
+        Arch::Llama if !m.head_dim().is_multiple_of(2) => {
+            return Err(usage(format!("llama's rotary embedding needs an even head size: --hidden {} / --heads {} = {}", m.hidden, m.heads, m.head_dim())));
+        }
+        _ => {}
+    }
+    if kv == 0 || !m.heads.is_multiple_of(kv) {
+        return Err(usage(format!("--kv-heads {kv} must divide --heads {} (each key/value head serves heads / kv-heads query heads)", m.heads)));
     }
     if m.params_override == Some(0) {
         return Err(usage("--params must be at least 1"));
@@ -410,7 +459,7 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
     let s = &inputs.setup;
     if !s.flash {
         return Err(usage(
-            "--profile measures the built-in GPT, which uses scaled_dot_product_attention: drop --no-flash, or plan without --profile",
+            "--profile measures the built-in models, which use scaled_dot_product_attention: drop --no-flash, or plan without --profile",
         ));
     }
     let m = &inputs.model;
@@ -604,5 +653,32 @@ mod tests {
         let i = Inputs::resolve(&PlanArgs { config: Some(debug), seq_len: Some(32), global_batch: Some(64), gpus: 2, ..args() }).unwrap();
         assert_eq!((i.model.seq_len, i.rank_batch, i.accumulation), (32, Some(32), 4));
         assert_eq!(i.model.layers, d.model.n_layer as u64, "other sizes still come from the config");
+    }
+
+    #[test]
+    fn llama_flags_describe_grouped_query_heads_swiglu_and_an_untied_head() {
+        let llama = || PlanArgs { arch: Some(Arch::Llama), layers: Some(16), hidden: Some(2048), heads: Some(32), kv_heads: Some(8), ffn: Some(8192), vocab: Some(128_256), seq_len: Some(2048), ..args() };
+        let i = Inputs::resolve(&llama()).unwrap();
+        assert_eq!((i.model.arch, i.model.kv(), i.model.tied, i.model.bias), (Arch::Llama, 8, true, false));
+        assert_eq!(i.model.params(), 1_235_814_400, "Llama 3.2 1B");
+        let untied = Inputs::resolve(&PlanArgs { untied: true, ..llama() }).unwrap();
+        assert_eq!(untied.model.params(), 1_235_814_400 + 128_256 * 2048);
+        // On a config they override its keys like the other flags.
+        let cfg = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("configs/llama-debug.yaml");
+        let i = Inputs::resolve(&PlanArgs { config: Some(cfg.clone()), kv_heads: Some(1), ffn: Some(96), untied: true, ..args() }).unwrap();
+        assert_eq!((i.config.model.n_kv_head, i.config.model.ffn_hidden, i.config.model.tie_embeddings), (Some(1), Some(96), false));
+        assert_eq!((i.model.arch, i.model.kv(), i.model.ffn, i.model.tied), (Arch::Llama, 1, 96, false));
+        let cases: Vec<(PlanArgs, &str)> = vec![
+            (PlanArgs { ffn: None, ..llama() }, "--arch llama needs --ffn N"),
+            (PlanArgs { kv_heads: Some(5), ..llama() }, "--kv-heads 5 must divide --heads 32"),
+            (PlanArgs { kv_heads: Some(0), ..llama() }, "--kv-heads 0 must divide --heads 32"),
+            (PlanArgs { hidden: Some(2080), heads: Some(32), ..llama() }, "even head size"),
+            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "--kv-heads 8 needs --arch llama"),
+            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "--untied needs --arch llama"),
+        ];
+        for (a, want) in cases {
+            let err = Inputs::resolve(&a).err().unwrap_or_else(|| panic!("`{want}`: resolved"));
+            assert!(err.is_usage() && err.to_string().contains(want), "want `{want}`, got `{err}`");
+        }
     }
 }

@@ -393,7 +393,7 @@ mod tests {
     }
 
     fn plan_parts() -> (Transformer, Setup) {
-        let model = Transformer::from_gpt(&crate::config::Config::default().model);
+        let model = Transformer::from_config(&crate::config::Config::default().model);
         let setup = super::super::estimate::fixtures::cpu_fp32_adamw();
         (model, setup)
     }

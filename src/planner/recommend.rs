@@ -287,7 +287,7 @@ mod tests {
 
     #[test]
     fn nothing_fits_says_by_how_much_and_which_levers_close_the_gap() {
-        let m = Transformer { layers: 32, hidden: 4096, heads: 32, vocab: 128_256, seq_len: 8192, ffn: 14_336, bias: false, params_override: Some(8_030_261_248) };
+        let m = Transformer { layers: 32, hidden: 4096, heads: 32, vocab: 128_256, seq_len: 8192, ffn: 14_336, bias: false, params_override: Some(8_030_261_248), ..Default::default() };
         let s = Setup { precision: Precision::Bf16Mixed, ..setup() };
         let r = recommend(&m, &s, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
         assert!(!r.fits);

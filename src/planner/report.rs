@@ -6,6 +6,7 @@ use super::gpu::GpuTarget;
 use super::profile::{Outcome, ProfileReport};
 use super::recommend::Recommendation;
 use super::Applied;
+use crate::config::Arch;
 use serde::Serialize;
 use std::fmt::Write;
 
@@ -57,21 +58,12 @@ pub fn render(r: &Report) -> String {
     let mut o = String::new();
     let (m, s, e) = (r.model, r.setup, r.estimate);
     let _ = writeln!(o, "trainguard plan: {}", r.source);
+    let arch = arch_name(m.arch);
     let params = match m.params_override {
-        Some(_) => format!("{} parameters (--params; GPT-2 layout: {})", count(r.params), count(m.layout_params())),
+        Some(_) => format!("{} parameters (--params; {arch} layout: {})", count(r.params), count(m.layout_params())),
         None => format!("{} parameters", count(r.params)),
     };
-    let _ = writeln!(
-        o,
-        "model     {params}; {} layers, hidden {}, {} heads, vocab {}, seq {}, MLP {}{}",
-        m.layers,
-        m.hidden,
-        m.heads,
-        m.vocab,
-        m.seq_len,
-        m.ffn,
-        if m.bias { ", biases" } else { ", no biases" }
-    );
+    let _ = writeln!(o, "model     {params}; {arch}: {}", model_parts(m));
     let _ = writeln!(
         o,
         "training  {}, {}, {} attention, activation checkpointing {}{}{}",
@@ -114,6 +106,9 @@ pub fn render(r: &Report) -> String {
         (format!("logits ({}, {dtype})", if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }), v(e.logits)),
         (format!("cross-entropy (log-softmax gradients, {dtype})"), v(e.cross_entropy)),
     ];
+    if e.buffers > 0 {
+        rows.insert(4, ("buffers (RoPE cos and sin tables, fp32)".into(), v(e.buffers)));
+    }
     if r.gpus > 1 {
         rows.push(("data-parallel gradient buckets".into(), v(e.dp_buffers)));
     }
@@ -169,6 +164,32 @@ pub fn render(r: &Report) -> String {
         render_applied(&mut o, a, r.gpus);
     }
     o
+}
+
+fn arch_name(a: Arch) -> &'static str {
+    match a {
+        Arch::Gpt2 => "gpt2",
+        Arch::Llama => "llama",
+    }
+}
+
+/// The sizes and the parts that set the memory: `12 layers, hidden 768, 12 heads, …`.
+fn model_parts(m: &Transformer) -> String {
+    let (kv, bias) = (m.kv(), if m.bias { "biases" } else { "no biases" });
+    match m.arch {
+        Arch::Gpt2 => format!("{} layers, hidden {}, {} heads, vocab {}, seq {}, MLP {}, {bias}", m.layers, m.hidden, m.heads, m.vocab, m.seq_len, m.ffn),
+        Arch::Llama => format!(
+            "{} layers, hidden {}, {} heads{}, RMSNorm, SwiGLU {}, RoPE, vocab {}, seq {}, {} head, {bias}",
+            m.layers,
+            m.hidden,
+            m.heads,
+            if kv == m.heads { String::new() } else { format!(" sharing {kv} KV heads") },
+            m.ffn,
+            m.vocab,
+            m.seq_len,
+            if m.tied { "tied" } else { "untied" }
+        ),
+    }
 }
 
 fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recommendation) {
@@ -328,7 +349,7 @@ mod tests {
         assert_eq!(j["setup"]["optimizer"], "adamw");
         let est = &j["estimate"];
         let part = |k: &str| est[k].as_u64().unwrap_or_else(|| panic!("estimate.{k} missing"));
-        let sum = part("weights") + part("master_weights") + part("gradients") + part("optimizer") + part("activations") + part("logits") + part("cross_entropy") + part("dp_buffers");
+        let sum = part("weights") + part("master_weights") + part("gradients") + part("optimizer") + part("buffers") + part("activations") + part("logits") + part("cross_entropy") + part("dp_buffers");
         assert_eq!(sum, part("peak_allocated"), "accumulating: every part is held at once");
         assert_eq!(part("peak_allocated") + part("fragmentation") + part("cuda_overhead"), part("total"));
         let rj = &j["recommendation"];

@@ -1,0 +1,204 @@
+//! What a training step's forward pass keeps for backward, as data: each architecture lists the
+//! tensors its forward saves (one block's, the final norm's, the embedding's, the buffers it
+//! holds) with their sizes and how they are stored, and the planner turns the list into bytes for
+//! a precision. The list follows the forward code in this directory (what autograd saves for each
+//! op it runs, checked with `saved_tensors_hooks` and `trainguard plan --profile`), so the model
+//! and the planner read one description per architecture. Adding an architecture: its `saved()`
+//! beside its `tensors()`, and one arm in [`saved_activations`].
+use super::{gpt2, llama};
+use crate::config::{Arch, ModelConfig};
+
+/// How many elements a saved tensor has at micro-batch b and sequence length s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// n per token: n·b·s.
+    Token(u64),
+    /// One s × s score matrix per head: n·b·s².
+    Scores(u64),
+    /// n per position, shared by the batch (tables indexed by position): n·s.
+    Position(u64),
+}
+
+/// The element type a saved tensor has, as a function of the precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// The compute dtype: fp32, or 16 bits under autocast and in bf16-pure.
+    Compute,
+    /// The residual stream's dtype: fp32 except in bf16-pure (autocast keeps fp32 + 16-bit sums
+    /// in fp32).
+    Residual,
+    /// fp32 whatever the precision (norm statistics, attention's log-sum-exp, RMSNorm's fp32
+    /// computation).
+    Fp32,
+    /// A norm's output that `n` linear layers read: one tensor, except under autocast, which
+    /// casts it to 16 bits once per linear layer (activation casts are not cached) and each
+    /// layer keeps its own copy.
+    LinearInput(u64),
+    /// An fp32 table cast to the compute dtype where it is used: a view in fp32 (nothing new), a
+    /// 16-bit copy otherwise.
+    CastTable,
+    /// A dropout mask.
+    DropoutMask,
+}
+
+/// One saved tensor (or a group stored alike).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Saved {
+    pub what: &'static str,
+    pub count: Count,
+    pub stored: Stored,
+}
+
+impl Saved {
+    pub const fn token(what: &'static str, n: u64, stored: Stored) -> Self {
+        Self { what, count: Count::Token(n), stored }
+    }
+
+    /// Bytes at micro-batch `b` and sequence length `s`.
+    pub fn bytes(&self, w: &Widths, b: u64, s: u64) -> u64 {
+        let elements = match self.count {
+            Count::Token(n) => n * b * s,
+            Count::Scores(n) => n * b * s * s,
+            Count::Position(n) => n * s,
+        };
+        let per = match self.stored {
+            Stored::Compute => w.compute,
+            Stored::Residual => w.residual,
+            Stored::Fp32 => 4,
+            Stored::LinearInput(n) if w.autocast => n * w.compute,
+            Stored::LinearInput(_) => w.compute,
+            Stored::CastTable if w.compute == 4 => 0,
+            Stored::CastTable => w.compute,
+            Stored::DropoutMask => w.mask,
+        };
+        elements * per
+    }
+}
+
+/// Bytes per element of each kind of saved tensor, for one precision and device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Widths {
+    pub compute: u64,
+    pub residual: u64,
+    /// Mixed precision (autocast): linear layers cast their inputs.
+    pub autocast: bool,
+    /// A dropout mask element: a bool on CUDA, a scaled noise tensor of the compute dtype on CPU.
+    pub mask: u64,
+}
+
+/// How the forward runs attention and dropout (what it saves depends on both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Regime {
+    /// `scaled_dot_product_attention`'s fused kernels (flash, memory-efficient, CPU flash): no
+    /// score matrix kept, an fp32 log-sum-exp per query head and token instead. `false`: the
+    /// scores are materialised (softmax output, and with dropout its dropped copy and mask).
+    pub fused_attention: bool,
+    pub dropout: bool,
+}
+
+/// What one architecture's forward keeps for backward.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activations {
+    /// One block's saved tensors (every block alike).
+    pub block: Vec<Saved>,
+    /// Before the first block (embedding dropout's mask).
+    pub embedding: Vec<Saved>,
+    /// The final norm, whose output the LM head reads (with a chunked loss these exist per chunk;
+    /// only its input, the hidden state, is kept for the batch).
+    pub final_norm: Vec<Saved>,
+    /// Tables the model holds besides its parameters (RoPE's cos and sin), allocated once.
+    pub buffers: Vec<Saved>,
+    /// Backward through a block, on top of its saved tensors: the widest gradients alive at once
+    /// (the MLP's, net of the saved tensors freed by then, and the residual stream's).
+    pub block_backward: Vec<Saved>,
+}
+
+/// The description for `cfg`'s architecture.
+pub fn saved_activations(cfg: &ModelConfig, r: Regime) -> Activations {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2::saved(cfg, r),
+        Arch::Llama => llama::saved(cfg, r),
+    }
+}
+
+/// Shared layers' saved tensors.
+pub mod layers {
+    use super::{Count, Regime, Saved, Stored};
+
+    /// LayerNorm over `h` channels read by `readers` linear layers: its input, fp32 mean and
+    /// rstd per token, its output.
+    pub fn layer_norm(h: u64, readers: u64) -> [Saved; 3] {
+        [
+            Saved::token("LayerNorm input", h, Stored::Residual),
+            Saved::token("LayerNorm mean and rstd", 2, Stored::Fp32),
+            Saved::token("LayerNorm output", h, Stored::LinearInput(readers)),
+        ]
+    }
+
+    /// RMSNorm computed in fp32 (`layers::RmsNorm`): the input in fp32 (the residual stream
+    /// itself, or its fp32 copy in bf16-pure, where the 16-bit input is then not kept), the fp32
+    /// rsqrt per token, the normalised input back in the input's dtype (what the weight
+    /// multiplies) and the output that `readers` linear layers read.
+    pub fn rms_norm(h: u64, readers: u64) -> [Saved; 4] {
+        [
+            Saved::token("RMSNorm input in fp32", h, Stored::Fp32),
+            Saved::token("RMSNorm rsqrt", 1, Stored::Fp32),
+            Saved::token("RMSNorm normalised input", h, Stored::Residual),
+            Saved::token("RMSNorm output", h, Stored::LinearInput(readers)),
+        ]
+    }
+
+    /// `scaled_dot_product_attention` over `heads` query heads of `q` channels in all and
+    /// `kv` key/value channels (grouped-query heads are not expanded: the fused kernels read
+    /// them as they are): q, k, v and the output, kept by the output projection too (the
+    /// kernels write it token-major, so the transpose back is a view), plus either the
+    /// log-sum-exp or the score matrices.
+    pub fn attention(q: u64, kv: u64, heads: u64, r: Regime) -> Vec<Saved> {
+        let mut out = vec![Saved::token("attention q, k, v", q + 2 * kv, Stored::Compute), Saved::token("attention output", q, Stored::Compute)];
+        if r.fused_attention {
+            out.push(Saved::token("attention log-sum-exp", heads, Stored::Fp32));
+        } else {
+            out.push(Saved { what: "attention probabilities", count: Count::Scores(heads), stored: Stored::Compute });
+            if r.dropout {
+                out.push(Saved { what: "attention probabilities after dropout", count: Count::Scores(heads), stored: Stored::Compute });
+                out.push(Saved { what: "attention dropout mask", count: Count::Scores(heads), stored: Stored::DropoutMask });
+            }
+        }
+        out
+    }
+
+    /// Dropout on `n` channels per token: its mask, when dropout is on.
+    pub fn dropout(n: u64, r: Regime) -> Option<Saved> {
+        r.dropout.then(|| Saved::token("dropout mask", n, Stored::DropoutMask))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FP32: Widths = Widths { compute: 4, residual: 4, autocast: false, mask: 4 };
+    const MIXED: Widths = Widths { compute: 2, residual: 4, autocast: true, mask: 2 };
+    const PURE: Widths = Widths { compute: 2, residual: 2, autocast: false, mask: 2 };
+
+    fn per_token(list: &[Saved], w: &Widths) -> u64 {
+        list.iter().map(|s| s.bytes(w, 1, 1)).sum()
+    }
+
+    #[test]
+    fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
+        let n = layers::rms_norm(10, 3);
+        // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
+        assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);
+        assert_eq!(per_token(&n, &MIXED), 40 + 4 + 40 + 3 * 20);
+        assert_eq!(per_token(&n, &PURE), 40 + 4 + 20 + 20);
+    }
+
+    #[test]
+    fn cast_tables_cost_nothing_in_fp32_and_scores_grow_with_the_square_of_the_sequence() {
+        let t = Saved { what: "cos", count: Count::Position(8), stored: Stored::CastTable };
+        assert_eq!((t.bytes(&FP32, 4, 16), t.bytes(&MIXED, 4, 16)), (0, 8 * 16 * 2));
+        let s = Saved { what: "p", count: Count::Scores(2), stored: Stored::Compute };
+        assert_eq!(s.bytes(&FP32, 3, 16), 2 * 3 * 16 * 16 * 4);
+    }
+}
