@@ -1,6 +1,6 @@
 //! A rank that stops answering (SIGSTOP: its sockets stay open, so nothing resets): the others
-//! must give up within `dist.timeout_s` plus a small margin and say so in torchelastic's error
-//! file.
+//! must give up within `dist.timeout_s` plus a small margin, name the silent rank, and say so in
+//! torchelastic's error file.
 mod common;
 use common::*;
 use std::process::{Child, Command, Stdio};
@@ -61,8 +61,10 @@ fn a_stopped_rank_makes_the_others_fail_within_the_timeout() {
     assert!(waited < 5.0 + 5.0, "within the 5 s timeout plus a margin: {waited:.1}s");
     assert!(waited > 4.0, "not before the timeout: {waited:.1}s");
     let text = std::fs::read_to_string(&errs[0]).expect("rank 0 wrote the error file");
-    // Both say a collective timed out (which rank went silent is not known to Gloo's error).
+    // Both say a collective timed out and, from the heartbeats in the store (Gloo's error does
+    // not know), which rank went silent.
     for t in [&err, &text] {
         assert!(t.contains("collective") && t.contains("Timed out"), "says a collective timed out: {t}");
+        assert!(t.contains("rank 1 stopped answering") && !t.contains("rank 0 stopped"), "names the silent rank: {t}");
     }
 }

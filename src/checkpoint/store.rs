@@ -141,6 +141,13 @@ pub fn save(
 fn write_files(dir: &Path, state: &TrainerState, config: &Config, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)]) -> Result<(), CheckpointError> {
     let mut state = state.clone();
     for (file, tensors) in [(MODEL_FILE, weights), (OPTIMIZER_FILE, optimizer)] {
+        if file == OPTIMIZER_FILE {
+            // Test-only: a window with the model file written and the rest missing, so a test
+            // can kill the writer mid-checkpoint on purpose rather than by chance.
+            if let Some(ms) = config.faults.pause_in_checkpoint_write_ms {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
+        }
         let path = dir.join(file);
         let save_err = |why: String| CheckpointError::Save { path: path.clone(), why };
         let cpu: Vec<(&str, Tensor)> = tensors

@@ -455,6 +455,9 @@ pub struct FaultsConfig {
     /// torchrun group only (TORCHELASTIC_RESTART_COUNT = 0).
     pub crash_at_step: Option<u64>,
     pub crash_rank: usize,
+    /// Sleep this long inside every checkpoint write, after the model file is in the temporary
+    /// directory and before the rest: a window in which a kill leaves a half-written checkpoint.
+    pub pause_in_checkpoint_write_ms: Option<u64>,
 }
 
 /// Multi-process runs (torchrun).

@@ -3,6 +3,7 @@
 //! Uses PyTorch's own c10d engine through the shim: TCPStore + ProcessGroupGloo.
 pub mod env;
 mod error_file;
+mod heartbeat;
 
 pub use env::{from_process_env, DistEnv, EnvError};
 pub use error_file::write_error_file;
@@ -15,8 +16,8 @@ use tch::{Device, Kind, TchError, Tensor};
 pub enum DistError {
     #[error("cannot join the process group at {addr}: {message}")]
     Init { addr: String, message: String },
-    #[error("collective `{what}` failed (a rank died, hung or timed out?): {message}")]
-    Collective { what: &'static str, message: String },
+    #[error("collective `{what}` failed (a rank died, hung or timed out?){}: {message}", .silent.as_ref().map(|s| format!("; {s}")).unwrap_or_default())]
+    Collective { what: &'static str, message: String, silent: Option<String> },
     #[error("dist.backend: {0}")]
     Backend(String),
 }
@@ -35,6 +36,8 @@ pub struct Dist {
     pub backend: Backend,
     group: ProcessGroup,
     buckets: Vec<Bucket>,
+    /// Names the silent rank when a collective fails; None if it could not start.
+    heartbeat: Option<heartbeat::Heartbeat>,
     /// Where small agreement tensors live: the CPU for Gloo, the rank's GPU for NCCL.
     small: Device,
 }
@@ -46,8 +49,9 @@ struct Bucket {
     slots: Vec<(usize, i64, i64)>,
 }
 
-fn collective(what: &'static str) -> impl Fn(ShimError) -> DistError {
-    move |e| DistError::Collective { what, message: e.to_string() }
+/// A failed collective, with which rank went silent when the heartbeats tell.
+fn collective<'a>(what: &'static str, heartbeat: Option<&'a heartbeat::Heartbeat>) -> impl Fn(ShimError) -> DistError + 'a {
+    move |e| DistError::Collective { what, message: e.to_string(), silent: heartbeat.map(|h| h.diagnosis()) }
 }
 
 impl Dist {
@@ -59,7 +63,10 @@ impl Dist {
         let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
             .map_err(|e| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message: e.to_string() })?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
-        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), small })
+        let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
+            .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
+            .ok();
+        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small })
     }
 
     /// `dist.backend` for this device: `auto` is NCCL on CUDA when this build has it, else Gloo.
@@ -106,14 +113,15 @@ impl Dist {
 
     /// Replaces each gradient by its mean over ranks: one all-reduce per bucket.
     pub fn average_gradients(&mut self, grads: &mut [Tensor]) -> Result<(), DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "gradient all-reduce", message: e.to_string() };
+        let torch = |e: TchError| DistError::Collective { what: "gradient all-reduce", message: e.to_string(), silent: None };
         let _no_grad = tch::no_grad_guard();
         let scale = 1.0 / self.world_size as f64;
+        let heartbeat = self.heartbeat.as_ref();
         for b in &mut self.buckets {
             for &(i, off, n) in &b.slots {
                 b.flat.f_narrow(0, off, n).map_err(torch)?.f_copy_(&grads[i].f_reshape([n]).map_err(torch)?).map_err(torch)?;
             }
-            self.group.all_reduce(&mut b.flat, ReduceOp::Sum).map_err(collective("gradient all-reduce"))?;
+            self.group.all_reduce(&mut b.flat, ReduceOp::Sum).map_err(collective("gradient all-reduce", heartbeat))?;
             for &(i, off, n) in &b.slots {
                 let avg = b.flat.f_narrow(0, off, n).map_err(torch)?.f_view(grads[i].size().as_slice()).map_err(torch)?;
                 grads[i].f_copy_(&avg).map_err(torch)?;
@@ -125,20 +133,20 @@ impl Dist {
 
     /// All ranks learn whether any ran out of memory, and the mean of `value` (e.g. the loss).
     pub fn agree(&self, local_oom: bool, value: f64) -> Result<Agreement, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string() };
+        let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string(), silent: None };
         let mut t = Tensor::f_from_slice(&[if local_oom { 1.0f64 } else { 0.0 }, if local_oom { 0.0 } else { value }])
             .and_then(|t| t.f_to_device(self.small))
             .map_err(torch)?;
-        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement"))?;
+        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement", self.heartbeat.as_ref()))?;
         let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
         Ok(Agreement { any_oom: v[0] > 0.0, mean_value: v[1] / self.world_size as f64 })
     }
 
     /// True on every rank when any rank wants to stop (signal, time limit).
     pub fn any(&self, flag: bool) -> Result<bool, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "stop agreement", message: e.to_string() };
+        let torch = |e: TchError| DistError::Collective { what: "stop agreement", message: e.to_string(), silent: None };
         let mut t = Tensor::f_from_slice(&[flag as i64 as f64]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
-        self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement"))?;
+        self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement", self.heartbeat.as_ref()))?;
         Ok(t.f_double_value(&[0]).map_err(torch)? > 0.0)
     }
 
@@ -147,7 +155,7 @@ impl Dist {
         let _no_grad = tch::no_grad_guard();
         for p in params {
             let mut p = p.shallow_clone();
-            self.group.broadcast(&mut p, 0).map_err(collective("weight broadcast"))?;
+            self.group.broadcast(&mut p, 0).map_err(collective("weight broadcast", self.heartbeat.as_ref()))?;
         }
         Ok(())
     }
@@ -155,7 +163,7 @@ impl Dist {
     /// Largest difference of a per-parameter checksum across ranks: 0 when all ranks hold the
     /// same weights (DDP's parameter verification, cheaply).
     pub fn weight_spread(&self, params: &[Tensor]) -> Result<f64, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "weight check", message: e.to_string() };
+        let torch = |e: TchError| DistError::Collective { what: "weight check", message: e.to_string(), silent: None };
         let sums = params
             .iter()
             .map(|p| p.f_to_kind(Kind::Double)?.f_abs()?.f_sum(Kind::Double)?.f_double_value(&[]))
@@ -164,12 +172,12 @@ impl Dist {
         let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
         let on_small = |v: &[f64]| Tensor::f_from_slice(v).and_then(|t| t.f_to_device(self.small));
         let (mut hi, mut lo) = (on_small(&sums).map_err(torch)?, on_small(&negated).map_err(torch)?);
-        self.group.all_reduce(&mut hi, ReduceOp::Max).map_err(collective("weight check"))?;
-        self.group.all_reduce(&mut lo, ReduceOp::Max).map_err(collective("weight check"))?;
+        self.group.all_reduce(&mut hi, ReduceOp::Max).map_err(collective("weight check", self.heartbeat.as_ref()))?;
+        self.group.all_reduce(&mut lo, ReduceOp::Max).map_err(collective("weight check", self.heartbeat.as_ref()))?;
         hi.f_add(&lo).and_then(|d| d.f_abs()?.f_max()?.f_double_value(&[])).map_err(torch)
     }
 
     pub fn barrier(&self) -> Result<(), DistError> {
-        self.group.barrier().map_err(collective("barrier"))
+        self.group.barrier().map_err(collective("barrier", self.heartbeat.as_ref()))
     }
 }

@@ -97,6 +97,35 @@ int tg_pg_barrier(void* group, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { static_cast<Group*>(group)->backend->barrier()->wait(); });
 }
 
+// A plain client of the group's TCPStore (its own connection, under `prefix`): the heartbeat
+// thread keeps a per-rank counter in it, so a rank that stops answering can be named.
+void* tg_store_new(const char* host, int port, int64_t timeout_ms, const char* prefix, char* err, size_t err_len) {
+  c10d::Store* out = nullptr;
+  guarded(err, err_len, [&] {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(port);
+    opts.isServer = false;
+    opts.waitWorkers = false;
+    opts.timeout = std::chrono::milliseconds(timeout_ms);
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
+    out = store.release();
+  });
+  return out;
+}
+
+// Atomically adds `delta` to the integer at `key` (0 when missing); the new value in *value.
+int tg_store_add(void* store, const char* key, int64_t delta, int64_t* value, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { *value = static_cast<c10d::Store*>(store)->add(std::string(key), delta); });
+}
+
+void tg_store_free(void* store) {
+  try {
+    c10::intrusive_ptr<c10d::Store>::reclaim(static_cast<c10d::Store*>(store));
+  } catch (...) {
+  }
+}
+
 void tg_pg_free(void* group) {
   try {
     delete static_cast<Group*>(group);

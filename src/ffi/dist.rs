@@ -10,6 +10,9 @@ extern "C" {
     fn tg_pg_broadcast(group: *mut c_void, tensor: *mut c_void, root: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_free(group: *mut c_void);
+    fn tg_store_new(host: *const c_char, port: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
+    fn tg_store_add(store: *mut c_void, key: *const c_char, delta: i64, value: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_store_free(store: *mut c_void);
 }
 
 const ERR_LEN: usize = 4096;
@@ -93,5 +96,43 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         // SAFETY: created by tg_pg_new, freed once.
         unsafe { tg_pg_free(self.handle) }
+    }
+}
+
+/// A client connection of its own to the group's TCPStore, keys under `prefix`.
+pub struct Store {
+    handle: *mut c_void,
+}
+
+// SAFETY: one owner at a time uses the handle; c10d's TCPStore client serialises its requests.
+unsafe impl Send for Store {}
+
+impl Store {
+    pub fn connect(host: &str, port: u16, timeout_ms: u64, prefix: &str) -> Result<Self, ShimError> {
+        let host = CString::new(host).map_err(|_| ShimError::Torch("host contains NUL".into()))?;
+        let prefix = CString::new(prefix).map_err(|_| ShimError::Torch("prefix contains NUL".into()))?;
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: both strings are NUL-terminated and outlive the call; `err` is ERR_LEN bytes.
+        let handle = unsafe { tg_store_new(host.as_ptr(), port as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+        if handle.is_null() {
+            return Err(ShimError::Torch(message(&err)));
+        }
+        Ok(Self { handle })
+    }
+
+    /// Adds `delta` to the counter at `key` (0 when missing) and returns the new value; 0 reads.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, ShimError> {
+        let key = CString::new(key).map_err(|_| ShimError::Torch("key contains NUL".into()))?;
+        let (mut value, mut err) = (0i64, [0u8; ERR_LEN]);
+        // SAFETY: live handle, NUL-terminated key, `value` and `err` outlive the call.
+        check(unsafe { tg_store_add(self.handle, key.as_ptr(), delta, &mut value, err.as_mut_ptr().cast(), ERR_LEN) }, &err)?;
+        Ok(value)
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // SAFETY: created by tg_store_new, freed once.
+        unsafe { tg_store_free(self.handle) }
     }
 }

@@ -124,4 +124,25 @@ mod tests {
         let mut t = ThrashDetector::new(3);
         assert_eq!([0, 1, 2, 3, 4].map(|r| t.observe(r)), [false, false, false, true, false]);
     }
+
+    /// `oom.on_thrash: shrink` as src/train/watch.rs drives it, fed the cumulative
+    /// `num_alloc_retries` a CUDA allocator reports: flat while memory is fine, then rising by
+    /// uneven amounts under pressure. CPU runs have no allocator retries, so this chain cannot
+    /// be set off on the real binary without a GPU (tests/gpu.rs does it there).
+    #[test]
+    fn rising_retries_shrink_the_micro_batch_once_per_established_run() {
+        use crate::guard::GuardState;
+        let counters: [i64; 14] = [0, 0, 0, 2, 7, 9, 9, 10, 14, 15, 21, 21, 21, 21];
+        let mut detector = ThrashDetector::new(3);
+        let mut guard = GuardState::new(32, 4, 0);
+        let shrunk: Vec<(u64, Option<usize>)> =
+            counters.iter().enumerate().filter(|&(_, &c)| detector.observe(c)).map(|(step, _)| (step as u64, guard.shrink(step as u64))).collect();
+        // Rises at steps 3, 4, 5 → fires at 5; flat at 6 resets; rises at 7, 8, 9 → fires at 9;
+        // the rise at 10 alone is not three in a row.
+        assert_eq!(shrunk, [(5, Some(16)), (9, Some(8))]);
+        assert_eq!(guard.current(), 8);
+        // At the floor a further thrash leaves the size alone (the caller only warns).
+        let mut guard = GuardState::new(8, 8, 0);
+        assert_eq!(guard.shrink(0), None);
+    }
 }

@@ -195,8 +195,9 @@ fn head_backward(
     Ok((total.expect("at least one chunk"), grad_hidden))
 }
 
-/// A copy of `t` in CPU memory (pinned when it comes from a GPU, so the copy back is fast).
-fn offload(t: &Tensor) -> Result<Tensor, TchError> {
+/// A copy of `t` in CPU memory (pinned when it comes from a GPU, so the copy back is fast):
+/// what an offloaded segment input is while it waits. Public so tests can check where it lives.
+pub fn offload(t: &Tensor) -> Result<Tensor, TchError> {
     let cpu = t.f_to_device(Device::Cpu)?;
     if t.device().is_cuda() {
         cpu.f_pin_memory(t.device())

@@ -1,0 +1,100 @@
+//! Naming the rank that went silent. Gloo's timeout says only that a collective timed out; so
+//! each rank's background thread adds 1 to its counter `heartbeat/<rank>` in the group's
+//! TCPStore (a connection of its own) every `period`. When a collective fails, the ranks whose
+//! counter does not move over a few periods are the silent ones: a process that is stopped,
+//! killed or whose machine froze. A rank that is alive but stuck (a long step, a hung kernel)
+//! keeps beating and is not named. Counters, not clocks: machines' clocks need not agree.
+use crate::ffi::dist::Store;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct Heartbeat {
+    stop: Arc<AtomicBool>,
+    host: String,
+    port: u16,
+    prefix: String,
+    world: usize,
+    period: Duration,
+}
+
+fn key(rank: usize) -> String {
+    format!("heartbeat/{rank}")
+}
+
+/// Beat period for a collective timeout: a twentieth of it, between 0.1 s and 1 s (so the
+/// check after a failure takes at most 3 s).
+pub fn period_for(timeout_s: u64) -> Duration {
+    Duration::from_millis((timeout_s * 1000 / 20).clamp(100, 1000))
+}
+
+impl Heartbeat {
+    /// Starts this rank's beating thread (the store at host:port, keys under `prefix`).
+    pub fn start(host: &str, port: u16, prefix: &str, rank: usize, world: usize, timeout_s: u64) -> Result<Self, crate::ffi::ShimError> {
+        let period = period_for(timeout_s);
+        let store = Store::connect(host, port, timeout_s.max(1) * 1000, prefix)?;
+        store.add(&key(rank), 1)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::Builder::new()
+            .name("heartbeat".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    std::thread::sleep(period);
+                    if store.add(&key(rank), 1).is_err() {
+                        return; // the store is gone: nothing left to tell
+                    }
+                }
+            })
+            .map_err(|e| crate::ffi::ShimError::Torch(format!("cannot start the heartbeat thread: {e}")))?;
+        Ok(Self { stop, host: host.into(), port, prefix: prefix.into(), world, period })
+    }
+
+    /// Ranks whose heartbeat did not move over three periods, read through a new connection.
+    pub fn silent_ranks(&self) -> Result<Vec<usize>, crate::ffi::ShimError> {
+        let store = Store::connect(&self.host, self.port, 5000, &self.prefix)?;
+        let read = |store: &Store| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>();
+        let before = read(&store)?;
+        std::thread::sleep(self.period * 3);
+        let after = read(&store)?;
+        Ok(silent(&before, &after))
+    }
+
+    /// A sentence for an error message: who went silent, or that every rank is alive.
+    pub fn diagnosis(&self) -> String {
+        match self.silent_ranks() {
+            Ok(r) if r.is_empty() => "every rank's heartbeat is alive: a rank is slow or stuck inside a step, not gone".into(),
+            Ok(r) => {
+                let names: Vec<String> = r.iter().map(|r| format!("rank {r}")).collect();
+                format!("{} stopped answering (heartbeat not moving for {:.1} s)", names.join(", "), (self.period * 3).as_secs_f64())
+            }
+            Err(e) => format!("which rank went silent is unknown (heartbeats unreadable: {})", e.to_string().lines().next().unwrap_or_default()),
+        }
+    }
+}
+
+/// Ranks whose counter did not move between two readings.
+fn silent(before: &[i64], after: &[i64]) -> Vec<usize> {
+    before.iter().zip(after).enumerate().filter(|(_, (b, a))| a <= b).map(|(r, _)| r).collect()
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        // Not joined: a beat blocked on a dead store must not hold up the exit.
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_whose_counter_stood_still_are_silent() {
+        assert_eq!(silent(&[10, 7, 3], &[13, 7, 5]), [1]);
+        assert!(silent(&[1, 1], &[2, 2]).is_empty());
+        assert_eq!(period_for(5), Duration::from_millis(250));
+        assert_eq!(period_for(300), Duration::from_secs(1));
+        assert_eq!(period_for(1), Duration::from_millis(100));
+    }
+}
