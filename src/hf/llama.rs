@@ -61,7 +61,7 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         return Err(bad(cpath, format!("`rope_scaling` is {}; trainguard applies plain RoPE, so it must be null", c["rope_scaling"])));
     }
     let rope = &c["rope_parameters"];
-    if !rope.is_null() && !(rope["rope_type"].is_null() || rope["rope_type"] == "default") {
+    if !(rope["rope_type"].is_null() || rope["rope_type"] == "default") {
         return Err(bad(cpath, format!("`rope_parameters.rope_type` is {}; trainguard applies plain RoPE (\"default\")", rope["rope_type"])));
     }
     if !c["hidden_act"].is_null() && c["hidden_act"] != "silu" {
