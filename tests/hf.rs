@@ -39,6 +39,15 @@ print((l - load_file(sys.argv[2])['logits']).abs().max().item())
 
 /// A small run trained on a prepared dataset (with the test tokenizer).
 fn trained_run(root: &Path) -> PathBuf {
+    let data = prepared(root);
+    let out = root.join("run");
+    let source = format!("data.source=tokens:{}", data.display());
+    train(&out, "configs/debug.yaml", &[&source, "model.vocab_size=265", "model.n_embd=32", "model.seq_len=16", "train.max_steps=30", "train.warmup_steps=3", "train.eval_interval=30"]).ok();
+    out
+}
+
+/// A small corpus prepared with the test tokenizer (vocabulary 265, EOS 264).
+fn prepared(root: &Path) -> PathBuf {
     tokenizer::write(&root.join("tokenizer.json"), 0);
     let text: String = (0..600).map(|i| format!("the cat {} sat on the mat and ran after her {}\n\n", ["dog", "rain", "inner"][i % 3], i % 7)).collect();
     std::fs::write(root.join("c.txt"), text).unwrap();
@@ -46,10 +55,7 @@ fn trained_run(root: &Path) -> PathBuf {
     let mut cmd = Command::new(bin());
     cmd.arg("prepare").arg("--tokenizer").arg(root.join("tokenizer.json")).arg("--out").arg(&data).arg(root.join("c.txt")).args(["--val-tokens", "2000"]);
     run(cmd, root).ok();
-    let out = root.join("run");
-    let source = format!("data.source=tokens:{}", data.display());
-    train(&out, "configs/debug.yaml", &[&source, "model.vocab_size=265", "model.n_embd=32", "model.seq_len=16", "train.max_steps=30", "train.warmup_steps=3", "train.eval_interval=30"]).ok();
-    out
+    data
 }
 
 #[test]
@@ -143,4 +149,78 @@ save_file({'logits': l.contiguous()}, sys.argv[2])
     let r = train(&d.path().join("bad"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("`transformer.wte.weight` has shape [300, 32]; the model (its config) needs [300, 64]"), "{}", r.stderr());
+}
+
+#[test]
+fn a_llama_run_exports_to_llamaforcausallm_loads_back_bit_exact_and_samples() {
+    let d = tempfile::tempdir().unwrap();
+    let data = prepared(d.path());
+    let run_dir = d.path().join("llama");
+    let source = format!("data.source=tokens:{}", data.display());
+    let sets = [&source, "model.vocab_size=265", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=48", "model.seq_len=16", "train.max_steps=5", "train.warmup_steps=1", "train.eval_interval=5"];
+    train(&run_dir, "configs/llama-debug.yaml", &sets).ok();
+    let hf = d.path().join("hf");
+    tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]).ok();
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!((config["model_type"].as_str(), config["num_key_value_heads"].as_u64(), config["eos_token_id"].as_u64()), (Some("llama"), Some(2), Some(264)));
+    let ours = d.path().join("ours.safetensors");
+    let l = logits(&run_dir, &ours);
+    let diff: f64 = python(&TRANSFORMERS_LOGITS.replace("GPT2LMHeadModel", "LlamaForCausalLM"), &[&hf, &ours]).trim().parse().unwrap();
+    assert!(diff < 1e-4, "transformers' logits differ by {diff}");
+    // The export read back (the loader init_from uses too) gives the very same logits.
+    assert!(l.equal(&logits(&hf, &d.path().join("back.safetensors"))));
+    let s = |seed: &str| tg(&["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "20", "--seed", seed, "--device", "cpu"]).ok().stdout();
+    let (a, b, c) = (s("1"), s("1"), s("2"));
+    assert!(!a.trim().is_empty());
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn a_llama_saved_by_transformers_gives_the_same_logits_and_starts_training_with_init_from() {
+    let d = tempfile::tempdir().unwrap();
+    let hf = d.path().join("tiny");
+    let ref_logits = d.path().join("ref.safetensors");
+    python(
+        "
+import sys, torch, transformers
+from safetensors.torch import save_file
+torch.manual_seed(0)
+c = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+m = transformers.LlamaForCausalLM(c).eval()
+with torch.no_grad():
+    for p in m.parameters():
+        p.add_(torch.randn_like(p) * 0.05)  # norms away from 1
+    l = m(torch.tensor([[5,17,30,2,9,100,200,64]])).logits
+m.save_pretrained(sys.argv[1])
+save_file({'logits': l.contiguous()}, sys.argv[2])
+",
+        &[&hf, &ref_logits],
+    );
+    let want = tch::Tensor::read_safetensors(&ref_logits).unwrap().remove(0).1;
+    let direct = logits(&hf, &d.path().join("direct.safetensors"));
+    let diff = (&direct - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-4, "trainguard's logits differ from transformers' by {diff}");
+    let init = format!("init_from={}", hf.display());
+    let model = ["model.vocab_size=300", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=48", "model.seq_len=16", "model.rope_theta=500000", "model.norm_eps=1e-6", "model.tie_embeddings=false"];
+    let train_sets = ["train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-12", "train.min_lr=0", "train.weight_decay=0"];
+    let sets: Vec<&str> = [init.as_str()].iter().chain(&model).chain(&train_sets).copied().collect();
+    let out = d.path().join("run");
+    train(&out, "configs/llama-debug.yaml", &sets).ok();
+    let trained = logits(&out, &d.path().join("trained.safetensors"));
+    let diff = (&trained - &want).abs().max().double_value(&[]);
+    assert!(diff < 1e-4, "after init_from the logits differ by {diff}");
+    // A tied model cannot take the untied head: the tensor is named, exit 2.
+    let tied: Vec<&str> = sets.iter().copied().filter(|s| !s.starts_with("model.tie")).collect();
+    let r = train(&d.path().join("tied"), "configs/llama-debug.yaml", &tied);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("`lm_head.weight` has no place in the model"), "{}", r.stderr());
+    // RoPE scaling trainguard does not apply is refused, naming the key.
+    let cpath = hf.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+    c["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": 2.0});
+    std::fs::write(&cpath, c.to_string()).unwrap();
+    let r = tg(&["sample", hf.to_str().unwrap(), "--ids", IDS, "--device", "cpu"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("`rope_scaling`"), "{}", r.stderr());
 }

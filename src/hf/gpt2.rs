@@ -1,8 +1,14 @@
 //! GPT-2's names in `transformers` (`GPT2LMHeadModel`): trainguard's parameter `NAME` is
 //! `transformer.NAME` there, and the four projection weights are `Conv1D`s stored `[in, out]`,
 //! the transpose of a `Linear`'s `[out, in]`. The head is tied to `transformer.wte.weight`, so
-//! `lm_head.weight` is not written (transformers ties it on load). A Llama table would sit
-//! beside this one with its own names.
+//! `lm_head.weight` is not written (transformers ties it on load). Also GPT-2's `config.json`
+//! both ways, and the zero biases a `bias: false` model exports (GPT-2 always has them).
+use super::{bad, Family, HfError};
+use crate::config::{Arch, ModelConfig};
+use serde_json::{json, Value};
+use std::path::Path;
+
+pub const FAMILY: Family = Family { arch: Arch::Gpt2, model_type: "gpt2", hf_name, from_hf, config_json, model_config, zero_tensors };
 
 /// Prefix of every parameter's name in `transformers`.
 pub const PREFIX: &str = "transformer.";
@@ -16,6 +22,74 @@ pub fn hf_name(name: &str) -> (String, bool) {
     (format!("{PREFIX}{name}"), CONV1D.iter().any(|s| name.ends_with(s)))
 }
 
+/// trainguard's name for a tensor `transformers` wrote; None: not a parameter here.
+fn from_hf(hf: &str, _: &ModelConfig) -> Option<String> {
+    (!IGNORED.contains(&hf)).then(|| hf.strip_prefix(PREFIX).unwrap_or(hf).to_string())
+}
+
+/// Biases and LayerNorm shifts GPT-2 always has, with their sizes, for a model with `bias: false`.
+fn zero_tensors(cfg: &ModelConfig) -> Vec<(String, i64)> {
+    if cfg.bias {
+        return vec![];
+    }
+    let c = cfg.n_embd as i64;
+    let mut out = vec![("ln_f.bias".to_string(), c)];
+    for i in 0..cfg.n_layer {
+        for (s, n) in [("ln_1.bias", c), ("attn.c_attn.bias", 3 * c), ("attn.c_proj.bias", c), ("ln_2.bias", c), ("mlp.c_fc.bias", 4 * c), ("mlp.c_proj.bias", c)] {
+            out.push((format!("h.{i}.{s}"), n));
+        }
+    }
+    out
+}
+
+fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
+    json!({
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_ctx": cfg.seq_len,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": null,
+        // trainguard's MLP uses the exact (erf) GELU, not GPT-2's tanh approximation.
+        "activation_function": "gelu",
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": true,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    })
+}
+
+fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
+    let num = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(cpath, format!("`{k}` missing or not a number")));
+    let n_embd = num("n_embd")?;
+    if !c["n_inner"].is_null() && c["n_inner"].as_u64() != Some(4 * n_embd as u64) {
+        return Err(bad(cpath, format!("n_inner {} is not 4 × n_embd; trainguard's MLP is 4 × n_embd wide", c["n_inner"])));
+    }
+    if c["activation_function"] != "gelu" {
+        tracing::warn!("{}: activation_function {} differs from trainguard's exact GELU; logits will differ slightly", cpath.display(), c["activation_function"]);
+    }
+    #[allow(clippy::needless_update)] // the lead's model restructure may add fields
+    let cfg = ModelConfig {
+        n_layer: num("n_layer")?,
+        n_head: num("n_head")?,
+        n_embd,
+        vocab_size: num("vocab_size")?,
+        seq_len: num("n_positions")?,
+        dropout: c["resid_pdrop"].as_f64().unwrap_or(0.0),
+        bias: true,
+        ..ModelConfig::default() // fields a later model family adds keep their defaults
+    };
+    Ok(cfg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -27,5 +101,7 @@ mod tests {
         assert_eq!(hf_name("h.3.attn.c_attn.bias"), ("transformer.h.3.attn.c_attn.bias".into(), false));
         assert!(hf_name("h.0.mlp.c_proj.weight").1);
         assert!(!hf_name("ln_f.weight").1);
+        assert_eq!(from_hf("transformer.h.0.ln_1.weight", &ModelConfig::default()).as_deref(), Some("h.0.ln_1.weight"));
+        assert_eq!(from_hf("lm_head.weight", &ModelConfig::default()), None);
     }
 }
