@@ -29,9 +29,10 @@ pub fn rank_share(global: usize, world: usize) -> Option<usize> {
 
 /// The micro-batches of a per-rank batch of `n` sequences at micro-batch `micro`, as index
 /// ranges into that batch. All but the last are exactly `micro` long.
-pub fn split(n: usize, micro: usize) -> Vec<Range<usize>> {
+/// Lazy: a batch of any size costs no host memory to split.
+pub fn split(n: usize, micro: usize) -> impl Iterator<Item = Range<usize>> {
     assert!(micro > 0, "micro-batch must be positive");
-    (0..n).step_by(micro).map(|s| s..(s + micro).min(n)).collect()
+    (0..n).step_by(micro).map(move |s| s..s.saturating_add(micro).min(n))
 }
 
 /// Number of micro-steps (accumulation) for `n` sequences at micro-batch `micro`.
@@ -69,6 +70,7 @@ mod tests {
 
     #[test]
     fn split_covers_every_index_once_with_a_short_tail() {
+        let split = |n, m| super::split(n, m).collect::<Vec<_>>();
         assert_eq!(split(8, 4), vec![0..4, 4..8]);
         assert_eq!(split(12, 8), vec![0..8, 8..12]);
         assert_eq!(split(3, 8), vec![0..3]);
@@ -83,7 +85,7 @@ mod tests {
     #[test]
     fn loss_weights_sum_to_one_for_any_split() {
         for (n, m) in [(24, 5), (24, 24), (7, 2)] {
-            let total: f64 = split(n, m).iter().map(|r| loss_weight(r.len(), n)).sum();
+            let total: f64 = split(n, m).map(|r| loss_weight(r.len(), n)).sum();
             assert!((total - 1.0).abs() < 1e-12);
         }
     }

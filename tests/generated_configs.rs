@@ -8,15 +8,16 @@ use common::*;
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 
-/// Values that are legal YAML for their key and absurd as sizes.
+/// Values that are legal YAML for their key and absurd as sizes. (Not here: sizes that are only
+/// slow — a global batch of 10^12 sequences is a valid, endless run; `batch::split` is lazy so it
+/// costs no memory.)
 const EXTREMES: &[(&str, &[&str])] = &[
     ("data.synthetic_tokens", &["1099511627776", "4611686018427387904"]),
     ("model.n_embd", &["1048576", "17179869184"]),
     ("model.n_layer", &["1048576"]),
     ("model.vocab_size", &["2147483647", "100000000"]),
-    ("model.seq_len", &["1073741824", "100000"]),
-    ("train.global_batch_size", &["1099511627776"]),
-    ("train.micro_batch_size", &["1099511627776", "100000"]),
+    ("model.seq_len", &["1073741824"]),
+    ("train.micro_batch_size", &["1099511627776"]),
     ("train.eval_batches", &["1099511627776"]),
     ("dist.bucket_mb", &["1.0e12"]),
     ("memory.loss_chunk_tokens", &["1", "1099511627776"]),
@@ -34,7 +35,7 @@ fn generated_configs_end_with_an_exit_code_never_an_abort() {
         ((rng >> 33) as usize) % n
     };
     let mut cases: Vec<Vec<String>> = EXTREMES.iter().flat_map(|(k, vs)| vs.iter().map(move |v| vec![format!("{k}={v}")])).collect();
-    for _ in 0..12 {
+    for _ in 0..6 {
         let picks: Vec<String> = (0..2 + next(2))
             .map(|_| {
                 let (k, vs) = EXTREMES[next(EXTREMES.len())];
