@@ -14,6 +14,7 @@ out=$(mktemp -d)
 common=(--config configs/debug.yaml --set train.threads="$THREADS" --set train.eval_interval=0 --set train.log_interval=1000)
 
 tps() {  # mean tokens/s over steps 10.. of a run with policy $1
+  rm -rf "${out:?}/$1"  # a fresh run each round (trainguard refuses to start over another run's checkpoints)
   "$BIN" train "${common[@]}" --set out_dir="$out/$1" --set train.max_steps="$STEPS" --set oom.policy="$1" 2>/dev/null
   "$PY" -c "
 import json; m=[json.loads(l) for l in open('$out/$1/metrics.jsonl')][10:]

@@ -40,6 +40,7 @@ for v in "${variants[@]}"; do
   IFS='|' read -r name sets <<<"$v"
   args=(); for s in $sets; do args+=(--set "$s"); done
   rm -rf "$out/run"
+  rm -rf "${out:?}/run"  # a fresh run each time (trainguard refuses to start over another run's checkpoints)
   "$BIN" train "${shape[@]}" "${run[@]}" "${args[@]}" --set out_dir="$out/run" 2>/dev/null
   read -r mem tps < <("$PY" - "$out/run" "$DEVICE" <<'PYEOF'
 import json, sys
