@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Throughput of trainguard against the same model, batch split and AdamW in plain PyTorch
-# (scripts/reference_gpt.py, eager mode), back to back on the same device and thread count.
+# (scripts/reference_gpt.py, eager mode; scripts/reference_llama_bench.py for configs with
+# `model.arch: llama`), back to back on the same device and thread count.
 # PyTorch runs twice: with torch.optim.AdamW's default implementation and with fused=True (the
 # kernel trainguard uses by default). Prints tokens/s and trainguard's ratio to each. Usage:
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [config.yaml ...]
-# Defaults: cpu, all cores, configs/debug.yaml and configs/bench-10m.yaml.
+# Defaults: cpu, all cores, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
+# configs/llama-debug.yaml and configs/bench-llama-10m.yaml (Llama).
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
 device=cpu; threads=$(nproc); configs=()
@@ -15,7 +17,7 @@ while [ $# -gt 0 ]; do
     *) configs+=("$1"); shift ;;
   esac
 done
-[ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml)
+[ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml configs/llama-debug.yaml configs/bench-llama-10m.yaml)
 STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
 
@@ -30,7 +32,10 @@ PYEOF
 }
 
 pytorch_tps() {
-  "$PY" scripts/reference_gpt.py --config "$1" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" ${2:-} \
+  local ref=scripts/reference_gpt.py
+  [ "$("$PY" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])).get("model") or {}).get("arch", "gpt2"))' "$1")" = llama ] \
+    && ref=scripts/reference_llama_bench.py
+  "$PY" "$ref" --config "$1" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" ${2:-} \
     | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }
 

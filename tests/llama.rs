@@ -199,12 +199,13 @@ fn bf16_mixed_trains_close_to_fp32_and_bf16_pure_trains() {
         let w = tch::Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
         assert_eq!(w[0].1.kind(), if p == "bf16-pure" { tch::Kind::BFloat16 } else { tch::Kind::Float }, "{p}: master weights");
         if p == "bf16-mixed" {
-            // Same weights, same batches; only bf16 matmuls: the first losses agree to bf16's
-            // precision (8 significant bits: 2⁻⁸ relative) and the run stays near fp32's.
+            // Same weights, same batches, bf16 matmuls with the residual stream, norms and
+            // log-softmax in fp32. Measured: within 1e-4 of fp32 for 3 steps, 5e-4 by step 7;
+            // bf16-pure, for scale, is off by 0.06 at step 0.
             for i in 0..3 {
-                assert!((l[i] - fp32[i]).abs() < 0.01 * fp32[i], "step {i}: bf16-mixed {} vs fp32 {}", l[i], fp32[i]);
+                assert!((l[i] - fp32[i]).abs() < 2e-3, "step {i}: bf16-mixed {} vs fp32 {}", l[i], fp32[i]);
             }
-            assert!((l[7] - fp32[7]).abs() < 0.03 * fp32[7], "step 7: bf16-mixed {} vs fp32 {}", l[7], fp32[7]);
+            assert!((l[7] - fp32[7]).abs() < 1e-2, "step 7: bf16-mixed {} vs fp32 {}", l[7], fp32[7]);
             let diff = max_weight_diff(fp32_dir.path(), dir.path());
             assert!(diff > 0.0, "bf16-mixed computed exactly as fp32: autocast did nothing");
         }
