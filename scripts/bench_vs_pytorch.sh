@@ -22,8 +22,12 @@ STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
 
 trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.jsonl
+  # A fresh run directory each time: trainguard refuses to start a fresh run over an old one, and
+  # the old metrics must never be read back as this run's.
+  rm -rf "$out/tg"
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
-    --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>/dev/null
+    --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
+    || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
   "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" <<'PYEOF'
 import json, sys
 m = [json.loads(l) for l in open(sys.argv[1])][int(sys.argv[2]):]
@@ -44,9 +48,10 @@ for cfg in "${configs[@]}"; do
   # Alternate the three ROUNDS times and keep each one's best, so a noisy moment hurts none.
   tg=0; pt=0; pf=0
   for _ in $(seq "${ROUNDS:-2}"); do
-    tg=$("$PY" -c "print(max($tg, $(trainguard_tps "$cfg")))")
-    pt=$("$PY" -c "print(max($pt, $(pytorch_tps "$cfg")))")
-    pf=$("$PY" -c "print(max($pf, $(pytorch_tps "$cfg" --fused)))")
+    # Each measurement assigned on its own, so a failed run stops the script (set -e).
+    x=$(trainguard_tps "$cfg"); tg=$("$PY" -c "print(max($tg, $x))")
+    x=$(pytorch_tps "$cfg"); pt=$("$PY" -c "print(max($pt, $x))")
+    x=$(pytorch_tps "$cfg" --fused); pf=$("$PY" -c "print(max($pf, $x))")
   done
   printf '%-24s %6s %11.0f %11.0f %11.0f %8.2fx %8.2fx\n' "$cfg" "$device" "$tg" "$pt" "$pf" \
     "$("$PY" -c "print($tg / $pt)")" "$("$PY" -c "print($tg / $pf)")"
