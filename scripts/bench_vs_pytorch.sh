@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Throughput of trainguard against the same model, batch split and AdamW in plain PyTorch
-# (scripts/reference_gpt.py, eager mode), back to back on the same device and thread count.
+# (scripts/reference_gpt.py, eager mode; scripts/reference_llama_bench.py for configs with
+# `model.arch: llama`), back to back on the same device and thread count.
 # PyTorch runs twice: with torch.optim.AdamW's default implementation and with fused=True (the
 # kernel trainguard uses by default). Prints tokens/s and trainguard's ratio to each. Usage:
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [config.yaml ...]
-# Defaults: cpu, all cores, configs/debug.yaml and configs/bench-10m.yaml.
+# Defaults: cpu, all cores, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
+# configs/llama-debug.yaml and configs/bench-llama-10m.yaml (Llama).
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
 device=cpu; threads=$(nproc); configs=()
@@ -15,13 +17,17 @@ while [ $# -gt 0 ]; do
     *) configs+=("$1"); shift ;;
   esac
 done
-[ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml)
+[ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml configs/llama-debug.yaml configs/bench-llama-10m.yaml)
 STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
 
 trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.jsonl
+  # A fresh run directory each time: trainguard refuses to start a fresh run over an old one, and
+  # the old metrics must never be read back as this run's.
+  rm -rf "$out/tg"
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
-    --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>/dev/null
+    --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
+    || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
   "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" <<'PYEOF'
 import json, sys
 m = [json.loads(l) for l in open(sys.argv[1])][int(sys.argv[2]):]
@@ -30,7 +36,10 @@ PYEOF
 }
 
 pytorch_tps() {
-  "$PY" scripts/reference_gpt.py --config "$1" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" ${2:-} \
+  local ref=scripts/reference_gpt.py
+  [ "$("$PY" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])).get("model") or {}).get("arch", "gpt2"))' "$1")" = llama ] \
+    && ref=scripts/reference_llama_bench.py
+  "$PY" "$ref" --config "$1" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" ${2:-} \
     | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])'
 }
 
@@ -39,9 +48,10 @@ for cfg in "${configs[@]}"; do
   # Alternate the three ROUNDS times and keep each one's best, so a noisy moment hurts none.
   tg=0; pt=0; pf=0
   for _ in $(seq "${ROUNDS:-2}"); do
-    tg=$("$PY" -c "print(max($tg, $(trainguard_tps "$cfg")))")
-    pt=$("$PY" -c "print(max($pt, $(pytorch_tps "$cfg")))")
-    pf=$("$PY" -c "print(max($pf, $(pytorch_tps "$cfg" --fused)))")
+    # Each measurement assigned on its own, so a failed run stops the script (set -e).
+    x=$(trainguard_tps "$cfg"); tg=$("$PY" -c "print(max($tg, $x))")
+    x=$(pytorch_tps "$cfg"); pt=$("$PY" -c "print(max($pt, $x))")
+    x=$(pytorch_tps "$cfg" --fused); pf=$("$PY" -c "print(max($pf, $x))")
   done
   printf '%-24s %6s %11.0f %11.0f %11.0f %8.2fx %8.2fx\n' "$cfg" "$device" "$tg" "$pt" "$pf" \
     "$("$PY" -c "print($tg / $pt)")" "$("$PY" -c "print($tg / $pf)")"
