@@ -13,21 +13,6 @@ fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     RUN.iter().copied().chain(extra.iter().copied()).collect()
 }
 
-fn tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut t = tch::Tensor::read_safetensors(path).unwrap();
-    t.sort_by(|a, b| a.0.cmp(&b.0));
-    t
-}
-
-fn assert_bitwise_equal(a: &Path, b: &Path) {
-    let (ta, tb) = (tensors(a), tensors(b));
-    assert_eq!(ta.len(), tb.len());
-    for ((na, xa), (nb, xb)) in ta.iter().zip(&tb) {
-        assert_eq!(na, nb);
-        assert!(xa.equal(xb), "{na} differs between {} and {}", a.display(), b.display());
-    }
-}
-
 fn checkpoint_steps(out: &Path) -> Vec<u64> {
     store::list(&store::root(out)).into_iter().map(|(s, _)| s).collect()
 }

@@ -17,21 +17,6 @@ fn with<'a>(base: &[&'a str], extra: &[&'a str]) -> Vec<&'a str> {
     base.iter().chain(extra).copied().collect()
 }
 
-fn tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut t = tch::Tensor::read_safetensors(path).unwrap();
-    t.sort_by(|a, b| a.0.cmp(&b.0));
-    t
-}
-
-fn assert_bitwise_equal(a: &Path, b: &Path) {
-    let (ta, tb) = (tensors(a), tensors(b));
-    assert_eq!(ta.len(), tb.len());
-    for ((na, xa), (nb, xb)) in ta.iter().zip(&tb) {
-        assert_eq!(na, nb);
-        assert!(xa.equal(xb), "{na} differs between {} and {}", a.display(), b.display());
-    }
-}
-
 fn losses(r: &Run) -> Vec<f64> {
     r.metrics().iter().map(|m| m["loss"].as_f64().unwrap()).collect()
 }

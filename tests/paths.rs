@@ -191,12 +191,6 @@ fn regrow_succeeds_when_memory_frees_up_and_keeps_the_global_batch() {
 
 // --- a kill inside a checkpoint write ---------------------------------------------------------
 
-fn tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
-    let mut t = tch::Tensor::read_safetensors(path).unwrap();
-    t.sort_by(|a, b| a.0.cmp(&b.0));
-    t
-}
-
 /// SIGKILL while checkpoint 10 is half written (its model file in the temporary directory, the
 /// rest not): the completed checkpoint 5 stands, `--resume auto` resumes from it, removes the
 /// leftover, and finishes bitwise equal to a straight run.

@@ -99,3 +99,20 @@ pub fn max_weight_diff(a: &Path, b: &Path) -> f64 {
 pub fn series(metrics: &[Value], key: &str) -> Vec<Value> {
     metrics.iter().map(|m| m[key].clone()).collect()
 }
+
+/// The tensors of a safetensors file, sorted by name.
+pub fn tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
+    let mut t = tch::Tensor::read_safetensors(path).unwrap();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t
+}
+
+/// Two safetensors files hold the same tensors bit for bit.
+pub fn assert_bitwise_equal(a: &Path, b: &Path) {
+    let (ta, tb) = (tensors(a), tensors(b));
+    assert_eq!(ta.len(), tb.len());
+    for ((na, xa), (nb, xb)) in ta.iter().zip(&tb) {
+        assert_eq!(na, nb);
+        assert!(xa.equal(xb), "{na} differs between {} and {}", a.display(), b.display());
+    }
+}
