@@ -73,12 +73,12 @@ fn uint16_token_files_train_and_validate_on_the_tail() {
     let source = format!("data.source=tokens:{}", file.display());
     let out = dir.path().join("run");
     let r = train(&out, "configs/debug.yaml", &[&SHORT[..], &[source.as_str(), "model.vocab_size=1024"]].concat()).ok();
-    assert_eq!(r.events_of("run_started")[0]["corpus"], format!("tokens:{}", file.display()));
+    assert_eq!(r.events_of("run_started")[0]["corpus"], format!("tokens:{} (uint16)", file.display()));
     assert_learns_head_not_tail(&r);
-    // The same file with a vocabulary too small for its ids is refused, naming the token (a
-    // data-file error: exit 1, README's exit-code table).
+    // The same file with a vocabulary too small for its ids is refused, naming the token: the
+    // config must change (exit 2, as a prepare dataset's larger vocabulary is).
     let r = train(&dir.path().join("small"), "configs/debug.yaml", &[&SHORT[..], &[source.as_str()]].concat());
-    assert_eq!(r.code(), 1, "{}", r.stderr());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("token 300 at index 0 is outside model.vocab_size = 256"), "{}", r.stderr());
 }
 
