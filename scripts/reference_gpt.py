@@ -137,10 +137,17 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
+    model = GPT(m).to(torch.device(args.device))
+    print(json.dumps(bench(model, m, t, args, no_decay=("wte", "wpe"))))
+
+
+def bench(model, m, t, args, no_decay, **extra):
+    """trainguard's step on `model` (micro-batches, token-weighted losses, clip, AdamW with decay
+    on 2-D weights whose names do not start with `no_decay`): tokens/s after warm-up, as a dict.
+    Shared by the Llama reference (scripts/reference_llama_bench.py)."""
     dev = torch.device(args.device)
-    model = GPT(m).to(dev)
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
-    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(no_decay)]
+    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(no_decay))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8, fused=args.fused or None)
     corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64)
@@ -165,8 +172,8 @@ def main():
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     mean = sum(times) / len(times)
-    print(json.dumps({"impl": "pytorch-fused-adamw" if args.fused else "pytorch", "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
-                      "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(), "last_loss": loss_value}))
+    return {"impl": "pytorch-fused-adamw" if args.fused else "pytorch", **extra, "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
+            "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(), "last_loss": loss_value}
 
 
 if __name__ == "__main__":

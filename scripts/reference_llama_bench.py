@@ -11,12 +11,13 @@ logits and gradients out) is scripts/reference_llama.py's job.
 """
 import argparse
 import json
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import yaml
+
+from reference_gpt import bench  # the same training loop and timing as the GPT-2 reference
 
 STD = 0.02
 
@@ -130,39 +131,9 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
-    dev = torch.device(args.device)
-    model = Llama(m).to(dev)
+    model = Llama(m).to(torch.device(args.device))
     # Decay on the linear weights only (an untied lm_head included), as trainguard.
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("embed_tokens")]
-    other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith("embed_tokens"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
-                            lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8, fused=args.fused or None)
-    corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64)
-    g, micro, s = t["global_batch_size"], t["micro_batch_size"], m["seq_len"]
-    accum = g // micro
-    times = []
-    for step in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        for _ in range(accum):
-            ix = torch.randint(0, corpus.numel() - s - 1, (micro,))
-            x = torch.stack([corpus[i:i + s] for i in ix]).to(dev)
-            y = torch.stack([corpus[i + 1:i + 1 + s] for i in ix]).to(dev)
-            loss = model(x, y) * (micro / g)
-            loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss_value = loss.item()  # the same one host sync per step as trainguard's
-        float(norm)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    mean = sum(times) / len(times)
-    print(json.dumps({"impl": "pytorch-fused-adamw" if args.fused else "pytorch", "arch": "llama", "tokens_per_s": g * s / mean, "step_s": mean,
-                      "steps": len(times), "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(),
-                      "last_loss": loss_value}))
-
+    print(json.dumps(bench(model, m, t, args, no_decay=("embed_tokens",), arch="llama")))
 
 if __name__ == "__main__":
     main()
