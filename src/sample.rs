@@ -111,15 +111,13 @@ pub fn build(t: &Trained, device: Device) -> Result<Model, SampleError> {
     Ok(model)
 }
 
-/// Copies named tensors into the model's parameters; every parameter must be present with its shape.
+/// Copies named tensors into the model's parameters; every parameter must be present with its
+/// shape (a vocabulary matrix padded as the model pads it, or with the user's rows: a Hugging
+/// Face directory, a checkpoint from before `model.pad_vocab_to`).
 pub fn copy_weights(model: &Model, weights: &[(String, Tensor)]) -> Result<(), String> {
-    let _no_grad = tch::no_grad_guard();
-    for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
+    for (i, name) in model.params.names.iter().enumerate() {
         let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| format!("the weights lack `{name}`"))?;
-        if src.size() != p.size() {
-            return Err(format!("`{name}` has shape {:?}, the model expects {:?}", src.size(), p.size()));
-        }
-        p.shallow_clone().f_copy_(src).map_err(|e| e.to_string())?;
+        model.copy_user_tensor(i, src).map_err(|e| format!("`{name}` has {e}"))?;
     }
     Ok(())
 }
@@ -190,7 +188,7 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
     if let Some(path) = &args.dump_logits {
         let t = ids.len().min(trained.model.seq_len);
         let x = Tensor::f_from_slice(&ids[ids.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
-        let logits = model.forward(&x, false, None)?.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?;
+        let logits = model.forward(&x, false, None)?.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
         Tensor::write_safetensors(&[("logits", &logits)], path)?;
         return Ok(String::new());
     }

@@ -90,6 +90,9 @@ pub struct ModelConfig {
     pub norm_eps: f64,
     /// llama: LM head shares the token embedding (gpt2 always does).
     pub tie_embeddings: bool,
+    /// The embedding and LM-head rows are `vocab_size` rounded up to a multiple of this (aligned
+    /// matrix shapes); the extra rows are zero and their logits masked. 1: no padding.
+    pub pad_vocab_to: usize,
 }
 
 impl Default for ModelConfig {
@@ -108,6 +111,7 @@ impl Default for ModelConfig {
             rope_theta: 10_000.0,
             norm_eps: 1e-5,
             tie_embeddings: true,
+            pad_vocab_to: 64,
         }
     }
 }
@@ -126,6 +130,11 @@ impl ModelConfig {
     /// The MLP's hidden width.
     pub fn ffn(&self) -> usize {
         self.ffn_hidden.unwrap_or(4 * self.n_embd)
+    }
+
+    /// Rows of the embedding and LM head: `vocab_size` rounded up to `pad_vocab_to`.
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab_size.div_ceil(self.pad_vocab_to.max(1)) * self.pad_vocab_to.max(1)
     }
 }
 

@@ -48,6 +48,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "model.vocab_size",
         format!("must be in 1..={MAX_VOCAB} (token ids are uint32 at most), got {}", m.vocab_size),
     );
+    check(
+        (1..=MAX_PAD_VOCAB).contains(&m.pad_vocab_to),
+        "model.pad_vocab_to",
+        format!("must be in 1..={MAX_PAD_VOCAB} (1: no padding; 64 aligns the LM head's matrix shapes), got {}", m.pad_vocab_to),
+    );
     check_arch(m, &mut check);
     check(m.seq_len >= 1, "model.seq_len", format!("must be at least 1, got {}", m.seq_len));
     check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
@@ -180,6 +185,8 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
 
 /// Token ids are stored as uint16 or uint32 (`data::shards`); int32 keeps llm.c's counts valid.
 const MAX_VOCAB: usize = i32::MAX as usize;
+/// Padding beyond this would only waste memory (GPU kernels want multiples of 8 to 128).
+const MAX_PAD_VOCAB: usize = 1 << 16;
 
 fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     let source = c.data.source.as_str();
@@ -241,6 +248,11 @@ mod tests {
         let mut c = Config::default();
         c.model.vocab_size = 128_256;
         assert!(keys(&c).is_empty(), "vocabularies above uint16 are fine (Llama 3)");
+        for bad in [0, (1 << 16) + 1] {
+            let mut c = Config::default();
+            c.model.pad_vocab_to = bad;
+            assert_eq!(keys(&c), ["model.pad_vocab_to"]);
+        }
         let mut c = Config::default();
         c.model.dropout = 1.0;
         assert_eq!(keys(&c), ["model.dropout"]);

@@ -65,9 +65,10 @@ pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<S
     let fam = family(cfg.arch);
     let _no_grad = tch::no_grad_guard();
     let mut tensors: Vec<(String, Tensor)> = Vec::new();
-    for (name, t) in model.params.names.iter().zip(&model.params.tensors) {
+    for (i, name) in model.params.names.iter().enumerate() {
         let (hf, transposed) = (fam.hf_name)(name);
-        let t = t.to_device(Device::Cpu).to_kind(Kind::Float);
+        // The user's vocabulary rows: transformers sees `vocab_size`, not the padding.
+        let t = model.user_tensor(i).map_err(|e| werr(out, &e))?.to_device(Device::Cpu).to_kind(Kind::Float);
         tensors.push((hf, if transposed { t.tr().contiguous() } else { t.contiguous() }));
     }
     for (name, n) in (fam.zero_tensors)(cfg) {
@@ -138,14 +139,15 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
     }
     let fam = family(model.cfg.arch);
     let _no_grad = tch::no_grad_guard();
-    for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
+    for (i, name) in model.params.names.iter().enumerate() {
         let hf = (fam.hf_name)(name).0;
         let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
-        let (want, got) = (p.size(), hf_shape(fam, name, &src.size()));
+        // transformers' vocabulary matrices have the user's rows; the model pads them.
+        let (want, got) = (model.user_shape(i), hf_shape(fam, name, &src.size()));
         if src.size() != want {
             return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, name, &want))));
         }
-        p.shallow_clone().f_copy_(src).map_err(|e| bad(&wpath, e.to_string()))?;
+        model.copy_user_tensor(i, src).map_err(|e| bad(&wpath, e))?;
     }
     for (name, t) in &weights {
         if model.params.get(name).is_none() {

@@ -12,11 +12,11 @@ use tch::{Kind, TchError, Tensor};
 
 /// GPT-2's parameters in creation order.
 pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
-    let (c, v, t, f) = (cfg.n_embd as i64, cfg.vocab_size as i64, cfg.seq_len as i64, cfg.ffn() as i64);
+    let (c, v, t, f) = (cfg.n_embd as i64, cfg.padded_vocab() as i64, cfg.seq_len as i64, cfg.ffn() as i64);
     let std = 0.02;
     let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
     let mut out = vec![
-        TensorSpec::new("wte.weight", &[v, c], Init::Normal(std), false, Part::TiedEmbedding),
+        TensorSpec::new("wte.weight", &[v, c], Init::Normal(std), false, Part::TiedEmbedding).vocab_rows(cfg.vocab_size as i64),
         TensorSpec::new("wpe.weight", &[t, c], Init::Normal(std), false, Part::Embedding),
     ];
     let norm = |out: &mut Vec<TensorSpec>, name: String, part: Part| {
@@ -150,9 +150,11 @@ mod tests {
 
     #[test]
     fn parameter_count_matches_the_gpt2_formula() {
-        let c = cfg();
+        let c = ModelConfig { pad_vocab_to: 1, ..cfg() };
         let m = Model::new(&c, 0, Device::Cpu).unwrap();
         let (l, d, v, t) = (2i64, 16i64, 32i64, 8i64);
+        // Padded (the default, 64): the embedding holds 64 rows, 32 of them padding.
+        assert_eq!(Model::new(&cfg(), 0, Device::Cpu).unwrap().num_params(), m.num_params() + 32 * d);
         // embeddings + per block (2 LN + qkv + proj + fc + proj, with biases) + final LN
         let per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
         assert_eq!(m.num_params(), v * d + t * d + l * per_block + 2 * d);

@@ -17,11 +17,12 @@ const STD: f64 = 0.02;
 
 /// Llama's parameters in creation order.
 pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
-    let (h, v, f) = (cfg.n_embd as i64, cfg.vocab_size as i64, cfg.ffn() as i64);
+    let (h, v, f) = (cfg.n_embd as i64, cfg.padded_vocab() as i64, cfg.ffn() as i64);
+    let user = cfg.vocab_size as i64;
     let d = cfg.head_dim() as i64;
     let (q, kv) = (cfg.n_head as i64 * d, cfg.kv_heads() as i64 * d);
     let embed_part = if cfg.tie_embeddings { Part::TiedEmbedding } else { Part::Embedding };
-    let mut out = vec![TensorSpec::new("model.embed_tokens.weight", &[v, h], Init::Normal(STD), false, embed_part)];
+    let mut out = vec![TensorSpec::new("model.embed_tokens.weight", &[v, h], Init::Normal(STD), false, embed_part).vocab_rows(user)];
     for i in 0..cfg.n_layer {
         let part = Part::Block(i);
         let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -43,7 +44,7 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     }
     out.push(TensorSpec::new("model.norm.weight", &[h], Init::Ones, false, Part::Head));
     if !cfg.tie_embeddings {
-        out.push(TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head));
+        out.push(TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head).vocab_rows(user));
     }
     out
 }
@@ -170,13 +171,13 @@ mod tests {
 
     #[test]
     fn parameters_follow_the_llama_layout_with_grouped_query_heads() {
-        let m = Model::new(&cfg(), 0, Device::Cpu).unwrap();
+        let m = Model::new(&ModelConfig { pad_vocab_to: 1, ..cfg() }, 0, Device::Cpu).unwrap();
         let (l, h, f, v, kv) = (2i64, 32i64, 48i64, 40i64, 16i64);
         let per_layer = 2 * h + h * h + 2 * kv * h + h * h + 3 * h * f;
         assert_eq!(m.num_params(), v * h + l * per_layer + h, "tied head counted once");
         assert_eq!(m.params.names[2], "model.layers.0.self_attn.q_proj.weight");
         assert_eq!(m.params.get("model.layers.1.self_attn.k_proj.weight").unwrap().size(), [kv, h]);
-        let untied = Model::new(&ModelConfig { tie_embeddings: false, ..cfg() }, 0, Device::Cpu).unwrap();
+        let untied = Model::new(&ModelConfig { tie_embeddings: false, pad_vocab_to: 1, ..cfg() }, 0, Device::Cpu).unwrap();
         assert_eq!(untied.num_params(), m.num_params() + v * h);
         assert_eq!(untied.params.names.last().unwrap(), "lm_head.weight");
     }

@@ -3,7 +3,12 @@
 //! what the forward keeps for backward ([`saved_activations`], which the planner counts too),
 //! parameter creation, the fallible forward pass in pieces (embedding, blocks, head: what
 //! activation checkpointing and the chunked loss run separately) and the loss. It does not own
-//! gradients or optimizer state. Adding an architecture: one file with its `tensors()`, its
+//! gradients or optimizer state. The vocabulary matrices are padded to `model.pad_vocab_to`
+//! rows (aligned GEMM shapes) while the model's behaviour stays that of the user's vocabulary:
+//! padded rows start at zero, [`Model::head`] masks their logits to -inf (so the loss, its
+//! gradient and sampling never see them), [`Model::forward`] returns the user's columns only,
+//! and [`Model::user_tensor`] / [`Model::copy_user_tensor`] give import and export the user's
+//! shapes. Adding an architecture: one file with its `tensors()`, its
 //! `saved()` and a [`Decoder`], and one arm in [`describe`], [`saved_activations`] and
 //! [`Model::new`] — the only places that match on `model.arch`.
 mod gpt2;
@@ -43,6 +48,8 @@ pub struct Model {
     pub cfg: ModelConfig,
     pub params: Params,
     groups: ParamGroups,
+    /// Per parameter: the user's vocabulary rows of a padded vocabulary matrix.
+    user_rows: Vec<Option<i64>>,
     net: Box<dyn Decoder>,
 }
 
@@ -52,14 +59,21 @@ impl Model {
         let specs = describe(cfg);
         let mut params = Params { seed, ..Params::default() };
         for s in &specs {
-            let _ = params.add(s.name.clone(), &s.shape, s.init, s.decay, device)?;
+            let t = params.add(s.name.clone(), &s.shape, s.init, s.decay, device)?;
+            // The user's rows were drawn first, exactly as without padding (each parameter's
+            // values are one stream); the padded rows start at zero.
+            if let Some(rows) = s.user_rows {
+                let _no_grad = tch::no_grad_guard();
+                let _ = t.f_narrow(0, rows, s.shape[0] - rows)?.f_zero_()?;
+            }
         }
         let net: Box<dyn Decoder> = match cfg.arch {
             Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params)?),
             Arch::Llama => Box::new(llama::Llama::new(cfg, &params, device)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
-        Ok(Self { cfg: cfg.clone(), params, groups, net })
+        let user_rows = specs.iter().map(|s| s.user_rows).collect();
+        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, net })
     }
 
     /// Number of trainable parameters (a tied head counted once).
@@ -67,9 +81,15 @@ impl Model {
         self.params.count()
     }
 
-    /// Logits `[b, t, vocab]` for token ids `[b, t]`. `seed`: reseeds the generator before the
-    /// embedding and each block (dropout), so a recomputed block draws the same masks.
+    /// Logits `[b, t, vocab]` for token ids `[b, t]`: the user's vocabulary only (a view of
+    /// the padded logits). `seed`: reseeds the generator before the embedding and each block
+    /// (dropout), so a recomputed block draws the same masks.
     pub fn forward(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
+        self.padded_logits(idx, train, seed)?.f_narrow(-1, 0, self.cfg.vocab_size as i64)
+    }
+
+    /// Logits `[b, t, padded vocab]`, the padded columns -inf.
+    fn padded_logits(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
         let mut x = self.embed(idx, train, seed)?;
         for i in 0..self.n_blocks() {
             x = self.block(i, &x, train, seed)?;
@@ -99,14 +119,58 @@ impl Model {
         self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train)
     }
 
-    /// Final norm and the LM head: logits `[…, vocab]` for hidden states `[…, c]`.
+    /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the
+    /// columns past the user's vocabulary set to -inf in place (a softmax gives them exactly 0
+    /// and the fill passes no gradient, so the loss and every gradient equal the unpadded
+    /// model's and the padded rows stay zero). What the loss reads: a contiguous, aligned matrix.
     pub fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.net.head(x)
+        let logits = self.net.head(x)?;
+        let (v, vp) = (self.cfg.vocab_size as i64, *logits.size().last().unwrap_or(&0));
+        if vp > v {
+            let _ = logits.f_narrow(-1, v, vp - v)?.f_fill_(f64::NEG_INFINITY)?;
+        }
+        Ok(logits)
     }
 
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
     pub fn loss(&self, x: &Tensor, y: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        cross_entropy(&self.forward(x, train, seed)?, y, Reduction::Mean)
+        cross_entropy(&self.padded_logits(x, train, seed)?, y, Reduction::Mean)
+    }
+
+    /// Parameter `i` as the user's vocabulary shapes it: a padded vocabulary matrix cut to its
+    /// user rows (a view), any other parameter as it is.
+    pub fn user_tensor(&self, i: usize) -> Result<Tensor, TchError> {
+        let t = &self.params.tensors[i];
+        match self.user_rows[i] {
+            Some(rows) => t.f_narrow(0, 0, rows),
+            None => Ok(t.shallow_clone()),
+        }
+    }
+
+    /// The shape [`Model::user_tensor`] has.
+    pub fn user_shape(&self, i: usize) -> Vec<i64> {
+        let mut s = self.params.tensors[i].size();
+        if let Some(rows) = self.user_rows[i] {
+            s[0] = rows;
+        }
+        s
+    }
+
+    /// Copies `src` into parameter `i`: the padded shape as it is (a checkpoint), or the user's
+    /// shape (an import: the padded rows are then set to zero). `Err` with both shapes otherwise.
+    pub fn copy_user_tensor(&self, i: usize, src: &Tensor) -> Result<(), String> {
+        let _no_grad = tch::no_grad_guard();
+        let p = self.params.tensors[i].shallow_clone();
+        let (got, full, user) = (src.size(), p.size(), self.user_shape(i));
+        let res = if got == full {
+            p.shallow_clone().f_copy_(src).map(drop)
+        } else if got == user {
+            let rows = user[0];
+            p.f_narrow(0, 0, rows).and_then(|mut d| d.f_copy_(src)).and_then(|_| p.f_narrow(0, rows, full[0] - rows)?.f_zero_()).map(drop)
+        } else {
+            return Err(format!("shape {got:?}, the model needs {user:?}"));
+        };
+        res.map_err(|e| e.to_string())
     }
 
     /// Indices into `params` of the embedding's, each block's and the head's parameters.
@@ -119,4 +183,120 @@ impl Model {
 pub fn cross_entropy(logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
     let v = *logits.size().last().unwrap_or(&1);
     logits.f_view([-1, v])?.f_cross_entropy_loss::<Tensor>(&y.f_reshape([-1])?, None, reduction, -100, 0.0)
+}
+
+#[cfg(test)]
+mod padding_tests {
+    //! The padded vocabulary (`model.pad_vocab_to`) against the unpadded model: same initial
+    //! user rows, same loss and gradients (plain and chunked), padded rows zero and unused.
+    use super::Model;
+    use crate::config::{Arch, Checkpointing, ModelConfig};
+    use crate::step::savers::{loss_and_grads, Savers};
+    use tch::{Device, Kind, Tensor};
+
+    /// Vocabulary 61: 64 rows with the default padding, 61 with `pad_vocab_to: 1`.
+    fn configs() -> Vec<ModelConfig> {
+        let gpt2 = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 61, seq_len: 8, ..ModelConfig::default() };
+        let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..gpt2.clone() };
+        vec![gpt2, llama.clone(), ModelConfig { tie_embeddings: false, ..llama }]
+    }
+
+    fn pair(cfg: &ModelConfig) -> (Model, Model) {
+        let padded = Model::new(cfg, 3, Device::Cpu).unwrap();
+        let plain = Model::new(&ModelConfig { pad_vocab_to: 1, ..cfg.clone() }, 3, Device::Cpu).unwrap();
+        (padded, plain)
+    }
+
+    fn batch() -> (Tensor, Tensor) {
+        let x = Tensor::arange(48, (Kind::Int64, Device::Cpu)).remainder(61).view([6, 8]);
+        let y = (x.shallow_clone() * 7 + 3).remainder(61);
+        (x, y)
+    }
+
+    /// Max |a - b| between a padded tensor's user rows and the unpadded one.
+    fn user_diff(padded: &Tensor, plain: &Tensor) -> f64 {
+        let rows = plain.size()[0];
+        (padded.narrow(0, 0, rows) - plain).abs().max().double_value(&[])
+    }
+
+    fn padding_max(padded: &Tensor, rows: i64) -> f64 {
+        padded.narrow(0, rows, padded.size()[0] - rows).abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn user_rows_start_bit_identical_and_padded_rows_at_zero() {
+        for cfg in configs() {
+            let (padded, plain) = pair(&cfg);
+            assert_eq!(padded.params.names, plain.params.names);
+            for (i, (a, b)) in padded.params.tensors.iter().zip(&plain.params.tensors).enumerate() {
+                if a.size() == b.size() {
+                    assert!(a.equal(b), "{}", padded.params.names[i]);
+                } else {
+                    assert_eq!(a.size()[0], 64, "{}", padded.params.names[i]);
+                    assert!(a.narrow(0, 0, 61).equal(b), "{}: the user rows are drawn as without padding", padded.params.names[i]);
+                    assert_eq!(padding_max(a, 61), 0.0);
+                    assert!(padded.user_tensor(i).unwrap().equal(b));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn loss_and_gradients_equal_the_unpadded_models_plain_and_chunked() {
+        let (x, y) = batch();
+        for cfg in configs() {
+            let (padded, plain) = pair(&cfg);
+            let logits = padded.forward(&x, false, None).unwrap();
+            assert_eq!(logits.size(), [6, 8, 61], "forward returns the user's vocabulary");
+            for chunk in [None, Some(10)] {
+                let savers = Savers::new(Checkpointing::None, false, chunk);
+                let (la, ga) = loss_and_grads(&padded, &x, &y, 1.0, 0, &savers).unwrap();
+                let (lb, gb) = loss_and_grads(&plain, &x, &y, 1.0, 0, &savers).unwrap();
+                let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
+                assert!(dl < 1e-6, "{:?} chunk {chunk:?}: loss differs by {dl:e}", cfg.arch);
+                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                    let d = user_diff(a, b);
+                    assert!(d < 1e-6, "{:?} chunk {chunk:?}: gradient of {} differs by {d:e}", cfg.arch, padded.params.names[i]);
+                    if a.size() != b.size() {
+                        assert_eq!(padding_max(a, 61), 0.0, "padded rows get exactly zero gradient");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn padded_logits_are_masked_even_if_the_padded_rows_were_not_zero() {
+        let (x, _) = batch();
+        for cfg in configs() {
+            let (padded, _) = pair(&cfg);
+            let _no_grad = tch::no_grad_guard();
+            for (i, t) in padded.params.tensors.iter().enumerate() {
+                if padded.user_shape(i) != t.size() {
+                    let _ = t.narrow(0, 61, 3).fill_(1.0);
+                }
+            }
+            let hidden = padded.embed(&x, false, None).unwrap();
+            let logits = padded.head(&hidden).unwrap();
+            assert_eq!(logits.size(), [6, 8, 64]);
+            let tail = logits.narrow(-1, 61, 3);
+            assert!(tail.eq(f64::NEG_INFINITY).all().int64_value(&[]) == 1, "padded columns are -inf");
+            assert!(logits.narrow(-1, 0, 61).isfinite().all().int64_value(&[]) == 1);
+        }
+    }
+
+    #[test]
+    fn user_shaped_tensors_load_into_the_padded_model_and_wrong_shapes_are_refused() {
+        let (padded, plain) = pair(&configs()[2]);
+        for (i, t) in plain.params.tensors.iter().enumerate() {
+            let src = t.detach() + 1.0;
+            padded.copy_user_tensor(i, &src).unwrap();
+            assert!(padded.user_tensor(i).unwrap().equal(&src));
+            if padded.user_shape(i) != padded.params.tensors[i].size() {
+                assert_eq!(padding_max(&padded.params.tensors[i], 61), 0.0, "an import leaves the padding at zero");
+            }
+        }
+        let err = padded.copy_user_tensor(0, &Tensor::zeros([60, 16], (Kind::Float, Device::Cpu))).unwrap_err();
+        assert!(err.contains("[60, 16]") && err.contains("[61, 16]"), "{err}");
+    }
 }

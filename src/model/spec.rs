@@ -13,6 +13,10 @@ pub struct TensorSpec {
     /// Weight decay applies (linear weights only: not biases, norms, embeddings).
     pub decay: bool,
     pub part: Part,
+    /// A vocabulary matrix padded beyond the user's vocabulary (`model.pad_vocab_to`): its first
+    /// dimension is the padded vocabulary, of which only these first rows are real tokens; the
+    /// rest start at zero, receive no gradient, and are cut off on export.
+    pub user_rows: Option<i64>,
 }
 
 /// Where a parameter sits, for the memory savers that run the network in pieces.
@@ -29,7 +33,21 @@ pub enum Part {
 
 impl TensorSpec {
     pub fn new(name: impl Into<String>, shape: &[i64], init: Init, decay: bool, part: Part) -> Self {
-        Self { name: name.into(), shape: shape.to_vec(), init, decay, part }
+        Self { name: name.into(), shape: shape.to_vec(), init, decay, part, user_rows: None }
+    }
+
+    /// A `[padded vocabulary, …]` matrix whose first `rows` rows are the user's vocabulary.
+    pub fn vocab_rows(self, rows: i64) -> Self {
+        Self { user_rows: (rows < self.shape[0]).then_some(rows), ..self }
+    }
+
+    /// The shape the user sees (export, import): the padded vocabulary cut back to its rows.
+    pub fn user_shape(&self) -> Vec<i64> {
+        let mut s = self.shape.clone();
+        if let Some(r) = self.user_rows {
+            s[0] = r;
+        }
+        s
     }
 
     pub fn numel(&self) -> i64 {

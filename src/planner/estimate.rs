@@ -35,6 +35,9 @@ pub struct Transformer {
     pub tied: bool,
     /// Biases in linear layers and LayerNorms.
     pub bias: bool,
+    /// `model.pad_vocab_to`: the embedding and LM head hold `vocab` rounded up to a multiple of
+    /// it, and the logits are that wide.
+    pub pad_vocab_to: u64,
     /// `--params`: a count for an architecture whose tensors differ from the layout's. Weights,
     /// gradients and optimizer state then follow this count; activations still follow the sizes.
     pub params_override: Option<u64>,
@@ -60,6 +63,7 @@ impl Transformer {
             kv_heads: cfg.n_kv_head.map(|k| k as u64),
             tied: cfg.tie_embeddings,
             bias: cfg.bias,
+            pad_vocab_to: cfg.pad_vocab_to as u64,
             params_override: None,
         }
     }
@@ -77,6 +81,7 @@ impl Transformer {
             seq_len: self.seq_len as usize,
             bias: self.bias,
             ffn_hidden: Some(self.ffn as usize),
+            pad_vocab_to: self.pad_vocab_to as usize,
             ..ModelConfig::default()
         }
     }
@@ -100,6 +105,11 @@ impl Transformer {
     /// What the forward keeps for backward in `setup`'s regime (`model::saved_activations`).
     pub fn saved(&self, s: &Setup) -> Activations {
         crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout })
+    }
+
+    /// Rows of the embedding and LM head, and columns of the logits (the padded vocabulary).
+    pub fn padded_vocab(&self) -> u64 {
+        self.model_config().padded_vocab() as u64
     }
 
     /// Key/value heads (`heads` without grouped-query attention).
@@ -517,11 +527,11 @@ impl Moments {
         let activations = in_body + outside;
         let tokens = micro * m.seq_len;
         let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));
-        let logits = p.logit_bytes() * chunk * m.vocab;
+        let logits = p.logit_bytes() * chunk * m.padded_vocab();
         let cross_entropy = 2 * logits;
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
-        let head_grad = m.vocab * m.hidden * p.grad_bytes();
+        let head_grad = m.padded_vocab() * m.hidden * p.grad_bytes();
         let tied = tied(m);
         let mut block_backward = sum(&m.saved(s).block_backward, &widths(s), micro, m.seq_len);
         let (head, embedding_grad_transient) = if s.split_backward() {
@@ -577,7 +587,7 @@ pub(crate) mod fixtures {
 
     /// Llama 3.2 1B: 16 × 2048, 32 heads sharing 8 KV heads, SwiGLU 8192, vocab 128256, tied, seq 2048.
     pub fn llama32_1b() -> Transformer {
-        Transformer { arch: Arch::Llama, layers: 16, hidden: 2048, heads: 32, kv_heads: Some(8), vocab: 128_256, seq_len: 2048, ffn: 8192, tied: true, bias: false, params_override: None }
+        Transformer { arch: Arch::Llama, layers: 16, hidden: 2048, heads: 32, kv_heads: Some(8), vocab: 128_256, seq_len: 2048, ffn: 8192, tied: true, bias: false, pad_vocab_to: 64, params_override: None }
     }
 
     /// fp32 AdamW on one CUDA GPU, flash attention, 1 GiB context, 10% fragmentation.
@@ -609,6 +619,9 @@ mod tests {
     use super::*;
 
     const GIB: f64 = (1u64 << 30) as f64;
+    /// GPT-2's 50257 tokens padded to a multiple of 64 (`model.pad_vocab_to`, default 64): the
+    /// rows the embedding holds and the width of the logits.
+    const V: u64 = 50304;
 
     fn setup(precision: Precision, optimizer: OptimizerName) -> Setup {
         Setup { precision, optimizer, ..super::fixtures::cpu_fp32_adamw() }
@@ -616,10 +629,14 @@ mod tests {
 
     #[test]
     fn gpt2_small_has_124_439_808_parameters() {
-        // nanoGPT prints 124.44M for GPT-2 small with the tied head counted once.
-        assert_eq!(gpt2().params(), 124_439_808);
+        // nanoGPT prints 124.44M for GPT-2 small with the tied head counted once (vocab 50257).
+        let unpadded = Transformer { pad_vocab_to: 1, ..gpt2() };
+        assert_eq!(unpadded.params(), 124_439_808);
+        // Padded to 50304 rows, the 47 extra embedding rows count: the memory holds them.
+        assert_eq!(gpt2().padded_vocab(), V);
+        assert_eq!(gpt2().params(), 124_439_808 + (V - 50257) * 768);
         // Without biases: 2h per block and one h at the end fewer LayerNorm entries, and no linear biases.
-        let no_bias = Transformer { bias: false, ..gpt2() };
+        let no_bias = Transformer { bias: false, ..unpadded };
         let (h, l) = (768u64, 12u64);
         let biases = l * (2 * h + 3 * h + h + 4 * h + h) + h;
         assert_eq!(no_bias.params(), 124_439_808 - biases);
@@ -708,14 +725,14 @@ mod tests {
         let m = gpt2();
         let s = Setup { loss_chunk_tokens: Some(1024), ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&m, &s, 4, 1);
-        let (l, g, hidden) = (4 * 1024 * 50257, 50257 * 768 * 4, 4096 * 768 * 4);
+        let (l, g, hidden) = (4 * 1024 * V, V * 768 * 4, 4096 * 768 * 4);
         assert_eq!((e.logits, e.cross_entropy), (l, 2 * l));
         // Chunk after the first: three logit-sized buffers next to the head's summed gradient,
         // or one next to that and the chunk's new one; plus the chunk inputs' gradients.
         let head = (3 * l + g).max(l + 2 * g) + hidden;
         assert_eq!(e.peak_phase, "start of backward");
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + 12 * e.activations_per_layer + e.activations_outside + head);
-        // Without chunks: 3 × 4 × 4096 × 50257 bytes (2.30 GiB) of logits and their gradients
+        // Without chunks: 3 × 4 × 4096 × 50304 bytes (2.30 GiB) of logits and their gradients
         // against 0.73 GiB with them.
         let plain = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 4, 1);
         let saved = (plain.peak_allocated - e.peak_allocated) as f64 / GIB;
@@ -742,11 +759,11 @@ mod tests {
     }
 
     #[test]
-    fn gpt2_at_512_by_512_is_dominated_by_49_gib_of_fp32_logits() {
+    fn gpt2_at_512_by_512_is_dominated_by_49_gib_of_fp32_padded_logits() {
         let m = Transformer { seq_len: 512, ..gpt2() };
         let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 512, 1);
-        assert_eq!(e.logits, 4 * 512 * 512 * 50257);
-        assert!((e.logits as f64 / GIB - 49.07).abs() < 0.01, "{}", e.logits as f64 / GIB);
+        assert_eq!(e.logits, 4 * 512 * 512 * V);
+        assert!((e.logits as f64 / GIB - 49.12).abs() < 0.01, "{}", e.logits as f64 / GIB);
         // The vocabulary term is the largest part: log-probabilities and cross-entropy's two
         // gradient buffers outweigh all twelve blocks' activations and the whole model state...
         assert!(e.logits + e.cross_entropy > e.activations);
@@ -788,7 +805,7 @@ mod tests {
         // A tiny batch: activations are smaller than the gradients, which then set the peak.
         let short = Transformer { seq_len: 1, ..gpt2() };
         let e = estimate(&short, &s, 1, 1);
-        assert_eq!(e.embedding_grad_transient, 2 * 50257 * 768 * 4);
+        assert_eq!(e.embedding_grad_transient, 2 * V * 768 * 4);
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.embedding_grad_transient);
         assert_eq!(e.peak_phase, "end of backward");
         assert_eq!(two.peak_phase, "start of backward");

@@ -620,7 +620,7 @@ mod tests {
         assert!(err.contains("missing: --heads, --vocab, --seq-len"), "{err}");
         let a = PlanArgs { heads: Some(12), vocab: Some(50257), seq_len: Some(1024), ..a };
         let i = Inputs::resolve(&a).unwrap();
-        assert_eq!((i.model.ffn, i.model.params()), (3072, 124_439_808));
+        assert_eq!((i.model.ffn, i.model.params()), (3072, 124_439_808 + 47 * 768), "50257 padded to 50304 rows");
         assert_eq!((i.micro, i.global, i.accumulation), (1, None, 2));
     }
 

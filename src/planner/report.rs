@@ -176,16 +176,19 @@ fn arch_name(a: Arch) -> &'static str {
 /// The sizes and the parts that set the memory: `12 layers, hidden 768, 12 heads, …`.
 fn model_parts(m: &Transformer) -> String {
     let (kv, bias) = (m.kv(), if m.bias { "biases" } else { "no biases" });
+    let vocab = match m.padded_vocab() {
+        p if p != m.vocab => format!("{} (padded to {p})", m.vocab),
+        _ => m.vocab.to_string(),
+    };
     match m.arch {
-        Arch::Gpt2 => format!("{} layers, hidden {}, {} heads, vocab {}, seq {}, MLP {}, {bias}", m.layers, m.hidden, m.heads, m.vocab, m.seq_len, m.ffn),
+        Arch::Gpt2 => format!("{} layers, hidden {}, {} heads, vocab {vocab}, seq {}, MLP {}, {bias}", m.layers, m.hidden, m.heads, m.seq_len, m.ffn),
         Arch::Llama => format!(
-            "{} layers, hidden {}, {} heads{}, RMSNorm, SwiGLU {}, RoPE, vocab {}, seq {}, {} head, {bias}",
+            "{} layers, hidden {}, {} heads{}, RMSNorm, SwiGLU {}, RoPE, vocab {vocab}, seq {}, {} head, {bias}",
             m.layers,
             m.hidden,
             m.heads,
             if kv == m.heads { String::new() } else { format!(" sharing {kv} KV heads") },
             m.ffn,
-            m.vocab,
             m.seq_len,
             if m.tied { "tied" } else { "untied" }
         ),
@@ -344,7 +347,7 @@ mod tests {
     fn json_has_the_documented_fields_and_consistent_sums() {
         let j: serde_json::Value = with_sample_report(|r| serde_json::from_str(&serde_json::to_string(r).unwrap()).unwrap());
         assert_eq!(j["schema"], 1);
-        assert_eq!(j["params"], 124_439_808u64);
+        assert_eq!(j["params"], 124_439_808u64 + 47 * 768, "the vocabulary padded to 50304 rows");
         assert_eq!(j["setup"]["precision"], "fp32");
         assert_eq!(j["setup"]["optimizer"], "adamw");
         let est = &j["estimate"];

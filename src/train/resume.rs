@@ -102,8 +102,13 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
     let (model, opt) = (&t.model, &mut t.opt);
     let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
     let _no_grad = tch::no_grad_guard();
-    for (name, p) in model.params.names.iter().zip(&model.params.tensors) {
+    for (i, (name, p)) in model.params.names.iter().zip(&model.params.tensors).enumerate() {
         let src = l.weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| corrupt(format!("model.safetensors lacks `{name}`")))?;
+        if src.size() != p.size() && src.size() == model.user_shape(i) {
+            // Written before model.pad_vocab_to: its optimizer state is unpadded too.
+            let why = format!("model.pad_vocab_to: checkpoint 1 (`{name}` has the unpadded {:?}), config {}", src.size(), model.cfg.pad_vocab_to);
+            return Err(CheckpointError::Incompatible { path: l.path.clone(), differences: vec![why] });
+        }
         if src.size() != p.size() {
             return Err(corrupt(format!("`{name}` has shape {:?}, the model needs {:?}", src.size(), p.size())));
         }
