@@ -9,6 +9,12 @@ against instead: it loads trainguard's weights (safetensors, trainguard's names)
 --check-steps steps on the batch in --check-batch (loss, gradients, then torch.optim.AdamW with
 decay on the linear weights) and writes the first step's logits and each step's loss and
 gradients, under trainguard's names, to --check-out.
+
+The vocabulary is padded as trainguard pads it (`model.pad_vocab_to`, default 64, or
+--pad-vocab-to): the embedding has the padded rows (zero at the start), the loss masks the padded
+logits to -inf; check mode computes the loss over the user's columns only (the definition the
+padded model must equal). --compile runs the model under torch.compile (default mode); --dtype
+bf16 runs forward and loss under bf16 autocast (trainguard's `precision: bf16-mixed`).
 """
 import argparse
 import json
@@ -44,11 +50,30 @@ class Block(nn.Module):
         return x
 
 
+def padded_vocab(m):
+    """`vocab_size` rounded up to `pad_vocab_to` (trainguard's default 64)."""
+    pad = max(1, int(m.get("pad_vocab_to") or 64))
+    return -(-m["vocab_size"] // pad) * pad
+
+
+def zero_padding(weight, vocab):
+    with torch.no_grad():
+        weight[vocab:].zero_()
+
+
+def masked_loss(logits, targets, vocab):
+    """Cross-entropy with the padded columns' logits at -inf (no probability, no gradient)."""
+    if logits.size(-1) > vocab:
+        logits[..., vocab:] = float("-inf")
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 class GPT(nn.Module):
     def __init__(self, m):
         super().__init__()
         c = m["n_embd"]
-        self.wte = nn.Embedding(m["vocab_size"], c)
+        self.vocab = m["vocab_size"]
+        self.wte = nn.Embedding(padded_vocab(m), c)
         self.wpe = nn.Embedding(m["seq_len"], c)
         self.blocks = nn.ModuleList(Block(c, m["n_head"], m["bias"], m["dropout"]) for _ in range(m["n_layer"]))
         self.ln_f = nn.LayerNorm(c, bias=m["bias"])
@@ -59,6 +84,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        zero_padding(self.wte.weight, self.vocab)
 
     def logits(self, idx):
         t = idx.shape[1]
@@ -72,8 +98,7 @@ class GPT(nn.Module):
         x = F.dropout(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)), self.dropout, self.training)
         for blk in self.blocks:
             x = blk(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return masked_loss(F.linear(self.ln_f(x), self.wte.weight), targets, self.vocab)
 
 
 def ours_to_theirs(name):
@@ -102,7 +127,7 @@ def check(args, m, t):
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t.get("eps", 1e-8))
     out = {}
     for step in range(args.check_steps):
-        logits = model.logits(x)
+        logits = model.logits(x)[..., :m["vocab_size"]]
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -123,6 +148,7 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
+    add_bench_args(ap)
     ap.add_argument("--check-weights", help="check mode: trainguard's weights (safetensors)")
     ap.add_argument("--check-batch", help="check mode: safetensors with int64 `x` and `y`")
     ap.add_argument("--check-out", help="check mode: where logits, losses and gradients go")
@@ -132,6 +158,8 @@ def main():
     cfg = json.load(open(args.config)) if args.config.endswith(".json") else yaml.safe_load(open(args.config))
     m = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 64, "dropout": 0.0, "bias": True, **(cfg.get("model") or {})}
     t = {"global_batch_size": 32, "micro_batch_size": 8, "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, **(cfg.get("train") or {})}
+    if args.pad_vocab_to is not None:
+        m["pad_vocab_to"] = args.pad_vocab_to
     if args.check_weights:
         return check(args, m, t)
     if args.threads:
@@ -141,11 +169,31 @@ def main():
     print(json.dumps(bench(model, m, t, args, no_decay=("wte", "wpe"))))
 
 
+def add_bench_args(ap):
+    """The options both references share (this one and scripts/reference_llama_bench.py)."""
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16 autocast (bf16-mixed)")
+    ap.add_argument("--pad-vocab-to", type=int, help="pad the vocabulary rows to a multiple of this (default: the config's model.pad_vocab_to, else 64)")
+
+
+def flops_per_token(model, m):
+    """Training FLOPs per token: 6 × the parameters of the user's vocabulary (the padded rows do
+    no useful work) plus attention's 12 × layers × width × sequence (PaLM's MFU formula)."""
+    n = sum(p.numel() for p in model.parameters())
+    heads = 1 + int(not m.get("tie_embeddings", True))
+    n -= heads * (padded_vocab(m) - m["vocab_size"]) * m["n_embd"]
+    return 6 * n + 12 * m["n_layer"] * m["n_embd"] * m["seq_len"]
+
+
 def bench(model, m, t, args, no_decay, **extra):
     """trainguard's step on `model` (micro-batches, token-weighted losses, clip, AdamW with decay
     on 2-D weights whose names do not start with `no_decay`): tokens/s after warm-up, as a dict.
     Shared by the Llama reference (scripts/reference_llama_bench.py)."""
     dev = torch.device(args.device)
+    flops = flops_per_token(model, m)
+    params = sum(p.numel() for p in model.parameters())
+    step_model = torch.compile(model) if args.compile else model
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(no_decay)]
     other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(no_decay))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
@@ -160,7 +208,8 @@ def bench(model, m, t, args, no_decay, **extra):
             ix = torch.randint(0, corpus.numel() - s - 1, (micro,))
             x = torch.stack([corpus[i:i + s] for i in ix]).to(dev)
             y = torch.stack([corpus[i + 1:i + 1 + s] for i in ix]).to(dev)
-            loss = model(x, y) * (micro / g)
+            with autocast:
+                loss = step_model(x, y) * (micro / g)
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
         opt.step()
@@ -172,8 +221,9 @@ def bench(model, m, t, args, no_decay, **extra):
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
     mean = sum(times) / len(times)
-    return {"impl": "pytorch-fused-adamw" if args.fused else "pytorch", **extra, "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
-            "params": sum(p.numel() for p in model.parameters()), "threads": torch.get_num_threads(), "last_loss": loss_value}
+    impl = "pytorch" + ("-compile" if args.compile else "") + ("-fused-adamw" if args.fused else "")
+    return {"impl": impl, **extra, "dtype": args.dtype, "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),
+            "params": params, "padded_vocab": padded_vocab(m), "flops_per_token": flops, "threads": torch.get_num_threads(), "last_loss": loss_value}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ checked against its definition. With --transformers it also loads the same weigh
 `transformers`' LlamaForCausalLM and writes its logits as `hf_logits` (no download: the model is
 built from a config).
 
+The weights may have trainguard's padded vocabulary (`model.pad_vocab_to`): more rows in the
+embedding (and lm_head) than `vocab_size`. The logits and the loss are then taken over the user's
+columns only (the definition the padded model must equal), and transformers gets the user's rows.
+
   python scripts/reference_llama.py --model model.json --weights w.safetensors \
       --batch batch.safetensors --out ref.safetensors [--steps 2 --lr 1e-3 ...] [--transformers]
 """
@@ -86,7 +90,8 @@ def transformers_logits(p, m, idx):
         attention_bias=m["bias"], mlp_bias=m["bias"], attn_implementation="eager",
     )
     model = LlamaForCausalLM(cfg).float().eval()
-    state = {k: v.detach().clone() for k, v in p.items()}
+    vocab_rows = ("model.embed_tokens.weight", "lm_head.weight")
+    state = {k: v.detach()[:m["vocab_size"]].clone() if k in vocab_rows else v.detach().clone() for k, v in p.items()}
     if m["tie_embeddings"]:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -125,7 +130,7 @@ def main():
         lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
     )
     for step in range(a.steps):
-        logits = forward(params, m, x)
+        logits = forward(params, m, x)[..., :m["vocab_size"]]
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -7,7 +7,9 @@ The model is written as Hugging Face's `LlamaForCausalLM` computes it: RMSNorm i
 to the input's dtype, rotary embedding in the "rotate half" layout with tables made once,
 grouped-query attention through `scaled_dot_product_attention(enable_gqa=True)`, a SwiGLU MLP, a
 head tied to the embedding or not. Speed only: correctness against trainguard (same weights in,
-logits and gradients out) is scripts/reference_llama.py's job.
+logits and gradients out) is scripts/reference_llama.py's job. The vocabulary is padded and
+masked as in scripts/reference_gpt.py, which also has the shared options (--compile, --dtype,
+--pad-vocab-to).
 """
 import argparse
 import json
@@ -17,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import yaml
 
-from reference_gpt import bench  # the same training loop and timing as the GPT-2 reference
+# The same training loop, timing, options and vocabulary padding as the GPT-2 reference.
+from reference_gpt import add_bench_args, bench, masked_loss, padded_vocab, zero_padding
 
 STD = 0.02
 
@@ -89,10 +92,11 @@ class Llama(nn.Module):
     def __init__(self, m):
         super().__init__()
         c = m["n_embd"]
-        self.embed_tokens = nn.Embedding(m["vocab_size"], c)
+        self.vocab = m["vocab_size"]
+        self.embed_tokens = nn.Embedding(padded_vocab(m), c)
         self.layers = nn.ModuleList(Block(m) for _ in range(m["n_layer"]))
         self.norm = RMSNorm(c, m["norm_eps"])
-        self.lm_head = None if m["tie_embeddings"] else nn.Linear(c, m["vocab_size"], bias=False)
+        self.lm_head = None if m["tie_embeddings"] else nn.Linear(c, padded_vocab(m), bias=False)
         self.dropout = m["dropout"]
         cos, sin = rotary_tables(c // m["n_head"], m["seq_len"], m["rope_theta"])
         self.register_buffer("cos", cos, persistent=False)
@@ -102,6 +106,9 @@ class Llama(nn.Module):
                 nn.init.normal_(p, 0.0, STD)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+        for head in (self.embed_tokens, self.lm_head):
+            if head is not None:
+                zero_padding(head.weight, self.vocab)
 
     def forward(self, idx, targets):
         t = idx.shape[1]
@@ -110,8 +117,7 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.norm(x), head)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return masked_loss(F.linear(self.norm(x), head), targets, self.vocab)
 
 
 def main():
@@ -122,10 +128,13 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
+    add_bench_args(ap)
     args = ap.parse_args()
     cfg = yaml.safe_load(open(args.config))
     m = {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, "seq_len": 64, "dropout": 0.0, "bias": True, "n_kv_head": None,
          "rope_theta": 10000.0, "norm_eps": 1e-5, "tie_embeddings": True, **(cfg.get("model") or {})}
+    if args.pad_vocab_to is not None:
+        m["pad_vocab_to"] = args.pad_vocab_to
     assert m.get("arch") == "llama", f"{args.config}: not a llama config (model.arch: {m.get('arch', 'gpt2')})"
     t = {"global_batch_size": 32, "micro_batch_size": 8, "lr": 3e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, **(cfg.get("train") or {})}
     if args.threads:
