@@ -1,31 +1,50 @@
 #!/usr/bin/env bash
-# Throughput of trainguard against the same model, batch split and AdamW in plain PyTorch
-# (scripts/reference_gpt.py, eager mode; scripts/reference_llama_bench.py for configs with
-# `model.arch: llama`), back to back on the same device and thread count.
-# PyTorch runs twice: with torch.optim.AdamW's default implementation and with fused=True (the
-# kernel trainguard uses by default). Prints tokens/s and trainguard's ratio to each. Usage:
-#   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [config.yaml ...]
-# Defaults: cpu, all cores, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
-# configs/llama-debug.yaml and configs/bench-llama-10m.yaml (Llama).
+# Throughput of trainguard against the same model, batch split and AdamW in PyTorch
+# (scripts/reference_gpt.py; scripts/reference_llama_bench.py for configs with
+# `model.arch: llama`), back to back on the same device and thread count, at the same shapes
+# (the vocabulary padded alike: the config's `model.pad_vocab_to`, default 64, or --pad-vocab-to).
+# PyTorch runs in eager mode with torch.optim.AdamW's default implementation and with fused=True
+# (the kernel trainguard uses by default), and under torch.compile (default mode, fused AdamW):
+# on by default on CUDA, opt-in on CPU (--compile: it needs a C++ compiler and compiles for
+# minutes). Prints tokens/s, trainguard's MFU and its ratios to each. Usage:
+#   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [--dtype fp32|bf16]
+#       [--compile|--no-compile] [--pad-vocab-to N] [--peak-tflops F] [config.yaml ...]
+# --dtype bf16: bf16-mixed (trainguard `precision: bf16-mixed`, PyTorch bf16 autocast).
+# MFU = tokens/s × (6 × parameters + 12 × layers × width × sequence) ÷ peak; the peak defaults to
+# an H100's dense bf16, 989 TFLOP/s (give your device's: an MFU on a CPU against it is tiny).
+# Defaults: cpu, all cores, fp32, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
+# configs/llama-debug.yaml and configs/bench-llama-10m.yaml (Llama). STEPS (30) and ROUNDS (2)
+# from the environment.
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
-device=cpu; threads=$(nproc); configs=()
+device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; peak=989; configs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
+    --dtype) dtype=$2; shift 2 ;;
+    --compile) compile=1; shift ;;
+    --no-compile) compile=0; shift ;;
+    --pad-vocab-to) pad=$2; shift 2 ;;
+    --peak-tflops) peak=$2; shift 2 ;;
+    -*) echo "unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
 done
+case "$dtype" in fp32) precision=fp32 ;; bf16) precision=bf16-mixed ;; *) echo "--dtype must be fp32 or bf16, got $dtype" >&2; exit 2 ;; esac
+[ -n "$compile" ] || { [ "${device%%:*}" = cuda ] && compile=1 || compile=0; }
 [ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml configs/llama-debug.yaml configs/bench-llama-10m.yaml)
 STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
+tg_pad=(); ref_pad=()
+[ -z "$pad" ] || { tg_pad=(--set "model.pad_vocab_to=$pad"); ref_pad=(--pad-vocab-to "$pad"); }
 
 trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.jsonl
   # A fresh run directory each time: trainguard refuses to start a fresh run over an old one, and
   # the old metrics must never be read back as this run's.
   rm -rf "$out/tg"
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
+    --set precision="$precision" ${tg_pad[@]+"${tg_pad[@]}"} \
     --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
     || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
   "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" <<'PYEOF'
@@ -35,25 +54,36 @@ print(sum(x["tokens"] for x in m) / sum(x["step_time_s"] for x in m))
 PYEOF
 }
 
-pytorch_tps() {
-  local ref=scripts/reference_gpt.py
-  [ "$("$PY" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])).get("model") or {}).get("arch", "gpt2"))' "$1")" = llama ] \
+pytorch_run() {  # CONFIG [reference options]: the reference's JSON line
+  local c=$1 ref=scripts/reference_gpt.py
+  shift
+  [ "$("$PY" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])).get("model") or {}).get("arch", "gpt2"))' "$c")" = llama ] \
     && ref=scripts/reference_llama_bench.py
-  "$PY" "$ref" --config "$1" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" ${2:-} \
-    | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_s"])'
+  "$PY" "$ref" --config "$c" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" --dtype "$dtype" \
+    ${ref_pad[@]+"${ref_pad[@]}"} "$@" 2>"$out/pt.err" | tail -n 1 \
+    || { echo "the PyTorch reference failed on $c:" >&2; cat "$out/pt.err" >&2; exit 1; }
 }
+field() { "$PY" -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
+best() { "$PY" -c "print(max($1, $2))"; }
+ratio() { [ "$2" = 0 ] && echo - || "$PY" -c "print(f'{$1 / $2:.2f}x')"; }
 
-printf '%-24s %6s %11s %11s %11s %9s %9s\n' config device trainguard pytorch pt-fused "tg/pt" "tg/fused"
+printf '%-28s %6s %5s %11s %11s %11s %11s %7s %8s %8s %8s\n' \
+  config device dtype trainguard pt-eager pt-fused pt-compile "tg-MFU" "tg/eager" "tg/fused" "tg/comp"
 for cfg in "${configs[@]}"; do
-  # Alternate the three ROUNDS times and keep each one's best, so a noisy moment hurts none.
-  tg=0; pt=0; pf=0
+  # Alternate them ROUNDS times and keep each one's best, so a noisy moment hurts none.
+  tg=0; pt=0; pf=0; pc=0; flops=0
   for _ in $(seq "${ROUNDS:-2}"); do
     # Each measurement assigned on its own, so a failed run stops the script (set -e).
-    x=$(trainguard_tps "$cfg"); tg=$("$PY" -c "print(max($tg, $x))")
-    x=$(pytorch_tps "$cfg"); pt=$("$PY" -c "print(max($pt, $x))")
-    x=$(pytorch_tps "$cfg" --fused); pf=$("$PY" -c "print(max($pf, $x))")
+    x=$(trainguard_tps "$cfg"); tg=$(best "$tg" "$x")
+    j=$(pytorch_run "$cfg"); pt=$(best "$pt" "$(field "$j" tokens_per_s)"); flops=$(field "$j" flops_per_token)
+    j=$(pytorch_run "$cfg" --fused); pf=$(best "$pf" "$(field "$j" tokens_per_s)")
+    if [ "$compile" = 1 ]; then
+      j=$(pytorch_run "$cfg" --fused --compile); pc=$(best "$pc" "$(field "$j" tokens_per_s)")
+    fi
   done
-  printf '%-24s %6s %11.0f %11.0f %11.0f %8.2fx %8.2fx\n' "$cfg" "$device" "$tg" "$pt" "$pf" \
-    "$("$PY" -c "print($tg / $pt)")" "$("$PY" -c "print($tg / $pf)")"
+  mfu=$("$PY" -c "print(f'{100 * $tg * $flops / ($peak * 1e12):.3g}%')")
+  printf '%-28s %6s %5s %11.0f %11.0f %11.0f %11s %7s %8s %8s %8s\n' "$cfg" "$device" "$dtype" "$tg" "$pt" "$pf" \
+    "$([ "$pc" = 0 ] && echo - || printf '%.0f' "$pc")" "$mfu" "$(ratio "$tg" "$pt")" "$(ratio "$tg" "$pf")" "$(ratio "$tg" "$pc")"
 done
+echo "MFU: tokens/s × FLOPs per token (6N + 12·L·C·T, N without the padded rows) ÷ $peak TFLOP/s"
 rm -rf "$out"

@@ -62,7 +62,8 @@ fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
     assert_eq!(j["schema"], 1);
     // 124,439,808 with the vocabulary of 50257; its padding to 50304 rows (model.pad_vocab_to)
     // adds 47 × 768.
-    assert_eq!(u(&j["params"]), 124_439_808 + 47 * 768);
+    let params = 124_439_808 + 47 * 768;
+    assert_eq!(u(&j["params"]), params);
     assert_eq!((u(&j["micro_batch"]), u(&j["global_batch"]), u(&j["accumulation"])), (16, 512, 32));
     let e = &j["estimate"];
     for k in ["weights", "master_weights", "gradients", "optimizer", "activations_per_layer", "activations", "logits", "cross_entropy", "fragmentation", "cuda_overhead", "peak_allocated", "total", "fixed", "per_sample"] {
@@ -71,7 +72,7 @@ fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
     assert_eq!(u(&e["total"]), u(&e["peak_allocated"]) + u(&e["fragmentation"]) + u(&e["cuda_overhead"]));
     let linear = u(&e["fixed"]) + 16 * u(&e["per_sample"]);
     assert!(u(&e["total"]).abs_diff(linear) <= 16, "fixed + slope × micro-batch, to the byte per sample: {} vs {linear}", e["total"]);
-    let rounding = u(&e["weights"]) - 4 * 124_439_808;
+    let rounding = u(&e["weights"]) - 4 * params;
     assert!(rounding < 512 * 200, "fp32 weights, each of the ~150 tensors rounded up to 512 bytes: {rounding}");
     assert_eq!(j["gpu"]["name"], "a100-40");
     let r = &j["recommendation"];

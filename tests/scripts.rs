@@ -1,6 +1,7 @@
 //! The job scripts as a user runs them: scripts/slurm.sbatch driven with fake `srun`, `scontrol`,
 //! `squeue` and `torchrun` on PATH (what it runs, when it requeues), and scripts/torchrun.sh with
-//! the real torchrun (its exit code from the stop record).
+//! the real torchrun (its exit code from the stop record), and scripts/bench_vs_pytorch.sh on the
+//! CPU (its table of tokens/s, MFU and ratios).
 mod common;
 use common::*;
 use std::io::Read;
@@ -182,4 +183,30 @@ fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
     let rec = trainguard::stop_record::read(d.path()).expect("stop.json");
     assert_eq!(rec.reason.as_deref(), Some("signal"));
     assert!(rec.checkpoint.is_some_and(|c| Path::new(&c).join("trainer_state.json").exists()));
+}
+
+/// scripts/bench_vs_pytorch.sh on the CPU, briefly: trainguard and the PyTorch references at the
+/// same shapes, a row with tokens/s, MFU and ratios (torch.compile is opt-in on CPU: a `-`).
+#[test]
+fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
+    let bench = |extra: &[&str]| {
+        let mut cmd = Command::new("bash");
+        cmd.current_dir(repo()).arg("scripts/bench_vs_pytorch.sh").args(["--threads", "1"]).args(extra);
+        cmd.env("TRAINGUARD_BIN", bin()).env("STEPS", "2").env("ROUNDS", "1").output().unwrap()
+    };
+    let o = bench(&["--pad-vocab-to", "1", "configs/debug.yaml"]);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.lines().next().unwrap().contains("pt-compile"), "{out}");
+    let row: Vec<&str> = out.lines().find(|l| l.starts_with("configs/debug.yaml")).expect("a row for the config").split_whitespace().collect();
+    assert_eq!(row[1..3], ["cpu", "fp32"], "{out}");
+    for i in [3, 4, 5] {
+        assert!(row[i].parse::<f64>().unwrap() > 100.0, "tokens/s in column {i}: {out}");
+    }
+    assert_eq!(row[6], "-", "no torch.compile on CPU unless asked: {out}");
+    assert!(row[7].ends_with('%') && row[7].trim_end_matches('%').parse::<f64>().unwrap() > 0.0, "{out}");
+    assert!(row[8].ends_with('x') && row[9].ends_with('x') && row[10] == "-", "{out}");
+    let o = bench(&["--dtype", "fp16", "configs/debug.yaml"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--dtype must be fp32 or bf16"), "{}", text(&o));
 }
