@@ -147,6 +147,26 @@ impl Model {
         }
     }
 
+    /// What the optimizer updates: every parameter, a padded vocabulary matrix as its user rows
+    /// (a contiguous view of the same storage). Per-tensor statistics (Adafactor's RMS terms,
+    /// 8-bit AdamW's blocks) then see exactly the unpadded model's tensors, the optimizer state
+    /// has the user's shapes, and the padded rows are never written.
+    pub fn optimizer_params(&self) -> Result<Vec<Tensor>, TchError> {
+        (0..self.params.tensors.len()).map(|i| self.user_tensor(i)).collect()
+    }
+
+    /// `grads` (one per parameter, full shapes) cut as [`Model::optimizer_params`] cuts them.
+    pub fn optimizer_grads(&self, grads: &[Tensor]) -> Result<Vec<Tensor>, TchError> {
+        grads
+            .iter()
+            .zip(&self.user_rows)
+            .map(|(g, rows)| match rows {
+                Some(r) => g.f_narrow(0, 0, *r),
+                None => Ok(g.shallow_clone()),
+            })
+            .collect()
+    }
+
     /// The shape [`Model::user_tensor`] has.
     pub fn user_shape(&self, i: usize) -> Vec<i64> {
         let mut s = self.params.tensors[i].size();
@@ -263,6 +283,22 @@ mod padding_tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_optimizer_sees_the_user_rows_as_views_of_the_parameters() {
+        let (padded, plain) = pair(&configs()[2]);
+        let views = padded.optimizer_params().unwrap();
+        let grads: Vec<Tensor> = padded.params.tensors.iter().map(|t| t.ones_like()).collect();
+        let cut = padded.optimizer_grads(&grads).unwrap();
+        for ((v, g), p) in views.iter().zip(&cut).zip(&plain.params.tensors) {
+            assert_eq!((v.size(), g.size()), (p.size(), p.size()));
+            assert!(v.is_contiguous() && g.is_contiguous(), "fused kernels take them as they are");
+        }
+        let _no_grad = tch::no_grad_guard();
+        let _ = views[0].shallow_clone().fill_(2.0);
+        assert_eq!(padded.params.tensors[0].narrow(0, 0, 61).min().double_value(&[]), 2.0, "the same storage");
+        assert_eq!(padding_max(&padded.params.tensors[0], 61), 0.0, "the padded rows are not in the view");
     }
 
     #[test]

@@ -29,7 +29,7 @@ impl Trainable {
     pub fn build(model: &ModelConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
         let model = Model::new(model, seed, device)?;
         precision::prepare(&model.params.tensors, precision, device)?;
-        let opt = Optimizer::new(spec, &model.params.tensors, &model.params.decay, device)?;
+        let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
         Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler) })
     }
 
@@ -107,7 +107,7 @@ pub fn optimizer_step(
         let overflow = scaler.is_some() && !grad_norm.is_finite();
         let applied = loss.is_finite() && grad_norm.is_finite();
         if applied {
-            opt.step(&model.params.tensors, &grads, lr)?;
+            opt.step(&model.optimizer_params()?, &model.optimizer_grads(&grads)?, lr)?;
         }
         faults.after_update(model, data, step, micro)?;
         Ok(StepOutcome { loss, grad_norm, applied, overflow })
