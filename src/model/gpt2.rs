@@ -129,8 +129,8 @@ impl Decoder for Gpt2 {
         x.f_add(&blk.mlp_proj.forward(&h)?.f_dropout(dropout, train)?)
     }
 
-    fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.ln_f.forward(x)?.f_linear::<Tensor>(&self.wte, None)
+    fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
+        self.ln_f.forward(x)?.f_linear(&self.wte, mask)
     }
 
     fn n_blocks(&self) -> usize {

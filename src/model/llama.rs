@@ -150,8 +150,8 @@ impl Decoder for Llama {
         x.f_add(&m.f_dropout(dropout, train)?)
     }
 
-    fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        self.norm.forward(x)?.f_linear::<Tensor>(&self.lm_head, None)
+    fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
+        self.norm.forward(x)?.f_linear(&self.lm_head, mask)
     }
 
     fn n_blocks(&self) -> usize {

@@ -31,8 +31,9 @@ trait Decoder: Send {
     fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
     /// Block `i` on hidden states `[b, t, c]`.
     fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
-    /// Final norm and LM head: logits `[…, vocab]` for hidden states `[…, c]`.
-    fn head(&self, x: &Tensor) -> Result<Tensor, TchError>;
+    /// Final norm and LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, `mask`
+    /// (the padded vocabulary's) added as the head's bias.
+    fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError>;
     fn n_blocks(&self) -> usize;
 }
 
@@ -50,6 +51,8 @@ pub struct Model {
     groups: ParamGroups,
     /// Per parameter: the user's vocabulary rows of a padded vocabulary matrix.
     user_rows: Vec<Option<i64>>,
+    /// `[padded vocab]`: 0 for the user's tokens, -inf for the padding; none without padding.
+    vocab_mask: Option<Tensor>,
     net: Box<dyn Decoder>,
 }
 
@@ -73,7 +76,16 @@ impl Model {
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
         let user_rows = specs.iter().map(|s| s.user_rows).collect();
-        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, net })
+        let (v, vp) = (cfg.vocab_size as i64, cfg.padded_vocab() as i64);
+        let vocab_mask = match vp > v {
+            true => {
+                let m = Tensor::f_zeros([vp], (tch::Kind::Float, device))?;
+                let _ = m.f_narrow(0, v, vp - v)?.f_fill_(f64::NEG_INFINITY)?;
+                Some(m)
+            }
+            false => None,
+        };
+        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, net })
     }
 
     /// Number of trainable parameters (a tied head counted once).
@@ -120,16 +132,15 @@ impl Model {
     }
 
     /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the
-    /// columns past the user's vocabulary set to -inf in place (a softmax gives them exactly 0
-    /// and the fill passes no gradient, so the loss and every gradient equal the unpadded
-    /// model's and the padded rows stay zero). What the loss reads: a contiguous, aligned matrix.
+    /// columns past the user's vocabulary -inf (a softmax gives them exactly 0 and their
+    /// gradient is exactly 0, so the loss and every gradient equal the unpadded model's and the
+    /// padded rows stay zero). The mask is the head's bias, added inside the GEMM (addmm, a
+    /// cuBLASLt epilogue): no second logits tensor, and unlike an in-place fill of the padded
+    /// columns no logits-sized copy in backward. What the loss reads: a contiguous, aligned matrix.
     pub fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        let logits = self.net.head(x)?;
-        let (v, vp) = (self.cfg.vocab_size as i64, *logits.size().last().unwrap_or(&0));
-        if vp > v {
-            let _ = logits.f_narrow(-1, v, vp - v)?.f_fill_(f64::NEG_INFINITY)?;
-        }
-        Ok(logits)
+        // The bias takes the input's dtype (bf16-pure); autocast casts an fp32 one itself.
+        let mask = self.vocab_mask.as_ref().map(|m| m.f_to_kind(x.kind())).transpose()?;
+        self.net.head(x, mask.as_ref())
     }
 
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
