@@ -41,13 +41,15 @@ pub fn snapshot(device: Device) -> MemorySnapshot {
     }
 }
 
-/// Returns cached, unused blocks to the device (CUDA); a no-op on CPU, whose allocator caches
-/// nothing.
+/// Returns cached, unused blocks to the device: the CUDA caching allocator's, or on CPU the free
+/// top of glibc's heap (a failed attempt's blocks can land there when `mmap` was refused).
 pub fn empty_cache(device: Device) {
     if device.is_cuda() {
         if let Err(e) = ffi::empty_cache() {
             tracing::warn!("could not empty the CUDA cache: {e}");
         }
+    } else {
+        ffi::os::release_free_heap();
     }
 }
 

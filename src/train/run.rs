@@ -80,12 +80,15 @@ impl<'a> Run<'a> {
             (Some(limit), tch::Device::Cuda(i)) => Some(crate::memory::cuda_fraction(limit, i)?),
             _ => None,
         };
-        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction)?;
+        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         for w in cfg.memory.allocator.warnings(fraction.is_some()) {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
             tracing::warn!("PYTORCH_CUDA_ALLOC_CONF overridden by the config: {o}");
+        }
+        if !allocator.defaulted.is_empty() {
+            tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
         }
 
         // The cap goes on after the corpus is loaded: it counts what training allocates.
@@ -330,8 +333,10 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
         corpus,
         sampler: Sampler { seed: plan.config.seed, seq_len: plan.config.model.seq_len },
         device: plan.device,
-        rank_start: plan.rank * plan.rank_batch,
+        rank_start: plan.rank_start,
         rank_batch: plan.rank_batch,
+        global_batch: plan.config.train.global_batch_size,
+        world: plan.world_size,
     }
 }
 
