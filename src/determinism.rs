@@ -58,3 +58,25 @@ fn user_set() -> bool {
         .map(|env| env.split(|&b| b == 0).any(|kv| kv.starts_with(format!("{CUBLAS_ENV}=").as_bytes())))
         .unwrap_or(false)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind, Tensor};
+
+    /// Turns libtorch's process-wide switch on for a moment (CPU tests elsewhere in this binary
+    /// use no op it refuses) and reads it back through the shim getter; the refusal's real text
+    /// goes through the classifier.
+    #[test]
+    fn libtorch_reports_the_switch_and_its_refusal_names_the_op() {
+        ffi::set_deterministic(true).unwrap();
+        let on = ffi::deterministic_state();
+        let refused = Tensor::zeros([4], (Kind::Float, Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false).map(|_| ());
+        ffi::set_deterministic(false).unwrap();
+        assert_eq!(on, DeterministicState { algorithms: true, warn_only: false, fill_uninitialized_memory: true, cudnn: true });
+        assert!(!ffi::deterministic_state().algorithms);
+        let message = refused.unwrap_err().to_string();
+        assert!(message.contains("does not have a deterministic implementation"), "{message}");
+        assert_eq!(crate::guard::nondeterministic_op(&message).as_deref(), Some("`put_`"), "{message}");
+    }
+}

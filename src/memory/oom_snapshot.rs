@@ -108,7 +108,6 @@ impl Summary {
     }
 
     pub fn text(&self) -> String {
-        use crate::memory::human;
         let mut out = String::from("CUDA caching-allocator snapshot at the out-of-memory (oom_snapshot.pickle: open it at https://pytorch.org/memory_viz)\n");
         match self.failed.last() {
             Some((size, free)) => out += &format!("failed allocation: {} ({} free on the device)\n", human(*size), human(*free)),
@@ -122,9 +121,18 @@ impl Summary {
             self.live_blocks
         );
         for (i, (size, addr)) in self.largest.iter().enumerate() {
-            out += &format!("{:>3}. {:>12}  at 0x{addr:x}\n", i + 1, human(*size));
+            out += &format!("{:>3}. {:>11}  at 0x{addr:x}\n", i + 1, human(*size));
         }
         out
+    }
+}
+
+/// `1.23 GiB`, `45.6 MiB`, or for small blocks `512 B` / `3.5 KiB`.
+fn human(bytes: u64) -> String {
+    match bytes {
+        b if b < 1 << 10 => format!("{b} B"),
+        b if b < 1 << 20 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => crate::memory::human(b),
     }
 }
 
@@ -196,7 +204,7 @@ mod tests {
         assert_eq!(s.largest[0], (3 << 30, 0x7000_0000_0000), "the inactive block is not live");
         let text = s.text();
         assert!(text.contains("failed allocation: 2.00 GiB (512.0 MiB free on the device)"), "{text}");
-        assert!(text.contains("1.   3.00 GiB  at 0x700000000000"), "{text}");
+        assert!(text.contains("  1.    3.00 GiB  at 0x700000000000\n  2.       523 B  at 0x1b\n"), "{text}");
         assert!(Summary::read(b"not a pickle").is_err());
     }
 }
