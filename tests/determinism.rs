@@ -52,3 +52,14 @@ fn an_op_without_a_deterministic_implementation_ends_the_run_named_with_exit_6()
     let ok = tempfile::tempdir().unwrap();
     train(ok.path(), "configs/debug.yaml", &sets(&["faults.nondeterministic_op_at_step=1"])).ok();
 }
+
+/// The keys of issue 12 validate like every other: a wrong type is exit 2 naming the key.
+#[test]
+fn deterministic_and_snapshot_on_oom_take_booleans_only() {
+    for (set, key) in [("deterministic=2", "`deterministic`"), ("memory.snapshot_on_oom=maybe", "`memory.snapshot_on_oom`")] {
+        let dir = tempfile::tempdir().unwrap();
+        let r = train(dir.path(), "configs/debug.yaml", &[set]);
+        assert_eq!(r.code(), 2, "{}", r.stderr());
+        assert!(r.stderr().contains(key) && r.stderr().contains("expected a boolean"), "{}", r.stderr());
+    }
+}
