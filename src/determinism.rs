@@ -8,8 +8,9 @@
 //! Attention needs nothing of its own: with the switch on (warn-only off) libtorch 2.11 runs the
 //! flash-attention backward in its deterministic mode, forces the memory-efficient backward to a
 //! single key split, and leaves cuDNN attention out of SDPA's choice; the dense embedding
-//! backward is sort-based and deterministic. An op with no deterministic variant throws; the guard
-//! turns that into `GuardError::NotDeterministic` naming the op (exit code 6).
+//! backward is not among the ops libtorch flags (read from PyTorch's sources, not yet run on a
+//! GPU). An op with no deterministic variant throws; the guard turns that into
+//! `GuardError::NotDeterministic` naming the op (exit code 6).
 use crate::ffi::{self, DeterministicState, ShimError};
 use serde::Serialize;
 

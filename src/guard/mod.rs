@@ -64,8 +64,8 @@ impl OomFailure {
         let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
         format!(
             "out of memory {at} at micro-batch {}: {}.\n\
-             held between steps: {} after step {}, {} now; a smaller micro-batch did not give the memory back, \
-             so the guard stopped instead of halving down to oom.min_micro_batch.\n\
+             held between steps: {} after step {}, {} now. A smaller micro-batch cannot give that memory back, \
+             so the guard does not spend the halvings down to oom.min_micro_batch on it.\n\
              first line of the error: {}\n\
              what to change:\n\
              - find what keeps tensors from one step to the next: a loss, logits or outputs stored without \
