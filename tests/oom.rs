@@ -48,10 +48,15 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     for rec in a.events_of("oom_recovered") {
         assert!(rec["requested_bytes"].as_u64().unwrap() > 0, "asked-for size parsed: {rec}");
         assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+        assert!(rec["leak"].is_null(), "no leak in a run that does not leak: {rec}");
     }
     assert!(a.events_of("oom_recovered")[1]["recover_ms"].as_f64().is_some(), "recovery timed");
     let stderr = a.stderr();
     assert!(stderr.contains("micro-batch 64 → 32") && stderr.contains("micro-batch 32 → 16"), "{stderr}");
+    assert!(!stderr.contains("kept across steps"), "{stderr}");
+    // memory.snapshot_on_oom (default on) is a no-op on CPU: a log line, no file.
+    assert!(stderr.contains("memory.snapshot_on_oom: no allocator history to write on cpu"), "{stderr}");
+    assert!(!capped.path().join("oom_snapshot.pickle").exists() && !capped.path().join("oom_snapshot.txt").exists());
     let summary = a.summary();
     assert_eq!((summary["oom_recoveries"].as_u64(), summary["final_micro_batch"].as_u64()), (Some(2), Some(16)));
 
@@ -87,6 +92,8 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     assert!(trials.iter().all(|t| t.1 < 64), "never the size known to fail: {trials:?}");
     let backoffs = straight.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
     assert!(backoffs >= 1 && backoffs < trials.len(), "some trials fail and back off, some succeed: {trials:?}");
+    // Out-of-memory with flat memory between steps: no leak is diagnosed.
+    assert!(straight.events_of("oom_recovered").iter().all(|e| e["leak"].is_null()), "{:?}", straight.events_of("oom_recovered"));
     // At most one trial per regrow_after + 1 steps, and failures wait ever longer (the unit
     // tests pin that down; here sizes at the edge pass or fail by chance).
     assert!(trials.len() <= 10 && backoffs <= 6, "no oscillation in 30 steps: {trials:?}");
@@ -167,4 +174,32 @@ fn policy_fail_exits_3_at_the_first_oom() {
     let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=2", "oom.policy=fail", "memory.limit=20MiB"]));
     assert_eq!(run.code(), 3, "{}", run.stderr());
     assert!(run.events_of("oom_recovered").is_empty());
+}
+
+/// `faults.leak_graphs` keeps every step's forward graph (~50 MiB here) under a cap with room for
+/// a few of them: memory held between steps grows until a step runs out of memory. The guard
+/// finds the growth, halves once, and when the halving does not give the memory back it stops
+/// with the leak named (exit 3) instead of halving down to micro-batch 1.
+#[test]
+fn a_leak_stops_with_its_diagnosis_instead_of_halving_to_the_floor() {
+    let model = ["model.vocab_size=4096", "model.seq_len=128", "train.global_batch_size=32", "train.micro_batch_size=16", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+    let probe = tempfile::tempdir().unwrap();
+    let peak = train(probe.path(), "configs/debug.yaml", &[&model[..], &["train.max_steps=2", "memory.limit=1TiB"]].concat()).ok().summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let cap = format!("memory.limit={}", peak + (200 << 20));
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(dir.path(), "configs/debug.yaml", &[&model[..], &["train.max_steps=30", "faults.leak_graphs=true", &cap]].concat());
+    let err = run.stderr();
+    assert_eq!(run.code(), 3, "{err}");
+    let recoveries = run.events_of("oom_recovered");
+    assert_eq!(micro_changes(&run.events()).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(), [(16, 8)], "one halving, not down to 1: {recoveries:?}");
+    let leak = &recoveries[0]["leak"];
+    assert!(leak["grown_bytes"].as_u64().unwrap() > 64 << 20, "{leak}");
+    assert!(leak["held_bytes"].as_u64().unwrap() > leak["baseline_bytes"].as_u64().unwrap());
+    let message = leak["message"].as_str().unwrap();
+    assert!(message.contains("more is held between steps than at step") && message.ends_with("tensors are kept across steps"), "{message}");
+    let fatal = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    assert!(fatal.contains("more is held between steps than at step") && fatal.contains("tensors are kept across steps"), "{err}");
+    assert!(err.contains("did not give the memory back") && err.contains("cannot give that memory back") && err.contains(".detach()"), "{err}");
+    assert!(!err.contains("model.seq_len") && !err.contains("panicked"), "no sequence-length advice for a leak: {err}");
+    assert_eq!(run.events_of("stopped")[0]["reason"], "out_of_memory");
 }

@@ -1,11 +1,12 @@
 //! Memory as the runtime sees it: a snapshot of what the device's allocator holds (the CUDA
 //! caching allocator through the shim; on CPU, the process's own figures), returning cached
 //! blocks, the memory cap (`memory.limit`), allocator settings, per-step telemetry (with NVML),
-//! leak and thrash detectors, and the summary table.
+//! leak and thrash detectors, the allocator snapshot on out-of-memory, and the summary table.
 pub mod allocator;
 pub mod detect;
 pub mod gpu;
 mod limit;
+pub mod oom_snapshot;
 mod process;
 pub mod summary;
 pub mod telemetry;

@@ -274,7 +274,7 @@ fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64)
             Ok(_) => counts.skipped += 1,
             Err(GuardError::OutOfMemory(_)) => return Ok(None),
             Err(GuardError::Torch(e)) => return Err(e.into()),
-            Err(GuardError::Fatal(e)) => return Err(ProfileError::Step(e.to_string())),
+            Err(e) => return Err(ProfileError::Step(e.to_string())),
         }
     }
     counts.loss_scale = t.scaler.as_ref().map(|s| s.scale);
