@@ -4,7 +4,8 @@
 //! - `libtorch_cuda` / `libc10_cuda` linked with `-as-needed` switched off: nothing in Rust calls
 //!   them directly, so a plain link would drop them and CUDA would stay invisible on GPU machines
 //!   ("Cannot initialize CUDA without ATen_cuda library").
-//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW) and `src/ffi/dist.cpp` (c10d process
+//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW, deterministic mode), `src/ffi/shim_cuda.cpp`
+//!   (the allocator's history recorder; only against a libtorch with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process
 //!   groups) compiled against the same libtorch.
 use std::path::PathBuf;
 
@@ -20,6 +21,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
     println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
+    println!("cargo:rerun-if-changed=src/ffi/shim_cuda.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
     cc::Build::new()
@@ -32,6 +34,22 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .warnings(false)
         .compile("trainguard_shim");
+
+    // The allocator's history recorder and snapshot (`memory.snapshot_on_oom`) live in
+    // libtorch_cuda: compiled only when it exists, so a CPU-only libtorch still builds and links.
+    if lib_dir.join("libtorch_cuda.so").exists() {
+        cc::Build::new()
+            .cpp(true)
+            .file("src/ffi/shim_cuda.cpp")
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .flag("-std=c++17")
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .warnings(false)
+            .compile("trainguard_shim_cuda");
+        println!("cargo:rustc-cfg=tg_cuda_shim");
+    }
+    println!("cargo:rustc-check-cfg=cfg(tg_cuda_shim)");
 
     // c10d (process groups). ProcessGroupGloo.hpp needs gloo's headers, which the torch wheel
     // does not ship: Debian's libgloo-dev provides them (scripts/setup.sh installs it).

@@ -4,27 +4,37 @@
 use std::ops::Range;
 
 /// Accumulation steps for `global` sequences split over `world` ranks in micro-batches of
-/// `micro`. The configured split must be exact; only the OOM guard may make the last
-/// micro-batch smaller.
+/// `micro`: the micro-steps of the largest rank share. Nothing has to divide anything: the last
+/// micro-batch of a step takes the remainder (480 = 7 × 64 + 32), and ranks' shares differ by at
+/// most one sequence; the loss weights keep the update the mean over the whole batch.
 pub fn accumulation(global: usize, micro: usize, world: usize) -> Result<usize, String> {
     if micro == 0 || world == 0 {
         return Err("micro-batch and world size must be at least 1".into());
     }
-    if global % (micro * world) != 0 {
+    if global < world {
+        return Err(format!("{global} sequences cannot be shared by {world} ranks: every rank needs at least one"));
+    }
+    let largest = global.div_ceil(world);
+    if micro > largest {
         return Err(format!(
-            "{global} is not divisible by micro_batch_size × world size ({micro} × {world} = {}); \
-             pick a micro-batch that divides {}",
-            micro * world,
-            global / world.max(1)
+            "micro_batch_size {micro} exceeds each rank's share of the global batch ({global} / {world} ranks = {largest}); \
+             pick a micro-batch of at most {largest}"
         ));
     }
-    Ok(global / (micro * world))
+    Ok(micro_steps(largest, micro))
 }
 
-/// Sequences per rank when `global` is split over `world` ranks: every rank takes an equal share,
-/// so `world` must divide `global`.
+/// The global sample indices rank `rank` of `world` takes from a batch of `global`:
+/// `[rank·global/world, (rank+1)·global/world)`. Shares are equal when `world` divides `global`
+/// and differ by one sequence otherwise.
+pub fn rank_slice(global: usize, world: usize, rank: usize) -> Range<usize> {
+    let edge = |r: usize| (r as u128 * global as u128 / world.max(1) as u128) as usize;
+    edge(rank)..edge(rank + 1)
+}
+
+/// Sequences the busiest rank processes per step (what its memory must hold): ⌈global / world⌉.
 pub fn rank_share(global: usize, world: usize) -> Option<usize> {
-    (world > 0 && global % world == 0).then(|| global / world)
+    (world > 0).then(|| global.div_ceil(world))
 }
 
 /// The micro-batches of a per-rank batch of `n` sequences at micro-batch `micro`, as index
@@ -40,10 +50,12 @@ pub fn micro_steps(n: usize, micro: usize) -> usize {
     n.div_ceil(micro)
 }
 
-/// The factor a micro-batch's mean loss is multiplied by: its share of the batch's tokens
-/// (all sequences have the same length, so the share of sequences).
-pub fn loss_weight(micro_len: usize, batch_len: usize) -> f64 {
-    micro_len as f64 / batch_len as f64
+/// The factor a micro-batch's mean loss is multiplied by: its share of the tokens of a mean rank
+/// share (`global / world` sequences; all sequences have the same length). Averaged over the ranks
+/// this gives every sequence of the global batch the same weight, also when the ranks' shares
+/// differ by one. With equal shares it is the micro-batch's share of its rank's batch.
+pub fn loss_weight(micro_len: usize, global: usize, world: usize) -> f64 {
+    micro_len as f64 / (global as f64 / world as f64)
 }
 
 #[cfg(test)]
@@ -51,21 +63,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn accumulation_divides_the_global_batch() {
+    fn accumulation_takes_the_remainder_in_a_last_short_micro_batch() {
         assert_eq!(accumulation(32, 8, 1), Ok(4));
         assert_eq!(accumulation(32, 8, 2), Ok(2));
         assert_eq!(accumulation(32, 32, 1), Ok(1));
-        let e = accumulation(30, 8, 1).unwrap_err();
-        assert!(e.contains("30 is not divisible"), "{e}");
-        assert!(accumulation(32, 8, 3).is_err());
+        assert_eq!(accumulation(480, 64, 1), Ok(8), "7 × 64 + 32");
+        assert_eq!(accumulation(30, 8, 1), Ok(4));
+        assert_eq!(accumulation(32, 8, 3), Ok(2), "shares 10, 11, 11: two micro-steps each");
         assert!(accumulation(32, 0, 1).is_err());
+        let e = accumulation(32, 12, 3).unwrap_err();
+        assert!(e.contains("exceeds each rank's share") && e.contains("at most 11"), "{e}");
+        assert!(accumulation(2, 1, 3).unwrap_err().contains("at least one"));
     }
 
     #[test]
-    fn ranks_take_equal_shares() {
-        assert_eq!(rank_share(32, 4), Some(8));
-        assert_eq!(rank_share(30, 4), None);
+    fn rank_slices_tile_the_global_batch_and_differ_by_at_most_one() {
+        assert_eq!(rank_slice(32, 4, 1), 8..16);
+        for (g, w) in [(32, 4), (30, 4), (480, 7), (5, 5), (7, 3)] {
+            let slices: Vec<_> = (0..w).map(|r| rank_slice(g, w, r)).collect();
+            let covered: Vec<usize> = slices.iter().cloned().flatten().collect();
+            assert_eq!(covered, (0..g).collect::<Vec<_>>());
+            let (min, max) = (slices.iter().map(|s| s.len()).min().unwrap(), slices.iter().map(|s| s.len()).max().unwrap());
+            assert!(max - min <= 1 && Some(max) == rank_share(g, w), "{g}/{w}: {slices:?}");
+        }
         assert_eq!(rank_share(30, 0), None);
+    }
+
+    #[test]
+    fn loss_weights_over_uneven_ranks_give_every_sequence_the_same_weight() {
+        // Mean over ranks of each rank's weighted sum = the plain mean over the global batch.
+        for (g, w, m) in [(30, 4, 3), (480, 7, 64), (24, 1, 5)] {
+            let total: f64 = (0..w)
+                .map(|r| split(rank_slice(g, w, r).len(), m).map(|p| loss_weight(p.len(), g, w)).sum::<f64>())
+                .sum::<f64>()
+                / w as f64;
+            assert!((total - 1.0).abs() < 1e-12, "{g}/{w}/{m}: {total}");
+        }
+        assert_eq!(loss_weight(4, 32, 1), 0.125, "exact with equal shares");
     }
 
     #[test]
@@ -82,11 +116,4 @@ mod tests {
         }
     }
 
-    #[test]
-    fn loss_weights_sum_to_one_for_any_split() {
-        for (n, m) in [(24, 5), (24, 24), (7, 2)] {
-            let total: f64 = split(n, m).map(|r| loss_weight(r.len(), n)).sum();
-            assert!((total - 1.0).abs() < 1e-12);
-        }
-    }
 }

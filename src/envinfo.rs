@@ -3,7 +3,7 @@
 //! they come from.
 use crate::config::Config;
 use crate::ffi;
-use crate::memory::allocator::merge;
+use crate::memory::allocator::{cuda_defaults, merge};
 use crate::memory::gpu::Gpus;
 use crate::memory::human;
 use std::fmt::Write;
@@ -61,12 +61,17 @@ pub fn report(config: &Config) -> String {
     let _ = writeln!(r, "\n[allocator]");
     let env = crate::memory::allocator::env_conf();
     let _ = writeln!(r, "PYTORCH_CUDA_ALLOC_CONF in the environment: {}", env.as_deref().unwrap_or("(unset)"));
-    let eff = merge(env.as_deref(), &config.memory.allocator.pairs(), None);
+    // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
+    let pairs = config.memory.allocator.pairs();
+    let eff = merge(env.as_deref(), &pairs, &cuda_defaults(env.as_deref(), &pairs), None);
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
     let _ = writeln!(r, "effective: {shown}");
     let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
     for o in eff.overridden {
         let _ = writeln!(r, "overridden by the config: {o}");
+    }
+    for d in eff.defaulted {
+        let _ = writeln!(r, "trainguard default on CUDA: {d} (set memory.allocator.expandable_segments: false to turn it off)");
     }
     r
 }

@@ -42,6 +42,8 @@ pub struct OomRecovery {
     /// From the failed allocation to the first micro-step that succeeded after it.
     pub recover_ms: f64,
     pub error: String,
+    /// Memory held between steps grew since the first steps: tensors kept across steps.
+    pub leak: Option<crate::guard::LeakDiagnosis>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -81,6 +83,8 @@ pub enum Event {
         allocator: crate::memory::allocator::EffectiveSettings,
     },
     Step(StepMetrics),
+    /// `deterministic: true`: libtorch's switches as it reports them, and the cuBLAS setting.
+    Deterministic(crate::determinism::Determinism),
     RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
     /// Out of memory at the smallest micro-batch: a memory saver from `oom.escalate` switched on.
     OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String },
@@ -267,6 +271,14 @@ impl Reporter {
             Event::OomEscalated { step, micro_batch, level, switched_on } => {
                 tracing::warn!("step {step}: out of memory at micro-batch {micro_batch}, the smallest allowed: switching on {switched_on} (escalation {level}) and replaying");
             }
+            Event::Deterministic(d) => {
+                let cublas = d.cublas_workspace_config.as_deref().unwrap_or("unset");
+                let from = if d.cublas_workspace_config_from == "trainguard" { "set by trainguard" } else { "kept from the environment" };
+                tracing::info!(
+                    "deterministic: libtorch deterministic algorithms {}, uninitialised memory filled {}; CUBLAS_WORKSPACE_CONFIG={cublas} ({from})",
+                    d.libtorch.algorithms, d.libtorch.fill_uninitialized_memory
+                );
+            }
             Event::RegrowAttempt { step, from_micro_batch, to_micro_batch } => {
                 tracing::info!("step {step}: trying micro-batch {to_micro_batch} again (was {from_micro_batch})");
             }
@@ -278,8 +290,9 @@ impl Reporter {
                 let asked = r.requested_bytes.map(|b| format!(" (asked for {})", human(b))).unwrap_or_default();
                 let what = if r.regrow_backoff { "regrow failed, backing off" } else { "out of memory" };
                 let recovered = if r.recover_ms.is_finite() { format!("recovered in {:.0} ms", r.recover_ms) } else { "did not recover".into() };
+                let leak = r.leak.as_ref().map(|l| format!("; {}", l.message)).unwrap_or_default();
                 tracing::warn!(
-                    "step {}: {what}{asked}; micro-batch {} → {}, accumulation {} → {}; memory before {}, after {}; replaying the same samples ({recovered})",
+                    "step {}: {what}{asked}; micro-batch {} → {}, accumulation {} → {}; memory before {}, after {}{leak}; replaying the same samples ({recovered})",
                     r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after)
                 );
             }

@@ -11,6 +11,8 @@ pub const OUT_OF_MEMORY: i32 = 3;
 pub const INTERRUPTED: i32 = 4;
 /// Too many non-finite updates in a row (`nan.max_consecutive`); last good state checkpointed.
 pub const NONFINITE: i32 = 5;
+/// `deterministic: true` and an op libtorch has no deterministic implementation of (named).
+pub const NOT_DETERMINISTIC: i32 = 6;
 
 /// A name for the error kind behind an exit code (torchelastic's error file).
 pub fn kind_name(code: i32) -> &'static str {
@@ -19,6 +21,7 @@ pub fn kind_name(code: i32) -> &'static str {
         OUT_OF_MEMORY => "OutOfMemoryError",
         INTERRUPTED => "Interrupted",
         NONFINITE => "NonFiniteLoss",
+        NOT_DETERMINISTIC => "NotDeterministicError",
         _ => "TrainguardError",
     }
 }

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod deadline;
+pub mod determinism;
 pub mod dist;
 pub mod envinfo;
 pub mod events;

@@ -74,6 +74,8 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
     }
+    // Before the signal thread and before CUDA creates a cuBLAS handle.
+    trainguard::determinism::prepare_env(plan.config.deterministic);
     let stop = Interrupter::new();
     stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
     // Under a launcher (RANK set) there is always a group, world size 1 included.
@@ -248,6 +250,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         match cause.downcast_ref::<TrainError>() {
             Some(TrainError::Interrupted { .. }) => return exit::INTERRUPTED,
             Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
+            Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => return exit::NOT_DETERMINISTIC,
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
             Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_)) => return exit::CONFIG,

@@ -41,7 +41,9 @@ pub struct RunPlan {
     pub world_size: usize,
     /// torchrun's TORCHELASTIC_RESTART_COUNT (0 outside torchrun).
     pub restart_count: u64,
-    /// Sequences this rank processes per optimizer step (global / world).
+    /// This rank's share of each global batch: global indices `rank_start .. + rank_batch`
+    /// (`batch::rank_slice`; shares differ by one when the world does not divide the batch).
+    pub rank_start: usize,
     pub rank_batch: usize,
     /// Configured micro-batch (the OOM guard may lower it during the run).
     pub micro_batch: usize,
@@ -122,13 +124,14 @@ impl RunPlan {
             retention: Retention { keep_last: c.keep_last, keep_every: c.keep_every },
             keep_best: c.keep_best,
         };
-        let rank_batch = accumulation * t.micro_batch_size;
+        let share = batch::rank_slice(t.global_batch_size, env.world_size, env.rank);
         Ok(Self {
             device,
             rank: env.rank,
             world_size: env.world_size,
             restart_count: env.restart_count,
-            rank_batch,
+            rank_start: share.start,
+            rank_batch: share.len(),
             micro_batch: t.micro_batch_size,
             accumulation,
             tokens_per_step: t.global_batch_size * config.model.seq_len,
@@ -191,11 +194,20 @@ mod tests {
     }
 
     #[test]
-    fn rejects_non_divisible_batches_with_the_key() {
+    fn uneven_batches_split_with_a_remainder_and_ranks_share_by_index() {
         let mut c = Config::default();
         c.train.global_batch_size = 30;
-        let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
+        let plan = RunPlan::build(c.clone(), CPU_ONLY).unwrap();
+        assert_eq!((plan.rank_start, plan.rank_batch, plan.accumulation), (0, 30, 4), "8 + 8 + 8 + 6");
+        let shares: Vec<(usize, usize)> = (0..4)
+            .map(|rank| RunPlan::build(c.clone(), Environment { world_size: 4, rank, ..CPU_ONLY }).unwrap())
+            .map(|p| (p.rank_start, p.rank_batch))
+            .collect();
+        assert_eq!(shares, [(0, 7), (7, 8), (15, 7), (22, 8)]);
+        c.train.micro_batch_size = 9;
+        let err = RunPlan::build(c, Environment { world_size: 4, ..CPU_ONLY }).unwrap_err();
         assert_eq!(err.0[0].key, "train.global_batch_size");
+        assert!(err.0[0].to_string().contains("at most 8"), "{err}");
     }
 
     #[test]

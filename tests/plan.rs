@@ -57,7 +57,7 @@ fn estimator_counts_exactly_the_parameters_the_model_builds() {
 }
 
 #[test]
-fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
+fn json_has_every_part_and_the_largest_micro_batch_that_fits() {
     let j = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--gpu", "a100-40", "--json"]).ok());
     assert_eq!(j["schema"], 1);
     // 124,439,808 with the vocabulary of 50257; its padding to 50304 rows (model.pad_vocab_to)
@@ -78,12 +78,12 @@ fn json_has_every_part_and_a_recommendation_that_divides_the_batch() {
     let r = &j["recommendation"];
     assert_eq!(r["fits"], true);
     let (b, k) = (u(&r["micro_batch"]), u(&r["accumulation"]));
-    assert_eq!(b * k, 512);
+    assert_eq!(k, 512u64.div_ceil(b), "the last micro-batch takes the remainder");
     assert!(u(&r["total_bytes"]) <= u(&r["budget_bytes"]));
     assert_eq!(u(&r["budget_bytes"]), (40_960.0 * 1024.0 * 1024.0 * 0.85f64).floor() as u64);
-    // The next divisor up would not fit: the recommendation is the largest.
-    let next = [2, 4, 8, 16, 32, 64, 128].into_iter().find(|&d| d > b).unwrap();
-    let bigger = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--micro-batch", &next.to_string(), "--json"]).ok());
+    // The next size up would not fit: the recommendation is the largest, divisor of 512 or not.
+    let next = (b + 1).to_string();
+    let bigger = json(&plan(&["--config", &config("gpt2-124m.yaml"), "--micro-batch", &next, "--json"]).ok());
     assert!(u(&bigger["estimate"]["total"]) > u(&r["budget_bytes"]), "micro-batch {next} should not fit");
 }
 
@@ -267,8 +267,8 @@ fn profile_search_finds_the_largest_fitting_micro_batch_by_measurement_and_apply
     let j = json(&plan(&probe).ok());
     let m: Vec<u64> = j["profile"]["points"].as_array().unwrap().iter().map(|x| u(&x["measured_bytes"])).collect();
     assert!(m[1] > m[0] + (4 << 20), "{m:?}");
-    // A card whose budget (0.85 of it) lies between the two.
-    let capacity = (((m[0] + m[1]) / 2) as f64 / 0.85) as u64;
+    // A card whose budget (the profile's margin of it) lies between the two.
+    let capacity = (((m[0] + m[1]) / 2) as f64 / trainguard::planner::PROFILE_MARGIN) as u64;
     let cap = capacity.to_string();
     let mut search = vec!["--config", &cfg_s, "--profile", "--profile-steps", "1", "--gpu-memory", &cap, "--global-batch", "64", "--apply", "--json"];
     search.extend(&MID[4..6]); // threads only: --apply refuses --set for model keys …
@@ -290,13 +290,40 @@ fn profile_search_finds_the_largest_fitting_micro_batch_by_measurement_and_apply
     // Doubling then bisection: a handful of sizes, not every one.
     assert!(points.len() <= 12, "{} sizes measured", points.len());
     let chosen = u(&p["micro_batch"]);
-    assert!(chosen <= largest && 64 % chosen == 0);
+    assert_eq!(chosen, largest, "any size works: the last micro-batch takes the remainder");
     let applied = &json(&run)["applied"];
     assert_eq!(u(&applied["micro_batch"]), chosen);
     assert_eq!(u(&applied["global_batch"]), 64);
     let loaded = trainguard::config::load(Some(&cfg), &[]).unwrap();
     assert_eq!((loaded.train.micro_batch_size as u64, loaded.train.global_batch_size), (chosen, 64));
     assert_eq!(std::fs::read_to_string(dir.path().join("run.yaml.bak")).unwrap(), text, "the original is kept next to it");
+}
+
+/// Issue 16's flow on the CPU: `plan --profile --apply` against the config's `memory.limit` (the
+/// cap training runs under), then training with the applied micro-batch fills ≥ 85% of the cap
+/// without a single out-of-memory. Global 96 so that the largest size that fits (~32 here) is no
+/// divisor-constrained choice.
+#[test]
+fn profile_apply_then_train_fills_the_memory_limit_without_an_oom() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.yaml");
+    let limit: u64 = 32 << 20;
+    let text = std::fs::read_to_string(config("debug.yaml")).unwrap().replace("  global_batch_size: 32 ", "  global_batch_size: 96 ").replace("\nmemory:\n", &format!("\nmemory:\n  limit: {limit}\n"));
+    assert!(text.contains(&format!("limit: {limit}")) && text.contains("global_batch_size: 96"));
+    std::fs::write(&cfg, text).unwrap();
+    let cfg_s = cfg.display().to_string();
+    let j = json(&plan(&["--config", &cfg_s, "--profile", "--profile-steps", "2", "--apply", "--json"]).ok());
+    assert_eq!(u(&j["profile"]["capacity_bytes"]), limit, "the profile measures against memory.limit");
+    let micro = u(&j["applied"]["micro_batch"]);
+    assert_eq!(micro, u(&j["profile"]["largest_fitting"]));
+    let out = dir.path().join("run");
+    let run = train(&out, &cfg_s, &["train.max_steps=20", "train.eval_interval=0"]).ok();
+    assert!(run.events_of("oom_recovered").is_empty(), "no OOM at the applied micro-batch {micro}");
+    let metrics = run.metrics();
+    assert!(metrics.iter().all(|m| m["micro_batch"].as_u64() == Some(micro)));
+    let peak = run.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let share = peak as f64 / limit as f64;
+    assert!((0.85..=1.0).contains(&share), "peak {peak} is {:.1}% of memory.limit at micro-batch {micro}", share * 100.0);
 }
 
 #[test]
@@ -336,7 +363,7 @@ fn apply_edits_the_value_in_place_keeps_comments_and_backs_up() {
     assert_eq!(before.find('#'), after.find('#'), "in its column");
     let out = run.stdout();
     assert!(out.contains(&format!("-{}: {before}", old.iter().position(|l| *l == before).unwrap() + 1)), "diff printed:\n{out}");
-    assert!(out.contains("original kept as") && out.contains("accumulation 1 = global 32"), "{out}");
+    assert!(out.contains("original kept as") && out.contains("accumulation 1 = ⌈global 32"), "{out}");
     // The result is a valid config the trainer reads.
     let show = Command::new(bin()).args(["config", "show", "--config", &cfg_s]).output().unwrap();
     assert!(String::from_utf8_lossy(&show.stdout).contains("micro_batch_size: 32"));
@@ -416,7 +443,7 @@ fn llama_3_2_1b_on_an_h100_has_its_parameter_count_and_a_micro_batch_that_fits()
     let r = &j["recommendation"];
     assert_eq!(r["fits"], true, "{r}");
     let (b, k) = (u(&r["micro_batch"]), u(&r["accumulation"]));
-    assert_eq!(b * k, 256, "the config's global batch");
+    assert_eq!(k, 256u64.div_ceil(b), "the config's global batch, the last micro-batch taking the remainder");
     assert!(b >= 4, "bf16-mixed with checkpointing on 80 GB: micro-batch {b}");
     assert!(u(&r["total_bytes"]) <= u(&r["budget_bytes"]));
     // RoPE's fp32 cos and sin tables, 2048 positions × head size 64 each.

@@ -19,6 +19,10 @@ pub struct Config {
     pub out_dir: PathBuf,
     /// Seeds weight init, sampling and dropout.
     pub seed: u64,
+    /// Same bits for the same inputs on CUDA as on CPU: libtorch's deterministic algorithms and
+    /// `CUBLAS_WORKSPACE_CONFIG`; an op without a deterministic kernel ends the run (exit 6).
+    /// Beside `seed` because both are about reproducing a run, and both cover evaluation too.
+    pub deterministic: bool,
     /// `auto | cpu | cuda | cuda:N`.
     pub device: String,
     /// `fp32 | bf16-mixed | fp16-mixed | bf16-pure`.
@@ -47,6 +51,7 @@ impl Default for Config {
         Self {
             out_dir: PathBuf::from("runs/debug"),
             seed: 1337,
+            deterministic: false,
             device: "auto".into(),
             precision: Precision::Fp32,
             model: ModelConfig::default(),
@@ -371,6 +376,10 @@ pub struct MemoryConfig {
     /// LM head and cross-entropy over chunks of this many tokens: the full logits are never
     /// materialised at once. None = one piece.
     pub loss_chunk_tokens: Option<usize>,
+    /// CUDA: record the caching allocator's history and write `oom_snapshot.pickle` (+ `.txt`)
+    /// on the first recovered and on an unrecoverable out-of-memory. Default on for CUDA; a
+    /// no-op on CPU.
+    pub snapshot_on_oom: bool,
 }
 
 impl Default for MemoryConfig {
@@ -382,6 +391,7 @@ impl Default for MemoryConfig {
             activation_checkpointing: "none".into(),
             offload_activations: false,
             loss_chunk_tokens: None,
+            snapshot_on_oom: true,
         }
     }
 }
@@ -467,6 +477,9 @@ pub struct FaultsConfig {
     /// Sleep this long inside every checkpoint write, after the model file is in the temporary
     /// directory and before the rest: a window in which a kill leaves a half-written checkpoint.
     pub pause_in_checkpoint_write_ms: Option<u64>,
+    /// Run an op that has no deterministic implementation (`put_`) inside this step: with
+    /// `deterministic: true` libtorch refuses it.
+    pub nondeterministic_op_at_step: Option<u64>,
 }
 
 /// Multi-process runs (torchrun).

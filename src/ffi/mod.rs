@@ -1,6 +1,7 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
-//! allocator settings) and over the few OS calls trainguard makes ([`os`]). Each call returns a
-//! typed result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
+//! allocator settings, deterministic mode), over `shim_cuda.cpp` (the allocator's history and
+//! snapshot) and over the few OS calls trainguard makes ([`os`]). Each call returns a typed
+//! result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
 pub mod dist;
 pub mod os;
 
@@ -58,6 +59,8 @@ extern "C" {
     fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_set_deterministic(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_get_allocator_settings(out: *mut c_char, out_len: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
@@ -165,6 +168,82 @@ pub fn allocator_settings() -> String {
     CStr::from_bytes_until_nul(&out).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
+/// libtorch's determinism switches as it reports them back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeterministicState {
+    /// `torch.are_deterministic_algorithms_enabled()`.
+    pub algorithms: bool,
+    /// Only warn where an op has no deterministic implementation (trainguard never sets it).
+    pub warn_only: bool,
+    /// `torch.utils.deterministic.fill_uninitialized_memory`.
+    pub fill_uninitialized_memory: bool,
+    /// `torch.backends.cudnn.deterministic`.
+    pub cudnn: bool,
+}
+
+/// `torch.use_deterministic_algorithms(on, warn_only=False)`, plus filled uninitialised memory and
+/// deterministic cuDNN (benchmarking off) when on.
+pub fn set_deterministic(on: bool) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: a plain value; `err` is ERR_LEN bytes.
+    result(unsafe { tg_set_deterministic(on as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+pub fn deterministic_state() -> DeterministicState {
+    // SAFETY: no arguments; reads libtorch's global context.
+    let bits = unsafe { tg_deterministic_state() };
+    DeterministicState { algorithms: bits & 1 != 0, warn_only: bits & 2 != 0, fill_uninitialized_memory: bits & 4 != 0, cudnn: bits & 8 != 0 }
+}
+
+#[cfg(tg_cuda_shim)]
+extern "C" {
+    fn tg_record_memory_history(on: c_int, max_entries: usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_memory_snapshot(out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_free_buffer(p: *mut c_char);
+}
+
+/// Starts (or stops) the CUDA caching allocator's history recorder: alloc, free and OOM events
+/// in a ring buffer of `max_entries`, without stack traces. Unavailable without a CUDA device or
+/// when this build's libtorch has no CUDA library.
+pub fn record_memory_history(on: bool, max_entries: usize) -> Result<(), ShimError> {
+    #[cfg(tg_cuda_shim)]
+    {
+        if !accelerator_available() {
+            return Err(ShimError::Unavailable);
+        }
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: plain values; `err` is ERR_LEN bytes.
+        result(unsafe { tg_record_memory_history(on as c_int, max_entries, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    }
+    #[cfg(not(tg_cuda_shim))]
+    {
+        let _ = (on, max_entries);
+        Err(ShimError::Unavailable)
+    }
+}
+
+/// The allocator's snapshot as PyTorch pickles it (`torch.cuda.memory._snapshot()`, the file
+/// pytorch.org/memory_viz opens).
+pub fn memory_snapshot_pickled() -> Result<Vec<u8>, ShimError> {
+    #[cfg(tg_cuda_shim)]
+    {
+        if !accelerator_available() {
+            return Err(ShimError::Unavailable);
+        }
+        let (mut buf, mut len): (*mut c_char, usize) = (std::ptr::null_mut(), 0);
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: `buf`/`len` receive a malloc'd buffer of `len` bytes (or null on error), which
+        // is copied and then released with tg_free_buffer exactly once.
+        let code = unsafe { tg_memory_snapshot(&mut buf, &mut len, err.as_mut_ptr().cast(), ERR_LEN) };
+        result(code, &err)?;
+        let bytes = unsafe { std::slice::from_raw_parts(buf as *const u8, len) }.to_vec();
+        unsafe { tg_free_buffer(buf) };
+        Ok(bytes)
+    }
+    #[cfg(not(tg_cuda_shim))]
+    Err(ShimError::Unavailable)
+}
+
 /// Hyper-parameters of one fused AdamW call.
 #[derive(Debug, Clone, Copy)]
 pub struct AdamWHyper {
@@ -204,6 +283,16 @@ mod tests {
         assert_eq!(device_stats(0), Err(ShimError::Unavailable));
         assert_eq!(empty_cache(), Err(ShimError::Unavailable));
         assert_eq!(reset_peak_stats(0), Err(ShimError::Unavailable));
+    }
+
+    #[test]
+    fn without_a_gpu_the_allocator_history_is_unavailable() {
+        if accelerator_available() {
+            eprintln!("skipped: a CUDA device is present (tests/gpu.rs covers the recorder)");
+            return;
+        }
+        assert_eq!(record_memory_history(true, 1000), Err(ShimError::Unavailable));
+        assert_eq!(memory_snapshot_pickled(), Err(ShimError::Unavailable));
     }
 
     #[test]

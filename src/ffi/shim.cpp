@@ -151,6 +151,29 @@ int tg_set_matmul_precision(const char* p, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { at::globalContext().setFloat32MatmulPrecision(std::string(p)); });
 }
 
+// `deterministic: true`: libtorch's own switch (torch.use_deterministic_algorithms(True,
+// warn_only=False)): ops with a deterministic variant use it (flash / memory-efficient attention
+// backward, index_put_ with accumulate, ...), the others throw "... does not have a deterministic
+// implementation". Uninitialised memory (torch.empty) is filled, so reading it cannot differ
+// between runs; cuDNN picks deterministic algorithms and does not benchmark.
+int tg_set_deterministic(int on, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto& ctx = at::globalContext();
+    ctx.setDeterministicAlgorithms(on != 0, /*warn_only=*/false);
+    ctx.setDeterministicFillUninitializedMemory(on != 0);
+    ctx.setDeterministicCuDNN(on != 0);
+    if (on) ctx.setBenchmarkCuDNN(false);
+  });
+}
+
+// What libtorch reports back: bit 0 algorithms, bit 1 warn-only, bit 2 fill uninitialised
+// memory, bit 3 cuDNN deterministic.
+int tg_deterministic_state() {
+  const auto& ctx = at::globalContext();
+  return (ctx.deterministicAlgorithms() ? 1 : 0) | (ctx.deterministicAlgorithmsWarnOnly() ? 2 : 0) |
+         (ctx.deterministicFillUninitializedMemory() ? 4 : 0) | (ctx.deterministicCuDNN() ? 8 : 0);
+}
+
 // One AdamW update of `n` tensors with ATen's fused kernel (CPU and CUDA): reads each tensor
 // once. The tensors are tch handles (`at::Tensor*`). `steps` must already be incremented.
 int tg_fused_adamw(const void* const* params, const void* const* grads, const void* const* exp_avgs,

@@ -1,5 +1,6 @@
-//! The one place that decides whether a libtorch error means "out of memory". tch loses the
-//! C++ exception type (c10::OutOfMemoryError), so this reads the message.
+//! The one place that decides whether a libtorch error means "out of memory" (and, beside it,
+//! which op `deterministic: true` refused). tch loses the C++ exception type
+//! (c10::OutOfMemoryError), so this reads the message.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -29,6 +30,26 @@ pub fn classify(message: &str) -> ErrorKind {
     } else {
         ErrorKind::Other
     }
+}
+
+/// With `deterministic: true`, the op libtorch refused, from its messages: an op without a
+/// deterministic variant (`alertNotDeterministic`: "<op> does not have a deterministic
+/// implementation, but you set 'torch.use_deterministic_algorithms(True)'…"), cuBLAS without a
+/// deterministic workspace setting, and the memory-efficient attention backward asked for key
+/// splits.
+pub fn nondeterministic_op(message: &str) -> Option<String> {
+    const NO_IMPL: &str = " does not have a deterministic implementation";
+    if let Some(at) = message.find(NO_IMPL) {
+        let op = message[..at].split_whitespace().last().unwrap_or("an op").trim_matches(|c: char| c == '`' || c == '\'' || c == '"');
+        return Some(format!("`{op}`"));
+    }
+    if message.contains("this operation is not deterministic because it uses CuBLAS") {
+        return Some("cuBLAS with CUBLAS_WORKSPACE_CONFIG unset or not :4096:8 / :16:8".into());
+    }
+    if message.contains("makes the algorithm non-deterministic, and pytorch's deterministic mode is enabled") {
+        return Some("memory-efficient attention backward with key splits".into());
+    }
+    None
 }
 
 /// "Tried to allocate 2.00 GiB" (CUDA) or "you tried to allocate 40000000000 bytes" (CPU).
@@ -73,6 +94,26 @@ mod tests {
         assert_eq!(classify(BAD_ALLOC), ErrorKind::OutOfMemory { requested_bytes: None });
         let mib = "CUDA out of memory. Tried to allocate 20.50 MiB. GPU 0 has a total capacity of 15.77 GiB";
         assert_eq!(classify(mib), ErrorKind::OutOfMemory { requested_bytes: Some(21_495_808) });
+    }
+
+    /// Captured from this project's venv (torch 2.11.0, CPU): `torch.use_deterministic_algorithms(True)`
+    /// then `torch.zeros(10).put_(torch.tensor([1, 2]), torch.tensor([1., 2.]))`; tch prefixes
+    /// "Internal torch error: ".
+    const NOT_DETERMINISTIC: &str = "Internal torch error: put_ does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True)'. You can turn off determinism just for this operation, or you can use the 'warn_only=True' option, if that's acceptable for your application. You can also file an issue at https://github.com/pytorch/pytorch/issues to help us prioritize adding deterministic support for this operation.";
+    // PyTorch's Context.cpp (checkCuBLASConfigDeterministic) and attention_backward.cu texts.
+    const CUBLAS_NOT_DETERMINISTIC: &str = "Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or `at::Context::setDeterministicAlgorithms(true)`, but this operation is not deterministic because it uses CuBLAS and you have CUDA >= 10.2. To enable deterministic behavior in this case, you must set an environment variable before running your PyTorch application: CUBLAS_WORKSPACE_CONFIG=:4096:8 or CUBLAS_WORKSPACE_CONFIG=:16:8.";
+    const MEM_EFFICIENT_SPLITS: &str = "Using `num_splits_key > 1` makes the algorithm non-deterministic, and pytorch's deterministic mode is enabled";
+
+    #[test]
+    fn a_refused_nondeterministic_op_is_named_and_is_not_an_oom() {
+        assert_eq!(nondeterministic_op(NOT_DETERMINISTIC).as_deref(), Some("`put_`"));
+        assert_eq!(classify(NOT_DETERMINISTIC), ErrorKind::Other);
+        let cuda = NOT_DETERMINISTIC.replace("put_", "index_add_cuda_");
+        assert_eq!(nondeterministic_op(&cuda).as_deref(), Some("`index_add_cuda_`"));
+        assert!(nondeterministic_op(CUBLAS_NOT_DETERMINISTIC).unwrap().contains("CUBLAS_WORKSPACE_CONFIG"));
+        assert!(nondeterministic_op(MEM_EFFICIENT_SPLITS).unwrap().contains("memory-efficient attention"));
+        assert_eq!(nondeterministic_op(CUDA_CACHING), None);
+        assert_eq!(nondeterministic_op("shape '[2, 3]' is invalid for input of size 5"), None);
     }
 
     #[test]

@@ -1,11 +1,16 @@
 //! The OOM guard. [`classify`] decides whether an error is an out-of-memory (one function, one
 //! place); [`policy`] decides what to do next (pure: halve, back off, give up, regrow);
 //! [`Guard::run`] acts: it runs an attempt, lets everything the attempt held be dropped, empties
-//! the allocator cache, and replays the same step at the micro-batch the policy chose.
+//! the allocator cache, and replays the same step at the micro-batch the policy chose. At an
+//! out-of-memory it also asks [`leak`] whether memory held between steps grew (then one halving at
+//! most: a leak is not fixed by a smaller micro-batch), and writes the allocator snapshot
+//! (`memory.snapshot_on_oom`). An op that `deterministic: true` forbids ends the run, named.
 mod classify;
+mod leak;
 mod policy;
 
-pub use classify::{classify, ErrorKind};
+pub use classify::{classify, nondeterministic_op, ErrorKind};
+pub use leak::{HeldMemory, LeakDiagnosis};
 pub use policy::{BlockedSize, Decision, GuardState, RegrowMemory};
 
 use crate::config::OomPolicy;
@@ -22,11 +27,16 @@ pub struct OomFailure {
     pub requested_bytes: Option<u64>,
     pub memory: MemorySnapshot,
     pub message: String,
+    /// Memory held between steps grew since the first steps (see [`leak`]).
+    pub leak: Option<LeakDiagnosis>,
 }
 
 impl OomFailure {
     /// What to tell a person whose run could not fit even the smallest micro-batch.
     pub fn advice(&self) -> String {
+        if let Some(leak) = &self.leak {
+            return self.leak_advice(leak);
+        }
         let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
         let asked = self.requested_bytes.map(|b| format!(", asking for {}", crate::memory::human(b))).unwrap_or_default();
         let mem = match (self.memory.allocated_bytes, self.memory.reserved_bytes) {
@@ -48,12 +58,38 @@ impl OomFailure {
     }
 }
 
+impl OomFailure {
+    /// A leak: halving cannot fix it, so the advice is about what keeps tensors alive.
+    fn leak_advice(&self, leak: &LeakDiagnosis) -> String {
+        let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
+        format!(
+            "out of memory {at} at micro-batch {}: {}.\n\
+             held between steps: {} after step {}, {} now. A smaller micro-batch cannot give that memory back, \
+             so the guard does not spend the halvings down to oom.min_micro_batch on it.\n\
+             first line of the error: {}\n\
+             what to change:\n\
+             - find what keeps tensors from one step to the next: a loss, logits or outputs stored without \
+             .detach() (or .item()), a list or cache that only grows\n\
+             - memory.leak_check_steps warns about steady growth before memory runs out",
+            self.micro_batch,
+            leak.message,
+            crate::memory::human(leak.baseline_bytes),
+            leak.baseline_step,
+            crate::memory::human(leak.held_bytes),
+            first_line(&self.message)
+        )
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
     #[error("out of memory at micro-batch {}: {}", .0.micro_batch, first_line(&.0.message))]
     OutOfMemory(Box<OomFailure>),
     #[error("libtorch error: {0}")]
     Torch(TchError),
+    /// `deterministic: true` met an op libtorch has no deterministic implementation of.
+    #[error("deterministic: true, but {op} has no deterministic implementation in libtorch ({at}); set deterministic: false to run it, or avoid the op")]
+    NotDeterministic { op: String, at: String },
     #[error(transparent)]
     Fatal(Box<dyn std::error::Error + Send + Sync>),
 }
@@ -114,6 +150,20 @@ pub struct Guard {
     device: Device,
     rank_batch: usize,
     pub totals: GuardTotals,
+    held: HeldMemory,
+    /// A leak was found at an earlier out-of-memory and the micro-batch halved for it.
+    halved_for_leak: bool,
+    snapshot: SnapshotTarget,
+}
+
+/// Where `memory.snapshot_on_oom` writes, and what it has written.
+#[derive(Debug, Default)]
+struct SnapshotTarget {
+    /// The run directory, when this rank records the allocator's history.
+    dir: Option<std::path::PathBuf>,
+    /// Asked for but nothing to record (CPU): said once, at the first out-of-memory.
+    unavailable: bool,
+    first_written: bool,
 }
 
 /// An error met with no retry (outside any step, or with the guard off): an out-of-memory is
@@ -127,8 +177,17 @@ pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device:
             requested_bytes,
             memory: memory::snapshot(device),
             message,
+            leak: None,
         })),
-        ErrorKind::Other => GuardError::Torch(err),
+        ErrorKind::Other => other_error(err, &message, step),
+    }
+}
+
+/// A libtorch error that is not an out-of-memory: named when deterministic mode refused an op.
+fn other_error(err: TchError, message: &str, step: Option<u64>) -> GuardError {
+    match nondeterministic_op(message) {
+        Some(op) => GuardError::NotDeterministic { op, at: step.map_or("while setting up".into(), |s| format!("at step {s}")) },
+        None => GuardError::Torch(err),
     }
 }
 
@@ -141,12 +200,46 @@ fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
         requested_bytes: None,
         memory: memory::snapshot(device),
         message: PEER_OOM.into(),
+        leak: None,
     }))
 }
 
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
-        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default() }
+        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default(), held: HeldMemory::default(), halved_for_leak: false, snapshot: SnapshotTarget::default() }
+    }
+
+    /// `memory.snapshot_on_oom`: `recording` when the allocator's history is being recorded
+    /// (rank 0 on CUDA, [`memory::oom_snapshot::start`]); otherwise, if `asked`, the first
+    /// out-of-memory logs that there is nothing to write.
+    pub fn with_oom_snapshot(mut self, asked: bool, recording: bool, dir: std::path::PathBuf) -> Self {
+        self.snapshot = SnapshotTarget { dir: recording.then_some(dir), unavailable: asked && !recording, first_written: false };
+        self
+    }
+
+    /// Memory held after step `step` (the leak detector's figure): what an out-of-memory later
+    /// compares with.
+    pub fn held_between_steps(&mut self, step: u64, bytes: Option<u64>) {
+        if let Some(b) = bytes {
+            self.held.between_steps(step, b);
+        }
+    }
+
+    /// The snapshot for this out-of-memory: the first recovered one and an unrecoverable one.
+    fn write_snapshot(&mut self, fatal: bool) {
+        if std::mem::take(&mut self.snapshot.unavailable) {
+            let device = format!("{:?}", self.device).to_lowercase();
+            tracing::info!("memory.snapshot_on_oom: no allocator history to write on {device} (CUDA only): no snapshot");
+        }
+        let Some(dir) = &self.snapshot.dir else { return };
+        if !fatal && self.snapshot.first_written {
+            return;
+        }
+        self.snapshot.first_written = true;
+        match memory::oom_snapshot::write(dir) {
+            Ok(path) => tracing::warn!("allocator snapshot at the out-of-memory: {} (open it at https://pytorch.org/memory_viz; summary in {})", path.display(), memory::oom_snapshot::SUMMARY),
+            Err(e) => tracing::warn!("memory.snapshot_on_oom: {e}"),
+        }
     }
 
     /// The memory savers to switch on, in order, at the floor (oom.escalate).
@@ -218,24 +311,30 @@ impl Guard {
                 Err(e) => e,
             };
             let failed_at = Instant::now();
-            let (message, requested_bytes) = match err {
+            let (message, requested_bytes, own) = match err {
                 StepError::Torch(e) => {
                     let message = e.to_string();
                     let ErrorKind::OutOfMemory { requested_bytes } = classify(&message) else {
-                        return Err(GuardError::Torch(e));
+                        return Err(other_error(e, &message, Some(step)));
                     };
-                    (message, requested_bytes)
+                    (message, requested_bytes, true)
                 }
-                StepError::PeerOutOfMemory => (PEER_OOM.to_string(), None),
+                StepError::PeerOutOfMemory => (PEER_OOM.to_string(), None, false),
                 StepError::Fatal(e) => return Err(GuardError::Fatal(e)),
             };
             let before = memory::snapshot(self.device);
             memory::empty_cache(self.device);
             let after = memory::snapshot(self.device);
+            let leak = self.held.diagnose(after.allocated_bytes);
             let decision = match self.policy {
+                // A leak found again after one halving for it: more halvings cannot help.
+                OomPolicy::Adapt if leak.is_some() && self.halved_for_leak => Decision::GiveUp,
                 OomPolicy::Adapt => self.state.on_oom(step),
                 OomPolicy::Fail | OomPolicy::Off => Decision::GiveUp,
             };
+            if own {
+                self.write_snapshot(!matches!(decision, Decision::Retry { .. } | Decision::Escalate { .. }));
+            }
             // The failed attempt's work is lost, and so is the time spent recovering.
             self.totals.time_lost += started.elapsed();
             if let Decision::Escalate { level } = decision {
@@ -247,15 +346,20 @@ impl Guard {
                 for (rec, _) in pending.drain(..) {
                     reporter.emit(Event::OomRecovered(rec)); // never recovered: recover_ms null
                 }
+                if let (Some(l), true) = (&leak, self.halved_for_leak) {
+                    tracing::warn!("step {step}: {}; halving the micro-batch did not give the memory back: stopping instead of halving further", l.message);
+                }
                 return Err(GuardError::OutOfMemory(Box::new(OomFailure {
                     step: Some(step),
                     micro_batch: micro,
                     requested_bytes,
                     memory: after,
                     message,
+                    leak,
                 })));
             };
             self.totals.recoveries += 1;
+            self.halved_for_leak |= leak.is_some() && !backoff;
             pending.push((
                 OomRecovery {
                     step,
@@ -269,6 +373,7 @@ impl Guard {
                     after,
                     recover_ms: f64::NAN,
                     error: first_line(&message).to_string(),
+                    leak,
                 },
                 failed_at,
             ));

@@ -1,10 +1,15 @@
 //! What the guard does next, as a pure state machine over micro-batch sizes.
 //!
 //! - Out of memory at size m: retry at ⌈m/2⌉, never below the floor; at the floor, give up.
-//! - Regrow (optional): after `regrow_after` clean steps below the configured size, try twice
-//!   the current size (capped at the configured one). An OOM on that trial backs off to the size
-//!   that worked and blocks the failed size for `regrow_after · 2^failures` steps, so repeated
-//!   failures at one size are tried ever more rarely (no oscillation).
+//! - Regrow (optional): after `regrow_after` clean steps below the configured size, bisect
+//!   between the size that works and the smallest size that failed (the configured size + 1 when
+//!   none has), so the guard settles on the largest size that fits, not on a power-of-two
+//!   fraction of the configured one. An OOM on a trial backs off to the size that worked and
+//!   blocks the failed size for `regrow_after · 2^failures` steps; a size next to the working one
+//!   (nothing left to bisect) is retried only once its block has run out, so repeated failures
+//!   at one size are tried ever more rarely (no oscillation). An OOM later at a size a trial
+//!   reached steps back down the sizes regrow climbed, one at a time (a size at the edge of what
+//!   fits can pass a few batches and fail on the next), and halves only below them.
 //! - What regrow has learnt (clean steps so far, blocked sizes) is [`RegrowMemory`]: checkpoints
 //!   keep it, so a resumed run does not retry at once a size that failed before the restart.
 use serde::{Deserialize, Serialize};
@@ -32,6 +37,9 @@ pub struct RegrowMemory {
     /// Clean steps since the last out-of-memory or trial.
     pub clean_steps: u64,
     pub blocked: Vec<BlockedSize>,
+    /// The sizes regrow climbed from, lowest first (absent in older checkpoints).
+    #[serde(default)]
+    pub ladder: Vec<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,8 +49,9 @@ pub struct GuardState {
     current: usize,
     regrow_after: u64,
     clean_steps: u64,
-    /// During a regrow trial: the size to return to if it fails.
-    trial_from: Option<usize>,
+    /// The sizes regrow climbed from, lowest first: an OOM at a size a trial reached (during
+    /// the trial or any step after) steps down one rung instead of halving.
+    ladder: Vec<usize>,
     blocked: Vec<BlockedSize>,
     /// Memory savers the guard may switch on at the floor, and how many are on.
     escalations: usize,
@@ -52,7 +61,7 @@ pub struct GuardState {
 impl GuardState {
     pub fn new(configured: usize, floor: usize, regrow_after: u64) -> Self {
         let floor = floor.clamp(1, configured.max(1));
-        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, trial_from: None, blocked: Vec::new(), escalations: 0, level: 0 }
+        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, ladder: Vec::new(), blocked: Vec::new(), escalations: 0, level: 0 }
     }
 
     /// Allows `n` escalation steps (oom.escalate) before giving up at the floor.
@@ -84,12 +93,13 @@ impl GuardState {
     /// What a checkpoint keeps of the regrow rule (restore with
     /// [`with_regrow_memory`](Self::with_regrow_memory)).
     pub fn regrow_memory(&self) -> RegrowMemory {
-        RegrowMemory { clean_steps: self.clean_steps, blocked: self.blocked.clone() }
+        RegrowMemory { clean_steps: self.clean_steps, blocked: self.blocked.clone(), ladder: self.ladder.clone() }
     }
 
     pub fn with_regrow_memory(mut self, memory: RegrowMemory) -> Self {
         self.clean_steps = memory.clean_steps;
         self.blocked = memory.blocked;
+        self.ladder = memory.ladder.into_iter().filter(|&f| f < self.current).collect();
         self
     }
 
@@ -102,25 +112,35 @@ impl GuardState {
         if self.regrow_after == 0 || self.current >= self.configured || self.clean_steps < self.regrow_after {
             return None;
         }
-        let candidate = (self.current * 2).min(self.configured);
-        if self.blocked.iter().any(|b| b.micro_batch == candidate && step < b.until_step) {
-            return None;
-        }
-        self.trial_from = Some(self.current);
+        let candidate = self.regrow_candidate(step)?;
+        self.ladder.push(self.current);
         self.current = candidate;
         self.clean_steps = 0;
         Some(candidate)
     }
 
+    /// The next size to try above the working one: halfway to the smallest size that failed
+    /// (the configured size + 1 when none has); that failed size itself once nothing lies
+    /// between and its block has run out.
+    fn regrow_candidate(&self, step: u64) -> Option<usize> {
+        let lowest_failed = self.blocked.iter().filter(|b| b.micro_batch > self.current).min_by_key(|b| b.micro_batch);
+        let ceiling = lowest_failed.map_or(self.configured + 1, |b| b.micro_batch.min(self.configured + 1));
+        let candidate = self.current + (ceiling - self.current) / 2;
+        if candidate > self.current {
+            return Some(candidate);
+        }
+        lowest_failed.filter(|b| b.micro_batch <= self.configured && step >= b.until_step).map(|b| b.micro_batch)
+    }
+
     pub fn on_success(&mut self) {
-        self.trial_from = None;
         self.clean_steps += 1;
     }
 
     pub fn on_oom(&mut self, step: u64) -> Decision {
         let failed = self.current;
         self.clean_steps = 0;
-        if let Some(prev) = self.trial_from.take() {
+        self.ladder.retain(|&p| p < failed);
+        if let Some(prev) = self.ladder.pop() {
             self.block(failed, step);
             self.current = prev;
             return Decision::Retry { micro_batch: prev, backoff: true };
@@ -203,15 +223,16 @@ mod tests {
         assert_eq!(s.current(), 16);
     }
 
-    /// Memory fits 16 but not 32; configured 32, regrow after 5 clean steps.
-    fn simulate(steps: u64) -> (Vec<u64>, GuardState) {
-        let mut s = GuardState::new(32, 1, 5);
+    /// Memory fits up to `fits`; configured `configured`, regrow after 5 clean steps. Returns
+    /// the (step, size) of every regrow trial.
+    fn simulate_fitting(configured: usize, fits: usize, steps: u64) -> (Vec<(u64, usize)>, GuardState) {
+        let mut s = GuardState::new(configured, 1, 5);
         let mut trials = vec![];
         for step in 0..steps {
-            if s.begin_step(step).is_some() {
-                trials.push(step);
+            if let Some(size) = s.begin_step(step) {
+                trials.push((step, size));
             }
-            while s.current() > 16 {
+            while s.current() > fits {
                 assert!(matches!(s.on_oom(step), Decision::Retry { .. }));
             }
             s.on_success();
@@ -219,14 +240,33 @@ mod tests {
         (trials, s)
     }
 
+    fn simulate(steps: u64) -> (Vec<u64>, GuardState) {
+        let (trials, s) = simulate_fitting(32, 16, steps);
+        (trials.into_iter().map(|(step, _)| step).collect(), s)
+    }
+
+    #[test]
+    fn regrow_bisects_to_the_largest_size_that_fits() {
+        let (trials, s) = simulate_fitting(64, 40, 100);
+        assert_eq!(s.current(), 40, "not 32: {trials:?}");
+        let sizes: Vec<usize> = trials.iter().map(|t| t.1).collect();
+        assert_eq!(sizes[..5], [48, 40, 44, 42, 41], "halfway to the smallest failure each time");
+        let (_, odd) = simulate_fitting(100, 77, 200);
+        assert_eq!(odd.current(), 77);
+    }
+
     #[test]
     fn regrow_retries_then_backs_off_ever_more_rarely() {
-        let (trials, s) = simulate(200);
-        assert!(!trials.is_empty(), "regrow must try again");
+        let (trials, s) = simulate_fitting(32, 16, 400);
         assert_eq!(s.current(), 16);
-        let gaps: Vec<u64> = trials.windows(2).map(|w| w[1] - w[0]).collect();
+        let sizes: Vec<usize> = trials.iter().map(|t| t.1).collect();
+        assert_eq!(sizes[..4], [24, 20, 18, 17], "bisection first");
+        // Then only the size next to the working one, ever more rarely.
+        let retries: Vec<u64> = trials[4..].iter().map(|t| { assert_eq!(t.1, 17); t.0 }).collect();
+        assert!(retries.len() >= 2, "regrow must try again: {trials:?}");
+        let gaps: Vec<u64> = retries.windows(2).map(|w| w[1] - w[0]).collect();
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "waits grow: {trials:?}");
-        assert!(trials.len() <= 6, "no oscillation: {trials:?}");
+        assert!(trials.len() <= 10, "no oscillation: {trials:?}");
     }
 
     #[test]
@@ -254,9 +294,41 @@ mod tests {
         let mut s = GuardState::new(32, 1, 2).with_current(16);
         s.on_success();
         s.on_success();
-        assert_eq!(s.begin_step(10), Some(32));
+        assert_eq!(s.begin_step(10), Some(24), "halfway to the configured size");
         assert_eq!(s.on_oom(10), Decision::Retry { micro_batch: 16, backoff: true });
         assert_eq!(s.current(), 16);
+    }
+
+    #[test]
+    fn an_oom_after_a_successful_trial_backs_off_once_then_halves() {
+        let mut s = GuardState::new(64, 1, 3).with_current(40);
+        for _ in 0..3 {
+            s.on_success();
+        }
+        assert_eq!(s.begin_step(10), Some(52));
+        for _ in 0..5 {
+            s.on_success();
+        }
+        assert_eq!(s.on_oom(15), Decision::Retry { micro_batch: 40, backoff: true }, "back to the size before the trial");
+        assert_eq!(s.on_oom(15), Decision::Retry { micro_batch: 20, backoff: false }, "that failed too: halve");
+    }
+
+    #[test]
+    fn an_oom_steps_down_the_sizes_regrow_climbed_one_at_a_time() {
+        let mut s = GuardState::new(64, 1, 1).with_current(32);
+        s.on_success();
+        assert_eq!(s.begin_step(1), Some(48));
+        s.on_success();
+        assert_eq!(s.begin_step(2), Some(56));
+        s.on_success();
+        let memory = s.regrow_memory();
+        assert_eq!(memory.ladder, [32, 48]);
+        let mut resumed = GuardState::new(64, 1, 1).with_current(56).with_regrow_memory(memory);
+        for g in [&mut s, &mut resumed] {
+            assert_eq!(g.on_oom(3), Decision::Retry { micro_batch: 48, backoff: true });
+            assert_eq!(g.on_oom(3), Decision::Retry { micro_batch: 32, backoff: true });
+            assert_eq!(g.on_oom(3), Decision::Retry { micro_batch: 16, backoff: false });
+        }
     }
 
     #[test]

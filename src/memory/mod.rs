@@ -1,11 +1,12 @@
 //! Memory as the runtime sees it: a snapshot of what the device's allocator holds (the CUDA
 //! caching allocator through the shim; on CPU, the process's own figures), returning cached
 //! blocks, the memory cap (`memory.limit`), allocator settings, per-step telemetry (with NVML),
-//! leak and thrash detectors, and the summary table.
+//! leak and thrash detectors, the allocator snapshot on out-of-memory, and the summary table.
 pub mod allocator;
 pub mod detect;
 pub mod gpu;
 mod limit;
+pub mod oom_snapshot;
 mod process;
 pub mod summary;
 pub mod telemetry;
@@ -41,13 +42,15 @@ pub fn snapshot(device: Device) -> MemorySnapshot {
     }
 }
 
-/// Returns cached, unused blocks to the device (CUDA); a no-op on CPU, whose allocator caches
-/// nothing.
+/// Returns cached, unused blocks to the device: the CUDA caching allocator's, or on CPU the free
+/// top of glibc's heap (a failed attempt's blocks can land there when `mmap` was refused).
 pub fn empty_cache(device: Device) {
     if device.is_cuda() {
         if let Err(e) = ffi::empty_cache() {
             tracing::warn!("could not empty the CUDA cache: {e}");
         }
+    } else {
+        ffi::os::release_free_heap();
     }
 }
 

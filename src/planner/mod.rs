@@ -19,6 +19,12 @@ use profile::{Measured, ProfileError, ProfileReport};
 use recommend::Budget;
 use std::path::{Path, PathBuf};
 
+/// Share of the card an estimate may fill: the rest covers what estimating cannot see.
+pub const ESTIMATE_MARGIN: f64 = 0.85;
+/// Share of the card a measured size may fill: the profile counts what the allocator reserved
+/// (CPU: peak resident memory under the same cap), so only step-to-step variation is left.
+pub const PROFILE_MARGIN: f64 = 0.95;
+
 /// `trainguard plan` flags.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct PlanArgs {
@@ -105,9 +111,10 @@ pub struct PlanArgs {
     /// Data-parallel GPUs (the global batch is split over them).
     #[arg(long, value_name = "N", default_value_t = 1, help_heading = "GPU")]
     pub gpus: u64,
-    /// Share of the GPU's memory a plan may fill.
-    #[arg(long, value_name = "FRACTION", default_value_t = 0.85, help_heading = "GPU")]
-    pub margin: f64,
+    /// Share of the GPU's memory a plan may fill [default: 0.85 for an estimate, 0.95 with
+    /// --profile, which measures what the allocator reserved instead of estimating it].
+    #[arg(long, value_name = "FRACTION", help_heading = "GPU")]
+    pub margin: Option<f64>,
     /// CUDA context, cuBLAS/cuDNN workspaces and the like, per process.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", help_heading = "GPU")]
     pub cuda_overhead: String,
@@ -204,8 +211,8 @@ const GENERIC_REQUIRED: [&str; 5] = ["--layers", "--hidden", "--heads", "--vocab
 
 impl Inputs {
     fn resolve(a: &PlanArgs) -> Result<Self, PlannerError> {
-        if !(a.margin > 0.0 && a.margin <= 1.0) {
-            return Err(usage(format!("--margin must be in (0, 1], got {}", a.margin)));
+        if let Some(m) = a.margin.filter(|m| !(*m > 0.0 && *m <= 1.0)) {
+            return Err(usage(format!("--margin must be in (0, 1], got {m}")));
         }
         if !(0.0..1.0).contains(&a.fragmentation) {
             return Err(usage(format!("--fragmentation must be in [0, 1), got {}", a.fragmentation)));
@@ -315,9 +322,9 @@ impl Inputs {
         }
         let rank_batch = match global {
             Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
-            Some(g) => Some(crate::batch::rank_share(g as usize, a.gpus as usize).ok_or_else(|| {
-                usage(format!("--global-batch {g} is not divisible by --gpus {}: every GPU takes an equal share", a.gpus))
-            })? as u64),
+            Some(g) if g < a.gpus => return Err(usage(format!("--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence", a.gpus))),
+            // The busiest GPU's share is what must fit (shares differ by one when uneven).
+            Some(g) => crate::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
             None => None,
         };
         if let Some(r) = rank_batch {
@@ -401,7 +408,7 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
     }
     let est = estimate::estimate(&inputs.model, &inputs.setup, inputs.micro, inputs.accumulation);
     let rec = inputs.target.as_ref().map(|t| {
-        recommend::recommend(&inputs.model, &inputs.setup, inputs.rank_batch, Budget { capacity: t.capacity_bytes, margin: args.margin })
+        recommend::recommend(&inputs.model, &inputs.setup, inputs.rank_batch, Budget { capacity: t.capacity_bytes, margin: args.margin.unwrap_or(ESTIMATE_MARGIN) })
     });
     let prof = if args.profile { Some(run_profile(args, &inputs)?) } else { None };
 
@@ -493,13 +500,13 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
 fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, PlannerError> {
     let (run_plan, setup) = profile_inputs(args, inputs)?;
     let device = run_plan.device;
-    let capacity = profile::capacity(device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
+    let capacity = profile::capacity(device, profile_capacity(inputs, &run_plan))?;
     let plan = profile::Plan {
         device,
         sizes: args.micro_batches.clone(),
         steps: args.profile_steps,
         rank_batch: inputs.rank_batch,
-        margin: args.margin,
+        margin: args.margin.unwrap_or(PROFILE_MARGIN),
         isolate: args.profile_isolate,
         model: &inputs.model,
         setup: &setup,
@@ -525,6 +532,12 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
     Ok(report)
 }
 
+/// The memory a profile may fill: the card's (`--gpu`, `--gpu-memory`), else the config's
+/// `memory.limit` — the cap training will run under — else the whole device.
+fn profile_capacity(inputs: &Inputs, plan: &RunPlan) -> Option<u64> {
+    inputs.target.as_ref().map(|t| t.capacity_bytes).or(plan.memory_limit)
+}
+
 /// Runs this binary again with the same flags plus `--profile-one B` and reads its JSON line.
 fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
     let child_err = |why: String| ProfileError::Child { micro, why };
@@ -547,7 +560,7 @@ fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
 /// The child side of [`measure_in_child`]: one size, one JSON line on stdout.
 fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), PlannerError> {
     let (run_plan, _) = profile_inputs(args, inputs)?;
-    let capacity = profile::capacity(run_plan.device, inputs.target.as_ref().map(|t| t.capacity_bytes))?;
+    let capacity = profile::capacity(run_plan.device, profile_capacity(inputs, &run_plan))?;
     let mut session = profile::Session::open(run_plan, capacity)?;
     let m = session.measure(micro, args.profile_steps)?;
     println!("{}", serde_json::to_string(&m).expect("a measurement always serialises"));
@@ -568,7 +581,7 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     if global != cfg.train.global_batch_size as u64 {
         new = apply::set_value(&new, "train", "global_batch_size", &global.to_string())?;
     }
-    let accumulation = crate::batch::micro_steps((global / args.gpus) as usize, micro as usize) as u64;
+    let accumulation = crate::batch::accumulation(global as usize, micro as usize, args.gpus as usize).map_err(|e| usage(format!("--apply: {e}")))? as u64;
     let mut applied = Applied { path: path.to_path_buf(), backup: None, micro_batch: micro, global_batch: global, accumulation, diff: apply::diff(&old, &new) };
     if new == old {
         return Ok(applied);
@@ -610,7 +623,7 @@ mod tests {
     }
 
     fn args() -> PlanArgs {
-        PlanArgs { margin: 0.85, fragmentation: 0.1, gpus: 1, profile_steps: 2, cuda_overhead: "1GiB".into(), ..Default::default() }
+        PlanArgs { margin: None, fragmentation: 0.1, gpus: 1, profile_steps: 2, cuda_overhead: "1GiB".into(), ..Default::default() }
     }
 
     #[test]
@@ -630,8 +643,8 @@ mod tests {
         let cases: Vec<(PlanArgs, &str)> = vec![
             (PlanArgs { layers: Some(0), ..gpt() }, "--layers must be at least 1, got 0"),
             (PlanArgs { heads: Some(3), ..gpt() }, "--heads 3 must divide --hidden 64"),
-            (PlanArgs { margin: 1.5, ..gpt() }, "--margin must be in (0, 1]"),
-            (PlanArgs { global_batch: Some(30), gpus: 4, ..gpt() }, "--global-batch 30 is not divisible by --gpus 4"),
+            (PlanArgs { margin: Some(1.5), ..gpt() }, "--margin must be in (0, 1]"),
+            (PlanArgs { global_batch: Some(3), gpus: 4, ..gpt() }, "--global-batch 3 cannot be shared by --gpus 4"),
             (PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() }, "--micro-batch 16 exceeds the per-GPU batch 8"),
             (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
             (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),

@@ -21,7 +21,7 @@
 //! Each measured step accumulates [`ACCUMULATION`] micro-batches, so the gradients of the first
 //! are held while the second runs: the peak of any run that accumulates.
 use super::estimate::{estimate, Setup, Transformer};
-use super::recommend::{divisors, largest_fitting};
+use super::recommend::largest_fitting;
 use crate::config::OomPolicy;
 use crate::data::{Corpus, DataError, Sampler};
 use crate::events::Reporter;
@@ -137,7 +137,7 @@ pub struct Plan<'a> {
     /// Explicit sizes; empty: search.
     pub sizes: Vec<u64>,
     pub steps: u64,
-    /// Per-GPU batch (bounds the search and picks divisors); none: search up to 1024.
+    /// Per-GPU batch (bounds the search); none: search up to 1024.
     pub rank_batch: Option<u64>,
     pub margin: f64,
     /// Run each size in a child process even where `clear_refs` works.
@@ -193,6 +193,14 @@ impl Session {
             Device::Cuda(i) => ffi::memory_info(i)?.1 > cap,
             _ => true,
         };
+        // The allocator settings training would run with (on CUDA the cap is a memory fraction
+        // that goes in with them), so that what is measured is what training will reserve.
+        let fraction = match device {
+            Device::Cuda(i) if limit_now => Some(memory::cuda_fraction(cap, i)?),
+            _ => None,
+        };
+        let settings = memory::allocator::configure(&config.memory.allocator, fraction, device.is_cuda()).map_err(|e| ProfileError::Step(e.to_string()))?;
+        tracing::info!("profile: allocator settings `{}` ({})", settings.conf, settings.source);
         if limit_now {
             memory::apply_limit(cap, device)?;
         }
@@ -255,7 +263,7 @@ fn build(plan: &RunPlan, model: &crate::config::ModelConfig) -> Result<Trainable
 fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64) -> Result<Option<StepCounts>, ProfileError> {
     let (config, device) = (&plan.config, plan.device);
     let rank_batch = (micro * ACCUMULATION) as usize;
-    let data = StepData { corpus, sampler: Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_start: 0, rank_batch };
+    let data = StepData::single(corpus, Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_batch);
     let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
     let mut reporter = Reporter::new(None, 1, n, None).map_err(|e| ProfileError::Step(e.to_string()))?;
     let mut faults = Faults::new(&config.faults, 0, 0);
@@ -266,7 +274,7 @@ fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64)
             Ok(_) => counts.skipped += 1,
             Err(GuardError::OutOfMemory(_)) => return Ok(None),
             Err(GuardError::Torch(e)) => return Err(e.into()),
-            Err(GuardError::Fatal(e)) => return Err(ProfileError::Step(e.to_string())),
+            Err(e) => return Err(ProfileError::Step(e.to_string())),
         }
     }
     counts.loss_scale = t.scaler.as_ref().map(|s| s.scale);
@@ -355,10 +363,8 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
     };
     let fit = line(&|p| p.measured_bytes.unwrap_or_default());
     let estimate_fit = line(&|p| p.estimate_bytes);
-    let micro_batch = largest.map(|l| match plan.rank_batch {
-        Some(r) => divisors(r).into_iter().filter(|&d| d <= l).max().unwrap_or(1),
-        None => l,
-    });
+    // Any size works: the last micro-batch of a step takes the remainder.
+    let micro_batch = largest;
     Ok(ProfileReport {
         device: format!("{:?}", plan.device).to_lowercase(),
         method: String::new(),
@@ -371,7 +377,7 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
         estimate_fit,
         largest_fitting: largest,
         micro_batch,
-        micro_accumulation: micro_batch.and_then(|b| plan.rank_batch.map(|r| r / b)),
+        micro_accumulation: micro_batch.and_then(|b| plan.rank_batch.map(|r| r.div_ceil(b))),
     })
 }
 
@@ -416,7 +422,7 @@ mod tests {
         .unwrap();
         assert_eq!(seen, [1, 2, 4, 8, 16, 32, 48, 40, 44, 42, 41], "doubling (capped at the per-GPU batch), then bisection");
         assert_eq!(r.largest_fitting, Some(40));
-        assert_eq!((r.micro_batch, r.micro_accumulation), (Some(24), Some(2)), "the largest divisor of 48 that fits");
+        assert_eq!((r.micro_batch, r.micro_accumulation), (Some(40), Some(2)), "the largest that fits: 40 + 8");
         let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
         assert_eq!((outcome(40), outcome(41), outcome(48)), (Outcome::Fits, Outcome::OverBudget, Outcome::OutOfMemory));
         let fit = r.fit.unwrap();

@@ -28,10 +28,10 @@ pub struct Recommendation {
     pub budget_bytes: u64,
     /// Sequences per GPU per optimizer step (global batch / GPUs), when a global batch is known.
     pub rank_batch: Option<u64>,
-    /// Largest micro-batch that fits and divides `rank_batch`.
+    /// Largest micro-batch that fits (a last, shorter micro-batch takes the remainder).
     pub micro_batch: Option<u64>,
     pub accumulation: Option<u64>,
-    /// Largest micro-batch that fits, divisor or not.
+    /// Largest micro-batch that fits with accumulation (may exceed a `rank_batch`-bounded choice: none).
     pub largest_fitting: Option<u64>,
     /// Estimated total at the recommendation (at micro-batch 1 when nothing fits).
     pub total_bytes: u64,
@@ -82,24 +82,6 @@ pub fn largest_fitting(limit: u64, mut fits: impl FnMut(u64) -> bool) -> Option<
     Some(lo)
 }
 
-/// Divisors of `n`, ascending.
-pub fn divisors(n: u64) -> Vec<u64> {
-    let mut small = Vec::new();
-    let mut large = Vec::new();
-    let mut d = 1;
-    while d * d <= n {
-        if n % d == 0 {
-            small.push(d);
-            if d * d != n {
-                large.push(n / d);
-            }
-        }
-        d += 1;
-    }
-    small.extend(large.into_iter().rev());
-    small
-}
-
 /// The estimated total at micro-batch `b` for a per-GPU batch `rank_batch` (unknown: assume
 /// accumulation, the conservative case).
 pub fn total_at(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, b: u64) -> u64 {
@@ -114,9 +96,11 @@ pub fn recommend(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, bu
     let search_limit = rank_batch.unwrap_or(1 << 20);
     let largest = largest_fitting(search_limit, |b| estimate(model, setup, b, 2).total <= limit);
     let chosen = match rank_batch {
-        // Descending over divisors: at b = rank_batch there is no accumulation and the held
-        // gradients vanish, so that size can fit when its half does not.
-        Some(r) => divisors(r).into_iter().rev().find(|&d| cost(d) <= limit),
+        // Any size works (the last micro-batch takes the remainder). At b = rank_batch there is
+        // no accumulation and the held gradients vanish, so that size can fit when a smaller
+        // one does not; below it the cost grows with b.
+        Some(r) if cost(r) <= limit => Some(r),
+        Some(r) => largest_fitting(r.saturating_sub(1), |b| cost(b) <= limit),
         None => largest,
     };
     let base = Recommendation {
@@ -126,7 +110,7 @@ pub fn recommend(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, bu
         budget_bytes: limit,
         rank_batch,
         micro_batch: chosen,
-        accumulation: chosen.and_then(|b| rank_batch.map(|r| r / b)),
+        accumulation: chosen.and_then(|b| rank_batch.map(|r| r.div_ceil(b))),
         largest_fitting: largest.max(chosen),
         total_bytes: 0,
         utilisation: 0.0,
@@ -240,28 +224,22 @@ mod tests {
     }
 
     #[test]
-    fn divisors_are_complete_and_sorted() {
-        assert_eq!(divisors(480).len(), 24);
-        assert_eq!(divisors(36), [1, 2, 3, 4, 6, 9, 12, 18, 36]);
-        assert_eq!(divisors(1), [1]);
-        assert_eq!(divisors(13), [1, 13]);
-    }
-
-    #[test]
-    fn the_margin_decides_and_the_choice_divides_the_batch() {
+    fn the_margin_decides_and_the_choice_need_not_divide_the_batch() {
         let (m, s) = (gpt2(), setup());
-        // A capacity where the per-sample slope places the boundary between divisors of 60.
+        // A capacity where the per-sample slope places the boundary at 25, which does not divide 60.
         let e = estimate(&m, &s, 1, 2);
         let capacity = ((e.fixed + 25 * e.per_sample + e.per_sample / 2) as f64 / 0.85) as u64;
         let tight = recommend(&m, &s, Some(60), Budget { capacity, margin: 0.85 });
         assert!(tight.fits);
         assert_eq!(tight.largest_fitting, Some(25));
-        assert_eq!((tight.micro_batch, tight.accumulation), (Some(20), Some(3)), "20 divides 60, 25 does not");
+        assert_eq!((tight.micro_batch, tight.accumulation), (Some(25), Some(3)), "25 + 25 + 10");
         assert!(tight.total_bytes <= tight.budget_bytes);
+        assert!(total_at(&m, &s, Some(60), 26) > tight.budget_bytes, "the next size up does not fit");
         assert!((tight.utilisation - tight.total_bytes as f64 / capacity as f64).abs() < 1e-12);
-        // The whole card: the budget grows by 15%, enough for 30 (which divides 60).
+        // The whole card: the budget grows by 15%, enough for more.
         let loose = recommend(&m, &s, Some(60), Budget { capacity, margin: 1.0 });
-        assert_eq!((loose.micro_batch, loose.accumulation), (Some(30), Some(2)));
+        assert!(loose.micro_batch.unwrap() > 25);
+        assert_eq!(loose.accumulation, Some(60u64.div_ceil(loose.micro_batch.unwrap())));
     }
 
     #[test]

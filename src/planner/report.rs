@@ -219,11 +219,6 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
             _ => format!("micro-batch {micro}"),
         };
         let _ = writeln!(o, "fits      {split}: {} estimated, {:.0}% of the card", size(rec.total_bytes as f64), rec.utilisation * 100.0);
-        if let (Some(l), Some(b)) = (rec.largest_fitting, rec.micro_batch) {
-            if l > b {
-                let _ = writeln!(o, "          (micro-batch {l} would fit too but does not divide the per-GPU batch {})", rec.rank_batch.unwrap_or(0));
-            }
-        }
     } else {
         let _ = writeln!(
             o,
@@ -284,7 +279,7 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
         match (p.largest_fitting, p.micro_batch) {
             (Some(l), Some(b)) => {
                 let acc = p.micro_accumulation.map(|k| format!(" × accumulation {k}")).unwrap_or_default();
-                let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc}");
+                let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc} (the last micro-batch takes the remainder)");
             }
             _ if p.points.iter().all(|pt| pt.outcome != Outcome::Fits) => {
                 let _ = writeln!(o, "  nothing fits by measurement, not even micro-batch {}", p.points.first().map_or(1, |pt| pt.micro_batch));
@@ -304,7 +299,7 @@ fn render_applied(o: &mut String, a: &Applied, gpus: u64) {
             let _ = writeln!(o, "\n{} already has micro_batch_size {}: nothing written", a.path.display(), a.micro_batch);
         }
     }
-    let _ = writeln!(o, "accumulation {} = global {} / (micro-batch {} × {gpus} GPU(s))", a.accumulation, a.global_batch, a.micro_batch);
+    let _ = writeln!(o, "accumulation {} = ⌈global {} / ({gpus} GPU(s) × micro-batch {})⌉", a.accumulation, a.global_batch, a.micro_batch);
 }
 
 #[cfg(test)]
@@ -358,7 +353,7 @@ mod tests {
         let rj = &j["recommendation"];
         assert_eq!(rj["fits"], true);
         let (b, k) = (rj["micro_batch"].as_u64().unwrap(), rj["accumulation"].as_u64().unwrap());
-        assert_eq!(b * k, 480);
+        assert_eq!(480u64.div_ceil(b), k, "the last micro-batch takes the remainder");
         assert!(rj["total_bytes"].as_u64().unwrap() <= rj["budget_bytes"].as_u64().unwrap());
         assert!(j["profile"].is_null() && j["applied"].is_null());
     }

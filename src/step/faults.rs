@@ -37,10 +37,14 @@ impl Faults {
         (self.cfg.interrupt_at_step == Some(step)).then_some(StepFault::Interrupt)
     }
 
-    /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow.
+    /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow; or an
+    /// op with no deterministic implementation.
     pub(super) fn corrupt(&self, step: u64, loss: &mut f64, grads: &mut [Tensor], loss_scaled: bool) -> Result<(), TchError> {
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
+        }
+        if self.cfg.nondeterministic_op_at_step == Some(step) {
+            let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)?;
         }
         if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) {
             if let Some(g) = grads.first_mut() {

@@ -17,6 +17,20 @@ pub struct StepData<'a> {
     /// This rank's slice of each global batch: global indices `start .. start + len`.
     pub rank_start: usize,
     pub rank_batch: usize,
+    /// The global batch and the ranks sharing it: the loss weights' denominator.
+    pub global_batch: usize,
+    pub world: usize,
+}
+
+impl StepData<'_> {
+    /// One process taking a whole batch of `batch` sequences.
+    pub fn single(corpus: &Corpus, sampler: Sampler, device: Device, batch: usize) -> StepData<'_> {
+        StepData { corpus, sampler, device, rank_start: 0, rank_batch: batch, global_batch: batch, world: 1 }
+    }
+
+    fn weight(&self, micro_len: usize) -> f64 {
+        batch::loss_weight(micro_len, self.global_batch, self.world)
+    }
 }
 
 /// Gradients of the mean loss over this rank's batch of step `step` multiplied by `scale` (fp16
@@ -26,7 +40,7 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
     let mut grads: Vec<Tensor> = Vec::new();
     let mut loss_sum: Option<Tensor> = None;
     for r in batch::split(data.rank_batch, micro) {
-        let weight = batch::loss_weight(r.len(), data.rank_batch);
+        let weight = data.weight(r.len());
         let indices = data.rank_start + r.start..data.rank_start + r.end;
         // Dropout masks are a function of (seed, step, first sample): replays draw the same.
         let seed = crate::data::mix(&[data.sampler.seed, step, indices.start as u64]);
@@ -57,7 +71,7 @@ pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, pr
     let mut total = 0.0;
     for b in 0..batches {
         for r in batch::split(data.rank_batch, micro) {
-            let weight = batch::loss_weight(r.len(), data.rank_batch);
+            let weight = data.weight(r.len());
             let indices = data.rank_start + r.start..data.rank_start + r.end;
             let (x, y) = data.sampler.val_batch(data.corpus, b, indices, data.device)?;
             total += model.loss(&x, &y, false, None)?.f_double_value(&[])? * weight;
@@ -80,7 +94,7 @@ mod tests {
     #[test]
     fn gradients_do_not_depend_on_the_split_even_with_a_short_last_micro_batch() {
         let (model, corpus) = setup();
-        let data = StepData { corpus: &corpus, sampler: Sampler { seed: 1, seq_len: 8 }, device: Device::Cpu, rank_start: 0, rank_batch: 10 };
+        let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 10);
         let plain = Savers::default();
         let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &plain, 1.0, &mut Progress::default()).unwrap();
         for micro in [3, 4, 7] {

@@ -80,12 +80,15 @@ impl<'a> Run<'a> {
             (Some(limit), tch::Device::Cuda(i)) => Some(crate::memory::cuda_fraction(limit, i)?),
             _ => None,
         };
-        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction)?;
+        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         for w in cfg.memory.allocator.warnings(fraction.is_some()) {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
             tracing::warn!("PYTORCH_CUDA_ALLOC_CONF overridden by the config: {o}");
+        }
+        if !allocator.defaulted.is_empty() {
+            tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
         }
 
         // The cap goes on after the corpus is loaded: it counts what training allocates.
@@ -94,11 +97,16 @@ impl<'a> Run<'a> {
             None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
         };
         let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
+        if cfg.deterministic {
+            reporter.emit(Event::Deterministic(crate::determinism::enable()?));
+        }
+        let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
         let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
         let trainable = Trainable::build(&cfg.model, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
             .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
         let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
-            .with_escalation(cfg.oom.escalate.clone());
+            .with_escalation(cfg.oom.escalate.clone())
+            .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
         match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l)?,
@@ -233,6 +241,7 @@ impl<'a> Run<'a> {
         self.slowest_recent = step_started.elapsed().as_secs_f64().max(self.slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
         let memory = self.watch.after_step(step, &mut self.state.guard.state, &mut self.reporter);
+        self.state.guard.held_between_steps(step, crate::memory::telemetry::Telemetry::leak_figure(&memory));
         self.reporter.emit(Event::Step(StepMetrics {
             step,
             loss: outcome.loss,
@@ -330,8 +339,10 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
         corpus,
         sampler: Sampler { seed: plan.config.seed, seq_len: plan.config.model.seq_len },
         device: plan.device,
-        rank_start: plan.rank * plan.rank_batch,
+        rank_start: plan.rank_start,
         rank_batch: plan.rank_batch,
+        global_batch: plan.config.train.global_batch_size,
+        world: plan.world_size,
     }
 }
 

@@ -29,6 +29,8 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
+    #[error("deterministic: {0}")]
+    Determinism(#[from] crate::ffi::ShimError),
     #[error("init_from: {0}")]
     InitFrom(#[from] crate::hf::HfError),
     #[error("injected failure at step {step} (faults.crash_at_step)")]
