@@ -7,8 +7,8 @@
 //! rows (aligned GEMM shapes) while the model's behaviour stays that of the user's vocabulary:
 //! padded rows start at zero, [`Model::head`] masks their logits to -inf (so the loss, its
 //! gradient and sampling never see them), [`Model::forward`] returns the user's columns only,
-//! and [`Model::user_tensor`] / [`Model::copy_user_tensor`] give import and export the user's
-//! shapes. Adding an architecture: one file with its `tensors()`, its
+//! [`Model::user_tensor`] / [`Model::copy_user_tensor`] give import and export the user's
+//! shapes, and [`Model::optimizer_params`] gives the optimizer the user's rows. Adding an architecture: one file with its `tensors()`, its
 //! `saved()` and a [`Decoder`], and one arm in [`describe`], [`saved_activations`] and
 //! [`Model::new`] — the only places that match on `model.arch`.
 mod gpt2;
