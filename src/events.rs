@@ -114,8 +114,6 @@ pub enum StopReason {
     Signal,
     /// `train.max_duration` would be passed before the next step and checkpoint end.
     TimeLimit,
-    /// Another rank is stopping: every rank stops at the same step.
-    PeerStop,
     /// `nan.max_consecutive` non-finite updates in a row.
     Nonfinite,
     /// Out of memory even at the smallest micro-batch.
@@ -127,7 +125,6 @@ impl StopReason {
         match self {
             StopReason::Signal => "signal",
             StopReason::TimeLimit => "time_limit",
-            StopReason::PeerStop => "peer_stop",
             StopReason::Nonfinite => "nonfinite",
             StopReason::OutOfMemory => "out_of_memory",
         }

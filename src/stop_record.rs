@@ -25,7 +25,8 @@ pub enum Status {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StopRecord {
     pub status: Status,
-    /// `signal`, `time_limit` or `peer_stop` for a stop; absent when finished.
+    /// `signal` or `time_limit` for a stop (every rank names the reason any rank saw); absent
+    /// when finished.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// Optimizer steps completed.

@@ -323,6 +323,7 @@ fn profile_apply_then_train_fills_the_memory_limit_without_an_oom() {
     assert!(metrics.iter().all(|m| m["micro_batch"].as_u64() == Some(micro)));
     let peak = run.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
     let share = peak as f64 / limit as f64;
+    println!("plan --profile --apply chose micro-batch {micro}; 20 steps peaked at {:.1} MiB mapped above start = {:.1}% of memory.limit {} MiB, 0 OOMs", peak as f64 / 1048576.0, share * 100.0, limit >> 20);
     assert!((0.85..=1.0).contains(&share), "peak {peak} is {:.1}% of memory.limit at micro-batch {micro}", share * 100.0);
 }
 

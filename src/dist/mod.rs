@@ -142,12 +142,13 @@ impl Dist {
         Ok(Agreement { any_oom: v[0] > 0.0, mean_value: v[1] / self.world_size as f64 })
     }
 
-    /// True on every rank when any rank wants to stop (signal, time limit).
-    pub fn any(&self, flag: bool) -> Result<bool, DistError> {
+    /// The largest of every rank's `value`, on every rank (the stop agreement: each rank's
+    /// reason to stop as a code, so all stop together and name the same reason).
+    pub fn max(&self, value: f64) -> Result<f64, DistError> {
         let torch = |e: TchError| DistError::Collective { what: "stop agreement", message: e.to_string(), silent: None };
-        let mut t = Tensor::f_from_slice(&[flag as i64 as f64]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
+        let mut t = Tensor::f_from_slice(&[value]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
         self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement", self.heartbeat.as_ref()))?;
-        Ok(t.f_double_value(&[0]).map_err(torch)? > 0.0)
+        t.f_double_value(&[0]).map_err(torch)
     }
 
     /// Rank 0's parameter values on every rank.

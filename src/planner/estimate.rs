@@ -302,7 +302,8 @@ pub struct Estimate {
     /// one chunk's with a chunked loss.
     pub logits: u64,
     /// Cross-entropy's two gradient buffers alive with the log-probabilities at the start of
-    /// backward: twice `logits`.
+    /// backward: the log-probabilities' (as `logits`) and the logits' (16-bit under CUDA
+    /// autocast, else as `logits`).
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
@@ -528,7 +529,13 @@ impl Moments {
         let tokens = micro * m.seq_len;
         let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));
         let logits = p.logit_bytes() * chunk * m.padded_vocab();
-        let cross_entropy = 2 * logits;
+        // Cross-entropy's backward: the log-probabilities' gradient (their dtype) and the logits'
+        // gradient. Under CUDA autocast log_softmax runs on the 16-bit logits with dtype=float,
+        // and its backward writes the logits' gradient in their own 16-bit dtype: 4 + 2 bytes,
+        // not 4 + 4 (the H100's bf16-mixed peaks were 2·b·s·v bytes below the estimate that
+        // counted 4). CPU autocast casts the logits to fp32 first: 4 + 4 there.
+        let logit_grad = chunk * m.padded_vocab() * if s.target == Target::Cuda { p.activation_bytes() } else { p.logit_bytes() };
+        let cross_entropy = logits + logit_grad;
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
         let head_grad = m.padded_vocab() * m.hidden * p.grad_bytes();
@@ -543,7 +550,7 @@ impl Moments {
             let later = u64::from(chunk < tokens);
             let hidden_grad = tokens * m.hidden * p.residual_bytes();
             block_backward += head_grad + hidden_grad;
-            ((3 * logits + later * head_grad).max(logits + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
+            ((logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
         } else {
             (logits + cross_entropy, tied * 2 * head_grad)
         };
@@ -821,6 +828,29 @@ mod tests {
         assert_eq!(e.peak_phase, "last block's backward");
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.activations + e.block_backward_transient);
         assert_eq!(estimate(&gpt2(), &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2).peak_phase, "start of backward");
+    }
+
+    /// The H100's bf16-mixed figure (gpt2-124m, seq 1024, vocab 50257, two micro-steps per
+    /// step; `scripts/plan_accuracy.sh --device cuda`, ../shared/reference/gpu-measurements.md):
+    /// the allocator's peak above the pre-model baseline at micro-batch 59 was 49.38 GiB, where
+    /// the estimate that counted the logits' gradient in fp32 said 54.99 GiB (+11.4%; 2·b·s·v =
+    /// 5.65 GiB of it). Counted in 16 bits, as CUDA autocast's log_softmax backward writes it:
+    #[test]
+    fn bf16_mixed_on_cuda_counts_the_logits_gradient_in_16_bits_and_meets_the_h100_peak() {
+        let s = Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cuda_fp32_adamw() };
+        // Measured before model.pad_vocab_to existed: the unpadded 50257-wide head.
+        let m = Transformer { vocab: 50257, seq_len: 1024, pad_vocab_to: 1, ..gpt2() };
+        let e = estimate(&m, &s, 59, 2);
+        let tokens_by_vocab = 59 * 1024 * 50257;
+        assert_eq!((e.logits, e.cross_entropy), (4 * tokens_by_vocab, (4 + 2) * tokens_by_vocab));
+        let error = e.peak_allocated as f64 / (49.38 * GIB) - 1.0;
+        println!("bf16-mixed at 59: estimate {:.2} GiB vs 49.38 GiB measured: {:+.2}%", e.peak_allocated as f64 / GIB, error * 100.0);
+        assert!(error.abs() < 0.03, "estimate {:.2} GiB vs 49.38 GiB measured: {:+.1}%", e.peak_allocated as f64 / GIB, error * 100.0);
+        // fp32 and the CPU analogue keep 4 + 4.
+        let fp32 = estimate(&m, &super::fixtures::cuda_fp32_adamw(), 59, 2);
+        assert_eq!(fp32.cross_entropy, 8 * tokens_by_vocab);
+        let cpu = estimate(&m, &Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cpu_fp32_adamw() }, 59, 2);
+        assert_eq!(cpu.cross_entropy, 8 * tokens_by_vocab);
     }
 
     #[test]

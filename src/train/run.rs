@@ -271,11 +271,19 @@ impl<'a> Run<'a> {
         } else {
             self.plan.time_limit.filter(|limit| self.started.elapsed() + margin > *limit).map(|_| StopReason::TimeLimit)
         };
-        // All ranks stop at the same step, or the others would wait in a collective.
+        // All ranks stop at the same step, or the others would wait in a collective; and every
+        // rank names the same reason (a signal before a time limit), whichever rank saw it.
         if let Some(d) = self.dist.as_deref() {
-            if d.any(reason.is_some())? && reason.is_none() {
-                reason = Some(StopReason::PeerStop);
-            }
+            let code = |r: Option<StopReason>| match r {
+                Some(StopReason::Signal) => 2.0,
+                Some(_) => 1.0,
+                None => 0.0,
+            };
+            reason = match d.max(code(reason))? {
+                c if c >= 2.0 => Some(StopReason::Signal),
+                c if c >= 1.0 => Some(StopReason::TimeLimit),
+                _ => None,
+            };
         }
         Ok(reason)
     }
