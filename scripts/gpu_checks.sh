@@ -10,7 +10,8 @@
 #           expandable_segments + NVML, NCCL with one rank, the planner within ±10%, offload,
 #           thrash shrink
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
-#   bench   scripts/bench_vs_pytorch.sh --device cuda on configs/gpt2-124m.yaml
+#   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
+#           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
 #   savers  scripts/bench_savers.sh --device cuda: peak allocated per memory saver
 #   cap     gpt2-124m at micro-batch 64 under memory.limit=16GiB: the guard settles the size
 #   detcost scripts/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
@@ -39,7 +40,8 @@ for p in "${parts[@]}"; do
       if [ ! -x "$tests_bin" ]; then bash scripts/gpu_bundle.sh >/dev/null; fi
       part tests env TRAINGUARD_REPO="$PWD" "$tests_bin" --nocapture --test-threads=1 ;;
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
-    bench) part bench env STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda configs/gpt2-124m.yaml ;;
+    bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
+      part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --pad-vocab-to $pad configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
     cap)
       run_dir=$(mktemp -d)  # not under $dest: the run's checkpoints are gigabytes
