@@ -43,7 +43,7 @@ pub struct OomRecovery {
     pub recover_ms: f64,
     pub error: String,
     /// Memory held between steps grew since the first steps: tensors kept across steps.
-    pub leak: Option<crate::guard::LeakDiagnosis>,
+    pub leak: Option<LeakDiagnosis>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -104,6 +104,19 @@ pub enum Event {
     /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
     RanksCompared { world_size: usize, checksum_spread: f64 },
     RunFinished(RunSummary),
+}
+
+/// The leak the guard found at an out-of-memory (the `leak` field of `oom_recovered`;
+/// `guard::leak` diagnoses it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LeakDiagnosis {
+    /// The step after which the least memory was held between steps.
+    pub baseline_step: u64,
+    pub baseline_bytes: u64,
+    /// Held now, with the failed attempt freed.
+    pub held_bytes: u64,
+    pub grown_bytes: u64,
+    pub message: String,
 }
 
 /// Why a run stopped before `train.max_steps` (`events.jsonl` spells it in snake_case).

@@ -94,9 +94,11 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     assert!(backoffs >= 1 && backoffs < trials.len(), "some trials fail and back off, some succeed: {trials:?}");
     // Out-of-memory with flat memory between steps: no leak is diagnosed.
     assert!(straight.events_of("oom_recovered").iter().all(|e| e["leak"].is_null()), "{:?}", straight.events_of("oom_recovered"));
-    // At most one trial per regrow_after + 1 steps, and failures wait ever longer (the unit
-    // tests pin that down; here sizes at the edge pass or fail by chance).
-    assert!(trials.len() <= 10 && backoffs <= 6, "no oscillation in 30 steps: {trials:?}");
+    // No oscillation: a size that failed waits 2·2^failures steps before it is tried again, so
+    // none is tried more than 3 times in 30 steps (sizes at the edge pass or fail by chance; the
+    // unit tests pin the waits down exactly).
+    let most_tried = trials.iter().map(|t| trials.iter().filter(|u| u.1 == t.1).count()).max().unwrap_or(0);
+    assert!(most_tried <= 3, "no oscillation in 30 steps: {trials:?}");
     let metrics = straight.metrics();
     assert_eq!(metrics.len(), 30);
     let last = metrics.last().unwrap()["micro_batch"].as_u64().unwrap();

@@ -3,24 +3,12 @@
 //! on; at an out-of-memory the memory still held once the failed attempt is freed is compared with
 //! it. Memory held between steps is weights, gradients and optimizer state: flat after the first
 //! step. Clearly more means tensors kept across steps, which no smaller micro-batch fixes.
-use serde::Serialize;
+use crate::events::LeakDiagnosis;
 
 /// Growth below this is noise (allocator caches, page faults, the resident size's slack) ...
 const MIN_GROWTH_BYTES: u64 = 64 << 20;
 /// ... and so is growth below this share of what the first steps held.
 const MIN_GROWTH_SHARE: f64 = 0.10;
-
-/// The leak found at an out-of-memory (the `leak` field of `oom_recovered`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct LeakDiagnosis {
-    /// The step after which the least memory was held between steps.
-    pub baseline_step: u64,
-    pub baseline_bytes: u64,
-    /// Held now, with the failed attempt freed.
-    pub held_bytes: u64,
-    pub grown_bytes: u64,
-    pub message: String,
-}
 
 #[derive(Debug, Clone, Default)]
 pub struct HeldMemory {

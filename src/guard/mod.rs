@@ -10,7 +10,8 @@ mod leak;
 mod policy;
 
 pub use classify::{classify, nondeterministic_op, ErrorKind};
-pub use leak::{HeldMemory, LeakDiagnosis};
+pub use crate::events::LeakDiagnosis;
+pub use leak::HeldMemory;
 pub use policy::{BlockedSize, Decision, GuardState, RegrowMemory};
 
 use crate::config::OomPolicy;

@@ -4,9 +4,7 @@
 //! a precision. The list follows the forward code in this directory (what autograd saves for each
 //! op it runs, checked with `saved_tensors_hooks` and `trainguard plan --profile`), so the model
 //! and the planner read one description per architecture. Adding an architecture: its `saved()`
-//! beside its `tensors()`, and one arm in [`saved_activations`].
-use super::{gpt2, llama};
-use crate::config::{Arch, ModelConfig};
+//! beside its `tensors()`, and one arm in `model::saved_activations`.
 
 /// How many elements a saved tensor has at micro-batch b and sequence length s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,14 +109,6 @@ pub struct Activations {
     /// Backward through a block, on top of its saved tensors: the widest gradients alive at once
     /// (the MLP's, net of the saved tensors freed by then, and the residual stream's).
     pub block_backward: Vec<Saved>,
-}
-
-/// The description for `cfg`'s architecture.
-pub fn saved_activations(cfg: &ModelConfig, r: Regime) -> Activations {
-    match cfg.arch {
-        Arch::Gpt2 => gpt2::saved(cfg, r),
-        Arch::Llama => llama::saved(cfg, r),
-    }
 }
 
 /// Shared layers' saved tensors.

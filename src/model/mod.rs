@@ -18,7 +18,6 @@ pub mod memory;
 mod params;
 mod spec;
 
-pub use memory::saved_activations;
 pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 
@@ -42,6 +41,14 @@ pub fn describe(cfg: &ModelConfig) -> Vec<TensorSpec> {
     match cfg.arch {
         Arch::Gpt2 => gpt2::tensors(cfg),
         Arch::Llama => llama::tensors(cfg),
+    }
+}
+
+/// What `cfg`'s architecture's forward keeps for backward in regime `r` (the planner counts it).
+pub fn saved_activations(cfg: &ModelConfig, r: memory::Regime) -> memory::Activations {
+    match cfg.arch {
+        Arch::Gpt2 => gpt2::saved(cfg, r),
+        Arch::Llama => llama::saved(cfg, r),
     }
 }
 
