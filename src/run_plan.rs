@@ -102,6 +102,11 @@ impl RunPlan {
             problems.push(Problem::new("train.max_duration", msg));
             None
         });
+        if let Some(path) = config.data.source.strip_prefix("tokens:") {
+            if let Err(msg) = token_files_exist(path) {
+                problems.push(Problem::new("data.source", msg));
+            }
+        }
         let m = &config.memory;
         let checkpointing = Checkpointing::parse(&m.activation_checkpointing).unwrap_or_else(|msg| {
             problems.push(Problem::new("memory.activation_checkpointing", msg));
@@ -147,6 +152,15 @@ impl RunPlan {
 
     pub fn is_writer(&self) -> bool {
         self.rank == 0
+    }
+}
+
+/// The files a `tokens:` source names (`data::shards::resolve`) all exist.
+fn token_files_exist(path: &str) -> Result<(), String> {
+    let s = crate::data::shards::resolve(path)?;
+    match s.train.iter().chain(&s.val).find(|f| !f.is_file()) {
+        Some(f) => Err(format!("file `{}` does not exist or is not a file", f.display())),
+        None => Ok(()),
     }
 }
 
@@ -208,6 +222,15 @@ mod tests {
         let err = RunPlan::build(c, Environment { world_size: 4, ..CPU_ONLY }).unwrap_err();
         assert_eq!(err.0[0].key, "train.global_batch_size");
         assert!(err.0[0].to_string().contains("at most 8"), "{err}");
+    }
+
+    #[test]
+    fn a_tokens_source_must_name_files_that_exist() {
+        let mut c = Config::default();
+        c.data.source = "tokens:/no/such/file.bin".into();
+        let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
+        assert_eq!(err.0[0].key, "data.source");
+        assert!(err.0[0].to_string().contains("/no/such/file.bin"), "{err}");
     }
 
     #[test]
