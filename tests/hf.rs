@@ -112,31 +112,42 @@ fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exac
     assert_eq!(again.code(), 2, "an existing export is not overwritten");
 }
 
-#[test]
-fn a_model_saved_by_transformers_starts_training_with_init_from() {
-    let d = tempfile::tempdir().unwrap();
-    let hf = d.path().join("tiny");
-    let ref_logits = d.path().join("ref.safetensors");
-    python(
+/// Saves the transformers model `constructor` builds (weights perturbed away from their init: biases
+/// and norms away from 0 and 1) into `hf`, checks that trainguard reads it to the same logits,
+/// and returns transformers' logits.
+fn saved_by_transformers(hf: &Path, constructor: &str) -> tch::Tensor {
+    let dir = hf.parent().unwrap();
+    let ref_logits = dir.join("ref.safetensors");
+    let script = format!(
         "
 import sys, torch, transformers
 from safetensors.torch import save_file
 torch.manual_seed(0)
-c = transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=2, activation_function='gelu', resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-m = transformers.GPT2LMHeadModel(c).eval()
+m = {constructor}.eval()
 with torch.no_grad():
     for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.05)  # biases and LayerNorms away from 0 and 1
+        p.add_(torch.randn_like(p) * 0.05)
     l = m(torch.tensor([[5,17,30,2,9,100,200,64]])).logits
 m.save_pretrained(sys.argv[1])
-save_file({'logits': l.contiguous()}, sys.argv[2])
-",
-        &[&hf, &ref_logits],
+save_file({{'logits': l.contiguous()}}, sys.argv[2])
+"
     );
+    python(&script, &[hf, &ref_logits]);
     let want = tch::Tensor::read_safetensors(&ref_logits).unwrap().remove(0).1;
-    let direct = logits(&hf, &d.path().join("direct.safetensors"));
+    let direct = logits(hf, &dir.join("direct.safetensors"));
     let diff = (&direct - &want).abs().max().double_value(&[]);
     assert!(diff < 1e-4, "trainguard's logits differ from transformers' by {diff}");
+    want
+}
+
+#[test]
+fn a_model_saved_by_transformers_starts_training_with_init_from() {
+    let d = tempfile::tempdir().unwrap();
+    let hf = d.path().join("tiny");
+    let want = saved_by_transformers(
+        &hf,
+        "transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=300, n_positions=16, n_embd=32, n_layer=2, n_head=2, activation_function='gelu', resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))",
+    );
     // Training from it: one step at a negligible learning rate leaves those logits in place.
     let init = format!("init_from={}", hf.display());
     let sets = [init.as_str(), "model.vocab_size=300", "model.n_embd=32", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-12", "train.min_lr=0", "train.weight_decay=0"];
@@ -180,27 +191,10 @@ fn a_llama_run_exports_to_llamaforcausallm_loads_back_bit_exact_and_samples() {
 fn a_llama_saved_by_transformers_gives_the_same_logits_and_starts_training_with_init_from() {
     let d = tempfile::tempdir().unwrap();
     let hf = d.path().join("tiny");
-    let ref_logits = d.path().join("ref.safetensors");
-    python(
-        "
-import sys, torch, transformers
-from safetensors.torch import save_file
-torch.manual_seed(0)
-c = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
-m = transformers.LlamaForCausalLM(c).eval()
-with torch.no_grad():
-    for p in m.parameters():
-        p.add_(torch.randn_like(p) * 0.05)  # norms away from 1
-    l = m(torch.tensor([[5,17,30,2,9,100,200,64]])).logits
-m.save_pretrained(sys.argv[1])
-save_file({'logits': l.contiguous()}, sys.argv[2])
-",
-        &[&hf, &ref_logits],
+    let want = saved_by_transformers(
+        &hf,
+        "transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False))",
     );
-    let want = tch::Tensor::read_safetensors(&ref_logits).unwrap().remove(0).1;
-    let direct = logits(&hf, &d.path().join("direct.safetensors"));
-    let diff = (&direct - &want).abs().max().double_value(&[]);
-    assert!(diff < 1e-4, "trainguard's logits differ from transformers' by {diff}");
     let init = format!("init_from={}", hf.display());
     let model = ["model.vocab_size=300", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2", "model.ffn_hidden=48", "model.seq_len=16", "model.rope_theta=500000", "model.norm_eps=1e-6", "model.tie_embeddings=false"];
     let train_sets = ["train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-12", "train.min_lr=0", "train.weight_decay=0"];
