@@ -125,29 +125,31 @@ def check(args, m, t):
     other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t.get("eps", 1e-8))
-    out = {}
-    for step in range(args.check_steps):
-        logits = model.logits(x)[..., :m["vocab_size"]]
+    named = [(names[n], p) for n, p in model.named_parameters()]
+    save_file(check_steps(model.logits, named, opt, x, y, m["vocab_size"], args.check_steps), args.check_out)
+
+
+def check_steps(logits_of, named, opt, x, y, vocab, steps, out=None):
+    """Check mode (also scripts/reference_llama.py's): `steps` optimizer steps on (x, y), the loss
+    over the user's `vocab` columns; records step 0's logits and each step's loss and gradients
+    under trainguard's names (`named`: (name, parameter) pairs)."""
+    out = {} if out is None else out
+    for step in range(steps):
+        logits = logits_of(x)[..., :vocab]
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0:
             out["logits"] = logits.detach().contiguous()
         out[f"loss.{step}"] = loss.detach().reshape(1)
-        for n, p in model.named_parameters():
-            out[f"grad.{step}.{names[n]}"] = p.grad.detach().clone().contiguous()
+        for name, p in named:
+            out[f"grad.{step}.{name}"] = p.grad.detach().clone().contiguous()
         opt.step()
-    save_file(out, args.check_out)
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
     add_bench_args(ap)
     ap.add_argument("--check-weights", help="check mode: trainguard's weights (safetensors)")
     ap.add_argument("--check-batch", help="check mode: safetensors with int64 `x` and `y`")
@@ -171,6 +173,12 @@ def main():
 
 def add_bench_args(ap):
     """The options both references share (this one and scripts/reference_llama_bench.py)."""
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16 autocast (bf16-mixed)")
     ap.add_argument("--pad-vocab-to", type=int, help="pad the vocabulary rows to a multiple of this (default: the config's model.pad_vocab_to, else 64)")

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from reference_gpt import check_steps
+
 
 def rms_norm(x, w, eps):
     xf = x.float()
@@ -129,18 +131,7 @@ def main():
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=a.lr, betas=(a.beta1, a.beta2), eps=a.eps,
     )
-    for step in range(a.steps):
-        logits = forward(params, m, x)[..., :m["vocab_size"]]
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if step == 0:
-            out["logits"] = logits.detach().contiguous()
-        out[f"loss.{step}"] = loss.detach().reshape(1)
-        for k, v in params.items():
-            out[f"grad.{step}.{k}"] = v.grad.detach().clone().contiguous()
-        opt.step()
-    save_file(out, a.out)
+    save_file(check_steps(lambda x: forward(params, m, x), list(params.items()), opt, x, y, m["vocab_size"], a.steps, out), a.out)
 
 
 if __name__ == "__main__":

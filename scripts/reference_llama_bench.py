@@ -122,12 +122,6 @@ class Llama(nn.Module):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True), as trainguard's default")
     add_bench_args(ap)
     args = ap.parse_args()
     cfg = yaml.safe_load(open(args.config))
