@@ -3,7 +3,7 @@
 //! they come from.
 use crate::config::Config;
 use crate::ffi;
-use crate::memory::allocator::{cuda_defaults, merge};
+use crate::memory::allocator::effective;
 use crate::memory::gpu::Gpus;
 use crate::memory::human;
 use std::fmt::Write;
@@ -62,8 +62,7 @@ pub fn report(config: &Config) -> String {
     let env = crate::memory::allocator::env_conf();
     let _ = writeln!(r, "PYTORCH_CUDA_ALLOC_CONF in the environment: {}", env.as_deref().unwrap_or("(unset)"));
     // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
-    let pairs = config.memory.allocator.pairs();
-    let eff = merge(env.as_deref(), &pairs, &cuda_defaults(env.as_deref(), &pairs), None);
+    let eff = effective(&config.memory.allocator, None, true);
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
     let _ = writeln!(r, "effective: {shown}");
     let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);

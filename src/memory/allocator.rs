@@ -112,13 +112,18 @@ pub fn env_conf() -> Option<String> {
     std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok().or_else(|| std::env::var("PYTORCH_ALLOC_CONF").ok()).filter(|s| !s.trim().is_empty())
 }
 
-/// Merges and applies; must run before the first CUDA allocation (and before other threads
-/// read the environment: call it early in `main`). `cuda`: the run trains on a CUDA device
-/// (trainguard's defaults apply).
-pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> Result<EffectiveSettings, AllocatorError> {
+/// The settings a run would use: the environment's, `alloc`'s, trainguard's defaults when the run
+/// is on CUDA (`cuda`), and the memory fraction.
+pub fn effective(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> EffectiveSettings {
     let (env, config) = (env_conf(), alloc.pairs());
     let defaults = if cuda { cuda_defaults(env.as_deref(), &config) } else { Vec::new() };
-    let eff = merge(env.as_deref(), &config, &defaults, fraction);
+    merge(env.as_deref(), &config, &defaults, fraction)
+}
+
+/// [`effective`], applied; must run before the first CUDA allocation (and before other threads
+/// read the environment: call it early in `main`).
+pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> Result<EffectiveSettings, AllocatorError> {
+    let eff = effective(alloc, fraction, cuda);
     if eff.source == "none" {
         return Ok(eff);
     }

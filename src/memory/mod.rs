@@ -11,7 +11,7 @@ mod process;
 pub mod summary;
 pub mod telemetry;
 
-pub use limit::{apply_limit, cuda_fraction, prepare_cpu_limit, LimitError, LimitReport};
+pub use limit::{apply_limit, prepare_cpu_limit, LimitError, LimitReport};
 pub use process::ProcessMemory;
 
 use crate::ffi;
@@ -39,6 +39,15 @@ pub fn snapshot(device: Device) -> MemorySnapshot {
             let p = ProcessMemory::read();
             MemorySnapshot { allocated_bytes: p.map(|p| p.rss_bytes), reserved_bytes: p.map(|p| p.vm_bytes) }
         }
+    }
+}
+
+/// The CUDA memory fraction `limit` (`memory.limit`) is of `device`; none on CPU, where the cap
+/// is an address-space limit instead.
+pub fn limit_fraction(limit: Option<u64>, device: Device) -> Result<Option<f64>, LimitError> {
+    match (limit, device) {
+        (Some(l), Device::Cuda(i)) => limit::cuda_fraction(l, i).map(Some),
+        _ => Ok(None),
     }
 }
 

@@ -195,10 +195,7 @@ impl Session {
         };
         // The allocator settings training would run with (on CUDA the cap is a memory fraction
         // that goes in with them), so that what is measured is what training will reserve.
-        let fraction = match device {
-            Device::Cuda(i) if limit_now => Some(memory::cuda_fraction(cap, i)?),
-            _ => None,
-        };
+        let fraction = memory::limit_fraction(limit_now.then_some(cap), device)?;
         let settings = memory::allocator::configure(&config.memory.allocator, fraction, device.is_cuda()).map_err(|e| ProfileError::Step(e.to_string()))?;
         tracing::info!("profile: allocator settings `{}` ({})", settings.conf, settings.source);
         if limit_now {

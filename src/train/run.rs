@@ -76,10 +76,7 @@ impl<'a> Run<'a> {
         }
 
         // Before the first CUDA allocation: allocator options and the CUDA memory cap.
-        let fraction = match (plan.memory_limit, device) {
-            (Some(limit), tch::Device::Cuda(i)) => Some(crate::memory::cuda_fraction(limit, i)?),
-            _ => None,
-        };
+        let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
         let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         for w in cfg.memory.allocator.warnings(fraction.is_some()) {
             tracing::warn!("{w}");
