@@ -59,6 +59,7 @@ extern "C" {
     fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_deterministic(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
@@ -179,6 +180,13 @@ pub struct DeterministicState {
     pub fill_uninitialized_memory: bool,
     /// `torch.backends.cudnn.deterministic`.
     pub cudnn: bool,
+}
+
+/// `torch.backends.mkldnn.enabled = on`: whether CPU ops may use oneDNN kernels.
+pub fn set_onednn_enabled(on: bool) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: a plain value; `err` is ERR_LEN bytes.
+    result(unsafe { tg_set_onednn_enabled(on as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 /// `torch.use_deterministic_algorithms(on, warn_only=False)`, plus filled uninitialised memory and

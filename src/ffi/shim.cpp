@@ -151,6 +151,11 @@ int tg_set_matmul_precision(const char* p, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { at::globalContext().setFloat32MatmulPrecision(std::string(p)); });
 }
 
+// torch.backends.mkldnn.enabled: whether CPU ops may hand work to oneDNN (fp32 GELU does).
+int tg_set_onednn_enabled(int on, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { at::globalContext().setUserEnabledMkldnn(on != 0); });
+}
+
 // `deterministic: true`: libtorch's own switch (torch.use_deterministic_algorithms(True,
 // warn_only=False)): ops with a deterministic variant use it (flash / memory-efficient attention
 // backward, index_put_ with accumulate, ...), the others throw "... does not have a deterministic

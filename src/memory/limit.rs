@@ -8,9 +8,9 @@
 //!   the limit is set to the current mapped size plus `limit`, so the libraries and thread
 //!   pools already mapped do not count; weights, optimizer state, activations and batches do.
 //!   Large blocks are forced onto `mmap` (fixed threshold, one malloc arena) so that freed
-//!   memory goes back at once and the cap is reproducible; oneDNN's cache of JIT code per shape
-//!   is off. libtorch's CPU allocator then fails with "DefaultCPUAllocator: can't allocate
-//!   memory", which the guard catches.
+//!   memory goes back at once and the cap is reproducible. libtorch's CPU allocator then fails
+//!   with "DefaultCPUAllocator: can't allocate memory", which the guard catches. (fp32 on the
+//!   CPU runs without oneDNN, whose JIT code maps the cap would also refuse: `step::precision`.)
 use super::ProcessMemory;
 use crate::ffi;
 use tch::Device;
@@ -58,19 +58,9 @@ fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError
 /// Allocator settings a CPU cap needs, to be made before the process starts any thread of its
 /// own: a thread's first allocation otherwise reserves a 64 MiB malloc arena, and one that
 /// happens after the cap is set would count against it at random.
-///
-/// Also turns oneDNN's primitive cache off (unless the environment sets its size): it keeps the
-/// JIT-compiled code of every shape it has seen, and each micro-batch size the guard tries is a
-/// new shape, so under an address-space cap the memory left for training shrank by ~0.5 MiB per
-/// size tried (measured: a run settling on 40 drifted down to 20 after a few regrow trials).
 pub fn prepare_cpu_limit() {
     ffi::os::malloc_for_exact_accounting();
-    if std::env::var_os(ONEDNN_CACHE).is_none() {
-        std::env::set_var(ONEDNN_CACHE, "0");
-    }
 }
-
-const ONEDNN_CACHE: &str = "ONEDNN_PRIMITIVE_CACHE_CAPACITY";
 
 fn apply_cpu(limit_bytes: u64) -> Result<LimitReport, LimitError> {
     prepare_cpu_limit();

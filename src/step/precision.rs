@@ -7,7 +7,16 @@ use tch::Device;
 
 /// Puts freshly built parameters in the run's precision: bf16-pure casts them to bf16 (so
 /// gradients and optimizer state follow; no fp32 master copy); fp32 on CUDA allows TF32 matmuls
-/// (PyTorch's "high" float32 matmul precision) on Ampere and newer.
+/// (PyTorch's "high" float32 matmul precision) on Ampere and newer; fp32 on the CPU runs without
+/// oneDNN (`torch.backends.mkldnn.enabled = False`).
+///
+/// Why no oneDNN: in fp32 it only serves GELU (`ONEDNN_VERBOSE=all` shows nothing else), ATen's own GELU is faster
+/// (0.34 vs 1.13 ms for 256×3072, one thread), and oneDNN JIT-compiles each kernel into a fresh
+/// memory map. Under a CPU memory cap that map can be refused like any allocation, and oneDNN's
+/// code generator (Xbyak) then keeps the error and fails every later kernel build ("could not
+/// create a primitive"): the guard's replay could never succeed (seen on CI, tests/savers.rs).
+/// Off in every fp32 CPU run, not only capped ones, so a cap does not change the numbers. The
+/// 16-bit precisions keep it: their CPU matmuls are oneDNN's (bf16 is 200× slower without).
 pub fn prepare(params: &[tch::Tensor], p: Precision, device: Device) -> Result<(), tch::TchError> {
     match p {
         Precision::Bf16Pure => {
@@ -21,6 +30,11 @@ pub fn prepare(params: &[tch::Tensor], p: Precision, device: Device) -> Result<(
             Ok(()) => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
             Err(e) => tracing::warn!("cannot allow TF32 matmuls: {e}"),
         },
+        Precision::Fp32 => {
+            if let Err(e) = ffi::set_onednn_enabled(false) {
+                tracing::warn!("cannot turn oneDNN off: {e}");
+            }
+        }
         _ => {}
     }
     Ok(())
