@@ -71,9 +71,12 @@ pub struct CheckpointPlan {
 }
 
 impl CheckpointPlan {
-    /// Whether a checkpoint is due after `completed` steps, `since_last` after the previous one.
-    pub fn due(&self, completed: u64, since_last: Duration) -> bool {
-        (self.every_steps > 0 && completed % self.every_steps == 0) || self.every.is_some_and(|d| since_last >= d)
+    /// Whether a checkpoint is due after `completed` steps, `since_last` after the previous one,
+    /// when the evaluation after this step found a `new_best` validation loss: with `keep_best`
+    /// the best weights are written whatever the interval, or retention would have no
+    /// checkpoint of them to keep.
+    pub fn due(&self, completed: u64, since_last: Duration, new_best: bool) -> bool {
+        (self.every_steps > 0 && completed % self.every_steps == 0) || self.every.is_some_and(|d| since_last >= d) || (self.keep_best && new_best)
     }
 }
 
@@ -82,6 +85,14 @@ impl CheckpointPlan {
 pub struct PlanError(pub Vec<Problem>);
 
 impl RunPlan {
+    /// Whether the model is evaluated once `completed` steps are done: every
+    /// `train.eval_interval` completed steps and after the last, so an evaluation and an interval
+    /// checkpoint of the same step hold the same weights.
+    pub fn evaluates_after(&self, completed: u64) -> bool {
+        let t = &self.config.train;
+        t.eval_interval > 0 && (completed % t.eval_interval == 0 || completed == t.max_steps)
+    }
+
     pub fn build(config: Config, env: Environment) -> Result<Self, PlanError> {
         let mut problems = Vec::new();
         let device = resolve_device(&config.device, env.cuda_devices, env.local_rank).unwrap_or_else(|msg| {
@@ -254,12 +265,27 @@ mod tests {
         assert_eq!(plan.time_limit, Some(Duration::from_secs(5400)));
         assert_eq!(plan.step.savers.checkpoint_every, 3);
         assert_eq!(plan.checkpoints.every, Some(Duration::from_secs(30)));
-        assert!(plan.checkpoints.due(7, Duration::from_secs(31)) && !plan.checkpoints.due(7, Duration::from_secs(29)));
+        assert!(plan.checkpoints.due(7, Duration::from_secs(31), false) && !plan.checkpoints.due(7, Duration::from_secs(29), false));
         let mut bad = Config::default();
         bad.train.max_duration = Some("soon".into());
         bad.memory.activation_checkpointing = "sometimes".into();
         let keys: Vec<String> = RunPlan::build(bad, CPU_ONLY).unwrap_err().0.into_iter().map(|p| p.key).collect();
         assert_eq!(keys, ["train.max_duration", "memory.activation_checkpointing"], "reported with their key paths, never a panic");
+    }
+
+    #[test]
+    fn evaluation_and_interval_checkpoints_fall_on_the_same_steps_and_a_new_best_is_written() {
+        let mut c = Config::default();
+        (c.train.max_steps, c.train.warmup_steps, c.train.eval_interval) = (23, 2, 5);
+        (c.checkpoint.interval, c.checkpoint.keep_best) = (5, true);
+        let plan = RunPlan::build(c, CPU_ONLY).unwrap();
+        let evals: Vec<u64> = (1..=23).filter(|&n| plan.evaluates_after(n)).collect();
+        assert_eq!(evals, [5, 10, 15, 20, 23], "every 5 completed steps and after the last");
+        let ckpts: Vec<u64> = (1..=23).filter(|&n| plan.checkpoints.due(n, Duration::ZERO, false)).collect();
+        assert_eq!(ckpts, [5, 10, 15, 20], "the interval checkpoints hold evaluated weights");
+        assert!(plan.checkpoints.due(23, Duration::ZERO, true), "a new best is written off the interval with keep_best");
+        let plain = CheckpointPlan { keep_best: false, ..plan.checkpoints };
+        assert!(!plain.due(23, Duration::ZERO, true), "but not without it");
     }
 
     #[test]

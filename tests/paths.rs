@@ -113,25 +113,32 @@ fn keep_best_keeps_the_best_validation_checkpoint_past_keep_last() {
     let file = dir.path().join("train.bin");
     std::fs::write(&file, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let source = format!("data.source=tokens:{}", file.display());
-    // Validation after steps 0, 5, 10, 15, 19 (a checkpoint of step s+1 holds the weights
-    // validated at step s); a checkpoint after every step, the newest 2 kept.
-    let base = ["train.max_steps=20", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=1", "checkpoint.keep_last=2", source.as_str()];
+    // Validation and checkpoints every 5 steps (the same weights), the newest 2 kept.
+    let base = ["train.max_steps=20", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=5", "checkpoint.keep_last=2", source.as_str()];
     let run = |keep_best: &str, out: &Path| train(out, "configs/debug.yaml", &[&base[..], &[keep_best]].concat()).ok();
     let best_dir = dir.path().join("best");
     let r = run("checkpoint.keep_best=true", &best_dir);
     let v = evals(&r.metrics());
+    assert_eq!(v.iter().map(|e| e.0).collect::<Vec<_>>(), [4, 9, 14, 19], "validated after steps 5, 10, 15, 20");
     let (best_step, best_val) = v.iter().copied().fold((0, f64::INFINITY), |a, b| if b.1 < a.1 { b } else { a });
     assert!(v.iter().filter(|(s, _)| *s > best_step).any(|(_, l)| *l > best_val), "a later validation is worse: {v:?}");
     let best_ckpt = best_step + 1;
-    assert!(best_ckpt < 19, "the best is not among the newest two: {v:?}");
-    assert_eq!(checkpoint_steps(&best_dir), [best_ckpt, 19, 20], "{v:?}");
+    assert!(best_ckpt < 15, "the best is not among the newest two: {v:?}");
+    assert_eq!(checkpoint_steps(&best_dir), [best_ckpt, 15, 20], "{v:?}");
     let state: Value = serde_json::from_str(&std::fs::read_to_string(store::root(&best_dir).join(store::dir_name(20)).join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!(state["best_val_step"].as_u64(), Some(best_ckpt));
     assert!((f(&state["best_val_loss"]) - best_val).abs() < 1e-6, "{state}");
+    // Checkpoints only at the end: with keep_best, the evaluation that finds a new best writes
+    // one anyway — the same weights as the interval run's.
+    let sparse_dir = dir.path().join("sparse");
+    train(&sparse_dir, "configs/debug.yaml", &[&base[..], &["checkpoint.keep_best=true", "checkpoint.interval=0"]].concat()).ok();
+    assert_eq!(checkpoint_steps(&sparse_dir), [best_ckpt, 20], "{v:?}");
+    let weights = |d: &Path| store::root(d).join(store::dir_name(best_ckpt)).join("model.safetensors");
+    assert_bitwise_equal(&weights(&best_dir), &weights(&sparse_dir));
 
     let plain_dir = dir.path().join("plain");
     run("checkpoint.keep_best=false", &plain_dir);
-    assert_eq!(checkpoint_steps(&plain_dir), [19, 20]);
+    assert_eq!(checkpoint_steps(&plain_dir), [15, 20]);
 }
 
 // --- regrow -----------------------------------------------------------------------------------

@@ -193,7 +193,7 @@ pub struct TrainConfig {
     pub eps: f64,
     /// Clip the global gradient norm to this; 0 turns clipping off.
     pub grad_clip: f64,
-    /// Evaluate every N steps (and after the last); 0 turns evaluation off.
+    /// Evaluate after every N completed steps (and after the last); 0 turns evaluation off.
     pub eval_interval: u64,
     pub eval_batches: usize,
     pub log_interval: u64,
@@ -425,7 +425,7 @@ pub struct CheckpointConfig {
     pub keep_last: usize,
     /// Also keep every checkpoint whose step is a multiple of N; 0 = none.
     pub keep_every: u64,
-    /// Also keep the one with the best validation loss.
+    /// Also keep the one with the best validation loss (a new best is written when found).
     pub keep_best: bool,
 }
 

@@ -158,8 +158,8 @@ impl Checkpointer {
         (self.last_saved == Some(completed)).then(|| self.last_path.clone()).flatten()
     }
 
-    pub(super) fn due(&self, completed: u64) -> bool {
-        self.plan.due(completed, self.last_at.elapsed())
+    pub(super) fn due(&self, completed: u64, new_best: bool) -> bool {
+        self.plan.due(completed, self.last_at.elapsed(), new_best)
     }
 
     /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is

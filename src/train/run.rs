@@ -222,12 +222,13 @@ impl<'a> Run<'a> {
         }
         // Throughput counts the optimizer step only, not evaluation.
         let step_time = step_started.elapsed().as_secs_f64();
-        let is_last = step + 1 == t.max_steps;
-        let val_loss = if t.eval_interval > 0 && (step % t.eval_interval == 0 || is_last) {
+        let mut new_best = false;
+        let val_loss = if plan.evaluates_after(step + 1) {
             let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
             let best = &mut self.state.progress.best_val;
             if best.is_none_or(|(b, _)| v < b) {
                 *best = Some((v, step + 1));
+                new_best = true;
             }
             self.last_val = Some(v);
             Some(v)
@@ -254,7 +255,7 @@ impl<'a> Run<'a> {
             memory,
         }));
         self.step += 1;
-        if self.ckpt.due(self.step) || self.step == t.max_steps {
+        if self.ckpt.due(self.step, new_best) || self.step == t.max_steps {
             self.save(self.step);
         }
         Ok(())
