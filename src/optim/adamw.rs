@@ -27,15 +27,16 @@ pub struct AdamW {
     decay: Vec<bool>,
     /// Unfused path: the update's one temporary. Fused path: unused (empty).
     scratch: Tensor,
-    /// Fused path: per-parameter step counters, as the kernel wants them (float scalars).
-    state_steps: Vec<Tensor>,
+    /// Fused path: the update count as the kernel wants it (a float scalar on the device). The
+    /// kernel takes one per parameter but only reads them, so every parameter is given this one:
+    /// one increment a step instead of one kernel launch per parameter (148 for GPT-2).
+    state_step: Tensor,
 }
 
 impl AdamW {
     pub fn new(cfg: AdamWConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
         let zeros = |p: &Tensor| Tensor::f_zeros_like(p);
         let scratch_len = if cfg.fused { 0 } else { params.iter().map(Tensor::numel).max().unwrap_or(1) as i64 };
-        let step_counters = if cfg.fused { params.len() } else { 0 };
         Ok(Self {
             cfg,
             exp_avg: params.iter().map(zeros).collect::<Result<_, _>>()?,
@@ -44,7 +45,7 @@ impl AdamW {
             decay: decay.to_vec(),
             // Same dtype as the parameters (bf16 under precision bf16-pure).
             scratch: Tensor::f_empty([scratch_len], (params.first().map_or(Kind::Float, Tensor::kind), device))?,
-            state_steps: (0..step_counters).map(|_| Tensor::f_zeros([], (Kind::Float, device))).collect::<Result<_, _>>()?,
+            state_step: Tensor::f_zeros([], (Kind::Float, device))?,
         })
     }
 
@@ -106,17 +107,13 @@ impl AdamW {
             }
         }
         self.steps = steps;
-        for s in &mut self.state_steps {
-            let _ = s.f_fill_(steps as f64).map_err(|e| e.to_string())?;
-        }
+        let _ = self.state_step.f_fill_(steps as f64).map_err(|e| e.to_string())?;
         Ok(())
     }
 
     /// Two kernel calls: parameters with weight decay, then those without.
     fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
-        for s in &mut self.state_steps {
-            let _ = s.f_add_scalar_(1.0)?;
-        }
+        let _ = self.state_step.f_add_scalar_(1.0)?;
         let AdamWConfig { beta1, beta2, eps, weight_decay, .. } = self.cfg;
         for with_decay in [true, false] {
             let idx: Vec<usize> = (0..params.len()).filter(|&i| self.decay[i] == with_decay).collect();
@@ -133,7 +130,7 @@ impl AdamW {
                 &pick(grads, &idx),
                 &pick(&self.exp_avg, &idx),
                 &pick(&self.exp_avg_sq, &idx),
-                &pick(&self.state_steps, &idx),
+                &vec![&self.state_step; idx.len()],
                 h,
             )
                 .map_err(|e| TchError::Torch(e.to_string()))?;
