@@ -1,21 +1,33 @@
 //! AdamW whose moments are stored in 8 bits: per block of 2048 values, one byte per value and one
 //! fp32 absmax (codes in `quant`), about a quarter of fp32 AdamW's state. Tensors under 4096
-//! elements keep fp32 moments. Each step dequantises a run of blocks into fp32 scratch, applies
-//! exactly the AdamW update of `adamw` (unfused path: decoupled weight decay, bias correction),
-//! and requantises with fresh scales. Owns the quantised moments.
+//! elements keep fp32 moments and, when they are fp32, are updated together by ATen's fused
+//! AdamW kernel (two launches for GPT-2's ~100 biases and norm weights instead of eight each).
+//! For the others each step dequantises a run of blocks into fp32 scratch, applies exactly the
+//! AdamW update of `adamw` (unfused path: decoupled weight decay, bias correction), and
+//! requantises with fresh scales. Owns the quantised moments.
 //!
 //! The fp32 scratch (first moment, second moment, one temporary, and a copy of the gradient when
-//! it is not fp32) is allocated once, at construction, for a run of at most [`CHUNK_BLOCKS`]
-//! blocks, so the update makes no allocation the size of a tensor (at most the few bytes of
-//! workspace a CUDA reduction takes for the absmax) and its memory does not grow with the
-//! largest tensor. Runs of blocks rather than single blocks: one block per kernel launch would
-//! be ~60 000 launches per moment per step for GPT-2 124M.
+//! it is not fp32) is allocated once, at construction, for a run of at most
+//! [`chunk_blocks`]`(device)` blocks, so the update makes no allocation the size of a tensor (at
+//! most the few bytes of workspace a CUDA reduction takes for the absmax) and its memory does not
+//! grow with the largest tensor. A run costs ~25 kernel launches whatever its length, so on CUDA
+//! runs are long (16 Mi values; 4 scratch buffers of 64 MiB at most) and the update is not bound
+//! by launches; on the CPU they stay at 1 Mi values (4 MiB buffers, which caches keep close).
 use super::quant::{self, BLOCK, MIN_QUANTISED};
+use crate::ffi::{self, AdamWHyper};
 use super::state::{bytes, check_lengths, restore};
 use tch::{Device, Kind, TchError, Tensor};
 
-/// Blocks dequantised at once: 1 Mi values, 4 MiB of fp32 per scratch buffer.
-pub const CHUNK_BLOCKS: i64 = 512;
+/// Blocks dequantised at once on `device`: 16 Mi values on CUDA, 1 Mi on the CPU.
+pub fn chunk_blocks(device: Device) -> i64 {
+    if device.is_cuda() {
+        8192
+    } else {
+        512
+    }
+}
+
+
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamW8bitConfig {
@@ -45,28 +57,48 @@ pub struct AdamW8bit {
     tmp: Tensor,
     /// fp32 copy of a run of the gradient, for parameters that are not fp32 (empty otherwise).
     grad32: Tensor,
+    chunk_blocks: i64,
+    /// The update count for the fused kernel of the small fp32 tensors (it reads one per tensor).
+    state_step: Tensor,
 }
 
 impl AdamW8bit {
+    /// Elements of each fp32 scratch buffer for parameters of `sizes` (element counts) on
+    /// `device`: the largest run of blocks or unquantised tensor. There are three buffers, four
+    /// when the parameters are not fp32 (the planner counts the same).
+    pub fn scratch_elements(sizes: impl IntoIterator<Item = i64>, device: Device) -> i64 {
+        let run = chunk_blocks(device) * BLOCK;
+        sizes.into_iter().map(|n| if n < MIN_QUANTISED { n } else { n.min(run) }).max().unwrap_or(0).max(1)
+    }
+
     pub fn new(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
         let mut moments = Vec::with_capacity(params.len());
-        let mut scratch_len = 1i64;
         for p in params {
             let n = p.numel() as i64;
             if n < MIN_QUANTISED {
                 let zeros = || Tensor::f_zeros(p.size().as_slice(), (Kind::Float, device));
                 moments.push(Moments::Full { exp_avg: zeros()?, exp_avg_sq: zeros()? });
-                scratch_len = scratch_len.max(n);
             } else {
                 let (exp_avg, exp_avg_absmax) = quant::zeros(n, Kind::Int8, device)?;
                 let (exp_avg_sq, exp_avg_sq_absmax) = quant::zeros(n, Kind::Uint8, device)?;
                 moments.push(Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax });
-                scratch_len = scratch_len.max(n.min(CHUNK_BLOCKS * BLOCK));
             }
         }
+        let scratch_len = Self::scratch_elements(params.iter().map(|p| p.numel() as i64), device);
         let buf = |len: i64| Tensor::f_empty([len], (Kind::Float, device));
         let grad32_len = if params.iter().all(|p| p.kind() == Kind::Float) { 0 } else { scratch_len };
-        Ok(Self { cfg, moments, steps: 0, decay: decay.to_vec(), m: buf(scratch_len)?, v: buf(scratch_len)?, tmp: buf(scratch_len)?, grad32: buf(grad32_len)? })
+        Ok(Self {
+            cfg,
+            moments,
+            steps: 0,
+            decay: decay.to_vec(),
+            m: buf(scratch_len)?,
+            v: buf(scratch_len)?,
+            tmp: buf(scratch_len)?,
+            grad32: buf(grad32_len)?,
+            chunk_blocks: chunk_blocks(device),
+            state_step: Tensor::f_zeros([], (Kind::Float, device))?,
+        })
     }
 
     /// Applies one update with learning rate `lr` from `grads` (same order as `params`).
@@ -80,7 +112,11 @@ impl AdamW8bit {
         // As in `AdamW::step`: p −= lr/bc1 · m / (√v/√bc2 + eps), written as p += m / tmp with
         // tmp = √v · (−bc1/(lr·√bc2)) − eps·bc1/lr.
         let rule = Rule { beta1, beta2, shrink: 1.0 - lr * weight_decay, scale: -bc1 / (lr * bc2.sqrt()), shift: -eps * bc1 / lr, apply: lr > 0.0 };
+        let fused = self.fused_small(params, grads, lr)?;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            if fused.contains(&i) {
+                continue;
+            }
             let p = p.f_view([-1])?;
             let g = g.f_view([-1])?;
             let decays = self.decay[i] && weight_decay != 0.0;
@@ -92,7 +128,7 @@ impl AdamW8bit {
                     rule.apply(&p, &g, &mut exp_avg.f_view([-1])?, &mut exp_avg_sq.f_view([-1])?, &mut tmp, decays)?;
                 }
                 Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => {
-                    for (start, len, b0, nb) in quant::chunks(p.numel() as i64, CHUNK_BLOCKS) {
+                    for (start, len, b0, nb) in quant::chunks(p.numel() as i64, self.chunk_blocks) {
                         let shape = [nb, len / nb];
                         let view = |t: &Tensor| t.f_narrow(0, 0, len)?.f_view(shape);
                         let (mut m, mut v, mut tmp) = (view(&self.m)?, view(&self.v)?, view(&self.tmp)?);
@@ -112,6 +148,37 @@ impl AdamW8bit {
             }
         }
         Ok(())
+    }
+
+    /// The small tensors whose parameter and gradient are fp32, updated by ATen's fused AdamW
+    /// kernel (their moments are AdamW's): two launches, with and without weight decay. Returns
+    /// their indices; the others are left to the loop.
+    fn fused_small(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<Vec<usize>, TchError> {
+        let picked: Vec<usize> = (0..params.len())
+            .filter(|&i| matches!(self.moments[i], Moments::Full { .. }) && params[i].kind() == Kind::Float && grads[i].kind() == Kind::Float)
+            .collect();
+        if picked.is_empty() {
+            return Ok(picked);
+        }
+        let _ = self.state_step.f_fill_(self.steps as f64)?;
+        let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
+        for with_decay in [true, false] {
+            let idx: Vec<usize> = picked.iter().copied().filter(|&i| self.decay[i] == with_decay).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let (mut m, mut v) = (Vec::with_capacity(idx.len()), Vec::with_capacity(idx.len()));
+            for &i in &idx {
+                let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else { unreachable!("picked are unquantised") };
+                m.push(exp_avg);
+                v.push(exp_avg_sq);
+            }
+            let h = AdamWHyper { lr, beta1, beta2, weight_decay: if with_decay { weight_decay } else { 0.0 }, eps };
+            let p: Vec<&Tensor> = idx.iter().map(|&i| &params[i]).collect();
+            let g: Vec<&Tensor> = idx.iter().map(|&i| &grads[i]).collect();
+            ffi::fused_adamw(&p, &g, &m, &v, &vec![&self.state_step; idx.len()], h).map_err(|e| TchError::Torch(e.to_string()))?;
+        }
+        Ok(picked)
     }
 
     /// `exp_avg.<param>` / `exp_avg_sq.<param>` (fp32) for small tensors; for quantised ones
@@ -230,21 +297,37 @@ mod tests {
     }
 
     #[test]
-    fn small_tensors_keep_fp32_moments_and_match_adamw_bit_for_bit() {
-        let init = pseudo(300, 1);
-        let (a, b) = (Tensor::from_slice(&init).view([20, 15]), Tensor::from_slice(&init).view([20, 15]));
-        let adamw_cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused: false };
+    fn small_tensors_keep_fp32_moments_and_match_fused_adamw_bit_for_bit() {
+        // Two small tensors, one with weight decay and one without, beside a quantised one.
+        let (w, b) = (pseudo(300, 1), pseudo(40, 2));
+        let big = pseudo(5000, 3);
+        let make = || [Tensor::from_slice(&w).view([20, 15]), Tensor::from_slice(&b), Tensor::from_slice(&big)];
+        let (reference_params, eight_params) = (make(), make());
+        let adamw_cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused: true };
         let cfg = AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-        let mut reference = AdamW::new(adamw_cfg, &[a.shallow_clone()], &[true], Device::Cpu).unwrap();
-        let mut eight = AdamW8bit::new(cfg, &[b.shallow_clone()], &[true], Device::Cpu).unwrap();
-        assert!(matches!(eight.moments[0], Moments::Full { .. }));
+        let mut reference = AdamW::new(adamw_cfg, &reference_params[..2], &[true, false], Device::Cpu).unwrap();
+        let mut eight = AdamW8bit::new(cfg, &eight_params, &[true, false, true], Device::Cpu).unwrap();
+        assert!(matches!(eight.moments[0], Moments::Full { .. }) && matches!(eight.moments[2], Moments::Quantised { .. }));
         for s in 0..5 {
-            let g = Tensor::from_slice(&pseudo(300, 10 + s)).view([20, 15]);
-            reference.step(&[a.shallow_clone()], &[g.shallow_clone()], 0.01).unwrap();
-            eight.step(&[b.shallow_clone()], &[g], 0.01).unwrap();
+            let g = [Tensor::from_slice(&pseudo(300, 10 + s)).view([20, 15]), Tensor::from_slice(&pseudo(40, 20 + s)), Tensor::from_slice(&pseudo(5000, 30 + s))];
+            reference.step(&reference_params[..2], &g[..2], 0.01).unwrap();
+            eight.step(&eight_params, &g, 0.01).unwrap();
         }
-        assert!(a.equal(&b), "same maths, same order of operations");
-        assert_eq!(eight.state_bytes(), 300 * 8);
+        for i in 0..2 {
+            assert!(reference_params[i].equal(&eight_params[i]), "tensor {i}: the same kernel, the same numbers");
+        }
+        assert!(!eight_params[2].equal(&make()[2]), "the quantised tensor was updated too");
+        assert_eq!(eight.state_bytes(), 340 * 8 + 2 * 5000 + 2 * 3 * 4);
+    }
+
+    #[test]
+    fn runs_of_blocks_are_longer_on_cuda_and_the_scratch_follows() {
+        assert_eq!(chunk_blocks(Device::Cpu) * BLOCK, 1 << 20);
+        assert_eq!(chunk_blocks(Device::Cuda(0)) * BLOCK, 1 << 24);
+        let gpt2 = [38_597_376i64, 786_432, 2_359_296, 768, 3072];
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Device::Cpu), 1 << 20);
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Device::Cuda(0)), 1 << 24);
+        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Device::Cuda(0)), 3000, "unquantised tensors whole");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 use crate::config::{Arch, ModelConfig};
 use crate::model::memory::{Activations, Regime, Widths};
 use crate::model::{Part, TensorSpec};
+use crate::optim::AdamW8bit;
 use serde::Serialize;
 
 /// The CUDA caching allocator hands out multiples of 512 bytes.
@@ -340,6 +341,23 @@ fn round_up(bytes: u64, to: u64) -> u64 {
 
 /// Bytes of the parameter-sized buffers: each tensor rounded as the allocator would, then scaled
 /// to `--params` when given.
+/// Working buffers an optimizer makes at construction (not checkpointed): 8-bit AdamW's fp32
+/// runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on CUDA for GPT-2, 3 × 4 MiB on the
+/// CPU; a fourth for the gradient's fp32 copy in bf16-pure). The fused AdamW and SGD have none.
+fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
+    if s.optimizer != OptimizerName::Adamw8bit {
+        return 0;
+    }
+    let device = match s.target {
+        Target::Cuda => tch::Device::Cuda(0),
+        Target::Cpu => tch::Device::Cpu,
+    };
+    let elements = AdamW8bit::scratch_elements(m.tensors().iter().map(|sh| sh.iter().product::<u64>() as i64), device) as u64;
+    let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
+    let round = if s.target == Target::Cuda { CUDA_ROUND } else { 1 };
+    buffers * round_up(elements * 4, round)
+}
+
 fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> u64) -> u64 {
     let round = if target == Target::Cuda { CUDA_ROUND } else { 1 };
     let sum: u64 = model.tensors().iter().map(|s| bytes_of(s)).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
@@ -421,7 +439,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
-    let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes()));
+    let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes())) + optimizer_scratch(m, s);
     let dp_buffers = if s.gpus > 1 { gradients } else { 0 };
     let buffers = buffers(m, s);
     let base = weights + master_weights + optimizer + dp_buffers + buffers;
@@ -675,7 +693,8 @@ mod tests {
         let big = [128 * 64, 192 * 64, 64 * 64, 256 * 64, 64 * 256];
         let small = 16 * 64 + 3 * 64;
         let eight: u64 = big.iter().map(|&n: &u64| 2 * n + 8 * n.div_ceil(2048)).sum::<u64>() + 8 * small;
-        assert_eq!(s(OptimizerName::Adamw8bit), eight);
+        // And three fp32 scratch buffers as long as the largest tensor (under one run of blocks).
+        assert_eq!(s(OptimizerName::Adamw8bit), eight + 3 * 4 * 256 * 64);
     }
 
     #[test]
