@@ -3,7 +3,7 @@
 # Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
 # (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
 # one line per part to summary.txt; a failing part does not stop the others.
-#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench savers cap detcost fill (default: all)
+#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench optim savers cap detcost fill (default: all)
 #   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
 #           deterministic mode), kill -9 + --resume auto bitwise (deterministic mode), the OOM
 #           snapshot (pickle.load, _memory_viz), a leak stopped with its diagnosis,
@@ -12,6 +12,8 @@
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
+#   optim   scripts/bench_optimizers.sh --device cuda: one update of each optimizer against fused
+#           AdamW on gpt2-124m's parameters
 #   savers  scripts/bench_savers.sh --device cuda: peak allocated per memory saver
 #   cap     gpt2-124m at micro-batch 64 under memory.limit=16GiB: the guard settles the size
 #   detcost scripts/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
@@ -23,7 +25,7 @@ source "$(dirname "$0")/tools.sh"
 dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench savers cap detcost fill)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench optim savers cap detcost fill)
 
 part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and time
   local name=$1 t0=$SECONDS rc; shift
@@ -42,6 +44,7 @@ for p in "${parts[@]}"; do
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --pad-vocab-to $pad configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' ;;
+    optim) part optim bash scripts/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
     cap)
       run_dir=$(mktemp -d)  # not under $dest: the run's checkpoints are gigabytes
@@ -51,7 +54,7 @@ for p in "${parts[@]}"; do
       cp "$run_dir/events.jsonl" "$dest/cap-events.jsonl" 2>/dev/null; rm -rf "$run_dir" ;;
     detcost) part detcost bash scripts/bench_determinism.sh --device cuda ;;
     fill) part fill env OUT="$dest/fill" bash scripts/fill_card.sh ;;
-    *) echo "unknown part '$p' (env tests plan bench savers cap detcost fill)" >&2; exit 2 ;;
+    *) echo "unknown part '$p' (env tests plan bench optim savers cap detcost fill)" >&2; exit 2 ;;
   esac
 done
 cat "$dest/summary.txt"
