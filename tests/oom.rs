@@ -22,9 +22,35 @@ fn peak_at(micro: usize) -> u64 {
 
 /// A cap between the peaks of micro-batch 16 and 32.
 fn cap_fitting_16() -> String {
+    let (p16, p32) = peaks_16_32();
+    format!("memory.limit={}", (p16 + p32) / 2)
+}
+
+fn peaks_16_32() -> (u64, u64) {
     let (p16, p32) = (peak_at(16), peak_at(32));
     assert!(p32 > p16 + (4 << 20), "micro-batch 32 should need clearly more than 16: {p16} vs {p32}");
-    format!("memory.limit={}", (p16 + p32) / 2)
+    (p16, p32)
+}
+
+/// Where exactly an allocation fails depends on the cap. At some caps the failure used to reach
+/// the guard as "<Error computing Error::what()>" (c10 symbolising the stack trace for the
+/// message, and that allocation failing too) or as oneDNN's "could not create a primitive"; both
+/// ended the run. Across the caps between the two peaks every run now recovers, and every
+/// recovery names the allocator's failure.
+#[test]
+fn every_cap_between_the_peaks_of_16_and_32_is_recovered_from() {
+    let (p16, p32) = peaks_16_32();
+    for twentieth in 4..=16 {
+        let cap = format!("memory.limit={}", p16 + (p32 - p16) * twentieth / 20);
+        let dir = tempfile::tempdir().unwrap();
+        let r = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=4", &cap]));
+        assert_eq!(r.code(), 0, "{cap}: {}", r.stderr());
+        let recoveries = r.events_of("oom_recovered");
+        assert!(!recoveries.is_empty(), "{cap}: 64 does not fit");
+        for rec in recoveries {
+            assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "{cap}: {rec}");
+        }
+    }
 }
 
 fn micro_changes(events: &[serde_json::Value]) -> Vec<(u64, u64, u64, u64, u64)> {

@@ -60,6 +60,7 @@ extern "C" {
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_errors_without_stack_traces(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_deterministic(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
@@ -187,6 +188,14 @@ pub fn set_onednn_enabled(on: bool) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: a plain value; `err` is ERR_LEN bytes.
     result(unsafe { tg_set_onednn_enabled(on as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// libtorch's error messages without the C++ stack trace c10 appends (and symbolises, which
+/// allocates, when the message is read).
+pub fn errors_without_stack_traces() -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `err` is ERR_LEN bytes.
+    result(unsafe { tg_errors_without_stack_traces(err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 /// `torch.use_deterministic_algorithms(on, warn_only=False)`, plus filled uninitialised memory and

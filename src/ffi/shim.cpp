@@ -10,6 +10,7 @@
 #include <ATen/ops/_fused_adamw.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/Logging.h>
 
 #include "guarded.h"
 
@@ -154,6 +155,13 @@ int tg_set_matmul_precision(const char* p, char* err, size_t err_len) {
 // torch.backends.mkldnn.enabled: whether CPU ops may hand work to oneDNN (fp32 GELU does).
 int tg_set_onednn_enabled(int on, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { at::globalContext().setUserEnabledMkldnn(on != 0); });
+}
+
+// libtorch errors without their C++ stack trace: c10 records one at every throw and symbolises
+// it when the message is read, which allocates; at the edge of a memory cap that can fail, and
+// the message then reads "<Error computing Error::what()>", losing the "can't allocate" text.
+int tg_errors_without_stack_traces(char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { c10::SetStackTraceFetcher(std::function<std::string()>([] { return std::string(); })); });
 }
 
 // `deterministic: true`: libtorch's own switch (torch.use_deterministic_algorithms(True,

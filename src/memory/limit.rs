@@ -23,6 +23,8 @@ pub enum LimitError {
     Rlimit(std::io::Error),
     #[error("memory.limit: {0}")]
     Cuda(String),
+    #[error("memory.limit: cannot turn libtorch's error stack traces off: {0}")]
+    Backtraces(String),
 }
 
 /// What was applied, for the log.
@@ -62,8 +64,13 @@ pub fn prepare_cpu_limit() {
     ffi::os::malloc_for_exact_accounting();
 }
 
+/// Sets the CPU cap. libtorch's errors lose their C++ stack trace first: reading one symbolises
+/// it, which allocates, and at the edge of the cap that failed and turned the allocator's
+/// message into "<Error computing Error::what()>" — no longer recognisable as an OOM (seen on
+/// CI, tests/oom.rs, about one cap in 30 between the peaks of micro-batch 16 and 32).
 fn apply_cpu(limit_bytes: u64) -> Result<LimitReport, LimitError> {
     prepare_cpu_limit();
+    ffi::errors_without_stack_traces().map_err(|e| LimitError::Backtraces(e.to_string()))?;
     // Start the intra-op thread pool first so its stacks count as baseline, not as training.
     let _ = tch::Tensor::f_ones([1 << 20], (tch::Kind::Float, Device::Cpu)).and_then(|t| t.f_sum(tch::Kind::Float));
     let baseline = ProcessMemory::read().ok_or(LimitError::NoProcStatus)?.vm_bytes;
