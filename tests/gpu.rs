@@ -308,3 +308,23 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
         }
     }
 }
+
+/// Clipping through ATen's multi-tensor kernels on CUDA: the same global norm as the CPU's and
+/// the same scaled gradients, to float rounding (the CUDA kernel sums in another order).
+#[test]
+fn clipping_on_cuda_matches_the_cpu() {
+    use trainguard::optim::clip_grad_norm;
+    let Some(dev) = cuda() else { return };
+    tch::manual_seed(0);
+    let shapes: [&[i64]; 4] = [&[50304, 768], &[768], &[3072, 768], &[40]];
+    let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-2).collect();
+    let mut cpu: Vec<Tensor> = grads.iter().map(Tensor::copy).collect();
+    let mut gpu: Vec<Tensor> = grads.iter().map(|t| t.to_device(dev)).collect();
+    let (n_cpu, n_gpu) = (clip_grad_norm(&mut cpu, 1.0).unwrap(), clip_grad_norm(&mut gpu, 1.0).unwrap());
+    eprintln!("global norm: CPU {n_cpu}, CUDA {n_gpu}");
+    assert!(n_cpu > 1.0 && ((n_cpu - n_gpu) / n_cpu).abs() < 1e-5, "{n_cpu} vs {n_gpu}");
+    for (a, b) in cpu.iter().zip(&gpu) {
+        let diff = f64::try_from((a - b.to_device(Device::Cpu)).abs().max()).unwrap();
+        assert!(diff < 1e-7, "scaled gradients differ by {diff:e}");
+    }
+}

@@ -61,6 +61,8 @@ extern "C" {
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_errors_without_stack_traces(err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_deterministic(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
@@ -273,6 +275,24 @@ pub struct AdamWHyper {
 
 /// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
 /// scalar tensors already incremented for this update.
+/// The global L2 norm of `tensors` written into the 0-dim `out` (any float dtype): per-tensor
+/// norms in one multi-tensor launch on CUDA, then their norm.
+pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
+    let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call, as
+    // is `out`; the shim copies the handles (refcounted) and catches every exception.
+    result(unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), out.as_ptr() as *mut c_void, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Multiplies every one of `tensors` by `factor` in place (one multi-tensor launch on CUDA).
+pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
+    let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `global_norm`.
+    result(unsafe { tg_scale_all(ptrs.as_ptr(), ptrs.len(), factor, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
 pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], steps: &[&Tensor], h: AdamWHyper) -> Result<(), ShimError> {
     let n = params.len();
     assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "tensor lists differ in length");

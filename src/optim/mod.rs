@@ -15,7 +15,7 @@ mod state;
 pub use adafactor::{Adafactor, AdafactorConfig, SecondMoment};
 pub use adamw::{AdamW, AdamWConfig};
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, Moments};
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, scale_all};
 pub use optimizer::{Optimizer, OptimizerSpec};
 pub use quant::{BLOCK as QUANT_BLOCK, MIN_QUANTISED};
 pub use schedule::LrSchedule;

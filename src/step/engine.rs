@@ -12,7 +12,7 @@ use crate::dist::Dist;
 use crate::events::{Event, LossScaleReason, Reporter};
 use crate::guard::{Guard, GuardError, StepError};
 use crate::model::Model;
-use crate::optim::{clip_grad_norm, Optimizer, OptimizerSpec};
+use crate::optim::{clip_grad_norm, scale_all, Optimizer, OptimizerSpec};
 use tch::{Device, TchError, Tensor};
 
 /// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
@@ -98,9 +98,7 @@ pub fn optimizer_step(
         drop(autocast);
         let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
         if scale != 1.0 {
-            for g in grads.iter_mut() {
-                let _ = g.f_mul_scalar_(1.0 / scale)?;
-            }
+            scale_all(&mut grads, 1.0 / scale)?;
         }
         faults.corrupt(step, &mut loss, &mut grads, scaler.is_some())?;
         let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
