@@ -76,7 +76,7 @@ impl CheckpointPlan {
     /// the best weights are written whatever the interval, or retention would have no
     /// checkpoint of them to keep.
     pub fn due(&self, completed: u64, since_last: Duration, new_best: bool) -> bool {
-        (self.every_steps > 0 && completed % self.every_steps == 0) || self.every.is_some_and(|d| since_last >= d) || (self.keep_best && new_best)
+        (self.every_steps > 0 && completed.is_multiple_of(self.every_steps)) || self.every.is_some_and(|d| since_last >= d) || (self.keep_best && new_best)
     }
 }
 
@@ -90,7 +90,7 @@ impl RunPlan {
     /// checkpoint of the same step hold the same weights.
     pub fn evaluates_after(&self, completed: u64) -> bool {
         let t = &self.config.train;
-        t.eval_interval > 0 && (completed % t.eval_interval == 0 || completed == t.max_steps)
+        t.eval_interval > 0 && (completed.is_multiple_of(t.eval_interval) || completed == t.max_steps)
     }
 
     pub fn build(config: Config, env: Environment) -> Result<Self, PlanError> {
