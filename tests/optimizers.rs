@@ -300,3 +300,54 @@ fn on_cuda_updates_match_the_cpu_and_take_no_tensor_sized_memory() {
         }
     }
 }
+
+/// Issue 15's optimizer table: one update of each optimizer, timed alone (no forward or backward)
+/// on a model's real parameters, against fused AdamW in the same process; median of `STEPS`
+/// (default 10) updates after 2 warm-up ones. `scripts/bench_optimizers.sh [--device cuda]
+/// [config.yaml]` runs it (`TG_BENCH_DEVICE`, `TG_BENCH_CONFIG`; default the CPU and
+/// configs/gpt2-124m.yaml).
+#[test]
+#[ignore]
+fn print_update_time_against_fused_adamw() {
+    use std::time::Instant;
+    let device = match std::env::var("TG_BENCH_DEVICE").as_deref() {
+        Ok("cuda") => Device::Cuda(0),
+        Ok("cpu") | Err(_) => Device::Cpu,
+        Ok(other) => panic!("TG_BENCH_DEVICE: expected cpu or cuda, got `{other}`"),
+    };
+    let config = std::env::var("TG_BENCH_CONFIG").unwrap_or_else(|_| "configs/gpt2-124m.yaml".into());
+    let steps: usize = std::env::var("STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
+    // The repository: TRAINGUARD_REPO where the binary was carried to another machine.
+    let repo = std::env::var_os("TRAINGUARD_REPO").map_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")), std::path::PathBuf::from);
+    let cfg = trainguard::config::load(Some(&repo.join(&config)), &[]).expect("config");
+    let model = Model::new(&cfg.model, 0, device).unwrap();
+    let params = model.optimizer_params().unwrap();
+    let numel: i64 = params.iter().map(|p| p.numel() as i64).sum();
+    let grads: Vec<Tensor> = params.iter().map(|p| p.randn_like() * 1e-3).collect();
+    let sync = || {
+        if let Device::Cuda(i) = device {
+            tch::Cuda::synchronize(i as i64);
+        }
+    };
+    println!("{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up", params.len(), numel as f64 / 1e6);
+    println!("| optimizer | ms per update (median) | min – max | × fused AdamW's time |\n|---|---|---|---|");
+    let mut reference = None;
+    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false), (OptimizerName::SgdMomentum, false)] {
+        let mut opt = Optimizer::new(&spec(name, fused), &params, &model.params.decay, device).unwrap();
+        let mut times = Vec::with_capacity(steps);
+        for i in 0..steps + 2 {
+            sync();
+            let t0 = Instant::now();
+            opt.step(&params, &grads, 1e-4).unwrap();
+            sync();
+            if i >= 2 {
+                times.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let base = *reference.get_or_insert(median);
+        let label = format!("{}{}", opt.kind(), if name == OptimizerName::Adamw { if fused { " (fused)" } else { " (unfused)" } } else { "" });
+        println!("| {label} | {median:.2} | {:.2} – {:.2} | {:.2}× |", times[0], times[times.len() - 1], median / base);
+    }
+}
