@@ -14,8 +14,8 @@
 //! runs are long (16 Mi values; 4 scratch buffers of 64 MiB at most) and the update is not bound
 //! by launches; on the CPU they stay at 1 Mi values (4 MiB buffers, which caches keep close).
 use super::quant::{self, BLOCK, MIN_QUANTISED};
-use crate::ffi::{self, AdamWHyper};
 use super::state::{bytes, check_lengths, restore};
+use crate::ffi::{self, AdamWHyper};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Blocks dequantised at once on `device`: 16 Mi values on CUDA, 1 Mi on the CPU.
@@ -26,8 +26,6 @@ pub fn chunk_blocks(device: Device) -> i64 {
         512
     }
 }
-
-
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamW8bitConfig {
