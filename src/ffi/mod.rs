@@ -16,6 +16,14 @@ pub enum ShimError {
     Torch(String),
 }
 
+/// Where a shim call sits among tch's own tensor ops (the optimizers, clipping): its error is a
+/// libtorch error like theirs, and the guard reads its message the same way.
+impl From<ShimError> for tch::TchError {
+    fn from(e: ShimError) -> Self {
+        tch::TchError::Torch(e.to_string())
+    }
+}
+
 /// Caching-allocator statistics of one device, in bytes. Pools: `[aggregate, small, large]`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -273,12 +281,15 @@ pub struct AdamWHyper {
     pub eps: f64,
 }
 
-/// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
-/// scalar tensors already incremented for this update.
+/// The tch handles (`at::Tensor*`) of `tensors`, as the shim's list functions take them.
+fn handles<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<*const c_void> {
+    tensors.iter().map(|t| t.borrow().as_ptr() as *const c_void).collect()
+}
+
 /// The global L2 norm of `tensors` written into the 0-dim `out` (any float dtype): per-tensor
 /// norms in one multi-tensor launch on CUDA, then their norm.
 pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
-    let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+    let ptrs = handles(tensors);
     let mut err = [0u8; ERR_LEN];
     // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call, as
     // is `out`; the shim copies the handles (refcounted) and catches every exception.
@@ -287,17 +298,18 @@ pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
 
 /// Multiplies every one of `tensors` by `factor` in place (one multi-tensor launch on CUDA).
 pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
-    let ptrs: Vec<*const c_void> = tensors.iter().map(|t| t.as_ptr() as *const c_void).collect();
+    let ptrs = handles(tensors);
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `global_norm`.
     result(unsafe { tg_scale_all(ptrs.as_ptr(), ptrs.len(), factor, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
+/// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
+/// scalar tensors already incremented for this update.
 pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], steps: &[&Tensor], h: AdamWHyper) -> Result<(), ShimError> {
     let n = params.len();
     assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "tensor lists differ in length");
-    let ptrs = |ts: &[&Tensor]| -> Vec<*const c_void> { ts.iter().map(|t| t.as_ptr() as *const c_void).collect() };
-    let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs), ptrs(steps));
+    let (p, g, m, v, s) = (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs), handles(steps));
     let mut err = [0u8; ERR_LEN];
     // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
     // the shim copies the handles (refcounted) and catches every exception.

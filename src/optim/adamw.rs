@@ -111,32 +111,33 @@ impl AdamW {
         Ok(())
     }
 
-    /// Two kernel calls: parameters with weight decay, then those without.
     fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         let _ = self.state_step.f_add_scalar_(1.0)?;
         let AdamWConfig { beta1, beta2, eps, weight_decay, .. } = self.cfg;
-        for with_decay in [true, false] {
-            let idx: Vec<usize> = (0..params.len()).filter(|&i| self.decay[i] == with_decay).collect();
-            if idx.is_empty() {
-                continue;
-            }
-            fn pick<'a>(ts: &'a [Tensor], idx: &[usize]) -> Vec<&'a Tensor> {
-                idx.iter().map(|&i| &ts[i]).collect()
-            }
-            let wd = if with_decay { weight_decay } else { 0.0 };
-            let h = AdamWHyper { lr, beta1, beta2, weight_decay: wd, eps };
-            ffi::fused_adamw(
-                &pick(params, &idx),
-                &pick(grads, &idx),
-                &pick(&self.exp_avg, &idx),
-                &pick(&self.exp_avg_sq, &idx),
-                &vec![&self.state_step; idx.len()],
-                h,
-            )
-                .map_err(|e| TchError::Torch(e.to_string()))?;
+        fn refs(ts: &[Tensor]) -> Vec<&Tensor> {
+            ts.iter().collect()
         }
-        Ok(())
+        let h = AdamWHyper { lr, beta1, beta2, weight_decay, eps };
+        fused_update(&refs(params), &refs(grads), &refs(&self.exp_avg), &refs(&self.exp_avg_sq), &self.decay, &self.state_step, h)
     }
+}
+
+/// One AdamW update of the parallel lists `params`, `grads` and their moments (fp32, as AdamW
+/// keeps them) by ATen's fused kernel, at the update count in `step`: two kernel calls, the
+/// tensors whose `decay` flag is set with `h.weight_decay`, then the others without.
+pub(super) fn fused_update(params: &[&Tensor], grads: &[&Tensor], exp_avg: &[&Tensor], exp_avg_sq: &[&Tensor], decay: &[bool], step: &Tensor, h: AdamWHyper) -> Result<(), TchError> {
+    for with_decay in [true, false] {
+        let idx: Vec<usize> = (0..params.len()).filter(|&i| decay[i] == with_decay).collect();
+        if idx.is_empty() {
+            continue;
+        }
+        fn pick<'a>(ts: &[&'a Tensor], idx: &[usize]) -> Vec<&'a Tensor> {
+            idx.iter().map(|&i| ts[i]).collect()
+        }
+        let h = AdamWHyper { weight_decay: if with_decay { h.weight_decay } else { 0.0 }, ..h };
+        ffi::fused_adamw(&pick(params, &idx), &pick(grads, &idx), &pick(exp_avg, &idx), &pick(exp_avg_sq, &idx), &vec![step; idx.len()], h)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -13,9 +13,10 @@
 //! grow with the largest tensor. A run costs ~25 kernel launches whatever its length, so on CUDA
 //! runs are long (16 Mi values; 4 scratch buffers of 64 MiB at most) and the update is not bound
 //! by launches; on the CPU they stay at 1 Mi values (4 MiB buffers, which caches keep close).
+use super::adamw::fused_update;
 use super::quant::{self, BLOCK, MIN_QUANTISED};
 use super::state::{bytes, check_lengths, restore};
-use crate::ffi::{self, AdamWHyper};
+use crate::ffi::AdamWHyper;
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Blocks dequantised at once on `device`: 16 Mi values on CUDA, 1 Mi on the CPU.
@@ -149,7 +150,8 @@ impl AdamW8bit {
     }
 
     /// The small tensors whose parameter and gradient are fp32, updated by ATen's fused AdamW
-    /// kernel (their moments are AdamW's): two launches, with and without weight decay. Returns
+    /// kernel (their moments are AdamW's; `adamw::fused_update`): two launches, with and without
+    /// weight decay. Returns
     /// their indices; the others are left to the loop.
     fn fused_small(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<Vec<usize>, TchError> {
         let picked: Vec<usize> = (0..params.len())
@@ -159,23 +161,18 @@ impl AdamW8bit {
             return Ok(picked);
         }
         let _ = self.state_step.f_fill_(self.steps as f64)?;
-        let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
-        for with_decay in [true, false] {
-            let idx: Vec<usize> = picked.iter().copied().filter(|&i| self.decay[i] == with_decay).collect();
-            if idx.is_empty() {
-                continue;
-            }
-            let (mut m, mut v) = (Vec::with_capacity(idx.len()), Vec::with_capacity(idx.len()));
-            for &i in &idx {
-                let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else { unreachable!("picked are unquantised") };
-                m.push(exp_avg);
-                v.push(exp_avg_sq);
-            }
-            let h = AdamWHyper { lr, beta1, beta2, weight_decay: if with_decay { weight_decay } else { 0.0 }, eps };
-            let p: Vec<&Tensor> = idx.iter().map(|&i| &params[i]).collect();
-            let g: Vec<&Tensor> = idx.iter().map(|&i| &grads[i]).collect();
-            ffi::fused_adamw(&p, &g, &m, &v, &vec![&self.state_step; idx.len()], h).map_err(|e| TchError::Torch(e.to_string()))?;
+        let (mut m, mut v) = (Vec::with_capacity(picked.len()), Vec::with_capacity(picked.len()));
+        for &i in &picked {
+            let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else { unreachable!("picked are unquantised") };
+            m.push(exp_avg);
+            v.push(exp_avg_sq);
         }
+        fn pick<'a>(ts: &'a [Tensor], idx: &[usize]) -> Vec<&'a Tensor> {
+            idx.iter().map(|&i| &ts[i]).collect()
+        }
+        let decay: Vec<bool> = picked.iter().map(|&i| self.decay[i]).collect();
+        let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
+        fused_update(&pick(params, &picked), &pick(grads, &picked), &m, &v, &decay, &self.state_step, AdamWHyper { lr, beta1, beta2, weight_decay, eps })?;
         Ok(picked)
     }
 

@@ -10,7 +10,7 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64, TchErr
     let _no_grad = tch::no_grad_guard();
     let Some(first) = grads.first() else { return Ok(0.0) };
     let total = Tensor::f_zeros([], (Kind::Double, first.device()))?;
-    ffi::global_norm(grads, &total).map_err(shim)?;
+    ffi::global_norm(grads, &total)?;
     let total = total.f_double_value(&[])?;
     if max_norm > 0.0 && total.is_finite() {
         let coef = max_norm / (total + 1e-6);
@@ -23,11 +23,7 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64, TchErr
 
 /// Every gradient times `factor`, in place (also the fp16 loss scale's unscaling).
 pub fn scale_all(grads: &mut [Tensor], factor: f64) -> Result<(), TchError> {
-    ffi::scale_all(grads, factor).map_err(shim)
-}
-
-fn shim(e: ffi::ShimError) -> TchError {
-    TchError::Torch(e.to_string())
+    Ok(ffi::scale_all(grads, factor)?)
 }
 
 #[cfg(test)]

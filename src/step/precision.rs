@@ -10,9 +10,9 @@ use tch::Device;
 /// (PyTorch's "high" float32 matmul precision) on Ampere and newer; fp32 on the CPU runs without
 /// oneDNN (`torch.backends.mkldnn.enabled = False`).
 ///
-/// Why no oneDNN: in fp32 it only serves GELU (`ONEDNN_VERBOSE=all` shows nothing else), ATen's own GELU is faster
-/// (0.34 vs 1.13 ms for 256×3072, one thread), and oneDNN JIT-compiles each kernel into a fresh
-/// memory map. Under a CPU memory cap that map can be refused like any allocation, and oneDNN's
+/// Why no oneDNN: in fp32 it only serves GELU (`ONEDNN_VERBOSE=all` shows nothing else), ATen's
+/// own GELU is faster (0.34 vs 1.13 ms for 256×3072, one thread), and oneDNN JIT-compiles each
+/// kernel into a fresh memory map. Under a CPU memory cap that map can be refused like any allocation, and oneDNN's
 /// code generator (Xbyak) then keeps the error and fails every later kernel build ("could not
 /// create a primitive"): the guard's replay could never succeed (seen on CI, tests/savers.rs).
 /// Off in every fp32 CPU run, not only capped ones, so a cap does not change the numbers. The
