@@ -4,7 +4,8 @@
 //! - `libtorch_cuda` / `libc10_cuda` linked with `-as-needed` switched off: nothing in Rust calls
 //!   them directly, so a plain link would drop them and CUDA would stay invisible on GPU machines
 //!   ("Cannot initialize CUDA without ATen_cuda library").
-//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW, deterministic mode), `src/ffi/shim_cuda.cpp`
+//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW, deterministic mode), `src/ffi/optim_kernels.cpp`
+//!   (fused CPU updates of 8-bit AdamW and Adafactor), `src/ffi/shim_cuda.cpp`
 //!   (the allocator's history recorder; only against a libtorch with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process
 //!   groups) compiled against the same libtorch.
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ fn main() {
 
     println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
     println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/optim_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/shim_cuda.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
@@ -27,10 +29,13 @@ fn main() {
     cc::Build::new()
         .cpp(true)
         .file("src/ffi/shim.cpp")
+        .file("src/ffi/optim_kernels.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-Wno-unused-parameter")
+        // sqrt without errno, so the optimizer kernels' loops vectorise (nothing reads errno).
+        .flag("-fno-math-errno")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .warnings(false)
         .compile("trainguard_shim");

@@ -270,9 +270,10 @@ fn allocator_thrashing_shrinks_the_micro_batch_on_cuda() {
 
 /// The optimizers' CUDA paths against their CPU ones on the same parameters and gradients: fused
 /// AdamW (one step counter shared by every tensor), 8-bit AdamW (small fp32 tensors through the
-/// fused kernel; runs of 16 Mi values on CUDA, 1 Mi on the CPU, on a tensor of 20 Mi values so
-/// the CUDA side splits it too) and Adafactor. Blockwise quantisation does not depend on the
-/// run length, so the two differ only by rounding: within 1e-3 of a step (lr 1e-2), except
+/// fused kernel; on CUDA tensor ops over runs of 16 Mi values, on a tensor of 20 Mi values so
+/// it splits, against the CPU's fused kernel) and Adafactor (tensor ops against the CPU's fused
+/// kernel). Blockwise quantisation does not depend on the run length, so the two differ only by
+/// rounding: within 1e-3 of a step (lr 1e-2), except
 /// where a rounding put an 8-bit code on the other side of a half — a code apart is at most a
 /// fifth of a step, and such elements are rare (the mean difference stays under 1e-7).
 #[test]

@@ -1,8 +1,9 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
-//! allocator settings, deterministic mode), over `shim_cuda.cpp` (the allocator's history and
+//! allocator settings, deterministic mode), over `optim_kernels.cpp` ([`kernels`]), over `shim_cuda.cpp` (the allocator's history and
 //! snapshot) and over the few OS calls trainguard makes ([`os`]). Each call returns a typed
 //! result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
 pub mod dist;
+pub mod kernels;
 pub mod os;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};

@@ -6,18 +6,46 @@
 //! as given (no relative-step schedule) until t > 1/lr², where PyTorch caps it. Weight decay is
 //! decoupled (`p ·= 1 − lr·wd`) and applies only to parameters whose `decay` flag is set.
 //!
-//! Owns the row/column/full second moments. Once built, the update makes no allocation the size
-//! of a tensor (CUDA's reduction kernels may take a few bytes of workspace for the norms, from
-//! the allocator's cache): the per-element update lives in a scratch buffer, and the scalars
-//! PyTorch reads back with `.item()` (the parameter's RMS, the update's RMS) stay on the device
-//! as 0-dim tensors, which also spares two host syncs per parameter. The scratch is bounded: a
-//! matrix larger than [`CHUNK_ELEMENTS`] is processed in bands of rows, twice (once for the
-//! update's norm, once to apply it), rather than holding an update as large as the embedding.
+//! Owns the row/column/full second moments. Two paths compute the update ([`Path`]):
+//!
+//! - On the CPU, the shim's fused kernel (`ffi::kernels::adafactor_update`): per tensor, four
+//!   reads and one write, no scratch, reductions summed in a fixed order (bitwise the same at any
+//!   thread count).
+//! - On CUDA, tensor ops. Once built, the update makes no allocation the size of a tensor
+//!   (CUDA's reduction kernels may take a few bytes of workspace for the norms, from the
+//!   allocator's cache): the per-element update lives in a scratch buffer, and the scalars
+//!   PyTorch reads back with `.item()` (the parameter's RMS, the update's RMS) stay on the device
+//!   as 0-dim tensors, which also spares two host syncs per parameter. The scratch is bounded: a
+//!   matrix larger than [`CHUNK_ELEMENTS`] is processed in bands of rows, twice (once for the
+//!   update's norm, once to apply it), rather than holding an update as large as the embedding.
+//!
+//! The CPU tests check both against `torch.optim.Adafactor` and against each other.
 use super::state::{bytes, check_lengths, restore};
+use crate::ffi::kernels::{self, AdafactorStep, SecondMoments};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Largest band (in elements) of a matrix's update held at once: 16 MiB of fp32 scratch.
 pub const CHUNK_ELEMENTS: i64 = 1 << 22;
+
+/// How the update is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// The shim's fused CPU kernel: no scratch.
+    FusedCpu,
+    /// Tensor ops, matrices in bands of at most `chunk_elements` values.
+    Bands { chunk_elements: i64 },
+}
+
+impl Path {
+    /// The fused kernel on the CPU; bands of [`CHUNK_ELEMENTS`] elsewhere.
+    pub fn for_device(device: Device) -> Path {
+        if device == Device::Cpu {
+            Path::FusedCpu
+        } else {
+            Path::Bands { chunk_elements: CHUNK_ELEMENTS }
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdafactorConfig {
@@ -54,6 +82,7 @@ pub struct Adafactor {
     /// Updates applied so far (the decay rate and the step-size cap use it).
     pub steps: u64,
     decay: Vec<bool>,
+    path: Path,
     /// Rows per band of each factored parameter (all rows when it fits in the chunk).
     band_rows: Vec<i64>,
     /// The update of one band, in the parameters' dtype (as PyTorch computes it).
@@ -73,29 +102,40 @@ pub struct Adafactor {
 
 impl Adafactor {
     pub fn new(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
-        Self::with_chunk(cfg, params, decay, device, CHUNK_ELEMENTS)
+        Self::with_path(cfg, params, decay, device, Path::for_device(device))
     }
 
-    /// [`new`](Self::new) with another band size (tests use a small one to exercise banding).
-    pub fn with_chunk(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device, chunk_elements: i64) -> Result<Self, TchError> {
+    /// [`new`](Self::new) with the path chosen (tests run both on the CPU, and small bands to
+    /// exercise banding).
+    pub fn with_path(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
+        // The fused kernel needs no scratch: bands of one element keep the buffers at their minimum.
+        let chunk_elements = match path {
+            Path::FusedCpu => 1,
+            Path::Bands { chunk_elements } => chunk_elements,
+        };
         let kind = params.first().map_or(Kind::Float, Tensor::kind);
         if let Some(p) = params.iter().find(|p| p.kind() != kind) {
             return Err(TchError::Kind(format!("adafactor needs parameters of one dtype, got {kind:?} and {:?}", p.kind())));
         }
         let (mut state, mut band_rows) = (Vec::with_capacity(params.len()), Vec::with_capacity(params.len()));
         let (mut scratch_len, mut max_rows, mut max_cols) = (1i64, 1i64, 1i64);
+        let unbanded = path == Path::FusedCpu;
         for p in params {
             match p.size()[..] {
                 [rows, cols] => {
                     state.push(SecondMoment::Factored { row_var: Tensor::f_zeros([rows, 1], (kind, device))?, col_var: Tensor::f_zeros([1, cols], (kind, device))? });
                     let band = (chunk_elements / cols.max(1)).clamp(1, rows.max(1));
                     band_rows.push(band);
-                    (scratch_len, max_rows, max_cols) = (scratch_len.max(band * cols), max_rows.max(rows), max_cols.max(cols));
+                    if !unbanded {
+                        (scratch_len, max_rows, max_cols) = (scratch_len.max(band * cols), max_rows.max(rows), max_cols.max(cols));
+                    }
                 }
                 [] | [_] => {
                     state.push(SecondMoment::Full { variance: Tensor::f_zeros_like(p)? });
                     band_rows.push(0);
-                    scratch_len = scratch_len.max(p.numel() as i64);
+                    if !unbanded {
+                        scratch_len = scratch_len.max(p.numel() as i64);
+                    }
                 }
                 ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
             }
@@ -106,6 +146,7 @@ impl Adafactor {
             state,
             steps: 0,
             decay: decay.to_vec(),
+            path,
             band_rows,
             scratch: Tensor::f_empty([scratch_len], (kind, device))?,
             row_mean: Tensor::f_empty([max_rows], (kind, device))?,
@@ -132,12 +173,23 @@ impl Adafactor {
             let mut p = p.shallow_clone();
             let n = p.numel() as f64;
             let eps1 = self.cfg.eps1.unwrap_or_else(|| machine_epsilon(p.kind()));
+            let decays = self.decay[i] && self.cfg.weight_decay != 0.0;
+            if self.path == Path::FusedCpu {
+                let moments = match &self.state[i] {
+                    SecondMoment::Factored { row_var, col_var } => SecondMoments::Factored { row_var, col_var },
+                    SecondMoment::Full { variance } => SecondMoments::Full { variance },
+                };
+                let shrink = if decays { 1.0 - lr * self.cfg.weight_decay } else { 1.0 };
+                let AdafactorConfig { eps2, d, .. } = self.cfg;
+                kernels::adafactor_update(&p, g, moments, AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink })?;
+                continue;
+            }
             // α = max(eps2, RMS(p)) · ρ, from the parameter before this step's decay.
             self.norm_into_alpha(&p)?;
             let _ = self.alpha.f_div_scalar_(n.sqrt())?;
             let _ = self.alpha.f_clamp_min_(self.cfg.eps2)?;
             let _ = self.alpha.f_mul_scalar_(rho)?;
-            if self.decay[i] && self.cfg.weight_decay != 0.0 {
+            if decays {
                 let _ = p.f_mul_scalar_(1.0 - lr * self.cfg.weight_decay)?;
             }
             let bands = match &mut self.state[i] {
@@ -346,12 +398,12 @@ mod tests {
     #[allow(clippy::excessive_precision)]
     const REFERENCE_COL_VAR: [f32; 4] = [0.028_310_272_84, 0.055_611_532_18, 0.052_045_822_14, 0.035_867_180_68];
 
-    fn run(chunk_elements: i64) -> (Adafactor, Tensor, Tensor) {
+    fn run(path: Path) -> (Adafactor, Tensor, Tensor) {
         let w = Tensor::from_slice(&W.concat()).view([3, 4]);
         let b = Tensor::from_slice(&B);
         let params = [w.shallow_clone(), b.shallow_clone()];
         let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
-        let mut opt = Adafactor::with_chunk(cfg, &params, &[true, false], Device::Cpu, chunk_elements).unwrap();
+        let mut opt = Adafactor::with_path(cfg, &params, &[true, false], Device::Cpu, path).unwrap();
         for (gw, gb) in GW.iter().zip(&GB) {
             opt.step(&params, &[Tensor::from_slice(&gw.concat()).view([3, 4]), Tensor::from_slice(gb)], 0.05).unwrap();
         }
@@ -366,12 +418,14 @@ mod tests {
     }
 
     #[test]
-    fn matches_torch_optim_adafactor_whole_and_in_bands_of_rows() {
-        // 12 elements in one band; bands of one row, and of two rows then one: the two-pass path.
-        for chunk in [CHUNK_ELEMENTS, 4, 8] {
-            let (opt, w, b) = run(chunk);
-            assert_close(&w, &REFERENCE_W.concat(), 1e-6, &format!("matrix, chunk {chunk}"));
-            assert_close(&b, &REFERENCE_B, 1e-6, &format!("vector, chunk {chunk}"));
+    fn matches_torch_optim_adafactor_fused_whole_and_in_bands_of_rows() {
+        // The CPU kernel; 12 elements in one band; bands of one row, and of two rows then one:
+        // the two-pass path.
+        let bands = [CHUNK_ELEMENTS, 4, 8].map(|chunk_elements| Path::Bands { chunk_elements });
+        for path in [Path::FusedCpu].into_iter().chain(bands) {
+            let (opt, w, b) = run(path);
+            assert_close(&w, &REFERENCE_W.concat(), 1e-6, &format!("matrix, {path:?}"));
+            assert_close(&b, &REFERENCE_B, 1e-6, &format!("vector, {path:?}"));
             let SecondMoment::Factored { row_var, col_var } = &opt.state[0] else { panic!("the matrix is factored") };
             assert_eq!((row_var.size(), col_var.size()), (vec![3, 1], vec![1, 4]));
             assert_close(row_var, &REFERENCE_ROW_VAR, 1e-7, "row_var");
@@ -379,9 +433,48 @@ mod tests {
         }
     }
 
+    /// Both paths from the same state, one step at a time, on shapes that take several pieces
+    /// and column tiles (a 300×70 matrix, a 5000-vector, a scalar), fp32 and bf16: the kernel
+    /// sums in double where the tensor ops sum in the dtype, so they agree to rounding.
+    #[test]
+    fn the_fused_cpu_kernel_computes_what_the_tensor_ops_do() {
+        let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
+        let names = ["w", "v", "s"].map(String::from);
+        let wave = |n: usize, k: f64| Tensor::from_slice(&(0..n).map(|i| ((i as f64 * k).sin() * 0.5) as f32).collect::<Vec<_>>());
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let make = || [wave(21_000, 0.37).view([300, 70]).to_kind(kind), wave(5000, 1.3).to_kind(kind), Tensor::from(0.3f32).to_kind(kind)];
+            let (fused_p, ops_p) = (make(), make());
+            let mut fused = Adafactor::with_path(cfg, &fused_p, &[true, false, true], Device::Cpu, Path::FusedCpu).unwrap();
+            let mut ops = Adafactor::with_path(cfg, &ops_p, &[true, false, true], Device::Cpu, Path::Bands { chunk_elements: 7000 }).unwrap();
+            for step in 0..5 {
+                let grads = [wave(21_000, 0.11 + step as f64).view([300, 70]).to_kind(kind), wave(5000, 0.7 + step as f64).to_kind(kind) * 0.01, Tensor::from(0.2f32).to_kind(kind)];
+                for (f, o) in fused_p.iter().zip(&ops_p) {
+                    o.shallow_clone().copy_(f);
+                }
+                ops.load_state(&names, &fused.state_tensors(&names), fused.steps).unwrap();
+                let before: Vec<Tensor> = fused_p.iter().map(Tensor::copy).collect();
+                fused.step(&fused_p, &grads, 0.01).unwrap();
+                ops.step(&ops_p, &grads, 0.01).unwrap();
+                // fp32: a few ulps of the parameter, or of the step (0.01·RMS-scaled); bf16: the
+                // tensor ops round after the decay and again after the step, the kernel once.
+                let ulps = if kind == Kind::Float { 8.0 * f32::EPSILON as f64 } else { 1.0 / 128.0 };
+                for (j, ((f, o), b)) in fused_p.iter().zip(&ops_p).zip(&before).enumerate() {
+                    let step_size = (o - b).abs();
+                    let worst = ((f - o).abs() - (o.abs() + b.abs() + step_size * 4.0) * ulps).max().double_value(&[]);
+                    assert!(worst <= 0.0, "{kind:?} step {step}, tensor {j}: parameters differ by {worst} beyond the bound");
+                }
+                for ((key, f), (_, o)) in fused.state_tensors(&names).iter().zip(&ops.state_tensors(&names)) {
+                    let rel = ((f - o).abs() / o.abs().clamp_min(1e-30)).max().double_value(&[]);
+                    assert!(rel <= 2.0 * ulps, "{kind:?} step {step}: `{key}` differs by {rel} relative");
+                }
+            }
+            assert!(!fused_p[0].equal(&make()[0]), "the parameters moved");
+        }
+    }
+
     #[test]
     fn state_is_rows_plus_columns_for_matrices() {
-        let (opt, _, _) = run(CHUNK_ELEMENTS);
+        let (opt, _, _) = run(Path::FusedCpu);
         assert_eq!(opt.state_bytes(), (3 + 4 + 4) * 4);
         let names: Vec<String> = ["w", "b"].map(String::from).to_vec();
         let keys: Vec<String> = opt.state_tensors(&names).into_iter().map(|(k, _)| k).collect();

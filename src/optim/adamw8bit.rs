@@ -2,29 +2,52 @@
 //! fp32 absmax (codes in `quant`), about a quarter of fp32 AdamW's state. Tensors under 4096
 //! elements keep fp32 moments and, when they are fp32, are updated together by ATen's fused
 //! AdamW kernel (two launches for GPT-2's ~100 biases and norm weights instead of eight each).
-//! For the others each step dequantises a run of blocks into fp32 scratch, applies exactly the
-//! AdamW update of `adamw` (unfused path: decoupled weight decay, bias correction), and
-//! requantises with fresh scales. Owns the quantised moments.
+//! Each step dequantises the others' blocks, applies exactly the AdamW update of `adamw`
+//! (decoupled weight decay, bias correction), and requantises them with fresh scales. Owns the
+//! quantised moments. Two paths compute that ([`Path`]):
 //!
-//! The fp32 scratch (first moment, second moment, one temporary, and a copy of the gradient when
-//! it is not fp32) is allocated once, at construction, for a run of at most
-//! [`chunk_blocks`]`(device)` blocks, so the update makes no allocation the size of a tensor (at
-//! most the few bytes of workspace a CUDA reduction takes for the absmax) and its memory does not
-//! grow with the largest tensor. A run costs ~25 kernel launches whatever its length, so on CUDA
-//! runs are long (16 Mi values; 4 scratch buffers of 64 MiB at most) and the update is not bound
-//! by launches; on the CPU they stay at 1 Mi values (4 MiB buffers, which caches keep close).
+//! - On the CPU, the shim's fused kernel (`ffi::kernels::adamw8bit_update`) does a whole tensor in
+//!   one pass, block by block across threads, each block in registers and L1: no scratch.
+//! - On CUDA (where no such kernel is built yet), tensor ops over runs of blocks in fp32 scratch
+//!   (first moment, second moment, one temporary, and a copy of the gradient when it is not
+//!   fp32), allocated once at construction for a run of at most `chunk_blocks` blocks, so the
+//!   update makes no allocation the size of a tensor and its memory does not grow with the
+//!   largest tensor. A run costs ~25 kernel launches whatever its length, so runs are long (16 Mi
+//!   values; 4 scratch buffers of 64 MiB at most) and the update is not bound by launches.
+//!
+//! The CPU tests check the two paths against each other.
 use super::adamw::fused_update;
 use super::quant::{self, BLOCK, MIN_QUANTISED};
 use super::state::{bytes, check_lengths, restore};
+use crate::ffi::kernels::{self, AdamW8bitStep, QuantisedMoments};
 use crate::ffi::AdamWHyper;
 use tch::{Device, Kind, TchError, Tensor};
 
-/// Blocks dequantised at once on `device`: 16 Mi values on CUDA, 1 Mi on the CPU.
-pub fn chunk_blocks(device: Device) -> i64 {
-    if device.is_cuda() {
-        8192
-    } else {
-        512
+/// How the quantised tensors are updated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// The shim's fused CPU kernel: one pass per tensor, no scratch.
+    FusedCpu,
+    /// Tensor ops over runs of at most `chunk_blocks` blocks in fp32 scratch.
+    Runs { chunk_blocks: i64 },
+}
+
+impl Path {
+    /// The fused kernel on the CPU; runs of 8192 blocks (16 Mi values) elsewhere.
+    pub fn for_device(device: Device) -> Path {
+        if device == Device::Cpu {
+            Path::FusedCpu
+        } else {
+            Path::Runs { chunk_blocks: 8192 }
+        }
+    }
+
+    /// Values of a quantised tensor that pass through the scratch at once (0: none do).
+    fn run_elements(self) -> i64 {
+        match self {
+            Path::FusedCpu => 0,
+            Path::Runs { chunk_blocks } => chunk_blocks * BLOCK,
+        }
     }
 }
 
@@ -56,21 +79,26 @@ pub struct AdamW8bit {
     tmp: Tensor,
     /// fp32 copy of a run of the gradient, for parameters that are not fp32 (empty otherwise).
     grad32: Tensor,
-    chunk_blocks: i64,
+    path: Path,
     /// The update count for the fused kernel of the small fp32 tensors (it reads one per tensor).
     state_step: Tensor,
 }
 
 impl AdamW8bit {
-    /// Elements of each fp32 scratch buffer for parameters of `sizes` (element counts) on
-    /// `device`: the largest run of blocks or unquantised tensor. There are three buffers, four
+    /// Elements of each fp32 scratch buffer for parameters of `sizes` (element counts) updated
+    /// by `path`: the largest unquantised tensor or run of blocks. There are three buffers, four
     /// when the parameters are not fp32 (the planner counts the same).
-    pub fn scratch_elements(sizes: impl IntoIterator<Item = i64>, device: Device) -> i64 {
-        let run = chunk_blocks(device) * BLOCK;
+    pub fn scratch_elements(sizes: impl IntoIterator<Item = i64>, path: Path) -> i64 {
+        let run = path.run_elements();
         sizes.into_iter().map(|n| if n < MIN_QUANTISED { n } else { n.min(run) }).max().unwrap_or(0).max(1)
     }
 
     pub fn new(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+        Self::with_path(cfg, params, decay, device, Path::for_device(device))
+    }
+
+    /// [`new`](Self::new) with the update path chosen (tests run both on the CPU).
+    pub fn with_path(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
         let mut moments = Vec::with_capacity(params.len());
         for p in params {
             let n = p.numel() as i64;
@@ -83,7 +111,7 @@ impl AdamW8bit {
                 moments.push(Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax });
             }
         }
-        let scratch_len = Self::scratch_elements(params.iter().map(|p| p.numel() as i64), device);
+        let scratch_len = Self::scratch_elements(params.iter().map(|p| p.numel() as i64), path);
         let buf = |len: i64| Tensor::f_empty([len], (Kind::Float, device));
         let grad32_len = if params.iter().all(|p| p.kind() == Kind::Float) { 0 } else { scratch_len };
         Ok(Self {
@@ -95,7 +123,7 @@ impl AdamW8bit {
             v: buf(scratch_len)?,
             tmp: buf(scratch_len)?,
             grad32: buf(grad32_len)?,
-            chunk_blocks: chunk_blocks(device),
+            path,
             state_step: Tensor::f_zeros([], (Kind::Float, device))?,
         })
     }
@@ -126,24 +154,32 @@ impl AdamW8bit {
                     let g = as_fp32(&g, &self.grad32)?;
                     rule.apply(&p, &g, &mut exp_avg.f_view([-1])?, &mut exp_avg_sq.f_view([-1])?, &mut tmp, decays)?;
                 }
-                Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => {
-                    for (start, len, b0, nb) in quant::chunks(p.numel() as i64, self.chunk_blocks) {
-                        let shape = [nb, len / nb];
-                        let view = |t: &Tensor| t.f_narrow(0, 0, len)?.f_view(shape);
-                        let (mut m, mut v, mut tmp) = (view(&self.m)?, view(&self.v)?, view(&self.tmp)?);
-                        let q_m = exp_avg.f_narrow(0, start, len)?.f_view(shape)?;
-                        let q_v = exp_avg_sq.f_narrow(0, start, len)?.f_view(shape)?;
-                        let mut a_m = exp_avg_absmax.f_narrow(0, b0, nb)?.f_view([nb, 1])?;
-                        let mut a_v = exp_avg_sq_absmax.f_narrow(0, b0, nb)?.f_view([nb, 1])?;
-                        quant::dequantise_signed(&q_m, &a_m, &mut m, &mut tmp)?;
-                        quant::dequantise_unsigned(&q_v, &a_v, &mut v)?;
-                        let pc = p.f_narrow(0, start, len)?.f_view(shape)?;
-                        let gc = as_fp32(&g.f_narrow(0, start, len)?.f_view(shape)?, &self.grad32)?;
-                        rule.apply(&pc, &gc, &mut m, &mut v, &mut tmp, decays)?;
-                        quant::quantise_signed(&mut m, &q_m, &mut a_m, &mut tmp)?;
-                        quant::quantise_unsigned(&mut v, &q_v, &mut a_v)?;
+                Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => match self.path {
+                    Path::FusedCpu => {
+                        let moments = QuantisedMoments { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax };
+                        let shrink = if decays { rule.shrink } else { 1.0 };
+                        let step = AdamW8bitStep { beta1, beta2, shrink, scale: rule.scale, shift: rule.shift, apply: rule.apply };
+                        kernels::adamw8bit_update(&p, &g, moments, step)?;
                     }
-                }
+                    Path::Runs { chunk_blocks } => {
+                        for (start, len, b0, nb) in quant::chunks(p.numel() as i64, chunk_blocks) {
+                            let shape = [nb, len / nb];
+                            let view = |t: &Tensor| t.f_narrow(0, 0, len)?.f_view(shape);
+                            let (mut m, mut v, mut tmp) = (view(&self.m)?, view(&self.v)?, view(&self.tmp)?);
+                            let q_m = exp_avg.f_narrow(0, start, len)?.f_view(shape)?;
+                            let q_v = exp_avg_sq.f_narrow(0, start, len)?.f_view(shape)?;
+                            let mut a_m = exp_avg_absmax.f_narrow(0, b0, nb)?.f_view([nb, 1])?;
+                            let mut a_v = exp_avg_sq_absmax.f_narrow(0, b0, nb)?.f_view([nb, 1])?;
+                            quant::dequantise_signed(&q_m, &a_m, &mut m, &mut tmp)?;
+                            quant::dequantise_unsigned(&q_v, &a_v, &mut v)?;
+                            let pc = p.f_narrow(0, start, len)?.f_view(shape)?;
+                            let gc = as_fp32(&g.f_narrow(0, start, len)?.f_view(shape)?, &self.grad32)?;
+                            rule.apply(&pc, &gc, &mut m, &mut v, &mut tmp, decays)?;
+                            quant::quantise_signed(&mut m, &q_m, &mut a_m, &mut tmp)?;
+                            quant::quantise_unsigned(&mut v, &q_v, &mut a_v)?;
+                        }
+                    }
+                },
             }
         }
         Ok(())
@@ -315,14 +351,68 @@ mod tests {
         assert_eq!(eight.state_bytes(), 340 * 8 + 2 * 5000 + 2 * 3 * 4);
     }
 
+    /// Both paths from the same state, one step at a time: the CPU kernel is the tensor-op path
+    /// (CUDA's) fused, so each step must agree to rounding. Covers several runs of blocks, a
+    /// partial last block, an all-zero gradient block, decay on and off, lr = 0, and bf16.
     #[test]
-    fn runs_of_blocks_are_longer_on_cuda_and_the_scratch_follows() {
-        assert_eq!(chunk_blocks(Device::Cpu) * BLOCK, 1 << 20);
-        assert_eq!(chunk_blocks(Device::Cuda(0)) * BLOCK, 1 << 24);
+    fn the_fused_cpu_kernel_computes_what_the_tensor_op_path_does() {
+        let cfg = AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let n = 5 * BLOCK as usize + 100;
+        let names = ["a".to_string(), "b".to_string()];
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let make = || [Tensor::from_slice(&pseudo(n, 1)).to_kind(kind), Tensor::from_slice(&pseudo(n, 2)).to_kind(kind)];
+            let (fused_p, runs_p) = (make(), make());
+            let mut fused = AdamW8bit::with_path(cfg, &fused_p, &[true, false], Device::Cpu, Path::FusedCpu).unwrap();
+            let mut runs = AdamW8bit::with_path(cfg, &runs_p, &[true, false], Device::Cpu, Path::Runs { chunk_blocks: 2 }).unwrap();
+            for step in 0..6u64 {
+                let mut g0 = pseudo(n, 10 + step);
+                g0[BLOCK as usize..2 * BLOCK as usize].iter_mut().for_each(|x| *x = 0.0);
+                let grads = [Tensor::from_slice(&g0).to_kind(kind), Tensor::from_slice(&pseudo(n, 20 + step)).to_kind(kind) * 1e-3];
+                let lr = if step == 2 { 0.0 } else { 0.01 };
+                // The tensor-op path starts from the fused path's state.
+                for (f, r) in fused_p.iter().zip(&runs_p) {
+                    r.shallow_clone().copy_(f);
+                }
+                runs.load_state(&names, &fused.state_tensors(&names), fused.steps).unwrap();
+                let before: Vec<Tensor> = fused_p.iter().map(Tensor::copy).collect();
+                fused.step(&fused_p, &grads, lr).unwrap();
+                runs.step(&runs_p, &grads, lr).unwrap();
+                for ((f, r), b) in fused_p.iter().zip(&runs_p).zip(&before) {
+                    // fp32: last-bit differences (ATen's lerp may fuse a multiply-add); bf16: the
+                    // tensor-op path rounds after the decay (an ulp of the old value) and again
+                    // after the step, the kernel once. Beside that, the update itself (about lr)
+                    // may differ in its last bits.
+                    let ulps = if kind == Kind::Float { 4.0 * f32::EPSILON as f64 } else { 1.0 / 128.0 };
+                    let worst = ((f - r).abs() - (r.abs() + b.abs()) * ulps).max().double_value(&[]);
+                    assert!(worst <= 1e-6 * lr, "{kind:?} step {step}: parameters differ by {worst} beyond {ulps} relative");
+                }
+                let (fs, rs) = (fused.state_tensors(&names), runs.state_tensors(&names));
+                for ((key, f), (_, r)) in fs.iter().zip(&rs) {
+                    if f.kind() == Kind::Float {
+                        let rel = ((f - r).abs() / r.abs().clamp_min(1e-30)).max().double_value(&[]);
+                        assert!(rel < 1e-5, "{kind:?} step {step}: scales `{key}` differ by {rel} relative");
+                    } else {
+                        // A code can land one step over when its value sits on a rounding edge.
+                        let diff = (f.to_kind(Kind::Int) - r.to_kind(Kind::Int)).abs();
+                        let (worst, off) = (diff.max().int64_value(&[]), diff.gt(0).sum(Kind::Int64).int64_value(&[]));
+                        assert!(worst <= 1 && off * 1000 <= n as i64, "{kind:?} step {step}: codes `{key}` differ by up to {worst} in {off} of {n}");
+                    }
+                }
+                if step == 2 {
+                    assert!(fused_p[0].equal(&runs_p[0]), "lr 0 leaves the parameters alone on both paths");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_cpu_kernel_needs_no_scratch_and_cuda_runs_are_16_mi_values() {
+        assert_eq!(Path::for_device(Device::Cpu), Path::FusedCpu);
+        assert_eq!(Path::for_device(Device::Cuda(0)).run_elements(), 1 << 24);
         let gpt2 = [38_597_376i64, 786_432, 2_359_296, 768, 3072];
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Device::Cpu), 1 << 20);
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Device::Cuda(0)), 1 << 24);
-        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Device::Cuda(0)), 3000, "unquantised tensors whole");
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cpu)), 3072, "the largest unquantised tensor");
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0))), 1 << 24);
+        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Path::for_device(Device::Cuda(0))), 3000, "unquantised tensors whole");
     }
 
     #[test]

@@ -14,7 +14,7 @@ mod state;
 
 pub use adafactor::{Adafactor, AdafactorConfig, SecondMoment};
 pub use adamw::{AdamW, AdamWConfig};
-pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, Moments};
+pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, Moments, Path as AdamW8bitPath};
 pub use clip::{clip_grad_norm, scale_all};
 pub use optimizer::{Optimizer, OptimizerSpec};
 pub use quant::{BLOCK as QUANT_BLOCK, MIN_QUANTISED};

@@ -12,7 +12,7 @@
 use crate::config::{Arch, ModelConfig};
 use crate::model::memory::{Activations, Regime, Widths};
 use crate::model::{Part, TensorSpec};
-use crate::optim::AdamW8bit;
+use crate::optim::{AdamW8bit, AdamW8bitPath};
 use serde::Serialize;
 
 /// The CUDA caching allocator hands out multiples of 512 bytes.
@@ -342,8 +342,9 @@ fn round_up(bytes: u64, to: u64) -> u64 {
 /// Bytes of the parameter-sized buffers: each tensor rounded as the allocator would, then scaled
 /// to `--params` when given.
 /// Working buffers an optimizer makes at construction (not checkpointed): 8-bit AdamW's fp32
-/// runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on CUDA for GPT-2, 3 × 4 MiB on the
-/// CPU; a fourth for the gradient's fp32 copy in bf16-pure). The fused AdamW and SGD have none.
+/// runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on CUDA for GPT-2; on the CPU, whose
+/// fused kernel needs none, 3 × the largest unquantised tensor; a fourth for the gradient's fp32
+/// copy in bf16-pure). The fused AdamW and SGD have none.
 fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
     if s.optimizer != OptimizerName::Adamw8bit {
         return 0;
@@ -352,7 +353,8 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
         Target::Cuda => tch::Device::Cuda(0),
         Target::Cpu => tch::Device::Cpu,
     };
-    let elements = AdamW8bit::scratch_elements(m.tensors().iter().map(|sh| sh.iter().product::<u64>() as i64), device) as u64;
+    let path = AdamW8bitPath::for_device(device);
+    let elements = AdamW8bit::scratch_elements(m.tensors().iter().map(|sh| sh.iter().product::<u64>() as i64), path) as u64;
     let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
     let round = if s.target == Target::Cuda { CUDA_ROUND } else { 1 };
     buffers * round_up(elements * 4, round)
@@ -693,8 +695,9 @@ mod tests {
         let big = [128 * 64, 192 * 64, 64 * 64, 256 * 64, 64 * 256];
         let small = 16 * 64 + 3 * 64;
         let eight: u64 = big.iter().map(|&n: &u64| 2 * n + 8 * n.div_ceil(2048)).sum::<u64>() + 8 * small;
-        // And three fp32 scratch buffers as long as the largest tensor (under one run of blocks).
-        assert_eq!(s(OptimizerName::Adamw8bit), eight + 3 * 4 * 256 * 64);
+        // And, on the CPU (whose fused kernel needs no runs of blocks), three fp32 scratch
+        // buffers as long as the largest unquantised tensor (wpe, 16×64).
+        assert_eq!(s(OptimizerName::Adamw8bit), eight + 3 * 4 * 16 * 64);
     }
 
     #[test]

@@ -1,0 +1,126 @@
+//! Wrappers over `optim_kernels.cpp`: fused CPU updates for the optimizers ATen has no kernel for
+//! (8-bit AdamW, Adafactor), a few passes over a tensor instead of ~20. The tensor-op versions in
+//! `optim` compute the same maths on CUDA and are what these are tested against.
+use super::{result, ShimError, ERR_LEN};
+use std::ffi::{c_char, c_int, c_void};
+use tch::Tensor;
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn tg_adamw8bit_update(
+        param: *mut c_void,
+        grad: *const c_void,
+        exp_avg: *mut c_void,
+        exp_avg_absmax: *mut c_void,
+        exp_avg_sq: *mut c_void,
+        exp_avg_sq_absmax: *mut c_void,
+        beta1: f64,
+        beta2: f64,
+        shrink: f64,
+        scale: f64,
+        shift: f64,
+        apply: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn tg_adafactor_update(
+        param: *mut c_void,
+        grad: *const c_void,
+        a: *mut c_void,
+        b: *mut c_void,
+        one_minus_beta2: f64,
+        rho: f64,
+        eps1: f64,
+        eps2: f64,
+        d: f64,
+        shrink: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+}
+
+/// The constants of one 8-bit AdamW step: `p ← p·shrink + m / (√v·scale + shift)` after the
+/// moments moved by `1 − beta1` / `1 − beta2` towards g / g²; `apply` false leaves `p` alone.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamW8bitStep {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub shrink: f64,
+    pub scale: f64,
+    pub shift: f64,
+    pub apply: bool,
+}
+
+/// The 8-bit moments of one parameter: int8 codes and fp32 scales of the first, uint8 codes and
+/// fp32 scales of the second (`optim::quant`'s layout, one scale per 2048 values).
+pub struct QuantisedMoments<'a> {
+    pub exp_avg: &'a Tensor,
+    pub exp_avg_absmax: &'a Tensor,
+    pub exp_avg_sq: &'a Tensor,
+    pub exp_avg_sq_absmax: &'a Tensor,
+}
+
+/// One 8-bit AdamW update of `param` (flat, contiguous, on the CPU) from `grad` (same dtype),
+/// dequantising, updating and requantising each block of 2048 values in one pass.
+pub fn adamw8bit_update(param: &Tensor, grad: &Tensor, m: QuantisedMoments, s: AdamW8bitStep) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    let h = |t: &Tensor| t.as_ptr() as *mut c_void;
+    // SAFETY: every pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
+    // the shim checks devices, dtypes and lengths before it touches data, and catches every
+    // exception. The tensors are written in place through their storage, as tch's `_` ops do.
+    let code = unsafe {
+        tg_adamw8bit_update(
+            h(param),
+            h(grad),
+            h(m.exp_avg),
+            h(m.exp_avg_absmax),
+            h(m.exp_avg_sq),
+            h(m.exp_avg_sq_absmax),
+            s.beta1,
+            s.beta2,
+            s.shrink,
+            s.scale,
+            s.shift,
+            c_int::from(s.apply),
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
+    result(code, &err)
+}
+
+/// The constants of one Adafactor step (see `optim::adafactor`): the second moments move by
+/// `one_minus_beta2` towards g²; α = max(eps2, RMS(p))·rho; u = g / √max(v̂, eps1²);
+/// `p ← p·shrink − α·u / max(1, RMS(u)/d)`.
+#[derive(Debug, Clone, Copy)]
+pub struct AdafactorStep {
+    pub one_minus_beta2: f64,
+    pub rho: f64,
+    pub eps1: f64,
+    pub eps2: f64,
+    pub d: f64,
+    pub shrink: f64,
+}
+
+/// Adafactor's second moment of one parameter, in the parameter's dtype.
+pub enum SecondMoments<'a> {
+    /// A matrix [R, C]: row means [R, 1] and column means [1, C] of g².
+    Factored { row_var: &'a Tensor, col_var: &'a Tensor },
+    /// Anything else: one running mean of g² per value.
+    Full { variance: &'a Tensor },
+}
+
+/// One Adafactor update of `param` (contiguous, on the CPU) from `grad` (same dtype and shape),
+/// in four reads of the gradient and parameter and one write.
+pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s: AdafactorStep) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    let h = |t: &Tensor| t.as_ptr() as *mut c_void;
+    let (a, b) = match moments {
+        SecondMoments::Factored { row_var, col_var } => (h(row_var), h(col_var)),
+        SecondMoments::Full { variance } => (h(variance), std::ptr::null_mut()),
+    };
+    // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full.
+    let code = unsafe { tg_adafactor_update(h(param), h(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)
+}
