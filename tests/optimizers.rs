@@ -334,7 +334,7 @@ fn print_update_time_against_fused_adamw() {
     println!("{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up", params.len(), numel as f64 / 1e6);
     println!("| optimizer | ms per update (median) | min – max | × fused AdamW's time |\n|---|---|---|---|");
     let mut reference = None;
-    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false), (OptimizerName::SgdMomentum, false)] {
+    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false), (OptimizerName::SgdMomentum, true), (OptimizerName::SgdMomentum, false)] {
         let mut opt = Optimizer::new(&spec(name, fused), &params, &model.params.decay, device).unwrap();
         let mut times = Vec::with_capacity(steps);
         for i in 0..steps + 2 {
@@ -349,7 +349,8 @@ fn print_update_time_against_fused_adamw() {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let base = *reference.get_or_insert(median);
-        let label = format!("{}{}", opt.kind(), if name == OptimizerName::Adamw { if fused { " (fused)" } else { " (unfused)" } } else { "" });
+        let has_both = matches!(name, OptimizerName::Adamw | OptimizerName::SgdMomentum);
+        let label = format!("{}{}", opt.kind(), if has_both { if fused { " (fused)" } else { " (unfused)" } } else { "" });
         println!("| {label} | {median:.2} | {:.2} – {:.2} | {:.2}× |", times[0], times[times.len() - 1], median / base);
     }
 }

@@ -269,7 +269,7 @@ impl Precision {
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
     pub name: OptimizerName,
-    /// AdamW through ATen's fused kernel (one pass per tensor); false: the unfused path.
+    /// AdamW and SGD through ATen's fused kernels (one pass per tensor); false: the tensor-op paths.
     pub fused: bool,
     /// Momentum of `sgd_momentum`.
     pub momentum: f64,

@@ -92,6 +92,19 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn tg_fused_sgd(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        bufs: *const *const c_void,
+        n: usize,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        is_first_step: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 const ERR_LEN: usize = 4096;
@@ -317,6 +330,20 @@ pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], 
     let code = unsafe {
         tg_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, err.as_mut_ptr().cast(), ERR_LEN)
     };
+    result(code, &err)
+}
+
+/// `at::_fused_sgd_` over parallel lists of tensors: coupled `weight_decay`, then heavy-ball
+/// `momentum` when `momentum_buffers` is `Some` (one per parameter; `first_step` copies the
+/// gradient into them, as PyTorch's first step does).
+pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: Option<&[&Tensor]>, weight_decay: f64, momentum: f64, lr: f64, first_step: bool) -> Result<(), ShimError> {
+    let n = params.len();
+    assert!(grads.len() == n && momentum_buffers.is_none_or(|b| b.len() == n), "tensor lists differ in length");
+    let (p, g, b) = (handles(params), handles(grads), momentum_buffers.map(handles));
+    let b_ptr = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `fused_adamw`; `b_ptr` is null exactly when there are no buffers.
+    let code = unsafe { tg_fused_sgd(p.as_ptr(), g.as_ptr(), b_ptr, n, weight_decay, momentum, lr, c_int::from(first_step), err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/linalg_vector_norm.h>
@@ -227,6 +228,19 @@ int tg_fused_adamw(const void* const* params, const void* const* grads, const vo
     auto p = list(params), g = list(grads), m = list(exp_avgs), v = list(exp_avg_sqs), s = list(steps);
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
                       /*amsgrad=*/false, /*maximize=*/false);
+  });
+}
+
+// One SGD update of `n` tensors with ATen's fused kernel (CPU and CUDA), as torch.optim.SGD with
+// fused=True: coupled decay, then (with `bufs`, `n` of them, else null) heavy-ball momentum whose
+// first step copies the gradient. Dampening 0, no Nesterov.
+int tg_fused_sgd(const void* const* params, const void* const* grads, const void* const* bufs, size_t n,
+                 double weight_decay, double momentum, double lr, int is_first_step, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto p = tensor_list(params, n), g = tensor_list(grads, n);
+    auto b = bufs ? tensor_list(bufs, n) : std::vector<at::Tensor>{};
+    at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
+                    /*maximize=*/false, is_first_step != 0);
   });
 }
 

@@ -4,6 +4,7 @@
 //! unfused one built from tch ops. Neither allocates on the device (the unfused path's one
 //! temporary lives in a scratch buffer made at construction), so once gradients exist the
 //! update cannot run out of memory half-way and leave some parameters updated and others not.
+use super::state::{decay_groups, pick};
 use crate::ffi::{self, AdamWHyper};
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -126,14 +127,7 @@ impl AdamW {
 /// keeps them) by ATen's fused kernel, at the update count in `step`: two kernel calls, the
 /// tensors whose `decay` flag is set with `h.weight_decay`, then the others without.
 pub(super) fn fused_update(params: &[&Tensor], grads: &[&Tensor], exp_avg: &[&Tensor], exp_avg_sq: &[&Tensor], decay: &[bool], step: &Tensor, h: AdamWHyper) -> Result<(), TchError> {
-    for with_decay in [true, false] {
-        let idx: Vec<usize> = (0..params.len()).filter(|&i| decay[i] == with_decay).collect();
-        if idx.is_empty() {
-            continue;
-        }
-        fn pick<'a>(ts: &[&'a Tensor], idx: &[usize]) -> Vec<&'a Tensor> {
-            idx.iter().map(|&i| ts[i]).collect()
-        }
+    for (with_decay, idx) in decay_groups(decay) {
         let h = AdamWHyper { weight_decay: if with_decay { h.weight_decay } else { 0.0 }, ..h };
         ffi::fused_adamw(&pick(params, &idx), &pick(grads, &idx), &pick(exp_avg, &idx), &pick(exp_avg_sq, &idx), &vec![step; idx.len()], h)?;
     }

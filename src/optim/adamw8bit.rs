@@ -18,7 +18,7 @@
 //! The CPU tests check the two paths against each other.
 use super::adamw::fused_update;
 use super::quant::{self, BLOCK, MIN_QUANTISED};
-use super::state::{bytes, check_lengths, restore};
+use super::state::{bytes, check_lengths, pick, restore};
 use crate::ffi::kernels::{self, AdamW8bitStep, QuantisedMoments};
 use crate::ffi::AdamWHyper;
 use tch::{Device, Kind, TchError, Tensor};
@@ -202,9 +202,6 @@ impl AdamW8bit {
             let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else { unreachable!("picked are unquantised") };
             m.push(exp_avg);
             v.push(exp_avg_sq);
-        }
-        fn pick<'a>(ts: &'a [Tensor], idx: &[usize]) -> Vec<&'a Tensor> {
-            idx.iter().map(|&i| &ts[i]).collect()
         }
         let decay: Vec<bool> = picked.iter().map(|&i| self.decay[i]).collect();
         let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;

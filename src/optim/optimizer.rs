@@ -54,8 +54,8 @@ impl Optimizer {
         let OptimizerSpec { name, fused, momentum, beta1, beta2, eps, weight_decay } = *spec;
         Ok(match name {
             OptimizerName::Adamw => Self::AdamW(AdamW::new(AdamWConfig { beta1, beta2, eps, weight_decay, fused }, params, decay, device)?),
-            OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay }, params, decay, device)?),
-            OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay }, params, decay, device)?),
+            OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay, fused }, params, decay, device)?),
+            OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay, fused }, params, decay, device)?),
             OptimizerName::Adafactor => Self::Adafactor(Adafactor::new(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device)?),
             OptimizerName::Adamw8bit => Self::AdamW8bit(AdamW8bit::new(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device)?),
         })

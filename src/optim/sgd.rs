@@ -1,10 +1,13 @@
 //! Stochastic gradient descent, with or without heavy-ball momentum: the maths of
 //! `torch.optim.SGD` (dampening 0, no Nesterov), including its coupled weight decay (`wd·p` is
 //! added to the gradient, unlike AdamW's decoupled decay), applied only to parameters whose
-//! `decay` flag is set. Owns the momentum buffers. Once built it allocates nothing on the device:
-//! −lr and the decay live in two 0-dim tensors so that every update is one in-place `addcmul_`,
-//! and no full-size temporary is needed.
-use super::state::{bytes, check_lengths, restore};
+//! `decay` flag is set. Owns the momentum buffers. Two update paths with the same maths: ATen's
+//! fused kernel (`at::_fused_sgd_` through the shim, as `torch.optim.SGD(fused=True)`: one pass
+//! per tensor, two calls a step; the default) and one built from tch ops, where −lr and the decay
+//! live in two 0-dim tensors so that every update is one in-place `addcmul_`. Neither makes a
+//! full-size temporary.
+use super::state::{bytes, check_lengths, decay_groups, pick, restore};
+use crate::ffi;
 use tch::{Device, Kind, TchError, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -14,6 +17,8 @@ pub struct SgdConfig {
     pub momentum: Option<f64>,
     /// Coupled L2 decay (PyTorch's `weight_decay`), for parameters whose `decay` flag is set.
     pub weight_decay: f64,
+    /// Use ATen's fused kernel.
+    pub fused: bool,
 }
 
 pub struct Sgd {
@@ -46,8 +51,16 @@ impl Sgd {
         check_lengths(params, grads, self.decay.len())?;
         let first = self.steps == 0;
         self.steps += 1;
-        let _ = self.neg_lr.f_fill_(-lr)?;
         let wd = self.cfg.weight_decay;
+        if self.cfg.fused {
+            for (with_decay, idx) in decay_groups(&self.decay) {
+                let bufs = self.cfg.momentum.map(|_| pick(&self.momentum_buffer, &idx));
+                let wd = if with_decay { wd } else { 0.0 };
+                ffi::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, self.cfg.momentum.unwrap_or(0.0), lr, first)?;
+            }
+            return Ok(());
+        }
+        let _ = self.neg_lr.f_fill_(-lr)?;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let mut p = p.shallow_clone();
             let decays = self.decay[i] && wd != 0.0;
@@ -103,10 +116,10 @@ mod tests {
     use super::*;
 
     /// `p` decays, `q` does not; three steps with the gradients of `REFERENCE_*`.
-    fn run(momentum: Option<f64>) -> (Vec<f32>, f32) {
+    fn run(momentum: Option<f64>, fused: bool) -> (Vec<f32>, f32) {
         let (p, q) = (Tensor::from_slice(&[1.0f32, -2.0, 3.0]), Tensor::from_slice(&[0.5f32]));
         let params = [p.shallow_clone(), q.shallow_clone()];
-        let mut opt = Sgd::new(SgdConfig { momentum, weight_decay: 0.1 }, &params, &[true, false], Device::Cpu).unwrap();
+        let mut opt = Sgd::new(SgdConfig { momentum, weight_decay: 0.1, fused }, &params, &[true, false], Device::Cpu).unwrap();
         for g in [[0.5f32, -1.0, 2.0], [0.1, 0.2, -0.3], [-1.0, 0.0, 1.0]] {
             opt.step(&params, &[Tensor::from_slice(&g), Tensor::from_slice(&g[..1])], 0.1).unwrap();
         }
@@ -135,24 +148,48 @@ mod tests {
 
     #[test]
     fn plain_sgd_matches_torch_optim_sgd_with_coupled_decay_on_flagged_parameters_only() {
-        let (p, q) = run(None);
-        assert_close(&p, &REFERENCE_PLAIN.0, "decayed");
-        assert_close(&[q], &[REFERENCE_PLAIN.1], "not decayed");
+        for fused in [true, false] {
+            let (p, q) = run(None, fused);
+            assert_close(&p, &REFERENCE_PLAIN.0, &format!("decayed, fused={fused}"));
+            assert_close(&[q], &[REFERENCE_PLAIN.1], &format!("not decayed, fused={fused}"));
+        }
     }
 
     #[test]
     fn momentum_matches_torch_optim_sgd() {
-        let (p, q) = run(Some(0.9));
-        assert_close(&p, &REFERENCE_MOMENTUM.0, "decayed");
-        assert_close(&[q], &[REFERENCE_MOMENTUM.1], "not decayed");
+        for fused in [true, false] {
+            let (p, q) = run(Some(0.9), fused);
+            assert_close(&p, &REFERENCE_MOMENTUM.0, &format!("decayed, fused={fused}"));
+            assert_close(&[q], &[REFERENCE_MOMENTUM.1], &format!("not decayed, fused={fused}"));
+        }
+    }
+
+    /// The fused kernel after a resume: buffers restored, the next step is not a first step (a
+    /// first step would overwrite the buffers with the gradient).
+    #[test]
+    fn a_resumed_fused_run_continues_the_momentum() {
+        let names = ["p".to_string(), "q".to_string()];
+        let grads = [[0.5f32, -1.0, 2.0], [0.1, 0.2, -0.3], [-1.0, 0.0, 1.0]];
+        let make = || [Tensor::from_slice(&[1.0f32, -2.0, 3.0]), Tensor::from_slice(&[0.5f32])];
+        let cfg = SgdConfig { momentum: Some(0.9), weight_decay: 0.1, fused: true };
+        let step = |opt: &mut Sgd, params: &[Tensor], g: &[f32; 3]| opt.step(params, &[Tensor::from_slice(g), Tensor::from_slice(&g[..1])], 0.1).unwrap();
+        let (straight, resumed) = (make(), make());
+        let mut a = Sgd::new(cfg, &straight, &[true, false], Device::Cpu).unwrap();
+        grads.iter().for_each(|g| step(&mut a, &straight, g));
+        let mut b = Sgd::new(cfg, &resumed, &[true, false], Device::Cpu).unwrap();
+        step(&mut b, &resumed, &grads[0]);
+        let mut c = Sgd::new(cfg, &resumed, &[true, false], Device::Cpu).unwrap();
+        c.load_state(&names, &b.state_tensors(&names), b.steps).unwrap();
+        grads[1..].iter().for_each(|g| step(&mut c, &resumed, g));
+        assert!(straight.iter().zip(&resumed).all(|(x, y)| x.equal(y)), "a resumed run equals the straight one bit for bit");
     }
 
     #[test]
     fn only_momentum_keeps_state() {
         let p = [Tensor::zeros([4, 3], (Kind::Float, Device::Cpu))];
-        let plain = Sgd::new(SgdConfig { momentum: None, weight_decay: 0.0 }, &p, &[true], Device::Cpu).unwrap();
+        let plain = Sgd::new(SgdConfig { momentum: None, weight_decay: 0.0, fused: true }, &p, &[true], Device::Cpu).unwrap();
         assert_eq!((plain.state_bytes(), plain.state_tensors(&["w".into()]).len()), (0, 0));
-        let heavy = Sgd::new(SgdConfig { momentum: Some(0.9), weight_decay: 0.0 }, &p, &[true], Device::Cpu).unwrap();
+        let heavy = Sgd::new(SgdConfig { momentum: Some(0.9), weight_decay: 0.0, fused: true }, &p, &[true], Device::Cpu).unwrap();
         assert_eq!(heavy.state_bytes(), 12 * 4);
         assert_eq!(heavy.state_tensors(&["w".into()])[0].0, "momentum_buffer.w");
     }

@@ -1,6 +1,7 @@
 //! What the optimizers share about their state: restoring a saved tensor into place (checked
-//! against the shape and kind the optimizer built), counting the bytes state occupies, and
-//! checking that a step was handed one gradient per parameter. No update rules here.
+//! against the shape and kind the optimizer built), counting the bytes state occupies, checking
+//! that a step was handed one gradient per parameter, and grouping tensors by their decay flag
+//! for the fused kernels. No update rules here.
 use tch::{TchError, Tensor};
 
 /// Copies the tensor saved as `key` into `dst`. A missing key, another shape or another kind is
@@ -31,4 +32,19 @@ pub(crate) fn check_lengths(params: &[Tensor], grads: &[Tensor], built_for: usiz
         )));
     }
     Ok(())
+}
+
+/// The indices of the tensors whose decay flag is set, then of the others, each group only when
+/// it is not empty: a fused kernel takes one weight decay per call.
+pub(crate) fn decay_groups(decay: &[bool]) -> Vec<(bool, Vec<usize>)> {
+    [true, false]
+        .into_iter()
+        .map(|with| (with, (0..decay.len()).filter(|&i| decay[i] == with).collect::<Vec<_>>()))
+        .filter(|(_, idx)| !idx.is_empty())
+        .collect()
+}
+
+/// `ts[i]` for each `i` of `idx`.
+pub(crate) fn pick<'a, T: std::borrow::Borrow<Tensor>>(ts: &'a [T], idx: &[usize]) -> Vec<&'a Tensor> {
+    idx.iter().map(|&i| ts[i].borrow()).collect()
 }
