@@ -271,8 +271,8 @@ fn allocator_thrashing_shrinks_the_micro_batch_on_cuda() {
 /// The optimizers' CUDA paths against their CPU ones on the same parameters and gradients: fused
 /// AdamW (one step counter shared by every tensor), 8-bit AdamW (small fp32 tensors through the
 /// fused kernel; on CUDA tensor ops over runs of 16 Mi values, on a tensor of 20 Mi values so
-/// it splits, against the CPU's fused kernel) and Adafactor (tensor ops against the CPU's fused
-/// kernel). Blockwise quantisation does not depend on the run length, so the two differ only by
+/// it splits, against the CPU's fused kernel), Adafactor (tensor ops against the CPU's fused
+/// kernel) and SGD with momentum (ATen's fused kernel on both). Blockwise quantisation does not depend on the run length, so the two differ only by
 /// rounding: within 1e-3 of a step (lr 1e-2), except
 /// where a rounding put an 8-bit code on the other side of a half — a code apart is at most a
 /// fifth of a step, and such elements are rare (the mean difference stays under 1e-7).
@@ -286,14 +286,15 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
     let params: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
     let grads: Vec<Vec<Tensor>> = (0..3).map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect()).collect();
     let decay = [true, true, false, false];
-    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false)] {
+    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false), (OptimizerName::SgdMomentum, true)] {
         let spec = OptimizerSpec { name, fused, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
         let run = |device: Device| -> Vec<Tensor> {
             let p: Vec<Tensor> = params.iter().map(|t| t.copy().to_device(device)).collect();
             let mut opt = Optimizer::new(&spec, &p, &decay, device).unwrap();
             for g in &grads {
                 let g: Vec<Tensor> = g.iter().map(|t| t.to_device(device)).collect();
-                opt.step(&p, &g, 1e-2).unwrap();
+                // SGD's step is lr·g, not lr-sized as Adam's: a larger lr moves it as far.
+                opt.step(&p, &g, if name == OptimizerName::SgdMomentum { 1.0 } else { 1e-2 }).unwrap();
             }
             p.iter().map(|t| t.to_device(Device::Cpu)).collect()
         };
