@@ -105,41 +105,43 @@ impl Adafactor {
         Self::with_path(cfg, params, decay, device, Path::for_device(device))
     }
 
+    /// Elements of the three buffers the tensor-op path works in, for parameters of `shapes`:
+    /// the update of one band of rows (or of one whole vector), the row means and the column
+    /// means, each in the parameters' dtype. The fused CPU kernel needs none (1 each). The
+    /// planner counts the same.
+    pub fn scratch_elements(shapes: impl IntoIterator<Item = Vec<i64>>, path: Path) -> [i64; 3] {
+        let Path::Bands { chunk_elements } = path else { return [1, 1, 1] };
+        shapes.into_iter().fold([1, 1, 1], |[update, rows_max, cols_max], shape| match shape[..] {
+            [rows, cols] => [update.max(band_rows(rows, cols, chunk_elements) * cols), rows_max.max(rows), cols_max.max(cols)],
+            _ => [update.max(shape.iter().product()), rows_max, cols_max],
+        })
+    }
+
     /// [`new`](Self::new) with the path chosen (tests run both on the CPU, and small bands to
     /// exercise banding).
     pub fn with_path(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
-        // The fused kernel needs no scratch: bands of one element keep the buffers at their minimum.
-        let chunk_elements = match path {
-            Path::FusedCpu => 1,
-            Path::Bands { chunk_elements } => chunk_elements,
-        };
         let kind = params.first().map_or(Kind::Float, Tensor::kind);
         if let Some(p) = params.iter().find(|p| p.kind() != kind) {
             return Err(TchError::Kind(format!("adafactor needs parameters of one dtype, got {kind:?} and {:?}", p.kind())));
         }
-        let (mut state, mut band_rows) = (Vec::with_capacity(params.len()), Vec::with_capacity(params.len()));
-        let (mut scratch_len, mut max_rows, mut max_cols) = (1i64, 1i64, 1i64);
-        let unbanded = path == Path::FusedCpu;
+        let (mut state, mut bands) = (Vec::with_capacity(params.len()), Vec::with_capacity(params.len()));
         for p in params {
             match p.size()[..] {
                 [rows, cols] => {
                     state.push(SecondMoment::Factored { row_var: Tensor::f_zeros([rows, 1], (kind, device))?, col_var: Tensor::f_zeros([1, cols], (kind, device))? });
-                    let band = (chunk_elements / cols.max(1)).clamp(1, rows.max(1));
-                    band_rows.push(band);
-                    if !unbanded {
-                        (scratch_len, max_rows, max_cols) = (scratch_len.max(band * cols), max_rows.max(rows), max_cols.max(cols));
-                    }
+                    bands.push(match path {
+                        Path::Bands { chunk_elements } => band_rows(rows, cols, chunk_elements),
+                        Path::FusedCpu => rows, // unused: the kernel takes the matrix whole
+                    });
                 }
                 [] | [_] => {
                     state.push(SecondMoment::Full { variance: Tensor::f_zeros_like(p)? });
-                    band_rows.push(0);
-                    if !unbanded {
-                        scratch_len = scratch_len.max(p.numel() as i64);
-                    }
+                    bands.push(0);
                 }
                 ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
             }
         }
+        let [scratch_len, max_rows, max_cols] = Self::scratch_elements(params.iter().map(Tensor::size), path);
         let scalar = |k: Kind| Tensor::f_zeros([], (k, device));
         Ok(Self {
             cfg,
@@ -147,7 +149,7 @@ impl Adafactor {
             steps: 0,
             decay: decay.to_vec(),
             path,
-            band_rows,
+            band_rows: bands,
             scratch: Tensor::f_empty([scratch_len], (kind, device))?,
             row_mean: Tensor::f_empty([max_rows], (kind, device))?,
             col_mean: Tensor::f_empty([max_cols], (kind, device))?,
@@ -350,6 +352,11 @@ impl Adafactor {
     pub fn scratch_bytes(&self) -> u64 {
         bytes(&self.scratch) + bytes(&self.row_mean) + bytes(&self.col_mean)
     }
+}
+
+/// Rows per band of an [rows, cols] matrix when bands hold at most `chunk_elements` values.
+fn band_rows(rows: i64, cols: i64, chunk_elements: i64) -> i64 {
+    (chunk_elements / cols.max(1)).clamp(1, rows.max(1))
 }
 
 /// `torch.finfo(dtype).eps`, PyTorch's default eps1.

@@ -12,7 +12,7 @@ mod schedule;
 mod sgd;
 mod state;
 
-pub use adafactor::{Adafactor, AdafactorConfig, SecondMoment};
+pub use adafactor::{Adafactor, AdafactorConfig, Path as AdafactorPath, SecondMoment};
 pub use adamw::{AdamW, AdamWConfig};
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, Moments, Path as AdamW8bitPath};
 pub use clip::{clip_grad_norm, scale_all};

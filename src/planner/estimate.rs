@@ -12,7 +12,7 @@
 use crate::config::{Arch, ModelConfig};
 use crate::model::memory::{Activations, Regime, Widths};
 use crate::model::{Part, TensorSpec};
-use crate::optim::{AdamW8bit, AdamW8bitPath};
+use crate::optim::{Adafactor, AdafactorPath, AdamW8bit, AdamW8bitPath};
 use serde::Serialize;
 
 /// The CUDA caching allocator hands out multiples of 512 bytes.
@@ -339,27 +339,35 @@ fn round_up(bytes: u64, to: u64) -> u64 {
     bytes.div_ceil(to) * to
 }
 
-/// Bytes of the parameter-sized buffers: each tensor rounded as the allocator would, then scaled
-/// to `--params` when given.
-/// Working buffers an optimizer makes at construction (not checkpointed): 8-bit AdamW's fp32
-/// runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on CUDA for GPT-2; on the CPU, whose
-/// fused kernel needs none, 3 × the largest unquantised tensor; a fourth for the gradient's fp32
-/// copy in bf16-pure). The fused AdamW and SGD have none.
+/// Working buffers an optimizer makes at construction (not checkpointed), as the optimizers
+/// size them: 8-bit AdamW's fp32 runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on
+/// CUDA for GPT-2; on the CPU, whose fused kernel needs none, 3 × the largest unquantised tensor;
+/// a fourth for the gradient's fp32 copy in bf16-pure) and Adafactor's band of the update, row
+/// and column means on CUDA (`Adafactor::scratch_elements`: 16 MiB for GPT-2; nothing on the
+/// CPU). The fused AdamW and SGD have none.
 fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
-    if s.optimizer != OptimizerName::Adamw8bit {
-        return 0;
-    }
     let device = match s.target {
         Target::Cuda => tch::Device::Cuda(0),
         Target::Cpu => tch::Device::Cpu,
     };
-    let path = AdamW8bitPath::for_device(device);
-    let elements = AdamW8bit::scratch_elements(m.tensors().iter().map(|sh| sh.iter().product::<u64>() as i64), path) as u64;
-    let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
     let round = if s.target == Target::Cuda { CUDA_ROUND } else { 1 };
-    buffers * round_up(elements * 4, round)
+    let shapes = m.tensors().into_iter().map(|sh| sh.into_iter().map(|d| d as i64).collect::<Vec<i64>>());
+    match s.optimizer {
+        OptimizerName::Adamw8bit => {
+            let elements = AdamW8bit::scratch_elements(shapes.map(|sh| sh.iter().product::<i64>()), AdamW8bitPath::for_device(device)) as u64;
+            let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
+            buffers * round_up(elements * 4, round)
+        }
+        OptimizerName::Adafactor => {
+            let param_bytes = if s.precision == Precision::Bf16Pure { 2 } else { 4 };
+            Adafactor::scratch_elements(shapes, AdafactorPath::for_device(device)).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum()
+        }
+        _ => 0,
+    }
 }
 
+/// Bytes of the parameter-sized buffers: each tensor rounded as the allocator would, then scaled
+/// to `--params` when given.
 fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> u64) -> u64 {
     let round = if target == Target::Cuda { CUDA_ROUND } else { 1 };
     let sum: u64 = model.tensors().iter().map(|s| bytes_of(s)).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
@@ -690,7 +698,8 @@ mod tests {
         let s = |o| estimate(&tiny, &setup(Precision::Fp32, o), 1, 1).optimizer;
         // Matrices: wte 128×64, wpe 16×64, qkv 192×64, proj 64×64, fc 256×64, proj 64×256; vectors: 3 LN weights of 64.
         let factored = (128 + 64) + (16 + 64) + (192 + 64) + (64 + 64) + (256 + 64) + (64 + 256);
-        assert_eq!(s(OptimizerName::Adafactor), 4 * (factored + 3 * 64));
+        // On the CPU Adafactor's fused kernel leaves three one-element buffers.
+        assert_eq!(s(OptimizerName::Adafactor), 4 * (factored + 3 * 64) + 3 * 4);
         // 8-bit: tensors of ≥ 4096 elements take 2 bytes/element + 8 bytes per 2048-block; smaller ones 8 bytes/element.
         let big = [128 * 64, 192 * 64, 64 * 64, 256 * 64, 64 * 256];
         let small = 16 * 64 + 3 * 64;
@@ -698,6 +707,20 @@ mod tests {
         // And, on the CPU (whose fused kernel needs no runs of blocks), three fp32 scratch
         // buffers as long as the largest unquantised tensor (wpe, 16×64).
         assert_eq!(s(OptimizerName::Adamw8bit), eight + 3 * 4 * 16 * 64);
+    }
+
+    /// On CUDA Adafactor's tensor ops work in bands of at most 4 Mi values: for GPT-2 the
+    /// embedding's band (5461 of its 50304 rows × 768), the row means of its 50304 rows and the
+    /// column means of the widest matrix (3072), fp32: 16.2 MiB beside the state.
+    #[test]
+    fn adafactor_on_cuda_counts_its_band_and_row_and_column_buffers() {
+        let m = gpt2();
+        let s = Setup { target: Target::Cuda, ..setup(Precision::Fp32, OptimizerName::Adafactor) };
+        let state = per_tensor(&m, Target::Cuda, |sh| OptimizerName::Adafactor.state_for(sh, 4));
+        let (band, rows, cols) = (5461 * 768 * 4, 50304 * 4, 3072 * 4);
+        assert_eq!(band + rows + cols, 16_989_696);
+        let rounded: u64 = [band, rows, cols].iter().map(|&b: &u64| b.div_ceil(512) * 512).sum();
+        assert_eq!(estimate(&m, &s, 1, 1).optimizer, state + rounded);
     }
 
     #[test]
