@@ -34,8 +34,11 @@ fn main() {
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")
         .flag("-Wno-unused-parameter")
-        // sqrt without errno, so the optimizer kernels' loops vectorise (nothing reads errno).
+        // sqrt without errno, so the optimizer kernels' loops vectorise (nothing reads errno);
+        // no multiply-add contraction, so their AVX-512, AVX2 and x86-64 clones round alike and
+        // a CPU's features never change the numbers (GCC contracts by default, even in ISO mode).
         .flag("-fno-math-errno")
+        .flag("-ffp-contract=off")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .warnings(false)
         .compile("trainguard_shim");

@@ -62,8 +62,9 @@ struct Adamw8bitStep {
 
 // One block of `len` values: dequantise both moments, AdamW, requantise with fresh scales. Three
 // loops over the block (held in L1) so that each vectorises. Compiled for AVX-512, AVX2 and plain
-// x86-64, picked at load time (GCC's target_clones); without -ffp-contract every clone rounds
-// the same way (IEEE sqrt and division, no fused multiply-add), so results do not depend on the CPU.
+// x86-64, picked at load time (GCC's target_clones); built with -ffp-contract=off (build.rs), every
+// clone rounds the same way (IEEE sqrt and division, no fused multiply-add), so results do not
+// depend on the CPU.
 template <typename P>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void adamw8bit_block(P* __restrict p, const P* __restrict g, int8_t* __restrict qm, float* am, uint8_t* __restrict qv,
