@@ -4,8 +4,8 @@
 //! - `libtorch_cuda` / `libc10_cuda` linked with `-as-needed` switched off: nothing in Rust calls
 //!   them directly, so a plain link would drop them and CUDA would stay invisible on GPU machines
 //!   ("Cannot initialize CUDA without ATen_cuda library").
-//! - `src/ffi/shim.cpp` (allocator, versions, fused AdamW, deterministic mode), `src/ffi/optim_kernels.cpp`
-//!   (fused CPU updates of 8-bit AdamW and Adafactor), `src/ffi/shim_cuda.cpp`
+//! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
+//!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor), `src/ffi/shim_cuda.cpp`
 //!   (the allocator's history recorder; only against a libtorch with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process
 //!   groups) compiled against the same libtorch.
 use std::path::PathBuf;

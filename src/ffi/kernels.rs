@@ -1,11 +1,45 @@
-//! Wrappers over `optim_kernels.cpp`: fused CPU updates for the optimizers ATen has no kernel for
-//! (8-bit AdamW, Adafactor), a few passes over a tensor instead of ~20. The tensor-op versions in
-//! `optim` compute the same maths on CUDA and are what these are tested against.
+//! Wrappers over `optim_kernels.cpp`, the optimizers' and clipping's kernels:
+//! - ATen's multi-tensor ones that tch does not expose: fused AdamW and SGD, the global norm
+//!   and scaling of a tensor list (`_foreach_norm`, `_foreach_mul_`), on the CPU and CUDA;
+//! - our own fused CPU updates for the optimizers ATen has no kernel for (8-bit AdamW,
+//!   Adafactor), a few passes over a tensor instead of ~20. The tensor-op versions in `optim`
+//!   compute the same maths on CUDA and are what these are tested against.
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
+    fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn tg_fused_adamw(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        exp_avgs: *const *const c_void,
+        exp_avg_sqs: *const *const c_void,
+        steps: *const *const c_void,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn tg_fused_sgd(
+        params: *const *const c_void,
+        grads: *const *const c_void,
+        bufs: *const *const c_void,
+        n: usize,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        is_first_step: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn tg_adamw8bit_update(
         param: *mut c_void,
@@ -122,5 +156,67 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
     };
     // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full.
     let code = unsafe { tg_adafactor_update(h(param), h(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)
+}
+
+/// Hyper-parameters of one fused AdamW call.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+/// The tch handles (`at::Tensor*`) of `tensors`, as the shim's list functions take them.
+fn handles<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<*const c_void> {
+    tensors.iter().map(|t| t.borrow().as_ptr() as *const c_void).collect()
+}
+
+/// The global L2 norm of `tensors` written into the 0-dim `out` (any float dtype): per-tensor
+/// norms in one multi-tensor launch on CUDA, then their norm.
+pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
+    let ptrs = handles(tensors);
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call, as
+    // is `out`; the shim copies the handles (refcounted) and catches every exception.
+    result(unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), out.as_ptr() as *mut c_void, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Multiplies every one of `tensors` by `factor` in place (one multi-tensor launch on CUDA).
+pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
+    let ptrs = handles(tensors);
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `global_norm`.
+    result(unsafe { tg_scale_all(ptrs.as_ptr(), ptrs.len(), factor, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
+/// scalar tensors already incremented for this update.
+pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], steps: &[&Tensor], h: AdamWHyper) -> Result<(), ShimError> {
+    let n = params.len();
+    assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "tensor lists differ in length");
+    let (p, g, m, v, s) = (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs), handles(steps));
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
+    // the shim copies the handles (refcounted) and catches every exception.
+    let code = unsafe {
+        tg_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, err.as_mut_ptr().cast(), ERR_LEN)
+    };
+    result(code, &err)
+}
+
+/// `at::_fused_sgd_` over parallel lists of tensors: coupled `weight_decay`, then heavy-ball
+/// `momentum` when `momentum_buffers` is `Some` (one per parameter; `first_step` copies the
+/// gradient into them, as PyTorch's first step does).
+pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: Option<&[&Tensor]>, weight_decay: f64, momentum: f64, lr: f64, first_step: bool) -> Result<(), ShimError> {
+    let n = params.len();
+    assert!(grads.len() == n && momentum_buffers.is_none_or(|b| b.len() == n), "tensor lists differ in length");
+    let (p, g, b) = (handles(params), handles(grads), momentum_buffers.map(handles));
+    let b_ptr = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `fused_adamw`; `b_ptr` is null exactly when there are no buffers.
+    let code = unsafe { tg_fused_sgd(p.as_ptr(), g.as_ptr(), b_ptr, n, weight_decay, momentum, lr, c_int::from(first_step), err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)
 }

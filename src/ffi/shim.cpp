@@ -7,12 +7,6 @@
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/headeronly/version.h>
-#include <ATen/ops/_fused_adamw.h>
-#include <ATen/ops/_fused_sgd.h>
-#include <ATen/ops/_foreach_mul.h>
-#include <ATen/ops/_foreach_norm.h>
-#include <ATen/ops/linalg_vector_norm.h>
-#include <ATen/ops/stack.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Logging.h>
@@ -190,58 +184,6 @@ int tg_deterministic_state() {
   const auto& ctx = at::globalContext();
   return (ctx.deterministicAlgorithms() ? 1 : 0) | (ctx.deterministicAlgorithmsWarnOnly() ? 2 : 0) |
          (ctx.deterministicFillUninitializedMemory() ? 4 : 0) | (ctx.deterministicCuDNN() ? 8 : 0);
-}
-
-// The tch handles (`at::Tensor*`) of a list, as ATen's tensor lists want them.
-static std::vector<at::Tensor> tensor_list(const void* const* ptrs, size_t n) {
-  std::vector<at::Tensor> v;
-  v.reserve(n);
-  for (size_t i = 0; i < n; ++i) v.push_back(*static_cast<const at::Tensor*>(ptrs[i]));
-  return v;
-}
-
-// The global L2 norm of `n` tensors into the 0-dim `out`: each tensor's norm in one multi-tensor
-// launch on CUDA (`_foreach_norm`), then the norm of those.
-int tg_global_norm(const void* const* ts, size_t n, void* out, char* err, size_t err_len) {
-  return guarded(err, err_len, [&] {
-    auto norms = at::_foreach_norm(tensor_list(ts, n), 2);
-    static_cast<at::Tensor*>(out)->copy_(at::linalg_vector_norm(at::stack(norms), 2));
-  });
-}
-
-// Every one of `n` tensors times `factor`, in place, in one multi-tensor launch on CUDA.
-int tg_scale_all(const void* const* ts, size_t n, double factor, char* err, size_t err_len) {
-  return guarded(err, err_len, [&] {
-    auto list = tensor_list(ts, n);
-    at::_foreach_mul_(list, factor);
-  });
-}
-
-// One AdamW update of `n` tensors with ATen's fused kernel (CPU and CUDA): reads each tensor
-// once. The tensors are tch handles (`at::Tensor*`). `steps` must already be incremented.
-int tg_fused_adamw(const void* const* params, const void* const* grads, const void* const* exp_avgs,
-                   const void* const* exp_avg_sqs, const void* const* steps, size_t n, double lr,
-                   double beta1, double beta2, double weight_decay, double eps, char* err,
-                   size_t err_len) {
-  return guarded(err, err_len, [&] {
-    auto list = [n](const void* const* ptrs) { return tensor_list(ptrs, n); };
-    auto p = list(params), g = list(grads), m = list(exp_avgs), v = list(exp_avg_sqs), s = list(steps);
-    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
-  });
-}
-
-// One SGD update of `n` tensors with ATen's fused kernel (CPU and CUDA), as torch.optim.SGD with
-// fused=True: coupled decay, then (with `bufs`, `n` of them, else null) heavy-ball momentum whose
-// first step copies the gradient. Dampening 0, no Nesterov.
-int tg_fused_sgd(const void* const* params, const void* const* grads, const void* const* bufs, size_t n,
-                 double weight_decay, double momentum, double lr, int is_first_step, char* err, size_t err_len) {
-  return guarded(err, err_len, [&] {
-    auto p = tensor_list(params, n), g = tensor_list(grads, n);
-    auto b = bufs ? tensor_list(bufs, n) : std::vector<at::Tensor>{};
-    at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
-                    /*maximize=*/false, is_first_step != 0);
-  });
 }
 
 }  // extern "C"

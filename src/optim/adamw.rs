@@ -5,7 +5,7 @@
 //! temporary lives in a scratch buffer made at construction), so once gradients exist the
 //! update cannot run out of memory half-way and leave some parameters updated and others not.
 use super::state::{decay_groups, pick};
-use crate::ffi::{self, AdamWHyper};
+use crate::ffi::kernels::{self, AdamWHyper};
 use tch::{Device, Kind, TchError, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -129,7 +129,7 @@ impl AdamW {
 pub(super) fn fused_update(params: &[&Tensor], grads: &[&Tensor], exp_avg: &[&Tensor], exp_avg_sq: &[&Tensor], decay: &[bool], step: &Tensor, h: AdamWHyper) -> Result<(), TchError> {
     for (with_decay, idx) in decay_groups(decay) {
         let h = AdamWHyper { weight_decay: if with_decay { h.weight_decay } else { 0.0 }, ..h };
-        ffi::fused_adamw(&pick(params, &idx), &pick(grads, &idx), &pick(exp_avg, &idx), &pick(exp_avg_sq, &idx), &vec![step; idx.len()], h)?;
+        kernels::fused_adamw(&pick(params, &idx), &pick(grads, &idx), &pick(exp_avg, &idx), &pick(exp_avg_sq, &idx), &vec![step; idx.len()], h)?;
     }
     Ok(())
 }

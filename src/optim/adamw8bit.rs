@@ -19,8 +19,7 @@
 use super::adamw::fused_update;
 use super::quant::{self, BLOCK, MIN_QUANTISED};
 use super::state::{bytes, check_lengths, pick, restore};
-use crate::ffi::kernels::{self, AdamW8bitStep, QuantisedMoments};
-use crate::ffi::AdamWHyper;
+use crate::ffi::kernels::{self, AdamW8bitStep, AdamWHyper, QuantisedMoments};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// How the quantised tensors are updated.

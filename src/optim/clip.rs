@@ -1,7 +1,7 @@
 //! Gradient clipping by global L2 norm, with ATen's multi-tensor kernels through the shim (as
 //! `torch.nn.utils.clip_grad_norm_` does with `foreach=True`): on CUDA two launches for the norms
 //! and one for the scaling, where a loop over GPT-2's 148 gradients made ~300.
-use crate::ffi;
+use crate::ffi::kernels;
 use tch::{Kind, TchError, Tensor};
 
 /// Scales `grads` in place so their global L2 norm is at most `max_norm` (0 = no clipping) and
@@ -10,7 +10,7 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64, TchErr
     let _no_grad = tch::no_grad_guard();
     let Some(first) = grads.first() else { return Ok(0.0) };
     let total = Tensor::f_zeros([], (Kind::Double, first.device()))?;
-    ffi::global_norm(grads, &total)?;
+    kernels::global_norm(grads, &total)?;
     let total = total.f_double_value(&[])?;
     if max_norm > 0.0 && total.is_finite() {
         let coef = max_norm / (total + 1e-6);
@@ -23,7 +23,7 @@ pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64, TchErr
 
 /// Every gradient times `factor`, in place (also the fp16 loss scale's unscaling).
 pub fn scale_all(grads: &mut [Tensor], factor: f64) -> Result<(), TchError> {
-    Ok(ffi::scale_all(grads, factor)?)
+    Ok(kernels::scale_all(grads, factor)?)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! live in two 0-dim tensors so that every update is one in-place `addcmul_`. Neither makes a
 //! full-size temporary.
 use super::state::{bytes, check_lengths, decay_groups, pick, restore};
-use crate::ffi;
+use crate::ffi::kernels;
 use tch::{Device, Kind, TchError, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -56,7 +56,7 @@ impl Sgd {
             for (with_decay, idx) in decay_groups(&self.decay) {
                 let bufs = self.cfg.momentum.map(|_| pick(&self.momentum_buffer, &idx));
                 let wd = if with_decay { wd } else { 0.0 };
-                ffi::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, self.cfg.momentum.unwrap_or(0.0), lr, first)?;
+                kernels::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, self.cfg.momentum.unwrap_or(0.0), lr, first)?;
             }
             return Ok(());
         }
