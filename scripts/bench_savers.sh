@@ -7,7 +7,8 @@
 # with its error.
 # On a GPU (`--device cuda`) the memory column is the caching allocator's peak allocated over
 # the measured steps (the figure the planner estimates), not an analogue.
-# Usage: scripts/bench_savers.sh [--device cpu|cuda]   (env STEPS=3 THREADS=$(nproc))
+# Usage: scripts/bench_savers.sh [--device cpu|cuda]   (env STEPS=3 THREADS=$(nproc); ONLY=<regex>
+# keeps the switches whose name matches, beside the fp32 baseline the ratios need)
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
 DEVICE=cpu
@@ -38,6 +39,7 @@ printf "| switch | $mem_col | vs fp32 | tokens/s | vs fp32 | planner peak alloca
 base_mem=""; base_tps=""
 for v in "${variants[@]}"; do
   IFS='|' read -r name sets <<<"$v"
+  if [ -n "${ONLY:-}" ] && [ -n "$base_mem" ] && ! [[ $name =~ $ONLY ]]; then continue; fi
   args=(); for s in $sets; do args+=(--set "$s"); done
   rm -rf "$out/run"
   rm -rf "${out:?}/run"  # a fresh run each time (trainguard refuses to start over another run's checkpoints)
