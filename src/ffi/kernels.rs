@@ -99,18 +99,17 @@ pub struct QuantisedMoments<'a> {
 /// dequantising, updating and requantising each block of 2048 values in one pass.
 pub fn adamw8bit_update(param: &Tensor, grad: &Tensor, m: QuantisedMoments, s: AdamW8bitStep) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
-    let h = |t: &Tensor| t.as_ptr() as *mut c_void;
     // SAFETY: every pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
     // the shim checks devices, dtypes and lengths before it touches data, and catches every
     // exception. The tensors are written in place through their storage, as tch's `_` ops do.
     let code = unsafe {
         tg_adamw8bit_update(
-            h(param),
-            h(grad),
-            h(m.exp_avg),
-            h(m.exp_avg_absmax),
-            h(m.exp_avg_sq),
-            h(m.exp_avg_sq_absmax),
+            handle(param),
+            handle(grad),
+            handle(m.exp_avg),
+            handle(m.exp_avg_absmax),
+            handle(m.exp_avg_sq),
+            handle(m.exp_avg_sq_absmax),
             s.beta1,
             s.beta2,
             s.shrink,
@@ -149,13 +148,12 @@ pub enum SecondMoments<'a> {
 /// in four reads of the gradient and parameter and one write.
 pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s: AdafactorStep) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
-    let h = |t: &Tensor| t.as_ptr() as *mut c_void;
     let (a, b) = match moments {
-        SecondMoments::Factored { row_var, col_var } => (h(row_var), h(col_var)),
-        SecondMoments::Full { variance } => (h(variance), std::ptr::null_mut()),
+        SecondMoments::Factored { row_var, col_var } => (handle(row_var), handle(col_var)),
+        SecondMoments::Full { variance } => (handle(variance), std::ptr::null_mut()),
     };
     // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full.
-    let code = unsafe { tg_adafactor_update(h(param), h(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe { tg_adafactor_update(handle(param), handle(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)
 }
 
@@ -169,9 +167,14 @@ pub struct AdamWHyper {
     pub eps: f64,
 }
 
-/// The tch handles (`at::Tensor*`) of `tensors`, as the shim's list functions take them.
+/// The tch handle (`at::Tensor*`) of `t`, as the shim's entry points take tensors.
+fn handle(t: &Tensor) -> *mut c_void {
+    t.as_ptr() as *mut c_void
+}
+
+/// The handles of `tensors`, as the shim's list functions take them.
 fn handles<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<*const c_void> {
-    tensors.iter().map(|t| t.borrow().as_ptr() as *const c_void).collect()
+    tensors.iter().map(|t| handle(t.borrow()) as *const c_void).collect()
 }
 
 /// The global L2 norm of `tensors` written into the 0-dim `out` (any float dtype): per-tensor
@@ -181,7 +184,7 @@ pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call, as
     // is `out`; the shim copies the handles (refcounted) and catches every exception.
-    result(unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), out.as_ptr() as *mut c_void, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    result(unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), handle(out), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 /// Multiplies every one of `tensors` by `factor` in place (one multi-tensor launch on CUDA).

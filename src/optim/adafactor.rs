@@ -83,8 +83,6 @@ pub struct Adafactor {
     pub steps: u64,
     decay: Vec<bool>,
     path: Path,
-    /// Rows per band of each factored parameter (all rows when it fits in the chunk).
-    band_rows: Vec<i64>,
     /// The update of one band, in the parameters' dtype (as PyTorch computes it).
     scratch: Tensor,
     /// Row and column means of g² of the current step, before they enter the running means.
@@ -124,20 +122,13 @@ impl Adafactor {
         if let Some(p) = params.iter().find(|p| p.kind() != kind) {
             return Err(TchError::Kind(format!("adafactor needs parameters of one dtype, got {kind:?} and {:?}", p.kind())));
         }
-        let (mut state, mut bands) = (Vec::with_capacity(params.len()), Vec::with_capacity(params.len()));
+        let mut state = Vec::with_capacity(params.len());
         for p in params {
             match p.size()[..] {
                 [rows, cols] => {
                     state.push(SecondMoment::Factored { row_var: Tensor::f_zeros([rows, 1], (kind, device))?, col_var: Tensor::f_zeros([1, cols], (kind, device))? });
-                    bands.push(match path {
-                        Path::Bands { chunk_elements } => band_rows(rows, cols, chunk_elements),
-                        Path::FusedCpu => rows, // unused: the kernel takes the matrix whole
-                    });
                 }
-                [] | [_] => {
-                    state.push(SecondMoment::Full { variance: Tensor::f_zeros_like(p)? });
-                    bands.push(0);
-                }
+                [] | [_] => state.push(SecondMoment::Full { variance: Tensor::f_zeros_like(p)? }),
                 ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
             }
         }
@@ -149,7 +140,6 @@ impl Adafactor {
             steps: 0,
             decay: decay.to_vec(),
             path,
-            band_rows: bands,
             scratch: Tensor::f_empty([scratch_len], (kind, device))?,
             row_mean: Tensor::f_empty([max_rows], (kind, device))?,
             col_mean: Tensor::f_empty([max_cols], (kind, device))?,
@@ -176,7 +166,7 @@ impl Adafactor {
             let n = p.numel() as f64;
             let eps1 = self.cfg.eps1.unwrap_or_else(|| machine_epsilon(p.kind()));
             let decays = self.decay[i] && self.cfg.weight_decay != 0.0;
-            if self.path == Path::FusedCpu {
+            let Path::Bands { chunk_elements } = self.path else {
                 let moments = match &self.state[i] {
                     SecondMoment::Factored { row_var, col_var } => SecondMoments::Factored { row_var, col_var },
                     SecondMoment::Full { variance } => SecondMoments::Full { variance },
@@ -185,7 +175,7 @@ impl Adafactor {
                 let AdafactorConfig { eps2, d, .. } = self.cfg;
                 kernels::adafactor_update(&p, g, moments, AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink })?;
                 continue;
-            }
+            };
             // α = max(eps2, RMS(p)) · ρ, from the parameter before this step's decay.
             self.norm_into_alpha(&p)?;
             let _ = self.alpha.f_div_scalar_(n.sqrt())?;
@@ -211,7 +201,7 @@ impl Adafactor {
                     let _ = col_var.f_lerp_(&cm, one_minus_beta2)?;
                     let mut rvm = row_var.f_mean_out(&self.row_var_mean, [-2i64].as_slice(), true, None::<Kind>)?;
                     let _ = rvm.f_clamp_min_(eps1)?;
-                    let band = self.band_rows[i];
+                    let band = band_rows(rows, cols, chunk_elements);
                     (0..rows).step_by(band as usize).map(|r0| (r0, band.min(rows - r0))).collect::<Vec<_>>()
                 }
                 SecondMoment::Full { variance } => {
