@@ -3,12 +3,13 @@
 # Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
 # (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
 # one line per part to summary.txt; a failing part does not stop the others.
-#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench optim savers cap detcost fill (default: all)
+#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench optim savers cap detcost kernels fill (default: all)
 #   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
 #           deterministic mode), kill -9 + --resume auto bitwise (deterministic mode), the OOM
 #           snapshot (pickle.load, _memory_viz), a leak stopped with its diagnosis,
-#           expandable_segments + NVML, NCCL with one rank, the planner within ±10%, offload,
-#           thrash shrink
+#           expandable_segments + NVML, NCCL with one rank, the planner within ±10% (llama with
+#           the fused RMSNorm too), offload (losses unchanged), batches uploaded without waiting,
+#           the fused RMSNorm against the step-by-step form, thrash shrink
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
@@ -18,6 +19,8 @@
 #   cap     gpt2-124m at micro-batch 64 under memory.limit=16GiB: the guard settles the size
 #   detcost scripts/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
 #           memory.snapshot_on_oom on and off
+#   kernels scripts/bench_kernels.sh: tokens/s and peak allocated of smollm2-135m bf16-mixed with
+#           kernels.fused_rms_norm off and on
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off
 set -uo pipefail
@@ -25,7 +28,7 @@ source "$(dirname "$0")/tools.sh"
 dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench optim savers cap detcost fill)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench optim savers cap detcost kernels fill)
 
 part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and time
   local name=$1 t0=$SECONDS rc; shift
@@ -53,8 +56,9 @@ for p in "${parts[@]}"; do
         --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set memory.limit=16GiB
       cp "$run_dir/events.jsonl" "$dest/cap-events.jsonl" 2>/dev/null; rm -rf "$run_dir" ;;
     detcost) part detcost bash scripts/bench_determinism.sh --device cuda ;;
+    kernels) part kernels bash scripts/bench_kernels.sh --device cuda ;;
     fill) part fill env OUT="$dest/fill" bash scripts/fill_card.sh ;;
-    *) echo "unknown part '$p' (env tests plan bench optim savers cap detcost fill)" >&2; exit 2 ;;
+    *) echo "unknown part '$p' (env tests plan bench optim savers cap detcost kernels fill)" >&2; exit 2 ;;
   esac
 done
 cat "$dest/summary.txt"

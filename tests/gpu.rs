@@ -186,7 +186,8 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for (config, seq, micros) in [("configs/debug.yaml", 256, "8,16,32"), ("configs/gpt2-124m.yaml", 512, "1,2,4")] {
+    // llama-debug: RMSNorm counted as the fused kernel (kernels.fused_rms_norm, on by default).
+    for (config, seq, micros) in [("configs/debug.yaml", 256, "8,16,32"), ("configs/gpt2-124m.yaml", 512, "1,2,4"), ("configs/llama-debug.yaml", 256, "8,16,32")] {
         let out = std::process::Command::new(bin())
             .args(["plan", "--profile", "--json", "--device", "cuda", "--profile-steps", "1", "--micro-batches", micros])
             .arg("--config")
@@ -217,24 +218,31 @@ fn an_offloaded_segment_input_lives_in_pinned_cpu_memory() {
     assert!(kept.to_device(dev).equal(&t));
 }
 
-/// Highest `peak_allocated_bytes` of a short CUDA run.
-fn cuda_peak(extra: &[&str]) -> u64 {
+/// Highest `peak_allocated_bytes` of a short CUDA run, and its losses.
+fn cuda_peak(extra: &[&str]) -> (u64, Vec<f64>) {
     let dir = tempfile::tempdir().unwrap();
     let base = ["device=cuda", "model.n_layer=12", "model.n_embd=512", "model.n_head=8", "model.seq_len=1024", "model.vocab_size=4096", "train.global_batch_size=8", "train.micro_batch_size=8", "train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "memory.activation_checkpointing=blocks"];
     let r = train(dir.path(), "configs/debug.yaml", &[&base[..], extra].concat()).ok();
-    r.metrics().iter().filter_map(|m| m["peak_allocated_bytes"].as_u64()).max().expect("CUDA runs report peak_allocated_bytes")
+    let peak = r.metrics().iter().filter_map(|m| m["peak_allocated_bytes"].as_u64()).max().expect("CUDA runs report peak_allocated_bytes");
+    (peak, r.metrics().iter().map(|m| m["loss"].as_f64().unwrap()).collect())
 }
 
 /// Offload keeps the 12 segment inputs (8 × 1024 × 512 fp32 = 16 MiB each) off the GPU: the
 /// peak allocated falls by most of their 192 MiB (one comes back at a time in the backward).
+/// The inputs go out and come back by asynchronous copies on the compute stream; the losses
+/// are those of the run that keeps them.
 #[test]
 fn offload_lowers_the_peak_allocated_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    let (kept, offloaded) = (cuda_peak(&[]), cuda_peak(&["memory.offload_activations=true"]));
-    eprintln!("peak allocated: checkpointing {kept}, with offload {offloaded}");
+    let ((kept, plain), (offloaded, with_offload)) = (cuda_peak(&[]), cuda_peak(&["memory.offload_activations=true"]));
+    eprintln!("peak allocated: checkpointing {kept}, with offload {offloaded}; losses {plain:?} and {with_offload:?}");
     assert!(offloaded + (120 << 20) < kept, "offload should save over 120 MiB: {kept} → {offloaded}");
+    assert_eq!(plain.len(), 3);
+    for (a, b) in plain.iter().zip(&with_offload) {
+        assert!(((a - b) / a).abs() < 1e-5, "offload changed the loss: {plain:?} vs {with_offload:?}");
+    }
 }
 
 /// `oom.on_thrash: shrink` on a real allocator: a cap just above what a step allocates makes
@@ -328,5 +336,49 @@ fn clipping_on_cuda_matches_the_cpu() {
     for (a, b) in cpu.iter().zip(&gpu) {
         let diff = f64::try_from((a - b.to_device(Device::Cpu)).abs().max()).unwrap();
         assert!(diff < 1e-7, "scaled gradients differ by {diff:e}");
+    }
+}
+
+/// `kernels.fused_rms_norm` on CUDA: ATen's fused RMSNorm gives the loss and gradients of the
+/// step-by-step form (`transformers`' order) to float rounding, in fp32 and under bf16 autocast.
+#[test]
+fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
+    use trainguard::config::{Arch, KernelsConfig, ModelConfig, Precision};
+    use trainguard::model::Model;
+    use trainguard::step::Autocast;
+    let Some(dev) = cuda() else { return };
+    let cfg = ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: Some(2), n_embd: 128, ffn_hidden: Some(344), vocab_size: 256, seq_len: 64, bias: false, ..ModelConfig::default() };
+    let x = Tensor::randint(256, [4, 64], (Kind::Int64, dev));
+    let y = Tensor::randint(256, [4, 64], (Kind::Int64, dev));
+    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+        let run = |fused: bool| {
+            let m = Model::with_kernels(&cfg, KernelsConfig { fused_rms_norm: fused }, 3, dev).unwrap();
+            let _autocast = Autocast::enter(precision, dev).unwrap();
+            let loss = m.loss(&x, &y, true, None).unwrap();
+            let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
+            (f64::try_from(&loss).unwrap(), grads)
+        };
+        let ((la, ga), (lb, gb)) = (run(false), run(true));
+        let worst = ga.iter().zip(&gb).map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap()).fold(0.0, f64::max);
+        eprintln!("{precision:?}: loss step by step {la} fused {lb}; worst gradient difference / its tensor's largest {worst:.2e}");
+        let tol = if precision == Precision::Fp32 { 1e-4 } else { 2e-2 };
+        assert!(((la - lb) / la).abs() < tol / 10.0 && worst < tol, "{precision:?}: fused RMSNorm differs");
+    }
+}
+
+/// Batches reach the GPU from pinned memory without the host waiting for the copy: twenty
+/// batches are queued before any is read back (pinned blocks freed while their copies may still
+/// be pending), and each holds the tokens the CPU batch holds.
+#[test]
+fn batches_uploaded_without_waiting_hold_the_cpu_batches() {
+    use trainguard::data::{Corpus, Sampler};
+    let Some(dev) = cuda() else { return };
+    let corpus = Corpus::synthetic(256, 200_000, 0.1).unwrap();
+    let s = Sampler { seed: 1, seq_len: 256 };
+    let on_gpu: Vec<(Tensor, Tensor)> = (0..20).map(|step| s.train_batch(&corpus, step, 0..16, dev).unwrap()).collect();
+    for (step, (x, y)) in on_gpu.iter().enumerate() {
+        let (xc, yc) = s.train_batch(&corpus, step as u64, 0..16, Device::Cpu).unwrap();
+        assert_eq!(x.device(), dev);
+        assert!(x.to_device(Device::Cpu).equal(&xc) && y.to_device(Device::Cpu).equal(&yc), "step {step}: the uploaded batch differs");
     }
 }

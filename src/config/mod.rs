@@ -33,6 +33,7 @@ pub struct Config {
     pub optimizer: OptimizerConfig,
     pub oom: OomConfig,
     pub memory: MemoryConfig,
+    pub kernels: KernelsConfig,
     pub checkpoint: CheckpointConfig,
     pub nan: NanConfig,
     pub dist: DistConfig,
@@ -60,6 +61,7 @@ impl Default for Config {
             optimizer: OptimizerConfig::default(),
             oom: OomConfig::default(),
             memory: MemoryConfig::default(),
+            kernels: KernelsConfig::default(),
             checkpoint: CheckpointConfig::default(),
             nan: NanConfig::default(),
             dist: DistConfig::default(),
@@ -356,6 +358,25 @@ pub enum OomPolicy {
     /// No guard at all: each step runs once, unwrapped; an out-of-memory ends the run (exit 3).
     /// For measuring the guard's own cost.
     Off,
+}
+
+/// Which kernels compute the step: speed switches that change how the maths runs, never what it
+/// is (at most the last bits of a rounding). Not under `model:` because a resume compares that
+/// section: a checkpoint resumes under any of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KernelsConfig {
+    /// Llama's RMSNorm on CUDA as ATen's fused kernel (`_fused_rms_norm`: one kernel forward,
+    /// one backward, input and rstd saved) instead of step by step as `transformers` computes it
+    /// (about seven kernels forward). On the CPU ATen has no such kernel and the step-by-step
+    /// form runs either way.
+    pub fused_rms_norm: bool,
+}
+
+impl Default for KernelsConfig {
+    fn default() -> Self {
+        Self { fused_rms_norm: true }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -61,11 +61,25 @@ impl Sampler {
             x.extend(window[..t].iter().map(|&v| v as i64));
             y.extend(window[1..].iter().map(|&v| v as i64));
         }
-        let shape = [offsets.len() as i64, t as i64];
-        let x = Tensor::f_from_slice(&x)?.f_view(shape)?.f_to_device(device)?;
-        let y = Tensor::f_from_slice(&y)?.f_view(shape)?.f_to_device(device)?;
-        debug_assert_eq!(x.kind(), Kind::Int64);
-        Ok((x, y))
+        // Inputs and targets in one tensor, so a GPU gets them in one copy.
+        x.extend(y);
+        let both = Tensor::f_from_slice(&x)?.f_view([2, offsets.len() as i64, t as i64])?;
+        let both = upload(both, device)?;
+        debug_assert_eq!(both.kind(), Kind::Int64);
+        Ok((both.f_get(0)?, both.f_get(1)?))
+    }
+}
+
+/// `host` on `device`. To a GPU from pinned memory without waiting: a copy from pageable memory
+/// makes the host wait until the GPU has finished all queued work, at every micro-step, so the
+/// next kernels would be launched onto an idle GPU. The pinned block is not reused before the
+/// copy has run (PyTorch's host allocator records the copy's stream). `_pin_memory`, because
+/// `pin_memory` warns at every call that its device argument (which tch always passes) is
+/// deprecated.
+fn upload(host: Tensor, device: Device) -> Result<Tensor, TchError> {
+    match device.is_cuda() {
+        true => host.f_internal_pin_memory(device)?.f_to_device_(device, host.kind(), true, false),
+        false => Ok(host),
     }
 }
 

@@ -48,10 +48,32 @@ impl LayerNorm {
 pub struct RmsNorm {
     pub weight: Tensor,
     pub eps: f64,
+    /// Through ATen's `rms_norm` (`kernels.fused_rms_norm`, set on CUDA only, where it is one
+    /// fused kernel each way instead of about seven forward and ten backward).
+    pub fused: bool,
 }
 
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        // ATen takes its fused path only when input and weight share a dtype, and warns on every
+        // call otherwise: those calls stay step by step.
+        if self.fused && x.kind() == self.weight.kind() {
+            return self.aten(x);
+        }
+        self.step_by_step(x)
+    }
+
+    /// ATen's `rms_norm`: on CUDA `_fused_rms_norm`, which computes in fp32 and multiplies by the
+    /// weight before rounding to the input's dtype once (the same maths; in bf16-pure the last
+    /// bit can differ from `transformers`' order); on the CPU ATen decomposes it.
+    fn aten(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        let c = self.weight.size()[0];
+        x.f_rms_norm([c], Some(&self.weight), Some(self.eps))
+    }
+
+    /// As `transformers`' `LlamaRMSNorm`: normalised in fp32, rounded to the input's dtype, then
+    /// scaled by the weight.
+    fn step_by_step(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let xf = x.f_to_kind(Kind::Float)?;
         let var = xf.f_square()?.f_mean_dim(&[-1i64][..], true, Kind::Float)?;
         let normed = xf.f_mul(&var.f_add_scalar(self.eps)?.f_rsqrt()?)?.f_to_kind(x.kind())?;
@@ -109,4 +131,34 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
 pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear) -> Result<Tensor, TchError> {
     let g = gate.forward(x)?.f_silu()?;
     down.forward(&g.f_mul(&up.forward(x)?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norm(fused: bool, kind: Kind) -> RmsNorm {
+        let weight = Tensor::linspace(0.5, 1.5, 48, (kind, Device::Cpu)).set_requires_grad(true);
+        RmsNorm { weight, eps: 1e-5, fused }
+    }
+
+    /// The fused path hands ATen the weight, the width and the epsilon (on the CPU ATen
+    /// decomposes it into what the step-by-step form does, so fp32 agrees to the bit).
+    #[test]
+    fn aten_rms_norm_gets_the_weight_and_epsilon_of_the_step_by_step_form() {
+        let x = (Tensor::randn([3, 5, 48], (Kind::Float, Device::Cpu)) * 1e-3).set_requires_grad(true);
+        let run = |n: &RmsNorm| {
+            let y = n.forward(&x).unwrap();
+            let (gx, gw) = {
+                let g = Tensor::run_backward(&[&(&y * &y).sum(Kind::Float)], &[&x, &n.weight], false, false);
+                (g[0].shallow_clone(), g[1].shallow_clone())
+            };
+            (y.detach(), gx, gw)
+        };
+        let (a, b) = (run(&norm(false, Kind::Float)), run(&norm(true, Kind::Float)));
+        assert!(a.0.equal(&b.0) && a.1.equal(&b.1) && a.2.equal(&b.2), "fp32: fused and step by step differ");
+        // An epsilon lost on the way would show here: the inputs are small enough for it to matter.
+        let loose = RmsNorm { eps: 1e-3, ..norm(true, Kind::Float) };
+        assert!(!run(&loose).0.equal(&a.0));
+    }
 }

@@ -10,7 +10,7 @@ use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
 use super::Decoder;
-use crate::config::ModelConfig;
+use crate::config::{KernelsConfig, ModelConfig};
 use tch::{Device, TchError, Tensor};
 
 const STD: f64 = 0.02;
@@ -59,17 +59,17 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
 pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let (h, f, a, d) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64, cfg.head_dim() as u64);
     let kv = cfg.kv_heads() as u64 * d;
-    let mut block: Vec<Saved> = saves::rms_norm(h, 3).into();
+    let mut block: Vec<Saved> = saves::rms_norm(h, 3, r);
     block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
     block.extend(saves::attention(a * d, kv, a, r));
     block.extend(saves::dropout(h, r));
-    block.extend(saves::rms_norm(h, 2));
+    block.extend(saves::rms_norm(h, 2, r));
     block.push(Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute));
     block.extend(saves::dropout(h, r));
     Activations {
         block,
         embedding: saves::dropout(h, r).into_iter().collect(),
-        final_norm: saves::rms_norm(h, 1).into(),
+        final_norm: saves::rms_norm(h, 1, r),
         buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
         // The product's gradient splits into gate's and up's while the product itself (down's
         // saved input) is freed: two f-wide gradients net.
@@ -100,9 +100,10 @@ pub struct Llama {
 }
 
 impl Llama {
-    pub fn new(cfg: &ModelConfig, params: &Params, device: Device) -> Result<Self, TchError> {
+    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device) -> Result<Self, TchError> {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
-        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps }) };
+        let fused = kernels.fused_rms_norm && device.is_cuda();
+        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused }) };
         let layers = (0..cfg.n_layer)
             .map(|i| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");

@@ -92,6 +92,8 @@ pub struct Regime {
     /// scores are materialised (softmax output, and with dropout its dropped copy and mask).
     pub fused_attention: bool,
     pub dropout: bool,
+    /// RMSNorm as ATen's fused CUDA kernel (`kernels.fused_rms_norm` on CUDA).
+    pub fused_rms_norm: bool,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -125,16 +127,22 @@ pub mod layers {
         ]
     }
 
-    /// RMSNorm computed in fp32 (`layers::RmsNorm`): the input in fp32 (the residual stream
-    /// itself, or its fp32 copy in bf16-pure, where the 16-bit input is then not kept), the fp32
-    /// rsqrt per token, the normalised input back in the input's dtype (what the weight
-    /// multiplies) and the output that `readers` linear layers read.
-    pub fn rms_norm(h: u64, readers: u64) -> [Saved; 4] {
-        [
+    /// RMSNorm over `h` channels read by `readers` linear layers. Step by step in fp32
+    /// (`layers::RmsNorm`): the input in fp32 (the residual stream itself, or its fp32 copy in
+    /// bf16-pure, where the 16-bit input is then not kept), the fp32 rsqrt per token, the
+    /// normalised input back in the input's dtype (what the weight multiplies) and the output.
+    /// ATen's fused kernel (`FusedRmsNormBackward0` keeps input, weight and rstd): the input as
+    /// it is, the fp32 rstd per token and the output.
+    pub fn rms_norm(h: u64, readers: u64, r: Regime) -> Vec<Saved> {
+        let output = Saved::token("RMSNorm output", h, Stored::LinearInput(readers));
+        if r.fused_rms_norm {
+            return vec![Saved::token("RMSNorm input", h, Stored::Residual), Saved::token("RMSNorm rstd", 1, Stored::Fp32), output];
+        }
+        vec![
             Saved::token("RMSNorm input in fp32", h, Stored::Fp32),
             Saved::token("RMSNorm rsqrt", 1, Stored::Fp32),
             Saved::token("RMSNorm normalised input", h, Stored::Residual),
-            Saved::token("RMSNorm output", h, Stored::LinearInput(readers)),
+            output,
         ]
     }
 
@@ -177,11 +185,17 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let n = layers::rms_norm(10, 3);
+        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false };
+        let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);
         assert_eq!(per_token(&n, &MIXED), 40 + 4 + 40 + 3 * 20);
         assert_eq!(per_token(&n, &PURE), 40 + 4 + 20 + 20);
+        // The fused kernel keeps the input as it comes (no fp32 copy, no normalised input).
+        let fused = layers::rms_norm(10, 3, Regime { fused_rms_norm: true, ..r });
+        assert_eq!(per_token(&fused, &FP32), 40 + 4 + 40);
+        assert_eq!(per_token(&fused, &MIXED), 40 + 4 + 3 * 20);
+        assert_eq!(per_token(&fused, &PURE), 20 + 4 + 20);
     }
 
     #[test]

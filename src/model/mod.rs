@@ -21,7 +21,7 @@ mod spec;
 pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, KernelsConfig, ModelConfig};
 use tch::{Device, Reduction, TchError, Tensor};
 
 /// One architecture's network over its parameters. `dropout` is already 0 outside training.
@@ -64,8 +64,15 @@ pub struct Model {
 }
 
 impl Model {
-    /// Builds the model on `device`; weights depend only on `seed` and the config.
+    /// Builds the model on `device` with the default kernels; weights depend only on `seed`
+    /// and the config.
     pub fn new(cfg: &ModelConfig, seed: u64, device: Device) -> Result<Self, TchError> {
+        Self::with_kernels(cfg, KernelsConfig::default(), seed, device)
+    }
+
+    /// As [`Model::new`], with `kernels` choosing how the forward computes (not what: the
+    /// weights and the maths are the same whatever it says).
+    pub fn with_kernels(cfg: &ModelConfig, kernels: KernelsConfig, seed: u64, device: Device) -> Result<Self, TchError> {
         let specs = describe(cfg);
         let mut params = Params { seed, ..Params::default() };
         for s in &specs {
@@ -79,7 +86,7 @@ impl Model {
         }
         let net: Box<dyn Decoder> = match cfg.arch {
             Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params)?),
-            Arch::Llama => Box::new(llama::Llama::new(cfg, &params, device)?),
+            Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
         let user_rows = specs.iter().map(|s| s.user_rows).collect();

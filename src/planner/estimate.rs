@@ -105,7 +105,8 @@ impl Transformer {
 
     /// What the forward keeps for backward in `setup`'s regime (`model::saved_activations`).
     pub fn saved(&self, s: &Setup) -> Activations {
-        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout })
+        let fused_rms_norm = s.fused_rms_norm && s.target == Target::Cuda;
+        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm })
     }
 
     /// Rows of the embedding and LM head, and columns of the logits (the padded vocabulary).
@@ -253,6 +254,8 @@ pub struct Setup {
     /// `memory.loss_chunk_tokens`: the final LayerNorm, head and cross-entropy run over chunks
     /// of this many tokens, so only one chunk's logits exist at a time.
     pub loss_chunk_tokens: Option<u64>,
+    /// `kernels.fused_rms_norm`: RMSNorm counted as ATen's fused kernel where it runs (CUDA).
+    pub fused_rms_norm: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -635,6 +638,7 @@ pub(crate) mod fixtures {
             flash: true,
             dropout: false,
             loss_chunk_tokens: None,
+            fused_rms_norm: true,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,

@@ -7,7 +7,7 @@ use super::faults::Faults;
 use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
 use super::savers::Savers;
-use crate::config::{Escalation, ModelConfig, Precision};
+use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
 use crate::dist::Dist;
 use crate::events::{Event, LossScaleReason, Reporter};
 use crate::guard::{Guard, GuardError, StepError};
@@ -26,8 +26,8 @@ pub struct Trainable {
 impl Trainable {
     /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
     /// `precision` is fp16-mixed.
-    pub fn build(model: &ModelConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
-        let model = Model::new(model, seed, device)?;
+    pub fn build(model: &ModelConfig, kernels: KernelsConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
+        let model = Model::with_kernels(model, kernels, seed, device)?;
         precision::prepare(&model.params.tensors, precision, device)?;
         let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
         Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler) })

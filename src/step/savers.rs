@@ -119,7 +119,7 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     } else {
         let mut grad_out = grad_hidden;
         for (start, input) in saved.into_iter().rev() {
-            let input = input.f_to_device(device)?.f_detach()?.f_set_requires_grad(true)?;
+            let input = reload(&input, device)?.f_detach()?.f_set_requires_grad(true)?;
             let mut h = input.shallow_clone();
             let end = (start + k).min(model.n_blocks());
             for i in start..end {
@@ -195,15 +195,20 @@ fn head_backward(
     Ok((total.expect("at least one chunk"), grad_hidden))
 }
 
-/// A copy of `t` in CPU memory (pinned when it comes from a GPU, so the copy back is fast):
-/// what an offloaded segment input is while it waits. Public so tests can check where it lives.
+/// A copy of `t` in CPU memory: what an offloaded segment input is while it waits. Public so
+/// tests can check where it lives. From a GPU the copy is asynchronous into pinned memory (ATen
+/// pins a non-blocking copy's CPU result), so the forward does not wait for it; nothing reads it
+/// on the host, and the copy back ([`reload`]) is queued after it on the same stream.
 pub fn offload(t: &Tensor) -> Result<Tensor, TchError> {
-    let cpu = t.f_to_device(Device::Cpu)?;
-    if t.device().is_cuda() {
-        cpu.f_pin_memory(t.device())
-    } else {
-        Ok(cpu)
+    match t.device().is_cuda() {
+        true => t.f_to_device_(Device::Cpu, t.kind(), true, false),
+        false => t.f_to_device(Device::Cpu),
     }
+}
+
+/// A kept segment input back on `device`, without waiting when it comes from pinned memory.
+fn reload(kept: &Tensor, device: Device) -> Result<Tensor, TchError> {
+    kept.f_to_device_(device, kept.kind(), device.is_cuda(), false)
 }
 
 #[cfg(test)]

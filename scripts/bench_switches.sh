@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One shape trained under several sets of `--set` switches: tokens/s (the median of the steps
+# from step 5 on) and the peak allocated, each against the first set. The table behind
+# scripts/bench_determinism.sh and scripts/bench_kernels.sh.
+# Usage: scripts/bench_switches.sh DEVICE "SHAPE ARGS" "NAME|key=value key=value" ...   (env STEPS=30)
+#   SHAPE ARGS: the config and the switches every variant shares, split at blanks.
+set -euo pipefail
+source "$(dirname "$0")/tools.sh"
+DEVICE=${1:?device}; read -r -a shape <<<"${2:?shape args}"; shift 2
+STEPS=${STEPS:-30}
+out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
+run=(--set train.max_steps="$STEPS" --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set device="$DEVICE")
+
+printf "| %s | tokens/s (median from step 5) | vs first | peak allocated (GiB) |\n|---|---|---|---|\n" "$DEVICE"
+base=""
+for v in "$@"; do
+  IFS='|' read -r name sets <<<"$v"
+  args=(); for s in $sets; do args+=(--set "$s"); done
+  dir="$out/$(echo "$name" | tr -c 'a-zA-Z0-9' _)"
+  "$BIN" train "${shape[@]}" "${run[@]}" "${args[@]}" --set out_dir="$dir" >"$dir.log" 2>&1 \
+    || { echo "| $name | failed: $(tail -n 3 "$dir.log" | tr '\n' ' ') | | |"; continue; }
+  read -r tps peak < <("$PY" -c 'import json, statistics, sys
+m = [json.loads(l) for l in open(sys.argv[1])]
+peak = max((x.get("peak_allocated_bytes") or 0) for x in m)
+print(round(statistics.median(x["tokens_per_s"] for x in m if x["step"] >= 5)), f"{peak / 2**30:.2f}" if peak else "-")' "$dir/metrics.jsonl")
+  [ -n "$base" ] || base=$tps
+  printf "| %s | %s | %.3f× | %s |\n" "$name" "$tps" "$("$PY" -c "print($tps / $base)")" "$peak"
+done
