@@ -27,6 +27,7 @@ run=(--set train.max_steps=$((STEPS + 1)) --set train.warmup_steps=1 --set train
 variants=(
   "fp32 baseline|"
   "activation checkpointing|memory.activation_checkpointing=blocks"
+  "checkpointing, first 6 of 12 blocks|memory.activation_checkpointing=first_n:6"
   "chunked loss (256 tokens)|memory.loss_chunk_tokens=256"
   "checkpointing + chunked loss|memory.activation_checkpointing=blocks memory.loss_chunk_tokens=256"
   "checkpointing + offload|memory.activation_checkpointing=blocks memory.offload_activations=true"

@@ -361,7 +361,8 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
         let ((la, ga), (lb, gb)) = (run(false), run(true));
         let worst = ga.iter().zip(&gb).map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap()).fold(0.0, f64::max);
         eprintln!("{precision:?}: loss step by step {la} fused {lb}; worst gradient difference / its tensor's largest {worst:.2e}");
-        let tol = if precision == Precision::Fp32 { 1e-4 } else { 2e-2 };
+        // A lost epsilon or weight moves these by percents; rounding, by far less.
+        let tol = if precision == Precision::Fp32 { 1e-3 } else { 3e-2 };
         assert!(((la - lb) / la).abs() < tol / 10.0 && worst < tol, "{precision:?}: fused RMSNorm differs");
     }
 }

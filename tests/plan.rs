@@ -242,7 +242,9 @@ fn profile_with_chunked_loss_and_checkpointing_matches_the_estimate() {
     let chunked = peaks(&["memory.loss_chunk_tokens=256"]);
     let segments = peaks(&["memory.activation_checkpointing=every_n:2"]);
     let both = peaks(&["memory.loss_chunk_tokens=128", "memory.activation_checkpointing=blocks"]);
-    for (name, points) in [("plain", &plain), ("chunked", &chunked), ("every_n:2", &segments), ("both", &both)] {
+    let blocks = peaks(&["memory.activation_checkpointing=blocks"]);
+    let first = peaks(&["memory.activation_checkpointing=first_n:3"]);
+    for (name, points) in [("plain", &plain), ("chunked", &chunked), ("every_n:2", &segments), ("both", &both), ("blocks", &blocks), ("first_n:3", &first)] {
         for (measured, err, phase) in points.iter() {
             eprintln!("{name}: measured {measured}, error {err:+.1}% ({phase})");
             assert!(err.abs() < 8.0, "{name}: estimate off by {err:.1}% of {measured} ({phase})");
@@ -252,6 +254,8 @@ fn profile_with_chunked_loss_and_checkpointing_matches_the_estimate() {
     let at8 = |p: &[(u64, f64, String)]| p[1].0;
     assert!(at8(&chunked) < at8(&plain) && at8(&segments) < at8(&plain));
     assert!(at8(&both) < at8(&chunked).min(at8(&segments)));
+    // Checkpointing half the blocks lands between none and all.
+    assert!(at8(&blocks) < at8(&first) && at8(&first) < at8(&plain), "blocks {} first_n:3 {} plain {}", at8(&blocks), at8(&first), at8(&plain));
     assert_eq!(both[1].2, "first blocks' recomputed backward");
 }
 

@@ -389,8 +389,9 @@ pub struct MemoryConfig {
     pub allocator: allocator::AllocatorConfig,
     /// Warn when memory grows steadily over this many steps (after 5 warm-up steps); 0 = off.
     pub leak_check_steps: usize,
-    /// `none`, `blocks` (recompute every block in the backward pass), or `every_n:<k>`
-    /// (segments of k blocks: only their inputs are kept).
+    /// `none`, `blocks` (recompute every block in the backward pass), `every_n:<k>` (segments
+    /// of k blocks: only their inputs are kept) or `first_n:<m>` (the first m blocks recomputed
+    /// one by one, the later blocks' activations kept: a dial between memory and time).
     pub activation_checkpointing: String,
     /// Checkpointed segments' inputs wait in (pinned) CPU memory for the backward pass.
     pub offload_activations: bool,
@@ -533,21 +534,24 @@ pub enum DistBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Checkpointing {
     None,
-    /// Segments of this many consecutive blocks.
+    /// Segments of this many consecutive blocks, all blocks checkpointed.
     Every(usize),
+    /// Only the first this many blocks, one by one; the later blocks keep their activations.
+    /// The first ones, because their recomputation then comes after the kept activations were
+    /// freed by the later blocks' backward, so it adds nothing to the peak.
+    First(usize),
 }
 
 impl Checkpointing {
     pub fn parse(text: &str) -> Result<Self, String> {
+        let count = |prefix: &str| text.trim().strip_prefix(prefix).and_then(|k| k.trim().parse::<usize>().ok()).filter(|&k| k >= 1);
         match text.trim() {
             "none" => Ok(Self::None),
             "blocks" => Ok(Self::Every(1)),
-            t => t
-                .strip_prefix("every_n:")
-                .and_then(|k| k.trim().parse::<usize>().ok())
-                .filter(|&k| k >= 1)
+            _ => count("every_n:")
                 .map(Self::Every)
-                .ok_or_else(|| format!("must be none, blocks or every_n:<k> with k >= 1, got `{text}`")),
+                .or_else(|| count("first_n:").map(Self::First))
+                .ok_or_else(|| format!("must be none, blocks, every_n:<k> or first_n:<m> with k, m >= 1, got `{text}`")),
         }
     }
 }

@@ -247,6 +247,8 @@ pub struct Setup {
     pub activation_checkpointing: bool,
     /// Blocks recomputed together when checkpointing (`every_n:k`; 1 for `blocks`).
     pub checkpoint_blocks: u64,
+    /// `first_n:<m>`: only the first m blocks are checkpointed; none: all.
+    pub checkpoint_first: Option<u64>,
     /// Flash / memory-efficient attention (no b·a·s² scores kept) vs materialised scores.
     pub flash: bool,
     /// Dropout > 0: masks are kept for backward.
@@ -277,9 +279,19 @@ impl Setup {
         self.checkpoint_blocks.max(1)
     }
 
-    /// Blocks whose activations exist at once in a checkpointed backward: one segment.
+    /// Blocks recomputed in the backward pass: all with checkpointing (the first m with
+    /// `first_n:<m>`), none without.
+    pub fn checkpointed_blocks(&self, m: &Transformer) -> u64 {
+        match self.activation_checkpointing {
+            true => self.checkpoint_first.map_or(m.layers, |f| f.min(m.layers)),
+            false => 0,
+        }
+    }
+
+    /// Blocks whose activations exist at once while checkpointed blocks are recomputed: one
+    /// segment.
     pub fn recomputed_blocks(&self, m: &Transformer) -> u64 {
-        m.layers.min(self.segment())
+        self.checkpointed_blocks(m).min(self.segment())
     }
 }
 
@@ -429,7 +441,7 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
         None => sum(&saved.final_norm, &w, b, m.seq_len),
     };
     if s.activation_checkpointing {
-        bytes += m.layers.div_ceil(s.segment()) * sbh * r; // each segment's input, kept to recompute it
+        bytes += s.checkpointed_blocks(m).div_ceil(s.segment()) * sbh * r; // each segment's input, kept to recompute it
     }
     bytes
 }
@@ -550,10 +562,12 @@ impl Moments {
         let p = s.precision;
         let per_layer = layer_activations(m, s, micro);
         let outside = outside_activations(m, s, micro);
-        // Checkpointing: no block's activations during the head's backward, one segment's
-        // (recomputed) during the body's.
+        // Checkpointing: only the kept blocks' activations (none unless `first_n`) during the
+        // head's backward; during the body's, those (their backward comes first) or one
+        // recomputed segment, whichever is larger.
+        let kept = m.layers - s.checkpointed_blocks(m);
         let (in_head, in_body) = match s.activation_checkpointing {
-            true => (0, s.recomputed_blocks(m) * per_layer),
+            true => (kept * per_layer, kept.max(s.recomputed_blocks(m)) * per_layer),
             false => (m.layers * per_layer, m.layers * per_layer),
         };
         let activations = in_body + outside;
@@ -635,6 +649,7 @@ pub(crate) mod fixtures {
             optimizer: OptimizerName::Adamw,
             activation_checkpointing: false,
             checkpoint_blocks: 1,
+            checkpoint_first: None,
             flash: true,
             dropout: false,
             loss_chunk_tokens: None,
@@ -773,6 +788,24 @@ mod tests {
         let one = estimate(&m, &blocks, 8, 2);
         assert_eq!(e.activations_outside, one.activations_outside - 8 * sbh * 4, "12 / 3 = 4 saved inputs instead of 12");
         assert_eq!(e.activations, 3 * e.activations_per_layer + e.activations_outside);
+    }
+
+    /// `first_n:4` of 12 blocks: the later 8 keep their activations, the first 4 keep their
+    /// inputs; the head's backward sees the 8 blocks; at least as much as full checkpointing,
+    /// less than none, and `first_n` past the depth is full checkpointing.
+    #[test]
+    fn checkpointing_the_first_blocks_keeps_the_later_blocks_activations() {
+        let m = gpt2();
+        let s = setup(Precision::Fp32, OptimizerName::Adamw);
+        let full = Setup { activation_checkpointing: true, ..s.clone() };
+        let part = Setup { checkpoint_first: Some(4), ..full.clone() };
+        let (plain, all, e) = (estimate(&m, &s, 8, 2), estimate(&m, &full, 8, 2), estimate(&m, &part, 8, 2));
+        let sbh = 1024 * 8 * 768;
+        assert_eq!(e.activations_outside, all.activations_outside - 8 * sbh * 4, "4 saved inputs instead of 12");
+        assert_eq!(e.activations, 8 * e.activations_per_layer + e.activations_outside);
+        assert!(all.peak_allocated < e.peak_allocated && e.peak_allocated < plain.peak_allocated);
+        assert_eq!(estimate(&m, &Setup { checkpoint_first: Some(40), ..full.clone() }, 8, 2), all);
+        assert_eq!(part.checkpointed_blocks(&m), 4);
     }
 
     /// GPT-2 small, seq 1024, micro-batch 4, fp32: 4096 tokens in chunks of 1024.

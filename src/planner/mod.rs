@@ -298,15 +298,17 @@ impl Inputs {
         }
         let model = Transformer { params_override: params, ..Transformer::from_config(&config.model) };
         check_model(&model)?;
-        let segment = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
-            Ok(config::Checkpointing::Every(k)) => Some(k as u64),
-            _ => None,
+        let (segment, first) = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
+            Ok(config::Checkpointing::Every(k)) => (Some(k as u64), None),
+            Ok(config::Checkpointing::First(m)) => (Some(1), Some(m as u64)),
+            _ => (None, None),
         };
         let setup = Setup {
             precision: config.precision,
             optimizer: config.optimizer.name,
             activation_checkpointing: segment.is_some(),
             checkpoint_blocks: segment.unwrap_or(1),
+            checkpoint_first: first,
             flash: !a.no_flash,
             dropout: config.model.dropout > 0.0,
             loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),

@@ -146,8 +146,13 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     for &p in precisions {
         options.push((format!("precision {} instead of {}", p.name(), setup.precision.name()), model.clone(), Setup { precision: p, ..setup.clone() }));
     }
-    if !setup.activation_checkpointing {
-        options.push(("activation checkpointing".into(), model.clone(), Setup { activation_checkpointing: true, ..setup.clone() }));
+    let checkpointed = setup.checkpointed_blocks(model);
+    if checkpointed < model.layers {
+        let change = match checkpointed {
+            0 => "activation checkpointing".to_string(),
+            m => format!("activation checkpointing of every block instead of the first {m}"),
+        };
+        options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() }));
     }
     if !setup.flash {
         options.push(("flash attention".into(), model.clone(), Setup { flash: true, ..setup.clone() }));
@@ -173,6 +178,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     // precision, checkpointing, flash.
     let all = Setup {
         activation_checkpointing: true,
+        checkpoint_first: None,
         flash: true,
         loss_chunk_tokens: setup.loss_chunk_tokens.or(Some(chunk)),
         precision: precisions.last().copied().unwrap_or(setup.precision),

@@ -70,10 +70,11 @@ pub fn render(r: &Report) -> String {
         s.precision.name(),
         s.optimizer.name(),
         if s.flash { "flash" } else { "materialised" },
-        match (s.activation_checkpointing, s.checkpoint_blocks) {
-            (false, _) => "off".to_string(),
-            (true, k) if k <= 1 => "on (every block)".to_string(),
-            (true, k) => format!("on (segments of {k} blocks)"),
+        match (s.activation_checkpointing, s.checkpoint_blocks, s.checkpoint_first) {
+            (false, _, _) => "off".to_string(),
+            (true, _, Some(f)) if f < m.layers => format!("on (the first {f} of {} blocks)", m.layers),
+            (true, k, _) if k <= 1 => "on (every block)".to_string(),
+            (true, k, _) => format!("on (segments of {k} blocks)"),
         },
         s.loss_chunk_tokens.map_or(String::new(), |c| format!(", loss in chunks of {c} tokens")),
         if s.dropout { ", dropout" } else { "" }

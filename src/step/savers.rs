@@ -5,7 +5,9 @@
 //!   (a segment is `k` consecutive blocks); the backward pass recomputes one segment at a time
 //!   from its input, pushes the incoming gradient through it and hands the input's gradient to
 //!   the segment before. Dropout draws the same masks in the recomputation because the model
-//!   reseeds its generator per block.
+//!   reseeds its generator per block. With `first_n:<m>` only the first m blocks are
+//!   checkpointed: the later ones run with their graph from a leaf whose gradient, after their
+//!   backward, is what the checkpointed segments pass back.
 //! - **Offload**: those segment inputs wait in (pinned) CPU memory until their segment's turn.
 //! - **Chunked loss**: the final LayerNorm, the LM head and the cross-entropy run over chunks of
 //!   tokens, each chunk's backward before the next chunk's forward, so the batch × seq × vocab
@@ -20,6 +22,9 @@ use tch::{Device, Reduction, TchError, Tensor};
 pub struct Savers {
     /// Blocks per checkpointed segment; 0 = no checkpointing.
     pub checkpoint_every: usize,
+    /// Only the first this many blocks are checkpointed, the rest keep their activations;
+    /// none: all.
+    pub checkpoint_first: Option<usize>,
     pub offload: bool,
     pub loss_chunk_tokens: Option<usize>,
 }
@@ -27,11 +32,12 @@ pub struct Savers {
 impl Savers {
     /// The savers `memory.*` asks for (`activation_checkpointing` already parsed).
     pub fn new(checkpointing: Checkpointing, offload: bool, loss_chunk_tokens: Option<usize>) -> Self {
-        let checkpoint_every = match checkpointing {
-            Checkpointing::Every(k) => k,
-            Checkpointing::None => 0,
+        let (checkpoint_every, checkpoint_first) = match checkpointing {
+            Checkpointing::Every(k) => (k, None),
+            Checkpointing::First(m) => (1, Some(m)),
+            Checkpointing::None => (0, None),
         };
-        Self { checkpoint_every, offload, loss_chunk_tokens }
+        Self { checkpoint_every, checkpoint_first, offload, loss_chunk_tokens }
     }
 
     /// Nothing switched on: the plain forward + backward.
@@ -46,11 +52,13 @@ impl Savers {
                 if self.checkpoint_every == 0 {
                     self.checkpoint_every = 1;
                 }
+                self.checkpoint_first = None;
             }
             Escalation::OffloadActivations => {
                 if self.checkpoint_every == 0 {
                     self.checkpoint_every = 1; // offload applies to checkpointed inputs
                 }
+                self.checkpoint_first = None;
                 self.offload = true;
             }
         }
@@ -83,25 +91,40 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
     let pick = |idx: &[usize]| -> Vec<Tensor> { idx.iter().map(|&i| params[i].shallow_clone()).collect() };
     let device = x.device();
-    let k = savers.checkpoint_every;
+    let (k, n) = (savers.checkpoint_every, model.n_blocks());
+    // Blocks [0, checkpointed) are recomputed in segments of k; the later ones keep their graph.
+    let checkpointed = if k == 0 { 0 } else { savers.checkpoint_first.map_or(n, |m| m.min(n)) };
 
-    // Body forward: with its graph, or keeping only segment inputs.
+    // Body forward: with its graph, or keeping only segment inputs, then the kept blocks from
+    // a leaf that collects the gradient for the checkpointed ones.
     let mut saved: Vec<(usize, Tensor)> = Vec::new();
+    let mut kept_from: Option<Tensor> = None;
     let body_out = if k == 0 {
         let mut h = model.embed(x, true, Some(seed))?;
-        for i in 0..model.n_blocks() {
+        for i in 0..n {
             h = model.block(i, &h, true, Some(seed))?;
         }
         h
     } else {
-        let _no_grad = tch::no_grad_guard();
-        let mut h = model.embed(x, true, Some(seed))?;
-        for i in 0..model.n_blocks() {
-            if i % k == 0 {
-                let keep = if savers.offload { offload(&h)? } else { h.shallow_clone() };
-                saved.push((i, keep));
+        let mut h = {
+            let _no_grad = tch::no_grad_guard();
+            let mut h = model.embed(x, true, Some(seed))?;
+            for i in 0..checkpointed {
+                if i % k == 0 {
+                    let keep = if savers.offload { offload(&h)? } else { h.shallow_clone() };
+                    saved.push((i, keep));
+                }
+                h = model.block(i, &h, true, Some(seed))?;
             }
-            h = model.block(i, &h, true, Some(seed))?;
+            h
+        };
+        if checkpointed < n {
+            let leaf = h.f_detach()?.f_set_requires_grad(true)?;
+            h = leaf.shallow_clone();
+            kept_from = Some(leaf);
+            for i in checkpointed..n {
+                h = model.block(i, &h, true, Some(seed))?;
+            }
         }
         h
     };
@@ -118,10 +141,19 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
         accumulate(&mut grads, &body_idx, g)?;
     } else {
         let mut grad_out = grad_hidden;
+        if let Some(leaf) = kept_from {
+            let kept_idx: Vec<usize> = groups.blocks[checkpointed..n].iter().flatten().copied().collect();
+            let mut inputs = pick(&kept_idx);
+            inputs.push(leaf);
+            let push = body_out.f_mul(&grad_out)?.f_sum(body_out.kind())?;
+            let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
+            grad_out = g.pop().expect("the kept blocks' input gradient");
+            accumulate(&mut grads, &kept_idx, g)?;
+        }
         for (start, input) in saved.into_iter().rev() {
             let input = reload(&input, device)?.f_detach()?.f_set_requires_grad(true)?;
             let mut h = input.shallow_clone();
-            let end = (start + k).min(model.n_blocks());
+            let end = (start + k).min(checkpointed);
             for i in start..end {
                 h = model.block(i, &h, true, Some(seed))?;
             }
@@ -242,7 +274,10 @@ mod tests {
                 Savers { checkpoint_every: 1, ..Default::default() },
                 Savers { checkpoint_every: 3, ..Default::default() },
                 Savers { loss_chunk_tokens: Some(5), ..Default::default() },
-                Savers { checkpoint_every: 2, offload: true, loss_chunk_tokens: Some(16) },
+                Savers { checkpoint_every: 2, offload: true, loss_chunk_tokens: Some(16), checkpoint_first: None },
+                Savers { checkpoint_every: 1, checkpoint_first: Some(1), ..Default::default() },
+                Savers { checkpoint_every: 1, checkpoint_first: Some(2), offload: true, loss_chunk_tokens: Some(16) },
+                Savers { checkpoint_every: 1, checkpoint_first: Some(9), ..Default::default() },
             ];
             for s in variants {
                 let (loss, g) = loss_and_grads(&m, &x, &y, 0.5, 7, &s).unwrap();
@@ -270,5 +305,8 @@ mod tests {
         assert_eq!((s.checkpoint_every, s.offload), (1, true));
         let keep = Savers { checkpoint_every: 3, ..Default::default() }.escalated(Escalation::ActivationCheckpointing);
         assert_eq!(keep.checkpoint_every, 3, "an explicit segment length is kept");
+        let part = Savers::new(Checkpointing::First(2), false, None);
+        assert_eq!((part.checkpoint_every, part.checkpoint_first), (1, Some(2)));
+        assert_eq!(part.escalated(Escalation::ActivationCheckpointing).checkpoint_first, None, "escalating checkpoints every block");
     }
 }
