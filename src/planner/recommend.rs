@@ -1,7 +1,8 @@
 //! The recommendation, pure: the largest micro-batch that divides the per-GPU batch and fits
 //! within `margin × capacity`, its accumulation and utilisation; when nothing fits even at
-//! micro-batch 1, by how much, and which levers (optimizer, precision, activation checkpointing,
-//! flash attention, a shorter sequence) close the gap, each with its estimated saving.
+//! micro-batch 1, by how much, and which levers (optimizer, precision, activation checkpointing
+//! of every block or of the fewest first blocks that suffice, flash attention, a shorter
+//! sequence) close the gap, each with its estimated saving.
 //! Also the search used by the measurement: double, then bisect.
 use super::estimate::{estimate, Precision, Setup, Transformer, OPTIMIZERS};
 use serde::Serialize;
@@ -153,6 +154,12 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
             m => format!("activation checkpointing of every block instead of the first {m}"),
         };
         options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() }));
+        // The fewest first blocks that close the gap, when fewer than all do: less to recompute.
+        let first = |f: u64| Setup { activation_checkpointing: true, checkpoint_first: Some(f), checkpoint_blocks: 1, ..setup.clone() };
+        if let Some(f) = (checkpointed + 1..model.layers).find(|&f| total_at(model, &first(f), rank_batch, 1) <= limit) {
+            let change = format!("activation checkpointing, first {f} of {} blocks (first_n:{f})", model.layers);
+            options.push((change, model.clone(), first(f)));
+        }
     }
     if !setup.flash {
         options.push(("flash attention".into(), model.clone(), Setup { flash: true, ..setup.clone() }));
@@ -296,5 +303,23 @@ mod tests {
         assert!((eight.saving_bytes as f64 / with_margin - 1.0).abs() < 0.02, "{}", eight.saving_bytes as f64 / p);
         // 8B with mixed precision needs 18 bytes/param: no single lever fits it into 34 GiB.
         assert!(singles.iter().all(|l| !l.closes_gap));
+    }
+
+    /// A budget between full checkpointing's total and no checkpointing's: the levers name the
+    /// fewest first blocks whose checkpointing closes the gap, one block fewer does not.
+    #[test]
+    fn the_fewest_first_blocks_that_close_the_gap_are_a_lever() {
+        let (m, s) = (gpt2(), setup());
+        let full = Setup { activation_checkpointing: true, ..s.clone() };
+        let (plain, all) = (total_at(&m, &s, Some(64), 1), total_at(&m, &full, Some(64), 1));
+        let capacity = (plain + all) / 2;
+        let r = recommend(&m, &s, Some(64), Budget { capacity, margin: 1.0 });
+        assert!(!r.fits);
+        let lever = r.levers.iter().find(|l| l.change.contains("first_n:")).expect("a first_n lever");
+        let f: u64 = lever.change.rsplit("first_n:").next().unwrap().trim_end_matches(')').parse().unwrap();
+        assert!(lever.closes_gap && (1..m.layers).contains(&f), "{lever:?}");
+        let fewer = Setup { checkpoint_first: Some(f - 1), ..full.clone() };
+        assert!(f == 1 || total_at(&m, &fewer, Some(64), 1) > capacity, "{} blocks would do", f - 1);
+        assert!(r.levers.iter().any(|l| l.change == "activation checkpointing" && l.saving_bytes > lever.saving_bytes));
     }
 }
