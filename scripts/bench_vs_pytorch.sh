@@ -8,7 +8,9 @@
 # on by default on CUDA, opt-in on CPU (--compile: it needs a C++ compiler and compiles for
 # minutes). Prints tokens/s, trainguard's MFU and its ratios to each. Usage:
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [--dtype fp32|bf16]
-#       [--compile|--no-compile] [--pad-vocab-to N] [--peak-tflops F] [config.yaml ...]
+#       [--compile|--no-compile] [--pad-vocab-to N] [--global-batch N] [--peak-tflops F] [config.yaml ...]
+# --global-batch N: sequences per optimizer step on both sides instead of the config's (a short
+# measurement of a config made for a long run; the micro-batch stays the config's).
 # --dtype bf16: bf16-mixed (trainguard `precision: bf16-mixed`, PyTorch bf16 autocast).
 # MFU = tokens/s × (6 × parameters + 12 × layers × width × sequence) ÷ peak; the peak defaults to
 # an H100's dense bf16, 989 TFLOP/s (give your device's: an MFU on a CPU against it is tiny).
@@ -17,7 +19,7 @@
 # from the environment.
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
-device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; peak=989; configs=()
+device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; global=""; peak=989; configs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -26,6 +28,7 @@ while [ $# -gt 0 ]; do
     --compile) compile=1; shift ;;
     --no-compile) compile=0; shift ;;
     --pad-vocab-to) pad=$2; shift 2 ;;
+    --global-batch) global=$2; shift 2 ;;
     --peak-tflops) peak=$2; shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
@@ -36,15 +39,16 @@ case "$dtype" in fp32) precision=fp32 ;; bf16) precision=bf16-mixed ;; *) echo "
 [ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml configs/llama-debug.yaml configs/bench-llama-10m.yaml)
 STEPS=${STEPS:-30}; WARMUP=3
 out=$(mktemp -d)
-tg_pad=(); ref_pad=()
-[ -z "$pad" ] || { tg_pad=(--set "model.pad_vocab_to=$pad"); ref_pad=(--pad-vocab-to "$pad"); }
+tg_extra=(); ref_extra=()
+[ -z "$pad" ] || { tg_extra=(--set "model.pad_vocab_to=$pad"); ref_extra=(--pad-vocab-to "$pad"); }
+[ -z "$global" ] || { tg_extra+=(--set "train.global_batch_size=$global"); ref_extra+=(--global-batch "$global"); }
 
 trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.jsonl
   # A fresh run directory each time: trainguard refuses to start a fresh run over an old one, and
   # the old metrics must never be read back as this run's.
   rm -rf "$out/tg"
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
-    --set precision="$precision" ${tg_pad[@]+"${tg_pad[@]}"} \
+    --set precision="$precision" ${tg_extra[@]+"${tg_extra[@]}"} \
     --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
     || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
   "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" <<'PYEOF'
@@ -60,7 +64,7 @@ pytorch_run() {  # CONFIG [reference options]: the reference's JSON line
   [ "$("$PY" -c 'import sys, yaml; print((yaml.safe_load(open(sys.argv[1])).get("model") or {}).get("arch", "gpt2"))' "$c")" = llama ] \
     && ref=scripts/reference_llama_bench.py
   "$PY" "$ref" --config "$c" --steps "$STEPS" --warmup "$WARMUP" --threads "$threads" --device "$device" --dtype "$dtype" \
-    ${ref_pad[@]+"${ref_pad[@]}"} "$@" 2>"$out/pt.err" | tail -n 1 \
+    ${ref_extra[@]+"${ref_extra[@]}"} "$@" 2>"$out/pt.err" | tail -n 1 \
     || { echo "the PyTorch reference failed on $c:" >&2; cat "$out/pt.err" >&2; exit 1; }
 }
 field() { "$PY" -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }

@@ -182,6 +182,7 @@ def add_bench_args(ap):
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (default mode)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16 autocast (bf16-mixed)")
     ap.add_argument("--pad-vocab-to", type=int, help="pad the vocabulary rows to a multiple of this (default: the config's model.pad_vocab_to, else 64)")
+    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's train.global_batch_size)")
 
 
 def flops_per_token(model, m):
@@ -197,6 +198,8 @@ def bench(model, m, t, args, no_decay, **extra):
     """trainguard's step on `model` (micro-batches, token-weighted losses, clip, AdamW with decay
     on 2-D weights whose names do not start with `no_decay`): tokens/s after warm-up, as a dict.
     Shared by the Llama reference (scripts/reference_llama_bench.py)."""
+    if args.global_batch:
+        t = {**t, "global_batch_size": args.global_batch}
     dev = torch.device(args.device)
     flops = flops_per_token(model, m)
     params = sum(p.numel() for p in model.parameters())

@@ -5,7 +5,8 @@
 #   - a GPU machine with no Rust toolchain (see scripts/gpu_checks.sh): uses a prebuilt
 #     target/release/trainguard (or $TRAINGUARD_BIN) and the python3 that holds torch, and points
 #     the dynamic loader at that torch's libraries.
-# Sets BIN, PY and TORCHRUN (an array: the torchrun command).
+# Sets BIN, PY and TORCHRUN (an array: the torchrun command); exports TRAINGUARD_BIN and
+# TRAINGUARD_PYTHON for the tests the scripts run.
 # shellcheck shell=bash
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if command -v cargo >/dev/null 2>&1 && [ -z "${TRAINGUARD_BIN:-}" ]; then
@@ -23,4 +24,4 @@ else
   export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   TORCHRUN=("$PY" -m torch.distributed.run)
 fi
-export TRAINGUARD_BIN=$BIN
+export TRAINGUARD_BIN=$BIN TRAINGUARD_PYTHON=$PY

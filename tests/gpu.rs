@@ -116,7 +116,8 @@ fn an_unrecoverable_cuda_oom_leaves_a_snapshot_that_lists_the_failed_allocation(
     assert_eq!(r.code(), 3, "{}", r.stderr());
     let pickle = dir.path().join("oom_snapshot.pickle");
     assert!(pickle.is_file(), "{}", r.stderr());
-    let py = repo().join(".venv/bin/python");
+    // The python with torch: scripts/tools.sh names it (a GPU machine has no project venv).
+    let py = std::env::var_os("TRAINGUARD_PYTHON").map_or_else(|| repo().join(".venv/bin/python"), std::path::PathBuf::from);
     let script = "import pickle, sys\ns = pickle.load(open(sys.argv[1], 'rb'))\nooms = [e for t in s['device_traces'] for e in t if e['action'] == 'oom']\nprint(len(s['segments']), ooms[-1]['size'])";
     let out = std::process::Command::new(&py).args(["-c", script]).arg(&pickle).output().unwrap();
     assert!(out.status.success(), "pickle.load: {}", String::from_utf8_lossy(&out.stderr));
@@ -155,7 +156,9 @@ fn expandable_segments_shows_in_the_effective_settings() {
     }
     let dir = tempfile::tempdir().unwrap();
     let r = train(dir.path(), "configs/debug.yaml", &["device=cuda", "train.max_steps=2", "train.warmup_steps=0", "memory.allocator.expandable_segments=true"]).ok();
-    assert_eq!(r.events_of("run_started")[0]["allocator"]["conf"], "expandable_segments:True");
+    // Among the machine's own PYTORCH_CUDA_ALLOC_CONF keys, if it sets any.
+    let conf = r.events_of("run_started")[0]["allocator"]["conf"].as_str().unwrap().to_string();
+    assert!(conf.split(',').any(|kv| kv == "expandable_segments:True"), "{conf}");
     let m = r.metrics();
     assert!(m[1]["allocated_bytes"].as_u64().unwrap() > 0);
     assert!(m[1]["gpu_memory_total_bytes"].as_u64().unwrap_or(0) > 0, "NVML reports the card: {}", m[1]);

@@ -63,6 +63,7 @@ pub struct Versions {
 extern "C" {
     fn tg_versions(out: *mut Versions, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_accelerator_available() -> c_int;
+    fn tg_allocator_initialized() -> c_int;
     fn tg_autocast(cuda: c_int, enabled: c_int, dtype: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_matmul_precision(p: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_device_stats(device: c_int, out: *mut AllocatorStats, err: *mut c_char, err_len: usize) -> c_int;
@@ -126,7 +127,15 @@ pub fn device_stats(device: usize) -> Result<AllocatorStats, ShimError> {
     result(code, &err).map(|_| out)
 }
 
-/// (free, total) bytes of a device as the driver reports them.
+/// Whether the accelerator's caching allocator has started (its per-device allocators exist):
+/// from then on a memory fraction in the allocator settings no longer applies.
+pub fn allocator_initialized() -> bool {
+    // SAFETY: no arguments; the shim catches every exception.
+    unsafe { tg_allocator_initialized() == 1 }
+}
+
+/// (free, total) bytes of a device as the driver reports them. Does not start the caching
+/// allocator (see [`allocator_initialized`]).
 pub fn memory_info(device: usize) -> Result<(u64, u64), ShimError> {
     let (mut free, mut total) = (0i64, 0i64);
     let mut err = [0u8; ERR_LEN];

@@ -72,14 +72,28 @@ int tg_device_stats(int device, tg_stats* out, char* err, size_t err_len) {
   });
 }
 
+// Free and total device memory (cudaMemGetInfo under a device guard). Deliberately does not
+// initialise the caching allocator: memory.limit reads the total to turn the cap into a memory
+// fraction, and libtorch applies `per_process_memory_fraction` only when it creates its
+// per-device allocators, so they must not exist before the settings carrying it are made.
 int tg_memory_info(int device, int64_t* free_bytes, int64_t* total_bytes, char* err, size_t err_len) {
   if (!have_accelerator()) return 2;
   return guarded(err, err_len, [&] {
-    init_accelerator();
     auto info = at::accelerator::getMemoryInfo(static_cast<c10::DeviceIndex>(device));
     *free_bytes = static_cast<int64_t>(info.first);
     *total_bytes = static_cast<int64_t>(info.second);
   });
+}
+
+// Whether the accelerator's caching allocator has created its per-device allocators (after
+// which a memory fraction in the settings no longer takes effect). 0 without an accelerator.
+int tg_allocator_initialized() {
+  if (!have_accelerator()) return 0;
+  try {
+    return c10::getDeviceAllocator(*at::accelerator::getAccelerator(false))->initialized() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
 }
 
 int tg_empty_cache(char* err, size_t err_len) {

@@ -127,6 +127,14 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
     if eff.source == "none" {
         return Ok(eff);
     }
+    // The fraction (memory.limit on CUDA) is applied by libtorch when its allocator starts, never
+    // after: a cap that would silently not hold is an error instead.
+    if fraction.is_some() && cuda && ffi::allocator_initialized() {
+        return Err(AllocatorError {
+            conf: eff.conf,
+            message: "the CUDA caching allocator has already started, so a per_process_memory_fraction (memory.limit) would not apply".into(),
+        });
+    }
     // libtorch parses the variable itself when the CUDA allocator starts: keep the two equal.
     std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", &eff.conf);
     ffi::set_allocator_settings(&eff.conf).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: e.to_string() })?;

@@ -104,10 +104,12 @@ pub fn optimizer_step(
         let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
         let overflow = scaler.is_some() && !grad_norm.is_finite();
         let applied = loss.is_finite() && grad_norm.is_finite();
+        // Last thing that may run out of memory before the update: a replay after it must not
+        // find the update already applied.
+        faults.leak_graph(model, data, step, micro)?;
         if applied {
             opt.step(&model.optimizer_params()?, &model.optimizer_grads(&grads)?, lr)?;
         }
-        faults.after_update(model, data, step, micro)?;
         Ok(StepOutcome { loss, grad_norm, applied, overflow })
     })?;
     if let Some(s) = scaler {

@@ -54,8 +54,9 @@ impl Faults {
         Ok(())
     }
 
-    /// After the update: keep a forward graph alive if asked to leak.
-    pub(super) fn after_update(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
+    /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
+    /// before the update, so an out-of-memory here replays a step that changed nothing yet.
+    pub(super) fn leak_graph(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
         if self.cfg.leak_graphs {
             let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
             self.leaked.push(model.forward(&x, true, None)?);
