@@ -4,15 +4,9 @@
 # after warm-up, for the four combinations, each relative to both off. Needs a CUDA device
 # (scripts/gpu_checks.sh part `detcost`); `--device cpu` runs the same table on a small model.
 # Usage: scripts/bench_determinism.sh [--device cuda|cpu]   (env STEPS=30)
-set -euo pipefail
-DEVICE=cuda
-if [ "${1:-}" = "--device" ]; then DEVICE=${2:?--device needs a value}; fi
-if [ "$DEVICE" = cpu ]; then
-  shape="--config configs/debug.yaml --set model.seq_len=128 --set train.micro_batch_size=8 --set train.global_batch_size=16"
-else
-  shape="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
-fi
-exec bash "$(dirname "$0")/bench_switches.sh" "$DEVICE" "$shape" \
+exec bash "$(dirname "$0")/bench_switches.sh" "$@" \
+  "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
+  "--config configs/debug.yaml --set model.seq_len=128 --set train.micro_batch_size=8 --set train.global_batch_size=16" \
   "both off|deterministic=false memory.snapshot_on_oom=false" \
   "memory.snapshot_on_oom|deterministic=false memory.snapshot_on_oom=true" \
   "deterministic|deterministic=true memory.snapshot_on_oom=false" \

@@ -2,11 +2,15 @@
 # One shape trained under several sets of `--set` switches: tokens/s (the median of the steps
 # from step 5 on) and the peak allocated, each against the first set. The table behind
 # scripts/bench_determinism.sh and scripts/bench_kernels.sh.
-# Usage: scripts/bench_switches.sh DEVICE "SHAPE ARGS" "NAME|key=value key=value" ...   (env STEPS=30)
-#   SHAPE ARGS: the config and the switches every variant shares, split at blanks.
+# Usage: scripts/bench_switches.sh [--device cuda|cpu] "CUDA SHAPE" "CPU SHAPE" "NAME|key=value key=value" ...
+#   (env STEPS=30). A SHAPE: the config and the switches every variant shares on that device,
+#   split at blanks. The device defaults to cuda.
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
-DEVICE=${1:?device}; read -r -a shape <<<"${2:?shape args}"; shift 2
+DEVICE=cuda
+if [ "${1:-}" = "--device" ]; then DEVICE=${2:?--device needs a value}; shift 2; fi
+if [ "$DEVICE" = cpu ]; then shape_text=${2:?cpu shape}; else shape_text=${1:?cuda shape}; fi
+read -r -a shape <<<"$shape_text"; shift 2
 STEPS=${STEPS:-30}
 out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 run=(--set train.max_steps="$STEPS" --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set device="$DEVICE")
