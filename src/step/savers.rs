@@ -89,7 +89,6 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     }
     let groups = model.param_groups();
     let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
-    let pick = |idx: &[usize]| -> Vec<Tensor> { idx.iter().map(|&i| params[i].shallow_clone()).collect() };
     let device = x.device();
     let (k, n) = (savers.checkpoint_every, model.n_blocks());
     // Blocks [0, checkpointed) are recomputed in segments of k; the later ones keep their graph.
@@ -134,21 +133,14 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     let (loss, grad_hidden) = head_backward(model, &hidden, y, weight, savers.loss_chunk_tokens, &groups.head, &mut grads)?;
 
     // Body backward.
+    let blocks = |range: std::ops::Range<usize>| -> Vec<usize> { groups.blocks[range].iter().flatten().copied().collect() };
     if k == 0 {
-        let body_idx: Vec<usize> = groups.embed.iter().chain(groups.blocks.iter().flatten()).copied().collect();
-        let push = body_out.f_mul(&grad_hidden)?.f_sum(body_out.kind())?;
-        let g = Tensor::f_run_backward(&[&push], &pick(&body_idx), false, false)?;
-        accumulate(&mut grads, &body_idx, g)?;
+        let body_idx: Vec<usize> = groups.embed.iter().copied().chain(blocks(0..n)).collect();
+        push_back(&body_out, &grad_hidden, params, &body_idx, None, &mut grads)?;
     } else {
         let mut grad_out = grad_hidden;
         if let Some(leaf) = kept_from {
-            let kept_idx: Vec<usize> = groups.blocks[checkpointed..n].iter().flatten().copied().collect();
-            let mut inputs = pick(&kept_idx);
-            inputs.push(leaf);
-            let push = body_out.f_mul(&grad_out)?.f_sum(body_out.kind())?;
-            let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
-            grad_out = g.pop().expect("the kept blocks' input gradient");
-            accumulate(&mut grads, &kept_idx, g)?;
+            grad_out = push_back(&body_out, &grad_out, params, &blocks(checkpointed..n), Some(leaf), &mut grads)?.expect("the kept blocks' input gradient");
         }
         for (start, input) in saved.into_iter().rev() {
             let input = reload(&input, device)?.f_detach()?.f_set_requires_grad(true)?;
@@ -157,18 +149,10 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
             for i in start..end {
                 h = model.block(i, &h, true, Some(seed))?;
             }
-            let seg_idx: Vec<usize> = groups.blocks[start..end].iter().flatten().copied().collect();
-            let mut inputs = pick(&seg_idx);
-            inputs.push(input);
-            let push = h.f_mul(&grad_out)?.f_sum(h.kind())?;
-            let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
-            grad_out = g.pop().expect("the segment input's gradient");
-            accumulate(&mut grads, &seg_idx, g)?;
+            grad_out = push_back(&h, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?.expect("the segment input's gradient");
         }
         let e = model.embed(x, true, Some(seed))?;
-        let push = e.f_mul(&grad_out)?.f_sum(e.kind())?;
-        let g = Tensor::f_run_backward(&[&push], &pick(&groups.embed), false, false)?;
-        accumulate(&mut grads, &groups.embed, g)?;
+        push_back(&e, &grad_out, params, &groups.embed, None, &mut grads)?;
     }
     let grads = grads
         .into_iter()
@@ -176,6 +160,20 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
         .map(|(g, p)| g.map_or_else(|| Tensor::f_zeros_like(p), Ok))
         .collect::<Result<Vec<_>, _>>()?;
     Ok((loss, grads))
+}
+
+/// Pushes `grad_out` back through `out`'s graph into the parameters `idx` (added to `grads`) and
+/// into the leaf `input` when there is one, whose gradient it returns. tch's backward takes no
+/// output gradient, so the graph is entered through the sum of `out` weighted by `grad_out`.
+fn push_back(out: &Tensor, grad_out: &Tensor, params: &[Tensor], idx: &[usize], input: Option<Tensor>, grads: &mut [Option<Tensor>]) -> Result<Option<Tensor>, TchError> {
+    let with_input = input.is_some();
+    let mut inputs: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
+    inputs.extend(input);
+    let push = out.f_mul(grad_out)?.f_sum(out.kind())?;
+    let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
+    let input_grad = if with_input { g.pop() } else { None };
+    accumulate(grads, idx, g)?;
+    Ok(input_grad)
 }
 
 /// Head + loss on `hidden` (requires grad): the head's gradients go into `grads`; returns the
