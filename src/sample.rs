@@ -5,7 +5,7 @@
 //! is encoded and decoded with the tokenizer of the run's `prepare` dataset, as bytes for
 //! byte-level data (`synthetic`, `text:`), or as space-separated ids for token data without one.
 use crate::checkpoint::store;
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, KernelsConfig, ModelConfig};
 use crate::data::shards;
 use crate::model::Model;
 use clap::Args;
@@ -60,6 +60,9 @@ fn input(m: impl Into<String>) -> SampleError {
 /// A trained model's config, weights and, when its data came from `prepare`, its tokenizer.
 pub struct Trained {
     pub model: ModelConfig,
+    /// The run's `kernels:` (the defaults for a Hugging Face directory), so sampling computes as
+    /// training did.
+    pub kernels: KernelsConfig,
     pub seed: u64,
     pub weights: Vec<(String, Tensor)>,
     /// The `prepare` directory behind `data.source`, if any (tokenizer.json, dataset.json).
@@ -73,7 +76,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
-        return Ok(Trained { model, seed: 0, weights, dataset, bytes: false });
+        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, bytes: false });
     }
     let (config, weights) = if target.join(store::STATE_FILE).is_file() {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
@@ -95,7 +98,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     };
     let dataset = dataset_dir(&config.data.source);
     let bytes = !config.data.source.starts_with("tokens:");
-    Ok(Trained { model: config.model.clone(), seed: config.seed, weights, dataset, bytes })
+    Ok(Trained { model: config.model.clone(), kernels: config.kernels, seed: config.seed, weights, dataset, bytes })
 }
 
 /// The `prepare` directory a `tokens:` source names, when it has a manifest.
@@ -106,7 +109,7 @@ pub fn dataset_dir(source: &str) -> Option<PathBuf> {
 
 /// Builds the model on `device` and copies `weights` into it by name.
 pub fn build(t: &Trained, device: Device) -> Result<Model, SampleError> {
-    let model = Model::new(&t.model, t.seed, device)?;
+    let model = Model::with_kernels(&t.model, t.kernels, t.seed, device)?;
     copy_weights(&model, &t.weights).map_err(input)?;
     Ok(model)
 }

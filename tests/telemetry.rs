@@ -54,7 +54,7 @@ fn allocator_settings_are_validated_before_anything_runs() {
     cmd.env("PYTORCH_CUDA_ALLOC_CONF", "no_such_option:1");
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("libtorch refused") && r.stderr().contains("no_such_option"), "{}", r.stderr());
+    assert!(r.stderr().contains("libtorch refused them") && r.stderr().contains("no_such_option"), "{}", r.stderr());
 }
 
 #[test]

@@ -538,7 +538,7 @@ pub enum Checkpointing {
     Every(usize),
     /// Only the first this many blocks, one by one; the later blocks keep their activations.
     /// The first ones, because their recomputation then comes after the kept activations were
-    /// freed by the later blocks' backward, so it adds nothing to the peak.
+    /// freed by the later blocks' backward, so only one block's activations are alive then.
     First(usize),
 }
 

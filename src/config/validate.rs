@@ -119,8 +119,14 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
     check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
 
-    if let Err(e) = super::Checkpointing::parse(&c.memory.activation_checkpointing) {
-        check(false, "memory.activation_checkpointing", e);
+    match super::Checkpointing::parse(&c.memory.activation_checkpointing) {
+        Err(e) => check(false, "memory.activation_checkpointing", e),
+        Ok(super::Checkpointing::First(m)) => check(
+            m <= c.model.n_layer,
+            "memory.activation_checkpointing",
+            format!("first_n:{m} names more blocks than model.n_layer ({}); `blocks` checkpoints them all", c.model.n_layer),
+        ),
+        Ok(_) => {}
     }
     if let Some(n) = c.memory.loss_chunk_tokens {
         check(n >= 1, "memory.loss_chunk_tokens", format!("must be at least 1, got {n}"));
@@ -292,6 +298,8 @@ mod tests {
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
             (|c| c.memory.activation_checkpointing = "sometimes".into(), "memory.activation_checkpointing"),
             (|c| c.memory.activation_checkpointing = "every_n:0".into(), "memory.activation_checkpointing"),
+            (|c| c.memory.activation_checkpointing = "first_n:3".into(), "memory.activation_checkpointing"),
+            (|c| c.memory.activation_checkpointing = "first_n:0".into(), "memory.activation_checkpointing"),
             (|c| c.memory.loss_chunk_tokens = Some(0), "memory.loss_chunk_tokens"),
             (|c| c.optimizer.momentum = 1.5, "optimizer.momentum"),
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),

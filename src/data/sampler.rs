@@ -2,6 +2,8 @@
 //! offset that is a pure function of (seed, t, i), so the samples of any step can be produced
 //! again in any split: the OOM guard replays a step at a smaller micro-batch, a resumed run
 //! continues exactly, and rank r of N reads indices [r·B/N, (r+1)·B/N) of the same global batch.
+//! A batch's inputs and targets reach a GPU together, by one asynchronous copy from pinned
+//! memory.
 use super::{Corpus, Split};
 use std::ops::Range;
 use tch::{Device, Kind, TchError, Tensor};

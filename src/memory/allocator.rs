@@ -28,7 +28,7 @@ pub struct EffectiveSettings {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("memory.allocator: libtorch refused the settings `{conf}`: {message}")]
+#[error("memory.allocator: the settings `{conf}`: {message}")]
 pub struct AllocatorError {
     pub conf: String,
     pub message: String,
@@ -132,12 +132,12 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
     if fraction.is_some() && cuda && ffi::allocator_initialized() {
         return Err(AllocatorError {
             conf: eff.conf,
-            message: "the CUDA caching allocator has already started, so a per_process_memory_fraction (memory.limit) would not apply".into(),
+            message: "not applied: the CUDA caching allocator has already started, so its per_process_memory_fraction (memory.limit) would not hold".into(),
         });
     }
     // libtorch parses the variable itself when the CUDA allocator starts: keep the two equal.
     std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", &eff.conf);
-    ffi::set_allocator_settings(&eff.conf).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: e.to_string() })?;
+    ffi::set_allocator_settings(&eff.conf).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {e}") })?;
     Ok(eff)
 }
 

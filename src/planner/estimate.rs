@@ -293,6 +293,16 @@ impl Setup {
     pub fn recomputed_blocks(&self, m: &Transformer) -> u64 {
         self.checkpointed_blocks(m).min(self.segment())
     }
+
+    /// Blocks whose activations the body's backward holds at most at once: every block without
+    /// checkpointing; with it the kept blocks (`first_n`: their backward comes first) or one
+    /// recomputed segment, whichever is more.
+    pub fn live_blocks(&self, m: &Transformer) -> u64 {
+        match self.activation_checkpointing {
+            true => (m.layers - self.checkpointed_blocks(m)).max(self.recomputed_blocks(m)),
+            false => m.layers,
+        }
+    }
 }
 
 /// One estimate at micro-batch `micro_batch` with `accumulation` micro-steps per optimizer step.
@@ -562,14 +572,10 @@ impl Moments {
         let p = s.precision;
         let per_layer = layer_activations(m, s, micro);
         let outside = outside_activations(m, s, micro);
-        // Checkpointing: only the kept blocks' activations (none unless `first_n`) during the
-        // head's backward; during the body's, those (their backward comes first) or one
-        // recomputed segment, whichever is larger.
-        let kept = m.layers - s.checkpointed_blocks(m);
-        let (in_head, in_body) = match s.activation_checkpointing {
-            true => (kept * per_layer, kept.max(s.recomputed_blocks(m)) * per_layer),
-            false => (m.layers * per_layer, m.layers * per_layer),
-        };
+        // During the head's backward only the blocks not checkpointed hold activations (none
+        // unless `first_n`); during the body's, `live_blocks`.
+        let in_head = (m.layers - s.checkpointed_blocks(m)) * per_layer;
+        let in_body = s.live_blocks(m) * per_layer;
         let activations = in_body + outside;
         let tokens = micro * m.seq_len;
         let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));

@@ -98,7 +98,7 @@ pub fn render(r: &Report) -> String {
             format!(
                 "activations: {} {unit}/layer × {} + {} outside{}",
                 v(e.activations_per_layer),
-                if s.activation_checkpointing { s.recomputed_blocks(m) } else { m.layers },
+                s.live_blocks(m),
                 v(e.activations_outside),
                 if s.activation_checkpointing { " (checkpointed)" } else { "" }
             ),
@@ -316,7 +316,11 @@ mod tests {
 
     /// GPT-2 small on an a100-40, micro-batch 16 × 30: the report both tests read.
     fn with_sample_report<R>(f: impl FnOnce(&Report) -> R) -> R {
-        let (m, s) = inputs();
+        with_report_for(inputs().1, f)
+    }
+
+    fn with_report_for<R>(s: Setup, f: impl FnOnce(&Report) -> R) -> R {
+        let m = inputs().0;
         let e = estimate(&m, &s, 16, 30);
         let g = GpuTarget { name: "a100-40".into(), capacity_bytes: 40 << 30, total_bytes: None, free_bytes: None, source: "preset".into(), note: None };
         let rec = recommend(&m, &s, Some(480), Budget { capacity: g.capacity_bytes, margin: 0.85 });
@@ -366,5 +370,15 @@ mod tests {
             assert!(text.contains(row), "`{row}` missing:\n{text}");
         }
         assert!(text.contains(&format!("{:.3}", total as f64 / GIB)), "{text}");
+    }
+
+    /// `first_n:4`: the activations row multiplies by the blocks that keep theirs, not by one.
+    #[test]
+    fn checkpointing_the_first_blocks_counts_the_blocks_that_keep_their_activations() {
+        let (m, s) = inputs();
+        let s = Setup { activation_checkpointing: true, checkpoint_first: Some(4), ..s };
+        let text = with_report_for(s, render);
+        assert!(text.contains(&format!("/layer × {} + ", m.layers - 4)), "{text}");
+        assert!(text.contains(&format!("on (the first 4 of {} blocks)", m.layers)), "{text}");
     }
 }

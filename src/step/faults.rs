@@ -20,13 +20,15 @@ pub struct Faults {
     cfg: FaultsConfig,
     rank: usize,
     restart_count: u64,
-    /// `faults.leak_graphs`: what a leaking training script keeps alive.
+    /// `faults.leak_graphs`: what a leaking training script keeps alive, and the step of the
+    /// last graph kept (a replayed step keeps none more).
     leaked: Vec<Tensor>,
+    leaked_at: Option<u64>,
 }
 
 impl Faults {
     pub fn new(cfg: &FaultsConfig, rank: usize, restart_count: u64) -> Self {
-        Self { cfg: cfg.clone(), rank, restart_count, leaked: Vec::new() }
+        Self { cfg: cfg.clone(), rank, restart_count, leaked: Vec::new(), leaked_at: None }
     }
 
     /// Checked before step `step` starts.
@@ -57,9 +59,10 @@ impl Faults {
     /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
     /// before the update, so an out-of-memory here replays a step that changed nothing yet.
     pub(super) fn leak_graph(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
-        if self.cfg.leak_graphs {
+        if self.cfg.leak_graphs && self.leaked_at != Some(step) {
             let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
             self.leaked.push(model.forward(&x, true, None)?);
+            self.leaked_at = Some(step);
         }
         Ok(())
     }

@@ -228,7 +228,8 @@ fn head_backward(
 /// A copy of `t` in CPU memory: what an offloaded segment input is while it waits. Public so
 /// tests can check where it lives. From a GPU the copy is asynchronous into pinned memory (ATen
 /// pins a non-blocking copy's CPU result), so the forward does not wait for it; nothing reads it
-/// on the host, and the copy back ([`reload`]) is queued after it on the same stream.
+/// on the host, and the copy back ([`reload`]) is queued after it on the same stream. Reading
+/// it on the host needs the stream synchronised first.
 pub fn offload(t: &Tensor) -> Result<Tensor, TchError> {
     match t.device().is_cuda() {
         true => t.f_to_device_(Device::Cpu, t.kind(), true, false),
