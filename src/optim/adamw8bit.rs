@@ -138,9 +138,9 @@ impl AdamW8bit {
         // As in `AdamW::step`: p −= lr/bc1 · m / (√v/√bc2 + eps), written as p += m / tmp with
         // tmp = √v · (−bc1/(lr·√bc2)) − eps·bc1/lr.
         let rule = Rule { beta1, beta2, shrink: 1.0 - lr * weight_decay, scale: -bc1 / (lr * bc2.sqrt()), shift: -eps * bc1 / lr, apply: lr > 0.0 };
-        let fused = self.fused_small(params, grads, lr)?;
+        self.fused_small(params, grads, lr)?;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
-            if fused.contains(&i) {
+            if self.takes_fused(i, p, g) {
                 continue;
             }
             let p = p.f_view([-1])?;
@@ -184,16 +184,19 @@ impl AdamW8bit {
         Ok(())
     }
 
-    /// The small tensors whose parameter and gradient are fp32, updated by ATen's fused AdamW
+    /// Tensor `i` is small (fp32 moments) and it and its gradient are fp32: ATen's fused AdamW
+    /// kernel updates it ([`fused_small`](Self::fused_small)), the loop leaves it.
+    fn takes_fused(&self, i: usize, p: &Tensor, g: &Tensor) -> bool {
+        matches!(self.moments[i], Moments::Full { .. }) && p.kind() == Kind::Float && g.kind() == Kind::Float
+    }
+
+    /// The small fp32 tensors ([`takes_fused`](Self::takes_fused)), updated by ATen's fused AdamW
     /// kernel (their moments are AdamW's; `adamw::fused_update`): two launches, with and without
-    /// weight decay. Returns
-    /// their indices; the others are left to the loop.
-    fn fused_small(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<Vec<usize>, TchError> {
-        let picked: Vec<usize> = (0..params.len())
-            .filter(|&i| matches!(self.moments[i], Moments::Full { .. }) && params[i].kind() == Kind::Float && grads[i].kind() == Kind::Float)
-            .collect();
+    /// weight decay.
+    fn fused_small(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
+        let picked: Vec<usize> = (0..params.len()).filter(|&i| self.takes_fused(i, &params[i], &grads[i])).collect();
         if picked.is_empty() {
-            return Ok(picked);
+            return Ok(());
         }
         let _ = self.state_step.f_fill_(self.steps as f64)?;
         let (mut m, mut v) = (Vec::with_capacity(picked.len()), Vec::with_capacity(picked.len()));
@@ -204,8 +207,7 @@ impl AdamW8bit {
         }
         let decay: Vec<bool> = picked.iter().map(|&i| self.decay[i]).collect();
         let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
-        fused_update(&pick(params, &picked), &pick(grads, &picked), &m, &v, &decay, &self.state_step, AdamWHyper { lr, beta1, beta2, weight_decay, eps })?;
-        Ok(picked)
+        fused_update(&pick(params, &picked), &pick(grads, &picked), &m, &v, &decay, &self.state_step, AdamWHyper { lr, beta1, beta2, weight_decay, eps })
     }
 
     /// `exp_avg.<param>` / `exp_avg_sq.<param>` (fp32) for small tensors; for quantised ones
