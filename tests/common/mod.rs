@@ -38,9 +38,15 @@ impl Run {
     }
 }
 
+/// The complete lines of a JSON-lines file, each parsed (a bad one fails the test). A tail
+/// without its newline is a line still being written and is left out: tests poll the files of a
+/// live run, and a reader racing the writer can see part of a line once the line crosses a page
+/// boundary (the kernel publishes a write page by page). Every line trainguard writes ends in a
+/// newline, so a finished file loses nothing.
 pub fn read_jsonl(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
-    text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}"))).collect()
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}"))).collect()
 }
 
 /// The binary under test. `TRAINGUARD_BIN` overrides the path cargo baked in, so a test binary
