@@ -9,7 +9,8 @@
 #           snapshot (pickle.load, _memory_viz), a leak stopped with its diagnosis,
 #           expandable_segments + NVML, NCCL with one rank, the planner within ±10% (llama with
 #           the fused RMSNorm too), offload (losses unchanged), batches uploaded without waiting,
-#           the fused RMSNorm against the step-by-step form, thrash shrink
+#           the fused RMSNorm against the step-by-step form, 8-bit AdamW's CUDA kernel against
+#           the CPU's, thrash shrink
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
@@ -20,7 +21,8 @@
 #   detcost scripts/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
 #           memory.snapshot_on_oom on and off
 #   kernels scripts/bench_kernels.sh: tokens/s and peak allocated of smollm2-135m bf16-mixed with
-#           kernels.fused_rms_norm off and on
+#           kernels.fused_rms_norm off and on; gpt2-124m bf16-mixed with fused AdamW and 8-bit
+#           AdamW as tensor ops and as the CUDA kernel (kernels.cuda_optimizers)
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off
 set -uo pipefail

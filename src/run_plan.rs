@@ -154,7 +154,7 @@ impl RunPlan {
             memory_limit,
             time_limit,
             step,
-            optimizer: OptimizerSpec::from_config(&config.optimizer, t),
+            optimizer: OptimizerSpec::from_config(&config.optimizer, t, &config.kernels),
             schedule: LrSchedule::from_config(t),
             checkpoints,
             config,

@@ -20,7 +20,7 @@ const ALL: [(OptimizerName, bool); 6] = [
 ];
 
 fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
-    OptimizerSpec { name, fused, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    OptimizerSpec { name, fused, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
 }
 
 /// Deterministic values in [-1, 1) (xorshift64), independent of libtorch's global generator,
@@ -334,8 +334,12 @@ fn print_update_time_against_fused_adamw() {
     println!("{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up", params.len(), numel as f64 / 1e6);
     println!("| optimizer | ms per update (median) | min – max | × fused AdamW's time |\n|---|---|---|---|");
     let mut reference = None;
-    for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Adamw8bit, false), (OptimizerName::Adafactor, false), (OptimizerName::SgdMomentum, true), (OptimizerName::SgdMomentum, false)] {
-        let mut opt = Optimizer::new(&spec(name, fused), &params, &model.params.decay, device).unwrap();
+    // On CUDA 8-bit AdamW runs twice: tensor ops, then our NVRTC kernel (kernels.cuda_optimizers).
+    let cuda_kernel_too = device.is_cuda().then_some((OptimizerName::Adamw8bit, false, true));
+    let rows = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw, false, false), (OptimizerName::Adamw8bit, false, false)].into_iter().chain(cuda_kernel_too);
+    let rows = rows.chain([(OptimizerName::Adafactor, false, false), (OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
+    for (name, fused, cuda_kernel) in rows {
+        let mut opt = Optimizer::new(&OptimizerSpec { cuda_kernel, ..spec(name, fused) }, &params, &model.params.decay, device).unwrap();
         let mut times = Vec::with_capacity(steps);
         for i in 0..steps + 2 {
             sync();
@@ -350,7 +354,13 @@ fn print_update_time_against_fused_adamw() {
         let median = times[times.len() / 2];
         let base = *reference.get_or_insert(median);
         let has_both = matches!(name, OptimizerName::Adamw | OptimizerName::SgdMomentum);
-        let label = format!("{}{}", opt.kind(), if has_both { if fused { " (fused)" } else { " (unfused)" } } else { "" });
+        let path = match (has_both, fused) {
+            (true, true) => " (fused)",
+            (true, false) => " (unfused)",
+            _ if name == OptimizerName::Adamw8bit && device.is_cuda() => if cuda_kernel { " (CUDA kernel)" } else { " (tensor ops)" },
+            _ => "",
+        };
+        let label = format!("{}{path}", opt.kind());
         println!("| {label} | {median:.2} | {:.2} – {:.2} | {:.2}× |", times[0], times[times.len() - 1], median / base);
     }
 }

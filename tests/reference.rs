@@ -47,7 +47,7 @@ fn check(cfg: ModelConfig, dir: &Path) {
     std::fs::write(dir.join("model.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
 
     let train = TrainConfig { lr: LR, ..TrainConfig::default() };
-    let spec = OptimizerSpec::from_config(&OptimizerConfig::default(), &train);
+    let spec = OptimizerSpec::from_config(&OptimizerConfig::default(), &train, &Default::default());
     let params = &model.params.tensors;
     let mut opt = Optimizer::new(&spec, params, &model.params.decay, Device::Cpu).unwrap();
     let mut ours = Vec::new();

@@ -371,11 +371,17 @@ pub struct KernelsConfig {
     /// (about seven kernels forward). On the CPU ATen has no such kernel and the step-by-step
     /// form runs either way.
     pub fused_rms_norm: bool,
+    /// 8-bit AdamW's update on CUDA as our own kernel, compiled at run time by NVRTC (one launch
+    /// per tensor, no scratch), instead of ~25 tensor ops per run of blocks through 64 MiB
+    /// scratch buffers. The CPU always runs its fused kernel. Off by default until its GPU
+    /// check (`scripts/gpu_checks.sh tests optim`) has run on a GPU: it is compiled in CI, but
+    /// no machine this was built on had a GPU to launch it.
+    pub cuda_optimizers: bool,
 }
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true }
+        Self { fused_rms_norm: true, cuda_optimizers: false }
     }
 }
 

@@ -2,13 +2,17 @@
 //! - ATen's multi-tensor ones that tch does not expose: fused AdamW and SGD, the global norm
 //!   and scaling of a tensor list (`_foreach_norm`, `_foreach_mul_`), on the CPU and CUDA;
 //! - our own fused CPU updates for the optimizers ATen has no kernel for (8-bit AdamW,
-//!   Adafactor), a few passes over a tensor instead of ~20. The tensor-op versions in `optim`
-//!   compute the same maths on CUDA and are what these are tested against.
+//!   Adafactor), a few passes over a tensor instead of ~20, and 8-bit AdamW's CUDA kernel
+//!   (`optim_kernels.cu`, compiled at run time by NVRTC through `cuda_jit.cpp`). The tensor-op
+//!   versions in `optim` compute the same maths and are what these are tested against.
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
+    fn tg_nvrtc_ptx(src: *const c_char, major: c_int, minor: c_int, out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cuda_jit_free(p: *mut c_char);
+    fn tg_cuda_jit_prepare(ordinal: c_int, src: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
@@ -95,8 +99,9 @@ pub struct QuantisedMoments<'a> {
     pub exp_avg_sq_absmax: &'a Tensor,
 }
 
-/// One 8-bit AdamW update of `param` (flat, contiguous, on the CPU) from `grad` (same dtype),
-/// dequantising, updating and requantising each block of 2048 values in one pass.
+/// One 8-bit AdamW update of `param` (flat, contiguous, on the CPU or on a CUDA device the
+/// kernels were [prepared](prepare_cuda) for) from `grad` (same dtype), dequantising, updating
+/// and requantising each block of 2048 values in one pass (on CUDA: one launch).
 pub fn adamw8bit_update(param: &Tensor, grad: &Tensor, m: QuantisedMoments, s: AdamW8bitStep) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: every pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
@@ -155,6 +160,35 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
     // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full.
     let code = unsafe { tg_adafactor_update(handle(param), handle(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)
+}
+
+/// Our own CUDA kernels' source (`optim_kernels.cu`), NUL-terminated for the shim, which compiles
+/// it at run time with NVRTC (`cuda_jit.cpp`): the build needs no CUDA toolkit.
+const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), "\0");
+
+/// PTX of our CUDA kernels for compute capability `major.minor`. Needs NVRTC (the torch wheel's
+/// `nvidia/cu13/lib/libnvrtc.so.13`), not a GPU: tests compile the source on machines without one.
+pub fn cuda_ptx(major: i32, minor: i32) -> Result<String, ShimError> {
+    let (mut out, mut len) = (std::ptr::null_mut::<c_char>(), 0usize);
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: the source is NUL-terminated; on success the shim hands over a malloc'd buffer of
+    // `len` bytes (plus a NUL), copied here and released with tg_cuda_jit_free.
+    let code = unsafe { tg_nvrtc_ptx(CUDA_SOURCE.as_ptr().cast(), major, minor, &mut out, &mut len, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: as above; `out` is non-null after a successful call.
+    let ptx = unsafe { String::from_utf8_lossy(std::slice::from_raw_parts(out.cast::<u8>(), len)).into_owned() };
+    unsafe { tg_cuda_jit_free(out) };
+    Ok(ptx)
+}
+
+/// Compiles our CUDA kernels for `device`'s compute capability and loads them, once per device
+/// (later calls return at once): what the CUDA path of [`adamw8bit_update`] needs first. An
+/// error names what failed (NVRTC missing, the compiler's log, the driver's error).
+pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
+    let tch::Device::Cuda(ordinal) = device else { return Ok(()) };
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: the source is NUL-terminated and static; the shim catches every exception.
+    result(unsafe { tg_cuda_jit_prepare(ordinal as c_int, CUDA_SOURCE.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 /// Hyper-parameters of one fused AdamW call.

@@ -4,7 +4,8 @@
 //   list's global norm and scaling.
 // - Our own fused CPU updates for the optimizers ATen has no kernel for: 8-bit AdamW reads and
 //   writes every value once, Adafactor in four reads and one write, where the same maths from
-//   ATen ops takes ~20 passes. The maths and the state layout are those of src/optim
+//   ATen ops takes ~20 passes. 8-bit AdamW's CUDA counterpart is optim_kernels.cu, compiled at
+//   run time (cuda_jit.cpp); tg_adamw8bit_update takes tensors on either device. The maths and the state layout are those of src/optim
 //   (adamw8bit.rs, quant.rs, adafactor.rs); the tensor-op versions there stay as the CUDA path
 //   and as the reference these are tested against.
 #include <ATen/Dispatch.h>
@@ -19,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "cuda_jit.h"
 #include "guarded.h"
 
 #include <algorithm>
@@ -352,13 +354,18 @@ int tg_adamw8bit_update(void* param, const void* grad, void* exp_avg, void* exp_
     auto& qv = *static_cast<at::Tensor*>(exp_avg_sq);
     auto& av = *static_cast<at::Tensor*>(exp_avg_sq_absmax);
     const int64_t n = p.numel(), blocks = (n + kBlock - 1) / kBlock;
-    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&p, &g, &qm, &am, &qv, &av}) check(t->is_cpu() && t->is_contiguous(), "adamw8bit_update", "tensors must be contiguous CPU tensors");
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&p, &g, &qm, &am, &qv, &av}) check(t->device() == p.device() && t->is_contiguous(), "adamw8bit_update", "tensors must be contiguous and on one device");
+    check(p.is_cpu() || p.is_cuda(), "adamw8bit_update", "tensors must be on the CPU or a CUDA device");
     check(g.numel() == n && qm.numel() == n && qv.numel() == n, "adamw8bit_update", "parameter, gradient and codes differ in length");
     check(am.numel() == blocks && av.numel() == blocks, "adamw8bit_update", "one scale per block of 2048 values");
     check(g.scalar_type() == p.scalar_type(), "adamw8bit_update", "gradient and parameter dtypes differ");
     check(qm.scalar_type() == at::kChar && qv.scalar_type() == at::kByte && am.scalar_type() == at::kFloat && av.scalar_type() == at::kFloat, "adamw8bit_update", "codes int8/uint8, scales fp32");
     const Adamw8bitStep s{static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(shrink),
                           static_cast<float>(scale), static_cast<float>(shift), apply != 0};
+    if (p.is_cuda()) {
+      trainguard::cuda_adamw8bit_update(p, g, qm, am, qv, av, s.w1, s.w2, s.shrink, s.scale, s.shift, s.apply);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.scalar_type(), "adamw8bit_update", [&] {
       scalar_t* pp = p.data_ptr<scalar_t>();
       const scalar_t* gp = g.data_ptr<scalar_t>();

@@ -6,9 +6,11 @@
 //! (decoupled weight decay, bias correction), and requantises them with fresh scales. Owns the
 //! quantised moments. Two paths compute that ([`Path`]):
 //!
-//! - On the CPU, the shim's fused kernel (`ffi::kernels::adamw8bit_update`) does a whole tensor in
-//!   one pass, block by block across threads, each block in registers and L1: no scratch.
-//! - On CUDA (where no such kernel is built yet), tensor ops over runs of blocks in fp32 scratch
+//! - The shim's fused kernel (`ffi::kernels::adamw8bit_update`) does a whole tensor in one pass:
+//!   on the CPU block by block across threads, each block in registers and L1; on CUDA (with
+//!   `kernels.cuda_optimizers`) one launch of our NVRTC-compiled kernel, a CUDA block per block of
+//!   values. No scratch either way.
+//! - Otherwise on CUDA, tensor ops over runs of blocks in fp32 scratch
 //!   (first moment, second moment, one temporary, and a copy of the gradient when it is not
 //!   fp32), allocated once at construction for a run of at most `chunk_blocks` blocks, so the
 //!   update makes no allocation the size of a tensor and its memory does not grow with the
@@ -25,17 +27,18 @@ use tch::{Device, Kind, TchError, Tensor};
 /// How the quantised tensors are updated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// The shim's fused CPU kernel: one pass per tensor, no scratch.
-    FusedCpu,
+    /// The shim's fused kernel (CPU, or CUDA through NVRTC): one pass per tensor, no scratch.
+    Fused,
     /// Tensor ops over runs of at most `chunk_blocks` blocks in fp32 scratch.
     Runs { chunk_blocks: i64 },
 }
 
 impl Path {
-    /// The fused kernel on the CPU; runs of 8192 blocks (16 Mi values) elsewhere.
-    pub fn for_device(device: Device) -> Path {
-        if device == Device::Cpu {
-            Path::FusedCpu
+    /// The fused kernel on the CPU, and on CUDA when `cuda_kernel` (`kernels.cuda_optimizers`);
+    /// otherwise runs of 8192 blocks (16 Mi values).
+    pub fn for_device(device: Device, cuda_kernel: bool) -> Path {
+        if device == Device::Cpu || cuda_kernel {
+            Path::Fused
         } else {
             Path::Runs { chunk_blocks: 8192 }
         }
@@ -44,7 +47,7 @@ impl Path {
     /// Values of a quantised tensor that pass through the scratch at once (0: none do).
     fn run_elements(self) -> i64 {
         match self {
-            Path::FusedCpu => 0,
+            Path::Fused => 0,
             Path::Runs { chunk_blocks } => chunk_blocks * BLOCK,
         }
     }
@@ -92,12 +95,19 @@ impl AdamW8bit {
         sizes.into_iter().map(|n| if n < MIN_QUANTISED { n } else { n.min(run) }).max().unwrap_or(0).max(1)
     }
 
+    /// The default path for `device` (on CUDA the tensor ops; [`with_path`](Self::with_path)
+    /// picks the kernel).
     pub fn new(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
-        Self::with_path(cfg, params, decay, device, Path::for_device(device))
+        Self::with_path(cfg, params, decay, device, Path::for_device(device, false))
     }
 
-    /// [`new`](Self::new) with the update path chosen (tests run both on the CPU).
+    /// [`new`](Self::new) with the update path chosen. The fused path on CUDA compiles and loads
+    /// the kernel here, so that a missing NVRTC or a driver error stops the run before its first
+    /// step, naming the cause.
     pub fn with_path(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
+        if path == Path::Fused && device.is_cuda() {
+            kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("8-bit AdamW's CUDA kernel (kernels.cuda_optimizers) cannot be used: {e}")))?;
+        }
         let mut moments = Vec::with_capacity(params.len());
         for p in params {
             let n = p.numel() as i64;
@@ -154,7 +164,7 @@ impl AdamW8bit {
                     rule.apply(&p, &g, &mut exp_avg.f_view([-1])?, &mut exp_avg_sq.f_view([-1])?, &mut tmp, decays)?;
                 }
                 Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => match self.path {
-                    Path::FusedCpu => {
+                    Path::Fused => {
                         let moments = QuantisedMoments { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax };
                         let shrink = if decays { rule.shrink } else { 1.0 };
                         let step = AdamW8bitStep { beta1, beta2, shrink, scale: rule.scale, shift: rule.shift, apply: rule.apply };
@@ -360,7 +370,7 @@ mod tests {
         for kind in [Kind::Float, Kind::BFloat16] {
             let make = || [Tensor::from_slice(&pseudo(n, 1)).to_kind(kind), Tensor::from_slice(&pseudo(n, 2)).to_kind(kind)];
             let (fused_p, runs_p) = (make(), make());
-            let mut fused = AdamW8bit::with_path(cfg, &fused_p, &[true, false], Device::Cpu, Path::FusedCpu).unwrap();
+            let mut fused = AdamW8bit::with_path(cfg, &fused_p, &[true, false], Device::Cpu, Path::Fused).unwrap();
             let mut runs = AdamW8bit::with_path(cfg, &runs_p, &[true, false], Device::Cpu, Path::Runs { chunk_blocks: 2 }).unwrap();
             for step in 0..6u64 {
                 let mut g0 = pseudo(n, 10 + step);
@@ -404,13 +414,30 @@ mod tests {
     }
 
     #[test]
-    fn the_cpu_kernel_needs_no_scratch_and_cuda_runs_are_16_mi_values() {
-        assert_eq!(Path::for_device(Device::Cpu), Path::FusedCpu);
-        assert_eq!(Path::for_device(Device::Cuda(0)).run_elements(), 1 << 24);
+    fn the_fused_kernels_need_no_scratch_and_cuda_runs_are_16_mi_values() {
+        assert_eq!(Path::for_device(Device::Cpu, false), Path::Fused);
+        assert_eq!(Path::for_device(Device::Cuda(0), true), Path::Fused, "kernels.cuda_optimizers");
+        assert_eq!(Path::for_device(Device::Cuda(0), false).run_elements(), 1 << 24);
         let gpt2 = [38_597_376i64, 786_432, 2_359_296, 768, 3072];
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cpu)), 3072, "the largest unquantised tensor");
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0))), 1 << 24);
-        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Path::for_device(Device::Cuda(0))), 3000, "unquantised tensors whole");
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cpu, false)), 3072, "the largest unquantised tensor");
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0), false)), 1 << 24);
+        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0), true)), 3072, "nor does the CUDA kernel");
+        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Path::for_device(Device::Cuda(0), false)), 3000, "unquantised tensors whole");
+    }
+
+    /// The CUDA kernel runs only on a GPU (tests/gpu.rs), but NVRTC compiles it anywhere: a
+    /// source that no longer compiles, for any GPU generation CUDA 13 supports, fails here.
+    #[test]
+    fn the_cuda_kernel_compiles_with_nvrtc_for_every_supported_gpu() {
+        for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let ptx = kernels::cuda_ptx(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
+            assert!(ptx.contains(&format!(".target sm_{major}{minor}")), "sm_{major}{minor}: PTX for another target");
+            for entry in ["tg_adamw8bit_f32", "tg_adamw8bit_bf16", "tg_adamw8bit_f16"] {
+                assert!(ptx.contains(&format!(".entry {entry}(")), "sm_{major}{minor}: no kernel {entry}");
+            }
+        }
+        let err = kernels::cuda_ptx(1, 0).unwrap_err().to_string();
+        assert!(err.contains("compute_10") && err.contains("NVRTC"), "an unknown GPU is refused with NVRTC's reason: {err}");
     }
 
     #[test]

@@ -3,17 +3,20 @@
 //! Owns the mapping from configuration to implementation; not the update rules.
 use super::adafactor::{Adafactor, AdafactorConfig};
 use super::adamw::{AdamW, AdamWConfig};
-use super::adamw8bit::{AdamW8bit, AdamW8bitConfig};
+use super::adamw8bit::{AdamW8bit, AdamW8bitConfig, Path as AdamW8bitPath};
 use super::sgd::{Sgd, SgdConfig};
-use crate::config::{OptimizerConfig, OptimizerName, TrainConfig};
+use crate::config::{KernelsConfig, OptimizerConfig, OptimizerName, TrainConfig};
 use tch::{Device, TchError, Tensor};
 
 /// Everything that picks and parameterises an optimizer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct OptimizerSpec {
     pub name: OptimizerName,
-    /// AdamW only: ATen's fused kernel. The other optimizers have one path and ignore it.
+    /// AdamW and SGD: ATen's fused kernels. The other optimizers ignore it.
     pub fused: bool,
+    /// 8-bit AdamW on CUDA: our NVRTC-compiled kernel (`kernels.cuda_optimizers`) instead of
+    /// tensor ops. The others ignore it.
+    pub cuda_kernel: bool,
     /// `sgd_momentum` only; `sgd` has none whatever this says.
     pub momentum: f64,
     /// AdamW and 8-bit AdamW. Adafactor has no first moment and its own decay schedule and
@@ -27,10 +30,11 @@ pub struct OptimizerSpec {
 }
 
 impl OptimizerSpec {
-    pub fn from_config(optimizer: &OptimizerConfig, train: &TrainConfig) -> Self {
+    pub fn from_config(optimizer: &OptimizerConfig, train: &TrainConfig, kernels: &KernelsConfig) -> Self {
         Self {
             name: optimizer.name,
             fused: optimizer.fused,
+            cuda_kernel: kernels.cuda_optimizers,
             momentum: optimizer.momentum,
             beta1: train.beta1,
             beta2: train.beta2,
@@ -51,13 +55,16 @@ pub enum Optimizer {
 impl Optimizer {
     /// Builds the state for `params` (with their weight-decay flags) on `device`.
     pub fn new(spec: &OptimizerSpec, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
-        let OptimizerSpec { name, fused, momentum, beta1, beta2, eps, weight_decay } = *spec;
+        let OptimizerSpec { name, fused, cuda_kernel, momentum, beta1, beta2, eps, weight_decay } = *spec;
         Ok(match name {
             OptimizerName::Adamw => Self::AdamW(AdamW::new(AdamWConfig { beta1, beta2, eps, weight_decay, fused }, params, decay, device)?),
             OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay, fused }, params, decay, device)?),
             OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay, fused }, params, decay, device)?),
             OptimizerName::Adafactor => Self::Adafactor(Adafactor::new(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device)?),
-            OptimizerName::Adamw8bit => Self::AdamW8bit(AdamW8bit::new(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device)?),
+            OptimizerName::Adamw8bit => {
+                let path = AdamW8bitPath::for_device(device, cuda_kernel);
+                Self::AdamW8bit(AdamW8bit::with_path(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device, path)?)
+            }
         })
     }
 
@@ -136,7 +143,7 @@ mod tests {
     use tch::Kind;
 
     fn spec(name: OptimizerName) -> OptimizerSpec {
-        OptimizerSpec { name, fused: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        OptimizerSpec { name, fused: false, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
     }
 
     #[test]

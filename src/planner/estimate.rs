@@ -258,6 +258,8 @@ pub struct Setup {
     pub loss_chunk_tokens: Option<u64>,
     /// `kernels.fused_rms_norm`: RMSNorm counted as ATen's fused kernel where it runs (CUDA).
     pub fused_rms_norm: bool,
+    /// `kernels.cuda_optimizers`: 8-bit AdamW's CUDA kernel, which needs no scratch.
+    pub cuda_optimizers: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -366,7 +368,8 @@ fn round_up(bytes: u64, to: u64) -> u64 {
 
 /// Working buffers an optimizer makes at construction (not checkpointed), as the optimizers
 /// size them: 8-bit AdamW's fp32 runs of blocks (`AdamW8bit::scratch_elements`: 3 × 64 MiB on
-/// CUDA for GPT-2; on the CPU, whose fused kernel needs none, 3 × the largest unquantised tensor;
+/// CUDA for GPT-2; on the CPU, whose fused kernel needs none, and on CUDA under
+/// `kernels.cuda_optimizers`, whose kernel needs none either, 3 × the largest unquantised tensor;
 /// a fourth for the gradient's fp32 copy in bf16-pure) and Adafactor's band of the update, row
 /// and column means on CUDA (`Adafactor::scratch_elements`: 16 MiB for GPT-2; nothing on the
 /// CPU). The fused AdamW and SGD have none.
@@ -379,7 +382,7 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
     let shapes = m.tensors().into_iter().map(|sh| sh.into_iter().map(|d| d as i64).collect::<Vec<i64>>());
     match s.optimizer {
         OptimizerName::Adamw8bit => {
-            let elements = AdamW8bit::scratch_elements(shapes.map(|sh| sh.iter().product::<i64>()), AdamW8bitPath::for_device(device)) as u64;
+            let elements = AdamW8bit::scratch_elements(shapes.map(|sh| sh.iter().product::<i64>()), AdamW8bitPath::for_device(device, s.cuda_optimizers)) as u64;
             let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
             buffers * round_up(elements * 4, round)
         }
@@ -660,6 +663,7 @@ pub(crate) mod fixtures {
             dropout: false,
             loss_chunk_tokens: None,
             fused_rms_norm: true,
+            cuda_optimizers: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,

@@ -313,6 +313,7 @@ impl Inputs {
             dropout: config.model.dropout > 0.0,
             loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
             fused_rms_norm: config.kernels.fused_rms_norm,
+            cuda_optimizers: config.kernels.cuda_optimizers,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,

@@ -1,0 +1,279 @@
+// Our own CUDA kernels (src/ffi/optim_kernels.cu, passed in from Rust): compiled to PTX by NVRTC,
+// loaded and launched through the CUDA driver API. Both libraries are opened with dlopen at first
+// use, so nothing here needs a CUDA toolkit to build or a GPU to link: NVRTC comes from the torch
+// wheel's nvidia/cu13/lib (or the system's), the driver from libcuda.so.1. Compiling needs no GPU,
+// which lets CI compile the kernels' source (tg_nvrtc_ptx); loading and launching need one.
+// Same conventions as shim.cpp: every entry point catches C++ exceptions.
+#include "cuda_jit.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "guarded.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <link.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+using trainguard::guarded;
+
+// The few NVRTC and driver entry points used, declared by hand (their C ABI is stable) so that no
+// CUDA header is needed.
+struct Nvrtc {
+  int (*create)(void** prog, const char* src, const char* name, int n_headers, const char* const* headers,
+                const char* const* include_names);
+  int (*compile)(void* prog, int n_options, const char* const* options);
+  int (*log_size)(void* prog, size_t* size);
+  int (*log)(void* prog, char* log);
+  int (*ptx_size)(void* prog, size_t* size);
+  int (*ptx)(void* prog, char* ptx);
+  int (*destroy)(void** prog);
+  const char* (*error)(int code);
+};
+
+struct Driver {
+  int (*init)(unsigned flags);
+  int (*device_get)(int* device, int ordinal);
+  int (*attribute)(int* value, int attribute, int device);
+  int (*primary_ctx_retain)(void** ctx, int device);
+  int (*ctx_set_current)(void* ctx);
+  int (*module_load_data)(void** module, const void* image);
+  int (*module_get_function)(void** function, void* module, const char* name);
+  int (*launch)(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                unsigned shared, void* stream, void** params, void** extra);
+  int (*error_string)(int code, const char** text);
+};
+
+template <typename F>
+void bind(void* lib, const char* name, F*& slot, const std::string& from) {
+  slot = reinterpret_cast<F*>(dlsym(lib, name));
+  if (slot == nullptr) throw std::runtime_error(from + " has no " + name);
+}
+
+// The directory of the libtorch this process runs on ("" if it cannot be told).
+std::string torch_lib_dir() {
+  void* h = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+  if (h == nullptr) return "";
+  struct link_map* map = nullptr;
+  std::string dir;
+  if (dlinfo(h, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr) {
+    dir = map->l_name;
+    dir = dir.substr(0, dir.rfind('/'));
+  }
+  dlclose(h);
+  return dir;
+}
+
+// libnvrtc: the torch wheel's (site-packages/nvidia/cu13/lib beside site-packages/torch/lib),
+// else whatever the loader finds. libnvrtc opens its builtins library by name at compile time,
+// and the wheel's directory is on no search path: loading it first, globally, satisfies that.
+const Nvrtc& nvrtc() {
+  static std::mutex lock;
+  static Nvrtc api{};
+  static void* lib = nullptr;
+  std::lock_guard<std::mutex> g(lock);
+  if (lib != nullptr) return api;
+  std::vector<std::string> tried;
+  const std::string wheel = torch_lib_dir() + "/../../nvidia/cu13/lib";
+  if (DIR* d = opendir(wheel.c_str())) {
+    while (struct dirent* e = readdir(d)) {
+      if (std::strncmp(e->d_name, "libnvrtc-builtins.so.13.", 24) == 0) dlopen((wheel + "/" + e->d_name).c_str(), RTLD_NOW | RTLD_GLOBAL);
+    }
+    closedir(d);
+  }
+  for (const std::string& name : {wheel + "/libnvrtc.so.13", std::string("libnvrtc.so.13"), std::string("libnvrtc.so")}) {
+    lib = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (lib != nullptr) break;
+    const char* why = dlerror();
+    tried.push_back(why != nullptr ? why : name);
+  }
+  if (lib == nullptr) {
+    std::string msg = "NVRTC (libnvrtc.so.13, from the torch wheel's nvidia-cuda-nvrtc) not found:";
+    for (const auto& t : tried) msg += " " + t + ";";
+    throw std::runtime_error(msg);
+  }
+  const std::string from = "libnvrtc";
+  bind(lib, "nvrtcCreateProgram", api.create, from);
+  bind(lib, "nvrtcCompileProgram", api.compile, from);
+  bind(lib, "nvrtcGetProgramLogSize", api.log_size, from);
+  bind(lib, "nvrtcGetProgramLog", api.log, from);
+  bind(lib, "nvrtcGetPTXSize", api.ptx_size, from);
+  bind(lib, "nvrtcGetPTX", api.ptx, from);
+  bind(lib, "nvrtcDestroyProgram", api.destroy, from);
+  bind(lib, "nvrtcGetErrorString", api.error, from);
+  return api;
+}
+
+const Driver& driver() {
+  static std::mutex lock;
+  static Driver api{};
+  static void* lib = nullptr;
+  std::lock_guard<std::mutex> g(lock);
+  if (lib != nullptr) return api;
+  void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (l == nullptr) {
+    const char* why = dlerror();
+    throw std::runtime_error(std::string("the CUDA driver (libcuda.so.1) cannot be loaded: ") + (why ? why : "unknown"));
+  }
+  const std::string from = "libcuda.so.1";
+  bind(l, "cuInit", api.init, from);
+  bind(l, "cuDeviceGet", api.device_get, from);
+  bind(l, "cuDeviceGetAttribute", api.attribute, from);
+  bind(l, "cuDevicePrimaryCtxRetain", api.primary_ctx_retain, from);
+  bind(l, "cuCtxSetCurrent", api.ctx_set_current, from);
+  bind(l, "cuModuleLoadData", api.module_load_data, from);
+  bind(l, "cuModuleGetFunction", api.module_get_function, from);
+  bind(l, "cuLaunchKernel", api.launch, from);
+  bind(l, "cuGetErrorString", api.error_string, from);
+  lib = l;
+  return api;
+}
+
+void check_cu(int code, const char* what) {
+  if (code == 0) return;
+  const char* text = nullptr;
+  driver().error_string(code, &text);
+  throw std::runtime_error(std::string(what) + ": CUDA driver error " + std::to_string(code) + " (" + (text ? text : "unknown") + ")");
+}
+
+// PTX of `src` for compute capability major.minor; the compiler's log in the error on failure.
+std::string compile_ptx(const char* src, int major, int minor) {
+  const Nvrtc& api = nvrtc();
+  void* prog = nullptr;
+  int rc = api.create(&prog, src, "optim_kernels.cu", 0, nullptr, nullptr);
+  if (rc != 0) throw std::runtime_error(std::string("nvrtcCreateProgram: ") + api.error(rc));
+  const std::string arch = "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
+  // No multiply-add contraction: the kernels round as the CPU ones (built with -ffp-contract=off).
+  const char* options[] = {arch.c_str(), "--fmad=false", "--std=c++17"};
+  rc = api.compile(prog, 3, options);
+  size_t size = 0;
+  std::string log;
+  if (api.log_size(prog, &size) == 0 && size > 1) {
+    log.resize(size);
+    api.log(prog, &log[0]);
+    log.resize(size - 1);
+  }
+  std::string ptx;
+  if (rc == 0 && api.ptx_size(prog, &size) == 0) {
+    ptx.resize(size);
+    api.ptx(prog, &ptx[0]);
+    ptx.resize(size - 1);
+  }
+  api.destroy(&prog);
+  if (rc != 0) throw std::runtime_error(std::string("NVRTC could not compile the kernels for ") + arch + ": " + api.error(rc) + "\n" + log);
+  return ptx;
+}
+
+// Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
+struct Loaded {
+  void* ctx = nullptr;
+  void* adamw8bit[3] = {};  // fp32, bf16, fp16 parameters
+};
+
+std::mutex loaded_lock;
+std::map<int, Loaded>& loaded() {
+  static std::map<int, Loaded> m;
+  return m;
+}
+
+const Loaded& loaded_for(int ordinal) {
+  std::lock_guard<std::mutex> g(loaded_lock);
+  auto it = loaded().find(ordinal);
+  if (it == loaded().end()) throw std::logic_error("cuda_jit: kernels used on cuda:" + std::to_string(ordinal) + " before tg_cuda_jit_prepare");
+  return it->second;
+}
+
+// The driver's stream handle of PyTorch's current stream on `device`. trainguard never switches
+// streams, so that is the default stream, the legacy null stream (c10's CUDAStream::stream()
+// returns nullptr for it); any other stream is refused rather than raced.
+void* current_stream(const c10::Device& device) {
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  if (impl->getStream(device) != impl->getDefaultStream(device)) {
+    throw std::runtime_error("cuda_jit: the current CUDA stream is not the default one; these kernels run on the default stream only");
+  }
+  return nullptr;
+}
+}  // namespace
+
+namespace trainguard {
+void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
+                           at::Tensor& av, float w1, float w2, float shrink, float scale, float shift, bool apply) {
+  const int ordinal = p.device().index();
+  const Loaded& k = loaded_for(ordinal);
+  int which = 0;
+  switch (p.scalar_type()) {
+    case at::kFloat: which = 0; break;
+    case at::kBFloat16: which = 1; break;
+    case at::kHalf: which = 2; break;
+    default: throw std::invalid_argument("adamw8bit_update: CUDA parameters must be fp32, bf16 or fp16");
+  }
+  void* pp = p.data_ptr();
+  const void* gp = g.data_ptr();
+  void* qmp = qm.data_ptr();
+  void* amp = am.data_ptr();
+  void* qvp = qv.data_ptr();
+  void* avp = av.data_ptr();
+  long long n = p.numel();
+  int apply_flag = apply ? 1 : 0;
+  void* args[] = {&pp, &gp, &qmp, &amp, &qvp, &avp, &n, &w1, &w2, &shrink, &scale, &shift, &apply_flag};
+  const long long blocks = (n + 2047) / 2048;
+  void* stream = current_stream(p.device());
+  check_cu(driver().ctx_set_current(k.ctx), "cuCtxSetCurrent");
+  check_cu(driver().launch(k.adamw8bit[which], static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0, stream, args, nullptr),
+           "cuLaunchKernel(adamw8bit)");
+}
+}  // namespace trainguard
+
+extern "C" {
+
+// PTX of the kernels in `src` for compute capability major.minor, in a malloc'd buffer released
+// with tg_cuda_jit_free. Needs NVRTC, not a GPU.
+int tg_nvrtc_ptx(const char* src, int major, int minor, char** out, size_t* len, char* err, size_t err_len) {
+  *out = nullptr;
+  *len = 0;
+  return guarded(err, err_len, [&] {
+    const std::string ptx = compile_ptx(src, major, minor);
+    char* buf = static_cast<char*>(std::malloc(ptx.size() + 1));
+    if (buf == nullptr) throw std::bad_alloc();
+    std::memcpy(buf, ptx.c_str(), ptx.size() + 1);
+    *out = buf;
+    *len = ptx.size();
+  });
+}
+
+void tg_cuda_jit_free(char* p) { std::free(p); }
+
+// Compiles `src` for CUDA device `ordinal`'s compute capability and loads its kernels into the
+// device's primary context, once per device (later calls return at once).
+int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    std::lock_guard<std::mutex> g(loaded_lock);
+    if (loaded().count(ordinal) != 0) return;
+    const Driver& cu = driver();
+    check_cu(cu.init(0), "cuInit");
+    int device = 0, major = 0, minor = 0;
+    check_cu(cu.device_get(&device, ordinal), "cuDeviceGet");
+    check_cu(cu.attribute(&major, 75, device), "cuDeviceGetAttribute(compute capability major)");
+    check_cu(cu.attribute(&minor, 76, device), "cuDeviceGetAttribute(compute capability minor)");
+    Loaded k;
+    check_cu(cu.primary_ctx_retain(&k.ctx, device), "cuDevicePrimaryCtxRetain");
+    check_cu(cu.ctx_set_current(k.ctx), "cuCtxSetCurrent");
+    const std::string ptx = compile_ptx(src, major, minor);
+    void* module = nullptr;
+    check_cu(cu.module_load_data(&module, ptx.c_str()), "cuModuleLoadData");
+    const char* names[] = {"tg_adamw8bit_f32", "tg_adamw8bit_bf16", "tg_adamw8bit_f16"};
+    for (int i = 0; i < 3; ++i) check_cu(cu.module_get_function(&k.adamw8bit[i], module, names[i]), names[i]);
+    loaded()[ordinal] = k;
+  });
+}
+
+}  // extern "C"
