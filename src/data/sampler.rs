@@ -102,7 +102,6 @@ mod tests {
         let s = Sampler { seed: 7, seq_len: 16 };
         let whole: Vec<usize> = (0..32).map(|i| s.train_offset(&corpus, 3, i)).collect();
         let halves: Vec<usize> = crate::batch::split(32, 5)
-            .into_iter()
             .flat_map(|r| r.map(|i| s.train_offset(&corpus, 3, i)).collect::<Vec<_>>())
             .collect();
         assert_eq!(whole, halves);

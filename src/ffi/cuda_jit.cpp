@@ -1,8 +1,9 @@
-// Our own CUDA kernels (src/ffi/optim_kernels.cu, passed in from Rust): compiled to PTX by NVRTC,
-// loaded and launched through the CUDA driver API. Both libraries are opened with dlopen at first
+// Our own CUDA kernels (src/ffi/optim_kernels.cu, passed in from Rust): compiled by NVRTC to
+// machine code for the device's architecture (a cubin: no PTX left for the driver to JIT, so no
+// PTX-version dependency on the driver), loaded and launched through the CUDA driver API. Both libraries are opened with dlopen at first
 // use, so nothing here needs a CUDA toolkit to build or a GPU to link: NVRTC comes from the torch
 // wheel's nvidia/cu13/lib (or the system's), the driver from libcuda.so.1. Compiling needs no GPU,
-// which lets CI compile the kernels' source (tg_nvrtc_ptx); loading and launching need one.
+// which lets CI compile the kernels' source (tg_nvrtc_compile); loading and launching need one.
 // Same conventions as shim.cpp: every entry point catches C++ exceptions.
 #include "cuda_jit.h"
 
@@ -34,8 +35,8 @@ struct Nvrtc {
   int (*compile)(void* prog, int n_options, const char* const* options);
   int (*log_size)(void* prog, size_t* size);
   int (*log)(void* prog, char* log);
-  int (*ptx_size)(void* prog, size_t* size);
-  int (*ptx)(void* prog, char* ptx);
+  int (*cubin_size)(void* prog, size_t* size);
+  int (*cubin)(void* prog, char* cubin);
   int (*destroy)(void** prog);
   const char* (*error)(int code);
 };
@@ -45,6 +46,7 @@ struct Driver {
   int (*device_get)(int* device, int ordinal);
   int (*attribute)(int* value, int attribute, int device);
   int (*primary_ctx_retain)(void** ctx, int device);
+  int (*ctx_get_current)(void** ctx);
   int (*ctx_set_current)(void* ctx);
   int (*module_load_data)(void** module, const void* image);
   int (*module_get_function)(void** function, void* module, const char* name);
@@ -79,10 +81,11 @@ std::string torch_lib_dir() {
 const Nvrtc& nvrtc() {
   static std::mutex lock;
   static Nvrtc api{};
-  static void* lib = nullptr;
+  static void* lib = nullptr;  // set once every entry point is bound
   std::lock_guard<std::mutex> g(lock);
   if (lib != nullptr) return api;
   std::vector<std::string> tried;
+  void* l = nullptr;
   const std::string wheel = torch_lib_dir() + "/../../nvidia/cu13/lib";
   if (DIR* d = opendir(wheel.c_str())) {
     while (struct dirent* e = readdir(d)) {
@@ -91,25 +94,26 @@ const Nvrtc& nvrtc() {
     closedir(d);
   }
   for (const std::string& name : {wheel + "/libnvrtc.so.13", std::string("libnvrtc.so.13"), std::string("libnvrtc.so")}) {
-    lib = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
-    if (lib != nullptr) break;
+    l = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
+    if (l != nullptr) break;
     const char* why = dlerror();
     tried.push_back(why != nullptr ? why : name);
   }
-  if (lib == nullptr) {
+  if (l == nullptr) {
     std::string msg = "NVRTC (libnvrtc.so.13, from the torch wheel's nvidia-cuda-nvrtc) not found:";
     for (const auto& t : tried) msg += " " + t + ";";
     throw std::runtime_error(msg);
   }
   const std::string from = "libnvrtc";
-  bind(lib, "nvrtcCreateProgram", api.create, from);
-  bind(lib, "nvrtcCompileProgram", api.compile, from);
-  bind(lib, "nvrtcGetProgramLogSize", api.log_size, from);
-  bind(lib, "nvrtcGetProgramLog", api.log, from);
-  bind(lib, "nvrtcGetPTXSize", api.ptx_size, from);
-  bind(lib, "nvrtcGetPTX", api.ptx, from);
-  bind(lib, "nvrtcDestroyProgram", api.destroy, from);
-  bind(lib, "nvrtcGetErrorString", api.error, from);
+  bind(l, "nvrtcCreateProgram", api.create, from);
+  bind(l, "nvrtcCompileProgram", api.compile, from);
+  bind(l, "nvrtcGetProgramLogSize", api.log_size, from);
+  bind(l, "nvrtcGetProgramLog", api.log, from);
+  bind(l, "nvrtcGetCUBINSize", api.cubin_size, from);
+  bind(l, "nvrtcGetCUBIN", api.cubin, from);
+  bind(l, "nvrtcDestroyProgram", api.destroy, from);
+  bind(l, "nvrtcGetErrorString", api.error, from);
+  lib = l;
   return api;
 }
 
@@ -129,6 +133,7 @@ const Driver& driver() {
   bind(l, "cuDeviceGet", api.device_get, from);
   bind(l, "cuDeviceGetAttribute", api.attribute, from);
   bind(l, "cuDevicePrimaryCtxRetain", api.primary_ctx_retain, from);
+  bind(l, "cuCtxGetCurrent", api.ctx_get_current, from);
   bind(l, "cuCtxSetCurrent", api.ctx_set_current, from);
   bind(l, "cuModuleLoadData", api.module_load_data, from);
   bind(l, "cuModuleGetFunction", api.module_get_function, from);
@@ -145,13 +150,14 @@ void check_cu(int code, const char* what) {
   throw std::runtime_error(std::string(what) + ": CUDA driver error " + std::to_string(code) + " (" + (text ? text : "unknown") + ")");
 }
 
-// PTX of `src` for compute capability major.minor; the compiler's log in the error on failure.
-std::string compile_ptx(const char* src, int major, int minor) {
+// Machine code (a cubin) of `src` for compute capability major.minor; the compiler's log in the
+// error on failure.
+std::string compile(const char* src, int major, int minor) {
   const Nvrtc& api = nvrtc();
   void* prog = nullptr;
   int rc = api.create(&prog, src, "optim_kernels.cu", 0, nullptr, nullptr);
   if (rc != 0) throw std::runtime_error(std::string("nvrtcCreateProgram: ") + api.error(rc));
-  const std::string arch = "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
+  const std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
   // No multiply-add contraction: the kernels round as the CPU ones (built with -ffp-contract=off).
   const char* options[] = {arch.c_str(), "--fmad=false", "--std=c++17"};
   rc = api.compile(prog, 3, options);
@@ -162,15 +168,15 @@ std::string compile_ptx(const char* src, int major, int minor) {
     api.log(prog, &log[0]);
     log.resize(size - 1);
   }
-  std::string ptx;
-  if (rc == 0 && api.ptx_size(prog, &size) == 0) {
-    ptx.resize(size);
-    api.ptx(prog, &ptx[0]);
-    ptx.resize(size - 1);
+  std::string cubin;
+  if (rc == 0 && api.cubin_size(prog, &size) == 0) {
+    cubin.resize(size);
+    api.cubin(prog, &cubin[0]);
   }
   api.destroy(&prog);
   if (rc != 0) throw std::runtime_error(std::string("NVRTC could not compile the kernels for ") + arch + ": " + api.error(rc) + "\n" + log);
-  return ptx;
+  if (cubin.empty()) throw std::runtime_error("NVRTC compiled the kernels for " + arch + " but returned no machine code");
+  return cubin;
 }
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -192,16 +198,33 @@ const Loaded& loaded_for(int ordinal) {
   return it->second;
 }
 
-// The driver's stream handle of PyTorch's current stream on `device`. trainguard never switches
-// streams, so that is the default stream, the legacy null stream (c10's CUDAStream::stream()
-// returns nullptr for it); any other stream is refused rather than raced.
+// The driver's handle of PyTorch's current stream on `device` (nullptr, the legacy default
+// stream, unless someone switched streams), so the kernels queue behind the ops that made their
+// inputs, as ATen's own kernels do.
 void* current_stream(const c10::Device& device) {
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  if (impl->getStream(device) != impl->getDefaultStream(device)) {
-    throw std::runtime_error("cuda_jit: the current CUDA stream is not the default one; these kernels run on the default stream only");
-  }
-  return nullptr;
+  return impl->getStreamNativeHandle(impl->getStream(device));
 }
+
+// Makes `ctx` the thread's current context for its lifetime and then restores the previous one:
+// the CUDA runtime that PyTorch uses reads its current device from it.
+class ContextScope {
+ public:
+  explicit ContextScope(void* ctx) {
+    check_cu(driver().ctx_get_current(&previous_), "cuCtxGetCurrent");
+    if (previous_ != ctx) check_cu(driver().ctx_set_current(ctx), "cuCtxSetCurrent");
+    switched_ = previous_ != ctx;
+  }
+  ~ContextScope() {
+    if (switched_) driver().ctx_set_current(previous_);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  void* previous_ = nullptr;
+  bool switched_ = false;
+};
 }  // namespace
 
 namespace trainguard {
@@ -223,11 +246,12 @@ void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, a
   void* qvp = qv.data_ptr();
   void* avp = av.data_ptr();
   long long n = p.numel();
+  if (n == 0) return;
   int apply_flag = apply ? 1 : 0;
   void* args[] = {&pp, &gp, &qmp, &amp, &qvp, &avp, &n, &w1, &w2, &shrink, &scale, &shift, &apply_flag};
   const long long blocks = (n + 2047) / 2048;
   void* stream = current_stream(p.device());
-  check_cu(driver().ctx_set_current(k.ctx), "cuCtxSetCurrent");
+  ContextScope scope(k.ctx);
   check_cu(driver().launch(k.adamw8bit[which], static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0, stream, args, nullptr),
            "cuLaunchKernel(adamw8bit)");
 }
@@ -235,18 +259,18 @@ void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, a
 
 extern "C" {
 
-// PTX of the kernels in `src` for compute capability major.minor, in a malloc'd buffer released
-// with tg_cuda_jit_free. Needs NVRTC, not a GPU.
-int tg_nvrtc_ptx(const char* src, int major, int minor, char** out, size_t* len, char* err, size_t err_len) {
+// The machine code (an ELF cubin) of the kernels in `src` for compute capability major.minor, in
+// a malloc'd buffer released with tg_cuda_jit_free. Needs NVRTC, not a GPU.
+int tg_nvrtc_compile(const char* src, int major, int minor, char** out, size_t* len, char* err, size_t err_len) {
   *out = nullptr;
   *len = 0;
   return guarded(err, err_len, [&] {
-    const std::string ptx = compile_ptx(src, major, minor);
-    char* buf = static_cast<char*>(std::malloc(ptx.size() + 1));
+    const std::string cubin = compile(src, major, minor);
+    char* buf = static_cast<char*>(std::malloc(cubin.size()));
     if (buf == nullptr) throw std::bad_alloc();
-    std::memcpy(buf, ptx.c_str(), ptx.size() + 1);
+    std::memcpy(buf, cubin.data(), cubin.size());
     *out = buf;
-    *len = ptx.size();
+    *len = cubin.size();
   });
 }
 
@@ -266,10 +290,10 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     check_cu(cu.attribute(&minor, 76, device), "cuDeviceGetAttribute(compute capability minor)");
     Loaded k;
     check_cu(cu.primary_ctx_retain(&k.ctx, device), "cuDevicePrimaryCtxRetain");
-    check_cu(cu.ctx_set_current(k.ctx), "cuCtxSetCurrent");
-    const std::string ptx = compile_ptx(src, major, minor);
+    ContextScope scope(k.ctx);
+    const std::string cubin = compile(src, major, minor);
     void* module = nullptr;
-    check_cu(cu.module_load_data(&module, ptx.c_str()), "cuModuleLoadData");
+    check_cu(cu.module_load_data(&module, cubin.data()), "cuModuleLoadData");
     const char* names[] = {"tg_adamw8bit_f32", "tg_adamw8bit_bf16", "tg_adamw8bit_f16"};
     for (int i = 0; i < 3; ++i) check_cu(cu.module_get_function(&k.adamw8bit[i], module, names[i]), names[i]);
     loaded()[ordinal] = k;

@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_nvrtc_ptx(src: *const c_char, major: c_int, minor: c_int, out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_nvrtc_compile(src: *const c_char, major: c_int, minor: c_int, out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cuda_jit_free(p: *mut c_char);
     fn tg_cuda_jit_prepare(ordinal: c_int, src: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
@@ -166,19 +166,20 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
 /// it at run time with NVRTC (`cuda_jit.cpp`): the build needs no CUDA toolkit.
 const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), "\0");
 
-/// PTX of our CUDA kernels for compute capability `major.minor`. Needs NVRTC (the torch wheel's
-/// `nvidia/cu13/lib/libnvrtc.so.13`), not a GPU: tests compile the source on machines without one.
-pub fn cuda_ptx(major: i32, minor: i32) -> Result<String, ShimError> {
+/// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
+/// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),
+/// not a GPU: tests compile the source on machines without one.
+pub fn cuda_binary(major: i32, minor: i32) -> Result<Vec<u8>, ShimError> {
     let (mut out, mut len) = (std::ptr::null_mut::<c_char>(), 0usize);
     let mut err = [0u8; ERR_LEN];
     // SAFETY: the source is NUL-terminated; on success the shim hands over a malloc'd buffer of
-    // `len` bytes (plus a NUL), copied here and released with tg_cuda_jit_free.
-    let code = unsafe { tg_nvrtc_ptx(CUDA_SOURCE.as_ptr().cast(), major, minor, &mut out, &mut len, err.as_mut_ptr().cast(), ERR_LEN) };
+    // `len` bytes, copied here and released with tg_cuda_jit_free.
+    let code = unsafe { tg_nvrtc_compile(CUDA_SOURCE.as_ptr().cast(), major, minor, &mut out, &mut len, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)?;
     // SAFETY: as above; `out` is non-null after a successful call.
-    let ptx = unsafe { String::from_utf8_lossy(std::slice::from_raw_parts(out.cast::<u8>(), len)).into_owned() };
+    let binary = unsafe { std::slice::from_raw_parts(out.cast::<u8>(), len).to_vec() };
     unsafe { tg_cuda_jit_free(out) };
-    Ok(ptx)
+    Ok(binary)
 }
 
 /// Compiles our CUDA kernels for `device`'s compute capability and loads them, once per device

@@ -9,7 +9,8 @@
 // finds the new absmax scales and requantises: every value is read and written once, in one
 // launch per tensor, where the tensor-op path takes ~25 launches and four fp32 scratch buffers
 // per run of blocks. Blocks own their scales, so they are independent. Compiled with
-// --fmad=false, as the CPU kernel is built with -ffp-contract=off.
+// --fmad=false, as the CPU kernel is built with -ffp-contract=off: both do the same IEEE float
+// operations in the same order, so they give the same bits.
 
 #define TG_BLOCK 2048
 #define TG_THREADS 256
@@ -106,8 +107,9 @@ __device__ __forceinline__ void adamw8bit(typename D::T* p, const typename D::T*
   }
   // quant::quantise_signed / _unsigned with the new absmax A (floored at 1e-30):
   // round(127·sign(m)·√(|m|/A)), round(255·⁴√(v/A)); rintf rounds half to even, as at::round.
-  const float new_m = fmaxf(__uint_as_float(block_max(top_m, top_m_warp)), 1e-30f);
-  const float new_v = fmaxf(__uint_as_float(block_max(top_v, top_v_warp)), 1e-30f);
+  // As the CPU's std::max(top, 1e-30): a NaN maximum stays NaN (fmaxf would drop it).
+  const float top_m_f = __uint_as_float(block_max(top_m, top_m_warp)), top_v_f = __uint_as_float(block_max(top_v, top_v_warp));
+  const float new_m = top_m_f < 1e-30f ? 1e-30f : top_m_f, new_v = top_v_f < 1e-30f ? 1e-30f : top_v_f;
   const float inv_m = 1.0f / new_m, inv_v = 1.0f / new_v;
 #pragma unroll
   for (int j = 0; j < TG_PER_THREAD; ++j) {
