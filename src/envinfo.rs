@@ -41,6 +41,11 @@ pub fn report(config: &Config) -> String {
             let _ = writeln!(r, "unavailable: {e}");
         }
     }
+    // What `kernels.cuda_optimizers` compiles with.
+    let _ = match ffi::kernels::nvrtc_info() {
+        Ok((major, minor, path)) => writeln!(r, "nvrtc: {major}.{minor} ({path})"),
+        Err(e) => writeln!(r, "nvrtc: unavailable ({e}); kernels.cuda_optimizers cannot be used"),
+    };
     let _ = writeln!(r, "c10d backends: gloo{}", if ffi::dist::nccl_built() { ", nccl" } else { " (nccl not built: CUDA headers missing at build time)" });
     let _ = writeln!(r, "\n[gpus]");
     match Gpus::open() {

@@ -10,7 +10,8 @@ fn env_prints_every_section() {
     let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for section in ["[trainguard]", "[libtorch]", "version: 2.11.0", "[cuda]", "available:", "[gpus]", "[allocator]", "effective:"] {
+    // The wheel's NVRTC (torch 2.11.0+cu130 depends on it), found beside libtorch.
+    for section in ["[trainguard]", "[libtorch]", "version: 2.11.0", "[cuda]", "available:", "nvrtc: 13.", "nvidia/cu13/lib/libnvrtc.so", "[gpus]", "[allocator]", "effective:"] {
         assert!(text.contains(section), "lacks {section}:\n{text}");
     }
     let nvml_present = std::path::Path::new("/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1").exists();

@@ -39,6 +39,8 @@ struct Nvrtc {
   int (*cubin)(void* prog, char* cubin);
   int (*destroy)(void** prog);
   const char* (*error)(int code);
+  int (*version)(int* major, int* minor);
+  std::string path;  // the library loaded: its real path, or the bare name the loader searched for
 };
 
 struct Driver {
@@ -95,7 +97,12 @@ const Nvrtc& nvrtc() {
   }
   for (const std::string& name : {wheel + "/libnvrtc.so.13", std::string("libnvrtc.so.13"), std::string("libnvrtc.so")}) {
     l = dlopen(name.c_str(), RTLD_NOW | RTLD_GLOBAL);
-    if (l != nullptr) break;
+    if (l != nullptr) {
+      char* real = name.find('/') != std::string::npos ? realpath(name.c_str(), nullptr) : nullptr;
+      api.path = real != nullptr ? real : name;
+      std::free(real);
+      break;
+    }
     const char* why = dlerror();
     tried.push_back(why != nullptr ? why : name);
   }
@@ -113,6 +120,7 @@ const Nvrtc& nvrtc() {
   bind(l, "nvrtcGetCUBIN", api.cubin, from);
   bind(l, "nvrtcDestroyProgram", api.destroy, from);
   bind(l, "nvrtcGetErrorString", api.error, from);
+  bind(l, "nvrtcVersion", api.version, from);
   lib = l;
   return api;
 }
@@ -275,6 +283,16 @@ int tg_nvrtc_compile(const char* src, int major, int minor, char** out, size_t* 
 }
 
 void tg_cuda_jit_free(char* p) { std::free(p); }
+
+// NVRTC's version and the library loaded (`trainguard env`); the error says why none loads.
+int tg_nvrtc_info(int* major, int* minor, char* path, size_t path_len, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    const Nvrtc& api = nvrtc();
+    const int rc = api.version(major, minor);
+    if (rc != 0) throw std::runtime_error(std::string("nvrtcVersion: ") + api.error(rc));
+    trainguard::copy_message(api.path, path, path_len);
+  });
+}
 
 // Compiles `src` for CUDA device `ordinal`'s compute capability and loads its kernels into the
 // device's primary context, once per device (later calls return at once).

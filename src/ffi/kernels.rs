@@ -12,6 +12,7 @@ use tch::Tensor;
 extern "C" {
     fn tg_nvrtc_compile(src: *const c_char, major: c_int, minor: c_int, out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cuda_jit_free(p: *mut c_char);
+    fn tg_nvrtc_info(major: *mut c_int, minor: *mut c_int, path: *mut c_char, path_len: usize, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cuda_jit_prepare(ordinal: c_int, src: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
@@ -180,6 +181,18 @@ pub fn cuda_binary(major: i32, minor: i32) -> Result<Vec<u8>, ShimError> {
     let binary = unsafe { std::slice::from_raw_parts(out.cast::<u8>(), len).to_vec() };
     unsafe { tg_cuda_jit_free(out) };
     Ok(binary)
+}
+
+/// NVRTC's version and the library file loaded, as `trainguard env` reports them; the error says
+/// where it was looked for.
+pub fn nvrtc_info() -> Result<(i32, i32, String), ShimError> {
+    let (mut major, mut minor) = (0, 0);
+    let (mut path, mut err) = ([0u8; 1024], [0u8; ERR_LEN]);
+    // SAFETY: plain out-parameters and buffers of the lengths given; the shim catches exceptions.
+    let code = unsafe { tg_nvrtc_info(&mut major, &mut minor, path.as_mut_ptr().cast(), path.len(), err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    let path = std::ffi::CStr::from_bytes_until_nul(&path).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok((major, minor, path))
 }
 
 /// Compiles our CUDA kernels for `device`'s compute capability and loads them, once per device
