@@ -21,8 +21,8 @@
 #   detcost scripts/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
 #           memory.snapshot_on_oom on and off
 #   kernels scripts/bench_kernels.sh: tokens/s and peak allocated of smollm2-135m bf16-mixed with
-#           kernels.fused_rms_norm off and on; gpt2-124m bf16-mixed with fused AdamW and 8-bit
-#           AdamW as tensor ops and as the CUDA kernel (kernels.cuda_optimizers)
+#           kernels.fused_rms_norm off and on; gpt2-124m bf16-mixed with fused AdamW, 8-bit
+#           AdamW and Adafactor as tensor ops and as the CUDA kernels (kernels.cuda_optimizers)
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off
 set -uo pipefail

@@ -283,8 +283,8 @@ fn allocator_thrashing_shrinks_the_micro_batch_on_cuda() {
 /// AdamW (one step counter shared by every tensor), 8-bit AdamW (small fp32 tensors through the
 /// fused kernel; on CUDA tensor ops over runs of 16 Mi values, on a tensor of 20 Mi values so
 /// it splits, against the CPU's fused kernel; and our NVRTC-compiled CUDA kernel,
-/// `kernels.cuda_optimizers`, against the same), Adafactor (tensor ops against the CPU's fused
-/// kernel) and SGD with momentum (ATen's fused kernel on both). Blockwise quantisation does not depend on the run length, so the two differ only by
+/// `kernels.cuda_optimizers`, against the same), Adafactor (tensor ops, and our CUDA kernels,
+/// against the CPU's fused kernel) and SGD with momentum (ATen's fused kernel on both). Blockwise quantisation does not depend on the run length, so the two differ only by
 /// rounding: within 1e-3 of a step (lr 1e-2), except
 /// where a rounding put an 8-bit code on the other side of a half — a code apart is at most a
 /// fifth of a step, and such elements are rare (the mean difference stays under 1e-7).
@@ -298,7 +298,7 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
     let params: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
     let grads: Vec<Vec<Tensor>> = (0..3).map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect()).collect();
     let decay = [true, true, false, false];
-    let all = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw8bit, false, false), (OptimizerName::Adamw8bit, false, true), (OptimizerName::Adafactor, false, false), (OptimizerName::SgdMomentum, true, false)];
+    let all = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw8bit, false, false), (OptimizerName::Adamw8bit, false, true), (OptimizerName::Adafactor, false, false), (OptimizerName::Adafactor, false, true), (OptimizerName::SgdMomentum, true, false)];
     for (name, fused, cuda_kernel) in all {
         let spec = OptimizerSpec { name, fused, cuda_kernel, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
         let run = |device: Device| -> Vec<Tensor> {
@@ -369,6 +369,56 @@ fn the_8bit_adamw_cuda_kernel_computes_the_cpu_kernels_bits() {
             assert_eq!(off, 0, "{kind:?}: `{key}` differs from the CPU kernel's in {off} places");
         }
         assert!(cpu_p.equal(&gpu_p), "{kind:?}: parameters differ from the CPU kernel's (by up to {diff:e})");
+    }
+}
+
+/// Adafactor's CUDA kernels (`kernels.cuda_optimizers`) against the CPU's fused kernel, in fp32,
+/// bf16 and fp16, on shapes that exercise every unit and band: a tall matrix (more rows than
+/// column bands, columns not a multiple of a CUDA block), a wide one (one row per band, several
+/// column blocks), a vector with a partial last unit, and a scalar; decay on some, lr 0 on one
+/// step. Both sum in double, in different orders, so a scalar (RMS(p), the update's RMS) can
+/// differ in its last place: parameters and second moments agree to two units of the dtype's
+/// last place. And the GPU's own sums take a fixed order: a second run gives the same bits.
+#[test]
+fn the_adafactor_cuda_kernels_compute_what_the_cpu_kernel_does() {
+    use trainguard::optim::{Adafactor, AdafactorConfig, AdafactorPath};
+    let Some(dev) = cuda() else { return };
+    let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
+    let shapes: [&[i64]; 4] = [&[3000, 70], &[50, 3000], &[5000], &[]];
+    let decay = [true, false, true, false];
+    let names: Vec<String> = ["tall", "wide", "vector", "scalar"].map(String::from).to_vec();
+    tch::manual_seed(2);
+    let start: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
+    let grads: Vec<Vec<Tensor>> = (0..4).map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect()).collect();
+    for (kind, eps) in [(Kind::Float, f64::from(f32::EPSILON)), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)] {
+        let run = |device: Device| -> (Vec<Tensor>, Vec<(String, Tensor)>) {
+            let p: Vec<Tensor> = start.iter().map(|t| t.to_kind(kind).to_device(device).copy()).collect();
+            let mut opt = Adafactor::with_path(cfg, &p, &decay, device, AdafactorPath::Fused).unwrap();
+            for (s, g) in grads.iter().enumerate() {
+                let g: Vec<Tensor> = g.iter().map(|t| t.to_kind(kind).to_device(device)).collect();
+                opt.step(&p, &g, if s == 1 { 0.0 } else { 1e-2 }).unwrap();
+            }
+            let state = opt.state_tensors(&names).into_iter().map(|(k, t)| (k, t.to_device(Device::Cpu).to_kind(Kind::Double))).collect();
+            (p.iter().map(|t| t.to_device(Device::Cpu).to_kind(Kind::Double)).collect(), state)
+        };
+        let ((cpu_p, cpu_s), (gpu_p, gpu_s), (again_p, again_s)) = (run(Device::Cpu), run(dev), run(dev));
+        for (i, ((c, g), a)) in cpu_p.iter().zip(&gpu_p).zip(&again_p).enumerate() {
+            let before = start[i].to_kind(kind).to_kind(Kind::Double);
+            let moved = f64::try_from((c - &before).abs().max()).unwrap();
+            let diff = f64::try_from((c - g).abs().max()).unwrap();
+            let same = i64::try_from(c.eq_tensor(g).sum(Kind::Int64)).unwrap();
+            eprintln!("{kind:?} {}: moved {moved:.3e}, CUDA vs CPU kernel max {diff:.3e}, {same} of {} the same bits", names[i], c.numel());
+            assert!(moved > 1e-5, "{kind:?} {}: the parameters moved", names[i]);
+            let worst = f64::try_from(((c - g).abs() - (c.abs() + (c - &before).abs()) * (2.0 * eps)).max()).unwrap();
+            assert!(worst <= 0.0, "{kind:?} {}: CUDA and CPU kernels differ by {diff:e}, beyond two units in the last place", names[i]);
+            assert!(g.equal(a), "{kind:?} {}: two CUDA runs differ", names[i]);
+        }
+        for (((key, c), (_, g)), (_, a)) in cpu_s.iter().zip(&gpu_s).zip(&again_s) {
+            let rel = f64::try_from(((c - g).abs() / c.abs().clamp_min(1e-30)).max()).unwrap();
+            eprintln!("{kind:?} `{key}`: CUDA vs CPU kernel relative {rel:.3e}");
+            assert!(rel <= 2.0 * eps, "{kind:?}: `{key}` differs by {rel:e} relative");
+            assert!(g.equal(a), "{kind:?}: `{key}` differs between two CUDA runs");
+        }
     }
 }
 

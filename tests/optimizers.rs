@@ -334,10 +334,12 @@ fn print_update_time_against_fused_adamw() {
     println!("{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up", params.len(), numel as f64 / 1e6);
     println!("| optimizer | ms per update (median) | min – max | × fused AdamW's time |\n|---|---|---|---|");
     let mut reference = None;
-    // On CUDA 8-bit AdamW runs twice: tensor ops, then our NVRTC kernel (kernels.cuda_optimizers).
-    let cuda_kernel_too = device.is_cuda().then_some((OptimizerName::Adamw8bit, false, true));
-    let rows = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw, false, false), (OptimizerName::Adamw8bit, false, false)].into_iter().chain(cuda_kernel_too);
-    let rows = rows.chain([(OptimizerName::Adafactor, false, false), (OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
+    // On CUDA 8-bit AdamW and Adafactor run twice: tensor ops, then our NVRTC kernels
+    // (kernels.cuda_optimizers).
+    let on_cuda = |name| device.is_cuda().then_some((name, false, true));
+    let rows = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw, false, false), (OptimizerName::Adamw8bit, false, false)].into_iter().chain(on_cuda(OptimizerName::Adamw8bit));
+    let rows = rows.chain([(OptimizerName::Adafactor, false, false)]).chain(on_cuda(OptimizerName::Adafactor));
+    let rows = rows.chain([(OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
     for (name, fused, cuda_kernel) in rows {
         let mut opt = Optimizer::new(&OptimizerSpec { cuda_kernel, ..spec(name, fused) }, &params, &model.params.decay, device).unwrap();
         let mut times = Vec::with_capacity(steps);
@@ -357,7 +359,7 @@ fn print_update_time_against_fused_adamw() {
         let path = match (has_both, fused) {
             (true, true) => " (fused)",
             (true, false) => " (unfused)",
-            _ if name == OptimizerName::Adamw8bit && device.is_cuda() => if cuda_kernel { " (CUDA kernel)" } else { " (tensor ops)" },
+            _ if matches!(name, OptimizerName::Adamw8bit | OptimizerName::Adafactor) && device.is_cuda() => if cuda_kernel { " (CUDA kernel)" } else { " (tensor ops)" },
             _ => "",
         };
         let label = format!("{}{path}", opt.kind());

@@ -371,11 +371,13 @@ pub struct KernelsConfig {
     /// (about seven kernels forward). On the CPU ATen has no such kernel and the step-by-step
     /// form runs either way.
     pub fused_rms_norm: bool,
-    /// 8-bit AdamW's update on CUDA as our own kernel, compiled at run time by NVRTC (one launch
-    /// per tensor, no scratch), instead of ~25 tensor ops per run of blocks through 64 MiB
-    /// scratch buffers. The CPU always runs its fused kernel. Off by default until its GPU
-    /// check (`scripts/gpu_checks.sh tests optim`) has run on a GPU: it is compiled in CI, but
-    /// no machine this was built on had a GPU to launch it.
+    /// 8-bit AdamW's and Adafactor's updates on CUDA as our own kernels, compiled at run time by
+    /// NVRTC: 8-bit AdamW in one launch per tensor with no scratch, instead of ~25 tensor ops per
+    /// run of blocks through 64 MiB scratch buffers; Adafactor in five to seven launches per
+    /// tensor with a 3 MiB fp64 workspace (GPT-2), instead of ~20 tensor ops through a 16 MiB
+    /// band. The CPU always runs its fused kernels. Off by default until their GPU checks
+    /// (`scripts/gpu_checks.sh tests optim`) have run on a GPU: they are compiled in CI, but no
+    /// machine this was built on had a GPU to launch them.
     pub cuda_optimizers: bool,
 }
 

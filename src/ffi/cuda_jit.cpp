@@ -187,10 +187,24 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
+// The kernels optim_kernels.cu defines, loaded by name: 8-bit AdamW per parameter dtype, and
+// Adafactor's stages per dtype plus its dtype-free coefficient.
+const char* const kDtypes[] = {"f32", "bf16", "f16"};
+const char* const kAdafactorStages[] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
+
+std::vector<std::string> kernel_names() {
+  std::vector<std::string> names{"tg_adafactor_coef"};
+  for (const char* d : kDtypes) {
+    names.push_back(std::string("tg_adamw8bit_") + d);
+    for (const char* stage : kAdafactorStages) names.push_back(std::string("tg_adafactor_") + stage + "_" + d);
+  }
+  return names;
+}
+
+// Per CUDA device: its primary context (PyTorch's) and the loaded kernels by name.
 struct Loaded {
   void* ctx = nullptr;
-  void* adamw8bit[3] = {};  // fp32, bf16, fp16 parameters
+  std::map<std::string, void*> kernels;
 };
 
 std::mutex loaded_lock;
@@ -233,20 +247,33 @@ class ContextScope {
   void* previous_ = nullptr;
   bool switched_ = false;
 };
+
+// The suffix of the kernels for parameters of `dtype`.
+const char* dtype_suffix(at::ScalarType dtype, const char* kernel) {
+  switch (dtype) {
+    case at::kFloat: return "f32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "f16";
+    default: throw std::invalid_argument(std::string(kernel) + ": CUDA parameters must be fp32, bf16 or fp16");
+  }
+}
+
+// Queues kernel `name` on PyTorch's current stream of `device`, grid gx × gy of 256-thread blocks.
+void launch(const c10::Device& device, const std::string& name, long long gx, long long gy, void** args) {
+  const Loaded& k = loaded_for(device.index());
+  auto it = k.kernels.find(name);
+  if (it == k.kernels.end()) throw std::logic_error("cuda_jit: no kernel " + name);
+  void* stream = current_stream(device);
+  ContextScope scope(k.ctx);
+  check_cu(driver().launch(it->second, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream, args, nullptr),
+           ("cuLaunchKernel(" + name + ")").c_str());
+}
 }  // namespace
 
 namespace trainguard {
 void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
                            at::Tensor& av, float w1, float w2, float shrink, float scale, float shift, bool apply) {
-  const int ordinal = p.device().index();
-  const Loaded& k = loaded_for(ordinal);
-  int which = 0;
-  switch (p.scalar_type()) {
-    case at::kFloat: which = 0; break;
-    case at::kBFloat16: which = 1; break;
-    case at::kHalf: which = 2; break;
-    default: throw std::invalid_argument("adamw8bit_update: CUDA parameters must be fp32, bf16 or fp16");
-  }
+  const std::string name = std::string("tg_adamw8bit_") + dtype_suffix(p.scalar_type(), "adamw8bit_update");
   void* pp = p.data_ptr();
   const void* gp = g.data_ptr();
   void* qmp = qm.data_ptr();
@@ -257,11 +284,41 @@ void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, a
   if (n == 0) return;
   int apply_flag = apply ? 1 : 0;
   void* args[] = {&pp, &gp, &qmp, &amp, &qvp, &avp, &n, &w1, &w2, &shrink, &scale, &shift, &apply_flag};
-  const long long blocks = (n + 2047) / 2048;
-  void* stream = current_stream(p.device());
-  ContextScope scope(k.ctx);
-  check_cu(driver().launch(k.adamw8bit[which], static_cast<unsigned>(blocks), 1, 1, 256, 1, 1, 0, stream, args, nullptr),
-           "cuLaunchKernel(adamw8bit)");
+  launch(p.device(), name, (n + 2047) / 2048, 1, args);
+}
+
+void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
+                           long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink) {
+  const std::string suffix = dtype_suffix(p.scalar_type(), "adafactor_update");
+  auto kernel = [&](const char* stage) { return std::string("tg_adafactor_") + stage + "_" + suffix; };
+  const c10::Device device = p.device();
+  int factored = col_var != nullptr ? 1 : 0;
+  long long n = p.numel(), rows = factored ? p.size(0) : 1, cols = factored ? p.size(1) : n;
+  long long units = factored ? rows : (n + 2047) / 2048;
+  if (n == 0) return;
+  void* pp = p.data_ptr();
+  const void* gp = g.data_ptr();
+  void* fp = first.data_ptr();                          // row_var, or the full variance
+  void* sp = factored ? col_var->data_ptr() : fp;       // what u divides by, per column or per value
+  void* rp = factored ? fp : nullptr;                   // the row factors (matrices only)
+  void* wsp = ws.data_ptr();
+  void* rows_args[] = {&pp, &gp, &fp, &wsp, &n, &cols, &factored, &w};
+  launch(device, kernel("rows"), units, 1, rows_args);
+  if (factored) {
+    const long long col_blocks = (cols + 255) / 256;
+    void* cols_args[] = {&gp, &wsp, &rows, &cols, &bands};
+    launch(device, kernel("cols"), col_blocks, bands, cols_args);
+    void* col_var_args[] = {&sp, &wsp, &rows, &cols, &bands, &w};
+    launch(device, kernel("col_var"), col_blocks, 1, col_var_args);
+  }
+  void* scale_args[] = {&rp, &wsp, &units, &n, &rows, &factored, &eps2, &rho, &eps1_sq};
+  launch(device, kernel("scale"), 1, 1, scale_args);
+  void* usq_args[] = {&gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq};
+  launch(device, kernel("usq"), units, 1, usq_args);
+  void* coef_args[] = {&wsp, &units, &n, &d};
+  launch(device, "tg_adafactor_coef", 1, 1, coef_args);
+  void* apply_args[] = {&pp, &gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq, &shrink};
+  launch(device, kernel("apply"), units, 1, apply_args);
 }
 }  // namespace trainguard
 
@@ -312,8 +369,7 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     const std::string cubin = compile(src, major, minor);
     void* module = nullptr;
     check_cu(cu.module_load_data(&module, cubin.data()), "cuModuleLoadData");
-    const char* names[] = {"tg_adamw8bit_f32", "tg_adamw8bit_bf16", "tg_adamw8bit_f16"};
-    for (int i = 0; i < 3; ++i) check_cu(cu.module_get_function(&k.adamw8bit[i], module, names[i]), names[i]);
+    for (const std::string& name : kernel_names()) check_cu(cu.module_get_function(&k.kernels[name], module, name.c_str()), name.c_str());
     loaded()[ordinal] = k;
   });
 }

@@ -10,4 +10,11 @@ namespace trainguard {
 // been prepared for p's device (tg_cuda_jit_prepare).
 void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
                            at::Tensor& av, float w1, float w2, float shrink, float scale, float shift, bool apply);
+
+// The CUDA side of tg_adafactor_update: `first` is a matrix's row_var (with `col_var`) or a
+// vector's full variance (`col_var` null); `ws` the fp64 workspace (4 + units + bands·cols for a
+// matrix split into `bands` runs of rows for its column sums). Five to seven launches on
+// PyTorch's current stream, nothing read back to the host.
+void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
+                           long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink);
 }  // namespace trainguard

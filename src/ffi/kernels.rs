@@ -1,9 +1,9 @@
 //! Wrappers over `optim_kernels.cpp`, the optimizers' and clipping's kernels:
 //! - ATen's multi-tensor ones that tch does not expose: fused AdamW and SGD, the global norm
 //!   and scaling of a tensor list (`_foreach_norm`, `_foreach_mul_`), on the CPU and CUDA;
-//! - our own fused CPU updates for the optimizers ATen has no kernel for (8-bit AdamW,
-//!   Adafactor), a few passes over a tensor instead of ~20, and 8-bit AdamW's CUDA kernel
-//!   (`optim_kernels.cu`, compiled at run time by NVRTC through `cuda_jit.cpp`). The tensor-op
+//! - our own fused updates for the optimizers ATen has no kernel for (8-bit AdamW, Adafactor),
+//!   a few passes over a tensor instead of ~20: on the CPU, and on CUDA with the kernels of
+//!   `optim_kernels.cu`, compiled at run time by NVRTC through `cuda_jit.cpp`. The tensor-op
 //!   versions in `optim` compute the same maths and are what these are tested against.
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
@@ -68,6 +68,8 @@ extern "C" {
         grad: *const c_void,
         a: *mut c_void,
         b: *mut c_void,
+        workspace: *mut c_void,
+        bands: std::ffi::c_longlong,
         one_minus_beta2: f64,
         rho: f64,
         eps1: f64,
@@ -150,16 +152,29 @@ pub enum SecondMoments<'a> {
     Full { variance: &'a Tensor },
 }
 
-/// One Adafactor update of `param` (contiguous, on the CPU) from `grad` (same dtype and shape),
-/// in four reads of the gradient and parameter and one write.
-pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s: AdafactorStep) -> Result<(), ShimError> {
+/// Where Adafactor's CUDA kernels keep their sums: an fp64 buffer on the parameter's device of at
+/// least 4 + units + bands·C values (units: R for a matrix [R, C], else one per 2048 values;
+/// `optim::adafactor` sizes it), and the runs of rows (bands) a matrix's column sums are split into.
+pub struct AdafactorWorkspace<'a> {
+    pub buffer: &'a Tensor,
+    pub column_bands: i64,
+}
+
+/// One Adafactor update of `param` (contiguous) from `grad` (same dtype and shape): on the CPU in
+/// four reads of the gradient and parameter and one write; on a CUDA device the kernels were
+/// [prepared](prepare_cuda) for, in five to seven launches that need `workspace`.
+pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s: AdafactorStep, workspace: Option<&AdafactorWorkspace>) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     let (a, b) = match moments {
         SecondMoments::Factored { row_var, col_var } => (handle(row_var), handle(col_var)),
         SecondMoments::Full { variance } => (handle(variance), std::ptr::null_mut()),
     };
-    // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full.
-    let code = unsafe { tg_adafactor_update(handle(param), handle(grad), a, b, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN) };
+    let (ws, bands) = workspace.map_or((std::ptr::null_mut(), 1), |w| (handle(w.buffer), w.column_bands));
+    // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full, `ws` when no
+    // workspace is given (the shim refuses a CUDA parameter without one).
+    let code = unsafe {
+        tg_adafactor_update(handle(param), handle(grad), a, b, ws, bands, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN)
+    };
     result(code, &err)
 }
 
@@ -196,7 +211,8 @@ pub fn nvrtc_info() -> Result<(i32, i32, String), ShimError> {
 }
 
 /// Compiles our CUDA kernels for `device`'s compute capability and loads them, once per device
-/// (later calls return at once): what the CUDA path of [`adamw8bit_update`] needs first. An
+/// (later calls return at once): what the CUDA paths of [`adamw8bit_update`] and
+/// [`adafactor_update`] need first. An
 /// error names what failed (NVRTC missing, the compiler's log, the driver's error).
 pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
     let tch::Device::Cuda(ordinal) = device else { return Ok(()) };
@@ -270,4 +286,33 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: Option
     // SAFETY: as in `fused_adamw`; `b_ptr` is null exactly when there are no buffers.
     let code = unsafe { tg_fused_sgd(p.as_ptr(), g.as_ptr(), b_ptr, n, weight_decay, momentum, lr, c_int::from(first_step), err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cuda_binary;
+
+    /// The CUDA kernels run only on a GPU (tests/gpu.rs), but NVRTC compiles them to machine code
+    /// anywhere, as a GPU run does: a source that no longer compiles or assembles, for any GPU
+    /// generation CUDA 13 supports, or that lost a kernel the shim loads by name, fails here.
+    #[test]
+    fn the_cuda_kernels_compile_with_nvrtc_for_every_supported_gpu() {
+        let mut entries = vec!["tg_adafactor_coef".to_string()];
+        for dtype in ["f32", "bf16", "f16"] {
+            entries.push(format!("tg_adamw8bit_{dtype}"));
+            entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
+        }
+        for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
+            assert!(cubin.starts_with(b"\x7fELF"), "sm_{major}{minor}: not an ELF cubin");
+            for entry in &entries {
+                // A symbol name is NUL-terminated in the ELF string table: `tg_adafactor_cols_f32`
+                // must not pass on the strength of `tg_adafactor_col_var_f32` or a longer name.
+                let symbol = format!("{entry}\0");
+                assert!(cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()), "sm_{major}{minor}: no kernel {entry}");
+            }
+        }
+        let err = cuda_binary(1, 0).unwrap_err().to_string();
+        assert!(err.contains("sm_10") && err.contains("NVRTC"), "an unknown GPU is refused with NVRTC's reason: {err}");
+    }
 }

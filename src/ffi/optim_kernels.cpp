@@ -4,8 +4,9 @@
 //   list's global norm and scaling.
 // - Our own fused CPU updates for the optimizers ATen has no kernel for: 8-bit AdamW reads and
 //   writes every value once, Adafactor in four reads and one write, where the same maths from
-//   ATen ops takes ~20 passes. 8-bit AdamW's CUDA counterpart is optim_kernels.cu, compiled at
-//   run time (cuda_jit.cpp); tg_adamw8bit_update takes tensors on either device. The maths and the state layout are those of src/optim
+//   ATen ops takes ~20 passes. Their CUDA counterparts are in optim_kernels.cu, compiled at run
+//   time (cuda_jit.cpp); tg_adamw8bit_update and tg_adafactor_update take tensors on either
+//   device. The maths and the state layout are those of src/optim
 //   (adamw8bit.rs, quant.rs, adafactor.rs); the tensor-op versions there stay as the CUDA path
 //   and as the reference these are tested against.
 #include <ATen/Dispatch.h>
@@ -384,12 +385,15 @@ int tg_adamw8bit_update(void* param, const void* grad, void* exp_avg, void* exp_
   });
 }
 
-// One Adafactor update of a whole parameter on the CPU (see src/optim/adafactor.rs for the
-// maths). Tensors are tch handles, all contiguous and of the parameter's dtype: for a matrix
-// [R, C] `a` is row_var [R, 1] and `b` col_var [1, C]; for anything else `a` is the full
-// variance and `b` is null.
-int tg_adafactor_update(void* param, const void* grad, void* a, void* b, double one_minus_beta2, double rho,
-                        double eps1, double eps2, double d, double shrink, char* err, size_t err_len) {
+// One Adafactor update of a whole parameter (see src/optim/adafactor.rs for the maths), on the CPU
+// or, through optim_kernels.cu, on a CUDA device. Tensors are tch handles, all contiguous, on one
+// device and of the parameter's dtype: for a matrix [R, C] `a` is row_var [R, 1] and `b` col_var
+// [1, C]; for anything else `a` is the full variance and `b` is null. CUDA needs `workspace`, an
+// fp64 buffer of at least 4 + units + bands·C values (units: R for a matrix, else one per 2048
+// values; `bands` ≤ R runs of rows share a matrix's column sums); the CPU takes none (null).
+int tg_adafactor_update(void* param, const void* grad, void* a, void* b, void* workspace, long long bands,
+                        double one_minus_beta2, double rho, double eps1, double eps2, double d, double shrink, char* err,
+                        size_t err_len) {
   return guarded(err, err_len, [&] {
     auto& p = *static_cast<at::Tensor*>(param);
     const auto& g = *static_cast<const at::Tensor*>(grad);
@@ -398,15 +402,26 @@ int tg_adafactor_update(void* param, const void* grad, void* a, void* b, double 
     const bool factored = second != nullptr;
     const char* k = "adafactor_update";
     check(!factored || p.dim() == 2, k, "row and column factors are for matrices");
+    check(p.is_cpu() || p.is_cuda(), k, "tensors must be on the CPU or a CUDA device");
     const int64_t rows = factored ? p.size(0) : 1, cols = factored ? p.size(1) : p.numel();
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&p, &g, &first, factored ? second : &first}) {
-      check(t->is_cpu() && t->is_contiguous() && t->scalar_type() == p.scalar_type(), k, "tensors must be contiguous CPU tensors of the parameter's dtype");
+      check(t->device() == p.device() && t->is_contiguous() && t->scalar_type() == p.scalar_type(), k, "tensors must be contiguous, on one device and of the parameter's dtype");
     }
     check(g.numel() == p.numel(), k, "gradient and parameter differ in length");
     check(factored ? first.numel() == rows && second->numel() == cols : first.numel() == p.numel(), k, "second-moment shapes do not fit the parameter");
     if (p.numel() == 0) return;
     const AdafactorStep s{static_cast<float>(one_minus_beta2), static_cast<float>(rho), static_cast<float>(eps1 * eps1),
                           static_cast<float>(eps2), static_cast<float>(d), static_cast<float>(shrink)};
+    if (p.is_cuda()) {
+      check(workspace != nullptr, k, "CUDA needs a workspace");
+      auto& ws = *static_cast<at::Tensor*>(workspace);
+      const int64_t units = factored ? rows : (p.numel() + kBlock - 1) / kBlock;
+      check(!factored || (bands >= 1 && bands <= rows && bands <= 65535), k, "column bands must be between 1 and the rows (and at most 65535)");
+      check(ws.device() == p.device() && ws.is_contiguous() && ws.scalar_type() == at::kDouble, k, "the workspace must be a contiguous fp64 tensor on the parameter's device");
+      check(ws.numel() >= 4 + units + (factored ? bands * cols : 0), k, "the workspace is too small for this parameter");
+      trainguard::cuda_adafactor_update(p, g, first, second, ws, factored ? bands : 1, s.w, s.rho, s.eps1_sq, s.eps2, s.d, s.shrink);
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.scalar_type(), "adafactor_update", [&] {
       scalar_t* f = first.data_ptr<scalar_t>();
       adafactor<scalar_t>(p.data_ptr<scalar_t>(), g.data_ptr<scalar_t>(), factored ? f : nullptr,

@@ -1,7 +1,8 @@
 // The optimizers' CUDA kernels of our own, compiled at run time by NVRTC (src/ffi/cuda_jit.cpp),
 // so that building trainguard needs no CUDA toolkit: the torch wheel ships libnvrtc. No #include:
 // NVRTC compiles this without the CUDA headers, so bf16 and fp16 are converted by hand (the same
-// rounding as c10's BFloat16 and Half: to nearest, ties to even).
+// rounding as c10's BFloat16 and Half: to nearest, ties to even). Two optimizers: 8-bit AdamW
+// and Adafactor (below), each the counterpart of a CPU kernel in optim_kernels.cpp.
 //
 // 8-bit AdamW: the CPU kernel `adamw8bit_block` of optim_kernels.cpp, one CUDA block per block of
 // 2048 values (one absmax scale each; src/optim/quant.rs has the codes). 256 threads take 8
@@ -136,3 +137,208 @@ __device__ __forceinline__ void adamw8bit(typename D::T* p, const typename D::T*
 TG_ADAMW8BIT(tg_adamw8bit_f32, F32)
 TG_ADAMW8BIT(tg_adamw8bit_bf16, BF16)
 TG_ADAMW8BIT(tg_adamw8bit_f16, F16)
+
+// Adafactor: the CPU kernel `adafactor` of optim_kernels.cpp as a chain of launches on one stream
+// (src/optim/adafactor.rs has the maths). The work is cut into units: a row of a matrix, or a run
+// of TG_BLOCK values of anything else, one CUDA block each. Sums are taken in double, as on the
+// CPU, over a partition fixed by the shapes alone (per-unit sums, then one block adding those in
+// a fixed tree), so a step gives the same bits every time it runs; they can differ from the
+// CPU's in the last place of a double, since the CPU adds in another order. Nothing crosses to
+// the host: the scalars one launch hands to the next (α, the row normaliser, the update's
+// coefficient) stay in the workspace, a buffer of doubles the optimizer allocates once:
+//   [0, 4)                        the scalars (TG_WS_*)
+//   [4, 4 + units)                a sum per unit: Σp², later Σu²
+//   [4 + rows, … + bands·cols)    a matrix's column sums of g², per band of rows
+// Launches: rows → (cols → col_var) → scale → usq → coef → apply; five for a vector, seven for a
+// matrix, where the tensor-op path takes ~20.
+
+#define TG_WS_ALPHA 0
+#define TG_WS_ROW_SCALE 1
+#define TG_WS_COEF 2
+#define TG_WS_UNITS 4
+
+// std::max's choice (the first unless the second is larger), so a NaN picks as on the CPU.
+__device__ __forceinline__ float tg_max(float a, float b) { return a < b ? b : a; }
+__device__ __forceinline__ double tg_max(double a, double b) { return a < b ? b : a; }
+
+// The sum of every thread's `x` in the CUDA block, in a fixed order: a butterfly within each warp
+// (pairs add commutatively, so all lanes agree), then the warps in order. Every thread gets it.
+__device__ __forceinline__ double block_sum(double x, double* shared) {
+  for (int s = 16; s > 0; s >>= 1) x += __shfl_xor_sync(0xffffffffu, x, s);
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = x;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < TG_WARPS; ++w) total += shared[w];
+  __syncthreads();  // `shared` is free again for the next call
+  return total;
+}
+
+// The values of unit `blockIdx.x`: [begin, begin + len).
+__device__ __forceinline__ void tg_unit(long long n, long long cols, int factored, long long* begin, long long* len) {
+  const long long u = blockIdx.x;
+  if (factored) {
+    *begin = u * cols;
+    *len = cols;
+  } else {
+    *begin = u * TG_BLOCK;
+    *len = n - *begin < TG_BLOCK ? n - *begin : TG_BLOCK;
+  }
+}
+
+// u = g / √max(row_factor·second, eps1²), in float as the CPU's update_value.
+__device__ __forceinline__ float tg_update(float g, float second, float row_factor, float eps1_sq) {
+  return g / sqrtf(tg_max(row_factor * second, eps1_sq));
+}
+
+// Per unit: Σp² into the workspace, and the second moment moved towards g² (a matrix's row mean
+// of g², or each value's g²).
+template <class D>
+__device__ __forceinline__ void adafactor_rows(const typename D::T* p, const typename D::T* g, typename D::T* second, double* ws,
+                                               long long n, long long cols, int factored, float w) {
+  __shared__ double partial[TG_WARPS];
+  long long begin, len;
+  tg_unit(n, cols, factored, &begin, &len);
+  double pp = 0.0, gg = 0.0;
+  for (long long i = threadIdx.x; i < len; i += TG_THREADS) {
+    const double x = D::load(p, begin + i);
+    pp += x * x;
+    const float gi = D::load(g, begin + i);
+    if (factored) {
+      const double gd = gi;
+      gg += gd * gd;
+    } else {
+      D::store(second, begin + i, tg_lerp(D::load(second, begin + i), gi * gi, w));
+    }
+  }
+  const double sum_p = block_sum(pp, partial);
+  const double sum_g = block_sum(gg, partial);
+  if (threadIdx.x == 0) {
+    ws[TG_WS_UNITS + blockIdx.x] = sum_p;
+    if (factored) D::store(second, blockIdx.x, tg_lerp(D::load(second, blockIdx.x), static_cast<float>(sum_g / static_cast<double>(cols)), w));
+  }
+}
+
+// A matrix's Σg² down each column over band blockIdx.y of `bands` runs of rows: a thread per
+// column, so neighbouring threads read neighbouring values.
+template <class D>
+__device__ __forceinline__ void adafactor_cols(const typename D::T* g, double* ws, long long rows, long long cols, long long bands) {
+  const long long c = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
+  if (c >= cols) return;
+  const long long band = blockIdx.y, r0 = band * rows / bands, r1 = (band + 1) * rows / bands;
+  double acc = 0.0;
+  for (long long r = r0; r < r1; ++r) {
+    const double v = D::load(g, r * cols + c);
+    acc += v * v;
+  }
+  ws[TG_WS_UNITS + rows + band * cols + c] = acc;
+}
+
+// The column means of g² from the bands' sums (in band order), into the running column means.
+template <class D>
+__device__ __forceinline__ void adafactor_col_var(typename D::T* col_var, const double* ws, long long rows, long long cols, long long bands, float w) {
+  const long long c = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
+  if (c >= cols) return;
+  double acc = 0.0;
+  for (long long b = 0; b < bands; ++b) acc += ws[TG_WS_UNITS + rows + b * cols + c];
+  D::store(col_var, c, tg_lerp(D::load(col_var, c), static_cast<float>(acc / static_cast<double>(rows)), w));
+}
+
+// One block: α = max(eps2, RMS(p))·ρ and, for a matrix, the row normaliser 1 / max(mean(row_var), eps1).
+template <class D>
+__device__ __forceinline__ void adafactor_scale(const typename D::T* row_var, double* ws, long long units, long long n, long long rows,
+                                                int factored, float eps2, float rho, float eps1_sq) {
+  __shared__ double partial[TG_WARPS];
+  double s = 0.0, r = 0.0;
+  for (long long i = threadIdx.x; i < units; i += TG_THREADS) s += ws[TG_WS_UNITS + i];
+  if (factored) {
+    for (long long i = threadIdx.x; i < rows; i += TG_THREADS) r += static_cast<double>(D::load(row_var, i));
+  }
+  const double sum_p = block_sum(s, partial);
+  const double row_sum = block_sum(r, partial);
+  if (threadIdx.x == 0) {
+    const double rms_p = sqrt(sum_p / static_cast<double>(n));
+    ws[TG_WS_ALPHA] = static_cast<float>(tg_max(static_cast<double>(eps2), rms_p) * static_cast<double>(rho));
+    ws[TG_WS_ROW_SCALE] = factored ? 1.0f / tg_max(static_cast<float>(row_sum / static_cast<double>(rows)), sqrtf(eps1_sq)) : 1.0f;
+  }
+}
+
+// Per unit: Σu² into the workspace (Σp² there has been read by adafactor_scale).
+template <class D>
+__device__ __forceinline__ void adafactor_usq(const typename D::T* g, const typename D::T* second, const typename D::T* row_var, double* ws,
+                                              long long n, long long cols, int factored, float eps1_sq) {
+  __shared__ double partial[TG_WARPS];
+  long long begin, len;
+  tg_unit(n, cols, factored, &begin, &len);
+  const float row_factor = factored ? D::load(row_var, blockIdx.x) * static_cast<float>(ws[TG_WS_ROW_SCALE]) : 1.0f;
+  const long long at = factored ? 0 : begin;  // a matrix's second moment is indexed by column
+  double acc = 0.0;
+  for (long long i = threadIdx.x; i < len; i += TG_THREADS) {
+    const double u = tg_update(D::load(g, begin + i), D::load(second, at + i), row_factor, eps1_sq);
+    acc += u * u;
+  }
+  const double sum = block_sum(acc, partial);
+  if (threadIdx.x == 0) ws[TG_WS_UNITS + blockIdx.x] = sum;
+}
+
+// p ← p·shrink + coef·u, coef = −α / max(1, RMS(u)/d).
+template <class D>
+__device__ __forceinline__ void adafactor_apply(typename D::T* p, const typename D::T* g, const typename D::T* second,
+                                                const typename D::T* row_var, const double* ws, long long n, long long cols,
+                                                int factored, float eps1_sq, float shrink) {
+  long long begin, len;
+  tg_unit(n, cols, factored, &begin, &len);
+  const float row_factor = factored ? D::load(row_var, blockIdx.x) * static_cast<float>(ws[TG_WS_ROW_SCALE]) : 1.0f;
+  const float coef = static_cast<float>(ws[TG_WS_COEF]);
+  const long long at = factored ? 0 : begin;
+  for (long long i = threadIdx.x; i < len; i += TG_THREADS) {
+    const float u = tg_update(D::load(g, begin + i), D::load(second, at + i), row_factor, eps1_sq);
+    D::store(p, begin + i, D::load(p, begin + i) * shrink + coef * u);
+  }
+}
+
+// One block: the update's coefficient from the units' Σu² (dtype-free: one kernel for all).
+extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_adafactor_coef(double* ws, long long units, long long n, float d) {
+  __shared__ double partial[TG_WARPS];
+  double s = 0.0;
+  for (long long i = threadIdx.x; i < units; i += TG_THREADS) s += ws[TG_WS_UNITS + i];
+  const double sum_u = block_sum(s, partial);
+  if (threadIdx.x == 0) {
+    const double rms_u = sqrt(sum_u / static_cast<double>(n));
+    ws[TG_WS_COEF] = -static_cast<float>(ws[TG_WS_ALPHA]) / static_cast<float>(tg_max(1.0, rms_u / static_cast<double>(d)));
+  }
+}
+
+#define TG_ADAFACTOR(SUFFIX, D)                                                                                          \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_rows_##SUFFIX(const D::T* p, const D::T* g, D::T* second, double* ws, long long n, long long cols,    \
+                                 int factored, float w) {                                                                \
+    adafactor_rows<D>(p, g, second, ws, n, cols, factored, w);                                                           \
+  }                                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_cols_##SUFFIX(const D::T* g, double* ws, long long rows, long long cols, long long bands) {           \
+    adafactor_cols<D>(g, ws, rows, cols, bands);                                                                         \
+  }                                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_col_var_##SUFFIX(D::T* col_var, const double* ws, long long rows, long long cols, long long bands,    \
+                                    float w) {                                                                           \
+    adafactor_col_var<D>(col_var, ws, rows, cols, bands, w);                                                             \
+  }                                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_scale_##SUFFIX(const D::T* row_var, double* ws, long long units, long long n, long long rows,         \
+                                  int factored, float eps2, float rho, float eps1_sq) {                                  \
+    adafactor_scale<D>(row_var, ws, units, n, rows, factored, eps2, rho, eps1_sq);                                       \
+  }                                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_usq_##SUFFIX(const D::T* g, const D::T* second, const D::T* row_var, double* ws, long long n,         \
+                                long long cols, int factored, float eps1_sq) {                                           \
+    adafactor_usq<D>(g, second, row_var, ws, n, cols, factored, eps1_sq);                                                \
+  }                                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+      tg_adafactor_apply_##SUFFIX(D::T* p, const D::T* g, const D::T* second, const D::T* row_var, const double* ws,     \
+                                  long long n, long long cols, int factored, float eps1_sq, float shrink) {              \
+    adafactor_apply<D>(p, g, second, row_var, ws, n, cols, factored, eps1_sq, shrink);                                   \
+  }
+
+TG_ADAFACTOR(f32, F32)
+TG_ADAFACTOR(bf16, BF16)
+TG_ADAFACTOR(f16, F16)

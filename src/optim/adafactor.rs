@@ -8,10 +8,12 @@
 //!
 //! Owns the row/column/full second moments. Two paths compute the update ([`Path`]):
 //!
-//! - On the CPU, the shim's fused kernel (`ffi::kernels::adafactor_update`): per tensor, four
+//! - The shim's fused kernel (`ffi::kernels::adafactor_update`). On the CPU: per tensor, four
 //!   reads and one write, no scratch, reductions summed in a fixed order (bitwise the same at any
-//!   thread count).
-//! - On CUDA, tensor ops. Once built, the update makes no allocation the size of a tensor
+//!   thread count). On CUDA, with `kernels.cuda_optimizers`: our NVRTC-compiled kernels, five to
+//!   seven launches per tensor, their sums in a small fp64 workspace allocated here once
+//!   ([`Adafactor::workspace_elements`]: 3 MiB for GPT-2), nothing read back to the host.
+//! - Otherwise on CUDA, tensor ops. Once built, the update makes no allocation the size of a tensor
 //!   (CUDA's reduction kernels may take a few bytes of workspace for the norms, from the
 //!   allocator's cache): the per-element update lives in a scratch buffer, and the scalars
 //!   PyTorch reads back with `.item()` (the parameter's RMS, the update's RMS) stay on the device
@@ -21,7 +23,7 @@
 //!
 //! The CPU tests check both against `torch.optim.Adafactor` and against each other.
 use super::state::{bytes, check_lengths, restore};
-use crate::ffi::kernels::{self, AdafactorStep, SecondMoments};
+use crate::ffi::kernels::{self, AdafactorStep, AdafactorWorkspace, SecondMoments};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Largest band (in elements) of a matrix's update held at once: 16 MiB of fp32 scratch.
@@ -30,17 +32,19 @@ pub const CHUNK_ELEMENTS: i64 = 1 << 22;
 /// How the update is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
-    /// The shim's fused CPU kernel: no scratch.
-    FusedCpu,
+    /// The shim's fused kernel (CPU, or CUDA through NVRTC): no scratch (an fp64 workspace for
+    /// the sums on CUDA).
+    Fused,
     /// Tensor ops, matrices in bands of at most `chunk_elements` values.
     Bands { chunk_elements: i64 },
 }
 
 impl Path {
-    /// The fused kernel on the CPU; bands of [`CHUNK_ELEMENTS`] elsewhere.
-    pub fn for_device(device: Device) -> Path {
-        if device == Device::Cpu {
-            Path::FusedCpu
+    /// The fused kernel on the CPU, and on CUDA when `cuda_kernel` (`kernels.cuda_optimizers`);
+    /// bands of [`CHUNK_ELEMENTS`] otherwise.
+    pub fn for_device(device: Device, cuda_kernel: bool) -> Path {
+        if device == Device::Cpu || cuda_kernel {
+            Path::Fused
         } else {
             Path::Bands { chunk_elements: CHUNK_ELEMENTS }
         }
@@ -96,17 +100,38 @@ pub struct Adafactor {
     alpha: Tensor,
     /// 0-dim fp32: the update's sum of squares, then the clipping denominator.
     denom: Tensor,
+    /// The CUDA kernels' fp64 sums ([`Adafactor::workspace_elements`]); `None` on the CPU and the band path.
+    workspace: Option<Tensor>,
 }
 
 impl Adafactor {
+    /// Runs of rows a matrix's column sums of g² are split into on CUDA: enough CUDA blocks to
+    /// fill a GPU (up to 128 runs), at most 2²⁰ partial sums, never more runs than rows.
+    pub fn column_bands(rows: i64, cols: i64) -> i64 {
+        rows.min(128).min(((1 << 20) / cols.max(1)).max(1)).max(1)
+    }
+
+    /// fp64 values of the CUDA kernels' workspace for parameters of `shapes`: 4 scalars, a sum
+    /// per unit (a matrix's row, or 2048 values of anything else) and a matrix's column sums per
+    /// band. The planner counts the same.
+    pub fn workspace_elements(shapes: impl IntoIterator<Item = Vec<i64>>) -> i64 {
+        shapes.into_iter().fold(4, |most, shape| {
+            let need = match shape[..] {
+                [rows, cols] => rows + Self::column_bands(rows, cols) * cols,
+                _ => (shape.iter().product::<i64>() + 2047) / 2048,
+            };
+            most.max(4 + need)
+        })
+    }
+
     pub fn new(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
-        Self::with_path(cfg, params, decay, device, Path::for_device(device))
+        Self::with_path(cfg, params, decay, device, Path::for_device(device, false))
     }
 
     /// Elements of the three buffers the tensor-op path works in, for parameters of `shapes`:
     /// the update of one band of rows (or of one whole vector), the row means and the column
-    /// means, each in the parameters' dtype. The fused CPU kernel needs none (1 each). The
-    /// planner counts the same.
+    /// means, each in the parameters' dtype. The fused kernel needs none (1 each; on CUDA it
+    /// has its [`workspace_elements`](Self::workspace_elements)). The planner counts the same.
     pub fn scratch_elements(shapes: impl IntoIterator<Item = Vec<i64>>, path: Path) -> [i64; 3] {
         let Path::Bands { chunk_elements } = path else { return [1, 1, 1] };
         shapes.into_iter().fold([1, 1, 1], |[update, rows_max, cols_max], shape| match shape[..] {
@@ -132,6 +157,12 @@ impl Adafactor {
                 ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
             }
         }
+        let workspace = if path == Path::Fused && device.is_cuda() {
+            kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("Adafactor's CUDA kernels (kernels.cuda_optimizers) cannot be used: {e}")))?;
+            Some(Tensor::f_zeros([Self::workspace_elements(params.iter().map(Tensor::size))], (Kind::Double, device))?)
+        } else {
+            None
+        };
         let [scratch_len, max_rows, max_cols] = Self::scratch_elements(params.iter().map(Tensor::size), path);
         let scalar = |k: Kind| Tensor::f_zeros([], (k, device));
         Ok(Self {
@@ -147,6 +178,7 @@ impl Adafactor {
             norm: scalar(kind)?,
             alpha: scalar(Kind::Float)?,
             denom: scalar(Kind::Float)?,
+            workspace,
         })
     }
 
@@ -173,7 +205,14 @@ impl Adafactor {
                 };
                 let shrink = if decays { 1.0 - lr * self.cfg.weight_decay } else { 1.0 };
                 let AdafactorConfig { eps2, d, .. } = self.cfg;
-                kernels::adafactor_update(&p, g, moments, AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink })?;
+                let workspace = self.workspace.as_ref().map(|buffer| {
+                    let column_bands = match p.size()[..] {
+                        [rows, cols] => Self::column_bands(rows, cols),
+                        _ => 1,
+                    };
+                    AdafactorWorkspace { buffer, column_bands }
+                });
+                kernels::adafactor_update(&p, g, moments, AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink }, workspace.as_ref())?;
                 continue;
             };
             // α = max(eps2, RMS(p)) · ρ, from the parameter before this step's decay.
@@ -419,7 +458,7 @@ mod tests {
         // The CPU kernel; 12 elements in one band; bands of one row, and of two rows then one:
         // the two-pass path.
         let bands = [CHUNK_ELEMENTS, 4, 8].map(|chunk_elements| Path::Bands { chunk_elements });
-        for path in [Path::FusedCpu].into_iter().chain(bands) {
+        for path in [Path::Fused].into_iter().chain(bands) {
             let (opt, w, b) = run(path);
             assert_close(&w, &REFERENCE_W.concat(), 1e-6, &format!("matrix, {path:?}"));
             assert_close(&b, &REFERENCE_B, 1e-6, &format!("vector, {path:?}"));
@@ -441,7 +480,7 @@ mod tests {
         for kind in [Kind::Float, Kind::BFloat16] {
             let make = || [wave(21_000, 0.37).view([300, 70]).to_kind(kind), wave(5000, 1.3).to_kind(kind), Tensor::from(0.3f32).to_kind(kind)];
             let (fused_p, ops_p) = (make(), make());
-            let mut fused = Adafactor::with_path(cfg, &fused_p, &[true, false, true], Device::Cpu, Path::FusedCpu).unwrap();
+            let mut fused = Adafactor::with_path(cfg, &fused_p, &[true, false, true], Device::Cpu, Path::Fused).unwrap();
             let mut ops = Adafactor::with_path(cfg, &ops_p, &[true, false, true], Device::Cpu, Path::Bands { chunk_elements: 7000 }).unwrap();
             for step in 0..5 {
                 let grads = [wave(21_000, 0.11 + step as f64).view([300, 70]).to_kind(kind), wave(5000, 0.7 + step as f64).to_kind(kind) * 0.01, Tensor::from(0.2f32).to_kind(kind)];
@@ -469,9 +508,30 @@ mod tests {
         }
     }
 
+    /// The CUDA kernels' workspace, which the optimizer allocates once and the planner counts:
+    /// a sum per row (or per 2048 values) and a matrix's column sums in at most 128 bands and
+    /// 2²⁰ values, whichever tensor needs most.
+    #[test]
+    fn the_cuda_workspace_holds_a_sum_per_unit_and_banded_column_sums() {
+        assert_eq!(Adafactor::column_bands(50_304, 768), 128, "a tall matrix: 128 bands");
+        assert_eq!(Adafactor::column_bands(5, 768), 5, "never more bands than rows");
+        assert_eq!(Adafactor::column_bands(4096, 50_304), 20, "2^20 / 50304 bands of a wide matrix");
+        assert_eq!(Adafactor::column_bands(10, 1 << 22), 1, "at least one band");
+        assert_eq!(Adafactor::workspace_elements([vec![5000]]), 4 + 3, "a vector: one sum per 2048 values");
+        assert_eq!(Adafactor::workspace_elements([vec![]]), 4 + 1, "a scalar is one unit");
+        assert_eq!(Adafactor::workspace_elements([vec![300, 70], vec![5000]]), 4 + 300 + 128 * 70);
+        let gpt2 = [vec![50_304, 768], vec![1024, 768], vec![2304, 768], vec![3072, 768], vec![768, 3072], vec![768]];
+        let elements = Adafactor::workspace_elements(gpt2);
+        assert_eq!(elements, 4 + 768 + 128 * 3072, "the MLP's down-projection: 128 bands of 3072 column sums");
+        assert_eq!((elements * 8) >> 20, 3, "3 MiB for GPT-2");
+        assert_eq!(Path::for_device(Device::Cpu, false), Path::Fused);
+        assert_eq!(Path::for_device(Device::Cuda(0), true), Path::Fused, "kernels.cuda_optimizers");
+        assert_eq!(Path::for_device(Device::Cuda(0), false), Path::Bands { chunk_elements: CHUNK_ELEMENTS });
+    }
+
     #[test]
     fn state_is_rows_plus_columns_for_matrices() {
-        let (opt, _, _) = run(Path::FusedCpu);
+        let (opt, _, _) = run(Path::Fused);
         assert_eq!(opt.state_bytes(), (3 + 4 + 4) * 4);
         let names: Vec<String> = ["w", "b"].map(String::from).to_vec();
         let keys: Vec<String> = opt.state_tensors(&names).into_iter().map(|(k, _)| k).collect();

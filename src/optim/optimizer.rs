@@ -1,7 +1,7 @@
 //! The optimizer a run uses, chosen by `optimizer.name`: one enum over the implementations so
 //! that the trainer steps, checkpoints and accounts for memory the same way whichever it is.
 //! Owns the mapping from configuration to implementation; not the update rules.
-use super::adafactor::{Adafactor, AdafactorConfig};
+use super::adafactor::{Adafactor, AdafactorConfig, Path as AdafactorPath};
 use super::adamw::{AdamW, AdamWConfig};
 use super::adamw8bit::{AdamW8bit, AdamW8bitConfig, Path as AdamW8bitPath};
 use super::sgd::{Sgd, SgdConfig};
@@ -14,8 +14,8 @@ pub struct OptimizerSpec {
     pub name: OptimizerName,
     /// AdamW and SGD: ATen's fused kernels. The other optimizers ignore it.
     pub fused: bool,
-    /// 8-bit AdamW on CUDA: our NVRTC-compiled kernel (`kernels.cuda_optimizers`) instead of
-    /// tensor ops. The others ignore it.
+    /// 8-bit AdamW and Adafactor on CUDA: our NVRTC-compiled kernels (`kernels.cuda_optimizers`)
+    /// instead of tensor ops. The others ignore it.
     pub cuda_kernel: bool,
     /// `sgd_momentum` only; `sgd` has none whatever this says.
     pub momentum: f64,
@@ -60,7 +60,10 @@ impl Optimizer {
             OptimizerName::Adamw => Self::AdamW(AdamW::new(AdamWConfig { beta1, beta2, eps, weight_decay, fused }, params, decay, device)?),
             OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay, fused }, params, decay, device)?),
             OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay, fused }, params, decay, device)?),
-            OptimizerName::Adafactor => Self::Adafactor(Adafactor::new(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device)?),
+            OptimizerName::Adafactor => {
+                let path = AdafactorPath::for_device(device, cuda_kernel);
+                Self::Adafactor(Adafactor::with_path(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device, path)?)
+            }
             OptimizerName::Adamw8bit => {
                 let path = AdamW8bitPath::for_device(device, cuda_kernel);
                 Self::AdamW8bit(AdamW8bit::with_path(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device, path)?)

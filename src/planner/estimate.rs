@@ -258,7 +258,8 @@ pub struct Setup {
     pub loss_chunk_tokens: Option<u64>,
     /// `kernels.fused_rms_norm`: RMSNorm counted as ATen's fused kernel where it runs (CUDA).
     pub fused_rms_norm: bool,
-    /// `kernels.cuda_optimizers`: 8-bit AdamW's CUDA kernel, which needs no scratch.
+    /// `kernels.cuda_optimizers`: 8-bit AdamW's and Adafactor's CUDA kernels, which need no
+    /// scratch (Adafactor's, a small fp64 workspace).
     pub cuda_optimizers: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
@@ -372,7 +373,8 @@ fn round_up(bytes: u64, to: u64) -> u64 {
 /// `kernels.cuda_optimizers`, whose kernel needs none either, 3 × the largest unquantised tensor;
 /// a fourth for the gradient's fp32 copy in bf16-pure) and Adafactor's band of the update, row
 /// and column means on CUDA (`Adafactor::scratch_elements`: 16 MiB for GPT-2; nothing on the
-/// CPU). The fused AdamW and SGD have none.
+/// CPU; under `kernels.cuda_optimizers` only its kernels' fp64 sums, `Adafactor::workspace_elements`). The
+/// fused AdamW and SGD have none.
 fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
     let device = match s.target {
         Target::Cuda => tch::Device::Cuda(0),
@@ -388,7 +390,10 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
         }
         OptimizerName::Adafactor => {
             let param_bytes = if s.precision == Precision::Bf16Pure { 2 } else { 4 };
-            Adafactor::scratch_elements(shapes, AdafactorPath::for_device(device)).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum()
+            let path = AdafactorPath::for_device(device, s.cuda_optimizers);
+            let shapes: Vec<Vec<i64>> = shapes.collect();
+            let workspace = if path == AdafactorPath::Fused && s.target == Target::Cuda { round_up(8 * Adafactor::workspace_elements(shapes.clone()) as u64, round) } else { 0 };
+            workspace + Adafactor::scratch_elements(shapes, path).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum::<u64>()
         }
         _ => 0,
     }
