@@ -377,9 +377,10 @@ impl Adafactor {
             .sum()
     }
 
-    /// Device bytes of the update's scratch and the row/column buffers (not checkpointed).
+    /// Device bytes of the update's scratch, the row/column buffers and the CUDA kernels' workspace
+    /// (not checkpointed).
     pub fn scratch_bytes(&self) -> u64 {
-        bytes(&self.scratch) + bytes(&self.row_mean) + bytes(&self.col_mean)
+        bytes(&self.scratch) + bytes(&self.row_mean) + bytes(&self.col_mean) + self.workspace.as_ref().map_or(0, bytes)
     }
 }
 
