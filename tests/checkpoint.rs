@@ -151,7 +151,9 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
     let mut child = command(dir.path(), "configs/bench-10m.yaml", &sets).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let metrics = dir.path().join("metrics.jsonl");
     let t0 = Instant::now();
-    while read_jsonl(&metrics).is_empty() {
+    // The first step's metrics line comes before its checkpoint is renamed into place: wait for
+    // both, or the signals can land inside that first write (CI failed on exactly that).
+    while read_jsonl(&metrics).is_empty() || checkpoint_steps(dir.path()).is_empty() {
         assert!(child.try_wait().unwrap().is_none(), "the run ended early");
         assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
         std::thread::sleep(Duration::from_millis(10));
