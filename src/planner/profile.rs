@@ -449,13 +449,25 @@ mod tests {
             eprintln!("skipped: /proc/self/clear_refs is not writable here; --profile uses child processes");
             return;
         }
-        let before = ProcessMemory::read().unwrap();
-        let v = vec![1u8; 64 << 20];
-        std::hint::black_box(&v);
-        drop(v);
-        assert!(ProcessMemory::read().unwrap().rss_peak_bytes >= before.rss_bytes + (60 << 20));
-        assert!(can_reset_peak());
-        let after = ProcessMemory::read().unwrap();
-        assert!(after.rss_peak_bytes < after.rss_bytes + (32 << 20), "VmHWM back near VmRSS: {after:?}");
+        // Tests in this process run on other threads and allocate and free as they go, which can
+        // hide 64 MiB in the resident size for a moment; the check is retried, so it fails only
+        // where the peak is never raised by the allocation or never brought back by the reset.
+        let mut last = String::new();
+        for _ in 0..8 {
+            let before = ProcessMemory::read().unwrap();
+            let v = vec![1u8; 64 << 20];
+            std::hint::black_box(&v);
+            drop(v);
+            let raised = ProcessMemory::read().unwrap();
+            assert!(can_reset_peak());
+            let after = ProcessMemory::read().unwrap();
+            let peak_raised = raised.rss_peak_bytes >= before.rss_bytes + (60 << 20);
+            let peak_reset = after.rss_peak_bytes < after.rss_bytes + (32 << 20);
+            if peak_raised && peak_reset {
+                return;
+            }
+            last = format!("before {before:?}, after the allocation {raised:?}, after the reset {after:?}");
+        }
+        panic!("VmHWM should rise by the 64 MiB allocation and fall back to VmRSS when reset: {last}");
     }
 }
