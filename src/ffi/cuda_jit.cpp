@@ -187,24 +187,25 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// The kernels optim_kernels.cu defines, loaded by name: 8-bit AdamW per parameter dtype, and
-// Adafactor's stages per dtype plus its dtype-free coefficient.
+// The kernels optim_kernels.cu defines: 8-bit AdamW per parameter dtype, and Adafactor's stages
+// per dtype plus its dtype-free coefficient. Their handles are looked up by name once, when the
+// module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
-const char* const kAdafactorStages[] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
+constexpr int kDtypeCount = 3;
+enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
+const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
 
-std::vector<std::string> kernel_names() {
-  std::vector<std::string> names{"tg_adafactor_coef"};
-  for (const char* d : kDtypes) {
-    names.push_back(std::string("tg_adamw8bit_") + d);
-    for (const char* stage : kAdafactorStages) names.push_back(std::string("tg_adafactor_") + stage + "_" + d);
-  }
-  return names;
-}
+// One dtype's kernels.
+struct DtypeKernels {
+  void* adamw8bit = nullptr;
+  void* adafactor[kStageCount] = {};
+};
 
-// Per CUDA device: its primary context (PyTorch's) and the loaded kernels by name.
+// Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
 struct Loaded {
   void* ctx = nullptr;
-  std::map<std::string, void*> kernels;
+  DtypeKernels per_dtype[kDtypeCount];
+  void* adafactor_coef = nullptr;
 };
 
 std::mutex loaded_lock;
@@ -248,77 +249,84 @@ class ContextScope {
   bool switched_ = false;
 };
 
-// The suffix of the kernels for parameters of `dtype`.
-const char* dtype_suffix(at::ScalarType dtype, const char* kernel) {
+// Which of `kDtypes` the kernels for parameters of `dtype` are.
+int dtype_index(at::ScalarType dtype, const char* kernel) {
   switch (dtype) {
-    case at::kFloat: return "f32";
-    case at::kBFloat16: return "bf16";
-    case at::kHalf: return "f16";
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
     default: throw std::invalid_argument(std::string(kernel) + ": CUDA parameters must be fp32, bf16 or fp16");
   }
 }
 
-// Queues kernel `name` on PyTorch's current stream of `device`, grid gx × gy of 256-thread blocks.
-void launch(const c10::Device& device, const std::string& name, long long gx, long long gy, void** args) {
-  const Loaded& k = loaded_for(device.index());
-  auto it = k.kernels.find(name);
-  if (it == k.kernels.end()) throw std::logic_error("cuda_jit: no kernel " + name);
-  void* stream = current_stream(device);
-  ContextScope scope(k.ctx);
-  check_cu(driver().launch(it->second, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream, args, nullptr),
-           ("cuLaunchKernel(" + name + ")").c_str());
-}
+// The kernels of `device` (prepared by tg_cuda_jit_prepare) made current for launching: the
+// device's context for the scope's lifetime and PyTorch's current stream on it.
+class Launcher {
+ public:
+  explicit Launcher(const c10::Device& device) : loaded_(loaded_for(device.index())), stream_(current_stream(device)), scope_(loaded_.ctx) {}
+  const Loaded& kernels() const { return loaded_; }
+  // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks.
+  void operator()(void* kernel, const char* what, long long gx, long long gy, void** args) const {
+    check_cu(driver().launch(kernel, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream_, args, nullptr), what);
+  }
+
+ private:
+  const Loaded& loaded_;
+  void* stream_;
+  ContextScope scope_;
+};
 }  // namespace
 
 namespace trainguard {
 void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
-                           at::Tensor& av, float w1, float w2, float shrink, float scale, float shift, bool apply) {
-  const std::string name = std::string("tg_adamw8bit_") + dtype_suffix(p.scalar_type(), "adamw8bit_update");
+                           at::Tensor& av, long long blocks, float w1, float w2, float shrink, float scale, float shift, bool apply) {
+  long long n = p.numel();
+  if (n == 0) return;
+  const int d = dtype_index(p.scalar_type(), "adamw8bit_update");
   void* pp = p.data_ptr();
   const void* gp = g.data_ptr();
   void* qmp = qm.data_ptr();
   void* amp = am.data_ptr();
   void* qvp = qv.data_ptr();
   void* avp = av.data_ptr();
-  long long n = p.numel();
-  if (n == 0) return;
   int apply_flag = apply ? 1 : 0;
   void* args[] = {&pp, &gp, &qmp, &amp, &qvp, &avp, &n, &w1, &w2, &shrink, &scale, &shift, &apply_flag};
-  launch(p.device(), name, (n + 2047) / 2048, 1, args);
+  const Launcher launch(p.device());
+  launch(launch.kernels().per_dtype[d].adamw8bit, "cuLaunchKernel(tg_adamw8bit)", blocks, 1, args);
 }
 
 void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
-                           long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink) {
-  const std::string suffix = dtype_suffix(p.scalar_type(), "adafactor_update");
-  auto kernel = [&](const char* stage) { return std::string("tg_adafactor_") + stage + "_" + suffix; };
-  const c10::Device device = p.device();
-  int factored = col_var != nullptr ? 1 : 0;
-  long long n = p.numel(), rows = factored ? p.size(0) : 1, cols = factored ? p.size(1) : n;
-  long long units = factored ? rows : (n + 2047) / 2048;
+                           long long units, long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink) {
+  long long n = p.numel();
   if (n == 0) return;
+  const int dtype = dtype_index(p.scalar_type(), "adafactor_update");
+  int factored = col_var != nullptr ? 1 : 0;
+  long long rows = factored ? p.size(0) : 1, cols = factored ? p.size(1) : n;
   void* pp = p.data_ptr();
   const void* gp = g.data_ptr();
   void* fp = first.data_ptr();                          // row_var, or the full variance
   void* sp = factored ? col_var->data_ptr() : fp;       // what u divides by, per column or per value
   void* rp = factored ? fp : nullptr;                   // the row factors (matrices only)
   void* wsp = ws.data_ptr();
+  const Launcher launch(p.device());
+  void* const* stage = launch.kernels().per_dtype[dtype].adafactor;
   void* rows_args[] = {&pp, &gp, &fp, &wsp, &n, &cols, &factored, &w};
-  launch(device, kernel("rows"), units, 1, rows_args);
+  launch(stage[kRows], "cuLaunchKernel(tg_adafactor_rows)", units, 1, rows_args);
   if (factored) {
     const long long col_blocks = (cols + 255) / 256;
     void* cols_args[] = {&gp, &wsp, &rows, &cols, &bands};
-    launch(device, kernel("cols"), col_blocks, bands, cols_args);
+    launch(stage[kCols], "cuLaunchKernel(tg_adafactor_cols)", col_blocks, bands, cols_args);
     void* col_var_args[] = {&sp, &wsp, &rows, &cols, &bands, &w};
-    launch(device, kernel("col_var"), col_blocks, 1, col_var_args);
+    launch(stage[kColVar], "cuLaunchKernel(tg_adafactor_col_var)", col_blocks, 1, col_var_args);
   }
   void* scale_args[] = {&rp, &wsp, &units, &n, &rows, &factored, &eps2, &rho, &eps1_sq};
-  launch(device, kernel("scale"), 1, 1, scale_args);
+  launch(stage[kScale], "cuLaunchKernel(tg_adafactor_scale)", 1, 1, scale_args);
   void* usq_args[] = {&gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq};
-  launch(device, kernel("usq"), units, 1, usq_args);
+  launch(stage[kUsq], "cuLaunchKernel(tg_adafactor_usq)", units, 1, usq_args);
   void* coef_args[] = {&wsp, &units, &n, &d};
-  launch(device, "tg_adafactor_coef", 1, 1, coef_args);
+  launch(launch.kernels().adafactor_coef, "cuLaunchKernel(tg_adafactor_coef)", 1, 1, coef_args);
   void* apply_args[] = {&pp, &gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq, &shrink};
-  launch(device, kernel("apply"), units, 1, apply_args);
+  launch(stage[kApply], "cuLaunchKernel(tg_adafactor_apply)", units, 1, apply_args);
 }
 }  // namespace trainguard
 
@@ -369,7 +377,12 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     const std::string cubin = compile(src, major, minor);
     void* module = nullptr;
     check_cu(cu.module_load_data(&module, cubin.data()), "cuModuleLoadData");
-    for (const std::string& name : kernel_names()) check_cu(cu.module_get_function(&k.kernels[name], module, name.c_str()), name.c_str());
+    auto get = [&](void** out, const std::string& name) { check_cu(cu.module_get_function(out, module, name.c_str()), name.c_str()); };
+    get(&k.adafactor_coef, "tg_adafactor_coef");
+    for (int d = 0; d < kDtypeCount; ++d) {
+      get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
+      for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
+    }
     loaded()[ordinal] = k;
   });
 }

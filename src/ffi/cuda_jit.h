@@ -6,15 +6,16 @@
 
 namespace trainguard {
 // The CUDA side of tg_adamw8bit_update (optim_kernels.cpp), which has checked the tensors: one
-// launch over `p`'s blocks of 2048 values on PyTorch's current stream. The kernels must have
-// been prepared for p's device (tg_cuda_jit_prepare).
+// launch over `p`'s `blocks` blocks of 2048 values on PyTorch's current stream. The kernels must
+// have been prepared for p's device (tg_cuda_jit_prepare).
 void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
-                           at::Tensor& av, float w1, float w2, float shrink, float scale, float shift, bool apply);
+                           at::Tensor& av, long long blocks, float w1, float w2, float shrink, float scale, float shift, bool apply);
 
 // The CUDA side of tg_adafactor_update: `first` is a matrix's row_var (with `col_var`) or a
 // vector's full variance (`col_var` null); `ws` the fp64 workspace (4 + units + bands·cols for a
-// matrix split into `bands` runs of rows for its column sums). Five to seven launches on
-// PyTorch's current stream, nothing read back to the host.
+// matrix split into `bands` runs of rows for its column sums; units: rows for a matrix, else
+// blocks of 2048 values). Five to seven launches on PyTorch's current stream, nothing read back
+// to the host.
 void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
-                           long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink);
+                           long long units, long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink);
 }  // namespace trainguard

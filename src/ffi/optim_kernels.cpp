@@ -364,7 +364,7 @@ int tg_adamw8bit_update(void* param, const void* grad, void* exp_avg, void* exp_
     const Adamw8bitStep s{static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(shrink),
                           static_cast<float>(scale), static_cast<float>(shift), apply != 0};
     if (p.is_cuda()) {
-      trainguard::cuda_adamw8bit_update(p, g, qm, am, qv, av, s.w1, s.w2, s.shrink, s.scale, s.shift, s.apply);
+      trainguard::cuda_adamw8bit_update(p, g, qm, am, qv, av, blocks, s.w1, s.w2, s.shrink, s.scale, s.shift, s.apply);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.scalar_type(), "adamw8bit_update", [&] {
@@ -419,7 +419,7 @@ int tg_adafactor_update(void* param, const void* grad, void* a, void* b, void* w
       check(!factored || (bands >= 1 && bands <= rows && bands <= 65535), k, "column bands must be between 1 and the rows (and at most 65535)");
       check(ws.device() == p.device() && ws.is_contiguous() && ws.scalar_type() == at::kDouble, k, "the workspace must be a contiguous fp64 tensor on the parameter's device");
       check(ws.numel() >= 4 + units + (factored ? bands * cols : 0), k, "the workspace is too small for this parameter");
-      trainguard::cuda_adafactor_update(p, g, first, second, ws, factored ? bands : 1, s.w, s.rho, s.eps1_sq, s.eps2, s.d, s.shrink);
+      trainguard::cuda_adafactor_update(p, g, first, second, ws, units, factored ? bands : 1, s.w, s.rho, s.eps1_sq, s.eps2, s.d, s.shrink);
       return;
     }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.scalar_type(), "adafactor_update", [&] {
