@@ -178,6 +178,10 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
     result(code, &err)
 }
 
+/// Values per CUDA block of our kernels (`TG_BLOCK` in `optim_kernels.cu`): 8-bit AdamW's
+/// quantisation block, and Adafactor's unit of anything but a matrix (whose unit is a row).
+pub const CUDA_BLOCK_VALUES: i64 = 2048;
+
 /// Our own CUDA kernels' source (`optim_kernels.cu`), NUL-terminated for the shim, which compiles
 /// it at run time with NVRTC (`cuda_jit.cpp`): the build needs no CUDA toolkit.
 const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), "\0");
@@ -312,6 +316,7 @@ mod tests {
                 assert!(cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()), "sm_{major}{minor}: no kernel {entry}");
             }
         }
+        assert!(super::CUDA_SOURCE.contains(&format!("#define TG_BLOCK {}\n", super::CUDA_BLOCK_VALUES)), "the Rust side sizes buffers by the kernels' block");
         let err = cuda_binary(1, 0).unwrap_err().to_string();
         assert!(err.contains("sm_10") && err.contains("NVRTC"), "an unknown GPU is refused with NVRTC's reason: {err}");
     }

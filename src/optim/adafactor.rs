@@ -23,7 +23,7 @@
 //!
 //! The CPU tests check both against `torch.optim.Adafactor` and against each other.
 use super::state::{bytes, check_lengths, restore};
-use crate::ffi::kernels::{self, AdafactorStep, AdafactorWorkspace, SecondMoments};
+use crate::ffi::kernels::{self, AdafactorStep, AdafactorWorkspace, SecondMoments, CUDA_BLOCK_VALUES};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Largest band (in elements) of a matrix's update held at once: 16 MiB of fp32 scratch.
@@ -111,14 +111,18 @@ impl Adafactor {
         rows.min(128).min(((1 << 20) / cols.max(1)).max(1)).max(1)
     }
 
-    /// fp64 values of the CUDA kernels' workspace for parameters of `shapes`: 4 scalars, a sum
-    /// per unit (a matrix's row, or 2048 values of anything else) and a matrix's column sums per
-    /// band. The planner counts the same.
-    pub fn workspace_elements(shapes: impl IntoIterator<Item = Vec<i64>>) -> i64 {
+    /// fp64 values of the workspace `path` needs on `device` for parameters of `shapes`: none
+    /// but for the fused kernels on CUDA, which keep 4 scalars, a sum per unit (a matrix's row,
+    /// or [`CUDA_BLOCK_VALUES`] values of anything else) and a matrix's column sums per band.
+    /// The planner counts the same.
+    pub fn workspace_elements(shapes: impl IntoIterator<Item = Vec<i64>>, path: Path, device: Device) -> i64 {
+        if path != Path::Fused || !device.is_cuda() {
+            return 0;
+        }
         shapes.into_iter().fold(4, |most, shape| {
             let need = match shape[..] {
                 [rows, cols] => rows + Self::column_bands(rows, cols) * cols,
-                _ => (shape.iter().product::<i64>() + 2047) / 2048,
+                _ => (shape.iter().product::<i64>() + CUDA_BLOCK_VALUES - 1) / CUDA_BLOCK_VALUES,
             };
             most.max(4 + need)
         })
@@ -157,11 +161,12 @@ impl Adafactor {
                 ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
             }
         }
-        let workspace = if path == Path::Fused && device.is_cuda() {
-            kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("Adafactor's CUDA kernels (kernels.cuda_optimizers) cannot be used: {e}")))?;
-            Some(Tensor::f_zeros([Self::workspace_elements(params.iter().map(Tensor::size))], (Kind::Double, device))?)
-        } else {
-            None
+        let workspace = match Self::workspace_elements(params.iter().map(Tensor::size), path, device) {
+            0 => None,
+            elements => {
+                kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("Adafactor's CUDA kernels (kernels.cuda_optimizers) cannot be used: {e}")))?;
+                Some(Tensor::f_zeros([elements], (Kind::Double, device))?)
+            }
         };
         let [scratch_len, max_rows, max_cols] = Self::scratch_elements(params.iter().map(Tensor::size), path);
         let scalar = |k: Kind| Tensor::f_zeros([], (k, device));
@@ -518,13 +523,17 @@ mod tests {
         assert_eq!(Adafactor::column_bands(5, 768), 5, "never more bands than rows");
         assert_eq!(Adafactor::column_bands(4096, 50_304), 20, "2^20 / 50304 bands of a wide matrix");
         assert_eq!(Adafactor::column_bands(10, 1 << 22), 1, "at least one band");
-        assert_eq!(Adafactor::workspace_elements([vec![5000]]), 4 + 3, "a vector: one sum per 2048 values");
-        assert_eq!(Adafactor::workspace_elements([vec![]]), 4 + 1, "a scalar is one unit");
-        assert_eq!(Adafactor::workspace_elements([vec![300, 70], vec![5000]]), 4 + 300 + 128 * 70);
+        let cuda = |shapes: &[Vec<i64>]| Adafactor::workspace_elements(shapes.to_vec(), Path::Fused, Device::Cuda(0));
+        assert_eq!(cuda(&[vec![5000]]), 4 + 3, "a vector: one sum per 2048 values");
+        assert_eq!(cuda(&[vec![]]), 4 + 1, "a scalar is one unit");
+        assert_eq!(cuda(&[vec![300, 70], vec![5000]]), 4 + 300 + 128 * 70);
         let gpt2 = [vec![50_304, 768], vec![1024, 768], vec![2304, 768], vec![3072, 768], vec![768, 3072], vec![768]];
-        let elements = Adafactor::workspace_elements(gpt2);
+        let elements = cuda(&gpt2);
         assert_eq!(elements, 4 + 768 + 128 * 3072, "the MLP's down-projection: 128 bands of 3072 column sums");
         assert_eq!((elements * 8) >> 20, 3, "3 MiB for GPT-2");
+        assert_eq!(Adafactor::workspace_elements(gpt2.to_vec(), Path::Fused, Device::Cpu), 0, "the CPU kernel sums in registers");
+        let bands = Path::Bands { chunk_elements: CHUNK_ELEMENTS };
+        assert_eq!(Adafactor::workspace_elements(gpt2.to_vec(), bands, Device::Cuda(0)), 0, "tensor ops need no workspace");
         assert_eq!(Path::for_device(Device::Cpu, false), Path::Fused);
         assert_eq!(Path::for_device(Device::Cuda(0), true), Path::Fused, "kernels.cuda_optimizers");
         assert_eq!(Path::for_device(Device::Cuda(0), false), Path::Bands { chunk_elements: CHUNK_ELEMENTS });

@@ -392,7 +392,7 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
             let param_bytes = if s.precision == Precision::Bf16Pure { 2 } else { 4 };
             let path = AdafactorPath::for_device(device, s.cuda_optimizers);
             let shapes: Vec<Vec<i64>> = shapes.collect();
-            let workspace = if path == AdafactorPath::Fused && s.target == Target::Cuda { round_up(8 * Adafactor::workspace_elements(shapes.clone()) as u64, round) } else { 0 };
+            let workspace = round_up(8 * Adafactor::workspace_elements(shapes.clone(), path, device) as u64, round);
             workspace + Adafactor::scratch_elements(shapes, path).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum::<u64>()
         }
         _ => 0,
