@@ -6,7 +6,7 @@
 //!   ("Cannot initialize CUDA without ATen_cuda library").
 //! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
 //!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor),
-//!   `src/ffi/cuda_jit.cpp` (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit
+//!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/cuda_jit.cpp` (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit
 //!   needed here), `src/ffi/shim_cuda.cpp`
 //!   (the allocator's history recorder; only against a libtorch with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process
 //!   groups) compiled against the same libtorch.
@@ -24,6 +24,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/shim.cpp");
     println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
     println!("cargo:rerun-if-changed=src/ffi/optim_kernels.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/loss_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
@@ -34,6 +35,7 @@ fn main() {
         .cpp(true)
         .file("src/ffi/shim.cpp")
         .file("src/ffi/optim_kernels.cpp")
+        .file("src/ffi/loss_kernels.cpp")
         .file("src/ffi/cuda_jit.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))

@@ -422,6 +422,57 @@ fn the_adafactor_cuda_kernels_compute_what_the_cpu_kernel_does() {
     }
 }
 
+/// The fused cross-entropy's CUDA kernels (`kernels.fused_cross_entropy`) against its CPU path,
+/// which is checked against PyTorch's loss in src/ffi/loss.rs: gpt2's 50257 columns (not a
+/// multiple of a block's reach), every fifth row ignored, the last 47 columns −inf (a padded
+/// vocabulary), in fp32, bf16 and fp16. Both paths sum in fp32 in different orders: the loss
+/// agrees to 1e-5 relative, a gradient to one unit of its dtype's last place of the row's
+/// largest (and 1e-6 absolute in fp32). Two CUDA runs give the same bits; an out-of-range target
+/// gives NaN, not a device assert; and the step's peak falls (gpt2, bf16-mixed).
+#[test]
+fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
+    use trainguard::ffi::loss::cross_entropy;
+    let Some(dev) = cuda() else { return };
+    trainguard::ffi::kernels::prepare_cuda(dev).unwrap();
+    let (rows, cols) = (203, 50304);
+    tch::manual_seed(4);
+    let user = Tensor::randn([rows, cols - 47], (Kind::Float, Device::Cpu)) * 4.0;
+    let start = Tensor::cat(&[user, Tensor::full([rows, 47], f64::NEG_INFINITY, (Kind::Float, Device::Cpu))], 1);
+    let t: Vec<i64> = (0..rows).map(|i| if i % 5 == 1 { -100 } else { (i * 7919) % (cols - 47) }).collect();
+    let targets = Tensor::from_slice(&t);
+    for (kind, ulp) in [(Kind::Float, 1.2e-7), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)] {
+        let run = |device: Device| -> (f64, Tensor) {
+            let x = start.to_kind(kind).to_device(device).copy().set_requires_grad(true); // a leaf of its own
+            let loss = cross_entropy(&x, &targets.to_device(device), true).unwrap();
+            loss.backward();
+            (loss.double_value(&[]), x.grad().to_device(Device::Cpu))
+        };
+        let ((lc, gc), (lg, gg), (la, ga)) = (run(Device::Cpu), run(dev), run(dev));
+        assert_eq!(gg.kind(), kind, "the gradient keeps the logits' dtype");
+        let row_max = gc.to_kind(Kind::Double).abs().amax([1], true);
+        let excess = ((gc.to_kind(Kind::Double) - gg.to_kind(Kind::Double)).abs() - row_max * ulp - 1e-6).max().double_value(&[]);
+        eprintln!("{kind:?}: loss CPU {lc} CUDA {lg}; gradient beyond tolerance by {excess:.3e}");
+        assert!(((lc - lg) / lc).abs() < 1e-5, "{kind:?}: loss {lg} vs the CPU path's {lc}");
+        assert!(excess <= 0.0, "{kind:?}: gradients differ beyond one unit in the last place of the row's largest");
+        assert_eq!(gg.narrow(1, cols - 47, 47).abs().max().double_value(&[]), 0.0, "{kind:?}: −inf columns get no gradient");
+        assert_eq!(gg.narrow(0, 1, 1).abs().max().double_value(&[]), 0.0, "{kind:?}: an ignored row gets no gradient");
+        assert!(la == lg && ga.equal(&gg), "{kind:?}: two CUDA runs differ");
+    }
+    let bad = Tensor::from_slice(&[0i64, cols, 3]).to_device(dev);
+    let x = start.narrow(0, 0, 3).to_device(dev);
+    assert!(cross_entropy(&x, &bad, true).unwrap().double_value(&[]).is_nan(), "an out-of-range target makes the loss NaN");
+    let base = ["precision=bf16-mixed", "model.vocab_size=50257", "memory.activation_checkpointing=none"];
+    let ((plain, plain_losses), (fused, fused_losses)) = (cuda_peak(&base), cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true"]].concat()));
+    eprintln!("peak allocated, bf16-mixed: PyTorch's loss {plain}, fused {fused}; losses {plain_losses:?} and {fused_losses:?}");
+    // At the start of backward PyTorch's holds 10 bytes a logit (fp32 log-probabilities, their
+    // fp32 gradient, the bf16 logits' gradient), ours 4 (the bf16 logits and their gradient):
+    // 6 × 8 × 1024 × 50304 bytes = 2.3 GiB.
+    assert!(fused + (3 << 29) < plain, "the fused loss should save over 1.5 GiB: {plain} → {fused}");
+    for (a, b) in plain_losses.iter().zip(&fused_losses) {
+        assert!(((a - b) / a).abs() < 1e-3, "the fused loss changed the run: {plain_losses:?} vs {fused_losses:?}");
+    }
+}
+
 /// Clipping through ATen's multi-tensor kernels on CUDA: the same global norm as the CPU's and
 /// the same scaled gradients, to float rounding (the CUDA kernel sums in another order).
 #[test]

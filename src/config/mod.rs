@@ -379,11 +379,18 @@ pub struct KernelsConfig {
     /// (`scripts/gpu_checks.sh tests optim`) have run on a GPU: they are compiled in CI, but no
     /// machine this was built on had a GPU to launch them.
     pub cuda_optimizers: bool,
+    /// The loss as one autograd node of our own (`ffi::loss`): it keeps the logits in their own
+    /// dtype and a log-sum-exp per row, and its backward writes their gradient in that dtype.
+    /// Under autocast PyTorch's cross-entropy keeps fp32 log-probabilities and writes fp32 and
+    /// 16-bit gradients: 10 bytes per logit on CUDA in bf16-mixed where this needs 4. CUDA runs
+    /// two NVRTC-compiled kernels, the CPU ATen's ops over blocks of rows. Off by default until
+    /// the CUDA kernels' checks (`scripts/gpu_checks.sh tests`) have run on a GPU.
+    pub fused_cross_entropy: bool,
 }
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true, cuda_optimizers: false }
+        Self { fused_rms_norm: true, cuda_optimizers: false, fused_cross_entropy: false }
     }
 }
 

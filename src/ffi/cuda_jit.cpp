@@ -187,9 +187,9 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// The kernels optim_kernels.cu defines: 8-bit AdamW per parameter dtype, and Adafactor's stages
-// per dtype plus its dtype-free coefficient. Their handles are looked up by name once, when the
-// module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
+// The kernels optim_kernels.cu and loss_kernels.cu define: 8-bit AdamW and cross-entropy's
+// forward and backward per dtype, and Adafactor's stages per dtype plus its dtype-free
+// coefficient. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
@@ -199,6 +199,8 @@ const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "s
 struct DtypeKernels {
   void* adamw8bit = nullptr;
   void* adafactor[kStageCount] = {};
+  void* ce_forward = nullptr;
+  void* ce_backward = nullptr;
 };
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -328,6 +330,34 @@ void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first
   void* apply_args[] = {&pp, &gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq, &shrink};
   launch(stage[kApply], "cuLaunchKernel(tg_adafactor_apply)", units, 1, apply_args);
 }
+
+void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss) {
+  long long rows = x.size(0), cols = x.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(x.scalar_type(), "cross_entropy");
+  const void* xp = x.data_ptr();
+  const void* tp = target.data_ptr();
+  void* lp = lse.data_ptr();
+  void* op = loss.data_ptr();
+  void* args[] = {&xp, &tp, &lp, &op, &cols};
+  const Launcher launch(x.device());
+  launch(launch.kernels().per_dtype[d].ce_forward, "cuLaunchKernel(tg_ce_forward)", rows, 1, args);
+}
+
+void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale,
+                                 at::Tensor& grad) {
+  long long rows = x.size(0), cols = x.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(x.scalar_type(), "cross_entropy");
+  const void* xp = x.data_ptr();
+  const void* tp = target.data_ptr();
+  const void* lp = lse.data_ptr();
+  const void* sp = grad_scale.data_ptr();
+  void* gp = grad.data_ptr();
+  void* args[] = {&xp, &tp, &lp, &sp, &gp, &cols};
+  const Launcher launch(x.device());
+  launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
+}
 }  // namespace trainguard
 
 extern "C" {
@@ -381,6 +411,8 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     get(&k.adafactor_coef, "tg_adafactor_coef");
     for (int d = 0; d < kDtypeCount; ++d) {
       get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
+      get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
+      get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
       for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
     }
     loaded()[ordinal] = k;

@@ -18,4 +18,12 @@ void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, a
 // to the host.
 void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
                            long long units, long long bands, float w, float rho, float eps1_sq, float eps2, float d, float shrink);
+
+// The CUDA side of cross-entropy's autograd node (loss_kernels.cpp), which has checked the
+// tensors: `x` [rows, cols] contiguous logits, `target` [rows] int64, `lse` and `loss` [rows]
+// fp32 written by the forward; the backward writes `grad` (x's shape and dtype) from the fp32
+// 0-dim `grad_scale`. One launch each, one CUDA block per row, on PyTorch's current stream.
+void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss);
+void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale,
+                                 at::Tensor& grad);
 }  // namespace trainguard

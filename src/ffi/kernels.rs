@@ -182,9 +182,10 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
 /// quantisation block, and Adafactor's unit of anything but a matrix (whose unit is a row).
 pub const CUDA_BLOCK_VALUES: i64 = 2048;
 
-/// Our own CUDA kernels' source (`optim_kernels.cu`), NUL-terminated for the shim, which compiles
-/// it at run time with NVRTC (`cuda_jit.cpp`): the build needs no CUDA toolkit.
-const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), "\0");
+/// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, which uses its dtype
+/// loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
+/// (`cuda_jit.cpp`): the build needs no CUDA toolkit.
+const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), "\0");
 
 /// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
 /// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),
@@ -215,8 +216,8 @@ pub fn nvrtc_info() -> Result<(i32, i32, String), ShimError> {
 }
 
 /// Compiles our CUDA kernels for `device`'s compute capability and loads them, once per device
-/// (later calls return at once): what the CUDA paths of [`adamw8bit_update`] and
-/// [`adafactor_update`] need first. An
+/// (later calls return at once): what the CUDA paths of [`adamw8bit_update`],
+/// [`adafactor_update`] and [`super::loss::cross_entropy`] need first. An
 /// error names what failed (NVRTC missing, the compiler's log, the driver's error).
 pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
     let tch::Device::Cuda(ordinal) = device else { return Ok(()) };
@@ -305,6 +306,7 @@ mod tests {
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
+            entries.extend(["forward", "backward"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));

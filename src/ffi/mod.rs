@@ -1,11 +1,13 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
 //! allocator settings, deterministic mode, autocast, versions), over `optim_kernels.cpp` (the
-//! optimizers' and clipping's kernels: [`kernels`]), over `shim_cuda.cpp` (the allocator's
+//! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
+//! autograd node: [`loss`]), over `shim_cuda.cpp` (the allocator's
 //! history and snapshot), over `dist.cpp` (c10d: [`dist`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
 //! result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
 pub mod dist;
 pub mod kernels;
+pub mod loss;
 pub mod os;
 
 use std::ffi::{c_char, c_int, CStr, CString};

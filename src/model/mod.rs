@@ -60,6 +60,8 @@ pub struct Model {
     user_rows: Vec<Option<i64>>,
     /// `[padded vocab]`: 0 for the user's tokens, -inf for the padding; none without padding.
     vocab_mask: Option<Tensor>,
+    /// `kernels.fused_cross_entropy`: the loss as our own autograd node.
+    fused_loss: bool,
     net: Box<dyn Decoder>,
 }
 
@@ -99,7 +101,10 @@ impl Model {
             }
             false => None,
         };
-        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, net })
+        if kernels.fused_cross_entropy {
+            crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy) cannot be used: {e}")))?;
+        }
+        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, net })
     }
 
     /// Number of trainable parameters (a tied head counted once).
@@ -159,7 +164,21 @@ impl Model {
 
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
     pub fn loss(&self, x: &Tensor, y: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        cross_entropy(&self.padded_logits(x, train, seed)?, y, Reduction::Mean)
+        self.cross_entropy(&self.padded_logits(x, train, seed)?, y, Reduction::Mean)
+    }
+
+    /// Cross-entropy of `logits` `[…, v]` against targets `[…]` (`Mean` or `Sum`) as
+    /// `kernels.fused_cross_entropy` says: our autograd node, or PyTorch's ([`cross_entropy`]).
+    pub fn cross_entropy(&self, logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
+        let mean = match reduction {
+            Reduction::Mean => true,
+            Reduction::Sum => false,
+            _ => return cross_entropy(logits, y, reduction), // per-token losses: PyTorch's
+        };
+        match self.fused_loss {
+            true => Ok(crate::ffi::loss::cross_entropy(logits, y, mean)?),
+            false => cross_entropy(logits, y, reduction),
+        }
     }
 
     /// Parameter `i` as the user's vocabulary shapes it: a padded vocabulary matrix cut to its
@@ -224,7 +243,7 @@ impl Model {
     }
 }
 
-/// Cross-entropy of logits `[…, v]` against targets `[…]`.
+/// Cross-entropy of logits `[…, v]` against targets `[…]`, as PyTorch computes it.
 pub fn cross_entropy(logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
     let v = *logits.size().last().unwrap_or(&1);
     logits.f_view([-1, v])?.f_cross_entropy_loss::<Tensor>(&y.f_reshape([-1])?, None, reduction, -100, 0.0)
@@ -235,7 +254,7 @@ mod padding_tests {
     //! The padded vocabulary (`model.pad_vocab_to`) against the unpadded model: same initial
     //! user rows, same loss and gradients (plain and chunked), padded rows zero and unused.
     use super::Model;
-    use crate::config::{Arch, Checkpointing, ModelConfig};
+    use crate::config::{Arch, Checkpointing, KernelsConfig, ModelConfig};
     use crate::step::savers::{loss_and_grads, Savers};
     use tch::{Device, Kind, Tensor};
 
@@ -307,6 +326,31 @@ mod padding_tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_fused_loss_gives_pytorchs_loss_and_gradients_plain_chunked_and_checkpointed() {
+        let (x, y) = batch();
+        let fused_kernels = KernelsConfig { fused_cross_entropy: true, ..KernelsConfig::default() };
+        for cfg in configs() {
+            let plain = Model::new(&cfg, 3, Device::Cpu).unwrap();
+            let fused = Model::with_kernels(&cfg, fused_kernels, 3, Device::Cpu).unwrap();
+            for (checkpointing, chunk) in [(Checkpointing::None, None), (Checkpointing::None, Some(10)), (Checkpointing::Every(1), Some(16))] {
+                let savers = Savers::new(checkpointing, false, chunk);
+                let (la, ga) = loss_and_grads(&fused, &x, &y, 0.5, 0, &savers).unwrap();
+                let (lb, gb) = loss_and_grads(&plain, &x, &y, 0.5, 0, &savers).unwrap();
+                let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
+                assert!(dl < 1e-6, "{:?} {checkpointing:?} chunk {chunk:?}: loss differs by {dl:e}", cfg.arch);
+                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                    let d = (a - b).abs().max().double_value(&[]);
+                    assert!(d < 1e-6, "{:?} {checkpointing:?} chunk {chunk:?}: gradient of {} differs by {d:e}", cfg.arch, fused.params.names[i]);
+                }
+            }
+            // Which node ran: PyTorch's refuses a target outside the vocabulary, ours gives NaN.
+            let outside = y.full_like(70);
+            assert!(plain.loss(&x, &outside, false, None).is_err());
+            assert!(fused.loss(&x, &outside, false, None).unwrap().double_value(&[]).is_nan(), "the fused model computes its loss with the fused node");
         }
     }
 

@@ -261,6 +261,9 @@ pub struct Setup {
     /// `kernels.cuda_optimizers`: 8-bit AdamW's and Adafactor's CUDA kernels, which need no
     /// scratch (Adafactor's, a small fp64 workspace).
     pub cuda_optimizers: bool,
+    /// `kernels.fused_cross_entropy`: the loss as our node, which keeps the logits in their own
+    /// dtype and writes only their gradient in backward.
+    pub fused_cross_entropy: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -328,11 +331,13 @@ pub struct Estimate {
     /// checkpointing also every segment's saved input.
     pub activations_outside: u64,
     /// b·s·v logits (or the log-probabilities that replace them), fp32 except in bf16-pure;
-    /// one chunk's with a chunked loss.
+    /// one chunk's with a chunked loss. With `kernels.fused_cross_entropy` the logits in the
+    /// head's dtype (16-bit under autocast) and a log-sum-exp per row.
     pub logits: u64,
     /// Cross-entropy's two gradient buffers alive with the log-probabilities at the start of
     /// backward: the log-probabilities' (as `logits`) and the logits' (16-bit under CUDA
-    /// autocast, else as `logits`).
+    /// autocast, else as `logits`). With `kernels.fused_cross_entropy` the logits' alone (and
+    /// on the CPU a block of fp32 working values).
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
@@ -587,14 +592,32 @@ impl Moments {
         let activations = in_body + outside;
         let tokens = micro * m.seq_len;
         let chunk = s.loss_chunk_tokens.map_or(tokens, |c| c.clamp(1, tokens.max(1)));
-        let logits = p.logit_bytes() * chunk * m.padded_vocab();
-        // Cross-entropy's backward: the log-probabilities' gradient (their dtype) and the logits'
-        // gradient. Under CUDA autocast log_softmax runs on the 16-bit logits with dtype=float,
-        // and its backward writes the logits' gradient in their own 16-bit dtype: 4 + 2 bytes,
-        // not 4 + 4 (the H100's bf16-mixed peaks were 2·b·s·v bytes below the estimate that
-        // counted 4). CPU autocast casts the logits to fp32 first: 4 + 4 there.
-        let logit_grad = chunk * m.padded_vocab() * if s.target == Target::Cuda { p.activation_bytes() } else { p.logit_bytes() };
-        let cross_entropy = logits + logit_grad;
+        let (logits, logit_grad, cross_entropy) = match s.fused_cross_entropy {
+            false => {
+                let logits = p.logit_bytes() * chunk * m.padded_vocab();
+                // Cross-entropy's backward: the log-probabilities' gradient (their dtype) and the
+                // logits' gradient. Under CUDA autocast log_softmax runs on the 16-bit logits with
+                // dtype=float, and its backward writes the logits' gradient in their own 16-bit
+                // dtype: 4 + 2 bytes, not 4 + 4 (the H100's bf16-mixed peaks were 2·b·s·v bytes
+                // below the estimate that counted 4). CPU autocast casts the logits to fp32
+                // first: 4 + 4 there.
+                let logit_grad = chunk * m.padded_vocab() * if s.target == Target::Cuda { p.activation_bytes() } else { p.logit_bytes() };
+                (logits, logit_grad, logits + logit_grad)
+            }
+            true => {
+                // Our node keeps the head's logits as they are (16-bit under autocast) and an
+                // fp32 log-sum-exp per row; its backward writes only the logits' gradient, in
+                // their dtype. On the CPU it works through blocks of rows: an fp32 block and its
+                // exponentials at a time.
+                let logits = chunk * m.padded_vocab() * p.activation_bytes() + 4 * chunk;
+                let logit_grad = chunk * m.padded_vocab() * p.activation_bytes();
+                let scratch = match s.target {
+                    Target::Cpu => 2 * 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
+                    Target::Cuda => 0,
+                };
+                (logits, logit_grad, logit_grad + scratch)
+            }
+        };
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
         let head_grad = m.padded_vocab() * m.hidden * p.grad_bytes();
@@ -669,6 +692,7 @@ pub(crate) mod fixtures {
             loss_chunk_tokens: None,
             fused_rms_norm: true,
             cuda_optimizers: false,
+            fused_cross_entropy: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,

@@ -314,6 +314,7 @@ impl Inputs {
             loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
             fused_rms_norm: config.kernels.fused_rms_norm,
             cuda_optimizers: config.kernels.cuda_optimizers,
+            fused_cross_entropy: config.kernels.fused_cross_entropy,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,

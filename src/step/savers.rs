@@ -15,7 +15,7 @@
 //!
 //! The result is the same loss and gradients as the plain path (checked in the tests).
 use crate::config::{Checkpointing, Escalation};
-use crate::model::{cross_entropy, Model};
+use crate::model::Model;
 use tch::{Device, Reduction, TchError, Tensor};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -189,7 +189,7 @@ fn head_backward(
 ) -> Result<(Tensor, Tensor), TchError> {
     let head_params: Vec<Tensor> = head_idx.iter().map(|&i| model.params.tensors[i].shallow_clone()).collect();
     let Some(chunk) = chunk else {
-        let loss = cross_entropy(&model.head(hidden)?, y, Reduction::Mean)?.f_mul_scalar(weight)?;
+        let loss = model.cross_entropy(&model.head(hidden)?, y, Reduction::Mean)?.f_mul_scalar(weight)?;
         let mut inputs = head_params;
         inputs.push(hidden.shallow_clone());
         let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
@@ -208,7 +208,7 @@ fn head_backward(
         let len = (chunk as i64).min(n - start);
         let inp = flat.f_narrow(0, start, len)?.f_detach()?.f_set_requires_grad(true)?;
         // Sum over the chunk ÷ all tokens: the chunks add up to the mean.
-        let loss = cross_entropy(&model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum)?.f_mul_scalar(weight / n as f64)?;
+        let loss = model.cross_entropy(&model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum)?.f_mul_scalar(weight / n as f64)?;
         let mut inputs: Vec<Tensor> = head_params.iter().map(|t| t.shallow_clone()).collect();
         inputs.push(inp);
         let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;

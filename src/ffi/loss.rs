@@ -1,0 +1,161 @@
+//! Wrapper over `loss_kernels.cpp`: the language-model loss as one autograd node
+//! (`kernels.fused_cross_entropy`). It keeps the logits in their own dtype and a log-sum-exp per
+//! row, and its backward writes their gradient in that dtype: no fp32 copy of the logits, no
+//! log-probabilities, no fp32 gradient. CUDA runs our kernels (`loss_kernels.cu`, compiled by
+//! NVRTC once [`super::kernels::prepare_cuda`] has run for the device); the CPU runs ATen's ops
+//! over blocks of rows.
+use super::{result, ShimError, ERR_LEN};
+use std::ffi::{c_char, c_int, c_void};
+use tch::Tensor;
+
+extern "C" {
+    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cross_entropy_cpu_block_rows(cols: i64) -> i64;
+}
+
+/// Rows of logits `cols` wide that the CPU path converts to fp32 at a time (the planner counts
+/// the block and its exponentials).
+pub fn cpu_block_rows(cols: u64) -> u64 {
+    // SAFETY: pure arithmetic in the shim.
+    unsafe { tg_cross_entropy_cpu_block_rows(cols as i64) as u64 }
+}
+
+/// Cross-entropy of `logits` `[…, v]` against int64 `targets` `[…]` (−100 ignored): the mean
+/// over the rows counted (`mean`) or the sum, as a 0-dim fp32 tensor whose backward reaches
+/// `logits`. A target outside `[0, v)` other than −100 makes the loss NaN.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mean: bool) -> Result<Tensor, ShimError> {
+    let mut out = std::ptr::null_mut::<c_void>();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: both handles are live tensors; the shim catches every exception and on success
+    // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
+    let code = unsafe { tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), &mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: `out` is the non-null tensor the shim returned with code 0.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The node against PyTorch's `cross_entropy` on the CPU (tests/gpu.rs checks the CUDA
+    //! kernels against this CPU path).
+    use super::*;
+    use tch::{Device, Kind, Reduction};
+
+    fn logits(rows: i64, cols: i64, kind: Kind) -> Tensor {
+        tch::manual_seed(7);
+        (Tensor::randn([rows, cols], (Kind::Float, Device::Cpu)) * 3.0).to_kind(kind).set_requires_grad(true)
+    }
+
+    /// Targets spread over the columns, every fifth row ignored (−100).
+    fn targets(rows: i64, cols: i64) -> Tensor {
+        let t: Vec<i64> = (0..rows).map(|i| if i % 5 == 3 { -100 } else { (i * 7919) % cols }).collect();
+        Tensor::from_slice(&t)
+    }
+
+    /// PyTorch's loss and gradient for `x` (computed in fp64 from x's values).
+    fn reference(x: &Tensor, t: &Tensor, mean: bool) -> (f64, Tensor) {
+        let r = x.detach().to_kind(Kind::Double).set_requires_grad(true);
+        let reduction = if mean { Reduction::Mean } else { Reduction::Sum };
+        let loss = r.cross_entropy_loss::<Tensor>(t, None, reduction, -100, 0.0);
+        loss.backward();
+        (loss.double_value(&[]), r.grad())
+    }
+
+    fn ours(x: &Tensor, t: &Tensor, mean: bool) -> (f64, Tensor) {
+        x.shallow_clone().zero_grad(); // the same tensor: its gradient from an earlier call is cleared
+        let loss = cross_entropy(x, t, mean).unwrap();
+        assert_eq!((loss.kind(), loss.dim()), (Kind::Float, 0), "a 0-dim fp32 loss");
+        loss.backward();
+        (loss.double_value(&[]), x.grad())
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[])
+    }
+
+    #[test]
+    fn loss_and_gradient_are_pytorchs_in_fp32_mean_and_sum() {
+        let (x, t) = (logits(23, 37, Kind::Float), targets(23, 37));
+        for mean in [true, false] {
+            let (l, g) = ours(&x, &t, mean);
+            let (rl, rg) = reference(&x, &t, mean);
+            assert!((l - rl).abs() <= 1e-5 * rl.abs(), "mean {mean}: loss {l} vs {rl}");
+            assert!(max_diff(&g, &rg) < 1e-6, "mean {mean}: gradient differs by {:e}", max_diff(&g, &rg));
+            assert_eq!(g.kind(), Kind::Float);
+            let ignored = g.narrow(0, 3, 1).abs().max().double_value(&[]);
+            assert_eq!(ignored, 0.0, "an ignored row gets no gradient");
+        }
+    }
+
+    #[test]
+    fn sixteen_bit_logits_get_an_fp32_loss_and_a_gradient_in_their_dtype() {
+        for kind in [Kind::BFloat16, Kind::Half] {
+            let (x, t) = (logits(19, 64, kind), targets(19, 64));
+            let (l, g) = ours(&x, &t, true);
+            let (rl, rg) = reference(&x, &t, true);
+            assert!((l - rl).abs() <= 1e-5 * rl.abs(), "{kind:?}: loss {l} vs {rl} (computed in fp32 from the 16-bit values)");
+            assert_eq!(g.kind(), kind, "the gradient keeps the logits' dtype");
+            // One rounding to 16 bits of the fp32 gradient: 2^-8 relative for bf16, 2^-11 fp16.
+            let ulp = if kind == Kind::BFloat16 { 1.0 / 256.0 } else { 1.0 / 2048.0 };
+            let bound = (rg.abs() * ulp + 1e-7).to_kind(Kind::Double);
+            let excess = ((g.to_kind(Kind::Double) - &rg).abs() - bound).max().double_value(&[]);
+            assert!(excess <= 0.0, "{kind:?}: gradient beyond one rounding by {excess:e}");
+        }
+    }
+
+    #[test]
+    fn rows_wider_than_a_block_are_worked_through_in_blocks_with_the_same_result() {
+        let cols = 300_000;
+        let rows = 7;
+        assert_eq!(cpu_block_rows(cols as u64), 3, "2^20 values a block: 3 rows, three blocks for 7");
+        let (x, t) = (logits(rows, cols, Kind::Float), Tensor::from_slice(&[0i64, 299_999, -100, 5, 150_000, 7, 1]));
+        let (l, g) = ours(&x, &t, true);
+        let (rl, rg) = reference(&x, &t, true);
+        assert!((l - rl).abs() <= 1e-5 * rl.abs(), "loss {l} vs {rl}");
+        assert!(max_diff(&g, &rg) < 1e-7, "gradient differs by {:e}", max_diff(&g, &rg));
+    }
+
+    #[test]
+    fn minus_infinity_columns_get_exactly_zero_gradient_and_leave_the_loss_alone() {
+        let (x, t) = (logits(9, 40, Kind::Float), targets(9, 32));
+        let masked = Tensor::cat(&[x.detach().narrow(1, 0, 32), Tensor::full([9, 8], f64::NEG_INFINITY, (Kind::Float, Device::Cpu))], 1).set_requires_grad(true);
+        let (l, g) = ours(&masked, &t, true);
+        let (rl, _) = reference(&x.detach().narrow(1, 0, 32), &t, true);
+        assert!((l - rl).abs() <= 1e-5 * rl.abs(), "the padded vocabulary changes nothing: {l} vs {rl}");
+        assert_eq!(g.narrow(1, 32, 8).abs().max().double_value(&[]), 0.0);
+    }
+
+    #[test]
+    fn leading_dimensions_are_flattened_and_the_gradient_keeps_the_shape() {
+        let x = logits(12, 10, Kind::Float).detach().view([3, 4, 10]).set_requires_grad(true);
+        let t = targets(12, 10).view([3, 4]);
+        let loss = cross_entropy(&x, &t, true).unwrap();
+        loss.backward();
+        assert_eq!(x.grad().size(), [3, 4, 10]);
+        let (rl, _) = reference(&x.detach().view([12, 10]), &t.view([12]), true);
+        assert!((loss.double_value(&[]) - rl).abs() < 1e-5 * rl.abs());
+    }
+
+    #[test]
+    fn without_grad_the_loss_is_computed_and_nothing_is_recorded() {
+        let x = logits(5, 10, Kind::Float).detach();
+        let loss = tch::no_grad(|| cross_entropy(&x, &targets(5, 10), true).unwrap());
+        assert!(!loss.requires_grad() && loss.double_value(&[]).is_finite());
+    }
+
+    #[test]
+    fn bad_targets_give_nan_and_bad_inputs_a_clear_error() {
+        let x = logits(4, 10, Kind::Float);
+        let all_ignored = Tensor::from_slice(&[-100i64; 4]);
+        assert!(cross_entropy(&x, &all_ignored, true).unwrap().double_value(&[]).is_nan(), "0/0, as PyTorch's mean");
+        assert_eq!(cross_entropy(&x, &all_ignored, false).unwrap().double_value(&[]), 0.0);
+        for bad in [10i64, -1] {
+            let t = Tensor::from_slice(&[0i64, bad, 2, 3]);
+            assert!(cross_entropy(&x, &t, true).unwrap().double_value(&[]).is_nan(), "target {bad} outside the vocabulary");
+        }
+        let err = |x: &Tensor, t: &Tensor| cross_entropy(x, t, true).unwrap_err().to_string();
+        assert!(err(&x, &Tensor::from_slice(&[0i32, 1, 2, 3])).contains("targets must be int64"));
+        assert!(err(&x, &Tensor::from_slice(&[0i64, 1, 2])).contains("one target per row"));
+        assert!(err(&Tensor::ones([4, 10], (Kind::Int64, Device::Cpu)), &targets(4, 10)).contains("floating point"));
+    }
+}

@@ -1,0 +1,132 @@
+// Cross-entropy as one autograd node (`kernels.fused_cross_entropy`), for the language-model
+// loss: mean (or sum) over rows of logits [rows, cols] of log Σ exp(x) − x[target], a target of
+// −100 ignored. The node keeps the logits as they came (16-bit under autocast) and one fp32
+// log-sum-exp per row; its backward writes the logits' gradient directly in their dtype. What
+// autograd records for `cross_entropy` under autocast instead: an fp32 copy of the logits (CPU),
+// fp32 log-probabilities kept for backward, and fp32 plus 16-bit gradients in backward.
+//
+// On CUDA the work is two kernels of loss_kernels.cu (cuda_jit.cpp launches them). On the CPU it
+// runs through ATen's vectorised ops over blocks of rows, at most kCpuBlockValues fp32 values
+// at a time: bounded scratch, no full-size fp32 copy. The CPU path is also what the CUDA
+// kernels are checked against (tests/gpu.rs).
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include "cuda_jit.h"
+#include "guarded.h"
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace {
+constexpr int64_t kIgnore = -100;
+constexpr int64_t kCpuBlockValues = int64_t{1} << 20;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("cross_entropy: " + what);
+}
+
+// Rows of the CPU path's blocks: about kCpuBlockValues fp32 values, at least one row.
+int64_t cpu_block_rows(int64_t cols) { return std::max<int64_t>(1, kCpuBlockValues / std::max<int64_t>(cols, 1)); }
+
+// Per block of rows: lse = log Σ exp(x), loss = lse − x[target], 0 where ignored, NaN where the
+// target is outside [0, cols) (as the CUDA kernel gives).
+void cpu_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss) {
+  const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
+  for (int64_t r = 0; r < rows; r += step) {
+    const int64_t n = std::min(step, rows - r);
+    const at::Tensor xs = x.narrow(0, r, n).to(at::kFloat);
+    const at::Tensor t = target.narrow(0, r, n);
+    const at::Tensor row_lse = at::logsumexp(xs, {1});
+    const at::Tensor picked = xs.gather(1, t.clamp(0, cols - 1).unsqueeze(1)).squeeze(1);
+    const at::Tensor outside = t.ne(kIgnore).logical_and(t.lt(0).logical_or(t.ge(cols)));
+    lse.narrow(0, r, n).copy_(row_lse);
+    loss.narrow(0, r, n).copy_((row_lse - picked).masked_fill_(t.eq(kIgnore), 0.0).masked_fill_(outside, std::numeric_limits<float>::quiet_NaN()));
+  }
+}
+
+// Per block of rows: grad = scale · (exp(x − lse) − one-hot(target)), scale 0 on ignored rows.
+void cpu_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale, at::Tensor& grad) {
+  const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
+  for (int64_t r = 0; r < rows; r += step) {
+    const int64_t n = std::min(step, rows - r);
+    const at::Tensor t = target.narrow(0, r, n);
+    at::Tensor g = at::exp(x.narrow(0, r, n).to(at::kFloat) - lse.narrow(0, r, n).unsqueeze(1));
+    const at::Tensor hit = t.ge(0).logical_and(t.lt(cols)).to(at::kFloat);
+    g.scatter_add_(1, t.clamp(0, cols - 1).unsqueeze(1), hit.neg().unsqueeze(1));
+    g.mul_((t.ne(kIgnore).to(at::kFloat) * grad_scale).unsqueeze(1));
+    grad.narrow(0, r, n).copy_(g);
+  }
+}
+
+struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean) {
+    // The node computes in fp32 itself; autocast must not recast what it calls.
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+    at::Tensor loss = at::empty_like(lse);
+    if (x.is_cuda()) {
+      trainguard::cuda_cross_entropy_forward(x, target, lse, loss);
+    } else {
+      cpu_forward(x, target, lse, loss);
+    }
+    at::Tensor total = loss.sum();
+    if (mean) {
+      // Divided on the device by the rows counted: no host sync (all ignored: 0/0, NaN, as PyTorch).
+      const at::Tensor counted = target.ne(kIgnore).sum().to(at::kFloat);
+      total = total / counted;
+      ctx->save_for_backward({x, target, lse, counted});
+    } else {
+      ctx->save_for_backward({x, target, lse});
+    }
+    return total;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &target = saved[1], &lse = saved[2];
+    at::Tensor scale = grads[0].to(at::kFloat);
+    if (saved.size() == 4) scale = scale / saved[3];
+    scale = scale.contiguous();
+    at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);
+    if (x.is_cuda()) {
+      trainguard::cuda_cross_entropy_backward(x, target, lse, scale, grad);
+    } else {
+      cpu_backward(x, target, lse, scale, grad);
+    }
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+extern "C" {
+
+int64_t tg_cross_entropy_cpu_block_rows(int64_t cols) { return cpu_block_rows(cols); }
+
+// Cross-entropy of `logits` [..., cols] against `targets` [...] (int64, −100 ignored), mean over
+// the rows counted (`mean`) or sum, as one autograd node: `*out` is a new tensor (0-dim fp32)
+// that tch takes over. The logits must be fp32, bf16 or fp16 on CUDA (whose kernels must be
+// prepared: tg_cuda_jit_prepare), any float dtype on the CPU.
+int tg_cross_entropy(const void* logits, const void* targets, int mean, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& l = *static_cast<const at::Tensor*>(logits);
+    const auto& y = *static_cast<const at::Tensor*>(targets);
+    check(l.dim() >= 1 && l.size(-1) >= 1, "logits need a last dimension of at least one column");
+    check(at::isFloatingType(l.scalar_type()), "logits must be floating point");
+    check(y.scalar_type() == at::kLong, "targets must be int64");
+    check(y.device() == l.device(), "logits and targets must be on one device");
+    check(l.is_cpu() || l.is_cuda(), "tensors must be on the CPU or a CUDA device");
+    const int64_t cols = l.size(-1);
+    check(y.numel() * cols == l.numel(), "one target per row of logits");
+    // Reshaped outside the node, so autograd carries the gradient back through the view.
+    const at::Tensor x = l.reshape({-1, cols}).contiguous();
+    const at::Tensor t = y.reshape({-1}).contiguous();
+    *out = new at::Tensor(CrossEntropyNode::apply(x, t, mean != 0));
+  });
+}
+
+}  // extern "C"

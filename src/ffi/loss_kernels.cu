@@ -1,0 +1,103 @@
+// Cross-entropy's CUDA kernels (`kernels.fused_cross_entropy`), compiled by NVRTC in one source
+// after optim_kernels.cu, whose dtype loaders (F32, BF16, F16) and TG_THREADS / TG_WARPS they
+// use. src/ffi/loss_kernels.cpp holds the autograd node that launches them and the CPU path they
+// are tested against.
+//
+// One CUDA block per row of logits, in the logits' own dtype: the forward reads the row once
+// (the running maximum and sum of exponentials together) and writes two floats, its
+// log-sum-exp and its loss; the backward reads the row once more and writes its gradient,
+// softmax − one-hot times the row's scale, in the logits' dtype. No fp32 copy of the logits, no
+// log-probabilities, no fp32 gradient: where autocast's log_softmax keeps 4 bytes per logit and
+// its backward writes 4 + 2 more, this keeps the 16-bit logits and writes 2.
+//
+// A row's target of −100 is ignored (loss 0, gradient 0), as in PyTorch; any other target
+// outside [0, columns) gives the row a NaN loss, which the training loop reports as a
+// non-finite loss, rather than a device-side abort.
+
+#define TG_CE_IGNORE (-100LL)
+
+__device__ __forceinline__ float tg_neg_inf() { return __int_as_float(0xff800000); }
+
+// Merges (m2, s2) into (m, s), each a part of a row as (maximum, Σ exp(x − maximum)); an empty
+// part is (−∞, 0).
+__device__ __forceinline__ void tg_lse_merge(float& m, float& s, float m2, float s2) {
+  const float top = m < m2 ? m2 : m;
+  if (top == tg_neg_inf()) return;  // both parts empty (or only −∞ logits)
+  s = s * expf(m - top) + s2 * expf(m2 - top);
+  m = top;
+}
+
+// Row blockIdx.x of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
+// (0 for an ignored target). The block's partial results merge in a fixed order: a butterfly
+// within each warp, then the warps in order, so every run gives the same bits.
+template <class D>
+__device__ __forceinline__ void ce_forward(const typename D::T* x, const long long* target, float* lse, float* loss, long long cols) {
+  __shared__ float part_m[TG_WARPS], part_s[TG_WARPS];
+  const long long row = blockIdx.x;
+  const typename D::T* xr = x + row * cols;
+  float m = tg_neg_inf(), s = 0.0f;
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    const float v = D::load(xr, j);
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;
+      m = v;
+    } else if (v != tg_neg_inf()) {
+      s += expf(v - m);
+    }
+  }
+  for (int k = 16; k > 0; k >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, k), s2 = __shfl_xor_sync(0xffffffffu, s, k);
+    tg_lse_merge(m, s, m2, s2);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    part_m[threadIdx.x >> 5] = m;
+    part_s[threadIdx.x >> 5] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  m = part_m[0];
+  s = part_s[0];
+  for (int w = 1; w < TG_WARPS; ++w) tg_lse_merge(m, s, part_m[w], part_s[w]);
+  const float row_lse = m + logf(s);
+  const long long t = target[row];
+  lse[row] = row_lse;
+  if (t == TG_CE_IGNORE) {
+    loss[row] = 0.0f;
+  } else if (t < 0 || t >= cols) {
+    loss[row] = __int_as_float(0x7fc00000);  // NaN: a target outside the vocabulary
+  } else {
+    loss[row] = row_lse - D::load(xr, t);
+  }
+}
+
+// Row blockIdx.x's gradient: scale · (exp(x − lse) − [column = target]), where scale is
+// *grad_scale (the loss's gradient, divided by the counted rows for a mean) and 0 for an
+// ignored row.
+template <class D>
+__device__ __forceinline__ void ce_backward(const typename D::T* x, const long long* target, const float* lse, const float* grad_scale,
+                                            typename D::T* grad, long long cols) {
+  const long long row = blockIdx.x;
+  const long long t = target[row];
+  const float scale = t == TG_CE_IGNORE ? 0.0f : *grad_scale;
+  const float row_lse = lse[row];
+  const typename D::T* xr = x + row * cols;
+  typename D::T* gr = grad + row * cols;
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    const float p = expf(D::load(xr, j) - row_lse);
+    D::store(gr, j, scale * (j == t ? p - 1.0f : p));
+  }
+}
+
+#define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                           \
+      tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
+    ce_forward<D>(x, target, lse, loss, cols);                                                                      \
+  }                                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_ce_backward_##SUFFIX(                                 \
+      const D::T* x, const long long* target, const float* lse, const float* grad_scale, D::T* grad, long long cols) { \
+    ce_backward<D>(x, target, lse, grad_scale, grad, cols);                                                         \
+  }
+
+TG_CROSS_ENTROPY(f32, F32)
+TG_CROSS_ENTROPY(bf16, BF16)
+TG_CROSS_ENTROPY(f16, F16)
