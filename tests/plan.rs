@@ -274,8 +274,7 @@ fn profile_with_the_fused_loss_matches_the_estimate_and_lowers_the_peak() {
         for (measured, err, phase) in &ours {
             eprintln!("{precision} fused: measured {measured}, error {err:+.1}% ({phase})");
             // bf16-mixed: as without the fused loss, CPU bf16 kernels keep fp32 working copies
-            // the estimate does not model, and its end of backward still counts the autocast
-            // copies of the weights (an over-estimate at micro-batch 2).
+            // the estimate does not model.
             let bound = if plain_peak.is_some() { 10.0 } else { 8.0 };
             assert!(err.abs() < bound, "{precision} fused: estimate off by {err:.1}% of {measured} ({phase})");
         }

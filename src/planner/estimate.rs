@@ -144,7 +144,8 @@ pub const OPTIMIZERS: [OptimizerName; 5] = [OptimizerName::Adamw, OptimizerName:
 
 /// How a precision stores weights, gradients, optimizer state and activations, in bytes per
 /// element. bf16-mixed / fp16-mixed: fp32 parameters are the master copy, 16-bit copies of the
-/// weights live through forward and backward, gradients land on the fp32 parameters; bf16-pure:
+/// weights live through forward and backward (released with the graph by its end), gradients
+/// land on the fp32 parameters; bf16-pure:
 /// parameters, gradients and optimizer state all in bf16, no master copy.
 pub trait PrecisionBytes: Copy {
     fn weight_bytes(self) -> u64;
@@ -354,7 +355,7 @@ pub struct Estimate {
     pub embedding_grad_transient: u64,
     /// Which moment sets the peak: `start of backward` (activations, logits, cross-entropy),
     /// `last block's backward` (activations and that block's gradients; small vocabularies),
-    /// `end of backward` (gradients complete) or, checkpointed, `first blocks' recomputed
+    /// `end of backward` (gradients complete, autocast's weight copies released) or, checkpointed, `first blocks' recomputed
     /// backward` (every later gradient held).
     pub peak_phase: &'static str,
     /// Peak of what the allocator hands out (what `allocated_peak` measures).
@@ -494,7 +495,12 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let held = if accumulation > 1 { gradients } else { 0 };
 
     let at = Moments::at(m, s, micro);
-    let grads_done = gradients + at.embedding_grad_transient;
+    // At the end of backward autograd has released what the forward saved, autocast's 16-bit
+    // copies of the weights with it (the embedding, the last to run, reads its fp32 weight):
+    // `weights` counts those copies in mixed precision, so they leave this moment. (On the CPU
+    // bf16-mixed's end of backward measured 2 bytes a parameter below the estimate that kept them.)
+    let copies_released = if p.is_mixed() { weights } else { 0 };
+    let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
     let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
     let peak_allocated = base + held + at.transient.max(grads_done).max(first_blocks);
     let (fragmentation, cuda_overhead) = match s.target {
@@ -937,6 +943,14 @@ mod tests {
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.embedding_grad_transient);
         assert_eq!(e.peak_phase, "end of backward");
         assert_eq!(two.peak_phase, "start of backward");
+        // In mixed precision autocast's 16-bit weight copies are gone by then; bf16-pure's
+        // 16-bit weights are the parameters themselves and stay.
+        for precision in [Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure] {
+            let e = estimate(&short, &setup(precision, OptimizerName::Adamw), 1, 1);
+            let copies = if precision == Precision::Bf16Pure { 0 } else { e.weights };
+            assert_eq!(e.peak_phase, "end of backward", "{precision:?}");
+            assert_eq!(e.peak_allocated, e.weights + e.master_weights + e.optimizer + e.gradients + e.embedding_grad_transient - copies, "{precision:?}");
+        }
     }
 
     #[test]
