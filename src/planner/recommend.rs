@@ -169,6 +169,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         let change = format!("chunked loss (memory.loss_chunk_tokens: {chunk})");
         options.push((change, model.clone(), Setup { loss_chunk_tokens: Some(chunk), ..setup.clone() }));
     }
+    if !setup.fused_cross_entropy {
+        // Same maths, less memory: the logits stay in their dtype, no fp32 log-probabilities.
+        let change = "fused cross-entropy (kernels.fused_cross_entropy: true)".to_string();
+        options.push((change, model.clone(), Setup { fused_cross_entropy: true, ..setup.clone() }));
+    }
     if model.seq_len >= 2 {
         let half = model.seq_len / 2;
         options.push((format!("sequence length {half} instead of {}", model.seq_len), Transformer { seq_len: half, ..model.clone() }, setup.clone()));
@@ -293,7 +298,7 @@ mod tests {
         let singles: Vec<_> = r.levers.iter().filter(|l| !l.change.starts_with("all")).collect();
         assert!(singles.windows(2).all(|w| w[0].saving_bytes >= w[1].saving_bytes), "largest saving first");
         let names: Vec<&str> = r.levers.iter().map(|l| l.change.as_str()).collect();
-        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096", "chunked loss (memory.loss_chunk_tokens: 1024)"] {
+        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096", "chunked loss (memory.loss_chunk_tokens: 1024)", "fused cross-entropy"] {
             assert!(names.iter().any(|n| n.starts_with(want)), "{want} missing from {names:?}");
         }
         // The 8-bit optimizer saves 6 of AdamW's 8 bytes per parameter (less the block scales).
@@ -303,6 +308,14 @@ mod tests {
         assert!((eight.saving_bytes as f64 / with_margin - 1.0).abs() < 0.02, "{}", eight.saving_bytes as f64 / p);
         // 8B with mixed precision needs 18 bytes/param: no single lever fits it into 34 GiB.
         assert!(singles.iter().all(|l| !l.closes_gap));
+        // The fused loss keeps 2 + 2 bytes a logit (bf16 logits and their gradient) and a
+        // log-sum-exp a row where CUDA autocast's holds 4 + 4 + 2 (the logits' 2 are freed).
+        let fused = r.levers.iter().find(|l| l.change.starts_with("fused cross-entropy")).unwrap();
+        let logits = (8192 * m.padded_vocab()) as f64;
+        let expected = (6.0 * logits - 4.0 * 8192.0) * (1.0 + s.fragmentation);
+        assert!((fused.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", fused.saving_bytes);
+        let already = recommend(&m, &Setup { fused_cross_entropy: true, ..s.clone() }, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
+        assert!(already.levers.iter().all(|l| !l.change.starts_with("fused")), "no lever for what is on");
     }
 
     /// A budget between full checkpointing's total and no checkpointing's: the levers name the
