@@ -14,9 +14,14 @@ fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
 /// Peak address space above start-up of a short run at `micro` (same allocator settings as
 /// under a cap: a cap far above need).
 fn peak_at(micro: usize) -> u64 {
+    peak_with(micro, &[])
+}
+
+/// [`peak_at`] with more `--set`s.
+fn peak_with(micro: usize, extra: &[&str]) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     let m = format!("train.micro_batch_size={micro}");
-    let run = train(dir.path(), "configs/debug.yaml", &sets(&[&m, "train.max_steps=2", "memory.limit=1TiB"])).ok();
+    let run = train(dir.path(), "configs/debug.yaml", &sets(&[&[m.as_str(), "train.max_steps=2", "memory.limit=1TiB"], extra].concat())).ok();
     run.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
 }
 
@@ -94,6 +99,36 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     }
     // Global batch unchanged: micro × accumulation stays 64 on every step.
     assert!(ma.iter().all(|m| m["micro_batch"].as_u64().unwrap() * m["accumulation"].as_u64().unwrap() == 64));
+    let diff = max_weight_diff(capped.path(), plain.path());
+    assert!(diff <= 1e-5, "final weights differ by {diff}");
+}
+
+/// `kernels.fused_cross_entropy` with a vocabulary whose logits dominate the step (fp32 logits
+/// of 64 × 64 tokens are 128 MiB, the cap sits ~100 MiB above the rest): at 64 the head's output
+/// fails; at 32 it fits and the node's own allocation of the logits' gradient, in its backward,
+/// fails (both logits-sized, as asserted).
+/// The failure reaches the guard as the allocator's own error, the micro-batch halves, the same
+/// samples replay, and the run equals one configured at the size it settled on.
+#[test]
+fn an_oom_with_the_fused_loss_is_recovered_and_the_run_equals_the_settled_size() {
+    let fused = ["kernels.fused_cross_entropy=true", "model.vocab_size=8192"];
+    let (p16, p32) = (peak_with(16, &fused), peak_with(32, &fused));
+    assert!(p32 > p16 + (16 << 20), "the logits should dominate: {p16} vs {p32}");
+    let cap = format!("memory.limit={}", (p16 + p32) / 2);
+    let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let steps = "train.max_steps=4";
+    let a = train(capped.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=64", steps, &cap]].concat())).ok();
+    assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "events: {:?}", a.events());
+    for rec in a.events_of("oom_recovered") {
+        eprintln!("recovered: {rec}");
+        assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+        let logits = rec["old_micro_batch"].as_u64().unwrap() * 64 * 8192 * 4;
+        assert_eq!(rec["requested_bytes"].as_u64(), Some(logits), "a logits-sized fp32 tensor failed: {rec}");
+    }
+    let b = train(plain.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=16", steps]].concat())).ok();
+    for key in ["step", "loss", "grad_norm", "micro_batch", "accumulation"] {
+        assert_eq!(series(&a.metrics(), key), series(&b.metrics(), key), "{key} differs step for step");
+    }
     let diff = max_weight_diff(capped.path(), plain.path());
     assert!(diff <= 1e-5, "final weights differ by {diff}");
 }
