@@ -269,6 +269,11 @@ class Launcher {
   const Loaded& kernels() const { return loaded_; }
   // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks.
   void operator()(void* kernel, const char* what, long long gx, long long gy, void** args) const {
+    // CUDA's grid limits (x < 2^31, y < 2^16): beyond them the casts below would wrap silently.
+    if (gx > 0x7fffffffLL || gy > 0xffffLL) {
+      throw std::invalid_argument(std::string(what) + ": a grid of " + std::to_string(gx) + " x " + std::to_string(gy) +
+                                  " blocks is beyond CUDA's limits (2^31 - 1 x 65535)");
+    }
     check_cu(driver().launch(kernel, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream_, args, nullptr), what);
   }
 

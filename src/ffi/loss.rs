@@ -144,6 +144,41 @@ mod tests {
     }
 
     #[test]
+    fn an_all_ignored_mean_is_nan_and_its_gradient_zero_as_pytorchs() {
+        let x = logits(4, 10, Kind::Float);
+        let t = Tensor::from_slice(&[-100i64; 4]);
+        let loss = cross_entropy(&x, &t, true).unwrap();
+        loss.backward();
+        let (rl, rg) = reference(&x, &t, true);
+        assert!(loss.double_value(&[]).is_nan() && rl.is_nan(), "0/0, as PyTorch's mean");
+        // The scale is 1/0 here: multiplying the ignored rows by it would give NaN, not 0.
+        assert_eq!(x.grad().abs().max().double_value(&[]), 0.0, "every row ignored: no gradient");
+        assert_eq!(rg.abs().max().double_value(&[]), 0.0, "PyTorch agrees");
+    }
+
+    #[test]
+    fn fp64_logits_are_computed_in_fp64() {
+        let (x, t) = (logits(11, 29, Kind::Double), targets(11, 29));
+        let loss = cross_entropy(&x, &t, true).unwrap();
+        assert_eq!(loss.kind(), Kind::Double);
+        loss.backward();
+        let (rl, rg) = reference(&x, &t, true);
+        assert!((loss.double_value(&[]) - rl).abs() <= 1e-13 * rl.abs(), "{} vs {rl}", loss.double_value(&[]));
+        assert!(max_diff(&x.grad(), &rg) < 1e-15, "gradient differs by {:e}", max_diff(&x.grad(), &rg));
+    }
+
+    #[test]
+    fn a_second_derivative_is_refused_with_the_switch_named() {
+        let x = logits(4, 10, Kind::Float);
+        let loss = cross_entropy(&x, &targets(4, 10), true).unwrap();
+        let err = Tensor::f_run_backward(&[&loss], &[&x], true, true).unwrap_err().to_string();
+        assert!(err.contains("differentiable once") && err.contains("kernels.fused_cross_entropy: false"), "{err}");
+        // Without create_graph the same graph still differentiates.
+        let grads = Tensor::f_run_backward(&[&loss], &[&x], false, false).unwrap();
+        assert!(grads[0].abs().max().double_value(&[]) > 0.0);
+    }
+
+    #[test]
     fn bad_targets_give_nan_and_bad_inputs_a_clear_error() {
         let x = logits(4, 10, Kind::Float);
         let all_ignored = Tensor::from_slice(&[-100i64; 4]);

@@ -10,6 +10,7 @@
 // at a time: bounded scratch, no full-size fp32 copy. The CPU path is also what the CUDA
 // kernels are checked against (tests/gpu.rs).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include "cuda_jit.h"
@@ -28,6 +29,10 @@ void check(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("cross_entropy: " + what);
 }
 
+// The type the loss is computed and kept in: fp32, or fp64 for fp64 logits (the CPU only; the
+// CUDA kernels take fp32, bf16 and fp16).
+at::ScalarType accumulate_type(const at::Tensor& x) { return at::promote_types(x.scalar_type(), at::kFloat); }
+
 // Rows of the CPU path's blocks: about kCpuBlockValues fp32 values, at least one row.
 int64_t cpu_block_rows(int64_t cols) { return std::max<int64_t>(1, kCpuBlockValues / std::max<int64_t>(cols, 1)); }
 
@@ -37,7 +42,7 @@ void cpu_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse,
   const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
   for (int64_t r = 0; r < rows; r += step) {
     const int64_t n = std::min(step, rows - r);
-    const at::Tensor xs = x.narrow(0, r, n).to(at::kFloat);
+    const at::Tensor xs = x.narrow(0, r, n).to(lse.scalar_type());
     const at::Tensor t = target.narrow(0, r, n);
     const at::Tensor row_lse = at::logsumexp(xs, {1});
     const at::Tensor picked = xs.gather(1, t.clamp(0, cols - 1).unsqueeze(1)).squeeze(1);
@@ -47,16 +52,20 @@ void cpu_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse,
   }
 }
 
-// Per block of rows: grad = scale · (exp(x − lse) − one-hot(target)), scale 0 on ignored rows.
+// Per block of rows: grad = scale · (exp(x − lse) − one-hot(target)), exactly 0 on ignored rows
+// (filled, not multiplied: an all-ignored mean's scale is 1/0, and 0 · ∞ would be NaN). One
+// block of the accumulate type at a time, computed in place.
 void cpu_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale, at::Tensor& grad) {
   const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
   for (int64_t r = 0; r < rows; r += step) {
     const int64_t n = std::min(step, rows - r);
     const at::Tensor t = target.narrow(0, r, n);
-    at::Tensor g = at::exp(x.narrow(0, r, n).to(at::kFloat) - lse.narrow(0, r, n).unsqueeze(1));
-    const at::Tensor hit = t.ge(0).logical_and(t.lt(cols)).to(at::kFloat);
+    at::Tensor g = x.narrow(0, r, n).to(lse.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    g.sub_(lse.narrow(0, r, n).unsqueeze(1)).exp_();
+    const at::Tensor hit = t.ge(0).logical_and(t.lt(cols)).to(g.scalar_type());
     g.scatter_add_(1, t.clamp(0, cols - 1).unsqueeze(1), hit.neg().unsqueeze(1));
-    g.mul_((t.ne(kIgnore).to(at::kFloat) * grad_scale).unsqueeze(1));
+    g.mul_(grad_scale);
+    g.masked_fill_(t.eq(kIgnore).unsqueeze(1), 0.0);
     grad.narrow(0, r, n).copy_(g);
   }
 }
@@ -65,7 +74,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean) {
     // The node computes in fp32 itself; autocast must not recast what it calls.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+    at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(accumulate_type(x)));
     at::Tensor loss = at::empty_like(lse);
     if (x.is_cuda()) {
       trainguard::cuda_cross_entropy_forward(x, target, lse, loss);
@@ -75,7 +84,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     at::Tensor total = loss.sum();
     if (mean) {
       // Divided on the device by the rows counted: no host sync (all ignored: 0/0, NaN, as PyTorch).
-      const at::Tensor counted = target.ne(kIgnore).sum().to(at::kFloat);
+      const at::Tensor counted = target.ne(kIgnore).sum().to(lse.scalar_type());
       total = total / counted;
       ctx->save_for_backward({x, target, lse, counted});
     } else {
@@ -85,10 +94,16 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    // The gradient is computed outside autograd's view: it has no derivative of its own.
+    if (at::GradMode::is_enabled()) {
+      throw std::runtime_error(
+          "cross_entropy: kernels.fused_cross_entropy is differentiable once; a second derivative (create_graph) needs "
+          "kernels.fused_cross_entropy: false");
+    }
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &target = saved[1], &lse = saved[2];
-    at::Tensor scale = grads[0].to(at::kFloat);
+    at::Tensor scale = grads[0].to(lse.scalar_type());
     if (saved.size() == 4) scale = scale / saved[3];
     scale = scale.contiguous();
     at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);

@@ -22,7 +22,10 @@ __device__ __forceinline__ float tg_neg_inf() { return __int_as_float(0xff800000
 // part is (−∞, 0).
 __device__ __forceinline__ void tg_lse_merge(float& m, float& s, float m2, float s2) {
   const float top = m < m2 ? m2 : m;
-  if (top == tg_neg_inf()) return;  // both parts empty (or only −∞ logits)
+  if (top == tg_neg_inf()) {  // both parts empty (or only −∞ logits): no scaling, but a NaN sum stays NaN
+    s = s + s2;
+    return;
+  }
   s = s * expf(m - top) + s2 * expf(m2 - top);
   m = top;
 }

@@ -613,12 +613,12 @@ impl Moments {
             true => {
                 // Our node keeps the head's logits as they are (16-bit under autocast) and an
                 // fp32 log-sum-exp per row; its backward writes only the logits' gradient, in
-                // their dtype. On the CPU it works through blocks of rows: an fp32 block and its
-                // exponentials at a time.
+                // their dtype. On the CPU its backward works through blocks of rows, one fp32
+                // block at a time (exponentiated in place).
                 let logits = chunk * m.padded_vocab() * p.activation_bytes() + 4 * chunk;
                 let logit_grad = chunk * m.padded_vocab() * p.activation_bytes();
                 let scratch = match s.target {
-                    Target::Cpu => 2 * 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
+                    Target::Cpu => 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
                     Target::Cuda => 0,
                 };
                 (logits, logit_grad, logit_grad + scratch)

@@ -207,7 +207,9 @@ fn head_backward(
     while start < n {
         let len = (chunk as i64).min(n - start);
         let inp = flat.f_narrow(0, start, len)?.f_detach()?.f_set_requires_grad(true)?;
-        // Sum over the chunk ÷ all tokens: the chunks add up to the mean.
+        // Sum over the chunk ÷ all tokens: the chunks add up to the mean. (All tokens, not the
+        // targets counted: our batches are token streams with no −100 targets, and the step's
+        // token weights (`weight`) count every token too.)
         let loss = model.cross_entropy(&model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum)?.f_mul_scalar(weight / n as f64)?;
         let mut inputs: Vec<Tensor> = head_params.iter().map(|t| t.shallow_clone()).collect();
         inputs.push(inp);
