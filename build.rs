@@ -6,10 +6,12 @@
 //!   ("Cannot initialize CUDA without ATen_cuda library").
 //! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
 //!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor),
-//!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/cuda_jit.cpp` (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit
-//!   needed here), `src/ffi/shim_cuda.cpp`
-//!   (the allocator's history recorder; only against a libtorch with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process
-//!   groups) compiled against the same libtorch.
+//!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/cuda_jit.cpp`
+//!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
+//!   `src/ffi/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
+//!   GPU), `src/ffi/shim_cuda.cpp` (the allocator's history recorder; only against a libtorch
+//!   with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process groups) compiled against the same
+//!   libtorch.
 use std::path::PathBuf;
 
 fn main() {
@@ -28,6 +30,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
+    println!("cargo:rerun-if-changed=src/ffi/cuda_emulation.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/optim_kernels.cu");
+    println!("cargo:rerun-if-changed=src/ffi/loss_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/shim_cuda.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
@@ -37,6 +42,7 @@ fn main() {
         .file("src/ffi/optim_kernels.cpp")
         .file("src/ffi/loss_kernels.cpp")
         .file("src/ffi/cuda_jit.cpp")
+        .file("src/ffi/cuda_emulation.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

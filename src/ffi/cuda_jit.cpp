@@ -20,6 +20,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -261,11 +262,42 @@ int dtype_index(at::ScalarType dtype, const char* kernel) {
   }
 }
 
+// Every kernel's handle, each found by `get(out, name)`: from the loaded module, or the host
+// emulation's table.
+template <class Get>
+void look_up(Loaded& k, Get get) {
+  get(&k.adafactor_coef, "tg_adafactor_coef");
+  for (int d = 0; d < kDtypeCount; ++d) {
+    get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
+    get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
+    for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
+  }
+}
+
+// The host emulation's kernels (cuda_emulation.cpp), for CPU tensors while a test has it on.
+const Loaded& emulated() {
+  static const Loaded k = [] {
+    Loaded e;
+    look_up(e, [](void** out, const std::string& name) { *out = trainguard::emulated_kernel(name); });
+    return e;
+  }();
+  return k;
+}
+
+thread_local bool emulating = false;
+
 // The kernels of `device` (prepared by tg_cuda_jit_prepare) made current for launching: the
-// device's context for the scope's lifetime and PyTorch's current stream on it.
+// device's context for the scope's lifetime and PyTorch's current stream on it. On the CPU (under
+// the emulation) the host-compiled kernels, run at once.
 class Launcher {
  public:
-  explicit Launcher(const c10::Device& device) : loaded_(loaded_for(device.index())), stream_(current_stream(device)), scope_(loaded_.ctx) {}
+  explicit Launcher(const c10::Device& device) : on_host_(device.is_cpu()), loaded_(on_host_ ? emulated() : loaded_for(device.index())) {
+    if (!on_host_) {
+      stream_ = current_stream(device);
+      scope_.emplace(loaded_.ctx);
+    }
+  }
   const Loaded& kernels() const { return loaded_; }
   // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks.
   void operator()(void* kernel, const char* what, long long gx, long long gy, void** args) const {
@@ -274,17 +306,24 @@ class Launcher {
       throw std::invalid_argument(std::string(what) + ": a grid of " + std::to_string(gx) + " x " + std::to_string(gy) +
                                   " blocks is beyond CUDA's limits (2^31 - 1 x 65535)");
     }
+    if (on_host_) {
+      trainguard::emulated_launch(kernel, gx, gy, args);
+      return;
+    }
     check_cu(driver().launch(kernel, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream_, args, nullptr), what);
   }
 
  private:
+  bool on_host_;
   const Loaded& loaded_;
-  void* stream_;
-  ContextScope scope_;
+  void* stream_ = nullptr;
+  std::optional<ContextScope> scope_;
 };
 }  // namespace
 
 namespace trainguard {
+bool runs_cuda_kernels(const at::Tensor& t) { return t.is_cuda() || (emulating && t.is_cpu()); }
+
 void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, at::Tensor& am, at::Tensor& qv,
                            at::Tensor& av, long long blocks, float w1, float w2, float shrink, float scale, float shift, bool apply) {
   long long n = p.numel();
@@ -412,16 +451,14 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     const std::string cubin = compile(src, major, minor);
     void* module = nullptr;
     check_cu(cu.module_load_data(&module, cubin.data()), "cuModuleLoadData");
-    auto get = [&](void** out, const std::string& name) { check_cu(cu.module_get_function(out, module, name.c_str()), name.c_str()); };
-    get(&k.adafactor_coef, "tg_adafactor_coef");
-    for (int d = 0; d < kDtypeCount; ++d) {
-      get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
-      get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
-      get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
-      for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
-    }
+    look_up(k, [&](void** out, const std::string& name) { check_cu(cu.module_get_function(out, module, name.c_str()), name.c_str()); });
     loaded()[ordinal] = k;
   });
 }
+
+// For tests: while on (on this thread), CPU tensors take the CUDA paths and run the kernels'
+// source compiled for the host (cuda_emulation.cpp).
+void tg_cuda_emulation_set(int on) { emulating = on != 0; }
+int tg_cuda_emulation_on() { return emulating ? 1 : 0; }
 
 }  // extern "C"

@@ -4,7 +4,18 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace trainguard {
+// Whether `t` goes through the CUDA kernels: on a CUDA device, or on the CPU while a test has
+// switched on the host emulation (tg_cuda_emulation_set) on this thread.
+bool runs_cuda_kernels(const at::Tensor& t);
+
+// The host emulation (cuda_emulation.cpp): a kernel's handle by name, and a launch of a grid of
+// gx × gy 256-thread blocks that returns when it has run.
+void* emulated_kernel(const std::string& name);
+void emulated_launch(void* kernel, long long gx, long long gy, void** args);
+
 // The CUDA side of tg_adamw8bit_update (optim_kernels.cpp), which has checked the tensors: one
 // launch over `p`'s `blocks` blocks of 2048 values on PyTorch's current stream. The kernels must
 // have been prepared for p's device (tg_cuda_jit_prepare).

@@ -14,6 +14,9 @@ extern "C" {
     fn tg_cuda_jit_free(p: *mut c_char);
     fn tg_nvrtc_info(major: *mut c_int, minor: *mut c_int, path: *mut c_char, path_len: usize, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cuda_jit_prepare(ordinal: c_int, src: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cuda_emulation_set(on: c_int);
+    fn tg_cuda_emulation_on() -> c_int;
+    fn tg_cuda_emulation_launches() -> u64;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
@@ -224,6 +227,49 @@ pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: the source is NUL-terminated and static; the shim catches every exception.
     result(unsafe { tg_cuda_jit_prepare(ordinal as c_int, CUDA_SOURCE.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// For tests on machines without a GPU: while a `CudaEmulation` lives, CPU tensors on this
+/// thread take the CUDA paths of [`adamw8bit_update`], [`adafactor_update`] and
+/// [`super::loss::cross_entropy`], which run the `.cu` kernels' own source compiled for the host
+/// (`cuda_emulation.cpp`: a block's threads as fibers, its barriers and shuffles emulated). So CI
+/// checks the kernels' logic against the CPU kernels; only a GPU can check the device's
+/// arithmetic and speed. Never switched on in training.
+pub struct CudaEmulation {
+    launches_before: u64,
+    _per_thread: std::marker::PhantomData<*const ()>, // not Send: the switch is per thread
+}
+
+impl CudaEmulation {
+    pub fn start() -> Self {
+        // SAFETY: sets and reads thread-local values.
+        let launches_before = unsafe {
+            tg_cuda_emulation_set(1);
+            tg_cuda_emulation_launches()
+        };
+        Self { launches_before, _per_thread: std::marker::PhantomData }
+    }
+
+    /// Kernels launched (emulated) on this thread since `start`.
+    pub fn launches(&self) -> u64 {
+        // SAFETY: reads a thread-local counter.
+        let now = unsafe { tg_cuda_emulation_launches() };
+        now - self.launches_before
+    }
+}
+
+impl Drop for CudaEmulation {
+    fn drop(&mut self) {
+        // SAFETY: as in `start`.
+        unsafe { tg_cuda_emulation_set(0) };
+    }
+}
+
+/// Whether tensors on `device` go through our CUDA kernels: on a CUDA device, or on the CPU
+/// under a [`CudaEmulation`].
+pub fn runs_cuda_kernels(device: tch::Device) -> bool {
+    // SAFETY: reads a thread-local flag.
+    device.is_cuda() || (device == tch::Device::Cpu && unsafe { tg_cuda_emulation_on() } != 0)
 }
 
 /// Hyper-parameters of one fused AdamW call.

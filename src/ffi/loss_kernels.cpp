@@ -76,7 +76,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(accumulate_type(x)));
     at::Tensor loss = at::empty_like(lse);
-    if (x.is_cuda()) {
+    if (trainguard::runs_cuda_kernels(x)) {
       trainguard::cuda_cross_entropy_forward(x, target, lse, loss);
     } else {
       cpu_forward(x, target, lse, loss);
@@ -107,7 +107,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     if (saved.size() == 4) scale = scale / saved[3];
     scale = scale.contiguous();
     at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);
-    if (x.is_cuda()) {
+    if (trainguard::runs_cuda_kernels(x)) {
       trainguard::cuda_cross_entropy_backward(x, target, lse, scale, grad);
     } else {
       cpu_backward(x, target, lse, scale, grad);

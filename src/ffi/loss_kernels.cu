@@ -92,11 +92,11 @@ __device__ __forceinline__ void ce_backward(const typename D::T* x, const long l
 }
 
 #define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                           \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
     ce_forward<D>(x, target, lse, loss, cols);                                                                      \
   }                                                                                                                  \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_ce_backward_##SUFFIX(                                 \
+  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_backward_##SUFFIX(                                             \
       const D::T* x, const long long* target, const float* lse, const float* grad_scale, D::T* grad, long long cols) { \
     ce_backward<D>(x, target, lse, grad_scale, grad, cols);                                                         \
   }

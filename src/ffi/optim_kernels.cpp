@@ -363,7 +363,7 @@ int tg_adamw8bit_update(void* param, const void* grad, void* exp_avg, void* exp_
     check(qm.scalar_type() == at::kChar && qv.scalar_type() == at::kByte && am.scalar_type() == at::kFloat && av.scalar_type() == at::kFloat, "adamw8bit_update", "codes int8/uint8, scales fp32");
     const Adamw8bitStep s{static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), static_cast<float>(shrink),
                           static_cast<float>(scale), static_cast<float>(shift), apply != 0};
-    if (p.is_cuda()) {
+    if (trainguard::runs_cuda_kernels(p)) {
       trainguard::cuda_adamw8bit_update(p, g, qm, am, qv, av, blocks, s.w1, s.w2, s.shrink, s.scale, s.shift, s.apply);
       return;
     }
@@ -412,7 +412,7 @@ int tg_adafactor_update(void* param, const void* grad, void* a, void* b, void* w
     if (p.numel() == 0) return;
     const AdafactorStep s{static_cast<float>(one_minus_beta2), static_cast<float>(rho), static_cast<float>(eps1 * eps1),
                           static_cast<float>(eps2), static_cast<float>(d), static_cast<float>(shrink)};
-    if (p.is_cuda()) {
+    if (trainguard::runs_cuda_kernels(p)) {
       check(workspace != nullptr, k, "CUDA needs a workspace");
       auto& ws = *static_cast<at::Tensor*>(workspace);
       const int64_t units = factored ? rows : (p.numel() + kBlock - 1) / kBlock;

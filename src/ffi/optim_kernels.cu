@@ -13,6 +13,12 @@
 // --fmad=false, as the CPU kernel is built with -ffp-contract=off: both do the same IEEE float
 // operations in the same order, so they give the same bits.
 
+// Kernels are declared TG_KERNEL: extern "C" __global__ for NVRTC; src/ffi/cuda_emulation.cpp,
+// which compiles this same source for the host so that CI can run it, defines its own.
+#ifndef TG_KERNEL
+#define TG_KERNEL extern "C" __global__
+#endif
+
 #define TG_BLOCK 2048
 #define TG_THREADS 256
 #define TG_PER_THREAD (TG_BLOCK / TG_THREADS)
@@ -40,18 +46,23 @@ struct BF16 {
   }
 };
 
+#ifndef TG_HOST_EMULATION  // the host emulation brings its own conversions (through c10::Half)
+__device__ __forceinline__ float tg_half_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned short tg_float_to_half(float v) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+#endif
+
 struct F16 {
   typedef unsigned short T;
-  static __device__ __forceinline__ float load(const unsigned short* x, long long i) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x[i]));
-    return f;
-  }
-  static __device__ __forceinline__ void store(unsigned short* x, long long i, float v) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    x[i] = h;
-  }
+  static __device__ __forceinline__ float load(const unsigned short* x, long long i) { return tg_half_to_float(x[i]); }
+  static __device__ __forceinline__ void store(unsigned short* x, long long i, float v) { x[i] = tg_float_to_half(v); }
 };
 
 // ATen's scalar lerp: self + w·(end − self) for w < ½, else end − (end − self)·(1 − w).
@@ -128,7 +139,7 @@ __device__ __forceinline__ void adamw8bit(typename D::T* p, const typename D::T*
 }
 
 #define TG_ADAMW8BIT(NAME, D)                                                                              \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                 \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                             \
       NAME(D::T* p, const D::T* g, signed char* qm, float* am, unsigned char* qv, float* av, long long n,  \
            float w1, float w2, float shrink, float scale, float shift, int apply) {                        \
     adamw8bit<D>(p, g, qm, am, qv, av, n, w1, w2, shrink, scale, shift, apply);                             \
@@ -297,7 +308,7 @@ __device__ __forceinline__ void adafactor_apply(typename D::T* p, const typename
 }
 
 // One block: the update's coefficient from the units' Σu² (dtype-free: one kernel for all).
-extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_adafactor_coef(double* ws, long long units, long long n, float d) {
+TG_KERNEL void __launch_bounds__(TG_THREADS) tg_adafactor_coef(double* ws, long long units, long long n, float d) {
   __shared__ double partial[TG_WARPS];
   double s = 0.0;
   for (long long i = threadIdx.x; i < units; i += TG_THREADS) s += ws[TG_WS_UNITS + i];
@@ -309,31 +320,31 @@ extern "C" __global__ void __launch_bounds__(TG_THREADS) tg_adafactor_coef(doubl
 }
 
 #define TG_ADAFACTOR(SUFFIX, D)                                                                                          \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_rows_##SUFFIX(const D::T* p, const D::T* g, D::T* second, double* ws, long long n, long long cols,    \
                                  int factored, float w) {                                                                \
     adafactor_rows<D>(p, g, second, ws, n, cols, factored, w);                                                           \
   }                                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_cols_##SUFFIX(const D::T* g, double* ws, long long rows, long long cols, long long bands) {           \
     adafactor_cols<D>(g, ws, rows, cols, bands);                                                                         \
   }                                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_col_var_##SUFFIX(D::T* col_var, const double* ws, long long rows, long long cols, long long bands,    \
                                     float w) {                                                                           \
     adafactor_col_var<D>(col_var, ws, rows, cols, bands, w);                                                             \
   }                                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_scale_##SUFFIX(const D::T* row_var, double* ws, long long units, long long n, long long rows,         \
                                   int factored, float eps2, float rho, float eps1_sq) {                                  \
     adafactor_scale<D>(row_var, ws, units, n, rows, factored, eps2, rho, eps1_sq);                                       \
   }                                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_usq_##SUFFIX(const D::T* g, const D::T* second, const D::T* row_var, double* ws, long long n,         \
                                 long long cols, int factored, float eps1_sq) {                                           \
     adafactor_usq<D>(g, second, row_var, ws, n, cols, factored, eps1_sq);                                                \
   }                                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(TG_THREADS)                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                           \
       tg_adafactor_apply_##SUFFIX(D::T* p, const D::T* g, const D::T* second, const D::T* row_var, const double* ws,     \
                                   long long n, long long cols, int factored, float eps1_sq, float shrink) {              \
     adafactor_apply<D>(p, g, second, row_var, ws, n, cols, factored, eps1_sq, shrink);                                   \

@@ -116,7 +116,7 @@ impl Adafactor {
     /// or [`CUDA_BLOCK_VALUES`] values of anything else) and a matrix's column sums per band.
     /// The planner counts the same.
     pub fn workspace_elements(shapes: impl IntoIterator<Item = Vec<i64>>, path: Path, device: Device) -> i64 {
-        if path != Path::Fused || !device.is_cuda() {
+        if path != Path::Fused || !kernels::runs_cuda_kernels(device) {
             return 0;
         }
         shapes.into_iter().fold(4, |most, shape| {
