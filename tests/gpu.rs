@@ -30,14 +30,16 @@ enum Kernels {
 }
 
 impl Kernels {
-    /// `f` on the kernels' device (the CPU, with the emulation on, when emulated).
-    fn run<T>(self, f: impl FnOnce(Device) -> T) -> T {
+    /// `f` on the kernels' device (the CPU, with the emulation on, when emulated). An emulated
+    /// `f` must make exactly `launches` kernel launches: one fewer means a part of it quietly
+    /// took the CPU path, which would compare the CPU with itself.
+    fn run<T>(self, launches: u64, f: impl FnOnce(Device) -> T) -> T {
         match self {
             Kernels::Gpu(dev) => f(dev),
             Kernels::Emulated => {
                 let emulation = ffi::kernels::CudaEmulation::start();
                 let out = f(Device::Cpu);
-                assert!(emulation.launches() > 0, "the emulated run launched no kernel: it ran the CPU path");
+                assert_eq!(emulation.launches(), launches, "emulated kernel launches");
                 out
             }
         }
@@ -393,7 +395,7 @@ fn adamw8bit_kernel_check(target: Kernels) {
             let state = opt.state_tensors(&["w".into()]).into_iter().map(|(k, t)| (k, t.to_device(Device::Cpu))).collect();
             (p.to_device(Device::Cpu), state)
         };
-        let ((cpu_p, cpu_s), (gpu_p, gpu_s)) = (run(Device::Cpu), target.run(run));
+        let ((cpu_p, cpu_s), (gpu_p, gpu_s)) = (run(Device::Cpu), target.run(5, run)); // 4 steps and 1 call, one tensor
         let moved = f64::try_from((cpu_p.to_kind(Kind::Float) - start.to_kind(kind).to_kind(Kind::Float)).abs().max()).unwrap();
         let (a, b) = (cpu_p.to_kind(Kind::Float), gpu_p.to_kind(Kind::Float));
         let diff = f64::try_from((&a - &b).abs().max()).unwrap();
@@ -428,6 +430,8 @@ fn the_adafactor_kernels_emulated_on_the_host_compute_what_the_cpu_kernel_does()
 }
 
 fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
+    // 4 steps × (7 launches per matrix × 2 + 5 per vector × 2).
+    const ADAFACTOR_LAUNCHES: u64 = 4 * (7 * 2 + 5 * 2);
     use trainguard::optim::{Adafactor, AdafactorConfig, AdafactorPath};
     let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
     let decay = [true, false, true, false];
@@ -446,7 +450,7 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
             let state = opt.state_tensors(&names).into_iter().map(|(k, t)| (k, t.to_device(Device::Cpu).to_kind(Kind::Double))).collect();
             (p.iter().map(|t| t.to_device(Device::Cpu).to_kind(Kind::Double)).collect(), state)
         };
-        let ((cpu_p, cpu_s), (gpu_p, gpu_s), (again_p, again_s)) = (run(Device::Cpu), target.run(run), target.run(run));
+        let ((cpu_p, cpu_s), (gpu_p, gpu_s), (again_p, again_s)) = (run(Device::Cpu), target.run(ADAFACTOR_LAUNCHES, run), target.run(ADAFACTOR_LAUNCHES, run));
         for (i, ((c, g), a)) in cpu_p.iter().zip(&gpu_p).zip(&again_p).enumerate() {
             let before = start[i].to_kind(kind).to_kind(Kind::Double);
             let moved = f64::try_from((c - &before).abs().max()).unwrap();
@@ -472,9 +476,10 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
 }
 
 /// The fused cross-entropy's CUDA kernels (`kernels.fused_cross_entropy`) against its CPU path,
-/// which is checked against PyTorch's loss in src/ffi/loss.rs: gpt2's 50257 columns (not a
-/// multiple of a block's reach), every fifth row ignored, the last 47 columns −inf (a padded
-/// vocabulary), in fp32, bf16 and fp16. Both paths sum in fp32 in different orders: the loss
+/// which is checked against PyTorch's loss in src/ffi/loss.rs: gpt2's padded 50304 columns (not a
+/// multiple of a block's reach), every fifth row ignored, 47 columns −inf (a padded vocabulary;
+/// placed before the last 13, so that some rows' largest logit and target sit in the last
+/// column), in fp32, bf16 and fp16. Both paths sum in fp32 in different orders: the loss
 /// agrees to 1e-5 relative, a gradient to one unit of its dtype's last place of the row's
 /// largest (and 1e-6 absolute in fp32). Two CUDA runs give the same bits; an out-of-range target
 /// gives NaN, not a device assert; and the step's peak falls (gpt2, bf16-mixed).
@@ -495,7 +500,8 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     }
 }
 
-/// Smaller: rows of 5000 columns still end in a partial reach of a block's 256 threads.
+/// Smaller: rows of 5000 columns still end in a partial reach of a block's 256 threads; odd
+/// rows run their warps in reverse order.
 #[test]
 fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does() {
     cross_entropy_kernel_check(Kernels::Emulated, 23, 5000);
@@ -504,9 +510,17 @@ fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
     use trainguard::ffi::loss::cross_entropy;
     tch::manual_seed(4);
-    let user = Tensor::randn([rows, cols - 47], (Kind::Float, Device::Cpu)) * 4.0;
-    let start = Tensor::cat(&[user, Tensor::full([rows, 47], f64::NEG_INFINITY, (Kind::Float, Device::Cpu))], 1);
-    let t: Vec<i64> = (0..rows).map(|i| if i % 5 == 1 { -100 } else { (i * 7919) % (cols - 47) }).collect();
+    // Columns [pad, pad + 47) are −inf; the last 13 are real, and every third row has its
+    // largest logit (and every seventh its target) in the very last column, so a kernel that
+    // stopped one column short would be seen.
+    let pad = cols - 60;
+    let user = Tensor::randn([rows, cols], (Kind::Float, Device::Cpu)) * 4.0;
+    let _ = user.narrow(1, pad, 47).fill_(f64::NEG_INFINITY);
+    for r in (0..rows).step_by(3) {
+        let _ = user.narrow(0, r, 1).narrow(1, cols - 1, 1).fill_(30.0);
+    }
+    let start = user;
+    let t: Vec<i64> = (0..rows).map(|i| if i % 5 == 1 { -100 } else if i % 7 == 3 { cols - 1 } else { (i * 7919) % pad }).collect();
     let targets = Tensor::from_slice(&t);
     for (kind, ulp) in [(Kind::Float, 1.2e-7), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)] {
         let run = |device: Device| -> (f64, Tensor) {
@@ -515,19 +529,19 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
             loss.backward();
             (loss.double_value(&[]), x.grad().to_device(Device::Cpu))
         };
-        let ((lc, gc), (lg, gg), (la, ga)) = (run(Device::Cpu), target.run(run), target.run(run));
+        let ((lc, gc), (lg, gg), (la, ga)) = (run(Device::Cpu), target.run(2, run), target.run(2, run)); // forward, backward
         assert_eq!(gg.kind(), kind, "the gradient keeps the logits' dtype");
         let row_max = gc.to_kind(Kind::Double).abs().amax([1], true);
         let excess = ((gc.to_kind(Kind::Double) - gg.to_kind(Kind::Double)).abs() - row_max * ulp - 1e-6).max().double_value(&[]);
         eprintln!("{kind:?}: loss CPU {lc} {target:?} {lg}; gradient beyond tolerance by {excess:.3e}");
         assert!(((lc - lg) / lc).abs() < 1e-5, "{kind:?}: loss {lg} vs the CPU path's {lc}");
         assert!(excess <= 0.0, "{kind:?}: gradients differ beyond one unit in the last place of the row's largest");
-        assert_eq!(gg.narrow(1, cols - 47, 47).abs().max().double_value(&[]), 0.0, "{kind:?}: −inf columns get no gradient");
+        assert_eq!(gg.narrow(1, pad, 47).abs().max().double_value(&[]), 0.0, "{kind:?}: −inf columns get no gradient");
         assert_eq!(gg.narrow(0, 1, 1).abs().max().double_value(&[]), 0.0, "{kind:?}: an ignored row gets no gradient");
         assert!(la == lg && ga.equal(&gg), "{kind:?}: two {target:?} runs differ");
     }
     let bad = Tensor::from_slice(&[0i64, cols, 3]);
-    let nan = target.run(|dev| cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true).unwrap().double_value(&[]));
+    let nan = target.run(1, |dev| cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true).unwrap().double_value(&[]));
     assert!(nan.is_nan(), "an out-of-range target makes the loss NaN");
 }
 

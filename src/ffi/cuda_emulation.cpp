@@ -4,15 +4,22 @@
 // when launches on CPU tensors come here instead of to the driver.
 //
 // A launch runs its blocks one after another; a block's 256 threads are fibers (ucontext) on the
-// calling thread, run in turn until each reaches a barrier or its end. __syncthreads and every
-// __shfl_xor_sync are block-wide barriers here: the kernels call them with the whole block, and
-// a block whose threads do not all reach the same barrier (or leave while others wait at one) is
-// reported as an error, where a GPU would hang or read garbage. Shared memory is a static per
-// kernel instantiation, which running blocks one at a time makes safe. Arithmetic is the host's
-// IEEE float and double, compiled with -ffp-contract=off as NVRTC compiles with --fmad=false;
-// expf, logf and sqrt come from the host's libm, so the bits of the cross-entropy's exponentials
-// and of a double square root may differ from a GPU's in the last place, the rest is the same
-// operations in the same order.
+// calling thread. The block runs one warp at a time: a warp's 32 lanes run in turn from shuffle
+// to shuffle (each __shfl_xor_sync is a barrier of the warp: all lanes publish, then all read
+// lane ^ mask) until every lane waits at __syncthreads or has ended; then the next warp. Once
+// all warps are there, the barrier opens. So a warp runs ahead of the others exactly as far as
+// CUDA lets it, and a missing __syncthreads shows as one warp overwriting shared memory another
+// has not read yet. Odd-numbered blocks take their warps and lanes in reverse order, so a race
+// shows whichever side of it writes. Lanes of one warp stopping at different shuffles or
+// barriers, a warp's shuffle that a lane has left, threads ending while others wait at
+// __syncthreads, or two call sites of __syncthreads in one round: each is reported as an error
+// naming the kernel and block (on a GPU: undefined behaviour, a hang or garbage).
+//
+// Shared memory is a static per kernel instantiation, which running blocks one at a time makes
+// safe (a block sees what the previous one left, where a GPU gives garbage). Arithmetic is the
+// host's IEEE float and double, compiled with -ffp-contract=off as NVRTC compiles with
+// --fmad=false; division and square roots are correctly rounded on both. Only expf and logf come
+// from the host's libm and may differ from the GPU's in the last place.
 #include <c10/util/Half.h>
 #include <ucontext.h>
 
@@ -32,6 +39,8 @@
 
 namespace tg_emulated {
 constexpr int kThreads = 256;  // TG_THREADS: every launch is of 256-thread blocks
+constexpr int kLanes = 32;
+constexpr int kWarps = kThreads / kLanes;
 constexpr std::size_t kStack = 64 * 1024;  // a thread's stack: the kernels keep a few floats
 
 struct Dim3 {
@@ -53,6 +62,7 @@ const char* stop_name(Stop s) {
 struct Fiber {
   ucontext_t context;
   Stop stop = Stop::kRunning;
+  const void* site = nullptr;  // the code address of the barrier it waits at
 };
 
 // The block being run: its index, its threads, the thread running now, and the lanes' words a
@@ -64,6 +74,7 @@ struct Block {
   std::vector<std::unique_ptr<char[]>> stacks;
   int current = 0;
   std::uint64_t lanes[kThreads] = {};
+  std::string misuse;  // set by a thread (which cannot throw across its fiber); the scheduler throws it
   void (*body)(void**) = nullptr;
   void** args = nullptr;
 };
@@ -72,24 +83,32 @@ Block* running = nullptr;  // only under launch_lock
 Dim3 thread_index() { return Dim3{static_cast<unsigned int>(running->current), 0, 0}; }
 Dim3 block_index() { return running->index; }
 
-// The running thread stops at `s` and hands control back to the block's scheduler.
-void stop_at(Stop s) {
+// The running thread stops at `s` (called from `site`) and hands control back to the scheduler.
+void stop_at(Stop s, const void* site) {
   Fiber& me = running->fibers[running->current];
   me.stop = s;
+  me.site = site;
   swapcontext(&me.context, &running->scheduler);
 }
 
-void __syncthreads() { stop_at(Stop::kSyncThreads); }
+// Not inlined: the return address tells one call site from another.
+__attribute__((noinline)) void __syncthreads() { stop_at(Stop::kSyncThreads, __builtin_return_address(0)); }
 
-// Every lane publishes its value, then reads its partner's (lane ^ lane_mask) once all have.
+// Every lane of the warp publishes its value, then reads its partner's (lane ^ lane_mask) once
+// all have. Only whole warps shuffle in these kernels: any other mask is reported.
 template <class T>
-T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
+__attribute__((noinline)) T __shfl_xor_sync(unsigned int mask, T value, int lane_mask) {
   static_assert(sizeof(T) <= sizeof(std::uint64_t), "a shuffle moves at most 64 bits");
+  const void* site = __builtin_return_address(0);
+  if ((mask != 0xffffffffu || lane_mask < 0 || lane_mask >= kLanes) && running->misuse.empty()) {
+    running->misuse = "__shfl_xor_sync with mask " + std::to_string(mask) + " and lane mask " + std::to_string(lane_mask) +
+                      " (only whole warps, lane masks below 32, are emulated)";
+  }
   std::memcpy(&running->lanes[running->current], &value, sizeof(T));
-  stop_at(Stop::kShuffleWrite);
+  stop_at(Stop::kShuffleWrite, site);
   T out;
-  std::memcpy(&out, &running->lanes[running->current ^ lane_mask], sizeof(T));
-  stop_at(Stop::kShuffleRead);
+  std::memcpy(&out, &running->lanes[running->current ^ (lane_mask & (kLanes - 1))], sizeof(T));
+  stop_at(Stop::kShuffleRead, site);
   return out;
 }
 
@@ -104,17 +123,23 @@ inline float __uint_as_float(unsigned int u) {
   return f;
 }
 inline float __int_as_float(int i) { return __uint_as_float(static_cast<unsigned int>(i)); }
-// c10::Half rounds to nearest, ties to even, as the device's cvt.rn.f16.f32.
+// c10::Half rounds to nearest, ties to even, as the device's cvt.rn.f16.f32, and widens exactly,
+// as cvt.f32.f16: the same bits for every value but NaN, whose payload may differ.
 inline float tg_half_to_float(unsigned short h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 inline unsigned short tg_float_to_half(float v) { return c10::Half(v).x; }
-using std::max;
+// CUDA's max: for integers the larger, for floats fmaxf / fmax (a NaN loses to a number).
+inline unsigned int max(unsigned int a, unsigned int b) { return a < b ? b : a; }
+inline int max(int a, int b) { return a < b ? b : a; }
+inline long long max(long long a, long long b) { return a < b ? b : a; }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
 
 #define TG_HOST_EMULATION
 #define TG_KERNEL static
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define threadIdx (::tg_emulated::thread_index())
 #define blockIdx (::tg_emulated::block_index())
@@ -158,39 +183,67 @@ void fiber_main() {
   // Returning resumes uc_link, the scheduler.
 }
 
-// Runs one block to its end, a round of its threads per barrier.
+[[noreturn]] void fail(const Block& b, const char* kernel, const std::string& what) {
+  throw std::logic_error(std::string("cuda emulation: ") + kernel + ", block (" + std::to_string(b.index.x) + ", " +
+                         std::to_string(b.index.y) + "): " + what);
+}
+
+std::string thread_stop(const Block& b, int t) { return "thread " + std::to_string(t) + " at " + stop_name(b.fibers[t].stop); }
+
+// Runs the lanes of warp `w` from shuffle to shuffle until each waits at __syncthreads or has
+// ended.
+void run_warp(Block& b, const char* kernel, int w, bool reversed) {
+  for (;;) {
+    for (int i = 0; i < kLanes; ++i) {
+      const int t = w * kLanes + (reversed ? kLanes - 1 - i : i);
+      Fiber& f = b.fibers[t];
+      if (f.stop == Stop::kDone || f.stop == Stop::kSyncThreads) continue;
+      b.current = t;
+      f.stop = Stop::kRunning;
+      swapcontext(&b.scheduler, &f.context);
+      if (!b.misuse.empty()) fail(b, kernel, b.misuse);
+    }
+    const int first = w * kLanes;
+    const Fiber& lead = b.fibers[first];
+    bool shuffling = false;
+    for (int t = first; t < first + kLanes; ++t) shuffling = shuffling || b.fibers[t].stop == Stop::kShuffleWrite || b.fibers[t].stop == Stop::kShuffleRead;
+    if (!shuffling) return;
+    for (int t = first + 1; t < first + kLanes; ++t) {
+      const Fiber& f = b.fibers[t];
+      if (f.stop != lead.stop || f.site != lead.site) fail(b, kernel, "a shuffle not met by its whole warp: " + thread_stop(b, first) + ", " + thread_stop(b, t));
+    }
+  }
+}
+
+// Runs one block to its end: its warps in turn up to each __syncthreads, which then opens.
 void run_block(Block& b, const char* kernel) {
   for (int t = 0; t < kThreads; ++t) {
     Fiber& f = b.fibers[t];
     f.stop = Stop::kRunning;
+    f.site = nullptr;
     if (getcontext(&f.context) != 0) throw std::runtime_error("cuda emulation: getcontext failed");
     f.context.uc_stack.ss_sp = b.stacks[t].get();
     f.context.uc_stack.ss_size = kStack;
     f.context.uc_link = &b.scheduler;
     makecontext(&f.context, fiber_main, 0);
   }
+  const bool reversed = ((b.index.x + b.index.y) & 1u) != 0;
   for (;;) {
+    for (int i = 0; i < kWarps; ++i) run_warp(b, kernel, reversed ? kWarps - 1 - i : i, reversed);
+    int done = 0, waiting = -1;
     for (int t = 0; t < kThreads; ++t) {
-      if (b.fibers[t].stop == Stop::kDone) continue;
-      b.current = t;
-      b.fibers[t].stop = Stop::kRunning;
-      swapcontext(&b.scheduler, &b.fibers[t].context);
-    }
-    const Stop first = b.fibers[0].stop;
-    int done = 0;
-    for (int t = 0; t < kThreads; ++t) {
-      const Stop s = b.fibers[t].stop;
-      done += s == Stop::kDone;
-      if (s != first && s != Stop::kDone) {
-        throw std::logic_error(std::string("cuda emulation: ") + kernel + " block (" + std::to_string(b.index.x) + ", " + std::to_string(b.index.y) +
-                               "): thread 0 stopped at " + stop_name(first) + ", thread " + std::to_string(t) + " at " + stop_name(s));
+      const Fiber& f = b.fibers[t];
+      if (f.stop == Stop::kDone) {
+        ++done;
+      } else if (waiting < 0) {
+        waiting = t;
+      } else if (f.site != b.fibers[waiting].site) {
+        fail(b, kernel, "threads " + std::to_string(waiting) + " and " + std::to_string(t) + " wait at different __syncthreads");
       }
     }
     if (done == kThreads) return;
-    if (done > 0) {
-      throw std::logic_error(std::string("cuda emulation: ") + kernel + ": " + std::to_string(done) + " threads of block (" +
-                             std::to_string(b.index.x) + ", " + std::to_string(b.index.y) + ") ended while the others wait at a barrier");
-    }
+    if (done > 0) fail(b, kernel, std::to_string(done) + " threads ended while " + thread_stop(b, waiting) + " waits for them");
+    for (Fiber& f : b.fibers) f.stop = Stop::kRunning;  // the barrier opens
   }
 }
 }  // namespace tg_emulated
@@ -206,6 +259,7 @@ void* emulated_kernel(const std::string& name) {
 void emulated_launch(void* kernel, long long gx, long long gy, void** args) {
   using namespace tg_emulated;
   const Kernel& k = *static_cast<const Kernel*>(kernel);
+  if (gx < 1 || gy < 1) throw std::invalid_argument(std::string("cuda emulation: ") + k.name + ": an empty grid (the driver refuses it)");
   std::lock_guard<std::mutex> g(launch_lock);
   ++launches;
   Block b;

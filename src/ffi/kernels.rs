@@ -232,22 +232,24 @@ pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
 /// For tests on machines without a GPU: while a `CudaEmulation` lives, CPU tensors on this
 /// thread take the CUDA paths of [`adamw8bit_update`], [`adafactor_update`] and
 /// [`super::loss::cross_entropy`], which run the `.cu` kernels' own source compiled for the host
-/// (`cuda_emulation.cpp`: a block's threads as fibers, its barriers and shuffles emulated). So CI
-/// checks the kernels' logic against the CPU kernels; only a GPU can check the device's
-/// arithmetic and speed. Never switched on in training.
+/// (`cuda_emulation.cpp`: a block's threads as fibers, a warp at a time, its barriers and
+/// shuffles emulated). So CI checks the kernels' logic against the CPU kernels; only a GPU can
+/// check the device's arithmetic and speed. Never switched on in training.
 pub struct CudaEmulation {
+    was_on: bool,
     launches_before: u64,
     _per_thread: std::marker::PhantomData<*const ()>, // not Send: the switch is per thread
 }
 
 impl CudaEmulation {
     pub fn start() -> Self {
-        // SAFETY: sets and reads thread-local values.
-        let launches_before = unsafe {
+        // SAFETY: reads and sets thread-local values.
+        let (was_on, launches_before) = unsafe {
+            let was_on = tg_cuda_emulation_on() != 0;
             tg_cuda_emulation_set(1);
-            tg_cuda_emulation_launches()
+            (was_on, tg_cuda_emulation_launches())
         };
-        Self { launches_before, _per_thread: std::marker::PhantomData }
+        Self { was_on, launches_before, _per_thread: std::marker::PhantomData }
     }
 
     /// Kernels launched (emulated) on this thread since `start`.
@@ -260,8 +262,8 @@ impl CudaEmulation {
 
 impl Drop for CudaEmulation {
     fn drop(&mut self) {
-        // SAFETY: as in `start`.
-        unsafe { tg_cuda_emulation_set(0) };
+        // SAFETY: as in `start`. A guard inside another leaves the switch as it found it.
+        unsafe { tg_cuda_emulation_set(c_int::from(self.was_on)) };
     }
 }
 
