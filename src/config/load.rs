@@ -109,7 +109,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         other => return Err(format!("unknown size unit `{other}` in `{text}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
     };
     let bytes = n * mult;
-    if !(bytes >= 1.0) {
+    if bytes.is_nan() || bytes < 1.0 {
         return Err(format!("`{text}` must be at least one byte"));
     }
     Ok(bytes as u64)

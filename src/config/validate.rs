@@ -39,7 +39,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(m.n_head >= 1, "model.n_head", format!("must be at least 1, got {}", m.n_head));
     check(m.n_embd >= 1, "model.n_embd", format!("must be at least 1, got {}", m.n_embd));
     check(
-        m.n_head == 0 || m.n_embd % m.n_head == 0,
+        m.n_head == 0 || m.n_embd.is_multiple_of(m.n_head),
         "model.n_embd",
         format!("must be divisible by model.n_head ({}), got {}", m.n_head, m.n_embd),
     );
@@ -86,7 +86,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(t.max_steps >= 1, "train.max_steps", format!("must be at least 1, got {}", t.max_steps));
     check(t.lr > 0.0 && t.lr.is_finite(), "train.lr", format!("must be a positive number, got {}", t.lr));
     check(
-        !(t.lr > 0.0) || (t.min_lr >= 0.0 && t.min_lr <= t.lr),
+        // Only judged against a valid lr (a bad one is reported above); NaN counts as bad.
+        t.lr.is_nan() || t.lr <= 0.0 || (t.min_lr >= 0.0 && t.min_lr <= t.lr),
         "train.min_lr",
         format!("must be in [0, train.lr = {}], got {}", t.lr, t.min_lr),
     );
@@ -176,13 +177,13 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
         }
         super::Arch::Llama => {
             check(m.ffn_hidden.is_some(), "model.ffn_hidden", "llama needs its SwiGLU width (e.g. 8192 for Llama 3.2 1B)".into());
-            check(m.n_head > 0 && m.n_embd % m.n_head == 0 && m.head_dim() % 2 == 0, "model.n_embd", format!("llama's rotary embedding needs an even head size: n_embd / n_head = {} / {} must be an even integer", m.n_embd, m.n_head));
+            check(m.n_head > 0 && m.n_embd.is_multiple_of(m.n_head) && m.head_dim().is_multiple_of(2), "model.n_embd", format!("llama's rotary embedding needs an even head size: n_embd / n_head = {} / {} must be an even integer", m.n_embd, m.n_head));
             check(m.rope_theta > 0.0 && m.rope_theta.is_finite(), "model.rope_theta", format!("must be a positive number, got {}", m.rope_theta));
             check(m.norm_eps > 0.0 && m.norm_eps.is_finite(), "model.norm_eps", format!("must be a positive number, got {}", m.norm_eps));
         }
     }
     if m.n_head >= 1 {
-        check(kv >= 1 && m.n_head % kv == 0, "model.n_kv_head", format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head));
+        check(kv >= 1 && m.n_head.is_multiple_of(kv), "model.n_kv_head", format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head));
     }
     if let Some(f) = m.ffn_hidden {
         check(f >= 1, "model.ffn_hidden", format!("must be at least 1, got {f}"));
@@ -265,7 +266,8 @@ mod tests {
 
     #[test]
     fn each_train_rule_names_its_key() {
-        let cases: Vec<(fn(&mut Config), &str)> = vec![
+        type Case = (fn(&mut Config), &'static str);
+        let cases: Vec<Case> = vec![
             (|c| c.train.micro_batch_size = 0, "train.micro_batch_size"),
             (|c| c.train.micro_batch_size = 64, "train.micro_batch_size"),
             (|c| { c.train.max_steps = 0; c.train.warmup_steps = 0 }, "train.max_steps"),
@@ -366,8 +368,7 @@ mod tests {
     #[test]
     fn cuda_devices_parse() {
         for d in ["auto", "cpu", "cuda", "cuda:0", "cuda:7"] {
-            let mut c = Config::default();
-            c.device = d.into();
+            let c = Config { device: d.into(), ..Config::default() };
             assert!(validate(&c).is_empty(), "{d}");
         }
     }

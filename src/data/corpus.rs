@@ -16,7 +16,7 @@ pub enum DataError {
     #[error("data {path}: {message}")]
     Vocab { path: PathBuf, message: String },
     /// The built-in corpus does not fit in memory (`data.synthetic_tokens` too large: exit 2).
-    #[error("data.synthetic_tokens: {tokens} tokens ({} MiB) cannot be allocated: {why}", .tokens * 2 >> 20)]
+    #[error("data.synthetic_tokens: {tokens} tokens ({} MiB) cannot be allocated: {why}", (.tokens * 2) >> 20)]
     TooLarge { tokens: usize, why: String },
 }
 

@@ -39,7 +39,7 @@ impl LayerNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let c = self.weight.size()[0];
-        x.f_layer_norm(&[c], Some(&self.weight), self.bias.as_ref(), 1e-5, true)
+        x.f_layer_norm([c], Some(&self.weight), self.bias.as_ref(), 1e-5, true)
     }
 }
 

@@ -349,7 +349,7 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
             return Err(usage(format!("{flag} must be at least 1, got 0")));
         }
     }
-    if m.hidden % m.heads != 0 {
+    if !m.hidden.is_multiple_of(m.heads) {
         return Err(usage(format!("--heads {} must divide --hidden {} (each head gets hidden / heads channels)", m.heads, m.hidden)));
     }
     let kv = m.kv();
@@ -533,7 +533,7 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
             Ok(m)
         })?
     } else {
-        profile::run(&plan, capacity, |b| measure_in_child(b))?
+        profile::run(&plan, capacity, measure_in_child)?
     };
     report.method = match (device.is_cuda(), in_process) {
         (true, _) => "CUDA caching allocator: allocated_peak above what was allocated before the model was built; \
