@@ -329,6 +329,9 @@ mod padding_tests {
         }
     }
 
+    /// The fused node through its CPU path and through its CUDA kernels' source emulated on the
+    /// host (`ffi::kernels::CudaEmulation`): the CUDA path on real model shapes, with a padded
+    /// vocabulary's −inf columns, a chunked loss and checkpointing.
     #[test]
     fn the_fused_loss_gives_pytorchs_loss_and_gradients_plain_chunked_and_checkpointed() {
         let (x, y) = batch();
@@ -338,13 +341,22 @@ mod padding_tests {
             let fused = Model::with_kernels(&cfg, fused_kernels, 3, Device::Cpu).unwrap();
             for (checkpointing, chunk) in [(Checkpointing::None, None), (Checkpointing::None, Some(10)), (Checkpointing::Every(1), Some(16))] {
                 let savers = Savers::new(checkpointing, false, chunk);
-                let (la, ga) = loss_and_grads(&fused, &x, &y, 0.5, 0, &savers).unwrap();
                 let (lb, gb) = loss_and_grads(&plain, &x, &y, 0.5, 0, &savers).unwrap();
-                let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
-                assert!(dl < 1e-6, "{:?} {checkpointing:?} chunk {chunk:?}: loss differs by {dl:e}", cfg.arch);
-                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
-                    let d = (a - b).abs().max().double_value(&[]);
-                    assert!(d < 1e-6, "{:?} {checkpointing:?} chunk {chunk:?}: gradient of {} differs by {d:e}", cfg.arch, fused.params.names[i]);
+                for emulated in [false, true] {
+                    let what = format!("{:?} {checkpointing:?} chunk {chunk:?}{}", cfg.arch, if emulated { " (CUDA kernels, emulated)" } else { "" });
+                    let emulation = emulated.then(crate::ffi::kernels::CudaEmulation::start);
+                    let (la, ga) = loss_and_grads(&fused, &x, &y, 0.5, 0, &savers).unwrap();
+                    if let Some(e) = emulation {
+                        // A forward and a backward kernel per chunk of the loss: none fell back to the CPU path.
+                        let chunks = chunk.map_or(1, |c| x.numel().div_ceil(c)) as u64;
+                        assert_eq!(e.launches(), 2 * chunks, "{what}: kernel launches");
+                    }
+                    let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
+                    assert!(dl < 1e-6, "{what}: loss differs by {dl:e}");
+                    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                        let d = (a - b).abs().max().double_value(&[]);
+                        assert!(d < 1e-6, "{what}: gradient of {} differs by {d:e}", fused.params.names[i]);
+                    }
                 }
             }
             // Which node ran: PyTorch's refuses a target outside the vocabulary, ours gives NaN.
