@@ -148,6 +148,7 @@ inline double max(double a, double b) { return fmax(a, b); }
 #undef threadIdx
 #undef blockIdx
 #undef __shared__
+static_assert(kThreads == TG_THREADS, "the emulation runs blocks of the kernels' TG_THREADS");
 
 // A kernel's arguments as cuLaunchKernel takes them (an array of pointers to each argument's
 // value), unpacked into a call.
