@@ -176,14 +176,16 @@ fn token_files_exist(path: &str) -> Result<(), String> {
 }
 
 /// `auto` picks CUDA device `local_rank` (0 in a single process) when there is one, else the
-/// CPU; `cuda` is `cuda:<local_rank>`.
+/// CPU; `cuda` is `cuda:<local_rank>` among the devices this process sees (modulo their count:
+/// a launcher that gives each rank its own `CUDA_VISIBLE_DEVICES` leaves every rank one device,
+/// `cuda:0`).
 pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Result<Device, String> {
     match spec {
         "auto" => Ok(if cuda_devices > 0 { Device::Cuda(local_rank % cuda_devices) } else { Device::Cpu }),
         "cpu" => Ok(Device::Cpu),
         _ => {
             let index = match spec.strip_prefix("cuda") {
-                Some("") => local_rank,
+                Some("") => local_rank % cuda_devices.max(1),
                 Some(rest) => rest
                     .strip_prefix(':')
                     .and_then(|n| n.parse::<usize>().ok())
@@ -250,6 +252,7 @@ mod tests {
         assert_eq!(resolve_device("auto", 2, 0), Ok(Device::Cuda(0)));
         assert_eq!(resolve_device("auto", 2, 1), Ok(Device::Cuda(1)), "one GPU per local rank");
         assert_eq!(resolve_device("cuda", 2, 1), Ok(Device::Cuda(1)));
+        assert_eq!(resolve_device("cuda", 1, 3), Ok(Device::Cuda(0)), "a rank given one device by CUDA_VISIBLE_DEVICES");
         assert_eq!(resolve_device("cuda:1", 2, 0), Ok(Device::Cuda(1)));
         assert!(resolve_device("cuda", 0, 0).unwrap_err().contains("0 CUDA device"));
         assert!(resolve_device("cuda:2", 2, 0).is_err());

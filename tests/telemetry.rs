@@ -59,6 +59,27 @@ fn allocator_settings_are_validated_before_anything_runs() {
 }
 
 #[test]
+fn the_allocator_backend_comes_from_the_environment_libtorch_loaded_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = ["train.max_steps=1", "train.warmup_steps=0"];
+    // Asked of the config: libtorch chose its backend when it loaded; a clear exit 2, not its
+    // internal assert.
+    let r = train(dir.path(), "configs/debug.yaml", &[&short[..], &["memory.allocator.backend=cudaMallocAsync"]].concat());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("memory.allocator.backend: cudaMallocAsync cannot be chosen from the config") && r.stderr().contains("PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync"), "{}", r.stderr());
+    assert!(!r.stderr().contains("INTERNAL ASSERT"), "{}", r.stderr());
+    // From the environment, as PyTorch documents it: the run goes on (on CPU the CUDA allocator
+    // is never used), and a config that agrees with it is accepted.
+    for extra in [&[][..], &["memory.allocator.backend=cudaMallocAsync"][..]] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = command(dir.path(), "configs/debug.yaml", &[&short[..], extra].concat());
+        cmd.env("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync");
+        let r = run(cmd, dir.path());
+        assert_eq!(r.code(), 0, "{extra:?}: {}", r.stderr());
+    }
+}
+
+#[test]
 fn metrics_carry_memory_fields_and_a_clean_run_does_not_warn_of_leaks() {
     let dir = tempfile::tempdir().unwrap();
     let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=60", "train.warmup_steps=5", "memory.leak_check_steps=20"]).ok();

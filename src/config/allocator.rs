@@ -41,6 +41,16 @@ pub enum Backend {
     CudaMallocAsync,
 }
 
+impl Backend {
+    /// The name PYTORCH_CUDA_ALLOC_CONF uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Native => "native",
+            Backend::CudaMallocAsync => "cudaMallocAsync",
+        }
+    }
+}
+
 const KEY: &str = "memory.allocator";
 
 fn power_of_two(n: u64) -> bool {
@@ -136,10 +146,7 @@ impl AllocatorConfig {
                 out.push((k.to_string(), v));
             }
         };
-        put("backend", self.backend.map(|x| match x {
-            Backend::Native => "native".to_string(),
-            Backend::CudaMallocAsync => "cudaMallocAsync".to_string(),
-        }));
+        put("backend", self.backend.map(|x| x.name().to_string()));
         put("expandable_segments", self.expandable_segments.map(b));
         put("max_split_size_mb", self.max_split_size_mb.map(|v| v.to_string()));
         put("garbage_collection_threshold", self.garbage_collection_threshold.map(|v| v.to_string()));

@@ -156,7 +156,10 @@ void check_cu(int code, const char* what) {
   if (code == 0) return;
   const char* text = nullptr;
   driver().error_string(code, &text);
-  throw std::runtime_error(std::string(what) + ": CUDA driver error " + std::to_string(code) + " (" + (text ? text : "unknown") + ")");
+  // CUDA_ERROR_OUT_OF_MEMORY in the runtime's words, which the guard reads as an out-of-memory
+  // (guard/classify.rs): a module load or launch that found the card full is halved and replayed.
+  const std::string kind = code == 2 ? "CUDA error: out of memory, CUDA driver error 2" : "CUDA driver error " + std::to_string(code);
+  throw std::runtime_error(std::string(what) + ": " + kind + " (" + (text ? text : "unknown") + ")");
 }
 
 // Machine code (a cubin) of `src` for compute capability major.minor; the compiler's log in the

@@ -83,6 +83,8 @@ mod tests {
     const BAD_ALLOC: &str = "Internal torch error: std::bad_alloc";
     const CUBLAS: &str = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`";
     const CUDNN: &str = "cuDNN error: CUDNN_STATUS_ALLOC_FAILED\nException raised from operator() at /pytorch/aten/src/ATen/native/cudnn/Conv_v8.cpp:919";
+    // Our NVRTC kernels' driver calls (src/ffi/cuda_jit.cpp, check_cu) on CUDA_ERROR_OUT_OF_MEMORY.
+    const DRIVER: &str = "cuModuleLoadData: CUDA error: out of memory, CUDA driver error 2 (out of memory)";
 
     #[test]
     fn every_allocation_failure_is_oom_with_its_size() {
@@ -91,6 +93,8 @@ mod tests {
         assert_eq!(classify(CUDA_RAW), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(CUBLAS), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(CUDNN), ErrorKind::OutOfMemory { requested_bytes: None });
+        assert_eq!(classify(DRIVER), ErrorKind::OutOfMemory { requested_bytes: None });
+        assert_eq!(classify("cuLaunchKernel: CUDA driver error 700 (an illegal memory access was encountered)"), ErrorKind::Other);
         assert_eq!(classify(BAD_ALLOC), ErrorKind::OutOfMemory { requested_bytes: None });
         let mib = "CUDA out of memory. Tried to allocate 20.50 MiB. GPU 0 has a total capacity of 15.77 GiB";
         assert_eq!(classify(mib), ErrorKind::OutOfMemory { requested_bytes: Some(21_495_808) });

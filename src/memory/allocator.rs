@@ -135,10 +135,34 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
             message: "not applied: the CUDA caching allocator has already started, so its per_process_memory_fraction (memory.limit) would not hold".into(),
         });
     }
+    // The backend is chosen once, when libtorch loads, from the environment: a config that asks
+    // for another one cannot have it (libtorch would stop on an internal assert).
+    let at_load = load_time_backend(env_conf().as_deref());
+    if let Some(asked) = alloc.backend.map(|b| b.name()) {
+        if asked != at_load {
+            return Err(AllocatorError {
+                conf: eff.conf,
+                message: format!(
+                    "memory.allocator.backend: {asked} cannot be chosen from the config, libtorch picked its allocator backend ({at_load}) from the environment when it loaded; start trainguard with PYTORCH_CUDA_ALLOC_CONF=backend:{asked} instead"
+                ),
+            });
+        }
+    }
     // libtorch parses the variable itself when the CUDA allocator starts: keep the two equal.
     std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", &eff.conf);
-    ffi::set_allocator_settings(&eff.conf).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {e}") })?;
+    // Everything but the backend (already in effect; parsing it again starts CUDA, which fails
+    // on a machine without a driver) is handed over now.
+    let settings = split_pairs(&eff.conf).into_iter().filter(|(k, _)| k != "backend").map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",");
+    if !settings.is_empty() {
+        ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {e}") })?;
+    }
     Ok(eff)
+}
+
+/// The allocator backend libtorch chose when it loaded, from the environment's settings `env`:
+/// the last `backend` key, else `native`.
+fn load_time_backend(env: Option<&str>) -> String {
+    env.map(split_pairs).unwrap_or_default().into_iter().rev().find(|(k, _)| k == "backend").map(|(_, v)| v).unwrap_or_else(|| "native".into())
 }
 
 #[cfg(test)]
@@ -184,6 +208,13 @@ mod tests {
             assert!(d.is_empty(), "{env:?} {config:?}");
             assert!(!merge(env, &config, &d, None).conf.contains("expandable_segments:True"));
         }
+    }
+
+    #[test]
+    fn the_backend_is_the_one_libtorch_loaded_with() {
+        assert_eq!(load_time_backend(None), "native");
+        assert_eq!(load_time_backend(Some("expandable_segments:True")), "native");
+        assert_eq!(load_time_backend(Some("backend:cudaMallocAsync,max_split_size_mb:64")), "cudaMallocAsync");
     }
 
     #[test]

@@ -1,8 +1,13 @@
 //! NVIDIA devices through NVML (`nvml-wrapper`, which loads libnvidia-ml at run time, so this
 //! builds and runs on machines without a GPU). Every reading is optional: when NVML is missing
 //! or a query fails the caller gets `None` and a reason, never an error that stops a run.
+//!
+//! CUDA and NVML number devices differently: CUDA sees only what `CUDA_VISIBLE_DEVICES` lists,
+//! in its order, by index or UUID (SLURM and container runtimes set it); NVML numbers every GPU
+//! on the machine. [`cuda_to_nvml`] maps one to the other, so a run on `cuda:0` under
+//! `CUDA_VISIBLE_DEVICES=3` reads GPU 3's utilisation, not GPU 0's.
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
-use nvml_wrapper::Nvml;
+use nvml_wrapper::{Device, Nvml};
 use serde::Serialize;
 
 pub struct Gpus {
@@ -47,10 +52,35 @@ impl Gpus {
             .collect()
     }
 
-    /// One reading of device `index` (NVML's numbering, which follows CUDA's unless
-    /// CUDA_VISIBLE_DEVICES reorders devices). `Err` when the device cannot be opened.
-    pub fn read(&self, index: u32) -> Result<GpuReading, String> {
-        let d = self.nvml.device_by_index(index).map_err(|e| format!("NVML device {index}: {e}"))?;
+    /// The NVML device behind CUDA's device `cuda_index` in this process.
+    fn for_cuda(&self, cuda_index: usize) -> Result<Device<'_>, String> {
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let at = |what: &str, e: nvml_wrapper::error::NvmlError| format!("NVML device {what} (CUDA device {cuda_index}): {e}");
+        match cuda_to_nvml(cuda_index, visible.as_deref())? {
+            NvmlDevice::Index(i) => self.nvml.device_by_index(i).map_err(|e| at(&i.to_string(), e)),
+            // CUDA accepts a unique prefix of a UUID; NVML wants it whole.
+            NvmlDevice::Uuid(prefix) => self.nvml.device_by_uuid(prefix.as_str()).or_else(|e| {
+                let n = self.nvml.device_count().unwrap_or(0);
+                (0..n).filter_map(|i| self.nvml.device_by_index(i).ok()).find(|d| d.uuid().is_ok_and(|u| u.starts_with(&prefix))).ok_or_else(|| at(&prefix, e))
+            }),
+        }
+    }
+
+    /// The GPUs this process' CUDA sees, in CUDA's order (all of them without
+    /// `CUDA_VISIBLE_DEVICES`).
+    pub fn cuda_visible(&self) -> Vec<GpuInfo> {
+        (0..self.nvml.device_count().unwrap_or(0) as usize)
+            .map_while(|i| {
+                let d = self.for_cuda(i).ok()?;
+                let mem = d.memory_info().ok()?;
+                Some(GpuInfo { index: d.index().unwrap_or(i as u32), name: d.name().unwrap_or_default(), memory_total_bytes: mem.total, memory_free_bytes: mem.free })
+            })
+            .collect()
+    }
+
+    /// One reading of CUDA's device `cuda_index`. `Err` when its NVML device cannot be opened.
+    pub fn read(&self, cuda_index: usize) -> Result<GpuReading, String> {
+        let d = self.for_cuda(cuda_index)?;
         let mem = d.memory_info().ok();
         Ok(GpuReading {
             gpu_memory_used_bytes: mem.as_ref().map(|m| m.used),
@@ -59,5 +89,49 @@ impl Gpus {
             gpu_temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
             gpu_power_w: d.power_usage().ok().map(|mw| mw as f64 / 1000.0),
         })
+    }
+}
+
+/// Where NVML finds a CUDA device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NvmlDevice {
+    Index(u32),
+    /// A GPU or MIG UUID, or a unique prefix of one (`GPU-8932f937`).
+    Uuid(String),
+}
+
+/// The NVML device that CUDA numbers `cuda_index`, given `CUDA_VISIBLE_DEVICES` (`visible`).
+/// CUDA's rules: a comma-separated list of indices or UUIDs; the list ends at the first entry
+/// that is neither (so `0,1,-1,2` is `0,1`); an empty list hides every device. Integer entries
+/// are NVML's indices when CUDA orders by PCI bus, as it does among identical GPUs.
+pub fn cuda_to_nvml(cuda_index: usize, visible: Option<&str>) -> Result<NvmlDevice, String> {
+    let Some(list) = visible else { return Ok(NvmlDevice::Index(cuda_index as u32)) };
+    list.split(',')
+        .map(str::trim)
+        .map_while(|e| match e.parse::<u32>() {
+            Ok(i) => Some(NvmlDevice::Index(i)),
+            Err(_) if e.starts_with("GPU-") || e.starts_with("MIG-") => Some(NvmlDevice::Uuid(e.to_string())),
+            Err(_) => None,
+        })
+        .nth(cuda_index)
+        .ok_or_else(|| format!("CUDA_VISIBLE_DEVICES=`{list}` lists no CUDA device {cuda_index}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_devices_map_to_nvml_through_cuda_visible_devices() {
+        use NvmlDevice::*;
+        assert_eq!(cuda_to_nvml(1, None), Ok(Index(1)), "no variable: the same numbering");
+        assert_eq!(cuda_to_nvml(0, Some("3")), Ok(Index(3)), "SLURM's one GPU per task");
+        assert_eq!(cuda_to_nvml(1, Some("6, 2")), Ok(Index(2)), "the list's order, not NVML's");
+        assert_eq!(cuda_to_nvml(0, Some("GPU-8932f937,1")), Ok(Uuid("GPU-8932f937".into())));
+        assert_eq!(cuda_to_nvml(1, Some("GPU-8932f937,1")), Ok(Index(1)));
+        assert_eq!(cuda_to_nvml(0, Some("MIG-4b3c7a0e-1d2f")), Ok(Uuid("MIG-4b3c7a0e-1d2f".into())));
+        assert!(cuda_to_nvml(2, Some("0,1,-1,2")).unwrap_err().contains("lists no CUDA device 2"), "the list ends at an invalid entry");
+        assert!(cuda_to_nvml(0, Some("")).is_err(), "an empty list hides every device");
+        assert!(cuda_to_nvml(1, Some("4")).is_err());
     }
 }

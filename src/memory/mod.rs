@@ -63,6 +63,17 @@ pub fn empty_cache(device: Device) {
     }
 }
 
+/// Starts the CUDA allocator's peak figures again from what is allocated now (nothing on CPU).
+/// The guard calls it after a failed attempt: a recovered step's peaks are then those of the
+/// attempt that worked, not the cap the failed one hit.
+pub fn reset_peaks(device: Device) {
+    if let Device::Cuda(i) = device {
+        if let Err(e) = ffi::reset_peak_stats(i) {
+            tracing::warn!("could not reset the CUDA allocator's peak figures: {e}");
+        }
+    }
+}
+
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }

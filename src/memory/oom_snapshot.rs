@@ -1,7 +1,10 @@
 //! `memory.snapshot_on_oom`: the CUDA caching allocator's own history recorder (the one behind
 //! `torch.cuda.memory._record_memory_history`), started at run start, and on an out-of-memory
 //! `oom_snapshot.pickle` (the file pytorch.org/memory_viz opens) plus `oom_snapshot.txt`, a short
-//! summary read from the pickle here: the failed allocation and the largest live blocks.
+//! summary read from the pickle here: the failed allocation and the largest live blocks. It is
+//! taken once the failed attempt has returned, so its tensors are already freed: the live blocks
+//! are what outlived the attempt (weights, optimizer state, a leak); what the attempt allocated
+//! up to the failure is in the pickle's trace.
 //! Rank 0 alone records and writes. On CPU there is no allocator history: a no-op.
 use serde_pickle::{DeOptions, HashableValue, Value};
 use std::collections::BTreeMap;

@@ -1,5 +1,6 @@
 //! Per-step memory figures for the metrics line: the CUDA caching allocator's allocated /
-//! reserved bytes and their peaks since the previous step (peaks are reset after each read),
+//! reserved bytes and their peaks since the previous step (peaks are reset after each read, and
+//! by the guard after a failed attempt: a recovered step shows the peaks of the attempt that worked),
 //! allocation retries since the previous step, the process's resident size, and NVML's view of
 //! the GPU. What cannot be read is `null`, with one warning for the run.
 use super::gpu::{GpuReading, Gpus};
@@ -57,7 +58,7 @@ impl Telemetry {
                 let _ = ffi::reset_peak_stats(i);
             }
             if let Some(g) = &self.gpus {
-                match g.read(i as u32) {
+                match g.read(i) {
                     Ok(r) => m.gpu = r,
                     Err(why) => {
                         tracing::warn!("{why}; GPU fields will be null");

@@ -29,11 +29,12 @@ pub struct DetectedGpu {
     pub count: u32,
 }
 
-/// The first NVIDIA GPU through NVML (the reader telemetry uses), or why there is none.
+/// The first GPU CUDA sees (`cuda:0`, after `CUDA_VISIBLE_DEVICES`) through NVML (the reader
+/// telemetry uses), or why there is none.
 pub fn detect() -> Result<DetectedGpu, String> {
     let gpus = crate::memory::gpu::Gpus::open().map_err(|e| format!("no NVIDIA GPU found: {e}"))?;
-    let list = gpus.list();
-    let first = list.first().ok_or("NVML reports no NVIDIA GPU on this machine")?;
+    let list = gpus.cuda_visible();
+    let first = list.first().ok_or("NVML reports no NVIDIA GPU that CUDA_VISIBLE_DEVICES leaves visible")?;
     Ok(DetectedGpu { name: first.name.clone(), total: first.memory_total_bytes, free: first.memory_free_bytes, count: list.len() as u32 })
 }
 
