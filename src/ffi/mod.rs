@@ -4,11 +4,13 @@
 //! autograd node: [`loss`]), over `shim_cuda.cpp` (the allocator's
 //! history and snapshot), over `dist.cpp` (c10d: [`dist`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
-//! result; "no accelerator" is [`ShimError::Unavailable`], never an abort.
+//! result; "no accelerator" is [`ShimError::Unavailable`], never an abort. [`torch_panics`]
+//! turns the libtorch errors tch itself raises as panics back into errors.
 pub mod dist;
 pub mod kernels;
 pub mod loss;
 pub mod os;
+pub mod torch_panics;
 
 use std::ffi::{c_char, c_int, CStr, CString};
 

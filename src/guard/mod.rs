@@ -5,6 +5,8 @@
 //! out-of-memory it also asks [`leak`] whether memory held between steps grew (then one halving at
 //! most: a leak is not fixed by a smaller micro-batch), and writes the allocator snapshot
 //! (`memory.snapshot_on_oom`). An op that `deterministic: true` forbids ends the run, named.
+//! A libtorch error that tch raises as a panic is turned back into that error first
+//! ([`crate::ffi::torch_panics`]).
 mod classify;
 mod leak;
 mod policy;
@@ -16,6 +18,7 @@ pub use policy::{BlockedSize, Decision, GuardState, RegrowMemory};
 
 use crate::config::OomPolicy;
 use crate::events::{Event, OomRecovery, Reporter};
+use crate::ffi::torch_panics::catch_torch_panics;
 use crate::memory::{self, MemorySnapshot};
 use std::time::{Duration, Instant};
 use tch::{Device, TchError};
@@ -277,7 +280,8 @@ impl Guard {
     ) -> Result<T, GuardError> {
         if self.policy == OomPolicy::Off {
             let micro = self.state.current();
-            return attempt(micro, &mut Progress { first_micro_done: None, level: self.state.level() }).map_err(|e| match e {
+            let mut progress = Progress { first_micro_done: None, level: self.state.level() };
+            return catch_torch_panics(|| attempt(micro, &mut progress)).map_err(|e| match e {
                 StepError::Torch(e) => unrecovered(e, Some(step), micro, self.device),
                 StepError::PeerOutOfMemory => peer_oom(step, micro, self.device),
                 StepError::Fatal(e) => GuardError::Fatal(e),
@@ -292,8 +296,9 @@ impl Guard {
             let mut progress = Progress { first_micro_done: None, level: self.state.level() };
             let started = Instant::now();
             // Everything the attempt allocated (activations, losses, partial gradients) is owned
-            // inside it and dropped when it returns: the error below holds only a message.
-            let outcome = attempt(micro, &mut progress);
+            // inside it and dropped when it returns: the error below holds only a message. A
+            // libtorch error tch raised as a panic is caught and comes back as that error.
+            let outcome = catch_torch_panics(|| attempt(micro, &mut progress));
             in_attempts += started.elapsed();
             if let Some(done) = progress.first_micro_done.or_else(|| outcome.is_ok().then(Instant::now)) {
                 for (mut rec, failed_at) in pending.drain(..) {
@@ -325,6 +330,7 @@ impl Guard {
             };
             let before = memory::snapshot(self.device);
             memory::empty_cache(self.device);
+            memory::reset_peaks(self.device);
             let after = memory::snapshot(self.device);
             let leak = self.held.diagnose(after.allocated_bytes);
             let decision = match self.policy {

@@ -112,6 +112,13 @@ impl AdamW {
         Ok(())
     }
 
+    /// The update count back to `steps` after a failed update, the fused kernel's device
+    /// counter with it (a failure to refill it is the failure already being reported).
+    pub(super) fn count_back_to(&mut self, steps: u64) {
+        self.steps = steps;
+        let _ = crate::ffi::torch_panics::catch_torch_panics(|| self.state_step.f_fill_(steps as f64).map(drop));
+    }
+
     fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         let _ = self.state_step.f_add_scalar_(1.0)?;
         let AdamWConfig { beta1, beta2, eps, weight_decay, .. } = self.cfg;
@@ -137,6 +144,25 @@ pub(super) fn fused_update(params: &[&Tensor], grads: &[&Tensor], exp_avg: &[&Te
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fused kernel refuses mismatched shapes (the shim's check) after the device counter
+    /// moved on: counting back puts it where it was, so the replayed update is the first.
+    #[test]
+    fn counting_back_after_a_failed_fused_update_restores_the_device_counter() {
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused: true };
+        let fresh = || vec![Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+        let grads = [Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+        let (a, b) = (fresh(), fresh());
+        let mut failing = AdamW::new(cfg, &a, &[true, false], Device::Cpu).unwrap();
+        let mut plain = AdamW::new(cfg, &b, &[true, false], Device::Cpu).unwrap();
+        let wrong = [Tensor::ones([4, 3], (Kind::Float, Device::Cpu)), grads[1].shallow_clone()];
+        assert!(failing.step(&a, &wrong, 1e-2).is_err());
+        assert_eq!(failing.state_step.double_value(&[]), 1.0, "the kernel's counter moved before the failure");
+        failing.count_back_to(0);
+        failing.step(&a, &grads, 1e-2).unwrap();
+        plain.step(&b, &grads, 1e-2).unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.equal(y)), "the replayed update is the first update");
+    }
 
     /// Reference numbers from PyTorch 2.11 (`torch.optim.AdamW`, default for-loop implementation):
     /// ```python

@@ -6,6 +6,7 @@ use super::adamw::{AdamW, AdamWConfig};
 use super::adamw8bit::{AdamW8bit, AdamW8bitConfig, Path as AdamW8bitPath};
 use super::sgd::{Sgd, SgdConfig};
 use crate::config::{KernelsConfig, OptimizerConfig, OptimizerName, TrainConfig};
+use crate::ffi::torch_panics::catch_torch_panics;
 use tch::{Device, TchError, Tensor};
 
 /// Everything that picks and parameterises an optimizer.
@@ -76,12 +77,32 @@ impl Optimizer {
     /// allocation the size of a tensor (scratch is made at construction; at most the few bytes
     /// of workspace a CUDA reduction takes), so it cannot run out of memory half-way with some
     /// parameters updated and others not.
+    ///
+    /// A failed update is not counted: the guard replays it, and a second count would change
+    /// the bias corrections (and SGD's first-step momentum) of every update after it.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
-        match self {
+        super::state::check_gradients(params, grads)?;
+        let before = self.steps();
+        // Caught here, not only in the guard, so a panicking op still counts the update back.
+        let result = catch_torch_panics(|| match self {
             Self::AdamW(o) => o.step(params, grads, lr),
             Self::Sgd(o) => o.step(params, grads, lr),
             Self::Adafactor(o) => o.step(params, grads, lr),
             Self::AdamW8bit(o) => o.step(params, grads, lr),
+        });
+        if result.is_err() {
+            self.count_back_to(before);
+        }
+        result
+    }
+
+    /// The update count back to `steps` (on the device too, where a fused kernel reads it).
+    fn count_back_to(&mut self, steps: u64) {
+        match self {
+            Self::AdamW(o) => o.count_back_to(steps),
+            Self::Sgd(o) => o.steps = steps,
+            Self::Adafactor(o) => o.steps = steps,
+            Self::AdamW8bit(o) => o.steps = steps, // its device counter is refilled each update
         }
     }
 
@@ -147,6 +168,38 @@ mod tests {
 
     fn spec(name: OptimizerName) -> OptimizerSpec {
         OptimizerSpec { name, fused: false, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    }
+
+    #[test]
+    fn a_refused_update_changes_and_counts_nothing_and_the_next_is_the_first() {
+        for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Sgd, false), (OptimizerName::SgdMomentum, false), (OptimizerName::Adafactor, false), (OptimizerName::Adamw8bit, false)] {
+            let fresh = || (0..2).map(|i| Tensor::arange(300, (Kind::Float, Device::Cpu)).f_mul_scalar(0.01 * (i + 1) as f64).unwrap().reshape([20, 15])).collect::<Vec<_>>();
+            let grads: Vec<Tensor> = (0..2).map(|i| Tensor::ones([20, 15], (Kind::Float, Device::Cpu)) * (0.5 + i as f64)).collect();
+            let spec = OptimizerSpec { fused, ..spec(name) };
+            let (a, b) = (fresh(), fresh());
+            let mut failing = Optimizer::new(&spec, &a, &[true, false], Device::Cpu).unwrap();
+            let mut plain = Optimizer::new(&spec, &b, &[true, false], Device::Cpu).unwrap();
+            // A gradient that does not match its parameter (the decayed one: an update built
+            // from ops would have applied the decay before failing) changes nothing.
+            for wrong in [Tensor::ones([7], (Kind::Float, Device::Cpu)), grads[0].to_kind(Kind::Double)] {
+                let err = failing.step(&a, &[wrong, grads[1].shallow_clone()], 1e-2).unwrap_err().to_string();
+                assert!(err.contains("gradient 0 is"), "{name:?} fused {fused}: {err}");
+            }
+            assert!(a.iter().zip(&b).all(|(x, y)| x.equal(y)), "{name:?} fused {fused}: a refused update moved a parameter");
+            assert_eq!(failing.steps(), 0, "{name:?} fused {fused}: the failed update was counted");
+            failing.step(&a, &grads, 1e-2).unwrap();
+            plain.step(&b, &grads, 1e-2).unwrap();
+            for step in 0..2 {
+                if step == 1 {
+                    failing.step(&a, &grads, 1e-2).unwrap();
+                    plain.step(&b, &grads, 1e-2).unwrap();
+                }
+                for (x, y) in a.iter().zip(&b) {
+                    assert!(x.equal(y), "{name:?} fused {fused}: after the replay the parameters differ from a run that never failed");
+                }
+            }
+            assert_eq!((failing.steps(), plain.steps()), (2, 2));
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! What the optimizers share about their state: restoring a saved tensor into place (checked
 //! against the shape and kind the optimizer built), counting the bytes state occupies, checking
-//! that a step was handed one gradient per parameter, and grouping tensors by their decay flag
+//! that a step was handed one matching gradient per parameter, and grouping tensors by their decay flag
 //! for the fused kernels. No update rules here.
 use tch::{TchError, Tensor};
 
@@ -20,6 +20,25 @@ pub(crate) fn restore(dst: &mut Tensor, saved: &[(String, Tensor)], key: &str) -
 /// Bytes the tensor's elements occupy.
 pub(crate) fn bytes(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// Each gradient has its parameter's shape, dtype and device. Checked before an update touches
+/// anything: an update built from several ops would otherwise apply its first ops (a weight
+/// decay) and fail in a later one, leaving a half-applied step behind.
+pub(crate) fn check_gradients(params: &[Tensor], grads: &[Tensor]) -> Result<(), TchError> {
+    for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        let (ps, gs) = (p.size(), g.size());
+        if ps != gs || p.kind() != g.kind() || p.device() != g.device() {
+            return Err(TchError::Shape(format!(
+                "gradient {i} is {:?} {gs:?} on {:?}, its parameter {:?} {ps:?} on {:?}",
+                g.kind(),
+                g.device(),
+                p.kind(),
+                p.device()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A step needs exactly one gradient per parameter, in the order the optimizer was built with.
