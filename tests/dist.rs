@@ -179,6 +179,61 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     assert_eq!(diff, 0.0, "same final weights as an uninterrupted run");
 }
 
+/// One rank fails with an error that is not an out-of-memory (deterministic mode refusing an
+/// op, after the gradient all-reduce): it still joins the agreement, so its peer stops at once,
+/// saying why, instead of waiting for it in the next collective until `dist.timeout_s`.
+#[test]
+fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
+    let d = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let sets = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "dist.timeout_s=120", "deterministic=true", "faults.nondeterministic_op_at_step=2", "faults.nondeterministic_op_rank=1"];
+    let started = Instant::now();
+    let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &sets)).collect();
+    let outs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let wall = started.elapsed().as_secs_f64();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[1].status.code(), Some(6), "the failing rank names its own error: {}", err(1));
+    assert!(err(1).contains("`put_` has no deterministic implementation"), "{}", err(1));
+    assert!(!outs[0].status.success(), "{}", err(0));
+    assert!(err(0).contains("1 other rank(s) failed with an error that is not an out-of-memory"), "{}", err(0));
+    assert!(!err(0).contains("panicked") && !err(1).contains("panicked"), "{}\n{}", err(0), err(1));
+    assert!(wall < 60.0, "the peer stopped with the failing rank, not after dist.timeout_s = 120 s: {wall:.1} s");
+}
+
+/// Without a shared filesystem, rank 1 finds no checkpoint where rank 0 finds step 6's: the
+/// ranks would train from different steps. They compare before anything is written: exit 2.
+#[test]
+fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
+    let (shared, elsewhere) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let first = ["train.max_steps=6", "train.warmup_steps=2", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=30"];
+    let port = free_port();
+    wait_ok((0..2).map(|r| spawn_rank(r, 2, port, shared.path(), &first)).collect());
+    let port = free_port();
+    let more = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=30"];
+    let ranks: Vec<Child> = [shared.path(), elsewhere.path()]
+        .iter()
+        .enumerate()
+        .map(|(r, dir)| {
+            Command::new(bin())
+                .args(args(dir, &more))
+                .args(["--resume", "auto"])
+                .envs([("RANK", r.to_string()), ("LOCAL_RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())])
+                .envs([("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", port.to_string())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for out in ranks.into_iter().map(|c| c.wait_with_output().unwrap()) {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("the ranks found different checkpoints to resume from (steps 0 to 6"), "{err}");
+    }
+    let resumed = read_jsonl(&shared.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").count();
+    assert_eq!(resumed, 0, "nothing was resumed");
+}
+
 #[test]
 fn nccl_on_the_cpu_is_refused_clearly() {
     let d = tempfile::tempdir().unwrap();

@@ -517,6 +517,8 @@ pub struct FaultsConfig {
     /// Run an op that has no deterministic implementation (`put_`) inside this step: with
     /// `deterministic: true` libtorch refuses it.
     pub nondeterministic_op_at_step: Option<u64>,
+    /// Only this rank runs that op (default: every rank): one rank failing alone.
+    pub nondeterministic_op_rank: Option<usize>,
 }
 
 /// Multi-process runs (torchrun).

@@ -22,10 +22,21 @@ pub enum DistError {
     Backend(String),
 }
 
+/// What one rank brings to an agreement: its value (e.g. its loss), or how its work failed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LocalOutcome {
+    Done(f64),
+    OutOfMemory,
+    /// Any other error: the run ends, on every rank at once rather than after `dist.timeout_s`.
+    Failed,
+}
+
 /// What the ranks agreed on after a step's local work.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Agreement {
     pub any_oom: bool,
+    /// How many ranks failed with an error that is not an out-of-memory.
+    pub failed_ranks: usize,
     pub mean_value: f64,
 }
 
@@ -131,15 +142,20 @@ impl Dist {
         Ok(())
     }
 
-    /// All ranks learn whether any ran out of memory, and the mean of `value` (e.g. the loss).
-    pub fn agree(&self, local_oom: bool, value: f64) -> Result<Agreement, DistError> {
+    /// All ranks learn whether any ran out of memory or failed otherwise, and the mean of the
+    /// values (e.g. the loss). A failing rank joins too, so its peers stop with it instead of
+    /// waiting in the next collective until `dist.timeout_s`.
+    pub fn agree(&self, local: LocalOutcome) -> Result<Agreement, DistError> {
         let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string(), silent: None };
-        let mut t = Tensor::f_from_slice(&[if local_oom { 1.0f64 } else { 0.0 }, if local_oom { 0.0 } else { value }])
-            .and_then(|t| t.f_to_device(self.small))
-            .map_err(torch)?;
+        let slots = match local {
+            LocalOutcome::Done(value) => [0.0f64, 0.0, value],
+            LocalOutcome::OutOfMemory => [1.0, 0.0, 0.0],
+            LocalOutcome::Failed => [0.0, 1.0, 0.0],
+        };
+        let mut t = Tensor::f_from_slice(&slots).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
         self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement", self.heartbeat.as_ref()))?;
         let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
-        Ok(Agreement { any_oom: v[0] > 0.0, mean_value: v[1] / self.world_size as f64 })
+        Ok(Agreement { any_oom: v[0] > 0.0, failed_ranks: v[1].round() as usize, mean_value: v[2] / self.world_size as f64 })
     }
 
     /// The largest of every rank's `value`, on every rank (the stop agreement: each rank's
@@ -149,6 +165,11 @@ impl Dist {
         let mut t = Tensor::f_from_slice(&[value]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
         self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement", self.heartbeat.as_ref()))?;
         t.f_double_value(&[0]).map_err(torch)
+    }
+
+    /// The smallest and the largest of every rank's `value`, on every rank.
+    pub fn spread(&self, value: f64) -> Result<(f64, f64), DistError> {
+        Ok((-self.max(-value)?, self.max(value)?))
     }
 
     /// Rank 0's parameter values on every rank.

@@ -11,6 +11,7 @@
 #include "guarded.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -55,6 +56,14 @@ void* tg_pg_new(int backend, const char* host, int port, int rank, int world, in
     c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
     if (backend == 1) {
 #ifdef TG_WITH_NCCL
+      // Blocking wait: without it `wait()` only orders the CUDA stream, the options' timeout
+      // is unused, and a dead or hung peer ends in NCCL's watchdog aborting the process. With
+      // it, `wait()` blocks this thread and throws after `timeout`, so the error reaches
+      // trainguard (exit code, the silent rank named). The constructor reads it; a user's own
+      // setting wins.
+      if (!std::getenv("TORCH_NCCL_BLOCKING_WAIT") && !std::getenv("NCCL_BLOCKING_WAIT")) {
+        setenv("TORCH_NCCL_BLOCKING_WAIT", "1", 0);
+      }
       auto nopts = c10d::ProcessGroupNCCL::Options::create();
       nopts->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, nopts);

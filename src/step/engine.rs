@@ -96,19 +96,25 @@ pub fn optimizer_step(
         let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
         let local = forward_backward(model, data, step, micro, &savers, scale, p);
         drop(autocast);
+        // The injected leak allocates like the step's own work: before the ranks agree on it.
+        let local = local.and_then(|r| faults.leak_graph(model, data, step, micro).map(|()| r));
         let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
-        if scale != 1.0 {
-            scale_all(&mut grads, 1.0 / scale)?;
-        }
-        faults.corrupt(step, &mut loss, &mut grads, scaler.is_some())?;
-        let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
-        let overflow = scaler.is_some() && !grad_norm.is_finite();
-        let applied = loss.is_finite() && grad_norm.is_finite();
-        // Last thing that may run out of memory before the update: a replay after it must not
-        // find the update already applied.
-        faults.leak_graph(model, data, step, micro)?;
+        // What runs between the two agreements allocates on each rank alone (the clipping's
+        // norms, above all): the second agreement lets every rank replay if one ran out.
+        let prepared = (|| -> Result<(f64, bool, bool), StepError> {
+            if scale != 1.0 {
+                scale_all(&mut grads, 1.0 / scale)?;
+            }
+            faults.corrupt(step, &mut loss, &mut grads, scaler.is_some())?;
+            let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
+            let overflow = scaler.is_some() && !grad_norm.is_finite();
+            let applied = loss.is_finite() && grad_norm.is_finite();
+            Ok((grad_norm, overflow, applied))
+        })();
+        let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
         if applied {
-            opt.step(&model.optimizer_params()?, &model.optimizer_grads(&grads)?, lr)?;
+            let update = model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr));
+            agree::update_done(update, dist.as_deref())?;
         }
         Ok(StepOutcome { loss, grad_norm, applied, overflow })
     })?;
@@ -123,6 +129,45 @@ pub fn optimizer_step(
 }
 
 /// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.
-pub fn validation_loss(model: &Model, guard: &mut Guard, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
-    guard.run(step, reporter, |micro, p| agree::validation_loss(evaluate(model, data, batches, micro, p), dist))
+/// Under the same autocast as training: a bf16-mixed run validates in bf16 as it trains, not in
+/// fp32 at a fraction of the speed and with a loss of another precision.
+#[allow(clippy::too_many_arguments)]
+pub fn validation_loss(model: &Model, guard: &mut Guard, settings: &StepSettings, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
+    guard.run(step, reporter, |micro, p| {
+        let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+        let local = evaluate(model, data, batches, micro, p);
+        drop(autocast);
+        agree::validation_loss(local, dist)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OomPolicy;
+    use crate::data::{Corpus, Sampler};
+    use crate::guard::{GuardState, Progress};
+
+    #[test]
+    fn validation_runs_under_the_training_precisions_autocast() {
+        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let model = Model::new(&cfg, 5, Device::Cpu).unwrap();
+        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 4);
+        let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
+        let validate = |precision, reporter: &mut Reporter| {
+            let settings = StepSettings { precision, device: Device::Cpu, grad_clip: 0.0, savers: Savers::default(), escalate: Vec::new() };
+            let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 4);
+            validation_loss(&model, &mut guard, &settings, &data, 2, 0, None, reporter).unwrap()
+        };
+        let bf16 = validate(Precision::Bf16Mixed, &mut reporter);
+        let fp32 = validate(Precision::Fp32, &mut reporter);
+        let under_autocast = {
+            let _autocast = Autocast::enter(Precision::Bf16Mixed, Device::Cpu).unwrap();
+            evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap()
+        };
+        assert_eq!(bf16.to_bits(), under_autocast.to_bits(), "bf16-mixed validation is the loss computed under bf16 autocast");
+        assert_eq!(fp32.to_bits(), evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap().to_bits());
+        assert_ne!(bf16, fp32, "bf16 autocast changes the loss: validation did not run under it");
+    }
 }

@@ -45,7 +45,7 @@ impl Faults {
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
         }
-        if self.cfg.nondeterministic_op_at_step == Some(step) {
+        if self.cfg.nondeterministic_op_at_step == Some(step) && self.cfg.nondeterministic_op_rank.is_none_or(|r| r == self.rank) {
             let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)?;
         }
         if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) {

@@ -65,6 +65,14 @@ impl<'a> Run<'a> {
             prepare_run_dir(dir, plan)?;
         }
         let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
+        if let Some(d) = dist.as_deref() {
+            // Without a shared filesystem a rank may find no checkpoint (or an older one) and
+            // start elsewhere than rank 0: the ranks would drift apart silently, then hang.
+            let (lowest, highest) = d.spread(start_step as f64)?;
+            if lowest != highest {
+                return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
+            }
+        }
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
@@ -224,7 +232,7 @@ impl<'a> Run<'a> {
         let step_time = step_started.elapsed().as_secs_f64();
         let mut new_best = false;
         let val_loss = if plan.evaluates_after(step + 1) {
-            let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
+            let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &plan.step, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
             let best = &mut self.state.progress.best_val;
             if best.is_none_or(|(b, _)| v < b) {
                 *best = Some((v, step + 1));
@@ -307,14 +315,14 @@ impl<'a> Run<'a> {
             // Resumed at or past max_steps: the newest checkpoint already holds this state.
             tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
         }
-        let params = self.state.trainable.params();
-        if let Some(d) = self.dist.as_deref() {
-            let spread = d.weight_spread(params)?;
-            self.reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
-        }
         let elapsed = self.started.elapsed().as_secs_f64();
+        // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
         if plan.is_writer() {
             crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params)?;
+        }
+        if let Some(d) = self.dist.as_deref() {
+            let spread = d.weight_spread(self.state.trainable.params())?;
+            self.reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
         }
         let steps_run = t.max_steps.saturating_sub(self.start_step);
         let guard = &self.state.guard;
