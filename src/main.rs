@@ -78,6 +78,10 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     trainguard::determinism::prepare_env(plan.config.deterministic);
     let stop = Interrupter::new();
     stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
+    if let tch::Device::Cuda(i) = plan.device {
+        // Before the process group: NCCL and whatever CUDA work names no device use this one.
+        trainguard::ffi::set_current_device(i).with_context(|| format!("cannot make cuda:{i} the current device"))?;
+    }
     // Under a launcher (RANK set) there is always a group, world size 1 included.
     let mut group = match &launch {
         Some(l) => {

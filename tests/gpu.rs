@@ -46,6 +46,18 @@ impl Kernels {
     }
 }
 
+/// What main does before the process group: the current device set, an invalid one an error
+/// (not an abort).
+#[test]
+fn the_current_device_is_set_and_an_invalid_one_is_an_error() {
+    let Some(_) = cuda() else { return };
+    let n = tch::Cuda::device_count() as usize;
+    ffi::set_current_device(n - 1).unwrap();
+    let err = ffi::set_current_device(n).unwrap_err().to_string();
+    assert!(err.contains("invalid device ordinal") || err.contains("out of range") || err.contains("device"), "{err}");
+    ffi::set_current_device(0).unwrap();
+}
+
 #[test]
 fn a_1_gib_tensor_moves_allocated_by_1_gib_and_empty_cache_returns_it() {
     let Some(dev) = cuda() else { return };

@@ -74,6 +74,7 @@ extern "C" {
     fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_set_current_device(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_errors_without_stack_traces(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_deterministic(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
@@ -153,6 +154,13 @@ pub fn empty_cache() -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: `err` is ERR_LEN bytes.
     result(unsafe { tg_empty_cache(err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Makes `device` this thread's current CUDA device (see `tg_set_current_device`).
+pub fn set_current_device(device: usize) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `err` is ERR_LEN bytes.
+    result(unsafe { tg_set_current_device(device as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 pub fn reset_peak_stats(device: usize) -> Result<(), ShimError> {
@@ -281,6 +289,7 @@ mod tests {
         assert_eq!(device_stats(0), Err(ShimError::Unavailable));
         assert_eq!(empty_cache(), Err(ShimError::Unavailable));
         assert_eq!(reset_peak_stats(0), Err(ShimError::Unavailable));
+        assert_eq!(set_current_device(0), Err(ShimError::Unavailable));
     }
 
     #[test]

@@ -112,6 +112,15 @@ int tg_reset_peak_stats(int device, char* err, size_t err_len) {
   });
 }
 
+// The calling thread's current device, as torch.cuda.set_device(local_rank) in a torchrun
+// script: what libtorch or NCCL does without naming a device goes to this rank's GPU, not GPU 0.
+// Only the device guard's setDevice (cudaSetDevice): no lazy init, so the caching allocator
+// stays uncreated and the memory fraction in the settings applied later still takes effect.
+int tg_set_current_device(int device, char* err, size_t err_len) {
+  if (!have_accelerator()) return 2;
+  return guarded(err, err_len, [&] { at::accelerator::setDeviceIndex(static_cast<c10::DeviceIndex>(device)); });
+}
+
 // Parses `key:value,...` exactly as PYTORCH_CUDA_ALLOC_CONF; must run before the first CUDA
 // allocation to affect the caching allocator. Works (parses) without a GPU too.
 int tg_set_allocator_settings(const char* settings, char* err, size_t err_len) {
