@@ -176,16 +176,27 @@ fn token_files_exist(path: &str) -> Result<(), String> {
 }
 
 /// `auto` picks CUDA device `local_rank` (0 in a single process) when there is one, else the
-/// CPU; `cuda` is `cuda:<local_rank>` among the devices this process sees (modulo their count:
-/// a launcher that gives each rank its own `CUDA_VISIBLE_DEVICES` leaves every rank one device,
-/// `cuda:0`).
+/// CPU; `cuda` is `cuda:<local_rank>` among the devices this process sees. A process that sees
+/// one device uses it whatever its rank (a launcher that gives each rank its own
+/// `CUDA_VISIBLE_DEVICES`); more local ranks than visible devices is refused, since ranks
+/// sharing a GPU fail in NCCL with an obscure error or silently slow each other down.
 pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Result<Device, String> {
+    let rank_device = || match cuda_devices {
+        1 => Ok(0),
+        n if local_rank < n => Ok(local_rank),
+        n => Err(format!(
+            "`{spec}` on local rank {local_rank}, but this process sees {n} CUDA device(s): start one rank per GPU \
+             (torchrun --nproc_per_node {n}) or give each rank its own CUDA_VISIBLE_DEVICES"
+        )),
+    };
     match spec {
-        "auto" => Ok(if cuda_devices > 0 { Device::Cuda(local_rank % cuda_devices) } else { Device::Cpu }),
+        "auto" if cuda_devices == 0 => Ok(Device::Cpu),
+        "auto" => rank_device().map(Device::Cuda),
         "cpu" => Ok(Device::Cpu),
         _ => {
             let index = match spec.strip_prefix("cuda") {
-                Some("") => local_rank % cuda_devices.max(1),
+                Some("") if cuda_devices > 0 => rank_device()?,
+                Some("") => 0,
                 Some(rest) => rest
                     .strip_prefix(':')
                     .and_then(|n| n.parse::<usize>().ok())
@@ -256,6 +267,10 @@ mod tests {
         assert_eq!(resolve_device("cuda:1", 2, 0), Ok(Device::Cuda(1)));
         assert!(resolve_device("cuda", 0, 0).unwrap_err().contains("0 CUDA device"));
         assert!(resolve_device("cuda:2", 2, 0).is_err());
+        for spec in ["auto", "cuda"] {
+            let err = resolve_device(spec, 2, 3).unwrap_err();
+            assert!(err.contains("local rank 3, but this process sees 2 CUDA device(s)") && err.contains("--nproc_per_node 2"), "{err}");
+        }
     }
 
     #[test]

@@ -100,21 +100,34 @@ pub enum NvmlDevice {
     Uuid(String),
 }
 
-/// The NVML device that CUDA numbers `cuda_index`, given `CUDA_VISIBLE_DEVICES` (`visible`).
-/// CUDA's rules: a comma-separated list of indices or UUIDs; the list ends at the first entry
-/// that is neither (so `0,1,-1,2` is `0,1`); an empty list hides every device. Integer entries
-/// are NVML's indices when CUDA orders by PCI bus, as it does among identical GPUs.
+/// The NVML device that CUDA numbers `cuda_index`, given `CUDA_VISIBLE_DEVICES` (`visible`),
+/// read by CUDA's rules as PyTorch models them (`torch.cuda._parse_visible_devices`): a list
+/// that starts with a `GPU-` (or `MIG-`) UUID holds such UUIDs up to the first entry that is
+/// not one; otherwise it holds indices, each read as C's `strtoul` does (`1gpu` is 1), up to
+/// the first that is not one (`0,1,-1,2` is `0,1`); a repeated entry hides every device.
+/// Indices are NVML's when CUDA orders by PCI bus (`CUDA_DEVICE_ORDER=PCI_BUS_ID`, or GPUs
+/// that are all alike, where CUDA's fastest-first order is the bus order).
 pub fn cuda_to_nvml(cuda_index: usize, visible: Option<&str>) -> Result<NvmlDevice, String> {
     let Some(list) = visible else { return Ok(NvmlDevice::Index(cuda_index as u32)) };
-    list.split(',')
-        .map(str::trim)
-        .map_while(|e| match e.parse::<u32>() {
-            Ok(i) => Some(NvmlDevice::Index(i)),
-            Err(_) if e.starts_with("GPU-") || e.starts_with("MIG-") => Some(NvmlDevice::Uuid(e.to_string())),
-            Err(_) => None,
-        })
-        .nth(cuda_index)
-        .ok_or_else(|| format!("CUDA_VISIBLE_DEVICES=`{list}` lists no CUDA device {cuda_index}"))
+    let hidden = || format!("CUDA_VISIBLE_DEVICES=`{list}` lists no CUDA device {cuda_index}");
+    let entries = list.split(',').map(str::trim);
+    let devices: Vec<NvmlDevice> = match ["GPU-", "MIG-"].into_iter().find(|p| list.trim_start().starts_with(p)) {
+        Some(prefix) => entries.take_while(|e| e.starts_with(prefix)).map(|e| NvmlDevice::Uuid(e.to_string())).collect(),
+        None => entries.map_while(strtoul).map(NvmlDevice::Index).collect(),
+    };
+    let repeated = devices.iter().enumerate().any(|(i, d)| devices[..i].contains(d));
+    if repeated {
+        return Err(format!("{}: it names a device twice, which hides every device", hidden()));
+    }
+    devices.into_iter().nth(cuda_index).ok_or_else(hidden)
+}
+
+/// The leading digits of `s` as a number, as C's `strtoul` reads them; `None` without any (or
+/// for a negative number).
+fn strtoul(s: &str) -> Option<u32> {
+    let s = s.strip_prefix('+').unwrap_or(s);
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    s[..digits].parse().ok()
 }
 
 #[cfg(test)]
@@ -127,11 +140,16 @@ mod tests {
         assert_eq!(cuda_to_nvml(1, None), Ok(Index(1)), "no variable: the same numbering");
         assert_eq!(cuda_to_nvml(0, Some("3")), Ok(Index(3)), "SLURM's one GPU per task");
         assert_eq!(cuda_to_nvml(1, Some("6, 2")), Ok(Index(2)), "the list's order, not NVML's");
-        assert_eq!(cuda_to_nvml(0, Some("GPU-8932f937,1")), Ok(Uuid("GPU-8932f937".into())));
-        assert_eq!(cuda_to_nvml(1, Some("GPU-8932f937,1")), Ok(Index(1)));
-        assert_eq!(cuda_to_nvml(0, Some("MIG-4b3c7a0e-1d2f")), Ok(Uuid("MIG-4b3c7a0e-1d2f".into())));
+        assert_eq!(cuda_to_nvml(0, Some("1gpu,+4")), Ok(Index(1)), "strtoul's reading");
+        assert_eq!(cuda_to_nvml(1, Some("1gpu,+4")), Ok(Index(4)));
         assert!(cuda_to_nvml(2, Some("0,1,-1,2")).unwrap_err().contains("lists no CUDA device 2"), "the list ends at an invalid entry");
         assert!(cuda_to_nvml(0, Some("")).is_err(), "an empty list hides every device");
         assert!(cuda_to_nvml(1, Some("4")).is_err());
+        assert!(cuda_to_nvml(0, Some("2,3,2")).unwrap_err().contains("names a device twice"));
+        assert_eq!(cuda_to_nvml(0, Some("GPU-8932f937,GPU-aa1")), Ok(Uuid("GPU-8932f937".into())));
+        assert_eq!(cuda_to_nvml(1, Some("GPU-8932f937,GPU-aa1")), Ok(Uuid("GPU-aa1".into())));
+        assert!(cuda_to_nvml(1, Some("GPU-8932f937,1")).is_err(), "a UUID list ends at an index");
+        assert!(cuda_to_nvml(1, Some("0,GPU-8932f937")).is_err(), "an index list ends at a UUID");
+        assert_eq!(cuda_to_nvml(0, Some("MIG-4b3c7a0e-1d2f")), Ok(Uuid("MIG-4b3c7a0e-1d2f".into())));
     }
 }
