@@ -179,25 +179,33 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     assert_eq!(diff, 0.0, "same final weights as an uninterrupted run");
 }
 
-/// One rank fails with an error that is not an out-of-memory (deterministic mode refusing an
-/// op, after the gradient all-reduce): it still joins the agreement, so its peer stops at once,
-/// saying why, instead of waiting for it in the next collective until `dist.timeout_s`.
+/// One rank fails with an error that is not an out-of-memory, after the gradient all-reduce:
+/// deterministic mode refusing an op (an `Err`), or an op libtorch refuses that tch raises as a
+/// panic. It still joins the agreement, so its peer stops at once, saying why, instead of
+/// waiting for it in the next collective until `dist.timeout_s`.
 #[test]
 fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
-    let d = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let sets = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "dist.timeout_s=120", "deterministic=true", "faults.nondeterministic_op_at_step=2", "faults.nondeterministic_op_rank=1"];
-    let started = Instant::now();
-    let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &sets)).collect();
-    let outs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-    let wall = started.elapsed().as_secs_f64();
-    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
-    assert_eq!(outs[1].status.code(), Some(6), "the failing rank names its own error: {}", err(1));
-    assert!(err(1).contains("`put_` has no deterministic implementation"), "{}", err(1));
-    assert!(!outs[0].status.success(), "{}", err(0));
-    assert!(err(0).contains("1 other rank(s) failed with an error that is not an out-of-memory"), "{}", err(0));
-    assert!(!err(0).contains("panicked") && !err(1).contains("panicked"), "{}\n{}", err(0), err(1));
-    assert!(wall < 60.0, "the peer stopped with the failing rank, not after dist.timeout_s = 120 s: {wall:.1} s");
+    let cases: [(&[&str], i32, &str); 2] = [
+        (&["deterministic=true", "faults.nondeterministic_op_at_step=2"], 6, "`put_` has no deterministic implementation"),
+        (&["faults.failing_scalar_op_at_step=2"], 1, "must match the size of tensor b"),
+    ];
+    for (fault, code, named) in cases {
+        let d = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let base = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "dist.timeout_s=120", "faults.fault_rank=1"];
+        let sets = [&base[..], fault].concat();
+        let started = Instant::now();
+        let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &sets)).collect();
+        let outs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+        let wall = started.elapsed().as_secs_f64();
+        let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+        assert_eq!(outs[1].status.code(), Some(code), "{fault:?}: the failing rank names its own error: {}", err(1));
+        assert!(err(1).contains(named), "{fault:?}: {}", err(1));
+        assert!(!outs[0].status.success(), "{fault:?}: {}", err(0));
+        assert!(err(0).contains("1 other rank(s) failed with an error that is not an out-of-memory"), "{fault:?}: {}", err(0));
+        assert!(!err(0).contains("panicked") && !err(1).contains("panicked"), "{fault:?}: {}\n{}", err(0), err(1));
+        assert!(wall < 60.0, "{fault:?}: the peer stopped with the failing rank, not after dist.timeout_s = 120 s: {wall:.1} s");
+    }
 }
 
 /// Without a shared filesystem, rank 1 finds no checkpoint where rank 0 finds step 6's: the

@@ -517,8 +517,11 @@ pub struct FaultsConfig {
     /// Run an op that has no deterministic implementation (`put_`) inside this step: with
     /// `deterministic: true` libtorch refuses it.
     pub nondeterministic_op_at_step: Option<u64>,
-    /// Only this rank runs that op (default: every rank): one rank failing alone.
-    pub nondeterministic_op_rank: Option<usize>,
+    /// Run an op taking a scalar that libtorch refuses (shapes that do not broadcast) inside this
+    /// step, after the gradient all-reduce: tch raises that error as a panic.
+    pub failing_scalar_op_at_step: Option<u64>,
+    /// Only this rank runs the two ops above (default: every rank): one rank failing alone.
+    pub fault_rank: Option<usize>,
 }
 
 /// Multi-process runs (torchrun).

@@ -89,8 +89,8 @@ impl OomFailure {
 pub enum GuardError {
     #[error("out of memory at micro-batch {}: {}", .0.micro_batch, first_line(&.0.message))]
     OutOfMemory(Box<OomFailure>),
-    #[error("libtorch error: {0}")]
-    Torch(TchError),
+    #[error("libtorch error {at}: {error}")]
+    Torch { error: TchError, at: String },
     /// `deterministic: true` met an op libtorch has no deterministic implementation of.
     #[error("deterministic: true, but {op} has no deterministic implementation in libtorch ({at}); set deterministic: false to run it, or avoid the op")]
     NotDeterministic { op: String, at: String },
@@ -189,9 +189,10 @@ pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device:
 
 /// A libtorch error that is not an out-of-memory: named when deterministic mode refused an op.
 fn other_error(err: TchError, message: &str, step: Option<u64>) -> GuardError {
+    let at = step.map_or("while setting up".into(), |s| format!("at step {s}"));
     match nondeterministic_op(message) {
-        Some(op) => GuardError::NotDeterministic { op, at: step.map_or("while setting up".into(), |s| format!("at step {s}")) },
-        None => GuardError::Torch(err),
+        Some(op) => GuardError::NotDeterministic { op, at },
+        None => GuardError::Torch { error: err, at },
     }
 }
 

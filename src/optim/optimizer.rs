@@ -202,6 +202,28 @@ mod tests {
         }
     }
 
+    /// A failure inside the update, after the count moved on (parameters of a shape AdamW's
+    /// moments were not built for: the fused kernel's shape check, or the unfused path's
+    /// `lerp_`, which tch raises as a panic): the count goes back, so the next update is the first.
+    #[test]
+    fn an_update_that_fails_inside_is_counted_back() {
+        for fused in [true, false] {
+            let spec = OptimizerSpec { fused, ..spec(OptimizerName::Adamw) };
+            let fresh = || vec![Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+            let grads = [Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+            let (a, b) = (fresh(), fresh());
+            let mut failing = Optimizer::new(&spec, &a, &[true, false], Device::Cpu).unwrap();
+            let mut plain = Optimizer::new(&spec, &b, &[true, false], Device::Cpu).unwrap();
+            let other = [Tensor::zeros([2, 6], (Kind::Float, Device::Cpu)), a[1].shallow_clone()];
+            let other_grads = [Tensor::ones([2, 6], (Kind::Float, Device::Cpu)), grads[1].shallow_clone()];
+            assert!(failing.step(&other, &other_grads, 1e-2).is_err(), "fused {fused}");
+            assert_eq!(failing.steps(), 0, "fused {fused}: the failed update was counted");
+            failing.step(&a, &grads, 1e-2).unwrap();
+            plain.step(&b, &grads, 1e-2).unwrap();
+            assert!(a.iter().zip(&b).all(|(x, y)| x.equal(y)), "fused {fused}: the next update is not the first");
+        }
+    }
+
     #[test]
     fn each_name_builds_its_optimizer() {
         let params = [Tensor::zeros([64, 64], (Kind::Float, Device::Cpu)), Tensor::zeros([64], (Kind::Float, Device::Cpu))];

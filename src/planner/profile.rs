@@ -270,7 +270,7 @@ fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64)
             Ok(o) if o.applied => counts.applied += 1,
             Ok(_) => counts.skipped += 1,
             Err(GuardError::OutOfMemory(_)) => return Ok(None),
-            Err(GuardError::Torch(e)) => return Err(e.into()),
+            Err(GuardError::Torch { error, .. }) => return Err(error.into()),
             Err(e) => return Err(ProfileError::Step(e.to_string())),
         }
     }

@@ -12,6 +12,7 @@
 //! A rank whose work failed with any other error still joins the agreement before it stops, so
 //! its peers stop at once, naming why, instead of waiting for it until `dist.timeout_s`.
 use crate::dist::{Dist, LocalOutcome};
+use crate::ffi::torch_panics::catch_torch_panics;
 use crate::guard::{classify, ErrorKind, StepError};
 use std::fmt;
 use tch::{TchError, Tensor};
@@ -62,7 +63,11 @@ impl std::error::Error for PeerFailed {}
 pub fn gradients(local: Result<(Vec<Tensor>, f64), TchError>, dist: Option<&mut Dist>) -> Result<(Vec<Tensor>, f64), StepError> {
     let Some(d) = dist else { return Ok(local?) };
     let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), |(_, loss)| *loss)?;
-    d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))?;
+    // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
+    catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))).map_err(|e| match e {
+        StepError::Torch(e) => StepError::Fatal(Box::new(e)),
+        other => other,
+    })?;
     Ok((grads, loss))
 }
 

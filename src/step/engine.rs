@@ -9,6 +9,7 @@ use super::precision::{self, Autocast, LossScaler, ScaleChange};
 use super::savers::Savers;
 use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
 use crate::dist::Dist;
+use crate::ffi::torch_panics::catch_torch_panics;
 use crate::events::{Event, LossScaleReason, Reporter};
 use crate::guard::{Guard, GuardError, StepError};
 use crate::model::Model;
@@ -94,14 +95,16 @@ pub fn optimizer_step(
     let outcome = guard.run(step, reporter, |micro, p| {
         let savers = settings.savers_at(p.escalation_level());
         let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
-        let local = forward_backward(model, data, step, micro, &savers, scale, p);
+        // Each rank's own work is caught where it is done (a libtorch error tch raised as a
+        // panic included), so a failing rank still joins the agreement that follows.
+        let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, p));
         drop(autocast);
         // The injected leak allocates like the step's own work: before the ranks agree on it.
-        let local = local.and_then(|r| faults.leak_graph(model, data, step, micro).map(|()| r));
+        let local = local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
         let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
         // What runs between the two agreements allocates on each rank alone (the clipping's
         // norms, above all): the second agreement lets every rank replay if one ran out.
-        let prepared = (|| -> Result<(f64, bool, bool), StepError> {
+        let prepared = catch_torch_panics(|| -> Result<(f64, bool, bool), StepError> {
             if scale != 1.0 {
                 scale_all(&mut grads, 1.0 / scale)?;
             }
@@ -110,10 +113,10 @@ pub fn optimizer_step(
             let overflow = scaler.is_some() && !grad_norm.is_finite();
             let applied = loss.is_finite() && grad_norm.is_finite();
             Ok((grad_norm, overflow, applied))
-        })();
+        });
         let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
         if applied {
-            let update = model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr));
+            let update = catch_torch_panics(|| model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr)));
             agree::update_done(update, dist.as_deref())?;
         }
         Ok(StepOutcome { loss, grad_norm, applied, overflow })
@@ -135,7 +138,7 @@ pub fn optimizer_step(
 pub fn validation_loss(model: &Model, guard: &mut Guard, settings: &StepSettings, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
     guard.run(step, reporter, |micro, p| {
         let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
-        let local = evaluate(model, data, batches, micro, p);
+        let local = catch_torch_panics(|| evaluate(model, data, batches, micro, p));
         drop(autocast);
         agree::validation_loss(local, dist)
     })

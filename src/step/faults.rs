@@ -40,13 +40,18 @@ impl Faults {
     }
 
     /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow; or an
-    /// op with no deterministic implementation.
+    /// op with no deterministic implementation, or one that libtorch refuses.
     pub(super) fn corrupt(&self, step: u64, loss: &mut f64, grads: &mut [Tensor], loss_scaled: bool) -> Result<(), TchError> {
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
         }
-        if self.cfg.nondeterministic_op_at_step == Some(step) && self.cfg.nondeterministic_op_rank.is_none_or(|r| r == self.rank) {
+        let this_rank = self.cfg.fault_rank.is_none_or(|r| r == self.rank);
+        if self.cfg.nondeterministic_op_at_step == Some(step) && this_rank {
             let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)?;
+        }
+        if self.cfg.failing_scalar_op_at_step == Some(step) && this_rank {
+            let mut a = Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu));
+            let _ = a.f_lerp_(&Tensor::ones([4], (tch::Kind::Float, tch::Device::Cpu)), 0.5)?;
         }
         if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) {
             if let Some(g) = grads.first_mut() {

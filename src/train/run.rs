@@ -61,17 +61,22 @@ impl<'a> Run<'a> {
             Some(l) => check_compatible(l, cfg)?,
             None => vec![],
         };
-        if let Some(dir) = run_dir {
-            prepare_run_dir(dir, plan)?;
-        }
         let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
+        // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
+        // options and the CUDA memory cap.
+        let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
+        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         if let Some(d) = dist.as_deref() {
             // Without a shared filesystem a rank may find no checkpoint (or an older one) and
             // start elsewhere than rank 0: the ranks would drift apart silently, then hang.
+            // Compared before anything is written.
             let (lowest, highest) = d.spread(start_step as f64)?;
             if lowest != highest {
                 return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
             }
+        }
+        if let Some(dir) = run_dir {
+            prepare_run_dir(dir, plan)?;
         }
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
@@ -82,10 +87,7 @@ impl<'a> Run<'a> {
         for e in skipped {
             reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
         }
-
-        // Before the first CUDA allocation: allocator options and the CUDA memory cap.
-        let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
-        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
+        // The allocator's warnings once the run's log is open.
         for w in cfg.memory.allocator.warnings(fraction.is_some()) {
             tracing::warn!("{w}");
         }
