@@ -242,6 +242,27 @@ fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
     assert_eq!(resumed, 0, "nothing was resumed");
 }
 
+/// A fresh run into an out_dir that holds another run: rank 0 alone checks (it alone writes)
+/// and refuses; rank 1 learns it at the start comparison and stops too, instead of waiting
+/// for rank 0 until `dist.timeout_s`.
+#[test]
+fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
+    let d = tempfile::tempdir().unwrap();
+    let first = ["train.max_steps=3", "train.warmup_steps=1", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=120"];
+    let port = free_port();
+    wait_ok((0..2).map(|r| spawn_rank(r, 2, port, d.path(), &first)).collect());
+    let port = free_port();
+    let started = Instant::now();
+    let outs: Vec<_> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &first)).collect::<Vec<_>>().into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let wall = started.elapsed().as_secs_f64();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
+    assert!(err(0).contains("already holds 1 checkpoint(s) of another run"), "{}", err(0));
+    assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
+    assert!(err(1).contains("another rank could not start"), "{}", err(1));
+    assert!(wall < 60.0, "rank 1 stopped at the start comparison, not after dist.timeout_s = 120 s: {wall:.1} s");
+}
+
 #[test]
 fn nccl_on_the_cpu_is_refused_clearly() {
     let d = tempfile::tempdir().unwrap();

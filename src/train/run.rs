@@ -56,25 +56,33 @@ impl<'a> Run<'a> {
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let ckpt = Checkpointer::new(plan);
-        let (loaded, skipped) = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
-        let changed = match &loaded {
-            Some(l) => check_compatible(l, cfg)?,
-            None => vec![],
-        };
-        let start_step = loaded.as_ref().map_or(0, |l| l.state.step);
+        let resumed = resolve_resume(resume, ckpt.root(), plan.is_writer()).and_then(|(loaded, skipped)| {
+            let changed = match &loaded {
+                Some(l) => check_compatible(l, cfg)?,
+                None => vec![],
+            };
+            Ok((loaded, skipped, changed))
+        });
+        let start_step = resumed.as_ref().map_or(0, |(loaded, ..)| loaded.as_ref().map_or(0, |l| l.state.step));
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
         let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
         let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         if let Some(d) = dist.as_deref() {
-            // Without a shared filesystem a rank may find no checkpoint (or an older one) and
-            // start elsewhere than rank 0: the ranks would drift apart silently, then hang.
-            // Compared before anything is written.
-            let (lowest, highest) = d.spread(start_step as f64)?;
-            if lowest != highest {
+            // The ranks compare where they start, before anything is written. A rank that
+            // cannot start (rank 0 alone refuses an out_dir holding another run; a checkpoint
+            // only one rank sees) says so (-1) instead of leaving its peers waiting; without a
+            // shared filesystem a rank may find no checkpoint, or an older one, and would
+            // silently train from another step.
+            let (lowest, highest) = d.spread(if resumed.is_ok() { start_step as f64 } else { -1.0 })?;
+            if resumed.is_ok() && lowest < 0.0 {
+                return Err(TrainError::PeerCouldNotStart);
+            }
+            if resumed.is_ok() && lowest != highest {
                 return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
             }
         }
+        let (loaded, skipped, changed) = resumed?;
         if let Some(dir) = run_dir {
             prepare_run_dir(dir, plan)?;
         }

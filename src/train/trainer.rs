@@ -35,6 +35,8 @@ pub enum TrainError {
     InitFrom(#[from] crate::hf::HfError),
     #[error("the ranks found different checkpoints to resume from (steps {lowest} to {highest}; a rank without one starts at 0): every rank must read rank 0's out_dir, on a filesystem all nodes share, or resume from one path (--resume <checkpoint dir>)")]
     ResumeDisagrees { lowest: u64, highest: u64 },
+    #[error("another rank could not start (its own error names why: an out_dir that holds another run, or a checkpoint it cannot use); every rank stops")]
+    PeerCouldNotStart,
     #[error("injected failure at step {step} (faults.crash_at_step)")]
     InjectedCrash { step: u64 },
     #[error("cannot write run directory {path}: {source}")]
