@@ -42,9 +42,11 @@ fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -
 }
 
 fn wait_ok(children: Vec<Child>) {
-    for c in children {
-        let out = c.wait_with_output().unwrap();
-        assert!(out.status.success(), "a rank failed: {}", String::from_utf8_lossy(&out.stderr));
+    let outs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for (rank, out) in outs.iter().enumerate() {
+        // Every rank's stderr: the first to fail explains why the others did.
+        let all = outs.iter().enumerate().map(|(r, o)| format!("--- rank {r} ({:?}):\n{}", o.status.code(), String::from_utf8_lossy(&o.stderr))).collect::<String>();
+        assert!(out.status.success(), "rank {rank} failed:\n{all}");
     }
 }
 
@@ -122,6 +124,35 @@ fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
     assert_matches_single_process(d.path(), &single);
 }
 
+/// A leak on rank 1 alone (`faults.leak_graphs` with `faults.fault_rank=1`), under a cap on rank
+/// 1 only. Rank 1 finds the leak at its out-of-memory; rank 0 sees none. Were rank 1 to stop after
+/// its one leak halving, rank 0 would replay alone and fail in its next collective (a
+/// connection error on Gloo; on NCCL after `dist.timeout_s`). With peers the ranks halve
+/// together to the floor, the leak named, and stop there together on the out-of-memory (exit 3).
+#[test]
+fn a_leak_on_one_rank_halves_every_rank_together_and_they_stop_together() {
+    let model = ["model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=16", "train.warmup_steps=0", "train.eval_interval=0", "checkpoint.interval=0"];
+    let probe = tempfile::tempdir().unwrap();
+    let peak = train(probe.path(), "configs/debug.yaml", &[&model[..], &["train.global_batch_size=32", "train.max_steps=2", "memory.limit=1TiB"]].concat()).ok().summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let cap = format!("memory.limit={}", peak + (200 << 20));
+    let d = tempfile::tempdir().unwrap();
+    let sets = [&model[..], &["train.global_batch_size=64", "train.max_steps=400", "dist.timeout_s=120", "faults.leak_graphs=true", "faults.fault_rank=1"]].concat();
+    let rank1_sets = [&sets[..], &[cap.as_str()]].concat();
+    let port = free_port();
+    let started = Instant::now();
+    let ranks = vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &rank1_sets)];
+    let outs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let wall = started.elapsed().as_secs_f64();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[1].status.code(), Some(3), "{}", err(1));
+    assert!(err(1).contains("more is held between steps than at step"), "rank 1 names the leak: {}", err(1));
+    assert_eq!(outs[0].status.code(), Some(3), "rank 0 stops with it: {}", err(0));
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let halvings: Vec<(u64, u64)> = events.iter().filter(|e| e["event"] == "oom_recovered").map(|e| (e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap())).collect();
+    assert!(halvings.len() > 1 && halvings.last() == Some(&(2, 1)), "both ranks halved together down to the floor: {halvings:?}");
+    assert!(wall < 90.0, "the ranks stopped together, not after dist.timeout_s = 120 s: {wall:.1} s");
+}
+
 #[test]
 fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
     let d = tempfile::tempdir().unwrap();
@@ -182,7 +213,8 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
 /// One rank fails with an error that is not an out-of-memory, after the gradient all-reduce:
 /// deterministic mode refusing an op (an `Err`), or an op libtorch refuses that tch raises as a
 /// panic. It still joins the agreement, so its peer stops at once, saying why, instead of
-/// waiting for it in the next collective until `dist.timeout_s`.
+/// failing in its next collective with only "a rank died or timed out" (on NCCL after
+/// `dist.timeout_s`).
 #[test]
 fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
     let cases: [(&[&str], i32, &str); 2] = [
@@ -243,8 +275,8 @@ fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
 }
 
 /// A fresh run into an out_dir that holds another run: rank 0 alone checks (it alone writes)
-/// and refuses; rank 1 learns it at the start comparison and stops too, instead of waiting
-/// for rank 0 until `dist.timeout_s`.
+/// and refuses; rank 1 learns it at the start comparison and stops too, naming why, instead of
+/// failing later in a collective without the cause.
 #[test]
 fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
     let d = tempfile::tempdir().unwrap();

@@ -27,7 +27,7 @@ pub enum DistError {
 pub enum LocalOutcome {
     Done(f64),
     OutOfMemory,
-    /// Any other error: the run ends, on every rank at once rather than after `dist.timeout_s`.
+    /// Any other error: the run ends on every rank at once, the cause named.
     Failed,
 }
 
@@ -144,7 +144,7 @@ impl Dist {
 
     /// All ranks learn whether any ran out of memory or failed otherwise, and the mean of the
     /// values (e.g. the loss). A failing rank joins too, so its peers stop with it instead of
-    /// waiting in the next collective until `dist.timeout_s`.
+    /// failing in the next collective without the cause (after `dist.timeout_s` on NCCL).
     pub fn agree(&self, local: LocalOutcome) -> Result<Agreement, DistError> {
         let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string(), silent: None };
         let slots = match local {

@@ -3,7 +3,7 @@
 //! [`Guard::run`] acts: it runs an attempt, lets everything the attempt held be dropped, empties
 //! the allocator cache, and replays the same step at the micro-batch the policy chose. At an
 //! out-of-memory it also asks [`leak`] whether memory held between steps grew (then one halving at
-//! most: a leak is not fixed by a smaller micro-batch), and writes the allocator snapshot
+//! most in one process: a leak is not fixed by a smaller micro-batch), and writes the allocator snapshot
 //! (`memory.snapshot_on_oom`). An op that `deterministic: true` forbids ends the run, named.
 //! A libtorch error that tch raises as a panic is turned back into that error first
 //! ([`crate::ffi::torch_panics`]).
@@ -157,6 +157,8 @@ pub struct Guard {
     held: HeldMemory,
     /// A leak was found at an earlier out-of-memory and the micro-batch halved for it.
     halved_for_leak: bool,
+    /// One of several ranks: see [`Guard::data_parallel`].
+    data_parallel: bool,
     snapshot: SnapshotTarget,
 }
 
@@ -211,7 +213,16 @@ fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
 
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
-        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default(), held: HeldMemory::default(), halved_for_leak: false, snapshot: SnapshotTarget::default() }
+        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default(), held: HeldMemory::default(), halved_for_leak: false, data_parallel: false, snapshot: SnapshotTarget::default() }
+    }
+
+    /// One rank of several. Each rank measures its own memory, so a leak can be found on one
+    /// rank and not on another: stopping on it would end that rank while its peers replay and
+    /// wait for it. With peers a leak is named at every out-of-memory, but the ranks go on
+    /// halving together, as the policy alone decides, and stop together at the floor.
+    pub fn data_parallel(mut self, on: bool) -> Self {
+        self.data_parallel = on;
+        self
     }
 
     /// `memory.snapshot_on_oom`: `recording` when the allocator's history is being recorded
@@ -336,7 +347,7 @@ impl Guard {
             let leak = self.held.diagnose(after.allocated_bytes);
             let decision = match self.policy {
                 // A leak found again after one halving for it: more halvings cannot help.
-                OomPolicy::Adapt if leak.is_some() && self.halved_for_leak => Decision::GiveUp,
+                OomPolicy::Adapt if leak.is_some() && self.halved_for_leak && !self.data_parallel => Decision::GiveUp,
                 OomPolicy::Adapt => self.state.on_oom(step),
                 OomPolicy::Fail | OomPolicy::Off => Decision::GiveUp,
             };
@@ -354,7 +365,7 @@ impl Guard {
                 for (rec, _) in pending.drain(..) {
                     reporter.emit(Event::OomRecovered(rec)); // never recovered: recover_ms null
                 }
-                if let (Some(l), true) = (&leak, self.halved_for_leak) {
+                if let (Some(l), true, false) = (&leak, self.halved_for_leak, self.data_parallel) {
                     tracing::warn!("step {step}: {}; halving the micro-batch did not give the memory back: stopping instead of halving further", l.message);
                 }
                 return Err(GuardError::OutOfMemory(Box::new(OomFailure {

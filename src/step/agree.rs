@@ -10,7 +10,8 @@
 //! data-parallel run with that said, rather than a replay the peers would not join.
 //!
 //! A rank whose work failed with any other error still joins the agreement before it stops, so
-//! its peers stop at once, naming why, instead of waiting for it until `dist.timeout_s`.
+//! its peers stop at once, naming why, instead of failing in their next collective with only "a
+//! rank died or timed out" (on NCCL after `dist.timeout_s`).
 use crate::dist::{Dist, LocalOutcome};
 use crate::ffi::torch_panics::catch_torch_panics;
 use crate::guard::{classify, ErrorKind, StepError};

@@ -64,7 +64,7 @@ impl Faults {
     /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
     /// before the update, so an out-of-memory here replays a step that changed nothing yet.
     pub(super) fn leak_graph(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
-        if self.cfg.leak_graphs && self.leaked_at != Some(step) {
+        if self.cfg.leak_graphs && self.cfg.fault_rank.is_none_or(|r| r == self.rank) && self.leaked_at != Some(step) {
             let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
             self.leaked.push(model.forward(&x, true, None)?);
             self.leaked_at = Some(step);

@@ -71,7 +71,8 @@ impl<'a> Run<'a> {
         if let Some(d) = dist.as_deref() {
             // The ranks compare where they start, before anything is written. A rank that
             // cannot start (rank 0 alone refuses an out_dir holding another run; a checkpoint
-            // only one rank sees) says so (-1) instead of leaving its peers waiting; without a
+            // only one rank sees) says so (-1), rather than its peers failing later in a
+            // collective without the cause (on NCCL after dist.timeout_s); without a
             // shared filesystem a rank may find no checkpoint, or an older one, and would
             // silently train from another step.
             let (lowest, highest) = d.spread(if resumed.is_ok() { start_step as f64 } else { -1.0 })?;
@@ -121,6 +122,7 @@ impl<'a> Run<'a> {
             .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
         let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
             .with_escalation(cfg.oom.escalate.clone())
+            .data_parallel(plan.world_size > 1)
             .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
         match (&loaded, &cfg.init_from) {
