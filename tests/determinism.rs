@@ -44,7 +44,7 @@ fn an_op_without_a_deterministic_implementation_ends_the_run_named_with_exit_6()
     let r = train(dir.path(), "configs/debug.yaml", &sets(&["deterministic=true", "faults.nondeterministic_op_at_step=1"]));
     let err = r.stderr();
     assert_eq!(r.code(), 6, "{err}");
-    let fatal = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    let fatal = r.error_line();
     assert!(fatal.contains("deterministic: true, but `put_` has no deterministic implementation") && fatal.contains("at step 1"), "{err}");
     assert!(!err.contains("panicked") && !err.contains("Exception raised from"), "{err}");
     assert_eq!(r.metrics().len(), 1, "step 0 completed, step 1 did not");

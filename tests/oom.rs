@@ -260,7 +260,7 @@ fn a_leak_stops_with_its_diagnosis_instead_of_halving_to_the_floor() {
     assert!(leak["held_bytes"].as_u64().unwrap() > leak["baseline_bytes"].as_u64().unwrap());
     let message = leak["message"].as_str().unwrap();
     assert!(message.contains("more is held between steps than at step") && message.ends_with("tensors are kept across steps"), "{message}");
-    let fatal = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    let fatal = run.error_line();
     assert!(fatal.contains("more is held between steps than at step") && fatal.contains("tensors are kept across steps"), "{err}");
     assert!(err.contains("did not give the memory back") && err.contains("cannot give that memory back") && err.contains(".detach()"), "{err}");
     assert!(!err.contains("model.seq_len") && !err.contains("panicked"), "no sequence-length advice for a leak: {err}");

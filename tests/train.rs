@@ -131,7 +131,7 @@ fn a_libtorch_error_raised_as_a_panic_is_an_error_not_a_crash() {
     let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1", "faults.failing_scalar_op_at_step=1"]);
     let err = r.stderr();
     assert_eq!(r.code(), 1, "{err}");
-    let fatal = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    let fatal = r.error_line();
     assert!(fatal.contains("must match the size of tensor b") && fatal.contains("step 1"), "{err}");
     assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
     assert_eq!(r.metrics().len(), 1, "step 0 completed, step 1 did not");

@@ -284,6 +284,18 @@ void adafactor(P* p, const P* g, P* row_var, P* col_var, P* variance, int64_t ro
   });
 }
 
+// ATen's fused CPU kernels walk each parameter's elements and read the other lists at the same
+// offsets without comparing sizes: a mismatch would read or write out of bounds, so it is an
+// error here.
+void check_same_shapes(const char* what, const std::vector<at::Tensor>& params,
+                       std::initializer_list<const std::vector<at::Tensor>*> others) {
+  for (const auto* list : others) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK(params[i].sizes() == (*list)[i].sizes(), what, ": tensor ", i, " has shape ", (*list)[i].sizes(),
+                  ", its parameter ", params[i].sizes());
+    }
+  }
+}
 }  // namespace
 
 extern "C" {
@@ -315,25 +327,6 @@ int tg_scale_all(const void* const* ts, size_t n, double factor, char* err, size
 
 // One AdamW update of `n` tensors with ATen's fused kernel (CPU and CUDA): reads each tensor
 // once. The tensors are tch handles (`at::Tensor*`). `steps` must already be incremented.
-}  // extern "C"
-
-namespace {
-// ATen's fused CPU kernels walk each parameter's elements and read the other lists at the same
-// offsets without comparing sizes: a mismatch would read or write out of bounds, so it is an
-// error here.
-void check_same_shapes(const char* what, const std::vector<at::Tensor>& params,
-                       std::initializer_list<const std::vector<at::Tensor>*> others) {
-  for (const auto* list : others) {
-    for (size_t i = 0; i < params.size(); ++i) {
-      TORCH_CHECK(params[i].sizes() == (*list)[i].sizes(), what, ": tensor ", i, " has shape ", (*list)[i].sizes(),
-                  ", its parameter ", params[i].sizes());
-    }
-  }
-}
-}  // namespace
-
-extern "C" {
-
 int tg_fused_adamw(const void* const* params, const void* const* grads, const void* const* exp_avgs,
                    const void* const* exp_avg_sqs, const void* const* steps, size_t n, double lr,
                    double beta1, double beta2, double weight_decay, double eps, char* err,
@@ -355,8 +348,8 @@ int tg_fused_sgd(const void* const* params, const void* const* grads, const void
   return guarded(err, err_len, [&] {
     auto p = tensor_list(params, n), g = tensor_list(grads, n);
     auto b = bufs ? tensor_list(bufs, n) : std::vector<at::Tensor>{};
-    check_same_shapes("fused SGD", p, bufs ? std::initializer_list<const std::vector<at::Tensor>*>{&g, &b}
-                                           : std::initializer_list<const std::vector<at::Tensor>*>{&g});
+    check_same_shapes("fused SGD", p, {&g});
+    if (bufs) check_same_shapes("fused SGD", p, {&b});
     at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
                     /*maximize=*/false, is_first_step != 0);
   });

@@ -44,11 +44,7 @@ impl Gpus {
     pub fn list(&self) -> Vec<GpuInfo> {
         let n = self.nvml.device_count().unwrap_or(0);
         (0..n)
-            .filter_map(|i| {
-                let d = self.nvml.device_by_index(i).ok()?;
-                let mem = d.memory_info().ok()?;
-                Some(GpuInfo { index: i, name: d.name().unwrap_or_default(), memory_total_bytes: mem.total, memory_free_bytes: mem.free })
-            })
+            .filter_map(|i| info(&self.nvml.device_by_index(i).ok()?, i))
             .collect()
     }
 
@@ -72,8 +68,7 @@ impl Gpus {
         (0..self.nvml.device_count().unwrap_or(0) as usize)
             .map_while(|i| {
                 let d = self.for_cuda(i).ok()?;
-                let mem = d.memory_info().ok()?;
-                Some(GpuInfo { index: d.index().unwrap_or(i as u32), name: d.name().unwrap_or_default(), memory_total_bytes: mem.total, memory_free_bytes: mem.free })
+                info(&d, d.index().unwrap_or(i as u32))
             })
             .collect()
     }
@@ -90,6 +85,12 @@ impl Gpus {
             gpu_power_w: d.power_usage().ok().map(|mw| mw as f64 / 1000.0),
         })
     }
+}
+
+/// NVML device `index`'s name and memory; `None` when its memory cannot be read.
+fn info(d: &Device, index: u32) -> Option<GpuInfo> {
+    let mem = d.memory_info().ok()?;
+    Some(GpuInfo { index, name: d.name().unwrap_or_default(), memory_total_bytes: mem.total, memory_free_bytes: mem.free })
 }
 
 /// Where NVML finds a CUDA device.

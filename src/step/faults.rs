@@ -31,6 +31,11 @@ impl Faults {
         Self { cfg: cfg.clone(), rank, restart_count, leaked: Vec::new(), leaked_at: None }
     }
 
+    /// `faults.fault_rank` names this rank, or no rank (then every rank).
+    fn on_this_rank(&self) -> bool {
+        self.cfg.fault_rank.is_none_or(|r| r == self.rank)
+    }
+
     /// Checked before step `step` starts.
     pub fn before_step(&self, step: u64) -> Option<StepFault> {
         if self.cfg.crash_at_step == Some(step) && self.cfg.crash_rank == self.rank && self.restart_count == 0 {
@@ -45,7 +50,7 @@ impl Faults {
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
         }
-        let this_rank = self.cfg.fault_rank.is_none_or(|r| r == self.rank);
+        let this_rank = self.on_this_rank();
         if self.cfg.nondeterministic_op_at_step == Some(step) && this_rank {
             let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)?;
         }
@@ -64,7 +69,7 @@ impl Faults {
     /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
     /// before the update, so an out-of-memory here replays a step that changed nothing yet.
     pub(super) fn leak_graph(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
-        if self.cfg.leak_graphs && self.cfg.fault_rank.is_none_or(|r| r == self.rank) && self.leaked_at != Some(step) {
+        if self.cfg.leak_graphs && self.on_this_rank() && self.leaked_at != Some(step) {
             let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
             self.leaked.push(model.forward(&x, true, None)?);
             self.leaked_at = Some(step);

@@ -16,6 +16,10 @@ impl Run {
     pub fn stderr(&self) -> String {
         String::from_utf8_lossy(&self.output.stderr).into_owned()
     }
+    /// The `error:` line the binary prints when a run fails (empty when there is none).
+    pub fn error_line(&self) -> String {
+        self.stderr().lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string()
+    }
     pub fn stdout(&self) -> String {
         String::from_utf8_lossy(&self.output.stdout).into_owned()
     }
