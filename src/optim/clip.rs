@@ -42,22 +42,37 @@ mod tests {
         assert!((g[0].double_value(&[0]) - 0.3).abs() < 1e-7, "below the limit nothing changes");
     }
 
-    /// The multi-tensor path computes what the per-tensor loop did, bit for bit on the CPU: each
-    /// tensor's norm, the norm of those, each gradient times the same coefficient.
+    /// The norm is the fp64 norm of the gradients to fp32 rounding (partial norms are fp32), and
+    /// every gradient is scaled by the coefficient that norm gives, bit for bit.
     #[test]
-    fn the_multi_tensor_path_equals_the_per_tensor_loop() {
+    fn the_norm_is_the_fp64_norm_and_every_gradient_takes_its_coefficient() {
         tch::manual_seed(1);
         let shapes: [&[i64]; 4] = [&[300, 70], &[70], &[5000], &[3, 4]];
         let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, tch::Device::Cpu))).collect();
-        let norms: Vec<Tensor> = grads.iter().map(Tensor::norm).collect();
-        let want = Tensor::stack(&norms, 0).norm().double_value(&[]);
-        let coef = 0.5 / (want + 1e-6);
-        let expected: Vec<Tensor> = grads.iter().map(|g| g * coef).collect();
+        let want = fp64_norm(&grads);
         let mut got: Vec<Tensor> = grads.iter().map(Tensor::copy).collect();
-        assert_eq!(clip_grad_norm(&mut got, 0.5).unwrap(), want);
-        for (a, b) in got.iter().zip(&expected) {
-            assert!(a.equal(b));
+        let total = clip_grad_norm(&mut got, 0.5).unwrap();
+        assert!(((total - want) / want).abs() < 1e-7, "{total} vs {want}");
+        let coef = 0.5 / (total + 1e-6);
+        for (a, g) in got.iter().zip(&grads) {
+            assert!(a.equal(&(g * coef)));
         }
         assert_eq!(clip_grad_norm(&mut [], 1.0).unwrap(), 0.0, "no gradients, norm 0");
+    }
+
+    fn fp64_norm(grads: &[Tensor]) -> f64 {
+        grads.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt()
+    }
+
+    /// On the CPU ATen's norm kernel accumulates a tensor in fp32 and drifts on large ones: an
+    /// embedding-sized gradient (38.6M values) came out 0.24% low, where CUDA's kernel was exact.
+    /// Ours stays at the fp64 figure.
+    #[test]
+    fn an_embedding_sized_gradients_norm_on_the_cpu_is_the_fp64_norm() {
+        tch::manual_seed(0);
+        let mut grads = vec![Tensor::randn([50304, 768], (Kind::Float, tch::Device::Cpu)) * 1e-2, Tensor::randn([7], (Kind::Float, tch::Device::Cpu))];
+        let want = fp64_norm(&grads);
+        let total = clip_grad_norm(&mut grads, 0.0).unwrap();
+        assert!(((total - want) / want).abs() < 1e-7, "{total} vs {want} (fp64)");
     }
 }
