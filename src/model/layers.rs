@@ -116,9 +116,24 @@ impl Rope {
 /// are fewer key/value heads each serves `heads / kv_heads` query heads. Returns `[b, t, heads·d]`.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, dropout: f64) -> Result<Tensor, TchError> {
     let (b, h, t, d) = q.size4()?;
-    let gqa = k.size()[1] != h;
-    let y = Tensor::f_scaled_dot_product_attention::<Tensor>(q, k, v, None, dropout, true, None, gqa)?;
+    let groups = h / k.size()[1];
+    let y = if groups > 1 && repeats_grouped_heads(q.device(), q.kind()) {
+        let (k, v) = (k.f_repeat_interleave_self_int(groups, 1, None)?, v.f_repeat_interleave_self_int(groups, 1, None)?);
+        Tensor::f_scaled_dot_product_attention::<Tensor>(q, &k, &v, None, dropout, true, None, false)?
+    } else {
+        Tensor::f_scaled_dot_product_attention::<Tensor>(q, k, v, None, dropout, true, None, groups > 1)?
+    };
     y.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d])
+}
+
+/// Whether attention repeats grouped key/value heads to every query head before the kernel (as
+/// `transformers`' `repeat_kv`) instead of passing them grouped. On CUDA in fp32 (or fp64): the
+/// only fused CUDA kernel that takes grouped heads, flash, needs 16-bit inputs, and the grouped
+/// call falls back to the math path, which keeps a t × t score matrix per head (an H200 measured
+/// twice the planned peak on a small Llama); repeated heads run the memory-efficient kernel. The
+/// CPU's fused kernel takes grouped heads in every dtype.
+pub fn repeats_grouped_heads(device: Device, compute: Kind) -> bool {
+    device.is_cuda() && !matches!(compute, Kind::Half | Kind::BFloat16)
 }
 
 /// `[b, t, heads·d]` → `[b, heads, t, d]`.

@@ -94,6 +94,9 @@ pub struct Regime {
     pub dropout: bool,
     /// RMSNorm as ATen's fused CUDA kernel (`kernels.fused_rms_norm` on CUDA).
     pub fused_rms_norm: bool,
+    /// Grouped key/value heads repeated to every query head before attention
+    /// (`layers::repeats_grouped_heads`: CUDA in fp32), so attention keeps them repeated.
+    pub repeated_kv_heads: bool,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -147,11 +150,12 @@ pub mod layers {
     }
 
     /// `scaled_dot_product_attention` over `heads` query heads of `q` channels in all and
-    /// `kv` key/value channels (grouped-query heads are not expanded: the fused kernels read
-    /// them as they are): q, k, v and the output, kept by the output projection too (the
-    /// kernels write it token-major, so the transpose back is a view), plus either the
-    /// log-sum-exp or the score matrices.
+    /// `kv` key/value channels (grouped-query heads as they are, unless the regime repeats them:
+    /// then k and v are q-wide; the repeat itself keeps nothing): q, k, v and the output, kept by
+    /// the output projection too (the kernels write it token-major, so the transpose back is a
+    /// view), plus either the log-sum-exp or the score matrices.
     pub fn attention(q: u64, kv: u64, heads: u64, r: Regime) -> Vec<Saved> {
+        let kv = if r.repeated_kv_heads { q } else { kv };
         let mut out = vec![Saved::token("attention q, k, v", q + 2 * kv, Stored::Compute), Saved::token("attention output", q, Stored::Compute)];
         if r.fused_attention {
             out.push(Saved::token("attention log-sum-exp", heads, Stored::Fp32));
@@ -185,7 +189,7 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false };
+        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);

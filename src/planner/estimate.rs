@@ -106,7 +106,10 @@ impl Transformer {
     /// What the forward keeps for backward in `setup`'s regime (`model::saved_activations`).
     pub fn saved(&self, s: &Setup) -> Activations {
         let fused_rms_norm = s.fused_rms_norm && s.target == Target::Cuda;
-        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm })
+        // As `model::layers::repeats_grouped_heads`: fp32 is the only precision whose attention
+        // runs outside 16-bit.
+        let repeated_kv_heads = s.target == Target::Cuda && s.precision == Precision::Fp32;
+        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads })
     }
 
     /// Rows of the embedding and LM head, and columns of the logits (the padded vocabulary).
