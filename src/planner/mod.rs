@@ -22,8 +22,11 @@ use std::path::{Path, PathBuf};
 /// Share of the card an estimate may fill: the rest covers what estimating cannot see.
 pub const ESTIMATE_MARGIN: f64 = 0.85;
 /// Share of the card a measured size may fill: the profile counts what the allocator reserved
-/// (CPU: peak resident memory under the same cap), so only step-to-step variation is left.
-pub const PROFILE_MARGIN: f64 = 0.95;
+/// (CPU: peak resident memory under the same cap), so only step-to-step variation is left. On
+/// an H200 that variation was not small: gpt2-124m bf16-mixed at micro-batch 161 of 480 (the
+/// remainder step of 158 included) reserved up to 3.5% more in training than in the profile,
+/// and at 0.95 the run reached 97% of the card and made the allocator retry every step.
+pub const PROFILE_MARGIN: f64 = 0.90;
 
 /// `trainguard plan` flags.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -111,7 +114,7 @@ pub struct PlanArgs {
     /// Data-parallel GPUs (the global batch is split over them).
     #[arg(long, value_name = "N", default_value_t = 1, help_heading = "GPU")]
     pub gpus: u64,
-    /// Share of the GPU's memory a plan may fill [default: 0.85 for an estimate, 0.95 with
+    /// Share of the GPU's memory a plan may fill [default: 0.85 for an estimate, 0.90 with
     /// --profile, which measures what the allocator reserved instead of estimating it].
     #[arg(long, value_name = "FRACTION", help_heading = "GPU")]
     pub margin: Option<f64>,

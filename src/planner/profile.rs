@@ -63,6 +63,10 @@ pub enum Outcome {
     Fits,
     /// Ran, but above the budget.
     OverBudget,
+    /// Ran within the budget, but the CUDA caching allocator had to free its cache and retry:
+    /// training at that size would do it every step (an H200 at 97% of its memory: 123 retries
+    /// in 40 steps, 30% of the speed lost).
+    Retries,
     /// The allocator refused; the guard caught it.
     OutOfMemory,
 }
@@ -74,6 +78,9 @@ pub struct Measured {
     pub peak: Option<u64>,
     /// CUDA: reserved peak plus what was in use before the model (context, other processes).
     pub device_used: Option<u64>,
+    /// CUDA: the caching allocator's retries (cache freed, allocation tried again) in these steps.
+    #[serde(default)]
+    pub retries: u64,
     pub oom: bool,
     /// How the measured steps went, as training counts them.
     #[serde(default)]
@@ -231,6 +238,10 @@ impl Session {
     pub fn measure(&mut self, micro: u64, n: u64) -> Result<Measured, ProfileError> {
         let device = self.plan.device;
         reset_peak(device)?;
+        let retries_before = match device {
+            Device::Cuda(i) => ffi::device_stats(i)?.num_alloc_retries,
+            _ => 0,
+        };
         let Some(steps) = steps(&mut self.trainable, &self.corpus, &self.plan, micro, n)? else {
             return Ok(Measured { oom: true, ..Default::default() });
         };
@@ -238,11 +249,12 @@ impl Session {
             Device::Cuda(i) => {
                 let s = ffi::device_stats(i)?;
                 let peak = (s.allocated_peak[0].max(0) as u64).saturating_sub(self.baseline);
-                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), oom: false, steps })
+                let retries = (s.num_alloc_retries - retries_before).max(0) as u64;
+                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), retries, oom: false, steps })
             }
             _ => {
                 let p = ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?;
-                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, oom: false, steps })
+                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, retries: 0, oom: false, steps })
             }
         }
     }
@@ -334,8 +346,9 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
         let (estimate_bytes, peak_phase) = (e.peak_allocated, e.peak_phase);
         let outcome = match (m.oom, m.device_used.or(m.peak)) {
             (true, _) | (false, None) => Outcome::OutOfMemory,
-            (false, Some(used)) if used <= budget => Outcome::Fits,
-            _ => Outcome::OverBudget,
+            (false, Some(used)) if used > budget => Outcome::OverBudget,
+            _ if m.retries > 0 => Outcome::Retries,
+            _ => Outcome::Fits,
         };
         let error_pct = m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
         points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome, steps: m.steps });
@@ -426,6 +439,18 @@ mod tests {
         assert!((fit.fixed_bytes - 100.0).abs() < 1e-6 && (fit.per_sample_bytes - 10.0).abs() < 1e-6, "{fit:?}");
         assert_eq!(fit.points, 10, "every size that ran, over budget or not; not the one out of memory");
         assert!(r.points.windows(2).all(|w| w[0].micro_batch < w[1].micro_batch));
+    }
+
+    /// A size whose steps made the CUDA allocator retry does not fit, however far below the
+    /// budget its reserved peak is: the search settles below it.
+    #[test]
+    fn a_size_that_made_the_allocator_retry_does_not_fit() {
+        let (model, setup) = plan_parts();
+        let plan = Plan { device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let r = run(&plan, 1000, |b| fake(b).map(|m| Measured { retries: u64::from(b >= 30), ..m })).unwrap();
+        assert_eq!(r.largest_fitting, Some(29));
+        let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
+        assert_eq!((outcome(29), outcome(30), outcome(32)), (Outcome::Fits, Outcome::Retries, Outcome::Retries));
     }
 
     #[test]

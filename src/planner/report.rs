@@ -256,6 +256,7 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
         let outcome = match pt.outcome {
             Outcome::Fits => "fits",
             Outcome::OverBudget => "over budget",
+            Outcome::Retries => "the allocator retried (would thrash)",
             Outcome::OutOfMemory => "out of memory (caught by the guard)",
         };
         let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
