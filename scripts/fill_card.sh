@@ -3,7 +3,8 @@
 # configs/gpt2-124m.yaml (bf16-mixed, global batch 480: no power of two divides it into the size
 # that fits), lets the planner measure and apply the largest micro-batch that fits, trains STEPS
 # (default 200) steps with it and prints peak reserved ÷ the card, the OOMs and the allocator
-# retries; then 30 steps with expandable segments off for reserved ÷ allocated before/after.
+# retries; then NOEXP_STEPS (default 30) steps with expandable segments off for reserved ÷
+# allocated before/after.
 #   scripts/fill_card.sh            output in $OUT (default runs/fill-card): plan.json, the runs' metrics
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
@@ -19,11 +20,11 @@ steps=${STEPS:-200}
 run() {  # run NAME STEPS [--set …]: trains the applied config, keeps its metrics
   local name=$1 n=$2; shift 2
   "$BIN" train --config "$cfg" --set device=cuda --set out_dir="$work/$name" --set train.max_steps="$n" \
-    --set train.eval_interval=0 --set checkpoint.interval=0 "$@" >"$dest/$name.log" 2>&1
+    --set train.warmup_steps=$((n / 10)) --set train.eval_interval=0 --set checkpoint.interval=0 "$@" >"$dest/$name.log" 2>&1
   cp "$work/$name/metrics.jsonl" "$dest/$name-metrics.jsonl"; cp "$work/$name/events.jsonl" "$dest/$name-events.jsonl"
 }
 run applied "$steps"
-run no-expandable 30 --set memory.allocator.expandable_segments=false
+run no-expandable "${NOEXP_STEPS:-30}" --set memory.allocator.expandable_segments=false
 "$PY" - "$dest" <<'EOF'
 import json, sys, torch
 dest = sys.argv[1]
