@@ -120,12 +120,19 @@ fn llama_8b_with_adamw_in_bf16_needs_about_60_gb_and_does_not_fit_a_40_gb_card()
 #[test]
 fn gpt2_small_at_512_by_512_is_dominated_by_49_gib_of_logits() {
     // 4 bytes × 512 × 512 × 50304: the logits are as wide as the padded vocabulary.
-    let run = plan(&["--config", &config("gpt2-124m.yaml"), "--seq-len", "512", "--micro-batch", "512", "--global-batch", "512", "--json"]).ok();
-    let e = json(&run)["estimate"].clone();
-    let logits = u(&e["logits"]) as f64 / GIB;
+    let estimate = |fused: &str| {
+        let run = plan(&["--config", &config("gpt2-124m.yaml"), "--seq-len", "512", "--micro-batch", "512", "--global-batch", "512", "--json", "--set", fused]).ok();
+        json(&run)["estimate"].clone()
+    };
+    let (pytorch, fused) = (estimate("kernels.fused_cross_entropy=false"), estimate("kernels.fused_cross_entropy=true"));
+    let logits = u(&pytorch["logits"]) as f64 / GIB;
     assert!((logits - 49.125).abs() < 0.01, "{logits} GiB");
-    assert!(u(&e["logits"]) + u(&e["cross_entropy"]) > u(&e["activations"]));
-    assert!(u(&e["logits"]) > 3 * u(&e["activations_per_layer"]));
+    assert!(u(&pytorch["logits"]) + u(&pytorch["cross_entropy"]) > u(&pytorch["activations"]), "PyTorch's loss: log-probabilities and their gradient beside the logits");
+    assert!(u(&pytorch["logits"]) > 3 * u(&pytorch["activations_per_layer"]));
+    // The fused loss (the default) keeps only the logits' gradient, in their dtype: 49 GiB less.
+    assert_eq!(u(&fused["cross_entropy"]), u(&pytorch["logits"]));
+    let saved = (u(&pytorch["peak_allocated"]) - u(&fused["peak_allocated"])) as f64 / GIB;
+    assert!(saved > 49.0, "{saved} GiB");
 }
 
 fn assert_usage_error(args: &[&str], wants: &[&str]) {
@@ -269,7 +276,7 @@ fn profile_with_the_fused_loss_matches_the_estimate_and_lowers_the_peak() {
     let fused = "kernels.fused_cross_entropy=true";
     let at8 = |p: &[(u64, f64, String)]| p[1].0;
     for (precision, plain_peak) in [("precision=fp32", None), ("precision=bf16-mixed", Some(0.9))] {
-        let plain = saver_peaks(&[precision]);
+        let plain = saver_peaks(&[precision, "kernels.fused_cross_entropy=false"]);
         let ours = saver_peaks(&[precision, fused]);
         for (measured, err, phase) in &ours {
             eprintln!("{precision} fused: measured {measured}, error {err:+.1}% ({phase})");

@@ -337,7 +337,7 @@ mod padding_tests {
         let (x, y) = batch();
         let fused_kernels = KernelsConfig { fused_cross_entropy: true, ..KernelsConfig::default() };
         for cfg in configs() {
-            let plain = Model::new(&cfg, 3, Device::Cpu).unwrap();
+            let plain = Model::with_kernels(&cfg, KernelsConfig { fused_cross_entropy: false, ..KernelsConfig::default() }, 3, Device::Cpu).unwrap();
             let fused = Model::with_kernels(&cfg, fused_kernels, 3, Device::Cpu).unwrap();
             for (checkpointing, chunk) in [(Checkpointing::None, None), (Checkpointing::None, Some(10)), (Checkpointing::Every(1), Some(16))] {
                 let savers = Savers::new(checkpointing, false, chunk);

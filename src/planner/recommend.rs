@@ -187,11 +187,12 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     out.sort_by(|a, b| b.saving_bytes.cmp(&a.saving_bytes).then_with(|| a.change.cmp(&b.change)));
 
     // Everything that keeps the model and the task: the lightest optimizer, the lightest
-    // precision, checkpointing, flash.
+    // precision, checkpointing, flash, the fused cross-entropy.
     let all = Setup {
         activation_checkpointing: true,
         checkpoint_first: None,
         flash: true,
+        fused_cross_entropy: true,
         loss_chunk_tokens: setup.loss_chunk_tokens.or(Some(chunk)),
         precision: precisions.last().copied().unwrap_or(setup.precision),
         ..setup.clone()
@@ -204,7 +205,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     if best.1 < now {
         out.push(Lever {
             change: format!(
-                "all together: optimizer {}, precision {}, activation checkpointing, flash attention, loss in chunks of {} tokens",
+                "all together: optimizer {}, precision {}, activation checkpointing, flash attention, fused cross-entropy, loss in chunks of {} tokens",
                 best.0.name(),
                 all.precision.name(),
                 all.loss_chunk_tokens.unwrap_or(chunk)
