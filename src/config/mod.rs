@@ -378,7 +378,7 @@ pub struct KernelsConfig {
     /// band. The CPU always runs its fused kernels. On by default since their GPU checks passed
     /// on an H200 (8-bit AdamW: the CPU kernel's exact bits) and a gpt2-124m bf16-mixed step ran
     /// at 0.995× (8-bit AdamW) and 0.970× (Adafactor) of fused AdamW's speed, against 0.906× and
-    /// 0.847× as tensor ops (BENCHMARKS.md, "Kernels on a GPU").
+    /// 0.847× as tensor ops (BENCHMARKS.md, "GPU checks on an H200").
     pub cuda_optimizers: bool,
     /// The loss as one autograd node of our own (`ffi::loss`): it keeps the logits in their own
     /// dtype and a log-sum-exp per row, and its backward writes their gradient in that dtype.
@@ -386,7 +386,7 @@ pub struct KernelsConfig {
     /// 16-bit gradients: 10 bytes per logit on CUDA in bf16-mixed where this needs 4. CUDA runs
     /// two NVRTC-compiled kernels, the CPU ATen's ops over blocks of rows. On by default since
     /// the CUDA kernels' checks passed on an H200, where gpt2-124m bf16-mixed (micro 16) ran
-    /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "Kernels on a GPU").
+    /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "GPU checks on an H200").
     pub fused_cross_entropy: bool,
 }
 
