@@ -65,7 +65,7 @@ pub enum Outcome {
     OverBudget,
     /// Ran within the budget, but the CUDA caching allocator had to free its cache and retry:
     /// training at that size would do it every step (an H200 at 97% of its memory: 123 retries
-    /// in 40 steps, 30% of the speed lost).
+    /// in 40 steps, 260k tokens/s where half the micro-batch without retries ran at 405k).
     Retries,
     /// The allocator refused; the guard caught it.
     OutOfMemory,
