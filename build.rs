@@ -6,7 +6,8 @@
 //!   ("Cannot initialize CUDA without ATen_cuda library").
 //! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
 //!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor),
-//!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/cuda_jit.cpp`
+//!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/trace.cpp`
+//!   (PyTorch's profiler, `metrics.trace`), `src/ffi/cuda_jit.cpp`
 //!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
 //!   `src/ffi/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
 //!   GPU), `src/ffi/shim_cuda.cpp` (the allocator's history recorder; only against a libtorch
@@ -27,6 +28,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/dist.cpp");
     println!("cargo:rerun-if-changed=src/ffi/optim_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/loss_kernels.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/trace.cpp");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
@@ -41,6 +43,7 @@ fn main() {
         .file("src/ffi/shim.cpp")
         .file("src/ffi/optim_kernels.cpp")
         .file("src/ffi/loss_kernels.cpp")
+        .file("src/ffi/trace.cpp")
         .file("src/ffi/cuda_jit.cpp")
         .file("src/ffi/cuda_emulation.cpp")
         .include(&include)

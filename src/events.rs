@@ -103,6 +103,8 @@ pub enum Event {
     Stopped { step: u64, reason: StopReason, checkpoint: Option<String> },
     /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
     RanksCompared { world_size: usize, checksum_spread: f64 },
+    /// `metrics.trace`: the profiled steps' Chrome trace is written; where their time went.
+    TraceWritten(crate::trace::TraceSummary),
     RunFinished(RunSummary),
 }
 
@@ -333,6 +335,23 @@ impl Reporter {
             Event::Stopped { step, reason, checkpoint } => {
                 let ck = checkpoint.as_deref().map(|c| format!("; checkpoint {c}")).unwrap_or_else(|| "; no checkpoint".into());
                 tracing::warn!("stopping at step {step} ({reason}){ck}");
+            }
+            Event::TraceWritten(s) => {
+                let kinds: Vec<String> = s.by_work.iter().take(6).map(|w| format!("{:?} {:.0}%", w.work, 100.0 * w.share).to_lowercase()).collect();
+                tracing::info!(
+                    "trace of steps {}..{} written to {}: {} {:.1} ms per step ({:.1} ms per step from first to last event): {}",
+                    s.from_step,
+                    s.from_step + s.steps,
+                    s.path,
+                    s.counted,
+                    s.busy_ms / s.steps as f64,
+                    s.span_ms / s.steps as f64,
+                    kinds.join(", ")
+                );
+                for n in s.top.iter().take(5) {
+                    let name: String = n.name.chars().take(100).collect();
+                    tracing::info!("  {:>9.2} ms  {:>6} calls  {name}", n.ms / s.steps as f64, n.calls);
+                }
             }
             Event::RanksCompared { world_size, checksum_spread } => {
                 if *checksum_spread == 0.0 {

@@ -25,6 +25,7 @@ pub mod step;
 pub mod planner;
 pub mod report;
 pub mod stop_record;
+pub mod trace;
 pub mod prepare;
 pub mod sample;
 pub mod train;

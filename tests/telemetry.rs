@@ -1,6 +1,6 @@
 //! Memory telemetry and allocator control on the real binary (CPU): `trainguard env`, the
-//! allocator settings' validation and merge with the environment, per-step memory fields, and
-//! the leak warning.
+//! allocator settings' validation and merge with the environment, per-step memory fields, the
+//! leak warning, and the profiler's trace of chosen steps (`metrics.trace`).
 mod common;
 use common::*;
 use std::process::Command;
@@ -115,4 +115,38 @@ fn keeping_graphs_across_steps_triggers_the_leak_warning() {
     assert_eq!(leaks.len(), 1, "one warning per run");
     assert!(leaks[0]["message"].as_str().unwrap().contains("kept across steps"));
     assert!(r.stderr().contains("possible memory leak"));
+}
+
+/// `metrics.trace`: PyTorch's profiler records steps 2 and 3 and nothing else, writes a Chrome
+/// trace that holds the model's matrix multiplications under each step's range, summarises where
+/// the time went, and leaves the training itself alone (same weights as an untraced run).
+#[test]
+fn a_trace_of_two_steps_is_a_chrome_trace_with_a_summary_and_changes_nothing() {
+    let (traced, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = ["train.max_steps=5", "train.warmup_steps=1"];
+    let r = train(traced.path(), "configs/debug.yaml", &[&sets[..], &["metrics.trace.from_step=2", "metrics.trace.steps=2"]].concat()).ok();
+    train(plain.path(), "configs/debug.yaml", &sets).ok();
+    assert_eq!(max_weight_diff(traced.path(), plain.path()), 0.0, "the profiler changed the training");
+    assert!(!r.stderr().contains("ERROR"), "no Kineto noise on a CPU run:\n{}", r.stderr());
+
+    let path = traced.path().join("trace/steps_2-3.json");
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let named = |n: &str| events.iter().filter(|e| e["name"] == n).count();
+    assert_eq!((named("trainguard step 2"), named("trainguard step 3")), (1, 1), "one range per traced step");
+    assert_eq!(named("trainguard step 1") + named("trainguard step 4"), 0, "only the configured steps");
+    assert!(named("aten::mm") + named("aten::addmm") > 0, "the matrix multiplications are in the trace");
+
+    let written = r.events_of("trace_written");
+    assert_eq!(written.len(), 1, "{written:?}");
+    let s = &written[0];
+    assert_eq!((s["from_step"].as_u64(), s["steps"].as_u64(), s["counted"].as_str()), (Some(2), Some(2), Some("cpu operators")));
+    assert_eq!(s["path"].as_str().unwrap(), path.display().to_string());
+    let by_work = s["by_work"].as_array().unwrap();
+    let total: f64 = by_work.iter().map(|w| w["ms"].as_f64().unwrap()).sum();
+    let busy = s["busy_ms"].as_f64().unwrap();
+    assert!(busy > 0.0 && (total - busy).abs() < 1e-6 * busy, "kinds add up to the time counted: {total} vs {busy}");
+    let gemm = by_work.iter().find(|w| w["work"] == "gemm").expect("matrix multiplications counted");
+    assert!(gemm["share"].as_f64().unwrap() > 0.05, "{s}");
+    assert!(r.stderr().contains("trace of steps 2..4 written to"), "{}", r.stderr());
 }

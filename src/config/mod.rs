@@ -495,6 +495,26 @@ pub struct MetricsConfig {
     /// Also write TensorBoard event files to `out_dir/tb/` (rank 0): every numeric metric as a
     /// scalar, the config and the events as text.
     pub tensorboard: bool,
+    /// PyTorch's profiler over chosen steps (rank 0): a Chrome trace and a summary of where the
+    /// time went (`crate::trace`).
+    pub trace: TraceConfig,
+}
+
+/// `metrics.trace`: which optimizer steps to record with PyTorch's profiler.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TraceConfig {
+    /// The first step recorded; none (the default) records nothing. Pick one after warm-up
+    /// (the first steps pay for allocation and autotuning).
+    pub from_step: Option<u64>,
+    /// How many steps from there.
+    pub steps: u64,
+}
+
+impl Default for TraceConfig {
+    fn default() -> Self {
+        Self { from_step: None, steps: 2 }
+    }
 }
 
 /// Failures injected on purpose, to test recovery paths on the real binary.

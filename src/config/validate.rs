@@ -118,6 +118,15 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     if let Some(m) = c.checkpoint.interval_minutes {
         check(m > 0.0, "checkpoint.interval_minutes", format!("must be > 0, got {m}"));
     }
+    let tr = &c.metrics.trace;
+    check(tr.steps >= 1, "metrics.trace.steps", format!("must be at least 1, got {}", tr.steps));
+    if let Some(from) = tr.from_step {
+        check(
+            from.saturating_add(tr.steps) <= t.max_steps,
+            "metrics.trace.from_step",
+            format!("steps {from}..{} lie past train.max_steps ({}): pick an earlier step or fewer metrics.trace.steps", from.saturating_add(tr.steps), t.max_steps),
+        );
+    }
     check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
 
     match super::Checkpointing::parse(&c.memory.activation_checkpointing) {
@@ -306,6 +315,8 @@ mod tests {
             (|c| c.optimizer.momentum = 1.5, "optimizer.momentum"),
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
+            (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
+            (|c| c.metrics.trace.from_step = Some(c.train.max_steps - 1), "metrics.trace.from_step"),
         ];
         for (mutate, key) in cases {
             let mut c = Config::default();

@@ -2,7 +2,8 @@
 //! allocator settings, deterministic mode, autocast, versions), over `optim_kernels.cpp` (the
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
 //! autograd node: [`loss`]), over `shim_cuda.cpp` (the allocator's
-//! history and snapshot), over `dist.cpp` (c10d: [`dist`]) and over the few OS calls trainguard
+//! history and snapshot), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
+//! [`trace`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
 //! result; "no accelerator" is [`ShimError::Unavailable`], never an abort. [`torch_panics`]
 //! turns the libtorch errors tch itself raises as panics back into errors.
@@ -11,6 +12,7 @@ pub mod kernels;
 pub mod loss;
 pub mod os;
 pub mod torch_panics;
+pub mod trace;
 
 use std::ffi::{c_char, c_int, CStr, CString};
 

@@ -14,6 +14,7 @@ use crate::interrupt::Interrupter;
 use crate::memory::summary::table as memory_summary;
 use crate::memory::{apply_limit, ProcessMemory};
 use crate::run_plan::RunPlan;
+use crate::trace::{TraceError, Tracer};
 use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -40,6 +41,8 @@ pub struct Run<'a> {
     /// Process memory at start-up (CPU runs' summary figures).
     baseline_vm: u64,
     baseline_rss: u64,
+    /// `metrics.trace`'s profiler, on the writing rank.
+    tracer: Option<Tracer>,
 }
 
 impl<'a> Run<'a> {
@@ -177,6 +180,7 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
+            tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device.is_cuda(), plan.is_writer()),
         })
     }
 
@@ -201,6 +205,7 @@ impl<'a> Run<'a> {
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             return Err(TrainError::Interrupted { step, reason, checkpoint: path });
         }
+        let traced_range = self.trace(|t| t.before_step(step)).flatten();
         let step_started = Instant::now();
         let lr = plan.schedule.at(step);
         let data = step_data(&self.corpus, plan);
@@ -274,11 +279,25 @@ impl<'a> Run<'a> {
             elapsed_s: self.state.progress.elapsed_before + self.started.elapsed().as_secs_f64(),
             memory,
         }));
+        drop(traced_range);
+        if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
+            self.reporter.emit(Event::TraceWritten(summary));
+        }
         self.step += 1;
         if self.ckpt.due(self.step, new_best) || self.step == t.max_steps {
             self.save(self.step);
         }
         Ok(())
+    }
+
+    /// `f` on the tracer, if any. The trace is a diagnosis: when the profiler fails the run goes
+    /// on without it, and says so.
+    fn trace<T>(&mut self, f: impl FnOnce(&mut Tracer) -> Result<T, TraceError>) -> Option<T> {
+        let result = f(self.tracer.as_mut()?);
+        result.map_err(|e| {
+            tracing::warn!("{e}; training goes on without the trace");
+            self.tracer = None;
+        }).ok()
     }
 
     /// Why to stop before the next step, if anything says so; every rank agrees on it.

@@ -1,0 +1,311 @@
+//! The profile of chosen steps (`metrics.trace`): PyTorch's own profiler records steps
+//! `from_step .. from_step + steps` on the writing rank, its Chrome trace goes to
+//! `out_dir/trace/steps_A-B.json` (chrome://tracing, Perfetto), and a [`TraceSummary`] says
+//! where the time went: by kind of work ([`Work`]) and by the heaviest kernels. On CUDA it
+//! counts the GPU's kernels, copies and sets; on the CPU, each operator's self time (its time
+//! less the operators it called). The summary is a pure function of the events ([`summarise`]).
+use crate::ffi::trace::{self as shim, Range, TraceEvent};
+use crate::ffi::ShimError;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The kind of work an operator or kernel does, read from its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Work {
+    /// Matrix multiplications (cuBLAS, CUTLASS, `aten::mm`…).
+    Gemm,
+    /// Fused attention kernels (flash, memory-efficient) and SDPA.
+    Attention,
+    /// LayerNorm and RMSNorm, forward and backward.
+    Norm,
+    /// Softmax, log-softmax, NLL and our fused cross-entropy.
+    Loss,
+    /// Optimizer updates and clipping's norms.
+    Optimizer,
+    /// Embedding lookups and their backward.
+    Embedding,
+    /// Copies, casts, fills and concatenations.
+    Copy,
+    /// Reductions (sums, means, bias gradients).
+    Reduce,
+    /// Other elementwise kernels (adds, GELU, dropout…).
+    Elementwise,
+    Other,
+}
+
+/// What `name` (a CUDA kernel's or an ATen operator's) does. The first rule that matches wins,
+/// so a kernel that is both (a CUTLASS attention kernel, an elementwise copy) gets the more
+/// specific kind.
+pub fn work_of(name: &str) -> Work {
+    let n = name.to_ascii_lowercase();
+    let any = |keys: &[&str]| keys.iter().any(|k| n.contains(k));
+    if any(&["flash", "fmha", "attention", "sdpa"]) {
+        Work::Attention
+    } else if any(&["tg_ce_", "cross_entropy", "softmax", "nll_loss", "logsumexp"]) {
+        Work::Loss
+    } else if any(&["adam", "adafactor", "sgd", "multi_tensor_apply", "_foreach", "lpnorm", "tg_global_norm"]) {
+        Work::Optimizer
+    } else if any(&["layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "cucomputegrad"]) {
+        Work::Norm
+    } else if any(&["gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "splitkreduce"]) {
+        Work::Gemm
+    } else if any(&["embedding", "indexselect", "index_select"]) {
+        Work::Embedding
+    } else if any(&["copy", "memcpy", "memset", "fill", "aten::cat", "aten::clone", "aten::contiguous"]) || n == "aten::to" {
+        Work::Copy
+    } else if any(&["reduce_kernel", "aten::sum", "aten::mean", "aten::norm", "aten::max", "aten::min"]) {
+        Work::Reduce
+    } else if any(&["elementwise", "aten::add", "aten::mul", "aten::sub", "aten::div", "gelu", "silu", "dropout", "aten::where", "aten::exp", "aten::neg", "aten::rsqrt", "aten::pow"]) {
+        Work::Elementwise
+    } else {
+        Work::Other
+    }
+}
+
+/// Time spent on one kind of work.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WorkTime {
+    pub work: Work,
+    pub ms: f64,
+    /// Of all the time counted.
+    pub share: f64,
+    pub calls: u64,
+}
+
+/// Time spent in one kernel or operator (all calls).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NameTime {
+    pub name: String,
+    pub work: Work,
+    pub ms: f64,
+    pub calls: u64,
+}
+
+/// Where the traced steps' time went.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TraceSummary {
+    pub from_step: u64,
+    pub steps: u64,
+    /// The Chrome trace.
+    pub path: String,
+    /// `gpu kernels` (their durations) or `cpu operators` (their self times).
+    pub counted: String,
+    /// The time counted, over all traced steps.
+    pub busy_ms: f64,
+    /// From the first event's start to the last one's end.
+    pub span_ms: f64,
+    /// Heaviest first.
+    pub by_work: Vec<WorkTime>,
+    /// The heaviest names.
+    pub top: Vec<NameTime>,
+}
+
+/// How many names [`TraceSummary::top`] keeps.
+pub const TOP: usize = 12;
+
+/// Durations per name: the GPU's events when there are any (kernels do not nest), else the CPU
+/// operators' self times (`cpu_self_times`).
+fn counted_times(events: &[TraceEvent]) -> (String, Vec<(String, u64)>) {
+    let device: Vec<&TraceEvent> = events.iter().filter(|e| e.device_side).collect();
+    if device.is_empty() {
+        ("cpu operators".into(), cpu_self_times(events))
+    } else {
+        ("gpu kernels".into(), device.iter().map(|e| (e.name.clone(), e.end_ns.saturating_sub(e.start_ns))).collect())
+    }
+}
+
+/// Each CPU event's own time: its duration less that of the events nested directly inside it on
+/// the same thread (an operator calls others: `aten::linear` → `aten::addmm`).
+pub fn cpu_self_times(events: &[TraceEvent]) -> Vec<(String, u64)> {
+    let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
+    for e in events.iter().filter(|e| !e.device_side) {
+        by_lane.entry(e.lane).or_default().push(e);
+    }
+    let mut out = Vec::new();
+    for mut lane in by_lane.into_values() {
+        // Outer events first: earlier start, then later end.
+        lane.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then(b.end_ns.cmp(&a.end_ns)));
+        // The open events: index into `out` and end time.
+        let mut open: Vec<(usize, u64)> = Vec::new();
+        for e in lane {
+            while open.last().is_some_and(|&(_, end)| end <= e.start_ns) {
+                open.pop();
+            }
+            let d = e.end_ns.saturating_sub(e.start_ns);
+            if let Some(&(parent, end)) = open.last() {
+                // Nested (an event overlapping its parent's end is cut at it).
+                let inside = d.min(end.saturating_sub(e.start_ns));
+                let p: &mut (String, u64) = &mut out[parent];
+                p.1 = p.1.saturating_sub(inside);
+            }
+            out.push((e.name.clone(), d));
+            open.push((out.len() - 1, e.end_ns));
+        }
+    }
+    out
+}
+
+/// The summary of `events` recorded over `steps` steps from `from_step`.
+pub fn summarise(events: &[TraceEvent], from_step: u64, steps: u64, path: &Path) -> TraceSummary {
+    let (counted, times) = counted_times(events);
+    let busy: u64 = times.iter().map(|(_, d)| d).sum();
+    let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
+    let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
+    for (name, d) in &times {
+        let n = per_name.entry(name.as_str()).or_default();
+        n.0 += d;
+        n.1 += 1;
+        let w = per_work.entry(work_of(name)).or_default();
+        w.0 += d;
+        w.1 += 1;
+    }
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let mut by_work: Vec<WorkTime> =
+        per_work.into_iter().map(|(work, (d, calls))| WorkTime { work, ms: ms(d), share: if busy > 0 { d as f64 / busy as f64 } else { 0.0 }, calls }).collect();
+    by_work.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    let mut top: Vec<NameTime> = per_name.into_iter().map(|(name, (d, calls))| NameTime { name: name.to_string(), work: work_of(name), ms: ms(d), calls }).collect();
+    top.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
+    top.truncate(TOP);
+    let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
+    let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
+    TraceSummary { from_step, steps, path: path.display().to_string(), counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("metrics.trace: {0}")]
+    Profiler(#[from] ShimError),
+    #[error("metrics.trace: cannot create {path}: {source}")]
+    Dir { path: PathBuf, source: std::io::Error },
+}
+
+/// Records the configured steps: [`Tracer::before_step`] starts the profiler at the first and
+/// marks each step, [`Tracer::after_step`] stops it after the last and summarises.
+pub struct Tracer {
+    from: u64,
+    to: u64,
+    dir: PathBuf,
+    cuda: bool,
+    running: bool,
+}
+
+impl Tracer {
+    /// A tracer when `cfg` names steps and this process writes files.
+    pub fn new(cfg: &crate::config::TraceConfig, out_dir: &Path, cuda: bool, writes_files: bool) -> Option<Self> {
+        let from = cfg.from_step.filter(|_| writes_files)?;
+        Some(Self { from, to: from + cfg.steps, dir: out_dir.join("trace"), cuda, running: false })
+    }
+
+    /// Before step `step`: the profiler started if this is the first traced step, and the
+    /// step's range in the trace while the returned value lives.
+    pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
+        if step == self.from && !self.running {
+            std::fs::create_dir_all(&self.dir).map_err(|source| TraceError::Dir { path: self.dir.clone(), source })?;
+            shim::start(self.cuda)?;
+            self.running = true;
+        }
+        Ok(self.running.then(|| Range::new(&format!("trainguard step {step}"))))
+    }
+
+    /// After step `step`: after the last traced one, the trace written and summarised.
+    pub fn after_step(&mut self, step: u64) -> Result<Option<TraceSummary>, TraceError> {
+        if !self.running || step + 1 < self.to {
+            return Ok(None);
+        }
+        self.running = false;
+        let path = self.dir.join(format!("steps_{}-{}.json", self.from, self.to - 1));
+        let events = shim::stop(Some(&path))?;
+        Ok(Some(summarise(&events, self.from, self.to - self.from, &path)))
+    }
+}
+
+impl Drop for Tracer {
+    /// A run that stops inside the traced steps leaves no profiler running (and no trace).
+    fn drop(&mut self) {
+        if self.running {
+            let _ = shim::stop(None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(device_side: bool, lane: u64, start_ns: u64, end_ns: u64, name: &str) -> TraceEvent {
+        TraceEvent { device_side, lane, start_ns, end_ns, name: name.into() }
+    }
+
+    /// Kernel and operator names as PyTorch's profiler reports them on CUDA (the issue's
+    /// profile of the eager reference, PyTorch's kernels) and on the CPU.
+    #[test]
+    fn names_get_their_kind_of_work() {
+        let cases = [
+            ("cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_32x1_tn_align2", Work::Gemm),
+            ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", Work::Gemm),
+            ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", Work::Gemm),
+            ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t>, false, true, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)", Work::Attention),
+            ("fmha_cutlassB_f32_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<cutlass::arch::Sm80, float, true, false, false, 64, 64, 64, false>::Params)", Work::Attention),
+            ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(int, float, float const*, float const*, float const*, float*, float*, float*)", Work::Norm),
+            ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, 32u, 32u, 256u, false, false>(long, long, float const*, float const*, float const*, float const*, float*, float*)", Work::Norm),
+            ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", Work::Loss),
+            ("tg_ce_backward_bf16", Work::Loss),
+            ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float*, float*>(...)", Work::Optimizer),
+            ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, ...)", Work::Copy),
+            ("Memcpy HtoD (Pageable -> Device)", Work::Copy),
+            ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4> >(...)", Work::Reduce),
+            ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)::{lambda()#2}::operator()() const::{lambda()#4}::operator()() const::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int, ...)", Work::Elementwise),
+            ("void at::native::embedding_backward_feature_kernel<float, float, long>(long const*, float const*, float*, int, long, int)", Work::Embedding),
+            ("aten::addmm", Work::Gemm),
+            ("aten::native_layer_norm", Work::Norm),
+            ("aten::_fused_adamw_", Work::Optimizer),
+            ("aten::to", Work::Copy),
+            ("aten::copy_", Work::Copy),
+            ("aten::add_", Work::Elementwise),
+            ("aten::sum", Work::Reduce),
+            ("aten::_scaled_dot_product_flash_attention_for_cpu", Work::Attention),
+            ("autograd::engine::evaluate_function: AddmmBackward0", Work::Other),
+        ];
+        for (name, work) in cases {
+            assert_eq!(work_of(name), work, "{name}");
+        }
+    }
+
+    #[test]
+    fn cpu_self_time_subtracts_what_an_operator_called() {
+        // Thread 1: linear [0, 100) calls addmm [10, 90), which calls mm-ish [20, 50);
+        // then add [100, 120). Thread 2 overlaps in time and is counted on its own.
+        let events = [
+            ev(false, 1, 0, 100, "aten::linear"),
+            ev(false, 1, 10, 90, "aten::addmm"),
+            ev(false, 1, 20, 50, "aten::copy_"),
+            ev(false, 1, 100, 120, "aten::add"),
+            ev(false, 2, 5, 65, "aten::mul"),
+        ];
+        let mut got = cpu_self_times(&events);
+        got.sort();
+        let want = [("aten::add", 20), ("aten::addmm", 50), ("aten::copy_", 30), ("aten::linear", 20), ("aten::mul", 60)];
+        assert_eq!(got, want.map(|(n, d)| (n.to_string(), d)));
+        let total: u64 = got.iter().map(|(_, d)| d).sum();
+        assert_eq!(total, 120 + 60, "self times add up to the time each thread was busy");
+    }
+
+    #[test]
+    fn gpu_kernels_are_counted_when_there_are_any() {
+        let events = [
+            ev(false, 1, 0, 1_000_000, "aten::addmm"),
+            ev(true, 7, 0, 3_000_000, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
+            ev(true, 7, 3_000_000, 4_000_000, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
+            ev(true, 7, 4_000_000, 5_000_000, "tg_ce_forward_bf16"),
+        ];
+        let s = summarise(&events, 10, 2, Path::new("t.json"));
+        assert_eq!((s.counted.as_str(), s.busy_ms, s.span_ms), ("gpu kernels", 5.0, 5.0));
+        assert_eq!(s.by_work[0], WorkTime { work: Work::Gemm, ms: 4.0, share: 0.8, calls: 2 });
+        assert_eq!(s.by_work[1].work, Work::Loss);
+        assert_eq!((s.top[0].calls, s.top[0].ms, s.top.len()), (2, 4.0, 2));
+        let cpu = summarise(&events[..1], 10, 2, Path::new("t.json"));
+        assert_eq!((cpu.counted.as_str(), cpu.busy_ms), ("cpu operators", 1.0));
+    }
+}
