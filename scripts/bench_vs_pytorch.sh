@@ -8,10 +8,14 @@
 # on by default on CUDA, opt-in on CPU (--compile: it needs a C++ compiler and compiles for
 # minutes). Prints tokens/s, trainguard's MFU and its ratios to each. Usage:
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [--dtype fp32|bf16]
-#       [--compile|--no-compile] [--pad-vocab-to N] [--global-batch N] [--peak-tflops F] [config.yaml ...]
+#       [--compile|--no-compile] [--pad-vocab-to N] [--global-batch N] [--peak-tflops F] [--trace DIR]
+#       [config.yaml ...]
 # --global-batch N: sequences per optimizer step on both sides instead of the config's (a short
 # measurement of a config made for a long run; the micro-batch stays the config's).
 # --dtype bf16: bf16-mixed (trainguard `precision: bf16-mixed`, PyTorch bf16 autocast).
+# --trace DIR: after the timed steps each side profiles two more (trainguard's `metrics.trace`,
+# the reference's torch.profiler) into DIR/<config>-<side>.json, and the tables of `trainguard
+# trace` for them follow the figures: where each spends its GPU time, kernel by kernel.
 # MFU = tokens/s × (6 × parameters + 12 × layers × width × sequence) ÷ peak; the peak defaults to
 # an H100's dense bf16, 989 TFLOP/s (give your device's: an MFU on a CPU against it is tiny).
 # Defaults: cpu, all cores, fp32, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
@@ -19,7 +23,7 @@
 # from the environment.
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
-device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; global=""; peak=989; configs=()
+device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; global=""; peak=989; trace=""; configs=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -30,6 +34,7 @@ while [ $# -gt 0 ]; do
     --pad-vocab-to) pad=$2; shift 2 ;;
     --global-batch) global=$2; shift 2 ;;
     --peak-tflops) peak=$2; shift 2 ;;
+    --trace) trace=$2; shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -43,17 +48,24 @@ tg_extra=(); ref_extra=()
 [ -z "$pad" ] || { tg_extra=(--set "model.pad_vocab_to=$pad"); ref_extra=(--pad-vocab-to "$pad"); }
 [ -z "$global" ] || { tg_extra+=(--set "train.global_batch_size=$global"); ref_extra+=(--global-batch "$global"); }
 
+[ -z "$trace" ] || mkdir -p "$trace"
+traced() { [ -n "$trace" ] && echo "$trace/$(basename "$1" .yaml)-$2.json"; }  # CONFIG SIDE: its trace file
+
 trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.jsonl
   # A fresh run directory each time: trainguard refuses to start a fresh run over an old one, and
   # the old metrics must never be read back as this run's.
   rm -rf "$out/tg"
+  local extra=0 tr=()
+  [ -z "$trace" ] || { extra=2; tr=(--set "metrics.trace.from_step=$((STEPS + WARMUP))"); }
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
-    --set precision="$precision" ${tg_extra[@]+"${tg_extra[@]}"} \
-    --set train.max_steps=$((STEPS + WARMUP)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
+    --set precision="$precision" ${tg_extra[@]+"${tg_extra[@]}"} ${tr[@]+"${tr[@]}"} \
+    --set train.max_steps=$((STEPS + WARMUP + extra)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
     || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
-  "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" <<'PYEOF'
+  [ -z "$trace" ] || cp "$out"/tg/trace/*.json "$(traced "$1" trainguard)"
+  "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" "$STEPS" <<'PYEOF'
 import json, sys
-m = [json.loads(l) for l in open(sys.argv[1])][int(sys.argv[2]):]
+w, n = int(sys.argv[2]), int(sys.argv[3])
+m = [json.loads(l) for l in open(sys.argv[1])][w:w + n]
 print(sum(x["tokens"] for x in m) / sum(x["step_time_s"] for x in m))
 PYEOF
 }
@@ -80,9 +92,9 @@ for cfg in "${configs[@]}"; do
     # Each measurement assigned on its own, so a failed run stops the script (set -e).
     x=$(trainguard_tps "$cfg"); tg=$(best "$tg" "$x")
     j=$(pytorch_run "$cfg"); pt=$(best "$pt" "$(field "$j" tokens_per_s)"); flops=$(field "$j" flops_per_token)
-    j=$(pytorch_run "$cfg" --fused); pf=$(best "$pf" "$(field "$j" tokens_per_s)")
+    j=$(pytorch_run "$cfg" --fused ${trace:+--trace "$(traced "$cfg" eager-fused)"}); pf=$(best "$pf" "$(field "$j" tokens_per_s)")
     if [ "$compile" = 1 ]; then
-      j=$(pytorch_run "$cfg" --fused --compile); pc=$(best "$pc" "$(field "$j" tokens_per_s)")
+      j=$(pytorch_run "$cfg" --fused --compile ${trace:+--trace "$(traced "$cfg" compile)"}); pc=$(best "$pc" "$(field "$j" tokens_per_s)")
     fi
   done
   mfu=$("$PY" -c "print(f'{100 * $tg * $flops / ($peak * 1e12):.3g}%')")
@@ -90,4 +102,7 @@ for cfg in "${configs[@]}"; do
     "$([ "$pc" = 0 ] && echo - || printf '%.0f' "$pc")" "$mfu" "$(ratio "$tg" "$pt")" "$(ratio "$tg" "$pf")" "$(ratio "$tg" "$pc")"
 done
 echo "MFU: tokens/s × FLOPs per token (6N + 12·L·C·T, N without the padded rows) ÷ $peak TFLOP/s"
+if [ -n "$trace" ]; then
+  for f in "$trace"/*.json; do echo; "$BIN" trace "$f"; done
+fi
 rm -rf "$out"

@@ -3,7 +3,8 @@
 # Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
 # (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
 # one line per part to summary.txt; a failing part does not stop the others.
-#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench optim savers cap detcost kernels fill (default: all)
+#   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers cap detcost kernels fill
+#                                        (default: all)
 #   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
 #           deterministic mode), kill -9 + --resume auto bitwise (deterministic mode), the OOM
 #           snapshot (pickle.load, _memory_viz), a leak stopped with its diagnosis,
@@ -15,6 +16,9 @@
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
+#   profile scripts/bench_vs_pytorch.sh --trace on gpt2-124m bf16-mixed (micro 16, global 64, padded):
+#           two steps of trainguard, of eager PyTorch (fused AdamW) and of torch.compile through
+#           PyTorch's profiler; `trainguard trace` tables of where each spends its GPU time
 #   optim   scripts/bench_optimizers.sh --device cuda: one update of each optimizer against fused
 #           AdamW on gpt2-124m's parameters
 #   savers  scripts/bench_savers.sh --device cuda: peak allocated per memory saver
@@ -32,7 +36,7 @@ source "$(dirname "$0")/tools.sh"
 dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench optim savers cap detcost kernels fill)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench profile optim savers cap detcost kernels fill)
 
 part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and time
   local name=$1 t0=$SECONDS rc; shift
@@ -53,6 +57,10 @@ for p in "${parts[@]}"; do
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       # Global 64 as the issue's table (the configs' 512 and 256 are ~0.5M-token steps: minutes).
       part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' ;;
+    profile)  # the traces as one file: a device call brings back at most eight
+      part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
+        --trace "$dest/profile" configs/gpt2-124m.yaml
+      tar czf "$dest/profile.tgz" -C "$dest" profile && rm -rf "$dest/profile" ;;
     optim) part optim bash scripts/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
     cap)
@@ -66,7 +74,7 @@ for p in "${parts[@]}"; do
     fill)  # its nine files as one: a device call brings back at most eight
       part fill env OUT="$dest/fill" bash scripts/fill_card.sh
       tar czf "$dest/fill.tgz" -C "$dest" fill && rm -rf "$dest/fill" ;;
-    *) echo "unknown part '$p' (env tests plan bench optim savers cap detcost kernels fill)" >&2; exit 2 ;;
+    *) echo "unknown part '$p' (env tests plan bench profile optim savers cap detcost kernels fill)" >&2; exit 2 ;;
   esac
 done
 cat "$dest/summary.txt"

@@ -17,6 +17,7 @@ padded model must equal). --compile runs the model under torch.compile (default 
 bf16 runs forward and loss under bf16 autocast (trainguard's `precision: bf16-mixed`).
 """
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -183,6 +184,8 @@ def add_bench_args(ap):
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16 autocast (bf16-mixed)")
     ap.add_argument("--pad-vocab-to", type=int, help="pad the vocabulary rows to a multiple of this (default: the config's model.pad_vocab_to, else 64)")
     ap.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the config's train.global_batch_size)")
+    ap.add_argument("--trace", help="after the timed steps, profile two more with torch.profiler and write their Chrome trace here "
+                                    "(`trainguard trace FILE` tabulates it beside trainguard's own)")
 
 
 def flops_per_token(model, m):
@@ -213,7 +216,18 @@ def bench(model, m, t, args, no_decay, **extra):
     g, micro, s = t["global_batch_size"], t["micro_batch_size"], m["seq_len"]
     accum = g // micro
     times = []
-    for step in range(args.warmup + args.steps):
+    timed = args.warmup + args.steps
+    traced = 2 if getattr(args, "trace", None) else 0
+    profiler = None
+    for step in range(timed + traced):
+        if step == timed:
+            # After the timed steps, so the profiler's cost is in no timing. Each step is a
+            # ProfilerStep#N range, as torch.profiler's schedule marks them.
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            profiler = torch.profiler.profile(activities=acts)
+            profiler.__enter__()
+        mark = torch.profiler.record_function(f"ProfilerStep#{step}") if profiler else contextlib.nullcontext()
+        mark.__enter__()
         t0 = time.perf_counter()
         for _ in range(accum):
             ix = torch.randint(0, corpus.numel() - s - 1, (micro,))
@@ -229,8 +243,12 @@ def bench(model, m, t, args, no_decay, **extra):
         float(norm)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        if step >= args.warmup:
+        mark.__exit__(None, None, None)
+        if args.warmup <= step < timed:
             times.append(time.perf_counter() - t0)
+    if profiler:
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(args.trace)
     mean = sum(times) / len(times)
     impl = "pytorch" + ("-compile" if args.compile else "") + ("-fused-adamw" if args.fused else "")
     return {"impl": impl, **extra, "dtype": args.dtype, "tokens_per_s": g * s / mean, "step_s": mean, "steps": len(times),

@@ -30,6 +30,19 @@ pub enum Command {
     Sample(crate::sample::SampleArgs),
     /// Write a run's or checkpoint's model as a Hugging Face transformers directory.
     Export(ExportArgs),
+    /// Where a profiled step's time went: a Chrome trace of PyTorch's profiler (`metrics.trace`
+    /// writes one; so does `torch.profiler`) as tables by kind of work and by kernel.
+    Trace(TraceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    /// Chrome trace files (`out_dir/trace/steps_A-B.json`, or `torch.profiler`'s export).
+    #[arg(required = true, value_name = "TRACE_JSON")]
+    pub files: Vec<PathBuf>,
+    /// The summaries as JSON lines instead of Markdown tables.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

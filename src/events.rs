@@ -338,19 +338,11 @@ impl Reporter {
             }
             Event::TraceWritten(s) => {
                 let kinds: Vec<String> = s.by_work.iter().take(6).map(|w| format!("{:?} {:.0}%", w.work, 100.0 * w.share).to_lowercase()).collect();
-                tracing::info!(
-                    "trace of steps {}..{} written to {}: {} {:.1} ms per step ({:.1} ms per step from first to last event): {}",
-                    s.from_step,
-                    s.from_step + s.steps,
-                    s.path,
-                    s.counted,
-                    s.busy_ms / s.steps as f64,
-                    s.span_ms / s.steps as f64,
-                    kinds.join(", ")
-                );
+                let per = |ms: f64| ms / s.steps as f64;
+                tracing::info!("trace written to {}: {} {:.1} ms per step of {} ({}); `trainguard trace {}` tabulates it", s.path, s.counted, per(s.busy_ms), s.steps, kinds.join(", "), s.path);
                 for n in s.top.iter().take(5) {
                     let name: String = n.name.chars().take(100).collect();
-                    tracing::info!("  {:>9.2} ms  {:>6} calls  {name}", n.ms / s.steps as f64, n.calls);
+                    tracing::info!("  {:>9.2} ms per step  {name}", per(n.ms));
                 }
             }
             Event::RanksCompared { world_size, checksum_spread } => {

@@ -19,6 +19,7 @@ fn main() {
         Command::Prepare(args) => run_prepare(&args),
         Command::Sample(args) => trainguard::sample::run(&args).map(|text| print!("{text}")).map_err(Into::into),
         Command::Export(args) => run_export(&args),
+        Command::Trace(args) => run_trace(&args),
     };
     if let Err(err) = result {
         report(&err);
@@ -126,6 +127,18 @@ fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
         let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
         std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
         tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
+    }
+    Ok(())
+}
+
+fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
+    for file in &args.files {
+        let summary = trainguard::trace::read(file)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&summary)?);
+        } else {
+            println!("{}", trainguard::trace::table(&summary));
+        }
     }
     Ok(())
 }
@@ -245,7 +258,9 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         {
             return exit::CONFIG;
         }
-        if cause.downcast_ref::<trainguard::report::ReportError>().is_some_and(|e| e.is_usage()) {
+        if cause.downcast_ref::<trainguard::report::ReportError>().is_some_and(|e| e.is_usage())
+            || cause.downcast_ref::<trainguard::trace::TraceError>().is_some_and(|e| e.is_usage())
+        {
             return exit::CONFIG;
         }
         if oom_in(cause).is_some() {

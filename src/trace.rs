@@ -1,14 +1,63 @@
-//! The profile of chosen steps (`metrics.trace`): PyTorch's own profiler records steps
-//! `from_step .. from_step + steps` on the writing rank, its Chrome trace goes to
-//! `out_dir/trace/steps_A-B.json` (chrome://tracing, Perfetto), and a [`TraceSummary`] says
-//! where the time went: by kind of work ([`Work`]) and by the heaviest kernels. On CUDA it
-//! counts the GPU's kernels, copies and sets; on the CPU, each operator's self time (its time
-//! less the operators it called). The summary is a pure function of the events ([`summarise`]).
-use crate::ffi::trace::{self as shim, Range, TraceEvent};
+//! Profiles (`metrics.trace`, `trainguard trace`): PyTorch's own profiler records steps
+//! `from_step .. from_step + steps` on the writing rank and writes a Chrome trace to
+//! `out_dir/trace/steps_A-B.json` (chrome://tracing, Perfetto); [`read`] takes that file, or one
+//! PyTorch's `torch.profiler` wrote, and [`summarise`] says where the time went: by kind of work
+//! ([`Work`]) and by the heaviest kernels. On CUDA it counts the GPU's kernels, copies and sets;
+//! without them, each CPU operator's self time (its time less the operators it called). Reading
+//! and summarising are pure functions of the file's events, unit-tested.
+use crate::ffi::trace::{self as shim, Range};
 use crate::ffi::ShimError;
 use serde::Serialize;
+use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+
+/// One event with a duration: an operator or range the CPU ran (`lane`: its thread) or, with
+/// `device_side`, a kernel, copy or set the GPU ran (`lane`: its stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceEvent {
+    pub device_side: bool,
+    pub lane: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub name: String,
+}
+
+/// The step ranges a trace marks: ours (`trainguard step N`) or `torch.profiler`'s
+/// (`ProfilerStep#N`).
+const STEP_RANGES: [&str; 2] = ["trainguard step ", "ProfilerStep#"];
+
+/// The events of a Chrome trace as Kineto writes it: complete events (`"ph": "X"`) with `ts`
+/// and `dur` in microseconds; `cat` `kernel`, `gpu_memcpy` and `gpu_memset` are the GPU's,
+/// `cpu_op` and `user_annotation` the CPU's (the rest, such as Python functions and runtime
+/// calls, are left out).
+pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
+    let list = trace.get("traceEvents").and_then(Value::as_array).ok_or("no `traceEvents` list: not a Chrome trace")?;
+    let ns = |v: &Value| v.as_f64().filter(|x| x.is_finite() && *x >= 0.0).map(|us| (us * 1000.0).round() as u64);
+    let mut out = Vec::new();
+    for e in list {
+        if e.get("ph").and_then(Value::as_str) != Some("X") {
+            continue;
+        }
+        let device_side = match e.get("cat").and_then(Value::as_str) {
+            Some("kernel" | "gpu_memcpy" | "gpu_memset") => true,
+            Some("cpu_op" | "user_annotation") => false,
+            _ => continue,
+        };
+        let (Some(start), Some(dur), Some(name)) = (e.get("ts").and_then(ns), e.get("dur").and_then(ns), e.get("name").and_then(Value::as_str)) else { continue };
+        let lane = e.get("tid").and_then(|t| t.as_u64().or_else(|| t.as_str().and_then(|s| s.trim_start_matches("stream ").parse().ok()))).unwrap_or(0);
+        out.push(TraceEvent { device_side, lane, start_ns: start, end_ns: start + dur, name: name.to_string() });
+    }
+    Ok(out)
+}
+
+/// The summary of the Chrome trace at `path`.
+pub fn read(path: &Path) -> Result<TraceSummary, TraceError> {
+    let text = std::fs::read_to_string(path).map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
+    let bad = |message: String| TraceError::Format { path: path.to_path_buf(), message };
+    let value: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    Ok(summarise(&parse(&value).map_err(bad)?, path))
+}
 
 /// The kind of work an operator or kernel does, read from its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -86,10 +135,12 @@ pub struct NameTime {
 /// Where the traced steps' time went.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TraceSummary {
-    pub from_step: u64,
-    pub steps: u64,
     /// The Chrome trace.
     pub path: String,
+    /// The first step's number and how many steps the trace marks (1 when it marks none: the
+    /// figures are then the whole trace's).
+    pub first_step: Option<u64>,
+    pub steps: u64,
     /// `gpu kernels` (their durations) or `cpu operators` (their self times).
     pub counted: String,
     /// The time counted, over all traced steps.
@@ -147,9 +198,17 @@ pub fn cpu_self_times(events: &[TraceEvent]) -> Vec<(String, u64)> {
     out
 }
 
-/// The summary of `events` recorded over `steps` steps from `from_step`.
-pub fn summarise(events: &[TraceEvent], from_step: u64, steps: u64, path: &Path) -> TraceSummary {
-    let (counted, times) = counted_times(events);
+/// The summary of `events`, read from `path`.
+pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
+    let marked: Vec<u64> = events
+        .iter()
+        .filter(|e| !e.device_side)
+        .filter_map(|e| STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok()))
+        .collect();
+    let (first_step, steps) = (marked.iter().min().copied(), (marked.len() as u64).max(1));
+    let step_range = |e: &TraceEvent| STEP_RANGES.iter().any(|p| e.name.starts_with(p));
+    let counted_events: Vec<TraceEvent> = events.iter().filter(|e| !step_range(e)).cloned().collect();
+    let (counted, times) = counted_times(&counted_events);
     let busy: u64 = times.iter().map(|(_, d)| d).sum();
     let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
     let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
@@ -170,15 +229,47 @@ pub fn summarise(events: &[TraceEvent], from_step: u64, steps: u64, path: &Path)
     top.truncate(TOP);
     let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
     let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
-    TraceSummary { from_step, steps, path: path.display().to_string(), counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top }
+    TraceSummary { path: path.display().to_string(), first_step, steps, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top }
+}
+
+/// `s` as Markdown: a heading line, then the time per step by kind of work and by name.
+pub fn table(s: &TraceSummary) -> String {
+    let per = |ms: f64| ms / s.steps as f64;
+    let steps = match s.first_step {
+        Some(first) => format!("steps {first}..{}", first + s.steps),
+        None => "the whole trace (no step ranges)".into(),
+    };
+    let mut out = format!("{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n", s.path, s.counted, per(s.busy_ms), per(s.span_ms));
+    out += "| work | ms per step | share | calls per step |\n|---|---|---|---|\n";
+    for w in &s.by_work {
+        out += &format!("| {} | {:.2} | {:.1}% | {:.0} |\n", serde_json::to_value(w.work).unwrap_or_default().as_str().unwrap_or("?"), per(w.ms), 100.0 * w.share, w.calls as f64 / s.steps as f64);
+    }
+    out += "\n| heaviest | work | ms per step | calls per step |\n|---|---|---|---|\n";
+    for n in &s.top {
+        let name: String = n.name.chars().take(110).collect::<String>().replace('|', "\\|");
+        out += &format!("| `{name}` | {} | {:.2} | {:.0} |\n", serde_json::to_value(n.work).unwrap_or_default().as_str().unwrap_or("?"), per(n.ms), n.calls as f64 / s.steps as f64);
+    }
+    out
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     #[error("metrics.trace: {0}")]
     Profiler(#[from] ShimError),
-    #[error("metrics.trace: cannot create {path}: {source}")]
-    Dir { path: PathBuf, source: std::io::Error },
+    // `error`, not `source`: the message is whole here, the chain would repeat it.
+    #[error("metrics.trace: cannot create {path}: {error}")]
+    Dir { path: PathBuf, error: std::io::Error },
+    #[error("cannot read the trace {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
+    #[error("{path} is not a Chrome trace of PyTorch's profiler: {message}")]
+    Format { path: PathBuf, message: String },
+}
+
+impl TraceError {
+    /// A file the user named that cannot be read or is not a trace (exit code 2).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, TraceError::Read { .. } | TraceError::Format { .. })
+    }
 }
 
 /// Records the configured steps: [`Tracer::before_step`] starts the profiler at the first and
@@ -202,7 +293,7 @@ impl Tracer {
     /// step's range in the trace while the returned value lives.
     pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
         if step == self.from && !self.running {
-            std::fs::create_dir_all(&self.dir).map_err(|source| TraceError::Dir { path: self.dir.clone(), source })?;
+            std::fs::create_dir_all(&self.dir).map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
             shim::start(self.cuda)?;
             self.running = true;
         }
@@ -216,8 +307,8 @@ impl Tracer {
         }
         self.running = false;
         let path = self.dir.join(format!("steps_{}-{}.json", self.from, self.to - 1));
-        let events = shim::stop(Some(&path))?;
-        Ok(Some(summarise(&events, self.from, self.to - self.from, &path)))
+        shim::stop(Some(&path))?;
+        read(&path).map(Some)
     }
 }
 
@@ -293,19 +384,56 @@ mod tests {
     }
 
     #[test]
-    fn gpu_kernels_are_counted_when_there_are_any() {
+    fn gpu_kernels_are_counted_when_there_are_any_and_figures_are_per_marked_step() {
         let events = [
+            ev(false, 1, 0, 2_500_000, "trainguard step 10"),
+            ev(false, 1, 2_500_000, 5_000_000, "trainguard step 11"),
             ev(false, 1, 0, 1_000_000, "aten::addmm"),
             ev(true, 7, 0, 3_000_000, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
             ev(true, 7, 3_000_000, 4_000_000, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
             ev(true, 7, 4_000_000, 5_000_000, "tg_ce_forward_bf16"),
         ];
-        let s = summarise(&events, 10, 2, Path::new("t.json"));
+        let s = summarise(&events, Path::new("t.json"));
+        assert_eq!((s.first_step, s.steps), (Some(10), 2));
         assert_eq!((s.counted.as_str(), s.busy_ms, s.span_ms), ("gpu kernels", 5.0, 5.0));
         assert_eq!(s.by_work[0], WorkTime { work: Work::Gemm, ms: 4.0, share: 0.8, calls: 2 });
         assert_eq!(s.by_work[1].work, Work::Loss);
         assert_eq!((s.top[0].calls, s.top[0].ms, s.top.len()), (2, 4.0, 2));
-        let cpu = summarise(&events[..1], 10, 2, Path::new("t.json"));
-        assert_eq!((cpu.counted.as_str(), cpu.busy_ms), ("cpu operators", 1.0));
+        let t = table(&s);
+        assert!(t.starts_with("t.json: steps 10..12, gpu kernels 2.50 ms per step"), "{t}");
+        assert!(t.contains("| gemm | 2.00 | 80.0% | 1 |"), "{t}");
+        // Without GPU events: the CPU operators' self times; the step ranges are not operators.
+        let cpu = summarise(&events[..3], Path::new("t.json"));
+        assert_eq!((cpu.counted.as_str(), cpu.busy_ms, cpu.top.len()), ("cpu operators", 1.0, 1));
+        let unmarked = summarise(&events[2..3], Path::new("t.json"));
+        assert_eq!((unmarked.first_step, unmarked.steps), (None, 1));
+    }
+
+    /// What Kineto writes (the shape of `torch.profiler`'s export and of ours): only complete
+    /// events of the GPU's and the CPU's kinds are read; microseconds become nanoseconds.
+    #[test]
+    fn chrome_trace_events_are_read_and_the_rest_left_out() {
+        let trace = serde_json::json!({
+            "schemaVersion": 1,
+            "traceEvents": [
+                {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 9, "tid": 9, "ts": 4798773604303.147, "dur": 34131.524},
+                {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 4798773604337.338, "dur": 23.625},
+                {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "pid": 0, "tid": 7, "ts": 4798773604340.0, "dur": 10.5},
+                {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "pid": 0, "tid": "stream 7", "ts": 4798773604351.0, "dur": 1.0},
+                {"ph": "X", "cat": "python_function", "name": "train.py(12): step", "pid": 9, "tid": 9, "ts": 4798773604300.0, "dur": 50000.0},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 9, "tid": 9, "ts": 4798773604338.0, "dur": 4.0},
+                {"ph": "s", "cat": "ac2g", "name": "ac2g", "pid": 9, "tid": 9, "ts": 4798773604338.0, "id": 1},
+                {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}}
+            ]
+        });
+        let events = parse(&trace).unwrap();
+        assert_eq!(events.len(), 4, "{events:?}");
+        assert_eq!(events[1], ev(false, 9, 4_798_773_604_337_338, 4_798_773_604_360_963, "aten::mm"));
+        assert_eq!((events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns), (true, 7, 10_500));
+        assert_eq!((events[3].device_side, events[3].lane), (true, 7), "a stream written as text");
+        let s = summarise(&events, Path::new("p.json"));
+        assert_eq!((s.first_step, s.steps, s.counted.as_str()), (Some(3), 1, "gpu kernels"));
+        assert!((s.busy_ms - 0.0115).abs() < 1e-12, "{}", s.busy_ms);
+        assert!(parse(&serde_json::json!({"events": []})).unwrap_err().contains("traceEvents"));
     }
 }

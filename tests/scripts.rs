@@ -186,7 +186,8 @@ fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
 }
 
 /// scripts/bench_vs_pytorch.sh on the CPU, briefly: trainguard and the PyTorch references at the
-/// same shapes, a row with tokens/s, MFU and ratios (torch.compile is opt-in on CPU: a `-`).
+/// same shapes, a row with tokens/s, MFU and ratios (torch.compile is opt-in on CPU: a `-`); with
+/// `--trace`, two more steps of each side profiled and tabulated.
 #[test]
 fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
     let bench = |extra: &[&str]| {
@@ -194,9 +195,15 @@ fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
         cmd.current_dir(repo()).arg("scripts/bench_vs_pytorch.sh").args(["--threads", "1"]).args(extra);
         cmd.env("TRAINGUARD_BIN", bin()).env("STEPS", "2").env("ROUNDS", "1").output().unwrap()
     };
-    let o = bench(&["--pad-vocab-to", "1", "configs/debug.yaml"]);
+    let traces = tempfile::tempdir().unwrap();
+    let o = bench(&["--pad-vocab-to", "1", "--trace", traces.path().to_str().unwrap(), "configs/debug.yaml"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    for side in ["trainguard", "eager-fused"] {
+        // STEPS=2 after 3 warm-up steps: steps 5 and 6 are the profiled ones, on both sides.
+        let file = traces.path().join(format!("debug-{side}.json"));
+        assert!(out.contains(&format!("{}: steps 5..7, cpu operators", file.display())), "{side}: {out}");
+    }
     assert!(out.lines().next().unwrap().contains("pt-compile"), "{out}");
     let row: Vec<&str> = out.lines().find(|l| l.starts_with("configs/debug.yaml")).expect("a row for the config").split_whitespace().collect();
     assert_eq!(row[1..3], ["cpu", "fp32"], "{out}");

@@ -140,7 +140,7 @@ fn a_trace_of_two_steps_is_a_chrome_trace_with_a_summary_and_changes_nothing() {
     let written = r.events_of("trace_written");
     assert_eq!(written.len(), 1, "{written:?}");
     let s = &written[0];
-    assert_eq!((s["from_step"].as_u64(), s["steps"].as_u64(), s["counted"].as_str()), (Some(2), Some(2), Some("cpu operators")));
+    assert_eq!((s["first_step"].as_u64(), s["steps"].as_u64(), s["counted"].as_str()), (Some(2), Some(2), Some("cpu operators")));
     assert_eq!(s["path"].as_str().unwrap(), path.display().to_string());
     let by_work = s["by_work"].as_array().unwrap();
     let total: f64 = by_work.iter().map(|w| w["ms"].as_f64().unwrap()).sum();
@@ -148,5 +148,23 @@ fn a_trace_of_two_steps_is_a_chrome_trace_with_a_summary_and_changes_nothing() {
     assert!(busy > 0.0 && (total - busy).abs() < 1e-6 * busy, "kinds add up to the time counted: {total} vs {busy}");
     let gemm = by_work.iter().find(|w| w["work"] == "gemm").expect("matrix multiplications counted");
     assert!(gemm["share"].as_f64().unwrap() > 0.05, "{s}");
-    assert!(r.stderr().contains("trace of steps 2..4 written to"), "{}", r.stderr());
+    assert!(r.stderr().contains("trace written to"), "{}", r.stderr());
+
+    // `trainguard trace` tabulates the same file: the same figures, per step.
+    let out = Command::new(bin()).arg("trace").arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains(&format!("steps 2..4, cpu operators {:.2} ms per step", busy / 2.0)), "{table}");
+    assert!(table.contains(&format!("| gemm | {:.2} |", gemm["ms"].as_f64().unwrap() / 2.0)), "{table}");
+    let json = Command::new(bin()).arg("trace").arg("--json").arg(&path).output().unwrap();
+    let again: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(again["by_work"], s["by_work"]);
+    // A file that is not a trace, or none: exit 2 with the file named.
+    let bad = traced.path().join("metrics.jsonl");
+    for file in [bad.clone(), traced.path().join("missing.json")] {
+        let out = Command::new(bin()).arg("trace").arg(&file).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(&file.display().to_string()), "{err}");
+    }
 }

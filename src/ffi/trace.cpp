@@ -1,16 +1,14 @@
 // PyTorch's own profiler (Kineto, as torch.profiler uses it) driven from Rust (`metrics.trace`):
-// start it, mark ranges (a step), stop it, write its Chrome trace, and hand the events back as
-// text for the summary src/trace.rs makes. On CUDA it records the kernels, copies and sets the
-// device ran (through CUPTI, which the torch wheel ships) beside the operators the CPU ran;
-// autograd's backward threads are recorded too (they inherit the profiler's thread-local state).
+// start it, mark ranges (a step), stop it and write its Chrome trace (which src/trace.rs reads
+// back for its summary). On CUDA it records the kernels, copies and sets the device ran (through
+// CUPTI, which the torch wheel ships) beside the operators the CPU ran; autograd's backward
+// threads are recorded too (they inherit the profiler's thread-local state).
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -22,14 +20,6 @@ namespace prof = torch::profiler::impl;
 bool& tracing() {
   static bool on = false;
   return on;
-}
-
-// A name on one line of the event text: tabs and newlines (rare in kernel names) become spaces.
-std::string one_field(std::string s) {
-  for (char& c : s) {
-    if (c == '\t' || c == '\n' || c == '\r') c = ' ';
-  }
-  return s;
 }
 }  // namespace
 
@@ -55,35 +45,16 @@ int tg_trace_start(int cuda, char* err, size_t err_len) {
   });
 }
 
-// Stops the profiler started by tg_trace_start, writes its Chrome trace to `path` (an empty path
-// writes none), and sets `*events` to a malloc'd text (freed with tg_trace_free), one line per
-// event with a duration: "device\tthread\tstart_ns\tend_ns\tname", device "cpu" or "cuda"
-// (a kernel, copy or set on the GPU: thread is its stream).
-int tg_trace_stop(const char* path, char** events, char* err, size_t err_len) {
-  *events = nullptr;
+// Stops the profiler started by tg_trace_start and writes its Chrome trace to `path`.
+int tg_trace_stop(const char* path, char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
     if (!tracing()) throw std::logic_error("trace: the profiler is not running");
     tracing() = false;
     std::unique_ptr<torch::autograd::profiler::ProfilerResult> result = torch::autograd::profiler::disableProfiler();
     if (!result) throw std::runtime_error("trace: the profiler returned no result");
-    std::ostringstream text;
-    for (const auto& e : result->events()) {
-      if (e.endNs() < e.startNs() || e.durationNs() == 0) continue;
-      const bool device = e.deviceType() == c10::DeviceType::CUDA;
-      const uint64_t lane = device ? static_cast<uint64_t>(e.deviceResourceId()) : e.startThreadId();
-      text << (device ? "cuda" : "cpu") << '\t' << lane << '\t' << e.startNs() << '\t' << e.endNs() << '\t' << one_field(e.name())
-           << '\n';
-    }
     if (path != nullptr && path[0] != '\0') result->save(path);
-    const std::string s = text.str();
-    char* out = static_cast<char*>(std::malloc(s.size() + 1));
-    if (out == nullptr) throw std::bad_alloc();
-    std::memcpy(out, s.c_str(), s.size() + 1);
-    *events = out;
   });
 }
-
-void tg_trace_free(char* p) { std::free(p); }
 
 // A named range on the calling thread (a user annotation in the trace) until tg_trace_range_end
 // with the handle returned here; null when nothing records ranges.
