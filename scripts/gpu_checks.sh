@@ -12,7 +12,7 @@
 #           the fused RMSNorm too), offload (losses unchanged), batches uploaded without waiting,
 #           the fused RMSNorm against the step-by-step form, 8-bit AdamW's CUDA kernel against
 #           the CPU's, thrash shrink, the fused cross-entropy's kernels against its CPU path
-#           (and its peak against PyTorch's loss)
+#           (and its peak against PyTorch's loss), metrics.trace counting the GPU's kernels
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile

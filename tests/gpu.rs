@@ -222,6 +222,25 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
     assert!(diff <= 1e-5);
 }
 
+/// `metrics.trace` on CUDA: the trace holds the GPU's kernels (through CUPTI), the summary
+/// counts their time, matrix multiplications among them, and our NVRTC kernels are in it too.
+#[test]
+fn a_trace_on_cuda_counts_the_gpu_kernels() {
+    if cuda().is_none() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let r = train(d.path(), "configs/debug.yaml", &["device=cuda", "train.max_steps=6", "train.warmup_steps=1", "metrics.trace.from_step=3"]).ok();
+    assert!(!r.stderr().contains("training goes on without the trace"), "{}", r.stderr());
+    let s = r.events_of("trace_written").pop().expect("a trace_written event");
+    eprintln!("trace on CUDA: {s}");
+    assert_eq!(s["counted"], "gpu kernels", "{s}");
+    let gemm = s["by_work"].as_array().unwrap().iter().find(|w| w["work"] == "gemm").expect("matrix multiplications");
+    assert!(gemm["ms"].as_f64().unwrap() > 0.0 && s["busy_ms"].as_f64().unwrap() <= s["span_ms"].as_f64().unwrap() * 1.01, "{s}");
+    let trace = std::fs::read_to_string(s["path"].as_str().unwrap()).unwrap();
+    assert!(trace.contains("\"cat\": \"kernel\"") && trace.contains("tg_ce_forward"), "our own kernels are in the trace too");
+}
+
 /// The planner's accuracy target (issue 6), as a check: `plan --profile` on the GPU, estimated
 /// peak allocated within ±10% of the allocator's measured peak. scripts/plan_accuracy.sh prints
 /// the full table (three configs × three micro-batches × two sequence lengths).
