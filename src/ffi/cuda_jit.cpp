@@ -7,6 +7,7 @@
 // Same conventions as shim.cpp: every entry point catches C++ exceptions.
 #include "cuda_jit.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/Device.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -191,10 +192,13 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// The kernels optim_kernels.cu and loss_kernels.cu define: 8-bit AdamW and cross-entropy's
-// forward and backward per dtype, and Adafactor's stages per dtype plus its dtype-free
-// coefficient. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
+// The kernels optim_kernels.cu, loss_kernels.cu and norm_kernels.cu define: 8-bit AdamW,
+// cross-entropy's forward and backward and LayerNorm's three per dtype, Adafactor's stages per
+// dtype, plus the dtype-free Adafactor coefficient and LayerNorm parameter-gradient sum. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
+// Rows per band of LayerNorm's weight and bias gradients (a band's sums stay short; the bands'
+// sums, a few [2·c] rows, are added in order).
+constexpr long long kLayerNormBandRows = 256;
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
 const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
@@ -205,6 +209,9 @@ struct DtypeKernels {
   void* adafactor[kStageCount] = {};
   void* ce_forward = nullptr;
   void* ce_backward = nullptr;
+  void* ln_forward = nullptr;
+  void* ln_backward = nullptr;
+  void* ln_param_grads = nullptr;
 };
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -212,6 +219,7 @@ struct Loaded {
   void* ctx = nullptr;
   DtypeKernels per_dtype[kDtypeCount];
   void* adafactor_coef = nullptr;
+  void* ln_param_sum = nullptr;
 };
 
 std::mutex loaded_lock;
@@ -270,10 +278,14 @@ int dtype_index(at::ScalarType dtype, const char* kernel) {
 template <class Get>
 void look_up(Loaded& k, Get get) {
   get(&k.adafactor_coef, "tg_adafactor_coef");
+  get(&k.ln_param_sum, "tg_ln_param_sum");
   for (int d = 0; d < kDtypeCount; ++d) {
     get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ln_forward, std::string("tg_ln_forward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ln_backward, std::string("tg_ln_backward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ln_param_grads, std::string("tg_ln_param_grads_") + kDtypes[d]);
     for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
   }
 }
@@ -404,6 +416,59 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
   void* args[] = {&xp, &tp, &lp, &sp, &gp, &cols};
   const Launcher launch(x.device());
   launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
+}
+
+// A tensor's data for a kernel argument: null when it is undefined (an optional input).
+const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+void* mutable_data_or_null(at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
+void cuda_layer_norm_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, const at::Tensor& b, at::Tensor& s,
+                             at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps) {
+  long long rows = x.size(0), cols = x.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(y.scalar_type(), "layer_norm");
+  const void* xp = x.data_ptr();
+  const void* dp = data_or_null(delta);
+  const void* wp = w.data_ptr();
+  const void* bp = data_or_null(b);
+  // Written only with a delta (without one, s is x).
+  void* sp = delta.defined() ? s.data_ptr() : nullptr;
+  void* yp = y.data_ptr();
+  void* mp = mean.data_ptr();
+  void* rp = rstd.data_ptr();
+  void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps};
+  const Launcher launch(x.device());
+  launch(launch.kernels().per_dtype[d].ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
+}
+
+void cuda_layer_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
+                              const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db) {
+  long long rows = s.size(0), cols = s.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(dy.defined() ? dy.scalar_type() : ddelta.defined() ? ddelta.scalar_type() : at::kFloat, "layer_norm");
+  const void* sp = s.data_ptr();
+  const void* wp = w.data_ptr();
+  const void* mp = mean.data_ptr();
+  const void* rp = rstd.data_ptr();
+  const void* dyp = data_or_null(dy);
+  const void* dsp = data_or_null(ds);
+  void* dxp = dx.data_ptr();
+  void* ddp = mutable_data_or_null(ddelta);
+  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols};
+  const Launcher launch(s.device());
+  launch(launch.kernels().per_dtype[d].ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+  if (!dy.defined()) return;  // no output gradient: dw and db stay zero
+  // The weight and bias gradients: bands of rows per column tile, then the bands summed in order.
+  long long band_rows = kLayerNormBandRows;
+  long long bands = (rows + band_rows - 1) / band_rows;
+  at::Tensor partial = at::empty({bands, 2 * cols}, s.options());
+  void* pp = partial.data_ptr();
+  void* grads_args[] = {&sp, &mp, &rp, &dyp, &pp, &rows, &cols, &band_rows};
+  launch(launch.kernels().per_dtype[d].ln_param_grads, "cuLaunchKernel(tg_ln_param_grads)", (cols + 31) / 32, bands, grads_args);
+  void* dwp = dw.data_ptr();
+  void* dbp = mutable_data_or_null(db);
+  void* sum_args[] = {&pp, &dwp, &dbp, &bands, &cols};
+  launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 255) / 256, 1, sum_args);
 }
 }  // namespace trainguard
 

@@ -188,7 +188,7 @@ pub const CUDA_BLOCK_VALUES: i64 = 2048;
 /// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, which uses its dtype
 /// loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
 /// (`cuda_jit.cpp`): the build needs no CUDA toolkit.
-const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), "\0");
+const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), include_str!("norm_kernels.cu"), "\0");
 
 /// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
 /// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),
@@ -350,11 +350,12 @@ mod tests {
     /// generation CUDA 13 supports, or that lost a kernel the shim loads by name, fails here.
     #[test]
     fn the_cuda_kernels_compile_with_nvrtc_for_every_supported_gpu() {
-        let mut entries = vec!["tg_adafactor_coef".to_string()];
+        let mut entries = vec!["tg_adafactor_coef".to_string(), "tg_ln_param_sum".to_string()];
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
+            entries.extend(["forward", "backward", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));

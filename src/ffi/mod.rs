@@ -1,7 +1,8 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
 //! allocator settings, deterministic mode, autocast, versions), over `optim_kernels.cpp` (the
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
-//! autograd node: [`loss`]), over `shim_cuda.cpp` (the allocator's
+//! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm with its residual add: [`norm`]),
+//! over `shim_cuda.cpp` (the allocator's
 //! history and snapshot), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
 //! [`trace`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
@@ -10,6 +11,7 @@
 pub mod dist;
 pub mod kernels;
 pub mod loss;
+pub mod norm;
 pub mod os;
 pub mod torch_panics;
 pub mod trace;

@@ -1,0 +1,161 @@
+// LayerNorm's CUDA kernels (`kernels.fused_layer_norm`), compiled by NVRTC in one source after
+// optim_kernels.cu (dtype loaders F32, BF16, F16; TG_THREADS, TG_WARPS) and loss_kernels.cu.
+// src/ffi/norm_kernels.cpp holds the autograd node that launches them and the plain ATen form
+// they are tested against.
+//
+// What they fuse, on rows of width c: the residual add before a norm (s = x + δ, x the fp32
+// residual stream, δ a block's output in the compute dtype D), the norm in fp32, and the
+// rounding of its output to D, which autocast would do with a separate cast; backward, the
+// norm's input gradient, the residual's gradient added to it (ds) and its rounding to δ's dtype.
+// Where ATen under autocast reads and writes the row about seven times forward and twelve
+// backward (add, norm, cast; cast, norm, accumulate, cast), these read and write it three and
+// five times, plus one pass for the weight and bias gradients.
+//
+// Every reduction runs in a fixed order (a butterfly within each warp, then the warps in
+// order; rows in bands summed in band order), so every run gives the same bits.
+
+// The sum of each thread's `v` over the CUDA block; every thread gets it.
+__device__ __forceinline__ float tg_block_sum(float v, float* shared) {
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+  __syncthreads();  // `shared` may still be read by an earlier call's threads
+  if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < TG_WARPS; ++w) total += shared[w];
+  return total;
+}
+
+// Row blockIdx.x: s = x (+ δ), written to `s_out` when there is a δ; mean and 1/σ over the row
+// (two passes, fp32); y = (s − mean)/σ · w (+ b), rounded to D.
+template <class D>
+__device__ __forceinline__ void ln_forward(const float* x, const typename D::T* delta, const float* w, const float* b, float* s_out,
+                                           typename D::T* y, float* mean_out, float* rstd_out, long long cols, float eps) {
+  __shared__ float part[TG_WARPS];
+  const long long row = blockIdx.x, base = row * cols;
+  float sum = 0.0f;
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    float v = x[base + j];
+    if (delta != nullptr) {
+      v += D::load(delta, base + j);
+      s_out[base + j] = v;
+    }
+    sum += v;
+  }
+  const float mean = tg_block_sum(sum, part) / static_cast<float>(cols);
+  const float* s = delta != nullptr ? s_out : x;
+  float sq = 0.0f;
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    const float d = s[base + j] - mean;
+    sq += d * d;
+  }
+  const float rstd = 1.0f / sqrtf(tg_block_sum(sq, part) / static_cast<float>(cols) + eps);
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    const float v = (s[base + j] - mean) * rstd * w[j];
+    D::store(y, base + j, b != nullptr ? v + b[j] : v);
+  }
+  if (threadIdx.x == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// Row blockIdx.x's input gradient: with x̂ = (s − mean)/σ and g = dy · w,
+// dx = (g − mean(g) − x̂ · mean(g · x̂))/σ (+ ds), written in fp32 and, when δ had a dtype of its
+// own, rounded to it as dδ. `dy` or `ds` may be null (their output was not used).
+template <class D>
+__device__ __forceinline__ void ln_backward(const float* s, const float* w, const float* mean, const float* rstd, const typename D::T* dy,
+                                            const float* ds, float* dx, typename D::T* ddelta, long long cols) {
+  __shared__ float part[TG_WARPS];
+  const long long row = blockIdx.x, base = row * cols;
+  const float mu = mean[row], r = rstd[row];
+  float sg = 0.0f, sgx = 0.0f;
+  if (dy != nullptr) {
+    for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+      const float g = D::load(dy, base + j) * w[j];
+      sg += g;
+      sgx += g * ((s[base + j] - mu) * r);
+    }
+  }
+  const float c1 = tg_block_sum(sgx, part) / static_cast<float>(cols);
+  const float c2 = tg_block_sum(sg, part) / static_cast<float>(cols);
+  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+    float v = 0.0f;
+    if (dy != nullptr) {
+      const float g = D::load(dy, base + j) * w[j];
+      v = (g - c2 - (s[base + j] - mu) * r * c1) * r;
+    }
+    if (ds != nullptr) v += ds[base + j];
+    if (dx != nullptr) dx[base + j] = v;
+    if (ddelta != nullptr) D::store(ddelta, base + j, v);
+  }
+}
+
+// Column tile blockIdx.x (32 columns, a lane each) of band blockIdx.y (`band_rows` rows, the
+// block's 8 warps taking every 8th): this band's part of dw = Σ dy · x̂ and db = Σ dy, written to
+// partial[band][0..cols) and partial[band][cols..2·cols).
+template <class D>
+__device__ __forceinline__ void ln_param_grads(const float* s, const float* mean, const float* rstd, const typename D::T* dy, float* partial,
+                                               long long rows, long long cols, long long band_rows) {
+  __shared__ float part_w[TG_WARPS][32], part_b[TG_WARPS][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long col = static_cast<long long>(blockIdx.x) * 32 + lane;
+  const long long first = static_cast<long long>(blockIdx.y) * band_rows;
+  // A lane past the last column reads no rows.
+  const long long last = col >= cols ? first : first + band_rows < rows ? first + band_rows : rows;
+  float aw = 0.0f, ab = 0.0f;
+  for (long long row = first + warp; row < last; row += TG_WARPS) {
+    const float g = D::load(dy, row * cols + col);
+    aw += g * ((s[row * cols + col] - mean[row]) * rstd[row]);
+    ab += g;
+  }
+  part_w[warp][lane] = aw;
+  part_b[warp][lane] = ab;
+  __syncthreads();
+  // Warp 0's lanes of real columns add the warps' parts (threadIdx read afresh, so that no
+  // compiler — the host emulation's included — splits the barrier above by a condition known
+  // before it).
+  if (threadIdx.x >= 32 || static_cast<long long>(blockIdx.x) * 32 + threadIdx.x >= cols) return;
+  float tw = 0.0f, tb = 0.0f;
+  for (int k = 0; k < TG_WARPS; ++k) {
+    tw += part_w[k][lane];
+    tb += part_b[k][lane];
+  }
+  float* band = partial + static_cast<long long>(blockIdx.y) * 2 * cols;
+  band[col] = tw;
+  band[cols + col] = tb;
+}
+
+#define TG_LAYER_NORM(SUFFIX, D)                                                                                        \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
+      tg_ln_forward_##SUFFIX(const float* x, const D::T* delta, const float* w, const float* b, float* s_out, D::T* y, \
+                             float* mean, float* rstd, long long cols, float eps) {                                     \
+    ln_forward<D>(x, delta, w, b, s_out, y, mean, rstd, cols, eps);                                                     \
+  }                                                                                                                     \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
+      tg_ln_backward_##SUFFIX(const float* s, const float* w, const float* mean, const float* rstd, const D::T* dy,     \
+                              const float* ds, float* dx, D::T* ddelta, long long cols) {                               \
+    ln_backward<D>(s, w, mean, rstd, dy, ds, dx, ddelta, cols);                                                         \
+  }                                                                                                                     \
+  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_grads_##SUFFIX(                                             \
+      const float* s, const float* mean, const float* rstd, const D::T* dy, float* partial, long long rows, long long cols, \
+      long long band_rows) {                                                                                            \
+    ln_param_grads<D>(s, mean, rstd, dy, partial, rows, cols, band_rows);                                               \
+  }
+
+TG_LAYER_NORM(f32, F32)
+TG_LAYER_NORM(bf16, BF16)
+TG_LAYER_NORM(f16, F16)
+
+// Column blockIdx.x · 256 + thread: the bands' parts summed in band order into dw (and db, when
+// there is a bias) — fp32, as the parameters.
+TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_sum(const float* partial, float* dw, float* db, long long bands, long long cols) {
+  const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
+  if (col >= cols) return;
+  float tw = 0.0f, tb = 0.0f;
+  for (long long k = 0; k < bands; ++k) {
+    tw += partial[k * 2 * cols + col];
+    tb += partial[k * 2 * cols + cols + col];
+  }
+  dw[col] = tw;
+  if (db != nullptr) db[col] = tb;
+}
