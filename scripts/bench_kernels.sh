@@ -6,7 +6,9 @@
 #    each as tensor ops and as our NVRTC kernels (`kernels.cuda_optimizers`): issue 15 asks both
 #    within 5% of fused AdamW per step;
 # 3. gpt2-124m bf16-mixed (micro 16, global 64) with PyTorch's cross-entropy and ours
-#    (`kernels.fused_cross_entropy`): its peak is the logits' (10 bytes a logit against 4).
+#    (`kernels.fused_cross_entropy`): its peak is the logits' (10 bytes a logit against 4);
+# 4. gpt2-124m bf16-mixed (micro 16, global 64) with ATen's add, layer_norm and cast and with our
+#    fused LayerNorm (`kernels.fused_layer_norm`).
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
@@ -33,3 +35,9 @@ bash "$here/bench_switches.sh" "$@" \
   "--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16" \
   "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" \
   "fused cross-entropy|kernels.fused_cross_entropy=true"
+echo
+bash "$here/bench_switches.sh" "$@" \
+  "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
+  "--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16" \
+  "ATen's LayerNorm|kernels.fused_layer_norm=false" \
+  "fused LayerNorm|kernels.fused_layer_norm=true"

@@ -627,6 +627,35 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
     }
 }
 
+/// `kernels.fused_layer_norm` on CUDA: GPT-2 with our fused LayerNorm node (the residual add and
+/// the rounding fused in) gives the plain model's loss and gradients, in fp32 and under bf16
+/// autocast, at a width (768) whose rows take three values a thread; and twice the same bits.
+#[test]
+fn fused_layer_norm_on_cuda_computes_what_atens_ops_do() {
+    use trainguard::config::{KernelsConfig, ModelConfig, Precision};
+    use trainguard::model::Model;
+    use trainguard::step::Autocast;
+    let Some(dev) = cuda() else { return };
+    let cfg = ModelConfig { n_layer: 2, n_head: 12, n_embd: 768, vocab_size: 512, seq_len: 128, dropout: 0.0, ..ModelConfig::default() };
+    let x = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
+    let y = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
+    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+        let run = |fused: bool| {
+            let m = Model::with_kernels(&cfg, KernelsConfig { fused_layer_norm: fused, ..KernelsConfig::default() }, 3, dev).unwrap();
+            let _autocast = Autocast::enter(precision, dev).unwrap();
+            let loss = m.loss(&x, &y, true, None).unwrap();
+            let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
+            (f64::try_from(&loss).unwrap(), grads)
+        };
+        let ((la, ga), (lb, gb), (_, gc)) = (run(false), run(true), run(true));
+        assert!(gb.iter().zip(&gc).all(|(b, c)| b.equal(c)), "{precision:?}: the fused node is not deterministic");
+        let worst = ga.iter().zip(&gb).map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap()).fold(0.0, f64::max);
+        eprintln!("{precision:?}: loss plain {la} fused {lb}; worst gradient difference / its tensor's largest {worst:.2e}");
+        let tol = if precision == Precision::Fp32 { 1e-4 } else { 2e-2 };
+        assert!(((la - lb) / la).abs() < tol / 10.0 && worst < tol, "{precision:?}: the fused LayerNorm differs");
+    }
+}
+
 /// Batches reach the GPU from pinned memory without the host waiting for the copy: twenty
 /// batches are queued before any is read back (pinned blocks freed while their copies may still
 /// be pending), and each holds the tokens the CPU batch holds.

@@ -29,17 +29,37 @@ impl Linear {
 pub struct LayerNorm {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// Through our fused node (`kernels.fused_layer_norm`, where our CUDA kernels run): its
+    /// output comes rounded to the compute dtype, and [`LayerNorm::add_forward`] does the
+    /// residual add in the same pass.
+    pub fused: bool,
 }
 
 impl LayerNorm {
-    pub fn load(params: &Params, prefix: &str, bias: bool) -> Result<Self, TchError> {
+    const EPS: f64 = 1e-5;
+
+    pub fn load(params: &Params, prefix: &str, bias: bool, fused: bool) -> Result<Self, TchError> {
         let Linear { weight, bias } = Linear::load(params, prefix, bias)?;
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias, fused })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        if self.fused {
+            return Ok(crate::ffi::norm::layer_norm(x, None, &self.weight, self.bias.as_ref(), Self::EPS)?.1);
+        }
         let c = self.weight.size()[0];
-        x.f_layer_norm([c], Some(&self.weight), self.bias.as_ref(), 1e-5, true)
+        x.f_layer_norm([c], Some(&self.weight), self.bias.as_ref(), Self::EPS, true)
+    }
+
+    /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
+    pub fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+        if self.fused {
+            let (sum, y) = crate::ffi::norm::layer_norm(x, Some(delta), &self.weight, self.bias.as_ref(), Self::EPS)?;
+            return Ok((sum.ok_or_else(|| TchError::Torch("layer_norm: no sum returned for a residual add".into()))?, y));
+        }
+        let sum = x.f_add(delta)?;
+        let y = self.forward(&sum)?;
+        Ok((sum, y))
     }
 }
 

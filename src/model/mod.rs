@@ -87,7 +87,7 @@ impl Model {
             }
         }
         let net: Box<dyn Decoder> = match cfg.arch {
-            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params)?),
+            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, kernels.fused_layer_norm && crate::ffi::kernels::runs_cuda_kernels(device))?),
             Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
@@ -101,8 +101,9 @@ impl Model {
             }
             false => None,
         };
-        if kernels.fused_cross_entropy {
-            crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy) cannot be used: {e}")))?;
+        if kernels.fused_cross_entropy || kernels.fused_layer_norm {
+            let switch = if kernels.fused_cross_entropy { "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)" } else { "the fused LayerNorm's CUDA kernels (kernels.fused_layer_norm)" };
+            crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
         Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, net })
     }
