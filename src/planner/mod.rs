@@ -508,7 +508,7 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
 fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, PlannerError> {
     let (run_plan, setup) = profile_inputs(args, inputs)?;
     let device = run_plan.device;
-    let capacity = profile::capacity(device, profile_capacity(inputs, &run_plan))?;
+    let capacity = profile::capacity(device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
     let plan = profile::Plan {
         device,
         sizes: args.micro_batches.clone(),
@@ -554,9 +554,12 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
 }
 
 /// The memory a profile may fill: the card's (`--gpu`, `--gpu-memory`), else the config's
-/// `memory.limit` — the cap training will run under — else the whole device.
-fn profile_capacity(inputs: &Inputs, plan: &RunPlan) -> Option<u64> {
-    inputs.target.as_ref().map(|t| t.capacity_bytes).or(plan.memory_limit)
+/// `memory.limit` — the cap training will run under — else the whole device. With `--gpu auto`
+/// it is the card's total, not the free memory the estimate plans with: the profile measures what
+/// is in use on the whole card (the context and other processes' memory included) against it,
+/// and the free figure has other processes' memory taken off already; it would count twice.
+fn profile_capacity(target: Option<&GpuTarget>, memory_limit: Option<u64>) -> Option<u64> {
+    target.map(|t| if t.source == "nvml" { t.total_bytes.unwrap_or(t.capacity_bytes) } else { t.capacity_bytes }).or(memory_limit)
 }
 
 /// Runs this binary again with the same flags plus `--profile-one B` and reads its JSON line.
@@ -581,7 +584,7 @@ fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
 /// The child side of [`measure_in_child`]: one size, one JSON line on stdout.
 fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), PlannerError> {
     let (run_plan, _) = profile_inputs(args, inputs)?;
-    let capacity = profile::capacity(run_plan.device, profile_capacity(inputs, &run_plan))?;
+    let capacity = profile::capacity(run_plan.device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
     let mut session = profile::Session::open(run_plan, capacity)?;
     let m = session.measure(micro, args.profile_steps)?;
     println!("{}", serde_json::to_string(&m).expect("a measurement always serialises"));
@@ -641,6 +644,23 @@ mod tests {
             let err = parse_count(bad).unwrap_err();
             assert!(err.is_usage() && err.to_string().contains("--params"), "{bad}: {err}");
         }
+    }
+
+    /// Other processes' memory counts once: `--gpu auto`'s free figure leaves it out, so the
+    /// profile, which adds everything in use on the card to its own peak, fills the total.
+    #[test]
+    fn a_profile_fills_the_cards_total_under_gpu_auto_and_the_named_size_otherwise() {
+        let gib = 1u64 << 30;
+        let detected = || Ok(gpu::DetectedGpu { name: "H100".into(), total: 80 * gib, free: 60 * gib, count: 1 });
+        let auto = gpu::resolve(Some("auto"), None, detected).unwrap().unwrap();
+        assert_eq!(auto.capacity_bytes, 60 * gib, "the estimate plans with what is free");
+        assert_eq!(profile_capacity(Some(&auto), Some(gib)), Some(80 * gib));
+        let rehearsed = gpu::resolve(Some("auto"), Some(16 * gib), detected).unwrap().unwrap();
+        assert_eq!(profile_capacity(Some(&rehearsed), None), Some(16 * gib), "--gpu-memory rehearses a smaller card");
+        let preset = gpu::resolve(Some("a100-40"), None, detected).unwrap().unwrap();
+        assert_eq!(profile_capacity(Some(&preset), None), Some(preset.capacity_bytes));
+        assert_eq!(profile_capacity(None, Some(3 * gib)), Some(3 * gib), "memory.limit, the cap training runs under");
+        assert_eq!(profile_capacity(None, None), None);
     }
 
     fn args() -> PlanArgs {
