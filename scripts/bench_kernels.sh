@@ -7,8 +7,9 @@
 #    within 5% of fused AdamW per step;
 # 3. gpt2-124m bf16-mixed (micro 16, global 64) with PyTorch's cross-entropy and ours
 #    (`kernels.fused_cross_entropy`): its peak is the logits' (10 bytes a logit against 4);
-# 4. gpt2-124m bf16-mixed (micro 16, global 64) with ATen's add, layer_norm and cast and with our
-#    fused LayerNorm (`kernels.fused_layer_norm`).
+# 4. the norms with their residual add and cast fused (`kernels.fused_residual_norm`): gpt2-124m
+#    bf16-mixed (micro 16, global 64) and smollm2-135m bf16-mixed (micro 8, seq 2048), each with
+#    ATen's ops (the fused RMSNorm for the Llama) and with our node.
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
@@ -39,5 +40,11 @@ echo
 bash "$here/bench_switches.sh" "$@" \
   "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
   "--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "ATen's LayerNorm|kernels.fused_layer_norm=false" \
-  "fused LayerNorm|kernels.fused_layer_norm=true"
+  "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" \
+  "residual-norm node|kernels.fused_residual_norm=true"
+echo
+bash "$here/bench_switches.sh" "$@" \
+  "--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32" \
+  "--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
+  "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" \
+  "residual-norm node|kernels.fused_residual_norm=true"

@@ -627,32 +627,44 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
     }
 }
 
-/// `kernels.fused_layer_norm` on CUDA: GPT-2 with our fused LayerNorm node (the residual add and
-/// the rounding fused in) gives the plain model's loss and gradients, in fp32 and under bf16
-/// autocast, at a width (768) whose rows take three values a thread; and twice the same bits.
+/// `kernels.fused_residual_norm` on CUDA: GPT-2 (LayerNorm) and a Llama (RMSNorm) with our
+/// residual-norm node (the residual add and the rounding fused in) give the plain models' loss
+/// and gradients, in fp32 and under bf16 autocast, at a width (768) whose rows take three values
+/// a thread; and twice the same bits.
 #[test]
-fn fused_layer_norm_on_cuda_computes_what_atens_ops_do() {
-    use trainguard::config::{KernelsConfig, ModelConfig, Precision};
+fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
+    use trainguard::config::{Arch, KernelsConfig, ModelConfig, Precision};
     use trainguard::model::Model;
     use trainguard::step::Autocast;
     let Some(dev) = cuda() else { return };
-    let cfg = ModelConfig { n_layer: 2, n_head: 12, n_embd: 768, vocab_size: 512, seq_len: 128, dropout: 0.0, ..ModelConfig::default() };
+    let gpt2 = ModelConfig { n_layer: 2, n_head: 12, n_embd: 768, vocab_size: 512, seq_len: 128, dropout: 0.0, ..ModelConfig::default() };
+    let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(4), ffn_hidden: Some(2048), bias: false, ..gpt2.clone() };
     let x = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
     let y = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
-    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
-        let run = |fused: bool| {
-            let m = Model::with_kernels(&cfg, KernelsConfig { fused_layer_norm: fused, ..KernelsConfig::default() }, 3, dev).unwrap();
+    let rel = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).unwrap();
+    for cfg in [gpt2, llama] {
+        let run = |ours: bool, precision: Precision| {
+            let m = Model::with_kernels(&cfg, KernelsConfig { fused_residual_norm: ours, ..KernelsConfig::default() }, 3, dev).unwrap();
             let _autocast = Autocast::enter(precision, dev).unwrap();
             let loss = m.loss(&x, &y, true, None).unwrap();
             let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
             (f64::try_from(&loss).unwrap(), grads)
         };
-        let ((la, ga), (lb, gb), (_, gc)) = (run(false), run(true), run(true));
-        assert!(gb.iter().zip(&gc).all(|(b, c)| b.equal(c)), "{precision:?}: the fused node is not deterministic");
-        let worst = ga.iter().zip(&gb).map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap()).fold(0.0, f64::max);
-        eprintln!("{precision:?}: loss plain {la} fused {lb}; worst gradient difference / its tensor's largest {worst:.2e}");
-        let tol = if precision == Precision::Fp32 { 1e-4 } else { 2e-2 };
-        assert!(((la - lb) / la).abs() < tol / 10.0 && worst < tol, "{precision:?}: the fused LayerNorm differs");
+        // fp32 (TF32 matmuls): the same maths, the reductions' order aside (a last bit of a norm
+        // output can tip a TF32 rounding: hence 1e-3, as for the fused RMSNorm above).
+        let ((la, ga), (lb, gb), (_, gc)) = (run(false, Precision::Fp32), run(true, Precision::Fp32), run(true, Precision::Fp32));
+        assert!(gb.iter().zip(&gc).all(|(b, c)| b.equal(c)), "{:?}: the node is not deterministic", cfg.arch);
+        let worst = ga.iter().zip(&gb).map(|(a, b)| rel(b, a)).fold(0.0, f64::max);
+        eprintln!("{:?} fp32: loss plain {la} ours {lb}; worst gradient difference / its tensor's largest {worst:.2e}", cfg.arch);
+        assert!(((la - lb) / la).abs() < 1e-4 && worst < 1e-3, "{:?} fp32: the residual-norm node differs", cfg.arch);
+        // bf16-mixed: ours no further from the fp32 gradients than autocast's own (readers'
+        // 16-bit gradients are summed in 16 bits for our one output: a rounding more at most).
+        let ((_, auto), (_, mixed)) = (run(false, Precision::Bf16Mixed), run(true, Precision::Bf16Mixed));
+        for ((a, b), t) in mixed.iter().zip(&auto).zip(&ga) {
+            let (ours_err, autocast_err) = (rel(a, t), rel(b, t));
+            assert!(ours_err <= 2.0 * autocast_err + 1e-3, "{:?} bf16-mixed: {ours_err:e} from fp32 against autocast's {autocast_err:e}", cfg.arch);
+        }
+        eprintln!("{:?} bf16-mixed: within autocast's own distance from fp32", cfg.arch);
     }
 }
 

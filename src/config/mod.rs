@@ -388,19 +388,21 @@ pub struct KernelsConfig {
     /// the CUDA kernels' checks passed on an H200, where gpt2-124m bf16-mixed (micro 16) ran
     /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "GPU checks on an H200").
     pub fused_cross_entropy: bool,
-    /// GPT-2's LayerNorms on CUDA as one autograd node of our own (`ffi::norm`, NVRTC kernels),
-    /// with the residual add before the second norm of each block and the rounding to the
-    /// compute dtype after every norm inside it: one kernel forward where ATen runs an add, a
-    /// layer_norm and autocast's cast, and backward the norm's gradient with the residual's added
-    /// and rounded in the same pass. The same maths (the reductions' order differs in the last
-    /// bits of fp32). Off by default until a GPU measures it (`scripts/bench_kernels.sh`); on
-    /// the CPU, and for fp16/bf16 weights (`bf16-pure`), ATen's ops run either way.
-    pub fused_layer_norm: bool,
+    /// The norms on CUDA (GPT-2's LayerNorms, Llama's RMSNorms) as one autograd node of our own
+    /// (`ffi::norm`, NVRTC kernels), with the residual add before each block's second norm and
+    /// the rounding to the compute dtype after every norm inside it: one kernel forward where
+    /// ATen runs an add, the norm and autocast's cast (one per reading matrix multiplication:
+    /// three after Llama's first norm, so our one 16-bit output also saves memory), and backward
+    /// the norm's gradient with the residual's added and rounded in the same pass. The same
+    /// maths (the reductions' order differs in the last bits of fp32). Off by default until a
+    /// GPU measures it (`scripts/bench_kernels.sh`); on the CPU, and for 16-bit weights
+    /// (`bf16-pure`), the usual ops run either way. Overrides `fused_rms_norm` where both are on.
+    pub fused_residual_norm: bool,
 }
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_layer_norm: false }
+        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: false }
     }
 }
 

@@ -422,11 +422,12 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
 const void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 void* mutable_data_or_null(at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
-void cuda_layer_norm_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, const at::Tensor& b, at::Tensor& s,
-                             at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps) {
+void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, const at::Tensor& b, at::Tensor& s,
+                             at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps, bool rms) {
   long long rows = x.size(0), cols = x.size(1);
+  int rms_flag = rms ? 1 : 0;
   if (rows == 0) return;
-  const int d = dtype_index(y.scalar_type(), "layer_norm");
+  const int d = dtype_index(y.scalar_type(), "residual_norm");
   const void* xp = x.data_ptr();
   const void* dp = data_or_null(delta);
   const void* wp = w.data_ptr();
@@ -436,16 +437,17 @@ void cuda_layer_norm_forward(const at::Tensor& x, const at::Tensor& delta, const
   void* yp = y.data_ptr();
   void* mp = mean.data_ptr();
   void* rp = rstd.data_ptr();
-  void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps};
+  void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps, &rms_flag};
   const Launcher launch(x.device());
   launch(launch.kernels().per_dtype[d].ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
 }
 
-void cuda_layer_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
-                              const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db) {
+void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
+                              const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db, bool rms) {
   long long rows = s.size(0), cols = s.size(1);
+  int rms_flag = rms ? 1 : 0;
   if (rows == 0) return;
-  const int d = dtype_index(dy.defined() ? dy.scalar_type() : ddelta.defined() ? ddelta.scalar_type() : at::kFloat, "layer_norm");
+  const int d = dtype_index(dy.defined() ? dy.scalar_type() : ddelta.defined() ? ddelta.scalar_type() : at::kFloat, "residual_norm");
   const void* sp = s.data_ptr();
   const void* wp = w.data_ptr();
   const void* mp = mean.data_ptr();
@@ -454,7 +456,7 @@ void cuda_layer_norm_backward(const at::Tensor& s, const at::Tensor& w, const at
   const void* dsp = data_or_null(ds);
   void* dxp = dx.data_ptr();
   void* ddp = mutable_data_or_null(ddelta);
-  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols};
+  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
   const Launcher launch(s.device());
   launch(launch.kernels().per_dtype[d].ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
   if (!dy.defined()) return;  // no output gradient: dw and db stay zero

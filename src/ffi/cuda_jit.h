@@ -38,14 +38,15 @@ void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, a
 void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale,
                                  at::Tensor& grad);
 
-// The CUDA side of LayerNorm's autograd node (norm_kernels.cpp), which has checked the tensors:
+// The CUDA side of the residual norm's autograd node (norm_kernels.cpp; `rms`: RMSNorm, else
+// LayerNorm), which has checked the tensors:
 // `x` [rows, c] fp32 contiguous, `delta` (undefined: none) in y's dtype, `w` and `b` (undefined:
 // none) [c] fp32; the forward writes s (with a delta), y, and a mean and 1/σ per row. The
 // backward takes dy in y's dtype and ds fp32 (either undefined: no gradient), writes dx fp32,
 // ddelta (when defined) in y's dtype, dw and db (when defined; left as they are without dy).
 // One launch forward, three backward, on PyTorch's current stream.
-void cuda_layer_norm_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, const at::Tensor& b, at::Tensor& s,
-                             at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps);
-void cuda_layer_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
-                              const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db);
+void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, const at::Tensor& b, at::Tensor& s,
+                             at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps, bool rms);
+void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
+                              const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db, bool rms);
 }  // namespace trainguard

@@ -1,6 +1,6 @@
-//! Wrapper over `norm_kernels.cpp`: LayerNorm with the residual add before it and the rounding
-//! to the compute dtype after it, as one autograd node over our CUDA kernels
-//! (`kernels.fused_layer_norm`; `norm_kernels.cu`, compiled by NVRTC once
+//! Wrapper over `norm_kernels.cpp`: a norm (LayerNorm or RMSNorm) with the residual add before it
+//! and the rounding to the compute dtype after it, as one autograd node over our CUDA kernels
+//! (`kernels.fused_residual_norm`; `norm_kernels.cu`, compiled by NVRTC once
 //! [`super::kernels::prepare_cuda`] has run for the device). Where the kernels do not run (the
 //! CPU outside tests, inputs that are not fp32) it computes the same with ATen's ops.
 use super::{result, ShimError, ERR_LEN};
@@ -8,20 +8,29 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_layer_norm(x: *const c_void, delta: *const c_void, weight: *const c_void, bias: *const c_void, eps: f64, s_out: *mut *mut c_void, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_residual_norm(x: *const c_void, delta: *const c_void, weight: *const c_void, bias: *const c_void, eps: f64, rms: c_int, s_out: *mut *mut c_void, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
-/// LayerNorm over the last dimension of `x + delta` (of `x` without a delta) with `weight`,
-/// `bias` and `eps`. Returns the sum (with a delta: the residual stream after the add, fp32)
-/// and the normalised output, rounded to autocast's dtype while autocast is on (x's otherwise).
-pub fn layer_norm(x: &Tensor, delta: Option<&Tensor>, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<(Option<Tensor>, Tensor), ShimError> {
+/// Which norm: LayerNorm (mean and variance, optional bias) or RMSNorm (root mean square, no bias).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Norm {
+    Layer,
+    Rms,
+}
+
+/// `norm` over the last dimension of `x + delta` (of `x` without a delta) with `weight`, `bias`
+/// (LayerNorm only) and `eps`. Returns the sum (with a delta: the residual stream after the add,
+/// fp32) and the normalised output, rounded to autocast's dtype while autocast is on (x's
+/// otherwise).
+pub fn residual_norm(norm: Norm, x: &Tensor, delta: Option<&Tensor>, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<(Option<Tensor>, Tensor), ShimError> {
     let handle = |t: Option<&Tensor>| t.map_or(std::ptr::null(), |t| t.as_ptr().cast::<c_void>());
     let (mut s, mut y) = (std::ptr::null_mut::<c_void>(), std::ptr::null_mut::<c_void>());
     let mut err = [0u8; ERR_LEN];
     // SAFETY: every handle is a live tensor or null where the shim takes none; on success the
     // shim hands over tensors it allocated with `new` (s only with a delta), which tch's Tensor
     // owns and frees.
-    let code = unsafe { tg_layer_norm(handle(Some(x)), handle(delta), handle(Some(weight)), handle(bias), eps, &mut s, &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
+    let rms = c_int::from(norm == Norm::Rms);
+    let code = unsafe { tg_residual_norm(handle(Some(x)), handle(delta), handle(Some(weight)), handle(bias), eps, rms, &mut s, &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)?;
     // SAFETY: non-null pointers the shim returned with code 0.
     let sum = (!s.is_null()).then(|| unsafe { Tensor::from_ptr(s.cast()) });
@@ -37,6 +46,7 @@ mod tests {
     use tch::{Device, Kind};
 
     pub struct Case {
+        pub norm: Norm,
         pub rows: i64,
         pub cols: i64,
         pub delta: bool,
@@ -63,14 +73,14 @@ mod tests {
         if autocast {
             crate::ffi::set_autocast(false, true, c.kind == Kind::Half).unwrap();
         }
-        let (s, y) = layer_norm(&x, delta.as_ref(), &w, b.as_ref(), 1e-5).unwrap();
+        let (s, y) = residual_norm(c.norm, &x, delta.as_ref(), &w, b.as_ref(), 1e-5).unwrap();
         if autocast {
             crate::ffi::set_autocast(false, false, false).unwrap();
         }
         assert_eq!(y.kind(), c.kind, "y in the compute dtype");
         let mut objective = (y.to_kind(Kind::Float) * &gy).sum(Kind::Float);
         if let Some(s) = &s {
-            objective = objective + (s * &gs).sum(Kind::Float);
+            objective += (s * &gs).sum(Kind::Float);
         }
         let mut inputs = vec![&x, &w];
         inputs.extend(delta.iter());
@@ -91,18 +101,22 @@ mod tests {
     }
 
     #[test]
-    fn the_kernels_compute_what_atens_add_layer_norm_and_cast_do() {
+    fn the_kernels_compute_what_atens_add_norm_and_cast_do() {
+        let (layer, rms) = (Norm::Layer, Norm::Rms);
         for c in [
-            Case { rows: 37, cols: 300, delta: true, bias: true, kind: Kind::Float },
-            Case { rows: 37, cols: 300, delta: false, bias: true, kind: Kind::Float },
-            Case { rows: 9, cols: 64, delta: true, bias: false, kind: Kind::Float },
-            Case { rows: 300, cols: 48, delta: true, bias: true, kind: Kind::BFloat16 },
-            Case { rows: 21, cols: 520, delta: false, bias: true, kind: Kind::BFloat16 },
-            Case { rows: 17, cols: 96, delta: true, bias: true, kind: Kind::Half },
+            Case { norm: layer, rows: 37, cols: 300, delta: true, bias: true, kind: Kind::Float },
+            Case { norm: layer, rows: 37, cols: 300, delta: false, bias: true, kind: Kind::Float },
+            Case { norm: layer, rows: 9, cols: 64, delta: true, bias: false, kind: Kind::Float },
+            Case { norm: layer, rows: 300, cols: 48, delta: true, bias: true, kind: Kind::BFloat16 },
+            Case { norm: layer, rows: 21, cols: 520, delta: false, bias: true, kind: Kind::BFloat16 },
+            Case { norm: layer, rows: 17, cols: 96, delta: true, bias: true, kind: Kind::Half },
+            Case { norm: rms, rows: 37, cols: 300, delta: true, bias: false, kind: Kind::Float },
+            Case { norm: rms, rows: 23, cols: 520, delta: false, bias: false, kind: Kind::Float },
+            Case { norm: rms, rows: 300, cols: 48, delta: true, bias: false, kind: Kind::BFloat16 },
         ] {
             let (ours, aten) = (run(&c, true), run(&c, false));
             assert_eq!(ours.len(), aten.len());
-            let label = format!("{} x {} delta {} bias {} {:?}", c.rows, c.cols, c.delta, c.bias, c.kind);
+            let label = format!("{:?} {} x {} delta {} bias {} {:?}", c.norm, c.rows, c.cols, c.delta, c.bias, c.kind);
             for (i, (a, b)) in ours.iter().zip(&aten).enumerate() {
                 assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{label}: output {i}");
                 // fp32 differs in the last bits (our reductions' order); a 16-bit value at most
@@ -120,7 +134,7 @@ mod tests {
 
     #[test]
     fn the_kernels_are_deterministic_and_bad_inputs_are_errors() {
-        let c = Case { rows: 300, cols: 96, delta: true, bias: true, kind: Kind::BFloat16 };
+        let c = Case { norm: Norm::Layer, rows: 300, cols: 96, delta: true, bias: true, kind: Kind::BFloat16 };
         let (a, b) = (run(&c, true), run(&c, true));
         for (x, y) in a.iter().zip(&b) {
             assert!(x.equal(y), "two runs differ: {:?} {:?} by {}", x.kind(), x.size(), (x.to_kind(Kind::Double) - y.to_kind(Kind::Double)).abs().max().double_value(&[]));
@@ -128,9 +142,11 @@ mod tests {
         // Bad inputs: a clear error, not a crash.
         let x = Tensor::ones([2, 8], (Kind::Int64, Device::Cpu));
         let w = Tensor::ones([8], (Kind::Float, Device::Cpu));
-        let err = layer_norm(&x, None, &w, None, 1e-5).unwrap_err().to_string();
+        let err = residual_norm(Norm::Layer, &x, None, &w, None, 1e-5).unwrap_err().to_string();
         assert!(err.contains("layer_norm") || err.contains("Long"), "an integer input is refused: {err}");
-        let bad = layer_norm(&w.view([1, 8]), None, &Tensor::ones([7], (Kind::Float, Device::Cpu)), None, 1e-5).unwrap_err().to_string();
+        let bad = residual_norm(Norm::Layer, &w.view([1, 8]), None, &Tensor::ones([7], (Kind::Float, Device::Cpu)), None, 1e-5).unwrap_err().to_string();
         assert!(bad.contains("weight must be [c]"), "{bad}");
+        let bias = residual_norm(Norm::Rms, &w.view([1, 8]), None, &w, Some(&w), 1e-5).unwrap_err().to_string();
+        assert!(bias.contains("RMSNorm takes no bias"), "{bias}");
     }
 }

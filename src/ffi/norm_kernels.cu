@@ -1,11 +1,12 @@
-// LayerNorm's CUDA kernels (`kernels.fused_layer_norm`), compiled by NVRTC in one source after
+// LayerNorm's and RMSNorm's CUDA kernels (`kernels.fused_residual_norm`), compiled by NVRTC in one source after
 // optim_kernels.cu (dtype loaders F32, BF16, F16; TG_THREADS, TG_WARPS) and loss_kernels.cu.
 // src/ffi/norm_kernels.cpp holds the autograd node that launches them and the plain ATen form
 // they are tested against.
 //
 // What they fuse, on rows of width c: the residual add before a norm (s = x + δ, x the fp32
-// residual stream, δ a block's output in the compute dtype D), the norm in fp32, and the
-// rounding of its output to D, which autocast would do with a separate cast; backward, the
+// residual stream, δ a block's output in the compute dtype D), the norm in fp32 (LayerNorm, or
+// with `rms` RMSNorm: no mean taken off, no bias), and the rounding of its output to D, which
+// autocast would do with a separate cast (once per reading matrix multiplication); backward, the
 // norm's input gradient, the residual's gradient added to it (ds) and its rounding to δ's dtype.
 // Where ATen under autocast reads and writes the row about seven times forward and twelve
 // backward (add, norm, cast; cast, norm, accumulate, cast), these read and write it three and
@@ -26,10 +27,11 @@ __device__ __forceinline__ float tg_block_sum(float v, float* shared) {
 }
 
 // Row blockIdx.x: s = x (+ δ), written to `s_out` when there is a δ; mean and 1/σ over the row
-// (two passes, fp32); y = (s − mean)/σ · w (+ b), rounded to D.
+// (two passes, fp32; with `rms` the mean is 0 and σ the root mean square); y = (s − mean)/σ · w
+// (+ b), rounded to D.
 template <class D>
 __device__ __forceinline__ void ln_forward(const float* x, const typename D::T* delta, const float* w, const float* b, float* s_out,
-                                           typename D::T* y, float* mean_out, float* rstd_out, long long cols, float eps) {
+                                           typename D::T* y, float* mean_out, float* rstd_out, long long cols, float eps, int rms) {
   __shared__ float part[TG_WARPS];
   const long long row = blockIdx.x, base = row * cols;
   float sum = 0.0f;
@@ -41,7 +43,8 @@ __device__ __forceinline__ void ln_forward(const float* x, const typename D::T* 
     }
     sum += v;
   }
-  const float mean = tg_block_sum(sum, part) / static_cast<float>(cols);
+  // `rms` is the same for every thread: all take the barriers inside tg_block_sum or none do.
+  const float mean = rms ? 0.0f : tg_block_sum(sum, part) / static_cast<float>(cols);
   const float* s = delta != nullptr ? s_out : x;
   float sq = 0.0f;
   for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
@@ -60,11 +63,12 @@ __device__ __forceinline__ void ln_forward(const float* x, const typename D::T* 
 }
 
 // Row blockIdx.x's input gradient: with x̂ = (s − mean)/σ and g = dy · w,
-// dx = (g − mean(g) − x̂ · mean(g · x̂))/σ (+ ds), written in fp32 and, when δ had a dtype of its
-// own, rounded to it as dδ. `dy` or `ds` may be null (their output was not used).
+// dx = (g − mean(g) − x̂ · mean(g · x̂))/σ (+ ds) (with `rms`, no mean(g) term: the mean was not
+// taken off), written in fp32 and, when δ had a dtype of its own, rounded to it as dδ. `dy` or
+// `ds` may be null (their output was not used).
 template <class D>
 __device__ __forceinline__ void ln_backward(const float* s, const float* w, const float* mean, const float* rstd, const typename D::T* dy,
-                                            const float* ds, float* dx, typename D::T* ddelta, long long cols) {
+                                            const float* ds, float* dx, typename D::T* ddelta, long long cols, int rms) {
   __shared__ float part[TG_WARPS];
   const long long row = blockIdx.x, base = row * cols;
   const float mu = mean[row], r = rstd[row];
@@ -77,7 +81,7 @@ __device__ __forceinline__ void ln_backward(const float* s, const float* w, cons
     }
   }
   const float c1 = tg_block_sum(sgx, part) / static_cast<float>(cols);
-  const float c2 = tg_block_sum(sg, part) / static_cast<float>(cols);
+  const float c2 = rms ? 0.0f : tg_block_sum(sg, part) / static_cast<float>(cols);
   for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
     float v = 0.0f;
     if (dy != nullptr) {
@@ -128,13 +132,13 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
 #define TG_LAYER_NORM(SUFFIX, D)                                                                                        \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_forward_##SUFFIX(const float* x, const D::T* delta, const float* w, const float* b, float* s_out, D::T* y, \
-                             float* mean, float* rstd, long long cols, float eps) {                                     \
-    ln_forward<D>(x, delta, w, b, s_out, y, mean, rstd, cols, eps);                                                     \
+                             float* mean, float* rstd, long long cols, float eps, int rms) {                            \
+    ln_forward<D>(x, delta, w, b, s_out, y, mean, rstd, cols, eps, rms);                                                \
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_backward_##SUFFIX(const float* s, const float* w, const float* mean, const float* rstd, const D::T* dy,     \
-                              const float* ds, float* dx, D::T* ddelta, long long cols) {                               \
-    ln_backward<D>(s, w, mean, rstd, dy, ds, dx, ddelta, cols);                                                         \
+                              const float* ds, float* dx, D::T* ddelta, long long cols, int rms) {                      \
+    ln_backward<D>(s, w, mean, rstd, dy, ds, dx, ddelta, cols, rms);                                                    \
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_grads_##SUFFIX(                                             \
       const float* s, const float* mean, const float* rstd, const D::T* dy, float* partial, long long rows, long long cols, \

@@ -2,6 +2,7 @@
 //! linear, LayerNorm, RMSNorm, rotary position embedding, causal attention over
 //! `scaled_dot_product_attention` (grouped-query heads included), GELU and SwiGLU MLPs.
 use super::params::Params;
+use crate::ffi::norm::{residual_norm, Norm};
 use tch::{Device, Kind, TchError, Tensor};
 
 /// The parameter `name` of `params` (a handle to the same storage).
@@ -29,23 +30,23 @@ impl Linear {
 pub struct LayerNorm {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
-    /// Through our fused node (`kernels.fused_layer_norm`, where our CUDA kernels run): its
-    /// output comes rounded to the compute dtype, and [`LayerNorm::add_forward`] does the
-    /// residual add in the same pass.
-    pub fused: bool,
+    /// Through our residual-norm node (`kernels.fused_residual_norm`, where our CUDA kernels
+    /// run) for an fp32 residual stream (not bf16-pure's): its output comes rounded to the
+    /// compute dtype, and [`LayerNorm::add_forward`] does the residual add in the same pass.
+    pub ours: bool,
 }
 
 impl LayerNorm {
     const EPS: f64 = 1e-5;
 
-    pub fn load(params: &Params, prefix: &str, bias: bool, fused: bool) -> Result<Self, TchError> {
+    pub fn load(params: &Params, prefix: &str, bias: bool, ours: bool) -> Result<Self, TchError> {
         let Linear { weight, bias } = Linear::load(params, prefix, bias)?;
-        Ok(Self { weight, bias, fused })
+        Ok(Self { weight, bias, ours })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        if self.fused {
-            return Ok(crate::ffi::norm::layer_norm(x, None, &self.weight, self.bias.as_ref(), Self::EPS)?.1);
+        if self.ours && x.kind() == Kind::Float {
+            return Ok(residual_norm(Norm::Layer, x, None, &self.weight, self.bias.as_ref(), Self::EPS)?.1);
         }
         let c = self.weight.size()[0];
         x.f_layer_norm([c], Some(&self.weight), self.bias.as_ref(), Self::EPS, true)
@@ -53,14 +54,19 @@ impl LayerNorm {
 
     /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
     pub fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
-        if self.fused {
-            let (sum, y) = crate::ffi::norm::layer_norm(x, Some(delta), &self.weight, self.bias.as_ref(), Self::EPS)?;
-            return Ok((sum.ok_or_else(|| TchError::Torch("layer_norm: no sum returned for a residual add".into()))?, y));
+        if self.ours && x.kind() == Kind::Float {
+            return residual_norm_with_sum(Norm::Layer, x, delta, &self.weight, self.bias.as_ref(), Self::EPS);
         }
         let sum = x.f_add(delta)?;
         let y = self.forward(&sum)?;
         Ok((sum, y))
     }
+}
+
+/// Our node with a residual add: `(x + delta, norm(x + delta))`.
+fn residual_norm_with_sum(norm: Norm, x: &Tensor, delta: &Tensor, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor), TchError> {
+    let (sum, y) = residual_norm(norm, x, Some(delta), weight, bias, eps)?;
+    Ok((sum.ok_or_else(|| TchError::Torch("residual_norm: no sum returned for a residual add".into()))?, y))
 }
 
 /// Root-mean-square norm as the Llama family computes it: in fp32, then back to the input's
@@ -71,16 +77,33 @@ pub struct RmsNorm {
     /// Through ATen's `rms_norm` (`kernels.fused_rms_norm`, set on CUDA only, where it is one
     /// fused kernel each way instead of about seven forward and ten backward).
     pub fused: bool,
+    /// Through our residual-norm node (`kernels.fused_residual_norm`, where our CUDA kernels
+    /// run; before `fused`) for an fp32 residual stream: the output rounded to the compute dtype
+    /// once for every reader, and [`RmsNorm::add_forward`] with the residual add in the same pass.
+    pub ours: bool,
 }
 
 impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+        if self.ours && x.kind() == Kind::Float {
+            return Ok(residual_norm(Norm::Rms, x, None, &self.weight, None, self.eps)?.1);
+        }
         // ATen takes its fused path only when input and weight share a dtype, and warns on every
         // call otherwise: those calls stay step by step.
         if self.fused && x.kind() == self.weight.kind() {
             return self.aten(x);
         }
         self.step_by_step(x)
+    }
+
+    /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
+    pub fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+        if self.ours && x.kind() == Kind::Float {
+            return residual_norm_with_sum(Norm::Rms, x, delta, &self.weight, None, self.eps);
+        }
+        let sum = x.f_add(delta)?;
+        let y = self.forward(&sum)?;
+        Ok((sum, y))
     }
 
     /// ATen's `rms_norm`: on CUDA `_fused_rms_norm`, which computes in fp32 and multiplies by the
@@ -174,7 +197,7 @@ mod tests {
 
     fn norm(fused: bool, kind: Kind) -> RmsNorm {
         let weight = Tensor::linspace(0.5, 1.5, 48, (kind, Device::Cpu)).set_requires_grad(true);
-        RmsNorm { weight, eps: 1e-5, fused }
+        RmsNorm { weight, eps: 1e-5, fused, ours: false }
     }
 
     /// The fused path hands ATen the weight, the width and the epsilon (on the CPU ATen

@@ -103,7 +103,8 @@ impl Llama {
     pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device) -> Result<Self, TchError> {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
         let fused = kernels.fused_rms_norm && device.is_cuda();
-        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused }) };
+        let ours = kernels.fused_residual_norm && crate::ffi::kernels::runs_cuda_kernels(device);
+        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours }) };
         let layers = (0..cfg.n_layer)
             .map(|i| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -146,8 +147,8 @@ impl Decoder for Llama {
         let k = self.rope.apply(&split_heads(&l.k.forward(&h)?, self.n_kv_head)?)?;
         let v = split_heads(&l.v.forward(&h)?, self.n_kv_head)?;
         let y = causal_attention(&q, &k, &v, dropout)?;
-        let x = x.f_add(&l.o.forward(&y)?.f_dropout(dropout, train)?)?;
-        let m = swiglu(&l.post_norm.forward(&x)?, &l.gate, &l.up, &l.down)?;
+        let (x, normed) = l.post_norm.add_forward(x, &l.o.forward(&y)?.f_dropout(dropout, train)?)?;
+        let m = swiglu(&normed, &l.gate, &l.up, &l.down)?;
         x.f_add(&m.f_dropout(dropout, train)?)
     }
 

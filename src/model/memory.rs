@@ -97,6 +97,9 @@ pub struct Regime {
     /// Grouped key/value heads repeated to every query head before attention
     /// (`layers::repeats_grouped_heads`: CUDA in fp32), so attention keeps them repeated.
     pub repeated_kv_heads: bool,
+    /// The norms as our residual-norm node (`kernels.fused_residual_norm` on CUDA, fp32
+    /// weights): its output is already in the compute dtype, one tensor for every reader.
+    pub residual_norm_node: bool,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -136,7 +139,16 @@ pub mod layers {
     /// normalised input back in the input's dtype (what the weight multiplies) and the output.
     /// ATen's fused kernel (`FusedRmsNormBackward0` keeps input, weight and rstd): the input as
     /// it is, the fp32 rstd per token and the output.
+    /// Our residual-norm node: the input, an fp32 mean (0) and rstd per token, one output in the
+    /// compute dtype that every reader shares.
     pub fn rms_norm(h: u64, readers: u64, r: Regime) -> Vec<Saved> {
+        if r.residual_norm_node {
+            return vec![
+                Saved::token("RMSNorm input", h, Stored::Residual),
+                Saved::token("RMSNorm mean and rstd", 2, Stored::Fp32),
+                Saved::token("RMSNorm output", h, Stored::Compute),
+            ];
+        }
         let output = Saved::token("RMSNorm output", h, Stored::LinearInput(readers));
         if r.fused_rms_norm {
             return vec![Saved::token("RMSNorm input", h, Stored::Residual), Saved::token("RMSNorm rstd", 1, Stored::Fp32), output];
@@ -189,7 +201,7 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false };
+        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);
@@ -200,6 +212,10 @@ mod tests {
         assert_eq!(per_token(&fused, &FP32), 40 + 4 + 40);
         assert_eq!(per_token(&fused, &MIXED), 40 + 4 + 3 * 20);
         assert_eq!(per_token(&fused, &PURE), 20 + 4 + 20);
+        // Our node: one 16-bit output for the three readers, two fp32 statistics.
+        let ours = layers::rms_norm(10, 3, Regime { residual_norm_node: true, fused_rms_norm: true, ..r });
+        assert_eq!(per_token(&ours, &MIXED), 40 + 8 + 20);
+        assert_eq!(per_token(&ours, &FP32), 40 + 8 + 40);
     }
 
     #[test]

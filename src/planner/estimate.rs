@@ -109,7 +109,9 @@ impl Transformer {
         // As `model::layers::repeats_grouped_heads`: fp32 is the only precision whose attention
         // runs outside 16-bit.
         let repeated_kv_heads = s.target == Target::Cuda && s.precision == Precision::Fp32;
-        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads })
+        // As `model::Model`: our node where its kernels run, for fp32 weights (not bf16-pure).
+        let residual_norm_node = s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
+        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node })
     }
 
     /// Rows of the embedding and LM head, and columns of the logits (the padded vocabulary).
@@ -268,6 +270,8 @@ pub struct Setup {
     /// `kernels.fused_cross_entropy`: the loss as our node, which keeps the logits in their own
     /// dtype and writes only their gradient in backward.
     pub fused_cross_entropy: bool,
+    /// `kernels.fused_residual_norm`: the norms counted as our node where it runs (CUDA).
+    pub fused_residual_norm: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -702,6 +706,7 @@ pub(crate) mod fixtures {
             fused_rms_norm: true,
             cuda_optimizers: false,
             fused_cross_entropy: false,
+            fused_residual_norm: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,

@@ -318,6 +318,7 @@ impl Inputs {
             fused_rms_norm: config.kernels.fused_rms_norm,
             cuda_optimizers: config.kernels.cuda_optimizers,
             fused_cross_entropy: config.kernels.fused_cross_entropy,
+            fused_residual_norm: config.kernels.fused_residual_norm,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,
