@@ -1,50 +1,54 @@
 #!/usr/bin/env bash
 # What the `kernels:` switches buy, each table against its first row (tokens/s, peak allocated):
-# 1. a Llama (configs/smollm2-135m.yaml, bf16-mixed, sequence 2048, micro-batch 8, global 32)
+# 1. (rms) a Llama (configs/smollm2-135m.yaml, bf16-mixed, sequence 2048, micro-batch 8, global 32)
 #    with `kernels.fused_rms_norm` off and on;
-# 2. gpt2-124m bf16-mixed (micro 16, global 64) with fused AdamW, then 8-bit AdamW and Adafactor,
+# 2. (optim) gpt2-124m bf16-mixed (micro 16, global 64) with fused AdamW, then 8-bit AdamW and Adafactor,
 #    each as tensor ops and as our NVRTC kernels (`kernels.cuda_optimizers`): issue 15 asks both
 #    within 5% of fused AdamW per step;
-# 3. gpt2-124m bf16-mixed (micro 16, global 64) with PyTorch's cross-entropy and ours
+# 3. (loss) gpt2-124m bf16-mixed (micro 16, global 64) with PyTorch's cross-entropy and ours
 #    (`kernels.fused_cross_entropy`): its peak is the logits' (10 bytes a logit against 4);
-# 4. the norms with their residual add and cast fused (`kernels.fused_residual_norm`): gpt2-124m
+# 4. (norms) the norms with their residual add and cast fused (`kernels.fused_residual_norm`): gpt2-124m
 #    bf16-mixed (micro 16, global 64) and smollm2-135m bf16-mixed (micro 8, seq 2048), each with
 #    ATen's ops (the fused RMSNorm for the Llama) and with our node.
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
-# Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30)
+# Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
+#   `rms optim loss norms`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
-bash "$here/bench_switches.sh" "$@" \
-  "--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32" \
-  "--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "RMSNorm step by step|kernels.fused_rms_norm=false" \
-  "RMSNorm fused|kernels.fused_rms_norm=true"
-echo
-bash "$here/bench_switches.sh" "$@" \
-  "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
-  "--config configs/debug.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "fused AdamW|optimizer.name=adamw" \
-  "8-bit AdamW, tensor ops|optimizer.name=adamw8bit kernels.cuda_optimizers=false" \
-  "8-bit AdamW, CUDA kernel|optimizer.name=adamw8bit kernels.cuda_optimizers=true" \
-  "Adafactor, tensor ops|optimizer.name=adafactor kernels.cuda_optimizers=false" \
-  "Adafactor, CUDA kernels|optimizer.name=adafactor kernels.cuda_optimizers=true"
-echo
-bash "$here/bench_switches.sh" "$@" \
-  "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
-  "--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" \
-  "fused cross-entropy|kernels.fused_cross_entropy=true"
-echo
-bash "$here/bench_switches.sh" "$@" \
-  "--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64" \
-  "--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" \
-  "residual-norm node|kernels.fused_residual_norm=true"
-echo
-bash "$here/bench_switches.sh" "$@" \
-  "--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32" \
-  "--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
-  "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" \
-  "residual-norm node|kernels.fused_residual_norm=true"
+gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
+gpt2_cpu="--config configs/bench-10m.yaml --set precision=bf16-mixed --set train.micro_batch_size=8 --set train.global_batch_size=16"
+smollm="--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32"
+smollm_cpu="--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16"
+
+table() {  # NAME: one table, then a blank line
+  case "$1" in
+    rms) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
+      "RMSNorm step by step|kernels.fused_rms_norm=false" \
+      "RMSNorm fused|kernels.fused_rms_norm=true" ;;
+    optim) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" \
+      "--config configs/debug.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
+      "fused AdamW|optimizer.name=adamw" \
+      "8-bit AdamW, tensor ops|optimizer.name=adamw8bit kernels.cuda_optimizers=false" \
+      "8-bit AdamW, CUDA kernel|optimizer.name=adamw8bit kernels.cuda_optimizers=true" \
+      "Adafactor, tensor ops|optimizer.name=adafactor kernels.cuda_optimizers=false" \
+      "Adafactor, CUDA kernels|optimizer.name=adafactor kernels.cuda_optimizers=true" ;;
+    loss) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
+      "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" \
+      "fused cross-entropy|kernels.fused_cross_entropy=true" ;;
+    norms)
+      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
+        "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" \
+        "residual-norm node|kernels.fused_residual_norm=true"
+      echo
+      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
+        "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" \
+        "residual-norm node|kernels.fused_residual_norm=true" ;;
+    *) echo "unknown table '$1' (rms optim loss norms)" >&2; exit 2 ;;
+  esac
+  echo
+}
+
+args=("$@")
+for t in ${TABLES:-rms optim loss norms}; do table "$t"; done
