@@ -123,7 +123,11 @@ impl Decoder for Gpt2 {
         let blk = &self.blocks[i];
         let qkv = blk.attn.forward(&blk.ln_1.forward(x)?)?;
         let c = qkv.size()[2] / 3;
-        let heads = |j: i64| split_heads(&qkv.f_narrow(2, j * c, c)?, self.n_head);
+        // One split, not three narrows: its backward writes the three gradients into one tensor,
+        // where each narrow's backward zero-fills a tensor of qkv's full width and autograd then
+        // adds the three (on the CPU that cost twice the split's time: `trainguard trace`).
+        let parts = qkv.f_split(c, 2)?;
+        let heads = |j: usize| split_heads(&parts[j], self.n_head);
         let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout)?;
         let (x, normed) = blk.ln_2.add_forward(x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
         let h = blk.fc.forward(&normed)?.f_gelu("none")?;

@@ -149,8 +149,10 @@ impl Rope {
         let (t, d) = (x.size()[2], x.size()[3]);
         let cos = self.cos.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
         let sin = self.sin.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
-        let half = d / 2;
-        let rotated = Tensor::f_cat(&[&x.f_narrow(-1, half, half)?.f_neg()?, &x.f_narrow(-1, 0, half)?], -1)?;
+        // Halves by one split (its backward is one concatenation; two narrows' would zero-fill a
+        // full-width tensor each and add them).
+        let halves = x.f_split(d / 2, -1)?;
+        let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
         x.f_mul(&cos)?.f_add(&rotated.f_mul(&sin)?)
     }
 }
