@@ -15,7 +15,8 @@
 # --dtype bf16: bf16-mixed (trainguard `precision: bf16-mixed`, PyTorch bf16 autocast).
 # --trace DIR: after the timed steps each side profiles two more (trainguard's `metrics.trace`,
 # the reference's torch.profiler) into DIR/<config>-<side>.json, and the tables of `trainguard
-# trace` for them follow the figures: where each spends its GPU time, kernel by kernel.
+# trace` follow the figures: the sides' time by kind of work side by side (`--compare`), then
+# each one's kernel by kernel.
 # MFU = tokens/s × (6 × parameters + 12 × layers × width × sequence) ÷ peak; the peak defaults to
 # an H100's dense bf16, 989 TFLOP/s (give your device's: an MFU on a CPU against it is tiny).
 # Defaults: cpu, all cores, fp32, configs/debug.yaml, configs/bench-10m.yaml (GPT-2),
@@ -103,6 +104,11 @@ for cfg in "${configs[@]}"; do
 done
 echo "MFU: tokens/s × FLOPs per token (6N + 12·L·C·T, N without the padded rows) ÷ $peak TFLOP/s"
 if [ -n "$trace" ]; then
-  for f in "$trace"/*.json; do echo; "$BIN" trace "$f"; done
+  for cfg in "${configs[@]}"; do  # trainguard beside the others, then each one's own tables
+    sides=()
+    for side in trainguard eager-fused compile; do f=$(traced "$cfg" "$side"); [ ! -f "$f" ] || sides+=("$f"); done
+    echo; "$BIN" trace --compare "${sides[@]}"
+    for f in "${sides[@]}"; do echo; "$BIN" trace "$f"; done
+  done
 fi
 rm -rf "$out"

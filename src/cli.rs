@@ -41,8 +41,12 @@ pub struct TraceArgs {
     #[arg(required = true, value_name = "TRACE_JSON")]
     pub files: Vec<PathBuf>,
     /// The summaries as JSON lines instead of Markdown tables.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compare")]
     pub json: bool,
+    /// One table of the files side by side: ms per step by kind of work for each, and each
+    /// one's difference from the first file's.
+    #[arg(long)]
+    pub compare: bool,
 }
 
 #[derive(Debug, Args)]

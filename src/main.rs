@@ -132,6 +132,11 @@ fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
+    if args.compare {
+        let summaries = args.files.iter().map(|f| trainguard::trace::read(f)).collect::<Result<Vec<_>, _>>()?;
+        print!("{}", trainguard::trace::compare(&summaries));
+        return Ok(());
+    }
     for file in &args.files {
         let summary = trainguard::trace::read(file)?;
         if args.json {

@@ -84,6 +84,26 @@ pub enum Work {
     Other,
 }
 
+impl Work {
+    pub const ALL: [Work; 10] = [Work::Gemm, Work::Attention, Work::Norm, Work::Loss, Work::Optimizer, Work::Embedding, Work::Copy, Work::Reduce, Work::Elementwise, Work::Other];
+
+    /// The name the tables and JSON use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Work::Gemm => "gemm",
+            Work::Attention => "attention",
+            Work::Norm => "norm",
+            Work::Loss => "loss",
+            Work::Optimizer => "optimizer",
+            Work::Embedding => "embedding",
+            Work::Copy => "copy",
+            Work::Reduce => "reduce",
+            Work::Elementwise => "elementwise",
+            Work::Other => "other",
+        }
+    }
+}
+
 /// What `name` (a CUDA kernel's or an ATen operator's) does. The first rule that matches wins,
 /// so a kernel that is both (a CUTLASS attention kernel, an elementwise copy) gets the more
 /// specific kind.
@@ -242,12 +262,50 @@ pub fn table(s: &TraceSummary) -> String {
     let mut out = format!("{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n", s.path, s.counted, per(s.busy_ms), per(s.span_ms));
     out += "| work | ms per step | share | calls per step |\n|---|---|---|---|\n";
     for w in &s.by_work {
-        out += &format!("| {} | {:.2} | {:.1}% | {:.0} |\n", serde_json::to_value(w.work).unwrap_or_default().as_str().unwrap_or("?"), per(w.ms), 100.0 * w.share, w.calls as f64 / s.steps as f64);
+        out += &format!("| {} | {:.2} | {:.1}% | {:.0} |\n", w.work.name(), per(w.ms), 100.0 * w.share, w.calls as f64 / s.steps as f64);
     }
     out += "\n| heaviest | work | ms per step | calls per step |\n|---|---|---|---|\n";
     for n in &s.top {
         let name: String = n.name.chars().take(110).collect::<String>().replace('|', "\\|");
-        out += &format!("| `{name}` | {} | {:.2} | {:.0} |\n", serde_json::to_value(n.work).unwrap_or_default().as_str().unwrap_or("?"), per(n.ms), n.calls as f64 / s.steps as f64);
+        out += &format!("| `{name}` | {} | {:.2} | {:.0} |\n", n.work.name(), per(n.ms), n.calls as f64 / s.steps as f64);
+    }
+    out
+}
+
+/// Several summaries side by side as Markdown: ms per step by kind of work for each (headed by
+/// its file's name), and each one's difference from the first: where one run's time goes that
+/// another's does not.
+pub fn compare(summaries: &[TraceSummary]) -> String {
+    let per = |s: &TraceSummary, w: Option<Work>| {
+        let ms = match w {
+            Some(w) => s.by_work.iter().find(|x| x.work == w).map_or(0.0, |x| x.ms),
+            None => s.busy_ms,
+        };
+        ms / s.steps as f64
+    };
+    let name = |s: &TraceSummary| Path::new(&s.path).file_stem().map_or(s.path.clone(), |f| f.to_string_lossy().into_owned());
+    let Some(first) = summaries.first() else { return String::new() };
+    let mut out = format!("ms per step ({})\n\n| work |", first.counted);
+    for s in summaries {
+        out += &format!(" {} |", name(s));
+    }
+    for s in &summaries[1..] {
+        out += &format!(" {} − {} |", name(s), name(first));
+    }
+    out += &format!("\n|---|{}\n", "---|".repeat(2 * summaries.len() - 1));
+    // Kinds in the first's order of weight, then the rest; kinds no run spent time on left out.
+    let mut kinds: Vec<Work> = first.by_work.iter().map(|w| w.work).collect();
+    let rest: Vec<Work> = Work::ALL.iter().copied().filter(|w| !kinds.contains(w) && summaries.iter().any(|s| per(s, Some(*w)) > 0.0)).collect();
+    kinds.extend(rest);
+    for row in kinds.into_iter().map(Some).chain([None]) {
+        out += &format!("| {} |", row.map_or("all", Work::name));
+        for s in summaries {
+            out += &format!(" {:.2} |", per(s, row));
+        }
+        for s in &summaries[1..] {
+            out += &format!(" {:+.2} |", per(s, row) - per(first, row));
+        }
+        out += "\n";
     }
     out
 }
@@ -407,6 +465,25 @@ mod tests {
         assert_eq!((cpu.counted.as_str(), cpu.busy_ms, cpu.top.len()), ("cpu operators", 1.0, 1));
         let unmarked = summarise(&events[2..3], Path::new("t.json"));
         assert_eq!((unmarked.first_step, unmarked.steps), (None, 1));
+    }
+
+    #[test]
+    fn summaries_side_by_side_show_each_kinds_difference_from_the_first() {
+        let ours = summarise(
+            &[ev(false, 1, 0, 10_000_000, "trainguard step 4"), ev(true, 7, 0, 6_000_000, "nvjet_tst_128x256"), ev(true, 7, 6_000_000, 9_000_000, "vectorized_layer_norm_kernel")],
+            Path::new("dir/gpt2-trainguard.json"),
+        );
+        let theirs = summarise(
+            &[ev(true, 7, 0, 5_000_000, "nvjet_tst_128x256"), ev(true, 7, 5_000_000, 6_000_000, "tg_ce_forward_bf16")],
+            Path::new("dir/gpt2-compile.json"),
+        );
+        let t = compare(&[ours, theirs]);
+        assert!(t.contains("| work | gpt2-trainguard | gpt2-compile | gpt2-compile − gpt2-trainguard |"), "{t}");
+        assert!(t.contains("| gemm | 6.00 | 5.00 | -1.00 |"), "{t}");
+        assert!(t.contains("| norm | 3.00 | 0.00 | -3.00 |"), "{t}");
+        assert!(t.contains("| loss | 0.00 | 1.00 | +1.00 |"), "a kind only the second has: {t}");
+        assert!(t.trim_end().ends_with("| all | 9.00 | 6.00 | -3.00 |"), "{t}");
+        assert!(!t.contains("| copy |"), "kinds nobody spent time on are left out: {t}");
     }
 
     /// What Kineto writes (the shape of `torch.profiler`'s export and of ours): only complete

@@ -199,6 +199,7 @@ fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
     let o = bench(&["--pad-vocab-to", "1", "--trace", traces.path().to_str().unwrap(), "configs/debug.yaml"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("| work | debug-trainguard | debug-eager-fused | debug-eager-fused − debug-trainguard |"), "the sides side by side: {out}");
     for side in ["trainguard", "eager-fused"] {
         // STEPS=2 after 3 warm-up steps: steps 5 and 6 are the profiled ones, on both sides.
         let file = traces.path().join(format!("debug-{side}.json"));
