@@ -336,15 +336,30 @@ pub struct Tracer {
     from: u64,
     to: u64,
     dir: PathBuf,
-    cuda: bool,
+    device: tch::Device,
     running: bool,
 }
 
 impl Tracer {
     /// A tracer when `cfg` names steps and this process writes files.
-    pub fn new(cfg: &crate::config::TraceConfig, out_dir: &Path, cuda: bool, writes_files: bool) -> Option<Self> {
+    pub fn new(cfg: &crate::config::TraceConfig, out_dir: &Path, device: tch::Device, writes_files: bool) -> Option<Self> {
         let from = cfg.from_step.filter(|_| writes_files)?;
-        Some(Self { from, to: from + cfg.steps, dir: out_dir.join("trace"), cuda, running: false })
+        Some(Self { from, to: from + cfg.steps, dir: out_dir.join("trace"), device, running: false })
+    }
+
+    /// Waits for the GPU's queue to drain, so the trace holds the traced steps' kernels whole:
+    /// none of the step before (its optimizer update may still run when the next step starts),
+    /// and each of the last one's finished before the profiler stops.
+    fn drain(&self) -> Result<(), TraceError> {
+        if let tch::Device::Cuda(i) = self.device {
+            // tch raises a CUDA error here as a panic: brought back as the error it is.
+            crate::ffi::torch_panics::catch_torch_panics(|| {
+                tch::Cuda::synchronize(i as i64);
+                Ok::<(), tch::TchError>(())
+            })
+            .map_err(|e| TraceError::Profiler(ShimError::Torch(e.to_string())))?;
+        }
+        Ok(())
     }
 
     /// Before step `step`: the profiler started if this is the first traced step, and the
@@ -352,7 +367,8 @@ impl Tracer {
     pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
         if step == self.from && !self.running {
             std::fs::create_dir_all(&self.dir).map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
-            shim::start(self.cuda)?;
+            self.drain()?;
+            shim::start(self.device.is_cuda())?;
             self.running = true;
         }
         Ok(self.running.then(|| Range::new(&format!("trainguard step {step}"))))
@@ -363,8 +379,9 @@ impl Tracer {
         if !self.running || step + 1 < self.to {
             return Ok(None);
         }
-        self.running = false;
         let path = self.dir.join(format!("steps_{}-{}.json", self.from, self.to - 1));
+        self.drain()?; // on an error the profiler still runs, and Drop stops it
+        self.running = false;
         shim::stop(Some(&path))?;
         read(&path).map(Some)
     }

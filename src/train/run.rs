@@ -180,7 +180,7 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
-            tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device.is_cuda(), plan.is_writer()),
+            tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         })
     }
 
