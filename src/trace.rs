@@ -404,8 +404,8 @@ mod tests {
         TraceEvent { device_side, lane, start_ns, end_ns, name: name.into() }
     }
 
-    /// Kernel and operator names as PyTorch's profiler reports them on CUDA (the issue's
-    /// profile of the eager reference, PyTorch's kernels) and on the CPU.
+    /// Kernel and operator names of the forms PyTorch's profiler reports on CUDA (cuBLAS,
+    /// CUTLASS, ATen's and our kernels; the first from issue 15's profile) and on the CPU.
     #[test]
     fn names_get_their_kind_of_work() {
         let cases = [
@@ -433,6 +433,11 @@ mod tests {
             ("aten::sum", Work::Reduce),
             ("aten::_scaled_dot_product_flash_attention_for_cpu", Work::Attention),
             ("autograd::engine::evaluate_function: AddmmBackward0", Work::Other),
+            // Inductor's kernels (torch.compile) are named after the ops they fuse: the first
+            // rule that matches names the kind.
+            ("triton_per_fused__to_copy_add_native_layer_norm_native_layer_norm_backward_7", Work::Norm),
+            ("triton_red_fused__log_softmax__to_copy_nll_loss_forward_3", Work::Loss),
+            ("triton_poi_fused__to_copy_gelu_4", Work::Copy),
         ];
         for (name, work) in cases {
             assert_eq!(work_of(name), work, "{name}");
