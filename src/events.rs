@@ -337,7 +337,7 @@ impl Reporter {
                 tracing::warn!("stopping at step {step} ({reason}){ck}");
             }
             Event::TraceWritten(s) => {
-                let kinds: Vec<String> = s.by_work.iter().take(6).map(|w| format!("{:?} {:.0}%", w.work, 100.0 * w.share).to_lowercase()).collect();
+                let kinds: Vec<String> = s.by_work.iter().take(6).map(|w| format!("{} {:.0}%", w.work.name(), 100.0 * w.share)).collect();
                 let per = |ms: f64| ms / s.steps as f64;
                 tracing::info!("trace written to {}: {} {:.1} ms per step of {} ({}); `trainguard trace {}` tabulates it", s.path, s.counted, per(s.busy_ms), s.steps, kinds.join(", "), s.path);
                 for n in s.top.iter().take(5) {

@@ -23,9 +23,11 @@ pub struct TraceEvent {
     pub name: String,
 }
 
-/// The step ranges a trace marks: ours (`trainguard step N`) or `torch.profiler`'s
-/// (`ProfilerStep#N`).
-const STEP_RANGES: [&str; 2] = ["trainguard step ", "ProfilerStep#"];
+/// The name of our step ranges, before the step's number (`trainguard step N`).
+const OUR_STEP_RANGE: &str = "trainguard step ";
+
+/// The step ranges a trace marks: ours or `torch.profiler`'s (`ProfilerStep#N`).
+const STEP_RANGES: [&str; 2] = [OUR_STEP_RANGE, "ProfilerStep#"];
 
 /// The events of a Chrome trace as Kineto writes it: complete events (`"ph": "X"`) with `ts`
 /// and `dur` in microseconds; `cat` `kernel`, `gpu_memcpy` and `gpu_memset` are the GPU's,
@@ -178,10 +180,10 @@ pub const TOP: usize = 12;
 
 /// Durations per name: the GPU's events when there are any (kernels do not nest), else the CPU
 /// operators' self times (`cpu_self_times`).
-fn counted_times(events: &[TraceEvent]) -> (String, Vec<(String, u64)>) {
-    let device: Vec<&TraceEvent> = events.iter().filter(|e| e.device_side).collect();
+fn counted_times(events: &[&TraceEvent]) -> (String, Vec<(String, u64)>) {
+    let device: Vec<&TraceEvent> = events.iter().copied().filter(|e| e.device_side).collect();
     if device.is_empty() {
-        ("cpu operators".into(), cpu_self_times(events))
+        ("cpu operators".into(), cpu_self_times(events.iter().copied()))
     } else {
         ("gpu kernels".into(), device.iter().map(|e| (e.name.clone(), e.end_ns.saturating_sub(e.start_ns))).collect())
     }
@@ -189,9 +191,9 @@ fn counted_times(events: &[TraceEvent]) -> (String, Vec<(String, u64)>) {
 
 /// Each CPU event's own time: its duration less that of the events nested directly inside it on
 /// the same thread (an operator calls others: `aten::linear` → `aten::addmm`).
-pub fn cpu_self_times(events: &[TraceEvent]) -> Vec<(String, u64)> {
+pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> Vec<(String, u64)> {
     let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
-    for e in events.iter().filter(|e| !e.device_side) {
+    for e in events.into_iter().filter(|e| !e.device_side) {
         by_lane.entry(e.lane).or_default().push(e);
     }
     let mut out = Vec::new();
@@ -226,25 +228,29 @@ pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
         .filter_map(|e| STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok()))
         .collect();
     let (first_step, steps) = (marked.iter().min().copied(), (marked.len() as u64).max(1));
-    let step_range = |e: &TraceEvent| STEP_RANGES.iter().any(|p| e.name.starts_with(p));
-    let counted_events: Vec<TraceEvent> = events.iter().filter(|e| !step_range(e)).cloned().collect();
-    let (counted, times) = counted_times(&counted_events);
+    // The step ranges mark steps; they are not work.
+    let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !STEP_RANGES.iter().any(|p| e.name.starts_with(p))).collect();
+    let (counted, times) = counted_times(&work_events);
     let busy: u64 = times.iter().map(|(_, d)| d).sum();
     let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
-    let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
     for (name, d) in &times {
         let n = per_name.entry(name.as_str()).or_default();
         n.0 += d;
         n.1 += 1;
-        let w = per_work.entry(work_of(name)).or_default();
+    }
+    // Each name's kind read once; a kind's totals are its names' sums.
+    let named: Vec<(&str, Work, u64, u64)> = per_name.into_iter().map(|(name, (d, calls))| (name, work_of(name), d, calls)).collect();
+    let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
+    for &(_, work, d, calls) in &named {
+        let w = per_work.entry(work).or_default();
         w.0 += d;
-        w.1 += 1;
+        w.1 += calls;
     }
     let ms = |ns: u64| ns as f64 / 1e6;
     let mut by_work: Vec<WorkTime> =
         per_work.into_iter().map(|(work, (d, calls))| WorkTime { work, ms: ms(d), share: if busy > 0 { d as f64 / busy as f64 } else { 0.0 }, calls }).collect();
     by_work.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-    let mut top: Vec<NameTime> = per_name.into_iter().map(|(name, (d, calls))| NameTime { name: name.to_string(), work: work_of(name), ms: ms(d), calls }).collect();
+    let mut top: Vec<NameTime> = named.into_iter().map(|(name, work, d, calls)| NameTime { name: name.to_string(), work, ms: ms(d), calls }).collect();
     top.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
     top.truncate(TOP);
     let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
@@ -371,7 +377,7 @@ impl Tracer {
             shim::start(self.device.is_cuda())?;
             self.running = true;
         }
-        Ok(self.running.then(|| Range::new(&format!("trainguard step {step}"))))
+        Ok(self.running.then(|| Range::new(&format!("{OUR_STEP_RANGE}{step}"))))
     }
 
     /// After step `step`: after the last traced one, the trace written and summarised.
