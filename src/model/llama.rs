@@ -100,10 +100,10 @@ pub struct Llama {
 }
 
 impl Llama {
-    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device) -> Result<Self, TchError> {
+    /// `ours`: the RMSNorms through our residual-norm node (`kernels.fused_residual_norm`).
+    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device, ours: bool) -> Result<Self, TchError> {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
         let fused = kernels.fused_rms_norm && device.is_cuda();
-        let ours = kernels.fused_residual_norm && crate::ffi::kernels::runs_cuda_kernels(device);
         let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours }) };
         let layers = (0..cfg.n_layer)
             .map(|i| {

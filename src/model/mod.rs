@@ -86,9 +86,11 @@ impl Model {
                 let _ = t.f_narrow(0, rows, s.shape[0] - rows)?.f_zero_()?;
             }
         }
+        // The norms through our node where its kernels run (CUDA, or the host emulation in tests).
+        let our_norms = kernels.fused_residual_norm && crate::ffi::kernels::runs_cuda_kernels(device);
         let net: Box<dyn Decoder> = match cfg.arch {
-            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, kernels.fused_residual_norm && crate::ffi::kernels::runs_cuda_kernels(device))?),
-            Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device)?),
+            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, our_norms)?),
+            Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device, our_norms)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
         let user_rows = specs.iter().map(|s| s.user_rows).collect();
