@@ -3,8 +3,8 @@
 # configs/gpt2-124m.yaml (bf16-mixed, global batch 480: no power of two divides it into the size
 # that fits), lets the planner measure and apply the largest micro-batch that fits, trains STEPS
 # (default 200) steps with it and prints peak reserved ÷ the card, the OOMs and the allocator
-# retries; then NOEXP_STEPS (default 30) steps with expandable segments off for reserved ÷
-# allocated before/after.
+# retries; then NOEXP_STEPS (default 30; 0 skips it) steps with expandable segments off for
+# reserved ÷ allocated before/after.
 #   scripts/fill_card.sh            output in $OUT (default runs/fill-card): plan.json, the runs' metrics
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
@@ -24,9 +24,10 @@ run() {  # run NAME STEPS [--set …]: trains the applied config, keeps its metr
   cp "$work/$name/metrics.jsonl" "$dest/$name-metrics.jsonl"; cp "$work/$name/events.jsonl" "$dest/$name-events.jsonl"
 }
 run applied "$steps"
-run no-expandable "${NOEXP_STEPS:-30}" --set memory.allocator.expandable_segments=false
+noexp=${NOEXP_STEPS:-30}  # 0: skip the comparison run
+[ "$noexp" -eq 0 ] || run no-expandable "$noexp" --set memory.allocator.expandable_segments=false
 "$PY" - "$dest" <<'EOF'
-import json, sys, torch
+import json, os, sys, torch
 dest = sys.argv[1]
 plan = json.load(open(f"{dest}/plan.json"))
 total = torch.cuda.get_device_properties(0).total_memory
@@ -37,6 +38,8 @@ def read(name):
 print(f"card: {torch.cuda.get_device_name(0)}, {total / 2**30:.1f} GiB")
 print(f"plan --profile --apply: micro-batch {plan['applied']['micro_batch']} × accumulation {plan['applied']['accumulation']} (global {plan['applied']['global_batch']})")
 for name in ("applied", "no-expandable"):
+    if not os.path.exists(f"{dest}/{name}-metrics.jsonl"):
+        continue
     m, ev = read(name)
     reserved = max(x["peak_reserved_bytes"] or 0 for x in m)
     allocated = max(x["peak_allocated_bytes"] or 0 for x in m)

@@ -17,7 +17,8 @@
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
 #           vocabulary padded to 64 and unpadded: tokens/s, MFU, ratios to eager and torch.compile
-#   profile scripts/bench_vs_pytorch.sh --trace on gpt2-124m bf16-mixed (micro 16, global 64, padded):
+#   profile scripts/bench_vs_pytorch.sh --trace on gpt2-124m (micro 16) and smollm2-135m (micro 8)
+#           bf16-mixed, global 64, padded:
 #           two steps of trainguard, of eager PyTorch (fused AdamW) and of torch.compile through
 #           PyTorch's profiler; `trainguard trace` tables of where each spends its GPU time
 #   optim   scripts/bench_optimizers.sh --device cuda: one update of each optimizer against fused
@@ -61,7 +62,7 @@ for p in "${parts[@]}"; do
       part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' ;;
     profile)  # the traces as one file: a device call brings back at most eight
       part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
-        --trace "$dest/profile" configs/gpt2-124m.yaml
+        --trace "$dest/profile" configs/gpt2-124m.yaml configs/smollm2-135m.yaml
       tar czf "$dest/profile.tgz" -C "$dest" profile && rm -rf "$dest/profile" ;;
     optim) part optim bash scripts/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
