@@ -530,7 +530,8 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
 fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     let Some(dev) = cuda() else { return };
     trainguard::ffi::kernels::prepare_cuda(dev).unwrap();
-    cross_entropy_kernel_check(Kernels::Gpu(dev), 203, 50304);
+    cross_entropy_kernel_check(Kernels::Gpu(dev), 203, 50304); // rows in 16-byte packs
+    cross_entropy_kernel_check(Kernels::Gpu(dev), 37, 50257); // one logit per load
     let base = ["precision=bf16-mixed", "model.vocab_size=50257", "memory.activation_checkpointing=none"];
     let ((plain, plain_losses), (fused, fused_losses)) = (cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=false"]].concat()), cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true"]].concat()));
     eprintln!("peak allocated, bf16-mixed: PyTorch's loss {plain}, fused {fused}; losses {plain_losses:?} and {fused_losses:?}");
@@ -543,11 +544,13 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     }
 }
 
-/// Smaller: rows of 5000 columns still end in a partial reach of a block's 256 threads; odd
-/// rows run their warps in reverse order.
+/// Smaller: rows of 5000 columns (whole 16-byte packs: the packed loop) still end in a partial
+/// reach of a block's 256 threads; rows of 1003 take the one-logit loop; odd rows run their
+/// warps in reverse order.
 #[test]
 fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does() {
     cross_entropy_kernel_check(Kernels::Emulated, 23, 5000);
+    cross_entropy_kernel_check(Kernels::Emulated, 11, 1003);
 }
 
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {

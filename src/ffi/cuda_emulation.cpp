@@ -134,6 +134,11 @@ inline long long max(long long a, long long b) { return a < b ? b : a; }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
+// CUDA's 16-byte vector, which NVRTC knows without headers.
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+
 #define TG_HOST_EMULATION
 #define TG_KERNEL static
 #define __global__

@@ -6,7 +6,12 @@
 // One CUDA block per row of logits, in the logits' own dtype: the forward reads the row once
 // (the running maximum and sum of exponentials together) and writes two floats, its
 // log-sum-exp and its loss; the backward reads the row once more and writes its gradient,
-// softmax − one-hot times the row's scale, in the logits' dtype. No fp32 copy of the logits, no
+// softmax − one-hot times the row's scale, in the logits' dtype. Where a row starts on 16 bytes
+// and holds whole 16-byte packs (8 bf16 or fp16 logits, 4 fp32: a vocabulary padded to 64
+// always does), each thread moves a pack per load and store: a profile on an H200 had the
+// one-logit-per-load kernels at 1.1 (forward) and 1.9 TB/s (backward), and the forward's
+// running maximum made each logit wait for the one before; a pack's eight are exponentiated
+// independently against the pack's maximum. Other rows take the one-logit loop. No fp32 copy of the logits, no
 // log-probabilities, no fp32 gradient: where autocast's log_softmax keeps 4 bytes per logit and
 // its backward writes 4 + 2 more, this keeps the 16-bit logits and writes 2.
 //
@@ -30,6 +35,35 @@ __device__ __forceinline__ void tg_lse_merge(float& m, float& s, float m2, float
   m = top;
 }
 
+// 16 bytes of a row, as the device loads and stores them in one instruction (uint4) and as
+// values of the row's dtype.
+union TgPack {
+  uint4 bits;
+  float f32[4];
+  unsigned short b16[8];
+};
+__device__ __forceinline__ float* tg_pack_values(TgPack& p, float*) { return p.f32; }
+__device__ __forceinline__ unsigned short* tg_pack_values(TgPack& p, unsigned short*) { return p.b16; }
+// Whether rows of `cols` values of type T from `row` on can be read in packs.
+template <class T>
+__device__ __forceinline__ bool tg_packed_rows(const void* row, long long cols) {
+  return (reinterpret_cast<unsigned long long>(row) & 15) == 0 && cols % (16 / sizeof(T)) == 0;
+}
+
+// Merges the values v[0, n) into the running (m, s); −∞ values count for nothing, a NaN makes s
+// NaN.
+__device__ __forceinline__ void tg_lse_add(float& m, float& s, const float* v, int n) {
+  float top = m;
+  for (int k = 0; k < n; ++k) top = v[k] > top ? v[k] : top;
+  if (top != m) {  // m < top: rescale what was summed (m = −∞ leaves s = 0 as it is)
+    s = s * expf(m - top);
+    m = top;
+  }
+  for (int k = 0; k < n; ++k) {  // v = m counts 1 exactly, also where both are +∞
+    if (v[k] != tg_neg_inf()) s += v[k] == m ? 1.0f : expf(v[k] - m);
+  }
+}
+
 // Row blockIdx.x of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
 // (0 for an ignored target). The block's partial results merge in a fixed order: a butterfly
 // within each warp, then the warps in order, so every run gives the same bits.
@@ -39,13 +73,20 @@ __device__ __forceinline__ void ce_forward(const typename D::T* x, const long lo
   const long long row = blockIdx.x;
   const typename D::T* xr = x + row * cols;
   float m = tg_neg_inf(), s = 0.0f;
-  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
-    const float v = D::load(xr, j);
-    if (v > m) {
-      s = s * expf(m - v) + 1.0f;
-      m = v;
-    } else if (v != tg_neg_inf()) {
-      s += expf(v - m);
+  if (tg_packed_rows<typename D::T>(xr, cols)) {
+    constexpr int n = 16 / sizeof(typename D::T);
+    for (long long i = threadIdx.x; i < cols / n; i += TG_THREADS) {
+      TgPack p;
+      p.bits = reinterpret_cast<const uint4*>(xr)[i];
+      const typename D::T* packed = tg_pack_values(p, static_cast<typename D::T*>(nullptr));
+      float v[n];
+      for (int k = 0; k < n; ++k) v[k] = D::load(packed, k);
+      tg_lse_add(m, s, v, n);
+    }
+  } else {
+    for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+      const float v = D::load(xr, j);
+      tg_lse_add(m, s, &v, 1);
     }
   }
   for (int k = 16; k > 0; k >>= 1) {
@@ -85,9 +126,24 @@ __device__ __forceinline__ void ce_backward(const typename D::T* x, const long l
   const float row_lse = lse[row];
   const typename D::T* xr = x + row * cols;
   typename D::T* gr = grad + row * cols;
-  for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
-    const float p = expf(D::load(xr, j) - row_lse);
-    D::store(gr, j, scale * (j == t ? p - 1.0f : p));
+  if (tg_packed_rows<typename D::T>(xr, cols) && tg_packed_rows<typename D::T>(gr, cols)) {
+    constexpr int n = 16 / sizeof(typename D::T);
+    for (long long i = threadIdx.x; i < cols / n; i += TG_THREADS) {
+      TgPack in, out;
+      in.bits = reinterpret_cast<const uint4*>(xr)[i];
+      const typename D::T* x_values = tg_pack_values(in, static_cast<typename D::T*>(nullptr));
+      typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
+      for (int k = 0; k < n; ++k) {
+        const float p = expf(D::load(x_values, k) - row_lse);
+        D::store(g_values, k, scale * (i * n + k == t ? p - 1.0f : p));
+      }
+      reinterpret_cast<uint4*>(gr)[i] = out.bits;
+    }
+  } else {
+    for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+      const float p = expf(D::load(xr, j) - row_lse);
+      D::store(gr, j, scale * (j == t ? p - 1.0f : p));
+    }
   }
 }
 
