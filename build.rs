@@ -7,7 +7,7 @@
 //! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
 //!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor),
 //!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/norm_kernels.cpp`
-//!   (the fused LayerNorm's), `src/ffi/trace.cpp`
+//!   (the residual norm's), `src/ffi/llama_kernels.cpp` (SwiGLU's), `src/ffi/trace.cpp`
 //!   (PyTorch's profiler, `metrics.trace`), `src/ffi/cuda_jit.cpp`
 //!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
 //!   `src/ffi/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
@@ -32,6 +32,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/trace.cpp");
     println!("cargo:rerun-if-changed=src/ffi/norm_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/norm_kernels.cu");
+    println!("cargo:rerun-if-changed=src/ffi/llama_kernels.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/llama_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
@@ -48,6 +50,7 @@ fn main() {
         .file("src/ffi/loss_kernels.cpp")
         .file("src/ffi/trace.cpp")
         .file("src/ffi/norm_kernels.cpp")
+        .file("src/ffi/llama_kernels.cpp")
         .file("src/ffi/cuda_jit.cpp")
         .file("src/ffi/cuda_emulation.cpp")
         .include(&include)

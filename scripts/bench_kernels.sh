@@ -10,11 +10,14 @@
 # 4. (norms) the norms with their residual add and cast fused (`kernels.fused_residual_norm`): gpt2-124m
 #    bf16-mixed (micro 16, global 64) and smollm2-135m bf16-mixed (micro 8, seq 2048), each with
 #    ATen's ops (the fused RMSNorm for the Llama) and with our node.
+# 5. (swiglu) smollm2-135m bf16-mixed (micro 8, seq 2048) with ATen's silu and multiply and with
+#    our SwiGLU node (`kernels.fused_swiglu`);
+# 6. (rope) the same with ATen's RoPE ops and with our RoPE node (`kernels.fused_rope`).
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms`, in that order by default: all)
+#   `rms optim loss norms swiglu rope`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -45,10 +48,16 @@ table() {  # NAME: one table, then a blank line
       bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
         "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" \
         "residual-norm node|kernels.fused_residual_norm=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms)" >&2; exit 2 ;;
+    swiglu) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
+      "ATen's silu and multiply|kernels.fused_swiglu=false" \
+      "SwiGLU node|kernels.fused_swiglu=true" ;;
+    rope) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
+      "ATen's RoPE ops|kernels.fused_rope=false" \
+      "RoPE node|kernels.fused_rope=true" ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope}; do table "$t"; done

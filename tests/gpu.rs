@@ -250,13 +250,16 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
         return;
     }
     // llama-debug: RMSNorm counted as the fused kernel (kernels.fused_rms_norm, on by default);
-    // then in bf16-mixed with our residual-norm node (one 16-bit norm output for q, k and v).
+    // then in bf16-mixed with our residual-norm node (one 16-bit norm output for q, k and v), and
+    // with our SwiGLU and RoPE nodes (no silu(gate), no cast tables kept).
     let node: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_residual_norm=true"];
+    let llama_nodes: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_swiglu=true", "--set", "kernels.fused_rope=true"];
     for (config, seq, micros, sets) in [
         ("configs/debug.yaml", 256, "8,16,32", &[][..]),
         ("configs/gpt2-124m.yaml", 512, "1,2,4", &[]),
         ("configs/llama-debug.yaml", 256, "8,16,32", &[]),
         ("configs/llama-debug.yaml", 256, "8,16,32", node),
+        ("configs/llama-debug.yaml", 256, "8,16,32", llama_nodes),
     ] {
         let out = std::process::Command::new(bin())
             .args(["plan", "--profile", "--json", "--device", "cuda", "--profile-steps", "1", "--micro-batches", micros])
@@ -644,32 +647,50 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
 /// a thread; and twice the same bits.
 #[test]
 fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
-    use trainguard::config::{Arch, KernelsConfig, ModelConfig, Precision};
+    use trainguard::config::{Arch, KernelsConfig};
+    let Some(dev) = cuda() else { return };
+    let plain = KernelsConfig { fused_residual_norm: false, ..KernelsConfig::default() };
+    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig { fused_residual_norm: true, ..plain }, plain);
+}
+
+/// `kernels.fused_swiglu` and `kernels.fused_rope` on CUDA: a Llama with our SwiGLU node, then
+/// with our RoPE node, gives the plain model's loss and gradients (fp32, bf16 autocast), and
+/// twice the same bits.
+#[test]
+fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
+    use trainguard::config::{Arch, KernelsConfig};
+    let Some(dev) = cuda() else { return };
+    let plain = KernelsConfig { fused_residual_norm: false, ..KernelsConfig::default() };
+    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..plain }, plain);
+    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
+}
+
+fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arch], on: trainguard::config::KernelsConfig, off: trainguard::config::KernelsConfig) {
+    use trainguard::config::{Arch, ModelConfig, Precision};
     use trainguard::model::Model;
     use trainguard::step::Autocast;
-    let Some(dev) = cuda() else { return };
     let gpt2 = ModelConfig { n_layer: 2, n_head: 12, n_embd: 768, vocab_size: 512, seq_len: 128, dropout: 0.0, ..ModelConfig::default() };
     let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(4), ffn_hidden: Some(2048), bias: false, ..gpt2.clone() };
     let x = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
     let y = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
     let rel = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).unwrap();
-    for cfg in [gpt2, llama] {
+    for cfg in [gpt2, llama].into_iter().filter(|c| archs.contains(&c.arch)) {
         let run = |ours: bool, precision: Precision| {
-            let m = Model::with_kernels(&cfg, KernelsConfig { fused_residual_norm: ours, ..KernelsConfig::default() }, 3, dev).unwrap();
+            let m = Model::with_kernels(&cfg, if ours { on } else { off }, 3, dev).unwrap();
             let _autocast = Autocast::enter(precision, dev).unwrap();
             let loss = m.loss(&x, &y, true, None).unwrap();
             let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
             (f64::try_from(&loss).unwrap(), grads)
         };
-        // fp32 (TF32 matmuls): the same maths, the reductions' order aside (a last bit of a norm
-        // output can tip a TF32 rounding: hence 1e-3, as for the fused RMSNorm above).
+        // fp32 (TF32 matmuls): the same maths, the order of operations aside (a last bit of a
+        // node's output can tip a TF32 rounding: hence 1e-3, as for the fused RMSNorm above).
         let ((la, ga), (lb, gb), (_, gc)) = (run(false, Precision::Fp32), run(true, Precision::Fp32), run(true, Precision::Fp32));
         assert!(gb.iter().zip(&gc).all(|(b, c)| b.equal(c)), "{:?}: the node is not deterministic", cfg.arch);
         let worst = ga.iter().zip(&gb).map(|(a, b)| rel(b, a)).fold(0.0, f64::max);
         eprintln!("{:?} fp32: loss plain {la} ours {lb}; worst gradient difference / its tensor's largest {worst:.2e}", cfg.arch);
-        assert!(((la - lb) / la).abs() < 1e-4 && worst < 1e-3, "{:?} fp32: the residual-norm node differs", cfg.arch);
-        // bf16-mixed: ours no further from the fp32 gradients than autocast's own (readers'
-        // 16-bit gradients are summed in 16 bits for our one output: a rounding more at most).
+        assert!(((la - lb) / la).abs() < 1e-4 && worst < 1e-3, "{:?} fp32: the node differs", cfg.arch);
+        // bf16-mixed: ours no further from the fp32 gradients than autocast's own (a residual
+        // norm's readers' 16-bit gradients are summed in 16 bits: a rounding more at most).
         let ((_, auto), (_, mixed)) = (run(false, Precision::Bf16Mixed), run(true, Precision::Bf16Mixed));
         for ((a, b), t) in mixed.iter().zip(&auto).zip(&ga) {
             let (ours_err, autocast_err) = (rel(a, t), rel(b, t));

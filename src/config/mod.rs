@@ -400,11 +400,26 @@ pub struct KernelsConfig {
     /// session"). On the CPU, and for 16-bit weights (`bf16-pure`), the usual ops run either way.
     /// Overrides `fused_rms_norm` where both are on.
     pub fused_residual_norm: bool,
+    /// The Llama family's SwiGLU product silu(gate) · up on CUDA as one autograd node of our own
+    /// (`ffi::llama_ops`, NVRTC kernels): forward reads gate and up and writes the product once,
+    /// backward writes both gradients in one pass, in fp32 with one rounding; silu(gate) is not
+    /// kept for backward (one f-wide tensor less per block, which the planner counts). ATen runs
+    /// silu and a multiply forward and three kernels backward. Off by default until a GPU
+    /// measures it (`TABLES=swiglu scripts/bench_kernels.sh`); on the CPU ATen's ops run either way.
+    pub fused_swiglu: bool,
+    /// The Llama family's rotary position embedding of q and k on CUDA as one autograd node of
+    /// our own (`ffi::llama_ops`, an NVRTC kernel): one pass each way over the projection's
+    /// output, in fp32 from the fp32 tables with one rounding, where ATen (as `transformers`)
+    /// casts the tables to the compute dtype and multiplies, negates, concatenates, multiplies
+    /// and adds, and keeps the cast tables for backward (which the planner counts). Off by
+    /// default until a GPU measures it (`TABLES=rope scripts/bench_kernels.sh`); on the CPU
+    /// ATen's ops run either way.
+    pub fused_rope: bool,
 }
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true }
+        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true, fused_swiglu: false, fused_rope: false }
     }
 }
 

@@ -192,13 +192,15 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// The kernels optim_kernels.cu, loss_kernels.cu and norm_kernels.cu define: 8-bit AdamW,
-// cross-entropy's forward and backward and LayerNorm's three per dtype, Adafactor's stages per
-// dtype, plus the dtype-free Adafactor coefficient and LayerNorm parameter-gradient sum. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
+// The kernels optim_kernels.cu, loss_kernels.cu, norm_kernels.cu and llama_kernels.cu define:
+// 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's three, SwiGLU's two and RoPE's
+// per dtype, Adafactor's stages per dtype, plus the dtype-free Adafactor coefficient and LayerNorm parameter-gradient sum. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
 // Rows per band of LayerNorm's weight and bias gradients (a band's sums stay short; the bands'
 // sums, a few [2·c] rows, are added in order).
 constexpr long long kLayerNormBandRows = 256;
+// Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
+constexpr long long kBlockValues = 2048;
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
 const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
@@ -212,6 +214,9 @@ struct DtypeKernels {
   void* ln_forward = nullptr;
   void* ln_backward = nullptr;
   void* ln_param_grads = nullptr;
+  void* swiglu_forward = nullptr;
+  void* swiglu_backward = nullptr;
+  void* rope = nullptr;
 };
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -286,6 +291,9 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].ln_forward, std::string("tg_ln_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_backward, std::string("tg_ln_backward_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_param_grads, std::string("tg_ln_param_grads_") + kDtypes[d]);
+    get(&k.per_dtype[d].swiglu_forward, std::string("tg_swiglu_forward_") + kDtypes[d]);
+    get(&k.per_dtype[d].swiglu_backward, std::string("tg_swiglu_backward_") + kDtypes[d]);
+    get(&k.per_dtype[d].rope, std::string("tg_rope_") + kDtypes[d]);
     for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
   }
 }
@@ -471,6 +479,47 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   void* dbp = mutable_data_or_null(db);
   void* sum_args[] = {&pp, &dwp, &dbp, &bands, &cols};
   launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 255) / 256, 1, sum_args);
+}
+
+void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h) {
+  long long n = g.numel();
+  if (n == 0) return;
+  const int d = dtype_index(g.scalar_type(), "swiglu");
+  const void* gp = g.data_ptr();
+  const void* up = u.data_ptr();
+  void* hp = h.data_ptr();
+  void* args[] = {&gp, &up, &hp, &n};
+  const Launcher launch(g.device());
+  launch(launch.kernels().per_dtype[d].swiglu_forward, "cuLaunchKernel(tg_swiglu_forward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
+}
+
+void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du) {
+  long long n = g.numel();
+  if (n == 0) return;
+  const int d = dtype_index(g.scalar_type(), "swiglu");
+  const void* dhp = dh.data_ptr();
+  const void* gp = g.data_ptr();
+  const void* up = u.data_ptr();
+  void* dgp = dg.data_ptr();
+  void* dup = du.data_ptr();
+  void* args[] = {&dhp, &gp, &up, &dgp, &dup, &n};
+  const Launcher launch(g.device());
+  launch(launch.kernels().per_dtype[d].swiglu_backward, "cuLaunchKernel(tg_swiglu_backward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
+}
+
+void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward) {
+  long long rows = x.size(0) * x.size(1), t = x.size(1), d = x.size(2) / heads;
+  long long pairs = rows * heads * (d / 2);
+  int backward_flag = backward ? 1 : 0;
+  if (pairs == 0) return;
+  const int dt = dtype_index(x.scalar_type(), "rope");
+  const void* xp = x.data_ptr();
+  const void* cp = cos.data_ptr();
+  const void* sp = sin.data_ptr();
+  void* op = out.data_ptr();
+  void* args[] = {&xp, &cp, &sp, &op, &rows, &t, &heads, &d, &backward_flag};
+  const Launcher launch(x.device());
+  launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (pairs + 255) / 256, 1, args);
 }
 }  // namespace trainguard
 

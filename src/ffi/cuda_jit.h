@@ -49,4 +49,15 @@ void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, co
                              at::Tensor& y, at::Tensor& mean, at::Tensor& rstd, float eps, bool rms);
 void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
                               const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db, bool rms);
+
+// The CUDA side of SwiGLU's autograd node (llama_kernels.cpp), which has checked the tensors:
+// all contiguous, of one shape and dtype. Forward writes h = silu(g) · u, backward dg and du
+// from dh. One launch each, blocks of 2048 values, on PyTorch's current stream.
+void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h);
+void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du);
+
+// The CUDA side of RoPE's autograd node (llama_kernels.cpp), which has checked the tensors: `x`
+// [b, t, heads·d] contiguous, `cos` and `sin` [≥ t, d] fp32; writes x rotated (or, `backward`,
+// rotated back: the gradient's rotation) into `out`. One launch, a thread per pair of values.
+void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward);
 }  // namespace trainguard

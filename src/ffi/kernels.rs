@@ -185,10 +185,10 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
 /// quantisation block, and Adafactor's unit of anything but a matrix (whose unit is a row).
 pub const CUDA_BLOCK_VALUES: i64 = 2048;
 
-/// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, which uses its dtype
-/// loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
+/// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, `norm_kernels.cu` and
+/// `llama_kernels.cu`, which use its dtype loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
 /// (`cuda_jit.cpp`): the build needs no CUDA toolkit.
-const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), include_str!("norm_kernels.cu"), "\0");
+const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), include_str!("norm_kernels.cu"), include_str!("llama_kernels.cu"), "\0");
 
 /// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
 /// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),
@@ -356,6 +356,8 @@ mod tests {
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
             entries.extend(["forward", "backward", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
+            entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
+            entries.push(format!("tg_rope_{dtype}"));
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));

@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod loss;
 pub mod norm;
 pub mod os;
+pub mod llama_ops;
 pub mod torch_panics;
 pub mod trace;
 

@@ -9,7 +9,7 @@ use super::layers::{causal_attention, param, split_heads, swiglu, Linear, RmsNor
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
-use super::Decoder;
+use super::{Decoder, OurNodes};
 use crate::config::{KernelsConfig, ModelConfig};
 use tch::{Device, TchError, Tensor};
 
@@ -60,11 +60,16 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let (h, f, a, d) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64, cfg.head_dim() as u64);
     let kv = cfg.kv_heads() as u64 * d;
     let mut block: Vec<Saved> = saves::rms_norm(h, 3, r);
-    block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
+    if !r.rope_node {  // our node reads the fp32 tables (counted once, below) and keeps nothing
+        block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
+    }
     block.extend(saves::attention(a * d, kv, a, r));
     block.extend(saves::dropout(h, r));
     block.extend(saves::rms_norm(h, 2, r));
-    block.push(Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute));
+    block.push(match r.swiglu_node {
+        true => Saved::token("SwiGLU gate, up, product (our node keeps no silu(gate))", 3 * f, Stored::Compute),
+        false => Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute),
+    });
     block.extend(saves::dropout(h, r));
     Activations {
         block,
@@ -97,14 +102,16 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Tensor,
     rope: Rope,
+    /// SwiGLU through our node (`kernels.fused_swiglu`).
+    our_swiglu: bool,
 }
 
 impl Llama {
-    /// `ours`: the RMSNorms through our residual-norm node (`kernels.fused_residual_norm`).
-    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device, ours: bool) -> Result<Self, TchError> {
+    /// `ours`: the RMSNorms through our residual-norm node, SwiGLU and RoPE through ours.
+    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device, ours: OurNodes) -> Result<Self, TchError> {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
         let fused = kernels.fused_rms_norm && device.is_cuda();
-        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours }) };
+        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours: ours.norms }) };
         let layers = (0..cfg.n_layer)
             .map(|i| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -130,7 +137,8 @@ impl Llama {
             layers,
             norm: norm("model.norm.weight")?,
             lm_head,
-            rope: Rope::new(cfg.head_dim() as i64, cfg.seq_len as i64, cfg.rope_theta, device)?,
+            rope: Rope::new(cfg.head_dim() as i64, cfg.seq_len as i64, cfg.rope_theta, device, ours.rope)?,
+            our_swiglu: ours.swiglu,
         })
     }
 }
@@ -143,12 +151,12 @@ impl Decoder for Llama {
     fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
         let l = &self.layers[i];
         let h = l.input_norm.forward(x)?;
-        let q = self.rope.apply(&split_heads(&l.q.forward(&h)?, self.n_head)?)?;
-        let k = self.rope.apply(&split_heads(&l.k.forward(&h)?, self.n_kv_head)?)?;
+        let q = self.rope.rotate_heads(&l.q.forward(&h)?, self.n_head)?;
+        let k = self.rope.rotate_heads(&l.k.forward(&h)?, self.n_kv_head)?;
         let v = split_heads(&l.v.forward(&h)?, self.n_kv_head)?;
         let y = causal_attention(&q, &k, &v, dropout)?;
         let (x, normed) = l.post_norm.add_forward(x, &l.o.forward(&y)?.f_dropout(dropout, train)?)?;
-        let m = swiglu(&normed, &l.gate, &l.up, &l.down)?;
+        let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu)?;
         x.f_add(&m.f_dropout(dropout, train)?)
     }
 

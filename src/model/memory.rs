@@ -100,6 +100,10 @@ pub struct Regime {
     /// The norms as our residual-norm node (`kernels.fused_residual_norm` on CUDA, fp32
     /// weights): its output is already in the compute dtype, one tensor for every reader.
     pub residual_norm_node: bool,
+    /// SwiGLU's product as our node (`kernels.fused_swiglu` on CUDA): silu(gate) is not kept.
+    pub swiglu_node: bool,
+    /// RoPE as our node (`kernels.fused_rope` on CUDA): no cast tables kept.
+    pub rope_node: bool,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -201,7 +205,7 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false };
+        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false, swiglu_node: false, rope_node: false };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);

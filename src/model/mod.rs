@@ -52,6 +52,18 @@ pub fn saved_activations(cfg: &ModelConfig, r: memory::Regime) -> memory::Activa
     }
 }
 
+/// Which of our autograd nodes a model's layers take (decided once, in [`Model::with_kernels`]:
+/// the switch is on and the kernels run on the device).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OurNodes {
+    /// The norms with their residual add and cast (`kernels.fused_residual_norm`).
+    pub norms: bool,
+    /// SwiGLU's product (`kernels.fused_swiglu`).
+    pub swiglu: bool,
+    /// RoPE's rotation of q and k (`kernels.fused_rope`).
+    pub rope: bool,
+}
+
 pub struct Model {
     pub cfg: ModelConfig,
     pub params: Params,
@@ -86,11 +98,12 @@ impl Model {
                 let _ = t.f_narrow(0, rows, s.shape[0] - rows)?.f_zero_()?;
             }
         }
-        // The norms through our node where its kernels run (CUDA, or the host emulation in tests).
-        let our_norms = kernels.fused_residual_norm && crate::ffi::kernels::runs_cuda_kernels(device);
+        // Our nodes where their kernels run (CUDA, or the host emulation in tests).
+        let runs = crate::ffi::kernels::runs_cuda_kernels(device);
+        let ours = OurNodes { norms: kernels.fused_residual_norm && runs, swiglu: kernels.fused_swiglu && runs, rope: kernels.fused_rope && runs };
         let net: Box<dyn Decoder> = match cfg.arch {
-            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, our_norms)?),
-            Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device, our_norms)?),
+            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, ours.norms)?),
+            Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device, ours)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
         let user_rows = specs.iter().map(|s| s.user_rows).collect();
@@ -103,8 +116,16 @@ impl Model {
             }
             false => None,
         };
-        if kernels.fused_cross_entropy || kernels.fused_residual_norm {
-            let switch = if kernels.fused_cross_entropy { "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)" } else { "the residual norm's CUDA kernels (kernels.fused_residual_norm)" };
+        if kernels.fused_cross_entropy || kernels.fused_residual_norm || kernels.fused_swiglu || kernels.fused_rope {
+            let switch = if kernels.fused_cross_entropy {
+                "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)"
+            } else if kernels.fused_residual_norm {
+                "the residual norm's CUDA kernels (kernels.fused_residual_norm)"
+            } else if kernels.fused_swiglu {
+                "SwiGLU's CUDA kernels (kernels.fused_swiglu)"
+            } else {
+                "RoPE's CUDA kernels (kernels.fused_rope)"
+            };
             crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
         Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, net })
@@ -422,66 +443,92 @@ mod padding_tests {
 }
 
 #[cfg(test)]
-mod residual_norm_tests {
-    //! `kernels.fused_residual_norm` on model shapes, with the node's CUDA kernels (their source
-    //! emulated on the host: `ffi::kernels::CudaEmulation`).
+mod node_tests {
+    //! Our autograd nodes on model shapes (`kernels.fused_residual_norm`, `kernels.fused_swiglu`,
+    //! `kernels.fused_rope`), with their CUDA kernels (the source emulated on the host: `ffi::kernels::CudaEmulation`).
     use super::Model;
     use crate::config::{Arch, Checkpointing, KernelsConfig, ModelConfig};
     use crate::ffi::kernels::CudaEmulation;
     use crate::step::savers::{loss_and_grads, Savers};
     use tch::{Device, Kind, Tensor};
 
-    /// GPT-2 (LayerNorm) and a Llama (RMSNorm) built and run with the node give the plain models'
-    /// loss and gradients, in fp32 and under bf16 autocast, with blocks recomputed
-    /// (checkpointing) too; every norm ran the kernels.
-    #[test]
-    fn the_node_gives_the_plain_models_loss_and_gradients() {
-        let gpt2 = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 32, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
-        let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..gpt2.clone() };
-        let kernels = |ours| KernelsConfig { fused_residual_norm: ours, fused_cross_entropy: false, ..KernelsConfig::default() };
+    fn gpt2() -> ModelConfig {
+        ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 32, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() }
+    }
+
+    fn llama() -> ModelConfig {
+        ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..gpt2() }
+    }
+
+    /// The model `c` built with `on` gives the loss and gradients of the one built with `off`
+    /// (the same less the node under test), in fp32 and under bf16 autocast, with
+    /// blocks recomputed (checkpointing) too; `launches(recomputed)` is how many kernel launches
+    /// a forward and backward make (every node ran the kernels).
+    fn gives_the_plain_models_loss_and_gradients(c: &ModelConfig, on: KernelsConfig, off: KernelsConfig, launches: impl Fn(bool) -> u64) {
         let x = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(32).view([4, 8]);
         let y = (x.shallow_clone() * 5 + 1).remainder(32);
-        for c in [gpt2, llama] {
-            let plain = Model::with_kernels(&c, kernels(false), 3, Device::Cpu).unwrap();
-            let emulation = CudaEmulation::start();
-            let ours = Model::with_kernels(&c, kernels(true), 3, Device::Cpu).unwrap();
-            drop(emulation);
-            let norms = 2 * c.n_layer as u64 + 1;
-            for (bf16, checkpointing) in [(false, Checkpointing::None), (true, Checkpointing::None), (false, Checkpointing::Every(1))] {
-                let what = format!("{:?}, bf16 autocast {bf16}, {checkpointing:?}", c.arch);
-                let savers = Savers::new(checkpointing, false, None);
-                let run = |m: &Model, emulated: bool| {
-                    let emulation = emulated.then(CudaEmulation::start);
-                    crate::ffi::set_autocast(false, bf16, false).unwrap();
-                    let out = loss_and_grads(m, &x, &y, 1.0, 0, &savers);
-                    crate::ffi::set_autocast(false, false, false).unwrap();
-                    (out.unwrap(), emulation.map(|e| e.launches()))
-                };
-                let ((lb, gb), _) = run(&plain, false);
-                let ((la, ga), launches) = run(&ours, true);
-                // One launch forward, three backward per norm; recomputed blocks run their two again.
-                let recomputed = if matches!(checkpointing, Checkpointing::None) { 0 } else { 2 * c.n_layer as u64 };
-                assert_eq!(launches, Some(4 * norms + recomputed), "{what}: every norm ran the kernels");
-                let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[]);
-                if !bf16 {
-                    // fp32: the same maths; only the reductions' order differs.
-                    assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-5 * lb.double_value(&[]).abs(), "{what}: loss");
-                    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
-                        assert!(rel(a, b) < 1e-5, "{what}: gradient of {} differs by {:e}", ours.params.names[i], rel(a, b));
-                    }
-                    continue;
+        let plain = Model::with_kernels(c, off, 3, Device::Cpu).unwrap();
+        let emulation = CudaEmulation::start();
+        let ours = Model::with_kernels(c, on, 3, Device::Cpu).unwrap();
+        drop(emulation);
+        for (bf16, checkpointing) in [(false, Checkpointing::None), (true, Checkpointing::None), (false, Checkpointing::Every(1))] {
+            let what = format!("{:?}, bf16 autocast {bf16}, {checkpointing:?}", c.arch);
+            let savers = Savers::new(checkpointing, false, None);
+            let run = |m: &Model, emulated: bool| {
+                let emulation = emulated.then(CudaEmulation::start);
+                crate::ffi::set_autocast(false, bf16, false).unwrap();
+                let out = loss_and_grads(m, &x, &y, 1.0, 0, &savers);
+                crate::ffi::set_autocast(false, false, false).unwrap();
+                (out.unwrap(), emulation.map(|e| e.launches()))
+            };
+            let ((lb, gb), _) = run(&plain, false);
+            let ((la, ga), launched) = run(&ours, true);
+            let recomputed = !matches!(checkpointing, Checkpointing::None);
+            assert_eq!(launched, Some(launches(recomputed)), "{what}: every node ran the kernels");
+            let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[]);
+            if !bf16 {
+                // fp32: the same maths; only the order of operations differs.
+                assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-5 * lb.double_value(&[]).abs(), "{what}: loss");
+                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                    assert!(rel(a, b) < 1e-5, "{what}: gradient of {} differs by {:e}", ours.params.names[i], rel(a, b));
                 }
-                // bf16: both against the fp32 run. Our one 16-bit output rounds what autocast
-                // rounds (once per reader), but autograd sums its readers' 16-bit gradients in 16
-                // bits where autocast's casts sum them in fp32 (the Llama's first norm has three
-                // readers): ours may be off by a rounding more, not by more than autocast itself.
-                let (_, truth) = loss_and_grads(&plain, &x, &y, 1.0, 0, &savers).unwrap();
-                for (i, ((a, b), t)) in ga.iter().zip(&gb).zip(&truth).enumerate() {
-                    let (ours_err, autocast_err) = (rel(a, t), rel(b, t));
-                    assert!(ours_err <= 2.0 * autocast_err + 1e-3, "{what}: gradient of {}: {ours_err:e} from fp32 against autocast's {autocast_err:e}", ours.params.names[i]);
-                }
-                assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-3 * lb.double_value(&[]).abs(), "{what}: loss");
+                continue;
             }
+            // bf16: both against the fp32 run. The nodes round where autocast rounds, or less
+            // often, but autograd sums a residual norm's readers' 16-bit gradients in 16 bits
+            // where autocast's casts sum them in fp32 (the Llama's first norm has three readers):
+            // ours may be off by a rounding more, not by more than autocast itself.
+            let (_, truth) = loss_and_grads(&plain, &x, &y, 1.0, 0, &savers).unwrap();
+            for (i, ((a, b), t)) in ga.iter().zip(&gb).zip(&truth).enumerate() {
+                let (ours_err, autocast_err) = (rel(a, t), rel(b, t));
+                assert!(ours_err <= 2.0 * autocast_err + 1e-3, "{what}: gradient of {}: {ours_err:e} from fp32 against autocast's {autocast_err:e}", ours.params.names[i]);
+            }
+            assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-3 * lb.double_value(&[]).abs(), "{what}: loss");
         }
+    }
+
+    /// The residual-norm node: GPT-2's LayerNorms and a Llama's RMSNorms. One launch forward,
+    /// three backward per norm; recomputed blocks run their two norms' forwards again.
+    #[test]
+    fn the_residual_norm_node_gives_the_plain_models_loss_and_gradients() {
+        let plain = KernelsConfig { fused_residual_norm: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        for c in [gpt2(), llama()] {
+            let norms = 2 * c.n_layer as u64 + 1;
+            let on = KernelsConfig { fused_residual_norm: true, ..plain };
+            gives_the_plain_models_loss_and_gradients(&c, on, plain, |recomputed| 4 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 });
+        }
+    }
+
+    /// The SwiGLU node and the RoPE node in a Llama, each alone: SwiGLU one launch forward and
+    /// one backward per block, RoPE two each (q and k); recomputed blocks run their forwards again.
+    #[test]
+    fn the_swiglu_and_rope_nodes_give_the_plain_llamas_loss_and_gradients() {
+        let plain = KernelsConfig { fused_residual_norm: false, fused_swiglu: false, fused_rope: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        let c = llama();
+        let blocks = c.n_layer as u64;
+        let swiglu = KernelsConfig { fused_swiglu: true, ..plain };
+        gives_the_plain_models_loss_and_gradients(&c, swiglu, plain, |recomputed| 2 * blocks + if recomputed { blocks } else { 0 });
+        let rope = KernelsConfig { fused_rope: true, ..plain };
+        gives_the_plain_models_loss_and_gradients(&c, rope, plain, |recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
     }
 }

@@ -111,7 +111,9 @@ impl Transformer {
         let repeated_kv_heads = s.target == Target::Cuda && s.precision == Precision::Fp32;
         // As `model::Model`: our node where its kernels run, for fp32 weights (not bf16-pure).
         let residual_norm_node = s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
-        crate::model::saved_activations(&self.model_config(), Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node })
+        let (swiglu_node, rope_node) = (s.fused_swiglu && s.target == Target::Cuda, s.fused_rope && s.target == Target::Cuda);
+        let regime = Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node, swiglu_node, rope_node };
+        crate::model::saved_activations(&self.model_config(), regime)
     }
 
     /// Rows of the embedding and LM head, and columns of the logits (the padded vocabulary).
@@ -272,6 +274,10 @@ pub struct Setup {
     pub fused_cross_entropy: bool,
     /// `kernels.fused_residual_norm`: the norms counted as our node where it runs (CUDA).
     pub fused_residual_norm: bool,
+    /// `kernels.fused_swiglu`: SwiGLU counted as our node where it runs (CUDA).
+    pub fused_swiglu: bool,
+    /// `kernels.fused_rope`: RoPE counted as our node where it runs (CUDA).
+    pub fused_rope: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -707,6 +713,8 @@ pub(crate) mod fixtures {
             cuda_optimizers: false,
             fused_cross_entropy: false,
             fused_residual_norm: false,
+            fused_swiglu: false,
+            fused_rope: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,
@@ -1078,6 +1086,18 @@ mod tests {
         let e = estimate(&m, &fp32, b, 1);
         assert_eq!(e.buffers, 2 * seq * d * 4);
         assert_eq!(estimate(&gpt2(), &fp32, b, 1).buffers, 0);
+        // Our SwiGLU node (CUDA) keeps gate, up and the product, not silu(gate): one f-wide
+        // tensor less per block, in each precision's compute dtype.
+        for (setup, bytes) in [(fp32, 4), (mixed, 2), (pure, 2)] {
+            let (plain, ours) = (Setup { target: Target::Cuda, ..setup.clone() }, Setup { target: Target::Cuda, fused_swiglu: true, ..setup.clone() });
+            assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &ours, b), bytes * f * tokens, "{:?}", setup.precision);
+            let on_cpu = Setup { fused_swiglu: true, fused_rope: true, ..setup.clone() };
+            assert_eq!(layer_activations(&m, &on_cpu, b), layer_activations(&m, &setup, b), "the CPU runs ATen's ops");
+            // Our RoPE node keeps no cast tables (fp32's casts are the tables themselves: none).
+            let rope = Setup { target: Target::Cuda, fused_rope: true, ..setup.clone() };
+            let tables = if bytes == 4 { 0 } else { 4 * seq * d * bytes };
+            assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &rope, b), tables, "{:?}", setup.precision);
+        }
     }
 
     #[test]

@@ -319,6 +319,8 @@ impl Inputs {
             cuda_optimizers: config.kernels.cuda_optimizers,
             fused_cross_entropy: config.kernels.fused_cross_entropy,
             fused_residual_norm: config.kernels.fused_residual_norm,
+            fused_swiglu: config.kernels.fused_swiglu,
+            fused_rope: config.kernels.fused_rope,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,

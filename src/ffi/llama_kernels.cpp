@@ -1,0 +1,117 @@
+// The Llama block's autograd nodes of our own, over our CUDA kernels (llama_kernels.cu): on a
+// CUDA device, or on the CPU under the host emulation for tests.
+// - SwiGLU's product (`kernels.fused_swiglu`): h = silu(g) · u, where g and u are the gate and up
+//   projections' outputs. The node keeps g and u (the projections' outputs, which ATen keeps too)
+//   but not silu(g). Elsewhere tg_swiglu computes the same with ATen's differentiable ops
+//   (`at::silu(g) * u`), which is also what the kernels are tested against.
+// - RoPE (`kernels.fused_rope`): q or k rotated by position from the fp32 cos and sin tables, in
+//   one pass each way; it keeps nothing but the tables. Only where the kernels run: the model
+//   takes ATen's ops elsewhere (src/model/layers.rs, `Rope`), which the kernels are tested against.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_jit.h"
+#include "guarded.h"
+
+namespace {
+struct SwiGluNode : public torch::autograd::Function<SwiGluNode> {
+  // g and u contiguous, of one shape and dtype (fp32, bf16 or fp16); h comes out alike.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u) {
+    at::Tensor h = at::empty_like(g);
+    trainguard::cuda_swiglu_forward(g, u, h);
+    ctx->save_for_backward({g, u});
+    return {h};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    if (at::GradMode::is_enabled()) {
+      throw std::runtime_error(
+          "swiglu: kernels.fused_swiglu is differentiable once; a second derivative (create_graph) needs kernels.fused_swiglu: false");
+    }
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &g = saved[0], &u = saved[1];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor dh = grads[0].to(g.scalar_type()).contiguous();
+    at::Tensor dg = at::empty_like(g);
+    at::Tensor du = at::empty_like(u);
+    trainguard::cuda_swiglu_backward(dh, g, u, dg, du);
+    return {dg, du};
+  }
+};
+
+struct RopeNode : public torch::autograd::Function<RopeNode> {
+  // x [b, t, heads·d] contiguous in fp32, bf16 or fp16; cos and sin [≥ t, d] fp32 contiguous.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                                                const at::Tensor& sin, int64_t heads) {
+    at::Tensor out = at::empty_like(x);
+    trainguard::cuda_rope(x, cos, sin, out, heads, false);
+    ctx->saved_data["heads"] = heads;
+    ctx->save_for_backward({cos, sin});
+    return {out};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    if (at::GradMode::is_enabled()) {
+      throw std::runtime_error("rope: kernels.fused_rope is differentiable once; a second derivative (create_graph) needs kernels.fused_rope: false");
+    }
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor dy = grads[0].contiguous();
+    at::Tensor dx = at::empty_like(dy);
+    trainguard::cuda_rope(dy, saved[0], saved[1], dx, ctx->saved_data["heads"].toInt(), true);
+    return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+extern "C" {
+
+// silu(gate) · up: `*h_out` is a new tensor tch takes over. Through our kernels where they run
+// (CUDA, or the host emulation) when both are of one shape and dtype (fp32, bf16 or fp16);
+// through ATen's ops otherwise.
+int tg_swiglu(const void* gate, const void* up, void** h_out, char* err, size_t err_len) {
+  *h_out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& g = *static_cast<const at::Tensor*>(gate);
+    const auto& u = *static_cast<const at::Tensor*>(up);
+    if (g.sizes() != u.sizes()) throw std::invalid_argument("swiglu: gate and up must have one shape");
+    const at::ScalarType t = g.scalar_type();
+    const bool ours = trainguard::runs_cuda_kernels(g) && u.scalar_type() == t && u.device() == g.device() &&
+                      (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && g.numel() > 0;
+    at::Tensor h;
+    if (ours) {
+      h = SwiGluNode::apply(g.contiguous(), u.contiguous())[0];
+    } else {
+      h = at::silu(g) * u;
+    }
+    *h_out = new at::Tensor(h);
+  });
+}
+
+// `x` [b, t, heads·d] (the q or k projection's output) rotated by positions 0..t with the fp32
+// tables `cos` and `sin` [≥ t, d]: `*out` is a new tensor tch takes over, in x's dtype. Only
+// where our kernels run (CUDA, or the host emulation).
+int tg_rope(const void* x, const void* cos, const void* sin, long long heads, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& xt = *static_cast<const at::Tensor*>(x);
+    const auto& c = *static_cast<const at::Tensor*>(cos);
+    const auto& s = *static_cast<const at::Tensor*>(sin);
+    const auto fail = [](const std::string& what) { throw std::invalid_argument("rope: " + what); };
+    if (xt.dim() != 3 || heads <= 0 || xt.size(2) % heads != 0) fail("x must be [b, t, heads·d]");
+    const int64_t d = xt.size(2) / heads;
+    if (d % 2 != 0) fail("the head dimension must be even");
+    if (c.dim() != 2 || c.size(1) != d || c.size(0) < xt.size(1) || s.sizes() != c.sizes()) fail("cos and sin must be [≥ t, head dim]");
+    if (c.scalar_type() != at::kFloat || s.scalar_type() != at::kFloat) fail("cos and sin must be fp32");
+    const at::ScalarType t = xt.scalar_type();
+    if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) fail("x must be fp32, bf16 or fp16");
+    if (!trainguard::runs_cuda_kernels(xt) || c.device() != xt.device() || s.device() != xt.device()) fail("our kernels do not run on this device");
+    *out = new at::Tensor(RopeNode::apply(xt.contiguous(), c.contiguous(), s.contiguous(), heads)[0]);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,106 @@
+//! Wrappers over `llama_kernels.cpp`: the Llama block's elementwise steps as autograd nodes over
+//! our CUDA kernels (`llama_kernels.cu`, compiled by NVRTC once [`super::kernels::prepare_cuda`]
+//! has run for the device): SwiGLU's product silu(gate) · up (`kernels.fused_swiglu`; where the
+//! kernels do not run, the CPU outside tests or mixed dtypes, ATen's ops compute it) and RoPE's
+//! rotation (`kernels.fused_rope`; only where the kernels run: `model::layers::Rope` takes
+//! ATen's ops elsewhere).
+use super::{result, ShimError, ERR_LEN};
+use std::ffi::{c_char, c_int, c_void};
+use tch::Tensor;
+
+extern "C" {
+    fn tg_swiglu(gate: *const c_void, up: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_rope(x: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+}
+
+/// silu(`gate`) · `up`, elementwise, in their dtype.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor, ShimError> {
+    let mut h = std::ptr::null_mut::<c_void>();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: both handles are live tensors; on success the shim hands over a tensor it allocated
+    // with `new`, which tch's Tensor owns and frees.
+    let code = unsafe { tg_swiglu(gate.as_ptr().cast(), up.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: a non-null pointer the shim returned with code 0.
+    Ok(unsafe { Tensor::from_ptr(h.cast()) })
+}
+
+/// `x` `[b, t, heads·d]` (a q or k projection's output) rotated by positions `0..t` with the
+/// fp32 tables `cos` and `sin` `[≥ t, d]` ("rotate half", as `model::layers::Rope`), in x's
+/// dtype. An error where our kernels do not run.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64) -> Result<Tensor, ShimError> {
+    let mut out = std::ptr::null_mut::<c_void>();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `swiglu`.
+    let code = unsafe { tg_rope(x.as_ptr().cast(), cos.as_ptr().cast(), sin.as_ptr().cast(), heads, &mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: a non-null pointer the shim returned with code 0.
+    Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The kernels (their source emulated on the host) against ATen's ops on the CPU;
+    //! tests/gpu.rs runs the same check on a GPU.
+    use super::*;
+    use crate::ffi::kernels::CudaEmulation;
+    use tch::{Device, Kind};
+
+    /// h, and the gradients of gate and up for a fixed gradient of h: through the kernels
+    /// (emulated) or ATen's ops. `offset` starts the tensors one value into their storage, so
+    /// that nothing is on 16 bytes and the kernels take their one-value loads.
+    pub fn run(len: i64, kind: Kind, offset: bool, emulated: bool) -> Vec<Tensor> {
+        // Irregular values without the global generator (tests run in parallel threads), wide
+        // enough to reach silu's flat tail (−12) and its linear side (+12).
+        let wave = |k: f64, scale: f64| {
+            let start = i64::from(offset);
+            let t = Tensor::arange(len + start, (Kind::Float, Device::Cpu)).f_mul_scalar(k).unwrap().sin() * scale;
+            t.to_kind(kind).narrow(0, start, len).set_requires_grad(true)
+        };
+        let (g, u) = (wave(0.731, 12.0), wave(1.917, 2.0));
+        let dh = wave(0.513, 1.0).detach();
+        let emulation = emulated.then(CudaEmulation::start);
+        let h = swiglu(&g, &u).unwrap();
+        // h · dh summed: h's gradient is dh exactly (representable in h's dtype).
+        let objective = (h.to_kind(Kind::Float) * dh.to_kind(Kind::Float)).sum(Kind::Float);
+        let grads = Tensor::run_backward(&[&objective], &[&g, &u], false, false);
+        if let Some(e) = &emulation {
+            assert_eq!(e.launches(), 2, "one launch forward, one backward: the kernels ran");
+        }
+        let mut out = vec![h.detach()];
+        out.extend(grads);
+        out
+    }
+
+    #[test]
+    fn the_kernels_compute_what_atens_silu_and_multiply_do() {
+        for (len, kind, offset) in [(5000, Kind::Float, false), (4099, Kind::Float, false), (5000, Kind::Float, true), (6000, Kind::BFloat16, false), (6001, Kind::BFloat16, true), (2048, Kind::Half, false)] {
+            let (ours, aten) = (run(len, kind, offset, true), run(len, kind, offset, false));
+            let label = format!("{len} {kind:?} offset {offset}");
+            for (i, (a, b)) in ours.iter().zip(&aten).enumerate() {
+                assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{label}: output {i}");
+                // fp32 differs in the last bits (σ and the products in another order); a 16-bit
+                // value by the roundings ATen makes between its steps and we do not.
+                let ulp = match kind {
+                    Kind::Float => 1e-6,
+                    Kind::BFloat16 => 1.0 / 64.0,
+                    _ => 1.0 / 512.0,
+                };
+                let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
+                let excess = ((&a - &b).abs() - b.abs() * ulp - 1e-6).max().double_value(&[]);
+                assert!(excess <= 0.0, "{label}: output {i} differs beyond {ulp:e} relative by {excess:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_kernels_are_deterministic_and_bad_inputs_are_errors() {
+        let (a, b) = (run(6000, Kind::BFloat16, false, true), run(6000, Kind::BFloat16, false, true));
+        for (x, y) in a.iter().zip(&b) {
+            assert!(x.equal(y), "two runs differ");
+        }
+        let g = Tensor::ones([4, 8], (Kind::Float, Device::Cpu));
+        let err = swiglu(&g, &Tensor::ones([4, 7], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
+        assert!(err.contains("one shape"), "{err}");
+    }
+}
