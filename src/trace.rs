@@ -12,15 +12,26 @@ use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// One event with a duration: an operator or range the CPU ran (`lane`: its thread) or, with
-/// `device_side`, a kernel, copy or set the GPU ran (`lane`: its stream).
+/// One event with a duration: an operator or range the CPU ran (`lane`: its thread), with
+/// `launch` a CUDA runtime call the CPU made (a kernel's launch), or with `device_side` a kernel,
+/// copy or set the GPU ran (`lane`: its stream). A launch and what it launched share a
+/// `correlation` id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceEvent {
     pub device_side: bool,
+    pub launch: bool,
+    pub correlation: Option<u64>,
     pub lane: u64,
     pub start_ns: u64,
     pub end_ns: u64,
     pub name: String,
+}
+
+impl TraceEvent {
+    /// An operator or range the CPU ran (not a runtime call, not the GPU's).
+    fn is_cpu_op(&self) -> bool {
+        !self.device_side && !self.launch
+    }
 }
 
 /// The name of our step ranges, before the step's number (`trainguard step N`).
@@ -31,8 +42,9 @@ const STEP_RANGES: [&str; 2] = [OUR_STEP_RANGE, "ProfilerStep#"];
 
 /// The events of a Chrome trace as Kineto writes it: complete events (`"ph": "X"`) with `ts`
 /// and `dur` in microseconds; `cat` `kernel`, `gpu_memcpy` and `gpu_memset` are the GPU's,
-/// `cpu_op` and `user_annotation` the CPU's (the rest, such as Python functions and runtime
-/// calls, are left out).
+/// `cpu_op` and `user_annotation` the CPU's, `cuda_runtime` and `cuda_driver` the launches (the
+/// rest, such as Python functions, are left out). `args.correlation` ties a launch to what it
+/// launched.
 pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
     let list = trace.get("traceEvents").and_then(Value::as_array).ok_or("no `traceEvents` list: not a Chrome trace")?;
     let ns = |v: &Value| v.as_f64().filter(|x| x.is_finite() && *x >= 0.0).map(|us| (us * 1000.0).round() as u64);
@@ -41,14 +53,16 @@ pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
         if e.get("ph").and_then(Value::as_str) != Some("X") {
             continue;
         }
-        let device_side = match e.get("cat").and_then(Value::as_str) {
-            Some("kernel" | "gpu_memcpy" | "gpu_memset") => true,
-            Some("cpu_op" | "user_annotation") => false,
+        let (device_side, launch) = match e.get("cat").and_then(Value::as_str) {
+            Some("kernel" | "gpu_memcpy" | "gpu_memset") => (true, false),
+            Some("cpu_op" | "user_annotation") => (false, false),
+            Some("cuda_runtime" | "cuda_driver") => (false, true),
             _ => continue,
         };
+        let correlation = e.get("args").and_then(|a| a.get("correlation")).and_then(Value::as_u64);
         let (Some(start), Some(dur), Some(name)) = (e.get("ts").and_then(ns), e.get("dur").and_then(ns), e.get("name").and_then(Value::as_str)) else { continue };
         let lane = e.get("tid").and_then(|t| t.as_u64().or_else(|| t.as_str().and_then(|s| s.trim_start_matches("stream ").parse().ok()))).unwrap_or(0);
-        out.push(TraceEvent { device_side, lane, start_ns: start, end_ns: start + dur, name: name.to_string() });
+        out.push(TraceEvent { device_side, launch, correlation, lane, start_ns: start, end_ns: start + dur, name: name.to_string() });
     }
     Ok(out)
 }
@@ -173,7 +187,24 @@ pub struct TraceSummary {
     pub by_work: Vec<WorkTime>,
     /// The heaviest names.
     pub top: Vec<NameTime>,
+    /// GPU time by the CPU operator that launched it, heaviest first (none without GPU events).
+    pub by_operator: Vec<OperatorTime>,
 }
+
+/// GPU time launched by one CPU operator: `outer › inner` (the outermost operator around the
+/// launch, and the innermost: `aten::linear › aten::addmm`, or in backward
+/// `autograd::engine::evaluate_function: AddmmBackward0 › aten::sum`), or one name where they
+/// are the same.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OperatorTime {
+    pub operator: String,
+    pub ms: f64,
+    /// Kernels, copies and sets it launched.
+    pub kernels: u64,
+}
+
+/// What the GPU time of a kernel no operator encloses (or whose launch the trace lacks) is filed under.
+pub const NO_OPERATOR: &str = "(no operator)";
 
 /// How many names [`TraceSummary::top`] keeps.
 pub const TOP: usize = 12;
@@ -193,7 +224,7 @@ fn counted_times(events: &[&TraceEvent]) -> (String, Vec<(String, u64)>) {
 /// the same thread (an operator calls others: `aten::linear` → `aten::addmm`).
 pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> Vec<(String, u64)> {
     let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
-    for e in events.into_iter().filter(|e| !e.device_side) {
+    for e in events.into_iter().filter(|e| e.is_cpu_op()) {
         by_lane.entry(e.lane).or_default().push(e);
     }
     let mut out = Vec::new();
@@ -224,12 +255,12 @@ pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> V
 pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
     let marked: Vec<u64> = events
         .iter()
-        .filter(|e| !e.device_side)
+        .filter(|e| e.is_cpu_op())
         .filter_map(|e| STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok()))
         .collect();
     let (first_step, steps) = (marked.iter().min().copied(), (marked.len() as u64).max(1));
     // The step ranges mark steps; they are not work.
-    let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !STEP_RANGES.iter().any(|p| e.name.starts_with(p))).collect();
+    let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !e.launch && !STEP_RANGES.iter().any(|p| e.name.starts_with(p))).collect();
     let (counted, times) = counted_times(&work_events);
     let busy: u64 = times.iter().map(|(_, d)| d).sum();
     let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
@@ -255,7 +286,57 @@ pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
     top.truncate(TOP);
     let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
     let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
-    TraceSummary { path: path.display().to_string(), first_step, steps, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top }
+    let mut by_operator = by_operator(events);
+    by_operator.truncate(TOP);
+    TraceSummary { path: path.display().to_string(), first_step, steps, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top, by_operator }
+}
+
+/// The GPU's time by the CPU operator that launched it: each GPU event's launch found by its
+/// correlation id, the operators open on the launch's thread at that moment found by one sweep
+/// per thread (operators nest). Heaviest first.
+pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
+    let mut ops_by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
+    let mut launches_by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
+    for e in events {
+        if e.launch && e.correlation.is_some() {
+            launches_by_lane.entry(e.lane).or_default().push(e);
+        } else if e.is_cpu_op() && !STEP_RANGES.iter().any(|p| e.name.starts_with(p)) {
+            ops_by_lane.entry(e.lane).or_default().push(e);
+        }
+    }
+    let mut launched_by: HashMap<u64, String> = HashMap::new();
+    for (lane, mut launches) in launches_by_lane {
+        let mut ops = ops_by_lane.remove(&lane).unwrap_or_default();
+        // Outer operators first: earlier start, then later end.
+        ops.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then(b.end_ns.cmp(&a.end_ns)));
+        launches.sort_by_key(|l| l.start_ns);
+        let (mut next, mut open): (usize, Vec<&TraceEvent>) = (0, Vec::new());
+        for l in launches {
+            while next < ops.len() && ops[next].start_ns <= l.start_ns {
+                let op = ops[next];
+                open.retain(|o| o.end_ns > op.start_ns);
+                open.push(op);
+                next += 1;
+            }
+            open.retain(|o| o.end_ns > l.start_ns);
+            let name = match (open.first(), open.last()) {
+                (Some(outer), Some(inner)) if outer.name != inner.name => format!("{} › {}", outer.name, inner.name),
+                (Some(only), _) => only.name.clone(),
+                _ => NO_OPERATOR.to_string(),
+            };
+            launched_by.insert(l.correlation.unwrap_or_default(), name);
+        }
+    }
+    let mut per_op: HashMap<&str, (u64, u64)> = HashMap::new();
+    for e in events.iter().filter(|e| e.device_side) {
+        let op = e.correlation.and_then(|c| launched_by.get(&c)).map_or(NO_OPERATOR, String::as_str);
+        let t = per_op.entry(op).or_default();
+        t.0 += e.end_ns.saturating_sub(e.start_ns);
+        t.1 += 1;
+    }
+    let mut out: Vec<OperatorTime> = per_op.into_iter().map(|(op, (d, n))| OperatorTime { operator: op.to_string(), ms: d as f64 / 1e6, kernels: n }).collect();
+    out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.operator.cmp(&b.operator)));
+    out
 }
 
 /// `s` as Markdown: a heading line, then the time per step by kind of work and by name.
@@ -274,6 +355,12 @@ pub fn table(s: &TraceSummary) -> String {
     for n in &s.top {
         let name: String = n.name.chars().take(110).collect::<String>().replace('|', "\\|");
         out += &format!("| `{name}` | {} | {:.2} | {:.0} |\n", n.work.name(), per(n.ms), n.calls as f64 / s.steps as f64);
+    }
+    if !s.by_operator.is_empty() {
+        out += "\n| launched by | ms per step | kernels per step |\n|---|---|---|\n";
+        for o in &s.by_operator {
+            out += &format!("| `{}` | {:.2} | {:.0} |\n", o.operator.replace('|', "\\|"), per(o.ms), o.kernels as f64 / s.steps as f64);
+        }
     }
     out
 }
@@ -407,7 +494,52 @@ mod tests {
     use super::*;
 
     fn ev(device_side: bool, lane: u64, start_ns: u64, end_ns: u64, name: &str) -> TraceEvent {
-        TraceEvent { device_side, lane, start_ns, end_ns, name: name.into() }
+        TraceEvent { device_side, launch: false, correlation: None, lane, start_ns, end_ns, name: name.into() }
+    }
+
+    /// A kernel on stream 7 and its launch on thread 1, tied by `correlation`.
+    fn launched(correlation: u64, at_ns: u64, start_ns: u64, end_ns: u64, kernel: &str) -> [TraceEvent; 2] {
+        let launch = TraceEvent { launch: true, correlation: Some(correlation), ..ev(false, 1, at_ns, at_ns + 5, "cudaLaunchKernel") };
+        [launch, TraceEvent { correlation: Some(correlation), ..ev(true, 7, start_ns, end_ns, kernel) }]
+    }
+
+    /// Each kernel's time goes to the operators around its launch, outermost › innermost; the
+    /// launches themselves are neither operators nor work.
+    #[test]
+    fn gpu_time_goes_to_the_operators_that_launched_it() {
+        let mut events = vec![
+            ev(false, 1, 0, 10_000, "trainguard step 3"),
+            ev(false, 1, 100, 1_000, "aten::linear"),
+            ev(false, 1, 200, 900, "aten::addmm"),
+            ev(false, 1, 2_000, 5_000, "autograd::engine::evaluate_function: AddmmBackward0"),
+            ev(false, 1, 2_100, 2_900, "aten::sum"),
+            ev(false, 1, 3_000, 3_500, "aten::sum"),
+            ev(false, 1, 6_000, 6_400, "aten::add_"),
+        ];
+        events.extend(launched(1, 300, 1_000, 4_000, "nvjet_tst_gemm"));
+        events.extend(launched(2, 2_200, 4_000, 4_500, "reduce_kernel"));
+        events.extend(launched(3, 3_100, 4_500, 5_000, "reduce_kernel"));
+        events.extend(launched(4, 6_100, 6_200, 6_300, "add_kernel"));
+        events.extend(launched(5, 7_000, 7_000, 7_100, "add_kernel")); // launched outside any operator
+        events.push(TraceEvent { correlation: Some(99), ..ev(true, 7, 8_000, 8_200, "orphan") }); // its launch is not in the trace
+        let got = by_operator(&events);
+        let want = [
+            ("aten::linear › aten::addmm", 3_000, 1),
+            ("autograd::engine::evaluate_function: AddmmBackward0 › aten::sum", 1_000, 2),
+            (NO_OPERATOR, 300, 2),
+            ("aten::add_", 100, 1),
+        ];
+        assert_eq!(got, want.map(|(op, ns, k)| OperatorTime { operator: op.into(), ms: ns as f64 / 1e6, kernels: k }));
+        let s = summarise(&events, Path::new("t.json"));
+        assert_eq!((s.counted.as_str(), s.busy_ms), ("gpu kernels", 0.0044), "launches are not work");
+        assert!(s.top.iter().all(|n| n.name != "cudaLaunchKernel"));
+        let t = table(&s);
+        assert!(t.contains("| launched by | ms per step | kernels per step |"), "{t}");
+        assert!(t.contains("| `aten::linear › aten::addmm` | 0.00 | 1 |"), "{t}");
+        // Without GPU events nothing is attributed; the CPU's self times ignore the launches.
+        let cpu: Vec<TraceEvent> = events.iter().filter(|e| !e.device_side).cloned().collect();
+        let c = summarise(&cpu, Path::new("t.json"));
+        assert!(c.by_operator.is_empty() && c.top.iter().all(|n| n.name != "cudaLaunchKernel"));
     }
 
     /// Kernel and operator names of the forms PyTorch's profiler reports on CUDA (cuBLAS,
@@ -523,22 +655,24 @@ mod tests {
             "traceEvents": [
                 {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "pid": 9, "tid": 9, "ts": 4798773604303.147, "dur": 34131.524},
                 {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 9, "tid": 9, "ts": 4798773604337.338, "dur": 23.625},
-                {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "pid": 0, "tid": 7, "ts": 4798773604340.0, "dur": 10.5},
+                {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "pid": 0, "tid": 7, "ts": 4798773604340.0, "dur": 10.5, "args": {"correlation": 41}},
                 {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "pid": 0, "tid": "stream 7", "ts": 4798773604351.0, "dur": 1.0},
                 {"ph": "X", "cat": "python_function", "name": "train.py(12): step", "pid": 9, "tid": 9, "ts": 4798773604300.0, "dur": 50000.0},
-                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 9, "tid": 9, "ts": 4798773604338.0, "dur": 4.0},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 9, "tid": 9, "ts": 4798773604338.0, "dur": 4.0, "args": {"correlation": 41}},
                 {"ph": "s", "cat": "ac2g", "name": "ac2g", "pid": 9, "tid": 9, "ts": 4798773604338.0, "id": 1},
                 {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}}
             ]
         });
         let events = parse(&trace).unwrap();
-        assert_eq!(events.len(), 4, "{events:?}");
+        assert_eq!(events.len(), 5, "{events:?}");
+        assert_eq!((events[4].launch, events[4].correlation, events[2].correlation), (true, Some(41), Some(41)), "the launch and its kernel");
         assert_eq!(events[1], ev(false, 9, 4_798_773_604_337_338, 4_798_773_604_360_963, "aten::mm"));
         assert_eq!((events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns), (true, 7, 10_500));
         assert_eq!((events[3].device_side, events[3].lane), (true, 7), "a stream written as text");
         let s = summarise(&events, Path::new("p.json"));
         assert_eq!((s.first_step, s.steps, s.counted.as_str()), (Some(3), 1, "gpu kernels"));
         assert!((s.busy_ms - 0.0115).abs() < 1e-12, "{}", s.busy_ms);
+        assert_eq!(s.by_operator[0].operator, "aten::mm", "the kernel launched inside aten::mm");
         assert!(parse(&serde_json::json!({"events": []})).unwrap_err().contains("traceEvents"));
     }
 }

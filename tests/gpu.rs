@@ -223,7 +223,8 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
 }
 
 /// `metrics.trace` on CUDA: the trace holds the GPU's kernels (through CUPTI), the summary
-/// counts their time, matrix multiplications among them, and our NVRTC kernels are in it too.
+/// counts their time, matrix multiplications among them, and by the operators that launched
+/// them; our NVRTC kernels are in it too.
 #[test]
 fn a_trace_on_cuda_counts_the_gpu_kernels() {
     if cuda().is_none() {
@@ -239,6 +240,9 @@ fn a_trace_on_cuda_counts_the_gpu_kernels() {
     assert!(gemm["ms"].as_f64().unwrap() > 0.0 && s["busy_ms"].as_f64().unwrap() <= s["span_ms"].as_f64().unwrap() * 1.01, "{s}");
     let trace = std::fs::read_to_string(s["path"].as_str().unwrap()).unwrap();
     assert!(trace.contains("\"cat\": \"kernel\"") && trace.contains("tg_ce_forward"), "our own kernels are in the trace too");
+    // The GPU time by launching operator: kernels found their launches and ATen's operators.
+    let ops = s["by_operator"].as_array().expect("by_operator");
+    assert!(ops.iter().any(|o| o["operator"].as_str().is_some_and(|n| n.starts_with("aten::") || n.starts_with("autograd::"))), "{s}");
 }
 
 /// The planner's accuracy target (issue 6), as a check: `plan --profile` on the GPU, estimated
