@@ -116,16 +116,14 @@ impl Model {
             }
             false => None,
         };
-        if kernels.fused_cross_entropy || kernels.fused_residual_norm || kernels.fused_swiglu || kernels.fused_rope {
-            let switch = if kernels.fused_cross_entropy {
-                "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)"
-            } else if kernels.fused_residual_norm {
-                "the residual norm's CUDA kernels (kernels.fused_residual_norm)"
-            } else if kernels.fused_swiglu {
-                "SwiGLU's CUDA kernels (kernels.fused_swiglu)"
-            } else {
-                "RoPE's CUDA kernels (kernels.fused_rope)"
-            };
+        // Our NVRTC kernels are compiled for the device once; a failure names the first switch on.
+        let switches = [
+            (kernels.fused_cross_entropy, "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)"),
+            (kernels.fused_residual_norm, "the residual norm's CUDA kernels (kernels.fused_residual_norm)"),
+            (kernels.fused_swiglu, "SwiGLU's CUDA kernels (kernels.fused_swiglu)"),
+            (kernels.fused_rope, "RoPE's CUDA kernels (kernels.fused_rope)"),
+        ];
+        if let Some((_, switch)) = switches.iter().find(|(on, _)| *on) {
             crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
         Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, net })
