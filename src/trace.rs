@@ -32,6 +32,24 @@ impl TraceEvent {
     fn is_cpu_op(&self) -> bool {
         !self.device_side && !self.launch
     }
+
+    /// One of the ranges that mark steps (they are not work).
+    fn is_step_range(&self) -> bool {
+        STEP_RANGES.iter().any(|p| self.name.starts_with(p))
+    }
+}
+
+/// `events` by lane, each lane's outer events first (earlier start, then later end): the order in
+/// which one sweep with a stack of open events sees each event after those around it.
+fn lanes_outer_first<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> HashMap<u64, Vec<&'a TraceEvent>> {
+    let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
+    for e in events {
+        by_lane.entry(e.lane).or_default().push(e);
+    }
+    for lane in by_lane.values_mut() {
+        lane.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then(b.end_ns.cmp(&a.end_ns)));
+    }
+    by_lane
 }
 
 /// The name of our step ranges, before the step's number (`trainguard step N`).
@@ -223,14 +241,8 @@ fn counted_times(events: &[&TraceEvent]) -> (String, Vec<(String, u64)>) {
 /// Each CPU event's own time: its duration less that of the events nested directly inside it on
 /// the same thread (an operator calls others: `aten::linear` → `aten::addmm`).
 pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> Vec<(String, u64)> {
-    let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
-    for e in events.into_iter().filter(|e| e.is_cpu_op()) {
-        by_lane.entry(e.lane).or_default().push(e);
-    }
     let mut out = Vec::new();
-    for mut lane in by_lane.into_values() {
-        // Outer events first: earlier start, then later end.
-        lane.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then(b.end_ns.cmp(&a.end_ns)));
+    for lane in lanes_outer_first(events.into_iter().filter(|e| e.is_cpu_op())).into_values() {
         // The open events: index into `out` and end time.
         let mut open: Vec<(usize, u64)> = Vec::new();
         for e in lane {
@@ -260,7 +272,7 @@ pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
         .collect();
     let (first_step, steps) = (marked.iter().min().copied(), (marked.len() as u64).max(1));
     // The step ranges mark steps; they are not work.
-    let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !e.launch && !STEP_RANGES.iter().any(|p| e.name.starts_with(p))).collect();
+    let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !e.launch && !e.is_step_range()).collect();
     let (counted, times) = counted_times(&work_events);
     let busy: u64 = times.iter().map(|(_, d)| d).sum();
     let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
@@ -295,21 +307,11 @@ pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
 /// correlation id, the operators open on the launch's thread at that moment found by one sweep
 /// per thread (operators nest). Heaviest first.
 pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
-    let mut ops_by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
-    let mut launches_by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
-    for e in events {
-        if e.launch && e.correlation.is_some() {
-            launches_by_lane.entry(e.lane).or_default().push(e);
-        } else if e.is_cpu_op() && !STEP_RANGES.iter().any(|p| e.name.starts_with(p)) {
-            ops_by_lane.entry(e.lane).or_default().push(e);
-        }
-    }
+    let mut ops_by_lane = lanes_outer_first(events.iter().filter(|e| e.is_cpu_op() && !e.is_step_range()));
+    let launches_by_lane = lanes_outer_first(events.iter().filter(|e| e.launch && e.correlation.is_some()));
     let mut launched_by: HashMap<u64, String> = HashMap::new();
-    for (lane, mut launches) in launches_by_lane {
-        let mut ops = ops_by_lane.remove(&lane).unwrap_or_default();
-        // Outer operators first: earlier start, then later end.
-        ops.sort_by(|a, b| a.start_ns.cmp(&b.start_ns).then(b.end_ns.cmp(&a.end_ns)));
-        launches.sort_by_key(|l| l.start_ns);
+    for (lane, launches) in launches_by_lane {
+        let ops = ops_by_lane.remove(&lane).unwrap_or_default();
         let (mut next, mut open): (usize, Vec<&TraceEvent>) = (0, Vec::new());
         for l in launches {
             while next < ops.len() && ops[next].start_ns <= l.start_ns {

@@ -23,7 +23,7 @@ __device__ __forceinline__ float tg_sigmoid(float g) { return 1.0f / (1.0f + exp
 
 // Whether `count` values from p on (and every pointer alike) can be moved in packs.
 __device__ __forceinline__ bool tg_packs_fit(const void* p, long long count) {
-  return (reinterpret_cast<unsigned long long>(p) & 15) == 0 && count % TG_PER_THREAD == 0;
+  return tg_on_16_bytes(p) && count % TG_PER_THREAD == 0;
 }
 
 // The 8 values of type D from `p` + `first` into v: in packs when `packed`.

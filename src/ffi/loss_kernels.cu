@@ -44,10 +44,12 @@ union TgPack {
 };
 __device__ __forceinline__ float* tg_pack_values(TgPack& p, float*) { return p.f32; }
 __device__ __forceinline__ unsigned short* tg_pack_values(TgPack& p, unsigned short*) { return p.b16; }
+// Whether `p` starts on 16 bytes (a pack's alignment).
+__device__ __forceinline__ bool tg_on_16_bytes(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15) == 0; }
 // Whether rows of `cols` values of type T from `row` on can be read in packs.
 template <class T>
 __device__ __forceinline__ bool tg_packed_rows(const void* row, long long cols) {
-  return (reinterpret_cast<unsigned long long>(row) & 15) == 0 && cols % (16 / sizeof(T)) == 0;
+  return tg_on_16_bytes(row) && cols % (16 / sizeof(T)) == 0;
 }
 
 // Merges the values v[0, n) into the running (m, s); −∞ values count for nothing, a NaN makes s
