@@ -12,7 +12,8 @@
 //!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
 //!   `src/ffi/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
 //!   GPU), `src/ffi/shim_cuda.cpp` (the allocator's history recorder; only against a libtorch
-//!   with libtorch_cuda) and `src/ffi/dist.cpp` (c10d process groups) compiled against the same
+//!   with libtorch_cuda), `src/ffi/graph.cpp` (CUDA graphs through ATen's CUDAGraph; only with
+//!   libtorch_cuda and the CUDA headers) and `src/ffi/dist.cpp` (c10d process groups) compiled against the same
 //!   libtorch.
 use std::path::PathBuf;
 
@@ -41,6 +42,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/optim_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/loss_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/shim_cuda.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/graph.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
     cc::Build::new()
@@ -66,6 +68,13 @@ fn main() {
         .warnings(false)
         .compile("trainguard_shim");
 
+    // The CUDA headers (PyPI wheels nvidia-cuda-crt/-cccl, installed by scripts/setup.sh) beside
+    // the torch wheel's NCCL headers: NCCL's process group and the CUDA graphs need them.
+    let site = torch_dir.canonicalize().unwrap_or_else(|_| torch_dir.clone());
+    let nvidia = site.parent().map(|p| p.join("nvidia")).unwrap_or_default();
+    let (cuda_inc, nccl_inc) = (nvidia.join("cu13/include"), nvidia.join("nccl/include"));
+    let cuda_headers = cuda_inc.join("crt/host_defines.h").exists() && cuda_inc.join("cuda_runtime_api.h").exists();
+
     // The allocator's history recorder and snapshot (`memory.snapshot_on_oom`) live in
     // libtorch_cuda: compiled only when it exists, so a CPU-only libtorch still builds and links.
     if lib_dir.join("libtorch_cuda.so").exists() {
@@ -81,6 +90,21 @@ fn main() {
         println!("cargo:rustc-cfg=tg_cuda_shim");
     }
     println!("cargo:rustc-check-cfg=cfg(tg_cuda_shim)");
+    // CUDA graphs (`kernels.cuda_graphs`): ATen's CUDAGraph, whose header includes CUDA's.
+    if lib_dir.join("libtorch_cuda.so").exists() && cuda_headers {
+        cc::Build::new()
+            .cpp(true)
+            .file("src/ffi/graph.cpp")
+            .include(&include)
+            .include(include.join("torch/csrc/api/include"))
+            .include(&cuda_inc)
+            .flag("-std=c++17")
+            .define("_GLIBCXX_USE_CXX11_ABI", "1")
+            .warnings(false)
+            .compile("trainguard_graph");
+        println!("cargo:rustc-cfg=tg_cuda_graphs");
+    }
+    println!("cargo:rustc-check-cfg=cfg(tg_cuda_graphs)");
 
     // c10d (process groups). ProcessGroupGloo.hpp needs gloo's headers, which the torch wheel
     // does not ship: Debian's libgloo-dev provides them (scripts/setup.sh installs it).
@@ -93,12 +117,8 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .define("USE_C10D_GLOO", None)
         .warnings(false);
-    // NCCL's process group needs the CUDA headers (PyPI wheels nvidia-cuda-crt/-cccl, installed
-    // by scripts/setup.sh) and NCCL's; without them the build has Gloo only.
-    let site = torch_dir.canonicalize().unwrap_or_else(|_| torch_dir.clone());
-    let nvidia = site.parent().map(|p| p.join("nvidia")).unwrap_or_default();
-    let (cuda_inc, nccl_inc) = (nvidia.join("cu13/include"), nvidia.join("nccl/include"));
-    if cuda_inc.join("crt/host_defines.h").exists() && cuda_inc.join("cuda_runtime_api.h").exists() && nccl_inc.join("nccl.h").exists() {
+    // NCCL's process group needs the CUDA headers and NCCL's; without them the build has Gloo only.
+    if cuda_headers && nccl_inc.join("nccl.h").exists() {
         dist.include(&cuda_inc).include(&nccl_inc).define("USE_C10D_NCCL", None).define("TG_WITH_NCCL", None);
         println!("cargo:rustc-cfg=tg_nccl");
     } else {

@@ -103,6 +103,12 @@ pub enum Event {
     Stopped { step: u64, reason: StopReason, checkpoint: Option<String> },
     /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
     RanksCompared { world_size: usize, checksum_spread: f64 },
+    /// `kernels.cuda_graphs`: this step captured its micro-steps of `micro_batch` sequences as
+    /// a CUDA graph, replayed from then on.
+    GraphCaptured { step: u64, micro_batch: usize },
+    /// `kernels.cuda_graphs`: a capture failed for a reason other than memory; the run goes on
+    /// without graphs.
+    GraphsOff { step: u64, reason: String },
     /// `metrics.trace`: the profiled steps' Chrome trace is written; where their time went.
     TraceWritten(crate::trace::TraceSummary),
     RunFinished(RunSummary),
@@ -328,6 +334,8 @@ impl Reporter {
                 LossScaleReason::Growth => tracing::info!("step {step}: loss scale raised to {scale}"),
             },
             Event::LeakSuspected { step, message } => tracing::warn!("step {step}: possible memory leak: {message}"),
+            Event::GraphCaptured { step, micro_batch } => tracing::info!("step {step}: micro-steps of {micro_batch} captured as a CUDA graph"),
+            Event::GraphsOff { step, reason } => tracing::warn!("step {step}: CUDA graphs off for the rest of the run, a capture failed: {reason}"),
             Event::ThrashDetected { step, total_retries, action, new_micro_batch } => {
                 let what = new_micro_batch.map(|m| format!("micro-batch lowered to {m} before an out-of-memory")).unwrap_or_else(|| format!("oom.on_thrash: {action}"));
                 tracing::warn!("step {step}: the CUDA allocator keeps flushing its cache to satisfy requests ({total_retries} retries so far), which slows every step; {what}");

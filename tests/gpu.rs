@@ -732,3 +732,75 @@ fn a_memory_fraction_after_the_allocator_started_is_refused() {
     let err = trainguard::memory::allocator::configure(&Default::default(), Some(0.5), true).unwrap_err();
     assert!(err.to_string().contains("already started"), "{err}");
 }
+
+/// `kernels.cuda_graphs` in a run: uneven accumulation (4 + 4 + 2) warms both lengths up in step
+/// 0 and captures them in step 1; validation after step 2 releases them and step 3 captures them
+/// again. The losses are the eager run's (both deterministic; the same kernels run, only
+/// launched as a graph), and so are the final weights.
+#[test]
+fn cuda_graphs_give_the_eager_runs_losses_and_are_captured_again_after_validation() {
+    if cuda().is_none() {
+        return;
+    }
+    let (eager, graphed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=6", "train.warmup_steps=0", "train.eval_interval=3"];
+    let a = train(eager.path(), "configs/debug.yaml", &base).ok();
+    let b = train(graphed.path(), "configs/debug.yaml", &[&base[..], &["kernels.cuda_graphs=true"]].concat()).ok();
+    eprintln!("{}", b.stderr());
+    assert!(b.events_of("graphs_off").is_empty(), "a capture failed: {:?}", b.events_of("graphs_off"));
+    let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
+    assert_eq!(captured, [(1, 4), (1, 2), (3, 4), (3, 2)]);
+    assert!(a.events_of("graph_captured").is_empty(), "nothing is captured with the switch off");
+    let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
+    eprintln!("losses eager {la:?}\nlosses graphed {lb:?}; bitwise equal: {}", la == lb);
+    for (x, y) in la.iter().zip(&lb) {
+        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+        assert!(((x - y) / x).abs() < 1e-5, "graphs changed the loss: {la:?} vs {lb:?}");
+    }
+    let diff = max_weight_diff(eager.path(), graphed.path());
+    eprintln!("max weight difference eager vs graphed: {diff}");
+    assert!(diff < 1e-4, "{diff}");
+}
+
+/// An out of memory inside a capture (a ballast tensor leaves half of what the micro-step
+/// needs) comes back as the allocator's out-of-memory error, leaves no graph and does not
+/// switch graphs off; with the ballast gone the same length is captured and its replays add
+/// what two eager runs of the batch give.
+#[test]
+fn an_out_of_memory_inside_a_capture_is_an_oom_and_the_next_capture_works() {
+    let Some(dev) = cuda() else { return };
+    use trainguard::step::graphs::MicroGraphs;
+    use trainguard::step::savers::loss_and_grads;
+    let cfg = trainguard::config::ModelConfig { n_layer: 4, n_head: 8, n_embd: 512, vocab_size: 8192, seq_len: 512, dropout: 0.0, ..Default::default() };
+    let model = trainguard::model::Model::new(&cfg, 1, dev).unwrap();
+    let x = Tensor::randint(8192, [8, 512], (Kind::Int64, dev));
+    let y = Tensor::randint(8192, [8, 512], (Kind::Int64, dev));
+    let savers = trainguard::step::Savers::default();
+    let mut graphs = MicroGraphs::new(true);
+    graphs.begin_step(&model, 8).unwrap();
+    ffi::reset_peak_stats(0).unwrap();
+    let before = ffi::device_stats(0).unwrap().allocated_current[0];
+    graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).unwrap();
+    let need = ffi::device_stats(0).unwrap().allocated_peak[0] - before;
+    ffi::empty_cache().unwrap();
+    let (free, _) = ffi::memory_info(0).unwrap();
+    let ballast = (0..16).find_map(|i| Tensor::f_empty([free as i64 - need / 2 - i * (64 << 20)], (Kind::Uint8, dev)).ok()).expect("a ballast tensor");
+    eprintln!("the micro-step needs {need} bytes; {free} were free; ballast {} bytes", ballast.numel());
+    let err = graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).expect_err("the capture should run out of memory").to_string();
+    assert!(matches!(trainguard::guard::classify(&err), trainguard::guard::ErrorKind::OutOfMemory { .. }), "{err}");
+    assert_eq!(graphs.captured(), 0);
+    assert!(graphs.take_notices().is_empty(), "an out of memory does not switch graphs off");
+    drop(ballast);
+    graphs.release();
+    graphs.begin_step(&model, 8).unwrap();
+    graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).unwrap();
+    assert_eq!(graphs.captured(), 1, "captured once the memory is there");
+    graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).unwrap();
+    let (grads, loss) = graphs.results().unwrap();
+    let (l1, g1) = loss_and_grads(&model, &x, &y, 1.0, 0, &savers).unwrap();
+    let rel = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max()).unwrap() / f64::try_from(b.abs().max()).unwrap().max(1e-30);
+    assert!(rel(&loss, &(&l1 * 2.0)) < 1e-6, "loss {loss} vs 2 × {l1}");
+    for (g, e) in grads.iter().zip(&g1) {
+        assert!(rel(g, &(e * 2.0)) < 1e-5, "a replayed gradient differs");
+    }
+}

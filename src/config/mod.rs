@@ -415,11 +415,21 @@ pub struct KernelsConfig {
     /// default until a GPU measures it (`TABLES=rope scripts/bench_kernels.sh`); on the CPU
     /// ATen's ops run either way.
     pub fused_rope: bool,
+    /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
+    /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
+    /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
+    /// when the guard changes the micro-batch; an out of memory inside a capture is one the
+    /// guard recovers from. For the plain micro-step: no dropout, no fp16 loss scaling, no
+    /// memory saver (the config refuses them together; the guard's escalations run eagerly).
+    /// The graphs keep their activations' memory between steps (a private pool, released
+    /// before validation). Off by default until a GPU measures it (`TABLES=graphs
+    /// scripts/bench_kernels.sh`); on the CPU nothing changes.
+    pub cuda_graphs: bool,
 }
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true, fused_swiglu: false, fused_rope: false }
+        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true, fused_swiglu: false, fused_rope: false, cuda_graphs: false }
     }
 }
 

@@ -19,6 +19,8 @@ extern "C" {
     fn tg_cuda_emulation_launches() -> u64;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_add_all(dst: *const *const c_void, src: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_zero_all(ts: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn tg_fused_adamw(
         params: *const *const c_void,
@@ -310,6 +312,25 @@ pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `global_norm`.
     result(unsafe { tg_scale_all(ptrs.as_ptr(), ptrs.len(), factor, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// `dst[i] += src[i]` in place for every pair (one multi-tensor launch on CUDA): gradient
+/// accumulation over micro-batches.
+pub fn add_all(dst: &[Tensor], src: &[Tensor]) -> Result<(), ShimError> {
+    assert_eq!(dst.len(), src.len(), "tensor lists differ in length");
+    let (d, s) = (handles(dst), handles(src));
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `global_norm`.
+    result(unsafe { tg_add_all(d.as_ptr(), s.as_ptr(), d.len(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Sets every one of `tensors` to zero in place (one multi-tensor launch on CUDA); unlike a
+/// scaling by 0 it also clears a NaN or an infinity.
+pub fn zero_all(tensors: &[Tensor]) -> Result<(), ShimError> {
+    let ptrs = handles(tensors);
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `global_norm`.
+    result(unsafe { tg_zero_all(ptrs.as_ptr(), ptrs.len(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
 }
 
 /// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float

@@ -3,12 +3,13 @@
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
 //! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm and RMSNorm with their residual add: [`norm`]),
 //! over `shim_cuda.cpp` (the allocator's
-//! history and snapshot), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
+//! history and snapshot), over `graph.cpp` (CUDA graphs: [`graph`]), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
 //! [`trace`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
 //! result; "no accelerator" is [`ShimError::Unavailable`], never an abort. [`torch_panics`]
 //! turns the libtorch errors tch itself raises as panics back into errors.
 pub mod dist;
+pub mod graph;
 pub mod kernels;
 pub mod loss;
 pub mod norm;

@@ -12,8 +12,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_fused_sgd.h>
 #include <ATen/ops/cat.h>
@@ -351,6 +353,23 @@ int tg_scale_all(const void* const* ts, size_t n, double factor, char* err, size
   return guarded(err, err_len, [&] {
     auto list = tensor_list(ts, n);
     at::_foreach_mul_(list, factor);
+  });
+}
+
+// dst[i] += src[i] for `n` pairs of tensors, in place, in one multi-tensor launch on CUDA.
+int tg_add_all(const void* const* dst, const void* const* src, size_t n, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto d = tensor_list(dst, n), s = tensor_list(src, n);
+    check_same_shapes("add_all", d, {&s});
+    at::_foreach_add_(d, s);
+  });
+}
+
+// Every one of `n` tensors set to zero, in place, in one multi-tensor launch on CUDA.
+int tg_zero_all(const void* const* ts, size_t n, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto list = tensor_list(ts, n);
+    at::_foreach_zero_(list);
   });
 }
 

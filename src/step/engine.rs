@@ -6,22 +6,25 @@ use super::agree;
 use super::faults::Faults;
 use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
+use super::graphs::{MicroGraphs, Notice};
 use super::savers::Savers;
 use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
 use crate::dist::Dist;
 use crate::ffi::torch_panics::catch_torch_panics;
 use crate::events::{Event, LossScaleReason, Reporter};
-use crate::guard::{Guard, GuardError, StepError};
+use crate::guard::{Guard, GuardError, Progress, StepError};
 use crate::model::Model;
 use crate::optim::{clip_grad_norm, scale_all, Optimizer, OptimizerSpec};
 use tch::{Device, TchError, Tensor};
 
 /// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
-/// what a checkpoint saves with the step's counters.
+/// what a checkpoint saves with the step's counters; beside them the micro-step graphs
+/// (`kernels.cuda_graphs`), which a checkpoint does not keep.
 pub struct Trainable {
     pub model: Model,
     pub opt: Optimizer,
     pub scaler: Option<LossScaler>,
+    pub graphs: MicroGraphs,
 }
 
 impl Trainable {
@@ -31,7 +34,8 @@ impl Trainable {
         let model = Model::with_kernels(model, kernels, seed, device)?;
         precision::prepare(&model.params.tensors, precision, device)?;
         let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
-        Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler) })
+        let graphs = MicroGraphs::new(kernels.cuda_graphs && device.is_cuda());
+        Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })
     }
 
     pub fn params(&self) -> &[Tensor] {
@@ -89,38 +93,24 @@ pub fn optimizer_step(
     faults: &mut Faults,
     reporter: &mut Reporter,
 ) -> Result<StepOutcome, GuardError> {
-    let Trainable { model, opt, scaler } = t;
+    let Trainable { model, opt, scaler, graphs } = t;
     guard.begin_step(step, reporter);
     let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
     let outcome = guard.run(step, reporter, |micro, p| {
-        let savers = settings.savers_at(p.escalation_level());
-        let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
-        // Each rank's own work is caught where it is done (a libtorch error tch raised as a
-        // panic included), so a failing rank still joins the agreement that follows.
-        let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, p));
-        drop(autocast);
-        // The injected leak allocates like the step's own work: before the ranks agree on it.
-        let local = local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
-        let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
-        // What runs between the two agreements allocates on each rank alone (the clipping's
-        // norms, above all): the second agreement lets every rank replay if one ran out.
-        let prepared = catch_torch_panics(|| -> Result<(f64, bool, bool), StepError> {
-            if scale != 1.0 {
-                scale_all(&mut grads, 1.0 / scale)?;
-            }
-            faults.corrupt(step, &mut loss, &mut grads, scaler.is_some())?;
-            let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
-            let overflow = scaler.is_some() && !grad_norm.is_finite();
-            let applied = loss.is_finite() && grad_norm.is_finite();
-            Ok((grad_norm, overflow, applied))
-        });
-        let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
-        if applied {
-            let update = catch_torch_panics(|| model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr)));
-            agree::update_done(update, dist.as_deref())?;
+        let result = attempt(model, opt, scaler.is_some(), graphs, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+        if result.is_err() {
+            // Whatever the graphs held goes back with the failed attempt's memory.
+            graphs.release();
         }
-        Ok(StepOutcome { loss, grad_norm, applied, overflow })
-    })?;
+        result
+    });
+    for notice in graphs.take_notices() {
+        reporter.emit(match notice {
+            Notice::Captured { micro_batch } => Event::GraphCaptured { step, micro_batch },
+            Notice::Off { reason } => Event::GraphsOff { step, reason },
+        });
+    }
+    let outcome = outcome?;
     if let Some(s) = scaler {
         match s.update(outcome.overflow) {
             ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow }),
@@ -129,6 +119,52 @@ pub fn optimizer_step(
         }
     }
     Ok(outcome)
+}
+
+/// One attempt of a step at micro-batch `micro`, as the guard runs it.
+#[allow(clippy::too_many_arguments)]
+fn attempt(
+    model: &Model,
+    opt: &mut Optimizer,
+    scaled: bool,
+    graphs: &mut MicroGraphs,
+    settings: &StepSettings,
+    data: &StepData,
+    step: u64,
+    lr: f64,
+    micro: usize,
+    scale: f64,
+    p: &mut Progress,
+    mut dist: Option<&mut Dist>,
+    faults: &mut Faults,
+) -> Result<StepOutcome, StepError> {
+    let savers = settings.savers_at(p.escalation_level());
+    let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+    // Each rank's own work is caught where it is done (a libtorch error tch raised as a
+    // panic included), so a failing rank still joins the agreement that follows.
+    let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p));
+    drop(autocast);
+    // The injected leak allocates like the step's own work: before the ranks agree on it.
+    let local = local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
+    let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
+    // What runs between the two agreements allocates on each rank alone (the clipping's
+    // norms, above all): the second agreement lets every rank replay if one ran out.
+    let prepared = catch_torch_panics(|| -> Result<(f64, bool, bool), StepError> {
+        if scale != 1.0 {
+            scale_all(&mut grads, 1.0 / scale)?;
+        }
+        faults.corrupt(step, &mut loss, &mut grads, scaled)?;
+        let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
+        let overflow = scaled && !grad_norm.is_finite();
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        Ok((grad_norm, overflow, applied))
+    });
+    let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
+    if applied {
+        let update = catch_torch_panics(|| model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr)));
+        agree::update_done(update, dist.as_deref())?;
+    }
+    Ok(StepOutcome { loss, grad_norm, applied, overflow })
 }
 
 /// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.

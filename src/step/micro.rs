@@ -6,7 +6,9 @@ use crate::batch;
 use crate::data::{Corpus, Sampler};
 use crate::guard::Progress;
 use crate::model::Model;
+use super::graphs::MicroGraphs;
 use super::savers::{loss_and_grads, Savers};
+use crate::ffi::kernels;
 use tch::{Device, TchError, Tensor};
 
 /// Where a rank's samples come from.
@@ -34,9 +36,16 @@ impl StepData<'_> {
 }
 
 /// Gradients of the mean loss over this rank's batch of step `step` multiplied by `scale` (fp16
-/// loss scaling; 1 otherwise), computed in micro-batches of `micro`, and that loss (unscaled). Each micro-batch's loss is weighted by its share of the tokens,
-/// so the result does not depend on the split.
-pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
+/// loss scaling; 1 otherwise), computed in micro-batches of `micro`, and that loss (unscaled).
+/// Each micro-batch's loss is weighted by its share of the tokens, so the result does not depend
+/// on the split. Where `graphs` apply, the micro-steps add into their accumulators (and replay
+/// as CUDA graphs once captured).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, graphs: &mut MicroGraphs, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
+    let graphed = graphs.applies(savers, scale);
+    if graphed {
+        graphs.begin_step(model, micro)?;
+    }
     let mut grads: Vec<Tensor> = Vec::new();
     let mut loss_sum: Option<Tensor> = None;
     for r in batch::split(data.rank_batch, micro) {
@@ -45,19 +54,25 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         // Dropout masks are a function of (seed, step, first sample): replays draw the same.
         let seed = crate::data::mix(&[data.sampler.seed, step, indices.start as u64]);
         let (x, y) = data.sampler.train_batch(data.corpus, step, indices, data.device)?;
+        if graphed {
+            graphs.micro_step(model, &x, &y, weight * scale, seed, savers)?;
+            progress.micro_step_done();
+            continue;
+        }
         let (loss, micro_grads) = loss_and_grads(model, &x, &y, weight * scale, seed, savers)?;
         if grads.is_empty() {
             grads = micro_grads;
         } else {
-            for (g, m) in grads.iter_mut().zip(&micro_grads) {
-                let _ = g.f_add_(m)?;
-            }
+            kernels::add_all(&grads, &micro_grads)?;
         }
         loss_sum = Some(match loss_sum {
             None => loss,
             Some(s) => s.f_add(&loss)?,
         });
         progress.micro_step_done();
+    }
+    if graphed {
+        (grads, loss_sum) = graphs.results().map(|(g, l)| (g, Some(l))).unwrap_or_default();
     }
     // One host sync per step, after all micro-steps were queued.
     let loss = loss_sum.map(|l| l.f_double_value(&[])).transpose()?.map_or(f64::NAN, |l| l / scale);
@@ -96,9 +111,10 @@ mod tests {
         let (model, corpus) = setup();
         let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 10);
         let plain = Savers::default();
-        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &plain, 1.0, &mut Progress::default()).unwrap();
+        let off = &mut MicroGraphs::new(false);
+        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &plain, 1.0, off, &mut Progress::default()).unwrap();
         for micro in [3, 4, 7] {
-            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &plain, 1.0, &mut Progress::default()).unwrap();
+            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &plain, 1.0, off, &mut Progress::default()).unwrap();
             assert!((loss_whole - loss_split).abs() < 1e-5, "micro {micro}: loss {loss_whole} vs {loss_split}");
             for (a, b) in whole.iter().zip(&split) {
                 let diff = (a - b).abs().max().double_value(&[]);
@@ -106,6 +122,35 @@ mod tests {
             }
         }
         assert!(model.params.tensors.iter().all(|p| !p.grad().defined()), "nothing is left in .grad");
+    }
+
+    /// `kernels.cuda_graphs`' accumulators (what the graphs add into; on the CPU every
+    /// micro-step runs eagerly into them) give the usual step's loss and gradients to the bit,
+    /// step after step (zeroed in between), across a change of micro-batch, and after a release.
+    #[test]
+    fn the_graphs_accumulators_give_the_usual_steps_result() {
+        let (model, corpus) = setup();
+        let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 10);
+        let plain = Savers::default();
+        let (usual, graphed) = (&mut MicroGraphs::new(false), &mut MicroGraphs::new(true));
+        for (step, micro) in [(4, 3), (5, 3), (6, 4), (7, 4)] {
+            if step == 7 {
+                graphed.release();
+            }
+            let (want, want_loss) = forward_backward(&model, &data, step, micro, &plain, 1.0, usual, &mut Progress::default()).unwrap();
+            let (got, got_loss) = forward_backward(&model, &data, step, micro, &plain, 1.0, graphed, &mut Progress::default()).unwrap();
+            assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "step {step}: loss");
+            assert_eq!(got.len(), want.len());
+            for (a, b) in got.iter().zip(&want) {
+                assert!(a.equal(b), "step {step}: a gradient differs");
+            }
+            assert_eq!(graphed.captured(), 0, "nothing is captured on the CPU");
+        }
+        // With a memory saver the step runs as usual, outside the accumulators.
+        let chunked = Savers { loss_chunk_tokens: Some(16), ..plain };
+        let (a, _) = forward_backward(&model, &data, 8, 5, &chunked, 1.0, graphed, &mut Progress::default()).unwrap();
+        let (held, _) = graphed.results().unwrap();
+        assert!(!a[0].equal(&held[0]), "a saver's step did not go through the accumulators");
     }
 
     #[test]

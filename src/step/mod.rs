@@ -7,6 +7,7 @@
 mod agree;
 mod engine;
 mod faults;
+pub mod graphs;
 mod micro;
 pub mod precision;
 pub mod savers;

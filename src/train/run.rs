@@ -249,6 +249,9 @@ impl<'a> Run<'a> {
         let step_time = step_started.elapsed().as_secs_f64();
         let mut new_best = false;
         let val_loss = if plan.evaluates_after(step + 1) {
+            // Validation's activations would sit beside the graphs' pool: the next step
+            // captures them again.
+            self.state.trainable.graphs.release();
             let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &plan.step, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
             let best = &mut self.state.progress.best_val;
             if best.is_none_or(|(b, _)| v < b) {

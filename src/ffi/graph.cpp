@@ -1,0 +1,133 @@
+// CUDA graphs through ATen's CUDAGraph (`kernels.cuda_graphs`): the Rust side captures one
+// micro-step's forward and backward between tg_graph_capture_begin and tg_graph_capture_end, then
+// replays it with one launch. Compiled by build.rs only against a libtorch with libtorch_cuda and
+// with the CUDA headers present (the wheels scripts/setup.sh installs); without them the Rust side
+// answers "unavailable". Same conventions as shim.cpp: no exception crosses into Rust.
+//
+// What a capture needs, as torch.cuda.graph does it: a side stream (the legacy default stream
+// cannot capture), the device synchronised and the allocator's cache emptied first (a warm-up's
+// cached blocks would otherwise stay reserved beside the graph's private pool), and autocast's
+// cast cache off while capturing (a cached cast made inside the capture would be read later by
+// code outside the graph; PyTorch's make_graphed_callables asks for cache_enabled=False).
+#include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/core/Event.h>
+#include <dlfcn.h>
+
+#include <optional>
+#include <stdexcept>
+
+#include "guarded.h"
+
+namespace {
+struct Graph {
+  at::cuda::CUDAGraph graph;
+  // While capturing: the stream to go back to, and autocast's cache setting to restore.
+  std::optional<c10::cuda::CUDAStream> prior;
+  bool autocast_cache = true;
+  bool capturing = false;
+
+  // Back to the stream the caller had, which then waits for the side stream's (captured) work.
+  void leave_capture() {
+    if (!capturing) return;
+    capturing = false;
+    const c10::cuda::CUDAStream side = c10::cuda::getCurrentCUDAStream(prior->device_index());
+    c10::cuda::setCurrentCUDAStream(*prior);
+    at::autocast::set_autocast_cache_enabled(autocast_cache);
+    // Nothing captured ran; the wait orders whatever the side stream ran before the capture.
+    c10::Event done(c10::DeviceType::CUDA);
+    done.record(side);
+    done.block(*prior);
+  }
+};
+
+// Clears the CUDA runtime's last error, which a failed capture leaves for the next kernel launch
+// check to report as its own. Looked up in the runtime torch loaded (our link has no -lcudart).
+void clear_cuda_error() {
+  using GetLastError = int (*)();
+  static const auto get = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
+  if (get != nullptr) (void)get();
+}
+
+Graph* graph_of(void* g) {
+  if (g == nullptr) throw std::invalid_argument("CUDA graph: null handle");
+  return static_cast<Graph*>(g);
+}
+}  // namespace
+
+extern "C" {
+
+// A new graph, capturing from now on: the device synchronised, the allocator's cache emptied,
+// a side stream from PyTorch's pool made current, autocast's cast cache off. `share` (null: none)
+// is a graph whose private memory pool this capture uses too (graphs replayed one after the other
+// on one stream, never at once). Every CUDA op the thread queues until tg_graph_capture_end is
+// recorded, not run.
+int tg_graph_capture_begin(int device, void* share, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto index = static_cast<c10::DeviceIndex>(device);
+    c10::cuda::set_device(index);
+    c10::cuda::device_synchronize();
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    auto g = std::make_unique<Graph>();
+    const c10::cuda::MempoolId_t pool = share != nullptr ? graph_of(share)->graph.pool() : c10::cuda::MempoolId_t{0, 0};
+    g->prior = c10::cuda::getCurrentCUDAStream(index);
+    g->autocast_cache = at::autocast::is_autocast_cache_enabled();
+    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, index));
+    at::autocast::set_autocast_cache_enabled(false);
+    g->capturing = true;
+    try {
+      g->graph.capture_begin(pool);
+    } catch (...) {
+      g->leave_capture();
+      throw;
+    }
+    *out = g.release();
+  });
+}
+
+// Ends the capture and instantiates the graph; the caller's stream is current again. On failure
+// (an op that cannot be captured, a capture invalidated) the graph is unusable: free it.
+int tg_graph_capture_end(void* g, char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] {
+    Graph* graph = graph_of(g);
+    if (!graph->capturing) throw std::logic_error("CUDA graph: not capturing");
+    try {
+      graph->graph.capture_end();
+    } catch (...) {
+      graph->leave_capture();
+      clear_cuda_error();
+      throw;
+    }
+    graph->leave_capture();
+  });
+}
+
+// Launches the graph on the current stream.
+int tg_graph_replay(void* g, char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] { graph_of(g)->graph.replay(); });
+}
+
+// Frees the graph (and, with the last graph sharing it, its private pool). A capture still open
+// (the code being captured failed) is ended first and its error cleared.
+void tg_graph_free(void* g) {
+  if (g == nullptr) return;
+  Graph* graph = static_cast<Graph*>(g);
+  if (graph->capturing) {
+    try {
+      graph->graph.capture_end();
+    } catch (...) {
+    }
+    graph->leave_capture();
+    clear_cuda_error();
+  }
+  try {
+    delete graph;
+  } catch (...) {
+  }
+}
+
+}  // extern "C"
