@@ -7,7 +7,8 @@
 //! - `src/ffi/shim.cpp` (allocator, versions, deterministic mode), `src/ffi/optim_kernels.cpp`
 //!   (ATen's fused AdamW / SGD and multi-tensor norm, our fused CPU 8-bit AdamW and Adafactor),
 //!   `src/ffi/loss_kernels.cpp` (the fused cross-entropy's autograd node), `src/ffi/norm_kernels.cpp`
-//!   (the residual norm's), `src/ffi/llama_kernels.cpp` (SwiGLU's), `src/ffi/trace.cpp`
+//!   (the residual norm's), `src/ffi/llama_kernels.cpp` (SwiGLU's and RoPE's),
+//!   `src/ffi/linear_kernels.cpp` (the linear layer's), `src/ffi/trace.cpp`
 //!   (PyTorch's profiler, `metrics.trace`), `src/ffi/cuda_jit.cpp`
 //!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
 //!   `src/ffi/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
@@ -35,6 +36,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/norm_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/llama_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/llama_kernels.cu");
+    println!("cargo:rerun-if-changed=src/ffi/linear_kernels.cpp");
+    println!("cargo:rerun-if-changed=src/ffi/linear_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
@@ -53,6 +56,7 @@ fn main() {
         .file("src/ffi/trace.cpp")
         .file("src/ffi/norm_kernels.cpp")
         .file("src/ffi/llama_kernels.cpp")
+        .file("src/ffi/linear_kernels.cpp")
         .file("src/ffi/cuda_jit.cpp")
         .file("src/ffi/cuda_emulation.cpp")
         .include(&include)

@@ -13,14 +13,16 @@
 # 5. (swiglu) smollm2-135m bf16-mixed (micro 8, seq 2048) with ATen's silu and multiply and with
 #    our SwiGLU node (`kernels.fused_swiglu`);
 # 6. (rope) the same with ATen's RoPE ops and with our RoPE node (`kernels.fused_rope`);
-# 7. (graphs) gpt2-124m bf16-mixed (micro 16, global 64) and smollm2-135m (micro 8, seq 2048)
+# 7. (linear) gpt2-124m bf16-mixed (micro 16, global 64) and smollm2-135m (micro 8) with autocast's
+#    linear and with our linear node (`kernels.fused_linear`: fp32 weight and bias gradients);
+# 8. (graphs) gpt2-124m bf16-mixed (micro 16, global 64) and smollm2-135m (micro 8, seq 2048)
 #    with each micro-step's kernels launched one by one and replayed as a CUDA graph
 #    (`kernels.cuda_graphs`); smollm2 also with the SwiGLU and RoPE nodes beside the graphs.
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms swiglu rope graphs`, in that order by default: all)
+#   `rms optim loss norms swiglu rope linear graphs`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -57,6 +59,14 @@ table() {  # NAME: one table, then a blank line
     rope) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
       "ATen's RoPE ops|kernels.fused_rope=false" \
       "RoPE node|kernels.fused_rope=true" ;;
+    linear)
+      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
+        "autocast's linear|kernels.fused_linear=false" \
+        "linear node|kernels.fused_linear=true"
+      echo
+      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
+        "autocast's linear|kernels.fused_linear=false" \
+        "linear node|kernels.fused_linear=true" ;;
     graphs)
       bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
         "kernels launched one by one|kernels.cuda_graphs=false" \
@@ -66,10 +76,10 @@ table() {  # NAME: one table, then a blank line
         "kernels launched one by one|kernels.cuda_graphs=false" \
         "CUDA graphs|kernels.cuda_graphs=true" \
         "CUDA graphs, SwiGLU and RoPE nodes|kernels.cuda_graphs=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms swiglu rope graphs)" >&2; exit 2 ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms swiglu rope graphs}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs}; do table "$t"; done

@@ -669,6 +669,33 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
 }
 
+/// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with
+/// our linear node give the plain model's loss and gradients under bf16 autocast (fp32 weight
+/// gradients straight out of cuBLAS, bias gradients from our column sums), and in fp32, where
+/// the node is not used; twice the same bits. Then the column sums alone against fp64 sums.
+#[test]
+fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
+    use trainguard::config::{Arch, KernelsConfig};
+    let Some(dev) = cuda() else { return };
+    let plain = KernelsConfig::default();
+    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig { fused_linear: true, ..plain }, plain);
+    for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 70)] {
+        let dy = Tensor::randn([rows, cols], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+        let x = Tensor::ones([rows, 1], (Kind::BFloat16, dev));
+        let w = Tensor::zeros([cols, 1], (Kind::Float, dev)).set_requires_grad(true);
+        let b = Tensor::zeros([cols], (Kind::Float, dev)).set_requires_grad(true);
+        ffi::set_autocast(true, true, false).unwrap();
+        let y = ffi::linear::linear(&x, &w, Some(&b)).unwrap();
+        ffi::set_autocast(true, false, false).unwrap();
+        let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)], &[&b], false, false);
+        let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
+        let rel = f64::try_from((g[0].to_kind(Kind::Double) - &want).abs().max() / want.abs().max()).unwrap();
+        eprintln!("column sums {rows} x {cols}: {rel:.2e} from the fp64 sums");
+        assert_eq!(g[0].kind(), Kind::Float);
+        assert!(rel < 1e-5, "{rows} x {cols}: {rel:e}");
+    }
+}
+
 fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arch], on: trainguard::config::KernelsConfig, off: trainguard::config::KernelsConfig) {
     use trainguard::config::{Arch, ModelConfig, Precision};
     use trainguard::model::Model;

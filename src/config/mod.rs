@@ -415,6 +415,16 @@ pub struct KernelsConfig {
     /// default until a GPU measures it (`TABLES=rope scripts/bench_kernels.sh`); on the CPU
     /// ATen's ops run either way.
     pub fused_rope: bool,
+    /// The linear layers and the LM head on CUDA under bf16 or fp16 autocast as one autograd
+    /// node of our own (`ffi::linear`): the same GEMMs forward, but backward the weight's
+    /// gradient comes out of the GEMM in fp32 (cuBLAS, 16-bit in, fp32 out) and the bias's from
+    /// our column-sum kernels in fp32, where autocast's linear writes both in 16 bits and its
+    /// casts' backward returns them to fp32 (a pass and a kernel per parameter per micro-step),
+    /// and ATen's general reduction takes the bias's column sums (7 ms of a 152 ms gpt2-124m
+    /// step on an H200). The LM head's padding-mask gradient is not computed. Off by default
+    /// until a GPU measures it (`TABLES=linear scripts/bench_kernels.sh`); on the CPU ATen's
+    /// linear runs either way.
+    pub fused_linear: bool,
     /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
     /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
     /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
@@ -429,7 +439,7 @@ pub struct KernelsConfig {
 
 impl Default for KernelsConfig {
     fn default() -> Self {
-        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true, fused_swiglu: false, fused_rope: false, cuda_graphs: false }
+        Self { fused_rms_norm: true, cuda_optimizers: true, fused_cross_entropy: true, fused_residual_norm: true, fused_swiglu: false, fused_rope: false, fused_linear: false, cuda_graphs: false }
     }
 }
 

@@ -1,4 +1,4 @@
-// Our CUDA kernels (optim_kernels.cu, loss_kernels.cu, norm_kernels.cu, llama_kernels.cu) compiled for the host, so that a machine
+// Our CUDA kernels (optim_kernels.cu, loss_kernels.cu, norm_kernels.cu, llama_kernels.cu, linear_kernels.cu) compiled for the host, so that a machine
 // without a GPU — CI — runs their own source and checks it against the CPU kernels. Never used
 // in training: only while a test has switched it on (tg_cuda_emulation_set, in cuda_jit.cpp),
 // when launches on CPU tensors come here instead of to the driver.
@@ -152,6 +152,7 @@ struct alignas(16) uint4 {
 #include "loss_kernels.cu"
 #include "norm_kernels.cu"
 #include "llama_kernels.cu"
+#include "linear_kernels.cu"
 #undef threadIdx
 #undef blockIdx
 #undef __shared__
@@ -180,9 +181,10 @@ struct Kernel {
   TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s),                      \
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
       TG_EMULATED(tg_swiglu_forward_##s), TG_EMULATED(tg_swiglu_backward_##s), TG_EMULATED(tg_rope_##s),               \
+      TG_EMULATED(tg_col_sum_bands_##s),                                                                                \
       TG_EMULATED(tg_adafactor_rows_##s), TG_EMULATED(tg_adafactor_cols_##s), TG_EMULATED(tg_adafactor_col_var_##s),   \
       TG_EMULATED(tg_adafactor_scale_##s), TG_EMULATED(tg_adafactor_usq_##s), TG_EMULATED(tg_adafactor_apply_##s)
-const Kernel kKernels[] = {TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_param_sum), TG_EMULATED_DTYPE(f32), TG_EMULATED_DTYPE(bf16), TG_EMULATED_DTYPE(f16)};
+const Kernel kKernels[] = {TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_param_sum), TG_EMULATED(tg_col_sum_finish), TG_EMULATED_DTYPE(f32), TG_EMULATED_DTYPE(bf16), TG_EMULATED_DTYPE(f16)};
 
 std::mutex launch_lock;  // one emulated launch at a time: shared memory and `running` are global
 thread_local unsigned long long launches = 0;  // emulated launches made on this thread

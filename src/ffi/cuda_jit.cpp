@@ -192,13 +192,17 @@ std::string compile(const char* src, int major, int minor) {
   return cubin;
 }
 
-// The kernels optim_kernels.cu, loss_kernels.cu, norm_kernels.cu and llama_kernels.cu define:
-// 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's three, SwiGLU's two and RoPE's
-// per dtype, Adafactor's stages per dtype, plus the dtype-free Adafactor coefficient and LayerNorm parameter-gradient sum. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
+// The kernels optim_kernels.cu, loss_kernels.cu, norm_kernels.cu, llama_kernels.cu and
+// linear_kernels.cu define: 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's
+// three, SwiGLU's two, RoPE's and the column sums' bands per dtype, Adafactor's stages per dtype,
+// plus the dtype-free Adafactor coefficient, LayerNorm parameter-gradient sum and column sums'
+// finish. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
 // Rows per band of LayerNorm's weight and bias gradients (a band's sums stay short; the bands'
 // sums, a few [2·c] rows, are added in order).
 constexpr long long kLayerNormBandRows = 256;
+// Rows per band of a bias gradient's column sums (same reasoning).
+constexpr long long kColumnSumBandRows = 256;
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
 constexpr int kDtypeCount = 3;
@@ -217,6 +221,7 @@ struct DtypeKernels {
   void* swiglu_forward = nullptr;
   void* swiglu_backward = nullptr;
   void* rope = nullptr;
+  void* col_sum_bands = nullptr;
 };
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -225,6 +230,7 @@ struct Loaded {
   DtypeKernels per_dtype[kDtypeCount];
   void* adafactor_coef = nullptr;
   void* ln_param_sum = nullptr;
+  void* col_sum_finish = nullptr;
 };
 
 std::mutex loaded_lock;
@@ -284,6 +290,7 @@ template <class Get>
 void look_up(Loaded& k, Get get) {
   get(&k.adafactor_coef, "tg_adafactor_coef");
   get(&k.ln_param_sum, "tg_ln_param_sum");
+  get(&k.col_sum_finish, "tg_col_sum_finish");
   for (int d = 0; d < kDtypeCount; ++d) {
     get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
@@ -294,6 +301,7 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].swiglu_forward, std::string("tg_swiglu_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].swiglu_backward, std::string("tg_swiglu_backward_") + kDtypes[d]);
     get(&k.per_dtype[d].rope, std::string("tg_rope_") + kDtypes[d]);
+    get(&k.per_dtype[d].col_sum_bands, std::string("tg_col_sum_bands_") + kDtypes[d]);
     for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
   }
 }
@@ -520,6 +528,27 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   void* args[] = {&xp, &cp, &sp, &op, &rows, &t, &heads, &d, &backward_flag};
   const Launcher launch(x.device());
   launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (pairs + 255) / 256, 1, args);
+}
+
+void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
+  long long rows = dy.size(0), cols = dy.size(1);
+  if (cols == 0) return;
+  if (rows == 0) {
+    out.zero_();
+    return;
+  }
+  const int d = dtype_index(dy.scalar_type(), "column_sum");
+  long long band_rows = kColumnSumBandRows;
+  long long bands = (rows + band_rows - 1) / band_rows;
+  at::Tensor partial = at::empty({bands, cols}, dy.options().dtype(at::kFloat));
+  const void* dyp = dy.data_ptr();
+  void* pp = partial.data_ptr();
+  void* args[] = {&dyp, &pp, &rows, &cols, &band_rows};
+  const Launcher launch(dy.device());
+  launch(launch.kernels().per_dtype[d].col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, args);
+  void* op = out.data_ptr();
+  void* finish_args[] = {&pp, &op, &bands, &cols};
+  launch(launch.kernels().col_sum_finish, "cuLaunchKernel(tg_col_sum_finish)", (cols + 255) / 256, 1, finish_args);
 }
 }  // namespace trainguard
 

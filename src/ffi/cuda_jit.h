@@ -60,4 +60,9 @@ void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::T
 // [b, t, heads·d] contiguous, `cos` and `sin` [≥ t, d] fp32; writes x rotated (or, `backward`,
 // rotated back: the gradient's rotation) into `out`. One launch, a thread per pair of values.
 void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward);
+
+// The column sums of `dy` [rows, cols] (contiguous; fp32, bf16 or fp16) into `out` [cols] fp32
+// (linear_kernels.cpp: a bias's gradient). Two launches (bands of rows, then the bands in
+// order) on PyTorch's current stream.
+void cuda_column_sum(const at::Tensor& dy, at::Tensor& out);
 }  // namespace trainguard

@@ -187,10 +187,10 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
 /// quantisation block, and Adafactor's unit of anything but a matrix (whose unit is a row).
 pub const CUDA_BLOCK_VALUES: i64 = 2048;
 
-/// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, `norm_kernels.cu` and
-/// `llama_kernels.cu`, which use its dtype loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
+/// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, `norm_kernels.cu`,
+/// `llama_kernels.cu` and `linear_kernels.cu`, which use its dtype loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
 /// (`cuda_jit.cpp`): the build needs no CUDA toolkit.
-const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), include_str!("norm_kernels.cu"), include_str!("llama_kernels.cu"), "\0");
+const CUDA_SOURCE: &str = concat!(include_str!("optim_kernels.cu"), include_str!("loss_kernels.cu"), include_str!("norm_kernels.cu"), include_str!("llama_kernels.cu"), include_str!("linear_kernels.cu"), "\0");
 
 /// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
 /// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),

@@ -1,7 +1,8 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
 //! allocator settings, deterministic mode, autocast, versions), over `optim_kernels.cpp` (the
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
-//! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm and RMSNorm with their residual add: [`norm`]),
+//! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm and RMSNorm with their residual add: [`norm`]), over
+//! `linear_kernels.cpp` (the linear layer with fp32 parameter gradients: [`linear`]),
 //! over `shim_cuda.cpp` (the allocator's
 //! history and snapshot), over `graph.cpp` (CUDA graphs: [`graph`]), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
 //! [`trace`]) and over the few OS calls trainguard
@@ -11,6 +12,7 @@
 pub mod dist;
 pub mod graph;
 pub mod kernels;
+pub mod linear;
 pub mod loss;
 pub mod norm;
 pub mod os;

@@ -2,11 +2,11 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
-use super::layers::{causal_attention, param, split_heads, LayerNorm, Linear};
+use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear};
 use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
-use super::Decoder;
+use super::{Decoder, OurNodes};
 use crate::config::ModelConfig;
 use tch::{Kind, TchError, Tensor};
 
@@ -81,22 +81,25 @@ pub struct Gpt2 {
     wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
+    /// The LM head through our linear node (`kernels.fused_linear`).
+    our_head: bool,
 }
 
 impl Gpt2 {
-    /// `our_norms`: the LayerNorms through our residual-norm node (`kernels.fused_residual_norm`).
-    pub fn new(cfg: &ModelConfig, params: &Params, our_norms: bool) -> Result<Self, TchError> {
-        let bias = cfg.bias;
+    /// `ours`: the LayerNorms through our residual-norm node, the linear layers through ours.
+    pub fn new(cfg: &ModelConfig, params: &Params, ours: OurNodes) -> Result<Self, TchError> {
+        let (bias, our_norms) = (cfg.bias, ours.norms);
+        let lin = |name: &str| Linear::load(params, name, bias, ours.linear);
         let blocks = (0..cfg.n_layer)
             .map(|i| {
                 let n = |s: &str| format!("h.{i}.{s}");
                 Ok(Block {
                     ln_1: LayerNorm::load(params, &n("ln_1"), bias, our_norms)?,
-                    attn: Linear::load(params, &n("attn.c_attn"), bias)?,
-                    attn_proj: Linear::load(params, &n("attn.c_proj"), bias)?,
+                    attn: lin(&n("attn.c_attn"))?,
+                    attn_proj: lin(&n("attn.c_proj"))?,
                     ln_2: LayerNorm::load(params, &n("ln_2"), bias, our_norms)?,
-                    fc: Linear::load(params, &n("mlp.c_fc"), bias)?,
-                    mlp_proj: Linear::load(params, &n("mlp.c_proj"), bias)?,
+                    fc: lin(&n("mlp.c_fc"))?,
+                    mlp_proj: lin(&n("mlp.c_proj"))?,
                 })
             })
             .collect::<Result<_, TchError>>()?;
@@ -106,6 +109,7 @@ impl Gpt2 {
             wpe: param(params, "wpe.weight")?,
             blocks,
             ln_f: LayerNorm::load(params, "ln_f", bias, our_norms)?,
+            our_head: ours.linear,
         })
     }
 }
@@ -135,7 +139,7 @@ impl Decoder for Gpt2 {
     }
 
     fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
-        self.ln_f.forward(x)?.f_linear(&self.wte, mask)
+        linear(&self.ln_f.forward(x)?, &self.wte, mask, self.our_head)
     }
 
     fn n_blocks(&self) -> usize {

@@ -13,17 +13,34 @@ pub fn param(params: &Params, name: &str) -> Result<Tensor, TchError> {
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
+    /// Through our linear node (`kernels.fused_linear`, where our CUDA kernels run).
+    pub ours: bool,
 }
 
 impl Linear {
     /// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
-    pub fn load(params: &Params, prefix: &str, bias: bool) -> Result<Self, TchError> {
-        let bias = if bias { Some(param(params, &format!("{prefix}.bias"))?) } else { None };
-        Ok(Self { weight: param(params, &format!("{prefix}.weight"))?, bias })
+    pub fn load(params: &Params, prefix: &str, bias: bool, ours: bool) -> Result<Self, TchError> {
+        let (weight, bias) = weight_and_bias(params, prefix, bias)?;
+        Ok(Self { weight, bias, ours })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        x.f_linear(&self.weight, self.bias.as_ref())
+        linear(x, &self.weight, self.bias.as_ref(), self.ours)
+    }
+}
+
+/// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
+fn weight_and_bias(params: &Params, prefix: &str, bias: bool) -> Result<(Tensor, Option<Tensor>), TchError> {
+    let bias = if bias { Some(param(params, &format!("{prefix}.bias"))?) } else { None };
+    Ok((param(params, &format!("{prefix}.weight"))?, bias))
+}
+
+/// `x` · `weight`ᵀ + `bias`: through our linear node when `ours` (it is ATen's linear where the
+/// node does not apply: no 16-bit autocast), else ATen's linear.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ours: bool) -> Result<Tensor, TchError> {
+    match ours {
+        true => Ok(crate::ffi::linear::linear(x, weight, bias)?),
+        false => x.f_linear(weight, bias),
     }
 }
 
@@ -40,7 +57,7 @@ impl LayerNorm {
     const EPS: f64 = 1e-5;
 
     pub fn load(params: &Params, prefix: &str, bias: bool, ours: bool) -> Result<Self, TchError> {
-        let Linear { weight, bias } = Linear::load(params, prefix, bias)?;
+        let (weight, bias) = weight_and_bias(params, prefix, bias)?;
         Ok(Self { weight, bias, ours })
     }
 

@@ -5,7 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, param, split_heads, swiglu, Linear, RmsNorm, Rope};
+use super::layers::{causal_attention, linear, param, split_heads, swiglu, Linear, RmsNorm, Rope};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -104,6 +104,8 @@ pub struct Llama {
     rope: Rope,
     /// SwiGLU through our node (`kernels.fused_swiglu`).
     our_swiglu: bool,
+    /// The LM head through our linear node (`kernels.fused_linear`).
+    our_head: bool,
 }
 
 impl Llama {
@@ -112,19 +114,20 @@ impl Llama {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
         let fused = kernels.fused_rms_norm && device.is_cuda();
         let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours: ours.norms }) };
+        let lin = |name: &str| Linear::load(params, name, bias, ours.linear);
         let layers = (0..cfg.n_layer)
             .map(|i| {
                 let p = |s: &str| format!("model.layers.{i}.{s}");
                 Ok(Layer {
                     input_norm: norm(&p("input_layernorm.weight"))?,
-                    q: Linear::load(params, &p("self_attn.q_proj"), bias)?,
-                    k: Linear::load(params, &p("self_attn.k_proj"), bias)?,
-                    v: Linear::load(params, &p("self_attn.v_proj"), bias)?,
-                    o: Linear::load(params, &p("self_attn.o_proj"), bias)?,
+                    q: lin(&p("self_attn.q_proj"))?,
+                    k: lin(&p("self_attn.k_proj"))?,
+                    v: lin(&p("self_attn.v_proj"))?,
+                    o: lin(&p("self_attn.o_proj"))?,
                     post_norm: norm(&p("post_attention_layernorm.weight"))?,
-                    gate: Linear::load(params, &p("mlp.gate_proj"), bias)?,
-                    up: Linear::load(params, &p("mlp.up_proj"), bias)?,
-                    down: Linear::load(params, &p("mlp.down_proj"), bias)?,
+                    gate: lin(&p("mlp.gate_proj"))?,
+                    up: lin(&p("mlp.up_proj"))?,
+                    down: lin(&p("mlp.down_proj"))?,
                 })
             })
             .collect::<Result<_, TchError>>()?;
@@ -139,6 +142,7 @@ impl Llama {
             lm_head,
             rope: Rope::new(cfg.head_dim() as i64, cfg.seq_len as i64, cfg.rope_theta, device, ours.rope)?,
             our_swiglu: ours.swiglu,
+            our_head: ours.linear,
         })
     }
 }
@@ -161,7 +165,7 @@ impl Decoder for Llama {
     }
 
     fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
-        self.norm.forward(x)?.f_linear(&self.lm_head, mask)
+        linear(&self.norm.forward(x)?, &self.lm_head, mask, self.our_head)
     }
 
     fn n_blocks(&self) -> usize {

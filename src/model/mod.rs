@@ -62,6 +62,8 @@ pub struct OurNodes {
     pub swiglu: bool,
     /// RoPE's rotation of q and k (`kernels.fused_rope`).
     pub rope: bool,
+    /// The linear layers and the LM head (`kernels.fused_linear`).
+    pub linear: bool,
 }
 
 pub struct Model {
@@ -100,9 +102,14 @@ impl Model {
         }
         // Our nodes where their kernels run (CUDA, or the host emulation in tests).
         let runs = crate::ffi::kernels::runs_cuda_kernels(device);
-        let ours = OurNodes { norms: kernels.fused_residual_norm && runs, swiglu: kernels.fused_swiglu && runs, rope: kernels.fused_rope && runs };
+        let ours = OurNodes {
+            norms: kernels.fused_residual_norm && runs,
+            swiglu: kernels.fused_swiglu && runs,
+            rope: kernels.fused_rope && runs,
+            linear: kernels.fused_linear && runs,
+        };
         let net: Box<dyn Decoder> = match cfg.arch {
-            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, ours.norms)?),
+            Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, ours)?),
             Arch::Llama => Box::new(llama::Llama::new(cfg, kernels, &params, device, ours)?),
         };
         let groups = ParamGroups::of(&specs, cfg.n_layer);
@@ -122,6 +129,7 @@ impl Model {
             (kernels.fused_residual_norm, "the residual norm's CUDA kernels (kernels.fused_residual_norm)"),
             (kernels.fused_swiglu, "SwiGLU's CUDA kernels (kernels.fused_swiglu)"),
             (kernels.fused_rope, "RoPE's CUDA kernels (kernels.fused_rope)"),
+            (kernels.fused_linear, "the linear node's CUDA kernels (kernels.fused_linear)"),
         ];
         if let Some((_, switch)) = switches.iter().find(|(on, _)| *on) {
             crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
@@ -443,7 +451,7 @@ mod padding_tests {
 #[cfg(test)]
 mod node_tests {
     //! Our autograd nodes on model shapes (`kernels.fused_residual_norm`, `kernels.fused_swiglu`,
-    //! `kernels.fused_rope`), with their CUDA kernels (the source emulated on the host: `ffi::kernels::CudaEmulation`).
+    //! `kernels.fused_rope`, `kernels.fused_linear`), with their CUDA kernels (the source emulated on the host: `ffi::kernels::CudaEmulation`).
     use super::Model;
     use crate::config::{Arch, Checkpointing, KernelsConfig, ModelConfig};
     use crate::ffi::kernels::CudaEmulation;
@@ -460,9 +468,9 @@ mod node_tests {
 
     /// The model `c` built with `on` gives the loss and gradients of the one built with `off`
     /// (the same less the node under test), in fp32 and under bf16 autocast, with
-    /// blocks recomputed (checkpointing) too; `launches(recomputed)` is how many kernel launches
-    /// a forward and backward make (every node ran the kernels).
-    fn gives_the_plain_models_loss_and_gradients(c: &ModelConfig, on: KernelsConfig, off: KernelsConfig, launches: impl Fn(bool) -> u64) {
+    /// blocks recomputed (checkpointing) too; `launches(bf16, recomputed)` is how many kernel
+    /// launches a forward and backward make (every node ran the kernels).
+    fn gives_the_plain_models_loss_and_gradients(c: &ModelConfig, on: KernelsConfig, off: KernelsConfig, launches: impl Fn(bool, bool) -> u64) {
         let x = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(32).view([4, 8]);
         let y = (x.shallow_clone() * 5 + 1).remainder(32);
         let plain = Model::with_kernels(c, off, 3, Device::Cpu).unwrap();
@@ -482,7 +490,7 @@ mod node_tests {
             let ((lb, gb), _) = run(&plain, false);
             let ((la, ga), launched) = run(&ours, true);
             let recomputed = !matches!(checkpointing, Checkpointing::None);
-            assert_eq!(launched, Some(launches(recomputed)), "{what}: every node ran the kernels");
+            assert_eq!(launched, Some(launches(bf16, recomputed)), "{what}: every node ran the kernels");
             let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[]);
             if !bf16 {
                 // fp32: the same maths; only the order of operations differs.
@@ -513,7 +521,7 @@ mod node_tests {
         for c in [gpt2(), llama()] {
             let norms = 2 * c.n_layer as u64 + 1;
             let on = KernelsConfig { fused_residual_norm: true, ..plain };
-            gives_the_plain_models_loss_and_gradients(&c, on, plain, |recomputed| 4 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 });
+            gives_the_plain_models_loss_and_gradients(&c, on, plain, |_, recomputed| 4 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 });
         }
     }
 
@@ -525,8 +533,21 @@ mod node_tests {
         let c = llama();
         let blocks = c.n_layer as u64;
         let swiglu = KernelsConfig { fused_swiglu: true, ..plain };
-        gives_the_plain_models_loss_and_gradients(&c, swiglu, plain, |recomputed| 2 * blocks + if recomputed { blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&c, swiglu, plain, |_, recomputed| 2 * blocks + if recomputed { blocks } else { 0 });
         let rope = KernelsConfig { fused_rope: true, ..plain };
-        gives_the_plain_models_loss_and_gradients(&c, rope, plain, |recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&c, rope, plain, |_, recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
+    }
+
+    /// The linear node (only under a 16-bit autocast): in GPT-2 its four biased layers a block
+    /// launch the column sums twice each in backward, recomputed or not; the LM head's padding
+    /// mask takes none. The Llama's layers have no bias: no launch, the same gradients.
+    #[test]
+    fn the_linear_node_gives_the_plain_models_loss_and_gradients() {
+        let plain = KernelsConfig { fused_residual_norm: false, fused_cross_entropy: false, fused_linear: false, ..KernelsConfig::default() };
+        let on = KernelsConfig { fused_linear: true, ..plain };
+        let g = gpt2();
+        assert!(g.padded_vocab() > g.vocab_size, "the head has its padding mask");
+        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&llama(), on, plain, |_, _| 0);
     }
 }

@@ -1,0 +1,94 @@
+// The linear layer as one autograd node of ours (`kernels.fused_linear`), for fp32 weights under
+// autocast: y = x·wᵀ + b computed in autocast's dtype D as autocast's linear does (x, w and b
+// rounded to D, one GEMM with the bias in its epilogue). What differs is backward. Autocast's
+// linear gives the weight and bias gradients in D, and the casts' own backward (ToCopyBackward)
+// then returns them to fp32: two passes and ~100 small kernels a GPT-2 micro-step. Here the
+// weight's gradient comes out of the GEMM in fp32 (cuBLAS, D in, fp32 out: `at::mm` with an
+// out_dtype, CUDA only) and the bias's from our column-sum kernels in fp32 (linear_kernels.cu),
+// which read dy once; gradients nobody asked for (the LM head's padding mask) are not computed.
+// It keeps what autocast's linear keeps: x and w in D.
+// It runs where our CUDA kernels run (CUDA, or the CPU under the host emulation for tests; there
+// the weight's gradient is the GEMM in D cast to fp32, as autocast computes it). Elsewhere, or
+// without autocast, tg_linear is ATen's linear.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <optional>
+#include <stdexcept>
+
+#include "cuda_jit.h"
+#include "guarded.h"
+
+namespace {
+struct LinearNode : public torch::autograd::Function<LinearNode> {
+  // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                                                const std::optional<at::Tensor>& b, at::ScalarType d) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor xd = x.to(d), wd = w.to(d);
+    const at::Tensor y = b.has_value() ? at::addmm(b->to(d), xd, wd.t()) : at::mm(xd, wd.t());
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["with_bias"] = b.has_value();
+    ctx->save_for_backward({xd, wd});
+    return {y};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    if (at::GradMode::is_enabled()) {
+      throw std::runtime_error(
+          "linear: kernels.fused_linear is differentiable once; a second derivative (create_graph) needs kernels.fused_linear: false");
+    }
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &xd = saved[0], &wd = saved[1];
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor dy = grads[0].to(xd.scalar_type()).contiguous();
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    if (ctx->needs_input_grad(1)) dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
+    if (ctx->saved_data["with_bias"].toBool() && ctx->needs_input_grad(2)) {
+      db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+      trainguard::cuda_column_sum(dy, db);
+    }
+    return {dx, dw, db, at::Tensor()};
+  }
+};
+}  // namespace
+
+extern "C" {
+
+// x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none): `*y_out` is a new tensor tch takes
+// over. Through our node where our kernels run and autocast is on for x's device with a 16-bit
+// dtype, the weight fp32; through ATen's linear (autocast's, when it is on) otherwise.
+int tg_linear(const void* x, const void* weight, const void* bias, void** y_out, char* err, size_t err_len) {
+  *y_out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& xt = *static_cast<const at::Tensor*>(x);
+    const auto& w = *static_cast<const at::Tensor*>(weight);
+    const at::Tensor b = bias != nullptr ? *static_cast<const at::Tensor*>(bias) : at::Tensor();
+    if (xt.dim() < 1 || w.dim() != 2 || w.size(1) != xt.size(-1)) throw std::invalid_argument("linear: weight must be [out, in] for inputs [..., in]");
+    if (b.defined() && (b.dim() != 1 || b.size(0) != w.size(0))) throw std::invalid_argument("linear: bias must be [out]");
+    const c10::DeviceType type = xt.device().type();
+    const bool autocast = at::autocast::is_autocast_enabled(type);
+    const at::ScalarType d = autocast ? at::autocast::get_autocast_dtype(type) : xt.scalar_type();
+    const bool ours = autocast && (d == at::kBFloat16 || d == at::kHalf) && trainguard::runs_cuda_kernels(xt) && w.scalar_type() == at::kFloat &&
+                      (xt.scalar_type() == at::kFloat || xt.scalar_type() == d) && w.device() == xt.device() && xt.numel() > 0;
+    at::Tensor y;
+    if (ours) {
+      // Flattened outside the node, so autograd carries the gradient back through the view.
+      const at::Tensor x2 = xt.reshape({-1, xt.size(-1)}).contiguous();
+      const std::optional<at::Tensor> b_opt = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+      std::vector<int64_t> shape(xt.sizes().begin(), xt.sizes().end());
+      shape.back() = w.size(0);
+      y = LinearNode::apply(x2, w, b_opt, d)[0].view(shape);
+    } else {
+      y = at::linear(xt, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+    }
+    *y_out = new at::Tensor(y);
+  });
+}
+
+}  // extern "C"
