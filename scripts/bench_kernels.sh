@@ -30,51 +30,36 @@ gpt2_cpu="--config configs/bench-10m.yaml --set precision=bf16-mixed --set train
 smollm="--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32"
 smollm_cpu="--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16"
 
+rows() {  # SHAPE CPU_SHAPE "NAME|switches"...: one shape's rows (scripts/bench_switches.sh)
+  bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$@"
+}
+gpt2_rows() { rows "$gpt2" "$gpt2_cpu" "$@"; }
+smollm_rows() { rows "$smollm" "$smollm_cpu" "$@"; }
+
 table() {  # NAME: one table, then a blank line
   case "$1" in
-    rms) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-      "RMSNorm step by step|kernels.fused_rms_norm=false" \
-      "RMSNorm fused|kernels.fused_rms_norm=true" ;;
-    optim) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" \
-      "--config configs/debug.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
+    rms) smollm_rows "RMSNorm step by step|kernels.fused_rms_norm=false" "RMSNorm fused|kernels.fused_rms_norm=true" ;;
+    optim) rows "$gpt2" "--config configs/debug.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16" \
       "fused AdamW|optimizer.name=adamw" \
       "8-bit AdamW, tensor ops|optimizer.name=adamw8bit kernels.cuda_optimizers=false" \
       "8-bit AdamW, CUDA kernel|optimizer.name=adamw8bit kernels.cuda_optimizers=true" \
       "Adafactor, tensor ops|optimizer.name=adafactor kernels.cuda_optimizers=false" \
       "Adafactor, CUDA kernels|optimizer.name=adafactor kernels.cuda_optimizers=true" ;;
-    loss) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
-      "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" \
-      "fused cross-entropy|kernels.fused_cross_entropy=true" ;;
+    loss) gpt2_rows "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" "fused cross-entropy|kernels.fused_cross_entropy=true" ;;
     norms)
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
-        "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" \
-        "residual-norm node|kernels.fused_residual_norm=true"
+      gpt2_rows "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" "residual-norm node|kernels.fused_residual_norm=true"
       echo
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-        "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" \
-        "residual-norm node|kernels.fused_residual_norm=true" ;;
-    swiglu) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-      "ATen's silu and multiply|kernels.fused_swiglu=false" \
-      "SwiGLU node|kernels.fused_swiglu=true" ;;
-    rope) bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-      "ATen's RoPE ops|kernels.fused_rope=false" \
-      "RoPE node|kernels.fused_rope=true" ;;
+      smollm_rows "ATen's add, fused RMSNorm, casts|kernels.fused_residual_norm=false" "residual-norm node|kernels.fused_residual_norm=true" ;;
+    swiglu) smollm_rows "ATen's silu and multiply|kernels.fused_swiglu=false" "SwiGLU node|kernels.fused_swiglu=true" ;;
+    rope) smollm_rows "ATen's RoPE ops|kernels.fused_rope=false" "RoPE node|kernels.fused_rope=true" ;;
     linear)
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
-        "autocast's linear|kernels.fused_linear=false" \
-        "linear node|kernels.fused_linear=true"
+      gpt2_rows "autocast's linear|kernels.fused_linear=false" "linear node|kernels.fused_linear=true"
       echo
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-        "autocast's linear|kernels.fused_linear=false" \
-        "linear node|kernels.fused_linear=true" ;;
+      smollm_rows "autocast's linear|kernels.fused_linear=false" "linear node|kernels.fused_linear=true" ;;
     graphs)
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$gpt2" "$gpt2_cpu" \
-        "kernels launched one by one|kernels.cuda_graphs=false" \
-        "CUDA graphs|kernels.cuda_graphs=true"
+      gpt2_rows "kernels launched one by one|kernels.cuda_graphs=false" "CUDA graphs|kernels.cuda_graphs=true"
       echo
-      bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$smollm" "$smollm_cpu" \
-        "kernels launched one by one|kernels.cuda_graphs=false" \
-        "CUDA graphs|kernels.cuda_graphs=true" \
+      smollm_rows "kernels launched one by one|kernels.cuda_graphs=false" "CUDA graphs|kernels.cuda_graphs=true" \
         "CUDA graphs, SwiGLU and RoPE nodes|kernels.cuda_graphs=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
     *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs)" >&2; exit 2 ;;
   esac
