@@ -9,9 +9,10 @@
 # minutes). Prints tokens/s, trainguard's MFU and its ratios to each. Usage:
 #   scripts/bench_vs_pytorch.sh [--device cpu|cuda] [--threads N] [--dtype fp32|bf16]
 #       [--compile|--no-compile] [--pad-vocab-to N] [--global-batch N] [--peak-tflops F] [--trace DIR]
-#       [config.yaml ...]
+#       [--tg-set KEY=VALUE ...] [config.yaml ...]
 # --global-batch N: sequences per optimizer step on both sides instead of the config's (a short
 # measurement of a config made for a long run; the micro-batch stays the config's).
+# --tg-set KEY=VALUE: a switch for trainguard's side only (repeatable), e.g. kernels.cuda_graphs=true.
 # --dtype bf16: bf16-mixed (trainguard `precision: bf16-mixed`, PyTorch bf16 autocast).
 # --trace DIR: after the timed steps each side profiles two more (trainguard's `metrics.trace`,
 # the reference's torch.profiler) into DIR/<config>-<side>.json, and the tables of `trainguard
@@ -24,7 +25,7 @@
 # from the environment.
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
-device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; global=""; peak=989; trace=""; configs=()
+device=cpu; threads=$(nproc); dtype=fp32; compile=""; pad=""; global=""; peak=989; trace=""; configs=(); tg_sets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -36,6 +37,7 @@ while [ $# -gt 0 ]; do
     --global-batch) global=$2; shift 2 ;;
     --peak-tflops) peak=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
+    --tg-set) tg_sets+=(--set "$2"); shift 2 ;;
     -*) echo "unknown option $1" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
@@ -48,6 +50,7 @@ out=$(mktemp -d)
 tg_extra=(); ref_extra=()
 [ -z "$pad" ] || { tg_extra=(--set "model.pad_vocab_to=$pad"); ref_extra=(--pad-vocab-to "$pad"); }
 [ -z "$global" ] || { tg_extra+=(--set "train.global_batch_size=$global"); ref_extra+=(--global-batch "$global"); }
+tg_extra+=(${tg_sets[@]+"${tg_sets[@]}"})
 
 [ -z "$trace" ] || mkdir -p "$trace"
 traced() { [ -n "$trace" ] && echo "$trace/$(basename "$1" .yaml)-$2.json"; }  # CONFIG SIDE: its trace file

@@ -51,6 +51,8 @@ part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and 
 }
 
 tests_bin=target/release/gpu-tests
+# TG_SETS="key=value ...": switches for trainguard's side of the `bench` and `profile` rows.
+tg_sets=(); for s in ${TG_SETS:-}; do tg_sets+=(--tg-set "$s"); done
 for p in "${parts[@]}"; do
   case "$p" in
     env) part env bash -c "nvidia-smi; '$BIN' env" ;;
@@ -61,10 +63,10 @@ for p in "${parts[@]}"; do
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       # Global 64 as the issue's table (the configs' 512 and 256 are ~0.5M-token steps: minutes).
-      part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' ;;
+      part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
     profile)  # the traces as one file: a device call brings back at most eight
       part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
-        --trace "$dest/profile" configs/gpt2-124m.yaml configs/smollm2-135m.yaml
+        --trace "$dest/profile" ${tg_sets[@]+"${tg_sets[@]}"} configs/gpt2-124m.yaml configs/smollm2-135m.yaml
       tar czf "$dest/profile.tgz" -C "$dest" profile && rm -rf "$dest/profile" ;;
     optim) part optim bash scripts/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
