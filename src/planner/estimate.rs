@@ -278,6 +278,9 @@ pub struct Setup {
     pub fused_swiglu: bool,
     /// `kernels.fused_rope`: RoPE counted as our node where it runs (CUDA).
     pub fused_rope: bool,
+    /// `kernels.cuda_graphs` (CUDA): the micro-steps add into gradient accumulators held
+    /// through the step, with one micro-step a step too.
+    pub cuda_graphs: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -505,7 +508,9 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let dp_buffers = if s.gpus > 1 { gradients } else { 0 };
     let buffers = buffers(m, s);
     let base = weights + master_weights + optimizer + dp_buffers + buffers;
-    let held = if accumulation > 1 { gradients } else { 0 };
+    // Earlier micro-steps' sum, or the graphs' accumulators (which a single micro-step has too).
+    let graphs = s.cuda_graphs && s.target == Target::Cuda;
+    let held = if accumulation > 1 || graphs { gradients } else { 0 };
 
     let at = Moments::at(m, s, micro);
     // At the end of backward autograd has released what the forward saved, autocast's 16-bit
@@ -715,6 +720,7 @@ pub(crate) mod fixtures {
             fused_residual_norm: false,
             fused_swiglu: false,
             fused_rope: false,
+            cuda_graphs: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,
@@ -1098,6 +1104,21 @@ mod tests {
             let tables = if bytes == 4 { 0 } else { 4 * seq * d * bytes };
             assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &rope, b), tables, "{:?}", setup.precision);
         }
+    }
+
+    /// `kernels.cuda_graphs`: the accumulators are a gradient-sized buffer held through the step
+    /// where one micro-step would hold none; with accumulation the sum is held either way; the
+    /// CPU captures nothing.
+    #[test]
+    fn cuda_graphs_hold_the_accumulators_beside_a_single_micro_step() {
+        let m = gpt2();
+        let cuda = Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cuda_fp32_adamw() };
+        let graphs = Setup { cuda_graphs: true, ..cuda.clone() };
+        let (one, one_graphed) = (estimate(&m, &cuda, 4, 1), estimate(&m, &graphs, 4, 1));
+        assert_eq!(one_graphed.peak_allocated - one.peak_allocated, one.gradients);
+        assert_eq!(estimate(&m, &graphs, 4, 2).peak_allocated, estimate(&m, &cuda, 4, 2).peak_allocated);
+        let cpu = Setup { target: Target::Cpu, ..graphs.clone() };
+        assert_eq!(estimate(&m, &cpu, 4, 1).peak_allocated, estimate(&m, &Setup { cuda_graphs: false, ..cpu.clone() }, 4, 1).peak_allocated);
     }
 
     #[test]

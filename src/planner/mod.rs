@@ -321,6 +321,7 @@ impl Inputs {
             fused_residual_norm: config.kernels.fused_residual_norm,
             fused_swiglu: config.kernels.fused_swiglu,
             fused_rope: config.kernels.fused_rope,
+            cuda_graphs: config.kernels.cuda_graphs,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,
