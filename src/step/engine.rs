@@ -187,6 +187,44 @@ mod tests {
     use crate::data::{Corpus, Sampler};
     use crate::guard::{GuardState, Progress};
 
+    /// The step with `kernels.cuda_graphs`' accumulators (on the CPU every micro-step runs
+    /// eagerly into them) trains exactly as the usual step: the same weights after steps with
+    /// clipping, uneven accumulation and a change of micro-batch, and a failed attempt (an
+    /// injected non-finite loss skips the update) leaves nothing behind.
+    #[test]
+    fn steps_through_the_graphs_accumulators_train_as_the_usual_steps() {
+        use crate::config::{FaultsConfig, OptimizerConfig, TrainConfig};
+        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let spec = OptimizerSpec::from_config(&OptimizerConfig::default(), &TrainConfig::default(), &KernelsConfig::default());
+        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 10);
+        let settings = StepSettings { precision: Precision::Fp32, device: Device::Cpu, grad_clip: 0.5, savers: Savers::default(), escalate: Vec::new() };
+        let faults_cfg = FaultsConfig { nonfinite_loss_at_steps: vec![3], ..FaultsConfig::default() };
+        let train = |graphs: bool| {
+            let mut t = Trainable::build(&cfg, KernelsConfig::default(), &spec, Precision::Fp32, LossScaler::new(1.0, 1), 7, Device::Cpu).unwrap();
+            t.graphs = MicroGraphs::new(graphs);
+            let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
+            let mut faults = Faults::new(&faults_cfg, 0, 0);
+            let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
+            let mut outcomes = Vec::new();
+            for step in 0..6u64 {
+                if step == 4 {
+                    guard = Guard::new(GuardState::new(3, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
+                }
+                outcomes.push(optimizer_step(&mut t, &mut guard, &settings, &data, step, 1e-3, None, &mut faults, &mut reporter).unwrap());
+            }
+            (t.params().iter().map(Tensor::copy).collect::<Vec<_>>(), outcomes)
+        };
+        let ((usual, a), (graphed, b)) = (train(false), train(true));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits(), x.applied), (y.loss.to_bits(), y.grad_norm.to_bits(), y.applied));
+        }
+        assert!(!a[3].applied, "the injected non-finite loss skipped step 3");
+        for (p, q) in usual.iter().zip(&graphed) {
+            assert!(p.equal(q), "the weights differ");
+        }
+    }
+
     #[test]
     fn validation_runs_under_the_training_precisions_autocast() {
         let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
