@@ -42,41 +42,43 @@ impl StepData<'_> {
 /// as CUDA graphs once captured).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, graphs: &mut MicroGraphs, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
-    let graphed = graphs.applies(savers, scale);
-    if graphed {
+    let (grads, loss_sum) = if graphs.applies(savers, scale) {
         graphs.begin_step(model, micro)?;
-    }
-    let mut grads: Vec<Tensor> = Vec::new();
-    let mut loss_sum: Option<Tensor> = None;
+        each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
+        graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
+    } else {
+        let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
+        each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
+            let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
+            match loss_sum.take() {
+                None => (grads, loss_sum) = (micro_grads, Some(loss)),
+                Some(sum) => {
+                    kernels::add_all(&grads, &micro_grads)?;
+                    loss_sum = Some(sum.f_add(&loss)?);
+                }
+            }
+            Ok(())
+        })?;
+        (grads, loss_sum)
+    };
+    // One host sync per step, after all micro-steps were queued.
+    let loss = loss_sum.map(|l| l.f_double_value(&[])).transpose()?.map_or(f64::NAN, |l| l / scale);
+    Ok((grads, loss))
+}
+
+/// `f(x, y, loss weight, dropout seed)` for each micro-batch of this rank's share of step `step`
+/// split into `micro`, in order.
+fn each_micro_batch(data: &StepData, step: u64, micro: usize, progress: &mut Progress, mut f: impl FnMut(&Tensor, &Tensor, f64, u64) -> Result<(), TchError>) -> Result<(), TchError> {
     for r in batch::split(data.rank_batch, micro) {
         let weight = data.weight(r.len());
         let indices = data.rank_start + r.start..data.rank_start + r.end;
         // Dropout masks are a function of (seed, step, first sample): replays draw the same.
         let seed = crate::data::mix(&[data.sampler.seed, step, indices.start as u64]);
         let (x, y) = data.sampler.train_batch(data.corpus, step, indices, data.device)?;
-        if graphed {
-            graphs.micro_step(model, &x, &y, weight * scale, seed, savers)?;
-            progress.micro_step_done();
-            continue;
-        }
-        let (loss, micro_grads) = loss_and_grads(model, &x, &y, weight * scale, seed, savers)?;
-        if grads.is_empty() {
-            grads = micro_grads;
-        } else {
-            kernels::add_all(&grads, &micro_grads)?;
-        }
-        loss_sum = Some(match loss_sum {
-            None => loss,
-            Some(s) => s.f_add(&loss)?,
-        });
+        f(&x, &y, weight, seed)?;
         progress.micro_step_done();
     }
-    if graphed {
-        (grads, loss_sum) = graphs.results().map(|(g, l)| (g, Some(l))).unwrap_or_default();
-    }
-    // One host sync per step, after all micro-steps were queued.
-    let loss = loss_sum.map(|l| l.f_double_value(&[])).transpose()?.map_or(f64::NAN, |l| l / scale);
-    Ok((grads, loss))
+    Ok(())
 }
 
 /// Mean validation loss over `batches` fixed batches of `batch_size` samples, evaluated in
