@@ -142,6 +142,7 @@ pub fn marks(run: &RunData) -> Vec<Mark> {
             "leak_suspected" => format!("leak suspected: {}", n(e, "message")),
             "thrash_detected" => format!("allocator thrash ({} retries): {}", n(e, "total_retries"), n(e, "action")),
             "nonfinite_skipped" => format!("non-finite loss or gradient: update skipped ({} in a row)", n(e, "consecutive")),
+            "graphs_off" => format!("CUDA graphs off: {}", n(e, "reason")),
             "loss_scale_changed" if e["reason"] == "overflow" => format!("fp16 overflow: loss scale {}", n(e, "scale")),
             "resumed" => format!("resumed at step {step} from {}", n(e, "path")),
             "stopped" => format!("stopped: {}", n(e, "reason")),
@@ -160,7 +161,7 @@ pub fn mark_color(kind: &str) -> &'static str {
         "oom_escalated" => "#7f0000",
         "regrow_attempt" => "#2ca02c",
         "checkpoint_saved" => "#9a9a9a",
-        "checkpoint_failed" | "nonfinite_skipped" => "#ff7f0e",
+        "checkpoint_failed" | "nonfinite_skipped" | "graphs_off" => "#ff7f0e",
         "leak_suspected" | "thrash_detected" => "#9467bd",
         "loss_scale_changed" => "#bcbd22",
         "resumed" => "#1f77b4",
@@ -195,6 +196,21 @@ mod tests {
     fn short_series_are_drawn_whole() {
         let v = pts(&[1.0, 3.0, 2.0]);
         assert_eq!(downsample(&v, 1000), v);
+    }
+
+    /// A capture failure that switched the CUDA graphs off is marked with its reason; a routine
+    /// capture is not.
+    #[test]
+    fn graphs_switched_off_are_marked_and_captures_are_not() {
+        let events = vec![
+            serde_json::json!({"event": "graph_captured", "step": 1, "micro_batch": 16}),
+            serde_json::json!({"event": "graphs_off", "step": 3, "reason": "operation not permitted when stream is capturing"}),
+        ];
+        let m = marks(&RunData { events, ..RunData::default() });
+        assert_eq!(m.len(), 1);
+        assert_eq!((m[0].kind.as_str(), m[0].step), ("graphs_off", 3));
+        assert_eq!(m[0].label, "CUDA graphs off: operation not permitted when stream is capturing");
+        assert_eq!(mark_color(&m[0].kind), "#ff7f0e");
     }
 
     #[test]
