@@ -763,30 +763,37 @@ fn a_memory_fraction_after_the_allocator_started_is_refused() {
 /// `kernels.cuda_graphs` in a run: uneven accumulation (4 + 4 + 2) warms both lengths up in step
 /// 0 and captures them in step 1; validation after step 2 releases them and step 3 captures them
 /// again. The losses are the eager run's (both deterministic; the same kernels run, only
-/// launched as a graph), and so are the final weights.
+/// launched as a graph), and so are the final weights. Then the same with every block
+/// checkpointed and the loss in chunks, which are graphed too.
 #[test]
 fn cuda_graphs_give_the_eager_runs_losses_and_are_captured_again_after_validation() {
     if cuda().is_none() {
         return;
     }
+    graphed_run_matches_eager(&[]);
+    graphed_run_matches_eager(&["memory.activation_checkpointing=blocks", "memory.loss_chunk_tokens=64"]);
+}
+
+fn graphed_run_matches_eager(savers: &[&str]) {
     let (eager, graphed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=6", "train.warmup_steps=0", "train.eval_interval=3"];
+    let base = [&base[..], savers].concat();
     let a = train(eager.path(), "configs/debug.yaml", &base).ok();
     let b = train(graphed.path(), "configs/debug.yaml", &[&base[..], &["kernels.cuda_graphs=true"]].concat()).ok();
-    eprintln!("{}", b.stderr());
+    eprintln!("savers {savers:?}\n{}", b.stderr());
     assert!(b.events_of("graphs_off").is_empty(), "a capture failed: {:?}", b.events_of("graphs_off"));
     let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
-    assert_eq!(captured, [(1, 4), (1, 2), (3, 4), (3, 2)]);
+    assert_eq!(captured, [(1, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");
     assert!(a.events_of("graph_captured").is_empty(), "nothing is captured with the switch off");
     let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
     eprintln!("losses eager {la:?}\nlosses graphed {lb:?}; bitwise equal: {}", la == lb);
     for (x, y) in la.iter().zip(&lb) {
         let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-        assert!(((x - y) / x).abs() < 1e-5, "graphs changed the loss: {la:?} vs {lb:?}");
+        assert!(((x - y) / x).abs() < 1e-5, "savers {savers:?}: graphs changed the loss: {la:?} vs {lb:?}");
     }
     let diff = max_weight_diff(eager.path(), graphed.path());
     eprintln!("max weight difference eager vs graphed: {diff}");
-    assert!(diff < 1e-4, "{diff}");
+    assert!(diff < 1e-4, "savers {savers:?}: {diff}");
 }
 
 /// An out of memory inside a capture (a ballast tensor leaves half of what the micro-step

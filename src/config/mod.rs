@@ -429,8 +429,9 @@ pub struct KernelsConfig {
     /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
     /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
     /// when the guard changes the micro-batch; an out of memory inside a capture is one the
-    /// guard recovers from. For the plain micro-step: no dropout, no fp16 loss scaling, no
-    /// memory saver (the config refuses them together; the guard's escalations run eagerly).
+    /// guard recovers from. With activation checkpointing and a chunked loss too; not with
+    /// dropout, fp16 loss scaling or offload (the config refuses them together; a step the guard
+    /// escalates to offload runs eagerly).
     /// The graphs keep their activations' memory between steps (a private pool, released
     /// before validation). Off by default until a GPU measures it (`TABLES=graphs
     /// scripts/bench_kernels.sh`); on the CPU nothing changes.

@@ -147,21 +147,17 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     for &p in precisions {
         options.push((format!("precision {} instead of {}", p.name(), setup.precision.name()), model.clone(), Setup { precision: p, ..setup.clone() }));
     }
-    // The memory savers replay no CUDA graph (the config refuses them together): they come
-    // with the graphs off, which also frees the graphs' accumulators.
-    let graphs_off = if setup.cuda_graphs { ", with kernels.cuda_graphs: false" } else { "" };
-    let saver = Setup { cuda_graphs: false, ..setup.clone() };
     let checkpointed = setup.checkpointed_blocks(model);
     if checkpointed < model.layers {
         let change = match checkpointed {
-            0 => format!("activation checkpointing{graphs_off}"),
-            m => format!("activation checkpointing of every block instead of the first {m}{graphs_off}"),
+            0 => "activation checkpointing".to_string(),
+            m => format!("activation checkpointing of every block instead of the first {m}"),
         };
-        options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..saver.clone() }));
+        options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() }));
         // The fewest first blocks that close the gap, when fewer than all do: less to recompute.
-        let first = |f: u64| Setup { activation_checkpointing: true, checkpoint_first: Some(f), checkpoint_blocks: 1, ..saver.clone() };
+        let first = |f: u64| Setup { activation_checkpointing: true, checkpoint_first: Some(f), checkpoint_blocks: 1, ..setup.clone() };
         if let Some(f) = (checkpointed + 1..model.layers).find(|&f| total_at(model, &first(f), rank_batch, 1) <= limit) {
-            let change = format!("activation checkpointing, first {f} of {} blocks (first_n:{f}){graphs_off}", model.layers);
+            let change = format!("activation checkpointing, first {f} of {} blocks (first_n:{f})", model.layers);
             options.push((change, model.clone(), first(f)));
         }
     }
@@ -170,8 +166,8 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     }
     let chunk = (model.seq_len / 4).clamp(1, 1024);
     if setup.loss_chunk_tokens.is_none() && chunk < model.seq_len {
-        let change = format!("chunked loss (memory.loss_chunk_tokens: {chunk}){graphs_off}");
-        options.push((change, model.clone(), Setup { loss_chunk_tokens: Some(chunk), ..saver.clone() }));
+        let change = format!("chunked loss (memory.loss_chunk_tokens: {chunk})");
+        options.push((change, model.clone(), Setup { loss_chunk_tokens: Some(chunk), ..setup.clone() }));
     }
     if !setup.fused_cross_entropy {
         // Same maths, less memory: the logits stay in their dtype, no fp32 log-probabilities.
@@ -199,7 +195,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         fused_cross_entropy: true,
         loss_chunk_tokens: setup.loss_chunk_tokens.or(Some(chunk)),
         precision: precisions.last().copied().unwrap_or(setup.precision),
-        ..saver.clone()
+        ..setup.clone()
     };
     let best = OPTIMIZERS
         .into_iter()
@@ -209,7 +205,7 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     if best.1 < now {
         out.push(Lever {
             change: format!(
-                "all together: optimizer {}, precision {}, activation checkpointing, flash attention, fused cross-entropy, loss in chunks of {} tokens{graphs_off}",
+                "all together: optimizer {}, precision {}, activation checkpointing, flash attention, fused cross-entropy, loss in chunks of {} tokens",
                 best.0.name(),
                 all.precision.name(),
                 all.loss_chunk_tokens.unwrap_or(chunk)
@@ -321,23 +317,6 @@ mod tests {
         assert!((fused.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", fused.saving_bytes);
         let already = recommend(&m, &Setup { fused_cross_entropy: true, ..s.clone() }, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
         assert!(already.levers.iter().all(|l| !l.change.starts_with("fused")), "no lever for what is on");
-    }
-
-    /// With `kernels.cuda_graphs` on, the memory savers' levers (which the config refuses beside
-    /// graphs) say that they switch the graphs off, and count the accumulators as freed.
-    #[test]
-    fn with_cuda_graphs_the_savers_levers_switch_them_off() {
-        let m = Transformer { layers: 32, hidden: 4096, heads: 32, vocab: 128_256, seq_len: 8192, ffn: 14_336, bias: false, params_override: Some(8_030_261_248), ..Default::default() };
-        let s = Setup { precision: Precision::Bf16Mixed, cuda_graphs: true, ..setup() };
-        let r = recommend(&m, &s, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
-        let said = |start: &str| r.levers.iter().find(|l| l.change.starts_with(start)).unwrap_or_else(|| panic!("no {start}: {:#?}", r.levers));
-        for start in ["activation checkpointing", "chunked loss", "all together"] {
-            assert!(said(start).change.ends_with(", with kernels.cuda_graphs: false"), "{}", said(start).change);
-        }
-        assert!(!said("optimizer adamw8bit").change.contains("cuda_graphs"), "other levers keep the graphs");
-        let plain = Setup { cuda_graphs: false, ..s.clone() };
-        let ckpt = Setup { activation_checkpointing: true, checkpoint_first: None, ..plain };
-        assert_eq!(said("activation checkpointing").total_bytes, total_at(&m, &ckpt, Some(64), 1), "the accumulators go with the graphs");
     }
 
     /// A budget between full checkpointing's total and no checkpointing's: the levers name the

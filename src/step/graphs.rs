@@ -7,12 +7,14 @@
 //! micro-step of a step in this mode adds into, graphed or not: the step's result is the eager
 //! one.
 //!
-//! Graphs apply to the plain micro-step only: on CUDA, without a memory saver (configured ones are
-//! refused by the config; the guard's escalations run eagerly), without loss scaling and without
-//! dropout (which reseeds the generator per block; the config refuses it). What drops them: a
-//! step at another micro-batch (the guard halved or regrew), any failed attempt (an out of
-//! memory inside a capture included: the guard then replays eagerly at its smaller size and
-//! captures again later), and [`MicroGraphs::release`] before validation, whose activations would
+//! Graphs apply on CUDA, with activation checkpointing and a chunked loss too (their recomputed
+//! forwards and chunked backwards are device work like the rest), but not with offload (its
+//! copies go through host memory), loss scaling or dropout (which reseeds the generator per
+//! block); the config refuses those three beside graphs, and a step the guard escalates to
+//! offload runs eagerly. Each length is captured per set of savers (an escalation captures
+//! again). What drops them: a step at another micro-batch (the guard halved or regrew), any
+//! failed attempt (an out of memory inside a capture included: the guard then replays eagerly
+//! at its smaller size and captures again later), and [`MicroGraphs::release`] before validation, whose activations would
 //! otherwise sit beside the graphs' memory pool. A capture that fails for any other reason (an op
 //! that cannot be captured) switches graphs off for the run, with its reason in a notice.
 use super::savers::{loss_and_grads, Savers};
@@ -57,10 +59,12 @@ pub enum Notice {
     Off { reason: String },
 }
 
-/// One micro-batch length (and loss weight, which the graph holds as a constant).
+/// One micro-batch length (and loss weight, which the graph holds as a constant) under one set
+/// of savers.
 struct Length {
     rows: i64,
     weight_bits: u64,
+    savers: Savers,
     phase: Phase,
     graph: Option<Graphed>,
 }
@@ -97,7 +101,7 @@ impl MicroGraphs {
 
     /// Whether a step with `savers` and loss scale `scale` runs in this mode.
     pub fn applies(&self, savers: &Savers, scale: f64) -> bool {
-        self.on && savers.plain() && !savers.offload && scale == 1.0
+        self.on && !savers.offload && scale == 1.0
     }
 
     /// Starts a step at `micro`: the accumulators zeroed (made on first use), the graphs of
@@ -127,7 +131,7 @@ impl MicroGraphs {
     /// length's phase says.
     pub fn micro_step(&mut self, model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(), TchError> {
         let rows = x.size().first().copied().unwrap_or(0);
-        let i = self.length(rows, weight);
+        let i = self.length(rows, weight, *savers);
         let can_capture = self.on && matches!(x.device(), Device::Cuda(_));
         match action(self.lengths[i].phase, can_capture) {
             Action::Eager => {
@@ -181,12 +185,12 @@ impl MicroGraphs {
         self.lengths.iter().filter(|l| l.graph.is_some()).count()
     }
 
-    fn length(&mut self, rows: i64, weight: f64) -> usize {
+    fn length(&mut self, rows: i64, weight: f64, savers: Savers) -> usize {
         let weight_bits = weight.to_bits();
-        if let Some(i) = self.lengths.iter().position(|l| l.rows == rows && l.weight_bits == weight_bits) {
+        if let Some(i) = self.lengths.iter().position(|l| l.rows == rows && l.weight_bits == weight_bits && l.savers == savers) {
             return i;
         }
-        self.lengths.push(Length { rows, weight_bits, phase: Phase::Unseen, graph: None });
+        self.lengths.push(Length { rows, weight_bits, savers, phase: Phase::Unseen, graph: None });
         self.lengths.len() - 1
     }
 
@@ -248,13 +252,13 @@ mod tests {
     }
 
     #[test]
-    fn only_the_plain_unscaled_micro_step_is_graphed() {
+    fn unscaled_micro_steps_without_offload_are_graphed() {
         let on = MicroGraphs::new(true);
         let plain = Savers::default();
         assert!(on.applies(&plain, 1.0));
+        assert!(on.applies(&Savers { checkpoint_every: 1, loss_chunk_tokens: Some(64), ..plain }, 1.0), "checkpointing and a chunked loss");
         assert!(!on.applies(&plain, 1024.0), "fp16 loss scaling");
-        assert!(!on.applies(&Savers { checkpoint_every: 1, ..plain }, 1.0), "activation checkpointing");
-        assert!(!on.applies(&Savers { loss_chunk_tokens: Some(64), ..plain }, 1.0), "chunked loss");
+        assert!(!on.applies(&Savers { checkpoint_every: 1, offload: true, ..plain }, 1.0), "offload");
         assert!(!MicroGraphs::new(false).applies(&plain, 1.0), "switched off");
     }
 }

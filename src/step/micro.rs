@@ -128,7 +128,8 @@ mod tests {
 
     /// `kernels.cuda_graphs`' accumulators (what the graphs add into; on the CPU every
     /// micro-step runs eagerly into them) give the usual step's loss and gradients to the bit,
-    /// step after step (zeroed in between), across a change of micro-batch, and after a release.
+    /// step after step (zeroed in between), across a change of micro-batch, after a release, and
+    /// with checkpointing and a chunked loss.
     #[test]
     fn the_graphs_accumulators_give_the_usual_steps_result() {
         let (model, corpus) = setup();
@@ -148,11 +149,19 @@ mod tests {
             }
             assert_eq!(graphed.captured(), 0, "nothing is captured on the CPU");
         }
-        // With a memory saver the step runs as usual, outside the accumulators.
-        let chunked = Savers { loss_chunk_tokens: Some(16), ..plain };
-        let (a, _) = forward_backward(&model, &data, 8, 5, &chunked, 1.0, graphed, &mut Progress::default()).unwrap();
+        // Checkpointing and a chunked loss go through the accumulators as well, to the bit.
+        let savers = Savers { checkpoint_every: 1, loss_chunk_tokens: Some(16), ..plain };
+        let (want, want_loss) = forward_backward(&model, &data, 8, 4, &savers, 1.0, usual, &mut Progress::default()).unwrap();
+        let (got, got_loss) = forward_backward(&model, &data, 8, 4, &savers, 1.0, graphed, &mut Progress::default()).unwrap();
+        assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "savers: loss");
+        assert!(got.iter().zip(&want).all(|(a, b)| a.equal(b)), "savers: a gradient differs");
         let (held, _) = graphed.results().unwrap();
-        assert!(!a[0].equal(&held[0]), "a saver's step did not go through the accumulators");
+        assert!(got[0].equal(&held[0]), "the savers' step went through the accumulators");
+        // Offload runs as usual, outside them.
+        let offload = Savers { offload: true, ..savers };
+        let (a, _) = forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default()).unwrap();
+        let (held, _) = graphed.results().unwrap();
+        assert!(!a[0].equal(&held[0]), "offload's step did not go through the accumulators");
     }
 
     #[test]
