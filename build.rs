@@ -39,6 +39,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/linear_kernels.cpp");
     println!("cargo:rerun-if-changed=src/ffi/linear_kernels.cu");
     println!("cargo:rerun-if-changed=src/ffi/guarded.h");
+    println!("cargo:rerun-if-changed=src/ffi/node.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.cpp");
     println!("cargo:rerun-if-changed=src/ffi/cuda_jit.h");
     println!("cargo:rerun-if-changed=src/ffi/cuda_emulation.cpp");

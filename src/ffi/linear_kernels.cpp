@@ -12,7 +12,6 @@
 // without autocast, tg_linear is ATen's linear.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -21,6 +20,7 @@
 
 #include "cuda_jit.h"
 #include "guarded.h"
+#include "node.h"
 
 namespace {
 struct LinearNode : public torch::autograd::Function<LinearNode> {
@@ -37,10 +37,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    if (at::GradMode::is_enabled()) {
-      throw std::runtime_error(
-          "linear: kernels.fused_linear is differentiable once; a second derivative (create_graph) needs kernels.fused_linear: false");
-    }
+    trainguard::check_differentiable_once("linear", "fused_linear");
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &xd = saved[0], &wd = saved[1];

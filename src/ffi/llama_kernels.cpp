@@ -8,7 +8,6 @@
 //   one pass each way; it keeps nothing but the tables. Only where the kernels run: the model
 //   takes ATen's ops elsewhere (src/model/layers.rs, `Rope`), which the kernels are tested against.
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <stdexcept>
@@ -16,6 +15,7 @@
 
 #include "cuda_jit.h"
 #include "guarded.h"
+#include "node.h"
 
 namespace {
 struct SwiGluNode : public torch::autograd::Function<SwiGluNode> {
@@ -28,10 +28,7 @@ struct SwiGluNode : public torch::autograd::Function<SwiGluNode> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    if (at::GradMode::is_enabled()) {
-      throw std::runtime_error(
-          "swiglu: kernels.fused_swiglu is differentiable once; a second derivative (create_graph) needs kernels.fused_swiglu: false");
-    }
+    trainguard::check_differentiable_once("swiglu", "fused_swiglu");
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &g = saved[0], &u = saved[1];
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
@@ -55,9 +52,7 @@ struct RopeNode : public torch::autograd::Function<RopeNode> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    if (at::GradMode::is_enabled()) {
-      throw std::runtime_error("rope: kernels.fused_rope is differentiable once; a second derivative (create_graph) needs kernels.fused_rope: false");
-    }
+    trainguard::check_differentiable_once("rope", "fused_rope");
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor dy = grads[0].contiguous();

@@ -10,11 +10,11 @@
 // at a time: bounded scratch, no full-size fp32 copy. The CPU path is also what the CUDA
 // kernels are checked against (tests/gpu.rs).
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include "cuda_jit.h"
 #include "guarded.h"
+#include "node.h"
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -95,11 +95,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     // The gradient is computed outside autograd's view: it has no derivative of its own.
-    if (at::GradMode::is_enabled()) {
-      throw std::runtime_error(
-          "cross_entropy: kernels.fused_cross_entropy is differentiable once; a second derivative (create_graph) needs "
-          "kernels.fused_cross_entropy: false");
-    }
+    trainguard::check_differentiable_once("cross_entropy", "fused_cross_entropy");
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &target = saved[1], &lse = saved[2];

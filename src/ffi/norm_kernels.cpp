@@ -8,7 +8,6 @@
 // tested against.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/core/grad_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -18,6 +17,7 @@
 
 #include "cuda_jit.h"
 #include "guarded.h"
+#include "node.h"
 
 namespace {
 void check(bool ok, const std::string& what) {
@@ -70,11 +70,7 @@ struct ResidualNormNode : public torch::autograd::Function<ResidualNormNode> {
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    if (at::GradMode::is_enabled()) {
-      throw std::runtime_error(
-          "residual_norm: kernels.fused_residual_norm is differentiable once; a second derivative (create_graph) needs "
-          "kernels.fused_residual_norm: false");
-    }
+    trainguard::check_differentiable_once("residual_norm", "fused_residual_norm");
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const bool rms = ctx->saved_data["rms"].toBool();
     const bool with_delta = ctx->saved_data["with_delta"].toBool();
