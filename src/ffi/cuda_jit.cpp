@@ -198,11 +198,9 @@ std::string compile(const char* src, int major, int minor) {
 // plus the dtype-free Adafactor coefficient, LayerNorm parameter-gradient sum and column sums'
 // finish. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
-// Rows per band of LayerNorm's weight and bias gradients (a band's sums stay short; the bands'
-// sums, a few [2·c] rows, are added in order).
-constexpr long long kLayerNormBandRows = 256;
-// Rows per band of a bias gradient's column sums (same reasoning).
-constexpr long long kColumnSumBandRows = 256;
+// Rows per band of the column sums (LayerNorm's weight and bias gradients, a linear layer's bias
+// gradient): a band's sums stay short; the bands' sums, a few rows, are added in order.
+constexpr long long kBandRows = 256;
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
 constexpr int kDtypeCount = 3;
@@ -477,7 +475,7 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   launch(launch.kernels().per_dtype[d].ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
   if (!dy.defined()) return;  // no output gradient: dw and db stay zero
   // The weight and bias gradients: bands of rows per column tile, then the bands summed in order.
-  long long band_rows = kLayerNormBandRows;
+  long long band_rows = kBandRows;
   long long bands = (rows + band_rows - 1) / band_rows;
   at::Tensor partial = at::empty({bands, 2 * cols}, s.options());
   void* pp = partial.data_ptr();
@@ -538,7 +536,7 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
     return;
   }
   const int d = dtype_index(dy.scalar_type(), "column_sum");
-  long long band_rows = kColumnSumBandRows;
+  long long band_rows = kBandRows;
   long long bands = (rows + band_rows - 1) / band_rows;
   at::Tensor partial = at::empty({bands, cols}, dy.options().dtype(at::kFloat));
   const void* dyp = dy.data_ptr();

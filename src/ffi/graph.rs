@@ -101,10 +101,6 @@ impl Drop for CudaGraph {
     }
 }
 
-/// Whether this build can capture CUDA graphs at all (libtorch_cuda and the CUDA headers were
-/// there when it was built).
-pub const BUILT: bool = cfg!(tg_cuda_graphs);
-
 #[cfg(test)]
 mod tests {
     use super::*;
