@@ -93,25 +93,24 @@ pub fn optimizer_step(
     faults: &mut Faults,
     reporter: &mut Reporter,
 ) -> Result<StepOutcome, GuardError> {
-    let Trainable { model, opt, scaler, graphs } = t;
     guard.begin_step(step, reporter);
-    let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+    let scale = t.scaler.as_ref().map_or(1.0, |s| s.scale);
     let outcome = guard.run(step, reporter, |micro, p| {
-        let result = attempt(model, opt, scaler.is_some(), graphs, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+        let result = attempt(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
         if result.is_err() {
             // Whatever the graphs held goes back with the failed attempt's memory.
-            graphs.release();
+            t.graphs.release();
         }
         result
     });
-    for notice in graphs.take_notices() {
+    for notice in t.graphs.take_notices() {
         reporter.emit(match notice {
             Notice::Captured { micro_batch } => Event::GraphCaptured { step, micro_batch },
             Notice::Off { reason } => Event::GraphsOff { step, reason },
         });
     }
     let outcome = outcome?;
-    if let Some(s) = scaler {
+    if let Some(s) = &mut t.scaler {
         match s.update(outcome.overflow) {
             ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow }),
             ScaleChange::Grew(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Growth }),
@@ -124,10 +123,7 @@ pub fn optimizer_step(
 /// One attempt of a step at micro-batch `micro`, as the guard runs it.
 #[allow(clippy::too_many_arguments)]
 fn attempt(
-    model: &Model,
-    opt: &mut Optimizer,
-    scaled: bool,
-    graphs: &mut MicroGraphs,
+    t: &mut Trainable,
     settings: &StepSettings,
     data: &StepData,
     step: u64,
@@ -138,6 +134,8 @@ fn attempt(
     mut dist: Option<&mut Dist>,
     faults: &mut Faults,
 ) -> Result<StepOutcome, StepError> {
+    let Trainable { model, opt, scaler, graphs } = t;
+    let scaled = scaler.is_some();
     let savers = settings.savers_at(p.escalation_level());
     let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
     // Each rank's own work is caught where it is done (a libtorch error tch raised as a
