@@ -10,6 +10,7 @@
 // cast cache off while capturing (a cached cast made inside the capture would be read later by
 // code outside the graph; PyTorch's make_graphed_callables asks for cache_enabled=False).
 #include <ATen/autocast_mode.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -25,6 +26,10 @@
 namespace {
 struct Graph {
   at::cuda::CUDAGraph graph;
+  // The private memory pool the capture allocates from (ours, so a failed capture can hand it
+  // back: CUDAGraph learns its own pool's id only once a capture ended).
+  c10::DeviceIndex device = 0;
+  c10::cuda::MempoolId_t pool{0, 0};
   // While capturing: the stream to go back to, and autocast's cache setting to restore.
   std::optional<c10::cuda::CUDAStream> prior;
   bool autocast_cache = true;
@@ -41,6 +46,30 @@ struct Graph {
     c10::Event done(c10::DeviceType::CUDA);
     done.record(side);
     done.block(*prior);
+  }
+
+  // After a capture that failed before it ended (invalidated by CUDA, or by an op that cannot
+  // be captured): CUDAGraph then neither stops routing the capture's allocations to the pool
+  // nor releases it (its reset releases a pool only after a successful end), so the pool's
+  // blocks would stay reserved and both allocators would keep a filter that points into this
+  // graph. Undone here as capture_end and reset do it; each step may already have been done
+  // (capture_end fails after ending the allocation in a few places), hence one try each.
+  void abandon_pool() {
+    try {
+      (void)graph.pool();
+      return;  // the capture ended: the graph's reset releases the pool
+    } catch (...) {
+    }
+    const auto quietly = [](auto&& f) {
+      try {
+        f();
+      } catch (...) {
+      }
+    };
+    quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); });
+    quietly([&] { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool); });
+    quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(device, pool); });
+    quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool); });
   }
 };
 
@@ -73,16 +102,21 @@ int tg_graph_capture_begin(int device, void* share, void** out, char* err, size_
     c10::cuda::device_synchronize();
     c10::cuda::CUDACachingAllocator::emptyCache();
     auto g = std::make_unique<Graph>();
-    const c10::cuda::MempoolId_t pool = share != nullptr ? graph_of(share)->graph.pool() : c10::cuda::MempoolId_t{0, 0};
+    g->device = index;
+    g->pool = share != nullptr ? graph_of(share)->pool : at::cuda::graph_pool_handle();
     g->prior = c10::cuda::getCurrentCUDAStream(index);
     g->autocast_cache = at::autocast::is_autocast_cache_enabled();
     c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(false, index));
     at::autocast::set_autocast_cache_enabled(false);
     g->capturing = true;
     try {
-      g->graph.capture_begin(pool);
+      g->graph.capture_begin(g->pool);
     } catch (...) {
+      // capture_begin registers the pool with both allocators before it starts the stream's
+      // capture, the one step here that can fail.
       g->leave_capture();
+      g->abandon_pool();
+      clear_cuda_error();
       throw;
     }
     *out = g.release();
@@ -99,6 +133,7 @@ int tg_graph_capture_end(void* g, char* err, size_t err_len) {
       graph->graph.capture_end();
     } catch (...) {
       graph->leave_capture();
+      graph->abandon_pool();
       clear_cuda_error();
       throw;
     }
@@ -122,6 +157,7 @@ void tg_graph_free(void* g) {
     } catch (...) {
     }
     graph->leave_capture();
+    graph->abandon_pool();
     clear_cuda_error();
   }
   try {
