@@ -1,6 +1,7 @@
 //! Checks that need a CUDA device. Without one each test says "skipped: no CUDA device" and
 //! passes: CI has no GPU. Run them on a GPU machine with `cargo test --release --test gpu --
-//! --nocapture`, or all GPU checks with scripts/gpu_checks.sh (part `tests`).
+//! --nocapture --test-threads=1` (one at a time: they read the process's allocator statistics,
+//! fill the memory and capture graphs, which another test's allocation would invalidate), or all GPU checks with scripts/gpu_checks.sh (part `tests`).
 //!
 //! Our own CUDA kernels' checks (8-bit AdamW, Adafactor, cross-entropy) also run everywhere on
 //! their source compiled for the host (`ffi::kernels::CudaEmulation`), smaller: that proves the
@@ -672,7 +673,8 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
 /// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with
 /// our linear node give the plain model's loss and gradients under bf16 autocast (fp32 weight
 /// gradients straight out of cuBLAS, bias gradients from our column sums), and in fp32, where
-/// the node is not used; twice the same bits. Then the column sums alone against fp64 sums.
+/// the node is not used; twice the same bits. Then the column sums alone against fp64 sums, and
+/// twice the same bits.
 #[test]
 fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
@@ -684,10 +686,14 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
         let x = Tensor::ones([rows, 1], (Kind::BFloat16, dev));
         let w = Tensor::zeros([cols, 1], (Kind::Float, dev)).set_requires_grad(true);
         let b = Tensor::zeros([cols], (Kind::Float, dev)).set_requires_grad(true);
-        ffi::set_autocast(true, true, false).unwrap();
-        let y = ffi::linear::linear(&x, &w, Some(&b)).unwrap();
-        ffi::set_autocast(true, false, false).unwrap();
-        let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)], &[&b], false, false);
+        let bias_grad = || {
+            ffi::set_autocast(true, true, false).unwrap();
+            let y = ffi::linear::linear(&x, &w, Some(&b)).unwrap();
+            ffi::set_autocast(true, false, false).unwrap();
+            Tensor::run_backward(&[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)], &[&b], false, false)
+        };
+        let g = bias_grad();
+        assert!(g[0].equal(&bias_grad()[0]), "{rows} x {cols}: the column sums are not deterministic");
         let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
         let rel = f64::try_from((g[0].to_kind(Kind::Double) - &want).abs().max() / want.abs().max()).unwrap();
         eprintln!("column sums {rows} x {cols}: {rel:.2e} from the fp64 sums");
@@ -760,9 +766,10 @@ fn a_memory_fraction_after_the_allocator_started_is_refused() {
     assert!(err.to_string().contains("already started"), "{err}");
 }
 
-/// `kernels.cuda_graphs` in a run: uneven accumulation (4 + 4 + 2) warms both lengths up in step
-/// 0 and captures them in step 1; validation after step 2 releases them and step 3 captures them
-/// again. The losses are the eager run's (both deterministic; the same kernels run, only
+/// `kernels.cuda_graphs` in a run: uneven accumulation (4 + 4 + 2) in step 0 runs the first 4
+/// eagerly (its warm-up), captures the second 4 (the same length and loss weight) and warms the 2
+/// up; step 1 captures the 2; validation after step 2 releases both and step 3 captures them
+/// again (warmed up already). The losses are the eager run's (both deterministic; the same kernels run, only
 /// launched as a graph), and so are the final weights. Then the same with every block
 /// checkpointed and the loss in chunks, which are graphed too.
 #[test]
@@ -782,8 +789,6 @@ fn graphed_run_matches_eager(savers: &[&str]) {
     let b = train(graphed.path(), "configs/debug.yaml", &[&base[..], &["kernels.cuda_graphs=true"]].concat()).ok();
     eprintln!("savers {savers:?}\n{}", b.stderr());
     assert!(b.events_of("graphs_off").is_empty(), "a capture failed: {:?}", b.events_of("graphs_off"));
-    let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
-    assert_eq!(captured, [(1, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");
     assert!(a.events_of("graph_captured").is_empty(), "nothing is captured with the switch off");
     let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
     eprintln!("losses eager {la:?}\nlosses graphed {lb:?}; bitwise equal: {}", la == lb);
@@ -794,6 +799,9 @@ fn graphed_run_matches_eager(savers: &[&str]) {
     let diff = max_weight_diff(eager.path(), graphed.path());
     eprintln!("max weight difference eager vs graphed: {diff}");
     assert!(diff < 1e-4, "savers {savers:?}: {diff}");
+    // Last, so that a different schedule does not hide the figures above.
+    let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
+    assert_eq!(captured, [(0, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");
 }
 
 /// An out of memory inside a capture (a ballast tensor leaves half of what the micro-step
@@ -837,4 +845,31 @@ fn an_out_of_memory_inside_a_capture_is_an_oom_and_the_next_capture_works() {
     for (g, e) in grads.iter().zip(&g1) {
         assert!(rel(g, &(e * 2.0)) < 1e-5, "a replayed gradient differs");
     }
+}
+
+/// A capture that CUDA itself invalidates (a host read inside it, which no graph can hold) fails
+/// at its end, not as a graph, and hands back what it allocated: after `empty_cache` the device
+/// reserves what it did before (CUDAGraph alone would keep the failed capture's pool, 20 MiB
+/// here, for the rest of the run). The next capture of the same work then replays correctly.
+#[test]
+fn an_invalidated_capture_fails_and_gives_its_memory_back() {
+    let Some(dev) = cuda() else { return };
+    use trainguard::ffi::graph::Capture;
+    let x = Tensor::ones([1 << 20], (Kind::Float, dev));
+    ffi::empty_cache().unwrap();
+    let before = ffi::device_stats(0).unwrap().reserved_current[0];
+    let capture = Capture::begin(0, None).unwrap();
+    let y = x.f_mul_scalar(2.0).unwrap();
+    let read = y.f_sum(Kind::Float).and_then(|s| s.f_double_value(&[]));
+    assert!(read.is_err(), "a host read inside a capture should fail");
+    drop(y);
+    let err = capture.end().err().expect("an invalidated capture should not end as a graph").to_string();
+    eprintln!("the invalidated capture's end: {err}");
+    ffi::empty_cache().unwrap();
+    assert_eq!(ffi::device_stats(0).unwrap().reserved_current[0], before, "the failed capture's memory is still reserved");
+    let capture = Capture::begin(0, None).unwrap();
+    let y = x.f_mul_scalar(2.0).unwrap();
+    let graph = capture.end().unwrap();
+    graph.replay().unwrap();
+    assert_eq!(y.sum(Kind::Float).double_value(&[]), 2.0 * (1 << 20) as f64);
 }

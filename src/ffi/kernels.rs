@@ -371,7 +371,7 @@ mod tests {
     /// generation CUDA 13 supports, or that lost a kernel the shim loads by name, fails here.
     #[test]
     fn the_cuda_kernels_compile_with_nvrtc_for_every_supported_gpu() {
-        let mut entries = vec!["tg_adafactor_coef".to_string(), "tg_ln_param_sum".to_string()];
+        let mut entries = vec!["tg_adafactor_coef".to_string(), "tg_ln_param_sum".to_string(), "tg_col_sum_finish".to_string()];
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
@@ -379,6 +379,7 @@ mod tests {
             entries.extend(["forward", "backward", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));
+            entries.push(format!("tg_col_sum_bands_{dtype}"));
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
