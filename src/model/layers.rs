@@ -29,6 +29,19 @@ impl Linear {
     }
 }
 
+/// `x` through the linear layers `layers` that all read it, as one matrix multiplication
+/// (`kernels.merged_projections`): their weights (and biases) concatenated in order, the output
+/// split back into each layer's columns (views of one tensor, whose gradients autograd joins).
+pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>, TchError> {
+    let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
+    let bias = match layers.iter().map(|l| l.bias.as_ref()).collect::<Option<Vec<_>>>() {
+        Some(biases) => Some(Tensor::f_cat(&biases, 0)?),
+        None => None,
+    };
+    let widths: Vec<i64> = layers.iter().map(|l| l.weight.size()[0]).collect();
+    linear(x, &Tensor::f_cat(&weights, 0)?, bias.as_ref(), layers.iter().any(|l| l.ours))?.f_split_with_sizes(&widths, -1)
+}
+
 /// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
 fn weight_and_bias(params: &Params, prefix: &str, bias: bool) -> Result<(Tensor, Option<Tensor>), TchError> {
     let bias = if bias { Some(param(params, &format!("{prefix}.bias"))?) } else { None };
@@ -215,9 +228,16 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
     x.f_view([b, t, heads, c / heads])?.f_transpose(1, 2)
 }
 
-/// SwiGLU: `down(silu(gate(x)) · up(x))`; the product through our node (`ffi::llama_ops`) with `ours`.
-pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool) -> Result<Tensor, TchError> {
-    let (g, u) = (gate.forward(x)?, up.forward(x)?);
+/// SwiGLU: `down(silu(gate(x)) · up(x))`; the product through our node (`ffi::llama_ops`) with
+/// `ours`, gate and up as one matrix multiplication with `merged`.
+pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool) -> Result<Tensor, TchError> {
+    let (g, u) = match merged {
+        true => {
+            let mut parts = merged_linear(x, &[gate, up])?.into_iter();
+            (parts.next().expect("two parts"), parts.next().expect("two parts"))
+        }
+        false => (gate.forward(x)?, up.forward(x)?),
+    };
     let product = match ours {
         true => crate::ffi::llama_ops::swiglu(&g, &u)?,
         false => g.f_silu()?.f_mul(&u)?,

@@ -5,7 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, linear, param, split_heads, swiglu, Linear, RmsNorm, Rope};
+use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, RmsNorm, Rope};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -55,17 +55,23 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
 /// freed), attention over the rotated q and k and the grouped key/value heads as they are, the MLP
 /// RMSNorm read by gate and up, SwiGLU's gate output, up output, silu(gate) and their product
 /// (down's input), two residual dropout masks. Besides: the fp32 cos and sin tables
-/// (seq_len × head_dim each).
+/// (seq_len × head_dim each). With merged projections each norm has one reader, v is copied out
+/// of the joint output (as wide as its own), and the concatenated weights are kept.
 pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let (h, f, a, d) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64, cfg.head_dim() as u64);
     let kv = cfg.kv_heads() as u64 * d;
-    let mut block: Vec<Saved> = saves::rms_norm(h, 3, r);
+    let readers = |separate: u64| if r.merged_projections { 1 } else { separate };
+    let mut block: Vec<Saved> = saves::rms_norm(h, readers(3), r);
+    if r.merged_projections {
+        let weights = (a * d + 2 * kv + 2 * f) * h;
+        block.push(Saved { what: "q/k/v and gate/up weights, concatenated", count: Count::Fixed(weights), stored: Stored::WeightCopy });
+    }
     if !r.rope_node {  // our node reads the fp32 tables (counted once, below) and keeps nothing
         block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
     }
     block.extend(saves::attention(a * d, kv, a, r));
     block.extend(saves::dropout(h, r));
-    block.extend(saves::rms_norm(h, 2, r));
+    block.extend(saves::rms_norm(h, readers(2), r));
     block.push(match r.swiglu_node {
         true => Saved::token("SwiGLU gate, up, product (our node keeps no silu(gate))", 3 * f, Stored::Compute),
         false => Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute),
@@ -77,8 +83,12 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         final_norm: saves::rms_norm(h, 1, r),
         buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
         // The product's gradient splits into gate's and up's while the product itself (down's
-        // saved input) is freed: two f-wide gradients net.
-        block_backward: vec![Saved::token("SwiGLU gradients", 2 * f, Stored::Compute), Saved::token("residual gradient", h, Stored::Residual)],
+        // saved input) is freed: two f-wide gradients net. Merged, autograd then joins them
+        // into the joint output's gradient while both are alive: four.
+        block_backward: vec![
+            Saved::token("SwiGLU gradients", if r.merged_projections { 4 * f } else { 2 * f }, Stored::Compute),
+            Saved::token("residual gradient", h, Stored::Residual),
+        ],
     }
 }
 
@@ -106,6 +116,9 @@ pub struct Llama {
     our_swiglu: bool,
     /// The LM head through our linear node (`kernels.fused_linear`).
     our_head: bool,
+    /// q, k and v as one matrix multiplication, gate and up as another
+    /// (`kernels.merged_projections`).
+    merged: bool,
 }
 
 impl Llama {
@@ -143,7 +156,23 @@ impl Llama {
             rope: Rope::new(cfg.head_dim() as i64, cfg.seq_len as i64, cfg.rope_theta, device, ours.rope)?,
             our_swiglu: ours.swiglu,
             our_head: ours.linear,
+            merged: kernels.merged_projections,
         })
+    }
+
+    /// Layer `l`'s attention inputs from the normed `h`: q and k rotated, v, each `[b, heads, t, d]`.
+    fn attention_inputs(&self, l: &Layer, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), TchError> {
+        let (q, k, v) = match self.merged {
+            true => {
+                let mut parts = merged_linear(h, &[&l.q, &l.k, &l.v])?.into_iter();
+                let (q, k, v) = (parts.next().expect("q"), parts.next().expect("k"), parts.next().expect("v"));
+                // v copied out of the joint output: attention keeps it, and as a view it would
+                // keep q's and k's columns alive too (RoPE writes new q and k).
+                (q, k, v.f_contiguous()?)
+            }
+            false => (l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?),
+        };
+        Ok((self.rope.rotate_heads(&q, self.n_head)?, self.rope.rotate_heads(&k, self.n_kv_head)?, split_heads(&v, self.n_kv_head)?))
     }
 }
 
@@ -154,13 +183,10 @@ impl Decoder for Llama {
 
     fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
         let l = &self.layers[i];
-        let h = l.input_norm.forward(x)?;
-        let q = self.rope.rotate_heads(&l.q.forward(&h)?, self.n_head)?;
-        let k = self.rope.rotate_heads(&l.k.forward(&h)?, self.n_kv_head)?;
-        let v = split_heads(&l.v.forward(&h)?, self.n_kv_head)?;
+        let (q, k, v) = self.attention_inputs(l, &l.input_norm.forward(x)?)?;
         let y = causal_attention(&q, &k, &v, dropout)?;
         let (x, normed) = l.post_norm.add_forward(x, &l.o.forward(&y)?.f_dropout(dropout, train)?)?;
-        let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu)?;
+        let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu, self.merged)?;
         x.f_add(&m.f_dropout(dropout, train)?)
     }
 

@@ -15,6 +15,8 @@ pub enum Count {
     Scores(u64),
     /// n per position, shared by the batch (tables indexed by position): n·s.
     Position(u64),
+    /// n whatever the batch and the sequence (a copy of weights).
+    Fixed(u64),
 }
 
 /// The element type a saved tensor has, as a function of the precision.
@@ -37,6 +39,10 @@ pub enum Stored {
     CastTable,
     /// A dropout mask.
     DropoutMask,
+    /// Weights copied in the forward (concatenated, `kernels.merged_projections`): under
+    /// autocast the copy is the 16-bit cast that replaces the ones counted with the weights
+    /// (nothing new); otherwise a copy in the compute dtype.
+    WeightCopy,
 }
 
 /// One saved tensor (or a group stored alike).
@@ -58,6 +64,7 @@ impl Saved {
             Count::Token(n) => n * b * s,
             Count::Scores(n) => n * b * s * s,
             Count::Position(n) => n * s,
+            Count::Fixed(n) => n,
         };
         let per = match self.stored {
             Stored::Compute => w.compute,
@@ -68,6 +75,8 @@ impl Saved {
             Stored::CastTable if w.compute == 4 => 0,
             Stored::CastTable => w.compute,
             Stored::DropoutMask => w.mask,
+            Stored::WeightCopy if w.autocast => 0,
+            Stored::WeightCopy => w.compute,
         };
         elements * per
     }
@@ -104,6 +113,9 @@ pub struct Regime {
     pub swiglu_node: bool,
     /// RoPE as our node (`kernels.fused_rope` on CUDA): no cast tables kept.
     pub rope_node: bool,
+    /// Llama's q/k/v and gate/up each one matrix multiplication (`kernels.merged_projections`):
+    /// each norm has one reader, and the concatenated weights are kept.
+    pub merged_projections: bool,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -205,7 +217,7 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false, swiglu_node: false, rope_node: false };
+        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false, swiglu_node: false, rope_node: false, merged_projections: false };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);

@@ -538,6 +538,28 @@ mod node_tests {
         gives_the_plain_models_loss_and_gradients(&c, rope, plain, |_, recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
     }
 
+    /// `kernels.merged_projections`: a Llama's q/k/v and gate/up each as one matrix
+    /// multiplication give the separate layers' loss and gradients, with biases (Qwen's) and
+    /// without, alone and with the SwiGLU and RoPE nodes reading the joint outputs' parts. With
+    /// the linear node the column sums count the linear layers that ran: four a biased block
+    /// merged (q/k/v, o, gate/up, down), seven separate.
+    #[test]
+    fn merged_projections_give_the_separate_layers_loss_and_gradients() {
+        let plain = KernelsConfig { fused_residual_norm: false, fused_swiglu: false, fused_rope: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        let merged = KernelsConfig { merged_projections: true, ..plain };
+        let blocks = llama().n_layer as u64;
+        for bias in [false, true] {
+            let c = ModelConfig { bias, ..llama() };
+            gives_the_plain_models_loss_and_gradients(&c, merged, plain, |_, _| 0);
+            let nodes = KernelsConfig { fused_swiglu: true, fused_rope: true, ..merged };
+            gives_the_plain_models_loss_and_gradients(&c, nodes, plain, |_, recomputed| 6 * blocks + if recomputed { 3 * blocks } else { 0 });
+        }
+        let biased = ModelConfig { bias: true, ..llama() };
+        let linear = KernelsConfig { fused_linear: true, ..plain };
+        gives_the_plain_models_loss_and_gradients(&biased, KernelsConfig { merged_projections: true, ..linear }, plain, |bf16, _| if bf16 { 4 * 2 * blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&biased, linear, plain, |bf16, _| if bf16 { 7 * 2 * blocks } else { 0 });
+    }
+
     /// The linear node (only under a 16-bit autocast): in GPT-2 its four biased layers a block
     /// launch the column sums twice each in backward, recomputed or not; the LM head's padding
     /// mask takes none. The Llama's layers have no bias: no launch, the same gradients.

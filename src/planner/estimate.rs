@@ -112,7 +112,7 @@ impl Transformer {
         // As `model::Model`: our node where its kernels run, for fp32 weights (not bf16-pure).
         let residual_norm_node = s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
         let (swiglu_node, rope_node) = (s.fused_swiglu && s.target == Target::Cuda, s.fused_rope && s.target == Target::Cuda);
-        let regime = Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node, swiglu_node, rope_node };
+        let regime = Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node, swiglu_node, rope_node, merged_projections: s.merged_projections };
         crate::model::saved_activations(&self.model_config(), regime)
     }
 
@@ -281,6 +281,8 @@ pub struct Setup {
     /// `kernels.cuda_graphs` (CUDA): the micro-steps add into gradient accumulators held
     /// through the step, with one micro-step a step too.
     pub cuda_graphs: bool,
+    /// `kernels.merged_projections`: Llama's q/k/v and gate/up each one matrix multiplication.
+    pub merged_projections: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -721,6 +723,7 @@ pub(crate) mod fixtures {
             fused_swiglu: false,
             fused_rope: false,
             cuda_graphs: false,
+            merged_projections: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,
@@ -1104,6 +1107,29 @@ mod tests {
             let tables = if bytes == 4 { 0 } else { 4 * seq * d * bytes };
             assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &rope, b), tables, "{:?}", setup.precision);
         }
+    }
+
+    /// `kernels.merged_projections`: each norm has one reader, so under autocast the first
+    /// norm's three 16-bit copies become one and the second's two become one; in fp32 and
+    /// bf16-pure the concatenated q/k/v and gate/up weights are kept per block (under autocast
+    /// they are the 16-bit casts the weights already count). Backward the MLP's two gradients
+    /// are joined while both are alive: two f-wide tensors more.
+    #[test]
+    fn merged_projections_have_one_reader_per_norm_and_keep_the_joined_weights() {
+        let m = super::fixtures::llama32_1b();
+        let (h, kv, f, seq, b) = (2048u64, 512u64, 8192u64, 2048u64, 2u64);
+        let tokens = b * seq;
+        let joined = (h + 2 * kv + 2 * f) * h;
+        for (precision, weight_copy) in [(Precision::Fp32, 4 * joined), (Precision::Bf16Mixed, 0), (Precision::Bf16Pure, 2 * joined)] {
+            let plain = setup(precision, OptimizerName::Adamw);
+            let merged = Setup { merged_projections: true, ..plain.clone() };
+            let casts = if precision == Precision::Bf16Mixed { 2 * h * (3 - 1 + 2 - 1) * tokens } else { 0 };
+            assert_eq!(layer_activations(&m, &plain, b) + weight_copy - casts, layer_activations(&m, &merged, b), "{precision:?}");
+            let width = if precision == Precision::Fp32 { 4 } else { 2 };
+            let (e, em) = (estimate(&m, &plain, b, 1), estimate(&m, &merged, b, 1));
+            assert_eq!(em.block_backward_transient - e.block_backward_transient, 2 * f * tokens * width, "{precision:?}");
+        }
+        assert_eq!(layer_activations(&gpt2(), &Setup { merged_projections: true, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) }, 2), layer_activations(&gpt2(), &setup(Precision::Bf16Mixed, OptimizerName::Adamw), 2), "GPT-2 is unchanged");
     }
 
     /// `kernels.cuda_graphs`: the accumulators are a gradient-sized buffer held through the step

@@ -322,6 +322,7 @@ impl Inputs {
             fused_swiglu: config.kernels.fused_swiglu,
             fused_rope: config.kernels.fused_rope,
             cuda_graphs: config.kernels.cuda_graphs,
+            merged_projections: config.kernels.merged_projections,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,
