@@ -256,15 +256,21 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
     }
     // llama-debug: RMSNorm counted as the fused kernel (kernels.fused_rms_norm, on by default);
     // then in bf16-mixed with our residual-norm node (one 16-bit norm output for q, k and v), and
-    // with our SwiGLU and RoPE nodes (no silu(gate), no cast tables kept).
+    // with our SwiGLU and RoPE nodes (no silu(gate), no cast tables kept), then with q/k/v and
+    // gate/up merged (SwiGLU's node on the joint output), and merged in fp32 (the concatenated
+    // weights kept).
     let node: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_residual_norm=true"];
     let llama_nodes: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_swiglu=true", "--set", "kernels.fused_rope=true"];
+    let merged: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_swiglu=true", "--set", "kernels.merged_projections=true"];
+    let merged_fp32: &[&str] = &["--set", "precision=fp32", "--set", "kernels.merged_projections=true"];
     for (config, seq, micros, sets) in [
         ("configs/debug.yaml", 256, "8,16,32", &[][..]),
         ("configs/gpt2-124m.yaml", 512, "1,2,4", &[]),
         ("configs/llama-debug.yaml", 256, "8,16,32", &[]),
         ("configs/llama-debug.yaml", 256, "8,16,32", node),
         ("configs/llama-debug.yaml", 256, "8,16,32", llama_nodes),
+        ("configs/llama-debug.yaml", 256, "8,16,32", merged),
+        ("configs/llama-debug.yaml", 256, "8,16,32", merged_fp32),
     ] {
         let out = std::process::Command::new(bin())
             .args(["plan", "--profile", "--json", "--device", "cuda", "--profile-steps", "1", "--micro-batches", micros])
@@ -668,6 +674,10 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     let plain = KernelsConfig { fused_residual_norm: false, ..KernelsConfig::default() };
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..plain }, plain);
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
+    // q/k/v and gate/up merged, alone and with the SwiGLU node on the joint output.
+    let merged = KernelsConfig { merged_projections: true, ..plain };
+    node_computes_what_atens_ops_do(dev, &[Arch::Llama], merged, plain);
+    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..merged }, plain);
 }
 
 /// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with

@@ -19,6 +19,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -487,6 +488,15 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 255) / 256, 1, sum_args);
 }
 
+namespace {
+// SwiGLU's layout of g (and u, dg, du): contiguous, one row of n; else rows of `cols` values
+// `stride` apart (the halves of a joint [rows, 2·cols] tensor).
+std::pair<long long, long long> swiglu_rows(const at::Tensor& g) {
+  if (g.is_contiguous()) return {g.numel(), g.numel()};
+  return {g.size(-1), g.stride(-2)};
+}
+}  // namespace
+
 void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h) {
   long long n = g.numel();
   if (n == 0) return;
@@ -494,7 +504,8 @@ void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h
   const void* gp = g.data_ptr();
   const void* up = u.data_ptr();
   void* hp = h.data_ptr();
-  void* args[] = {&gp, &up, &hp, &n};
+  auto [cols, stride] = swiglu_rows(g);
+  void* args[] = {&gp, &up, &hp, &n, &cols, &stride};
   const Launcher launch(g.device());
   launch(launch.kernels().per_dtype[d].swiglu_forward, "cuLaunchKernel(tg_swiglu_forward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
 }
@@ -508,13 +519,14 @@ void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::T
   const void* up = u.data_ptr();
   void* dgp = dg.data_ptr();
   void* dup = du.data_ptr();
-  void* args[] = {&dhp, &gp, &up, &dgp, &dup, &n};
+  auto [cols, stride] = swiglu_rows(g);
+  void* args[] = {&dhp, &gp, &up, &dgp, &dup, &n, &cols, &stride};
   const Launcher launch(g.device());
   launch(launch.kernels().per_dtype[d].swiglu_backward, "cuLaunchKernel(tg_swiglu_backward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
 }
 
 void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward) {
-  long long rows = x.size(0) * x.size(1), t = x.size(1), d = x.size(2) / heads;
+  long long rows = x.size(0) * x.size(1), t = x.size(1), d = x.size(2) / heads, x_stride = x.stride(1);
   long long pairs = rows * heads * (d / 2);
   int backward_flag = backward ? 1 : 0;
   if (pairs == 0) return;
@@ -523,7 +535,7 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   const void* cp = cos.data_ptr();
   const void* sp = sin.data_ptr();
   void* op = out.data_ptr();
-  void* args[] = {&xp, &cp, &sp, &op, &rows, &t, &heads, &d, &backward_flag};
+  void* args[] = {&xp, &cp, &sp, &op, &rows, &t, &heads, &d, &x_stride, &backward_flag};
   const Launcher launch(x.device());
   launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (pairs + 255) / 256, 1, args);
 }

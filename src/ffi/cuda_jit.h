@@ -51,14 +51,17 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
                               const at::Tensor& ds, at::Tensor& dx, at::Tensor& ddelta, at::Tensor& dw, at::Tensor& db, bool rms);
 
 // The CUDA side of SwiGLU's autograd node (llama_kernels.cpp), which has checked the tensors:
-// all contiguous, of one shape and dtype. Forward writes h = silu(g) · u, backward dg and du
-// from dh. One launch each, blocks of 2048 values, on PyTorch's current stream.
+// of one shape and dtype; h and dh contiguous; g, u, dg and du either all contiguous or all
+// the two halves of joint [rows, 2·cols] tensors (rows of cols values, 2·cols apart). Forward
+// writes h = silu(g) · u, backward dg and du from dh. One launch each, blocks of 2048 values,
+// on PyTorch's current stream.
 void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h);
 void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du);
 
 // The CUDA side of RoPE's autograd node (llama_kernels.cpp), which has checked the tensors: `x`
-// [b, t, heads·d] contiguous, `cos` and `sin` [≥ t, d] fp32; writes x rotated (or, `backward`,
-// rotated back: the gradient's rotation) into `out`. One launch, a thread per pair of values.
+// [b, t, heads·d] with its rows evenly strided (contiguous, or columns of a wider tensor), `cos`
+// and `sin` [≥ t, d] fp32; writes x rotated (or, `backward`, rotated back: the gradient's
+// rotation) into `out` [b, t, heads·d] contiguous. One launch, a thread per pair of values.
 void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward);
 
 // The column sums of `dy` [rows, cols] (contiguous; fp32, bf16 or fp16) into `out` [cols] fp32

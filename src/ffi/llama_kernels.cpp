@@ -3,7 +3,10 @@
 // - SwiGLU's product (`kernels.fused_swiglu`): h = silu(g) · u, where g and u are the gate and up
 //   projections' outputs. The node keeps g and u (the projections' outputs, which ATen keeps too)
 //   but not silu(g). Elsewhere tg_swiglu computes the same with ATen's differentiable ops
-//   (`at::silu(g) * u`), which is also what the kernels are tested against.
+//   (`at::silu(g) * u`), which is also what the kernels are tested against. With gate and up as
+//   one matrix multiplication (`kernels.merged_projections`) the node takes their joint output
+//   [.., 2f] and its backward writes the joint gradient: no copies of the halves forward, no
+//   joining of their gradients backward.
 // - RoPE (`kernels.fused_rope`): q or k rotated by position from the fp32 cos and sin tables, in
 //   one pass each way; it keeps nothing but the tables. Only where the kernels run: the model
 //   takes ATen's ops elsewhere (src/model/layers.rs, `Rope`), which the kernels are tested against.
@@ -12,6 +15,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda_jit.h"
 #include "guarded.h"
@@ -40,11 +44,37 @@ struct SwiGluNode : public torch::autograd::Function<SwiGluNode> {
   }
 };
 
+struct JointSwiGluNode : public torch::autograd::Function<JointSwiGluNode> {
+  // gu [.., 2f] contiguous (gate's output, then up's) in fp32, bf16 or fp16; h [.., f] alike.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gu) {
+    const int64_t f = gu.size(-1) / 2;
+    std::vector<int64_t> shape = gu.sizes().vec();
+    shape.back() = f;
+    at::Tensor h = at::empty(shape, gu.options());
+    trainguard::cuda_swiglu_forward(gu.narrow(-1, 0, f), gu.narrow(-1, f, f), h);
+    ctx->save_for_backward({gu});
+    return {h};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    trainguard::check_differentiable_once("swiglu", "fused_swiglu");
+    const at::Tensor gu = ctx->get_saved_variables()[0];
+    if (!grads[0].defined()) return {at::Tensor()};
+    const int64_t f = gu.size(-1) / 2;
+    const at::Tensor dh = grads[0].to(gu.scalar_type()).contiguous();
+    at::Tensor dgu = at::empty_like(gu);
+    at::Tensor dg = dgu.narrow(-1, 0, f), du = dgu.narrow(-1, f, f);
+    trainguard::cuda_swiglu_backward(dh, gu.narrow(-1, 0, f), gu.narrow(-1, f, f), dg, du);
+    return {dgu};
+  }
+};
+
 struct RopeNode : public torch::autograd::Function<RopeNode> {
-  // x [b, t, heads·d] contiguous in fp32, bf16 or fp16; cos and sin [≥ t, d] fp32 contiguous.
+  // x [b, t, heads·d] in fp32, bf16 or fp16, its rows evenly strided (q's or k's columns of the
+  // merged q/k/v output are read where they are); cos and sin [≥ t, d] fp32 contiguous.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                                                 const at::Tensor& sin, int64_t heads) {
-    at::Tensor out = at::empty_like(x);
+    at::Tensor out = at::empty(x.sizes(), x.options());
     trainguard::cuda_rope(x, cos, sin, out, heads, false);
     ctx->saved_data["heads"] = heads;
     ctx->save_for_backward({cos, sin});
@@ -87,6 +117,27 @@ int tg_swiglu(const void* gate, const void* up, void** h_out, char* err, size_t 
   });
 }
 
+// silu(gate) · up from their joint output `gu` [.., 2f] (gate's f columns, then up's): `*h_out`
+// is a new tensor tch takes over, [.., f]. Through our kernels where they run (CUDA, or the host
+// emulation) for fp32, bf16 or fp16; through ATen's ops on the halves otherwise.
+int tg_swiglu_joint(const void* joint, void** h_out, char* err, size_t err_len) {
+  *h_out = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& gu = *static_cast<const at::Tensor*>(joint);
+    if (gu.dim() < 1 || gu.size(-1) % 2 != 0) throw std::invalid_argument("swiglu: the joint gate and up output must have an even last dimension");
+    const at::ScalarType t = gu.scalar_type();
+    const bool ours = trainguard::runs_cuda_kernels(gu) && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && gu.numel() > 0;
+    at::Tensor h;
+    if (ours) {
+      h = JointSwiGluNode::apply(gu.contiguous())[0];
+    } else {
+      const std::vector<at::Tensor> halves = gu.chunk(2, -1);
+      h = at::silu(halves[0]) * halves[1];
+    }
+    *h_out = new at::Tensor(h);
+  });
+}
+
 // `x` [b, t, heads·d] (the q or k projection's output) rotated by positions 0..t with the fp32
 // tables `cos` and `sin` [≥ t, d]: `*out` is a new tensor tch takes over, in x's dtype. Only
 // where our kernels run (CUDA, or the host emulation).
@@ -105,7 +156,8 @@ int tg_rope(const void* x, const void* cos, const void* sin, long long heads, vo
     const at::ScalarType t = xt.scalar_type();
     if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) fail("x must be fp32, bf16 or fp16");
     if (!trainguard::runs_cuda_kernels(xt) || c.device() != xt.device() || s.device() != xt.device()) fail("our kernels do not run on this device");
-    *out = new at::Tensor(RopeNode::apply(xt.contiguous(), c.contiguous(), s.contiguous(), heads)[0]);
+    const bool rows_strided = xt.stride(2) == 1 && xt.stride(0) == xt.size(1) * xt.stride(1);
+    *out = new at::Tensor(RopeNode::apply(rows_strided ? xt : xt.contiguous(), c.contiguous(), s.contiguous(), heads)[0]);
   });
 }
 

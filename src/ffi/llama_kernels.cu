@@ -9,7 +9,10 @@
 // reads h's gradient, g and u and writes g's and u's gradients: 8 passes where ATen makes 14,
 // and silu(g) is not kept. Each thread takes 8 consecutive values (a block 2048); where all of
 // a thread's tensors start on 16 bytes and the count is a multiple of 8, it moves them in
-// 16-byte packs (one for 16-bit values, two for fp32).
+// 16-byte packs (one for 16-bit values, two for fp32). g and u (and their gradients) may be the
+// two halves of one joint [rows, 2·cols] tensor (`kernels.merged_projections`: gate and up as
+// one matrix multiplication): they are then read (and written) `cols` values a row, `stride`
+// apart; h and dh are [rows, cols]. Separate tensors are one row of n.
 //
 // RoPE (`kernels.fused_rope`): the "rotate half" rotation of q or k by position, on the
 // projection's output [rows = b·t, heads·d] as it comes (before the heads are split), in fp32
@@ -26,100 +29,116 @@ __device__ __forceinline__ bool tg_packs_fit(const void* p, long long count) {
   return tg_on_16_bytes(p) && count % TG_PER_THREAD == 0;
 }
 
-// The 8 values of type D from `p` + `first` into v: in packs when `packed`.
+// Where value i (of n, `cols` a row) of a tensor read `stride` values a row is.
+struct TgRows {
+  long long cols, stride;
+  __device__ __forceinline__ long long at(long long i) const { return cols == stride ? i : (i / cols) * stride + i % cols; }
+  // Whether 8 values from `first` (a multiple of 8) on are consecutive in memory.
+  __device__ __forceinline__ bool packs() const { return cols % TG_PER_THREAD == 0 && stride % TG_PER_THREAD == 0; }
+};
+
+// The 8 values of type D from value `first` on (laid out as `rows` says) into v: in packs when
+// `packed`.
 template <class D>
-__device__ __forceinline__ void tg_load8(const typename D::T* p, long long first, bool packed, long long n, float* v) {
+__device__ __forceinline__ void tg_load8(const typename D::T* p, long long first, bool packed, long long n, float* v, TgRows rows) {
   if (packed) {
     constexpr int per_pack = 16 / sizeof(typename D::T);
     for (int q = 0; q < TG_PER_THREAD / per_pack; ++q) {
       TgPack pack;
-      pack.bits = reinterpret_cast<const uint4*>(p + first)[q];
+      pack.bits = reinterpret_cast<const uint4*>(p + rows.at(first))[q];
       const typename D::T* values = tg_pack_values(pack, static_cast<typename D::T*>(nullptr));
       for (int k = 0; k < per_pack; ++k) v[q * per_pack + k] = D::load(values, k);
     }
   } else {
-    for (int k = 0; k < TG_PER_THREAD; ++k) v[k] = first + k < n ? D::load(p, first + k) : 0.0f;
+    for (int k = 0; k < TG_PER_THREAD; ++k) v[k] = first + k < n ? D::load(p, rows.at(first + k)) : 0.0f;
   }
 }
 
 template <class D>
-__device__ __forceinline__ void tg_store8(typename D::T* p, long long first, bool packed, long long n, const float* v) {
+__device__ __forceinline__ void tg_store8(typename D::T* p, long long first, bool packed, long long n, const float* v, TgRows rows) {
   if (packed) {
     constexpr int per_pack = 16 / sizeof(typename D::T);
     for (int q = 0; q < TG_PER_THREAD / per_pack; ++q) {
       TgPack pack;
       typename D::T* values = tg_pack_values(pack, static_cast<typename D::T*>(nullptr));
       for (int k = 0; k < per_pack; ++k) D::store(values, k, v[q * per_pack + k]);
-      reinterpret_cast<uint4*>(p + first)[q] = pack.bits;
+      reinterpret_cast<uint4*>(p + rows.at(first))[q] = pack.bits;
     }
   } else {
     for (int k = 0; k < TG_PER_THREAD; ++k) {
-      if (first + k < n) D::store(p, first + k, v[k]);
+      if (first + k < n) D::store(p, rows.at(first + k), v[k]);
     }
   }
 }
 
-// h[i] = silu(g[i]) · u[i] for i < n.
+// h[i] = silu(g[i]) · u[i] for i < n; g and u laid out as `gu` says, h contiguous.
 template <class D>
-__device__ __forceinline__ void swiglu_forward(const typename D::T* g, const typename D::T* u, typename D::T* h, long long n) {
+__device__ __forceinline__ void swiglu_forward(const typename D::T* g, const typename D::T* u, typename D::T* h, long long n, TgRows gu) {
   const long long first = (static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x) * TG_PER_THREAD;
   if (first >= n) return;
-  const bool packed = tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(h, n);
+  const TgRows flat{n, n};
+  const bool packed = gu.packs() && tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(h, n);
   float gv[TG_PER_THREAD], uv[TG_PER_THREAD], hv[TG_PER_THREAD];
-  tg_load8<D>(g, first, packed, n, gv);
-  tg_load8<D>(u, first, packed, n, uv);
+  tg_load8<D>(g, first, packed, n, gv, gu);
+  tg_load8<D>(u, first, packed, n, uv, gu);
   for (int k = 0; k < TG_PER_THREAD; ++k) hv[k] = gv[k] * tg_sigmoid(gv[k]) * uv[k];
-  tg_store8<D>(h, first, packed, n, hv);
+  tg_store8<D>(h, first, packed, n, hv, flat);
 }
 
-// From h's gradient dh: dg = dh · u · silu'(g), du = dh · silu(g).
+// From h's gradient dh: dg = dh · u · silu'(g), du = dh · silu(g); g, u, dg and du laid out as
+// `gu` says, dh contiguous.
 template <class D>
 __device__ __forceinline__ void swiglu_backward(const typename D::T* dh, const typename D::T* g, const typename D::T* u, typename D::T* dg,
-                                                typename D::T* du, long long n) {
+                                                typename D::T* du, long long n, TgRows gu) {
   const long long first = (static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x) * TG_PER_THREAD;
   if (first >= n) return;
-  const bool packed = tg_packs_fit(dh, n) && tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(dg, n) && tg_packs_fit(du, n);
+  const TgRows flat{n, n};
+  const bool packed = gu.packs() && tg_packs_fit(dh, n) && tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(dg, n) && tg_packs_fit(du, n);
   float dhv[TG_PER_THREAD], gv[TG_PER_THREAD], uv[TG_PER_THREAD], dgv[TG_PER_THREAD], duv[TG_PER_THREAD];
-  tg_load8<D>(dh, first, packed, n, dhv);
-  tg_load8<D>(g, first, packed, n, gv);
-  tg_load8<D>(u, first, packed, n, uv);
+  tg_load8<D>(dh, first, packed, n, dhv, flat);
+  tg_load8<D>(g, first, packed, n, gv, gu);
+  tg_load8<D>(u, first, packed, n, uv, gu);
   for (int k = 0; k < TG_PER_THREAD; ++k) {
     const float sig = tg_sigmoid(gv[k]);
     duv[k] = dhv[k] * (gv[k] * sig);
     dgv[k] = dhv[k] * uv[k] * (sig * (1.0f + gv[k] * (1.0f - sig)));
   }
-  tg_store8<D>(dg, first, packed, n, dgv);
-  tg_store8<D>(du, first, packed, n, duv);
+  tg_store8<D>(dg, first, packed, n, dgv, gu);
+  tg_store8<D>(du, first, packed, n, duv, gu);
 }
 
 #define TG_SWIGLU(SUFFIX, D)                                                                                               \
-  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_swiglu_forward_##SUFFIX(const D::T* g, const D::T* u, D::T* h, long long n) { \
-    swiglu_forward<D>(g, u, h, n);                                                                                          \
+  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_swiglu_forward_##SUFFIX(const D::T* g, const D::T* u, D::T* h, long long n, \
+                                                                         long long cols, long long stride) {               \
+    swiglu_forward<D>(g, u, h, n, TgRows{cols, stride});                                                                    \
   }                                                                                                                         \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_swiglu_backward_##SUFFIX(const D::T* dh, const D::T* g, const D::T* u,    \
-                                                                          D::T* dg, D::T* du, long long n) {               \
-    swiglu_backward<D>(dh, g, u, dg, du, n);                                                                                \
+                                                                          D::T* dg, D::T* du, long long n, long long cols,  \
+                                                                          long long stride) {                               \
+    swiglu_backward<D>(dh, g, u, dg, du, n, TgRows{cols, stride});                                                          \
   }
 
 TG_SWIGLU(f32, F32)
 TG_SWIGLU(bf16, BF16)
 TG_SWIGLU(f16, F16)
 
-// Pair (i, i + d/2) of head `head` in row `row` (position row mod t) of x [rows, heads·d]:
+// Pair (i, i + d/2) of head `head` in row `row` (position row mod t) of x [rows, heads·d], whose
+// rows are `x_stride` values apart (q's or k's columns of the merged q/k/v output, or
+// contiguous), into out [rows, heads·d] contiguous:
 // out_i = x_i·cos_i − x_{i+d/2}·sin_i, out_{i+d/2} = x_{i+d/2}·cos_{i+d/2} + x_i·sin_{i+d/2}.
 // Backward is the transposed rotation: dx_i = dy_i·cos_i + dy_{i+d/2}·sin_{i+d/2},
 // dx_{i+d/2} = dy_{i+d/2}·cos_{i+d/2} − dy_i·sin_i. One thread a pair.
 template <class D>
 __device__ __forceinline__ void rope(const typename D::T* x, const float* cos, const float* sin, typename D::T* out, long long rows, long long t,
-                                     long long heads, long long d, int backward) {
+                                     long long heads, long long d, long long x_stride, int backward) {
   const long long half = d / 2, pairs_per_row = heads * half;
   const long long p = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (p >= rows * pairs_per_row) return;
   const long long row = p / pairs_per_row, within = p % pairs_per_row;
   const long long head = within / half, i = within % half;
-  const long long at = row * heads * d + head * d + i;
+  const long long at = row * heads * d + head * d + i, from = row * x_stride + head * d + i;
   const long long table = (row % t) * d + i;
-  const float a = D::load(x, at), b = D::load(x, at + half);
+  const float a = D::load(x, from), b = D::load(x, from + half);
   const float c1 = cos[table], s1 = sin[table], c2 = cos[table + half], s2 = sin[table + half];
   if (backward) {
     D::store(out, at, a * c1 + b * s2);
@@ -133,8 +152,8 @@ __device__ __forceinline__ void rope(const typename D::T* x, const float* cos, c
 #define TG_ROPE(SUFFIX, D)                                                                                              \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_rope_##SUFFIX(const D::T* x, const float* cos, const float* sin, D::T* out, \
                                                                 long long rows, long long t, long long heads, long long d,  \
-                                                                int backward) {                                             \
-    rope<D>(x, cos, sin, out, rows, t, heads, d, backward);                                                                 \
+                                                                long long x_stride, int backward) {                         \
+    rope<D>(x, cos, sin, out, rows, t, heads, d, x_stride, backward);                                                       \
   }
 
 TG_ROPE(f32, F32)

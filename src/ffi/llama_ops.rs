@@ -10,6 +10,7 @@ use tch::Tensor;
 
 extern "C" {
     fn tg_swiglu(gate: *const c_void, up: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_swiglu_joint(joint: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_rope(x: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
@@ -20,6 +21,19 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor, ShimError> {
     // SAFETY: both handles are live tensors; on success the shim hands over a tensor it allocated
     // with `new`, which tch's Tensor owns and frees.
     let code = unsafe { tg_swiglu(gate.as_ptr().cast(), up.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: a non-null pointer the shim returned with code 0.
+    Ok(unsafe { Tensor::from_ptr(h.cast()) })
+}
+
+/// silu(gate) · up from their joint output `gu` `[.., 2f]` (gate's f columns, then up's: gate
+/// and up as one matrix multiplication), `[.., f]` in its dtype; backward writes the joint
+/// gradient in one piece.
+pub fn swiglu_joint(gu: &Tensor) -> Result<Tensor, ShimError> {
+    let mut h = std::ptr::null_mut::<c_void>();
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `swiglu`.
+    let code = unsafe { tg_swiglu_joint(gu.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(h.cast()) })
@@ -76,21 +90,50 @@ mod tests {
     fn the_kernels_compute_what_atens_silu_and_multiply_do() {
         for (len, kind, offset) in [(5000, Kind::Float, false), (4099, Kind::Float, false), (5000, Kind::Float, true), (6000, Kind::BFloat16, false), (6001, Kind::BFloat16, true), (2048, Kind::Half, false)] {
             let (ours, aten) = (run(len, kind, offset, true), run(len, kind, offset, false));
-            let label = format!("{len} {kind:?} offset {offset}");
             for (i, (a, b)) in ours.iter().zip(&aten).enumerate() {
-                assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{label}: output {i}");
-                // fp32 differs in the last bits (σ and the products in another order); a 16-bit
-                // value by the roundings ATen makes between its steps and we do not.
-                let ulp = match kind {
-                    Kind::Float => 1e-6,
-                    Kind::BFloat16 => 1.0 / 64.0,
-                    _ => 1.0 / 512.0,
-                };
-                let (a, b) = (a.to_kind(Kind::Double), b.to_kind(Kind::Double));
-                let excess = ((&a - &b).abs() - b.abs() * ulp - 1e-6).max().double_value(&[]);
-                assert!(excess <= 0.0, "{label}: output {i} differs beyond {ulp:e} relative by {excess:e}");
+                assert_within_roundings(&format!("{len} {kind:?} offset {offset}: output {i}"), a, b);
             }
         }
+    }
+
+    /// `ours` against ATen's `aten`: fp32 differs in the last bits (σ and the products in
+    /// another order); a 16-bit value by the roundings ATen makes between its steps and we do not.
+    fn assert_within_roundings(label: &str, ours: &Tensor, aten: &Tensor) {
+        assert_eq!((ours.kind(), ours.size()), (aten.kind(), aten.size()), "{label}");
+        let ulp = match aten.kind() {
+            Kind::Float => 1e-6,
+            Kind::BFloat16 => 1.0 / 64.0,
+            _ => 1.0 / 512.0,
+        };
+        let (a, b) = (ours.to_kind(Kind::Double), aten.to_kind(Kind::Double));
+        let excess = ((&a - &b).abs() - b.abs() * ulp - 1e-6).max().double_value(&[]);
+        assert!(excess <= 0.0, "{label}: differs beyond {ulp:e} relative by {excess:e}");
+    }
+
+    /// The joint form (gate and up as one matrix multiplication's output `[rows, 2f]`) against
+    /// ATen's ops on its halves: h and the joint gradient, with rows that take the 16-byte packs
+    /// (f a multiple of 8) and rows that do not.
+    #[test]
+    fn the_joint_kernels_compute_what_atens_ops_on_the_halves_do() {
+        for (rows, f, kind) in [(7, 64, Kind::BFloat16), (5, 13, Kind::Float), (9, 24, Kind::Half), (3, 40, Kind::Float)] {
+            let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
+            let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+            let run = |emulated: bool| {
+                let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
+                let emulation = emulated.then(CudaEmulation::start);
+                let h = swiglu_joint(&gu).unwrap();
+                let g = Tensor::run_backward(&[&(h.to_kind(Kind::Float) * &dh).sum(Kind::Float)], &[&gu], false, false);
+                if let Some(e) = &emulation {
+                    assert_eq!(e.launches(), 2, "one launch forward, one backward: the kernels ran");
+                }
+                [h.detach(), g[0].shallow_clone()]
+            };
+            for (what, (a, b)) in ["h", "the joint gradient"].iter().zip(run(true).iter().zip(&run(false))) {
+                assert_within_roundings(&format!("{rows} × 2·{f} {kind:?}: {what}"), a, b);
+            }
+        }
+        let err = swiglu_joint(&Tensor::ones([4, 7], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
+        assert!(err.contains("even last dimension"), "{err}");
     }
 
     #[test]

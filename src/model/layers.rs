@@ -30,16 +30,22 @@ impl Linear {
 }
 
 /// `x` through the linear layers `layers` that all read it, as one matrix multiplication
-/// (`kernels.merged_projections`): their weights (and biases) concatenated in order, the output
-/// split back into each layer's columns (views of one tensor, whose gradients autograd joins).
-pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>, TchError> {
+/// (`kernels.merged_projections`): their weights (and biases) concatenated in order, so the
+/// output holds each layer's columns in turn.
+pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Tensor, TchError> {
     let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
     let bias = match layers.iter().map(|l| l.bias.as_ref()).collect::<Option<Vec<_>>>() {
         Some(biases) => Some(Tensor::f_cat(&biases, 0)?),
         None => None,
     };
+    linear(x, &Tensor::f_cat(&weights, 0)?, bias.as_ref(), layers.iter().any(|l| l.ours))
+}
+
+/// Each of `layers`' columns of their merged output `y` (views of it, whose gradients
+/// autograd joins).
+pub fn split_merged(y: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>, TchError> {
     let widths: Vec<i64> = layers.iter().map(|l| l.weight.size()[0]).collect();
-    linear(x, &Tensor::f_cat(&weights, 0)?, bias.as_ref(), layers.iter().any(|l| l.ours))?.f_split_with_sizes(&widths, -1)
+    y.f_split_with_sizes(&widths, -1)
 }
 
 /// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
@@ -229,18 +235,17 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
 }
 
 /// SwiGLU: `down(silu(gate(x)) · up(x))`; the product through our node (`ffi::llama_ops`) with
-/// `ours`, gate and up as one matrix multiplication with `merged`.
+/// `ours`, gate and up as one matrix multiplication with `merged` (our node then reads their
+/// joint output as it is and writes its gradient whole).
 pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool) -> Result<Tensor, TchError> {
-    let (g, u) = match merged {
-        true => {
-            let mut parts = merged_linear(x, &[gate, up])?.into_iter();
-            (parts.next().expect("two parts"), parts.next().expect("two parts"))
+    let product = match (merged, ours) {
+        (true, true) => crate::ffi::llama_ops::swiglu_joint(&merged_linear(x, &[gate, up])?)?,
+        (true, false) => {
+            let halves = split_merged(&merged_linear(x, &[gate, up])?, &[gate, up])?;
+            halves[0].f_silu()?.f_mul(&halves[1])?
         }
-        false => (gate.forward(x)?, up.forward(x)?),
-    };
-    let product = match ours {
-        true => crate::ffi::llama_ops::swiglu(&g, &u)?,
-        false => g.f_silu()?.f_mul(&u)?,
+        (false, true) => crate::ffi::llama_ops::swiglu(&gate.forward(x)?, &up.forward(x)?)?,
+        (false, false) => gate.forward(x)?.f_silu()?.f_mul(&up.forward(x)?)?,
     };
     down.forward(&product)
 }
@@ -302,6 +307,14 @@ mod tests {
         assert!(rel(&yo, &ya) <= rel(&yp, &ya) + 1e-3 && rel(&go, &ga) <= rel(&gp, &ga) + 1e-3, "bf16: ours {} {}, ATen's {} {}", rel(&yo, &ya), rel(&go, &ga), rel(&yp, &ya), rel(&gp, &ga));
         // A wrong rotation would be far off: the halves swapped give O(1) differences.
         assert!(rel(&yo, &ya) < 1e-2);
+        // q's columns of a merged q/k/v output are read where they are (rows 24 apart here).
+        let wide = Tensor::cat(&[&x32, &x32.narrow(2, 0, 8).f_mul_scalar(-2.0).unwrap()], 2);
+        let view = wide.narrow(2, 0, 16);
+        let emulation = CudaEmulation::start();
+        let (strided, copied) = (ours.rotate_heads(&view, 2).unwrap(), ours.rotate_heads(&view.contiguous(), 2).unwrap());
+        assert_eq!(emulation.launches(), 2);
+        drop(emulation);
+        assert!(strided.equal(&copied), "the node read a strided q wrongly");
         // Where the kernels do not run, the node is refused with its reason.
         let err = crate::ffi::llama_ops::rope(&x32, &ours.cos, &ours.sin, 2).unwrap_err().to_string();
         assert!(err.contains("do not run on this device"), "{err}");

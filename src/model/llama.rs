@@ -5,7 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, RmsNorm, Rope};
+use super::layers::{causal_attention, linear, merged_linear, param, split_heads, split_merged, swiglu, Linear, RmsNorm, Rope};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -84,9 +84,10 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
         // The product's gradient splits into gate's and up's while the product itself (down's
         // saved input) is freed: two f-wide gradients net. Merged, autograd then joins them
-        // into the joint output's gradient while both are alive: four.
+        // into the joint output's gradient while both are alive: four (our node writes the
+        // joint gradient itself).
         block_backward: vec![
-            Saved::token("SwiGLU gradients", if r.merged_projections { 4 * f } else { 2 * f }, Stored::Compute),
+            Saved::token("SwiGLU gradients", if r.merged_projections && !r.swiglu_node { 4 * f } else { 2 * f }, Stored::Compute),
             Saved::token("residual gradient", h, Stored::Residual),
         ],
     }
@@ -164,7 +165,8 @@ impl Llama {
     fn attention_inputs(&self, l: &Layer, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), TchError> {
         let (q, k, v) = match self.merged {
             true => {
-                let mut parts = merged_linear(h, &[&l.q, &l.k, &l.v])?.into_iter();
+                let projections = [&l.q, &l.k, &l.v];
+                let mut parts = split_merged(&merged_linear(h, &projections)?, &projections)?.into_iter();
                 let (q, k, v) = (parts.next().expect("q"), parts.next().expect("k"), parts.next().expect("v"));
                 // v copied out of the joint output: attention keeps it, and as a view it would
                 // keep q's and k's columns alive too (RoPE writes new q and k).

@@ -1113,7 +1113,7 @@ mod tests {
     /// norm's three 16-bit copies become one and the second's two become one; in fp32 and
     /// bf16-pure the concatenated q/k/v and gate/up weights are kept per block (under autocast
     /// they are the 16-bit casts the weights already count). Backward the MLP's two gradients
-    /// are joined while both are alive: two f-wide tensors more.
+    /// are joined while both are alive: two f-wide tensors more, unless our SwiGLU node joins them.
     #[test]
     fn merged_projections_have_one_reader_per_norm_and_keep_the_joined_weights() {
         let m = super::fixtures::llama32_1b();
@@ -1128,6 +1128,10 @@ mod tests {
             let width = if precision == Precision::Fp32 { 4 } else { 2 };
             let (e, em) = (estimate(&m, &plain, b, 1), estimate(&m, &merged, b, 1));
             assert_eq!(em.block_backward_transient - e.block_backward_transient, 2 * f * tokens * width, "{precision:?}");
+            // Our SwiGLU node (CUDA) takes the joint output and writes its gradient whole.
+            let node = Setup { target: Target::Cuda, fused_swiglu: true, ..plain.clone() };
+            let (n, nm) = (estimate(&m, &node, b, 1), estimate(&m, &Setup { merged_projections: true, ..node.clone() }, b, 1));
+            assert_eq!(nm.block_backward_transient, n.block_backward_transient, "{precision:?}");
         }
         assert_eq!(layer_activations(&gpt2(), &Setup { merged_projections: true, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) }, 2), layer_activations(&gpt2(), &setup(Precision::Bf16Mixed, OptimizerName::Adamw), 2), "GPT-2 is unchanged");
     }
