@@ -18,11 +18,14 @@
 # 8. (graphs) gpt2-124m bf16-mixed (micro 16, global 64) and smollm2-135m (micro 8, seq 2048)
 #    with each micro-step's kernels launched one by one and replayed as a CUDA graph
 #    (`kernels.cuda_graphs`); smollm2 also with the SwiGLU and RoPE nodes beside the graphs.
+# 9. (merged) smollm2-135m (micro 8, seq 2048) with q/k/v and gate/up as separate matrix
+#    multiplications and merged (`kernels.merged_projections`), with ATen's SwiGLU and RoPE and
+#    with our nodes.
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms swiglu rope linear graphs`, in that order by default: all)
+#   `rms optim loss norms swiglu rope linear graphs merged`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -61,10 +64,13 @@ table() {  # NAME: one table, then a blank line
       echo
       smollm_rows "kernels launched one by one|kernels.cuda_graphs=false" "CUDA graphs|kernels.cuda_graphs=true" \
         "CUDA graphs, SwiGLU and RoPE nodes|kernels.cuda_graphs=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs)" >&2; exit 2 ;;
+    merged) smollm_rows "separate projections|kernels.merged_projections=false" "merged q/k/v, gate/up|kernels.merged_projections=true" \
+      "separate, SwiGLU and RoPE nodes|kernels.merged_projections=false kernels.fused_swiglu=true kernels.fused_rope=true" \
+      "merged, SwiGLU and RoPE nodes|kernels.merged_projections=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged}; do table "$t"; done
