@@ -52,9 +52,12 @@ struct Graph {
   // be captured): CUDAGraph then neither stops routing the capture's allocations to the pool
   // nor releases it (its reset releases a pool only after a successful end), so the pool's
   // blocks would stay reserved and both allocators would keep a filter that points into this
-  // graph. Undone here as capture_end and reset do it; each step may already have been done
-  // (capture_end fails after ending the allocation in a few places), hence one try each.
-  void abandon_pool() {
+  // graph. Undone here as capture_end and reset do it. `capture_end_ran`: capture_end may have
+  // ended the allocation itself before failing (a few of its checks come after), so the pool is
+  // released even where ending it here finds nothing to end; after a failed capture_begin only a
+  // pool this ends was registered (a shared pool's count must not drop for a capture that never
+  // took it).
+  void abandon_pool(bool capture_end_ran) {
     try {
       (void)graph.pool();
       return;  // the capture ended: the graph's reset releases the pool
@@ -63,11 +66,14 @@ struct Graph {
     const auto quietly = [](auto&& f) {
       try {
         f();
+        return true;
       } catch (...) {
+        return false;
       }
     };
-    quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); });
+    const bool ended_here = quietly([&] { c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool); });
     quietly([&] { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool); });
+    if (!ended_here && !capture_end_ran) return;
     quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(device, pool); });
     quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool); });
   }
@@ -112,10 +118,8 @@ int tg_graph_capture_begin(int device, void* share, void** out, char* err, size_
     try {
       g->graph.capture_begin(g->pool);
     } catch (...) {
-      // capture_begin registers the pool with both allocators before it starts the stream's
-      // capture, the one step here that can fail.
       g->leave_capture();
-      g->abandon_pool();
+      g->abandon_pool(false);
       clear_cuda_error();
       throw;
     }
@@ -133,7 +137,7 @@ int tg_graph_capture_end(void* g, char* err, size_t err_len) {
       graph->graph.capture_end();
     } catch (...) {
       graph->leave_capture();
-      graph->abandon_pool();
+      graph->abandon_pool(true);
       clear_cuda_error();
       throw;
     }
@@ -157,7 +161,7 @@ void tg_graph_free(void* g) {
     } catch (...) {
     }
     graph->leave_capture();
-    graph->abandon_pool();
+    graph->abandon_pool(true);
     clear_cuda_error();
   }
   try {
