@@ -438,11 +438,12 @@ pub struct KernelsConfig {
     pub cuda_graphs: bool,
     /// The Llama family's q, k and v projections as one matrix multiplication, and gate and up
     /// as another: their weights (kept as `transformers`' separate tensors, so checkpoints,
-    /// imports and exports do not change) are concatenated in each forward. Each reads the
+    /// imports and exports do not change) are concatenated in each forward (a checkpointed
+    /// block's recomputation included). Each reads the
     /// norm's output once, in one GEMM with the widths added (smollm2-135m: 960 columns where
     /// k's and v's were 192 each), and backward takes the input's gradient in one GEMM where
     /// three (two) ran and their results were added. What it costs: the concatenation (the
-    /// weights, once per micro-step) and, backward, the joining of the parts' gradients. The
+    /// weights, once per forward) and, backward, the joining of the parts' gradients. The
     /// same maths (the sums' order differs in the last bits). Any device; off by default until a
     /// GPU measures it (`TABLES=merged scripts/bench_kernels.sh`). GPT-2's attention projection
     /// is one matrix already.

@@ -34,9 +34,11 @@ impl Linear {
 /// output holds each layer's columns in turn.
 pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Tensor, TchError> {
     let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
-    let bias = match layers.iter().map(|l| l.bias.as_ref()).collect::<Option<Vec<_>>>() {
-        Some(biases) => Some(Tensor::f_cat(&biases, 0)?),
-        None => None,
+    let biases: Vec<&Tensor> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
+    let bias = match biases.len() {
+        0 => None,
+        n if n == layers.len() => Some(Tensor::f_cat(&biases, 0)?),
+        _ => return Err(TchError::Torch("merged_linear: the layers must all have a bias or none".into())),
     };
     linear(x, &Tensor::f_cat(&weights, 0)?, bias.as_ref(), layers.iter().any(|l| l.ours))
 }
@@ -277,6 +279,25 @@ mod tests {
         // An epsilon lost on the way would show here: the inputs are small enough for it to matter.
         let loose = RmsNorm { eps: 1e-3, ..norm(true, Kind::Float) };
         assert!(!run(&loose).0.equal(&a.0));
+    }
+
+    /// Merged layers give each layer's columns (biases included); a mix of layers with and
+    /// without a bias is refused, not computed without the biases.
+    #[test]
+    fn merged_linear_gives_each_layers_columns_and_refuses_mixed_biases() {
+        let layer = |out: i64, bias: bool| Linear {
+            weight: Tensor::randn([out, 6], (Kind::Float, Device::Cpu)),
+            bias: bias.then(|| Tensor::randn([out], (Kind::Float, Device::Cpu))),
+            ours: false,
+        };
+        let x = Tensor::randn([2, 3, 6], (Kind::Float, Device::Cpu));
+        let (a, b) = (layer(4, true), layer(2, true));
+        let parts = split_merged(&merged_linear(&x, &[&a, &b]).unwrap(), &[&a, &b]).unwrap();
+        for (part, l) in parts.iter().zip([&a, &b]) {
+            assert!(part.allclose(&l.forward(&x).unwrap(), 1e-6, 1e-6, false));
+        }
+        let err = merged_linear(&x, &[&a, &layer(2, false)]).unwrap_err().to_string();
+        assert!(err.contains("a bias or none"), "{err}");
     }
 
     /// Our RoPE node (the kernel's source emulated on the host) rotates as ATen's ops do, and its

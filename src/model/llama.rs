@@ -56,7 +56,9 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
 /// RMSNorm read by gate and up, SwiGLU's gate output, up output, silu(gate) and their product
 /// (down's input), two residual dropout masks. Besides: the fp32 cos and sin tables
 /// (seq_len × head_dim each). With merged projections each norm has one reader, v is copied out
-/// of the joint output (as wide as its own), and the concatenated weights are kept.
+/// of the joint output (as wide as its own), and the concatenated weights are kept (their
+/// gradient, which backward then writes whole, is not counted: a few MB for smollm2-135m, as
+/// the separate layers' weight gradients are not).
 pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let (h, f, a, d) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64, cfg.head_dim() as u64);
     let kv = cfg.kv_heads() as u64 * d;
