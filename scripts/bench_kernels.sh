@@ -21,11 +21,14 @@
 # 9. (merged) smollm2-135m (micro 8, seq 2048) with q/k/v and gate/up as separate matrix
 #    multiplications and merged (`kernels.merged_projections`), with ATen's SwiGLU and RoPE and
 #    with our nodes.
+# 10. (levers) gpt2-124m and smollm2-135m with the defaults and with every switch not yet
+#    measured on a GPU on together (CUDA graphs, the linear node; for smollm2 also the SwiGLU and
+#    RoPE nodes and merged projections): what they buy at once.
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms swiglu rope linear graphs merged`, in that order by default: all)
+#   `rms optim loss norms swiglu rope linear graphs merged levers`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -67,10 +70,14 @@ table() {  # NAME: one table, then a blank line
     merged) smollm_rows "separate projections|kernels.merged_projections=false" "merged q/k/v, gate/up|kernels.merged_projections=true" \
       "separate, SwiGLU and RoPE nodes|kernels.merged_projections=false kernels.fused_swiglu=true kernels.fused_rope=true" \
       "merged, SwiGLU and RoPE nodes|kernels.merged_projections=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged)" >&2; exit 2 ;;
+    levers)
+      gpt2_rows "defaults|" "CUDA graphs, linear node|kernels.cuda_graphs=true kernels.fused_linear=true"
+      echo
+      smollm_rows "defaults|" "CUDA graphs, linear, SwiGLU and RoPE nodes, merged|kernels.cuda_graphs=true kernels.fused_linear=true kernels.fused_swiglu=true kernels.fused_rope=true kernels.merged_projections=true" ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged levers)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged levers}; do table "$t"; done

@@ -34,7 +34,8 @@
 #           and smollm2-135m with ATen's norms and our residual-norm node (kernels.fused_residual_norm);
 #           smollm2-135m with ATen's SwiGLU and RoPE and ours (kernels.fused_swiglu, kernels.fused_rope);
 #           gpt2-124m and smollm2-135m with and without CUDA graphs (kernels.cuda_graphs);
-#           smollm2-135m with q/k/v and gate/up separate and merged (kernels.merged_projections)
+#           smollm2-135m with q/k/v and gate/up separate and merged (kernels.merged_projections);
+#           both with the defaults and with every switch not yet measured on a GPU on (levers)
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off
 set -uo pipefail
