@@ -443,7 +443,8 @@ pub struct KernelsConfig {
     /// norm's output once, in one GEMM with the widths added (smollm2-135m: 960 columns where
     /// k's and v's were 192 each), and backward takes the input's gradient in one GEMM where
     /// three (two) ran and their results were added. What it costs: the concatenation (the
-    /// weights, once per forward) and, backward, the joining of the parts' gradients. The
+    /// weights, once per forward; under autocast also its 16-bit cast, where autocast casts the
+    /// separate weights once a step) and, backward, the joining of the parts' gradients. The
     /// same maths (the sums' order differs in the last bits). Any device; off by default until a
     /// GPU measures it (`TABLES=merged scripts/bench_kernels.sh`). GPT-2's attention projection
     /// is one matrix already.
