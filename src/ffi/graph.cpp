@@ -24,6 +24,14 @@
 #include "guarded.h"
 
 namespace {
+// Clears the CUDA runtime's last error, which a failed capture leaves for the next kernel launch
+// check to report as its own. Looked up in the runtime torch loaded (our link has no -lcudart).
+void clear_cuda_error() {
+  using GetLastError = int (*)();
+  static const auto get = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
+  if (get != nullptr) (void)get();
+}
+
 struct Graph {
   at::cuda::CUDAGraph graph;
   // The private memory pool the capture allocates from (ours, so a failed capture can hand it
@@ -77,15 +85,27 @@ struct Graph {
     quietly([&] { c10::cuda::CUDACachingAllocator::releasePool(device, pool); });
     quietly([&] { at::getHostAllocator(at::kCUDA)->release_pool(pool); });
   }
-};
 
-// Clears the CUDA runtime's last error, which a failed capture leaves for the next kernel launch
-// check to report as its own. Looked up in the runtime torch loaded (our link has no -lcudart).
-void clear_cuda_error() {
-  using GetLastError = int (*)();
-  static const auto get = reinterpret_cast<GetLastError>(dlsym(RTLD_DEFAULT, "cudaGetLastError"));
-  if (get != nullptr) (void)get();
-}
+  // After a failed capture_begin or capture_end: back to the caller's stream, the pool handed
+  // back, CUDA's last error cleared.
+  void fail_capture(bool capture_end_ran) {
+    leave_capture();
+    abandon_pool(capture_end_ran);
+    clear_cuda_error();
+  }
+
+  // Ends the capture and instantiates the graph, the caller's stream current again; on failure
+  // as fail_capture says, and the error rethrown.
+  void end_capture() {
+    try {
+      graph.capture_end();
+    } catch (...) {
+      fail_capture(true);
+      throw;
+    }
+    leave_capture();
+  }
+};
 
 Graph* graph_of(void* g) {
   if (g == nullptr) throw std::invalid_argument("CUDA graph: null handle");
@@ -118,9 +138,7 @@ int tg_graph_capture_begin(int device, void* share, void** out, char* err, size_
     try {
       g->graph.capture_begin(g->pool);
     } catch (...) {
-      g->leave_capture();
-      g->abandon_pool(false);
-      clear_cuda_error();
+      g->fail_capture(false);
       throw;
     }
     *out = g.release();
@@ -133,15 +151,7 @@ int tg_graph_capture_end(void* g, char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
     Graph* graph = graph_of(g);
     if (!graph->capturing) throw std::logic_error("CUDA graph: not capturing");
-    try {
-      graph->graph.capture_end();
-    } catch (...) {
-      graph->leave_capture();
-      graph->abandon_pool(true);
-      clear_cuda_error();
-      throw;
-    }
-    graph->leave_capture();
+    graph->end_capture();
   });
 }
 
@@ -157,12 +167,10 @@ void tg_graph_free(void* g) {
   Graph* graph = static_cast<Graph*>(g);
   if (graph->capturing) {
     try {
-      graph->graph.capture_end();
+      graph->end_capture();
     } catch (...) {
     }
-    graph->leave_capture();
-    graph->abandon_pool(true);
-    clear_cuda_error();
+    clear_cuda_error();  // the captured code's own failure, where the capture ended regardless
   }
   try {
     delete graph;
