@@ -125,6 +125,11 @@ int tg_graph_capture_begin(int device, void* share, void** out, char* err, size_
   return trainguard::guarded(err, err_len, [&] {
     const auto index = static_cast<c10::DeviceIndex>(device);
     c10::cuda::set_device(index);
+    // Autocast's cached casts of the weights hold their AccumulateGrad nodes, made on the
+    // caller's stream by a warm-up earlier in the step: the captured backward would then make that
+    // stream wait on the capture (CUDA refuses: cudaErrorStreamCaptureImplicit). Freed, the
+    // capture's forward makes new ones on its own stream.
+    at::autocast::clear_cache();
     c10::cuda::device_synchronize();
     c10::cuda::CUDACachingAllocator::emptyCache();
     auto g = std::make_unique<Graph>();
