@@ -660,7 +660,8 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
 fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
     let Some(dev) = cuda() else { return };
-    let plain = KernelsConfig { fused_residual_norm: false, ..KernelsConfig::default() };
+    // ATen's fused RMSNorm is what the node replaces on CUDA.
+    let plain = KernelsConfig { fused_rms_norm: true, ..KernelsConfig::aten() };
     node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig { fused_residual_norm: true, ..plain }, plain);
 }
 
@@ -671,7 +672,8 @@ fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
 fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
     let Some(dev) = cuda() else { return };
-    let plain = KernelsConfig { fused_residual_norm: false, ..KernelsConfig::default() };
+    // ATen's fused RMSNorm is what the node replaces on CUDA.
+    let plain = KernelsConfig { fused_rms_norm: true, ..KernelsConfig::aten() };
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..plain }, plain);
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
     // q/k/v and gate/up merged, alone and with the SwiGLU node on the joint output.
@@ -689,8 +691,9 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
 fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
     let Some(dev) = cuda() else { return };
-    let plain = KernelsConfig::default();
-    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig { fused_linear: true, ..plain }, plain);
+    // Among the other defaults: the Llama's merged projections and nodes read its outputs.
+    let plain = KernelsConfig { fused_linear: false, ..KernelsConfig::default() };
+    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig::default(), plain);
     for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 70)] {
         let dy = Tensor::randn([rows, cols], (Kind::Float, dev)).to_kind(Kind::BFloat16);
         let x = Tensor::ones([rows, 1], (Kind::BFloat16, dev));

@@ -404,16 +404,18 @@ pub struct KernelsConfig {
     /// (`ffi::llama_ops`, NVRTC kernels): forward reads gate and up and writes the product once,
     /// backward writes both gradients in one pass, in fp32 with one rounding; silu(gate) is not
     /// kept for backward (one f-wide tensor less per block, which the planner counts). ATen runs
-    /// silu and a multiply forward and three kernels backward. Off by default until a GPU
-    /// measures it (`TABLES=swiglu scripts/bench_kernels.sh`); on the CPU ATen's ops run either way.
+    /// silu and a multiply forward and three kernels backward. On by default since an H100
+    /// measured it: smollm2-135m bf16-mixed (micro 8) 1.026× faster, 1.41 GiB lower peak
+    /// (BENCHMARKS.md, "GPU checks on an H100, third session"); on the CPU ATen's ops run either way.
     pub fused_swiglu: bool,
     /// The Llama family's rotary position embedding of q and k on CUDA as one autograd node of
     /// our own (`ffi::llama_ops`, an NVRTC kernel): one pass each way over the projection's
     /// output, in fp32 from the fp32 tables with one rounding, where ATen (as `transformers`)
     /// casts the tables to the compute dtype and multiplies, negates, concatenates, multiplies
-    /// and adds, and keeps the cast tables for backward (which the planner counts). Off by
-    /// default until a GPU measures it (`TABLES=rope scripts/bench_kernels.sh`); on the CPU
-    /// ATen's ops run either way.
+    /// and adds, and keeps the cast tables for backward (which the planner counts). On by
+    /// default since an H100 measured it beside the SwiGLU node: smollm2-135m bf16-mixed 1.194×
+    /// faster with both than with neither, 1.026× with the SwiGLU node alone; on the CPU ATen's
+    /// ops run either way.
     pub fused_rope: bool,
     /// The linear layers and the LM head on CUDA under bf16 or fp16 autocast as one autograd
     /// node of our own (`ffi::linear`): the same GEMMs forward, but backward the weight's
@@ -421,9 +423,9 @@ pub struct KernelsConfig {
     /// our column-sum kernels in fp32, where autocast's linear writes both in 16 bits and its
     /// casts' backward returns them to fp32 (a pass and a kernel per parameter per micro-step),
     /// and ATen's general reduction takes the bias's column sums (7 ms of a 152 ms gpt2-124m
-    /// step on an H200). The LM head's padding-mask gradient is not computed. Off by default
-    /// until a GPU measures it (`TABLES=linear scripts/bench_kernels.sh`); on the CPU ATen's
-    /// linear runs either way.
+    /// step on an H200). The LM head's padding-mask gradient is not computed. On by default since
+    /// an H100 measured it: gpt2-124m bf16-mixed (micro 16) 1.030× faster, smollm2-135m 1.014×,
+    /// the same peaks; on the CPU ATen's linear runs either way.
     pub fused_linear: bool,
     /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
     /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
@@ -433,8 +435,9 @@ pub struct KernelsConfig {
     /// dropout, fp16 loss scaling or offload (the config refuses them together; a step the guard
     /// escalates to offload runs eagerly).
     /// The graphs keep their activations' memory between steps (a private pool, released
-    /// before validation). Off by default until a GPU measures it (`TABLES=graphs
-    /// scripts/bench_kernels.sh`); on the CPU nothing changes.
+    /// before validation). Off by default: an H100 measured gpt2-124m bf16-mixed 1.017× and
+    /// smollm2-135m 1.032× faster with the other kernels' defaults, too little to refuse dropout,
+    /// fp16 and offload by default or to keep a pool between steps; on the CPU nothing changes.
     pub cuda_graphs: bool,
     /// The Llama family's q, k and v projections as one matrix multiplication, and gate and up
     /// as another: their weights (kept as `transformers`' separate tensors, so checkpoints,
@@ -445,9 +448,11 @@ pub struct KernelsConfig {
     /// three (two) ran and their results were added. What it costs: the concatenation (the
     /// weights, once per forward; under autocast also its 16-bit cast, where autocast casts the
     /// separate weights once a step) and, backward, the joining of the parts' gradients. The
-    /// same maths (the sums' order differs in the last bits). Any device; off by default until a
-    /// GPU measures it (`TABLES=merged scripts/bench_kernels.sh`). GPT-2's attention projection
-    /// is one matrix already.
+    /// same maths (the sums' order differs in the last bits). Any device. On by default since an
+    /// H100 measured smollm2-135m bf16-mixed 1.053× faster with the SwiGLU and RoPE nodes (whose
+    /// kernels read the joint outputs' parts in place; without them the parts are copied out and
+    /// it ran 0.970×); on the CPU the same speed within noise. GPT-2's attention projection is
+    /// one matrix already.
     pub merged_projections: bool,
 }
 
@@ -458,6 +463,24 @@ impl Default for KernelsConfig {
             cuda_optimizers: true,
             fused_cross_entropy: true,
             fused_residual_norm: true,
+            fused_swiglu: true,
+            fused_rope: true,
+            fused_linear: true,
+            cuda_graphs: false,
+            merged_projections: true,
+        }
+    }
+}
+
+impl KernelsConfig {
+    /// Every switch off: ATen's ops throughout, each kernel launched on its own. The reference
+    /// the fused paths are tested against.
+    pub fn aten() -> Self {
+        Self {
+            fused_rms_norm: false,
+            cuda_optimizers: false,
+            fused_cross_entropy: false,
+            fused_residual_norm: false,
             fused_swiglu: false,
             fused_rope: false,
             fused_linear: false,

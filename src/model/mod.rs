@@ -517,7 +517,7 @@ mod node_tests {
     /// three backward per norm; recomputed blocks run their two norms' forwards again.
     #[test]
     fn the_residual_norm_node_gives_the_plain_models_loss_and_gradients() {
-        let plain = KernelsConfig { fused_residual_norm: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        let plain = KernelsConfig::aten();
         for c in [gpt2(), llama()] {
             let norms = 2 * c.n_layer as u64 + 1;
             let on = KernelsConfig { fused_residual_norm: true, ..plain };
@@ -529,7 +529,7 @@ mod node_tests {
     /// one backward per block, RoPE two each (q and k); recomputed blocks run their forwards again.
     #[test]
     fn the_swiglu_and_rope_nodes_give_the_plain_llamas_loss_and_gradients() {
-        let plain = KernelsConfig { fused_residual_norm: false, fused_swiglu: false, fused_rope: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        let plain = KernelsConfig::aten();
         let c = llama();
         let blocks = c.n_layer as u64;
         let swiglu = KernelsConfig { fused_swiglu: true, ..plain };
@@ -545,7 +545,7 @@ mod node_tests {
     /// merged (q/k/v, o, gate/up, down), seven separate.
     #[test]
     fn merged_projections_give_the_separate_layers_loss_and_gradients() {
-        let plain = KernelsConfig { fused_residual_norm: false, fused_swiglu: false, fused_rope: false, fused_cross_entropy: false, ..KernelsConfig::default() };
+        let plain = KernelsConfig::aten();
         let merged = KernelsConfig { merged_projections: true, ..plain };
         let blocks = llama().n_layer as u64;
         for bias in [false, true] {
@@ -565,7 +565,7 @@ mod node_tests {
     /// mask takes none. The Llama's layers have no bias: no launch, the same gradients.
     #[test]
     fn the_linear_node_gives_the_plain_models_loss_and_gradients() {
-        let plain = KernelsConfig { fused_residual_norm: false, fused_cross_entropy: false, fused_linear: false, ..KernelsConfig::default() };
+        let plain = KernelsConfig::aten();
         let on = KernelsConfig { fused_linear: true, ..plain };
         let g = gpt2();
         assert!(g.padded_vocab() > g.vocab_size, "the head has its padding mask");
