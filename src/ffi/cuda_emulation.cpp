@@ -180,6 +180,7 @@ struct Kernel {
 #define TG_EMULATED_DTYPE(s)                                                                                             \
   TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s),                      \
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
+      TG_EMULATED(tg_ln_forward_warp_##s), TG_EMULATED(tg_ln_backward_warp_##s),                                         \
       TG_EMULATED(tg_swiglu_forward_##s), TG_EMULATED(tg_swiglu_backward_##s), TG_EMULATED(tg_rope_##s),               \
       TG_EMULATED(tg_col_sum_bands_##s),                                                                                \
       TG_EMULATED(tg_adafactor_rows_##s), TG_EMULATED(tg_adafactor_cols_##s), TG_EMULATED(tg_adafactor_col_var_##s),   \

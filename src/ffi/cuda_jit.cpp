@@ -194,9 +194,9 @@ std::string compile(const char* src, int major, int minor) {
 }
 
 // The kernels optim_kernels.cu, loss_kernels.cu, norm_kernels.cu, llama_kernels.cu and
-// linear_kernels.cu define: 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's
-// three, SwiGLU's two, RoPE's and the column sums' bands per dtype, Adafactor's stages per dtype,
-// plus the dtype-free Adafactor coefficient, LayerNorm parameter-gradient sum and column sums'
+// linear_kernels.cu define: 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's five
+// (forward and backward a block a row and a warp a row, the parameters' gradients), SwiGLU's two,
+// RoPE's and the column sums' bands per dtype, Adafactor's stages per dtype, plus the dtype-free Adafactor coefficient, LayerNorm parameter-gradient sum and column sums'
 // finish. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
 // Rows per band of the column sums (LayerNorm's weight and bias gradients, a linear layer's bias
@@ -204,6 +204,10 @@ const char* const kDtypes[] = {"f32", "bf16", "f16"};
 constexpr long long kBandRows = 256;
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
+// The widest row LayerNorm's warp kernels take (TG_ROW_VALUES · 32), and the rows a block of
+// them takes (TG_WARPS); a wider row takes a block of the other form.
+constexpr long long kWarpRowCols = 1024;
+constexpr long long kWarpRowsPerBlock = 8;
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
 const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
@@ -215,7 +219,9 @@ struct DtypeKernels {
   void* ce_forward = nullptr;
   void* ce_backward = nullptr;
   void* ln_forward = nullptr;
+  void* ln_forward_warp = nullptr;
   void* ln_backward = nullptr;
+  void* ln_backward_warp = nullptr;
   void* ln_param_grads = nullptr;
   void* swiglu_forward = nullptr;
   void* swiglu_backward = nullptr;
@@ -295,7 +301,9 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_forward, std::string("tg_ln_forward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ln_forward_warp, std::string("tg_ln_forward_warp_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_backward, std::string("tg_ln_backward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ln_backward_warp, std::string("tg_ln_backward_warp_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_param_grads, std::string("tg_ln_param_grads_") + kDtypes[d]);
     get(&k.per_dtype[d].swiglu_forward, std::string("tg_swiglu_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].swiglu_backward, std::string("tg_swiglu_backward_") + kDtypes[d]);
@@ -452,9 +460,15 @@ void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, co
   void* yp = y.data_ptr();
   void* mp = mean.data_ptr();
   void* rp = rstd.data_ptr();
-  void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps, &rms_flag};
   const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[d].ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
+  const auto& k = launch.kernels().per_dtype[d];
+  if (cols <= kWarpRowCols) {
+    void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &rows, &cols, &eps, &rms_flag};
+    launch(k.ln_forward_warp, "cuLaunchKernel(tg_ln_forward_warp)", (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock, 1, args);
+  } else {
+    void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps, &rms_flag};
+    launch(k.ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
+  }
 }
 
 void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dy,
@@ -471,9 +485,15 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   const void* dsp = data_or_null(ds);
   void* dxp = dx.data_ptr();
   void* ddp = mutable_data_or_null(ddelta);
-  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
   const Launcher launch(s.device());
-  launch(launch.kernels().per_dtype[d].ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+  const auto& k = launch.kernels().per_dtype[d];
+  if (cols <= kWarpRowCols) {
+    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &rows, &cols, &rms_flag};
+    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock, 1, args);
+  } else {
+    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
+    launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+  }
   if (!dy.defined()) return;  // no output gradient: dw and db stay zero
   // The weight and bias gradients: bands of rows per column tile, then the bands summed in order.
   long long band_rows = kBandRows;

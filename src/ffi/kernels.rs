@@ -376,7 +376,7 @@ mod tests {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
-            entries.extend(["forward", "backward", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
+            entries.extend(["forward", "forward_warp", "backward", "backward_warp", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));
             entries.push(format!("tg_col_sum_bands_{dtype}"));

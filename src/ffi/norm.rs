@@ -113,6 +113,10 @@ mod tests {
             Case { norm: rms, rows: 37, cols: 300, delta: true, bias: false, kind: Kind::Float },
             Case { norm: rms, rows: 23, cols: 520, delta: false, bias: false, kind: Kind::Float },
             Case { norm: rms, rows: 300, cols: 48, delta: true, bias: false, kind: Kind::BFloat16 },
+            // Rows wider than a warp's 1024 values: a block a row.
+            Case { norm: layer, rows: 5, cols: 1100, delta: true, bias: true, kind: Kind::BFloat16 },
+            Case { norm: rms, rows: 3, cols: 1030, delta: true, bias: false, kind: Kind::Float },
+            Case { norm: layer, rows: 4, cols: 1025, delta: false, bias: true, kind: Kind::Float },
         ] {
             let (ours, aten) = (run(&c, true), run(&c, false));
             assert_eq!(ours.len(), aten.len());
@@ -134,10 +138,13 @@ mod tests {
 
     #[test]
     fn the_kernels_are_deterministic_and_bad_inputs_are_errors() {
-        let c = Case { norm: Norm::Layer, rows: 300, cols: 96, delta: true, bias: true, kind: Kind::BFloat16 };
-        let (a, b) = (run(&c, true), run(&c, true));
-        for (x, y) in a.iter().zip(&b) {
-            assert!(x.equal(y), "two runs differ: {:?} {:?} by {}", x.kind(), x.size(), (x.to_kind(Kind::Double) - y.to_kind(Kind::Double)).abs().max().double_value(&[]));
+        // A warp a row, and a block a row.
+        for cols in [96, 1100] {
+            let c = Case { norm: Norm::Layer, rows: 300 * 96 / cols, cols, delta: true, bias: true, kind: Kind::BFloat16 };
+            let (a, b) = (run(&c, true), run(&c, true));
+            for (x, y) in a.iter().zip(&b) {
+                assert!(x.equal(y), "{cols} columns: two runs differ: {:?} {:?} by {}", x.kind(), x.size(), (x.to_kind(Kind::Double) - y.to_kind(Kind::Double)).abs().max().double_value(&[]));
+            }
         }
         // Bad inputs: a clear error, not a crash.
         let x = Tensor::ones([2, 8], (Kind::Int64, Device::Cpu));

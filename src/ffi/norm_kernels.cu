@@ -12,12 +12,25 @@
 // backward (add, norm, cast; cast, norm, accumulate, cast), these read and write it three and
 // five times, plus one pass for the weight and bias gradients.
 //
+// Rows of at most TG_ROW_VALUES · 32 values (GPT-2's 768 to 1024, the small Llamas' 576 and
+// 960) take a warp each, TG_WARPS rows a block, every lane holding its values in registers: the
+// row is read from memory once, its sums are warp shuffles and nothing waits at a block barrier.
+// Wider rows take a block each and read the row again per pass (from L2), across four barriers:
+// with one row a block, those waits, not the memory, set the pace.
+//
 // Every reduction runs in a fixed order (a butterfly within each warp, then the warps in
 // order; rows in bands summed in band order), so every run gives the same bits.
+#define TG_ROW_VALUES 32
+
+// The sum of each lane's `v` over its warp; every lane gets it.
+__device__ __forceinline__ float tg_warp_sum(float v) {
+  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+  return v;
+}
 
 // The sum of each thread's `v` over the CUDA block; every thread gets it.
 __device__ __forceinline__ float tg_block_sum(float v, float* shared) {
-  for (int k = 16; k > 0; k >>= 1) v += __shfl_xor_sync(0xffffffffu, v, k);
+  v = tg_warp_sum(v);
   __syncthreads();  // `shared` may still be read by an earlier call's threads
   if ((threadIdx.x & 31) == 0) shared[threadIdx.x >> 5] = v;
   __syncthreads();
@@ -62,6 +75,56 @@ __device__ __forceinline__ void ln_forward(const float* x, const typename D::T* 
   }
 }
 
+// ln_forward for the row of this warp (rows of at most TG_ROW_VALUES · 32): the same values, the
+// row's values loaded once into registers before anything is stored (so the loads are all in
+// flight at once).
+template <class D>
+__device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, const typename D::T* __restrict__ delta, const float* __restrict__ w,
+                                                const float* __restrict__ b, float* __restrict__ s_out, typename D::T* __restrict__ y,
+                                                float* __restrict__ mean_out, float* __restrict__ rstd_out, long long rows, long long cols,
+                                                float eps, int rms) {
+  const int lane = threadIdx.x & 31;
+  const long long row = static_cast<long long>(blockIdx.x) * TG_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;  // the whole warp: the last block's spare rows
+  const long long base = row * cols;
+  float v[TG_ROW_VALUES];
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const long long j = lane + 32LL * k;
+    v[k] = 0.0f;
+    if (j < cols) v[k] = delta != nullptr ? x[base + j] + D::load(delta, base + j) : x[base + j];
+  }
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const long long j = lane + 32LL * k;
+    if (j < cols) {
+      if (delta != nullptr) s_out[base + j] = v[k];
+      sum += v[k];
+    }
+  }
+  const float mean = rms ? 0.0f : tg_warp_sum(sum) / static_cast<float>(cols);
+  float sq = 0.0f;
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const float d = v[k] - mean;
+    if (lane + 32LL * k < cols) sq += d * d;
+  }
+  const float rstd = 1.0f / sqrtf(tg_warp_sum(sq) / static_cast<float>(cols) + eps);
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const long long j = lane + 32LL * k;
+    if (j < cols) {
+      const float o = (v[k] - mean) * rstd * w[j];
+      D::store(y, base + j, b != nullptr ? o + b[j] : o);
+    }
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
 // Row blockIdx.x's input gradient: with x̂ = (s − mean)/σ and g = dy · w,
 // dx = (g − mean(g) − x̂ · mean(g · x̂))/σ (+ ds) (with `rms`, no mean(g) term: the mean was not
 // taken off), written in fp32 and, when δ had a dtype of its own, rounded to it as dδ. `dy` or
@@ -91,6 +154,49 @@ __device__ __forceinline__ void ln_backward(const float* s, const float* w, cons
     if (ds != nullptr) v += ds[base + j];
     if (dx != nullptr) dx[base + j] = v;
     if (ddelta != nullptr) D::store(ddelta, base + j, v);
+  }
+}
+
+// ln_backward for the row of this warp (rows of at most TG_ROW_VALUES · 32): the same values,
+// g and x̂ kept in registers between the sums and the output.
+template <class D>
+__device__ __forceinline__ void ln_backward_warp(const float* __restrict__ s, const float* __restrict__ w, const float* __restrict__ mean,
+                                                 const float* __restrict__ rstd, const typename D::T* __restrict__ dy,
+                                                 const float* __restrict__ ds, float* __restrict__ dx, typename D::T* __restrict__ ddelta,
+                                                 long long rows, long long cols, int rms) {
+  const int lane = threadIdx.x & 31;
+  const long long row = static_cast<long long>(blockIdx.x) * TG_WARPS + (threadIdx.x >> 5);
+  if (row >= rows) return;  // the whole warp
+  const long long base = row * cols;
+  const float mu = mean[row], r = rstd[row];
+  float g[TG_ROW_VALUES], h[TG_ROW_VALUES];
+  float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const long long j = lane + 32LL * k;
+    g[k] = 0.0f;
+    h[k] = 0.0f;
+    if (dy != nullptr && j < cols) {
+      g[k] = D::load(dy, base + j) * w[j];
+      h[k] = (s[base + j] - mu) * r;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    sg += g[k];
+    sgx += g[k] * h[k];
+  }
+  const float c1 = tg_warp_sum(sgx) / static_cast<float>(cols);
+  const float c2 = rms ? 0.0f : tg_warp_sum(sg) / static_cast<float>(cols);
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    const long long j = lane + 32LL * k;
+    if (j < cols) {
+      float v = dy != nullptr ? (g[k] - c2 - h[k] * c1) * r : 0.0f;
+      if (ds != nullptr) v += ds[base + j];
+      if (dx != nullptr) dx[base + j] = v;
+      if (ddelta != nullptr) D::store(ddelta, base + j, v);
+    }
   }
 }
 
@@ -129,6 +235,10 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
   band[cols + col] = tb;
 }
 
+// Forward and backward in two forms each: a block a row (`tg_ln_forward_*`, `tg_ln_backward_*`,
+// any width) and a warp a row, TG_WARPS rows a block (`*_warp_*`, rows of at most TG_ROW_VALUES ·
+// 32). Separate kernels, so that the warp form's registers (about 100 a thread for its values)
+// do not cut how many blocks of the block form an SM holds.
 #define TG_LAYER_NORM(SUFFIX, D)                                                                                        \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_forward_##SUFFIX(const float* x, const D::T* delta, const float* w, const float* b, float* s_out, D::T* y, \
@@ -136,9 +246,19 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
     ln_forward<D>(x, delta, w, b, s_out, y, mean, rstd, cols, eps, rms);                                                \
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
+      tg_ln_forward_warp_##SUFFIX(const float* x, const D::T* delta, const float* w, const float* b, float* s_out,      \
+                                  D::T* y, float* mean, float* rstd, long long rows, long long cols, float eps, int rms) { \
+    ln_forward_warp<D>(x, delta, w, b, s_out, y, mean, rstd, rows, cols, eps, rms);                                     \
+  }                                                                                                                     \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_backward_##SUFFIX(const float* s, const float* w, const float* mean, const float* rstd, const D::T* dy,     \
                               const float* ds, float* dx, D::T* ddelta, long long cols, int rms) {                      \
     ln_backward<D>(s, w, mean, rstd, dy, ds, dx, ddelta, cols, rms);                                                    \
+  }                                                                                                                     \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
+      tg_ln_backward_warp_##SUFFIX(const float* s, const float* w, const float* mean, const float* rstd, const D::T* dy,\
+                                   const float* ds, float* dx, D::T* ddelta, long long rows, long long cols, int rms) { \
+    ln_backward_warp<D>(s, w, mean, rstd, dy, ds, dx, ddelta, rows, cols, rms);                                         \
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_grads_##SUFFIX(                                             \
       const float* s, const float* mean, const float* rstd, const D::T* dy, float* partial, long long rows, long long cols, \
