@@ -21,9 +21,22 @@ __device__ __forceinline__ void col_sum_bands(const typename D::T* dy, float* pa
   const long long first = static_cast<long long>(blockIdx.y) * band_rows;
   const long long last = first + band_rows < rows ? first + band_rows : rows;
   float a0 = 0.0f, a1 = 0.0f;
-  for (long long row = first + warp; row < last; row += TG_WARPS) {
-    if (col < cols) a0 += D::load(dy, row * cols + col);
-    if (col + 1 < cols) a1 += D::load(dy, row * cols + col + 1);
+  // TG_BATCH rows at a time (norm_kernels.cu): their loads in flight together, the sums in order.
+  for (long long row0 = first + warp; row0 < last; row0 += TG_BATCH * TG_WARPS) {
+    float v0[TG_BATCH], v1[TG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      const long long row = row0 + u * TG_WARPS;
+      v0[u] = row < last && col < cols ? D::load(dy, row * cols + col) : 0.0f;
+      v1[u] = row < last && col + 1 < cols ? D::load(dy, row * cols + col + 1) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      if (row0 + u * TG_WARPS < last) {
+        a0 += v0[u];
+        a1 += v1[u];
+      }
+    }
   }
   part[warp][2 * lane] = a0;
   part[warp][2 * lane + 1] = a1;
@@ -52,6 +65,14 @@ TG_KERNEL void __launch_bounds__(TG_THREADS) tg_col_sum_finish(const float* part
   const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (col >= cols) return;
   float total = 0.0f;
-  for (long long k = 0; k < bands; ++k) total += partial[k * cols + col];
+  for (long long k0 = 0; k0 < bands; k0 += TG_BATCH) {
+    float p[TG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) p[u] = k0 + u < bands ? partial[(k0 + u) * cols + col] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      if (k0 + u < bands) total += p[u];
+    }
+  }
   out[col] = total;
 }

@@ -117,6 +117,8 @@ mod tests {
             Case { norm: layer, rows: 5, cols: 1100, delta: true, bias: true, kind: Kind::BFloat16 },
             Case { norm: rms, rows: 3, cols: 1030, delta: true, bias: false, kind: Kind::Float },
             Case { norm: layer, rows: 4, cols: 1025, delta: false, bias: true, kind: Kind::Float },
+            // More bands (256 rows each) than the parameter sums load at once.
+            Case { norm: layer, rows: 2600, cols: 8, delta: true, bias: true, kind: Kind::BFloat16 },
         ] {
             let (ours, aten) = (run(&c, true), run(&c, false));
             assert_eq!(ours.len(), aten.len());

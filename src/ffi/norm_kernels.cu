@@ -21,6 +21,9 @@
 // Every reduction runs in a fixed order (a butterfly within each warp, then the warps in
 // order; rows in bands summed in band order), so every run gives the same bits.
 #define TG_ROW_VALUES 32
+// Rows (or bands) a lane loads before it adds the first of them, in the column sums below and in
+// linear_kernels.cu's.
+#define TG_BATCH 8
 
 // The sum of each lane's `v` over its warp; every lane gets it.
 __device__ __forceinline__ float tg_warp_sum(float v) {
@@ -213,10 +216,23 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
   // A lane past the last column reads no rows.
   const long long last = col >= cols ? first : first + band_rows < rows ? first + band_rows : rows;
   float aw = 0.0f, ab = 0.0f;
-  for (long long row = first + warp; row < last; row += TG_WARPS) {
-    const float g = D::load(dy, row * cols + col);
-    aw += g * ((s[row * cols + col] - mean[row]) * rstd[row]);
-    ab += g;
+  // TG_BATCH rows at a time: their loads all in flight before the first sum, where a row at a
+  // time waits for memory each row. The sums keep their order.
+  for (long long row0 = first + warp; row0 < last; row0 += TG_BATCH * TG_WARPS) {
+    float g[TG_BATCH], h[TG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      const long long row = row0 + u * TG_WARPS;
+      g[u] = row < last ? D::load(dy, row * cols + col) : 0.0f;
+      h[u] = row < last ? (s[row * cols + col] - mean[row]) * rstd[row] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      if (row0 + u * TG_WARPS < last) {
+        aw += g[u] * h[u];
+        ab += g[u];
+      }
+    }
   }
   part_w[warp][lane] = aw;
   part_b[warp][lane] = ab;
@@ -276,9 +292,20 @@ TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_sum(const float* partia
   const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (col >= cols) return;
   float tw = 0.0f, tb = 0.0f;
-  for (long long k = 0; k < bands; ++k) {
-    tw += partial[k * 2 * cols + col];
-    tb += partial[k * 2 * cols + cols + col];
+  for (long long k0 = 0; k0 < bands; k0 += TG_BATCH) {
+    float pw[TG_BATCH], pb[TG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      pw[u] = k0 + u < bands ? partial[(k0 + u) * 2 * cols + col] : 0.0f;
+      pb[u] = k0 + u < bands ? partial[(k0 + u) * 2 * cols + cols + col] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      if (k0 + u < bands) {
+        tw += pw[u];
+        tb += pb[u];
+      }
+    }
   }
   dw[col] = tw;
   if (db != nullptr) db[col] = tb;
