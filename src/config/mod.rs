@@ -389,8 +389,9 @@ pub struct KernelsConfig {
     /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "GPU checks on an H200").
     pub fused_cross_entropy: bool,
     /// The norms on CUDA (GPT-2's LayerNorms, Llama's RMSNorms) as one autograd node of our own
-    /// (`ffi::norm`, NVRTC kernels), with the residual add before each block's second norm and
-    /// the rounding to the compute dtype after every norm inside it: one kernel forward where
+    /// (`ffi::norm`, NVRTC kernels), with the residual add before every norm (a block's output
+    /// is added by the next block's first norm, or the final norm) and the rounding to the
+    /// compute dtype after every norm inside it: one kernel forward where
     /// ATen runs an add, the norm and autocast's cast (one per reading matrix multiplication:
     /// three after Llama's first norm, so our one 16-bit output also saves memory), and backward
     /// the norm's gradient with the residual's added and rounded in the same pass. The same

@@ -2,7 +2,7 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
-use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear};
+use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear, ResidualNorm, Stream};
 use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -123,9 +123,10 @@ impl Decoder for Gpt2 {
         tok.f_add(&pe)?.f_dropout(dropout, train)
     }
 
-    fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
+    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool) -> Result<Stream, TchError> {
         let blk = &self.blocks[i];
-        let qkv = blk.attn.forward(&blk.ln_1.forward(x)?)?;
+        let (x, normed) = blk.ln_1.stream_forward(stream)?;
+        let qkv = blk.attn.forward(&normed)?;
         let c = qkv.size()[2] / 3;
         // One split, not three narrows: its backward writes the three gradients into one tensor,
         // where each narrow's backward zero-fills a tensor of qkv's full width and autograd then
@@ -133,13 +134,13 @@ impl Decoder for Gpt2 {
         let parts = qkv.f_split(c, 2)?;
         let heads = |j: usize| split_heads(&parts[j], self.n_head);
         let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout)?;
-        let (x, normed) = blk.ln_2.add_forward(x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
+        let (x, normed) = blk.ln_2.add_forward(&x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
         let h = blk.fc.forward(&normed)?.f_gelu("none")?;
-        x.f_add(&blk.mlp_proj.forward(&h)?.f_dropout(dropout, train)?)
+        Ok(Stream { x, pending: Some(blk.mlp_proj.forward(&h)?.f_dropout(dropout, train)?) })
     }
 
-    fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
-        linear(&self.ln_f.forward(x)?, &self.wte, mask, self.our_head)
+    fn head(&self, x: &Stream, mask: Option<&Tensor>) -> Result<Tensor, TchError> {
+        linear(&self.ln_f.stream_forward(x)?.1, &self.wte, mask, self.our_head)
     }
 
     fn n_blocks(&self) -> usize {

@@ -81,8 +81,10 @@ impl LayerNorm {
         let (weight, bias) = weight_and_bias(params, prefix, bias)?;
         Ok(Self { weight, bias, ours })
     }
+}
 
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+impl ResidualNorm for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         if self.ours && x.kind() == Kind::Float {
             return Ok(residual_norm(Norm::Layer, x, None, &self.weight, self.bias.as_ref(), Self::EPS)?.1);
         }
@@ -90,14 +92,51 @@ impl LayerNorm {
         x.f_layer_norm([c], Some(&self.weight), self.bias.as_ref(), Self::EPS, true)
     }
 
-    /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
-    pub fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+    fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
         if self.ours && x.kind() == Kind::Float {
             return residual_norm_with_sum(Norm::Layer, x, delta, &self.weight, self.bias.as_ref(), Self::EPS);
         }
         let sum = x.f_add(delta)?;
         let y = self.forward(&sum)?;
         Ok((sum, y))
+    }
+}
+
+/// The residual stream between blocks: `x`, and the last block's output not yet added to it
+/// (`pending`), so that the next norm adds it in its own pass ([`ResidualNorm::stream_forward`]:
+/// with our node, one kernel where ATen runs an add forward and an accumulation backward).
+pub struct Stream {
+    pub x: Tensor,
+    pub pending: Option<Tensor>,
+}
+
+impl Stream {
+    /// The stream `x` with nothing pending.
+    pub fn settled_at(x: &Tensor) -> Self {
+        Self { x: x.shallow_clone(), pending: None }
+    }
+
+    /// `x` with the pending output added (ATen's add: the same fp32 sum the node makes).
+    pub fn settle(self) -> Result<Tensor, TchError> {
+        match self.pending {
+            Some(delta) => self.x.f_add(&delta),
+            None => Ok(self.x),
+        }
+    }
+}
+
+/// A norm that can take a residual add in its pass.
+pub trait ResidualNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError>;
+    /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
+    fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError>;
+
+    /// The stream settled (the pending output added) and its norm: `(x, norm(x))`.
+    fn stream_forward(&self, s: &Stream) -> Result<(Tensor, Tensor), TchError> {
+        match &s.pending {
+            Some(delta) => self.add_forward(&s.x, delta),
+            None => Ok((s.x.shallow_clone(), self.forward(&s.x)?)),
+        }
     }
 }
 
@@ -121,8 +160,8 @@ pub struct RmsNorm {
     pub ours: bool,
 }
 
-impl RmsNorm {
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
+impl ResidualNorm for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         if self.ours && x.kind() == Kind::Float {
             return Ok(residual_norm(Norm::Rms, x, None, &self.weight, None, self.eps)?.1);
         }
@@ -134,8 +173,7 @@ impl RmsNorm {
         self.step_by_step(x)
     }
 
-    /// The residual add and the norm of its result: `(x + delta, norm(x + delta))`.
-    pub fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
+    fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
         if self.ours && x.kind() == Kind::Float {
             return residual_norm_with_sum(Norm::Rms, x, delta, &self.weight, None, self.eps);
         }
@@ -143,6 +181,9 @@ impl RmsNorm {
         let y = self.forward(&sum)?;
         Ok((sum, y))
     }
+}
+
+impl RmsNorm {
 
     /// ATen's `rms_norm`: on CUDA `_fused_rms_norm`, which computes in fp32 and multiplies by the
     /// weight before rounding to the input's dtype once (the same maths; in bf16-pure the last

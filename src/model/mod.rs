@@ -22,17 +22,19 @@ pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 
 use crate::config::{Arch, KernelsConfig, ModelConfig};
-use tch::{Device, Reduction, TchError, Tensor};
+use layers::Stream;
+use tch::{Device, Kind, Reduction, TchError, Tensor};
 
 /// One architecture's network over its parameters. `dropout` is already 0 outside training.
 trait Decoder: Send {
     /// Token ids `[b, t]` → hidden states `[b, t, c]`.
     fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
-    /// Block `i` on hidden states `[b, t, c]`.
-    fn block(&self, i: usize, x: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
-    /// Final norm and LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, `mask`
-    /// (the padded vocabulary's) added as the head's bias.
-    fn head(&self, x: &Tensor, mask: Option<&Tensor>) -> Result<Tensor, TchError>;
+    /// Block `i` on the stream `[b, t, c]`: its first norm adds what the previous block left
+    /// pending; its own output is left pending in turn.
+    fn block(&self, i: usize, x: &Stream, dropout: f64, train: bool) -> Result<Stream, TchError>;
+    /// Final norm (adding what the last block left pending) and LM head: logits `[…, padded
+    /// vocab]` for the stream `[…, c]`, `mask` (the padded vocabulary's) added as the head's bias.
+    fn head(&self, x: &Stream, mask: Option<&Tensor>) -> Result<Tensor, TchError>;
     fn n_blocks(&self) -> usize;
 }
 
@@ -149,13 +151,14 @@ impl Model {
         self.padded_logits(idx, train, seed)?.f_narrow(-1, 0, self.cfg.vocab_size as i64)
     }
 
-    /// Logits `[b, t, padded vocab]`, the padded columns -inf.
+    /// Logits `[b, t, padded vocab]`, the padded columns -inf. Each block's output stays pending
+    /// for the next norm to add (one pass with our node).
     fn padded_logits(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        let mut x = self.embed(idx, train, seed)?;
+        let mut x = Stream::settled_at(&self.embed(idx, train, seed)?);
         for i in 0..self.n_blocks() {
-            x = self.block(i, &x, train, seed)?;
+            x = self.net.block(i, &x, self.dropout(train, seed, 1 + i as u64), train)?;
         }
-        self.head(&x)
+        self.net.head(&x, self.vocab_mask(x.x.kind())?.as_ref())
     }
 
     pub fn n_blocks(&self) -> usize {
@@ -175,9 +178,10 @@ impl Model {
         self.net.embed(idx, self.dropout(train, seed, 0), train)
     }
 
-    /// Block `i` on `x` `[b, t, c]`.
+    /// Block `i` on `x` `[b, t, c]`, its output added to the stream (what a checkpointed
+    /// segment keeps; [`Model::forward`] leaves it for the next norm to add).
     pub fn block(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train)
+        self.net.block(i, &Stream::settled_at(x), self.dropout(train, seed, 1 + i as u64), train)?.settle()
     }
 
     /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the
@@ -187,9 +191,13 @@ impl Model {
     /// cuBLASLt epilogue): no second logits tensor, and unlike an in-place fill of the padded
     /// columns no logits-sized copy in backward. What the loss reads: a contiguous, aligned matrix.
     pub fn head(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        // The bias takes the input's dtype (bf16-pure); autocast casts an fp32 one itself.
-        let mask = self.vocab_mask.as_ref().map(|m| m.f_to_kind(x.kind())).transpose()?;
-        self.net.head(x, mask.as_ref())
+        self.net.head(&Stream::settled_at(x), self.vocab_mask(x.kind())?.as_ref())
+    }
+
+    /// The padded vocabulary's mask in the stream's dtype `kind` (bf16-pure's; autocast casts
+    /// an fp32 one itself).
+    fn vocab_mask(&self, kind: Kind) -> Result<Option<Tensor>, TchError> {
+        self.vocab_mask.as_ref().map(|m| m.f_to_kind(kind)).transpose()
     }
 
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
@@ -522,6 +530,36 @@ mod node_tests {
             let norms = 2 * c.n_layer as u64 + 1;
             let on = KernelsConfig { fused_residual_norm: true, ..plain };
             gives_the_plain_models_loss_and_gradients(&c, on, plain, |_, recomputed| 4 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 });
+        }
+    }
+
+    /// Each block's output left pending for the next norm to add (what a forward does: with the
+    /// node, the add runs in its kernel both ways) gives the bits of the stream settled after
+    /// every block (a checkpointed segment's path: ATen's add and autograd's accumulation), loss
+    /// and gradients, in fp32 and under bf16 autocast.
+    #[test]
+    fn a_pending_residual_add_gives_the_settled_streams_bits() {
+        let x = Tensor::arange(32, (Kind::Int64, Device::Cpu)).view([4, 8]);
+        let y = (x.shallow_clone() * 5 + 1).remainder(32);
+        for c in [gpt2(), llama()] {
+            let _emulation = CudaEmulation::start();
+            let m = Model::with_kernels(&c, KernelsConfig { fused_residual_norm: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+            for bf16 in [false, true] {
+                crate::ffi::set_autocast(false, bf16, false).unwrap();
+                let pending = m.loss(&x, &y, true, None).unwrap();
+                let mut h = m.embed(&x, true, None).unwrap();
+                for i in 0..m.n_blocks() {
+                    h = m.block(i, &h, true, None).unwrap();
+                }
+                let settled = m.cross_entropy(&m.head(&h).unwrap(), &y, tch::Reduction::Mean).unwrap();
+                crate::ffi::set_autocast(false, false, false).unwrap();
+                let params: Vec<&Tensor> = m.params.tensors.iter().collect();
+                let (ga, gb) = (Tensor::run_backward(&[&pending], &params, false, false), Tensor::run_backward(&[&settled], &params, false, false));
+                assert!(pending.equal(&settled), "{:?} bf16 {bf16}: loss {pending:?} vs {settled:?}", c.arch);
+                for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+                    assert!(a.equal(b), "{:?} bf16 {bf16}: gradient of {}", c.arch, m.params.names[i]);
+                }
+            }
         }
     }
 
