@@ -205,7 +205,8 @@ constexpr long long kBandRows = 256;
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
 // The widest row LayerNorm's warp kernels take (TG_ROW_VALUES · 32), and the rows a block of
-// them takes (TG_WARPS); a wider row takes a block of the other form.
+// them takes (TG_WARPS); a wider row takes a block of the other form. cuda_emulation.cpp
+// asserts both against the kernels' source.
 constexpr long long kWarpRowCols = 1024;
 constexpr long long kWarpRowsPerBlock = 8;
 constexpr int kDtypeCount = 3;

@@ -113,7 +113,9 @@ mod tests {
             Case { norm: rms, rows: 37, cols: 300, delta: true, bias: false, kind: Kind::Float },
             Case { norm: rms, rows: 23, cols: 520, delta: false, bias: false, kind: Kind::Float },
             Case { norm: rms, rows: 300, cols: 48, delta: true, bias: false, kind: Kind::BFloat16 },
-            // Rows wider than a warp's 1024 values: a block a row.
+            // The widest row a warp takes (13 rows: a block's eight and five), then wider rows: a
+            // block a row.
+            Case { norm: layer, rows: 13, cols: 1024, delta: true, bias: true, kind: Kind::BFloat16 },
             Case { norm: layer, rows: 5, cols: 1100, delta: true, bias: true, kind: Kind::BFloat16 },
             Case { norm: rms, rows: 3, cols: 1030, delta: true, bias: false, kind: Kind::Float },
             Case { norm: layer, rows: 4, cols: 1025, delta: false, bias: true, kind: Kind::Float },
