@@ -2,7 +2,10 @@
 # Every check that needs a CUDA GPU, for a machine with one (see BENCHMARKS.md, "GPU checks").
 # Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
 # (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
-# one line per part to summary.txt; a failing part does not stop the others.
+# one line per part to summary.txt; a failing part does not stop the others. PART_TIMEOUT=S stops
+# each part after S seconds (what it wrote stays), so that on a lent machine's short budget one
+# slow part cannot starve the rest; PADS (default "64 1") picks the `bench` part's vocabulary
+# paddings.
 #   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers cap detcost kernels fill
 #                                        (default: all)
 #   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
@@ -45,9 +48,10 @@ dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench profile optim savers cap detcost kernels fill)
 
-part() {  # part NAME COMMAND...: runs it, logs it, records its exit status and time
+part() {  # part NAME COMMAND...: runs it (for at most PART_TIMEOUT seconds), logs it, records its exit status and time
   local name=$1 t0=$SECONDS rc; shift
   echo "== $name: $*" >&2
+  if [ -n "${PART_TIMEOUT:-}" ]; then set -- timeout -k 5 "$PART_TIMEOUT" "$@"; fi
   "$@" >"$dest/$name.log" 2>&1; rc=$?
   echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$dest/summary.txt" >&2
 }
@@ -65,7 +69,7 @@ for p in "${parts[@]}"; do
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       # Global 64 as the issue's table (the configs' 512 and 256 are ~0.5M-token steps: minutes).
-      part bench bash -c 'for pad in 64 1; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
+      part bench bash -c 'for pad in ${PADS:-64 1}; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
     profile)  # the traces as one file: a device call brings back at most eight
       part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
         --trace "$dest/profile" ${tg_sets[@]+"${tg_sets[@]}"} configs/gpt2-124m.yaml configs/smollm2-135m.yaml
