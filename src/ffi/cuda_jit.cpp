@@ -196,8 +196,10 @@ std::string compile(const char* src, int major, int minor) {
 // The kernels optim_kernels.cu, loss_kernels.cu, norm_kernels.cu, llama_kernels.cu and
 // linear_kernels.cu define: 8-bit AdamW, cross-entropy's forward and backward, LayerNorm's five
 // (forward and backward a block a row and a warp a row, the parameters' gradients), SwiGLU's two,
-// RoPE's and the column sums' bands per dtype, Adafactor's stages per dtype, plus the dtype-free Adafactor coefficient, LayerNorm parameter-gradient sum and column sums'
-// finish. Their handles are looked up by name once, when the module is loaded; a launch indexes them (no string is built per launch: ~1000 a step).
+// RoPE's and the column sums' bands per dtype, Adafactor's stages per dtype, plus the dtype-free
+// Adafactor coefficient, LayerNorm parameter-gradient sum and column sums' finish. Their handles
+// are looked up by name once, when the module is loaded; a launch indexes them (no string is
+// built per launch: ~1000 a step).
 const char* const kDtypes[] = {"f32", "bf16", "f16"};
 // Rows per band of the column sums (LayerNorm's weight and bias gradients, a linear layer's bias
 // gradient): a band's sums stay short; the bands' sums, a few rows, are added in order.
@@ -209,6 +211,7 @@ constexpr long long kBlockValues = 2048;
 // asserts both against the kernels' source.
 constexpr long long kWarpRowCols = 1024;
 constexpr long long kWarpRowsPerBlock = 8;
+long long warp_row_blocks(long long rows) { return (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock; }
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
 const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
@@ -465,7 +468,7 @@ void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, co
   const auto& k = launch.kernels().per_dtype[d];
   if (cols <= kWarpRowCols) {
     void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &rows, &cols, &eps, &rms_flag};
-    launch(k.ln_forward_warp, "cuLaunchKernel(tg_ln_forward_warp)", (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock, 1, args);
+    launch(k.ln_forward_warp, "cuLaunchKernel(tg_ln_forward_warp)", warp_row_blocks(rows), 1, args);
   } else {
     void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps, &rms_flag};
     launch(k.ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
@@ -490,7 +493,7 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   const auto& k = launch.kernels().per_dtype[d];
   if (cols <= kWarpRowCols) {
     void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &rows, &cols, &rms_flag};
-    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock, 1, args);
+    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", warp_row_blocks(rows), 1, args);
   } else {
     void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
     launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);

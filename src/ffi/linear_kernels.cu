@@ -64,15 +64,5 @@ TG_COL_SUM(f16, F16)
 TG_KERNEL void __launch_bounds__(TG_THREADS) tg_col_sum_finish(const float* partial, float* out, long long bands, long long cols) {
   const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (col >= cols) return;
-  float total = 0.0f;
-  for (long long k0 = 0; k0 < bands; k0 += TG_BATCH) {
-    float p[TG_BATCH];
-#pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) p[u] = k0 + u < bands ? partial[(k0 + u) * cols + col] : 0.0f;
-#pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) {
-      if (k0 + u < bands) total += p[u];
-    }
-  }
-  out[col] = total;
+  out[col] = tg_ordered_sum(partial + col, bands, cols);
 }

@@ -31,6 +31,23 @@ __device__ __forceinline__ float tg_warp_sum(float v) {
   return v;
 }
 
+// The sum of p[0], p[stride], …, p[(n − 1) · stride] in that order, TG_BATCH loaded before the
+// first of them is added (the bands' column sums into a parameter's gradient, here and in
+// linear_kernels.cu).
+__device__ __forceinline__ float tg_ordered_sum(const float* p, long long n, long long stride) {
+  float total = 0.0f;
+  for (long long k0 = 0; k0 < n; k0 += TG_BATCH) {
+    float v[TG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) v[u] = k0 + u < n ? p[(k0 + u) * stride] : 0.0f;
+#pragma unroll
+    for (int u = 0; u < TG_BATCH; ++u) {
+      if (k0 + u < n) total += v[u];
+    }
+  }
+  return total;
+}
+
 // The sum of each thread's `v` over the CUDA block; every thread gets it.
 __device__ __forceinline__ float tg_block_sum(float v, float* shared) {
   v = tg_warp_sum(v);
@@ -291,22 +308,6 @@ TG_LAYER_NORM(f16, F16)
 TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_sum(const float* partial, float* dw, float* db, long long bands, long long cols) {
   const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (col >= cols) return;
-  float tw = 0.0f, tb = 0.0f;
-  for (long long k0 = 0; k0 < bands; k0 += TG_BATCH) {
-    float pw[TG_BATCH], pb[TG_BATCH];
-#pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) {
-      pw[u] = k0 + u < bands ? partial[(k0 + u) * 2 * cols + col] : 0.0f;
-      pb[u] = k0 + u < bands ? partial[(k0 + u) * 2 * cols + cols + col] : 0.0f;
-    }
-#pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) {
-      if (k0 + u < bands) {
-        tw += pw[u];
-        tb += pb[u];
-      }
-    }
-  }
-  dw[col] = tw;
-  if (db != nullptr) db[col] = tb;
+  dw[col] = tg_ordered_sum(partial + col, bands, 2 * cols);
+  if (db != nullptr) db[col] = tg_ordered_sum(partial + cols + col, bands, 2 * cols);
 }
