@@ -184,7 +184,6 @@ impl ResidualNorm for RmsNorm {
 }
 
 impl RmsNorm {
-
     /// ATen's `rms_norm`: on CUDA `_fused_rms_norm`, which computes in fp32 and multiplies by the
     /// weight before rounding to the input's dtype once (the same maths; in bf16-pure the last
     /// bit can differ from `transformers`' order); on the CPU ATen decomposes it.

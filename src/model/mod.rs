@@ -156,7 +156,7 @@ impl Model {
     fn padded_logits(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
         let mut x = Stream::settled_at(&self.embed(idx, train, seed)?);
         for i in 0..self.n_blocks() {
-            x = self.net.block(i, &x, self.dropout(train, seed, 1 + i as u64), train)?;
+            x = self.stream_block(i, &x, train, seed)?;
         }
         self.net.head(&x, self.vocab_mask(x.x.kind())?.as_ref())
     }
@@ -181,7 +181,12 @@ impl Model {
     /// Block `i` on `x` `[b, t, c]`, its output added to the stream (what a checkpointed
     /// segment keeps; [`Model::forward`] leaves it for the next norm to add).
     pub fn block(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        self.net.block(i, &Stream::settled_at(x), self.dropout(train, seed, 1 + i as u64), train)?.settle()
+        self.stream_block(i, &Stream::settled_at(x), train, seed)?.settle()
+    }
+
+    /// Block `i` on the stream `x`, its own output left pending (its dropout stage `1 + i`).
+    fn stream_block(&self, i: usize, x: &Stream, train: bool, seed: Option<u64>) -> Result<Stream, TchError> {
+        self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train)
     }
 
     /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the
