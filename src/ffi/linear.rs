@@ -8,6 +8,9 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
+    fn tg_linear_keep_casts(on: c_int);
+    fn tg_linear_casts_reused() -> u64;
+    fn tg_linear_casts_held() -> usize;
     fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
@@ -23,6 +26,41 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(y.cast()) })
+}
+
+/// While one lives, the linear node casts each weight and bias to the compute dtype once on this
+/// thread and reuses the cast until the source changes (its version counter): one optimizer
+/// step's micro-steps share their weights' casts, where autocast makes them again in each. The
+/// casts are freed when it drops.
+pub struct KeptCasts {
+    _per_thread: std::marker::PhantomData<*const ()>, // not Send: the casts are per thread
+}
+
+impl KeptCasts {
+    pub fn start() -> Self {
+        // SAFETY: sets a thread-local switch.
+        unsafe { tg_linear_keep_casts(1) };
+        Self { _per_thread: std::marker::PhantomData }
+    }
+
+    /// Casts reused on this thread since the process began.
+    pub fn reused() -> u64 {
+        // SAFETY: reads a thread-local counter.
+        unsafe { tg_linear_casts_reused() }
+    }
+
+    /// Casts held on this thread now.
+    pub fn held() -> usize {
+        // SAFETY: reads a thread-local map's size.
+        unsafe { tg_linear_casts_held() }
+    }
+}
+
+impl Drop for KeptCasts {
+    fn drop(&mut self) {
+        // SAFETY: clears this thread's kept casts (the tensors they hold are freed).
+        unsafe { tg_linear_keep_casts(0) };
+    }
 }
 
 #[cfg(test)]

@@ -283,6 +283,9 @@ pub struct Setup {
     pub cuda_graphs: bool,
     /// `kernels.merged_projections`: Llama's q/k/v and gate/up each one matrix multiplication.
     pub merged_projections: bool,
+    /// `kernels.fused_linear`: the linear node, which under autocast keeps its weights' 16-bit
+    /// casts through a step's micro-steps where neither checkpointing nor graphs apply.
+    pub fused_linear: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
@@ -297,6 +300,12 @@ impl Setup {
     /// passes and adds the tied embedding's two gradients in place (one transient copy, not two).
     pub fn split_backward(&self) -> bool {
         self.activation_checkpointing || self.loss_chunk_tokens.is_some()
+    }
+
+    /// The linear node keeps the weights' 16-bit casts until the step's gradients are complete
+    /// (`KeptCasts` in src/step/micro.rs): mixed precision on CUDA, no checkpointing, no graphs.
+    pub fn keeps_casts(&self) -> bool {
+        self.fused_linear && self.precision.is_mixed() && self.target == Target::Cuda && !self.activation_checkpointing && !self.cuda_graphs
     }
 
     /// Blocks per checkpointed segment (at least one).
@@ -519,7 +528,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // copies of the weights with it (the embedding, the last to run, reads its fp32 weight):
     // `weights` counts those copies in mixed precision, so they leave this moment. (On the CPU
     // bf16-mixed's end of backward measured 2 bytes a parameter below the estimate that kept them.)
-    let copies_released = if p.is_mixed() { weights } else { 0 };
+    // The linear node's kept casts stay to the step's end.
+    let copies_released = if p.is_mixed() && !s.keeps_casts() { weights } else { 0 };
     let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
     let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
     let peak_allocated = base + held + at.transient.max(grads_done).max(first_blocks);
@@ -724,6 +734,7 @@ pub(crate) mod fixtures {
             fused_rope: false,
             cuda_graphs: false,
             merged_projections: false,
+            fused_linear: false,
             target: Target::Cuda,
             gpus: 1,
             cuda_overhead: 1 << 30,
@@ -975,6 +986,15 @@ mod tests {
             let copies = if precision == Precision::Bf16Pure { 0 } else { e.weights };
             assert_eq!(e.peak_phase, "end of backward", "{precision:?}");
             assert_eq!(e.peak_allocated, e.weights + e.master_weights + e.optimizer + e.gradients + e.embedding_grad_transient - copies, "{precision:?}");
+        }
+        // The linear node's casts kept through the step (CUDA, no checkpointing, no graphs)
+        // are still there at its end.
+        let cuda = Setup { target: Target::Cuda, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) };
+        let kept = Setup { fused_linear: true, ..cuda.clone() };
+        let (released, held) = (estimate(&short, &cuda, 1, 1), estimate(&short, &kept, 1, 1));
+        assert_eq!(held.peak_allocated - released.peak_allocated, released.weights);
+        for other in [Setup { activation_checkpointing: true, ..kept.clone() }, Setup { cuda_graphs: true, ..kept.clone() }, Setup { target: Target::Cpu, ..kept.clone() }] {
+            assert!(!other.keeps_casts(), "{other:?}");
         }
     }
 

@@ -323,6 +323,7 @@ impl Inputs {
             fused_rope: config.kernels.fused_rope,
             cuda_graphs: config.kernels.cuda_graphs,
             merged_projections: config.kernels.merged_projections,
+            fused_linear: config.kernels.fused_linear,
             target: Target::Cuda,
             gpus: a.gpus,
             cuda_overhead,

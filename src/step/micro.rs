@@ -9,6 +9,7 @@ use crate::model::Model;
 use super::graphs::MicroGraphs;
 use super::savers::{loss_and_grads, Savers};
 use crate::ffi::kernels;
+use crate::ffi::linear::KeptCasts;
 use tch::{Device, TchError, Tensor};
 
 /// Where a rank's samples come from.
@@ -47,6 +48,9 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
         graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
     } else {
+        // The weights' 16-bit casts made once for all micro-steps; not with checkpointing, whose
+        // forward would otherwise free each block's casts as it goes.
+        let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start);
         let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
@@ -85,6 +89,7 @@ fn each_micro_batch(data: &StepData, step: u64, micro: usize, progress: &mut Pro
 /// chunks of `micro`.
 pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, progress: &mut Progress) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
+    let _casts = KeptCasts::start();
     let mut total = 0.0;
     for b in 0..batches {
         for r in batch::split(data.rank_batch, micro) {
@@ -102,6 +107,7 @@ pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, pr
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::step::savers::loss_and_grads;
 
     fn setup() -> (Model, Corpus) {
         let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
@@ -162,6 +168,79 @@ mod tests {
         let (a, _) = forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default()).unwrap();
         let (held, _) = graphed.results().unwrap();
         assert!(!a[0].equal(&held[0]), "offload's step did not go through the accumulators");
+    }
+
+    /// Under bf16 autocast the linear node (its kernels emulated) casts each weight and bias
+    /// once per step: a step's later micro-steps reuse the first's casts, with the same loss and
+    /// gradients to the bit as casting afresh; a weight changed in place is cast again; the casts
+    /// are freed when the step returns.
+    #[test]
+    fn a_steps_micro_steps_share_their_weights_casts() {
+        use crate::config::KernelsConfig;
+        use crate::ffi::kernels::CudaEmulation;
+        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let _emulation = CudaEmulation::start();
+        let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
+        let plain = Savers::default();
+        // Per micro-step: four weights and four biases a block, and the LM head's weight.
+        let casts = 8 * cfg.n_layer as u64 + 1;
+        let step = |micro: usize| {
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let before = KeptCasts::reused();
+            let out = forward_backward(&model, &data, 4, micro, &plain, 1.0, &mut MicroGraphs::new(false), &mut Progress::default());
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            let (grads, loss) = out.unwrap();
+            (grads, loss, KeptCasts::reused() - before)
+        };
+        let (whole, whole_loss, reused) = step(8);
+        assert_eq!(reused, 0, "one micro-step: nothing to reuse");
+        let (split, split_loss, reused) = step(2);
+        assert_eq!(reused, 3 * casts, "micro-steps 2 to 4 reuse the first's casts");
+        assert_eq!(KeptCasts::held(), 0, "the casts are freed when the step returns");
+        // The same as each micro-step casting afresh: the usual micro-steps summed, in order.
+        let (mut fresh, mut fresh_loss) = (None::<Vec<Tensor>>, None::<Tensor>);
+        for r in batch::split(8, 2) {
+            let seed = crate::data::mix(&[1, 4, r.start as u64]);
+            let (x, y) = data.sampler.train_batch(&corpus, 4, r.clone(), Device::Cpu).unwrap();
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let (loss, g) = loss_and_grads(&model, &x, &y, data.weight(r.len()), seed, &plain).unwrap();
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            fresh_loss = Some(fresh_loss.map_or(loss.shallow_clone(), |sum| sum + loss));
+            fresh = Some(match fresh {
+                None => g,
+                Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect(),
+            });
+        }
+        assert_eq!(split_loss, fresh_loss.unwrap().double_value(&[]), "loss");
+        assert!(split.iter().zip(fresh.as_ref().unwrap()).all(|(a, b)| a.equal(b)), "gradients, to the bit");
+        assert!((whole_loss - split_loss).abs() < 1e-2 * whole_loss.abs(), "the split changes only roundings");
+        drop(whole);
+        // A weight changed in place (as the optimizer does) is cast again.
+        let scope = KeptCasts::start();
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let (x, y) = data.sampler.train_batch(&corpus, 4, 0..2, Device::Cpu).unwrap();
+        let first = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
+        tch::no_grad(|| model.params.get("h.0.mlp.c_fc.weight").unwrap().shallow_clone().f_add_scalar_(0.5).unwrap());
+        let before = KeptCasts::reused();
+        let changed = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
+        assert_eq!(KeptCasts::reused() - before, casts - 1, "all but the changed tensor reused");
+        drop(scope);
+        let recast = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        assert_ne!(first, changed, "the change shows");
+        assert_eq!(changed, recast, "as cast afresh");
+        // Merged projections concatenate their weights anew in each forward: those casts are not
+        // kept (they would pile up, one set a micro-step), the parameters' are.
+        let llama = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..cfg };
+        let merged = Model::with_kernels(&llama, KernelsConfig { fused_linear: true, merged_projections: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+        let _scope = KeptCasts::start();
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let held: Vec<usize> = (0..2).map(|_| merged.loss(&x, &y, false, None).map(|_| KeptCasts::held()).unwrap()).collect();
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        // Per block o and down, and the (tied) head.
+        assert_eq!(held, [2 * llama.n_layer as usize + 1; 2]);
     }
 
     #[test]
