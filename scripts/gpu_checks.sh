@@ -38,6 +38,7 @@
 #           smollm2-135m with ATen's SwiGLU and RoPE and ours (kernels.fused_swiglu, kernels.fused_rope);
 #           gpt2-124m and smollm2-135m with and without CUDA graphs (kernels.cuda_graphs);
 #           smollm2-135m with q/k/v and gate/up separate and merged (kernels.merged_projections);
+#           gpt2-124m with ATen's GELU after the linear node and with it in the node (kernels.fused_gelu);
 #           both with the defaults, with every speed switch off and with CUDA graphs (levers)
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off

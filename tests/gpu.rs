@@ -685,8 +685,8 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
 /// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with
 /// our linear node give the plain model's loss and gradients under bf16 autocast (fp32 weight
 /// gradients straight out of cuBLAS, bias gradients from our column sums), and in fp32, where
-/// the node is not used; twice the same bits. Then the column sums alone against fp64 sums, and
-/// twice the same bits.
+/// the node is not used; twice the same bits; the same with GPT-2's GELU in the node. Then the
+/// column sums alone against fp64 sums, and twice the same bits.
 #[test]
 fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
@@ -694,6 +694,10 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     // Among the other defaults: the Llama's merged projections and nodes read its outputs.
     let plain = KernelsConfig { fused_linear: false, ..KernelsConfig::default() };
     node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig::default(), plain);
+    // GPT-2's up-projection with its GELU in the node (kernels.fused_gelu: 3072 columns, the
+    // GELU kernel's packed rows) against the node followed by ATen's gelu.
+    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2], KernelsConfig { fused_gelu: true, ..KernelsConfig::default() }, KernelsConfig::default());
+    // 768 and 3072 columns: the packed column sums (8 columns a lane); 70: a column a lane.
     for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 70)] {
         let dy = Tensor::randn([rows, cols], (Kind::Float, dev)).to_kind(Kind::BFloat16);
         let x = Tensor::ones([rows, 1], (Kind::BFloat16, dev));

@@ -428,6 +428,14 @@ pub struct KernelsConfig {
     /// an H100 measured it: gpt2-124m bf16-mixed (micro 16) 1.030× faster, smollm2-135m 1.014×,
     /// the same peaks; on the CPU ATen's linear runs either way.
     pub fused_linear: bool,
+    /// With `fused_linear`, GPT-2's MLP up-projection and its GELU as one node: forward the same
+    /// GEMM and GELU, backward GELU's gradient and the bias's column sums in one kernel that
+    /// reads the output's gradient and GELU's input once and writes the GELU gradient once,
+    /// where ATen's gelu_backward writes it and the column sums read it back (100 MB per layer
+    /// and micro-step of gpt2-124m at micro 16). The same maths (the GELU gradient may differ
+    /// in its last bit). Off by default until a GPU measures it (`TABLES=gelu
+    /// scripts/bench_kernels.sh --device cuda`); on the CPU ATen's ops run either way.
+    pub fused_gelu: bool,
     /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
     /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
     /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
@@ -467,6 +475,7 @@ impl Default for KernelsConfig {
             fused_swiglu: true,
             fused_rope: true,
             fused_linear: true,
+            fused_gelu: false,
             cuda_graphs: false,
             merged_projections: true,
         }
@@ -485,6 +494,7 @@ impl KernelsConfig {
             fused_swiglu: false,
             fused_rope: false,
             fused_linear: false,
+            fused_gelu: false,
             cuda_graphs: false,
             merged_projections: false,
         }

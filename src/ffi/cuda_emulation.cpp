@@ -183,7 +183,7 @@ struct Kernel {
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
       TG_EMULATED(tg_ln_forward_warp_##s), TG_EMULATED(tg_ln_backward_warp_##s),                                         \
       TG_EMULATED(tg_swiglu_forward_##s), TG_EMULATED(tg_swiglu_backward_##s), TG_EMULATED(tg_rope_##s),               \
-      TG_EMULATED(tg_col_sum_bands_##s),                                                                                \
+      TG_EMULATED(tg_col_sum_bands_##s), TG_EMULATED(tg_col_sum_bands_packed_##s), TG_EMULATED(tg_gelu_backward_bands_##s), \
       TG_EMULATED(tg_adafactor_rows_##s), TG_EMULATED(tg_adafactor_cols_##s), TG_EMULATED(tg_adafactor_col_var_##s),   \
       TG_EMULATED(tg_adafactor_scale_##s), TG_EMULATED(tg_adafactor_usq_##s), TG_EMULATED(tg_adafactor_apply_##s)
 const Kernel kKernels[] = {TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_param_sum), TG_EMULATED(tg_col_sum_finish), TG_EMULATED_DTYPE(f32), TG_EMULATED_DTYPE(bf16), TG_EMULATED_DTYPE(f16)};

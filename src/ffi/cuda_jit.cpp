@@ -17,8 +17,10 @@
 #include <dlfcn.h>
 #include <link.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 #include <map>
 #include <mutex>
@@ -231,6 +233,8 @@ struct DtypeKernels {
   void* swiglu_backward = nullptr;
   void* rope = nullptr;
   void* col_sum_bands = nullptr;
+  void* col_sum_bands_packed = nullptr;
+  void* gelu_backward_bands = nullptr;
 };
 
 // Per CUDA device: its primary context (PyTorch's) and the loaded kernels.
@@ -313,6 +317,8 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].swiglu_backward, std::string("tg_swiglu_backward_") + kDtypes[d]);
     get(&k.per_dtype[d].rope, std::string("tg_rope_") + kDtypes[d]);
     get(&k.per_dtype[d].col_sum_bands, std::string("tg_col_sum_bands_") + kDtypes[d]);
+    get(&k.per_dtype[d].col_sum_bands_packed, std::string("tg_col_sum_bands_packed_") + kDtypes[d]);
+    get(&k.per_dtype[d].gelu_backward_bands, std::string("tg_gelu_backward_bands_") + kDtypes[d]);
     for (int stage = 0; stage < kStageCount; ++stage) get(&k.per_dtype[d].adafactor[stage], std::string("tg_adafactor_") + kAdafactorStages[stage] + "_" + kDtypes[d]);
   }
 }
@@ -564,6 +570,27 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
   launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (pairs + 255) / 256, 1, args);
 }
 
+namespace {
+// Whether [rows, cols] tensors starting at these pointers can be read 8 values a lane (the packed
+// column sums): rows of a multiple of 8 values, every start on 16 bytes.
+bool packs_fit(long long cols, std::initializer_list<const void*> starts) {
+  if (cols % 8 != 0) return false;
+  for (const void* p : starts) {
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// The bands' sums in `partial` [bands, cols] added in band order into `out` [cols].
+void finish_column_sum(const Launcher& launch, at::Tensor& partial, at::Tensor& out) {
+  long long bands = partial.size(0), cols = partial.size(1);
+  void* pp = partial.data_ptr();
+  void* op = out.data_ptr();
+  void* args[] = {&pp, &op, &bands, &cols};
+  launch(launch.kernels().col_sum_finish, "cuLaunchKernel(tg_col_sum_finish)", (cols + 255) / 256, 1, args);
+}
+}  // namespace
+
 void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   long long rows = dy.size(0), cols = dy.size(1);
   if (cols == 0) return;
@@ -579,10 +606,31 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   void* pp = partial.data_ptr();
   void* args[] = {&dyp, &pp, &rows, &cols, &band_rows};
   const Launcher launch(dy.device());
-  launch(launch.kernels().per_dtype[d].col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, args);
-  void* op = out.data_ptr();
-  void* finish_args[] = {&pp, &op, &bands, &cols};
-  launch(launch.kernels().col_sum_finish, "cuLaunchKernel(tg_col_sum_finish)", (cols + 255) / 256, 1, finish_args);
+  const auto& k = launch.kernels().per_dtype[d];
+  if (packs_fit(cols, {dyp})) {
+    launch(k.col_sum_bands_packed, "cuLaunchKernel(tg_col_sum_bands_packed)", (cols + 255) / 256, bands, args);
+  } else {
+    launch(k.col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, args);
+  }
+  finish_column_sum(launch, partial, out);
+}
+
+bool cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor& dh, at::Tensor* db) {
+  long long rows = h.size(0), cols = h.size(1);
+  const void* dap = da.data_ptr();
+  const void* hp = h.data_ptr();
+  void* dhp = dh.data_ptr();
+  if (rows == 0 || cols == 0 || !packs_fit(cols, {dap, hp, dhp})) return false;
+  const int d = dtype_index(h.scalar_type(), "gelu_backward");
+  long long band_rows = kBandRows;
+  long long bands = (rows + band_rows - 1) / band_rows;
+  at::Tensor partial = db != nullptr ? at::empty({bands, cols}, h.options().dtype(at::kFloat)) : at::Tensor();
+  void* pp = db != nullptr ? partial.data_ptr() : nullptr;
+  void* args[] = {&dap, &hp, &dhp, &pp, &rows, &cols, &band_rows};
+  const Launcher launch(h.device());
+  launch(launch.kernels().per_dtype[d].gelu_backward_bands, "cuLaunchKernel(tg_gelu_backward_bands)", (cols + 255) / 256, bands, args);
+  if (db != nullptr) finish_column_sum(launch, partial, *db);
+  return true;
 }
 }  // namespace trainguard
 

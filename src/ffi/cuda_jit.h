@@ -68,4 +68,11 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
 // (linear_kernels.cpp: a bias's gradient). Two launches (bands of rows, then the bands in
 // order) on PyTorch's current stream.
 void cuda_column_sum(const at::Tensor& dy, at::Tensor& out);
+
+// GELU's backward for the linear-GELU node (linear_kernels.cpp): dh = da · GELU'(h) rounded to
+// h's dtype into `dh`, and with `db` its column sums (fp32, the bias's gradient) in the bits
+// cuda_column_sum(dh) gives; da, h and dh [rows, cols] contiguous, one dtype. One launch (and the
+// bands' finish). False, with nothing launched, where the rows cannot be read 8 values a lane
+// (a width not a multiple of 8, a start off 16 bytes): the caller then takes ATen's ops.
+bool cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor& dh, at::Tensor* db);
 }  // namespace trainguard

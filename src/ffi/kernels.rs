@@ -379,7 +379,7 @@ mod tests {
             entries.extend(["forward", "forward_warp", "backward", "backward_warp", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));
-            entries.push(format!("tg_col_sum_bands_{dtype}"));
+            entries.extend(["col_sum_bands", "col_sum_bands_packed", "gelu_backward_bands"].map(|k| format!("tg_{k}_{dtype}")));
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));

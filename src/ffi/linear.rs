@@ -11,18 +11,28 @@ extern "C" {
     fn tg_linear_keep_casts(on: c_int);
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
-    fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
 /// `x` `[…, in]` · `weight`ᵀ (`[out, in]`) + `bias` (`[out]`), in autocast's dtype while
 /// autocast is on (x's otherwise).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
+    call(x, weight, bias, false)
+}
+
+/// GELU (without the tanh approximation) of [`linear`]'s output: GPT-2's MLP up-projection
+/// (`kernels.fused_gelu`), whose backward takes GELU's gradient and the bias's in one kernel.
+pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
+    call(x, weight, bias, true)
+}
+
+fn call(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Result<Tensor, ShimError> {
     let mut y = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr().cast::<c_void>());
     // SAFETY: the handles are live tensors (bias: or null); on success the shim hands over a
     // tensor it allocated with `new`, which tch's Tensor owns and frees.
-    let code = unsafe { tg_linear(x.as_ptr().cast(), weight.as_ptr().cast(), bias, &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe { tg_linear(x.as_ptr().cast(), weight.as_ptr().cast(), bias, c_int::from(gelu), &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(y.cast()) })
@@ -138,6 +148,125 @@ pub(crate) mod tests {
                 assert!(max_rel(db, plain) <= 1.0 / 128.0, "{label}: bias gradient off by {:e}", max_rel(db, plain));
             }
         }
+    }
+
+    extern "C" {
+        fn tg_linear_test_column_sum(dy: *const c_void, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+        fn tg_linear_test_gelu_backward(da: *const c_void, h: *const c_void, dh: *mut c_void, db: *mut c_void, took: *mut c_int, err: *mut c_char, err_len: usize) -> c_int;
+    }
+
+    /// The column sums of `dy` [rows, cols] through the emulated kernels.
+    fn column_sum(dy: &Tensor) -> Tensor {
+        let out = Tensor::zeros([dy.size()[1]], (Kind::Float, Device::Cpu));
+        let mut err = [0u8; ERR_LEN];
+        let _e = CudaEmulation::start();
+        // SAFETY: live tensors; the shim writes into `out`.
+        result(unsafe { tg_linear_test_column_sum(dy.as_ptr().cast(), out.as_ptr().cast_mut().cast(), err.as_mut_ptr().cast(), ERR_LEN) }, &err).unwrap();
+        out
+    }
+
+    /// `t`'s values in a tensor that starts one element past a 16-byte boundary (contiguous).
+    fn off_16_bytes(t: &Tensor) -> Tensor {
+        let buf = Tensor::zeros([t.numel() as i64 + 1], (t.kind(), Device::Cpu));
+        let mut shifted = buf.narrow(0, 1, t.numel() as i64).view(t.size().as_slice());
+        shifted.copy_(t);
+        shifted
+    }
+
+    /// Values of every sign and size, without the global generator.
+    fn wave(rows: i64, cols: i64, k: f64, scale: f64, kind: Kind) -> Tensor {
+        (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu)).view([rows, cols]).f_mul_scalar(k).unwrap().sin() * scale).to_kind(kind)
+    }
+
+    /// Rows of a multiple of 8 values on 16 bytes are summed 8 columns a lane (the packed
+    /// kernel); the same rows a value at a time (off 16 bytes: the other kernel) give the same
+    /// bits, as the packed kernel adds each column's rows in the same order.
+    #[test]
+    fn packed_column_sums_give_the_one_column_a_lane_sums_bits() {
+        // fp32's values carry 24 bits, so their sums round and the order of the adds shows in the
+        // bits (16-bit values' short sums are exact in fp32 whatever the order).
+        for (rows, cols, kind) in [(1000, 64, Kind::BFloat16), (513, 264, Kind::BFloat16), (300, 40, Kind::Half), (77, 16, Kind::Float), (2100, 8, Kind::BFloat16), (3000, 264, Kind::Float)] {
+            let dy = wave(rows, cols, 0.377, 3.0, kind);
+            let (packed, plain) = (column_sum(&dy), column_sum(&off_16_bytes(&dy)));
+            assert!(packed.equal(&plain), "{rows} x {cols} {kind:?}: {:e} apart", max_rel(&packed, &plain));
+            let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
+            assert!(max_rel(&packed, &want) < 1e-5, "{rows} x {cols} {kind:?}: {:e} from the fp64 sums", max_rel(&packed, &want));
+        }
+    }
+
+    /// GELU's backward kernel: dh within a rounding of ATen's gelu_backward (computed in fp32,
+    /// rounded once), and the bias's gradient in the bits of the column sums of dh as stored.
+    /// Rows it cannot read 8 values a lane are left to ATen: nothing runs.
+    #[test]
+    fn the_gelu_backward_kernel_gives_atens_gradient_and_its_column_sums() {
+        let gelu_backward = |da: &Tensor, h: &Tensor, db: Option<&Tensor>| {
+            let dh = h.zeros_like();
+            let (mut err, mut took) = ([0u8; ERR_LEN], 0);
+            let _e = CudaEmulation::start();
+            let db = db.map_or(std::ptr::null_mut(), |d| d.as_ptr().cast_mut().cast());
+            // SAFETY: live tensors (db: or null); the shim writes into dh and db.
+            let code = unsafe { tg_linear_test_gelu_backward(da.as_ptr().cast(), h.as_ptr().cast(), dh.as_ptr().cast_mut().cast(), db, &mut took, err.as_mut_ptr().cast(), ERR_LEN) };
+            result(code, &err).unwrap();
+            (dh, took == 1)
+        };
+        for (rows, cols, kind) in [(600, 64, Kind::BFloat16), (257, 3072 / 8, Kind::BFloat16), (90, 24, Kind::Half), (40, 32, Kind::Float)] {
+            let label = format!("{rows} x {cols} {kind:?}");
+            let (da, h) = (wave(rows, cols, 0.513, 2.0, kind), wave(rows, cols, 0.0731, 4.0, kind));
+            let db = Tensor::zeros([cols], (Kind::Float, Device::Cpu));
+            let (dh, took) = gelu_backward(&da, &h, Some(&db));
+            assert!(took, "{label}: the kernel took the rows");
+            let want = h.to_kind(Kind::Float).gelu_backward(&da.to_kind(Kind::Float), "none");
+            // Within a rounding of D (ATen's CPU erf and exp are approximations of their own:
+            // a few of fp32's last places, near zero too).
+            let ulp = if kind == Kind::Float { 1e-5 } else if kind == Kind::Half { 1.0 / 1024.0 } else { 1.0 / 128.0 };
+            let off = ((dh.to_kind(Kind::Float) - &want).abs() - want.abs() * ulp).max().double_value(&[]);
+            assert!(off <= 1e-6, "{label}: dh off ATen's by more than a rounding ({off:e})");
+            assert!(db.equal(&column_sum(&dh)), "{label}: the bias's gradient is the column sums of dh, bit for bit");
+            let (alone, _) = gelu_backward(&da, &h, None);
+            assert!(alone.equal(&dh), "{label}: without the sums, the same dh");
+        }
+        let (da, h) = (wave(30, 70, 0.5, 2.0, Kind::BFloat16), wave(30, 70, 0.07, 4.0, Kind::BFloat16));
+        let (dh, took) = gelu_backward(&da, &h, None);
+        assert!(!took && dh.eq(0.0).all().int64_value(&[]) == 1, "70 columns: left to ATen, nothing written");
+        let (da, h) = (wave(30, 64, 0.5, 2.0, Kind::BFloat16), wave(30, 64, 0.07, 4.0, Kind::BFloat16));
+        assert!(!gelu_backward(&off_16_bytes(&da), &h, None).1, "rows off 16 bytes: left to ATen");
+    }
+
+    /// The node with GELU after it against autocast's linear and ATen's gelu: the same output,
+    /// gradients within autocast's own distance; one launch backward (two with the bias's sums)
+    /// where the kernel takes the rows, ATen's gelu_backward (and the column sums) elsewhere.
+    #[test]
+    fn the_linear_gelu_node_computes_autocasts_linear_and_gelu() {
+        let case = |outputs: i64, bias: Option<bool>| Case { rows: 96, inputs: 40, outputs, bias, x_fp32: false };
+        for (c, launches) in [(case(64, Some(true)), 2), (case(64, None), 1), (case(70, Some(true)), 2), (case(70, None), 0)] {
+            let c = &c;
+            let label = format!("{} x {} → {} bias {:?}", c.rows, c.inputs, c.outputs, c.bias);
+            let ((ours, launched), (aten, _)) = (run_gelu(c, true), run_gelu(c, false));
+            assert_eq!(launched, launches, "{label}: launches");
+            assert!(ours[0].equal(&aten[0]), "{label}: y, bit for bit (the same GEMM and GELU)");
+            for (i, (a, b)) in ours.iter().zip(&aten).enumerate().skip(1) {
+                assert_eq!(a.size(), b.size(), "{label}: output {i}");
+                assert!(max_rel(a, b) <= 1.0 / 128.0, "{label}: output {i} off by {:e}", max_rel(a, b));
+            }
+        }
+    }
+
+    /// As [`run`], through GELU after the layer.
+    fn run_gelu(c: &Case, ours: bool) -> (Vec<Tensor>, u64) {
+        let x = wave(c.rows, c.inputs, 0.731, 1.5, Kind::BFloat16).set_requires_grad(true);
+        let w = wave(c.outputs, c.inputs, 0.37, 0.2, Kind::Float).set_requires_grad(true);
+        let b = c.bias.map(|grad| wave(1, c.outputs, 2.3, 0.1, Kind::Float).view([c.outputs]).set_requires_grad(grad));
+        let gy = wave(c.rows, c.outputs, 0.513, 1.0, Kind::BFloat16);
+        let emulation = ours.then(CudaEmulation::start);
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let y = if ours { linear_gelu(&x, &w, b.as_ref()).unwrap() } else { x.linear(&w, b.as_ref()).gelu("none") };
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        let objective = (y.to_kind(Kind::Float) * gy.to_kind(Kind::Float)).sum(Kind::Float);
+        let mut inputs = vec![&x, &w];
+        inputs.extend(b.iter().filter(|b| b.requires_grad()));
+        let mut out = vec![y.detach().to_kind(Kind::Float)];
+        out.extend(Tensor::run_backward(&[&objective], &inputs, false, false).iter().map(|g| g.to_kind(Kind::Float)));
+        (out, emulation.map_or(0, |e| e.launches()))
     }
 
     /// The column sums in fp32, in a fixed order: against fp64 sums, and the same bits twice.

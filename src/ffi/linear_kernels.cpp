@@ -7,6 +7,11 @@
 // out_dtype, CUDA only) and the bias's from our column-sum kernels in fp32 (linear_kernels.cu),
 // which read dy once; gradients nobody asked for (the LM head's padding mask) are not computed.
 // It keeps what autocast's linear keeps: x and w in D.
+// With GELU after it (GPT-2's MLP up-projection, `kernels.fused_gelu`) the node also keeps GELU's
+// input h, as ATen's gelu does, and its backward takes GELU's gradient and the bias's column sums
+// in one kernel (linear_kernels.cu, tg_gelu_backward_bands): the GELU gradient dh written once
+// and summed from registers, where ATen's gelu_backward writes it and the column sums read it
+// back (16384 × 3072 bf16 values, 100 MB, per layer and micro-step of GPT-2 124M at micro 16).
 // It runs where our CUDA kernels run (CUDA, or the CPU under the host emulation for tests; there
 // the weight's gradient is the GEMM in D cast to fp32, as autocast computes it). Elsewhere, or
 // without autocast, tg_linear is ATen's linear.
@@ -58,16 +63,23 @@ at::Tensor cast_once(const at::Tensor& t, at::ScalarType d) {
 }
 
 struct LinearNode : public torch::autograd::Function<LinearNode> {
-  // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D.
+  // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D
+  // (with `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                                                const std::optional<at::Tensor>& b, at::ScalarType d) {
+                                                const std::optional<at::Tensor>& b, at::ScalarType d, bool gelu) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor xd = x.to(d), wd = cast_once(w, d);
     const at::Tensor y = b.has_value() ? at::addmm(cast_once(*b, d), xd, wd.t()) : at::mm(xd, wd.t());
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["with_bias"] = b.has_value();
-    ctx->save_for_backward({xd, wd});
-    return {y};
+    ctx->saved_data["gelu"] = gelu;
+    if (!gelu) {
+      ctx->save_for_backward({xd, wd});
+      return {y};
+    }
+    // What ATen's gelu keeps (its input); the next layer keeps GELU's output, as without the node.
+    ctx->save_for_backward({xd, wd, y});
+    return {at::gelu(y)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
@@ -75,16 +87,26 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &xd = saved[0], &wd = saved[1];
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const at::Tensor dy = grads[0].to(xd.scalar_type()).contiguous();
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor dy = grads[0].to(xd.scalar_type()).contiguous();
     at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
-    if (ctx->needs_input_grad(1)) dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
-    if (ctx->saved_data["with_bias"].toBool() && ctx->needs_input_grad(2)) {
-      db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+    if (ctx->saved_data["with_bias"].toBool() && ctx->needs_input_grad(2)) db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+    if (ctx->saved_data["gelu"].toBool()) {
+      // The GELU's gradient and the bias's in one pass (dy read once where ATen's gelu_backward
+      // and the column sums read it and then dh), where the kernel can take the rows.
+      const at::Tensor& h = saved[2];
+      at::Tensor dh = at::empty_like(h, at::MemoryFormat::Contiguous);
+      if (!trainguard::cuda_gelu_backward(dy, h, dh, db.defined() ? &db : nullptr)) {
+        dh = at::gelu_backward(dy, h);
+        if (db.defined()) trainguard::cuda_column_sum(dh, db);
+      }
+      dy = dh;
+    } else if (db.defined()) {
       trainguard::cuda_column_sum(dy, db);
     }
-    return {dx, dw, db, at::Tensor()};
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    if (ctx->needs_input_grad(1)) dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
 }  // namespace
@@ -104,13 +126,26 @@ void tg_linear_keep_casts(int open) {
 // Casts reused on this thread so far (tests).
 uint64_t tg_linear_casts_reused() { return casts_reused; }
 
+// For tests: cuda_column_sum(dy, out).
+int tg_linear_test_column_sum(const void* dy, void* out, char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] { trainguard::cuda_column_sum(*static_cast<const at::Tensor*>(dy), *static_cast<at::Tensor*>(out)); });
+}
+
+// For tests: cuda_gelu_backward(da, h, dh, db (null: none)); `*took` 1 where the kernel ran.
+int tg_linear_test_gelu_backward(const void* da, const void* h, void* dh, void* db, int* took, char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] {
+    *took = trainguard::cuda_gelu_backward(*static_cast<const at::Tensor*>(da), *static_cast<const at::Tensor*>(h), *static_cast<at::Tensor*>(dh),
+                                           static_cast<at::Tensor*>(db));
+  });
+}
+
 // Casts held on this thread now (tests).
 size_t tg_linear_casts_held() { return kept_casts.size(); }
 
-// x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none): `*y_out` is a new tensor tch takes
-// over. Through our node where our kernels run and autocast is on for x's device with a 16-bit
+// x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none), then GELU of it where `gelu` is 1:
+// `*y_out` is a new tensor tch takes over. Through our node where our kernels run and autocast is on for x's device with a 16-bit
 // dtype, the weight fp32; through ATen's linear (autocast's, when it is on) otherwise.
-int tg_linear(const void* x, const void* weight, const void* bias, void** y_out, char* err, size_t err_len) {
+int tg_linear(const void* x, const void* weight, const void* bias, int gelu, void** y_out, char* err, size_t err_len) {
   *y_out = nullptr;
   return trainguard::guarded(err, err_len, [&] {
     const auto& xt = *static_cast<const at::Tensor*>(x);
@@ -130,9 +165,10 @@ int tg_linear(const void* x, const void* weight, const void* bias, void** y_out,
       const std::optional<at::Tensor> b_opt = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
       std::vector<int64_t> shape(xt.sizes().begin(), xt.sizes().end());
       shape.back() = w.size(0);
-      y = LinearNode::apply(x2, w, b_opt, d)[0].view(shape);
+      y = LinearNode::apply(x2, w, b_opt, d, gelu != 0)[0].view(shape);
     } else {
       y = at::linear(xt, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+      if (gelu != 0) y = at::gelu(y);
     }
     *y_out = new at::Tensor(y);
   });

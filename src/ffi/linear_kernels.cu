@@ -66,3 +66,118 @@ TG_KERNEL void __launch_bounds__(TG_THREADS) tg_col_sum_finish(const float* part
   if (col >= cols) return;
   out[col] = tg_ordered_sum(partial + col, bands, cols);
 }
+
+// The same band sums with a lane's 8 consecutive columns read at once (`tg_load8`: a 16-byte
+// pack of a 16-bit dtype, two of fp32), 256 columns a block: for rows of a multiple of 8 values
+// that start on 16 bytes. A warp's 32 lanes then load 512 bytes of a bf16 row per instruction,
+// where col_sum_bands loads 128 in two-byte pieces. The block's warps take the same rows in the
+// same order as col_sum_bands, so each column's sum is the same, bit for bit. What is summed is
+// the `Values` policy's: `load` brings in 8 values' inputs from element i on, `value` turns them
+// into the 8 values added (and may store something of its own, as the GELU gradient below).
+#define TG_PACKED_BATCH 4  // rows a lane loads before it adds the first (registers: 8 values a row)
+template <class Values>
+__device__ __forceinline__ void col_sum_bands_packed(const Values& values, float* partial, long long rows, long long cols, long long band_rows) {
+  __shared__ float part[TG_WARPS][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long col = static_cast<long long>(blockIdx.x) * 256 + 8 * lane;
+  const long long first = static_cast<long long>(blockIdx.y) * band_rows;
+  const long long last = first + band_rows < rows ? first + band_rows : rows;
+  const bool lane_in = col < cols;  // cols is a multiple of 8: a lane's pack is all in or all out
+  float a[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) a[k] = 0.0f;
+  for (long long row0 = first + warp; row0 < last; row0 += TG_PACKED_BATCH * TG_WARPS) {
+    typename Values::Loaded in[TG_PACKED_BATCH];
+#pragma unroll
+    for (int u = 0; u < TG_PACKED_BATCH; ++u) {
+      const long long row = row0 + u * TG_WARPS;
+      if (lane_in && row < last) values.load(row * cols + col, in[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < TG_PACKED_BATCH; ++u) {
+      const long long row = row0 + u * TG_WARPS;
+      if (lane_in && row < last) {
+        float v[8];
+        values.value(row * cols + col, in[u], v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a[k] += v[k];
+      }
+    }
+  }
+  if (partial == nullptr) return;  // the whole block: only the policy's own output was wanted
+#pragma unroll
+  for (int k = 0; k < 8; ++k) part[warp][8 * lane + k] = a[k];
+  __syncthreads();
+  // Each thread a column: the warps' parts added in warp order (threadIdx read afresh, as above).
+  const long long c = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  if (c >= cols) return;
+  float total = 0.0f;
+  for (int k = 0; k < TG_WARPS; ++k) total += part[k][threadIdx.x];
+  partial[static_cast<long long>(blockIdx.y) * cols + c] = total;
+}
+
+// The packed sums' policy for a bias's gradient: dy's values as they are.
+template <class D>
+struct TgColumnValues {
+  const typename D::T* dy;
+  struct Loaded {
+    float dy[8];
+  };
+  __device__ __forceinline__ void load(long long i, Loaded& in) const { tg_load8<D>(dy, i, true, 0, in.dy, TgRows{1, 1}); }
+  __device__ __forceinline__ void value(long long, Loaded& in, float* v) const {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = in.dy[k];
+  }
+};
+
+// GELU's derivative at h (GELU(h) = h·Φ(h), without the tanh approximation), as ATen's
+// gelu_backward computes it: Φ(h) + h·φ(h), in fp32.
+__device__ __forceinline__ float tg_gelu_grad(float h) {
+  const float cdf = 0.5f * (1.0f + erff(h * 0.70710678118654752440f));   // 1/√2
+  const float pdf = expf(-0.5f * h * h) * 0.39894228040143267794f;       // 1/√(2π)
+  return cdf + h * pdf;
+}
+
+// The packed sums' policy for the linear-GELU node: dh = da · GELU'(h) in fp32, rounded to D and
+// stored; the rounded values are what the bias's gradient sums (the column sums of dh as stored).
+template <class D>
+struct TgGeluGradValues {
+  const typename D::T* da;
+  const typename D::T* h;
+  typename D::T* dh;
+  struct Loaded {
+    float da[8], h[8];
+  };
+  __device__ __forceinline__ void load(long long i, Loaded& in) const {
+    tg_load8<D>(da, i, true, 0, in.da, TgRows{1, 1});
+    tg_load8<D>(h, i, true, 0, in.h, TgRows{1, 1});
+  }
+  __device__ __forceinline__ void value(long long i, Loaded& in, float* v) const {
+    float g[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) g[k] = in.da[k] * tg_gelu_grad(in.h[k]);
+    tg_store8<D>(dh, i, true, 0, g, TgRows{1, 1});
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // each as stored: rounded to D
+      typename D::T rounded;
+      D::store(&rounded, 0, g[k]);
+      v[k] = D::load(&rounded, 0);
+    }
+  }
+};
+
+// Packed column tile blockIdx.x of band blockIdx.y: `tg_col_sum_bands_*`'s sums, read 8 columns
+// a lane; `tg_gelu_backward_bands_*`: dh from da and h, and (partial not null) its band sums.
+#define TG_COL_SUM_PACKED(SUFFIX, D)                                                                                      \
+  TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                            \
+      tg_col_sum_bands_packed_##SUFFIX(const D::T* dy, float* partial, long long rows, long long cols, long long band_rows) { \
+    col_sum_bands_packed(TgColumnValues<D>{dy}, partial, rows, cols, band_rows);                                          \
+  }                                                                                                                       \
+  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_gelu_backward_bands_##SUFFIX(                                           \
+      const D::T* da, const D::T* h, D::T* dh, float* partial, long long rows, long long cols, long long band_rows) {     \
+    col_sum_bands_packed(TgGeluGradValues<D>{da, h, dh}, partial, rows, cols, band_rows);                                 \
+  }
+
+TG_COL_SUM_PACKED(f32, F32)
+TG_COL_SUM_PACKED(bf16, BF16)
+TG_COL_SUM_PACKED(f16, F16)

@@ -83,6 +83,8 @@ pub struct Gpt2 {
     ln_f: LayerNorm,
     /// The LM head through our linear node (`kernels.fused_linear`).
     our_head: bool,
+    /// The MLP's GELU inside the up-projection's node (`kernels.fused_gelu`).
+    our_gelu: bool,
 }
 
 impl Gpt2 {
@@ -110,6 +112,7 @@ impl Gpt2 {
             blocks,
             ln_f: LayerNorm::load(params, "ln_f", bias, our_norms)?,
             our_head: ours.linear,
+            our_gelu: ours.gelu,
         })
     }
 }
@@ -135,7 +138,7 @@ impl Decoder for Gpt2 {
         let heads = |j: usize| split_heads(&parts[j], self.n_head);
         let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout)?;
         let (x, normed) = blk.ln_2.add_forward(&x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
-        let h = blk.fc.forward(&normed)?.f_gelu("none")?;
+        let h = blk.fc.forward_gelu(&normed, self.our_gelu)?;
         Ok(Stream { x, pending: Some(blk.mlp_proj.forward(&h)?.f_dropout(dropout, train)?) })
     }
 

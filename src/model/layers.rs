@@ -27,6 +27,15 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         linear(x, &self.weight, self.bias.as_ref(), self.ours)
     }
+
+    /// GELU (without the tanh approximation) of the layer's output: in our linear node when
+    /// `fused` (`kernels.fused_gelu`; the node must be this layer's), else ATen's gelu after it.
+    pub fn forward_gelu(&self, x: &Tensor, fused: bool) -> Result<Tensor, TchError> {
+        match fused && self.ours {
+            true => Ok(crate::ffi::linear::linear_gelu(x, &self.weight, self.bias.as_ref())?),
+            false => self.forward(x)?.f_gelu("none"),
+        }
+    }
 }
 
 /// `x` through the linear layers `layers` that all read it, as one matrix multiplication

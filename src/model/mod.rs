@@ -66,6 +66,8 @@ pub struct OurNodes {
     pub rope: bool,
     /// The linear layers and the LM head (`kernels.fused_linear`).
     pub linear: bool,
+    /// GPT-2's MLP up-projection with its GELU (`kernels.fused_gelu`, inside the linear node).
+    pub gelu: bool,
 }
 
 pub struct Model {
@@ -109,6 +111,7 @@ impl Model {
             swiglu: kernels.fused_swiglu && runs,
             rope: kernels.fused_rope && runs,
             linear: kernels.fused_linear && runs,
+            gelu: kernels.fused_gelu && kernels.fused_linear && runs,
         };
         let net: Box<dyn Decoder> = match cfg.arch {
             Arch::Gpt2 => Box::new(gpt2::Gpt2::new(cfg, &params, ours)?),
@@ -614,5 +617,22 @@ mod node_tests {
         assert!(g.padded_vocab() > g.vocab_size, "the head has its padding mask");
         gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
         gives_the_plain_models_loss_and_gradients(&llama(), on, plain, |_, _| 0);
+    }
+
+    /// `kernels.fused_gelu`: GPT-2's MLP up-projection with its GELU in the linear node. With
+    /// biases its GELU kernel takes the place of the layer's column sums (the same count of
+    /// launches); without, it is the one launch a block; recomputed blocks run it again only in
+    /// backward, as the rest.
+    #[test]
+    fn the_linear_gelu_node_gives_the_plain_gpt2s_loss_and_gradients() {
+        let plain = KernelsConfig::aten();
+        let on = KernelsConfig { fused_linear: true, fused_gelu: true, ..plain };
+        let g = gpt2();
+        assert_eq!(4 * g.n_embd % 8, 0, "the up-projection's rows fit the GELU kernel");
+        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
+        let unbiased = ModelConfig { bias: false, ..g };
+        gives_the_plain_models_loss_and_gradients(&unbiased, on, plain, |bf16, _| if bf16 { unbiased.n_layer as u64 } else { 0 });
+        // Without the linear node the switch has nothing to fuse into: ATen's ops, no launch.
+        gives_the_plain_models_loss_and_gradients(&unbiased, KernelsConfig { fused_gelu: true, ..plain }, plain, |_, _| 0);
     }
 }

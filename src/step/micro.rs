@@ -222,7 +222,7 @@ mod tests {
         crate::ffi::set_autocast(false, true, false).unwrap();
         let (x, y) = data.sampler.train_batch(&corpus, 4, 0..2, Device::Cpu).unwrap();
         let first = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
-        tch::no_grad(|| model.params.get("h.0.mlp.c_fc.weight").unwrap().shallow_clone().f_add_scalar_(0.5).unwrap());
+        let _ = tch::no_grad(|| model.params.get("h.0.mlp.c_fc.weight").unwrap().shallow_clone().f_add_scalar_(0.5).unwrap());
         let before = KeptCasts::reused();
         let changed = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
         assert_eq!(KeptCasts::reused() - before, casts - 1, "all but the changed tensor reused");
@@ -240,7 +240,7 @@ mod tests {
         let held: Vec<usize> = (0..2).map(|_| merged.loss(&x, &y, false, None).map(|_| KeptCasts::held()).unwrap()).collect();
         crate::ffi::set_autocast(false, false, false).unwrap();
         // Per block o and down, and the (tied) head.
-        assert_eq!(held, [2 * llama.n_layer as usize + 1; 2]);
+        assert_eq!(held, [2 * llama.n_layer + 1; 2]);
     }
 
     #[test]
