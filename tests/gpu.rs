@@ -697,8 +697,9 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     // GPT-2's up-projection with its GELU in the node (kernels.fused_gelu: 3072 columns, the
     // GELU kernel's packed rows) against the node followed by ATen's gelu.
     node_computes_what_atens_ops_do(dev, &[Arch::Gpt2], KernelsConfig { fused_gelu: true, ..KernelsConfig::default() }, KernelsConfig::default());
-    // 768 and 3072 columns: the packed column sums (8 columns a lane); 70: a column a lane.
-    for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 70)] {
+    // 768, 3072 and 264 columns: the packed column sums (8 columns a lane; 264 and 1000 rows
+    // leave a partial column tile and band); 70: a column a lane.
+    for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 264), (1000, 70)] {
         let dy = Tensor::randn([rows, cols], (Kind::Float, dev)).to_kind(Kind::BFloat16);
         let x = Tensor::ones([rows, 1], (Kind::BFloat16, dev));
         let w = Tensor::zeros([cols, 1], (Kind::Float, dev)).set_requires_grad(true);

@@ -18,8 +18,8 @@
 // Shared memory is a static per kernel instantiation, which running blocks one at a time makes
 // safe (a block sees what the previous one left, where a GPU gives garbage). Arithmetic is the
 // host's IEEE float and double, compiled with -ffp-contract=off as NVRTC compiles with
-// --fmad=false; division and square roots are correctly rounded on both. Only expf and logf come
-// from the host's libm and may differ from the GPU's in the last place.
+// --fmad=false; division and square roots are correctly rounded on both. Only expf, logf and erff
+// come from the host's libm and may differ from the GPU's in the last place.
 #include <c10/util/Half.h>
 #include <ucontext.h>
 
@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -190,6 +191,7 @@ const Kernel kKernels[] = {TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_par
 
 std::mutex launch_lock;  // one emulated launch at a time: shared memory and `running` are global
 thread_local unsigned long long launches = 0;  // emulated launches made on this thread
+thread_local std::map<std::string, unsigned long long> launches_of;  // the same, by kernel
 
 void fiber_main() {
   running->body(running->args);
@@ -276,6 +278,7 @@ void emulated_launch(void* kernel, long long gx, long long gy, void** args) {
   if (gx < 1 || gy < 1) throw std::invalid_argument(std::string("cuda emulation: ") + k.name + ": an empty grid (the driver refuses it)");
   std::lock_guard<std::mutex> g(launch_lock);
   ++launches;
+  ++launches_of[k.name];
   Block b;
   b.body = k.body;
   b.args = args;
@@ -298,3 +301,9 @@ void emulated_launch(void* kernel, long long gx, long long gy, void** args) {
 
 // Emulated launches made on this thread so far: a test's proof that its run took the kernels.
 extern "C" unsigned long long tg_cuda_emulation_launches() { return tg_emulated::launches; }
+
+// Emulated launches of the kernel `name` made on this thread so far: which of two forms ran.
+extern "C" unsigned long long tg_cuda_emulation_launches_of(const char* name) {
+  const auto it = tg_emulated::launches_of.find(name);
+  return it == tg_emulated::launches_of.end() ? 0 : it->second;
+}

@@ -8,6 +8,7 @@
 #include "cuda_jit.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/core/Device.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -571,12 +572,11 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
 }
 
 namespace {
-// Whether [rows, cols] tensors starting at these pointers can be read 8 values a lane (the packed
-// column sums): rows of a multiple of 8 values, every start on 16 bytes.
-bool packs_fit(long long cols, std::initializer_list<const void*> starts) {
-  if (cols % 8 != 0) return false;
-  for (const void* p : starts) {
-    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+// Whether these [rows, cols] tensors can be read 8 values a lane (the packed column sums): all
+// contiguous with rows of a multiple of 8 values, every start on 16 bytes.
+bool packs_fit(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (!t->is_contiguous() || t->size(1) % 8 != 0 || reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 != 0) return false;
   }
   return true;
 }
@@ -607,7 +607,7 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   void* args[] = {&dyp, &pp, &rows, &cols, &band_rows};
   const Launcher launch(dy.device());
   const auto& k = launch.kernels().per_dtype[d];
-  if (packs_fit(cols, {dyp})) {
+  if (packs_fit({&dy})) {
     launch(k.col_sum_bands_packed, "cuLaunchKernel(tg_col_sum_bands_packed)", (cols + 255) / 256, bands, args);
   } else {
     launch(k.col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, args);
@@ -615,22 +615,24 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   finish_column_sum(launch, partial, out);
 }
 
-bool cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor& dh, at::Tensor* db) {
+at::Tensor cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor* db) {
   long long rows = h.size(0), cols = h.size(1);
-  const void* dap = da.data_ptr();
-  const void* hp = h.data_ptr();
-  void* dhp = dh.data_ptr();
-  if (rows == 0 || cols == 0 || !packs_fit(cols, {dap, hp, dhp})) return false;
+  if (rows == 0 || cols == 0 || da.sizes() != h.sizes() || da.scalar_type() != h.scalar_type() || !packs_fit({&da, &h})) return at::Tensor();
+  at::Tensor dh = at::empty_like(h, at::MemoryFormat::Contiguous);
+  if (!packs_fit({&dh})) return at::Tensor();
   const int d = dtype_index(h.scalar_type(), "gelu_backward");
   long long band_rows = kBandRows;
   long long bands = (rows + band_rows - 1) / band_rows;
   at::Tensor partial = db != nullptr ? at::empty({bands, cols}, h.options().dtype(at::kFloat)) : at::Tensor();
+  const void* dap = da.data_ptr();
+  const void* hp = h.data_ptr();
+  void* dhp = dh.data_ptr();
   void* pp = db != nullptr ? partial.data_ptr() : nullptr;
   void* args[] = {&dap, &hp, &dhp, &pp, &rows, &cols, &band_rows};
   const Launcher launch(h.device());
   launch(launch.kernels().per_dtype[d].gelu_backward_bands, "cuLaunchKernel(tg_gelu_backward_bands)", (cols + 255) / 256, bands, args);
   if (db != nullptr) finish_column_sum(launch, partial, *db);
-  return true;
+  return dh;
 }
 }  // namespace trainguard
 

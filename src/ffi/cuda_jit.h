@@ -69,10 +69,12 @@ void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin
 // order) on PyTorch's current stream.
 void cuda_column_sum(const at::Tensor& dy, at::Tensor& out);
 
-// GELU's backward for the linear-GELU node (linear_kernels.cpp): dh = da · GELU'(h) rounded to
-// h's dtype into `dh`, and with `db` its column sums (fp32, the bias's gradient) in the bits
-// cuda_column_sum(dh) gives; da, h and dh [rows, cols] contiguous, one dtype. One launch (and the
-// bands' finish). False, with nothing launched, where the rows cannot be read 8 values a lane
-// (a width not a multiple of 8, a start off 16 bytes): the caller then takes ATen's ops.
-bool cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor& dh, at::Tensor* db);
+// GELU's backward for the linear-GELU node (linear_kernels.cpp): dh = da · GELU'(h), rounded to
+// h's dtype, returned; with `db` its column sums (fp32, the bias's gradient) in the bits
+// cuda_column_sum(dh) gives. da and h [rows, cols] of one dtype. One launch (and the bands'
+// finish). Undefined, with nothing allocated or launched, where the rows cannot be read 8 values
+// a lane (not contiguous, a width not a multiple of 8, a start off 16 bytes): the caller then
+// takes ATen's ops. dh may differ from ATen's CUDA gelu_backward in the last bit (NVRTC compiles
+// without fused multiply-adds, nvcc with them).
+at::Tensor cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Tensor* db);
 }  // namespace trainguard

@@ -17,6 +17,7 @@ extern "C" {
     fn tg_cuda_emulation_set(on: c_int);
     fn tg_cuda_emulation_on() -> c_int;
     fn tg_cuda_emulation_launches() -> u64;
+    fn tg_cuda_emulation_launches_of(name: *const c_char) -> u64;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_add_all(dst: *const *const c_void, src: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
@@ -259,6 +260,14 @@ impl CudaEmulation {
         // SAFETY: reads a thread-local counter.
         let now = unsafe { tg_cuda_emulation_launches() };
         now - self.launches_before
+    }
+
+    /// Launches of the kernel `name` (emulated) on this thread since the process began: where
+    /// a launch may take one of two forms, which ran.
+    pub fn launches_of(name: &str) -> u64 {
+        let name = std::ffi::CString::new(name).expect("a kernel's name has no NUL");
+        // SAFETY: a NUL-terminated string, read during the call; reads a thread-local map.
+        unsafe { tg_cuda_emulation_launches_of(name.as_ptr()) }
     }
 }
 

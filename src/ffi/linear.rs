@@ -41,7 +41,10 @@ fn call(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Resul
 /// While one lives, the linear node casts each weight and bias to the compute dtype once on this
 /// thread and reuses the cast until the source changes (its version counter): one optimizer
 /// step's micro-steps share their weights' casts, where autocast makes them again in each. The
-/// casts are freed when it drops.
+/// casts are freed when it drops. Only ATen's in-place ops bump a version: a scope must close
+/// before anything writes parameters through raw pointers (our CUDA optimizers, a broadcast),
+/// as a step's does before the optimizer runs. Not open across a CUDA graph capture either: the
+/// graph would read casts the scope frees.
 pub struct KeptCasts {
     _per_thread: std::marker::PhantomData<*const ()>, // not Send: the casts are per thread
 }
@@ -187,7 +190,19 @@ pub(crate) mod tests {
         // bits (16-bit values' short sums are exact in fp32 whatever the order).
         for (rows, cols, kind) in [(1000, 64, Kind::BFloat16), (513, 264, Kind::BFloat16), (300, 40, Kind::Half), (77, 16, Kind::Float), (2100, 8, Kind::BFloat16), (3000, 264, Kind::Float)] {
             let dy = wave(rows, cols, 0.377, 3.0, kind);
-            let (packed, plain) = (column_sum(&dy), column_sum(&off_16_bytes(&dy)));
+            let suffix = match kind {
+                Kind::Float => "f32",
+                Kind::Half => "f16",
+                _ => "bf16",
+            };
+            let ran = |f: &dyn Fn() -> Tensor, name: &str| {
+                let before = CudaEmulation::launches_of(&format!("tg_col_sum_bands_{name}{suffix}"));
+                let out = f();
+                assert_eq!(CudaEmulation::launches_of(&format!("tg_col_sum_bands_{name}{suffix}")) - before, 1, "{rows} x {cols} {kind:?}: the {name}form ran");
+                out
+            };
+            let packed = ran(&|| column_sum(&dy), "packed_");
+            let plain = ran(&|| column_sum(&off_16_bytes(&dy)), "");
             assert!(packed.equal(&plain), "{rows} x {cols} {kind:?}: {:e} apart", max_rel(&packed, &plain));
             let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
             assert!(max_rel(&packed, &want) < 1e-5, "{rows} x {cols} {kind:?}: {:e} from the fp64 sums", max_rel(&packed, &want));

@@ -40,7 +40,7 @@ namespace {
 // address is not reused), its version when cast, and the cast.
 struct KeptCast {
   at::Tensor source;
-  uint32_t version;
+  int64_t version;
   at::Tensor cast;
 };
 thread_local int keeping_casts = 0;  // scopes open (tg_linear_keep_casts)
@@ -95,8 +95,8 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
       // The GELU's gradient and the bias's in one pass (dy read once where ATen's gelu_backward
       // and the column sums read it and then dh), where the kernel can take the rows.
       const at::Tensor& h = saved[2];
-      at::Tensor dh = at::empty_like(h, at::MemoryFormat::Contiguous);
-      if (!trainguard::cuda_gelu_backward(dy, h, dh, db.defined() ? &db : nullptr)) {
+      at::Tensor dh = trainguard::cuda_gelu_backward(dy, h, db.defined() ? &db : nullptr);
+      if (!dh.defined()) {
         dh = at::gelu_backward(dy, h);
         if (db.defined()) trainguard::cuda_column_sum(dh, db);
       }
@@ -131,11 +131,13 @@ int tg_linear_test_column_sum(const void* dy, void* out, char* err, size_t err_l
   return trainguard::guarded(err, err_len, [&] { trainguard::cuda_column_sum(*static_cast<const at::Tensor*>(dy), *static_cast<at::Tensor*>(out)); });
 }
 
-// For tests: cuda_gelu_backward(da, h, dh, db (null: none)); `*took` 1 where the kernel ran.
+// For tests: cuda_gelu_backward(da, h, db (null: none)) into `dh` (left as it is where the kernel
+// did not take the rows); `*took` 1 where it did.
 int tg_linear_test_gelu_backward(const void* da, const void* h, void* dh, void* db, int* took, char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
-    *took = trainguard::cuda_gelu_backward(*static_cast<const at::Tensor*>(da), *static_cast<const at::Tensor*>(h), *static_cast<at::Tensor*>(dh),
-                                           static_cast<at::Tensor*>(db));
+    const at::Tensor out = trainguard::cuda_gelu_backward(*static_cast<const at::Tensor*>(da), *static_cast<const at::Tensor*>(h), static_cast<at::Tensor*>(db));
+    *took = out.defined();
+    if (out.defined()) static_cast<at::Tensor*>(dh)->copy_(out);
   });
 }
 

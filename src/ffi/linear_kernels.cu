@@ -130,8 +130,9 @@ struct TgColumnValues {
   }
 };
 
-// GELU's derivative at h (GELU(h) = h·Φ(h), without the tanh approximation), as ATen's
-// gelu_backward computes it: Φ(h) + h·φ(h), in fp32.
+// GELU's derivative at h (GELU(h) = h·Φ(h), without the tanh approximation), ATen's
+// gelu_backward's formula and constants: Φ(h) + h·φ(h), in fp32. ATen's nvcc build may fuse a
+// multiply-add that NVRTC (--fmad=false) does not: the last bit may differ.
 __device__ __forceinline__ float tg_gelu_grad(float h) {
   const float cdf = 0.5f * (1.0f + erff(h * 0.70710678118654752440f));   // 1/√2
   const float pdf = expf(-0.5f * h * h) * 0.39894228040143267794f;       // 1/√(2π)

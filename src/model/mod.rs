@@ -493,7 +493,7 @@ mod node_tests {
         let emulation = CudaEmulation::start();
         let ours = Model::with_kernels(c, on, 3, Device::Cpu).unwrap();
         drop(emulation);
-        for (bf16, checkpointing) in [(false, Checkpointing::None), (true, Checkpointing::None), (false, Checkpointing::Every(1))] {
+        for (bf16, checkpointing) in [(false, Checkpointing::None), (true, Checkpointing::None), (false, Checkpointing::Every(1)), (true, Checkpointing::Every(1))] {
             let what = format!("{:?}, bf16 autocast {bf16}, {checkpointing:?}", c.arch);
             let savers = Savers::new(checkpointing, false, None);
             let run = |m: &Model, emulated: bool| {
@@ -629,7 +629,10 @@ mod node_tests {
         let on = KernelsConfig { fused_linear: true, fused_gelu: true, ..plain };
         let g = gpt2();
         assert_eq!(4 * g.n_embd % 8, 0, "the up-projection's rows fit the GELU kernel");
+        let gelu_launches = || CudaEmulation::launches_of("tg_gelu_backward_bands_bf16");
+        let before = gelu_launches();
         gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
+        assert!(gelu_launches() > before, "the GELU kernel ran, in place of the up-projection's column sums");
         let unbiased = ModelConfig { bias: false, ..g };
         gives_the_plain_models_loss_and_gradients(&unbiased, on, plain, |bf16, _| if bf16 { unbiased.n_layer as u64 } else { 0 });
         // Without the linear node the switch has nothing to fuse into: ATen's ops, no launch.

@@ -48,8 +48,9 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
         graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
     } else {
-        // The weights' 16-bit casts made once for all micro-steps; not with checkpointing, whose
-        // forward would otherwise free each block's casts as it goes.
+        // The weights' 16-bit casts made once for all micro-steps (freed before the optimizer
+        // writes the weights); not with checkpointing, whose forward would otherwise free each
+        // block's casts as it goes.
         let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start);
         let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
