@@ -444,7 +444,8 @@ pub struct KernelsConfig {
     /// dropout, fp16 loss scaling or offload (the config refuses them together; a step the guard
     /// escalates to offload runs eagerly).
     /// The graphs keep their activations' memory between steps (a private pool, released
-    /// before validation). Off by default: an H100 measured gpt2-124m bf16-mixed 1.017× and
+    /// before validation), and with the linear node the weights' 16-bit casts they read (made
+    /// again in place at each step's start). Off by default: an H100 measured gpt2-124m bf16-mixed 1.017× and
     /// smollm2-135m 1.032× faster with the other kernels' defaults, too little to refuse dropout,
     /// fp16 and offload by default or to keep a pool between steps; on the CPU nothing changes.
     pub cuda_graphs: bool,

@@ -9,6 +9,7 @@ use tch::Tensor;
 
 extern "C" {
     fn tg_linear_keep_casts(on: c_int);
+    fn tg_linear_refresh_casts(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
     fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
@@ -41,19 +42,30 @@ fn call(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Resul
 /// While one lives, the linear node casts each weight and bias to the compute dtype once on this
 /// thread and reuses the cast until the source changes (its version counter): one optimizer
 /// step's micro-steps share their weights' casts, where autocast makes them again in each. The
-/// casts are freed when it drops. Only ATen's in-place ops bump a version: a scope must close
-/// before anything writes parameters through raw pointers (our CUDA optimizers, a broadcast),
-/// as a step's does before the optimizer runs. Not open across a CUDA graph capture either: the
-/// graph would read casts the scope frees.
+/// casts are freed when the last one on the thread drops. Only ATen's in-place ops bump a
+/// version, so a scope that lives on after something wrote parameters through raw pointers (our
+/// CUDA optimizers, a broadcast) must [`KeptCasts::refresh`] before the casts are read again:
+/// the CUDA graphs' scope (`step::graphs`), which lives as long as the graphs that read its casts,
+/// does at each step's start; a scope opened inside it refreshes as it opens.
 pub struct KeptCasts {
     _per_thread: std::marker::PhantomData<*const ()>, // not Send: the casts are per thread
 }
 
 impl KeptCasts {
-    pub fn start() -> Self {
+    pub fn start() -> Result<Self, ShimError> {
         // SAFETY: sets a thread-local switch.
         unsafe { tg_linear_keep_casts(1) };
-        Self { _per_thread: std::marker::PhantomData }
+        let scope = Self { _per_thread: std::marker::PhantomData };
+        Self::refresh()?;
+        Ok(scope)
+    }
+
+    /// Every kept cast on this thread made again in place from its source (the same addresses):
+    /// the casts of a scope that outlived an optimizer update made current.
+    pub fn refresh() -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: the shim copies into tensors it holds; errors come back as a code and text.
+        result(unsafe { tg_linear_refresh_casts(err.as_mut_ptr().cast(), ERR_LEN) }, &err)
     }
 
     /// Casts reused on this thread since the process began.

@@ -123,6 +123,20 @@ void tg_linear_keep_casts(int open) {
   }
 }
 
+// Every kept cast made again, in place, from its source, whatever the source's version says (our
+// CUDA optimizers write parameters through raw pointers, which no version counter sees). In place,
+// so that a CUDA graph that reads a cast reads the new values. Where a scope outlives the
+// optimizer's update (the CUDA graphs' one), this runs before the next step reads a cast.
+int tg_linear_refresh_casts(char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] {
+    at::NoGradGuard no_grad;
+    for (auto& entry : kept_casts) {
+      entry.second.cast.copy_(entry.second.source);
+      entry.second.version = entry.second.source._version();
+    }
+  });
+}
+
 // Casts reused on this thread so far (tests).
 uint64_t tg_linear_casts_reused() { return casts_reused; }
 

@@ -303,9 +303,10 @@ impl Setup {
     }
 
     /// The linear node keeps the weights' 16-bit casts until the step's gradients are complete
-    /// (`KeptCasts` in src/step/micro.rs): mixed precision on CUDA, no checkpointing, no graphs.
+    /// (`KeptCasts` in src/step/micro.rs; mixed precision on CUDA, without checkpointing) or, with
+    /// CUDA graphs, for the run (src/step/graphs.rs).
     pub fn keeps_casts(&self) -> bool {
-        self.fused_linear && self.precision.is_mixed() && self.target == Target::Cuda && !self.activation_checkpointing && !self.cuda_graphs
+        self.fused_linear && self.precision.is_mixed() && self.target == Target::Cuda && (self.cuda_graphs || !self.activation_checkpointing)
     }
 
     /// Blocks per checkpointed segment (at least one).
@@ -528,7 +529,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // copies of the weights with it (the embedding, the last to run, reads its fp32 weight):
     // `weights` counts those copies in mixed precision, so they leave this moment. (On the CPU
     // bf16-mixed's end of backward measured 2 bytes a parameter below the estimate that kept them.)
-    // The linear node's kept casts stay to the step's end.
+    // The linear node's kept casts stay to the step's end (with graphs, the run's).
     let copies_released = if p.is_mixed() && !s.keeps_casts() { weights } else { 0 };
     let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
     let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
@@ -993,9 +994,10 @@ mod tests {
         let kept = Setup { fused_linear: true, ..cuda.clone() };
         let (released, held) = (estimate(&short, &cuda, 1, 1), estimate(&short, &kept, 1, 1));
         assert_eq!(held.peak_allocated - released.peak_allocated, released.weights);
-        for other in [Setup { activation_checkpointing: true, ..kept.clone() }, Setup { cuda_graphs: true, ..kept.clone() }, Setup { target: Target::Cpu, ..kept.clone() }] {
+        for other in [Setup { activation_checkpointing: true, ..kept.clone() }, Setup { target: Target::Cpu, ..kept.clone() }, Setup { fused_linear: false, ..kept.clone() }] {
             assert!(!other.keeps_casts(), "{other:?}");
         }
+        assert!(Setup { activation_checkpointing: true, cuda_graphs: true, ..kept.clone() }.keeps_casts(), "the graphs keep them for the run");
     }
 
     #[test]

@@ -20,6 +20,7 @@
 use super::savers::{loss_and_grads, Savers};
 use crate::ffi::graph::{Capture, CudaGraph};
 use crate::ffi::kernels;
+use crate::ffi::linear::KeptCasts;
 use crate::guard::{classify, ErrorKind};
 use crate::model::Model;
 use tch::{Device, Kind, TchError, Tensor};
@@ -90,13 +91,17 @@ pub struct MicroGraphs {
     lengths: Vec<Length>,
     acc: Option<Accumulators>,
     notices: Vec<Notice>,
+    /// The linear node's 16-bit casts of the weights, kept for the run (declared last: dropped
+    /// after the graphs that read them) and made again in place at each step's start, so that a
+    /// captured micro-step reads the step's casts where it would cast every weight again.
+    casts: Option<KeptCasts>,
 }
 
 impl MicroGraphs {
     /// Graphs switched on (`kernels.cuda_graphs`) or off. On the CPU nothing is ever captured,
     /// but an `on` set still adds every micro-step into its accumulators (what tests check).
     pub fn new(on: bool) -> Self {
-        Self { on, micro: 0, lengths: Vec::new(), acc: None, notices: Vec::new() }
+        Self { on, micro: 0, lengths: Vec::new(), acc: None, notices: Vec::new(), casts: None }
     }
 
     /// Whether a step with `savers` and loss scale `scale` runs in this mode.
@@ -105,11 +110,15 @@ impl MicroGraphs {
     }
 
     /// Starts a step at `micro`: the accumulators zeroed (made on first use), the graphs of
-    /// another micro-batch dropped.
+    /// another micro-batch dropped, the kept casts made from the weights as they are now.
     pub fn begin_step(&mut self, model: &Model, micro: usize) -> Result<(), TchError> {
         if micro != self.micro {
             self.lengths.clear();
             self.micro = micro;
+        }
+        match &self.casts {
+            Some(_) => KeptCasts::refresh()?,
+            None => self.casts = Some(KeptCasts::start()?),
         }
         match &self.acc {
             Some(acc) => {

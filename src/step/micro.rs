@@ -51,7 +51,7 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         // The weights' 16-bit casts made once for all micro-steps (freed before the optimizer
         // writes the weights); not with checkpointing, whose forward would otherwise free each
         // block's casts as it goes.
-        let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start);
+        let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start).transpose()?;
         let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
@@ -90,7 +90,7 @@ fn each_micro_batch(data: &StepData, step: u64, micro: usize, progress: &mut Pro
 /// chunks of `micro`.
 pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, progress: &mut Progress) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
-    let _casts = KeptCasts::start();
+    let _casts = KeptCasts::start()?;
     let mut total = 0.0;
     for b in 0..batches {
         for r in batch::split(data.rank_batch, micro) {
@@ -219,7 +219,7 @@ mod tests {
         assert!((whole_loss - split_loss).abs() < 1e-2 * whole_loss.abs(), "the split changes only roundings");
         drop(whole);
         // A weight changed in place (as the optimizer does) is cast again.
-        let scope = KeptCasts::start();
+        let scope = KeptCasts::start().unwrap();
         crate::ffi::set_autocast(false, true, false).unwrap();
         let (x, y) = data.sampler.train_batch(&corpus, 4, 0..2, Device::Cpu).unwrap();
         let first = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
@@ -236,12 +236,53 @@ mod tests {
         // kept (they would pile up, one set a micro-step), the parameters' are.
         let llama = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..cfg };
         let merged = Model::with_kernels(&llama, KernelsConfig { fused_linear: true, merged_projections: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
-        let _scope = KeptCasts::start();
+        let _scope = KeptCasts::start().unwrap();
         crate::ffi::set_autocast(false, true, false).unwrap();
         let held: Vec<usize> = (0..2).map(|_| merged.loss(&x, &y, false, None).map(|_| KeptCasts::held()).unwrap()).collect();
         crate::ffi::set_autocast(false, false, false).unwrap();
         // Per block o and down, and the (tied) head.
         assert_eq!(held, [2 * llama.n_layer + 1; 2]);
+    }
+
+    /// In CUDA graphs' mode the linear node's casts are kept for the run (a captured micro-step
+    /// reads them) and made again in place at each step's start: after every weight changed
+    /// through a raw pointer that no version counter sees (as our CUDA optimizers write them),
+    /// each step still gives, to the bit, what a thread that casts afresh every step gives.
+    #[test]
+    fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
+        fn steps(graphs: bool) -> Vec<(f64, Vec<Tensor>)> {
+            use crate::config::KernelsConfig;
+            use crate::ffi::kernels::CudaEmulation;
+            let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+            let _emulation = CudaEmulation::start();
+            let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+            let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+            let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
+            let mut mode = MicroGraphs::new(graphs);
+            let mut out = Vec::new();
+            for step in 0..3u64 {
+                crate::ffi::set_autocast(false, true, false).unwrap();
+                let (grads, loss) = forward_backward(&model, &data, step, 2, &Savers::default(), 1.0, &mut mode, &mut Progress::default()).unwrap();
+                crate::ffi::set_autocast(false, false, false).unwrap();
+                out.push((loss, grads.iter().map(|g| g.copy()).collect()));
+                for p in &model.params.tensors {
+                    // SAFETY: a view of p's own (contiguous, live) memory, under another version counter.
+                    let mut alias = unsafe { Tensor::from_blob(p.data_ptr() as *const u8, &p.size(), &p.stride(), p.kind(), Device::Cpu) };
+                    let _ = tch::no_grad(|| alias.f_add_scalar_(0.01 * (step + 1) as f64).unwrap());
+                }
+            }
+            assert_eq!(KeptCasts::held() > 0, graphs, "the graphs' casts outlive the steps, the others' do not");
+            drop(mode);
+            assert_eq!(KeptCasts::held(), 0, "freed with the graphs");
+            out
+        }
+        // Each on its own thread: the casts are kept per thread.
+        let eager = std::thread::spawn(|| steps(false)).join().unwrap();
+        let graphed = std::thread::spawn(|| steps(true)).join().unwrap();
+        for (step, ((la, ga), (lb, gb))) in graphed.iter().zip(&eager).enumerate() {
+            assert_eq!(la.to_bits(), lb.to_bits(), "step {step}: loss");
+            assert!(ga.iter().zip(gb).all(|(a, b)| a.equal(b)), "step {step}: a gradient differs");
+        }
     }
 
     #[test]
