@@ -284,7 +284,7 @@ pub struct Setup {
     /// `kernels.merged_projections`: Llama's q/k/v and gate/up each one matrix multiplication.
     pub merged_projections: bool,
     /// `kernels.fused_linear`: the linear node, which under autocast keeps its weights' 16-bit
-    /// casts through a step's micro-steps where neither checkpointing nor graphs apply.
+    /// casts through a step's micro-steps without checkpointing, and for the run with graphs.
     pub fused_linear: bool,
     pub target: Target,
     /// Data-parallel ranks (one GPU each).

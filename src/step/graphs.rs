@@ -184,6 +184,16 @@ impl MicroGraphs {
         self.acc = None;
     }
 
+    /// Drops the graphs with their warm-ups and the kept casts they read, for a step that runs
+    /// outside them (escalated to offload, or graphs off): such a step neither holds the casts
+    /// beside its own memory nor reads casts the optimizer has since made stale (its writes go
+    /// through raw pointers, which no version counter sees). The next step in this mode warms
+    /// up again, so its casts are made before any capture reads them.
+    pub fn forget(&mut self) {
+        self.lengths.clear();
+        self.casts = None;
+    }
+
     /// The notices since the last call.
     pub fn take_notices(&mut self) -> Vec<Notice> {
         std::mem::take(&mut self.notices)
@@ -238,7 +248,7 @@ impl MicroGraphs {
                     return Err(e);
                 }
                 self.on = false;
-                self.lengths.clear();
+                self.forget();
                 self.notices.push(Notice::Off { reason: message });
                 Ok(None)
             }

@@ -48,6 +48,7 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
         graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
     } else {
+        graphs.forget();
         // The weights' 16-bit casts made once for all micro-steps (freed before the optimizer
         // writes the weights); not with checkpointing, whose forward would otherwise free each
         // block's casts as it goes.
@@ -247,7 +248,8 @@ mod tests {
     /// In CUDA graphs' mode the linear node's casts are kept for the run (a captured micro-step
     /// reads them) and made again in place at each step's start: after every weight changed
     /// through a raw pointer that no version counter sees (as our CUDA optimizers write them),
-    /// each step still gives, to the bit, what a thread that casts afresh every step gives.
+    /// each step still gives, to the bit, what a thread that casts afresh every step gives, a
+    /// step the guard escalated outside the graphs (which drops them and their casts) included.
     #[test]
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
         fn steps(graphs: bool) -> Vec<(f64, Vec<Tensor>)> {
@@ -260,10 +262,14 @@ mod tests {
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let mut mode = MicroGraphs::new(graphs);
             let mut out = Vec::new();
-            for step in 0..3u64 {
+            // Step 2 as the guard escalates it (offload, checkpointing): outside the graphs.
+            let escalated = Savers { checkpoint_every: 1, offload: true, ..Savers::default() };
+            for step in 0..4u64 {
+                let savers = if step == 2 { escalated } else { Savers::default() };
                 crate::ffi::set_autocast(false, true, false).unwrap();
-                let (grads, loss) = forward_backward(&model, &data, step, 2, &Savers::default(), 1.0, &mut mode, &mut Progress::default()).unwrap();
+                let (grads, loss) = forward_backward(&model, &data, step, 2, &savers, 1.0, &mut mode, &mut Progress::default()).unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();
+                assert_eq!(KeptCasts::held() > 0, graphs && step != 2, "step {step}: kept for the graphs, none after a step outside them");
                 out.push((loss, grads.iter().map(|g| g.copy()).collect()));
                 for p in &model.params.tensors {
                     // SAFETY: a view of p's own (contiguous, live) memory, under another version counter.
@@ -271,7 +277,6 @@ mod tests {
                     let _ = tch::no_grad(|| alias.f_add_scalar_(0.01 * (step + 1) as f64).unwrap());
                 }
             }
-            assert_eq!(KeptCasts::held() > 0, graphs, "the graphs' casts outlive the steps, the others' do not");
             drop(mode);
             assert_eq!(KeptCasts::held(), 0, "freed with the graphs");
             out
