@@ -12,6 +12,7 @@ extern "C" {
     fn tg_linear_refresh_casts(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
+    fn tg_linear_casts_addresses(out: *mut usize, n: usize) -> usize;
     fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
@@ -78,6 +79,16 @@ impl KeptCasts {
     pub fn held() -> usize {
         // SAFETY: reads a thread-local map's size.
         unsafe { tg_linear_casts_held() }
+    }
+
+    /// Where the casts held on this thread now lie, ascending (a refresh must not move them:
+    /// CUDA graphs read them there).
+    pub fn addresses() -> Vec<usize> {
+        let mut out = vec![0usize; Self::held()];
+        // SAFETY: the shim writes at most `out.len()` addresses into the buffer.
+        let n = unsafe { tg_linear_casts_addresses(out.as_mut_ptr(), out.len()) };
+        out.truncate(n);
+        out
     }
 }
 

@@ -26,10 +26,12 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <unordered_map>
+#include <vector>
 
 #include "cuda_jit.h"
 #include "guarded.h"
@@ -157,6 +159,15 @@ int tg_linear_test_gelu_backward(const void* da, const void* h, void* dh, void* 
 
 // Casts held on this thread now (tests).
 size_t tg_linear_casts_held() { return kept_casts.size(); }
+
+// The kept casts' addresses, ascending, into `out` (up to `n`; tests: a refresh keeps them).
+size_t tg_linear_casts_addresses(uintptr_t* out, size_t n) {
+  std::vector<uintptr_t> all;
+  for (const auto& entry : kept_casts) all.push_back(reinterpret_cast<uintptr_t>(entry.second.cast.data_ptr()));
+  std::sort(all.begin(), all.end());
+  for (size_t i = 0; i < all.size() && i < n; ++i) out[i] = all[i];
+  return all.size();
+}
 
 // x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none), then GELU of it where `gelu` is 1:
 // `*y_out` is a new tensor tch takes over. Through our node where our kernels run and autocast is on for x's device with a 16-bit

@@ -246,9 +246,9 @@ mod tests {
     }
 
     /// In CUDA graphs' mode the linear node's casts are kept for the run (a captured micro-step
-    /// reads them) and made again in place at each step's start: after every weight changed
-    /// through a raw pointer that no version counter sees (as our CUDA optimizers write them),
-    /// each step still gives, to the bit, what a thread that casts afresh every step gives, a
+    /// reads them) and made again in place at each step's start: after the weights changed,
+    /// half through a raw pointer that no version counter sees (as our CUDA optimizers write
+    /// them), half by ATen's in-place op, each step still gives, to the bit, what a thread that casts afresh every step gives, a
     /// step the guard escalated outside the graphs (which drops them and their casts) included.
     #[test]
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
@@ -264,17 +264,37 @@ mod tests {
             let mut out = Vec::new();
             // Step 2 as the guard escalates it (offload, checkpointing): outside the graphs.
             let escalated = Savers { checkpoint_every: 1, offload: true, ..Savers::default() };
+            // Per micro-step: four weights and four biases a block, and the LM head's weight.
+            let casts = 8 * cfg.n_layer as u64 + 1;
+            let (mut where_kept, mut reused_before, mut reused_at_step_0) = (Vec::new(), KeptCasts::reused(), 0);
             for step in 0..4u64 {
                 let savers = if step == 2 { escalated } else { Savers::default() };
                 crate::ffi::set_autocast(false, true, false).unwrap();
                 let (grads, loss) = forward_backward(&model, &data, step, 2, &savers, 1.0, &mut mode, &mut Progress::default()).unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();
                 assert_eq!(KeptCasts::held() > 0, graphs && step != 2, "step {step}: kept for the graphs, none after a step outside them");
+                if graphs && step == 1 {
+                    // Step 1's refresh made the casts again where step 0 had put them, and as
+                    // current: step 1 reused every one of them, none was cast anew.
+                    assert_eq!(KeptCasts::addresses(), where_kept, "the casts stay where captured graphs read them");
+                    assert_eq!(KeptCasts::reused() - reused_before, reused_at_step_0 + casts, "step 1 reused every cast");
+                }
+                if step == 0 {
+                    where_kept = KeptCasts::addresses();
+                    reused_at_step_0 = KeptCasts::reused() - reused_before;
+                    reused_before = KeptCasts::reused();
+                }
                 out.push((loss, grads.iter().map(|g| g.copy()).collect()));
-                for p in &model.params.tensors {
-                    // SAFETY: a view of p's own (contiguous, live) memory, under another version counter.
-                    let mut alias = unsafe { Tensor::from_blob(p.data_ptr() as *const u8, &p.size(), &p.stride(), p.kind(), Device::Cpu) };
-                    let _ = tch::no_grad(|| alias.f_add_scalar_(0.01 * (step + 1) as f64).unwrap());
+                // Half the weights through a raw pointer, half by ATen's in-place op (which bumps
+                // their version, as fused AdamW does).
+                for (i, p) in model.params.tensors.iter().enumerate() {
+                    let delta = 0.01 * (step + 1) as f64;
+                    let mut target = match i % 2 {
+                        // SAFETY: a view of p's own (contiguous, live) memory, under another version counter.
+                        0 => unsafe { Tensor::from_blob(p.data_ptr() as *const u8, &p.size(), &p.stride(), p.kind(), Device::Cpu) },
+                        _ => p.shallow_clone(),
+                    };
+                    let _ = tch::no_grad(|| target.f_add_scalar_(delta).unwrap());
                 }
             }
             drop(mode);
