@@ -445,9 +445,10 @@ pub struct KernelsConfig {
     /// escalates to offload runs eagerly).
     /// The graphs keep their activations' memory between steps (a private pool, released
     /// before validation), and with the linear node the weights' 16-bit casts they read (made
-    /// again in place at each step's start). Off by default: an H100 measured gpt2-124m bf16-mixed 1.017× and
-    /// smollm2-135m 1.032× faster with the other kernels' defaults, too little to refuse dropout,
-    /// fp16 and offload by default or to keep a pool between steps; on the CPU nothing changes.
+    /// again in place at each step's start). Off by default: an H100 measured gpt2-124m
+    /// bf16-mixed 1.017× and smollm2-135m 1.032× faster with the other kernels' defaults, too
+    /// little to refuse dropout, fp16 and offload by default or to keep a pool between steps; on
+    /// the CPU nothing changes.
     pub cuda_graphs: bool,
     /// The Llama family's q, k and v projections as one matrix multiplication, and gate and up
     /// as another: their weights (kept as `transformers`' separate tensors, so checkpoints,

@@ -207,6 +207,7 @@ const char* const kDtypes[] = {"f32", "bf16", "f16"};
 // Rows per band of the column sums (LayerNorm's weight and bias gradients, a linear layer's bias
 // gradient): a band's sums stay short; the bands' sums, a few rows, are added in order.
 constexpr long long kBandRows = 256;
+long long band_count(long long rows) { return (rows + kBandRows - 1) / kBandRows; }
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
 // The widest row LayerNorm's warp kernels take (TG_ROW_VALUES · 32), and the rows a block of
@@ -508,7 +509,7 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   if (!dy.defined()) return;  // no output gradient: dw and db stay zero
   // The weight and bias gradients: bands of rows per column tile, then the bands summed in order.
   long long band_rows = kBandRows;
-  long long bands = (rows + band_rows - 1) / band_rows;
+  long long bands = band_count(rows);
   at::Tensor partial = at::empty({bands, 2 * cols}, s.options());
   void* pp = partial.data_ptr();
   void* grads_args[] = {&sp, &mp, &rp, &dyp, &pp, &rows, &cols, &band_rows};
@@ -600,7 +601,7 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   }
   const int d = dtype_index(dy.scalar_type(), "column_sum");
   long long band_rows = kBandRows;
-  long long bands = (rows + band_rows - 1) / band_rows;
+  long long bands = band_count(rows);
   at::Tensor partial = at::empty({bands, cols}, dy.options().dtype(at::kFloat));
   const void* dyp = dy.data_ptr();
   void* pp = partial.data_ptr();
@@ -622,7 +623,7 @@ at::Tensor cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Ten
   if (!packs_fit({&dh})) return at::Tensor();
   const int d = dtype_index(h.scalar_type(), "gelu_backward");
   long long band_rows = kBandRows;
-  long long bands = (rows + band_rows - 1) / band_rows;
+  long long bands = band_count(rows);
   at::Tensor partial = db != nullptr ? at::empty({bands, cols}, h.options().dtype(at::kFloat)) : at::Tensor();
   const void* dap = da.data_ptr();
   const void* hp = h.data_ptr();

@@ -170,8 +170,9 @@ size_t tg_linear_casts_addresses(uintptr_t* out, size_t n) {
 }
 
 // x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none), then GELU of it where `gelu` is 1:
-// `*y_out` is a new tensor tch takes over. Through our node where our kernels run and autocast is on for x's device with a 16-bit
-// dtype, the weight fp32; through ATen's linear (autocast's, when it is on) otherwise.
+// `*y_out` is a new tensor tch takes over. Through our node where our kernels run and autocast is
+// on for x's device with a 16-bit dtype, the weight fp32; through ATen's linear (autocast's, when
+// it is on) otherwise.
 int tg_linear(const void* x, const void* weight, const void* bias, int gelu, void** y_out, char* err, size_t err_len) {
   *y_out = nullptr;
   return trainguard::guarded(err, err_len, [&] {

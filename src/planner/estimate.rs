@@ -988,8 +988,8 @@ mod tests {
             assert_eq!(e.peak_phase, "end of backward", "{precision:?}");
             assert_eq!(e.peak_allocated, e.weights + e.master_weights + e.optimizer + e.gradients + e.embedding_grad_transient - copies, "{precision:?}");
         }
-        // The linear node's casts kept through the step (CUDA, no checkpointing, no graphs)
-        // are still there at its end.
+        // The linear node's casts kept through the step (CUDA, no checkpointing; with graphs,
+        // checkpointing or not, for the run) are still there at its end.
         let cuda = Setup { target: Target::Cuda, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) };
         let kept = Setup { fused_linear: true, ..cuda.clone() };
         let (released, held) = (estimate(&short, &cuda, 1, 1), estimate(&short, &kept, 1, 1));

@@ -109,6 +109,7 @@ pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, pr
 mod tests {
     use super::*;
     use crate::config::ModelConfig;
+    use crate::ffi::kernels::CudaEmulation;
     use crate::step::savers::loss_and_grads;
 
     fn setup() -> (Model, Corpus) {
@@ -172,6 +173,17 @@ mod tests {
         assert!(!a[0].equal(&held[0]), "offload's step did not go through the accumulators");
     }
 
+    /// A 2-block GPT-2 through the linear node (built while the caller's `CudaEmulation` lives,
+    /// so that its kernels run), its corpus, and the casts a micro-step makes: four weights and
+    /// four biases a block, and the LM head's weight.
+    fn linear_node_gpt2() -> (ModelConfig, Model, Corpus, u64) {
+        use crate::config::KernelsConfig;
+        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+        let casts = 8 * cfg.n_layer as u64 + 1;
+        (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
+    }
+
     /// Under bf16 autocast the linear node (its kernels emulated) casts each weight and bias
     /// once per step: a step's later micro-steps reuse the first's casts, with the same loss and
     /// gradients to the bit as casting afresh; a weight changed in place is cast again; the casts
@@ -179,15 +191,10 @@ mod tests {
     #[test]
     fn a_steps_micro_steps_share_their_weights_casts() {
         use crate::config::KernelsConfig;
-        use crate::ffi::kernels::CudaEmulation;
-        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
         let _emulation = CudaEmulation::start();
-        let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
-        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let (cfg, model, corpus, casts) = linear_node_gpt2();
         let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
         let plain = Savers::default();
-        // Per micro-step: four weights and four biases a block, and the LM head's weight.
-        let casts = 8 * cfg.n_layer as u64 + 1;
         let step = |micro: usize| {
             crate::ffi::set_autocast(false, true, false).unwrap();
             let before = KeptCasts::reused();
@@ -253,19 +260,13 @@ mod tests {
     #[test]
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
         fn steps(graphs: bool) -> Vec<(f64, Vec<Tensor>)> {
-            use crate::config::KernelsConfig;
-            use crate::ffi::kernels::CudaEmulation;
-            let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
             let _emulation = CudaEmulation::start();
-            let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
-            let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+            let (_, model, corpus, casts) = linear_node_gpt2();
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let mut mode = MicroGraphs::new(graphs);
             let mut out = Vec::new();
             // Step 2 as the guard escalates it (offload, checkpointing): outside the graphs.
             let escalated = Savers { checkpoint_every: 1, offload: true, ..Savers::default() };
-            // Per micro-step: four weights and four biases a block, and the LM head's weight.
-            let casts = 8 * cfg.n_layer as u64 + 1;
             let (mut where_kept, mut reused_before, mut reused_at_step_0) = (Vec::new(), KeptCasts::reused(), 0);
             for step in 0..4u64 {
                 let savers = if step == 2 { escalated } else { Savers::default() };
