@@ -539,7 +539,9 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
 /// column), in fp32, bf16 and fp16. Both paths sum in fp32 in different orders: the loss
 /// agrees to 1e-5 relative, a gradient to one unit of its dtype's last place of the row's
 /// largest (and 1e-6 absolute in fp32). Two CUDA runs give the same bits; an out-of-range target
-/// gives NaN, not a device assert; and the step's peak falls (gpt2, bf16-mixed).
+/// gives NaN, not a device assert; the forward that also writes the gradient over the logits
+/// (`kernels.fused_loss_gradient`) gives the two kernels' bits; and the step's peak falls (gpt2,
+/// bf16-mixed), and falls again with the gradient written in the forward.
 #[test]
 fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     let Some(dev) = cuda() else { return };
@@ -547,7 +549,19 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     cross_entropy_kernel_check(Kernels::Gpu(dev), 203, 50304); // rows in 16-byte packs
     cross_entropy_kernel_check(Kernels::Gpu(dev), 37, 50257); // one logit per load
     let base = ["precision=bf16-mixed", "model.vocab_size=50257", "memory.activation_checkpointing=none"];
-    let ((plain, plain_losses), (fused, fused_losses)) = (cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=false"]].concat()), cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true"]].concat()));
+    let ((plain, plain_losses), (fused, fused_losses)) = (
+        cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=false"]].concat()),
+        cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false"]].concat()),
+    );
+    let (in_forward, in_forward_losses) = cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=true"]].concat());
+    eprintln!("peak allocated, the gradient in the forward: {in_forward}; losses {in_forward_losses:?}");
+    // A logits-sized bf16 buffer (8 × 1024 × 50304 × 2 bytes = 786 MiB) less the head's weight
+    // gradient (154 MiB) and the hidden state's (25 MiB) that its backward holds beside them.
+    assert!(in_forward + (1 << 29) < fused, "the gradient in the forward should save over 512 MiB: {fused} → {in_forward}");
+    for (a, b) in fused_losses.iter().zip(&in_forward_losses) {
+        // The same bits from the loss; attention's backward may add in another order run to run.
+        assert!(((a - b) / a).abs() < 1e-4, "the gradient in the forward changed the run: {fused_losses:?} vs {in_forward_losses:?}");
+    }
     eprintln!("peak allocated, bf16-mixed: PyTorch's loss {plain}, fused {fused}; losses {plain_losses:?} and {fused_losses:?}");
     // At the start of backward PyTorch's holds 10 bytes a logit (fp32 log-probabilities, their
     // fp32 gradient, the bf16 logits' gradient), ours 4 (the bf16 logits and their gradient):
@@ -568,7 +582,7 @@ fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does
 }
 
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
-    use trainguard::ffi::loss::cross_entropy;
+    use trainguard::ffi::loss::{cross_entropy, weighted_cross_entropy};
     tch::manual_seed(4);
     // Columns [pad, pad + 47) are −inf; the last 13 are real, and every third row has its
     // largest logit (and every seventh its target) in the very last column, so a kernel that
@@ -598,6 +612,20 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
         assert_eq!(gg.narrow(1, pad, 47).abs().max().double_value(&[]), 0.0, "{kind:?}: −inf columns get no gradient");
         assert_eq!(gg.narrow(0, 1, 1).abs().max().double_value(&[]), 0.0, "{kind:?}: an ignored row gets no gradient");
         assert!(la == lg && ga.equal(&gg), "{kind:?}: two {target:?} runs differ");
+        // `kernels.fused_loss_gradient`: the gradient written over the logits in the forward's
+        // one kernel is the two kernels' to the bit, in the logits' own memory, and the loss is
+        // the same.
+        let in_forward = |device: Device| -> (f64, Tensor, bool) {
+            let leaf = start.to_kind(kind).to_device(device).copy().set_requires_grad(true); // a leaf of its own
+            let fresh = &leaf * 1.0;
+            let (handle, at) = (fresh.shallow_clone(), fresh.data_ptr());
+            let loss = weighted_cross_entropy(fresh, &targets.to_device(device), true, 1.0, true).unwrap();
+            let g = Tensor::f_run_backward(&[&loss], &[&handle], false, false).unwrap().remove(0);
+            (loss.double_value(&[]), g.to_device(Device::Cpu), g.data_ptr() == at)
+        };
+        let (lf, gf, in_place) = target.run(2, in_forward); // forward with gradient, the rescale check
+        assert!(lf == lg && gf.equal(&gg), "{kind:?}: the gradient written in the forward differs from the two kernels'");
+        assert!(in_place, "{kind:?}: the gradient is the logits' memory");
     }
     let bad = Tensor::from_slice(&[0i64, cols, 3]);
     let nan = target.run(1, |dev| cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true).unwrap().double_value(&[]));

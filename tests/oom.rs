@@ -103,15 +103,15 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     assert!(diff <= 1e-5, "final weights differ by {diff}");
 }
 
-/// `kernels.fused_cross_entropy` with a vocabulary whose logits dominate the step (fp32 logits
-/// of 64 × 64 tokens are 128 MiB, the cap sits ~100 MiB above the rest): at 64 the head's output
-/// fails; at 32 it fits and the node's own allocation of the logits' gradient, in its backward,
-/// fails (both logits-sized, as asserted).
+/// `kernels.fused_cross_entropy` (its two-pass form: `kernels.fused_loss_gradient` off) with a
+/// vocabulary whose logits dominate the step (fp32 logits of 64 × 64 tokens are 128 MiB, the cap
+/// sits ~100 MiB above the rest): at 64 the head's output fails; at 32 it fits and the node's own
+/// allocation of the logits' gradient, in its backward, fails (both logits-sized, as asserted).
 /// The failure reaches the guard as the allocator's own error, the micro-batch halves, the same
 /// samples replay, and the run equals one configured at the size it settled on.
 #[test]
 fn an_oom_with_the_fused_loss_is_recovered_and_the_run_equals_the_settled_size() {
-    let fused = ["kernels.fused_cross_entropy=true", "model.vocab_size=8192"];
+    let fused = ["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false", "model.vocab_size=8192"];
     let (p16, p32) = (peak_with(16, &fused), peak_with(32, &fused));
     assert!(p32 > p16 + (16 << 20), "the logits should dominate: {p16} vs {p32}");
     let cap = format!("memory.limit={}", (p16 + p32) / 2);

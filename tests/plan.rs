@@ -120,19 +120,26 @@ fn llama_8b_with_adamw_in_bf16_needs_about_60_gb_and_does_not_fit_a_40_gb_card()
 #[test]
 fn gpt2_small_at_512_by_512_is_dominated_by_49_gib_of_logits() {
     // 4 bytes × 512 × 512 × 50304: the logits are as wide as the padded vocabulary.
-    let estimate = |fused: &str| {
-        let run = plan(&["--config", &config("gpt2-124m.yaml"), "--seq-len", "512", "--micro-batch", "512", "--global-batch", "512", "--json", "--set", fused]).ok();
+    let estimate = |fused: &str, in_forward: &str| {
+        let run = plan(&["--config", &config("gpt2-124m.yaml"), "--seq-len", "512", "--micro-batch", "512", "--global-batch", "512", "--json", "--set", fused, "--set", in_forward]).ok();
         json(&run)["estimate"].clone()
     };
-    let (pytorch, fused) = (estimate("kernels.fused_cross_entropy=false"), estimate("kernels.fused_cross_entropy=true"));
+    let pytorch = estimate("kernels.fused_cross_entropy=false", "kernels.fused_loss_gradient=true");
+    let fused = estimate("kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false");
     let logits = u(&pytorch["logits"]) as f64 / GIB;
     assert!((logits - 49.125).abs() < 0.01, "{logits} GiB");
     assert!(u(&pytorch["logits"]) + u(&pytorch["cross_entropy"]) > u(&pytorch["activations"]), "PyTorch's loss: log-probabilities and their gradient beside the logits");
     assert!(u(&pytorch["logits"]) > 3 * u(&pytorch["activations_per_layer"]));
-    // The fused loss (the default) keeps only the logits' gradient, in their dtype: 49 GiB less.
+    // The fused loss keeps only the logits' gradient, in their dtype: 49 GiB less.
     assert_eq!(u(&fused["cross_entropy"]), u(&pytorch["logits"]));
     let saved = (u(&pytorch["peak_allocated"]) - u(&fused["peak_allocated"])) as f64 / GIB;
     assert!(saved > 49.0, "{saved} GiB");
+    // With the gradient written over the logits in its forward (the default), not even that:
+    // the fp32 logits' 49 GiB less again, but for the head's weight and hidden gradients.
+    let in_forward = estimate("kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=true");
+    assert_eq!(u(&in_forward["cross_entropy"]), 0);
+    let saved = (u(&fused["peak_allocated"]) - u(&in_forward["peak_allocated"])) as f64 / GIB;
+    assert!(saved > 48.0 && saved < 49.2, "{saved} GiB");
 }
 
 fn assert_usage_error(args: &[&str], wants: &[&str]) {

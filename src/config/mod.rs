@@ -388,6 +388,16 @@ pub struct KernelsConfig {
     /// the CUDA kernels' checks passed on an H200, where gpt2-124m bf16-mixed (micro 16) ran
     /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "GPU checks on an H200").
     pub fused_cross_entropy: bool,
+    /// With `fused_cross_entropy`, in training: the loss's node writes the logits' gradient over
+    /// the logits in its forward, in the pass that computes the loss (one kernel on CUDA, each
+    /// block of rows while it is in cache on the CPU), for a backward from the loss; its backward
+    /// then reads nothing and allocates nothing. The two-pass node reads the logits twice and
+    /// writes a gradient beside them: for gpt2-124m at micro 16 that is 1.65 GB of bf16 logits
+    /// read again and a 1.65 GB gradient, which the peak (the start of backward) holds beside
+    /// the logits. The same bits. On by default: the memory is saved whatever the device (the
+    /// planner counts it), and on the CPU it measured faster (BENCHMARKS.md, "Kernels: the
+    /// loss's gradient in its forward"); its CUDA speed is not yet measured.
+    pub fused_loss_gradient: bool,
     /// The norms on CUDA (GPT-2's LayerNorms, Llama's RMSNorms) as one autograd node of our own
     /// (`ffi::norm`, NVRTC kernels), with the residual add before every norm (a block's output
     /// is added by the next block's first norm, or the final norm) and the rounding to the
@@ -473,6 +483,7 @@ impl Default for KernelsConfig {
             fused_rms_norm: true,
             cuda_optimizers: true,
             fused_cross_entropy: true,
+            fused_loss_gradient: true,
             fused_residual_norm: true,
             fused_swiglu: true,
             fused_rope: true,
@@ -492,6 +503,7 @@ impl KernelsConfig {
             fused_rms_norm: false,
             cuda_optimizers: false,
             fused_cross_entropy: false,
+            fused_loss_gradient: false,
             fused_residual_norm: false,
             fused_swiglu: false,
             fused_rope: false,

@@ -226,6 +226,8 @@ struct DtypeKernels {
   void* adafactor[kStageCount] = {};
   void* ce_forward = nullptr;
   void* ce_backward = nullptr;
+  void* ce_forward_grad = nullptr;
+  void* ce_scale_grad = nullptr;
   void* ln_forward = nullptr;
   void* ln_forward_warp = nullptr;
   void* ln_backward = nullptr;
@@ -310,6 +312,8 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].adamw8bit, std::string("tg_adamw8bit_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
+    get(&k.per_dtype[d].ce_forward_grad, std::string("tg_ce_forward_grad_") + kDtypes[d]);
+    get(&k.per_dtype[d].ce_scale_grad, std::string("tg_ce_scale_grad_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_forward, std::string("tg_ln_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_forward_warp, std::string("tg_ln_forward_warp_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_backward, std::string("tg_ln_backward_") + kDtypes[d]);
@@ -451,6 +455,32 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
   void* args[] = {&xp, &tp, &lp, &sp, &gp, &cols};
   const Launcher launch(x.device());
   launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
+}
+
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale) {
+  long long rows = x.size(0), cols = x.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(x.scalar_type(), "cross_entropy");
+  void* xp = x.data_ptr();
+  const void* tp = target.data_ptr();
+  void* lp = lse.data_ptr();
+  void* op = loss.data_ptr();
+  const void* sp = grad_scale.data_ptr();
+  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols};
+  const Launcher launch(x.device());
+  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", rows, 1, args);
+}
+
+void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor) {
+  long long rows = grad.size(0), cols = grad.size(1);
+  if (rows == 0) return;
+  const int d = dtype_index(grad.scalar_type(), "cross_entropy");
+  void* gp = grad.data_ptr();
+  const void* tp = target.data_ptr();
+  const void* fp = factor.data_ptr();
+  void* args[] = {&gp, &tp, &fp, &cols};
+  const Launcher launch(grad.device());
+  launch(launch.kernels().per_dtype[d].ce_scale_grad, "cuLaunchKernel(tg_ce_scale_grad)", rows, 1, args);
 }
 
 // A tensor's data for a kernel argument: null when it is undefined (an optional input).

@@ -37,6 +37,12 @@ void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first
 void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss);
 void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale,
                                  at::Tensor& grad);
+// Forward and backward in one launch (`kernels.fused_loss_gradient`): lse and loss as the
+// forward, then the gradient for `grad_scale` written over `x`. And that gradient times the
+// fp32 0-dim `factor` where it is not 1 (a backward given another loss gradient than the one
+// the forward assumed); blocks return at once where it is 1.
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale);
+void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor);
 
 // The CUDA side of the residual norm's autograd node (norm_kernels.cpp; `rms`: RMSNorm, else
 // LayerNorm), which has checked the tensors:

@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, weight: f64, grad_now: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cross_entropy_cpu_block_rows(cols: i64) -> i64;
 }
 
@@ -24,11 +24,26 @@ pub fn cpu_block_rows(cols: u64) -> u64 {
 /// over the rows counted (`mean`) or the sum, as a 0-dim fp32 tensor whose backward reaches
 /// `logits`. A target outside `[0, v)` other than −100 makes the loss NaN.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mean: bool) -> Result<Tensor, ShimError> {
+    call(logits, targets, mean, 1.0, false)
+}
+
+/// `weight` · [`cross_entropy`], for training: it takes the logits, and where autograd will want
+/// their gradient (grad mode on, `logits` requiring it) and `gradient_now` says so
+/// (`kernels.fused_loss_gradient`) it writes that gradient over them in this pass, for a
+/// backward from this loss (given 1); a backward given another gradient rescales it. Backward
+/// then reads nothing more and allocates nothing.
+pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weight: f64, gradient_now: bool) -> Result<Tensor, ShimError> {
+    call(&logits, targets, mean, weight, gradient_now)
+}
+
+fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient_now: bool) -> Result<Tensor, ShimError> {
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     // SAFETY: both handles are live tensors; the shim catches every exception and on success
     // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
-    let code = unsafe { tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), &mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), weight, c_int::from(gradient_now), &mut out, err.as_mut_ptr().cast(), ERR_LEN)
+    };
     result(code, &err)?;
     // SAFETY: `out` is the non-null tensor the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
@@ -192,5 +207,99 @@ mod tests {
         assert!(err(&x, &Tensor::from_slice(&[0i32, 1, 2, 3])).contains("targets must be int64"));
         assert!(err(&x, &Tensor::from_slice(&[0i64, 1, 2])).contains("one target per row"));
         assert!(err(&Tensor::ones([4, 10], (Kind::Int64, Device::Cpu)), &targets(4, 10)).contains("floating point"));
+    }
+
+    /// Loss and gradient of `weight · cross_entropy` on a copy of `x` (so that the node's input
+    /// is, as in training, a fresh tensor of its own), through the two-pass node or, with
+    /// `gradient_now`, the one that writes the gradient over the logits. Also: whether the
+    /// gradient came back in the logits' own memory.
+    fn weighted(x: &Tensor, t: &Tensor, mean: bool, weight: f64, gradient_now: bool, loss_gradient: f64) -> (Tensor, Tensor, bool) {
+        let fresh = x.detach().set_requires_grad(true) * 1.0;
+        let (handle, logits_at) = (fresh.shallow_clone(), fresh.data_ptr());
+        let loss = weighted_cross_entropy(fresh, t, mean, weight, gradient_now).unwrap();
+        let g = Tensor::f_run_backward(&[&(&loss * loss_gradient)], &[&handle], false, false).unwrap().remove(0);
+        let in_place = g.data_ptr() == logits_at;
+        (loss.detach(), g, in_place)
+    }
+
+    fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+        a.size() == b.size() && a.kind() == b.kind() && a.eq_tensor(b).all().int64_value(&[]) == 1
+    }
+
+    /// `kernels.fused_loss_gradient`: the gradient written over the logits in the forward is the
+    /// two-pass node's to the bit (fp32, bf16 and fp16; mean and sum; ignored rows; rows in
+    /// packs and not), on the CPU and through the CUDA kernels (emulated), in one kernel and
+    /// in the logits' own memory; and the weighted loss is the loss times the weight.
+    #[test]
+    fn the_gradient_written_in_the_forward_is_the_two_pass_nodes_to_the_bit() {
+        for emulated in [false, true] {
+            for (kind, cols) in [(Kind::Float, 37), (Kind::Float, 64), (Kind::BFloat16, 64), (Kind::BFloat16, 61), (Kind::Half, 72)] {
+                for mean in [true, false] {
+                    let (x, t) = (logits(13, cols, kind), targets(13, cols));
+                    let emulation = emulated.then(super::super::kernels::CudaEmulation::start);
+                    let fused_before = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind)));
+                    let (l2, g2, in_place2) = weighted(&x, &t, mean, 0.375, false, 1.0);
+                    let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, true, 1.0);
+                    let what = format!("{kind:?}, {cols} columns, mean {mean}, emulated {emulated}");
+                    if let Some(e) = &emulation {
+                        let fused = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind))) - fused_before;
+                        assert_eq!(fused, 1, "{what}: one launch of the fused kernel");
+                        assert!(e.launches() >= 4, "{what}: the kernels ran (two forward, a backward, a rescale check)");
+                    }
+                    assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
+                    assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
+                    assert!(in_place1 && !in_place2, "{what}: the gradient is the logits' memory only when written in the forward");
+                    let (plain, _) = ours(&x, &t, mean);
+                    assert_eq!(l1.double_value(&[]), (Tensor::from(plain as f32) * 0.375).double_value(&[]), "{what}: the loss times the weight");
+                }
+            }
+        }
+    }
+
+    fn dtype_name(kind: Kind) -> &'static str {
+        match kind {
+            Kind::BFloat16 => "bf16",
+            Kind::Half => "f16",
+            _ => "f32",
+        }
+    }
+
+    /// A backward given another gradient than 1 (the loss not the root of backward) rescales
+    /// what the forward wrote: the reference's gradient within two roundings, ignored rows still
+    /// 0; on the CPU and with the CUDA kernel (emulated).
+    #[test]
+    fn a_backward_given_another_gradient_rescales_the_one_written_in_the_forward() {
+        for emulated in [false, true] {
+            for kind in [Kind::Float, Kind::BFloat16] {
+                let (x, t) = (logits(11, 48, kind), targets(11, 48));
+                let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
+                let (_, g, _) = weighted(&x, &t, true, 0.5, true, 3.0);
+                let (_, rg) = reference(&x, &t, true);
+                let rg = rg * 1.5;
+                let ulp = if kind == Kind::BFloat16 { 2.0 / 256.0 } else { 1e-6 };
+                let excess = ((g.to_kind(Kind::Double) - &rg).abs() - (rg.abs() * ulp + 1e-7)).max().double_value(&[]);
+                assert!(excess <= 0.0, "{kind:?}, emulated {emulated}: beyond two roundings by {excess:e}");
+                assert_eq!(g.narrow(0, 3, 1).abs().max().double_value(&[]), 0.0, "an ignored row stays 0");
+            }
+        }
+    }
+
+    /// Without autograd wanting a gradient the logits are left as they are; a second backward
+    /// through a retained graph (which would rescale the written gradient twice) is refused
+    /// with the switch named.
+    #[test]
+    fn the_logits_are_written_only_for_a_gradient_and_backward_runs_once() {
+        let (x, t) = (logits(6, 16, Kind::Float), targets(6, 16));
+        let fresh = x.detach().copy();
+        let kept = fresh.shallow_clone();
+        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, true).unwrap());
+        assert!(same_bits(&kept, &x.detach()), "no gradient wanted: the logits are untouched");
+        assert!((loss.double_value(&[]) - ours(&x, &t, true).0).abs() < 1e-6);
+
+        let a = x.detach().set_requires_grad(true);
+        let loss = weighted_cross_entropy(&a * 1.0, &t, true, 1.0, true).unwrap();
+        let _ = Tensor::f_run_backward(&[&loss], &[&a], true, false).unwrap();
+        let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
+        assert!(err.contains("kernels.fused_loss_gradient: false"), "{err}");
     }
 }

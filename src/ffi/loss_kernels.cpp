@@ -3,9 +3,11 @@
 // −100 ignored. The node keeps the logits as they came (16-bit under autocast) and one fp32
 // log-sum-exp per row; its backward writes the logits' gradient directly in their dtype. What
 // autograd records for `cross_entropy` under autocast instead: an fp32 copy of the logits (CPU),
-// fp32 log-probabilities kept for backward, and fp32 plus 16-bit gradients in backward.
+// fp32 log-probabilities kept for backward, and fp32 plus 16-bit gradients in backward. In
+// training (`kernels.fused_loss_gradient`) the node writes the gradient over the logits in its
+// forward instead, and keeps only that.
 //
-// On CUDA the work is two kernels of loss_kernels.cu (cuda_jit.cpp launches them). On the CPU it
+// On CUDA the work is kernels of loss_kernels.cu (cuda_jit.cpp launches them). On the CPU it
 // runs through ATen's vectorised ops over blocks of rows, at most kCpuBlockValues fp32 values
 // at a time: bounded scratch, no full-size fp32 copy. The CPU path is also what the CUDA
 // kernels are checked against (tests/gpu.rs).
@@ -36,61 +38,88 @@ at::ScalarType accumulate_type(const at::Tensor& x) { return at::promote_types(x
 // Rows of the CPU path's blocks: about kCpuBlockValues fp32 values, at least one row.
 int64_t cpu_block_rows(int64_t cols) { return std::max<int64_t>(1, kCpuBlockValues / std::max<int64_t>(cols, 1)); }
 
-// Per block of rows: lse = log Σ exp(x), loss = lse − x[target], 0 where ignored, NaN where the
-// target is outside [0, cols) (as the CUDA kernel gives).
-void cpu_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss) {
-  const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
+// One block of rows `xs` (in the accumulate type) with targets `t`: its log Σ exp into `lse`,
+// its loss, lse − x[target], into `loss`, 0 where ignored, NaN where the target is outside
+// [0, cols) (as the CUDA kernel gives).
+void cpu_forward_block(const at::Tensor& xs, const at::Tensor& t, at::Tensor lse, at::Tensor loss) {
+  const int64_t cols = xs.size(1);
+  const at::Tensor row_lse = at::logsumexp(xs, {1});
+  const at::Tensor picked = xs.gather(1, t.clamp(0, cols - 1).unsqueeze(1)).squeeze(1);
+  const at::Tensor outside = t.ne(kIgnore).logical_and(t.lt(0).logical_or(t.ge(cols)));
+  lse.copy_(row_lse);
+  loss.copy_((row_lse - picked).masked_fill_(t.eq(kIgnore), 0.0).masked_fill_(outside, std::numeric_limits<float>::quiet_NaN()));
+}
+
+// One block of rows turned, in place, from logits `g` (a copy in the accumulate type) into their
+// gradient: scale · (exp(x − lse) − one-hot(target)), exactly 0 on ignored rows (filled, not
+// multiplied: an all-ignored mean's scale is 1/0, and 0 · ∞ would be NaN).
+void cpu_gradient_block(at::Tensor& g, const at::Tensor& t, const at::Tensor& lse, const at::Tensor& grad_scale) {
+  const int64_t cols = g.size(1);
+  g.sub_(lse.unsqueeze(1)).exp_();
+  const at::Tensor hit = t.ge(0).logical_and(t.lt(cols)).to(g.scalar_type());
+  g.scatter_add_(1, t.clamp(0, cols - 1).unsqueeze(1), hit.neg().unsqueeze(1));
+  g.mul_(grad_scale);
+  g.masked_fill_(t.eq(kIgnore).unsqueeze(1), 0.0);
+}
+
+// The CPU path, a block of rows at a time (at most kCpuBlockValues values of the accumulate
+// type): the loss (`loss` defined), the gradient into `grad` (defined; from `lse` where the
+// loss is not computed here), or both, the block's fp32 copy shared (`grad` may be `x`: each
+// block is read before it is written).
+void cpu_pass(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, at::Tensor* loss, const at::Tensor& grad_scale, at::Tensor* grad) {
+  const int64_t rows = x.size(0), step = cpu_block_rows(x.size(1));
   for (int64_t r = 0; r < rows; r += step) {
     const int64_t n = std::min(step, rows - r);
-    const at::Tensor xs = x.narrow(0, r, n).to(lse.scalar_type());
     const at::Tensor t = target.narrow(0, r, n);
-    const at::Tensor row_lse = at::logsumexp(xs, {1});
-    const at::Tensor picked = xs.gather(1, t.clamp(0, cols - 1).unsqueeze(1)).squeeze(1);
-    const at::Tensor outside = t.ne(kIgnore).logical_and(t.lt(0).logical_or(t.ge(cols)));
-    lse.narrow(0, r, n).copy_(row_lse);
-    loss.narrow(0, r, n).copy_((row_lse - picked).masked_fill_(t.eq(kIgnore), 0.0).masked_fill_(outside, std::numeric_limits<float>::quiet_NaN()));
+    at::Tensor xs = x.narrow(0, r, n).to(lse.scalar_type(), /*non_blocking=*/false, /*copy=*/grad != nullptr);
+    if (loss != nullptr) cpu_forward_block(xs, t, lse.narrow(0, r, n), loss->narrow(0, r, n));
+    if (grad != nullptr) {
+      cpu_gradient_block(xs, t, lse.narrow(0, r, n), grad_scale);
+      grad->narrow(0, r, n).copy_(xs);
+    }
   }
 }
 
-// Per block of rows: grad = scale · (exp(x − lse) − one-hot(target)), exactly 0 on ignored rows
-// (filled, not multiplied: an all-ignored mean's scale is 1/0, and 0 · ∞ would be NaN). One
-// block of the accumulate type at a time, computed in place.
-void cpu_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale, at::Tensor& grad) {
-  const int64_t rows = x.size(0), cols = x.size(1), step = cpu_block_rows(cols);
-  for (int64_t r = 0; r < rows; r += step) {
-    const int64_t n = std::min(step, rows - r);
-    const at::Tensor t = target.narrow(0, r, n);
-    at::Tensor g = x.narrow(0, r, n).to(lse.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-    g.sub_(lse.narrow(0, r, n).unsqueeze(1)).exp_();
-    const at::Tensor hit = t.ge(0).logical_and(t.lt(cols)).to(g.scalar_type());
-    g.scatter_add_(1, t.clamp(0, cols - 1).unsqueeze(1), hit.neg().unsqueeze(1));
-    g.mul_(grad_scale);
-    g.masked_fill_(t.eq(kIgnore).unsqueeze(1), 0.0);
-    grad.narrow(0, r, n).copy_(g);
-  }
-}
-
+// `weight` · the loss: mean over the counted rows (`mean`) or sum. With `grad_now` the logits'
+// gradient for a backward given 1 (the loss as the root of backward, as training calls it) is
+// written over `x` in the pass that computes the loss (`kernels.fused_loss_gradient`): no second
+// pass over the logits and no gradient buffer beside them. The caller gives `x` up for it (the
+// LM head's fresh output, which no other node keeps). A backward given another gradient
+// rescales it (CUDA: a kernel whose blocks return at once where it is 1, so no host sync).
 struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean, double weight,
+                            bool grad_now) {
     // The node computes in fp32 itself; autocast must not recast what it calls.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(accumulate_type(x)));
     at::Tensor loss = at::empty_like(lse);
-    if (trainguard::runs_cuda_kernels(x)) {
-      trainguard::cuda_cross_entropy_forward(x, target, lse, loss);
+    // Divided on the device by the rows counted: no host sync (all ignored: 0/0, NaN, as PyTorch).
+    const at::Tensor counted = mean ? target.ne(kIgnore).sum().to(lse.scalar_type()) : at::Tensor();
+    const bool cuda = trainguard::runs_cuda_kernels(x);
+    if (grad_now) {
+      // The scale backward would compute from a loss gradient of 1: the same bits.
+      at::Tensor scale = at::scalar_tensor(weight, lse.options());
+      if (mean) scale = scale / counted;
+      at::Tensor g = x;  // written over
+      if (cuda) {
+        trainguard::cuda_cross_entropy_forward_grad(g, target, lse, loss, scale);
+      } else {
+        cpu_pass(x, target, lse, &loss, scale, &g);
+      }
+      ctx->save_for_backward({g, target});
     } else {
-      cpu_forward(x, target, lse, loss);
+      if (cuda) {
+        trainguard::cuda_cross_entropy_forward(x, target, lse, loss);
+      } else {
+        cpu_pass(x, target, lse, &loss, at::Tensor(), nullptr);
+      }
+      ctx->save_for_backward(mean ? torch::autograd::variable_list{x, target, lse, counted} : torch::autograd::variable_list{x, target, lse});
     }
+    ctx->saved_data["grad_now"] = grad_now;
+    ctx->saved_data["weight"] = weight;
     at::Tensor total = loss.sum();
-    if (mean) {
-      // Divided on the device by the rows counted: no host sync (all ignored: 0/0, NaN, as PyTorch).
-      const at::Tensor counted = target.ne(kIgnore).sum().to(lse.scalar_type());
-      total = total / counted;
-      ctx->save_for_backward({x, target, lse, counted});
-    } else {
-      ctx->save_for_backward({x, target, lse});
-    }
-    return total;
+    if (mean) total = total / counted;
+    return weight == 1.0 ? total : total * weight;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
@@ -98,17 +127,37 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     trainguard::check_differentiable_once("cross_entropy", "fused_cross_entropy");
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &target = saved[1], &lse = saved[2];
+    const at::Tensor& target = saved[1];
+    const at::Tensor nothing;
+    if (!grads[0].defined()) return {nothing, nothing, nothing, nothing, nothing};
+    if (ctx->saved_data["grad_now"].toBool()) {
+      // Rescaled in place: a second backward through the same graph would rescale it again.
+      if (ctx->saved_data.count("backward_ran") != 0) {
+        throw std::runtime_error("cross_entropy: kernels.fused_loss_gradient runs backward once; retain_graph needs kernels.fused_loss_gradient: false");
+      }
+      ctx->saved_data["backward_ran"] = true;
+      at::Tensor g = saved[0];
+      const at::Tensor factor = grads[0].to(at::kFloat).contiguous();
+      if (trainguard::runs_cuda_kernels(g)) {
+        trainguard::cuda_cross_entropy_scale_grad(g, target, factor);
+      } else if (factor.item<float>() != 1.0f) {
+        g.mul_(factor.to(g.scalar_type())).masked_fill_(target.eq(kIgnore).unsqueeze(1), 0.0);
+      }
+      return {g, nothing, nothing, nothing, nothing};
+    }
+    const at::Tensor &x = saved[0], &lse = saved[2];
     at::Tensor scale = grads[0].to(lse.scalar_type());
+    const double weight = ctx->saved_data["weight"].toDouble();
+    if (weight != 1.0) scale = scale * weight;
     if (saved.size() == 4) scale = scale / saved[3];
     scale = scale.contiguous();
     at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);
     if (trainguard::runs_cuda_kernels(x)) {
       trainguard::cuda_cross_entropy_backward(x, target, lse, scale, grad);
     } else {
-      cpu_backward(x, target, lse, scale, grad);
+      cpu_pass(x, target, lse, nullptr, scale, &grad);
     }
-    return {grad, at::Tensor(), at::Tensor()};
+    return {grad, nothing, nothing, nothing, nothing};
   }
 };
 }  // namespace
@@ -117,11 +166,13 @@ extern "C" {
 
 int64_t tg_cross_entropy_cpu_block_rows(int64_t cols) { return cpu_block_rows(cols); }
 
-// Cross-entropy of `logits` [..., cols] against `targets` [...] (int64, −100 ignored), mean over
-// the rows counted (`mean`) or sum, as one autograd node: `*out` is a new tensor (0-dim fp32)
-// that tch takes over. The logits must be fp32, bf16 or fp16 on CUDA (whose kernels must be
-// prepared: tg_cuda_jit_prepare), any float dtype on the CPU.
-int tg_cross_entropy(const void* logits, const void* targets, int mean, void** out, char* err, size_t err_len) {
+// `weight` · the cross-entropy of `logits` [..., cols] against `targets` [...] (int64, −100
+// ignored), mean over the rows counted (`mean`) or sum, as one autograd node: `*out` is a new
+// tensor (0-dim fp32) that tch takes over. With `grad_now`, where autograd will want the
+// logits' gradient, it is written over the logits now (the node's comment). The logits must be
+// fp32, bf16 or fp16 on CUDA (whose kernels must be prepared: tg_cuda_jit_prepare), any float
+// dtype on the CPU.
+int tg_cross_entropy(const void* logits, const void* targets, int mean, double weight, int grad_now, void** out, char* err, size_t err_len) {
   *out = nullptr;
   return trainguard::guarded(err, err_len, [&] {
     const auto& l = *static_cast<const at::Tensor*>(logits);
@@ -136,7 +187,8 @@ int tg_cross_entropy(const void* logits, const void* targets, int mean, void** o
     // Reshaped outside the node, so autograd carries the gradient back through the view.
     const at::Tensor x = l.reshape({-1, cols}).contiguous();
     const at::Tensor t = y.reshape({-1}).contiguous();
-    *out = new at::Tensor(CrossEntropyNode::apply(x, t, mean != 0));
+    const bool wanted = grad_now != 0 && at::GradMode::is_enabled() && l.requires_grad();
+    *out = new at::Tensor(CrossEntropyNode::apply(x, t, mean != 0, weight, wanted));
   });
 }
 

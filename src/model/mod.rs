@@ -80,6 +80,9 @@ pub struct Model {
     vocab_mask: Option<Tensor>,
     /// `kernels.fused_cross_entropy`: the loss as our own autograd node.
     fused_loss: bool,
+    /// `kernels.fused_loss_gradient`: in training that node writes the logits' gradient in its
+    /// forward.
+    loss_gradient_in_forward: bool,
     net: Box<dyn Decoder>,
 }
 
@@ -139,7 +142,7 @@ impl Model {
         if let Some((_, switch)) = switches.iter().find(|(on, _)| *on) {
             crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
-        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, net })
+        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, loss_gradient_in_forward: kernels.fused_loss_gradient, net })
     }
 
     /// Number of trainable parameters (a tied head counted once).
@@ -211,6 +214,28 @@ impl Model {
     /// Mean cross-entropy of the next-token predictions for inputs `x` and targets `y`.
     pub fn loss(&self, x: &Tensor, y: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
         self.cross_entropy(&self.padded_logits(x, train, seed)?, y, Reduction::Mean)
+    }
+
+    /// `weight` · the mean cross-entropy of the next-token predictions for inputs `x` and
+    /// targets `y`, for training: a backward from it gives the step's gradients
+    /// ([`Model::weighted_cross_entropy`]).
+    pub fn weighted_loss(&self, x: &Tensor, y: &Tensor, weight: f64, seed: Option<u64>) -> Result<Tensor, TchError> {
+        self.weighted_cross_entropy(self.padded_logits(x, true, seed)?, y, Reduction::Mean, weight)
+    }
+
+    /// `weight` · [`Model::cross_entropy`] of `logits`, which it takes: with our node and
+    /// `kernels.fused_loss_gradient`, and autograd wanting the logits' gradient, the node writes
+    /// it over them in its forward, for a backward from this loss.
+    pub fn weighted_cross_entropy(&self, logits: Tensor, y: &Tensor, reduction: Reduction, weight: f64) -> Result<Tensor, TchError> {
+        let mean = match reduction {
+            Reduction::Mean => true,
+            Reduction::Sum => false,
+            _ => return self.cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
+        };
+        match self.fused_loss {
+            true => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient_in_forward)?),
+            false => cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
+        }
     }
 
     /// Cross-entropy of `logits` `[…, v]` against targets `[…]` (`Mean` or `Sum`) as

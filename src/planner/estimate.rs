@@ -272,6 +272,9 @@ pub struct Setup {
     /// `kernels.fused_cross_entropy`: the loss as our node, which keeps the logits in their own
     /// dtype and writes only their gradient in backward.
     pub fused_cross_entropy: bool,
+    /// `kernels.fused_loss_gradient` (with `fused_cross_entropy`): the logits' gradient written
+    /// over the logits in the loss's forward, so no gradient buffer beside them.
+    pub fused_loss_gradient: bool,
     /// `kernels.fused_residual_norm`: the norms counted as our node where it runs (CUDA).
     pub fused_residual_norm: bool,
     /// `kernels.fused_swiglu`: SwiGLU counted as our node where it runs (CUDA).
@@ -296,6 +299,12 @@ pub struct Setup {
 }
 
 impl Setup {
+    /// The loss's node writes the logits' gradient in its forward (`kernels.fused_loss_gradient`
+    /// with `kernels.fused_cross_entropy`).
+    pub fn loss_gradient_in_forward(&self) -> bool {
+        self.fused_cross_entropy && self.fused_loss_gradient
+    }
+
     /// Any memory saver on: trainguard then runs the head and the body as separate backward
     /// passes and adds the tied embedding's two gradients in place (one transient copy, not two).
     pub fn split_backward(&self) -> bool {
@@ -366,7 +375,8 @@ pub struct Estimate {
     /// Cross-entropy's two gradient buffers alive with the log-probabilities at the start of
     /// backward: the log-probabilities' (as `logits`) and the logits' (16-bit under CUDA
     /// autocast, else as `logits`). With `kernels.fused_cross_entropy` the logits' alone (and
-    /// on the CPU a block of fp32 working values).
+    /// on the CPU a block of fp32 working values); with `kernels.fused_loss_gradient` too
+    /// nothing beside the logits (on the CPU two blocks of working values).
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
@@ -644,15 +654,21 @@ impl Moments {
             true => {
                 // Our node keeps the head's logits as they are (16-bit under autocast) and an
                 // fp32 log-sum-exp per row; its backward writes only the logits' gradient, in
-                // their dtype. On the CPU its backward works through blocks of rows, one fp32
-                // block at a time (exponentiated in place).
+                // their dtype, or with `fused_loss_gradient` its forward writes it over the
+                // logits (no second buffer). On the CPU it works through blocks of rows, one fp32
+                // block at a time (exponentiated in place); a forward that also writes the
+                // gradient holds the block's copy beside logsumexp's working block.
                 let logits = chunk * m.padded_vocab() * p.activation_bytes() + 4 * chunk;
                 let logit_grad = chunk * m.padded_vocab() * p.activation_bytes();
+                let blocks = if s.loss_gradient_in_forward() { 2 } else { 1 };
                 let scratch = match s.target {
-                    Target::Cpu => 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
+                    Target::Cpu => blocks * 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
                     Target::Cuda => 0,
                 };
-                (logits, logit_grad, logit_grad + scratch)
+                match s.loss_gradient_in_forward() {
+                    true => (logits, logit_grad, scratch),
+                    false => (logits, logit_grad, logit_grad + scratch),
+                }
             }
         };
         // The head's weight gradient (the token embedding's, tied; under --params an untied
@@ -670,6 +686,12 @@ impl Moments {
             let hidden_grad = tokens * m.hidden * p.residual_bytes();
             block_backward += head_grad + hidden_grad;
             ((logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
+        } else if s.loss_gradient_in_forward() {
+            // The logits become their gradient: the head's backward then holds it with the
+            // head's weight gradient and the hidden state's, which the two-pass loss's second
+            // logits-sized buffer outweighed.
+            let hidden_grad = tokens * m.hidden * p.residual_bytes();
+            ((logits + cross_entropy).max(logit_grad + head_grad + hidden_grad), tied * 2 * head_grad)
         } else {
             (logits + cross_entropy, tied * 2 * head_grad)
         };
@@ -730,6 +752,7 @@ pub(crate) mod fixtures {
             fused_rms_norm: true,
             cuda_optimizers: false,
             fused_cross_entropy: false,
+            fused_loss_gradient: false,
             fused_residual_norm: false,
             fused_swiglu: false,
             fused_rope: false,
@@ -1033,6 +1056,30 @@ mod tests {
         assert_eq!(fp32.cross_entropy, 8 * tokens_by_vocab);
         let cpu = estimate(&m, &Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cpu_fp32_adamw() }, 59, 2);
         assert_eq!(cpu.cross_entropy, 8 * tokens_by_vocab);
+    }
+
+    /// `kernels.fused_loss_gradient`: the logits become their gradient, so gpt2-124m's start of
+    /// backward at micro 16 (bf16-mixed, CUDA) holds the logits, then the head's weight and
+    /// hidden gradients beside them, where the two-pass node held a second logits-sized buffer:
+    /// 1.44 GB lower. On the CPU two fp32 blocks of working values stay.
+    #[test]
+    fn the_loss_gradient_in_the_forward_drops_the_second_logits_buffer() {
+        let two_pass = Setup { precision: Precision::Bf16Mixed, fused_cross_entropy: true, ..super::fixtures::cuda_fp32_adamw() };
+        let in_forward = Setup { fused_loss_gradient: true, ..two_pass.clone() };
+        assert!(in_forward.loss_gradient_in_forward() && !two_pass.loss_gradient_in_forward());
+        assert!(!Setup { fused_cross_entropy: false, ..in_forward.clone() }.loss_gradient_in_forward(), "only with the fused loss");
+        let m = gpt2();
+        let (a, b) = (estimate(&m, &two_pass, 16, 4), estimate(&m, &in_forward, 16, 4));
+        let tokens = 16 * 1024;
+        let logits = 2 * tokens * V;
+        assert_eq!((a.cross_entropy, b.cross_entropy), (logits, 0));
+        assert_eq!((a.peak_phase, b.peak_phase), ("start of backward", "start of backward"));
+        let (head_grad, hidden_grad) = (V * 768 * 4, tokens * 768 * 4);
+        assert_eq!(a.peak_allocated - b.peak_allocated, logits + 4 * tokens - head_grad - hidden_grad);
+        println!("gpt2-124m micro 16: peak {:.2} → {:.2} GiB", a.peak_allocated as f64 / GIB, b.peak_allocated as f64 / GIB);
+        let cpu = |s: &Setup| estimate(&m, &Setup { target: Target::Cpu, ..s.clone() }, 16, 4).cross_entropy;
+        let block = 4 * crate::ffi::loss::cpu_block_rows(V) * V;
+        assert_eq!((cpu(&two_pass), cpu(&in_forward)), (logits + block, 2 * block));
     }
 
     #[test]

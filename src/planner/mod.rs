@@ -318,6 +318,7 @@ impl Inputs {
             fused_rms_norm: config.kernels.fused_rms_norm,
             cuda_optimizers: config.kernels.cuda_optimizers,
             fused_cross_entropy: config.kernels.fused_cross_entropy,
+            fused_loss_gradient: config.kernels.fused_loss_gradient,
             fused_residual_norm: config.kernels.fused_residual_norm,
             fused_swiglu: config.kernels.fused_swiglu,
             fused_rope: config.kernels.fused_rope,

@@ -174,6 +174,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         let change = "fused cross-entropy (kernels.fused_cross_entropy: true)".to_string();
         options.push((change, model.clone(), Setup { fused_cross_entropy: true, ..setup.clone() }));
     }
+    if setup.fused_cross_entropy && !setup.fused_loss_gradient {
+        // Same maths, one logits-sized buffer less: the gradient written over the logits.
+        let change = "the loss's gradient in its forward (kernels.fused_loss_gradient: true)".to_string();
+        options.push((change, model.clone(), Setup { fused_loss_gradient: true, ..setup.clone() }));
+    }
     if model.seq_len >= 2 {
         let half = model.seq_len / 2;
         options.push((format!("sequence length {half} instead of {}", model.seq_len), Transformer { seq_len: half, ..model.clone() }, setup.clone()));
@@ -187,12 +192,13 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     out.sort_by(|a, b| b.saving_bytes.cmp(&a.saving_bytes).then_with(|| a.change.cmp(&b.change)));
 
     // Everything that keeps the model and the task: the lightest optimizer, the lightest
-    // precision, checkpointing, flash, the fused cross-entropy.
+    // precision, checkpointing, flash, the fused cross-entropy with its gradient in the forward.
     let all = Setup {
         activation_checkpointing: true,
         checkpoint_first: None,
         flash: true,
         fused_cross_entropy: true,
+        fused_loss_gradient: true,
         loss_chunk_tokens: setup.loss_chunk_tokens.or(Some(chunk)),
         precision: precisions.last().copied().unwrap_or(setup.precision),
         ..setup.clone()
@@ -317,6 +323,30 @@ mod tests {
         assert!((fused.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", fused.saving_bytes);
         let already = recommend(&m, &Setup { fused_cross_entropy: true, ..s.clone() }, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
         assert!(already.levers.iter().all(|l| !l.change.starts_with("fused")), "no lever for what is on");
+        // Here (4096 wide, 8192 tokens a micro-batch) the head's backward, which holds the
+        // logits' gradient beside the head's 2 GiB weight gradient, outweighs the two-pass
+        // loss's second logits buffer: writing the gradient in the forward saves nothing, so it
+        // is no lever.
+        assert!(already.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")), "{:#?}", already.levers);
+    }
+
+    /// GPT-2 at sequence 8192 (768 wide, 16-bit logits) that does not fit even at micro-batch 1
+    /// with the two-pass fused loss: writing the loss's gradient in the forward is a lever,
+    /// saving a logits-sized buffer less what the head's backward holds beside the logits (its
+    /// weight's and the hidden state's gradients); none once it is on.
+    #[test]
+    fn the_loss_gradient_in_the_forward_is_a_lever_where_the_logits_dominate() {
+        let m = Transformer { seq_len: 8192, ..gpt2() };
+        let s = Setup { precision: Precision::Bf16Mixed, fused_cross_entropy: true, ..setup() };
+        let budget = Budget { capacity: total_at(&m, &s, Some(64), 1), margin: 0.85 };
+        let r = recommend(&m, &s, Some(64), budget);
+        assert!(!r.fits);
+        let lever = r.levers.iter().find(|l| l.change.starts_with("the loss's gradient in its forward")).expect("the in-forward lever");
+        let tokens = 8192;
+        let expected = (2 * tokens * m.padded_vocab() + 4 * tokens - m.padded_vocab() * 768 * 4 - tokens * 768 * 4) as f64 * (1.0 + s.fragmentation);
+        assert!((lever.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", lever.saving_bytes);
+        let on = recommend(&m, &Setup { fused_loss_gradient: true, ..s.clone() }, Some(64), budget);
+        assert!(on.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")), "no lever for what is on");
     }
 
     /// A budget between full checkpointing's total and no checkpointing's: the levers name the

@@ -89,6 +89,15 @@ pub fn render(r: &Report) -> String {
     let (unit, div) = if e.total as f64 >= GIB { ("GiB", GIB) } else { ("MiB", MIB) };
     let v = |b: u64| if b == 0 { "—".to_string() } else { format!("{:.3}", b as f64 / div) };
     let dtype = if s.precision.logit_bytes() == 4 { "fp32" } else { "bf16" };
+    // Our loss keeps the logits in the head's dtype, then their gradient beside them or over them.
+    let (logit_dtype, cross_entropy) = match (s.fused_cross_entropy, s.loss_gradient_in_forward()) {
+        (false, _) => (dtype, format!("cross-entropy (log-softmax gradients, {dtype})")),
+        (true, in_forward) => {
+            let d = if s.precision.activation_bytes() == 4 { "fp32" } else { "16-bit" };
+            let what = if in_forward { "gradient written over the logits".to_string() } else { format!("the logits' gradient, {d}") };
+            (d, format!("cross-entropy ({what})"))
+        }
+    };
     let mut rows: Vec<(String, String)> = vec![
         (format!("weights ({})", if s.precision.weight_bytes() == 4 { "fp32" } else { "16-bit" }), v(e.weights)),
         ("fp32 master weights".into(), v(e.master_weights)),
@@ -104,8 +113,8 @@ pub fn render(r: &Report) -> String {
             ),
             v(e.activations),
         ),
-        (format!("logits ({}, {dtype})", if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }), v(e.logits)),
-        (format!("cross-entropy (log-softmax gradients, {dtype})"), v(e.cross_entropy)),
+        (format!("logits ({}, {logit_dtype})", if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }), v(e.logits)),
+        (cross_entropy, v(e.cross_entropy)),
     ];
     if e.buffers > 0 {
         rows.insert(4, ("buffers (RoPE cos and sin tables, fp32)".into(), v(e.buffers)));

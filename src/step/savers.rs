@@ -83,7 +83,7 @@ fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> 
 pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
     let params = &model.params.tensors;
     if savers.plain() {
-        let loss = model.loss(x, y, true, Some(seed))?.f_mul_scalar(weight)?;
+        let loss = model.weighted_loss(x, y, weight, Some(seed))?;
         let grads = Tensor::f_run_backward(&[&loss], params, false, false)?;
         return Ok((loss.f_detach()?, grads));
     }
@@ -189,7 +189,7 @@ fn head_backward(
 ) -> Result<(Tensor, Tensor), TchError> {
     let head_params: Vec<Tensor> = head_idx.iter().map(|&i| model.params.tensors[i].shallow_clone()).collect();
     let Some(chunk) = chunk else {
-        let loss = model.cross_entropy(&model.head(hidden)?, y, Reduction::Mean)?.f_mul_scalar(weight)?;
+        let loss = model.weighted_cross_entropy(model.head(hidden)?, y, Reduction::Mean, weight)?;
         let mut inputs = head_params;
         inputs.push(hidden.shallow_clone());
         let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
@@ -210,7 +210,7 @@ fn head_backward(
         // Sum over the chunk ÷ all tokens: the chunks add up to the mean. (All tokens, not the
         // targets counted: our batches are token streams with no −100 targets, and the step's
         // token weights (`weight`) count every token too.)
-        let loss = model.cross_entropy(&model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum)?.f_mul_scalar(weight / n as f64)?;
+        let loss = model.weighted_cross_entropy(model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum, weight / n as f64)?;
         let mut inputs: Vec<Tensor> = head_params.iter().map(|t| t.shallow_clone()).collect();
         inputs.push(inp);
         let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
