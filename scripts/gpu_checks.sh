@@ -15,7 +15,8 @@
 #           the fused RMSNorm too), offload (losses unchanged), batches uploaded without waiting,
 #           the fused RMSNorm against the step-by-step form, 8-bit AdamW's CUDA kernel against
 #           the CPU's, thrash shrink, the fused cross-entropy's kernels against its CPU path
-#           (and its peak against PyTorch's loss), the residual-norm, SwiGLU and RoPE nodes against ATen's ops,
+#           (and its peak against PyTorch's loss; the gradient written in the forward against the
+#           two kernels', kernels.fused_loss_gradient), the residual-norm, SwiGLU and RoPE nodes against ATen's ops,
 #           metrics.trace counting the GPU's kernels
 #   plan    scripts/plan_accuracy.sh --device cuda: the planner's accuracy table (issue 6)
 #   bench   scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 on gpt2-124m and smollm2-135m,
@@ -33,7 +34,8 @@
 #   kernels scripts/bench_kernels.sh: tokens/s and peak allocated of smollm2-135m bf16-mixed with
 #           kernels.fused_rms_norm off and on; gpt2-124m bf16-mixed with fused AdamW, 8-bit
 #           AdamW and Adafactor as tensor ops and as the CUDA kernels (kernels.cuda_optimizers)
-#           and with PyTorch's cross-entropy and ours (kernels.fused_cross_entropy); gpt2-124m
+#           and with PyTorch's cross-entropy and ours (kernels.fused_cross_entropy; its gradient
+#           in its backward and in its forward, kernels.fused_loss_gradient); gpt2-124m
 #           and smollm2-135m with ATen's norms and our residual-norm node (kernels.fused_residual_norm);
 #           smollm2-135m with ATen's SwiGLU and RoPE and ours (kernels.fused_swiglu, kernels.fused_rope);
 #           gpt2-124m and smollm2-135m with and without CUDA graphs (kernels.cuda_graphs);
