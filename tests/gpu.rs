@@ -573,12 +573,14 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
 }
 
 /// Smaller: rows of 5000 columns (whole 16-byte packs: the packed loop) still end in a partial
-/// reach of a block's 256 threads; rows of 1003 take the one-logit loop; odd rows run their
-/// warps in reverse order.
+/// reach of a block's 256 threads; rows of 1003 take the one-logit loop; rows of 8200 take the
+/// packed loop's batches more than once; odd rows run their warps in reverse order.
 #[test]
 fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does() {
     cross_entropy_kernel_check(Kernels::Emulated, 23, 5000);
     cross_entropy_kernel_check(Kernels::Emulated, 11, 1003);
+    // 1025 bf16 packs a row: a thread's batches of 4 packs go round twice, the second with one.
+    cross_entropy_kernel_check(Kernels::Emulated, 5, 8200);
 }
 
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {

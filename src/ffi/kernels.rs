@@ -384,7 +384,7 @@ mod tests {
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
-            entries.extend(["forward", "backward"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
+            entries.extend(["forward", "backward", "forward_grad", "scale_grad"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
             entries.extend(["forward", "forward_warp", "backward", "backward_warp", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));

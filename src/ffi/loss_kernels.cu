@@ -23,6 +23,7 @@
 // non-finite loss, rather than a device-side abort.
 
 #define TG_CE_IGNORE (-100LL)
+#define TG_CE_BATCH 4  // 16-byte packs a thread loads before it uses the first
 
 __device__ __forceinline__ float tg_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -83,13 +84,24 @@ __device__ __forceinline__ float ce_row(const typename D::T* x, const long long*
   float m = tg_neg_inf(), s = 0.0f;
   if (tg_packed_rows<typename D::T>(xr, cols)) {
     constexpr int n = 16 / sizeof(typename D::T);
-    for (long long i = threadIdx.x; i < cols / n; i += TG_THREADS) {
-      TgPack p;
-      p.bits = reinterpret_cast<const uint4*>(xr)[i];
-      const typename D::T* packed = tg_pack_values(p, static_cast<typename D::T*>(nullptr));
-      float v[n];
-      for (int k = 0; k < n; ++k) v[k] = D::load(packed, k);
-      tg_lse_add(m, s, v, n);
+    const long long packs = cols / n;
+    // TG_CE_BATCH packs loaded before the first is added (in the same order as one at a time:
+    // the same bits), so that a thread has that many loads in flight, not one.
+    for (long long i0 = threadIdx.x; i0 < packs; i0 += TG_CE_BATCH * TG_THREADS) {
+      TgPack p[TG_CE_BATCH];
+#pragma unroll
+      for (int u = 0; u < TG_CE_BATCH; ++u) {
+        const long long i = i0 + u * TG_THREADS;
+        if (i < packs) p[u].bits = reinterpret_cast<const uint4*>(xr)[i];
+      }
+#pragma unroll
+      for (int u = 0; u < TG_CE_BATCH; ++u) {
+        if (i0 + u * TG_THREADS >= packs) break;
+        const typename D::T* packed = tg_pack_values(p[u], static_cast<typename D::T*>(nullptr));
+        float v[n];
+        for (int k = 0; k < n; ++k) v[k] = D::load(packed, k);
+        tg_lse_add(m, s, v, n);
+      }
     }
   } else {
     for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
@@ -141,17 +153,29 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
   if (tg_packed_rows<typename D::T>(xr, cols) && tg_packed_rows<typename D::T>(gr, cols)) {
     constexpr int n = 16 / sizeof(typename D::T);
     const long long packs = cols / n;
-    for (long long k0 = threadIdx.x; k0 < packs; k0 += TG_THREADS) {
-      const long long i = backwards ? packs - 1 - k0 : k0;
-      TgPack in, out;
-      in.bits = reinterpret_cast<const uint4*>(xr)[i];
-      const typename D::T* x_values = tg_pack_values(in, static_cast<typename D::T*>(nullptr));
-      typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
-      for (int k = 0; k < n; ++k) {
-        const float p = expf(D::load(x_values, k) - row_lse);
-        D::store(g_values, k, scale * (i * n + k == t ? p - 1.0f : p));
+    // TG_CE_BATCH packs loaded, then each turned into its gradient and stored: x and grad may
+    // be one tensor, so without the batch each load would wait for the store before it.
+    for (long long k0 = threadIdx.x; k0 < packs; k0 += TG_CE_BATCH * TG_THREADS) {
+      TgPack in[TG_CE_BATCH];
+#pragma unroll
+      for (int u = 0; u < TG_CE_BATCH; ++u) {
+        const long long k = k0 + u * TG_THREADS;
+        if (k < packs) in[u].bits = reinterpret_cast<const uint4*>(xr)[backwards ? packs - 1 - k : k];
       }
-      reinterpret_cast<uint4*>(gr)[i] = out.bits;
+#pragma unroll
+      for (int u = 0; u < TG_CE_BATCH; ++u) {
+        const long long k = k0 + u * TG_THREADS;
+        if (k >= packs) break;
+        const long long i = backwards ? packs - 1 - k : k;
+        TgPack out;
+        const typename D::T* x_values = tg_pack_values(in[u], static_cast<typename D::T*>(nullptr));
+        typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
+        for (int j = 0; j < n; ++j) {
+          const float p = expf(D::load(x_values, j) - row_lse);
+          D::store(g_values, j, scale * (i * n + j == t ? p - 1.0f : p));
+        }
+        reinterpret_cast<uint4*>(gr)[i] = out.bits;
+      }
     }
   } else {
     for (long long j0 = threadIdx.x; j0 < cols; j0 += TG_THREADS) {
