@@ -103,34 +103,40 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     assert!(diff <= 1e-5, "final weights differ by {diff}");
 }
 
-/// `kernels.fused_cross_entropy` (its two-pass form: `kernels.fused_loss_gradient` off) with a
-/// vocabulary whose logits dominate the step (fp32 logits of 64 × 64 tokens are 128 MiB, the cap
-/// sits ~100 MiB above the rest): at 64 the head's output fails; at 32 it fits and the node's own
-/// allocation of the logits' gradient, in its backward, fails (both logits-sized, as asserted).
-/// The failure reaches the guard as the allocator's own error, the micro-batch halves, the same
+/// `kernels.fused_cross_entropy` with a vocabulary whose logits dominate the step (fp32 logits
+/// of 64 × 64 tokens are 128 MiB, the cap sits between the peaks of micro-batch 16 and 32), in
+/// both its forms. The two-pass form (`kernels.fused_loss_gradient` off): at 64 the head's output
+/// fails; at 32 it fits and the node's own allocation of the logits' gradient, in its backward,
+/// fails (both logits-sized, as asserted). With the gradient written in the forward (the
+/// default) the node allocates only a block of rows beside the logits: whatever fails is the
+/// allocator's own failure too. The failure reaches the guard, the micro-batch halves, the same
 /// samples replay, and the run equals one configured at the size it settled on.
 #[test]
 fn an_oom_with_the_fused_loss_is_recovered_and_the_run_equals_the_settled_size() {
-    let fused = ["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false", "model.vocab_size=8192"];
-    let (p16, p32) = (peak_with(16, &fused), peak_with(32, &fused));
-    assert!(p32 > p16 + (16 << 20), "the logits should dominate: {p16} vs {p32}");
-    let cap = format!("memory.limit={}", (p16 + p32) / 2);
-    let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let steps = "train.max_steps=4";
-    let a = train(capped.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=64", steps, &cap]].concat())).ok();
-    assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "events: {:?}", a.events());
-    for rec in a.events_of("oom_recovered") {
-        eprintln!("recovered: {rec}");
-        assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
-        let logits = rec["old_micro_batch"].as_u64().unwrap() * 64 * 8192 * 4;
-        assert_eq!(rec["requested_bytes"].as_u64(), Some(logits), "a logits-sized fp32 tensor failed: {rec}");
+    for form in ["kernels.fused_loss_gradient=false", "kernels.fused_loss_gradient=true"] {
+        let fused = ["kernels.fused_cross_entropy=true", form, "model.vocab_size=8192"];
+        let (p16, p32) = (peak_with(16, &fused), peak_with(32, &fused));
+        assert!(p32 > p16 + (16 << 20), "{form}: the logits should dominate: {p16} vs {p32}");
+        let cap = format!("memory.limit={}", (p16 + p32) / 2);
+        let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let steps = "train.max_steps=4";
+        let a = train(capped.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=64", steps, &cap]].concat())).ok();
+        assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "{form}: events: {:?}", a.events());
+        for rec in a.events_of("oom_recovered") {
+            eprintln!("{form}: recovered: {rec}");
+            assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+            if form.ends_with("false") {
+                let logits = rec["old_micro_batch"].as_u64().unwrap() * 64 * 8192 * 4;
+                assert_eq!(rec["requested_bytes"].as_u64(), Some(logits), "a logits-sized fp32 tensor failed: {rec}");
+            }
+        }
+        let b = train(plain.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=16", steps]].concat())).ok();
+        for key in ["step", "loss", "grad_norm", "micro_batch", "accumulation"] {
+            assert_eq!(series(&a.metrics(), key), series(&b.metrics(), key), "{form}: {key} differs step for step");
+        }
+        let diff = max_weight_diff(capped.path(), plain.path());
+        assert!(diff <= 1e-5, "{form}: final weights differ by {diff}");
     }
-    let b = train(plain.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=16", steps]].concat())).ok();
-    for key in ["step", "loss", "grad_norm", "micro_batch", "accumulation"] {
-        assert_eq!(series(&a.metrics(), key), series(&b.metrics(), key), "{key} differs step for step");
-    }
-    let diff = max_weight_diff(capped.path(), plain.path());
-    assert!(diff <= 1e-5, "final weights differ by {diff}");
 }
 
 /// A cap at which micro-batch 40 of 64 fits and 48 does not (halfway between their peaks).

@@ -248,6 +248,14 @@ mod tests {
                     }
                     assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
                     assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
+                    // And what training computed before the weight moved into the node: the
+                    // node's loss times the weight, its backward given the weight.
+                    let (l0, g0) = {
+                        let fresh = x.detach().set_requires_grad(true) * 1.0;
+                        let loss = cross_entropy(&fresh, &t, mean).unwrap().f_mul_scalar(0.375).unwrap();
+                        (loss.detach(), Tensor::f_run_backward(&[&loss], &[&fresh], false, false).unwrap().remove(0))
+                    };
+                    assert!(same_bits(&l1, &l0) && same_bits(&g1, &g0), "{what}: not the bits of the loss times the weight");
                     assert!(in_place1 && !in_place2, "{what}: the gradient is the logits' memory only when written in the forward");
                     let (plain, _) = ours(&x, &t, mean);
                     assert_eq!(l1.double_value(&[]), (Tensor::from(plain as f32) * 0.375).double_value(&[]), "{what}: the loss times the weight");
@@ -270,13 +278,17 @@ mod tests {
     #[test]
     fn a_backward_given_another_gradient_rescales_the_one_written_in_the_forward() {
         for emulated in [false, true] {
-            for kind in [Kind::Float, Kind::BFloat16] {
+            for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
                 let (x, t) = (logits(11, 48, kind), targets(11, 48));
                 let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
-                let (_, g, _) = weighted(&x, &t, true, 0.5, true, 3.0);
+                let (_, g, _) = weighted(&x, &t, true, 0.5, true, 1.0 / 3.0);
                 let (_, rg) = reference(&x, &t, true);
-                let rg = rg * 1.5;
-                let ulp = if kind == Kind::BFloat16 { 2.0 / 256.0 } else { 1e-6 };
+                let rg = rg * (0.5 / 3.0);
+                let ulp = match kind {
+                    Kind::BFloat16 => 2.0 / 256.0,
+                    Kind::Half => 2.0 / 2048.0,
+                    _ => 1e-6,
+                };
                 let excess = ((g.to_kind(Kind::Double) - &rg).abs() - (rg.abs() * ulp + 1e-7)).max().double_value(&[]);
                 assert!(excess <= 0.0, "{kind:?}, emulated {emulated}: beyond two roundings by {excess:e}");
                 assert_eq!(g.narrow(0, 3, 1).abs().max().double_value(&[]), 0.0, "an ignored row stays 0");
@@ -290,7 +302,7 @@ mod tests {
     #[test]
     fn the_logits_are_written_only_for_a_gradient_and_backward_runs_once() {
         let (x, t) = (logits(6, 16, Kind::Float), targets(6, 16));
-        let fresh = x.detach().copy();
+        let fresh = x.detach().copy().set_requires_grad(true);
         let kept = fresh.shallow_clone();
         let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, true).unwrap());
         assert!(same_bits(&kept, &x.detach()), "no gradient wanted: the logits are untouched");

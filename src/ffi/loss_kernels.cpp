@@ -85,7 +85,9 @@ void cpu_pass(const at::Tensor& x, const at::Tensor& target, const at::Tensor& l
 // written over `x` in the pass that computes the loss (`kernels.fused_loss_gradient`): no second
 // pass over the logits and no gradient buffer beside them. The caller gives `x` up for it (the
 // LM head's fresh output, which no other node keeps). A backward given another gradient
-// rescales it (CUDA: a kernel whose blocks return at once where it is 1, so no host sync).
+// rescales it (CUDA: a kernel whose blocks return at once where it is 1, so no host sync), a
+// gradient already rounded to the logits' dtype: fp16 loss scaling must come in through
+// `weight` (as training's does), not from a later multiply.
 struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean, double weight,
                             bool grad_now) {
@@ -103,6 +105,9 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       at::Tensor g = x;  // written over
       if (cuda) {
         trainguard::cuda_cross_entropy_forward_grad(g, target, lse, loss, scale);
+        // As an ATen in-place op would (the CPU path's copy_ does): a node that kept these
+        // logits then fails autograd's version check instead of reading their gradient.
+        g.unsafeGetTensorImpl()->bump_version();
       } else {
         cpu_pass(x, target, lse, &loss, scale, &g);
       }
@@ -137,11 +142,11 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       }
       ctx->saved_data["backward_ran"] = true;
       at::Tensor g = saved[0];
-      const at::Tensor factor = grads[0].to(at::kFloat).contiguous();
+      const at::Tensor factor = grads[0].to(trainguard::runs_cuda_kernels(g) ? at::kFloat : accumulate_type(g)).contiguous();
       if (trainguard::runs_cuda_kernels(g)) {
         trainguard::cuda_cross_entropy_scale_grad(g, target, factor);
-      } else if (factor.item<float>() != 1.0f) {
-        g.mul_(factor.to(g.scalar_type())).masked_fill_(target.eq(kIgnore).unsqueeze(1), 0.0);
+      } else if (const double f = factor.item<double>(); f != 1.0) {
+        g.mul_(f).masked_fill_(target.eq(kIgnore).unsqueeze(1), 0.0);  // in fp32 (fp64), as the kernel
       }
       return {g, nothing, nothing, nothing, nothing};
     }

@@ -416,11 +416,15 @@ mod padding_tests {
                 for emulated in [false, true] {
                     let what = format!("{:?} {checkpointing:?} chunk {chunk:?}{}", cfg.arch, if emulated { " (CUDA kernels, emulated)" } else { "" });
                     let emulation = emulated.then(crate::ffi::kernels::CudaEmulation::start);
+                    let fused_before = crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32");
                     let (la, ga) = loss_and_grads(&fused, &x, &y, 0.5, 0, &savers).unwrap();
                     if let Some(e) = emulation {
-                        // A forward and a backward kernel per chunk of the loss: none fell back to the CPU path.
+                        // Per chunk of the loss one kernel writing the loss and the gradient
+                        // (`kernels.fused_loss_gradient`, on by default) and the backward's
+                        // rescale check: none fell back to the CPU path.
                         let chunks = chunk.map_or(1, |c| x.numel().div_ceil(c)) as u64;
                         assert_eq!(e.launches(), 2 * chunks, "{what}: kernel launches");
+                        assert_eq!(crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32") - fused_before, chunks, "{what}: the gradient written in the forward");
                     }
                     let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
                     assert!(dl < 1e-6, "{what}: loss differs by {dl:e}");

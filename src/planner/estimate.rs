@@ -686,14 +686,14 @@ impl Moments {
             let hidden_grad = tokens * m.hidden * p.residual_bytes();
             block_backward += head_grad + hidden_grad;
             ((logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
-        } else if s.loss_gradient_in_forward() {
-            // The logits become their gradient: the head's backward then holds it with the
-            // head's weight gradient and the hidden state's, which the two-pass loss's second
-            // logits-sized buffer outweighed.
+        } else {
+            // The loss's forward and backward (logits and cross-entropy's buffers), then the
+            // head's backward: the logits' gradient (the loss's other buffers freed; with
+            // `fused_loss_gradient` the logits themselves) with the head's weight gradient and the
+            // hidden state's. The first is larger unless the head's gradients are as large as
+            // the logits (a wide model, few tokens a micro-batch).
             let hidden_grad = tokens * m.hidden * p.residual_bytes();
             ((logits + cross_entropy).max(logit_grad + head_grad + hidden_grad), tied * 2 * head_grad)
-        } else {
-            (logits + cross_entropy, tied * 2 * head_grad)
         };
         Self {
             per_layer,
