@@ -296,6 +296,21 @@ mod tests {
         }
     }
 
+    /// Logits that another node kept for its backward (tanh keeps its output) are not silently
+    /// read back as their gradient: writing over them counts as an in-place change, which
+    /// autograd's version check refuses, on the CPU and through the CUDA kernel (emulated).
+    #[test]
+    fn logits_another_node_kept_fail_autograds_version_check() {
+        for emulated in [false, true] {
+            let (x, t) = (logits(4, 16, Kind::Float), targets(4, 16));
+            let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
+            let a = x.detach().set_requires_grad(true);
+            let loss = weighted_cross_entropy(a.tanh(), &t, true, 1.0, true).unwrap();
+            let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
+            assert!(err.contains("modified by an inplace operation"), "emulated {emulated}: {err}");
+        }
+    }
+
     /// Without autograd wanting a gradient the logits are left as they are; a second backward
     /// through a retained graph (which would rescale the written gradient twice) is refused
     /// with the switch named.
