@@ -227,28 +227,18 @@ impl Model {
     /// `kernels.fused_loss_gradient`, and autograd wanting the logits' gradient, the node writes
     /// it over them in its forward, for a backward from this loss.
     pub fn weighted_cross_entropy(&self, logits: Tensor, y: &Tensor, reduction: Reduction, weight: f64) -> Result<Tensor, TchError> {
-        let mean = match reduction {
-            Reduction::Mean => true,
-            Reduction::Sum => false,
-            _ => return self.cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
-        };
-        match self.fused_loss {
-            true => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient_in_forward)?),
-            false => cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
+        match (self.fused_loss, our_node_mean(reduction)) {
+            (true, Some(mean)) => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient_in_forward)?),
+            _ => cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
         }
     }
 
     /// Cross-entropy of `logits` `[…, v]` against targets `[…]` (`Mean` or `Sum`) as
     /// `kernels.fused_cross_entropy` says: our autograd node, or PyTorch's ([`cross_entropy`]).
     pub fn cross_entropy(&self, logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
-        let mean = match reduction {
-            Reduction::Mean => true,
-            Reduction::Sum => false,
-            _ => return cross_entropy(logits, y, reduction), // per-token losses: PyTorch's
-        };
-        match self.fused_loss {
-            true => Ok(crate::ffi::loss::cross_entropy(logits, y, mean)?),
-            false => cross_entropy(logits, y, reduction),
+        match (self.fused_loss, our_node_mean(reduction)) {
+            (true, Some(mean)) => Ok(crate::ffi::loss::cross_entropy(logits, y, mean)?),
+            _ => cross_entropy(logits, y, reduction),
         }
     }
 
@@ -311,6 +301,16 @@ impl Model {
     /// Indices into `params` of the embedding's, each block's and the head's parameters.
     pub fn param_groups(&self) -> ParamGroups {
         self.groups.clone()
+    }
+}
+
+/// Our loss node's reduction for `reduction`: mean (true) or sum (false); none for per-token
+/// losses, which PyTorch's computes.
+fn our_node_mean(reduction: Reduction) -> Option<bool> {
+    match reduction {
+        Reduction::Mean => Some(true),
+        Reduction::Sum => Some(false),
+        _ => None,
     }
 }
 
