@@ -70,6 +70,19 @@ __device__ __forceinline__ void tg_lse_add(float& m, float& s, const float* v, i
   }
 }
 
+// The k-th pack of a row of `packs` a thread takes, counted from the row's end where `backwards`.
+__device__ __forceinline__ long long tg_ce_pack(long long k, long long packs, bool backwards) { return backwards ? packs - 1 - k : k; }
+
+// A thread's batch of packs of `row` from its k0-th on: k0, k0 + TG_THREADS, … (TG_CE_BATCH of
+// them, those below `packs`), all loads issued before any is used.
+__device__ __forceinline__ void tg_ce_load_packs(const void* row, long long k0, long long packs, bool backwards, TgPack* p) {
+#pragma unroll
+  for (int u = 0; u < TG_CE_BATCH; ++u) {
+    const long long k = k0 + u * TG_THREADS;
+    if (k < packs) p[u].bits = reinterpret_cast<const uint4*>(row)[tg_ce_pack(k, packs, backwards)];
+  }
+}
+
 // Row blockIdx.x of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
 // (0 for an ignored target), written by thread 0; every thread of the block gets the row's
 // log-sum-exp back, after the row's target logit was read (so the row may be overwritten next).
@@ -89,11 +102,7 @@ __device__ __forceinline__ float ce_row(const typename D::T* x, const long long*
     // the same bits), so that a thread has that many loads in flight, not one.
     for (long long i0 = threadIdx.x; i0 < packs; i0 += TG_CE_BATCH * TG_THREADS) {
       TgPack p[TG_CE_BATCH];
-#pragma unroll
-      for (int u = 0; u < TG_CE_BATCH; ++u) {
-        const long long i = i0 + u * TG_THREADS;
-        if (i < packs) p[u].bits = reinterpret_cast<const uint4*>(xr)[i];
-      }
+      tg_ce_load_packs(xr, i0, packs, false, p);
 #pragma unroll
       for (int u = 0; u < TG_CE_BATCH; ++u) {
         if (i0 + u * TG_THREADS >= packs) break;
@@ -157,16 +166,12 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
     // be one tensor, so without the batch each load would wait for the store before it.
     for (long long k0 = threadIdx.x; k0 < packs; k0 += TG_CE_BATCH * TG_THREADS) {
       TgPack in[TG_CE_BATCH];
-#pragma unroll
-      for (int u = 0; u < TG_CE_BATCH; ++u) {
-        const long long k = k0 + u * TG_THREADS;
-        if (k < packs) in[u].bits = reinterpret_cast<const uint4*>(xr)[backwards ? packs - 1 - k : k];
-      }
+      tg_ce_load_packs(xr, k0, packs, backwards, in);
 #pragma unroll
       for (int u = 0; u < TG_CE_BATCH; ++u) {
         const long long k = k0 + u * TG_THREADS;
         if (k >= packs) break;
-        const long long i = backwards ? packs - 1 - k : k;
+        const long long i = tg_ce_pack(k, packs, backwards);
         TgPack out;
         const typename D::T* x_values = tg_pack_values(in[u], static_cast<typename D::T*>(nullptr));
         typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
