@@ -150,7 +150,7 @@ pub fn work_of(name: &str) -> Work {
         Work::Loss
     } else if any(&["adam", "adafactor", "sgd", "multi_tensor_apply", "_foreach", "lpnorm", "tg_global_norm"]) {
         Work::Optimizer
-    } else if any(&["layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "cucomputegrad"]) {
+    } else if any(&["layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "cucomputegrad", "tg_ln_"]) {
         Work::Norm
     } else if any(&["gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "splitkreduce"]) {
         Work::Gemm
@@ -158,9 +158,9 @@ pub fn work_of(name: &str) -> Work {
         Work::Embedding
     } else if any(&["copy", "memcpy", "memset", "fill", "aten::cat", "aten::clone", "aten::contiguous"]) || n == "aten::to" {
         Work::Copy
-    } else if any(&["reduce_kernel", "aten::sum", "aten::mean", "aten::norm", "aten::max", "aten::min"]) {
+    } else if any(&["reduce_kernel", "aten::sum", "aten::mean", "aten::norm", "aten::max", "aten::min", "tg_col_sum"]) {
         Work::Reduce
-    } else if any(&["elementwise", "aten::add", "aten::mul", "aten::sub", "aten::div", "gelu", "silu", "dropout", "aten::where", "aten::exp", "aten::neg", "aten::rsqrt", "aten::pow"]) {
+    } else if any(&["elementwise", "aten::add", "aten::mul", "aten::sub", "aten::div", "gelu", "silu", "dropout", "aten::where", "aten::exp", "aten::neg", "aten::rsqrt", "aten::pow", "tg_swiglu", "tg_rope"]) {
         Work::Elementwise
     } else {
         Work::Other
@@ -558,6 +558,15 @@ mod tests {
             ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, 32u, 32u, 256u, false, false>(long, long, float const*, float const*, float const*, float const*, float*, float*)", Work::Norm),
             ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", Work::Loss),
             ("tg_ce_backward_bf16", Work::Loss),
+            ("tg_ce_forward_grad_bf16", Work::Loss),
+            // Our NVRTC kernels by what they do (the residual norm's also for RMSNorm).
+            ("tg_ln_forward_warp_bf16", Work::Norm),
+            ("tg_ln_param_grads_bf16", Work::Norm),
+            ("tg_col_sum_bands_packed_bf16", Work::Reduce),
+            ("tg_col_sum_finish", Work::Reduce),
+            ("tg_gelu_backward_bands_bf16", Work::Elementwise),
+            ("tg_swiglu_backward_bf16", Work::Elementwise),
+            ("tg_rope_bf16", Work::Elementwise),
             ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float*, float*>(...)", Work::Optimizer),
             ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#10}::operator()() const::{lambda(float)#1}, std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, ...)", Work::Copy),
             ("Memcpy HtoD (Pageable -> Device)", Work::Copy),
