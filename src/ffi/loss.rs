@@ -1,9 +1,10 @@
 //! Wrapper over `loss_kernels.cpp`: the language-model loss as one autograd node
 //! (`kernels.fused_cross_entropy`). It keeps the logits in their own dtype and a log-sum-exp per
 //! row, and its backward writes their gradient in that dtype: no fp32 copy of the logits, no
-//! log-probabilities, no fp32 gradient. CUDA runs our kernels (`loss_kernels.cu`, compiled by
-//! NVRTC once [`super::kernels::prepare_cuda`] has run for the device); the CPU runs ATen's ops
-//! over blocks of rows.
+//! log-probabilities, no fp32 gradient. In training ([`weighted_cross_entropy`],
+//! `kernels.fused_loss_gradient`) its forward writes that gradient over the logits instead. CUDA
+//! runs our kernels (`loss_kernels.cu`, compiled by NVRTC once [`super::kernels::prepare_cuda`]
+//! has run for the device); the CPU runs ATen's ops over blocks of rows.
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
