@@ -144,7 +144,7 @@ impl Work {
 pub fn work_of(name: &str) -> Work {
     let n = name.to_ascii_lowercase();
     let any = |keys: &[&str]| keys.iter().any(|k| n.contains(k));
-    if any(&["flash", "fmha", "attention", "sdpa"]) {
+    if any(&["flash", "fmha", "attention", "sdpa", "cudnn::fusion"]) {
         Work::Attention
     } else if any(&["tg_ce_", "cross_entropy", "softmax", "nll_loss", "logsumexp"]) {
         Work::Loss
@@ -559,6 +559,8 @@ mod tests {
             ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)", Work::Loss),
             ("tg_ce_backward_bf16", Work::Loss),
             ("tg_ce_forward_grad_bf16", Work::Loss),
+            // cuDNN's attention backward's helpers (its dO·O row sums, dQ's conversion).
+            ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*, void const*, void*, ...)", Work::Attention),
             // Our NVRTC kernels by what they do (the residual norm's also for RMSNorm).
             ("tg_ln_forward_warp_bf16", Work::Norm),
             ("tg_ln_param_grads_bf16", Work::Norm),
