@@ -395,8 +395,9 @@ pub struct KernelsConfig {
     /// writes a gradient beside them: for gpt2-124m at micro 16 that is 1.65 GB of bf16 logits
     /// read again and a 1.65 GB gradient, which the peak (the start of backward) holds beside
     /// the logits. The same bits. On by default: the memory is saved whatever the device (the
-    /// planner counts it), and on the CPU it measured faster (BENCHMARKS.md, "Kernels: the
-    /// loss's gradient in its forward"); its CUDA speed is not yet measured.
+    /// planner counts it); on the CPU it measured 1.08× faster where the logits weigh (a
+    /// vocabulary of 8192), about 2% slower with a byte vocabulary (BENCHMARKS.md, "Kernels:
+    /// the loss's gradient in its forward"); its CUDA speed is not yet measured.
     pub fused_loss_gradient: bool,
     /// The norms on CUDA (GPT-2's LayerNorms, Llama's RMSNorms) as one autograd node of our own
     /// (`ffi::norm`, NVRTC kernels), with the residual add before every norm (a block's output
