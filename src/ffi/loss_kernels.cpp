@@ -80,6 +80,15 @@ void cpu_pass(const at::Tensor& x, const at::Tensor& target, const at::Tensor& l
   }
 }
 
+// The gradient's scale: the loss's gradient `upstream` (0-dim, the accumulate type) times
+// `weight`, divided by the rows `counted` for a mean (undefined for a sum). One function for the
+// forward that assumes a gradient of 1 and the backward that is given one: the same bits.
+at::Tensor gradient_scale(at::Tensor upstream, double weight, const at::Tensor& counted) {
+  if (weight != 1.0) upstream = upstream * weight;
+  if (counted.defined()) upstream = upstream / counted;
+  return upstream.contiguous();
+}
+
 // `weight` · the loss: mean over the counted rows (`mean`) or sum. With `grad_now` the logits'
 // gradient for a backward given 1 (the loss as the root of backward, as training calls it) is
 // written over `x` in the pass that computes the loss (`kernels.fused_loss_gradient`): no second
@@ -99,9 +108,9 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     const at::Tensor counted = mean ? target.ne(kIgnore).sum().to(lse.scalar_type()) : at::Tensor();
     const bool cuda = trainguard::runs_cuda_kernels(x);
     if (grad_now) {
-      // The scale backward would compute from a loss gradient of 1: the same bits.
-      at::Tensor scale = at::scalar_tensor(weight, lse.options());
-      if (mean) scale = scale / counted;
+      // The scale backward would compute from a loss gradient of 1 (1 · weight rounds as the
+      // weight itself: no multiply needed).
+      const at::Tensor scale = gradient_scale(at::scalar_tensor(weight, lse.options()), 1.0, counted);
       at::Tensor g = x;  // written over
       if (cuda) {
         trainguard::cuda_cross_entropy_forward_grad(g, target, lse, loss, scale);
@@ -142,8 +151,9 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       }
       ctx->saved_data["backward_ran"] = true;
       at::Tensor g = saved[0];
-      const at::Tensor factor = grads[0].to(trainguard::runs_cuda_kernels(g) ? at::kFloat : accumulate_type(g)).contiguous();
-      if (trainguard::runs_cuda_kernels(g)) {
+      const bool cuda = trainguard::runs_cuda_kernels(g);
+      const at::Tensor factor = grads[0].to(cuda ? at::kFloat : accumulate_type(g)).contiguous();
+      if (cuda) {
         trainguard::cuda_cross_entropy_scale_grad(g, target, factor);
       } else if (const double f = factor.item<double>(); f != 1.0) {
         g.mul_(f).masked_fill_(target.eq(kIgnore).unsqueeze(1), 0.0);  // in fp32 (fp64), as the kernel
@@ -151,11 +161,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       return {g, nothing, nothing, nothing, nothing};
     }
     const at::Tensor &x = saved[0], &lse = saved[2];
-    at::Tensor scale = grads[0].to(lse.scalar_type());
-    const double weight = ctx->saved_data["weight"].toDouble();
-    if (weight != 1.0) scale = scale * weight;
-    if (saved.size() == 4) scale = scale / saved[3];
-    scale = scale.contiguous();
+    const at::Tensor scale = gradient_scale(grads[0].to(lse.scalar_type()), ctx->saved_data["weight"].toDouble(), saved.size() == 4 ? saved[3] : nothing);
     at::Tensor grad = at::empty_like(x, at::MemoryFormat::Contiguous);
     if (trainguard::runs_cuda_kernels(x)) {
       trainguard::cuda_cross_entropy_backward(x, target, lse, scale, grad);

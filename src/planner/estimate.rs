@@ -660,20 +660,20 @@ impl Moments {
                 // gradient holds the block's copy beside logsumexp's working block.
                 let logits = chunk * m.padded_vocab() * p.activation_bytes() + 4 * chunk;
                 let logit_grad = chunk * m.padded_vocab() * p.activation_bytes();
-                let blocks = if s.loss_gradient_in_forward() { 2 } else { 1 };
+                let in_forward = s.loss_gradient_in_forward();
+                let blocks = if in_forward { 2 } else { 1 };
                 let scratch = match s.target {
                     Target::Cpu => blocks * 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
                     Target::Cuda => 0,
                 };
-                match s.loss_gradient_in_forward() {
-                    true => (logits, logit_grad, scratch),
-                    false => (logits, logit_grad, logit_grad + scratch),
-                }
+                (logits, logit_grad, if in_forward { scratch } else { logit_grad + scratch })
             }
         };
         // The head's weight gradient (the token embedding's, tied; under --params an untied
         // head's, which has no second gradient to add at the end).
         let head_grad = m.padded_vocab() * m.hidden * p.grad_bytes();
+        // The gradient of the hidden state the head reads.
+        let hidden_grad = tokens * m.hidden * p.residual_bytes();
         let tied = tied(m);
         let mut block_backward = sum(&m.saved(s).block_backward, &widths(s), micro, m.seq_len);
         let (head, embedding_grad_transient) = if s.split_backward() {
@@ -683,7 +683,6 @@ impl Moments {
             // hidden state's size. Afterwards the head's gradient and the hidden state's are
             // held through the body's backward.
             let later = u64::from(chunk < tokens);
-            let hidden_grad = tokens * m.hidden * p.residual_bytes();
             block_backward += head_grad + hidden_grad;
             ((logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
         } else {
@@ -692,7 +691,6 @@ impl Moments {
             // `fused_loss_gradient` the logits themselves) with the head's weight gradient and the
             // hidden state's. The first is larger unless the head's gradients are as large as
             // the logits (a wide model, few tokens a micro-batch).
-            let hidden_grad = tokens * m.hidden * p.residual_bytes();
             ((logits + cross_entropy).max(logit_grad + head_grad + hidden_grad), tied * 2 * head_grad)
         };
         Self {

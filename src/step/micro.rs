@@ -255,8 +255,9 @@ mod tests {
     /// In CUDA graphs' mode the linear node's casts are kept for the run (a captured micro-step
     /// reads them) and made again in place at each step's start: after the weights changed,
     /// half through a raw pointer that no version counter sees (as our CUDA optimizers write
-    /// them), half by ATen's in-place op, each step still gives, to the bit, what a thread that casts afresh every step gives, a
-    /// step the guard escalated outside the graphs (which drops them and their casts) included.
+    /// them), half by ATen's in-place op, each step still gives, to the bit, what a thread that
+    /// casts afresh every step gives, a step the guard escalated outside the graphs (which drops
+    /// them and their casts) included.
     #[test]
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
         fn steps(graphs: bool) -> Vec<(f64, Vec<Tensor>)> {
