@@ -47,6 +47,9 @@ pub struct TraceArgs {
     /// one's difference from the first file's.
     #[arg(long)]
     pub compare: bool,
+    /// How many of the heaviest kernels (operators) and launching operators to name.
+    #[arg(long, default_value_t = crate::trace::TOP, value_name = "N")]
+    pub top: usize,
 }
 
 #[derive(Debug, Args)]

@@ -133,12 +133,12 @@ fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
 
 fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
     if args.compare {
-        let summaries = args.files.iter().map(|f| trainguard::trace::read(f)).collect::<Result<Vec<_>, _>>()?;
+        let summaries = args.files.iter().map(|f| trainguard::trace::read(f, args.top)).collect::<Result<Vec<_>, _>>()?;
         print!("{}", trainguard::trace::compare(&summaries));
         return Ok(());
     }
     for file in &args.files {
-        let summary = trainguard::trace::read(file)?;
+        let summary = trainguard::trace::read(file, args.top)?;
         if args.json {
             println!("{}", serde_json::to_string(&summary)?);
         } else {

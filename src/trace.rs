@@ -85,12 +85,13 @@ pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
     Ok(out)
 }
 
-/// The summary of the Chrome trace at `path`.
-pub fn read(path: &Path) -> Result<TraceSummary, TraceError> {
+/// The summary of the Chrome trace at `path`, naming its `top` heaviest kernels (operators) and
+/// launching operators.
+pub fn read(path: &Path, top: usize) -> Result<TraceSummary, TraceError> {
     let text = std::fs::read_to_string(path).map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
     let bad = |message: String| TraceError::Format { path: path.to_path_buf(), message };
     let value: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    Ok(summarise(&parse(&value).map_err(bad)?, path))
+    Ok(summarise(&parse(&value).map_err(bad)?, path, top))
 }
 
 /// The kind of work an operator or kernel does, read from its name.
@@ -224,7 +225,8 @@ pub struct OperatorTime {
 /// What the GPU time of a kernel no operator encloses (or whose launch the trace lacks) is filed under.
 pub const NO_OPERATOR: &str = "(no operator)";
 
-/// How many names [`TraceSummary::top`] keeps.
+/// How many names [`TraceSummary::top`] keeps in a run's `trace_written` event and by default
+/// in `trainguard trace`.
 pub const TOP: usize = 12;
 
 /// Durations per name: the GPU's events when there are any (kernels do not nest), else the CPU
@@ -264,7 +266,7 @@ pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> V
 }
 
 /// The summary of `events`, read from `path`.
-pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
+pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummary {
     let marked: Vec<u64> = events
         .iter()
         .filter(|e| e.is_cpu_op())
@@ -295,11 +297,11 @@ pub fn summarise(events: &[TraceEvent], path: &Path) -> TraceSummary {
     by_work.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     let mut top: Vec<NameTime> = named.into_iter().map(|(name, work, d, calls)| NameTime { name: name.to_string(), work, ms: ms(d), calls }).collect();
     top.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
-    top.truncate(TOP);
+    top.truncate(keep);
     let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
     let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
     let mut by_operator = by_operator(events);
-    by_operator.truncate(TOP);
+    by_operator.truncate(keep);
     TraceSummary { path: path.display().to_string(), first_step, steps, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top, by_operator }
 }
 
@@ -478,7 +480,7 @@ impl Tracer {
         self.drain()?; // on an error the profiler still runs, and Drop stops it
         self.running = false;
         shim::stop(Some(&path))?;
-        read(&path).map(Some)
+        read(&path, TOP).map(Some)
     }
 }
 
@@ -532,7 +534,7 @@ mod tests {
             ("aten::add_", 100, 1),
         ];
         assert_eq!(got, want.map(|(op, ns, k)| OperatorTime { operator: op.into(), ms: ns as f64 / 1e6, kernels: k }));
-        let s = summarise(&events, Path::new("t.json"));
+        let s = summarise(&events, Path::new("t.json"), TOP);
         assert_eq!((s.counted.as_str(), s.busy_ms), ("gpu kernels", 0.0044), "launches are not work");
         assert!(s.top.iter().all(|n| n.name != "cudaLaunchKernel"));
         let t = table(&s);
@@ -540,7 +542,7 @@ mod tests {
         assert!(t.contains("| `aten::linear › aten::addmm` | 0.00 | 1 |"), "{t}");
         // Without GPU events nothing is attributed; the CPU's self times ignore the launches.
         let cpu: Vec<TraceEvent> = events.iter().filter(|e| !e.device_side).cloned().collect();
-        let c = summarise(&cpu, Path::new("t.json"));
+        let c = summarise(&cpu, Path::new("t.json"), TOP);
         assert!(c.by_operator.is_empty() && c.top.iter().all(|n| n.name != "cudaLaunchKernel"));
     }
 
@@ -624,19 +626,20 @@ mod tests {
             ev(true, 7, 3_000_000, 4_000_000, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"),
             ev(true, 7, 4_000_000, 5_000_000, "tg_ce_forward_bf16"),
         ];
-        let s = summarise(&events, Path::new("t.json"));
+        let s = summarise(&events, Path::new("t.json"), TOP);
         assert_eq!((s.first_step, s.steps), (Some(10), 2));
         assert_eq!((s.counted.as_str(), s.busy_ms, s.span_ms), ("gpu kernels", 5.0, 5.0));
         assert_eq!(s.by_work[0], WorkTime { work: Work::Gemm, ms: 4.0, share: 0.8, calls: 2 });
         assert_eq!(s.by_work[1].work, Work::Loss);
         assert_eq!((s.top[0].calls, s.top[0].ms, s.top.len()), (2, 4.0, 2));
+        assert_eq!(summarise(&events, Path::new("t.json"), 1).top.len(), 1, "the heaviest name only");
         let t = table(&s);
         assert!(t.starts_with("t.json: steps 10..12, gpu kernels 2.50 ms per step"), "{t}");
         assert!(t.contains("| gemm | 2.00 | 80.0% | 1 |"), "{t}");
         // Without GPU events: the CPU operators' self times; the step ranges are not operators.
-        let cpu = summarise(&events[..3], Path::new("t.json"));
+        let cpu = summarise(&events[..3], Path::new("t.json"), TOP);
         assert_eq!((cpu.counted.as_str(), cpu.busy_ms, cpu.top.len()), ("cpu operators", 1.0, 1));
-        let unmarked = summarise(&events[2..3], Path::new("t.json"));
+        let unmarked = summarise(&events[2..3], Path::new("t.json"), TOP);
         assert_eq!((unmarked.first_step, unmarked.steps), (None, 1));
     }
 
@@ -645,10 +648,12 @@ mod tests {
         let ours = summarise(
             &[ev(false, 1, 0, 10_000_000, "trainguard step 4"), ev(true, 7, 0, 6_000_000, "nvjet_tst_128x256"), ev(true, 7, 6_000_000, 9_000_000, "vectorized_layer_norm_kernel")],
             Path::new("dir/gpt2-trainguard.json"),
+            TOP,
         );
         let theirs = summarise(
             &[ev(true, 7, 0, 5_000_000, "nvjet_tst_128x256"), ev(true, 7, 5_000_000, 6_000_000, "tg_ce_forward_bf16")],
             Path::new("dir/gpt2-compile.json"),
+            TOP,
         );
         let t = compare(&[ours, theirs]);
         assert!(t.contains("| work | gpt2-trainguard | gpt2-compile | gpt2-compile − gpt2-trainguard |"), "{t}");
@@ -682,7 +687,7 @@ mod tests {
         assert_eq!(events[1], ev(false, 9, 4_798_773_604_337_338, 4_798_773_604_360_963, "aten::mm"));
         assert_eq!((events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns), (true, 7, 10_500));
         assert_eq!((events[3].device_side, events[3].lane), (true, 7), "a stream written as text");
-        let s = summarise(&events, Path::new("p.json"));
+        let s = summarise(&events, Path::new("p.json"), TOP);
         assert_eq!((s.first_step, s.steps, s.counted.as_str()), (Some(3), 1, "gpu kernels"));
         assert!((s.busy_ms - 0.0115).abs() < 1e-12, "{}", s.busy_ms);
         assert_eq!(s.by_operator[0].operator, "aten::mm", "the kernel launched inside aten::mm");
