@@ -25,14 +25,17 @@
 #    with our nodes.
 # 10. (gelu) gpt2-124m bf16-mixed (micro 16, global 64) with ATen's GELU after the linear node and
 #    with the GELU in the node (`kernels.fused_gelu`: GELU's and the bias's gradients in one pass);
-# 11. (levers) gpt2-124m and smollm2-135m with the defaults, with every speed switch off
+# 11. (sums) gpt2-124m bf16-mixed (micro 16, global 64) and smollm2-135m (micro 8, seq 2048) with
+#    the linear node's weight gradients added into the step's sums by a multi-tensor add and inside
+#    the GEMM (`kernels.accumulate_in_gemm`), both also as CUDA graphs;
+# 12. (levers) gpt2-124m and smollm2-135m with the defaults, with every speed switch off
 #    (ATen's ops, what the defaults buy at once) and with CUDA graphs on (the one speed switch
 #    off by default).
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms swiglu rope linear graphs merged gelu levers`, in that order by default: all)
+#   `rms optim loss norms swiglu rope linear graphs merged gelu sums levers`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -76,15 +79,20 @@ table() {  # NAME: one table, then a blank line
       "separate, SwiGLU and RoPE nodes|kernels.merged_projections=false kernels.fused_swiglu=true kernels.fused_rope=true" \
       "merged, SwiGLU and RoPE nodes|kernels.merged_projections=true kernels.fused_swiglu=true kernels.fused_rope=true" ;;
     gelu) gpt2_rows "ATen's GELU after the linear node|kernels.fused_gelu=false" "GELU in the linear node|kernels.fused_gelu=true" ;;
+    sums)
+      gpt2_rows "weight gradients added after the backward|kernels.accumulate_in_gemm=false" "added in the GEMM|kernels.accumulate_in_gemm=true" \
+        "after the backward, CUDA graphs|kernels.accumulate_in_gemm=false kernels.cuda_graphs=true" "in the GEMM, CUDA graphs|kernels.accumulate_in_gemm=true kernels.cuda_graphs=true"
+      echo
+      smollm_rows "weight gradients added after the backward|kernels.accumulate_in_gemm=false" "added in the GEMM|kernels.accumulate_in_gemm=true" ;;
     levers)
       off="kernels.fused_cross_entropy=false kernels.fused_residual_norm=false kernels.fused_swiglu=false kernels.fused_rope=false kernels.fused_linear=false kernels.merged_projections=false"
       gpt2_rows "defaults|" "every speed switch off|$off" "defaults, CUDA graphs|kernels.cuda_graphs=true"
       echo
       smollm_rows "defaults|" "every speed switch off|$off" "defaults, CUDA graphs|kernels.cuda_graphs=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged gelu levers)" >&2; exit 2 ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged gelu sums levers)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged gelu levers}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged gelu sums levers}; do table "$t"; done

@@ -41,6 +41,8 @@
 #           gpt2-124m and smollm2-135m with and without CUDA graphs (kernels.cuda_graphs);
 #           smollm2-135m with q/k/v and gate/up separate and merged (kernels.merged_projections);
 #           gpt2-124m with ATen's GELU after the linear node and with it in the node (kernels.fused_gelu);
+#           gpt2-124m and smollm2-135m with the weight gradients summed after the backward and in
+#           the GEMM (kernels.accumulate_in_gemm, sums), gpt2-124m also as CUDA graphs;
 #           both with the defaults, with every speed switch off and with CUDA graphs (levers)
 #   fill    scripts/fill_card.sh: plan --gpu auto --profile --apply on gpt2-124m bf16-mixed (global
 #           480), 200 steps: peak reserved ÷ card, OOMs, retries; expandable segments on vs off

@@ -750,6 +750,53 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     }
 }
 
+/// `kernels.accumulate_in_gemm` on a GPU: this libtorch's GEMM adds bf16 products into an fp32
+/// matrix (the scope takes every pair); inside a scope the node returns no gradient for its
+/// weight and its GEMM adds it into the sum: what adding its gradient afterwards gives, within
+/// fp32 roundings. Then whole runs (accumulation 4 + 4 + 2, eager and as CUDA graphs) with it on
+/// and off: the same losses and weights within roundings.
+#[test]
+fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
+    use trainguard::ffi::linear::{linear, GemmSums};
+    let Some(dev) = cuda() else { return };
+    let x = Tensor::randn([4096, 768], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let dy = Tensor::randn([4096, 3072], (Kind::Float, dev));
+    let w = (Tensor::randn([3072, 768], (Kind::Float, dev)) * 0.02).set_requires_grad(true);
+    let weight_grad = || {
+        ffi::set_autocast(true, true, false).unwrap();
+        let y = linear(&x, &w, None).unwrap();
+        ffi::set_autocast(true, false, false).unwrap();
+        Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&w], false, false).remove(0)
+    };
+    let once = weight_grad();
+    assert!(once.defined() && once.kind() == Kind::Float);
+    let sum = once.copy();
+    let scope = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&sum)).unwrap();
+    assert_eq!(scope.held(), 1, "this libtorch's GEMM cannot add bf16 products into fp32: the switch does nothing");
+    assert!(!weight_grad().defined(), "inside the scope the node returns no weight gradient");
+    drop(scope);
+    let want = &once + &once;
+    let rel = f64::try_from((&sum - &want).abs().max() / want.abs().max()).unwrap();
+    eprintln!("the GEMM's sum against the gradient added afterwards: {rel:.2e} of the largest");
+    assert!(rel < 1e-6, "{rel:e}");
+    for graphs in ["kernels.cuda_graphs=false", "kernels.cuda_graphs=true"] {
+        let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", graphs];
+        let a = train(off.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
+        let b = train(on.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
+        let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
+        eprintln!("{graphs}: losses added afterwards {la:?}\nin the GEMM {lb:?}");
+        assert_eq!(la.len(), lb.len());
+        for (x, y) in la.iter().zip(&lb) {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!(((x - y) / x).abs() < 1e-5, "{graphs}: {la:?} vs {lb:?}");
+        }
+        let diff = max_weight_diff(off.path(), on.path());
+        eprintln!("{graphs}: max weight difference {diff}");
+        assert!(diff < 1e-4, "{graphs}: {diff}");
+    }
+}
+
 fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arch], on: trainguard::config::KernelsConfig, off: trainguard::config::KernelsConfig) {
     use trainguard::config::{Arch, ModelConfig, Precision};
     use trainguard::model::Model;

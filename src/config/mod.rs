@@ -447,6 +447,16 @@ pub struct KernelsConfig {
     /// in its last bit). Off by default until a GPU measures it (`TABLES=gelu
     /// scripts/bench_kernels.sh --device cuda`); on the CPU ATen's ops run either way.
     pub fused_gelu: bool,
+    /// With `fused_linear`, from a step's second micro-step on (in CUDA graphs' mode from its
+    /// first): the linear node adds each weight's gradient into the step's fp32 accumulator
+    /// inside the weight-gradient GEMM (cuBLAS with beta = 1, 16-bit in, fp32 out), where it
+    /// would write a new fp32 gradient that a multi-tensor add then reads back and adds: for
+    /// gpt2-124m 85M values a micro-step written, read twice and written again (an H100 trace
+    /// put the adds at 2.2 ms of a 148 ms step of four micro-steps), and a gradient-sized buffer
+    /// less at each micro-step's end. The same maths (the GEMM's epilogue adds once in fp32); on
+    /// the CPU nothing changes. On by default; its CUDA speed is not yet measured (`TABLES=sums
+    /// scripts/bench_kernels.sh --device cuda`).
+    pub accumulate_in_gemm: bool,
     /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
     /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
     /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
@@ -490,6 +500,7 @@ impl Default for KernelsConfig {
             fused_rope: true,
             fused_linear: true,
             fused_gelu: false,
+            accumulate_in_gemm: true,
             cuda_graphs: false,
             merged_projections: true,
         }
@@ -510,6 +521,7 @@ impl KernelsConfig {
             fused_rope: false,
             fused_linear: false,
             fused_gelu: false,
+            accumulate_in_gemm: false,
             cuda_graphs: false,
             merged_projections: false,
         }

@@ -301,7 +301,7 @@ fn handle(t: &Tensor) -> *mut c_void {
 }
 
 /// The handles of `tensors`, as the shim's list functions take them.
-fn handles<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<*const c_void> {
+pub(crate) fn handles<T: std::borrow::Borrow<Tensor>>(tensors: &[T]) -> Vec<*const c_void> {
     tensors.iter().map(|t| handle(t.borrow()) as *const c_void).collect()
 }
 
@@ -324,10 +324,11 @@ pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
 }
 
 /// `dst[i] += src[i]` in place for every pair (one multi-tensor launch on CUDA): gradient
-/// accumulation over micro-batches.
+/// accumulation over micro-batches. A pair whose `src` is undefined is skipped: a gradient
+/// already added into its accumulator where it was computed (`ffi::linear::GemmSums`).
 pub fn add_all(dst: &[Tensor], src: &[Tensor]) -> Result<(), ShimError> {
     assert_eq!(dst.len(), src.len(), "tensor lists differ in length");
-    let (d, s) = (handles(dst), handles(src));
+    let (d, s): (Vec<_>, Vec<_>) = dst.iter().zip(src).filter(|(_, s)| s.defined()).map(|(d, s)| (handle(d) as *const c_void, handle(s) as *const c_void)).unzip();
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `global_norm`.
     result(unsafe { tg_add_all(d.as_ptr(), s.as_ptr(), d.len(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)

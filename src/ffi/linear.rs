@@ -3,6 +3,7 @@
 //! bias's gradients in fp32 directly (the bias's by our column-sum kernels, `linear_kernels.cu`,
 //! compiled by NVRTC once [`super::kernels::prepare_cuda`] has run for the device). Where the
 //! kernels do not run (the CPU outside tests), or without a 16-bit autocast, it is ATen's linear.
+use super::kernels::handles;
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
@@ -13,6 +14,8 @@ extern "C" {
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
     fn tg_linear_casts_addresses(out: *mut usize, n: usize) -> usize;
+    fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear_sums_attached() -> u64;
     fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
@@ -96,6 +99,54 @@ impl Drop for KeptCasts {
     fn drop(&mut self) {
         // SAFETY: clears this thread's kept casts (the tensors they hold are freed).
         unsafe { tg_linear_keep_casts(0) };
+    }
+}
+
+/// While one lives, the linear node adds the gradient of each weight it was given into that
+/// weight's fp32 accumulator inside the weight-gradient GEMM (`kernels.accumulate_in_gemm`), for
+/// the forwards run on this thread, and hands autograd no gradient for it (an undefined tensor
+/// where a backward returns gradients). A step's later micro-steps then skip writing a new
+/// gradient per weight and the multi-tensor add that reads it back. Only one scope at a time:
+/// starting one replaces the last; dropping one ends it.
+pub struct GemmSums {
+    held: usize,
+    _per_thread: std::marker::PhantomData<*const ()>, // not Send: the targets are per thread
+}
+
+impl GemmSums {
+    /// `params[i]`'s gradient added into `accs[i]` from now on, for the pairs that can be (a
+    /// contiguous fp32 accumulator of the weight's shape, on its device; on CUDA a libtorch whose
+    /// GEMM adds into fp32): [`GemmSums::held`] says how many.
+    pub fn start(params: &[Tensor], accs: &[Tensor]) -> Result<Self, ShimError> {
+        assert_eq!(params.len(), accs.len(), "tensor lists differ in length");
+        let (p, a) = (handles(params), handles(accs));
+        let (mut held, mut err) = (0usize, [0u8; ERR_LEN]);
+        // SAFETY: the handles are live tensors borrowed for the call; the shim keeps its own
+        // (refcounted) references and catches every exception.
+        let code = unsafe { tg_linear_sum_weight_grads(p.as_ptr(), a.as_ptr(), p.len(), &mut held, err.as_mut_ptr().cast(), ERR_LEN) };
+        let scope = Self { held, _per_thread: std::marker::PhantomData };
+        result(code, &err)?;
+        Ok(scope)
+    }
+
+    /// The weights whose gradients this scope adds in the GEMM.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// Linear nodes made on this thread since the process began whose backward adds their
+    /// weight's gradient into an accumulator.
+    pub fn attached() -> u64 {
+        // SAFETY: reads a thread-local counter.
+        unsafe { tg_linear_sums_attached() }
+    }
+}
+
+impl Drop for GemmSums {
+    fn drop(&mut self) {
+        let (mut held, mut err) = (0usize, [0u8; ERR_LEN]);
+        // SAFETY: with no pairs the shim only clears this thread's targets (it cannot fail).
+        let _ = unsafe { tg_linear_sum_weight_grads(std::ptr::null(), std::ptr::null(), 0, &mut held, err.as_mut_ptr().cast(), ERR_LEN) };
     }
 }
 

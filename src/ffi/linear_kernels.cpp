@@ -21,12 +21,20 @@
 // 744 MB moved and ~100 launches per micro-step (BENCHMARKS.md, "GPU checks on an H100, third
 // session": bf16 copies 2.9 ms of a 148 ms step of four micro-steps). Nothing else changes: the
 // same cast, so the same bits.
+// Between tg_linear_sum_weight_grads(params, accumulators) and its clearing (a step's later
+// micro-steps, `kernels.accumulate_in_gemm`) the node adds each listed weight's gradient into its
+// fp32 accumulator inside the GEMM (cuBLAS with beta = 1: `at::addmm` with an out_dtype, CUDA
+// only) and hands autograd no gradient for it, where it would write a new fp32 gradient that a
+// multi-tensor add then reads back and adds (for GPT-2 124M 85M values a micro-step: 1 GB read
+// and written, BENCHMARKS.md). The accumulator is looked up in forward, on the thread that set it
+// (backward on CUDA runs on autograd's device thread), and kept in the node.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -64,6 +72,57 @@ at::Tensor cast_once(const at::Tensor& t, at::ScalarType d) {
   return cast;
 }
 
+// The accumulators the node adds weights' gradients into, by weight, while a scope set them on
+// this thread (tg_linear_sum_weight_grads): the weight (held, so its address is not reused) and
+// its accumulator.
+struct SumTarget {
+  at::Tensor weight;
+  at::Tensor acc;
+};
+thread_local std::unordered_map<const c10::TensorImpl*, SumTarget> sum_targets;
+thread_local uint64_t sums_attached = 0;  // nodes made here with an accumulator (tests)
+
+// The accumulator `w`'s gradient is added into, or an undefined tensor.
+at::Tensor sum_target(const at::Tensor& w) {
+  if (sum_targets.empty()) return {};
+  auto it = sum_targets.find(w.unsafeGetTensorImpl());
+  return it == sum_targets.end() ? at::Tensor() : it->second.acc;
+}
+
+// acc += dyᵀ · xd (dy, xd in D; acc fp32): on CUDA in the GEMM's epilogue, fp32 out; where our
+// kernels run on the host (tests), as the node's host path computes the gradient (the GEMM in D,
+// cast to fp32) and then added, as the multi-tensor add would.
+void add_weight_grad(at::Tensor& acc, const at::Tensor& dy, const at::Tensor& xd) {
+  if (acc.is_cuda()) {
+    at::addmm_out(acc, acc, dy.t(), xd, at::kFloat, 1, 1);
+  } else {
+    acc.add_(at::mm(dy.t(), xd).to(at::kFloat));
+  }
+}
+
+// Whether this libtorch's CUDA GEMM adds 16-bit products into an fp32 matrix (`addmm`'s
+// out_dtype overload with an fp32 input, which older releases refused): tried once a process on
+// 2 × 2 values, the sum read back (the one host sync). Where it does not, no scope takes effect
+// and the gradients are added as before.
+bool gemm_adds_into_fp32(const at::Tensor& like) {
+  static std::atomic<int> works{-1};
+  int known = works.load();
+  if (known < 0) {
+    try {
+      const at::Tensor a = at::ones({2, 2}, like.options().dtype(at::kBFloat16));
+      at::Tensor acc = at::ones({2, 2}, like.options().dtype(at::kFloat));
+      at::addmm_out(acc, acc, a, a, at::kFloat, 1, 1);
+      known = acc.eq(3).all().item<bool>() ? 1 : 0;
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const std::exception&) {
+      known = 0;
+    }
+    works.store(known);
+  }
+  return known == 1;
+}
+
 struct LinearNode : public torch::autograd::Function<LinearNode> {
   // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D
   // (with `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
@@ -75,6 +134,10 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["with_bias"] = b.has_value();
     ctx->saved_data["gelu"] = gelu;
+    if (const at::Tensor acc = sum_target(w); acc.defined()) {
+      ctx->saved_data["sum_into"] = acc;
+      ++sums_attached;
+    }
     if (!gelu) {
       ctx->save_for_backward({xd, wd});
       return {y};
@@ -107,7 +170,15 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
       trainguard::cuda_column_sum(dy, db);
     }
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
-    if (ctx->needs_input_grad(1)) dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
+    if (ctx->needs_input_grad(1)) {
+      // Added into the step's accumulator where a scope named one (autograd then gets none).
+      if (auto into = ctx->saved_data.find("sum_into"); into != ctx->saved_data.end()) {
+        at::Tensor acc = into->second.toTensor();
+        add_weight_grad(acc, dy, xd);
+      } else {
+        dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
+      }
+    }
     return {dx, dw, db, at::Tensor(), at::Tensor()};
   }
 };
@@ -141,6 +212,30 @@ int tg_linear_refresh_casts(char* err, size_t err_len) {
 
 // Casts reused on this thread so far (tests).
 uint64_t tg_linear_casts_reused() { return casts_reused; }
+
+// From now on the node adds the gradient of weight `params[i]` into `accs[i]` (tch handles, `n`
+// pairs) in its backward, for the nodes whose forward runs on this thread; n = 0 stops it. Pairs
+// that cannot be are left out: an accumulator that is not a contiguous fp32 tensor of the
+// weight's shape on its device, a weight that is not a leaf wanting a gradient, and every pair on
+// CUDA where the GEMM cannot add into fp32 (`gemm_adds_into_fp32`). `*held` is the pairs taken.
+int tg_linear_sum_weight_grads(const void* const* params, const void* const* accs, size_t n, size_t* held, char* err, size_t err_len) {
+  *held = 0;
+  return trainguard::guarded(err, err_len, [&] {
+    sum_targets.clear();
+    for (size_t i = 0; i < n; ++i) {
+      const auto& w = *static_cast<const at::Tensor*>(params[i]);
+      const auto& acc = *static_cast<const at::Tensor*>(accs[i]);
+      const bool fits = acc.defined() && w.defined() && w.is_leaf() && w.requires_grad() && acc.scalar_type() == at::kFloat &&
+                        acc.is_contiguous() && acc.sizes() == w.sizes() && acc.device() == w.device();
+      if (!fits || (acc.is_cuda() && !gemm_adds_into_fp32(acc))) continue;
+      sum_targets.insert_or_assign(w.unsafeGetTensorImpl(), SumTarget{w, acc});
+    }
+    *held = sum_targets.size();
+  });
+}
+
+// Nodes made on this thread so far whose backward adds into an accumulator (tests).
+uint64_t tg_linear_sums_attached() { return sums_attached; }
 
 // For tests: cuda_column_sum(dy, out).
 int tg_linear_test_column_sum(const void* dy, void* out, char* err, size_t err_len) {

@@ -22,6 +22,8 @@ pub use params::{Init, Params, HOST_ALLOCATION_FAILED};
 pub use spec::{ParamGroups, Part, TensorSpec};
 
 use crate::config::{Arch, KernelsConfig, ModelConfig};
+use crate::ffi::linear::GemmSums;
+use crate::ffi::ShimError;
 use layers::Stream;
 use tch::{Device, Kind, Reduction, TchError, Tensor};
 
@@ -83,6 +85,8 @@ pub struct Model {
     /// `kernels.fused_loss_gradient`: in training that node writes the logits' gradient in its
     /// forward.
     loss_gradient_in_forward: bool,
+    /// `kernels.accumulate_in_gemm`, where the linear node runs.
+    weight_grads_in_gemm: bool,
     net: Box<dyn Decoder>,
 }
 
@@ -142,7 +146,24 @@ impl Model {
         if let Some((_, switch)) = switches.iter().find(|(on, _)| *on) {
             crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
-        Ok(Self { cfg: cfg.clone(), params, groups, user_rows, vocab_mask, fused_loss: kernels.fused_cross_entropy, loss_gradient_in_forward: kernels.fused_loss_gradient, net })
+        Ok(Self {
+            cfg: cfg.clone(),
+            params,
+            groups,
+            user_rows,
+            vocab_mask,
+            fused_loss: kernels.fused_cross_entropy,
+            loss_gradient_in_forward: kernels.fused_loss_gradient,
+            weight_grads_in_gemm: kernels.accumulate_in_gemm && ours.linear,
+            net,
+        })
+    }
+
+    /// With `kernels.accumulate_in_gemm` where the linear node runs: a scope in which that node
+    /// adds the weights' gradients into `accs` (one per parameter, in the model's order) inside
+    /// its GEMMs, and backward returns none for them (undefined tensors). None otherwise.
+    pub fn sum_weight_grads_into(&self, accs: &[Tensor]) -> Result<Option<GemmSums>, ShimError> {
+        self.weight_grads_in_gemm.then(|| GemmSums::start(&self.params.tensors, accs)).transpose()
     }
 
     /// Number of trainable parameters (a tied head counted once).

@@ -167,6 +167,11 @@ impl MicroGraphs {
         Ok(())
     }
 
+    /// The gradient accumulators of the step begun (zeroed by [`MicroGraphs::begin_step`]).
+    pub fn accumulators(&self) -> Option<&[Tensor]> {
+        self.acc.as_ref().map(|a| a.grads.as_slice())
+    }
+
     /// The step's gradients and weighted loss sum (the accumulators themselves: zeroed when the
     /// next step begins).
     pub fn results(&self) -> Option<(Vec<Tensor>, Tensor)> {

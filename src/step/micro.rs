@@ -45,6 +45,8 @@ impl StepData<'_> {
 pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, graphs: &mut MicroGraphs, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
     let (grads, loss_sum) = if graphs.applies(savers, scale) {
         graphs.begin_step(model, micro)?;
+        // The linear node adds its weights' gradients into the accumulators in its GEMMs.
+        let _sums = graphs.accumulators().map(|acc| model.sum_weight_grads_into(acc)).transpose()?;
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
         graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
     } else {
@@ -54,10 +56,16 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
         // block's casts as it goes.
         let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start).transpose()?;
         let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
+        let mut _sums = None;
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
             match loss_sum.take() {
-                None => (grads, loss_sum) = (micro_grads, Some(loss)),
+                None => {
+                    // The first micro-step's gradients are the sums; the later ones' linear
+                    // nodes add their weights' gradients into them in their GEMMs.
+                    _sums = model.sum_weight_grads_into(&micro_grads)?;
+                    (grads, loss_sum) = (micro_grads, Some(loss));
+                }
                 Some(sum) => {
                     kernels::add_all(&grads, &micro_grads)?;
                     loss_sum = Some(sum.f_add(&loss)?);
@@ -177,9 +185,12 @@ mod tests {
     /// so that its kernels run), its corpus, and the casts a micro-step makes: four weights and
     /// four biases a block, and the LM head's weight.
     fn linear_node_gpt2() -> (ModelConfig, Model, Corpus, u64) {
-        use crate::config::KernelsConfig;
+        linear_node_gpt2_with(crate::config::KernelsConfig { fused_linear: true, ..crate::config::KernelsConfig::aten() })
+    }
+
+    fn linear_node_gpt2_with(kernels: crate::config::KernelsConfig) -> (ModelConfig, Model, Corpus, u64) {
         let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
-        let model = Model::with_kernels(&cfg, KernelsConfig { fused_linear: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+        let model = Model::with_kernels(&cfg, kernels, 3, Device::Cpu).unwrap();
         let casts = 8 * cfg.n_layer as u64 + 1;
         (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
     }
@@ -310,6 +321,70 @@ mod tests {
             assert_eq!(la.to_bits(), lb.to_bits(), "step {step}: loss");
             assert!(ga.iter().zip(gb).all(|(a, b)| a.equal(b)), "step {step}: a gradient differs");
         }
+    }
+
+    /// `kernels.accumulate_in_gemm` (the linear node's kernels emulated, bf16 autocast): from a
+    /// step's second micro-step on, and in the graphs' mode from its first, each weight through
+    /// the node has its gradient added into the step's sum in the node's backward, and autograd
+    /// returns none for it; the step's loss and gradients are those of adding afterwards, to the
+    /// bit, plain, with checkpointing and a chunked loss, and in the graphs' mode.
+    #[test]
+    fn the_linear_node_adds_weight_gradients_into_the_steps_sums() {
+        use crate::config::KernelsConfig;
+        use crate::ffi::linear::GemmSums;
+        let _emulation = CudaEmulation::start();
+        let kernels = |on: bool| KernelsConfig { fused_linear: true, accumulate_in_gemm: on, ..KernelsConfig::aten() };
+        // Four weights a block and the (tied) head's go through the node.
+        let weights = 4 * 2 + 1;
+        let tied = linear_node_gpt2().1.params.names.iter().position(|n| n == "wte.weight").unwrap();
+        let step = |on: bool, graphs: bool, savers: Savers| {
+            let (_, model, corpus, _) = linear_node_gpt2_with(kernels(on));
+            let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
+            let before = GemmSums::attached();
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let out = forward_backward(&model, &data, 4, 2, &savers, 1.0, &mut MicroGraphs::new(graphs), &mut Progress::default());
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            let (grads, loss) = out.unwrap();
+            (grads, loss, GemmSums::attached() - before)
+        };
+        let plain = Savers::default();
+        let savers = Savers { checkpoint_every: 1, loss_chunk_tokens: Some(16), ..plain };
+        for (what, graphs, s, attached) in [("plain", false, plain, 3 * weights), ("graphs' mode", true, plain, 4 * weights), ("savers", false, savers, 0)] {
+            let (want, want_loss, none) = step(false, graphs, s);
+            let (got, got_loss, n) = step(true, graphs, s);
+            assert_eq!(none, 0, "{what}: switched off, nothing is added in the node");
+            // Checkpointing runs each block's forward twice (without and with its graph).
+            assert!(if attached > 0 { n == attached } else { n > 0 }, "{what}: {n} nodes added into a sum");
+            assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "{what}: loss");
+            assert!(got.iter().all(Tensor::defined), "{what}: every sum is there");
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                // The tied embedding's two gradients are added one at a time, not summed first:
+                // another rounding order, within fp32's last bits of the largest value.
+                let diff = (a - b).abs().max().double_value(&[]);
+                let within = if i == tied { 1e-6 * b.abs().max().double_value(&[]) } else { 0.0 };
+                assert!(a.equal(b) || diff <= within, "{what}: gradient {i} differs by {diff}");
+            }
+        }
+        // Inside a scope a micro-step's backward gives no gradient for the node's weights: it is
+        // in the sums, which held zeros.
+        let (_, model, corpus, _) = linear_node_gpt2_with(kernels(true));
+        let (x, y) = Sampler { seed: 1, seq_len: 8 }.train_batch(&corpus, 4, 0..2, Device::Cpu).unwrap();
+        let sums: Vec<Tensor> = model.params.tensors.iter().map(Tensor::zeros_like).collect();
+        let scope = model.sum_weight_grads_into(&sums).unwrap().expect("the switch is on");
+        assert_eq!(scope.held(), sums.len(), "every parameter can take a sum; the node looks up its weights");
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let out = loss_and_grads(&model, &x, &y, 1.0, 0, &plain);
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        drop(scope);
+        let (_, grads) = out.unwrap();
+        let added: Vec<bool> = grads.iter().map(|g| !g.defined()).collect();
+        assert_eq!(added.iter().filter(|&&a| a).count() as u64, weights - 1, "the blocks' weights (the tied head's also gets the embedding's)");
+        for ((g, sum), added) in grads.iter().zip(&sums).zip(added) {
+            assert_eq!(sum.abs().sum(tch::Kind::Float).double_value(&[]) > 0.0, added || g.dim() == 2 && g.size()[0] == 64, "a sum is written where the node added");
+        }
+        assert!(model.sum_weight_grads_into(&sums).unwrap().is_some());
+        let off = linear_node_gpt2_with(kernels(false)).1;
+        assert!(off.sum_weight_grads_into(&sums).unwrap().is_none(), "switched off: no scope");
     }
 
     #[test]

@@ -66,11 +66,16 @@ impl Savers {
     }
 }
 
+/// Adds a backward's gradients `new` of the parameters `idx` into `grads`. An undefined one is
+/// a gradient the linear node added into the step's accumulator itself (`ffi::linear::GemmSums`):
+/// it adds nothing here, and where nothing else did it stays undefined, for the step to skip.
 fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> Result<(), TchError> {
     for (&i, g) in idx.iter().zip(new) {
         match &mut grads[i] {
-            Some(acc) => {
-                let _ = acc.f_add_(&g)?;
+            Some(acc) if acc.defined() => {
+                if g.defined() {
+                    let _ = acc.f_add_(&g)?;
+                }
             }
             slot => *slot = Some(g),
         }
@@ -79,7 +84,9 @@ fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> 
 }
 
 /// `loss · weight` for one micro-batch and the gradients of every parameter (in the model's
-/// parameter order), computed with `savers`. Returns the weighted loss, detached.
+/// parameter order), computed with `savers`. Returns the weighted loss, detached. Inside a
+/// [`crate::ffi::linear::GemmSums`] scope the gradients it added into their accumulators are
+/// undefined tensors.
 pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
     let params = &model.params.tensors;
     if savers.plain() {
