@@ -329,6 +329,9 @@ pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
 pub fn add_all(dst: &[Tensor], src: &[Tensor]) -> Result<(), ShimError> {
     assert_eq!(dst.len(), src.len(), "tensor lists differ in length");
     let (d, s): (Vec<_>, Vec<_>) = dst.iter().zip(src).filter(|(_, s)| s.defined()).map(|(d, s)| (handle(d) as *const c_void, handle(s) as *const c_void)).unzip();
+    if d.is_empty() {
+        return Ok(()); // ATen's multi-tensor ops refuse empty lists
+    }
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `global_norm`.
     result(unsafe { tg_add_all(d.as_ptr(), s.as_ptr(), d.len(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)

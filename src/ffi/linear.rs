@@ -14,7 +14,8 @@ extern "C" {
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
     fn tg_linear_casts_addresses(out: *mut usize, n: usize) -> usize;
-    fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, scope: *mut u64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear_end_weight_grad_sums(scope: u64);
     fn tg_linear_sums_attached() -> u64;
     fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
@@ -107,9 +108,11 @@ impl Drop for KeptCasts {
 /// the forwards run on this thread, and hands autograd no gradient for it (an undefined tensor
 /// where a backward returns gradients). A step's later micro-steps then skip writing a new
 /// gradient per weight and the multi-tensor add that reads it back. Only one scope at a time:
-/// starting one replaces the last; dropping one ends it.
+/// starting one replaces the last; dropping one ends it (if it is still the open one). A node
+/// whose backward runs after its scope ended computes its weight's gradient as usual.
 pub struct GemmSums {
     held: usize,
+    number: u64,
     _per_thread: std::marker::PhantomData<*const ()>, // not Send: the targets are per thread
 }
 
@@ -120,11 +123,11 @@ impl GemmSums {
     pub fn start(params: &[Tensor], accs: &[Tensor]) -> Result<Self, ShimError> {
         assert_eq!(params.len(), accs.len(), "tensor lists differ in length");
         let (p, a) = (handles(params), handles(accs));
-        let (mut held, mut err) = (0usize, [0u8; ERR_LEN]);
+        let (mut held, mut number, mut err) = (0usize, 0u64, [0u8; ERR_LEN]);
         // SAFETY: the handles are live tensors borrowed for the call; the shim keeps its own
         // (refcounted) references and catches every exception.
-        let code = unsafe { tg_linear_sum_weight_grads(p.as_ptr(), a.as_ptr(), p.len(), &mut held, err.as_mut_ptr().cast(), ERR_LEN) };
-        let scope = Self { held, _per_thread: std::marker::PhantomData };
+        let code = unsafe { tg_linear_sum_weight_grads(p.as_ptr(), a.as_ptr(), p.len(), &mut held, &mut number, err.as_mut_ptr().cast(), ERR_LEN) };
+        let scope = Self { held, number, _per_thread: std::marker::PhantomData };
         result(code, &err)?;
         Ok(scope)
     }
@@ -134,8 +137,8 @@ impl GemmSums {
         self.held
     }
 
-    /// Linear nodes made on this thread since the process began whose backward adds their
-    /// weight's gradient into an accumulator.
+    /// Linear nodes made on this thread since the process began with an accumulator for their
+    /// weight's gradient (a checkpointed block's forward without a graph counts too).
     pub fn attached() -> u64 {
         // SAFETY: reads a thread-local counter.
         unsafe { tg_linear_sums_attached() }
@@ -144,9 +147,8 @@ impl GemmSums {
 
 impl Drop for GemmSums {
     fn drop(&mut self) {
-        let (mut held, mut err) = (0usize, [0u8; ERR_LEN]);
-        // SAFETY: with no pairs the shim only clears this thread's targets (it cannot fail).
-        let _ = unsafe { tg_linear_sum_weight_grads(std::ptr::null(), std::ptr::null(), 0, &mut held, err.as_mut_ptr().cast(), ERR_LEN) };
+        // SAFETY: clears this thread's targets if this scope is still the open one.
+        unsafe { tg_linear_end_weight_grad_sums(self.number) };
     }
 }
 

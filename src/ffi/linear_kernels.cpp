@@ -21,8 +21,8 @@
 // 744 MB moved and ~100 launches per micro-step (BENCHMARKS.md, "GPU checks on an H100, third
 // session": bf16 copies 2.9 ms of a 148 ms step of four micro-steps). Nothing else changes: the
 // same cast, so the same bits.
-// Between tg_linear_sum_weight_grads(params, accumulators) and its clearing (a step's later
-// micro-steps, `kernels.accumulate_in_gemm`) the node adds each listed weight's gradient into its
+// Between tg_linear_sum_weight_grads(params, accumulators) and its end (a step's later
+// micro-steps, in CUDA graphs' mode all of them: `kernels.accumulate_in_gemm`) the node adds each listed weight's gradient into its
 // fp32 accumulator inside the GEMM (cuBLAS with beta = 1: `at::addmm` with an out_dtype, CUDA
 // only) and hands autograd no gradient for it, where it would write a new fp32 gradient that a
 // multi-tensor add then reads back and adds (for GPT-2 124M 85M values a micro-step: 1 GB read
@@ -81,6 +81,11 @@ struct SumTarget {
 };
 thread_local std::unordered_map<const c10::TensorImpl*, SumTarget> sum_targets;
 thread_local uint64_t sums_attached = 0;  // nodes made here with an accumulator (tests)
+// Scopes are numbered; `live_scope` is the open one's (0: none). A node whose backward runs
+// after its scope ended (a graph kept past the step) computes its gradient as usual instead of
+// adding into stale sums. Read in backward, on autograd's device thread: hence atomic.
+std::atomic<uint64_t> scopes_started{0};
+std::atomic<uint64_t> live_scope{0};
 
 // The accumulator `w`'s gradient is added into, or an undefined tensor.
 at::Tensor sum_target(const at::Tensor& w) {
@@ -136,6 +141,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     ctx->saved_data["gelu"] = gelu;
     if (const at::Tensor acc = sum_target(w); acc.defined()) {
       ctx->saved_data["sum_into"] = acc;
+      ctx->saved_data["sum_scope"] = static_cast<int64_t>(live_scope.load());
       ++sums_attached;
     }
     if (!gelu) {
@@ -172,7 +178,9 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
     if (ctx->needs_input_grad(1)) {
       // Added into the step's accumulator where a scope named one (autograd then gets none).
-      if (auto into = ctx->saved_data.find("sum_into"); into != ctx->saved_data.end()) {
+      auto into = ctx->saved_data.find("sum_into");
+      const bool live = into != ctx->saved_data.end() && static_cast<uint64_t>(ctx->saved_data["sum_scope"].toInt()) == live_scope.load();
+      if (live) {
         at::Tensor acc = into->second.toTensor();
         add_weight_grad(acc, dy, xd);
       } else {
@@ -214,14 +222,17 @@ int tg_linear_refresh_casts(char* err, size_t err_len) {
 uint64_t tg_linear_casts_reused() { return casts_reused; }
 
 // From now on the node adds the gradient of weight `params[i]` into `accs[i]` (tch handles, `n`
-// pairs) in its backward, for the nodes whose forward runs on this thread; n = 0 stops it. Pairs
+// pairs) in its backward, for the nodes whose forward runs on this thread, until
+// tg_linear_end_weight_grad_sums(*scope). A scope started replaces the last. Pairs
 // that cannot be are left out: an accumulator that is not a contiguous fp32 tensor of the
 // weight's shape on its device, a weight that is not a leaf wanting a gradient, and every pair on
 // CUDA where the GEMM cannot add into fp32 (`gemm_adds_into_fp32`). `*held` is the pairs taken.
-int tg_linear_sum_weight_grads(const void* const* params, const void* const* accs, size_t n, size_t* held, char* err, size_t err_len) {
+int tg_linear_sum_weight_grads(const void* const* params, const void* const* accs, size_t n, size_t* held, uint64_t* scope, char* err, size_t err_len) {
   *held = 0;
+  *scope = 0;
   return trainguard::guarded(err, err_len, [&] {
     sum_targets.clear();
+    live_scope.store(0);
     for (size_t i = 0; i < n; ++i) {
       const auto& w = *static_cast<const at::Tensor*>(params[i]);
       const auto& acc = *static_cast<const at::Tensor*>(accs[i]);
@@ -231,7 +242,16 @@ int tg_linear_sum_weight_grads(const void* const* params, const void* const* acc
       sum_targets.insert_or_assign(w.unsafeGetTensorImpl(), SumTarget{w, acc});
     }
     *held = sum_targets.size();
+    *scope = ++scopes_started;
+    live_scope.store(*scope);
   });
+}
+
+// Ends scope `scope` if it is still the open one (a later scope is left as it is).
+void tg_linear_end_weight_grad_sums(uint64_t scope) {
+  if (scope == 0 || live_scope.load() != scope) return;
+  live_scope.store(0);
+  sum_targets.clear();
 }
 
 // Nodes made on this thread so far whose backward adds into an accumulator (tests).

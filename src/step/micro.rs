@@ -382,7 +382,22 @@ mod tests {
         for ((g, sum), added) in grads.iter().zip(&sums).zip(added) {
             assert_eq!(sum.abs().sum(tch::Kind::Float).double_value(&[]) > 0.0, added || g.dim() == 2 && g.size()[0] == 64, "a sum is written where the node added");
         }
-        assert!(model.sum_weight_grads_into(&sums).unwrap().is_some());
+        // A graph made inside a scope whose backward runs after it ended: the usual gradient.
+        let scope = model.sum_weight_grads_into(&sums).unwrap().expect("the switch is on");
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let loss = model.loss(&x, &y, true, None);
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        drop(scope);
+        let late = Tensor::f_run_backward(&[&loss.unwrap()], &model.params.tensors, false, false).unwrap();
+        assert!(late.iter().all(Tensor::defined), "a scope that ended adds nothing");
+        // A scope started replaces the last; dropping the replaced one leaves the new one open.
+        let (first, second) = (model.sum_weight_grads_into(&sums).unwrap().unwrap(), model.sum_weight_grads_into(&sums).unwrap().unwrap());
+        drop(first);
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let out = loss_and_grads(&model, &x, &y, 1.0, 0, &plain);
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        drop(second);
+        assert!(out.unwrap().1.iter().any(|g| !g.defined()), "the second scope is still open");
         let off = linear_node_gpt2_with(kernels(false)).1;
         assert!(off.sum_weight_grads_into(&sums).unwrap().is_none(), "switched off: no scope");
     }
