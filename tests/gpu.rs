@@ -784,17 +784,23 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
         let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", graphs];
         let a = train(off.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
         let b = train(on.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
-        let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
-        eprintln!("{graphs}: losses added afterwards {la:?}\nin the GEMM {lb:?}");
-        assert_eq!(la.len(), lb.len());
-        for (x, y) in la.iter().zip(&lb) {
-            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-            assert!(((x - y) / x).abs() < 1e-5, "{graphs}: {la:?} vs {lb:?}");
-        }
-        let diff = max_weight_diff(off.path(), on.path());
-        eprintln!("{graphs}: max weight difference {diff}");
-        assert!(diff < 1e-4, "{graphs}: {diff}");
+        assert_same_training((&a, off.path()), (&b, on.path()), &format!("{graphs}, added afterwards against in the GEMM"));
     }
+}
+
+/// Two runs that differ only in how they compute: the same losses within 1e-5 (relative) and
+/// final weights within 1e-4.
+fn assert_same_training((a, a_dir): (&Run, &std::path::Path), (b, b_dir): (&Run, &std::path::Path), what: &str) {
+    let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
+    eprintln!("{what}: losses {la:?}\nagainst {lb:?}; bitwise equal: {}", la == lb);
+    assert_eq!(la.len(), lb.len(), "{what}");
+    for (x, y) in la.iter().zip(&lb) {
+        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+        assert!(((x - y) / x).abs() < 1e-5, "{what}: the loss changed: {la:?} vs {lb:?}");
+    }
+    let diff = max_weight_diff(a_dir, b_dir);
+    eprintln!("{what}: max weight difference {diff}");
+    assert!(diff < 1e-4, "{what}: {diff}");
 }
 
 fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arch], on: trainguard::config::KernelsConfig, off: trainguard::config::KernelsConfig) {
@@ -885,15 +891,7 @@ fn graphed_run_matches_eager(savers: &[&str]) {
     eprintln!("savers {savers:?}\n{}", b.stderr());
     assert!(b.events_of("graphs_off").is_empty(), "a capture failed: {:?}", b.events_of("graphs_off"));
     assert!(a.events_of("graph_captured").is_empty(), "nothing is captured with the switch off");
-    let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
-    eprintln!("losses eager {la:?}\nlosses graphed {lb:?}; bitwise equal: {}", la == lb);
-    for (x, y) in la.iter().zip(&lb) {
-        let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
-        assert!(((x - y) / x).abs() < 1e-5, "savers {savers:?}: graphs changed the loss: {la:?} vs {lb:?}");
-    }
-    let diff = max_weight_diff(eager.path(), graphed.path());
-    eprintln!("max weight difference eager vs graphed: {diff}");
-    assert!(diff < 1e-4, "savers {savers:?}: {diff}");
+    assert_same_training((&a, eager.path()), (&b, graphed.path()), &format!("savers {savers:?}, eager against graphed"));
     // Last, so that a different schedule does not hide the figures above.
     let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
     assert_eq!(captured, [(0, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");

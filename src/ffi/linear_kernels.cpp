@@ -22,8 +22,8 @@
 // session": bf16 copies 2.9 ms of a 148 ms step of four micro-steps). Nothing else changes: the
 // same cast, so the same bits.
 // Between tg_linear_sum_weight_grads(params, accumulators) and its end (a step's later
-// micro-steps, in CUDA graphs' mode all of them: `kernels.accumulate_in_gemm`) the node adds each listed weight's gradient into its
-// fp32 accumulator inside the GEMM (cuBLAS with beta = 1: `at::addmm` with an out_dtype, CUDA
+// micro-steps, in CUDA graphs' mode all of them: `kernels.accumulate_in_gemm`) the node adds
+// each listed weight's gradient into its fp32 accumulator inside the GEMM (cuBLAS with beta = 1: `at::addmm` with an out_dtype, CUDA
 // only) and hands autograd no gradient for it, where it would write a new fp32 gradient that a
 // multi-tensor add then reads back and adds (for GPT-2 124M 85M values a micro-step: 1 GB read
 // and written, BENCHMARKS.md). The accumulator is looked up in forward, on the thread that set it
@@ -179,7 +179,8 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     if (ctx->needs_input_grad(1)) {
       // Added into the step's accumulator where a scope named one (autograd then gets none).
       auto into = ctx->saved_data.find("sum_into");
-      const bool live = into != ctx->saved_data.end() && static_cast<uint64_t>(ctx->saved_data["sum_scope"].toInt()) == live_scope.load();
+      const uint64_t scope = into == ctx->saved_data.end() ? 0 : static_cast<uint64_t>(ctx->saved_data.at("sum_scope").toInt());
+      const bool live = scope != 0 && scope == live_scope.load();
       if (live) {
         at::Tensor acc = into->second.toTensor();
         add_weight_grad(acc, dy, xd);
@@ -230,17 +231,19 @@ uint64_t tg_linear_casts_reused() { return casts_reused; }
 int tg_linear_sum_weight_grads(const void* const* params, const void* const* accs, size_t n, size_t* held, uint64_t* scope, char* err, size_t err_len) {
   *held = 0;
   *scope = 0;
+  sum_targets.clear();  // the last scope ends first, whether this one starts or fails
+  live_scope.store(0);
   return trainguard::guarded(err, err_len, [&] {
-    sum_targets.clear();
-    live_scope.store(0);
+    std::unordered_map<const c10::TensorImpl*, SumTarget> targets;
     for (size_t i = 0; i < n; ++i) {
       const auto& w = *static_cast<const at::Tensor*>(params[i]);
       const auto& acc = *static_cast<const at::Tensor*>(accs[i]);
       const bool fits = acc.defined() && w.defined() && w.is_leaf() && w.requires_grad() && acc.scalar_type() == at::kFloat &&
                         acc.is_contiguous() && acc.sizes() == w.sizes() && acc.device() == w.device();
       if (!fits || (acc.is_cuda() && !gemm_adds_into_fp32(acc))) continue;
-      sum_targets.insert_or_assign(w.unsafeGetTensorImpl(), SumTarget{w, acc});
+      targets.insert_or_assign(w.unsafeGetTensorImpl(), SumTarget{w, acc});
     }
+    sum_targets = std::move(targets);
     *held = sum_targets.size();
     *scope = ++scopes_started;
     live_scope.store(*scope);
@@ -254,7 +257,7 @@ void tg_linear_end_weight_grad_sums(uint64_t scope) {
   sum_targets.clear();
 }
 
-// Nodes made on this thread so far whose backward adds into an accumulator (tests).
+// Nodes made on this thread so far with an accumulator for their weight's gradient (tests).
 uint64_t tg_linear_sums_attached() { return sums_attached; }
 
 // For tests: cuda_column_sum(dy, out).
