@@ -158,7 +158,8 @@ struct alignas(16) uint4 {
 #undef blockIdx
 #undef __shared__
 static_assert(kThreads == TG_THREADS, "the emulation runs blocks of the kernels' TG_THREADS");
-static_assert(TG_ROW_VALUES * 32 == 1024 && TG_WARPS == 8, "cuda_jit.cpp's kWarpRowCols and kWarpRowsPerBlock launch the warp-a-row norms");
+static_assert(TG_ROW_VALUES * 32 == 1024 && TG_WARPS == 8 && TG_NORM_WARP_ROWS == 8,
+              "cuda_jit.cpp's kWarpRowCols, kWarpRowsPerBlock and kWarpBackwardRowsPerBlock launch the warp-a-row norms");
 
 // A kernel's arguments as cuLaunchKernel takes them (an array of pointers to each argument's
 // value), unpacked into a call.

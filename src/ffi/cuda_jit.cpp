@@ -211,11 +211,15 @@ long long band_count(long long rows) { return (rows + kBandRows - 1) / kBandRows
 // Values per CUDA block of the elementwise kernels (SwiGLU's): TG_BLOCK, 8 per thread.
 constexpr long long kBlockValues = 2048;
 // The widest row LayerNorm's warp kernels take (TG_ROW_VALUES · 32), and the rows a block of
-// them takes (TG_WARPS); a wider row takes a block of the other form. cuda_emulation.cpp
-// asserts both against the kernels' source.
+// them takes (TG_WARPS; the backward's TG_WARPS · TG_NORM_WARP_ROWS); a wider row takes a block
+// of the other form. cuda_emulation.cpp asserts these against the kernels' source.
 constexpr long long kWarpRowCols = 1024;
 constexpr long long kWarpRowsPerBlock = 8;
 long long warp_row_blocks(long long rows) { return (rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock; }
+// The rows a block of the warp-a-row backward takes (TG_WARPS · TG_NORM_WARP_ROWS): its warps'
+// weight and bias sums over them become one band of the parameters' gradients.
+constexpr long long kWarpBackwardRowsPerBlock = 64;
+long long warp_backward_blocks(long long rows) { return (rows + kWarpBackwardRowsPerBlock - 1) / kWarpBackwardRowsPerBlock; }
 constexpr int kDtypeCount = 3;
 enum AdafactorStage { kRows, kCols, kColVar, kScale, kUsq, kApply, kStageCount };
 const char* const kAdafactorStages[kStageCount] = {"rows", "cols", "col_var", "scale", "usq", "apply"};
@@ -529,25 +533,35 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   void* ddp = mutable_data_or_null(ddelta);
   const Launcher launch(s.device());
   const auto& k = launch.kernels().per_dtype[d];
+  void* dwp = dw.data_ptr();
+  void* dbp = mutable_data_or_null(db);
+  // The weight and bias gradients: each band's sums into `partial`, then the bands added in order.
+  const auto sum_bands = [&](at::Tensor& partial, long long bands) {
+    void* pp = partial.data_ptr();
+    void* sum_args[] = {&pp, &dwp, &dbp, &bands, &cols};
+    launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 31) / 32, 2, sum_args);
+  };
   if (cols <= kWarpRowCols) {
-    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &rows, &cols, &rms_flag};
-    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", warp_row_blocks(rows), 1, args);
-  } else {
-    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
-    launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+    // A warp a row: the band sums in the same pass (a band a block), where there is a dy.
+    long long bands = warp_backward_blocks(rows);
+    at::Tensor partial = dy.defined() ? at::empty({bands, 2 * cols}, s.options()) : at::Tensor();
+    void* pp = mutable_data_or_null(partial);
+    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &pp, &rows, &cols, &rms_flag};
+    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", bands, 1, args);
+    if (dy.defined()) sum_bands(partial, bands);  // (without one, dw and db stay zero)
+    return;
   }
-  if (!dy.defined()) return;  // no output gradient: dw and db stay zero
-  // The weight and bias gradients: bands of rows per column tile, then the bands summed in order.
+  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
+  launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+  if (!dy.defined()) return;
+  // A block a row: bands of rows per column tile in a pass of their own.
   long long band_rows = kBandRows;
   long long bands = band_count(rows);
   at::Tensor partial = at::empty({bands, 2 * cols}, s.options());
   void* pp = partial.data_ptr();
   void* grads_args[] = {&sp, &mp, &rp, &dyp, &pp, &rows, &cols, &band_rows};
-  launch(launch.kernels().per_dtype[d].ln_param_grads, "cuLaunchKernel(tg_ln_param_grads)", (cols + 31) / 32, bands, grads_args);
-  void* dwp = dw.data_ptr();
-  void* dbp = mutable_data_or_null(db);
-  void* sum_args[] = {&pp, &dwp, &dbp, &bands, &cols};
-  launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 255) / 256, 1, sum_args);
+  launch(k.ln_param_grads, "cuLaunchKernel(tg_ln_param_grads)", (cols + 31) / 32, bands, grads_args);
+  sum_bands(partial, bands);
 }
 
 namespace {

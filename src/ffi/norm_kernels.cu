@@ -10,7 +10,8 @@
 // norm's input gradient, the residual's gradient added to it (ds) and its rounding to δ's dtype.
 // Where ATen under autocast reads and writes the row about seven times forward and twelve
 // backward (add, norm, cast; cast, norm, accumulate, cast), these read and write it three and
-// five times, plus one pass for the weight and bias gradients.
+// five times; the weight and bias gradients' sums ride along the backward's reads (rows of up to
+// TG_ROW_VALUES · 32; wider rows: one more pass).
 //
 // Rows of at most TG_ROW_VALUES · 32 values (GPT-2's 768 to 1024, the small Llamas' 576 and
 // 960) take a warp each, TG_WARPS rows a block, every lane holding its values in registers: the
@@ -24,6 +25,9 @@
 // Rows (or bands) a lane loads before it adds the first of them, in the column sums below and in
 // linear_kernels.cu's.
 #define TG_BATCH 8
+// Rows each warp of the warp-a-row backward takes, one after another (so that its weight and
+// bias sums stay in registers across them).
+#define TG_NORM_WARP_ROWS 8
 
 // The sum of each lane's `v` over its warp; every lane gets it.
 __device__ __forceinline__ float tg_warp_sum(float v) {
@@ -177,45 +181,96 @@ __device__ __forceinline__ void ln_backward(const float* s, const float* w, cons
   }
 }
 
-// ln_backward for the row of this warp (rows of at most TG_ROW_VALUES · 32): the same values,
-// g and x̂ kept in registers between the sums and the output.
+// ln_backward, a warp a row, for TG_NORM_WARP_ROWS rows per warp (rows of at most TG_ROW_VALUES
+// · 32): the same values, g and x̂ kept in registers between the sums and the output. Where
+// `partial` is not null the block's share of dw = Σ dy · x̂ and db = Σ dy is also written, to
+// partial[blockIdx.x][0..cols) and partial[blockIdx.x][cols..2·cols) (tg_ln_param_sum adds the
+// blocks' shares): each lane adds its columns' values of its rows in registers as it reads them,
+// so dy and s are not read again by a kernel of their own. Block b takes rows b · R … b · R + R −
+// 1 (R = TG_WARPS · TG_NORM_WARP_ROWS), warp w of it every TG_WARPS-th from b · R + w; a column's
+// sum runs over a warp's rows in order, then over the warps, then over the blocks: an order fixed
+// by the row count alone, so every device and run gives the same bits.
 template <class D>
 __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ s, const float* __restrict__ w, const float* __restrict__ mean,
                                                  const float* __restrict__ rstd, const typename D::T* __restrict__ dy,
                                                  const float* __restrict__ ds, float* __restrict__ dx, typename D::T* __restrict__ ddelta,
-                                                 long long rows, long long cols, int rms) {
-  const int lane = threadIdx.x & 31;
-  const long long row = static_cast<long long>(blockIdx.x) * TG_WARPS + (threadIdx.x >> 5);
-  if (row >= rows) return;  // the whole warp
-  const long long base = row * cols;
-  const float mu = mean[row], r = rstd[row];
-  float g[TG_ROW_VALUES], h[TG_ROW_VALUES];
-  float sg = 0.0f, sgx = 0.0f;
+                                                 float* __restrict__ partial, long long rows, long long cols, int rms) {
+  __shared__ float part_w[TG_WARPS][32], part_b[TG_WARPS][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long first = static_cast<long long>(blockIdx.x) * (TG_WARPS * TG_NORM_WARP_ROWS) + warp;
+  // Written only where `partial` is given, a choice the same for every thread.
+  const bool sums = partial != nullptr && dy != nullptr;
+  float aw[TG_ROW_VALUES], ab[TG_ROW_VALUES];
 #pragma unroll
   for (int k = 0; k < TG_ROW_VALUES; ++k) {
-    const long long j = lane + 32LL * k;
-    g[k] = 0.0f;
-    h[k] = 0.0f;
-    if (dy != nullptr && j < cols) {
-      g[k] = D::load(dy, base + j) * w[j];
-      h[k] = (s[base + j] - mu) * r;
+    aw[k] = 0.0f;
+    ab[k] = 0.0f;
+  }
+  for (int i = 0; i < TG_NORM_WARP_ROWS; ++i) {
+    const long long row = first + static_cast<long long>(i) * TG_WARPS;
+    if (row >= rows) break;  // the whole warp: no barrier inside this loop
+    const long long base = row * cols;
+    const float mu = mean[row], r = rstd[row];
+    // The row's dy, s and ds all loaded before the first is used: one wait for memory a row.
+    float g[TG_ROW_VALUES], h[TG_ROW_VALUES], e[TG_ROW_VALUES];
+#pragma unroll
+    for (int k = 0; k < TG_ROW_VALUES; ++k) {
+      const long long j = lane + 32LL * k;
+      g[k] = 0.0f;
+      h[k] = 0.0f;
+      e[k] = 0.0f;
+      if (dy != nullptr && j < cols) {
+        g[k] = D::load(dy, base + j);
+        h[k] = (s[base + j] - mu) * r;
+      }
+      if (ds != nullptr && j < cols) e[k] = ds[base + j];
+    }
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < TG_ROW_VALUES; ++k) {
+      if (sums) {
+        aw[k] += g[k] * h[k];
+        ab[k] += g[k];
+      }
+      g[k] *= lane + 32LL * k < cols ? w[lane + 32LL * k] : 0.0f;
+      sg += g[k];
+      sgx += g[k] * h[k];
+    }
+    const float c1 = tg_warp_sum(sgx) / static_cast<float>(cols);
+    const float c2 = rms ? 0.0f : tg_warp_sum(sg) / static_cast<float>(cols);
+#pragma unroll
+    for (int k = 0; k < TG_ROW_VALUES; ++k) {
+      const long long j = lane + 32LL * k;
+      if (j < cols) {
+        float v = dy != nullptr ? (g[k] - c2 - h[k] * c1) * r : 0.0f;
+        if (ds != nullptr) v += e[k];
+        if (dx != nullptr) dx[base + j] = v;
+        if (ddelta != nullptr) D::store(ddelta, base + j, v);
+      }
     }
   }
+  if (!sums) return;  // every thread alike: no barrier left waiting
+  // The warps' sums added in warp order, 32 columns at a time, by warp 0.
+  float* band = partial + static_cast<long long>(blockIdx.x) * 2 * cols;
 #pragma unroll
   for (int k = 0; k < TG_ROW_VALUES; ++k) {
-    sg += g[k];
-    sgx += g[k] * h[k];
-  }
-  const float c1 = tg_warp_sum(sgx) / static_cast<float>(cols);
-  const float c2 = rms ? 0.0f : tg_warp_sum(sg) / static_cast<float>(cols);
-#pragma unroll
-  for (int k = 0; k < TG_ROW_VALUES; ++k) {
-    const long long j = lane + 32LL * k;
-    if (j < cols) {
-      float v = dy != nullptr ? (g[k] - c2 - h[k] * c1) * r : 0.0f;
-      if (ds != nullptr) v += ds[base + j];
-      if (dx != nullptr) dx[base + j] = v;
-      if (ddelta != nullptr) D::store(ddelta, base + j, v);
+    if (32LL * k < cols) {  // the same for every thread of the block
+      part_w[warp][lane] = aw[k];
+      part_b[warp][lane] = ab[k];
+      __syncthreads();
+      // threadIdx read afresh, so that no compiler splits the barriers by a condition known
+      // before them.
+      const long long j = 32LL * k + (threadIdx.x & 31);
+      if (threadIdx.x < 32 && j < cols) {
+        float tw = 0.0f, tb = 0.0f;
+        for (int q = 0; q < TG_WARPS; ++q) {
+          tw += part_w[q][threadIdx.x];
+          tb += part_b[q][threadIdx.x];
+        }
+        band[j] = tw;
+        band[cols + j] = tb;
+      }
+      __syncthreads();
     }
   }
 }
@@ -290,8 +345,9 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_backward_warp_##SUFFIX(const float* s, const float* w, const float* mean, const float* rstd, const D::T* dy,\
-                                   const float* ds, float* dx, D::T* ddelta, long long rows, long long cols, int rms) { \
-    ln_backward_warp<D>(s, w, mean, rstd, dy, ds, dx, ddelta, rows, cols, rms);                                         \
+                                   const float* ds, float* dx, D::T* ddelta, float* partial, long long rows, long long cols,\
+                                   int rms) {                                                                           \
+    ln_backward_warp<D>(s, w, mean, rstd, dy, ds, dx, ddelta, partial, rows, cols, rms);                                \
   }                                                                                                                     \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_grads_##SUFFIX(                                             \
       const float* s, const float* mean, const float* rstd, const D::T* dy, float* partial, long long rows, long long cols, \
@@ -303,11 +359,24 @@ TG_LAYER_NORM(f32, F32)
 TG_LAYER_NORM(bf16, BF16)
 TG_LAYER_NORM(f16, F16)
 
-// Column blockIdx.x · 256 + thread: the bands' parts summed in band order into dw (and db, when
-// there is a bias) — fp32, as the parameters.
+// Column tile blockIdx.x (32 columns, a lane each) of dw (blockIdx.y 0) or db (1; none where
+// there is no bias): the parts in partial[band][0..cols) (dw's) and partial[band][cols..2·cols)
+// (db's) added, warp q taking bands q, q + TG_WARPS, … in order, then the warps in order. fp32,
+// as the parameters.
 TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ln_param_sum(const float* partial, float* dw, float* db, long long bands, long long cols) {
-  const long long col = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
-  if (col >= cols) return;
-  dw[col] = tg_ordered_sum(partial + col, bands, 2 * cols);
-  if (db != nullptr) db[col] = tg_ordered_sum(partial + cols + col, bands, 2 * cols);
+  __shared__ float part[TG_WARPS][32];
+  float* out = blockIdx.y == 0 ? dw : db;
+  if (out == nullptr) return;  // the whole block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long col = static_cast<long long>(blockIdx.x) * 32 + lane;
+  const long long n = col < cols && warp < bands ? (bands - warp + TG_WARPS - 1) / TG_WARPS : 0;
+  const float* first = partial + (static_cast<long long>(blockIdx.y) + 2LL * warp) * cols + col;
+  part[warp][lane] = n > 0 ? tg_ordered_sum(first, n, 2LL * TG_WARPS * cols) : 0.0f;
+  __syncthreads();
+  // threadIdx read afresh, so that no compiler splits the barrier above by a condition known
+  // before it.
+  if (threadIdx.x >= 32 || static_cast<long long>(blockIdx.x) * 32 + threadIdx.x >= cols) return;
+  float total = 0.0f;
+  for (int q = 0; q < TG_WARPS; ++q) total += part[q][threadIdx.x];
+  out[static_cast<long long>(blockIdx.x) * 32 + threadIdx.x] = total;
 }
