@@ -135,9 +135,31 @@ inline long long max(long long a, long long b) { return a < b ? b : a; }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 
-// CUDA's 16-byte vector, which NVRTC knows without headers.
+// A 16-byte load or store from an address that is not a multiple of 16: a GPU faults ("misaligned
+// address", which ends the process's CUDA context) where the host reads it anyway; reported.
+inline void check_pack_address(const void* p) {
+  if ((reinterpret_cast<std::uintptr_t>(p) & 15) != 0 && running != nullptr && running->misuse.empty()) {
+    running->misuse = "a 16-byte load or store (uint4) at an address not a multiple of 16";
+  }
+}
+
+// CUDA's 16-byte vector, which NVRTC knows without headers. Every copy from or to one checks
+// both addresses: the kernels move packs only through it. The bytes are copied as bytes (the
+// packs are floats or 16-bit values in memory: read as unsigned ints, strict aliasing would let
+// the compiler move the reads past the kernels' own stores).
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
+  uint4() = default;
+  uint4(const uint4& o) {
+    check_pack_address(&o);
+    std::memcpy(static_cast<void*>(this), &o, sizeof(uint4));
+  }
+  uint4& operator=(const uint4& o) {
+    check_pack_address(this);
+    check_pack_address(&o);
+    std::memcpy(static_cast<void*>(this), &o, sizeof(uint4));
+    return *this;
+  }
 };
 
 #define TG_HOST_EMULATION
