@@ -759,26 +759,29 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
 fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     use trainguard::ffi::linear::{linear, GemmSums};
     let Some(dev) = cuda() else { return };
-    let x = Tensor::randn([4096, 768], (Kind::Float, dev)).to_kind(Kind::BFloat16);
-    let dy = Tensor::randn([4096, 3072], (Kind::Float, dev));
-    let w = (Tensor::randn([3072, 768], (Kind::Float, dev)) * 0.02).set_requires_grad(true);
-    let weight_grad = || {
-        ffi::set_autocast(true, true, false).unwrap();
-        let y = linear(&x, &w, None).unwrap();
-        ffi::set_autocast(true, false, false).unwrap();
-        Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&w], false, false).remove(0)
-    };
-    let once = weight_grad();
-    assert!(once.defined() && once.kind() == Kind::Float);
-    let sum = once.copy();
-    let scope = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&sum)).unwrap();
-    assert_eq!(scope.held(), 1, "this libtorch's GEMM cannot add bf16 products into fp32: the switch does nothing");
-    assert!(!weight_grad().defined(), "inside the scope the node returns no weight gradient");
-    drop(scope);
-    let want = &once + &once;
-    let rel = f64::try_from((&sum - &want).abs().max() / want.abs().max()).unwrap();
-    eprintln!("the GEMM's sum against the gradient added afterwards: {rel:.2e} of the largest");
-    assert!(rel < 1e-6, "{rel:e}");
+    // bf16 and fp16 (a scope probes both; a node adds into the sum only for a dtype the GEMM takes).
+    for (half, kind) in [(false, Kind::BFloat16), (true, Kind::Half)] {
+        let x = Tensor::randn([4096, 768], (Kind::Float, dev)).to_kind(kind);
+        let dy = Tensor::randn([4096, 3072], (Kind::Float, dev));
+        let w = (Tensor::randn([3072, 768], (Kind::Float, dev)) * 0.02).set_requires_grad(true);
+        let weight_grad = || {
+            ffi::set_autocast(true, true, half).unwrap();
+            let y = linear(&x, &w, None).unwrap();
+            ffi::set_autocast(true, false, false).unwrap();
+            Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&w], false, false).remove(0)
+        };
+        let once = weight_grad();
+        assert!(once.defined() && once.kind() == Kind::Float);
+        let sum = once.copy();
+        let scope = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&sum)).unwrap();
+        assert_eq!(scope.held(), 1, "this libtorch's GEMM cannot add 16-bit products into fp32: the switch does nothing");
+        assert!(!weight_grad().defined(), "{kind:?}: inside the scope the node returns no weight gradient");
+        drop(scope);
+        let want = &once + &once;
+        let rel = f64::try_from((&sum - &want).abs().max() / want.abs().max()).unwrap();
+        eprintln!("{kind:?}: the GEMM's sum against the gradient added afterwards: {rel:.2e} of the largest");
+        assert!(rel < 1e-6, "{kind:?}: {rel:e}");
+    }
     for graphs in ["kernels.cuda_graphs=false", "kernels.cuda_graphs=true"] {
         let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", graphs];

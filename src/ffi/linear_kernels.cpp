@@ -105,16 +105,18 @@ void add_weight_grad(at::Tensor& acc, const at::Tensor& dy, const at::Tensor& xd
   }
 }
 
-// Whether this libtorch's CUDA GEMM adds 16-bit products into an fp32 matrix (`addmm`'s
-// out_dtype overload with an fp32 input, which older releases refused): tried once a process on
-// 2 × 2 values, the sum read back (the one host sync). Where it does not, no scope takes effect
-// and the gradients are added as before.
-bool gemm_adds_into_fp32(const at::Tensor& like) {
-  static std::atomic<int> works{-1};
+// Whether this libtorch's CUDA GEMM adds products of `half` (bf16 or fp16) matrices into an fp32
+// matrix (`addmm`'s out_dtype overload with an fp32 input, which older releases refused): tried
+// once a process and dtype on 2 × 2 values, the sum read back (the one host sync). Where it does
+// not, no node adds into a sum for that dtype and the gradients are added as before.
+std::atomic<int> gemm_adds_works[2] = {-1, -1};  // bf16, fp16; -1 not tried yet
+std::atomic<int>& gemm_adds_known(at::ScalarType half) { return gemm_adds_works[half == at::kHalf ? 1 : 0]; }
+bool gemm_adds_into_fp32(const at::Tensor& like, at::ScalarType half) {
+  std::atomic<int>& works = gemm_adds_known(half);
   int known = works.load();
   if (known < 0) {
     try {
-      const at::Tensor a = at::ones({2, 2}, like.options().dtype(at::kBFloat16));
+      const at::Tensor a = at::ones({2, 2}, like.options().dtype(half));
       at::Tensor acc = at::ones({2, 2}, like.options().dtype(at::kFloat));
       at::addmm_out(acc, acc, a, a, at::kFloat, 1, 1);
       known = acc.eq(3).all().item<bool>() ? 1 : 0;
@@ -128,6 +130,14 @@ bool gemm_adds_into_fp32(const at::Tensor& like) {
   return known == 1;
 }
 
+// Whether a node computing in `d` adds its weight's gradient into `acc`: on the host always (the
+// emulated path adds after its GEMM); on CUDA where the scope's probe found the GEMM adds `d`'s
+// products into fp32 (read, never tried here: a node's forward may run inside a CUDA graph's
+// capture, where a host sync is refused).
+bool adds_in_gemm(const at::Tensor& acc, at::ScalarType d) {
+  return !acc.is_cuda() || ((d == at::kBFloat16 || d == at::kHalf) && gemm_adds_known(d).load() == 1);
+}
+
 struct LinearNode : public torch::autograd::Function<LinearNode> {
   // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D
   // (with `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
@@ -139,7 +149,7 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["with_bias"] = b.has_value();
     ctx->saved_data["gelu"] = gelu;
-    if (const at::Tensor acc = sum_target(w); acc.defined()) {
+    if (const at::Tensor acc = sum_target(w); acc.defined() && adds_in_gemm(acc, d)) {
       ctx->saved_data["sum_into"] = acc;
       ctx->saved_data["sum_scope"] = static_cast<int64_t>(live_scope.load());
       ++sums_attached;
@@ -227,7 +237,8 @@ uint64_t tg_linear_casts_reused() { return casts_reused; }
 // tg_linear_end_weight_grad_sums(*scope). A scope started replaces the last. Pairs
 // that cannot be are left out: an accumulator that is not a contiguous fp32 tensor of the
 // weight's shape on its device, a weight that is not a leaf wanting a gradient, and every pair on
-// CUDA where the GEMM cannot add into fp32 (`gemm_adds_into_fp32`). `*held` is the pairs taken.
+// CUDA where the GEMM can add neither bf16's nor fp16's products into fp32 (`gemm_adds_into_fp32`).
+// `*held` is the pairs taken.
 int tg_linear_sum_weight_grads(const void* const* params, const void* const* accs, size_t n, size_t* held, uint64_t* scope, char* err, size_t err_len) {
   *held = 0;
   *scope = 0;
@@ -240,7 +251,9 @@ int tg_linear_sum_weight_grads(const void* const* params, const void* const* acc
       const auto& acc = *static_cast<const at::Tensor*>(accs[i]);
       const bool fits = acc.defined() && w.defined() && w.is_leaf() && w.requires_grad() && acc.scalar_type() == at::kFloat &&
                         acc.is_contiguous() && acc.sizes() == w.sizes() && acc.device() == w.device();
-      if (!fits || (acc.is_cuda() && !gemm_adds_into_fp32(acc))) continue;
+      // Both 16-bit dtypes tried here, outside any capture; a node takes the scope only for the
+      // dtypes that work (adds_in_gemm).
+      if (!fits || (acc.is_cuda() && !(gemm_adds_into_fp32(acc, at::kBFloat16) | gemm_adds_into_fp32(acc, at::kHalf)))) continue;
       targets.insert_or_assign(w.unsafeGetTensorImpl(), SumTarget{w, acc});
     }
     sum_targets = std::move(targets);
