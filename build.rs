@@ -49,8 +49,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi/graph.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
-    cc::Build::new()
-        .cpp(true)
+    let mut shim = cc::Build::new();
+    shim.cpp(true)
         .file("src/ffi/shim.cpp")
         .file("src/ffi/optim_kernels.cpp")
         .file("src/ffi/loss_kernels.cpp")
@@ -70,8 +70,20 @@ fn main() {
         .flag("-fno-math-errno")
         .flag("-ffp-contract=off")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
-        .warnings(false)
-        .compile("trainguard_shim");
+        .warnings(false);
+    // TG_SANITIZE=address: the shim, and with it the host emulation of our CUDA kernels, built
+    // with AddressSanitizer, so that an emulated kernel reading or writing past a tensor fails its
+    // test (on a GPU: an illegal address, or garbage). scripts/asan_kernels.sh runs it.
+    println!("cargo:rerun-if-env-changed=TG_SANITIZE");
+    match std::env::var("TG_SANITIZE").as_deref() {
+        Err(_) | Ok("") => {}
+        Ok("address") => {
+            shim.flag("-fsanitize=address").flag("-fno-omit-frame-pointer");
+            println!("cargo:rustc-link-lib=dylib=asan");
+        }
+        Ok(other) => panic!("TG_SANITIZE must be `address` (or unset), got `{other}`"),
+    }
+    shim.compile("trainguard_shim");
 
     // The CUDA headers (PyPI wheels nvidia-cuda-crt/-cccl, installed by scripts/setup.sh) beside
     // the torch wheel's NCCL headers: NCCL's process group and the CUDA graphs need them.
