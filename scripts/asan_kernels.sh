@@ -17,7 +17,7 @@ if [ ! -e "$asan" ]; then
   exit 2
 fi
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/asan}
-exe=$(TG_SANITIZE=address cargo test --release --lib --no-run --message-format=json |
+exe=$(TG_SANITIZE=address cargo test --release --lib --no-run --message-format=json-render-diagnostics |
   python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)

@@ -684,8 +684,8 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
 
 /// `kernels.fused_residual_norm` on CUDA: GPT-2 (LayerNorm) and a Llama (RMSNorm) with our
 /// residual-norm node (the residual add and the rounding fused in) give the plain models' loss
-/// and gradients, in fp32 and under bf16 autocast, at a width (768) whose rows take three values
-/// a thread; and twice the same bits.
+/// and gradients, in fp32 and under bf16 autocast, at a width (768) the warp-a-row kernels take
+/// (1024 rows: 16 bands of the parameters' sums); and twice the same bits.
 #[test]
 fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
@@ -774,8 +774,8 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
         assert!(once.defined() && once.kind() == Kind::Float);
         let sum = once.copy();
         let scope = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&sum)).unwrap();
-        assert_eq!(scope.held(), 1, "this libtorch's GEMM cannot add 16-bit products into fp32: the switch does nothing");
-        assert!(!weight_grad().defined(), "{kind:?}: inside the scope the node returns no weight gradient");
+        assert_eq!(scope.held(), 1, "this libtorch's GEMM adds neither bf16 nor fp16 products into fp32: the switch does nothing");
+        assert!(!weight_grad().defined(), "{kind:?}: inside the scope the node returns no weight gradient (its GEMM does not add {kind:?} products into fp32?)");
         drop(scope);
         let want = &once + &once;
         let rel = f64::try_from((&sum - &want).abs().max() / want.abs().max()).unwrap();

@@ -70,7 +70,8 @@ struct Fiber {
 // shuffle exchanges.
 struct Block {
   Dim3 index{0, 0, 0};
-  ucontext_t scheduler;
+  // Zeroed: AddressSanitizer's swapcontext reads the stack it names (none here).
+  ucontext_t scheduler{};
   std::vector<Fiber> fibers = std::vector<Fiber>(kThreads);
   std::vector<std::unique_ptr<char[]>> stacks;
   int current = 0;

@@ -127,6 +127,9 @@ mod tests {
             // missing.
             Case { norm: layer, rows: 4200, cols: 8, delta: true, bias: true, kind: Kind::BFloat16 },
             Case { norm: rms, rows: 4200, cols: 40, delta: false, bias: false, kind: Kind::Half },
+            // A last band of 3 rows and a single band of 3: warps 3 to 7 take no row.
+            Case { norm: layer, rows: 4099, cols: 40, delta: true, bias: true, kind: Kind::BFloat16 },
+            Case { norm: layer, rows: 3, cols: 64, delta: true, bias: true, kind: Kind::Float },
         ] {
             let (ours, aten) = (run(&c, true), run(&c, false));
             assert_eq!(ours.len(), aten.len());

@@ -15,7 +15,8 @@
 //
 // Rows of at most TG_ROW_VALUES · 32 values (GPT-2's 768 to 1024, the small Llamas' 576 and
 // 960) take a warp each, TG_WARPS rows a block, every lane holding its values in registers: the
-// row is read from memory once, its sums are warp shuffles and nothing waits at a block barrier.
+// row is read from memory once and its sums are warp shuffles (the backward's blocks meet at
+// barriers only at the end, to add their warps' parameter sums).
 // Wider rows take a block each and read the row again per pass (from L2), across four barriers:
 // with one row a block, those waits, not the memory, set the pace.
 //
@@ -325,8 +326,8 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
 
 // Forward and backward in two forms each: a block a row (`tg_ln_forward_*`, `tg_ln_backward_*`,
 // any width) and a warp a row, TG_WARPS rows a block (`*_warp_*`, rows of at most TG_ROW_VALUES ·
-// 32). Separate kernels, so that the warp form's registers (about 100 a thread for its values)
-// do not cut how many blocks of the block form an SM holds.
+// 32). Separate kernels, so that the warp form's registers (128 a thread forward, 212 backward
+// with its parameter sums, for sm_90) do not cut how many blocks of the block form an SM holds.
 #define TG_LAYER_NORM(SUFFIX, D)                                                                                        \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
       tg_ln_forward_##SUFFIX(const float* x, const D::T* delta, const float* w, const float* b, float* s_out, D::T* y, \
