@@ -138,8 +138,14 @@ inline double max(double a, double b) { return fmax(a, b); }
 
 // A 16-byte load or store from an address that is not a multiple of 16: a GPU faults ("misaligned
 // address", which ends the process's CUDA context) where the host reads it anyway; reported.
+// The address is passed through an empty asm first, so that the compiler cannot assume the
+// alignment uint4's type promises (and fold the test away, or copy with aligned loads).
+inline const void* unassumed(const void* p) {
+  asm volatile("" : "+r"(p));
+  return p;
+}
 inline void check_pack_address(const void* p) {
-  if ((reinterpret_cast<std::uintptr_t>(p) & 15) != 0 && running != nullptr && running->misuse.empty()) {
+  if ((reinterpret_cast<std::uintptr_t>(unassumed(p)) & 15) != 0 && running != nullptr && running->misuse.empty()) {
     running->misuse = "a 16-byte load or store (uint4) at an address not a multiple of 16";
   }
 }
@@ -153,12 +159,12 @@ struct alignas(16) uint4 {
   uint4() = default;
   uint4(const uint4& o) {
     check_pack_address(&o);
-    std::memcpy(static_cast<void*>(this), &o, sizeof(uint4));
+    std::memcpy(const_cast<void*>(unassumed(this)), unassumed(&o), sizeof(uint4));
   }
   uint4& operator=(const uint4& o) {
     check_pack_address(this);
     check_pack_address(&o);
-    std::memcpy(static_cast<void*>(this), &o, sizeof(uint4));
+    std::memcpy(const_cast<void*>(unassumed(this)), unassumed(&o), sizeof(uint4));
     return *this;
   }
 };
