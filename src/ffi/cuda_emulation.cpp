@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "cuda_jit.h"
+#include "guarded.h"
 
 namespace tg_emulated {
 constexpr int kThreads = 256;  // TG_THREADS: every launch is of 256-thread blocks
@@ -183,6 +184,33 @@ struct alignas(16) uint4 {
 #include "norm_kernels.cu"
 #include "llama_kernels.cu"
 #include "linear_kernels.cu"
+
+// The emulation's own checks, each a kernel that uses CUDA right or wrong as `wrong` says
+// (tests: tg_cuda_emulation_selftest). `out` holds TG_THREADS floats, `bytes` 48.
+// A 16-byte pack copied from byte 16 + `wrong` · 4 of `bytes` to its byte 0.
+TG_KERNEL void tg_test_pack(unsigned char* bytes, float* out, int wrong) {
+  if (threadIdx.x == 0) *reinterpret_cast<uint4*>(bytes) = *reinterpret_cast<const uint4*>(bytes + 16 + 4 * wrong);
+}
+// Each thread passes its value of `out` through shared memory to the thread 32 before it: after
+// a barrier, or (wrong) without one, where a warp runs on before the next has written.
+TG_KERNEL void tg_test_barrier(unsigned char* bytes, float* out, int wrong) {
+  __shared__ float v[TG_THREADS];
+  v[threadIdx.x] = out[threadIdx.x];
+  if (!wrong) __syncthreads();
+  out[threadIdx.x] = v[(threadIdx.x + 32) % TG_THREADS];
+}
+// A warp sum over all lanes, or (wrong) over the lower half's only.
+TG_KERNEL void tg_test_shuffle(unsigned char* bytes, float* out, int wrong) {
+  float v = 1.0f;
+  if (!wrong || (threadIdx.x & 31) < 16) v = tg_warp_sum(v);
+  out[threadIdx.x] = v;
+}
+// Half the block leaves (wrong) while the other half waits at a barrier.
+TG_KERNEL void tg_test_leave(unsigned char* bytes, float* out, int wrong) {
+  if (wrong && threadIdx.x < TG_THREADS / 2) return;
+  __syncthreads();
+  out[threadIdx.x] = 1.0f;
+}
 #undef threadIdx
 #undef blockIdx
 #undef __shared__
@@ -217,7 +245,7 @@ struct Kernel {
       TG_EMULATED(tg_col_sum_bands_##s), TG_EMULATED(tg_col_sum_bands_packed_##s), TG_EMULATED(tg_gelu_backward_bands_##s), \
       TG_EMULATED(tg_adafactor_rows_##s), TG_EMULATED(tg_adafactor_cols_##s), TG_EMULATED(tg_adafactor_col_var_##s),   \
       TG_EMULATED(tg_adafactor_scale_##s), TG_EMULATED(tg_adafactor_usq_##s), TG_EMULATED(tg_adafactor_apply_##s)
-const Kernel kKernels[] = {TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_param_sum), TG_EMULATED(tg_col_sum_finish), TG_EMULATED_DTYPE(f32), TG_EMULATED_DTYPE(bf16), TG_EMULATED_DTYPE(f16)};
+const Kernel kKernels[] = {TG_EMULATED(tg_test_pack), TG_EMULATED(tg_test_barrier), TG_EMULATED(tg_test_shuffle), TG_EMULATED(tg_test_leave), TG_EMULATED(tg_adafactor_coef), TG_EMULATED(tg_ln_param_sum), TG_EMULATED(tg_col_sum_finish), TG_EMULATED_DTYPE(f32), TG_EMULATED_DTYPE(bf16), TG_EMULATED_DTYPE(f16)};
 
 std::mutex launch_lock;  // one emulated launch at a time: shared memory and `running` are global
 thread_local unsigned long long launches = 0;  // emulated launches made on this thread
@@ -336,4 +364,13 @@ extern "C" unsigned long long tg_cuda_emulation_launches() { return tg_emulated:
 extern "C" unsigned long long tg_cuda_emulation_launches_of(const char* name) {
   const auto it = tg_emulated::launches_of.find(name);
   return it == tg_emulated::launches_of.end() ? 0 : it->second;
+}
+
+// Runs the emulation's check kernel `tg_test_<name>` (one block) on `bytes` (48) and `out` (256
+// floats), CUDA used wrongly where `wrong` is 1; what the emulation reports comes back in `err`.
+extern "C" int tg_cuda_emulation_selftest(const char* name, unsigned char* bytes, float* out, int wrong, char* err, size_t err_len) {
+  return trainguard::guarded(err, err_len, [&] {
+    void* args[] = {&bytes, &out, &wrong};
+    trainguard::emulated_launch(trainguard::emulated_kernel(std::string("tg_test_") + name), 1, 1, args);
+  });
 }

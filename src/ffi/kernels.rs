@@ -18,6 +18,8 @@ extern "C" {
     fn tg_cuda_emulation_on() -> c_int;
     fn tg_cuda_emulation_launches() -> u64;
     fn tg_cuda_emulation_launches_of(name: *const c_char) -> u64;
+    #[cfg(test)]
+    fn tg_cuda_emulation_selftest(name: *const c_char, bytes: *mut u8, out: *mut f32, wrong: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_add_all(dst: *const *const c_void, src: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
@@ -377,7 +379,47 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: Option
 
 #[cfg(test)]
 mod tests {
-    use super::cuda_binary;
+    use super::*;
+
+    /// The emulation, CI's only run of our CUDA kernels, catches what would fault or race on a
+    /// GPU: each check kernel used right gives CUDA's result, used wrong the report (or the wrong
+    /// values) a GPU's undefined behaviour would hide.
+    #[test]
+    fn the_emulation_reports_what_would_fault_or_race_on_a_gpu() {
+        #[repr(C, align(16))]
+        struct Bytes([u8; 48]);
+        let run = |name: &str, wrong: bool, out: &mut [f32; 256]| -> (Result<(), ShimError>, Bytes) {
+            let mut bytes = Bytes(std::array::from_fn(|i| i as u8));
+            let name = std::ffi::CString::new(name).unwrap();
+            let mut err = [0u8; ERR_LEN];
+            // SAFETY: 48 bytes and 256 floats, as the check kernels take; the shim catches exceptions.
+            let code = unsafe { tg_cuda_emulation_selftest(name.as_ptr(), bytes.0.as_mut_ptr(), out.as_mut_ptr(), wrong as c_int, err.as_mut_ptr().cast(), ERR_LEN) };
+            (result(code, &err), bytes)
+        };
+        let fails_with = |name: &str, what: &str| {
+            let err = run(name, true, &mut [0.0; 256]).0.expect_err(name).to_string();
+            assert!(err.contains(&format!("tg_test_{name}")) && err.contains(what), "{name}: {err}");
+        };
+        // A pack: copied where it starts on 16 bytes, reported where it does not.
+        let (ok, bytes) = run("pack", false, &mut [0.0; 256]);
+        ok.unwrap();
+        assert_eq!(bytes.0[..16], bytes.0[16..32], "the pack was copied");
+        fails_with("pack", "not a multiple of 16");
+        // A shuffle that half a warp skips; threads leaving while the rest wait at a barrier.
+        run("shuffle", false, &mut [0.0; 256]).0.unwrap();
+        fails_with("shuffle", "a shuffle not met by its whole warp");
+        run("leave", false, &mut [0.0; 256]).0.unwrap();
+        fails_with("leave", "threads ended while");
+        // Shared memory read without the barrier after its writes: the later warps' values are
+        // not there yet (this launch's inputs differ from any earlier one's).
+        for wrong in [false, true] {
+            let input: [f32; 256] = std::array::from_fn(|t| 1000.0 * (wrong as u8 as f32 + 1.0) + t as f32);
+            let mut out = input;
+            run("barrier", wrong, &mut out).0.unwrap();
+            let passed = (0..256).all(|t| out[t] == input[(t + 32) % 256]);
+            assert_eq!(passed, !wrong, "a barrier {}: each thread gets the value of the thread 32 on", if wrong { "missing" } else { "in place" });
+        }
+    }
 
     /// The CUDA kernels run only on a GPU (tests/gpu.rs), but NVRTC compiles them to machine code
     /// anywhere, as a GPU run does: a source that no longer compiles or assembles, for any GPU
