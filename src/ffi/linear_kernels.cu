@@ -74,7 +74,10 @@ TG_KERNEL void __launch_bounds__(TG_THREADS) tg_col_sum_finish(const float* part
 // same order as col_sum_bands, so each column's sum is the same, bit for bit. What is summed is
 // the `Values` policy's: `load` brings in 8 values' inputs from element i on, `value` turns them
 // into the 8 values added (and may store something of its own, as the GELU gradient below).
-#define TG_PACKED_BATCH 4  // rows a lane loads before it adds the first (registers: 8 values a row)
+// Rows a lane loads before it adds the first. The policies load raw packs (TgRaw8) and convert
+// them in `value`: converted as loaded, ptxas (sm_90) waited for each row's load before issuing
+// the next row's, and the batch was never in flight at once.
+#define TG_PACKED_BATCH 8
 template <class Values>
 __device__ __forceinline__ void col_sum_bands_packed(const Values& values, float* partial, long long rows, long long cols, long long band_rows) {
   __shared__ float part[TG_WARPS][256];
@@ -121,13 +124,10 @@ template <class D>
 struct TgColumnValues {
   const typename D::T* dy;
   struct Loaded {
-    float dy[8];
+    TgRaw8<D> dy;
   };
-  __device__ __forceinline__ void load(long long i, Loaded& in) const { tg_load8<D>(dy, i, true, 0, in.dy, TgRows{1, 1}); }
-  __device__ __forceinline__ void value(long long, Loaded& in, float* v) const {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = in.dy[k];
-  }
+  __device__ __forceinline__ void load(long long i, Loaded& in) const { tg_load_raw8<D>(dy, i, in.dy); }
+  __device__ __forceinline__ void value(long long, Loaded& in, float* v) const { tg_unpack8<D>(in.dy, v); }
 };
 
 // GELU's derivative at h (GELU(h) = h·Φ(h), without the tanh approximation), ATen's
@@ -147,16 +147,18 @@ struct TgGeluGradValues {
   const typename D::T* h;
   typename D::T* dh;
   struct Loaded {
-    float da[8], h[8];
+    TgRaw8<D> da, h;
   };
   __device__ __forceinline__ void load(long long i, Loaded& in) const {
-    tg_load8<D>(da, i, true, 0, in.da, TgRows{1, 1});
-    tg_load8<D>(h, i, true, 0, in.h, TgRows{1, 1});
+    tg_load_raw8<D>(da, i, in.da);
+    tg_load_raw8<D>(h, i, in.h);
   }
   __device__ __forceinline__ void value(long long i, Loaded& in, float* v) const {
-    float g[8];
+    float a[8], x[8], g[8];
+    tg_unpack8<D>(in.da, a);
+    tg_unpack8<D>(in.h, x);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) g[k] = in.da[k] * tg_gelu_grad(in.h[k]);
+    for (int k = 0; k < 8; ++k) g[k] = a[k] * tg_gelu_grad(x[k]);
     tg_store8<D>(dh, i, true, 0, g, TgRows{1, 1});
 #pragma unroll
     for (int k = 0; k < 8; ++k) {  // each as stored: rounded to D

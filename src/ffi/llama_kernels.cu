@@ -54,6 +54,28 @@ __device__ __forceinline__ void tg_load8(const typename D::T* p, long long first
   }
 }
 
+// 8 values of type D from `first` on as loaded, not yet converted (one pack for a 16-bit dtype,
+// two for fp32): loads kept apart from the conversions let a batch of them be in flight at once.
+template <class D>
+struct TgRaw8 {
+  TgPack q[sizeof(typename D::T) / 2];
+};
+template <class D>
+__device__ __forceinline__ void tg_load_raw8(const typename D::T* p, long long first, TgRaw8<D>& raw) {
+#pragma unroll
+  for (int q = 0; q < static_cast<int>(sizeof(typename D::T) / 2); ++q) raw.q[q].bits = reinterpret_cast<const uint4*>(p + first)[q];
+}
+template <class D>
+__device__ __forceinline__ void tg_unpack8(TgRaw8<D>& raw, float* v) {
+  constexpr int per_pack = 16 / sizeof(typename D::T);
+#pragma unroll
+  for (int q = 0; q < static_cast<int>(sizeof(typename D::T) / 2); ++q) {
+    const typename D::T* values = tg_pack_values(raw.q[q], static_cast<typename D::T*>(nullptr));
+#pragma unroll
+    for (int k = 0; k < per_pack; ++k) v[q * per_pack + k] = D::load(values, k);
+  }
+}
+
 template <class D>
 __device__ __forceinline__ void tg_store8(typename D::T* p, long long first, bool packed, long long n, const float* v, TgRows rows) {
   if (packed) {

@@ -36,17 +36,18 @@ __device__ __forceinline__ float tg_warp_sum(float v) {
   return v;
 }
 
-// The sum of p[0], p[stride], …, p[(n − 1) · stride] in that order, TG_BATCH loaded before the
-// first of them is added (the bands' column sums into a parameter's gradient, here and in
-// linear_kernels.cu).
+// The sum of p[0], p[stride], …, p[(n − 1) · stride] in that order, TG_SUM_BATCH loaded before
+// the first of them is added (the bands' column sums into a parameter's gradient, here and in
+// linear_kernels.cu: 64 bands for 16,384 rows, so 4 waits for memory where 8 were).
+#define TG_SUM_BATCH 16
 __device__ __forceinline__ float tg_ordered_sum(const float* p, long long n, long long stride) {
   float total = 0.0f;
-  for (long long k0 = 0; k0 < n; k0 += TG_BATCH) {
-    float v[TG_BATCH];
+  for (long long k0 = 0; k0 < n; k0 += TG_SUM_BATCH) {
+    float v[TG_SUM_BATCH];
 #pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) v[u] = k0 + u < n ? p[(k0 + u) * stride] : 0.0f;
+    for (int u = 0; u < TG_SUM_BATCH; ++u) v[u] = k0 + u < n ? p[(k0 + u) * stride] : 0.0f;
 #pragma unroll
-    for (int u = 0; u < TG_BATCH; ++u) {
+    for (int u = 0; u < TG_SUM_BATCH; ++u) {
       if (k0 + u < n) total += v[u];
     }
   }
@@ -212,19 +213,28 @@ __device__ __forceinline__ void ln_backward_warp(const float* __restrict__ s, co
     if (row >= rows) break;  // the whole warp: no barrier inside this loop
     const long long base = row * cols;
     const float mu = mean[row], r = rstd[row];
-    // The row's dy, s and ds all loaded before the first is used: one wait for memory a row.
+    // The row's dy, s and ds all loaded before any is used: one wait for memory a row. dy stays
+    // raw and x̂ is not formed until the loop after: converted in the loading loop, ptxas (sm_90)
+    // waited for every dozen loads or so, some eight waits a row (the fourth H100 session's
+    // 122 µs a call; `scripts/load_waits.py tg_ln_backward_warp` shows the loads' groups).
+    typename D::T raw[TG_ROW_VALUES];
     float g[TG_ROW_VALUES], h[TG_ROW_VALUES], e[TG_ROW_VALUES];
 #pragma unroll
     for (int k = 0; k < TG_ROW_VALUES; ++k) {
       const long long j = lane + 32LL * k;
-      g[k] = 0.0f;
+      raw[k] = 0;
       h[k] = 0.0f;
       e[k] = 0.0f;
       if (dy != nullptr && j < cols) {
-        g[k] = D::load(dy, base + j);
-        h[k] = (s[base + j] - mu) * r;
+        raw[k] = dy[base + j];
+        h[k] = s[base + j];
       }
       if (ds != nullptr && j < cols) e[k] = ds[base + j];
+    }
+#pragma unroll
+    for (int k = 0; k < TG_ROW_VALUES; ++k) {
+      g[k] = D::load(raw, k);
+      h[k] = lane + 32LL * k < cols ? (h[k] - mu) * r : 0.0f;
     }
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
