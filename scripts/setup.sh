@@ -3,7 +3,8 @@
 # Idempotent: every step checks before it acts, so rerunning it is cheap and safe.
 #   - Debian packages the build needs (a C++ compiler for torch-sys and the shim, Gloo headers)
 #   - the project venv `.venv` with torch==2.11.0 from PyPI (the libtorch that tch 0.24 binds),
-#     and tensorboard (tests read the event files back with it)
+#     and tensorboard (tests read the event files back with it), tokenizers and transformers,
+#     nvdisasm (a test reads our CUDA kernels' machine code with it)
 #   - chromium, optional: the report page's rendering test (skipped without it)
 # Afterwards plain `cargo build`, `cargo test` and `cargo run` work: `.cargo/config.toml` points
 # torch-sys at `.venv`'s torch.
@@ -73,6 +74,11 @@ TRANSFORMERS_VERSION=5.23.0
 SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -f "$SITE/nvidia/cu13/include/crt/host_defines.h" ] && [ -f "$SITE/nvidia/cu13/include/nv/target" ] \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*"
+# NVIDIA's disassembler (5 MB) for scripts/load_waits.py and its test: which loads of our CUDA
+# kernels the wheel's NVRTC puts in flight together. It reads what NVRTC 13.0 writes.
+NVDISASM_VERSION=13.5.37
+[ -x "$SITE/nvidia/cu13/bin/nvdisasm" ] \
+  || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
 
 # --- sanity check -------------------------------------------------------------------------------
 TORCH_DIR=$("$VENV/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))')

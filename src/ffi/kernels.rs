@@ -421,6 +421,23 @@ mod tests {
         }
     }
 
+    /// The kernels that stream rows through memory issue a row's (or a batch's) loads together,
+    /// in the machine code NVRTC makes for an H100: where ptxas waits for each few loads, the
+    /// fourth H100 session measured half the memory's speed. `scripts/load_waits.py --check`
+    /// disassembles them (nvdisasm from the pinned wheel scripts/setup.sh installs).
+    #[test]
+    fn the_streaming_kernels_have_a_batch_of_loads_in_flight_on_sm_90() {
+        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let out = std::process::Command::new(repo.join(".venv/bin/python"))
+            .arg(repo.join("scripts/load_waits.py"))
+            .arg("--check")
+            .output()
+            .expect("the venv's python (scripts/setup.sh)");
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(report.matches("(want a group of").count(), 9, "every kernel the check names was found: {report}");
+    }
+
     /// The CUDA kernels run only on a GPU (tests/gpu.rs), but NVRTC compiles them to machine code
     /// anywhere, as a GPU run does: a source that no longer compiles or assembles, for any GPU
     /// generation CUDA 13 supports, or that lost a kernel the shim loads by name, fails here.
