@@ -194,6 +194,7 @@ impl Session {
         if let Some(n) = config.train.threads {
             tch::set_num_threads(n as i32);
         }
+        crate::step::precision::configure_process(config.precision, device);
         let m = &config.model;
         let corpus = Corpus::load(&config.data, m.vocab_size, m.seq_len)?;
         let limit_now = match device {

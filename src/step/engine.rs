@@ -32,7 +32,7 @@ impl Trainable {
     /// `precision` is fp16-mixed.
     pub fn build(model: &ModelConfig, kernels: KernelsConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
         let model = Model::with_kernels(model, kernels, seed, device)?;
-        precision::prepare(&model.params.tensors, precision, device)?;
+        precision::prepare(&model.params.tensors, precision)?;
         let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
         let graphs = MicroGraphs::new(kernels.cuda_graphs && device.is_cuda());
         Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })

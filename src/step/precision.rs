@@ -6,38 +6,46 @@ use serde::{Deserialize, Serialize};
 use tch::Device;
 
 /// Puts freshly built parameters in the run's precision: bf16-pure casts them to bf16 (so
-/// gradients and optimizer state follow; no fp32 master copy); fp32 on CUDA allows TF32 matmuls
-/// (PyTorch's "high" float32 matmul precision) on Ampere and newer; fp32 on the CPU runs without
-/// oneDNN (`torch.backends.mkldnn.enabled = False`).
-///
-/// Why no oneDNN: in fp32 it only serves GELU (`ONEDNN_VERBOSE=all` shows nothing else), ATen's
-/// own GELU is faster (0.34 vs 1.13 ms for 256×3072, one thread), and oneDNN JIT-compiles each
-/// kernel into a fresh memory map. Under a CPU memory cap that map can be refused like any allocation, and oneDNN's
-/// code generator (Xbyak) then keeps the error and fails every later kernel build ("could not
-/// create a primitive"): the guard's replay could never succeed (seen on CI, tests/savers.rs).
-/// Off in every fp32 CPU run, not only capped ones, so a cap does not change the numbers. The
-/// 16-bit precisions keep it: their CPU matmuls are oneDNN's (bf16 is 200× slower without).
-pub fn prepare(params: &[tch::Tensor], p: Precision, device: Device) -> Result<(), tch::TchError> {
-    match p {
-        Precision::Bf16Pure => {
-            let _no_grad = tch::no_grad_guard();
-            for t in params {
-                let bf16 = t.f_to_kind(tch::Kind::BFloat16)?;
-                t.shallow_clone().f_set_data(&bf16)?;
-            }
+/// gradients and optimizer state follow; no fp32 master copy).
+pub fn prepare(params: &[tch::Tensor], p: Precision) -> Result<(), tch::TchError> {
+    if p == Precision::Bf16Pure {
+        let _no_grad = tch::no_grad_guard();
+        for t in params {
+            let bf16 = t.f_to_kind(tch::Kind::BFloat16)?;
+            t.shallow_clone().f_set_data(&bf16)?;
         }
-        Precision::Fp32 if device.is_cuda() => match ffi::set_matmul_precision("high") {
-            Ok(()) => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
-            Err(e) => tracing::warn!("cannot allow TF32 matmuls: {e}"),
-        },
-        Precision::Fp32 => {
-            if let Err(e) = ffi::set_onednn_enabled(false) {
-                tracing::warn!("cannot turn oneDNN off: {e}");
-            }
-        }
-        _ => {}
     }
     Ok(())
+}
+
+/// The process-wide switches a run's precision wants, set by what owns the process (`train`,
+/// `plan --profile`), not by each model built: libtorch has one of each per process, and a
+/// library caller (a test among others) building an fp32 model beside a bf16 one must not
+/// change the other's arithmetic from under it. Each is set both ways, so the last run
+/// configured decides, whatever came before:
+/// - fp32 on CUDA allows TF32 matmuls (PyTorch's "high" float32 matmul precision) on Ampere
+///   and newer; other runs keep "highest", PyTorch's default;
+/// - fp32 on the CPU runs without oneDNN (`torch.backends.mkldnn.enabled = False`); the 16-bit
+///   precisions keep it: their CPU matmuls are oneDNN's (bf16 is 200× slower without).
+///
+/// Why no oneDNN in fp32: there it only serves GELU (`ONEDNN_VERBOSE=all` shows nothing else),
+/// ATen's own GELU is faster (0.34 vs 1.13 ms for 256×3072, one thread), and oneDNN JIT-compiles
+/// each kernel into a fresh memory map. Under a CPU memory cap that map can be refused like any
+/// allocation, and oneDNN's code generator (Xbyak) then keeps the error and fails every later
+/// kernel build ("could not create a primitive"): the guard's replay could never succeed (seen on
+/// CI, tests/savers.rs). Off in every fp32 CPU run, not only capped ones, so a cap does not
+/// change the numbers.
+pub fn configure_process(p: Precision, device: Device) {
+    if device.is_cuda() {
+        let tf32 = p == Precision::Fp32;
+        match ffi::set_matmul_precision(if tf32 { "high" } else { "highest" }) {
+            Ok(()) if tf32 => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
+            Ok(()) => {}
+            Err(e) => tracing::warn!("cannot set the float32 matmul precision: {e}"),
+        }
+    } else if let Err(e) = ffi::set_onednn_enabled(p != Precision::Fp32) {
+        tracing::warn!("cannot switch oneDNN: {e}");
+    }
 }
 
 /// Autocast on while this lives; off again on drop, errors included.

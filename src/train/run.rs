@@ -121,6 +121,7 @@ impl<'a> Run<'a> {
         }
         let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
         let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+        crate::step::precision::configure_process(cfg.precision, device);
         let trainable = Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
             .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
         let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
