@@ -5,7 +5,7 @@
 # one line per part to summary.txt; a failing part does not stop the others. PART_TIMEOUT=S stops
 # each part after S seconds (what it wrote stays), so that on a lent machine's short budget one
 # slow part cannot starve the rest; PADS (default "64 1") picks the `bench` part's vocabulary
-# paddings.
+# paddings, BENCH_CONFIGS (default gpt2-124m and smollm2-135m) its and `profile`'s models.
 #   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers cap detcost kernels fill
 #                                        (default: all)
 #   tests   tests/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
@@ -62,6 +62,9 @@ part() {  # part NAME COMMAND...: runs it (for at most PART_TIMEOUT seconds), lo
 }
 
 tests_bin=target/release/gpu-tests
+# The `bench` and `profile` parts' models: BENCH_CONFIGS="configs/smollm2-135m.yaml" runs one (its
+# torch.compile takes minutes of a device call's budget by itself).
+export BENCH_CONFIGS=${BENCH_CONFIGS:-configs/gpt2-124m.yaml configs/smollm2-135m.yaml}
 # TG_SETS="key=value ...": switches for trainguard's side of the `bench` and `profile` rows.
 tg_sets=(); for s in ${TG_SETS:-}; do tg_sets+=(--tg-set "$s"); done
 for p in "${parts[@]}"; do
@@ -74,10 +77,10 @@ for p in "${parts[@]}"; do
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       # Global 64 as the issue's table (the configs' 512 and 256 are ~0.5M-token steps: minutes).
-      part bench bash -c 'for pad in ${PADS:-64 1}; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" configs/gpt2-124m.yaml configs/smollm2-135m.yaml; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
+      part bench bash -c 'for pad in ${PADS:-64 1}; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" $BENCH_CONFIGS; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
     profile)  # the traces as one file: a device call brings back at most eight
       part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
-        --trace "$dest/profile" ${tg_sets[@]+"${tg_sets[@]}"} configs/gpt2-124m.yaml configs/smollm2-135m.yaml
+        --trace "$dest/profile" ${tg_sets[@]+"${tg_sets[@]}"} $BENCH_CONFIGS
       tar czf "$dest/profile.tgz" -C "$dest" profile && rm -rf "$dest/profile" ;;
     optim) part optim bash scripts/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench_savers.sh --device cuda ;;
