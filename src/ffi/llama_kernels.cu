@@ -76,6 +76,27 @@ __device__ __forceinline__ void tg_unpack8(TgRaw8<D>& raw, float* v) {
   }
 }
 
+// tg_load8 of two or three tensors (c may be null), `a` laid out as `ra`, b and c as `rb`: in
+// packs, every load issued before the first is converted (one wait for memory, not one a
+// tensor: ptxas converts a pack as soon as it is loaded otherwise).
+template <class D>
+__device__ __forceinline__ void tg_load3x8(const typename D::T* a, const typename D::T* b, const typename D::T* c, long long first, bool packed,
+                                           long long n, float* av, float* bv, float* cv, TgRows ra, TgRows rb) {
+  if (packed) {
+    TgRaw8<D> x, y, z;
+    tg_load_raw8<D>(a, ra.at(first), x);
+    tg_load_raw8<D>(b, rb.at(first), y);
+    if (c != nullptr) tg_load_raw8<D>(c, rb.at(first), z);
+    tg_unpack8<D>(x, av);
+    tg_unpack8<D>(y, bv);
+    if (c != nullptr) tg_unpack8<D>(z, cv);
+  } else {
+    tg_load8<D>(a, first, false, n, av, ra);
+    tg_load8<D>(b, first, false, n, bv, rb);
+    if (c != nullptr) tg_load8<D>(c, first, false, n, cv, rb);
+  }
+}
+
 template <class D>
 __device__ __forceinline__ void tg_store8(typename D::T* p, long long first, bool packed, long long n, const float* v, TgRows rows) {
   if (packed) {
@@ -101,8 +122,7 @@ __device__ __forceinline__ void swiglu_forward(const typename D::T* g, const typ
   const TgRows flat{n, n};
   const bool packed = gu.packs() && tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(h, n);
   float gv[TG_PER_THREAD], uv[TG_PER_THREAD], hv[TG_PER_THREAD];
-  tg_load8<D>(g, first, packed, n, gv, gu);
-  tg_load8<D>(u, first, packed, n, uv, gu);
+  tg_load3x8<D>(g, u, nullptr, first, packed, n, gv, uv, nullptr, gu, gu);
   for (int k = 0; k < TG_PER_THREAD; ++k) hv[k] = gv[k] * tg_sigmoid(gv[k]) * uv[k];
   tg_store8<D>(h, first, packed, n, hv, flat);
 }
@@ -117,9 +137,7 @@ __device__ __forceinline__ void swiglu_backward(const typename D::T* dh, const t
   const TgRows flat{n, n};
   const bool packed = gu.packs() && tg_packs_fit(dh, n) && tg_packs_fit(g, n) && tg_packs_fit(u, n) && tg_packs_fit(dg, n) && tg_packs_fit(du, n);
   float dhv[TG_PER_THREAD], gv[TG_PER_THREAD], uv[TG_PER_THREAD], dgv[TG_PER_THREAD], duv[TG_PER_THREAD];
-  tg_load8<D>(dh, first, packed, n, dhv, flat);
-  tg_load8<D>(g, first, packed, n, gv, gu);
-  tg_load8<D>(u, first, packed, n, uv, gu);
+  tg_load3x8<D>(dh, g, u, first, packed, n, dhv, gv, uv, flat, gu);
   for (int k = 0; k < TG_PER_THREAD; ++k) {
     const float sig = tg_sigmoid(gv[k]);
     duv[k] = dhv[k] * (gv[k] * sig);
