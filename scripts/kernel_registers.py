@@ -27,20 +27,15 @@ def nvrtc():
     return ctypes.CDLL(os.path.join(lib, "libnvrtc.so.13"))
 
 
-def main():
-    args = sys.argv[1:]
-    arch = "sm_90"
-    if "--arch" in args:
-        i = args.index("--arch")
-        arch = args[i + 1]
-        del args[i : i + 2]
-    pattern = args[0] if args else ""
+def compile_kernels(arch, extra=()):
+    """NVRTC's program for our kernels (cuda_jit.cpp's options plus `extra`) and its log; exits
+    with the log where they do not compile."""
     src = "".join(open(os.path.join(ROOT, "src", "ffi", f)).read() for f in FILES)
     n = nvrtc()
     prog = ctypes.c_void_p()
     if n.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"optim_kernels.cu", 0, None, None) != 0:
         sys.exit("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false", b"--std=c++17", b"--ptxas-options=-v"]
+    opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false", b"--std=c++17", *extra]
     rc = n.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     n.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -50,6 +45,18 @@ def main():
     if rc != 0:
         print(text)
         sys.exit(1)
+    return n, prog, text
+
+
+def main():
+    args = sys.argv[1:]
+    arch = "sm_90"
+    if "--arch" in args:
+        i = args.index("--arch")
+        arch = args[i + 1]
+        del args[i : i + 2]
+    pattern = args[0] if args else ""
+    _, _, text = compile_kernels(arch, [b"--ptxas-options=-v"])
     kernel = None
     for line in text.splitlines():
         entry = re.search(r"Compiling entry function '(\w+)'", line)

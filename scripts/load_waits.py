@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernel_registers  # noqa: E402  the NVRTC loader and the source files, in order
+import kernel_registers  # noqa: E402  NVRTC and our kernels' source, as cuda_jit.cpp compiles it
 
 # The loads each kernel's hot loop issues together, and what they are (lanes load 4 bytes each
 # unless packed: a 16-byte pack is 8 values of a 16-bit dtype, 4 of fp32).
@@ -47,18 +47,7 @@ def nvdisasm():
 
 
 def cubin(arch):
-    src = "".join(open(os.path.join(kernel_registers.ROOT, "src", "ffi", f)).read() for f in kernel_registers.FILES)
-    n = kernel_registers.nvrtc()
-    prog = ctypes.c_void_p()
-    if n.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"optim_kernels.cu", 0, None, None) != 0:
-        sys.exit("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture={arch}".encode(), b"--fmad=false", b"--std=c++17"]
-    if n.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
-        size = ctypes.c_size_t()
-        n.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        n.nvrtcGetProgramLog(prog, log)
-        sys.exit(log.value.decode())
+    n, prog, _ = kernel_registers.compile_kernels(arch)
     size = ctypes.c_size_t()
     n.nvrtcGetCUBINSize(prog, ctypes.byref(size))
     buf = ctypes.create_string_buffer(size.value)

@@ -336,7 +336,7 @@ __device__ __forceinline__ void ln_param_grads(const float* s, const float* mean
 
 // Forward and backward in two forms each: a block a row (`tg_ln_forward_*`, `tg_ln_backward_*`,
 // any width) and a warp a row, TG_WARPS rows a block (`*_warp_*`, rows of at most TG_ROW_VALUES ·
-// 32). Separate kernels, so that the warp form's registers (128 a thread forward, 212 backward
+// 32). Separate kernels, so that the warp form's registers (128 a thread forward, 254 backward
 // with its parameter sums, for sm_90) do not cut how many blocks of the block form an SM holds.
 #define TG_LAYER_NORM(SUFFIX, D)                                                                                        \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                          \
