@@ -67,7 +67,7 @@ TG_KERNEL void __launch_bounds__(TG_THREADS) tg_col_sum_finish(const float* part
   out[col] = tg_ordered_sum(partial + col, bands, cols);
 }
 
-// The same band sums with a lane's 8 consecutive columns read at once (`tg_load8`: a 16-byte
+// The same band sums with a lane's 8 consecutive columns read at once (`tg_load_raw8`: a 16-byte
 // pack of a 16-bit dtype, two of fp32), 256 columns a block: for rows of a multiple of 8 values
 // that start on 16 bytes. A warp's 32 lanes then load 512 bytes of a bf16 row per instruction,
 // where col_sum_bands loads 128 in two-byte pieces. The block's warps take the same rows in the

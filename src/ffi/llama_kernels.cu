@@ -37,21 +37,11 @@ struct TgRows {
   __device__ __forceinline__ bool packs() const { return cols % TG_PER_THREAD == 0 && stride % TG_PER_THREAD == 0; }
 };
 
-// The 8 values of type D from value `first` on (laid out as `rows` says) into v: in packs when
-// `packed`.
+// The 8 values of type D from value `first` on (of n, laid out as `rows` says) into v, one at a
+// time (where they cannot be moved in packs).
 template <class D>
-__device__ __forceinline__ void tg_load8(const typename D::T* p, long long first, bool packed, long long n, float* v, TgRows rows) {
-  if (packed) {
-    constexpr int per_pack = 16 / sizeof(typename D::T);
-    for (int q = 0; q < TG_PER_THREAD / per_pack; ++q) {
-      TgPack pack;
-      pack.bits = reinterpret_cast<const uint4*>(p + rows.at(first))[q];
-      const typename D::T* values = tg_pack_values(pack, static_cast<typename D::T*>(nullptr));
-      for (int k = 0; k < per_pack; ++k) v[q * per_pack + k] = D::load(values, k);
-    }
-  } else {
-    for (int k = 0; k < TG_PER_THREAD; ++k) v[k] = first + k < n ? D::load(p, rows.at(first + k)) : 0.0f;
-  }
+__device__ __forceinline__ void tg_load8(const typename D::T* p, long long first, long long n, float* v, TgRows rows) {
+  for (int k = 0; k < TG_PER_THREAD; ++k) v[k] = first + k < n ? D::load(p, rows.at(first + k)) : 0.0f;
 }
 
 // 8 values of type D from `first` on as loaded, not yet converted (one pack for a 16-bit dtype,
@@ -76,9 +66,9 @@ __device__ __forceinline__ void tg_unpack8(TgRaw8<D>& raw, float* v) {
   }
 }
 
-// tg_load8 of two or three tensors (c may be null), `a` laid out as `ra`, b and c as `rb`: in
-// packs, every load issued before the first is converted (one wait for memory, not one a
-// tensor: ptxas converts a pack as soon as it is loaded otherwise).
+// The 8 values from `first` on of two or three tensors (c may be null), `a` laid out as `ra`, b
+// and c as `rb`. In packs where `packed`, every load issued before the first is converted (one
+// wait for memory, not one a tensor: ptxas converts a pack as soon as it is loaded otherwise).
 template <class D>
 __device__ __forceinline__ void tg_load3x8(const typename D::T* a, const typename D::T* b, const typename D::T* c, long long first, bool packed,
                                            long long n, float* av, float* bv, float* cv, TgRows ra, TgRows rb) {
@@ -91,9 +81,9 @@ __device__ __forceinline__ void tg_load3x8(const typename D::T* a, const typenam
     tg_unpack8<D>(y, bv);
     if (c != nullptr) tg_unpack8<D>(z, cv);
   } else {
-    tg_load8<D>(a, first, false, n, av, ra);
-    tg_load8<D>(b, first, false, n, bv, rb);
-    if (c != nullptr) tg_load8<D>(c, first, false, n, cv, rb);
+    tg_load8<D>(a, first, n, av, ra);
+    tg_load8<D>(b, first, n, bv, rb);
+    if (c != nullptr) tg_load8<D>(c, first, n, cv, rb);
   }
 }
 
