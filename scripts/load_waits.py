@@ -76,7 +76,7 @@ def load_groups(instructions):
     for ins in instructions:
         op, _, rest = ins.partition(" ")
         regs = [int(r) for r in re.findall(r"\bR(\d+)\b", rest)]
-        if op.startswith("LDG"):
+        if re.match(r"LDG(\.|$)", op) and regs:  # a load into registers (not LDGSTS, LDGDEPBAR)
             width = 4 if ".128" in op else 2 if ".64" in op else 1
             writes, reads = set(range(regs[0], regs[0] + width)), set(regs[1:])
         else:

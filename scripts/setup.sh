@@ -77,7 +77,7 @@ SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 # NVIDIA's disassembler (5 MB) for scripts/load_waits.py and its test: which loads of our CUDA
 # kernels the wheel's NVRTC puts in flight together. It reads what NVRTC 13.0 writes.
 NVDISASM_VERSION=13.5.37
-[ -x "$SITE/nvidia/cu13/bin/nvdisasm" ] \
+[ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-nvdisasm"))' 2>/dev/null)" = "$NVDISASM_VERSION" ] \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-nvdisasm==$NVDISASM_VERSION"
 
 # --- sanity check -------------------------------------------------------------------------------
