@@ -40,7 +40,6 @@
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "cuda_jit.h"
@@ -227,19 +226,19 @@ void tg_linear_keep_casts(int open) {
 int tg_linear_refresh_casts(char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
     at::NoGradGuard no_grad;
-    std::vector<std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> groups;  // (casts, sources)
-    std::vector<std::tuple<c10::Device, at::ScalarType, at::ScalarType>> keys;
+    struct Group {
+      std::tuple<c10::Device, at::ScalarType, at::ScalarType> key;
+      std::vector<at::Tensor> casts, sources;
+    };
+    std::vector<Group> groups;
     for (auto& entry : kept_casts) {
       const auto key = std::make_tuple(entry.second.cast.device(), entry.second.source.scalar_type(), entry.second.cast.scalar_type());
-      const size_t g = std::find(keys.begin(), keys.end(), key) - keys.begin();
-      if (g == keys.size()) {
-        keys.push_back(key);
-        groups.emplace_back();
-      }
-      groups[g].first.push_back(entry.second.cast);
-      groups[g].second.push_back(entry.second.source);
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) { return x.key == key; });
+      if (g == groups.end()) g = groups.insert(groups.end(), Group{key, {}, {}});
+      g->casts.push_back(entry.second.cast);
+      g->sources.push_back(entry.second.source);
     }
-    for (auto& [casts, sources] : groups) at::_foreach_copy_(casts, sources);
+    for (auto& g : groups) at::_foreach_copy_(g.casts, g.sources);
     for (auto& entry : kept_casts) entry.second.version = entry.second.source._version();
   });
 }
