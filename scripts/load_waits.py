@@ -35,6 +35,8 @@ for dtype, packs in [("f32", 2), ("bf16", 1), ("f16", 1)]:
     # 4 rows ahead: the walk counts a wait at each add)
     EXPECTED[f"tg_col_sum_bands_packed_{dtype}"] = PACKED_BATCH
     EXPECTED[f"tg_gelu_backward_bands_{dtype}"] = 2 * PACKED_BATCH * packs  # its da and h
+    # 8 pairs' two halves of x, and the cos and sin values of both halves (fp32: two packs each)
+    EXPECTED[f"tg_rope_{dtype}"] = 2 * packs + 4 * 2
 
 
 def nvdisasm():

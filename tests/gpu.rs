@@ -696,8 +696,8 @@ fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
 }
 
 /// `kernels.fused_swiglu` and `kernels.fused_rope` on CUDA: a Llama with our SwiGLU node, then
-/// with our RoPE node, gives the plain model's loss and gradients (fp32, bf16 autocast), and
-/// twice the same bits.
+/// with our RoPE node (and with its joint form on merged projections), gives the plain model's
+/// loss and gradients (fp32, bf16 autocast), and twice the same bits.
 #[test]
 fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     use trainguard::config::{Arch, KernelsConfig};
@@ -706,10 +706,12 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     let plain = KernelsConfig { fused_rms_norm: true, ..KernelsConfig::aten() };
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..plain }, plain);
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
-    // q/k/v and gate/up merged, alone and with the SwiGLU node on the joint output.
+    // q/k/v and gate/up merged, alone, with the SwiGLU node on the joint output, and with the
+    // joint RoPE node too (head dimension 64: 8 pairs a thread in 16-byte packs).
     let merged = KernelsConfig { merged_projections: true, ..plain };
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], merged, plain);
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..merged }, plain);
+    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, fused_rope: true, ..merged }, plain);
 }
 
 /// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with

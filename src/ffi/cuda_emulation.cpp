@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -215,6 +216,9 @@ TG_KERNEL void tg_test_leave(unsigned char* bytes, float* out, int wrong) {
 #undef blockIdx
 #undef __shared__
 static_assert(kThreads == TG_THREADS, "the emulation runs blocks of the kernels' TG_THREADS");
+static_assert(sizeof(TgRopeJobs) == sizeof(trainguard::RopeJobs) && offsetof(TgRopeJobs, pairs) == offsetof(trainguard::RopeJobs, pairs) &&
+                  offsetof(TgRopeJob, op) == offsetof(trainguard::RopeJobs::Job, op),
+              "cuda_jit.cpp's RopeJobs is the argument tg_rope takes");
 static_assert(TG_ROW_VALUES * 32 == 1024 && TG_WARPS == 8 && TG_NORM_WARP_ROWS == 8,
               "cuda_jit.cpp's kWarpRowCols, kWarpRowsPerBlock and kWarpBackwardRowsPerBlock launch the warp-a-row norms");
 

@@ -601,19 +601,32 @@ void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::T
   launch(launch.kernels().per_dtype[d].swiglu_backward, "cuLaunchKernel(tg_swiglu_backward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
 }
 
-void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward) {
-  long long rows = x.size(0) * x.size(1), t = x.size(1), d = x.size(2) / heads, x_stride = x.stride(1);
-  long long pairs = rows * heads * (d / 2);
-  int backward_flag = backward ? 1 : 0;
-  if (pairs == 0) return;
-  const int dt = dtype_index(x.scalar_type(), "rope");
-  const void* xp = x.data_ptr();
+void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const at::Tensor& sin) {
+  if (parts.empty() || parts.size() > 3) throw std::invalid_argument("rope: one to three parts a launch");
+  const at::Tensor& first = *parts[0].src;
+  long long rows = first.size(0) * first.size(1);
+  int t = static_cast<int>(first.size(1)), d = static_cast<int>(cos.size(1));
+  if (rows == 0) return;
+  const auto on_16_bytes = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  // 16-byte packs of 8 values where a head's halves hold whole packs and every row starts on 16 bytes.
+  bool packed = d % 16 == 0 && on_16_bytes(cos.data_ptr()) && on_16_bytes(sin.data_ptr());
+  RopeJobs jobs{};
+  jobs.count = static_cast<int>(parts.size());
+  for (std::size_t k = 0; k < parts.size(); ++k) {
+    const RopePart& part = parts[k];
+    RopeJobs::Job& j = jobs.job[k];
+    j = {part.src->data_ptr(), part.dst->data_ptr(), part.src->stride(0), part.src->stride(1), part.dst->stride(0), part.dst->stride(1), part.heads, static_cast<int>(part.op), 0};
+    for (long long stride : {j.src_batch, j.src_row, j.dst_batch, j.dst_row}) packed = packed && stride % 8 == 0;
+    packed = packed && on_16_bytes(j.src) && on_16_bytes(j.dst);
+  }
+  jobs.pairs = packed ? 8 : 1;
+  const long long units = rows * (d / 2 / jobs.pairs) * (jobs.job[0].heads + jobs.job[1].heads + jobs.job[2].heads);
+  const int dt = dtype_index(first.scalar_type(), "rope");
   const void* cp = cos.data_ptr();
   const void* sp = sin.data_ptr();
-  void* op = out.data_ptr();
-  void* args[] = {&xp, &cp, &sp, &op, &rows, &t, &heads, &d, &x_stride, &backward_flag};
-  const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (pairs + 255) / 256, 1, args);
+  void* args[] = {&jobs, &cp, &sp, &rows, &t, &d};
+  const Launcher launch(first.device());
+  launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (units + 255) / 256, 1, args);
 }
 
 namespace {

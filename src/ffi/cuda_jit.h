@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <string>
+#include <vector>
 
 namespace trainguard {
 // Whether `t` goes through the CUDA kernels: on a CUDA device, or on the CPU while a test has
@@ -64,11 +65,30 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
 void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h);
 void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du);
 
-// The CUDA side of RoPE's autograd node (llama_kernels.cpp), which has checked the tensors: `x`
-// [b, t, heads·d] with its rows evenly strided (contiguous, or columns of a wider tensor), `cos`
-// and `sin` [≥ t, d] fp32; writes x rotated (or, `backward`, rotated back: the gradient's
-// rotation) into `out` [b, t, heads·d] contiguous. One launch, a thread per pair of values.
-void cuda_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out, long long heads, bool backward);
+// The CUDA side of RoPE's autograd nodes (llama_kernels.cpp), which have checked the tensors: up
+// to three parts, each `heads` heads of `src` [b, t, heads·d] (its last dimension contiguous,
+// rows and batches evenly strided: contiguous, or columns of a wider tensor) rotated by position
+// (kForward), rotated back (kBackward: a gradient) or copied (kCopy) into `dst` alike; `cos` and
+// `sin` [≥ t, d] fp32 contiguous. Every part of one b, t, d and dtype. One launch, on PyTorch's
+// current stream.
+enum class RopeOp { kCopy = 0, kForward = 1, kBackward = 2 };
+struct RopePart {
+  const at::Tensor* src;
+  at::Tensor* dst;
+  long long heads;
+  RopeOp op;
+};
+void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const at::Tensor& sin);
+// The launch's argument, laid out as llama_kernels.cu's TgRopeJobs (the emulation checks that).
+struct RopeJobs {
+  struct Job {
+    const void* src;
+    void* dst;
+    long long src_batch, src_row, dst_batch, dst_row, heads;
+    int op, unused;
+  } job[3];
+  int count, pairs;
+};
 
 // The column sums of `dy` [rows, cols] (contiguous; fp32, bf16 or fp16) into `out` [cols] fp32
 // (linear_kernels.cpp: a bias's gradient). Two launches (bands of rows, then the bands in

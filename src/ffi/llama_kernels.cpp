@@ -8,8 +8,11 @@
 //   [.., 2f] and its backward writes the joint gradient: no copies of the halves forward, no
 //   joining of their gradients backward.
 // - RoPE (`kernels.fused_rope`): q or k rotated by position from the fp32 cos and sin tables, in
-//   one pass each way; it keeps nothing but the tables. Only where the kernels run: the model
-//   takes ATen's ops elsewhere (src/model/layers.rs, `Rope`), which the kernels are tested against.
+//   one pass each way; it keeps nothing but the tables. With q, k and v as one matrix
+//   multiplication the joint node takes their output [.., (heads + 2·kv_heads)·d] and gives q and
+//   k rotated and v copied out in one launch, and its backward writes the joint gradient in one.
+//   Only where the kernels run: the model takes ATen's ops elsewhere (src/model/layers.rs,
+//   `Rope`), which the kernels are tested against.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -69,13 +72,18 @@ struct JointSwiGluNode : public torch::autograd::Function<JointSwiGluNode> {
   }
 };
 
+// `x` [b, t, heads·d] as the kernels read it: the last dimension contiguous, rows and batches
+// evenly strided (q's or k's columns of the merged q/k/v output are read where they are).
+at::Tensor rope_readable(const at::Tensor& x) {
+  return x.stride(2) == 1 ? x : x.contiguous();
+}
+
 struct RopeNode : public torch::autograd::Function<RopeNode> {
-  // x [b, t, heads·d] in fp32, bf16 or fp16, its rows evenly strided (q's or k's columns of the
-  // merged q/k/v output are read where they are); cos and sin [≥ t, d] fp32 contiguous.
+  // x [b, t, heads·d] in fp32, bf16 or fp16 (rope_readable); cos and sin [≥ t, d] fp32 contiguous.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
                                                 const at::Tensor& sin, int64_t heads) {
     at::Tensor out = at::empty(x.sizes(), x.options());
-    trainguard::cuda_rope(x, cos, sin, out, heads, false);
+    trainguard::cuda_rope({{&x, &out, heads, trainguard::RopeOp::kForward}}, cos, sin);
     ctx->saved_data["heads"] = heads;
     ctx->save_for_backward({cos, sin});
     return {out};
@@ -85,12 +93,70 @@ struct RopeNode : public torch::autograd::Function<RopeNode> {
     trainguard::check_differentiable_once("rope", "fused_rope");
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor dy = grads[0].contiguous();
-    at::Tensor dx = at::empty_like(dy);
-    trainguard::cuda_rope(dy, saved[0], saved[1], dx, ctx->saved_data["heads"].toInt(), true);
+    const at::Tensor dy = rope_readable(grads[0]);
+    at::Tensor dx = at::empty(dy.sizes(), dy.options());
+    trainguard::cuda_rope({{&dy, &dx, ctx->saved_data["heads"].toInt(), trainguard::RopeOp::kBackward}}, saved[0], saved[1]);
     return {dx, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// q, k and v from the merged q/k/v output, one launch each way: q and k rotated, v copied out
+// (attention keeps it; as a view it would keep q's and k's columns alive). Backward writes the
+// joint gradient whole from the three: no gradients of q and k rotated back apart and then
+// concatenated with v's.
+struct JointRopeNode : public torch::autograd::Function<JointRopeNode> {
+  // qkv [b, t, (heads + 2·kv_heads)·d] in fp32, bf16 or fp16 (rope_readable); cos and sin as
+  // RopeNode's.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& cos,
+                                                const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+    const int64_t d = qkv.size(2) / (heads + 2 * kv_heads), b = qkv.size(0), t = qkv.size(1);
+    const at::Tensor qs = qkv.narrow(2, 0, heads * d), ks = qkv.narrow(2, heads * d, kv_heads * d);
+    const at::Tensor vs = qkv.narrow(2, (heads + kv_heads) * d, kv_heads * d);
+    at::Tensor q = at::empty({b, t, heads * d}, qkv.options()), k = at::empty({b, t, kv_heads * d}, qkv.options()), v = at::empty_like(k);
+    using trainguard::RopeOp;
+    trainguard::cuda_rope({{&qs, &q, heads, RopeOp::kForward}, {&ks, &k, kv_heads, RopeOp::kForward}, {&vs, &v, kv_heads, RopeOp::kCopy}}, cos, sin);
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["kv_heads"] = kv_heads;
+    ctx->saved_data["d"] = d;
+    ctx->save_for_backward({cos, sin});
+    return {q, k, v};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    trainguard::check_differentiable_once("rope", "fused_rope");
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const int64_t heads = ctx->saved_data["heads"].toInt(), kv_heads = ctx->saved_data["kv_heads"].toInt(), d = ctx->saved_data["d"].toInt();
+    int defined = -1;
+    for (int i = 2; i >= 0; --i) defined = grads[i].defined() ? i : defined;
+    if (defined < 0) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor& some = grads[defined];
+    const int64_t b = some.size(0), t = some.size(1);
+    // A part without a gradient (its output unused) contributes zeros.
+    const auto part = [&](int i, int64_t n) { return grads[i].defined() ? rope_readable(grads[i]) : at::zeros({b, t, n * d}, some.options()); };
+    const at::Tensor dq = part(0, heads), dk = part(1, kv_heads), dv = part(2, kv_heads);
+    at::Tensor dqkv = at::empty({b, t, (heads + 2 * kv_heads) * d}, some.options());
+    at::Tensor gq = dqkv.narrow(2, 0, heads * d), gk = dqkv.narrow(2, heads * d, kv_heads * d);
+    at::Tensor gv = dqkv.narrow(2, (heads + kv_heads) * d, kv_heads * d);
+    using trainguard::RopeOp;
+    trainguard::cuda_rope({{&dq, &gq, heads, RopeOp::kBackward}, {&dk, &gk, kv_heads, RopeOp::kBackward}, {&dv, &gv, kv_heads, RopeOp::kCopy}}, saved[0], saved[1]);
+    return {dqkv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Checks RoPE's operands: `x` [b, t, heads·d] fp32, bf16 or fp16 on a device where our kernels
+// run, cos and sin [≥ t, d] fp32 there. Returns d.
+int64_t check_rope(const at::Tensor& x, int64_t heads, const at::Tensor& c, const at::Tensor& s) {
+  const auto fail = [](const std::string& what) { throw std::invalid_argument("rope: " + what); };
+  if (x.dim() != 3 || heads <= 0 || x.size(2) % heads != 0) fail("x must be [b, t, heads·d]");
+  const int64_t d = x.size(2) / heads;
+  if (d % 2 != 0) fail("the head dimension must be even");
+  if (c.dim() != 2 || c.size(1) != d || c.size(0) < x.size(1) || s.sizes() != c.sizes()) fail("cos and sin must be [≥ t, head dim]");
+  if (c.scalar_type() != at::kFloat || s.scalar_type() != at::kFloat) fail("cos and sin must be fp32");
+  const at::ScalarType t = x.scalar_type();
+  if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) fail("x must be fp32, bf16 or fp16");
+  if (!trainguard::runs_cuda_kernels(x) || c.device() != x.device() || s.device() != x.device()) fail("our kernels do not run on this device");
+  return d;
+}
 }  // namespace
 
 extern "C" {
@@ -147,17 +213,24 @@ int tg_rope(const void* x, const void* cos, const void* sin, long long heads, vo
     const auto& xt = *static_cast<const at::Tensor*>(x);
     const auto& c = *static_cast<const at::Tensor*>(cos);
     const auto& s = *static_cast<const at::Tensor*>(sin);
-    const auto fail = [](const std::string& what) { throw std::invalid_argument("rope: " + what); };
-    if (xt.dim() != 3 || heads <= 0 || xt.size(2) % heads != 0) fail("x must be [b, t, heads·d]");
-    const int64_t d = xt.size(2) / heads;
-    if (d % 2 != 0) fail("the head dimension must be even");
-    if (c.dim() != 2 || c.size(1) != d || c.size(0) < xt.size(1) || s.sizes() != c.sizes()) fail("cos and sin must be [≥ t, head dim]");
-    if (c.scalar_type() != at::kFloat || s.scalar_type() != at::kFloat) fail("cos and sin must be fp32");
-    const at::ScalarType t = xt.scalar_type();
-    if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) fail("x must be fp32, bf16 or fp16");
-    if (!trainguard::runs_cuda_kernels(xt) || c.device() != xt.device() || s.device() != xt.device()) fail("our kernels do not run on this device");
-    const bool rows_strided = xt.stride(2) == 1 && xt.stride(0) == xt.size(1) * xt.stride(1);
-    *out = new at::Tensor(RopeNode::apply(rows_strided ? xt : xt.contiguous(), c.contiguous(), s.contiguous(), heads)[0]);
+    check_rope(xt, heads, c, s);
+    *out = new at::Tensor(RopeNode::apply(rope_readable(xt), c.contiguous(), s.contiguous(), heads)[0]);
+  });
+}
+
+// The merged q/k/v output `qkv` [b, t, (heads + 2·kv_heads)·d] as q and k rotated by positions
+// 0..t and v, each [b, t, its heads·d] contiguous: `outs[0..3]` new tensors tch takes over. Only
+// where our kernels run.
+int tg_rope_qkv(const void* qkv, const void* cos, const void* sin, long long heads, long long kv_heads, void** outs, char* err, size_t err_len) {
+  outs[0] = outs[1] = outs[2] = nullptr;
+  return trainguard::guarded(err, err_len, [&] {
+    const auto& x = *static_cast<const at::Tensor*>(qkv);
+    const auto& c = *static_cast<const at::Tensor*>(cos);
+    const auto& s = *static_cast<const at::Tensor*>(sin);
+    if (heads <= 0 || kv_heads <= 0) throw std::invalid_argument("rope: heads and kv_heads must be positive");
+    check_rope(x, heads + 2 * kv_heads, c, s);
+    const torch::autograd::variable_list parts = JointRopeNode::apply(rope_readable(x), c.contiguous(), s.contiguous(), heads, kv_heads);
+    for (int i = 0; i < 3; ++i) outs[i] = new at::Tensor(parts[i]);
   });
 }
 

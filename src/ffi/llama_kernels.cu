@@ -18,7 +18,9 @@
 // projection's output [rows = b·t, heads·d] as it comes (before the heads are split), in fp32
 // from the fp32 cos and sin tables, rounded once. ATen (as `transformers`) casts the tables to
 // the compute dtype, then multiplies, negates, concatenates, multiplies and adds, rounding at
-// each step; backward as many passes again. Here one pass each way.
+// each step; backward as many passes again. Here one pass each way, 8 pairs a thread in
+// 16-byte packs where the head dimension is a multiple of 16; and with q, k and v as one matrix
+// multiplication one launch moves all three parts (v copied).
 
 // silu(g) and its derivative's factor: with σ = 1 / (1 + e^−g), silu = g·σ and
 // silu' = σ·(1 + g·(1 − σ)), as ATen's silu_backward.
@@ -152,38 +154,117 @@ TG_SWIGLU(f32, F32)
 TG_SWIGLU(bf16, BF16)
 TG_SWIGLU(f16, F16)
 
-// Pair (i, i + d/2) of head `head` in row `row` (position row mod t) of x [rows, heads·d], whose
-// rows are `x_stride` values apart (q's or k's columns of the merged q/k/v output, or
-// contiguous), into out [rows, heads·d] contiguous:
+// RoPE's work: up to three jobs, each `heads` heads of d values a row taken from src and
+// written to dst, both [b, t, heads·d] with their own batch and row strides (a row's columns
+// contiguous): q or k rotated (forward), a gradient rotated back, or v copied. One launch moves a
+// merged q/k/v output's three parts to q, k and v, or their three gradients into the joint one
+// (src/ffi/llama_kernels.cpp). Laid out as the host's RopeJobs (cuda_jit.h).
+#define TG_ROPE_COPY 0
+#define TG_ROPE_FORWARD 1
+#define TG_ROPE_BACKWARD 2
+struct TgRopeJob {
+  const void* src;
+  void* dst;
+  long long src_batch, src_row, dst_batch, dst_row, heads;
+  int op, unused;
+};
+struct TgRopeJobs {
+  TgRopeJob job[3];
+  int count;
+  int pairs;  // pairs a thread: 8 (16-byte packs) where every pointer and stride allows, else 1
+};
+
+// The pairs (i + k, i + k + d/2), k < W, of head `head` of row (bi, ti) of job j:
 // out_i = x_i·cos_i − x_{i+d/2}·sin_i, out_{i+d/2} = x_{i+d/2}·cos_{i+d/2} + x_i·sin_{i+d/2}.
 // Backward is the transposed rotation: dx_i = dy_i·cos_i + dy_{i+d/2}·sin_{i+d/2},
-// dx_{i+d/2} = dy_{i+d/2}·cos_{i+d/2} − dy_i·sin_i. One thread a pair.
-template <class D>
-__device__ __forceinline__ void rope(const typename D::T* x, const float* cos, const float* sin, typename D::T* out, long long rows, long long t,
-                                     long long heads, long long d, long long x_stride, int backward) {
-  const long long half = d / 2, pairs_per_row = heads * half;
-  const long long p = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
-  if (p >= rows * pairs_per_row) return;
-  const long long row = p / pairs_per_row, within = p % pairs_per_row;
-  const long long head = within / half, i = within % half;
-  const long long at = row * heads * d + head * d + i, from = row * x_stride + head * d + i;
-  const long long table = (row % t) * d + i;
-  const float a = D::load(x, from), b = D::load(x, from + half);
-  const float c1 = cos[table], s1 = sin[table], c2 = cos[table + half], s2 = sin[table + half];
-  if (backward) {
-    D::store(out, at, a * c1 + b * s2);
-    D::store(out, at + half, b * c2 - a * s1);
+// dx_{i+d/2} = dy_{i+d/2}·cos_{i+d/2} − dy_i·sin_i. With W = 8 every load (two packs of x, two
+// of each table half) is issued before any is used.
+template <class D, int W>
+__device__ __forceinline__ void rope_pairs(const TgRopeJob& j, const float* cos, const float* sin, long long bi, long long ti, long long d,
+                                           long long head, long long i) {
+  const long long half = d / 2, table = ti * d + i;
+  const typename D::T* src = static_cast<const typename D::T*>(j.src) + bi * j.src_batch + ti * j.src_row + head * d + i;
+  typename D::T* dst = static_cast<typename D::T*>(j.dst) + bi * j.dst_batch + ti * j.dst_row + head * d + i;
+  float a[W], b[W], c1[W], s1[W], c2[W], s2[W];
+  if constexpr (W == TG_PER_THREAD) {
+    TgRaw8<D> ra, rb;
+    TgRaw8<F32> rc1, rs1, rc2, rs2;
+    tg_load_raw8<D>(src, 0, ra);
+    tg_load_raw8<D>(src, half, rb);
+    if (j.op != TG_ROPE_COPY) {
+      tg_load_raw8<F32>(cos, table, rc1);
+      tg_load_raw8<F32>(sin, table, rs1);
+      tg_load_raw8<F32>(cos, table + half, rc2);
+      tg_load_raw8<F32>(sin, table + half, rs2);
+      tg_unpack8<F32>(rc1, c1);
+      tg_unpack8<F32>(rs1, s1);
+      tg_unpack8<F32>(rc2, c2);
+      tg_unpack8<F32>(rs2, s2);
+    }
+    tg_unpack8<D>(ra, a);
+    tg_unpack8<D>(rb, b);
   } else {
-    D::store(out, at, a * c1 - b * s1);
-    D::store(out, at + half, b * c2 + a * s2);
+    for (int k = 0; k < W; ++k) {
+      a[k] = D::load(src, k);
+      b[k] = D::load(src, half + k);
+      if (j.op != TG_ROPE_COPY) {
+        c1[k] = cos[table + k], s1[k] = sin[table + k], c2[k] = cos[table + half + k], s2[k] = sin[table + half + k];
+      }
+    }
   }
+  float lo[W], hi[W];
+  for (int k = 0; k < W; ++k) {
+    if (j.op == TG_ROPE_FORWARD) {
+      lo[k] = a[k] * c1[k] - b[k] * s1[k];
+      hi[k] = b[k] * c2[k] + a[k] * s2[k];
+    } else if (j.op == TG_ROPE_BACKWARD) {
+      lo[k] = a[k] * c1[k] + b[k] * s2[k];
+      hi[k] = b[k] * c2[k] - a[k] * s1[k];
+    } else {
+      lo[k] = a[k];
+      hi[k] = b[k];
+    }
+  }
+  const TgRows flat{W, W};
+  tg_store8<D>(dst, 0, W == TG_PER_THREAD, W, lo, flat);
+  tg_store8<D>(dst + half, 0, W == TG_PER_THREAD, W, hi, flat);
 }
 
-#define TG_ROPE(SUFFIX, D)                                                                                              \
-  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_rope_##SUFFIX(const D::T* x, const float* cos, const float* sin, D::T* out, \
-                                                                long long rows, long long t, long long heads, long long d,  \
-                                                                long long x_stride, int backward) {                         \
-    rope<D>(x, cos, sin, out, rows, t, heads, d, x_stride, backward);                                                       \
+// One thread a unit of W pairs of a head of a row: the row's units run through the jobs in
+// turn. The job's fields are picked by selects (a dynamic index into the parameters would copy
+// them to local memory).
+template <class D, int W>
+__device__ __forceinline__ void rope(const TgRopeJobs& jobs, const float* cos, const float* sin, long long rows, int t, int d) {
+  const int units_per_head = d / 2 / W;
+  int units_per_row = 0;
+  for (int k = 0; k < jobs.count; ++k) units_per_row += static_cast<int>(jobs.job[k].heads) * units_per_head;
+  const long long p = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
+  if (p >= rows * units_per_row) return;
+  const long long row = p / units_per_row;
+  int unit = static_cast<int>(p - row * units_per_row);
+  TgRopeJob j = jobs.job[0];
+  const int first = static_cast<int>(jobs.job[0].heads) * units_per_head, second = static_cast<int>(jobs.job[1].heads) * units_per_head;
+  if (unit >= first) {
+    unit -= first;
+    j = jobs.job[1];
+    if (unit >= second) {
+      unit -= second;
+      j = jobs.job[2];
+    }
+  }
+  const int head = unit / units_per_head;
+  const long long bi = row / t;
+  rope_pairs<D, W>(j, cos, sin, bi, row - bi * t, d, head, static_cast<long long>(unit - head * units_per_head) * W);
+}
+
+#define TG_ROPE(SUFFIX, D)                                                                                               \
+  TG_KERNEL void __launch_bounds__(TG_THREADS) tg_rope_##SUFFIX(TgRopeJobs jobs, const float* cos, const float* sin, long long rows, \
+                                                                int t, int d) {                                           \
+    if (jobs.pairs == TG_PER_THREAD) {                                                                                     \
+      rope<D, TG_PER_THREAD>(jobs, cos, sin, rows, t, d);                                                                  \
+    } else {                                                                                                               \
+      rope<D, 1>(jobs, cos, sin, rows, t, d);                                                                              \
+    }                                                                                                                      \
   }
 
 TG_ROPE(f32, F32)

@@ -2,8 +2,8 @@
 //! our CUDA kernels (`llama_kernels.cu`, compiled by NVRTC once [`super::kernels::prepare_cuda`]
 //! has run for the device): SwiGLU's product silu(gate) · up (`kernels.fused_swiglu`; where the
 //! kernels do not run, the CPU outside tests or mixed dtypes, ATen's ops compute it) and RoPE's
-//! rotation (`kernels.fused_rope`; only where the kernels run: `model::layers::Rope` takes
-//! ATen's ops elsewhere).
+//! rotation (`kernels.fused_rope`, of q or k alone or of a merged q/k/v output's parts; only
+//! where the kernels run: `model::layers::Rope` takes ATen's ops elsewhere).
 use super::{result, ShimError, ERR_LEN};
 use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
@@ -12,6 +12,7 @@ extern "C" {
     fn tg_swiglu(gate: *const c_void, up: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_swiglu_joint(joint: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_rope(x: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_rope_qkv(qkv: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, kv_heads: i64, outs: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
 /// silu(`gate`) · `up`, elementwise, in their dtype.
@@ -50,6 +51,20 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64) -> Result<Tensor
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
+}
+
+/// The merged q/k/v output `qkv` `[b, t, (heads + 2·kv_heads)·d]` as q and k rotated by
+/// positions `0..t` (as [`rope`]) and v, each `[b, t, its heads·d]`, in one launch; backward
+/// writes `qkv`'s gradient whole in one. An error where our kernels do not run.
+pub fn rope_qkv(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor), ShimError> {
+    let mut outs = [std::ptr::null_mut::<c_void>(); 3];
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: as in `swiglu`; on success the shim fills all three with tensors it allocated.
+    let code = unsafe { tg_rope_qkv(qkv.as_ptr().cast(), cos.as_ptr().cast(), sin.as_ptr().cast(), heads, kv_heads, outs.as_mut_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+    result(code, &err)?;
+    // SAFETY: non-null pointers the shim returned with code 0, each handed over once.
+    let [q, k, v] = outs.map(|p| unsafe { Tensor::from_ptr(p.cast()) });
+    Ok((q, k, v))
 }
 
 #[cfg(test)]

@@ -242,6 +242,26 @@ impl Rope {
         }
     }
 
+    /// q, k and v `[b, heads, t, d]` from the merged q/k/v output `qkv` `[b, t, (heads +
+    /// 2·kv_heads)·d]`, q and k rotated: by our joint node in one launch each way (v copied out,
+    /// the joint gradient written whole), or by ATen's ops on the parts.
+    pub fn rotate_joint_heads(&self, qkv: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor), TchError> {
+        let (q, k, v) = match self.ours {
+            true => {
+                let (q, k, v) = crate::ffi::llama_ops::rope_qkv(qkv, &self.cos, &self.sin, heads, kv_heads)?;
+                (split_heads(&q, heads)?, split_heads(&k, kv_heads)?, v)
+            }
+            false => {
+                let d = qkv.size()[2] / (heads + 2 * kv_heads);
+                let parts = qkv.f_split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)?;
+                // v copied out of the joint output: attention keeps it, and as a view it would
+                // keep q's and k's columns alive too (the rotation writes new q and k).
+                (self.apply(&split_heads(&parts[0], heads)?)?, self.apply(&split_heads(&parts[1], kv_heads)?)?, parts[2].f_contiguous()?)
+            }
+        };
+        Ok((q, k, split_heads(&v, kv_heads)?))
+    }
+
     /// `x` `[b, heads, t, head_dim]` rotated by its positions `0..t`.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor, TchError> {
         let (t, d) = (x.size()[2], x.size()[3]);
@@ -352,41 +372,106 @@ mod tests {
     /// Our RoPE node (the kernel's source emulated on the host) rotates as ATen's ops do, and its
     /// backward rotates the gradient back: fp32 to float rounding; under bf16 no further from the
     /// fp32 result than ATen's bf16 ops (which round the tables and each step) are. Two heads of
-    /// 8 over 5 positions of a table made for 7.
+    /// 8 (a value a thread) and of 16 (8 pairs a thread, in 16-byte packs) over 5 positions of a
+    /// table made for 7.
     #[test]
     fn the_rope_node_rotates_as_atens_ops_do() {
         use crate::ffi::kernels::CudaEmulation;
-        let (plain, ours) = (Rope::new(8, 7, 10000.0, Device::Cpu, false).unwrap(), Rope::new(8, 7, 10000.0, Device::Cpu, true).unwrap());
-        let x32 = Tensor::arange(3 * 5 * 16, (Kind::Float, Device::Cpu)).view([3, 5, 16]).f_mul_scalar(0.37).unwrap().sin() * 3.0;
-        let dy = Tensor::arange(3 * 2 * 5 * 8, (Kind::Float, Device::Cpu)).view([3, 2, 5, 8]).f_mul_scalar(0.91).unwrap().cos();
-        let run = |rope: &Rope, kind: Kind| {
-            let x = x32.to_kind(kind).set_requires_grad(true);
-            let emulation = rope.ours.then(CudaEmulation::start);
-            let y = rope.rotate_heads(&x, 2).unwrap();
-            let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&x], false, false);
-            if let Some(e) = emulation {
-                assert_eq!(e.launches(), 2, "one launch forward, one backward");
+        for d in [8, 16] {
+            let (plain, ours) = (Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(), Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap());
+            let x32 = Tensor::arange(3 * 5 * 2 * d, (Kind::Float, Device::Cpu)).view([3, 5, 2 * d]).f_mul_scalar(0.37).unwrap().sin() * 3.0;
+            let dy = Tensor::arange(3 * 2 * 5 * d, (Kind::Float, Device::Cpu)).view([3, 2, 5, d]).f_mul_scalar(0.91).unwrap().cos();
+            let run = |rope: &Rope, kind: Kind| {
+                let x = x32.to_kind(kind).set_requires_grad(true);
+                let emulation = rope.ours.then(CudaEmulation::start);
+                let y = rope.rotate_heads(&x, 2).unwrap();
+                let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&x], false, false);
+                if let Some(e) = emulation {
+                    assert_eq!(e.launches(), 2, "one launch forward, one backward");
+                }
+                (y.detach().to_kind(Kind::Float), g[0].to_kind(Kind::Float))
+            };
+            let ((ya, ga), (yb, gb)) = (run(&plain, Kind::Float), run(&ours, Kind::Float));
+            assert_eq!(yb.size(), [3, 2, 5, d]);
+            assert!(rel(&yb, &ya) < 1e-6 && rel(&gb, &ga) < 1e-6, "d {d} fp32: {} {}", rel(&yb, &ya), rel(&gb, &ga));
+            let ((yp, gp), (yo, go)) = (run(&plain, Kind::BFloat16), run(&ours, Kind::BFloat16));
+            assert!(rel(&yo, &ya) <= rel(&yp, &ya) + 1e-3 && rel(&go, &ga) <= rel(&gp, &ga) + 1e-3, "d {d} bf16: ours {} {}, ATen's {} {}", rel(&yo, &ya), rel(&go, &ga), rel(&yp, &ya), rel(&gp, &ga));
+            // A wrong rotation would be far off: the halves swapped give O(1) differences.
+            assert!(rel(&yo, &ya) < 1e-2);
+            // q's columns of a merged q/k/v output are read where they are (rows 3·d apart here),
+            // and from a start off 16 bytes (a value a thread).
+            let wide = Tensor::cat(&[&x32, &x32.narrow(2, 0, d).f_mul_scalar(-2.0).unwrap()], 2);
+            let emulation = CudaEmulation::start();
+            for view in [wide.narrow(2, 0, 2 * d), wide.narrow(2, 1, 2 * d)] {
+                let (strided, copied) = (ours.rotate_heads(&view, 2).unwrap(), ours.rotate_heads(&view.contiguous(), 2).unwrap());
+                assert!(strided.equal(&copied), "d {d}: the node read a strided q wrongly");
             }
-            (y.detach().to_kind(Kind::Float), g[0].to_kind(Kind::Float))
-        };
-        let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / b.abs().max()).double_value(&[]);
-        let ((ya, ga), (yb, gb)) = (run(&plain, Kind::Float), run(&ours, Kind::Float));
-        assert_eq!(yb.size(), [3, 2, 5, 8]);
-        assert!(rel(&yb, &ya) < 1e-6 && rel(&gb, &ga) < 1e-6, "fp32: {} {}", rel(&yb, &ya), rel(&gb, &ga));
-        let ((yp, gp), (yo, go)) = (run(&plain, Kind::BFloat16), run(&ours, Kind::BFloat16));
-        assert!(rel(&yo, &ya) <= rel(&yp, &ya) + 1e-3 && rel(&go, &ga) <= rel(&gp, &ga) + 1e-3, "bf16: ours {} {}, ATen's {} {}", rel(&yo, &ya), rel(&go, &ga), rel(&yp, &ya), rel(&gp, &ga));
-        // A wrong rotation would be far off: the halves swapped give O(1) differences.
-        assert!(rel(&yo, &ya) < 1e-2);
-        // q's columns of a merged q/k/v output are read where they are (rows 24 apart here).
-        let wide = Tensor::cat(&[&x32, &x32.narrow(2, 0, 8).f_mul_scalar(-2.0).unwrap()], 2);
-        let view = wide.narrow(2, 0, 16);
-        let emulation = CudaEmulation::start();
-        let (strided, copied) = (ours.rotate_heads(&view, 2).unwrap(), ours.rotate_heads(&view.contiguous(), 2).unwrap());
-        assert_eq!(emulation.launches(), 2);
-        drop(emulation);
-        assert!(strided.equal(&copied), "the node read a strided q wrongly");
+            assert_eq!(emulation.launches(), 4);
+        }
         // Where the kernels do not run, the node is refused with its reason.
-        let err = crate::ffi::llama_ops::rope(&x32, &ours.cos, &ours.sin, 2).unwrap_err().to_string();
+        let ours = Rope::new(8, 7, 10000.0, Device::Cpu, true).unwrap();
+        let err = crate::ffi::llama_ops::rope(&Tensor::ones([3, 5, 16], (Kind::Float, Device::Cpu)), &ours.cos, &ours.sin, 2).unwrap_err().to_string();
         assert!(err.contains("do not run on this device"), "{err}");
+    }
+
+    fn rel(a: &Tensor, b: &Tensor) -> f64 {
+        ((a - b).abs().max() / b.abs().max()).double_value(&[])
+    }
+
+    /// The joint node (q, k and v from a merged q/k/v output in one launch each way) gives what
+    /// the single node gives on q's and k's columns and v's copy, to the bit, and the joint
+    /// gradient that ATen's ops on the parts give (fp32 to float rounding); with a part's output
+    /// unused, that part's gradient is zero. Three query heads, one key/value head.
+    #[test]
+    fn the_joint_rope_node_gives_q_k_and_v_and_the_joint_gradient() {
+        use crate::ffi::kernels::CudaEmulation;
+        let (heads, kv) = (3, 1);
+        for (d, kind) in [(8, Kind::Float), (16, Kind::Float), (16, Kind::BFloat16), (32, Kind::Half)] {
+            let (plain, ours) = (Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(), Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap());
+            let width = (heads + 2 * kv) * d;
+            let qkv32 = Tensor::arange(2 * 6 * width, (Kind::Float, Device::Cpu)).view([2, 6, width]).f_mul_scalar(0.37).unwrap().sin() * 3.0;
+            let dys: Vec<Tensor> = [heads, kv, kv]
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| Tensor::arange(2 * n * 6 * d, (Kind::Float, Device::Cpu)).view([2, n, 6, d]).f_mul_scalar(0.91 + i as f64).unwrap().cos())
+                .collect();
+            let run = |rope: &Rope, used: usize| {
+                let qkv = qkv32.to_kind(kind).set_requires_grad(true);
+                let emulation = rope.ours.then(CudaEmulation::start);
+                let (q, k, v) = rope.rotate_joint_heads(&qkv, heads, kv).unwrap();
+                let parts = [&q, &k, &v];
+                let objective = (0..used).map(|i| (parts[i].to_kind(Kind::Float) * &dys[i]).sum(Kind::Float)).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b);
+                let g = Tensor::run_backward(&[&objective], &[&qkv], false, false);
+                if let Some(e) = emulation {
+                    assert_eq!(e.launches(), 2, "one launch forward, one backward");
+                }
+                let out: Vec<Tensor> = parts.iter().map(|p| p.detach().to_kind(Kind::Float)).collect();
+                (out, g[0].to_kind(Kind::Float))
+            };
+            let what = format!("d {d} {kind:?}");
+            let ((joint, gj), (aten, ga)) = (run(&ours, 3), run(&plain, 3));
+            // The single node on the same columns: the same arithmetic.
+            let qkv = qkv32.to_kind(kind);
+            let single = {
+                let _emulation = CudaEmulation::start();
+                [ours.rotate_heads(&qkv.narrow(2, 0, heads * d), heads).unwrap(), ours.rotate_heads(&qkv.narrow(2, heads * d, kv * d), kv).unwrap()]
+            };
+            for (i, s) in single.iter().enumerate() {
+                assert!(joint[i].equal(&s.to_kind(Kind::Float)), "{what}: part {i} differs from the single node's");
+            }
+            assert!(joint[2].equal(&split_heads(&qkv.narrow(2, (heads + kv) * d, kv * d), kv).unwrap().to_kind(Kind::Float)), "{what}: v is not copied");
+            let tolerance = if kind == Kind::Float { 1e-6 } else { 1e-2 };
+            for (i, (a, b)) in joint.iter().zip(&aten).enumerate() {
+                assert!(rel(a, b) < tolerance, "{what}: part {i} from ATen's by {}", rel(a, b));
+            }
+            assert!(rel(&gj, &ga) < tolerance, "{what}: the joint gradient from ATen's by {}", rel(&gj, &ga));
+            // v's output unused: its columns of the gradient are zero, the rest as before.
+            let (_, g2) = run(&ours, 2);
+            assert_eq!(g2.narrow(2, (heads + kv) * d, kv * d).abs().max().double_value(&[]), 0.0, "{what}");
+            assert!(g2.narrow(2, 0, (heads + kv) * d).equal(&gj.narrow(2, 0, (heads + kv) * d)), "{what}");
+        }
+        let ours = Rope::new(8, 7, 10000.0, Device::Cpu, true).unwrap();
+        let err = crate::ffi::llama_ops::rope_qkv(&Tensor::ones([2, 6, 40], (Kind::Float, Device::Cpu)), &ours.cos, &ours.sin, 3, 0).unwrap_err().to_string();
+        assert!(err.contains("must be positive"), "{err}");
     }
 }

@@ -5,7 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, linear, merged_linear, param, split_heads, split_merged, swiglu, Linear, ResidualNorm, RmsNorm, Rope, Stream};
+use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, ResidualNorm, RmsNorm, Rope, Stream};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -165,17 +165,10 @@ impl Llama {
 
     /// Layer `l`'s attention inputs from the normed `h`: q and k rotated, v, each `[b, heads, t, d]`.
     fn attention_inputs(&self, l: &Layer, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), TchError> {
-        let (q, k, v) = match self.merged {
-            true => {
-                let projections = [&l.q, &l.k, &l.v];
-                let mut parts = split_merged(&merged_linear(h, &projections)?, &projections)?.into_iter();
-                let (q, k, v) = (parts.next().expect("q"), parts.next().expect("k"), parts.next().expect("v"));
-                // v copied out of the joint output: attention keeps it, and as a view it would
-                // keep q's and k's columns alive too (RoPE writes new q and k).
-                (q, k, v.f_contiguous()?)
-            }
-            false => (l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?),
-        };
+        if self.merged {
+            return self.rope.rotate_joint_heads(&merged_linear(h, &[&l.q, &l.k, &l.v])?, self.n_head, self.n_kv_head);
+        }
+        let (q, k, v) = (l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?);
         Ok((self.rope.rotate_heads(&q, self.n_head)?, self.rope.rotate_heads(&k, self.n_kv_head)?, split_heads(&v, self.n_kv_head)?))
     }
 }
