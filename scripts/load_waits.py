@@ -31,6 +31,7 @@ PACKED_BATCH = 8  # linear_kernels.cu's TG_PACKED_BATCH: rows a lane loads befor
 EXPECTED = {}
 for dtype, packs in [("f32", 2), ("bf16", 1), ("f16", 1)]:
     EXPECTED[f"tg_ln_backward_warp_{dtype}"] = 3 * ROW_VALUES  # a row's dy, s and ds
+    EXPECTED[f"tg_ln_forward_warp_{dtype}"] = 2 * ROW_VALUES  # a row's x and δ
     # the batch's dy (fp32: ptxas issues 4 rows, then a row's adds and two rows' loads in turn,
     # 4 rows ahead: the walk counts a wait at each add)
     EXPECTED[f"tg_col_sum_bands_packed_{dtype}"] = PACKED_BATCH

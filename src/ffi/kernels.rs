@@ -435,7 +435,7 @@ mod tests {
             .expect("the venv's python (scripts/setup.sh)");
         let report = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(report.matches("(want a group of").count(), 12, "every kernel the check names was found: {report}");
+        assert_eq!(report.matches("(want a group of").count(), 15, "every kernel the check names was found: {report}");
     }
 
     /// The CUDA kernels run only on a GPU (tests/gpu.rs), but NVRTC compiles them to machine code

@@ -29,6 +29,8 @@
 // Rows each warp of the warp-a-row backward takes, one after another (so that its weight and
 // bias sums stay in registers across them).
 #define TG_NORM_WARP_ROWS 8
+// w and b values a lane of the warp-a-row forward loads together, before it stores their outputs.
+#define TG_NORM_PARAM_CHUNK 8
 
 // The sum of each lane's `v` over its warp; every lane gets it.
 __device__ __forceinline__ float tg_warp_sum(float v) {
@@ -113,12 +115,23 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
   const long long row = static_cast<long long>(blockIdx.x) * TG_WARPS + (threadIdx.x >> 5);
   if (row >= rows) return;  // the whole warp: the last block's spare rows
   const long long base = row * cols;
+  // x and δ all loaded before any is used (δ raw, converted in the loop after: converted as
+  // loaded, ptxas may wait for each few loads).
   float v[TG_ROW_VALUES];
+  typename D::T raw[TG_ROW_VALUES];
 #pragma unroll
   for (int k = 0; k < TG_ROW_VALUES; ++k) {
     const long long j = lane + 32LL * k;
     v[k] = 0.0f;
-    if (j < cols) v[k] = delta != nullptr ? x[base + j] + D::load(delta, base + j) : x[base + j];
+    raw[k] = 0;
+    if (j < cols) {
+      v[k] = x[base + j];
+      if (delta != nullptr) raw[k] = delta[base + j];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < TG_ROW_VALUES; ++k) {
+    if (delta != nullptr) v[k] += D::load(raw, k);
   }
   float sum = 0.0f;
 #pragma unroll
@@ -137,12 +150,29 @@ __device__ __forceinline__ void ln_forward_warp(const float* __restrict__ x, con
     if (lane + 32LL * k < cols) sq += d * d;
   }
   const float rstd = 1.0f / sqrtf(tg_warp_sum(sq) / static_cast<float>(cols) + eps);
+  // w and b a chunk of TG_NORM_PARAM_CHUNK values at a time, the chunk's loads issued before its
+  // stores: loaded beside each store, ptxas waited (on L1) for every w and b, 32 waits a row
+  // (`scripts/load_waits.py tg_ln_forward_warp`); the whole row's w and b at once would not fit
+  // beside v in 128 registers.
 #pragma unroll
-  for (int k = 0; k < TG_ROW_VALUES; ++k) {
-    const long long j = lane + 32LL * k;
-    if (j < cols) {
-      const float o = (v[k] - mean) * rstd * w[j];
-      D::store(y, base + j, b != nullptr ? o + b[j] : o);
+  for (int k0 = 0; k0 < TG_ROW_VALUES; k0 += TG_NORM_PARAM_CHUNK) {
+    float wk[TG_NORM_PARAM_CHUNK], bk[TG_NORM_PARAM_CHUNK];
+#pragma unroll
+    for (int k = 0; k < TG_NORM_PARAM_CHUNK; ++k) {
+      // Past the row's end the last column's, loaded without a condition: no branch for ptxas
+      // to keep the loads behind.
+      const int last = static_cast<int>(cols) - 1, at = lane + 32 * (k0 + k);  // cols ≤ 32 · TG_ROW_VALUES
+      const int j = at < last ? at : last;
+      wk[k] = w[j];
+      bk[k] = b != nullptr ? b[j] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < TG_NORM_PARAM_CHUNK; ++k) {
+      const long long j = lane + 32LL * (k0 + k);
+      if (j < cols) {
+        const float o = (v[k0 + k] - mean) * rstd * wk[k];
+        D::store(y, base + j, b != nullptr ? o + bk[k] : o);
+      }
     }
   }
   if (lane == 0) {
