@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <utility>
 #include <map>
 #include <mutex>
@@ -607,6 +608,7 @@ void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const 
   long long rows = first.size(0) * first.size(1);
   int t = static_cast<int>(first.size(1)), d = static_cast<int>(cos.size(1));
   if (rows == 0) return;
+  if (rows > std::numeric_limits<int>::max()) throw std::invalid_argument("rope: more than 2^31 rows");
   const auto on_16_bytes = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   // 16-byte packs of 8 values where a head's halves hold whole packs and every row starts on 16 bytes.
   bool packed = d % 16 == 0 && on_16_bytes(cos.data_ptr()) && on_16_bytes(sin.data_ptr());

@@ -240,8 +240,8 @@ __device__ __forceinline__ void rope(const TgRopeJobs& jobs, const float* cos, c
   for (int k = 0; k < jobs.count; ++k) units_per_row += static_cast<int>(jobs.job[k].heads) * units_per_head;
   const long long p = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (p >= rows * units_per_row) return;
-  const long long row = p / units_per_row;
-  int unit = static_cast<int>(p - row * units_per_row);
+  const int row = static_cast<int>(p / units_per_row);  // rows < 2^31 (cuda_rope checks)
+  int unit = static_cast<int>(p - static_cast<long long>(row) * units_per_row);
   TgRopeJob j = jobs.job[0];
   const int first = static_cast<int>(jobs.job[0].heads) * units_per_head, second = static_cast<int>(jobs.job[1].heads) * units_per_head;
   if (unit >= first) {
@@ -253,7 +253,7 @@ __device__ __forceinline__ void rope(const TgRopeJobs& jobs, const float* cos, c
     }
   }
   const int head = unit / units_per_head;
-  const long long bi = row / t;
+  const int bi = row / t;
   rope_pairs<D, W>(j, cos, sin, bi, row - bi * t, d, head, static_cast<long long>(unit - head * units_per_head) * W);
 }
 
