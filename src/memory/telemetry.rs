@@ -2,12 +2,24 @@
 //! reserved bytes and their peaks since the previous step (peaks are reset after each read, and
 //! by the guard after a failed attempt: a recovered step shows the peaks of the attempt that worked),
 //! allocation retries since the previous step, the process's resident size, and NVML's view of
-//! the GPU. What cannot be read is `null`, with one warning for the run.
+//! the GPU, read at most once a second (between reads a line repeats the last). What cannot be
+//! read is `null`, with one warning for the run.
 use super::gpu::{GpuReading, Gpus};
 use super::ProcessMemory;
 use crate::ffi;
 use serde::Serialize;
+use std::time::{Duration, Instant};
 use tch::Device;
+
+/// How often NVML is asked. Its queries (memory, utilisation, temperature, power) cost the host
+/// tenths of a millisecond each, and the step's end, where they run, is where the next step's
+/// first launches wait; a fast run (tens of steps a second) would pay them every step.
+const NVML_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether NVML is due again at `now`, its last reading taken at `last` (none yet: due).
+fn nvml_due(last: Option<Instant>, now: Instant) -> bool {
+    last.is_none_or(|t| now.saturating_duration_since(t) >= NVML_EVERY)
+}
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct MemoryMetrics {
@@ -26,6 +38,8 @@ pub struct MemoryMetrics {
 pub struct Telemetry {
     device: Device,
     gpus: Option<Gpus>,
+    /// NVML's last reading and when it was taken.
+    gpu_read: Option<(Instant, GpuReading)>,
     last_retries: Option<i64>,
     pub total_retries: i64,
 }
@@ -40,7 +54,7 @@ impl Telemetry {
         if let Device::Cuda(i) = device {
             let _ = ffi::reset_peak_stats(i);
         }
-        Self { device, gpus, last_retries: None, total_retries: 0 }
+        Self { device, gpus, gpu_read: None, last_retries: None, total_retries: 0 }
     }
 
     pub fn sample(&mut self) -> MemoryMetrics {
@@ -57,15 +71,17 @@ impl Telemetry {
                 self.total_retries = s.num_alloc_retries;
                 let _ = ffi::reset_peak_stats(i);
             }
-            if let Some(g) = &self.gpus {
+            let now = Instant::now();
+            if let Some(g) = self.gpus.as_ref().filter(|_| nvml_due(self.gpu_read.as_ref().map(|(t, _)| *t), now)) {
                 match g.read(i) {
-                    Ok(r) => m.gpu = r,
+                    Ok(r) => self.gpu_read = Some((now, r)),
                     Err(why) => {
                         tracing::warn!("{why}; GPU fields will be null");
-                        self.gpus = None;
+                        (self.gpus, self.gpu_read) = (None, None);
                     }
                 }
             }
+            m.gpu = self.gpu_read.as_ref().map(|(_, r)| r.clone()).unwrap_or_default();
         }
         m
     }
@@ -73,5 +89,19 @@ impl Telemetry {
     /// The figure the leak detector watches: allocated bytes on CUDA, resident size on CPU.
     pub fn leak_figure(m: &MemoryMetrics) -> Option<u64> {
         m.allocated_bytes.or(m.rss_bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvml_is_read_first_then_at_most_once_a_second() {
+        let t0 = Instant::now();
+        assert!(nvml_due(None, t0), "the first line reads NVML");
+        assert!(!nvml_due(Some(t0), t0 + Duration::from_millis(999)));
+        assert!(nvml_due(Some(t0), t0 + NVML_EVERY));
+        assert!(nvml_due(Some(t0), t0 + Duration::from_secs(5)));
     }
 }
