@@ -612,8 +612,7 @@ void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const 
   const auto on_16_bytes = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   // 16-byte packs of 8 values where a head's halves hold whole packs and every row starts on 16 bytes.
   bool packed = d % 16 == 0 && on_16_bytes(cos.data_ptr()) && on_16_bytes(sin.data_ptr());
-  RopeJobs jobs{};
-  jobs.count = static_cast<int>(parts.size());
+  RopeJobs jobs{};  // the jobs not given: 0 heads
   for (std::size_t k = 0; k < parts.size(); ++k) {
     const RopePart& part = parts[k];
     RopeJobs::Job& j = jobs.job[k];

@@ -86,8 +86,8 @@ struct RopeJobs {
     void* dst;
     long long src_batch, src_row, dst_batch, dst_row, heads;
     int op, unused;
-  } job[3];
-  int count, pairs;
+  } job[3];  // the jobs not used of 0 heads
+  int pairs;
 };
 
 // The column sums of `dy` [rows, cols] (contiguous; fp32, bf16 or fp16) into `out` [cols] fp32

@@ -169,9 +169,8 @@ struct TgRopeJob {
   int op, unused;
 };
 struct TgRopeJobs {
-  TgRopeJob job[3];
-  int count;
-  int pairs;  // pairs a thread: 8 (16-byte packs) where every pointer and stride allows, else 1
+  TgRopeJob job[3];  // the jobs not used of 0 heads
+  int pairs;         // pairs a thread: 8 (16-byte packs) where every pointer and stride allows, else 1
 };
 
 // The pairs (i + k, i + k + d/2), k < W, of head `head` of row (bi, ti) of job j:
@@ -236,8 +235,7 @@ __device__ __forceinline__ void rope_pairs(const TgRopeJob& j, const float* cos,
 template <class D, int W>
 __device__ __forceinline__ void rope(const TgRopeJobs& jobs, const float* cos, const float* sin, long long rows, int t, int d) {
   const int units_per_head = d / 2 / W;
-  int units_per_row = 0;
-  for (int k = 0; k < jobs.count; ++k) units_per_row += static_cast<int>(jobs.job[k].heads) * units_per_head;
+  const int units_per_row = static_cast<int>(jobs.job[0].heads + jobs.job[1].heads + jobs.job[2].heads) * units_per_head;
   const long long p = static_cast<long long>(blockIdx.x) * TG_THREADS + threadIdx.x;
   if (p >= rows * units_per_row) return;
   const int row = static_cast<int>(p / units_per_row);  // rows < 2^31 (cuda_rope checks)
