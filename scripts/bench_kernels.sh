@@ -31,11 +31,13 @@
 # 12. (levers) gpt2-124m and smollm2-135m with the defaults, with every speed switch off
 #    (ATen's ops, what the defaults buy at once) and with CUDA graphs on (the one speed switch
 #    off by default).
+# 13. (ckpt) what activation checkpointing costs: gpt2-124m and smollm2-135m with CUDA graphs, without
+#    it, every block recomputed (`blocks`, issue 15 asks ≤ 25% slower) and the first 6 (`first_n:6`).
 # Needs a CUDA device (scripts/gpu_checks.sh part `kernels`); `--device cpu` runs small configs,
 # where ATen has no fused RMSNorm and 8-bit AdamW and Adafactor always run their CPU kernels: rows
 # that run the same code there.
 # Usage: scripts/bench_kernels.sh [--device cuda|cpu]   (env STEPS=30; TABLES: some of
-#   `rms optim loss norms swiglu rope linear graphs merged gelu sums levers`, in that order by default: all)
+#   `rms optim loss norms swiglu rope linear graphs merged gelu sums levers ckpt`, in that order by default: all)
 set -euo pipefail
 here=$(dirname "$0")
 gpt2="--config configs/gpt2-124m.yaml --set precision=bf16-mixed --set train.micro_batch_size=16 --set train.global_batch_size=64"
@@ -89,10 +91,15 @@ table() {  # NAME: one table, then a blank line
       gpt2_rows "defaults|" "every speed switch off|$off" "defaults, CUDA graphs|kernels.cuda_graphs=true"
       echo
       smollm_rows "defaults|" "every speed switch off|$off" "defaults, CUDA graphs|kernels.cuda_graphs=true" ;;
-    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged gelu sums levers)" >&2; exit 2 ;;
+    ckpt)
+      g=kernels.cuda_graphs=true; c=memory.activation_checkpointing
+      gpt2_rows "no checkpointing|$g" "every block recomputed|$g $c=blocks" "first 6 of 12 blocks|$g $c=first_n:6"
+      echo
+      smollm_rows "no checkpointing|$g" "every block recomputed|$g $c=blocks" "first 6 of 30 blocks|$g $c=first_n:6" ;;
+    *) echo "unknown table '$1' (rms optim loss norms swiglu rope linear graphs merged gelu sums levers ckpt)" >&2; exit 2 ;;
   esac
   echo
 }
 
 args=("$@")
-for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged gelu sums levers}; do table "$t"; done
+for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged gelu sums levers ckpt}; do table "$t"; done
