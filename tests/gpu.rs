@@ -755,8 +755,9 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
 /// `kernels.accumulate_in_gemm` on a GPU: this libtorch's GEMM adds bf16 products into an fp32
 /// matrix (the scope takes every pair); inside a scope the node returns no gradient for its
 /// weight and its GEMM adds it into the sum: what adding its gradient afterwards gives, within
-/// fp32 roundings. Then whole runs (accumulation 4 + 4 + 2, eager and as CUDA graphs) with it on
-/// and off: the same losses and weights within roundings.
+/// fp32 roundings; the same for merged layers' parts, each into its own sum. Then whole runs
+/// (accumulation 4 + 4 + 2, eager and as CUDA graphs; GPT-2 and a Llama with merged layers) with
+/// it on and off: the same losses and weights within roundings.
 #[test]
 fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     use trainguard::ffi::linear::{linear, GemmSums};
@@ -784,6 +785,29 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
         eprintln!("{kind:?}: the GEMM's sum against the gradient added afterwards: {rel:.2e} of the largest");
         assert!(rel < 1e-6, "{kind:?}: {rel:e}");
     }
+    // Merged layers' weights as the parts of one node: each part's GEMM over its columns of dy
+    // adds into its own sum.
+    let x = Tensor::randn([4096, 576], (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let dy = Tensor::randn([4096, 960], (Kind::Float, dev));
+    let parts: Vec<Tensor> = [576, 192, 192].iter().map(|&o| (Tensor::randn([o, 576], (Kind::Float, dev)) * 0.02).set_requires_grad(true)).collect();
+    let refs: Vec<&Tensor> = parts.iter().collect();
+    let part_grads = || {
+        ffi::set_autocast(true, true, false).unwrap();
+        let y = trainguard::ffi::linear::merged_linear(&x, &refs, &[]).unwrap();
+        ffi::set_autocast(true, false, false).unwrap();
+        Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &refs, false, false)
+    };
+    let once = part_grads();
+    let sums: Vec<Tensor> = once.iter().map(Tensor::copy).collect();
+    let scope = GemmSums::start(&parts, &sums).unwrap();
+    assert_eq!(scope.held(), 3);
+    assert!(part_grads().iter().all(|g| !g.defined()), "merged: inside the scope no part's gradient is returned");
+    drop(scope);
+    for (i, (sum, g)) in sums.iter().zip(&once).enumerate() {
+        let want = g + g;
+        let rel = f64::try_from((sum - &want).abs().max() / want.abs().max()).unwrap();
+        assert!(rel < 1e-6, "merged part {i}: {rel:e}");
+    }
     // Whole runs: the same within rounding, not bit for bit. The tied head's gradient reaches the
     // sum before the embedding's in the GEMM, after it otherwise (fp32 addition does not
     // associate), and cuBLASLt may pick another algorithm for a GEMM that adds. SGD keeps those
@@ -796,6 +820,12 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
         let a = train(off.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
         let b = train(on.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
         assert_same_training((&a, off.path()), (&b, on.path()), &format!("{graphs}, added afterwards against in the GEMM"));
+        // A Llama, its merged layers' parts adding in their own GEMMs.
+        let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let llama = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", "optimizer.name=sgd", "train.lr=0.3", graphs];
+        let a = train(off.path(), "configs/llama-debug.yaml", &[&llama[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
+        let b = train(on.path(), "configs/llama-debug.yaml", &[&llama[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
+        assert_same_training((&a, off.path()), (&b, on.path()), &format!("llama, {graphs}, added afterwards against in the GEMM"));
     }
 }
 

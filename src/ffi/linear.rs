@@ -17,28 +17,39 @@ extern "C" {
     fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, scope: *mut u64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_linear_end_weight_grad_sums(scope: u64);
     fn tg_linear_sums_attached() -> u64;
-    fn tg_linear(x: *const c_void, weight: *const c_void, bias: *const c_void, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear(x: *const c_void, weights: *const *const c_void, n_weights: usize, biases: *const *const c_void, n_biases: usize, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
 /// `x` `[…, in]` · `weight`ᵀ (`[out, in]`) + `bias` (`[out]`), in autocast's dtype while
 /// autocast is on (x's otherwise).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, weight, bias, false)
+    call(x, &[weight], bias.as_slice(), false)
 }
 
 /// GELU (without the tanh approximation) of [`linear`]'s output: GPT-2's MLP up-projection
 /// (`kernels.fused_gelu`), whose backward takes GELU's gradient and the bias's in one kernel.
 pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, weight, bias, true)
+    call(x, &[weight], bias.as_slice(), true)
 }
 
-fn call(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, gelu: bool) -> Result<Tensor, ShimError> {
+/// Layers that all read `x` as one matrix multiplication (`kernels.merged_projections`): each
+/// one's output columns in turn, as [`linear`] of their weights (`[out_i, in]`) and biases (one
+/// each or none) concatenated. The node keeps their joint cast for a step as it keeps a weight's
+/// ([`KeptCasts`]) and gives each weight its own gradient (or adds it into its sum, [`GemmSums`]).
+pub fn merged_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Result<Tensor, ShimError> {
+    call(x, weights, biases, false)
+}
+
+fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], gelu: bool) -> Result<Tensor, ShimError> {
     let mut y = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
-    let bias = bias.map_or(std::ptr::null(), |b| b.as_ptr().cast::<c_void>());
-    // SAFETY: the handles are live tensors (bias: or null); on success the shim hands over a
-    // tensor it allocated with `new`, which tch's Tensor owns and frees.
-    let code = unsafe { tg_linear(x.as_ptr().cast(), weight.as_ptr().cast(), bias, c_int::from(gelu), &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
+    let weights: Vec<*const c_void> = weights.iter().map(|w| w.as_ptr().cast::<c_void>()).collect();
+    let biases: Vec<*const c_void> = biases.iter().map(|b| b.as_ptr().cast::<c_void>()).collect();
+    // SAFETY: the handles are live tensors, the arrays hold their counts; on success the shim
+    // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
+    let code = unsafe {
+        tg_linear(x.as_ptr().cast(), weights.as_ptr(), weights.len(), biases.as_ptr(), biases.len(), c_int::from(gelu), &mut y, err.as_mut_ptr().cast(), ERR_LEN)
+    };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(y.cast()) })
@@ -137,8 +148,9 @@ impl GemmSums {
         self.held
     }
 
-    /// Linear nodes made on this thread since the process began with an accumulator for their
-    /// weight's gradient (a checkpointed block's forward without a graph counts too).
+    /// Weights given to linear nodes made on this thread since the process began with an
+    /// accumulator for their gradient (each part of merged layers; a checkpointed block's forward
+    /// without a graph counts too).
     pub fn attached() -> u64 {
         // SAFETY: reads a thread-local counter.
         unsafe { tg_linear_sums_attached() }
@@ -381,5 +393,84 @@ pub(crate) mod tests {
             let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
             assert!(max_rel(&a, &want) < 1e-6, "{rows} x {cols} {kind:?}: {:e} from the fp64 sums", max_rel(&a, &want));
         }
+    }
+
+    /// Merged layers through one node: the output, x's gradient and each weight's and bias's
+    /// gradient are, bit for bit, those of the node over the weights concatenated (the path it
+    /// replaces: the joint GEMMs, then the concatenation's backward split); within a step's scope
+    /// their joint cast is kept and reused, made anew after a part changed in place; each weight's
+    /// gradient adds into its own sum in a GEMM of its rows.
+    #[test]
+    fn merged_layers_through_one_node_give_each_weight_its_gradient() {
+        let _emulation = CudaEmulation::start();
+        let wave = |shape: &[i64], k: f64, scale: f64| Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin() * scale;
+        let x = wave(&[2, 24, 32], 0.731, 1.5).set_requires_grad(true);
+        let ws: Vec<Tensor> = [(40, 0.37), (16, 0.41), (24, 0.29)].iter().map(|&(o, k)| wave(&[o, 32], k, 0.2).set_requires_grad(true)).collect();
+        let bs: Vec<Tensor> = [40, 16, 24].iter().map(|&o| wave(&[o], 2.3, 0.1).set_requires_grad(true)).collect();
+        let gy = wave(&[2, 24, 80], 0.513, 1.0);
+        let (w_refs, b_refs): (Vec<&Tensor>, Vec<&Tensor>) = (ws.iter().collect(), bs.iter().collect());
+        // y and the gradients of x, each weight and each bias, under bf16 autocast.
+        let run = |merged: bool, biases: bool| {
+            let b_used: &[&Tensor] = if biases { &b_refs } else { &[] };
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let y = match merged {
+                true => merged_linear(&x, &w_refs, b_used),
+                false => linear(&x, &Tensor::cat(&ws, 0), biases.then(|| Tensor::cat(&bs, 0)).as_ref()),
+            };
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            let y = y.unwrap();
+            let mut inputs = vec![&x];
+            inputs.extend(&w_refs);
+            inputs.extend(b_used);
+            let mut out = vec![y.detach()];
+            out.extend(Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)], &inputs, false, false));
+            out
+        };
+        for biases in [true, false] {
+            let (ours, joined) = (run(true, biases), run(false, biases));
+            assert_eq!(ours.len(), 2 + 3 + if biases { 3 } else { 0 }, "y, x's gradient, the weights' and the biases'");
+            for (i, (a, b)) in ours.iter().zip(&joined).enumerate() {
+                assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "bias {biases}: output {i}");
+                assert!(a.equal(b), "bias {biases}: output {i} differs by {:e}", max_rel(a, b));
+            }
+        }
+        // Kept: the second forward reuses the joint casts (weights, biases), a part changed in
+        // place is cast anew, and the result is that of casting afresh.
+        let scope = KeptCasts::start().unwrap();
+        let first = run(true, true);
+        assert_eq!(KeptCasts::held(), 2, "one joint cast for the weights, one for the biases");
+        let before = KeptCasts::reused();
+        let again = run(true, true);
+        assert_eq!(KeptCasts::reused() - before, 2, "both reused");
+        assert!(first.iter().zip(&again).all(|(a, b)| a.equal(b)));
+        let _ = tch::no_grad(|| ws[1].shallow_clone().f_add_scalar_(0.25).unwrap());
+        let before = KeptCasts::reused();
+        let changed = run(true, true);
+        assert_eq!(KeptCasts::reused() - before, 1, "the weights' joint cast made anew, the biases' reused");
+        drop(scope);
+        let fresh = run(true, true);
+        assert!(!changed[0].equal(&first[0]), "the change shows");
+        assert!(changed.iter().zip(&fresh).all(|(a, b)| a.equal(b)), "as cast afresh");
+        // Summed in the GEMMs: each weight's gradient added into its accumulator (its rows of
+        // the joint gradient: its own GEMM), none handed to autograd; the biases' as before.
+        let accs: Vec<Tensor> = ws.iter().map(|w| w.ones_like()).collect();
+        let sums = GemmSums::start(&ws, &accs).unwrap();
+        assert_eq!(sums.held(), 3);
+        crate::ffi::set_autocast(false, true, false).unwrap();
+        let y = merged_linear(&x, &w_refs, &b_refs).unwrap();
+        crate::ffi::set_autocast(false, false, false).unwrap();
+        let objective = (y.to_kind(Kind::Float) * &gy).sum(Kind::Float);
+        let mut inputs = vec![&x];
+        inputs.extend(&w_refs);
+        inputs.extend(&b_refs);
+        let g = Tensor::run_backward(&[&objective], &inputs, false, false);
+        drop(sums);
+        for i in 0..3 {
+            assert!(!g[1 + i].defined(), "weight {i}: no gradient handed to autograd");
+            let want = fresh[2 + i].f_add_scalar(1.0).unwrap();
+            assert!(max_rel(&accs[i], &want) < 1e-6, "weight {i}: the sum is 1 + its gradient ({:e} off)", max_rel(&accs[i], &want));
+            assert!(g[4 + i].equal(&fresh[5 + i]), "bias {i}");
+        }
+        assert!(g[0].equal(&fresh[1]), "x's gradient");
     }
 }

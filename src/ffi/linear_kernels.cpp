@@ -21,6 +21,13 @@
 // 744 MB moved and ~100 launches per micro-step (BENCHMARKS.md, "GPU checks on an H100, third
 // session": bf16 copies 2.9 ms of a 148 ms step of four micro-steps). Nothing else changes: the
 // same cast, so the same bits.
+// Layers that read the same input (Llama's q/k/v and gate/up, `kernels.merged_projections`) go
+// through one node as one GEMM: their weights are its parts, stacked by rows. The parts' joint
+// cast is kept as one tensor while casts are kept (made again in place by the refresh), where
+// concatenating the fp32 weights in each forward cost a concatenation, a cast of it and, in
+// backward, a joint gradient split and added into each part's (smollm2-135m: ~6 ms a step,
+// BENCHMARKS.md). In backward each part's gradient is its rows of the joint one, or its GEMM adds
+// into the part's accumulator (below).
 // Between tg_linear_sum_weight_grads(params, accumulators) and its end (a step's later
 // micro-steps, in CUDA graphs' mode all of them: `kernels.accumulate_in_gemm`) the node adds
 // each listed weight's gradient into its fp32 accumulator inside the GEMM (cuBLAS with beta = 1: `at::addmm` with an out_dtype, CUDA
@@ -60,7 +67,7 @@ thread_local uint64_t casts_reused = 0;
 
 // `t` in dtype `d`: the kept cast where there is one of this version, else a new one (kept while
 // keeping is on, where `t` is a parameter: a leaf that wants a gradient, not a tensor made anew
-// each forward, such as merged projections' concatenated weights, whose casts would pile up).
+// each forward, whose casts would pile up).
 at::Tensor cast_once(const at::Tensor& t, at::ScalarType d) {
   if (keeping_casts == 0 || t.scalar_type() == d || !t.is_leaf() || !t.requires_grad()) return t.to(d);
   auto it = kept_casts.find(t.unsafeGetTensorImpl());
@@ -73,6 +80,66 @@ at::Tensor cast_once(const at::Tensor& t, at::ScalarType d) {
   return cast;
 }
 
+// The joint casts of merged layers' weights kept on this thread while keeping is on, by their
+// first part: the parts (held), their versions when cast, and the joint cast (the parts' rows in
+// turn).
+struct KeptJoint {
+  std::vector<at::Tensor> sources;
+  std::vector<int64_t> versions;
+  at::Tensor cast;
+};
+thread_local std::unordered_map<const c10::TensorImpl*, KeptJoint> kept_joints;
+
+// Each part's rows of `joint` (a view of them), in turn.
+std::vector<at::Tensor> part_rows(const at::Tensor& joint, at::TensorList parts) {
+  std::vector<at::Tensor> rows;
+  int64_t at_row = 0;
+  for (const at::Tensor& p : parts) {
+    rows.push_back(joint.narrow(0, at_row, p.size(0)));
+    at_row += p.size(0);
+  }
+  return rows;
+}
+
+// `parts` (weights [out_i, in] or biases [out_i]) stacked by rows in dtype `d`: one kept joint
+// cast where the same parts are at the versions it was made of, else a new one (kept while
+// keeping is on and every part is a parameter, as cast_once keeps one).
+at::Tensor joint_cast(at::TensorList parts, at::ScalarType d) {
+  if (parts.size() == 1) return cast_once(parts[0], d);
+  const bool keep = keeping_casts != 0 && std::all_of(parts.begin(), parts.end(), [&](const at::Tensor& p) {
+    return p.scalar_type() != d && p.is_leaf() && p.requires_grad();
+  });
+  if (!keep) {
+    std::vector<at::Tensor> casts;
+    for (const at::Tensor& p : parts) casts.push_back(p.to(d));
+    return at::cat(casts, 0);
+  }
+  auto it = kept_joints.find(parts[0].unsafeGetTensorImpl());
+  if (it != kept_joints.end() && it->second.cast.scalar_type() == d && it->second.sources.size() == parts.size()) {
+    bool current = true;
+    for (size_t i = 0; i < parts.size() && current; ++i) {
+      current = it->second.sources[i].unsafeGetTensorImpl() == parts[i].unsafeGetTensorImpl() && it->second.versions[i] == parts[i]._version();
+    }
+    if (current) {
+      ++casts_reused;
+      return it->second.cast;
+    }
+  }
+  std::vector<int64_t> shape = parts[0].sizes().vec();
+  shape[0] = 0;
+  for (const at::Tensor& p : parts) shape[0] += p.size(0);
+  KeptJoint kept{{}, {}, at::empty(shape, parts[0].options().dtype(d))};
+  const std::vector<at::Tensor> rows = part_rows(kept.cast, parts);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    rows[i].copy_(parts[i]);
+    kept.sources.push_back(parts[i]);
+    kept.versions.push_back(parts[i]._version());
+  }
+  const at::Tensor cast = kept.cast;
+  kept_joints.insert_or_assign(parts[0].unsafeGetTensorImpl(), std::move(kept));
+  return cast;
+}
+
 // The accumulators the node adds weights' gradients into, by weight, while a scope set them on
 // this thread (tg_linear_sum_weight_grads): the weight (held, so its address is not reused) and
 // its accumulator.
@@ -81,7 +148,7 @@ struct SumTarget {
   at::Tensor acc;
 };
 thread_local std::unordered_map<const c10::TensorImpl*, SumTarget> sum_targets;
-thread_local uint64_t sums_attached = 0;  // nodes made here with an accumulator (tests)
+thread_local uint64_t sums_attached = 0;  // weights given to nodes made here with an accumulator (tests)
 // Scopes are numbered; `live_scope` is the open one's (0: none). A node whose backward runs
 // after its scope ended (a graph kept past the step) computes its gradient as usual instead of
 // adding into stale sums. Read in backward, on autograd's device thread: hence atomic.
@@ -139,21 +206,33 @@ bool adds_in_gemm(const at::Tensor& acc, at::ScalarType d) {
   return !acc.is_cuda() || ((d == at::kBFloat16 || d == at::kHalf) && gemm_adds_known(d).load() == 1);
 }
 
+// dyᵀ · xd as an fp32 weight gradient: on CUDA the GEMM writes fp32; where our kernels run on the
+// host (tests), the GEMM in D cast to fp32, as autocast computes it.
+at::Tensor weight_grad(const at::Tensor& dy, const at::Tensor& xd) {
+  return dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
+}
+
 struct LinearNode : public torch::autograd::Function<LinearNode> {
-  // x [rows, in] (fp32 or D); w [out, in] fp32; b [out] (any float dtype) or none; y [rows, out] in D
-  // (with `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                                                const std::optional<at::Tensor>& b, at::ScalarType d, bool gelu) {
+  // x [rows, in] (fp32 or D); ws: the weights [out_i, in] fp32, one or the parts of merged layers;
+  // bs: their biases [out_i] (any float dtype), one each or none; y [rows, Σ out_i] in D (with
+  // `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList ws, at::TensorList bs,
+                                                at::ScalarType d, bool gelu) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor xd = x.to(d), wd = cast_once(w, d);
-    const at::Tensor y = b.has_value() ? at::addmm(cast_once(*b, d), xd, wd.t()) : at::mm(xd, wd.t());
+    const at::Tensor xd = x.to(d), wd = joint_cast(ws, d);
+    const at::Tensor y = bs.empty() ? at::mm(xd, wd.t()) : at::addmm(joint_cast(bs, d), xd, wd.t());
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["with_bias"] = b.has_value();
+    ctx->saved_data["with_bias"] = !bs.empty();
     ctx->saved_data["gelu"] = gelu;
-    if (const at::Tensor acc = sum_target(w); acc.defined() && adds_in_gemm(acc, d)) {
-      ctx->saved_data["sum_into"] = acc;
-      ctx->saved_data["sum_scope"] = static_cast<int64_t>(live_scope.load());
-      ++sums_attached;
+    std::vector<int64_t> rows;
+    for (const at::Tensor& w : ws) rows.push_back(w.size(0));
+    ctx->saved_data["rows"] = rows;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      if (const at::Tensor acc = sum_target(ws[i]); acc.defined() && adds_in_gemm(acc, d)) {
+        ctx->saved_data["sum_into_" + std::to_string(i)] = acc;
+        ctx->saved_data["sum_scope"] = static_cast<int64_t>(live_scope.load());
+        ++sums_attached;
+      }
     }
     if (!gelu) {
       ctx->save_for_backward({xd, wd});
@@ -169,10 +248,16 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &xd = saved[0], &wd = saved[1];
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const std::vector<int64_t> rows = ctx->saved_data["rows"].toIntVector();
+    const size_t parts = rows.size(), biases = ctx->saved_data["with_bias"].toBool() ? parts : 0;
+    // One gradient for x, each weight and each bias, and none for the dtype and the GELU switch.
+    torch::autograd::variable_list out(1 + parts + biases + 2);
+    if (!grads[0].defined()) return out;
     at::Tensor dy = grads[0].to(xd.scalar_type()).contiguous();
-    at::Tensor dx, dw, db;
-    if (ctx->saved_data["with_bias"].toBool() && ctx->needs_input_grad(2)) db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
+    bool bias_wanted = false;
+    for (size_t i = 0; i < biases; ++i) bias_wanted = bias_wanted || ctx->needs_input_grad(1 + parts + i);
+    at::Tensor db;
+    if (bias_wanted) db = at::empty({dy.size(1)}, dy.options().dtype(at::kFloat));
     if (ctx->saved_data["gelu"].toBool()) {
       // The GELU's gradient and the bias's in one pass (dy read once where ATen's gelu_backward
       // and the column sums read it and then dh), where the kernel can take the rows.
@@ -186,20 +271,37 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     } else if (db.defined()) {
       trainguard::cuda_column_sum(dy, db);
     }
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
-    if (ctx->needs_input_grad(1)) {
-      // Added into the step's accumulator where a scope named one (autograd then gets none).
-      auto into = ctx->saved_data.find("sum_into");
-      const uint64_t scope = into == ctx->saved_data.end() ? 0 : static_cast<uint64_t>(ctx->saved_data.at("sum_scope").toInt());
-      const bool live = scope != 0 && scope == live_scope.load();
-      if (live) {
-        at::Tensor acc = into->second.toTensor();
-        add_weight_grad(acc, dy, xd);
-      } else {
-        dw = dy.is_cuda() ? at::mm(dy.t(), xd, at::kFloat) : at::mm(dy.t(), xd).to(at::kFloat);
-      }
+    if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wd).to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
+    // Each part's weight gradient: added into the step's accumulator where a scope named one
+    // (autograd then gets none), else its rows of the joint gradient (one GEMM for the parts
+    // that want one, where none adds; a GEMM each otherwise).
+    auto scope_entry = ctx->saved_data.find("sum_scope");
+    const uint64_t scope = scope_entry == ctx->saved_data.end() ? 0 : static_cast<uint64_t>(scope_entry->second.toInt());
+    const bool live = scope != 0 && scope == live_scope.load();
+    std::vector<at::Tensor> accs(parts);
+    bool any_adds = false, all_want = true;
+    for (size_t i = 0; i < parts; ++i) {
+      auto into = ctx->saved_data.find("sum_into_" + std::to_string(i));
+      if (live && into != ctx->saved_data.end()) accs[i] = into->second.toTensor();
+      any_adds = any_adds || accs[i].defined();
+      all_want = all_want && ctx->needs_input_grad(1 + i);
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
+    const at::Tensor joint_dw = !any_adds && all_want ? weight_grad(dy, xd) : at::Tensor();
+    int64_t at_row = 0;
+    for (size_t i = 0; i < parts; ++i) {
+      const int64_t n = rows[i];
+      if (ctx->needs_input_grad(1 + i)) {
+        const at::Tensor dy_i = parts == 1 ? dy : dy.narrow(1, at_row, n);
+        if (accs[i].defined()) {
+          add_weight_grad(accs[i], dy_i, xd);
+        } else {
+          out[1 + i] = joint_dw.defined() ? (parts == 1 ? joint_dw : joint_dw.narrow(0, at_row, n)) : weight_grad(dy_i, xd);
+        }
+      }
+      if (i < biases && ctx->needs_input_grad(1 + parts + i)) out[1 + parts + i] = parts == 1 ? db : db.narrow(0, at_row, n);
+      at_row += n;
+    }
+    return out;
   }
 };
 }  // namespace
@@ -213,6 +315,7 @@ void tg_linear_keep_casts(int open) {
   if (keeping_casts <= 0) {
     keeping_casts = 0;
     kept_casts.clear();
+    kept_joints.clear();
   }
 }
 
@@ -231,15 +334,24 @@ int tg_linear_refresh_casts(char* err, size_t err_len) {
       std::vector<at::Tensor> casts, sources;
     };
     std::vector<Group> groups;
-    for (auto& entry : kept_casts) {
-      const auto key = std::make_tuple(entry.second.cast.device(), entry.second.source.scalar_type(), entry.second.cast.scalar_type());
+    auto add = [&](const at::Tensor& cast, const at::Tensor& source) {
+      const auto key = std::make_tuple(cast.device(), source.scalar_type(), cast.scalar_type());
       auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) { return x.key == key; });
       if (g == groups.end()) g = groups.insert(groups.end(), Group{key, {}, {}});
-      g->casts.push_back(entry.second.cast);
-      g->sources.push_back(entry.second.source);
+      g->casts.push_back(cast);
+      g->sources.push_back(source);
+    };
+    for (auto& entry : kept_casts) add(entry.second.cast, entry.second.source);
+    // A joint cast's parts are copied into their rows of it.
+    for (auto& entry : kept_joints) {
+      const std::vector<at::Tensor> rows = part_rows(entry.second.cast, entry.second.sources);
+      for (size_t i = 0; i < rows.size(); ++i) add(rows[i], entry.second.sources[i]);
     }
     for (auto& g : groups) at::_foreach_copy_(g.casts, g.sources);
     for (auto& entry : kept_casts) entry.second.version = entry.second.source._version();
+    for (auto& entry : kept_joints) {
+      for (size_t i = 0; i < entry.second.sources.size(); ++i) entry.second.versions[i] = entry.second.sources[i]._version();
+    }
   });
 }
 
@@ -284,7 +396,8 @@ void tg_linear_end_weight_grad_sums(uint64_t scope) {
   sum_targets.clear();
 }
 
-// Nodes made on this thread so far with an accumulator for their weight's gradient (tests).
+// Weights given to nodes made on this thread so far with an accumulator for their gradient
+// (tests; a merged layers' node counts each part that has one).
 uint64_t tg_linear_sums_attached() { return sums_attached; }
 
 // For tests: cuda_column_sum(dy, out).
@@ -302,45 +415,60 @@ int tg_linear_test_gelu_backward(const void* da, const void* h, void* dh, void* 
   });
 }
 
-// Casts held on this thread now (tests).
-size_t tg_linear_casts_held() { return kept_casts.size(); }
+// Casts held on this thread now, a merged layers' joint cast one (tests).
+size_t tg_linear_casts_held() { return kept_casts.size() + kept_joints.size(); }
 
 // The kept casts' addresses, ascending, into `out` (up to `n`; tests: a refresh keeps them).
 size_t tg_linear_casts_addresses(uintptr_t* out, size_t n) {
   std::vector<uintptr_t> all;
   for (const auto& entry : kept_casts) all.push_back(reinterpret_cast<uintptr_t>(entry.second.cast.data_ptr()));
+  for (const auto& entry : kept_joints) all.push_back(reinterpret_cast<uintptr_t>(entry.second.cast.data_ptr()));
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i < all.size() && i < n; ++i) out[i] = all[i];
   return all.size();
 }
 
-// x [..., in] · weightᵀ [in, out] (+ bias [out]; null: none), then GELU of it where `gelu` is 1:
-// `*y_out` is a new tensor tch takes over. Through our node where our kernels run and autocast is
-// on for x's device with a 16-bit dtype, the weight fp32; through ATen's linear (autocast's, when
-// it is on) otherwise.
-int tg_linear(const void* x, const void* weight, const void* bias, int gelu, void** y_out, char* err, size_t err_len) {
+// x [..., in] · weightᵀ [in, out] (+ bias [out]), then GELU of it where `gelu` is 1: `*y_out` is
+// a new tensor tch takes over. `weights` (tch handles, `n_weights` of them) are one layer's weight
+// or the parts of merged layers that read x, whose outputs come in turn; `biases` their biases,
+// one each or none (`n_biases` 0). Through our node where our kernels run and autocast is on for
+// x's device with a 16-bit dtype, the weights fp32; through ATen's linear (autocast's, when it is
+// on) of the parts concatenated otherwise.
+int tg_linear(const void* x, const void* const* weights, size_t n_weights, const void* const* biases, size_t n_biases, int gelu, void** y_out,
+              char* err, size_t err_len) {
   *y_out = nullptr;
   return trainguard::guarded(err, err_len, [&] {
     const auto& xt = *static_cast<const at::Tensor*>(x);
-    const auto& w = *static_cast<const at::Tensor*>(weight);
-    const at::Tensor b = bias != nullptr ? *static_cast<const at::Tensor*>(bias) : at::Tensor();
-    if (xt.dim() < 1 || w.dim() != 2 || w.size(1) != xt.size(-1)) throw std::invalid_argument("linear: weight must be [out, in] for inputs [..., in]");
-    if (b.defined() && (b.dim() != 1 || b.size(0) != w.size(0))) throw std::invalid_argument("linear: bias must be [out]");
+    std::vector<at::Tensor> ws, bs;
+    for (size_t i = 0; i < n_weights; ++i) ws.push_back(*static_cast<const at::Tensor*>(weights[i]));
+    for (size_t i = 0; i < n_biases; ++i) bs.push_back(*static_cast<const at::Tensor*>(biases[i]));
+    if (ws.empty()) throw std::invalid_argument("linear: no weight");
+    if (!bs.empty() && bs.size() != ws.size()) throw std::invalid_argument("linear: merged layers must all have a bias or none");
+    int64_t out_features = 0;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const at::Tensor& w = ws[i];
+      if (xt.dim() < 1 || w.dim() != 2 || w.size(1) != xt.size(-1)) throw std::invalid_argument("linear: weight must be [out, in] for inputs [..., in]");
+      if (w.scalar_type() != ws[0].scalar_type() || w.device() != ws[0].device()) throw std::invalid_argument("linear: merged layers' weights must share a dtype and device");
+      if (!bs.empty() && (bs[i].dim() != 1 || bs[i].size(0) != w.size(0))) throw std::invalid_argument("linear: bias must be [out]");
+      out_features += w.size(0);
+    }
     const c10::DeviceType type = xt.device().type();
     const bool autocast = at::autocast::is_autocast_enabled(type);
     const at::ScalarType d = autocast ? at::autocast::get_autocast_dtype(type) : xt.scalar_type();
-    const bool ours = autocast && (d == at::kBFloat16 || d == at::kHalf) && trainguard::runs_cuda_kernels(xt) && w.scalar_type() == at::kFloat &&
-                      (xt.scalar_type() == at::kFloat || xt.scalar_type() == d) && w.device() == xt.device() && xt.numel() > 0;
+    const at::Tensor& w0 = ws[0];
+    const bool ours = autocast && (d == at::kBFloat16 || d == at::kHalf) && trainguard::runs_cuda_kernels(xt) && w0.scalar_type() == at::kFloat &&
+                      (xt.scalar_type() == at::kFloat || xt.scalar_type() == d) && w0.device() == xt.device() && xt.numel() > 0;
     at::Tensor y;
     if (ours) {
       // Flattened outside the node, so autograd carries the gradient back through the view.
       const at::Tensor x2 = xt.reshape({-1, xt.size(-1)}).contiguous();
-      const std::optional<at::Tensor> b_opt = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
       std::vector<int64_t> shape(xt.sizes().begin(), xt.sizes().end());
-      shape.back() = w.size(0);
-      y = LinearNode::apply(x2, w, b_opt, d, gelu != 0)[0].view(shape);
+      shape.back() = out_features;
+      y = LinearNode::apply(x2, at::TensorList(ws), at::TensorList(bs), d, gelu != 0)[0].view(shape);
     } else {
-      y = at::linear(xt, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+      const at::Tensor w = ws.size() == 1 ? w0 : at::cat(ws, 0);
+      const std::optional<at::Tensor> b = bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs.size() == 1 ? bs[0] : at::cat(bs, 0));
+      y = at::linear(xt, w, b);
       if (gelu != 0) y = at::gelu(y);
     }
     *y_out = new at::Tensor(y);

@@ -39,17 +39,21 @@ impl Linear {
 }
 
 /// `x` through the linear layers `layers` that all read it, as one matrix multiplication
-/// (`kernels.merged_projections`): their weights (and biases) concatenated in order, so the
-/// output holds each layer's columns in turn.
+/// (`kernels.merged_projections`): their weights (and biases) stacked in order, so the output
+/// holds each layer's columns in turn. Through our node (where any layer's is on), which keeps
+/// the stacked cast for a step and gives each weight its own gradient; else ATen's linear of the
+/// weights concatenated.
 pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Tensor, TchError> {
     let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
     let biases: Vec<&Tensor> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
-    let bias = match biases.len() {
-        0 => None,
-        n if n == layers.len() => Some(Tensor::f_cat(&biases, 0)?),
-        _ => return Err(TchError::Torch("merged_linear: the layers must all have a bias or none".into())),
-    };
-    linear(x, &Tensor::f_cat(&weights, 0)?, bias.as_ref(), layers.iter().any(|l| l.ours))
+    if !biases.is_empty() && biases.len() != layers.len() {
+        return Err(TchError::Torch("merged_linear: the layers must all have a bias or none".into()));
+    }
+    if layers.iter().any(|l| l.ours) {
+        return Ok(crate::ffi::linear::merged_linear(x, &weights, &biases)?);
+    }
+    let bias = (!biases.is_empty()).then(|| Tensor::f_cat(&biases, 0)).transpose()?;
+    x.f_linear(&Tensor::f_cat(&weights, 0)?, bias.as_ref())
 }
 
 /// Each of `layers`' columns of their merged output `y` (views of it, whose gradients

@@ -195,6 +195,16 @@ mod tests {
         (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
     }
 
+    /// A Llama of the same size with merged projections through the linear node; the casts a
+    /// forward makes: per block o, down and the joint q/k/v and gate/up casts, and the head's.
+    fn merged_llama_with(kernels: crate::config::KernelsConfig) -> (ModelConfig, Model, Corpus, u64) {
+        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: false, ..ModelConfig::default() };
+        let cfg = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), ..cfg };
+        let model = Model::with_kernels(&cfg, crate::config::KernelsConfig { merged_projections: true, ..kernels }, 3, Device::Cpu).unwrap();
+        let casts = 4 * cfg.n_layer as u64 + 1;
+        (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
+    }
+
     /// Under bf16 autocast the linear node (its kernels emulated) casts each weight and bias
     /// once per step: a step's later micro-steps reuse the first's casts, with the same loss and
     /// gradients to the bit as casting afresh; a weight changed in place is cast again; the casts
@@ -251,16 +261,22 @@ mod tests {
         crate::ffi::set_autocast(false, false, false).unwrap();
         assert_ne!(first, changed, "the change shows");
         assert_eq!(changed, recast, "as cast afresh");
-        // Merged projections concatenate their weights anew in each forward: those casts are not
-        // kept (they would pile up, one set a micro-step), the parameters' are.
+        // Merged projections' joint casts are kept as the parameters' are: one set, which the
+        // second forward reuses whole.
         let llama = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..cfg };
         let merged = Model::with_kernels(&llama, KernelsConfig { fused_linear: true, merged_projections: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
         let _scope = KeptCasts::start().unwrap();
         crate::ffi::set_autocast(false, true, false).unwrap();
-        let held: Vec<usize> = (0..2).map(|_| merged.loss(&x, &y, false, None).map(|_| KeptCasts::held()).unwrap()).collect();
+        let held_reused: Vec<(usize, u64)> = (0..2)
+            .map(|_| {
+                let before = KeptCasts::reused();
+                merged.loss(&x, &y, false, None).map(|_| (KeptCasts::held(), KeptCasts::reused() - before)).unwrap()
+            })
+            .collect();
         crate::ffi::set_autocast(false, false, false).unwrap();
-        // Per block o and down, and the (tied) head.
-        assert_eq!(held, [2 * llama.n_layer + 1; 2]);
+        // Per block o and down, the joint q/k/v and gate/up, and the (tied) head.
+        let kept = 4 * llama.n_layer + 1;
+        assert_eq!(held_reused, [(kept, 0), (kept, kept as u64)]);
     }
 
     /// In CUDA graphs' mode the linear node's casts are kept for the run (a captured micro-step
@@ -268,12 +284,14 @@ mod tests {
     /// half through a raw pointer that no version counter sees (as our CUDA optimizers write
     /// them), half by ATen's in-place op, each step still gives, to the bit, what a thread that
     /// casts afresh every step gives, a step the guard escalated outside the graphs (which drops
-    /// them and their casts) included.
+    /// them and their casts) included. GPT-2, and a Llama whose merged layers' joint casts are
+    /// made again part by part.
     #[test]
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
-        fn steps(graphs: bool) -> Vec<(f64, Vec<Tensor>)> {
+        fn steps(graphs: bool, merged: bool) -> Vec<(f64, Vec<Tensor>)> {
             let _emulation = CudaEmulation::start();
-            let (_, model, corpus, casts) = linear_node_gpt2();
+            let kernels = crate::config::KernelsConfig { fused_linear: true, ..crate::config::KernelsConfig::aten() };
+            let (_, model, corpus, casts) = if merged { merged_llama_with(kernels) } else { linear_node_gpt2_with(kernels) };
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let mut mode = MicroGraphs::new(graphs);
             let mut out = Vec::new();
@@ -314,12 +332,14 @@ mod tests {
             assert_eq!(KeptCasts::held(), 0, "freed with the graphs");
             out
         }
-        // Each on its own thread: the casts are kept per thread.
-        let eager = std::thread::spawn(|| steps(false)).join().unwrap();
-        let graphed = std::thread::spawn(|| steps(true)).join().unwrap();
-        for (step, ((la, ga), (lb, gb))) in graphed.iter().zip(&eager).enumerate() {
-            assert_eq!(la.to_bits(), lb.to_bits(), "step {step}: loss");
-            assert!(ga.iter().zip(gb).all(|(a, b)| a.equal(b)), "step {step}: a gradient differs");
+        for merged in [false, true] {
+            // Each on its own thread: the casts are kept per thread.
+            let eager = std::thread::spawn(move || steps(false, merged)).join().unwrap();
+            let graphed = std::thread::spawn(move || steps(true, merged)).join().unwrap();
+            for (step, ((la, ga), (lb, gb))) in graphed.iter().zip(&eager).enumerate() {
+                assert_eq!(la.to_bits(), lb.to_bits(), "merged {merged}, step {step}: loss");
+                assert!(ga.iter().zip(gb).all(|(a, b)| a.equal(b)), "merged {merged}, step {step}: a gradient differs");
+            }
         }
     }
 
@@ -336,22 +356,31 @@ mod tests {
         let kernels = |on: bool| KernelsConfig { fused_linear: true, accumulate_in_gemm: on, ..KernelsConfig::aten() };
         // Four weights a block and the (tied) head's go through the node.
         let weights = 4 * 2 + 1;
-        let tied = linear_node_gpt2().1.params.names.iter().position(|n| n == "wte.weight").unwrap();
-        let step = |on: bool, graphs: bool, savers: Savers| {
-            let (_, model, corpus, _) = linear_node_gpt2_with(kernels(on));
+        let step = |on: bool, graphs: bool, savers: Savers, merged: bool| {
+            let (_, model, corpus, _) = if merged { merged_llama_with(kernels(on)) } else { linear_node_gpt2_with(kernels(on)) };
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let before = GemmSums::attached();
             crate::ffi::set_autocast(false, true, false).unwrap();
             let out = forward_backward(&model, &data, 4, 2, &savers, 1.0, &mut MicroGraphs::new(graphs), &mut Progress::default());
             crate::ffi::set_autocast(false, false, false).unwrap();
             let (grads, loss) = out.unwrap();
-            (grads, loss, GemmSums::attached() - before)
+            let tied = model.params.names.iter().position(|n| n == "wte.weight" || n == "model.embed_tokens.weight").unwrap();
+            (grads, loss, GemmSums::attached() - before, tied)
         };
         let plain = Savers::default();
         let savers = Savers { checkpoint_every: 1, loss_chunk_tokens: Some(16), ..plain };
-        for (what, graphs, s, attached) in [("plain", false, plain, 3 * weights), ("graphs' mode", true, plain, 4 * weights), ("savers", false, savers, 0)] {
-            let (want, want_loss, none) = step(false, graphs, s);
-            let (got, got_loss, n) = step(true, graphs, s);
+        // A merged Llama's block: q, k and v through one node, o, gate and up through one, down.
+        let merged_weights = 7 * 2 + 1;
+        let cases = [
+            ("plain", false, plain, 3 * weights, false),
+            ("graphs' mode", true, plain, 4 * weights, false),
+            ("savers", false, savers, 0, false),
+            ("merged, plain", false, plain, 3 * merged_weights, true),
+            ("merged, graphs' mode", true, plain, 4 * merged_weights, true),
+        ];
+        for (what, graphs, s, attached, merged) in cases {
+            let (want, want_loss, none, tied) = step(false, graphs, s, merged);
+            let (got, got_loss, n, _) = step(true, graphs, s, merged);
             assert_eq!(none, 0, "{what}: switched off, nothing is added in the node");
             // Checkpointing runs each block's forward twice (without and with its graph).
             assert!(if attached > 0 { n == attached } else { n > 0 }, "{what}: {n} nodes added into a sum");
