@@ -473,13 +473,15 @@ pub struct KernelsConfig {
     pub cuda_graphs: bool,
     /// The Llama family's q, k and v projections as one matrix multiplication, and gate and up
     /// as another: their weights (kept as `transformers`' separate tensors, so checkpoints,
-    /// imports and exports do not change) are concatenated in each forward (a checkpointed
-    /// block's recomputation included). Each reads the
+    /// imports and exports do not change) are the parts of one GEMM. Under a 16-bit autocast
+    /// with `fused_linear` our node casts them into one matrix kept for the step and gives each
+    /// part its gradient; otherwise they are concatenated in each forward (a checkpointed
+    /// block's recomputation included) and the joint gradient split. Each reads the
     /// norm's output once, in one GEMM with the widths added (smollm2-135m: 960 columns where
     /// k's and v's were 192 each), and backward takes the input's gradient in one GEMM where
-    /// three (two) ran and their results were added. What it costs: the concatenation (the
-    /// weights, once per forward; under autocast also its 16-bit cast, where autocast casts the
-    /// separate weights once a step) and, backward, the joining of the parts' gradients. The
+    /// three (two) ran and their results were added. What it costs: without our node the
+    /// concatenation and its cast in each forward; backward, the joining of the outputs'
+    /// gradients (which the SwiGLU and RoPE nodes avoid). The
     /// same maths (the sums' order differs in the last bits). Any device. On by default since an
     /// H100 measured smollm2-135m bf16-mixed 1.053× faster with the SwiGLU and RoPE nodes (whose
     /// kernels read the joint outputs' parts in place; without them the parts are copied out and
