@@ -584,7 +584,7 @@ fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does
 }
 
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
-    use trainguard::ffi::loss::{cross_entropy, weighted_cross_entropy};
+    use trainguard::ffi::loss::{cross_entropy, weighted_cross_entropy, Gradient};
     tch::manual_seed(4);
     // Columns [pad, pad + 47) are −inf; the last 13 are real, and every third row has its
     // largest logit (and every seventh its target) in the very last column, so a kernel that
@@ -617,17 +617,20 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
         // `kernels.fused_loss_gradient`: the gradient written over the logits in the forward's
         // one kernel is the two kernels' to the bit, in the logits' own memory, and the loss is
         // the same.
-        let in_forward = |device: Device| -> (f64, Tensor, bool) {
-            let leaf = start.to_kind(kind).to_device(device).copy().set_requires_grad(true); // a leaf of its own
-            let fresh = &leaf * 1.0;
-            let (handle, at) = (fresh.shallow_clone(), fresh.data_ptr());
-            let loss = weighted_cross_entropy(fresh, &targets.to_device(device), true, 1.0, true).unwrap();
-            let g = Tensor::f_run_backward(&[&loss], &[&handle], false, false).unwrap().remove(0);
-            (loss.double_value(&[]), g.to_device(Device::Cpu), g.data_ptr() == at)
-        };
-        let (lf, gf, in_place) = target.run(2, in_forward); // forward with gradient, the rescale check
-        assert!(lf == lg && gf.equal(&gg), "{kind:?}: the gradient written in the forward differs from the two kernels'");
-        assert!(in_place, "{kind:?}: the gradient is the logits' memory");
+        // A block a row, and 1 and 2 blocks per SM walking the rows (`kernels.loss_blocks_per_sm`).
+        for blocks_per_sm in [0, 1, 2] {
+            let in_forward = |device: Device| -> (f64, Tensor, bool) {
+                let leaf = start.to_kind(kind).to_device(device).copy().set_requires_grad(true); // a leaf of its own
+                let fresh = &leaf * 1.0;
+                let (handle, at) = (fresh.shallow_clone(), fresh.data_ptr());
+                let loss = weighted_cross_entropy(fresh, &targets.to_device(device), true, 1.0, Gradient::InForward { blocks_per_sm }).unwrap();
+                let g = Tensor::f_run_backward(&[&loss], &[&handle], false, false).unwrap().remove(0);
+                (loss.double_value(&[]), g.to_device(Device::Cpu), g.data_ptr() == at)
+            };
+            let (lf, gf, in_place) = target.run(2, in_forward); // forward with gradient, the rescale check
+            assert!(lf == lg && gf.equal(&gg), "{kind:?}, {blocks_per_sm} blocks per SM: the gradient written in the forward differs from the two kernels'");
+            assert!(in_place, "{kind:?}: the gradient is the logits' memory");
+        }
     }
     let bad = Tensor::from_slice(&[0i64, cols, 3]);
     let nan = target.run(1, |dev| cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true).unwrap().double_value(&[]));

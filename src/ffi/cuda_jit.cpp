@@ -253,6 +253,9 @@ struct Loaded {
   void* adafactor_coef = nullptr;
   void* ln_param_sum = nullptr;
   void* col_sum_finish = nullptr;
+  // The device's streaming multiprocessors (2 for the host emulation: a grid sized by them
+  // still walks several rows a block there).
+  long long multiprocessors = 0;
 };
 
 std::mutex loaded_lock;
@@ -339,6 +342,7 @@ const Loaded& emulated() {
   static const Loaded k = [] {
     Loaded e;
     look_up(e, [](void** out, const std::string& name) { *out = trainguard::emulated_kernel(name); });
+    e.multiprocessors = 2;
     return e;
   }();
   return k;
@@ -462,7 +466,8 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
   launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
 }
 
-void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale) {
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale,
+                                     int blocks_per_sm) {
   long long rows = x.size(0), cols = x.size(1);
   if (rows == 0) return;
   const int d = dtype_index(x.scalar_type(), "cross_entropy");
@@ -471,9 +476,11 @@ void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at
   void* lp = lse.data_ptr();
   void* op = loss.data_ptr();
   const void* sp = grad_scale.data_ptr();
-  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols};
   const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", rows, 1, args);
+  // A block a row, or a few blocks per SM walking the rows.
+  long long grid = blocks_per_sm > 0 ? std::min(rows, blocks_per_sm * launch.kernels().multiprocessors) : rows;
+  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols, &rows, &grid};
+  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", grid, 1, args);
 }
 
 void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor) {
@@ -737,6 +744,9 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     check_cu(cu.attribute(&major, 75, device), "cuDeviceGetAttribute(compute capability major)");
     check_cu(cu.attribute(&minor, 76, device), "cuDeviceGetAttribute(compute capability minor)");
     Loaded k;
+    int multiprocessors = 0;
+    check_cu(cu.attribute(&multiprocessors, 16, device), "cuDeviceGetAttribute(multiprocessor count)");
+    k.multiprocessors = multiprocessors;
     check_cu(cu.primary_ctx_retain(&k.ctx, device), "cuDevicePrimaryCtxRetain");
     ContextScope scope(k.ctx);
     const std::string cubin = compile(src, major, minor);

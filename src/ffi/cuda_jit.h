@@ -41,8 +41,10 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
 // Forward and backward in one launch (`kernels.fused_loss_gradient`): lse and loss as the
 // forward, then the gradient for `grad_scale` written over `x`. And that gradient times the
 // fp32 0-dim `factor` where it is not 1 (a backward given another loss gradient than the one
-// the forward assumed); blocks return at once where it is 1.
-void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale);
+// the forward assumed); blocks return at once where it is 1. The first launches a block a row,
+// or with `blocks_per_sm` > 0 that many blocks per streaming multiprocessor, each walking rows.
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale,
+                                     int blocks_per_sm);
 void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor);
 
 // The CUDA side of the residual norm's autograd node (norm_kernels.cpp; `rms`: RMSNorm, else

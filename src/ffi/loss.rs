@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, weight: f64, grad_now: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, weight: f64, grad_now: c_int, blocks_per_sm: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cross_entropy_cpu_block_rows(cols: i64) -> i64;
 }
 
@@ -21,29 +21,50 @@ pub fn cpu_block_rows(cols: u64) -> u64 {
     unsafe { tg_cross_entropy_cpu_block_rows(cols as i64) as u64 }
 }
 
+/// Where the training loss's node computes the logits' gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gradient {
+    /// In its backward, a second pass over the logits.
+    InBackward,
+    /// In its forward, written over the logits (`kernels.fused_loss_gradient`). On CUDA its kernel
+    /// runs a block a row (`blocks_per_sm` 0) or that many blocks per streaming multiprocessor,
+    /// each walking rows (`kernels.loss_blocks_per_sm`: fewer rows in flight, so a row's second
+    /// read is likelier to come from L2). The same bits either way.
+    InForward { blocks_per_sm: u32 },
+}
+
+impl Gradient {
+    /// In the forward, a block a row.
+    pub const IN_FORWARD: Self = Self::InForward { blocks_per_sm: 0 };
+}
+
 /// Cross-entropy of `logits` `[…, v]` against int64 `targets` `[…]` (−100 ignored): the mean
 /// over the rows counted (`mean`) or the sum, as a 0-dim fp32 tensor whose backward reaches
 /// `logits`. A target outside `[0, v)` other than −100 makes the loss NaN.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mean: bool) -> Result<Tensor, ShimError> {
-    call(logits, targets, mean, 1.0, false)
+    call(logits, targets, mean, 1.0, Gradient::InBackward)
 }
 
 /// `weight` · [`cross_entropy`], for training: it takes the logits, and where autograd will want
-/// their gradient (grad mode on, `logits` requiring it) and `gradient_now` says so
+/// their gradient (grad mode on, `logits` requiring it) and `gradient` says so
 /// (`kernels.fused_loss_gradient`) it writes that gradient over them in this pass, for a
 /// backward from this loss (given 1); a backward given another gradient rescales it. Backward
 /// then reads nothing more and allocates nothing.
-pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weight: f64, gradient_now: bool) -> Result<Tensor, ShimError> {
-    call(&logits, targets, mean, weight, gradient_now)
+pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
+    call(&logits, targets, mean, weight, gradient)
 }
 
-fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient_now: bool) -> Result<Tensor, ShimError> {
+fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
+    let (now, blocks_per_sm) = match gradient {
+        Gradient::InBackward => (false, 0),
+        Gradient::InForward { blocks_per_sm } => (true, c_int::try_from(blocks_per_sm).unwrap_or(c_int::MAX)),
+    };
     // SAFETY: both handles are live tensors; the shim catches every exception and on success
     // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
     let code = unsafe {
-        tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), weight, c_int::from(gradient_now), &mut out, err.as_mut_ptr().cast(), ERR_LEN)
+        tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), weight, c_int::from(now), blocks_per_sm, &mut out, err.as_mut_ptr().cast(), ERR_LEN)
     };
     result(code, &err)?;
     // SAFETY: `out` is the non-null tensor the shim returned with code 0.
@@ -214,10 +235,10 @@ mod tests {
     /// is, as in training, a fresh tensor of its own), through the two-pass node or, with
     /// `gradient_now`, the one that writes the gradient over the logits. Also: whether the
     /// gradient came back in the logits' own memory.
-    fn weighted(x: &Tensor, t: &Tensor, mean: bool, weight: f64, gradient_now: bool, loss_gradient: f64) -> (Tensor, Tensor, bool) {
+    fn weighted(x: &Tensor, t: &Tensor, mean: bool, weight: f64, gradient: Gradient, loss_gradient: f64) -> (Tensor, Tensor, bool) {
         let fresh = x.detach().set_requires_grad(true) * 1.0;
         let (handle, logits_at) = (fresh.shallow_clone(), fresh.data_ptr());
-        let loss = weighted_cross_entropy(fresh, t, mean, weight, gradient_now).unwrap();
+        let loss = weighted_cross_entropy(fresh, t, mean, weight, gradient).unwrap();
         let g = Tensor::f_run_backward(&[&(&loss * loss_gradient)], &[&handle], false, false).unwrap().remove(0);
         let in_place = g.data_ptr() == logits_at;
         (loss.detach(), g, in_place)
@@ -230,7 +251,9 @@ mod tests {
     /// `kernels.fused_loss_gradient`: the gradient written over the logits in the forward is the
     /// two-pass node's to the bit (fp32, bf16 and fp16; mean and sum; ignored rows; rows in
     /// packs and not), on the CPU and through the CUDA kernels (emulated), in one kernel and
-    /// in the logits' own memory; and the weighted loss is the loss times the weight.
+    /// in the logits' own memory, a block a row or a grid of fewer blocks walking the 13 rows
+    /// (`kernels.loss_blocks_per_sm` 1 and 3 on the emulation's 2 multiprocessors: 2 and 6
+    /// blocks); and the weighted loss is the loss times the weight.
     #[test]
     fn the_gradient_written_in_the_forward_is_the_two_pass_nodes_to_the_bit() {
         for emulated in [false, true] {
@@ -239,8 +262,8 @@ mod tests {
                     let (x, t) = (logits(13, cols, kind), targets(13, cols));
                     let emulation = emulated.then(super::super::kernels::CudaEmulation::start);
                     let fused_before = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind)));
-                    let (l2, g2, in_place2) = weighted(&x, &t, mean, 0.375, false, 1.0);
-                    let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, true, 1.0);
+                    let (l2, g2, in_place2) = weighted(&x, &t, mean, 0.375, Gradient::InBackward, 1.0);
+                    let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, Gradient::IN_FORWARD, 1.0);
                     let what = format!("{kind:?}, {cols} columns, mean {mean}, emulated {emulated}");
                     if let Some(e) = &emulation {
                         let fused = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind))) - fused_before;
@@ -249,6 +272,10 @@ mod tests {
                     }
                     assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
                     assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
+                    for blocks_per_sm in [1, 3] {
+                        let (l, g, _) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm }, 1.0);
+                        assert!(same_bits(&l, &l1) && same_bits(&g, &g1), "{what}: {blocks_per_sm} blocks per SM walking the rows");
+                    }
                     // And what training computed before the weight moved into the node: the
                     // node's loss times the weight, its backward given the weight.
                     let (l0, g0) = {
@@ -282,7 +309,7 @@ mod tests {
             for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
                 let (x, t) = (logits(11, 48, kind), targets(11, 48));
                 let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
-                let (_, g, _) = weighted(&x, &t, true, 0.5, true, 1.0 / 3.0);
+                let (_, g, _) = weighted(&x, &t, true, 0.5, Gradient::IN_FORWARD, 1.0 / 3.0);
                 let (_, rg) = reference(&x, &t, true);
                 let rg = rg * (0.5 / 3.0);
                 let ulp = match kind {
@@ -306,7 +333,7 @@ mod tests {
             let (x, t) = (logits(4, 16, Kind::Float), targets(4, 16));
             let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
             let a = x.detach().set_requires_grad(true);
-            let loss = weighted_cross_entropy(a.tanh(), &t, true, 1.0, true).unwrap();
+            let loss = weighted_cross_entropy(a.tanh(), &t, true, 1.0, Gradient::IN_FORWARD).unwrap();
             let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
             assert!(err.contains("modified by an inplace operation"), "emulated {emulated}: {err}");
         }
@@ -320,12 +347,12 @@ mod tests {
         let (x, t) = (logits(6, 16, Kind::Float), targets(6, 16));
         let fresh = x.detach().copy().set_requires_grad(true);
         let kept = fresh.shallow_clone();
-        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, true).unwrap());
+        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, Gradient::IN_FORWARD).unwrap());
         assert!(same_bits(&kept, &x.detach()), "no gradient wanted: the logits are untouched");
         assert!((loss.double_value(&[]) - ours(&x, &t, true).0).abs() < 1e-6);
 
         let a = x.detach().set_requires_grad(true);
-        let loss = weighted_cross_entropy(&a * 1.0, &t, true, 1.0, true).unwrap();
+        let loss = weighted_cross_entropy(&a * 1.0, &t, true, 1.0, Gradient::IN_FORWARD).unwrap();
         let _ = Tensor::f_run_backward(&[&loss], &[&a], true, false).unwrap();
         let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
         assert!(err.contains("kernels.fused_loss_gradient: false"), "{err}");

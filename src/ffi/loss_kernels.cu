@@ -83,16 +83,15 @@ __device__ __forceinline__ void tg_ce_load_packs(const void* row, long long k0, 
   }
 }
 
-// Row blockIdx.x of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
+// Row `row` of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
 // (0 for an ignored target), written by thread 0; every thread of the block gets the row's
 // log-sum-exp back, after the row's target logit was read (so the row may be overwritten next).
 // The block's partial results merge in a fixed order: a butterfly within each warp, then the
 // warps in order, so every run gives the same bits.
 template <class D>
-__device__ __forceinline__ float ce_row(const typename D::T* x, const long long* target, float* lse, float* loss, long long cols) {
+__device__ __forceinline__ float ce_row(const typename D::T* x, const long long* target, float* lse, float* loss, long long cols, long long row) {
   __shared__ float part_m[TG_WARPS], part_s[TG_WARPS];
   __shared__ float row_lse;
-  const long long row = blockIdx.x;
   const typename D::T* xr = x + row * cols;
   float m = tg_neg_inf(), s = 0.0f;
   if (tg_packed_rows<typename D::T>(xr, cols)) {
@@ -146,15 +145,14 @@ __device__ __forceinline__ float ce_row(const typename D::T* x, const long long*
   return row_lse;
 }
 
-// Row blockIdx.x's gradient into `grad` (which may be `x` itself: each value is read before it
+// Row `row`'s gradient into `grad` (which may be `x` itself: each value is read before it
 // is written, by the thread that writes it): scale · (exp(x − lse) − [column = target]), where
 // scale is *grad_scale (the loss's gradient, divided by the counted rows for a mean) and 0 for
 // an ignored row. `backwards` walks the row from its end: right after the row was read front to
 // back, its last values are the likeliest still in L2.
 template <class D>
 __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long long* target, float row_lse, const float* grad_scale,
-                                            typename D::T* grad, long long cols, bool backwards) {
-  const long long row = blockIdx.x;
+                                            typename D::T* grad, long long cols, long long row, bool backwards) {
   const long long t = target[row];
   const float scale = t == TG_CE_IGNORE ? 0.0f : *grad_scale;
   const typename D::T* xr = x + row * cols;
@@ -207,19 +205,26 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
 // writes the gradient over the logits (`kernels.fused_loss_gradient`: the row is read twice,
 // the second time mostly from L2, where the two kernels read it three times and write a
 // separate gradient), with the rescaling for a backward given another loss gradient than 1.
+// The one kernel walks rows blockIdx.x, + stride, … below `rows`: a block a row where the grid
+// is as long as the rows (stride = rows), or a grid of a few blocks per SM
+// (`kernels.loss_blocks_per_sm`), which keeps fewer rows in flight so that a row's second read
+// is likelier to find it still in L2.
 #define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
-    ce_row<D>(x, target, lse, loss, cols);                                                                          \
+    ce_row<D>(x, target, lse, loss, cols, blockIdx.x);                                                              \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_backward_##SUFFIX(                                             \
       const D::T* x, const long long* target, const float* lse, const float* grad_scale, D::T* grad, long long cols) { \
-    ce_gradient<D>(x, target, lse[blockIdx.x], grad_scale, grad, cols, false);                                      \
+    ce_gradient<D>(x, target, lse[blockIdx.x], grad_scale, grad, cols, blockIdx.x, false);                          \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_forward_grad_##SUFFIX(                                         \
-      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols) {          \
-    const float row_lse = ce_row<D>(x, target, lse, loss, cols);                                                    \
-    ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, true);                                                  \
+      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols,           \
+      long long rows, long long stride) {                                                                            \
+    for (long long row = blockIdx.x; row < rows; row += stride) {                                                    \
+      const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);                                              \
+      ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);                                            \
+    }                                                                                                                \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_scale_grad_##SUFFIX(D::T* grad, const long long* target, const float* factor, long long cols) {          \

@@ -83,8 +83,8 @@ pub struct Model {
     /// `kernels.fused_cross_entropy`: the loss as our own autograd node.
     fused_loss: bool,
     /// `kernels.fused_loss_gradient`: in training that node writes the logits' gradient in its
-    /// forward.
-    loss_gradient_in_forward: bool,
+    /// forward (on CUDA with `kernels.loss_blocks_per_sm`'s grid).
+    loss_gradient: crate::ffi::loss::Gradient,
     /// `kernels.accumulate_in_gemm`, where the linear node runs.
     weight_grads_in_gemm: bool,
     net: Box<dyn Decoder>,
@@ -153,7 +153,10 @@ impl Model {
             user_rows,
             vocab_mask,
             fused_loss: kernels.fused_cross_entropy,
-            loss_gradient_in_forward: kernels.fused_loss_gradient,
+            loss_gradient: match kernels.fused_loss_gradient {
+                true => crate::ffi::loss::Gradient::InForward { blocks_per_sm: kernels.loss_blocks_per_sm },
+                false => crate::ffi::loss::Gradient::InBackward,
+            },
             weight_grads_in_gemm: kernels.accumulate_in_gemm && ours.linear,
             net,
         })
@@ -249,7 +252,7 @@ impl Model {
     /// it over them in its forward, for a backward from this loss.
     pub fn weighted_cross_entropy(&self, logits: Tensor, y: &Tensor, reduction: Reduction, weight: f64) -> Result<Tensor, TchError> {
         match (self.fused_loss, our_node_mean(reduction)) {
-            (true, Some(mean)) => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient_in_forward)?),
+            (true, Some(mean)) => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient)?),
             _ => cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
         }
     }
