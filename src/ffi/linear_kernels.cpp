@@ -54,41 +54,17 @@
 #include "node.h"
 
 namespace {
-// The casts kept on this thread while keeping is on: by source tensor, the source (held, so its
-// address is not reused), its version when cast, and the cast.
+// The casts kept on this thread while keeping is on, by their (first) source: the sources (held,
+// so their addresses are not reused: one weight or bias, or the parts of merged layers), their
+// versions when cast, and the cast (the parts' rows in turn).
 struct KeptCast {
-  at::Tensor source;
-  int64_t version;
+  std::vector<at::Tensor> sources;
+  std::vector<int64_t> versions;
   at::Tensor cast;
 };
 thread_local int keeping_casts = 0;  // scopes open (tg_linear_keep_casts)
 thread_local std::unordered_map<const c10::TensorImpl*, KeptCast> kept_casts;
 thread_local uint64_t casts_reused = 0;
-
-// `t` in dtype `d`: the kept cast where there is one of this version, else a new one (kept while
-// keeping is on, where `t` is a parameter: a leaf that wants a gradient, not a tensor made anew
-// each forward, whose casts would pile up).
-at::Tensor cast_once(const at::Tensor& t, at::ScalarType d) {
-  if (keeping_casts == 0 || t.scalar_type() == d || !t.is_leaf() || !t.requires_grad()) return t.to(d);
-  auto it = kept_casts.find(t.unsafeGetTensorImpl());
-  if (it != kept_casts.end() && it->second.version == t._version() && it->second.cast.scalar_type() == d) {
-    ++casts_reused;
-    return it->second.cast;
-  }
-  at::Tensor cast = t.to(d);
-  kept_casts.insert_or_assign(t.unsafeGetTensorImpl(), KeptCast{t, t._version(), cast});
-  return cast;
-}
-
-// The joint casts of merged layers' weights kept on this thread while keeping is on, by their
-// first part: the parts (held), their versions when cast, and the joint cast (the parts' rows in
-// turn).
-struct KeptJoint {
-  std::vector<at::Tensor> sources;
-  std::vector<int64_t> versions;
-  at::Tensor cast;
-};
-thread_local std::unordered_map<const c10::TensorImpl*, KeptJoint> kept_joints;
 
 // Each part's rows of `joint` (a view of them), in turn.
 std::vector<at::Tensor> part_rows(const at::Tensor& joint, at::TensorList parts) {
@@ -101,21 +77,22 @@ std::vector<at::Tensor> part_rows(const at::Tensor& joint, at::TensorList parts)
   return rows;
 }
 
-// `parts` (weights [out_i, in] or biases [out_i]) stacked by rows in dtype `d`: one kept joint
-// cast where the same parts are at the versions it was made of, else a new one (kept while
-// keeping is on and every part is a parameter, as cast_once keeps one).
-at::Tensor joint_cast(at::TensorList parts, at::ScalarType d) {
-  if (parts.size() == 1) return cast_once(parts[0], d);
+// `parts` (one weight [out, in] or bias [out], or merged layers' weights [out_i, in] or biases
+// [out_i]) stacked by rows in dtype `d`: the kept cast where the same parts are at the versions
+// it was made of, else a new one, kept while keeping is on and every part is a parameter (a leaf
+// that wants a gradient, not a tensor made anew each forward, whose casts would pile up).
+at::Tensor cast_once(at::TensorList parts, at::ScalarType d) {
   const bool keep = keeping_casts != 0 && std::all_of(parts.begin(), parts.end(), [&](const at::Tensor& p) {
     return p.scalar_type() != d && p.is_leaf() && p.requires_grad();
   });
   if (!keep) {
+    if (parts.size() == 1) return parts[0].to(d);
     std::vector<at::Tensor> casts;
     for (const at::Tensor& p : parts) casts.push_back(p.to(d));
     return at::cat(casts, 0);
   }
-  auto it = kept_joints.find(parts[0].unsafeGetTensorImpl());
-  if (it != kept_joints.end() && it->second.cast.scalar_type() == d && it->second.sources.size() == parts.size()) {
+  auto it = kept_casts.find(parts[0].unsafeGetTensorImpl());
+  if (it != kept_casts.end() && it->second.cast.scalar_type() == d && it->second.sources.size() == parts.size()) {
     bool current = true;
     for (size_t i = 0; i < parts.size() && current; ++i) {
       current = it->second.sources[i].unsafeGetTensorImpl() == parts[i].unsafeGetTensorImpl() && it->second.versions[i] == parts[i]._version();
@@ -128,7 +105,7 @@ at::Tensor joint_cast(at::TensorList parts, at::ScalarType d) {
   std::vector<int64_t> shape = parts[0].sizes().vec();
   shape[0] = 0;
   for (const at::Tensor& p : parts) shape[0] += p.size(0);
-  KeptJoint kept{{}, {}, at::empty(shape, parts[0].options().dtype(d))};
+  KeptCast kept{{}, {}, at::empty(shape, parts[0].options().dtype(d))};
   const std::vector<at::Tensor> rows = part_rows(kept.cast, parts);
   for (size_t i = 0; i < parts.size(); ++i) {
     rows[i].copy_(parts[i]);
@@ -136,7 +113,7 @@ at::Tensor joint_cast(at::TensorList parts, at::ScalarType d) {
     kept.versions.push_back(parts[i]._version());
   }
   const at::Tensor cast = kept.cast;
-  kept_joints.insert_or_assign(parts[0].unsafeGetTensorImpl(), std::move(kept));
+  kept_casts.insert_or_assign(parts[0].unsafeGetTensorImpl(), std::move(kept));
   return cast;
 }
 
@@ -219,8 +196,8 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList ws, at::TensorList bs,
                                                 at::ScalarType d, bool gelu) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor xd = x.to(d), wd = joint_cast(ws, d);
-    const at::Tensor y = bs.empty() ? at::mm(xd, wd.t()) : at::addmm(joint_cast(bs, d), xd, wd.t());
+    const at::Tensor xd = x.to(d), wd = cast_once(ws, d);
+    const at::Tensor y = bs.empty() ? at::mm(xd, wd.t()) : at::addmm(cast_once(bs, d), xd, wd.t());
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["with_bias"] = !bs.empty();
     ctx->saved_data["gelu"] = gelu;
@@ -315,7 +292,6 @@ void tg_linear_keep_casts(int open) {
   if (keeping_casts <= 0) {
     keeping_casts = 0;
     kept_casts.clear();
-    kept_joints.clear();
   }
 }
 
@@ -341,15 +317,13 @@ int tg_linear_refresh_casts(char* err, size_t err_len) {
       g->casts.push_back(cast);
       g->sources.push_back(source);
     };
-    for (auto& entry : kept_casts) add(entry.second.cast, entry.second.source);
-    // A joint cast's parts are copied into their rows of it.
-    for (auto& entry : kept_joints) {
+    // Each source is copied into its rows of its cast (a merged layers' parts into theirs).
+    for (auto& entry : kept_casts) {
       const std::vector<at::Tensor> rows = part_rows(entry.second.cast, entry.second.sources);
       for (size_t i = 0; i < rows.size(); ++i) add(rows[i], entry.second.sources[i]);
     }
     for (auto& g : groups) at::_foreach_copy_(g.casts, g.sources);
-    for (auto& entry : kept_casts) entry.second.version = entry.second.source._version();
-    for (auto& entry : kept_joints) {
+    for (auto& entry : kept_casts) {
       for (size_t i = 0; i < entry.second.sources.size(); ++i) entry.second.versions[i] = entry.second.sources[i]._version();
     }
   });
@@ -416,13 +390,12 @@ int tg_linear_test_gelu_backward(const void* da, const void* h, void* dh, void* 
 }
 
 // Casts held on this thread now, a merged layers' joint cast one (tests).
-size_t tg_linear_casts_held() { return kept_casts.size() + kept_joints.size(); }
+size_t tg_linear_casts_held() { return kept_casts.size(); }
 
 // The kept casts' addresses, ascending, into `out` (up to `n`; tests: a refresh keeps them).
 size_t tg_linear_casts_addresses(uintptr_t* out, size_t n) {
   std::vector<uintptr_t> all;
   for (const auto& entry : kept_casts) all.push_back(reinterpret_cast<uintptr_t>(entry.second.cast.data_ptr()));
-  for (const auto& entry : kept_joints) all.push_back(reinterpret_cast<uintptr_t>(entry.second.cast.data_ptr()));
   std::sort(all.begin(), all.end());
   for (size_t i = 0; i < all.size() && i < n; ++i) out[i] = all[i];
   return all.size();
