@@ -2,11 +2,13 @@
 """Registers and spills per kernel of our CUDA source, as the torch wheel's NVRTC compiles it
 for a GPU generation (no GPU needed): the figures BENCHMARKS.md quotes as "ptxas for sm_90".
 
-    .venv/bin/python scripts/kernel_registers.py [name filter] [--arch sm_90]
+    .venv/bin/python scripts/kernel_registers.py [name filter] [--arch sm_90] [--no-spills]
 
 The source is what src/ffi/kernels.rs hands NVRTC (optim, loss, norm, llama, linear kernels, in
 that order) with cuda_jit.cpp's options, plus --ptxas-options=-v. Exit status 1 with the
-compiler's log where it does not compile.
+compiler's log where it does not compile. --no-spills: exit 1 where a kernel the filter names
+spills registers to memory, or none matches (a kernel that keeps a row in registers, such as
+tg_ce_forward_grad_kept_*, loses its point when it spills).
 """
 import ctypes
 import glob
@@ -55,9 +57,13 @@ def main():
         i = args.index("--arch")
         arch = args[i + 1]
         del args[i : i + 2]
+    no_spills = "--no-spills" in args
+    if no_spills:
+        args.remove("--no-spills")
     pattern = args[0] if args else ""
     _, _, text = compile_kernels(arch, [b"--ptxas-options=-v"])
     kernel = None
+    matched, spilling = set(), set()
     for line in text.splitlines():
         entry = re.search(r"Compiling entry function '(\w+)'", line)
         if entry:
@@ -65,6 +71,11 @@ def main():
         elif kernel and pattern in kernel and ("registers" in line or "spill" in line):
             figures = re.sub(r"^ptxas\s*(info\s*:|\.)?\s*", "", line.strip())
             print(f"{kernel:40s} {figures}")
+            matched.add(kernel)
+            if re.search(r"[1-9]\d* bytes spill (stores|loads)", figures):
+                spilling.add(kernel)
+    if no_spills and (spilling or not matched):
+        sys.exit(f"spilling: {sorted(spilling)}" if spilling else f"no kernel matches {pattern!r}")
 
 
 if __name__ == "__main__":

@@ -497,6 +497,14 @@ pub struct KernelsConfig {
     /// memory idle: not yet measured (`TABLES=loss scripts/bench_kernels.sh --device cuda`).
     /// The same bits either way.
     pub loss_blocks_per_sm: u32,
+    /// With `fused_loss_gradient` on CUDA: each row of logits read once instead of twice, a
+    /// block's 256 threads keeping it in registers (25 16-byte packs a thread: rows of up to
+    /// 51,200 bf16 or fp16 logits, 25,600 fp32, in whole packs; wider rows are read twice as
+    /// without it), a block a row (`loss_blocks_per_sm` then applies to the other rows only).
+    /// One read and one write of the logits instead of two reads and a write, at two blocks an
+    /// SM; whether that beats the second read's L2 hits is not yet measured (`TABLES=loss
+    /// scripts/bench_kernels.sh --device cuda`). The same bits either way. Default false.
+    pub loss_row_in_registers: bool,
 }
 
 impl Default for KernelsConfig {
@@ -515,6 +523,7 @@ impl Default for KernelsConfig {
             cuda_graphs: false,
             merged_projections: true,
             loss_blocks_per_sm: 0,
+            loss_row_in_registers: false,
         }
     }
 }
@@ -537,6 +546,7 @@ impl KernelsConfig {
             cuda_graphs: false,
             merged_projections: false,
             loss_blocks_per_sm: 0,
+            loss_row_in_registers: false,
         }
     }
 }

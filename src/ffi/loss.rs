@@ -10,7 +10,18 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_cross_entropy(logits: *const c_void, targets: *const c_void, mean: c_int, weight: f64, grad_now: c_int, blocks_per_sm: c_int, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cross_entropy(
+        logits: *const c_void,
+        targets: *const c_void,
+        mean: c_int,
+        weight: f64,
+        grad_now: c_int,
+        blocks_per_sm: c_int,
+        row_in_registers: c_int,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_cross_entropy_cpu_block_rows(cols: i64) -> i64;
 }
 
@@ -29,13 +40,15 @@ pub enum Gradient {
     /// In its forward, written over the logits (`kernels.fused_loss_gradient`). On CUDA its kernel
     /// runs a block a row (`blocks_per_sm` 0) or that many blocks per streaming multiprocessor,
     /// each walking rows (`kernels.loss_blocks_per_sm`: fewer rows in flight, so a row's second
-    /// read is likelier to come from L2). The same bits either way.
-    InForward { blocks_per_sm: u32 },
+    /// read is likelier to come from L2). With `row_in_registers` (`kernels.loss_row_in_registers`)
+    /// rows of up to 51,200 16-bit logits (25,600 fp32) in 16-byte packs are read once, each
+    /// block keeping its row in registers, a block a row. The same bits every way.
+    InForward { blocks_per_sm: u32, row_in_registers: bool },
 }
 
 impl Gradient {
-    /// In the forward, a block a row.
-    pub const IN_FORWARD: Self = Self::InForward { blocks_per_sm: 0 };
+    /// In the forward, a block a row, each row read twice.
+    pub const IN_FORWARD: Self = Self::InForward { blocks_per_sm: 0, row_in_registers: false };
 }
 
 /// Cross-entropy of `logits` `[…, v]` against int64 `targets` `[…]` (−100 ignored): the mean
@@ -57,14 +70,25 @@ pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weig
 fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
-    let (now, blocks_per_sm) = match gradient {
-        Gradient::InBackward => (false, 0),
-        Gradient::InForward { blocks_per_sm } => (true, c_int::try_from(blocks_per_sm).unwrap_or(c_int::MAX)),
+    let (now, blocks_per_sm, row_in_registers) = match gradient {
+        Gradient::InBackward => (false, 0, false),
+        Gradient::InForward { blocks_per_sm, row_in_registers } => (true, c_int::try_from(blocks_per_sm).unwrap_or(c_int::MAX), row_in_registers),
     };
     // SAFETY: both handles are live tensors; the shim catches every exception and on success
     // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
     let code = unsafe {
-        tg_cross_entropy(logits.as_ptr().cast(), targets.as_ptr().cast(), c_int::from(mean), weight, c_int::from(now), blocks_per_sm, &mut out, err.as_mut_ptr().cast(), ERR_LEN)
+        tg_cross_entropy(
+            logits.as_ptr().cast(),
+            targets.as_ptr().cast(),
+            c_int::from(mean),
+            weight,
+            c_int::from(now),
+            blocks_per_sm,
+            c_int::from(row_in_registers),
+            &mut out,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
     };
     result(code, &err)?;
     // SAFETY: `out` is the non-null tensor the shim returned with code 0.
@@ -253,7 +277,8 @@ mod tests {
     /// packs and not), on the CPU and through the CUDA kernels (emulated), in one kernel and
     /// in the logits' own memory, a block a row or a grid of fewer blocks walking the 13 rows
     /// (`kernels.loss_blocks_per_sm` 1 and 3 on the emulation's 2 multiprocessors: 2 and 6
-    /// blocks); and the weighted loss is the loss times the weight.
+    /// blocks), or a row kept in registers where it is in packs (`kernels.loss_row_in_registers`;
+    /// other rows take the two reads); and the weighted loss is the loss times the weight.
     #[test]
     fn the_gradient_written_in_the_forward_is_the_two_pass_nodes_to_the_bit() {
         for emulated in [false, true] {
@@ -273,8 +298,17 @@ mod tests {
                     assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
                     assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
                     for blocks_per_sm in [1, 3] {
-                        let (l, g, _) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm }, 1.0);
+                        let (l, g, _) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm, row_in_registers: false }, 1.0);
                         assert!(same_bits(&l, &l1) && same_bits(&g, &g1), "{what}: {blocks_per_sm} blocks per SM walking the rows");
+                    }
+                    let kept_name = format!("tg_ce_forward_grad_kept_{}", dtype_name(kind));
+                    let kept_before = super::super::kernels::CudaEmulation::launches_of(&kept_name);
+                    let (l, g, in_place) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm: 0, row_in_registers: true }, 1.0);
+                    assert!(same_bits(&l, &l1) && same_bits(&g, &g1) && in_place, "{what}: the row kept in registers");
+                    if emulated {
+                        let packed = cols % (16 / kind.elt_size_in_bytes() as i64) == 0;
+                        let kept = super::super::kernels::CudaEmulation::launches_of(&kept_name) - kept_before;
+                        assert_eq!(kept, u64::from(packed), "{what}: rows in packs are kept in registers, others read twice");
                     }
                     // And what training computed before the weight moved into the node: the
                     // node's loss times the weight, its backward given the weight.

@@ -16,7 +16,9 @@
 // its backward writes 4 + 2 more, this keeps the 16-bit logits and writes 2. In training
 // (`kernels.fused_loss_gradient`) one kernel does both: the loss, then the gradient written over
 // the row it has just read (the H100 trace of gpt2-124m had the two at 0.86 and 1.14 ms a
-// micro-step over 1.65 GB of bf16 logits).
+// micro-step over 1.65 GB of bf16 logits); that kernel reads the row twice, or once where the
+// block keeps it in registers (`kernels.loss_row_in_registers`, rows of up to 51,200 16-bit
+// logits).
 //
 // A row's target of −100 is ignored (loss 0, gradient 0), as in PyTorch; any other target
 // outside [0, columns) gives the row a NaN loss, which the training loop reports as a
@@ -24,6 +26,11 @@
 
 #define TG_CE_IGNORE (-100LL)
 #define TG_CE_BATCH 4  // 16-byte packs a thread loads before it uses the first
+// The most 16-byte packs of a row each thread keeps in registers in tg_ce_forward_grad_kept_*:
+// rows of up to 25 · 256 packs, 51,200 bf16 or fp16 logits (GPT-2's vocabulary padded to 50,304,
+// SmolLM's 49,152), 25,600 fp32. 100 registers a thread: two blocks of 256 threads fill an SM's
+// 64K (cuda_jit.cpp's kCeKeptPacks is this number).
+#define TG_CE_KEPT_PACKS 25
 
 __device__ __forceinline__ float tg_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -83,40 +90,28 @@ __device__ __forceinline__ void tg_ce_load_packs(const void* row, long long k0, 
   }
 }
 
-// Row `row` of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target]
-// (0 for an ignored target), written by thread 0; every thread of the block gets the row's
-// log-sum-exp back, after the row's target logit was read (so the row may be overwritten next).
-// The block's partial results merge in a fixed order: a butterfly within each warp, then the
-// warps in order, so every run gives the same bits.
+// Merges a pack's values into the thread's running (m, s).
 template <class D>
-__device__ __forceinline__ float ce_row(const typename D::T* x, const long long* target, float* lse, float* loss, long long cols, long long row) {
+__device__ __forceinline__ void tg_ce_add_pack(float& m, float& s, uint4 bits) {
+  constexpr int n = 16 / sizeof(typename D::T);
+  TgPack p;
+  p.bits = bits;
+  const typename D::T* packed = tg_pack_values(p, static_cast<typename D::T*>(nullptr));
+  float v[n];
+  for (int k = 0; k < n; ++k) v[k] = D::load(packed, k);
+  tg_lse_add(m, s, v, n);
+}
+
+// The row's log-sum-exp from each thread's (m, s) over its part of row `row` (starting at xr);
+// lse[row] and loss[row] (lse − x[target], 0 for an ignored target) are written by thread 0;
+// every thread gets the log-sum-exp back, after the row's target logit was read (so the row may
+// be overwritten next). The parts merge in a fixed order: a butterfly within each warp, then
+// the warps in order, so every run gives the same bits.
+template <class D>
+__device__ __forceinline__ float ce_row_finish(float m, float s, const typename D::T* xr, const long long* target, float* lse, float* loss,
+                                               long long cols, long long row) {
   __shared__ float part_m[TG_WARPS], part_s[TG_WARPS];
   __shared__ float row_lse;
-  const typename D::T* xr = x + row * cols;
-  float m = tg_neg_inf(), s = 0.0f;
-  if (tg_packed_rows<typename D::T>(xr, cols)) {
-    constexpr int n = 16 / sizeof(typename D::T);
-    const long long packs = cols / n;
-    // TG_CE_BATCH packs loaded before the first is added (in the same order as one at a time:
-    // the same bits), so that a thread has that many loads in flight, not one.
-    for (long long i0 = threadIdx.x; i0 < packs; i0 += TG_CE_BATCH * TG_THREADS) {
-      TgPack p[TG_CE_BATCH];
-      tg_ce_load_packs(xr, i0, packs, false, p);
-#pragma unroll
-      for (int u = 0; u < TG_CE_BATCH; ++u) {
-        if (i0 + u * TG_THREADS >= packs) break;
-        const typename D::T* packed = tg_pack_values(p[u], static_cast<typename D::T*>(nullptr));
-        float v[n];
-        for (int k = 0; k < n; ++k) v[k] = D::load(packed, k);
-        tg_lse_add(m, s, v, n);
-      }
-    }
-  } else {
-    for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
-      const float v = D::load(xr, j);
-      tg_lse_add(m, s, &v, 1);
-    }
-  }
   for (int k = 16; k > 0; k >>= 1) {
     const float m2 = __shfl_xor_sync(0xffffffffu, m, k), s2 = __shfl_xor_sync(0xffffffffu, s, k);
     tg_lse_merge(m, s, m2, s2);
@@ -145,6 +140,49 @@ __device__ __forceinline__ float ce_row(const typename D::T* x, const long long*
   return row_lse;
 }
 
+// Row `row` of `x` [rows, cols]: lse[row] = log Σ exp(x), loss[row] = lse − x[target] (0 for an
+// ignored target), as ce_row_finish; each thread sums its values in order of their column (its
+// packs k = thread, + TG_THREADS, …, where the row is in packs).
+template <class D>
+__device__ __forceinline__ float ce_row(const typename D::T* x, const long long* target, float* lse, float* loss, long long cols, long long row) {
+  const typename D::T* xr = x + row * cols;
+  float m = tg_neg_inf(), s = 0.0f;
+  if (tg_packed_rows<typename D::T>(xr, cols)) {
+    const long long packs = cols / (16 / sizeof(typename D::T));
+    // TG_CE_BATCH packs loaded before the first is added (in the same order as one at a time:
+    // the same bits), so that a thread has that many loads in flight, not one.
+    for (long long i0 = threadIdx.x; i0 < packs; i0 += TG_CE_BATCH * TG_THREADS) {
+      TgPack p[TG_CE_BATCH];
+      tg_ce_load_packs(xr, i0, packs, false, p);
+#pragma unroll
+      for (int u = 0; u < TG_CE_BATCH; ++u) {
+        if (i0 + u * TG_THREADS >= packs) break;
+        tg_ce_add_pack<D>(m, s, p[u].bits);
+      }
+    }
+  } else {
+    for (long long j = threadIdx.x; j < cols; j += TG_THREADS) {
+      const float v = D::load(xr, j);
+      tg_lse_add(m, s, &v, 1);
+    }
+  }
+  return ce_row_finish<D>(m, s, xr, target, lse, loss, cols, row);
+}
+
+// Pack i of a row's gradient from its logits `in`: scale · (exp(x − lse) − [column = t]).
+template <class D>
+__device__ __forceinline__ uint4 tg_ce_gradient_pack(TgPack& in, long long i, long long t, float row_lse, float scale) {
+  constexpr int n = 16 / sizeof(typename D::T);
+  TgPack out;
+  const typename D::T* x_values = tg_pack_values(in, static_cast<typename D::T*>(nullptr));
+  typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
+  for (int j = 0; j < n; ++j) {
+    const float p = expf(D::load(x_values, j) - row_lse);
+    D::store(g_values, j, scale * (i * n + j == t ? p - 1.0f : p));
+  }
+  return out.bits;
+}
+
 // Row `row`'s gradient into `grad` (which may be `x` itself: each value is read before it
 // is written, by the thread that writes it): scale · (exp(x − lse) − [column = target]), where
 // scale is *grad_scale (the loss's gradient, divided by the counted rows for a mean) and 0 for
@@ -170,14 +208,7 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
         const long long k = k0 + u * TG_THREADS;
         if (k >= packs) break;
         const long long i = tg_ce_pack(k, packs, backwards);
-        TgPack out;
-        const typename D::T* x_values = tg_pack_values(in[u], static_cast<typename D::T*>(nullptr));
-        typename D::T* g_values = tg_pack_values(out, static_cast<typename D::T*>(nullptr));
-        for (int j = 0; j < n; ++j) {
-          const float p = expf(D::load(x_values, j) - row_lse);
-          D::store(g_values, j, scale * (i * n + j == t ? p - 1.0f : p));
-        }
-        reinterpret_cast<uint4*>(gr)[i] = out.bits;
+        reinterpret_cast<uint4*>(gr)[i] = tg_ce_gradient_pack<D>(in[u], i, t, row_lse, scale);
       }
     }
   } else {
@@ -186,6 +217,46 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
       const float p = expf(D::load(xr, j) - row_lse);
       D::store(gr, j, scale * (j == t ? p - 1.0f : p));
     }
+  }
+}
+
+// Row `row` of `x` as ce_row and then ce_gradient over the row compute it, to the bit, with the
+// row read once (`kernels.loss_row_in_registers`): each thread loads all its packs (k = thread,
+// + TG_THREADS, …) into registers at once, merges them in that order, and once the block has the
+// row's log-sum-exp writes their gradient over them. Where ce_row and ce_gradient read a row
+// twice, the second time partly from memory (gpt2-124m: ~1000 rows of 100 KB in flight against
+// an H100's 50 MB of L2), this reads it once, with two blocks' rows an SM in flight. Rows not
+// in packs, or of more than TG_CE_KEPT_PACKS packs a thread (the host launches this kernel only
+// for rows that fit), take the two reads.
+template <class D>
+__device__ __forceinline__ void ce_row_kept(typename D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,
+                                            long long cols, long long row) {
+  typename D::T* xr = x + row * cols;
+  const long long packs = cols / (16 / sizeof(typename D::T));
+  if (!tg_packed_rows<typename D::T>(xr, cols) || packs > TG_CE_KEPT_PACKS * TG_THREADS) {
+    const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);
+    ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);
+    return;
+  }
+  // This thread's packs: `mine` of them, TG_THREADS packs apart from the thread's first.
+  const int mine = packs > threadIdx.x ? static_cast<int>((packs - 1 - threadIdx.x) / TG_THREADS) + 1 : 0;
+  uint4* first = reinterpret_cast<uint4*>(xr) + threadIdx.x;
+  TgPack p[TG_CE_KEPT_PACKS];
+#pragma unroll
+  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
+    if (u < mine) p[u].bits = first[u * TG_THREADS];
+  }
+  float m = tg_neg_inf(), s = 0.0f;
+#pragma unroll
+  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
+    if (u < mine) tg_ce_add_pack<D>(m, s, p[u].bits);
+  }
+  const float row_lse = ce_row_finish<D>(m, s, xr, target, lse, loss, cols, row);
+  const long long t = target[row];
+  const float scale = t == TG_CE_IGNORE ? 0.0f : *grad_scale;
+#pragma unroll
+  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
+    if (u < mine) first[u * TG_THREADS] = tg_ce_gradient_pack<D>(p[u], threadIdx.x + u * TG_THREADS, t, row_lse, scale);
   }
 }
 
@@ -208,7 +279,9 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
 // The one kernel walks rows blockIdx.x, + stride, … below `rows`: a block a row where the grid
 // is as long as the rows (stride = rows), or a grid of a few blocks per SM
 // (`kernels.loss_blocks_per_sm`), which keeps fewer rows in flight so that a row's second read
-// is likelier to find it still in L2.
+// is likelier to find it still in L2. Its kept form reads a row once, from registers the
+// second time (`kernels.loss_row_in_registers`; at most 128 registers a thread, so that two
+// blocks share an SM), and walks rows the same way.
 #define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
@@ -225,6 +298,11 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
       const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);                                              \
       ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);                                            \
     }                                                                                                                \
+  }                                                                                                                  \
+  TG_KERNEL void __launch_bounds__(TG_THREADS, 2) tg_ce_forward_grad_kept_##SUFFIX(                                \
+      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,                          \
+      long long cols) {                                                                                              \
+    ce_row_kept<D>(x, target, lse, loss, grad_scale, cols, blockIdx.x);                                              \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_scale_grad_##SUFFIX(D::T* grad, const long long* target, const float* factor, long long cols) {          \
