@@ -220,7 +220,16 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
   }
 }
 
-// Row `row` of `x` as ce_row and then ce_gradient over the row compute it, to the bit, with the
+// Row `row`'s loss, then its gradient written over it: the row read twice, the second time from
+// its end (right after the first read its last values are the likeliest still in L2).
+template <class D>
+__device__ __forceinline__ void ce_row_read_twice(typename D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,
+                                                  long long cols, long long row) {
+  const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);
+  ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);
+}
+
+// Row `row` of `x` as ce_row_read_twice computes it, to the bit, with the
 // row read once (`kernels.loss_row_in_registers`): each thread loads all its packs (k = thread,
 // + TG_THREADS, …) into registers at once, merges them in that order, and once the block has the
 // row's log-sum-exp writes their gradient over them. Where ce_row and ce_gradient read a row
@@ -234,8 +243,7 @@ __device__ __forceinline__ void ce_row_kept(typename D::T* x, const long long* t
   typename D::T* xr = x + row * cols;
   const long long packs = cols / (16 / sizeof(typename D::T));
   if (!tg_packed_rows<typename D::T>(xr, cols) || packs > TG_CE_KEPT_PACKS * TG_THREADS) {
-    const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);
-    ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);
+    ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, row);
     return;
   }
   // This thread's packs: `mine` of them, TG_THREADS packs apart from the thread's first.
@@ -279,9 +287,9 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
 // The one kernel walks rows blockIdx.x, + stride, … below `rows`: a block a row where the grid
 // is as long as the rows (stride = rows), or a grid of a few blocks per SM
 // (`kernels.loss_blocks_per_sm`), which keeps fewer rows in flight so that a row's second read
-// is likelier to find it still in L2. Its kept form reads a row once, from registers the
-// second time (`kernels.loss_row_in_registers`; at most 128 registers a thread, so that two
-// blocks share an SM), and walks rows the same way.
+// is likelier to find it still in L2. Its kept form reads a row once and takes it from registers
+// the second time (`kernels.loss_row_in_registers`; at most 128 registers a thread, so that two
+// blocks share an SM), a block a row: with the walk's registers it spilled.
 #define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
@@ -294,10 +302,7 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_forward_grad_##SUFFIX(                                         \
       D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols,           \
       long long rows, long long stride) {                                                                            \
-    for (long long row = blockIdx.x; row < rows; row += stride) {                                                    \
-      const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);                                              \
-      ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);                                            \
-    }                                                                                                                \
+    for (long long row = blockIdx.x; row < rows; row += stride) ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, row); \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS, 2) tg_ce_forward_grad_kept_##SUFFIX(                                \
       D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,                          \
