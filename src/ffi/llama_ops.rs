@@ -10,7 +10,7 @@ use tch::Tensor;
 
 extern "C" {
     fn tg_swiglu(gate: *const c_void, up: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_swiglu_joint(joint: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_swiglu_joint(joint: *const c_void, kernels: c_int, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_rope(x: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_rope_qkv(qkv: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, kv_heads: i64, outs: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
@@ -29,12 +29,13 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor, ShimError> {
 
 /// silu(gate) · up from their joint output `gu` `[.., 2f]` (gate's f columns, then up's: gate
 /// and up as one matrix multiplication), `[.., f]` in its dtype; backward writes the joint
-/// gradient in one piece.
-pub fn swiglu_joint(gu: &Tensor) -> Result<Tensor, ShimError> {
+/// gradient in one piece. Through our kernels when `kernels` (`kernels.fused_swiglu`) where
+/// they run; else through ATen's ops, which give `silu(g) · u` on the halves to the bit.
+pub fn swiglu_joint(gu: &Tensor, kernels: bool) -> Result<Tensor, ShimError> {
     let mut h = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `swiglu`.
-    let code = unsafe { tg_swiglu_joint(gu.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe { tg_swiglu_joint(gu.as_ptr().cast(), c_int::from(kernels), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(h.cast()) })
@@ -136,7 +137,10 @@ mod tests {
             let run = |emulated: bool| {
                 let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
                 let emulation = emulated.then(CudaEmulation::start);
-                let h = swiglu_joint(&gu).unwrap();
+                let h = match emulated {
+                    true => swiglu_joint(&gu, true).unwrap(),
+                    false => split_swiglu(&gu),
+                };
                 let g = Tensor::run_backward(&[&(h.to_kind(Kind::Float) * &dh).sum(Kind::Float)], &[&gu], false, false);
                 if let Some(e) = &emulation {
                     assert_eq!(e.launches(), 2, "one launch forward, one backward: the kernels ran");
@@ -147,8 +151,58 @@ mod tests {
                 assert_within_roundings(&format!("{rows} × 2·{f} {kind:?}: {what}"), a, b);
             }
         }
-        let err = swiglu_joint(&Tensor::ones([4, 7], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
-        assert!(err.contains("even last dimension"), "{err}");
+        for kernels in [true, false] {
+            let err = swiglu_joint(&Tensor::ones([4, 7], (Kind::Float, Device::Cpu)), kernels).unwrap_err().to_string();
+            assert!(err.contains("even last dimension"), "{err}");
+        }
+    }
+
+    /// silu(g) · u on the halves of `gu` by ATen's differentiable ops: what autograd joins.
+    fn split_swiglu(gu: &Tensor) -> Tensor {
+        let halves = gu.split(gu.size().last().unwrap() / 2, -1);
+        halves[0].silu() * &halves[1]
+    }
+
+    /// The joint node of ATen's ops (the CPU's, and CUDA's with `kernels.fused_swiglu` off)
+    /// gives the split ops' product and joint gradient to the bit, in every dtype, also where
+    /// the emulated kernels would run, and with the gradient recorded (create_graph). The second
+    /// derivative through it agrees in fp32 to rounding (autograd sums its paths in another
+    /// order).
+    /// Under no_grad it computes the product alone.
+    #[test]
+    fn the_joint_node_of_atens_ops_gives_the_split_ops_bits() {
+        for (rows, f, kind) in [(7, 64, Kind::Float), (5, 13, Kind::Float), (6, 40, Kind::BFloat16), (9, 24, Kind::Half)] {
+            let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
+            let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+            let run = |joint: bool, emulated: bool| {
+                let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
+                let emulation = emulated.then(CudaEmulation::start);
+                let h = if joint { swiglu_joint(&gu, false).unwrap() } else { split_swiglu(&gu) };
+                let objective = (h.to_kind(Kind::Float) * &dh).sum(Kind::Float);
+                let g = Tensor::run_backward(&[&objective], &[&gu], true, false)[0].shallow_clone();
+                // A second derivative (the gradient recorded, create_graph): of the gradient's
+                // weighted sum, again with respect to gu.
+                let recorded = Tensor::run_backward(&[&objective], &[&gu], true, true)[0].shallow_clone();
+                let gg = Tensor::run_backward(&[&(recorded.to_kind(Kind::Float) * &gu32.view([rows, 2 * f]).cos()).sum(Kind::Float)], &[&gu], false, false);
+                if let Some(e) = &emulation {
+                    assert_eq!(e.launches(), 0, "the switch is off: no kernel ran");
+                }
+                [h.detach(), g, recorded.detach(), gg[0].shallow_clone()]
+            };
+            let plain = run(false, false);
+            for emulated in [false, true] {
+                let joint = run(true, emulated);
+                for (what, (a, b)) in ["h", "the joint gradient", "the recorded gradient"].iter().zip(joint.iter().zip(&plain)) {
+                    assert!(a.equal(b), "{rows} × 2·{f} {kind:?}, emulated {emulated}: {what} differs");
+                }
+                if kind == Kind::Float {  // in 16 bits the two orders' roundings pile up where terms cancel
+                    assert_within_roundings(&format!("{rows} × 2·{f}: the second derivative"), &joint[3], &plain[3]);
+                }
+            }
+        }
+        let gu = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([2, 6]).set_requires_grad(true);
+        let h = tch::no_grad(|| swiglu_joint(&gu, false).unwrap());
+        assert!(!h.requires_grad() && h.equal(&tch::no_grad(|| split_swiglu(&gu))));
     }
 
     #[test]

@@ -56,13 +56,6 @@ pub fn merged_linear(x: &Tensor, layers: &[&Linear]) -> Result<Tensor, TchError>
     x.f_linear(&Tensor::f_cat(&weights, 0)?, bias.as_ref())
 }
 
-/// Each of `layers`' columns of their merged output `y` (views of it, whose gradients
-/// autograd joins).
-pub fn split_merged(y: &Tensor, layers: &[&Linear]) -> Result<Vec<Tensor>, TchError> {
-    let widths: Vec<i64> = layers.iter().map(|l| l.weight.size()[0]).collect();
-    y.f_split_with_sizes(&widths, -1)
-}
-
 /// `{prefix}.weight` and, with `bias`, `{prefix}.bias`.
 fn weight_and_bias(params: &Params, prefix: &str, bias: bool) -> Result<(Tensor, Option<Tensor>), TchError> {
     let bias = if bias { Some(param(params, &format!("{prefix}.bias"))?) } else { None };
@@ -310,15 +303,13 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
 }
 
 /// SwiGLU: `down(silu(gate(x)) · up(x))`; the product through our node (`ffi::llama_ops`) with
-/// `ours`, gate and up as one matrix multiplication with `merged` (our node then reads their
-/// joint output as it is and writes its gradient whole).
+/// `ours`, gate and up as one matrix multiplication with `merged` (a joint node, ours or of
+/// ATen's ops, then reads their joint output as it is and writes its gradient whole).
 pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool) -> Result<Tensor, TchError> {
     let product = match (merged, ours) {
-        (true, true) => crate::ffi::llama_ops::swiglu_joint(&merged_linear(x, &[gate, up])?)?,
-        (true, false) => {
-            let halves = split_merged(&merged_linear(x, &[gate, up])?, &[gate, up])?;
-            halves[0].f_silu()?.f_mul(&halves[1])?
-        }
+        // The joint node in both cases (ATen's ops where ours is off): it writes the joint
+        // gradient, where autograd would join the halves' gradients by a copy.
+        (true, _) => crate::ffi::llama_ops::swiglu_joint(&merged_linear(x, &[gate, up])?, ours)?,
         (false, true) => crate::ffi::llama_ops::swiglu(&gate.forward(x)?, &up.forward(x)?)?,
         (false, false) => gate.forward(x)?.f_silu()?.f_mul(&up.forward(x)?)?,
     };
@@ -365,7 +356,7 @@ mod tests {
         };
         let x = Tensor::randn([2, 3, 6], (Kind::Float, Device::Cpu));
         let (a, b) = (layer(4, true), layer(2, true));
-        let parts = split_merged(&merged_linear(&x, &[&a, &b]).unwrap(), &[&a, &b]).unwrap();
+        let parts = merged_linear(&x, &[&a, &b]).unwrap().split_with_sizes([4, 2], -1);
         for (part, l) in parts.iter().zip([&a, &b]) {
             assert!(part.allclose(&l.forward(&x).unwrap(), 1e-6, 1e-6, false));
         }

@@ -85,11 +85,10 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         final_norm: saves::rms_norm(h, 1, r),
         buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
         // The product's gradient splits into gate's and up's while the product itself (down's
-        // saved input) is freed: two f-wide gradients net. Merged, autograd then joins them
-        // into the joint output's gradient while both are alive: four (our node writes the
-        // joint gradient itself).
+        // saved input) is freed: two f-wide gradients net. Merged, the joint node (ours or of
+        // ATen's ops) writes them into the joint output's gradient: two as well.
         block_backward: vec![
-            Saved::token("SwiGLU gradients", if r.merged_projections && !r.swiglu_node { 4 * f } else { 2 * f }, Stored::Compute),
+            Saved::token("SwiGLU gradients", 2 * f, Stored::Compute),
             Saved::token("residual gradient", h, Stored::Residual),
         ],
     }

@@ -1179,8 +1179,9 @@ mod tests {
     /// `kernels.merged_projections`: each norm has one reader, so under autocast the first
     /// norm's three 16-bit copies become one and the second's two become one; in fp32 and
     /// bf16-pure the concatenated q/k/v and gate/up weights are kept per block (under autocast
-    /// they are the 16-bit casts the weights already count). Backward the MLP's two gradients
-    /// are joined while both are alive: two f-wide tensors more, unless our SwiGLU node joins them.
+    /// they are the 16-bit casts the weights already count). Backward the joint SwiGLU node (of
+    /// ATen's ops here, ours on CUDA) writes the MLP's two gradients into the joint one: no
+    /// more alive than with separate layers.
     #[test]
     fn merged_projections_have_one_reader_per_norm_and_keep_the_joined_weights() {
         let m = super::fixtures::llama32_1b();
@@ -1192,10 +1193,8 @@ mod tests {
             let merged = Setup { merged_projections: true, ..plain.clone() };
             let casts = if precision == Precision::Bf16Mixed { 2 * h * (3 - 1 + 2 - 1) * tokens } else { 0 };
             assert_eq!(layer_activations(&m, &plain, b) + weight_copy - casts, layer_activations(&m, &merged, b), "{precision:?}");
-            let width = if precision == Precision::Fp32 { 4 } else { 2 };
             let (e, em) = (estimate(&m, &plain, b, 1), estimate(&m, &merged, b, 1));
-            assert_eq!(em.block_backward_transient - e.block_backward_transient, 2 * f * tokens * width, "{precision:?}");
-            // Our SwiGLU node (CUDA) takes the joint output and writes its gradient whole.
+            assert_eq!(em.block_backward_transient, e.block_backward_transient, "{precision:?}");
             let node = Setup { target: Target::Cuda, fused_swiglu: true, ..plain.clone() };
             let (n, nm) = (estimate(&m, &node, b, 1), estimate(&m, &Setup { merged_projections: true, ..node.clone() }, b, 1));
             assert_eq!(nm.block_backward_transient, n.block_backward_transient, "{precision:?}");
