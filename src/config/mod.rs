@@ -480,8 +480,9 @@ pub struct KernelsConfig {
     /// norm's output once, in one GEMM with the widths added (smollm2-135m: 960 columns where
     /// k's and v's were 192 each), and backward takes the input's gradient in one GEMM where
     /// three (two) ran and their results were added. What it costs: without our node the
-    /// concatenation and its cast in each forward; backward, the joining of the outputs'
-    /// gradients (which the SwiGLU and RoPE nodes avoid). The
+    /// concatenation and its cast in each forward; backward, the joining of q's, k's and v's
+    /// gradients (which the RoPE node avoids; SwiGLU's joint node, ours or of ATen's ops, writes
+    /// gate's and up's whole). The
     /// same maths (the sums' order differs in the last bits). Any device. On by default since an
     /// H100 measured smollm2-135m bf16-mixed 1.053× faster with the SwiGLU and RoPE nodes (whose
     /// kernels read the joint outputs' parts in place; without them the parts are copied out and
