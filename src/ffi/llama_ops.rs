@@ -132,8 +132,7 @@ mod tests {
     #[test]
     fn the_joint_kernels_compute_what_atens_ops_on_the_halves_do() {
         for (rows, f, kind) in [(7, 64, Kind::BFloat16), (5, 13, Kind::Float), (9, 24, Kind::Half), (3, 40, Kind::Float)] {
-            let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
-            let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+            let (gu32, dh) = joint_inputs(rows, f);
             let run = |emulated: bool| {
                 let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
                 let emulation = emulated.then(CudaEmulation::start);
@@ -157,6 +156,14 @@ mod tests {
         }
     }
 
+    /// A joint gate/up output `[rows · 2f]` in fp32 (irregular values up to ±8, silu's both
+    /// sides) and a gradient of h `[rows, f]` for it.
+    fn joint_inputs(rows: i64, f: i64) -> (Tensor, Tensor) {
+        let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
+        let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+        (gu32, dh)
+    }
+
     /// silu(g) · u on the halves of `gu` by ATen's differentiable ops: what autograd joins.
     fn split_swiglu(gu: &Tensor) -> Tensor {
         let halves = gu.split(gu.size().last().unwrap() / 2, -1);
@@ -167,13 +174,11 @@ mod tests {
     /// gives the split ops' product and joint gradient to the bit, in every dtype, also where
     /// the emulated kernels would run, and with the gradient recorded (create_graph). The second
     /// derivative through it agrees in fp32 to rounding (autograd sums its paths in another
-    /// order).
-    /// Under no_grad it computes the product alone.
+    /// order). Under no_grad it computes the product alone.
     #[test]
     fn the_joint_node_of_atens_ops_gives_the_split_ops_bits() {
         for (rows, f, kind) in [(7, 64, Kind::Float), (5, 13, Kind::Float), (6, 40, Kind::BFloat16), (9, 24, Kind::Half)] {
-            let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
-            let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+            let (gu32, dh) = joint_inputs(rows, f);
             let run = |joint: bool, emulated: bool| {
                 let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
                 let emulation = emulated.then(CudaEmulation::start);
