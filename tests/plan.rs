@@ -164,7 +164,11 @@ fn bad_inputs_are_one_clear_error_and_exit_code_2() {
         v.extend(extra);
         v
     };
-    assert_usage_error(&with(&[], Some(("--layers", "0"))), &["--layers must be at least 1, got 0"]);
+    assert_usage_error(&with(&[], Some(("--layers", "0"))), &["--layers (model.n_layer) must be in 1..=4096, got 0"]);
+    // A few digits too many: an error at once, not a search that never ends or wraps to "fits".
+    assert_usage_error(&with(&[], Some(("--layers", "18446744073709551615"))), &["--layers (model.n_layer) must be in 1..=4096"]);
+    assert_usage_error(&with(&["--gpu", "t4"], Some(("--seq-len", "18446744073709551615"))), &["--seq-len (model.seq_len) must be in 1..=4194304"]);
+    assert_usage_error(&["--config", &config("debug.yaml"), "--set", "model.n_layer=18446744073709551615"], &["model.n_layer: must be in 1..=4096"]);
     assert_usage_error(&with(&[], Some(("--heads", "5"))), &["--heads 5 must divide --hidden 768"]);
     assert_usage_error(&with(&["--gpu", "a100-50"], None), &["unknown GPU `a100-50`", "t4", "a100-80", "h100", "h200"]);
     assert_usage_error(&with(&["--margin", "0"], None), &["--margin must be in (0, 1]"]);

@@ -27,7 +27,7 @@ pub struct AllocatorConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a power of two (every size), or a map of size to divisions like {256: 1, 1024: 4}")]
 pub enum Roundup {
     All(u64),
     Intervals(BTreeMap<String, u64>),

@@ -16,6 +16,8 @@ pub enum ConfigError {
     Type { path: PathBuf, key: String, message: String },
     #[error("bad --set `{arg}`: {why}")]
     Override { arg: String, why: String },
+    #[error("bad {flag}: {why}")]
+    Flag { flag: String, why: String },
     #[error("{path}: {} problem(s) in the config:\n{}", .problems.len(), Problem::list(.problems))]
     Invalid { path: PathBuf, problems: Vec<Problem> },
 }
@@ -34,10 +36,15 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     for arg in overrides {
         apply_override(&mut tree, arg)?;
     }
-    let config: Config = serde_path_to_error::deserialize(tree).map_err(|e| ConfigError::Type {
-        path: shown.clone(),
-        key: e.path().to_string(),
-        message: e.into_inner().to_string(),
+    let config: Config = serde_path_to_error::deserialize(tree).map_err(|e| {
+        let key = e.path().to_string();
+        let message = e.into_inner().to_string();
+        // A value that came from the command line is blamed on the --set that gave it.
+        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
+        match overrides.iter().rev().find(set_here) {
+            Some(arg) => ConfigError::Override { arg: arg.clone(), why: format!("key `{key}`: {message}") },
+            None => ConfigError::Type { path: shown.clone(), key, message },
+        }
     })?;
     let problems = validate(&config);
     if problems.is_empty() {
@@ -144,8 +151,14 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     if total <= 0.0 {
         return Err(format!("`{text}` must be longer than zero"));
     }
+    // Beyond a century a limit means nothing; beyond u64 seconds it cannot be represented.
+    if total > MAX_DURATION_S {
+        return Err(format!("`{text}` is longer than 100 years"));
+    }
     Ok(std::time::Duration::from_secs_f64(total))
 }
+
+pub(crate) const MAX_DURATION_S: f64 = 100.0 * 365.25 * 86400.0;
 
 #[cfg(test)]
 mod tests {
@@ -193,6 +206,9 @@ mod tests {
         for bad in ["", "7", "7x", "h", "0s"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        // Too long for a Duration: an error, not std's panic.
+        assert!(parse_duration("99999999999999999999s").unwrap_err().contains("100 years"));
+        assert!(parse_duration("36500d").is_ok());
     }
 
     #[test]
@@ -205,6 +221,16 @@ mod tests {
         std::fs::write(&p, "model:\n  n_layers: 3\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();
         assert!(err.contains("n_layers"), "{err}");
+        // A bad value from the command line is the --set's, not the file's.
+        std::fs::write(&p, "train:\n  max_steps: 5\n").unwrap();
+        let err = load(Some(&p), &["model.n_layer=abc".into(), "train.max_steps=7".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Override { arg, .. } if arg == "model.n_layer=abc"), "{err}");
+        std::fs::write(&p, "train:\n  max_steps: many\n").unwrap();
+        let err = load(Some(&p), &["model.n_layer=3".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Type { key, .. } if key == "train.max_steps"), "{err}");
+        // An untagged enum says what it expects, not serde's "did not match any variant".
+        let err = load(None, &["memory.limit=1e30".into()]).unwrap_err().to_string();
+        assert!(err.contains("memory.limit") && err.contains("a size like 16GiB"), "{err}");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
 //! derive anything from the environment (that is `plan`'s job).
 pub mod allocator;
+pub mod limits;
 mod load;
 mod validate;
 
@@ -593,7 +594,7 @@ impl Default for MemoryConfig {
 
 /// A size as written in YAML: `16GiB`, `512MiB`, `1.5GB`, or a plain number of bytes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a size like 16GiB, 512MiB or 1.5GB, or a whole number of bytes")]
 pub enum Size {
     Bytes(u64),
     Text(String),

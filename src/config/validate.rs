@@ -1,6 +1,7 @@
 //! Per-key rules for a [`Config`]: every broken rule becomes a [`Problem`] naming its key path,
 //! and all of them are reported together. Rules that need the environment (world size, device
 //! presence) live in `plan`.
+use super::limits::*;
 use super::Config;
 use std::fmt;
 
@@ -35,9 +36,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         }
     };
     let m = &c.model;
-    check(m.n_layer >= 1, "model.n_layer", format!("must be at least 1, got {}", m.n_layer));
+    let within = |v: usize, max: usize| format!("must be in 1..={max}, got {v}");
+    check((1..=MAX_LAYERS).contains(&m.n_layer), "model.n_layer", within(m.n_layer, MAX_LAYERS));
     check(m.n_head >= 1, "model.n_head", format!("must be at least 1, got {}", m.n_head));
-    check(m.n_embd >= 1, "model.n_embd", format!("must be at least 1, got {}", m.n_embd));
+    check((1..=MAX_WIDTH).contains(&m.n_embd), "model.n_embd", within(m.n_embd, MAX_WIDTH));
     check(
         m.n_head == 0 || m.n_embd.is_multiple_of(m.n_head),
         "model.n_embd",
@@ -54,9 +56,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must be in 1..={MAX_PAD_VOCAB} (1: no padding; 64 aligns the LM head's matrix shapes), got {}", m.pad_vocab_to),
     );
     check_arch(m, &mut check);
-    check(m.seq_len >= 1, "model.seq_len", format!("must be at least 1, got {}", m.seq_len));
+    check((1..=MAX_SEQ_LEN).contains(&m.seq_len), "model.seq_len", within(m.seq_len, MAX_SEQ_LEN));
     check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
 
+    check(!c.out_dir.as_os_str().is_empty(), "out_dir", "must name a directory (`.` for the current one), got an empty path".into());
     check_device(&c.device, &mut check);
     check_source(c, &mut check);
     if let Some(dir) = &c.init_from {
@@ -68,15 +71,22 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "data.val_fraction",
         format!("must be in (0, 1), got {}", d.val_fraction),
     );
-    let needed = 2 * (m.seq_len + 1);
+    // Judged against a valid seq_len only (a bad one is reported above).
+    let seq_ok = (1..=MAX_SEQ_LEN).contains(&m.seq_len);
+    let needed = 2 * (m.seq_len.min(MAX_SEQ_LEN) + 1);
     check(
-        d.synthetic_tokens >= needed,
+        !seq_ok || d.synthetic_tokens >= needed,
         "data.synthetic_tokens",
         format!("must be at least {needed} (two sequences of model.seq_len + 1), got {}", d.synthetic_tokens),
     );
 
     let t = &c.train;
     check(t.global_batch_size >= 1, "train.global_batch_size", format!("must be at least 1, got {}", t.global_batch_size));
+    check(
+        !seq_ok || (t.global_batch_size as u128) * (m.seq_len as u128) <= MAX_TOKENS_PER_STEP as u128,
+        "train.global_batch_size",
+        format!("{} sequences of model.seq_len {} make more than {MAX_TOKENS_PER_STEP} tokens a step", t.global_batch_size, m.seq_len),
+    );
     check(t.micro_batch_size >= 1, "train.micro_batch_size", format!("must be at least 1, got {}", t.micro_batch_size));
     check(
         t.micro_batch_size <= t.global_batch_size,
@@ -116,7 +126,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         }
     }
     if let Some(m) = c.checkpoint.interval_minutes {
-        check(m > 0.0, "checkpoint.interval_minutes", format!("must be > 0, got {m}"));
+        let max = super::load::MAX_DURATION_S / 60.0;
+        check(m > 0.0 && m <= max, "checkpoint.interval_minutes", format!("must be in (0, {max}] (100 years), got {m}"));
     }
     let tr = &c.metrics.trace;
     check(tr.steps >= 1, "metrics.trace.steps", format!("must be at least 1, got {}", tr.steps));
@@ -216,12 +227,10 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
         check(kv >= 1 && m.n_head.is_multiple_of(kv), "model.n_kv_head", format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head));
     }
     if let Some(f) = m.ffn_hidden {
-        check(f >= 1, "model.ffn_hidden", format!("must be at least 1, got {f}"));
+        check((1..=MAX_FFN).contains(&f), "model.ffn_hidden", format!("must be in 1..={MAX_FFN}, got {f}"));
     }
 }
 
-/// Token ids are stored as uint16 or uint32 (`data::shards`); int32 keeps llm.c's counts valid.
-const MAX_VOCAB: usize = i32::MAX as usize;
 /// Padding beyond this would only waste memory (GPU kernels want multiples of 8 to 128).
 const MAX_PAD_VOCAB: usize = 1 << 16;
 
@@ -326,6 +335,14 @@ mod tests {
             (|c| c.data.source = "text:/no/such/file.txt".into(), "data.source"),
             (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
+            (|c| c.checkpoint.interval_minutes = Some(f64::INFINITY), "checkpoint.interval_minutes"),
+            (|c| c.checkpoint.interval_minutes = Some(f64::NAN), "checkpoint.interval_minutes"),
+            (|c| c.out_dir = "".into(), "out_dir"),
+            (|c| c.model.n_layer = usize::MAX, "model.n_layer"),
+            (|c| c.model.n_embd = 1 << 20, "model.n_embd"),
+            (|c| c.model.seq_len = usize::MAX, "model.seq_len"),
+            (|c| c.train.global_batch_size = usize::MAX, "train.global_batch_size"),
+            (|c| c.train.max_duration = Some("99999999999999999999s".into()), "train.max_duration"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
             (|c| c.memory.activation_checkpointing = "sometimes".into(), "memory.activation_checkpointing"),

@@ -35,6 +35,8 @@ pub enum Split {
 
 /// One memory-mapped file's tokens, at position `start` of the concatenated sequence.
 struct Piece {
+    /// The file it maps, for messages.
+    path: PathBuf,
     map: Mmap,
     offset: usize,
     dtype: Dtype,
@@ -240,7 +242,7 @@ fn map_piece(file: &Path, start: usize) -> Result<Piece, DataError> {
     let map = crate::ffi::os::map_readonly(&f).map_err(io)?;
     let l = shards::layout(&map[..map.len().min(shards::HEADER_BYTES)], size)
         .map_err(|message| DataError::Format { path: file.into(), message })?;
-    Ok(Piece { map, offset: l.offset, dtype: l.dtype, start, len: l.tokens })
+    Ok(Piece { path: file.into(), map, offset: l.offset, dtype: l.dtype, start, len: l.tokens })
 }
 
 /// Refuses a token id outside the embedding, scanning up to `SCAN_LIMIT_BYTES` of the files
@@ -253,7 +255,7 @@ fn check_vocab(pieces: &[Piece], vocab: usize) -> Result<(), DataError> {
     for p in pieces {
         if let Some((i, tok)) = (0..p.len).map(|i| (i, p.get(i))).find(|(_, t)| *t as usize >= vocab) {
             return Err(DataError::Vocab {
-                path: PathBuf::from(format!("token file (piece at {})", p.start)),
+                path: p.path.clone(),
                 message: format!("token {tok} at index {i} is outside model.vocab_size = {vocab}"),
             });
         }
@@ -278,7 +280,7 @@ mod tests {
         c.read(Split::Val, 0, &mut w);
         assert_eq!(w, [0, 1, 2]); // token 900 is 900 % 300 = 0
         let err = Corpus::load(&cfg, 256, 16).err().unwrap().to_string();
-        assert!(err.contains("outside model.vocab_size = 256"), "{err}");
+        assert!(err.contains("outside model.vocab_size = 256") && err.contains(&p.display().to_string()), "names the file: {err}");
         std::fs::write(&p, [1u8, 2, 3]).unwrap();
         assert!(Corpus::load(&cfg, 512, 16).is_err());
     }

@@ -229,7 +229,10 @@ impl Inputs {
         if a.micro_batches.contains(&0) {
             return Err(usage("--micro-batches must list sizes of at least 1"));
         }
-        let size = |flag: &str, v: &str| config::parse_size(v).map_err(|e| usage(format!("{flag}: {e}")));
+        let size = |flag: &str, v: &str| match config::parse_size(v) {
+            Ok(b) if b > config::limits::MAX_DEVICE_BYTES => Err(usage(format!("{flag}: {v} is more than a PiB"))),
+            r => r.map_err(|e| usage(format!("{flag}: {e}"))),
+        };
         let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
         let gpu_memory = a.gpu_memory.as_deref().map(|v| size("--gpu-memory", v)).transpose()?;
         let params = a.params.as_deref().map(parse_count).transpose()?;
@@ -331,7 +334,7 @@ impl Inputs {
             fragmentation: a.fragmentation,
         };
 
-        let micro = a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
+        let mut micro = a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
         if micro == 0 {
             return Err(usage("--micro-batch must be at least 1, got 0"));
         }
@@ -342,10 +345,13 @@ impl Inputs {
             Some(g) => crate::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
             None => None,
         };
-        if let Some(r) = rank_batch {
-            if micro > r {
+        match rank_batch {
+            Some(r) if micro > r && a.micro_batch.is_some() => {
                 return Err(usage(format!("--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)")));
             }
+            // The config's micro-batch, for another global batch: the share is the most a step runs.
+            Some(r) if micro > r => micro = r,
+            _ => {}
         }
         let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;
@@ -354,9 +360,18 @@ impl Inputs {
 }
 
 fn check_model(m: &Transformer) -> Result<(), PlannerError> {
-    for (flag, v) in [("--layers", m.layers), ("--hidden", m.hidden), ("--heads", m.heads), ("--vocab", m.vocab), ("--seq-len", m.seq_len), ("--ffn", m.ffn)] {
-        if v == 0 {
-            return Err(usage(format!("{flag} must be at least 1, got 0")));
+    use config::limits::*;
+    let bounds = [
+        ("--layers (model.n_layer)", m.layers, MAX_LAYERS),
+        ("--hidden (model.n_embd)", m.hidden, MAX_WIDTH),
+        ("--heads (model.n_head)", m.heads, MAX_WIDTH),
+        ("--vocab (model.vocab_size)", m.vocab, MAX_VOCAB),
+        ("--seq-len (model.seq_len)", m.seq_len, MAX_SEQ_LEN),
+        ("--ffn (model.ffn_hidden)", m.ffn, MAX_FFN),
+    ];
+    for (flag, v, max) in bounds {
+        if v == 0 || v > max as u64 {
+            return Err(usage(format!("{flag} must be in 1..={max}, got {v}")));
         }
     }
     if !m.hidden.is_multiple_of(m.heads) {
@@ -376,8 +391,8 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
     if kv == 0 || !m.heads.is_multiple_of(kv) {
         return Err(usage(format!("--kv-heads {kv} must divide --heads {} (each key/value head serves heads / kv-heads query heads)", m.heads)));
     }
-    if m.params_override == Some(0) {
-        return Err(usage("--params must be at least 1"));
+    if let Some(p) = m.params_override.filter(|&p| p == 0 || p > MAX_PARAMS) {
+        return Err(usage(format!("--params must be in 1..={MAX_PARAMS:e}, got {p}")));
     }
     Ok(())
 }
@@ -686,10 +701,21 @@ mod tests {
     }
 
     #[test]
+    fn the_configs_micro_batch_gives_way_to_a_smaller_global_batch() {
+        // The built-in config says micro 8; asked about a global batch of 4, one step runs 4.
+        let i = Inputs::resolve(&PlanArgs { global_batch: Some(4), ..args() }).unwrap();
+        assert_eq!((i.micro, i.accumulation), (4, 1));
+    }
+
+    #[test]
     fn bad_shapes_and_batches_are_usage_errors_naming_the_flag() {
         let gpt = || PlanArgs { layers: Some(2), hidden: Some(64), heads: Some(2), vocab: Some(256), seq_len: Some(64), ..args() };
         let cases: Vec<(PlanArgs, &str)> = vec![
-            (PlanArgs { layers: Some(0), ..gpt() }, "--layers must be at least 1, got 0"),
+            (PlanArgs { layers: Some(0), ..gpt() }, "--layers (model.n_layer) must be in 1..=4096, got 0"),
+            (PlanArgs { layers: Some(u64::MAX), ..gpt() }, "--layers (model.n_layer) must be in 1..=4096, got 18446744073709551615"),
+            (PlanArgs { seq_len: Some(1 << 40), ..gpt() }, "--seq-len (model.seq_len) must be in 1..=4194304"),
+            (PlanArgs { params: Some("1e30".into()), ..gpt() }, "--params must be in 1..=1e14"),
+            (PlanArgs { cuda_overhead: "99999999999999999999GiB".into(), ..gpt() }, "--cuda-overhead: 99999999999999999999GiB is more than a PiB"),
             (PlanArgs { heads: Some(3), ..gpt() }, "--heads 3 must divide --hidden 64"),
             (PlanArgs { margin: Some(1.5), ..gpt() }, "--margin must be in (0, 1]"),
             (PlanArgs { global_batch: Some(3), gpus: 4, ..gpt() }, "--global-batch 3 cannot be shared by --gpus 4"),

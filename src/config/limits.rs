@@ -1,0 +1,21 @@
+//! Upper bounds on sizes, shared by config validation and `plan`'s flags. Far beyond any model
+//! trained today, and low enough that the planner's byte counts (u64) and the model's shapes
+//! (i64) cannot overflow: a typo of a few extra digits is an error, not an allocation that runs
+//! the machine out of memory or a plan that wraps around to "fits".
+
+/// Blocks (Llama 3.1 405B has 126).
+pub const MAX_LAYERS: usize = 1 << 12;
+/// Hidden size (405B: 16,384); also bounds the head count, which divides it.
+pub const MAX_WIDTH: usize = 1 << 17;
+/// MLP width (405B: 53,248).
+pub const MAX_FFN: usize = 1 << 19;
+/// Context length in tokens.
+pub const MAX_SEQ_LEN: usize = 1 << 22;
+/// Token ids are stored as uint16 or uint32 (`data::shards`); int32 keeps llm.c's counts valid.
+pub const MAX_VOCAB: usize = i32::MAX as usize;
+/// Tokens in one optimizer step, all ranks together.
+pub const MAX_TOKENS_PER_STEP: usize = 1 << 32;
+/// `plan --params`: a hundred trillion.
+pub const MAX_PARAMS: u64 = 100_000_000_000_000;
+/// A device's memory, or a share of it, as `plan` takes it (a PiB).
+pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
