@@ -48,6 +48,7 @@ pub struct OomRecovery {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
+    /// Optimizer steps completed: `train.max_steps`, or the step resumed at when past it.
     pub steps: u64,
     pub final_loss: f64,
     pub final_val_loss: Option<f64>,
@@ -91,6 +92,10 @@ pub enum Event {
     OomRecovered(OomRecovery),
     Resumed { step: u64, path: String, changed: Vec<String> },
     CheckpointSkipped { path: String, reason: String },
+    /// A checkpoint a killed replacement of the same step had left aside, put back in its place.
+    CheckpointPutBack { step: u64 },
+    /// Checkpoints beyond the step resumed moved out of the run's way (nothing deleted).
+    CheckpointsSetAside { resumed_step: u64, steps: Vec<u64>, to: String },
     CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
     CheckpointFailed { step: u64, error: String },
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
@@ -321,6 +326,12 @@ impl Reporter {
                 }
             }
             Event::CheckpointSkipped { path, reason } => tracing::warn!("skipping checkpoint {path}: {reason}"),
+            Event::CheckpointPutBack { step } => {
+                tracing::warn!("checkpoint at step {step} put back: a run killed while writing the same step again had moved it aside");
+            }
+            Event::CheckpointsSetAside { resumed_step, steps, to } => tracing::warn!(
+                "checkpoints of steps {steps:?}, beyond the step {resumed_step} resumed, moved to {to}: they belong to a line this run leaves (nothing deleted)"
+            ),
             Event::CheckpointSaved { step, path, seconds, deleted } => {
                 let gone = if deleted.is_empty() { String::new() } else { format!(", removed steps {deleted:?}") };
                 tracing::info!("checkpoint at step {step}: {path} ({seconds:.2}s{gone})");
@@ -364,7 +375,7 @@ impl Reporter {
                 tracing::info!(
                     "done: nothing to train: resumed at step {}, and train.max_steps is {}; raise train.max_steps (or start a new run) to train further",
                     self.resume_at.unwrap_or_default(),
-                    s.steps
+                    self.max_steps
                 );
             }
             Event::RunFinished(s) => {

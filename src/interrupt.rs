@@ -12,13 +12,14 @@ impl Interrupter {
         Self::default()
     }
 
-    /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature).
-    pub fn install_signal_handler(&self) -> Result<(), ctrlc::Error> {
+    /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature). A second signal exits
+    /// at once with the code `second` returns, after whatever it does (the stop record).
+    pub fn install_signal_handler(&self, second: impl Fn() -> i32 + Send + 'static) -> Result<(), ctrlc::Error> {
         let count = self.0.clone();
         ctrlc::set_handler(move || {
             if count.fetch_add(1, Ordering::SeqCst) >= 1 {
                 eprintln!("second signal: exiting now; --resume auto continues from the last complete checkpoint");
-                std::process::exit(crate::exit::INTERRUPTED);
+                std::process::exit(second());
             }
             eprintln!("signal received: finishing the current step, then checkpointing (send it again to exit at once)");
         })

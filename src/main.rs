@@ -27,7 +27,7 @@ fn main() {
         // Under torchrun: tell the agent the real cause.
         if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
             let kind = exit::kind_name(code);
-            let text = err.chain().map(|c| c.to_string().lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": ");
+            let text = causes(&err).iter().map(|c| c.lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": ");
             if let Err(e) = dist::write_error_file(std::path::Path::new(&path), kind, &text) {
                 eprintln!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy());
             }
@@ -44,7 +44,9 @@ fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
 fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let mut overrides = args.config.overrides.clone();
     if let Some(d) = &args.max_duration {
-        overrides.push(format!("train.max_duration={d}"));
+        config::parse_duration(d).map_err(|why| config::ConfigError::Flag { flag: format!("--max-duration `{d}`"), why })?;
+        // As a YAML string, whatever it looks like (`90` would read as a number).
+        overrides.push(format!("train.max_duration={}", serde_json::to_string(d)?));
     }
     let mut cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let launch = dist::from_process_env()?;
@@ -65,12 +67,10 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if args.overwrite && matches!(resume, Resume::Fresh) && writer {
         move_old_run_aside(&plan.config.out_dir)?;
     }
-    if writer {
-        // From here a crash must leave no stop record, whatever an earlier run left.
-        stop_record::clear(&plan.config.out_dir).with_context(|| format!("cannot remove {}", stop_record::path(&plan.config.out_dir).display()))?;
-        if elastic {
-            record_deadline(&plan, launch.as_ref());
-        }
+    // An earlier run's stop record is removed once the run is built (src/train/run.rs): a
+    // command refused before then leaves it.
+    if writer && elastic {
+        record_deadline(&plan, launch.as_ref());
     }
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
@@ -78,7 +78,8 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     // Before the signal thread and before CUDA creates a cuBLAS handle.
     trainguard::determinism::prepare_env(plan.config.deterministic);
     let stop = Interrupter::new();
-    stop.install_signal_handler().context("cannot install the SIGINT/SIGTERM handler")?;
+    let out = plan.config.out_dir.clone();
+    stop.install_signal_handler(move || second_signal(&out, writer, elastic)).context("cannot install the SIGINT/SIGTERM handler")?;
     if let tch::Device::Cuda(i) = plan.device {
         // Before the process group: NCCL and whatever CUDA work names no device use this one.
         trainguard::ffi::set_current_device(i).with_context(|| format!("cannot make cuda:{i} the current device"))?;
@@ -117,6 +118,24 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
             Err(anyhow::Error::new(err).context("training failed"))
         }
         Err(e) => Err(anyhow::Error::new(e).context("training failed")),
+    }
+}
+
+/// A second SIGINT/SIGTERM: the process exits at once, from the signal thread. Rank 0 records
+/// the stop with the newest complete checkpoint (what `--resume auto` continues from; a write in
+/// progress is not one; with none, no record: nothing to requeue), and under torchrun the exit
+/// is 0, as for any planned stop.
+fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 {
+    let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
+    if let (true, Some((step, path))) = (writer, newest) {
+        if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(step, "signal", Some(&path))) {
+            eprintln!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
+        }
+    }
+    if elastic {
+        exit::SUCCESS
+    } else {
+        exit::INTERRUPTED
     }
 }
 
@@ -231,14 +250,25 @@ fn report(err: &anyhow::Error) {
         eprintln!("{stopped}");
         return;
     }
-    let chain: Vec<String> = err.chain().map(|c| c.to_string()).collect();
     // libtorch messages carry a C++ backtrace after their first line: keep the first line.
-    let text = chain.join(": ");
+    let text = causes(err).join(": ");
     let mut lines = text.lines();
     eprintln!("error: {}", lines.next().unwrap_or_default());
     for l in lines.take_while(|l| !l.starts_with("Exception raised from")).take(20) {
         eprintln!("{l}");
     }
+}
+
+/// The error chain's messages, outermost first, without a cause whose text its wrapper already
+/// ends with (`#[error("init_from: {0}")]` shows its source, which the chain then lists again).
+fn causes(err: &anyhow::Error) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for text in err.chain().map(|c| c.to_string()) {
+        if !out.last().is_some_and(|outer| outer.ends_with(&text)) {
+            out.push(text);
+        }
+    }
+    out
 }
 
 /// The exit code for an error chain: the first cause that names one decides.

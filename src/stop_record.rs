@@ -4,9 +4,10 @@
 //! limit) cannot be told by exit code there: every rank exits 0 and rank 0 leaves this record.
 //!
 //! - `{"status":"stopped","reason":…,"step":…,"checkpoint":…,"resumable":true}`: requeue with
-//!   `--resume auto`;
+//!   `--resume auto` (it continues from `checkpoint`; `"resumable":false` when none exists);
 //! - `{"status":"finished","step":…,"resumable":false}`: done;
-//! - no file: the run crashed (the record is removed when a run starts).
+//! - no file: the run crashed, or a stop's checkpoint could not be written (exit 1): a requeue
+//!   would not continue where it stopped (the record is removed once a run is built).
 //!
 //! Owns the record's format, where it lives and whether a launcher is present; not when to
 //! stop (the trainer) nor the exit code mapping (src/exit.rs).
@@ -31,15 +32,18 @@ pub struct StopRecord {
     pub reason: Option<String>,
     /// Optimizer steps completed.
     pub step: u64,
-    /// The checkpoint a `--resume auto` continues from (absent if the write failed).
+    /// The checkpoint a `--resume auto` continues from: the stop's own, or after a second
+    /// signal the newest complete one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<String>,
+    /// Whether a checkpoint exists to resume from.
     pub resumable: bool,
 }
 
 impl StopRecord {
     pub fn stopped(step: u64, reason: &str, checkpoint: Option<&Path>) -> Self {
-        Self { status: Status::Stopped, reason: Some(reason.into()), step, checkpoint: checkpoint.map(|c| c.display().to_string()), resumable: true }
+        let resumable = checkpoint.is_some();
+        Self { status: Status::Stopped, reason: Some(reason.into()), step, checkpoint: checkpoint.map(|c| c.display().to_string()), resumable }
     }
     pub fn finished(step: u64) -> Self {
         Self { status: Status::Finished, reason: None, step, checkpoint: None, resumable: false }
@@ -90,6 +94,8 @@ mod tests {
         let text = std::fs::read_to_string(path(d.path())).unwrap();
         // The scripts grep for these exact fragments.
         assert!(text.contains(r#""status":"stopped""#) && text.contains(r#""resumable":true"#), "{text}");
+        let unsaved = StopRecord::stopped(12, "signal", None);
+        assert!(!unsaved.resumable, "nothing to resume from");
         write(d.path(), &StopRecord::finished(20)).unwrap();
         let text = std::fs::read_to_string(path(d.path())).unwrap();
         assert!(text.contains(r#""status":"finished""#) && !text.contains("reason"), "{text}");

@@ -141,19 +141,18 @@ fn sigterm_checkpoints_the_last_completed_step_and_exits_4() {
     assert_eq!(checkpoint_steps(dir.path()), [done], "checkpoint at the last completed step");
 }
 
-/// The second signal does not wait for the step (seconds here): the process exits at once with
-/// code 4, whatever it was doing, checkpoint write included, and `--resume auto` continues from
-/// the newest complete checkpoint.
-#[test]
-fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=1", "data.synthetic_tokens=262144"];
-    let mut child = command(dir.path(), "configs/bench-10m.yaml", &sets).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let metrics = dir.path().join("metrics.jsonl");
+/// Two SIGTERMs 100 ms apart once the first step's checkpoint is in place, `env` set: the
+/// output, the steps completed, the newest complete checkpoint, and the time from the second
+/// signal to the exit against a step's time.
+fn two_signals(dir: &Path, sets: &[&str], env: &[(&str, &str)]) -> (std::process::Output, u64, u64) {
+    let mut cmd = command(dir, "configs/bench-10m.yaml", sets);
+    cmd.envs(env.iter().copied());
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let metrics = dir.join("metrics.jsonl");
     let t0 = Instant::now();
     // The first step's metrics line comes before its checkpoint is renamed into place: wait for
     // both, or the signals can land inside that first write (CI failed on exactly that).
-    while read_jsonl(&metrics).is_empty() || checkpoint_steps(dir.path()).is_empty() {
+    while read_jsonl(&metrics).is_empty() || checkpoint_steps(dir).is_empty() {
         assert!(child.try_wait().unwrap().is_none(), "the run ended early");
         assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
         std::thread::sleep(Duration::from_millis(10));
@@ -166,18 +165,42 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
     term();
     let output = child.wait_with_output().unwrap();
     let took = second.elapsed().as_secs_f64();
-    assert_eq!(output.status.code(), Some(4));
     assert!(String::from_utf8_lossy(&output.stderr).contains("second signal: exiting now"));
     assert!(took < step_time / 2.0, "exit took {took:.2}s after the second signal; a step takes {step_time:.2}s");
     let done = read_jsonl(&metrics).len() as u64;
     assert!(done < 4, "stopped before the end");
-    let newest = *checkpoint_steps(dir.path()).last().expect("the checkpoint of step 1 stands");
+    let newest = *checkpoint_steps(dir).last().expect("the checkpoint of step 1 stands");
     assert!(newest == done || newest + 1 == done, "newest checkpoint {newest} after {done} completed steps");
-    let mut cmd = command(dir.path(), "configs/bench-10m.yaml", &sets);
+    (output, done, newest)
+}
+
+const SLOW_STEPS: [&str; 4] = ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=1", "data.synthetic_tokens=262144"];
+
+/// The second signal does not wait for the step (seconds here): the process exits at once with
+/// code 4, whatever it was doing, checkpoint write included, and `--resume auto` continues from
+/// the newest complete checkpoint.
+#[test]
+fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (output, _, newest) = two_signals(dir.path(), &SLOW_STEPS, &[]);
+    assert_eq!(output.status.code(), Some(4));
+    let mut cmd = command(dir.path(), "configs/bench-10m.yaml", &SLOW_STEPS);
     cmd.args(["--resume", "auto"]);
     let resumed = run(cmd, dir.path()).ok();
     assert_eq!(resumed.events_of("resumed")[0]["step"], newest);
     assert_eq!(series(&resumed.metrics(), "step"), (0..4).map(serde_json::Value::from).collect::<Vec<_>>());
+}
+
+/// Under torchrun's agent a second signal is a planned stop too: exit 0 (any other code would
+/// make torchrun restart the group), and the stop record names the newest complete checkpoint.
+#[test]
+fn a_second_signal_under_torchrun_exits_0_with_a_stop_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let (output, _, newest) = two_signals(dir.path(), &SLOW_STEPS, &[("TORCHELASTIC_RUN_ID", "second-signal")]);
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let record = trainguard::stop_record::read(dir.path()).expect("stop.json");
+    assert_eq!((record.step, record.resumable, record.reason.as_deref()), (newest, true, Some("signal")));
+    assert!(record.checkpoint.unwrap().ends_with(&format!("step-{newest:08}")));
 }
 
 #[test]
@@ -245,6 +268,8 @@ fn a_changed_model_shape_is_refused_naming_the_keys_but_safe_changes_are_logged(
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path()).ok();
     assert!(r.stderr().contains("train.max_steps: checkpoint 10, config 20"), "{}", r.stderr());
+    // A longer schedule moves the learning rate at the step resumed: the log says by how much.
+    assert!(r.stderr().contains("learning rate at step 10: 3.0000e-4 on the checkpoint's schedule"), "{}", r.stderr());
 }
 
 #[test]
@@ -279,4 +304,138 @@ fn a_stop_right_after_an_interval_checkpoint_writes_it_once_and_is_not_an_error(
     let err = r.stderr();
     assert!(err.contains("stopped at step 5 (signal); `--resume auto` continues from"), "{err}");
     assert!(!err.contains("error:") && !err.contains("training failed"), "a planned stop is not a failure:\n{err}");
+}
+
+fn resume_auto(dir: &Path, sets: &[&str]) -> Run {
+    let mut cmd = command(dir, "configs/debug.yaml", sets);
+    cmd.args(["--resume", "auto"]);
+    run(cmd, dir)
+}
+
+/// Steps in `metrics.jsonl`, in file order: a resumed run rewrites from the step it resumed at.
+fn metric_steps(dir: &Path) -> Vec<u64> {
+    read_jsonl(&dir.join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect()
+}
+
+/// A newest checkpoint whose bytes changed in place (same size, header intact) is passed over by
+/// its checksum; resumed at the one before, the run sets it aside, so `keep_last: 1` keeps the
+/// run's own new checkpoint, and after a crash `--resume auto` continues from that one.
+#[test]
+fn a_corrupt_newest_is_set_aside_and_a_crash_after_resumes_from_the_runs_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.warmup_steps=5", "train.eval_interval=0"];
+    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=10"])).ok();
+    let thirty = newest_checkpoint(dir.path());
+    let model = thirty.join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let n = bytes.len();
+    for b in &mut bytes[n - 64..] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&model, &bytes).unwrap();
+
+    let later = with(&["train.max_steps=40", "checkpoint.interval=5", "checkpoint.keep_last=1"]);
+    let crashed = resume_auto(dir.path(), &[later.clone(), vec!["faults.crash_at_step=27"]].concat());
+    assert_eq!(crashed.code(), 1, "{}", crashed.stderr());
+    let skipped = crashed.events_of("checkpoint_skipped");
+    assert!(skipped[0]["reason"].as_str().unwrap().contains("CRC-32C"), "{skipped:?}");
+    assert_eq!(crashed.events_of("resumed")[0]["step"], 20);
+    let aside = crashed.events_of("checkpoints_set_aside");
+    assert_eq!(aside[0]["steps"], serde_json::json!([30]), "{aside:?}");
+    let set_aside_dir = PathBuf::from(aside[0]["to"].as_str().unwrap());
+    assert!(set_aside_dir.join("step-00000030/model.safetensors").exists(), "moved, not deleted");
+    assert_eq!(checkpoint_steps(dir.path()), [25], "keep_last 1 kept the step just written");
+
+    let r = resume_auto(dir.path(), &later).ok();
+    assert_eq!(r.events_of("resumed").last().unwrap()["step"], 25);
+    assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "every step once, in order");
+}
+
+/// `--resume <older checkpoint>` starts a new line from it: the newer checkpoints of the old
+/// line are set aside, so a crash and `--resume auto` continue the new line, not the old one.
+/// A stop before any step writes nothing (the resumed checkpoint stands), and a command refused
+/// afterwards leaves the stop record as it was.
+#[test]
+fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.warmup_steps=5", "train.eval_interval=0", "train.max_steps=40"];
+    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=10"])).ok();
+    let ten = store::root(dir.path()).join("step-00000010");
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.crash_at_step=15"]));
+    cmd.arg("--resume").arg(&ten);
+    let crashed = run(cmd, dir.path());
+    assert_eq!(crashed.code(), 1, "{}", crashed.stderr());
+    assert_eq!(crashed.events_of("checkpoints_set_aside")[0]["steps"], serde_json::json!([20, 30]));
+    assert_eq!(checkpoint_steps(dir.path()), [10, 12, 14]);
+    let saved_before = crashed.events_of("checkpoint_saved").len();
+
+    let stopped = resume_auto(dir.path(), &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.interrupt_at_step=14"]));
+    assert_eq!(stopped.code(), 4, "{}", stopped.stderr());
+    assert_eq!(stopped.events_of("resumed").last().unwrap()["step"], 14, "the new line, not the old step 30");
+    assert_eq!(stopped.events_of("checkpoint_saved").len(), saved_before, "no step ran: step 14 was not written again");
+    assert!(stopped.events_of("stopped")[0]["checkpoint"].as_str().unwrap().ends_with("step-00000014"));
+    let record = std::fs::read_to_string(dir.path().join("stop.json")).unwrap();
+    assert!(record.contains(r#""resumable":true"#) && record.contains("step-00000014"), "{record}");
+
+    let refused = train(dir.path(), "configs/debug.yaml", &with(&[]));
+    assert_eq!(refused.code(), 2, "a fresh run over this one is refused: {}", refused.stderr());
+    assert_eq!(std::fs::read_to_string(dir.path().join("stop.json")).unwrap(), record, "the refusal left the stop record");
+
+    resume_auto(dir.path(), &with(&["checkpoint.interval=2", "train.lr=1e-3"])).ok();
+    assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "no gap, no step of the old line");
+}
+
+/// A finished run's final weights go when a resume trains past them: `sample` and `export` of
+/// the run directory then read the newest checkpoint, not weights older than it.
+#[test]
+fn a_resume_that_trains_on_removes_the_stale_final_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
+    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5"])).ok();
+    let fin = dir.path().join("model.safetensors");
+    assert!(fin.exists());
+    let past = resume_auto(dir.path(), &with(&["train.max_steps=5"])).ok();
+    assert!(past.stderr().contains("nothing to train") && fin.exists(), "nothing trained: the final weights stand");
+    let r = resume_auto(dir.path(), &with(&["train.max_steps=10", "faults.interrupt_at_step=7"]));
+    assert_eq!(r.code(), 4, "{}", r.stderr());
+    assert!(!fin.exists(), "step 5's final weights outlived a run stopped at step 7");
+    resume_auto(dir.path(), &with(&["train.max_steps=10"])).ok();
+    assert!(fin.exists(), "the final weights of step 10");
+}
+
+/// A stop whose checkpoint cannot be written (here `checkpoints` is a file, so every write fails
+/// with a real I/O error) is not exit 4's "resumable at this step": exit 1, and no stop record,
+/// so job scripts do not requeue a run that cannot save.
+#[test]
+fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("checkpoints"), "not a directory").unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=2", "checkpoint.interval=0", "faults.interrupt_at_step=3"]);
+    assert_eq!(r.code(), 1, "{}", r.stderr());
+    assert!(r.stderr().contains("stopped at step 3 (signal), but its checkpoint could not be written"), "{}", r.stderr());
+    assert!(r.stderr().contains("start over at step 0"), "{}", r.stderr());
+    assert_eq!(trainguard::stop_record::read(dir.path()), None);
+}
+
+/// A new `train.micro_batch_size` at a resume takes effect (the checkpoint's guard size comes
+/// back only while the configured size is unchanged), and `tokens_seen` adds each step's own
+/// tokens when the global batch changes.
+#[test]
+fn a_resume_takes_a_new_micro_batch_and_counts_tokens_across_a_batch_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
+    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    let first = train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5", "train.micro_batch_size=4"])).ok();
+    assert_eq!(series(&first.metrics(), "micro_batch")[0], 4);
+    let r = resume_auto(dir.path(), &with(&["train.max_steps=7", "train.micro_batch_size=8", "train.global_batch_size=16"])).ok();
+    let metrics = r.metrics();
+    assert_eq!(series(&metrics[5..], "micro_batch"), [8, 8]);
+    assert_eq!(series(&metrics[5..], "accumulation"), [2, 2]);
+    let tokens: u64 = metrics.iter().map(|m| m["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(tokens, 5 * 32 * 64 + 2 * 16 * 64);
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(state["tokens_seen"].as_u64(), Some(tokens));
 }

@@ -26,14 +26,7 @@ pub fn decide(existing_steps: &[u64], overwrite: bool) -> FreshStart {
 
 /// Where `--overwrite` moves the old run: `OUT_DIR.old-<unix seconds>` (`-2`, `-3`, … if taken).
 pub fn aside_path(out_dir: &Path, unix_seconds: u64, taken: impl Fn(&Path) -> bool) -> PathBuf {
-    let base = format!("{}.old-{unix_seconds}", out_dir.display());
-    let mut candidate = PathBuf::from(&base);
-    let mut n = 2;
-    while taken(&candidate) {
-        candidate = PathBuf::from(format!("{base}-{n}"));
-        n += 1;
-    }
-    candidate
+    store::free_path(format!("{}.old-{unix_seconds}", out_dir.display()), taken)
 }
 
 /// The error for a fresh start in `out_dir` (checkpoints under `root`) when another run is there.

@@ -32,6 +32,10 @@ pub struct TrainerState {
     pub elapsed_s: f64,
     /// Size in bytes of each tensor file: a truncated file is caught before it is parsed.
     pub files: BTreeMap<String, u64>,
+    /// CRC-32C of each tensor file: bytes changed in place (same size) are caught too. Absent in
+    /// checkpoints written before it; those are checked by size alone.
+    #[serde(default)]
+    pub checksums: BTreeMap<String, u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

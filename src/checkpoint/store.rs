@@ -1,7 +1,10 @@
 //! Checkpoints on disk: `out_dir/checkpoints/step-XXXXXXXX/` with `model.safetensors`,
 //! `optimizer.safetensors`, `trainer_state.json` and `config.yaml`. Written into a temporary
 //! directory, every file and the directory fsynced, then renamed into place: a checkpoint is
-//! complete or it does not exist. Readers skip temporary leftovers and remove them.
+//! complete or it does not exist. Readers skip temporary leftovers and remove them, but put back a
+//! checkpoint that a replacement of the same step had moved aside when the writer died between
+//! its two renames. Each tensor file's size and CRC-32C are in `trainer_state.json`: a file
+//! truncated or changed in place is corrupt, never loaded.
 use super::state::TrainerState;
 use crate::config::Config;
 use std::fs::{self, File};
@@ -13,6 +16,8 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "trainer_state.json";
 pub const CONFIG_FILE: &str = "config.yaml";
 const TMP_PREFIX: &str = ".tmp-";
+/// A checkpoint moved aside while the same step is written again.
+const OLD_PREFIX: &str = ".tmp-old-";
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -75,19 +80,74 @@ pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
     found
 }
 
-/// Removes temporary directories left by a writer that was killed mid-write.
-pub fn clean_temporaries(root: &Path) -> Vec<PathBuf> {
-    let leftovers: Vec<PathBuf> = fs::read_dir(root)
+/// What [`clean_temporaries`] found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// Directories removed: checkpoints half written or half deleted.
+    pub removed: Vec<PathBuf>,
+    /// Steps put back: a complete checkpoint that [`save`] had moved aside to replace it with
+    /// the same step, the writer killed before the new one took its name.
+    pub restored: Vec<u64>,
+}
+
+/// Removes temporary directories left by a writer that was killed mid-write, and puts back a
+/// replaced checkpoint whose replacement never took its name.
+pub fn clean_temporaries(root: &Path) -> Leftovers {
+    let mut found = Leftovers::default();
+    let names: Vec<String> = fs::read_dir(root)
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(TMP_PREFIX))
-        .map(|e| e.path())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(TMP_PREFIX))
         .collect();
-    for p in &leftovers {
-        let _ = fs::remove_dir_all(p);
+    for name in names {
+        let path = root.join(&name);
+        let replaced = name.strip_prefix(OLD_PREFIX).and_then(|n| parse_step(n).map(|step| (step, root.join(n))));
+        match replaced {
+            Some((step, home)) if !home.exists() && fs::rename(&path, &home).is_ok() => found.restored.push(step),
+            _ => {
+                let _ = fs::remove_dir_all(&path);
+                found.removed.push(path);
+            }
+        }
     }
-    leftovers
+    if !found.restored.is_empty() {
+        let _ = fsync(root);
+    }
+    found
+}
+
+/// `base`, or `base-2`, `base-3`, … : the first that is not taken.
+pub fn free_path(base: String, taken: impl Fn(&Path) -> bool) -> PathBuf {
+    let mut candidate = PathBuf::from(&base);
+    let mut n = 2;
+    while taken(&candidate) {
+        candidate = PathBuf::from(format!("{base}-{n}"));
+        n += 1;
+    }
+    candidate
+}
+
+/// Moves the checkpoints of more than `step` steps out of the way, into
+/// `root/set-aside-<unix seconds>/` (nothing is deleted): a run resumed at `step` left the line
+/// they belong to (a corrupt newest passed over, or an older checkpoint resumed on purpose), and
+/// among its own checkpoints they would count as the newest, for retention (which would delete
+/// the run's own instead) and for the next `--resume auto` (which would jump to them). Returns
+/// the directory and the steps moved, if any.
+pub fn set_aside_after(root: &Path, step: u64, unix_seconds: u64) -> Result<Option<(PathBuf, Vec<u64>)>, CheckpointError> {
+    let newer: Vec<(u64, PathBuf)> = list(root).into_iter().filter(|(s, _)| *s > step).collect();
+    if newer.is_empty() {
+        return Ok(None);
+    }
+    let aside = free_path(format!("{}/set-aside-{unix_seconds}", root.display()), |p| p.exists());
+    fs::create_dir(&aside).map_err(io(&aside))?;
+    for (_, dir) in &newer {
+        let to = aside.join(dir.file_name().unwrap_or_default());
+        fs::rename(dir, &to).map_err(io(dir))?;
+    }
+    fsync(root)?;
+    Ok(Some((aside, newer.into_iter().map(|(s, _)| s).collect())))
 }
 
 /// Deletes a checkpoint so that it is never seen half-deleted: renamed out of the
@@ -123,8 +183,9 @@ pub fn save(
     fsync(&tmp)?;
     if final_dir.exists() {
         // The same step again (a resumed run re-checkpointing): replace it. Between the two
-        // renames the step is briefly absent, never half there.
-        let old = root.join(format!("{TMP_PREFIX}old-{name}"));
+        // renames the step is briefly absent, never half there; a writer killed there leaves
+        // the old one under `.tmp-old-`, which `clean_temporaries` puts back.
+        let old = root.join(format!("{OLD_PREFIX}{name}"));
         if old.exists() {
             fs::remove_dir_all(&old).map_err(io(&old))?;
         }
@@ -158,6 +219,8 @@ fn write_files(dir: &Path, state: &TrainerState, config: &Config, weights: &[(St
         Tensor::write_safetensors(&cpu, &path).map_err(|e| save_err(e.to_string()))?;
         fsync(&path)?;
         state.files.insert(file.to_string(), fs::metadata(&path).map_err(io(&path))?.len());
+        // Read back from the page cache: what the file holds, not what was meant for it.
+        state.checksums.insert(file.to_string(), checksum(&path).map_err(io(&path))?);
     }
     let json = serde_json::to_string_pretty(&state).expect("TrainerState serialises");
     let yaml = serde_yaml::to_string(config).expect("Config serialises");
@@ -167,6 +230,22 @@ fn write_files(dir: &Path, state: &TrainerState, config: &Config, weights: &[(St
         fsync(&path)?;
     }
     Ok(())
+}
+
+/// CRC-32C of a file's bytes, read in pieces small enough to come from the heap: a buffer
+/// mapped of its own would raise the process's peak (what `memory.limit` caps on the CPU) at
+/// every checkpoint.
+fn checksum(path: &Path) -> std::io::Result<u32> {
+    use std::io::Read;
+    let mut file = File::open(path)?;
+    let mut buf = vec![0u8; 64 << 10];
+    let mut crc = 0;
+    loop {
+        match file.read(&mut buf)? {
+            0 => return Ok(crc),
+            n => crc = crc32c::crc32c_append(crc, &buf[..n]),
+        }
+    }
 }
 
 /// Reads and checks a checkpoint directory: state, sizes, both tensor files, config.
@@ -181,6 +260,12 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
         let actual = fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if actual != *size {
             return Err(corrupt(format!("{file} is {actual} bytes, {size} expected (truncated?)")));
+        }
+    }
+    for (file, expected) in &state.checksums {
+        let actual = checksum(&dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        if actual != *expected {
+            return Err(corrupt(format!("{file} has CRC-32C {actual:08x}, {expected:08x} when written (changed on disk)")));
         }
     }
     let read = |file: &str| Tensor::read_safetensors(dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")));
@@ -223,6 +308,7 @@ mod tests {
             nonfinite_skips: 0,
             elapsed_s: 1.0,
             files: Default::default(),
+            checksums: Default::default(),
         }
     }
 
@@ -265,7 +351,78 @@ mod tests {
         assert_eq!(skipped.len(), 1);
         fs::create_dir(root.join(".tmp-step-00000015")).unwrap();
         assert_eq!(list(&root).len(), 2, "temporaries are not checkpoints");
-        assert_eq!(clean_temporaries(&root).len(), 1);
+        assert_eq!(clean_temporaries(&root).removed.len(), 1);
         assert!(!root.join(".tmp-step-00000015").exists());
+    }
+
+    #[test]
+    fn bytes_changed_in_place_are_caught_by_the_checksum() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = root(dir.path());
+        save(&root, &state(5), &Config::default(), &tensors(), &tensors()).unwrap();
+        let newest = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        for file in [MODEL_FILE, OPTIMIZER_FILE] {
+            let path = newest.join(file);
+            let good = fs::read(&path).unwrap();
+            // The last byte is data, not the header: safetensors alone reads the file fine.
+            let mut bad = good.clone();
+            *bad.last_mut().unwrap() ^= 0x40;
+            fs::write(&path, &bad).unwrap();
+            assert_eq!(Tensor::read_safetensors(&path).unwrap().len(), 2, "still parses");
+            match load(&newest) {
+                Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains(file) && why.contains("CRC-32C"), "{why}"),
+                other => panic!("{file} changed in place loaded: {:?}", other.map(|l| l.path)),
+            }
+            assert_eq!(newest_valid(&root).0.unwrap().state.step, 5, "auto passes over it");
+            fs::write(&path, &good).unwrap();
+            assert!(load(&newest).is_ok());
+        }
+        // Written before checksums: checked by size alone, still loads.
+        let text = fs::read_to_string(newest.join(STATE_FILE)).unwrap();
+        let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+        old.as_object_mut().unwrap().remove("checksums");
+        fs::write(newest.join(STATE_FILE), old.to_string()).unwrap();
+        assert!(load(&newest).unwrap().state.checksums.is_empty());
+    }
+
+    #[test]
+    fn a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = root(dir.path());
+        let ten = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        // What save() leaves when killed between renaming step-10 aside and the new one in.
+        fs::rename(&ten, root.join(".tmp-old-step-00000010")).unwrap();
+        fs::create_dir(root.join(".tmp-step-00000010")).unwrap();
+        // A half-deleted checkpoint, and an old one whose step is back in place: both go.
+        fs::create_dir(root.join(".tmp-del-step-00000005")).unwrap();
+        save(&root, &state(20), &Config::default(), &tensors(), &tensors()).unwrap();
+        fs::create_dir(root.join(".tmp-old-step-00000020")).unwrap();
+        assert_eq!(list(&root).len(), 1);
+        let found = clean_temporaries(&root);
+        assert_eq!(found.restored, [10]);
+        assert_eq!(found.removed.len(), 3, "{:?}", found.removed);
+        assert_eq!(load(&ten).unwrap().state.step, 10, "complete, loads");
+        assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10, 20]);
+        assert!(fs::read_dir(&root).unwrap().flatten().all(|e| !e.file_name().to_string_lossy().starts_with(TMP_PREFIX)));
+    }
+
+    #[test]
+    fn checkpoints_beyond_the_resumed_step_are_set_aside_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = root(dir.path());
+        for step in [10, 20, 30] {
+            save(&root, &state(step), &Config::default(), &tensors(), &tensors()).unwrap();
+        }
+        assert_eq!(set_aside_after(&root, 30, 1700000000).unwrap(), None, "nothing beyond the newest");
+        let (aside, steps) = set_aside_after(&root, 10, 1700000000).unwrap().unwrap();
+        assert_eq!(steps, [20, 30]);
+        assert_eq!(aside, root.join("set-aside-1700000000"));
+        assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10]);
+        assert_eq!(list(&aside).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30], "moved, not deleted");
+        assert!(load(&aside.join("step-00000030")).is_ok());
+        save(&root, &state(20), &Config::default(), &tensors(), &tensors()).unwrap();
+        let (again, _) = set_aside_after(&root, 0, 1700000000).unwrap().unwrap();
+        assert_eq!(again, root.join("set-aside-1700000000-2"), "a second move in the same second gets its own directory");
+        assert!(clean_temporaries(&root).removed.is_empty(), "set-aside directories are not leftovers");
     }
 }

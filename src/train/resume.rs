@@ -28,6 +28,9 @@ pub enum Resume {
 #[derive(Debug, Clone, Default)]
 pub(super) struct Progress {
     pub(super) micro_steps: u64,
+    /// Tokens trained on over the whole run: summed step by step, since the global batch may
+    /// change at a resume.
+    pub(super) tokens_seen: u64,
     pub(super) best_val: Option<(f64, u64)>,
     pub(super) nonfinite_skips: u64,
     pub(super) elapsed_before: f64,
@@ -42,7 +45,9 @@ pub(super) struct TrainState {
 
 impl TrainState {
     /// Weights, optimizer state, loss scale, the guard's micro-batch, escalation and regrow
-    /// history, and the counters, from checkpoint `l`.
+    /// history, and the counters, from checkpoint `l`. The guard's micro-batch comes back only
+    /// while `train.micro_batch_size` is what the checkpoint's run configured: a new one is the
+    /// user's choice, and the guard starts there (and halves again if it does not fit).
     pub(super) fn restore(&mut self, l: &Loaded) -> Result<(), CheckpointError> {
         restore(l, &mut self.trainable)?;
         if let (Some(s), Some(saved)) = (&mut self.trainable.scaler, l.state.loss_scaler.clone()) {
@@ -51,9 +56,12 @@ impl TrainState {
             }
         }
         let g = &l.state.guard;
-        self.guard.state = self.guard.state.clone().with_current(g.micro_batch).with_regrow_memory(g.regrow.clone()).with_level(g.escalation_level);
+        let configured = self.guard.state.configured();
+        let current = if g.configured_micro_batch == configured { g.micro_batch } else { configured };
+        self.guard.state = self.guard.state.clone().with_current(current).with_regrow_memory(g.regrow.clone()).with_level(g.escalation_level);
         self.progress = Progress {
             micro_steps: l.state.micro_steps,
+            tokens_seen: l.state.tokens_seen,
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
             nonfinite_skips: l.state.nonfinite_skips,
             elapsed_before: l.state.elapsed_s,
@@ -70,22 +78,31 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
     }
 }
 
-/// The checkpoint to start from, and the broken ones `auto` passed over.
-pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<(Option<Loaded>, Vec<CheckpointError>), CheckpointError> {
+/// Where a run starts, as [`resolve_resume`] found it.
+#[derive(Default)]
+pub(super) struct Start {
+    pub(super) loaded: Option<Loaded>,
+    /// The broken checkpoints `auto` passed over.
+    pub(super) skipped: Vec<CheckpointError>,
+    /// Steps whose checkpoint a killed replacement had left aside, put back.
+    pub(super) restored: Vec<u64>,
+}
+
+/// The checkpoint to start from.
+pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<Start, CheckpointError> {
     match resume {
         Resume::Fresh => {
             if writer {
                 crate::checkpoint::fresh::refuse_if_occupied(root)?; // another run's checkpoints: exit 2
             }
-            Ok((None, vec![]))
+            Ok(Start::default())
         }
         Resume::Auto => {
-            if writer {
-                store::clean_temporaries(root);
-            }
-            Ok(store::newest_valid(root))
+            let restored = if writer { store::clean_temporaries(root).restored } else { vec![] };
+            let (loaded, skipped) = store::newest_valid(root);
+            Ok(Start { loaded, skipped, restored })
         }
-        Resume::Path(p) => Ok((Some(store::load(p)?), vec![])),
+        Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
     }
 }
 
@@ -153,7 +170,18 @@ impl Checkpointer {
         &self.root
     }
 
-    /// The checkpoint this run wrote last, if it holds `completed` steps.
+    /// The checkpoint this run resumed from, when it lies under this run's root: a stop before
+    /// any step then points at it instead of writing the same step again (a replacement, during
+    /// which the step is briefly absent).
+    pub(super) fn adopt(&mut self, l: &Loaded) {
+        let canonical = |p: &Path| std::fs::canonicalize(p).ok();
+        if l.path.parent().and_then(canonical).is_some_and(|p| Some(p) == canonical(&self.root)) {
+            self.last_saved = Some(l.state.step);
+            self.last_path = Some(l.path.clone());
+        }
+    }
+
+    /// The checkpoint this run wrote (or resumed from) last, if it holds `completed` steps.
     pub(super) fn last_saved_path(&self, completed: u64) -> Option<PathBuf> {
         (self.last_saved == Some(completed)).then(|| self.last_path.clone()).flatten()
     }
@@ -176,7 +204,7 @@ impl Checkpointer {
             format: STATE_FORMAT,
             step: completed,
             micro_steps: progress.micro_steps,
-            tokens_seen: completed * plan.tokens_per_step as u64,
+            tokens_seen: progress.tokens_seen,
             sampler: SamplerState { seed: cfg.seed, next_step: completed },
             rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
             loss_scaler: scaler.map(|s| serde_json::to_value(s).expect("LossScaler serialises")),
@@ -193,13 +221,14 @@ impl Checkpointer {
             nonfinite_skips: progress.nonfinite_skips,
             elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
             files: Default::default(),
+            checksums: Default::default(),
         };
         let weights: Vec<(String, tch::Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.shallow_clone())).collect();
         match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
             Ok(path) => {
                 let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
                 let best = if self.plan.keep_best { progress.best_val.map(|b| b.1) } else { None };
-                let deleted = retention::to_delete(&steps, self.plan.retention, best);
+                let deleted = retention::to_delete(&steps, self.plan.retention, best, completed);
                 for s in &deleted {
                     if let Err(e) = store::remove(&self.root, *s) {
                         tracing::warn!("could not remove an old checkpoint: {e}");

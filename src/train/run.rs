@@ -3,7 +3,9 @@
 //! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
-use super::resume::{check_compatible, corrupt_path, resolve_resume, Checkpointer, Progress, Resume, TrainState};
+use super::resume::{check_compatible, corrupt_path, resolve_resume, Checkpointer, Progress, Resume, Start, TrainState};
+use crate::checkpoint::store;
+use crate::optim::LrSchedule;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::data::{Corpus, Sampler, Split};
@@ -59,14 +61,14 @@ impl<'a> Run<'a> {
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let ckpt = Checkpointer::new(plan);
-        let resumed = resolve_resume(resume, ckpt.root(), plan.is_writer()).and_then(|(loaded, skipped)| {
-            let changed = match &loaded {
+        let resumed = resolve_resume(resume, ckpt.root(), plan.is_writer()).and_then(|start| {
+            let changed = match &start.loaded {
                 Some(l) => check_compatible(l, cfg)?,
                 None => vec![],
             };
-            Ok((loaded, skipped, changed))
+            Ok((start, changed))
         });
-        let start_step = resumed.as_ref().map_or(0, |(loaded, ..)| loaded.as_ref().map_or(0, |l| l.state.step));
+        let start_step = resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
         let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
@@ -86,9 +88,31 @@ impl<'a> Run<'a> {
                 return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
             }
         }
-        let (loaded, skipped, changed) = resumed?;
+        let (Start { loaded, skipped, restored }, mut changed) = resumed?;
         if let Some(dir) = run_dir {
             prepare_run_dir(dir, plan)?;
+        }
+        // Checkpoints beyond the one resumed belong to a line this run left: out of its way.
+        let set_aside = match run_dir {
+            Some(_) => store::set_aside_after(ckpt.root(), start_step, crate::deadline::now_unix_s() as u64)?,
+            None => None,
+        };
+        if let (Some(dir), Some(_), true) = (run_dir, &loaded, start_step < t.max_steps) {
+            // The final weights of the run this one continues: older than every checkpoint it
+            // will write, yet what `sample` and `export` of the run directory read first. The
+            // checkpoint resumed from holds them.
+            let stale = dir.join(crate::checkpoint::WEIGHTS_FILE);
+            if stale.exists() {
+                std::fs::remove_file(&stale).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
+                tracing::info!("removed {}: the final weights of step {start_step}, which this run trains past", stale.display());
+            }
+        }
+        if let Some(l) = &loaded {
+            let before = LrSchedule::from_config(&l.config.train).at(start_step);
+            let now = plan.schedule.at(start_step);
+            if before != now {
+                changed.push(format!("learning rate at step {start_step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"));
+            }
         }
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
@@ -96,8 +120,14 @@ impl<'a> Run<'a> {
             let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
             reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|source| TrainError::RunDir { path: dir.join("tb"), source })?;
         }
+        for step in restored {
+            reporter.emit(Event::CheckpointPutBack { step });
+        }
         for e in skipped {
             reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
+        }
+        if let Some((dir, steps)) = set_aside {
+            reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to: dir.display().to_string() });
         }
         // The allocator's warnings once the run's log is open.
         for w in cfg.memory.allocator.warnings(fraction.is_some()) {
@@ -159,7 +189,9 @@ impl<'a> Run<'a> {
             memory_limit_bytes: plan.memory_limit,
             allocator: allocator.clone(),
         });
+        let mut ckpt = ckpt;
         if let Some(l) = &loaded {
+            ckpt.adopt(l);
             reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
         }
         Ok(Self {
@@ -204,6 +236,11 @@ impl<'a> Run<'a> {
         if let Some(reason) = self.stop_reason(stop)? {
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
+            if path.is_none() && plan.is_writer() {
+                // Exit 4 promises a checkpoint at this step: say what a requeue would get instead.
+                let newest = store::list(self.ckpt.root()).pop();
+                return Err(TrainError::StopNotCheckpointed { step, reason, newest });
+            }
             return Err(TrainError::Interrupted { step, reason, checkpoint: path });
         }
         let traced_range = self.trace(|t| t.before_step(step)).flatten();
@@ -233,6 +270,7 @@ impl<'a> Run<'a> {
             Err(e) => return Err(e.into()),
         };
         self.state.progress.micro_steps += self.state.guard.accumulation() as u64;
+        self.state.progress.tokens_seen += plan.tokens_per_step as u64;
         if outcome.skipped_as_nonfinite() {
             self.consecutive_bad += 1;
             self.state.progress.nonfinite_skips += 1;
@@ -346,7 +384,7 @@ impl<'a> Run<'a> {
     pub fn finish(mut self) -> Result<RunSummary, TrainError> {
         let (plan, step) = (self.plan, self.step);
         let t = &plan.config.train;
-        if self.ckpt.last_saved != Some(step) && self.resumed {
+        if step == self.start_step && self.resumed {
             // Resumed at or past max_steps: the newest checkpoint already holds this state.
             tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
         }
@@ -359,11 +397,11 @@ impl<'a> Run<'a> {
             let spread = d.weight_spread(self.state.trainable.params())?;
             self.reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
         }
-        let steps_run = t.max_steps.saturating_sub(self.start_step);
+        let steps_run = step - self.start_step;
         let guard = &self.state.guard;
         let cpu = !plan.device.is_cuda();
         let summary = RunSummary {
-            steps: t.max_steps,
+            steps: step,
             final_loss: self.last_loss,
             final_val_loss: self.last_val,
             oom_recoveries: guard.totals.recoveries,
@@ -395,10 +433,13 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
     }
 }
 
-/// The run directory with the resolved config, and the log file beside it (rank 0).
+/// The run directory with the resolved config, and the log file beside it (rank 0). An earlier
+/// run's stop record goes: from here a crash must leave none. Not before: a command refused
+/// (exit 2) leaves the run it was refused over as it was.
 fn prepare_run_dir(dir: &Path, plan: &RunPlan) -> Result<(), TrainError> {
     let io = |source| TrainError::RunDir { path: dir.to_path_buf(), source };
     std::fs::create_dir_all(dir).map_err(io)?;
+    crate::stop_record::clear(dir).map_err(io)?;
     let yaml = serde_yaml::to_string(&plan.config).map_err(|e| io(std::io::Error::other(e)))?;
     std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
     crate::logging::also_to_file(&dir.join("train.log")).map_err(io)

@@ -43,6 +43,14 @@ pub enum TrainError {
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
     Interrupted { step: u64, reason: StopReason, checkpoint: Option<PathBuf> },
+    /// A planned stop whose checkpoint could not be written (the warning before it says why):
+    /// not the "interrupted, resumable at this step" of exit 4, but a failure (exit 1, no stop
+    /// record: job scripts must not requeue a run that cannot save).
+    #[error("stopped at step {step} ({reason}), but its checkpoint could not be written (the warning above says why); {}", match .newest {
+        Some((s, p)) => format!("`--resume auto` would continue from step {s} ({}), losing the steps after it", p.display()),
+        None => "no complete checkpoint exists: `--resume auto` would start over at step 0".to_string(),
+    })]
+    StopNotCheckpointed { step: u64, reason: StopReason, newest: Option<(u64, PathBuf)> },
     #[error("{count} updates in a row had a non-finite loss or gradient norm (last at step {step}); stopped with the last good state checkpointed. Lower train.lr, check the data, or raise nan.max_consecutive")]
     NonFinite { step: u64, count: u64 },
 }
