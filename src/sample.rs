@@ -136,7 +136,10 @@ impl Codec {
     fn open(t: &Trained) -> Result<Self, SampleError> {
         let Some(dir) = t.dataset.as_deref() else { return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids }) };
         let m: Option<shards::Manifest> = std::fs::read_to_string(dir.join(shards::MANIFEST_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
-        let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), m.as_ref().map(|m| m.eos_token.as_str())).map_err(|e| input(e.to_string()))?;
+        // A prepare directory names its end-of-document token in its manifest; an `export --hf`
+        // directory in its tokenizer_config.json (a `--eos` other than the usual names included).
+        let eos = m.map(|m| m.eos_token).or_else(|| exported_eos(dir));
+        let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), eos.as_deref()).map_err(|e| input(e.to_string()))?;
         Ok(Codec::Tokenizer(Box::new(v.tokenizer), v.eos_id))
     }
 
@@ -146,6 +149,10 @@ impl Codec {
             Codec::Ids => text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("this run's data has no tokenizer (data.source is not a prepare directory): give the prompt as token ids, got `{w}`")))).collect(),
             Codec::Tokenizer(t, eos) => {
                 let ids: Vec<i64> = t.encode(text, false).map_err(|e| input(e.to_string()))?.get_ids().iter().map(|&i| i as i64).collect();
+                if ids.is_empty() && !text.is_empty() {
+                    // Not the empty prompt's fresh document: what was asked for would be lost.
+                    return Err(input(format!("--prompt {text:?} gives no tokens with this tokenizer (it has no unknown token for what its vocabulary lacks)")));
+                }
                 // An empty prompt starts a fresh document.
                 Ok(if ids.is_empty() { vec![*eos as i64] } else { ids })
             }
@@ -154,20 +161,32 @@ impl Codec {
 
     fn decode(&self, ids: &[i64]) -> String {
         match self {
-            Codec::Bytes => String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned(),
+            // An id past the bytes (a model.vocab_size above 256) is no byte: U+FFFD, as for
+            // bytes that are not UTF-8, rather than the byte it wraps around to.
+            Codec::Bytes => ids
+                .split(|&i| !(0..256).contains(&i))
+                .map(|run| String::from_utf8_lossy(&run.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
+                .collect::<Vec<_>>()
+                .join("\u{FFFD}"),
             Codec::Tokenizer(t, _) => t.decode(&ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
             Codec::Ids => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
         }
     }
 }
 
-pub fn device_from(name: &str) -> Result<Device, SampleError> {
-    match name {
-        "auto" => Ok(Device::cuda_if_available()),
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        d => d.strip_prefix("cuda:").and_then(|n| n.parse().ok()).map(Device::Cuda).ok_or_else(|| input(format!("--device must be auto, cpu, cuda or cuda:N, got `{d}`"))),
-    }
+/// `--device`, as `train` resolves `device` (a CUDA device this machine does not have is the
+/// user's error, named, not libtorch's failure later).
+fn device_from(name: &str) -> Result<Device, SampleError> {
+    let cuda_devices = tch::Cuda::device_count().max(0) as usize;
+    crate::run_plan::resolve_device(name, cuda_devices, 0).map_err(|e| input(format!("--device: {e}")))
+}
+
+/// The `eos_token` of an `export --hf` directory's tokenizer_config.json (a string, or an
+/// added-token object with its `content`).
+fn exported_eos(dir: &Path) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?).ok()?;
+    let eos = &v["eos_token"];
+    eos.as_str().or(eos["content"].as_str()).map(str::to_string)
 }
 
 /// Runs the command: returns the prompt's continuation (or nothing with --dump-logits).
@@ -182,7 +201,10 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
     let vocab = trained.model.vocab_size as i64;
     let mut ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
     if ids.is_empty() {
-        return Err(input("--prompt is empty and byte-level data has no start token: give a prompt"));
+        return Err(input(match codec {
+            Codec::Ids => "--prompt is empty and this run's data has no start token: give the prompt as token ids",
+            _ => "--prompt is empty and byte-level data has no start token: give a prompt",
+        }));
     }
     if let Some(bad) = ids.iter().find(|&&i| i < 0 || i >= vocab) {
         return Err(input(format!("token id {bad} is outside the model's vocabulary of {vocab}")));
@@ -232,7 +254,26 @@ pub fn pick(logits: &[f64], temperature: f64, top_k: usize, u: f64) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::pick;
+    use super::{exported_eos, pick, Codec};
+
+    #[test]
+    fn an_exports_eos_token_is_read_as_a_name_or_an_added_token() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(exported_eos(d.path()), None);
+        let config = d.path().join("tokenizer_config.json");
+        std::fs::write(&config, r#"{"eos_token": "[SEP]"}"#).unwrap();
+        assert_eq!(exported_eos(d.path()).as_deref(), Some("[SEP]"));
+        std::fs::write(&config, r#"{"eos_token": {"content": "</s>", "special": true}}"#).unwrap();
+        assert_eq!(exported_eos(d.path()).as_deref(), Some("</s>"));
+    }
+
+    #[test]
+    fn byte_level_ids_past_the_bytes_decode_as_replacement_characters() {
+        assert_eq!(Codec::Bytes.decode(&[104, 105, 299, 33]), "hi\u{FFFD}!");
+        assert_eq!(Codec::Bytes.decode(&[256, 300, 104]), "\u{FFFD}\u{FFFD}h", "one per id");
+        assert_eq!(Codec::Bytes.encode("hé").unwrap(), [104, 195, 169]);
+        assert_eq!(Codec::Bytes.decode(&[104, 195, 169]), "hé");
+    }
 
     #[test]
     fn picks_follow_temperature_and_top_k() {

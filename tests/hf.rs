@@ -160,6 +160,11 @@ fn a_model_saved_by_transformers_starts_training_with_init_from() {
     let r = train(&d.path().join("bad"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("`transformer.wte.weight` has shape [300, 32]; the model (its config) needs [300, 64]"), "{}", r.stderr());
+    // Another head count fits every tensor's shape but computes another model: refused by key.
+    let r = train(&d.path().join("heads"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=32", "model.n_head=4", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("gives n_head 2; the config's model.n_head is 4"), "{}", r.stderr());
+    assert_eq!(r.stderr().matches("gives n_head 2").count(), 1, "said once: {}", r.stderr());
 }
 
 #[test]
@@ -209,6 +214,13 @@ fn a_llama_saved_by_transformers_gives_the_same_logits_and_starts_training_with_
     let r = train(&d.path().join("tied"), "configs/llama-debug.yaml", &tied);
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("`lm_head.weight` has no place in the model"), "{}", r.stderr());
+    // Another RoPE base or norm epsilon fits every tensor but computes another model.
+    for (key, set) in [("rope_theta 500000", "model.rope_theta=10000"), ("norm_eps 0.000001", "model.norm_eps=1e-5")] {
+        let other: Vec<&str> = sets.iter().copied().chain([set]).collect();
+        let r = train(&d.path().join(key.split(' ').next().unwrap()), "configs/llama-debug.yaml", &other);
+        assert_eq!(r.code(), 2, "{}", r.stderr());
+        assert!(r.stderr().contains(&format!("gives {key}")), "{}", r.stderr());
+    }
     // RoPE scaling trainguard does not apply is refused, naming the key.
     let cpath = hf.join("config.json");
     let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();

@@ -5,6 +5,7 @@
 //! both ways, and the zero biases a `bias: false` model exports (GPT-2 always has them).
 use super::{bad, Family, HfError};
 use crate::config::{Arch, ModelConfig};
+use crate::model::LAYER_NORM_EPS;
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -58,7 +59,7 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attn_pdrop": cfg.dropout,
-        "layer_norm_epsilon": 1e-5,
+        "layer_norm_epsilon": LAYER_NORM_EPS,
         "initializer_range": 0.02,
         "tie_word_embeddings": true,
         "bos_token_id": eos,
@@ -72,6 +73,21 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     let n_embd = num("n_embd")?;
     if !c["n_inner"].is_null() && c["n_inner"].as_u64() != Some(4 * n_embd as u64) {
         return Err(bad(cpath, format!("n_inner {} is not 4 × n_embd; trainguard's MLP is 4 × n_embd wide", c["n_inner"])));
+    }
+    // Keys that change the maths where trainguard computes one way: refused by name (the
+    // activation alone is let through with a warning: GPT-2's own checkpoints use gelu_new).
+    if c["tie_word_embeddings"].as_bool() == Some(false) {
+        return Err(bad(cpath, "`tie_word_embeddings` is false; trainguard's GPT-2 ties its head to the token embedding (an untied `lm_head.weight` has no place)"));
+    }
+    let eps = c["layer_norm_epsilon"].as_f64().unwrap_or(LAYER_NORM_EPS);
+    if eps != LAYER_NORM_EPS {
+        return Err(bad(cpath, format!("`layer_norm_epsilon` is {eps}; trainguard's LayerNorm uses {LAYER_NORM_EPS}")));
+    }
+    if c["scale_attn_weights"].as_bool() == Some(false) {
+        return Err(bad(cpath, "`scale_attn_weights` is false; trainguard scales attention scores by 1/sqrt(head size)"));
+    }
+    if c["scale_attn_by_inverse_layer_idx"].as_bool() == Some(true) {
+        return Err(bad(cpath, "`scale_attn_by_inverse_layer_idx` is true; trainguard scales every layer's attention alike"));
     }
     if c["activation_function"] != "gelu" {
         tracing::warn!("{}: activation_function {} differs from trainguard's exact GELU; logits will differ slightly", cpath.display(), c["activation_function"]);
@@ -103,5 +119,24 @@ mod tests {
         assert!(!hf_name("ln_f.weight").1);
         assert_eq!(from_hf("transformer.h.0.ln_1.weight", &ModelConfig::default()).as_deref(), Some("h.0.ln_1.weight"));
         assert_eq!(from_hf("lm_head.weight", &ModelConfig::default()), None);
+    }
+
+    #[test]
+    fn what_trainguard_does_not_compute_is_refused_by_key() {
+        let p = Path::new("config.json");
+        let cfg = ModelConfig::default();
+        assert_eq!(model_config(&config_json(&cfg, None), p).unwrap().n_layer, cfg.n_layer);
+        let with = |k: &str, val: Value| {
+            let mut v = config_json(&cfg, None);
+            v[k] = val;
+            model_config(&v, p).map(|_| ()).unwrap_err().to_string()
+        };
+        assert!(with("tie_word_embeddings", json!(false)).contains("`tie_word_embeddings` is false"));
+        assert!(with("layer_norm_epsilon", json!(0.01)).contains("`layer_norm_epsilon` is 0.01"));
+        assert!(with("scale_attn_weights", json!(false)).contains("`scale_attn_weights`"));
+        assert!(with("scale_attn_by_inverse_layer_idx", json!(true)).contains("`scale_attn_by_inverse_layer_idx`"));
+        let mut v = config_json(&cfg, None);
+        v["activation_function"] = json!("gelu_new");
+        assert!(model_config(&v, p).is_ok(), "GPT-2's own checkpoints use gelu_new: a warning, not a refusal");
     }
 }

@@ -137,6 +137,17 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
         let cpath = dir.join("config.json");
         return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, model.cfg.arch).to_lowercase()));
     }
+    // What no tensor's shape shows but the logits depend on: the same weights under another
+    // head count, RoPE base or norm epsilon compute another model.
+    let (ours, cpath) = (&model.cfg, dir.join("config.json"));
+    let mut compared = vec![("n_head", theirs.n_head.to_string(), ours.n_head.to_string()), ("n_kv_head", theirs.kv_heads().to_string(), ours.kv_heads().to_string())];
+    if ours.arch == Arch::Llama {
+        compared.push(("rope_theta", theirs.rope_theta.to_string(), ours.rope_theta.to_string()));
+        compared.push(("norm_eps", theirs.norm_eps.to_string(), ours.norm_eps.to_string()));
+    }
+    if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
+        return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
+    }
     let fam = family(model.cfg.arch);
     let _no_grad = tch::no_grad_guard();
     for (i, name) in model.params.names.iter().enumerate() {

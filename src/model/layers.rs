@@ -80,8 +80,11 @@ pub struct LayerNorm {
     pub ours: bool,
 }
 
+/// GPT-2's LayerNorm epsilon (`torch.nn.LayerNorm`'s default, and `transformers`' GPT-2's).
+pub const LAYER_NORM_EPS: f64 = 1e-5;
+
 impl LayerNorm {
-    const EPS: f64 = 1e-5;
+    const EPS: f64 = LAYER_NORM_EPS;
 
     pub fn load(params: &Params, prefix: &str, bias: bool, ours: bool) -> Result<Self, TchError> {
         let (weight, bias) = weight_and_bias(params, prefix, bias)?;

@@ -13,6 +13,7 @@
 //! [`Model::new`] — the only places that match on `model.arch`.
 mod gpt2;
 mod layers;
+pub use layers::LAYER_NORM_EPS;
 mod llama;
 pub mod memory;
 mod params;
