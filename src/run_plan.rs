@@ -170,7 +170,8 @@ impl RunPlan {
 fn token_files_exist(path: &str) -> Result<(), String> {
     let s = crate::data::shards::resolve(path)?;
     match s.train.iter().chain(&s.val).find(|f| !f.is_file()) {
-        Some(f) => Err(format!("file `{}` does not exist or is not a file", f.display())),
+        Some(f) if f.exists() => Err(format!("`{}` is not a token file", f.display())),
+        Some(f) => Err(format!("`{}` does not exist (tokens: takes a prepare directory, a directory or glob of shards, or a file)", f.display())),
         None => Ok(()),
     }
 }

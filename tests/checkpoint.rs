@@ -324,7 +324,7 @@ fn metric_steps(dir: &Path) -> Vec<u64> {
 fn a_corrupt_newest_is_set_aside_and_a_crash_after_resumes_from_the_runs_own() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=5", "train.eval_interval=0"];
-    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=10"])).ok();
     let thirty = newest_checkpoint(dir.path());
     let model = thirty.join("model.safetensors");
@@ -360,7 +360,7 @@ fn a_corrupt_newest_is_set_aside_and_a_crash_after_resumes_from_the_runs_own() {
 fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=5", "train.eval_interval=0", "train.max_steps=40"];
-    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=10"])).ok();
     let ten = store::root(dir.path()).join("step-00000010");
     let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.crash_at_step=15"]));
@@ -393,7 +393,7 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
 fn a_resume_that_trains_on_removes_the_stale_final_weights() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
-    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5"])).ok();
     let fin = dir.path().join("model.safetensors");
     assert!(fin.exists());
@@ -427,7 +427,7 @@ fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record()
 fn a_resume_takes_a_new_micro_batch_and_counts_tokens_across_a_batch_change() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
-    let with = |extra: &[&'static str]| base.iter().chain(extra).copied().collect::<Vec<_>>();
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
     let first = train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5", "train.micro_batch_size=4"])).ok();
     assert_eq!(series(&first.metrics(), "micro_batch")[0], 4);
     let r = resume_auto(dir.path(), &with(&["train.max_steps=7", "train.micro_batch_size=8", "train.global_batch_size=16"])).ok();

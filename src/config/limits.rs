@@ -1,7 +1,7 @@
-//! Upper bounds on sizes, shared by config validation and `plan`'s flags. Far beyond any model
-//! trained today, and low enough that the planner's byte counts (u64) and the model's shapes
-//! (i64) cannot overflow: a typo of a few extra digits is an error, not an allocation that runs
-//! the machine out of memory or a plan that wraps around to "fits".
+//! Upper bounds on sizes and durations, shared by config validation and `plan`'s flags. Far
+//! beyond any model trained today, and low enough that the planner's byte counts (u64) and the
+//! model's shapes (i64) cannot overflow: a typo of a few extra digits is an error, not an
+//! allocation that runs the machine out of memory or a plan that wraps around to "fits".
 
 /// Blocks (Llama 3.1 405B has 126).
 pub const MAX_LAYERS: usize = 1 << 12;
@@ -19,3 +19,5 @@ pub const MAX_TOKENS_PER_STEP: usize = 1 << 32;
 pub const MAX_PARAMS: u64 = 100_000_000_000_000;
 /// A device's memory, or a share of it, as `plan` takes it (a PiB).
 pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
+/// A duration (`train.max_duration`, `checkpoint.interval_minutes`): a century, in seconds.
+pub const MAX_DURATION_S: f64 = 100.0 * 365.25 * 86400.0;

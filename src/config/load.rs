@@ -152,13 +152,12 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
         return Err(format!("`{text}` must be longer than zero"));
     }
     // Beyond a century a limit means nothing; beyond u64 seconds it cannot be represented.
-    if total > MAX_DURATION_S {
+    if total > super::limits::MAX_DURATION_S {
         return Err(format!("`{text}` is longer than 100 years"));
     }
     Ok(std::time::Duration::from_secs_f64(total))
 }
 
-pub(crate) const MAX_DURATION_S: f64 = 100.0 * 365.25 * 86400.0;
 
 #[cfg(test)]
 mod tests {

@@ -126,7 +126,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         }
     }
     if let Some(m) = c.checkpoint.interval_minutes {
-        let max = super::load::MAX_DURATION_S / 60.0;
+        let max = MAX_DURATION_S / 60.0;
         check(m > 0.0 && m <= max, "checkpoint.interval_minutes", format!("must be in (0, {max}] (100 years), got {m}"));
     }
     let tr = &c.metrics.trace;
@@ -259,6 +259,7 @@ fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
                 format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
             );
         }
+        "synthetic" => check(false, "data.source", format!("synthetic takes no path: write `synthetic`, got `{source}`")),
         _ => check(false, "data.source", format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>")),
     }
 }
@@ -322,6 +323,7 @@ mod tests {
             (|c| c.data.val_fraction = 0.0, "data.val_fraction"),
             (|c| c.data.source = "csv:x".into(), "data.source"),
             (|c| c.data.source = "tokens:".into(), "data.source"),
+            (|c| c.data.source = "synthetic:x".into(), "data.source"),
             (|c| c.device = "tpu".into(), "device"),
             (|c| c.device = "cuda:x".into(), "device"),
             (|c| c.oom.min_micro_batch = 16, "oom.min_micro_batch"),

@@ -74,7 +74,8 @@ impl RunData {
 /// `config.yaml`: [`ReportError::NotARun`]. Anything else is read as far as it goes.
 pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     if !dir.is_dir() {
-        return Err(ReportError::NotARun { dir: dir.into(), why: "no such directory".into() });
+        let why = if dir.exists() { "a file, not a run directory" } else { "no such directory" };
+        return Err(ReportError::NotARun { dir: dir.into(), why: why.into() });
     }
     let has = |f: &str| dir.join(f).is_file();
     if !has("metrics.jsonl") && !has("events.jsonl") && !has("config.yaml") {

@@ -2,12 +2,14 @@
 //! model, optimizer, loss scaler, guard, counters), choosing and checking the checkpoint to resume
 //! from, restoring that state from it, and writing checkpoints on schedule with retention applied
 //! (rank 0 only).
+use super::TrainError;
 use crate::checkpoint::retention;
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
 use crate::config::Config;
 use crate::events::{Event, Reporter};
 use crate::guard::Guard;
+use crate::optim::LrSchedule;
 use crate::run_plan::{CheckpointPlan, RunPlan};
 use crate::step::{LossScaler, Trainable};
 use std::path::{Path, PathBuf};
@@ -104,6 +106,32 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         }
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
     }
+}
+
+/// What a resumed run (at `resumed`, None for a fresh start) moves out of its way in `out_dir`
+/// (rank 0): checkpoints beyond the step resumed, which belong to a line it left, into
+/// `root/set-aside-<time>/` (returned: the directory and the steps); and, when it will train,
+/// the final weights of the run it continues, older than every checkpoint it will write yet
+/// what `sample` and `export` of the run directory read first (the checkpoint resumed from
+/// holds them).
+pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<Option<(PathBuf, Vec<u64>)>, TrainError> {
+    let set_aside = store::set_aside_after(root, resumed.unwrap_or(0), crate::deadline::now_unix_s() as u64)?;
+    if let Some(step) = resumed.filter(|&s| s < max_steps) {
+        let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
+        if stale.exists() {
+            std::fs::remove_file(&stale).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
+            tracing::info!("removed {}: the final weights of step {step}, which this run trains past", stale.display());
+        }
+    }
+    Ok(set_aside)
+}
+
+/// The learning rate a changed schedule (`max_steps`, `lr`, warmup) gives the step resumed,
+/// against the checkpoint's: a longer run can send it back up.
+pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
+    let step = l.state.step;
+    let (before, now) = (LrSchedule::from_config(&l.config.train).at(step), plan.schedule.at(step));
+    (before != now).then(|| format!("learning rate at step {step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"))
 }
 
 /// Refuses a checkpoint whose model differs from the config; returns the safe changes.

@@ -3,11 +3,10 @@
 //! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
-use super::resume::{check_compatible, corrupt_path, resolve_resume, Checkpointer, Progress, Resume, Start, TrainState};
-use crate::checkpoint::store;
-use crate::optim::LrSchedule;
+use super::resume::{check_compatible, corrupt_path, leave_the_old_line, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
 use super::watch::MemoryWatch;
 use super::TrainError;
+use crate::checkpoint::store;
 use crate::data::{Corpus, Sampler, Split};
 use crate::dist::Dist;
 use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
@@ -60,7 +59,7 @@ impl<'a> Run<'a> {
         let unigram_entropy = corpus.unigram_entropy(Split::Val);
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
-        let ckpt = Checkpointer::new(plan);
+        let mut ckpt = Checkpointer::new(plan);
         let resumed = resolve_resume(resume, ckpt.root(), plan.is_writer()).and_then(|start| {
             let changed = match &start.loaded {
                 Some(l) => check_compatible(l, cfg)?,
@@ -92,28 +91,11 @@ impl<'a> Run<'a> {
         if let Some(dir) = run_dir {
             prepare_run_dir(dir, plan)?;
         }
-        // Checkpoints beyond the one resumed belong to a line this run left: out of its way.
         let set_aside = match run_dir {
-            Some(_) => store::set_aside_after(ckpt.root(), start_step, crate::deadline::now_unix_s() as u64)?,
+            Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
             None => None,
         };
-        if let (Some(dir), Some(_), true) = (run_dir, &loaded, start_step < t.max_steps) {
-            // The final weights of the run this one continues: older than every checkpoint it
-            // will write, yet what `sample` and `export` of the run directory read first. The
-            // checkpoint resumed from holds them.
-            let stale = dir.join(crate::checkpoint::WEIGHTS_FILE);
-            if stale.exists() {
-                std::fs::remove_file(&stale).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
-                tracing::info!("removed {}: the final weights of step {start_step}, which this run trains past", stale.display());
-            }
-        }
-        if let Some(l) = &loaded {
-            let before = LrSchedule::from_config(&l.config.train).at(start_step);
-            let now = plan.schedule.at(start_step);
-            if before != now {
-                changed.push(format!("learning rate at step {start_step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"));
-            }
-        }
+        changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
@@ -189,7 +171,6 @@ impl<'a> Run<'a> {
             memory_limit_bytes: plan.memory_limit,
             allocator: allocator.clone(),
         });
-        let mut ckpt = ckpt;
         if let Some(l) = &loaded {
             ckpt.adopt(l);
             reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
