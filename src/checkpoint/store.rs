@@ -336,12 +336,18 @@ mod tests {
         assert_eq!(list(&root).len(), 2);
     }
 
-    #[test]
-    fn truncated_files_and_leftovers_are_never_loaded() {
+    /// Checkpoints of steps 5 and 10 in a fresh directory: (the directory, root, step 10's).
+    fn five_and_ten() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
         save(&root, &state(5), &Config::default(), &tensors(), &tensors()).unwrap();
         let newest = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        (dir, root, newest)
+    }
+
+    #[test]
+    fn truncated_files_and_leftovers_are_never_loaded() {
+        let (_dir, root, newest) = five_and_ten();
         let model = newest.join(MODEL_FILE);
         let len = fs::metadata(&model).unwrap().len();
         File::options().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
@@ -357,10 +363,7 @@ mod tests {
 
     #[test]
     fn bytes_changed_in_place_are_caught_by_the_checksum() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = root(dir.path());
-        save(&root, &state(5), &Config::default(), &tensors(), &tensors()).unwrap();
-        let newest = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        let (_dir, root, newest) = five_and_ten();
         for file in [MODEL_FILE, OPTIMIZER_FILE] {
             let path = newest.join(file);
             let good = fs::read(&path).unwrap();
