@@ -31,6 +31,11 @@ pub fn progress_bar_wanted() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("TRAINGUARD_NO_PROGRESS").is_none()
 }
 
+/// This process's rank under a launcher (`RANK`), when it is not 0: its lines are marked.
+pub fn nonzero_rank() -> Option<usize> {
+    std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()).filter(|&r| r > 0)
+}
+
 /// Prefixes each line a non-zero rank writes with `[rank N]`.
 struct RankWriter(Option<usize>);
 
@@ -51,7 +56,7 @@ impl Write for RankWriter {
 /// Only rank 0 logs progress; other ranks (`RANK` > 0 under torchrun) log warnings and errors,
 /// each line marked with its rank.
 pub fn init() {
-    let rank = std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()).filter(|&r| r > 0);
+    let rank = nonzero_rank();
     let stderr_level = if progress_bar_wanted() || rank.is_some() { "warn" } else { "info" };
     let stderr_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| stderr_level.into());
     let stderr = fmt::layer()

@@ -27,8 +27,7 @@ fn main() {
         // Under torchrun: tell the agent the real cause.
         if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
             let kind = exit::kind_name(code);
-            let text = causes(&err).iter().map(|c| c.lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": ");
-            if let Err(e) = dist::write_error_file(std::path::Path::new(&path), kind, &text) {
+            if let Err(e) = dist::write_error_file(std::path::Path::new(&path), kind, &message(&err)) {
                 eprintln!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy());
             }
         }
@@ -238,25 +237,31 @@ fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change.
+/// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change. A
+/// rank other than 0 marks each line with `[rank N]`, as its log lines are.
 fn report(err: &anyhow::Error) {
-    if let Some(f) = err.chain().find_map(oom_in) {
-        eprintln!("error: {}", f.advice());
-        return;
-    }
+    let prefix = trainguard::logging::nonzero_rank().map(|r| format!("[rank {r}] ")).unwrap_or_default();
     // A planned stop (signal, time limit) is not a failure: it says where it stopped and how
     // to go on (exit code 4 all the same).
-    if let Some(stopped @ TrainError::Interrupted { .. }) = err.chain().find_map(|c| c.downcast_ref::<TrainError>()) {
-        eprintln!("{stopped}");
-        return;
+    let stopped = err.chain().find_map(|c| c.downcast_ref::<TrainError>()).filter(|e| matches!(e, TrainError::Interrupted { .. }));
+    let text = match stopped {
+        Some(stopped) if err.chain().find_map(oom_in).is_none() => stopped.to_string(),
+        _ => format!("error: {}", message(err)),
+    };
+    for line in text.lines() {
+        eprintln!("{prefix}{line}");
     }
-    // libtorch messages carry a C++ backtrace after their first line: keep the first line.
+}
+
+/// What went wrong, whole: an out-of-memory's advice, or the error chain's messages without
+/// libtorch's C++ backtrace (the lines from "Exception raised from" on), at most 21 lines.
+/// Both stderr and torchrun's error file (whose summary shows it) get this text.
+fn message(err: &anyhow::Error) -> String {
+    if let Some(f) = err.chain().find_map(oom_in) {
+        return f.advice();
+    }
     let text = causes(err).join(": ");
-    let mut lines = text.lines();
-    eprintln!("error: {}", lines.next().unwrap_or_default());
-    for l in lines.take_while(|l| !l.starts_with("Exception raised from")).take(20) {
-        eprintln!("{l}");
-    }
+    text.lines().take_while(|l| !l.starts_with("Exception raised from")).take(21).collect::<Vec<_>>().join("\n")
 }
 
 /// The error chain's messages, outermost first, without a cause whose text its wrapper already

@@ -305,3 +305,20 @@ fn nccl_on_the_cpu_is_refused_clearly() {
     assert_eq!(status.code(), Some(2), "{err}");
     assert!(err.contains("nccl needs CUDA devices"), "{err}");
 }
+
+/// A rank's fatal error is whole in torchelastic's error file (torchrun's summary shows it),
+/// not only its first line, and a rank other than 0 marks each line on stderr as its log does.
+#[test]
+fn a_ranks_fatal_error_is_whole_in_the_error_file_and_marked_on_stderr() {
+    let d = tempfile::tempdir().unwrap();
+    let error_file = d.path().join("error.json");
+    let mut cmd = command(d.path(), "configs/debug.yaml", &["train.max_steps=3", "train.warmup_steps=5"]);
+    cmd.env("RANK", "1").env("WORLD_SIZE", "2").env("TORCHELASTIC_ERROR_FILE", &error_file);
+    let r = run(cmd, d.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    let err = r.stderr();
+    let lines: Vec<&str> = err.lines().collect();
+    assert!(lines.len() >= 2 && lines.iter().all(|l| l.starts_with("[rank 1] ")), "{lines:?}");
+    let written = std::fs::read_to_string(&error_file).unwrap();
+    assert!(written.contains("train.warmup_steps: must not exceed train.max_steps (3), got 5"), "the problem itself, not just its header: {written}");
+}

@@ -243,6 +243,22 @@ fn policy_fail_exits_3_at_the_first_oom() {
     let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=2", "oom.policy=fail", "memory.limit=20MiB"]));
     assert_eq!(run.code(), 3, "{}", run.stderr());
     assert!(run.events_of("oom_recovered").is_empty());
+    // The message names the policy, not a floor that was never reached.
+    let err = run.stderr();
+    assert!(err.contains("at micro-batch 64") && err.contains("oom.policy is fail, so no smaller micro-batch was tried"), "{err}");
+    assert!(err.contains("oom.policy: adapt") && !err.contains("oom.min_micro_batch"), "{err}");
+}
+
+/// A cap the weights alone do not fit: the message says it happened before any step, where no
+/// micro-batch can help, and names what was asked for in KiB rather than "0.0 MiB".
+#[test]
+fn an_oom_while_setting_up_says_no_micro_batch_can_help() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = train(dir.path(), "configs/debug.yaml", &sets(&["memory.limit=256KiB"]));
+    let err = run.stderr();
+    assert_eq!(run.code(), 3, "{err}");
+    assert!(err.contains("out of memory while setting up") && err.contains("no micro-batch can help"), "{err}");
+    assert!(!err.contains("oom.min_micro_batch") && !err.contains("model.seq_len") && !err.contains(" 0.0 MiB"), "{err}");
 }
 
 /// `faults.leak_graphs` keeps every step's forward graph (~50 MiB here) under a cap with room for

@@ -33,6 +33,19 @@ pub struct OomFailure {
     pub message: String,
     /// Memory held between steps grew since the first steps (see [`leak`]).
     pub leak: Option<LeakDiagnosis>,
+    /// Why no smaller micro-batch was tried.
+    pub gave_up: GaveUp,
+}
+
+/// Why the guard did not retry an out-of-memory at a smaller micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GaveUp {
+    /// At `oom.min_micro_batch` (escalations spent).
+    AtFloor,
+    /// `oom.policy: fail` or `off`.
+    Policy(OomPolicy),
+    /// Outside any step: building the model, optimizer or data-parallel buckets.
+    SettingUp,
 }
 
 impl OomFailure {
@@ -41,23 +54,36 @@ impl OomFailure {
         if let Some(leak) = &self.leak {
             return self.leak_advice(leak);
         }
-        let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
         let asked = self.requested_bytes.map(|b| format!(", asking for {}", crate::memory::human(b))).unwrap_or_default();
         let mem = match (self.memory.allocated_bytes, self.memory.reserved_bytes) {
             (Some(a), Some(r)) => format!("{} allocated, {} reserved", crate::memory::human(a), crate::memory::human(r)),
             _ => "memory figures unavailable".into(),
         };
+        let (what, first_change) = match (self.gave_up, self.step) {
+            (GaveUp::SettingUp, _) | (_, None) => (
+                format!("out of memory while setting up (the model's weights, the optimizer's state, buffers){asked}: before any step, so no micro-batch can help"),
+                "- a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)",
+            ),
+            (GaveUp::Policy(p), Some(s)) => (
+                format!("out of memory at step {s} at micro-batch {}{asked}; oom.policy is {}, so no smaller micro-batch was tried", self.micro_batch, format!("{p:?}").to_lowercase()),
+                "- oom.policy: adapt (the default): halve the micro-batch, double accumulation, replay the same samples",
+            ),
+            (GaveUp::AtFloor, Some(s)) => (
+                format!("out of memory at step {s} at micro-batch {}{asked}; nothing smaller is allowed (oom.min_micro_batch)", self.micro_batch),
+                "- a shorter sequence (model.seq_len): activations and logits grow with it",
+            ),
+        };
+        let mut changes = vec![
+            first_change,
+            "- a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)",
+            "- a larger memory.limit or a device with more memory",
+            "- `trainguard plan --config <file>` to see what fits, or `--profile` to measure it",
+        ];
+        changes.dedup();
         format!(
-            "out of memory {at} at micro-batch {}{asked}; nothing smaller is allowed (oom.min_micro_batch).\n\
-             memory after freeing the failed attempt: {mem}\n\
-             first line of the error: {}\n\
-             what to change:\n\
-             - a shorter sequence (model.seq_len): activations and logits grow with it\n\
-             - a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)\n\
-             - a larger memory.limit or a device with more memory\n\
-             - `trainguard plan --config <file>` to see what fits, or `--profile` to measure it",
-            self.micro_batch,
-            first_line(&self.message)
+            "{what}.\nmemory after freeing the failed attempt: {mem}\nfirst line of the error: {}\nwhat to change:\n{}",
+            first_line(&self.message),
+            changes.join("\n")
         )
     }
 }
@@ -184,6 +210,8 @@ pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device:
             memory: memory::snapshot(device),
             message,
             leak: None,
+            // Inside a step only with the guard off (`Guard::run`).
+            gave_up: if step.is_some() { GaveUp::Policy(OomPolicy::Off) } else { GaveUp::SettingUp },
         })),
         ErrorKind::Other => other_error(err, &message, step),
     }
@@ -208,6 +236,7 @@ fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
         memory: memory::snapshot(device),
         message: PEER_OOM.into(),
         leak: None,
+        gave_up: GaveUp::Policy(OomPolicy::Off),
     }))
 }
 
@@ -375,6 +404,7 @@ impl Guard {
                     memory: after,
                     message,
                     leak,
+                    gave_up: if self.policy == OomPolicy::Adapt { GaveUp::AtFloor } else { GaveUp::Policy(self.policy) },
                 })));
             };
             self.totals.recoveries += 1;

@@ -82,7 +82,10 @@ pub fn gib(bytes: u64) -> f64 {
 pub fn human(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{:.2} GiB", gib(bytes))
-    } else {
+    } else if bytes >= 1 << 20 {
         format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else {
+        // Below a MiB "0.0 MiB" would hide what was asked for.
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
     }
 }
