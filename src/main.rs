@@ -125,8 +125,7 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
 /// progress is not one; with none, no record: nothing to requeue), and under torchrun the exit
 /// is 0, as for any planned stop.
 fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 {
-    let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
-    if let (true, Some((step, path))) = (writer, newest) {
+    if let Some((step, path)) = writer.then(|| checkpoint::store::list(&checkpoint::store::root(out_dir)).pop()).flatten() {
         if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(step, "signal", Some(&path))) {
             eprintln!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
         }

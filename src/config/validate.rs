@@ -56,7 +56,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must be in 1..={MAX_PAD_VOCAB} (1: no padding; 64 aligns the LM head's matrix shapes), got {}", m.pad_vocab_to),
     );
     check_arch(m, &mut check);
-    check((1..=MAX_SEQ_LEN).contains(&m.seq_len), "model.seq_len", within(m.seq_len, MAX_SEQ_LEN));
+    // Rules that involve seq_len are judged against a valid one only (a bad one is reported here).
+    let seq_ok = (1..=MAX_SEQ_LEN).contains(&m.seq_len);
+    check(seq_ok, "model.seq_len", within(m.seq_len, MAX_SEQ_LEN));
     check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
 
     check(!c.out_dir.as_os_str().is_empty(), "out_dir", "must name a directory (`.` for the current one), got an empty path".into());
@@ -71,8 +73,6 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "data.val_fraction",
         format!("must be in (0, 1), got {}", d.val_fraction),
     );
-    // Judged against a valid seq_len only (a bad one is reported above).
-    let seq_ok = (1..=MAX_SEQ_LEN).contains(&m.seq_len);
     let needed = 2 * (m.seq_len.min(MAX_SEQ_LEN) + 1);
     check(
         !seq_ok || d.synthetic_tokens >= needed,

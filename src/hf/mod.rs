@@ -132,14 +132,13 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
 /// be there with the model's shape; a bias the model does not have must be zero.
 pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
     let (theirs, weights) = import(dir)?;
-    let wpath = dir.join("model.safetensors");
+    let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
     if theirs.arch != model.cfg.arch {
-        let cpath = dir.join("config.json");
         return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, model.cfg.arch).to_lowercase()));
     }
     // What no tensor's shape shows but the logits depend on: the same weights under another
     // head count, RoPE base or norm epsilon compute another model.
-    let (ours, cpath) = (&model.cfg, dir.join("config.json"));
+    let ours = &model.cfg;
     let mut compared = vec![("n_head", theirs.n_head.to_string(), ours.n_head.to_string()), ("n_kv_head", theirs.kv_heads().to_string(), ours.kv_heads().to_string())];
     if ours.arch == Arch::Llama {
         compared.push(("rope_theta", theirs.rope_theta.to_string(), ours.rope_theta.to_string()));
