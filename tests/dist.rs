@@ -93,6 +93,56 @@ fn two_ranks_launched_by_hand_work_the_same_with_uneven_shares() {
     assert_matches_single_process(d.path(), &single);
 }
 
+/// The keys a rank may set on its own (config::diff::PER_RANK_KEYS) change nothing: rank 1
+/// on a smaller micro-batch with activation checkpointing and another thread count trains the
+/// same updates as one process.
+#[test]
+fn a_rank_may_set_its_own_micro_batch_and_memory_savers() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=8"]].concat();
+    let single = train(s.path(), "configs/debug.yaml", &sets).ok();
+    let own = [&sets[..], &["train.micro_batch_size=4", "memory.activation_checkpointing=blocks", "train.threads=2", "dist.timeout_s=25"]].concat();
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &own)]);
+    assert_matches_single_process(d.path(), &single);
+}
+
+/// A rank whose config differs from rank 0's (another learning rate: weights that silently
+/// diverge; another depth: a hang until dist.timeout_s that blamed a slow rank) stops every
+/// rank at the start, before anything is written, and names the keys.
+#[test]
+fn ranks_whose_configs_differ_stop_at_the_start_naming_the_keys() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=3", "train.warmup_steps=1", "dist.timeout_s=120"];
+    let other = [&sets[..], &["train.lr=0.01", "model.n_layer=3"]].concat();
+    let port = free_port();
+    let started = Instant::now();
+    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &other)].into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let wall = started.elapsed().as_secs_f64();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
+    assert!(err(1).contains("rank 1's config differs from rank 0's: model.n_layer: rank 0 2, this rank 3; train.lr: rank 0 0.003, this rank 0.01."), "{}", err(1));
+    assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
+    assert!(err(0).contains("rank(s) 1 did not match rank 0 at the start"), "{}", err(0));
+    assert!(wall < 60.0, "stopped at the start, not after dist.timeout_s = 120 s: {wall:.1} s");
+    assert!(!d.path().join("metrics.jsonl").exists(), "nothing was written");
+}
+
+/// A rank refused on its config never joins: its peer waits dist.timeout_s, then says that a
+/// rank did not join and where to look, before libtorch's store text.
+#[test]
+fn a_rank_that_never_joins_is_named_as_the_cause_of_the_wait() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=3", "train.warmup_steps=1", "dist.timeout_s=4"];
+    let port = free_port();
+    let bad = [&sets[..], &["train.warmup_steps=9"]].concat();
+    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &bad)].into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
+    assert_eq!(outs[0].status.code(), Some(1), "{}", err(0));
+    assert!(err(0).contains("(not every rank joined within dist.timeout_s: one that failed before joining"), "{}", err(0));
+}
+
 /// Peak mapped memory above start-up of one rank's share (32 sequences) at `micro`.
 fn peak_at(micro: usize) -> u64 {
     let dir = tempfile::tempdir().unwrap();

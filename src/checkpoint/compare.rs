@@ -1,38 +1,17 @@
 //! A checkpoint's config against the config resuming it. Model shape and vocabulary must match
 //! (the tensors would not fit); the rest (max_steps, intervals, schedule length, …) may change
 //! and is reported so the log shows it. Pure.
+use crate::config::diff::differing_keys;
 use crate::config::Config;
-use serde_json::Value;
-use std::collections::BTreeMap;
 
-fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, String>) {
-    match v {
-        Value::Object(m) => {
-            for (k, v) in m {
-                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
-                flatten(&key, v, out);
-            }
-        }
-        other => {
-            out.insert(prefix.to_string(), other.to_string());
-        }
-    }
-}
-
-/// `key: checkpoint value → config value` for every differing key, model keys and the rest
+/// `key: checkpoint value, config value` for every differing key, model keys and the rest
 /// separately.
 pub fn differences(saved: &Config, now: &Config) -> (Vec<String>, Vec<String>) {
-    let (mut a, mut b) = (BTreeMap::new(), BTreeMap::new());
-    flatten("", &serde_json::to_value(saved).expect("Config serialises"), &mut a);
-    flatten("", &serde_json::to_value(now).expect("Config serialises"), &mut b);
-    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let json = |c: &Config| serde_json::to_value(c).expect("a Config always serialises");
     let (mut model, mut other) = (Vec::new(), Vec::new());
-    for k in keys {
-        let (x, y) = (a.get(k).map_or("(unset)", |s| s), b.get(k).map_or("(unset)", |s| s));
-        if x != y {
-            let line = format!("{k}: checkpoint {x}, config {y}");
-            if k.starts_with("model.") { model.push(line) } else { other.push(line) }
-        }
+    for d in differing_keys(&json(saved), &json(now)) {
+        let line = format!("{}: checkpoint {}, config {}", d.key, d.a, d.b);
+        if d.key.starts_with("model.") { model.push(line) } else { other.push(line) }
     }
     (model, other)
 }

@@ -2,6 +2,7 @@
 //! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
 //! derive anything from the environment (that is `plan`'s job).
 pub mod allocator;
+pub mod diff;
 pub mod limits;
 mod load;
 mod validate;

@@ -14,7 +14,8 @@ use tch::{Device, Kind, TchError, Tensor};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
-    #[error("cannot join the process group at {addr}: {message}")]
+    // The advice before libtorch's text, whose C++ trace lines the report cuts.
+    #[error("cannot join the process group at {addr}{}: {message}", if .message.contains("timeout") { " (not every rank joined within dist.timeout_s: one that failed before joining, on its config for instance, names why in its own error; or fewer than WORLD_SIZE ranks were started)" } else { "" })]
     Init { addr: String, message: String },
     #[error("collective `{what}` failed (a rank died, hung or timed out?){}: {message}", .silent.as_ref().map(|s| format!("; {s}")).unwrap_or_default())]
     Collective { what: &'static str, message: String, silent: Option<String> },
@@ -170,6 +171,31 @@ impl Dist {
     /// The smallest and the largest of every rank's `value`, on every rank.
     pub fn spread(&self, value: f64) -> Result<(f64, f64), DistError> {
         Ok((-self.max(-value)?, self.max(value)?))
+    }
+
+    /// Rank 0's `bytes` on every rank (each rank passes its own; only rank 0's are sent).
+    pub fn rank0_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, DistError> {
+        const WHAT: &str = "start comparison";
+        let torch = |e: TchError| DistError::Collective { what: WHAT, message: e.to_string(), silent: None };
+        let on_small = |t: Tensor| t.f_to_device(self.small).map_err(torch);
+        let mut len = on_small(Tensor::from_slice(&[mine.len() as i64]))?;
+        self.group.broadcast(&mut len, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+        let len = len.f_int64_value(&[0]).map_err(torch)?;
+        let mut buf = if self.rank == 0 { on_small(Tensor::from_slice(mine))? } else { on_small(Tensor::zeros([len], (Kind::Uint8, Device::Cpu)))? };
+        self.group.broadcast(&mut buf, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+        Vec::<u8>::try_from(&buf.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
+    }
+
+    /// The ranks that pass `flagged` true, in order, on every rank.
+    pub fn flagged_ranks(&self, flagged: bool) -> Result<Vec<usize>, DistError> {
+        const WHAT: &str = "start comparison";
+        let torch = |e: TchError| DistError::Collective { what: WHAT, message: e.to_string(), silent: None };
+        let mut slots = vec![0f64; self.world_size];
+        slots[self.rank] = if flagged { 1.0 } else { 0.0 };
+        let mut t = Tensor::f_from_slice(&slots).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
+        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+        let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
+        Ok(v.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect())
     }
 
     /// Rank 0's parameter values on every rank.

@@ -55,7 +55,13 @@ impl<'a> Run<'a> {
         if let Some(n) = t.threads {
             tch::set_num_threads(n as i32);
         }
-        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len)?;
+        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len);
+        if let Some(d) = dist.as_deref() {
+            // First of all collectives: a rank whose config differs would meet its peers in
+            // other ones, or train something else.
+            super::ranks::check_same_start(d, cfg, corpus.as_ref().ok())?;
+        }
+        let corpus = corpus?;
         let unigram_entropy = corpus.unigram_entropy(Split::Val);
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());

@@ -35,6 +35,10 @@ pub enum TrainError {
     InitFrom(#[from] crate::hf::HfError),
     #[error("the ranks found different checkpoints to resume from (steps {lowest} to {highest}; a rank without one starts at 0): every rank must read rank 0's out_dir, on a filesystem all nodes share, or resume from one path (--resume <checkpoint dir>)")]
     ResumeDisagrees { lowest: u64, highest: u64 },
+    #[error("rank {rank}'s config differs from rank 0's: {}. Every rank must run the same config (the same YAML and --set) and the same trainguard build; only these may differ per rank: {}", .differences.join("; "), super::ranks::per_rank_keys())]
+    DiffersFromRank0 { rank: usize, differences: Vec<String> },
+    #[error("rank(s) {} did not match rank 0 at the start (each one's own error names why: config keys set differently, other tokens loaded, or a corpus it could not load); every rank stops", .ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))]
+    PeersDiffer { ranks: Vec<usize> },
     #[error("another rank could not start (its own error names why: an out_dir that holds another run, or a checkpoint it cannot use); every rank stops")]
     PeerCouldNotStart,
     #[error("injected failure at step {step} (faults.crash_at_step)")]
