@@ -36,21 +36,83 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     for arg in overrides {
         apply_override(&mut tree, arg)?;
     }
-    let config: Config = serde_path_to_error::deserialize(tree).map_err(|e| {
-        let key = e.path().to_string();
-        let message = e.into_inner().to_string();
-        // A value that came from the command line is blamed on the --set that gave it.
-        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
-        match overrides.iter().rev().find(set_here) {
-            Some(arg) => ConfigError::Override { arg: arg.clone(), why: format!("key `{key}`: {message}") },
-            None => ConfigError::Type { path: shown.clone(), key, message },
-        }
-    })?;
+    let config = typed(tree, &shown, overrides)?;
     let problems = validate(&config);
     if problems.is_empty() {
         Ok(config)
     } else {
         Err(ConfigError::Invalid { path: shown, problems })
+    }
+}
+
+/// The tree as a [`Config`]. Every unknown key is reported at once, each with the known key it
+/// most resembles (serde stops at the first: a config with three typos took three runs).
+fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+    let mut problems: Vec<Problem> = Vec::new();
+    loop {
+        let e = match serde_path_to_error::deserialize::<_, Config>(tree.clone()) {
+            Ok(config) if problems.is_empty() => return Ok(config),
+            Ok(_) => break,
+            Err(e) => e,
+        };
+        let key = e.path().to_string();
+        let raw = e.inner().to_string();
+        let message = match did_you_mean(&raw) {
+            Some(known) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
+            None => raw.clone(),
+        };
+        // A value that came from the command line is blamed on the --set that gave it.
+        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
+        if let Some(arg) = overrides.iter().rev().find(set_here) {
+            return Err(ConfigError::Override { arg: arg.clone(), why: format!("key `{key}`: {message}") });
+        }
+        let another_may_follow = raw.starts_with("unknown field") && problems.len() < 64 && remove(&mut tree, e.path());
+        problems.push(Problem::new(&key, message));
+        if !another_may_follow {
+            break;
+        }
+    }
+    match <[Problem; 1]>::try_from(problems) {
+        Ok([only]) => Err(ConfigError::Type { path: shown.to_path_buf(), key: only.key, message: only.message }),
+        Err(problems) => Err(ConfigError::Invalid { path: shown.to_path_buf(), problems }),
+    }
+}
+
+/// The known key that serde's "unknown field `lrr`, expected one of `lr`, …" most likely
+/// meant, when one is close enough.
+fn did_you_mean(message: &str) -> Option<&str> {
+    let names: Vec<&str> = message.strip_prefix("unknown field ")?.split('`').skip(1).step_by(2).collect();
+    let (typed, known) = names.split_first()?;
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(typed, k), *k))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
+}
+
+/// Removes the key at `path` from the tree; false where the path does not lead to one.
+fn remove(tree: &mut Value, path: &serde_path_to_error::Path) -> bool {
+    use serde_path_to_error::Segment;
+    let segments: Vec<&Segment> = path.iter().collect();
+    let Some((Segment::Map { key: last }, parents)) = segments.split_last() else { return false };
+    let mut node = tree;
+    for s in parents {
+        node = match (s, node) {
+            (Segment::Map { key }, Value::Mapping(m)) => match m.get_mut(key.as_str()) {
+                Some(v) => v,
+                None => return false,
+            },
+            (Segment::Seq { index }, Value::Sequence(v)) => match v.get_mut(*index) {
+                Some(v) => v,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    match node {
+        Value::Mapping(m) => m.remove(last.as_str()).is_some(),
+        _ => false,
     }
 }
 
@@ -230,6 +292,36 @@ mod tests {
         // An untagged enum says what it expects, not serde's "did not match any variant".
         let err = load(None, &["memory.limit=1e30".into()]).unwrap_err().to_string();
         assert!(err.contains("memory.limit") && err.contains("a size like 16GiB"), "{err}");
+    }
+
+    #[test]
+    fn every_unknown_key_is_named_at_once_with_the_key_it_resembles() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "train:\n  lrr: 1\n  max_stepz: 3\nmodel:\n  n_layr: 2\nmemory:\n  allocator:\n    expandable_segment: true\n  zzz: 1\n").unwrap();
+        let ConfigError::Invalid { problems, .. } = load(Some(&p), &[]).unwrap_err() else { panic!("a list of problems") };
+        let listed: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        assert_eq!(
+            listed[..4],
+            [
+                "train.lrr: unknown field `lrr`: did you mean `lr`?",
+                "train.max_stepz: unknown field `max_stepz`: did you mean `max_steps`?",
+                "model.n_layr: unknown field `n_layr`: did you mean `n_layer`?",
+                "memory.allocator.expandable_segment: unknown field `expandable_segment`: did you mean `expandable_segments`?",
+            ]
+        );
+        // Nothing close: serde's list of the keys it knows.
+        assert!(listed[4].starts_with("memory.zzz: unknown field `zzz`, expected one of `limit`"), "{listed:?}");
+        assert_eq!(listed.len(), 5);
+        // With a type error behind the unknown key, both; one unknown key alone stays one line.
+        std::fs::write(&p, "train:\n  lrr: 1\n  lr: abc\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type"), "{err}");
+        std::fs::write(&p, "train:\n  lrr: 1\n").unwrap();
+        assert!(matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Type { key, .. } if key == "train.lrr"));
+        // A typo on the command line is the --set's.
+        let err = load(Some(&p), &["optimizer.nmae=adamw".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Override { arg, why } if arg == "optimizer.nmae=adamw" && why.contains("did you mean `name`")), "{err}");
     }
 
     #[test]
