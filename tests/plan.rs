@@ -467,6 +467,21 @@ fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
     assert!(!dir.path().join("gpt2.yaml.bak").exists());
 }
 
+/// Under a cap too small for micro-batch 1 the profile says nothing fits and why, not "no fit:
+/// fewer than two sizes ran"; under one too small for the model itself (the warm-up and the
+/// build run out), it says so in one line, not libtorch's allocator text.
+#[test]
+fn profile_says_nothing_fits_when_not_even_one_sample_or_the_model_fits() {
+    let run = plan(&["--config", &config("debug.yaml"), "--profile", "--set", "memory.limit=4MiB"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(run.stdout().contains("nothing fits by measurement, not even micro-batch 1, within the budget of 3.6 MiB"), "{}", run.stdout());
+    let run = plan(&["--config", &config("debug.yaml"), "--profile", "--set", "memory.limit=1MiB"]);
+    assert_eq!(run.code(), 1, "{}", run.stderr());
+    let err = run.stderr();
+    assert!(err.contains("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of 1.0 MiB"), "{err}");
+    assert!(!err.contains("DefaultCPUAllocator"), "{err}");
+}
+
 /// `--profile` measures training's own step: with fp16-mixed it scales the loss and backs the
 /// scale off on an overflow, and it skips a non-finite update, exactly as `train` does with the
 /// same config (the same injected faults, the same counts, the same final loss scale).

@@ -52,6 +52,9 @@ pub enum ProfileError {
     Step(String),
     #[error("cannot reset the peak resident size through /proc/self/clear_refs: {0}")]
     ResetPeak(std::io::Error),
+    /// Not even the model, its optimizer and libtorch's set-up fit: no micro-batch can.
+    #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, or --gpu / --gpu-memory); raise the cap or shrink the model (`plan` without --profile lists what each memory saver frees)", crate::memory::human(*.cap))]
+    SetupOutOfMemory { cap: u64 },
     #[error("child process for micro-batch {micro}: {why}")]
     Child { micro: u64, why: String },
 }
@@ -215,9 +218,9 @@ impl Session {
         {
             let mut small = config.model.clone();
             small.n_layer = 1;
-            let mut warm = build(&plan, &small)?;
+            let mut warm = build(&plan, &small).map_err(setup_oom(cap))?;
             if steps(&mut warm, &corpus, &plan, 1, 1)?.is_none() {
-                tracing::warn!("profile: the warm-up step ran out of memory");
+                tracing::warn!("profile: the warm-up step (one block, micro-batch 1) ran out of memory");
             }
         }
         memory::empty_cache(device);
@@ -231,7 +234,7 @@ impl Session {
             }
             _ => (ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?.rss_bytes, 0),
         };
-        let trainable = build(&plan, m)?;
+        let trainable = build(&plan, m).map_err(setup_oom(cap))?;
         Ok(Self { trainable, corpus, plan, baseline, used_before })
     }
 
@@ -258,6 +261,14 @@ impl Session {
                 Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, retries: 0, oom: false, steps })
             }
         }
+    }
+}
+
+/// An out-of-memory while the session is set up is the profile's answer, not a libtorch error.
+fn setup_oom(cap: u64) -> impl Fn(TchError) -> ProfileError {
+    move |e| match crate::guard::classify(&e.to_string()) {
+        crate::guard::ErrorKind::OutOfMemory { .. } => ProfileError::SetupOutOfMemory { cap },
+        crate::guard::ErrorKind::Other => e.into(),
     }
 }
 

@@ -286,14 +286,19 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
             let _ = writeln!(o, "  no fit: fewer than two sizes ran");
         }
     }
-    if p.points.len() > 1 || p.largest_fitting.is_some() {
+    if !p.points.is_empty() {
         match (p.largest_fitting, p.micro_batch) {
             (Some(l), Some(b)) => {
                 let acc = p.micro_accumulation.map(|k| format!(" × accumulation {k}")).unwrap_or_default();
                 let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc} (the last micro-batch takes the remainder)");
             }
             _ if p.points.iter().all(|pt| pt.outcome != Outcome::Fits) => {
-                let _ = writeln!(o, "  nothing fits by measurement, not even micro-batch {}", p.points.first().map_or(1, |pt| pt.micro_batch));
+                let _ = writeln!(
+                    o,
+                    "  nothing fits by measurement, not even micro-batch {}, within the budget of {}: raise the cap or shrink the model (`plan` without --profile lists what each memory saver frees)",
+                    p.points.first().map_or(1, |pt| pt.micro_batch),
+                    size(p.budget_bytes as f64)
+                );
             }
             _ => {}
         }
