@@ -17,7 +17,7 @@ fn main() {
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
         Command::Report(args) => run_report(&args),
         Command::Prepare(args) => run_prepare(&args),
-        Command::Sample(args) => trainguard::sample::run(&args).map(|text| print!("{text}")).map_err(Into::into),
+        Command::Sample(args) => trainguard::sample::run(&args).map(print_continuation).map_err(Into::into),
         Command::Export(args) => run_export(&args),
         Command::Trace(args) => run_trace(&args),
     };
@@ -34,6 +34,17 @@ fn main() {
         std::process::exit(code);
     }
     std::process::exit(exit::SUCCESS);
+}
+
+/// The continuation as generated; on a terminal, a line end after it so the prompt does not
+/// follow on its line (piped, the bytes stay exactly the model's).
+fn print_continuation(text: String) {
+    use std::io::IsTerminal;
+    if std::io::stdout().is_terminal() && !text.ends_with('\n') {
+        println!("{text}");
+    } else {
+        print!("{text}");
+    }
 }
 
 fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
