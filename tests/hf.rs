@@ -84,6 +84,12 @@ fn byte_level_runs_sample_bytes() {
     let out = tg(&["sample", d.path().join("run").to_str().unwrap(), "--prompt", "abca", "--temperature", "0", "--max-tokens", "8"]).ok().stdout();
     assert_eq!(out.len(), 8, "{out:?}");
     assert!(out.bytes().all(|b| b"abcd ".contains(&b)), "{out:?}");
+    // On a terminal (util-linux's `script` gives it one) a line end follows, so the shell's
+    // prompt does not; piped, as above, the bytes are the model's alone.
+    let cmd = format!("{} sample {} --prompt abca --temperature 0 --max-tokens 8", bin(), d.path().join("run").display());
+    let tty = std::process::Command::new("script").args(["-qec", &cmd, "/dev/null"]).output().unwrap();
+    let shown = String::from_utf8_lossy(&tty.stdout).to_string();
+    assert_eq!(shown, format!("{out}\r\n"), "the terminal's bytes");
 }
 
 #[test]
