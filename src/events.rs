@@ -52,14 +52,22 @@ pub struct RunSummary {
     pub steps: u64,
     pub final_loss: f64,
     pub final_val_loss: Option<f64>,
+    /// This session's (a resumed run's earlier sessions are in events.jsonl).
     pub oom_recoveries: u64,
     pub configured_micro_batch: usize,
     pub final_micro_batch: usize,
+    /// This session's.
     pub time_lost_s: f64,
-    /// The guard's own cost: its time outside the attempts on clean steps.
+    /// The guard's own cost: its time outside the attempts on clean steps (this session's).
     pub guard_overhead_s: f64,
+    /// Wall time to reach `steps`, a resumed run's sessions together (as metrics.jsonl's
+    /// `elapsed_s`: steps a crash lost after the last checkpoint are not counted).
     pub elapsed_s: f64,
+    /// The run's tokens over `elapsed_s`.
     pub tokens_per_s: f64,
+    /// Steps this session ran, and its wall time: the whole run unless it was resumed.
+    pub session_steps: u64,
+    pub session_elapsed_s: f64,
     /// CPU runs: the most address space mapped above start-up (what `memory.limit` counts).
     pub peak_mapped_above_start_bytes: Option<u64>,
     /// CPU runs: the peak resident size above the resident size at start-up (memory touched).
@@ -217,7 +225,7 @@ impl Reporter {
     /// Also writes TensorBoard event files into `dir` (the writing rank's `out_dir/tb`), starting
     /// with the resolved config as text.
     pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> std::io::Result<()> {
-        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir)?;
+        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0))?;
         tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```"))?;
         self.tensorboard = Some(tb);
         Ok(())
@@ -380,8 +388,12 @@ impl Reporter {
             }
             Event::RunFinished(s) => {
                 let val = s.final_val_loss.map(|v| format!(", val loss {v:.4}")).unwrap_or_default();
+                let session = match self.resume_at {
+                    Some(_) => format!("; this session: {} steps in {:.1}s, ", s.session_steps, s.session_elapsed_s),
+                    None => "; ".into(),
+                };
                 tracing::info!(
-                    "done: {} steps in {:.1}s ({:.0} tok/s), loss {:.4}{val}; OOM recoveries {}, micro-batch {} (configured {}), time lost {:.2}s",
+                    "done: {} steps in {:.1}s ({:.0} tok/s), loss {:.4}{val}{session}OOM recoveries {}, micro-batch {} (configured {}), time lost {:.2}s",
                     s.steps, s.elapsed_s, s.tokens_per_s, s.final_loss, s.oom_recoveries, s.final_micro_batch, s.configured_micro_batch, s.time_lost_s
                 );
             }
@@ -390,12 +402,39 @@ impl Reporter {
 }
 
 /// Rewrites a JSONL file keeping the complete lines that `keep` accepts.
+/// Bytes, not text: a line cut inside a multi-byte character is dropped like any half line
+/// (read as a string, the file failed whole and was left as it was).
 fn keep_lines(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> std::io::Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: String = text
-        .lines()
-        .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| keep(&v)))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let mut kept = Vec::with_capacity(bytes.len());
+    for line in bytes.split(|&b| b == b'\n') {
+        if serde_json::from_slice::<serde_json::Value>(line).is_ok_and(|v| keep(&v)) {
+            kept.extend_from_slice(line);
+            kept.push(b'\n');
+        }
+    }
     std::fs::write(path, kept)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_half_line_is_dropped_even_when_cut_inside_a_character() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let mut bytes = b"{\"event\":\"a\",\"step\":1}\n{\"event\":\"b\",\"step\":2}\n".to_vec();
+        bytes.extend_from_slice(b"{\"event\":\"checkpoint_saved\",\"path\":\"runs/\xc3");
+        std::fs::write(&path, &bytes).unwrap();
+        keep_lines(&path, |_| true).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"event\":\"a\",\"step\":1}\n{\"event\":\"b\",\"step\":2}\n");
+        keep_lines(&path, |v| v["step"].as_u64() == Some(2)).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"event\":\"b\",\"step\":2}\n");
+        keep_lines(&dir.path().join("absent.jsonl"), |_| true).unwrap();
+    }
 }

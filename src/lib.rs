@@ -20,6 +20,7 @@ pub mod logging;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod output;
 pub mod run_plan;
 pub mod step;
 pub mod planner;

@@ -77,3 +77,9 @@ pub fn also_to_file(path: &Path) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// `text` in `train.log` alone, when the run has one: the fatal error that `main` prints on
+/// stderr itself (not as a log line) also ends the file, so the file tells how the run ended.
+pub fn in_file_only(text: &str) {
+    let _ = writeln!(FileWriter, "{text}").and_then(|_| FileWriter.flush());
+}

@@ -17,7 +17,7 @@ fn main() {
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
         Command::Report(args) => run_report(&args),
         Command::Prepare(args) => run_prepare(&args),
-        Command::Sample(args) => trainguard::sample::run(&args).map(print_continuation).map_err(Into::into),
+        Command::Sample(args) => trainguard::sample::run(&args).map_err(Into::into).and_then(|text| print_continuation(&text)),
         Command::Export(args) => run_export(&args),
         Command::Trace(args) => run_trace(&args),
     };
@@ -38,13 +38,15 @@ fn main() {
 
 /// The continuation as generated; on a terminal, a line end after it so the prompt does not
 /// follow on its line (piped, the bytes stay exactly the model's).
-fn print_continuation(text: String) {
+fn print_continuation(text: &str) -> anyhow::Result<()> {
     use std::io::IsTerminal;
-    if std::io::stdout().is_terminal() && !text.ends_with('\n') {
-        println!("{text}");
-    } else {
-        print!("{text}");
-    }
+    let line_end = std::io::stdout().is_terminal() && !text.ends_with('\n');
+    out(&format!("{text}{}", if line_end { "\n" } else { "" }))
+}
+
+/// The command's answer on stdout (a closed pipe ends it quietly; another failure is an error).
+fn out(text: &str) -> anyhow::Result<()> {
+    trainguard::output::print(text).context("cannot write to standard output")
 }
 
 fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
@@ -162,24 +164,23 @@ fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
 fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
     if args.compare {
         let summaries = args.files.iter().map(|f| trainguard::trace::read(f, args.top)).collect::<Result<Vec<_>, _>>()?;
-        print!("{}", trainguard::trace::compare(&summaries));
+        out(&trainguard::trace::compare(&summaries))?;
         return Ok(());
     }
     for file in &args.files {
         let summary = trainguard::trace::read(file, args.top)?;
         if args.json {
-            println!("{}", serde_json::to_string(&summary)?);
+            out(&format!("{}\n", serde_json::to_string(&summary)?))?;
         } else {
-            println!("{}", trainguard::trace::table(&summary));
+            out(&format!("{}\n", trainguard::trace::table(&summary)))?;
         }
     }
     Ok(())
 }
 
 fn run_report(args: &trainguard::cli::ReportArgs) -> anyhow::Result<()> {
-    let out = trainguard::report::run(&args.runs, args.out.as_deref())?;
-    println!("{}", out.display());
-    Ok(())
+    let out_path = trainguard::report::run(&args.runs, args.out.as_deref())?;
+    out(&format!("{}\n", out_path.display()))
 }
 
 /// First attempt under torchrun: remember when `train.max_duration` ends (rank 0 writes it).
@@ -211,8 +212,8 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let m = trainguard::prepare::run(args)?;
     let secs = start.elapsed().as_secs_f64();
-    println!(
-        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s",
+    out(&format!(
+        "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s\n",
         args.out.display(),
         m.documents,
         m.train_tokens,
@@ -224,27 +225,23 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
         m.eos_id,
         m.input_bytes as f64 / 1e6 / secs,
         (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
-    );
-    Ok(())
+    ))
 }
 
 fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     let trained = trainguard::sample::open(&args.target)?;
     let model = trainguard::sample::build(&trained, tch::Device::Cpu)?;
     let files = trainguard::hf::export(&model, trained.dataset.as_deref(), &args.hf)?;
-    println!("exported {} to {}: {}", args.target.display(), args.hf.display(), files.join(", "));
-    Ok(())
+    out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")))
 }
 
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {
     let cfg = load(args)?;
-    print!("{}", serde_yaml::to_string(&cfg)?);
-    Ok(())
+    out(&serde_yaml::to_string(&cfg)?)
 }
 
 fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
-    print!("{}", trainguard::envinfo::report(&load(args)?));
-    Ok(())
+    out(&trainguard::envinfo::report(&load(args)?))
 }
 
 /// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change. A
@@ -261,6 +258,7 @@ fn report(err: &anyhow::Error) {
     for line in text.lines() {
         eprintln!("{prefix}{line}");
     }
+    trainguard::logging::in_file_only(&text);
 }
 
 /// What went wrong, whole: an out-of-memory's advice, or the error chain's messages without

@@ -347,7 +347,9 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
 pub fn table(s: &TraceSummary) -> String {
     let per = |ms: f64| ms / s.steps as f64;
     let steps = match s.first_step {
-        Some(first) => format!("steps {first}..{}", first + s.steps),
+        // The last step itself, as the file's name (`steps_3-4.json`) says.
+        Some(first) if s.steps > 1 => format!("steps {first}-{}", first + s.steps - 1),
+        Some(first) => format!("step {first}"),
         None => "the whole trace (no step ranges)".into(),
     };
     let mut out = format!("{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n", s.path, s.counted, per(s.busy_ms), per(s.span_ms));
@@ -634,7 +636,7 @@ mod tests {
         assert_eq!((s.top[0].calls, s.top[0].ms, s.top.len()), (2, 4.0, 2));
         assert_eq!(summarise(&events, Path::new("t.json"), 1).top.len(), 1, "the heaviest name only");
         let t = table(&s);
-        assert!(t.starts_with("t.json: steps 10..12, gpu kernels 2.50 ms per step"), "{t}");
+        assert!(t.starts_with("t.json: steps 10-11, gpu kernels 2.50 ms per step"), "{t}");
         assert!(t.contains("| gemm | 2.00 | 80.0% | 1 |"), "{t}");
         // Without GPU events: the CPU operators' self times; the step ranges are not operators.
         let cpu = summarise(&events[..3], Path::new("t.json"), TOP);

@@ -42,6 +42,16 @@ fn stop_and_resume_is_bitwise_identical_to_a_straight_run() {
     assert_bitwise_equal(&a.path().join("model.safetensors"), &b.path().join("model.safetensors"));
     let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cb.join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!((state["step"].as_u64(), state["optimizer"]["steps"].as_u64(), state["micro_steps"].as_u64()), (Some(40), Some(40), Some(160)));
+    // The summary is the whole run's (its time continues metrics.jsonl's), and says what this
+    // session ran beside it.
+    let summary = &resumed.events_of("run_finished")[0];
+    let last_elapsed = resumed.metrics()[39]["elapsed_s"].as_f64().unwrap();
+    let elapsed = summary["elapsed_s"].as_f64().unwrap();
+    assert!(elapsed >= last_elapsed && elapsed < last_elapsed + 5.0, "{elapsed} vs {last_elapsed}");
+    assert_eq!(summary["session_steps"].as_u64(), Some(20));
+    assert!(summary["session_elapsed_s"].as_f64().unwrap() < elapsed);
+    let tokens: f64 = resumed.metrics().iter().map(|m| m["tokens"].as_f64().unwrap()).sum();
+    assert!((summary["tokens_per_s"].as_f64().unwrap() - tokens / elapsed).abs() < 1e-6 * tokens / elapsed);
 }
 
 #[test]
@@ -288,6 +298,11 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     let state: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!((state["nonfinite_skips"].as_u64(), state["optimizer"]["steps"].as_u64()), (Some(3), Some(5)), "skipped updates left the optimizer untouched");
+    // Every step the checkpoint counts has its metrics line, the last skipped one included: a
+    // resume from it (at step 8) leaves no gap.
+    assert_eq!(state["step"].as_u64(), Some(8));
+    let logged: Vec<u64> = r.metrics().iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(logged, (0..8).collect::<Vec<u64>>());
 }
 
 /// A stop right after an interval checkpoint: the checkpoint of that step is not written a second

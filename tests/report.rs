@@ -390,10 +390,8 @@ fn chromium_renders_the_page_without_script_errors() {
     assert!(blue > 200, "curves missing: {blue} blue pixels");
 }
 
-#[test]
-fn tensorboard_reads_back_the_scalars_of_metrics_jsonl() {
-    let dir = tempfile::tempdir().unwrap();
-    let run = train(dir.path(), "configs/debug.yaml", &["train.max_steps=6", "train.warmup_steps=2", "train.eval_interval=3", "metrics.tensorboard=true"]).ok();
+/// What TensorBoard's own reader finds in `tb`: scalars and text summaries by tag.
+fn read_tensorboard(tb: &Path) -> Value {
     let python = repo().join(".venv/bin/python");
     let script = r#"
 import json, sys
@@ -406,12 +404,15 @@ print(json.dumps({
     "text": {t: [[e.step, e.tensor_proto.string_val[0].decode()] for e in acc.Tensors(t)] for t in tags["tensors"]},
 }))
 "#;
-    let out = Command::new(&python).arg("-c").arg(script).arg(dir.path().join("tb")).output().expect("run the venv's python");
+    let out = Command::new(&python).arg("-c").arg(script).arg(tb).output().expect("run the venv's python");
     assert!(out.status.success(), "reading the event files failed (is tensorboard installed? bash scripts/setup.sh): {}", String::from_utf8_lossy(&out.stderr));
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let metrics = run.metrics();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// One scalar per numeric metrics.jsonl field, equal (as float32) at every step, none more.
+fn assert_scalars_are_the_metrics(got: &Value, metrics: &[Value]) {
     let mut tags = std::collections::BTreeSet::new();
-    for m in &metrics {
+    for m in metrics {
         for (k, v) in m.as_object().unwrap() {
             if k != "step" && v.is_number() {
                 tags.insert(k.clone());
@@ -422,13 +423,34 @@ print(json.dumps({
     assert_eq!(scalars.keys().cloned().collect::<std::collections::BTreeSet<_>>(), tags, "one scalar per numeric metrics field");
     for tag in &tags {
         // TensorBoard scalars are float32: equal as float32.
-        let want: Vec<(u64, f32)> = field(&metrics, tag).into_iter().map(|(s, v)| (s, v as f32)).collect();
+        let want: Vec<(u64, f32)> = field(metrics, tag).into_iter().map(|(s, v)| (s, v as f32)).collect();
         let have: Vec<(u64, f32)> = scalars[tag].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap() as f32)).collect();
         assert_eq!(have, want, "{tag}");
     }
+}
+
+#[test]
+fn tensorboard_reads_back_the_scalars_of_metrics_jsonl() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=6", "train.warmup_steps=2", "train.eval_interval=3", "checkpoint.interval=3", "metrics.tensorboard=true"];
+    let run = train(dir.path(), "configs/debug.yaml", &sets).ok();
+    let got = read_tensorboard(&dir.path().join("tb"));
+    let first = run.metrics();
+    assert_scalars_are_the_metrics(&got, &first);
     let config = &got["text"]["config"][0][1];
     assert!(config.as_str().unwrap().contains("tensorboard: true"), "config text: {config}");
     let events = got["text"]["events"].as_array().unwrap();
     assert!(events.iter().any(|e| e[1].as_str().unwrap().contains("\"event\":\"run_finished\"")), "{events:?}");
     assert!(events.iter().any(|e| e[1].as_str().unwrap().contains("\"event\":\"checkpoint_saved\"") && e[0] == 6));
+
+    // Resumed from step 3, the run logs steps 3-5 again in a new event file: TensorBoard shows
+    // them once, as metrics.jsonl does, not the first session's beside them.
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &[&sets[..], &["train.lr=0.01"]].concat());
+    cmd.arg("--resume").arg(dir.path().join("checkpoints/step-00000003"));
+    let resumed = common::run(cmd, dir.path()).ok();
+    let metrics = resumed.metrics();
+    assert_eq!(metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5]);
+    assert_ne!(metrics[4]["loss"], first[4]["loss"], "another learning rate after the resume: other losses");
+    assert_eq!(std::fs::read_dir(dir.path().join("tb")).unwrap().count(), 2, "one event file per session");
+    assert_scalars_are_the_metrics(&read_tensorboard(&dir.path().join("tb")), &metrics);
 }

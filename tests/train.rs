@@ -120,6 +120,15 @@ fn version_and_config_show() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("lr: 0.001"), "{text}");
     assert!(text.contains("micro_batch_size: 8"), "defaults are filled in: {text}");
+    // A reader that goes away (`| head -c0` exits before reading) ends the output quietly; a
+    // full device is an error with exit 1. Neither is println!'s panic (exit 101).
+    let piped = format!("{} config show | head -c0; echo \"rc=${{PIPESTATUS[0]}}\"", bin());
+    let out = Command::new("bash").args(["-c", &piped]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "rc=0", "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+    let full = Command::new(bin()).args(["config", "show"]).stdout(std::fs::File::create("/dev/full").unwrap()).output().unwrap();
+    assert_eq!(full.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&full.stderr).contains("cannot write to standard output: No space left on device"), "{}", String::from_utf8_lossy(&full.stderr));
 }
 
 /// A libtorch error that tch raises as a panic (a Scalar-taking op refused: shapes that do not

@@ -166,6 +166,8 @@ pub enum PlannerError {
     /// `--apply` with nothing that fits: nothing was written.
     #[error("{0}")]
     NothingFits(String),
+    #[error("cannot write to standard output: {0}")]
+    Stdout(std::io::Error),
     #[error("--apply: cannot {what} {path}: {source}")]
     Io { what: &'static str, path: PathBuf, source: std::io::Error },
 }
@@ -479,11 +481,8 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
         profile: prof.as_ref(),
         applied: applied.as_ref(),
     };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&out).expect("the report always serialises"));
-    } else {
-        print!("{}", report::render(&out));
-    }
+    let text = if args.json { serde_json::to_string_pretty(&out).expect("the report always serialises") + "\n" } else { report::render(&out) };
+    crate::output::print(&text).map_err(PlannerError::Stdout)?;
     match nothing_fits {
         Some(msg) => Err(PlannerError::NothingFits(msg)),
         None => Ok(()),
@@ -609,8 +608,7 @@ fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), Pla
     let capacity = profile::capacity(run_plan.device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
     let mut session = profile::Session::open(run_plan, capacity)?;
     let m = session.measure(micro, args.profile_steps)?;
-    println!("{}", serde_json::to_string(&m).expect("a measurement always serialises"));
-    Ok(())
+    crate::output::print(&(serde_json::to_string(&m).expect("a measurement always serialises") + "\n")).map_err(PlannerError::Stdout)
 }
 
 /// Writes `micro` (and `--global-batch`, when it differs) into the config file.

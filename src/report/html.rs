@@ -261,7 +261,8 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     let lm = |k: &str| last.and_then(|m| m.get(k)).and_then(json_num);
     let steps = sm("steps").or_else(|| r.steps.keys().next_back().map(|s| (s + 1) as f64));
     row(&mut t, "steps", steps.map(|s| format!("{s}")).unwrap_or("0".into()));
-    let tokens: f64 = r.steps.values().filter_map(|m| m.get("tokens").and_then(json_num)).sum();
+    // + 0.0: an empty sum is -0.0, shown as "-0".
+    let tokens: f64 = r.steps.values().filter_map(|m| m.get("tokens").and_then(json_num)).sum::<f64>() + 0.0;
     row(&mut t, "tokens", format!("{tokens:.0}"));
     if let Some(e) = sm("elapsed_s").or_else(|| lm("elapsed_s")) {
         row(&mut t, "time", secs(e));
@@ -287,8 +288,9 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     if let (Some(f), Some(c)) = (sm("final_micro_batch"), sm("configured_micro_batch")) {
         row(&mut t, "micro-batch", format!("{f} (configured {c})"));
     }
+    let resumed = r.events_of("resumed").next().is_some();
     if let Some(v) = sm("time_lost_s") {
-        row(&mut t, "time lost to OOM", format!("{v:.2}s"));
+        row(&mut t, "time lost to OOM", if resumed { format!("{v:.2}s (last session)") } else { format!("{v:.2}s") });
     }
     if let Some(v) = sm("guard_overhead_s") {
         row(&mut t, "guard overhead", format!("{v:.3}s"));

@@ -50,6 +50,9 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
     // Written under a temporary name and renamed: a browser reloading the page never sees half.
     let tmp = out.with_extension("html.tmp");
-    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, &out)).map_err(|source| ReportError::Write { path: out.clone(), source })?;
+    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, &out)).map_err(|source| {
+        let _ = std::fs::remove_file(&tmp); // nothing half-done is left beside the target
+        ReportError::Write { path: out.clone(), source }
+    })?;
     Ok(out)
 }

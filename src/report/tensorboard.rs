@@ -25,7 +25,20 @@ struct Event {
     file_version: Option<String>,
     #[prost(message, optional, tag = "5")]
     summary: Option<Summary>,
+    #[prost(message, optional, tag = "7")]
+    session_log: Option<SessionLog>,
 }
+
+/// A session's start: TensorBoard drops what earlier files hold at this step and after it, as
+/// for PyTorch's `SummaryWriter(purge_step=)`.
+#[derive(Clone, PartialEq, Message)]
+struct SessionLog {
+    /// 1 = START.
+    #[prost(int32, tag = "1")]
+    status: i32,
+}
+
+const SESSION_START: i32 = 1;
 
 #[derive(Clone, PartialEq, Message)]
 struct Summary {
@@ -74,8 +87,9 @@ struct TensorShape {}
 
 const DT_STRING: i32 = 7;
 
-/// One event file, opened for the life of the run (a resumed run starts a new file; TensorBoard
-/// reads every file in the directory).
+/// One event file, opened for the life of the run. A resumed run starts a new file; TensorBoard
+/// reads every file in the directory in name order, and each file's session start drops the
+/// steps a resume replays (or, at step 0, a previous run's) from the files before it.
 pub struct TensorBoardWriter {
     out: BufWriter<File>,
     path: PathBuf,
@@ -83,14 +97,19 @@ pub struct TensorBoardWriter {
 }
 
 impl TensorBoardWriter {
-    /// Creates `dir/events.out.tfevents.<time>.<host>.<pid>` and writes the file-version record.
-    pub fn create(dir: &Path) -> std::io::Result<Self> {
+    /// Creates `dir/events.out.tfevents.<time>.<µs>.<host>.<pid>.trainguard` (the microseconds
+    /// order two sessions begun within a second) and writes the file-version record and the
+    /// session's start at `start_step`.
+    pub fn create(dir: &Path, start_step: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
-        let path = dir.join(format!("events.out.tfevents.{}.{host}.{}.trainguard", now.as_secs(), std::process::id()));
-        let mut w = Self { out: BufWriter::new(File::create(&path)?), path, last_step: 0 };
-        w.write(Event { wall_time: now.as_secs_f64(), step: 0, file_version: Some("brain.Event:2".into()), summary: None })?;
+        let name = format!("events.out.tfevents.{}.{:06}.{host}.{}.trainguard", now.as_secs(), now.subsec_micros(), std::process::id());
+        let path = dir.join(name);
+        let step = start_step as i64;
+        let mut w = Self { out: BufWriter::new(File::create(&path)?), path, last_step: step };
+        w.write(Event { wall_time: now.as_secs_f64(), step, file_version: Some("brain.Event:2".into()), ..Default::default() })?;
+        w.write(Event { wall_time: now.as_secs_f64(), step, session_log: Some(SessionLog { status: SESSION_START }), ..Default::default() })?;
         Ok(w)
     }
 
@@ -126,7 +145,7 @@ impl TensorBoardWriter {
 
     fn summary(&mut self, step: i64, summary: Summary) -> std::io::Result<()> {
         let wall_time = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
-        self.write(Event { wall_time, step, file_version: None, summary: Some(summary) })
+        self.write(Event { wall_time, step, summary: Some(summary), ..Default::default() })
     }
 
     /// One TFRecord, flushed so a killed run keeps what it wrote (as metrics.jsonl does).
@@ -180,7 +199,7 @@ mod tests {
     #[test]
     fn scalar_event_decodes_back() {
         let dir = tempfile::tempdir().unwrap();
-        let mut w = TensorBoardWriter::create(dir.path()).unwrap();
+        let mut w = TensorBoardWriter::create(dir.path(), 0).unwrap();
         w.scalars(&serde_json::json!({"step": 7, "loss": 2.5, "val_loss": null, "micro_batch": 4})).unwrap();
         let bytes = std::fs::read(w.path()).unwrap();
         let mut events = vec![];
@@ -191,8 +210,9 @@ mod tests {
             at += 16 + n;
         }
         assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
-        let s = events[1].summary.as_ref().unwrap();
-        assert_eq!(events[1].step, 7);
+        assert_eq!((events[1].step, events[1].session_log.as_ref().map(|l| l.status)), (0, Some(SESSION_START)));
+        let s = events[2].summary.as_ref().unwrap();
+        assert_eq!(events[2].step, 7);
         let tags: Vec<(&str, Option<f32>)> = s.value.iter().map(|v| (v.tag.as_str(), v.simple_value)).collect();
         assert_eq!(tags, vec![("loss", Some(2.5)), ("micro_batch", Some(4.0))]);
     }

@@ -258,23 +258,22 @@ impl<'a> Run<'a> {
         };
         self.state.progress.micro_steps += self.state.guard.accumulation() as u64;
         self.state.progress.tokens_seen += plan.tokens_per_step as u64;
+        // Too many non-finite updates in a row: this step still gets its metrics line (the
+        // checkpoint written below counts it), then the run stops.
+        let mut give_up = false;
         if outcome.skipped_as_nonfinite() {
             self.consecutive_bad += 1;
             self.state.progress.nonfinite_skips += 1;
             let consecutive = self.consecutive_bad;
             self.reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive });
-            if consecutive >= plan.config.nan.max_consecutive {
-                let path = self.save(step + 1);
-                self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
-                return Err(TrainError::NonFinite { step, count: consecutive });
-            }
+            give_up = consecutive >= plan.config.nan.max_consecutive;
         } else {
             self.consecutive_bad = 0;
         }
         // Throughput counts the optimizer step only, not evaluation.
         let step_time = step_started.elapsed().as_secs_f64();
         let mut new_best = false;
-        let val_loss = if plan.evaluates_after(step + 1) {
+        let val_loss = if plan.evaluates_after(step + 1) && !give_up {
             // Validation's activations would sit beside the graphs' pool: the next step
             // captures them again.
             self.state.trainable.graphs.release();
@@ -309,6 +308,11 @@ impl<'a> Run<'a> {
             memory,
         }));
         drop(traced_range);
+        if give_up {
+            let path = self.save(step + 1);
+            self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
+            return Err(TrainError::NonFinite { step, count: self.consecutive_bad });
+        }
         if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
             self.reporter.emit(Event::TraceWritten(summary));
         }
@@ -396,8 +400,10 @@ impl<'a> Run<'a> {
             final_micro_batch: guard.micro_batch(),
             time_lost_s: guard.totals.time_lost.as_secs_f64(),
             guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
-            elapsed_s: elapsed,
-            tokens_per_s: (steps_run as f64 * plan.tokens_per_step as f64) / elapsed,
+            elapsed_s: self.state.progress.elapsed_before + elapsed,
+            tokens_per_s: self.state.progress.tokens_seen as f64 / (self.state.progress.elapsed_before + elapsed),
+            session_steps: steps_run,
+            session_elapsed_s: elapsed,
             peak_mapped_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(self.baseline_vm))).flatten(),
             peak_resident_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(self.baseline_rss))).flatten(),
         };
