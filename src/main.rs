@@ -37,7 +37,7 @@ fn main() {
 }
 
 /// The continuation as generated; on a terminal, a line end after it so the prompt does not
-/// follow on its line (piped, the bytes stay exactly the model's).
+/// follow on its line (piped, nothing is added).
 fn print_continuation(text: &str) -> anyhow::Result<()> {
     use std::io::IsTerminal;
     let line_end = std::io::stdout().is_terminal() && !text.ends_with('\n');

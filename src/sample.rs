@@ -111,6 +111,9 @@ pub fn dataset_dir(source: &str) -> Option<PathBuf> {
 pub fn build(t: &Trained, device: Device) -> Result<Model, SampleError> {
     let model = Model::with_kernels(&t.model, t.kernels, t.seed, device)?;
     copy_weights(&model, &t.weights).map_err(input)?;
+    if let Some(why) = crate::hf::unplaced(&model, &t.weights) {
+        return Err(input(why));
+    }
     Ok(model)
 }
 

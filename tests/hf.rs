@@ -219,7 +219,12 @@ fn a_llama_saved_by_transformers_gives_the_same_logits_and_starts_training_with_
     let tied: Vec<&str> = sets.iter().copied().filter(|s| !s.starts_with("model.tie")).collect();
     let r = train(&d.path().join("tied"), "configs/llama-debug.yaml", &tied);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("`lm_head.weight` has no place in the model"), "{}", r.stderr());
+    assert!(r.stderr().contains("`lm_head.weight` has no place in the model: an output head of its own, and model.tie_embeddings is true"), "{}", r.stderr());
+    // Fewer blocks than the directory holds: the first left over is named with the key to change.
+    let shallow: Vec<&str> = sets.iter().copied().chain(["model.n_layer=1"]).collect();
+    let r = train(&d.path().join("shallow"), "configs/llama-debug.yaml", &shallow);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("has no place in the model: block 1 is beyond model.n_layer = 1"), "{}", r.stderr());
     // Another RoPE base or norm epsilon fits every tensor but computes another model.
     for (key, set) in [("rope_theta 500000", "model.rope_theta=10000"), ("norm_eps 0.000001", "model.norm_eps=1e-5")] {
         let other: Vec<&str> = sets.iter().copied().chain([set]).collect();
@@ -235,4 +240,21 @@ fn a_llama_saved_by_transformers_gives_the_same_logits_and_starts_training_with_
     let r = tg(&["sample", hf.to_str().unwrap(), "--ids", IDS, "--device", "cpu"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("`rope_scaling`"), "{}", r.stderr());
+    // sample builds what config.json describes: under the rules and bounds of `model:` (a
+    // context with extra digits asked libtorch for 40 TB and panicked), and with every tensor
+    // placed (one block fewer silently dropped a block and printed another model's text).
+    for (edit, needle) in [
+        (serde_json::json!({"max_position_embeddings": 1_000_000_000_000u64}), "`max_position_embeddings` (model.seq_len): must be in 1..=4194304"),
+        (serde_json::json!({"rms_norm_eps": -1.0}), "`rms_norm_eps` (model.norm_eps): must be a positive number"),
+        (serde_json::json!({"rope_theta": "abc"}), "`rope_theta` is \"abc\", not a number"),
+        (serde_json::json!({"num_hidden_layers": 1}), "has no place in the model: block 1 is beyond model.n_layer = 1"),
+    ] {
+        let mut edited = c.clone();
+        edited["rope_scaling"] = serde_json::Value::Null;
+        edited.as_object_mut().unwrap().extend(edit.as_object().unwrap().clone());
+        std::fs::write(&cpath, edited.to_string()).unwrap();
+        let r = tg(&["sample", hf.to_str().unwrap(), "--ids", IDS, "--device", "cpu"]);
+        assert_eq!(r.code(), 2, "{edit}: {}", r.stderr());
+        assert!(r.stderr().contains(needle), "{edit}: {}", r.stderr());
+    }
 }

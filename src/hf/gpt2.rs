@@ -9,7 +9,9 @@ use crate::model::LAYER_NORM_EPS;
 use serde_json::{json, Value};
 use std::path::Path;
 
-pub const FAMILY: Family = Family { arch: Arch::Gpt2, model_type: "gpt2", hf_name, from_hf, config_json, model_config, zero_tensors };
+pub const FAMILY: Family = Family { arch: Arch::Gpt2, model_type: "gpt2", hf_name, from_hf, config_json, model_config, zero_tensors, config_keys: &CONFIG_KEYS };
+
+const CONFIG_KEYS: [(&str, &str); 6] = [("n_layer", "n_layer"), ("n_head", "n_head"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"), ("seq_len", "n_positions"), ("dropout", "resid_pdrop")];
 
 /// Prefix of every parameter's name in `transformers`.
 pub const PREFIX: &str = "transformer.";

@@ -10,7 +10,20 @@ use crate::config::{Arch, ModelConfig};
 use serde_json::{json, Value};
 use std::path::Path;
 
-pub const FAMILY: Family = Family { arch: Arch::Llama, model_type: "llama", hf_name, from_hf, config_json, model_config, zero_tensors };
+pub const FAMILY: Family = Family { arch: Arch::Llama, model_type: "llama", hf_name, from_hf, config_json, model_config, zero_tensors, config_keys: &CONFIG_KEYS };
+
+const CONFIG_KEYS: [(&str, &str); 10] = [
+    ("n_layer", "num_hidden_layers"),
+    ("n_head", "num_attention_heads"),
+    ("n_kv_head", "num_key_value_heads"),
+    ("n_embd", "hidden_size"),
+    ("vocab_size", "vocab_size"),
+    ("seq_len", "max_position_embeddings"),
+    ("ffn_hidden", "intermediate_size"),
+    ("rope_theta", "rope_theta"),
+    ("norm_eps", "rms_norm_eps"),
+    ("dropout", "attention_dropout"),
+];
 
 fn hf_name(name: &str) -> (String, bool) {
     (name.to_string(), false)
@@ -57,6 +70,13 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
 
 fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     let num = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(cpath, format!("`{k}` missing or not a number")));
+    // A key that may be left out (transformers' default then), but not given as another type.
+    let optional = |v: &Value, k: &str| -> Result<Option<f64>, HfError> {
+        match v {
+            Value::Null => Ok(None),
+            v => v.as_f64().map(Some).ok_or_else(|| bad(cpath, format!("`{k}` is {v}, not a number"))),
+        }
+    };
     if !c["rope_scaling"].is_null() {
         return Err(bad(cpath, format!("`rope_scaling` is {}; trainguard applies plain RoPE, so it must be null", c["rope_scaling"])));
     }
@@ -75,7 +95,11 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     if !c["head_dim"].is_null() && c["head_dim"].as_u64() != Some((n_embd / n_head.max(1)) as u64) {
         return Err(bad(cpath, format!("`head_dim` {} is not hidden_size / num_attention_heads = {}; trainguard derives it", c["head_dim"], n_embd / n_head.max(1))));
     }
-    let theta = c["rope_theta"].as_f64().or(rope["rope_theta"].as_f64()).unwrap_or(10_000.0);
+    let theta = optional(&c["rope_theta"], "rope_theta")?.or(optional(&rope["rope_theta"], "rope_parameters.rope_theta")?).unwrap_or(10_000.0);
+    let kv_heads = optional(&c["num_key_value_heads"], "num_key_value_heads")?;
+    if kv_heads.is_some_and(|k| k.fract() != 0.0 || k < 0.0) {
+        return Err(bad(cpath, format!("`num_key_value_heads` is {}, not a count", c["num_key_value_heads"])));
+    }
     #[allow(clippy::needless_update)] // the lead's model restructure may add fields
     let cfg = ModelConfig {
         arch: Arch::Llama,
@@ -84,13 +108,13 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         n_embd,
         vocab_size: num("vocab_size")?,
         seq_len: num("max_position_embeddings")?,
-        dropout: c["attention_dropout"].as_f64().unwrap_or(0.0),
+        dropout: optional(&c["attention_dropout"], "attention_dropout")?.unwrap_or(0.0),
         bias: attn_bias,
-        n_kv_head: Some(c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(n_head)),
+        n_kv_head: Some(kv_heads.map_or(n_head, |k| k as usize)),
         ffn_hidden: Some(num("intermediate_size")?),
         rope_theta: theta,
         // transformers' LlamaConfig defaults, for configs that leave them out.
-        norm_eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6),
+        norm_eps: optional(&c["rms_norm_eps"], "rms_norm_eps")?.unwrap_or(1e-6),
         tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
         ..ModelConfig::default() // fields a later model change adds keep their defaults
     };

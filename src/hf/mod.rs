@@ -29,6 +29,8 @@ pub struct Family {
     pub model_config: fn(&Value, &Path) -> Result<ModelConfig, HfError>,
     /// Tensors `transformers` expects that a model of this config lacks (written as zeros).
     pub zero_tensors: fn(&ModelConfig) -> Vec<(String, i64)>,
+    /// `model.<key>` → the `config.json` key it is read from, for messages.
+    pub config_keys: &'static [(&'static str, &'static str)],
 }
 
 pub const FAMILIES: [Family; 2] = [gpt2::FAMILY, llama::FAMILY];
@@ -114,6 +116,20 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
         bad(&cpath, format!("model_type {} is not supported ({} are)", c["model_type"], known.join(", ")))
     })?;
     let cfg = (fam.model_config)(&c, &cpath)?;
+    // The rules and bounds a `model:` section obeys: an impossible shape or a size with extra
+    // digits is refused here, not met as a libtorch error (or an allocation of terabytes).
+    let config = crate::config::Config { model: cfg.clone(), ..Default::default() };
+    let problems: Vec<String> = crate::config::validate(&config)
+        .into_iter()
+        .filter_map(|p| {
+            let ours = p.key.strip_prefix("model.")?;
+            let theirs = fam.config_keys.iter().find(|(o, _)| *o == ours).map_or(ours, |(_, t)| t);
+            Some(format!("`{theirs}` ({}): {}", p.key, p.message))
+        })
+        .collect();
+    if !problems.is_empty() {
+        return Err(bad(&cpath, format!("describes a model trainguard cannot build: {}", problems.join("; "))));
+    }
     let wpath = dir.join("model.safetensors");
     let raw = Tensor::read_safetensors(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let weights = raw
@@ -159,15 +175,25 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
         }
         model.copy_user_tensor(i, src).map_err(|e| bad(&wpath, e))?;
     }
-    for (name, t) in &weights {
-        if model.params.get(name).is_none() {
-            let zero = name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0;
-            if !zero {
-                return Err(bad(&wpath, format!("`{}` has no place in the model (model.bias = false drops only zero biases)", (fam.hf_name)(name).0)));
-            }
-        }
+    match unplaced(model, &weights) {
+        Some(why) => Err(bad(&wpath, why)),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The first of `weights` the model has no parameter for, and why (a bias the model lacks is
+/// dropped when it is zero): loading the rest would compute another model than the directory's.
+pub fn unplaced(model: &Model, weights: &[(String, Tensor)]) -> Option<String> {
+    let cfg = &model.cfg;
+    let (name, _) = weights.iter().find(|(name, t)| model.params.get(name).is_none() && !(name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
+    let block = name.split('.').find_map(|s| s.parse::<usize>().ok());
+    let why = match block {
+        Some(i) if i >= cfg.n_layer => format!("block {i} is beyond model.n_layer = {}", cfg.n_layer),
+        _ if name.ends_with(".bias") => "a non-zero bias, and model.bias is false".into(),
+        _ if name.contains("lm_head") => "an output head of its own, and model.tie_embeddings is true".into(),
+        _ => "the model has no such parameter".into(),
+    };
+    Some(format!("`{}` has no place in the model: {why}", (family(cfg.arch).hf_name)(name).0))
 }
 
 /// A shape as `transformers` writes the tensor (Conv1D weights transposed).
