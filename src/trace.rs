@@ -487,10 +487,12 @@ impl Tracer {
 }
 
 impl Drop for Tracer {
-    /// A run that stops inside the traced steps leaves no profiler running (and no trace).
+    /// A run that stops inside the traced steps leaves no profiler running (and no trace, which
+    /// it says).
     fn drop(&mut self) {
         if self.running {
             let _ = shim::stop(None);
+            tracing::warn!("metrics.trace: the run ended inside the traced steps {}-{}: no trace written", self.from, self.to - 1);
         }
     }
 }

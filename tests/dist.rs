@@ -123,9 +123,23 @@ fn ranks_whose_configs_differ_stop_at_the_start_naming_the_keys() {
     assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
     assert!(err(1).contains("rank 1's config differs from rank 0's: model.n_layer: rank 0 2, this rank 3; train.lr: rank 0 0.003, this rank 0.01."), "{}", err(1));
     assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
-    assert!(err(0).contains("rank(s) 1 did not match rank 0 at the start"), "{}", err(0));
+    assert!(err(0).contains("rank(s) 1 stopped at the start comparison"), "{}", err(0));
     assert!(wall < 60.0, "stopped at the start, not after dist.timeout_s = 120 s: {wall:.1} s");
     assert!(!d.path().join("metrics.jsonl").exists(), "nothing was written");
+
+    // A corpus only one rank cannot load (not whole uint16 tokens) stops the other the same way.
+    let odd = d.path().join("odd.bin");
+    std::fs::write(&odd, vec![7u8; 1001]).unwrap();
+    let unreadable = format!("data.source=tokens:{}", odd.display());
+    let port = free_port();
+    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &[&sets[..], &[unreadable.as_str()]].concat())]
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert!(err(1).contains("1001 bytes is not a whole number of uint16 tokens"), "{}", err(1));
+    assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
+    assert!(err(0).contains("rank(s) 1 stopped at the start comparison"), "{}", err(0));
 }
 
 /// A rank refused on its config never joins: its peer waits dist.timeout_s, then says that a

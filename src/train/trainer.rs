@@ -37,7 +37,7 @@ pub enum TrainError {
     ResumeDisagrees { lowest: u64, highest: u64 },
     #[error("rank {rank}'s config differs from rank 0's: {}. Every rank must run the same config (the same YAML and --set) and the same trainguard build; only these may differ per rank: {}", .differences.join("; "), super::ranks::per_rank_keys())]
     DiffersFromRank0 { rank: usize, differences: Vec<String> },
-    #[error("rank(s) {} did not match rank 0 at the start (each one's own error names why: config keys set differently, other tokens loaded, or a corpus it could not load); every rank stops", .ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))]
+    #[error("rank(s) {} stopped at the start comparison (each one's own error names why: config keys set differently from rank 0's, other tokens loaded, or a corpus it could not load); every rank stops", .ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "))]
     PeersDiffer { ranks: Vec<usize> },
     #[error("another rank could not start (its own error names why: an out_dir that holds another run, or a checkpoint it cannot use); every rank stops")]
     PeerCouldNotStart,
