@@ -113,6 +113,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check((0.0..1.0).contains(&t.beta1), "train.beta1", format!("must be in [0, 1), got {}", t.beta1));
     check((0.0..1.0).contains(&t.beta2), "train.beta2", format!("must be in [0, 1), got {}", t.beta2));
     check(t.eps > 0.0, "train.eps", format!("must be > 0, got {}", t.eps));
+    // fp16-mixed's loss scale: 0 or NaN skipped every update as an overflow, forever.
+    check(t.loss_scale_initial.is_finite() && t.loss_scale_initial > 0.0, "train.loss_scale_initial", format!("must be a positive finite number, got {}", t.loss_scale_initial));
+    check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be at least 1 (steps without an overflow before the scale doubles), got 0".to_string());
     check(t.grad_clip >= 0.0, "train.grad_clip", format!("must be >= 0 (0 = off), got {}", t.grad_clip));
     check(t.eval_batches >= 1, "train.eval_batches", format!("must be at least 1, got {}", t.eval_batches));
     check(t.log_interval >= 1, "train.log_interval", format!("must be at least 1, got {}", t.log_interval));
@@ -150,7 +153,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         Ok(_) => {}
     }
     if let Some(n) = c.memory.loss_chunk_tokens {
-        check(n >= 1, "memory.loss_chunk_tokens", format!("must be at least 1, got {n}"));
+        check((1..=MAX_TOKENS_PER_STEP).contains(&n), "memory.loss_chunk_tokens", format!("must be in 1..={MAX_TOKENS_PER_STEP}, got {n}"));
     }
     check(
         (0.0..1.0).contains(&c.optimizer.momentum),
@@ -352,6 +355,10 @@ mod tests {
             (|c| c.memory.activation_checkpointing = "first_n:3".into(), "memory.activation_checkpointing"),
             (|c| c.memory.activation_checkpointing = "first_n:0".into(), "memory.activation_checkpointing"),
             (|c| c.memory.loss_chunk_tokens = Some(0), "memory.loss_chunk_tokens"),
+            (|c| c.memory.loss_chunk_tokens = Some(1 << 63), "memory.loss_chunk_tokens"),
+            (|c| c.train.loss_scale_initial = 0.0, "train.loss_scale_initial"),
+            (|c| c.train.loss_scale_initial = f64::NAN, "train.loss_scale_initial"),
+            (|c| c.train.loss_scale_growth_interval = 0, "train.loss_scale_growth_interval"),
             (|c| c.optimizer.momentum = 1.5, "optimizer.momentum"),
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),

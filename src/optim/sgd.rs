@@ -52,7 +52,11 @@ impl Sgd {
         let first = self.steps == 0;
         self.steps += 1;
         let wd = self.cfg.weight_decay;
-        if self.cfg.fused {
+        // ATen 2.11's CPU kernel leaves bf16 and fp16 tensors of 16 values or more unchanged
+        // (its vectorised loop drops the update; `torch._fused_sgd_` shows it in Python): on
+        // the CPU only fp32 parameters (every mixed precision's) take it.
+        let fused_works = params.iter().all(|p| p.device().is_cuda() || p.kind() == Kind::Float);
+        if self.cfg.fused && fused_works {
             for (with_decay, idx) in decay_groups(&self.decay) {
                 let bufs = self.cfg.momentum.map(|_| pick(&self.momentum_buffer, &idx));
                 let wd = if with_decay { wd } else { 0.0 };
@@ -182,6 +186,25 @@ mod tests {
         c.load_state(&names, &b.state_tensors(&names), b.steps).unwrap();
         grads[1..].iter().for_each(|g| step(&mut c, &resumed, g));
         assert!(straight.iter().zip(&resumed).all(|(x, y)| x.equal(y)), "a resumed run equals the straight one bit for bit");
+    }
+
+    /// bf16 parameters (bf16-pure) on the CPU: the fused setting gives the tensor-op path's
+    /// update, where ATen's CPU kernel left every tensor of 16 values or more unchanged.
+    #[test]
+    fn bf16_parameters_on_the_cpu_are_updated_with_the_fused_setting_too() {
+        for momentum in [None, Some(0.9)] {
+            let update = |fused: bool| {
+                let p = [Tensor::ones([64], (Kind::BFloat16, Device::Cpu))];
+                let mut opt = Sgd::new(SgdConfig { momentum, weight_decay: 0.0, fused }, &p, &[true], Device::Cpu).unwrap();
+                for _ in 0..2 {
+                    opt.step(&p, &[Tensor::full([64], 0.25, (Kind::BFloat16, Device::Cpu))], 1.0).unwrap();
+                }
+                p[0].shallow_clone()
+            };
+            let (fused, plain) = (update(true), update(false));
+            assert!(fused.equal(&plain), "momentum {momentum:?}: {fused} vs {plain}");
+            assert!(plain.double_value(&[0]) < 0.75, "the weights moved: {plain}");
+        }
     }
 
     #[test]
