@@ -281,7 +281,9 @@ impl Reporter {
                     tracing::info!("memory cap: {}", human(*l));
                 }
                 if allocator.source != "none" {
-                    tracing::info!("allocator settings: {} (from {})", allocator.conf, allocator.source);
+                    // They configure the CUDA caching allocator: a CPU run has them, unused.
+                    let unused = if device.starts_with("cuda") { "" } else { "; CUDA's caching allocator only, unused on the CPU" };
+                    tracing::info!("allocator settings: {} (from {}{unused})", allocator.conf, allocator.source);
                 }
             }
             Event::Step(m) => {

@@ -123,6 +123,13 @@ impl RunPlan {
             problems.push(Problem::new("memory.activation_checkpointing", msg));
             Checkpointing::None
         });
+        if m.offload_activations && matches!(Checkpointing::parse(&m.activation_checkpointing), Ok(Checkpointing::None)) {
+            // Offload moves the inputs that checkpointing keeps; alone it would change nothing.
+            problems.push(Problem::new(
+                "memory.offload_activations",
+                "true offloads the segment inputs that activation checkpointing keeps, and none are kept: set memory.activation_checkpointing (blocks, every_n:<k> or first_n:<m>) as well",
+            ));
+        }
         if !problems.is_empty() {
             return Err(PlanError(problems));
         }
@@ -256,6 +263,21 @@ mod tests {
         let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
         assert_eq!(err.0[0].key, "data.source");
         assert!(err.0[0].to_string().contains("/no/such/file.bin"), "{err}");
+    }
+
+    #[test]
+    fn offload_without_checkpointing_is_refused_and_with_it_accepted() {
+        let mut c = Config::default();
+        c.memory.offload_activations = true;
+        let err = RunPlan::build(c.clone(), CPU_ONLY).unwrap_err();
+        assert_eq!(err.0.len(), 1, "{err}");
+        assert_eq!(err.0[0].key, "memory.offload_activations");
+        assert!(err.0[0].to_string().contains("memory.activation_checkpointing"), "{err}");
+        c.memory.activation_checkpointing = "first_n:1".into();
+        assert!(RunPlan::build(c.clone(), CPU_ONLY).unwrap().step.savers.offload);
+        c.memory.activation_checkpointing = "every_n:x".into();
+        let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
+        assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["memory.activation_checkpointing"], "one cause, not two: {err}");
     }
 
     #[test]

@@ -38,6 +38,8 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
     let started = &r.events_of("run_started")[0];
     assert_eq!(started["allocator"]["conf"], "max_split_size_mb:256,expandable_segments:False");
     assert!(r.stderr().contains("PYTORCH_CUDA_ALLOC_CONF overridden by the config"), "{}", r.stderr());
+    // They configure the CUDA allocator: a CPU run says so instead of implying they act.
+    assert!(r.stderr().contains("(from environment+config; CUDA's caching allocator only, unused on the CPU)"), "{}", r.stderr());
 }
 
 #[test]

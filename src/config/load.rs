@@ -48,7 +48,8 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
 /// The tree as a [`Config`]. Every unknown key is reported at once, each with the known key it
 /// most resembles (serde stops at the first: a config with three typos took three runs).
 fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
-    let mut problems: Vec<Problem> = Vec::new();
+    // Each problem, with the --set that gave its key when one did.
+    let mut problems: Vec<(Problem, Option<&String>)> = Vec::new();
     loop {
         let e = match serde_path_to_error::deserialize::<_, Config>(tree.clone()) {
             Ok(config) if problems.is_empty() => return Ok(config),
@@ -63,19 +64,27 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, 
         };
         // A value that came from the command line is blamed on the --set that gave it.
         let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
-        if let Some(arg) = overrides.iter().rev().find(set_here) {
-            return Err(ConfigError::Override { arg: arg.clone(), why: format!("key `{key}`: {message}") });
-        }
+        let from_set = overrides.iter().rev().find(set_here);
         let another_may_follow = raw.starts_with("unknown field") && problems.len() < 64 && remove(&mut tree, e.path());
-        problems.push(Problem::new(&key, message));
+        problems.push((Problem::new(&key, message), from_set));
         if !another_may_follow {
             break;
         }
     }
-    match <[Problem; 1]>::try_from(problems) {
-        Ok([only]) => Err(ConfigError::Type { path: shown.to_path_buf(), key: only.key, message: only.message }),
-        Err(problems) => Err(ConfigError::Invalid { path: shown.to_path_buf(), problems }),
+    if let [(only, set)] = &problems[..] {
+        return Err(match set {
+            Some(arg) => ConfigError::Override { arg: arg.to_string(), why: format!("key `{}`: {}", only.key, only.message) },
+            None => ConfigError::Type { path: shown.to_path_buf(), key: only.key.clone(), message: only.message.clone() },
+        });
     }
+    let problems = problems
+        .into_iter()
+        .map(|(p, set)| match set {
+            Some(arg) => Problem::new(&p.key, format!("{} (from --set `{arg}`)", p.message)),
+            None => p,
+        })
+        .collect();
+    Err(ConfigError::Invalid { path: shown.to_path_buf(), problems })
 }
 
 /// The known key that serde's "unknown field `lrr`, expected one of `lr`, …" most likely
@@ -319,8 +328,11 @@ mod tests {
         assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type"), "{err}");
         std::fs::write(&p, "train:\n  lrr: 1\n").unwrap();
         assert!(matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Type { key, .. } if key == "train.lrr"));
-        // A typo on the command line is the --set's.
-        let err = load(Some(&p), &["optimizer.nmae=adamw".into()]).unwrap_err();
+        // A typo on the command line is the --set's, and is listed with the file's own.
+        let err = load(Some(&p), &["optimizer.nmae=adamw".into()]).unwrap_err().to_string();
+        assert!(err.contains("2 problem(s)") && err.contains("train.lrr: unknown field"), "{err}");
+        assert!(err.contains("optimizer.nmae: unknown field `nmae`: did you mean `name`? (from --set `optimizer.nmae=adamw`)"), "{err}");
+        let err = load(None, &["optimizer.nmae=adamw".into()]).unwrap_err();
         assert!(matches!(&err, ConfigError::Override { arg, why } if arg == "optimizer.nmae=adamw" && why.contains("did you mean `name`")), "{err}");
     }
 

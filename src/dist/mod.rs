@@ -66,6 +66,11 @@ fn collective<'a>(what: &'static str, heartbeat: Option<&'a heartbeat::Heartbeat
     move |e| DistError::Collective { what, message: e.to_string(), silent: heartbeat.map(|h| h.diagnosis()) }
 }
 
+/// A libtorch error around a collective (a copy, a move to the device): no rank went silent.
+fn torch_error(what: &'static str) -> impl Fn(TchError) -> DistError + Copy {
+    move |e| DistError::Collective { what, message: e.to_string(), silent: None }
+}
+
 impl Dist {
     /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
     /// (TORCHELASTIC_USE_AGENT_STORE) or by rank 0. Keys are namespaced by the restart count.
@@ -125,7 +130,7 @@ impl Dist {
 
     /// Replaces each gradient by its mean over ranks: one all-reduce per bucket.
     pub fn average_gradients(&mut self, grads: &mut [Tensor]) -> Result<(), DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "gradient all-reduce", message: e.to_string(), silent: None };
+        let torch = torch_error("gradient all-reduce");
         let _no_grad = tch::no_grad_guard();
         let scale = 1.0 / self.world_size as f64;
         let heartbeat = self.heartbeat.as_ref();
@@ -147,25 +152,19 @@ impl Dist {
     /// values (e.g. the loss). A failing rank joins too, so its peers stop with it instead of
     /// failing in the next collective without the cause (after `dist.timeout_s` on NCCL).
     pub fn agree(&self, local: LocalOutcome) -> Result<Agreement, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "OOM agreement", message: e.to_string(), silent: None };
         let slots = match local {
             LocalOutcome::Done(value) => [0.0f64, 0.0, value],
             LocalOutcome::OutOfMemory => [1.0, 0.0, 0.0],
             LocalOutcome::Failed => [0.0, 1.0, 0.0],
         };
-        let mut t = Tensor::f_from_slice(&slots).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
-        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective("OOM agreement", self.heartbeat.as_ref()))?;
-        let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
+        let v = self.all_reduce_values("OOM agreement", &slots, ReduceOp::Sum)?;
         Ok(Agreement { any_oom: v[0] > 0.0, failed_ranks: v[1].round() as usize, mean_value: v[2] / self.world_size as f64 })
     }
 
     /// The largest of every rank's `value`, on every rank (the stop agreement: each rank's
     /// reason to stop as a code, so all stop together and name the same reason).
     pub fn max(&self, value: f64) -> Result<f64, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "stop agreement", message: e.to_string(), silent: None };
-        let mut t = Tensor::f_from_slice(&[value]).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
-        self.group.all_reduce(&mut t, ReduceOp::Max).map_err(collective("stop agreement", self.heartbeat.as_ref()))?;
-        t.f_double_value(&[0]).map_err(torch)
+        Ok(self.all_reduce_values("stop agreement", &[value], ReduceOp::Max)?[0])
     }
 
     /// The smallest and the largest of every rank's `value`, on every rank.
@@ -176,7 +175,7 @@ impl Dist {
     /// Rank 0's `bytes` on every rank (each rank passes its own; only rank 0's are sent).
     pub fn rank0_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, DistError> {
         const WHAT: &str = "start comparison";
-        let torch = |e: TchError| DistError::Collective { what: WHAT, message: e.to_string(), silent: None };
+        let torch = torch_error(WHAT);
         let on_small = |t: Tensor| t.f_to_device(self.small).map_err(torch);
         let mut len = on_small(Tensor::from_slice(&[mine.len() as i64]))?;
         self.group.broadcast(&mut len, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
@@ -188,14 +187,19 @@ impl Dist {
 
     /// The ranks that pass `flagged` true, in order, on every rank.
     pub fn flagged_ranks(&self, flagged: bool) -> Result<Vec<usize>, DistError> {
-        const WHAT: &str = "start comparison";
-        let torch = |e: TchError| DistError::Collective { what: WHAT, message: e.to_string(), silent: None };
         let mut slots = vec![0f64; self.world_size];
         slots[self.rank] = if flagged { 1.0 } else { 0.0 };
-        let mut t = Tensor::f_from_slice(&slots).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
-        self.group.all_reduce(&mut t, ReduceOp::Sum).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
-        let v: Vec<f64> = Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)?;
+        let v = self.all_reduce_values("start comparison", &slots, ReduceOp::Sum)?;
         Ok(v.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect())
+    }
+
+    /// Every rank's `values` reduced element-wise by `op`, on every rank: the small round trip
+    /// (host → agreement device → host) behind each agreement.
+    fn all_reduce_values(&self, what: &'static str, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, DistError> {
+        let torch = torch_error(what);
+        let mut t = Tensor::f_from_slice(values).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
+        self.group.all_reduce(&mut t, op).map_err(collective(what, self.heartbeat.as_ref()))?;
+        Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
     }
 
     /// Rank 0's parameter values on every rank.
@@ -211,18 +215,15 @@ impl Dist {
     /// Largest difference of a per-parameter checksum across ranks: 0 when all ranks hold the
     /// same weights (DDP's parameter verification, cheaply).
     pub fn weight_spread(&self, params: &[Tensor]) -> Result<f64, DistError> {
-        let torch = |e: TchError| DistError::Collective { what: "weight check", message: e.to_string(), silent: None };
         let sums = params
             .iter()
             .map(|p| p.f_to_kind(Kind::Double)?.f_abs()?.f_sum(Kind::Double)?.f_double_value(&[]))
             .collect::<Result<Vec<f64>, _>>()
-            .map_err(torch)?;
+            .map_err(torch_error("weight check"))?;
         let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
-        let on_small = |v: &[f64]| Tensor::f_from_slice(v).and_then(|t| t.f_to_device(self.small));
-        let (mut hi, mut lo) = (on_small(&sums).map_err(torch)?, on_small(&negated).map_err(torch)?);
-        self.group.all_reduce(&mut hi, ReduceOp::Max).map_err(collective("weight check", self.heartbeat.as_ref()))?;
-        self.group.all_reduce(&mut lo, ReduceOp::Max).map_err(collective("weight check", self.heartbeat.as_ref()))?;
-        hi.f_add(&lo).and_then(|d| d.f_abs()?.f_max()?.f_double_value(&[])).map_err(torch)
+        let hi = self.all_reduce_values("weight check", &sums, ReduceOp::Max)?;
+        let lo = self.all_reduce_values("weight check", &negated, ReduceOp::Max)?;
+        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, f64::max))
     }
 
     pub fn barrier(&self) -> Result<(), DistError> {
