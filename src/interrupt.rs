@@ -12,16 +12,17 @@ impl Interrupter {
         Self::default()
     }
 
-    /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature). A second signal exits
-    /// at once with the code `second` returns, after whatever it does (the stop record).
-    pub fn install_signal_handler(&self, second: impl Fn() -> i32 + Send + 'static) -> Result<(), ctrlc::Error> {
+    /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature), saying `first`. A
+    /// second signal says `then` and exits at once with the code `second` returns, after
+    /// whatever it does (the stop record).
+    pub fn install_signal_handler(&self, first: &'static str, then: &'static str, second: impl Fn() -> i32 + Send + 'static) -> Result<(), ctrlc::Error> {
         let count = self.0.clone();
         ctrlc::set_handler(move || {
             if count.fetch_add(1, Ordering::SeqCst) >= 1 {
-                eprintln!("second signal: exiting now; --resume auto continues from the last complete checkpoint");
+                eprintln!("second signal: exiting now; {then}");
                 std::process::exit(second());
             }
-            eprintln!("signal received: finishing the current step, then checkpointing (send it again to exit at once)");
+            eprintln!("signal received: {first} (send it again to exit at once)");
         })
     }
 

@@ -91,7 +91,12 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     trainguard::determinism::prepare_env(plan.config.deterministic);
     let stop = Interrupter::new();
     let out = plan.config.out_dir.clone();
-    stop.install_signal_handler(move || second_signal(&out, writer, elastic)).context("cannot install the SIGINT/SIGTERM handler")?;
+    stop.install_signal_handler(
+        "finishing the current step, then checkpointing",
+        "--resume auto continues from the last complete checkpoint",
+        move || second_signal(&out, writer, elastic),
+    )
+    .context("cannot install the SIGINT/SIGTERM handler")?;
     if let tch::Device::Cuda(i) = plan.device {
         // Before the process group: NCCL and whatever CUDA work names no device use this one.
         trainguard::ffi::set_current_device(i).with_context(|| format!("cannot make cuda:{i} the current device"))?;
@@ -210,7 +215,14 @@ fn carry_deadline(cfg: &mut config::Config, launch: Option<&dist::DistEnv>) {
 
 fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
-    let m = trainguard::prepare::run(args)?;
+    let stop = Interrupter::new();
+    stop.install_signal_handler(
+        "stopping after the chunks being tokenized, then removing what was written",
+        "the next prepare into this directory removes what this one left",
+        || exit::INTERRUPTED,
+    )
+    .context("cannot install the SIGINT/SIGTERM handler")?;
+    let m = trainguard::prepare::run(args, &stop)?;
     let secs = start.elapsed().as_secs_f64();
     out(&format!(
         "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s\n",
@@ -310,6 +322,9 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             || cause.downcast_ref::<trainguard::trace::TraceError>().is_some_and(|e| e.is_usage())
         {
             return exit::CONFIG;
+        }
+        if matches!(cause.downcast_ref::<trainguard::prepare::PrepareError>(), Some(trainguard::prepare::PrepareError::Interrupted)) {
+            return exit::INTERRUPTED;
         }
         if oom_in(cause).is_some() {
             return exit::OUT_OF_MEMORY;

@@ -62,6 +62,51 @@ fn text_data_trains_and_validates_on_the_tail() {
     assert_learns_head_not_tail(&r);
 }
 
+/// A training split over 1 GiB is not scanned at load (tens of GB would take minutes at every
+/// start): each step's windows are checked as the step reads them. An id outside the
+/// vocabulary in step 1's windows stops the run there, exit 2, naming the file and the id's
+/// index, with step 1 checkpointed: not libtorch's "index out of range" naming nothing (or on
+/// CUDA a device-side assert). Validation shards are scanned at load whatever the size.
+#[test]
+fn ids_outside_the_vocabulary_in_a_large_split_are_caught_as_steps_read_them() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("big");
+    std::fs::create_dir(&data).unwrap();
+    // Sparse: 1.1 GiB of token 0 (flat uint16) that takes no disk.
+    let train_file = data.join("x_train_000000.bin");
+    std::fs::File::create(&train_file).unwrap().set_len(1100 << 20).unwrap();
+    let val_file = data.join("x_val_000000.bin");
+    let val: Vec<u16> = (0..5000).map(|i| (i % 200) as u16).collect();
+    std::fs::write(&val_file, val.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let source = format!("tokens:{}", data.display());
+    // Where step 1's first sample starts, by the library's own sampler over the same corpus.
+    let cfg = trainguard::config::DataConfig { source: source.clone(), ..Default::default() };
+    let corpus = trainguard::data::Corpus::load(&cfg, 256, 64).unwrap();
+    assert!(corpus.check_as_read, "over 1 GiB: checked as read");
+    let at = trainguard::data::Sampler { seed: 1337, seq_len: 64 }.train_offset(&corpus, 1, 0) + 10;
+    drop(corpus);
+    std::fs::OpenOptions::new().write(true).open(&train_file).unwrap().write_all_at(&300u16.to_le_bytes(), at as u64 * 2).unwrap();
+
+    let sets = [format!("data.source={source}"), "train.max_steps=4".into(), "train.warmup_steps=0".into(), "train.eval_interval=0".into(), "checkpoint.interval=0".into()];
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let out = dir.path().join("run");
+    let r = train(&out, "configs/debug.yaml", &sets);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    let said = format!("data {}: token 300 at index {at} is outside model.vocab_size = 256 (read by step 1", train_file.display());
+    assert!(r.stderr().contains(&said), "{said}\n{}", r.stderr());
+    assert!(!r.stderr().contains("libtorch"), "{}", r.stderr());
+    assert!(out.join("checkpoints/step-00000001").is_dir(), "step 1 kept");
+
+    // A bad id in the validation shard is refused at load, before any step.
+    let mut bad_val = val.clone();
+    bad_val[4321] = 999;
+    std::fs::write(&val_file, bad_val.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let r = train(&dir.path().join("run2"), "configs/debug.yaml", &sets);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains(&format!("data {}: token 999 at index 4321 is outside", val_file.display())), "{}", r.stderr());
+}
+
 #[test]
 fn uint16_token_files_train_and_validate_on_the_tail() {
     let dir = tempfile::tempdir().unwrap();

@@ -169,6 +169,48 @@ fn bad_input_names_file_and_line_exits_2_and_leaves_no_shard() {
     assert!(r.stderr().contains("not a valid tokenizer.json"), "{}", r.stderr());
 }
 
+/// SIGINT (or SIGTERM) stops `prepare` between chunks and removes what it wrote: exit 4, no
+/// staging directory, and the output directory it created is gone. Staging left by a prepare
+/// that was killed (its pid has no process) is removed by the next one into that directory.
+#[test]
+fn an_interrupted_prepare_leaves_nothing_and_abandoned_staging_is_removed() {
+    let inp = inputs(10, 0);
+    let d = inp.dir.path();
+    // ~48 MB: long enough on one thread that the signal lands while chunks are tokenized.
+    let big = documents(2000, 3).join("\n\n") + "\n\n";
+    std::fs::write(d.join("text/big.txt"), big.repeat((48 << 20) / big.len() + 1)).unwrap();
+    let out = d.join("data");
+    let child = Command::new(bin())
+        .args(["prepare", "--threads", "1", "--tokenizer"])
+        .arg(d.join("tokenizer.json"))
+        .arg("--out")
+        .arg(&out)
+        .arg(d.join("text"))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let staging = out.join(format!(".prepare-tmp-{}", child.id()));
+    let started = std::time::Instant::now();
+    while !staging.join("train_000000.bin").exists() {
+        assert!(started.elapsed().as_secs() < 60, "prepare never started writing");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let done = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert_eq!(done.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("interrupted: nothing was kept"), "{stderr}");
+    assert!(!out.exists(), "the directory it created is removed with the staging");
+
+    std::fs::remove_file(d.join("text/big.txt")).unwrap();
+    let abandoned = out.join(".prepare-tmp-4294967");
+    std::fs::create_dir_all(&abandoned).unwrap();
+    std::fs::write(abandoned.join("train_000000.bin"), [0u8; 64]).unwrap();
+    prepare(d, &out, &[]).ok();
+    assert!(!abandoned.exists(), "a killed prepare's staging is removed");
+    assert!(out.join("dataset.json").is_file());
+}
+
 #[test]
 fn training_on_a_prepared_directory_resumes_bit_for_bit() {
     let inp = inputs(1500, 0);

@@ -176,6 +176,26 @@ impl Default for DataConfig {
     }
 }
 
+impl DataConfig {
+    /// Where the held-out tail of a corpus of `tokens` tokens starts (no validation shards).
+    pub fn val_start(&self, tokens: usize) -> usize {
+        ((tokens as f64) * (1.0 - self.val_fraction)).round() as usize
+    }
+
+    /// The fewest tokens whose split leaves windows of `seq_len + 1` tokens, and one offset more,
+    /// on both sides: what the corpus needs at least `seq_len + 2` tokens in each split for.
+    pub fn min_tokens(&self, seq_len: usize) -> usize {
+        let need = seq_len + 2;
+        let smaller_share = self.val_fraction.min(1.0 - self.val_fraction);
+        // Below this the smaller share holds at most need - 1 tokens (rounded, fewer than need).
+        let mut n = (((need - 1) as f64 / smaller_share).floor() as usize).max(2 * need);
+        while self.val_start(n) < need || n - self.val_start(n) < need {
+            n += 1;
+        }
+        n
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {

@@ -73,12 +73,20 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "data.val_fraction",
         format!("must be in (0, 1), got {}", d.val_fraction),
     );
-    let needed = 2 * (m.seq_len.min(MAX_SEQ_LEN) + 1);
-    check(
-        !seq_ok || d.synthetic_tokens >= needed,
-        "data.synthetic_tokens",
-        format!("must be at least {needed} (two sequences of model.seq_len + 1), got {}", d.synthetic_tokens),
-    );
+    let fraction_ok = d.val_fraction > 0.0 && d.val_fraction < 1.0;
+    if seq_ok && fraction_ok && d.source == "synthetic" {
+        let needed = d.min_tokens(m.seq_len);
+        check(
+            d.synthetic_tokens >= needed,
+            "data.synthetic_tokens",
+            format!(
+                "must be at least {needed} (with data.val_fraction {}, each split needs model.seq_len + 2 = {} tokens), got {}",
+                d.val_fraction,
+                m.seq_len + 2,
+                d.synthetic_tokens
+            ),
+        );
+    }
 
     let t = &c.train;
     check(t.global_batch_size >= 1, "train.global_batch_size", format!("must be at least 1, got {}", t.global_batch_size));

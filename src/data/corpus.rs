@@ -63,6 +63,14 @@ enum Tokens {
 }
 
 impl Tokens {
+    /// Bytes per token as stored (the widest file's, for several).
+    fn width(&self) -> usize {
+        match self {
+            Tokens::Owned(_) => 2,
+            Tokens::Mapped(p) => p.iter().map(|p| p.dtype.width()).max().unwrap_or(2),
+        }
+    }
+
     fn len(&self) -> usize {
         match self {
             Tokens::Owned(v) => v.len(),
@@ -98,19 +106,27 @@ pub struct Corpus {
     pub description: String,
     /// The `prepare` manifest behind a `tokens:<dir>` source.
     pub manifest: Option<shards::Manifest>,
+    /// `model.vocab_size`: every id read must be below it.
+    vocab: usize,
+    /// Whether training windows are checked for ids outside the vocabulary as steps read them:
+    /// a training split too large to scan at load.
+    pub check_as_read: bool,
 }
 
-/// Files above this size (in all) are not scanned for out-of-vocabulary tokens at load time.
+/// A training split of more bytes than this is checked as steps read it, not at load (a
+/// corpus of tens of GB would take minutes to scan at every start). Validation is always
+/// scanned at load: its entropy is computed then anyway.
 const SCAN_LIMIT_BYTES: u64 = 1 << 30;
 
 impl Corpus {
     /// Loads `data.source` for a model with `vocab` tokens and windows of `seq_len + 1`.
     pub fn load(cfg: &DataConfig, vocab: usize, seq_len: usize) -> Result<Self, DataError> {
-        let corpus = match cfg.source.split_once(':') {
+        let mut corpus = match cfg.source.split_once(':') {
             None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction)?,
             Some(("text", path)) => Self::text(Path::new(path), cfg.val_fraction)?,
             Some((_, path)) => Self::token_source(path, vocab, cfg.val_fraction)?,
         };
+        corpus.vocab = vocab;
         let need = seq_len + 2;
         if corpus.val_start < need || corpus.tokens.len() - corpus.val_start < need {
             return Err(DataError::Format {
@@ -124,6 +140,11 @@ impl Corpus {
                 ),
             });
         }
+        corpus.check_as_read = corpus.val_start as u64 * corpus.tokens.width() as u64 > SCAN_LIMIT_BYTES;
+        if !corpus.check_as_read {
+            corpus.check_vocab(0, corpus.val_start)?;
+        }
+        corpus.check_vocab(corpus.val_start, corpus.tokens.len() - corpus.val_start)?;
         Ok(corpus)
     }
 
@@ -165,30 +186,28 @@ impl Corpus {
             pieces.push(piece);
         }
         let train_len: usize = pieces.iter().take(sources.train.len()).map(|p| p.len).sum();
-        if sources.manifest.is_none() {
-            check_vocab(&pieces, vocab)?;
-        }
         let width = match pieces.iter().map(|p| p.dtype).max_by_key(|d| d.width()) {
             Some(Dtype::Uint32) => "uint32",
             _ => "uint16",
         };
-        let description = match pieces.len() {
-            1 => format!("tokens:{path} ({width})"),
-            n => format!("tokens:{path} ({n} files, {width})"),
+        let description = match (sources.train.len(), sources.val.len()) {
+            (1, 0) => format!("tokens:{path} ({width})"),
+            (n, 0) => format!("tokens:{path} ({n} files, {width})"),
+            (n, v) => format!("tokens:{path} ({n} training + {v} validation files, {width})"),
         };
         let tokens = Tokens::Mapped(pieces);
         let mut corpus = if sources.val.is_empty() {
             Self::split(tokens, val_fraction, description)
         } else {
-            Self { tokens, val_start: train_len, description, manifest: None }
+            Self { tokens, val_start: train_len, description, manifest: None, vocab: usize::MAX, check_as_read: false }
         };
         corpus.manifest = sources.manifest;
         Ok(corpus)
     }
 
     fn split(tokens: Tokens, val_fraction: f64, description: String) -> Self {
-        let val_start = ((tokens.len() as f64) * (1.0 - val_fraction)).round() as usize;
-        Self { tokens, val_start, description, manifest: None }
+        let val_start = DataConfig { val_fraction, ..Default::default() }.val_start(tokens.len());
+        Self { tokens, val_start, description, manifest: None, vocab: usize::MAX, check_as_read: false }
     }
 
     pub fn len(&self, split: Split) -> usize {
@@ -218,20 +237,52 @@ impl Corpus {
     pub fn unigram_entropy(&self, split: Split) -> f64 {
         let n = self.len(split);
         let mut counts = vec![0u64; 1 << 16];
+        // Ids above uint16's (Llama 3's vocabulary) are few: counted sparsely, so a corpus's
+        // largest id never sizes an allocation.
+        let mut large: std::collections::HashMap<u32, u64> = Default::default();
         let mut buf = vec![0u32; 1 << 16];
         let mut pos = 0;
         while pos < n {
             let chunk = (n - pos).min(buf.len());
             self.read(split, pos, &mut buf[..chunk]);
             for &t in &buf[..chunk] {
-                if t as usize >= counts.len() {
-                    counts.resize(t as usize + 1, 0);
+                match counts.get_mut(t as usize) {
+                    Some(c) => *c += 1,
+                    None => *large.entry(t).or_default() += 1,
                 }
-                counts[t as usize] += 1;
             }
             pos += chunk;
         }
-        counts.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.ln()).sum()
+        counts.iter().chain(large.values()).filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.ln()).sum()
+    }
+
+    /// Refuses an id outside the vocabulary in the `len` tokens from position `start` of the
+    /// whole sequence (training then validation), naming the file and the id's index in it.
+    fn check_vocab(&self, start: usize, len: usize) -> Result<(), DataError> {
+        let outside = |tok: u32| tok as usize >= self.vocab;
+        let error = |path: PathBuf, tok: u32, i: usize| DataError::Vocab { path, message: format!("token {tok} at index {i} is outside model.vocab_size = {}", self.vocab) };
+        match &self.tokens {
+            Tokens::Owned(v) => match (start..start + len).find(|&i| outside(v[i] as u32)) {
+                Some(i) => Err(error(PathBuf::from(&self.description), v[i] as u32, i)),
+                None => Ok(()),
+            },
+            Tokens::Mapped(pieces) => {
+                let end = start + len;
+                for p in pieces.iter().filter(|p| p.start < end && start < p.start + p.len) {
+                    let local = start.saturating_sub(p.start)..(end - p.start).min(p.len);
+                    if let Some(i) = local.into_iter().find(|&i| outside(p.get(i))) {
+                        return Err(error(p.path.clone(), p.get(i), i));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// [`check_vocab`](Self::check_vocab) of the training window of `seq_len + 1` tokens at
+    /// `offset` (for a training split too large to scan at load: [`Self::check_as_read`]).
+    pub fn check_train_window(&self, offset: usize, seq_len: usize) -> Result<(), DataError> {
+        self.check_vocab(offset, seq_len + 1)
     }
 }
 
@@ -243,24 +294,6 @@ fn map_piece(file: &Path, start: usize) -> Result<Piece, DataError> {
     let l = shards::layout(&map[..map.len().min(shards::HEADER_BYTES)], size)
         .map_err(|message| DataError::Format { path: file.into(), message })?;
     Ok(Piece { path: file.into(), map, offset: l.offset, dtype: l.dtype, start, len: l.tokens })
-}
-
-/// Refuses a token id outside the embedding, scanning up to `SCAN_LIMIT_BYTES` of the files
-/// (a `prepare` manifest's vocabulary size is checked instead).
-fn check_vocab(pieces: &[Piece], vocab: usize) -> Result<(), DataError> {
-    let total: u64 = pieces.iter().map(|p| (p.len * p.dtype.width()) as u64).sum();
-    if total > SCAN_LIMIT_BYTES {
-        return Ok(());
-    }
-    for p in pieces {
-        if let Some((i, tok)) = (0..p.len).map(|i| (i, p.get(i))).find(|(_, t)| *t as usize >= vocab) {
-            return Err(DataError::Vocab {
-                path: p.path.clone(),
-                message: format!("token {tok} at index {i} is outside model.vocab_size = {vocab}"),
-            });
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -325,6 +358,32 @@ mod tests {
         assert_eq!(w, [104, 101, 108, 108, 111]);
         let err = Corpus::load(&cfg, 256, 200).err().unwrap().to_string();
         assert!(err.contains("too short"), "{err}");
+    }
+
+    #[test]
+    fn the_validated_minimum_of_synthetic_tokens_is_what_loading_needs() {
+        for (f, seq) in [(0.1, 64), (0.5, 8), (0.9, 30), (0.013, 100), (0.37, 1)] {
+            let cfg = DataConfig { val_fraction: f, ..Default::default() };
+            let n = cfg.min_tokens(seq);
+            let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, seq);
+            assert!(with(n).is_ok(), "{f} {seq}: {n}");
+            assert!(with(n - 1).is_err(), "{f} {seq}: {n} is not the least");
+        }
+    }
+
+    #[test]
+    fn ids_beyond_uint16_count_in_the_entropy_without_sizing_an_allocation() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut bytes = shards::header(Dtype::Uint32, 40);
+        for i in 0..40u32 {
+            bytes.extend(if i % 2 == 0 { 7u32 } else { 4_000_000_000 }.to_le_bytes());
+        }
+        std::fs::write(dir.path().join("t_val.bin"), &bytes).unwrap();
+        std::fs::write(dir.path().join("t_train.bin"), &bytes).unwrap();
+        let cfg = DataConfig { source: format!("tokens:{}", dir.path().display()), ..Default::default() };
+        let c = Corpus::load(&cfg, 4_000_000_001, 8).unwrap();
+        assert!((c.unigram_entropy(Split::Val) - 2f64.ln()).abs() < 1e-12);
+        assert!(c.description.contains("1 training + 1 validation files, uint32"), "{}", c.description);
     }
 
     #[test]

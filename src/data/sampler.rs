@@ -4,7 +4,7 @@
 //! continues exactly, and rank r of N reads indices [r·B/N, (r+1)·B/N) of the same global batch.
 //! A batch's inputs and targets reach a GPU together, by one asynchronous copy from pinned
 //! memory.
-use super::{Corpus, Split};
+use super::{Corpus, DataError, Split};
 use std::ops::Range;
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -39,6 +39,23 @@ impl Sampler {
     pub fn val_offset(&self, corpus: &Corpus, batch: usize, index: usize) -> usize {
         let span = corpus.windows(Split::Val, self.seq_len);
         (mix(&[self.seed ^ EVAL_SALT, batch as u64, index as u64]) % span as u64) as usize
+    }
+
+    /// Refuses an id outside the vocabulary in any window of step `step`, every rank's samples
+    /// included (so all ranks stop at the same step, saying the same), when the training split
+    /// was too large to scan at load. Without it a bad id reaches the embedding: an index error
+    /// naming no file, or on CUDA a device-side assert.
+    pub fn check_train_step(&self, corpus: &Corpus, step: u64, global_batch: usize) -> Result<(), DataError> {
+        if !corpus.check_as_read {
+            return Ok(());
+        }
+        for i in 0..global_batch {
+            corpus.check_train_window(self.train_offset(corpus, step, i), self.seq_len).map_err(|e| match e {
+                DataError::Vocab { path, message } => DataError::Vocab { path, message: format!("{message} (read by step {step}: a training split over 1 GiB is checked as steps read it)") },
+                other => other,
+            })?;
+        }
+        Ok(())
     }
 
     /// Inputs and targets `[n, seq_len]` (int64) for global samples `indices` of step `step`.

@@ -151,9 +151,11 @@ pub fn resolve(path: &str) -> Result<Sources, String> {
         bins.sort();
         return classify(bins, path);
     }
-    if path.contains(['*', '?', '[']) {
+    // A file that exists is that file, whatever its name holds (`run[1].bin`).
+    if !p.is_file() && path.contains(['*', '?', '[']) {
         let paths = glob::glob(path).map_err(|e| format!("bad glob `{path}`: {e}"))?;
-        let mut files: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file()).collect();
+        // Shards only, as in a directory: `DIR/*` of a prepare directory names its JSON files too.
+        let mut files: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file() && f.extension().is_some_and(|x| x == "bin")).collect();
         files.sort();
         return classify(files, path);
     }
@@ -164,12 +166,18 @@ fn classify(files: Vec<PathBuf>, what: &str) -> Result<Sources, String> {
     if files.is_empty() {
         return Err(format!("no token shards (.bin) at `{what}`"));
     }
-    let is_val = |f: &PathBuf| f.file_name().is_some_and(|n| n.to_string_lossy().contains("val"));
-    let (val, train): (Vec<_>, Vec<_>) = files.into_iter().partition(is_val);
+    let (val, train): (Vec<_>, Vec<_>) = files.into_iter().partition(|f| is_validation(f));
     if train.is_empty() {
-        return Err(format!("only validation shards (names with `val`) at `{what}`"));
+        return Err(format!("only validation shards (names with a part `val`, `valid` or `validation`) at `{what}`"));
     }
     Ok(Sources { train, val, manifest: None })
+}
+
+/// A validation shard's name has `val` (or `valid`, `validation`) as one of its parts between
+/// `_`, `-` and `.`: llm.c's `fineweb_val_000000.bin`, nanoGPT's `val.bin`; not `survival_train.bin`.
+fn is_validation(file: &Path) -> bool {
+    let stem = file.file_stem().map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
+    stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|part| matches!(part, "val" | "valid" | "validation"))
 }
 
 #[cfg(test)]
@@ -208,5 +216,27 @@ mod tests {
         assert_eq!(names(&g.train), ["a_train_000000.bin", "a_train_000001.bin"]);
         assert!(g.val.is_empty());
         assert!(resolve(&format!("{}/zzz*.bin", d.path().display())).is_err());
+        // A glob takes shards only; an existing file is itself even with glob characters.
+        std::fs::write(d.path().join("dataset.json"), "{}").unwrap();
+        assert_eq!(names(&resolve(&format!("{}/*", d.path().display())).unwrap().train), ["a_train_000000.bin", "a_train_000001.bin"]);
+        std::fs::write(d.path().join("run[1].bin"), [0u8, 0]).unwrap();
+        assert_eq!(names(&resolve(&format!("{}/run[1].bin", d.path().display())).unwrap().train), ["run[1].bin"]);
+    }
+
+    #[test]
+    fn validation_shards_are_named_by_a_part_of_their_name() {
+        for (name, val) in [
+            ("fineweb_val_000000.bin", true),
+            ("val.bin", true),
+            ("tiny-valid.bin", true),
+            ("x.validation.bin", true),
+            ("survival_val_000000.bin", true),
+            ("survival_train_000000.bin", false),
+            ("interval_000.bin", false),
+            ("eval_set.bin", false),
+            ("train.bin", false),
+        ] {
+            assert_eq!(is_validation(Path::new(name)), val, "{name}");
+        }
     }
 }

@@ -8,6 +8,7 @@ mod inputs;
 mod writer;
 
 use crate::data::shards::{self, Dtype, Manifest};
+use crate::interrupt::Interrupter;
 use clap::Args;
 use rayon::prelude::*;
 use std::io::IsTerminal;
@@ -53,6 +54,9 @@ pub enum PrepareError {
     Input(String),
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: std::io::Error },
+    /// SIGINT/SIGTERM: what was written is removed (exit 4, as an interrupted run).
+    #[error("interrupted: nothing was kept (what was written so far is removed); run it again")]
+    Interrupted,
 }
 
 impl PrepareError {
@@ -95,8 +99,9 @@ pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareEr
     Ok(Vocab { tokenizer, size, eos_id, eos })
 }
 
-/// Runs the command; on any error the staging directory is removed.
-pub fn run(args: &PrepareArgs) -> Result<Manifest, PrepareError> {
+/// Runs the command; on any error, and when `stop` is requested (a signal), the staging
+/// directory is removed.
+pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareError> {
     if args.shard_tokens == 0 || args.shard_tokens >= i32::MAX as usize {
         return Err(PrepareError::Input(format!("--shard-tokens must be between 1 and {} (llm.c's int32 count)", i32::MAX - 1)));
     }
@@ -108,14 +113,31 @@ pub fn run(args: &PrepareArgs) -> Result<Manifest, PrepareError> {
     check_out_dir(&args.out)?;
     let created = !args.out.exists();
     std::fs::create_dir_all(&args.out).map_err(|source| PrepareError::Write { path: args.out.clone(), source })?;
-    let staging = args.out.join(format!(".prepare-tmp-{}", std::process::id()));
+    remove_abandoned_staging(&args.out);
+    let staging = args.out.join(format!("{STAGING_PREFIX}{}", std::process::id()));
     std::fs::create_dir(&staging).map_err(|source| PrepareError::Write { path: staging.clone(), source })?;
-    let result = prepare_into(args, &vocab, &files, &staging).and_then(|m| publish(&staging, &args.out, &m).map(|_| m));
+    let result = prepare_into(args, &vocab, &files, &staging, stop).and_then(|m| publish(&staging, &args.out, &m).map(|_| m));
     let _ = std::fs::remove_dir_all(&staging);
     if result.is_err() && created {
         let _ = std::fs::remove_dir(&args.out); // only if still empty
     }
     result
+}
+
+const STAGING_PREFIX: &str = ".prepare-tmp-";
+
+/// Removes the staging directories of earlier `prepare`s into `out` that are no longer
+/// running (killed, or a second signal): their pid has no process. One still running keeps its.
+fn remove_abandoned_staging(out: &Path) {
+    let Ok(entries) = std::fs::read_dir(out) else { return };
+    for e in entries.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(STAGING_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!("removing {}, left by a prepare that did not finish", e.path().display());
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 fn check_out_dir(out: &Path) -> Result<(), PrepareError> {
@@ -132,7 +154,7 @@ fn check_out_dir(out: &Path) -> Result<(), PrepareError> {
     Ok(())
 }
 
-fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Kind)], staging: &Path) -> Result<Manifest, PrepareError> {
+fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Kind)], staging: &Path, stop: &Interrupter) -> Result<Manifest, PrepareError> {
     let write_err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| PrepareError::Write { path: path.clone(), source }
@@ -152,6 +174,9 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
     let mut chunk: Vec<String> = Vec::new();
     let mut chunk_bytes = 0;
     let flush = |pending: &mut Vec<Vec<String>>, out: &mut writer::ShardWriter| -> Result<(), PrepareError> {
+        if stop.requested() {
+            return Err(PrepareError::Interrupted);
+        }
         let encoded: Vec<Result<Vec<u32>, String>> = pool.install(|| pending.par_iter().map(|docs| encode(&vocab.tokenizer, docs, vocab.eos_id)).collect());
         for (docs, toks) in pending.iter().zip(encoded) {
             let toks = toks.map_err(|e| PrepareError::Input(format!("tokenizer failed: {e}")))?;

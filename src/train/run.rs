@@ -233,6 +233,14 @@ impl<'a> Run<'a> {
         let traced_range = self.trace(|t| t.before_step(step)).flatten();
         let step_started = Instant::now();
         let lr = plan.schedule.at(step);
+        if let Err(e) = step_data(&self.corpus, plan).sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
+            // The steps since the last checkpoint are kept: with the data (or model.vocab_size)
+            // mended, `--resume auto` goes on from here.
+            if let Some(path) = self.save_for_stop(step) {
+                tracing::warn!("stopping at step {step} on bad data; checkpoint: {}", path.display());
+            }
+            return Err(e.into());
+        }
         let data = step_data(&self.corpus, plan);
         let outcome = optimizer_step(
             &mut self.state.trainable,
