@@ -69,7 +69,7 @@ pub fn report(config: &Config) -> String {
     // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
     let eff = effective(&config.memory.allocator, None, true);
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
-    let _ = writeln!(r, "effective: {shown}");
+    let _ = writeln!(r, "effective (CUDA runs; a CPU run does not use them): {shown}");
     let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
     for o in eff.overridden {
         let _ = writeln!(r, "overridden by the config: {o}");

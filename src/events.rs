@@ -419,7 +419,12 @@ fn keep_lines(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> std::io
             kept.push(b'\n');
         }
     }
-    std::fs::write(path, kept)
+    // Beside it, then renamed over it: a kill during the rewrite leaves the old file or the
+    // new one, never a truncated one (the run's whole history).
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, kept)?;
+    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

@@ -20,7 +20,11 @@ impl Interrupter {
         ctrlc::set_handler(move || {
             if count.fetch_add(1, Ordering::SeqCst) >= 1 {
                 eprintln!("second signal: exiting now; {then}");
-                std::process::exit(second());
+                let code = second();
+                // Not `exit`: it runs libtorch's static destructors on this thread while the
+                // main thread may be inside libtorch (autograd, a kernel), which then crashed
+                // (SIGSEGV, exit 139, which torchrun takes for a failure).
+                unsafe { libc::_exit(code) };
             }
             eprintln!("signal received: {first} (send it again to exit at once)");
         })

@@ -333,6 +333,9 @@ mod tests {
     fn memory_limit_is_parsed_to_bytes() {
         let mut c = Config::default();
         c.memory.limit = Some(crate::config::Size::Text("1GiB".into()));
-        assert_eq!(RunPlan::build(c, CPU_ONLY).unwrap().memory_limit, Some(1 << 30));
+        assert_eq!(RunPlan::build(c.clone(), CPU_ONLY).unwrap().memory_limit, Some(1 << 30));
+        // A plain 0 is refused as `0B` is (it was taken, and the run then failed its setup, exit 3).
+        c.memory.limit = Some(crate::config::Size::Bytes(0));
+        assert!(crate::config::validate(&c).iter().any(|p| p.key == "memory.limit" && p.message.contains("at least one byte")));
     }
 }

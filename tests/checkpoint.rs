@@ -201,6 +201,31 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
     assert_eq!(series(&resumed.metrics(), "step"), (0..4).map(serde_json::Value::from).collect::<Vec<_>>());
 }
 
+/// The second signal exits from the signal thread while the main thread is inside libtorch
+/// (autograd, a kernel). With `exit`, libtorch's static destructors ran under it and the
+/// process died of SIGSEGV in 2 to 5 of 6 tries (exit 139, which torchrun takes for a crash
+/// and restarts the group over); `_exit` skips them. Fast steps, so the signals land mid-step.
+#[test]
+fn a_second_signal_mid_step_exits_4_every_time() {
+    for i in 0..6u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "train.warmup_steps=0", "checkpoint.interval=0", "train.eval_interval=0"]);
+        let child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let t0 = Instant::now();
+        while read_jsonl(&dir.path().join("metrics.jsonl")).len() < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(7 * i));
+        let int = || unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        int();
+        std::thread::sleep(Duration::from_millis(10 + 5 * i));
+        int();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(4), "try {i}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 /// Under torchrun's agent a second signal is a planned stop too: exit 0 (any other code would
 /// make torchrun restart the group), and the stop record names the newest complete checkpoint.
 #[test]

@@ -203,6 +203,29 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     assert!(first_after == at_stop || changed_at_restart, "resumed at micro-batch {first_after}, stopped at {at_stop}");
 }
 
+/// The checkpoint of the last good state is written with the cap lifted: `write_safetensors`
+/// copies each tensor into a buffer Rust allocates, and a failed Rust allocation aborts. At
+/// 40 MiB (a cap the training just fits at micro-batch 1 and fails above) the run died with
+/// exit 134 and only an empty `.tmp-step-00000000/model.safetensors`. A sweep of caps around
+/// it: each ends with exit 3 and a complete checkpoint (or, too small to set up, exit 3 saying so).
+#[test]
+fn the_checkpoint_after_an_out_of_memory_at_the_floor_is_written_under_any_cap() {
+    for mib in [36, 38, 40, 42, 44] {
+        let dir = tempfile::tempdir().unwrap();
+        let cap = format!("memory.limit={mib}MiB");
+        let run = train(dir.path(), "configs/debug.yaml", &["train.max_steps=3", "train.warmup_steps=1", "model.n_embd=256", "model.n_layer=4", &cap]);
+        let err = run.stderr();
+        assert_eq!(run.code(), 3, "{mib} MiB: {err}");
+        if err.contains("while setting up") {
+            continue;
+        }
+        let stopped = run.events_of("stopped");
+        let ckpt = stopped[0]["checkpoint"].as_str().unwrap_or_else(|| panic!("{mib} MiB: the last good state is checkpointed: {err}"));
+        let weights = tch::Tensor::read_safetensors(Path::new(ckpt).join("model.safetensors")).expect("complete weights");
+        assert!(!weights.is_empty());
+    }
+}
+
 /// A model whose weights fit a 12 MiB cap but whose micro-batch 1 (8 MiB of logits alone)
 /// does not.
 #[test]

@@ -28,7 +28,7 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("effective: max_split_size_mb:256,expandable_segments:False"), "{text}");
+    assert!(text.contains("effective (CUDA runs; a CPU run does not use them): max_split_size_mb:256,expandable_segments:False"), "{text}");
     assert!(text.contains("source: environment+config") && text.contains("max_split_size_mb: environment 128, config 256"), "{text}");
 
     let dir = tempfile::tempdir().unwrap();

@@ -144,8 +144,12 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
         return Err(bad("empty key segment"));
     }
     let mut value: Value = serde_yaml::from_str(raw).map_err(|e| bad(&format!("value is not YAML: {e}")))?;
-    if let Value::String(s) = &value {
-        if let Ok(x) = s.parse::<f64>() {
+    // Only what YAML 1.1 leaves a string for want of a dot (`1e-3`): not a quoted value
+    // (`out_dir="123"`), nor words Rust reads as numbers (`inf`, `NaN`).
+    let quoted = raw.trim_start().starts_with(['"', '\'']);
+    if let (Value::String(s), false) = (&value, quoted) {
+        let numeric = s.bytes().any(|b| b.is_ascii_digit()) && s.bytes().all(|b| b.is_ascii_digit() || b"eE+-.".contains(&b));
+        if let (true, Ok(x)) = (numeric, s.parse::<f64>()) {
             value = Value::Number(x.into());
         }
     }
@@ -243,6 +247,13 @@ mod tests {
         assert_eq!(t["train"]["lr"].as_f64(), Some(1e-3));
         assert_eq!(t["model"]["n_layer"].as_u64(), Some(4));
         assert_eq!(t["model"]["bias"].as_bool(), Some(false));
+        // Quoted, or a word Rust would parse as a number: a string stays a string.
+        apply_override(&mut t, "out_dir=\"123\"").unwrap();
+        apply_override(&mut t, "metrics.trace=inf").unwrap();
+        apply_override(&mut t, "init_from=NaN").unwrap();
+        assert_eq!((t["out_dir"].as_str(), t["metrics"]["trace"].as_str(), t["init_from"].as_str()), (Some("123"), Some("inf"), Some("NaN")));
+        apply_override(&mut t, "train.eps=-2E+5").unwrap();
+        assert_eq!(t["train"]["eps"].as_f64(), Some(-2e5));
     }
 
     #[test]

@@ -624,6 +624,7 @@ pub enum Size {
 impl Size {
     pub fn bytes(&self) -> Result<u64, String> {
         match self {
+            Size::Bytes(0) => Err("0 must be at least one byte".into()),
             Size::Bytes(b) => Ok(*b),
             Size::Text(t) => parse_size(t),
         }

@@ -187,6 +187,8 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             check(false, "memory.limit", e);
         }
     }
+    let leak = c.memory.leak_check_steps;
+    check(leak != 1, "memory.leak_check_steps", "must be 0 (off) or at least 2: growth is measured between steps, got 1".into());
     check_cuda_graphs(c, &mut check);
     p
 }
@@ -342,6 +344,7 @@ mod tests {
             (|c| c.model.seq_len = 0, "model.seq_len"),
             (|c| c.model.n_embd = 0, "model.n_embd"),
             (|c| c.data.synthetic_tokens = 10, "data.synthetic_tokens"),
+            (|c| c.memory.leak_check_steps = 1, "memory.leak_check_steps"),
             (|c| c.train.beta1 = 1.0, "train.beta1"),
             (|c| c.train.eps = 0.0, "train.eps"),
             (|c| c.train.threads = Some(0), "train.threads"),

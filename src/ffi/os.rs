@@ -21,6 +21,13 @@ pub fn release_free_heap() {
     }
 }
 
+/// The soft `RLIMIT_AS` of this process (`RLIM_INFINITY` when none), if it can be read.
+pub fn address_space_limit() -> Option<u64> {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscall writing into a valid struct.
+    (unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0).then_some(rl.rlim_cur)
+}
+
 /// Sets the soft `RLIMIT_AS` (address space) of this process to `bytes`.
 pub fn limit_address_space(bytes: u64) -> std::io::Result<()> {
     let rl = libc::rlimit { rlim_cur: bytes, rlim_max: libc::RLIM_INFINITY };

@@ -57,6 +57,22 @@ fn apply_cuda(limit_bytes: u64, device: usize) -> Result<LimitReport, LimitError
     Ok(LimitReport { limit_bytes, baseline_bytes: 0, fraction: Some(fraction) })
 }
 
+/// Runs `f` with the CPU cap lifted, then puts it back: for checkpoint writes, whose buffers
+/// Rust allocates (`write_safetensors` copies each tensor), and a failed Rust allocation aborts
+/// the process instead of returning an error: a run out of memory at the cap died (exit 134)
+/// with no checkpoint. The cap rehearses a device's budget for training, not for writing files.
+pub fn uncapped<T>(f: impl FnOnce() -> T) -> T {
+    let capped = ffi::os::address_space_limit().filter(|&b| b != libc::RLIM_INFINITY);
+    if capped.is_some() {
+        let _ = ffi::os::limit_address_space(libc::RLIM_INFINITY);
+    }
+    let out = f();
+    if let Some(bytes) = capped {
+        let _ = ffi::os::limit_address_space(bytes);
+    }
+    out
+}
+
 /// Allocator settings a CPU cap needs, to be made before the process starts any thread of its
 /// own: a thread's first allocation otherwise reserves a 64 MiB malloc arena, and one that
 /// happens after the cap is set would count against it at random.

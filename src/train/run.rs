@@ -117,8 +117,9 @@ impl<'a> Run<'a> {
         if let Some((dir, steps)) = set_aside {
             reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to: dir.display().to_string() });
         }
-        // The allocator's warnings once the run's log is open.
-        for w in cfg.memory.allocator.warnings(fraction.is_some()) {
+        // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
+        // use the settings, and their advice, "set memory.limit" for one, would not help).
+        for w in cfg.memory.allocator.warnings(fraction.is_some()).into_iter().filter(|_| device.is_cuda()) {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
@@ -367,7 +368,7 @@ impl<'a> Run<'a> {
     }
 
     fn save(&mut self, completed: u64) -> Option<std::path::PathBuf> {
-        self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter)
+        crate::memory::uncapped(|| self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter))
     }
 
     /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it
@@ -390,7 +391,7 @@ impl<'a> Run<'a> {
         let elapsed = self.started.elapsed().as_secs_f64();
         // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
         if plan.is_writer() {
-            crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params)?;
+            crate::memory::uncapped(|| crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params))?;
         }
         if let Some(d) = self.dist.as_deref() {
             let spread = d.weight_spread(self.state.trainable.params())?;
