@@ -336,6 +336,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
             Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
+            Some(TrainError::Lock(trainguard::train::LockError::Busy { .. })) => return exit::CONFIG,
             Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
             _ => {}
         }

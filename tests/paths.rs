@@ -247,6 +247,37 @@ fn regrow_succeeds_when_memory_frees_up_and_keeps_the_global_batch() {
 
 // --- a kill inside a checkpoint write ---------------------------------------------------------
 
+/// One run per out_dir: a second one started while the first is inside a checkpoint write
+/// (a double launch) is refused, exit 2, naming the first's pid. Before, its resume removed
+/// the first's checkpoint in progress as a leftover, and both wrote metrics.jsonl, mixing lines.
+/// The first finishes untouched; once it has ended, the directory is free again.
+#[test]
+fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=2"];
+    let paused = [&base[..], &["faults.pause_in_checkpoint_write_ms=2000"]].concat();
+    let first = command(dir.path(), "configs/debug.yaml", &paused).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let partial = store::root(dir.path()).join(".tmp-step-00000002");
+    let t0 = Instant::now();
+    while !partial.join(store::MODEL_FILE).is_file() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "checkpoint 2 never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
+    cmd.args(["--resume", "auto"]);
+    let second = run(cmd, dir.path());
+    assert_eq!(second.code(), 2, "{}", second.stderr());
+    assert!(second.stderr().contains(&format!("is in use by another trainguard run (pid {})", first.id())), "{}", second.stderr());
+    let first = first.wait_with_output().unwrap();
+    assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
+    assert_eq!(checkpoint_steps(dir.path()), [2, 4, 6]);
+    let steps: Vec<u64> = read_jsonl(&dir.path().join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (0..6).collect::<Vec<_>>());
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
+    cmd.args(["--resume", "auto"]);
+    assert!(run(cmd, dir.path()).ok().stderr().contains("nothing to do"));
+}
+
 /// SIGKILL while checkpoint 10 is half written (its model file in the temporary directory, the
 /// rest not): the completed checkpoint 5 stands, `--resume auto` resumes from it, removes the
 /// leftover, and finishes bitwise equal to a straight run.

@@ -1,6 +1,7 @@
 //! Training: a run's state and its loop across optimizer steps (schedule, evaluation,
 //! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
 //! itself lives in [`step`](crate::step).
+mod lock;
 mod ranks;
 mod resume;
 mod run;
@@ -9,4 +10,5 @@ mod watch;
 
 pub use resume::Resume;
 pub use run::Run;
+pub use lock::LockError;
 pub use trainer::{train, TrainError};

@@ -4,6 +4,7 @@
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
 use super::resume::{check_compatible, corrupt_path, leave_the_old_line, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
+use super::lock::RunDirLock;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::store;
@@ -44,6 +45,8 @@ pub struct Run<'a> {
     baseline_rss: u64,
     /// `metrics.trace`'s profiler, on the writing rank.
     tracer: Option<Tracer>,
+    /// The writing rank's hold on `out_dir` while the run lives.
+    _lock: Option<RunDirLock>,
 }
 
 impl<'a> Run<'a> {
@@ -66,7 +69,12 @@ impl<'a> Run<'a> {
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let mut ckpt = Checkpointer::new(plan);
-        let resumed = resolve_resume(resume, ckpt.root(), plan.is_writer()).and_then(|start| {
+        // One run per out_dir, from before anything in it is touched (the resume below removes
+        // unfinished checkpoint writes: another run's, were two in one directory).
+        let mut lock = None;
+        let resumed = run_dir.map(RunDirLock::take).transpose().map_err(TrainError::from).and_then(|taken| {
+            lock = taken.flatten();
+            let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
             let changed = match &start.loaded {
                 Some(l) => check_compatible(l, cfg)?,
                 None => vec![],
@@ -96,6 +104,9 @@ impl<'a> Run<'a> {
         let (Start { loaded, skipped, restored }, mut changed) = resumed?;
         if let Some(dir) = run_dir {
             prepare_run_dir(dir, plan)?;
+            if lock.is_none() {
+                lock = RunDirLock::take(dir)?; // a fresh run's directory, just made
+            }
         }
         let set_aside = match run_dir {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
@@ -201,6 +212,7 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
+            _lock: lock,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         })
     }

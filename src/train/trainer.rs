@@ -27,6 +27,9 @@ pub enum TrainError {
     Save(#[from] crate::checkpoint::SaveError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    /// Another run holds `out_dir` (exit 2).
+    #[error(transparent)]
+    Lock(#[from] super::lock::LockError),
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
     #[error("deterministic: {0}")]

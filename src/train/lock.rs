@@ -1,0 +1,62 @@
+//! One run per `out_dir`: rank 0 holds an advisory lock on `out_dir/.lock` for the life of the
+//! run. Two runs in one directory (a double launch, a requeue while the old job still runs)
+//! deleted each other's checkpoints in progress and interleaved their metrics lines. The lock
+//! goes with the process, however it ends (`flock`), so a killed run never leaves it behind.
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+
+pub const LOCK_FILE: &str = ".lock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir", .dir.display(), .holder.map_or("its pid unknown".to_string(), |p| format!("pid {p}")))]
+    Busy { dir: PathBuf, holder: Option<u32> },
+    #[error("cannot lock {}: {source}", .path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// The lock on a run directory, held until dropped.
+#[derive(Debug)]
+pub struct RunDirLock(#[allow(dead_code)] File);
+
+impl RunDirLock {
+    /// Locks `dir` when it exists (None when it does not: a fresh run locks it once created).
+    pub fn take(dir: &Path) -> Result<Option<Self>, LockError> {
+        if !dir.is_dir() {
+            return Ok(None);
+        }
+        let path = dir.join(LOCK_FILE);
+        let io = |source| LockError::Io { path: path.clone(), source };
+        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = file.read_to_string(&mut pid);
+                return Err(LockError::Busy { dir: dir.to_path_buf(), holder: pid.trim().parse().ok() });
+            }
+            Err(TryLockError::Error(e)) => return Err(io(e)),
+        }
+        // The holder's pid, for the message a second run gets.
+        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "{}", std::process::id())).map_err(io)?;
+        Ok(Some(Self(file)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_on_the_same_directory_is_refused_naming_the_holder_until_the_first_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(RunDirLock::take(&dir.path().join("absent")).unwrap().is_none());
+        let first = RunDirLock::take(dir.path()).unwrap().expect("the directory exists");
+        let err = RunDirLock::take(dir.path()).unwrap_err();
+        assert!(matches!(err, LockError::Busy { holder: Some(p), .. } if p == std::process::id()), "{err}");
+        assert!(err.to_string().contains("in use by another trainguard run"), "{err}");
+        drop(first);
+        assert!(RunDirLock::take(dir.path()).unwrap().is_some());
+    }
+}
