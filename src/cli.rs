@@ -86,7 +86,7 @@ pub struct TrainArgs {
     /// (TORCHELASTIC_RESTART_COUNT > 0).
     #[arg(long, value_name = "auto|PATH|none")]
     pub resume: Option<String>,
-    /// Stop cleanly with a checkpoint before this wall-clock time (`7h30m`); sets train.max_duration.
+    /// Stop cleanly with a checkpoint before this wall-clock time (`7h30m`) from the process' start, start-up included; sets train.max_duration.
     #[arg(long, value_name = "DURATION")]
     pub max_duration: Option<String>,
     /// Start fresh even if out_dir holds checkpoints of another run: that run's directory is

@@ -27,6 +27,14 @@ pub fn remaining(saved: Option<&Deadline>, run_id: &str, restart_count: u64, now
     Some(format!("{:.3}s", (d.deadline_unix_s - now_unix_s).max(0.001)))
 }
 
+/// When this process started, as near as trainguard can tell: the first call, which `main`
+/// makes first thing. `train.max_duration` counts from here, start-up included (loading a
+/// corpus, building the model, reading a checkpoint take a share of a job's allocation too).
+pub fn process_start() -> std::time::Instant {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(std::time::Instant::now)
+}
+
 pub fn now_unix_s() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }

@@ -8,6 +8,7 @@ use trainguard::train::{Resume, TrainError};
 use trainguard::{checkpoint, config, deadline, dist, exit, run_plan, stop_record, train};
 
 fn main() {
+    deadline::process_start(); // train.max_duration counts from here
     trainguard::logging::init();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -38,13 +38,15 @@ pub struct Run<'a> {
     last_loss: f64,
     last_val: Option<f64>,
     consecutive_bad: u64,
-    /// A slowly forgetting maximum of step times (eval included): the time-limit margin.
+    /// A slowly forgetting maximum of step times (evaluation apart): the time-limit margin.
     slowest_recent: f64,
     /// Process memory at start-up (CPU runs' summary figures).
     baseline_vm: u64,
     baseline_rss: u64,
     /// `metrics.trace`'s profiler, on the writing rank.
     tracer: Option<Tracer>,
+    /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
+    last_eval_s: Option<f64>,
     /// The writing rank's hold on `out_dir` while the run lives.
     _lock: Option<RunDirLock>,
 }
@@ -213,6 +215,7 @@ impl<'a> Run<'a> {
             baseline_vm,
             baseline_rss,
             _lock: lock,
+            last_eval_s: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         })
     }
@@ -298,9 +301,12 @@ impl<'a> Run<'a> {
             // Validation's activations would sit beside the graphs' pool: the next step
             // captures them again.
             self.state.trainable.graphs.release();
+            let eval_started = Instant::now();
             let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &plan.step, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
+            self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
             let best = &mut self.state.progress.best_val;
-            if best.is_none_or(|(b, _)| v < b) {
+            // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
+            if v.is_finite() && best.is_none_or(|(b, _)| v < b) {
                 *best = Some((v, step + 1));
                 new_best = true;
             }
@@ -310,7 +316,7 @@ impl<'a> Run<'a> {
             None
         };
         self.last_loss = outcome.loss;
-        self.slowest_recent = step_started.elapsed().as_secs_f64().max(self.slowest_recent * 0.95);
+        self.slowest_recent = step_time.max(self.slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
         let memory = self.watch.after_step(step, &mut self.state.guard.state, &mut self.reporter);
         self.state.guard.held_between_steps(step, crate::memory::telemetry::Telemetry::leak_figure(&memory));
@@ -356,11 +362,18 @@ impl<'a> Run<'a> {
 
     /// Why to stop before the next step, if anything says so; every rank agrees on it.
     fn stop_reason(&self, stop: &Interrupter) -> Result<Option<StopReason>, TrainError> {
-        let margin = Duration::from_secs_f64(self.slowest_recent + 1.5 * self.ckpt.last_seconds + 1.0);
+        // The next step, its evaluation when one follows it (the first one guessed as a third
+        // of a step's time per evaluation batch: a forward over a global batch), a checkpoint.
+        let eval = match self.plan.evaluates_after(self.step + 1) {
+            true => self.last_eval_s.unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
+            false => 0.0,
+        };
+        let margin = Duration::from_secs_f64(self.slowest_recent + eval + 1.5 * self.ckpt.last_seconds + 1.0);
         let mut reason = if stop.requested() {
             Some(StopReason::Signal)
         } else {
-            self.plan.time_limit.filter(|limit| self.started.elapsed() + margin > *limit).map(|_| StopReason::TimeLimit)
+            let elapsed = crate::deadline::process_start().elapsed();
+            self.plan.time_limit.filter(|limit| elapsed + margin > *limit).map(|_| StopReason::TimeLimit)
         };
         // All ranks stop at the same step, or the others would wait in a collective; and every
         // rank names the same reason (a signal before a time limit), whichever rank saw it.
