@@ -449,6 +449,22 @@ fn apply_edits_the_value_in_place_keeps_comments_and_backs_up() {
     assert!(!dir.path().join("debug.yaml.bak.1").exists());
 }
 
+/// Through a symbolic link `--apply` edits the file it points to and keeps its permissions
+/// (it renamed a 0644 copy over the link, and the real file kept its old value).
+#[test]
+fn apply_through_a_symbolic_link_edits_the_file_and_keeps_its_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (real, link) = (dir.path().join("real.yaml"), dir.path().join("link.yaml"));
+    std::fs::copy(config("debug.yaml"), &real).unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    plan_in(dir.path(), &["--config", &link.display().to_string(), "--gpu", "t4", "--apply"]).ok();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link is still a link");
+    assert!(std::fs::read_to_string(&real).unwrap().contains("micro_batch_size: 32"));
+    assert_eq!(std::fs::metadata(&real).unwrap().permissions().mode() & 0o777, 0o600);
+}
+
 #[test]
 fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
     let dir = tempfile::tempdir().unwrap();
@@ -459,6 +475,9 @@ fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
     assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "256", "--seq-len", "64", "--gpu", "t4", "--apply"], &["--apply", "--config"]);
     assert_usage_error(&["--config", &cfg_s, "--apply"], &["--apply needs", "--gpu"]);
     assert_usage_error(&["--config", &cfg_s, "--gpu", "t4", "--set", "train.lr=1e-3", "--apply"], &["--set"]);
+    // A micro-batch planned for bf16-pure SGD at sequence 256 was written into this fp32 AdamW
+    // config of sequence 1024, where it needed 262 GiB of a 40 GiB card.
+    assert_usage_error(&["--config", &cfg_s, "--gpu", "a100-40", "--precision", "bf16-pure", "--optimizer", "sgd", "--seq-len", "256", "--apply"], &["--seq-len, --precision, --optimizer", "only the micro-batch is written"]);
     let run = plan(&["--config", &cfg_s, "--gpu-memory", "1GiB", "--apply"]);
     assert_eq!(run.code(), 1, "{}", run.stderr());
     assert!(run.stderr().contains("nothing fits even at micro-batch 1"), "{}", run.stderr());
@@ -555,7 +574,7 @@ fn generic_llama_flags_give_the_same_plan_as_the_config() {
     assert_eq!(from_flags["params"], from_config["params"]);
     assert_eq!(from_flags["estimate"]["activations_per_layer"], from_config["estimate"]["activations_per_layer"]);
     assert_usage_error(&["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64"], &["--arch llama needs --ffn"]);
-    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq-len", "64"], &["--kv-heads 2 needs --arch llama"]);
+    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq-len", "64"], &["--kv-heads (model.n_kv_head) 2 needs --arch (model.arch) llama"]);
 }
 
 /// `--profile` builds and trains the Llama the config describes (RMSNorm, RoPE, grouped-query

@@ -269,6 +269,11 @@ pub struct Setup {
     /// `kernels.cuda_optimizers`: 8-bit AdamW's and Adafactor's CUDA kernels, which need no
     /// scratch (Adafactor's, a small fp64 workspace).
     pub cuda_optimizers: bool,
+    /// `optimizer.fused`: false makes AdamW keep one temporary the size of the largest parameter.
+    pub fused_optimizer: bool,
+    /// `memory.offload_activations` (CUDA): the checkpointed segments' inputs wait in host memory,
+    /// one back on the device at a time in the backward.
+    pub offload_activations: bool,
     /// `kernels.fused_cross_entropy`: the loss as our node, which keeps the logits in their own
     /// dtype and writes only their gradient in backward.
     pub fused_cross_entropy: bool,
@@ -439,6 +444,11 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
             let workspace = round_up(8 * Adafactor::workspace_elements(shapes.clone(), path, device) as u64, round);
             workspace + Adafactor::scratch_elements(shapes, path).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum::<u64>()
         }
+        // The unfused update's one temporary, the parameters' dtype (`AdamW::new`).
+        OptimizerName::Adamw if !s.fused_optimizer => {
+            let largest = m.tensors().iter().map(|sh| sh.iter().product::<u64>()).max().unwrap_or(0);
+            round_up(largest * if s.precision == Precision::Bf16Pure { 2 } else { 4 }, round)
+        }
         _ => 0,
     }
 }
@@ -503,7 +513,13 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
         None => sum(&saved.final_norm, &w, b, m.seq_len),
     };
     if s.activation_checkpointing {
-        bytes += s.checkpointed_blocks(m).div_ceil(s.segment()) * sbh * r; // each segment's input, kept to recompute it
+        // Each segment's input, kept to recompute it; offloaded, only the one back for its
+        // segment's backward is on the device.
+        let kept = match s.offload_activations && s.target == Target::Cuda {
+            true => 1,
+            false => s.checkpointed_blocks(m).div_ceil(s.segment()),
+        };
+        bytes += kept * sbh * r;
     }
     bytes
 }
@@ -527,7 +543,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
     let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes())) + optimizer_scratch(m, s);
-    let dp_buffers = if s.gpus > 1 { gradients } else { 0 };
+    // The all-reduce buckets hold every gradient in fp32 whatever the precision (`Dist::plan_buckets`).
+    let dp_buffers = if s.gpus > 1 { per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * 4) } else { 0 };
     let buffers = buffers(m, s);
     let base = weights + master_weights + optimizer + dp_buffers + buffers;
     // Earlier micro-steps' sum, or the graphs' accumulators (which a single micro-step has too).
@@ -749,6 +766,8 @@ pub(crate) mod fixtures {
             loss_chunk_tokens: None,
             fused_rms_norm: true,
             cuda_optimizers: false,
+            fused_optimizer: true,
+            offload_activations: false,
             fused_cross_entropy: false,
             fused_loss_gradient: false,
             fused_residual_norm: false,
@@ -1100,6 +1119,31 @@ mod tests {
         let s = Setup { gpus: 4, ..setup(Precision::Fp32, OptimizerName::Adamw) };
         let e = estimate(&gpt2(), &s, 1, 1);
         assert_eq!(e.dp_buffers, e.gradients);
+        // The buckets are fp32 whatever the precision: twice bf16-pure's gradients.
+        let pure = estimate(&gpt2(), &Setup { precision: Precision::Bf16Pure, ..s }, 1, 1);
+        assert_eq!(pure.dp_buffers, 2 * pure.gradients);
+    }
+
+    #[test]
+    fn unfused_adamw_keeps_a_temporary_the_size_of_the_largest_parameter() {
+        let (m, s) = (gpt2(), setup(Precision::Fp32, OptimizerName::Adamw));
+        let largest = m.tensors().iter().map(|sh| sh.iter().product::<u64>()).max().unwrap();
+        let (fused, unfused) = (estimate(&m, &s, 1, 1), estimate(&m, &Setup { fused_optimizer: false, ..s.clone() }, 1, 1));
+        assert_eq!(unfused.optimizer - fused.optimizer, largest * 4);
+        let pure = Setup { precision: Precision::Bf16Pure, ..s };
+        assert_eq!(estimate(&m, &Setup { fused_optimizer: false, ..pure.clone() }, 1, 1).optimizer - estimate(&m, &pure, 1, 1).optimizer, largest * 2);
+    }
+
+    #[test]
+    fn offloaded_segment_inputs_leave_the_gpu_but_one() {
+        let m = gpt2();
+        let ck = Setup { activation_checkpointing: true, ..super::fixtures::cuda_fp32_adamw() };
+        let (kept, offloaded) = (estimate(&m, &ck, 8, 2), estimate(&m, &Setup { offload_activations: true, ..ck.clone() }, 8, 2));
+        let sbh = 1024 * 8 * 768;
+        assert_eq!(kept.activations_outside - offloaded.activations_outside, 11 * sbh * 4, "12 inputs kept, 1 back at a time");
+        // On the CPU host memory is the device's: nothing moves.
+        let cpu = Setup { target: Target::Cpu, cuda_overhead: 0, fragmentation: 0.0, ..ck };
+        assert_eq!(estimate(&m, &cpu, 8, 2).activations_outside, estimate(&m, &Setup { offload_activations: true, ..cpu }, 8, 2).activations_outside);
     }
 
     #[test]

@@ -237,6 +237,12 @@ impl Inputs {
         };
         let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
         let gpu_memory = a.gpu_memory.as_deref().map(|v| size("--gpu-memory", v)).transpose()?;
+        if let (Some(b), Some(v)) = (gpu_memory, a.gpu_memory.as_deref()) {
+            // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
+            if b < 1 << 20 {
+                return Err(usage(format!("--gpu-memory: {v} is {b} bytes, too small for a GPU; give a unit, e.g. {v}GiB or {v}GB")));
+            }
+        }
         let params = a.params.as_deref().map(parse_count).transpose()?;
 
         let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
@@ -322,6 +328,8 @@ impl Inputs {
             loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
             fused_rms_norm: config.kernels.fused_rms_norm,
             cuda_optimizers: config.kernels.cuda_optimizers,
+            fused_optimizer: config.optimizer.fused,
+            offload_activations: config.memory.offload_activations,
             fused_cross_entropy: config.kernels.fused_cross_entropy,
             fused_loss_gradient: config.kernels.fused_loss_gradient,
             fused_residual_norm: config.kernels.fused_residual_norm,
@@ -339,6 +347,14 @@ impl Inputs {
         let mut micro = a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
         if micro == 0 {
             return Err(usage("--micro-batch must be at least 1, got 0"));
+        }
+        // The config's bound on tokens a step (train.global_batch_size), for the flags too: past
+        // it the byte counts wrapped and a plan of 2^64 sequences "fit" in 1.9 GiB.
+        let max_tokens = config::limits::MAX_TOKENS_PER_STEP as u128;
+        for (flag, n) in [("--micro-batch", Some(micro)), ("--global-batch", global)] {
+            if let Some(n) = n.filter(|&n| n as u128 * model.seq_len as u128 > max_tokens) {
+                return Err(usage(format!("{flag} {n}: sequences of {} tokens make more than {max_tokens} tokens a step", model.seq_len)));
+            }
         }
         let rank_batch = match global {
             Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
@@ -382,9 +398,12 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
     let kv = m.kv();
     match m.arch {
         Arch::Gpt2 if kv != m.heads => {
-            return Err(usage(format!("--kv-heads {kv} needs --arch llama: gpt2 has no grouped-query attention (its key/value heads are its {} heads)", m.heads)));
+            return Err(usage(format!(
+                "--kv-heads (model.n_kv_head) {kv} needs --arch (model.arch) llama: gpt2 has no grouped-query attention (its key/value heads are its {} heads)",
+                m.heads
+            )));
         }
-        Arch::Gpt2 if !m.tied => return Err(usage("--untied needs --arch llama: gpt2 always ties its head to the token embedding")),
+        Arch::Gpt2 if !m.tied => return Err(usage("--untied (model.tie_embeddings: false) needs --arch (model.arch) llama: gpt2 always ties its head to the token embedding")),
         Arch::Llama if !m.head_dim().is_multiple_of(2) => {
             return Err(usage(format!("llama's rotary embedding needs an even head size: --hidden {} / --heads {} = {}", m.hidden, m.heads, m.head_dim())));
         }
@@ -415,7 +434,35 @@ pub fn parse_count(text: &str) -> Result<u64, PlannerError> {
     if !(count >= 1.0 && count.is_finite()) {
         return Err(bad());
     }
+    if count > config::limits::MAX_PARAMS as f64 {
+        return Err(usage(format!("--params must be in 1..={:e}, got {text}", config::limits::MAX_PARAMS)));
+    }
     Ok(count as u64)
+}
+
+/// The flags given that describe another model or setup than the config's (what `--apply`
+/// must not be planned with; `--global-batch` is written with the micro-batch).
+fn model_or_setup_flags(a: &PlanArgs) -> Vec<&'static str> {
+    let given = [
+        ("--arch", a.arch.is_some()),
+        ("--params", a.params.is_some()),
+        ("--layers", a.layers.is_some()),
+        ("--hidden", a.hidden.is_some()),
+        ("--heads", a.heads.is_some()),
+        ("--vocab", a.vocab.is_some()),
+        ("--seq-len", a.seq_len.is_some()),
+        ("--ffn", a.ffn.is_some()),
+        ("--kv-heads", a.kv_heads.is_some()),
+        ("--untied", a.untied),
+        ("--tied", a.tied),
+        ("--no-bias", a.no_bias),
+        ("--precision", a.precision.is_some()),
+        ("--optimizer", a.optimizer.is_some()),
+        ("--activation-checkpointing", a.activation_checkpointing),
+        ("--no-flash", a.no_flash),
+        ("--loss-chunk-tokens", a.loss_chunk_tokens.is_some()),
+    ];
+    given.into_iter().filter(|(_, on)| *on).map(|(flag, _)| flag).collect()
 }
 
 /// Runs `trainguard plan`.
@@ -430,6 +477,13 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
         }
         if !args.overrides.is_empty() {
             return Err(usage("--apply cannot be combined with --set: the plan would be for a config the file does not hold"));
+        }
+        let described = model_or_setup_flags(args);
+        if !described.is_empty() {
+            return Err(usage(format!(
+                "--apply cannot be combined with {}: the plan would be for a model or setup the file does not hold, and only the micro-batch is written",
+                described.join(", ")
+            )));
         }
         if inputs.target.is_none() && !args.profile {
             return Err(usage("--apply needs something to choose by: a GPU (--gpu NAME|auto, --gpu-memory SIZE) or --profile"));
@@ -630,10 +684,16 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     if new == old {
         return Ok(applied);
     }
+    // The file itself, through any symbolic link (renaming over the link replaced it with a
+    // copy and left the file it pointed to as it was), keeping its permissions.
+    let target = std::fs::canonicalize(path).map_err(io("resolve", path))?;
     // The edited text must load, as a valid config holding the new values, before anything is written.
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
-    let tmp = path.with_file_name(format!(".{name}.trainguard-apply"));
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
+    let tmp = target.with_file_name(format!(".{name}.trainguard-apply"));
     std::fs::write(&tmp, &new).map_err(io("write", &tmp))?;
+    if let Ok(meta) = std::fs::metadata(&target) {
+        let _ = std::fs::set_permissions(&tmp, meta.permissions());
+    }
     let check = config::load(Some(&tmp), &[]).map_err(|e| e.to_string()).and_then(|c| {
         let got = (c.train.micro_batch_size as u64, c.train.global_batch_size as u64);
         if got == (micro, global) { Ok(()) } else { Err(format!("the edited file reads back as micro-batch {} and global batch {}", got.0, got.1)) }
@@ -644,7 +704,7 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     }
     let backup = apply::backup_path(path);
     std::fs::copy(path, &backup).map_err(io("back up to", &backup))?;
-    std::fs::rename(&tmp, path).map_err(io("replace", path))?;
+    std::fs::rename(&tmp, &target).map_err(io("replace", &target))?;
     applied.backup = Some(backup);
     Ok(applied)
 }
@@ -720,6 +780,10 @@ mod tests {
             (PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() }, "--micro-batch 16 exceeds the per-GPU batch 8"),
             (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
             (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),
+            (PlanArgs { gpu_memory: Some("24".into()), ..gpt() }, "give a unit, e.g. 24GiB"),
+            (PlanArgs { params: Some("1e30".into()), ..gpt() }, "got 1e30"),
+            (PlanArgs { micro_batch: Some(u64::MAX), ..gpt() }, "--micro-batch 18446744073709551615: sequences of"),
+            (PlanArgs { global_batch: Some(100_000_000_000_000), ..gpt() }, "--global-batch 100000000000000: sequences of"),
         ];
         for (a, want) in cases {
             let err = Inputs::resolve(&a).err().unwrap();
@@ -758,8 +822,8 @@ mod tests {
             (PlanArgs { kv_heads: Some(5), ..llama() }, "--kv-heads 5 must divide --heads 32"),
             (PlanArgs { kv_heads: Some(0), ..llama() }, "--kv-heads 0 must divide --heads 32"),
             (PlanArgs { hidden: Some(2080), heads: Some(32), ..llama() }, "even head size"),
-            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "--kv-heads 8 needs --arch llama"),
-            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "--untied needs --arch llama"),
+            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "--kv-heads (model.n_kv_head) 8 needs --arch (model.arch) llama"),
+            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "--untied (model.tie_embeddings: false) needs --arch (model.arch) llama"),
         ];
         for (a, want) in cases {
             let err = Inputs::resolve(&a).err().unwrap_or_else(|| panic!("`{want}`: resolved"));
