@@ -80,7 +80,8 @@ pub fn render(r: &Report) -> String {
         if s.dropout { ", dropout" } else { "" }
     );
     let batch = match (r.global_batch, r.accumulation) {
-        (Some(g), Some(k)) => format!("micro-batch {} × accumulation {k} × {} GPU(s) = global {g}", r.micro_batch, r.gpus),
+        (Some(g), Some(k)) if r.micro_batch * k * r.gpus == g => format!("micro-batch {} × accumulation {k} × {} GPU(s) = global {g}", r.micro_batch, r.gpus),
+        (Some(g), Some(k)) => format!("micro-batch {} × accumulation {k} × {} GPU(s) ≥ global {g} (the last micro-step of a GPU runs the remainder)", r.micro_batch, r.gpus),
         _ => format!("micro-batch {} (no global batch: gradients assumed held across micro-steps)", r.micro_batch),
     };
     let _ = writeln!(o, "batch     {batch}");
@@ -122,13 +123,22 @@ pub fn render(r: &Report) -> String {
     if r.gpus > 1 {
         rows.push(("data-parallel gradient buckets".into(), v(e.dp_buffers)));
     }
+    // The rows are what exists at the start of backward; the peak may be elsewhere, holding
+    // more (gradients being made) or less (activations freed): the difference, so they add up.
+    let listed = e.states() + e.buffers + e.activations + e.logits + e.cross_entropy + if r.gpus > 1 { e.dp_buffers } else { 0 };
+    if e.peak_allocated > listed {
+        rows.push((format!("+ also alive at the peak ({})", e.peak_phase), v(e.peak_allocated - listed)));
+    } else if e.peak_allocated < listed {
+        rows.push((format!("− not alive together at the peak ({})", e.peak_phase), format!("−{}", v(listed - e.peak_allocated))));
+    }
     rows.push(("= peak allocated".into(), v(e.peak_allocated)));
     rows.push((format!("allocator fragmentation margin ({:.0}%)", s.fragmentation * 100.0), v(e.fragmentation)));
     rows.push(("CUDA context and workspaces".into(), v(e.cuda_overhead)));
     rows.push(("= total per GPU".into(), v(e.total)));
-    let _ = writeln!(o, "\n  {:<50} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));
+    let width = rows.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0).max(50);
+    let _ = writeln!(o, "\n  {:<width$} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));
     for (name, value) in rows {
-        let _ = writeln!(o, "  {name:<50} {value:>10}");
+        let _ = writeln!(o, "  {name:<width$} {value:>10}");
     }
     let _ = writeln!(
         o,
@@ -150,11 +160,16 @@ pub fn render(r: &Report) -> String {
         );
     }
     if e.peak_phase == "end of backward" {
+        let summed = match e.embedding_grad_transient {
+            0 => String::new(),
+            b => format!(" plus the tied embedding's partial gradients being summed ({})", size(b as f64)),
+        };
+        let _ = writeln!(o, "  the peak is at the end of backward: gradients complete{summed}, more than activations, logits and cross-entropy");
+    }
+    if e.peak_phase == "first blocks' recomputed backward" {
         let _ = writeln!(
             o,
-            "  the peak is at the end of backward: gradients complete plus the tied embedding's two partial gradients ({}), \
-             more than activations, logits and cross-entropy",
-            size(e.embedding_grad_transient as f64)
+            "  the peak is in the first blocks' recomputed backward: every later block's gradient and the head's are held while the first segment's activations are made again"
         );
     }
     if e.states() > 0 {
