@@ -1,7 +1,7 @@
 //! What `trainguard plan` prints: the estimate table, the recommendation (or the gap and the
 //! levers), the profile's estimate-vs-measured table and the `--apply` diff; or all of it as one
 //! JSON object (`--json`, schema [`SCHEMA`]; every size in bytes).
-use super::estimate::{Estimate, PrecisionBytes, Setup, Transformer};
+use super::estimate::{Estimate, PrecisionBytes, Setup, Target, Transformer};
 use super::gpu::GpuTarget;
 use super::profile::{Outcome, ProfileReport};
 use super::recommend::Recommendation;
@@ -92,6 +92,8 @@ pub fn render(r: &Report) -> String {
     let dtype = if s.precision.logit_bytes() == 4 { "fp32" } else { "bf16" };
     // Our loss keeps the logits in the head's dtype, then their gradient beside them or over them.
     let (logit_dtype, cross_entropy) = match (s.fused_cross_entropy, s.loss_gradient_in_forward()) {
+        // Under CUDA autocast the logits' gradient is 16-bit beside the log-probabilities' fp32 one.
+        (false, _) if s.target == Target::Cuda && s.precision.is_mixed() => (dtype, format!("cross-entropy (log-softmax gradients, {dtype} and 16-bit)")),
         (false, _) => (dtype, format!("cross-entropy (log-softmax gradients, {dtype})")),
         (true, in_forward) => {
             let d = if s.precision.activation_bytes() == 4 { "fp32" } else { "16-bit" };
