@@ -160,6 +160,8 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
 fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
     let steps: Vec<u64> = checkpoint::store::list(&checkpoint::store::root(out_dir)).iter().map(|(s, _)| *s).collect();
     if checkpoint::fresh::decide(&steps, true) == checkpoint::fresh::FreshStart::MoveAside {
+        // Not from under a run that is still writing there.
+        let _live = train::RunDirLock::take(out_dir)?;
         let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
         std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
         tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
@@ -324,6 +326,10 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         {
             return exit::CONFIG;
         }
+        // Another run holds out_dir (`--overwrite` checks too, outside a run).
+        if matches!(cause.downcast_ref::<train::LockError>(), Some(train::LockError::Busy { .. })) {
+            return exit::CONFIG;
+        }
         if matches!(cause.downcast_ref::<trainguard::prepare::PrepareError>(), Some(trainguard::prepare::PrepareError::Interrupted)) {
             return exit::INTERRUPTED;
         }
@@ -337,8 +343,8 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
             Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
-            Some(TrainError::Lock(trainguard::train::LockError::Busy { .. })) => return exit::CONFIG,
             Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
+            Some(TrainError::Lock(train::LockError::Busy { .. })) => return exit::CONFIG,
             _ => {}
         }
     }

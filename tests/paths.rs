@@ -257,17 +257,26 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
     let base = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=2"];
     let paused = [&base[..], &["faults.pause_in_checkpoint_write_ms=2000"]].concat();
     let first = command(dir.path(), "configs/debug.yaml", &paused).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let partial = store::root(dir.path()).join(".tmp-step-00000002");
+    // Inside checkpoint 4's write, checkpoint 2 complete.
+    let partial = store::root(dir.path()).join(".tmp-step-00000004");
     let t0 = Instant::now();
     while !partial.join(store::MODEL_FILE).is_file() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "checkpoint 2 never started");
+        assert!(t0.elapsed() < Duration::from_secs(120), "checkpoint 4 never started");
         std::thread::sleep(Duration::from_millis(10));
     }
+    let holder = format!("is in use by another trainguard run (pid {})", first.id());
     let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
     cmd.args(["--resume", "auto"]);
     let second = run(cmd, dir.path());
     assert_eq!(second.code(), 2, "{}", second.stderr());
-    assert!(second.stderr().contains(&format!("is in use by another trainguard run (pid {})", first.id())), "{}", second.stderr());
+    assert!(second.stderr().contains(&holder), "{}", second.stderr());
+    // `--overwrite` would move the directory aside from under it: refused too.
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
+    cmd.arg("--overwrite");
+    let third = run(cmd, dir.path());
+    assert_eq!(third.code(), 2, "{}", third.stderr());
+    assert!(third.stderr().contains(&holder), "{}", third.stderr());
+    assert!(dir.path().join("config.yaml").is_file(), "not moved aside");
     let first = first.wait_with_output().unwrap();
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     assert_eq!(checkpoint_steps(dir.path()), [2, 4, 6]);

@@ -10,5 +10,5 @@ mod watch;
 
 pub use resume::Resume;
 pub use run::Run;
-pub use lock::LockError;
+pub use lock::{LockError, RunDirLock};
 pub use trainer::{train, TrainError};
