@@ -152,6 +152,8 @@ pub enum StopReason {
     Nonfinite,
     /// Out of memory even at the smallest micro-batch.
     OutOfMemory,
+    /// A token id outside the vocabulary in the step's windows (a training split over 1 GiB).
+    BadData,
 }
 
 impl StopReason {
@@ -161,6 +163,7 @@ impl StopReason {
             StopReason::TimeLimit => "time_limit",
             StopReason::Nonfinite => "nonfinite",
             StopReason::OutOfMemory => "out_of_memory",
+            StopReason::BadData => "bad_data",
         }
     }
 }

@@ -198,6 +198,9 @@ fn record_deadline(plan: &run_plan::RunPlan, launch: Option<&dist::DistEnv>) {
         return;
     }
     let out_dir = &plan.config.out_dir;
+    if matches!(train::RunDirLock::take(out_dir), Err(train::LockError::Busy { .. })) {
+        return; // another run's directory: this one is refused when it builds, and must not move its deadline
+    }
     let d = deadline::Deadline { run_id, deadline_unix_s: deadline::now_unix_s() + limit.as_secs_f64() };
     if let Err(e) = deadline::record(out_dir, &d) {
         tracing::warn!("cannot record the deadline in {}: {e}; a torchrun restart would get the full duration again", deadline::path(out_dir).display());

@@ -255,14 +255,14 @@ fn max_duration_stops_in_time_with_a_checkpoint() {
 }
 
 /// `train.max_duration` counts from the process' start, not from the first step: a start-up
-/// of ~2.5 s (150M synthetic tokens to generate) went uncounted. And a step followed by an
+/// of ~2 s (100M synthetic tokens to generate) went uncounted. And a step followed by an
 /// evaluation (here 300 batches, many steps' worth) is not started when the evaluation would
 /// pass the limit: the first is guessed from the step time, later ones measured. Before, a
 /// 12 s limit ran 38 s. The whole process, teardown included, ends within the limit (+0.5 s).
 #[test]
 fn max_duration_counts_start_up_and_the_evaluation_a_step_brings() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100000", "checkpoint.interval=0", "train.eval_interval=5", "train.eval_batches=300", "data.synthetic_tokens=150000000"];
+    let sets = ["train.max_steps=100000", "checkpoint.interval=0", "train.eval_interval=5", "train.eval_batches=300", "data.synthetic_tokens=100000000"];
     let mut cmd = command(dir.path(), "configs/debug.yaml", &sets);
     cmd.args(["--max-duration", "7s"]);
     let t0 = Instant::now();

@@ -97,6 +97,8 @@ fn ids_outside_the_vocabulary_in_a_large_split_are_caught_as_steps_read_them() {
     assert!(r.stderr().contains(&said), "{said}\n{}", r.stderr());
     assert!(!r.stderr().contains("libtorch"), "{}", r.stderr());
     assert!(out.join("checkpoints/step-00000001").is_dir(), "step 1 kept");
+    let stopped = read_jsonl(&out.join("events.jsonl")).into_iter().filter(|e| e["event"] == "stopped").collect::<Vec<_>>();
+    assert_eq!((stopped[0]["reason"].as_str(), stopped[0]["step"].as_u64()), (Some("bad_data"), Some(1)));
 
     // A bad id in the validation shard is refused at load, before any step.
     let mut bad_val = val.clone();
@@ -264,7 +266,7 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
         assert!(t0.elapsed() < Duration::from_secs(120), "checkpoint 4 never started");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let holder = format!("is in use by another trainguard run (pid {})", first.id());
+    let holder = format!("is in use by another trainguard run (pid {} on ", first.id());
     let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
     cmd.args(["--resume", "auto"]);
     let second = run(cmd, dir.path());

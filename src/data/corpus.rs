@@ -153,7 +153,7 @@ impl Corpus {
         // Stored as uint16: a larger vocabulary draws from its first 65,536 ids.
         let vocab = vocab.min(1 << 16);
         let tokens = synthetic::generate(vocab, len).map_err(|e| DataError::TooLarge { tokens: len, why: e.to_string() })?;
-        Ok(Self::split(Tokens::Owned(tokens), val_fraction, format!("synthetic ({len} tokens)")))
+        Ok(Self { vocab, ..Self::split(Tokens::Owned(tokens), val_fraction, format!("synthetic ({len} tokens)")) })
     }
 
     fn text(path: &Path, val_fraction: f64) -> Result<Self, DataError> {
@@ -236,9 +236,10 @@ impl Corpus {
     /// context. A model that learns goes clearly below it.
     pub fn unigram_entropy(&self, split: Split) -> f64 {
         let n = self.len(split);
-        let mut counts = vec![0u64; 1 << 16];
-        // Ids above uint16's (Llama 3's vocabulary) are few: counted sparsely, so a corpus's
-        // largest id never sizes an allocation.
+        // Dense up to the vocabulary (ids are checked below it; Llama 3's 128,256 included), at
+        // most 2^21 counters (16 MiB); any beyond, sparsely: a corpus's largest id never sizes
+        // an allocation.
+        let mut counts = vec![0u64; self.vocab.clamp(1 << 16, 1 << 21)];
         let mut large: std::collections::HashMap<u32, u64> = Default::default();
         let mut buf = vec![0u32; 1 << 16];
         let mut pos = 0;
@@ -368,6 +369,10 @@ mod tests {
             let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, seq);
             assert!(with(n).is_ok(), "{f} {seq}: {n}");
             assert!(with(n - 1).is_err(), "{f} {seq}: {n} is not the least");
+        }
+        // A share too small for any corpus in memory: at once, not a loop that wraps around.
+        for f in [1e-300, 3e-18] {
+            assert_eq!(DataConfig { val_fraction: f, ..Default::default() }.min_tokens(64), usize::MAX);
         }
     }
 

@@ -128,8 +128,8 @@ pub struct Sources {
 }
 
 /// Resolves `path`: a `prepare` directory (its `dataset.json`), a directory of `.bin` shards, a
-/// glob, or one file. Outside a manifest, files whose name contains `val` are validation
-/// shards (llm.c's naming: `…_val_000000.bin`).
+/// glob (`.bin` files), or one file. Outside a manifest, files named as [`is_validation`] says
+/// are validation shards (llm.c's naming: `…_val_000000.bin`).
 pub fn resolve(path: &str) -> Result<Sources, String> {
     let p = Path::new(path);
     if p.is_dir() {
@@ -173,11 +173,13 @@ fn classify(files: Vec<PathBuf>, what: &str) -> Result<Sources, String> {
     Ok(Sources { train, val, manifest: None })
 }
 
-/// A validation shard's name has `val` (or `valid`, `validation`) as one of its parts between
-/// `_`, `-` and `.`: llm.c's `fineweb_val_000000.bin`, nanoGPT's `val.bin`; not `survival_train.bin`.
+/// A validation shard's name has `val` (or `valid`, `validation`), a number after it allowed,
+/// as one of its parts between `_`, `-` and `.`: llm.c's `fineweb_val_000000.bin`, nanoGPT's
+/// `val.bin`, `data_val0.bin`; not `survival_train.bin` or `interval_000.bin`.
 fn is_validation(file: &Path) -> bool {
     let stem = file.file_stem().map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
-    stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|part| matches!(part, "val" | "valid" | "validation"))
+    stem.split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|part| matches!(part.trim_end_matches(|c: char| c.is_ascii_digit()), "val" | "valid" | "validation"))
 }
 
 #[cfg(test)]
@@ -231,6 +233,8 @@ mod tests {
             ("tiny-valid.bin", true),
             ("x.validation.bin", true),
             ("survival_val_000000.bin", true),
+            ("data_val0.bin", true),
+            ("val1.bin", true),
             ("survival_train_000000.bin", false),
             ("interval_000.bin", false),
             ("eval_set.bin", false),

@@ -223,7 +223,8 @@ impl Dist {
         let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
         let hi = self.all_reduce_values("weight check", &sums, ReduceOp::Max)?;
         let lo = self.all_reduce_values("weight check", &negated, ReduceOp::Max)?;
-        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, f64::max))
+        // NaN (a NaN weight, or infinite sums) stays NaN: "ranks differ", never "identical".
+        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, |a, d| if a.is_nan() || d.is_nan() { f64::NAN } else { a.max(d) }))
     }
 
     pub fn barrier(&self) -> Result<(), DistError> {

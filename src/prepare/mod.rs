@@ -127,13 +127,15 @@ pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareEr
 const STAGING_PREFIX: &str = ".prepare-tmp-";
 
 /// Removes the staging directories of earlier `prepare`s into `out` that are no longer
-/// running (killed, or a second signal): their pid has no process. One still running keeps its.
+/// running (killed, or a second signal): their pid has no process here, or is this process's
+/// own (not made yet: one left by an earlier process given the same pid, as in containers).
+/// One still running keeps its.
 fn remove_abandoned_staging(out: &Path) {
     let Ok(entries) = std::fs::read_dir(out) else { return };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some(pid) = name.strip_prefix(STAGING_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
-        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+        if pid == std::process::id() || !Path::new(&format!("/proc/{pid}")).exists() {
             tracing::info!("removing {}, left by a prepare that did not finish", e.path().display());
             let _ = std::fs::remove_dir_all(e.path());
         }

@@ -2,6 +2,8 @@
 //! run. Two runs in one directory (a double launch, a requeue while the old job still runs)
 //! deleted each other's checkpoints in progress and interleaved their metrics lines. The lock
 //! goes with the process, however it ends (`flock`), so a killed run never leaves it behind.
+//! Where the filesystem cannot lock (Lustre mounted `noflock`, NFS without its lock daemon) the
+//! run goes on with a warning: the lock is a guard, and training must not depend on it.
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -10,8 +12,8 @@ pub const LOCK_FILE: &str = ".lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir", .dir.display(), .holder.map_or("its pid unknown".to_string(), |p| format!("pid {p}")))]
-    Busy { dir: PathBuf, holder: Option<u32> },
+    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"))]
+    Busy { dir: PathBuf, holder: Option<String> },
     #[error("cannot lock {}: {source}", .path.display())]
     Io { path: PathBuf, source: std::io::Error },
 }
@@ -21,26 +23,39 @@ pub enum LockError {
 pub struct RunDirLock(#[allow(dead_code)] File);
 
 impl RunDirLock {
-    /// Locks `dir` when it exists (None when it does not: a fresh run locks it once created).
+    /// Locks `dir` when it exists (None when it does not: a fresh run locks it once created,
+    /// and where the filesystem cannot lock, said as a warning).
     pub fn take(dir: &Path) -> Result<Option<Self>, LockError> {
         if !dir.is_dir() {
             return Ok(None);
         }
+        match Self::try_take(dir) {
+            Err(LockError::Io { path, source }) => {
+                tracing::warn!("cannot lock {} ({source}): this filesystem does not take locks, so nothing stops a second run in this out_dir", path.display());
+                Ok(None)
+            }
+            other => other.map(Some),
+        }
+    }
+
+    fn try_take(dir: &Path) -> Result<Self, LockError> {
         let path = dir.join(LOCK_FILE);
         let io = |source| LockError::Io { path: path.clone(), source };
         let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
-                let mut pid = String::new();
-                let _ = file.read_to_string(&mut pid);
-                return Err(LockError::Busy { dir: dir.to_path_buf(), holder: pid.trim().parse().ok() });
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = Some(holder.trim().to_string()).filter(|h| !h.is_empty());
+                return Err(LockError::Busy { dir: dir.to_path_buf(), holder });
             }
             Err(TryLockError::Error(e)) => return Err(io(e)),
         }
-        // The holder's pid, for the message a second run gets.
-        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "{}", std::process::id())).map_err(io)?;
-        Ok(Some(Self(file)))
+        // Who holds it, for the message a second run gets (the host: out_dir may be shared).
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "pid {} on {host}", std::process::id())).map_err(io)?;
+        Ok(Self(file))
     }
 }
 
@@ -54,7 +69,7 @@ mod tests {
         assert!(RunDirLock::take(&dir.path().join("absent")).unwrap().is_none());
         let first = RunDirLock::take(dir.path()).unwrap().expect("the directory exists");
         let err = RunDirLock::take(dir.path()).unwrap_err();
-        assert!(matches!(err, LockError::Busy { holder: Some(p), .. } if p == std::process::id()), "{err}");
+        assert!(matches!(&err, LockError::Busy { holder: Some(h), .. } if h.starts_with(&format!("pid {} on ", std::process::id()))), "{err}");
         assert!(err.to_string().contains("in use by another trainguard run"), "{err}");
         drop(first);
         assert!(RunDirLock::take(dir.path()).unwrap().is_some());

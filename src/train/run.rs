@@ -105,10 +105,13 @@ impl<'a> Run<'a> {
         }
         let (Start { loaded, skipped, restored }, mut changed) = resumed?;
         if let Some(dir) = run_dir {
-            prepare_run_dir(dir, plan)?;
             if lock.is_none() {
-                lock = RunDirLock::take(dir)?; // a fresh run's directory, just made
+                // A fresh run's directory, locked as soon as it exists: before anything is
+                // written into it (two runs launched at once into a new out_dir).
+                std::fs::create_dir_all(dir).map_err(|source| TrainError::RunDir { path: dir.to_path_buf(), source })?;
+                lock = RunDirLock::take(dir)?;
             }
+            prepare_run_dir(dir, plan)?;
         }
         let set_aside = match run_dir {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
@@ -252,9 +255,8 @@ impl<'a> Run<'a> {
         if let Err(e) = step_data(&self.corpus, plan).sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
             // The steps since the last checkpoint are kept: with the data (or model.vocab_size)
             // mended, `--resume auto` goes on from here.
-            if let Some(path) = self.save_for_stop(step) {
-                tracing::warn!("stopping at step {step} on bad data; checkpoint: {}", path.display());
-            }
+            let path = self.save_for_stop(step);
+            self.reporter.emit(Event::Stopped { step, reason: StopReason::BadData, checkpoint: path.map(|p| p.display().to_string()) });
             return Err(e.into());
         }
         let data = step_data(&self.corpus, plan);
