@@ -189,7 +189,7 @@ impl DataConfig {
         let smaller_share = self.val_fraction.min(1.0 - self.val_fraction);
         // Below this the smaller share holds at most need - 1 tokens (rounded, fewer than need).
         let start = ((need - 1) as f64 / smaller_share).floor();
-        if !(start < 1e15) {
+        if start >= 1e15 {
             return usize::MAX; // a share so small that no corpus that fits in memory has a window
         }
         let mut n = (start as usize).max(2 * need);
