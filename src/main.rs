@@ -144,15 +144,21 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
 /// progress is not one; with none, no record: nothing to requeue), and under torchrun the exit
 /// is 0, as for any planned stop.
 fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 {
-    if let Some((step, path)) = writer.then(|| checkpoint::store::list(&checkpoint::store::root(out_dir)).pop()).flatten() {
-        if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(step, "signal", Some(&path))) {
+    let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
+    if let (Some((step, path)), true) = (&newest, writer) {
+        if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(*step, "signal", Some(path))) {
             eprintln!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
         }
     }
-    if elastic {
-        exit::SUCCESS
-    } else {
-        exit::INTERRUPTED
+    match (elastic, newest) {
+        // Any other code would make torchrun restart the group the person stopped.
+        (true, _) => exit::SUCCESS,
+        (false, Some(_)) => exit::INTERRUPTED,
+        // Exit 4 promises a checkpoint to resume from: with none yet, it is a failure.
+        (false, None) => {
+            eprintln!("no checkpoint was written yet: nothing to resume from (exit 1)");
+            exit::FAILURE
+        }
     }
 }
 

@@ -209,7 +209,7 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
 fn a_second_signal_mid_step_exits_4_every_time() {
     for i in 0..6u64 {
         let dir = tempfile::tempdir().unwrap();
-        let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "train.warmup_steps=0", "checkpoint.interval=0", "train.eval_interval=0"]);
+        let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "train.warmup_steps=0", "checkpoint.interval=1", "train.eval_interval=0"]);
         let child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let t0 = Instant::now();
         while read_jsonl(&dir.path().join("metrics.jsonl")).len() < 2 {
@@ -224,6 +224,30 @@ fn a_second_signal_mid_step_exits_4_every_time() {
         let out = child.wait_with_output().unwrap();
         assert_eq!(out.status.code(), Some(4), "try {i}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
     }
+}
+
+/// Before any checkpoint exists a second signal leaves nothing to resume from: exit 1, saying
+/// so, not the 4 that promises a checkpoint (and no stop record). Steps of seconds, so both
+/// signals land inside one, before the stop's checkpoint.
+#[test]
+fn a_second_signal_before_any_checkpoint_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = &mut command(dir.path(), "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
+    let child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let t0 = Instant::now();
+    while read_jsonl(&dir.path().join("metrics.jsonl")).is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..2 {
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("nothing to resume from"), "{stderr}");
+    assert!(checkpoint_steps(dir.path()).is_empty() && trainguard::stop_record::read(dir.path()).is_none());
 }
 
 /// Under torchrun's agent a second signal is a planned stop too: exit 0 (any other code would

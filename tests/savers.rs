@@ -55,7 +55,7 @@ fn at_the_floor_the_guard_switches_checkpointing_on_and_the_run_completes() {
         let escalated = train(a.path(), "configs/debug.yaml", &[&base[..], &[cap.as_str(), "oom.escalate=[activation_checkpointing, offload_activations]"]].concat()).ok();
         let esc = escalated.events_of("oom_escalated");
         assert_eq!(esc.len(), 1, "{cap}: {:?}", escalated.events());
-        assert_eq!(esc[0]["switched_on"], "ActivationCheckpointing");
+        assert_eq!(esc[0]["switched_on"], "activation_checkpointing", "as the config spells it");
         assert_eq!(series(&escalated.metrics(), "loss"), series(&from_start.metrics(), "loss"), "{cap}: same as checkpointing from the start");
     }
     // Without escalation the same cap is fatal.

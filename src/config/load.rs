@@ -63,9 +63,14 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, 
             None => raw.clone(),
         };
         // A value that came from the command line is blamed on the --set that gave it.
-        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")));
+        // (Either way round: `trainz.lr=3` fails at the unknown section `trainz`.)
+        let set_here = |arg: &&String| {
+            arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")) || k.starts_with(&format!("{key}.")))
+        };
         let from_set = overrides.iter().rev().find(set_here);
-        let another_may_follow = raw.starts_with("unknown field") && problems.len() < 64 && remove(&mut tree, e.path());
+        // Any key serde refused is taken out to look for the next (a type error beside unknown
+        // keys was reported alone); what cannot be taken out ends the search.
+        let another_may_follow = problems.len() < 64 && remove(&mut tree, e.path());
         problems.push((Problem::new(&key, message), from_set));
         if !another_may_follow {
             break;
@@ -345,6 +350,13 @@ mod tests {
         assert!(err.contains("optimizer.nmae: unknown field `nmae`: did you mean `name`? (from --set `optimizer.nmae=adamw`)"), "{err}");
         let err = load(None, &["optimizer.nmae=adamw".into()]).unwrap_err();
         assert!(matches!(&err, ConfigError::Override { arg, why } if arg == "optimizer.nmae=adamw" && why.contains("did you mean `name`")), "{err}");
+        // An unknown section given by --set is the --set's too.
+        let err = load(None, &["trainz.lr=3".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Override { arg, .. } if arg == "trainz.lr=3"), "{err}");
+        // A type error and an unknown key: both, in one run.
+        std::fs::write(&p, "train:\n  lr: abc\n  max_stepz: 3\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type") && err.contains("did you mean `max_steps`"), "{err}");
     }
 
     #[test]

@@ -361,6 +361,16 @@ pub enum Escalation {
     OffloadActivations,
 }
 
+impl Escalation {
+    /// As the config spells it (`oom.escalate`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Escalation::ActivationCheckpointing => "activation_checkpointing",
+            Escalation::OffloadActivations => "offload_activations",
+        }
+    }
+}
+
 impl Default for OomConfig {
     fn default() -> Self {
         Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn, escalate: vec![] }

@@ -386,7 +386,7 @@ impl Guard {
             // The failed attempt's work is lost, and so is the time spent recovering.
             self.totals.time_lost += started.elapsed();
             if let Decision::Escalate { level } = decision {
-                let what = self.escalate.get(level - 1).map(|e| format!("{e:?}")).unwrap_or_default();
+                let what = self.escalate.get(level - 1).map(|e| e.name().to_string()).unwrap_or_default();
                 reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on: what });
                 continue;
             }
