@@ -167,7 +167,7 @@ fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
     let steps: Vec<u64> = checkpoint::store::list(&checkpoint::store::root(out_dir)).iter().map(|(s, _)| *s).collect();
     if checkpoint::fresh::decide(&steps, true) == checkpoint::fresh::FreshStart::MoveAside {
         // Not from under a run that is still writing there.
-        let _live = train::RunDirLock::take(out_dir)?;
+        let _live = train::RunDirLock::take(out_dir).map_err(train::TrainError::from)?;
         let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
         std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
         tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
@@ -333,10 +333,6 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         if cause.downcast_ref::<trainguard::report::ReportError>().is_some_and(|e| e.is_usage())
             || cause.downcast_ref::<trainguard::trace::TraceError>().is_some_and(|e| e.is_usage())
         {
-            return exit::CONFIG;
-        }
-        // Another run holds out_dir (`--overwrite` checks too, outside a run).
-        if matches!(cause.downcast_ref::<train::LockError>(), Some(train::LockError::Busy { .. })) {
             return exit::CONFIG;
         }
         if matches!(cause.downcast_ref::<trainguard::prepare::PrepareError>(), Some(trainguard::prepare::PrepareError::Interrupted)) {
