@@ -484,6 +484,9 @@ fn apply_refuses_what_it_cannot_do_and_writes_nothing_when_nothing_fits() {
     assert!(run.stdout().contains("does not fit"), "the plan is still printed");
     assert_eq!(std::fs::read_to_string(&cfg).unwrap(), original);
     assert!(!dir.path().join("gpt2.yaml.bak").exists());
+    // Flags that say what the file holds already plan the file's model: applied.
+    plan(&["--config", &cfg_s, "--gpu", "t4", "--precision", "fp32", "--seq-len", "1024", "--optimizer", "adamw", "--apply"]).ok();
+    assert_ne!(std::fs::read_to_string(&cfg).unwrap(), original, "the micro-batch was written");
 }
 
 /// Under a cap too small for micro-batch 1 the profile says nothing fits and why, not "no fit:

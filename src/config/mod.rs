@@ -176,10 +176,15 @@ impl Default for DataConfig {
     }
 }
 
+/// Where the held-out tail of `val_fraction` of a corpus of `tokens` tokens starts.
+pub fn val_start(tokens: usize, val_fraction: f64) -> usize {
+    ((tokens as f64) * (1.0 - val_fraction)).round() as usize
+}
+
 impl DataConfig {
     /// Where the held-out tail of a corpus of `tokens` tokens starts (no validation shards).
     pub fn val_start(&self, tokens: usize) -> usize {
-        ((tokens as f64) * (1.0 - self.val_fraction)).round() as usize
+        val_start(tokens, self.val_fraction)
     }
 
     /// The fewest tokens whose split leaves windows of `seq_len + 1` tokens, and one offset more,

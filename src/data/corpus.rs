@@ -111,6 +111,9 @@ pub struct Corpus {
     /// Whether training windows are checked for ids outside the vocabulary as steps read them:
     /// a training split too large to scan at load.
     pub check_as_read: bool,
+    /// [`Self::unigram_entropy`] of the validation split, from the scan at load that also
+    /// checks its ids.
+    pub val_entropy: f64,
 }
 
 /// A training split of more bytes than this is checked as steps read it, not at load (a
@@ -144,7 +147,13 @@ impl Corpus {
         if !corpus.check_as_read {
             corpus.check_vocab(0, corpus.val_start)?;
         }
-        corpus.check_vocab(corpus.val_start, corpus.tokens.len() - corpus.val_start)?;
+        // One read of the validation split: its ids' counts give the entropy, and a count at or
+        // beyond the vocabulary sends it to the check that names the file and index.
+        let (counts, large) = corpus.id_counts(Split::Val);
+        if !large.is_empty() || counts.iter().skip(vocab).any(|&c| c > 0) {
+            corpus.check_vocab(corpus.val_start, corpus.len(Split::Val))?;
+        }
+        corpus.val_entropy = entropy(counts.iter().chain(large.values()), corpus.len(Split::Val));
         Ok(corpus)
     }
 
@@ -199,15 +208,15 @@ impl Corpus {
         let mut corpus = if sources.val.is_empty() {
             Self::split(tokens, val_fraction, description)
         } else {
-            Self { tokens, val_start: train_len, description, manifest: None, vocab: usize::MAX, check_as_read: false }
+            Self { tokens, val_start: train_len, description, manifest: None, vocab: usize::MAX, check_as_read: false, val_entropy: f64::NAN }
         };
         corpus.manifest = sources.manifest;
         Ok(corpus)
     }
 
     fn split(tokens: Tokens, val_fraction: f64, description: String) -> Self {
-        let val_start = DataConfig { val_fraction, ..Default::default() }.val_start(tokens.len());
-        Self { tokens, val_start, description, manifest: None, vocab: usize::MAX, check_as_read: false }
+        let val_start = crate::config::val_start(tokens.len(), val_fraction);
+        Self { tokens, val_start, description, manifest: None, vocab: usize::MAX, check_as_read: false, val_entropy: f64::NAN }
     }
 
     pub fn len(&self, split: Split) -> usize {
@@ -235,6 +244,13 @@ impl Corpus {
     /// Entropy (nats) of the token distribution of `split`: the loss of a model that ignores
     /// context. A model that learns goes clearly below it.
     pub fn unigram_entropy(&self, split: Split) -> f64 {
+        let (counts, large) = self.id_counts(split);
+        entropy(counts.iter().chain(large.values()), self.len(split))
+    }
+
+    /// How often each id occurs in `split`: densely below the vocabulary's size, the rest in
+    /// the map.
+    fn id_counts(&self, split: Split) -> (Vec<u64>, std::collections::HashMap<u32, u64>) {
         let n = self.len(split);
         // Dense up to the vocabulary (ids are checked below it; Llama 3's 128,256 included), at
         // most 2^21 counters (16 MiB); any beyond, sparsely: a corpus's largest id never sizes
@@ -254,7 +270,7 @@ impl Corpus {
             }
             pos += chunk;
         }
-        counts.iter().chain(large.values()).filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.ln()).sum()
+        (counts, large)
     }
 
     /// Refuses an id outside the vocabulary in the `len` tokens from position `start` of the
@@ -285,6 +301,11 @@ impl Corpus {
     pub fn check_train_window(&self, offset: usize, seq_len: usize) -> Result<(), DataError> {
         self.check_vocab(offset, seq_len + 1)
     }
+}
+
+/// Entropy (nats) of the distribution with these counts over `n` draws.
+fn entropy<'a>(counts: impl Iterator<Item = &'a u64>, n: usize) -> f64 {
+    counts.filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.ln()).sum()
 }
 
 fn map_piece(file: &Path, start: usize) -> Result<Piece, DataError> {
@@ -345,6 +366,31 @@ mod tests {
         assert_eq!(w, [26, 27, 28, 29]);
         let err = Corpus::load(&cfg, 70_050, 8).err().unwrap();
         assert!(err.is_usage() && err.to_string().contains("outside model.vocab_size = 70050"), "{err}");
+    }
+
+    #[test]
+    fn the_validation_split_read_once_at_load_refuses_outside_ids_and_gives_the_entropy() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, toks: &[u32]| {
+            let mut bytes = shards::header(Dtype::Uint32, toks.len());
+            bytes.extend(toks.iter().flat_map(|t| t.to_le_bytes()));
+            std::fs::write(dir.path().join(name), bytes).unwrap();
+        };
+        let cfg = DataConfig { source: format!("tokens:{}", dir.path().display()), ..Default::default() };
+        write("d_train_000000.bin", &(0..100).map(|i| i % 7).collect::<Vec<_>>());
+        // Below the dense counters' 2^16 and beyond them: both found, the index named.
+        for bad in [300, 70_000] {
+            let mut val: Vec<u32> = (0..30).map(|i| i % 5).collect();
+            val[17] = bad;
+            write("d_val_000000.bin", &val);
+            let err = Corpus::load(&cfg, 256, 8).err().unwrap().to_string();
+            let file = dir.path().join("d_val_000000.bin");
+            assert!(err.contains(&format!("{}: token {bad} at index 17 is outside", file.display())), "{err}");
+        }
+        write("d_val_000000.bin", &(0..30).map(|i| i % 5).collect::<Vec<_>>());
+        let c = Corpus::load(&cfg, 256, 8).unwrap();
+        assert!((c.val_entropy - 5f64.ln()).abs() < 1e-12, "{}", c.val_entropy);
+        assert_eq!(c.val_entropy, c.unigram_entropy(Split::Val));
     }
 
     #[test]

@@ -465,6 +465,32 @@ fn model_or_setup_flags(a: &PlanArgs) -> Vec<&'static str> {
     given.into_iter().filter(|(_, on)| *on).map(|(flag, _)| flag).collect()
 }
 
+/// Whether the model and setup flags given only say what the file holds already (a script
+/// that always passes `--precision bf16-mixed`): the plan is then the file's.
+fn flags_restate_the_file(a: &PlanArgs, inputs: &Inputs) -> bool {
+    let bare = PlanArgs {
+        arch: None,
+        params: None,
+        layers: None,
+        hidden: None,
+        heads: None,
+        vocab: None,
+        seq_len: None,
+        ffn: None,
+        kv_heads: None,
+        untied: false,
+        tied: false,
+        no_bias: false,
+        precision: None,
+        optimizer: None,
+        activation_checkpointing: false,
+        no_flash: false,
+        loss_chunk_tokens: None,
+        ..a.clone()
+    };
+    Inputs::resolve(&bare).is_ok_and(|b| b.model == inputs.model && b.setup == inputs.setup)
+}
+
 /// Runs `trainguard plan`.
 pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
     let inputs = Inputs::resolve(args)?;
@@ -479,7 +505,7 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
             return Err(usage("--apply cannot be combined with --set: the plan would be for a config the file does not hold"));
         }
         let described = model_or_setup_flags(args);
-        if !described.is_empty() {
+        if !described.is_empty() && !flags_restate_the_file(args, &inputs) {
             return Err(usage(format!(
                 "--apply cannot be combined with {}: the plan would be for a model or setup the file does not hold, and only the micro-batch is written",
                 described.join(", ")

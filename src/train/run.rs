@@ -8,7 +8,7 @@ use super::lock::RunDirLock;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::store;
-use crate::data::{Corpus, Sampler, Split};
+use crate::data::{Corpus, Sampler};
 use crate::dist::Dist;
 use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
 use crate::guard::{unrecovered, Guard, GuardError, GuardState};
@@ -67,7 +67,7 @@ impl<'a> Run<'a> {
             super::ranks::check_same_start(d, cfg, corpus.as_ref().ok())?;
         }
         let corpus = corpus?;
-        let unigram_entropy = corpus.unigram_entropy(Split::Val);
+        let unigram_entropy = corpus.val_entropy;
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let mut ckpt = Checkpointer::new(plan);
@@ -252,14 +252,14 @@ impl<'a> Run<'a> {
         let traced_range = self.trace(|t| t.before_step(step)).flatten();
         let step_started = Instant::now();
         let lr = plan.schedule.at(step);
-        if let Err(e) = step_data(&self.corpus, plan).sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
+        let data = step_data(&self.corpus, plan);
+        if let Err(e) = data.sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
             // The steps since the last checkpoint are kept: with the data (or model.vocab_size)
             // mended, `--resume auto` goes on from here.
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason: StopReason::BadData, checkpoint: path.map(|p| p.display().to_string()) });
             return Err(e.into());
         }
-        let data = step_data(&self.corpus, plan);
         let outcome = optimizer_step(
             &mut self.state.trainable,
             &mut self.state.guard,
