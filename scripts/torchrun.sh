@@ -6,8 +6,8 @@
 # restarted group resumes from the newest complete checkpoint by itself, with what is left of
 # --max-duration. A planned stop (SIGINT/SIGTERM to this script, or the time limit) is not a
 # failure: trainguard exits 0 under torchrun and leaves OUT_DIR/stop.json, so there is no restart.
-# Exit code: 0 finished, 4 stopped and resumable (`--resume auto` continues), else crashed
-# (torchrun's code, 1 if it had none).
+# Exit code: 0 finished, 4 stopped and resumable (`--resume auto` continues), 2 a bad config or
+# an out_dir another run is using, else crashed (torchrun's code, 1 if it had none).
 # TORCHRUN and TRAINGUARD override the launcher and binary paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,13 @@ bin=${TRAINGUARD:-target/release/trainguard}
 [ -x "$bin" ] || cargo build --release || exit 1
 mapfile -d '' sets < <(sets_of "$@")
 out_dir=$(out_dir_of "$bin" "$config" "${sets[@]}") || exit 2   # a bad config: its error is printed
+# A run still going in out_dir (its rank 0 holds out_dir/.lock): refused here, once, exit 2, as
+# trainguard would refuse it; under torchrun each refusal would be a failed attempt, restarted
+# MAX_RESTARTS times, and its stop record is not ours to remove.
+if [ -d "$out_dir" ] && command -v flock >/dev/null && ! flock -n "$out_dir/.lock" true 2>/dev/null; then
+  echo "error: $out_dir is in use by another trainguard run ($(cat "$out_dir/.lock" 2>/dev/null || echo 'its pid unknown')): wait for it to end, or choose another out_dir" >&2
+  exit 2
+fi
 rm -f "$out_dir/stop.json"
 "$torchrun" --standalone --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-3}" \
   --no-python "$bin" train --config "$config" "$@" &

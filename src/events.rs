@@ -365,7 +365,12 @@ impl Reporter {
                 tracing::warn!("step {step}: the CUDA allocator keeps flushing its cache to satisfy requests ({total_retries} retries so far), which slows every step; {what}");
             }
             Event::Stopped { step, reason, checkpoint } => {
-                let ck = checkpoint.as_deref().map(|c| format!("; checkpoint {c}")).unwrap_or_else(|| "; no checkpoint".into());
+                let ck = match checkpoint {
+                    Some(c) => format!("; checkpoint {c}"),
+                    // A rank that writes no files: the checkpoint, if any, is rank 0's to say.
+                    None if self.events.is_none() => "; rank 0 writes the checkpoint".into(),
+                    None => "; no checkpoint".into(),
+                };
                 tracing::warn!("stopping at step {step} ({reason}){ck}");
             }
             Event::TraceWritten(s) => {

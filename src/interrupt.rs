@@ -4,6 +4,9 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+/// The bit [`Interrupter::request`] sets; the bits below count signals.
+const REQUESTED_BY_CODE: u32 = 1 << 31;
+
 #[derive(Debug, Clone, Default)]
 pub struct Interrupter(Arc<AtomicU32>);
 
@@ -18,7 +21,7 @@ impl Interrupter {
     pub fn install_signal_handler(&self, first: &'static str, then: &'static str, second: impl Fn() -> i32 + Send + 'static) -> Result<(), ctrlc::Error> {
         let count = self.0.clone();
         ctrlc::set_handler(move || {
-            if count.fetch_add(1, Ordering::SeqCst) >= 1 {
+            if count.fetch_add(1, Ordering::SeqCst) & !REQUESTED_BY_CODE >= 1 {
                 eprintln!("second signal: exiting now; {then}");
                 let code = second();
                 // Not `exit`: it runs libtorch's static destructors on this thread while the
@@ -30,8 +33,10 @@ impl Interrupter {
         })
     }
 
+    /// A stop asked for by the run itself (`faults.interrupt_at_step`): not a signal, so a
+    /// real one after it is still the first.
     pub fn request(&self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
+        self.0.fetch_or(REQUESTED_BY_CODE, Ordering::SeqCst);
     }
 
     pub fn requested(&self) -> bool {

@@ -75,16 +75,13 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         Some("none") => Resume::Fresh,
         Some(path) => Resume::Path(path.into()),
         None if restarted => Resume::Auto,
+        // Rank 0 moves the old run aside where the ranks compare their start (a refusal
+        // there is one every rank hears of); a torchrun restart resumes instead.
+        None if args.overwrite => Resume::Overwrite,
         None => Resume::Fresh,
     };
-    if args.overwrite && matches!(resume, Resume::Fresh) && writer {
-        move_old_run_aside(&plan.config.out_dir)?;
-    }
-    // An earlier run's stop record is removed once the run is built (src/train/run.rs): a
-    // command refused before then leaves it.
-    if writer && elastic {
-        record_deadline(&plan, launch.as_ref());
-    }
+    // An earlier run's stop record is removed, and torchrun's deadline recorded, once the
+    // ranks agree to start (src/train/run_dir.rs): a command refused before then leaves them.
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
     }
@@ -162,19 +159,6 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
     }
 }
 
-/// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted.
-fn move_old_run_aside(out_dir: &std::path::Path) -> anyhow::Result<()> {
-    let steps: Vec<u64> = checkpoint::store::list(&checkpoint::store::root(out_dir)).iter().map(|(s, _)| *s).collect();
-    if checkpoint::fresh::decide(&steps, true) == checkpoint::fresh::FreshStart::MoveAside {
-        // Not from under a run that is still writing there.
-        let _live = train::RunDirLock::take(out_dir).map_err(train::TrainError::from)?;
-        let aside = checkpoint::fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
-        std::fs::rename(out_dir, &aside).with_context(|| format!("cannot move the old run {} aside to {}", out_dir.display(), aside.display()))?;
-        tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
-    }
-    Ok(())
-}
-
 fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
     if args.compare {
         let summaries = args.files.iter().map(|f| trainguard::trace::read(f, args.top)).collect::<Result<Vec<_>, _>>()?;
@@ -195,22 +179,6 @@ fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
 fn run_report(args: &trainguard::cli::ReportArgs) -> anyhow::Result<()> {
     let out_path = trainguard::report::run(&args.runs, args.out.as_deref())?;
     out(&format!("{}\n", out_path.display()))
-}
-
-/// First attempt under torchrun: remember when `train.max_duration` ends (rank 0 writes it).
-fn record_deadline(plan: &run_plan::RunPlan, launch: Option<&dist::DistEnv>) {
-    let (Some(limit), Ok(run_id)) = (plan.time_limit, std::env::var("TORCHELASTIC_RUN_ID")) else { return };
-    if launch.is_some_and(|l| l.restart_count > 0) {
-        return;
-    }
-    let out_dir = &plan.config.out_dir;
-    if matches!(train::RunDirLock::take(out_dir), Err(train::LockError::Busy { .. })) {
-        return; // another run's directory: this one is refused when it builds, and must not move its deadline
-    }
-    let d = deadline::Deadline { run_id, deadline_unix_s: deadline::now_unix_s() + limit.as_secs_f64() };
-    if let Err(e) = deadline::record(out_dir, &d) {
-        tracing::warn!("cannot record the deadline in {}: {e}; a torchrun restart would get the full duration again", deadline::path(out_dir).display());
-    }
 }
 
 /// A torchrun restart of the same run: only the time left of the first attempt's deadline.

@@ -130,6 +130,13 @@ impl RunPlan {
                 "true offloads the segment inputs that activation checkpointing keeps, and none are kept: set memory.activation_checkpointing (blocks, every_n:<k> or first_n:<m>) as well",
             ));
         }
+        let f = &config.faults;
+        for (key, rank) in [("faults.crash_rank", Some(f.crash_rank).filter(|_| f.crash_at_step.is_some())), ("faults.fault_rank", f.fault_rank)] {
+            if let Some(r) = rank.filter(|&r| r >= env.world_size) {
+                // No rank would run the fault: a test of it would pass without it.
+                problems.push(Problem::new(key, format!("rank {r} does not exist in a world of {} (ranks 0..{})", env.world_size, env.world_size)));
+            }
+        }
         if !problems.is_empty() {
             return Err(PlanError(problems));
         }
@@ -254,6 +261,21 @@ mod tests {
         let err = RunPlan::build(c, Environment { world_size: 4, ..CPU_ONLY }).unwrap_err();
         assert_eq!(err.0[0].key, "train.global_batch_size");
         assert!(err.0[0].to_string().contains("at most 8"), "{err}");
+    }
+
+    #[test]
+    fn a_fault_for_a_rank_outside_the_world_is_refused() {
+        let mut c = Config::default();
+        c.faults.crash_rank = 2; // without crash_at_step it names no fault
+        RunPlan::build(c.clone(), Environment { world_size: 2, ..CPU_ONLY }).unwrap();
+        c.faults.crash_at_step = Some(3);
+        c.faults.fault_rank = Some(1);
+        let err = RunPlan::build(c.clone(), Environment { world_size: 2, ..CPU_ONLY }).unwrap_err();
+        assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["faults.crash_rank"]);
+        assert!(err.to_string().contains("rank 2 does not exist in a world of 2"), "{err}");
+        let err = RunPlan::build(c.clone(), CPU_ONLY).unwrap_err();
+        assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["faults.crash_rank", "faults.fault_rank"]);
+        RunPlan::build(c, Environment { world_size: 3, ..CPU_ONLY }).unwrap();
     }
 
     #[test]

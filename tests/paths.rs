@@ -289,6 +289,29 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
     assert!(run(cmd, dir.path()).ok().stderr().contains("nothing to do"));
 }
 
+/// `faults.interrupt_at_step` is the run's own stop, not a signal: a real SIGTERM while the
+/// stop's checkpoint is being written is the first signal, so the write completes and the run
+/// exits 4. Before, the injected stop counted as the first and the SIGTERM ended the process
+/// at once, exit 1 ("nothing to resume from"), the checkpoint half written.
+#[test]
+fn a_signal_after_an_injected_interrupt_is_the_first_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0", "faults.interrupt_at_step=3", "faults.pause_in_checkpoint_write_ms=2000"];
+    let child = command(dir.path(), "configs/debug.yaml", &sets).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let partial = store::root(dir.path()).join(".tmp-step-00000003");
+    let t0 = Instant::now();
+    while !partial.join(store::MODEL_FILE).is_file() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "the stop's checkpoint never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("signal received") && !stderr.contains("second signal"), "{stderr}");
+    assert_eq!(checkpoint_steps(dir.path()), [3]);
+}
+
 /// SIGKILL while checkpoint 10 is half written (its model file in the temporary directory, the
 /// rest not): the completed checkpoint 5 stands, `--resume auto` resumes from it, removes the
 /// leftover, and finishes bitwise equal to a straight run.

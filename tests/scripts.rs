@@ -167,6 +167,28 @@ fn torchrun_sh_exits_4_on_a_planned_stop_and_0_when_finished() {
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
 }
 
+/// An out_dir another run holds (its `.lock` locked): refused at once, exit 2, naming the
+/// holder, its stop record left alone. Before, each of torchrun's attempts was refused in turn
+/// and the script said "crashed", exit 1, having removed the other run's stop.json.
+#[test]
+fn torchrun_sh_refuses_an_out_dir_another_run_holds_with_exit_2() {
+    use std::io::Write;
+    let d = tempfile::tempdir().unwrap();
+    let mut lock = std::fs::File::create(d.path().join(".lock")).unwrap();
+    lock.try_lock().unwrap();
+    write!(lock, "pid 4242 on elsewhere").unwrap();
+    std::fs::write(d.path().join("stop.json"), "{}").unwrap();
+    let t0 = Instant::now();
+    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=6"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("is in use by another trainguard run (pid 4242 on elsewhere)"), "{}", text(&o));
+    assert!(t0.elapsed() < Duration::from_secs(30), "refused before any launch");
+    assert_eq!(std::fs::read_to_string(d.path().join("stop.json")).unwrap(), "{}");
+    drop(lock);
+    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=6"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "free again: {}", text(&o));
+}
+
 #[test]
 fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
     let d = tempfile::tempdir().unwrap();

@@ -57,7 +57,7 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, 
             Err(e) => e,
         };
         let key = e.path().to_string();
-        let raw = e.inner().to_string();
+        let raw = readable(&e.inner().to_string());
         let message = match did_you_mean(&raw) {
             Some(known) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
             None => raw.clone(),
@@ -136,7 +136,29 @@ fn read_yaml(path: &Path) -> Result<Value, ConfigError> {
         _ => ConfigError::Read { path: path.to_path_buf(), source },
     })?;
     serde_yaml::from_str(&text)
-        .map_err(|e| ConfigError::Yaml { path: path.to_path_buf(), message: e.to_string() })
+        .map_err(|e| ConfigError::Yaml { path: path.to_path_buf(), message: readable(&e.to_string()) })
+}
+
+/// serde's words for a type said in a config's: "expected struct TrainConfig" is a section,
+/// "expected u64" a whole number, and an integer YAML cannot hold (serde_yaml's "as u128") is
+/// out of range, not "not YAML".
+fn readable(serde_message: &str) -> String {
+    let mut m = serde_message.to_string();
+    if let Some(at) = m.find("expected struct ") {
+        let end = m[at + 16..].find(|c: char| !c.is_alphanumeric()).map_or(m.len(), |e| at + 16 + e);
+        m.replace_range(at..end, "expected a section (indented key: value lines)");
+    }
+    for (rust, said) in [("u64", "a whole number from 0"), ("usize", "a whole number from 0"), ("u32", "a whole number from 0 to 4294967295"), ("f64", "a number")] {
+        let pattern = format!("expected {rust}");
+        if let Some(at) = m.find(&pattern).filter(|&at| !m[at + pattern.len()..].starts_with(|c: char| c.is_alphanumeric())) {
+            m.replace_range(at..at + pattern.len(), &format!("expected {said}"));
+        }
+    }
+    if let (Some(at), true) = (m.find(" as u128, expected any YAML value"), m.contains("invalid type: integer")) {
+        m.replace_range(at..at + " as u128, expected any YAML value".len(), " is out of range: whole numbers go up to 18446744073709551615");
+        m = m.replacen("invalid type: integer", "integer", 1);
+    }
+    m
 }
 
 /// Applies one `a.b.c=value` override to a YAML tree. The value is read as YAML, so numbers,
@@ -148,7 +170,10 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     if parts.iter().any(|p| p.trim().is_empty()) {
         return Err(bad("empty key segment"));
     }
-    let mut value: Value = serde_yaml::from_str(raw).map_err(|e| bad(&format!("value is not YAML: {e}")))?;
+    let mut value: Value = serde_yaml::from_str(raw).map_err(|e| {
+        let m = readable(&e.to_string());
+        bad(&if m.contains("out of range") { m } else { format!("value is not YAML: {m}") })
+    })?;
     // Only what YAML 1.1 leaves a string for want of a dot (`1e-3`): not a quoted value
     // (`out_dir="123"`), nor words Rust reads as numbers (`inf`, `NaN`).
     let quoted = raw.trim_start().starts_with(['"', '\'']);
@@ -295,6 +320,20 @@ mod tests {
         // Too long for a Duration: an error, not std's panic.
         assert!(parse_duration("99999999999999999999s").unwrap_err().contains("100 years"));
         assert!(parse_duration("36500d").is_ok());
+    }
+
+    #[test]
+    fn serde_type_names_are_said_in_config_words() {
+        assert_eq!(readable("invalid type: integer `5`, expected struct FaultsConfig"), "invalid type: integer `5`, expected a section (indented key: value lines)");
+        assert_eq!(readable("invalid value: integer `-1`, expected u64"), "invalid value: integer `-1`, expected a whole number from 0");
+        assert_eq!(
+            readable("a.b: invalid type: integer `99999999999999999999` as u128, expected any YAML value at line 2 column 33"),
+            "a.b: integer `99999999999999999999` is out of range: whole numbers go up to 18446744073709551615 at line 2 column 33"
+        );
+        let err = load(None, &["faults.pause_in_checkpoint_write_ms=99999999999999999999".into()]).unwrap_err().to_string();
+        assert!(err.contains("is out of range") && !err.contains("not YAML"), "{err}");
+        let err = load(None, &["faults=5".into()]).unwrap_err().to_string();
+        assert!(err.contains("key `faults`") && err.contains("expected a section"), "{err}");
     }
 
     #[test]

@@ -190,7 +190,37 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     let leak = c.memory.leak_check_steps;
     check(leak != 1, "memory.leak_check_steps", "must be 0 (off) or at least 2: growth is measured between steps, got 1".into());
     check_cuda_graphs(c, &mut check);
+    check_faults(c, &mut check);
     p
+}
+
+/// An injected fault that could never happen would let a test of it pass without it: its step
+/// must be one the run reaches (steps are 0..train.max_steps), and an overflow needs fp16's
+/// loss scaler to see it. The ranks are checked against the world size in the run plan.
+fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
+    let (f, max) = (&c.faults, c.train.max_steps);
+    let never = |s: u64| format!("step {s} is never run (steps are 0..{max}, train.max_steps = {max}), so the fault would not happen");
+    let single = [
+        ("faults.interrupt_at_step", f.interrupt_at_step),
+        ("faults.crash_at_step", f.crash_at_step),
+        ("faults.nondeterministic_op_at_step", f.nondeterministic_op_at_step),
+        ("faults.failing_scalar_op_at_step", f.failing_scalar_op_at_step),
+    ];
+    for (key, step) in single {
+        if let Some(s) = step {
+            check(s < max, key, never(s));
+        }
+    }
+    for (key, steps) in [("faults.nonfinite_loss_at_steps", &f.nonfinite_loss_at_steps), ("faults.fp16_overflow_at_steps", &f.fp16_overflow_at_steps)] {
+        for (i, &s) in steps.iter().enumerate() {
+            check(s < max, &format!("{key}[{i}]"), never(s));
+        }
+    }
+    check(
+        f.fp16_overflow_at_steps.is_empty() || c.precision == super::Precision::Fp16Mixed,
+        "faults.fp16_overflow_at_steps",
+        format!("needs precision: fp16-mixed (only its loss scaler meets overflows), got {}", c.precision.name()),
+    );
 }
 
 /// `kernels.cuda_graphs` captures a micro-step once and replays it: each setting that changes
@@ -288,6 +318,24 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert!(validate(&Config::default()).is_empty());
+    }
+
+    #[test]
+    fn faults_that_could_never_happen_are_refused() {
+        let mut c = Config::default(); // max_steps 200
+        c.faults.interrupt_at_step = Some(199);
+        c.faults.nonfinite_loss_at_steps = vec![0, 199];
+        assert!(keys(&c).is_empty());
+        c.faults.interrupt_at_step = Some(200);
+        c.faults.crash_at_step = Some(500);
+        c.faults.nonfinite_loss_at_steps = vec![3, 200];
+        assert_eq!(keys(&c), ["faults.interrupt_at_step", "faults.crash_at_step", "faults.nonfinite_loss_at_steps[1]"]);
+        assert!(validate(&c)[0].message.contains("steps are 0..200"), "{:?}", validate(&c));
+        let mut c = Config::default();
+        c.faults.fp16_overflow_at_steps = vec![2];
+        assert_eq!(keys(&c), ["faults.fp16_overflow_at_steps"]);
+        c.precision = crate::config::Precision::Fp16Mixed;
+        assert!(keys(&c).is_empty());
     }
 
     #[test]

@@ -24,14 +24,18 @@ pub struct RunDirLock(#[allow(dead_code)] File);
 
 impl RunDirLock {
     /// Locks `dir` when it exists (None when it does not: a fresh run locks it once created,
-    /// and where the filesystem cannot lock, said as a warning).
+    /// and where the filesystem cannot lock, said once as a warning). Any other failure (the
+    /// lock file a directory, no permission) is an error.
     pub fn take(dir: &Path) -> Result<Option<Self>, LockError> {
         if !dir.is_dir() {
             return Ok(None);
         }
         match Self::try_take(dir) {
-            Err(LockError::Io { path, source }) => {
-                tracing::warn!("cannot lock {} ({source}): this filesystem does not take locks, so nothing stops a second run in this out_dir", path.display());
+            Err(LockError::Io { path, source }) if cannot_lock_here(&source) => {
+                static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+                if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!("cannot lock {} ({source}): this filesystem does not take locks, so nothing stops a second run in this out_dir", path.display());
+                }
                 Ok(None)
             }
             other => other.map(Some),
@@ -59,6 +63,12 @@ impl RunDirLock {
     }
 }
 
+/// What `flock` answers where the filesystem has no locks: no lock daemon (ENOLCK), a mount
+/// without them (EOPNOTSUPP), no such call (ENOSYS).
+fn cannot_lock_here(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +83,14 @@ mod tests {
         assert!(err.to_string().contains("in use by another trainguard run"), "{err}");
         drop(first);
         assert!(RunDirLock::take(dir.path()).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_lock_file_that_cannot_be_opened_is_an_error_not_a_filesystem_without_locks() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join(LOCK_FILE)).unwrap();
+        let err = RunDirLock::take(dir.path()).unwrap_err();
+        assert!(matches!(err, LockError::Io { .. }) && err.to_string().contains(".lock"), "{err}");
+        assert!(cannot_lock_here(&std::io::Error::from_raw_os_error(libc::ENOLCK)));
     }
 }

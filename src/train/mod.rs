@@ -5,6 +5,7 @@ mod lock;
 mod ranks;
 mod resume;
 mod run;
+mod run_dir;
 mod trainer;
 mod watch;
 

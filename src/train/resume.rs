@@ -20,6 +20,9 @@ use std::time::Instant;
 pub enum Resume {
     /// From step 0.
     Fresh,
+    /// From step 0, an earlier run's checkpoints in `out_dir` moved aside with its directory
+    /// first (`--overwrite`).
+    Overwrite,
     /// From the newest complete checkpoint in `out_dir`, else from step 0.
     Auto,
     /// From this checkpoint directory; failing to load it is an error.
@@ -99,6 +102,7 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
             }
             Ok(Start::default())
         }
+        Resume::Overwrite => Ok(Start::default()), // the directory was moved aside: nothing there
         Resume::Auto => {
             let restored = if writer { store::clean_temporaries(root).restored } else { vec![] };
             let (loaded, skipped) = store::newest_valid(root);

@@ -4,7 +4,7 @@
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
 use super::resume::{check_compatible, corrupt_path, leave_the_old_line, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
-use super::lock::RunDirLock;
+use super::run_dir::RunDir;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::store;
@@ -18,7 +18,6 @@ use crate::memory::{apply_limit, ProcessMemory};
 use crate::run_plan::RunPlan;
 use crate::trace::{TraceError, Tracer};
 use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 pub struct Run<'a> {
@@ -48,7 +47,7 @@ pub struct Run<'a> {
     /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
     last_eval_s: Option<f64>,
     /// The writing rank's hold on `out_dir` while the run lives.
-    _lock: Option<RunDirLock>,
+    _run_dir: Option<RunDir>,
 }
 
 impl<'a> Run<'a> {
@@ -72,10 +71,11 @@ impl<'a> Run<'a> {
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let mut ckpt = Checkpointer::new(plan);
         // One run per out_dir, from before anything in it is touched (the resume below removes
-        // unfinished checkpoint writes: another run's, were two in one directory).
-        let mut lock = None;
-        let resumed = run_dir.map(RunDirLock::take).transpose().map_err(TrainError::from).and_then(|taken| {
-            lock = taken.flatten();
+        // unfinished checkpoint writes: another run's, were two in one directory). Inside what
+        // the ranks compare: a refusal here is one their peers hear of.
+        let mut held = None;
+        let resumed = run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose().and_then(|h| {
+            held = h;
             let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
             let changed = match &start.loaded {
                 Some(l) => check_compatible(l, cfg)?,
@@ -104,14 +104,8 @@ impl<'a> Run<'a> {
             }
         }
         let (Start { loaded, skipped, restored }, mut changed) = resumed?;
-        if let Some(dir) = run_dir {
-            if lock.is_none() {
-                // A fresh run's directory, locked as soon as it exists: before anything is
-                // written into it (two runs launched at once into a new out_dir).
-                std::fs::create_dir_all(dir).map_err(|source| TrainError::RunDir { path: dir.to_path_buf(), source })?;
-                lock = RunDirLock::take(dir)?;
-            }
-            prepare_run_dir(dir, plan)?;
+        if let Some(h) = held.as_mut() {
+            h.prepare(cfg, plan.time_limit, plan.restart_count)?;
         }
         let set_aside = match run_dir {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
@@ -217,7 +211,7 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
-            _lock: lock,
+            _run_dir: held,
             last_eval_s: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         })
@@ -254,8 +248,8 @@ impl<'a> Run<'a> {
         let lr = plan.schedule.at(step);
         let data = step_data(&self.corpus, plan);
         if let Err(e) = data.sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
-            // The steps since the last checkpoint are kept: with the data (or model.vocab_size)
-            // mended, `--resume auto` goes on from here.
+            // The steps since the last checkpoint are kept: with the data mended, `--resume auto`
+            // goes on from here (a changed model.vocab_size is another model: a fresh start).
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason: StopReason::BadData, checkpoint: path.map(|p| p.display().to_string()) });
             return Err(e.into());
@@ -462,14 +456,3 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
     }
 }
 
-/// The run directory with the resolved config, and the log file beside it (rank 0). An earlier
-/// run's stop record goes: from here a crash must leave none. Not before: a command refused
-/// (exit 2) leaves the run it was refused over as it was.
-fn prepare_run_dir(dir: &Path, plan: &RunPlan) -> Result<(), TrainError> {
-    let io = |source| TrainError::RunDir { path: dir.to_path_buf(), source };
-    std::fs::create_dir_all(dir).map_err(io)?;
-    crate::stop_record::clear(dir).map_err(io)?;
-    let yaml = serde_yaml::to_string(&plan.config).map_err(|e| io(std::io::Error::other(e)))?;
-    std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
-    crate::logging::also_to_file(&dir.join("train.log")).map_err(io)
-}
