@@ -27,8 +27,12 @@ fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
 
 /// Starts rank `rank` of `world` by hand, as torchrun would.
 fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -> Child {
+    spawn_rank_with(rank, world, port, args(dir, sets))
+}
+
+fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> Child {
     Command::new(bin())
-        .args(args(dir, sets))
+        .args(args)
         .env("RANK", rank.to_string())
         .env("LOCAL_RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
@@ -357,6 +361,25 @@ fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
     assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
     assert!(err(1).contains("another rank could not start"), "{}", err(1));
     assert!(wall < 60.0, "rank 1 stopped at the start comparison, not after dist.timeout_s = 120 s: {wall:.1} s");
+
+    // `--overwrite` while a run holds the directory: rank 0 refuses to move it aside, and rank 1
+    // hears so at the same comparison. Before, rank 0 refused before joining the group and rank
+    // 1 waited in its set-up until torchrun killed it.
+    let mut lock = std::fs::File::options().write(true).truncate(true).open(d.path().join(".lock")).unwrap();
+    lock.try_lock().unwrap();
+    std::io::Write::write_all(&mut lock, b"pid 4242 on elsewhere").unwrap();
+    let port = free_port();
+    let started = Instant::now();
+    let overwrite = |r| spawn_rank_with(r, 2, port, [args(d.path(), &first), vec!["--overwrite".into()]].concat());
+    let outs: Vec<_> = (0..2).map(overwrite).collect::<Vec<_>>().into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let wall = started.elapsed().as_secs_f64();
+    let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+    assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
+    assert!(err(0).contains("is in use by another trainguard run (pid 4242 on elsewhere)"), "{}", err(0));
+    assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
+    assert!(err(1).contains("another rank could not start"), "{}", err(1));
+    assert!(wall < 60.0, "{wall:.1} s");
+    assert!(d.path().join("checkpoints").is_dir(), "not moved aside");
 }
 
 #[test]
