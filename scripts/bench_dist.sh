@@ -8,7 +8,7 @@ set -euo pipefail
 source "$(dirname "$0")/tools.sh"
 cfg=${1:-configs/bench-10m.yaml}; STEPS=${STEPS:-8}
 out=$(mktemp -d)
-common=(--config "$cfg" --set train.max_steps=$((STEPS + 2)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0)
+common=(--config "$cfg" --set train.max_steps=$((STEPS + 2)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.at_end=false)
 tps() {  # mean tokens/s over steps 2.. of metrics.jsonl
   "$PY" -c "
 import json; m=[json.loads(l) for l in open('$1/metrics.jsonl')][2:]

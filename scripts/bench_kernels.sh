@@ -47,8 +47,9 @@ gpt2_cpu="--config configs/bench-10m.yaml --set precision=bf16-mixed --set train
 smollm="--config configs/smollm2-135m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=32"
 smollm_cpu="--config configs/bench-llama-10m.yaml --set train.micro_batch_size=8 --set train.global_batch_size=16"
 
-rows() {  # SHAPE CPU_SHAPE "NAME|switches"...: one shape's rows (scripts/bench_switches.sh)
-  bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$@"
+failed=0
+rows() {  # SHAPE CPU_SHAPE "NAME|switches"...: one shape's rows (scripts/bench_switches.sh); a failed row is in the table, and the later tables still run
+  bash "$here/bench_switches.sh" ${args[@]+"${args[@]}"} "$@" || failed=1
 }
 gpt2_rows() { rows "$gpt2" "$gpt2_cpu" "$@"; }
 smollm_rows() { rows "$smollm" "$smollm_cpu" "$@"; }
@@ -108,3 +109,4 @@ table() {  # NAME: one table, then a blank line
 
 args=("$@")
 for t in ${TABLES:-rms optim loss norms swiglu rope linear graphs merged gelu sums levers ckpt}; do table "$t"; done
+exit $failed

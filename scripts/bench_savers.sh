@@ -16,7 +16,7 @@ if [ "${1:-}" = "--device" ]; then DEVICE=${2:?--device needs a value}; fi
 STEPS=${STEPS:-3}; THREADS=${THREADS:-$(nproc)}
 out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 shape=(--config configs/gpt2-124m.yaml --set model.seq_len=256 --set train.micro_batch_size=4 --set train.global_batch_size=4)
-run=(--set train.max_steps=$((STEPS + 1)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0
+run=(--set train.max_steps=$((STEPS + 1)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.at_end=false
      --set data.synthetic_tokens=1048576 --set train.threads="$THREADS" --set device="$DEVICE")
 # On CPU a cap far above need puts glibc in the mode `memory.limit` and `plan --profile` use:
 # freed large blocks go back to the system at once, so the peak is live memory, not what the
@@ -42,9 +42,9 @@ for v in "${variants[@]}"; do
   IFS='|' read -r name sets <<<"$v"
   if [ -n "${ONLY:-}" ] && [ -n "$base_mem" ] && ! [[ $name =~ $ONLY ]]; then continue; fi
   args=(); for s in $sets; do args+=(--set "$s"); done
-  rm -rf "$out/run"
   rm -rf "${out:?}/run"  # a fresh run each time (trainguard refuses to start over another run's checkpoints)
-  "$BIN" train "${shape[@]}" "${run[@]}" "${args[@]}" --set out_dir="$out/run" 2>/dev/null
+  "$BIN" train "${shape[@]}" "${run[@]}" "${args[@]}" --set out_dir="$out/run" 2>"$out/run.err" \
+    || { echo "trainguard failed on '$name':" >&2; tail -n 5 "$out/run.err" >&2; exit 1; }
   read -r mem tps < <("$PY" - "$out/run" "$DEVICE" <<'PYEOF'
 import json, sys
 d, device = sys.argv[1], sys.argv[2]

@@ -38,7 +38,8 @@ while [ $# -gt 0 ]; do
     --peak-tflops) peak=$2; shift 2 ;;
     --trace) trace=$2; shift 2 ;;
     --tg-set) tg_sets+=(--set "$2"); shift 2 ;;
-    -*) echo "unknown option $1" >&2; exit 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) echo "unknown option $1 (--help lists them)" >&2; exit 2 ;;
     *) configs+=("$1"); shift ;;
   esac
 done
@@ -46,7 +47,7 @@ case "$dtype" in fp32) precision=fp32 ;; bf16) precision=bf16-mixed ;; *) echo "
 [ -n "$compile" ] || { [ "${device%%:*}" = cuda ] && compile=1 || compile=0; }
 [ ${#configs[@]} -gt 0 ] || configs=(configs/debug.yaml configs/bench-10m.yaml configs/llama-debug.yaml configs/bench-llama-10m.yaml)
 STEPS=${STEPS:-30}; WARMUP=3
-out=$(mktemp -d)
+out=$(mktemp -d); trap 'rm -rf "$out"' EXIT; trap 'exit 143' TERM; trap 'exit 130' INT
 tg_extra=(); ref_extra=()
 [ -z "$pad" ] || { tg_extra=(--set "model.pad_vocab_to=$pad"); ref_extra=(--pad-vocab-to "$pad"); }
 [ -z "$global" ] || { tg_extra+=(--set "train.global_batch_size=$global"); ref_extra+=(--global-batch "$global"); }
@@ -63,7 +64,7 @@ trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.j
   [ -z "$trace" ] || { extra=2; tr=(--set "metrics.trace.from_step=$((STEPS + WARMUP))"); }
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
     --set precision="$precision" ${tg_extra[@]+"${tg_extra[@]}"} ${tr[@]+"${tr[@]}"} \
-    --set train.max_steps=$((STEPS + WARMUP + extra)) --set train.warmup_steps=1 --set train.eval_interval=0 2>"$out/tg.err" \
+    --set train.max_steps=$((STEPS + WARMUP + extra)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.at_end=false 2>"$out/tg.err" \
     || { echo "trainguard failed on $1:" >&2; cat "$out/tg.err" >&2; exit 1; }
   [ -z "$trace" ] || cp "$out"/tg/trace/*.json "$(traced "$1" trainguard)"
   "$PY" - "$out/tg/metrics.jsonl" "$WARMUP" "$STEPS" <<'PYEOF'
@@ -83,6 +84,7 @@ pytorch_run() {  # CONFIG [reference options]: the reference's JSON line
     ${ref_extra[@]+"${ref_extra[@]}"} "$@" 2>"$out/pt.err" | tail -n 1 \
     || { echo "the PyTorch reference failed on $c:" >&2; cat "$out/pt.err" >&2; exit 1; }
 }
+measured() { printf 'measured: %s %s %s %s %.0f tokens/s\n' "$1" "$device" "$dtype" "$2" "$3" >&2; }  # CONFIG SIDE TOKENS/S
 field() { "$PY" -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
 best() { "$PY" -c "print(max($1, $2))"; }
 ratio() { [ "$2" = 0 ] && echo - || "$PY" -c "print(f'{$1 / $2:.2f}x')"; }
@@ -94,11 +96,14 @@ for cfg in "${configs[@]}"; do
   tg=0; pt=0; pf=0; pc=0; flops=0
   for _ in $(seq "${ROUNDS:-2}"); do
     # Each measurement assigned on its own, so a failed run stops the script (set -e).
-    x=$(trainguard_tps "$cfg"); tg=$(best "$tg" "$x")
-    j=$(pytorch_run "$cfg"); pt=$(best "$pt" "$(field "$j" tokens_per_s)"); flops=$(field "$j" flops_per_token)
-    j=$(pytorch_run "$cfg" --fused ${trace:+--trace "$(traced "$cfg" eager-fused)"}); pf=$(best "$pf" "$(field "$j" tokens_per_s)")
+    # Each figure also on stderr as it comes: a run cut short (a device call's time limit)
+    # keeps the ones measured before it.
+    x=$(trainguard_tps "$cfg"); tg=$(best "$tg" "$x"); measured "$cfg" trainguard "$x"
+    j=$(pytorch_run "$cfg"); pt=$(best "$pt" "$(field "$j" tokens_per_s)"); flops=$(field "$j" flops_per_token); measured "$cfg" pt-eager "$(field "$j" tokens_per_s)"
+    j=$(pytorch_run "$cfg" --fused ${trace:+--trace "$(traced "$cfg" eager-fused)"}); pf=$(best "$pf" "$(field "$j" tokens_per_s)"); measured "$cfg" pt-fused "$(field "$j" tokens_per_s)"
     if [ "$compile" = 1 ]; then
-      j=$(pytorch_run "$cfg" --fused --compile ${trace:+--trace "$(traced "$cfg" compile)"}); pc=$(best "$pc" "$(field "$j" tokens_per_s)")
+      echo "measuring $cfg pt-compile (compiling first: minutes)" >&2
+      j=$(pytorch_run "$cfg" --fused --compile ${trace:+--trace "$(traced "$cfg" compile)"}); pc=$(best "$pc" "$(field "$j" tokens_per_s)"); measured "$cfg" pt-compile "$(field "$j" tokens_per_s)"
     fi
   done
   mfu=$("$PY" -c "print(f'{100 * $tg * $flops / ($peak * 1e12):.3g}%')")

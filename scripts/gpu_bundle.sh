@@ -8,13 +8,16 @@
 set -euo pipefail
 source "$(dirname "$0")/tools.sh"
 test_binary() {  # test_binary NAME: the path of tests/NAME.rs's release test binary
-  cargo test --release --test "$1" --no-run --message-format=json 2>/dev/null \
+  cargo test --release --test "$1" --no-run --message-format=json \
     | "$PY" -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
         print(m["executable"])' "$1"
 }
-cp "$(test_binary gpu)" target/release/gpu-tests
-cp "$(test_binary optimizers)" target/release/optimizer-bench
+for t in gpu:gpu-tests optimizers:optimizer-bench; do
+  p=$(test_binary "${t%%:*}")
+  [ -n "$p" ] || { echo "no test binary for tests/${t%%:*}.rs (its build failed: above)" >&2; exit 1; }
+  cp "$p" "target/release/${t#*:}"
+done
 ls -l target/release/trainguard target/release/gpu-tests target/release/optimizer-bench

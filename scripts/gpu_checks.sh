@@ -2,9 +2,12 @@
 # Every check that needs a CUDA GPU, for a machine with one (see BENCHMARKS.md, "GPU checks").
 # Works without a Rust toolchain given the binaries from scripts/gpu_bundle.sh, and with one
 # (then it builds them). Each part's output goes to $OUT (default runs/gpu-checks)/<part>.log and
-# one line per part to summary.txt; a failing part does not stop the others. PART_TIMEOUT=S stops
-# each part after S seconds (what it wrote stays), so that on a lent machine's short budget one
-# slow part cannot starve the rest; PADS (default "64 1") picks the `bench` part's vocabulary
+# one line per part to summary.txt; a failing part does not stop the others, and the script
+# exits 1 if any failed. PART_TIMEOUT=S kills each part, every process it started included,
+# after S seconds (what it wrote stays: "timed out" in the summary), PART_TIMEOUT_<part>=S one
+# part's; DEADLINE=S gives each part at most what is left of S seconds from the script's start
+# (a part with under 10 s left is skipped), so that on a lent machine's short budget one slow
+# part cannot starve the rest and the call ends before the device's limit; PADS (default "64 1") picks the `bench` part's vocabulary
 # paddings, BENCH_CONFIGS (default gpt2-124m and smollm2-135m) its and `profile`'s models.
 #   scripts/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers cap detcost kernels fill
 #                                        (default: all)
@@ -53,12 +56,26 @@ dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
 parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench profile optim savers cap detcost kernels fill)
 
-part() {  # part NAME COMMAND...: runs it (for at most PART_TIMEOUT seconds), logs it, records its exit status and time
-  local name=$1 t0=$SECONDS rc; shift
-  echo "== $name: $*" >&2
-  if [ -n "${PART_TIMEOUT:-}" ]; then set -- timeout -k 5 "$PART_TIMEOUT" "$@"; fi
+failed=0
+part() {  # part NAME COMMAND...: runs it (within its time limit), logs it, records its exit status and time
+  local name=$1 t0=$SECONDS rc own="PART_TIMEOUT_$1" limit; shift
+  limit=${!own:-${PART_TIMEOUT:-}}
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ -z "$limit" ] || [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$left" -lt 10 ]; then
+      echo "$name: skipped, ${left} s left of DEADLINE=$DEADLINE" | tee -a "$dest/summary.txt" >&2; failed=1; return
+    fi
+  fi
+  echo "== $name: $*${limit:+ (at most $limit s)}" >&2
+  # KILL to the part's whole process group: a TERM would end bash at once and leave trainguard
+  # (which takes TERM as "checkpoint, then stop") running beside the next part.
+  if [ -n "$limit" ]; then set -- timeout -s KILL "$limit" "$@"; fi
   "$@" >"$dest/$name.log" 2>&1; rc=$?
-  echo "$name: exit $rc, $((SECONDS - t0)) s" | tee -a "$dest/summary.txt" >&2
+  local how="exit $rc"
+  if [ -n "$limit" ] && [ "$rc" -eq 137 ] && [ $((SECONDS - t0)) -ge "$limit" ]; then how="timed out (killed after $limit s)"; fi
+  [ "$rc" -eq 0 ] || failed=1
+  echo "$name: $how, $((SECONDS - t0)) s" | tee -a "$dest/summary.txt" >&2
 }
 
 tests_bin=target/release/gpu-tests
@@ -77,7 +94,7 @@ for p in "${parts[@]}"; do
     plan) part plan bash scripts/plan_accuracy.sh --device cuda ;;
     bench)  # issue 15's table: bf16-mixed, padded (default 64) and unpadded, against eager and compile
       # Global 64 as the issue's table (the configs' 512 and 256 are ~0.5M-token steps: minutes).
-      part bench bash -c 'for pad in ${PADS:-64 1}; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" $BENCH_CONFIGS; done' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
+      part bench bash -c 'rc=0; for pad in ${PADS:-64 1}; do STEPS="${STEPS:-10}" ROUNDS="${ROUNDS:-1}" bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 --pad-vocab-to $pad "$@" $BENCH_CONFIGS || rc=$?; done; exit $rc' _ ${tg_sets[@]+"${tg_sets[@]}"} ;;
     profile)  # the traces as one file: a device call brings back at most eight
       part profile env STEPS="${STEPS:-5}" ROUNDS=1 bash scripts/bench_vs_pytorch.sh --device cuda --dtype bf16 --global-batch 64 \
         --trace "$dest/profile" ${tg_sets[@]+"${tg_sets[@]}"} $BENCH_CONFIGS
@@ -88,7 +105,7 @@ for p in "${parts[@]}"; do
       run_dir=$(mktemp -d)  # not under $dest: the run's checkpoints are gigabytes
       part cap "$BIN" train --config configs/gpt2-124m.yaml --set device=cuda --set out_dir="$run_dir" \
         --set train.micro_batch_size=64 --set train.global_batch_size=64 --set train.max_steps=6 \
-        --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set memory.limit=16GiB
+        --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.at_end=false --set memory.limit=16GiB
       cp "$run_dir/events.jsonl" "$dest/cap-events.jsonl" 2>/dev/null; rm -rf "$run_dir" ;;
     detcost) part detcost bash scripts/bench_determinism.sh --device cuda ;;
     kernels) part kernels bash scripts/bench_kernels.sh --device cuda ;;
@@ -99,3 +116,4 @@ for p in "${parts[@]}"; do
   esac
 done
 cat "$dest/summary.txt"
+exit $failed

@@ -212,8 +212,11 @@ def bench(model, m, t, args, no_decay, **extra):
     other = [p for n, p in model.named_parameters() if not (p.dim() == 2 and not n.startswith(no_decay))]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": t["weight_decay"]}, {"params": other, "weight_decay": 0.0}],
                             lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=1e-8, fused=args.fused or None)
-    corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64)
+    # On the device, batches gathered there: a blocking copy from the host per micro-step would
+    # wait for the GPU's queue to drain each time (trainguard's uploads do not), and slow this side.
+    corpus = torch.randint(0, m["vocab_size"], (1 << 20,), dtype=torch.int64, device=dev)
     g, micro, s = t["global_batch_size"], t["micro_batch_size"], m["seq_len"]
+    window = torch.arange(s, device=dev)
     accum = g // micro
     times = []
     timed = args.warmup + args.steps
@@ -230,9 +233,8 @@ def bench(model, m, t, args, no_decay, **extra):
         mark.__enter__()
         t0 = time.perf_counter()
         for _ in range(accum):
-            ix = torch.randint(0, corpus.numel() - s - 1, (micro,))
-            x = torch.stack([corpus[i:i + s] for i in ix]).to(dev)
-            y = torch.stack([corpus[i + 1:i + 1 + s] for i in ix]).to(dev)
+            at = torch.randint(0, corpus.numel() - s - 1, (micro, 1), device=dev) + window
+            x, y = corpus[at], corpus[at + 1]
             with autocast:
                 loss = step_model(x, y) * (micro / g)
             loss.backward()

@@ -19,7 +19,8 @@ else
   BIN=${TRAINGUARD_BIN:-$PWD/target/release/trainguard}
   [ -x "$BIN" ] || { echo "no cargo here and no prebuilt binary at $BIN (build it elsewhere: scripts/gpu_bundle.sh)" >&2; exit 2; }
   if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=$(command -v python3); fi
-  torch_lib=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') \
+  # Found, not imported: importing torch takes ~3 s, and a GPU check sources this many times.
+  torch_lib=$("$PY" -c 'import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(s.origin), "lib"))' 2>/dev/null) \
     || { echo "$PY cannot import torch: trainguard needs its libraries" >&2; exit 2; }
   export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   TORCHRUN=("$PY" -m torch.distributed.run)

@@ -504,6 +504,22 @@ fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record()
     assert_eq!(trainguard::stop_record::read(dir.path()), None);
 }
 
+/// `checkpoint.at_end: false` (benchmarks): no checkpoint after the last step and no final
+/// weights, while interval checkpoints and a stop's still come.
+#[test]
+fn at_end_false_writes_nothing_after_the_last_step_but_keeps_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=4", "checkpoint.at_end=false"];
+    let r = train(dir.path(), "configs/debug.yaml", &sets).ok();
+    assert_eq!(r.metrics().len(), 6);
+    assert_eq!(checkpoint_steps(dir.path()), [4]);
+    assert!(!dir.path().join("model.safetensors").exists());
+    let stopped = tempfile::tempdir().unwrap();
+    let r = train(stopped.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=5"]].concat());
+    assert_eq!(r.code(), 4, "{}", r.stderr());
+    assert_eq!(checkpoint_steps(stopped.path()), [4, 5]);
+}
+
 /// A new `train.micro_batch_size` at a resume takes effect (the checkpoint's guard size comes
 /// back only while the configured size is unchanged), and `tokens_seen` adds each step's own
 /// tokens when the global batch changes.

@@ -664,11 +664,15 @@ pub struct CheckpointConfig {
     pub keep_every: u64,
     /// Also keep the one with the best validation loss (a new best is written when found).
     pub keep_best: bool,
+    /// A checkpoint after the last step (unless the interval gives one) and the final weights
+    /// file. `false` for benchmarks and smoke runs, whose result is their metrics: GPT-2's take
+    /// seconds and gigabytes to write.
+    pub at_end: bool,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { interval: 1000, interval_minutes: None, keep_last: 3, keep_every: 0, keep_best: false }
+        Self { interval: 1000, interval_minutes: None, keep_last: 3, keep_every: 0, keep_best: false, at_end: true }
     }
 }
 

@@ -340,7 +340,7 @@ impl<'a> Run<'a> {
             self.reporter.emit(Event::TraceWritten(summary));
         }
         self.step += 1;
-        if self.ckpt.due(self.step, new_best) || self.step == t.max_steps {
+        if self.ckpt.due(self.step, new_best) || (self.step == t.max_steps && plan.config.checkpoint.at_end) {
             self.save(self.step);
         }
         Ok(())
@@ -411,7 +411,7 @@ impl<'a> Run<'a> {
         }
         let elapsed = self.started.elapsed().as_secs_f64();
         // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
-        if plan.is_writer() {
+        if plan.is_writer() && plan.config.checkpoint.at_end {
             crate::memory::uncapped(|| crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params))?;
         }
         if let Some(d) = self.dist.as_deref() {
