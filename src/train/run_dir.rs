@@ -69,7 +69,7 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     }
     let _live = RunDirLock::take(out_dir)?;
     let aside = fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
-    std::fs::rename(out_dir, &aside).map_err(|source| TrainError::RunDir { path: out_dir.to_path_buf(), source })?;
+    std::fs::rename(out_dir, &aside).map_err(|e| TrainError::RunDir { path: out_dir.to_path_buf(), source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())) })?;
     tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
     Ok(())
 }
