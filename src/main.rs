@@ -107,6 +107,9 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    if let Some(notice) = group.as_ref().and_then(|g| g.stop_notice()) {
+        let _ = STOP_NOTICE.set(notice);
+    }
     let out_dir = &plan.config.out_dir;
     let record = |r: &stop_record::StopRecord| {
         if let Err(e) = stop_record::write(out_dir, r) {
@@ -136,11 +139,18 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
 }
 
+/// How this rank tells its peers that a second signal ends it (set once the group exists).
+static STOP_NOTICE: std::sync::OnceLock<dist::StopNotice> = std::sync::OnceLock::new();
+
 /// A second SIGINT/SIGTERM: the process exits at once, from the signal thread. Rank 0 records
 /// the stop with the newest complete checkpoint (what `--resume auto` continues from; a write in
 /// progress is not one; with none, no record: nothing to requeue), and under torchrun the exit
 /// is 0, as for any planned stop.
 fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 {
+    // Peers whose next collective fails on this exit read that it was a planned stop.
+    if let Some(notice) = STOP_NOTICE.get() {
+        notice.announce();
+    }
     let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
     if let (Some((step, path)), true) = (&newest, writer) {
         if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(*step, "signal", Some(path))) {

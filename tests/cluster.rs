@@ -68,6 +68,13 @@ fn resuming_at_or_past_max_steps_says_so_without_nan() {
 }
 
 fn torchrun(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets: &[&str]) -> (Output, f64) {
+    let mut cmd = torchrun_command(out, nproc, restarts, extra_args, sets);
+    let t0 = Instant::now();
+    let o = cmd.output().unwrap();
+    (o, t0.elapsed().as_secs_f64())
+}
+
+fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets: &[&str]) -> Command {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
     cmd.args([format!("--nproc_per_node={nproc}"), format!("--max-restarts={restarts}"), "--master_addr=127.0.0.1".into(), format!("--master_port={port}"), "--no-python".into(), bin()]);
@@ -76,9 +83,52 @@ fn torchrun(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets
         cmd.arg("--set").arg(s);
     }
     cmd.args(extra_args);
+    cmd
+}
+
+/// The pid of worker `rank` of the run writing to `out` (its environment says RANK=<rank>).
+fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
+    let want = format!("RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let ours = String::from_utf8_lossy(&cmdline).contains(&format!("out_dir={}", out.display())) && cmdline.starts_with(bin().as_bytes());
+        (ours && environ.split(|&b| b == 0).any(|v| v == want.as_bytes())).then_some(pid)
+    })
+}
+
+/// Two signals to one worker alone, while it is inside a step: it ends at once, saying so in
+/// the group's store first; its peer's next collective fails, reads that, and stops as planned
+/// from the newest checkpoint, writing the record. torchrun sees both workers exit 0 and does
+/// not restart the group the person stopped. Before, the peer failed (exit 1) and torchrun
+/// restarted the group, which trained on.
+#[test]
+fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
+    let d = tempfile::tempdir().unwrap();
+    // Steps of ~0.5 s, so that both signals land inside one.
+    let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=40", "train.global_batch_size=256", "checkpoint.interval=2"]));
+    let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let t0 = Instant::now();
-    let o = cmd.output().unwrap();
-    (o, t0.elapsed().as_secs_f64())
+    while steps(d.path()).is_empty() {
+        assert!(t0.elapsed().as_secs() < 120, "no checkpoint within 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let rank1 = worker_pid(1, d.path()).expect("rank 1's process");
+    for _ in 0..2 {
+        unsafe { libc::kill(rank1, libc::SIGTERM) };
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("ended on a second signal: stopping too"), "the peer's path: {err}");
+    let started = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "run_started").count();
+    assert_eq!(started, 1, "not restarted: {err}");
+    let rec = stop_record::read(d.path()).expect("stop.json");
+    assert_eq!((rec.status, rec.reason.as_deref(), rec.resumable), (Status::Stopped, Some("signal"), true));
+    let newest = *steps(d.path()).last().unwrap();
+    assert_eq!((rec.step, rec.checkpoint), (newest, Some(store::root(d.path()).join(store::dir_name(newest)).display().to_string())));
 }
 
 #[test]

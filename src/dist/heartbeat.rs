@@ -14,12 +14,37 @@ pub struct Heartbeat {
     host: String,
     port: u16,
     prefix: String,
+    rank: usize,
     world: usize,
     period: Duration,
 }
 
 fn key(rank: usize) -> String {
     format!("heartbeat/{rank}")
+}
+
+fn stopped_key(rank: usize) -> String {
+    format!("stopped-by-signal/{rank}")
+}
+
+/// What a rank that ends at once on a second signal leaves in the group's store first: its
+/// peers' next collective then fails, and they read here that it was a planned stop, not a
+/// crash (torchrun would restart the group the person stopped).
+#[derive(Debug, Clone)]
+pub struct StopNotice {
+    host: String,
+    port: u16,
+    prefix: String,
+    rank: usize,
+}
+
+impl StopNotice {
+    /// Best effort, within 2 s: the process exits right after, whatever the store says.
+    pub fn announce(&self) {
+        if let Ok(store) = Store::connect(&self.host, self.port, 2000, &self.prefix) {
+            let _ = store.add(&stopped_key(self.rank), 1);
+        }
+    }
 }
 
 /// Beat period for a collective timeout: a twentieth of it, between 0.1 s and 1 s (so the
@@ -47,7 +72,18 @@ impl Heartbeat {
                 }
             })
             .map_err(|e| crate::ffi::ShimError::Torch(format!("cannot start the heartbeat thread: {e}")))?;
-        Ok(Self { stop, host: host.into(), port, prefix: prefix.into(), world, period })
+        Ok(Self { stop, host: host.into(), port, prefix: prefix.into(), rank, world, period })
+    }
+
+    pub fn stop_notice(&self) -> StopNotice {
+        StopNotice { host: self.host.clone(), port: self.port, prefix: self.prefix.clone(), rank: self.rank }
+    }
+
+    /// The ranks that announced a stop on a second signal ([`StopNotice`]); none when the store
+    /// is gone with them (rank 0 hosted it, without torchrun's agent).
+    pub fn stopped_by_signal(&self) -> Vec<usize> {
+        let Ok(store) = Store::connect(&self.host, self.port, 2000, &self.prefix) else { return vec![] };
+        (0..self.world).filter(|&r| store.add(&stopped_key(r), 0).is_ok_and(|n| n > 0)).collect()
     }
 
     /// Ranks whose heartbeat did not move over three periods, read through a new connection.

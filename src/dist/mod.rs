@@ -6,6 +6,7 @@ mod error_file;
 mod heartbeat;
 
 pub use env::{from_process_env, DistEnv, EnvError};
+pub use heartbeat::StopNotice;
 pub use error_file::write_error_file;
 
 use crate::ffi::dist::{Backend, ProcessGroup, ReduceOp};
@@ -84,6 +85,16 @@ impl Dist {
             .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
             .ok();
         Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small })
+    }
+
+    /// How this rank tells its peers that a second signal ends it (None without a heartbeat).
+    pub fn stop_notice(&self) -> Option<StopNotice> {
+        self.heartbeat.as_ref().map(|h| h.stop_notice())
+    }
+
+    /// The peers that ended on a second signal, saying so first: asked after a collective failed.
+    pub fn peers_stopped_by_signal(&self) -> Vec<usize> {
+        self.heartbeat.as_ref().map(|h| h.stopped_by_signal()).unwrap_or_default()
     }
 
     /// `dist.backend` for this device: `auto` is NCCL on CUDA when this build has it, else Gloo.

@@ -9,7 +9,7 @@ use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::store;
 use crate::data::{Corpus, Sampler};
-use crate::dist::Dist;
+use crate::dist::{Dist, DistError};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
 use crate::guard::{unrecovered, Guard, GuardError, GuardState};
 use crate::interrupt::Interrupter;
@@ -390,6 +390,28 @@ impl<'a> Run<'a> {
 
     fn save(&mut self, completed: u64) -> Option<std::path::PathBuf> {
         crate::memory::uncapped(|| self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter))
+    }
+
+    /// A collective that failed because a peer ended on a second signal (it said so in the
+    /// store first) is that planned stop here too, from the newest complete checkpoint: under
+    /// torchrun this rank then exits 0 like the peer, and the group the person stopped is not
+    /// restarted. Without a checkpoint yet, the failure stands.
+    pub(super) fn peer_stopped(&self, e: TrainError) -> TrainError {
+        let collective = match &e {
+            TrainError::Dist(d) => matches!(d, DistError::Collective { .. }),
+            TrainError::Guard(GuardError::Fatal(inner)) => matches!(inner.downcast_ref::<DistError>(), Some(DistError::Collective { .. })),
+            _ => false,
+        };
+        let Some(d) = self.dist.as_deref().filter(|_| collective) else { return e };
+        let stopped = d.peers_stopped_by_signal();
+        let newest = store::list(self.ckpt.root()).pop();
+        match (stopped.is_empty(), newest) {
+            (false, Some((step, path))) => {
+                tracing::warn!("rank(s) {stopped:?} ended on a second signal: stopping too, from the newest checkpoint (step {step})");
+                TrainError::Interrupted { step, reason: StopReason::Signal, checkpoint: Some(path) }
+            }
+            _ => e,
+        }
     }
 
     /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it

@@ -76,7 +76,7 @@ impl TrainError {
 pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, dist: Option<&mut Dist>) -> Result<RunSummary, TrainError> {
     let mut run = Run::build(plan, resume, dist)?;
     while run.has_next() {
-        run.step(stop)?;
+        run.step(stop).map_err(|e| run.peer_stopped(e))?;
     }
     run.finish()
 }
