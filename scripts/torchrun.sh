@@ -23,9 +23,15 @@ out_dir=$(out_dir_of "$bin" "$config" "${sets[@]}") || exit 2   # a bad config: 
 # A run still going in out_dir (its rank 0 holds out_dir/.lock): refused here, once, exit 2, as
 # trainguard would refuse it; under torchrun each refusal would be a failed attempt, restarted
 # MAX_RESTARTS times, and its stop record is not ours to remove.
-if [ -d "$out_dir" ] && command -v flock >/dev/null && ! flock -n "$out_dir/.lock" true 2>/dev/null; then
-  echo "error: $out_dir is in use by another trainguard run ($(cat "$out_dir/.lock" 2>/dev/null || echo 'its pid unknown')): wait for it to end, or choose another out_dir" >&2
-  exit 2
+# Only a lock held (flock's -E code): a filesystem without locks, or a .lock that cannot be
+# opened, is trainguard's to report.
+if [ -d "$out_dir" ] && command -v flock >/dev/null; then
+  flock -n -E 75 "$out_dir/.lock" true 2>/dev/null; held=$?
+  if [ "$held" -eq 75 ]; then
+    holder=$(cat "$out_dir/.lock" 2>/dev/null); [ -n "$holder" ] || holder="its pid unknown"
+    echo "error: $out_dir is in use by another trainguard run ($holder): wait for it to end, or choose another out_dir" >&2
+    exit 2
+  fi
 fi
 rm -f "$out_dir/stop.json"
 "$torchrun" --standalone --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-3}" \

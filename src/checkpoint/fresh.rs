@@ -1,7 +1,7 @@
 //! Whether a fresh run (`--resume none`) may start in an `out_dir`: one that already holds
 //! checkpoints belongs to another run, and starting over there would leave that run's newer
 //! checkpoints beside the new ones (a later `--resume auto` would pick them up). The decision is
-//! pure; moving an old run aside (`--overwrite`) happens at the edge (src/main.rs).
+//! pure; moving an old run aside (`--overwrite`) happens at the edge (src/train/run_dir.rs).
 use super::store::{self, CheckpointError};
 use std::path::{Path, PathBuf};
 

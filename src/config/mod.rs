@@ -654,7 +654,8 @@ impl Size {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CheckpointConfig {
-    /// Every N optimizer steps (and always after the last step); 0 = only at the end.
+    /// Every N optimizer steps (and after the last step, unless `at_end` is false); 0 = only at
+    /// the end (none at all with `at_end: false`).
     pub interval: u64,
     /// Also when this many minutes passed since the last one.
     pub interval_minutes: Option<f64>,

@@ -30,7 +30,17 @@ impl RunDirLock {
         if !dir.is_dir() {
             return Ok(None);
         }
-        match Self::try_take(dir) {
+        let mut taken = Self::try_take(dir);
+        // A lock on a file unlinked meanwhile (a refused start removing the directory it had
+        // created) guards nothing: take it again, on the file now at the path.
+        for _ in 0..8 {
+            match &taken {
+                Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() => return Ok(None),
+                Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => taken = Self::try_take(dir),
+                _ => break,
+            }
+        }
+        match taken {
             Err(LockError::Io { path, source }) if cannot_lock_here(&source) => {
                 static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
                 if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -55,6 +65,11 @@ impl RunDirLock {
                 return Err(LockError::Busy { dir: dir.to_path_buf(), holder });
             }
             Err(TryLockError::Error(e)) => return Err(io(e)),
+        }
+        use std::os::unix::fs::MetadataExt;
+        let (held, named) = (file.metadata().map_err(io)?, std::fs::metadata(&path));
+        if !named.is_ok_and(|n| (n.dev(), n.ino()) == (held.dev(), held.ino())) {
+            return Err(io(std::io::Error::new(std::io::ErrorKind::NotFound, "the lock file was removed while it was being locked")));
         }
         // Who holds it, for the message a second run gets (the host: out_dir may be shared).
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();

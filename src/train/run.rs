@@ -74,7 +74,7 @@ impl<'a> Run<'a> {
         // unfinished checkpoint writes: another run's, were two in one directory). Inside what
         // the ranks compare: a refusal here is one their peers hear of.
         let mut held = None;
-        let resumed = run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose().and_then(|h| {
+        let resumed = run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite), plan.time_limit, plan.restart_count)).transpose().and_then(|h| {
             held = h;
             let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
             let changed = match &start.loaded {
@@ -105,7 +105,7 @@ impl<'a> Run<'a> {
         }
         let (Start { loaded, skipped, restored }, mut changed) = resumed?;
         if let Some(h) = held.as_mut() {
-            h.prepare(cfg, plan.time_limit, plan.restart_count)?;
+            h.prepare(cfg)?;
         }
         let set_aside = match run_dir {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,

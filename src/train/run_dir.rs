@@ -1,9 +1,9 @@
 //! Rank 0's run directory as a run starts. Before anything in it is read: the old run moved
 //! aside (`--overwrite`), the directory created when new and locked (one run per out_dir,
-//! [`lock`](super::lock)). A directory this start created goes again if the start is then
-//! refused: a refused command leaves nothing behind. Once the ranks agree to start: an earlier
-//! run's stop record goes, the resolved config and the log file are written, and torchrun's
-//! first attempt records its deadline.
+//! [`lock`](super::lock)), torchrun's first attempt's deadline recorded. A directory this start
+//! created goes again if the start is then refused: a refused command leaves nothing behind.
+//! Once the ranks agree to start: an earlier run's stop record goes, the resolved config and
+//! the log file are written.
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::{fresh, store};
@@ -22,29 +22,32 @@ impl RunDir {
     /// Moves the old run aside when `overwrite` says so, then creates `dir` if it is new and
     /// locks it. Two runs launched at once into a new out_dir meet at the lock, and the one
     /// refused leaves the other's directory alone.
-    pub(super) fn hold(dir: &Path, overwrite: bool) -> Result<Self, TrainError> {
+    /// torchrun's first attempt records its deadline here, as soon as the directory is held: an
+    /// attempt that dies before the ranks agree must still leave it for the restarts.
+    pub(super) fn hold(dir: &Path, overwrite: bool, time_limit: Option<std::time::Duration>, restart_count: u64) -> Result<Self, TrainError> {
         if overwrite {
             move_old_run_aside(dir)?;
         }
         let new = !dir.exists();
         std::fs::create_dir_all(dir).map_err(|source| TrainError::RunDir { path: dir.to_path_buf(), source })?;
         let lock = RunDirLock::take(dir)?;
-        Ok(Self { path: dir.to_path_buf(), _lock: lock, provisional: new })
+        let held = Self { path: dir.to_path_buf(), _lock: lock, provisional: new };
+        if let Some(limit) = time_limit.filter(|_| restart_count == 0) {
+            record_deadline(dir, limit);
+        }
+        Ok(held)
     }
 
     /// The ranks agreed to start: from here the directory is this run's. An earlier run's stop
     /// record goes (a crash from here must leave none; a command refused before leaves the run
     /// it was refused over as it was).
-    pub(super) fn prepare(&mut self, config: &crate::config::Config, time_limit: Option<std::time::Duration>, restart_count: u64) -> Result<(), TrainError> {
+    pub(super) fn prepare(&mut self, config: &crate::config::Config) -> Result<(), TrainError> {
         let dir = &self.path;
         let io = |source| TrainError::RunDir { path: dir.clone(), source };
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
         crate::logging::also_to_file(&dir.join("train.log")).map_err(io)?;
-        if let Some(limit) = time_limit.filter(|_| restart_count == 0) {
-            record_deadline(dir, limit);
-        }
         self.provisional = false;
         Ok(())
     }
@@ -54,6 +57,7 @@ impl Drop for RunDir {
     fn drop(&mut self) {
         if self.provisional {
             // Only what this start put there; a directory that holds more stays.
+            let _ = std::fs::remove_file(deadline::path(&self.path));
             let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
             let _ = std::fs::remove_dir(&self.path);
         }
@@ -63,11 +67,12 @@ impl Drop for RunDir {
 /// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted;
 /// not from under a run that is still writing there.
 fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
+    // Decided under the lock: another `--overwrite` launched at once may have moved it already.
+    let _live = RunDirLock::take(out_dir)?;
     let steps: Vec<u64> = store::list(&store::root(out_dir)).iter().map(|(s, _)| *s).collect();
-    if fresh::decide(&steps, true) != fresh::FreshStart::MoveAside {
+    if !out_dir.is_dir() || fresh::decide(&steps, true) != fresh::FreshStart::MoveAside {
         return Ok(());
     }
-    let _live = RunDirLock::take(out_dir)?;
     let aside = fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
     std::fs::rename(out_dir, &aside).map_err(|e| TrainError::RunDir { path: out_dir.to_path_buf(), source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())) })?;
     tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
@@ -93,17 +98,17 @@ mod tests {
     fn a_directory_this_start_created_goes_if_the_start_is_refused_and_stays_once_prepared() {
         let parent = tempfile::tempdir().unwrap();
         let dir = parent.path().join("run");
-        drop(RunDir::hold(&dir, false).unwrap());
+        drop(RunDir::hold(&dir, false, Some(std::time::Duration::from_secs(60)), 0).unwrap());
         assert!(!dir.exists(), "refused before prepare: removed");
-        let mut held = RunDir::hold(&dir, false).unwrap();
-        let busy = RunDir::hold(&dir, false).err().unwrap();
+        let mut held = RunDir::hold(&dir, false, None, 0).unwrap();
+        let busy = RunDir::hold(&dir, false, None, 0).err().unwrap();
         assert!(matches!(busy, TrainError::Lock(super::super::LockError::Busy { .. })), "{busy}");
         assert!(dir.join(LOCK_FILE).is_file(), "the refused one left the holder's lock alone");
-        held.prepare(&crate::config::Config::default(), None, 0).unwrap();
+        held.prepare(&crate::config::Config::default()).unwrap();
         drop(held);
         assert!(dir.join("config.yaml").is_file());
         // An existing directory is never removed, prepared or not.
-        drop(RunDir::hold(&dir, false).unwrap());
+        drop(RunDir::hold(&dir, false, None, 0).unwrap());
         assert!(dir.join("config.yaml").is_file());
     }
 }
