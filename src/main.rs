@@ -110,24 +110,11 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if let Some(notice) = group.as_ref().and_then(|g| g.stop_notice()) {
         let _ = STOP_NOTICE.set(notice);
     }
+    // Rank 0 has written `stop.json` (finished, or stopped and resumable) before `train` returns.
     let out_dir = &plan.config.out_dir;
-    let record = |r: &stop_record::StopRecord| {
-        if let Err(e) = stop_record::write(out_dir, r) {
-            tracing::warn!("cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
-        }
-    };
     match train::train(&plan, &resume, &stop, group.as_mut()) {
-        Ok(summary) => {
-            if writer {
-                record(&stop_record::StopRecord::finished(summary.steps));
-            }
-            Ok(())
-        }
-        Err(TrainError::Interrupted { step, reason, checkpoint }) => {
-            if writer {
-                record(&stop_record::StopRecord::stopped(step, reason.as_str(), checkpoint.as_deref()));
-            }
-            let err = TrainError::Interrupted { step, reason, checkpoint };
+        Ok(_) => Ok(()),
+        Err(err @ TrainError::Interrupted { .. }) => {
             if elastic {
                 // torchrun restarts a worker that exits non-zero: a planned stop must end the job.
                 tracing::warn!("{err}; exiting 0 so that torchrun does not restart the group ({} says resumable)", stop_record::path(out_dir).display());
@@ -325,7 +312,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => return exit::NOT_DETERMINISTIC,
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
-            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
+            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::OutDirNotADirectory { .. } | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
             Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
             Some(TrainError::Lock(train::LockError::Busy { .. })) => return exit::CONFIG,
             _ => {}

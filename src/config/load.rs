@@ -12,6 +12,9 @@ pub enum ConfigError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path} is not valid YAML: {message}")]
     Yaml { path: PathBuf, message: String },
+    /// Valid YAML holding a number no config key can take (serde_yaml refuses it while parsing).
+    #[error("{path}: {message}")]
+    OutOfRange { path: PathBuf, message: String },
     #[error("{path}: key `{key}`: {message}")]
     Type { path: PathBuf, key: String, message: String },
     #[error("bad --set `{arg}`: {why}")]
@@ -135,9 +138,18 @@ fn read_yaml(path: &Path) -> Result<Value, ConfigError> {
         std::io::ErrorKind::NotFound => ConfigError::NotFound { path: path.to_path_buf() },
         _ => ConfigError::Read { path: path.to_path_buf(), source },
     })?;
-    serde_yaml::from_str(&text)
-        .map_err(|e| ConfigError::Yaml { path: path.to_path_buf(), message: readable(&e.to_string()) })
+    serde_yaml::from_str(&text).map_err(|e| {
+        let message = readable(&e.to_string());
+        if message.contains(OUT_OF_RANGE) {
+            ConfigError::OutOfRange { path: path.to_path_buf(), message }
+        } else {
+            ConfigError::Yaml { path: path.to_path_buf(), message }
+        }
+    })
 }
+
+/// What [`readable`] says of an integer beyond 64 bits.
+const OUT_OF_RANGE: &str = "is out of range";
 
 /// serde's words for a type said in a config's: "expected struct TrainConfig" is a section,
 /// "expected u64" a whole number, and an integer YAML cannot hold (serde_yaml's "as u128") is
@@ -154,9 +166,12 @@ fn readable(serde_message: &str) -> String {
             m.replace_range(at..at + pattern.len(), &format!("expected {said}"));
         }
     }
-    if let (Some(at), true) = (m.find(" as u128, expected any YAML value"), m.contains("invalid type: integer")) {
-        m.replace_range(at..at + " as u128, expected any YAML value".len(), " is out of range: whole numbers go up to 18446744073709551615");
-        m = m.replacen("invalid type: integer", "integer", 1);
+    for (wide, range) in [("u128", "whole numbers go up to 18446744073709551615"), ("i128", "negative numbers go down to -9223372036854775808")] {
+        let said = format!(" as {wide}, expected any YAML value");
+        if let (Some(at), true) = (m.find(&said), m.contains("invalid type: integer")) {
+            m.replace_range(at..at + said.len(), &format!(" {OUT_OF_RANGE}: {range}"));
+            m = m.replacen("invalid type: integer", "integer", 1);
+        }
     }
     m
 }
@@ -172,7 +187,7 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     }
     let mut value: Value = serde_yaml::from_str(raw).map_err(|e| {
         let m = readable(&e.to_string());
-        bad(&if m.contains("out of range") { m } else { format!("value is not YAML: {m}") })
+        bad(&if m.contains(OUT_OF_RANGE) { m } else { format!("value is not YAML: {m}") })
     })?;
     // Only what YAML 1.1 leaves a string for want of a dot (`1e-3`): not a quoted value
     // (`out_dir="123"`), nor words Rust reads as numbers (`inf`, `NaN`).
@@ -332,6 +347,13 @@ mod tests {
         );
         let err = load(None, &["faults.pause_in_checkpoint_write_ms=99999999999999999999".into()]).unwrap_err().to_string();
         assert!(err.contains("is out of range") && !err.contains("not YAML"), "{err}");
+        let err = load(None, &["train.seed=-99999999999999999999".into()]).unwrap_err().to_string();
+        assert!(err.contains("is out of range: negative numbers") && !err.contains("i128"), "{err}");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        std::fs::write(&file, "train:\n  max_steps: 99999999999999999999\n").unwrap();
+        let err = load(Some(&file), &[]).unwrap_err().to_string();
+        assert!(err.contains("is out of range") && !err.contains("not valid YAML"), "{err}");
         let err = load(None, &["faults=5".into()]).unwrap_err().to_string();
         assert!(err.contains("key `faults`") && err.contains("expected a section"), "{err}");
     }

@@ -11,9 +11,7 @@ use std::time::Duration;
 
 pub struct Heartbeat {
     stop: Arc<AtomicBool>,
-    host: String,
-    port: u16,
-    prefix: String,
+    store: StoreAddress,
     rank: usize,
     world: usize,
     period: Duration,
@@ -32,16 +30,29 @@ fn stopped_key(rank: usize) -> String {
 /// crash (torchrun would restart the group the person stopped).
 #[derive(Debug, Clone)]
 pub struct StopNotice {
+    store: StoreAddress,
+    rank: usize,
+}
+
+/// Where the group's store is and this group's keys in it: each reading or writing thread opens
+/// a connection of its own.
+#[derive(Debug, Clone)]
+struct StoreAddress {
     host: String,
     port: u16,
     prefix: String,
-    rank: usize,
+}
+
+impl StoreAddress {
+    fn connect(&self, timeout_ms: u64) -> Result<Store, crate::ffi::ShimError> {
+        Store::connect(&self.host, self.port, timeout_ms, &self.prefix)
+    }
 }
 
 impl StopNotice {
     /// Best effort, within 2 s: the process exits right after, whatever the store says.
     pub fn announce(&self) {
-        if let Ok(store) = Store::connect(&self.host, self.port, 2000, &self.prefix) {
+        if let Ok(store) = self.store.connect(2000) {
             let _ = store.add(&stopped_key(self.rank), 1);
         }
     }
@@ -57,7 +68,8 @@ impl Heartbeat {
     /// Starts this rank's beating thread (the store at host:port, keys under `prefix`).
     pub fn start(host: &str, port: u16, prefix: &str, rank: usize, world: usize, timeout_s: u64) -> Result<Self, crate::ffi::ShimError> {
         let period = period_for(timeout_s);
-        let store = Store::connect(host, port, timeout_s.max(1) * 1000, prefix)?;
+        let address = StoreAddress { host: host.into(), port, prefix: prefix.into() };
+        let store = address.connect(timeout_s.max(1) * 1000)?;
         store.add(&key(rank), 1)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -72,23 +84,23 @@ impl Heartbeat {
                 }
             })
             .map_err(|e| crate::ffi::ShimError::Torch(format!("cannot start the heartbeat thread: {e}")))?;
-        Ok(Self { stop, host: host.into(), port, prefix: prefix.into(), rank, world, period })
+        Ok(Self { stop, store: address, rank, world, period })
     }
 
     pub fn stop_notice(&self) -> StopNotice {
-        StopNotice { host: self.host.clone(), port: self.port, prefix: self.prefix.clone(), rank: self.rank }
+        StopNotice { store: self.store.clone(), rank: self.rank }
     }
 
     /// The ranks that announced a stop on a second signal ([`StopNotice`]); none when the store
     /// is gone with them (rank 0 hosted it, without torchrun's agent).
     pub fn stopped_by_signal(&self) -> Vec<usize> {
-        let Ok(store) = Store::connect(&self.host, self.port, 2000, &self.prefix) else { return vec![] };
+        let Ok(store) = self.store.connect(2000) else { return vec![] };
         (0..self.world).filter(|&r| store.add(&stopped_key(r), 0).is_ok_and(|n| n > 0)).collect()
     }
 
     /// Ranks whose heartbeat did not move over three periods, read through a new connection.
     pub fn silent_ranks(&self) -> Result<Vec<usize>, crate::ffi::ShimError> {
-        let store = Store::connect(&self.host, self.port, 5000, &self.prefix)?;
+        let store = self.store.connect(5000)?;
         let read = |store: &Store| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>();
         let before = read(&store)?;
         std::thread::sleep(self.period * 3);

@@ -46,8 +46,9 @@ pub struct Run<'a> {
     tracer: Option<Tracer>,
     /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
     last_eval_s: Option<f64>,
-    /// The writing rank's hold on `out_dir` while the run lives.
-    _run_dir: Option<RunDir>,
+    /// The writing rank's hold on `out_dir`, until [`train`](super::train) takes it to record
+    /// how the run ended.
+    run_dir: Option<RunDir>,
 }
 
 impl<'a> Run<'a> {
@@ -211,10 +212,15 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
-            _run_dir: held,
+            run_dir: held,
             last_eval_s: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         })
+    }
+
+    /// The writing rank's hold on `out_dir`, for the caller to keep until the run's end is recorded.
+    pub(super) fn take_run_dir(&mut self) -> Option<RunDir> {
+        self.run_dir.take()
     }
 
     /// Whether steps remain before `train.max_steps`.

@@ -3,7 +3,7 @@
 //! [`lock`](super::lock)), torchrun's first attempt's deadline recorded. A directory this start
 //! created goes again if the start is then refused: a refused command leaves nothing behind.
 //! Once the ranks agree to start: an earlier run's stop record goes, the resolved config and
-//! the log file are written.
+//! the log file are written. At the end, still held: the record of how the run ended.
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::{fresh, store};
@@ -14,8 +14,9 @@ use std::path::{Path, PathBuf};
 pub(super) struct RunDir {
     path: PathBuf,
     _lock: Option<RunDirLock>,
-    /// Created by this start and not yet prepared: removed on drop.
-    provisional: bool,
+    /// The highest directory this start created (`path` or a parent of it), while not yet
+    /// prepared: removed on drop, down from `path`.
+    provisional: Option<PathBuf>,
 }
 
 impl RunDir {
@@ -25,13 +26,16 @@ impl RunDir {
     /// torchrun's first attempt records its deadline here, as soon as the directory is held: an
     /// attempt that dies before the ranks agree must still leave it for the restarts.
     pub(super) fn hold(dir: &Path, overwrite: bool, time_limit: Option<std::time::Duration>, restart_count: u64) -> Result<Self, TrainError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(TrainError::OutDirNotADirectory { path: dir.to_path_buf() });
+        }
         if overwrite {
             move_old_run_aside(dir)?;
         }
-        let new = !dir.exists();
+        let created = highest_missing(dir);
         std::fs::create_dir_all(dir).map_err(|source| TrainError::RunDir { path: dir.to_path_buf(), source })?;
         let lock = RunDirLock::take(dir)?;
-        let held = Self { path: dir.to_path_buf(), _lock: lock, provisional: new };
+        let held = Self { path: dir.to_path_buf(), _lock: lock, provisional: created };
         if let Some(limit) = time_limit.filter(|_| restart_count == 0) {
             record_deadline(dir, limit);
         }
@@ -48,20 +52,44 @@ impl RunDir {
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
         crate::logging::also_to_file(&dir.join("train.log")).map_err(io)?;
-        self.provisional = false;
+        self.provisional = None;
         Ok(())
+    }
+}
+
+impl RunDir {
+    /// `stop.json` for a run that finished or stopped as planned (resumable); none for a failure.
+    pub(super) fn record_end(&self, ended: &Result<crate::events::RunSummary, TrainError>) {
+        let record = match ended {
+            Ok(summary) => stop_record::StopRecord::finished(summary.steps),
+            Err(TrainError::Interrupted { step, reason, checkpoint }) => stop_record::StopRecord::stopped(*step, reason.as_str(), checkpoint.as_deref()),
+            Err(_) => return,
+        };
+        if let Err(e) = stop_record::write(&self.path, &record) {
+            tracing::warn!("cannot write the stop record {}: {e}", stop_record::path(&self.path).display());
+        }
     }
 }
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        if self.provisional {
+        if let Some(top) = &self.provisional {
             // Only what this start put there; a directory that holds more stays.
             let _ = std::fs::remove_file(deadline::path(&self.path));
             let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
-            let _ = std::fs::remove_dir(&self.path);
+            for dir in self.path.ancestors().take_while(|d| d.starts_with(top)) {
+                if std::fs::remove_dir(dir).is_err() {
+                    break;
+                }
+            }
         }
     }
+}
+
+/// The highest of `dir` and its parents that does not exist yet: what `create_dir_all(dir)`
+/// will create. None when `dir` exists.
+fn highest_missing(dir: &Path) -> Option<PathBuf> {
+    dir.ancestors().filter(|d| !d.as_os_str().is_empty()).take_while(|d| !d.exists()).last().map(Path::to_path_buf)
 }
 
 /// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted;
@@ -100,6 +128,11 @@ mod tests {
         let dir = parent.path().join("run");
         drop(RunDir::hold(&dir, false, Some(std::time::Duration::from_secs(60)), 0).unwrap());
         assert!(!dir.exists(), "refused before prepare: removed");
+        let nested = parent.path().join("a/b/run");
+        std::fs::create_dir(parent.path().join("a")).unwrap();
+        drop(RunDir::hold(&nested, false, None, 0).unwrap());
+        assert!(!parent.path().join("a/b").exists(), "the parents it created go too");
+        assert!(parent.path().join("a").is_dir(), "a parent that was there stays");
         let mut held = RunDir::hold(&dir, false, None, 0).unwrap();
         let busy = RunDir::hold(&dir, false, None, 0).err().unwrap();
         assert!(matches!(busy, TrainError::Lock(super::super::LockError::Busy { .. })), "{busy}");
@@ -110,5 +143,17 @@ mod tests {
         // An existing directory is never removed, prepared or not.
         drop(RunDir::hold(&dir, false, None, 0).unwrap());
         assert!(dir.join("config.yaml").is_file());
+    }
+
+    #[test]
+    fn an_out_dir_that_is_a_file_is_refused_and_left_as_it_is() {
+        let parent = tempfile::tempdir().unwrap();
+        let file = parent.path().join("run");
+        std::fs::write(&file, "notes").unwrap();
+        for overwrite in [false, true] {
+            let err = RunDir::hold(&file, overwrite, None, 0).err().unwrap();
+            assert!(matches!(err, TrainError::OutDirNotADirectory { .. }), "{err}");
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes");
+        }
     }
 }

@@ -46,6 +46,8 @@ pub enum TrainError {
     PeerCouldNotStart,
     #[error("injected failure at step {step} (faults.crash_at_step)")]
     InjectedCrash { step: u64 },
+    #[error("out_dir: {path} exists and is not a directory; give a directory (a new one is created)")]
+    OutDirNotADirectory { path: PathBuf },
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
@@ -73,8 +75,19 @@ impl TrainError {
 }
 
 /// Trains `plan` from where `resume` says to `train.max_steps`, or until a stop.
+/// Rank 0 records how the run ended (`stop.json`) while it still holds `out_dir`: a run started
+/// there the moment the lock went would otherwise have its record overwritten by this one's.
 pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, dist: Option<&mut Dist>) -> Result<RunSummary, TrainError> {
     let mut run = Run::build(plan, resume, dist)?;
+    let held = run.take_run_dir();
+    let ended = run_to_the_end(run, stop);
+    if let Some(dir) = &held {
+        dir.record_end(&ended);
+    }
+    ended
+}
+
+fn run_to_the_end(mut run: Run, stop: &Interrupter) -> Result<RunSummary, TrainError> {
     while run.has_next() {
         run.step(stop).map_err(|e| run.peer_stopped(e))?;
     }
