@@ -8,9 +8,7 @@
 # 3. (loss) gpt2-124m bf16-mixed (micro 16, global 64) with PyTorch's cross-entropy and ours
 #    (`kernels.fused_cross_entropy`): its peak is the logits' (10 bytes a logit against 4); ours
 #    with the logits' gradient in its backward and written over them in its forward
-#    (`kernels.fused_loss_gradient`: one kernel, 2 bytes a logit), that kernel also with 1 and 2 blocks
-#    per SM walking the rows (`kernels.loss_blocks_per_sm`) and with each row read once, kept in
-#    registers (`kernels.loss_row_in_registers`);
+#    (`kernels.fused_loss_gradient`: one kernel, 2 bytes a logit);
 # 4. (norms) the norms with their residual add and cast fused (`kernels.fused_residual_norm`): gpt2-124m
 #    bf16-mixed (micro 16, global 64) and smollm2-135m bf16-mixed (micro 8, seq 2048), each with
 #    ATen's ops (the fused RMSNorm for the Llama) and with our node.
@@ -64,10 +62,7 @@ table() {  # NAME: one table, then a blank line
       "Adafactor, tensor ops|optimizer.name=adafactor kernels.cuda_optimizers=false" \
       "Adafactor, CUDA kernels|optimizer.name=adafactor kernels.cuda_optimizers=true" ;;
     loss) gpt2_rows "PyTorch's cross-entropy|kernels.fused_cross_entropy=false" "fused cross-entropy, gradient in its backward|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=false" \
-      "fused cross-entropy, gradient in its forward|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=true" \
-      "gradient in its forward, 1 block per SM walking the rows|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=true kernels.loss_blocks_per_sm=1" \
-      "gradient in its forward, 2 blocks per SM|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=true kernels.loss_blocks_per_sm=2" \
-      "gradient in its forward, row read once into registers|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=true kernels.loss_row_in_registers=true" ;;
+      "fused cross-entropy, gradient in its forward|kernels.fused_cross_entropy=true kernels.fused_loss_gradient=true" ;;
     norms)
       gpt2_rows "ATen's add, LayerNorm, cast|kernels.fused_residual_norm=false" "residual-norm node|kernels.fused_residual_norm=true"
       echo

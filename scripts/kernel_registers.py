@@ -7,8 +7,7 @@ for a GPU generation (no GPU needed): the figures BENCHMARKS.md quotes as "ptxas
 The source is what src/ffi/kernels.rs hands NVRTC (optim, loss, norm, llama, linear kernels, in
 that order) with cuda_jit.cpp's options, plus --ptxas-options=-v. Exit status 1 with the
 compiler's log where it does not compile. --no-spills: exit 1 where a kernel the filter names
-spills registers to memory, or none matches (a kernel that keeps a row in registers, such as
-tg_ce_forward_grad_kept_*, loses its point when it spills).
+spills registers to memory, or none matches.
 """
 import ctypes
 import glob

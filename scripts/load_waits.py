@@ -28,7 +28,6 @@ import kernel_registers  # noqa: E402  NVRTC and our kernels' source, as cuda_ji
 # unless packed: a 16-byte pack is 8 values of a 16-bit dtype, 4 of fp32).
 ROW_VALUES = 32  # norm_kernels.cu's TG_ROW_VALUES: a lane's values of a row
 PACKED_BATCH = 8  # linear_kernels.cu's TG_PACKED_BATCH: rows a lane loads before it adds
-CE_KEPT_PACKS = 25  # loss_kernels.cu's TG_CE_KEPT_PACKS: a thread's packs of a row kept in registers
 EXPECTED = {}
 for dtype, packs in [("f32", 2), ("bf16", 1), ("f16", 1)]:
     EXPECTED[f"tg_ln_backward_warp_{dtype}"] = 3 * ROW_VALUES  # a row's dy, s and ds
@@ -39,7 +38,6 @@ for dtype, packs in [("f32", 2), ("bf16", 1), ("f16", 1)]:
     EXPECTED[f"tg_gelu_backward_bands_{dtype}"] = 2 * PACKED_BATCH * packs  # its da and h
     # 8 pairs' two halves of x, and the cos and sin values of both halves (fp32: two packs each)
     EXPECTED[f"tg_rope_{dtype}"] = 2 * packs + 4 * 2
-    EXPECTED[f"tg_ce_forward_grad_kept_{dtype}"] = CE_KEPT_PACKS  # the thread's whole part of a row
 
 
 def nvdisasm():

@@ -530,23 +530,6 @@ pub struct KernelsConfig {
     /// it ran 0.970×); on the CPU the same speed within noise. GPT-2's attention projection is
     /// one matrix already.
     pub merged_projections: bool,
-    /// With `fused_loss_gradient` on CUDA: 0 (the default) launches the loss's kernel a block a
-    /// row of logits, all rows at once; n > 0 launches n blocks per streaming multiprocessor,
-    /// each walking rows, so that fewer rows are in flight. The kernel reads a row twice (its
-    /// log-sum-exp, then its gradient); with ~1000 rows of gpt2-124m's 100 KB in flight against
-    /// an H100's 50 MB of L2 the second read comes partly from memory (1.6 ms a call where one
-    /// read and one write take 1.0). Fewer rows in flight may keep it in L2, or may leave the
-    /// memory idle: not yet measured (`TABLES=loss scripts/bench_kernels.sh --device cuda`).
-    /// The same bits either way.
-    pub loss_blocks_per_sm: u32,
-    /// With `fused_loss_gradient` on CUDA: each row of logits read once instead of twice, a
-    /// block's 256 threads keeping it in registers (25 16-byte packs a thread: rows of up to
-    /// 51,200 bf16 or fp16 logits, 25,600 fp32, in whole packs; wider rows are read twice as
-    /// without it), a block a row (`loss_blocks_per_sm` then applies to the other rows only).
-    /// One read and one write of the logits instead of two reads and a write, at two blocks an
-    /// SM; whether that beats the second read's L2 hits is not yet measured (`TABLES=loss
-    /// scripts/bench_kernels.sh --device cuda`). The same bits either way. Default false.
-    pub loss_row_in_registers: bool,
 }
 
 impl Default for KernelsConfig {
@@ -564,8 +547,6 @@ impl Default for KernelsConfig {
             accumulate_in_gemm: true,
             cuda_graphs: false,
             merged_projections: true,
-            loss_blocks_per_sm: 0,
-            loss_row_in_registers: false,
         }
     }
 }
@@ -587,8 +568,6 @@ impl KernelsConfig {
             accumulate_in_gemm: false,
             cuda_graphs: false,
             merged_projections: false,
-            loss_blocks_per_sm: 0,
-            loss_row_in_registers: false,
         }
     }
 }

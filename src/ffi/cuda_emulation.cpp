@@ -242,7 +242,7 @@ struct Kernel {
 
 #define TG_EMULATED(k) Kernel{#k, [](void** a) { call(&k, a); }}
 #define TG_EMULATED_DTYPE(s)                                                                                             \
-  TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s), TG_EMULATED(tg_ce_forward_grad_##s), TG_EMULATED(tg_ce_forward_grad_kept_##s), TG_EMULATED(tg_ce_scale_grad_##s),                      \
+  TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s), TG_EMULATED(tg_ce_forward_grad_##s), TG_EMULATED(tg_ce_scale_grad_##s),                      \
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
       TG_EMULATED(tg_ln_forward_warp_##s), TG_EMULATED(tg_ln_backward_warp_##s),                                         \
       TG_EMULATED(tg_swiglu_forward_##s), TG_EMULATED(tg_swiglu_backward_##s), TG_EMULATED(tg_rope_##s),               \

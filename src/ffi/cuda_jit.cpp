@@ -232,7 +232,6 @@ struct DtypeKernels {
   void* ce_forward = nullptr;
   void* ce_backward = nullptr;
   void* ce_forward_grad = nullptr;
-  void* ce_forward_grad_kept = nullptr;
   void* ce_scale_grad = nullptr;
   void* ln_forward = nullptr;
   void* ln_forward_warp = nullptr;
@@ -254,9 +253,6 @@ struct Loaded {
   void* adafactor_coef = nullptr;
   void* ln_param_sum = nullptr;
   void* col_sum_finish = nullptr;
-  // The device's streaming multiprocessors (2 for the host emulation: a grid sized by them
-  // still walks several rows a block there).
-  long long multiprocessors = 0;
 };
 
 std::mutex loaded_lock;
@@ -322,7 +318,6 @@ void look_up(Loaded& k, Get get) {
     get(&k.per_dtype[d].ce_forward, std::string("tg_ce_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_backward, std::string("tg_ce_backward_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_forward_grad, std::string("tg_ce_forward_grad_") + kDtypes[d]);
-    get(&k.per_dtype[d].ce_forward_grad_kept, std::string("tg_ce_forward_grad_kept_") + kDtypes[d]);
     get(&k.per_dtype[d].ce_scale_grad, std::string("tg_ce_scale_grad_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_forward, std::string("tg_ln_forward_") + kDtypes[d]);
     get(&k.per_dtype[d].ln_forward_warp, std::string("tg_ln_forward_warp_") + kDtypes[d]);
@@ -344,7 +339,6 @@ const Loaded& emulated() {
   static const Loaded k = [] {
     Loaded e;
     look_up(e, [](void** out, const std::string& name) { *out = trainguard::emulated_kernel(name); });
-    e.multiprocessors = 2;
     return e;
   }();
   return k;
@@ -468,18 +462,7 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
   launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
 }
 
-// loss_kernels.cu's TG_CE_KEPT_PACKS: the 16-byte packs of a row each of a block's 256 threads
-// keeps in registers in tg_ce_forward_grad_kept_*.
-constexpr long long kCeKeptPacks = 25;
-
-bool cuda_cross_entropy_row_fits_registers(const at::Tensor& x) {
-  const long long per_pack = 16 / static_cast<long long>(x.element_size()), cols = x.size(1);
-  return x.is_contiguous() && reinterpret_cast<std::uintptr_t>(x.data_ptr()) % 16 == 0 && cols % per_pack == 0 &&
-         cols / per_pack <= kCeKeptPacks * 256;
-}
-
-void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale,
-                                     int blocks_per_sm, bool row_in_registers) {
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale) {
   long long rows = x.size(0), cols = x.size(1);
   if (rows == 0) return;
   const int d = dtype_index(x.scalar_type(), "cross_entropy");
@@ -488,16 +471,9 @@ void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at
   void* lp = lse.data_ptr();
   void* op = loss.data_ptr();
   const void* sp = grad_scale.data_ptr();
+  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols};
   const Launcher launch(x.device());
-  if (row_in_registers && cuda_cross_entropy_row_fits_registers(x)) {  // a block a row, the row read once
-    void* args[] = {&xp, &tp, &lp, &op, &sp, &cols};
-    launch(launch.kernels().per_dtype[d].ce_forward_grad_kept, "cuLaunchKernel(tg_ce_forward_grad_kept)", rows, 1, args);
-    return;
-  }
-  // A block a row, or a few blocks per SM walking the rows.
-  long long grid = blocks_per_sm > 0 ? std::min(rows, blocks_per_sm * launch.kernels().multiprocessors) : rows;
-  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols, &rows, &grid};
-  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", grid, 1, args);
+  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", rows, 1, args);
 }
 
 void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor) {
@@ -761,9 +737,6 @@ int tg_cuda_jit_prepare(int ordinal, const char* src, char* err, size_t err_len)
     check_cu(cu.attribute(&major, 75, device), "cuDeviceGetAttribute(compute capability major)");
     check_cu(cu.attribute(&minor, 76, device), "cuDeviceGetAttribute(compute capability minor)");
     Loaded k;
-    int multiprocessors = 0;
-    check_cu(cu.attribute(&multiprocessors, 16, device), "cuDeviceGetAttribute(multiprocessor count)");
-    k.multiprocessors = multiprocessors;
     check_cu(cu.primary_ctx_retain(&k.ctx, device), "cuDevicePrimaryCtxRetain");
     ContextScope scope(k.ctx);
     const std::string cubin = compile(src, major, minor);

@@ -41,15 +41,8 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
 // Forward and backward in one launch (`kernels.fused_loss_gradient`): lse and loss as the
 // forward, then the gradient for `grad_scale` written over `x`. And that gradient times the
 // fp32 0-dim `factor` where it is not 1 (a backward given another loss gradient than the one
-// the forward assumed); blocks return at once where it is 1. The first launches a block a row,
-// or with `blocks_per_sm` > 0 that many blocks per streaming multiprocessor, each walking rows.
-// With `row_in_registers`, rows that fit (cuda_cross_entropy_row_fits_registers) are read once,
-// kept in registers, a block a row (`blocks_per_sm` does not apply); other rows as without it.
-void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale,
-                                     int blocks_per_sm, bool row_in_registers);
-// Whether `x`'s rows (contiguous, 16-byte aligned, in whole 16-byte packs) are narrow enough for
-// the kernel that keeps a row in registers: at most 51,200 values of a 16-bit dtype, 25,600 fp32.
-bool cuda_cross_entropy_row_fits_registers(const at::Tensor& x);
+// the forward assumed); blocks return at once where it is 1. Both launch a block a row.
+void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale);
 void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor);
 
 // The CUDA side of the residual norm's autograd node (norm_kernels.cpp; `rms`: RMSNorm, else

@@ -435,22 +435,7 @@ mod tests {
             .expect("the venv's python (scripts/setup.sh)");
         let report = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(report.matches("(want a group of").count(), 18, "every kernel the check names was found: {report}");
-    }
-
-    /// The loss kernel that keeps a row in registers (`kernels.loss_row_in_registers`) fits its
-    /// 25 packs a thread in the 128 registers two blocks an SM allow, without spilling to memory,
-    /// in the machine code NVRTC makes for an H100: a spill would read the row from memory again.
-    #[test]
-    fn the_kept_loss_rows_stay_in_registers_on_sm_90() {
-        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let out = std::process::Command::new(repo.join(".venv/bin/python"))
-            .args([repo.join("scripts/kernel_registers.py").as_os_str(), "tg_ce_forward_grad_kept".as_ref(), "--no-spills".as_ref()])
-            .output()
-            .expect("the venv's python (scripts/setup.sh)");
-        let report = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(report.matches("0 bytes spill stores").count(), 3, "fp32, bf16 and fp16: {report}");
+        assert_eq!(report.matches("(want a group of").count(), 15, "every kernel the check names was found: {report}");
     }
 
     /// The CUDA kernels run only on a GPU (tests/gpu.rs), but NVRTC compiles them to machine code
@@ -462,7 +447,7 @@ mod tests {
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
             entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
-            entries.extend(["forward", "backward", "forward_grad", "forward_grad_kept", "scale_grad"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
+            entries.extend(["forward", "backward", "forward_grad", "scale_grad"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
             entries.extend(["forward", "forward_warp", "backward", "backward_warp", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));

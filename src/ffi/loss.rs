@@ -16,8 +16,6 @@ extern "C" {
         mean: c_int,
         weight: f64,
         grad_now: c_int,
-        blocks_per_sm: c_int,
-        row_in_registers: c_int,
         out: *mut *mut c_void,
         err: *mut c_char,
         err_len: usize,
@@ -37,18 +35,9 @@ pub fn cpu_block_rows(cols: u64) -> u64 {
 pub enum Gradient {
     /// In its backward, a second pass over the logits.
     InBackward,
-    /// In its forward, written over the logits (`kernels.fused_loss_gradient`). On CUDA its kernel
-    /// runs a block a row (`blocks_per_sm` 0) or that many blocks per streaming multiprocessor,
-    /// each walking rows (`kernels.loss_blocks_per_sm`: fewer rows in flight, so a row's second
-    /// read is likelier to come from L2). With `row_in_registers` (`kernels.loss_row_in_registers`)
-    /// rows of up to 51,200 16-bit logits (25,600 fp32) in 16-byte packs are read once, each
-    /// block keeping its row in registers, a block a row. The same bits every way.
-    InForward { blocks_per_sm: u32, row_in_registers: bool },
-}
-
-impl Gradient {
-    /// In the forward, a block a row, each row read twice.
-    pub const IN_FORWARD: Self = Self::InForward { blocks_per_sm: 0, row_in_registers: false };
+    /// In its forward, written over the logits (`kernels.fused_loss_gradient`); on CUDA a block
+    /// a row, each row read twice.
+    InForward,
 }
 
 /// Cross-entropy of `logits` `[…, v]` against int64 `targets` `[…]` (−100 ignored): the mean
@@ -70,10 +59,7 @@ pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weig
 fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
-    let (now, blocks_per_sm, row_in_registers) = match gradient {
-        Gradient::InBackward => (false, 0, false),
-        Gradient::InForward { blocks_per_sm, row_in_registers } => (true, c_int::try_from(blocks_per_sm).unwrap_or(c_int::MAX), row_in_registers),
-    };
+    let now = gradient == Gradient::InForward;
     // SAFETY: both handles are live tensors; the shim catches every exception and on success
     // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
     let code = unsafe {
@@ -83,8 +69,6 @@ fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gr
             c_int::from(mean),
             weight,
             c_int::from(now),
-            blocks_per_sm,
-            c_int::from(row_in_registers),
             &mut out,
             err.as_mut_ptr().cast(),
             ERR_LEN,
@@ -275,10 +259,7 @@ mod tests {
     /// `kernels.fused_loss_gradient`: the gradient written over the logits in the forward is the
     /// two-pass node's to the bit (fp32, bf16 and fp16; mean and sum; ignored rows; rows in
     /// packs and not), on the CPU and through the CUDA kernels (emulated), in one kernel and
-    /// in the logits' own memory, a block a row or a grid of fewer blocks walking the 13 rows
-    /// (`kernels.loss_blocks_per_sm` 1 and 3 on the emulation's 2 multiprocessors: 2 and 6
-    /// blocks), or a row kept in registers where it is in packs (`kernels.loss_row_in_registers`;
-    /// other rows take the two reads); and the weighted loss is the loss times the weight.
+    /// in the logits' own memory; and the weighted loss is the loss times the weight.
     #[test]
     fn the_gradient_written_in_the_forward_is_the_two_pass_nodes_to_the_bit() {
         for emulated in [false, true] {
@@ -288,7 +269,7 @@ mod tests {
                     let emulation = emulated.then(super::super::kernels::CudaEmulation::start);
                     let fused_before = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind)));
                     let (l2, g2, in_place2) = weighted(&x, &t, mean, 0.375, Gradient::InBackward, 1.0);
-                    let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, Gradient::IN_FORWARD, 1.0);
+                    let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, Gradient::InForward, 1.0);
                     let what = format!("{kind:?}, {cols} columns, mean {mean}, emulated {emulated}");
                     if let Some(e) = &emulation {
                         let fused = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind))) - fused_before;
@@ -297,19 +278,6 @@ mod tests {
                     }
                     assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
                     assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
-                    for blocks_per_sm in [1, 3] {
-                        let (l, g, _) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm, row_in_registers: false }, 1.0);
-                        assert!(same_bits(&l, &l1) && same_bits(&g, &g1), "{what}: {blocks_per_sm} blocks per SM walking the rows");
-                    }
-                    let kept_name = format!("tg_ce_forward_grad_kept_{}", dtype_name(kind));
-                    let kept_before = super::super::kernels::CudaEmulation::launches_of(&kept_name);
-                    let (l, g, in_place) = weighted(&x, &t, mean, 0.375, Gradient::InForward { blocks_per_sm: 0, row_in_registers: true }, 1.0);
-                    assert!(same_bits(&l, &l1) && same_bits(&g, &g1) && in_place, "{what}: the row kept in registers");
-                    if emulated {
-                        let packed = cols % (16 / kind.elt_size_in_bytes() as i64) == 0;
-                        let kept = super::super::kernels::CudaEmulation::launches_of(&kept_name) - kept_before;
-                        assert_eq!(kept, u64::from(packed), "{what}: rows in packs are kept in registers, others read twice");
-                    }
                     // And what training computed before the weight moved into the node: the
                     // node's loss times the weight, its backward given the weight.
                     let (l0, g0) = {
@@ -343,7 +311,7 @@ mod tests {
             for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
                 let (x, t) = (logits(11, 48, kind), targets(11, 48));
                 let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
-                let (_, g, _) = weighted(&x, &t, true, 0.5, Gradient::IN_FORWARD, 1.0 / 3.0);
+                let (_, g, _) = weighted(&x, &t, true, 0.5, Gradient::InForward, 1.0 / 3.0);
                 let (_, rg) = reference(&x, &t, true);
                 let rg = rg * (0.5 / 3.0);
                 let ulp = match kind {
@@ -367,7 +335,7 @@ mod tests {
             let (x, t) = (logits(4, 16, Kind::Float), targets(4, 16));
             let _emulation = emulated.then(super::super::kernels::CudaEmulation::start);
             let a = x.detach().set_requires_grad(true);
-            let loss = weighted_cross_entropy(a.tanh(), &t, true, 1.0, Gradient::IN_FORWARD).unwrap();
+            let loss = weighted_cross_entropy(a.tanh(), &t, true, 1.0, Gradient::InForward).unwrap();
             let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
             assert!(err.contains("modified by an inplace operation"), "emulated {emulated}: {err}");
         }
@@ -381,12 +349,12 @@ mod tests {
         let (x, t) = (logits(6, 16, Kind::Float), targets(6, 16));
         let fresh = x.detach().copy().set_requires_grad(true);
         let kept = fresh.shallow_clone();
-        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, Gradient::IN_FORWARD).unwrap());
+        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, Gradient::InForward).unwrap());
         assert!(same_bits(&kept, &x.detach()), "no gradient wanted: the logits are untouched");
         assert!((loss.double_value(&[]) - ours(&x, &t, true).0).abs() < 1e-6);
 
         let a = x.detach().set_requires_grad(true);
-        let loss = weighted_cross_entropy(&a * 1.0, &t, true, 1.0, Gradient::IN_FORWARD).unwrap();
+        let loss = weighted_cross_entropy(&a * 1.0, &t, true, 1.0, Gradient::InForward).unwrap();
         let _ = Tensor::f_run_backward(&[&loss], &[&a], true, false).unwrap();
         let err = Tensor::f_run_backward(&[&loss], &[&a], false, false).unwrap_err().to_string();
         assert!(err.contains("kernels.fused_loss_gradient: false"), "{err}");

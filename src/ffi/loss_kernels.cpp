@@ -99,7 +99,7 @@ at::Tensor gradient_scale(at::Tensor upstream, double weight, const at::Tensor& 
 // `weight` (as training's does), not from a later multiply.
 struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& target, bool mean, double weight,
-                            bool grad_now, int64_t blocks_per_sm, bool row_in_registers) {
+                            bool grad_now) {
     // The node computes in fp32 itself; autocast must not recast what it calls.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     at::Tensor lse = at::empty({x.size(0)}, x.options().dtype(accumulate_type(x)));
@@ -113,7 +113,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       const at::Tensor scale = gradient_scale(at::scalar_tensor(weight, lse.options()), 1.0, counted);
       at::Tensor g = x;  // written over
       if (cuda) {
-        trainguard::cuda_cross_entropy_forward_grad(g, target, lse, loss, scale, static_cast<int>(blocks_per_sm), row_in_registers);
+        trainguard::cuda_cross_entropy_forward_grad(g, target, lse, loss, scale);
         // As an ATen in-place op would (the CPU path's copy_ does): a node that kept these
         // logits then fails autograd's version check instead of reading their gradient.
         g.unsafeGetTensorImpl()->bump_version();
@@ -143,7 +143,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor& target = saved[1];
     const at::Tensor nothing;
-    if (!grads[0].defined()) return {nothing, nothing, nothing, nothing, nothing, nothing, nothing};
+    if (!grads[0].defined()) return {nothing, nothing, nothing, nothing, nothing};
     if (ctx->saved_data["grad_now"].toBool()) {
       // Rescaled in place: a second backward through the same graph would rescale it again.
       if (ctx->saved_data.count("backward_ran") != 0) {
@@ -158,7 +158,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
       } else if (const double f = factor.item<double>(); f != 1.0) {
         g.mul_(f).masked_fill_(target.eq(kIgnore).unsqueeze(1), 0.0);  // in fp32 (fp64), as the kernel
       }
-      return {g, nothing, nothing, nothing, nothing, nothing, nothing};
+      return {g, nothing, nothing, nothing, nothing};
     }
     const at::Tensor &x = saved[0], &lse = saved[2];
     const at::Tensor scale = gradient_scale(grads[0].to(lse.scalar_type()), ctx->saved_data["weight"].toDouble(), saved.size() == 4 ? saved[3] : nothing);
@@ -168,7 +168,7 @@ struct CrossEntropyNode : public torch::autograd::Function<CrossEntropyNode> {
     } else {
       cpu_pass(x, target, lse, nullptr, scale, &grad);
     }
-    return {grad, nothing, nothing, nothing, nothing, nothing, nothing};
+    return {grad, nothing, nothing, nothing, nothing};
   }
 };
 }  // namespace
@@ -181,13 +181,9 @@ int64_t tg_cross_entropy_cpu_block_rows(int64_t cols) { return cpu_block_rows(co
 // ignored), mean over the rows counted (`mean`) or sum, as one autograd node: `*out` is a new
 // tensor (0-dim fp32) that tch takes over. With `grad_now`, where autograd will want the
 // logits' gradient, it is written over the logits now (the node's comment), on CUDA by a block a
-// row or, with `blocks_per_sm` > 0, by that many blocks per SM walking the rows
-// (`kernels.loss_blocks_per_sm`); with `row_in_registers` rows that fit are read once, kept in
-// registers (`kernels.loss_row_in_registers`). The logits must be
-// fp32, bf16 or fp16 on CUDA (whose kernels must be prepared: tg_cuda_jit_prepare), any float
+// row. The logits must be fp32, bf16 or fp16 on CUDA (whose kernels must be prepared: tg_cuda_jit_prepare), any float
 // dtype on the CPU.
-int tg_cross_entropy(const void* logits, const void* targets, int mean, double weight, int grad_now, int blocks_per_sm, int row_in_registers,
-                     void** out, char* err, size_t err_len) {
+int tg_cross_entropy(const void* logits, const void* targets, int mean, double weight, int grad_now, void** out, char* err, size_t err_len) {
   *out = nullptr;
   return trainguard::guarded(err, err_len, [&] {
     const auto& l = *static_cast<const at::Tensor*>(logits);
@@ -203,8 +199,7 @@ int tg_cross_entropy(const void* logits, const void* targets, int mean, double w
     const at::Tensor x = l.reshape({-1, cols}).contiguous();
     const at::Tensor t = y.reshape({-1}).contiguous();
     const bool wanted = grad_now != 0 && at::GradMode::is_enabled() && l.requires_grad();
-    check(blocks_per_sm >= 0, "blocks_per_sm must be 0 (a block a row) or more");
-    *out = new at::Tensor(CrossEntropyNode::apply(x, t, mean != 0, weight, wanted, static_cast<int64_t>(blocks_per_sm), row_in_registers != 0));
+    *out = new at::Tensor(CrossEntropyNode::apply(x, t, mean != 0, weight, wanted));
   });
 }
 

@@ -16,9 +16,9 @@
 // its backward writes 4 + 2 more, this keeps the 16-bit logits and writes 2. In training
 // (`kernels.fused_loss_gradient`) one kernel does both: the loss, then the gradient written over
 // the row it has just read (the H100 trace of gpt2-124m had the two at 0.86 and 1.14 ms a
-// micro-step over 1.65 GB of bf16 logits); that kernel reads the row twice, or once where the
-// block keeps it in registers (`kernels.loss_row_in_registers`, rows of up to 51,200 16-bit
-// logits).
+// micro-step over 1.65 GB of bf16 logits); that kernel reads the row twice, the second time
+// from its end (mostly from L2). On an H100 two other forms ran slower and are gone: a grid of a
+// few blocks per SM walking the rows (2.5–3.3%) and the row read once into registers (8.5%).
 //
 // A row's target of −100 is ignored (loss 0, gradient 0), as in PyTorch; any other target
 // outside [0, columns) gives the row a NaN loss, which the training loop reports as a
@@ -26,11 +26,6 @@
 
 #define TG_CE_IGNORE (-100LL)
 #define TG_CE_BATCH 4  // 16-byte packs a thread loads before it uses the first
-// The most 16-byte packs of a row each thread keeps in registers in tg_ce_forward_grad_kept_*:
-// rows of up to 25 · 256 packs, 51,200 bf16 or fp16 logits (GPT-2's vocabulary padded to 50,304,
-// SmolLM's 49,152), 25,600 fp32. 100 registers a thread: two blocks of 256 threads fill an SM's
-// 64K (cuda_jit.cpp's kCeKeptPacks is this number).
-#define TG_CE_KEPT_PACKS 25
 
 __device__ __forceinline__ float tg_neg_inf() { return __int_as_float(0xff800000); }
 
@@ -229,45 +224,6 @@ __device__ __forceinline__ void ce_row_read_twice(typename D::T* x, const long l
   ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);
 }
 
-// Row `row` of `x` as ce_row_read_twice computes it, to the bit, with the
-// row read once (`kernels.loss_row_in_registers`): each thread loads all its packs (k = thread,
-// + TG_THREADS, …) into registers at once, merges them in that order, and once the block has the
-// row's log-sum-exp writes their gradient over them. Where ce_row and ce_gradient read a row
-// twice, the second time partly from memory (gpt2-124m: ~1000 rows of 100 KB in flight against
-// an H100's 50 MB of L2), this reads it once, with two blocks' rows an SM in flight. Rows not
-// in packs, or of more than TG_CE_KEPT_PACKS packs a thread (the host launches this kernel only
-// for rows that fit), take the two reads.
-template <class D>
-__device__ __forceinline__ void ce_row_kept(typename D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,
-                                            long long cols, long long row) {
-  typename D::T* xr = x + row * cols;
-  const long long packs = cols / (16 / sizeof(typename D::T));
-  if (!tg_packed_rows<typename D::T>(xr, cols) || packs > TG_CE_KEPT_PACKS * TG_THREADS) {
-    ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, row);
-    return;
-  }
-  // This thread's packs: `mine` of them, TG_THREADS packs apart from the thread's first.
-  const int mine = packs > threadIdx.x ? static_cast<int>((packs - 1 - threadIdx.x) / TG_THREADS) + 1 : 0;
-  uint4* first = reinterpret_cast<uint4*>(xr) + threadIdx.x;
-  TgPack p[TG_CE_KEPT_PACKS];
-#pragma unroll
-  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
-    if (u < mine) p[u].bits = first[u * TG_THREADS];
-  }
-  float m = tg_neg_inf(), s = 0.0f;
-#pragma unroll
-  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
-    if (u < mine) tg_ce_add_pack<D>(m, s, p[u].bits);
-  }
-  const float row_lse = ce_row_finish<D>(m, s, xr, target, lse, loss, cols, row);
-  const long long t = target[row];
-  const float scale = t == TG_CE_IGNORE ? 0.0f : *grad_scale;
-#pragma unroll
-  for (int u = 0; u < TG_CE_KEPT_PACKS; ++u) {
-    if (u < mine) first[u * TG_THREADS] = tg_ce_gradient_pack<D>(p[u], threadIdx.x + u * TG_THREADS, t, row_lse, scale);
-  }
-}
-
 // Row blockIdx.x of a gradient that ce_forward_grad wrote for a loss gradient of 1, times the
 // loss gradient *factor the backward was given; nothing to do (every block returns at once)
 // where that is 1, the usual case. Ignored rows stay exactly 0.
@@ -284,12 +240,7 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
 // writes the gradient over the logits (`kernels.fused_loss_gradient`: the row is read twice,
 // the second time mostly from L2, where the two kernels read it three times and write a
 // separate gradient), with the rescaling for a backward given another loss gradient than 1.
-// The one kernel walks rows blockIdx.x, + stride, … below `rows`: a block a row where the grid
-// is as long as the rows (stride = rows), or a grid of a few blocks per SM
-// (`kernels.loss_blocks_per_sm`), which keeps fewer rows in flight so that a row's second read
-// is likelier to find it still in L2. Its kept form reads a row once and takes it from registers
-// the second time (`kernels.loss_row_in_registers`; at most 128 registers a thread, so that two
-// blocks share an SM), a block a row: with the walk's registers it spilled.
+// Each kernel runs a block a row.
 #define TG_CROSS_ENTROPY(SUFFIX, D)                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_forward_##SUFFIX(const D::T* x, const long long* target, float* lse, float* loss, long long cols) {    \
@@ -300,14 +251,8 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
     ce_gradient<D>(x, target, lse[blockIdx.x], grad_scale, grad, cols, blockIdx.x, false);                          \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_forward_grad_##SUFFIX(                                         \
-      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols,           \
-      long long rows, long long stride) {                                                                            \
-    for (long long row = blockIdx.x; row < rows; row += stride) ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, row); \
-  }                                                                                                                  \
-  TG_KERNEL void __launch_bounds__(TG_THREADS, 2) tg_ce_forward_grad_kept_##SUFFIX(                                \
-      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,                          \
-      long long cols) {                                                                                              \
-    ce_row_kept<D>(x, target, lse, loss, grad_scale, cols, blockIdx.x);                                              \
+      D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols) {         \
+    ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, blockIdx.x);                                        \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_scale_grad_##SUFFIX(D::T* grad, const long long* target, const float* factor, long long cols) {          \

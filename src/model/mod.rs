@@ -84,8 +84,7 @@ pub struct Model {
     /// `kernels.fused_cross_entropy`: the loss as our own autograd node.
     fused_loss: bool,
     /// `kernels.fused_loss_gradient`: in training that node writes the logits' gradient in its
-    /// forward (on CUDA with `kernels.loss_blocks_per_sm`'s grid, `kernels.loss_row_in_registers`'s
-    /// kernel).
+    /// forward.
     loss_gradient: crate::ffi::loss::Gradient,
     /// `kernels.accumulate_in_gemm`, where the linear node runs.
     weight_grads_in_gemm: bool,
@@ -156,7 +155,7 @@ impl Model {
             vocab_mask,
             fused_loss: kernels.fused_cross_entropy,
             loss_gradient: match kernels.fused_loss_gradient {
-                true => crate::ffi::loss::Gradient::InForward { blocks_per_sm: kernels.loss_blocks_per_sm, row_in_registers: kernels.loss_row_in_registers },
+                true => crate::ffi::loss::Gradient::InForward,
                 false => crate::ffi::loss::Gradient::InBackward,
             },
             weight_grads_in_gemm: kernels.accumulate_in_gemm && ours.linear,
