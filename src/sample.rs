@@ -84,7 +84,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     } else {
         let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE))
             .map_err(|e| input(format!("{}: not a checkpoint, run or Hugging Face directory ({}: {e})", target.display(), store::CONFIG_FILE)))?;
-        let config: Config = serde_yaml::from_str(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        let config: Config = crate::config::saved(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let final_weights = target.join(store::MODEL_FILE);
         let weights = if final_weights.is_file() {
             Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?

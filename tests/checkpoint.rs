@@ -54,6 +54,24 @@ fn stop_and_resume_is_bitwise_identical_to_a_straight_run() {
     assert!((summary["tokens_per_s"].as_f64().unwrap() - tokens / elapsed).abs() < 1e-6 * tokens / elapsed);
 }
 
+/// A checkpoint saved before a kernels switch was removed holds the switch in its config.yaml
+/// (every key is saved): `--resume auto` still continues from it, rather than setting it aside
+/// as corrupt and starting over at step 0.
+#[test]
+fn a_checkpoint_saved_with_a_since_removed_switch_still_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.max_steps=4", "train.warmup_steps=0", "train.eval_interval=0", "checkpoint.interval=2"];
+    let first = train(dir.path(), "configs/debug.yaml", &[&base[..], &["faults.interrupt_at_step=2"]].concat());
+    assert_eq!(first.code(), 4, "{}", first.stderr());
+    let saved = newest_checkpoint(dir.path()).join(store::CONFIG_FILE);
+    let yaml = std::fs::read_to_string(&saved).unwrap().replacen("kernels:\n", "kernels:\n  loss_blocks_per_sm: 0\n  loss_row_in_registers: false\n", 1);
+    std::fs::write(&saved, yaml).unwrap();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, dir.path()).ok();
+    assert_eq!(resumed.events_of("resumed")[0]["step"], 2, "{}", resumed.stderr());
+}
+
 #[test]
 fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
     let (plain, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

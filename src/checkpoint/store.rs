@@ -283,7 +283,7 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     };
     let (weights, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
     let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
-    let config: Config = serde_yaml::from_str(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+    let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 

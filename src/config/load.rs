@@ -48,6 +48,27 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     }
 }
 
+/// Keys of switches since removed, each with why. A config.yaml saved by a run or checkpoint
+/// before the removal holds them (every key is saved): [`saved`] drops them, so such a
+/// checkpoint still resumes; a config that sets one is told it is gone.
+const RETIRED: &[(&str, &str)] = &[
+    ("kernels.loss_blocks_per_sm", "the loss kernel's grid walk ran 2.5-3.3% slower on an H100 than a block a row"),
+    ("kernels.loss_row_in_registers", "the loss row kept in registers ran 8.5% slower on an H100 than reading it twice"),
+];
+
+/// A config.yaml that trainguard saved (a checkpoint's, a run's) as a [`Config`]: keys
+/// retired since it was written are dropped. Not validated: it was when it was saved.
+pub fn saved(yaml: &str) -> Result<Config, serde_yaml::Error> {
+    let mut tree: Value = serde_yaml::from_str(yaml)?;
+    for (key, _) in RETIRED {
+        let (section, name) = key.split_once('.').expect("retired keys are section.key");
+        if let Some(Value::Mapping(m)) = tree.get_mut(section) {
+            m.remove(name);
+        }
+    }
+    serde_yaml::from_value(tree)
+}
+
 /// The tree as a [`Config`]. Every unknown key is reported at once, each with the known key it
 /// most resembles (serde stops at the first: a config with three typos took three runs).
 fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
@@ -61,9 +82,10 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, 
         };
         let key = e.path().to_string();
         let raw = readable(&e.inner().to_string());
-        let message = match did_you_mean(&raw) {
-            Some(known) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
-            None => raw.clone(),
+        let message = match (RETIRED.iter().find(|(k, _)| *k == key), did_you_mean(&raw)) {
+            (Some((_, why)), _) => format!("this switch was removed ({why}); delete it"),
+            (None, Some(known)) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
+            (None, None) => raw.clone(),
         };
         // A value that came from the command line is blamed on the --set that gave it.
         // (Either way round: `trainz.lr=3` fails at the unknown section `trainz`.)
@@ -166,10 +188,13 @@ fn readable(serde_message: &str) -> String {
             m.replace_range(at..at + pattern.len(), &format!("expected {said}"));
         }
     }
-    for (wide, range) in [("u128", "whole numbers go up to 18446744073709551615"), ("i128", "negative numbers go down to -9223372036854775808")] {
+    // Every integer key is unsigned; a number key (a float) takes a large value written with a
+    // decimal point.
+    let decimal = "a number key takes it with a decimal point";
+    for (wide, range) in [("u128", "whole-number keys go up to 18446744073709551615"), ("i128", "whole-number keys start at 0")] {
         let said = format!(" as {wide}, expected any YAML value");
         if let (Some(at), true) = (m.find(&said), m.contains("invalid type: integer")) {
-            m.replace_range(at..at + said.len(), &format!(" {OUT_OF_RANGE}: {range}"));
+            m.replace_range(at..at + said.len(), &format!(" {OUT_OF_RANGE} (beyond 64 bits): {range}; {decimal}"));
             m = m.replacen("invalid type: integer", "integer", 1);
         }
     }
@@ -337,18 +362,35 @@ mod tests {
         assert!(parse_duration("36500d").is_ok());
     }
 
+    /// A checkpoint's config.yaml from before a switch was removed still loads (the key
+    /// dropped); a config that sets the switch is told it is gone.
+    #[test]
+    fn retired_switches_are_dropped_from_saved_configs_and_refused_in_new_ones() {
+        let mut old = serde_yaml::to_value(Config::default()).unwrap();
+        for (key, _) in RETIRED {
+            let (section, name) = key.split_once('.').unwrap();
+            old[section].as_mapping_mut().unwrap().insert(name.into(), 0.into());
+        }
+        let yaml = serde_yaml::to_string(&old).unwrap();
+        assert!(serde_yaml::from_str::<Config>(&yaml).is_err(), "the old keys are unknown to Config itself");
+        assert_eq!(saved(&yaml).unwrap(), Config::default());
+        let err = load(None, &["kernels.loss_blocks_per_sm=1".into()]).unwrap_err().to_string();
+        assert!(err.contains("kernels.loss_blocks_per_sm") && err.contains("was removed") && err.contains("delete it"), "{err}");
+    }
+
     #[test]
     fn serde_type_names_are_said_in_config_words() {
         assert_eq!(readable("invalid type: integer `5`, expected struct FaultsConfig"), "invalid type: integer `5`, expected a section (indented key: value lines)");
         assert_eq!(readable("invalid value: integer `-1`, expected u64"), "invalid value: integer `-1`, expected a whole number from 0");
         assert_eq!(
             readable("a.b: invalid type: integer `99999999999999999999` as u128, expected any YAML value at line 2 column 33"),
-            "a.b: integer `99999999999999999999` is out of range: whole numbers go up to 18446744073709551615 at line 2 column 33"
+            "a.b: integer `99999999999999999999` is out of range (beyond 64 bits): whole-number keys go up to 18446744073709551615; a number key takes it with a decimal point at line 2 column 33"
         );
         let err = load(None, &["faults.pause_in_checkpoint_write_ms=99999999999999999999".into()]).unwrap_err().to_string();
         assert!(err.contains("is out of range") && !err.contains("not YAML"), "{err}");
-        let err = load(None, &["train.seed=-99999999999999999999".into()]).unwrap_err().to_string();
-        assert!(err.contains("is out of range: negative numbers") && !err.contains("i128"), "{err}");
+        let err = load(None, &["train.lr=-99999999999999999999".into()]).unwrap_err().to_string();
+        assert!(err.contains("is out of range (beyond 64 bits): whole-number keys start at 0") && !err.contains("i128"), "{err}");
+        assert!(load(None, &["train.lr=-99999999999999999999.0".into()]).unwrap_err().to_string().contains("train.lr"), "parsed as a number, refused by validation");
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.yaml");
         std::fs::write(&file, "train:\n  max_steps: 99999999999999999999\n").unwrap();

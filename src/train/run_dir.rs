@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 pub(super) struct RunDir {
     path: PathBuf,
     _lock: Option<RunDirLock>,
-    /// The highest directory this start created (`path` or a parent of it), while not yet
-    /// prepared: removed on drop, down from `path`.
-    provisional: Option<PathBuf>,
+    /// The directories this start created (`path` and parents of it, outermost first), while
+    /// not yet prepared: removed on drop, innermost first.
+    provisional: Vec<PathBuf>,
 }
 
 impl RunDir {
@@ -32,9 +32,17 @@ impl RunDir {
         if overwrite {
             move_old_run_aside(dir)?;
         }
-        let created = highest_missing(dir);
-        std::fs::create_dir_all(dir).map_err(|source| TrainError::RunDir { path: dir.to_path_buf(), source })?;
-        let lock = RunDirLock::take(dir)?;
+        let mut tries = 0;
+        let (created, lock) = loop {
+            let created = create_missing(dir)?;
+            let lock = RunDirLock::take(dir)?;
+            // Gone between the two: another start into the same new directory, refused, removed
+            // what it had created. Create it again rather than run without a lock.
+            if lock.is_some() || dir.is_dir() || tries == 8 {
+                break (created, lock);
+            }
+            tries += 1;
+        };
         let held = Self { path: dir.to_path_buf(), _lock: lock, provisional: created };
         if let Some(limit) = time_limit.filter(|_| restart_count == 0) {
             record_deadline(dir, limit);
@@ -52,7 +60,7 @@ impl RunDir {
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
         crate::logging::also_to_file(&dir.join("train.log")).map_err(io)?;
-        self.provisional = None;
+        self.provisional.clear();
         Ok(())
     }
 }
@@ -73,23 +81,48 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        if let Some(top) = &self.provisional {
+        if !self.provisional.is_empty() {
             // Only what this start put there; a directory that holds more stays.
             let _ = std::fs::remove_file(deadline::path(&self.path));
             let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
-            for dir in self.path.ancestors().take_while(|d| d.starts_with(top)) {
-                if std::fs::remove_dir(dir).is_err() {
-                    break;
-                }
-            }
+            remove_created(&self.provisional);
         }
     }
 }
 
-/// The highest of `dir` and its parents that does not exist yet: what `create_dir_all(dir)`
-/// will create. None when `dir` exists.
-fn highest_missing(dir: &Path) -> Option<PathBuf> {
-    dir.ancestors().filter(|d| !d.as_os_str().is_empty()).take_while(|d| !d.exists()).last().map(Path::to_path_buf)
+/// Creates `dir` and whichever of its parents are missing, one at a time (so that a path with
+/// `..` in it is undone as it was made): the directories this call created, outermost first.
+/// A part of the path that is a file or a dangling link is the user's out_dir mistake (exit 2).
+fn create_missing(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
+    let mut created = Vec::new();
+    let mut at = PathBuf::new();
+    for part in dir.components() {
+        at.push(part);
+        if at.is_dir() {
+            continue;
+        }
+        let failed = match std::fs::create_dir(&at) {
+            Ok(()) => {
+                created.push(at.clone());
+                continue;
+            }
+            Err(_) if at.is_dir() => continue, // another start created it meanwhile
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => TrainError::OutDirNotADirectory { path: at },
+            Err(source) => TrainError::RunDir { path: at, source },
+        };
+        remove_created(&created);
+        return Err(failed);
+    }
+    Ok(created)
+}
+
+/// Removes what [`create_missing`] created, innermost first, up to the first that is not empty.
+fn remove_created(created: &[PathBuf]) {
+    for dir in created.iter().rev() {
+        if std::fs::remove_dir(dir).is_err() {
+            break;
+        }
+    }
 }
 
 /// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted;
@@ -133,6 +166,9 @@ mod tests {
         drop(RunDir::hold(&nested, false, None, 0).unwrap());
         assert!(!parent.path().join("a/b").exists(), "the parents it created go too");
         assert!(parent.path().join("a").is_dir(), "a parent that was there stays");
+        // Through `..`: x/y/../z is x/z; x and x/y are created on the way, and go again.
+        drop(RunDir::hold(&parent.path().join("x/y/../z/"), false, None, 0).unwrap());
+        assert!(!parent.path().join("x").exists(), "the path's detour is undone too");
         let mut held = RunDir::hold(&dir, false, None, 0).unwrap();
         let busy = RunDir::hold(&dir, false, None, 0).err().unwrap();
         assert!(matches!(busy, TrainError::Lock(super::super::LockError::Busy { .. })), "{busy}");
@@ -155,5 +191,15 @@ mod tests {
             assert!(matches!(err, TrainError::OutDirNotADirectory { .. }), "{err}");
             assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes");
         }
+        // A file on the way, or a dangling link: the same refusal, naming it.
+        std::os::unix::fs::symlink(parent.path().join("nowhere"), parent.path().join("link")).unwrap();
+        for (out_dir, named) in [("run/sub", "run"), ("link", "link"), ("link/sub", "link")] {
+            let err = RunDir::hold(&parent.path().join(out_dir), false, None, 0).err().unwrap();
+            assert!(matches!(&err, TrainError::OutDirNotADirectory { path } if path == &parent.path().join(named)), "{out_dir}: {err}");
+        }
+        // Directories created on the way to the file go again (`m`, through `m/..`).
+        let err = RunDir::hold(&parent.path().join("m/../run/sub"), false, None, 0).err().unwrap();
+        assert!(matches!(err, TrainError::OutDirNotADirectory { .. }), "{err}");
+        assert!(!parent.path().join("m").exists(), "what the refused start created is gone");
     }
 }
