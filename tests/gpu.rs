@@ -581,9 +581,10 @@ fn the_cross_entropy_kernels_emulated_on_the_host_compute_what_the_cpu_path_does
     cross_entropy_kernel_check(Kernels::Emulated, 11, 1003);
     // 1025 bf16 packs a row: a thread's batches of 4 packs go round twice, the second with one.
     cross_entropy_kernel_check(Kernels::Emulated, 5, 8200);
-    // A vocabulary's width (GPT-2's 50,257 padded to 50,304): 6288 bf16 packs, a thread's
-    // batches of 4 round 7 times, the last one short.
-    cross_entropy_kernel_check(Kernels::Emulated, 3, 50304);
+    // 6400 bf16 packs a row (a vocabulary's width), whose last round of batches gives each
+    // thread one pack, and one pack wider, whose last round gives thread 0 two.
+    cross_entropy_kernel_check(Kernels::Emulated, 3, 51200);
+    cross_entropy_kernel_check(Kernels::Emulated, 3, 51208);
 }
 
 fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {

@@ -241,7 +241,7 @@ mod tests {
 
     /// Loss and gradient of `weight · cross_entropy` on a copy of `x` (so that the node's input
     /// is, as in training, a fresh tensor of its own), through the two-pass node or, with
-    /// `gradient_now`, the one that writes the gradient over the logits. Also: whether the
+    /// `Gradient::InForward`, the one that writes the gradient over the logits. Also: whether the
     /// gradient came back in the logits' own memory.
     fn weighted(x: &Tensor, t: &Tensor, mean: bool, weight: f64, gradient: Gradient, loss_gradient: f64) -> (Tensor, Tensor, bool) {
         let fresh = x.detach().set_requires_grad(true) * 1.0;

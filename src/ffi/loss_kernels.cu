@@ -215,15 +215,6 @@ __device__ __forceinline__ void ce_gradient(const typename D::T* x, const long l
   }
 }
 
-// Row `row`'s loss, then its gradient written over it: the row read twice, the second time from
-// its end (right after the first read its last values are the likeliest still in L2).
-template <class D>
-__device__ __forceinline__ void ce_row_read_twice(typename D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale,
-                                                  long long cols, long long row) {
-  const float row_lse = ce_row<D>(x, target, lse, loss, cols, row);
-  ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, row, true);
-}
-
 // Row blockIdx.x of a gradient that ce_forward_grad wrote for a loss gradient of 1, times the
 // loss gradient *factor the backward was given; nothing to do (every block returns at once)
 // where that is 1, the usual case. Ignored rows stay exactly 0.
@@ -252,7 +243,8 @@ __device__ __forceinline__ void ce_scale_grad(typename D::T* grad, const long lo
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS) tg_ce_forward_grad_##SUFFIX(                                         \
       D::T* x, const long long* target, float* lse, float* loss, const float* grad_scale, long long cols) {         \
-    ce_row_read_twice<D>(x, target, lse, loss, grad_scale, cols, blockIdx.x);                                        \
+    const float row_lse = ce_row<D>(x, target, lse, loss, cols, blockIdx.x);                                        \
+    ce_gradient<D>(x, target, row_lse, grad_scale, x, cols, blockIdx.x, true);                                      \
   }                                                                                                                  \
   TG_KERNEL void __launch_bounds__(TG_THREADS)                                                                       \
       tg_ce_scale_grad_##SUFFIX(D::T* grad, const long long* target, const float* factor, long long cols) {          \
