@@ -833,6 +833,29 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     }
 }
 
+/// Activation checkpointing recomputes each segment without its last layer's product (the
+/// linear node's graph alone, `Output::GraphOnly`): whole runs with every block recomputed, and
+/// segments of two, train as the run that keeps its activations (GPT-2, and a Llama with merged
+/// layers; bf16-mixed, the weights' gradients summed in their GEMMs as by default). SGD, as
+/// above: a wrong gradient of the skipped layer shows; last bits stay last bits.
+#[test]
+fn checkpointed_runs_without_the_segments_last_product_train_as_the_plain_run_on_cuda() {
+    if cuda().is_none() {
+        return;
+    }
+    let sgd = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", "optimizer.name=sgd", "train.lr=0.3"];
+    let gpt2 = [&sgd[..], &["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_len=128"]].concat();
+    for (config, base) in [("configs/debug.yaml", &gpt2[..]), ("configs/llama-debug.yaml", &sgd[..])] {
+        let plain = tempfile::tempdir().unwrap();
+        let a = train(plain.path(), config, &[base, &["memory.activation_checkpointing=none"]].concat()).ok();
+        for savers in ["memory.activation_checkpointing=blocks", "memory.activation_checkpointing=every_n:2"] {
+            let dir = tempfile::tempdir().unwrap();
+            let b = train(dir.path(), config, &[base, &[savers]].concat()).ok();
+            assert_same_training((&a, plain.path()), (&b, dir.path()), &format!("{config}: {savers} against none"));
+        }
+    }
+}
+
 /// Two runs that differ only in how they compute: the same losses within 1e-5 (relative) and
 /// final weights within 1e-4.
 fn assert_same_training((a, a_dir): (&Run, &std::path::Path), (b, b_dir): (&Run, &std::path::Path), what: &str) {

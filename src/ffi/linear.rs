@@ -17,19 +17,48 @@ extern "C" {
     fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, scope: *mut u64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_linear_end_weight_grad_sums(scope: u64);
     fn tg_linear_sums_attached() -> u64;
-    fn tg_linear(x: *const c_void, weights: *const *const c_void, n_weights: usize, biases: *const *const c_void, n_biases: usize, gelu: c_int, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear(
+        x: *const c_void,
+        weights: *const *const c_void,
+        n_weights: usize,
+        biases: *const *const c_void,
+        n_biases: usize,
+        gelu: c_int,
+        graph_only: c_int,
+        our_node: c_int,
+        y_out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// `x` `[…, in]` · `weight`ᵀ (`[out, in]`) + `bias` (`[out]`), in autocast's dtype while
 /// autocast is on (x's otherwise).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, &[weight], bias.as_slice(), false)
+    call(x, &[weight], bias.as_slice(), Output::Product)
+}
+
+/// [`linear`]'s graph without its product: the output is zeros (in the dtype [`linear`] gives)
+/// and its backward is the linear layer's, through our node when `ours` (where it runs: the
+/// weight's cast kept, its gradient added into a [`GemmSums`] accumulator) or ATen's maths. For
+/// the last layer of a block recomputed in backward, whose output nobody reads there: only its
+/// gradient flows, so its GEMM would be computed for nothing (`step::savers`).
+pub fn linear_graph_only(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ours: bool) -> Result<Tensor, ShimError> {
+    call(x, &[weight], bias.as_slice(), Output::GraphOnly { ours })
+}
+
+/// What [`call`] computes.
+#[derive(Clone, Copy)]
+enum Output {
+    Product,
+    Gelu,
+    GraphOnly { ours: bool },
 }
 
 /// GELU (without the tanh approximation) of [`linear`]'s output: GPT-2's MLP up-projection
 /// (`kernels.fused_gelu`), whose backward takes GELU's gradient and the bias's in one kernel.
 pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, &[weight], bias.as_slice(), true)
+    call(x, &[weight], bias.as_slice(), Output::Gelu)
 }
 
 /// Layers that all read `x` as one matrix multiplication (`kernels.merged_projections`): each
@@ -37,10 +66,15 @@ pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
 /// each or none) concatenated. The node keeps their joint cast for a step as it keeps a weight's
 /// ([`KeptCasts`]) and gives each weight its own gradient (or adds it into its sum, [`GemmSums`]).
 pub fn merged_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Result<Tensor, ShimError> {
-    call(x, weights, biases, false)
+    call(x, weights, biases, Output::Product)
 }
 
-fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], gelu: bool) -> Result<Tensor, ShimError> {
+fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], output: Output) -> Result<Tensor, ShimError> {
+    let (gelu, graph_only, our_node) = match output {
+        Output::Product => (false, false, true),
+        Output::Gelu => (true, false, true),
+        Output::GraphOnly { ours } => (false, true, ours),
+    };
     let mut y = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     let weights: Vec<*const c_void> = weights.iter().map(|w| w.as_ptr().cast::<c_void>()).collect();
@@ -48,7 +82,19 @@ fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], gelu: bool) -> Resu
     // SAFETY: the handles are live tensors, the arrays hold their counts; on success the shim
     // hands over a tensor it allocated with `new`, which tch's Tensor owns and frees.
     let code = unsafe {
-        tg_linear(x.as_ptr().cast(), weights.as_ptr(), weights.len(), biases.as_ptr(), biases.len(), c_int::from(gelu), &mut y, err.as_mut_ptr().cast(), ERR_LEN)
+        tg_linear(
+            x.as_ptr().cast(),
+            weights.as_ptr(),
+            weights.len(),
+            biases.as_ptr(),
+            biases.len(),
+            c_int::from(gelu),
+            c_int::from(graph_only),
+            c_int::from(our_node),
+            &mut y,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
     };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
@@ -237,6 +283,62 @@ pub(crate) mod tests {
                 assert_eq!(db.kind(), Kind::Float, "{label}: the bias gradient in fp32");
                 // Ours is the fp32 column sum; autocast's is that sum rounded to bf16.
                 assert!(max_rel(db, plain) <= 1.0 / 128.0, "{label}: bias gradient off by {:e}", max_rel(db, plain));
+            }
+        }
+    }
+
+    /// A graph-only layer gives zeros in the output's dtype and shape, and the layer's gradients:
+    /// through our node (kernels emulated) bit for bit those of the node, its weight's gradient
+    /// added into a GEMM sum where a scope names one; through ATen's maths within a rounding of
+    /// autocast's linear under bf16, and fp32's linear without autocast.
+    #[test]
+    fn a_graph_only_layer_gives_zeros_and_the_layers_gradients() {
+        let wave = |shape: &[i64], k: f64, scale: f64| Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin() * scale;
+        for c in &CASES {
+            for (ours, bf16) in [(true, true), (false, true), (false, false)] {
+                let label = format!("{} x {} → {} bias {:?} x fp32 {}, ours {ours}, bf16 {bf16}", c.rows, c.inputs, c.outputs, c.bias, c.x_fp32);
+                let x = wave(&[2, c.rows / 2, c.inputs], 0.731, 1.5);
+                let x = if c.x_fp32 || !bf16 { x } else { x.to_kind(Kind::BFloat16) }.set_requires_grad(true);
+                let w = wave(&[c.outputs, c.inputs], 0.37, 0.2).set_requires_grad(true);
+                let b = c.bias.map(|grad| wave(&[c.outputs], 2.3, 0.1).set_requires_grad(grad));
+                let gy = wave(&[2, c.rows / 2, c.outputs], 0.513, 1.0);
+                // y and the gradients of x, w and b (where wanted), the layer made by `make`.
+                let grads = |make: &dyn Fn() -> Tensor| {
+                    let _emulation = ours.then(CudaEmulation::start);
+                    crate::ffi::set_autocast(false, bf16, false).unwrap();
+                    let y = make();
+                    crate::ffi::set_autocast(false, false, false).unwrap();
+                    let mut inputs = vec![&x, &w];
+                    inputs.extend(b.iter().filter(|b| b.requires_grad()));
+                    let mut out = vec![y.detach()];
+                    out.extend(Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)], &inputs, false, false));
+                    out
+                };
+                let only = grads(&|| linear_graph_only(&x, &w, b.as_ref(), ours).unwrap());
+                let full = grads(&|| if ours { linear(&x, &w, b.as_ref()).unwrap() } else { x.linear(&w, b.as_ref()) });
+                assert_eq!((only[0].kind(), only[0].size()), (full[0].kind(), full[0].size()), "{label}: the output's dtype and shape");
+                assert_eq!(only[0].abs().max().double_value(&[]), 0.0, "{label}: the output is zeros (no product computed)");
+                assert_eq!(only.len(), full.len(), "{label}");
+                for (i, (a, want)) in only.iter().zip(&full).enumerate().skip(1) {
+                    assert_eq!((a.kind(), a.size()), (want.kind(), want.size()), "{label}: gradient {i}");
+                    match ours {
+                        true => assert!(a.equal(want), "{label}: gradient {i} is not the node's ({:e} off)", max_rel(a, want)),
+                        false => {
+                            let tolerance = if bf16 { 1.0 / 128.0 } else { 1e-6 };
+                            assert!(max_rel(a, want) <= tolerance, "{label}: gradient {i} off by {:e}", max_rel(a, want));
+                        }
+                    }
+                }
+                if ours {
+                    // In a step's GEMM-sum scope the weight's gradient goes into its sum.
+                    let acc = w.ones_like();
+                    let sums = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&acc)).unwrap();
+                    let summed = grads(&|| linear_graph_only(&x, &w, b.as_ref(), true).unwrap());
+                    drop(sums);
+                    assert!(!summed[2].defined(), "{label}: no weight gradient handed to autograd");
+                    assert!(max_rel(&acc, &full[2].f_add_scalar(1.0).unwrap()) < 1e-6, "{label}: the sum is 1 + the gradient");
+                    assert!(summed[1].equal(&full[1]), "{label}: x's gradient");
+                }
             }
         }
     }

@@ -193,11 +193,15 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
   // x [rows, in] (fp32 or D); ws: the weights [out_i, in] fp32, one or the parts of merged layers;
   // bs: their biases [out_i] (any float dtype), one each or none; y [rows, Σ out_i] in D (with
   // `gelu`, GELU of it: GPT-2's MLP up-projection, kernels.fused_gelu).
+  // With `graph_only` the product is not computed: y is zeros (see GraphOnlyLinear), backward
+  // is the same.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, at::TensorList ws, at::TensorList bs,
-                                                at::ScalarType d, bool gelu) {
+                                                at::ScalarType d, bool gelu, bool graph_only) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor xd = x.to(d), wd = cast_once(ws, d);
-    const at::Tensor y = bs.empty() ? at::mm(xd, wd.t()) : at::addmm(cast_once(bs, d), xd, wd.t());
+    const at::Tensor y = graph_only  ? at::zeros({xd.size(0), wd.size(0)}, xd.options())
+                         : bs.empty() ? at::mm(xd, wd.t())
+                                      : at::addmm(cast_once(bs, d), xd, wd.t());
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["with_bias"] = !bs.empty();
     ctx->saved_data["gelu"] = gelu;
@@ -227,8 +231,8 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
     const at::Tensor &xd = saved[0], &wd = saved[1];
     const std::vector<int64_t> rows = ctx->saved_data["rows"].toIntVector();
     const size_t parts = rows.size(), biases = ctx->saved_data["with_bias"].toBool() ? parts : 0;
-    // One gradient for x, each weight and each bias, and none for the dtype and the GELU switch.
-    torch::autograd::variable_list out(1 + parts + biases + 2);
+    // One gradient for x, each weight and each bias, and none for the dtype and the two switches.
+    torch::autograd::variable_list out(1 + parts + biases + 3);
     if (!grads[0].defined()) return out;
     at::Tensor dy = grads[0].to(xd.scalar_type()).contiguous();
     bool bias_wanted = false;
@@ -278,6 +282,39 @@ struct LinearNode : public torch::autograd::Function<LinearNode> {
       if (i < biases && ctx->needs_input_grad(1 + parts + i)) out[1 + parts + i] = parts == 1 ? db : db.narrow(0, at_row, n);
       at_row += n;
     }
+    return out;
+  }
+};
+// A linear layer's graph without its product (tg_linear with `graph_only`, where our node does not
+// run): zeros [rows, out] in the dtype linear gives, and linear's backward as autograd computes it
+// (x and w in that dtype, the gradients returned to x's, w's and b's). For the last layer of a
+// block recomputed in backward (activation checkpointing, src/step/savers.rs): the block's output
+// is never read there, only its gradient flows back, so its GEMM would be computed for nothing.
+struct GraphOnlyLinear : public torch::autograd::Function<GraphOnlyLinear> {
+  // x [rows, in]; w [out, in]; bs: none or the bias [out].
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, at::TensorList bs,
+                                                at::ScalarType d) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor xd = x.to(d), wd = w.to(d);
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_type"] = static_cast<int64_t>(w.scalar_type());
+    if (!bs.empty()) ctx->saved_data["b_type"] = static_cast<int64_t>(bs[0].scalar_type());
+    ctx->save_for_backward({xd, wd});
+    return {at::zeros({xd.size(0), wd.size(0)}, xd.options())};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &xd = saved[0], &wd = saved[1];
+    const bool bias = ctx->saved_data.count("b_type") != 0;
+    torch::autograd::variable_list out(2 + (bias ? 1 : 0) + 1);  // x, w, the bias, none for the dtype
+    if (!grads[0].defined()) return out;
+    const at::Tensor dy = grads[0].to(xd.scalar_type());
+    const auto type = [&](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
+    if (ctx->needs_input_grad(0)) out[0] = at::mm(dy, wd).to(type("x_type"));
+    if (ctx->needs_input_grad(1)) out[1] = at::mm(dy.t(), xd).to(type("w_type"));
+    if (bias && ctx->needs_input_grad(2)) out[2] = dy.sum(0).to(type("b_type"));
     return out;
   }
 };
@@ -404,11 +441,13 @@ size_t tg_linear_casts_addresses(uintptr_t* out, size_t n) {
 // x [..., in] · weightᵀ [in, out] (+ bias [out]), then GELU of it where `gelu` is 1: `*y_out` is
 // a new tensor tch takes over. `weights` (tch handles, `n_weights` of them) are one layer's weight
 // or the parts of merged layers that read x, whose outputs come in turn; `biases` their biases,
-// one each or none (`n_biases` 0). Through our node where our kernels run and autocast is on for
-// x's device with a 16-bit dtype, the weights fp32; through ATen's linear (autocast's, when it is
-// on) of the parts concatenated otherwise.
-int tg_linear(const void* x, const void* const* weights, size_t n_weights, const void* const* biases, size_t n_biases, int gelu, void** y_out,
-              char* err, size_t err_len) {
+// one each or none (`n_biases` 0). Through our node where `our_node` is 1, our kernels run and
+// autocast is on for x's device with a 16-bit dtype, the weights fp32; through ATen's linear
+// (autocast's, when it is on) of the parts concatenated otherwise. With `graph_only` 1 the output
+// is zeros and only its backward is linear's (no GELU then): our node without its GEMM, or
+// GraphOnlyLinear.
+int tg_linear(const void* x, const void* const* weights, size_t n_weights, const void* const* biases, size_t n_biases, int gelu, int graph_only,
+              int our_node, void** y_out, char* err, size_t err_len) {
   *y_out = nullptr;
   return trainguard::guarded(err, err_len, [&] {
     const auto& xt = *static_cast<const at::Tensor*>(x);
@@ -417,6 +456,7 @@ int tg_linear(const void* x, const void* const* weights, size_t n_weights, const
     for (size_t i = 0; i < n_biases; ++i) bs.push_back(*static_cast<const at::Tensor*>(biases[i]));
     if (ws.empty()) throw std::invalid_argument("linear: no weight");
     if (!bs.empty() && bs.size() != ws.size()) throw std::invalid_argument("linear: merged layers must all have a bias or none");
+    if (gelu != 0 && graph_only != 0) throw std::invalid_argument("linear: a graph-only layer has no GELU (its output is not computed)");
     int64_t out_features = 0;
     for (size_t i = 0; i < ws.size(); ++i) {
       const at::Tensor& w = ws[i];
@@ -429,7 +469,7 @@ int tg_linear(const void* x, const void* const* weights, size_t n_weights, const
     const bool autocast = at::autocast::is_autocast_enabled(type);
     const at::ScalarType d = autocast ? at::autocast::get_autocast_dtype(type) : xt.scalar_type();
     const at::Tensor& w0 = ws[0];
-    const bool ours = autocast && (d == at::kBFloat16 || d == at::kHalf) && trainguard::runs_cuda_kernels(xt) && w0.scalar_type() == at::kFloat &&
+    const bool ours = our_node != 0 && autocast && (d == at::kBFloat16 || d == at::kHalf) && trainguard::runs_cuda_kernels(xt) && w0.scalar_type() == at::kFloat &&
                       (xt.scalar_type() == at::kFloat || xt.scalar_type() == d) && w0.device() == xt.device() && xt.numel() > 0;
     at::Tensor y;
     if (ours) {
@@ -437,12 +477,19 @@ int tg_linear(const void* x, const void* const* weights, size_t n_weights, const
       const at::Tensor x2 = xt.reshape({-1, xt.size(-1)}).contiguous();
       std::vector<int64_t> shape(xt.sizes().begin(), xt.sizes().end());
       shape.back() = out_features;
-      y = LinearNode::apply(x2, at::TensorList(ws), at::TensorList(bs), d, gelu != 0)[0].view(shape);
+      y = LinearNode::apply(x2, at::TensorList(ws), at::TensorList(bs), d, gelu != 0, graph_only != 0)[0].view(shape);
     } else {
       const at::Tensor w = ws.size() == 1 ? w0 : at::cat(ws, 0);
       const std::optional<at::Tensor> b = bs.empty() ? std::nullopt : std::optional<at::Tensor>(bs.size() == 1 ? bs[0] : at::cat(bs, 0));
-      y = at::linear(xt, w, b);
-      if (gelu != 0) y = at::gelu(y);
+      if (graph_only != 0) {
+        std::vector<int64_t> shape(xt.sizes().begin(), xt.sizes().end());
+        shape.back() = w.size(0);
+        const std::vector<at::Tensor> b_list = b ? std::vector<at::Tensor>{*b} : std::vector<at::Tensor>{};
+        y = GraphOnlyLinear::apply(xt.reshape({-1, xt.size(-1)}), w, at::TensorList(b_list), d)[0].view(shape);
+      } else {
+        y = at::linear(xt, w, b);
+        if (gelu != 0) y = at::gelu(y);
+      }
     }
     *y_out = new at::Tensor(y);
   });

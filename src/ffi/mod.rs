@@ -1,5 +1,5 @@
 //! The only unsafe code: thin wrappers over `shim.cpp` (allocator statistics, cache control,
-//! allocator settings, deterministic mode, autocast, versions), over `optim_kernels.cpp` (the
+//! allocator settings, deterministic mode, autocast, versions, a backward from given gradients), over `optim_kernels.cpp` (the
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
 //! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm and RMSNorm with their residual add: [`norm`]), over
 //! `linear_kernels.cpp` (the linear layer with fp32 parameter gradients: [`linear`]),
@@ -20,7 +20,8 @@ pub mod llama_ops;
 pub mod torch_panics;
 pub mod trace;
 
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use tch::Tensor;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShimError {
@@ -89,6 +90,7 @@ extern "C" {
     fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_get_allocator_settings(out: *mut c_char, out_len: usize) -> c_int;
+    fn tg_backward(roots: *const *const c_void, grads: *const *const c_void, n_roots: usize, inputs: *const *const c_void, n_inputs: usize, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
 }
 
 const ERR_LEN: usize = 4096;
@@ -110,6 +112,25 @@ pub fn versions() -> Result<Versions, ShimError> {
     // SAFETY: `out` is a repr(C) mirror of tg_versions; `err` is ERR_LEN bytes.
     let code = unsafe { tg_versions(&mut out, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err).map(|_| out)
+}
+
+/// The gradients of `inputs` (each wanting one) from a backward through `roots` seeded with
+/// `grads` (one each, of the root's shape; another dtype is cast to the root's), where tch's
+/// `run_backward` seeds ones; undefined where the graph does not reach an input. The graph is
+/// freed.
+pub fn backward(roots: &[&Tensor], grads: &[&Tensor], inputs: &[Tensor]) -> Result<Vec<Tensor>, ShimError> {
+    assert_eq!(roots.len(), grads.len(), "a gradient for each root");
+    let (r, g, i) = (kernels::handles(roots), kernels::handles(grads), kernels::handles(inputs));
+    let mut out = vec![std::ptr::null_mut::<c_void>(); inputs.len()];
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: the handles are live tensors borrowed for the call; `out` holds one slot per input,
+    // which the shim fills with tensors it allocated with `new` (or leaves null on an error).
+    let code = unsafe { tg_backward(r.as_ptr(), g.as_ptr(), r.len(), i.as_ptr(), i.len(), out.as_mut_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+    // Taken over before the result is read, so none leaks on an error.
+    // SAFETY: each non-null pointer is a tensor the shim handed over, owned from here by tch.
+    let taken: Vec<Option<Tensor>> = out.into_iter().map(|p| (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p.cast()) })).collect();
+    result(code, &err)?;
+    Ok(taken.into_iter().map(|t| t.expect("the shim returns every input's gradient on success")).collect())
 }
 
 /// Turns autocast on (to `half`: fp16, else bf16) or off for CUDA or CPU ops.
@@ -287,6 +308,32 @@ pub fn memory_snapshot_pickled() -> Result<Vec<u8>, ShimError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tch::{Device, Kind};
+
+    /// A backward seeded with given gradients gives what the seeded sum's gives: two roots, one
+    /// of them bf16 seeded in fp32 (cast to the root's dtype); an input the graph does not reach
+    /// gets an undefined gradient; a root outside any graph, or a seed of another shape, is an
+    /// error that says so.
+    #[test]
+    fn a_seeded_backward_gives_the_weighted_sums_gradients() {
+        let w = Tensor::linspace(-1.0, 2.0, 12, (Kind::Float, Device::Cpu)).view([3, 4]).set_requires_grad(true);
+        let unused = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let x = Tensor::linspace(0.5, 1.5, 8, (Kind::Float, Device::Cpu)).view([2, 4]);
+        let roots = || (x.matmul(&w.tr()), x.matmul(&w.tr()).sin().to_kind(Kind::BFloat16));
+        let (ga, gb) = (Tensor::linspace(-2.0, 1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]), Tensor::linspace(3.0, -1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]));
+        let (a, b) = roots();
+        let got = backward(&[&a, &b], &[&ga, &gb], &[w.shallow_clone(), unused.shallow_clone()]).unwrap();
+        let (a, b) = roots();
+        let sum = (&a * &ga).sum(Kind::Float) + (b.to_kind(Kind::Float) * gb.to_kind(Kind::BFloat16).to_kind(Kind::Float)).sum(Kind::Float);
+        let want = Tensor::run_backward(&[&sum], &[&w], false, false);
+        assert!(got[0].allclose(&want[0], 1e-6, 1e-6, false), "{:?} vs {:?}", got[0], want[0]);
+        assert!(!got[1].defined(), "an input the graph does not reach");
+        let err = backward(&[&x], &[&x.ones_like()], &[w.shallow_clone()]).unwrap_err().to_string();
+        assert!(err.contains("root 0 is not part of a graph"), "{err}");
+        let (a, _) = roots();
+        let err = backward(&[&a], &[&ga.tr()], &[w.shallow_clone()]).unwrap_err().to_string();
+        assert!(err.contains("must have its shape"), "{err}");
+    }
 
     #[test]
     fn without_a_gpu_stats_are_unavailable_not_an_abort() {

@@ -10,6 +10,8 @@
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Logging.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "guarded.h"
 
@@ -207,6 +209,36 @@ int tg_deterministic_state() {
   const auto& ctx = at::globalContext();
   return (ctx.deterministicAlgorithms() ? 1 : 0) | (ctx.deterministicAlgorithmsWarnOnly() ? 2 : 0) |
          (ctx.deterministicFillUninitializedMemory() ? 4 : 0) | (ctx.deterministicCuDNN() ? 8 : 0);
+}
+
+// Backward from `roots` (tch handles, `n_roots`) seeded with `grads` (one each, of the root's shape;
+// autograd casts one of another dtype to the root's), into `inputs` (`n_inputs`, each wanting a
+// gradient): `out[i]` is input i's gradient, a new tensor tch takes over (undefined where the
+// graph does not reach it). tch's run_backward seeds ones only, so pushing a given gradient
+// through a graph took a sum of the output weighted by it: two more passes over the output.
+int tg_backward(const void* const* roots, const void* const* grads, size_t n_roots, const void* const* inputs, size_t n_inputs, void** out, char* err,
+                size_t err_len) {
+  for (size_t i = 0; i < n_inputs; ++i) out[i] = nullptr;
+  return guarded(err, err_len, [&] {
+    std::vector<torch::autograd::Edge> root_edges, input_edges;
+    std::vector<at::Tensor> seeds;
+    for (size_t i = 0; i < n_roots; ++i) {
+      const auto& r = *static_cast<const at::Tensor*>(roots[i]);
+      const auto& g = *static_cast<const at::Tensor*>(grads[i]);
+      if (!r.requires_grad()) throw std::invalid_argument("backward: root " + std::to_string(i) + " is not part of a graph");
+      if (!g.defined() || g.sizes() != r.sizes()) throw std::invalid_argument("backward: the gradient of root " + std::to_string(i) + " must have its shape");
+      root_edges.push_back(torch::autograd::impl::gradient_edge(r));
+      seeds.push_back(g);
+    }
+    for (size_t i = 0; i < n_inputs; ++i) {
+      const auto& t = *static_cast<const at::Tensor*>(inputs[i]);
+      if (!t.requires_grad()) throw std::invalid_argument("backward: input " + std::to_string(i) + " wants no gradient");
+      input_edges.push_back(torch::autograd::impl::gradient_edge(t));
+    }
+    const torch::autograd::variable_list got =
+        torch::autograd::Engine::get_default_engine().execute(root_edges, seeds, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, input_edges);
+    for (size_t i = 0; i < n_inputs; ++i) out[i] = new at::Tensor(got[i]);
+  });
 }
 
 }  // extern "C"

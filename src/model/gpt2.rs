@@ -2,7 +2,7 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
-use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear, ResidualNorm, Stream};
+use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear, Output, ResidualNorm, Stream};
 use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -126,7 +126,7 @@ impl Decoder for Gpt2 {
         tok.f_add(&pe)?.f_dropout(dropout, train)
     }
 
-    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool) -> Result<Stream, TchError> {
+    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError> {
         let blk = &self.blocks[i];
         let (x, normed) = blk.ln_1.stream_forward(stream)?;
         let qkv = blk.attn.forward(&normed)?;
@@ -139,7 +139,7 @@ impl Decoder for Gpt2 {
         let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout)?;
         let (x, normed) = blk.ln_2.add_forward(&x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
         let h = blk.fc.forward_gelu(&normed, self.our_gelu)?;
-        Ok(Stream { x, pending: Some(blk.mlp_proj.forward(&h)?.f_dropout(dropout, train)?) })
+        Ok(Stream { x, pending: Some(blk.mlp_proj.forward_for(&h, output)?.f_dropout(dropout, train)?) })
     }
 
     fn head(&self, x: &Stream, mask: Option<&Tensor>) -> Result<Tensor, TchError> {

@@ -10,6 +10,18 @@ pub fn param(params: &Params, name: &str) -> Result<Tensor, TchError> {
     params.get(name).map(Tensor::shallow_clone).ok_or_else(|| TchError::Torch(format!("model: no parameter `{name}`")))
 }
 
+/// What a block's output is computed for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Its values: the forward pass.
+    Values,
+    /// Only its graph: a block recomputed in backward (activation checkpointing), whose output is
+    /// never read there; only the gradient flows back through it. Its last layer then skips its
+    /// product ([`Linear::forward_for`]): GPT-2's MLP projection is a third of a block's GEMM
+    /// work, SmolLM2's down projection a quarter.
+    GraphOnly,
+}
+
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
@@ -26,6 +38,15 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, TchError> {
         linear(x, &self.weight, self.bias.as_ref(), self.ours)
+    }
+
+    /// [`Linear::forward`] for `output`: with [`Output::GraphOnly`] zeros whose backward is the
+    /// layer's (no product computed).
+    pub fn forward_for(&self, x: &Tensor, output: Output) -> Result<Tensor, TchError> {
+        match output {
+            Output::Values => self.forward(x),
+            Output::GraphOnly => Ok(crate::ffi::linear::linear_graph_only(x, &self.weight, self.bias.as_ref(), self.ours)?),
+        }
     }
 
     /// GELU (without the tanh approximation) of the layer's output: in our linear node when
@@ -307,8 +328,9 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
 
 /// SwiGLU: `down(silu(gate(x)) · up(x))`; the product through our node (`ffi::llama_ops`) with
 /// `ours`, gate and up as one matrix multiplication with `merged` (a joint node, ours or of
-/// ATen's ops, then reads their joint output as it is and writes its gradient whole).
-pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool) -> Result<Tensor, TchError> {
+/// ATen's ops, then reads their joint output as it is and writes its gradient whole); `down` for
+/// `output`.
+pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool, output: Output) -> Result<Tensor, TchError> {
     let product = match (merged, ours) {
         // The joint node in both cases (ATen's ops where ours is off): it writes the joint
         // gradient, where autograd would join the halves' gradients by a copy.
@@ -316,7 +338,7 @@ pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool,
         (false, true) => crate::ffi::llama_ops::swiglu(&gate.forward(x)?, &up.forward(x)?)?,
         (false, false) => gate.forward(x)?.f_silu()?.f_mul(&up.forward(x)?)?,
     };
-    down.forward(&product)
+    down.forward_for(&product, output)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, ResidualNorm, RmsNorm, Rope, Stream};
+use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, Output, ResidualNorm, RmsNorm, Rope, Stream};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -177,13 +177,13 @@ impl Decoder for Llama {
         Tensor::f_embedding(&self.embed, idx, -1, false, false)?.f_dropout(dropout, train)
     }
 
-    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool) -> Result<Stream, TchError> {
+    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError> {
         let l = &self.layers[i];
         let (x, normed) = l.input_norm.stream_forward(stream)?;
         let (q, k, v) = self.attention_inputs(l, &normed)?;
         let y = causal_attention(&q, &k, &v, dropout)?;
         let (x, normed) = l.post_norm.add_forward(&x, &l.o.forward(&y)?.f_dropout(dropout, train)?)?;
-        let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu, self.merged)?;
+        let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu, self.merged, output)?;
         Ok(Stream { x, pending: Some(m.f_dropout(dropout, train)?) })
     }
 

@@ -25,7 +25,7 @@ pub use spec::{ParamGroups, Part, TensorSpec};
 use crate::config::{Arch, KernelsConfig, ModelConfig};
 use crate::ffi::linear::GemmSums;
 use crate::ffi::ShimError;
-use layers::Stream;
+use layers::{Output, Stream};
 use tch::{Device, Kind, Reduction, TchError, Tensor};
 
 /// One architecture's network over its parameters. `dropout` is already 0 outside training.
@@ -33,8 +33,8 @@ trait Decoder: Send {
     /// Token ids `[b, t]` → hidden states `[b, t, c]`.
     fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
     /// Block `i` on the stream `[b, t, c]`: its first norm adds what the previous block left
-    /// pending; its own output is left pending in turn.
-    fn block(&self, i: usize, x: &Stream, dropout: f64, train: bool) -> Result<Stream, TchError>;
+    /// pending; its own output, computed for `output`, is left pending in turn.
+    fn block(&self, i: usize, x: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError>;
     /// Final norm (adding what the last block left pending) and LM head: logits `[…, padded
     /// vocab]` for the stream `[…, c]`, `mask` (the padded vocabulary's) added as the head's bias.
     fn head(&self, x: &Stream, mask: Option<&Tensor>) -> Result<Tensor, TchError>;
@@ -187,7 +187,7 @@ impl Model {
     fn padded_logits(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
         let mut x = Stream::settled_at(&self.embed(idx, train, seed)?);
         for i in 0..self.n_blocks() {
-            x = self.stream_block(i, &x, train, seed)?;
+            x = self.stream_block(i, &x, train, seed, Output::Values)?;
         }
         self.net.head(&x, self.vocab_mask(x.x.kind())?.as_ref())
     }
@@ -209,15 +209,23 @@ impl Model {
         self.net.embed(idx, self.dropout(train, seed, 0), train)
     }
 
-    /// Block `i` on `x` `[b, t, c]`, its output added to the stream (what a checkpointed
-    /// segment keeps; [`Model::forward`] leaves it for the next norm to add).
+    /// Block `i` on `x` `[b, t, c]`, its output added to the stream (what a checkpointed segment
+    /// keeps; [`Model::forward`] leaves it for the next norm to add).
     pub fn block(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        self.stream_block(i, &Stream::settled_at(x), train, seed)?.settle()
+        self.stream_block(i, &Stream::settled_at(x), train, seed, Output::Values)?.settle()
+    }
+
+    /// Block `i` on `x` for a recomputation that only pushes a gradient back through it: the
+    /// stream and the block's output, not added, the output's last product not computed
+    /// ([`Output::GraphOnly`]). The block's output gradient is each one's.
+    pub fn block_graph(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Vec<Tensor>, TchError> {
+        let s = self.stream_block(i, &Stream::settled_at(x), train, seed, Output::GraphOnly)?;
+        Ok([s.x].into_iter().chain(s.pending).collect())
     }
 
     /// Block `i` on the stream `x`, its own output left pending (its dropout stage `1 + i`).
-    fn stream_block(&self, i: usize, x: &Stream, train: bool, seed: Option<u64>) -> Result<Stream, TchError> {
-        self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train)
+    fn stream_block(&self, i: usize, x: &Stream, train: bool, seed: Option<u64>, output: Output) -> Result<Stream, TchError> {
+        self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train, output)
     }
 
     /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the

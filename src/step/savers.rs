@@ -5,7 +5,11 @@
 //!   (a segment is `k` consecutive blocks); the backward pass recomputes one segment at a time
 //!   from its input, pushes the incoming gradient through it and hands the input's gradient to
 //!   the segment before. Dropout draws the same masks in the recomputation because the model
-//!   reseeds its generator per block. With `first_n:<m>` only the first m blocks are
+//!   reseeds its generator per block. The recomputation never reads the segment's output, only
+//!   pushes a gradient through it ([`crate::ffi::backward`], seeded with that gradient): so the
+//!   segment's last block hands back its stream and its output without adding them, and its
+//!   last layer's product is not computed (that layer's backward needs its input, not its
+//!   output: [`Model::block_graph`]). With `first_n:<m>` only the first m blocks are
 //!   checkpointed: the later ones run with their graph from a leaf whose gradient, after their
 //!   backward, is what the checkpointed segments pass back.
 //! - **Offload**: those segment inputs wait in (pinned) CPU memory until their segment's turn.
@@ -143,23 +147,26 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     let blocks = |range: std::ops::Range<usize>| -> Vec<usize> { groups.blocks[range].iter().flatten().copied().collect() };
     if k == 0 {
         let body_idx: Vec<usize> = groups.embed.iter().copied().chain(blocks(0..n)).collect();
-        push_back(&body_out, &grad_hidden, params, &body_idx, None, &mut grads)?;
+        push_back(std::slice::from_ref(&body_out), &grad_hidden, params, &body_idx, None, &mut grads)?;
     } else {
         let mut grad_out = grad_hidden;
         if let Some(leaf) = kept_from {
-            grad_out = push_back(&body_out, &grad_out, params, &blocks(checkpointed..n), Some(leaf), &mut grads)?.expect("the kept blocks' input gradient");
+            grad_out = push_back(std::slice::from_ref(&body_out), &grad_out, params, &blocks(checkpointed..n), Some(leaf), &mut grads)?.expect("the kept blocks' input gradient");
         }
         for (start, input) in saved.into_iter().rev() {
             let input = reload(&input, device)?.f_detach()?.f_set_requires_grad(true)?;
             let mut h = input.shallow_clone();
             let end = (start + k).min(checkpointed);
-            for i in start..end {
+            for i in start..end - 1 {
                 h = model.block(i, &h, true, Some(seed))?;
             }
-            grad_out = push_back(&h, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?.expect("the segment input's gradient");
+            // The segment's output is not read, only its gradient pushed back: the last block's
+            // stream and output stay apart, and its last product is not computed.
+            let out = model.block_graph(end - 1, &h, true, Some(seed))?;
+            grad_out = push_back(&out, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?.expect("the segment input's gradient");
         }
         let e = model.embed(x, true, Some(seed))?;
-        push_back(&e, &grad_out, params, &groups.embed, None, &mut grads)?;
+        push_back(&[e], &grad_out, params, &groups.embed, None, &mut grads)?;
     }
     let grads = grads
         .into_iter()
@@ -169,15 +176,15 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
     Ok((loss, grads))
 }
 
-/// Pushes `grad_out` back through `out`'s graph into the parameters `idx` (added to `grads`) and
-/// into the leaf `input` when there is one, whose gradient it returns. tch's backward takes no
-/// output gradient, so the graph is entered through the sum of `out` weighted by `grad_out`.
-fn push_back(out: &Tensor, grad_out: &Tensor, params: &[Tensor], idx: &[usize], input: Option<Tensor>, grads: &mut [Option<Tensor>]) -> Result<Option<Tensor>, TchError> {
+/// Pushes `grad_out` back through the graphs of `outs` (each of which it is the gradient of: a
+/// block's output, or its stream and its output not yet added) into the parameters `idx` (added
+/// to `grads`) and into the leaf `input` when there is one, whose gradient it returns.
+fn push_back(outs: &[Tensor], grad_out: &Tensor, params: &[Tensor], idx: &[usize], input: Option<Tensor>, grads: &mut [Option<Tensor>]) -> Result<Option<Tensor>, TchError> {
     let with_input = input.is_some();
     let mut inputs: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
     inputs.extend(input);
-    let push = out.f_mul(grad_out)?.f_sum(out.kind())?;
-    let mut g = Tensor::f_run_backward(&[&push], &inputs, false, false)?;
+    let roots: Vec<&Tensor> = outs.iter().collect();
+    let mut g = crate::ffi::backward(&roots, &vec![grad_out; roots.len()], &inputs)?;
     let input_grad = if with_input { g.pop() } else { None };
     accumulate(grads, idx, g)?;
     Ok(input_grad)
@@ -294,6 +301,56 @@ mod tests {
                 assert!(dl <= 1e-6 && dg <= 1e-5, "dropout {dropout} {s:?}: loss diff {dl}, grad diff {dg}");
             }
         }
+    }
+
+    /// Under bf16 autocast (a recomputed segment's last block then hands back an fp32 stream and
+    /// a bf16 output, both seeded with the fp32 gradient) every saver gives the plain path's loss
+    /// and gradients: the same kernels on the same inputs, so the same bits on the CPU.
+    #[test]
+    fn every_saver_gives_the_plain_gradients_under_bf16_autocast() {
+        let _rng = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, x, y) = setup(0.0);
+        let run = |s: &Savers| {
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let out = loss_and_grads(&m, &x, &y, 0.5, 7, s);
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            out.unwrap()
+        };
+        let (loss0, plain) = run(&Savers::default());
+        for s in [
+            Savers { checkpoint_every: 1, ..Default::default() },
+            Savers { checkpoint_every: 3, ..Default::default() },
+            Savers { checkpoint_every: 1, checkpoint_first: Some(2), ..Default::default() },
+        ] {
+            let (loss, g) = run(&s);
+            assert!(loss.equal(&loss0), "{s:?}: loss {loss:?} vs {loss0:?}");
+            assert_eq!(max_diff(&plain, &g), 0.0, "{s:?}: gradients");
+        }
+    }
+
+    /// A recomputed segment's last block skips its last layer's product, the others recompute
+    /// every one: counted as the CPU ran them (PyTorch's profiler), against the plain path.
+    #[test]
+    fn a_recomputed_segment_skips_its_last_layers_product() {
+        let _rng = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
+        let (m, x, y) = setup(0.0);
+        let dir = tempfile::tempdir().unwrap();
+        let products = |s: &Savers| {
+            let path = dir.path().join("trace.json");
+            crate::ffi::trace::start(false).unwrap();
+            let ran = loss_and_grads(&m, &x, &y, 1.0, 7, s).map(|_| ());
+            crate::ffi::trace::stop(Some(&path)).unwrap();
+            ran.unwrap();
+            let trace = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let events = crate::trace::parse(&trace).unwrap();
+            events.iter().filter(|e| !e.device_side && !e.launch && matches!(e.name.as_str(), "aten::mm" | "aten::addmm")).count()
+        };
+        let plain = products(&Savers::default());
+        // A GPT-2 block's forward: four products (q/k/v, the attention's projection, the MLP's
+        // two); 4 blocks.
+        assert_eq!(products(&Savers { checkpoint_every: 1, ..Default::default() }) - plain, 4 * 3, "every block ends a segment");
+        assert_eq!(products(&Savers { checkpoint_every: 2, ..Default::default() }) - plain, 2 * (4 + 3), "segments of two");
+        assert_eq!(products(&Savers { checkpoint_every: 1, checkpoint_first: Some(1), ..Default::default() }) - plain, 3, "the first block alone");
     }
 
     #[test]

@@ -26,6 +26,8 @@ impl RunDir {
     /// torchrun's first attempt records its deadline here, as soon as the directory is held: an
     /// attempt that dies before the ranks agree must still leave it for the restarts.
     pub(super) fn hold(dir: &Path, overwrite: bool, time_limit: Option<std::time::Duration>, restart_count: u64) -> Result<Self, TrainError> {
+        // `create_missing` refuses this too, but `--overwrite` first takes the old run's lock
+        // inside it, which would fail on a file with an I/O error instead of this one.
         if dir.exists() && !dir.is_dir() {
             return Err(TrainError::OutDirNotADirectory { path: dir.to_path_buf() });
         }
@@ -63,9 +65,7 @@ impl RunDir {
         self.provisional.clear();
         Ok(())
     }
-}
 
-impl RunDir {
     /// `stop.json` for a run that finished or stopped as planned (resumable); none for a failure.
     pub(super) fn record_end(&self, ended: &Result<crate::events::RunSummary, TrainError>) {
         let record = match ended {
