@@ -234,13 +234,18 @@ template <class... A>
 void call(void (*kernel)(A...), void** args) {
   call_with(kernel, args, std::index_sequence_for<A...>{});
 }
+template <class... A>
+constexpr std::size_t arity_of(void (*)(A...)) {
+  return sizeof...(A);
+}
 
 struct Kernel {
   const char* name;
   void (*body)(void**);
+  std::size_t arity;  // its parameters: a launch must pass as many
 };
 
-#define TG_EMULATED(k) Kernel{#k, [](void** a) { call(&k, a); }}
+#define TG_EMULATED(k) Kernel{#k, [](void** a) { call(&k, a); }, arity_of(&k)}
 #define TG_EMULATED_DTYPE(s)                                                                                             \
   TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s), TG_EMULATED(tg_ce_forward_grad_##s), TG_EMULATED(tg_ce_scale_grad_##s),                      \
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
@@ -334,10 +339,16 @@ void* emulated_kernel(const std::string& name) {
   throw std::logic_error("cuda emulation: no kernel " + name);
 }
 
-void emulated_launch(void* kernel, long long gx, long long gy, void** args) {
+void emulated_launch(void* kernel, long long gx, long long gy, void** args, std::size_t n_args) {
   using namespace tg_emulated;
   const Kernel& k = *static_cast<const Kernel*>(kernel);
   if (gx < 1 || gy < 1) throw std::invalid_argument(std::string("cuda emulation: ") + k.name + ": an empty grid (the driver refuses it)");
+  // The driver takes the array as it is: too few would read past it, too many shift nothing
+  // but say the launch and the kernel disagree. Either way undefined on a GPU, so said here.
+  if (n_args != k.arity) {
+    throw std::invalid_argument(std::string("cuda emulation: ") + k.name + " takes " + std::to_string(k.arity) + " arguments; the launch passes " +
+                                std::to_string(n_args));
+  }
   std::lock_guard<std::mutex> g(launch_lock);
   ++launches;
   ++launches_of[k.name];
@@ -371,10 +382,11 @@ extern "C" unsigned long long tg_cuda_emulation_launches_of(const char* name) {
 }
 
 // Runs the emulation's check kernel `tg_test_<name>` (one block) on `bytes` (48) and `out` (256
-// floats), CUDA used wrongly where `wrong` is 1; what the emulation reports comes back in `err`.
+// floats), CUDA used wrongly where `wrong` is 1, launched with its last argument missing where
+// `wrong` is 2; what the emulation reports comes back in `err`.
 extern "C" int tg_cuda_emulation_selftest(const char* name, unsigned char* bytes, float* out, int wrong, char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
     void* args[] = {&bytes, &out, &wrong};
-    trainguard::emulated_launch(trainguard::emulated_kernel(std::string("tg_test_") + name), 1, 1, args);
+    trainguard::emulated_launch(trainguard::emulated_kernel(std::string("tg_test_") + name), 1, 1, args, wrong == 2 ? 2 : 3);
   });
 }

@@ -358,15 +358,18 @@ class Launcher {
     }
   }
   const Loaded& kernels() const { return loaded_; }
-  // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks.
-  void operator()(void* kernel, const char* what, long long gx, long long gy, void** args) const {
+  // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks. `args` is
+  // an array, so its length reaches the emulation, which checks it against the kernel's
+  // parameters (the driver cannot: it reads as many as the kernel takes).
+  template <std::size_t N>
+  void operator()(void* kernel, const char* what, long long gx, long long gy, void* (&args)[N]) const {
     // CUDA's grid limits (x < 2^31, y < 2^16): beyond them the casts below would wrap silently.
     if (gx > 0x7fffffffLL || gy > 0xffffLL) {
       throw std::invalid_argument(std::string(what) + ": a grid of " + std::to_string(gx) + " x " + std::to_string(gy) +
                                   " blocks is beyond CUDA's limits (2^31 - 1 x 65535)");
     }
     if (on_host_) {
-      trainguard::emulated_launch(kernel, gx, gy, args);
+      trainguard::emulated_launch(kernel, gx, gy, args, N);
       return;
     }
     check_cu(driver().launch(kernel, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream_, args, nullptr), what);
