@@ -17,8 +17,8 @@ pub enum Output {
     Values,
     /// Only its graph: a block recomputed in backward (activation checkpointing), whose output is
     /// never read there; only the gradient flows back through it. Its last layer then skips its
-    /// product ([`Linear::forward_for`]): GPT-2's MLP projection is a third of a block's GEMM
-    /// work, SmolLM2's down projection a quarter.
+    /// product ([`Linear::forward_for`]): GPT-2's MLP projection is a third of a block's linear
+    /// layers' GEMM work, SmolLM2's down projection a quarter.
     GraphOnly,
 }
 
