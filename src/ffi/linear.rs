@@ -35,7 +35,7 @@ extern "C" {
 /// `x` `[…, in]` · `weight`ᵀ (`[out, in]`) + `bias` (`[out]`), in autocast's dtype while
 /// autocast is on (x's otherwise).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, &[weight], bias.as_slice(), Output::Product)
+    call(x, &[weight], bias.as_slice(), Computed::Product)
 }
 
 /// [`linear`]'s graph without its product: the output is zeros (in the dtype [`linear`] gives)
@@ -44,12 +44,12 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 /// the last layer of a block recomputed in backward, whose output nobody reads there: only its
 /// gradient flows, so its GEMM would be computed for nothing (`step::savers`).
 pub fn linear_graph_only(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ours: bool) -> Result<Tensor, ShimError> {
-    call(x, &[weight], bias.as_slice(), Output::GraphOnly { ours })
+    call(x, &[weight], bias.as_slice(), Computed::GraphOnly { ours })
 }
 
 /// What [`call`] computes.
 #[derive(Clone, Copy)]
-enum Output {
+enum Computed {
     Product,
     Gelu,
     GraphOnly { ours: bool },
@@ -58,7 +58,7 @@ enum Output {
 /// GELU (without the tanh approximation) of [`linear`]'s output: GPT-2's MLP up-projection
 /// (`kernels.fused_gelu`), whose backward takes GELU's gradient and the bias's in one kernel.
 pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, ShimError> {
-    call(x, &[weight], bias.as_slice(), Output::Gelu)
+    call(x, &[weight], bias.as_slice(), Computed::Gelu)
 }
 
 /// Layers that all read `x` as one matrix multiplication (`kernels.merged_projections`): each
@@ -66,14 +66,14 @@ pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result
 /// each or none) concatenated. The node keeps their joint cast for a step as it keeps a weight's
 /// ([`KeptCasts`]) and gives each weight its own gradient (or adds it into its sum, [`GemmSums`]).
 pub fn merged_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Result<Tensor, ShimError> {
-    call(x, weights, biases, Output::Product)
+    call(x, weights, biases, Computed::Product)
 }
 
-fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], output: Output) -> Result<Tensor, ShimError> {
-    let (gelu, graph_only, our_node) = match output {
-        Output::Product => (false, false, true),
-        Output::Gelu => (true, false, true),
-        Output::GraphOnly { ours } => (false, true, ours),
+fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], computed: Computed) -> Result<Tensor, ShimError> {
+    let (gelu, graph_only, our_node) = match computed {
+        Computed::Product => (false, false, true),
+        Computed::Gelu => (true, false, true),
+        Computed::GraphOnly { ours } => (false, true, ours),
     };
     let mut y = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
