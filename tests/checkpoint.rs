@@ -489,23 +489,43 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "no gap, no step of the old line");
 }
 
-/// A finished run's final weights go when a resume trains past them: `sample` and `export` of
-/// the run directory then read the newest checkpoint, not weights older than it.
+/// A finished run's final weights move aside when a resume trains past them: `sample` and
+/// `export` of the run directory then read the newest checkpoint, not weights older than it.
+/// Moved, not deleted: with the newest checkpoint corrupt and passed over, they are the only copy
+/// of its step.
 #[test]
-fn a_resume_that_trains_on_removes_the_stale_final_weights() {
+fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
     let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5"])).ok();
     let fin = dir.path().join("model.safetensors");
-    assert!(fin.exists());
+    let step5 = std::fs::read(&fin).unwrap();
     let past = resume_auto(dir.path(), &with(&["train.max_steps=5"])).ok();
     assert!(past.stderr().contains("nothing to train") && fin.exists(), "nothing trained: the final weights stand");
     let r = resume_auto(dir.path(), &with(&["train.max_steps=10", "faults.interrupt_at_step=7"]));
     assert_eq!(r.code(), 4, "{}", r.stderr());
     assert!(!fin.exists(), "step 5's final weights outlived a run stopped at step 7");
+    let aside = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
+        let mut found: Vec<_> = std::fs::read_dir(d.join("checkpoints")).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("set-aside-")).map(|e| e.path().join("model.safetensors")).filter(|p| p.is_file()).collect();
+        found.sort();
+        found
+    };
+    let moved = aside(dir.path());
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_eq!(std::fs::read(&moved[0]).unwrap(), step5, "moved as they were");
+    assert!(r.stderr().contains("nothing deleted"), "{}", r.stderr());
     resume_auto(dir.path(), &with(&["train.max_steps=10"])).ok();
     assert!(fin.exists(), "the final weights of step 10");
+
+    // The newest checkpoint corrupt: the resume falls back to step 7, and step 10's final
+    // weights, the only good copy of step 10, are kept aside with it.
+    let step10 = std::fs::read(&fin).unwrap();
+    let newest = dir.path().join("checkpoints/step-00000010/model.safetensors");
+    std::fs::write(&newest, &std::fs::read(&newest).unwrap()[..1000]).unwrap();
+    let r = resume_auto(dir.path(), &with(&["train.max_steps=8"]));
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step10), "step 10's weights were lost: {}", r.stderr());
 }
 
 /// A stop whose checkpoint cannot be written (here `checkpoints` is a file, so every write fails

@@ -54,6 +54,30 @@ fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
     assert_eq!(run(cmd, &out).code(), 2);
 }
 
+/// `--overwrite` by the path as typed: a trailing slash (tab completion) still moves the run
+/// beside itself, not into itself; `.` (the current directory) is refused by name, exit 2.
+#[test]
+fn overwrite_moves_a_run_named_with_a_trailing_slash_and_refuses_the_current_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("run");
+    train(&out, "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
+    let slashed = PathBuf::from(format!("{}/", out.display()));
+    let mut cmd = command(&slashed, "configs/debug.yaml", &sets(&["train.max_steps=5"]));
+    cmd.arg("--overwrite");
+    let r = run(cmd, &out).ok();
+    assert_eq!(steps(&out), [5], "{}", r.stderr());
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert_eq!(steps(&aside[0]), [5, 10], "the old run beside the new one");
+
+    let mut cmd = command(Path::new("."), "configs/debug.yaml", &sets(&["train.max_steps=5"]));
+    cmd.arg("--overwrite").current_dir(&out);
+    let r = run(cmd, &out);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("holds the current directory"), "{}", r.stderr());
+    assert_eq!(steps(&out), [5], "left as it was");
+}
+
 #[test]
 fn resuming_at_or_past_max_steps_says_so_without_nan() {
     let d = tempfile::tempdir().unwrap();

@@ -116,6 +116,19 @@ fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exac
     assert!(l.equal(&back));
     let again = tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]);
     assert_eq!(again.code(), 2, "an existing export is not overwritten");
+    // Another model's directory (its config.json beside weights of another format) and a file.
+    let other = d.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("config.json"), "{\"keep\": true}").unwrap();
+    let file = d.path().join("file");
+    std::fs::write(&file, "keep").unwrap();
+    for (target, why) in [(&other, "already holds config.json"), (&file, "is a file, not a directory")] {
+        let r = tg(&["export", run_dir.to_str().unwrap(), "--hf", target.to_str().unwrap()]);
+        assert_eq!(r.code(), 2, "{}", r.stderr());
+        assert!(r.stderr().contains(why), "{}", r.stderr());
+    }
+    assert_eq!(std::fs::read_to_string(other.join("config.json")).unwrap(), "{\"keep\": true}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
 }
 
 /// Saves the transformers model `constructor` builds (weights perturbed away from their init: biases

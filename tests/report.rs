@@ -258,6 +258,24 @@ fn a_directory_that_is_not_a_run_is_exit_2_with_its_name() {
     assert_eq!(none.status.code(), Some(2), "no RUN_DIR is a usage error");
 }
 
+/// `--out` replaces an earlier page, never a run's own files or anything else.
+#[test]
+fn out_never_replaces_a_file_that_is_not_a_page() {
+    let dir = tempfile::tempdir().unwrap();
+    short_run(dir.path(), &[]);
+    for name in ["metrics.jsonl", "config.yaml"] {
+        let target = dir.path().join(name);
+        let before = std::fs::read(&target).unwrap();
+        let o = Command::new(bin()).arg("report").arg(dir.path()).arg("--out").arg(&target).output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(&target.display().to_string()) && stderr.contains("not a report page"), "{stderr}");
+        assert_eq!(std::fs::read(&target).unwrap(), before, "{name} untouched");
+    }
+    report_ok(&[dir.path()]);
+    report_ok(&[dir.path()]); // the default report.html, written again over itself
+}
+
 #[test]
 fn two_runs_are_overlaid_with_a_legend() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

@@ -59,8 +59,12 @@ fn bad(path: &Path, message: impl Into<String>) -> HfError {
 /// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family.
 pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<String>, HfError> {
     let werr = |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
-    if out.join("model.safetensors").exists() {
-        return Err(bad(out, "already holds model.safetensors; choose another directory"));
+    if out.exists() && !out.is_dir() {
+        return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
+    }
+    // Any model there (another format's weights beside their config.json included) stays whole.
+    if let Some(held) = ["model.safetensors", "config.json"].iter().find(|f| out.join(f).exists()) {
+        return Err(bad(out, format!("already holds {held}: a model; choose another directory")));
     }
     std::fs::create_dir_all(out).map_err(|e| werr(out, &e))?;
     let cfg = &model.cfg;

@@ -240,7 +240,8 @@ impl Inputs {
         if let (Some(b), Some(v)) = (gpu_memory, a.gpu_memory.as_deref()) {
             // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
             if b < 1 << 20 {
-                return Err(usage(format!("--gpu-memory: {v} is {b} bytes, too small for a GPU; give a unit, e.g. {v}GiB or {v}GB")));
+                let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { format!("; give a unit, e.g. {v}GiB or {v}GB") } else { String::new() };
+                return Err(usage(format!("--gpu-memory: {v} is {b} bytes, too small for a GPU{advice}")));
             }
         }
         let params = a.params.as_deref().map(parse_count).transpose()?;
@@ -807,6 +808,7 @@ mod tests {
             (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
             (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),
             (PlanArgs { gpu_memory: Some("24".into()), ..gpt() }, "give a unit, e.g. 24GiB"),
+            (PlanArgs { gpu_memory: Some("500KiB".into()), ..gpt() }, "500KiB is 512000 bytes, too small for a GPU"),
             (PlanArgs { params: Some("1e30".into()), ..gpt() }, "got 1e30"),
             (PlanArgs { micro_batch: Some(u64::MAX), ..gpt() }, "--micro-batch 18446744073709551615: sequences of"),
             (PlanArgs { global_batch: Some(100_000_000_000_000), ..gpt() }, "--global-batch 100000000000000: sequences of"),

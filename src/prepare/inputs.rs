@@ -49,7 +49,24 @@ pub fn expand(inputs: &[String]) -> Result<Vec<(PathBuf, Kind)>, PrepareError> {
             out.push((p.to_path_buf(), kind));
         }
     }
-    Ok(out)
+    Ok(once_each(out))
+}
+
+/// Each file once, where the inputs named it first (a file also under a directory or glob given,
+/// or named twice): read twice, its documents would be trained on twice, and with `--val-tokens`
+/// could sit in both splits. Each file dropped is named in a warning.
+fn once_each(files: Vec<(PathBuf, Kind)>) -> Vec<(PathBuf, Kind)> {
+    let mut seen = std::collections::HashSet::new();
+    files
+        .into_iter()
+        .filter(|(f, _)| {
+            let first = seen.insert(f.canonicalize().unwrap_or_else(|_| f.clone()));
+            if !first {
+                tracing::warn!("{}: named again by the inputs; read once", f.display());
+            }
+            first
+        })
+        .collect()
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
@@ -194,5 +211,10 @@ mod tests {
         assert_eq!(expand(&[format!("{}/*.txt", dir.path().display())]).unwrap().len(), 1);
         assert!(expand(&[dir.path().join("skip.md").display().to_string()]).is_err());
         assert!(expand(&[dir.path().join("missing.txt").display().to_string()]).is_err());
+        // Named by the directory, a glob, itself and another spelling: read once, where first named.
+        let b = dir.path().join("b.txt").display().to_string();
+        let twice = expand(&[b.clone(), dir.path().display().to_string(), format!("{}/*.txt", dir.path().display()), format!("{}/sub/../b.txt", dir.path().display())]).unwrap();
+        let names: Vec<_> = twice.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
+        assert_eq!(names, ["b.txt", "a.jsonl", "sub/c.txt"]);
     }
 }

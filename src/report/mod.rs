@@ -20,18 +20,27 @@ pub enum ReportError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("cannot write {}: {source}", path.display())]
     Write { path: PathBuf, source: std::io::Error },
+    #[error("--out {}: exists and is not a report page; choose another path (the page would replace it)", path.display())]
+    NotAPage { path: PathBuf },
 }
 
 impl ReportError {
     /// The user named something that is not a run (exit code 2).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Self::NotARun { .. })
+        matches!(self, Self::NotARun { .. } | Self::NotAPage { .. })
     }
 }
 
 /// Where the page goes when `--out` is not given: the first run's `report.html`.
 pub fn default_out(runs: &[PathBuf]) -> PathBuf {
     runs.first().map_or_else(|| PathBuf::from("report.html"), |d| d.join("report.html"))
+}
+
+/// `path` is a file that begins as the pages [`html::page`] writes.
+fn is_page(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 15];
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok() && head.eq_ignore_ascii_case(b"<!doctype html>")
 }
 
 /// Reads every run, writes the page, and prints what was skipped on stderr. Returns the path.
@@ -46,8 +55,13 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
             eprintln!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN);
         }
     }
-    let page = html::page(&runs);
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
+    // A page may replace an earlier page, nothing else (`--out RUN/metrics.jsonl` would have
+    // replaced the run's metrics with the page drawn from them).
+    if out.exists() && !is_page(&out) {
+        return Err(ReportError::NotAPage { path: out });
+    }
+    let page = html::page(&runs);
     // Written under a temporary name and renamed: a browser reloading the page never sees half.
     let tmp = out.with_extension("html.tmp");
     std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, &out)).map_err(|source| {

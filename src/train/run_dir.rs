@@ -134,8 +134,21 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     if !out_dir.is_dir() || fresh::decide(&steps, true) != fresh::FreshStart::MoveAside {
         return Ok(());
     }
-    let aside = fresh::aside_path(out_dir, deadline::now_unix_s() as u64, |p| p.exists());
-    std::fs::rename(out_dir, &aside).map_err(|e| TrainError::RunDir { path: out_dir.to_path_buf(), source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())) })?;
+    // By its real path: `runs/x/` or `.` would otherwise name the aside path inside itself.
+    // The last component kept as written (a symlink is moved, not its target).
+    let io = |source| TrainError::RunDir { path: out_dir.to_path_buf(), source };
+    let trimmed: PathBuf = out_dir.components().collect();
+    let real = match (trimmed.parent(), trimmed.file_name()) {
+        (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => parent.canonicalize().map_err(io)?.join(name),
+        (_, Some(name)) => std::env::current_dir().and_then(|d| d.canonicalize()).map_err(io)?.join(name),
+        _ => trimmed.canonicalize().map_err(io)?, // `.`, `..`
+    };
+    if std::env::current_dir().and_then(|d| d.canonicalize()).is_ok_and(|cwd| cwd.starts_with(&real)) {
+        // Moved, the directory would stay this process's current one: the new run would write into the old.
+        return Err(TrainError::OverwriteHoldsCwd { path: out_dir.to_path_buf() });
+    }
+    let aside = fresh::aside_path(&real, deadline::now_unix_s() as u64, |p| p.exists());
+    std::fs::rename(&real, &aside).map_err(|e| TrainError::RunDir { path: out_dir.to_path_buf(), source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())) })?;
     tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
     Ok(())
 }

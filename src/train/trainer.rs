@@ -48,6 +48,8 @@ pub enum TrainError {
     InjectedCrash { step: u64 },
     #[error("out_dir: {path} exists and is not a directory; give a directory (a new one is created)")]
     OutDirNotADirectory { path: PathBuf },
+    #[error("--overwrite: out_dir {path} holds the current directory, which cannot be moved aside from inside; run from elsewhere or name out_dir from its parent")]
+    OverwriteHoldsCwd { path: PathBuf },
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
