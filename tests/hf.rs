@@ -179,6 +179,18 @@ fn a_model_saved_by_transformers_starts_training_with_init_from() {
     let r = train(&d.path().join("bad"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("`transformer.wte.weight` has shape [300, 32]; the model (its config) needs [300, 64]"), "{}", r.stderr());
+    // Refused before the run directory is touched: a benchmark's run there (no checkpoint, its
+    // metrics its result) keeps its files as they were.
+    let bench = d.path().join("bench");
+    let quiet = ["checkpoint.interval=0", "checkpoint.at_end=false", "train.eval_interval=0"];
+    train(&bench, "configs/debug.yaml", &[&sets[..], &quiet[..]].concat()).ok();
+    let files = ["metrics.jsonl", "events.jsonl", "config.yaml", "stop.json"];
+    let before: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(bench.join(f)).unwrap()).collect();
+    let r = train(&bench, "configs/debug.yaml", &[&[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"][..], &quiet[..]].concat());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for (f, b) in files.iter().zip(&before) {
+        assert_eq!(&std::fs::read(bench.join(f)).unwrap(), b, "{f} changed by a refused run");
+    }
     // Another head count fits every tensor's shape but computes another model: refused by key.
     let r = train(&d.path().join("heads"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=32", "model.n_head=4", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());

@@ -148,17 +148,26 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
     Ok((cfg, weights))
 }
 
-/// `init_from`: copies a `transformers` directory's weights into `model`. Every parameter must
-/// be there with the model's shape; a bias the model does not have must be zero.
-pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
+/// `init_from`'s weights, read from a `transformers` directory and checked against the model a
+/// config describes, one per parameter in the model's order.
+pub struct InitWeights {
+    path: PathBuf,
+    tensors: Vec<Tensor>,
+}
+
+/// Reads `dir`'s weights for the model `cfg` describes, before it is built: everything that
+/// refuses them (another family, head count, shape, a tensor with no place) refuses the run
+/// before its directory is touched. Every parameter must be there with the model's shape; a
+/// bias the model does not have must be zero.
+pub fn read_init(cfg: &ModelConfig, dir: &Path) -> Result<InitWeights, HfError> {
     let (theirs, weights) = import(dir)?;
     let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
-    if theirs.arch != model.cfg.arch {
-        return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, model.cfg.arch).to_lowercase()));
+    if theirs.arch != cfg.arch {
+        return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, cfg.arch).to_lowercase()));
     }
     // What no tensor's shape shows but the logits depend on: the same weights under another
     // head count, RoPE base or norm epsilon compute another model.
-    let ours = &model.cfg;
+    let ours = cfg;
     let mut compared = vec![("n_head", theirs.n_head.to_string(), ours.n_head.to_string()), ("n_kv_head", theirs.kv_heads().to_string(), ours.kv_heads().to_string())];
     if ours.arch == Arch::Llama {
         compared.push(("rope_theta", theirs.rope_theta.to_string(), ours.rope_theta.to_string()));
@@ -167,29 +176,43 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
     if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
         return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
     }
-    let fam = family(model.cfg.arch);
-    let _no_grad = tch::no_grad_guard();
-    for (i, name) in model.params.names.iter().enumerate() {
-        let hf = (fam.hf_name)(name).0;
-        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
+    let fam = family(cfg.arch);
+    let specs = crate::model::describe(cfg);
+    let mut tensors = Vec::with_capacity(specs.len());
+    for s in &specs {
+        let hf = (fam.hf_name)(&s.name).0;
+        let src = weights.iter().find(|(n, _)| *n == s.name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
         // transformers' vocabulary matrices have the user's rows; the model pads them.
-        let (want, got) = (model.user_shape(i), hf_shape(fam, name, &src.size()));
+        let (want, got) = (s.user_shape(), hf_shape(fam, &s.name, &src.size()));
         if src.size() != want {
-            return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, name, &want))));
+            return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &want))));
         }
-        model.copy_user_tensor(i, src).map_err(|e| bad(&wpath, e))?;
+        tensors.push(src.shallow_clone());
     }
-    match unplaced(model, &weights) {
+    match unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &weights) {
         Some(why) => Err(bad(&wpath, why)),
-        None => Ok(()),
+        None => Ok(InitWeights { path: wpath, tensors }),
     }
+}
+
+/// `init_from`: copies weights [`read_init`] checked into `model` (built from the same config).
+pub fn init_from(model: &Model, weights: &InitWeights) -> Result<(), HfError> {
+    let _no_grad = tch::no_grad_guard();
+    for (i, src) in weights.tensors.iter().enumerate() {
+        model.copy_user_tensor(i, src).map_err(|e| bad(&weights.path, e))?;
+    }
+    Ok(())
 }
 
 /// The first of `weights` the model has no parameter for, and why (a bias the model lacks is
 /// dropped when it is zero): loading the rest would compute another model than the directory's.
 pub fn unplaced(model: &Model, weights: &[(String, Tensor)]) -> Option<String> {
-    let cfg = &model.cfg;
-    let (name, _) = weights.iter().find(|(name, t)| model.params.get(name).is_none() && !(name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
+    unplaced_in(&model.cfg, |name| model.params.get(name).is_some(), weights)
+}
+
+/// [`unplaced`] for the model `cfg` describes, `has` saying which names it has.
+fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, weights: &[(String, Tensor)]) -> Option<String> {
+    let (name, _) = weights.iter().find(|(name, t)| !has(name) && !(name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
     let block = name.split('.').find_map(|s| s.parse::<usize>().ok());
     let why = match block {
         Some(i) if i >= cfg.n_layer => format!("block {i} is beyond model.n_layer = {}", cfg.n_layer),
@@ -224,15 +247,15 @@ mod tests {
             let a = Model::new(&cfg(bias), 1, Device::Cpu).unwrap();
             export(&a, None, &d.path().join("hf")).unwrap();
             let b = Model::new(&cfg(bias), 2, Device::Cpu).unwrap();
-            init_from(&b, &d.path().join("hf")).unwrap();
+            init_from(&b, &read_init(&cfg(bias), &d.path().join("hf")).unwrap()).unwrap();
             for (x, y) in a.params.tensors.iter().zip(&b.params.tensors) {
                 assert!(x.equal(y));
             }
             let raw = Tensor::read_safetensors(d.path().join("hf/model.safetensors")).unwrap();
             let qkv = raw.iter().find(|(n, _)| n == "transformer.h.0.attn.c_attn.weight").unwrap();
             assert_eq!(qkv.1.size(), [16, 48], "Conv1D layout [in, out]");
-            let wide = Model::new(&ModelConfig { n_embd: 32, ..cfg(bias) }, 2, Device::Cpu).unwrap();
-            let e = init_from(&wide, &d.path().join("hf")).unwrap_err().to_string();
+            // Refused from the config alone, before any model is built.
+            let e = read_init(&ModelConfig { n_embd: 32, ..cfg(bias) }, &d.path().join("hf")).err().unwrap().to_string();
             assert!(e.contains("`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 32]"), "{e}");
         }
     }
@@ -251,13 +274,12 @@ mod tests {
             let (back, _) = import(&hf).unwrap();
             assert_eq!(back, c);
             let b = Model::new(&c, 2, Device::Cpu).unwrap();
-            init_from(&b, &hf).unwrap();
+            init_from(&b, &read_init(&c, &hf).unwrap()).unwrap();
             for (x, y) in a.params.tensors.iter().zip(&b.params.tensors) {
                 assert!(x.equal(y));
             }
         }
-        let gpt2 = Model::new(&cfg(true), 2, Device::Cpu).unwrap();
-        let e = init_from(&gpt2, &d.path().join("hf-true")).unwrap_err().to_string();
+        let e = read_init(&cfg(true), &d.path().join("hf-true")).err().unwrap().to_string();
         assert!(e.contains("holds a llama model; model.arch is gpt2"), "{e}");
     }
 }

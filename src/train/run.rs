@@ -74,13 +74,19 @@ impl<'a> Run<'a> {
         // One run per out_dir, from before anything in it is touched (the resume below removes
         // unfinished checkpoint writes: another run's, were two in one directory). Inside what
         // the ranks compare: a refusal here is one their peers hear of.
-        let mut held = None;
+        let (mut held, mut init) = (None, None);
         let resumed = run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite), plan.time_limit, plan.restart_count)).transpose().and_then(|h| {
             held = h;
             let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
-            let changed = match &start.loaded {
-                Some(l) => check_compatible(l, cfg)?,
-                None => vec![],
+            let changed = match (&start.loaded, &cfg.init_from) {
+                (Some(l), _) => check_compatible(l, cfg)?,
+                // Continued pretraining: a fresh run starts from a Hugging Face model's weights,
+                // read and checked here, where a refusal leaves the directory as it was.
+                (None, Some(dir)) => {
+                    init = Some(crate::hf::read_init(&cfg.model, dir)?);
+                    vec![]
+                }
+                (None, None) => vec![],
             };
             Ok((start, changed))
         });
@@ -159,10 +165,9 @@ impl<'a> Run<'a> {
             .data_parallel(plan.world_size > 1)
             .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
-        match (&loaded, &cfg.init_from) {
+        match (&loaded, init) {
             (Some(l), _) => state.restore(l)?,
-            // Continued pretraining: a fresh run starts from a Hugging Face model's weights.
-            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
+            (None, Some(weights)) => crate::hf::init_from(&state.trainable.model, &weights)?,
             (None, None) => {}
         }
         if let Some(d) = dist.as_deref_mut() {
