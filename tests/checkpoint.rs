@@ -296,6 +296,21 @@ fn max_duration_stops_in_time_with_a_checkpoint() {
     assert_eq!(checkpoint_steps(dir.path()), [r.metrics().len() as u64]);
 }
 
+/// A limit that runs out before the first step (start-up plus a second's margin here) is not a
+/// resumable stop: a job script would requeue it for ever, each leg making no step. Exit 2, no
+/// stop record, no checkpoint.
+#[test]
+fn max_duration_shorter_than_the_first_step_is_refused_not_resumable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100", "checkpoint.interval=0"]);
+    cmd.args(["--max-duration", "1s"]);
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("ran out before this run's first step"), "{}", r.stderr());
+    assert_eq!(trainguard::stop_record::read(dir.path()), None);
+    assert!(checkpoint_steps(dir.path()).is_empty());
+}
+
 /// `train.max_duration` counts from the process' start, not from the first step: a start-up
 /// of ~2 s (100M synthetic tokens to generate) went uncounted. And a step followed by an
 /// evaluation (here 300 batches, many steps' worth) is not started when the evaluation would

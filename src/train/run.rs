@@ -245,6 +245,12 @@ impl<'a> Run<'a> {
             None => {}
         }
         if let Some(reason) = self.stop_reason(stop)? {
+            if let (StopReason::TimeLimit, true, 0, Some(limit)) = (reason, step == self.start_step, plan.restart_count, plan.time_limit) {
+                // A limit shorter than start-up and one step: a "resumable" stop here would have
+                // a job script requeue, for ever, a run that never makes a step. (A torchrun
+                // restart, given what its first attempt left, stops resumable as before.)
+                return Err(TrainError::NoTimeForAStep { step, limit });
+            }
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             if path.is_none() && plan.is_writer() {
