@@ -160,7 +160,7 @@ fn torchrun_sh_exits_4_on_a_planned_stop_and_0_when_finished() {
     let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--max-duration", "3s"]).output().unwrap();
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(text(&o).contains("stopped, resumable"), "{}", text(&o));
-    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--resume", "auto", "--max-duration", "2s"]).output().unwrap();
+    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--resume", "auto", "--max-duration", "3s"]).output().unwrap();
     assert_eq!(o.status.code(), Some(4), "a second leg resumes and stops again: {}", text(&o));
     let e = tempfile::tempdir().unwrap();
     let o = torchrun_sh(e.path(), &["--set", "train.max_steps=6"]).output().unwrap();
