@@ -91,7 +91,7 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let out = plan.config.out_dir.clone();
     stop.install_signal_handler(
         "finishing the current step, then checkpointing",
-        "--resume auto continues from the last complete checkpoint",
+        "--resume auto continues from the last complete checkpoint, if one was written",
         move || second_signal(&out, writer, elastic),
     )
     .context("cannot install the SIGINT/SIGTERM handler")?;

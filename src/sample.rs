@@ -78,23 +78,37 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
         return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, bytes: false });
     }
+    if !target.is_dir() {
+        let what = if target.exists() { "not a directory" } else { "no such directory" };
+        return Err(input(format!("{}: {what} (a checkpoint, run or Hugging Face directory is expected)", target.display())));
+    }
+    let final_weights = target.join(store::MODEL_FILE);
     let (config, weights) = if target.join(store::STATE_FILE).is_file() {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
         (l.config, l.weights)
-    } else {
-        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE))
-            .map_err(|e| input(format!("{}: not a checkpoint, run or Hugging Face directory ({}: {e})", target.display(), store::CONFIG_FILE)))?;
+    } else if target.join(store::CONFIG_FILE).is_file() && final_weights.is_file() {
+        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE)).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let config: Config = crate::config::saved(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
-        let final_weights = target.join(store::MODEL_FILE);
-        let weights = if final_weights.is_file() {
-            Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?
-        } else {
-            match store::newest_valid(&store::root(target)) {
-                (Some(l), _) => l.weights,
-                (None, _) => return Err(input(format!("{}: no model.safetensors and no complete checkpoint", target.display()))),
+        (config, Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?)
+    } else {
+        // A run without final weights (or without its config.yaml): its newest checkpoint that
+        // loads, which carries its own config. Those passed over are named.
+        let root = store::root(target);
+        if !root.is_dir() {
+            return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {} or checkpoints/)", target.display(), store::STATE_FILE, store::CONFIG_FILE)));
+        }
+        let (newest, skipped) = store::newest_valid(&root);
+        let why = |skipped: &[crate::checkpoint::store::CheckpointError]| skipped.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+        match newest {
+            Some(l) => {
+                if !skipped.is_empty() {
+                    tracing::warn!("passed over: {}; using {}", why(&skipped), l.path.display());
+                }
+                (l.config, l.weights)
             }
-        };
-        (config, weights)
+            None if skipped.is_empty() => return Err(input(format!("{}: no model.safetensors and no checkpoint", target.display()))),
+            None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why(&skipped)))),
+        }
     };
     let dataset = dataset_dir(&config.data.source);
     let bytes = !config.data.source.starts_with("tokens:");

@@ -365,6 +365,12 @@ fn a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path() {
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("step-00000030") && r.stderr().contains("truncated"), "{}", r.stderr());
     assert!(!r.stderr().contains("panicked"));
+    // The run directory itself given as the checkpoint: named as such, with the two ways on.
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=40", "train.warmup_steps=5"]);
+    cmd.arg("--resume").arg(dir.path());
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("is a run directory, not a checkpoint") && r.stderr().contains("--resume auto"), "{}", r.stderr());
 }
 
 #[test]

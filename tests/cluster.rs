@@ -78,6 +78,24 @@ fn overwrite_moves_a_run_named_with_a_trailing_slash_and_refuses_the_current_dir
     assert_eq!(steps(&out), [5], "left as it was");
 }
 
+/// `--overwrite` moves aside whatever an old run left, not only checkpoints: a benchmark's run
+/// (`checkpoint.at_end: false`, no interval) keeps its metrics beside the new run's.
+#[test]
+fn overwrite_moves_aside_a_run_without_checkpoints() {
+    let d = tempfile::tempdir().unwrap();
+    let out = d.path().join("run");
+    let quiet = ["checkpoint.interval=0", "checkpoint.at_end=false"];
+    train(&out, "configs/debug.yaml", &sets(&[&["train.max_steps=15"][..], &quiet[..]].concat())).ok();
+    assert!(steps(&out).is_empty());
+    let mut cmd = command(&out, "configs/debug.yaml", &sets(&[&["train.max_steps=5"][..], &quiet[..]].concat()));
+    cmd.arg("--overwrite");
+    let r = run(cmd, &out).ok();
+    assert_eq!(r.metrics().len(), 5);
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+    assert_eq!(read_jsonl(&aside[0].join("metrics.jsonl")).len(), 15, "the old run's metrics kept");
+}
+
 #[test]
 fn resuming_at_or_past_max_steps_says_so_without_nan() {
     let d = tempfile::tempdir().unwrap();

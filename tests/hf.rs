@@ -92,6 +92,28 @@ fn byte_level_runs_sample_bytes() {
     assert_eq!(shown, format!("{out}\r\n"), "the terminal's bytes");
 }
 
+/// What `sample` says of a target it cannot read, naming the reason: no such directory; a run
+/// whose only checkpoint is corrupt (the checkpoint and its fault named, as `--resume` names
+/// them); a run without its config.yaml samples from its checkpoint, which carries its own.
+#[test]
+fn sample_names_why_a_target_cannot_be_read() {
+    let d = tempfile::tempdir().unwrap();
+    let run_dir = d.path().join("run");
+    train(&run_dir, "configs/debug.yaml", &["train.max_steps=4", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.at_end=false", "checkpoint.interval=4"]).ok();
+    let sample = |target: &Path| tg(&["sample", target.to_str().unwrap(), "--prompt", "ab", "--max-tokens", "4", "--temperature", "0"]);
+    let missing = sample(&d.path().join("nowhere"));
+    assert_eq!(missing.code(), 2, "{}", missing.stderr());
+    assert!(missing.stderr().contains("no such directory"), "{}", missing.stderr());
+    let want = sample(&run_dir).ok().stdout();
+    std::fs::remove_file(run_dir.join("config.yaml")).unwrap();
+    assert_eq!(sample(&run_dir).ok().stdout(), want, "from the checkpoint's own config");
+    let model = run_dir.join("checkpoints/step-00000004/model.safetensors");
+    std::fs::write(&model, &std::fs::read(&model).unwrap()[..1000]).unwrap();
+    let corrupt = sample(&run_dir);
+    assert_eq!(corrupt.code(), 2, "{}", corrupt.stderr());
+    assert!(corrupt.stderr().contains("no checkpoint loads") && corrupt.stderr().contains("step-00000004") && corrupt.stderr().contains("truncated"), "{}", corrupt.stderr());
+}
+
 #[test]
 fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exact() {
     let d = tempfile::tempdir().unwrap();

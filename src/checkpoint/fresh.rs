@@ -1,7 +1,8 @@
 //! Whether a fresh run (`--resume none`) may start in an `out_dir`: one that already holds
 //! checkpoints belongs to another run, and starting over there would leave that run's newer
 //! checkpoints beside the new ones (a later `--resume auto` would pick them up). The decision is
-//! pure; moving an old run aside (`--overwrite`) happens at the edge (src/train/run_dir.rs).
+//! pure; moving an old run aside (`--overwrite`, whatever it holds) happens at the edge
+//! (src/train/run_dir.rs).
 use super::store::{self, CheckpointError};
 use std::path::{Path, PathBuf};
 
@@ -10,17 +11,14 @@ use std::path::{Path, PathBuf};
 pub enum FreshStart {
     /// Nothing there: start.
     Proceed,
-    /// Checkpoints of another run and no `--overwrite`: refuse (exit 2).
+    /// Checkpoints of another run: refuse (exit 2).
     Refuse { steps: Vec<u64> },
-    /// `--overwrite`: move the old run directory aside, then start.
-    MoveAside,
 }
 
-pub fn decide(existing_steps: &[u64], overwrite: bool) -> FreshStart {
-    match (existing_steps.is_empty(), overwrite) {
-        (true, _) => FreshStart::Proceed,
-        (false, true) => FreshStart::MoveAside,
-        (false, false) => FreshStart::Refuse { steps: existing_steps.to_vec() },
+pub fn decide(existing_steps: &[u64]) -> FreshStart {
+    match existing_steps.is_empty() {
+        true => FreshStart::Proceed,
+        false => FreshStart::Refuse { steps: existing_steps.to_vec() },
     }
 }
 
@@ -32,13 +30,13 @@ pub fn aside_path(out_dir: &Path, unix_seconds: u64, taken: impl Fn(&Path) -> bo
 /// The error for a fresh start in `out_dir` (checkpoints under `root`) when another run is there.
 pub fn refuse_if_occupied(root: &Path) -> Result<(), CheckpointError> {
     let steps: Vec<u64> = store::list(root).iter().map(|(s, _)| *s).collect();
-    match decide(&steps, false) {
+    match decide(&steps) {
         FreshStart::Refuse { steps } => Err(CheckpointError::RunExists {
             out_dir: root.parent().unwrap_or(root).to_path_buf(),
             newest: *steps.last().expect("refused only with checkpoints"),
             count: steps.len(),
         }),
-        _ => Ok(()),
+        FreshStart::Proceed => Ok(()),
     }
 }
 
@@ -47,15 +45,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_empty_directory_starts() {
-        assert_eq!(decide(&[], false), FreshStart::Proceed);
-        assert_eq!(decide(&[], true), FreshStart::Proceed);
-    }
-
-    #[test]
-    fn checkpoints_of_another_run_refuse_unless_overwrite() {
-        assert_eq!(decide(&[10, 20], false), FreshStart::Refuse { steps: vec![10, 20] });
-        assert_eq!(decide(&[10, 20], true), FreshStart::MoveAside);
+    fn an_empty_directory_starts_and_checkpoints_of_another_run_refuse() {
+        assert_eq!(decide(&[]), FreshStart::Proceed);
+        assert_eq!(decide(&[10, 20]), FreshStart::Refuse { steps: vec![10, 20] });
     }
 
     #[test]

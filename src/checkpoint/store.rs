@@ -35,6 +35,8 @@ pub enum CheckpointError {
         .out_dir.display(), .out_dir.display()
     )]
     RunExists { out_dir: PathBuf, newest: u64, count: usize },
+    #[error("{} is a run directory, not a checkpoint: `--resume auto` with out_dir there continues from its newest checkpoint, or give one of {}/step-…", .path.display(), .path.join("checkpoints").display())]
+    RunNotCheckpoint { path: PathBuf },
 }
 
 /// A checkpoint read back from disk.

@@ -80,6 +80,7 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
         CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
         CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
         CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
+        CheckpointError::RunNotCheckpoint { path } => path.display().to_string(),
     }
 }
 
@@ -108,6 +109,7 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
             let (loaded, skipped) = store::newest_valid(root);
             Ok(Start { loaded, skipped, restored })
         }
+        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
     }
 }

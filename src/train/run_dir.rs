@@ -6,7 +6,7 @@
 //! the log file are written. At the end, still held: the record of how the run ended.
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
-use crate::checkpoint::{fresh, store};
+use crate::checkpoint::fresh;
 use crate::{deadline, stop_record};
 use std::path::{Path, PathBuf};
 
@@ -130,8 +130,10 @@ fn remove_created(created: &[PathBuf]) {
 fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     // Decided under the lock: another `--overwrite` launched at once may have moved it already.
     let _live = RunDirLock::take(out_dir)?;
-    let steps: Vec<u64> = store::list(&store::root(out_dir)).iter().map(|(s, _)| *s).collect();
-    if !out_dir.is_dir() || fresh::decide(&steps, true) != fresh::FreshStart::MoveAside {
+    // Whatever an old run left, checkpoints or not (a benchmark's metrics, a run killed before
+    // its first checkpoint): only the lock just taken is not one.
+    let holds_something = std::fs::read_dir(out_dir).is_ok_and(|mut entries| entries.any(|e| e.is_ok_and(|e| e.file_name() != LOCK_FILE)));
+    if !holds_something {
         return Ok(());
     }
     // By its real path: `runs/x/` or `.` would otherwise name the aside path inside itself.
