@@ -212,7 +212,7 @@ pub fn unplaced(model: &Model, weights: &[(String, Tensor)]) -> Option<String> {
 
 /// [`unplaced`] for the model `cfg` describes, `has` saying which names it has.
 fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, weights: &[(String, Tensor)]) -> Option<String> {
-    let (name, _) = weights.iter().find(|(name, t)| !has(name) && !(name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
+    let (name, _) = weights.iter().find(|(name, t)| !(has(name) || name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
     let block = name.split('.').find_map(|s| s.parse::<usize>().ok());
     let why = match block {
         Some(i) if i >= cfg.n_layer => format!("block {i} is beyond model.n_layer = {}", cfg.n_layer),
