@@ -31,3 +31,18 @@ stop_status() {
     *) echo crashed ;;
   esac
 }
+
+# stop_field OUT_DIR KEY: a number or word the stop record gives KEY (`step`, `reason`); empty
+# without one.
+stop_field() {
+  [ -f "$1/stop.json" ] && sed -n "s/.*\"$2\":\"\{0,1\}\([a-z_0-9]*\).*/\1/p" "$1/stop.json"
+}
+
+# newest_step OUT_DIR: the newest checkpoint's step, 0 without one: where a run resumes.
+newest_step() {
+  local d n=0
+  for d in "$1"/checkpoints/step-*; do
+    [ -d "$d" ] && n=$((10#${d##*step-}))
+  done
+  echo "$n"
+}

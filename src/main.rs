@@ -312,7 +312,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => return exit::NOT_DETERMINISTIC,
             // A checkpoint named on the command line that cannot be used, or a model that
             // differs from the checkpoint's: the user's input is wrong.
-            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::OutDirNotADirectory { .. } | TrainError::OverwriteHoldsCwd { .. } | TrainError::NoTimeForAStep { .. } | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
+            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::OutDirNotADirectory { .. } | TrainError::OverwriteHoldsCwd { .. } | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
             Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
             Some(TrainError::Lock(train::LockError::Busy { .. })) => return exit::CONFIG,
             _ => {}

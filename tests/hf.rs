@@ -213,6 +213,14 @@ fn a_model_saved_by_transformers_starts_training_with_init_from() {
     for (f, b) in files.iter().zip(&before) {
         assert_eq!(&std::fs::read(bench.join(f)).unwrap(), b, "{f} changed by a refused run");
     }
+    // With --overwrite too: refused before the old run is moved aside.
+    let mut cmd = command(&bench, "configs/debug.yaml", &[&[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"][..], &quiet[..]].concat());
+    cmd.arg("--overwrite");
+    let r = run(cmd, &bench);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for (f, b) in files.iter().zip(&before) {
+        assert_eq!(&std::fs::read(bench.join(f)).unwrap(), b, "{f} moved or changed by a refused --overwrite run");
+    }
     // Another head count fits every tensor's shape but computes another model: refused by key.
     let r = train(&d.path().join("heads"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=32", "model.n_head=4", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());

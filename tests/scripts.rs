@@ -93,6 +93,25 @@ fn sbatch_runs_torchrun_under_srun_with_the_jobs_own_time_and_requeues_a_stop() 
     assert!(log.contains("scontrol requeue 42"), "a stop record requeues: {log}");
 }
 
+/// A leg the time limit stopped where it began (its stop record at the step of the newest
+/// checkpoint before it: no step fitted) is not requeued: every leg would do the same, for ever.
+/// A signal's stop there still requeues (a preemption, say).
+#[test]
+fn sbatch_does_not_requeue_a_leg_the_time_limit_stopped_where_it_began() {
+    let f = Fakes::new();
+    std::fs::create_dir_all(f.out().join("checkpoints/step-00000007")).unwrap();
+    let o = f.sbatch("stopped", &[]).output().unwrap();
+    let log = f.log();
+    assert_eq!(o.status.code(), Some(1), "{}\n{log}", text(&o));
+    assert!(text(&o).contains("stopped it at step 7, where this leg began"), "{}", text(&o));
+    assert!(!log.contains("requeue"), "{log}");
+    // One step further on, the same stop requeues.
+    std::fs::rename(f.out().join("checkpoints/step-00000007"), f.out().join("checkpoints/step-00000006")).unwrap();
+    let o = f.sbatch("stopped", &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(f.log().contains("scontrol requeue 42"), "{}", f.log());
+}
+
 #[test]
 fn sbatch_reads_squeue_when_the_end_time_is_not_exported_and_does_not_requeue_a_finished_run() {
     let f = Fakes::new();

@@ -142,20 +142,14 @@ pub fn set_aside_after(root: &Path, step: u64, unix_seconds: u64) -> Result<Opti
     if newer.is_empty() {
         return Ok(None);
     }
-    let aside = set_aside_dir(root, unix_seconds)?;
+    let aside = free_path(format!("{}/set-aside-{unix_seconds}", root.display()), |p| p.exists());
+    fs::create_dir(&aside).map_err(io(&aside))?;
     for (_, dir) in &newer {
         let to = aside.join(dir.file_name().unwrap_or_default());
         fs::rename(dir, &to).map_err(io(dir))?;
     }
     fsync(root)?;
     Ok(Some((aside, newer.into_iter().map(|(s, _)| s).collect())))
-}
-
-/// A new, empty `root/set-aside-<unix seconds>` (`-2`, `-3`, … if taken).
-pub fn set_aside_dir(root: &Path, unix_seconds: u64) -> Result<PathBuf, CheckpointError> {
-    let aside = free_path(format!("{}/set-aside-{unix_seconds}", root.display()), |p| p.exists());
-    fs::create_dir(&aside).map_err(io(&aside))?;
-    Ok(aside)
 }
 
 /// Deletes a checkpoint so that it is never seen half-deleted: renamed out of the

@@ -183,11 +183,15 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must not exceed train.micro_batch_size ({}), got {}", t.micro_batch_size, o.min_micro_batch),
     );
     if let Some(limit) = &c.memory.limit {
-        match (limit, limit.bytes()) {
-            (_, Err(e)) => check(false, "memory.limit", e),
-            // `--set memory.limit=16` meant 16 GiB: a bare number is bytes.
-            (crate::config::Size::Bytes(b), _) if *b < 1 << 20 => check(false, "memory.limit", format!("{b} is {b} bytes (a number without a unit is bytes); give a unit, e.g. {b}GiB")),
-            _ => {}
+        // `--set memory.limit=16` meant 16 GiB: a number without a unit is bytes.
+        let unitless = match limit {
+            crate::config::Size::Bytes(_) => true,
+            crate::config::Size::Text(t) => t.trim().bytes().all(|c| c.is_ascii_digit()),
+        };
+        match limit.bytes() {
+            Err(e) => check(false, "memory.limit", e),
+            Ok(b) if unitless && b < 1 << 20 => check(false, "memory.limit", format!("{b} is {b} bytes (a number without a unit is bytes); give a unit, e.g. {b}GiB")),
+            Ok(_) => {}
         }
     }
     let leak = c.memory.leak_check_steps;
@@ -425,6 +429,7 @@ mod tests {
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Bytes(16)), "memory.limit"),
+            (|c| c.memory.limit = Some(crate::config::Size::Text("16".into())), "memory.limit"),
             (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
             (|c| c.metrics.trace.from_step = Some(c.train.max_steps - 1), "metrics.trace.from_step"),
         ];

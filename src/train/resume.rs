@@ -115,26 +115,26 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
 }
 
 /// What a resumed run (at `resumed`, None for a fresh start) moves out of its way in `out_dir`
-/// (rank 0), into `root/set-aside-<time>/` (returned: the directory and the checkpoints' steps):
-/// checkpoints beyond the step resumed, which belong to a line it left; and, when it will train,
+/// (rank 0): checkpoints beyond the step resumed, which belong to a line it left, into
+/// `root/set-aside-<time>/` (returned: the directory and the steps); and, when it will train,
 /// the run's final weights, which `sample` and `export` of the run directory read first yet are
-/// older than every checkpoint this run will write. Nothing is deleted: where the newest
-/// checkpoint was corrupt and passed over, those weights are the only copy of its step.
+/// older than every checkpoint this run will write, to `model.set-aside-<time>.safetensors`
+/// beside them (the same directory, so the same file system). Nothing is deleted: where the
+/// newest checkpoint was corrupt and passed over, those weights are the only copy of its step.
 pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<Option<(PathBuf, Vec<u64>)>, TrainError> {
     let now = crate::deadline::now_unix_s() as u64;
-    let mut set_aside = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
+    let set_aside = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
     let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
     if let Some(step) = resumed.filter(|&s| s < max_steps && stale.exists()) {
-        let aside = match &set_aside {
-            Some((dir, _)) => dir.clone(),
-            None => store::set_aside_dir(root, now)?,
-        };
-        let to = aside.join(crate::checkpoint::WEIGHTS_FILE);
+        let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
         std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
-        tracing::info!("moved {} to {}: the run's final weights, written before this resume at step {step}, which it trains past (nothing deleted)", stale.display(), to.display());
-        set_aside.get_or_insert((aside, vec![]));
+        tracing::warn!(
+            "moved {} to {}: the final weights of an earlier end of this run, which this one, resumed at step {step}, trains past (nothing deleted)",
+            stale.display(),
+            to.display()
+        );
     }
-    Ok(set_aside.filter(|(_, steps)| !steps.is_empty()))
+    Ok(set_aside)
 }
 
 /// The learning rate a changed schedule (`max_steps`, `lr`, warmup) gives the step resumed,

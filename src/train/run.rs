@@ -74,22 +74,26 @@ impl<'a> Run<'a> {
         // One run per out_dir, from before anything in it is touched (the resume below removes
         // unfinished checkpoint writes: another run's, were two in one directory). Inside what
         // the ranks compare: a refusal here is one their peers hear of.
-        let (mut held, mut init) = (None, None);
-        let resumed = run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite), plan.time_limit, plan.restart_count)).transpose().and_then(|h| {
-            held = h;
-            let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
-            let changed = match (&start.loaded, &cfg.init_from) {
-                (Some(l), _) => check_compatible(l, cfg)?,
-                // Continued pretraining: a fresh run starts from a Hugging Face model's weights,
-                // read and checked here, where a refusal leaves the directory as it was.
-                (None, Some(dir)) => {
-                    init = Some(crate::hf::read_init(&cfg.model, dir)?);
-                    vec![]
-                }
-                (None, None) => vec![],
-            };
-            Ok((start, changed))
-        });
+        // Continued pretraining: a fresh run starts from a Hugging Face model's weights, checked
+        // against the config where a refusal leaves the directory as it was: for a run that
+        // cannot resume, before `--overwrite` moves the old run aside; else once no checkpoint
+        // was found. Every rank checks; a refusal reaches the comparison below like the others.
+        let check_init = || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::read_init(&cfg.model, dir).map(drop));
+        let fresh = matches!(resume, Resume::Fresh | Resume::Overwrite);
+        let mut held = None;
+        let resumed = (if fresh { check_init() } else { Ok(()) })
+            .map_err(TrainError::from)
+            .and_then(|()| run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite), plan.time_limit, plan.restart_count)).transpose())
+            .and_then(|h| {
+                held = h;
+                let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
+                let changed = match &start.loaded {
+                    Some(l) => check_compatible(l, cfg)?,
+                    None if !fresh => check_init().map(|()| vec![])?,
+                    None => vec![],
+                };
+                Ok((start, changed))
+            });
         let start_step = resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
@@ -165,9 +169,9 @@ impl<'a> Run<'a> {
             .data_parallel(plan.world_size > 1)
             .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
-        match (&loaded, init) {
+        match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l)?,
-            (None, Some(weights)) => crate::hf::init_from(&state.trainable.model, &weights)?,
+            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
             (None, None) => {}
         }
         if let Some(d) = dist.as_deref_mut() {
@@ -245,12 +249,6 @@ impl<'a> Run<'a> {
             None => {}
         }
         if let Some(reason) = self.stop_reason(stop)? {
-            if let (StopReason::TimeLimit, true, 0, Some(limit)) = (reason, step == self.start_step, plan.restart_count, plan.time_limit) {
-                // A limit shorter than start-up and one step: a "resumable" stop here would have
-                // a job script requeue, for ever, a run that never makes a step. (A torchrun
-                // restart, given what its first attempt left, stops resumable as before.)
-                return Err(TrainError::NoTimeForAStep { step, limit });
-            }
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             if path.is_none() && plan.is_writer() {

@@ -50,8 +50,6 @@ pub enum TrainError {
     OutDirNotADirectory { path: PathBuf },
     #[error("--overwrite: out_dir {path} holds the current directory, which cannot be moved aside from inside; run from elsewhere or name out_dir from its parent")]
     OverwriteHoldsCwd { path: PathBuf },
-    #[error("train.max_duration ({}) ran out before this run's first step (at step {step}): no step, so nothing to save or resume; give it more than start-up and one step take", format!("{:.1}s", .limit.as_secs_f64()))]
-    NoTimeForAStep { step: u64, limit: std::time::Duration },
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
