@@ -98,16 +98,16 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
             return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {} or checkpoints/)", target.display(), store::STATE_FILE, store::CONFIG_FILE)));
         }
         let (newest, skipped) = store::newest_valid(&root);
-        let why = |skipped: &[crate::checkpoint::store::CheckpointError]| skipped.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+        let why = || skipped.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
         match newest {
             Some(l) => {
                 if !skipped.is_empty() {
-                    tracing::warn!("passed over: {}; using {}", why(&skipped), l.path.display());
+                    tracing::warn!("passed over: {}; using {}", why(), l.path.display());
                 }
                 (l.config, l.weights)
             }
             None if skipped.is_empty() => return Err(input(format!("{}: no model.safetensors and no checkpoint", target.display()))),
-            None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why(&skipped)))),
+            None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why()))),
         }
     };
     let dataset = dataset_dir(&config.data.source);

@@ -1,26 +1,10 @@
 //! Whether a fresh run (`--resume none`) may start in an `out_dir`: one that already holds
 //! checkpoints belongs to another run, and starting over there would leave that run's newer
-//! checkpoints beside the new ones (a later `--resume auto` would pick them up). The decision is
-//! pure; moving an old run aside (`--overwrite`, whatever it holds) happens at the edge
+//! checkpoints beside the new ones (a later `--resume auto` would pick them up). Also where
+//! `--overwrite` moves an old run; the move itself (whatever the run holds) happens at the edge
 //! (src/train/run_dir.rs).
 use super::store::{self, CheckpointError};
 use std::path::{Path, PathBuf};
-
-/// What to do before a fresh run in a directory with these checkpoint steps.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FreshStart {
-    /// Nothing there: start.
-    Proceed,
-    /// Checkpoints of another run: refuse (exit 2).
-    Refuse { steps: Vec<u64> },
-}
-
-pub fn decide(existing_steps: &[u64]) -> FreshStart {
-    match existing_steps.is_empty() {
-        true => FreshStart::Proceed,
-        false => FreshStart::Refuse { steps: existing_steps.to_vec() },
-    }
-}
 
 /// Where `--overwrite` moves the old run: `OUT_DIR.old-<unix seconds>` (`-2`, `-3`, … if taken).
 pub fn aside_path(out_dir: &Path, unix_seconds: u64, taken: impl Fn(&Path) -> bool) -> PathBuf {
@@ -30,25 +14,15 @@ pub fn aside_path(out_dir: &Path, unix_seconds: u64, taken: impl Fn(&Path) -> bo
 /// The error for a fresh start in `out_dir` (checkpoints under `root`) when another run is there.
 pub fn refuse_if_occupied(root: &Path) -> Result<(), CheckpointError> {
     let steps: Vec<u64> = store::list(root).iter().map(|(s, _)| *s).collect();
-    match decide(&steps) {
-        FreshStart::Refuse { steps } => Err(CheckpointError::RunExists {
-            out_dir: root.parent().unwrap_or(root).to_path_buf(),
-            newest: *steps.last().expect("refused only with checkpoints"),
-            count: steps.len(),
-        }),
-        FreshStart::Proceed => Ok(()),
+    match steps.last() {
+        None => Ok(()),
+        Some(&newest) => Err(CheckpointError::RunExists { out_dir: root.parent().unwrap_or(root).to_path_buf(), newest, count: steps.len() }),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_empty_directory_starts_and_checkpoints_of_another_run_refuse() {
-        assert_eq!(decide(&[]), FreshStart::Proceed);
-        assert_eq!(decide(&[10, 20]), FreshStart::Refuse { steps: vec![10, 20] });
-    }
 
     #[test]
     fn the_aside_name_never_reuses_an_existing_one() {
@@ -63,6 +37,8 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let root = store::root(d.path());
         assert!(refuse_if_occupied(&root).is_ok(), "no checkpoints directory at all");
+        std::fs::create_dir_all(&root).unwrap();
+        assert!(refuse_if_occupied(&root).is_ok(), "a checkpoints directory with none in it");
         for s in [10, 20] {
             std::fs::create_dir_all(root.join(store::dir_name(s))).unwrap();
         }

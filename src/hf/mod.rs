@@ -112,28 +112,7 @@ fn write_json(path: &Path, v: &Value) -> Result<(), HfError> {
 /// Reads a `transformers` directory of a supported family: its model config and its weights
 /// in trainguard's names and layouts.
 pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfError> {
-    let cpath = dir.join("config.json");
-    let text = std::fs::read_to_string(&cpath).map_err(|e| bad(&cpath, e.to_string()))?;
-    let c: Value = serde_json::from_str(&text).map_err(|e| bad(&cpath, e.to_string()))?;
-    let fam = FAMILIES.iter().find(|f| c["model_type"] == f.model_type).ok_or_else(|| {
-        let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type).collect();
-        bad(&cpath, format!("model_type {} is not supported ({} are)", c["model_type"], known.join(", ")))
-    })?;
-    let cfg = (fam.model_config)(&c, &cpath)?;
-    // The rules and bounds a `model:` section obeys: an impossible shape or a size with extra
-    // digits is refused here, not met as a libtorch error (or an allocation of terabytes).
-    let config = crate::config::Config { model: cfg.clone(), ..Default::default() };
-    let problems: Vec<String> = crate::config::validate(&config)
-        .into_iter()
-        .filter_map(|p| {
-            let ours = p.key.strip_prefix("model.")?;
-            let theirs = fam.config_keys.iter().find(|(o, _)| *o == ours).map_or(ours, |(_, t)| t);
-            Some(format!("`{theirs}` ({}): {}", p.key, p.message))
-        })
-        .collect();
-    if !problems.is_empty() {
-        return Err(bad(&cpath, format!("describes a model trainguard cannot build: {}", problems.join("; "))));
-    }
+    let (fam, cfg) = read_config(dir)?;
     let wpath = dir.join("model.safetensors");
     let raw = Tensor::read_safetensors(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let weights = raw
@@ -148,19 +127,41 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
     Ok((cfg, weights))
 }
 
-/// `init_from`'s weights, read from a `transformers` directory and checked against the model a
-/// config describes, one per parameter in the model's order.
-pub struct InitWeights {
-    path: PathBuf,
-    tensors: Vec<Tensor>,
+/// `dir`'s `config.json`: its family and the model config it describes, within the rules and
+/// bounds a `model:` section obeys.
+fn read_config(dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
+    let cpath = dir.join("config.json");
+    let text = std::fs::read_to_string(&cpath).map_err(|e| bad(&cpath, e.to_string()))?;
+    let c: Value = serde_json::from_str(&text).map_err(|e| bad(&cpath, e.to_string()))?;
+    let fam = FAMILIES.iter().find(|f| c["model_type"] == f.model_type).ok_or_else(|| {
+        let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type).collect();
+        bad(&cpath, format!("model_type {} is not supported ({} are)", c["model_type"], known.join(", ")))
+    })?;
+    let cfg = (fam.model_config)(&c, &cpath)?;
+    // An impossible shape or a size with extra digits is refused here, not met as a libtorch
+    // error (or an allocation of terabytes).
+    let config = crate::config::Config { model: cfg.clone(), ..Default::default() };
+    let problems: Vec<String> = crate::config::validate(&config)
+        .into_iter()
+        .filter_map(|p| {
+            let ours = p.key.strip_prefix("model.")?;
+            let theirs = fam.config_keys.iter().find(|(o, _)| *o == ours).map_or(ours, |(_, t)| t);
+            Some(format!("`{theirs}` ({}): {}", p.key, p.message))
+        })
+        .collect();
+    if !problems.is_empty() {
+        return Err(bad(&cpath, format!("describes a model trainguard cannot build: {}", problems.join("; "))));
+    }
+    Ok((fam, cfg))
 }
 
-/// Reads `dir`'s weights for the model `cfg` describes, before it is built: everything that
-/// refuses them (another family, head count, shape, a tensor with no place) refuses the run
-/// before its directory is touched. Every parameter must be there with the model's shape; a
-/// bias the model does not have must be zero.
-pub fn read_init(cfg: &ModelConfig, dir: &Path) -> Result<InitWeights, HfError> {
-    let (theirs, weights) = import(dir)?;
+/// Checks `dir` as `init_from` for the model `cfg` describes, before it is built, from its
+/// `config.json` and the safetensors header (the file is mapped; of the tensors' data only a
+/// bias the model lacks is read, to see that it is zero): everything that refuses the weights
+/// (another family, head count, shape, dtype, a tensor with no place) refuses the run before
+/// its directory is touched.
+pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
+    let (fam, theirs) = read_config(dir)?;
     let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
     if theirs.arch != cfg.arch {
         return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, cfg.arch).to_lowercase()));
@@ -176,33 +177,51 @@ pub fn read_init(cfg: &ModelConfig, dir: &Path) -> Result<InitWeights, HfError> 
     if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
         return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
     }
-    let fam = family(cfg.arch);
+    let file = std::fs::File::open(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
+    let map = crate::ffi::os::map_readonly(&file).map_err(|e| bad(&wpath, e.to_string()))?;
+    let header = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(&wpath, e.to_string()))?;
+    // trainguard's names, sorted: the first tensor without a place is the same on every run.
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, &theirs)?, v))).collect();
+    views.sort_by(|a, b| a.0.cmp(&b.0));
     let specs = crate::model::describe(cfg);
-    let mut tensors = Vec::with_capacity(specs.len());
     for s in &specs {
         let hf = (fam.hf_name)(&s.name).0;
-        let src = weights.iter().find(|(n, _)| *n == s.name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
-        // transformers' vocabulary matrices have the user's rows; the model pads them.
-        let (want, got) = (s.user_shape(), hf_shape(fam, &s.name, &src.size()));
-        if src.size() != want {
-            return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &want))));
+        let view = views.iter().find(|(n, _)| *n == s.name).map(|(_, v)| v).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
+        use safetensors::Dtype::{BF16, F16, F32, F64};
+        if !matches!(view.dtype(), BF16 | F16 | F32 | F64) {
+            return Err(bad(&wpath, format!("`{hf}` is {:?}; weights are floating point (F32, F16, BF16 or F64)", view.dtype())));
         }
-        tensors.push(src.shallow_clone());
+        // transformers' vocabulary matrices have the user's rows; the model pads them.
+        let got: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        if hf_shape(fam, &s.name, &got) != s.user_shape() {
+            return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &s.user_shape()))));
+        }
     }
-    match unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &weights) {
+    let names: Vec<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
+    let is_zero = |i: usize| {
+        let v = &views[i].1;
+        let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+        let kind = Kind::try_from(v.dtype()).ok();
+        kind.and_then(|k| Tensor::f_from_data_size(v.data(), &shape, k).ok()).is_some_and(|t| is_all_zero(&t))
+    };
+    match unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &names, is_zero) {
         Some(why) => Err(bad(&wpath, why)),
-        None => Ok(InitWeights { path: wpath, tensors }),
+        None => Ok(()),
     }
 }
 
-/// `init_from`: copies `dir`'s weights, as [`read_init`] reads and checks them, into `model`.
-/// (Read again here, not kept from the check before the run started: held through the run's
-/// set-up they would sit inside the baseline a CPU `memory.limit` is measured above.)
+/// `init_from`: copies `dir`'s weights into `model`, checked as [`check_init`] checks them.
+/// (Read here, at the load, and not at the check before the run started: held through the
+/// run's set-up they would sit inside the baseline a CPU `memory.limit` is measured above.)
 pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
-    let weights = read_init(&model.cfg, dir)?;
+    check_init(&model.cfg, dir)?;
+    let (_, weights) = import(dir)?;
+    let wpath = dir.join("model.safetensors");
     let _no_grad = tch::no_grad_guard();
-    for (i, src) in weights.tensors.iter().enumerate() {
-        model.copy_user_tensor(i, src).map_err(|e| bad(&weights.path, e))?;
+    for (i, name) in model.params.names.iter().enumerate() {
+        // Changed on disk since the check: its tensor may have gone.
+        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{}`", (family(model.cfg.arch).hf_name)(name).0)))?;
+        model.copy_user_tensor(i, src).map_err(|e| bad(&wpath, e))?;
     }
     Ok(())
 }
@@ -210,12 +229,15 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
 /// The first of `weights` the model has no parameter for, and why (a bias the model lacks is
 /// dropped when it is zero): loading the rest would compute another model than the directory's.
 pub fn unplaced(model: &Model, weights: &[(String, Tensor)]) -> Option<String> {
-    unplaced_in(&model.cfg, |name| model.params.get(name).is_some(), weights)
+    let names: Vec<&str> = weights.iter().map(|(n, _)| n.as_str()).collect();
+    unplaced_in(&model.cfg, |name| model.params.get(name).is_some(), &names, |i| is_all_zero(&weights[i].1))
 }
 
-/// [`unplaced`] for the model `cfg` describes, `has` saying which names it has.
-fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, weights: &[(String, Tensor)]) -> Option<String> {
-    let (name, _) = weights.iter().find(|(name, t)| !(has(name) || name.ends_with(".bias") && t.abs().max().double_value(&[]) == 0.0))?;
+/// [`unplaced`] for the model `cfg` describes: `has` says which names it has, `is_zero` whether
+/// the tensor `names[i]` is all zeros.
+fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, names: &[&str], is_zero: impl Fn(usize) -> bool) -> Option<String> {
+    let i = (0..names.len()).find(|&i| !(has(names[i]) || names[i].ends_with(".bias") && is_zero(i)))?;
+    let name = names[i];
     let block = name.split('.').find_map(|s| s.parse::<usize>().ok());
     let why = match block {
         Some(i) if i >= cfg.n_layer => format!("block {i} is beyond model.n_layer = {}", cfg.n_layer),
@@ -224,6 +246,10 @@ fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, weights: &[(String
         _ => "the model has no such parameter".into(),
     };
     Some(format!("`{}` has no place in the model: {why}", (family(cfg.arch).hf_name)(name).0))
+}
+
+fn is_all_zero(t: &Tensor) -> bool {
+    t.numel() == 0 || t.abs().max().double_value(&[]) == 0.0
 }
 
 /// A shape as `transformers` writes the tensor (Conv1D weights transposed).
@@ -258,9 +284,40 @@ mod tests {
             let qkv = raw.iter().find(|(n, _)| n == "transformer.h.0.attn.c_attn.weight").unwrap();
             assert_eq!(qkv.1.size(), [16, 48], "Conv1D layout [in, out]");
             // Refused from the config alone, before any model is built.
-            let e = read_init(&ModelConfig { n_embd: 32, ..cfg(bias) }, &d.path().join("hf")).err().unwrap().to_string();
+            let e = check_init(&ModelConfig { n_embd: 32, ..cfg(bias) }, &d.path().join("hf")).err().unwrap().to_string();
             assert!(e.contains("`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 32]"), "{e}");
         }
+    }
+
+    #[test]
+    fn half_precision_weights_load_and_what_has_no_place_or_is_not_a_float_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let hf = d.path().join("hf");
+        let a = Model::new(&cfg(true), 1, Device::Cpu).unwrap();
+        export(&a, None, &hf).unwrap();
+        let path = hf.join("model.safetensors");
+        let raw = Tensor::read_safetensors(&path).unwrap();
+        let rewrite = |f: &dyn Fn(&str, &Tensor) -> Tensor| {
+            let t: Vec<(String, Tensor)> = raw.iter().map(|(n, t)| (n.clone(), f(n, t))).collect();
+            Tensor::write_safetensors(&t, &path).unwrap();
+        };
+        let zero_biases = |n: &str, t: &Tensor| if n.ends_with(".bias") { t.zeros_like() } else { t.shallow_clone() };
+        // bf16 weights, into a model without biases: the zero biases are dropped.
+        rewrite(&|n, t| zero_biases(n, t).to_kind(Kind::BFloat16));
+        let b = Model::new(&cfg(false), 2, Device::Cpu).unwrap();
+        init_from(&b, &hf).unwrap();
+        for (i, name) in b.params.names.iter().enumerate() {
+            let j = a.params.names.iter().position(|n| n == name).unwrap();
+            assert!(b.user_tensor(i).unwrap().equal(&a.user_tensor(j).unwrap().to_kind(Kind::BFloat16).to_kind(Kind::Float)), "{name}");
+        }
+        // One bias not zero: read from the mapped file, and refused by name.
+        rewrite(&|n, t| if n == "transformer.h.1.mlp.c_fc.bias" { t.ones_like() } else { zero_biases(n, t) });
+        let e = check_init(&cfg(false), &hf).unwrap_err().to_string();
+        assert!(e.contains("`transformer.h.1.mlp.c_fc.bias` has no place in the model: a non-zero bias, and model.bias is false"), "{e}");
+        check_init(&cfg(true), &hf).unwrap();
+        rewrite(&|n, t| if n == "transformer.wpe.weight" { t.to_kind(Kind::Int64) } else { t.shallow_clone() });
+        let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
+        assert!(e.contains("`transformer.wpe.weight` is I64; weights are floating point"), "{e}");
     }
 
     #[test]
@@ -282,7 +339,7 @@ mod tests {
                 assert!(x.equal(y));
             }
         }
-        let e = read_init(&cfg(true), &d.path().join("hf-true")).err().unwrap().to_string();
+        let e = check_init(&cfg(true), &d.path().join("hf-true")).err().unwrap().to_string();
         assert!(e.contains("holds a llama model; model.arch is gpt2"), "{e}");
     }
 }

@@ -71,14 +71,13 @@ impl<'a> Run<'a> {
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let mut ckpt = Checkpointer::new(plan);
-        // One run per out_dir, from before anything in it is touched (the resume below removes
-        // unfinished checkpoint writes: another run's, were two in one directory). Inside what
-        // the ranks compare: a refusal here is one their peers hear of.
-        // Continued pretraining: a fresh run starts from a Hugging Face model's weights, checked
-        // against the config where a refusal leaves the directory as it was: for a run that
-        // cannot resume, before `--overwrite` moves the old run aside; else once no checkpoint
-        // was found. Every rank checks; a refusal reaches the comparison below like the others.
-        let check_init = || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::read_init(&cfg.model, dir).map(drop));
+        // One run per out_dir, held from before anything in it is touched (the resume below
+        // removes unfinished checkpoint writes: another run's, were two in one directory).
+        // `init_from`'s weights are checked against the config where a refusal leaves that
+        // directory as it was: for a run that cannot resume, before `--overwrite` moves the old
+        // run aside; else once no checkpoint was found. All of it inside what the ranks compare
+        // (every rank checks init_from): a refusal here is one their peers hear of.
+        let check_init = || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::check_init(&cfg.model, dir));
         let fresh = matches!(resume, Resume::Fresh | Resume::Overwrite);
         let mut held = None;
         let resumed = (if fresh { check_init() } else { Ok(()) })
