@@ -9,6 +9,7 @@ use crate::checkpoint::retention::Retention;
 use crate::config::{parse_duration, Checkpointing, Config, Problem};
 use crate::optim::{LrSchedule, OptimizerSpec};
 use crate::step::{Savers, StepSettings};
+use std::path::Path;
 use std::time::Duration;
 use tch::Device;
 
@@ -117,6 +118,12 @@ impl RunPlan {
             if let Err(msg) = token_files_exist(path) {
                 problems.push(Problem::new("data.source", msg));
             }
+        }
+        if let Some(path) = config.data.source.strip_prefix("text:").filter(|p| !Path::new(p).is_file()) {
+            problems.push(Problem::new("data.source", format!("file `{path}` does not exist or is not a file")));
+        }
+        if let Some(dir) = config.init_from.as_deref().filter(|d| !d.join("config.json").is_file()) {
+            problems.push(Problem::new("init_from", format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display())));
         }
         let m = &config.memory;
         let checkpointing = Checkpointing::parse(&m.activation_checkpointing).unwrap_or_else(|msg| {
@@ -285,6 +292,17 @@ mod tests {
         let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
         assert_eq!(err.0[0].key, "data.source");
         assert!(err.0[0].to_string().contains("/no/such/file.bin"), "{err}");
+    }
+
+    #[test]
+    fn the_files_a_config_names_are_checked_here_not_by_the_config_rules() {
+        let mut c = Config::default();
+        c.data.source = "text:/no/such/file.txt".into();
+        c.init_from = Some("/no/such/hf".into());
+        assert!(crate::config::validate(&c).is_empty(), "a config written for another machine is valid");
+        let err = RunPlan::build(c, CPU_ONLY).unwrap_err().to_string();
+        assert!(err.contains("data.source: file `/no/such/file.txt` does not exist"), "{err}");
+        assert!(err.contains("init_from: `/no/such/hf` is not a Hugging Face model directory"), "{err}");
     }
 
     #[test]

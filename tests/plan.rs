@@ -180,6 +180,26 @@ fn bad_inputs_are_one_clear_error_and_exit_code_2() {
     assert_usage_error(&with(&["--params", "many"], None), &["--params"]);
 }
 
+/// A config written for the cluster is planned and shown on a laptop without its data or its
+/// init_from directory; training refuses both by key.
+#[test]
+fn a_config_naming_files_of_another_machine_is_planned_and_shown_and_training_refuses_it() {
+    let elsewhere = ["--set", "data.source=text:/cluster/corpus.txt", "--set", "init_from=/cluster/hf/smollm2"];
+    let debug = config("debug.yaml");
+    let args: Vec<&str> = ["--config", &debug, "--gpu", "h100"].into_iter().chain(elsewhere).collect();
+    let p = plan(&args).ok();
+    assert!(p.stdout().contains("fits"), "{}", p.stdout());
+    let show = Command::new(bin()).args(["config", "show", "--config", &debug]).args(elsewhere).output().unwrap();
+    assert!(show.status.success() && String::from_utf8_lossy(&show.stdout).contains("init_from: /cluster/hf/smollm2"), "{show:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["data.source=text:/cluster/corpus.txt", "init_from=/cluster/hf/smollm2"];
+    let r = train(dir.path(), &debug, &sets);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for want in ["data.source: file `/cluster/corpus.txt` does not exist", "init_from: `/cluster/hf/smollm2` is not a Hugging Face model directory"] {
+        assert!(r.stderr().contains(want), "`{want}` missing from:\n{}", r.stderr());
+    }
+}
+
 #[test]
 fn gpu_auto_without_nvml_says_so_and_falls_back_to_gpu_memory() {
     let run = plan(&["--config", &config("debug.yaml"), "--gpu", "auto"]);
