@@ -104,6 +104,9 @@ pub enum Event {
     CheckpointPutBack { step: u64 },
     /// Checkpoints beyond the step resumed moved out of the run's way (nothing deleted).
     CheckpointsSetAside { resumed_step: u64, steps: Vec<u64>, to: String },
+    /// The final weights of an earlier end of the run, which a resumed run trains past,
+    /// renamed out of the way of `sample` and `export` (nothing deleted).
+    FinalWeightsSetAside { resumed_step: u64, to: String },
     CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
     CheckpointFailed { step: u64, error: String },
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
@@ -344,6 +347,9 @@ impl Reporter {
             }
             Event::CheckpointsSetAside { resumed_step, steps, to } => tracing::warn!(
                 "checkpoints of steps {steps:?}, beyond the step {resumed_step} resumed, moved to {to}: they belong to a line this run leaves (nothing deleted)"
+            ),
+            Event::FinalWeightsSetAside { resumed_step, to } => tracing::warn!(
+                "moved the final weights of an earlier end of this run to {to}: this run, resumed at step {resumed_step}, trains past them (nothing deleted)"
             ),
             Event::CheckpointSaved { step, path, seconds, deleted } => {
                 let gone = if deleted.is_empty() { String::new() } else { format!(", removed steps {deleted:?}") };

@@ -521,6 +521,8 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     assert_eq!(moved.len(), 1, "{moved:?}");
     assert_eq!(std::fs::read(&moved[0]).unwrap(), step5, "moved as they were");
     assert!(r.stderr().contains("nothing deleted"), "{}", r.stderr());
+    let event = &r.events_of("final_weights_set_aside")[0];
+    assert_eq!((event["resumed_step"].as_u64(), event["to"].as_str()), (Some(5), moved[0].to_str()), "{event}");
     resume_auto(dir.path(), &with(&["train.max_steps=10"])).ok();
     assert!(fin.exists(), "the final weights of step 10");
 

@@ -114,27 +114,33 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
     }
 }
 
+/// What a resumed run moved out of its way in `out_dir`; nothing is deleted.
+#[derive(Default)]
+pub(super) struct LeftBehind {
+    /// Checkpoints beyond the step resumed, which belong to a line the run left: the directory
+    /// they went to, and their steps.
+    pub checkpoints: Option<(PathBuf, Vec<u64>)>,
+    /// The run's final weights, older than every checkpoint this run will write: where they went.
+    pub final_weights: Option<PathBuf>,
+}
+
 /// What a resumed run (at `resumed`, None for a fresh start) moves out of its way in `out_dir`
-/// (rank 0): checkpoints beyond the step resumed, which belong to a line it left, into
-/// `root/set-aside-<time>/` (returned: the directory and the steps); and, when it will train,
-/// the run's final weights, which `sample` and `export` of the run directory read first yet are
-/// older than every checkpoint this run will write, to `model.set-aside-<time>.safetensors`
-/// beside them (the same directory, so the same file system). Nothing is deleted: where the
-/// newest checkpoint was corrupt and passed over, those weights are the only copy of its step.
-pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<Option<(PathBuf, Vec<u64>)>, TrainError> {
+/// (rank 0): checkpoints beyond the step resumed into `root/set-aside-<time>/`; and, when it
+/// will train, the run's final weights, which `sample` and `export` of the run directory read
+/// first, to `model.set-aside-<time>.safetensors` beside them (the same directory, so the same
+/// file system). Nothing is deleted: where the newest checkpoint was corrupt and passed over,
+/// those weights are the only copy of its step.
+pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<LeftBehind, TrainError> {
     let now = crate::deadline::now_unix_s() as u64;
-    let set_aside = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
+    let checkpoints = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
     let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
-    if let Some(step) = resumed.filter(|&s| s < max_steps && stale.exists()) {
+    let mut final_weights = None;
+    if resumed.is_some_and(|s| s < max_steps) && stale.exists() {
         let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
         std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
-        tracing::warn!(
-            "moved {} to {}: the final weights of an earlier end of this run, which this one, resumed at step {step}, trains past (nothing deleted)",
-            stale.display(),
-            to.display()
-        );
+        final_weights = Some(to);
     }
-    Ok(set_aside)
+    Ok(LeftBehind { checkpoints, final_weights })
 }
 
 /// The learning rate a changed schedule (`max_steps`, `lr`, warmup) gives the step resumed,

@@ -117,9 +117,9 @@ impl<'a> Run<'a> {
         if let Some(h) = held.as_mut() {
             h.prepare(cfg)?;
         }
-        let set_aside = match run_dir {
+        let left = match run_dir {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
-            None => None,
+            None => Default::default(),
         };
         changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
@@ -134,8 +134,11 @@ impl<'a> Run<'a> {
         for e in skipped {
             reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
         }
-        if let Some((dir, steps)) = set_aside {
+        if let Some((dir, steps)) = left.checkpoints {
             reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to: dir.display().to_string() });
+        }
+        if let Some(to) = left.final_weights {
+            reporter.emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
         }
         // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
         // use the settings, and their advice, "set memory.limit" for one, would not help).
