@@ -207,13 +207,14 @@ impl Reporter {
         let open = |name: &str| -> std::io::Result<Option<BufWriter<File>>> {
             let Some(d) = out_dir else { return Ok(None) };
             let path = d.join(name);
+            let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
             match (resume_at, name) {
-                (Some(step), "metrics.jsonl") => keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step))?,
+                (Some(step), "metrics.jsonl") => keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step)).map_err(named)?,
                 // A run killed mid-write may have left half a line.
-                (Some(_), _) => keep_lines(&path, |_| true)?,
+                (Some(_), _) => keep_lines(&path, |_| true).map_err(named)?,
                 _ => {}
             }
-            let file = if resume_at.is_some() { File::options().create(true).append(true).open(&path)? } else { File::create(&path)? };
+            let file = if resume_at.is_some() { File::options().create(true).append(true).open(&path) } else { File::create(&path) }.map_err(named)?;
             Ok(Some(BufWriter::new(file)))
         };
         let bar = crate::logging::progress_bar_wanted().then(|| {

@@ -96,6 +96,19 @@ fn overwrite_moves_aside_a_run_without_checkpoints() {
     assert_eq!(read_jsonl(&aside[0].join("metrics.jsonl")).len(), 15, "the old run's metrics kept");
 }
 
+/// A directory where the run writes a file is named, not the run directory alone.
+#[test]
+fn a_directory_in_place_of_a_file_the_run_writes_is_named() {
+    for file in ["config.yaml", "train.log", "metrics.jsonl", "events.jsonl"] {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join(file)).unwrap();
+        let r = train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=3"]));
+        assert_eq!(r.code(), 1, "{}", r.stderr());
+        let named = format!("{}: Is a directory", d.path().join(file).display());
+        assert!(r.stderr().contains(&named), "`{named}` missing from:\n{}", r.stderr());
+    }
+}
+
 #[test]
 fn resuming_at_or_past_max_steps_says_so_without_nan() {
     let d = tempfile::tempdir().unwrap();

@@ -58,10 +58,13 @@ impl RunDir {
     pub(super) fn prepare(&mut self, config: &crate::config::Config) -> Result<(), TrainError> {
         let dir = &self.path;
         let io = |source| TrainError::RunDir { path: dir.clone(), source };
+        // The file, where the run directory holds something else under its name.
+        let of = |file: &Path, e: std::io::Error| io(std::io::Error::new(e.kind(), format!("{}: {e}", file.display())));
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
-        std::fs::write(dir.join("config.yaml"), yaml).map_err(io)?;
-        crate::logging::also_to_file(&dir.join("train.log")).map_err(io)?;
+        let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));
+        std::fs::write(&config_file, yaml).map_err(|e| of(&config_file, e))?;
+        crate::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
         self.provisional.clear();
         Ok(())
     }
