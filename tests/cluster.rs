@@ -109,6 +109,27 @@ fn a_directory_in_place_of_a_file_the_run_writes_is_named() {
     }
 }
 
+/// A config written by hand in the run directory and named by --config is kept beside the
+/// resolved one; the config.yaml a run wrote is replaced on a resume with changes, not kept.
+#[test]
+fn a_hand_written_config_in_the_run_directory_is_kept_and_a_runs_own_is_replaced() {
+    let d = tempfile::tempdir().unwrap();
+    let mine = d.path().join("config.yaml");
+    let text = "# run 3 of the sweep: lower lr\nmodel:\n  n_layer: 2\n  n_head: 2\n  n_embd: 32\ntrain:\n  max_steps: 5\n  warmup_steps: 1\n";
+    std::fs::write(&mine, text).unwrap();
+    run(command(d.path(), mine.to_str().unwrap(), &["checkpoint.interval=5"]), d.path()).ok();
+    let kept = |dir: &Path| -> Vec<PathBuf> { std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("config.kept-")).collect() };
+    let found = kept(d.path());
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(std::fs::read_to_string(&found[0]).unwrap(), text);
+    assert!(std::fs::read_to_string(&mine).unwrap().contains("n_layer: 2"), "the resolved config in its place");
+    let mut cmd = command(d.path(), mine.to_str().unwrap(), &["train.max_steps=8"]);
+    cmd.args(["--resume", "auto"]);
+    run(cmd, d.path()).ok();
+    assert_eq!(kept(d.path()).len(), 1, "the run's own config.yaml, changed by --set, was replaced, not kept");
+    assert!(std::fs::read_to_string(&mine).unwrap().contains("max_steps: 8"));
+}
+
 #[test]
 fn resuming_at_or_past_max_steps_says_so_without_nan() {
     let d = tempfile::tempdir().unwrap();

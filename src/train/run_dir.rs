@@ -63,8 +63,11 @@ impl RunDir {
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));
-        std::fs::write(&config_file, yaml).map_err(|e| of(&config_file, e))?;
         crate::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
+        if let Some(kept) = keep_a_written_config(&config_file).map_err(|e| of(&config_file, e))? {
+            tracing::warn!("{} was not as trainguard writes it (written or edited by hand; --config may have named it): kept as {}", config_file.display(), kept.display());
+        }
+        std::fs::write(&config_file, yaml).map_err(|e| of(&config_file, e))?;
         self.provisional.clear();
         Ok(())
     }
@@ -91,6 +94,26 @@ impl Drop for RunDir {
             remove_created(&self.provisional);
         }
     }
+}
+
+/// A `config.yaml` in the run directory that trainguard did not write as it stands (its text is
+/// not how trainguard writes the config it reads as) is renamed `config.kept-<unix time>.yaml`
+/// before the run writes its own: comments and layout are what the resolved config loses.
+fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
+        Err(e) => return Err(e),
+    };
+    let ours = crate::config::saved(&text).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == text);
+    if ours {
+        return Ok(None);
+    }
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let kept = crate::checkpoint::store::free_path(format!("{}/config.kept-{}.yaml", dir.display(), deadline::now_unix_s() as u64), |p| p.exists());
+    std::fs::rename(file, &kept)?;
+    Ok(Some(kept))
 }
 
 /// Creates `dir` and whichever of its parents are missing, one at a time (so that a path with
@@ -197,6 +220,23 @@ mod tests {
         // An existing directory is never removed, prepared or not.
         drop(RunDir::hold(&dir, false, None, 0).unwrap());
         assert!(dir.join("config.yaml").is_file());
+    }
+
+    #[test]
+    fn a_config_yaml_trainguard_did_not_write_as_it_stands_is_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("config.yaml");
+        assert_eq!(keep_a_written_config(&file).unwrap(), None, "none there");
+        let ours = serde_yaml::to_string(&crate::config::Config::default()).unwrap();
+        std::fs::write(&file, &ours).unwrap();
+        assert_eq!(keep_a_written_config(&file).unwrap(), None, "as trainguard writes it: replaced");
+        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe"] {
+            std::fs::write(&file, theirs).unwrap();
+            let kept = keep_a_written_config(&file).unwrap().expect("kept");
+            assert!(kept.file_name().unwrap().to_string_lossy().starts_with("config.kept-"), "{kept:?}");
+            assert_eq!(std::fs::read(&kept).unwrap(), theirs);
+            assert!(!file.exists());
+        }
     }
 
     #[test]
