@@ -46,3 +46,15 @@ newest_step() {
   done
   echo "$n"
 }
+
+# failure_code FILE: the exit code of a failure no torchrun restart mends, as a worker recorded it
+# in $TRAINGUARD_FAILURE_FILE (src/attempts.rs); empty without one.
+failure_code() {
+  [ -s "$1" ] && sed -n 's/.*"code":\([0-9]*\).*/\1/p' "$1"
+}
+
+# record_stamp OUT_DIR: which stop record is there (inode, modification time), empty without
+# one: a record the run rewrote is another file (trainguard writes it by rename).
+record_stamp() {
+  [ -f "$1/stop.json" ] && stat -c '%i %.9Y' "$1/stop.json"
+}

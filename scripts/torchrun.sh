@@ -6,8 +6,13 @@
 # restarted group resumes from the newest complete checkpoint by itself, with what is left of
 # --max-duration. A planned stop (SIGINT/SIGTERM to this script, or the time limit) is not a
 # failure: trainguard exits 0 under torchrun and leaves OUT_DIR/stop.json, so there is no restart.
+# A failure a restart would meet again (exit 2, 3, 5, 6: a refused config or out_dir, out of
+# memory at the floor, non-finite losses, a non-deterministic op) is not retried: the restarts
+# exit with its code at once, and so does this script. A restart resumes only the run this job
+# started: a fresh start refused in another run's out_dir is not turned into a resume of it.
 # Exit code: 0 finished, 4 stopped and resumable (`--resume auto` continues), 2 a bad config or
-# an out_dir another run is using, else crashed (torchrun's code, 1 if it had none).
+# an out_dir another run is using, 3 / 5 / 6 as trainguard's, else crashed (torchrun's code, 1
+# if it had none).
 # TORCHRUN and TRAINGUARD override the launcher and binary paths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +38,11 @@ if [ -d "$out_dir" ] && command -v flock >/dev/null; then
     exit 2
   fi
 fi
-rm -f "$out_dir/stop.json"
+# A record an earlier run left must not decide this one, and is not ours to remove: a start
+# refused in that run's out_dir leaves it as it was. It counts only if the run wrote it anew.
+stale=$(record_stamp "$out_dir")
+TRAINGUARD_FAILURE_FILE=$(mktemp -u "${TMPDIR:-/tmp}/trainguard-failure.XXXXXXXX")
+export TRAINGUARD_FAILURE_FILE
 "$torchrun" --standalone --nproc_per_node="$nproc" --max-restarts="${MAX_RESTARTS:-3}" \
   --no-python "$bin" train --config "$config" "$@" &
 pid=$!
@@ -43,9 +52,16 @@ trap 'kill -INT $pid 2>/dev/null' INT
 code=0
 wait $pid || code=$?
 while kill -0 $pid 2>/dev/null; do code=0; wait $pid || code=$?; done   # a trapped signal interrupts wait
-case $(stop_status "$out_dir") in
+status=$(stop_status "$out_dir")
+[ -n "$stale" ] && [ "$(record_stamp "$out_dir")" = "$stale" ] && status=crashed
+case $status in
   finished) echo "trainguard: finished ($out_dir)"; exit 0 ;;
   stopped) echo "trainguard: stopped, resumable: rerun with --resume auto ($out_dir/stop.json)"; exit 4 ;;
-  *) echo "trainguard: crashed: torchrun exited $code and left no stop record in $out_dir" >&2
+  *) failed=$(failure_code "$TRAINGUARD_FAILURE_FILE"); rm -f "$TRAINGUARD_FAILURE_FILE"
+     if [ -n "$failed" ]; then
+       echo "trainguard: failed with exit $failed, which a restart would meet again (the error is above); not restarted" >&2
+       exit "$failed"
+     fi
+     echo "trainguard: crashed: torchrun exited $code and left no stop record in $out_dir" >&2
      [ "$code" -ne 0 ] && exit "$code"; exit 1 ;;
 esac

@@ -1,6 +1,7 @@
 //! trainguard: a training runtime on libtorch whose runs do not die of "CUDA out of memory".
 //!
 //! Data flows one way: YAML + `--set` → [`config`] → [`run_plan`] → [`train`] → [`events`] → sinks.
+pub mod attempts;
 pub mod batch;
 pub mod checkpoint;
 pub mod cli;

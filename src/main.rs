@@ -5,12 +5,13 @@ use clap::Parser;
 use trainguard::cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::interrupt::Interrupter;
 use trainguard::train::{Resume, TrainError};
-use trainguard::{checkpoint, config, deadline, dist, exit, run_plan, stop_record, train};
+use trainguard::{attempts, checkpoint, config, deadline, dist, exit, run_plan, stop_record, train};
 
 fn main() {
     deadline::process_start(); // train.max_duration counts from here
     trainguard::logging::init();
     let cli = Cli::parse();
+    let training = matches!(cli.command, Command::Train(_));
     let result = match cli.command {
         Command::Train(args) => run_train(&args),
         Command::Config(ConfigCommand::Show(args)) => show_config(&args),
@@ -32,9 +33,20 @@ fn main() {
                 eprintln!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy());
             }
         }
+        // Under torchrun, what a restart would meet again ends the job (src/attempts.rs).
+        if let Some(a) = attempts::Attempt::from_env(env).filter(|_| training && attempts::ends_the_job(code)) {
+            let file = a.failure_file(env, &std::env::temp_dir());
+            if let Err(e) = attempts::record_failure(&file, &attempts::Failure { restart_count: a.restart_count, code, message: message(&err) }) {
+                eprintln!("warning: cannot record the failure in {}: {e}; torchrun will restart the group", file.display());
+            }
+        }
         std::process::exit(code);
     }
     std::process::exit(exit::SUCCESS);
+}
+
+fn env(key: &str) -> Option<String> {
+    std::env::var(key).ok()
 }
 
 /// The continuation as generated; on a terminal, a line end after it so the prompt does not
@@ -55,6 +67,10 @@ fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
 }
 
 fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
+    let attempt = attempts::Attempt::from_env(env);
+    if let Some(failed) = attempt.as_ref().and_then(|a| attempts::earlier_failure(&a.failure_file(env, &std::env::temp_dir()), a)) {
+        return Err(attempts::EarlierFailure(failed).into());
+    }
     let mut overrides = args.config.overrides.clone();
     if let Some(d) = &args.max_duration {
         config::parse_duration(d).map_err(|why| config::ConfigError::Flag { flag: format!("--max-duration `{d}`"), why })?;
@@ -69,14 +85,16 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         carry_deadline(&mut cfg, launch.as_ref());
     }
     let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
-    let restarted = launch.as_ref().is_some_and(|l| l.restart_count > 0);
+    // A torchrun restart resumes the run its job started; after an attempt refused or failed
+    // before that, it does what the command asked (src/attempts.rs).
+    let resumes_its_run = attempt.as_ref().is_some_and(|a| a.restart_count > 0 && attempts::started_by(&plan.config.out_dir, &a.run_id));
     let resume = match args.resume.as_deref() {
         Some("auto") => Resume::Auto,
         Some("none") => Resume::Fresh,
         Some(path) => Resume::Path(path.into()),
-        None if restarted => Resume::Auto,
+        None if resumes_its_run => Resume::Auto,
         // Rank 0 moves the old run aside where the ranks compare their start (a refusal
-        // there is one every rank hears of); a torchrun restart resumes instead.
+        // there is one every rank hears of).
         None if args.overwrite => Resume::Overwrite,
         None => Resume::Fresh,
     };
@@ -277,6 +295,9 @@ fn causes(err: &anyhow::Error) -> Vec<String> {
 fn exit_code(err: &anyhow::Error) -> i32 {
     use trainguard::train::TrainError;
     for cause in err.chain() {
+        if let Some(earlier) = cause.downcast_ref::<attempts::EarlierFailure>() {
+            return earlier.0.code;
+        }
         if cause.is::<config::ConfigError>()
             || cause.is::<run_plan::PlanError>()
             || cause.is::<trainguard::memory::allocator::AllocatorError>()

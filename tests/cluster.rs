@@ -247,6 +247,54 @@ fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
     assert_eq!(resumed, 1);
 }
 
+/// `scripts/torchrun.sh 2 configs/debug.yaml --set …` (torchrun with 3 restarts).
+fn torchrun_script(out: &Path, sets: &[&str]) -> Output {
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo().join("scripts/torchrun.sh")).args(["2", "configs/debug.yaml"]);
+    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.env("TORCHRUN", repo().join(".venv/bin/torchrun")).env("TRAINGUARD", bin()).output().unwrap()
+}
+
+/// What a torchrun restart would meet again ends the job with its own code. A fresh start
+/// refused in another run's out_dir stays refused and leaves that run as it was (the first
+/// restart had resumed it, with the new settings, and the script said finished); non-finite
+/// losses end the job at the first attempt's (each restart had skipped more steps from the last
+/// checkpoint, and the script said crashed, exit 1). A crash (exit 1) still restarts and
+/// resumes: `a_torchrun_restart_gets_only_what_is_left_of_the_time_budget`.
+#[test]
+fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
+    let d = tempfile::tempdir().unwrap();
+    train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
+    let files = |dir: &Path| ["metrics.jsonl", "events.jsonl", "config.yaml", "stop.json", "model.safetensors"].map(|f| std::fs::read(dir.join(f)).ok());
+    let before = files(d.path());
+    let o = torchrun_script(d.path(), &sets(&["train.max_steps=20", "train.lr=1e-3"]));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("not started again") && err.contains("failed with exit 2"), "{err}");
+    assert!(before == files(d.path()), "the other run's files changed: {err}");
+    assert!(!d.path().join(trainguard::attempts::JOB_FILE).exists(), "refused: not this job's run");
+    // With no failure record (its file cannot be written), the restart is refused as the first
+    // attempt was: it resumes only a run its own job started.
+    let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=20"]));
+    let o = cmd.env(trainguard::attempts::FAILURE_FILE_ENV, d.path().join("no/such/dir/f.json")).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("cannot record the failure"), "{err}");
+    let refused = err.lines().filter(|l| l.starts_with("error: training failed:") && l.contains("already holds 2 checkpoint(s) of another run")).count();
+    assert!(refused == 2 && !err.contains("resuming at step"), "both attempts refused: {err}");
+    assert!(before == files(d.path()), "the other run's files changed: {err}");
+
+    let e = tempfile::tempdir().unwrap();
+    let nan = ["train.max_steps=12", "checkpoint.interval=1", "faults.nonfinite_loss_at_steps=[2,3,4,5,6,7,8,9,10,11]", "nan.max_consecutive=2"];
+    let o = torchrun_script(e.path(), &sets(&nan));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(5), "{err}");
+    let events = read_jsonl(&e.path().join("events.jsonl"));
+    let count = |kind: &str| events.iter().filter(|v| v["event"] == kind).count();
+    assert_eq!((count("run_started"), count("resumed"), count("nonfinite_skipped")), (1, 0, 2), "one attempt trained: {err}");
+}
+
 #[test]
 fn a_crash_under_torchrun_leaves_no_stop_record_and_a_finish_says_finished() {
     let d = tempfile::tempdir().unwrap();

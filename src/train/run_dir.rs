@@ -2,8 +2,9 @@
 //! aside (`--overwrite`), the directory created when new and locked (one run per out_dir,
 //! [`lock`](super::lock)), torchrun's first attempt's deadline recorded. A directory this start
 //! created goes again if the start is then refused: a refused command leaves nothing behind.
-//! Once the ranks agree to start: an earlier run's stop record goes, the resolved config and
-//! the log file are written. At the end, still held: the record of how the run ended.
+//! Once the ranks agree to start: an earlier run's stop record goes, the resolved config, the
+//! log file and (under torchrun) the job that started the run are written. At the end, still
+//! held: the record of how the run ended.
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::fresh;
@@ -68,6 +69,11 @@ impl RunDir {
             tracing::warn!("{} was not as trainguard writes it (written or edited by hand; --config may have named it): kept as {}", config_file.display(), kept.display());
         }
         std::fs::write(&config_file, yaml).map_err(|e| of(&config_file, e))?;
+        // Under torchrun: this job's run, which its restarts resume by themselves.
+        if let Some(attempt) = crate::attempts::Attempt::from_env(|k| std::env::var(k).ok()) {
+            let job_file = dir.join(crate::attempts::JOB_FILE);
+            crate::attempts::record_job(dir, &attempt.run_id).map_err(|e| of(&job_file, e))?;
+        }
         self.provisional.clear();
         Ok(())
     }

@@ -1,0 +1,164 @@
+//! torchrun's attempts of one job: the processes of one TORCHELASTIC_RUN_ID, a restart being
+//! the next TORCHELASTIC_RESTART_COUNT. torchrun restarts after any failed worker, whatever
+//! failed; two records decide what a restart does instead:
+//! - **what it resumes**: only a run this job started. Rank 0 writes `out_dir/torchrun_job.json`
+//!   (`{run_id}`) once the ranks agree to start; a restart without `--resume` resumes (`auto`)
+//!   when it names this job, and otherwise does what the command asked (a fresh start in another
+//!   run's directory is refused again, not turned into a resume of that run);
+//! - **whether it starts at all**: an attempt that ended in a failure no restart mends (exit 2,
+//!   3, 5 or 6: a refused config or directory, out of memory at the floor, non-finite losses, an
+//!   op with no deterministic form) leaves a [`Failure`] outside `out_dir`, which may be another
+//!   run's: in the file `$TRAINGUARD_FAILURE_FILE` names (the job scripts set it, and read it
+//!   for the exit code), else in the temporary directory under the run id. Every later attempt
+//!   of the job exits with that code at once, so torchrun's restarts run out in seconds instead
+//!   of repeating the failure (or skipping more non-finite steps) from the last checkpoint.
+//! Pure except the four functions that read and write the records.
+use crate::exit;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const JOB_FILE: &str = "torchrun_job.json";
+/// Where the job scripts ask for the failure record (a path; its directory must exist).
+pub const FAILURE_FILE_ENV: &str = "TRAINGUARD_FAILURE_FILE";
+
+/// This process's place among its job's attempts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub run_id: String,
+    pub restart_count: u64,
+}
+
+impl Attempt {
+    /// From torchrun's environment; None outside an elastic agent.
+    pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Option<Self> {
+        let run_id = var("TORCHELASTIC_RUN_ID").filter(|id| !id.is_empty())?;
+        let restart_count = var("TORCHELASTIC_RESTART_COUNT").and_then(|c| c.parse().ok()).unwrap_or(0);
+        Some(Self { run_id, restart_count })
+    }
+
+    /// The failure record's path: `$TRAINGUARD_FAILURE_FILE`, else one per run id in `tmp`.
+    pub fn failure_file(&self, var: impl Fn(&str) -> Option<String>, tmp: &Path) -> PathBuf {
+        match var(FAILURE_FILE_ENV).filter(|p| !p.is_empty()) {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let id: String = self.run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+                tmp.join(format!("trainguard-torchrun-{id}.failed.json"))
+            }
+        }
+    }
+}
+
+/// An attempt's failure that no restart mends.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Failure {
+    /// The attempt it ended.
+    pub restart_count: u64,
+    pub code: i32,
+    pub message: String,
+}
+
+/// Whether a failure with this exit code ends the job: what a restart would meet again.
+pub fn ends_the_job(code: i32) -> bool {
+    matches!(code, exit::CONFIG | exit::OUT_OF_MEMORY | exit::NONFINITE | exit::NOT_DETERMINISTIC)
+}
+
+/// An earlier attempt's failure, as this attempt's reason not to start.
+#[derive(Debug, thiserror::Error)]
+#[error("attempt {} of this torchrun job (restart {}) ended with exit {}, which a restart would meet again; not started again: {}", .0.restart_count + 1, .0.restart_count, .0.code, .0.message)]
+pub struct EarlierFailure(pub Failure);
+
+/// The failure an earlier attempt of this job recorded, if any. The first attempt removes a
+/// record left under its id by an earlier job (a requeued SLURM job keeps its id).
+pub fn earlier_failure(file: &Path, attempt: &Attempt) -> Option<Failure> {
+    if attempt.restart_count == 0 {
+        let _ = std::fs::remove_file(file);
+        return None;
+    }
+    let f: Failure = serde_json::from_str(&std::fs::read_to_string(file).ok()?).ok()?;
+    (f.restart_count < attempt.restart_count).then_some(f)
+}
+
+/// Records this attempt's failure unless one is there: the first worker's to fail, which is the
+/// cause its peers then hear of.
+pub fn record_failure(file: &Path, failure: &Failure) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = match std::fs::OpenOptions::new().write(true).create_new(true).open(file) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
+        other => other?,
+    };
+    f.write_all(serde_json::to_string(failure).expect("a Failure serialises").as_bytes())
+}
+
+#[derive(Serialize, Deserialize)]
+struct Job {
+    run_id: String,
+}
+
+/// Marks `out_dir` as started by this job (rank 0, once the ranks agree to start).
+pub fn record_job(out_dir: &Path, run_id: &str) -> std::io::Result<()> {
+    let tmp = out_dir.join(format!(".{JOB_FILE}.tmp"));
+    std::fs::write(&tmp, serde_json::to_string(&Job { run_id: run_id.into() }).expect("a Job serialises"))?;
+    std::fs::rename(&tmp, out_dir.join(JOB_FILE))
+}
+
+/// Whether this job started the run in `out_dir`: what a restart may resume by itself.
+pub fn started_by(out_dir: &Path, run_id: &str) -> bool {
+    let job: Option<Job> = std::fs::read_to_string(out_dir.join(JOB_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
+    job.is_some_and(|j| j.run_id == run_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn an_attempt_is_read_from_torchruns_environment() {
+        assert_eq!(Attempt::from_env(env(&[])), None, "not under torchrun");
+        let a = Attempt::from_env(env(&[("TORCHELASTIC_RUN_ID", "job/7"), ("TORCHELASTIC_RESTART_COUNT", "2")])).unwrap();
+        assert_eq!(a, Attempt { run_id: "job/7".into(), restart_count: 2 });
+        assert_eq!(a.failure_file(env(&[]), Path::new("/tmp")), PathBuf::from("/tmp/trainguard-torchrun-job_7.failed.json"));
+        assert_eq!(a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp")), PathBuf::from("/jobs/f.json"));
+    }
+
+    #[test]
+    fn what_a_restart_meets_again_ends_the_job_and_a_crash_or_stop_does_not() {
+        for code in [exit::CONFIG, exit::OUT_OF_MEMORY, exit::NONFINITE, exit::NOT_DETERMINISTIC] {
+            assert!(ends_the_job(code), "{code}");
+        }
+        for code in [exit::SUCCESS, exit::FAILURE, exit::INTERRUPTED] {
+            assert!(!ends_the_job(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn a_later_attempt_finds_the_first_failure_and_a_new_job_clears_an_old_one() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("f.json");
+        let at = |restart_count| Attempt { run_id: "j".into(), restart_count };
+        let first = Failure { restart_count: 0, code: 5, message: "non-finite".into() };
+        record_failure(&file, &first).unwrap();
+        record_failure(&file, &Failure { restart_count: 0, code: 2, message: "a peer".into() }).unwrap();
+        assert_eq!(earlier_failure(&file, &at(1)), Some(first.clone()), "the first one recorded stays");
+        assert_eq!(earlier_failure(&file, &at(3)), Some(first));
+        let later = Failure { restart_count: 2, code: 2, message: "m".into() };
+        std::fs::write(&file, serde_json::to_string(&later).unwrap()).unwrap();
+        assert_eq!(earlier_failure(&file, &at(2)), None, "this attempt's own, not an earlier one's");
+        assert_eq!(earlier_failure(&file, &at(0)), None, "a first attempt");
+        assert!(!file.exists(), "a first attempt removes what an earlier job left");
+        let msg = EarlierFailure(Failure { restart_count: 0, code: 2, message: "refused".into() }).to_string();
+        assert!(msg.starts_with("attempt 1 of this torchrun job (restart 0) ended with exit 2") && msg.ends_with(": refused"), "{msg}");
+    }
+
+    #[test]
+    fn only_the_job_that_started_a_run_resumes_it_by_itself() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(!started_by(d.path(), "a"), "no record: another run, or none");
+        record_job(d.path(), "a").unwrap();
+        assert!(started_by(d.path(), "a"));
+        assert!(!started_by(d.path(), "b"));
+    }
+}
