@@ -231,7 +231,7 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
         };
         let k = Value::String(part.to_string());
         if i + 1 == parts.len() {
-            map.insert(k, value);
+            merge(map.entry(k).or_insert(Value::Null), value);
             return Ok(());
         }
         node = map.entry(k).or_insert_with(|| Value::Mapping(Default::default()));
@@ -242,6 +242,20 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     unreachable!("split always yields at least one segment")
 }
 
+/// Puts `value` in `slot`; a mapping into a mapping sets its keys and keeps the others:
+/// `--set 'model={n_layer: 3}'` changes one key of the file's model, where replacing the section
+/// would quietly put every other key back to its default (another model).
+fn merge(slot: &mut Value, value: Value) {
+    match (slot, value) {
+        (Value::Mapping(old), Value::Mapping(new)) => {
+            for (k, v) in new {
+                merge(old.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (slot, value) => *slot = value,
+    }
+}
+
 /// Parses `16GiB`, `512MiB`, `1.5GB`, `100000` (bytes) into bytes.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -250,15 +264,16 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     let n: f64 = num.parse().map_err(|_| format!("`{text}` is not a size like 16GiB, 512MiB or 1000000"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
-        "kib" | "k" => 1024.0,
-        "mib" | "m" => 1024f64.powi(2),
-        "gib" | "g" => 1024f64.powi(3),
-        "tib" | "t" => 1024f64.powi(4),
+        // Kubernetes' `Gi` and a bare `G` are GiB too; `GB` is 10^9, as on a disk's label.
+        "kib" | "ki" | "k" => 1024.0,
+        "mib" | "mi" | "m" => 1024f64.powi(2),
+        "gib" | "gi" | "g" => 1024f64.powi(3),
+        "tib" | "ti" | "t" => 1024f64.powi(4),
         "kb" => 1e3,
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        other => return Err(format!("unknown size unit `{other}` in `{text}` (use B, KiB, MiB, GiB, KB, MB, GB)")),
+        other => return Err(format!("unknown size unit `{other}` in `{text}` (use B; KiB, MiB, GiB, TiB, also written Ki or K, …: powers of 1024; KB, MB, GB, TB: powers of 1000)")),
     };
     let bytes = n * mult;
     if bytes.is_nan() || bytes < 1.0 {
@@ -324,6 +339,14 @@ mod tests {
         assert_eq!((t["out_dir"].as_str(), t["metrics"]["trace"].as_str(), t["init_from"].as_str()), (Some("123"), Some("inf"), Some("NaN")));
         apply_override(&mut t, "train.eps=-2E+5").unwrap();
         assert_eq!(t["train"]["eps"].as_f64(), Some(-2e5));
+        // A mapping sets its keys and keeps the section's others; a list or a value replaces.
+        apply_override(&mut t, "model={n_layer: 3, n_head: 2}").unwrap();
+        assert_eq!((t["model"]["n_layer"].as_u64(), t["model"]["n_head"].as_u64(), t["model"]["bias"].as_bool()), (Some(3), Some(2), Some(false)));
+        apply_override(&mut t, "faults.nonfinite_loss_at_steps=[1, 2]").unwrap();
+        apply_override(&mut t, "faults.nonfinite_loss_at_steps=[5]").unwrap();
+        assert_eq!(t["faults"]["nonfinite_loss_at_steps"].as_sequence().map(Vec::len), Some(1));
+        apply_override(&mut t, "train=5").unwrap();
+        assert_eq!(t["train"].as_u64(), Some(5), "a section replaced by a value is the type check's to refuse");
     }
 
     #[test]
@@ -342,6 +365,7 @@ mod tests {
         assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
         assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!((parse_size("16Gi").unwrap(), parse_size("16G").unwrap(), parse_size("16GB").unwrap()), (16 << 30, 16 << 30, 16_000_000_000));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
         assert!(parse_size("0").is_err());
