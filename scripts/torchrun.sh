@@ -13,16 +13,17 @@
 # Exit code: 0 finished, 4 stopped and resumable (`--resume auto` continues), 2 a bad config or
 # an out_dir another run is using, 3 / 5 / 6 as trainguard's, else crashed (torchrun's code, 1
 # if it had none).
-# TORCHRUN and TRAINGUARD override the launcher and binary paths.
+# TORCHRUN and TRAINGUARD override the launcher and binary paths (by default the repo's). CONFIG
+# and relative paths in the arguments (out_dir, data) are the caller's, from where it runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. scripts/stop_record.sh
+repo=$(cd "$(dirname "$0")/.." && pwd)
+. "$repo/scripts/stop_record.sh"
 [ $# -ge 2 ] || { echo "usage: $0 NPROC CONFIG [train args...]" >&2; exit 2; }
 nproc=$1; config=$2; shift 2
-torchrun=${TORCHRUN:-.venv/bin/torchrun}
-bin=${TRAINGUARD:-target/release/trainguard}
-[ -x "$torchrun" ] || bash scripts/setup.sh || exit 1
-[ -x "$bin" ] || cargo build --release || exit 1
+torchrun=${TORCHRUN:-$repo/.venv/bin/torchrun}
+bin=${TRAINGUARD:-$repo/target/release/trainguard}
+[ -x "$torchrun" ] || bash "$repo/scripts/setup.sh" || exit 1
+[ -x "$bin" ] || (cd "$repo" && cargo build --release) || exit 1
 mapfile -d '' sets < <(sets_of "$@")
 out_dir=$(out_dir_of "$bin" "$config" "${sets[@]}") || exit 2   # a bad config: its error is printed
 # A run still going in out_dir (its rank 0 holds out_dir/.lock): refused here, once, exit 2, as

@@ -247,10 +247,11 @@ fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
     assert_eq!(resumed, 1);
 }
 
-/// `scripts/torchrun.sh 2 configs/debug.yaml --set …` (torchrun with 3 restarts).
-fn torchrun_script(out: &Path, sets: &[&str]) -> Output {
+/// `scripts/torchrun.sh 2 CONFIG --set out_dir=OUT --set …` (torchrun with 3 restarts), run in
+/// `cwd`: the config and out_dir may be relative to it.
+fn torchrun_script(cwd: &Path, config: &str, out: &Path, sets: &[&str]) -> Output {
     let mut cmd = Command::new("bash");
-    cmd.arg(repo().join("scripts/torchrun.sh")).args(["2", "configs/debug.yaml"]);
+    cmd.current_dir(cwd).arg(repo().join("scripts/torchrun.sh")).args(["2", config]);
     for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
         cmd.arg("--set").arg(s);
     }
@@ -269,7 +270,8 @@ fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
     let files = |dir: &Path| ["metrics.jsonl", "events.jsonl", "config.yaml", "stop.json", "model.safetensors"].map(|f| std::fs::read(dir.join(f)).ok());
     let before = files(d.path());
-    let o = torchrun_script(d.path(), &sets(&["train.max_steps=20", "train.lr=1e-3"]));
+    let debug = repo().join("configs/debug.yaml");
+    let o = torchrun_script(&repo(), &debug.display().to_string(), d.path(), &sets(&["train.max_steps=20", "train.lr=1e-3"]));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("not started again") && err.contains("failed with exit 2"), "{err}");
@@ -285,12 +287,14 @@ fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     assert!(refused == 2 && !err.contains("resuming at step"), "both attempts refused: {err}");
     assert!(before == files(d.path()), "the other run's files changed: {err}");
 
+    // Run from the caller's directory, with its config and out_dir relative to it.
     let e = tempfile::tempdir().unwrap();
+    std::fs::copy(&debug, e.path().join("mine.yaml")).unwrap();
     let nan = ["train.max_steps=12", "checkpoint.interval=1", "faults.nonfinite_loss_at_steps=[2,3,4,5,6,7,8,9,10,11]", "nan.max_consecutive=2"];
-    let o = torchrun_script(e.path(), &sets(&nan));
+    let o = torchrun_script(e.path(), "mine.yaml", Path::new("run"), &sets(&nan));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(5), "{err}");
-    let events = read_jsonl(&e.path().join("events.jsonl"));
+    let events = read_jsonl(&e.path().join("run/events.jsonl"));
     let count = |kind: &str| events.iter().filter(|v| v["event"] == kind).count();
     assert_eq!((count("run_started"), count("resumed"), count("nonfinite_skipped")), (1, 0, 2), "one attempt trained: {err}");
 }
