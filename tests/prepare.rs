@@ -123,6 +123,50 @@ fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
     assert!(again.stderr().contains("already holds a dataset"), "{}", again.stderr());
 }
 
+/// A file of single-newline lines is one document: one of 2.5 MB is tokenized in pieces (a
+/// whole 40 MB one had needed 5 GB of memory), with the ids of the whole document, and its
+/// peak memory stays far below the tokenizer's ~100 bytes per byte of a whole document.
+#[test]
+fn a_long_document_has_the_ids_of_the_whole_and_bounded_memory() {
+    let d = tempfile::tempdir().unwrap();
+    tokenizer::write(&d.path().join("tokenizer.json"), 0);
+    let mut doc = String::new();
+    for para in documents(60_000, 3) {
+        doc.push_str(&para);
+        doc.push('\n');
+        if doc.len() > 2_500_000 {
+            break;
+        }
+    }
+    let doc = doc.trim_end().to_string();
+    std::fs::create_dir(d.path().join("text")).unwrap();
+    std::fs::write(d.path().join("text/one.txt"), &doc).unwrap();
+    let out = d.path().join("data");
+    let r = prepare(d.path(), &out, &["--threads", "1"]).ok();
+    assert!(r.stdout().contains("1 documents"), "{}", r.stdout());
+    let got = shard_tokens(&out, &listed(&manifest(&out)));
+    let want = python_tokens(&out.join("tokenizer.json"), &[doc.clone()], 264);
+    assert!(got == want, "{} tokens, {} expected; first difference at {:?}", got.len(), want.len(), got.iter().zip(&want).position(|(a, b)| a != b));
+    // Peak resident memory of the child (Linux's VmHWM is the process's own; the children's
+    // rusage maximum covers every test's children, so a fresh process under /usr/bin/time -f).
+    let time = std::path::Path::new("/usr/bin/time");
+    if !time.exists() {
+        eprintln!("skipped the memory check: no /usr/bin/time");
+        return;
+    }
+    let peak_mib = |text: &Path, out: &str| -> u64 {
+        let o = Command::new(time).args(["-f", "%M"]).arg(bin()).args(["prepare", "--threads", "1", "--tokenizer"]).arg(d.path().join("tokenizer.json")).arg("--out").arg(d.path().join(out)).arg(text).output().unwrap();
+        let kib: u64 = String::from_utf8_lossy(&o.stderr).lines().last().and_then(|l| l.trim().parse().ok()).unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&o.stderr)));
+        kib / 1024
+    };
+    // The binary's own (libtorch's pages), with a 10 kB corpus.
+    std::fs::write(d.path().join("small.txt"), &doc[..10_000]).unwrap();
+    let (base, peak) = (peak_mib(&d.path().join("small.txt"), "data2"), peak_mib(&d.path().join("text"), "data3"));
+    eprintln!("peak {peak} MiB for a {:.1} MB document, {base} MiB for 10 kB", doc.len() as f64 / 1e6);
+    // In pieces ~+90 MiB; whole, the tokenizer's ~130 bytes per byte: ~+330 MiB.
+    assert!(peak < base + 200, "peak {peak} MiB, {base} MiB for 10 kB");
+}
+
 #[test]
 fn large_vocabularies_give_uint32_shards_that_train() {
     let inp = inputs(300, 70_000);

@@ -239,11 +239,72 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
 fn encode(tok: &Tokenizer, docs: &[String], eos: u32) -> Result<Vec<u32>, String> {
     let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() / 3).sum());
     for d in docs {
-        let enc = tok.encode_fast(d.as_str(), false).map_err(|e| e.to_string())?;
-        out.extend_from_slice(enc.get_ids());
+        out.extend(encode_doc(tok, d)?);
         out.push(eos);
     }
     Ok(out)
+}
+
+/// Documents longer than this are tokenized in pieces: a tokenizer's working memory is about 100
+/// bytes per byte of its input, and a file of single-newline lines is one `.txt` document (a
+/// 1 GB one would have needed ~100 GB at once).
+const PIECE_BYTES: usize = 1 << 20;
+/// Bytes each side of a piece's end tokenized to check it.
+const SEAM_BYTES: usize = 256;
+/// Seams checked before a document's rest is tokenized whole.
+const SEAM_TRIES: usize = 4;
+
+/// The ids `tok` gives the whole of `doc`, computed in pieces of about [`PIECE_BYTES`]. A piece
+/// ends at a line's start or before the space that starts a word, and only where the text
+/// around that point gives the same ids whole as in two halves: a tokenizer that adds a prefix
+/// at the start of each input (SentencePiece's `prepend_scheme: always`) fails that, and such a
+/// document is tokenized whole, as before.
+fn encode_doc(tok: &Tokenizer, doc: &str) -> Result<Vec<u32>, String> {
+    let ids = |s: &str| tok.encode_fast(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
+    let mut out = Vec::new();
+    let mut start = 0;
+    while doc.len() - start > PIECE_BYTES {
+        let Some(end) = seam(doc, start + PIECE_BYTES, &ids)? else { break };
+        out.extend(ids(&doc[start..end])?);
+        start = end;
+    }
+    out.extend(ids(&doc[start..])?);
+    Ok(out)
+}
+
+/// The first place at or after byte `from` of `doc` where the ids split cleanly (see
+/// [`encode_doc`]), within [`SEAM_TRIES`] checks; None: tokenize the rest whole.
+fn seam(doc: &str, from: usize, ids: &impl Fn(&str) -> Result<Vec<u32>, String>) -> Result<Option<usize>, String> {
+    let bytes = doc.as_bytes();
+    let space = |i: usize| bytes[i].is_ascii_whitespace();
+    // A line's start (after a line break, not indented) or a single space before a word.
+    let candidate = |p: usize| !space(p) && bytes[p - 1] == b'\n' || bytes[p] == b' ' && !space(p - 1) && p + 1 < bytes.len() && !space(p + 1);
+    let mut tries = 0;
+    for p in char_start(doc, from, true).max(1)..bytes.len() {
+        if tries == SEAM_TRIES {
+            break;
+        }
+        if !doc.is_char_boundary(p) || !candidate(p) {
+            continue;
+        }
+        tries += 1;
+        let (l, r) = (char_start(doc, p.saturating_sub(SEAM_BYTES), false), char_start(doc, p + SEAM_BYTES, true));
+        let mut halves = ids(&doc[l..p])?;
+        halves.extend(ids(&doc[p..r])?);
+        if ids(&doc[l..r])? == halves {
+            return Ok(Some(p));
+        }
+    }
+    Ok(None)
+}
+
+/// The char boundary at or after (`up`) or at or before byte `i` of `s`, within `s`.
+fn char_start(s: &str, i: usize, up: bool) -> usize {
+    let mut i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i = if up { i + 1 } else { i - 1 };
+    }
+    i
 }
 
 /// Moves the finished files into `out`, `dataset.json` last: a reader sees a manifest only
@@ -294,5 +355,44 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A word-level tokenizer over `x` and `y` with the given pre-tokenizer.
+    fn tokenizer(pre_tokenizer: &str) -> Tokenizer {
+        let json = format!(
+            r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{pre_tokenizer},"post_processor":null,"decoder":null,
+            "model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"x":1,"y":2,"▁x":3,"▁y":4,"x\ny":5,"▁x\ny":6}},"unk_token":"[UNK]"}}}}"#
+        );
+        json.parse().unwrap()
+    }
+
+    fn whole(tok: &Tokenizer, doc: &str) -> Vec<u32> {
+        tok.encode_fast(doc, false).unwrap().get_ids().to_vec()
+    }
+
+    #[test]
+    fn a_long_document_is_tokenized_in_pieces_only_where_the_ids_are_the_same() {
+        let doc = "xy\n  x\n".repeat((PIECE_BYTES * 5 / 2) / 7);
+        // Whitespace-split words: every line start is a clean seam (an indented one is skipped).
+        let plain = tokenizer(r#"{"type":"Whitespace"}"#);
+        let p = seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&plain, s))).unwrap().expect("a seam");
+        assert!(p >= PIECE_BYTES && doc[..p].ends_with("  x\n"), "after a line break, before a line that does not start with a space");
+        assert_eq!(encode_doc(&plain, &doc).unwrap(), whole(&plain, &doc));
+        // One line: before the space that starts a word.
+        let line = "x y  y".repeat(PIECE_BYTES / 3);
+        let p = seam(&line, PIECE_BYTES, &|s: &str| Ok(whole(&plain, s))).unwrap().expect("a seam");
+        assert!(line[..p].ends_with('x') && line[p..].starts_with(" y"), "{}|{}", &line[p - 3..p], &line[p..p + 3]);
+        assert_eq!(encode_doc(&plain, &line).unwrap(), whole(&plain, &line));
+        // A prefix added at each input's start: no seam is clean, the document goes whole.
+        let prefixed = tokenizer(r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true}"#);
+        assert_eq!(seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&prefixed, s))).unwrap(), None);
+        assert_eq!(encode_doc(&prefixed, &doc).unwrap(), whole(&prefixed, &doc));
+        // Byte offsets inside a character are moved to its start or end.
+        assert_eq!((char_start("aé", 2, true), char_start("aé", 2, false)), (3, 1));
     }
 }
