@@ -241,6 +241,23 @@ impl Corpus {
         self.tokens.copy_to(base + offset, out);
     }
 
+    /// A digest (FNV-1a) of `split`'s tokens in 64 runs of 64 spread evenly over it, its first
+    /// and last included: what ranks compare to see they loaded the same data (a node with
+    /// another or a stale copy of equal size) without reading all of it.
+    pub fn sample_digest(&self, split: Split) -> String {
+        let n = self.len(split);
+        let mut run = [0u32; 64];
+        let len = run.len().min(n);
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for k in 0..64 {
+            self.read(split, (n - len) * k / 63, &mut run[..len]);
+            for b in run[..len].iter().flat_map(|t| t.to_le_bytes()) {
+                h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        format!("{h:016x}")
+    }
+
     /// Entropy (nats) of the token distribution of `split`: the loss of a model that ignores
     /// context. A model that learns goes clearly below it.
     pub fn unigram_entropy(&self, split: Split) -> f64 {

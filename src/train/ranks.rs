@@ -1,6 +1,6 @@
 //! What the ranks of a data-parallel run compare before they start together: rank 0's config
-//! against each rank's (the [`PER_RANK_KEYS`] aside), the tokens each loaded and the
-//! trainguard version. A rank that differs would train something else than its peers (another
+//! against each rank's (the [`PER_RANK_KEYS`] aside), the tokens each loaded (counts, and a
+//! digest of tokens sampled across each split) and the trainguard version. A rank that differs would train something else than its peers (another
 //! learning rate: weights that silently diverge) or leave them waiting in a collective its
 //! own step never reaches (another model or `max_steps`: a hang until `dist.timeout_s`, then
 //! an error that blames a slow rank). Instead every rank stops at once, and the one that
@@ -17,7 +17,10 @@ fn start_document(cfg: &Config, corpus: Option<&Corpus>) -> Value {
     json!({
         "trainguard": env!("CARGO_PKG_VERSION"),
         "config": shared_by_ranks(cfg),
-        "corpus": corpus.map(|c| json!({ "train_tokens": c.len(Split::Train), "val_tokens": c.len(Split::Val) })),
+        "corpus": corpus.map(|c| json!({
+            "train_tokens": c.len(Split::Train), "val_tokens": c.len(Split::Val),
+            "train_sample": c.sample_digest(Split::Train), "val_sample": c.sample_digest(Split::Val),
+        })),
     })
 }
 
@@ -79,7 +82,21 @@ mod tests {
         // Other tokens under the same config: another corpus behind the same path.
         let other = Corpus::synthetic(256, 8192, 0.25).unwrap();
         let d = differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&rank0, Some(&other)));
-        assert_eq!(d, ["corpus.train_tokens: rank 0 3072, this rank 6144", "corpus.val_tokens: rank 0 1024, this rank 2048"]);
+        assert_eq!(d.len(), 4, "{d:?}");
+        assert_eq!([&d[1][..], &d[3][..]], ["corpus.train_tokens: rank 0 3072, this rank 6144", "corpus.val_tokens: rank 0 1024, this rank 2048"]);
+        // As many tokens, other ones: a node with another (or a stale) copy of the data.
+        let dir = tempfile::tempdir().unwrap();
+        let text = |name: &str, at: usize| {
+            let mut bytes: Vec<u8> = (0..4096u32).map(|i| b'a' + (i % 26) as u8).collect();
+            bytes[at] = b'!';
+            std::fs::write(dir.path().join(name), bytes).unwrap();
+            let data = crate::config::DataConfig { source: format!("text:{}", dir.path().join(name).display()), ..Default::default() };
+            Corpus::load(&data, 256, 64).unwrap()
+        };
+        let (a, b) = (text("a.txt", 1000), text("b.txt", 2000));
+        let d = differences_from_rank0(&doc(&rank0, Some(&a)), &doc(&rank0, Some(&b)));
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(d[0].starts_with("corpus.train_sample: rank 0 "), "{d:?}");
         // A rank that could not load its corpus, or rank 0 that could not: that rank's error speaks.
         assert!(differences_from_rank0(&doc(&rank0, None), &doc(&mine, Some(&corpus))).is_empty());
         assert!(differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&mine, None)).is_empty());
