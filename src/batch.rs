@@ -24,6 +24,18 @@ pub fn accumulation(global: usize, micro: usize, world: usize) -> Result<usize, 
     Ok(micro_steps(largest, micro))
 }
 
+/// How a step's batch is split, in words: `global 64 = micro 16 × accumulation 2 × world 2`
+/// where that product holds, else the split of a global batch no product gives (7 over 2 ranks at
+/// micro 3: shares of 4 and 3, each in micro-steps of 3 and the remainder).
+pub fn describe(global: usize, micro: usize, accumulation: usize, world: usize) -> String {
+    if micro * accumulation * world == global {
+        return format!("global {global} = micro {micro} × accumulation {accumulation} × world {world}");
+    }
+    let (high, low) = (global.div_ceil(world.max(1)), global / world.max(1));
+    let shares = if world <= 1 || high == low { format!("{high}") } else { format!("{high} or {low}") };
+    format!("global {global} over world {world}: {shares} a rank, in up to {accumulation} micro-steps of {micro} (the last takes the remainder)")
+}
+
 /// The global sample indices rank `rank` of `world` takes from a batch of `global`:
 /// `[rank·global/world, (rank+1)·global/world)`. Shares are equal when `world` divides `global`
 /// and differ by one sequence otherwise.
@@ -62,6 +74,15 @@ pub fn loss_weight(micro_len: usize, global: usize, world: usize) -> f64 {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_split_is_described_as_a_product_only_where_it_is_one() {
+        assert_eq!(describe(64, 16, 2, 2), "global 64 = micro 16 × accumulation 2 × world 2");
+        assert_eq!(describe(7, 3, accumulation(7, 3, 2).unwrap(), 2), "global 7 over world 2: 4 or 3 a rank, in up to 2 micro-steps of 3 (the last takes the remainder)");
+        assert_eq!(describe(9, 3, accumulation(9, 3, 3).unwrap(), 3), "global 9 = micro 3 × accumulation 1 × world 3");
+        assert_eq!(describe(480, 64, accumulation(480, 64, 1).unwrap(), 1), "global 480 over world 1: 480 a rank, in up to 8 micro-steps of 64 (the last takes the remainder)");
+    }
+
+    
     #[test]
     fn accumulation_takes_the_remainder_in_a_last_short_micro_batch() {
         assert_eq!(accumulation(32, 8, 1), Ok(4));

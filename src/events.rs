@@ -282,7 +282,8 @@ impl Reporter {
                     *params as f64 / 1e6
                 );
                 tracing::info!(
-                    "batch: global {global_batch_size} = micro {micro_batch_size} × accumulation {accumulation} × world {world_size}; {tokens_per_step} tokens/step; {max_steps} steps"
+                    "batch: {}; {tokens_per_step} tokens/step; {max_steps} steps",
+                    crate::batch::describe(*global_batch_size, *micro_batch_size, *accumulation, *world_size)
                 );
                 if let Some(l) = memory_limit_bytes {
                     tracing::info!("memory cap: {}", human(*l));
