@@ -40,12 +40,18 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
         apply_override(&mut tree, arg)?;
     }
     let config = typed(tree, &shown, overrides)?;
-    let problems = validate(&config);
+    let mut problems = validate(&config);
     if problems.is_empty() {
-        Ok(config)
-    } else {
-        Err(ConfigError::Invalid { path: shown, problems })
+        return Ok(config);
     }
+    // A value the command line gave is blamed on the --set that gave it, not on the file.
+    for p in &mut problems {
+        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| p.key == k || p.key.starts_with(&format!("{k}.")));
+        if let Some(arg) = overrides.iter().rev().find(set_here) {
+            p.message.push_str(&format!(" (from --set `{arg}`)"));
+        }
+    }
+    Err(ConfigError::Invalid { path: shown, problems })
 }
 
 /// Keys of switches since removed, each with why. A config.yaml saved by a run or checkpoint
@@ -484,6 +490,17 @@ mod tests {
         std::fs::write(&p, "train:\n  lr: abc\n  max_stepz: 3\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();
         assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type") && err.contains("did you mean `max_steps`"), "{err}");
+    }
+
+    #[test]
+    fn a_rule_broken_by_a_set_value_names_the_set() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("c.yaml");
+        std::fs::write(&file, "train:\n  lr: -1\n").unwrap();
+        let sets = ["memory.limit=0GiB".to_string(), "model={n_layer: 0}".to_string()];
+        let e = load(Some(&file), &sets).unwrap_err().to_string();
+        assert!(e.contains("train.lr: must be a positive number, got -1\n"), "the file's own: {e}");
+        assert!(e.contains("(from --set `memory.limit=0GiB`)") && e.contains("model.n_layer: must be in 1..=4096, got 0 (from --set `model={n_layer: 0}`)"), "{e}");
     }
 
     #[test]
