@@ -136,6 +136,8 @@ impl Documents {
                 let bad = |m: &str| PrepareError::input(&path, Some(line_no), m);
                 let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(&format!("not JSON: {e}")))?;
                 return match v.get(&field) {
+                    // An empty text is no document (a lone EOS), as a blank .txt block is none.
+                    Some(serde_json::Value::String(s)) if s.trim().is_empty() => continue,
                     Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
                     Some(_) => Err(bad(&format!("field `{field}` is not a string"))),
                     None => Err(bad(&format!("no field `{field}` (set --text-field)"))),
@@ -188,7 +190,7 @@ mod tests {
         std::fs::write(&t, "one\nline two\n\n\n  \nsecond\r\n\nthird").unwrap();
         assert_eq!(docs(&t, Kind::Text).unwrap(), ["one\nline two", "second", "third"]);
         let j = dir.path().join("b.jsonl");
-        std::fs::write(&j, "{\"text\": \"x y\"}\n\n{\"text\": \"z\", \"id\": 2}\n").unwrap();
+        std::fs::write(&j, "{\"text\": \"x y\"}\n\n{\"text\": \"\"}\n{\"text\": \" \\n\"}\n{\"text\": \"z\", \"id\": 2}\n").unwrap();
         assert_eq!(docs(&j, Kind::Jsonl).unwrap(), ["x y", "z"]);
         std::fs::write(&j, "{\"text\": \"x\"}\n{\"body\": \"z\"}\n").unwrap();
         let e = docs(&j, Kind::Jsonl).unwrap_err().to_string();
