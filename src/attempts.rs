@@ -12,6 +12,7 @@
 //!   for the exit code), else in the temporary directory under the run id. Every later attempt
 //!   of the job exits with that code at once, so torchrun's restarts run out in seconds instead
 //!   of repeating the failure (or skipping more non-finite steps) from the last checkpoint.
+//!
 //! Pure except the four functions that read and write the records.
 use crate::exit;
 use serde::{Deserialize, Serialize};

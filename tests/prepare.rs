@@ -145,7 +145,7 @@ fn a_long_document_has_the_ids_of_the_whole_and_bounded_memory() {
     let r = prepare(d.path(), &out, &["--threads", "1"]).ok();
     assert!(r.stdout().contains("1 documents"), "{}", r.stdout());
     let got = shard_tokens(&out, &listed(&manifest(&out)));
-    let want = python_tokens(&out.join("tokenizer.json"), &[doc.clone()], 264);
+    let want = python_tokens(&out.join("tokenizer.json"), std::slice::from_ref(&doc), 264);
     assert!(got == want, "{} tokens, {} expected; first difference at {:?}", got.len(), want.len(), got.iter().zip(&want).position(|(a, b)| a != b));
     // Peak resident memory of the child (Linux's VmHWM is the process's own; the children's
     // rusage maximum covers every test's children, so a fresh process under /usr/bin/time -f).
