@@ -2,16 +2,20 @@
 //! the next TORCHELASTIC_RESTART_COUNT. torchrun restarts after any failed worker, whatever
 //! failed; two records decide what a restart does instead:
 //! - **what it resumes**: only a run this job started. Rank 0 writes `out_dir/torchrun_job.json`
-//!   (`{run_id}`) once the ranks agree to start; a restart without `--resume` resumes (`auto`)
-//!   when it names this job, and otherwise does what the command asked (a fresh start in another
-//!   run's directory is refused again, not turned into a resume of that run);
+//!   (`{run_id}`) once the ranks agree to start; a process without `--resume` resumes (`auto`)
+//!   when it names this job, whatever its restart count (a node whose workers did not fail is
+//!   restarted with its count unchanged), and otherwise does what the command asked: a fresh
+//!   start in another run's directory is refused again, not turned into a resume of that run.
+//!   torchrun's default run id, `none`, is every such job's: under it only a restart (a count
+//!   above 0) resumes;
 //! - **whether it starts at all**: an attempt that ended in a failure no restart mends (exit 2,
 //!   3, 5 or 6: a refused config or directory, out of memory at the floor, non-finite losses, an
 //!   op with no deterministic form) leaves a [`Failure`] outside `out_dir`, which may be another
-//!   run's: in the file `$TRAINGUARD_FAILURE_FILE` names (the job scripts set it, and read it
-//!   for the exit code), else in the temporary directory under the run id. Every later attempt
-//!   of the job exits with that code at once, so torchrun's restarts run out in seconds instead
-//!   of repeating the failure (or skipping more non-finite steps) from the last checkpoint.
+//!   run's: in the file `$TRAINGUARD_FAILURE_FILE` names (the job scripts set a new one for each
+//!   launch, and read it for the exit code), else in the temporary directory under this user,
+//!   this torchrun agent (the parent process) and the run id. Every later attempt on the node
+//!   exits with that code at once, so torchrun's restarts run out in seconds instead of
+//!   repeating the failure (or skipping more non-finite steps) from the last checkpoint.
 //!
 //! Pure except the four functions that read and write the records.
 use crate::exit;
@@ -37,13 +41,19 @@ impl Attempt {
         Some(Self { run_id, restart_count })
     }
 
-    /// The failure record's path: `$TRAINGUARD_FAILURE_FILE`, else one per run id in `tmp`.
-    pub fn failure_file(&self, var: impl Fn(&str) -> Option<String>, tmp: &Path) -> PathBuf {
+    /// Whether the run id names one job: torchrun's default, `none`, is every job's.
+    pub fn names_a_job(&self) -> bool {
+        self.run_id != "none"
+    }
+
+    /// The failure record's path: `$TRAINGUARD_FAILURE_FILE`, else one in `tmp` for this user
+    /// (`uid`), torchrun agent (`agent`, the parent's pid) and run id: never another job's.
+    pub fn failure_file(&self, var: impl Fn(&str) -> Option<String>, tmp: &Path, uid: u32, agent: u32) -> PathBuf {
         match var(FAILURE_FILE_ENV).filter(|p| !p.is_empty()) {
             Some(p) => PathBuf::from(p),
             None => {
                 let id: String = self.run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-                tmp.join(format!("trainguard-torchrun-{id}.failed.json"))
+                tmp.join(format!("trainguard-torchrun-{uid}-{agent}-{id}.failed.json"))
             }
         }
     }
@@ -68,26 +78,26 @@ pub fn ends_the_job(code: i32) -> bool {
 #[error("attempt {} of this torchrun job (restart {}) ended with exit {}, which a restart would meet again; not started again: {}", .0.restart_count + 1, .0.restart_count, .0.code, .0.message)]
 pub struct EarlierFailure(pub Failure);
 
-/// The failure an earlier attempt of this job recorded, if any. The first attempt removes a
-/// record left under its id by an earlier job (a requeued SLURM job keeps its id).
+/// The failure an earlier attempt of this job (on this node: torchrun's count is per agent)
+/// recorded, if any. Nothing is removed here: a worker of this attempt may already have
+/// recorded its own (the launcher gives each job a new file).
 pub fn earlier_failure(file: &Path, attempt: &Attempt) -> Option<Failure> {
-    if attempt.restart_count == 0 {
-        let _ = std::fs::remove_file(file);
-        return None;
-    }
     let f: Failure = serde_json::from_str(&std::fs::read_to_string(file).ok()?).ok()?;
     (f.restart_count < attempt.restart_count).then_some(f)
 }
 
-/// Records this attempt's failure unless one is there: the first worker's to fail, which is the
-/// cause its peers then hear of.
+/// Records this attempt's failure unless one is there: the first worker's to fail. Written whole
+/// under a name of its own, then linked into place (a link fails where the file exists), so a
+/// reader never sees half a record and a kill leaves none.
 pub fn record_failure(file: &Path, failure: &Failure) -> std::io::Result<()> {
-    use std::io::Write;
-    let mut f = match std::fs::OpenOptions::new().write(true).create_new(true).open(file) {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(()),
-        other => other?,
-    };
-    f.write_all(serde_json::to_string(failure).expect("a Failure serialises").as_bytes())
+    let tmp = PathBuf::from(format!("{}.{}.tmp", file.display(), std::process::id()));
+    std::fs::write(&tmp, serde_json::to_string(failure).expect("a Failure serialises"))?;
+    let linked = std::fs::hard_link(&tmp, file);
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        other => other,
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -102,10 +112,11 @@ pub fn record_job(out_dir: &Path, run_id: &str) -> std::io::Result<()> {
     std::fs::rename(&tmp, out_dir.join(JOB_FILE))
 }
 
-/// Whether this job started the run in `out_dir`: what a restart may resume by itself.
-pub fn started_by(out_dir: &Path, run_id: &str) -> bool {
+/// Whether this job started the run in `out_dir`: what its processes resume by themselves.
+pub fn started_by(out_dir: &Path, attempt: &Attempt) -> bool {
     let job: Option<Job> = std::fs::read_to_string(out_dir.join(JOB_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
-    job.is_some_and(|j| j.run_id == run_id)
+    // torchrun's default id is every such job's: only a restart (of the one launched) resumes.
+    (attempt.names_a_job() || attempt.restart_count > 0) && job.is_some_and(|j| j.run_id == attempt.run_id)
 }
 
 #[cfg(test)]
@@ -121,8 +132,8 @@ mod tests {
         assert_eq!(Attempt::from_env(env(&[])), None, "not under torchrun");
         let a = Attempt::from_env(env(&[("TORCHELASTIC_RUN_ID", "job/7"), ("TORCHELASTIC_RESTART_COUNT", "2")])).unwrap();
         assert_eq!(a, Attempt { run_id: "job/7".into(), restart_count: 2 });
-        assert_eq!(a.failure_file(env(&[]), Path::new("/tmp")), PathBuf::from("/tmp/trainguard-torchrun-job_7.failed.json"));
-        assert_eq!(a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp")), PathBuf::from("/jobs/f.json"));
+        assert_eq!(a.failure_file(env(&[]), Path::new("/tmp"), 1000, 42), PathBuf::from("/tmp/trainguard-torchrun-1000-42-job_7.failed.json"));
+        assert_eq!(a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp"), 1000, 42), PathBuf::from("/jobs/f.json"));
     }
 
     #[test]
@@ -148,8 +159,9 @@ mod tests {
         let later = Failure { restart_count: 2, code: 2, message: "m".into() };
         std::fs::write(&file, serde_json::to_string(&later).unwrap()).unwrap();
         assert_eq!(earlier_failure(&file, &at(2)), None, "this attempt's own, not an earlier one's");
-        assert_eq!(earlier_failure(&file, &at(0)), None, "a first attempt");
-        assert!(!file.exists(), "a first attempt removes what an earlier job left");
+        assert!(file.exists(), "never removed by a worker: a sibling may have written it");
+        assert_eq!(earlier_failure(&d.path().join("none.json"), &at(1)), None);
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temporary file left");
         let msg = EarlierFailure(Failure { restart_count: 0, code: 2, message: "refused".into() }).to_string();
         assert!(msg.starts_with("attempt 1 of this torchrun job (restart 0) ended with exit 2") && msg.ends_with(": refused"), "{msg}");
     }
@@ -157,9 +169,13 @@ mod tests {
     #[test]
     fn only_the_job_that_started_a_run_resumes_it_by_itself() {
         let d = tempfile::tempdir().unwrap();
-        assert!(!started_by(d.path(), "a"), "no record: another run, or none");
+        let job = |id: &str| Attempt { run_id: id.into(), restart_count: 0 };
+        assert!(!started_by(d.path(), &job("a")), "no record: another run, or none");
         record_job(d.path(), "a").unwrap();
-        assert!(started_by(d.path(), "a"));
-        assert!(!started_by(d.path(), "b"));
+        assert!(started_by(d.path(), &job("a")), "whatever the restart count");
+        assert!(!started_by(d.path(), &job("b")));
+        record_job(d.path(), "none").unwrap();
+        assert!(!started_by(d.path(), &job("none")), "torchrun's default id: a new launch is not a restart");
+        assert!(started_by(d.path(), &Attempt { run_id: "none".into(), restart_count: 1 }));
     }
 }

@@ -82,7 +82,7 @@ mod tests {
         assert_eq!(describe(480, 64, accumulation(480, 64, 1).unwrap(), 1), "global 480 over world 1: 480 a rank, in up to 8 micro-steps of 64 (the last takes the remainder)");
     }
 
-    
+
     #[test]
     fn accumulation_takes_the_remainder_in_a_last_short_micro_batch() {
         assert_eq!(accumulation(32, 8, 1), Ok(4));

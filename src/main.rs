@@ -34,8 +34,8 @@ fn main() {
             }
         }
         // Under torchrun, what a restart would meet again ends the job (src/attempts.rs).
-        if let Some(a) = attempts::Attempt::from_env(env).filter(|_| training && attempts::ends_the_job(code)) {
-            let file = a.failure_file(env, &std::env::temp_dir());
+        if let Some(a) = attempts::Attempt::from_env(env).filter(|_| training && attempts::ends_the_job(code) && !heard_from_a_peer(&err)) {
+            let file = failure_file(&a);
             if let Err(e) = attempts::record_failure(&file, &attempts::Failure { restart_count: a.restart_count, code, message: message(&err) }) {
                 eprintln!("warning: cannot record the failure in {}: {e}; torchrun will restart the group", file.display());
             }
@@ -47,6 +47,19 @@ fn main() {
 
 fn env(key: &str) -> Option<String> {
     std::env::var(key).ok()
+}
+
+fn failure_file(a: &attempts::Attempt) -> std::path::PathBuf {
+    // SAFETY: getuid and getppid cannot fail.
+    let (uid, agent) = unsafe { (libc::getuid(), libc::getppid() as u32) };
+    a.failure_file(env, &std::env::temp_dir(), uid, agent)
+}
+
+/// A failure this rank heard of from another (which records its own cause), or one a restart
+/// may mend (ranks that found different checkpoints: a directory cache that lagged behind a
+/// crash's last checkpoint): not this job's end.
+fn heard_from_a_peer(err: &anyhow::Error) -> bool {
+    err.chain().any(|c| matches!(c.downcast_ref::<TrainError>(), Some(TrainError::PeerCouldNotStart | TrainError::PeersDiffer { .. } | TrainError::ResumeDisagrees { .. })))
 }
 
 /// The continuation as generated; on a terminal, a line end after it so the prompt does not
@@ -68,7 +81,7 @@ fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
 
 fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let attempt = attempts::Attempt::from_env(env);
-    if let Some(failed) = attempt.as_ref().and_then(|a| attempts::earlier_failure(&a.failure_file(env, &std::env::temp_dir()), a)) {
+    if let Some(failed) = attempt.as_ref().and_then(|a| attempts::earlier_failure(&failure_file(a), a)) {
         return Err(attempts::EarlierFailure(failed).into());
     }
     let mut overrides = args.config.overrides.clone();
@@ -85,9 +98,9 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         carry_deadline(&mut cfg, launch.as_ref());
     }
     let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
-    // A torchrun restart resumes the run its job started; after an attempt refused or failed
-    // before that, it does what the command asked (src/attempts.rs).
-    let resumes_its_run = attempt.as_ref().is_some_and(|a| a.restart_count > 0 && attempts::started_by(&plan.config.out_dir, &a.run_id));
+    // Under torchrun a process resumes the run its job started (a restart); after an attempt
+    // refused or failed before that, it does what the command asked (src/attempts.rs).
+    let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&plan.config.out_dir, a));
     let resume = match args.resume.as_deref() {
         Some("auto") => Resume::Auto,
         Some("none") => Resume::Fresh,

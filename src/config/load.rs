@@ -46,7 +46,13 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     }
     // A value the command line gave is blamed on the --set that gave it, not on the file.
     for p in &mut problems {
-        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, _)| p.key == k || p.key.starts_with(&format!("{k}.")));
+        // `model={n_head: 4}` gave model.n_head, not the file's model.n_layer.
+        let gave = |k: &str, v: &str| {
+            let Some(rest) = p.key.strip_prefix(k) else { return false };
+            let value: Value = serde_yaml::from_str(v).unwrap_or(Value::Null);
+            rest.is_empty() || rest.strip_prefix('.').is_some_and(|rest| rest.split('.').try_fold(&value, |v, part| v.get(part)).is_some())
+        };
+        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, v)| gave(k, v));
         if let Some(arg) = overrides.iter().rev().find(set_here) {
             p.message.push_str(&format!(" (from --set `{arg}`)"));
         }
@@ -501,6 +507,10 @@ mod tests {
         let e = load(Some(&file), &sets).unwrap_err().to_string();
         assert!(e.contains("train.lr: must be a positive number, got -1\n"), "the file's own: {e}");
         assert!(e.contains("(from --set `memory.limit=0GiB`)") && e.contains("model.n_layer: must be in 1..=4096, got 0 (from --set `model={n_layer: 0}`)"), "{e}");
+        // A mapping --set that did not give the key is not blamed for the file's value.
+        std::fs::write(&file, "model:\n  n_layer: 0\n").unwrap();
+        let e = load(Some(&file), &["model={n_head: 2}".to_string()]).unwrap_err().to_string();
+        assert!(e.contains("got 0") && !e.contains("from --set"), "{e}");
     }
 
     #[test]

@@ -256,31 +256,36 @@ const SEAM_TRIES: usize = 4;
 
 /// The ids `tok` gives the whole of `doc`, computed in pieces of about [`PIECE_BYTES`]. A piece
 /// ends at a line's start or before the space that starts a word, and only where the text
-/// around that point gives the same ids whole as in two halves: a tokenizer that adds a prefix
-/// at the start of each input (SentencePiece's `prepend_scheme: always`) fails that, and such a
-/// document is tokenized whole, as before.
+/// around that point gives the same ids whole as in two halves (GPT-2's `\s+(?!\S)` splits a
+/// blank line's breaks otherwise: such a line start is passed over). A stretch with no such
+/// place (no spaces or line breaks, or a tokenizer whose every seam fails) makes its piece
+/// longer; a document with none is tokenized whole, as before.
 fn encode_doc(tok: &Tokenizer, doc: &str) -> Result<Vec<u32>, String> {
     let ids = |s: &str| tok.encode_fast(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
     let mut out = Vec::new();
-    let mut start = 0;
-    while doc.len() - start > PIECE_BYTES {
-        let Some(end) = seam(doc, start + PIECE_BYTES, &ids)? else { break };
-        out.extend(ids(&doc[start..end])?);
-        start = end;
+    let (mut start, mut from) = (0, PIECE_BYTES);
+    while from < doc.len() {
+        match seam(doc, from, &ids)? {
+            Some(end) => {
+                out.extend(ids(&doc[start..end])?);
+                (start, from) = (end, end + PIECE_BYTES);
+            }
+            None => from += PIECE_BYTES,
+        }
     }
     out.extend(ids(&doc[start..])?);
     Ok(out)
 }
 
-/// The first place at or after byte `from` of `doc` where the ids split cleanly (see
-/// [`encode_doc`]), within [`SEAM_TRIES`] checks; None: tokenize the rest whole.
+/// The first place in the [`PIECE_BYTES`] from byte `from` of `doc` where the ids split cleanly
+/// (see [`encode_doc`]), within [`SEAM_TRIES`] checks.
 fn seam(doc: &str, from: usize, ids: &impl Fn(&str) -> Result<Vec<u32>, String>) -> Result<Option<usize>, String> {
     let bytes = doc.as_bytes();
     let space = |i: usize| bytes[i].is_ascii_whitespace();
     // A line's start (after a line break, not indented) or a single space before a word.
     let candidate = |p: usize| !space(p) && bytes[p - 1] == b'\n' || bytes[p] == b' ' && !space(p - 1) && p + 1 < bytes.len() && !space(p + 1);
     let mut tries = 0;
-    for p in char_start(doc, from, true).max(1)..bytes.len() {
+    for p in char_start(doc, from, true).max(1)..bytes.len().min(from + PIECE_BYTES) {
         if tries == SEAM_TRIES {
             break;
         }

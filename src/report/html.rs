@@ -231,9 +231,9 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     let g = st("global_batch_size").map(|v| v.to_string()).or_else(|| cfg("train.global_batch_size"));
     let m = st("micro_batch_size").map(|v| v.to_string()).or_else(|| cfg("train.micro_batch_size"));
     let batch = match (g, m, st("accumulation"), st("world_size")) {
-        (Some(g), Some(m), Some(a), Some(w)) => match [g.parse::<usize>(), m.parse(), Ok(a.as_u64().unwrap_or(0) as usize), Ok(w.as_u64().unwrap_or(0) as usize)] {
-            [Ok(g), Ok(m), Ok(a), Ok(w)] => crate::batch::describe(g, m, a, w),
-            _ => format!("global {g} = micro {m} × accumulation {a} × world {w}"),
+        (Some(g), Some(m), Some(a), Some(w)) => match (g.parse::<usize>(), m.parse::<usize>(), a.as_u64(), w.as_u64()) {
+            (Ok(g), Ok(m), Some(a), Some(w)) => crate::batch::describe(g, m, a as usize, w as usize),
+            _ => format!("global {g} · micro {m} · accumulation {a} · world {w}"),
         },
         (g, m, _, _) => format!("global {} · micro {}", g.unwrap_or("?".into()), m.unwrap_or("?".into())),
     };

@@ -1,9 +1,9 @@
 //! What the ranks of a data-parallel run compare before they start together: rank 0's config
 //! against each rank's (the [`PER_RANK_KEYS`] aside), the tokens each loaded (counts, and a
-//! digest of tokens sampled across each split) and the trainguard version. A rank that differs would train something else than its peers (another
-//! learning rate: weights that silently diverge) or leave them waiting in a collective its
-//! own step never reaches (another model or `max_steps`: a hang until `dist.timeout_s`, then
-//! an error that blames a slow rank). Instead every rank stops at once, and the one that
+//! digest of tokens sampled across each split) and the trainguard version. A rank that differs
+//! would train something else than its peers (another learning rate: weights that silently
+//! diverge) or leave them waiting in a collective its own step never reaches (another model or
+//! `max_steps`: a hang until `dist.timeout_s`, then an error that blames a slow rank). Instead every rank stops at once, and the one that
 //! differs names the keys.
 use super::TrainError;
 use crate::config::diff::{differing_keys, shared_by_ranks, PER_RANK_KEYS};
