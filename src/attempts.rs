@@ -18,7 +18,7 @@
 //!   repeating the failure (or skipping more non-finite steps) from the last checkpoint.
 //!
 //! Pure except the four functions that read and write the records.
-use crate::exit;
+use crate::{exit, whole_file};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -82,22 +82,13 @@ pub struct EarlierFailure(pub Failure);
 /// recorded, if any. Nothing is removed here: a worker of this attempt may already have
 /// recorded its own (the launcher gives each job a new file).
 pub fn earlier_failure(file: &Path, attempt: &Attempt) -> Option<Failure> {
-    let f: Failure = serde_json::from_str(&std::fs::read_to_string(file).ok()?).ok()?;
+    let f: Failure = whole_file::read_json(file)?;
     (f.restart_count < attempt.restart_count).then_some(f)
 }
 
-/// Records this attempt's failure unless one is there: the first worker's to fail. Written whole
-/// under a name of its own, then linked into place (a link fails where the file exists), so a
-/// reader never sees half a record and a kill leaves none.
+/// Records this attempt's failure unless one is there: the first worker's to fail stays.
 pub fn record_failure(file: &Path, failure: &Failure) -> std::io::Result<()> {
-    let tmp = PathBuf::from(format!("{}.{}.tmp", file.display(), std::process::id()));
-    std::fs::write(&tmp, serde_json::to_string(failure).expect("a Failure serialises"))?;
-    let linked = std::fs::hard_link(&tmp, file);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        other => other,
-    }
+    whole_file::create_json_once(file, failure).map(|_| ())
 }
 
 #[derive(Serialize, Deserialize)]
@@ -107,14 +98,12 @@ struct Job {
 
 /// Marks `out_dir` as started by this job (rank 0, once the ranks agree to start).
 pub fn record_job(out_dir: &Path, run_id: &str) -> std::io::Result<()> {
-    let tmp = out_dir.join(format!(".{JOB_FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_string(&Job { run_id: run_id.into() }).expect("a Job serialises"))?;
-    std::fs::rename(&tmp, out_dir.join(JOB_FILE))
+    whole_file::replace_json(&out_dir.join(JOB_FILE), &Job { run_id: run_id.into() })
 }
 
 /// Whether this job started the run in `out_dir`: what its processes resume by themselves.
 pub fn started_by(out_dir: &Path, attempt: &Attempt) -> bool {
-    let job: Option<Job> = std::fs::read_to_string(out_dir.join(JOB_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let job: Option<Job> = whole_file::read_json(&out_dir.join(JOB_FILE));
     // torchrun's default id is every such job's: only a restart (of the one launched) resumes.
     (attempt.names_a_job() || attempt.restart_count > 0) && job.is_some_and(|j| j.run_id == attempt.run_id)
 }

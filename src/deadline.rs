@@ -4,6 +4,7 @@
 //! The first attempt (TORCHELASTIC_RESTART_COUNT = 0) records `out_dir/deadline.json`
 //! `{run_id, deadline_unix_s}` (rank 0); a restart of the same torchrun run (same
 //! TORCHELASTIC_RUN_ID) trains only for what is left of it. Pure except `record` and `load`.
+use crate::whole_file;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -40,14 +41,12 @@ pub fn now_unix_s() -> f64 {
 }
 
 pub fn load(out_dir: &Path) -> Option<Deadline> {
-    serde_json::from_str(&std::fs::read_to_string(path(out_dir)).ok()?).ok()
+    whole_file::read_json(&path(out_dir))
 }
 
 pub fn record(out_dir: &Path, d: &Deadline) -> std::io::Result<()> {
     std::fs::create_dir_all(out_dir)?;
-    let tmp = out_dir.join(format!(".{FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_string(d).expect("a Deadline serialises"))?;
-    std::fs::rename(&tmp, path(out_dir))
+    whole_file::replace_json(&path(out_dir), d)
 }
 
 #[cfg(test)]

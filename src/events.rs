@@ -2,6 +2,7 @@
 //! turns them into human log lines (through `tracing`; a progress bar on a terminal), one
 //! `metrics.jsonl` line per optimizer step and one `events.jsonl` line per everything else.
 //! Only the writing rank opens files.
+use crate::whole_file;
 use crate::memory::{gib, human, MemorySnapshot};
 use serde::Serialize;
 use std::fs::File;
@@ -435,12 +436,9 @@ fn keep_lines(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> std::io
             kept.push(b'\n');
         }
     }
-    // Beside it, then renamed over it: a kill during the rewrite leaves the old file or the
-    // new one, never a truncated one (the run's whole history).
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, kept)?;
-    std::fs::rename(&tmp, path)
+    // Whole: a kill during the rewrite leaves the old file or the new one, never a truncated
+    // one (the run's whole history).
+    whole_file::replace(path, &kept)
 }
 
 #[cfg(test)]

@@ -31,3 +31,4 @@ pub mod trace;
 pub mod prepare;
 pub mod sample;
 pub mod train;
+pub mod whole_file;

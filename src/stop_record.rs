@@ -11,6 +11,7 @@
 //!
 //! Owns the record's format, where it lives and whether a launcher is present; not when to
 //! stop (the trainer) nor the exit code mapping (src/exit.rs).
+use crate::whole_file;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -62,16 +63,14 @@ pub fn clear(out_dir: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Written under a temporary name and renamed: a script never reads half a record.
+/// Written whole: a script never reads half a record.
 pub fn write(out_dir: &Path, record: &StopRecord) -> std::io::Result<()> {
     std::fs::create_dir_all(out_dir)?;
-    let tmp = out_dir.join(format!(".{FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_string(record).expect("a StopRecord serialises") + "\n")?;
-    std::fs::rename(&tmp, path(out_dir))
+    whole_file::replace_json(&path(out_dir), record)
 }
 
 pub fn read(out_dir: &Path) -> Option<StopRecord> {
-    serde_json::from_str(&std::fs::read_to_string(path(out_dir)).ok()?).ok()
+    whole_file::read_json(&path(out_dir))
 }
 
 /// Started by torchrun's elastic agent (which sets these for every worker), so that a non-zero

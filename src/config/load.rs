@@ -46,18 +46,31 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     }
     // A value the command line gave is blamed on the --set that gave it, not on the file.
     for p in &mut problems {
-        // `model={n_head: 4}` gave model.n_head, not the file's model.n_layer.
-        let gave = |k: &str, v: &str| {
-            let Some(rest) = p.key.strip_prefix(k) else { return false };
-            let value: Value = serde_yaml::from_str(v).unwrap_or(Value::Null);
-            rest.is_empty() || rest.strip_prefix('.').is_some_and(|rest| rest.split('.').try_fold(&value, |v, part| v.get(part)).is_some())
-        };
-        let set_here = |arg: &&String| arg.split_once('=').is_some_and(|(k, v)| gave(k, v));
-        if let Some(arg) = overrides.iter().rev().find(set_here) {
+        if let Some(arg) = set_by(overrides, &p.key) {
             p.message.push_str(&format!(" (from --set `{arg}`)"));
         }
     }
     Err(ConfigError::Invalid { path: shown, problems })
+}
+
+/// The last `--set` that gave `key`: one whose key is `key`, or above it with a value that holds
+/// the rest (`model={n_head: 4}` gave model.n_head, not the file's model.n_layer), or below it
+/// (`trainz.lr=3` fails at the unknown section `trainz`).
+fn set_by<'a>(overrides: &'a [String], key: &str) -> Option<&'a String> {
+    let gave = |k: &str, v: &str| {
+        if k.starts_with(&format!("{key}.")) {
+            return true;
+        }
+        let Some(rest) = key.strip_prefix(k) else { return false };
+        if rest.is_empty() || rest.starts_with('[') {
+            return true;
+        }
+        // `model.n` is not above `model.n_head`.
+        let Some(rest) = rest.strip_prefix('.') else { return false };
+        let value: Value = serde_yaml::from_str(v).unwrap_or(Value::Null);
+        rest.split('.').map(|part| part.split('[').next().unwrap_or(part)).try_fold(&value, |v, part| v.get(part)).is_some()
+    };
+    overrides.iter().rev().find(|arg| arg.split_once('=').is_some_and(|(k, v)| gave(k, v)))
 }
 
 /// Keys of switches since removed, each with why. A config.yaml saved by a run or checkpoint
@@ -99,12 +112,7 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, 
             (None, Some(known)) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
             (None, None) => raw.clone(),
         };
-        // A value that came from the command line is blamed on the --set that gave it.
-        // (Either way round: `trainz.lr=3` fails at the unknown section `trainz`.)
-        let set_here = |arg: &&String| {
-            arg.split_once('=').is_some_and(|(k, _)| key == k || key.starts_with(&format!("{k}.")) || key.starts_with(&format!("{k}[")) || k.starts_with(&format!("{key}.")))
-        };
-        let from_set = overrides.iter().rev().find(set_here);
+        let from_set = set_by(overrides, &key);
         // Any key serde refused is taken out to look for the next (a type error beside unknown
         // keys was reported alone); what cannot be taken out ends the search.
         let another_may_follow = problems.len() < 64 && remove(&mut tree, e.path());
@@ -492,6 +500,12 @@ mod tests {
         // An unknown section given by --set is the --set's too.
         let err = load(None, &["trainz.lr=3".into()]).unwrap_err();
         assert!(matches!(&err, ConfigError::Override { arg, .. } if arg == "trainz.lr=3"), "{err}");
+        // The file's typo in a section a mapping --set merges into is the file's.
+        std::fs::write(&p, "model:\n  n_layr: 2\n").unwrap();
+        let err = load(Some(&p), &["model={n_head: 2}".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Type { key, .. } if key == "model.n_layr"), "{err}");
+        let err = load(Some(&p), &["model={n_layr: 3}".into()]).unwrap_err();
+        assert!(matches!(&err, ConfigError::Override { arg, .. } if arg == "model={n_layr: 3}"), "{err}");
         // A type error and an unknown key: both, in one run.
         std::fs::write(&p, "train:\n  lr: abc\n  max_stepz: 3\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();

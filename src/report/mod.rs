@@ -10,6 +10,7 @@ pub mod series;
 pub mod svg;
 pub mod tensorboard;
 
+use crate::whole_file;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -62,11 +63,7 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
         return Err(ReportError::NotAPage { path: out });
     }
     let page = html::page(&runs);
-    // Written under a temporary name and renamed: a browser reloading the page never sees half.
-    let tmp = out.with_extension("html.tmp");
-    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, &out)).map_err(|source| {
-        let _ = std::fs::remove_file(&tmp); // nothing half-done is left beside the target
-        ReportError::Write { path: out.clone(), source }
-    })?;
+    // Whole: a browser reloading the page never sees half.
+    whole_file::replace(&out, page.as_bytes()).map_err(|source| ReportError::Write { path: out.clone(), source })?;
     Ok(out)
 }
