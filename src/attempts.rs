@@ -136,7 +136,7 @@ mod tests {
     }
 
     #[test]
-    fn a_later_attempt_finds_the_first_failure_and_a_new_job_clears_an_old_one() {
+    fn a_later_attempt_finds_the_first_failure_recorded_and_it_stays() {
         let d = tempfile::tempdir().unwrap();
         let file = d.path().join("f.json");
         let at = |restart_count| Attempt { run_id: "j".into(), restart_count };

@@ -200,15 +200,23 @@ pub struct Reporter {
     resume_at: Option<u64>,
 }
 
+/// A file of the run directory the reporter could not open or rewrite.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", .path.display())]
+pub struct SinkError {
+    pub path: std::path::PathBuf,
+    pub source: std::io::Error,
+}
+
 impl Reporter {
     /// `out_dir = None`: log lines only (non-writing ranks, tests). `resume_at`: the step a
     /// resumed run starts at; metrics of later steps (from before a kill) are dropped, since the
     /// run computes them again, and both files are appended to.
-    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64, resume_at: Option<u64>) -> std::io::Result<Self> {
-        let open = |name: &str| -> std::io::Result<Option<BufWriter<File>>> {
+    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64, resume_at: Option<u64>) -> Result<Self, SinkError> {
+        let open = |name: &str| -> Result<Option<BufWriter<File>>, SinkError> {
             let Some(d) = out_dir else { return Ok(None) };
             let path = d.join(name);
-            let named = |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+            let named = |source| SinkError { path: path.clone(), source };
             match (resume_at, name) {
                 (Some(step), "metrics.jsonl") => keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step)).map_err(named)?,
                 // A run killed mid-write may have left half a line.
@@ -232,9 +240,10 @@ impl Reporter {
 
     /// Also writes TensorBoard event files into `dir` (the writing rank's `out_dir/tb`), starting
     /// with the resolved config as text.
-    pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> std::io::Result<()> {
-        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0))?;
-        tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```"))?;
+    pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> Result<(), SinkError> {
+        let named = |source| SinkError { path: dir.to_path_buf(), source };
+        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0)).map_err(named)?;
+        tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```")).map_err(named)?;
         self.tensorboard = Some(tb);
         Ok(())
     }

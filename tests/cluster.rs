@@ -104,7 +104,7 @@ fn a_directory_in_place_of_a_file_the_run_writes_is_named() {
         std::fs::create_dir(d.path().join(file)).unwrap();
         let r = train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=3"]));
         assert_eq!(r.code(), 1, "{}", r.stderr());
-        let named = format!("{}: Is a directory", d.path().join(file).display());
+        let named = format!("cannot write {} in the run directory: Is a directory", d.path().join(file).display());
         assert!(r.stderr().contains(&named), "`{named}` missing from:\n{}", r.stderr());
     }
 }

@@ -113,18 +113,25 @@ fn write_json(path: &Path, v: &Value) -> Result<(), HfError> {
 /// in trainguard's names and layouts.
 pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfError> {
     let (fam, cfg) = read_config(dir)?;
+    let weights = read_weights(dir, fam, &cfg)?;
+    Ok((cfg, weights))
+}
+
+/// `dir`'s weights, of the family and model its `config.json` gave, in trainguard's names and
+/// layouts (fp32).
+fn read_weights(dir: &Path, fam: &Family, cfg: &ModelConfig) -> Result<Vec<(String, Tensor)>, HfError> {
     let wpath = dir.join("model.safetensors");
     let raw = Tensor::read_safetensors(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let weights = raw
         .into_iter()
         .filter_map(|(n, t)| {
-            let name = (fam.from_hf)(&n, &cfg)?;
+            let name = (fam.from_hf)(&n, cfg)?;
             let t = t.to_kind(Kind::Float);
             let t = if (fam.hf_name)(&name).1 { t.tr().contiguous() } else { t };
             Some((name, t))
         })
         .collect();
-    Ok((cfg, weights))
+    Ok(weights)
 }
 
 /// `dir`'s `config.json`: its family and the model config it describes, within the rules and
@@ -161,6 +168,11 @@ fn read_config(dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
 /// (another family, head count, shape, dtype, a tensor with no place) refuses the run before
 /// its directory is touched.
 pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
+    checked_init(cfg, dir).map(|_| ())
+}
+
+/// [`check_init`], giving the family and model the directory's `config.json` describes.
+fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
     let (fam, theirs) = read_config(dir)?;
     let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
     if theirs.arch != cfg.arch {
@@ -183,14 +195,14 @@ pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
     // trainguard's names, sorted: the first tensor without a place is the same on every run.
     let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, &theirs)?, v))).collect();
     views.sort_by(|a, b| a.0.cmp(&b.0));
+    use safetensors::Dtype::{BF16, F16, F32, F64};
+    if let Some((name, view)) = views.iter().find(|(_, v)| !matches!(v.dtype(), BF16 | F16 | F32 | F64)) {
+        return Err(bad(&wpath, format!("`{}` is {:?}; weights are floating point (F32, F16, BF16 or F64)", (fam.hf_name)(name).0, view.dtype())));
+    }
     let specs = crate::model::describe(cfg);
     for s in &specs {
         let hf = (fam.hf_name)(&s.name).0;
         let view = views.iter().find(|(n, _)| *n == s.name).map(|(_, v)| v).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
-        use safetensors::Dtype::{BF16, F16, F32, F64};
-        if !matches!(view.dtype(), BF16 | F16 | F32 | F64) {
-            return Err(bad(&wpath, format!("`{hf}` is {:?}; weights are floating point (F32, F16, BF16 or F64)", view.dtype())));
-        }
         // transformers' vocabulary matrices have the user's rows; the model pads them.
         let got: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         if hf_shape(fam, &s.name, &got) != s.user_shape() {
@@ -206,7 +218,7 @@ pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
     };
     match unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &names, is_zero) {
         Some(why) => Err(bad(&wpath, why)),
-        None => Ok(()),
+        None => Ok((fam, theirs)),
     }
 }
 
@@ -214,8 +226,8 @@ pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
 /// (Read here, at the load, and not at the check before the run started: held through the
 /// run's set-up they would sit inside the baseline a CPU `memory.limit` is measured above.)
 pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
-    check_init(&model.cfg, dir)?;
-    let (_, weights) = import(dir)?;
+    let (fam, theirs) = checked_init(&model.cfg, dir)?;
+    let weights = read_weights(dir, fam, &theirs)?;
     let wpath = dir.join("model.safetensors");
     let _no_grad = tch::no_grad_guard();
     for (i, name) in model.params.names.iter().enumerate() {
@@ -318,6 +330,10 @@ mod tests {
         rewrite(&|n, t| if n == "transformer.wpe.weight" { t.to_kind(Kind::Int64) } else { t.shallow_clone() });
         let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
         assert!(e.contains("`transformer.wpe.weight` is I64; weights are floating point"), "{e}");
+        // A bias the model lacks that is not a float is named for its dtype, not as "non-zero".
+        rewrite(&|n, t| if n == "transformer.h.0.attn.c_proj.bias" { t.zeros_like().to_kind(Kind::Int64) } else { zero_biases(n, t) });
+        let e = check_init(&cfg(false), &hf).unwrap_err().to_string();
+        assert!(e.contains("`transformer.h.0.attn.c_proj.bias` is I64; weights are floating point"), "{e}");
     }
 
     #[test]

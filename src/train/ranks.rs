@@ -3,8 +3,8 @@
 //! digest of tokens sampled across each split) and the trainguard version. A rank that differs
 //! would train something else than its peers (another learning rate: weights that silently
 //! diverge) or leave them waiting in a collective its own step never reaches (another model or
-//! `max_steps`: a hang until `dist.timeout_s`, then an error that blames a slow rank). Instead every rank stops at once, and the one that
-//! differs names the keys.
+//! `max_steps`: a hang until `dist.timeout_s`, then an error that blames a slow rank). Instead
+//! every rank stops at once, and the one that differs names the keys.
 use super::TrainError;
 use crate::config::diff::{differing_keys, shared_by_ranks, PER_RANK_KEYS};
 use crate::config::Config;
@@ -83,7 +83,9 @@ mod tests {
         let other = Corpus::synthetic(256, 8192, 0.25).unwrap();
         let d = differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&rank0, Some(&other)));
         assert_eq!(d.len(), 4, "{d:?}");
-        assert_eq!([&d[1][..], &d[3][..]], ["corpus.train_tokens: rank 0 3072, this rank 6144", "corpus.val_tokens: rank 0 1024, this rank 2048"]);
+        for counts in ["corpus.train_tokens: rank 0 3072, this rank 6144", "corpus.val_tokens: rank 0 1024, this rank 2048"] {
+            assert!(d.iter().any(|line| line == counts), "{counts} in {d:?}");
+        }
         // As many tokens, other ones: a node with another (or a stale) copy of the data.
         let dir = tempfile::tempdir().unwrap();
         let text = |name: &str, at: usize| {

@@ -137,7 +137,7 @@ pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u6
     let mut final_weights = None;
     if resumed.is_some_and(|s| s < max_steps) && stale.exists() {
         let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
-        std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDir { path: stale.clone(), source })?;
+        std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDirFile { file: stale.clone(), source })?;
         final_weights = Some(to);
     }
     Ok(LeftBehind { checkpoints, final_weights })

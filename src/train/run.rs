@@ -123,10 +123,10 @@ impl<'a> Run<'a> {
         };
         changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
-            .map_err(|source| TrainError::RunDir { path: cfg.out_dir.clone(), source })?;
+            .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
             let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
-            reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|source| TrainError::RunDir { path: dir.join("tb"), source })?;
+            reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         }
         for step in restored {
             reporter.emit(Event::CheckpointPutBack { step });

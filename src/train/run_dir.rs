@@ -60,7 +60,7 @@ impl RunDir {
         let dir = &self.path;
         let io = |source| TrainError::RunDir { path: dir.clone(), source };
         // The file, where the run directory holds something else under its name.
-        let of = |file: &Path, e: std::io::Error| io(std::io::Error::new(e.kind(), format!("{}: {e}", file.display())));
+        let of = |file: &Path, source| TrainError::RunDirFile { file: file.to_path_buf(), source };
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));

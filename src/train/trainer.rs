@@ -52,6 +52,9 @@ pub enum TrainError {
     OverwriteHoldsCwd { path: PathBuf },
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
+    /// A file of the run directory (a directory may stand where it goes).
+    #[error("cannot write {} in the run directory: {source}", .file.display())]
+    RunDirFile { file: PathBuf, source: std::io::Error },
     #[error("stopped at step {step} ({reason}); `--resume auto` continues from {}", .checkpoint.as_ref().map_or("the last complete checkpoint".to_string(), |c| c.display().to_string()))]
     Interrupted { step: u64, reason: StopReason, checkpoint: Option<PathBuf> },
     /// A planned stop whose checkpoint could not be written (the warning before it says why):
