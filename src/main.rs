@@ -101,16 +101,12 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     // Under torchrun a process resumes the run its job started (a restart); after an attempt
     // refused or failed before that, it does what the command asked (src/attempts.rs).
     let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&plan.config.out_dir, a));
-    let resume = match args.resume.as_deref() {
-        Some("auto") => Resume::Auto,
-        Some("none") => Resume::Fresh,
-        Some(path) => Resume::Path(path.into()),
-        None if resumes_its_run => Resume::Auto,
-        // Rank 0 moves the old run aside where the ranks compare their start (a refusal
-        // there is one every rank hears of).
-        None if args.overwrite => Resume::Overwrite,
-        None => Resume::Fresh,
-    };
+    // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
+    // refusal there is one every rank hears of).
+    let resume = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
+    if let (true, Some(asked)) = (resumes_its_run, args.resume.as_deref().filter(|r| *r != "auto")) {
+        tracing::info!("this torchrun job started the run in {}: resuming it (--resume {asked} was for the job's first attempt)", plan.config.out_dir.display());
+    }
     // An earlier run's stop record is removed, and torchrun's deadline recorded, once the
     // ranks agree to start (src/train/run_dir.rs): a command refused before then leaves them.
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {

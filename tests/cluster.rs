@@ -247,6 +247,31 @@ fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
     assert_eq!(resumed, 1);
 }
 
+/// A restart of the job that started the run resumes it whatever `--resume` the command gave:
+/// with `none` the restart was refused (the run's own checkpoints "another run's") and the job
+/// ended with exit 2; with a path it went back to that older checkpoint, setting aside what the
+/// job had trained since.
+#[test]
+fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
+    let crash = ["train.max_steps=40", "checkpoint.interval=10", "faults.crash_at_step=25", "faults.crash_rank=1"];
+    let resumed_at = |dir: &Path| -> Vec<u64> { read_jsonl(&dir.join("events.jsonl")).iter().filter(|e| e["event"] == "resumed").map(|e| e["step"].as_u64().unwrap()).collect() };
+    let d = tempfile::tempdir().unwrap();
+    let (o, _) = torchrun(d.path(), 2, 1, &["--resume", "none"], &sets(&crash));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("(--resume none was for the job's first attempt)"));
+    assert_eq!(resumed_at(d.path()), [20]);
+    assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().unwrap()["step"], 39);
+    // Begun from another run's checkpoint: the restart continues this run from its own.
+    let old = tempfile::tempdir().unwrap();
+    train(old.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
+    let from = old.path().join("checkpoints/step-00000010");
+    let b = d.path().join("b");
+    let (o, _) = torchrun(&b, 2, 1, &["--resume", from.to_str().unwrap()], &sets(&crash));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(resumed_at(&b), [10, 20], "the first attempt from the old run's step 10, the restart from its own step 20");
+    assert!(!b.join("checkpoints").read_dir().unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("set-aside")), "nothing of this job's set aside");
+}
+
 /// `scripts/torchrun.sh 2 CONFIG --set out_dir=OUT --set …` (torchrun with 3 restarts), run in
 /// `cwd`: the config and out_dir may be relative to it.
 fn torchrun_script(cwd: &Path, config: &str, out: &Path, sets: &[&str]) -> Output {

@@ -27,6 +27,28 @@ pub enum Resume {
     Auto,
     /// From this checkpoint directory; failing to load it is an error.
     Path(PathBuf),
+    /// From the newest complete checkpoint in `out_dir`, else from this one: a torchrun restart
+    /// of a run that `--resume PATH` started (the path was for the job's first attempt).
+    AutoOr(PathBuf),
+}
+
+impl Resume {
+    /// What the command asks: `--resume` (`auto`, `none`, a path; None when not given) and
+    /// `--overwrite`. A process of the torchrun job that started the run in `out_dir`
+    /// (`restart_of_its_run`, see [`crate::attempts`]) resumes that run whatever was asked:
+    /// the command's choice was for how the job began, and a restart that started over (or from
+    /// the older checkpoint named) would throw away, or refuse, what the job had trained.
+    pub fn asked(resume: Option<&str>, overwrite: bool, restart_of_its_run: bool) -> Self {
+        match resume {
+            Some(path) if restart_of_its_run && !matches!(path, "auto" | "none") => Self::AutoOr(path.into()),
+            _ if restart_of_its_run => Self::Auto,
+            Some("auto") => Self::Auto,
+            Some("none") => Self::Fresh,
+            Some(path) => Self::Path(path.into()),
+            None if overwrite => Self::Overwrite,
+            None => Self::Fresh,
+        }
+    }
 }
 
 /// Counters that go into `trainer_state.json`.
@@ -111,6 +133,10 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         }
         Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
+        Resume::AutoOr(p) => match resolve_resume(&Resume::Auto, root, writer)? {
+            Start { loaded: None, skipped, restored } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
+            own => Ok(own),
+        },
     }
 }
 
@@ -291,5 +317,28 @@ impl Checkpointer {
                 None
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_restart_of_the_job_that_started_the_run_resumes_it_whatever_was_asked() {
+        let path = || PathBuf::from("old/checkpoints/step-00000010");
+        let p = "old/checkpoints/step-00000010";
+        // The first attempt (or another job's process): what the command asked.
+        assert_eq!(Resume::asked(None, false, false), Resume::Fresh);
+        assert_eq!(Resume::asked(Some("none"), false, false), Resume::Fresh);
+        assert_eq!(Resume::asked(Some("auto"), false, false), Resume::Auto);
+        assert_eq!(Resume::asked(Some(p), false, false), Resume::Path(path()));
+        assert_eq!(Resume::asked(None, true, false), Resume::Overwrite);
+        // A restart of its own run: that run, never a fresh start, the old run moved aside, or
+        // the older checkpoint the job began from (unless the run has none yet).
+        for (resume, overwrite) in [(None, false), (Some("none"), false), (Some("auto"), false), (None, true)] {
+            assert_eq!(Resume::asked(resume, overwrite, true), Resume::Auto, "{resume:?} {overwrite}");
+        }
+        assert_eq!(Resume::asked(Some(p), false, true), Resume::AutoOr(path()));
     }
 }
