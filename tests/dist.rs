@@ -85,6 +85,24 @@ fn two_ranks_under_torchrun_equal_one_process() {
     assert_eq!((started["world_size"].as_u64(), started["accumulation"].as_u64()), (Some(2), Some(2)));
 }
 
+/// A checkpoint of one process resumed by two ranks continues the same run: each step's samples
+/// are the global batch's, whoever takes them. The change is said where the resume is.
+#[test]
+fn a_run_of_one_process_resumed_by_two_ranks_trains_as_if_never_stopped() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=16"]].concat();
+    let single = train(s.path(), "configs/debug.yaml", &sets).ok();
+    train(d.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=6"]].concat());
+    let port = free_port();
+    let resumed = |rank| spawn_rank_with(rank, 2, port, [args(d.path(), &sets), vec!["--resume".into(), "auto".into()]].concat());
+    wait_ok(vec![resumed(0), resumed(1)]);
+    assert_matches_single_process(d.path(), &single);
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let resumed = events.iter().find(|e| e["event"] == "resumed").expect("a resumed event");
+    let said = "ranks: checkpoint 1, now 2 (the global batch of 64 and each step's samples stay the same: 32 per rank, 64 before)";
+    assert!(resumed["changed"].as_array().unwrap().iter().any(|c| c == said), "{resumed}");
+}
+
 /// By hand, and with a global batch two ranks cannot share evenly: 63 = 31 + 32 sequences, each
 /// split 8 + 8 + 8 + 7 (or + 8); the update is still the mean over all 63.
 #[test]

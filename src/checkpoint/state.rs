@@ -16,6 +16,10 @@ pub struct TrainerState {
     pub tokens_seen: u64,
     /// The sampler is a pure function of (seed, step, sample): its position is the step.
     pub sampler: SamplerState,
+    /// The ranks that trained it (absent in checkpoints written before it). Another count may
+    /// resume it: each step's samples are the global batch's, whoever takes which share.
+    #[serde(default)]
+    pub world_size: Option<usize>,
     /// How random numbers are drawn: libtorch's generator is reseeded from (seed, step) before
     /// each step, so nothing else needs saving.
     pub rng: RngState,

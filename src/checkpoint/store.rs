@@ -313,6 +313,7 @@ mod tests {
             micro_steps: 4 * step,
             tokens_seen: 100 * step,
             sampler: SamplerState { seed: 1, next_step: step },
+            world_size: Some(1),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: 1 },
             loss_scaler: None,
             guard: GuardSnapshot { micro_batch: 8, accumulation: 4, configured_micro_batch: 8, escalation_level: 0, regrow: Default::default() },

@@ -177,6 +177,19 @@ pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
     (before != now).then(|| format!("learning rate at step {step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"))
 }
 
+/// Another number of ranks than the checkpoint's, said: the global batch and each step's samples
+/// stay the same (each rank takes its share of them), so the update is the same sum in
+/// another order; with dropout, the masks are drawn per micro-batch and differ.
+pub(super) fn ranks_change(saved: Option<usize>, now: usize, global_batch: usize) -> Option<String> {
+    let saved = saved.filter(|&s| s != now)?;
+    let share = |n: usize| if global_batch.is_multiple_of(n) { format!("{}", global_batch / n) } else { format!("{}-{}", global_batch / n, global_batch.div_ceil(n)) };
+    Some(format!(
+        "ranks: checkpoint {saved}, now {now} (the global batch of {global_batch} and each step's samples stay the same: {} per rank, {} before)",
+        share(now),
+        share(saved)
+    ))
+}
+
 /// Refuses a checkpoint whose model differs from the config; returns the safe changes.
 pub(super) fn check_compatible(l: &Loaded, cfg: &Config) -> Result<Vec<String>, CheckpointError> {
     let (model, other) = compare::differences(&l.config, cfg);
@@ -277,6 +290,7 @@ impl Checkpointer {
             micro_steps: progress.micro_steps,
             tokens_seen: progress.tokens_seen,
             sampler: SamplerState { seed: cfg.seed, next_step: completed },
+            world_size: Some(plan.world_size),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
             loss_scaler: scaler.map(|s| serde_json::to_value(s).expect("LossScaler serialises")),
             guard: GuardSnapshot {
@@ -340,5 +354,16 @@ mod tests {
             assert_eq!(Resume::asked(resume, overwrite, true), Resume::Auto, "{resume:?} {overwrite}");
         }
         assert_eq!(Resume::asked(Some(p), false, true), Resume::AutoOr(path()));
+    }
+
+    #[test]
+    fn another_rank_count_than_the_checkpoints_is_said_with_each_ranks_share() {
+        assert_eq!(ranks_change(Some(2), 2, 64), None);
+        assert_eq!(ranks_change(None, 4, 64), None, "a checkpoint from before the count was kept");
+        assert_eq!(
+            ranks_change(Some(1), 2, 64).as_deref(),
+            Some("ranks: checkpoint 1, now 2 (the global batch of 64 and each step's samples stay the same: 32 per rank, 64 before)")
+        );
+        assert!(ranks_change(Some(2), 3, 64).unwrap().contains(": 21-22 per rank, 32 before)"));
     }
 }

@@ -3,7 +3,7 @@
 //! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
-use super::resume::{check_compatible, corrupt_path, leave_the_old_line, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
+use super::resume::{check_compatible, corrupt_path, leave_the_old_line, ranks_change, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
 use super::run_dir::RunDir;
 use super::watch::MemoryWatch;
 use super::TrainError;
@@ -122,6 +122,7 @@ impl<'a> Run<'a> {
             None => Default::default(),
         };
         changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
+        changed.extend(loaded.as_ref().and_then(|l| ranks_change(l.state.world_size, plan.world_size, t.global_batch_size)));
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
