@@ -63,6 +63,7 @@ impl RunDir {
         let of = |file: &Path, source| TrainError::RunDirFile { file: file.to_path_buf(), source };
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
+        let yaml = format!("{CONFIG_HEADER}{}: the run's resolved config, written again at each start\n{yaml}", env!("CARGO_PKG_VERSION"));
         let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));
         crate::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
         if let Some(kept) = keep_a_written_config(&config_file).map_err(|e| of(&config_file, e))? {
@@ -102,9 +103,15 @@ impl Drop for RunDir {
     }
 }
 
-/// A `config.yaml` in the run directory that trainguard did not write as it stands (its text is
-/// not how trainguard writes the config it reads as) is renamed `config.kept-<unix time>.yaml`
-/// before the run writes its own: comments and layout are what the resolved config loses.
+/// How the run's `config.yaml` begins: what marks it as trainguard's own, whichever version wrote
+/// it (a later version's, with keys added or retired since, is still not the user's).
+const CONFIG_HEADER: &str = "# trainguard ";
+
+/// A `config.yaml` in the run directory that trainguard did not write as it stands is renamed
+/// `config.kept-<unix time>.yaml` before the run writes its own: comments and layout are what
+/// the resolved config loses. Trainguard's own begins with [`CONFIG_HEADER`] and has no other
+/// comment; one written before the header is trainguard's when its text is how trainguard writes
+/// the config it reads as.
 fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     let text = match std::fs::read_to_string(file) {
         Ok(t) => t,
@@ -112,7 +119,10 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
         Err(e) => return Err(e),
     };
-    let ours = crate::config::saved(&text).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == text);
+    let ours = match text.strip_prefix(CONFIG_HEADER).and_then(|t| t.split_once('\n')) {
+        Some((_, body)) => !body.lines().any(|l| l.trim_start().starts_with('#')) && crate::config::saved(body).is_ok(),
+        None => crate::config::saved(&text).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == text),
+    };
     if ours {
         return Ok(None);
     }
@@ -235,8 +245,19 @@ mod tests {
         assert_eq!(keep_a_written_config(&file).unwrap(), None, "none there");
         let ours = serde_yaml::to_string(&crate::config::Config::default()).unwrap();
         std::fs::write(&file, &ours).unwrap();
-        assert_eq!(keep_a_written_config(&file).unwrap(), None, "as trainguard writes it: replaced");
-        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe"] {
+        assert_eq!(keep_a_written_config(&file).unwrap(), None, "as trainguard wrote it before the header: replaced");
+        let mut held = RunDir::hold(d.path(), false, None, 0).unwrap();
+        held.prepare(&crate::config::Config::default()).unwrap();
+        let written = std::fs::read_to_string(&file).unwrap();
+        assert!(written.starts_with(&format!("{CONFIG_HEADER}{}: ", env!("CARGO_PKG_VERSION"))), "{written}");
+        assert_eq!(crate::config::saved(&written).unwrap(), crate::config::Config::default());
+        // Another version's: a key added since (absent), one retired since (present).
+        let other_version = written.replacen(env!("CARGO_PKG_VERSION"), "0.0.1", 1).replace("  fused_gelu: false\n", "").replace("kernels:\n", "kernels:\n  loss_blocks_per_sm: 2\n");
+        assert!(!other_version.contains("fused_gelu") && other_version.contains("loss_blocks_per_sm: 2"), "{other_version}");
+        std::fs::write(&file, &other_version).unwrap();
+        assert_eq!(keep_a_written_config(&file).unwrap(), None, "another version's: replaced, not kept");
+        let commented = written.replace("train:\n", "train:\n  # lr sweep, run 3\n");
+        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe", commented.as_bytes()] {
             std::fs::write(&file, theirs).unwrap();
             let kept = keep_a_written_config(&file).unwrap().expect("kept");
             assert!(kept.file_name().unwrap().to_string_lossy().starts_with("config.kept-"), "{kept:?}");
