@@ -3,7 +3,9 @@
 #   OUT_DIR/stop.json  {"status":"stopped",…,"resumable":true}  → stopped, resume with --resume auto
 #                      {"status":"finished",…}                   → finished
 #   no file                                                     → crashed (trainguard removes the
-#                                                                  record when a run starts)
+#                                                                  record when a run starts; a
+#                                                                  record not written anew by this
+#                                                                  launch is an older one: record_stamp)
 
 # out_dir_of TRAINGUARD CONFIG [--set K=V ...]: the run directory the config resolves to.
 out_dir_of() {

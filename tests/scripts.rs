@@ -140,6 +140,8 @@ fn sbatch_reports_a_crash_and_does_not_requeue_even_with_an_old_stop_record() {
     assert!(text(&o).contains("crashed"), "{}", text(&o));
     assert!(!log.contains("requeue"), "the earlier leg's record must not requeue a crash: {log}");
     assert_eq!(max_duration_s(&log), Some(600 - 300));
+    // Not the script's to remove: trainguard removes it once a leg starts (this fake never did).
+    assert!(f.out().join("stop.json").exists());
 }
 
 #[test]
