@@ -288,8 +288,9 @@ impl Reporter {
         match event {
             Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes, allocator } => {
                 tracing::info!(
-                    "run: {:.2}M parameters on {device}, corpus {corpus} (unigram entropy {unigram_entropy:.3} nats)",
-                    *params as f64 / 1e6
+                    "run: {:.2}M parameters on {device}, corpus {corpus}{}",
+                    *params as f64 / 1e6,
+                    if unigram_entropy.is_finite() { format!(" (unigram entropy {unigram_entropy:.3} nats)") } else { " (no validation split)".into() }
                 );
                 tracing::info!(
                     "batch: {}; {tokens_per_step} tokens/step; {max_steps} steps",

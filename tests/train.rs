@@ -26,6 +26,24 @@ fn debug_config_learns_below_the_unigram_entropy() {
     assert!(dir.path().join("model.safetensors").is_file());
 }
 
+/// Without evaluation every token may train: a corpus of one window (seq_len + 2 tokens), too
+/// short to split, trains with `data.val_fraction: 0` and is refused with the default 0.1.
+#[test]
+fn without_evaluation_every_token_may_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=3", "train.warmup_steps=0", "data.synthetic_tokens=66", "train.eval_interval=0"];
+    let short = train(dir.path(), "configs/debug.yaml", &sets);
+    assert_eq!(short.code(), 2, "{}", short.stderr());
+    assert!(short.stderr().contains("data.synthetic_tokens: must be at least"), "{}", short.stderr());
+    let run = train(dir.path(), "configs/debug.yaml", &[&sets[..], &["data.val_fraction=0"]].concat()).ok();
+    assert!(run.stderr().contains("(no validation split)"), "{}", run.stderr());
+    assert!(run.events_of("run_started")[0]["unigram_entropy"].is_null());
+    assert_eq!(run.metrics().len(), 3);
+    let with_eval = train(dir.path(), "configs/debug.yaml", &["data.val_fraction=0"]);
+    assert_eq!(with_eval.code(), 2);
+    assert!(with_eval.stderr().contains("data.val_fraction: must be above 0 while train.eval_interval evaluates"), "{}", with_eval.stderr());
+}
+
 #[test]
 fn same_seed_gives_identical_metrics_and_weights() {
     let (a, b, c) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

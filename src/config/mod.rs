@@ -191,6 +191,9 @@ impl DataConfig {
     /// on both sides: what the corpus needs at least `seq_len + 2` tokens in each split for.
     pub fn min_tokens(&self, seq_len: usize) -> usize {
         let need = seq_len + 2;
+        if self.val_fraction == 0.0 {
+            return need; // no validation split: the training split alone
+        }
         let smaller_share = self.val_fraction.min(1.0 - self.val_fraction);
         // Below this the smaller share holds at most need - 1 tokens (rounded, fewer than need).
         let start = ((need - 1) as f64 / smaller_share).floor();

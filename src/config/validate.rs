@@ -66,12 +66,18 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check_device(&c.device, &mut check);
     check_source(c, &mut check);
     let d = &c.data;
+    // 0 holds nothing out: every token trains, and nothing is left to evaluate on.
+    let evaluates = c.train.eval_interval > 0;
+    let fraction_ok = (if evaluates { d.val_fraction > 0.0 } else { d.val_fraction >= 0.0 }) && d.val_fraction < 1.0;
     check(
-        d.val_fraction > 0.0 && d.val_fraction < 1.0,
+        fraction_ok,
         "data.val_fraction",
-        format!("must be in (0, 1), got {}", d.val_fraction),
+        if evaluates && d.val_fraction == 0.0 {
+            "must be above 0 while train.eval_interval evaluates (0 holds out no tokens to evaluate on: set train.eval_interval: 0 to train on every token)".into()
+        } else {
+            format!("must be in (0, 1), or 0 with train.eval_interval: 0, got {}", d.val_fraction)
+        },
     );
-    let fraction_ok = d.val_fraction > 0.0 && d.val_fraction < 1.0;
     if seq_ok && fraction_ok && d.source == "synthetic" {
         let needed = d.min_tokens(m.seq_len);
         check(
@@ -365,6 +371,19 @@ mod tests {
         let mut c = Config::default();
         c.model.n_head = 0;
         assert_eq!(keys(&c), ["model.n_head"]);
+    }
+
+    #[test]
+    fn every_token_may_train_only_where_nothing_is_evaluated() {
+        let mut c = Config::default();
+        c.data.val_fraction = 0.0;
+        let p = validate(&c);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0].to_string().starts_with("data.val_fraction: must be above 0 while train.eval_interval evaluates"), "{}", p[0]);
+        c.train.eval_interval = 0;
+        assert!(validate(&c).is_empty(), "{:?}", validate(&c));
+        c.data.val_fraction = -0.1;
+        assert!(validate(&c)[0].to_string().contains("must be in (0, 1), or 0 with train.eval_interval: 0, got -0.1"));
     }
 
     #[test]

@@ -131,7 +131,9 @@ impl Corpus {
         };
         corpus.vocab = vocab;
         let need = seq_len + 2;
-        if corpus.val_start < need || corpus.tokens.len() - corpus.val_start < need {
+        // `data.val_fraction: 0` without validation shards: no validation split, by choice.
+        let val_wanted = cfg.val_fraction > 0.0 || corpus.len(Split::Val) > 0;
+        if corpus.val_start < need || (val_wanted && corpus.len(Split::Val) < need) {
             return Err(DataError::Format {
                 path: PathBuf::from(&corpus.description),
                 message: format!(
@@ -153,7 +155,7 @@ impl Corpus {
         if !large.is_empty() || counts.iter().skip(vocab).any(|&c| c > 0) {
             corpus.check_vocab(corpus.val_start, corpus.len(Split::Val))?;
         }
-        corpus.val_entropy = entropy(counts.iter().chain(large.values()), corpus.len(Split::Val));
+        corpus.val_entropy = if val_wanted { entropy(counts.iter().chain(large.values()), corpus.len(Split::Val)) } else { f64::NAN };
         Ok(corpus)
     }
 
@@ -433,6 +435,14 @@ mod tests {
             assert!(with(n).is_ok(), "{f} {seq}: {n}");
             assert!(with(n - 1).is_err(), "{f} {seq}: {n} is not the least");
         }
+        // No validation split: the training split's windows alone.
+        let cfg = DataConfig { val_fraction: 0.0, ..Default::default() };
+        let n = cfg.min_tokens(64);
+        let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, 64);
+        let all = with(n).unwrap();
+        assert_eq!((all.len(Split::Train), all.len(Split::Val)), (n, 0));
+        assert!(all.val_entropy.is_nan(), "no split to measure");
+        assert!(with(n - 1).is_err());
         // A share too small for any corpus in memory: at once, not a loop that wraps around.
         for f in [1e-300, 3e-18] {
             assert_eq!(DataConfig { val_fraction: f, ..Default::default() }.min_tokens(64), usize::MAX);
