@@ -371,7 +371,7 @@ mod tests {
     fn tokenizer(pre_tokenizer: &str) -> Tokenizer {
         let json = format!(
             r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":{pre_tokenizer},"post_processor":null,"decoder":null,
-            "model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"x":1,"y":2,"▁x":3,"▁y":4,"x\ny":5,"▁x\ny":6}},"unk_token":"[UNK]"}}}}"#
+            "model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"x":1,"y":2,"▁x":3,"▁y":4,"x\ny":5,"▁x\ny":6,"Ċ":7,"ĊĊ":8}},"unk_token":"[UNK]"}}}}"#
         );
         json.parse().unwrap()
     }
@@ -397,6 +397,19 @@ mod tests {
         let prefixed = tokenizer(r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true}"#);
         assert_eq!(seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&prefixed, s))).unwrap(), None);
         assert_eq!(encode_doc(&prefixed, &doc).unwrap(), whole(&prefixed, &doc));
+        // GPT-2's byte-level split: `\s+(?!\S)` keeps a blank line's two breaks apart before a
+        // word, and together at the end of a half. A seam after a blank line is passed over,
+        // one after a single break is taken.
+        let byte_level = tokenizer(r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#);
+        let ids = |s: &str| Ok(whole(&byte_level, s));
+        assert_ne!([whole(&byte_level, "x\n\n"), whole(&byte_level, "y")].concat(), whole(&byte_level, "x\n\ny"), "the split this guards against");
+        let mixed = "x\n\ny\n".repeat((PIECE_BYTES * 5 / 2) / 5);
+        let p = seam(&mixed, PIECE_BYTES, &ids).unwrap().expect("a seam");
+        assert!(mixed[..p].ends_with("y\n"), "after the single break: {:?}", &mixed[p - 3..p]);
+        assert_eq!(encode_doc(&byte_level, &mixed).unwrap(), whole(&byte_level, &mixed));
+        let blank_lines = "x\n\n".repeat((PIECE_BYTES * 5 / 2) / 3);
+        assert_eq!(seam(&blank_lines, PIECE_BYTES, &ids).unwrap(), None, "every line start follows a blank line");
+        assert_eq!(encode_doc(&byte_level, &blank_lines).unwrap(), whole(&byte_level, &blank_lines));
         // Byte offsets inside a character are moved to its start or end.
         assert_eq!((char_start("aé", 2, true), char_start("aé", 2, false)), (3, 1));
     }
