@@ -104,8 +104,13 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
     // refusal there is one every rank hears of).
     let resume = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
-    if let (true, Some(asked)) = (resumes_its_run, args.resume.as_deref().filter(|r| *r != "auto")) {
-        tracing::info!("this torchrun job started the run in {}: resuming it (--resume {asked} was for the job's first attempt)", plan.config.out_dir.display());
+    let asked = args.resume.as_deref().filter(|r| *r != "auto").map(|r| format!("--resume {r}")).or(args.overwrite.then(|| "--overwrite".to_string()));
+    if let (true, Some(asked)) = (resumes_its_run, asked) {
+        let from = match &resume {
+            Resume::AutoOr(path) => format!(" from its newest checkpoint past {}'s step, else from that one again", path.display()),
+            _ => String::new(),
+        };
+        tracing::info!("this torchrun job started the run in {}: a restart resumes it{from} ({asked} was for the job's first attempt)", plan.config.out_dir.display());
     }
     // An earlier run's stop record is removed, and torchrun's deadline recorded, once the
     // ranks agree to start (src/train/run_dir.rs): a command refused before then leaves them.

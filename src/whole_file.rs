@@ -1,19 +1,22 @@
-//! Small files replaced whole: written beside their place under a name of this process's own,
-//! then renamed (or linked) into it. A reader (a job script, a restarted worker, a browser)
-//! never sees half of one, and a kill leaves the old file or the new one, never a truncated one.
+//! Small files replaced whole: written beside their place under a temporary name, then renamed
+//! (or linked) into it. A reader (a job script, a restarted worker, a browser) never sees half
+//! of one, and a kill leaves the old file or the new one, never a truncated one.
 use serde::{de::DeserializeOwned, Serialize};
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// Beside `path`, hidden, and this process's own (two workers of a node may write at once).
-fn temporary(path: &Path) -> PathBuf {
+/// Beside `path`, hidden; `own`: with this process's id in it.
+fn temporary(path: &Path, own: bool) -> PathBuf {
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+    let pid = if own { format!(".{}", std::process::id()) } else { String::new() };
+    path.with_file_name(format!(".{name}{pid}.tmp"))
 }
 
-/// `bytes` written at `path`, over whatever was there.
+/// `bytes` written at `path`, over whatever was there. For files of one writer (rank 0 in its
+/// locked run directory): the temporary name is always the same, so one a kill left is
+/// overwritten the next time, not left to pile up.
 pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = temporary(path);
+    let tmp = temporary(path, false);
     let done = std::fs::write(&tmp, bytes).and_then(|_| std::fs::rename(&tmp, path));
     if done.is_err() {
         let _ = std::fs::remove_file(&tmp); // nothing half-done is left beside it
@@ -22,8 +25,9 @@ pub fn replace(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// `bytes` written at `path` unless a file is there: the first writer's stays. False when one was.
+/// Several processes may race (a node's workers): each writes under a name of its own.
 pub fn create_once(path: &Path, bytes: &[u8]) -> io::Result<bool> {
-    let tmp = temporary(path);
+    let tmp = temporary(path, true);
     std::fs::write(&tmp, bytes).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })?;
@@ -90,12 +94,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("record.json");
         replace(&path, b"old").unwrap();
-        // A directory where the record goes: the rename cannot replace it.
+        // The temporary name taken by a directory: the write fails, the old file stays.
+        let tmp = temporary(&path, false);
+        std::fs::create_dir(&tmp).unwrap();
+        assert!(replace(&path, b"new").is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        std::fs::remove_dir(&tmp).unwrap();
+        // A non-empty directory where the file goes: the rename fails, its temporary goes.
         let blocked = dir.path().join("blocked");
         std::fs::create_dir(&blocked).unwrap();
         std::fs::write(blocked.join("x"), b"").unwrap();
         assert!(replace(&blocked, b"new").is_err());
-        assert_eq!(std::fs::read(&path).unwrap(), b"old");
+        assert!(blocked.join("x").exists());
         assert!(leftovers(dir.path()).is_empty(), "{:?}", leftovers(dir.path()));
         assert!(read_json::<String>(&dir.path().join("absent.json")).is_none());
     }

@@ -258,7 +258,7 @@ fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
     let d = tempfile::tempdir().unwrap();
     let (o, _) = torchrun(d.path(), 2, 1, &["--resume", "none"], &sets(&crash));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("(--resume none was for the job's first attempt)"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("a restart resumes it (--resume none was for the job's first attempt)"));
     assert_eq!(resumed_at(d.path()), [20]);
     assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().unwrap()["step"], 39);
     // Begun from another run's checkpoint: the restart continues this run from its own.
@@ -270,6 +270,13 @@ fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(resumed_at(&b), [10, 20], "the first attempt from the old run's step 10, the restart from its own step 20");
     assert!(!b.join("checkpoints").read_dir().unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("set-aside")), "nothing of this job's set aside");
+    // Dead before a checkpoint of its own, in a directory holding an older run's step 5: the
+    // restart loads the path again, not that run's checkpoint.
+    let c = d.path().join("c");
+    train(&c, "configs/debug.yaml", &sets(&["train.max_steps=5"])).ok();
+    let (o, _) = torchrun(&c, 2, 1, &["--resume", from.to_str().unwrap()], &sets(&["train.max_steps=40", "checkpoint.interval=10", "faults.crash_at_step=12", "faults.crash_rank=1"]));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(resumed_at(&c), [10, 10], "{}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// `scripts/torchrun.sh 2 CONFIG --set out_dir=OUT --set …` (torchrun with 3 restarts), run in

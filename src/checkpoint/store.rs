@@ -250,14 +250,21 @@ fn checksum(path: &Path) -> std::io::Result<u32> {
     }
 }
 
-/// Reads and checks a checkpoint directory: state, sizes, both tensor files, config.
-pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
+/// A checkpoint directory's `trainer_state.json` alone (its step, say), unchecked against the
+/// files it lists.
+pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: dir.to_path_buf(), why };
     if !dir.is_dir() {
         return Err(corrupt("no such checkpoint directory".into()));
     }
     let text = fs::read_to_string(dir.join(STATE_FILE)).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))
+}
+
+/// Reads and checks a checkpoint directory: state, sizes, both tensor files, config.
+pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
+    let corrupt = |why: String| CheckpointError::Corrupt { path: dir.to_path_buf(), why };
+    let state = load_state(dir)?;
     for (file, size) in &state.files {
         let actual = fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if actual != *size {

@@ -30,7 +30,35 @@ pub struct AllocatorConfig {
 #[serde(untagged, expecting = "a power of two (every size), or a map of size to divisions like {256: 1, 1024: 4}")]
 pub enum Roundup {
     All(u64),
-    Intervals(BTreeMap<String, u64>),
+    Intervals(#[serde(deserialize_with = "size_keys")] BTreeMap<String, u64>),
+}
+
+/// An interval map's keys as written: `{256: 1}` (YAML reads a number) as `{"256": 1}` and `">"`.
+fn size_keys<'de, D: serde::Deserializer<'de>>(d: D) -> Result<BTreeMap<String, u64>, D::Error> {
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    struct SizeKey(String);
+    impl<'de> Deserialize<'de> for SizeKey {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visitor;
+            impl serde::de::Visitor<'_> for Visitor {
+                type Value = SizeKey;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a size in MB or `>`")
+                }
+                fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<SizeKey, E> {
+                    Ok(SizeKey(v.to_string()))
+                }
+                fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<SizeKey, E> {
+                    Ok(SizeKey(v.to_string()))
+                }
+                fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SizeKey, E> {
+                    Ok(SizeKey(v.to_string()))
+                }
+            }
+            d.deserialize_any(Visitor)
+        }
+    }
+    Ok(BTreeMap::<SizeKey, u64>::deserialize(d)?.into_iter().map(|(k, v)| (k.0, v)).collect())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -206,6 +234,16 @@ mod tests {
         assert!(a.problems().is_empty());
         let s: Vec<String> = a.pairs().into_iter().map(|(k, v)| format!("{k}:{v}")).collect();
         assert_eq!(s, ["backend:native", "expandable_segments:True", "garbage_collection_threshold:0.6", "roundup_power2_divisions:[64:8,256:4,>:1]"]);
+    }
+
+    #[test]
+    fn interval_sizes_may_be_written_as_numbers_or_strings() {
+        let read = |yaml: &str| serde_yaml::from_str::<AllocatorConfig>(yaml).unwrap().roundup_power2_divisions;
+        let want = Some(Roundup::Intervals([("256".to_string(), 1), ("1024".to_string(), 4), (">".to_string(), 1)].into()));
+        assert_eq!(read("roundup_power2_divisions: {256: 1, 1024: 4, \">\": 1}"), want);
+        assert_eq!(read("roundup_power2_divisions: {\"256\": 1, \"1024\": 4, \">\": 1}"), want);
+        assert_eq!(read("roundup_power2_divisions: 4"), Some(Roundup::All(4)));
+        assert!(serde_yaml::from_str::<AllocatorConfig>("roundup_power2_divisions: {256: x}").is_err());
     }
 
     #[test]

@@ -68,7 +68,11 @@ fn set_by<'a>(overrides: &'a [String], key: &str) -> Option<&'a String> {
         // `model.n` is not above `model.n_head`.
         let Some(rest) = rest.strip_prefix('.') else { return false };
         let value: Value = serde_yaml::from_str(v).unwrap_or(Value::Null);
-        rest.split('.').map(|part| part.split('[').next().unwrap_or(part)).try_fold(&value, |v, part| v.get(part)).is_some()
+        // A mapping's key as YAML read it: `{100: 4}`'s key is a number.
+        fn child<'v>(v: &'v Value, part: &str) -> Option<&'v Value> {
+            v.get(part).or_else(|| v.get(serde_yaml::from_str::<Value>(part).ok()?))
+        }
+        rest.split('.').map(|part| part.split('[').next().unwrap_or(part)).try_fold(&value, |v, part| child(v, part)).is_some()
     };
     overrides.iter().rev().find(|arg| arg.split_once('=').is_some_and(|(k, v)| gave(k, v)))
 }
@@ -521,6 +525,9 @@ mod tests {
         let e = load(Some(&file), &sets).unwrap_err().to_string();
         assert!(e.contains("train.lr: must be a positive number, got -1\n"), "the file's own: {e}");
         assert!(e.contains("(from --set `memory.limit=0GiB`)") && e.contains("model.n_layer: must be in 1..=4096, got 0 (from --set `model={n_layer: 0}`)"), "{e}");
+        // A key YAML reads as a number: given by the mapping --set.
+        let e = load(None, &["memory.allocator.roundup_power2_divisions={100: 4}".to_string()]).unwrap_err().to_string();
+        assert!(e.contains("got `100` (from --set `memory.allocator.roundup_power2_divisions={100: 4}`)"), "{e}");
         // A mapping --set that did not give the key is not blamed for the file's value.
         std::fs::write(&file, "model:\n  n_layer: 0\n").unwrap();
         let e = load(Some(&file), &["model={n_head: 2}".to_string()]).unwrap_err().to_string();

@@ -133,10 +133,15 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         }
         Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
-        Resume::AutoOr(p) => match resolve_resume(&Resume::Auto, root, writer)? {
-            Start { loaded: None, skipped, restored } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
-            own => Ok(own),
-        },
+        Resume::AutoOr(p) => {
+            // The job's own checkpoints are past the step it began from (the first attempt set
+            // aside any later one before the job was recorded); an older one is another run's.
+            let began = store::load_state(p)?.step;
+            match resolve_resume(&Resume::Auto, root, writer)? {
+                Start { loaded: Some(own), skipped, restored } if own.state.step > began => Ok(Start { loaded: Some(own), skipped, restored }),
+                Start { skipped, restored, .. } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
+            }
+        }
     }
 }
 
@@ -177,17 +182,15 @@ pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
     (before != now).then(|| format!("learning rate at step {step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"))
 }
 
-/// Another number of ranks than the checkpoint's, said: the global batch and each step's samples
-/// stay the same (each rank takes its share of them), so the update is the same sum in
-/// another order; with dropout, the masks are drawn per micro-batch and differ.
-pub(super) fn ranks_change(saved: Option<usize>, now: usize, global_batch: usize) -> Option<String> {
+/// Another number of ranks than the checkpoint's, said with each rank's share of the global
+/// batch (the checkpoint's and this run's). Where the global batch is the same, so are each
+/// step's samples (each rank takes its share of them): the update is the same sum in another
+/// order; with dropout, the masks are drawn per micro-batch and differ.
+pub(super) fn ranks_change(saved: Option<usize>, now: usize, saved_global: usize, global: usize) -> Option<String> {
     let saved = saved.filter(|&s| s != now)?;
-    let share = |n: usize| if global_batch.is_multiple_of(n) { format!("{}", global_batch / n) } else { format!("{}-{}", global_batch / n, global_batch.div_ceil(n)) };
-    Some(format!(
-        "ranks: checkpoint {saved}, now {now} (the global batch of {global_batch} and each step's samples stay the same: {} per rank, {} before)",
-        share(now),
-        share(saved)
-    ))
+    let share = |g: usize, n: usize| if g.is_multiple_of(n) { format!("{}", g / n) } else { format!("{}-{}", g / n, g.div_ceil(n)) };
+    let samples = if saved_global == global { format!("the global batch of {global} and each step's samples stay the same") } else { format!("the global batch changed too, {saved_global} to {global}") };
+    Some(format!("ranks: checkpoint {saved}, now {now} ({samples}: {} per rank, {} before)", share(global, now), share(saved_global, saved)))
 }
 
 /// Refuses a checkpoint whose model differs from the config; returns the safe changes.
@@ -358,12 +361,13 @@ mod tests {
 
     #[test]
     fn another_rank_count_than_the_checkpoints_is_said_with_each_ranks_share() {
-        assert_eq!(ranks_change(Some(2), 2, 64), None);
-        assert_eq!(ranks_change(None, 4, 64), None, "a checkpoint from before the count was kept");
+        assert_eq!(ranks_change(Some(2), 2, 64, 64), None);
+        assert_eq!(ranks_change(None, 4, 64, 64), None, "a checkpoint from before the count was kept");
         assert_eq!(
-            ranks_change(Some(1), 2, 64).as_deref(),
+            ranks_change(Some(1), 2, 64, 64).as_deref(),
             Some("ranks: checkpoint 1, now 2 (the global batch of 64 and each step's samples stay the same: 32 per rank, 64 before)")
         );
-        assert!(ranks_change(Some(2), 3, 64).unwrap().contains(": 21-22 per rank, 32 before)"));
+        assert!(ranks_change(Some(2), 3, 64, 64).unwrap().contains(": 21-22 per rank, 32 before)"));
+        assert_eq!(ranks_change(Some(1), 2, 32, 64).as_deref(), Some("ranks: checkpoint 1, now 2 (the global batch changed too, 32 to 64: 32 per rank, 32 before)"));
     }
 }

@@ -121,8 +121,11 @@ impl<'a> Run<'a> {
             Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
             None => Default::default(),
         };
+        if let Some(h) = held.as_ref() {
+            h.mark_job()?;
+        }
         changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
-        changed.extend(loaded.as_ref().and_then(|l| ranks_change(l.state.world_size, plan.world_size, t.global_batch_size)));
+        changed.extend(loaded.as_ref().and_then(|l| ranks_change(l.state.world_size, plan.world_size, l.config.train.global_batch_size, t.global_batch_size)));
         let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
             .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {

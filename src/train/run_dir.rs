@@ -63,19 +63,26 @@ impl RunDir {
         let of = |file: &Path, source| TrainError::RunDirFile { file: file.to_path_buf(), source };
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
-        let yaml = format!("{CONFIG_HEADER}{}: the run's resolved config, written again at each start\n{yaml}", env!("CARGO_PKG_VERSION"));
+        let yaml = format!("{}\n{yaml}", config_header(env!("CARGO_PKG_VERSION")));
         let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));
         crate::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
         if let Some(kept) = keep_a_written_config(&config_file).map_err(|e| of(&config_file, e))? {
             tracing::warn!("{} was not as trainguard writes it (written or edited by hand; --config may have named it): kept as {}", config_file.display(), kept.display());
         }
-        std::fs::write(&config_file, yaml).map_err(|e| of(&config_file, e))?;
-        // Under torchrun: this job's run, which its restarts resume by themselves.
-        if let Some(attempt) = crate::attempts::Attempt::from_env(|k| std::env::var(k).ok()) {
-            let job_file = dir.join(crate::attempts::JOB_FILE);
-            crate::attempts::record_job(dir, &attempt.run_id).map_err(|e| of(&job_file, e))?;
-        }
+        // Whole: `sample` and `report` read it, and a truncated one still parses (defaults).
+        crate::whole_file::replace(&config_file, yaml.as_bytes()).map_err(|e| of(&config_file, e))?;
         self.provisional.clear();
+        Ok(())
+    }
+
+    /// Under torchrun: marks the run as this job's, which its restarts resume whatever the
+    /// command asked. Once the run left the old line (checkpoints past the step it resumed set
+    /// aside): a restart before then meets the directory as the first attempt did.
+    pub(super) fn mark_job(&self) -> Result<(), TrainError> {
+        if let Some(attempt) = crate::attempts::Attempt::from_env(|k| std::env::var(k).ok()) {
+            let file = self.path.join(crate::attempts::JOB_FILE);
+            crate::attempts::record_job(&self.path, &attempt.run_id).map_err(|source| TrainError::RunDirFile { file, source })?;
+        }
         Ok(())
     }
 
@@ -103,15 +110,18 @@ impl Drop for RunDir {
     }
 }
 
-/// How the run's `config.yaml` begins: what marks it as trainguard's own, whichever version wrote
-/// it (a later version's, with keys added or retired since, is still not the user's).
-const CONFIG_HEADER: &str = "# trainguard ";
+/// The first line of the run's `config.yaml`: what marks it as trainguard's own, whichever
+/// version wrote it (another version's, with keys added or retired since, is not the user's).
+fn config_header(version: &str) -> String {
+    format!("# trainguard {version}: the run's resolved config, written again at each start")
+}
 
 /// A `config.yaml` in the run directory that trainguard did not write as it stands is renamed
 /// `config.kept-<unix time>.yaml` before the run writes its own: comments and layout are what
-/// the resolved config loses. Trainguard's own begins with [`CONFIG_HEADER`] and has no other
-/// comment; one written before the header is trainguard's when its text is how trainguard writes
-/// the config it reads as.
+/// the resolved config loses. Trainguard's own begins with [`config_header`]: this version's
+/// is then as this version writes the config it reads as, another version's is YAML without
+/// another comment. One written before the header is trainguard's when its text is as this
+/// version writes the config it reads as.
 fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     let text = match std::fs::read_to_string(file) {
         Ok(t) => t,
@@ -119,9 +129,13 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
         Err(e) => return Err(e),
     };
-    let ours = match text.strip_prefix(CONFIG_HEADER).and_then(|t| t.split_once('\n')) {
-        Some((_, body)) => !body.lines().any(|l| l.trim_start().starts_with('#')) && crate::config::saved(body).is_ok(),
-        None => crate::config::saved(&text).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == text),
+    let as_written = |body: &str| crate::config::saved(body).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == body);
+    let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
+    let version = first.strip_prefix("# trainguard ").and_then(|v| v.split_once(':')).map(|(v, _)| v).filter(|v| config_header(v) == first && !v.contains(' '));
+    let ours = match version {
+        Some(v) if v == env!("CARGO_PKG_VERSION") => as_written(body),
+        Some(_) => !body.lines().any(|l| l.trim_start().starts_with('#')) && serde_yaml::from_str::<serde_yaml::Value>(body).is_ok(),
+        None => as_written(&text),
     };
     if ours {
         return Ok(None);
@@ -249,15 +263,22 @@ mod tests {
         let mut held = RunDir::hold(d.path(), false, None, 0).unwrap();
         held.prepare(&crate::config::Config::default()).unwrap();
         let written = std::fs::read_to_string(&file).unwrap();
-        assert!(written.starts_with(&format!("{CONFIG_HEADER}{}: ", env!("CARGO_PKG_VERSION"))), "{written}");
+        assert!(written.starts_with(&format!("{}\n", config_header(env!("CARGO_PKG_VERSION")))), "{written}");
         assert_eq!(crate::config::saved(&written).unwrap(), crate::config::Config::default());
         // Another version's: a key added since (absent), one retired since (present).
         let other_version = written.replacen(env!("CARGO_PKG_VERSION"), "0.0.1", 1).replace("  fused_gelu: false\n", "").replace("kernels:\n", "kernels:\n  loss_blocks_per_sm: 2\n");
         assert!(!other_version.contains("fused_gelu") && other_version.contains("loss_blocks_per_sm: 2"), "{other_version}");
         std::fs::write(&file, &other_version).unwrap();
         assert_eq!(keep_a_written_config(&file).unwrap(), None, "another version's: replaced, not kept");
+        // A newer version's, with a key this one does not know: still trainguard's.
+        std::fs::write(&file, other_version.replacen("0.0.1", "99.0.0", 1) + "future:\n  key: 1\n").unwrap();
+        assert_eq!(keep_a_written_config(&file).unwrap(), None, "a newer version's: replaced, not kept");
+        // Hand-written: with a comment; this version's edited by hand; a header of one's own.
         let commented = written.replace("train:\n", "train:\n  # lr sweep, run 3\n");
-        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe", commented.as_bytes()] {
+        let edited = written.replace("  max_steps: 200\n", "  max_steps:  500\n");
+        assert_ne!(edited, written);
+        let own_header = "# trainguard sweep 3\ntrain:\n  lr: 0.001\n";
+        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe", commented.as_bytes(), edited.as_bytes(), own_header.as_bytes()] {
             std::fs::write(&file, theirs).unwrap();
             let kept = keep_a_written_config(&file).unwrap().expect("kept");
             assert!(kept.file_name().unwrap().to_string_lossy().starts_with("config.kept-"), "{kept:?}");
