@@ -133,7 +133,7 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
     let version = first.strip_prefix("# trainguard ").and_then(|v| v.split_once(':')).map(|(v, _)| v).filter(|v| config_header(v) == first && !v.contains(' '));
     let ours = match version {
-        Some(v) if v == env!("CARGO_PKG_VERSION") => as_written(body),
+        Some(env!("CARGO_PKG_VERSION")) => as_written(body),
         Some(_) => !body.lines().any(|l| l.trim_start().starts_with('#')) && serde_yaml::from_str::<serde_yaml::Value>(body).is_ok(),
         None => as_written(&text),
     };
