@@ -27,8 +27,9 @@ pub enum Resume {
     Auto,
     /// From this checkpoint directory; failing to load it is an error.
     Path(PathBuf),
-    /// From the newest complete checkpoint in `out_dir`, else from this one: a torchrun restart
-    /// of a run that `--resume PATH` started (the path was for the job's first attempt).
+    /// From the newest complete checkpoint in `out_dir` if it is past this one's step, else from
+    /// this one: a torchrun restart of a run that `--resume PATH` started (the path was for the
+    /// job's first attempt; an older checkpoint in `out_dir` is another run's).
     AutoOr(PathBuf),
 }
 
