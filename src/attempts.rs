@@ -3,8 +3,9 @@
 //! failed; two records decide what a restart does instead:
 //! - **what it resumes**: only a run this job started. Rank 0 writes `out_dir/torchrun_job.json`
 //!   (`{run_id}`) once the ranks agree to start; a process resumes it when it names this job,
-//!   whatever `--resume` asked ([`crate::train::Resume::asked`]) and its restart count (a node whose workers did not fail is
-//!   restarted with its count unchanged), and otherwise does what the command asked: a fresh
+//!   whatever `--resume` asked ([`crate::train::Resume::asked`]) and its restart count (a node
+//!   whose workers did not fail is restarted with its count unchanged), and otherwise does what
+//!   the command asked: a fresh
 //!   start in another run's directory is refused again, not turned into a resume of that run.
 //!   torchrun's default run id, `none`, is every such job's: under it only a restart (a count
 //!   above 0) resumes;

@@ -55,11 +55,8 @@ fn failure_file(a: &attempts::Attempt) -> std::path::PathBuf {
     a.failure_file(env, &std::env::temp_dir(), uid, agent)
 }
 
-/// A failure this rank heard of from another (which records its own cause), or one a restart
-/// may mend (ranks that found different checkpoints: a directory cache that lagged behind a
-/// crash's last checkpoint): not this job's end.
 fn heard_from_a_peer(err: &anyhow::Error) -> bool {
-    err.chain().any(|c| matches!(c.downcast_ref::<TrainError>(), Some(TrainError::PeerCouldNotStart | TrainError::PeersDiffer { .. } | TrainError::ResumeDisagrees { .. })))
+    err.chain().any(|c| c.downcast_ref::<TrainError>().is_some_and(TrainError::heard_from_a_peer))
 }
 
 /// The continuation as generated; on a terminal, a line end after it so the prompt does not
@@ -103,14 +100,9 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&plan.config.out_dir, a));
     // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
     // refusal there is one every rank hears of).
-    let resume = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
-    let asked = args.resume.as_deref().filter(|r| *r != "auto").map(|r| format!("--resume {r}")).or(args.overwrite.then(|| "--overwrite".to_string()));
-    if let (true, Some(asked)) = (resumes_its_run, asked) {
-        let from = match &resume {
-            Resume::AutoOr(path) => format!(" from its newest checkpoint past {}'s step, else from that one again", path.display()),
-            _ => String::new(),
-        };
-        tracing::info!("this torchrun job started the run in {}: a restart resumes it{from} ({asked} was for the job's first attempt)", plan.config.out_dir.display());
+    let (resume, set_aside) = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
+    if let Some(note) = set_aside {
+        tracing::info!("this torchrun job started the run in {}: {note}", plan.config.out_dir.display());
     }
     // An earlier run's stop record is removed, and torchrun's deadline recorded, once the
     // ranks agree to start (src/train/run_dir.rs): a command refused before then leaves them.
@@ -345,11 +337,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             Some(TrainError::Interrupted { .. }) => return exit::INTERRUPTED,
             Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
             Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => return exit::NOT_DETERMINISTIC,
-            // A checkpoint named on the command line that cannot be used, or a model that
-            // differs from the checkpoint's: the user's input is wrong.
-            Some(TrainError::Checkpoint(_) | TrainError::Allocator(_) | TrainError::InitFrom(_) | TrainError::ResumeDisagrees { .. } | TrainError::PeerCouldNotStart | TrainError::OutDirNotADirectory { .. } | TrainError::OverwriteHoldsCwd { .. } | TrainError::DiffersFromRank0 { .. } | TrainError::PeersDiffer { .. }) => return exit::CONFIG,
-            Some(TrainError::Data(e)) if e.is_usage() => return exit::CONFIG,
-            Some(TrainError::Lock(train::LockError::Busy { .. })) => return exit::CONFIG,
+            Some(t) if t.is_usage() => return exit::CONFIG,
             _ => {}
         }
     }

@@ -298,8 +298,14 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
 
 /// The newest checkpoint under `root` that loads; the ones skipped on the way, with why.
 pub fn newest_valid(root: &Path) -> (Option<Loaded>, Vec<CheckpointError>) {
+    newest_valid_past(root, None)
+}
+
+/// [`newest_valid`] among the checkpoints past step `past` (by their directory's name: the
+/// older ones are not read).
+pub fn newest_valid_past(root: &Path, past: Option<u64>) -> (Option<Loaded>, Vec<CheckpointError>) {
     let mut skipped = Vec::new();
-    for (_, dir) in list(root).into_iter().rev() {
+    for (_, dir) in list(root).into_iter().rev().take_while(|(step, _)| past.is_none_or(|p| *step > p)) {
         match load(&dir) {
             Ok(l) => return (Some(l), skipped),
             Err(e) => skipped.push(e),
@@ -377,6 +383,12 @@ mod tests {
         let (found, skipped) = newest_valid(&root);
         assert_eq!(found.unwrap().state.step, 5);
         assert_eq!(skipped.len(), 1);
+        // Past step 5, only step 10's counts, and it is broken: nothing, and step 5 not read.
+        fs::remove_file(root.join("step-00000005").join(STATE_FILE)).unwrap();
+        let (found, skipped) = newest_valid_past(&root, Some(5));
+        assert!(found.is_none());
+        assert_eq!(skipped.len(), 1, "step 5's missing state is not reported");
+        assert!(newest_valid_past(&root, Some(10)).1.is_empty());
         fs::create_dir(root.join(".tmp-step-00000015")).unwrap();
         assert_eq!(list(&root).len(), 2, "temporaries are not checkpoints");
         assert_eq!(clean_temporaries(&root).removed.len(), 1);

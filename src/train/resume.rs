@@ -39,16 +39,32 @@ impl Resume {
     /// (`restart_of_its_run`, see [`crate::attempts`]) resumes that run whatever was asked:
     /// the command's choice was for how the job began, and a restart that started over (or from
     /// the older checkpoint named) would throw away, or refuse, what the job had trained.
-    pub fn asked(resume: Option<&str>, overwrite: bool, restart_of_its_run: bool) -> Self {
-        match resume {
-            Some(path) if restart_of_its_run && !matches!(path, "auto" | "none") => Self::AutoOr(path.into()),
-            _ if restart_of_its_run => Self::Auto,
+    /// The second value is the log's account when a restart sets the command's choice aside.
+    pub fn asked(resume: Option<&str>, overwrite: bool, restart_of_its_run: bool) -> (Self, Option<String>) {
+        let first = match resume {
             Some("auto") => Self::Auto,
             Some("none") => Self::Fresh,
             Some(path) => Self::Path(path.into()),
             None if overwrite => Self::Overwrite,
             None => Self::Fresh,
+        };
+        if !restart_of_its_run || first == Self::Auto {
+            return (first, None);
         }
+        let what = match (&first, resume) {
+            (Self::Path(p), _) => format!("--resume {}", p.display()),
+            (Self::Overwrite, _) => "--overwrite".to_string(),
+            (_, Some(r)) => format!("--resume {r}"),
+            _ => "a fresh start (no --resume)".to_string(),
+        };
+        let (restart, from) = match first {
+            Self::Path(p) => {
+                let from = format!(" from its newest checkpoint past {}'s step, else from that one again", p.display());
+                (Self::AutoOr(p), from)
+            }
+            _ => (Self::Auto, String::new()),
+        };
+        (restart, Some(format!("a restart resumes it{from} ({what} was for the job's first attempt)")))
     }
 }
 
@@ -127,23 +143,27 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
             Ok(Start::default())
         }
         Resume::Overwrite => Ok(Start::default()), // the directory was moved aside: nothing there
-        Resume::Auto => {
-            let restored = if writer { store::clean_temporaries(root).restored } else { vec![] };
-            let (loaded, skipped) = store::newest_valid(root);
-            Ok(Start { loaded, skipped, restored })
-        }
+        Resume::Auto => Ok(newest(root, writer, None)),
         Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
         Resume::AutoOr(p) => {
             // The job's own checkpoints are past the step it began from (the first attempt set
             // aside any later one before the job was recorded); an older one is another run's.
             let began = store::load_state(p)?.step;
-            match resolve_resume(&Resume::Auto, root, writer)? {
-                Start { loaded: Some(own), skipped, restored } if own.state.step > began => Ok(Start { loaded: Some(own), skipped, restored }),
-                Start { skipped, restored, .. } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
+            match newest(root, writer, Some(began)) {
+                Start { loaded: None, skipped, restored } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
+                own => Ok(own),
             }
         }
     }
+}
+
+/// The newest complete checkpoint in `root` (past step `past`), after the writer has cleaned
+/// up what a killed writer left.
+fn newest(root: &Path, writer: bool, past: Option<u64>) -> Start {
+    let restored = if writer { store::clean_temporaries(root).restored } else { vec![] };
+    let (loaded, skipped) = store::newest_valid_past(root, past);
+    Start { loaded, skipped, restored }
 }
 
 /// What a resumed run moved out of its way in `out_dir`; nothing is deleted.
@@ -346,18 +366,28 @@ mod tests {
     fn a_restart_of_the_job_that_started_the_run_resumes_it_whatever_was_asked() {
         let path = || PathBuf::from("old/checkpoints/step-00000010");
         let p = "old/checkpoints/step-00000010";
-        // The first attempt (or another job's process): what the command asked.
-        assert_eq!(Resume::asked(None, false, false), Resume::Fresh);
-        assert_eq!(Resume::asked(Some("none"), false, false), Resume::Fresh);
-        assert_eq!(Resume::asked(Some("auto"), false, false), Resume::Auto);
-        assert_eq!(Resume::asked(Some(p), false, false), Resume::Path(path()));
-        assert_eq!(Resume::asked(None, true, false), Resume::Overwrite);
-        // A restart of its own run: that run, never a fresh start, the old run moved aside, or
-        // the older checkpoint the job began from (unless the run has none yet).
-        for (resume, overwrite) in [(None, false), (Some("none"), false), (Some("auto"), false), (None, true)] {
-            assert_eq!(Resume::asked(resume, overwrite, true), Resume::Auto, "{resume:?} {overwrite}");
+        // The first attempt (or another job's process): what the command asked, nothing to say.
+        for (resume, overwrite, first) in [
+            (None, false, Resume::Fresh),
+            (Some("none"), false, Resume::Fresh),
+            (Some("auto"), false, Resume::Auto),
+            (Some(p), false, Resume::Path(path())),
+            (None, true, Resume::Overwrite),
+        ] {
+            assert_eq!(Resume::asked(resume, overwrite, false), (first, None), "{resume:?} {overwrite}");
         }
-        assert_eq!(Resume::asked(Some(p), false, true), Resume::AutoOr(path()));
+        // A restart of its own run: that run, never a fresh start, the old run moved aside, or
+        // the older checkpoint the job began from (unless the run has none yet); the log says
+        // which choice was set aside, unless it was that run's own `auto`.
+        assert_eq!(Resume::asked(Some("auto"), false, true), (Resume::Auto, None));
+        for (resume, overwrite, set_aside) in [(None, false, "a fresh start (no --resume)"), (Some("none"), false, "--resume none"), (None, true, "--overwrite")] {
+            let (restart, note) = Resume::asked(resume, overwrite, true);
+            assert_eq!(restart, Resume::Auto, "{resume:?} {overwrite}");
+            assert_eq!(note.unwrap(), format!("a restart resumes it ({set_aside} was for the job's first attempt)"));
+        }
+        let (restart, note) = Resume::asked(Some(p), false, true);
+        assert_eq!(restart, Resume::AutoOr(path()));
+        assert_eq!(note.unwrap(), format!("a restart resumes it from its newest checkpoint past {p}'s step, else from that one again (--resume {p} was for the job's first attempt)"));
     }
 
     #[test]

@@ -77,6 +77,30 @@ impl TrainError {
             _ => None,
         }
     }
+
+    /// A failure this rank heard of from another (which reports its own cause), or one a
+    /// restart may mend (ranks that found different checkpoints: a directory cache that lagged
+    /// behind a crash's last checkpoint): not one to end a torchrun job on.
+    pub fn heard_from_a_peer(&self) -> bool {
+        matches!(self, TrainError::PeerCouldNotStart | TrainError::PeersDiffer { .. } | TrainError::ResumeDisagrees { .. })
+    }
+
+    /// The user's input is wrong (exit 2): a checkpoint or model to start from that cannot be
+    /// used, an allocator setting, an out_dir that cannot hold the run or is another's, a rank
+    /// run differently from rank 0, or the corpus.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            TrainError::Data(e) => e.is_usage(),
+            TrainError::Lock(l) => matches!(l, super::lock::LockError::Busy { .. }),
+            TrainError::Checkpoint(_)
+            | TrainError::Allocator(_)
+            | TrainError::InitFrom(_)
+            | TrainError::OutDirNotADirectory { .. }
+            | TrainError::OverwriteHoldsCwd { .. }
+            | TrainError::DiffersFromRank0 { .. } => true,
+            _ => self.heard_from_a_peer(),
+        }
+    }
 }
 
 /// Trains `plan` from where `resume` says to `train.max_steps`, or until a stop.
