@@ -238,14 +238,20 @@ template <class... A>
 constexpr std::size_t arity_of(void (*)(A...)) {
   return sizeof...(A);
 }
+template <class... A>
+const std::size_t* sizes_of(void (*)(A...)) {
+  static const std::size_t sizes[] = {sizeof(A)..., 0};
+  return sizes;
+}
 
 struct Kernel {
   const char* name;
   void (*body)(void**);
-  std::size_t arity;  // its parameters: a launch must pass as many
+  std::size_t arity;          // its parameters: a launch must pass as many
+  const std::size_t* sizes;   // and each of its parameter's size (in bytes)
 };
 
-#define TG_EMULATED(k) Kernel{#k, [](void** a) { call(&k, a); }, arity_of(&k)}
+#define TG_EMULATED(k) Kernel{#k, [](void** a) { call(&k, a); }, arity_of(&k), sizes_of(&k)}
 #define TG_EMULATED_DTYPE(s)                                                                                             \
   TG_EMULATED(tg_adamw8bit_##s), TG_EMULATED(tg_ce_forward_##s), TG_EMULATED(tg_ce_backward_##s), TG_EMULATED(tg_ce_forward_grad_##s), TG_EMULATED(tg_ce_scale_grad_##s),                      \
       TG_EMULATED(tg_ln_forward_##s), TG_EMULATED(tg_ln_backward_##s), TG_EMULATED(tg_ln_param_grads_##s),             \
@@ -339,7 +345,7 @@ void* emulated_kernel(const std::string& name) {
   throw std::logic_error("cuda emulation: no kernel " + name);
 }
 
-void emulated_launch(void* kernel, long long gx, long long gy, void** args, std::size_t n_args) {
+void emulated_launch(void* kernel, long long gx, long long gy, void** args, const std::size_t* sizes, std::size_t n_args) {
   using namespace tg_emulated;
   const Kernel& k = *static_cast<const Kernel*>(kernel);
   if (gx < 1 || gy < 1) throw std::invalid_argument(std::string("cuda emulation: ") + k.name + ": an empty grid (the driver refuses it)");
@@ -348,6 +354,14 @@ void emulated_launch(void* kernel, long long gx, long long gy, void** args, std:
   if (n_args != k.arity) {
     throw std::invalid_argument(std::string("cuda emulation: ") + k.name + " takes " + std::to_string(k.arity) + " arguments; the launch passes " +
                                 std::to_string(n_args));
+  }
+  // The driver copies each parameter's size from its pointer: a value of another size (an int
+  // where the kernel takes a long long) is read short or with its neighbour's bytes.
+  for (std::size_t i = 0; i < n_args; ++i) {
+    if (sizes[i] != k.sizes[i]) {
+      throw std::invalid_argument(std::string("cuda emulation: ") + k.name + "'s parameter " + std::to_string(i) + " takes " +
+                                  std::to_string(k.sizes[i]) + " bytes; the launch passes " + std::to_string(sizes[i]));
+    }
   }
   std::lock_guard<std::mutex> g(launch_lock);
   ++launches;
@@ -383,10 +397,14 @@ extern "C" unsigned long long tg_cuda_emulation_launches_of(const char* name) {
 
 // Runs the emulation's check kernel `tg_test_<name>` (one block) on `bytes` (48) and `out` (256
 // floats), CUDA used wrongly where `wrong` is 1, launched with its last argument missing where
-// `wrong` is 2; what the emulation reports comes back in `err`.
+// `wrong` is 2, and with its last argument (an int) passed as a long long where it is 3; what the
+// emulation reports comes back in `err`.
 extern "C" int tg_cuda_emulation_selftest(const char* name, unsigned char* bytes, float* out, int wrong, char* err, size_t err_len) {
   return trainguard::guarded(err, err_len, [&] {
-    void* args[] = {&bytes, &out, &wrong};
-    trainguard::emulated_launch(trainguard::emulated_kernel(std::string("tg_test_") + name), 1, 1, args, wrong == 2 ? 2 : 3);
+    void* const kernel = trainguard::emulated_kernel(std::string("tg_test_") + name);
+    long long wide = wrong;
+    void* args[] = {&bytes, &out, wrong == 3 ? static_cast<void*>(&wide) : static_cast<void*>(&wrong)};
+    const std::size_t sizes[] = {sizeof bytes, sizeof out, wrong == 3 ? sizeof wide : sizeof wrong};
+    trainguard::emulated_launch(kernel, 1, 1, args, sizes, wrong == 2 ? 2 : 3);
   });
 }

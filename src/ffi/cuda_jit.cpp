@@ -358,18 +358,21 @@ class Launcher {
     }
   }
   const Loaded& kernels() const { return loaded_; }
-  // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks. `args` is
-  // an array, so its length reaches the emulation, which checks it against the kernel's
-  // parameters (the driver cannot: it reads as many as the kernel takes).
-  template <std::size_t N>
-  void operator()(void* kernel, const char* what, long long gx, long long gy, void* (&args)[N]) const {
+  // Queues `kernel` (`what` names it in an error), grid gx × gy of 256-thread blocks, with the
+  // argument values `values` (the driver copies them at the launch). Their count and sizes reach
+  // the emulation, which checks them against the kernel's parameters; the driver cannot (it
+  // reads as many bytes as the kernel's parameters take, whatever was passed).
+  template <class... A>
+  void operator()(void* kernel, const char* what, long long gx, long long gy, A&... values) const {
     // CUDA's grid limits (x < 2^31, y < 2^16): beyond them the casts below would wrap silently.
     if (gx > 0x7fffffffLL || gy > 0xffffLL) {
       throw std::invalid_argument(std::string(what) + ": a grid of " + std::to_string(gx) + " x " + std::to_string(gy) +
                                   " blocks is beyond CUDA's limits (2^31 - 1 x 65535)");
     }
+    void* args[] = {const_cast<void*>(static_cast<const void*>(&values))...};
     if (on_host_) {
-      trainguard::emulated_launch(kernel, gx, gy, args, N);
+      const std::size_t sizes[] = {sizeof(A)...};
+      trainguard::emulated_launch(kernel, gx, gy, args, sizes, sizeof...(A));
       return;
     }
     check_cu(driver().launch(kernel, static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1, 256, 1, 1, 0, stream_, args, nullptr), what);
@@ -398,9 +401,8 @@ void cuda_adamw8bit_update(at::Tensor& p, const at::Tensor& g, at::Tensor& qm, a
   void* qvp = qv.data_ptr();
   void* avp = av.data_ptr();
   int apply_flag = apply ? 1 : 0;
-  void* args[] = {&pp, &gp, &qmp, &amp, &qvp, &avp, &n, &w1, &w2, &shrink, &scale, &shift, &apply_flag};
   const Launcher launch(p.device());
-  launch(launch.kernels().per_dtype[d].adamw8bit, "cuLaunchKernel(tg_adamw8bit)", blocks, 1, args);
+  launch(launch.kernels().per_dtype[d].adamw8bit, "cuLaunchKernel(tg_adamw8bit)", blocks, 1, pp, gp, qmp, amp, qvp, avp, n, w1, w2, shrink, scale, shift, apply_flag);
 }
 
 void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first, at::Tensor* col_var, at::Tensor& ws,
@@ -418,23 +420,16 @@ void cuda_adafactor_update(at::Tensor& p, const at::Tensor& g, at::Tensor& first
   void* wsp = ws.data_ptr();
   const Launcher launch(p.device());
   void* const* stage = launch.kernels().per_dtype[dtype].adafactor;
-  void* rows_args[] = {&pp, &gp, &fp, &wsp, &n, &cols, &factored, &w};
-  launch(stage[kRows], "cuLaunchKernel(tg_adafactor_rows)", units, 1, rows_args);
+  launch(stage[kRows], "cuLaunchKernel(tg_adafactor_rows)", units, 1, pp, gp, fp, wsp, n, cols, factored, w);
   if (factored) {
     const long long col_blocks = (cols + 255) / 256;
-    void* cols_args[] = {&gp, &wsp, &rows, &cols, &bands};
-    launch(stage[kCols], "cuLaunchKernel(tg_adafactor_cols)", col_blocks, bands, cols_args);
-    void* col_var_args[] = {&sp, &wsp, &rows, &cols, &bands, &w};
-    launch(stage[kColVar], "cuLaunchKernel(tg_adafactor_col_var)", col_blocks, 1, col_var_args);
+    launch(stage[kCols], "cuLaunchKernel(tg_adafactor_cols)", col_blocks, bands, gp, wsp, rows, cols, bands);
+    launch(stage[kColVar], "cuLaunchKernel(tg_adafactor_col_var)", col_blocks, 1, sp, wsp, rows, cols, bands, w);
   }
-  void* scale_args[] = {&rp, &wsp, &units, &n, &rows, &factored, &eps2, &rho, &eps1_sq};
-  launch(stage[kScale], "cuLaunchKernel(tg_adafactor_scale)", 1, 1, scale_args);
-  void* usq_args[] = {&gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq};
-  launch(stage[kUsq], "cuLaunchKernel(tg_adafactor_usq)", units, 1, usq_args);
-  void* coef_args[] = {&wsp, &units, &n, &d};
-  launch(launch.kernels().adafactor_coef, "cuLaunchKernel(tg_adafactor_coef)", 1, 1, coef_args);
-  void* apply_args[] = {&pp, &gp, &sp, &rp, &wsp, &n, &cols, &factored, &eps1_sq, &shrink};
-  launch(stage[kApply], "cuLaunchKernel(tg_adafactor_apply)", units, 1, apply_args);
+  launch(stage[kScale], "cuLaunchKernel(tg_adafactor_scale)", 1, 1, rp, wsp, units, n, rows, factored, eps2, rho, eps1_sq);
+  launch(stage[kUsq], "cuLaunchKernel(tg_adafactor_usq)", units, 1, gp, sp, rp, wsp, n, cols, factored, eps1_sq);
+  launch(launch.kernels().adafactor_coef, "cuLaunchKernel(tg_adafactor_coef)", 1, 1, wsp, units, n, d);
+  launch(stage[kApply], "cuLaunchKernel(tg_adafactor_apply)", units, 1, pp, gp, sp, rp, wsp, n, cols, factored, eps1_sq, shrink);
 }
 
 void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss) {
@@ -445,9 +440,8 @@ void cuda_cross_entropy_forward(const at::Tensor& x, const at::Tensor& target, a
   const void* tp = target.data_ptr();
   void* lp = lse.data_ptr();
   void* op = loss.data_ptr();
-  void* args[] = {&xp, &tp, &lp, &op, &cols};
   const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[d].ce_forward, "cuLaunchKernel(tg_ce_forward)", rows, 1, args);
+  launch(launch.kernels().per_dtype[d].ce_forward, "cuLaunchKernel(tg_ce_forward)", rows, 1, xp, tp, lp, op, cols);
 }
 
 void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, const at::Tensor& lse, const at::Tensor& grad_scale,
@@ -460,9 +454,8 @@ void cuda_cross_entropy_backward(const at::Tensor& x, const at::Tensor& target, 
   const void* lp = lse.data_ptr();
   const void* sp = grad_scale.data_ptr();
   void* gp = grad.data_ptr();
-  void* args[] = {&xp, &tp, &lp, &sp, &gp, &cols};
   const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, args);
+  launch(launch.kernels().per_dtype[d].ce_backward, "cuLaunchKernel(tg_ce_backward)", rows, 1, xp, tp, lp, sp, gp, cols);
 }
 
 void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at::Tensor& lse, at::Tensor& loss, const at::Tensor& grad_scale) {
@@ -474,9 +467,8 @@ void cuda_cross_entropy_forward_grad(at::Tensor& x, const at::Tensor& target, at
   void* lp = lse.data_ptr();
   void* op = loss.data_ptr();
   const void* sp = grad_scale.data_ptr();
-  void* args[] = {&xp, &tp, &lp, &op, &sp, &cols};
   const Launcher launch(x.device());
-  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", rows, 1, args);
+  launch(launch.kernels().per_dtype[d].ce_forward_grad, "cuLaunchKernel(tg_ce_forward_grad)", rows, 1, xp, tp, lp, op, sp, cols);
 }
 
 void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, const at::Tensor& factor) {
@@ -486,9 +478,8 @@ void cuda_cross_entropy_scale_grad(at::Tensor& grad, const at::Tensor& target, c
   void* gp = grad.data_ptr();
   const void* tp = target.data_ptr();
   const void* fp = factor.data_ptr();
-  void* args[] = {&gp, &tp, &fp, &cols};
   const Launcher launch(grad.device());
-  launch(launch.kernels().per_dtype[d].ce_scale_grad, "cuLaunchKernel(tg_ce_scale_grad)", rows, 1, args);
+  launch(launch.kernels().per_dtype[d].ce_scale_grad, "cuLaunchKernel(tg_ce_scale_grad)", rows, 1, gp, tp, fp, cols);
 }
 
 // A tensor's data for a kernel argument: null when it is undefined (an optional input).
@@ -513,11 +504,9 @@ void cuda_residual_norm_forward(const at::Tensor& x, const at::Tensor& delta, co
   const Launcher launch(x.device());
   const auto& k = launch.kernels().per_dtype[d];
   if (cols <= kWarpRowCols) {
-    void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &rows, &cols, &eps, &rms_flag};
-    launch(k.ln_forward_warp, "cuLaunchKernel(tg_ln_forward_warp)", warp_row_blocks(rows), 1, args);
+    launch(k.ln_forward_warp, "cuLaunchKernel(tg_ln_forward_warp)", warp_row_blocks(rows), 1, xp, dp, wp, bp, sp, yp, mp, rp, rows, cols, eps, rms_flag);
   } else {
-    void* args[] = {&xp, &dp, &wp, &bp, &sp, &yp, &mp, &rp, &cols, &eps, &rms_flag};
-    launch(k.ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, args);
+    launch(k.ln_forward, "cuLaunchKernel(tg_ln_forward)", rows, 1, xp, dp, wp, bp, sp, yp, mp, rp, cols, eps, rms_flag);
   }
 }
 
@@ -542,29 +531,25 @@ void cuda_residual_norm_backward(const at::Tensor& s, const at::Tensor& w, const
   // The weight and bias gradients: each band's sums into `partial`, then the bands added in order.
   const auto sum_bands = [&](at::Tensor& partial, long long bands) {
     void* pp = partial.data_ptr();
-    void* sum_args[] = {&pp, &dwp, &dbp, &bands, &cols};
-    launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 31) / 32, 2, sum_args);
+    launch(launch.kernels().ln_param_sum, "cuLaunchKernel(tg_ln_param_sum)", (cols + 31) / 32, 2, pp, dwp, dbp, bands, cols);
   };
   if (cols <= kWarpRowCols) {
     // A warp a row: the band sums in the same pass (a band a block), where there is a dy.
     long long bands = warp_backward_blocks(rows);
     at::Tensor partial = dy.defined() ? at::empty({bands, 2 * cols}, s.options()) : at::Tensor();
     void* pp = mutable_data_or_null(partial);
-    void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &pp, &rows, &cols, &rms_flag};
-    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", bands, 1, args);
+    launch(k.ln_backward_warp, "cuLaunchKernel(tg_ln_backward_warp)", bands, 1, sp, wp, mp, rp, dyp, dsp, dxp, ddp, pp, rows, cols, rms_flag);
     if (dy.defined()) sum_bands(partial, bands);  // (without one, dw and db stay zero)
     return;
   }
-  void* args[] = {&sp, &wp, &mp, &rp, &dyp, &dsp, &dxp, &ddp, &cols, &rms_flag};
-  launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, args);
+  launch(k.ln_backward, "cuLaunchKernel(tg_ln_backward)", rows, 1, sp, wp, mp, rp, dyp, dsp, dxp, ddp, cols, rms_flag);
   if (!dy.defined()) return;
   // A block a row: bands of rows per column tile in a pass of their own.
   long long band_rows = kBandRows;
   long long bands = band_count(rows);
   at::Tensor partial = at::empty({bands, 2 * cols}, s.options());
   void* pp = partial.data_ptr();
-  void* grads_args[] = {&sp, &mp, &rp, &dyp, &pp, &rows, &cols, &band_rows};
-  launch(k.ln_param_grads, "cuLaunchKernel(tg_ln_param_grads)", (cols + 31) / 32, bands, grads_args);
+  launch(k.ln_param_grads, "cuLaunchKernel(tg_ln_param_grads)", (cols + 31) / 32, bands, sp, mp, rp, dyp, pp, rows, cols, band_rows);
   sum_bands(partial, bands);
 }
 
@@ -585,9 +570,8 @@ void cuda_swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h
   const void* up = u.data_ptr();
   void* hp = h.data_ptr();
   auto [cols, stride] = swiglu_rows(g);
-  void* args[] = {&gp, &up, &hp, &n, &cols, &stride};
   const Launcher launch(g.device());
-  launch(launch.kernels().per_dtype[d].swiglu_forward, "cuLaunchKernel(tg_swiglu_forward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
+  launch(launch.kernels().per_dtype[d].swiglu_forward, "cuLaunchKernel(tg_swiglu_forward)", (n + kBlockValues - 1) / kBlockValues, 1, gp, up, hp, n, cols, stride);
 }
 
 void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::Tensor& u, at::Tensor& dg, at::Tensor& du) {
@@ -600,9 +584,8 @@ void cuda_swiglu_backward(const at::Tensor& dh, const at::Tensor& g, const at::T
   void* dgp = dg.data_ptr();
   void* dup = du.data_ptr();
   auto [cols, stride] = swiglu_rows(g);
-  void* args[] = {&dhp, &gp, &up, &dgp, &dup, &n, &cols, &stride};
   const Launcher launch(g.device());
-  launch(launch.kernels().per_dtype[d].swiglu_backward, "cuLaunchKernel(tg_swiglu_backward)", (n + kBlockValues - 1) / kBlockValues, 1, args);
+  launch(launch.kernels().per_dtype[d].swiglu_backward, "cuLaunchKernel(tg_swiglu_backward)", (n + kBlockValues - 1) / kBlockValues, 1, dhp, gp, up, dgp, dup, n, cols, stride);
 }
 
 void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const at::Tensor& sin) {
@@ -628,9 +611,8 @@ void cuda_rope(const std::vector<RopePart>& parts, const at::Tensor& cos, const 
   const int dt = dtype_index(first.scalar_type(), "rope");
   const void* cp = cos.data_ptr();
   const void* sp = sin.data_ptr();
-  void* args[] = {&jobs, &cp, &sp, &rows, &t, &d};
   const Launcher launch(first.device());
-  launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (units + 255) / 256, 1, args);
+  launch(launch.kernels().per_dtype[dt].rope, "cuLaunchKernel(tg_rope)", (units + 255) / 256, 1, jobs, cp, sp, rows, t, d);
 }
 
 namespace {
@@ -648,8 +630,7 @@ void finish_column_sum(const Launcher& launch, at::Tensor& partial, at::Tensor& 
   long long bands = partial.size(0), cols = partial.size(1);
   void* pp = partial.data_ptr();
   void* op = out.data_ptr();
-  void* args[] = {&pp, &op, &bands, &cols};
-  launch(launch.kernels().col_sum_finish, "cuLaunchKernel(tg_col_sum_finish)", (cols + 255) / 256, 1, args);
+  launch(launch.kernels().col_sum_finish, "cuLaunchKernel(tg_col_sum_finish)", (cols + 255) / 256, 1, pp, op, bands, cols);
 }
 }  // namespace
 
@@ -666,13 +647,12 @@ void cuda_column_sum(const at::Tensor& dy, at::Tensor& out) {
   at::Tensor partial = at::empty({bands, cols}, dy.options().dtype(at::kFloat));
   const void* dyp = dy.data_ptr();
   void* pp = partial.data_ptr();
-  void* args[] = {&dyp, &pp, &rows, &cols, &band_rows};
   const Launcher launch(dy.device());
   const auto& k = launch.kernels().per_dtype[d];
   if (packs_fit({&dy})) {
-    launch(k.col_sum_bands_packed, "cuLaunchKernel(tg_col_sum_bands_packed)", (cols + 255) / 256, bands, args);
+    launch(k.col_sum_bands_packed, "cuLaunchKernel(tg_col_sum_bands_packed)", (cols + 255) / 256, bands, dyp, pp, rows, cols, band_rows);
   } else {
-    launch(k.col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, args);
+    launch(k.col_sum_bands, "cuLaunchKernel(tg_col_sum_bands)", (cols + 63) / 64, bands, dyp, pp, rows, cols, band_rows);
   }
   finish_column_sum(launch, partial, out);
 }
@@ -690,9 +670,8 @@ at::Tensor cuda_gelu_backward(const at::Tensor& da, const at::Tensor& h, at::Ten
   const void* hp = h.data_ptr();
   void* dhp = dh.data_ptr();
   void* pp = db != nullptr ? partial.data_ptr() : nullptr;
-  void* args[] = {&dap, &hp, &dhp, &pp, &rows, &cols, &band_rows};
   const Launcher launch(h.device());
-  launch(launch.kernels().per_dtype[d].gelu_backward_bands, "cuLaunchKernel(tg_gelu_backward_bands)", (cols + 255) / 256, bands, args);
+  launch(launch.kernels().per_dtype[d].gelu_backward_bands, "cuLaunchKernel(tg_gelu_backward_bands)", (cols + 255) / 256, bands, dap, hp, dhp, pp, rows, cols, band_rows);
   if (db != nullptr) finish_column_sum(launch, partial, *db);
   return dh;
 }

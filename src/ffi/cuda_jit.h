@@ -13,10 +13,11 @@ namespace trainguard {
 bool runs_cuda_kernels(const at::Tensor& t);
 
 // The host emulation (cuda_emulation.cpp): a kernel's handle by name, and a launch of a grid of
-// gx × gy 256-thread blocks that returns when it has run; `args` holds `n_args` pointers, which
-// must be as many as the kernel's parameters (an error otherwise).
+// gx × gy 256-thread blocks that returns when it has run; `args` holds `n_args` pointers to values
+// of `sizes` bytes, which must be as many as the kernel's parameters and each of its parameter's
+// size (an error otherwise).
 void* emulated_kernel(const std::string& name);
-void emulated_launch(void* kernel, long long gx, long long gy, void** args, std::size_t n_args);
+void emulated_launch(void* kernel, long long gx, long long gy, void** args, const std::size_t* sizes, std::size_t n_args);
 
 // The CUDA side of tg_adamw8bit_update (optim_kernels.cpp), which has checked the tensors: one
 // launch over `p`'s `blocks` blocks of 2048 values on PyTorch's current stream. The kernels must

@@ -411,13 +411,16 @@ mod tests {
         run("leave", false, &mut [0.0; 256]).0.unwrap();
         fails_with("leave", "threads ended while");
         // A launch whose arguments are fewer than the kernel's parameters (a GPU would read past
-        // the array): refused before any thread runs.
+        // the array), or one of another size than its parameter (a GPU would read it short or
+        // with its neighbour's bytes): refused before any thread runs.
         let name = std::ffi::CString::new("barrier").unwrap();
-        let (mut bytes, mut out, mut err) = ([0u8; 48], [0f32; 256], [0u8; ERR_LEN]);
-        // SAFETY: 48 bytes and 256 floats, as the check kernels take; the shim catches exceptions.
-        let code = unsafe { tg_cuda_emulation_selftest(name.as_ptr(), bytes.as_mut_ptr(), out.as_mut_ptr(), 2, err.as_mut_ptr().cast(), ERR_LEN) };
-        let err = result(code, &err).expect_err("two arguments for three").to_string();
-        assert!(err.contains("tg_test_barrier takes 3 arguments; the launch passes 2"), "{err}");
+        for (wrong, refused) in [(2, "tg_test_barrier takes 3 arguments; the launch passes 2"), (3, "tg_test_barrier's parameter 2 takes 4 bytes; the launch passes 8")] {
+            let (mut bytes, mut out, mut err) = ([0u8; 48], [0f32; 256], [0u8; ERR_LEN]);
+            // SAFETY: 48 bytes and 256 floats, as the check kernels take; the shim catches exceptions.
+            let code = unsafe { tg_cuda_emulation_selftest(name.as_ptr(), bytes.as_mut_ptr(), out.as_mut_ptr(), wrong, err.as_mut_ptr().cast(), ERR_LEN) };
+            let err = result(code, &err).expect_err(refused).to_string();
+            assert!(err.contains(refused), "{err}");
+        }
         // Shared memory read without the barrier after its writes: the later warps' values are
         // not there yet (this launch's inputs differ from any earlier one's).
         for wrong in [false, true] {
