@@ -46,14 +46,12 @@ pub struct Run<'a> {
     tracer: Option<Tracer>,
     /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
     last_eval_s: Option<f64>,
-    /// The writing rank's hold on `out_dir`, until [`train`](super::train) takes it to record
-    /// how the run ended.
-    run_dir: Option<RunDir>,
 }
 
 impl<'a> Run<'a> {
-    /// Builds what the run needs, resuming from a checkpoint when asked.
-    pub fn build(plan: &'a RunPlan, resume: &Resume, mut dist: Option<&'a mut Dist>) -> Result<Self, TrainError> {
+    /// Builds what the run needs, resuming from a checkpoint when asked; and the writing rank's
+    /// hold on `out_dir`, for the caller to keep until the run's end is recorded.
+    pub(super) fn build(plan: &'a RunPlan, resume: &Resume, mut dist: Option<&'a mut Dist>) -> Result<(Self, Option<RunDir>), TrainError> {
         let cfg = &plan.config;
         let t = &cfg.train;
         let device = plan.device;
@@ -208,7 +206,7 @@ impl<'a> Run<'a> {
             ckpt.adopt(l);
             reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
         }
-        Ok(Self {
+        let run = Self {
             plan,
             state,
             corpus,
@@ -227,15 +225,10 @@ impl<'a> Run<'a> {
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
-            run_dir: held,
             last_eval_s: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
-        })
-    }
-
-    /// The writing rank's hold on `out_dir`, for the caller to keep until the run's end is recorded.
-    pub(super) fn take_run_dir(&mut self) -> Option<RunDir> {
-        self.run_dir.take()
+        };
+        Ok((run, held))
     }
 
     /// Whether steps remain before `train.max_steps`.

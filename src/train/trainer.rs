@@ -107,8 +107,7 @@ impl TrainError {
 /// Rank 0 records how the run ended (`stop.json`) while it still holds `out_dir`: a run started
 /// there the moment the lock went would otherwise have its record overwritten by this one's.
 pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, dist: Option<&mut Dist>) -> Result<RunSummary, TrainError> {
-    let mut run = Run::build(plan, resume, dist)?;
-    let held = run.take_run_dir();
+    let (run, held) = Run::build(plan, resume, dist)?;
     let ended = run_to_the_end(run, stop);
     if let Some(dir) = &held {
         dir.record_end(&ended);
