@@ -390,7 +390,10 @@ impl Reporter {
                     None if self.events.is_none() => "; rank 0 writes the checkpoint".into(),
                     None => "; no checkpoint".into(),
                 };
-                tracing::warn!("stopping at step {step} ({reason}){ck}");
+                // The non-finite stop comes after its step (whose checkpoint counts it); every
+                // other stop comes before the step it names, which its checkpoint has not run.
+                let when = if matches!(reason, StopReason::Nonfinite) { "after" } else { "before" };
+                tracing::warn!("stopping {when} step {step} ({reason}){ck}");
             }
             Event::TraceWritten(s) => {
                 let kinds: Vec<String> = s.by_work.iter().take(6).map(|w| format!("{} {:.0}%", w.work.name(), 100.0 * w.share)).collect();

@@ -29,9 +29,9 @@ pub enum ConfigError {
 /// validates the result.
 pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
     let shown = path.map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("<defaults>"));
-    let mut tree = match path {
+    let (mut tree, out_of_range) = match path {
         Some(p) => read_yaml(p)?,
-        None => Value::Mapping(Default::default()),
+        None => (Value::Mapping(Default::default()), Vec::new()),
     };
     if tree.is_null() {
         tree = Value::Mapping(Default::default()); // an empty file means "all defaults"
@@ -39,7 +39,9 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     for arg in overrides {
         apply_override(&mut tree, arg)?;
     }
-    let config = typed(tree, &shown, overrides)?;
+    // A file's value that a --set replaced does not matter.
+    let out_of_range = out_of_range.into_iter().filter(|p| set_by(overrides, &p.key).is_none()).collect();
+    let config = typed(tree, &shown, overrides, out_of_range)?;
     let mut problems = validate(&config);
     if problems.is_empty() {
         return Ok(config);
@@ -99,10 +101,11 @@ pub fn saved(yaml: &str) -> Result<Config, serde_yaml::Error> {
 }
 
 /// The tree as a [`Config`]. Every unknown key is reported at once, each with the known key it
-/// most resembles (serde stops at the first: a config with three typos took three runs).
-fn typed(mut tree: Value, shown: &Path, overrides: &[String]) -> Result<Config, ConfigError> {
+/// most resembles (serde stops at the first: a config with three typos took three runs), and
+/// with the file's own problems, `file_problems`.
+fn typed(mut tree: Value, shown: &Path, overrides: &[String], file_problems: Vec<Problem>) -> Result<Config, ConfigError> {
     // Each problem, with the --set that gave its key when one did.
-    let mut problems: Vec<(Problem, Option<&String>)> = Vec::new();
+    let mut problems: Vec<(Problem, Option<&String>)> = file_problems.into_iter().map(|p| (p, None)).collect();
     loop {
         let e = match serde_path_to_error::deserialize::<_, Config>(tree.clone()) {
             Ok(config) if problems.is_empty() => return Ok(config),
@@ -179,19 +182,70 @@ fn remove(tree: &mut Value, path: &serde_path_to_error::Path) -> bool {
     }
 }
 
-fn read_yaml(path: &Path) -> Result<Value, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
+/// The file's YAML tree, and a problem for each integer in it beyond 64 bits. serde_yaml refuses
+/// such an integer and reads no further, so each is put aside (its key left out, the default in
+/// its place) and the file read again: the run that reports it reports the file's other
+/// problems too, not one a run.
+fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
+    let mut text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
         std::io::ErrorKind::NotFound => ConfigError::NotFound { path: path.to_path_buf() },
         _ => ConfigError::Read { path: path.to_path_buf(), source },
     })?;
-    serde_yaml::from_str(&text).map_err(|e| {
+    // Each put-aside integer: the string standing in its place, and what is wrong with it.
+    let mut wide: Vec<(String, String)> = Vec::new();
+    loop {
+        let e = match serde_yaml::from_str::<Value>(&text) {
+            Ok(mut tree) => {
+                let problems = wide.iter().filter_map(|(stand_in, why)| Some(Problem::new(&take_out(&mut tree, stand_in)?, why.clone()))).collect();
+                return Ok((tree, problems));
+            }
+            Err(e) => e,
+        };
         let message = readable(&e.to_string());
-        if message.contains(OUT_OF_RANGE) {
-            ConfigError::OutOfRange { path: path.to_path_buf(), message }
-        } else {
-            ConfigError::Yaml { path: path.to_path_buf(), message }
+        if !message.contains(OUT_OF_RANGE) {
+            return Err(ConfigError::Yaml { path: path.to_path_buf(), message });
         }
-    })
+        let at = e.location().map(|l| l.index()).filter(|&i| text[i..].starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit()));
+        let Some(at) = at.filter(|_| wide.len() < 64) else {
+            return Err(ConfigError::OutOfRange { path: path.to_path_buf(), message });
+        };
+        let end = text[at..].find(|c: char| !(c.is_ascii_alphanumeric() || "+-_".contains(c))).map_or(text.len(), |n| at + n);
+        let stand_in = format!("trainguard: out-of-range integer {}", wide.len());
+        // The key path serde_yaml puts first is the stand-in's to say once the file reads.
+        let why = message.split_once(": integer").map_or(message.clone(), |(_, rest)| format!("integer{rest}"));
+        text.replace_range(at..end, &format!("\"{stand_in}\""));
+        wide.push((stand_in, why));
+    }
+}
+
+/// Removes the value equal to the string `stand_in` from the tree and returns its key path.
+fn take_out(tree: &mut Value, stand_in: &str) -> Option<String> {
+    let here = |v: &Value| v.as_str() == Some(stand_in);
+    match tree {
+        Value::Mapping(m) => {
+            let key = m.iter().find(|(_, v)| here(v)).map(|(k, _)| k.clone());
+            if let Some(key) = key {
+                m.remove(&key);
+                return Some(key_text(&key));
+            }
+            m.iter_mut().find_map(|(k, v)| take_out(v, stand_in).map(|below| format!("{}.{below}", key_text(k))))
+        }
+        Value::Sequence(items) => {
+            if let Some(i) = items.iter().position(here) {
+                items.remove(i);
+                return Some(format!("[{i}]"));
+            }
+            items.iter_mut().enumerate().find_map(|(i, v)| take_out(v, stand_in).map(|below| format!("[{i}].{below}")))
+        }
+        _ => None,
+    }
+}
+
+fn key_text(key: &Value) -> String {
+    match key {
+        Value::String(s) => s.clone(),
+        other => serde_yaml::to_string(other).map_or_else(|_| "?".into(), |s| s.trim_end().to_string()),
+    }
 }
 
 /// What [`readable`] says of an integer beyond 64 bits.
@@ -446,6 +500,27 @@ mod tests {
         assert!(err.contains("is out of range") && !err.contains("not valid YAML"), "{err}");
         let err = load(None, &["faults=5".into()]).unwrap_err().to_string();
         assert!(err.contains("key `faults`") && err.contains("expected a section"), "{err}");
+    }
+
+    #[test]
+    fn integers_beyond_64_bits_are_reported_with_the_files_other_problems() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("c.yaml");
+        let yaml = "train:\n  max_steps: 99999999999999999999\n  lrr: 0.1\nmodel:\n  n_layer: -99999999999999999999\n";
+        std::fs::write(&file, yaml).unwrap();
+        let err = load(Some(&file), &[]).unwrap_err();
+        let ConfigError::Invalid { problems, .. } = &err else { panic!("{err}") };
+        let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["train.max_steps", "model.n_layer", "train.lrr"], "{err}");
+        assert!(problems[0].message.starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)") && problems[0].message.contains("line 2"), "{err}");
+        assert!(problems[1].message.contains("whole-number keys start at 0"), "{err}");
+        assert!(problems[2].message.contains("did you mean `lr`"), "{err}");
+        // A value the command line replaces does not matter.
+        let err = load(Some(&file), &["train.max_steps=5".into(), "train.lr=0.1".into()]).unwrap_err().to_string();
+        assert!(!err.contains("max_steps") && err.contains("model.n_layer") && err.contains("train.lrr"), "{err}");
+        std::fs::write(&file, "train:\n  max_steps: 99999999999999999999\n").unwrap();
+        let loaded = load(Some(&file), &["train.max_steps=50".into()]);
+        assert_eq!(loaded.map(|c| c.train.max_steps).ok(), Some(50));
     }
 
     #[test]
