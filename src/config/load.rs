@@ -228,7 +228,7 @@ fn take_out(tree: &mut Value, stand_in: &str) -> Option<String> {
                 m.remove(&key);
                 return Some(key_text(&key));
             }
-            m.iter_mut().find_map(|(k, v)| take_out(v, stand_in).map(|below| format!("{}.{below}", key_text(k))))
+            m.iter_mut().find_map(|(k, v)| take_out(v, stand_in).map(|below| format!("{}{}{below}", key_text(k), if below.starts_with('[') { "" } else { "." })))
         }
         Value::Sequence(items) => {
             if let Some(i) = items.iter().position(here) {
@@ -506,15 +506,15 @@ mod tests {
     fn integers_beyond_64_bits_are_reported_with_the_files_other_problems() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.yaml");
-        let yaml = "train:\n  max_steps: 99999999999999999999\n  lrr: 0.1\nmodel:\n  n_layer: -99999999999999999999\n";
+        let yaml = "train:\n  max_steps: 99999999999999999999\n  lrr: 0.1\nmodel:\n  n_layer: -99999999999999999999\nmemory:\n  allocator:\n    roundup_power2_divisions: [1, 99999999999999999999]\n";
         std::fs::write(&file, yaml).unwrap();
         let err = load(Some(&file), &[]).unwrap_err();
         let ConfigError::Invalid { problems, .. } = &err else { panic!("{err}") };
         let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
-        assert_eq!(keys, ["train.max_steps", "model.n_layer", "train.lrr"], "{err}");
+        assert_eq!(keys, ["train.max_steps", "model.n_layer", "memory.allocator.roundup_power2_divisions[1]", "train.lrr", "memory.allocator.roundup_power2_divisions"], "{err}");
         assert!(problems[0].message.starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)") && problems[0].message.contains("line 2"), "{err}");
         assert!(problems[1].message.contains("whole-number keys start at 0"), "{err}");
-        assert!(problems[2].message.contains("did you mean `lr`"), "{err}");
+        assert!(problems[3].message.contains("did you mean `lr`"), "{err}");
         // A value the command line replaces does not matter.
         let err = load(Some(&file), &["train.max_steps=5".into(), "train.lr=0.1".into()]).unwrap_err().to_string();
         assert!(!err.contains("max_steps") && err.contains("model.n_layer") && err.contains("train.lrr"), "{err}");
