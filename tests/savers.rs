@@ -143,7 +143,11 @@ fn resuming_with_another_optimizer_is_refused() {
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("optimizer: checkpoint adamw8bit, config adamw"), "{}", r.stderr());
+    assert!(r.stderr().contains("optimizer.name: checkpoint \"adamw8bit\", config \"adamw\""), "{}", r.stderr());
+    // Refused before the run directory is touched: the finished run's weights and stop record stay.
+    for file in ["model.safetensors", "stop.json"] {
+        assert!(dir.path().join(file).exists(), "{file} gone after a refused resume");
+    }
     // The same optimizer resumes bit for bit.
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let sets = ["train.max_steps=8", "train.warmup_steps=1", "optimizer.name=adamw8bit", "checkpoint.interval=4"];

@@ -1,18 +1,19 @@
 //! A checkpoint's config against the config resuming it. What defines the model must match: its
 //! shapes and vocabulary (the tensors would not fit) and what its architecture computes with (the
-//! same weights under another head count or RoPE base are another model). The rest (max_steps,
-//! intervals, schedule length, dropout, …) may change and is reported so the log shows it. Pure.
+//! same weights under another head count or RoPE base are another model); so must the optimizer
+//! (its state is another's). The rest (max_steps, intervals, schedule length, dropout, …) may
+//! change and is reported so the log shows it. Pure.
 use crate::config::diff::differing_keys;
 use crate::config::{Arch, Config};
 
 /// `key: checkpoint value, config value` for every differing key: those that define the model
-/// (refused) and the rest, separately.
+/// or name the optimizer (refused) and the rest, separately.
 pub fn differences(saved: &Config, now: &Config) -> (Vec<String>, Vec<String>) {
     let json = |c: &Config| serde_json::to_value(c).expect("a Config always serialises");
     let (mut model, mut other) = (Vec::new(), Vec::new());
     for d in differing_keys(&json(saved), &json(now)) {
         let line = format!("{}: checkpoint {}, config {}", d.key, d.a, d.b);
-        if defines_the_model(&d.key, saved.model.arch) { model.push(line) } else { other.push(line) }
+        if defines_the_model(&d.key, saved.model.arch) || d.key == "optimizer.name" { model.push(line) } else { other.push(line) }
     }
     (model, other)
 }
@@ -41,6 +42,11 @@ mod tests {
         assert_eq!(model, ["model.n_layer: checkpoint 2, config 4", "model.vocab_size: checkpoint 256, config 512"]);
         assert_eq!(other, ["train.max_steps: checkpoint 200, config 400"]);
         assert_eq!(differences(&saved, &saved), (vec![], vec![]));
+        now.optimizer.name = crate::config::OptimizerName::Sgd;
+        now.optimizer.fused = false;
+        let (refused, other) = differences(&saved, &now);
+        assert!(refused.contains(&"optimizer.name: checkpoint \"adamw\", config \"sgd\"".to_string()), "{refused:?}");
+        assert!(other.contains(&"optimizer.fused: checkpoint true, config false".to_string()), "{other:?}");
     }
 
     #[test]

@@ -293,7 +293,37 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let (weights, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
     let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+    consistent(&state, &config, &weights).map_err(corrupt)?;
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
+}
+
+/// A checkpoint's parts agree with its own `config.yaml`: each weight its model describes, in
+/// its shape, the optimizer it names, at least one rank. The checksums cover only the tensor
+/// files, and a run resuming checks its config against `config.yaml` alone: what disagrees
+/// here (a file edited by hand, or written by a bug) is found before the run touches its
+/// directory, and `--resume auto` passes over it to an older checkpoint.
+fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
+    if state.world_size == Some(0) {
+        return Err(format!("{STATE_FILE}: world_size 0 (a run has at least one rank)"));
+    }
+    let named = config.optimizer.name.name();
+    if state.optimizer.kind != named {
+        return Err(format!("{STATE_FILE} holds the state of optimizer `{}`, its {CONFIG_FILE} names `{named}`", state.optimizer.kind));
+    }
+    // More blocks than tensors cannot be this file's model (and describing them would take
+    // the memory of a model that size, for a number typed by hand).
+    if config.model.n_layer > weights.len() {
+        return Err(format!("its {CONFIG_FILE} gives {} blocks; {MODEL_FILE} holds {} tensors", config.model.n_layer, weights.len()));
+    }
+    for spec in crate::model::describe(&config.model) {
+        let shape = weights.iter().find(|(n, _)| *n == spec.name).map(|(_, t)| t.size()).ok_or_else(|| format!("{MODEL_FILE} lacks `{}`, which its {CONFIG_FILE}'s model has", spec.name))?;
+        // Unpadded rows: written before model.pad_vocab_to (the resume says so, by name).
+        let unpadded = spec.user_rows.map(|rows| [&[rows][..], &spec.shape[1..]].concat());
+        if shape != spec.shape && Some(&shape) != unpadded.as_ref() {
+            return Err(format!("`{}` has shape {shape:?}, its {CONFIG_FILE}'s model gives {:?}", spec.name, spec.shape));
+        }
+    }
+    Ok(())
 }
 
 /// The newest checkpoint under `root` that loads; the ones skipped on the way, with why.
@@ -344,23 +374,30 @@ mod tests {
         vec![("a".into(), Tensor::from_slice(&[1.0f32, 2.0])), ("b".into(), Tensor::from_slice(&[3.0f32]))]
     }
 
+    /// The weights of `Config::default()`'s model, each filled with its index.
+    fn weights() -> Vec<(String, Tensor)> {
+        let specs = crate::model::describe(&Config::default().model);
+        specs.into_iter().enumerate().map(|(i, s)| (s.name, Tensor::full(&s.shape, i as f64, (tch::Kind::Float, Device::Cpu)))).collect()
+    }
+
     #[test]
     fn round_trip_and_listing() {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
         for step in [5, 10] {
-            save(&root, &state(step), &Config::default(), &tensors(), &tensors()).unwrap();
+            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
         }
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [5, 10]);
         let l = load(&root.join("step-00000010")).unwrap();
         assert_eq!(l.state.step, 10);
         assert_eq!(l.state.files.len(), 2);
         assert_eq!(l.config, Config::default());
-        assert_eq!(l.weights.len(), 2);
-        let a = &l.weights.iter().find(|(n, _)| n == "a").unwrap().1;
+        assert_eq!(l.weights.len(), weights().len());
+        assert!(weights().iter().all(|(m, u)| l.weights.iter().any(|(n, t)| n == m && t.equal(u))));
+        let a = &l.optimizer.iter().find(|(n, _)| n == "a").unwrap().1;
         assert!(a.equal(&Tensor::from_slice(&[1.0f32, 2.0])));
         // Saving the same step again replaces it.
-        save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
         assert_eq!(list(&root).len(), 2);
     }
 
@@ -368,8 +405,8 @@ mod tests {
     fn five_and_ten() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        save(&root, &state(5), &Config::default(), &tensors(), &tensors()).unwrap();
-        let newest = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
+        let newest = save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
         (dir, root, newest)
     }
 
@@ -405,7 +442,7 @@ mod tests {
             let mut bad = good.clone();
             *bad.last_mut().unwrap() ^= 0x40;
             fs::write(&path, &bad).unwrap();
-            assert_eq!(Tensor::read_safetensors(&path).unwrap().len(), 2, "still parses");
+            assert!(!Tensor::read_safetensors(&path).unwrap().is_empty(), "still parses");
             match load(&newest) {
                 Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains(file) && why.contains("CRC-32C"), "{why}"),
                 other => panic!("{file} changed in place loaded: {:?}", other.map(|l| l.path)),
@@ -426,13 +463,13 @@ mod tests {
     fn a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back() {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        let ten = save(&root, &state(10), &Config::default(), &tensors(), &tensors()).unwrap();
+        let ten = save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
         // What save() leaves when killed between renaming step-10 aside and the new one in.
         fs::rename(&ten, root.join(".tmp-old-step-00000010")).unwrap();
         fs::create_dir(root.join(".tmp-step-00000010")).unwrap();
         // A half-deleted checkpoint, and an old one whose step is back in place: both go.
         fs::create_dir(root.join(".tmp-del-step-00000005")).unwrap();
-        save(&root, &state(20), &Config::default(), &tensors(), &tensors()).unwrap();
+        save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
         fs::create_dir(root.join(".tmp-old-step-00000020")).unwrap();
         assert_eq!(list(&root).len(), 1);
         let found = clean_temporaries(&root);
@@ -448,7 +485,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
         for step in [10, 20, 30] {
-            save(&root, &state(step), &Config::default(), &tensors(), &tensors()).unwrap();
+            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
         }
         assert_eq!(set_aside_after(&root, 30, 1700000000).unwrap(), None, "nothing beyond the newest");
         let (aside, steps) = set_aside_after(&root, 10, 1700000000).unwrap().unwrap();
@@ -457,9 +494,55 @@ mod tests {
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10]);
         assert_eq!(list(&aside).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30], "moved, not deleted");
         assert!(load(&aside.join("step-00000030")).is_ok());
-        save(&root, &state(20), &Config::default(), &tensors(), &tensors()).unwrap();
+        save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
         let (again, _) = set_aside_after(&root, 0, 1700000000).unwrap().unwrap();
         assert_eq!(again, root.join("set-aside-1700000000-2"), "a second move in the same second gets its own directory");
         assert!(clean_temporaries(&root).removed.is_empty(), "set-aside directories are not leftovers");
+    }
+
+    #[test]
+    fn a_checkpoint_that_disagrees_with_its_own_config_is_corrupt_and_auto_passes_over_it() {
+        let (_dir, root, newest) = five_and_ten();
+        let cfg = Config::default();
+        let refused = |st: &TrainerState, cfg: &Config, w: &[(String, Tensor)]| consistent(st, cfg, w).unwrap_err();
+        assert!(consistent(&state(10), &cfg, &weights()).is_ok());
+        let zero_ranks = TrainerState { world_size: Some(0), ..state(10) };
+        assert!(refused(&zero_ranks, &cfg, &weights()).contains("world_size 0"));
+        assert!(consistent(&TrainerState { world_size: None, ..state(10) }, &cfg, &weights()).is_ok(), "written before world_size");
+        let sgd = TrainerState { optimizer: OptimizerSnapshot { kind: "sgd".into(), steps: 10 }, ..state(10) };
+        assert!(refused(&sgd, &cfg, &weights()).contains("optimizer `sgd`, its config.yaml names `adamw`"));
+        let mut w = weights();
+        let (name, _) = w.remove(3);
+        assert!(refused(&state(10), &cfg, &w).contains(&format!("lacks `{name}`")));
+        let mut w = weights();
+        w[3].1 = Tensor::zeros([3, 5], (tch::Kind::Float, Device::Cpu));
+        assert!(refused(&state(10), &cfg, &w).contains("has shape [3, 5]"));
+        let mut huge = cfg.clone();
+        huge.model.n_layer = 1 << 40;
+        assert!(refused(&state(10), &huge, &weights()).contains("1099511627776 blocks"));
+        // A vocabulary matrix of the user's rows, written before model.pad_vocab_to: the resume
+        // names that change (not corrupt).
+        let mut padded = cfg.clone();
+        padded.model.pad_vocab_to = 64;
+        padded.model.vocab_size = 250;
+        let w: Vec<(String, Tensor)> = crate::model::describe(&padded.model)
+            .into_iter()
+            .map(|s| {
+                let shape = s.user_rows.map_or(s.shape.clone(), |r| [&[r][..], &s.shape[1..]].concat());
+                (s.name, Tensor::zeros(&shape, (tch::Kind::Float, Device::Cpu)))
+            })
+            .collect();
+        assert!(consistent(&state(10), &padded, &w).is_ok());
+        // On disk: the newest, its state edited by hand, is named and step 5 resumed.
+        let path = newest.join(STATE_FILE);
+        let mut edited: serde_json::Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        edited["world_size"] = 0.into();
+        fs::write(&path, edited.to_string()).unwrap();
+        match load(&newest) {
+            Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains("world_size 0"), "{why}"),
+            other => panic!("loaded: {:?}", other.map(|l| l.path)),
+        }
+        let (found, skipped) = newest_valid(&root);
+        assert_eq!((found.unwrap().state.step, skipped.len()), (5, 1));
     }
 }

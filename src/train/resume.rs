@@ -239,12 +239,6 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
         }
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
     }
-    if l.state.optimizer.kind != opt.kind() {
-        return Err(CheckpointError::Incompatible {
-            path: l.path.clone(),
-            differences: vec![format!("optimizer: checkpoint {}, config {}", l.state.optimizer.kind, opt.kind())],
-        });
-    }
     opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
 }
 
