@@ -309,7 +309,13 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
         };
         let k = Value::String(part.to_string());
         if i + 1 == parts.len() {
-            merge(map.entry(k).or_insert(Value::Null), value);
+            let slot = map.entry(k).or_insert(Value::Null);
+            // `--set model=` (a stray space before the value, `~`): the section would quietly
+            // go back to every default, another model.
+            if slot.is_mapping() && value.is_null() {
+                return Err(bad(&format!("`{key}` is a section and the value is empty: set its keys (`{key}.name=value`) or give a mapping (`{key}={{name: value}}`)")));
+            }
+            merge(slot, value);
             return Ok(());
         }
         node = map.entry(k).or_insert_with(|| Value::Mapping(Default::default()));
@@ -356,6 +362,10 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     let bytes = n * mult;
     if bytes.is_nan() || bytes < 1.0 {
         return Err(format!("`{text}` must be at least one byte"));
+    }
+    // `as u64` would saturate: a cap of 16 EiB, no cap at all, said as one.
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("`{text}` is more bytes than 64 bits count (16 EiB)"));
     }
     Ok(bytes as u64)
 }
@@ -439,6 +449,8 @@ mod tests {
 
     #[test]
     fn sizes_parse_in_binary_and_decimal_units() {
+        assert!(parse_size("99999999999999999999GiB").unwrap_err().contains("more bytes than 64 bits"));
+        assert_eq!(parse_size("1EiB").ok(), None, "no such unit");
         assert_eq!(parse_size("16GiB").unwrap(), 16 << 30);
         assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
@@ -500,6 +512,19 @@ mod tests {
         assert!(err.contains("is out of range") && !err.contains("not valid YAML"), "{err}");
         let err = load(None, &["faults=5".into()]).unwrap_err().to_string();
         assert!(err.contains("key `faults`") && err.contains("expected a section"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_value_does_not_wipe_a_section() {
+        let mut tree: Value = serde_yaml::from_str("model: {arch: llama, n_layer: 3}\ntrain: {threads: 2}").unwrap();
+        for arg in ["model=", "model=~", "model=null"] {
+            let err = apply_override(&mut tree, arg).unwrap_err().to_string();
+            assert!(err.contains("`model` is a section and the value is empty"), "{err}");
+        }
+        assert_eq!(tree["model"]["n_layer"], Value::from(3));
+        // A key that takes null keeps taking it.
+        apply_override(&mut tree, "train.threads=").unwrap();
+        assert!(tree["train"]["threads"].is_null());
     }
 
     #[test]

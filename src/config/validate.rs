@@ -121,10 +121,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     if let Some(n) = t.lr_decay_steps {
         check(n > t.warmup_steps, "train.lr_decay_steps", format!("must exceed train.warmup_steps ({}), got {n}", t.warmup_steps));
     }
-    check(t.weight_decay >= 0.0, "train.weight_decay", format!("must be >= 0, got {}", t.weight_decay));
+    check(t.weight_decay >= 0.0 && t.weight_decay.is_finite(), "train.weight_decay", format!("must be a finite number >= 0, got {}", t.weight_decay));
     check((0.0..1.0).contains(&t.beta1), "train.beta1", format!("must be in [0, 1), got {}", t.beta1));
     check((0.0..1.0).contains(&t.beta2), "train.beta2", format!("must be in [0, 1), got {}", t.beta2));
-    check(t.eps > 0.0, "train.eps", format!("must be > 0, got {}", t.eps));
+    // An infinite eps makes every Adam update 0: a run that trains nothing without a word.
+    check(t.eps > 0.0 && t.eps.is_finite(), "train.eps", format!("must be a positive finite number, got {}", t.eps));
     // fp16-mixed's loss scale: 0 or NaN skipped every update as an overflow, forever.
     check(t.loss_scale_initial.is_finite() && t.loss_scale_initial > 0.0, "train.loss_scale_initial", format!("must be a positive finite number, got {}", t.loss_scale_initial));
     check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be at least 1 (steps without an overflow before the scale doubles), got 0".to_string());
@@ -444,6 +445,9 @@ mod tests {
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Bytes(16)), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("16".into())), "memory.limit"),
+            (|c| c.memory.limit = Some(crate::config::Size::Text("99999999999999999999GiB".into())), "memory.limit"),
+            (|c| c.train.eps = f64::INFINITY, "train.eps"),
+            (|c| c.train.weight_decay = f64::INFINITY, "train.weight_decay"),
             (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
             (|c| c.metrics.trace.from_step = Some(c.train.max_steps - 1), "metrics.trace.from_step"),
         ];
