@@ -315,10 +315,15 @@ fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)
     if config.model.n_layer > weights.len() {
         return Err(format!("its {CONFIG_FILE} gives {} blocks; {MODEL_FILE} holds {} tensors", config.model.n_layer, weights.len()));
     }
+    // trainguard writes weights in floating point (fp32; bf16 in a bf16-pure run): integers
+    // here would be cast and trained on as if they were weights.
+    if let Some((name, t)) = weights.iter().find(|(_, t)| !t.is_floating_point()) {
+        return Err(format!("`{name}` in {MODEL_FILE} holds {:?}, not floating point", t.kind()));
+    }
     for spec in crate::model::describe(&config.model) {
         let shape = weights.iter().find(|(n, _)| *n == spec.name).map(|(_, t)| t.size()).ok_or_else(|| format!("{MODEL_FILE} lacks `{}`, which its {CONFIG_FILE}'s model has", spec.name))?;
         // Unpadded rows: written before model.pad_vocab_to (the resume says so, by name).
-        let unpadded = spec.user_rows.map(|rows| [&[rows][..], &spec.shape[1..]].concat());
+        let unpadded = spec.user_rows.map(|_| spec.user_shape());
         if shape != spec.shape && Some(&shape) != unpadded.as_ref() {
             return Err(format!("`{}` has shape {shape:?}, its {CONFIG_FILE}'s model gives {:?}", spec.name, spec.shape));
         }
@@ -517,6 +522,11 @@ mod tests {
         let mut w = weights();
         w[3].1 = Tensor::zeros([3, 5], (tch::Kind::Float, Device::Cpu));
         assert!(refused(&state(10), &cfg, &w).contains("has shape [3, 5]"));
+        let mut w = weights();
+        w[3].1 = w[3].1.to_kind(tch::Kind::Int64);
+        assert!(refused(&state(10), &cfg, &w).contains("holds Int64, not floating point"));
+        w[3].1 = w[3].1.to_kind(tch::Kind::BFloat16);
+        assert!(consistent(&state(10), &cfg, &w).is_ok(), "a bf16-pure run's weights");
         let mut huge = cfg.clone();
         huge.model.n_layer = 1 << 40;
         assert!(refused(&state(10), &huge, &weights()).contains("1099511627776 blocks"));
@@ -528,8 +538,7 @@ mod tests {
         let w: Vec<(String, Tensor)> = crate::model::describe(&padded.model)
             .into_iter()
             .map(|s| {
-                let shape = s.user_rows.map_or(s.shape.clone(), |r| [&[r][..], &s.shape[1..]].concat());
-                (s.name, Tensor::zeros(&shape, (tch::Kind::Float, Device::Cpu)))
+                (s.name.clone(), Tensor::zeros(s.user_shape(), (tch::Kind::Float, Device::Cpu)))
             })
             .collect();
         assert!(consistent(&state(10), &padded, &w).is_ok());

@@ -91,8 +91,18 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     if c["scale_attn_by_inverse_layer_idx"].as_bool() == Some(true) {
         return Err(bad(cpath, "`scale_attn_by_inverse_layer_idx` is true; trainguard scales every layer's attention alike"));
     }
-    if c["activation_function"] != "gelu" {
-        tracing::warn!("{}: activation_function {} differs from trainguard's exact GELU; logits will differ slightly", cpath.display(), c["activation_function"]);
+    // transformers' names for GELU: exact ones, and tanh approximations (GPT-2's own `gelu_new`,
+    // also what an absent key means) that differ from it in the fourth digit. Any other
+    // activation (relu, quick_gelu's sigmoid, a name of none) is another model.
+    let act = &c["activation_function"];
+    let approximation = match act.as_str() {
+        Some("gelu" | "gelu_python") => None,
+        Some(tanh @ ("gelu_new" | "gelu_fast" | "gelu_pytorch_tanh" | "gelu_accurate")) => Some(tanh),
+        None if act.is_null() => Some("gelu_new (transformers' default)"),
+        _ => return Err(bad(cpath, format!("`activation_function` is {}; trainguard's GPT-2 computes GELU (exactly; its tanh approximations are let through with a warning)", act))),
+    };
+    if let Some(tanh) = approximation {
+        tracing::warn!("{}: activation_function {tanh} approximates the exact GELU trainguard computes; logits will differ slightly", cpath.display());
     }
     #[allow(clippy::needless_update)] // the lead's model restructure may add fields
     let cfg = ModelConfig {
@@ -140,5 +150,10 @@ mod tests {
         let mut v = config_json(&cfg, None);
         v["activation_function"] = json!("gelu_new");
         assert!(model_config(&v, p).is_ok(), "GPT-2's own checkpoints use gelu_new: a warning, not a refusal");
+        v.as_object_mut().unwrap().remove("activation_function");
+        assert!(model_config(&v, p).is_ok(), "absent: transformers' default, gelu_new");
+        for other in [json!("relu"), json!("quick_gelu"), json!("totally_bogus"), json!(3)] {
+            assert!(with("activation_function", other.clone()).contains("`activation_function` is"), "{other}");
+        }
     }
 }

@@ -112,7 +112,10 @@ fn write_json(path: &Path, v: &Value) -> Result<(), HfError> {
 /// Reads a `transformers` directory of a supported family: its model config and its weights
 /// in trainguard's names and layouts.
 pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfError> {
-    let (fam, cfg) = read_config(dir)?;
+    // The weights against the directory's own config.json, from the safetensors header, before
+    // the model it describes is built: a size edited by hand would be an allocation that size.
+    let (_, own) = read_config(dir)?;
+    let (fam, cfg) = checked_init(&own, dir)?;
     let weights = read_weights(dir, fam, &cfg)?;
     Ok((cfg, weights))
 }
@@ -208,6 +211,16 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
         if hf_shape(fam, &s.name, &got) != s.user_shape() {
             return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &s.user_shape()))));
         }
+    }
+    // The weights fit `cfg`'s model; the config.json beside them must give its sizes too (it
+    // describes the directory to transformers, and to `sample` and `export` here).
+    let mut sizes = vec![("n_layer", theirs.n_layer, cfg.n_layer), ("n_embd", theirs.n_embd, cfg.n_embd), ("vocab_size", theirs.vocab_size, cfg.vocab_size), ("ffn_hidden", theirs.ffn(), cfg.ffn())];
+    if cfg.arch == Arch::Gpt2 {
+        sizes.push(("seq_len", theirs.seq_len, cfg.seq_len)); // the position embedding's rows
+    }
+    if let Some((key, said, held)) = sizes.into_iter().find(|(_, t, o)| t != o) {
+        let theirs_key = fam.config_keys.iter().find(|(o, _)| *o == key).map_or(key, |(_, t)| t);
+        return Err(bad(&cpath, format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})")));
     }
     let names: Vec<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
     let is_zero = |i: usize| {
@@ -357,5 +370,31 @@ mod tests {
         }
         let e = check_init(&cfg(true), &d.path().join("hf-true")).err().unwrap().to_string();
         assert!(e.contains("holds a llama model; model.arch is gpt2"), "{e}");
+    }
+
+    #[test]
+    fn a_config_json_that_disagrees_with_its_weights_is_refused_before_a_model_is_built() {
+        let d = tempfile::tempdir().unwrap();
+        let hf = d.path().join("hf");
+        export(&Model::new(&cfg(true), 1, Device::Cpu).unwrap(), None, &hf).unwrap();
+        let json = hf.join("config.json");
+        let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let edit = |key: &str, v: u64| {
+            let mut c = good.clone();
+            c[key] = v.into();
+            std::fs::write(&json, c.to_string()).unwrap();
+        };
+        // Sizes that would build a model of hundreds of GiB: refused from the header.
+        edit("n_embd", 131072);
+        let e = import(&hf).unwrap_err().to_string();
+        assert!(e.contains("`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 131072]"), "{e}");
+        // More blocks than the file holds: for import, a missing tensor; for init_from into
+        // the model the weights fit, the config.json's own count.
+        edit("n_layer", 3);
+        assert!(import(&hf).unwrap_err().to_string().contains("no tensor `transformer.h.2."));
+        let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
+        assert!(e.contains("config.json") && e.contains("gives `n_layer` 3; the weights beside it have 2 (model.n_layer)"), "{e}");
+        std::fs::write(&json, good.to_string()).unwrap();
+        assert_eq!(import(&hf).unwrap().0, cfg(true));
     }
 }
