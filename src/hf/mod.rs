@@ -212,6 +212,16 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
             return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &s.user_shape()))));
         }
     }
+    let names: Vec<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
+    let is_zero = |i: usize| {
+        let v = &views[i].1;
+        let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
+        let kind = Kind::try_from(v.dtype()).ok();
+        kind.and_then(|k| Tensor::f_from_data_size(v.data(), &shape, k).ok()).is_some_and(|t| is_all_zero(&t))
+    };
+    if let Some(why) = unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &names, is_zero) {
+        return Err(bad(&wpath, why));
+    }
     // The weights fit `cfg`'s model; the config.json beside them must give its sizes too (it
     // describes the directory to transformers, and to `sample` and `export` here).
     let mut sizes = vec![("n_layer", theirs.n_layer, cfg.n_layer), ("n_embd", theirs.n_embd, cfg.n_embd), ("vocab_size", theirs.vocab_size, cfg.vocab_size), ("ffn_hidden", theirs.ffn(), cfg.ffn())];
@@ -222,17 +232,7 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
         let theirs_key = fam.config_keys.iter().find(|(o, _)| *o == key).map_or(key, |(_, t)| t);
         return Err(bad(&cpath, format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})")));
     }
-    let names: Vec<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
-    let is_zero = |i: usize| {
-        let v = &views[i].1;
-        let shape: Vec<i64> = v.shape().iter().map(|&d| d as i64).collect();
-        let kind = Kind::try_from(v.dtype()).ok();
-        kind.and_then(|k| Tensor::f_from_data_size(v.data(), &shape, k).ok()).is_some_and(|t| is_all_zero(&t))
-    };
-    match unplaced_in(cfg, |name| specs.iter().any(|s| s.name == name), &names, is_zero) {
-        Some(why) => Err(bad(&wpath, why)),
-        None => Ok((fam, theirs)),
-    }
+    Ok((fam, theirs))
 }
 
 /// `init_from`: copies `dir`'s weights into `model`, checked as [`check_init`] checks them.
