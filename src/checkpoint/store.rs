@@ -5,7 +5,7 @@
 //! checkpoint that a replacement of the same step had moved aside when the writer died between
 //! its two renames. Each tensor file's size and CRC-32C are in `trainer_state.json`: a file
 //! truncated or changed in place is corrupt, never loaded.
-use super::state::TrainerState;
+use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -294,6 +294,11 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     consistent(&state, &config, &weights).map_err(corrupt)?;
+    // A copy of a checkpoint may have any name; one named for a step must hold that step (the
+    // resume sets aside every checkpoint past the step it loads).
+    if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
+        return Err(corrupt(format!("{STATE_FILE} holds step {}, its directory names step {named}", state.step)));
+    }
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 
@@ -303,8 +308,16 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
 /// here (a file edited by hand, or written by a bug) is found before the run touches its
 /// directory, and `--resume auto` passes over it to an older checkpoint.
 fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
-    if state.world_size == Some(0) {
-        return Err(format!("{STATE_FILE}: world_size 0 (a run has at least one rank)"));
+    if state.format > STATE_FORMAT {
+        return Err(format!("{STATE_FILE} is format {}, written by a newer trainguard (this one reads format {STATE_FORMAT})", state.format));
+    }
+    let g = &state.guard;
+    let counts = [("world_size", state.world_size.unwrap_or(1)), ("guard.micro_batch", g.micro_batch), ("guard.accumulation", g.accumulation), ("guard.configured_micro_batch", g.configured_micro_batch)];
+    if let Some((key, _)) = counts.iter().find(|(_, n)| *n == 0) {
+        return Err(format!("{STATE_FILE}: {key} 0 (at least 1)"));
+    }
+    if !(state.elapsed_s.is_finite() && state.elapsed_s >= 0.0) {
+        return Err(format!("{STATE_FILE}: elapsed_s {} (seconds trained, at least 0)", state.elapsed_s));
     }
     let named = config.optimizer.name.name();
     if state.optimizer.kind != named {
@@ -507,12 +520,17 @@ mod tests {
 
     #[test]
     fn a_checkpoint_that_disagrees_with_its_own_config_is_corrupt_and_auto_passes_over_it() {
-        let (_dir, root, newest) = five_and_ten();
+        let (dir, root, newest) = five_and_ten();
         let cfg = Config::default();
         let refused = |st: &TrainerState, cfg: &Config, w: &[(String, Tensor)]| consistent(st, cfg, w).unwrap_err();
         assert!(consistent(&state(10), &cfg, &weights()).is_ok());
         let zero_ranks = TrainerState { world_size: Some(0), ..state(10) };
         assert!(refused(&zero_ranks, &cfg, &weights()).contains("world_size 0"));
+        let mut zero_micro = state(10);
+        zero_micro.guard.accumulation = 0;
+        assert!(refused(&zero_micro, &cfg, &weights()).contains("guard.accumulation 0"));
+        assert!(refused(&TrainerState { elapsed_s: -4.0, ..state(10) }, &cfg, &weights()).contains("elapsed_s -4"));
+        assert!(refused(&TrainerState { format: STATE_FORMAT + 1, ..state(10) }, &cfg, &weights()).contains("newer trainguard"));
         assert!(consistent(&TrainerState { world_size: None, ..state(10) }, &cfg, &weights()).is_ok(), "written before world_size");
         let sgd = TrainerState { optimizer: OptimizerSnapshot { kind: "sgd".into(), steps: 10 }, ..state(10) };
         assert!(refused(&sgd, &cfg, &weights()).contains("optimizer `sgd`, its config.yaml names `adamw`"));
@@ -553,5 +571,13 @@ mod tests {
         }
         let (found, skipped) = newest_valid(&root);
         assert_eq!((found.unwrap().state.step, skipped.len()), (5, 1));
+        // A copy under another step's name is not that step; under a name of its own it loads.
+        let five = root.join("step-00000005");
+        let renamed = root.join("step-00000007");
+        fs::rename(&five, &renamed).unwrap();
+        assert!(matches!(load(&renamed), Err(CheckpointError::Corrupt { why, .. }) if why.contains("holds step 5, its directory names step 7")));
+        let copy = dir.path().join("mine");
+        fs::rename(&renamed, &copy).unwrap();
+        assert_eq!(load(&copy).unwrap().state.step, 5);
     }
 }

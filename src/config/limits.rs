@@ -19,5 +19,8 @@ pub const MAX_TOKENS_PER_STEP: usize = 1 << 32;
 pub const MAX_PARAMS: u64 = 100_000_000_000_000;
 /// A device's memory, or a share of it, as `plan` takes it (a PiB).
 pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
+/// CPU threads (`train.threads`, `prepare --threads`): the largest machines have a few hundred
+/// cores; a count with an extra digit or two spent minutes starting threads and held gigabytes.
+pub const MAX_THREADS: usize = 1 << 12;
 /// A duration (`train.max_duration`, `checkpoint.interval_minutes`): a century, in seconds.
 pub const MAX_DURATION_S: f64 = 100.0 * 365.25 * 86400.0;

@@ -133,7 +133,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(t.eval_batches >= 1, "train.eval_batches", format!("must be at least 1, got {}", t.eval_batches));
     check(t.log_interval >= 1, "train.log_interval", format!("must be at least 1, got {}", t.log_interval));
     if let Some(n) = t.threads {
-        check(n >= 1, "train.threads", format!("must be at least 1, got {n}"));
+        check((1..=MAX_THREADS).contains(&n), "train.threads", format!("must be in 1..={MAX_THREADS}, got {n}"));
     }
 
     if let Some(d) = &t.max_duration {
@@ -418,6 +418,7 @@ mod tests {
             (|c| c.train.beta1 = 1.0, "train.beta1"),
             (|c| c.train.eps = 0.0, "train.eps"),
             (|c| c.train.threads = Some(0), "train.threads"),
+            (|c| c.train.threads = Some(100_000), "train.threads"),
             (|c| c.data.source = "text:".into(), "data.source"),
             (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),

@@ -43,7 +43,7 @@ pub struct PrepareArgs {
     #[arg(long, value_name = "TOKEN")]
     pub eos: Option<String>,
     /// Worker threads; default: one per core.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=crate::config::limits::MAX_THREADS as u64))]
     pub threads: Option<usize>,
 }
 

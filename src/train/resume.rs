@@ -135,6 +135,12 @@ pub(super) struct Start {
 
 /// The checkpoint to start from.
 pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Result<Start, CheckpointError> {
+    // Not a directory: no checkpoint would be found and none could be written, and the run would
+    // go on from step 0 over the old run's final weights, with only a warning at each save.
+    if root.exists() && !root.is_dir() && *resume != Resume::Overwrite {
+        let source = std::io::Error::other("a file where the run keeps its checkpoints, a directory: move it away, or choose another out_dir");
+        return Err(CheckpointError::Io { path: root.to_path_buf(), source });
+    }
     match resume {
         Resume::Fresh => {
             if writer {
@@ -355,6 +361,20 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_where_the_checkpoints_go_is_refused_unless_the_run_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = store::root(dir.path());
+        std::fs::write(&root, b"not a directory").unwrap();
+        for resume in [Resume::Auto, Resume::Fresh, Resume::AutoOr(root.join("step-00000002"))] {
+            let err = resolve_resume(&resume, &root, true).err().unwrap().to_string();
+            assert!(err.contains("a file where the run keeps its checkpoints"), "{resume:?}: {err}");
+        }
+        assert!(resolve_resume(&Resume::Overwrite, &root, true).is_ok());
+        std::fs::remove_file(&root).unwrap();
+        assert!(resolve_resume(&Resume::Auto, &root, true).unwrap().loaded.is_none());
+    }
 
     #[test]
     fn a_restart_of_the_job_that_started_the_run_resumes_it_whatever_was_asked() {
