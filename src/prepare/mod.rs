@@ -89,6 +89,12 @@ pub struct Vocab {
 pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareError> {
     let tokenizer = Tokenizer::from_file(path).map_err(|e| PrepareError::input(path, None, &format!("not a valid tokenizer.json: {e}")))?;
     let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m as usize + 1);
+    // A model could not be configured for it (model.vocab_size's bound): said here, not after
+    // the whole corpus is tokenized.
+    let most = crate::config::limits::MAX_VOCAB;
+    if size > most {
+        return Err(PrepareError::input(path, None, &format!("a token id of {} is beyond the largest vocabulary a model takes ({most} tokens)", size - 1)));
+    }
     let (eos, eos_id) = match eos {
         Some(t) => (t.to_string(), tokenizer.token_to_id(t).ok_or_else(|| PrepareError::input(path, None, &format!("--eos `{t}` is not in the vocabulary")))?),
         None => EOS_CANDIDATES
@@ -374,6 +380,31 @@ mod tests {
             "model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"x":1,"y":2,"▁x":3,"▁y":4,"x\ny":5,"▁x\ny":6,"Ċ":7,"ĊĊ":8}},"unk_token":"[UNK]"}}}}"#
         );
         json.parse().unwrap()
+    }
+
+    #[test]
+    fn a_token_id_beyond_any_models_vocabulary_is_refused_when_the_tokenizer_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        let json = |top: u64| format!(r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"</s>":1,"x":{top}}},"unk_token":"[UNK]"}}}}"#);
+        std::fs::write(&path, json(4294967295)).unwrap();
+        let err = load_tokenizer(&path, None).err().unwrap().to_string();
+        assert!(err.contains("a token id of 4294967295 is beyond the largest vocabulary"), "{err}");
+        std::fs::write(&path, json(2)).unwrap();
+        assert_eq!(load_tokenizer(&path, None).unwrap().size, 3);
+    }
+
+    #[test]
+    fn thread_counts_are_bounded() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: PrepareArgs,
+        }
+        let parse = |threads: &str| Cli::try_parse_from(["prepare", "--tokenizer", "t.json", "--out", "o", "in.txt", "--threads", threads]).map(|c| c.args.threads);
+        assert_eq!(parse("8").unwrap(), Some(8));
+        assert!(parse("0").is_err() && parse("100000").is_err());
     }
 
     fn whole(tok: &Tokenizer, doc: &str) -> Vec<u32> {
