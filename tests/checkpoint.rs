@@ -536,13 +536,15 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step10), "step 10's weights were lost: {}", r.stderr());
 }
 
-/// A stop whose checkpoint cannot be written (here `checkpoints` is a file, so every write fails
-/// with a real I/O error) is not exit 4's "resumable at this step": exit 1, and no stop record,
-/// so job scripts do not requeue a run that cannot save.
+/// A stop whose checkpoint cannot be written (here a file sits where step 3's write begins, a
+/// directory, so the write fails with a real I/O error) is not exit 4's "resumable at this
+/// step": exit 1, and no stop record, so job scripts do not requeue a run that cannot save.
+/// (`checkpoints` itself a file is refused before the run starts.)
 #[test]
 fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("checkpoints"), "not a directory").unwrap();
+    std::fs::create_dir(dir.path().join("checkpoints")).unwrap();
+    std::fs::write(dir.path().join("checkpoints/.tmp-step-00000003"), "not a directory").unwrap();
     let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=2", "checkpoint.interval=0", "faults.interrupt_at_step=3"]);
     assert_eq!(r.code(), 1, "{}", r.stderr());
     assert!(r.stderr().contains("stopped at step 3 (signal), but its checkpoint could not be written"), "{}", r.stderr());
