@@ -587,3 +587,32 @@ fn a_resume_takes_a_new_micro_batch_and_counts_tokens_across_a_batch_change() {
     let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
     assert_eq!(state["tokens_seen"].as_u64(), Some(tokens));
 }
+
+/// A checkpoint refused only once its state is in the model (optimizer state of another shape,
+/// its checksum and size stamped to match, as a bug or a hand would leave them) leaves the run
+/// it was refused over as it was: the final weights and the stop record stay, and so does the
+/// checkpoint (`--resume auto` names it, exit 2).
+#[test]
+fn a_checkpoint_refused_as_its_state_is_restored_leaves_the_run_directory_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=2"];
+    train(dir.path(), "configs/debug.yaml", &sets).ok();
+    let ck = dir.path().join("checkpoints/step-00000004");
+    let file = ck.join("optimizer.safetensors");
+    let mut tensors = tch::Tensor::read_safetensors(&file).unwrap();
+    tensors[0].1 = tch::Tensor::zeros([3, 5], (tch::Kind::Float, tch::Device::Cpu));
+    tch::Tensor::write_safetensors(&tensors, &file).unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    let state_file = ck.join("trainer_state.json");
+    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+    state["files"]["optimizer.safetensors"] = bytes.len().into();
+    state["checksums"]["optimizer.safetensors"] = crc32c::crc32c(&bytes).into();
+    std::fs::write(&state_file, state.to_string()).unwrap();
+    let before = |name: &str| std::fs::read(dir.path().join(name)).unwrap();
+    let (weights, record) = (before("model.safetensors"), before("stop.json"));
+    let r = resume_auto(dir.path(), &["train.max_steps=6", "train.warmup_steps=1", "checkpoint.interval=2"]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("step-00000004 is incomplete or corrupt") && r.stderr().contains("has shape [3, 5]"), "{}", r.stderr());
+    assert_eq!((before("model.safetensors"), before("stop.json")), (weights, record), "{}", r.stderr());
+    assert_eq!(checkpoint_steps(dir.path()), [2, 4], "nothing set aside");
+}

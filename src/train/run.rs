@@ -112,6 +112,33 @@ impl<'a> Run<'a> {
             }
         }
         let (Start { loaded, skipped, restored }, mut changed) = resumed?;
+
+        // The model and optimizer, and the state resumed into them, are built before the run
+        // directory is touched: a checkpoint refused only here (its optimizer state of another
+        // shape) leaves the run it was refused over as it was. The memory cap goes on first,
+        // after the corpus is loaded: it counts what training allocates.
+        let baseline_vm = match plan.memory_limit {
+            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
+            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
+        };
+        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
+        let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
+        let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
+        let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+        crate::step::precision::configure_process(cfg.precision, device);
+        let trainable = Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
+            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+        let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
+            .with_escalation(cfg.oom.escalate.clone())
+            .data_parallel(plan.world_size > 1)
+            .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
+        let mut state = TrainState { trainable, guard, progress: Progress::default() };
+        match (&loaded, &cfg.init_from) {
+            (Some(l), _) => state.restore(l)?,
+            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
+            (None, None) => {}
+        }
+
         if let Some(h) = held.as_mut() {
             h.prepare(cfg)?;
         }
@@ -153,30 +180,8 @@ impl<'a> Run<'a> {
         if !allocator.defaulted.is_empty() {
             tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
         }
-
-        // The cap goes on after the corpus is loaded: it counts what training allocates.
-        let baseline_vm = match plan.memory_limit {
-            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
-            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
-        };
-        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
-        if cfg.deterministic {
-            reporter.emit(Event::Deterministic(crate::determinism::enable()?));
-        }
-        let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
-        let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
-        crate::step::precision::configure_process(cfg.precision, device);
-        let trainable = Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
-            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-        let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
-            .with_escalation(cfg.oom.escalate.clone())
-            .data_parallel(plan.world_size > 1)
-            .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
-        let mut state = TrainState { trainable, guard, progress: Progress::default() };
-        match (&loaded, &cfg.init_from) {
-            (Some(l), _) => state.restore(l)?,
-            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
-            (None, None) => {}
+        if let Some(d) = deterministic {
+            reporter.emit(Event::Deterministic(d));
         }
         if let Some(d) = dist.as_deref_mut() {
             // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are

@@ -2,9 +2,10 @@
 //! aside (`--overwrite`), the directory created when new and locked (one run per out_dir,
 //! [`lock`](super::lock)), torchrun's first attempt's deadline recorded. A directory this start
 //! created goes again if the start is then refused: a refused command leaves nothing behind.
-//! Once the ranks agree to start: an earlier run's stop record goes, the resolved config, the
-//! log file and (under torchrun) the job that started the run are written. At the end, still
-//! held: the record of how the run ended.
+//! Once the ranks agree to start and the model is built (a resumed state restored into it):
+//! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
+//! the job that started the run are written. At the end, still held: the record of how the run
+//! ended.
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::fresh;
@@ -53,7 +54,7 @@ impl RunDir {
         Ok(held)
     }
 
-    /// The ranks agreed to start: from here the directory is this run's. An earlier run's stop
+    /// The ranks agreed to start and the model is built: from here the directory is this run's. An earlier run's stop
     /// record goes (a crash from here must leave none; a command refused before leaves the run
     /// it was refused over as it was).
     pub(super) fn prepare(&mut self, config: &crate::config::Config) -> Result<(), TrainError> {
