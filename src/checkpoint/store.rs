@@ -316,6 +316,13 @@ fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)
     if let Some((key, _)) = counts.iter().find(|(_, n)| *n == 0) {
         return Err(format!("{STATE_FILE}: {key} 0 (at least 1)"));
     }
+    // fp16's loss scale multiplies the loss in fp32: 0 made every loss NaN, a scale past fp32's
+    // range stopped the first step with libtorch's overflow.
+    if let Some(scale) = state.loss_scaler.as_ref().map(|s| &s["scale"]) {
+        if !scale.as_f64().is_some_and(|x| x > 0.0 && x <= f32::MAX as f64) {
+            return Err(format!("{STATE_FILE}: loss_scaler.scale {scale} (a positive fp32 number)"));
+        }
+    }
     if !(state.elapsed_s.is_finite() && state.elapsed_s >= 0.0) {
         return Err(format!("{STATE_FILE}: elapsed_s {} (seconds trained, at least 0)", state.elapsed_s));
     }
@@ -530,6 +537,11 @@ mod tests {
         zero_micro.guard.accumulation = 0;
         assert!(refused(&zero_micro, &cfg, &weights()).contains("guard.accumulation 0"));
         assert!(refused(&TrainerState { elapsed_s: -4.0, ..state(10) }, &cfg, &weights()).contains("elapsed_s -4"));
+        let scaled = |scale: f64| TrainerState { loss_scaler: Some(serde_json::json!({"scale": scale, "growth_tracker": 0})), ..state(10) };
+        assert!(consistent(&scaled(65536.0), &cfg, &weights()).is_ok());
+        for bad in [0.0, 1e308] {
+            assert!(refused(&scaled(bad), &cfg, &weights()).contains("loss_scaler.scale"), "{bad}");
+        }
         assert!(refused(&TrainerState { format: STATE_FORMAT + 1, ..state(10) }, &cfg, &weights()).contains("newer trainguard"));
         assert!(consistent(&TrainerState { world_size: None, ..state(10) }, &cfg, &weights()).is_ok(), "written before world_size");
         let sgd = TrainerState { optimizer: OptimizerSnapshot { kind: "sgd".into(), steps: 10 }, ..state(10) };
