@@ -4,7 +4,8 @@
 //! complete or it does not exist. Readers skip temporary leftovers and remove them, but put back a
 //! checkpoint that a replacement of the same step had moved aside when the writer died between
 //! its two renames. Each tensor file's size and CRC-32C are in `trainer_state.json`: a file
-//! truncated or changed in place is corrupt, never loaded.
+//! truncated or changed in place is corrupt, never loaded; so is one whose parts disagree with
+//! its own config ([`load`]).
 use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
 use std::fs::{self, File};
@@ -302,11 +303,12 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 
-/// A checkpoint's parts agree with its own `config.yaml`: each weight its model describes, in
-/// its shape, the optimizer it names, at least one rank. The checksums cover only the tensor
-/// files, and a run resuming checks its config against `config.yaml` alone: what disagrees
-/// here (a file edited by hand, or written by a bug) is found before the run touches its
-/// directory, and `--resume auto` passes over it to an older checkpoint.
+/// A checkpoint's parts agree with each other: `trainer_state.json`'s counts and scale in range,
+/// the optimizer its `config.yaml` names, and each weight that config's model describes, in its
+/// shape and in floating point. The checksums cover only the tensor files, and a run resuming
+/// checks its config against `config.yaml` alone: what disagrees here (a file edited by hand,
+/// or written by a bug) is found before a model is built or the run touches its directory, and
+/// `--resume auto` passes over it to an older checkpoint.
 fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
     if state.format > STATE_FORMAT {
         return Err(format!("{STATE_FILE} is format {}, written by a newer trainguard (this one reads format {STATE_FORMAT})", state.format));

@@ -205,7 +205,7 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
         if !message.contains(OUT_OF_RANGE) {
             return Err(ConfigError::Yaml { path: path.to_path_buf(), message });
         }
-        let at = e.location().map(|l| l.index()).filter(|&i| text[i..].starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit()));
+        let at = e.location().map(|l| l.index()).filter(|&i| text.get(i..).is_some_and(|rest| rest.starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit())));
         let Some(at) = at.filter(|_| wide.len() < 64) else {
             return Err(ConfigError::OutOfRange { path: path.to_path_buf(), message });
         };
@@ -531,13 +531,13 @@ mod tests {
     fn integers_beyond_64_bits_are_reported_with_the_files_other_problems() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.yaml");
-        let yaml = "train:\n  max_steps: 99999999999999999999\n  lrr: 0.1\nmodel:\n  n_layer: -99999999999999999999\nmemory:\n  allocator:\n    roundup_power2_divisions: [1, 99999999999999999999]\n";
+        let yaml = "# ×× (bytes, not characters)\ntrain:\n  max_steps: 99999999999999999999\n  lrr: 0.1\nmodel:\n  n_layer: -99999999999999999999\nmemory:\n  allocator:\n    roundup_power2_divisions: [1, 99999999999999999999]\n";
         std::fs::write(&file, yaml).unwrap();
         let err = load(Some(&file), &[]).unwrap_err();
         let ConfigError::Invalid { problems, .. } = &err else { panic!("{err}") };
         let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
         assert_eq!(keys, ["train.max_steps", "model.n_layer", "memory.allocator.roundup_power2_divisions[1]", "train.lrr", "memory.allocator.roundup_power2_divisions"], "{err}");
-        assert!(problems[0].message.starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)") && problems[0].message.contains("line 2"), "{err}");
+        assert!(problems[0].message.starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)") && problems[0].message.contains("line 3"), "{err}");
         assert!(problems[1].message.contains("whole-number keys start at 0"), "{err}");
         assert!(problems[3].message.contains("did you mean `lr`"), "{err}");
         // A value the command line replaces does not matter.
