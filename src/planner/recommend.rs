@@ -155,8 +155,12 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         };
         options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() }));
         // The fewest first blocks that close the gap, when fewer than all do: less to recompute.
+        // Each checkpointed block lowers the total, so the search counts the blocks left out
+        // (k, f = layers - k) and bisects: a scan of every f, each estimate itself a walk over
+        // the layers, took a minute at a thousand layers.
         let first = |f: u64| Setup { activation_checkpointing: true, checkpoint_first: Some(f), checkpoint_blocks: 1, ..setup.clone() };
-        if let Some(f) = (checkpointed + 1..model.layers).find(|&f| total_at(model, &first(f), rank_batch, 1) <= limit) {
+        let left_out = largest_fitting(model.layers - 1 - checkpointed, |k| total_at(model, &first(model.layers - k), rank_batch, 1) <= limit);
+        if let Some(f) = left_out.map(|k| model.layers - k) {
             let change = format!("activation checkpointing, first {f} of {} blocks (first_n:{f})", model.layers);
             options.push((change, model.clone(), first(f)));
         }
