@@ -5,7 +5,7 @@
 //! checkpoint that a replacement of the same step had moved aside when the writer died between
 //! its two renames. Each tensor file's size and CRC-32C are in `trainer_state.json`: a file
 //! truncated or changed in place is corrupt, never loaded; so is one whose parts disagree with
-//! its own config ([`load`]).
+//! its own config, or whose tensors hold NaN or ±inf ([`load`]).
 use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
 use std::fs::{self, File};
@@ -255,6 +255,10 @@ fn checksum(path: &Path) -> std::io::Result<u32> {
 /// files it lists.
 pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: dir.to_path_buf(), why };
+    if dir.exists() && !dir.is_dir() {
+        // `--resume out/checkpoints/step-00000010/model.safetensors`, say.
+        return Err(corrupt(format!("a file, not a checkpoint directory (one holds {STATE_FILE}, {MODEL_FILE}, {OPTIMIZER_FILE} and {CONFIG_FILE})")));
+    }
     if !dir.is_dir() {
         return Err(corrupt("no such checkpoint directory".into()));
     }
@@ -295,6 +299,7 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     consistent(&state, &config, &weights).map_err(corrupt)?;
+    finite(MODEL_FILE, &weights).and_then(|()| finite(OPTIMIZER_FILE, &optimizer)).map_err(corrupt)?;
     // A copy of a checkpoint may have any name; one named for a step must hold that step (the
     // resume sets aside every checkpoint past the step it loads).
     if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
@@ -348,6 +353,22 @@ fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)
         let unpadded = spec.user_rows.map(|_| spec.user_shape());
         if shape != spec.shape && Some(&shape) != unpadded.as_ref() {
             return Err(format!("`{}` has shape {shape:?}, its {CONFIG_FILE}'s model gives {:?}", spec.name, spec.shape));
+        }
+    }
+    Ok(())
+}
+
+/// Every floating-point tensor of `file` holds finite numbers. A run skips each update that is
+/// not finite, so NaN or ±inf here was written by a bug or a hand, the checksums stamped to
+/// match; resumed, the first step's loss is NaN and the run stops, with no word of why. As
+/// corrupt, `--resume auto` passes over it to the newest checkpoint a run can train on.
+fn finite(file: &str, tensors: &[(String, Tensor)]) -> Result<(), String> {
+    for (name, t) in tensors.iter().filter(|(_, t)| t.is_floating_point()) {
+        let bad = t.f_isfinite().and_then(|f| f.f_logical_not()).and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
+        match bad {
+            Ok(0) => {}
+            Ok(n) => return Err(format!("`{name}` in {file} holds {n} of {} values that are NaN or infinite: training from it gives non-finite losses", t.numel())),
+            Err(e) => return Err(format!("`{name}` in {file}: {e}")),
         }
     }
     Ok(())
@@ -426,6 +447,13 @@ mod tests {
         // Saving the same step again replaces it.
         save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
         assert_eq!(list(&root).len(), 2);
+        // A file of one given for the checkpoint, and a path to nothing, are told apart.
+        let why = |p: &Path| match load(p) {
+            Err(CheckpointError::Corrupt { why, .. }) => why,
+            other => panic!("loaded: {:?}", other.map(|l| l.path)),
+        };
+        assert!(why(&root.join("step-00000010").join(MODEL_FILE)).starts_with("a file, not a checkpoint directory"));
+        assert_eq!(why(&root.join("step-00000011")), "no such checkpoint directory");
     }
 
     /// Checkpoints of steps 5 and 10 in a fresh directory: (the directory, root, step 10's).
@@ -593,5 +621,35 @@ mod tests {
         let copy = dir.path().join("mine");
         fs::rename(&renamed, &copy).unwrap();
         assert_eq!(load(&copy).unwrap().state.step, 5);
+    }
+
+    /// NaN or ±inf in a weight or an optimizer moment, written with checksums that match: the
+    /// checkpoint is corrupt, named with the tensor and the count, and `auto` passes over it.
+    #[test]
+    fn non_finite_values_in_a_checkpoint_make_it_corrupt() {
+        assert!(finite(MODEL_FILE, &weights()).is_ok());
+        let integer = vec![("codes".to_string(), Tensor::zeros([4], (tch::Kind::Uint8, Device::Cpu)))];
+        assert!(finite(OPTIMIZER_FILE, &integer).is_ok(), "8-bit codes are not checked as numbers");
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let w = weights();
+            let _ = w[2].1.get(0).f_fill_(bad).unwrap();
+            let why = finite(MODEL_FILE, &w).unwrap_err();
+            let expected = format!("`{}` in model.safetensors holds {} of {} values that are NaN or infinite", w[2].0, w[2].1.size()[1..].iter().product::<i64>().max(1), w[2].1.numel());
+            assert!(why.starts_with(&expected), "{bad}: {why}");
+            let bf16: Vec<(String, Tensor)> = w.iter().map(|(n, t)| (n.clone(), t.to_kind(tch::Kind::BFloat16))).collect();
+            assert!(finite(MODEL_FILE, &bf16).is_err(), "{bad} in bf16");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = root(dir.path());
+        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
+        let mut moments = tensors();
+        let _ = moments[0].1.f_fill_(f64::NAN).unwrap();
+        save(&root, &state(10), &Config::default(), &weights(), &moments).unwrap();
+        match load(&root.join("step-00000010")) {
+            Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains(&format!("`{}` in optimizer.safetensors holds", moments[0].0)), "{why}"),
+            other => panic!("loaded: {:?}", other.map(|l| l.path)),
+        }
+        let (found, skipped) = newest_valid(&root);
+        assert_eq!((found.unwrap().state.step, skipped.len()), (5, 1));
     }
 }
