@@ -588,6 +588,24 @@ fn a_resume_takes_a_new_micro_batch_and_counts_tokens_across_a_batch_change() {
     assert_eq!(state["tokens_seen"].as_u64(), Some(tokens));
 }
 
+/// Counters edited near u64::MAX in `trainer_state.json` (no checksum covers it) stay at the
+/// top on resume instead of wrapping to a small count.
+#[test]
+fn counters_near_their_limit_stay_there_on_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
+    train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5"])).ok();
+    let state_file = newest_checkpoint(dir.path()).join("trainer_state.json");
+    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+    state["tokens_seen"] = (u64::MAX - 10).into();
+    state["micro_steps"] = (u64::MAX - 1).into();
+    std::fs::write(&state_file, state.to_string()).unwrap();
+    resume_auto(dir.path(), &with(&["train.max_steps=7"])).ok();
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!((state["step"].as_u64(), state["tokens_seen"].as_u64(), state["micro_steps"].as_u64()), (Some(7), Some(u64::MAX), Some(u64::MAX)));
+}
+
 /// A checkpoint refused only once its state is in the model (optimizer state of another shape,
 /// its checksum and size stamped to match, as a bug or a hand would leave them) leaves the run
 /// it was refused over as it was: the final weights and the stop record stay, and so does the

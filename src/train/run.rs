@@ -295,14 +295,17 @@ impl<'a> Run<'a> {
             }
             Err(e) => return Err(e.into()),
         };
-        self.state.progress.micro_steps += self.state.guard.accumulation() as u64;
-        self.state.progress.tokens_seen += plan.tokens_per_step as u64;
+        // Counters read back from a checkpoint's trainer_state.json (which no checksum covers):
+        // one edited near u64::MAX stays there instead of wrapping to a small count.
+        let progress = &mut self.state.progress;
+        progress.micro_steps = progress.micro_steps.saturating_add(self.state.guard.accumulation() as u64);
+        progress.tokens_seen = progress.tokens_seen.saturating_add(plan.tokens_per_step as u64);
         // Too many non-finite updates in a row: this step still gets its metrics line (the
         // checkpoint written below counts it), then the run stops.
         let mut give_up = false;
         if outcome.skipped_as_nonfinite() {
             self.consecutive_bad += 1;
-            self.state.progress.nonfinite_skips += 1;
+            self.state.progress.nonfinite_skips = self.state.progress.nonfinite_skips.saturating_add(1);
             let consecutive = self.consecutive_bad;
             self.reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive });
             give_up = consecutive >= plan.config.nan.max_consecutive;
