@@ -3,7 +3,7 @@
 //! the transpose of a `Linear`'s `[out, in]`. The head is tied to `transformer.wte.weight`, so
 //! `lm_head.weight` is not written (transformers ties it on load). Also GPT-2's `config.json`
 //! both ways, and the zero biases a `bias: false` model exports (GPT-2 always has them).
-use super::{bad, Family, HfError};
+use super::{bad, whole, Family, HfError};
 use crate::config::{Arch, ModelConfig};
 use crate::model::LAYER_NORM_EPS;
 use serde_json::{json, Value};
@@ -71,7 +71,7 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
 }
 
 fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
-    let num = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(cpath, format!("`{k}` missing or not a number")));
+    let num = |k: &str| whole(c, k, cpath);
     let n_embd = num("n_embd")?;
     if !c["n_inner"].is_null() && c["n_inner"].as_u64() != Some(4 * n_embd as u64) {
         return Err(bad(cpath, format!("n_inner {} is not 4 × n_embd; trainguard's MLP is 4 × n_embd wide", c["n_inner"])));
@@ -155,5 +155,12 @@ mod tests {
         for other in [json!("relu"), json!("quick_gelu"), json!("totally_bogus"), json!(3)] {
             assert!(with("activation_function", other.clone()).contains("`activation_function` is"), "{other}");
         }
+        // A size that is no whole number is named as given; one left out is said to be missing.
+        for (given, said) in [(json!(-1), "`n_layer` is -1, not a whole number"), (json!(2.5), "`n_layer` is 2.5, not a whole number"), (json!("12"), "`n_layer` is \"12\", not a whole number")] {
+            assert!(with("n_layer", given).ends_with(said), "{said}");
+        }
+        let mut v = config_json(&cfg, None);
+        v.as_object_mut().unwrap().remove("n_embd");
+        assert!(model_config(&v, p).unwrap_err().to_string().ends_with("`n_embd` is missing (a whole number)"));
     }
 }

@@ -5,7 +5,7 @@
 //! import (trainguard recomputes RoPE). Also Llama's `config.json` both ways: import refuses
 //! what trainguard's Llama does not compute (RoPE scaling, another activation, a head size
 //! other than hidden_size / heads, biases in attention but not the MLP or the reverse).
-use super::{bad, Family, HfError};
+use super::{bad, whole, Family, HfError};
 use crate::config::{Arch, ModelConfig};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -69,7 +69,7 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
 }
 
 fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
-    let num = |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(cpath, format!("`{k}` missing or not a number")));
+    let num = |k: &str| whole(c, k, cpath);
     // A key that may be left out (transformers' default then), but not given as another type.
     let optional = |v: &Value, k: &str| -> Result<Option<f64>, HfError> {
         match v {

@@ -56,6 +56,14 @@ fn bad(path: &Path, message: impl Into<String>) -> HfError {
     HfError::Input { path: path.into(), message: message.into() }
 }
 
+/// `config.json`'s `key`, a size or count: a whole number, so -1 or 2.5 is named as given.
+fn whole(c: &Value, key: &str, cpath: &Path) -> Result<usize, HfError> {
+    match &c[key] {
+        Value::Null => Err(bad(cpath, format!("`{key}` is missing (a whole number)"))),
+        v => v.as_u64().map(|n| n as usize).ok_or_else(|| bad(cpath, format!("`{key}` is {v}, not a whole number"))),
+    }
+}
+
 /// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family.
 pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<String>, HfError> {
     let werr = |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
@@ -114,8 +122,8 @@ fn write_json(path: &Path, v: &Value) -> Result<(), HfError> {
 pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfError> {
     // The weights against the directory's own config.json, from the safetensors header, before
     // the model it describes is built: a size edited by hand would be an allocation that size.
-    let (_, own) = read_config(dir)?;
-    let (fam, cfg) = checked_init(&own, dir)?;
+    let (fam, cfg) = read_config(dir)?;
+    check_weights(dir, fam, &cfg, &cfg)?;
     let weights = read_weights(dir, fam, &cfg)?;
     Ok((cfg, weights))
 }
@@ -177,6 +185,13 @@ pub fn check_init(cfg: &ModelConfig, dir: &Path) -> Result<(), HfError> {
 /// [`check_init`], giving the family and model the directory's `config.json` describes.
 fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
     let (fam, theirs) = read_config(dir)?;
+    check_weights(dir, fam, &theirs, cfg)?;
+    Ok((fam, theirs))
+}
+
+/// `dir`'s weights (and `theirs`, the model its `config.json` of family `fam` describes) fit
+/// the model `cfg` describes, from the safetensors header.
+fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConfig) -> Result<(), HfError> {
     let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
     if theirs.arch != cfg.arch {
         return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, cfg.arch).to_lowercase()));
@@ -196,7 +211,7 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
     let map = crate::ffi::os::map_readonly(&file).map_err(|e| bad(&wpath, e.to_string()))?;
     let header = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(&wpath, e.to_string()))?;
     // trainguard's names, sorted: the first tensor without a place is the same on every run.
-    let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, &theirs)?, v))).collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, theirs)?, v))).collect();
     views.sort_by(|a, b| a.0.cmp(&b.0));
     use safetensors::Dtype::{BF16, F16, F32, F64};
     if let Some((name, view)) = views.iter().find(|(_, v)| !matches!(v.dtype(), BF16 | F16 | F32 | F64)) {
@@ -232,7 +247,7 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
         let theirs_key = fam.config_keys.iter().find(|(o, _)| *o == key).map_or(key, |(_, t)| t);
         return Err(bad(&cpath, format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})")));
     }
-    Ok((fam, theirs))
+    Ok(())
 }
 
 /// `init_from`: copies `dir`'s weights into `model`, checked as [`check_init`] checks them.
