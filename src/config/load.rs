@@ -17,6 +17,9 @@ pub enum ConfigError {
     OutOfRange { path: PathBuf, message: String },
     #[error("{path}: key `{key}`: {message}")]
     Type { path: PathBuf, key: String, message: String },
+    /// The file is one value (a number, a list), not sections.
+    #[error("{path}: its top level is {found}; a config is sections (indented `key: value` lines: `model:`, `train:`, …)")]
+    NotSections { path: PathBuf, found: &'static str },
     #[error("bad --set `{arg}`: {why}")]
     Override { arg: String, why: String },
     #[error("bad {flag}: {why}")]
@@ -35,6 +38,19 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     };
     if tree.is_null() {
         tree = Value::Mapping(Default::default()); // an empty file means "all defaults"
+    }
+    // Before any --set: one would be refused as going into "``", a key of no name.
+    let found = match &tree {
+        Value::Mapping(_) => None,
+        Value::Sequence(_) => Some("a list"),
+        Value::Number(_) => Some("a number"),
+        Value::String(_) => Some("a string"),
+        Value::Bool(_) => Some("true or false"),
+        Value::Tagged(_) => Some("a tagged value"),
+        Value::Null => None,
+    };
+    if let Some(found) = found {
+        return Err(ConfigError::NotSections { path: shown, found });
     }
     for arg in overrides {
         apply_override(&mut tree, arg)?;
@@ -512,6 +528,14 @@ mod tests {
         assert!(err.contains("is out of range") && !err.contains("not valid YAML"), "{err}");
         let err = load(None, &["faults=5".into()]).unwrap_err().to_string();
         assert!(err.contains("key `faults`") && err.contains("expected a section"), "{err}");
+        // A file of one value: its top level is named as such, not as a key `.`.
+        for (text, found) in [("42\n", "a number"), ("- a\n", "a list"), ("just words\n", "a string")] {
+            std::fs::write(&file, text).unwrap();
+            for sets in [vec![], vec!["train.lr=1".to_string()]] {
+                let err = load(Some(&file), &sets).unwrap_err().to_string();
+                assert!(err.starts_with(&format!("{}: its top level is {found}; a config is sections", file.display())), "{sets:?}: {err}");
+            }
+        }
     }
 
     #[test]
