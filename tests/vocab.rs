@@ -99,6 +99,25 @@ fn a_padded_run_resumes_bitwise() {
     assert_eq!(weights(a.path()).iter().find(|(n, _)| n == "wte.weight").unwrap().1.size(), [320, 64], "checkpoints hold the padded rows");
 }
 
+/// A checkpoint written before `model.pad_vocab_to` existed: its config.yaml lacks the key (so
+/// reads the default padding), its vocabulary matrices have the user's rows. The resume names
+/// the change instead of calling the checkpoint corrupt or copying rows that do not fit.
+#[test]
+fn a_checkpoint_from_before_the_padding_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    train(dir.path(), "configs/debug.yaml", &with(&["model.pad_vocab_to=1", "train.max_steps=6", "checkpoint.interval=6"])).ok();
+    let saved = dir.path().join("checkpoints/step-00000006/config.yaml");
+    let text = std::fs::read_to_string(&saved).unwrap();
+    let older: String = text.lines().filter(|l| !l.trim_start().starts_with("pad_vocab_to:")).map(|l| format!("{l}\n")).collect();
+    assert_eq!(older.lines().count() + 1, text.lines().count(), "one line taken out");
+    std::fs::write(&saved, older).unwrap();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&[]));
+    cmd.args(["--resume", "auto"]);
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("model.pad_vocab_to: checkpoint 1 (`wte.weight` has the unpadded [300, 64]), config 64"), "{}", r.stderr());
+}
+
 #[test]
 fn sampling_never_emits_a_padded_id_and_export_keeps_the_users_vocabulary() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,16 +13,20 @@ pub fn differences(saved: &Config, now: &Config) -> (Vec<String>, Vec<String>) {
     let (mut model, mut other) = (Vec::new(), Vec::new());
     for d in differing_keys(&json(saved), &json(now)) {
         let line = format!("{}: checkpoint {}, config {}", d.key, d.a, d.b);
-        if defines_the_model(&d.key, saved.model.arch) || d.key == "optimizer.name" { model.push(line) } else { other.push(line) }
+        if refused(&d.key, saved.model.arch) { model.push(line) } else { other.push(line) }
     }
     (model, other)
 }
 
-/// A `model.` key whose change makes the checkpoint's weights another model or unfit. Not
-/// dropout (training's), not a key `arch` does not read (GPT-2's RoPE base, norm epsilon, tied
-/// head and key/value heads, which validation holds to GPT-2's), not a Llama's sequence length
-/// (no weight depends on it: a longer context continues from the same weights).
-fn defines_the_model(key: &str, arch: Arch) -> bool {
+/// A key whose change the checkpoint cannot be resumed under: the optimizer's name (its state
+/// is another optimizer's), and a `model.` key whose change makes the weights another model or
+/// unfit. Not dropout (training's), not a key `arch` does not read (GPT-2's RoPE base, norm
+/// epsilon, tied head and key/value heads, which validation holds to GPT-2's), not a Llama's
+/// sequence length (no weight depends on it: a longer context continues from the same weights).
+fn refused(key: &str, arch: Arch) -> bool {
+    if key == "optimizer.name" {
+        return true;
+    }
     let Some(name) = key.strip_prefix("model.") else { return false };
     !matches!((name, arch), ("dropout", _) | ("rope_theta" | "norm_eps" | "tie_embeddings" | "n_kv_head", Arch::Gpt2) | ("seq_len", Arch::Llama))
 }

@@ -234,15 +234,14 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
     let _no_grad = tch::no_grad_guard();
     for (i, (name, p)) in model.params.names.iter().zip(&model.params.tensors).enumerate() {
-        let src = l.weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| corrupt(format!("model.safetensors lacks `{name}`")))?;
-        if src.size() != p.size() && src.size() == model.user_shape(i) {
-            // Written before model.pad_vocab_to: its optimizer state is unpadded too.
-            let why = format!("model.pad_vocab_to: checkpoint 1 (`{name}` has the unpadded {:?}), config {}", src.size(), model.cfg.pad_vocab_to);
+        // `store::load` found each weight of the checkpoint's model in its shape, or with the
+        // user's rows where written before model.pad_vocab_to; that model is this run's
+        // (`check_compatible`). So a weight of another shape is the latter, whose optimizer
+        // state is unpadded too.
+        let Some(src) = l.weights.iter().find(|(n, t)| n == name && t.size() == p.size()).map(|(_, t)| t) else {
+            let why = format!("model.pad_vocab_to: checkpoint 1 (`{name}` has the unpadded {:?}), config {}", model.user_shape(i), model.cfg.pad_vocab_to);
             return Err(CheckpointError::Incompatible { path: l.path.clone(), differences: vec![why] });
-        }
-        if src.size() != p.size() {
-            return Err(corrupt(format!("`{name}` has shape {:?}, the model needs {:?}", src.size(), p.size())));
-        }
+        };
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
     }
     opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
