@@ -80,6 +80,19 @@ pub fn prepare_cpu_limit() {
     ffi::os::malloc_for_exact_accounting();
 }
 
+/// A matrix product of each transposition a linear layer uses (NN, NT, TN: a transposed view
+/// reaches BLAS as a flag), on the intra-op threads.
+fn warm_up_blas() {
+    let products = || -> Result<(), tch::TchError> {
+        let a = tch::Tensor::f_ones([512, 512], (tch::Kind::Float, Device::Cpu))?;
+        for (x, y) in [(a.shallow_clone(), a.shallow_clone()), (a.shallow_clone(), a.f_transpose(0, 1)?), (a.f_transpose(0, 1)?, a.shallow_clone())] {
+            let _ = x.f_matmul(&y)?.f_sum(tch::Kind::Float)?;
+        }
+        Ok(())
+    };
+    let _ = products();
+}
+
 /// Sets the CPU cap. libtorch's errors lose their C++ stack trace first: reading one symbolises
 /// it, which allocates, and at the edge of the cap that failed and turned the allocator's
 /// message into "<Error computing Error::what()>" — no longer recognisable as an OOM (seen on
@@ -87,8 +100,12 @@ pub fn prepare_cpu_limit() {
 fn apply_cpu(limit_bytes: u64) -> Result<LimitReport, LimitError> {
     prepare_cpu_limit();
     ffi::errors_without_stack_traces().map_err(|e| LimitError::Backtraces(e.to_string()))?;
-    // Start the intra-op thread pool first so its stacks count as baseline, not as training.
-    let _ = tch::Tensor::f_ones([1 << 20], (tch::Kind::Float, Device::Cpu)).and_then(|t| t.f_sum(tch::Kind::Float));
+    // Start the intra-op thread pool first so its stacks count as baseline, not as training;
+    // and BLAS's packing buffers, which MKL's AVX-512 sgemm allocates on each thread at its
+    // first products and keeps (about 26 MiB on 2 threads: a 32 MiB cap then left room for
+    // micro-batch 1 only). One product of each transposition a linear layer's forward and
+    // backward use, large enough that every thread takes part.
+    warm_up_blas();
     let baseline = ProcessMemory::read().ok_or(LimitError::NoProcStatus)?.vm_bytes;
     ffi::os::limit_address_space(baseline.saturating_add(limit_bytes)).map_err(LimitError::Rlimit)?;
     Ok(LimitReport { limit_bytes, baseline_bytes: baseline, fraction: None })
