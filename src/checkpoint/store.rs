@@ -270,6 +270,11 @@ pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: dir.to_path_buf(), why };
     let state = load_state(dir)?;
+    // A copy of a checkpoint may have any name; one named for a step must hold that step (the
+    // resume sets aside every checkpoint past the step it loads).
+    if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
+        return Err(corrupt(format!("{STATE_FILE} holds step {}, its directory names step {named}", state.step)));
+    }
     for (file, size) in &state.files {
         let actual = fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if actual != *size {
@@ -300,11 +305,6 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     consistent(&state, &config, &weights).map_err(corrupt)?;
     finite(MODEL_FILE, &weights).and_then(|()| finite(OPTIMIZER_FILE, &optimizer)).map_err(corrupt)?;
-    // A copy of a checkpoint may have any name; one named for a step must hold that step (the
-    // resume sets aside every checkpoint past the step it loads).
-    if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
-        return Err(corrupt(format!("{STATE_FILE} holds step {}, its directory names step {named}", state.step)));
-    }
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 
@@ -364,8 +364,8 @@ fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)
 /// corrupt, `--resume auto` passes over it to the newest checkpoint a run can train on.
 fn finite(file: &str, tensors: &[(String, Tensor)]) -> Result<(), String> {
     for (name, t) in tensors.iter().filter(|(_, t)| t.is_floating_point()) {
-        let bad = t.f_isfinite().and_then(|f| f.f_logical_not()).and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
-        match bad {
+        let finite = t.f_isfinite().and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
+        match finite.map(|n| t.numel() as i64 - n) {
             Ok(0) => {}
             Ok(n) => return Err(format!("`{name}` in {file} holds {n} of {} values that are NaN or infinite: training from it gives non-finite losses", t.numel())),
             Err(e) => return Err(format!("`{name}` in {file}: {e}")),
