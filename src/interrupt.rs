@@ -22,14 +22,14 @@ impl Interrupter {
         let count = self.0.clone();
         ctrlc::set_handler(move || {
             if count.fetch_add(1, Ordering::SeqCst) & !REQUESTED_BY_CODE >= 1 {
-                eprintln!("second signal: exiting now; {then}");
+                crate::logging::to_stderr(&format!("second signal: exiting now; {then}"));
                 let code = second();
                 // Not `exit`: it runs libtorch's static destructors on this thread while the
                 // main thread may be inside libtorch (autograd, a kernel), which then crashed
                 // (SIGSEGV, exit 139, which torchrun takes for a failure).
                 unsafe { libc::_exit(code) };
             }
-            eprintln!("signal received: {first} (send it again to exit at once)");
+            crate::logging::to_stderr(&format!("signal received: {first} (send it again to exit at once)"));
         })
     }
 

@@ -36,16 +36,29 @@ pub fn nonzero_rank() -> Option<usize> {
     std::env::var("RANK").ok().and_then(|r| r.parse::<usize>().ok()).filter(|&r| r > 0)
 }
 
-/// Prefixes each line a non-zero rank writes with `[rank N]`.
+/// `text`, each line marked `[rank N] ` when `rank` is given, every line ending in a newline.
+fn marked(rank: Option<usize>, text: &str) -> String {
+    let prefix = rank.map(|r| format!("[rank {r}] ")).unwrap_or_default();
+    text.lines().map(|line| format!("{prefix}{line}\n")).collect()
+}
+
+/// `text` on stderr, each line marked with this process's rank when it is not 0, in one write.
+/// Ranks under torchrun share one stderr, and a line written in pieces (as `eprintln!` writes
+/// its arguments) can be cut by another rank's line.
+pub fn to_stderr(text: &str) {
+    let _ = std::io::stderr().lock().write_all(marked(nonzero_rank(), text).as_bytes());
+}
+
+/// Prefixes each line a non-zero rank writes with `[rank N]`, in one write (see `to_stderr`).
 struct RankWriter(Option<usize>);
 
 impl Write for RankWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let mut err = std::io::stderr().lock();
-        if let Some(r) = self.0 {
-            write!(err, "[rank {r}] ")?;
+        match self.0 {
+            Some(_) => err.write_all(marked(self.0, &String::from_utf8_lossy(buf)).as_bytes())?,
+            None => err.write_all(buf)?,
         }
-        err.write_all(buf)?;
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -82,4 +95,16 @@ pub fn also_to_file(path: &Path) -> std::io::Result<()> {
 /// stderr itself (not as a log line) also ends the file, so the file tells how the run ended.
 pub fn in_file_only(text: &str) {
     let _ = writeln!(FileWriter, "{text}").and_then(|_| FileWriter.flush());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::marked;
+
+    #[test]
+    fn every_line_of_a_nonzero_rank_is_marked_and_ends_in_a_newline() {
+        assert_eq!(marked(Some(3), "error: a\nb"), "[rank 3] error: a\n[rank 3] b\n");
+        assert_eq!(marked(None, "warning: x\n"), "warning: x\n");
+        assert_eq!(marked(Some(1), ""), "");
+    }
 }

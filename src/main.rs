@@ -30,14 +30,14 @@ fn main() {
         if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
             let kind = exit::kind_name(code);
             if let Err(e) = dist::write_error_file(std::path::Path::new(&path), kind, &message(&err)) {
-                eprintln!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy());
+                trainguard::logging::to_stderr(&format!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy()));
             }
         }
         // Under torchrun, what a restart would meet again ends the job (src/attempts.rs).
         if let Some(a) = attempts::Attempt::from_env(env).filter(|_| training && attempts::ends_the_job(code) && !heard_from_a_peer(&err)) {
             let file = failure_file(&a);
             if let Err(e) = attempts::record_failure(&file, &attempts::Failure { restart_count: a.restart_count, code, message: message(&err) }) {
-                eprintln!("warning: cannot record the failure in {}: {e}; torchrun will restart the group", file.display());
+                trainguard::logging::to_stderr(&format!("warning: cannot record the failure in {}: {e}; torchrun will restart the group", file.display()));
             }
         }
         std::process::exit(code);
@@ -165,7 +165,7 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
     let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
     if let (Some((step, path)), true) = (&newest, writer) {
         if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(*step, "signal", Some(path))) {
-            eprintln!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display());
+            trainguard::logging::to_stderr(&format!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display()));
         }
     }
     match (elastic, newest) {
@@ -260,7 +260,6 @@ fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
 /// One clear message on stderr, no backtrace; out-of-memory gets advice on what to change. A
 /// rank other than 0 marks each line with `[rank N]`, as its log lines are.
 fn report(err: &anyhow::Error) {
-    let prefix = trainguard::logging::nonzero_rank().map(|r| format!("[rank {r}] ")).unwrap_or_default();
     // A planned stop (signal, time limit) is not a failure: it says where it stopped and how
     // to go on (exit code 4 all the same).
     let stopped = err.chain().find_map(|c| c.downcast_ref::<TrainError>()).filter(|e| matches!(e, TrainError::Interrupted { .. }));
@@ -268,9 +267,7 @@ fn report(err: &anyhow::Error) {
         Some(stopped) if err.chain().find_map(oom_in).is_none() => stopped.to_string(),
         _ => format!("error: {}", message(err)),
     };
-    for line in text.lines() {
-        eprintln!("{prefix}{line}");
-    }
+    trainguard::logging::to_stderr(&text);
     trainguard::logging::in_file_only(&text);
 }
 
