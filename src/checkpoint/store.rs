@@ -275,6 +275,10 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
         return Err(corrupt(format!("{STATE_FILE} holds step {}, its directory names step {named}", state.step)));
     }
+    // What the small files alone can refuse is refused before the tensor files are read.
+    let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+    let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+    state_agrees(&state, &config).map_err(corrupt)?;
     for (file, size) in &state.files {
         let actual = fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if actual != *size {
@@ -301,20 +305,20 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
             .collect()
     };
     let (weights, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
-    let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
-    let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
-    consistent(&state, &config, &weights).map_err(corrupt)?;
+    weights_agree(&config, &weights).map_err(corrupt)?;
     finite(MODEL_FILE, &weights).and_then(|()| finite(OPTIMIZER_FILE, &optimizer)).map_err(corrupt)?;
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 
-/// A checkpoint's parts agree with each other: `trainer_state.json`'s counts and scale in range,
-/// the optimizer its `config.yaml` names, and each weight that config's model describes, in its
-/// shape and in floating point. The checksums cover only the tensor files, and a run resuming
-/// checks its config against `config.yaml` alone: what disagrees here (a file edited by hand,
-/// or written by a bug) is found before a model is built or the run touches its directory, and
-/// `--resume auto` passes over it to an older checkpoint.
-fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
+/// A checkpoint's parts agree with each other ([`state_agrees`], then [`weights_agree`]). The
+/// checksums cover only the tensor files, and a run resuming checks its config against
+/// `config.yaml` alone: what disagrees here (a file edited by hand, or written by a bug) is found
+/// before a model is built or the run touches its directory, and `--resume auto` passes over it
+/// to an older checkpoint.
+///
+/// `trainer_state.json`'s counts and scale are in range and its optimizer is the one its
+/// `config.yaml` names.
+fn state_agrees(state: &TrainerState, config: &Config) -> Result<(), String> {
     if state.format > STATE_FORMAT {
         return Err(format!("{STATE_FILE} is format {}, written by a newer trainguard (this one reads format {STATE_FORMAT})", state.format));
     }
@@ -337,6 +341,12 @@ fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)
     if state.optimizer.kind != named {
         return Err(format!("{STATE_FILE} holds the state of optimizer `{}`, its {CONFIG_FILE} names `{named}`", state.optimizer.kind));
     }
+    Ok(())
+}
+
+/// `model.safetensors` holds each weight that `config.yaml`'s model describes, in its shape and
+/// in floating point.
+fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
     // More blocks than tensors cannot be this file's model (and describing them would take
     // the memory of a model that size, for a number typed by hand).
     if config.model.n_layer > weights.len() {
@@ -555,6 +565,10 @@ mod tests {
         assert!(clean_temporaries(&root).removed.is_empty(), "set-aside directories are not leftovers");
     }
 
+    fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {
+        state_agrees(state, config).and_then(|()| weights_agree(config, weights))
+    }
+
     #[test]
     fn a_checkpoint_that_disagrees_with_its_own_config_is_corrupt_and_auto_passes_over_it() {
         let (dir, root, newest) = five_and_ten();
@@ -607,6 +621,9 @@ mod tests {
         let mut edited: serde_json::Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
         edited["world_size"] = 0.into();
         fs::write(&path, edited.to_string()).unwrap();
+        // Refused by its state before its tensor files are read (here one is cut short too).
+        let model = fs::read(newest.join(MODEL_FILE)).unwrap();
+        fs::write(newest.join(MODEL_FILE), &model[..model.len() / 2]).unwrap();
         match load(&newest) {
             Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains("world_size 0"), "{why}"),
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
