@@ -23,16 +23,23 @@ impl Fakes {
             std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
         };
         // srun: log, drop its own options, run the command (as the job step's task).
-        write("srun", r#"echo "srun $*" >> "$FAKE_LOG"; while [[ $1 == --* ]]; do shift; done; exec "$@""#);
+        // A step that reads a file on every node also prints node2's copy, FAKE_NODE2_RECORD.
+        write(
+            "srun",
+            r#"echo "srun $*" >> "$FAKE_LOG"; while [[ $1 == --* ]]; do shift; done
+[ "$1" = cat ] && [ -n "${FAKE_NODE2_RECORD:-}" ] && cat "$FAKE_NODE2_RECORD"
+exec "$@""#,
+        );
         write("scontrol", r#"echo "scontrol $*" >> "$FAKE_LOG"; [ "$1 $2" = "show hostnames" ] && printf 'node1\nnode2\n'; exit 0"#);
         write("squeue", r#"echo "squeue $*" >> "$FAKE_LOG"; echo "$FAKE_SQUEUE""#);
         // torchrun: log its arguments, then end the way FAKE_OUTCOME says (as trainguard would
         // leave the run directory).
         write(
             "torchrun",
-            r#"echo "torchrun $*" >> "$FAKE_LOG"
+            r#"echo "torchrun $*" >> "$FAKE_LOG"; echo "failure-file $TRAINGUARD_FAILURE_FILE" >> "$FAKE_LOG"
 rec="$FAKE_OUT/stop.json"
 case $FAKE_OUTCOME in
+  fail_here) echo '{"restart_count":0,"code":2,"message":"refused"}' > "$TRAINGUARD_FAILURE_FILE"; exit 1 ;;
   stopped) mkdir -p "$FAKE_OUT"; echo '{"status":"stopped","reason":"time_limit","step":7,"resumable":true}' > "$rec"; exit 0 ;;
   finished) mkdir -p "$FAKE_OUT"; echo '{"status":"finished","step":9,"resumable":false}' > "$rec"; exit 0 ;;
   crash) exit 1 ;;
@@ -142,6 +149,33 @@ fn sbatch_reports_a_crash_and_does_not_requeue_even_with_an_old_stop_record() {
     assert_eq!(max_duration_s(&log), Some(600 - 300));
     // Not the script's to remove: trainguard removes it once a leg starts (this fake never did).
     assert!(f.out().join("stop.json").exists());
+}
+
+/// A failure no restart mends ends the job with its code, not requeued, whichever node's worker
+/// recorded it: the batch script's node keeps its own record; another node's is asked for with a
+/// short job step. Each leg records in a new file (a requeue keeps the job id, and a record from
+/// an earlier leg on another node would end this leg's first restart there).
+#[test]
+fn sbatch_exits_with_the_code_of_a_failure_a_restart_would_meet_again_on_any_node() {
+    let f = Fakes::new();
+    let o = f.sbatch("fail_here", &[("FAKE_SQUEUE", "10:00")]).output().unwrap();
+    let log = f.log();
+    assert_eq!(o.status.code(), Some(2), "{}\n{log}", text(&o));
+    assert!(text(&o).contains("failed with exit 2, which a restart would meet again"), "{}", text(&o));
+    assert!(!log.contains("requeue") && !log.contains(" cat "), "its own node's record, no step to ask: {log}");
+
+    // On node2: the batch script's node has none; the record's message quotes a `"code":`.
+    let record = f.dir.path().join("node2.json");
+    std::fs::write(&record, "{\"restart_count\":1,\"code\":3,\"message\":\"out of memory at \\\"code\\\":9\"}\n").unwrap();
+    let o = f.sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("FAKE_NODE2_RECORD", record.to_str().unwrap())]).output().unwrap();
+    let log = f.log();
+    assert_eq!(o.status.code(), Some(3), "{}\n{log}", text(&o));
+    assert!(text(&o).contains("failed with exit 3") && !log.contains("requeue"), "{}\n{log}", text(&o));
+    assert!(log.contains("srun --nodes=2 --ntasks-per-node=1 cat "), "every node asked: {log}");
+
+    let files: Vec<&str> = log.lines().filter_map(|l| l.strip_prefix("failure-file ")).collect();
+    assert_eq!(files.len(), 2, "{log}");
+    assert!(files[0] != files[1] && files.iter().all(|f| f.contains("trainguard-42-")), "a new file for each leg: {files:?}");
 }
 
 #[test]
