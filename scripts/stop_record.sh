@@ -50,14 +50,14 @@ newest_step() {
 }
 
 # failure_code [FILE]: the exit code of a failure no torchrun restart mends, as a worker recorded
-# it in $TRAINGUARD_FAILURE_FILE (src/attempts.rs: one line, {"restart_count":N,"code":N,…});
-# empty without one. Without FILE: the first such record on standard input.
+# it in $TRAINGUARD_FAILURE_FILE (src/attempts.rs: one JSON line; a message's quotes are
+# escaped); empty without one. Without FILE: the first such record on standard input.
 failure_code() {
   if [ $# -gt 0 ]; then
     [ -s "$1" ] || return 0
     failure_code < "$1"; return
   fi
-  sed -n 's/^{"restart_count":[0-9]*,"code":\([0-9]*\),.*/\1/p' | head -n 1
+  sed -n 's/.*"code":\([0-9]*\).*/\1/p' | head -n 1
 }
 
 # record_stamp OUT_DIR: which stop record is there (inode, modification time), empty without
