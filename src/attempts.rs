@@ -47,6 +47,19 @@ impl Attempt {
         self.run_id != "none"
     }
 
+    /// What rank 0 warns of, on `nodes` nodes under torchrun's default run id: after a worker
+    /// fails, torchrun restarts a node whose workers had not failed (yet) with its count
+    /// unchanged, 0 at first (seen with two agents on one machine), and under `none` a count of 0
+    /// is a new launch, so those workers do what the command asked while the failed node's
+    /// resume. Without `--resume auto` the ranks then disagree and the job ends.
+    pub fn unnamed_across(&self, nodes: usize) -> Option<String> {
+        (nodes > 1 && !self.names_a_job()).then(|| {
+            format!(
+                "a torchrun job on {nodes} nodes under the default run id `none`: after a worker fails, torchrun may restart another node's workers with their restart count unchanged, as a new launch, and without `--resume auto` they then refuse the run the others resume. Name the job: torchrun --rdzv-id <id> (scripts/slurm.sbatch passes the SLURM job id)"
+            )
+        })
+    }
+
     /// The failure record's path: `$TRAINGUARD_FAILURE_FILE`, else one in `tmp` for this user
     /// (`uid`), torchrun agent (`agent`, the parent's pid) and run id: never another job's.
     pub fn failure_file(&self, var: impl Fn(&str) -> Option<String>, tmp: &Path, uid: u32, agent: u32) -> PathBuf {
@@ -124,6 +137,14 @@ mod tests {
         assert_eq!(a, Attempt { run_id: "job/7".into(), restart_count: 2 });
         assert_eq!(a.failure_file(env(&[]), Path::new("/tmp"), 1000, 42), PathBuf::from("/tmp/trainguard-torchrun-1000-42-job_7.failed.json"));
         assert_eq!(a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp"), 1000, 42), PathBuf::from("/jobs/f.json"));
+    }
+
+    #[test]
+    fn a_job_on_several_nodes_under_the_default_run_id_is_warned_of() {
+        let at = |id: &str| Attempt { run_id: id.into(), restart_count: 0 };
+        assert!(at("none").unnamed_across(2).is_some_and(|w| w.contains("on 2 nodes") && w.contains("--rdzv-id")));
+        assert_eq!(at("none").unnamed_across(1), None, "one node restarts as a whole, its count raised");
+        assert_eq!(at("job-7").unnamed_across(4), None, "a named job");
     }
 
     #[test]

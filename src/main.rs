@@ -95,6 +95,11 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         carry_deadline(&mut cfg, launch.as_ref());
     }
     let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
+    if let (Some(a), Some(l)) = (&attempt, launch.as_ref().filter(|l| l.rank == 0)) {
+        if let Some(warning) = a.unnamed_across(l.world_size.div_ceil(l.local_world_size.max(1))) {
+            tracing::warn!("{warning}");
+        }
+    }
     // Under torchrun a process resumes the run its job started (a restart); after an attempt
     // refused or failed before that, it does what the command asked (src/attempts.rs).
     let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&plan.config.out_dir, a));

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::Instant;
 use trainguard::checkpoint::store;
 use trainguard::stop_record::{self, Status};
@@ -160,6 +160,36 @@ fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&st
     }
     cmd.args(extra_args);
     cmd
+}
+
+/// Two torchrun agents on one machine make a job on two nodes (c10d rendezvous). Under the
+/// default run id, rank 0 alone warns that a restart may look like a new launch; named, no word.
+#[test]
+fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
+    let run = |id: Option<&str>| {
+        let d = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let agent = || {
+            let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
+            cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), "--max-restarts=0"]);
+            cmd.args(id.map(|id| format!("--rdzv_id={id}")));
+            cmd.args(["--no-python", &bin(), "train", "--config"]).arg(repo().join("configs/debug.yaml"));
+            for s in [format!("out_dir={}", d.path().display()), "train.threads=1".into(), "train.max_steps=2".into(), "train.warmup_steps=1".into(), "dist.timeout_s=30".into()] {
+                cmd.arg("--set").arg(s);
+            }
+            cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+        };
+        let agents = [agent(), agent()];
+        let outs = agents.map(|a| a.wait_with_output().unwrap());
+        let err: String = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).to_string()).collect();
+        assert!(outs.iter().all(|o| o.status.success()), "{err}");
+        err
+    };
+    let err = run(None);
+    let warned = err.lines().filter(|l| l.contains("a torchrun job on 2 nodes under the default run id `none`") && l.contains("--rdzv-id")).count();
+    assert_eq!(warned, 1, "rank 0 warns, once: {err}");
+    let err = run(Some("job-7"));
+    assert!(!err.contains("default run id"), "{err}");
 }
 
 /// The pid of worker `rank` of the run writing to `out` (its environment says RANK=<rank>).
