@@ -192,6 +192,38 @@ fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
     assert!(!err.contains("default run id"), "{err}");
 }
 
+/// Two agents (two nodes), rank 1 crashing at step 3: torchrun restarts the crashed node's
+/// worker with restart count 1 and the other node's healthy worker with its count unchanged, 0.
+/// The two still meet at once (src/dist/round.rs) and resume at step 3; namespaced by their
+/// counts they never met, each join timed out and a further restart was spent.
+#[test]
+fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
+    let d = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let agent = || {
+        let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
+        cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), "--rdzv_id=job-8", "--max-restarts=1"]);
+        cmd.args(["--no-python", "bash", "-c", r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#, "worker", &bin(), "train", "--config"]);
+        cmd.arg(repo().join("configs/debug.yaml"));
+        let sets = ["train.threads=1", "train.max_steps=8", "train.warmup_steps=1", "checkpoint.interval=1", "dist.timeout_s=20", "faults.crash_at_step=3", "faults.crash_rank=1"];
+        cmd.arg("--set").arg(format!("out_dir={}", d.path().display()));
+        for s in sets {
+            cmd.arg("--set").arg(s);
+        }
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let t0 = Instant::now();
+    let outs = [agent(), agent()].map(|a| a.wait_with_output().unwrap());
+    let wall = t0.elapsed().as_secs_f64();
+    let err: String = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).to_string()).collect();
+    assert!(outs.iter().all(|o| o.status.success()), "{err}");
+    let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
+    eprintln!("restarted workers: {restarted:?}; {wall:.1} s");
+    assert!(!err.contains("cannot join the process group"), "{err}");
+    assert_eq!(err.matches("resuming at step 3").count(), 1, "rank 0 resumes, once: {err}");
+    assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().map(|m| m["step"].clone()), Some(7.into()), "{err}");
+}
+
 /// The pid of worker `rank` of the run writing to `out` (its environment says RANK=<rank>).
 fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
     let want = format!("RANK={rank}");

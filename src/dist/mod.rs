@@ -4,6 +4,7 @@
 pub mod env;
 mod error_file;
 mod heartbeat;
+mod round;
 
 pub use env::{from_process_env, DistEnv, EnvError};
 pub use heartbeat::StopNotice;
@@ -74,17 +75,28 @@ fn torch_error(what: &'static str) -> impl Fn(TchError) -> DistError + Copy {
 
 impl Dist {
     /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
-    /// (TORCHELASTIC_USE_AGENT_STORE) or by rank 0. Keys are namespaced by the restart count.
+    /// (TORCHELASTIC_USE_AGENT_STORE), where it outlives a restart and the ranks first agree on
+    /// a namespace for this attempt's keys (src/dist/round.rs), or by rank 0 for this process
+    /// alone.
     pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64) -> Result<Self, DistError> {
+        let addr = format!("{}:{}", env.master_addr, env.master_port);
         let host_store = !env.use_agent_store && env.rank == 0;
-        let prefix = format!("trainguard/restart-{}/", env.restart_count);
+        let prefix = if env.use_agent_store { format!("trainguard/attempt-{}/", Self::agree_on_attempt(env, timeout_s)?) } else { "trainguard/".into() };
         let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
-            .map_err(|e| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message: e.to_string() })?;
+            .map_err(|e| DistError::Init { addr: addr.clone(), message: e.to_string() })?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
         let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
             .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
             .ok();
         Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small })
+    }
+
+    /// This attempt's id, agreed with its peers through the agent's store.
+    fn agree_on_attempt(env: &DistEnv, timeout_s: u64) -> Result<i64, DistError> {
+        let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
+        let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| init(e.to_string()))?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+        round::agree(&store, env.rank, env.world_size, round::nonce(), deadline).map_err(init)
     }
 
     /// How this rank tells its peers that a second signal ends it (None without a heartbeat).
