@@ -41,10 +41,9 @@ fn set(s: &impl Counters, key: &str, value: i64) -> Result<(), String> {
 /// A nonce no other process is likely to draw: positive, nonzero, below 2^62 (so that the
 /// difference of two fits an i64).
 pub fn nonce() -> i64 {
-    use std::hash::{BuildHasher, Hash, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    (std::process::id(), std::time::SystemTime::now()).hash(&mut h);
-    (h.finish() >> 2) as i64 | 1
+    use std::hash::BuildHasher;
+    let hash = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
+    (hash >> 2) as i64 | 1
 }
 
 const POLL: Duration = Duration::from_millis(20);
