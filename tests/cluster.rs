@@ -151,8 +151,8 @@ fn torchrun(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets
 }
 
 fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets: &[&str]) -> Command {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
+    let port = free_port();
+    let mut cmd = Command::new(common::torchrun());
     cmd.args([format!("--nproc_per_node={nproc}"), format!("--max-restarts={restarts}"), "--master_addr=127.0.0.1".into(), format!("--master_port={port}"), "--no-python".into(), bin()]);
     cmd.args(["train", "--config"]).arg(repo().join("configs/debug.yaml"));
     for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
@@ -162,26 +162,35 @@ fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&st
     cmd
 }
 
-/// Two torchrun agents on one machine make a job on two nodes (c10d rendezvous). Under the
-/// default run id, rank 0 alone warns that a restart may look like a new launch; named, no word.
+/// Two torchrun agents on one machine, one worker each: a job on two nodes (c10d rendezvous),
+/// `--max-restarts=<restarts>`, run id `id` (torchrun's default, `none`, without one). Each
+/// worker first says `worker RANK=<rank> RESTART=<its restart count>` on stderr. Returns both
+/// agents' outputs and their stderr together.
+fn two_agents(out: &Path, id: Option<&str>, restarts: usize, sets: &[&str]) -> ([Output; 2], String) {
+    let port = free_port();
+    let agent = || {
+        let mut cmd = Command::new(common::torchrun());
+        cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), &format!("--max-restarts={restarts}")]);
+        cmd.args(id.map(|id| format!("--rdzv_id={id}")));
+        cmd.args(["--no-python", "bash", "-c", r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#, "worker", &bin(), "train", "--config"]);
+        cmd.arg(repo().join("configs/debug.yaml"));
+        for s in [format!("out_dir={}", out.display()), "train.threads=1".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+            cmd.arg("--set").arg(s);
+        }
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+    let outs = [agent(), agent()].map(|a| a.wait_with_output().unwrap());
+    let err = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).to_string()).collect();
+    (outs, err)
+}
+
+/// Under the default run id, rank 0 alone warns that a restart may look like a new launch;
+/// named, no word.
 #[test]
 fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
     let run = |id: Option<&str>| {
         let d = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let agent = || {
-            let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
-            cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), "--max-restarts=0"]);
-            cmd.args(id.map(|id| format!("--rdzv_id={id}")));
-            cmd.args(["--no-python", &bin(), "train", "--config"]).arg(repo().join("configs/debug.yaml"));
-            for s in [format!("out_dir={}", d.path().display()), "train.threads=1".into(), "train.max_steps=2".into(), "train.warmup_steps=1".into(), "dist.timeout_s=30".into()] {
-                cmd.arg("--set").arg(s);
-            }
-            cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
-        };
-        let agents = [agent(), agent()];
-        let outs = agents.map(|a| a.wait_with_output().unwrap());
-        let err: String = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).to_string()).collect();
+        let (outs, err) = two_agents(d.path(), id, 0, &["train.max_steps=2", "train.warmup_steps=1", "dist.timeout_s=30"]);
         assert!(outs.iter().all(|o| o.status.success()), "{err}");
         err
     };
@@ -192,30 +201,17 @@ fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
     assert!(!err.contains("default run id"), "{err}");
 }
 
-/// Two agents (two nodes), rank 1 crashing at step 3: torchrun restarts the crashed node's
-/// worker with restart count 1 and the other node's healthy worker with its count unchanged, 0.
-/// The two still meet at once (src/dist/round.rs) and resume at step 3; namespaced by their
-/// counts they never met, each join timed out and a further restart was spent.
+/// Rank 1 crashing at step 3: torchrun restarts the crashed node's worker with restart count 1
+/// and the other node's healthy worker with its count unchanged, 0. The two still meet at once
+/// (src/dist/round.rs) and resume at step 3; namespaced by their counts they never met, each
+/// join timed out and a further restart was spent.
 #[test]
 fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     let d = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let agent = || {
-        let mut cmd = Command::new(repo().join(".venv/bin/torchrun"));
-        cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), "--rdzv_id=job-8", "--max-restarts=1"]);
-        cmd.args(["--no-python", "bash", "-c", r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#, "worker", &bin(), "train", "--config"]);
-        cmd.arg(repo().join("configs/debug.yaml"));
-        let sets = ["train.threads=1", "train.max_steps=8", "train.warmup_steps=1", "checkpoint.interval=1", "dist.timeout_s=20", "faults.crash_at_step=3", "faults.crash_rank=1"];
-        cmd.arg("--set").arg(format!("out_dir={}", d.path().display()));
-        for s in sets {
-            cmd.arg("--set").arg(s);
-        }
-        cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
-    };
+    let sets = ["train.max_steps=8", "train.warmup_steps=1", "checkpoint.interval=1", "dist.timeout_s=20", "faults.crash_at_step=3", "faults.crash_rank=1"];
     let t0 = Instant::now();
-    let outs = [agent(), agent()].map(|a| a.wait_with_output().unwrap());
+    let (outs, err) = two_agents(d.path(), Some("job-8"), 1, &sets);
     let wall = t0.elapsed().as_secs_f64();
-    let err: String = outs.iter().map(|o| String::from_utf8_lossy(&o.stderr).to_string()).collect();
     assert!(outs.iter().all(|o| o.status.success()), "{err}");
     let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
     eprintln!("restarted workers: {restarted:?}; {wall:.1} s");
@@ -349,7 +345,7 @@ fn torchrun_script(cwd: &Path, config: &str, out: &Path, sets: &[&str]) -> Outpu
     for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
         cmd.arg("--set").arg(s);
     }
-    cmd.env("TORCHRUN", repo().join(".venv/bin/torchrun")).env("TRAINGUARD", bin()).output().unwrap()
+    cmd.env("TORCHRUN", common::torchrun()).env("TRAINGUARD", bin()).output().unwrap()
 }
 
 /// What a torchrun restart would meet again ends the job with its own code. A fresh start

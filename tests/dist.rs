@@ -2,19 +2,11 @@
 //! equivalence with one process, OOM agreement, a dead rank, a torchrun restart.
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const RUN: [&str; 5] = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "train.eval_interval=5", "dist.timeout_s=20"];
-
-fn torchrun() -> PathBuf {
-    repo().join(".venv/bin/torchrun")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
     let mut a = vec!["train".to_string(), "--config".into(), repo().join("configs/debug.yaml").display().to_string()];

@@ -79,11 +79,10 @@ impl Dist {
     /// a namespace for this attempt's keys (src/dist/round.rs), or by rank 0 for this process
     /// alone.
     pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64) -> Result<Self, DistError> {
-        let addr = format!("{}:{}", env.master_addr, env.master_port);
+        let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
         let host_store = !env.use_agent_store && env.rank == 0;
-        let prefix = if env.use_agent_store { format!("trainguard/attempt-{}/", Self::agree_on_attempt(env, timeout_s)?) } else { "trainguard/".into() };
-        let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix)
-            .map_err(|e| DistError::Init { addr: addr.clone(), message: e.to_string() })?;
+        let prefix = if env.use_agent_store { format!("trainguard/attempt-{}/", Self::agree_on_attempt(env, timeout_s).map_err(init)?) } else { "trainguard/".into() };
+        let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix).map_err(|e| init(e.to_string()))?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
         let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
             .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
@@ -92,11 +91,10 @@ impl Dist {
     }
 
     /// This attempt's id, agreed with its peers through the agent's store.
-    fn agree_on_attempt(env: &DistEnv, timeout_s: u64) -> Result<i64, DistError> {
-        let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
-        let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| init(e.to_string()))?;
+    fn agree_on_attempt(env: &DistEnv, timeout_s: u64) -> Result<i64, String> {
+        let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| e.to_string())?;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
-        round::agree(&store, env.rank, env.world_size, round::nonce(), deadline).map_err(init)
+        round::agree(&store, env.rank, env.world_size, round::nonce(), deadline)
     }
 
     /// How this rank tells its peers that a second signal ends it (None without a heartbeat).

@@ -64,6 +64,16 @@ pub fn repo() -> PathBuf {
     std::env::var_os("TRAINGUARD_REPO").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
 }
 
+/// The project venv's `torchrun`.
+pub fn torchrun() -> PathBuf {
+    repo().join(".venv/bin/torchrun")
+}
+
+/// A TCP port nothing listens on now (the OS's pick), for a store or a rendezvous.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
 /// `trainguard train --config <config> --set out_dir=<dir> --set train.threads=1 <sets…>`.
 pub fn command(dir: &Path, config: &str, sets: &[&str]) -> Command {
     let mut cmd = Command::new(bin());
