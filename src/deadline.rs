@@ -1,32 +1,11 @@
-//! The wall-clock deadline of `train.max_duration` across torchrun's elastic restarts. Each
-//! restart is a new process whose own clock starts at zero; without this, every restart would get
-//! the full duration again and a job with `--max-restarts=3` would overrun its allocation.
-//! The first attempt (TORCHELASTIC_RESTART_COUNT = 0) records `out_dir/deadline.json`
-//! `{run_id, deadline_unix_s}` (rank 0); a restart of the same torchrun run (same
-//! TORCHELASTIC_RUN_ID) trains only for what is left of it. Pure except `record` and `load`.
-use crate::whole_file;
-use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
-
-pub const FILE: &str = "deadline.json";
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Deadline {
-    pub run_id: String,
-    pub deadline_unix_s: f64,
-}
-
-pub fn path(out_dir: &Path) -> PathBuf {
-    out_dir.join(FILE)
-}
-
-/// What `train.max_duration` should be in this attempt: `None` keeps the configured one.
-/// `restart_count > 0` with a record of the same run: the time left (at least a millisecond, so
-/// that the run stops at once with a checkpoint rather than failing validation).
-pub fn remaining(saved: Option<&Deadline>, run_id: &str, restart_count: u64, now_unix_s: f64) -> Option<String> {
-    let d = saved.filter(|d| restart_count > 0 && d.run_id == run_id)?;
-    Some(format!("{:.3}s", (d.deadline_unix_s - now_unix_s).max(0.001)))
-}
+//! The wall-clock deadline of `train.max_duration` for a whole torchrun job. Each restart is a
+//! new process whose own clock starts at zero; without this, every restart would get the full
+//! duration again and a job with `--max-restarts=3` would overrun its allocation.
+//! The first attempt's rank 0 sets the deadline (its start + the limit) in torchrun's agent
+//! store, which lives as long as the launch; every rank of every attempt reads it there
+//! (src/dist/round.rs) and trains only for what is left. A new launch (a requeued SLURM job)
+//! has a new store and a new budget. Pure, but for the clocks.
+use std::time::Duration;
 
 /// When this process started, as near as trainguard can tell: the first call, which `main`
 /// makes first thing. `train.max_duration` counts from here, start-up included (loading a
@@ -40,13 +19,21 @@ pub fn now_unix_s() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-pub fn load(out_dir: &Path) -> Option<Deadline> {
-    whole_file::read_json(&path(out_dir))
+/// This process's start on the wall clock, in seconds since the epoch.
+pub fn started_unix_s() -> f64 {
+    now_unix_s() - process_start().elapsed().as_secs_f64()
 }
 
-pub fn record(out_dir: &Path, d: &Deadline) -> std::io::Result<()> {
-    std::fs::create_dir_all(out_dir)?;
-    whole_file::replace_json(&path(out_dir), d)
+/// This process's own deadline for `limit`, in milliseconds since the epoch: what the job's
+/// first attempt proposes.
+pub fn own_unix_ms(limit: Duration, started_unix_s: f64) -> i64 {
+    ((started_unix_s + limit.as_secs_f64()) * 1000.0).round() as i64
+}
+
+/// The limit, counted from this process's start, that ends at the job's deadline: at least a
+/// millisecond, so that an attempt that starts past it stops at once with a checkpoint.
+pub fn limit_until(deadline_unix_ms: i64, started_unix_s: f64) -> Duration {
+    Duration::from_secs_f64((deadline_unix_ms as f64 / 1000.0 - started_unix_s).max(0.001))
 }
 
 #[cfg(test)]
@@ -54,25 +41,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_restart_of_the_same_run_gets_only_the_time_left() {
-        let d = Deadline { run_id: "job-7".into(), deadline_unix_s: 1000.0 };
-        assert_eq!(remaining(Some(&d), "job-7", 1, 940.0).as_deref(), Some("60.000s"));
-        assert_eq!(remaining(Some(&d), "job-7", 2, 1200.0).as_deref(), Some("0.001s"), "past it: stop at once");
+    fn a_restart_gets_only_the_time_left_of_the_jobs_deadline() {
+        // The first attempt started at t = 1000 s with a 90 s limit: its deadline, 1090 s.
+        let deadline = own_unix_ms(Duration::from_secs(90), 1000.0);
+        assert_eq!(deadline, 1_090_000);
+        assert_eq!(limit_until(deadline, 1000.0), Duration::from_secs(90), "the first attempt's own");
+        assert_eq!(limit_until(deadline, 1060.5), Duration::from_secs_f64(29.5), "a restart at 1060.5 s");
+        assert_eq!(limit_until(deadline, 1200.0), Duration::from_millis(1), "past it: stop at once");
     }
 
     #[test]
-    fn a_first_attempt_or_another_run_keeps_the_configured_duration() {
-        let d = Deadline { run_id: "job-7".into(), deadline_unix_s: 1000.0 };
-        assert_eq!(remaining(Some(&d), "job-7", 0, 940.0), None, "a requeued job starts a new budget");
-        assert_eq!(remaining(Some(&d), "job-8", 1, 940.0), None);
-        assert_eq!(remaining(None, "job-7", 1, 940.0), None);
-    }
-
-    #[test]
-    fn the_record_round_trips() {
-        let dir = tempfile::tempdir().unwrap();
-        let d = Deadline { run_id: "r".into(), deadline_unix_s: 12.5 };
-        record(dir.path(), &d).unwrap();
-        assert_eq!(load(dir.path()), Some(d));
+    fn this_process_started_before_now() {
+        let start = started_unix_s();
+        assert!(start <= now_unix_s() && start > now_unix_s() - 3600.0);
     }
 }

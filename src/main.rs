@@ -87,14 +87,11 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         // As a YAML string, whatever it looks like (`90` would read as a number).
         overrides.push(format!("train.max_duration={}", serde_json::to_string(d)?));
     }
-    let mut cfg = config::load(args.config.config.as_deref(), &overrides)?;
+    let cfg = config::load(args.config.config.as_deref(), &overrides)?;
     let launch = dist::from_process_env()?;
     let elastic = stop_record::under_elastic_agent(|k| std::env::var(k).ok());
     let writer = launch.as_ref().is_none_or(|l| l.rank == 0);
-    if elastic {
-        carry_deadline(&mut cfg, launch.as_ref());
-    }
-    let plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
+    let mut plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
     if let (Some(a), Some(l)) = (&attempt, launch.as_ref().filter(|l| l.rank == 0)) {
         if let Some(warning) = a.unnamed_across(l.world_size.div_ceil(l.local_world_size.max(1))) {
             tracing::warn!("{warning}");
@@ -109,8 +106,8 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     if let Some(note) = set_aside {
         tracing::info!("this torchrun job started the run in {}: {note}", plan.config.out_dir.display());
     }
-    // An earlier run's stop record is removed, and torchrun's deadline recorded, once the
-    // ranks agree to start (src/train/run_dir.rs): a command refused before then leaves them.
+    // An earlier run's stop record is removed once the ranks agree to start
+    // (src/train/run_dir.rs): a command refused before then leaves it.
     if plan.memory_limit.is_some() && !plan.device.is_cuda() {
         trainguard::memory::prepare_cpu_limit(); // before the signal thread exists
     }
@@ -132,7 +129,9 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let mut group = match &launch {
         Some(l) => {
             let backend = dist::Dist::choose_backend(plan.config.dist.backend, plan.device)?;
-            Some(dist::Dist::init(l, backend, plan.device, plan.config.dist.timeout_s)?)
+            let group = dist::Dist::init(l, backend, plan.device, plan.config.dist.timeout_s, plan.time_limit)?;
+            carry_deadline(&mut plan, l, &group);
+            Some(group)
         }
         None => None,
     };
@@ -207,15 +206,25 @@ fn run_report(args: &trainguard::cli::ReportArgs) -> anyhow::Result<()> {
     out(&format!("{}\n", out_path.display()))
 }
 
-/// A torchrun restart of the same run: only the time left of the first attempt's deadline.
-fn carry_deadline(cfg: &mut config::Config, launch: Option<&dist::DistEnv>) {
-    let (Some(l), Ok(run_id)) = (launch, std::env::var("TORCHELASTIC_RUN_ID")) else { return };
-    if cfg.train.max_duration.is_none() {
+/// Under torchrun the time limit ends at the job's deadline, which its first attempt set: a
+/// restart trains only for what is left of it (src/deadline.rs).
+fn carry_deadline(plan: &mut run_plan::RunPlan, launch: &dist::DistEnv, group: &dist::Dist) {
+    if plan.time_limit.is_none() {
         return;
     }
-    if let Some(left) = deadline::remaining(deadline::load(&cfg.out_dir).as_ref(), &run_id, l.restart_count, deadline::now_unix_s()) {
-        tracing::info!("torchrun restart {}: train.max_duration {} is what is left of the first attempt's", l.restart_count, left);
-        cfg.train.max_duration = Some(left);
+    match group.job_deadline {
+        Some(job) => {
+            let started = deadline::started_unix_s();
+            plan.time_limit = Some(deadline::limit_until(job.unix_ms, started));
+            if job.earlier && launch.rank == 0 {
+                let left = (job.unix_ms as f64 / 1000.0 - deadline::now_unix_s()).max(0.001);
+                tracing::info!("torchrun restart: train.max_duration {left:.3}s is what is left of the deadline the job's first attempt set");
+            }
+        }
+        None if launch.restart_count > 0 && launch.rank == 0 => {
+            tracing::warn!("torchrun restart {} without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1?): train.max_duration counts from this restart, not from the job's start", launch.restart_count);
+        }
+        None => {}
     }
 }
 

@@ -220,6 +220,34 @@ fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().map(|m| m["step"].clone()), Some(7.into()), "{err}");
 }
 
+/// The same two nodes under a time limit: the healthy node's worker restarts with count 0,
+/// like a new launch's, yet it too gets only what is left of the deadline the job's first
+/// attempt set. Keyed on its own count (a deadline file, recorded at count 0) it started the
+/// full budget again.
+#[test]
+fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=100000", "train.warmup_steps=1", "checkpoint.interval=10", "dist.timeout_s=20", "faults.crash_at_step=30", "faults.crash_rank=1", "train.max_duration=\"20s\""];
+    let t0 = Instant::now();
+    let (outs, err) = two_agents(d.path(), Some("job-9"), 1, &sets);
+    let wall = t0.elapsed().as_secs_f64();
+    assert!(outs.iter().all(|o| o.status.success()), "{err}");
+    let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
+    assert!(restarted.iter().any(|l| l.ends_with("RESTART=0")), "a worker restarted with count 0: {restarted:?}");
+    // Rank 0 (no `[rank N]` mark), whichever node it is on after the restart, carries it.
+    let left: Vec<f64> = err
+        .lines()
+        .filter(|l| !l.starts_with("[rank"))
+        .filter_map(|l| l.split("train.max_duration ").nth(1).and_then(|t| t.split('s').next()).and_then(|n| n.parse().ok()))
+        .collect();
+    assert_eq!(left.len(), 1, "rank 0 names the budget left, once: {err}");
+    let trained = read_jsonl(&d.path().join("metrics.jsonl")).iter().find(|m| m["step"] == 29).and_then(|m| m["elapsed_s"].as_f64()).expect("step 29 of the first attempt");
+    assert!(left[0] > 0.0 && left[0] < 20.0 - trained, "left {}, first attempt trained {trained}s: {err}", left[0]);
+    let rec = stop_record::read(d.path()).expect("stop.json");
+    assert_eq!((rec.status, rec.reason.as_deref()), (Status::Stopped, Some("time_limit")), "{err}");
+    eprintln!("restarted workers: {restarted:?}; left {:.1} s of 20 s; job wall {wall:.1} s", left[0]);
+}
+
 /// The pid of worker `rank` of the run writing to `out` (its environment says RANK=<rank>).
 fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
     let want = format!("RANK={rank}");

@@ -6,6 +6,8 @@ mod error_file;
 mod heartbeat;
 mod round;
 
+pub use round::JobDeadline;
+
 pub use env::{from_process_env, DistEnv, EnvError};
 pub use heartbeat::StopNotice;
 pub use error_file::write_error_file;
@@ -54,6 +56,9 @@ pub struct Dist {
     heartbeat: Option<heartbeat::Heartbeat>,
     /// Where small agreement tensors live: the CPU for Gloo, the rank's GPU for NCCL.
     small: Device,
+    /// The job's deadline for `train.max_duration`, kept in torchrun's agent store (none
+    /// without it, or without a time limit).
+    pub job_deadline: Option<round::JobDeadline>,
 }
 
 /// A flat buffer made once, so averaging gradients allocates nothing.
@@ -77,24 +82,31 @@ impl Dist {
     /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
     /// (TORCHELASTIC_USE_AGENT_STORE), where it outlives a restart and the ranks first agree on
     /// a namespace for this attempt's keys (src/dist/round.rs), or by rank 0 for this process
-    /// alone.
-    pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64) -> Result<Self, DistError> {
+    /// alone. `time_limit`: this process's `train.max_duration`, which the job's first attempt
+    /// makes the job's deadline.
+    pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<Self, DistError> {
         let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
         let host_store = !env.use_agent_store && env.rank == 0;
-        let prefix = if env.use_agent_store { format!("trainguard/attempt-{}/", Self::agree_on_attempt(env, timeout_s).map_err(init)?) } else { "trainguard/".into() };
+        let agreed = match env.use_agent_store {
+            true => Some(Self::agree_on_attempt(env, timeout_s, time_limit).map_err(init)?),
+            false => None,
+        };
+        let prefix = agreed.map_or("trainguard/".into(), |a| format!("trainguard/attempt-{}/", a.id));
         let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix).map_err(|e| init(e.to_string()))?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
         let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
             .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
             .ok();
-        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small })
+        let job_deadline = agreed.and_then(|a| a.deadline);
+        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small, job_deadline })
     }
 
-    /// This attempt's id, agreed with its peers through the agent's store.
-    fn agree_on_attempt(env: &DistEnv, timeout_s: u64) -> Result<i64, String> {
+    /// This attempt's id and the job's deadline, agreed with its peers through the agent's store.
+    fn agree_on_attempt(env: &DistEnv, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<round::Agreed, String> {
         let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| e.to_string())?;
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
-        round::agree(&store, env.rank, env.world_size, round::nonce(), deadline)
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+        let own_deadline = time_limit.map(|limit| crate::deadline::own_unix_ms(limit, crate::deadline::started_unix_s()));
+        round::agree(&store, env.rank, env.world_size, round::nonce(), own_deadline, give_up)
     }
 
     /// How this rank tells its peers that a second signal ends it (None without a heartbeat).

@@ -80,7 +80,7 @@ impl<'a> Run<'a> {
         let mut held = None;
         let resumed = (if fresh { check_init() } else { Ok(()) })
             .map_err(TrainError::from)
-            .and_then(|()| run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite), plan.time_limit, plan.restart_count)).transpose())
+            .and_then(|()| run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose())
             .and_then(|h| {
                 held = h;
                 let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;

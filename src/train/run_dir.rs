@@ -1,7 +1,7 @@
 //! Rank 0's run directory as a run starts. Before anything in it is read: the old run moved
 //! aside (`--overwrite`), the directory created when new and locked (one run per out_dir,
-//! [`lock`](super::lock)), torchrun's first attempt's deadline recorded. A directory this start
-//! created goes again if the start is then refused: a refused command leaves nothing behind.
+//! [`lock`](super::lock)). A directory this start created goes again if the start is then
+//! refused: a refused command leaves nothing behind.
 //! Once the ranks agree to start and the model is built (a resumed state restored into it):
 //! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
 //! the job that started the run are written. At the end, still held: the record of how the run
@@ -25,9 +25,7 @@ impl RunDir {
     /// Moves the old run aside when `overwrite` says so, then creates `dir` if it is new and
     /// locks it. Two runs launched at once into a new out_dir meet at the lock, and the one
     /// refused leaves the other's directory alone.
-    /// torchrun's first attempt records its deadline here, as soon as the directory is held: an
-    /// attempt that dies before the ranks agree must still leave it for the restarts.
-    pub(super) fn hold(dir: &Path, overwrite: bool, time_limit: Option<std::time::Duration>, restart_count: u64) -> Result<Self, TrainError> {
+    pub(super) fn hold(dir: &Path, overwrite: bool) -> Result<Self, TrainError> {
         // `create_missing` refuses this too, but `--overwrite` first takes the old run's lock
         // inside it, which would fail on a file with an I/O error instead of this one.
         if dir.exists() && !dir.is_dir() {
@@ -47,11 +45,7 @@ impl RunDir {
             }
             tries += 1;
         };
-        let held = Self { path: dir.to_path_buf(), _lock: lock, provisional: created };
-        if let Some(limit) = time_limit.filter(|_| restart_count == 0) {
-            record_deadline(dir, limit);
-        }
-        Ok(held)
+        Ok(Self { path: dir.to_path_buf(), _lock: lock, provisional: created })
     }
 
     /// The ranks agreed to start and the model is built: from here the directory is this run's. An earlier run's stop
@@ -104,7 +98,6 @@ impl Drop for RunDir {
     fn drop(&mut self) {
         if !self.provisional.is_empty() {
             // Only what this start put there; a directory that holds more stays.
-            let _ = std::fs::remove_file(deadline::path(&self.path));
             let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
             remove_created(&self.provisional);
         }
@@ -212,17 +205,6 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// First attempt under torchrun: when `train.max_duration` ends, counted from the process's
-/// start, so that a restart gets only what is left ([`deadline`]).
-fn record_deadline(out_dir: &Path, limit: std::time::Duration) {
-    let Ok(run_id) = std::env::var("TORCHELASTIC_RUN_ID") else { return };
-    let started_unix_s = deadline::now_unix_s() - deadline::process_start().elapsed().as_secs_f64();
-    let d = deadline::Deadline { run_id, deadline_unix_s: started_unix_s + limit.as_secs_f64() };
-    if let Err(e) = deadline::record(out_dir, &d) {
-        tracing::warn!("cannot record the deadline in {}: {e}; a torchrun restart would get the full duration again", deadline::path(out_dir).display());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,25 +213,25 @@ mod tests {
     fn a_directory_this_start_created_goes_if_the_start_is_refused_and_stays_once_prepared() {
         let parent = tempfile::tempdir().unwrap();
         let dir = parent.path().join("run");
-        drop(RunDir::hold(&dir, false, Some(std::time::Duration::from_secs(60)), 0).unwrap());
+        drop(RunDir::hold(&dir, false).unwrap());
         assert!(!dir.exists(), "refused before prepare: removed");
         let nested = parent.path().join("a/b/run");
         std::fs::create_dir(parent.path().join("a")).unwrap();
-        drop(RunDir::hold(&nested, false, None, 0).unwrap());
+        drop(RunDir::hold(&nested, false).unwrap());
         assert!(!parent.path().join("a/b").exists(), "the parents it created go too");
         assert!(parent.path().join("a").is_dir(), "a parent that was there stays");
         // Through `..`: x/y/../z is x/z; x and x/y are created on the way, and go again.
-        drop(RunDir::hold(&parent.path().join("x/y/../z/"), false, None, 0).unwrap());
+        drop(RunDir::hold(&parent.path().join("x/y/../z/"), false).unwrap());
         assert!(!parent.path().join("x").exists(), "the path's detour is undone too");
-        let mut held = RunDir::hold(&dir, false, None, 0).unwrap();
-        let busy = RunDir::hold(&dir, false, None, 0).err().unwrap();
+        let mut held = RunDir::hold(&dir, false).unwrap();
+        let busy = RunDir::hold(&dir, false).err().unwrap();
         assert!(matches!(busy, TrainError::Lock(super::super::LockError::Busy { .. })), "{busy}");
         assert!(dir.join(LOCK_FILE).is_file(), "the refused one left the holder's lock alone");
         held.prepare(&crate::config::Config::default()).unwrap();
         drop(held);
         assert!(dir.join("config.yaml").is_file());
         // An existing directory is never removed, prepared or not.
-        drop(RunDir::hold(&dir, false, None, 0).unwrap());
+        drop(RunDir::hold(&dir, false).unwrap());
         assert!(dir.join("config.yaml").is_file());
     }
 
@@ -261,7 +243,7 @@ mod tests {
         let ours = serde_yaml::to_string(&crate::config::Config::default()).unwrap();
         std::fs::write(&file, &ours).unwrap();
         assert_eq!(keep_a_written_config(&file).unwrap(), None, "as trainguard wrote it before the header: replaced");
-        let mut held = RunDir::hold(d.path(), false, None, 0).unwrap();
+        let mut held = RunDir::hold(d.path(), false).unwrap();
         held.prepare(&crate::config::Config::default()).unwrap();
         let written = std::fs::read_to_string(&file).unwrap();
         assert!(written.starts_with(&format!("{}\n", config_header(env!("CARGO_PKG_VERSION")))), "{written}");
@@ -294,18 +276,18 @@ mod tests {
         let file = parent.path().join("run");
         std::fs::write(&file, "notes").unwrap();
         for overwrite in [false, true] {
-            let err = RunDir::hold(&file, overwrite, None, 0).err().unwrap();
+            let err = RunDir::hold(&file, overwrite).err().unwrap();
             assert!(matches!(err, TrainError::OutDirNotADirectory { .. }), "{err}");
             assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes");
         }
         // A file on the way, or a dangling link: the same refusal, naming it.
         std::os::unix::fs::symlink(parent.path().join("nowhere"), parent.path().join("link")).unwrap();
         for (out_dir, named) in [("run/sub", "run"), ("link", "link"), ("link/sub", "link")] {
-            let err = RunDir::hold(&parent.path().join(out_dir), false, None, 0).err().unwrap();
+            let err = RunDir::hold(&parent.path().join(out_dir), false).err().unwrap();
             assert!(matches!(&err, TrainError::OutDirNotADirectory { path } if path == &parent.path().join(named)), "{out_dir}: {err}");
         }
         // Directories created on the way to the file go again (`m`, through `m/..`).
-        let err = RunDir::hold(&parent.path().join("m/../run/sub"), false, None, 0).err().unwrap();
+        let err = RunDir::hold(&parent.path().join("m/../run/sub"), false).err().unwrap();
         assert!(matches!(err, TrainError::OutDirNotADirectory { .. }), "{err}");
         assert!(!parent.path().join("m").exists(), "what the refused start created is gone");
     }
