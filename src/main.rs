@@ -221,7 +221,8 @@ fn carry_deadline(plan: &mut run_plan::RunPlan, launch: &dist::DistEnv, group: &
                 tracing::info!("torchrun restart: train.max_duration {left:.3}s is what is left of the deadline the job's first attempt set");
             }
         }
-        None if launch.restart_count > 0 && launch.rank == 0 => {
+        // Once per node that restarted: rank 0's node may not have (its count is its own).
+        None if launch.restart_count > 0 && launch.local_rank == 0 => {
             tracing::warn!("torchrun restart {} without the agent's store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1?): train.max_duration counts from this restart, not from the job's start", launch.restart_count);
         }
         None => {}

@@ -163,13 +163,14 @@ fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&st
 }
 
 /// Two torchrun agents on one machine, one worker each: a job on two nodes (c10d rendezvous),
-/// `--max-restarts=<restarts>`, run id `id` (torchrun's default, `none`, without one). Each
-/// worker first says `worker RANK=<rank> RESTART=<its restart count>` on stderr. Returns both
-/// agents' outputs and their stderr together.
-fn two_agents(out: &Path, id: Option<&str>, restarts: usize, sets: &[&str]) -> ([Output; 2], String) {
+/// `--max-restarts=<restarts>`, run id `id` (torchrun's default, `none`, without one), `env`
+/// added to the agents'. Each worker first says `worker RANK=<rank> RESTART=<its restart
+/// count>` on stderr. Returns both agents' outputs and their stderr together.
+fn two_agents(out: &Path, id: Option<&str>, restarts: usize, env: &[(&str, &str)], sets: &[&str]) -> ([Output; 2], String) {
     let port = free_port();
     let agent = || {
         let mut cmd = Command::new(common::torchrun());
+        cmd.envs(env.iter().copied());
         cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), &format!("--max-restarts={restarts}")]);
         cmd.args(id.map(|id| format!("--rdzv_id={id}")));
         cmd.args(["--no-python", "bash", "-c", r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#, "worker", &bin(), "train", "--config"]);
@@ -190,7 +191,7 @@ fn two_agents(out: &Path, id: Option<&str>, restarts: usize, sets: &[&str]) -> (
 fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
     let run = |id: Option<&str>| {
         let d = tempfile::tempdir().unwrap();
-        let (outs, err) = two_agents(d.path(), id, 0, &["train.max_steps=2", "train.warmup_steps=1", "dist.timeout_s=30"]);
+        let (outs, err) = two_agents(d.path(), id, 0, &[], &["train.max_steps=2", "train.warmup_steps=1", "dist.timeout_s=30"]);
         assert!(outs.iter().all(|o| o.status.success()), "{err}");
         err
     };
@@ -210,7 +211,7 @@ fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     let d = tempfile::tempdir().unwrap();
     let sets = ["train.max_steps=8", "train.warmup_steps=1", "checkpoint.interval=1", "dist.timeout_s=20", "faults.crash_at_step=3", "faults.crash_rank=1"];
     let t0 = Instant::now();
-    let (outs, err) = two_agents(d.path(), Some("job-8"), 1, &sets);
+    let (outs, err) = two_agents(d.path(), Some("job-8"), 1, &[], &sets);
     let wall = t0.elapsed().as_secs_f64();
     assert!(outs.iter().all(|o| o.status.success()), "{err}");
     let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
@@ -229,7 +230,7 @@ fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline(
     let d = tempfile::tempdir().unwrap();
     let sets = ["train.max_steps=100000", "train.warmup_steps=1", "checkpoint.interval=10", "dist.timeout_s=20", "faults.crash_at_step=30", "faults.crash_rank=1", "train.max_duration=\"20s\""];
     let t0 = Instant::now();
-    let (outs, err) = two_agents(d.path(), Some("job-9"), 1, &sets);
+    let (outs, err) = two_agents(d.path(), Some("job-9"), 1, &[], &sets);
     let wall = t0.elapsed().as_secs_f64();
     assert!(outs.iter().all(|o| o.status.success()), "{err}");
     let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
@@ -246,6 +247,20 @@ fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline(
     let rec = stop_record::read(d.path()).expect("stop.json");
     assert_eq!((rec.status, rec.reason.as_deref()), (Status::Stopped, Some("time_limit")), "{err}");
     eprintln!("restarted workers: {restarted:?}; left {:.1} s of 20 s; job wall {wall:.1} s", left[0]);
+}
+
+/// With torchrun's store not shared with the workers, no deadline outlives an attempt: a
+/// node's restart says that its time limit counts from the restart.
+#[test]
+fn a_restart_without_the_agents_store_says_its_time_limit_counts_from_the_restart() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=100000", "train.warmup_steps=1", "checkpoint.interval=10", "dist.timeout_s=20", "faults.crash_at_step=30", "faults.crash_rank=1", "train.max_duration=\"12s\""];
+    let (outs, err) = two_agents(d.path(), Some("job-10"), 1, &[("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")], &sets);
+    assert!(outs.iter().all(|o| o.status.success()), "{err}");
+    let warned = err.lines().filter(|l| l.contains("without the agent's store") && l.contains("counts from this restart")).count();
+    let restarted = err.lines().filter(|l| l.starts_with("worker RANK=") && !l.ends_with("RESTART=0")).count();
+    assert!(restarted >= 1 && warned == restarted, "once per node that restarted ({restarted}): {err}");
+    assert_eq!(stop_record::read(d.path()).and_then(|r| r.reason), Some("time_limit".into()), "{err}");
 }
 
 /// The pid of worker `rank` of the run writing to `out` (its environment says RANK=<rank>).
