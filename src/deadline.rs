@@ -2,9 +2,10 @@
 //! new process whose own clock starts at zero; without this, every restart would get the full
 //! duration again and a job with `--max-restarts=3` would overrun its allocation.
 //! The first attempt's rank 0 sets the deadline (its start + the limit) in torchrun's agent
-//! store, which lives as long as the launch; every rank of every attempt reads it there
-//! (src/dist/round.rs) and trains only for what is left. A new launch (a requeued SLURM job)
-//! has a new store and a new budget. Pure, but for the clocks.
+//! store, which lives as long as the launch, as the ranks meet; every rank of every attempt
+//! reads it there (src/dist/round.rs) and trains only for what is left. An attempt that died
+//! before its ranks met set none: the next one's start counts. A new launch (a requeued SLURM
+//! job) has a new store and a new budget. Pure, but for the clocks.
 use std::time::Duration;
 
 /// When this process started, as near as trainguard can tell: the first call, which `main`
