@@ -362,7 +362,7 @@ impl Reporter {
                 "checkpoints of steps {steps:?}, beyond the step {resumed_step} resumed, moved to {to}: they belong to a line this run leaves (nothing deleted)"
             ),
             Event::FinalWeightsSetAside { resumed_step, to } => tracing::warn!(
-                "moved the final weights of an earlier end of this run to {to}: this run, resumed at step {resumed_step}, trains past them (nothing deleted)"
+                "moved the final weights found in the run directory to {to}: this run, starting at step {resumed_step}, trains past them (nothing deleted)"
             ),
             Event::CheckpointSaved { step, path, seconds, deleted } => {
                 let gone = if deleted.is_empty() { String::new() } else { format!(", removed steps {deleted:?}") };

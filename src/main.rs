@@ -178,7 +178,9 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
         (false, Some(_)) => exit::INTERRUPTED,
         // Exit 4 promises a checkpoint to resume from: with none yet, it is a failure.
         (false, None) => {
-            eprintln!("no checkpoint was written yet: nothing to resume from (exit 1)");
+            // Not `eprintln!`: on a closed stderr (`| tee` gone with the Ctrl-C) it panics, and
+            // the signal thread would die before the exit, deaf to every later signal.
+            trainguard::logging::to_stderr("no checkpoint was written yet: nothing to resume from (exit 1)");
             exit::FAILURE
         }
     }

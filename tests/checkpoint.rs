@@ -268,6 +268,40 @@ fn a_second_signal_before_any_checkpoint_exits_1() {
     assert!(checkpoint_steps(dir.path()).is_empty() && trainguard::stop_record::read(dir.path()).is_none());
 }
 
+/// The same with stderr closed under the run (`… 2>&1 | tee log`, the tee gone with the
+/// Ctrl-C): the second signal still ends it at once with exit 1. Its message once went through
+/// `eprintln!`, which panics on a closed stderr: the signal thread died before the exit, and the
+/// run went on to its stop's checkpoint and exit 4, deaf to every later signal.
+#[test]
+fn a_second_signal_with_stderr_closed_still_exits_1_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = &mut command(dir.path(), "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    drop(child.stderr.take());
+    let t0 = Instant::now();
+    while read_jsonl(&dir.path().join("metrics.jsonl")).is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for _ in 0..2 {
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let t1 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t1.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("still running 60 s after the second signal");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(1), "exited {:?} after {:.1} s", status.code(), t1.elapsed().as_secs_f64());
+    assert!(checkpoint_steps(dir.path()).is_empty() && trainguard::stop_record::read(dir.path()).is_none());
+}
+
 /// Under torchrun's agent a second signal is a planned stop too: exit 0 (any other code would
 /// make torchrun restart the group), and the stop record names the newest complete checkpoint.
 #[test]
@@ -534,6 +568,25 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     let r = resume_auto(dir.path(), &with(&["train.max_steps=8"]));
     assert_eq!(r.code(), 0, "{}", r.stderr());
     assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step10), "step 10's weights were lost: {}", r.stderr());
+
+    // Every checkpoint corrupt: `--resume auto` starts at step 0, and step 8's final weights,
+    // the only good copy of the run's model, go aside, not under the new run's.
+    let step8 = std::fs::read(&fin).unwrap();
+    for (_, ckpt) in store::list(&store::root(dir.path())) {
+        let weights = ckpt.join("model.safetensors");
+        std::fs::write(&weights, &std::fs::read(&weights).unwrap()[..1000]).unwrap();
+    }
+    let r = resume_auto(dir.path(), &with(&["train.max_steps=3", "checkpoint.interval=0"]));
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step8), "step 8's weights were lost: {}", r.stderr());
+    assert_eq!(r.events_of("final_weights_set_aside")[0]["resumed_step"].as_u64(), Some(0));
+
+    // No checkpoints left (removed to save space): a fresh start keeps the final weights too.
+    let step3 = std::fs::read(&fin).unwrap();
+    std::fs::remove_dir_all(store::root(dir.path())).unwrap();
+    let r = train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=2", "checkpoint.interval=0"]));
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step3), "step 3's weights were lost: {}", r.stderr());
 }
 
 /// A stop whose checkpoint cannot be written (here a file sits where step 3's write begins, a

@@ -50,10 +50,10 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
     for r in &runs {
         const SHOWN: usize = 10;
         for s in r.skipped.iter().take(SHOWN) {
-            eprintln!("warning: {}: {} line {}: {}; skipped", r.dir.display(), s.file, s.line, s.reason);
+            crate::logging::to_stderr(&format!("warning: {}: {} line {}: {}; skipped", r.dir.display(), s.file, s.line, s.reason));
         }
         if r.skipped.len() > SHOWN {
-            eprintln!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN);
+            crate::logging::to_stderr(&format!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN));
         }
     }
     let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);

@@ -182,18 +182,19 @@ pub(super) struct LeftBehind {
     pub final_weights: Option<PathBuf>,
 }
 
-/// What a resumed run (at `resumed`, None for a fresh start) moves out of its way in `out_dir`
+/// What a run (resumed at `resumed`, None for a fresh start) moves out of its way in `out_dir`
 /// (rank 0): checkpoints beyond the step resumed into `root/set-aside-<time>/`; and, when it
-/// will train, the run's final weights, which `sample` and `export` of the run directory read
+/// will train, the final weights there, which `sample` and `export` of the run directory read
 /// first, to `model.set-aside-<time>.safetensors` beside them (the same directory, so the same
 /// file system). Nothing is deleted: where the newest checkpoint was corrupt and passed over,
-/// those weights are the only copy of its step.
+/// those weights are the only copy of its step; where every checkpoint was, or they were
+/// removed, a fresh start would otherwise write over the only copy of the run's model.
 pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<LeftBehind, TrainError> {
     let now = crate::deadline::now_unix_s() as u64;
     let checkpoints = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
     let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
     let mut final_weights = None;
-    if resumed.is_some_and(|s| s < max_steps) && stale.exists() {
+    if resumed.unwrap_or(0) < max_steps && stale.exists() {
         let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
         std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDirFile { file: stale.clone(), source })?;
         final_weights = Some(to);
