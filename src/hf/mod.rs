@@ -203,6 +203,9 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
     if ours.arch == Arch::Llama {
         compared.push(("rope_theta", theirs.rope_theta.to_string(), ours.rope_theta.to_string()));
         compared.push(("norm_eps", theirs.norm_eps.to_string(), ours.norm_eps.to_string()));
+        // Tied there, a head of its own here: the file holds no head for it (transformers ties
+        // it on load); said so, not as a tensor missing.
+        compared.push(("tie_embeddings", theirs.tie_embeddings.to_string(), ours.tie_embeddings.to_string()));
     }
     if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
         return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
@@ -218,6 +221,9 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
         return Err(bad(&wpath, format!("`{}` is {:?}; weights are floating point (F32, F16, BF16 or F64)", (fam.hf_name)(name).0, view.dtype())));
     }
     let specs = crate::model::describe(cfg);
+    if let Some(why) = untied_head(&header, fam, theirs, &specs) {
+        return Err(bad(&wpath, why));
+    }
     for s in &specs {
         let hf = (fam.hf_name)(&s.name).0;
         let view = views.iter().find(|(n, _)| *n == s.name).map(|(_, v)| v).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
@@ -248,6 +254,23 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
         return Err(bad(&cpath, format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})")));
     }
     Ok(())
+}
+
+/// A `lm_head.weight` stored beside the embedding that `config.json` ties it to, with other
+/// values: transformers then keeps both (it warns and does not tie them), and loading the
+/// embedding alone, as a tied model does, would compute another model. An exporter's copy of
+/// the embedding, the same to the bit, is what tying means and passes.
+fn untied_head(header: &safetensors::SafeTensors, fam: &Family, theirs: &ModelConfig, specs: &[crate::model::TensorSpec]) -> Option<String> {
+    const HEAD: &str = "lm_head.weight";
+    let head = header.tensor(HEAD).ok().filter(|_| (fam.from_hf)(HEAD, theirs).is_none())?;
+    let embed_name = (fam.hf_name)(&specs.iter().find(|s| s.part == crate::model::Part::TiedEmbedding)?.name).0;
+    let embed = header.tensor(&embed_name).ok()?;
+    let same = head.dtype() == embed.dtype() && head.shape() == embed.shape() && head.data() == embed.data();
+    let fix = match theirs.arch {
+        Arch::Gpt2 => "trainguard's GPT-2 ties its head to the embedding, so it cannot build this model",
+        Arch::Llama => "set `tie_word_embeddings` to false in config.json (and model.tie_embeddings: false) to load the head",
+    };
+    (!same).then(|| format!("holds `{HEAD}`, other values than `{embed_name}`, which config.json ties it to (`tie_word_embeddings`); transformers would keep both: {fix}"))
 }
 
 /// `init_from`: copies `dir`'s weights into `model`, checked as [`check_init`] checks them.
@@ -385,6 +408,35 @@ mod tests {
         }
         let e = check_init(&cfg(true), &d.path().join("hf-true")).err().unwrap().to_string();
         assert!(e.contains("holds a llama model; model.arch is gpt2"), "{e}");
+    }
+
+    /// An untied head under a config.json that says tied: refused, not dropped (transformers
+    /// keeps both); a head the same to the bit as the embedding is an exporter's copy and loads.
+    #[test]
+    fn a_head_stored_apart_from_the_embedding_it_is_tied_to_is_refused_unless_a_copy() {
+        let d = tempfile::tempdir().unwrap();
+        let untied = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(24), bias: false, tie_embeddings: false, ..cfg(false) };
+        let tied = ModelConfig { tie_embeddings: true, ..untied.clone() };
+        let hf = d.path().join("hf");
+        export(&Model::new(&untied, 1, Device::Cpu).unwrap(), None, &hf).unwrap();
+        let cpath = hf.join("config.json");
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+        c["tie_word_embeddings"] = json!(true);
+        std::fs::write(&cpath, c.to_string()).unwrap();
+        for e in [import(&hf).err().unwrap().to_string(), check_init(&tied, &hf).err().unwrap().to_string()] {
+            assert!(e.contains("holds `lm_head.weight`, other values than `model.embed_tokens.weight`") && e.contains("tie_word_embeddings"), "{e}");
+        }
+        let e = check_init(&untied, &hf).err().unwrap().to_string();
+        assert!(e.contains("gives tie_embeddings true; the config's model.tie_embeddings is false"), "not a tensor said missing: {e}");
+        // The head rewritten as the embedding's copy: what tying means.
+        let wpath = hf.join("model.safetensors");
+        let mut weights = Tensor::read_safetensors(&wpath).unwrap();
+        let embed = weights.iter().find(|(n, _)| n == "model.embed_tokens.weight").unwrap().1.copy();
+        weights.iter_mut().find(|(n, _)| n == "lm_head.weight").unwrap().1 = embed;
+        let refs: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::write_safetensors(&refs, &wpath).unwrap();
+        assert_eq!(import(&hf).unwrap().0, tied);
+        check_init(&tied, &hf).unwrap();
     }
 
     #[test]
