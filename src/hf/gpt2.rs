@@ -25,9 +25,13 @@ pub fn hf_name(name: &str) -> (String, bool) {
     (format!("{PREFIX}{name}"), CONV1D.iter().any(|s| name.ends_with(s)))
 }
 
-/// trainguard's name for a tensor `transformers` wrote; None: not a parameter here.
+/// trainguard's name for a tensor `transformers` wrote; None: not a parameter here. Older
+/// checkpoints (the Hub's `openai-community/gpt2` among them) keep each block's causal mask,
+/// `h.N.attn.bias` and `h.N.attn.masked_bias`: buffers, which transformers does not load either.
 fn from_hf(hf: &str, _: &ModelConfig) -> Option<String> {
-    (!IGNORED.contains(&hf)).then(|| hf.strip_prefix(PREFIX).unwrap_or(hf).to_string())
+    let name = hf.strip_prefix(PREFIX).unwrap_or(hf);
+    let mask = name.strip_prefix("h.").and_then(|r| r.split_once('.')).is_some_and(|(i, rest)| i.parse::<usize>().is_ok() && matches!(rest, "attn.bias" | "attn.masked_bias"));
+    (!IGNORED.contains(&hf) && !mask).then(|| name.to_string())
 }
 
 /// Biases and LayerNorm shifts GPT-2 always has, with their sizes, for a model with `bias: false`.
@@ -131,6 +135,11 @@ mod tests {
         assert!(!hf_name("ln_f.weight").1);
         assert_eq!(from_hf("transformer.h.0.ln_1.weight", &ModelConfig::default()).as_deref(), Some("h.0.ln_1.weight"));
         assert_eq!(from_hf("lm_head.weight", &ModelConfig::default()), None);
+        // The Hub's layout: no prefix, and each block's causal mask buffers beside its weights.
+        assert_eq!(from_hf("h.0.attn.c_attn.bias", &ModelConfig::default()).as_deref(), Some("h.0.attn.c_attn.bias"));
+        for mask in ["h.0.attn.bias", "transformer.h.11.attn.bias", "h.3.attn.masked_bias"] {
+            assert_eq!(from_hf(mask, &ModelConfig::default()), None, "{mask}");
+        }
     }
 
     #[test]

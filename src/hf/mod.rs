@@ -410,6 +410,31 @@ mod tests {
         assert!(e.contains("holds a llama model; model.arch is gpt2"), "{e}");
     }
 
+    /// The Hub's GPT-2 layout (`openai-community/gpt2`): names without `transformer.`, and each
+    /// block's causal mask buffers, which transformers does not load: they load here too.
+    #[test]
+    fn a_gpt2_directory_laid_out_as_the_hubs_loads() {
+        let d = tempfile::tempdir().unwrap();
+        let (c, hf) = (cfg(true), d.path().join("hub"));
+        let a = Model::new(&c, 1, Device::Cpu).unwrap();
+        export(&a, None, &hf).unwrap();
+        let wpath = hf.join("model.safetensors");
+        let mut weights: Vec<(String, Tensor)> = Tensor::read_safetensors(&wpath).unwrap().into_iter().map(|(n, t)| (n.trim_start_matches("transformer.").to_string(), t)).collect();
+        for i in 0..c.n_layer {
+            let mask = Tensor::ones([c.seq_len as i64, c.seq_len as i64], (Kind::Float, Device::Cpu)).tril(0).view([1, 1, c.seq_len as i64, c.seq_len as i64]);
+            weights.push((format!("h.{i}.attn.bias"), mask));
+            weights.push((format!("h.{i}.attn.masked_bias"), Tensor::from(-10000.0f32)));
+        }
+        let refs: Vec<(&str, &Tensor)> = weights.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::write_safetensors(&refs, &wpath).unwrap();
+        assert_eq!(import(&hf).unwrap().0, c);
+        let b = Model::new(&c, 2, Device::Cpu).unwrap();
+        init_from(&b, &hf).unwrap();
+        for (x, y) in a.params.tensors.iter().zip(&b.params.tensors) {
+            assert!(x.equal(y));
+        }
+    }
+
     /// An untied head under a config.json that says tied: refused, not dropped (transformers
     /// keeps both); a head the same to the bit as the embedding is an exporter's copy and loads.
     #[test]
