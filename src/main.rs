@@ -261,6 +261,9 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
 fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     let trained = trainguard::sample::open(&args.target)?;
     let model = trainguard::sample::build(&trained, tch::Device::Cpu)?;
+    if let Some(why) = &trained.dataset_unusable {
+        tracing::warn!("{why}: exporting without a tokenizer");
+    }
     let files = trainguard::hf::export(&model, trained.dataset.as_deref(), &args.hf)?;
     out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")))
 }

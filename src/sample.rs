@@ -67,6 +67,9 @@ pub struct Trained {
     pub weights: Vec<(String, Tensor)>,
     /// The `prepare` directory behind `data.source`, if any (tokenizer.json, dataset.json).
     pub dataset: Option<PathBuf>,
+    /// Why the run's `prepare` dataset cannot be read from here (moved, a relative path read
+    /// from another directory, its tokenizer gone): said, not taken for data without one.
+    pub dataset_unusable: Option<String>,
     /// Byte-level data (`synthetic`, `text:`): token i is byte i.
     pub bytes: bool,
 }
@@ -76,7 +79,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
-        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, bytes: false });
+        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable: None, bytes: false });
     }
     if !target.is_dir() {
         let what = if target.exists() { "not a directory" } else { "no such directory" };
@@ -110,15 +113,37 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
             None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why()))),
         }
     };
-    let dataset = dataset_dir(&config.data.source);
+    let (dataset, dataset_unusable) = match dataset_dir(&config.data.source) {
+        Ok(dir) => (dir, None),
+        Err(why) => (None, Some(why)),
+    };
     let bytes = !config.data.source.starts_with("tokens:");
-    Ok(Trained { model: config.model.clone(), kernels: config.kernels, seed: config.seed, weights, dataset, bytes })
+    Ok(Trained { model: config.model.clone(), kernels: config.kernels, seed: config.seed, weights, dataset, dataset_unusable, bytes })
 }
 
-/// The `prepare` directory a `tokens:` source names, when it has a manifest.
-pub fn dataset_dir(source: &str) -> Option<PathBuf> {
-    let path = Path::new(source.strip_prefix("tokens:")?);
-    path.join(shards::MANIFEST_FILE).is_file().then(|| path.to_path_buf())
+/// The `prepare` directory a `tokens:` source names, when it has a manifest (None: other data,
+/// shards without a tokenizer); an error says why the source cannot be read from here.
+pub fn dataset_dir(source: &str) -> Result<Option<PathBuf>, String> {
+    let Some(p) = source.strip_prefix("tokens:") else { return Ok(None) };
+    let path = Path::new(p);
+    if !path.exists() {
+        if p.contains(['*', '?', '[']) {
+            return Ok(None); // a glob of shards: no tokenizer
+        }
+        let here = std::env::current_dir().map(|d| format!(" from {}", d.display())).unwrap_or_default();
+        let relative = if path.is_relative() { " (a relative path is read from the directory a command runs in: run it from the one training ran in)" } else { "" };
+        return Err(format!("the run's data.source `{source}` is not found{here}{relative}"));
+    }
+    let manifest = path.join(shards::MANIFEST_FILE);
+    if !manifest.is_file() {
+        return Ok(None);
+    }
+    let m: shards::Manifest = std::fs::read_to_string(&manifest).map_err(|e| e.to_string()).and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string())).map_err(|e| format!("{}: {e}", manifest.display()))?;
+    let tokenizer = path.join(&m.tokenizer);
+    if !tokenizer.is_file() {
+        return Err(format!("{} is missing: the tokenizer of the run's data.source `{source}`", tokenizer.display()));
+    }
+    Ok(Some(path.to_path_buf()))
 }
 
 /// Builds the model on `device` and copies `weights` into it by name.
@@ -145,13 +170,19 @@ pub fn copy_weights(model: &Model, weights: &[(String, Tensor)]) -> Result<(), S
 enum Codec {
     Bytes,
     Tokenizer(Box<tokenizers::Tokenizer>, u32),
-    /// Token data without a tokenizer (a bare shard or train.bin): ids in, ids out.
-    Ids,
+    /// Token data without a tokenizer (a bare shard or train.bin; or, with why, a `prepare`
+    /// dataset that cannot be read from here): ids in, ids out.
+    Ids(Option<String>),
 }
 
 impl Codec {
     fn open(t: &Trained) -> Result<Self, SampleError> {
-        let Some(dir) = t.dataset.as_deref() else { return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids }) };
+        let Some(dir) = t.dataset.as_deref() else {
+            if let Some(why) = &t.dataset_unusable {
+                tracing::warn!("{why}: prompts and output are token ids");
+            }
+            return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids(t.dataset_unusable.clone()) });
+        };
         let m: Option<shards::Manifest> = std::fs::read_to_string(dir.join(shards::MANIFEST_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
         // A prepare directory names its end-of-document token in its manifest; an `export --hf`
         // directory in its tokenizer_config.json (a `--eos` other than the usual names included).
@@ -163,7 +194,10 @@ impl Codec {
     fn encode(&self, text: &str) -> Result<Vec<i64>, SampleError> {
         match self {
             Codec::Bytes => Ok(text.bytes().map(i64::from).collect()),
-            Codec::Ids => text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("this run's data has no tokenizer (data.source is not a prepare directory): give the prompt as token ids, got `{w}`")))).collect(),
+            Codec::Ids(why) => {
+                let why = why.as_deref().unwrap_or("this run's data has no tokenizer (data.source is not a prepare directory)");
+                text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("{why}: give the prompt as token ids, got `{w}`")))).collect()
+            }
             Codec::Tokenizer(t, eos) => {
                 let ids: Vec<i64> = t.encode(text, false).map_err(|e| input(e.to_string()))?.get_ids().iter().map(|&i| i as i64).collect();
                 if ids.is_empty() && !text.is_empty() {
@@ -186,7 +220,7 @@ impl Codec {
                 .collect::<Vec<_>>()
                 .join("\u{FFFD}"),
             Codec::Tokenizer(t, _) => t.decode(&ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
-            Codec::Ids => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
+            Codec::Ids(_) => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
         }
     }
 }
@@ -219,7 +253,7 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
     let mut ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
     if ids.is_empty() {
         return Err(input(match codec {
-            Codec::Ids => "--prompt is empty and this run's data has no start token: give the prompt as token ids",
+            Codec::Ids(_) => "--prompt is empty and this run's data has no start token: give the prompt as token ids",
             _ => "--prompt is empty and byte-level data has no start token: give a prompt",
         }));
     }

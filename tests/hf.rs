@@ -74,6 +74,41 @@ fn samples_are_deterministic_per_seed_and_decoded_with_the_runs_tokenizer() {
     assert_eq!(bad.code(), 2, "{}", bad.stderr());
 }
 
+/// A run whose `data.source` is relative (as README's example gives it), sampled and exported
+/// from another directory, and then with its dataset's tokenizer gone: each says why the
+/// tokenizer cannot be had, where it once said "not a prepare directory" or exported without it
+/// in silence (or, with the tokenizer gone, failed naming the output and left half an export).
+#[test]
+fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
+    let d = tempfile::tempdir().unwrap();
+    prepared(d.path());
+    let mut cmd = command(Path::new("run"), "configs/debug.yaml", &["data.source=tokens:data", "model.vocab_size=265", "model.n_embd=32", "model.seq_len=16", "train.max_steps=4", "train.warmup_steps=1", "train.eval_interval=0"]);
+    cmd.current_dir(d.path());
+    run(cmd, d.path()).ok();
+    let run_dir = d.path().join("run");
+    let sample = |cwd: &Path| {
+        let mut cmd = Command::new(bin());
+        cmd.current_dir(cwd).args(["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "3", "--device", "cpu"]);
+        run(cmd, cwd)
+    };
+    sample(d.path()).ok();
+    let elsewhere = sample(&repo());
+    assert_eq!(elsewhere.code(), 2, "{}", elsewhere.stderr());
+    assert!(elsewhere.stderr().contains("data.source `tokens:data` is not found from") && elsewhere.stderr().contains("run it from the one training ran in"), "{}", elsewhere.stderr());
+    let export = |cwd: &Path, to: &str| {
+        let mut cmd = Command::new(bin());
+        cmd.current_dir(cwd).args(["export", run_dir.to_str().unwrap(), "--hf", d.path().join(to).to_str().unwrap()]);
+        run(cmd, cwd).ok()
+    };
+    let r = export(&repo(), "hf-elsewhere");
+    assert!(r.stderr().contains("is not found from") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
+    assert!(!d.path().join("hf-elsewhere/tokenizer.json").exists());
+    std::fs::remove_file(d.path().join("data/tokenizer.json")).unwrap();
+    let r = export(d.path(), "hf-no-tokenizer");
+    assert!(r.stderr().contains("data/tokenizer.json is missing: the tokenizer of the run's data.source") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
+    assert!(d.path().join("hf-no-tokenizer/model.safetensors").is_file() && !d.path().join("hf-no-tokenizer/tokenizer.json").exists());
+}
+
 #[test]
 fn byte_level_runs_sample_bytes() {
     let d = tempfile::tempdir().unwrap();
