@@ -17,8 +17,9 @@ impl LrSchedule {
     /// Learning rate of optimizer step `step` (0-based).
     pub fn at(&self, step: u64) -> f64 {
         if step < self.warmup_steps {
-            // (step + 1) / (warmup + 1): never zero, reaches max_lr just after warmup.
-            return self.max_lr * (step + 1) as f64 / (self.warmup_steps + 1) as f64;
+            // (step + 1) / (warmup + 1): never zero, reaches max_lr just after warmup. In f64:
+            // `warmup + 1` as u64 wraps to 0 at u64::MAX, an infinite rate.
+            return self.max_lr * (step as f64 + 1.0) / (self.warmup_steps as f64 + 1.0);
         }
         if step >= self.decay_steps || self.decay_steps <= self.warmup_steps {
             return self.min_lr;
@@ -40,6 +41,8 @@ mod tests {
         assert!((S.at(0) - 1.0 / 11.0).abs() < 1e-12);
         assert!((S.at(9) - 10.0 / 11.0).abs() < 1e-12);
         assert!(S.at(0) < S.at(1) && S.at(1) < S.at(9));
+        let endless = LrSchedule { warmup_steps: u64::MAX, decay_steps: u64::MAX, ..S };
+        assert!(endless.at(0).is_finite() && endless.at(0) > 0.0 && endless.at(u64::MAX - 1) <= 1.0, "{}", endless.at(0));
     }
 
     #[test]
