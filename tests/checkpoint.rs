@@ -589,6 +589,34 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step3), "step 3's weights were lost: {}", r.stderr());
 }
 
+/// A final-weights write that fails part-way (at a file-size limit, as on a full disk) leaves
+/// no `.model.safetensors.tmp` behind to hold the space, and says why in the system's words,
+/// not tch's debug form of the I/O error.
+#[test]
+fn a_final_weights_write_that_fails_leaves_no_temporary_file() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0"]);
+    // The weights are ~480 KB (the checkpoint at the end fails first, a warning); every other file the run writes is far below the limit. A write
+    // past it fails with EFBIG once SIGXFSZ, which would end the process, is ignored.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit { rlim_cur: 100_000, rlim_max: 100_000 };
+            match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 1, "{}", r.stderr());
+    let err = r.stderr();
+    assert!(err.contains("cannot write weights") && err.contains("File too large (os error 27)") && !err.contains("IoError("), "{err}");
+    assert!(!dir.path().join(".model.safetensors.tmp").exists(), "the half-written file stayed");
+    assert!(!dir.path().join("model.safetensors").exists());
+}
+
 /// A stop whose checkpoint cannot be written (here a file sits where step 3's write begins, a
 /// directory, so the write fails with a real I/O error) is not exit 4's "resumable at this
 /// step": exit 1, and no stop record, so job scripts do not requeue a run that cannot save.

@@ -219,7 +219,7 @@ fn write_files(dir: &Path, state: &TrainerState, config: &Config, weights: &[(St
             .map(|(n, t)| Ok((n.as_str(), t.f_detach()?.f_to_device(Device::Cpu)?)))
             .collect::<Result<_, tch::TchError>>()
             .map_err(|e| save_err(e.to_string()))?;
-        Tensor::write_safetensors(&cpu, &path).map_err(|e| save_err(e.to_string()))?;
+        Tensor::write_safetensors(&cpu, &path).map_err(|e| save_err(super::write_error(&e)))?;
         fsync(&path)?;
         state.files.insert(file.to_string(), fs::metadata(&path).map_err(io(&path))?.len());
         // Read back from the page cache: what the file holds, not what was meant for it.
