@@ -134,16 +134,12 @@ impl Corpus {
         // `data.val_fraction: 0` without validation shards: no validation split, by choice.
         let val_wanted = cfg.val_fraction > 0.0 || corpus.len(Split::Val) > 0;
         if corpus.val_start < need || (val_wanted && corpus.len(Split::Val) < need) {
-            return Err(DataError::Format {
-                path: PathBuf::from(&corpus.description),
-                message: format!(
-                    "too short: {} tokens give a training split of {} and a validation split of {}; \
-                     each needs at least model.seq_len + 2 = {need}",
-                    corpus.tokens.len(),
-                    corpus.val_start,
-                    corpus.tokens.len() - corpus.val_start
-                ),
-            });
+            let (n, train) = (corpus.tokens.len(), corpus.val_start);
+            let message = match val_wanted {
+                true => format!("too short: {n} tokens give a training split of {train} and a validation split of {}; each needs at least model.seq_len + 2 = {need}", n - train),
+                false => format!("too short: {n} tokens give a training split of {train}; it needs at least model.seq_len + 2 = {need}"),
+            };
+            return Err(DataError::Format { path: PathBuf::from(&corpus.description), message });
         }
         corpus.check_as_read = corpus.val_start as u64 * corpus.tokens.width() as u64 > SCAN_LIMIT_BYTES;
         if !corpus.check_as_read {
@@ -423,7 +419,10 @@ mod tests {
         c.read(Split::Train, 0, &mut w);
         assert_eq!(w, [104, 101, 108, 108, 111]);
         let err = Corpus::load(&cfg, 256, 200).err().unwrap().to_string();
-        assert!(err.contains("too short"), "{err}");
+        assert!(err.contains("too short") && err.contains("validation split"), "{err}");
+        // No validation asked for: the message speaks of training alone.
+        let err = Corpus::load(&DataConfig { val_fraction: 0.0, ..cfg }, 256, 2000).err().unwrap().to_string();
+        assert!(err.contains("a training split of 1200; it needs at least model.seq_len + 2 = 2002"), "{err}");
     }
 
     #[test]

@@ -77,9 +77,13 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
             return Err(format!("llm.c header with magic {magic} but version {:?}, expected {version}", int(1).unwrap_or(0)));
         }
         let tokens = int(2).unwrap_or(-1);
-        let expect = HEADER_BYTES as u64 + tokens.max(0) as u64 * dtype.width() as u64;
-        if tokens < 0 || size != expect {
-            return Err(format!("header says {tokens} tokens ({expect} bytes) but the file has {size} bytes (truncated?)"));
+        if tokens < 0 {
+            return Err(format!("llm.c header says {tokens} tokens: not a count (a corrupt header?)"));
+        }
+        let expect = HEADER_BYTES as u64 + tokens as u64 * dtype.width() as u64;
+        if size != expect {
+            let why = if size < expect { "truncated?" } else { "longer than its header says: appended to, or the count wrong?" };
+            return Err(format!("header says {tokens} tokens ({expect} bytes) but the file has {size} bytes ({why})"));
         }
         return Ok(Layout { offset: HEADER_BYTES, tokens: tokens as usize, dtype });
     }
@@ -194,6 +198,10 @@ mod tests {
         let l = layout(&h, 1024 + 10).unwrap();
         assert_eq!(l, Layout { offset: 1024, tokens: 5, dtype: Dtype::Uint16 });
         assert!(layout(&h, 1024 + 8).unwrap_err().contains("truncated"));
+        assert!(layout(&h, 1024 + 12).unwrap_err().contains("longer than its header says"));
+        let mut negative = h.clone();
+        negative[8..12].copy_from_slice(&(-5i32).to_le_bytes());
+        assert!(layout(&negative, 1024).unwrap_err().contains("says -5 tokens: not a count"));
         let h32 = header(Dtype::Uint32, 3);
         assert_eq!(layout(&h32, 1024 + 12).unwrap().dtype, Dtype::Uint32);
         assert_eq!(i32::from_le_bytes(h32[4..8].try_into().unwrap()), 7);
