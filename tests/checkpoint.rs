@@ -244,16 +244,17 @@ fn a_second_signal_mid_step_exits_4_every_time() {
     }
 }
 
-/// Before any checkpoint exists a second signal leaves nothing to resume from: exit 1, saying
-/// so, not the 4 that promises a checkpoint (and no stop record). Steps of seconds, so both
-/// signals land inside one, before the stop's checkpoint.
-#[test]
-fn a_second_signal_before_any_checkpoint_exits_1() {
-    let dir = tempfile::tempdir().unwrap();
-    let cmd = &mut command(dir.path(), "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
-    let child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+/// A run of steps of seconds that writes no checkpoint, stderr piped.
+fn slow_run_without_checkpoints(dir: &Path) -> Command {
+    let mut cmd = command(dir, "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    cmd
+}
+
+/// Two SIGINTs 100 ms apart once the run's first step is in `metrics.jsonl`.
+fn two_sigints_once_it_trains(child: &std::process::Child, dir: &Path) {
     let t0 = Instant::now();
-    while read_jsonl(&dir.path().join("metrics.jsonl")).is_empty() {
+    while read_jsonl(&dir.join("metrics.jsonl")).is_empty() {
         assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -261,6 +262,16 @@ fn a_second_signal_before_any_checkpoint_exits_1() {
         unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Before any checkpoint exists a second signal leaves nothing to resume from: exit 1, saying
+/// so, not the 4 that promises a checkpoint (and no stop record). Steps of seconds, so both
+/// signals land inside one, before the stop's checkpoint.
+#[test]
+fn a_second_signal_before_any_checkpoint_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = slow_run_without_checkpoints(dir.path()).spawn().unwrap();
+    two_sigints_once_it_trains(&child, dir.path());
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
@@ -275,18 +286,9 @@ fn a_second_signal_before_any_checkpoint_exits_1() {
 #[test]
 fn a_second_signal_with_stderr_closed_still_exits_1_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let cmd = &mut command(dir.path(), "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
-    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = slow_run_without_checkpoints(dir.path()).spawn().unwrap();
     drop(child.stderr.take());
-    let t0 = Instant::now();
-    while read_jsonl(&dir.path().join("metrics.jsonl")).is_empty() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for _ in 0..2 {
-        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    two_sigints_once_it_trains(&child, dir.path());
     let t1 = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
