@@ -263,8 +263,9 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
 fn untied_head(header: &safetensors::SafeTensors, fam: &Family, theirs: &ModelConfig, specs: &[crate::model::TensorSpec]) -> Option<String> {
     const HEAD: &str = "lm_head.weight";
     let head = header.tensor(HEAD).ok().filter(|_| (fam.from_hf)(HEAD, theirs).is_none())?;
-    let embed_name = (fam.hf_name)(&specs.iter().find(|s| s.part == crate::model::Part::TiedEmbedding)?.name).0;
-    let embed = header.tensor(&embed_name).ok()?;
+    let ours = &specs.iter().find(|s| s.part == crate::model::Part::TiedEmbedding)?.name;
+    // Under transformers' name, or ours (the Hub's GPT-2 has no `transformer.` prefix).
+    let (embed_name, embed) = [(fam.hf_name)(ours).0, ours.clone()].into_iter().find_map(|n| header.tensor(&n).ok().map(|t| (n, t)))?;
     let same = head.dtype() == embed.dtype() && head.shape() == embed.shape() && head.data() == embed.data();
     let fix = match theirs.arch {
         Arch::Gpt2 => "trainguard's GPT-2 ties its head to the embedding, so it cannot build this model",
@@ -432,6 +433,17 @@ mod tests {
         init_from(&b, &hf).unwrap();
         for (x, y) in a.params.tensors.iter().zip(&b.params.tensors) {
             assert!(x.equal(y));
+        }
+        // A head beside `wte.weight` (unprefixed): refused unless it is the embedding's copy.
+        let wte = weights.iter().find(|(n, _)| n == "wte.weight").unwrap().1.copy();
+        for (head, loads) in [(&wte + 1.0, false), (wte.copy(), true)] {
+            let mut with_head: Vec<(&str, &Tensor)> = refs.clone();
+            with_head.push(("lm_head.weight", &head));
+            Tensor::write_safetensors(&with_head, &wpath).unwrap();
+            match import(&hf) {
+                Ok(_) => assert!(loads, "a head of other values was dropped"),
+                Err(e) => assert!(!loads && e.to_string().contains("other values than `wte.weight`"), "{e}"),
+            }
         }
     }
 
