@@ -84,7 +84,7 @@ pub struct TrainArgs {
     /// Where to start: `auto` (newest complete checkpoint in out_dir, else step 0), a checkpoint
     /// directory, or `none`. Default `none`, or `auto` under a torchrun restart
     /// (TORCHELASTIC_RESTART_COUNT > 0).
-    #[arg(long, value_name = "auto|PATH|none")]
+    #[arg(long, value_name = "auto|PATH|none", value_parser = resume_value)]
     pub resume: Option<String>,
     /// Stop cleanly with a checkpoint before this wall-clock time (`7h30m`) from the process' start, start-up included; sets train.max_duration.
     #[arg(long, value_name = "DURATION")]
@@ -94,6 +94,15 @@ pub struct TrainArgs {
     /// start is refused (exit 2).
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+}
+
+/// `--resume ''` (an unset shell variable) names no checkpoint: refused here, as clap's own
+/// usage errors are, before a config is read.
+fn resume_value(text: &str) -> Result<String, String> {
+    match text.trim() {
+        "" => Err("an empty value: give `auto`, `none` or a checkpoint directory".into()),
+        _ => Ok(text.to_string()),
+    }
 }
 
 #[derive(Debug, Args)]

@@ -10,7 +10,7 @@ use trainguard::{attempts, checkpoint, config, deadline, dist, exit, run_plan, s
 fn main() {
     deadline::process_start(); // train.max_duration counts from here
     trainguard::logging::init();
-    let cli = Cli::parse();
+    let cli = parse_command_line();
     let training = matches!(cli.command, Command::Train(_));
     let result = match cli.command {
         Command::Train(args) => run_train(&args),
@@ -43,6 +43,28 @@ fn main() {
         std::process::exit(code);
     }
     std::process::exit(exit::SUCCESS);
+}
+
+/// The command line, or the process ends: `--help` and `--version` print (a failed write,
+/// `> /dev/full`, is exit 1, which clap's own printing would hide), anything else that clap
+/// refuses is its usage error (exit 2).
+fn parse_command_line() -> Cli {
+    use clap::error::ErrorKind;
+    let e = match Cli::try_parse() {
+        Ok(cli) => return cli,
+        Err(e) => e,
+    };
+    if !matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+        e.exit();
+    }
+    use std::io::IsTerminal;
+    let text = if std::io::stdout().is_terminal() { e.render().ansi().to_string() } else { e.render().to_string() };
+    if let Err(err) = out(&text) {
+        report(&err);
+        std::process::exit(exit::FAILURE);
+    }
+    // `trainguard` alone prints the help and is a usage error, as clap has it.
+    std::process::exit(e.exit_code());
 }
 
 fn env(key: &str) -> Option<String> {
@@ -264,7 +286,8 @@ fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     if let Some(why) = &trained.dataset_unusable {
         tracing::warn!("{why}: exporting without a tokenizer");
     }
-    let files = trainguard::hf::export(&model, trained.dataset.as_deref(), &args.hf)?;
+    let tokenizer = trained.dataset.as_ref().and_then(|d| Some((d.dir.as_path(), d.manifest.as_ref()?)));
+    let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
     out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")))
 }
 

@@ -65,8 +65,9 @@ pub struct Trained {
     pub kernels: KernelsConfig,
     pub seed: u64,
     pub weights: Vec<(String, Tensor)>,
-    /// The `prepare` directory behind `data.source`, if any (tokenizer.json, dataset.json).
-    pub dataset: Option<PathBuf>,
+    /// Where the tokenizer is: the `prepare` directory behind `data.source`, or the exported
+    /// directory itself.
+    pub dataset: Option<Dataset>,
     /// Why the run's `prepare` dataset cannot be read from here (moved, a relative path read
     /// from another directory, its tokenizer gone): said, not taken for data without one.
     pub dataset_unusable: Option<String>,
@@ -74,11 +75,18 @@ pub struct Trained {
     pub bytes: bool,
 }
 
+/// A directory holding the tokenizer.json of a trained model's data.
+pub struct Dataset {
+    pub dir: PathBuf,
+    /// A `prepare` directory's dataset.json, read once (an exported directory has none).
+    pub manifest: Option<shards::Manifest>,
+}
+
 /// Opens a checkpoint, a run directory or an exported Hugging Face directory.
 pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
-        let dataset = target.join("tokenizer.json").is_file().then(|| target.to_path_buf());
+        let dataset = target.join("tokenizer.json").is_file().then(|| Dataset { dir: target.to_path_buf(), manifest: None });
         return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable: None, bytes: false });
     }
     if !target.is_dir() {
@@ -123,7 +131,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
 
 /// The `prepare` directory a `tokens:` source names, when it has a manifest (None: other data,
 /// shards without a tokenizer); an error says why the source cannot be read from here.
-pub fn dataset_dir(source: &str) -> Result<Option<PathBuf>, String> {
+pub fn dataset_dir(source: &str) -> Result<Option<Dataset>, String> {
     let Some(p) = source.strip_prefix("tokens:") else { return Ok(None) };
     let path = Path::new(p);
     if !path.exists() {
@@ -143,7 +151,7 @@ pub fn dataset_dir(source: &str) -> Result<Option<PathBuf>, String> {
     if !tokenizer.is_file() {
         return Err(format!("{} is missing: the tokenizer of the run's data.source `{source}`", tokenizer.display()));
     }
-    Ok(Some(path.to_path_buf()))
+    Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m) }))
 }
 
 /// Builds the model on `device` and copies `weights` into it by name.
@@ -177,16 +185,15 @@ enum Codec {
 
 impl Codec {
     fn open(t: &Trained) -> Result<Self, SampleError> {
-        let Some(dir) = t.dataset.as_deref() else {
+        let Some(Dataset { dir, manifest }) = &t.dataset else {
             if let Some(why) = &t.dataset_unusable {
                 tracing::warn!("{why}: prompts and output are token ids");
             }
             return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids(t.dataset_unusable.clone()) });
         };
-        let m: Option<shards::Manifest> = std::fs::read_to_string(dir.join(shards::MANIFEST_FILE)).ok().and_then(|t| serde_json::from_str(&t).ok());
         // A prepare directory names its end-of-document token in its manifest; an `export --hf`
         // directory in its tokenizer_config.json (a `--eos` other than the usual names included).
-        let eos = m.map(|m| m.eos_token).or_else(|| exported_eos(dir));
+        let eos = manifest.as_ref().map(|m| m.eos_token.clone()).or_else(|| exported_eos(dir));
         let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), eos.as_deref()).map_err(|e| input(e.to_string()))?;
         Ok(Codec::Tokenizer(Box::new(v.tokenizer), v.eos_id))
     }

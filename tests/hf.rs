@@ -109,6 +109,56 @@ fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
     assert!(d.path().join("hf-no-tokenizer/model.safetensors").is_file() && !d.path().join("hf-no-tokenizer/tokenizer.json").exists());
 }
 
+/// An export whose write fails (a real EFBIG: a file-size limit below the weights, SIGXFSZ
+/// ignored) leaves no part of itself: no model.safetensors or config.json that would refuse the
+/// retry, no staging directory, and a directory it created is gone again; a directory the user
+/// gave keeps what it held. The retry then exports.
+#[test]
+fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
+    use std::os::unix::process::CommandExt;
+    let d = tempfile::tempdir().unwrap();
+    let data = prepared(d.path());
+    let run_dir = d.path().join("run");
+    let source = format!("data.source=tokens:{}", data.display());
+    train(&run_dir, "configs/debug.yaml", &[&source, "model.vocab_size=265", "model.n_embd=32", "model.seq_len=16", "train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0"]).ok();
+    let export = |to: &Path, limited: bool| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["export", run_dir.to_str().unwrap(), "--hf", to.to_str().unwrap()]);
+        if limited {
+            // The weights are ~240 KB; the limit is below them.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+                    let limit = libc::rlimit { rlim_cur: 100_000, rlim_max: 100_000 };
+                    match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::last_os_error()),
+                    }
+                });
+            }
+        }
+        run(cmd, d.path())
+    };
+    let fresh = d.path().join("hf");
+    let given = d.path().join("given");
+    std::fs::create_dir(&given).unwrap();
+    std::fs::write(given.join("README.md"), "mine").unwrap();
+    for to in [&fresh, &given] {
+        let r = export(to, true);
+        assert_eq!(r.code(), 1, "{}", r.stderr());
+        assert!(r.error_line().contains(&format!("cannot write {}", to.join("model.safetensors").display())) && r.stderr().contains("File too large"), "{}", r.stderr());
+    }
+    assert!(!fresh.exists(), "the directory the export created is removed");
+    let left: Vec<String> = std::fs::read_dir(&given).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["README.md"], "the user's file alone, no staging directory");
+    for to in [&fresh, &given] {
+        export(to, false).ok();
+        for f in ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"] {
+            assert!(to.join(f).is_file(), "{f} in {}", to.display());
+        }
+    }
+}
+
 #[test]
 fn byte_level_runs_sample_bytes() {
     let d = tempfile::tempdir().unwrap();

@@ -147,6 +147,18 @@ fn version_and_config_show() {
     let full = Command::new(bin()).args(["config", "show"]).stdout(std::fs::File::create("/dev/full").unwrap()).output().unwrap();
     assert_eq!(full.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&full.stderr).contains("cannot write to standard output: No space left on device"), "{}", String::from_utf8_lossy(&full.stderr));
+    // So are --version and --help, which clap would print and exit 0 from; a bad flag is still
+    // clap's usage error.
+    for args in [&["--version"][..], &["train", "--help"]] {
+        let full = Command::new(bin()).args(args).stdout(std::fs::File::create("/dev/full").unwrap()).output().unwrap();
+        assert_eq!(full.status.code(), Some(1), "{args:?}: {}", String::from_utf8_lossy(&full.stderr));
+        let piped = format!("{} {} | head -c0; echo \"rc=${{PIPESTATUS[0]}}\"", bin(), args.join(" "));
+        let out = Command::new("bash").args(["-c", &piped]).output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "rc=0", "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let bad = Command::new(bin()).args(["train", "--resume", ""]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("an empty value: give `auto`, `none` or a checkpoint directory"), "{}", String::from_utf8_lossy(&bad.stderr));
 }
 
 /// A libtorch error that tch raises as a panic (a Scalar-taking op refused: shapes that do not

@@ -26,6 +26,8 @@ pub enum CheckpointError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("checkpoint {path} is incomplete or corrupt: {why}")]
     Corrupt { path: PathBuf, why: String },
+    #[error("no checkpoint at {}: `--resume` takes `auto`, `none` or a checkpoint directory (OUT_DIR/checkpoints/step-…)", .path.display())]
+    Missing { path: PathBuf },
     #[error("checkpoint {path} does not match the config: {}", .differences.join("; "))]
     Incompatible { path: PathBuf, differences: Vec<String> },
     #[error("cannot save a checkpoint at {path}: {why}")]
@@ -259,8 +261,8 @@ pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
         // `--resume out/checkpoints/step-00000010/model.safetensors`, say.
         return Err(corrupt(format!("a file, not a checkpoint directory (one holds {STATE_FILE}, {MODEL_FILE}, {OPTIMIZER_FILE} and {CONFIG_FILE})")));
     }
-    if !dir.is_dir() {
-        return Err(corrupt("no such checkpoint directory".into()));
+    if !dir.exists() {
+        return Err(CheckpointError::Missing { path: dir.to_path_buf() });
     }
     let text = fs::read_to_string(dir.join(STATE_FILE)).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))?;
     serde_json::from_str(&text).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))
@@ -463,7 +465,8 @@ mod tests {
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         };
         assert!(why(&root.join("step-00000010").join(MODEL_FILE)).starts_with("a file, not a checkpoint directory"));
-        assert_eq!(why(&root.join("step-00000011")), "no such checkpoint directory");
+        let missing = load(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(missing.starts_with("no checkpoint at ") && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"), "{missing}");
     }
 
     /// Checkpoints of steps 5 and 10 in a fresh directory: (the directory, root, step 10's).

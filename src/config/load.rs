@@ -130,9 +130,18 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String], file_problems: Vec
         };
         let key = e.path().to_string();
         let raw = readable(&e.inner().to_string());
+        // `--set out_dir=2024`: YAML read a number where the key takes text. The command line's
+        // own characters are the text meant (a file's `out_dir: 2024` is asked to be quoted).
+        if let Some(text) = wants_text(&raw).then(|| set_exactly(overrides, &key)).flatten() {
+            if let Some(slot) = node_mut(&mut tree, e.path()) {
+                *slot = Value::String(text.to_string());
+                continue;
+            }
+        }
         let message = match (RETIRED.iter().find(|(k, _)| *k == key), did_you_mean(&raw)) {
             (Some((_, why)), _) => format!("this switch was removed ({why}); delete it"),
             (None, Some(known)) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
+            (None, None) if wants_text(&raw) => format!("{raw} (quote it to give it as text: `\"{}\"`)", raw.split('`').nth(1).unwrap_or_default()),
             (None, None) => raw.clone(),
         };
         let from_set = set_by(overrides, &key);
@@ -173,27 +182,40 @@ fn did_you_mean(message: &str) -> Option<&str> {
         .map(|(_, k)| k)
 }
 
+/// serde's words for a number or a boolean where a key takes text (a path, a name).
+fn wants_text(serde_message: &str) -> bool {
+    let scalar = ["invalid type: integer", "invalid type: floating point", "invalid type: boolean"].iter().any(|t| serde_message.starts_with(t));
+    scalar && (serde_message.ends_with("expected a string") || serde_message.ends_with("expected path string"))
+}
+
+/// The text of the last `--set` whose key is `key` itself, as typed (unquoted: a quoted value
+/// is text already).
+fn set_exactly<'a>(overrides: &'a [String], key: &str) -> Option<&'a str> {
+    let (_, value) = overrides.iter().rev().filter_map(|arg| arg.split_once('=')).find(|(k, _)| *k == key)?;
+    Some(value.trim()).filter(|v| !v.starts_with(['"', '\'']))
+}
+
+/// The value at `path` in the tree, where the path leads to one.
+fn node_mut<'t>(tree: &'t mut Value, path: &serde_path_to_error::Path) -> Option<&'t mut Value> {
+    walk(tree, &path.iter().collect::<Vec<_>>())
+}
+
+fn walk<'t>(tree: &'t mut Value, segments: &[&serde_path_to_error::Segment]) -> Option<&'t mut Value> {
+    use serde_path_to_error::Segment;
+    segments.iter().try_fold(tree, |node, s| match (s, node) {
+        (Segment::Map { key }, Value::Mapping(m)) => m.get_mut(key.as_str()),
+        (Segment::Seq { index }, Value::Sequence(v)) => v.get_mut(*index),
+        _ => None,
+    })
+}
+
 /// Removes the key at `path` from the tree; false where the path does not lead to one.
 fn remove(tree: &mut Value, path: &serde_path_to_error::Path) -> bool {
     use serde_path_to_error::Segment;
     let segments: Vec<&Segment> = path.iter().collect();
     let Some((Segment::Map { key: last }, parents)) = segments.split_last() else { return false };
-    let mut node = tree;
-    for s in parents {
-        node = match (s, node) {
-            (Segment::Map { key }, Value::Mapping(m)) => match m.get_mut(key.as_str()) {
-                Some(v) => v,
-                None => return false,
-            },
-            (Segment::Seq { index }, Value::Sequence(v)) => match v.get_mut(*index) {
-                Some(v) => v,
-                None => return false,
-            },
-            _ => return false,
-        };
-    }
-    match node {
-        Value::Mapping(m) => m.remove(last.as_str()).is_some(),
+    match walk(tree, parents) {
+        Some(Value::Mapping(m)) => m.remove(last.as_str()).is_some(),
         _ => false,
     }
 }
@@ -219,6 +241,7 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
         };
         let message = readable(&e.to_string());
         if !message.contains(OUT_OF_RANGE) {
+            let message = duplicate_key_lines(&text, &e).unwrap_or(message);
             return Err(ConfigError::Yaml { path: path.to_path_buf(), message });
         }
         let at = e.location().map(|l| l.index()).filter(|&i| text.get(i..).is_some_and(|rest| rest.starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit())));
@@ -232,6 +255,35 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
         text.replace_range(at..end, &format!("\"{stand_in}\""));
         wide.push((stand_in, why));
     }
+}
+
+/// serde_yaml's "duplicate entry with key" error places the key at the start of its section
+/// (or nowhere, at the top level): the lines that give the key, where a block section's lines
+/// show them (a flow mapping `{lr: 1, lr: 2}` keeps serde_yaml's words).
+fn duplicate_key_lines(text: &str, e: &serde_yaml::Error) -> Option<String> {
+    let message = e.to_string();
+    let (section, rest) = message.split_once("duplicate entry with key \"")?;
+    let key = rest.split('"').next()?;
+    let (first_line, indent) = e.location().map_or((1, 0), |l| (l.line(), l.column().saturating_sub(1)));
+    let mut lines = Vec::new();
+    for (i, line) in text.lines().enumerate().skip(first_line - 1) {
+        let content = line.trim_start();
+        if content.is_empty() || content.starts_with('#') {
+            continue;
+        }
+        let at = line.len() - content.len();
+        if at < indent {
+            break; // the section ended
+        }
+        let names_key = [key.to_string(), format!("\"{key}\""), format!("'{key}'")].iter().any(|k| content.strip_prefix(k.as_str()).is_some_and(|r| r.trim_start().starts_with(':')));
+        if at == indent && names_key {
+            lines.push((i + 1).to_string());
+        }
+    }
+    let (last, earlier) = lines.split_last().filter(|(_, earlier)| !earlier.is_empty())?;
+    let section = section.trim_end_matches([':', ' ']);
+    let within = if section.is_empty() { String::new() } else { format!(" in `{section}`") };
+    Some(format!("key `{key}`{within} is given more than once, on lines {} and {last}: keep one", earlier.join(", ")))
 }
 
 /// Removes the value equal to the string `stand_in` from the tree and returns its key path.
@@ -595,6 +647,29 @@ mod tests {
     }
 
     #[test]
+    fn a_set_number_where_a_key_takes_text_is_the_text_typed() {
+        // YAML reads these as numbers and booleans; the keys take a path or a name.
+        let sets = ["out_dir=2024".to_string(), "init_from=1e3".into(), "device=0".into()];
+        let c = load(None, &sets[..2]).unwrap();
+        assert_eq!(c.out_dir, Path::new("2024"));
+        assert_eq!(c.init_from.as_deref(), Some(Path::new("1e3")), "the characters typed, not YAML's reading (1000)");
+        // Read as text, then judged by the key's own rule.
+        let err = load(None, &sets).unwrap_err().to_string();
+        assert!(err.contains("device") && err.contains("(from --set `device=0`)") && !err.contains("invalid type"), "{err}");
+        let err = load(None, &["train.max_duration=90".into()]).unwrap_err().to_string();
+        assert!(err.contains("`90` is not a duration"), "{err}");
+        // A number key keeps refusing text, and a file's number is asked to be quoted.
+        assert!(load(None, &["train.lr=abc".into()]).is_err());
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "out_dir: 2024\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("key `out_dir`") && err.contains("quote it to give it as text: `\"2024\"`"), "{err}");
+        // The file's number replaced by a --set of the whole key's text loads.
+        assert_eq!(load(Some(&p), &["out_dir=2025".into()]).unwrap().out_dir, Path::new("2025"));
+    }
+
+    #[test]
     fn every_unknown_key_is_named_at_once_with_the_key_it_resembles() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
@@ -656,6 +731,25 @@ mod tests {
         std::fs::write(&file, "model:\n  n_layer: 0\n").unwrap();
         let e = load(Some(&file), &["model={n_head: 2}".to_string()]).unwrap_err().to_string();
         assert!(e.contains("got 0") && !e.contains("from --set"), "{e}");
+    }
+
+    #[test]
+    fn a_key_given_twice_is_named_with_its_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        let said = |yaml: &str| {
+            std::fs::write(&p, yaml).unwrap();
+            load(Some(&p), &[]).unwrap_err().to_string()
+        };
+        let e = said("model:\n  n_layer: 2\ntrain:\n  # lr\n  lr: 1\n  max_steps: 3\n  sub: {lr: 5}\n\n  lr: 2\n");
+        assert!(e.ends_with("key `lr` in `train` is given more than once, on lines 5 and 9: keep one"), "{e}");
+        let e = said("train:\n  lr: 1\nmodel:\n  n_layer: 2\ntrain:\n  lr: 2\n");
+        assert!(e.ends_with("key `train` is given more than once, on lines 1 and 5: keep one"), "{e}");
+        // A nested section's, and a flow mapping's (serde_yaml's words kept).
+        let e = said("memory:\n  allocator:\n    expandable_segments: true\n    \"expandable_segments\": false\n");
+        assert!(e.ends_with("key `expandable_segments` in `memory.allocator` is given more than once, on lines 3 and 4: keep one"), "{e}");
+        let e = said("train: {lr: 1, lr: 2}\n");
+        assert!(e.contains("duplicate entry with key \"lr\""), "{e}");
     }
 
     #[test]

@@ -145,6 +145,12 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         let max = MAX_DURATION_S / 60.0;
         check(m > 0.0 && m <= max, "checkpoint.interval_minutes", format!("must be in (0, {max}] (100 years), got {m}"));
     }
+    // Without evaluation no loss is ever a best: the checkpoint asked to be kept would never be.
+    check(
+        !c.checkpoint.keep_best || evaluates,
+        "checkpoint.keep_best",
+        "keeps the checkpoint of the best validation loss, and train.eval_interval is 0 (nothing is evaluated): set train.eval_interval above 0, or keep_best: false".into(),
+    );
     let tr = &c.metrics.trace;
     check(tr.steps >= 1, "metrics.trace.steps", format!("must be at least 1, got {}", tr.steps));
     if let Some(from) = tr.from_step {
@@ -421,6 +427,7 @@ mod tests {
             (|c| c.train.threads = Some(100_000), "train.threads"),
             (|c| c.data.source = "text:".into(), "data.source"),
             (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
+            (|c| { c.checkpoint.keep_best = true; c.train.eval_interval = 0; c.data.val_fraction = 0.0 }, "checkpoint.keep_best"),
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
             (|c| c.checkpoint.interval_minutes = Some(f64::INFINITY), "checkpoint.interval_minutes"),
             (|c| c.checkpoint.interval_minutes = Some(f64::NAN), "checkpoint.interval_minutes"),

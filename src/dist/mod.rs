@@ -105,7 +105,8 @@ impl Dist {
     fn agree_on_attempt(env: &DistEnv, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<round::Agreed, String> {
         let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| e.to_string())?;
         let give_up = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
-        let own_deadline = time_limit.map(|limit| crate::deadline::own_unix_ms(limit, crate::deadline::started_unix_s()));
+        // Only rank 0's proposal is read (`round::agree`).
+        let own_deadline = time_limit.filter(|_| env.rank == 0).map(|limit| crate::deadline::own_unix_ms(limit, crate::deadline::started_unix_s()));
         round::agree(&store, env.rank, env.world_size, round::nonce(), own_deadline, give_up)
     }
 

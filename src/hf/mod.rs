@@ -64,8 +64,12 @@ fn whole(c: &Value, key: &str, cpath: &Path) -> Result<usize, HfError> {
     }
 }
 
-/// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family.
-pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<String>, HfError> {
+/// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family;
+/// `tokenizer`, a `prepare` directory and its manifest, gives the tokenizer files. Each file is
+/// written into a staging directory inside `out` and moved into place once all are written,
+/// `config.json` last: an export that fails (a full disk) leaves neither half a model nor a file
+/// that would refuse the retry.
+pub fn export(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Manifest)>, out: &Path) -> Result<Vec<String>, HfError> {
     let werr = |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
     if out.exists() && !out.is_dir() {
         return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
@@ -74,7 +78,29 @@ pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<S
     if let Some(held) = ["model.safetensors", "config.json"].iter().find(|f| out.join(f).exists()) {
         return Err(bad(out, format!("already holds {held}: a model; choose another directory")));
     }
+    let created = !out.exists();
     std::fs::create_dir_all(out).map_err(|e| werr(out, &e))?;
+    let staging = out.join(format!(".export-{}", std::process::id()));
+    let written = std::fs::create_dir(&staging).map_err(|e| werr(&staging, &e)).and_then(|_| write_files(model, tokenizer, &staging, out));
+    let moved = written.and_then(|mut files| {
+        // config.json names the directory a model for transformers, and for a retry: last.
+        files.sort_by_key(|f| f == "config.json");
+        for f in &files {
+            std::fs::rename(staging.join(f), out.join(f)).map_err(|e| werr(&out.join(f), &e))?;
+        }
+        Ok(files)
+    });
+    let _ = std::fs::remove_dir_all(&staging);
+    if moved.is_err() && created {
+        let _ = std::fs::remove_dir(out); // only when empty: nothing of the user's is removed
+    }
+    moved
+}
+
+/// The export's files, written in `staging`; errors name each file where it was to go, in `out`.
+fn write_files(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Manifest)>, staging: &Path, out: &Path) -> Result<Vec<String>, HfError> {
+    let werr = |file: &str, e: &dyn std::fmt::Display| HfError::Write { path: out.join(file), message: e.to_string() };
+    let json_file = |file: &str, v: &Value| std::fs::write(staging.join(file), serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n").map_err(|e| werr(file, &e));
     let cfg = &model.cfg;
     let fam = family(cfg.arch);
     let _no_grad = tch::no_grad_guard();
@@ -82,39 +108,30 @@ pub fn export(model: &Model, dataset: Option<&Path>, out: &Path) -> Result<Vec<S
     for (i, name) in model.params.names.iter().enumerate() {
         let (hf, transposed) = (fam.hf_name)(name);
         // The user's vocabulary rows: transformers sees `vocab_size`, not the padding.
-        let t = model.user_tensor(i).map_err(|e| werr(out, &e))?.to_device(Device::Cpu).to_kind(Kind::Float);
+        let t = model.user_tensor(i).map_err(|e| werr("model.safetensors", &e))?.to_device(Device::Cpu).to_kind(Kind::Float);
         tensors.push((hf, if transposed { t.tr().contiguous() } else { t.contiguous() }));
     }
     for (name, n) in (fam.zero_tensors)(cfg) {
         tensors.push(((fam.hf_name)(&name).0, Tensor::zeros([n], (Kind::Float, Device::Cpu))));
     }
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let weights = out.join("model.safetensors");
-    Tensor::write_safetensors(&refs, &weights).map_err(|e| werr(&weights, &e))?;
+    Tensor::write_safetensors(&refs, staging.join("model.safetensors")).map_err(|e| werr("model.safetensors", &crate::checkpoint::write_error(&e)))?;
 
-    let manifest: Option<crate::data::shards::Manifest> =
-        dataset.and_then(|d| std::fs::read_to_string(d.join(crate::data::shards::MANIFEST_FILE)).ok()).and_then(|t| serde_json::from_str(&t).ok());
-    let eos = manifest.as_ref().map(|m| m.eos_id);
-    let config = (fam.config_json)(cfg, eos);
+    let eos = tokenizer.map(|(_, m)| m.eos_id);
     let mut written = vec!["config.json".to_string(), "model.safetensors".into(), "generation_config.json".into()];
-    write_json(&out.join("config.json"), &config)?;
-    write_json(&out.join("generation_config.json"), &json!({"_from_model_config": true, "bos_token_id": eos, "eos_token_id": eos}))?;
-    if let (Some(d), Some(m)) = (dataset, &manifest) {
-        let tok = d.join(&m.tokenizer);
-        std::fs::copy(&tok, out.join("tokenizer.json")).map_err(|e| werr(&out.join("tokenizer.json"), &e))?;
+    json_file("config.json", &(fam.config_json)(cfg, eos))?;
+    json_file("generation_config.json", &json!({"_from_model_config": true, "bos_token_id": eos, "eos_token_id": eos}))?;
+    if let Some((dir, m)) = tokenizer {
+        std::fs::copy(dir.join(&m.tokenizer), staging.join("tokenizer.json")).map_err(|e| werr("tokenizer.json", &e))?;
         let tc = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": m.eos_token, "eos_token": m.eos_token, "unk_token": m.eos_token,
             "model_max_length": cfg.seq_len,
         });
-        write_json(&out.join("tokenizer_config.json"), &tc)?;
+        json_file("tokenizer_config.json", &tc)?;
         written.extend(["tokenizer.json".into(), "tokenizer_config.json".into()]);
     }
     Ok(written)
-}
-
-fn write_json(path: &Path, v: &Value) -> Result<(), HfError> {
-    std::fs::write(path, serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n").map_err(|e| HfError::Write { path: path.into(), message: e.to_string() })
 }
 
 /// Reads a `transformers` directory of a supported family: its model config and its weights

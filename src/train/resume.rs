@@ -119,7 +119,7 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
         CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
         CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
         CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
-        CheckpointError::RunNotCheckpoint { path } => path.display().to_string(),
+        CheckpointError::RunNotCheckpoint { path } | CheckpointError::Missing { path } => path.display().to_string(),
     }
 }
 
