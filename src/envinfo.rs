@@ -64,8 +64,10 @@ pub fn report(config: &Config) -> String {
         }
     }
     let _ = writeln!(r, "\n[allocator]");
-    let env = crate::memory::allocator::env_conf();
-    let _ = writeln!(r, "PYTORCH_CUDA_ALLOC_CONF in the environment: {}", env.as_deref().unwrap_or("(unset)"));
+    let _ = match crate::memory::allocator::env_source() {
+        Some((name, value)) => writeln!(r, "{name} in the environment: {value}"),
+        None => writeln!(r, "PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF in the environment: (unset)"),
+    };
     // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
     let eff = effective(&config.memory.allocator, None, true);
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };

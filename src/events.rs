@@ -55,6 +55,8 @@ pub struct RunSummary {
     pub final_val_loss: Option<f64>,
     /// This session's (a resumed run's earlier sessions are in events.jsonl).
     pub oom_recoveries: u64,
+    /// Of `oom_recoveries`, those recovered by a memory saver `oom.escalate` switched on.
+    pub oom_escalations: u64,
     pub configured_micro_batch: usize,
     pub final_micro_batch: usize,
     /// This session's.
@@ -84,7 +86,10 @@ pub enum Event {
         corpus: String,
         unigram_entropy: f64,
         global_batch_size: usize,
+        /// The micro-batch the run starts at: the guard's from a checkpoint it resumed, which can
+        /// be below `configured_micro_batch_size`.
         micro_batch_size: usize,
+        configured_micro_batch_size: usize,
         accumulation: usize,
         world_size: usize,
         tokens_per_step: usize,
@@ -286,14 +291,15 @@ impl Reporter {
 
     fn log(&self, event: &Event) {
         match event {
-            Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes, allocator } => {
+            Event::RunStarted { device, params, corpus, unigram_entropy, global_batch_size, micro_batch_size, configured_micro_batch_size, accumulation, world_size, tokens_per_step, max_steps, memory_limit_bytes, allocator } => {
                 tracing::info!(
                     "run: {:.2}M parameters on {device}, corpus {corpus}{}",
                     *params as f64 / 1e6,
                     if unigram_entropy.is_finite() { format!(" (unigram entropy {unigram_entropy:.3} nats)") } else { " (no validation split)".into() }
                 );
+                let guarded = if micro_batch_size != configured_micro_batch_size { format!(" (configured micro {configured_micro_batch_size}: the OOM guard's size, resumed)") } else { String::new() };
                 tracing::info!(
-                    "batch: {}; {tokens_per_step} tokens/step; {max_steps} steps",
+                    "batch: {}{guarded}; {tokens_per_step} tokens/step; {max_steps} steps",
                     crate::batch::describe(*global_batch_size, *micro_batch_size, *accumulation, *world_size)
                 );
                 if let Some(l) = memory_limit_bytes {
@@ -424,8 +430,9 @@ impl Reporter {
                     Some(_) => format!("; this session: {} steps in {:.1}s, ", s.session_steps, s.session_elapsed_s),
                     None => "; ".into(),
                 };
+                let escalated = if s.oom_escalations > 0 { format!(" ({} by oom.escalate)", s.oom_escalations) } else { String::new() };
                 tracing::info!(
-                    "done: {} steps in {:.1}s ({:.0} tok/s), loss {:.4}{val}{session}OOM recoveries {}, micro-batch {} (configured {}), time lost {:.2}s",
+                    "done: {} steps in {:.1}s ({:.0} tok/s), loss {:.4}{val}{session}OOM recoveries {}{escalated}, micro-batch {} (configured {}), time lost {:.2}s",
                     s.steps, s.elapsed_s, s.tokens_per_s, s.final_loss, s.oom_recoveries, s.final_micro_batch, s.configured_micro_batch, s.time_lost_s
                 );
             }

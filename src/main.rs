@@ -113,18 +113,19 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let launch = dist::from_process_env()?;
     let elastic = stop_record::under_elastic_agent(|k| std::env::var(k).ok());
     let writer = launch.as_ref().is_none_or(|l| l.rank == 0);
-    let mut plan = run_plan::RunPlan::build(cfg, run_plan::Environment::detect(launch.as_ref()))?;
+    // Under torchrun a process resumes the run its job started (a restart); after an attempt
+    // refused or failed before that, it does what the command asked (src/attempts.rs).
+    let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&cfg.out_dir, a));
+    // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
+    // refusal there is one every rank hears of).
+    let (resume, set_aside) = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
+    let env = run_plan::Environment { resuming: resume.may_resume(), ..run_plan::Environment::detect(launch.as_ref()) };
+    let mut plan = run_plan::RunPlan::build(cfg, env)?;
     if let (Some(a), Some(l)) = (&attempt, launch.as_ref().filter(|l| l.rank == 0)) {
         if let Some(warning) = a.unnamed_across(l.world_size.div_ceil(l.local_world_size.max(1))) {
             tracing::warn!("{warning}");
         }
     }
-    // Under torchrun a process resumes the run its job started (a restart); after an attempt
-    // refused or failed before that, it does what the command asked (src/attempts.rs).
-    let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&plan.config.out_dir, a));
-    // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
-    // refusal there is one every rank hears of).
-    let (resume, set_aside) = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
     if let Some(note) = set_aside {
         tracing::info!("this torchrun job started the run in {}: {note}", plan.config.out_dir.display());
     }
@@ -286,7 +287,8 @@ fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     if let Some(why) = &trained.dataset_unusable {
         tracing::warn!("{why}: exporting without a tokenizer");
     }
-    let tokenizer = trained.dataset.as_ref().and_then(|d| Some((d.dir.as_path(), d.manifest.as_ref()?)));
+    let file = trained.dataset.as_ref().map(|d| d.tokenizer_file());
+    let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id });
     let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
     out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")))
 }

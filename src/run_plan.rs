@@ -21,6 +21,9 @@ pub struct Environment {
     pub local_rank: usize,
     pub world_size: usize,
     pub restart_count: u64,
+    /// The run may continue from a checkpoint (`--resume auto` or a path): then `init_from` is
+    /// read only if none is found, and checked there (`train::run`), not here.
+    pub resuming: bool,
 }
 
 impl Environment {
@@ -28,8 +31,8 @@ impl Environment {
     pub fn detect(launch: Option<&crate::dist::DistEnv>) -> Self {
         let cuda_devices = tch::Cuda::device_count().max(0) as usize;
         match launch {
-            Some(d) => Self { cuda_devices, rank: d.rank, local_rank: d.local_rank, world_size: d.world_size, restart_count: d.restart_count },
-            None => Self { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 },
+            Some(d) => Self { cuda_devices, rank: d.rank, local_rank: d.local_rank, world_size: d.world_size, restart_count: d.restart_count, resuming: false },
+            None => Self { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false },
         }
     }
 }
@@ -110,6 +113,15 @@ impl RunPlan {
             problems.push(Problem::new("memory.limit", msg));
             None
         });
+        if memory_limit.is_some() && !device.is_cuda() && config.precision != crate::config::Precision::Fp32 {
+            // Seen: SIGSEGV in oneDNN's matmul primitive under an 8-16 MiB cap (no error, no
+            // checkpoint, no stop record), "could not create a primitive" under others.
+            let p = serde_yaml::to_string(&config.precision).unwrap_or_default();
+            problems.push(Problem::new(
+                "memory.limit",
+                format!("a CPU cap with precision {}: the CPU's 16-bit matmuls are oneDNN's, which does not check its own allocations, so under the cap the process can die (SIGSEGV) instead of meeting an out-of-memory the guard catches; rehearse the guard on the CPU in fp32, or cap a CUDA device", p.trim()),
+            ));
+        }
         let time_limit = t.max_duration.as_deref().map(parse_duration).transpose().unwrap_or_else(|msg| {
             problems.push(Problem::new("train.max_duration", msg));
             None
@@ -122,7 +134,7 @@ impl RunPlan {
         if let Some(path) = config.data.source.strip_prefix("text:").filter(|p| !Path::new(p).is_file()) {
             problems.push(Problem::new("data.source", format!("file `{path}` does not exist or is not a file")));
         }
-        if let Some(dir) = config.init_from.as_deref().filter(|d| !d.join("config.json").is_file()) {
+        if let Some(dir) = config.init_from.as_deref().filter(|d| !env.resuming && !d.join("config.json").is_file()) {
             problems.push(Problem::new("init_from", format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display())));
         }
         let m = &config.memory;
@@ -241,7 +253,7 @@ pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Res
 mod tests {
     use super::*;
 
-    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 };
+    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false };
 
     #[test]
     fn derives_accumulation_and_tokens() {
@@ -303,6 +315,10 @@ mod tests {
         let err = RunPlan::build(c, CPU_ONLY).unwrap_err().to_string();
         assert!(err.contains("data.source: file `/no/such/file.txt` does not exist"), "{err}");
         assert!(err.contains("init_from: `/no/such/hf` is not a Hugging Face model directory"), "{err}");
+        // A resume reads init_from only when it finds no checkpoint; the run checks it then.
+        let mut c = Config::default();
+        c.init_from = Some("/no/such/hf".into());
+        assert!(RunPlan::build(c, Environment { resuming: true, ..CPU_ONLY }).is_ok());
     }
 
     #[test]
@@ -367,6 +383,17 @@ mod tests {
         assert!(plan.checkpoints.due(23, Duration::ZERO, true), "a new best is written off the interval with keep_best");
         let plain = CheckpointPlan { keep_best: false, ..plan.checkpoints };
         assert!(!plain.due(23, Duration::ZERO, true), "but not without it");
+    }
+
+    #[test]
+    fn a_cpu_cap_is_refused_for_the_16_bit_precisions() {
+        let mut c = Config::default();
+        c.memory.limit = Some(crate::config::Size::Text("1GiB".into()));
+        c.precision = crate::config::Precision::Bf16Mixed;
+        let e = RunPlan::build(c.clone(), CPU_ONLY).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("memory.limit: a CPU cap with precision bf16-mixed") && e.contains("SIGSEGV"), "{e}");
+        c.precision = crate::config::Precision::Fp32;
+        assert!(RunPlan::build(c, CPU_ONLY).is_ok(), "fp32 under a CPU cap is the guard's CPU rehearsal");
     }
 
     #[test]

@@ -80,14 +80,29 @@ pub struct Dataset {
     pub dir: PathBuf,
     /// A `prepare` directory's dataset.json, read once (an exported directory has none).
     pub manifest: Option<shards::Manifest>,
+    /// Its tokenizer.json, loaded with its end-of-document token: `sample` decodes with it, and
+    /// `export` copies only a tokenizer that loads.
+    pub vocab: crate::prepare::Vocab,
+}
+
+impl Dataset {
+    /// Its tokenizer.json (a `prepare` directory names it in its manifest).
+    pub fn tokenizer_file(&self) -> PathBuf {
+        self.dir.join(self.manifest.as_ref().map_or("tokenizer.json", |m| m.tokenizer.as_str()))
+    }
 }
 
 /// Opens a checkpoint, a run directory or an exported Hugging Face directory.
 pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
-        let dataset = target.join("tokenizer.json").is_file().then(|| Dataset { dir: target.to_path_buf(), manifest: None });
-        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable: None, bytes: false });
+        let tokenizer = target.join("tokenizer.json");
+        let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| crate::prepare::load_tokenizer(&tokenizer, exported_eos(target).as_deref())) {
+            None => (None, None),
+            Some(Ok(vocab)) => (Some(Dataset { dir: target.to_path_buf(), manifest: None, vocab }), None),
+            Some(Err(e)) => (None, Some(e.to_string())),
+        };
+        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable, bytes: false });
     }
     if !target.is_dir() {
         let what = if target.exists() { "not a directory" } else { "no such directory" };
@@ -151,7 +166,10 @@ pub fn dataset_dir(source: &str) -> Result<Option<Dataset>, String> {
     if !tokenizer.is_file() {
         return Err(format!("{} is missing: the tokenizer of the run's data.source `{source}`", tokenizer.display()));
     }
-    Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m) }))
+    // One that does not load (damaged, another tokenizer without the dataset's end-of-document
+    // token) is as unusable as a missing one.
+    let vocab = crate::prepare::load_tokenizer(&tokenizer, Some(&m.eos_token)).map_err(|e| format!("{e}: the tokenizer of the run's data.source `{source}`"))?;
+    Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m), vocab }))
 }
 
 /// Builds the model on `device` and copies `weights` into it by name.
@@ -185,17 +203,13 @@ enum Codec {
 
 impl Codec {
     fn open(t: &Trained) -> Result<Self, SampleError> {
-        let Some(Dataset { dir, manifest }) = &t.dataset else {
+        let Some(d) = &t.dataset else {
             if let Some(why) = &t.dataset_unusable {
                 tracing::warn!("{why}: prompts and output are token ids");
             }
             return Ok(if t.bytes { Codec::Bytes } else { Codec::Ids(t.dataset_unusable.clone()) });
         };
-        // A prepare directory names its end-of-document token in its manifest; an `export --hf`
-        // directory in its tokenizer_config.json (a `--eos` other than the usual names included).
-        let eos = manifest.as_ref().map(|m| m.eos_token.clone()).or_else(|| exported_eos(dir));
-        let v = crate::prepare::load_tokenizer(&dir.join("tokenizer.json"), eos.as_deref()).map_err(|e| input(e.to_string()))?;
-        Ok(Codec::Tokenizer(Box::new(v.tokenizer), v.eos_id))
+        Ok(Codec::Tokenizer(Box::new(d.vocab.tokenizer.clone()), d.vocab.eos_id))
     }
 
     fn encode(&self, text: &str) -> Result<Vec<i64>, SampleError> {
@@ -226,7 +240,16 @@ impl Codec {
                 .map(|run| String::from_utf8_lossy(&run.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
                 .collect::<Vec<_>>()
                 .join("\u{FFFD}"),
-            Codec::Tokenizer(t, _) => t.decode(&ids.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default(),
+            // An id the tokenizer lacks (a model.vocab_size above the tokenizer's: untrained
+            // rows) would be skipped by its decode, the text shorter than drawn: U+FFFD, as a
+            // byte-level run shows one.
+            Codec::Tokenizer(t, _) => {
+                let known = t.get_vocab_size(true) as i64;
+                ids.split(|&i| !(0..known).contains(&i))
+                    .map(|run| t.decode(&run.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default())
+                    .collect::<Vec<_>>()
+                    .join("\u{FFFD}")
+            }
             Codec::Ids(_) => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
         }
     }
@@ -331,6 +354,16 @@ mod tests {
         assert_eq!(Codec::Bytes.decode(&[256, 300, 104]), "\u{FFFD}\u{FFFD}h", "one per id");
         assert_eq!(Codec::Bytes.encode("hé").unwrap(), [104, 195, 169]);
         assert_eq!(Codec::Bytes.decode(&[104, 195, 169]), "hé");
+    }
+
+    #[test]
+    fn ids_the_tokenizer_lacks_decode_as_replacement_characters() {
+        use tokenizers::models::wordlevel::WordLevel;
+        let vocab = [("a".to_string(), 0), ("b".to_string(), 1), ("[UNK]".to_string(), 2)].into_iter().collect();
+        let model = WordLevel::builder().vocab(vocab).unk_token("[UNK]".into()).build().unwrap();
+        let codec = Codec::Tokenizer(Box::new(tokenizers::Tokenizer::new(model)), 2);
+        assert_eq!(codec.decode(&[0, 1]), "a b");
+        assert_eq!(codec.decode(&[0, 7, 1, 3, 3]), "a\u{FFFD}b\u{FFFD}\u{FFFD}", "one per id past the tokenizer's 3, none dropped");
     }
 
     #[test]

@@ -103,6 +103,21 @@ fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
     let r = export(&repo(), "hf-elsewhere");
     assert!(r.stderr().contains("is not found from") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
     assert!(!d.path().join("hf-elsewhere/tokenizer.json").exists());
+    // An export of an export carries its tokenizer.
+    export(d.path(), "hf-here");
+    let mut again = Command::new(bin());
+    again.args(["export", d.path().join("hf-here").to_str().unwrap(), "--hf", d.path().join("hf-again").to_str().unwrap()]);
+    run(again, d.path()).ok();
+    assert_eq!(std::fs::read(d.path().join("hf-again/tokenizer.json")).unwrap(), std::fs::read(d.path().join("data/tokenizer.json")).unwrap());
+    // A damaged tokenizer is as unusable as a missing one: not copied into an export that
+    // transformers could not load.
+    std::fs::write(d.path().join("data/tokenizer.json"), "{broken").unwrap();
+    let r = export(d.path(), "hf-damaged");
+    assert!(r.stderr().contains("not a valid tokenizer.json") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
+    assert!(d.path().join("hf-damaged/model.safetensors").is_file() && !d.path().join("hf-damaged/tokenizer.json").exists());
+    let damaged = sample(d.path());
+    assert_eq!(damaged.code(), 2, "{}", damaged.stderr());
+    assert!(damaged.stderr().contains("not a valid tokenizer.json"), "{}", damaged.stderr());
     std::fs::remove_file(d.path().join("data/tokenizer.json")).unwrap();
     let r = export(d.path(), "hf-no-tokenizer");
     assert!(r.stderr().contains("data/tokenizer.json is missing: the tokenizer of the run's data.source") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
@@ -157,6 +172,34 @@ fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
             assert!(to.join(f).is_file(), "{f} in {}", to.display());
         }
     }
+}
+
+/// A resume takes its weights from the checkpoint: the `init_from` directory the run started
+/// from may be gone by then (it was refused, exit 2, as if the run needed it). Without a
+/// checkpoint to resume from, the run needs it and says so by key.
+#[test]
+fn a_resume_does_not_need_the_init_from_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let source = d.path().join("source");
+    train(&source, "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0"]).ok();
+    let hf = d.path().join("hf");
+    tg(&["export", source.to_str().unwrap(), "--hf", hf.to_str().unwrap()]).ok();
+    let init = format!("init_from={}", hf.display());
+    let sets = [init.as_str(), "train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3"];
+    let out = d.path().join("run");
+    let first = train(&out, "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=3"]].concat());
+    assert_eq!(first.code(), 4, "{}", first.stderr());
+    std::fs::remove_dir_all(&hf).unwrap();
+    let resume = |dir: &Path| {
+        let mut cmd = command(dir, "configs/debug.yaml", &sets);
+        cmd.args(["--resume", "auto"]);
+        run(cmd, dir)
+    };
+    let r = resume(&out).ok();
+    assert_eq!(r.summary()["steps"], 6, "{}", r.stderr());
+    let fresh = resume(&d.path().join("new"));
+    assert_eq!(fresh.code(), 2, "{}", fresh.stderr());
+    assert!(fresh.error_line().contains(&format!("init_from: {}: is not a Hugging Face model directory (no config.json)", hf.display())), "{}", fresh.stderr());
 }
 
 #[test]

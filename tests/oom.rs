@@ -191,6 +191,12 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let resumed = run(cmd, split.path()).ok();
     let events = resumed.events();
     let restart = events.iter().rposition(|e| e["event"] == "resumed").expect("resumed");
+    // The resumed run says it starts at the guard's size, not at the configured one.
+    let started = events[..restart].iter().rfind(|e| e["event"] == "run_started").expect("run_started");
+    assert_eq!((started["micro_batch_size"].as_u64(), started["accumulation"].as_u64()), (Some(at_stop), Some(64u64.div_ceil(at_stop))), "{started}");
+    assert!(started["configured_micro_batch_size"].as_u64() > Some(at_stop), "{started}");
+    let said = resumed.stderr();
+    assert!((said.contains(&format!("micro {at_stop} × ")) || said.contains(&format!("micro-steps of {at_stop} "))) && said.contains("the OOM guard's size, resumed"), "{said}");
     let after: Vec<u64> = events[restart..].iter().filter(|e| e["event"] == "regrow_attempt").map(|e| e["to_micro_batch"].as_u64().unwrap()).collect();
     let fresh_guess = (at_stop + 65) / 2;
     assert!(after.first().is_some_and(|&t| t <= lowest_failed_above && t < fresh_guess), "after the resume the first trial of {after:?} goes above {lowest_failed_above}, which failed before it");

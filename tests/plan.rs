@@ -469,6 +469,35 @@ fn apply_edits_the_value_in_place_keeps_comments_and_backs_up() {
     assert!(!dir.path().join("debug.yaml.bak.1").exists());
 }
 
+/// A write of the edited config that fails (a real EFBIG: a file-size limit below the config's
+/// size, SIGXFSZ ignored) leaves the config as it was and no temporary file beside it.
+#[test]
+fn a_failed_apply_leaves_no_temporary_file() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("debug.yaml");
+    std::fs::copy(config("debug.yaml"), &cfg).unwrap();
+    let original = std::fs::read_to_string(&cfg).unwrap();
+    let mut cmd = Command::new(bin());
+    cmd.args(["plan", "--config", cfg.to_str().unwrap(), "--gpu", "t4", "--apply"]).current_dir(dir.path());
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit { rlim_cur: 512, rlim_max: 512 };
+            match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+    let r = Run { output: cmd.output().unwrap(), dir: dir.path().to_path_buf() };
+    assert_eq!(r.code(), 1, "{}", r.stderr());
+    assert!(r.stderr().contains("File too large"), "{}", r.stderr());
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), original);
+    let left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["debug.yaml"], "no temporary file, no backup");
+}
+
 /// Through a symbolic link `--apply` edits the file it points to and keeps its permissions
 /// (it renamed a 0644 copy over the link, and the real file kept its old value).
 #[test]

@@ -56,6 +56,9 @@ fn at_the_floor_the_guard_switches_checkpointing_on_and_the_run_completes() {
         let esc = escalated.events_of("oom_escalated");
         assert_eq!(esc.len(), 1, "{cap}: {:?}", escalated.events());
         assert_eq!(esc[0]["switched_on"], "activation_checkpointing", "as the config spells it");
+        let summary = escalated.summary();
+        assert_eq!((summary["oom_escalations"].as_u64(), summary["oom_recoveries"].as_u64()), (Some(1), Some(1)), "{cap}: the recovered OOM is counted: {summary}");
+        assert!(escalated.stderr().contains("OOM recoveries 1 (1 by oom.escalate)"), "{}", escalated.stderr());
         assert_eq!(series(&escalated.metrics(), "loss"), series(&from_start.metrics(), "loss"), "{cap}: same as checkpointing from the start");
     }
     // Without escalation the same cap is fatal.

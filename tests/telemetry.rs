@@ -30,6 +30,13 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("effective (CUDA runs; a CPU run does not use them): max_split_size_mb:256,expandable_segments:False"), "{text}");
     assert!(text.contains("source: environment+config") && text.contains("max_split_size_mb: environment 128, config 256"), "{text}");
+    assert!(text.contains("PYTORCH_CUDA_ALLOC_CONF in the environment: max_split_size_mb:128"), "{text}");
+    // PyTorch's other name for them, alone: named as the one read.
+    let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env("PYTORCH_ALLOC_CONF", "max_split_size_mb:64").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("PYTORCH_ALLOC_CONF in the environment: max_split_size_mb:64") && !text.contains("PYTORCH_CUDA_ALLOC_CONF in"), "{text}");
+    let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env_remove("PYTORCH_ALLOC_CONF").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF in the environment: (unset)"));
 
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=0", "memory.allocator.max_split_size_mb=256"]);
@@ -38,6 +45,10 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
     let started = &r.events_of("run_started")[0];
     assert_eq!(started["allocator"]["conf"], "max_split_size_mb:256,expandable_segments:False");
     assert!(r.stderr().contains("PYTORCH_CUDA_ALLOC_CONF overridden by the config"), "{}", r.stderr());
+    let mut cmd = command(&dir.path().join("other"), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=0", "memory.allocator.max_split_size_mb=256"]);
+    cmd.env_remove("PYTORCH_CUDA_ALLOC_CONF").env("PYTORCH_ALLOC_CONF", "max_split_size_mb:128");
+    let r = run(cmd, dir.path()).ok();
+    assert!(r.stderr().contains("PYTORCH_ALLOC_CONF overridden by the config: max_split_size_mb"), "{}", r.stderr());
     // They configure the CUDA allocator: a CPU run says so instead of implying they act.
     assert!(r.stderr().contains("(from environment+config; CUDA's caching allocator only, unused on the CPU)"), "{}", r.stderr());
 }

@@ -59,9 +59,12 @@ pub fn dir_name(step: u64) -> String {
     format!("step-{step:08}")
 }
 
+/// The step a checkpoint directory's name gives, when it is the name [`dir_name`] writes (8
+/// digits, more from step 100,000,000 on).
 fn parse_step(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
-    (digits.len() == 8 && digits.bytes().all(|b| b.is_ascii_digit())).then(|| digits.parse().ok()).flatten()
+    let step: u64 = digits.bytes().all(|b| b.is_ascii_digit()).then(|| digits.parse().ok()).flatten()?;
+    (dir_name(step) == name).then_some(step)
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
@@ -467,6 +470,16 @@ mod tests {
         assert!(why(&root.join("step-00000010").join(MODEL_FILE)).starts_with("a file, not a checkpoint directory"));
         let missing = load(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(missing.starts_with("no checkpoint at ") && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"), "{missing}");
+    }
+
+    #[test]
+    fn step_names_past_eight_digits_are_checkpoints() {
+        for step in [0, 7, 99_999_999, 100_000_000, 123_456_789_012] {
+            assert_eq!(parse_step(&dir_name(step)), Some(step));
+        }
+        for name in ["step-1", "step-000000001", "step-0100000000", "step-1234567a", "step-", "x-00000001"] {
+            assert_eq!(parse_step(name), None, "{name}");
+        }
     }
 
     /// Checkpoints of steps 5 and 10 in a fresh directory: (the directory, root, step 10's).

@@ -379,8 +379,8 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
         if i + 1 == parts.len() {
             let slot = map.entry(k).or_insert(Value::Null);
             // `--set model=` (a stray space before the value, `~`): the section would quietly
-            // go back to every default, another model.
-            if slot.is_mapping() && value.is_null() {
+            // go back to every default, another model; so is a section the file does not have.
+            if value.is_null() && (slot.is_mapping() || is_section(&parts)) {
                 return Err(bad(&format!("`{key}` is a section and the value is empty: set its keys (`{key}.name=value`) or give a mapping (`{key}={{name: value}}`)")));
             }
             merge(slot, value);
@@ -392,6 +392,12 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
         }
     }
     unreachable!("split always yields at least one segment")
+}
+
+/// Whether `parts` names a section of the config (a mapping in the defaults' tree).
+fn is_section(parts: &[&str]) -> bool {
+    let defaults = serde_yaml::to_value(Config::default()).expect("the default config serialises");
+    parts.iter().try_fold(&defaults, |node, part| node.get(*part)).is_some_and(Value::is_mapping)
 }
 
 /// Puts `value` in `slot`; a mapping into a mapping sets its keys and keeps the others:
@@ -601,6 +607,13 @@ mod tests {
         // A key that takes null keeps taking it.
         apply_override(&mut tree, "train.threads=").unwrap();
         assert!(tree["train"]["threads"].is_null());
+        // A section the file does not have, as one it has: not a command line that works with
+        // one file and not another.
+        for arg in ["data=", "memory.allocator="] {
+            let err = apply_override(&mut tree, arg).unwrap_err().to_string();
+            assert!(err.contains("is a section and the value is empty"), "{arg}: {err}");
+        }
+        assert!(load(None, &["model=".into()]).is_err());
     }
 
     #[test]

@@ -192,6 +192,12 @@ impl Corpus {
             start += piece.len;
             pieces.push(piece);
         }
+        // Shards come from one writer: one file without the others' llm.c header is a damaged or
+        // stray one, whose bytes would train as tokens.
+        if let (Some(flat), Some(headed)) = (pieces.iter().find(|p| p.offset == 0), pieces.iter().find(|p| p.offset != 0)) {
+            let message = format!("has no llm.c header, where {} and the source's other shards have one: a damaged shard, or a file of another dataset", headed.path.display());
+            return Err(DataError::Format { path: flat.path.clone(), message });
+        }
         let train_len: usize = pieces.iter().take(sources.train.len()).map(|p| p.len).sum();
         let width = match pieces.iter().map(|p| p.dtype).max_by_key(|d| d.width()) {
             Some(Dtype::Uint32) => "uint32",
@@ -381,6 +387,10 @@ mod tests {
         assert_eq!(w, [26, 27, 28, 29]);
         let err = Corpus::load(&cfg, 70_050, 8).err().unwrap();
         assert!(err.is_usage() && err.to_string().contains("outside model.vocab_size = 70050"), "{err}");
+        // A file among headed shards without their header is refused, not read as tokens.
+        std::fs::write(dir.path().join("d_train_000002.bin"), [1u8, 0, 2, 0]).unwrap();
+        let err = Corpus::load(&cfg, 70_100, 8).err().unwrap().to_string();
+        assert!(err.contains("d_train_000002.bin") && err.contains("has no llm.c header, where") && err.contains("d_train_000000.bin"), "{err}");
     }
 
     #[test]

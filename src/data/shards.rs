@@ -87,10 +87,29 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
         }
         return Ok(Layout { offset: HEADER_BYTES, tokens: tokens as usize, dtype });
     }
+    if let Some(why) = corrupt_magic(head, size) {
+        return Err(why);
+    }
     if !size.is_multiple_of(2) {
         return Err(format!("{size} bytes is not a whole number of uint16 tokens (and no llm.c header)"));
     }
     Ok(Layout { offset: 0, tokens: (size / 2) as usize, dtype: Dtype::Uint16 })
+}
+
+/// A header whose every field but the magic is llm.c's (its version, the token count the size
+/// gives, the rest zeros): a shard whose magic was damaged, which read as a flat file would put
+/// its header into training as 512 tokens. A flat file's first 1024 bytes are tokens, and that
+/// many tokens in that pattern do not happen in text.
+fn corrupt_magic(head: &[u8], size: u64) -> Option<String> {
+    let ints: Vec<i32> = head.get(..HEADER_BYTES)?.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let rest_zero = ints[3..].iter().all(|&i| i == 0);
+    [Dtype::Uint16, Dtype::Uint32].into_iter().find_map(|dtype| {
+        let (magic, version) = dtype.magic_version();
+        let count_fits = ints[2] >= 0 && size == HEADER_BYTES as u64 + ints[2] as u64 * dtype.width() as u64;
+        (ints[1] == version && count_fits && rest_zero && ints[0] != magic).then(|| {
+            format!("an llm.c header with magic {}, where {dtype:?} shards have {magic} (version {version} and {} tokens, as its size says): a damaged shard; rewrite it or leave it out", ints[0], ints[2])
+        })
+    })
 }
 
 /// One shard in the manifest.
@@ -208,6 +227,19 @@ mod tests {
         // No magic: nanoGPT's flat uint16 file.
         assert_eq!(layout(&[1, 0, 2, 0], 4).unwrap(), Layout { offset: 0, tokens: 2, dtype: Dtype::Uint16 });
         assert!(layout(&[1, 0, 2], 3).is_err());
+        // Every field llm.c's but the magic: a damaged shard, not 512 tokens of a flat file.
+        let mut damaged = header(Dtype::Uint16, 5);
+        damaged[..4].copy_from_slice(&12345i32.to_le_bytes());
+        let why = layout(&damaged, 1024 + 10).unwrap_err();
+        assert!(why.starts_with("an llm.c header with magic 12345, where Uint16 shards have 20240520 (version 1 and 5 tokens"), "{why}");
+        let mut damaged32 = header(Dtype::Uint32, 3);
+        damaged32[3] ^= 0x40;
+        assert!(layout(&damaged32, 1024 + 12).unwrap_err().contains("where Uint32 shards have 20240801"));
+        // A flat file that only starts alike (its size another count, a token past the third
+        // int) is tokens.
+        assert_eq!(layout(&damaged, 1024 + 12).unwrap().offset, 0);
+        damaged[100] = 7;
+        assert_eq!(layout(&damaged, 1024 + 10).unwrap().tokens, 517);
         assert_eq!(Dtype::for_vocab(65536), Dtype::Uint16);
         assert_eq!(Dtype::for_vocab(65537), Dtype::Uint32);
     }

@@ -167,7 +167,10 @@ impl Progress {
 /// Totals the run summary reports.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct GuardTotals {
+    /// Out-of-memory errors recovered from, by a smaller micro-batch or by `escalations`.
     pub recoveries: u64,
+    /// Those recovered by switching on a memory saver of `oom.escalate`.
+    pub escalations: u64,
     pub time_lost: Duration,
     /// Time spent in the guard itself on steps that succeeded, outside the attempts: its cost.
     pub bookkeeping: Duration,
@@ -388,6 +391,8 @@ impl Guard {
             if let Decision::Escalate { level } = decision {
                 let what = self.escalate.get(level - 1).map(|e| e.name().to_string()).unwrap_or_default();
                 reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on: what });
+                self.totals.recoveries += 1;
+                self.totals.escalations += 1;
                 continue;
             }
             let Decision::Retry { micro_batch: new, backoff } = decision else {

@@ -64,12 +64,20 @@ fn whole(c: &Value, key: &str, cpath: &Path) -> Result<usize, HfError> {
     }
 }
 
-/// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family;
-/// `tokenizer`, a `prepare` directory and its manifest, gives the tokenizer files. Each file is
+/// The tokenizer an export carries: its tokenizer.json (one that loads) and the token that ends
+/// documents (bos and eos in the configs).
+pub struct Tokenizer<'a> {
+    pub file: &'a Path,
+    pub eos_token: &'a str,
+    pub eos_id: u32,
+}
+
+/// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family,
+/// with `tokenizer`'s files when given. Each file is
 /// written into a staging directory inside `out` and moved into place once all are written,
 /// `config.json` last: an export that fails (a full disk) leaves neither half a model nor a file
 /// that would refuse the retry.
-pub fn export(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Manifest)>, out: &Path) -> Result<Vec<String>, HfError> {
+pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result<Vec<String>, HfError> {
     let werr = |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
     if out.exists() && !out.is_dir() {
         return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
@@ -98,7 +106,7 @@ pub fn export(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Man
 }
 
 /// The export's files, written in `staging`; errors name each file where it was to go, in `out`.
-fn write_files(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Manifest)>, staging: &Path, out: &Path) -> Result<Vec<String>, HfError> {
+fn write_files(model: &Model, tokenizer: Option<Tokenizer>, staging: &Path, out: &Path) -> Result<Vec<String>, HfError> {
     let werr = |file: &str, e: &dyn std::fmt::Display| HfError::Write { path: out.join(file), message: e.to_string() };
     let json_file = |file: &str, v: &Value| std::fs::write(staging.join(file), serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n").map_err(|e| werr(file, &e));
     let cfg = &model.cfg;
@@ -117,15 +125,15 @@ fn write_files(model: &Model, tokenizer: Option<(&Path, &crate::data::shards::Ma
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     Tensor::write_safetensors(&refs, staging.join("model.safetensors")).map_err(|e| werr("model.safetensors", &crate::checkpoint::write_error(&e)))?;
 
-    let eos = tokenizer.map(|(_, m)| m.eos_id);
+    let eos = tokenizer.as_ref().map(|t| t.eos_id);
     let mut written = vec!["config.json".to_string(), "model.safetensors".into(), "generation_config.json".into()];
     json_file("config.json", &(fam.config_json)(cfg, eos))?;
     json_file("generation_config.json", &json!({"_from_model_config": true, "bos_token_id": eos, "eos_token_id": eos}))?;
-    if let Some((dir, m)) = tokenizer {
-        std::fs::copy(dir.join(&m.tokenizer), staging.join("tokenizer.json")).map_err(|e| werr("tokenizer.json", &e))?;
+    if let Some(t) = tokenizer {
+        std::fs::copy(t.file, staging.join("tokenizer.json")).map_err(|e| werr("tokenizer.json", &e))?;
         let tc = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": m.eos_token, "eos_token": m.eos_token, "unk_token": m.eos_token,
+            "bos_token": t.eos_token, "eos_token": t.eos_token, "unk_token": t.eos_token,
             "model_max_length": cfg.seq_len,
         });
         json_file("tokenizer_config.json", &tc)?;
@@ -166,6 +174,9 @@ fn read_weights(dir: &Path, fam: &Family, cfg: &ModelConfig) -> Result<Vec<(Stri
 /// bounds a `model:` section obeys.
 fn read_config(dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
     let cpath = dir.join("config.json");
+    if !cpath.is_file() {
+        return Err(bad(dir, "is not a Hugging Face model directory (no config.json)"));
+    }
     let text = std::fs::read_to_string(&cpath).map_err(|e| bad(&cpath, e.to_string()))?;
     let c: Value = serde_json::from_str(&text).map_err(|e| bad(&cpath, e.to_string()))?;
     let fam = FAMILIES.iter().find(|f| c["model_type"] == f.model_type).ok_or_else(|| {

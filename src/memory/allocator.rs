@@ -23,6 +23,8 @@ pub struct EffectiveSettings {
     pub source: String,
     /// Environment keys the config replaced.
     pub overridden: Vec<String>,
+    /// The variable the environment's settings came from ([`env_source`]), if any.
+    pub env_var: Option<&'static str>,
     /// Keys trainguard set because neither the environment nor the config did.
     pub defaulted: Vec<String>,
 }
@@ -105,19 +107,27 @@ pub fn merge(env: Option<&str>, config: &[(String, String)], defaults: &[(String
     }
     let source = if source.is_empty() { "none".to_string() } else { source.join("+") };
     let conf = pairs.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",");
-    EffectiveSettings { conf, source, overridden, defaulted }
+    EffectiveSettings { conf, source, overridden, defaulted, env_var: None }
 }
 
 pub fn env_conf() -> Option<String> {
-    std::env::var("PYTORCH_CUDA_ALLOC_CONF").ok().or_else(|| std::env::var("PYTORCH_ALLOC_CONF").ok()).filter(|s| !s.trim().is_empty())
+    env_source().map(|(_, value)| value)
+}
+
+/// The variable the environment's allocator settings come from, and its value: PyTorch 2.11
+/// reads `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`.
+pub fn env_source() -> Option<(&'static str, String)> {
+    let read = |name: &'static str| std::env::var(name).ok().map(|v| (name, v));
+    read("PYTORCH_CUDA_ALLOC_CONF").or_else(|| read("PYTORCH_ALLOC_CONF")).filter(|(_, s)| !s.trim().is_empty())
 }
 
 /// The settings a run would use: the environment's, `alloc`'s, trainguard's defaults when the run
 /// is on CUDA (`cuda`), and the memory fraction.
 pub fn effective(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> EffectiveSettings {
-    let (env, config) = (env_conf(), alloc.pairs());
-    let defaults = if cuda { cuda_defaults(env.as_deref(), &config) } else { Vec::new() };
-    merge(env.as_deref(), &config, &defaults, fraction)
+    let (source, config) = (env_source(), alloc.pairs());
+    let env = source.as_ref().map(|(_, value)| value.as_str());
+    let defaults = if cuda { cuda_defaults(env, &config) } else { Vec::new() };
+    EffectiveSettings { env_var: source.as_ref().map(|(name, _)| *name), ..merge(env, &config, &defaults, fraction) }
 }
 
 /// [`effective`], applied; must run before the first CUDA allocation (and before other threads

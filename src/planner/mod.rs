@@ -593,7 +593,7 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
     let cuda_devices = tch::Cuda::device_count().max(0) as usize;
     let device = run_plan::resolve_device(&spec, cuda_devices, 0).map_err(|e| usage(format!("--device: {e}")))?;
     cfg.device = spec;
-    let env = run_plan::Environment { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0 };
+    let env = run_plan::Environment { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false };
     let plan = RunPlan::build(cfg, env).map_err(|e| usage(format!("--profile: {e}")))?;
     let setup = Setup {
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
@@ -717,7 +717,10 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     // The edited text must load, as a valid config holding the new values, before anything is written.
     let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
     let tmp = target.with_file_name(format!(".{name}.trainguard-apply"));
-    std::fs::write(&tmp, &new).map_err(io("write", &tmp))?;
+    if let Err(e) = std::fs::write(&tmp, &new) {
+        let _ = std::fs::remove_file(&tmp); // half written on a full disk
+        return Err(io("write", &tmp)(e));
+    }
     if let Ok(meta) = std::fs::metadata(&target) {
         let _ = std::fs::set_permissions(&tmp, meta.permissions());
     }
@@ -730,8 +733,11 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
         return Err(usage(format!("--apply: the edited {} would not be valid, nothing written: {why}", path.display())));
     }
     let backup = apply::backup_path(path);
-    std::fs::copy(path, &backup).map_err(io("back up to", &backup))?;
-    std::fs::rename(&tmp, &target).map_err(io("replace", &target))?;
+    let replaced = std::fs::copy(path, &backup).map_err(io("back up to", &backup)).and_then(|_| std::fs::rename(&tmp, &target).map_err(io("replace", &target)));
+    if let Err(e) = replaced {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     applied.backup = Some(backup);
     Ok(applied)
 }

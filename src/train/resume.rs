@@ -40,6 +40,11 @@ impl Resume {
     /// the command's choice was for how the job began, and a restart that started over (or from
     /// the older checkpoint named) would throw away, or refuse, what the job had trained.
     /// The second value is the log's account when a restart sets the command's choice aside.
+    /// Whether this start may continue from a checkpoint.
+    pub fn may_resume(&self) -> bool {
+        matches!(self, Self::Auto | Self::Path(_) | Self::AutoOr(_))
+    }
+
     pub fn asked(resume: Option<&str>, overwrite: bool, restart_of_its_run: bool) -> (Self, Option<String>) {
         let first = match resume {
             Some("auto") => Self::Auto,

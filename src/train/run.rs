@@ -175,7 +175,7 @@ impl<'a> Run<'a> {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
-            tracing::warn!("PYTORCH_CUDA_ALLOC_CONF overridden by the config: {o}");
+            tracing::warn!("{} overridden by the config: {o}", allocator.env_var.unwrap_or("the environment's allocator settings"));
         }
         if !allocator.defaulted.is_empty() {
             tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
@@ -199,8 +199,9 @@ impl<'a> Run<'a> {
             corpus: corpus.description.clone(),
             unigram_entropy,
             global_batch_size: t.global_batch_size,
-            micro_batch_size: plan.micro_batch,
-            accumulation: plan.accumulation,
+            micro_batch_size: state.guard.micro_batch(),
+            configured_micro_batch_size: plan.micro_batch,
+            accumulation: crate::batch::accumulation(t.global_batch_size, state.guard.micro_batch(), plan.world_size).unwrap_or(plan.accumulation),
             world_size: plan.world_size,
             tokens_per_step: plan.tokens_per_step,
             max_steps: t.max_steps,
@@ -470,6 +471,7 @@ impl<'a> Run<'a> {
             final_loss: self.last_loss,
             final_val_loss: self.last_val,
             oom_recoveries: guard.totals.recoveries,
+            oom_escalations: guard.totals.escalations,
             configured_micro_batch: plan.micro_batch,
             final_micro_batch: guard.micro_batch(),
             time_lost_s: guard.totals.time_lost.as_secs_f64(),
