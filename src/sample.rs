@@ -121,7 +121,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         // loads, which carries its own config. Those passed over are named.
         let root = store::root(target);
         if !root.is_dir() {
-            return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {} or checkpoints/)", target.display(), store::STATE_FILE, store::CONFIG_FILE)));
+            return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {}, checkpoints/ or config.json)", target.display(), store::STATE_FILE, store::CONFIG_FILE)));
         }
         let (newest, skipped) = store::newest_valid(&root);
         let why = || skipped.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");

@@ -176,6 +176,10 @@ fn bad_inputs_are_one_clear_error_and_exit_code_2() {
     assert_usage_error(&["--layers", "12", "--hidden", "768"], &["missing: --heads, --vocab, --seq-len"]);
     assert_usage_error(&with(&["--optimizer", "lion"], None), &["lion"]);
     assert_usage_error(&["--config", "/nonexistent/c.yaml"], &["not found"]);
+    // A family of two sizes is not guessed (an A100 40 GB planned as the 80 GB card).
+    assert_usage_error(&["--config", &config("debug.yaml"), "--gpu", "a100"], &["`a100` comes in a100-40 and a100-80"]);
+    assert_usage_error(&["--config", &config("debug.yaml"), "--gpu", "V100"], &["v100-16 and v100-32"]);
+    assert_usage_error(&["--config", &config("debug.yaml"), "--gpu-memory", "1.5"], &["--gpu-memory: 1.5 is 1.5 bytes"]);
     assert_usage_error(&["--config", &config("debug.yaml"), "--set", "model.n_layer=0"], &["model.n_layer"]);
     assert_usage_error(&with(&["--params", "many"], None), &["--params"]);
 }
@@ -630,7 +634,7 @@ fn generic_llama_flags_give_the_same_plan_as_the_config() {
     assert_eq!(from_flags["params"], from_config["params"]);
     assert_eq!(from_flags["estimate"]["activations_per_layer"], from_config["estimate"]["activations_per_layer"]);
     assert_usage_error(&["--arch", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq-len", "64"], &["--arch llama needs --ffn"]);
-    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq-len", "64"], &["--kv-heads (model.n_kv_head) 2 needs --arch (model.arch) llama"]);
+    assert_usage_error(&["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "256", "--seq-len", "64"], &["model.n_kv_head 2 (the config's, or --kv-heads) needs model.arch llama"]);
 }
 
 /// `--profile` builds and trains the Llama the config describes (RMSNorm, RoPE, grouped-query

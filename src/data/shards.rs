@@ -90,10 +90,22 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
     if let Some(why) = corrupt_magic(head, size) {
         return Err(why);
     }
+    if looks_like_text(head) {
+        return Err("reads as text, not token ids (its first bytes are printable characters, which as uint16 would be ids 8224-32382 only): \
+                    `text:FILE` trains on a text file, `trainguard prepare` tokenizes one, and a prepare directory is given as the directory, not its dataset.json"
+            .into());
+    }
     if !size.is_multiple_of(2) {
         return Err(format!("{size} bytes is not a whole number of uint16 tokens (and no llm.c header)"));
     }
     Ok(Layout { offset: 0, tokens: (size / 2) as usize, dtype: Dtype::Uint16 })
+}
+
+/// Whether a flat file's first bytes are text (printable ASCII and line ends, 64 bytes at least):
+/// as uint16 every id would then lie in 0x2020-0x7e7e, which token data does not do for long
+/// (GPT-2's most common ids are below 8192, and their high bytes below 0x20).
+fn looks_like_text(head: &[u8]) -> bool {
+    head.len() >= 64 && head.iter().all(|&b| b == b'\n' || b == b'\r' || b == b'\t' || (0x20..0x7f).contains(&b))
 }
 
 /// A header whose every field but the magic is llm.c's (its version, the token count the size
@@ -224,6 +236,15 @@ mod tests {
         let h32 = header(Dtype::Uint32, 3);
         assert_eq!(layout(&h32, 1024 + 12).unwrap().dtype, Dtype::Uint32);
         assert_eq!(i32::from_le_bytes(h32[4..8].try_into().unwrap()), 7);
+        // Text given as tokens (a dataset.json, a .txt): refused; token ids that happen to be
+        // printable for a few bytes are tokens.
+        let json = br#"{"format": "trainguard-dataset/1", "tokenizer": "tokenizer.json", "vocab_size": 424}"#.repeat(4);
+        assert!(layout(&json, json.len() as u64).unwrap_err().starts_with("reads as text, not token ids"));
+        let text = b"Once upon a time there was a cat.\nIt sat on the mat, and then it ran.\r\n".repeat(20);
+        assert!(layout(&text[..1024], text.len() as u64).is_err());
+        let ids: Vec<u8> = [8224u16, 30000, 464, 3797].iter().cycle().take(512).flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(layout(&ids, 1024).unwrap().tokens, 512, "one id below 8192 and it is tokens");
+        assert_eq!(layout(b"  ab  ", 6).unwrap().tokens, 3, "a few printable bytes are tokens");
         // No magic: nanoGPT's flat uint16 file.
         assert_eq!(layout(&[1, 0, 2, 0], 4).unwrap(), Layout { offset: 0, tokens: 2, dtype: Dtype::Uint16 });
         assert!(layout(&[1, 0, 2], 3).is_err());

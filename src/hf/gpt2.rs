@@ -3,7 +3,7 @@
 //! the transpose of a `Linear`'s `[out, in]`. The head is tied to `transformer.wte.weight`, so
 //! `lm_head.weight` is not written (transformers ties it on load). Also GPT-2's `config.json`
 //! both ways, and the zero biases a `bias: false` model exports (GPT-2 always has them).
-use super::{bad, whole, Family, HfError};
+use super::{bad, switch, whole, Family, HfError};
 use crate::config::{Arch, ModelConfig};
 use crate::model::LAYER_NORM_EPS;
 use serde_json::{json, Value};
@@ -82,17 +82,20 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     }
     // Keys that change the maths where trainguard computes one way: refused by name (the
     // activation alone is let through with a warning: GPT-2's own checkpoints use gelu_new).
-    if c["tie_word_embeddings"].as_bool() == Some(false) {
+    if switch(c, "tie_word_embeddings", cpath)? == Some(false) {
         return Err(bad(cpath, "`tie_word_embeddings` is false; trainguard's GPT-2 ties its head to the token embedding (an untied `lm_head.weight` has no place)"));
     }
-    let eps = c["layer_norm_epsilon"].as_f64().unwrap_or(LAYER_NORM_EPS);
+    let eps = match &c["layer_norm_epsilon"] {
+        Value::Null => LAYER_NORM_EPS,
+        v => v.as_f64().ok_or_else(|| bad(cpath, format!("`layer_norm_epsilon` is {v}, not a number")))?,
+    };
     if eps != LAYER_NORM_EPS {
         return Err(bad(cpath, format!("`layer_norm_epsilon` is {eps}; trainguard's LayerNorm uses {LAYER_NORM_EPS}")));
     }
-    if c["scale_attn_weights"].as_bool() == Some(false) {
+    if switch(c, "scale_attn_weights", cpath)? == Some(false) {
         return Err(bad(cpath, "`scale_attn_weights` is false; trainguard scales attention scores by 1/sqrt(head size)"));
     }
-    if c["scale_attn_by_inverse_layer_idx"].as_bool() == Some(true) {
+    if switch(c, "scale_attn_by_inverse_layer_idx", cpath)? == Some(true) {
         return Err(bad(cpath, "`scale_attn_by_inverse_layer_idx` is true; trainguard scales every layer's attention alike"));
     }
     // transformers' names for GELU: exact ones, and tanh approximations (GPT-2's own `gelu_new`,
@@ -156,6 +159,10 @@ mod tests {
         assert!(with("layer_norm_epsilon", json!(0.01)).contains("`layer_norm_epsilon` is 0.01"));
         assert!(with("scale_attn_weights", json!(false)).contains("`scale_attn_weights`"));
         assert!(with("scale_attn_by_inverse_layer_idx", json!(true)).contains("`scale_attn_by_inverse_layer_idx`"));
+        for (k, v) in [("tie_word_embeddings", json!("no")), ("tie_word_embeddings", json!(0)), ("scale_attn_weights", json!(1))] {
+            assert!(with(k, v.clone()).contains(&format!("`{k}` is {v}, not true or false")), "{k}: {v}");
+        }
+        assert!(with("layer_norm_epsilon", json!("1e-5")).contains("`layer_norm_epsilon` is \"1e-5\", not a number"));
         let mut v = config_json(&cfg, None);
         v["activation_function"] = json!("gelu_new");
         assert!(model_config(&v, p).is_ok(), "GPT-2's own checkpoints use gelu_new: a warning, not a refusal");
@@ -165,7 +172,7 @@ mod tests {
             assert!(with("activation_function", other.clone()).contains("`activation_function` is"), "{other}");
         }
         // A size that is no whole number is named as given; one left out is said to be missing.
-        for (given, said) in [(json!(-1), "`n_layer` is -1, not a whole number"), (json!(2.5), "`n_layer` is 2.5, not a whole number"), (json!("12"), "`n_layer` is \"12\", not a whole number")] {
+        for (given, said) in [(json!(-1), "`n_layer` is -1: a size or count, so not below 0"), (json!(2.5), "`n_layer` is 2.5, not a whole number"), (json!("12"), "`n_layer` is \"12\", not a whole number")] {
             assert!(with("n_layer", given).ends_with(said), "{said}");
         }
         let mut v = config_json(&cfg, None);

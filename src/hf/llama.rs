@@ -5,7 +5,7 @@
 //! import (trainguard recomputes RoPE). Also Llama's `config.json` both ways: import refuses
 //! what trainguard's Llama does not compute (RoPE scaling, another activation, a head size
 //! other than hidden_size / heads, biases in attention but not the MLP or the reverse).
-use super::{bad, whole, Family, HfError};
+use super::{bad, switch, whole, Family, HfError};
 use crate::config::{Arch, ModelConfig};
 use serde_json::{json, Value};
 use std::path::Path;
@@ -87,7 +87,7 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     if !c["hidden_act"].is_null() && c["hidden_act"] != "silu" {
         return Err(bad(cpath, format!("`hidden_act` is {}; trainguard's SwiGLU uses silu", c["hidden_act"])));
     }
-    let (attn_bias, mlp_bias) = (c["attention_bias"].as_bool().unwrap_or(false), c["mlp_bias"].as_bool().unwrap_or(false));
+    let (attn_bias, mlp_bias) = (switch(c, "attention_bias", cpath)?.unwrap_or(false), switch(c, "mlp_bias", cpath)?.unwrap_or(false));
     if attn_bias != mlp_bias {
         return Err(bad(cpath, format!("`attention_bias` {attn_bias} and `mlp_bias` {mlp_bias} differ; trainguard's `model.bias` sets both")));
     }
@@ -95,7 +95,12 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     if !c["head_dim"].is_null() && c["head_dim"].as_u64() != Some((n_embd / n_head.max(1)) as u64) {
         return Err(bad(cpath, format!("`head_dim` {} is not hidden_size / num_attention_heads = {}; trainguard derives it", c["head_dim"], n_embd / n_head.max(1))));
     }
-    let theta = optional(&c["rope_theta"], "rope_theta")?.or(optional(&rope["rope_theta"], "rope_parameters.rope_theta")?).unwrap_or(10_000.0);
+    // transformers 4 reads `rope_theta`, 5 `rope_parameters`: two bases would be two models.
+    let (top, nested) = (optional(&c["rope_theta"], "rope_theta")?, optional(&rope["rope_theta"], "rope_parameters.rope_theta")?);
+    if let Some((a, b)) = top.zip(nested).filter(|(a, b)| a != b) {
+        return Err(bad(cpath, format!("`rope_theta` {a} and `rope_parameters.rope_theta` {b} differ (transformers 4 reads the first, 5 the second): keep the one the model was trained with")));
+    }
+    let theta = top.or(nested).unwrap_or(10_000.0);
     let kv_heads = optional(&c["num_key_value_heads"], "num_key_value_heads")?;
     if kv_heads.is_some_and(|k| k.fract() != 0.0 || k < 0.0) {
         return Err(bad(cpath, format!("`num_key_value_heads` is {}, not a count", c["num_key_value_heads"])));
@@ -115,7 +120,7 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         rope_theta: theta,
         // transformers' LlamaConfig defaults, for configs that leave them out.
         norm_eps: optional(&c["rms_norm_eps"], "rms_norm_eps")?.unwrap_or(1e-6),
-        tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+        tie_embeddings: switch(c, "tie_word_embeddings", cpath)?.unwrap_or(false),
         ..ModelConfig::default() // fields a later model change adds keep their defaults
     };
     Ok(cfg)
@@ -154,6 +159,18 @@ mod tests {
         assert!(with("hidden_act", json!("gelu")).contains("`hidden_act`"));
         assert!(with("mlp_bias", json!(true)).contains("`attention_bias` false and `mlp_bias` true differ"));
         assert!(with("head_dim", json!(16)).contains("`head_dim` 16"));
+        // A switch of another type is refused, not read as false (transformers refuses it too).
+        for (k, v) in [("tie_word_embeddings", json!(1)), ("tie_word_embeddings", json!("no")), ("attention_bias", json!(0)), ("mlp_bias", json!("false"))] {
+            assert!(with(k, v.clone()).contains(&format!("`{k}` is {v}, not true or false")), "{k}: {v}");
+        }
+        // Two RoPE bases: refused, where the top-level one was taken and transformers 5 takes
+        // the other; equal ones load.
+        let mut v = config_json(&cfg(), None);
+        v["rope_theta"] = json!(10000.0);
+        let e = model_config(&v, p).unwrap_err().to_string();
+        assert!(e.contains("`rope_theta` 10000 and `rope_parameters.rope_theta` 500000 differ"), "{e}");
+        assert_eq!(model_config(&config_json(&cfg(), None), p).unwrap().rope_theta, 5e5);
+        assert!(with("vocab_size", json!(-1)).contains("`vocab_size` is -1: a size or count, so not below 0"));
     }
 
     #[test]

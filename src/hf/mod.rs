@@ -60,7 +60,18 @@ fn bad(path: &Path, message: impl Into<String>) -> HfError {
 fn whole(c: &Value, key: &str, cpath: &Path) -> Result<usize, HfError> {
     match &c[key] {
         Value::Null => Err(bad(cpath, format!("`{key}` is missing (a whole number)"))),
+        v if v.as_i64().is_some_and(|n| n < 0) => Err(bad(cpath, format!("`{key}` is {v}: a size or count, so not below 0"))),
         v => v.as_u64().map(|n| n as usize).ok_or_else(|| bad(cpath, format!("`{key}` is {v}, not a whole number"))),
+    }
+}
+
+/// `config.json`'s `key`, a switch that may be left out (None), but not given as another type:
+/// transformers refuses `"tie_word_embeddings": "no"`, which read as absent would be false.
+fn switch(c: &Value, key: &str, cpath: &Path) -> Result<Option<bool>, HfError> {
+    match &c[key] {
+        Value::Null => Ok(None),
+        Value::Bool(b) => Ok(Some(*b)),
+        v => Err(bad(cpath, format!("`{key}` is {v}, not true or false"))),
     }
 }
 

@@ -66,6 +66,9 @@ pub fn resolve(gpu: Option<&str>, gpu_memory: Option<u64>, detect: impl FnOnce()
             },
         },
         Some(name) => {
+            if let Some(v) = presets::variants(name) {
+                return Err(format!("--gpu: `{name}` comes in {}: name the one you have (or give --gpu-memory)", v.join(" and ")));
+            }
             let p = presets::find(name)
                 .ok_or_else(|| format!("--gpu: unknown GPU `{name}`; known: auto, {} (or give --gpu-memory 24GiB)", presets::known_names()))?;
             Ok(Some(match gpu_memory {

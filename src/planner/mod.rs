@@ -241,7 +241,9 @@ impl Inputs {
             // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
             if b < 1 << 20 {
                 let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { format!("; give a unit, e.g. {v}GiB or {v}GB") } else { String::new() };
-                return Err(usage(format!("--gpu-memory: {v} is {b} bytes, too small for a GPU{advice}")));
+                // `1.5` is 1.5 bytes, not the 1 parse_size rounds it to.
+                let bytes = if v.trim().parse::<f64>().is_ok() { v.trim().to_string() } else { b.to_string() };
+                return Err(usage(format!("--gpu-memory: {v} is {bytes} bytes, too small for a GPU{advice}")));
             }
         }
         let params = a.params.as_deref().map(parse_count).transpose()?;
@@ -400,11 +402,11 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
     match m.arch {
         Arch::Gpt2 if kv != m.heads => {
             return Err(usage(format!(
-                "--kv-heads (model.n_kv_head) {kv} needs --arch (model.arch) llama: gpt2 has no grouped-query attention (its key/value heads are its {} heads)",
+                "model.n_kv_head {kv} (the config's, or --kv-heads) needs model.arch llama (the config's, or --arch): gpt2 has no grouped-query attention (its key/value heads are its {} heads)",
                 m.heads
             )));
         }
-        Arch::Gpt2 if !m.tied => return Err(usage("--untied (model.tie_embeddings: false) needs --arch (model.arch) llama: gpt2 always ties its head to the token embedding")),
+        Arch::Gpt2 if !m.tied => return Err(usage("model.tie_embeddings: false (the config's, or --untied) needs model.arch llama (the config's, or --arch): gpt2 always ties its head to the token embedding")),
         Arch::Llama if !m.head_dim().is_multiple_of(2) => {
             return Err(usage(format!("llama's rotary embedding needs an even head size: --hidden {} / --heads {} = {}", m.hidden, m.heads, m.head_dim())));
         }
@@ -857,8 +859,8 @@ mod tests {
             (PlanArgs { kv_heads: Some(5), ..llama() }, "--kv-heads 5 must divide --heads 32"),
             (PlanArgs { kv_heads: Some(0), ..llama() }, "--kv-heads 0 must divide --heads 32"),
             (PlanArgs { hidden: Some(2080), heads: Some(32), ..llama() }, "even head size"),
-            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "--kv-heads (model.n_kv_head) 8 needs --arch (model.arch) llama"),
-            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "--untied (model.tie_embeddings: false) needs --arch (model.arch) llama"),
+            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "model.n_kv_head 8 (the config's, or --kv-heads) needs model.arch llama"),
+            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "model.tie_embeddings: false (the config's, or --untied) needs model.arch llama"),
         ];
         for (a, want) in cases {
             let err = Inputs::resolve(&a).err().unwrap_or_else(|| panic!("`{want}`: resolved"));

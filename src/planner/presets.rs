@@ -40,13 +40,21 @@ pub const PRESETS: &[Preset] = &[
 
 /// Other spellings people type.
 const ALIASES: &[(&str, &str)] = &[
-    ("a100", "a100-80"),
     ("a100-40gb", "a100-40"),
     ("a100-80gb", "a100-80"),
     ("h100-80", "h100"),
-    ("v100", "v100-32"),
     ("quadro-rtx6000", "rtx6000"),
 ];
+
+/// Family names that leave the memory open: `--apply` for an A100 40 GB planned as the 80 GB
+/// card would write a micro-batch for twice its memory.
+const AMBIGUOUS: &[(&str, &[&str])] = &[("a100", &["a100-40", "a100-80"]), ("v100", &["v100-16", "v100-32"])];
+
+/// The presets a family name such as `a100` could mean, when it is one.
+pub fn variants(name: &str) -> Option<&'static [&'static str]> {
+    let key = name.trim().to_ascii_lowercase();
+    AMBIGUOUS.iter().find(|(family, _)| *family == key).map(|(_, v)| *v)
+}
 
 /// Looks a preset up by name: case-insensitive, `_` and ` ` read as `-`.
 pub fn find(name: &str) -> Option<&'static Preset> {
@@ -69,7 +77,7 @@ mod tests {
         assert_eq!(find("a100-80").unwrap().mib, 81_920);
         assert_eq!(find("A100_80").unwrap().name, "a100-80");
         assert_eq!(find(" H100 ").unwrap().name, "h100");
-        assert_eq!(find("a100").unwrap().name, "a100-80");
+        assert_eq!(find("A100-40GB").unwrap().name, "a100-40");
         assert!(find("a100-81").is_none());
         assert!(find("tpu-v5").is_none());
     }
@@ -92,6 +100,10 @@ mod tests {
         for (alias, to) in ALIASES {
             assert!(find(to).is_some() && PRESETS.iter().all(|p| p.name != *alias), "{alias} → {to}");
         }
+        for (family, variants) in AMBIGUOUS {
+            assert!(find(family).is_none() && variants.iter().all(|v| find(v).is_some()), "{family}");
+        }
+        assert_eq!(super::variants("A100"), Some(&["a100-40", "a100-80"][..]));
         let names = known_names();
         assert!(names.starts_with("t4, ") && names.ends_with("h200"), "{names}");
     }
