@@ -73,6 +73,14 @@ pub fn report(config: &Config) -> String {
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
     let _ = writeln!(r, "effective (CUDA runs; a CPU run does not use them): {shown}");
     let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
+    // What a run with this config would refuse or warn of, said here too: this is the command
+    // that diagnoses the settings.
+    if let Some(why) = crate::memory::allocator::refused_backend(&config.memory.allocator) {
+        let _ = writeln!(r, "refused (a run with this config exits 2): {why}");
+    }
+    for w in config.memory.allocator.warnings(config.memory.limit.is_some()) {
+        let _ = writeln!(r, "warning: {w}");
+    }
     for o in eff.overridden {
         let _ = writeln!(r, "overridden by the config: {o}");
     }

@@ -164,6 +164,14 @@ fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
         assert!(r.error_line().contains(&format!("cannot write {}", to.join("model.safetensors").display())) && r.stderr().contains("File too large"), "{}", r.stderr());
     }
     assert!(!fresh.exists(), "the directory the export created is removed");
+    // A file of the user's under one of the export's names is not replaced.
+    let theirs = d.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::write(theirs.join("generation_config.json"), "mine").unwrap();
+    let r = export(&theirs, false);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("already holds generation_config.json, which the export would replace"), "{}", r.stderr());
+    assert_eq!(std::fs::read_to_string(theirs.join("generation_config.json")).unwrap(), "mine");
     let left: Vec<String> = std::fs::read_dir(&given).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(left, ["README.md"], "the user's file alone, no staging directory");
     for to in [&fresh, &given] {

@@ -37,6 +37,18 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
     assert!(text.contains("PYTORCH_ALLOC_CONF in the environment: max_split_size_mb:64") && !text.contains("PYTORCH_CUDA_ALLOC_CONF in"), "{text}");
     let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env_remove("PYTORCH_ALLOC_CONF").output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF in the environment: (unset)"));
+    // What a run would refuse or warn of is said by env too.
+    let out = Command::new(bin())
+        .args(["env", "--set", "memory.allocator.backend=cudaMallocAsync", "--set", "memory.allocator.expandable_segments=true", "--set", "memory.allocator.max_split_size_mb=64"])
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .env_remove("PYTORCH_ALLOC_CONF")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("refused (a run with this config exits 2): memory.allocator.backend: cudaMallocAsync cannot be chosen"), "{text}");
+    assert!(text.contains("warning: memory.allocator.expandable_segments with max_split_size_mb"), "{text}");
+    let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env_remove("PYTORCH_ALLOC_CONF").output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("refused"), "the defaults are not refused");
 
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=0", "memory.allocator.max_split_size_mb=256"]);

@@ -93,9 +93,13 @@ pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result
     if out.exists() && !out.is_dir() {
         return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
     }
-    // Any model there (another format's weights beside their config.json included) stays whole.
+    // Any model there (another format's weights beside their config.json included) stays whole,
+    // and no file of the user's is replaced by one of the export's names.
     if let Some(held) = ["model.safetensors", "config.json"].iter().find(|f| out.join(f).exists()) {
         return Err(bad(out, format!("already holds {held}: a model; choose another directory")));
+    }
+    if let Some(held) = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"].iter().find(|f| out.join(f).exists()) {
+        return Err(bad(out, format!("already holds {held}, which the export would replace; choose another directory")));
     }
     let created = !out.exists();
     std::fs::create_dir_all(out).map_err(|e| werr(out, &e))?;

@@ -145,18 +145,8 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
             message: "not applied: the CUDA caching allocator has already started, so its per_process_memory_fraction (memory.limit) would not hold".into(),
         });
     }
-    // The backend is chosen once, when libtorch loads, from the environment: a config that asks
-    // for another one cannot have it (libtorch would stop on an internal assert).
-    let at_load = load_time_backend(env_conf().as_deref());
-    if let Some(asked) = alloc.backend.map(|b| b.name()) {
-        if asked != at_load {
-            return Err(AllocatorError {
-                conf: eff.conf,
-                message: format!(
-                    "memory.allocator.backend: {asked} cannot be chosen from the config, libtorch picked its allocator backend ({at_load}) from the environment when it loaded; start trainguard with PYTORCH_CUDA_ALLOC_CONF=backend:{asked} instead"
-                ),
-            });
-        }
+    if let Some(message) = refused_backend(alloc) {
+        return Err(AllocatorError { conf: eff.conf, message });
     }
     // libtorch parses the variable itself when the CUDA allocator starts: keep the two equal.
     std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", &eff.conf);
@@ -167,6 +157,17 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
         ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {e}") })?;
     }
     Ok(eff)
+}
+
+/// Why the config's `memory.allocator.backend` cannot be had, when it cannot: the backend is
+/// chosen once, when libtorch loads, from the environment, and another one asked for later would
+/// stop libtorch on an internal assert.
+pub fn refused_backend(alloc: &AllocatorConfig) -> Option<String> {
+    let at_load = load_time_backend(env_conf().as_deref());
+    let asked = alloc.backend.map(|b| b.name()).filter(|asked| *asked != at_load)?;
+    Some(format!(
+        "memory.allocator.backend: {asked} cannot be chosen from the config, libtorch picked its allocator backend ({at_load}) from the environment when it loaded; start trainguard with PYTORCH_CUDA_ALLOC_CONF=backend:{asked} instead"
+    ))
 }
 
 /// The allocator backend libtorch chose when it loaded, from the environment's settings `env`:
