@@ -82,7 +82,7 @@ fn ids_outside_the_vocabulary_in_a_large_split_are_caught_as_steps_read_them() {
     let source = format!("tokens:{}", data.display());
     // Where step 1's first sample starts, by the library's own sampler over the same corpus.
     let cfg = trainguard::config::DataConfig { source: source.clone(), ..Default::default() };
-    let corpus = trainguard::data::Corpus::load(&cfg, 256, 64).unwrap();
+    let corpus = trainguard::data::Corpus::load(&cfg, 256, 64, true).unwrap();
     assert!(corpus.check_as_read, "over 1 GiB: checked as read");
     let at = trainguard::data::Sampler { seed: 1337, seq_len: 64 }.train_offset(&corpus, 1, 0) + 10;
     drop(corpus);

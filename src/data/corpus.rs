@@ -122,8 +122,9 @@ pub struct Corpus {
 const SCAN_LIMIT_BYTES: u64 = 1 << 30;
 
 impl Corpus {
-    /// Loads `data.source` for a model with `vocab` tokens and windows of `seq_len + 1`.
-    pub fn load(cfg: &DataConfig, vocab: usize, seq_len: usize) -> Result<Self, DataError> {
+    /// Loads `data.source` for a model with `vocab` tokens and windows of `seq_len + 1`; a
+    /// validation split too short for one window is refused only when the run `evaluates`.
+    pub fn load(cfg: &DataConfig, vocab: usize, seq_len: usize, evaluates: bool) -> Result<Self, DataError> {
         let mut corpus = match cfg.source.split_once(':') {
             None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction)?,
             Some(("text", path)) => Self::text(Path::new(path), cfg.val_fraction)?,
@@ -133,7 +134,8 @@ impl Corpus {
         let need = seq_len + 2;
         // `data.val_fraction: 0` without validation shards: no validation split, by choice.
         let val_wanted = cfg.val_fraction > 0.0 || corpus.len(Split::Val) > 0;
-        if corpus.val_start < need || (val_wanted && corpus.len(Split::Val) < need) {
+        // Without evaluation nothing reads it (a prepare's `--val-tokens 10` does not stop training).
+        if corpus.val_start < need || (evaluates && val_wanted && corpus.len(Split::Val) < need) {
             let (n, train) = (corpus.tokens.len(), corpus.val_start);
             let message = match val_wanted {
                 true => format!("too short: {n} tokens give a training split of {train} and a validation split of {}; each needs at least model.seq_len + 2 = {need}", n - train),
@@ -151,7 +153,7 @@ impl Corpus {
         if !large.is_empty() || counts.iter().skip(vocab).any(|&c| c > 0) {
             corpus.check_vocab(corpus.val_start, corpus.len(Split::Val))?;
         }
-        corpus.val_entropy = if val_wanted { entropy(counts.iter().chain(large.values()), corpus.len(Split::Val)) } else { f64::NAN };
+        corpus.val_entropy = if val_wanted && corpus.len(Split::Val) > 0 { entropy(counts.iter().chain(large.values()), corpus.len(Split::Val)) } else { f64::NAN };
         Ok(corpus)
     }
 
@@ -350,15 +352,15 @@ mod tests {
         let toks: Vec<u16> = (0..1000u16).map(|i| i % 300).collect();
         std::fs::write(&p, toks.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
         let cfg = DataConfig { source: format!("tokens:{}", p.display()), val_fraction: 0.1, ..Default::default() };
-        let c = Corpus::load(&cfg, 512, 16).unwrap();
+        let c = Corpus::load(&cfg, 512, 16, true).unwrap();
         assert_eq!((c.len(Split::Train), c.len(Split::Val)), (900, 100));
         let mut w = [0u32; 3];
         c.read(Split::Val, 0, &mut w);
         assert_eq!(w, [0, 1, 2]); // token 900 is 900 % 300 = 0
-        let err = Corpus::load(&cfg, 256, 16).err().unwrap().to_string();
+        let err = Corpus::load(&cfg, 256, 16, true).err().unwrap().to_string();
         assert!(err.contains("outside model.vocab_size = 256") && err.contains(&p.display().to_string()), "names the file: {err}");
         std::fs::write(&p, [1u8, 2, 3]).unwrap();
-        assert!(Corpus::load(&cfg, 512, 16).is_err());
+        assert!(Corpus::load(&cfg, 512, 16, true).is_err());
     }
 
     #[test]
@@ -378,18 +380,18 @@ mod tests {
         write("d_train_000001.bin", Dtype::Uint32, &(40..100).map(|i| 70_000 + i).collect::<Vec<_>>());
         write("d_val_000000.bin", Dtype::Uint32, &(0..30).collect::<Vec<_>>());
         let cfg = DataConfig { source: format!("tokens:{}", dir.path().display()), ..Default::default() };
-        let c = Corpus::load(&cfg, 70_100, 8).unwrap();
+        let c = Corpus::load(&cfg, 70_100, 8, true).unwrap();
         assert_eq!((c.len(Split::Train), c.len(Split::Val)), (100, 30));
         let mut w = [0u32; 4];
         c.read(Split::Train, 38, &mut w); // crosses the shard boundary
         assert_eq!(w, [70_038, 70_039, 70_040, 70_041]);
         c.read(Split::Val, 26, &mut w);
         assert_eq!(w, [26, 27, 28, 29]);
-        let err = Corpus::load(&cfg, 70_050, 8).err().unwrap();
+        let err = Corpus::load(&cfg, 70_050, 8, true).err().unwrap();
         assert!(err.is_usage() && err.to_string().contains("outside model.vocab_size = 70050"), "{err}");
         // A file among headed shards without their header is refused, not read as tokens.
         std::fs::write(dir.path().join("d_train_000002.bin"), [1u8, 0, 2, 0]).unwrap();
-        let err = Corpus::load(&cfg, 70_100, 8).err().unwrap().to_string();
+        let err = Corpus::load(&cfg, 70_100, 8, true).err().unwrap().to_string();
         assert!(err.contains("d_train_000002.bin") && err.contains("has no llm.c header, where") && err.contains("d_train_000000.bin"), "{err}");
     }
 
@@ -408,14 +410,21 @@ mod tests {
             let mut val: Vec<u32> = (0..30).map(|i| i % 5).collect();
             val[17] = bad;
             write("d_val_000000.bin", &val);
-            let err = Corpus::load(&cfg, 256, 8).err().unwrap().to_string();
+            let err = Corpus::load(&cfg, 256, 8, true).err().unwrap().to_string();
             let file = dir.path().join("d_val_000000.bin");
             assert!(err.contains(&format!("{}: token {bad} at index 17 is outside", file.display())), "{err}");
         }
         write("d_val_000000.bin", &(0..30).map(|i| i % 5).collect::<Vec<_>>());
-        let c = Corpus::load(&cfg, 256, 8).unwrap();
+        let c = Corpus::load(&cfg, 256, 8, true).unwrap();
         assert!((c.val_entropy - 5f64.ln()).abs() < 1e-12, "{}", c.val_entropy);
         assert_eq!(c.val_entropy, c.unigram_entropy(Split::Val));
+        // A validation shard too short for a window stops only a run that evaluates; its ids
+        // are still checked.
+        write("d_val_000000.bin", &[1, 2, 3]);
+        assert!(Corpus::load(&cfg, 256, 8, true).err().unwrap().to_string().contains("a validation split of 3"));
+        assert_eq!(Corpus::load(&cfg, 256, 8, false).unwrap().len(Split::Val), 3);
+        write("d_val_000000.bin", &[1, 300, 3]);
+        assert!(Corpus::load(&cfg, 256, 8, false).err().unwrap().to_string().contains("token 300 at index 1"));
     }
 
     #[test]
@@ -424,14 +433,14 @@ mod tests {
         let p = dir.path().join("t.txt");
         std::fs::write(&p, "hello world ".repeat(100)).unwrap();
         let cfg = DataConfig { source: format!("text:{}", p.display()), val_fraction: 0.1, ..Default::default() };
-        let c = Corpus::load(&cfg, 256, 8).unwrap();
+        let c = Corpus::load(&cfg, 256, 8, true).unwrap();
         let mut w = [0u32; 5];
         c.read(Split::Train, 0, &mut w);
         assert_eq!(w, [104, 101, 108, 108, 111]);
-        let err = Corpus::load(&cfg, 256, 200).err().unwrap().to_string();
+        let err = Corpus::load(&cfg, 256, 200, true).err().unwrap().to_string();
         assert!(err.contains("too short") && err.contains("validation split"), "{err}");
         // No validation asked for: the message speaks of training alone.
-        let err = Corpus::load(&DataConfig { val_fraction: 0.0, ..cfg }, 256, 2000).err().unwrap().to_string();
+        let err = Corpus::load(&DataConfig { val_fraction: 0.0, ..cfg }, 256, 2000, true).err().unwrap().to_string();
         assert!(err.contains("a training split of 1200; it needs at least model.seq_len + 2 = 2002"), "{err}");
     }
 
@@ -440,14 +449,14 @@ mod tests {
         for (f, seq) in [(0.1, 64), (0.5, 8), (0.9, 30), (0.013, 100), (0.37, 1)] {
             let cfg = DataConfig { val_fraction: f, ..Default::default() };
             let n = cfg.min_tokens(seq);
-            let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, seq);
+            let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, seq, true);
             assert!(with(n).is_ok(), "{f} {seq}: {n}");
             assert!(with(n - 1).is_err(), "{f} {seq}: {n} is not the least");
         }
         // No validation split: the training split's windows alone.
         let cfg = DataConfig { val_fraction: 0.0, ..Default::default() };
         let n = cfg.min_tokens(64);
-        let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, 64);
+        let with = |n| Corpus::load(&DataConfig { synthetic_tokens: n, ..cfg.clone() }, 256, 64, true);
         let all = with(n).unwrap();
         assert_eq!((all.len(Split::Train), all.len(Split::Val)), (n, 0));
         assert!(all.val_entropy.is_nan(), "no split to measure");
@@ -468,7 +477,7 @@ mod tests {
         std::fs::write(dir.path().join("t_val.bin"), &bytes).unwrap();
         std::fs::write(dir.path().join("t_train.bin"), &bytes).unwrap();
         let cfg = DataConfig { source: format!("tokens:{}", dir.path().display()), ..Default::default() };
-        let c = Corpus::load(&cfg, 4_000_000_001, 8).unwrap();
+        let c = Corpus::load(&cfg, 4_000_000_001, 8, true).unwrap();
         assert!((c.unigram_entropy(Split::Val) - 2f64.ln()).abs() < 1e-12);
         assert!(c.description.contains("1 training + 1 validation files, uint32"), "{}", c.description);
     }

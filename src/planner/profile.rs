@@ -199,7 +199,7 @@ impl Session {
         }
         crate::step::precision::configure_process(config.precision, device);
         let m = &config.model;
-        let corpus = Corpus::load(&config.data, m.vocab_size, m.seq_len)?;
+        let corpus = Corpus::load(&config.data, m.vocab_size, m.seq_len, config.train.eval_interval > 0)?;
         let limit_now = match device {
             Device::Cuda(i) => ffi::memory_info(i)?.1 > cap,
             _ => true,

@@ -93,7 +93,7 @@ mod tests {
             bytes[at] = b'!';
             std::fs::write(dir.path().join(name), bytes).unwrap();
             let data = crate::config::DataConfig { source: format!("text:{}", dir.path().join(name).display()), ..Default::default() };
-            Corpus::load(&data, 256, 64).unwrap()
+            Corpus::load(&data, 256, 64, true).unwrap()
         };
         let (a, b) = (text("a.txt", 1000), text("b.txt", 2000));
         let d = differences_from_rank0(&doc(&rank0, Some(&a)), &doc(&rank0, Some(&b)));

@@ -58,7 +58,7 @@ impl<'a> Run<'a> {
         if let Some(n) = t.threads {
             tch::set_num_threads(n as i32);
         }
-        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len);
+        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len, t.eval_interval > 0);
         if let Some(d) = dist.as_deref() {
             // First of all collectives: a rank whose config differs would meet its peers in
             // other ones, or train something else.
