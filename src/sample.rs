@@ -109,13 +109,16 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         return Err(input(format!("{}: {what} (a checkpoint, run or Hugging Face directory is expected)", target.display())));
     }
     let final_weights = target.join(store::MODEL_FILE);
-    let (config, weights) = if target.join(store::STATE_FILE).is_file() {
+    // `recorded`: what the run trained on, as its checkpoint says (a run's final weights: its
+    // newest checkpoint's word for it).
+    let (config, weights, recorded) = if target.join(store::STATE_FILE).is_file() {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
-        (l.config, l.weights)
+        (l.config, l.weights, l.state.data)
     } else if target.join(store::CONFIG_FILE).is_file() && final_weights.is_file() {
         let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE)).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let config: Config = crate::config::saved(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
-        (config, Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?)
+        let recorded = store::list(&store::root(target)).last().and_then(|(_, dir)| store::load_state(dir).ok()).and_then(|s| s.data);
+        (config, Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?, recorded)
     } else {
         // A run without final weights (or without its config.yaml): its newest checkpoint that
         // loads, which carries its own config. Those passed over are named.
@@ -130,18 +133,33 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
                 if !skipped.is_empty() {
                     tracing::warn!("passed over: {}; using {}", why(), l.path.display());
                 }
-                (l.config, l.weights)
+                (l.config, l.weights, l.state.data)
             }
             None if skipped.is_empty() => return Err(input(format!("{}: no model.safetensors and no checkpoint", target.display()))),
             None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why()))),
         }
     };
-    let (dataset, dataset_unusable) = match dataset_dir(&config.data.source) {
+    let (dataset, dataset_unusable) = match dataset_dir(&config.data.source).and_then(|d| trained_with(d, recorded.as_ref())) {
         Ok(dir) => (dir, None),
         Err(why) => (None, Some(why)),
     };
     let bytes = !config.data.source.starts_with("tokens:");
     Ok(Trained { model: config.model.clone(), kernels: config.kernels, seed: config.seed, weights, dataset, dataset_unusable, bytes })
+}
+
+/// `dataset` when its tokenizer is the one the run recorded (or nothing was recorded): a dataset
+/// re-made in place with another tokenizer would encode the prompt and decode the output as
+/// other text, and an export would pair the model with a tokenizer it never saw.
+fn trained_with(dataset: Option<Dataset>, recorded: Option<&crate::checkpoint::state::DataRecord>) -> Result<Option<Dataset>, String> {
+    let (Some(d), Some(then)) = (&dataset, recorded.and_then(|r| r.tokenizer_crc32c)) else { return Ok(dataset) };
+    let now = d.manifest.as_ref().and_then(|m| shards::tokenizer_checksum(&d.dir, m));
+    match now {
+        Some(now) if now != then => Err(format!(
+            "{} is not the tokenizer the run trained with (CRC-32C {now:08x}, {then:08x} when trained; re-prepared since?)",
+            d.tokenizer_file().display()
+        )),
+        _ => Ok(dataset),
+    }
 }
 
 /// The `prepare` directory a `tokens:` source names, when it has a manifest (None: other data,

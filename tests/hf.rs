@@ -210,6 +210,39 @@ fn a_resume_does_not_need_the_init_from_directory() {
     assert!(fresh.error_line().contains(&format!("init_from: {}: is not a Hugging Face model directory (no config.json)", hf.display())), "{}", fresh.stderr());
 }
 
+/// A dataset re-prepared in place with another tokenizer keeps its path: the run's checkpoints
+/// record its tokenizer, so `sample` and `export` do not pair the model with the new one, and a
+/// resume, whose token ids would mean other text, is refused by name.
+#[test]
+fn a_dataset_retokenized_in_place_is_not_taken_for_the_one_the_run_trained_on() {
+    let d = tempfile::tempdir().unwrap();
+    let data = prepared(d.path());
+    let run_dir = d.path().join("run");
+    let source = format!("data.source=tokens:{}", data.display());
+    let sets = [source.as_str(), "model.vocab_size=400", "model.n_embd=32", "model.seq_len=16", "train.max_steps=3", "train.warmup_steps=1", "train.eval_interval=0"];
+    train(&run_dir, "configs/debug.yaml", &sets).ok();
+    let sample = || tg(&["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "3", "--device", "cpu"]);
+    sample().ok();
+    // The same corpus, prepared again into the same directory with a larger tokenizer.
+    std::fs::remove_dir_all(&data).unwrap();
+    tokenizer::write(&d.path().join("tokenizer.json"), 300);
+    let mut cmd = Command::new(bin());
+    cmd.arg("prepare").arg("--tokenizer").arg(d.path().join("tokenizer.json")).arg("--out").arg(&data).arg(d.path().join("c.txt")).args(["--val-tokens", "2000"]);
+    run(cmd, d.path()).ok();
+    let r = sample();
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("is not the tokenizer the run trained with") && r.stderr().contains("re-prepared since?"), "{}", r.stderr());
+    let hf = d.path().join("hf");
+    let r = tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]).ok();
+    assert!(r.stderr().contains("is not the tokenizer the run trained with") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
+    assert!(!hf.join("tokenizer.json").exists());
+    let mut cmd = command(&run_dir, "configs/debug.yaml", &[&sets[..], &["train.max_steps=5"]].concat());
+    cmd.args(["--resume", "auto"]);
+    let r = run(cmd, &run_dir);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.error_line().contains("its tokenizer.json is not the one step 3 trained with"), "{}", r.stderr());
+}
+
 #[test]
 fn byte_level_runs_sample_bytes() {
     let d = tempfile::tempdir().unwrap();

@@ -40,6 +40,23 @@ pub struct TrainerState {
     /// checkpoints written before it; those are checked by size alone.
     #[serde(default)]
     pub checksums: BTreeMap<String, u32>,
+    /// What the run trained on, to tell a dataset changed under the same path (absent in
+    /// checkpoints written before it: nothing is compared then).
+    #[serde(default)]
+    pub data: Option<DataRecord>,
+}
+
+/// The identity of a run's data: a `prepare` dataset re-made in place with another tokenizer
+/// keeps its path, and its ids then mean other text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataRecord {
+    /// `data.source` as the run gave it.
+    pub source: String,
+    /// CRC-32C of the dataset's tokenizer.json (a `prepare` directory only).
+    pub tokenizer_crc32c: Option<u32>,
+    pub train_tokens: u64,
+    /// The corpus' sample digest of its training tokens (`Corpus::sample_digest`).
+    pub train_digest: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

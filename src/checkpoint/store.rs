@@ -430,6 +430,7 @@ mod tests {
             elapsed_s: 1.0,
             files: Default::default(),
             checksums: Default::default(),
+            data: None,
         }
     }
 

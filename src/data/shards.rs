@@ -153,6 +153,12 @@ pub struct Manifest {
     pub inputs: Vec<String>,
 }
 
+/// CRC-32C of the tokenizer.json a `prepare` directory's manifest names, when it can be read:
+/// what a run records of its tokenizer, and what `sample`/`export` compare with.
+pub fn tokenizer_checksum(dir: &Path, manifest: &Manifest) -> Option<u32> {
+    std::fs::read(dir.join(&manifest.tokenizer)).ok().map(|bytes| crc32c::crc32c(&bytes))
+}
+
 /// Where the shards of a `tokens:<path>` source are, and which hold validation tokens.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sources {

@@ -227,12 +227,40 @@ pub(super) fn ranks_change(saved: Option<usize>, now: usize, saved_global: usize
 }
 
 /// Refuses a checkpoint whose model differs from the config; returns the safe changes.
-pub(super) fn check_compatible(l: &Loaded, cfg: &Config) -> Result<Vec<String>, CheckpointError> {
-    let (model, other) = compare::differences(&l.config, cfg);
+pub(super) fn check_compatible(l: &Loaded, cfg: &Config, data: &DataRecord) -> Result<Vec<String>, CheckpointError> {
+    let (mut model, mut other) = compare::differences(&l.config, cfg);
+    match data_change(l.state.data.as_ref(), data, l.state.step) {
+        Some(DataChange::Tokenizer(why)) => model.push(why),
+        Some(DataChange::Tokens(note)) => other.push(note),
+        None => {}
+    }
     if !model.is_empty() {
         return Err(CheckpointError::Incompatible { path: l.path.clone(), differences: model });
     }
     Ok(other)
+}
+
+enum DataChange {
+    /// Another tokenizer: the checkpoint's ids would mean other text (refused).
+    Tokenizer(String),
+    /// Other tokens under the same source and tokenizer (more shards, say): said, allowed.
+    Tokens(String),
+}
+
+/// How the data a run resumes on differs from what its checkpoint of `step` trained on.
+fn data_change(then: Option<&DataRecord>, now: &DataRecord, step: u64) -> Option<DataChange> {
+    let then = then?;
+    if let Some((a, b)) = then.tokenizer_crc32c.zip(now.tokenizer_crc32c).filter(|(a, b)| a != b) {
+        return Some(DataChange::Tokenizer(format!(
+            "data.source `{}`: its tokenizer.json is not the one step {step} trained with (CRC-32C {b:08x}, {a:08x} then; re-prepared in place?), so its ids would mean other text: give data.source the dataset the run trained on, or start a new run from these weights (export --hf, then init_from)",
+            now.source
+        )));
+    }
+    // A changed data.source is named by the config's comparison already.
+    let moved = then.train_tokens != now.train_tokens || then.train_digest != now.train_digest;
+    (then.source == now.source && moved).then(|| {
+        DataChange::Tokens(format!("data.source `{}`: its training tokens are not those step {step} trained on ({} tokens then, {} now)", now.source, then.train_tokens, now.train_tokens))
+    })
 }
 
 fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
@@ -264,11 +292,14 @@ pub(super) struct Checkpointer {
     /// The step of the newest checkpoint written by this run.
     pub(super) last_saved: Option<u64>,
     last_path: Option<PathBuf>,
+    /// What this run trains on, recorded in each checkpoint.
+    data: DataRecord,
 }
 
 impl Checkpointer {
-    pub(super) fn new(plan: &RunPlan) -> Self {
+    pub(super) fn new(plan: &RunPlan, data: DataRecord) -> Self {
         Self {
+            data,
             root: store::root(&plan.config.out_dir),
             writer: plan.is_writer(),
             plan: plan.checkpoints,
@@ -336,6 +367,7 @@ impl Checkpointer {
             elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
             files: Default::default(),
             checksums: Default::default(),
+            data: Some(self.data.clone()),
         };
         let weights: Vec<(String, tch::Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.shallow_clone())).collect();
         match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
@@ -366,6 +398,22 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_tokenizer_is_refused_and_other_tokens_are_said() {
+        let then = DataRecord { source: "tokens:data".into(), tokenizer_crc32c: Some(7), train_tokens: 100, train_digest: "ab".into() };
+        assert!(data_change(Some(&then), &then, 5).is_none());
+        assert!(data_change(None, &then, 5).is_none(), "a checkpoint from before the record");
+        let retokenized = DataRecord { tokenizer_crc32c: Some(8), ..then.clone() };
+        let Some(DataChange::Tokenizer(why)) = data_change(Some(&then), &retokenized, 5) else { panic!("not refused") };
+        assert!(why.contains("not the one step 5 trained with (CRC-32C 00000008, 00000007 then"), "{why}");
+        let more = DataRecord { train_tokens: 150, train_digest: "cd".into(), ..then.clone() };
+        let Some(DataChange::Tokens(note)) = data_change(Some(&then), &more, 5) else { panic!("not said") };
+        assert!(note.contains("100 tokens then, 150 now"), "{note}");
+        // Another source is the config comparison's to name; without a tokenizer nothing to compare.
+        assert!(data_change(Some(&then), &DataRecord { source: "tokens:other".into(), ..more.clone() }, 5).is_none());
+        assert!(data_change(Some(&then), &DataRecord { tokenizer_crc32c: None, ..then.clone() }, 5).is_none());
+    }
 
     #[test]
     fn a_file_where_the_checkpoints_go_is_refused_unless_the_run_is_moved_aside() {

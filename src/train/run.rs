@@ -8,7 +8,8 @@ use super::run_dir::RunDir;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::store;
-use crate::data::{Corpus, Sampler};
+use crate::checkpoint::state::DataRecord;
+use crate::data::{Corpus, Sampler, Split};
 use crate::dist::{Dist, DistError};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
 use crate::guard::{unrecovered, Guard, GuardError, GuardState};
@@ -68,7 +69,8 @@ impl<'a> Run<'a> {
         let unigram_entropy = corpus.val_entropy;
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
-        let mut ckpt = Checkpointer::new(plan);
+        let data = data_record(cfg, &corpus);
+        let mut ckpt = Checkpointer::new(plan, data.clone());
         // One run per out_dir, held from before anything in it is touched (the resume below
         // removes unfinished checkpoint writes: another run's, were two in one directory).
         // `init_from`'s weights are checked against the config where a refusal leaves that
@@ -85,7 +87,7 @@ impl<'a> Run<'a> {
                 held = h;
                 let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
                 let changed = match &start.loaded {
-                    Some(l) => check_compatible(l, cfg)?,
+                    Some(l) => check_compatible(l, cfg, &data)?,
                     None if !fresh => check_init().map(|()| vec![])?,
                     None => vec![],
                 };
@@ -486,6 +488,17 @@ impl<'a> Run<'a> {
         tracing::info!("{}", memory_summary(plan.device));
         self.reporter.emit(Event::RunFinished(summary.clone()));
         Ok(summary)
+    }
+}
+
+/// What the run trains on, as its checkpoints record it.
+fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
+    let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
+    DataRecord {
+        source: cfg.data.source.clone(),
+        tokenizer_crc32c: prepared.and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
+        train_tokens: corpus.len(Split::Train) as u64,
+        train_digest: corpus.sample_digest(Split::Train),
     }
 }
 
