@@ -596,21 +596,11 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
 /// not tch's debug form of the I/O error.
 #[test]
 fn a_final_weights_write_that_fails_leaves_no_temporary_file() {
-    use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0"]);
     // The weights are ~480 KB (the checkpoint at the end fails first, a warning); every other file the run writes is far below the limit. A write
     // past it fails with EFBIG once SIGXFSZ, which would end the process, is ignored.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let limit = libc::rlimit { rlim_cur: 100_000, rlim_max: 100_000 };
-            match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
-                0 => Ok(()),
-                _ => Err(std::io::Error::last_os_error()),
-            }
-        });
-    }
+    limit_file_size(&mut cmd, 100_000);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 1, "{}", r.stderr());
     let err = r.stderr();

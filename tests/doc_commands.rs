@@ -99,7 +99,7 @@ fn everything_shown() -> Vec<Shown> {
 
 fn plans(config: &str, world: usize) -> Result<RunPlan, String> {
     let cfg = trainguard::config::load(Some(&repo().join(config)), &[]).map_err(|e| e.to_string())?;
-    RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: world, restart_count: 0 }).map_err(|e| e.to_string())
+    RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: world, restart_count: 0, resuming: false }).map_err(|e| e.to_string())
 }
 
 #[test]
@@ -141,6 +141,6 @@ fn the_old_batch_of_480_would_have_been_caught() {
     // The check above is not vacuous: GPT-2's 480 over 8 ranks plans (uneven splits are legal)
     // but not evenly: 60 sequences per rank in micro-batches of 16 leave a short last one.
     let cfg = trainguard::config::load(Some(&repo().join("configs/gpt2-124m.yaml")), &["train.global_batch_size=480".into()]).unwrap();
-    let p = RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 8, restart_count: 0 }).unwrap();
+    let p = RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 8, restart_count: 0, resuming: false }).unwrap();
     assert_ne!(p.micro_batch * p.accumulation * 8, 480);
 }

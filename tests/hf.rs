@@ -130,7 +130,6 @@ fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
 /// gave keeps what it held. The retry then exports.
 #[test]
 fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
-    use std::os::unix::process::CommandExt;
     let d = tempfile::tempdir().unwrap();
     let data = prepared(d.path());
     let run_dir = d.path().join("run");
@@ -141,16 +140,7 @@ fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
         cmd.args(["export", run_dir.to_str().unwrap(), "--hf", to.to_str().unwrap()]);
         if limited {
             // The weights are ~240 KB; the limit is below them.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-                    let limit = libc::rlimit { rlim_cur: 100_000, rlim_max: 100_000 };
-                    match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
-                        0 => Ok(()),
-                        _ => Err(std::io::Error::last_os_error()),
-                    }
-                });
-            }
+            limit_file_size(&mut cmd, 100_000);
         }
         run(cmd, d.path())
     };

@@ -477,23 +477,13 @@ fn apply_edits_the_value_in_place_keeps_comments_and_backs_up() {
 /// size, SIGXFSZ ignored) leaves the config as it was and no temporary file beside it.
 #[test]
 fn a_failed_apply_leaves_no_temporary_file() {
-    use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("debug.yaml");
     std::fs::copy(config("debug.yaml"), &cfg).unwrap();
     let original = std::fs::read_to_string(&cfg).unwrap();
     let mut cmd = Command::new(bin());
     cmd.args(["plan", "--config", cfg.to_str().unwrap(), "--gpu", "t4", "--apply"]).current_dir(dir.path());
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
-            let limit = libc::rlimit { rlim_cur: 512, rlim_max: 512 };
-            match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
-                0 => Ok(()),
-                _ => Err(std::io::Error::last_os_error()),
-            }
-        });
-    }
+    limit_file_size(&mut cmd, 512);
     let r = Run { output: cmd.output().unwrap(), dir: dir.path().to_path_buf() };
     assert_eq!(r.code(), 1, "{}", r.stderr());
     assert!(r.stderr().contains("File too large"), "{}", r.stderr());

@@ -136,3 +136,21 @@ pub fn assert_bitwise_equal(a: &Path, b: &Path) {
         assert!(xa.equal(xb), "{na} differs between {} and {}", a.display(), b.display());
     }
 }
+
+/// Makes a write of more than `bytes` into one file fail with EFBIG in `cmd`'s process (a file
+/// size limit, SIGXFSZ, which would end the process, ignored): a real failed write, as a full
+/// disk gives one, for the paths that must clean up after it.
+pub fn limit_file_size(cmd: &mut Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+            match libc::setrlimit(libc::RLIMIT_FSIZE, &limit) {
+                0 => Ok(()),
+                _ => Err(std::io::Error::last_os_error()),
+            }
+        });
+    }
+}
