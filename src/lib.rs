@@ -22,6 +22,7 @@ pub mod memory;
 pub mod model;
 pub mod optim;
 pub mod output;
+pub mod path_names;
 pub mod run_plan;
 pub mod step;
 pub mod planner;

@@ -372,7 +372,7 @@ pub fn table(s: &TraceSummary) -> String {
 }
 
 /// Several summaries side by side as Markdown: ms per step by kind of work for each (headed by
-/// its file's name), and each one's difference from the first: where one run's time goes that
+/// its file's name, with as much of its path as tells the files apart), and each one's difference from the first: where one run's time goes that
 /// another's does not.
 pub fn compare(summaries: &[TraceSummary]) -> String {
     let per = |s: &TraceSummary, w: Option<Work>| {
@@ -382,14 +382,16 @@ pub fn compare(summaries: &[TraceSummary]) -> String {
         };
         ms / s.steps as f64
     };
-    let name = |s: &TraceSummary| Path::new(&s.path).file_stem().map_or(s.path.clone(), |f| f.to_string_lossy().into_owned());
     let Some(first) = summaries.first() else { return String::new() };
+    // Each file by the shortest end of its path that no other file's has (`steps_2-3` alone
+    // would head two runs' columns alike), without its extension.
+    let names = crate::path_names::shortest_distinct(&summaries.iter().map(|s| Path::new(&s.path).with_extension("")).collect::<Vec<_>>());
     let mut out = format!("ms per step ({})\n\n| work |", first.counted);
-    for s in summaries {
-        out += &format!(" {} |", name(s));
+    for name in &names {
+        out += &format!(" {name} |");
     }
-    for s in &summaries[1..] {
-        out += &format!(" {} − {} |", name(s), name(first));
+    for name in &names[1..] {
+        out += &format!(" {name} − {} |", names[0]);
     }
     out += &format!("\n|---|{}\n", "---|".repeat(2 * summaries.len() - 1));
     // Kinds in the first's order of weight, then the rest; kinds no run spent time on left out.
@@ -666,6 +668,15 @@ mod tests {
         assert!(t.contains("| loss | 0.00 | 1.00 | +1.00 |"), "a kind only the second has: {t}");
         assert!(t.trim_end().ends_with("| all | 9.00 | 6.00 | -3.00 |"), "{t}");
         assert!(!t.contains("| copy |"), "kinds nobody spent time on are left out: {t}");
+    }
+
+    /// Two runs' traces of the same steps share their file's name: the columns are headed by
+    /// as much of each path as tells them apart.
+    #[test]
+    fn traces_of_the_same_name_are_told_apart_by_their_paths() {
+        let of = |path: &str| summarise(&[ev(true, 7, 0, 1_000_000, "nvjet_tst_128x256")], Path::new(path), TOP);
+        let t = compare(&[of("A/trace/steps_1-2.json"), of("B/trace/steps_1-2.json")]);
+        assert!(t.contains("| work | A/trace/steps_1-2 | B/trace/steps_1-2 | B/trace/steps_1-2 − A/trace/steps_1-2 |"), "{t}");
     }
 
     /// What Kineto writes (the shape of `torch.profiler`'s export and of ours): only complete

@@ -276,6 +276,40 @@ fn out_never_replaces_a_file_that_is_not_a_page() {
     report_ok(&[dir.path()]); // the default report.html, written again over itself
 }
 
+/// A run directory of a few metrics lines, written by hand (no training).
+fn tiny_run(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let lines: String = (0..4).map(|s| format!("{{\"step\":{s},\"loss\":{},\"elapsed_s\":{s}.5}}\n", 5.0 - s as f64)).collect();
+    std::fs::write(dir.join("metrics.jsonl"), lines).unwrap();
+}
+
+/// Two runs whose directories share their name (`A/run`, `B/run`) are told apart in the
+/// title, their headers and the legend, by as much of their paths as it takes.
+#[test]
+fn runs_of_the_same_name_are_told_apart_by_their_paths() {
+    let root = tempfile::tempdir().unwrap();
+    let (a, b) = (root.path().join("A/run"), root.path().join("B/run"));
+    tiny_run(&a);
+    tiny_run(&b);
+    let out = root.path().join("both.html");
+    let o = Command::new(bin()).arg("report").arg(&a).arg(&b).arg("--out").arg(&out).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(&out).unwrap();
+    assert!(html.contains("<h1>trainguard report: A/run vs B/run</h1>"), "the title");
+    for n in ["A/run", "B/run"] {
+        assert!(html.contains(&format!("{n}</h2>")), "run header {n}");
+        assert!(html.contains(&format!("{n} · train")), "legend names run {n}");
+    }
+    let d = data(&html);
+    assert_eq!((d["runs"][0]["name"].as_str(), d["runs"][1]["name"].as_str()), (Some("A/run"), Some("B/run")));
+    // Runs of different names keep their names alone.
+    let other = root.path().join("B/other");
+    tiny_run(&other);
+    let o = Command::new(bin()).arg("report").arg(&a).arg(&other).arg("--out").arg(&out).output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read_to_string(&out).unwrap().contains("<h1>trainguard report: run vs other</h1>"));
+}
+
 #[test]
 fn two_runs_are_overlaid_with_a_legend() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

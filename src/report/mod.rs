@@ -46,7 +46,11 @@ fn is_page(path: &Path) -> bool {
 
 /// Reads every run, writes the page, and prints what was skipped on stderr. Returns the path.
 pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError> {
-    let runs = dirs.iter().map(|d| read::read_run(d)).collect::<Result<Vec<_>, _>>()?;
+    let mut runs = dirs.iter().map(|d| read::read_run(d)).collect::<Result<Vec<_>, _>>()?;
+    // Named among each other: two runs' directories may both be called `run`.
+    for (r, name) in runs.iter_mut().zip(read::run_names(&dirs.iter().map(PathBuf::as_path).collect::<Vec<_>>())) {
+        r.name = name;
+    }
     for r in &runs {
         const SHOWN: usize = 10;
         for s in r.skipped.iter().take(SHOWN) {

@@ -19,6 +19,7 @@ pub struct Skipped {
 #[derive(Debug, Clone, Default)]
 pub struct RunData {
     pub dir: PathBuf,
+    /// What the page calls the run ([`run_names`]).
     pub name: String,
     /// metrics.jsonl lines by step; a later line for the same step replaces an earlier one
     /// (a resumed run recomputes the steps after its checkpoint).
@@ -81,7 +82,7 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     if !has("metrics.jsonl") && !has("events.jsonl") && !has("config.yaml") {
         return Err(ReportError::NotARun { dir: dir.into(), why: "it has no metrics.jsonl, events.jsonl or config.yaml (trainguard writes them to out_dir)".into() });
     }
-    let name = dir.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| dir.display().to_string());
+    let name = run_names(&[dir]).remove(0);
     let mut run = RunData { dir: dir.into(), name, ..Default::default() };
 
     for (line, v) in jsonl(dir, "metrics.jsonl", &mut run.skipped)? {
@@ -111,6 +112,13 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     run.skipped.sort_by_key(|s| (order(&s.file), s.line));
     run.memory_table = std::fs::read(dir.join("train.log")).ok().and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
     Ok(run)
+}
+
+/// What the page calls each of the runs in `dirs`: the directory's own name (that of `.` too),
+/// with as many of its parents as tell it apart from the others' (`A/run`, `B/run`).
+pub fn run_names(dirs: &[&Path]) -> Vec<String> {
+    let canonical: Vec<PathBuf> = dirs.iter().map(|d| d.canonicalize().unwrap_or_else(|_| d.to_path_buf())).collect();
+    crate::path_names::shortest_distinct(&canonical)
 }
 
 /// The parsed lines of a JSONL file with their 1-based numbers; a missing file is empty.
