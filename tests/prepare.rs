@@ -74,9 +74,10 @@ fn listed(m: &serde_json::Value) -> Vec<PathBuf> {
     ["val", "train"].iter().flat_map(|k| m[k].as_array().unwrap().iter().map(|s| PathBuf::from(s["file"].as_str().unwrap()))).collect()
 }
 
-/// Python `tokenizers`' ids for each document followed by EOS: the reference.
+/// Python `tokenizers`' ids for each document followed by EOS: the reference. Special tokens'
+/// spellings in a document are ordinary text (`encode_special_tokens`), as `prepare` has them.
 fn python_tokens(tokenizer: &Path, docs: &[String], eos: u32) -> Vec<u32> {
-    let script = "import json,sys\nfrom tokenizers import Tokenizer\nt=Tokenizer.from_file(sys.argv[1])\ndocs=json.load(sys.stdin)\nprint(json.dumps([e.ids for e in t.encode_batch(docs, add_special_tokens=False)]))";
+    let script = "import json,sys\nfrom tokenizers import Tokenizer\nt=Tokenizer.from_file(sys.argv[1])\nt.encode_special_tokens=True\ndocs=json.load(sys.stdin)\nprint(json.dumps([e.ids for e in t.encode_batch(docs, add_special_tokens=False)]))";
     let mut child = Command::new(repo().join(".venv/bin/python"))
         .args(["-c", script])
         .arg(tokenizer)
@@ -121,6 +122,25 @@ fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
     let again = prepare(inp.dir.path(), &out, &[]);
     assert_eq!(again.code(), 2);
     assert!(again.stderr().contains("already holds a dataset"), "{}", again.stderr());
+}
+
+/// The EOS token's spelling inside a document is text, not the EOS id: a document quoting
+/// `<|endoftext|>` is not split in two, and the EOS after each document is the real id.
+#[test]
+fn the_eos_tokens_spelling_inside_a_document_is_ordinary_text() {
+    let d = tempfile::tempdir().unwrap();
+    tokenizer::write(&d.path().join("tokenizer.json"), 0);
+    let docs = ["Ada had a <|endoftext|> dog.".to_string(), "the<|endoftext|>cat\nsat <|endoftext|>".to_string(), "<|endoftext|>".to_string()];
+    std::fs::create_dir(d.path().join("text")).unwrap();
+    std::fs::write(d.path().join("text/a.txt"), docs[..2].join("\n\n") + "\n").unwrap();
+    std::fs::write(d.path().join("text/b.jsonl"), serde_json::json!({"text": docs[2]}).to_string() + "\n").unwrap();
+    let out = d.path().join("data");
+    prepare(d.path(), &out, &[]).ok();
+    let got = shard_tokens(&out, &listed(&manifest(&out)));
+    let eos_at: Vec<usize> = got.iter().enumerate().filter(|(_, &t)| t == 264).map(|(i, _)| i).collect();
+    assert_eq!(eos_at.len(), docs.len(), "one EOS per document, none inside one: {got:?}");
+    assert_eq!(eos_at.last(), Some(&(got.len() - 1)));
+    assert_eq!(got, python_tokens(&out.join("tokenizer.json"), &docs, 264));
 }
 
 /// A file of single-newline lines is one document: one of 2.5 MB is tokenized in pieces (a

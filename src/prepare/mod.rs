@@ -114,7 +114,8 @@ pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareEr
     if args.val_tokens >= i32::MAX as usize {
         return Err(PrepareError::Input(format!("--val-tokens must be below {}", i32::MAX)));
     }
-    let vocab = load_tokenizer(&args.tokenizer, args.eos.as_deref())?;
+    let mut vocab = load_tokenizer(&args.tokenizer, args.eos.as_deref())?;
+    ordinary_text(&mut vocab.tokenizer);
     let files = inputs::expand(&args.inputs)?;
     check_out_dir(&args.out)?;
     let created = !args.out.exists();
@@ -239,6 +240,16 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
         input_bytes,
         inputs: files.iter().map(|(p, _)| p.display().to_string()).collect(),
     })
+}
+
+/// Makes `tok` encode the spelling of a special token (`<|endoftext|>` in a document) as the
+/// text it is, not as that token: otherwise a document quoting it is split by an EOS the
+/// trainer takes for a document's end (nanoGPT and llm.c use tiktoken's `encode_ordinary` for
+/// this). Added tokens that are not special (vocabulary additions, GPT-NeoX's runs of spaces)
+/// are still matched, as Python's `encode_special_tokens = True` has it; the EOS `prepare`
+/// appends is the id itself, not text.
+fn ordinary_text(tok: &mut Tokenizer) {
+    tok.set_encode_special_tokens(true);
 }
 
 /// Tokens of `docs`, each followed by EOS.
