@@ -316,8 +316,7 @@ mod tests {
         assert!(err.contains("data.source: file `/no/such/file.txt` does not exist"), "{err}");
         assert!(err.contains("init_from: `/no/such/hf` is not a Hugging Face model directory"), "{err}");
         // A resume reads init_from only when it finds no checkpoint; the run checks it then.
-        let mut c = Config::default();
-        c.init_from = Some("/no/such/hf".into());
+        let c = Config { init_from: Some("/no/such/hf".into()), ..Config::default() };
         assert!(RunPlan::build(c, Environment { resuming: true, ..CPU_ONLY }).is_ok());
     }
 
