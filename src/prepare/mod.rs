@@ -87,7 +87,15 @@ pub struct Vocab {
 }
 
 pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareError> {
-    let tokenizer = Tokenizer::from_file(path).map_err(|e| PrepareError::input(path, None, &format!("not a valid tokenizer.json: {e}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        let why = match e.kind() {
+            std::io::ErrorKind::NotFound => "tokenizer file not found".to_string(),
+            std::io::ErrorKind::InvalidData => "not a tokenizer.json: not UTF-8 text".to_string(),
+            _ => format!("cannot read the tokenizer: {e}"),
+        };
+        PrepareError::input(path, None, &why)
+    })?;
+    let tokenizer = text.parse::<Tokenizer>().map_err(|e| PrepareError::input(path, None, &not_a_tokenizer(&text, &e.to_string())))?;
     let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m as usize + 1);
     // A model could not be configured for it (model.vocab_size's bound): said here, not after
     // the whole corpus is tokenized.
@@ -103,6 +111,32 @@ pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareEr
             .ok_or_else(|| PrepareError::input(path, None, &format!("no end-of-document token among {EOS_CANDIDATES:?}; name one with --eos")))?,
     };
     Ok(Vocab { tokenizer, size, eos_id, eos })
+}
+
+/// Top-level keys `tokenizers` reads; it fails on any other with a message about the JSON
+/// syntax (`expected `,` or `}``) where the file has none.
+const TOKENIZER_KEYS: [&str; 9] = ["version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer", "model", "decoder", "post_processor"];
+
+/// Why `text` does not load as a tokenizer (`error`: the `tokenizers` crate's), said as what
+/// the file is: the crate's own message for a JSON file without `model` or with a key it does
+/// not know is a syntax error at a place where the syntax is fine.
+fn not_a_tokenizer(text: &str, error: &str) -> String {
+    let value: serde_json::Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => return format!("not a tokenizer.json: not JSON ({e})"),
+    };
+    let Some(object) = value.as_object() else {
+        return "is JSON but not a tokenizer.json: not an object".into();
+    };
+    let unknown: Vec<String> = object.keys().filter(|k| !TOKENIZER_KEYS.contains(&k.as_str())).map(|k| format!("`{k}`")).collect();
+    if !object.contains_key("model") {
+        let keys = if unknown.is_empty() { String::new() } else { format!(" (its keys: {})", unknown.join(", ")) };
+        return format!("is JSON but not a tokenizer.json: it has no `model`{keys}; a Hugging Face tokenizer.json holds `model`, `added_tokens`, `pre_tokenizer`, … (tokenizer_config.json and vocab.json are not one)");
+    }
+    if !unknown.is_empty() {
+        return format!("not a tokenizer.json the tokenizers library reads: top-level {} it does not know (it reads only {}); remove them", unknown.join(", "), TOKENIZER_KEYS.join(", "));
+    }
+    format!("not a valid tokenizer.json: {error}")
 }
 
 /// Runs the command; on any error, and when `stop` is requested (a signal), the staging
@@ -403,6 +437,31 @@ mod tests {
         assert!(err.contains("a token id of 4294967295 is beyond the largest vocabulary"), "{err}");
         std::fs::write(&path, json(2)).unwrap();
         assert_eq!(load_tokenizer(&path, None).unwrap().size, 3);
+    }
+
+    #[test]
+    fn a_tokenizer_that_does_not_load_is_said_as_what_the_file_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = |text: Option<&str>| {
+            let path = dir.path().join("t.json");
+            let _ = std::fs::remove_file(&path);
+            if let Some(t) = text {
+                std::fs::write(&path, t).unwrap();
+            }
+            load_tokenizer(&path, None).err().expect("refused").to_string()
+        };
+        let e = err(None);
+        assert!(e.ends_with("t.json: tokenizer file not found"), "{e}");
+        let e = err(Some(r#"{"a":1}"#));
+        assert!(e.contains("is JSON but not a tokenizer.json: it has no `model` (its keys: `a`)"), "{e}");
+        assert!(!e.contains("line 1 column"), "no syntax error where the syntax is fine: {e}");
+        assert!(err(Some("[1, 2]")).contains("is JSON but not a tokenizer.json: not an object"));
+        let e = err(Some(r#"{"model": {"type": "WordLevel", "vocab": {"x": 0}, "unk_token": "x"}, "extra": 1}"#));
+        assert!(e.contains("top-level `extra` it does not know"), "{e}");
+        let e = err(Some(r#"{"model": 3}"#));
+        assert!(e.contains("not a valid tokenizer.json: "), "{e}");
+        let e = err(Some("{model"));
+        assert!(e.contains("not a tokenizer.json: not JSON (key must be a string at line 1 column 2)"), "{e}");
     }
 
     #[test]
