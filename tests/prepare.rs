@@ -143,6 +143,21 @@ fn the_eos_tokens_spelling_inside_a_document_is_ordinary_text() {
     assert_eq!(got, python_tokens(&out.join("tokenizer.json"), &docs, 264));
 }
 
+/// A JSONL string with an unpaired surrogate escape, as Python's `json.dumps` writes one, is
+/// read with U+FFFD in its place and counted in a warning naming the file; the corpus goes on.
+#[test]
+fn a_lone_surrogate_escape_in_jsonl_is_read_as_u_fffd_with_a_warning() {
+    let d = tempfile::tempdir().unwrap();
+    tokenizer::write(&d.path().join("tokenizer.json"), 0);
+    std::fs::create_dir(d.path().join("text")).unwrap();
+    std::fs::write(d.path().join("text/s.jsonl"), "{\"text\":\"the cat\"}\n{\"text\":\"a\\ud800b\"}\n{\"text\":\"\\ud83d\\ude00 \\udc00\"}\n").unwrap();
+    let out = d.path().join("data");
+    let r = prepare(d.path(), &out, &[]).ok();
+    assert!(r.stderr().contains("s.jsonl: 2 line(s) hold an unpaired UTF-16 surrogate escape") && r.stderr().contains(r"`\ud800` at line 2"), "{}", r.stderr());
+    let docs = ["the cat".to_string(), "a\u{fffd}b".to_string(), "\u{1f600} \u{fffd}".to_string()];
+    assert_eq!(shard_tokens(&out, &listed(&manifest(&out))), python_tokens(&out.join("tokenizer.json"), &docs, 264));
+}
+
 /// A file of single-newline lines is one document: one of 2.5 MB is tokenized in pieces (a
 /// whole 40 MB one had needed 5 GB of memory), with the ids of the whole document, and its
 /// peak memory stays far below the tokenizer's ~100 bytes per byte of a whole document.

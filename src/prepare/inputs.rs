@@ -2,7 +2,10 @@
 //! recursively, a glob; sorted, so the output does not depend on the file system's order) and
 //! the documents in each file, read line by line so memory does not grow with the file.
 //! A `.txt` file holds one document per blank-line-separated block; a `.jsonl` file one
-//! document per line, the string under `--text-field`.
+//! document per line, the string under `--text-field`. A JSONL escape of an unpaired UTF-16
+//! surrogate (`"\ud800"`, which Python's `json.dumps` writes for a string it could not
+//! decode) is not Unicode: it is read as U+FFFD, and the lines that held one are counted in a
+//! warning, rather than the whole corpus being refused for one character.
 use super::PrepareError;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -91,13 +94,16 @@ pub struct Documents {
     line: usize,
     buf: Vec<u8>,
     done: bool,
+    /// Lines whose unpaired surrogate escapes were read as U+FFFD, and the first: (line, escape).
+    lone_surrogates: usize,
+    first_lone: Option<(usize, String)>,
 }
 
 impl Documents {
     pub fn open(path: &Path, kind: Kind, field: &str) -> Result<Self, PrepareError> {
         let f = std::fs::File::open(path).map_err(|e| PrepareError::input(path, None, &format!("cannot read: {e}")))?;
         let reader = Box::new(std::io::BufReader::with_capacity(1 << 20, f));
-        Ok(Self { path: path.into(), kind, field: field.into(), reader, line: 0, buf: Vec::new(), done: false })
+        Ok(Self { path: path.into(), kind, field: field.into(), reader, line: 0, buf: Vec::new(), done: false, lone_surrogates: 0, first_lone: None })
     }
 
     /// The next line without its newline, checked to be UTF-8; None at the end.
@@ -128,13 +134,26 @@ impl Documents {
                 let line_no = self.line + 1; // the line next_line reads
                 let Some(line) = self.next_line()? else {
                     self.done = true;
+                    self.warn_lone_surrogates();
                     return Ok(None);
                 };
                 if line.trim().is_empty() {
                     continue;
                 }
                 let bad = |m: &str| PrepareError::input(&path, Some(line_no), m);
-                let v: serde_json::Value = serde_json::from_str(line).map_err(|e| bad(&format!("not JSON: {e}")))?;
+                // Repaired only when the line does not parse: the common line pays nothing.
+                let (v, repaired): (serde_json::Value, _) = match serde_json::from_str(line) {
+                    Ok(v) => (v, None),
+                    Err(e) => match replace_lone_surrogates(line) {
+                        // `\ufffd` is as long as the escape it replaces: a column named is the line's.
+                        Some((fixed, first)) => (serde_json::from_str(&fixed).map_err(|e| bad(&format!("not JSON: {e}")))?, Some(first)),
+                        None => return Err(bad(&format!("not JSON: {e}"))),
+                    },
+                };
+                if let Some(first) = repaired {
+                    self.lone_surrogates += 1;
+                    self.first_lone.get_or_insert((line_no, first));
+                }
                 return match v.get(&field) {
                     // An empty text is no document (a lone EOS), as a blank .txt block is none.
                     Some(serde_json::Value::String(s)) if s.trim().is_empty() => continue,
@@ -170,6 +189,59 @@ impl Documents {
     }
 }
 
+impl Documents {
+    fn warn_lone_surrogates(&self) {
+        if let Some((line, escape)) = &self.first_lone {
+            tracing::warn!(
+                "{}: {} line(s) hold an unpaired UTF-16 surrogate escape, not valid Unicode (the first: `{escape}` at line {line}); each is read as U+FFFD",
+                self.path.display(),
+                self.lone_surrogates
+            );
+        }
+    }
+}
+
+/// `line` with every `\uXXXX` escape of an unpaired UTF-16 surrogate (a leading one not
+/// followed by a trailing one's escape, or a trailing one alone) written as `\ufffd`, and the
+/// first such escape as it was; None when there is none. A pair stays, and an escaped
+/// backslash (`\\ud800` is text) is passed over whole.
+fn replace_lone_surrogates(line: &str) -> Option<(String, String)> {
+    let bytes = line.as_bytes();
+    let escape_at = |i: usize| -> Option<u16> {
+        let hex = bytes.get(i..i + 6).filter(|e| e.starts_with(b"\\u"))?;
+        u16::from_str_radix(std::str::from_utf8(&hex[2..]).ok()?, 16).ok()
+    };
+    let (mut out, mut first, mut copied, mut i) = (String::with_capacity(line.len()), None, 0, 0);
+    while i < bytes.len() {
+        if bytes[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        let Some(unit) = escape_at(i) else {
+            i += 2; // another escape, `\\` included
+            continue;
+        };
+        let lone = match unit {
+            0xD800..=0xDBFF if escape_at(i + 6).is_some_and(|u| (0xDC00..=0xDFFF).contains(&u)) => {
+                i += 12;
+                continue;
+            }
+            0xD800..=0xDFFF => true,
+            _ => false,
+        };
+        if lone {
+            out.push_str(&line[copied..i]);
+            out.push_str("\\ufffd");
+            first.get_or_insert_with(|| line[i..i + 6].to_string());
+            copied = i + 6;
+        }
+        i += 6;
+    }
+    let first = first?;
+    out.push_str(&line[copied..]);
+    Some((out, first))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,6 +270,31 @@ mod tests {
         std::fs::write(&t, b"ok\n\xff\xfe\n").unwrap();
         let e = docs(&t, Kind::Text).unwrap_err().to_string();
         assert!(e.contains("a.txt:2") && e.contains("invalid UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn unpaired_surrogate_escapes_are_read_as_the_replacement_character() {
+        let fix = |l: &str| replace_lone_surrogates(l);
+        assert_eq!(fix(r#"{"text":"a\ud800b"}"#), Some((r#"{"text":"a\ufffdb"}"#.into(), r"\ud800".into())));
+        // A trailing one alone, a leading one before another leading one (the second is paired).
+        assert_eq!(fix(r#""\uDC00 \ud800\ud83d\ude00""#).unwrap().0, r#""\ufffd \ufffd\ud83d\ude00""#);
+        assert_eq!(fix(r#""\ud83d\ude00 \u00e9 \\ud800 \n""#), None, "a pair, a plain escape, an escaped backslash");
+        assert_eq!(fix(r#""\ud800""#).unwrap().0, r#""\ufffd""#, "at the end of the string");
+
+        let dir = tempfile::tempdir().unwrap();
+        let j = dir.path().join("s.jsonl");
+        std::fs::write(&j, "{\"text\": \"ok\"}\n{\"text\": \"a\\ud800b\"}\n{\"text\": \"\\udfff\\u00e9\"}\n").unwrap();
+        let mut d = Documents::open(&j, Kind::Jsonl, "text").unwrap();
+        let mut got = vec![];
+        while let Some(doc) = d.next_doc().unwrap() {
+            got.push(doc);
+        }
+        assert_eq!(got, ["ok", "a\u{fffd}b", "\u{fffd}é"]);
+        assert_eq!((d.lone_surrogates, d.first_lone), (2, Some((2, r"\ud800".to_string()))));
+        // A line that is bad JSON besides is still refused, at its own column.
+        std::fs::write(&j, "{\"text\": \"a\\ud800b\" x}\n").unwrap();
+        let e = docs(&j, Kind::Jsonl).unwrap_err().to_string();
+        assert!(e.contains("s.jsonl:1: not JSON") && e.contains("column 21"), "{e}");
     }
 
     #[test]
