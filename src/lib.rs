@@ -6,6 +6,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;
+pub mod created_dirs;
 pub mod data;
 pub mod deadline;
 pub mod determinism;

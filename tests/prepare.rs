@@ -320,3 +320,111 @@ fn training_on_a_prepared_directory_resumes_bit_for_bit() {
     let small = train(&inp.dir.path().join("c"), "configs/debug.yaml", &[source.as_str(), "model.vocab_size=256"]);
     assert_eq!(small.code(), 2, "{}", small.stderr());
 }
+
+/// `prepare --tokenizer T --out OUT FILES…`, run to its end.
+fn prepare_files(tokenizer: &Path, out: &Path, files: &[&Path]) -> Run {
+    let mut cmd = Command::new(bin());
+    cmd.arg("prepare").arg("--tokenizer").arg(tokenizer).arg("--out").arg(out).args(files);
+    run(cmd, out)
+}
+
+/// A named pipe: a `prepare` reading it waits, holding its output directory, until the test
+/// writes the text (no race on how long a corpus takes to tokenize).
+fn fifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+}
+
+/// Starts a `prepare` of the pipe `input` into `out` and waits until it holds `out` (its
+/// staging directory is made after the lock is taken and the directory checked).
+fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> std::process::Child {
+    let child = Command::new(bin())
+        .arg("prepare")
+        .arg("--tokenizer")
+        .arg(tokenizer)
+        .arg("--out")
+        .arg(out)
+        .arg(input)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let staging = out.join(format!(".prepare-tmp-{}", child.id()));
+    let started = std::time::Instant::now();
+    while !staging.is_dir() {
+        assert!(started.elapsed().as_secs() < 60, "prepare never started writing {}", out.display());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
+/// Two `prepare`s into one `--out`: the second, started while the first writes, is refused
+/// (exit 2, naming the directory and the holder), and the first's dataset is the one kept;
+/// the check at the start alone let the one finishing last rename its dataset over the
+/// other's. A `prepare` killed with SIGKILL holds nothing: the next one goes ahead.
+#[test]
+fn a_second_prepare_into_a_directory_being_written_is_refused() {
+    let inp = inputs(10, 0);
+    let d = inp.dir.path();
+    let tok = d.join("tokenizer.json");
+    let (pipe, out) = (d.join("pipe.txt"), d.join("data"));
+    fifo(&pipe);
+    let first = prepare_waiting_on(&tok, &out, &pipe);
+    let second = prepare(d, &out, &[]);
+    assert_eq!(second.code(), 2, "{}", second.stderr());
+    let e = second.stderr();
+    assert!(e.contains(&format!("{}: another prepare is writing this directory (pid {} on ", out.display(), first.id())), "{e}");
+    std::fs::write(&pipe, "the cat sat\n\non the mat\n").unwrap();
+    let done = first.wait_with_output().unwrap();
+    assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
+    assert_eq!(manifest(&out)["documents"], 2, "the first prepare's dataset, not the second's 10 documents");
+    let mut left: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    left.sort();
+    assert_eq!(left, ["dataset.json", "tokenizer.json", "train_000000.bin"], "no lock file or staging left");
+
+    let out = d.join("data2");
+    let mut killed = prepare_waiting_on(&tok, &out, &pipe);
+    unsafe { libc::kill(killed.id() as i32, libc::SIGKILL) };
+    killed.wait().unwrap();
+    prepare(d, &out, &[]).ok();
+    assert_eq!(manifest(&out)["documents"], 10);
+    assert!(!out.join(format!(".prepare-tmp-{}", killed.id())).exists(), "the killed one's staging is removed");
+}
+
+/// A `tokenizer.json` already in `--out` (the user's own) is not replaced by the copy of
+/// `--tokenizer`: refused (exit 2, naming it) and left as it was, unless it is the same bytes.
+#[test]
+fn a_tokenizer_json_in_out_other_than_the_tokenizer_is_refused_and_kept() {
+    let inp = inputs(10, 0);
+    let d = inp.dir.path();
+    let out = d.join("data");
+    std::fs::create_dir(&out).unwrap();
+    let theirs = "{\"theirs\": true}\n";
+    std::fs::write(out.join("tokenizer.json"), theirs).unwrap();
+    let r = prepare(d, &out, &[]);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains(&format!("{}: already exists and differs from --tokenizer", out.join("tokenizer.json").display())), "{}", r.stderr());
+    assert_eq!(std::fs::read_to_string(out.join("tokenizer.json")).unwrap(), theirs);
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1, "nothing else left");
+    std::fs::copy(d.join("tokenizer.json"), out.join("tokenizer.json")).unwrap();
+    prepare(d, &out, &[]).ok();
+    assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(d.join("tokenizer.json")).unwrap());
+}
+
+/// A failed prepare removes every directory it created on the way to `--out`, and only those.
+#[test]
+fn a_failed_prepare_removes_the_parents_it_created() {
+    let d = tempfile::tempdir().unwrap();
+    let tok = d.path().join("tokenizer.json");
+    tokenizer::write(&tok, 0);
+    let blank = d.path().join("blank.txt");
+    std::fs::write(&blank, "\n  \n\n").unwrap();
+    std::fs::create_dir(d.path().join("kept")).unwrap();
+    for out in ["newp/q/r", "kept/q/r"] {
+        let r = prepare_files(&tok, &d.path().join(out), &[&blank]);
+        assert_eq!(r.code(), 2, "{}", r.stderr());
+        assert!(r.stderr().contains("the inputs give 0 tokens"), "{}", r.stderr());
+    }
+    assert!(!d.path().join("newp").exists(), "newp, newp/q and newp/q/r were this prepare's");
+    assert!(d.path().join("kept").is_dir() && !d.path().join("kept/q").exists(), "only what it created");
+}

@@ -1,10 +1,12 @@
 //! `trainguard prepare`: text (`.txt`, `.jsonl`) → token shards with a Hugging Face
 //! `tokenizer.json`. Owns the command: reading documents in chunks, tokenizing the chunks in
-//! parallel (rayon) and writing them in input order, EOS after every document, the staging
-//! directory (everything is written under `DIR/.prepare-tmp-*` and moved into place only when
-//! the whole corpus is done, `dataset.json` last) and the progress display. The shard layout and
-//! manifest are `data::shards`'.
+//! parallel (rayon) and writing them in input order, EOS after every document, publishing
+//! (everything is written under `DIR/.prepare-tmp-*` and moved into place only when the whole
+//! corpus is done, `dataset.json` last) and the progress display. The output directory itself
+//! (created, locked, checked, its staging directory, undone on failure) is `out_dir`'s; the
+//! shard layout and manifest are `data::shards`'.
 mod inputs;
+mod out_dir;
 mod writer;
 
 use crate::data::shards::{self, Dtype, Manifest};
@@ -21,7 +23,8 @@ pub struct PrepareArgs {
     /// A Hugging Face `tokenizer.json`.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: PathBuf,
-    /// Output directory (created; refused when it already holds a dataset).
+    /// Output directory (created with its parents; refused when it already holds a dataset,
+    /// a `tokenizer.json` other than --tokenizer, or another prepare is writing it).
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// `.txt` files (one document per blank-line-separated block), `.jsonl` files (one per
@@ -54,6 +57,13 @@ pub enum PrepareError {
     Input(String),
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: std::io::Error },
+    /// Another `prepare` holds `--out`'s lock (exit 2): the one finishing last would rename
+    /// its dataset over the other's.
+    #[error("{}: another prepare is writing this directory ({}); two into one directory would replace each other's dataset: wait for it to end, or choose another --out", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"))]
+    Busy { dir: PathBuf, holder: Option<String> },
+    /// `--out`'s lock file cannot be opened or locked (exit 1).
+    #[error(transparent)]
+    Lock(crate::train::LockError),
     /// SIGINT/SIGTERM: what was written is removed (exit 4, as an interrupted run).
     #[error("interrupted: nothing was kept (what was written so far is removed); run it again")]
     Interrupted,
@@ -70,7 +80,7 @@ impl PrepareError {
 
 /// Whether `cause` is a `prepare` error the user's input caused (exit 2).
 pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
-    matches!(cause.downcast_ref::<PrepareError>(), Some(PrepareError::Input(_)))
+    matches!(cause.downcast_ref::<PrepareError>(), Some(PrepareError::Input(_) | PrepareError::Busy { .. }))
 }
 
 const EOS_CANDIDATES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>"];
@@ -151,50 +161,13 @@ pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareEr
     let mut vocab = load_tokenizer(&args.tokenizer, args.eos.as_deref())?;
     ordinary_text(&mut vocab.tokenizer);
     let files = inputs::expand(&args.inputs)?;
-    check_out_dir(&args.out)?;
-    let created = !args.out.exists();
-    std::fs::create_dir_all(&args.out).map_err(|source| PrepareError::Write { path: args.out.clone(), source })?;
-    remove_abandoned_staging(&args.out);
-    let staging = args.out.join(format!("{STAGING_PREFIX}{}", std::process::id()));
-    std::fs::create_dir(&staging).map_err(|source| PrepareError::Write { path: staging.clone(), source })?;
-    let result = prepare_into(args, &vocab, &files, &staging, stop).and_then(|m| publish(&staging, &args.out, &m).map(|_| m));
-    let _ = std::fs::remove_dir_all(&staging);
-    if result.is_err() && created {
-        let _ = std::fs::remove_dir(&args.out); // only if still empty
-    }
-    result
-}
-
-const STAGING_PREFIX: &str = ".prepare-tmp-";
-
-/// Removes the staging directories of earlier `prepare`s into `out` that are no longer
-/// running (killed, or a second signal): their pid has no process here, or is this process's
-/// own (not made yet: one left by an earlier process given the same pid, as in containers).
-/// One still running keeps its.
-fn remove_abandoned_staging(out: &Path) {
-    let Ok(entries) = std::fs::read_dir(out) else { return };
-    for e in entries.filter_map(Result::ok) {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(STAGING_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
-        if pid == std::process::id() || !Path::new(&format!("/proc/{pid}")).exists() {
-            tracing::info!("removing {}, left by a prepare that did not finish", e.path().display());
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
-fn check_out_dir(out: &Path) -> Result<(), PrepareError> {
-    if out.join(shards::MANIFEST_FILE).exists() {
-        return Err(PrepareError::input(out, None, "already holds a dataset (dataset.json); choose another --out or remove it"));
-    }
-    if let Ok(entries) = std::fs::read_dir(out) {
-        if let Some(bin) = entries.filter_map(|e| e.ok()).find(|e| e.path().extension().is_some_and(|x| x == "bin")) {
-            return Err(PrepareError::input(out, None, &format!("already holds token shards ({}); choose another --out", bin.file_name().to_string_lossy())));
-        }
-    } else if out.exists() {
-        return Err(PrepareError::input(out, None, "exists and is not a directory"));
-    }
-    Ok(())
+    // Locked from the check that it may be written until the dataset is in place; on an error
+    // its drop removes the staging, and the directories this prepare created.
+    let out = out_dir::OutDir::hold(&args.out, &args.tokenizer)?;
+    let m = prepare_into(args, &vocab, &files, out.staging(), stop)?;
+    publish(out.staging(), &args.out, &m)?;
+    out.published();
+    Ok(m)
 }
 
 fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Kind)], staging: &Path, stop: &Interrupter) -> Result<Manifest, PrepareError> {
@@ -202,7 +175,7 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
         let path = path.to_path_buf();
         move |source| PrepareError::Write { path: path.clone(), source }
     };
-    std::fs::copy(&args.tokenizer, staging.join("tokenizer.json")).map_err(write_err(&args.tokenizer))?;
+    std::fs::copy(&args.tokenizer, staging.join(out_dir::TOKENIZER_FILE)).map_err(write_err(&args.tokenizer))?;
     let dtype = Dtype::for_vocab(vocab.size);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| PrepareError::Input(format!("cannot start {threads} threads: {e}")))?;
@@ -259,7 +232,7 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
     let (magic, version) = dtype.magic_version();
     Ok(Manifest {
         format: shards::MANIFEST_FORMAT.into(),
-        tokenizer: "tokenizer.json".into(),
+        tokenizer: out_dir::TOKENIZER_FILE.into(),
         vocab_size: vocab.size,
         eos_id: vocab.eos_id,
         eos_token: vocab.eos.clone(),
@@ -370,7 +343,7 @@ fn publish(staging: &Path, out: &Path, m: &Manifest) -> Result<(), PrepareError>
         let path = path.to_path_buf();
         move |source| PrepareError::Write { path: path.clone(), source }
     };
-    for f in m.val.iter().chain(&m.train).map(|s| s.file.as_str()).chain(["tokenizer.json"]) {
+    for f in m.val.iter().chain(&m.train).map(|s| s.file.as_str()).chain([out_dir::TOKENIZER_FILE]) {
         std::fs::rename(staging.join(f), out.join(f)).map_err(err(&out.join(f)))?;
     }
     let text = serde_json::to_string_pretty(m).expect("a Manifest always serialises");

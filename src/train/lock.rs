@@ -1,6 +1,7 @@
 //! One run per `out_dir`: rank 0 holds an advisory lock on `out_dir/.lock` for the life of the
 //! run. Two runs in one directory (a double launch, a requeue while the old job still runs)
-//! deleted each other's checkpoints in progress and interleaved their metrics lines. The lock
+//! deleted each other's checkpoints in progress and interleaved their metrics lines. `prepare`
+//! takes the same lock on its `--out` (its own message for a busy one). The lock
 //! goes with the process, however it ends (`flock`), so a killed run never leaves it behind.
 //! Where the filesystem cannot lock (Lustre mounted `noflock`, NFS without its lock daemon) the
 //! run goes on with a warning: the lock is a guard, and training must not depend on it.

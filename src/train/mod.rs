@@ -11,5 +11,5 @@ mod watch;
 
 pub use resume::Resume;
 pub use run::Run;
-pub use lock::{LockError, RunDirLock};
+pub use lock::{LockError, RunDirLock, LOCK_FILE};
 pub use trainer::{train, TrainError};

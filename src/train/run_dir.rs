@@ -9,6 +9,7 @@
 use super::lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::fresh;
+use crate::created_dirs::{self, remove_created};
 use crate::{deadline, stop_record};
 use std::path::{Path, PathBuf};
 
@@ -140,39 +141,14 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     Ok(Some(kept))
 }
 
-/// Creates `dir` and whichever of its parents are missing, one at a time (so that a path with
-/// `..` in it is undone as it was made): the directories this call created, outermost first.
-/// A part of the path that is a file or a dangling link is the user's out_dir mistake (exit 2).
+/// Creates `dir` and whichever of its parents are missing ([`created_dirs`]): the directories
+/// created, outermost first. A part of the path that is a file or a dangling link is the user's
+/// out_dir mistake (exit 2).
 fn create_missing(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
-    let mut created = Vec::new();
-    let mut at = PathBuf::new();
-    for part in dir.components() {
-        at.push(part);
-        if at.is_dir() {
-            continue;
-        }
-        let failed = match std::fs::create_dir(&at) {
-            Ok(()) => {
-                created.push(at.clone());
-                continue;
-            }
-            Err(_) if at.is_dir() => continue, // another start created it meanwhile
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => TrainError::OutDirNotADirectory { path: at },
-            Err(source) => TrainError::RunDir { path: at, source },
-        };
-        remove_created(&created);
-        return Err(failed);
-    }
-    Ok(created)
-}
-
-/// Removes what [`create_missing`] created, innermost first, up to the first that is not empty.
-fn remove_created(created: &[PathBuf]) {
-    for dir in created.iter().rev() {
-        if std::fs::remove_dir(dir).is_err() {
-            break;
-        }
-    }
+    created_dirs::create_missing(dir).map_err(|e| match e {
+        created_dirs::CreateError::NotADirectory { path } => TrainError::OutDirNotADirectory { path },
+        created_dirs::CreateError::Io { path, source } => TrainError::RunDir { path, source },
+    })
 }
 
 /// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted;
