@@ -265,20 +265,27 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
     .context("cannot install the SIGINT/SIGTERM handler")?;
     let m = trainguard::prepare::run(args, &stop)?;
     let secs = start.elapsed().as_secs_f64();
-    out(&format!(
+    // From here the dataset is in place: nothing may turn it into a failure, whose retry (a
+    // job script's, after exit 1) would be refused for the dataset this run left.
+    let dtype = serde_json::to_value(m.dtype).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    let printed = out(&format!(
         "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s\n",
         args.out.display(),
         m.documents,
         m.train_tokens,
         m.train.len(),
         m.val_tokens,
-        serde_json::to_value(m.dtype)?.as_str().unwrap_or_default(),
+        dtype,
         m.vocab_size,
         m.eos_token,
         m.eos_id,
         m.input_bytes as f64 / 1e6 / secs,
         (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
-    ))
+    ));
+    if let Err(e) = printed {
+        trainguard::logging::to_stderr(&format!("prepare: the dataset was written at {} ({}); only its summary line could not be printed: {e:#}", args.out.display(), args.out.join("dataset.json").display()));
+    }
+    Ok(())
 }
 
 fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {

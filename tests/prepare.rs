@@ -411,6 +411,23 @@ fn a_tokenizer_json_in_out_other_than_the_tokenizer_is_refused_and_kept() {
     assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(d.join("tokenizer.json")).unwrap());
 }
 
+/// A prepare that wrote its dataset exits 0 even when its summary line cannot be printed
+/// (stdout on a full disk): exit 1 would send a job script's retry into "already holds a
+/// dataset". Stderr says where the dataset is.
+#[test]
+fn a_prepare_whose_summary_cannot_be_printed_still_succeeds() {
+    let inp = inputs(10, 0);
+    let d = inp.dir.path();
+    let out = d.join("data");
+    let mut cmd = Command::new(bin());
+    cmd.arg("prepare").arg("--tokenizer").arg(d.join("tokenizer.json")).arg("--out").arg(&out).arg(d.join("text"));
+    cmd.stdout(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap());
+    let r = run(cmd, &out);
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(r.stderr().contains(&format!("the dataset was written at {}", out.display())) && r.stderr().contains("No space left on device"), "{}", r.stderr());
+    assert_eq!(manifest(&out)["documents"], 10);
+}
+
 /// A failed prepare removes every directory it created on the way to `--out`, and only those.
 #[test]
 fn a_failed_prepare_removes_the_parents_it_created() {
