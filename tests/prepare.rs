@@ -335,9 +335,31 @@ fn fifo(path: &Path) {
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
 }
 
+/// A `prepare` waiting on a pipe, killed if the test fails before it is done with it (it would
+/// otherwise wait on the pipe for ever).
+struct Waiting(Option<std::process::Child>);
+
+impl Waiting {
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+    fn finish(mut self) -> std::process::Output {
+        self.0.take().expect("running").wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// Starts a `prepare` of the pipe `input` into `out` and waits until it holds `out` (its
 /// staging directory is made after the lock is taken and the directory checked).
-fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> std::process::Child {
+fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> Waiting {
     let child = Command::new(bin())
         .arg("prepare")
         .arg("--tokenizer")
@@ -350,6 +372,7 @@ fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> std::proces
         .spawn()
         .unwrap();
     let staging = out.join(format!(".prepare-tmp-{}", child.id()));
+    let child = Waiting(Some(child));
     let started = std::time::Instant::now();
     while !staging.is_dir() {
         assert!(started.elapsed().as_secs() < 60, "prepare never started writing {}", out.display());
@@ -375,7 +398,7 @@ fn a_second_prepare_into_a_directory_being_written_is_refused() {
     let e = second.stderr();
     assert!(e.contains(&format!("{}: another prepare is writing this directory (pid {} on ", out.display(), first.id())), "{e}");
     std::fs::write(&pipe, "the cat sat\n\non the mat\n").unwrap();
-    let done = first.wait_with_output().unwrap();
+    let done = first.finish();
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     assert_eq!(manifest(&out)["documents"], 2, "the first prepare's dataset, not the second's 10 documents");
     let mut left: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
@@ -383,12 +406,13 @@ fn a_second_prepare_into_a_directory_being_written_is_refused() {
     assert_eq!(left, ["dataset.json", "tokenizer.json", "train_000000.bin"], "no lock file or staging left");
 
     let out = d.join("data2");
-    let mut killed = prepare_waiting_on(&tok, &out, &pipe);
-    unsafe { libc::kill(killed.id() as i32, libc::SIGKILL) };
-    killed.wait().unwrap();
+    let killed = prepare_waiting_on(&tok, &out, &pipe);
+    let pid = killed.id();
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&killed.finish().status), Some(libc::SIGKILL));
     prepare(d, &out, &[]).ok();
     assert_eq!(manifest(&out)["documents"], 10);
-    assert!(!out.join(format!(".prepare-tmp-{}", killed.id())).exists(), "the killed one's staging is removed");
+    assert!(!out.join(format!(".prepare-tmp-{pid}")).exists(), "the killed one's staging is removed");
 }
 
 /// A `tokenizer.json` already in `--out` (the user's own) is not replaced by the copy of
