@@ -79,11 +79,11 @@ impl Drop for OutDir {
         let _ = std::fs::remove_dir_all(&self.staging);
         // Unlinked while still held: a prepare that takes the lock after this one sees the
         // dataset (or the directory as it was), and `RunDirLock` takes a file unlinked under it
-        // again. A published dataset is left as its files, without a `.lock`.
-        if let Some(lock) = self.lock.take() {
-            let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
-            drop(lock);
-        }
+        // again. A published dataset is left as its files, without a `.lock`. Where the
+        // filesystem takes no locks (no lock held) the file guards nothing, and would keep a
+        // directory this prepare created from being removed.
+        let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
+        drop(self.lock.take());
         created_dirs::remove_created(&self.created);
     }
 }
