@@ -10,6 +10,7 @@ pub mod created_dirs;
 pub mod data;
 pub mod deadline;
 pub mod determinism;
+pub mod dir_lock;
 pub mod dist;
 pub mod envinfo;
 pub mod events;

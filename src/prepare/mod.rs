@@ -63,7 +63,7 @@ pub enum PrepareError {
     Busy { dir: PathBuf, holder: Option<String> },
     /// `--out`'s lock file cannot be opened or locked (exit 1).
     #[error(transparent)]
-    Lock(crate::train::LockError),
+    Lock(crate::dir_lock::LockError),
     /// SIGINT/SIGTERM: what was written is removed (exit 4, as an interrupted run).
     #[error("interrupted: nothing was kept (what was written so far is removed); run it again")]
     Interrupted,

@@ -1,7 +1,6 @@
 //! Training: a run's state and its loop across optimizer steps (schedule, evaluation,
 //! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
 //! itself lives in [`step`](crate::step).
-mod lock;
 mod ranks;
 mod resume;
 mod run;
@@ -11,5 +10,4 @@ mod watch;
 
 pub use resume::Resume;
 pub use run::Run;
-pub use lock::{LockError, RunDirLock, LOCK_FILE};
 pub use trainer::{train, TrainError};

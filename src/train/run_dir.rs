@@ -6,7 +6,7 @@
 //! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
 //! the job that started the run are written. At the end, still held: the record of how the run
 //! ended.
-use super::lock::{RunDirLock, LOCK_FILE};
+use crate::dir_lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::fresh;
 use crate::created_dirs::{self, remove_created};

@@ -29,7 +29,7 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     /// Another run holds `out_dir` (exit 2).
     #[error(transparent)]
-    Lock(#[from] super::lock::LockError),
+    Lock(#[from] crate::dir_lock::LockError),
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
     #[error("deterministic: {0}")]
@@ -91,7 +91,7 @@ impl TrainError {
     pub fn is_usage(&self) -> bool {
         match self {
             TrainError::Data(e) => e.is_usage(),
-            TrainError::Lock(l) => matches!(l, super::lock::LockError::Busy { .. }),
+            TrainError::Lock(l) => matches!(l, crate::dir_lock::LockError::Busy { .. }),
             TrainError::Checkpoint(_)
             | TrainError::Allocator(_)
             | TrainError::InitFrom(_)

@@ -1,5 +1,5 @@
-//! One run per `out_dir`: rank 0 holds an advisory lock on `out_dir/.lock` for the life of the
-//! run. Two runs in one directory (a double launch, a requeue while the old job still runs)
+//! One writer per output directory: `train`'s rank 0 holds an advisory lock on `out_dir/.lock`
+//! for the life of the run, `prepare` on its `--out` until the dataset is published. Two runs in one directory (a double launch, a requeue while the old job still runs)
 //! deleted each other's checkpoints in progress and interleaved their metrics lines. `prepare`
 //! takes the same lock on its `--out` (its own message for a busy one). The lock
 //! goes with the process, however it ends (`flock`), so a killed run never leaves it behind.
