@@ -276,6 +276,27 @@ fn out_never_replaces_a_file_that_is_not_a_page() {
     report_ok(&[dir.path()]); // the default report.html, written again over itself
 }
 
+/// Without `--out` the page goes to `RUN/report.html`: a file of the user's there is left
+/// alone, and the message names it as that default path, not as a `--out` nobody typed.
+#[test]
+fn the_default_page_path_never_replaces_a_users_file_and_says_to_give_out() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_run(dir.path());
+    let target = dir.path().join("report.html");
+    std::fs::write(&target, "my notes on this run\n").unwrap();
+    let o = report(&[dir.path()]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    let want = format!("error: {} (where the page goes without --out) exists and is not a report page: give --out", target.display());
+    assert!(stderr.contains(&want), "{stderr}");
+    assert!(!stderr.contains("error: --out"), "no --out was given: {stderr}");
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "my notes on this run\n", "the user's file untouched");
+    // `--out` elsewhere writes the page and leaves the file as it is.
+    let elsewhere = dir.path().join("page.html");
+    assert!(report_ok(&[dir.path(), Path::new("--out"), &elsewhere]).starts_with("<!doctype html>"));
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "my notes on this run\n");
+}
+
 /// A run directory of a few metrics lines, written by hand (no training).
 fn tiny_run(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();

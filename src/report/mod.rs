@@ -23,12 +23,16 @@ pub enum ReportError {
     Write { path: PathBuf, source: std::io::Error },
     #[error("--out {}: exists and is not a report page; choose another path (the page would replace it)", path.display())]
     NotAPage { path: PathBuf },
+    /// As `NotAPage`, for the path no flag named: the message must not blame a `--out` the user
+    /// never typed, and says to give one.
+    #[error("{} (where the page goes without --out) exists and is not a report page: give --out (the page would replace it)", path.display())]
+    DefaultNotAPage { path: PathBuf },
 }
 
 impl ReportError {
     /// The user named something that is not a run (exit code 2).
     pub fn is_usage(&self) -> bool {
-        matches!(self, Self::NotARun { .. } | Self::NotAPage { .. })
+        matches!(self, Self::NotARun { .. } | Self::NotAPage { .. } | Self::DefaultNotAPage { .. })
     }
 }
 
@@ -60,12 +64,19 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
             crate::logging::to_stderr(&format!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN));
         }
     }
-    let out = out.map_or_else(|| default_out(dirs), Path::to_path_buf);
     // A page may replace an earlier page, nothing else (`--out RUN/metrics.jsonl` would have
     // replaced the run's metrics with the page drawn from them).
-    if out.exists() && !is_page(&out) {
-        return Err(ReportError::NotAPage { path: out });
-    }
+    let out = match out {
+        Some(given) if given.exists() && !is_page(given) => return Err(ReportError::NotAPage { path: given.to_path_buf() }),
+        Some(given) => given.to_path_buf(),
+        None => {
+            let path = default_out(dirs);
+            if path.exists() && !is_page(&path) {
+                return Err(ReportError::DefaultNotAPage { path });
+            }
+            path
+        }
+    };
     let page = html::page(&runs);
     // Whole: a browser reloading the page never sees half.
     whole_file::replace(&out, page.as_bytes()).map_err(|source| ReportError::Write { path: out.clone(), source })?;
