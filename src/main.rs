@@ -210,13 +210,21 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
 }
 
 fn run_trace(args: &trainguard::cli::TraceArgs) -> anyhow::Result<()> {
+    // Each file read, and once for it on stderr what its figures leave out.
+    let read = |file: &std::path::PathBuf| {
+        let summary = trainguard::trace::read(file, args.top)?;
+        if let Some(warning) = summary.skipped_warning() {
+            trainguard::logging::to_stderr(&format!("warning: {warning}"));
+        }
+        Ok::<_, trainguard::trace::TraceError>(summary)
+    };
     if args.compare {
-        let summaries = args.files.iter().map(|f| trainguard::trace::read(f, args.top)).collect::<Result<Vec<_>, _>>()?;
+        let summaries = args.files.iter().map(read).collect::<Result<Vec<_>, _>>()?;
         out(&trainguard::trace::compare(&summaries))?;
         return Ok(());
     }
     for file in &args.files {
-        let summary = trainguard::trace::read(file, args.top)?;
+        let summary = read(file)?;
         if args.json {
             out(&format!("{}\n", serde_json::to_string(&summary)?))?;
         } else {

@@ -9,7 +9,7 @@ use crate::ffi::trace::{self as shim, Range};
 use crate::ffi::ShimError;
 use serde::Serialize;
 use serde_json::Value;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// One event with a duration: an operator or range the CPU ran (`lane`: its thread), with
@@ -58,15 +58,68 @@ const OUR_STEP_RANGE: &str = "trainguard step ";
 /// The step ranges a trace marks: ours or `torch.profiler`'s (`ProfilerStep#N`).
 const STEP_RANGES: [&str; 2] = [OUR_STEP_RANGE, "ProfilerStep#"];
 
+/// What [`parse`] read from a trace: the events it counts, and why any complete event of a kind
+/// it reads could not be counted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parsed {
+    pub events: Vec<TraceEvent>,
+    pub skipped: Vec<Skipped>,
+}
+
+/// Complete events of a kind the summary counts that it left out, for one reason.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    /// What was wrong with them: `` `dur` missing ``, `` `ts` null ``, `` `dur` negative ``…
+    pub why: String,
+    pub events: u64,
+}
+
+/// `skipped` in words: `2 with `dur` missing, 1 with `ts` null`.
+fn skipped_in_words(skipped: &[Skipped]) -> String {
+    skipped.iter().map(|s| format!("{} with {}", s.events, s.why)).collect::<Vec<_>>().join(", ")
+}
+
+/// `n events`, `1 event`.
+fn n_events(n: u64) -> String {
+    format!("{n} {}", if n == 1 { "event" } else { "events" })
+}
+
+/// An event's time field in microseconds, or what is wrong with it (serde_json's numbers are
+/// finite: JSON has no NaN, and it refuses a number out of f64's range).
+fn micros(event: &Value, key: &str) -> Result<f64, String> {
+    match event.get(key) {
+        None => Err(format!("`{key}` missing")),
+        Some(Value::Null) => Err(format!("`{key}` null")),
+        Some(v) => match v.as_f64() {
+            None => Err(format!("`{key}` not a number")),
+            Some(x) if x < 0.0 => Err(format!("`{key}` negative")),
+            Some(x) => Ok(x),
+        },
+    }
+}
+
 /// The events of a Chrome trace as Kineto writes it: complete events (`"ph": "X"`) with `ts`
 /// and `dur` in microseconds; `cat` `kernel`, `gpu_memcpy` and `gpu_memset` are the GPU's,
 /// `cpu_op` and `user_annotation` the CPU's, `cuda_runtime` and `cuda_driver` the launches (the
 /// rest, such as Python functions, are left out). `args.correlation` ties a launch to what it
-/// launched.
-pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
-    let list = trace.get("traceEvents").and_then(Value::as_array).ok_or("no `traceEvents` list: not a Chrome trace")?;
-    let ns = |v: &Value| v.as_f64().filter(|x| x.is_finite() && *x >= 0.0).map(|us| (us * 1000.0).round() as u64);
-    let mut out = Vec::new();
+/// launched. The trace is the Trace Event Format's object (`{"traceEvents": [...]}`) or its
+/// JSON Array Format (the list of events alone), which chrome://tracing and Perfetto open too.
+///
+/// Times become nanoseconds from the earliest event's start: a trace's own clock (Kineto's is
+/// microseconds since boot, others' since the epoch, some nanoseconds written as microseconds)
+/// can pass `u64` nanoseconds, and durations taken between such numbers overflowed to nothing.
+/// An event whose `ts` or `dur` cannot be used is left out and counted in [`Parsed::skipped`].
+pub fn parse(trace: &Value) -> Result<Parsed, String> {
+    let list = match trace {
+        Value::Array(list) => list,
+        _ => trace
+            .get("traceEvents")
+            .and_then(Value::as_array)
+            .ok_or("no `traceEvents` list, and not a list of events (the JSON Array Format): not a Chrome trace")?,
+    };
+    // The events read, with `ts` and `dur` in microseconds as written.
+    let mut read: Vec<(TraceEvent, f64, f64)> = Vec::new();
+    let mut skipped: HashMap<String, u64> = HashMap::new();
     for e in list {
         if e.get("ph").and_then(Value::as_str) != Some("X") {
             continue;
@@ -77,21 +130,87 @@ pub fn parse(trace: &Value) -> Result<Vec<TraceEvent>, String> {
             Some("cuda_runtime" | "cuda_driver") => (false, true),
             _ => continue,
         };
+        let name = e.get("name").and_then(Value::as_str).ok_or_else(|| "`name` missing or not text".to_string());
+        let (ts, dur, name) = match (micros(e, "ts"), micros(e, "dur"), name) {
+            (Ok(ts), Ok(dur), Ok(name)) => (ts, dur, name),
+            // One reason per event (the first), so that the reasons' counts add up.
+            (Err(why), _, _) | (_, Err(why), _) | (_, _, Err(why)) => {
+                *skipped.entry(why).or_default() += 1;
+                continue;
+            }
+        };
         let correlation = e.get("args").and_then(|a| a.get("correlation")).and_then(Value::as_u64);
-        let (Some(start), Some(dur), Some(name)) = (e.get("ts").and_then(ns), e.get("dur").and_then(ns), e.get("name").and_then(Value::as_str)) else { continue };
         let lane = e.get("tid").and_then(|t| t.as_u64().or_else(|| t.as_str().and_then(|s| s.trim_start_matches("stream ").parse().ok()))).unwrap_or(0);
-        out.push(TraceEvent { device_side, launch, correlation, lane, start_ns: start, end_ns: start + dur, name: name.to_string() });
+        read.push((TraceEvent { device_side, launch, correlation, lane, start_ns: 0, end_ns: 0, name: name.to_string() }, ts, dur));
     }
-    Ok(out)
+    // Rounded to whole nanoseconds before the earliest start is taken off: below 2^53 ns
+    // (104 days) both are exact in f64, so Kineto's clock gives the nanoseconds it wrote.
+    let ns = |us: f64| (us * 1000.0).round();
+    let first = read.iter().map(|(_, ts, _)| ns(*ts)).fold(f64::INFINITY, f64::min);
+    let mut events = Vec::with_capacity(read.len());
+    for (mut e, ts, dur) in read {
+        let (start, dur) = (ns(ts) - first, ns(dur));
+        // An end past u64 nanoseconds (584 years after the first event) is left out: `as`
+        // would saturate, and the sum overflow.
+        let fits = start + dur < u64::MAX as f64;
+        let Some(end) = (start as u64).checked_add(dur as u64).filter(|_| fits) else {
+            *skipped.entry("`ts` + `dur` past 584 years after the first event".into()).or_default() += 1;
+            continue;
+        };
+        (e.start_ns, e.end_ns) = (start as u64, end);
+        events.push(e);
+    }
+    let mut skipped: Vec<Skipped> = skipped.into_iter().map(|(why, events)| Skipped { why, events }).collect();
+    skipped.sort_by(|a, b| b.events.cmp(&a.events).then_with(|| a.why.cmp(&b.why)));
+    Ok(Parsed { events, skipped })
 }
+
+/// The first bytes of a gzip stream (RFC 1952): `torch.profiler`'s
+/// `tensorboard_trace_handler(use_gzip=True)` writes its traces so (`*.pt.trace.json.gz`).
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
 /// The summary of the Chrome trace at `path`, naming its `top` heaviest kernels (operators) and
 /// launching operators.
 pub fn read(path: &Path, top: usize) -> Result<TraceSummary, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
+    let bytes = std::fs::read(path).map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
+    summary_of(&bytes, path, top)
+}
+
+/// The summary of a trace's bytes, read from `path`.
+fn summary_of(bytes: &[u8], path: &Path, top: usize) -> Result<TraceSummary, TraceError> {
+    // No gzip decoder among our dependencies: said plainly, rather than as the JSON reader's
+    // complaint about the compressed bytes.
+    if bytes.starts_with(&GZIP_MAGIC) {
+        // gunzip's own name for what it writes, or one beside the file (it refuses other suffixes).
+        let unzipped = match path.extension() {
+            Some(gz) if gz == "gz" => path.with_extension(""),
+            _ => path.with_extension("json"),
+        };
+        return Err(TraceError::Gzip { path: path.to_path_buf(), unzipped });
+    }
     let bad = |message: String| TraceError::Format { path: path.to_path_buf(), message };
-    let value: Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-    Ok(summarise(&parse(&value).map_err(bad)?, path, top))
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+    let Parsed { events, skipped } = parse(&value).map_err(bad)?;
+    // Launches and step ranges are not work: a trace of nothing else would tabulate zeros.
+    if !events.iter().any(|e| !e.launch && !e.is_step_range()) {
+        let listed = match &value {
+            Value::Array(list) => list.len(),
+            _ => value["traceEvents"].as_array().map_or(0, Vec::len),
+        } as u64;
+        let mut why = if listed == 0 {
+            "its event list is empty".to_string()
+        } else {
+            format!("of its {}, none is a kernel, copy or set the GPU ran or an operator the CPU ran (a complete event, `\"ph\": \"X\"`, of `cat` kernel, gpu_memcpy, gpu_memset, cpu_op or user_annotation, other than the step ranges)", n_events(listed))
+        };
+        if !skipped.is_empty() {
+            let n: u64 = skipped.iter().map(|s| s.events).sum();
+            why += &format!("; {} could not be read: {}", n_events(n), skipped_in_words(&skipped));
+        }
+        return Err(TraceError::Empty { path: path.to_path_buf(), why });
+    }
+    let mut summary = summarise(&events, path, top);
+    summary.skipped = skipped;
+    Ok(summary)
 }
 
 /// The kind of work an operator or kernel does, read from its name.
@@ -192,10 +311,13 @@ pub struct NameTime {
 pub struct TraceSummary {
     /// The Chrome trace.
     pub path: String,
-    /// The first step's number and how many steps the trace marks (1 when it marks none: the
-    /// figures are then the whole trace's).
+    /// The first step's number and how many distinct steps the trace marks (1 when it marks
+    /// none: the figures are then the whole trace's). A step whose range appears twice counts
+    /// once: the per-step figures divide by the steps, not by the ranges.
     pub first_step: Option<u64>,
     pub steps: u64,
+    /// The distinct step numbers marked, ascending (they need not be contiguous).
+    pub step_numbers: Vec<u64>,
     /// `gpu kernels` (their durations) or `cpu operators` (their self times).
     pub counted: String,
     /// The time counted, over all traced steps.
@@ -208,6 +330,17 @@ pub struct TraceSummary {
     pub top: Vec<NameTime>,
     /// GPU time by the CPU operator that launched it, heaviest first (none without GPU events).
     pub by_operator: Vec<OperatorTime>,
+    /// Complete events of the kinds counted that the figures leave out, and why (a `dur`
+    /// missing…), most first.
+    pub skipped: Vec<Skipped>,
+}
+
+impl TraceSummary {
+    /// The warning to give when the figures leave events out (`None` when they leave none).
+    pub fn skipped_warning(&self) -> Option<String> {
+        let n: u64 = self.skipped.iter().map(|s| s.events).sum();
+        (n > 0).then(|| format!("{}: the figures leave out {} they could not read: {}", self.path, n_events(n), skipped_in_words(&self.skipped)))
+    }
 }
 
 /// GPU time launched by one CPU operator: `outer › inner` (the outermost operator around the
@@ -267,20 +400,23 @@ pub fn cpu_self_times<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> V
 
 /// The summary of `events`, read from `path`.
 pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummary {
-    let marked: Vec<u64> = events
+    let marked: BTreeSet<u64> = events
         .iter()
         .filter(|e| e.is_cpu_op())
         .filter_map(|e| STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok()))
         .collect();
-    let (first_step, steps) = (marked.iter().min().copied(), (marked.len() as u64).max(1));
+    let step_numbers: Vec<u64> = marked.into_iter().collect();
+    let (first_step, steps) = (step_numbers.first().copied(), (step_numbers.len() as u64).max(1));
     // The step ranges mark steps; they are not work.
     let work_events: Vec<&TraceEvent> = events.iter().filter(|e| !e.launch && !e.is_step_range()).collect();
     let (counted, times) = counted_times(&work_events);
-    let busy: u64 = times.iter().map(|(_, d)| d).sum();
+    // Sums saturate: a trace's durations are its file's, and a few absurd ones must not wrap
+    // the total round to a small number.
+    let busy: u64 = times.iter().fold(0, |sum, (_, d)| sum.saturating_add(*d));
     let mut per_name: HashMap<&str, (u64, u64)> = HashMap::new();
     for (name, d) in &times {
         let n = per_name.entry(name.as_str()).or_default();
-        n.0 += d;
+        n.0 = n.0.saturating_add(*d);
         n.1 += 1;
     }
     // Each name's kind read once; a kind's totals are its names' sums.
@@ -288,7 +424,7 @@ pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummar
     let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
     for &(_, work, d, calls) in &named {
         let w = per_work.entry(work).or_default();
-        w.0 += d;
+        w.0 = w.0.saturating_add(d);
         w.1 += calls;
     }
     let ms = |ns: u64| ns as f64 / 1e6;
@@ -302,7 +438,7 @@ pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummar
     let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
     let mut by_operator = by_operator(events);
     by_operator.truncate(keep);
-    TraceSummary { path: path.display().to_string(), first_step, steps, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top, by_operator }
+    TraceSummary { path: path.display().to_string(), first_step, steps, step_numbers, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top, by_operator, skipped: Vec::new() }
 }
 
 /// The GPU's time by the CPU operator that launched it: each GPU event's launch found by its
@@ -335,7 +471,7 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
     for e in events.iter().filter(|e| e.device_side) {
         let op = e.correlation.and_then(|c| launched_by.get(&c)).map_or(NO_OPERATOR, String::as_str);
         let t = per_op.entry(op).or_default();
-        t.0 += e.end_ns.saturating_sub(e.start_ns);
+        t.0 = t.0.saturating_add(e.end_ns.saturating_sub(e.start_ns));
         t.1 += 1;
     }
     let mut out: Vec<OperatorTime> = per_op.into_iter().map(|(op, (d, n))| OperatorTime { operator: op.to_string(), ms: d as f64 / 1e6, kernels: n }).collect();
@@ -346,12 +482,7 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
 /// `s` as Markdown: a heading line, then the time per step by kind of work and by name.
 pub fn table(s: &TraceSummary) -> String {
     let per = |ms: f64| ms / s.steps as f64;
-    let steps = match s.first_step {
-        // The last step itself, as the file's name (`steps_3-4.json`) says.
-        Some(first) if s.steps > 1 => format!("steps {first}-{}", first + s.steps - 1),
-        Some(first) => format!("step {first}"),
-        None => "the whole trace (no step ranges)".into(),
-    };
+    let steps = steps_label(&s.step_numbers);
     let mut out = format!("{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n", s.path, s.counted, per(s.busy_ms), per(s.span_ms));
     out += "| work | ms per step | share | calls per step |\n|---|---|---|---|\n";
     for w in &s.by_work {
@@ -369,6 +500,29 @@ pub fn table(s: &TraceSummary) -> String {
         }
     }
     out
+}
+
+/// The steps a table's figures are per: `step 3`, `steps 3-4` (the last step itself, as the
+/// file's name `steps_3-4.json` says), or for steps with gaps each run of them and how many
+/// (`steps 1-2, 5 (3 steps, not contiguous)`): a range would claim steps the trace lacks.
+fn steps_label(numbers: &[u64]) -> String {
+    let (Some(&first), Some(&last)) = (numbers.first(), numbers.last()) else { return "the whole trace (no step ranges)".into() };
+    if numbers.len() == 1 {
+        return format!("step {first}");
+    }
+    if last - first + 1 == numbers.len() as u64 {
+        return format!("steps {first}-{last}");
+    }
+    // Runs of consecutive numbers (`numbers` is ascending and distinct).
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &n in numbers {
+        match runs.last_mut() {
+            Some(run) if run.1 + 1 == n => run.1 = n,
+            _ => runs.push((n, n)),
+        }
+    }
+    let runs: Vec<String> = runs.into_iter().map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    format!("steps {} ({} steps, not contiguous)", runs.join(", "), numbers.len())
 }
 
 /// Several summaries side by side as Markdown: ms per step by kind of work for each (headed by
@@ -422,12 +576,16 @@ pub enum TraceError {
     Read { path: PathBuf, error: std::io::Error },
     #[error("{path} is not a Chrome trace of PyTorch's profiler: {message}")]
     Format { path: PathBuf, message: String },
+    #[error("{} is gzip-compressed (as torch.profiler's `tensorboard_trace_handler(use_gzip=True)` writes `*.pt.trace.json.gz`): gunzip it first, `gunzip -c {} > {}`, and give that file", path.display(), path.display(), unzipped.display())]
+    Gzip { path: PathBuf, unzipped: PathBuf },
+    #[error("{path} holds nothing to tabulate: {why}")]
+    Empty { path: PathBuf, why: String },
 }
 
 impl TraceError {
     /// A file the user named that cannot be read or is not a trace (exit code 2).
     pub fn is_usage(&self) -> bool {
-        matches!(self, TraceError::Read { .. } | TraceError::Format { .. })
+        matches!(self, TraceError::Read { .. } | TraceError::Format { .. } | TraceError::Gzip { .. } | TraceError::Empty { .. })
     }
 }
 
@@ -484,7 +642,11 @@ impl Tracer {
         self.drain()?; // on an error the profiler still runs, and Drop stops it
         self.running = false;
         shim::stop(Some(&path))?;
-        read(&path, TOP).map(Some)
+        let summary = read(&path, TOP)?;
+        if let Some(warning) = summary.skipped_warning() {
+            tracing::warn!("metrics.trace: {warning}");
+        }
+        Ok(Some(summary))
     }
 }
 
@@ -649,6 +811,34 @@ mod tests {
         assert_eq!((unmarked.first_step, unmarked.steps), (None, 1));
     }
 
+    /// A step whose range appears twice (two threads, or a profiler that marks it again) is one
+    /// step: figures per step divide by the distinct steps, and the heading names those, with
+    /// any gap between them said rather than spanned by a range.
+    #[test]
+    fn steps_are_counted_by_their_numbers_not_by_their_ranges() {
+        let mut events = vec![
+            ev(false, 1, 0, 1_000_000, "trainguard step 1"),
+            ev(false, 2, 0, 1_000_000, "trainguard step 1"),
+            ev(false, 1, 1_000_000, 2_000_000, "trainguard step 2"),
+            ev(true, 7, 0, 3_000_000, "nvjet_tst_128x256"),
+            ev(true, 7, 3_000_000, 4_000_000, "nvjet_tst_128x256"),
+        ];
+        let s = summarise(&events, Path::new("t.json"), TOP);
+        assert_eq!((s.first_step, s.steps, &s.step_numbers[..]), (Some(1), 2, &[1, 2][..]));
+        let t = table(&s);
+        assert!(t.starts_with("t.json: steps 1-2, gpu kernels 2.00 ms per step"), "{t}");
+        assert!(t.contains("| gemm | 2.00 | 100.0% | 1 |"), "calls per step too: {t}");
+        assert!(compare(&[s.clone(), s]).contains("| gemm | 2.00 | 2.00 | +0.00 |"));
+        // Steps 1, 2 and 5: three steps, and not "steps 1-3" nor "steps 1-5".
+        events.push(ev(false, 1, 5_000_000, 6_000_000, "ProfilerStep#5"));
+        let gap = summarise(&events, Path::new("t.json"), TOP);
+        assert_eq!((gap.steps, &gap.step_numbers[..]), (3, &[1, 2, 5][..]));
+        let t = table(&gap);
+        assert!(t.starts_with("t.json: steps 1-2, 5 (3 steps, not contiguous), gpu kernels 1.33 ms per step"), "{t}");
+        assert_eq!(steps_label(&[3]), "step 3");
+        assert_eq!(steps_label(&[1, 3, 4, 5, 9]), "steps 1, 3-5, 9 (5 steps, not contiguous)");
+    }
+
     #[test]
     fn summaries_side_by_side_show_each_kinds_difference_from_the_first() {
         let ours = summarise(
@@ -679,6 +869,97 @@ mod tests {
         assert!(t.contains("| work | A/trace/steps_1-2 | B/trace/steps_1-2 | B/trace/steps_1-2 − A/trace/steps_1-2 |"), "{t}");
     }
 
+    /// A complete event of a kind counted whose `ts` or `dur` cannot be used is left out, and
+    /// counted by reason (one each, the first: `ts`, then `dur`, then `name`) for a warning.
+    #[test]
+    fn unusable_events_are_counted_by_why_they_were_skipped() {
+        let trace = serde_json::json!({"traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 100.0, "dur": 2.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 110.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 120.0, "dur": null},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 130.0, "dur": -1.0},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 140.0, "dur": "3"},
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": null, "dur": -3.0},
+            {"ph": "X", "cat": "cpu_op", "tid": 1, "ts": 150.0, "dur": 1.0},
+            // Not of a kind counted: left out without a word, whatever its fields.
+            {"ph": "X", "cat": "python_function", "name": "f", "ts": null},
+            {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1.0}
+        ]});
+        let Parsed { events, skipped } = parse(&trace).unwrap();
+        assert_eq!(events, [ev(true, 7, 0, 2_000, "nvjet_tst")]);
+        let why = |why: &str, events: u64| Skipped { why: why.into(), events };
+        assert_eq!(
+            skipped,
+            [why("`dur` missing", 1), why("`dur` negative", 1), why("`dur` not a number", 1), why("`dur` null", 1), why("`name` missing or not text", 1), why("`ts` null", 1)]
+        );
+        let s = summary_of(trace.to_string().as_bytes(), Path::new("t.json"), TOP).unwrap();
+        assert_eq!((s.busy_ms, s.skipped.len()), (0.002, 6));
+        let warning = s.skipped_warning().unwrap();
+        assert!(warning.starts_with("t.json: the figures leave out 6 events they could not read: 1 with `dur` missing, 1 with `dur` negative"), "{warning}");
+        assert!(warning.ends_with("1 with `ts` null"), "{warning}");
+        assert_eq!(summarise(&events, Path::new("t.json"), TOP).skipped_warning(), None, "nothing to say when all were read");
+    }
+
+    /// Nothing to count is an error that says why, not a table of zeros: an empty list, only
+    /// events of other kinds (or step ranges), or only unusable ones (and why they were).
+    #[test]
+    fn a_trace_with_nothing_to_count_is_an_error() {
+        let empty = |json: Value| match summary_of(json.to_string().as_bytes(), Path::new("t.json"), TOP) {
+            Err(TraceError::Empty { why, .. }) => why,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(empty(serde_json::json!({"traceEvents": []})), "its event list is empty");
+        assert_eq!(empty(serde_json::json!([])), "its event list is empty");
+        let other = empty(serde_json::json!([{"ph": "X", "cat": "python_function", "name": "f", "ts": 1, "dur": 1}, {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 1, "dur": 1}]));
+        assert!(other.starts_with("of its 2 events, none is a kernel"), "{other}");
+        let bad = empty(serde_json::json!([{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}, {"ph": "X", "cat": "kernel", "name": "k", "ts": 2}]));
+        assert!(bad.ends_with("; 2 events could not be read: 2 with `dur` missing"), "{bad}");
+        let e = summary_of(b"{\"traceEvents\": []}", Path::new("t.json"), TOP).unwrap_err();
+        assert!(e.is_usage(), "exit code 2");
+        assert_eq!(e.to_string(), "t.json holds nothing to tabulate: its event list is empty");
+    }
+
+    /// Timestamps past u64 nanoseconds (2e16 µs: a clock in nanoseconds written as
+    /// microseconds) keep their durations and gaps; they overflowed to 0.00 ms.
+    #[test]
+    fn huge_timestamps_keep_their_durations() {
+        let trace = serde_json::json!({"traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 2.0e16, "dur": 4000.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 2.0e16, "dur": 1500.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 2.0e16 + 2048.0, "dur": 500.0},
+            // 584 years past the first: past u64 nanoseconds even from there.
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 2.0e16 + 1.9e16, "dur": 1.0}
+        ]});
+        let s = summary_of(trace.to_string().as_bytes(), Path::new("t.json"), TOP).unwrap();
+        assert_eq!((s.busy_ms, s.span_ms), (2.0, 4.0));
+        assert_eq!(s.by_work[0], WorkTime { work: Work::Gemm, ms: 2.0, share: 1.0, calls: 2 });
+        assert_eq!(s.skipped, [Skipped { why: "`ts` + `dur` past 584 years after the first event".into(), events: 1 }]);
+        // Durations that add up past u64 saturate rather than wrap round to a small sum.
+        let huge = [7, 8, 9].map(|stream| ev(true, stream, 0, u64::MAX / 2, "nvjet_tst"));
+        assert_eq!(summarise(&huge, Path::new("t.json"), TOP).busy_ms, u64::MAX as f64 / 1e6);
+    }
+
+    /// `tensorboard_trace_handler(use_gzip=True)`'s `.pt.trace.json.gz` is named for what it is
+    /// (no gzip decoder among our dependencies), not "not valid UTF-8"; the JSON Array Format
+    /// (the events without the object around them) is read as the event list.
+    #[test]
+    fn gzip_is_named_and_a_bare_event_list_is_read() {
+        let gz = [0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0xff, 0x00];
+        let e = summary_of(&gz, Path::new("steps_1-2.pt.trace.json.gz"), TOP).unwrap_err();
+        assert!(matches!(e, TraceError::Gzip { .. }) && e.is_usage(), "{e:?}");
+        assert!(e.to_string().starts_with("steps_1-2.pt.trace.json.gz is gzip-compressed"), "{e}");
+        assert!(e.to_string().ends_with("gunzip it first, `gunzip -c steps_1-2.pt.trace.json.gz > steps_1-2.pt.trace.json`, and give that file"), "{e}");
+        let other = summary_of(&gz, Path::new("trace.bin"), TOP).unwrap_err().to_string();
+        assert!(other.contains("`gunzip -c trace.bin > trace.json`"), "{other}");
+        let list = serde_json::json!([
+            {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "tid": 1, "ts": 0.0, "dur": 10.0},
+            {"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": 1.0, "dur": 3.0}
+        ]);
+        let s = summary_of(list.to_string().as_bytes(), Path::new("a.json"), TOP).unwrap();
+        assert_eq!((s.first_step, s.busy_ms, s.top[0].name.as_str()), (Some(4), 0.003, "nvjet_tst"));
+        assert!(parse(&serde_json::json!("text")).unwrap_err().contains("not a Chrome trace"));
+    }
+
     /// What Kineto writes (the shape of `torch.profiler`'s export and of ours): only complete
     /// events of the GPU's and the CPU's kinds are read; microseconds become nanoseconds.
     #[test]
@@ -696,10 +977,12 @@ mod tests {
                 {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "python"}}
             ]
         });
-        let events = parse(&trace).unwrap();
-        assert_eq!(events.len(), 5, "{events:?}");
+        let Parsed { events, skipped } = parse(&trace).unwrap();
+        assert_eq!((events.len(), skipped.len()), (5, 0), "{events:?}");
         assert_eq!((events[4].launch, events[4].correlation, events[2].correlation), (true, Some(41), Some(41)), "the launch and its kernel");
-        assert_eq!(events[1], ev(false, 9, 4_798_773_604_337_338, 4_798_773_604_360_963, "aten::mm"));
+        // From the earliest start read (ProfilerStep#3's; the Python function's is not read),
+        // to the nanosecond: 4798773604337.338 µs − 4798773604303.147 µs.
+        assert_eq!(events[1], ev(false, 9, 34_191, 34_191 + 23_625, "aten::mm"));
         assert_eq!((events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns), (true, 7, 10_500));
         assert_eq!((events[3].device_side, events[3].lane), (true, 7), "a stream written as text");
         let s = summarise(&events, Path::new("p.json"), TOP);

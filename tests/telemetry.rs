@@ -193,3 +193,44 @@ fn a_trace_of_two_steps_is_a_chrome_trace_with_a_summary_and_changes_nothing() {
         assert!(err.contains(&file.display().to_string()), "{err}");
     }
 }
+
+/// `trainguard trace` on traces written by hand, as other tools write them: events it cannot
+/// use are said once on stderr (how many and why) and the tables printed; a trace with nothing
+/// to count, or a gzip-compressed one, is exit 2 saying so; the JSON Array Format is read; a
+/// step marked twice is one step.
+#[test]
+fn trace_says_what_it_skipped_and_refuses_what_it_cannot_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = |name: &str, bytes: &[u8]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let out = Command::new(bin()).arg("trace").arg(&path).output().unwrap();
+        (path, out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let kernel = |ts: &str, dur: &str| format!(r#"{{"ph": "X", "cat": "kernel", "name": "nvjet_tst", "tid": 7, "ts": {ts}, "dur": {dur}}}"#);
+    let step = |n: u64, ts: u64| format!(r#"{{"ph": "X", "cat": "user_annotation", "name": "trainguard step {n}", "tid": 1, "ts": {ts}, "dur": 1000}}"#);
+    let events = [step(1, 0), step(1, 0), step(2, 1000), kernel("0", "1000"), kernel("1000", "1000"), kernel("1500", "-1"), kernel("null", "5"), kernel("1600", "\"7\"")];
+
+    let (path, code, table, err) = trace("steps_1-2.json", format!(r#"{{"traceEvents": [{}]}}"#, events.join(",")).as_bytes());
+    assert_eq!(code, Some(0), "{err}");
+    let warning = format!("warning: {}: the figures leave out 3 events they could not read: 1 with `dur` negative, 1 with `dur` not a number, 1 with `ts` null\n", path.display());
+    assert_eq!(err, warning, "one warning, once");
+    // Steps 1 and 2 (step 1's range twice): 2 ms of kernels over 2 steps.
+    assert!(table.starts_with(&format!("{}: steps 1-2, gpu kernels 1.00 ms per step", path.display())), "{table}");
+
+    // The same events as a bare list (the JSON Array Format).
+    let (_, code, table, err) = trace("array.json", format!("[{}]", events.join(",")).as_bytes());
+    assert_eq!(code, Some(0), "{err}");
+    assert!(table.contains("steps 1-2, gpu kernels 1.00 ms per step"), "{table}");
+
+    for (name, bytes, says) in [
+        ("empty.json", br#"{"traceEvents": []}"#.to_vec(), "holds nothing to tabulate: its event list is empty".to_string()),
+        ("bad.json", format!("[{}]", [kernel("null", "1"), kernel("1", "null")].join(",")).into_bytes(), "; 2 events could not be read: 1 with `dur` null, 1 with `ts` null".into()),
+        ("steps_1-2.pt.trace.json.gz", vec![0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0xff], "is gzip-compressed".into()),
+    ] {
+        let (path, code, table, err) = trace(name, &bytes);
+        assert_eq!((code, table.as_str()), (Some(2), ""), "{name}: {err}");
+        assert!(err.starts_with(&format!("error: {}", path.display())) && err.contains(&says), "{name}: {err}");
+        assert!(!err.contains("UTF-8"), "{err}");
+    }
+}

@@ -342,7 +342,7 @@ mod tests {
             crate::ffi::trace::stop(Some(&path)).unwrap();
             ran.unwrap();
             let trace = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let events = crate::trace::parse(&trace).unwrap();
+            let events = crate::trace::parse(&trace).unwrap().events;
             events.iter().filter(|e| !e.device_side && !e.launch && matches!(e.name.as_str(), "aten::mm" | "aten::addmm")).count()
         };
         let plain = products(&Savers::default());
