@@ -201,7 +201,7 @@ mod tests {
         assert!(!parent.path().join("x").exists(), "the path's detour is undone too");
         let mut held = RunDir::hold(&dir, false).unwrap();
         let busy = RunDir::hold(&dir, false).err().unwrap();
-        assert!(matches!(busy, TrainError::Lock(super::super::LockError::Busy { .. })), "{busy}");
+        assert!(matches!(busy, TrainError::Lock(crate::dir_lock::LockError::Busy { .. })), "{busy}");
         assert!(dir.join(LOCK_FILE).is_file(), "the refused one left the holder's lock alone");
         held.prepare(&crate::config::Config::default()).unwrap();
         drop(held);
