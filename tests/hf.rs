@@ -113,11 +113,11 @@ fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
     // transformers could not load.
     std::fs::write(d.path().join("data/tokenizer.json"), "{broken").unwrap();
     let r = export(d.path(), "hf-damaged");
-    assert!(r.stderr().contains("not a valid tokenizer.json") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
+    assert!(r.stderr().contains("not a tokenizer.json: not JSON") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
     assert!(d.path().join("hf-damaged/model.safetensors").is_file() && !d.path().join("hf-damaged/tokenizer.json").exists());
     let damaged = sample(d.path());
     assert_eq!(damaged.code(), 2, "{}", damaged.stderr());
-    assert!(damaged.stderr().contains("not a valid tokenizer.json"), "{}", damaged.stderr());
+    assert!(damaged.stderr().contains("not a tokenizer.json: not JSON"), "{}", damaged.stderr());
     std::fs::remove_file(d.path().join("data/tokenizer.json")).unwrap();
     let r = export(d.path(), "hf-no-tokenizer");
     assert!(r.stderr().contains("data/tokenizer.json is missing: the tokenizer of the run's data.source") && r.stderr().contains("exporting without a tokenizer"), "{}", r.stderr());
