@@ -526,8 +526,8 @@ fn steps_label(numbers: &[u64]) -> String {
 }
 
 /// Several summaries side by side as Markdown: ms per step by kind of work for each (headed by
-/// its file's name, with as much of its path as tells the files apart), and each one's difference from the first: where one run's time goes that
-/// another's does not.
+/// its file's name, with as much of its path as tells the files apart), and each one's
+/// difference from the first: where one run's time goes that another's does not.
 pub fn compare(summaries: &[TraceSummary]) -> String {
     let per = |s: &TraceSummary, w: Option<Work>| {
         let ms = match w {
