@@ -305,7 +305,12 @@ fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     let file = trained.dataset.as_ref().map(|d| d.tokenizer_file());
     let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id });
     let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
-    out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")))
+    // The export is whole: a summary line that cannot be printed (stdout on a full disk) is no
+    // failure to retry, and a retry would be refused by the export it made.
+    if let Err(e) = out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", "))) {
+        trainguard::logging::to_stderr(&format!("export: {} was written; only its summary line could not be printed: {e:#}", args.hf.display()));
+    }
+    Ok(())
 }
 
 fn show_config(args: &ConfigArgs) -> anyhow::Result<()> {

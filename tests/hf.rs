@@ -162,6 +162,14 @@ fn a_failed_export_leaves_nothing_that_refuses_the_retry() {
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("already holds generation_config.json, which the export would replace"), "{}", r.stderr());
     assert_eq!(std::fs::read_to_string(theirs.join("generation_config.json")).unwrap(), "mine");
+    // A whole export whose summary line cannot be printed is a success, not a failure whose
+    // retry its own files would refuse.
+    let full = d.path().join("full");
+    let mut cmd = Command::new(bin());
+    cmd.args(["export", run_dir.to_str().unwrap(), "--hf", full.to_str().unwrap()]).stdout(std::fs::File::create("/dev/full").unwrap());
+    let r = run(cmd, d.path());
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(r.stderr().contains("was written; only its summary line could not be printed") && full.join("config.json").is_file(), "{}", r.stderr());
     let left: Vec<String> = std::fs::read_dir(&given).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(left, ["README.md"], "the user's file alone, no staging directory");
     for to in [&fresh, &given] {
