@@ -45,7 +45,7 @@ impl RunDirLock {
             Err(LockError::Io { path, source }) if cannot_lock_here(&source) => {
                 static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
                 if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                    tracing::warn!("cannot lock {} ({source}): this filesystem does not take locks, so nothing stops a second run in this out_dir", path.display());
+                    tracing::warn!("cannot lock {} ({source}): this filesystem does not take locks, so nothing stops a second trainguard process from writing into {} at the same time", path.display(), dir.display());
                 }
                 Ok(None)
             }
