@@ -57,10 +57,17 @@ impl Sgd {
         // the CPU only fp32 parameters (every mixed precision's) take it.
         let fused_works = params.iter().all(|p| p.device().is_cuda() || p.kind() == Kind::Float);
         if self.cfg.fused && fused_works {
+            // Momentum 0 is plain SGD's update, which ATen's kernel computes only without
+            // buffers (with them it refuses momentum 0). The buffers still get what the
+            // tensor-op path leaves in them, so that either path resumes the other.
+            let mu = self.cfg.momentum.filter(|&mu| mu != 0.0);
+            if self.cfg.momentum == Some(0.0) {
+                self.copy_gradients_with_decay_into_buffers(params, grads, wd)?;
+            }
             for (with_decay, idx) in decay_groups(&self.decay) {
-                let bufs = self.cfg.momentum.map(|_| pick(&self.momentum_buffer, &idx));
+                let bufs = mu.map(|_| pick(&self.momentum_buffer, &idx));
                 let wd = if with_decay { wd } else { 0.0 };
-                kernels::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, self.cfg.momentum.unwrap_or(0.0), lr, first)?;
+                kernels::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, mu.unwrap_or(0.0), lr, first)?;
             }
             return Ok(());
         }
@@ -90,6 +97,19 @@ impl Sgd {
                     }
                     let _ = p.f_addcmul_(buf, &self.neg_lr)?;
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// What the tensor-op path leaves in the buffers at momentum 0 (`0·buf + g + wd·p`, the
+    /// weights before the update): read only by a resume at another momentum.
+    fn copy_gradients_with_decay_into_buffers(&mut self, params: &[Tensor], grads: &[Tensor], wd: f64) -> Result<(), TchError> {
+        for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+            let buf = &mut self.momentum_buffer[i];
+            buf.f_copy_(g)?;
+            if self.decay[i] && wd != 0.0 {
+                let _ = buf.f_addcmul_(p, &self.weight_decay)?;
             }
         }
         Ok(())
@@ -205,6 +225,26 @@ mod tests {
             assert!(fused.equal(&plain), "momentum {momentum:?}: {fused} vs {plain}");
             assert!(plain.double_value(&[0]) < 0.75, "the weights moved: {plain}");
         }
+    }
+
+    /// `optimizer.momentum: 0`, which the config allows: ATen's fused kernel refuses buffers
+    /// at momentum 0, so the fused path must give plain SGD's update without them.
+    #[test]
+    fn momentum_zero_is_plain_sgd_on_both_paths() {
+        for fused in [true, false] {
+            let (p, q) = run(Some(0.0), fused);
+            assert_close(&p, &REFERENCE_PLAIN.0, &format!("decayed, fused={fused}"));
+            assert_close(&[q], &[REFERENCE_PLAIN.1], &format!("not decayed, fused={fused}"));
+        }
+        let buffers = |fused: bool| {
+            let params = [Tensor::from_slice(&[1.0f32, -2.0, 3.0])];
+            let mut opt = Sgd::new(SgdConfig { momentum: Some(0.0), weight_decay: 0.1, fused }, &params, &[true], Device::Cpu).unwrap();
+            opt.step(&params, &[Tensor::from_slice(&[0.5f32, -1.0, 2.0])], 0.1).unwrap();
+            opt.momentum_buffer[0].shallow_clone()
+        };
+        let (fused, plain) = (buffers(true), buffers(false));
+        assert!(fused.equal(&plain), "the paths leave the same buffers: {fused} vs {plain}");
+        assert!(plain.abs().sum(Kind::Float).double_value(&[]) > 0.0, "the buffers hold the gradient");
     }
 
     #[test]
