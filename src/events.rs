@@ -108,7 +108,7 @@ pub enum Event {
     CheckpointSkipped { path: String, reason: String },
     /// A checkpoint a killed replacement of the same step had left aside, put back in its place.
     CheckpointPutBack { step: u64 },
-    /// Checkpoints beyond the step resumed moved out of the run's way (nothing deleted).
+    /// Checkpoints of the line the run leaves moved out of its way (nothing deleted).
     CheckpointsSetAside { resumed_step: u64, steps: Vec<u64>, to: String },
     /// The final weights of an earlier end of the run, which a resumed run trains past,
     /// renamed out of the way of `sample` and `export` (nothing deleted).
@@ -365,7 +365,7 @@ impl Reporter {
                 tracing::warn!("checkpoint at step {step} put back: a run killed while writing the same step again had moved it aside");
             }
             Event::CheckpointsSetAside { resumed_step, steps, to } => tracing::warn!(
-                "checkpoints of steps {steps:?}, beyond the step {resumed_step} resumed, moved to {to}: they belong to a line this run leaves (nothing deleted)"
+                "checkpoints of steps {steps:?} moved to {to}: they belong to a line this run leaves, which it does not continue from step {resumed_step} (nothing deleted)"
             ),
             Event::FinalWeightsSetAside { resumed_step, to } => tracing::warn!(
                 "moved the final weights found in the run directory to {to}: this run, starting at step {resumed_step}, trains past them (nothing deleted)"

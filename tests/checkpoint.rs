@@ -531,6 +531,49 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "no gap, no step of the old line");
 }
 
+/// Going back to a set-aside checkpoint of step S, where `out_dir` has another line's step S:
+/// that one is set aside too, so a crash and `--resume auto` do not continue it, and a stop
+/// before the first step writes its checkpoint beside it, not over it.
+#[test]
+fn resuming_a_set_aside_checkpoint_sets_aside_the_other_lines_checkpoint_of_its_step() {
+    let base = ["train.warmup_steps=5", "train.eval_interval=0", "checkpoint.interval=10"];
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
+    let weights = |ckpt: &Path| std::fs::read(ckpt.join("model.safetensors")).unwrap();
+    // Line 1 to step 20; line 2 from its step 10, with another learning rate, to step 20 too.
+    let two_lines = |dir: &Path| {
+        train(dir, "configs/debug.yaml", &with(&["train.max_steps=20"])).ok();
+        let mut cmd = command(dir, "configs/debug.yaml", &with(&["train.max_steps=20", "train.lr=1e-3"]));
+        cmd.arg("--resume").arg(store::root(dir).join("step-00000010"));
+        let second = run(cmd, dir).ok();
+        let first_line = PathBuf::from(second.events_of("checkpoints_set_aside")[0]["to"].as_str().unwrap()).join("step-00000020");
+        let second_line = weights(&newest_checkpoint(dir));
+        assert_ne!(weights(&first_line), second_line, "two lines");
+        (first_line, second_line)
+    };
+    let back_to = |dir: &Path, ckpt: &Path, fault: &'static str| {
+        let mut cmd = command(dir, "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=100", fault]));
+        cmd.arg("--resume").arg(ckpt);
+        run(cmd, dir)
+    };
+
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (first_line, second_line) = two_lines(a.path());
+    let crashed = back_to(a.path(), &first_line, "faults.crash_at_step=25");
+    assert_eq!(crashed.code(), 1, "{}", crashed.stderr());
+    let aside = crashed.events_of("checkpoints_set_aside").pop().unwrap(); // the log holds each run's events
+    assert_eq!(aside["steps"], serde_json::json!([20]), "{aside:?}");
+    assert_eq!(weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")), second_line, "moved, not deleted");
+    let auto = resume_auto(a.path(), &with(&["train.max_steps=30", "faults.interrupt_at_step=10"]));
+    assert_eq!(auto.events_of("resumed").last().unwrap()["step"], 10, "not the other line's step 20: {}", auto.stderr());
+
+    let (first_line, second_line) = two_lines(b.path());
+    let stopped = back_to(b.path(), &first_line, "faults.interrupt_at_step=20");
+    assert_eq!(stopped.code(), 4, "{}", stopped.stderr());
+    assert_eq!(weights(&newest_checkpoint(b.path())), weights(&first_line), "the stop checkpoint is of the line resumed");
+    let aside = stopped.events_of("checkpoints_set_aside").pop().unwrap();
+    assert_eq!(weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")), second_line, "the other line's step 20 kept");
+}
+
 /// A finished run's final weights are renamed aside when a resume trains past them: `sample`
 /// and `export` of the run directory then read the newest checkpoint, not weights older than it.
 /// Renamed, not deleted: with the newest checkpoint corrupt and passed over, they are the only copy

@@ -137,14 +137,22 @@ pub fn free_path(base: String, taken: impl Fn(&Path) -> bool) -> PathBuf {
     candidate
 }
 
-/// Moves the checkpoints of more than `step` steps out of the way, into
-/// `root/set-aside-<unix seconds>/` (nothing is deleted): a run resumed at `step` left the line
-/// they belong to (a corrupt newest passed over, or an older checkpoint resumed on purpose), and
-/// among its own checkpoints they would count as the newest, for retention (which would delete
-/// the run's own instead) and for the next `--resume auto` (which would jump to them). Returns
-/// the directory and the steps moved, if any.
-pub fn set_aside_after(root: &Path, step: u64, unix_seconds: u64) -> Result<Option<(PathBuf, Vec<u64>)>, CheckpointError> {
-    let newer: Vec<(u64, PathBuf)> = list(root).into_iter().filter(|(s, _)| *s > step).collect();
+/// Moves the checkpoints of another line than the one a run continues out of the way, into
+/// `root/set-aside-<unix seconds>/` (nothing is deleted): those of more steps than the one
+/// `resumed` (a corrupt newest passed over, or an older checkpoint resumed on purpose), and the
+/// one of the same step unless it is the checkpoint resumed (which may lie elsewhere: a
+/// set-aside one, another run's); for a fresh start (`None`), every one. Among the run's own
+/// checkpoints they would count as its newest, for retention (which would delete the run's own
+/// instead) and for the next `--resume auto` (which would jump to them); and a stop checkpoint
+/// of the step resumed would replace the one of that step. Returns the directory and the
+/// steps moved, if any.
+pub fn set_aside_after(root: &Path, resumed: Option<(u64, &Path)>, unix_seconds: u64) -> Result<Option<(PathBuf, Vec<u64>)>, CheckpointError> {
+    let same = |a: &Path, b: &Path| matches!((fs::canonicalize(a), fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b);
+    let other_line = |s: u64, dir: &Path| match resumed {
+        None => true,
+        Some((step, path)) => s > step || (s == step && !same(dir, path)),
+    };
+    let newer: Vec<(u64, PathBuf)> = list(root).into_iter().filter(|(s, dir)| other_line(*s, dir)).collect();
     if newer.is_empty() {
         return Ok(None);
     }
@@ -569,17 +577,40 @@ mod tests {
         for step in [10, 20, 30] {
             save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
         }
-        assert_eq!(set_aside_after(&root, 30, 1700000000).unwrap(), None, "nothing beyond the newest");
-        let (aside, steps) = set_aside_after(&root, 10, 1700000000).unwrap().unwrap();
+        let ckpt = |step: u64| root.join(dir_name(step));
+        assert_eq!(set_aside_after(&root, Some((30, &ckpt(30))), 1700000000).unwrap(), None, "nothing beyond the newest");
+        let (aside, steps) = set_aside_after(&root, Some((10, &ckpt(10))), 1700000000).unwrap().unwrap();
         assert_eq!(steps, [20, 30]);
         assert_eq!(aside, root.join("set-aside-1700000000"));
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10]);
         assert_eq!(list(&aside).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30], "moved, not deleted");
         assert!(load(&aside.join("step-00000030")).is_ok());
         save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
-        let (again, _) = set_aside_after(&root, 0, 1700000000).unwrap().unwrap();
+        let (again, steps) = set_aside_after(&root, None, 1700000000).unwrap().unwrap();
         assert_eq!(again, root.join("set-aside-1700000000-2"), "a second move in the same second gets its own directory");
+        assert_eq!(steps, [10, 20], "a fresh start continues no checkpoint");
         assert!(clean_temporaries(&root).removed.is_empty(), "set-aside directories are not leftovers");
+    }
+
+    /// A checkpoint resumed from elsewhere (a set-aside one, another run's) at a step this run's
+    /// directory also has: that step's own checkpoint belongs to the line left, and stays.
+    #[test]
+    fn the_same_steps_checkpoint_is_set_aside_when_another_one_is_resumed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (root, elsewhere) = (root(dir.path()), dir.path().join("other"));
+        for step in [10, 20] {
+            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
+        }
+        let theirs = save(&elsewhere, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        let (aside, steps) = set_aside_after(&root, Some((10, &theirs)), 1700000000).unwrap().unwrap();
+        assert_eq!(steps, [10, 20]);
+        assert!(list(&root).is_empty(), "{:?}", list(&root));
+        assert_eq!(list(&aside).len(), 2, "moved, not deleted");
+        assert!(load(&theirs).is_ok(), "the checkpoint resumed stays where it is");
+        // Named through another path (`./`, a symlinked directory), the resumed one is still the same.
+        save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        let roundabout = root.join("..").join("checkpoints").join(dir_name(10));
+        assert_eq!(set_aside_after(&root, Some((10, &roundabout)), 1700000001).unwrap(), None);
     }
 
     fn consistent(state: &TrainerState, config: &Config, weights: &[(String, Tensor)]) -> Result<(), String> {

@@ -180,7 +180,8 @@ fn newest(root: &Path, writer: bool, past: Option<u64>) -> Start {
 /// What a resumed run moved out of its way in `out_dir`; nothing is deleted.
 #[derive(Default)]
 pub(super) struct LeftBehind {
-    /// Checkpoints beyond the step resumed, which belong to a line the run left: the directory
+    /// Checkpoints of a line the run left (beyond the step resumed, or of that step but not the
+    /// one resumed; every one for a fresh start): the directory
     /// they went to, and their steps.
     pub checkpoints: Option<(PathBuf, Vec<u64>)>,
     /// The run's final weights, older than every checkpoint this run will write: where they went.
@@ -188,18 +189,18 @@ pub(super) struct LeftBehind {
 }
 
 /// What a run (resumed at `resumed`, None for a fresh start) moves out of its way in `out_dir`
-/// (rank 0): checkpoints beyond the step resumed into `root/set-aside-<time>/`; and, when it
+/// (rank 0): checkpoints of the line it leaves into `root/set-aside-<time>/`; and, when it
 /// will train, the final weights there, which `sample` and `export` of the run directory read
 /// first, to `model.set-aside-<time>.safetensors` beside them (the same directory, so the same
 /// file system). Nothing is deleted: where the newest checkpoint was corrupt and passed over,
 /// those weights are the only copy of its step; where every checkpoint was, or they were
 /// removed, a fresh start would otherwise write over the only copy of the run's model.
-pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<u64>, max_steps: u64) -> Result<LeftBehind, TrainError> {
+pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<(u64, &Path)>, max_steps: u64) -> Result<LeftBehind, TrainError> {
     let now = crate::deadline::now_unix_s() as u64;
-    let checkpoints = store::set_aside_after(root, resumed.unwrap_or(0), now)?;
+    let checkpoints = store::set_aside_after(root, resumed, now)?;
     let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
     let mut final_weights = None;
-    if resumed.unwrap_or(0) < max_steps && stale.exists() {
+    if resumed.map_or(0, |(step, _)| step) < max_steps && stale.exists() {
         let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
         std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDirFile { file: stale.clone(), source })?;
         final_weights = Some(to);

@@ -145,7 +145,7 @@ impl<'a> Run<'a> {
             h.prepare(cfg)?;
         }
         let left = match run_dir {
-            Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.is_some().then_some(start_step), t.max_steps)?,
+            Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.as_ref().map(|l| (start_step, l.path.as_path())), t.max_steps)?,
             None => Default::default(),
         };
         if let Some(h) = held.as_ref() {
