@@ -9,7 +9,13 @@ use crate::config::{Arch, Config};
 /// `key: checkpoint value, config value` for every differing key: those that define the model
 /// or name the optimizer (refused) and the rest, separately.
 pub fn differences(saved: &Config, now: &Config) -> (Vec<String>, Vec<String>) {
-    let json = |c: &Config| serde_json::to_value(c).expect("a Config always serialises");
+    // Defaults resolved: `ffn_hidden` unset and 4 × n_embd written out are the same model, as
+    // are `n_kv_head` unset and n_head.
+    let json = |c: &Config| {
+        let mut c = c.clone();
+        (c.model.ffn_hidden, c.model.n_kv_head) = (Some(c.model.ffn()), Some(c.model.kv_heads()));
+        serde_json::to_value(c).expect("a Config always serialises")
+    };
     let (mut model, mut other) = (Vec::new(), Vec::new());
     for d in differing_keys(&json(saved), &json(now)) {
         let line = format!("{}: checkpoint {}, config {}", d.key, d.a, d.b);
@@ -60,7 +66,7 @@ mod tests {
         now.model.dropout = 0.1;
         now.model.rope_theta = 500_000.0;
         now.model.norm_eps = 1e-6;
-        now.model.n_kv_head = Some(now.model.n_head);
+        now.model.n_kv_head = Some(1);
         let (model, other) = differences(&saved, &now);
         assert!(model.is_empty(), "{model:?}");
         assert_eq!(other.len(), 4, "{other:?}");
@@ -73,6 +79,15 @@ mod tests {
         let (model, other) = differences(&llama, &now);
         assert_eq!(model, ["model.rope_theta: checkpoint 10000.0, config 500000.0"]);
         assert_eq!(other, [format!("model.seq_len: checkpoint {}, config {}", llama.model.seq_len, now.model.seq_len)]);
+        // A default written out is the same model: nothing to refuse, nothing to report.
+        let mut spelled = llama.clone();
+        spelled.model.n_kv_head = Some(llama.model.n_head);
+        let mut gpt2 = Config::default();
+        gpt2.model.ffn_hidden = Some(4 * gpt2.model.n_embd);
+        assert_eq!(differences(&llama, &spelled), (vec![], vec![]));
+        assert_eq!(differences(&gpt2, &Config::default()), (vec![], vec![]));
+        gpt2.model.ffn_hidden = Some(100);
+        assert_eq!(differences(&Config::default(), &gpt2).0, ["model.ffn_hidden: checkpoint 256, config 100"], "another width names the default's value");
         // GPT-2's positions are a weight of seq_len rows.
         let mut now = Config::default();
         now.model.seq_len *= 2;
