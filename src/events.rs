@@ -102,7 +102,8 @@ pub enum Event {
     Deterministic(crate::determinism::Determinism),
     RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
     /// Out of memory at the smallest micro-batch: a memory saver from `oom.escalate` switched on.
-    OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String },
+    /// `switched_on`: the `oom.escalate` entry; `effect`: what it switched on, said in full.
+    OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String, effect: String },
     OomRecovered(OomRecovery),
     Resumed { step: u64, path: String, changed: Vec<String> },
     CheckpointSkipped { path: String, reason: String },
@@ -114,7 +115,7 @@ pub enum Event {
     /// renamed out of the way of `sample` and `export` (nothing deleted).
     FinalWeightsSetAside { resumed_step: u64, to: String },
     CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
-    CheckpointFailed { step: u64, error: String },
+    CheckpointFailed { step: u64, error: String, training_goes_on: bool },
     NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
     LeakSuspected { step: u64, message: String },
     /// fp16 loss scaling: `overflow` (update skipped, scale backed off) or `growth`.
@@ -326,8 +327,8 @@ impl Reporter {
                     );
                 }
             }
-            Event::OomEscalated { step, micro_batch, level, switched_on } => {
-                tracing::warn!("step {step}: out of memory at micro-batch {micro_batch}, the smallest allowed: switching on {switched_on} (escalation {level}) and replaying");
+            Event::OomEscalated { step, micro_batch, level, effect, .. } => {
+                tracing::warn!("step {step}: out of memory at micro-batch {micro_batch}, the smallest allowed: switching on {effect} (escalation {level}) and replaying");
             }
             Event::Deterministic(d) => {
                 let cublas = d.cublas_workspace_config.as_deref().unwrap_or("unset");
@@ -374,7 +375,10 @@ impl Reporter {
                 let gone = if deleted.is_empty() { String::new() } else { format!(", removed steps {deleted:?}") };
                 tracing::info!("checkpoint at step {step}: {path} ({seconds:.2}s{gone})");
             }
-            Event::CheckpointFailed { step, error } => tracing::warn!("checkpoint at step {step} failed, training goes on: {error}"),
+            Event::CheckpointFailed { step, error, training_goes_on } => match training_goes_on {
+                true => tracing::warn!("checkpoint at step {step} failed, training goes on: {error}"),
+                false => tracing::warn!("checkpoint at step {step} failed: {error}"),
+            },
             Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
                 tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
             }

@@ -392,6 +392,13 @@ fn a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path() {
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("is a run directory, not a checkpoint") && r.stderr().contains("--resume auto"), "{}", r.stderr());
+    // Its checkpoints directory: the same two ways on, not "corrupt".
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=40", "train.warmup_steps=5"]);
+    cmd.arg("--resume").arg(store::root(dir.path()));
+    let r = run(cmd, dir.path());
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(r.stderr().contains("is a run's checkpoints directory, not a checkpoint") && r.stderr().contains("step-…"), "{}", r.stderr());
+    assert!(!r.stderr().contains("corrupt"), "{}", r.stderr());
 }
 
 #[test]
@@ -665,6 +672,8 @@ fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record()
     assert_eq!(r.code(), 1, "{}", r.stderr());
     assert!(r.stderr().contains("stopped at step 3 (signal), but its checkpoint could not be written"), "{}", r.stderr());
     assert!(r.stderr().contains("start over at step 0"), "{}", r.stderr());
+    assert!(!r.stderr().contains("training goes on"), "it stops: {}", r.stderr());
+    assert_eq!(r.events_of("checkpoint_failed")[0]["training_goes_on"], false);
     assert_eq!(trainguard::stop_record::read(dir.path()), None);
 }
 

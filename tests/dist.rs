@@ -264,6 +264,38 @@ fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
     eprintln!("survivor exited {:?} after {:.1}s", status.code(), killed_at.elapsed().as_secs_f64());
 }
 
+/// Rank 0 writes checkpoints alone: the other ranks wait at a fence for as long as rank 0
+/// lives, not `dist.timeout_s`, so writes slower than the timeout (slow storage) do not end the
+/// job; and a rank 0 killed inside a write is named by its peer within seconds.
+#[test]
+fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside_it_is_named() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=3000"];
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(saved, [3, 6], "two writes of 3 s each under a 1 s timeout");
+
+    let e = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=100", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=60000"];
+    let port = free_port();
+    let (mut r0, r1) = (spawn_rank(0, 2, port, e.path(), &sets), spawn_rank(1, 2, port, e.path(), &sets));
+    let partial = e.path().join("checkpoints/.tmp-step-00000003/model.safetensors");
+    let t0 = Instant::now();
+    while !partial.is_file() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "checkpoint 3 never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    r0.kill().unwrap();
+    r0.wait().unwrap();
+    let killed_at = Instant::now();
+    let out = r1.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("rank 0 stopped answering while it wrote alone"), "{err}");
+    assert!(killed_at.elapsed() < Duration::from_secs(20), "named after {:.1} s", killed_at.elapsed().as_secs_f64());
+}
+
 #[test]
 fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let (d, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());

@@ -414,7 +414,8 @@ fn a_size_measured_after_an_out_of_memory_measures_as_in_a_fresh_process() {
     std::fs::write(&cfg, text).unwrap();
     let cfg_s = cfg.display().to_string();
     let measure = |sizes: &str| {
-        let j = json(&plan(&["--config", &cfg_s, "--profile", "--profile-steps", "2", "--micro-batches", sizes, "--json"]).ok());
+        // A global batch of 64, so that 64 is a size training could run.
+        let j = json(&plan(&["--config", &cfg_s, "--profile", "--profile-steps", "2", "--global-batch", "64", "--micro-batches", sizes, "--json"]).ok());
         j["profile"]["points"].as_array().unwrap().iter().map(|p| (u(&p["micro_batch"]), p["measured_bytes"].as_u64(), p["outcome"].as_str().unwrap().to_string())).collect::<Vec<_>>()
     };
     let at = |points: &[(u64, Option<u64>, String)], b: u64| points.iter().find(|p| p.0 == b).cloned().unwrap();
@@ -544,6 +545,11 @@ fn profile_says_nothing_fits_when_not_even_one_sample_or_the_model_fits() {
     let run = plan(&["--config", &config("debug.yaml"), "--profile", "--set", "memory.limit=4MiB", "--set", "model.seq_len=256"]);
     assert_eq!(run.code(), 0, "{}", run.stderr());
     assert!(run.stdout().contains("nothing fits by measurement, not even micro-batch 1, within the budget of 3.6 MiB"), "{}", run.stdout());
+    assert!(run.stdout().contains("README \"Memory savers and precision\""), "a hint that holds on a CPU: {}", run.stdout());
+    // Sizes given: what was not tried is not said not to fit.
+    let run = plan(&["--config", &config("debug.yaml"), "--profile", "--micro-batches", "4,2", "--set", "memory.limit=4MiB", "--set", "model.seq_len=256"]);
+    assert_eq!(run.code(), 0, "{}", run.stderr());
+    assert!(run.stdout().contains("nothing fits by measurement, none of the sizes measured, the smallest 2 (smaller ones were not tried)"), "{}", run.stdout());
     let run = plan(&["--config", &config("debug.yaml"), "--profile", "--set", "memory.limit=1MiB"]);
     assert_eq!(run.code(), 1, "{}", run.stderr());
     let err = run.stderr();

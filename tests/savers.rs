@@ -61,7 +61,20 @@ fn at_the_floor_the_guard_switches_checkpointing_on_and_the_run_completes() {
         assert!(escalated.stderr().contains("OOM recoveries 1 (1 by oom.escalate)"), "{}", escalated.stderr());
         assert_eq!(series(&escalated.metrics(), "loss"), series(&from_start.metrics(), "loss"), "{cap}: same as checkpointing from the start");
     }
-    // Without escalation the same cap is fatal.
+    // From micro-batch 2: the halving that did not recover is said before the escalation that
+    // followed it. (Offload on the CPU holds more than checkpointing alone: not this cap's.)
+    let accumulating = ["train.global_batch_size=2", "train.micro_batch_size=1"];
+    let (plain2, ckpt2) = (peak(&accumulating), peak(&[&accumulating[..], &["memory.activation_checkpointing=blocks"]].concat()));
+    let cap = format!("memory.limit={}", ckpt2 + (plain2 - ckpt2) * 7 / 10);
+    let d = tempfile::tempdir().unwrap();
+    let two = ["train.global_batch_size=2", "train.micro_batch_size=2", "oom.escalate=[activation_checkpointing]"];
+    let escalated = train(d.path(), "configs/debug.yaml", &[&base[..], &two[..], &[cap.as_str()]].concat()).ok();
+    let order: Vec<String> = escalated.events().iter().filter_map(|e| e["event"].as_str().filter(|n| n.starts_with("oom_")).map(String::from)).collect();
+    assert_eq!(order, ["oom_recovered", "oom_escalated"], "{:?}", escalated.events());
+    let esc = &escalated.events_of("oom_escalated")[0];
+    assert_eq!((esc["switched_on"].as_str(), esc["micro_batch"].as_u64()), (Some("activation_checkpointing"), Some(1)));
+    assert!(escalated.stderr().contains("switching on activation_checkpointing (every block) (escalation 1)"), "{}", escalated.stderr());
+    // Without escalation a cap between the two peaks is fatal.
     let cap = format!("memory.limit={}", (plain + ckpt) / 2);
     let c = tempfile::tempdir().unwrap();
     let r = train(c.path(), "configs/debug.yaml", &[&base[..], &[cap.as_str()]].concat());

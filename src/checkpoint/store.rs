@@ -40,6 +40,8 @@ pub enum CheckpointError {
     RunExists { out_dir: PathBuf, newest: u64, count: usize },
     #[error("{} is a run directory, not a checkpoint: `--resume auto` with out_dir there continues from its newest checkpoint, or give one of {}/step-…", .path.display(), .path.join("checkpoints").display())]
     RunNotCheckpoint { path: PathBuf },
+    #[error("{} is a run's checkpoints directory, not a checkpoint: `--resume auto` with out_dir {} continues from its newest one, or give one of {}/step-…", .path.display(), .path.parent().unwrap_or(Path::new(".")).display(), .path.display())]
+    CheckpointsNotCheckpoint { path: PathBuf },
 }
 
 /// A checkpoint read back from disk.

@@ -377,6 +377,15 @@ impl Escalation {
             Escalation::OffloadActivations => "offload_activations",
         }
     }
+
+    /// What switching it on does, for the guard's warning: offload moves checkpointed blocks'
+    /// inputs, so it checkpoints every block too.
+    pub fn effect(self) -> &'static str {
+        match self {
+            Escalation::ActivationCheckpointing => "activation_checkpointing (every block)",
+            Escalation::OffloadActivations => "offload_activations (with every block checkpointed: offload moves the checkpointed inputs)",
+        }
+    }
 }
 
 impl Default for OomConfig {

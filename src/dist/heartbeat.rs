@@ -121,6 +121,40 @@ impl Heartbeat {
     }
 }
 
+/// The fence's count in the store: rank 0 adds 1 each time its work alone is done.
+const FENCE_KEY: &str = "writer-done";
+
+impl Heartbeat {
+    /// Rank 0's work alone (a checkpoint, the final weights) takes as long as its storage does;
+    /// a collective waiting for it is bounded by `dist.timeout_s`, and a slow disk would end the
+    /// job. So each rank passes this fence after it instead: rank 0 counts `writer-done` up;
+    /// the others wait for the `n`-th count for as long as rank 0's heartbeat moves (its beats
+    /// come from a thread of their own), and fail once it stands still for three periods.
+    pub fn fence(&self, n: u64) -> Result<(), String> {
+        if self.rank == 0 {
+            let store = self.store.connect(5000).map_err(|e| e.to_string())?;
+            return store.add(FENCE_KEY, 1).map(|_| ()).map_err(|e| e.to_string());
+        }
+        // Without torchrun's agent rank 0 hosts the store: its end takes the store with it.
+        let gone = |e: crate::ffi::ShimError| format!("rank 0 stopped answering while it wrote alone (the store is unreachable: {})", e.to_string().lines().next().unwrap_or_default());
+        let store = self.store.connect(5000).map_err(gone)?;
+        let (mut beat, mut moved, mut pause) = (store.add(&key(0), 0).map_err(gone)?, std::time::Instant::now(), Duration::from_millis(1));
+        loop {
+            if store.add(FENCE_KEY, 0).map_err(gone)? >= n as i64 {
+                return Ok(());
+            }
+            let now = store.add(&key(0), 0).map_err(gone)?;
+            if now != beat {
+                (beat, moved) = (now, std::time::Instant::now());
+            } else if moved.elapsed() > self.period * 3 {
+                return Err(format!("rank 0 stopped answering while it wrote alone (heartbeat not moving for {:.1} s)", moved.elapsed().as_secs_f64()));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(self.period / 2);
+        }
+    }
+}
+
 /// Ranks whose counter did not move between two readings.
 fn silent(before: &[i64], after: &[i64]) -> Vec<usize> {
     before.iter().zip(after).enumerate().filter(|(_, (b, a))| a <= b).map(|(r, _)| r).collect()

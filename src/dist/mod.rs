@@ -59,6 +59,8 @@ pub struct Dist {
     /// The job's deadline for `train.max_duration`, kept in torchrun's agent store (none
     /// without it, or without a time limit).
     pub job_deadline: Option<round::JobDeadline>,
+    /// Fences passed after rank 0's work alone ([`Dist::after_writer`]).
+    fences: u64,
 }
 
 /// A flat buffer made once, so averaging gradients allocates nothing.
@@ -98,7 +100,7 @@ impl Dist {
             .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
             .ok();
         let job_deadline = agreed.and_then(|a| a.deadline);
-        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small, job_deadline })
+        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small, job_deadline, fences: 0 })
     }
 
     /// This attempt's id and the job's deadline, agreed with its peers through the agent's store.
@@ -195,10 +197,24 @@ impl Dist {
         Ok(Agreement { any_oom: v[0] > 0.0, failed_ranks: v[1].round() as usize, mean_value: v[2] / self.world_size as f64 })
     }
 
-    /// The largest of every rank's `value`, on every rank (the stop agreement: each rank's
-    /// reason to stop as a code, so all stop together and name the same reason).
+    /// The largest of every rank's `value`, on every rank.
     pub fn max(&self, value: f64) -> Result<f64, DistError> {
-        Ok(self.all_reduce_values("stop agreement", &[value], ReduceOp::Max)?[0])
+        Ok(self.max_each(&[value])?[0])
+    }
+
+    /// The largest of every rank's value in each slot, on every rank (the stop agreement: each
+    /// rank's reason to stop as a code, so all stop together and name the same reason).
+    pub fn max_each(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
+        self.all_reduce_values("stop agreement", values, ReduceOp::Max)
+    }
+
+    /// Every rank waits here for rank 0's work alone (a checkpoint, the final weights) for as
+    /// long as rank 0 is alive, not `dist.timeout_s` ([`heartbeat::Heartbeat::fence`]). Without
+    /// a heartbeat the next collective waits, as before.
+    pub fn after_writer(&mut self) -> Result<(), DistError> {
+        let Some(heartbeat) = self.heartbeat.as_ref() else { return Ok(()) };
+        self.fences += 1;
+        heartbeat.fence(self.fences).map_err(|message| DistError::Collective { what: "wait for rank 0's writing", message, silent: None })
     }
 
     /// The smallest and the largest of every rank's `value`, on every rank.

@@ -389,8 +389,13 @@ impl Guard {
             // The failed attempt's work is lost, and so is the time spent recovering.
             self.totals.time_lost += started.elapsed();
             if let Decision::Escalate { level } = decision {
-                let what = self.escalate.get(level - 1).map(|e| e.name().to_string()).unwrap_or_default();
-                reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on: what });
+                // The halvings that led here never recovered: said first, in the order they came.
+                for (rec, _) in pending.drain(..) {
+                    reporter.emit(Event::OomRecovered(rec));
+                }
+                let escalation = self.escalate.get(level - 1);
+                let (switched_on, effect) = (escalation.map(|e| e.name().to_string()).unwrap_or_default(), escalation.map(|e| e.effect().to_string()).unwrap_or_default());
+                reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on, effect });
                 self.totals.recoveries += 1;
                 self.totals.escalations += 1;
                 continue;

@@ -374,6 +374,9 @@ impl Inputs {
             Some(r) if micro > r => micro = r,
             _ => {}
         }
+        if let (Some(r), Some(&m)) = (rank_batch, a.micro_batches.iter().find(|&&m| Some(m) > rank_batch)) {
+            return Err(usage(format!("--micro-batches {m} exceeds the per-GPU batch {r} (global batch / --gpus): training would refuse it")));
+        }
         let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;
         Ok(Self { config, source, model, setup, micro, global, rank_batch, accumulation, target })
@@ -814,6 +817,7 @@ mod tests {
             (PlanArgs { margin: Some(1.5), ..gpt() }, "--margin must be in (0, 1]"),
             (PlanArgs { global_batch: Some(3), gpus: 4, ..gpt() }, "--global-batch 3 cannot be shared by --gpus 4"),
             (PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() }, "--micro-batch 16 exceeds the per-GPU batch 8"),
+            (PlanArgs { global_batch: Some(8), micro_batches: vec![4, 16], ..gpt() }, "--micro-batches 16 exceeds the per-GPU batch 8"),
             (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
             (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),
             (PlanArgs { gpu_memory: Some("24".into()), ..gpt() }, "give a unit, e.g. 24GiB"),

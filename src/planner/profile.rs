@@ -53,7 +53,7 @@ pub enum ProfileError {
     #[error("cannot reset the peak resident size through /proc/self/clear_refs: {0}")]
     ResetPeak(std::io::Error),
     /// Not even the model, its optimizer and libtorch's set-up fit: no micro-batch can.
-    #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, or --gpu / --gpu-memory); raise the cap or shrink the model (`plan` without --profile lists what each memory saver frees)", crate::memory::human(*.cap))]
+    #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, or --gpu / --gpu-memory); raise the cap or shrink the model (the memory savers and precisions: README \"Memory savers and precision\"; for a GPU, `plan --gpu NAME` without --profile lists what each frees)", crate::memory::human(*.cap))]
     SetupOutOfMemory { cap: u64 },
     #[error("child process for micro-batch {micro}: {why}")]
     Child { micro: u64, why: String },

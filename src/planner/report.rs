@@ -310,10 +310,15 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
                 let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc} (the last micro-batch takes the remainder)");
             }
             _ if p.points.iter().all(|pt| pt.outcome != Outcome::Fits) => {
+                // The search starts at 1; sizes given (`--micro-batches`) may not.
+                let smallest = p.points.iter().map(|pt| pt.micro_batch).min().unwrap_or(1);
+                let which = match smallest {
+                    1 => "not even micro-batch 1".to_string(),
+                    _ => format!("none of the sizes measured, the smallest {smallest} (smaller ones were not tried)"),
+                };
                 let _ = writeln!(
                     o,
-                    "  nothing fits by measurement, not even micro-batch {}, within the budget of {}: raise the cap or shrink the model (`plan` without --profile lists what each memory saver frees)",
-                    p.points.first().map_or(1, |pt| pt.micro_batch),
+                    "  nothing fits by measurement, {which}, within the budget of {}: raise the cap or shrink what a step holds (the memory savers and precisions: README \"Memory savers and precision\"; for a GPU, `plan --gpu NAME` without --profile lists what each frees)",
                     size(p.budget_bytes as f64)
                 );
             }

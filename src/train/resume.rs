@@ -13,7 +13,7 @@ use crate::optim::LrSchedule;
 use crate::run_plan::{CheckpointPlan, RunPlan};
 use crate::step::{LossScaler, Trainable};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Where a run starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +124,7 @@ pub(super) fn corrupt_path(e: &CheckpointError) -> String {
         CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
         CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
         CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
-        CheckpointError::RunNotCheckpoint { path } | CheckpointError::Missing { path } => path.display().to_string(),
+        CheckpointError::RunNotCheckpoint { path } | CheckpointError::CheckpointsNotCheckpoint { path } | CheckpointError::Missing { path } => path.display().to_string(),
     }
 }
 
@@ -156,6 +156,7 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         Resume::Overwrite => Ok(Start::default()), // the directory was moved aside: nothing there
         Resume::Auto => Ok(newest(root, writer, None)),
         Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
+        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && !store::list(p).is_empty() => Err(CheckpointError::CheckpointsNotCheckpoint { path: p.clone() }),
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
         Resume::AutoOr(p) => {
             // The job's own checkpoints are past the step it began from (the first attempt set
@@ -331,13 +332,21 @@ impl Checkpointer {
         (self.last_saved == Some(completed)).then(|| self.last_path.clone()).flatten()
     }
 
-    pub(super) fn due(&self, completed: u64, new_best: bool) -> bool {
-        self.plan.due(completed, self.last_at.elapsed(), new_best)
+    /// Whether a checkpoint of `completed` steps is due, `since_last` the time since the last
+    /// one (under a group, rank 0's, agreed at the step's start: every rank decides alike and
+    /// passes the fence after it).
+    pub(super) fn due(&self, completed: u64, new_best: bool, since_last: Duration) -> bool {
+        self.plan.due(completed, since_last, new_best)
+    }
+
+    /// The time since the last checkpoint this process wrote (or since it started).
+    pub(super) fn since_last(&self) -> Duration {
+        self.last_at.elapsed()
     }
 
     /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is
-    /// reported and training goes on.
-    pub(super) fn save(&mut self, completed: u64, s: &TrainState, started: Instant, plan: &RunPlan, reporter: &mut Reporter) -> Option<PathBuf> {
+    /// reported (`goes_on`: training goes on after it, as after an interval's; not a stop's).
+    pub(super) fn save(&mut self, completed: u64, goes_on: bool, s: &TrainState, started: Instant, plan: &RunPlan, reporter: &mut Reporter) -> Option<PathBuf> {
         if !self.writer {
             return None;
         }
@@ -389,7 +398,7 @@ impl Checkpointer {
                 Some(path)
             }
             Err(e) => {
-                reporter.emit(Event::CheckpointFailed { step: completed, error: e.to_string() });
+                reporter.emit(Event::CheckpointFailed { step: completed, error: e.to_string(), training_goes_on: goes_on });
                 None
             }
         }

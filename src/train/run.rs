@@ -47,6 +47,10 @@ pub struct Run<'a> {
     tracer: Option<Tracer>,
     /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
     last_eval_s: Option<f64>,
+    /// Under a group: the time since rank 0's last checkpoint, as rank 0 read it at this
+    /// step's start (the stop agreement carries it), so that every rank takes the same
+    /// checkpoint steps and waits for them at the fence.
+    since_checkpoint: Option<Duration>,
 }
 
 impl<'a> Run<'a> {
@@ -234,6 +238,7 @@ impl<'a> Run<'a> {
             baseline_vm,
             baseline_rss,
             last_eval_s: None,
+            since_checkpoint: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         };
         Ok((run, held))
@@ -255,7 +260,9 @@ impl<'a> Run<'a> {
             Some(StepFault::Crash) => return Err(TrainError::InjectedCrash { step }),
             None => {}
         }
-        if let Some(reason) = self.stop_reason(stop)? {
+        let (stop_now, since_checkpoint) = self.stop_reason(stop)?;
+        self.since_checkpoint = since_checkpoint;
+        if let Some(reason) = stop_now {
             let path = self.save_for_stop(step);
             self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
             if path.is_none() && plan.is_writer() {
@@ -357,7 +364,7 @@ impl<'a> Run<'a> {
         }));
         drop(traced_range);
         if give_up {
-            let path = self.save(step + 1);
+            let path = self.save(step + 1, false);
             self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
             return Err(TrainError::NonFinite { step, count: self.consecutive_bad });
         }
@@ -365,8 +372,10 @@ impl<'a> Run<'a> {
             self.reporter.emit(Event::TraceWritten(summary));
         }
         self.step += 1;
-        if self.ckpt.due(self.step, new_best) || (self.step == t.max_steps && plan.config.checkpoint.at_end) {
-            self.save(self.step);
+        let since_checkpoint = self.since_checkpoint.unwrap_or_else(|| self.ckpt.since_last());
+        if self.ckpt.due(self.step, new_best, since_checkpoint) || (self.step == t.max_steps && plan.config.checkpoint.at_end) {
+            self.save(self.step, self.step < t.max_steps);
+            self.after_writer()?;
         }
         Ok(())
     }
@@ -381,8 +390,9 @@ impl<'a> Run<'a> {
         }).ok()
     }
 
-    /// Why to stop before the next step, if anything says so; every rank agrees on it.
-    fn stop_reason(&self, stop: &Interrupter) -> Result<Option<StopReason>, TrainError> {
+    /// Why to stop before the next step, if anything says so; every rank agrees on it. Under a
+    /// group, also the time since rank 0's last checkpoint, which decides time-based ones.
+    fn stop_reason(&self, stop: &Interrupter) -> Result<(Option<StopReason>, Option<Duration>), TrainError> {
         // The next step, its evaluation when one follows it (the first one guessed as a third
         // of a step's time per evaluation batch: a forward over a global batch), a checkpoint.
         let eval = match self.plan.evaluates_after(self.step + 1) {
@@ -398,23 +408,34 @@ impl<'a> Run<'a> {
         };
         // All ranks stop at the same step, or the others would wait in a collective; and every
         // rank names the same reason (a signal before a time limit), whichever rank saw it.
-        if let Some(d) = self.dist.as_deref() {
-            let code = |r: Option<StopReason>| match r {
-                Some(StopReason::Signal) => 2.0,
-                Some(_) => 1.0,
-                None => 0.0,
-            };
-            reason = match d.max(code(reason))? {
-                c if c >= 2.0 => Some(StopReason::Signal),
-                c if c >= 1.0 => Some(StopReason::TimeLimit),
-                _ => None,
-            };
-        }
-        Ok(reason)
+        let Some(d) = self.dist.as_deref() else { return Ok((reason, None)) };
+        let code = |r: Option<StopReason>| match r {
+            Some(StopReason::Signal) => 2.0,
+            Some(_) => 1.0,
+            None => 0.0,
+        };
+        let rank0_since = if d.rank == 0 { self.ckpt.since_last().as_secs_f64() } else { 0.0 };
+        let agreed = d.max_each(&[code(reason), rank0_since])?;
+        reason = match agreed[0] {
+            c if c >= 2.0 => Some(StopReason::Signal),
+            c if c >= 1.0 => Some(StopReason::TimeLimit),
+            _ => None,
+        };
+        Ok((reason, Some(Duration::from_secs_f64(agreed[1].max(0.0)))))
     }
 
-    fn save(&mut self, completed: u64) -> Option<std::path::PathBuf> {
-        crate::memory::uncapped(|| self.ckpt.save(completed, &self.state, self.started, self.plan, &mut self.reporter))
+    /// Every rank waits for rank 0's writing alone, for as long as rank 0 lives rather than
+    /// `dist.timeout_s`: a checkpoint slower than that on rank 0's storage would otherwise
+    /// end the job in the next collective.
+    fn after_writer(&mut self) -> Result<(), TrainError> {
+        match self.dist.as_deref_mut() {
+            Some(d) => d.after_writer().map_err(TrainError::from),
+            None => Ok(()),
+        }
+    }
+
+    fn save(&mut self, completed: u64, goes_on: bool) -> Option<std::path::PathBuf> {
+        crate::memory::uncapped(|| self.ckpt.save(completed, goes_on, &self.state, self.started, self.plan, &mut self.reporter))
     }
 
     /// A collective that failed because a peer ended on a second signal (it said so in the
@@ -444,7 +465,7 @@ impl<'a> Run<'a> {
     fn save_for_stop(&mut self, completed: u64) -> Option<std::path::PathBuf> {
         match self.ckpt.last_saved_path(completed) {
             Some(path) => Some(path),
-            None => self.save(completed),
+            None => self.save(completed, false),
         }
     }
 
@@ -460,6 +481,9 @@ impl<'a> Run<'a> {
         // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
         if plan.is_writer() && plan.config.checkpoint.at_end {
             crate::memory::uncapped(|| crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params))?;
+        }
+        if plan.config.checkpoint.at_end {
+            self.after_writer()?;
         }
         if let Some(d) = self.dist.as_deref() {
             let spread = d.weight_spread(self.state.trainable.params())?;
