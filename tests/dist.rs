@@ -296,6 +296,20 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
     assert!(killed_at.elapsed() < Duration::from_secs(20), "named after {:.1} s", killed_at.elapsed().as_secs_f64());
 }
 
+/// Checkpoints by time under a group: rank 0's clock decides for every rank (it travels in the
+/// stop agreement), so every rank meets rank 0 at the same fences, and the ranks' own clocks,
+/// which differ, cannot split them: here every step lies past the interval of 1.2 ms.
+#[test]
+fn checkpoints_by_time_are_taken_at_the_same_steps_by_every_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=8", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.interval_minutes=0.00002", "checkpoint.keep_last=100", "dist.timeout_s=10"];
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
+    // Step 1's decision reads rank 0's time since the start, as the single process does.
+    assert_eq!(saved, (1..=8).collect::<Vec<_>>());
+}
+
 #[test]
 fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let (d, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
