@@ -298,7 +298,9 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
 
 /// Checkpoints by time under a group: rank 0's clock decides for every rank (it travels in the
 /// stop agreement), so every rank meets rank 0 at the same fences, and the ranks' own clocks,
-/// which differ, cannot split them: here every step lies past the interval of 1.2 ms.
+/// which differ, cannot split them. At an interval of 1.2 ms most steps start past it (a step
+/// that starts right after the fence may not): a rank that waited at a fence rank 0 never
+/// passed would fail once rank 0 ended, and `wait_ok` would say so.
 #[test]
 fn checkpoints_by_time_are_taken_at_the_same_steps_by_every_rank() {
     let d = tempfile::tempdir().unwrap();
@@ -306,8 +308,7 @@ fn checkpoints_by_time_are_taken_at_the_same_steps_by_every_rank() {
     let port = free_port();
     wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
     let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
-    // Step 1's decision reads rank 0's time since the start, as the single process does.
-    assert_eq!(saved, (1..=8).collect::<Vec<_>>());
+    assert!(saved.len() >= 3 && saved.last() == Some(&8) && saved.windows(2).all(|w| w[0] < w[1]), "checkpoints by time, once a step at most: {saved:?}");
 }
 
 #[test]
