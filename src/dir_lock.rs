@@ -1,8 +1,9 @@
 //! One writer per output directory: `train`'s rank 0 holds an advisory lock on `out_dir/.lock`
-//! for the life of the run, `prepare` on its `--out` until the dataset is published. Two runs in one directory (a double launch, a requeue while the old job still runs)
-//! deleted each other's checkpoints in progress and interleaved their metrics lines. `prepare`
-//! takes the same lock on its `--out` (its own message for a busy one). The lock
-//! goes with the process, however it ends (`flock`), so a killed run never leaves it behind.
+//! for the life of the run, `prepare` on its `--out` until the dataset is published (with its
+//! own message for a busy one). Two runs in one directory (a double launch, a requeue while the
+//! old job still runs) deleted each other's checkpoints in progress and interleaved their
+//! metrics lines. The lock goes with the process, however it ends (`flock`), so a killed run
+//! never leaves it behind.
 //! Where the filesystem cannot lock (Lustre mounted `noflock`, NFS without its lock daemon) the
 //! run goes on with a warning: the lock is a guard, and training must not depend on it.
 use std::fs::{File, OpenOptions, TryLockError};

@@ -94,6 +94,15 @@ fn out(text: &str) -> anyhow::Result<()> {
     trainguard::output::print(text).context("cannot write to standard output")
 }
 
+/// The summary line of a command whose output (`written`: what, and where) is already whole:
+/// one that cannot be printed (stdout on a full disk) is said on stderr, not made a failure,
+/// whose retry (a job script's, after exit 1) would be refused for what this run left.
+fn out_after_written(text: &str, written: &str) {
+    if let Err(e) = out(text) {
+        trainguard::logging::to_stderr(&format!("{written}; only its summary line could not be printed: {e:#}"));
+    }
+}
+
 fn load(args: &ConfigArgs) -> anyhow::Result<config::Config> {
     Ok(config::load(args.config.as_deref(), &args.overrides)?)
 }
@@ -273,10 +282,9 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
     .context("cannot install the SIGINT/SIGTERM handler")?;
     let m = trainguard::prepare::run(args, &stop)?;
     let secs = start.elapsed().as_secs_f64();
-    // From here the dataset is in place: nothing may turn it into a failure, whose retry (a
-    // job script's, after exit 1) would be refused for the dataset this run left.
+    // From here the dataset is in place: nothing may turn it into a failure.
     let dtype = serde_json::to_value(m.dtype).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
-    let printed = out(&format!(
+    let summary = format!(
         "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s\n",
         args.out.display(),
         m.documents,
@@ -289,10 +297,8 @@ fn run_prepare(args: &trainguard::prepare::PrepareArgs) -> anyhow::Result<()> {
         m.eos_id,
         m.input_bytes as f64 / 1e6 / secs,
         (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
-    ));
-    if let Err(e) = printed {
-        trainguard::logging::to_stderr(&format!("prepare: the dataset was written at {} ({}); only its summary line could not be printed: {e:#}", args.out.display(), args.out.join("dataset.json").display()));
-    }
+    );
+    out_after_written(&summary, &format!("prepare: the dataset was written at {} ({})", args.out.display(), args.out.join("dataset.json").display()));
     Ok(())
 }
 
@@ -305,11 +311,7 @@ fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
     let file = trained.dataset.as_ref().map(|d| d.tokenizer_file());
     let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id });
     let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
-    // The export is whole: a summary line that cannot be printed (stdout on a full disk) is no
-    // failure to retry, and a retry would be refused by the export it made.
-    if let Err(e) = out(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", "))) {
-        trainguard::logging::to_stderr(&format!("export: {} was written; only its summary line could not be printed: {e:#}", args.hf.display()));
-    }
+    out_after_written(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")), &format!("export: {} was written", args.hf.display()));
     Ok(())
 }
 

@@ -79,6 +79,11 @@ fn skipped_in_words(skipped: &[Skipped]) -> String {
     skipped.iter().map(|s| format!("{} with {}", s.events, s.why)).collect::<Vec<_>>().join(", ")
 }
 
+/// How many events `skipped` counts, said: `3 events`.
+fn skipped_events(skipped: &[Skipped]) -> String {
+    n_events(skipped.iter().map(|s| s.events).sum())
+}
+
 /// `n events`, `1 event`.
 fn n_events(n: u64) -> String {
     format!("{n} {}", if n == 1 { "event" } else { "events" })
@@ -110,13 +115,7 @@ fn micros(event: &Value, key: &str) -> Result<f64, String> {
 /// can pass `u64` nanoseconds, and durations taken between such numbers overflowed to nothing.
 /// An event whose `ts` or `dur` cannot be used is left out and counted in [`Parsed::skipped`].
 pub fn parse(trace: &Value) -> Result<Parsed, String> {
-    let list = match trace {
-        Value::Array(list) => list,
-        _ => trace
-            .get("traceEvents")
-            .and_then(Value::as_array)
-            .ok_or("no `traceEvents` list, and not a list of events (the JSON Array Format): not a Chrome trace")?,
-    };
+    let list = event_list(trace)?;
     // The events read, with `ts` and `dur` in microseconds as written.
     let mut read: Vec<(TraceEvent, f64, f64)> = Vec::new();
     let mut skipped: HashMap<String, u64> = HashMap::new();
@@ -165,6 +164,17 @@ pub fn parse(trace: &Value) -> Result<Parsed, String> {
     Ok(Parsed { events, skipped })
 }
 
+/// A trace's events: the object's `traceEvents`, or the JSON Array Format's list itself.
+fn event_list(trace: &Value) -> Result<&Vec<Value>, String> {
+    match trace {
+        Value::Array(list) => Ok(list),
+        _ => trace
+            .get("traceEvents")
+            .and_then(Value::as_array)
+            .ok_or_else(|| "no `traceEvents` list, and not a list of events (the JSON Array Format): not a Chrome trace".into()),
+    }
+}
+
 /// The first bytes of a gzip stream (RFC 1952): `torch.profiler`'s
 /// `tensorboard_trace_handler(use_gzip=True)` writes its traces so (`*.pt.trace.json.gz`).
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -193,18 +203,14 @@ fn summary_of(bytes: &[u8], path: &Path, top: usize) -> Result<TraceSummary, Tra
     let Parsed { events, skipped } = parse(&value).map_err(bad)?;
     // Launches and step ranges are not work: a trace of nothing else would tabulate zeros.
     if !events.iter().any(|e| !e.launch && !e.is_step_range()) {
-        let listed = match &value {
-            Value::Array(list) => list.len(),
-            _ => value["traceEvents"].as_array().map_or(0, Vec::len),
-        } as u64;
+        let listed = event_list(&value).map_or(0, Vec::len) as u64;
         let mut why = if listed == 0 {
             "its event list is empty".to_string()
         } else {
             format!("of its {}, none is a kernel, copy or set the GPU ran or an operator the CPU ran (a complete event, `\"ph\": \"X\"`, of `cat` kernel, gpu_memcpy, gpu_memset, cpu_op or user_annotation, other than the step ranges)", n_events(listed))
         };
         if !skipped.is_empty() {
-            let n: u64 = skipped.iter().map(|s| s.events).sum();
-            why += &format!("; {} could not be read: {}", n_events(n), skipped_in_words(&skipped));
+            why += &format!("; {} could not be read: {}", skipped_events(&skipped), skipped_in_words(&skipped));
         }
         return Err(TraceError::Empty { path: path.to_path_buf(), why });
     }
@@ -338,8 +344,7 @@ pub struct TraceSummary {
 impl TraceSummary {
     /// The warning to give when the figures leave events out (`None` when they leave none).
     pub fn skipped_warning(&self) -> Option<String> {
-        let n: u64 = self.skipped.iter().map(|s| s.events).sum();
-        (n > 0).then(|| format!("{}: the figures leave out {} they could not read: {}", self.path, n_events(n), skipped_in_words(&self.skipped)))
+        (!self.skipped.is_empty()).then(|| format!("{}: the figures leave out {} they could not read: {}", self.path, skipped_events(&self.skipped), skipped_in_words(&self.skipped)))
     }
 }
 

@@ -21,6 +21,9 @@ fn key(rank: usize) -> String {
     format!("heartbeat/{rank}")
 }
 
+/// The fence's count in the store: rank 0 adds 1 each time its work alone is done.
+const FENCE_KEY: &str = "writer-done";
+
 fn stopped_key(rank: usize) -> String {
     format!("stopped-by-signal/{rank}")
 }
@@ -108,23 +111,6 @@ impl Heartbeat {
         Ok(silent(&before, &after))
     }
 
-    /// A sentence for an error message: who went silent, or that every rank is alive.
-    pub fn diagnosis(&self) -> String {
-        match self.silent_ranks() {
-            Ok(r) if r.is_empty() => "every rank's heartbeat is alive: a rank is slow or stuck inside a step, not gone".into(),
-            Ok(r) => {
-                let names: Vec<String> = r.iter().map(|r| format!("rank {r}")).collect();
-                format!("{} stopped answering (heartbeat not moving for {:.1} s)", names.join(", "), (self.period * 3).as_secs_f64())
-            }
-            Err(e) => format!("which rank went silent is unknown (heartbeats unreadable: {})", e.to_string().lines().next().unwrap_or_default()),
-        }
-    }
-}
-
-/// The fence's count in the store: rank 0 adds 1 each time its work alone is done.
-const FENCE_KEY: &str = "writer-done";
-
-impl Heartbeat {
     /// Rank 0's work alone (a checkpoint, the final weights) takes as long as its storage does;
     /// a collective waiting for it is bounded by `dist.timeout_s`, and a slow disk would end the
     /// job. So each rank passes this fence after it instead: rank 0 counts `writer-done` up;
@@ -151,6 +137,18 @@ impl Heartbeat {
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(self.period / 2);
+        }
+    }
+
+    /// A sentence for an error message: who went silent, or that every rank is alive.
+    pub fn diagnosis(&self) -> String {
+        match self.silent_ranks() {
+            Ok(r) if r.is_empty() => "every rank's heartbeat is alive: a rank is slow or stuck inside a step, not gone".into(),
+            Ok(r) => {
+                let names: Vec<String> = r.iter().map(|r| format!("rank {r}")).collect();
+                format!("{} stopped answering (heartbeat not moving for {:.1} s)", names.join(", "), (self.period * 3).as_secs_f64())
+            }
+            Err(e) => format!("which rank went silent is unknown (heartbeats unreadable: {})", e.to_string().lines().next().unwrap_or_default()),
         }
     }
 }

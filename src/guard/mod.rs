@@ -393,8 +393,7 @@ impl Guard {
                 for (rec, _) in pending.drain(..) {
                     reporter.emit(Event::OomRecovered(rec));
                 }
-                let escalation = self.escalate.get(level - 1);
-                let (switched_on, effect) = (escalation.map(|e| e.name().to_string()).unwrap_or_default(), escalation.map(|e| e.effect().to_string()).unwrap_or_default());
+                let (switched_on, effect) = self.escalate.get(level - 1).map(|e| (e.name().to_string(), e.effect().to_string())).unwrap_or_default();
                 reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on, effect });
                 self.totals.recoveries += 1;
                 self.totals.escalations += 1;

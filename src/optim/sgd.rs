@@ -61,7 +61,7 @@ impl Sgd {
             // buffers (with them it refuses momentum 0). The buffers still get what the
             // tensor-op path leaves in them, so that either path resumes the other.
             let mu = self.cfg.momentum.filter(|&mu| mu != 0.0);
-            if self.cfg.momentum == Some(0.0) {
+            if self.cfg.momentum.is_some() && mu.is_none() {
                 self.copy_gradients_with_decay_into_buffers(params, grads, wd)?;
             }
             for (with_decay, idx) in decay_groups(&self.decay) {

@@ -374,8 +374,10 @@ impl Inputs {
             Some(r) if micro > r => micro = r,
             _ => {}
         }
-        if let (Some(r), Some(&m)) = (rank_batch, a.micro_batches.iter().find(|&&m| Some(m) > rank_batch)) {
-            return Err(usage(format!("--micro-batches {m} exceeds the per-GPU batch {r} (global batch / --gpus): training would refuse it")));
+        if let Some(r) = rank_batch {
+            if let Some(m) = a.micro_batches.iter().find(|&&m| m > r) {
+                return Err(usage(format!("--micro-batches {m} exceeds the per-GPU batch {r} (global batch / --gpus): training would refuse it")));
+            }
         }
         let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;

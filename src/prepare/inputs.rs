@@ -187,9 +187,7 @@ impl Documents {
             }
         }
     }
-}
 
-impl Documents {
     fn warn_lone_surrogates(&self) {
         if let Some((line, escape)) = &self.first_lone {
             tracing::warn!(

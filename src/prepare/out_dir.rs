@@ -9,13 +9,12 @@
 use super::PrepareError;
 use crate::created_dirs::{self, CreateError};
 use crate::data::shards;
-use crate::dir_lock::{LockError, RunDirLock};
+use crate::dir_lock::{LockError, RunDirLock, LOCK_FILE};
 use std::path::{Path, PathBuf};
 
 /// The file `prepare` copies `--tokenizer` to, and `dataset.json` names.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 const STAGING_PREFIX: &str = ".prepare-tmp-";
-const LOCK_FILE: &str = crate::dir_lock::LOCK_FILE;
 
 /// The output directory, held (locked) until dropped.
 pub struct OutDir {
