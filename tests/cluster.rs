@@ -292,6 +292,9 @@ fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let rank1 = worker_pid(1, d.path()).expect("rank 1's process");
+    // The checkpoint shows at a step boundary, where rank 1 may be about to agree on stopping;
+    // a signal there stops the group before the second arrives. 150 ms later it is mid-step.
+    std::thread::sleep(std::time::Duration::from_millis(150));
     for _ in 0..2 {
         unsafe { libc::kill(rank1, libc::SIGTERM) };
         std::thread::sleep(std::time::Duration::from_millis(20));

@@ -37,13 +37,15 @@ fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> C
         .unwrap()
 }
 
-fn wait_ok(children: Vec<Child>) {
+/// Every rank's output, once each has exited 0.
+fn wait_ok(children: Vec<Child>) -> Vec<std::process::Output> {
     let outs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for (rank, out) in outs.iter().enumerate() {
         // Every rank's stderr: the first to fail explains why the others did.
         let all = outs.iter().enumerate().map(|(r, o)| format!("--- rank {r} ({:?}):\n{}", o.status.code(), String::from_utf8_lossy(&o.stderr))).collect::<String>();
         assert!(out.status.success(), "rank {rank} failed:\n{all}");
     }
+    outs
 }
 
 fn assert_matches_single_process(dist_dir: &Path, single: &Run) {
@@ -266,15 +268,21 @@ fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
 
 /// Rank 0 writes checkpoints alone: the other ranks wait at a fence for as long as rank 0
 /// lives, not `dist.timeout_s`, so writes slower than the timeout (slow storage) do not end the
-/// job; and a rank 0 killed inside a write is named by its peer within seconds.
+/// job, and each timeout's worth of waiting is said; a rank 0 killed inside a write is named
+/// by its peer within seconds.
 #[test]
 fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside_it_is_named() {
     let d = tempfile::tempdir().unwrap();
     let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=3000"];
     let port = free_port();
-    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let outs = wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
     let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(saved, [3, 6], "two writes of 3 s each under a 1 s timeout");
+    let waiting = String::from_utf8_lossy(&outs[1].stderr);
+    let said: Vec<&str> = waiting.lines().filter(|l| l.contains("for rank 0 to finish writing alone")).collect();
+    // Two writes, each said at about 1 s and 2 s of waiting (rank 1 reaches the fence late by
+    // its own step's end, so perhaps once less each).
+    assert!((2..=4).contains(&said.len()) && said[0].contains("waiting 1 s") && said[0].contains("dist.timeout_s = 1"), "{waiting}");
 
     let e = tempfile::tempdir().unwrap();
     let sets = ["train.max_steps=100", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=60000"];

@@ -15,6 +15,8 @@ pub struct Heartbeat {
     rank: usize,
     world: usize,
     period: Duration,
+    /// `dist.timeout_s`: how long a wait at the fence goes before it says so.
+    timeout: Duration,
 }
 
 fn key(rank: usize) -> String {
@@ -87,7 +89,7 @@ impl Heartbeat {
                 }
             })
             .map_err(|e| crate::ffi::ShimError::Torch(format!("cannot start the heartbeat thread: {e}")))?;
-        Ok(Self { stop, store: address, rank, world, period })
+        Ok(Self { stop, store: address, rank, world, period, timeout: Duration::from_secs(timeout_s.max(1)) })
     }
 
     pub fn stop_notice(&self) -> StopNotice {
@@ -115,7 +117,9 @@ impl Heartbeat {
     /// a collective waiting for it is bounded by `dist.timeout_s`, and a slow disk would end the
     /// job. So each rank passes this fence after it instead: rank 0 counts `writer-done` up;
     /// the others wait for the `n`-th count for as long as rank 0's heartbeat moves (its beats
-    /// come from a thread of their own), and fail once it stands still for three periods.
+    /// come from a thread of their own), and fail once it stands still for three periods. A
+    /// write that hangs with rank 0 alive holds them here, so every `dist.timeout_s` they say
+    /// how long they have waited: the job's log shows where it stands, not silence.
     pub fn fence(&self, n: u64) -> Result<(), String> {
         if self.rank == 0 {
             let store = self.store.connect(5000).map_err(|e| e.to_string())?;
@@ -125,9 +129,18 @@ impl Heartbeat {
         let gone = |e: crate::ffi::ShimError| format!("rank 0 stopped answering while it wrote alone (the store is unreachable: {})", e.to_string().lines().next().unwrap_or_default());
         let store = self.store.connect(5000).map_err(gone)?;
         let (mut beat, mut moved, mut pause) = (store.add(&key(0), 0).map_err(gone)?, std::time::Instant::now(), Duration::from_millis(1));
+        let (since, mut notices) = (std::time::Instant::now(), 0u32);
         loop {
             if store.add(FENCE_KEY, 0).map_err(gone)? >= n as i64 {
                 return Ok(());
+            }
+            if since.elapsed() >= self.timeout * (notices + 1) {
+                notices += 1;
+                tracing::warn!(
+                    "waiting {:.0} s for rank 0 to finish writing alone (a checkpoint or the final weights), longer than dist.timeout_s = {}: rank 0 is alive (its heartbeat moves), so its storage is slow or the write hangs; rank 0's log says which",
+                    since.elapsed().as_secs_f64(),
+                    self.timeout.as_secs()
+                );
             }
             let now = store.add(&key(0), 0).map_err(gone)?;
             if now != beat {
