@@ -21,17 +21,21 @@ pub enum Command {
     /// Versions, CUDA, GPUs and allocator settings: what to paste into a bug report.
     Env(ConfigArgs),
     /// Estimate (and with --profile measure) what fits on a GPU; recommend a micro-batch.
+    // `--margin -1` is a value, refused by name, not clap's "unexpected argument '-1'".
+    #[command(allow_negative_numbers = true)]
     Plan(crate::planner::PlanArgs),
     /// One self-contained HTML page of a run's curves and events (several runs: overlaid).
     Report(ReportArgs),
     /// Tokenize text (.txt, .jsonl) with a tokenizer.json into token shards for `data.source: tokens:DIR`.
     Prepare(crate::prepare::PrepareArgs),
     /// Continue a prompt with a trained model (a checkpoint, a run directory or an exported directory).
+    #[command(allow_negative_numbers = true)]
     Sample(crate::sample::SampleArgs),
     /// Write a run's or checkpoint's model as a Hugging Face transformers directory.
     Export(ExportArgs),
     /// Where a profiled step's time went: a Chrome trace of PyTorch's profiler (`metrics.trace`
     /// writes one; so does `torch.profiler`) as tables by kind of work and by kernel.
+    #[command(allow_negative_numbers = true)]
     Trace(TraceArgs),
 }
 
@@ -48,7 +52,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub compare: bool,
     /// How many of the heaviest kernels (operators) and launching operators to name.
-    #[arg(long, default_value_t = crate::trace::TOP, value_name = "N")]
+    #[arg(long, default_value_t = crate::trace::TOP, value_name = "N", value_parser = at_least_one)]
     pub top: usize,
 }
 
@@ -113,4 +117,27 @@ pub struct ConfigArgs {
     /// Override a key: `--set train.lr=1e-3` (repeatable, applied in order).
     #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
     pub overrides: Vec<String>,
+}
+
+/// A count that must name at least one thing (`--top`).
+fn at_least_one(text: &str) -> Result<usize, String> {
+    text.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| format!("expected a whole number from 1, got `{text}`"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_top_counts_from_one_and_a_negative_number_is_a_value() {
+        let top = |n: &str| Cli::try_parse_from(["trainguard", "trace", "--top", n, "t.json"]).map_err(|e| e.to_string());
+        assert!(matches!(top("3").unwrap().command, Command::Trace(TraceArgs { top: 3, .. })));
+        for bad in ["0", "-1"] {
+            let err = top(bad).unwrap_err();
+            assert!(err.contains("'--top <N>'") && err.contains(&format!("expected a whole number from 1, got `{bad}`")), "{err}");
+        }
+        // Reaches sample's own rule (refused there by name), not clap's "unexpected argument".
+        let parsed = Cli::try_parse_from(["trainguard", "sample", "run", "--temperature", "-1"]).unwrap();
+        assert!(matches!(parsed.command, Command::Sample(a) if a.temperature == -1.0));
+    }
 }

@@ -23,6 +23,11 @@ fn version(v: i64, parts: &[i64]) -> String {
 
 /// The report; `config` supplies the allocator settings a run of it would use.
 pub fn report(config: &Config) -> String {
+    // What a CUDA run would hand libtorch, handed over as a run does before CUDA starts: the
+    // keys and values libtorch refuses (from the environment too) are found here, not at the run.
+    // Read first: handing them over sets PYTORCH_CUDA_ALLOC_CONF to the merged settings.
+    let (from_env, eff) = (crate::memory::allocator::env_source(), effective(&config.memory.allocator, None, true));
+    let refused = crate::memory::allocator::configure(&config.memory.allocator, None, true).err();
     let mut r = String::new();
     let _ = writeln!(r, "[trainguard]\nversion: {}", env!("CARGO_PKG_VERSION"));
     let _ = writeln!(r, "\n[libtorch]");
@@ -64,19 +69,18 @@ pub fn report(config: &Config) -> String {
         }
     }
     let _ = writeln!(r, "\n[allocator]");
-    let _ = match crate::memory::allocator::env_source() {
+    let _ = match from_env {
         Some((name, value)) => writeln!(r, "{name} in the environment: {value}"),
         None => writeln!(r, "PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF in the environment: (unset)"),
     };
     // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
-    let eff = effective(&config.memory.allocator, None, true);
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
     let _ = writeln!(r, "effective (CUDA runs; a CPU run does not use them): {shown}");
     let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
     // What a run with this config would refuse or warn of, said here too: this is the command
     // that diagnoses the settings.
-    if let Some(why) = crate::memory::allocator::refused_backend(&config.memory.allocator) {
-        let _ = writeln!(r, "refused (a run with this config exits 2): {why}");
+    if let Some(e) = refused {
+        let _ = writeln!(r, "refused (a run with this config exits 2): {e}");
     }
     for w in config.memory.allocator.warnings(config.memory.limit.is_some()) {
         let _ = writeln!(r, "warning: {w}");

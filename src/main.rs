@@ -19,7 +19,7 @@ fn main() {
         Command::Plan(args) => trainguard::planner::run(&args).map_err(Into::into),
         Command::Report(args) => run_report(&args),
         Command::Prepare(args) => run_prepare(&args),
-        Command::Sample(args) => trainguard::sample::run(&args).map_err(Into::into).and_then(|text| print_continuation(&text)),
+        Command::Sample(args) => run_sample(&args),
         Command::Export(args) => run_export(&args),
         Command::Trace(args) => run_trace(&args),
     };
@@ -81,12 +81,15 @@ fn heard_from_a_peer(err: &anyhow::Error) -> bool {
     err.chain().any(|c| c.downcast_ref::<TrainError>().is_some_and(TrainError::heard_from_a_peer))
 }
 
-/// The continuation as generated; on a terminal, a line end after it so the prompt does not
-/// follow on its line (piped, nothing is added).
-fn print_continuation(text: &str) -> anyhow::Result<()> {
+/// The continuation printed as it is drawn; on a terminal, a line end after it so the prompt
+/// does not follow on its line (piped, nothing is added).
+fn run_sample(args: &trainguard::sample::SampleArgs) -> anyhow::Result<()> {
     use std::io::IsTerminal;
-    let line_end = std::io::stdout().is_terminal() && !text.ends_with('\n');
-    out(&format!("{text}{}", if line_end { "\n" } else { "" }))
+    let text = trainguard::sample::run(args, &mut trainguard::output::print_part)?;
+    if std::io::stdout().is_terminal() && !text.ends_with('\n') {
+        out("\n")?;
+    }
+    Ok(())
 }
 
 /// The command's answer on stdout (a closed pipe ends it quietly; another failure is an error).

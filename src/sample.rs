@@ -31,6 +31,10 @@ pub struct SampleArgs {
     /// `auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Go on past the end-of-document token. By default the continuation ends where the model
+    /// draws it, as transformers' `generate` does: what follows would be another document.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Token ids instead of --prompt (comma-separated); for tests.
     #[arg(long, hide = true, value_delimiter = ',')]
     pub ids: Vec<i64>,
@@ -47,6 +51,8 @@ pub enum SampleError {
     Input(String),
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    #[error("cannot write to standard output: {0}")]
+    Output(std::io::Error),
 }
 
 pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
@@ -118,7 +124,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE)).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let config: Config = crate::config::saved(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let recorded = store::list(&store::root(target)).last().and_then(|(_, dir)| store::load_state(dir).ok()).and_then(|s| s.data);
-        (config, Tensor::read_safetensors(&final_weights).map_err(|e| input(format!("{}: {e}", final_weights.display())))?, recorded)
+        (config, store::read_model_file(&final_weights).map_err(|m| input(format!("{}: {m}", final_weights.display())))?, recorded)
     } else {
         // A run without final weights (or without its config.yaml): its newest checkpoint that
         // loads, which carries its own config. Those passed over are named.
@@ -249,6 +255,15 @@ impl Codec {
         }
     }
 
+    /// The end-of-document token, where a tokenizer names one (byte-level and bare token data
+    /// have none).
+    fn eos(&self) -> Option<i64> {
+        match self {
+            Codec::Tokenizer(_, eos) => Some(*eos as i64),
+            _ => None,
+        }
+    }
+
     fn decode(&self, ids: &[i64]) -> String {
         match self {
             // An id past the bytes (a model.vocab_size above 256) is no byte: U+FFFD, as for
@@ -288,8 +303,10 @@ fn exported_eos(dir: &Path) -> Option<String> {
     eos.as_str().or(eos["content"].as_str()).map(str::to_string)
 }
 
-/// Runs the command: returns the prompt's continuation (or nothing with --dump-logits).
-pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
+/// Runs the command: hands the prompt's continuation to `emit` as it is drawn (each part whole
+/// characters; `emit` answers false once no one reads) and returns it whole (nothing with
+/// --dump-logits).
+pub fn run(args: &SampleArgs, emit: &mut dyn FnMut(&str) -> std::io::Result<bool>) -> Result<String, SampleError> {
     let device = device_from(&args.device)?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(input(format!("--temperature must be a number >= 0, got {}", args.temperature)));
@@ -298,7 +315,7 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
     let codec = Codec::open(&trained)?;
     let model = build(&trained, device)?;
     let vocab = trained.model.vocab_size as i64;
-    let mut ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
+    let ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
     if ids.is_empty() {
         return Err(input(match codec {
             Codec::Ids(_) => "--prompt is empty and this run's data has no start token: give the prompt as token ids",
@@ -316,16 +333,71 @@ pub fn run(args: &SampleArgs) -> Result<String, SampleError> {
         Tensor::write_safetensors(&[("logits", &logits)], path)?;
         return Ok(String::new());
     }
-    let start = ids.len();
-    for pos in 0..args.max_tokens {
-        let t = ids.len().min(trained.model.seq_len);
-        let x = Tensor::f_from_slice(&ids[ids.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
+    let draw = |context: &[i64], pos: usize| -> Result<i64, SampleError> {
+        let t = context.len().min(trained.model.seq_len);
+        let x = Tensor::f_from_slice(&context[context.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
         let logits = model.forward(&x, false, None)?.f_select(1, t as i64 - 1)?.f_view([-1])?.f_to_kind(Kind::Double)?.f_to_device(Device::Cpu)?;
         let logits: Vec<f64> = Vec::try_from(&logits)?;
         let u = (crate::data::mix(&[args.seed, pos as u64]) >> 11) as f64 / (1u64 << 53) as f64;
-        ids.push(pick(&logits, args.temperature, args.top_k, u) as i64);
+        Ok(pick(&logits, args.temperature, args.top_k, u) as i64)
+    };
+    let stop_at = if args.ignore_eos { None } else { codec.eos() };
+    generate(ids, args.max_tokens, stop_at, &codec, draw, emit)
+}
+
+/// Draws up to `max_tokens` after `prompt` (`draw`: the next id given every id so far and the
+/// position), ending before `stop_at`; streams the text through `emit` as it becomes final and
+/// returns the whole of it.
+fn generate(
+    mut ids: Vec<i64>,
+    max_tokens: usize,
+    stop_at: Option<i64>,
+    codec: &Codec,
+    mut draw: impl FnMut(&[i64], usize) -> Result<i64, SampleError>,
+    emit: &mut dyn FnMut(&str) -> std::io::Result<bool>,
+) -> Result<String, SampleError> {
+    let (start, mut stream) = (ids.len(), Stream::default());
+    for pos in 0..max_tokens {
+        let id = draw(&ids, pos)?;
+        if Some(id) == stop_at {
+            break;
+        }
+        ids.push(id);
+        // Decoded whole each time: a tokenizer's decode of a part need not be that part of the
+        // whole (spaces between words, a character's bytes split across tokens).
+        let part = stream.advance(&codec.decode(&ids[start..]), false).unwrap_or_default();
+        if !part.is_empty() && !emit(&part).map_err(SampleError::Output)? {
+            return Ok(stream.printed); // the reader went away (`| head`): nothing more to draw for
+        }
     }
-    Ok(codec.decode(&ids[start..]))
+    let whole = codec.decode(&ids[start..]);
+    match stream.advance(&whole, true) {
+        Some(rest) if !rest.is_empty() => {
+            emit(&rest).map_err(SampleError::Output)?;
+        }
+        Some(_) => {}
+        None => tracing::warn!("the tokenizer changed text already printed as later tokens came: the whole continuation decodes as {whole:?}"),
+    }
+    Ok(whole)
+}
+
+/// The part of a growing continuation that can be printed: the decode of every token drawn so
+/// far, past what was printed, once it extends what was printed (a tokenizer may revise the
+/// end), and less its trailing U+FFFD until the last token (a character whose bytes are still
+/// to come decodes as one for now).
+#[derive(Default)]
+struct Stream {
+    printed: String,
+}
+
+impl Stream {
+    /// What to print now; None while `decoded` does not begin with what was printed.
+    fn advance(&mut self, decoded: &str, last: bool) -> Option<String> {
+        let new = decoded.strip_prefix(self.printed.as_str())?;
+        let new = if last { new } else { new.trim_end_matches('\u{FFFD}') };
+        self.printed.push_str(new);
+        Some(new.to_string())
+    }
 }
 
 /// The token drawn from `logits` at `temperature` among the `top_k` best (0: all), by inverse
@@ -353,7 +425,7 @@ pub fn pick(logits: &[f64], temperature: f64, top_k: usize, u: f64) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{exported_eos, pick, Codec};
+    use super::{exported_eos, generate, pick, Codec, Stream};
 
     #[test]
     fn an_exports_eos_token_is_read_as_a_name_or_an_added_token() {
@@ -382,6 +454,47 @@ mod tests {
         let codec = Codec::Tokenizer(Box::new(tokenizers::Tokenizer::new(model)), 2);
         assert_eq!(codec.decode(&[0, 1]), "a b");
         assert_eq!(codec.decode(&[0, 7, 1, 3, 3]), "a\u{FFFD}b\u{FFFD}\u{FFFD}", "one per id past the tokenizer's 3, none dropped");
+    }
+
+    #[test]
+    fn a_character_split_across_tokens_is_printed_once_whole_and_revised_text_is_held_back() {
+        let mut s = Stream::default();
+        assert_eq!(s.advance("caf", false).as_deref(), Some("caf"));
+        // é's first byte alone decodes as U+FFFD: held back, not printed as one.
+        assert_eq!(s.advance("caf\u{FFFD}", false).as_deref(), Some(""));
+        assert_eq!(s.advance("café", false).as_deref(), Some("é"));
+        assert_eq!(s.advance("café \u{FFFD}", true).as_deref(), Some(" \u{FFFD}"), "the last token's U+FFFD is the text's");
+        let mut s = Stream::default();
+        assert_eq!(s.advance("a ,", false).as_deref(), Some("a ,"));
+        assert_eq!(s.advance("a, b", false), None, "a decode that revises printed text prints nothing");
+        assert_eq!(s.advance("a , b", false).as_deref(), Some(" b"));
+    }
+
+    #[test]
+    fn the_continuation_ends_before_the_end_of_document_token_and_streams_what_it_drew() {
+        let drawn = [7, 8, 2, 9, 10];
+        let run = |stop_at: Option<i64>, max: usize| {
+            let mut parts = Vec::new();
+            let whole = generate(vec![1], max, stop_at, &Codec::Ids(None), |ids, _| Ok(drawn[ids.len() - 1]), &mut |p| {
+                parts.push(p.to_string());
+                Ok(true)
+            })
+            .unwrap();
+            (whole, parts)
+        };
+        let (whole, parts) = run(Some(2), 5);
+        assert_eq!(whole, "7 8");
+        assert_eq!(parts, ["7", " 8"], "each token's text as it was drawn");
+        assert_eq!(run(None, 5).0, "7 8 2 9 10", "--ignore-eos draws on");
+        assert_eq!(run(Some(2), 1).0, "7", "max_tokens still bounds it");
+        // A reader gone: drawing stops at the first part it did not take.
+        let mut draws = 0;
+        let whole = generate(vec![1], 5, None, &Codec::Ids(None), |_, _| {
+            draws += 1;
+            Ok(3)
+        }, &mut |_| Ok(false))
+        .unwrap();
+        assert_eq!((whole.as_str(), draws), ("3", 1));
     }
 
     #[test]

@@ -283,8 +283,8 @@ fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
 #[test]
 fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
     let d = tempfile::tempdir().unwrap();
-    // Steps of ~0.5 s, so that both signals land inside one.
-    let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=40", "train.global_batch_size=256", "checkpoint.interval=2"]));
+    // Steps of 0.4 s or more (1,024 sequences), so that both signals land inside one.
+    let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=40", "train.global_batch_size=1024", "checkpoint.interval=2"]));
     let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let t0 = Instant::now();
     while steps(d.path()).is_empty() {
@@ -293,11 +293,13 @@ fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
     }
     let rank1 = worker_pid(1, d.path()).expect("rank 1's process");
     // The checkpoint shows at a step boundary, where rank 1 may be about to agree on stopping;
-    // a signal there stops the group before the second arrives. 150 ms later it is mid-step.
+    // a signal there stops the group before the second arrives. 150 ms later it is mid-step,
+    // and the second comes 5 ms after the first (100 ms steps under a light load put a boundary
+    // inside a 20 ms gap one run in five).
     std::thread::sleep(std::time::Duration::from_millis(150));
     for _ in 0..2 {
         unsafe { libc::kill(rank1, libc::SIGTERM) };
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
     let o = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);

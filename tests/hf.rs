@@ -74,6 +74,58 @@ fn samples_are_deterministic_per_seed_and_decoded_with_the_runs_tokenizer() {
     assert_eq!(bad.code(), 2, "{}", bad.stderr());
 }
 
+/// The continuation ends before the first end-of-document token drawn (the run's documents
+/// each end with one), unless --ignore-eos; and it is printed as it is drawn, the drawing
+/// stopping once no one reads.
+#[test]
+fn sampling_stops_at_the_end_of_document_and_streams_until_the_reader_goes() {
+    use std::io::Read;
+    let d = tempfile::tempdir().unwrap();
+    let run_dir = trained_run(d.path());
+    // Near-uniform draws over all 265 ids: an EOS (id 264) comes within 2,000 for this seed.
+    let s = |more: &[&str]| tg(&[&["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "2000", "--temperature", "50", "--top-k", "0", "--seed", "3", "--device", "cpu"], more].concat()).ok().stdout();
+    let (stopped, on) = (s(&[]), s(&["--ignore-eos"]));
+    let eos = on.find("<|endoftext|>").unwrap_or_else(|| panic!("no EOS drawn: {on:?}"));
+    assert_eq!(stopped, on[..eos], "the same draws, cut before the EOS");
+    assert!(!stopped.contains("<|endoftext|>"));
+    // A million tokens take many minutes to draw (held back to the end, the first would come
+    // after all of them); drawn in turn, the first come at once, and a reader that leaves ends it.
+    let mut child = Command::new(bin())
+        .args(["sample", run_dir.to_str().unwrap(), "--prompt", "the cat", "--max-tokens", "1000000", "--ignore-eos", "--device", "cpu"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Text held back to the end would keep the read below waiting: killed after 30 s, it
+    // reads nothing.
+    let (done, watched) = std::sync::mpsc::channel::<()>();
+    let pid = child.id() as i32;
+    let watchdog = std::thread::spawn(move || {
+        if watched.recv_timeout(std::time::Duration::from_secs(30)).is_err() {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    });
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 16];
+    let n = stdout.read(&mut first).unwrap();
+    let _ = done.send(()); // gone: the watchdog killed it
+    watchdog.join().unwrap();
+    assert!(n > 0 && child.try_wait().unwrap().is_none(), "text before the end, with the drawing still going on");
+    drop(stdout);
+    let since = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if since.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("still drawing 60 s after its reader left");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(0), "a reader gone ends it quietly");
+}
+
 /// A run whose `data.source` is relative (as README's example gives it), sampled and exported
 /// from another directory, and then with its dataset's tokenizer gone: each says why the
 /// tokenizer cannot be had, where it once said "not a prepare directory" or exported without it
@@ -364,6 +416,16 @@ fn a_model_saved_by_transformers_starts_training_with_init_from() {
     let trained = logits(&out, &d.path().join("trained.safetensors"));
     let diff = (&trained - &want).abs().max().double_value(&[]);
     assert!(diff < 1e-4, "after init_from the logits differ by {diff}");
+    // GPT-2's own tanh approximation is let through, said once (the run reads config.json at
+    // its check and again at the load).
+    let cpath = hf.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+    c["activation_function"] = serde_json::json!("gelu_new");
+    std::fs::write(&cpath, c.to_string()).unwrap();
+    let r = train(&d.path().join("tanh"), "configs/debug.yaml", &sets).ok();
+    assert_eq!(r.stderr().matches("activation_function gelu_new approximates the exact GELU").count(), 1, "{}", r.stderr());
+    c["activation_function"] = serde_json::json!("gelu");
+    std::fs::write(&cpath, c.to_string()).unwrap();
     // A model of another width: the tensor and both shapes are named, exit 2.
     let r = train(&d.path().join("bad"), "configs/debug.yaml", &[init.as_str(), "model.vocab_size=300", "model.n_embd=64", "model.seq_len=16", "train.max_steps=1", "train.warmup_steps=0"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());

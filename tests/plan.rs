@@ -172,6 +172,13 @@ fn bad_inputs_are_one_clear_error_and_exit_code_2() {
     assert_usage_error(&with(&[], Some(("--heads", "5"))), &["--heads 5 must divide --hidden 768"]);
     assert_usage_error(&with(&["--gpu", "a100-50"], None), &["unknown GPU `a100-50`", "t4", "a100-80", "h100", "h200"]);
     assert_usage_error(&with(&["--margin", "0"], None), &["--margin must be in (0, 1]"]);
+    // A negative number is the flag's value, refused by name (clap took it for a flag).
+    assert_usage_error(&with(&["--margin", "-1"], None), &["--margin must be in (0, 1], got -1"]);
+    assert_usage_error(&with(&["--micro-batch", "-1"], None), &["invalid value '-1' for '--micro-batch <N>'"]);
+    // Flags of --profile alone are refused without it, not silently ignored.
+    for flag in [&["--device", "cuda"][..], &["--micro-batches", "1,2"], &["--profile-steps", "3"]] {
+        assert_usage_error(&with(flag, None), &[flag[0], "--profile"]);
+    }
     assert_usage_error(&with(&["--gpu-memory", "lots"], None), &["--gpu-memory"]);
     assert_usage_error(&["--layers", "12", "--hidden", "768"], &["missing: --heads, --vocab, --seq-len"]);
     assert_usage_error(&with(&["--optimizer", "lion"], None), &["lion"]);

@@ -45,10 +45,18 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("refused (a run with this config exits 2): memory.allocator.backend: cudaMallocAsync cannot be chosen"), "{text}");
+    assert!(text.contains("refused (a run with this config exits 2): memory.allocator: the settings") && text.contains("memory.allocator.backend: cudaMallocAsync cannot be chosen"), "{text}");
     assert!(text.contains("warning: memory.allocator.expandable_segments with max_split_size_mb"), "{text}");
     let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env_remove("PYTORCH_ALLOC_CONF").output().unwrap();
     assert!(!String::from_utf8_lossy(&out.stdout).contains("refused"), "the defaults are not refused");
+    // What libtorch refuses from the environment, as a run would (exit 2, "libtorch refused them").
+    for (conf, why) in [("foo:1", "foo"), ("max_split_size_mb:5", "max_split_size_mb")] {
+        let out = Command::new(bin()).arg("env").env("PYTORCH_CUDA_ALLOC_CONF", conf).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "env reports, it does not fail: {text}");
+        let line = text.lines().find(|l| l.starts_with("refused (a run with this config exits 2)")).unwrap_or_else(|| panic!("{conf} refused:\n{text}"));
+        assert!(line.contains("libtorch refused them") && line.contains(why), "{line}");
+    }
 
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=0", "memory.allocator.max_split_size_mb=256"]);

@@ -383,6 +383,25 @@ fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), St
     Ok(())
 }
 
+/// A model file outside a checkpoint (a run's final weights, a Hugging Face directory's
+/// `model.safetensors`), read whole and held to what a checkpoint's weights are: a file cut
+/// short is said to be one, and NaN or ±inf in it is named by tensor, not computed with. The
+/// error leaves the path to the caller.
+pub fn read_model_file(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
+    let tensors = Tensor::read_safetensors(path).map_err(|e| match e {
+        tch::TchError::SafeTensorError { err: safetensors::SafeTensorError::IoError(io), .. } => io.to_string(),
+        tch::TchError::SafeTensorError { err, .. } => not_whole(&err),
+        e => e.to_string(),
+    })?;
+    finite(&path.file_name().unwrap_or_default().to_string_lossy(), &tensors)?;
+    Ok(tensors)
+}
+
+/// What a safetensors file that does not parse is, said once for every reader of one.
+pub fn not_whole(err: &safetensors::SafeTensorError) -> String {
+    format!("not a whole safetensors file (cut short, or another format): {err:?}")
+}
+
 /// Every floating-point tensor of `file` holds finite numbers. A run skips each update that is
 /// not finite, so NaN or ±inf here was written by a bug or a hand, the checksums stamped to
 /// match; resumed, the first step's loss is NaN and the run stops, with no word of why. As
@@ -392,7 +411,7 @@ fn finite(file: &str, tensors: &[(String, Tensor)]) -> Result<(), String> {
         let finite = t.f_isfinite().and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
         match finite.map(|n| t.numel() as i64 - n) {
             Ok(0) => {}
-            Ok(n) => return Err(format!("`{name}` in {file} holds {n} of {} values that are NaN or infinite: training from it gives non-finite losses", t.numel())),
+            Ok(n) => return Err(format!("`{name}` in {file} holds {n} of {} values that are NaN or infinite: a model of them computes NaN (training from it, non-finite losses; sampling, arbitrary tokens)", t.numel())),
             Err(e) => return Err(format!("`{name}` in {file}: {e}")),
         }
     }
@@ -688,6 +707,23 @@ mod tests {
         let copy = dir.path().join("mine");
         fs::rename(&renamed, &copy).unwrap();
         assert_eq!(load(&copy).unwrap().state.step, 5);
+    }
+
+    #[test]
+    fn a_model_file_cut_short_or_holding_nan_is_refused_by_what_is_wrong() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(MODEL_FILE);
+        let w = weights();
+        Tensor::write_safetensors(&w, &path).unwrap();
+        assert_eq!(read_model_file(&path).unwrap().len(), w.len());
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        let why = read_model_file(&path).unwrap_err();
+        assert!(why.starts_with("not a whole safetensors file (cut short, or another format)"), "{why}");
+        let _ = w[1].1.get(0).f_fill_(f64::NAN).unwrap();
+        Tensor::write_safetensors(&w, &path).unwrap();
+        let why = read_model_file(&path).unwrap_err();
+        assert!(why.contains(&format!("`{}` in model.safetensors holds", w[1].0)) && why.contains("NaN or infinite"), "{why}");
     }
 
     /// NaN or ±inf in a weight or an optimizer moment, written with checksums that match: the

@@ -234,6 +234,7 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
     loop {
         let e = match serde_yaml::from_str::<Value>(&text) {
             Ok(mut tree) => {
+                extend(&mut tree).map_err(|message| ConfigError::Yaml { path: path.to_path_buf(), message })?;
                 let problems = wide.iter().filter_map(|(stand_in, why)| Some(Problem::new(&take_out(&mut tree, stand_in)?, why.clone()))).collect();
                 return Ok((tree, problems));
             }
@@ -255,6 +256,16 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
         text.replace_range(at..end, &format!("\"{stand_in}\""));
         wide.push((stand_in, why));
     }
+}
+
+/// YAML's merge keys (`<<: *base`) applied, and the top level's `x-` keys taken out: they hold
+/// what anchors name (docker-compose's convention), not settings.
+fn extend(tree: &mut Value) -> Result<(), String> {
+    tree.apply_merge().map_err(|e| format!("a merge key (`<<`): {}", readable(&e.to_string())))?;
+    if let Value::Mapping(top) = tree {
+        top.retain(|k, _| !k.as_str().is_some_and(|k| k.starts_with("x-")));
+    }
+    Ok(())
 }
 
 /// serde_yaml's "duplicate entry with key" error places the key at the start of its section
@@ -347,6 +358,9 @@ fn readable(serde_message: &str) -> String {
     m
 }
 
+/// The keys that take a path or a name: a `--set` of one is the text typed.
+const TEXT_KEYS: [&str; 4] = ["out_dir", "init_from", "device", "data.source"];
+
 /// Applies one `a.b.c=value` override to a YAML tree. The value is read as YAML, so numbers,
 /// booleans and lists keep their types; `1e-3` (YAML would read a string) is taken as a number.
 pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
@@ -356,13 +370,21 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     if parts.iter().any(|p| p.trim().is_empty()) {
         return Err(bad("empty key segment"));
     }
-    let mut value: Value = serde_yaml::from_str(raw).map_err(|e| {
-        let m = readable(&e.to_string());
-        bad(&if m.contains(OUT_OF_RANGE) { m } else { format!("value is not YAML: {m}") })
-    })?;
+    // A path or a name is the characters typed: YAML would end `runs/a #1` at its comment and
+    // refuse `@runs`, `&a`, `*a`, `!x`. Quoted, it is YAML's (the quotes taken off); `~`, `null`
+    // or nothing, the key's absence.
+    let quoted = raw.trim_start().starts_with(['"', '\'']);
+    let verbatim = TEXT_KEYS.contains(&key) && !quoted && !["", "~", "null"].contains(&raw.trim());
+    let mut value: Value = if verbatim {
+        Value::String(raw.trim().to_string())
+    } else {
+        serde_yaml::from_str(raw).map_err(|e| {
+            let m = readable(&e.to_string());
+            bad(&if m.contains(OUT_OF_RANGE) { m } else { format!("value is not YAML: {m}") })
+        })?
+    };
     // Only what YAML 1.1 leaves a string for want of a dot (`1e-3`): not a quoted value
     // (`out_dir="123"`), nor words Rust reads as numbers (`inf`, `NaN`).
-    let quoted = raw.trim_start().starts_with(['"', '\'']);
     if let (Value::String(s), false) = (&value, quoted) {
         let numeric = s.bytes().any(|b| b.is_ascii_digit()) && s.bytes().all(|b| b.is_ascii_digit() || b"eE+-.".contains(&b));
         if let (true, Ok(x)) = (numeric, s.parse::<f64>()) {
@@ -680,6 +702,30 @@ mod tests {
         assert!(err.contains("key `out_dir`") && err.contains("quote it to give it as text: `\"2024\"`"), "{err}");
         // The file's number replaced by a --set of the whole key's text loads.
         assert_eq!(load(Some(&p), &["out_dir=2025".into()]).unwrap().out_dir, Path::new("2025"));
+        // What YAML would cut at a comment or refuse as an anchor, an alias, a tag or a reserved
+        // character; a quoted value loses its quotes; `~` is no value.
+        for typed in ["runs/a #1", "@runs", "&a", "*a", "!x", "a: b", "[x]"] {
+            assert_eq!(load(None, &[format!("out_dir={typed}")]).unwrap().out_dir, Path::new(typed));
+        }
+        let c = load(None, &["data.source=text:/tmp/my file #2.txt".into(), "init_from='/w/x #3'".into()]).unwrap();
+        assert_eq!((c.data.source.as_str(), c.init_from.as_deref()), ("text:/tmp/my file #2.txt", Some(Path::new("/w/x #3"))));
+        assert_eq!(load(None, &["init_from=/a".into(), "init_from=~".into()]).unwrap().init_from, None);
+    }
+
+    #[test]
+    fn merge_keys_apply_and_the_top_levels_x_keys_hold_anchors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "x-small: &small {n_layer: 3, n_head: 2}\nmodel:\n  <<: *small\n  n_embd: 64\n  n_head: 4\n").unwrap();
+        let c = load(Some(&p), &[]).unwrap();
+        // The section's own key wins over the merged one, as YAML says.
+        assert_eq!((c.model.n_layer, c.model.n_head, c.model.n_embd), (3, 4, 64));
+        std::fs::write(&p, "model:\n  <<: 5\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("c.yaml") && err.contains("merge key"), "{err}");
+        // Elsewhere than the top level an `x-` key is a key like any other.
+        std::fs::write(&p, "model:\n  x-n: 3\n").unwrap();
+        assert!(load(Some(&p), &[]).unwrap_err().to_string().contains("x-n"));
     }
 
     #[test]

@@ -157,7 +157,12 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         check(
             from.saturating_add(tr.steps) <= t.max_steps,
             "metrics.trace.from_step",
-            format!("steps {from}..{} lie past train.max_steps ({}): pick an earlier step or fewer metrics.trace.steps", from.saturating_add(tr.steps), t.max_steps),
+            format!(
+                "the traced steps {from}–{} end past the run's last step, {} (train.max_steps {}): pick an earlier step or fewer metrics.trace.steps",
+                from.saturating_add(tr.steps).saturating_sub(1),
+                t.max_steps.saturating_sub(1),
+                t.max_steps
+            ),
         );
     }
     check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
@@ -464,6 +469,16 @@ mod tests {
             mutate(&mut c);
             assert_eq!(keys(&c), [key], "rule for {key}");
         }
+    }
+
+    #[test]
+    fn a_trace_past_the_end_names_the_steps_traced_and_the_last_one() {
+        let mut c = Config::default();
+        (c.train.max_steps, c.metrics.trace.from_step, c.metrics.trace.steps) = (8, Some(7), 5);
+        let said: Vec<String> = validate(&c).iter().map(ToString::to_string).collect();
+        assert!(said.iter().any(|p| p.contains("the traced steps 7–11 end past the run's last step, 7 (train.max_steps 8)")), "{said:?}");
+        c.metrics.trace.steps = 1;
+        assert!(!keys(&c).iter().any(|k| k == "metrics.trace.from_step"), "step 7 is the run's last and may be traced: {:?}", keys(&c));
     }
 
     #[test]

@@ -135,10 +135,11 @@ impl Heartbeat {
                 return Ok(());
             }
             if since.elapsed() >= self.timeout * (notices + 1) {
-                notices += 1;
+                // Whole timeouts waited, so a stall past several says one notice, not a burst.
+                notices = (since.elapsed().as_secs_f64() / self.timeout.as_secs_f64()) as u32;
                 tracing::warn!(
-                    "waiting {:.0} s for rank 0 to finish writing alone (a checkpoint or the final weights), longer than dist.timeout_s = {}: rank 0 is alive (its heartbeat moves), so its storage is slow or the write hangs; rank 0's log says which",
-                    since.elapsed().as_secs_f64(),
+                    "waiting {} s for rank 0 to finish writing alone (a checkpoint or the final weights), longer than dist.timeout_s = {}: rank 0 is alive (its heartbeat moves), so its storage is slow or the write hangs; rank 0's log says which",
+                    (self.timeout * notices).as_secs(),
                     self.timeout.as_secs()
                 );
             }

@@ -109,7 +109,7 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         _ => return Err(bad(cpath, format!("`activation_function` is {}; trainguard's GPT-2 computes GELU (exactly; its tanh approximations are let through with a warning)", act))),
     };
     if let Some(tanh) = approximation {
-        tracing::warn!("{}: activation_function {tanh} approximates the exact GELU trainguard computes; logits will differ slightly", cpath.display());
+        super::warn_once(format!("{}: activation_function {tanh} approximates the exact GELU trainguard computes; logits will differ slightly", cpath.display()));
     }
     #[allow(clippy::needless_update)] // the lead's model restructure may add fields
     let cfg = ModelConfig {

@@ -52,8 +52,22 @@ pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
     matches!(cause.downcast_ref::<HfError>(), Some(HfError::Input { .. }))
 }
 
+/// What `save_pretrained` writes beside the shards of a model over its `max_shard_size`.
+const SHARD_INDEX: &str = "model.safetensors.index.json";
+
 fn bad(path: &Path, message: impl Into<String>) -> HfError {
     HfError::Input { path: path.into(), message: message.into() }
+}
+
+/// A warning about a directory, said once in the process: `init_from` reads its `config.json`
+/// at the check before the run starts and again at the load.
+fn warn_once(message: String) {
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if !said.contains(&message) {
+        tracing::warn!("{message}");
+        said.push(message);
+    }
 }
 
 /// `config.json`'s `key`, a size or count: a whole number, so -1 or 2.5 is named as given.
@@ -172,7 +186,7 @@ pub fn import(dir: &Path) -> Result<(ModelConfig, Vec<(String, Tensor)>), HfErro
 /// layouts (fp32).
 fn read_weights(dir: &Path, fam: &Family, cfg: &ModelConfig) -> Result<Vec<(String, Tensor)>, HfError> {
     let wpath = dir.join("model.safetensors");
-    let raw = Tensor::read_safetensors(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
+    let raw = crate::checkpoint::store::read_model_file(&wpath).map_err(|m| bad(&wpath, m))?;
     let weights = raw
         .into_iter()
         .filter_map(|(n, t)| {
@@ -253,9 +267,12 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
     if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
         return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
     }
+    if !wpath.exists() && dir.join(SHARD_INDEX).is_file() {
+        return Err(bad(dir, format!("holds its weights in shards ({SHARD_INDEX}); trainguard reads one model.safetensors: save it unsharded first (transformers: `model.save_pretrained(dir, max_shard_size=\"1000GB\")`)")));
+    }
     let file = std::fs::File::open(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let map = crate::ffi::os::map_readonly(&file).map_err(|e| bad(&wpath, e.to_string()))?;
-    let header = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(&wpath, e.to_string()))?;
+    let header = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(&wpath, crate::checkpoint::store::not_whole(&e)))?;
     // trainguard's names, sorted: the first tensor without a place is the same on every run.
     let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, theirs)?, v))).collect();
     views.sort_by(|a, b| a.0.cmp(&b.0));
@@ -396,6 +413,37 @@ mod tests {
         }
     }
 
+    /// A GPT-2 with biases exported into `hf` of a temporary directory (kept alive by the first).
+    fn exported_gpt() -> (tempfile::TempDir, std::path::PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let hf = d.path().join("hf");
+        export(&Model::new(&cfg(true), 1, Device::Cpu).unwrap(), None, &hf).unwrap();
+        (d, hf)
+    }
+
+    #[test]
+    fn nan_weights_a_file_cut_short_and_shards_are_refused_by_what_is_wrong() {
+        let (_d, hf) = exported_gpt();
+        let path = hf.join("model.safetensors");
+        let mut raw = Tensor::read_safetensors(&path).unwrap();
+        let (name, t) = raw.iter_mut().find(|(n, _)| n == "transformer.h.0.mlp.c_fc.weight").unwrap();
+        let _ = t.get(0).get(0).f_fill_(f64::INFINITY).unwrap();
+        let name = name.clone();
+        Tensor::write_safetensors(&raw, &path).unwrap();
+        let e = import(&hf).unwrap_err().to_string();
+        assert!(e.contains(&format!("`{name}` in model.safetensors holds 1 of")) && e.contains("NaN or infinite"), "{e}");
+        let model = Model::new(&cfg(true), 2, Device::Cpu).unwrap();
+        assert!(init_from(&model, &hf).unwrap_err().to_string().contains("NaN or infinite"));
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+        let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
+        assert!(e.contains("model.safetensors: not a whole safetensors file (cut short, or another format)"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(hf.join(SHARD_INDEX), "{}").unwrap();
+        let e = import(&hf).unwrap_err().to_string();
+        assert!(e.contains("holds its weights in shards (model.safetensors.index.json)") && e.contains("max_shard_size"), "{e}");
+    }
+
     #[test]
     fn half_precision_weights_load_and_what_has_no_place_or_is_not_a_float_is_refused() {
         let d = tempfile::tempdir().unwrap();
@@ -521,9 +569,7 @@ mod tests {
 
     #[test]
     fn a_config_json_that_disagrees_with_its_weights_is_refused_before_a_model_is_built() {
-        let d = tempfile::tempdir().unwrap();
-        let hf = d.path().join("hf");
-        export(&Model::new(&cfg(true), 1, Device::Cpu).unwrap(), None, &hf).unwrap();
+        let (_d, hf) = exported_gpt();
         let json = hf.join("config.json");
         let good: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let edit = |key: &str, v: u64| {

@@ -154,7 +154,7 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
     // on a machine without a driver) is handed over now.
     let settings = split_pairs(&eff.conf).into_iter().filter(|(k, _)| k != "backend").map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",");
     if !settings.is_empty() {
-        ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {e}") })?;
+        ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {}", e.to_string().lines().next().unwrap_or_default()) })?;
     }
     Ok(eff)
 }
@@ -162,7 +162,7 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
 /// Why the config's `memory.allocator.backend` cannot be had, when it cannot: the backend is
 /// chosen once, when libtorch loads, from the environment, and another one asked for later would
 /// stop libtorch on an internal assert.
-pub fn refused_backend(alloc: &AllocatorConfig) -> Option<String> {
+fn refused_backend(alloc: &AllocatorConfig) -> Option<String> {
     let at_load = load_time_backend(env_conf().as_deref());
     let asked = alloc.backend.map(|b| b.name()).filter(|asked| *asked != at_load)?;
     Some(format!(

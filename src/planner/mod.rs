@@ -133,13 +133,13 @@ pub struct PlanArgs {
     #[arg(long, help_heading = "Output and actions")]
     pub profile: bool,
     /// Device for --profile: cpu, cuda, cuda:N (default: the config's `device`).
-    #[arg(long, value_name = "DEVICE", help_heading = "Output and actions")]
+    #[arg(long, value_name = "DEVICE", requires = "profile", help_heading = "Output and actions")]
     pub device: Option<String>,
     /// Measure exactly these micro-batches (`1,2,4`) instead of searching.
-    #[arg(long, value_name = "N,N,…", value_delimiter = ',', help_heading = "Output and actions")]
+    #[arg(long, value_name = "N,N,…", value_delimiter = ',', requires = "profile", help_heading = "Output and actions")]
     pub micro_batches: Vec<u64>,
     /// Optimizer steps per measured micro-batch.
-    #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Output and actions")]
+    #[arg(long, value_name = "N", default_value_t = 2, requires = "profile", help_heading = "Output and actions")]
     pub profile_steps: u64,
     /// Write the chosen micro-batch (and --global-batch) into the config, keeping a backup.
     #[arg(long, help_heading = "Output and actions")]
