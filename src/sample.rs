@@ -356,7 +356,7 @@ fn generate(
     mut draw: impl FnMut(&[i64], usize) -> Result<i64, SampleError>,
     emit: &mut dyn FnMut(&str) -> std::io::Result<bool>,
 ) -> Result<String, SampleError> {
-    let (start, mut stream) = (ids.len(), Stream::default());
+    let (start, mut stream, mut whole) = (ids.len(), Stream::default(), String::new());
     for pos in 0..max_tokens {
         let id = draw(&ids, pos)?;
         if Some(id) == stop_at {
@@ -365,12 +365,12 @@ fn generate(
         ids.push(id);
         // Decoded whole each time: a tokenizer's decode of a part need not be that part of the
         // whole (spaces between words, a character's bytes split across tokens).
-        let part = stream.advance(&codec.decode(&ids[start..]), false).unwrap_or_default();
+        whole = codec.decode(&ids[start..]);
+        let part = stream.advance(&whole, false).unwrap_or_default();
         if !part.is_empty() && !emit(&part).map_err(SampleError::Output)? {
             return Ok(stream.printed); // the reader went away (`| head`): nothing more to draw for
         }
     }
-    let whole = codec.decode(&ids[start..]);
     match stream.advance(&whole, true) {
         Some(rest) if !rest.is_empty() => {
             emit(&rest).map_err(SampleError::Output)?;

@@ -309,7 +309,7 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
                 return Err(corrupt(format!("{file} has CRC-32C {actual:08x}, {expected:08x} when written (changed on disk)")));
             }
         }
-        let parsed = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        let parsed = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("{file}: {}", not_whole(&e))))?;
         parsed
             .tensors()
             .into_iter()
@@ -724,6 +724,26 @@ mod tests {
         Tensor::write_safetensors(&w, &path).unwrap();
         let why = read_model_file(&path).unwrap_err();
         assert!(why.contains(&format!("`{}` in model.safetensors holds", w[1].0)) && why.contains("NaN or infinite"), "{why}");
+    }
+
+    /// A model file that does not parse, its size and checksum stamped to match (a bug's
+    /// write): said in the words every safetensors reader here uses.
+    #[test]
+    fn a_checkpoints_model_file_that_does_not_parse_is_named_as_not_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = root(dir.path());
+        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
+        let ckpt = root.join("step-00000005");
+        let size = fs::metadata(ckpt.join(MODEL_FILE)).unwrap().len() as usize;
+        let garbage = vec![0xffu8; size];
+        fs::write(ckpt.join(MODEL_FILE), &garbage).unwrap();
+        let mut st: serde_json::Value = serde_json::from_str(&fs::read_to_string(ckpt.join(STATE_FILE)).unwrap()).unwrap();
+        st["checksums"][MODEL_FILE] = serde_json::json!(crc32c::crc32c(&garbage));
+        fs::write(ckpt.join(STATE_FILE), st.to_string()).unwrap();
+        match load(&ckpt) {
+            Err(CheckpointError::Corrupt { why, .. }) => assert!(why.starts_with("model.safetensors: not a whole safetensors file (cut short, or another format)"), "{why}"),
+            other => panic!("loaded: {:?}", other.map(|l| l.path)),
+        }
     }
 
     /// NaN or ±inf in a weight or an optimizer moment, written with checksums that match: the
