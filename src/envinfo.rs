@@ -82,7 +82,7 @@ pub fn report(config: &Config) -> String {
     if let Some(e) = refused {
         let _ = writeln!(r, "refused (a run with this config exits 2): {e}");
     }
-    for w in config.memory.allocator.warnings(config.memory.limit.is_some()) {
+    for w in eff.warnings(config.memory.limit.is_some()) {
         let _ = writeln!(r, "warning: {w}");
     }
     for o in eff.overridden {

@@ -105,7 +105,9 @@ pub enum Event {
     /// `switched_on`: the `oom.escalate` entry; `effect`: what it switched on, said in full.
     OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String, effect: String },
     OomRecovered(OomRecovery),
-    Resumed { step: u64, path: String, changed: Vec<String> },
+    /// `lineage`: the other runs' checkpoints the line resumed from, oldest first (the one
+    /// resumed now included when it is another run's).
+    Resumed { step: u64, path: String, changed: Vec<String>, lineage: Vec<crate::checkpoint::state::Lineage> },
     CheckpointSkipped { path: String, reason: String },
     /// A checkpoint a killed replacement of the same step had left aside, put back in its place.
     CheckpointPutBack { step: u64 },
@@ -355,8 +357,12 @@ impl Reporter {
                     r.step, r.old_micro_batch, r.new_micro_batch, r.old_accumulation, r.new_accumulation, fmt(&r.before), fmt(&r.after)
                 );
             }
-            Event::Resumed { step, path, changed } => {
+            Event::Resumed { step, path, changed, lineage } => {
                 tracing::info!("resuming at step {step} from {path}");
+                if !lineage.is_empty() {
+                    let runs: Vec<String> = lineage.iter().map(|l| format!("{} (to step {})", l.checkpoint, l.step)).collect();
+                    tracing::info!("this run continues other runs' training: {}", runs.join(" → "));
+                }
                 for c in changed {
                     tracing::info!("changed since the checkpoint: {c}");
                 }

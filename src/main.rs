@@ -312,7 +312,7 @@ fn run_export(args: &trainguard::cli::ExportArgs) -> anyhow::Result<()> {
         tracing::warn!("{why}: exporting without a tokenizer");
     }
     let file = trained.dataset.as_ref().map(|d| d.tokenizer_file());
-    let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id });
+    let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id, specials: &d.specials });
     let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
     out_after_written(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")), &format!("export: {} was written", args.hf.display()));
     Ok(())

@@ -89,6 +89,8 @@ pub struct Dataset {
     /// Its tokenizer.json, loaded with its end-of-document token: `sample` decodes with it, and
     /// `export` copies only a tokenizer that loads.
     pub vocab: crate::prepare::Vocab,
+    /// The start and unknown tokens an exported directory names (a prepared dataset: none).
+    pub specials: crate::hf::Specials,
 }
 
 impl Dataset {
@@ -105,7 +107,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         let tokenizer = target.join("tokenizer.json");
         let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| crate::prepare::load_tokenizer(&tokenizer, exported_eos(target).as_deref())) {
             None => (None, None),
-            Some(Ok(vocab)) => (Some(Dataset { dir: target.to_path_buf(), manifest: None, vocab }), None),
+            Some(Ok(vocab)) => (Some(Dataset { dir: target.to_path_buf(), manifest: None, specials: crate::hf::specials(target, &vocab.tokenizer), vocab }), None),
             Some(Err(e)) => (None, Some(e.to_string())),
         };
         return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable, bytes: false });
@@ -193,7 +195,7 @@ pub fn dataset_dir(source: &str) -> Result<Option<Dataset>, String> {
     // One that does not load (damaged, another tokenizer without the dataset's end-of-document
     // token) is as unusable as a missing one.
     let vocab = crate::prepare::load_tokenizer(&tokenizer, Some(&m.eos_token)).map_err(|e| format!("{e}: the tokenizer of the run's data.source `{source}`"))?;
-    Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m), vocab }))
+    Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m), vocab, specials: Default::default() }))
 }
 
 /// Builds the model on `device` and copies `weights` into it by name.

@@ -759,3 +759,46 @@ fn a_checkpoint_refused_as_its_state_is_restored_leaves_the_run_directory_as_it_
     assert_eq!((before("model.safetensors"), before("stop.json")), (weights, record), "{}", r.stderr());
     assert_eq!(checkpoint_steps(dir.path()), [2, 4], "nothing set aside");
 }
+
+/// A run resumed from another run's checkpoint keeps where its first steps were trained: the
+/// checkpoint joins the lineage its own checkpoints carry, a later run from them adds theirs,
+/// a resume of the run itself adds nothing, and the log, the `resumed` event and `report` say it.
+#[test]
+fn a_resume_from_another_runs_checkpoint_keeps_the_lineage() {
+    let (a, b, c) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let short = |steps: &'static str| vec![steps, "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=4"];
+    train(a.path(), "configs/debug.yaml", &short("train.max_steps=8")).ok();
+    let from_a = store::root(a.path()).join("step-00000004");
+    let lineage = |ckpt: &Path| -> Vec<(String, u64)> {
+        let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap()).unwrap();
+        state["lineage"].as_array().map_or(vec![], |l| l.iter().map(|e| (e["checkpoint"].as_str().unwrap().to_string(), e["step"].as_u64().unwrap())).collect())
+    };
+    let canon = |p: &Path| std::fs::canonicalize(p).unwrap().display().to_string();
+    assert!(lineage(&newest_checkpoint(a.path())).is_empty(), "a run that began here has none");
+
+    let mut cmd = command(b.path(), "configs/debug.yaml", &short("train.max_steps=12"));
+    cmd.arg("--resume").arg(&from_a);
+    let rb = run(cmd, b.path()).ok();
+    let want_b = vec![(canon(&from_a), 4)];
+    assert_eq!(lineage(&newest_checkpoint(b.path())), want_b);
+    let ev = &rb.events_of("resumed")[0]["lineage"];
+    assert_eq!((ev[0]["checkpoint"].as_str(), ev[0]["step"].as_u64()), (Some(canon(&from_a).as_str()), Some(4)), "{ev}");
+    assert!(rb.stderr().contains(&format!("this run continues other runs' training: {} (to step 4)", canon(&from_a))), "{}", rb.stderr());
+
+    // The run resumed in its own directory: the same lineage, nothing added.
+    let again = resume_auto(b.path(), &short("train.max_steps=16")).ok();
+    let resumed = again.events_of("resumed");
+    assert_eq!((resumed.len(), &resumed[1]["step"], resumed[1]["lineage"].as_array().map(Vec::len)), (2, &serde_json::json!(12), Some(1)), "{resumed:?}");
+    assert_eq!(lineage(&newest_checkpoint(b.path())), want_b);
+
+    // From b's checkpoint into c: a's, then b's.
+    let from_b = store::root(b.path()).join("step-00000016");
+    let mut cmd = command(c.path(), "configs/debug.yaml", &short("train.max_steps=20"));
+    cmd.arg("--resume").arg(&from_b);
+    run(cmd, c.path()).ok();
+    assert_eq!(lineage(&newest_checkpoint(c.path())), vec![(canon(&from_a), 4), (canon(&from_b), 16)]);
+    let o = Command::new(bin()).arg("report").arg(c.path()).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let html = std::fs::read_to_string(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    assert!(html.contains("<th>continues</th>") && html.contains(&format!("{} (to step 4) → {} (to step 16)", canon(&from_a), canon(&from_b))), "report names the lineage");
+}

@@ -355,6 +355,7 @@ fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exac
     // Reading the export back (sample and init_from share the loader) is bit-exact.
     let back = logits(&hf, &d.path().join("back.safetensors"));
     assert!(l.equal(&back));
+    reexport_keeps_the_directorys_special_tokens(&hf, d.path());
     let again = tg(&["export", run_dir.to_str().unwrap(), "--hf", hf.to_str().unwrap()]);
     assert_eq!(again.code(), 2, "an existing export is not overwritten");
     // Another model's directory (its config.json beside weights of another format) and a file.
@@ -370,6 +371,48 @@ fn an_exported_run_gives_the_same_logits_in_transformers_and_loads_back_bit_exac
     }
     assert_eq!(std::fs::read_to_string(other.join("config.json")).unwrap(), "{\"keep\": true}");
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+}
+
+/// `hf`, a run's export (the EOS, 264, stands for the start and unknown tokens), edited to name
+/// others as a transformers model's directory does: its re-export keeps them, each only as a token
+/// the tokenizer has.
+fn reexport_keeps_the_directorys_special_tokens(hf: &Path, root: &Path) {
+    let json = |p: &Path| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let write = |p: &Path, v: &serde_json::Value| std::fs::write(p, serde_json::to_string_pretty(v).unwrap()).unwrap();
+    let (config, tc) = (json(&hf.join("config.json")), json(&hf.join("tokenizer_config.json")));
+    assert_eq!((config["bos_token_id"].as_u64(), config["eos_token_id"].as_u64()), (Some(264), Some(264)));
+    assert_eq!((tc["bos_token"].as_str(), tc["unk_token"].as_str()), (Some("<|endoftext|>"), Some("<|endoftext|>")));
+    let tok = tokenizers::Tokenizer::from_file(hf.join("tokenizer.json")).unwrap();
+    let (start, unknown) = (tok.id_to_token(100).unwrap(), tok.id_to_token(7).unwrap());
+    let edit = |bos_id: serde_json::Value, bos: &str, unk: &str| {
+        let mut c = config.clone();
+        c["bos_token_id"] = bos_id;
+        write(&hf.join("config.json"), &c);
+        let mut t = tc.clone();
+        t["bos_token"] = serde_json::json!(bos);
+        t["unk_token"] = serde_json::json!({"content": unk, "special": true});
+        write(&hf.join("tokenizer_config.json"), &t);
+    };
+    let reexport = |name: &str| {
+        let out = root.join(name);
+        tg(&["export", hf.to_str().unwrap(), "--hf", out.to_str().unwrap()]).ok();
+        let (c, g, t) = (json(&out.join("config.json")), json(&out.join("generation_config.json")), json(&out.join("tokenizer_config.json")));
+        let ids = |v: &serde_json::Value| (v["bos_token_id"].as_u64(), v["eos_token_id"].as_u64());
+        assert_eq!(ids(&c), ids(&g), "{name}: config.json and generation_config.json agree");
+        (ids(&c), t["bos_token"].as_str().map(str::to_string), t["unk_token"].as_str().map(str::to_string), out)
+    };
+    // The start token by id in config.json (its text follows from the tokenizer), the unknown one by text.
+    edit(serde_json::json!(100), "<|endoftext|>", &unknown);
+    let (ids, bos, unk, out) = reexport("hf-kept");
+    assert_eq!((ids, bos.as_deref(), unk.as_deref()), ((Some(100), Some(264)), Some(start.as_str()), Some(unknown.as_str())));
+    let loaded = python("import sys, transformers\nt = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\nprint(t.bos_token_id, t.eos_token_id, t.unk_token_id)", &[&out]);
+    assert_eq!(loaded.trim(), "100 264 7", "transformers reads them back");
+    // Tokens the tokenizer does not have: the EOS stands for them, as in a run's export.
+    edit(serde_json::Value::Null, "<nope>", "<nope>");
+    let (ids, bos, unk, _) = reexport("hf-unknown");
+    assert_eq!((ids, bos.as_deref(), unk.as_deref()), ((Some(264), Some(264)), Some("<|endoftext|>"), Some("<|endoftext|>")));
+    write(&hf.join("config.json"), &config);
+    write(&hf.join("tokenizer_config.json"), &tc);
 }
 
 /// Saves the transformers model `constructor` builds (weights perturbed away from their init: biases

@@ -46,7 +46,11 @@ fn config_wins_over_the_environment_and_the_effective_string_is_logged() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("refused (a run with this config exits 2): memory.allocator: the settings") && text.contains("memory.allocator.backend: cudaMallocAsync cannot be chosen"), "{text}");
-    assert!(text.contains("warning: memory.allocator.expandable_segments with max_split_size_mb"), "{text}");
+    assert!(text.contains("warning: memory.allocator.expandable_segments with memory.allocator.max_split_size_mb"), "{text}");
+    // A combination the environment alone sets is warned of too, named as the environment's.
+    let out = Command::new(bin()).arg("env").env("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync,max_split_size_mb:128").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("warning: PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb is ignored by backend cudaMallocAsync"), "{text}");
     let out = Command::new(bin()).arg("env").env_remove("PYTORCH_CUDA_ALLOC_CONF").env_remove("PYTORCH_ALLOC_CONF").output().unwrap();
     assert!(!String::from_utf8_lossy(&out.stdout).contains("refused"), "the defaults are not refused");
     // What libtorch refuses from the environment, as a run would (exit 2, "libtorch refused them").

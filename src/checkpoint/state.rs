@@ -44,6 +44,21 @@ pub struct TrainerState {
     /// checkpoints written before it: nothing is compared then).
     #[serde(default)]
     pub data: Option<DataRecord>,
+    /// The other runs' checkpoints this line of training resumed from, oldest first: a run
+    /// started with `--resume <another run's checkpoint>` adds it, and so keeps where its first
+    /// steps were trained (absent in checkpoints written before it, and empty for a run that
+    /// began here).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lineage: Vec<Lineage>,
+}
+
+/// A checkpoint of another run a later run resumed from: the steps before `step` were trained
+/// there.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lineage {
+    /// The checkpoint's directory, absolute, as it was when it was resumed.
+    pub checkpoint: String,
+    pub step: u64,
 }
 
 /// The identity of a run's data: a `prepare` dataset re-made in place with another tokenizer

@@ -460,6 +460,7 @@ mod tests {
             files: Default::default(),
             checksums: Default::default(),
             data: None,
+            lineage: vec![],
         }
     }
 

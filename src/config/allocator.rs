@@ -79,7 +79,7 @@ impl Backend {
     }
 }
 
-const KEY: &str = "memory.allocator";
+pub const KEY: &str = "memory.allocator";
 
 fn power_of_two(n: u64) -> bool {
     n > 0 && n & (n - 1) == 0
@@ -135,34 +135,6 @@ impl AllocatorConfig {
             }
         }
         p
-    }
-
-    /// Combinations that do nothing or are known to break; `fraction_set`: a memory fraction
-    /// (memory.limit) is in force.
-    pub fn warnings(&self, fraction_set: bool) -> Vec<String> {
-        let mut w = Vec::new();
-        if self.backend == Some(Backend::CudaMallocAsync) {
-            for (set, name) in [
-                (self.max_split_size_mb.is_some(), "max_split_size_mb"),
-                (self.roundup_power2_divisions.is_some(), "roundup_power2_divisions"),
-                (self.garbage_collection_threshold.is_some(), "garbage_collection_threshold"),
-                (self.expandable_segments.is_some(), "expandable_segments"),
-            ] {
-                if set {
-                    w.push(format!("{KEY}.{name} is ignored by backend cudaMallocAsync"));
-                }
-            }
-        }
-        if self.garbage_collection_threshold.is_some() && !fraction_set {
-            w.push(format!("{KEY}.garbage_collection_threshold only acts under a memory fraction: set memory.limit"));
-        }
-        if self.expandable_segments == Some(true) && self.max_split_size_mb.is_some() {
-            w.push(format!("{KEY}.expandable_segments with max_split_size_mb: known to misbehave in some PyTorch versions; pick one"));
-        }
-        if self.pinned_num_register_threads.is_some() && self.pinned_use_cuda_host_register != Some(true) {
-            w.push(format!("{KEY}.pinned_num_register_threads does nothing without pinned_use_cuda_host_register: true"));
-        }
-        w
     }
 
     /// `(key, value)` pairs in PYTORCH_CUDA_ALLOC_CONF syntax (booleans `True`/`False`).
@@ -244,17 +216,5 @@ mod tests {
         assert_eq!(read("roundup_power2_divisions: {\"256\": 1, \"1024\": 4, \">\": 1}"), want);
         assert_eq!(read("roundup_power2_divisions: 4"), Some(Roundup::All(4)));
         assert!(serde_yaml::from_str::<AllocatorConfig>("roundup_power2_divisions: {256: x}").is_err());
-    }
-
-    #[test]
-    fn warnings_for_combinations_that_do_nothing_or_break() {
-        let a = AllocatorConfig { backend: Some(Backend::CudaMallocAsync), max_split_size_mb: Some(128), ..Default::default() };
-        assert!(a.warnings(false)[0].contains("ignored by backend cudaMallocAsync"));
-        let gc = AllocatorConfig { garbage_collection_threshold: Some(0.8), ..Default::default() };
-        assert_eq!(gc.warnings(false).len(), 1);
-        assert!(gc.warnings(true).is_empty(), "with a memory fraction the threshold acts");
-        let both = AllocatorConfig { expandable_segments: Some(true), max_split_size_mb: Some(128), ..Default::default() };
-        assert!(both.warnings(false)[0].contains("expandable_segments with max_split_size_mb"));
-        assert!(AllocatorConfig::default().warnings(false).is_empty());
     }
 }

@@ -49,7 +49,7 @@ fn zero_tensors(cfg: &ModelConfig) -> Vec<(String, i64)> {
     out
 }
 
-fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
+fn config_json(cfg: &ModelConfig) -> Value {
     json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -68,8 +68,6 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
         "layer_norm_epsilon": LAYER_NORM_EPS,
         "initializer_range": 0.02,
         "tie_word_embeddings": true,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
         "torch_dtype": "float32",
     })
 }
@@ -149,9 +147,9 @@ mod tests {
     fn what_trainguard_does_not_compute_is_refused_by_key() {
         let p = Path::new("config.json");
         let cfg = ModelConfig::default();
-        assert_eq!(model_config(&config_json(&cfg, None), p).unwrap().n_layer, cfg.n_layer);
+        assert_eq!(model_config(&config_json(&cfg), p).unwrap().n_layer, cfg.n_layer);
         let with = |k: &str, val: Value| {
-            let mut v = config_json(&cfg, None);
+            let mut v = config_json(&cfg);
             v[k] = val;
             model_config(&v, p).map(|_| ()).unwrap_err().to_string()
         };
@@ -163,7 +161,7 @@ mod tests {
             assert!(with(k, v.clone()).contains(&format!("`{k}` is {v}, not true or false")), "{k}: {v}");
         }
         assert!(with("layer_norm_epsilon", json!("1e-5")).contains("`layer_norm_epsilon` is \"1e-5\", not a number"));
-        let mut v = config_json(&cfg, None);
+        let mut v = config_json(&cfg);
         v["activation_function"] = json!("gelu_new");
         assert!(model_config(&v, p).is_ok(), "GPT-2's own checkpoints use gelu_new: a warning, not a refusal");
         v.as_object_mut().unwrap().remove("activation_function");
@@ -175,7 +173,7 @@ mod tests {
         for (given, said) in [(json!(-1), "`n_layer` is -1: a size or count, so not below 0"), (json!(2.5), "`n_layer` is 2.5, not a whole number"), (json!("12"), "`n_layer` is \"12\", not a whole number")] {
             assert!(with("n_layer", given).ends_with(said), "{said}");
         }
-        let mut v = config_json(&cfg, None);
+        let mut v = config_json(&cfg);
         v.as_object_mut().unwrap().remove("n_embd");
         assert!(model_config(&v, p).unwrap_err().to_string().ends_with("`n_embd` is missing (a whole number)"));
     }

@@ -39,7 +39,7 @@ fn zero_tensors(_: &ModelConfig) -> Vec<(String, i64)> {
     vec![]
 }
 
-fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
+fn config_json(cfg: &ModelConfig) -> Value {
     json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -62,8 +62,6 @@ fn config_json(cfg: &ModelConfig, eos: Option<u32>) -> Value {
         "hidden_act": "silu",
         "attention_dropout": cfg.dropout,
         "initializer_range": 0.02,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
         "torch_dtype": "float32",
     })
 }
@@ -137,9 +135,9 @@ mod tests {
     #[test]
     fn config_json_reads_back_as_the_same_model_config() {
         let p = Path::new("config.json");
-        assert_eq!(model_config(&config_json(&cfg(), Some(7)), p).unwrap(), cfg());
+        assert_eq!(model_config(&config_json(&cfg()), p).unwrap(), cfg());
         // transformers 5 writes rope_parameters only.
-        let mut v = config_json(&cfg(), None);
+        let mut v = config_json(&cfg());
         v.as_object_mut().unwrap().remove("rope_theta");
         assert_eq!(model_config(&v, p).unwrap().rope_theta, 5e5);
     }
@@ -148,7 +146,7 @@ mod tests {
     fn what_trainguard_does_not_compute_is_refused_by_key() {
         let p = Path::new("config.json");
         let with = |k: &str, val: Value| {
-            let mut v = config_json(&cfg(), None);
+            let mut v = config_json(&cfg());
             v[k] = val;
             model_config(&v, p).unwrap_err().to_string()
         };
@@ -165,11 +163,11 @@ mod tests {
         }
         // Two RoPE bases: refused, where the top-level one was taken and transformers 5 takes
         // the other; equal ones load.
-        let mut v = config_json(&cfg(), None);
+        let mut v = config_json(&cfg());
         v["rope_theta"] = json!(10000.0);
         let e = model_config(&v, p).unwrap_err().to_string();
         assert!(e.contains("`rope_theta` 10000 and `rope_parameters.rope_theta` 500000 differ"), "{e}");
-        assert_eq!(model_config(&config_json(&cfg(), None), p).unwrap().rope_theta, 5e5);
+        assert_eq!(model_config(&config_json(&cfg()), p).unwrap().rope_theta, 5e5);
         assert!(with("vocab_size", json!(-1)).contains("`vocab_size` is -1: a size or count, so not below 0"));
     }
 

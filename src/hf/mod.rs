@@ -23,8 +23,8 @@ pub struct Family {
     pub hf_name: fn(&str) -> (String, bool),
     /// `transformers` tensor name → trainguard name; None: not a parameter (tied head, buffer).
     pub from_hf: fn(&str, &ModelConfig) -> Option<String>,
-    /// `config.json` for a model; the token id ends documents (bos and eos) when known.
-    pub config_json: fn(&ModelConfig, Option<u32>) -> Value,
+    /// `config.json` for a model, without the special tokens' ids (the export adds them).
+    pub config_json: fn(&ModelConfig) -> Value,
     /// `config.json` (at the path, for messages) → the model config, or what does not fit.
     pub model_config: fn(&Value, &Path) -> Result<ModelConfig, HfError>,
     /// Tensors `transformers` expects that a model of this config lacks (written as zeros).
@@ -89,12 +89,45 @@ fn switch(c: &Value, key: &str, cpath: &Path) -> Result<Option<bool>, HfError> {
     }
 }
 
-/// The tokenizer an export carries: its tokenizer.json (one that loads) and the token that ends
-/// documents (bos and eos in the configs).
+/// The tokenizer an export carries: its tokenizer.json (one that loads), the token that ends
+/// documents, and the other special tokens its own directory names.
 pub struct Tokenizer<'a> {
     pub file: &'a Path,
     pub eos_token: &'a str,
     pub eos_id: u32,
+    pub specials: &'a Specials,
+}
+
+impl Tokenizer<'_> {
+    /// The start token and its id: the directory's own, else the EOS (a prepared dataset's
+    /// documents begin after one, as GPT-2's do).
+    fn bos(&self) -> (&str, u32) {
+        self.specials.bos.as_ref().map_or((self.eos_token, self.eos_id), |(t, id)| (t.as_str(), *id))
+    }
+}
+
+/// The start and unknown tokens a `transformers` directory names (its tokenizer_config.json,
+/// config.json's `bos_token_id`), carried through a re-export of it; a prepared dataset has none.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Specials {
+    pub bos: Option<(String, u32)>,
+    pub unk: Option<String>,
+}
+
+/// [`Specials`] of the directory `dir`, whose tokenizer.json `tokenizer` is. Each counts only as
+/// a token of that tokenizer: the start token named in config.json by id or in
+/// tokenizer_config.json by its text, the unknown token by its text; absent or unknown to the
+/// tokenizer, the EOS stands for it as before.
+pub fn specials(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Specials {
+    let read = |file: &str| std::fs::read_to_string(dir.join(file)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).unwrap_or(Value::Null);
+    let (tc, config) = (read("tokenizer_config.json"), read("config.json"));
+    // A token is a string, or an added-token object with its `content`.
+    let token = |v: &Value| v.as_str().or(v["content"].as_str()).map(str::to_string);
+    let named = token(&tc["bos_token"]);
+    let by_id = config["bos_token_id"].as_u64().and_then(|id| u32::try_from(id).ok()).and_then(|id| tokenizer.id_to_token(id).map(|t| (t, id)));
+    let bos = by_id.or_else(|| named.and_then(|t| tokenizer.token_to_id(&t).map(|id| (t, id))));
+    let unk = token(&tc["unk_token"]).filter(|t| tokenizer.token_to_id(t).is_some());
+    Specials { bos, unk }
 }
 
 /// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family,
@@ -154,15 +187,18 @@ fn write_files(model: &Model, tokenizer: Option<Tokenizer>, staging: &Path, out:
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     Tensor::write_safetensors(&refs, staging.join("model.safetensors")).map_err(|e| werr("model.safetensors", &crate::checkpoint::write_error(&e)))?;
 
-    let eos = tokenizer.as_ref().map(|t| t.eos_id);
+    let (bos, eos) = (tokenizer.as_ref().map(|t| t.bos().1), tokenizer.as_ref().map(|t| t.eos_id));
     let mut written = vec!["config.json".to_string(), "model.safetensors".into(), "generation_config.json".into()];
-    json_file("config.json", &(fam.config_json)(cfg, eos))?;
-    json_file("generation_config.json", &json!({"_from_model_config": true, "bos_token_id": eos, "eos_token_id": eos}))?;
+    let mut config = (fam.config_json)(cfg);
+    config["bos_token_id"] = json!(bos);
+    config["eos_token_id"] = json!(eos);
+    json_file("config.json", &config)?;
+    json_file("generation_config.json", &json!({"_from_model_config": true, "bos_token_id": bos, "eos_token_id": eos}))?;
     if let Some(t) = tokenizer {
         std::fs::copy(t.file, staging.join("tokenizer.json")).map_err(|e| werr("tokenizer.json", &e))?;
         let tc = json!({
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": t.eos_token, "eos_token": t.eos_token, "unk_token": t.eos_token,
+            "bos_token": t.bos().0, "eos_token": t.eos_token, "unk_token": t.specials.unk.as_deref().unwrap_or(t.eos_token),
             "model_max_length": cfg.seq_len,
         });
         json_file("tokenizer_config.json", &tc)?;

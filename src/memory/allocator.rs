@@ -27,6 +27,42 @@ pub struct EffectiveSettings {
     pub env_var: Option<&'static str>,
     /// Keys trainguard set because neither the environment nor the config did.
     pub defaulted: Vec<String>,
+    /// Keys the config set (the memory fraction included): the others in `conf` are the
+    /// environment's or trainguard's defaults. Only for naming a key's source in [`Self::warnings`].
+    #[serde(skip)]
+    pub from_config: Vec<String>,
+}
+
+impl EffectiveSettings {
+    /// Combinations in the settings libtorch is handed that do nothing or are known to break,
+    /// whichever source set them (a `PYTORCH_CUDA_ALLOC_CONF` alone included), each key named
+    /// where it came from. `fraction_set`: a memory fraction will be in force (`memory.limit`)
+    /// though `conf` does not show it yet (`trainguard env` knows no GPU's size).
+    pub fn warnings(&self, fraction_set: bool) -> Vec<String> {
+        let pairs = split_pairs(&self.conf);
+        let value = |k: &str| pairs.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+        let on = |k: &str| value(k).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        let env = self.env_var.unwrap_or("PYTORCH_CUDA_ALLOC_CONF");
+        let name = |k: &str| if self.from_config.iter().any(|c| c == k) { format!("{}.{k}", crate::config::allocator::KEY) } else { format!("{env}'s {k}") };
+        let mut w = Vec::new();
+        if value("backend") == Some("cudaMallocAsync") {
+            for k in ["max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments"] {
+                if value(k).is_some() {
+                    w.push(format!("{} is ignored by backend cudaMallocAsync", name(k)));
+                }
+            }
+        }
+        if value("garbage_collection_threshold").is_some() && !fraction_set && value("per_process_memory_fraction").is_none() {
+            w.push(format!("{} only acts under a memory fraction: set memory.limit", name("garbage_collection_threshold")));
+        }
+        if on("expandable_segments") && value("max_split_size_mb").is_some() {
+            w.push(format!("{} with {}: known to misbehave in some PyTorch versions; pick one", name("expandable_segments"), name("max_split_size_mb")));
+        }
+        if value("pinned_num_register_threads").is_some() && !on("pinned_use_cuda_host_register") {
+            w.push(format!("{} does nothing without pinned_use_cuda_host_register: true", name("pinned_num_register_threads")));
+        }
+        w
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -107,7 +143,8 @@ pub fn merge(env: Option<&str>, config: &[(String, String)], defaults: &[(String
     }
     let source = if source.is_empty() { "none".to_string() } else { source.join("+") };
     let conf = pairs.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",");
-    EffectiveSettings { conf, source, overridden, defaulted, env_var: None }
+    let from_config = own.into_iter().map(|(k, _)| k).collect();
+    EffectiveSettings { conf, source, overridden, defaulted, env_var: None, from_config }
 }
 
 pub fn env_conf() -> Option<String> {
@@ -219,6 +256,39 @@ mod tests {
             assert!(d.is_empty(), "{env:?} {config:?}");
             assert!(!merge(env, &config, &d, None).conf.contains("expandable_segments:True"));
         }
+    }
+
+    #[test]
+    fn combinations_that_do_nothing_or_break_are_warned_of_whichever_source_set_them() {
+        let warned = |env: Option<&str>, config: &[(String, String)], fraction_set: bool| merge(env, config, &[], None).warnings(fraction_set);
+        // From the config alone, named by its keys.
+        let w = warned(None, &[p("backend", "cudaMallocAsync"), p("max_split_size_mb", "128")], false);
+        assert_eq!(w, ["memory.allocator.max_split_size_mb is ignored by backend cudaMallocAsync"]);
+        let w = warned(None, &[p("expandable_segments", "True"), p("max_split_size_mb", "128")], false);
+        assert_eq!(w, ["memory.allocator.expandable_segments with memory.allocator.max_split_size_mb: known to misbehave in some PyTorch versions; pick one"]);
+        let gc = [p("garbage_collection_threshold", "0.8")];
+        assert_eq!(warned(None, &gc, false), ["memory.allocator.garbage_collection_threshold only acts under a memory fraction: set memory.limit"]);
+        assert!(warned(None, &gc, true).is_empty(), "with a memory fraction the threshold acts");
+        assert!(merge(None, &gc, &[], Some(0.5)).warnings(false).is_empty(), "the fraction in the settings counts too");
+        assert_eq!(warned(None, &[p("pinned_num_register_threads", "8")], false).len(), 1);
+        assert!(warned(None, &[p("pinned_num_register_threads", "8"), p("pinned_use_cuda_host_register", "True")], false).is_empty());
+        // From the environment alone, named as the environment's.
+        let w = warned(Some("backend:cudaMallocAsync,expandable_segments:True"), &[], false);
+        assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments is ignored by backend cudaMallocAsync"]);
+        let w = warned(Some("expandable_segments:true,max_split_size_mb:256"), &[], false);
+        assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments with PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: known to misbehave in some PyTorch versions; pick one"]);
+        // Half from each: each key named where it came from; a key the config replaced is the config's.
+        let w = warned(Some("expandable_segments:True,max_split_size_mb:64"), &[p("max_split_size_mb", "128")], false);
+        assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments with memory.allocator.max_split_size_mb: known to misbehave in some PyTorch versions; pick one"]);
+        // The config turning the environment's switch off ends the warning.
+        assert!(warned(Some("expandable_segments:True,max_split_size_mb:64"), &[p("expandable_segments", "False")], false).is_empty());
+        // The environment's other variable is named as the one read.
+        let named = EffectiveSettings { env_var: Some("PYTORCH_ALLOC_CONF"), ..merge(Some("garbage_collection_threshold:0.6"), &[], &[], None) };
+        assert_eq!(named.warnings(false), ["PYTORCH_ALLOC_CONF's garbage_collection_threshold only acts under a memory fraction: set memory.limit"]);
+        // trainguard's own default never warns, nor do no settings.
+        let d = cuda_defaults(None, &[]);
+        assert!(merge(None, &[], &d, None).warnings(false).is_empty());
+        assert!(merge(None, &[], &[], None).warnings(false).is_empty());
     }
 
     #[test]

@@ -292,6 +292,11 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         row(&mut t, "micro-batch", format!("{f} (configured {c})"));
     }
     let resumed = r.events_of("resumed").next().is_some();
+    // Steps trained in other runs' directories: their metrics are there, not here.
+    if let Some(lineage) = r.last_event("resumed").and_then(|e| e["lineage"].as_array()).filter(|l| !l.is_empty()) {
+        let runs: Vec<String> = lineage.iter().map(|l| format!("{} (to step {})", l["checkpoint"].as_str().unwrap_or("?"), l["step"])).collect();
+        row(&mut t, "continues", runs.join(" → "));
+    }
     if let Some(v) = sm("time_lost_s") {
         row(&mut t, "time lost to OOM", if resumed { format!("{v:.2}s (last session)") } else { format!("{v:.2}s") });
     }

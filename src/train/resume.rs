@@ -40,11 +40,6 @@ impl Resume {
     /// the command's choice was for how the job began, and a restart that started over (or from
     /// the older checkpoint named) would throw away, or refuse, what the job had trained.
     /// The second value is the log's account when a restart sets the command's choice aside.
-    /// Whether this start may continue from a checkpoint.
-    pub fn may_resume(&self) -> bool {
-        matches!(self, Self::Auto | Self::Path(_) | Self::AutoOr(_))
-    }
-
     pub fn asked(resume: Option<&str>, overwrite: bool, restart_of_its_run: bool) -> (Self, Option<String>) {
         let first = match resume {
             Some("auto") => Self::Auto,
@@ -71,6 +66,11 @@ impl Resume {
         };
         (restart, Some(format!("a restart resumes it{from} ({what} was for the job's first attempt)")))
     }
+
+    /// Whether this start may continue from a checkpoint.
+    pub fn may_resume(&self) -> bool {
+        matches!(self, Self::Auto | Self::Path(_) | Self::AutoOr(_))
+    }
 }
 
 /// Counters that go into `trainer_state.json`.
@@ -83,6 +83,8 @@ pub(super) struct Progress {
     pub(super) best_val: Option<(f64, u64)>,
     pub(super) nonfinite_skips: u64,
     pub(super) elapsed_before: f64,
+    /// Other runs' checkpoints this run's line resumed from, oldest first.
+    pub(super) lineage: Vec<Lineage>,
 }
 
 /// Everything a checkpoint saves and a resume restores.
@@ -97,7 +99,9 @@ impl TrainState {
     /// history, and the counters, from checkpoint `l`. The guard's micro-batch comes back only
     /// while `train.micro_batch_size` is what the checkpoint's run configured: a new one is the
     /// user's choice, and the guard starts there (and halves again if it does not fit).
-    pub(super) fn restore(&mut self, l: &Loaded) -> Result<(), CheckpointError> {
+    /// `own_root`: this run's checkpoints directory; a checkpoint from elsewhere joins the
+    /// lineage.
+    pub(super) fn restore(&mut self, l: &Loaded, own_root: &Path) -> Result<(), CheckpointError> {
         restore(l, &mut self.trainable)?;
         if let (Some(s), Some(saved)) = (&mut self.trainable.scaler, l.state.loss_scaler.clone()) {
             if let Ok(saved) = serde_json::from_value::<LossScaler>(saved) {
@@ -114,9 +118,24 @@ impl TrainState {
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
             nonfinite_skips: l.state.nonfinite_skips,
             elapsed_before: l.state.elapsed_s,
+            lineage: continued_lineage(&l.state.lineage, &l.path, l.state.step, own_root),
         };
         Ok(())
     }
+}
+
+/// The lineage of a run resuming checkpoint `path` (of `step`, with the lineage it saved): the
+/// checkpoint joins it when it is not one of `own_root`'s, this run's own checkpoints (a resume
+/// of the run itself, or of its copy moved into another directory as a whole, adds nothing
+/// once the directory is the run's).
+fn continued_lineage(saved: &[Lineage], path: &Path, step: u64, own_root: &Path) -> Vec<Lineage> {
+    let absolute = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
+    let own = path.parent().is_some_and(|parent| absolute(parent) == absolute(own_root));
+    let mut lineage = saved.to_vec();
+    if !own {
+        lineage.push(Lineage { checkpoint: absolute(path).display().to_string(), step });
+    }
+    lineage
 }
 
 pub(super) fn corrupt_path(e: &CheckpointError) -> String {
@@ -378,6 +397,7 @@ impl Checkpointer {
             files: Default::default(),
             checksums: Default::default(),
             data: Some(self.data.clone()),
+            lineage: progress.lineage.clone(),
         };
         let weights: Vec<(String, tch::Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.shallow_clone())).collect();
         match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
@@ -408,6 +428,25 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_runs_checkpoint_joins_the_lineage_and_the_runs_own_does_not() {
+        let (mine, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (own_root, other_root) = (store::root(mine.path()), store::root(other.path()));
+        for root in [&own_root, &other_root] {
+            std::fs::create_dir_all(root.join("step-00000010")).unwrap();
+        }
+        let earlier = vec![Lineage { checkpoint: "/runs/first/checkpoints/step-00000004".into(), step: 4 }];
+        // The run's own checkpoint, named directly or through another spelling of its path.
+        assert_eq!(continued_lineage(&earlier, &own_root.join("step-00000010"), 10, &own_root), earlier);
+        let dotted = mine.path().join(".").join("checkpoints").join("step-00000010");
+        assert_eq!(continued_lineage(&[], &dotted, 10, &own_root), vec![]);
+        // Another run's: it follows what that run carried, by its absolute path.
+        let theirs = other_root.join("step-00000010");
+        let got = continued_lineage(&earlier, &theirs, 10, &own_root);
+        let absolute = std::fs::canonicalize(&theirs).unwrap().display().to_string();
+        assert_eq!(got, vec![earlier[0].clone(), Lineage { checkpoint: absolute, step: 10 }]);
+    }
 
     #[test]
     fn another_tokenizer_is_refused_and_other_tokens_are_said() {

@@ -140,7 +140,7 @@ impl<'a> Run<'a> {
             .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
         match (&loaded, &cfg.init_from) {
-            (Some(l), _) => state.restore(l)?,
+            (Some(l), _) => state.restore(l, ckpt.root())?,
             (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
             (None, None) => {}
         }
@@ -177,7 +177,7 @@ impl<'a> Run<'a> {
         }
         // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
         // use the settings, and their advice, "set memory.limit" for one, would not help).
-        for w in cfg.memory.allocator.warnings(fraction.is_some()).into_iter().filter(|_| device.is_cuda()) {
+        for w in allocator.warnings(false).into_iter().filter(|_| device.is_cuda()) {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
@@ -216,7 +216,7 @@ impl<'a> Run<'a> {
         });
         if let Some(l) = &loaded {
             ckpt.adopt(l);
-            reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed });
+            reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed, lineage: state.progress.lineage.clone() });
         }
         let run = Self {
             plan,
