@@ -307,6 +307,31 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
     assert!(killed_at.elapsed() < Duration::from_secs(20), "named after {:.1} s", killed_at.elapsed().as_secs_f64());
 }
 
+/// `dist.writer_wait_s` bounds that wait: a write hanging with rank 0 alive ends the job on the
+/// other ranks (exit 1, the setting named) once it has lasted that long, not once the write does
+/// (under torchrun the group is then restarted from the last complete checkpoint).
+#[test]
+fn a_write_past_dist_writer_wait_s_ends_the_job_on_the_waiting_ranks() {
+    let d = tempfile::tempdir().unwrap();
+    let sets = ["train.max_steps=100", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "dist.writer_wait_s=3", "faults.pause_in_checkpoint_write_ms=120000"];
+    let port = free_port();
+    let (mut r0, r1) = (spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets));
+    let partial = d.path().join("checkpoints/.tmp-step-00000003/model.safetensors");
+    let t0 = Instant::now();
+    let out = r1.wait_with_output().unwrap();
+    let waited = t0.elapsed();
+    let (writing, _) = (partial.is_file(), r0.kill());
+    r0.wait().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(writing, "rank 0 was inside the write when rank 1 ended: {err}");
+    assert!(err.contains("rank 0 is still writing alone (a checkpoint or the final weights) after 3 s, dist.writer_wait_s"), "{err}");
+    // Said every dist.timeout_s before that, and ended long before the 120 s write would.
+    assert!(err.contains("waiting 1 s for rank 0 to finish writing alone"), "{err}");
+    assert!(waited < Duration::from_secs(90), "ended after {:.1} s", waited.as_secs_f64());
+    assert!(trainguard::checkpoint::store::list(&trainguard::checkpoint::store::root(d.path())).is_empty(), "the write cut short is no checkpoint");
+}
+
 /// Checkpoints by time under a group: rank 0's clock decides for every rank (it travels in the
 /// stop agreement), so every rank meets rank 0 at the same fences, and the ranks' own clocks,
 /// which differ, cannot split them. At an interval of 1.2 ms most steps start past it (a step

@@ -384,12 +384,12 @@ fn reexport_keeps_the_directorys_special_tokens(hf: &Path, root: &Path) {
     assert_eq!((tc["bos_token"].as_str(), tc["unk_token"].as_str()), (Some("<|endoftext|>"), Some("<|endoftext|>")));
     let tok = tokenizers::Tokenizer::from_file(hf.join("tokenizer.json")).unwrap();
     let (start, unknown) = (tok.id_to_token(100).unwrap(), tok.id_to_token(7).unwrap());
-    let edit = |bos_id: serde_json::Value, bos: &str, unk: &str| {
+    let edit = |bos_id: serde_json::Value, bos: serde_json::Value, unk: &str| {
         let mut c = config.clone();
         c["bos_token_id"] = bos_id;
         write(&hf.join("config.json"), &c);
         let mut t = tc.clone();
-        t["bos_token"] = serde_json::json!(bos);
+        t["bos_token"] = bos;
         t["unk_token"] = serde_json::json!({"content": unk, "special": true});
         write(&hf.join("tokenizer_config.json"), &t);
     };
@@ -401,14 +401,20 @@ fn reexport_keeps_the_directorys_special_tokens(hf: &Path, root: &Path) {
         assert_eq!(ids(&c), ids(&g), "{name}: config.json and generation_config.json agree");
         (ids(&c), t["bos_token"].as_str().map(str::to_string), t["unk_token"].as_str().map(str::to_string), out)
     };
-    // The start token by id in config.json (its text follows from the tokenizer), the unknown one by text.
-    edit(serde_json::json!(100), "<|endoftext|>", &unknown);
+    // Both files name the start token, the unknown one by text: each kept.
+    let json_null = serde_json::Value::Null;
+    edit(serde_json::json!(100), serde_json::json!(start), &unknown);
     let (ids, bos, unk, out) = reexport("hf-kept");
     assert_eq!((ids, bos.as_deref(), unk.as_deref()), ((Some(100), Some(264)), Some(start.as_str()), Some(unknown.as_str())));
     let loaded = python("import sys, transformers\nt = transformers.AutoTokenizer.from_pretrained(sys.argv[1])\nprint(t.bos_token_id, t.eos_token_id, t.unk_token_id)", &[&out]);
     assert_eq!(loaded.trim(), "100 264 7", "transformers reads them back");
+    // One file names it: the other follows from the tokenizer.
+    edit(json_null.clone(), serde_json::json!(start), &unknown);
+    assert_eq!(reexport("hf-by-text").0, (Some(100), Some(264)));
+    edit(serde_json::json!(100), json_null.clone(), &unknown);
+    assert_eq!(reexport("hf-by-id").1.as_deref(), Some(start.as_str()));
     // Tokens the tokenizer does not have: the EOS stands for them, as in a run's export.
-    edit(serde_json::Value::Null, "<nope>", "<nope>");
+    edit(serde_json::json!(100000), serde_json::json!("<nope>"), "<nope>");
     let (ids, bos, unk, _) = reexport("hf-unknown");
     assert_eq!((ids, bos.as_deref(), unk.as_deref()), ((Some(264), Some(264)), Some("<|endoftext|>"), Some("<|endoftext|>")));
     write(&hf.join("config.json"), &config);

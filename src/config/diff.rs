@@ -46,7 +46,7 @@ pub fn differing_keys(a: &Value, b: &Value) -> Vec<KeyDifference> {
 /// The keys the ranks of one run may set differently, with why (README's torchrun section
 /// lists them). Every other key changes the maths, the collectives' shapes or when the ranks
 /// meet, so a rank that differs there would train something else or hang its peers.
-pub const PER_RANK_KEYS: [(&str, &str); 11] = [
+pub const PER_RANK_KEYS: [(&str, &str); 12] = [
     ("out_dir", "rank 0 alone writes; the ranks' resume points are compared on their own"),
     ("device", "each rank has its own GPU"),
     ("data.source", "nodes may mount the corpus at different paths; the tokens loaded are compared instead"),
@@ -58,6 +58,7 @@ pub const PER_RANK_KEYS: [(&str, &str); 11] = [
     ("metrics", "rank 0 alone reports"),
     ("faults", "tests inject a failure on one rank"),
     ("dist.timeout_s", "how long a rank waits"),
+    ("dist.writer_wait_s", "how long a rank waits for rank 0's writing"),
 ];
 
 /// `cfg` as JSON with the [`PER_RANK_KEYS`] removed: what every rank of a run must agree on.
@@ -111,6 +112,7 @@ mod tests {
         b.metrics.tensorboard = true;
         b.faults.crash_at_step = Some(4);
         b.dist.timeout_s = 7;
+        b.dist.writer_wait_s = Some(60);
         assert_eq!(differing_keys(&shared_by_ranks(&a), &shared_by_ranks(&b)), vec![]);
         // What stays: the same keys' neighbours.
         b.data.val_fraction = 0.3;

@@ -750,11 +750,16 @@ pub struct DistConfig {
     pub timeout_s: u64,
     /// Gradients are averaged in flat buckets of about this size.
     pub bucket_mb: f64,
+    /// The longest the other ranks wait for rank 0's work alone (a checkpoint, the final
+    /// weights) before they end the job (exit 1), so that a write hanging with rank 0 alive
+    /// ends in a torchrun restart from the last complete checkpoint rather than holding the
+    /// job's GPUs. None (default): as long as rank 0's heartbeat moves.
+    pub writer_wait_s: Option<u64>,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        Self { backend: DistBackend::Auto, timeout_s: 300, bucket_mb: 25.0 }
+        Self { backend: DistBackend::Auto, timeout_s: 300, bucket_mb: 25.0, writer_wait_s: None }
     }
 }
 

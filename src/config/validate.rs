@@ -190,6 +190,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
 
     check(c.dist.timeout_s >= 1, "dist.timeout_s", format!("must be at least 1, got {}", c.dist.timeout_s));
     check(c.dist.bucket_mb > 0.0, "dist.bucket_mb", format!("must be > 0, got {}", c.dist.bucket_mb));
+    check(c.dist.writer_wait_s != Some(0), "dist.writer_wait_s", "must be at least 1 (seconds), or left out to wait as long as rank 0 is alive, got 0".to_string());
 
     let o = &c.oom;
     check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
@@ -444,6 +445,7 @@ mod tests {
             (|c| c.train.max_duration = Some("99999999999999999999s".into()), "train.max_duration"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
+            (|c| c.dist.writer_wait_s = Some(0), "dist.writer_wait_s"),
             (|c| c.memory.activation_checkpointing = "sometimes".into(), "memory.activation_checkpointing"),
             (|c| c.memory.activation_checkpointing = "every_n:0".into(), "memory.activation_checkpointing"),
             (|c| c.memory.activation_checkpointing = "first_n:3".into(), "memory.activation_checkpointing"),

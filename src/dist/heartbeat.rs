@@ -119,8 +119,9 @@ impl Heartbeat {
     /// the others wait for the `n`-th count for as long as rank 0's heartbeat moves (its beats
     /// come from a thread of their own), and fail once it stands still for three periods. A
     /// write that hangs with rank 0 alive holds them here, so every `dist.timeout_s` they say
-    /// how long they have waited: the job's log shows where it stands, not silence.
-    pub fn fence(&self, n: u64) -> Result<(), String> {
+    /// how long they have waited: the job's log shows where it stands, not silence. With
+    /// `writer_wait` (`dist.writer_wait_s`) they wait that long at most, then fail.
+    pub fn fence(&self, n: u64, writer_wait: Option<Duration>) -> Result<(), String> {
         if self.rank == 0 {
             let store = self.store.connect(5000).map_err(|e| e.to_string())?;
             return store.add(FENCE_KEY, 1).map(|_| ()).map_err(|e| e.to_string());
@@ -133,6 +134,12 @@ impl Heartbeat {
         loop {
             if store.add(FENCE_KEY, 0).map_err(gone)? >= n as i64 {
                 return Ok(());
+            }
+            if let Some(most) = writer_wait.filter(|most| since.elapsed() >= *most) {
+                return Err(format!(
+                    "rank 0 is still writing alone (a checkpoint or the final weights) after {} s, dist.writer_wait_s: it is alive (its heartbeat moves), so its storage is slow or the write hangs; ending the job so that a restart resumes from the last complete checkpoint",
+                    most.as_secs()
+                ));
             }
             if since.elapsed() >= self.timeout * (notices + 1) {
                 // Whole timeouts waited, so a stall past several says one notice, not a burst.

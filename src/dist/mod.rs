@@ -209,12 +209,13 @@ impl Dist {
     }
 
     /// Every rank waits here for rank 0's work alone (a checkpoint, the final weights) for as
-    /// long as rank 0 is alive, not `dist.timeout_s` ([`heartbeat::Heartbeat::fence`]). Without
-    /// a heartbeat the next collective waits, as before.
-    pub fn after_writer(&mut self) -> Result<(), DistError> {
+    /// long as rank 0 is alive, not `dist.timeout_s`, or `writer_wait` at most
+    /// ([`heartbeat::Heartbeat::fence`]). Without a heartbeat the next collective waits, as
+    /// before.
+    pub fn after_writer(&mut self, writer_wait: Option<std::time::Duration>) -> Result<(), DistError> {
         let Some(heartbeat) = self.heartbeat.as_ref() else { return Ok(()) };
         self.fences += 1;
-        heartbeat.fence(self.fences).map_err(|message| DistError::Collective { what: "wait for rank 0's writing", message, silent: None })
+        heartbeat.fence(self.fences, writer_wait).map_err(|message| DistError::Collective { what: "wait for rank 0's writing", message, silent: None })
     }
 
     /// The smallest and the largest of every rank's `value`, on every rank.

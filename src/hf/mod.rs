@@ -99,35 +99,39 @@ pub struct Tokenizer<'a> {
 }
 
 impl Tokenizer<'_> {
-    /// The start token and its id: the directory's own, else the EOS (a prepared dataset's
-    /// documents begin after one, as GPT-2's do).
+    /// The start token (tokenizer_config.json's) and its id (config.json's): the directory's
+    /// own, else the EOS (a prepared dataset's documents begin after one, as GPT-2's do).
     fn bos(&self) -> (&str, u32) {
-        self.specials.bos.as_ref().map_or((self.eos_token, self.eos_id), |(t, id)| (t.as_str(), *id))
+        (self.specials.bos_token.as_deref().unwrap_or(self.eos_token), self.specials.bos_id.unwrap_or(self.eos_id))
     }
 }
 
-/// The start and unknown tokens a `transformers` directory names (its tokenizer_config.json,
-/// config.json's `bos_token_id`), carried through a re-export of it; a prepared dataset has none.
+/// The start and unknown tokens a `transformers` directory names, carried through a re-export
+/// of it, each file's as it was; a prepared dataset has none.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Specials {
-    pub bos: Option<(String, u32)>,
+    /// tokenizer_config.json's `bos_token` (what `AutoTokenizer` reads), else the token of
+    /// config.json's id.
+    pub bos_token: Option<String>,
+    /// config.json's `bos_token_id` (what `generate` reads), else the id of tokenizer_config's token.
+    pub bos_id: Option<u32>,
     pub unk: Option<String>,
 }
 
 /// [`Specials`] of the directory `dir`, whose tokenizer.json `tokenizer` is. Each counts only as
-/// a token of that tokenizer: the start token named in config.json by id or in
-/// tokenizer_config.json by its text, the unknown token by its text; absent or unknown to the
-/// tokenizer, the EOS stands for it as before.
+/// a token of that tokenizer; absent or unknown to it, the EOS stands for it as before.
 pub fn specials(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Specials {
     let read = |file: &str| std::fs::read_to_string(dir.join(file)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).unwrap_or(Value::Null);
     let (tc, config) = (read("tokenizer_config.json"), read("config.json"));
     // A token is a string, or an added-token object with its `content`.
-    let token = |v: &Value| v.as_str().or(v["content"].as_str()).map(str::to_string);
+    let token = |v: &Value| v.as_str().or(v["content"].as_str()).map(str::to_string).filter(|t| tokenizer.token_to_id(t).is_some());
     let named = token(&tc["bos_token"]);
-    let by_id = config["bos_token_id"].as_u64().and_then(|id| u32::try_from(id).ok()).and_then(|id| tokenizer.id_to_token(id).map(|t| (t, id)));
-    let bos = by_id.or_else(|| named.and_then(|t| tokenizer.token_to_id(&t).map(|id| (t, id))));
-    let unk = token(&tc["unk_token"]).filter(|t| tokenizer.token_to_id(t).is_some());
-    Specials { bos, unk }
+    let id = config["bos_token_id"].as_u64().and_then(|id| u32::try_from(id).ok()).filter(|id| tokenizer.id_to_token(*id).is_some());
+    Specials {
+        bos_token: named.clone().or_else(|| id.and_then(|id| tokenizer.id_to_token(id))),
+        bos_id: id.or_else(|| named.and_then(|t| tokenizer.token_to_id(&t))),
+        unk: token(&tc["unk_token"]),
+    }
 }
 
 /// Writes `model` (its weights in trainguard's names) as a `transformers` directory of its family,

@@ -125,15 +125,17 @@ impl TrainState {
 }
 
 /// The lineage of a run resuming checkpoint `path` (of `step`, with the lineage it saved): the
-/// checkpoint joins it when it is not one of `own_root`'s, this run's own checkpoints (a resume
-/// of the run itself, or of its copy moved into another directory as a whole, adds nothing
-/// once the directory is the run's).
+/// checkpoint joins it when it is not under `own_root`, this run's own checkpoints directory (a
+/// resume of the run itself, a set-aside one of its own included, or of its copy moved into
+/// another directory as a whole, adds nothing once the directory is the run's).
 fn continued_lineage(saved: &[Lineage], path: &Path, step: u64, own_root: &Path) -> Vec<Lineage> {
+    // Absolute before anything is compared: `--resume step-00000008` in the checkpoints
+    // directory has an empty parent.
     let absolute = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
-    let own = path.parent().is_some_and(|parent| absolute(parent) == absolute(own_root));
+    let checkpoint = absolute(path);
     let mut lineage = saved.to_vec();
-    if !own {
-        lineage.push(Lineage { checkpoint: absolute(path).display().to_string(), step });
+    if !checkpoint.starts_with(absolute(own_root)) {
+        lineage.push(Lineage { checkpoint: checkpoint.display().to_string(), step });
     }
     lineage
 }
@@ -441,6 +443,12 @@ mod tests {
         assert_eq!(continued_lineage(&earlier, &own_root.join("step-00000010"), 10, &own_root), earlier);
         let dotted = mine.path().join(".").join("checkpoints").join("step-00000010");
         assert_eq!(continued_lineage(&[], &dotted, 10, &own_root), vec![]);
+        // Named from the working directory (the crate's, under cargo test), and one the run set aside.
+        let here = tempfile::tempdir_in(".").unwrap();
+        let relative_root = store::root(Path::new(here.path().file_name().unwrap()));
+        std::fs::create_dir_all(relative_root.join("set-aside-1/step-00000010")).unwrap();
+        assert_eq!(continued_lineage(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &store::root(here.path())), vec![]);
+        assert_eq!(continued_lineage(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &own_root).len(), 1);
         // Another run's: it follows what that run carried, by its absolute path.
         let theirs = other_root.join("step-00000010");
         let got = continued_lineage(&earlier, &theirs, 10, &own_root);

@@ -425,11 +425,12 @@ impl<'a> Run<'a> {
     }
 
     /// Every rank waits for rank 0's writing alone, for as long as rank 0 lives rather than
-    /// `dist.timeout_s`: a checkpoint slower than that on rank 0's storage would otherwise
-    /// end the job in the next collective.
+    /// `dist.timeout_s` (or `dist.writer_wait_s` at most): a checkpoint slower than that on
+    /// rank 0's storage would otherwise end the job in the next collective.
     fn after_writer(&mut self) -> Result<(), TrainError> {
+        let writer_wait = self.plan.config.dist.writer_wait_s.map(std::time::Duration::from_secs);
         match self.dist.as_deref_mut() {
-            Some(d) => d.after_writer().map_err(TrainError::from),
+            Some(d) => d.after_writer(writer_wait).map_err(TrainError::from),
             None => Ok(()),
         }
     }
