@@ -14,7 +14,7 @@ pub const LOCK_FILE: &str = ".lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"))]
+    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir. If that process is gone (on network storage a lock can outlive a crashed host: NFS keeps it until the host's lease ends or it reboots), remove {} and start again", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"), .dir.join(LOCK_FILE).display())]
     Busy { dir: PathBuf, holder: Option<String> },
     #[error("cannot lock {}: {source}", .path.display())]
     Io { path: PathBuf, source: std::io::Error },
@@ -100,6 +100,19 @@ mod tests {
         assert!(err.to_string().contains("in use by another trainguard run"), "{err}");
         drop(first);
         assert!(RunDirLock::take(dir.path()).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_lock_left_by_a_gone_holder_is_ended_by_removing_the_file_the_refusal_names() {
+        let dir = tempfile::tempdir().unwrap();
+        // Held as a crashed NFS client's lock is: by no process that will let it go.
+        let stale = RunDirLock::take(dir.path()).unwrap().expect("the directory exists");
+        let err = RunDirLock::take(dir.path()).unwrap_err().to_string();
+        let named = dir.path().join(LOCK_FILE);
+        assert!(err.contains(&format!("remove {} and start again", named.display())), "{err}");
+        std::fs::remove_file(&named).unwrap();
+        assert!(RunDirLock::take(dir.path()).unwrap().is_some(), "a new file at the path is a new lock");
+        drop(stale);
     }
 
     #[test]
