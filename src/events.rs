@@ -107,7 +107,7 @@ pub enum Event {
     OomRecovered(OomRecovery),
     /// `lineage`: the other runs' checkpoints the line resumed from, oldest first (the one
     /// resumed now included when it is another run's).
-    Resumed { step: u64, path: String, changed: Vec<String>, lineage: Vec<crate::checkpoint::state::Lineage> },
+    Resumed { step: u64, path: String, changed: Vec<String>, lineage: Vec<crate::lineage::Lineage> },
     CheckpointSkipped { path: String, reason: String },
     /// A checkpoint a killed replacement of the same step had left aside, put back in its place.
     CheckpointPutBack { step: u64 },

@@ -19,6 +19,7 @@ pub mod ffi;
 pub mod guard;
 pub mod hf;
 pub mod interrupt;
+pub mod lineage;
 pub mod logging;
 pub mod memory;
 pub mod model;

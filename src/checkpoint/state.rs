@@ -49,17 +49,9 @@ pub struct TrainerState {
     /// steps were trained (absent in checkpoints written before it, and empty for a run that
     /// began here).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub lineage: Vec<Lineage>,
+    pub lineage: Vec<crate::lineage::Lineage>,
 }
 
-/// A checkpoint of another run a later run resumed from: the steps before `step` were trained
-/// there.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Lineage {
-    /// The checkpoint's directory, absolute, as it was when it was resumed.
-    pub checkpoint: String,
-    pub step: u64,
-}
 
 /// The identity of a run's data: a `prepare` dataset re-made in place with another tokenizer
 /// keeps its path, and its ids then mean other text.

@@ -6,6 +6,7 @@ use super::TrainError;
 use crate::checkpoint::retention;
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
+use crate::lineage;
 use crate::config::Config;
 use crate::events::{Event, Reporter};
 use crate::guard::Guard;
@@ -84,7 +85,7 @@ pub(super) struct Progress {
     pub(super) nonfinite_skips: u64,
     pub(super) elapsed_before: f64,
     /// Other runs' checkpoints this run's line resumed from, oldest first.
-    pub(super) lineage: Vec<Lineage>,
+    pub(super) lineage: Vec<lineage::Lineage>,
 }
 
 /// Everything a checkpoint saves and a resume restores.
@@ -118,26 +119,10 @@ impl TrainState {
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
             nonfinite_skips: l.state.nonfinite_skips,
             elapsed_before: l.state.elapsed_s,
-            lineage: continued_lineage(&l.state.lineage, &l.path, l.state.step, own_root),
+            lineage: lineage::continued(&l.state.lineage, &l.path, l.state.step, own_root),
         };
         Ok(())
     }
-}
-
-/// The lineage of a run resuming checkpoint `path` (of `step`, with the lineage it saved): the
-/// checkpoint joins it when it is not under `own_root`, this run's own checkpoints directory (a
-/// resume of the run itself, a set-aside one of its own included, or of its copy moved into
-/// another directory as a whole, adds nothing once the directory is the run's).
-fn continued_lineage(saved: &[Lineage], path: &Path, step: u64, own_root: &Path) -> Vec<Lineage> {
-    // Absolute before anything is compared: `--resume step-00000008` in the checkpoints
-    // directory has an empty parent.
-    let absolute = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
-    let checkpoint = absolute(path);
-    let mut lineage = saved.to_vec();
-    if !checkpoint.starts_with(absolute(own_root)) {
-        lineage.push(Lineage { checkpoint: checkpoint.display().to_string(), step });
-    }
-    lineage
 }
 
 pub(super) fn corrupt_path(e: &CheckpointError) -> String {
@@ -430,31 +415,6 @@ impl Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn another_runs_checkpoint_joins_the_lineage_and_the_runs_own_does_not() {
-        let (mine, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let (own_root, other_root) = (store::root(mine.path()), store::root(other.path()));
-        for root in [&own_root, &other_root] {
-            std::fs::create_dir_all(root.join("step-00000010")).unwrap();
-        }
-        let earlier = vec![Lineage { checkpoint: "/runs/first/checkpoints/step-00000004".into(), step: 4 }];
-        // The run's own checkpoint, named directly or through another spelling of its path.
-        assert_eq!(continued_lineage(&earlier, &own_root.join("step-00000010"), 10, &own_root), earlier);
-        let dotted = mine.path().join(".").join("checkpoints").join("step-00000010");
-        assert_eq!(continued_lineage(&[], &dotted, 10, &own_root), vec![]);
-        // Named from the working directory (the crate's, under cargo test), and one the run set aside.
-        let here = tempfile::tempdir_in(".").unwrap();
-        let relative_root = store::root(Path::new(here.path().file_name().unwrap()));
-        std::fs::create_dir_all(relative_root.join("set-aside-1/step-00000010")).unwrap();
-        assert_eq!(continued_lineage(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &store::root(here.path())), vec![]);
-        assert_eq!(continued_lineage(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &own_root).len(), 1);
-        // Another run's: it follows what that run carried, by its absolute path.
-        let theirs = other_root.join("step-00000010");
-        let got = continued_lineage(&earlier, &theirs, 10, &own_root);
-        let absolute = std::fs::canonicalize(&theirs).unwrap().display().to_string();
-        assert_eq!(got, vec![earlier[0].clone(), Lineage { checkpoint: absolute, step: 10 }]);
-    }
 
     #[test]
     fn another_tokenizer_is_refused_and_other_tokens_are_said() {
