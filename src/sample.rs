@@ -105,7 +105,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let tokenizer = target.join("tokenizer.json");
-        let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| crate::prepare::load_tokenizer(&tokenizer, exported_eos(target).as_deref())) {
+        let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| crate::prepare::load_tokenizer(&tokenizer, crate::hf::exported_eos(target).as_deref())) {
             None => (None, None),
             Some(Ok(vocab)) => (Some(Dataset { dir: target.to_path_buf(), manifest: None, specials: crate::hf::specials(target, &vocab.tokenizer), vocab }), None),
             Some(Err(e)) => (None, Some(e.to_string())),
@@ -297,14 +297,6 @@ fn device_from(name: &str) -> Result<Device, SampleError> {
     crate::run_plan::resolve_device(name, cuda_devices, 0).map_err(|e| input(format!("--device: {e}")))
 }
 
-/// The `eos_token` of an `export --hf` directory's tokenizer_config.json (a string, or an
-/// added-token object with its `content`).
-fn exported_eos(dir: &Path) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?).ok()?;
-    let eos = &v["eos_token"];
-    eos.as_str().or(eos["content"].as_str()).map(str::to_string)
-}
-
 /// Runs the command: hands the prompt's continuation to `emit` as it is drawn (each part whole
 /// characters; `emit` answers false once no one reads) and returns it whole (nothing with
 /// --dump-logits).
@@ -427,18 +419,7 @@ pub fn pick(logits: &[f64], temperature: f64, top_k: usize, u: f64) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{exported_eos, generate, pick, Codec, Stream};
-
-    #[test]
-    fn an_exports_eos_token_is_read_as_a_name_or_an_added_token() {
-        let d = tempfile::tempdir().unwrap();
-        assert_eq!(exported_eos(d.path()), None);
-        let config = d.path().join("tokenizer_config.json");
-        std::fs::write(&config, r#"{"eos_token": "[SEP]"}"#).unwrap();
-        assert_eq!(exported_eos(d.path()).as_deref(), Some("[SEP]"));
-        std::fs::write(&config, r#"{"eos_token": {"content": "</s>", "special": true}}"#).unwrap();
-        assert_eq!(exported_eos(d.path()).as_deref(), Some("</s>"));
-    }
+    use super::{generate, pick, Codec, Stream};
 
     #[test]
     fn byte_level_ids_past_the_bytes_decode_as_replacement_characters() {

@@ -52,7 +52,6 @@ pub struct TrainerState {
     pub lineage: Vec<crate::lineage::Lineage>,
 }
 
-
 /// The identity of a run's data: a `prepare` dataset re-made in place with another tokenizer
 /// keeps its path, and its ids then mean other text.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -118,19 +118,33 @@ pub struct Specials {
     pub unk: Option<String>,
 }
 
+/// `dir`'s JSON file `file` (config.json, tokenizer_config.json); Null when absent or not JSON.
+fn read_json(dir: &Path, file: &str) -> Value {
+    std::fs::read_to_string(dir.join(file)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).unwrap_or(Value::Null)
+}
+
+/// The token tokenizer_config.json (`tc`) names under `key`: a string, or an added-token object
+/// with its `content`.
+fn named_token(tc: &Value, key: &str) -> Option<String> {
+    tc[key].as_str().or(tc[key]["content"].as_str()).map(str::to_string)
+}
+
+/// The `eos_token` of a `transformers` directory's tokenizer_config.json.
+pub fn exported_eos(dir: &Path) -> Option<String> {
+    named_token(&read_json(dir, "tokenizer_config.json"), "eos_token")
+}
+
 /// [`Specials`] of the directory `dir`, whose tokenizer.json `tokenizer` is. Each counts only as
 /// a token of that tokenizer; absent or unknown to it, the EOS stands for it as before.
 pub fn specials(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Specials {
-    let read = |file: &str| std::fs::read_to_string(dir.join(file)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).unwrap_or(Value::Null);
-    let (tc, config) = (read("tokenizer_config.json"), read("config.json"));
-    // A token is a string, or an added-token object with its `content`.
-    let token = |v: &Value| v.as_str().or(v["content"].as_str()).map(str::to_string).filter(|t| tokenizer.token_to_id(t).is_some());
-    let named = token(&tc["bos_token"]);
+    let (tc, config) = (read_json(dir, "tokenizer_config.json"), read_json(dir, "config.json"));
+    let token = |key: &str| named_token(&tc, key).filter(|t| tokenizer.token_to_id(t).is_some());
+    let named = token("bos_token");
     let id = config["bos_token_id"].as_u64().and_then(|id| u32::try_from(id).ok()).filter(|id| tokenizer.id_to_token(*id).is_some());
     Specials {
         bos_token: named.clone().or_else(|| id.and_then(|id| tokenizer.id_to_token(id))),
         bos_id: id.or_else(|| named.and_then(|t| tokenizer.token_to_id(&t))),
-        unk: token(&tc["unk_token"]),
+        unk: token("unk_token"),
     }
 }
 
@@ -428,6 +442,17 @@ fn hf_shape(fam: &Family, name: &str, shape: &[i64]) -> Vec<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_exports_eos_token_is_read_as_a_name_or_an_added_token() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(exported_eos(d.path()), None);
+        let config = d.path().join("tokenizer_config.json");
+        std::fs::write(&config, r#"{"eos_token": "[SEP]"}"#).unwrap();
+        assert_eq!(exported_eos(d.path()).as_deref(), Some("[SEP]"));
+        std::fs::write(&config, r#"{"eos_token": {"content": "</s>", "special": true}}"#).unwrap();
+        assert_eq!(exported_eos(d.path()).as_deref(), Some("</s>"));
+    }
 
     fn cfg(bias: bool) -> ModelConfig {
         ModelConfig { bias, n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 40, seq_len: 8, ..ModelConfig::default() }
