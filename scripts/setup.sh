@@ -21,7 +21,7 @@ need_pkgs=()
 command -v g++ >/dev/null 2>&1 || need_pkgs+=(g++)
 command -v make >/dev/null 2>&1 || need_pkgs+=(make)
 command -v pkg-config >/dev/null 2>&1 || need_pkgs+=(pkg-config)
-# Gloo's headers for the c10d shim (src/ffi/dist.cpp); the torch wheel ships c10d's, not gloo's.
+# Gloo's headers for the c10d shim (crates/trainguard-sys/cpp/dist.cpp); the torch wheel ships c10d's, not gloo's.
 [ -f /usr/include/gloo/allreduce.h ] || need_pkgs+=(libgloo-dev)
 # Debian's python3 needs python3-venv for `python3 -m venv` (pyenv/conda Pythons have it built in).
 ${PYTHON:-python3} -c 'import ensurepip, venv' >/dev/null 2>&1 || need_pkgs+=(python3-venv)
@@ -34,7 +34,7 @@ else
   say "Debian packages present"
 fi
 
-# A headless browser for the test that renders `trainguard report`'s page (tests/report.rs).
+# A headless browser for the test that renders `trainguard report`'s page (tests/it/report.rs).
 # Optional: where apt cannot install it, setup goes on and that test prints "skipped: ...".
 if ! command -v chromium >/dev/null 2>&1; then
   say "installing chromium (headless, for the report page's rendering test)"
@@ -60,7 +60,7 @@ else
 fi
 "$VENV/bin/python" -c 'import safetensors, numpy, yaml' 2>/dev/null \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check safetensors numpy pyyaml
-# TensorBoard's reader for tests/report.rs (checks the `metrics.tensorboard` event files).
+# TensorBoard's reader for tests/it/report.rs (checks the `metrics.tensorboard` event files).
 TENSORBOARD_VERSION=2.20.0
 [ "$("$VENV/bin/python" -c 'import tensorboard; print(tensorboard.__version__)' 2>/dev/null)" = "$TENSORBOARD_VERSION" ] \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION"
@@ -74,7 +74,7 @@ TRANSFORMERS_VERSION=5.23.0
 SITE=$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
 [ -f "$SITE/nvidia/cu13/include/crt/host_defines.h" ] && [ -f "$SITE/nvidia/cu13/include/nv/target" ] \
   || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*"
-# NVIDIA's disassembler (5 MB) for scripts/load_waits.py and its test: which loads of our CUDA
+# NVIDIA's disassembler (5 MB) for scripts/gpu/load_waits.py and its test: which loads of our CUDA
 # kernels the wheel's NVRTC puts in flight together. It reads what NVRTC 13.0 writes.
 NVDISASM_VERSION=13.5.37
 [ "$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-nvdisasm"))' 2>/dev/null)" = "$NVDISASM_VERSION" ] \

@@ -2,7 +2,7 @@
 # torch, so each script works in two places:
 #   - a development checkout: runs scripts/setup.sh if needed, `cargo build --release`, and uses
 #     the project venv (.venv/bin/python, .venv/bin/torchrun);
-#   - a GPU machine with no Rust toolchain (see scripts/gpu_checks.sh): uses a prebuilt
+#   - a GPU machine with no Rust toolchain (see scripts/gpu/gpu_checks.sh): uses a prebuilt
 #     target/release/trainguard (or $TRAINGUARD_BIN) and the python3 that holds torch, and points
 #     the dynamic loader at that torch's libraries.
 # Sets BIN, PY and TORCHRUN (an array: the torchrun command); exports TRAINGUARD_BIN and
@@ -17,7 +17,7 @@ if command -v cargo >/dev/null 2>&1 && [ -z "${TRAINGUARD_BIN:-}" ]; then
   TORCHRUN=("$PWD/.venv/bin/torchrun")
 else
   BIN=${TRAINGUARD_BIN:-$PWD/target/release/trainguard}
-  [ -x "$BIN" ] || { echo "no cargo here and no prebuilt binary at $BIN (build it elsewhere: scripts/gpu_bundle.sh)" >&2; exit 2; }
+  [ -x "$BIN" ] || { echo "no cargo here and no prebuilt binary at $BIN (build it elsewhere: scripts/gpu/gpu_bundle.sh)" >&2; exit 2; }
   if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=$(command -v python3); fi
   # Found, not imported: importing torch takes ~3 s, and a GPU check sources this many times.
   torch_lib=$("$PY" -c 'import importlib.util as u, os; s = u.find_spec("torch"); print(os.path.join(os.path.dirname(s.origin), "lib"))' 2>/dev/null) \

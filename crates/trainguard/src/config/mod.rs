@@ -1,0 +1,798 @@
+//! The raw run configuration: serde structs with their defaults, read from YAML and `--set`
+//! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
+//! derive anything from the environment (that is `plan`'s job).
+pub mod allocator;
+pub mod diff;
+pub mod limits;
+mod load;
+mod validate;
+
+pub use load::{apply_override, load, parse_duration, parse_size, saved, ConfigError};
+pub use validate::{validate, Problem};
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Everything a run reads from its YAML file. Unknown keys are rejected at every level.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Run directory: resolved config, metrics.jsonl, events.jsonl.
+    pub out_dir: PathBuf,
+    /// Seeds weight init, sampling and dropout.
+    pub seed: u64,
+    /// Same bits for the same inputs on CUDA as on CPU: libtorch's deterministic algorithms and
+    /// `CUBLAS_WORKSPACE_CONFIG`; an op without a deterministic kernel ends the run (exit 6).
+    /// Beside `seed` because both are about reproducing a run, and both cover evaluation too.
+    pub deterministic: bool,
+    /// `auto | cpu | cuda | cuda:N`.
+    pub device: String,
+    /// `fp32 | bf16-mixed | fp16-mixed | bf16-pure`.
+    pub precision: Precision,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub optimizer: OptimizerConfig,
+    pub oom: OomConfig,
+    pub memory: MemoryConfig,
+    pub kernels: KernelsConfig,
+    pub checkpoint: CheckpointConfig,
+    pub nan: NanConfig,
+    pub dist: DistConfig,
+    /// Extra metric sinks beside metrics.jsonl.
+    pub metrics: MetricsConfig,
+    /// Test-only fault injection; leave empty in real runs.
+    pub faults: FaultsConfig,
+    /// A Hugging Face GPT-2 directory (`trainguard export --hf`, or transformers'
+    /// `save_pretrained`) whose weights the model starts from instead of its random init.
+    /// Top-level rather than under `model:` because `model` is the shape a resume compares.
+    pub init_from: Option<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            out_dir: PathBuf::from("runs/debug"),
+            seed: 1337,
+            deterministic: false,
+            device: "auto".into(),
+            precision: Precision::Fp32,
+            model: ModelConfig::default(),
+            data: DataConfig::default(),
+            train: TrainConfig::default(),
+            optimizer: OptimizerConfig::default(),
+            oom: OomConfig::default(),
+            memory: MemoryConfig::default(),
+            kernels: KernelsConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+            nan: NanConfig::default(),
+            dist: DistConfig::default(),
+            metrics: MetricsConfig::default(),
+            faults: FaultsConfig::default(),
+            init_from: None,
+        }
+    }
+}
+
+/// The decoder: its architecture and sizes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// `gpt2` (learned positions, LayerNorm, GELU MLP, tied head) or `llama` (RoPE, RMSNorm,
+    /// SwiGLU, grouped-query attention).
+    pub arch: Arch,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    pub vocab_size: usize,
+    pub seq_len: usize,
+    pub dropout: f64,
+    /// Biases in linear layers (and, for gpt2, LayerNorms).
+    pub bias: bool,
+    /// llama: key/value heads (grouped-query attention); must divide n_head. None = n_head.
+    pub n_kv_head: Option<usize>,
+    /// MLP width: gpt2's hidden layer (default 4 × n_embd), llama's SwiGLU width (required).
+    pub ffn_hidden: Option<usize>,
+    /// llama: RoPE base frequency.
+    pub rope_theta: f64,
+    /// llama: RMSNorm epsilon.
+    pub norm_eps: f64,
+    /// llama: LM head shares the token embedding (gpt2 always does).
+    pub tie_embeddings: bool,
+    /// The embedding and LM-head rows are `vocab_size` rounded up to a multiple of this (aligned
+    /// matrix shapes); the extra rows are zero and their logits masked. 1: no padding.
+    pub pad_vocab_to: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            arch: Arch::Gpt2,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 64,
+            vocab_size: 256,
+            seq_len: 64,
+            dropout: 0.0,
+            bias: true,
+            n_kv_head: None,
+            ffn_hidden: None,
+            rope_theta: 10_000.0,
+            norm_eps: 1e-5,
+            tie_embeddings: true,
+            pad_vocab_to: 64,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Key/value heads (n_head without grouped-query attention).
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_head.unwrap_or(self.n_head)
+    }
+
+    /// Channels per attention head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head.max(1)
+    }
+
+    /// The MLP's hidden width.
+    pub fn ffn(&self) -> usize {
+        self.ffn_hidden.unwrap_or(4 * self.n_embd)
+    }
+
+    /// Rows of the embedding and LM head: `vocab_size` rounded up to `pad_vocab_to`.
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab_size.div_ceil(self.pad_vocab_to.max(1)) * self.pad_vocab_to.max(1)
+    }
+}
+
+/// Model architectures (`model.arch`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    /// GPT-2: learned positions, pre-LayerNorm, GELU MLP, tied head.
+    #[default]
+    Gpt2,
+    /// Llama family (Llama 3, SmolLM, TinyLlama, Qwen, Mistral shapes): RoPE, RMSNorm, SwiGLU,
+    /// grouped-query attention.
+    Llama,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// `synthetic | text:<path> | tokens:<path>`.
+    pub source: String,
+    /// Share of the corpus (its tail) held out for validation.
+    pub val_fraction: f64,
+    /// Length of the built-in synthetic corpus, in tokens.
+    pub synthetic_tokens: usize,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self { source: "synthetic".into(), val_fraction: 0.1, synthetic_tokens: 1 << 20 }
+    }
+}
+
+/// Where the held-out tail of `val_fraction` of a corpus of `tokens` tokens starts.
+pub fn val_start(tokens: usize, val_fraction: f64) -> usize {
+    ((tokens as f64) * (1.0 - val_fraction)).round() as usize
+}
+
+impl DataConfig {
+    /// Where the held-out tail of a corpus of `tokens` tokens starts (no validation shards).
+    pub fn val_start(&self, tokens: usize) -> usize {
+        val_start(tokens, self.val_fraction)
+    }
+
+    /// The fewest tokens whose split leaves windows of `seq_len + 1` tokens, and one offset more,
+    /// on both sides: what the corpus needs at least `seq_len + 2` tokens in each split for.
+    pub fn min_tokens(&self, seq_len: usize) -> usize {
+        let need = seq_len + 2;
+        if self.val_fraction == 0.0 {
+            return need; // no validation split: the training split alone
+        }
+        let smaller_share = self.val_fraction.min(1.0 - self.val_fraction);
+        // Below this the smaller share holds at most need - 1 tokens (rounded, fewer than need).
+        let start = ((need - 1) as f64 / smaller_share).floor();
+        if start >= 1e15 {
+            return usize::MAX; // a share so small that no corpus that fits in memory has a window
+        }
+        let mut n = (start as usize).max(2 * need);
+        while self.val_start(n) < need || n - self.val_start(n) < need {
+            n += 1;
+        }
+        n
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Sequences per optimizer step, summed over all ranks.
+    pub global_batch_size: usize,
+    /// Sequences per forward/backward pass on one rank.
+    pub micro_batch_size: usize,
+    pub max_steps: u64,
+    /// Peak learning rate, reached at the end of warmup.
+    pub lr: f64,
+    /// Floor of the cosine decay.
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    /// Steps over which the cosine decays to `min_lr`; default `max_steps`.
+    pub lr_decay_steps: Option<u64>,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Clip the global gradient norm to this; 0 turns clipping off.
+    pub grad_clip: f64,
+    /// Evaluate after every N completed steps (and after the last); 0 turns evaluation off.
+    pub eval_interval: u64,
+    pub eval_batches: usize,
+    pub log_interval: u64,
+    /// Intra-op CPU threads; default: libtorch's choice (one per core).
+    pub threads: Option<usize>,
+    /// Stop cleanly, with a checkpoint, before this much wall-clock time (`7h30m`, `45m`, `90s`).
+    pub max_duration: Option<String>,
+    /// fp16-mixed: the loss scale to start from, and clean steps before it doubles.
+    pub loss_scale_initial: f64,
+    pub loss_scale_growth_interval: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            global_batch_size: 32,
+            micro_batch_size: 8,
+            max_steps: 200,
+            lr: 3.0e-3,
+            min_lr: 3.0e-4,
+            warmup_steps: 20,
+            lr_decay_steps: None,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            eval_interval: 50,
+            eval_batches: 4,
+            log_interval: 10,
+            threads: None,
+            max_duration: None,
+            loss_scale_initial: 65536.0,
+            loss_scale_growth_interval: 2000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Precision {
+    /// Everything in fp32 (TF32 matmuls on CUDA).
+    #[serde(rename = "fp32")]
+    #[value(name = "fp32")]
+    Fp32,
+    /// Autocast to bf16, fp32 master weights and optimizer state.
+    #[serde(rename = "bf16-mixed")]
+    #[value(name = "bf16-mixed")]
+    Bf16Mixed,
+    /// Autocast to fp16 with dynamic loss scaling, fp32 master weights and optimizer state.
+    #[serde(rename = "fp16-mixed")]
+    #[value(name = "fp16-mixed")]
+    Fp16Mixed,
+    /// Weights, gradients and optimizer state in bf16.
+    #[serde(rename = "bf16-pure")]
+    #[value(name = "bf16-pure")]
+    Bf16Pure,
+}
+
+impl Precision {
+    /// The name configs and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Fp16Mixed => "fp16-mixed",
+            Precision::Bf16Pure => "bf16-pure",
+        }
+    }
+}
+
+/// The optimizer. Its betas, eps and weight decay are `train.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub name: OptimizerName,
+    /// AdamW and SGD through ATen's fused kernels (one pass per tensor); false: the tensor-op paths.
+    pub fused: bool,
+    /// Momentum of `sgd_momentum`.
+    pub momentum: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self { name: OptimizerName::Adamw, fused: true, momentum: 0.9 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerName {
+    #[default]
+    #[value(name = "adamw")]
+    Adamw,
+    #[value(name = "sgd")]
+    Sgd,
+    #[value(name = "sgd_momentum", alias = "sgd-momentum")]
+    SgdMomentum,
+    #[value(name = "adafactor")]
+    Adafactor,
+    #[value(name = "adamw8bit", alias = "adamw-8bit")]
+    Adamw8bit,
+}
+
+impl OptimizerName {
+    /// The name configs and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerName::Adamw => "adamw",
+            OptimizerName::Sgd => "sgd",
+            OptimizerName::SgdMomentum => "sgd_momentum",
+            OptimizerName::Adafactor => "adafactor",
+            OptimizerName::Adamw8bit => "adamw8bit",
+        }
+    }
+}
+
+/// What the OOM guard does when a step runs out of memory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OomConfig {
+    pub policy: OomPolicy,
+    /// The guard never goes below this micro-batch.
+    pub min_micro_batch: usize,
+    /// After this many clean steps below the configured micro-batch, try doubling back; 0 = never.
+    pub regrow_after_steps: u64,
+    /// When allocation retries rise 3 steps in a row (CUDA): `warn`, or `shrink` the
+    /// micro-batch before an OOM happens.
+    pub on_thrash: ThrashAction,
+    /// At `min_micro_batch`, still out of memory: switch these on, in order, before giving up.
+    pub escalate: Vec<Escalation>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Escalation {
+    ActivationCheckpointing,
+    OffloadActivations,
+}
+
+impl Escalation {
+    /// As the config spells it (`oom.escalate`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Escalation::ActivationCheckpointing => "activation_checkpointing",
+            Escalation::OffloadActivations => "offload_activations",
+        }
+    }
+
+    /// What switching it on does, for the guard's warning: offload moves checkpointed blocks'
+    /// inputs, so it checkpoints every block too.
+    pub fn effect(self) -> &'static str {
+        match self {
+            Escalation::ActivationCheckpointing => "activation_checkpointing (every block)",
+            Escalation::OffloadActivations => "offload_activations (with every block checkpointed: offload moves the checkpointed inputs)",
+        }
+    }
+}
+
+impl Default for OomConfig {
+    fn default() -> Self {
+        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn, escalate: vec![] }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ThrashAction {
+    Warn,
+    Shrink,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OomPolicy {
+    /// Halve the micro-batch, double accumulation, replay the step.
+    Adapt,
+    /// Treat out-of-memory as fatal (exit code 3) without retrying.
+    Fail,
+    /// No guard at all: each step runs once, unwrapped; an out-of-memory ends the run (exit 3).
+    /// For measuring the guard's own cost.
+    Off,
+}
+
+/// Which kernels compute the step: speed switches that change how the maths runs, never what it
+/// is (at most the last bits of a rounding). Not under `model:` because a resume compares that
+/// section: a checkpoint resumes under any of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KernelsConfig {
+    /// Llama's RMSNorm on CUDA as ATen's fused kernel (`_fused_rms_norm`: one kernel forward,
+    /// one backward, input and rstd saved) instead of step by step as `transformers` computes it
+    /// (about seven kernels forward). On the CPU ATen has no such kernel and the step-by-step
+    /// form runs either way.
+    pub fused_rms_norm: bool,
+    /// 8-bit AdamW's and Adafactor's updates on CUDA as our own kernels, compiled at run time by
+    /// NVRTC: 8-bit AdamW in one launch per tensor with no scratch, instead of ~25 tensor ops per
+    /// run of blocks through 64 MiB scratch buffers; Adafactor in five to seven launches per
+    /// tensor with a 3 MiB fp64 workspace (GPT-2), instead of ~20 tensor ops through a 16 MiB
+    /// band. The CPU always runs its fused kernels. On by default since their GPU checks passed
+    /// on an H200 (8-bit AdamW: the CPU kernel's exact bits) and a gpt2-124m bf16-mixed step ran
+    /// at 0.995× (8-bit AdamW) and 0.970× (Adafactor) of fused AdamW's speed, against 0.906× and
+    /// 0.847× as tensor ops (BENCHMARKS.md, "GPU checks on an H200").
+    pub cuda_optimizers: bool,
+    /// The loss as one autograd node of our own (`ffi::loss`): it keeps the logits in their own
+    /// dtype and a log-sum-exp per row, and its backward writes their gradient in that dtype.
+    /// Under autocast PyTorch's cross-entropy keeps fp32 log-probabilities and writes fp32 and
+    /// 16-bit gradients: 10 bytes per logit on CUDA in bf16-mixed where this needs 4. CUDA runs
+    /// two NVRTC-compiled kernels, the CPU ATen's ops over blocks of rows. On by default since
+    /// the CUDA kernels' checks passed on an H200, where gpt2-124m bf16-mixed (micro 16) ran
+    /// 1.08× faster with a peak of 10.36 GiB instead of 14.97 (BENCHMARKS.md, "GPU checks on an H200").
+    pub fused_cross_entropy: bool,
+    /// With `fused_cross_entropy`, in training: the loss's node writes the logits' gradient over
+    /// the logits in its forward, in the pass that computes the loss (one kernel on CUDA, each
+    /// block of rows while it is in cache on the CPU), for a backward from the loss; its backward
+    /// then reads nothing and allocates nothing. The two-pass node reads the logits twice and
+    /// writes a gradient beside them: for gpt2-124m at micro 16 that is 1.65 GB of bf16 logits
+    /// read again and a 1.65 GB gradient, which the peak (the start of backward) holds beside
+    /// the logits. The same bits. On by default: the memory is saved whatever the device (the
+    /// planner counts it); on the CPU it measured 1.08× faster where the logits weigh (a
+    /// vocabulary of 8192), about 2% slower with a byte vocabulary (BENCHMARKS.md, "Kernels:
+    /// the loss's gradient in its forward"); its CUDA speed is not yet measured.
+    pub fused_loss_gradient: bool,
+    /// The norms on CUDA (GPT-2's LayerNorms, Llama's RMSNorms) as one autograd node of our own
+    /// (`ffi::norm`, NVRTC kernels), with the residual add before every norm (a block's output
+    /// is added by the next block's first norm, or the final norm) and the rounding to the
+    /// compute dtype after every norm inside it: one kernel forward where
+    /// ATen runs an add, the norm and autocast's cast (one per reading matrix multiplication:
+    /// three after Llama's first norm, so our one 16-bit output also saves memory), and backward
+    /// the norm's gradient with the residual's added and rounded in the same pass. The same
+    /// maths (the reductions' order differs in the last bits of fp32). On by default since an
+    /// H200 measured it: gpt2-124m bf16-mixed (micro 16) 1.055× faster, smollm2-135m 1.098× with
+    /// a peak of 15.62 GiB instead of 17.20 (BENCHMARKS.md, "GPU checks on an H200, second
+    /// session"). On the CPU, and for 16-bit weights (`bf16-pure`), the usual ops run either way.
+    /// Overrides `fused_rms_norm` where both are on.
+    pub fused_residual_norm: bool,
+    /// The Llama family's SwiGLU product silu(gate) · up on CUDA as one autograd node of our own
+    /// (`ffi::llama_ops`, NVRTC kernels): forward reads gate and up and writes the product once,
+    /// backward writes both gradients in one pass, in fp32 with one rounding; silu(gate) is not
+    /// kept for backward (one f-wide tensor less per block, which the planner counts). ATen runs
+    /// silu and a multiply forward and three kernels backward. On by default since an H100
+    /// measured it: smollm2-135m bf16-mixed (micro 8) 1.026× faster, 1.41 GiB lower peak
+    /// (BENCHMARKS.md, "GPU checks on an H100, third session"); on the CPU ATen's ops run either way.
+    pub fused_swiglu: bool,
+    /// The Llama family's rotary position embedding of q and k on CUDA as one autograd node of
+    /// our own (`ffi::llama_ops`, an NVRTC kernel): one pass each way over the projection's
+    /// output, in fp32 from the fp32 tables with one rounding, where ATen (as `transformers`)
+    /// casts the tables to the compute dtype and multiplies, negates, concatenates, multiplies
+    /// and adds, and keeps the cast tables for backward (which the planner counts). On by
+    /// default since an H100 measured it beside the SwiGLU node: smollm2-135m bf16-mixed 1.194×
+    /// faster with both than with neither, 1.026× with the SwiGLU node alone; on the CPU ATen's
+    /// ops run either way.
+    pub fused_rope: bool,
+    /// The linear layers and the LM head on CUDA under bf16 or fp16 autocast as one autograd
+    /// node of our own (`ffi::linear`): the same GEMMs forward, but backward the weight's
+    /// gradient comes out of the GEMM in fp32 (cuBLAS, 16-bit in, fp32 out) and the bias's from
+    /// our column-sum kernels in fp32, where autocast's linear writes both in 16 bits and its
+    /// casts' backward returns them to fp32 (a pass and a kernel per parameter per micro-step),
+    /// and ATen's general reduction takes the bias's column sums (7 ms of a 152 ms gpt2-124m
+    /// step on an H200). The LM head's padding-mask gradient is not computed. On by default since
+    /// an H100 measured it: gpt2-124m bf16-mixed (micro 16) 1.030× faster, smollm2-135m 1.014×,
+    /// the same peaks; on the CPU ATen's linear runs either way.
+    pub fused_linear: bool,
+    /// With `fused_linear`, GPT-2's MLP up-projection and its GELU as one node: forward the same
+    /// GEMM and GELU, backward GELU's gradient and the bias's column sums in one kernel that
+    /// reads the output's gradient and GELU's input once and writes the GELU gradient once,
+    /// where ATen's gelu_backward writes it and the column sums read it back (100 MB per layer
+    /// and micro-step of gpt2-124m at micro 16). The same maths (the GELU gradient may differ
+    /// in its last bit). Off by default until a GPU measures it (`TABLES=gelu
+    /// scripts/bench/bench_kernels.sh --device cuda`); on the CPU ATen's ops run either way.
+    pub fused_gelu: bool,
+    /// With `fused_linear`, from a step's second micro-step on (in CUDA graphs' mode from its
+    /// first): the linear node adds each weight's gradient into the step's fp32 accumulator
+    /// inside the weight-gradient GEMM (cuBLAS with beta = 1, 16-bit in, fp32 out), where it
+    /// would write a new fp32 gradient that a multi-tensor add then reads back and adds: for
+    /// gpt2-124m 85M values a micro-step written, read twice and written again (an H100 trace
+    /// put the adds at 2.2 ms of a 148 ms step of four micro-steps), and a gradient-sized buffer
+    /// less at each micro-step's end. The same maths (the GEMM's epilogue adds once in fp32); on
+    /// the CPU nothing changes. On by default; its CUDA speed is not yet measured (`TABLES=sums
+    /// scripts/bench/bench_kernels.sh --device cuda`).
+    pub accumulate_in_gemm: bool,
+    /// Each micro-step's forward and backward on CUDA captured once as a CUDA graph (ATen's
+    /// CUDAGraph, through the shim) and replayed with one launch, instead of about a thousand
+    /// kernel launches each with a few µs of GPU idle behind it (`step::graphs`). Re-captured
+    /// when the guard changes the micro-batch; an out of memory inside a capture is one the
+    /// guard recovers from. With activation checkpointing and a chunked loss too; not with
+    /// dropout, fp16 loss scaling or offload (the config refuses them together; a step the guard
+    /// escalates to offload runs eagerly).
+    /// The graphs keep their activations' memory between steps (a private pool, released
+    /// before validation), and with the linear node the weights' 16-bit casts they read (made
+    /// again in place at each step's start). Off by default: an H100 measured gpt2-124m
+    /// bf16-mixed 1.017× and smollm2-135m 1.032× faster with the other kernels' defaults, too
+    /// little to refuse dropout, fp16 and offload by default or to keep a pool between steps; on
+    /// the CPU nothing changes.
+    pub cuda_graphs: bool,
+    /// The Llama family's q, k and v projections as one matrix multiplication, and gate and up
+    /// as another: their weights (kept as `transformers`' separate tensors, so checkpoints,
+    /// imports and exports do not change) are the parts of one GEMM. Under a 16-bit autocast
+    /// with `fused_linear` our node casts them into one matrix kept for the step and gives each
+    /// part its gradient; otherwise they are concatenated in each forward (a checkpointed
+    /// block's recomputation included) and the joint gradient split. Each reads the
+    /// norm's output once, in one GEMM with the widths added (smollm2-135m: 960 columns where
+    /// k's and v's were 192 each), and backward takes the input's gradient in one GEMM where
+    /// three (two) ran and their results were added. What it costs: without our node the
+    /// concatenation and its cast in each forward; backward, the joining of q's, k's and v's
+    /// gradients (which the RoPE node avoids; SwiGLU's joint node, ours or of ATen's ops, writes
+    /// gate's and up's whole). The
+    /// same maths (the sums' order differs in the last bits). Any device. On by default since an
+    /// H100 measured smollm2-135m bf16-mixed 1.053× faster with the SwiGLU and RoPE nodes (whose
+    /// kernels read the joint outputs' parts in place; without them the parts are copied out and
+    /// it ran 0.970×); on the CPU the same speed within noise. GPT-2's attention projection is
+    /// one matrix already.
+    pub merged_projections: bool,
+}
+
+impl Default for KernelsConfig {
+    fn default() -> Self {
+        Self {
+            fused_rms_norm: true,
+            cuda_optimizers: true,
+            fused_cross_entropy: true,
+            fused_loss_gradient: true,
+            fused_residual_norm: true,
+            fused_swiglu: true,
+            fused_rope: true,
+            fused_linear: true,
+            fused_gelu: false,
+            accumulate_in_gemm: true,
+            cuda_graphs: false,
+            merged_projections: true,
+        }
+    }
+}
+
+impl KernelsConfig {
+    /// Every switch off: ATen's ops throughout, each kernel launched on its own. The reference
+    /// the fused paths are tested against.
+    pub fn aten() -> Self {
+        Self {
+            fused_rms_norm: false,
+            cuda_optimizers: false,
+            fused_cross_entropy: false,
+            fused_loss_gradient: false,
+            fused_residual_norm: false,
+            fused_swiglu: false,
+            fused_rope: false,
+            fused_linear: false,
+            fused_gelu: false,
+            accumulate_in_gemm: false,
+            cuda_graphs: false,
+            merged_projections: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// Make the real allocator fail at this size (`16GiB`, `512MiB`, bytes): a CUDA memory
+    /// fraction on GPUs, an address-space limit on CPU. See README "Memory cap".
+    pub limit: Option<Size>,
+    /// CUDA caching-allocator options (PYTORCH_CUDA_ALLOC_CONF keys); see README "Allocator".
+    pub allocator: allocator::AllocatorConfig,
+    /// Warn when memory grows steadily over this many steps (after 5 warm-up steps); 0 = off.
+    pub leak_check_steps: usize,
+    /// `none`, `blocks` (recompute every block in the backward pass), `every_n:<k>` (segments
+    /// of k blocks: only their inputs are kept) or `first_n:<m>` (the first m blocks recomputed
+    /// one by one, the later blocks' activations kept: a dial between memory and time).
+    pub activation_checkpointing: String,
+    /// Checkpointed segments' inputs wait in (pinned) CPU memory for the backward pass.
+    pub offload_activations: bool,
+    /// LM head and cross-entropy over chunks of this many tokens: the full logits are never
+    /// materialised at once. None = one piece.
+    pub loss_chunk_tokens: Option<usize>,
+    /// CUDA: record the caching allocator's history and write `oom_snapshot.pickle` (+ `.txt`)
+    /// on the first recovered and on an unrecoverable out-of-memory. Default on for CUDA; a
+    /// no-op on CPU.
+    pub snapshot_on_oom: bool,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            limit: None,
+            allocator: Default::default(),
+            leak_check_steps: 20,
+            activation_checkpointing: "none".into(),
+            offload_activations: false,
+            loss_chunk_tokens: None,
+            snapshot_on_oom: true,
+        }
+    }
+}
+
+/// A size as written in YAML: `16GiB`, `512MiB`, `1.5GB`, or a plain number of bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged, expecting = "a size like 16GiB, 512MiB or 1.5GB, or a whole number of bytes")]
+pub enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+impl Size {
+    pub fn bytes(&self) -> Result<u64, String> {
+        match self {
+            Size::Bytes(0) => Err("0 must be at least one byte".into()),
+            Size::Bytes(b) => Ok(*b),
+            Size::Text(t) => parse_size(t),
+        }
+    }
+}
+
+/// When checkpoints are written and which are kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Every N optimizer steps (and after the last step, unless `at_end` is false); 0 = only at
+    /// the end (none at all with `at_end: false`).
+    pub interval: u64,
+    /// Also when this many minutes passed since the last one.
+    pub interval_minutes: Option<f64>,
+    /// Keep the newest N.
+    pub keep_last: usize,
+    /// Also keep every checkpoint whose step is a multiple of N; 0 = none.
+    pub keep_every: u64,
+    /// Also keep the one with the best validation loss (a new best is written when found).
+    pub keep_best: bool,
+    /// A checkpoint after the last step (unless the interval gives one) and the final weights
+    /// file. `false` for benchmarks and smoke runs, whose result is their metrics: GPT-2's take
+    /// seconds and gigabytes to write.
+    pub at_end: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { interval: 1000, interval_minutes: None, keep_last: 3, keep_every: 0, keep_best: false, at_end: true }
+    }
+}
+
+/// Non-finite losses and gradient norms.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NanConfig {
+    /// Skip at most this many updates in a row before stopping with exit code 5.
+    pub max_consecutive: u64,
+}
+
+impl Default for NanConfig {
+    fn default() -> Self {
+        Self { max_consecutive: 10 }
+    }
+}
+
+/// Where metrics go besides `metrics.jsonl` (always written).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Also write TensorBoard event files to `out_dir/tb/` (rank 0): every numeric metric as a
+    /// scalar, the config and the events as text.
+    pub tensorboard: bool,
+    /// PyTorch's profiler over chosen steps (rank 0): a Chrome trace and a summary of where the
+    /// time went (`crate::trace`).
+    pub trace: TraceConfig,
+}
+
+/// `metrics.trace`: which optimizer steps to record with PyTorch's profiler.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TraceConfig {
+    /// The first step recorded; none (the default) records nothing. Pick one after warm-up
+    /// (the first steps pay for allocation and autotuning).
+    pub from_step: Option<u64>,
+    /// How many steps from there.
+    pub steps: u64,
+}
+
+impl Default for TraceConfig {
+    fn default() -> Self {
+        Self { from_step: None, steps: 2 }
+    }
+}
+
+/// Failures injected on purpose, to test recovery paths on the real binary.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultsConfig {
+    /// Steps whose loss is replaced by NaN (the update must be skipped).
+    pub nonfinite_loss_at_steps: Vec<u64>,
+    /// Steps whose (fp16-mixed) gradients are made infinite after unscaling: an overflow.
+    pub fp16_overflow_at_steps: Vec<u64>,
+    /// Behave as if SIGTERM arrived just before this step (checkpoint, exit 4).
+    pub interrupt_at_step: Option<u64>,
+    /// Keep every step's forward graph alive, as a leaking training script would.
+    pub leak_graphs: bool,
+    /// Rank `crash_rank` fails with exit 1 just before this step, on the first attempt of a
+    /// torchrun group only (TORCHELASTIC_RESTART_COUNT = 0).
+    pub crash_at_step: Option<u64>,
+    pub crash_rank: usize,
+    /// Sleep this long inside every checkpoint write, after the model file is in the temporary
+    /// directory and before the rest: a window in which a kill leaves a half-written checkpoint.
+    pub pause_in_checkpoint_write_ms: Option<u64>,
+    /// Run an op that has no deterministic implementation (`put_`) inside this step: with
+    /// `deterministic: true` libtorch refuses it.
+    pub nondeterministic_op_at_step: Option<u64>,
+    /// Run an op taking a scalar that libtorch refuses (shapes that do not broadcast) inside this
+    /// step, after the gradient all-reduce: tch raises that error as a panic.
+    pub failing_scalar_op_at_step: Option<u64>,
+    /// Only this rank runs the two ops above and leaks (`leak_graphs`); default: every rank.
+    pub fault_rank: Option<usize>,
+}
+
+/// Multi-process runs (torchrun).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// `auto` (Gloo: this build's c10d backend, for CPU and CUDA tensors), `gloo`, or `nccl`.
+    pub backend: DistBackend,
+    /// A collective that does not finish in this many seconds fails the run (a dead or hung rank).
+    pub timeout_s: u64,
+    /// Gradients are averaged in flat buckets of about this size.
+    pub bucket_mb: f64,
+    /// The longest the other ranks wait for rank 0's work alone (a checkpoint, the final
+    /// weights) before they end the job (exit 1), so that a write hanging with rank 0 alive
+    /// ends in a torchrun restart from the last complete checkpoint rather than holding the
+    /// job's GPUs. None (default): as long as rank 0's heartbeat moves.
+    pub writer_wait_s: Option<u64>,
+}
+
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self { backend: DistBackend::Auto, timeout_s: 300, bucket_mb: 25.0, writer_wait_s: None }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DistBackend {
+    Auto,
+    Gloo,
+    Nccl,
+}
+
+/// `memory.activation_checkpointing`, parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpointing {
+    None,
+    /// Segments of this many consecutive blocks, all blocks checkpointed.
+    Every(usize),
+    /// Only the first this many blocks, one by one; the later blocks keep their activations.
+    /// The first ones, because their recomputation then comes after the kept activations were
+    /// freed by the later blocks' backward, so only one block's activations are alive then.
+    First(usize),
+}
+
+impl Checkpointing {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let count = |prefix: &str| text.trim().strip_prefix(prefix).and_then(|k| k.trim().parse::<usize>().ok()).filter(|&k| k >= 1);
+        match text.trim() {
+            "none" => Ok(Self::None),
+            "blocks" => Ok(Self::Every(1)),
+            _ => count("every_n:")
+                .map(Self::Every)
+                .or_else(|| count("first_n:").map(Self::First))
+                .ok_or_else(|| format!("must be none, blocks, every_n:<k> or first_n:<m> with k, m >= 1, got `{text}`")),
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Data parallel around one guarded attempt: before the gradient all-reduce every rank says
+//! whether it ran out of memory, so either all ranks go on together or all drop the attempt and
+//! the guard replays it on every rank at the smaller micro-batch. A rank that waited alone in
+//! the all-reduce while a peer replayed would hang the group. Without `Dist` both functions
+//! return the local result.
+//!
+//! A second agreement follows the work each rank does alone after the all-reduce (unscaling,
+//! clipping): all ranks update, or all replay. The update itself cannot be agreed on (a rank's
+//! peers have applied theirs by the time it fails), so an out-of-memory inside it ends a
+//! data-parallel run with that said, rather than a replay the peers would not join.
+//!
+//! A rank whose work failed with any other error still joins the agreement before it stops, so
+//! its peers stop at once, naming why, instead of failing in their next collective with only "a
+//! rank died or timed out" (on NCCL after `dist.timeout_s`).
+use crate::distributed::{Dist, LocalOutcome};
+use crate::ffi::torch_panics::catch_torch_panics;
+use crate::guard::{classify, ErrorKind, StepError};
+use std::fmt;
+use tch::{TchError, Tensor};
+
+fn is_oom(e: &TchError) -> bool {
+    matches!(classify(&e.to_string()), ErrorKind::OutOfMemory { .. })
+}
+
+/// What the ranks agreed on: go on with the agreed value, or the error that drops the attempt
+/// (this rank's own out-of-memory, or a peer's), or ends the run (this rank's own other error,
+/// or a peer's: then no rank replays, since the failed rank will not join the replay).
+fn settle<T>(d: &Dist, local: Result<T, StepError>, value: impl Fn(&T) -> f64) -> Result<(T, f64), StepError> {
+    let outcome = match &local {
+        Ok(v) => LocalOutcome::Done(value(v)),
+        Err(StepError::Torch(e)) if is_oom(e) => LocalOutcome::OutOfMemory,
+        Err(_) => LocalOutcome::Failed,
+    };
+    let agreed = d.agree(outcome).map_err(|e| StepError::Fatal(Box::new(e)))?;
+    match local {
+        Err(e) if outcome == LocalOutcome::Failed => Err(e),
+        _ if agreed.failed_ranks > 0 => Err(StepError::Fatal(Box::new(PeerFailed { rank: d.rank, failed_ranks: agreed.failed_ranks }))),
+        Err(e) => Err(e),
+        Ok(_) if agreed.any_oom => Err(StepError::PeerOutOfMemory),
+        Ok(v) => Ok((v, agreed.mean_value)),
+    }
+}
+
+/// Peers that failed with an error other than an out-of-memory: this rank stops with them.
+#[derive(Debug)]
+pub struct PeerFailed {
+    pub rank: usize,
+    pub failed_ranks: usize,
+}
+
+impl fmt::Display for PeerFailed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} stops because {} other rank(s) failed with an error that is not an out-of-memory (their own log and torchelastic's error file name it); resume from the newest checkpoint (--resume auto) once it is fixed",
+            self.rank, self.failed_ranks
+        )
+    }
+}
+
+impl std::error::Error for PeerFailed {}
+
+/// This rank's gradients and loss (`local`, from `forward_backward`), averaged over the ranks.
+pub fn gradients(local: Result<(Vec<Tensor>, f64), TchError>, dist: Option<&mut Dist>) -> Result<(Vec<Tensor>, f64), StepError> {
+    let Some(d) = dist else { return Ok(local?) };
+    let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), |(_, loss)| *loss)?;
+    // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
+    catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))).map_err(|e| match e {
+        StepError::Torch(e) => StepError::Fatal(Box::new(e)),
+        other => other,
+    })?;
+    Ok((grads, loss))
+}
+
+/// This rank's validation loss (`local`, from `evaluate`), averaged over the ranks.
+pub fn validation_loss(local: Result<f64, TchError>, dist: Option<&Dist>) -> Result<f64, StepError> {
+    let Some(d) = dist else { return Ok(local?) };
+    Ok(settle(d, local.map_err(StepError::Torch), |v| *v)?.1)
+}
+
+/// The second agreement, after what each rank did alone between the gradient all-reduce and
+/// the update (`local`: the clipping's result, or its error).
+pub fn before_update<T>(local: Result<T, StepError>, dist: Option<&Dist>) -> Result<T, StepError> {
+    let Some(d) = dist else { return local };
+    Ok(settle(d, local, |_| 0.0)?.0)
+}
+
+/// An update that failed on one rank of several after its peers went on with theirs.
+#[derive(Debug)]
+pub struct UpdateOutOfMemory {
+    pub rank: usize,
+    pub message: String,
+}
+
+impl fmt::Display for UpdateOutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} ran out of memory inside the optimizer update, after the ranks had agreed to apply it: its peers applied theirs, so the step cannot be replayed on every rank; resume from the newest checkpoint (--resume auto), with a smaller train.micro_batch_size or an optimizer that needs less memory. libtorch: {}",
+            self.rank,
+            self.message.lines().next().unwrap_or_default()
+        )
+    }
+}
+
+impl std::error::Error for UpdateOutOfMemory {}
+
+/// The update's result. One process replays an update that ran out of memory like any other
+/// attempt (the optimizers count a step only once it succeeded); with peers that is impossible.
+pub fn update_done(update: Result<(), TchError>, dist: Option<&Dist>) -> Result<(), StepError> {
+    match (update, dist) {
+        (Err(e), Some(d)) if is_oom(&e) => {
+            Err(StepError::Fatal(Box::new(UpdateOutOfMemory { rank: d.rank, message: e.to_string() })))
+        }
+        (r, _) => Ok(r?),
+    }
+}

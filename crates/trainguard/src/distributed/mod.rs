@@ -1,0 +1,286 @@
+//! Everything that knows about ranks. The step asks it to "average these gradients" and "did
+//! any rank run out of memory?", and works the same with one process (no `Dist`).
+//! Uses PyTorch's own c10d engine through the shim: TCPStore + ProcessGroupGloo.
+pub mod agree;
+pub mod env;
+mod error_file;
+mod heartbeat;
+pub mod ranks;
+mod round;
+
+pub use round::JobDeadline;
+
+pub use env::{from_process_env, DistEnv, EnvError};
+pub use heartbeat::StopNotice;
+pub use error_file::write_error_file;
+
+use crate::ffi::dist::{Backend, ProcessGroup, ReduceOp};
+use crate::ffi::ShimError;
+use tch::{Device, Kind, TchError, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    // The advice before libtorch's text, whose C++ trace lines the report cuts.
+    #[error("cannot join the process group at {addr}{}: {message}", if .message.contains("timeout") { " (not every rank joined within dist.timeout_s: one that failed before joining, on its config for instance, names why in its own error; or fewer than WORLD_SIZE ranks were started)" } else { "" })]
+    Init { addr: String, message: String },
+    #[error("collective `{what}` failed (a rank died, hung or timed out?){}: {message}", .silent.as_ref().map(|s| format!("; {s}")).unwrap_or_default())]
+    Collective { what: &'static str, message: String, silent: Option<String> },
+    #[error("dist.backend: {0}")]
+    Backend(String),
+}
+
+/// What one rank brings to an agreement: its value (e.g. its loss), or how its work failed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LocalOutcome {
+    Done(f64),
+    OutOfMemory,
+    /// Any other error: the run ends on every rank at once, the cause named.
+    Failed,
+}
+
+/// What the ranks agreed on after a step's local work.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Agreement {
+    pub any_oom: bool,
+    /// How many ranks failed with an error that is not an out-of-memory.
+    pub failed_ranks: usize,
+    pub mean_value: f64,
+}
+
+/// This rank's membership in the data-parallel group.
+pub struct Dist {
+    pub rank: usize,
+    pub world_size: usize,
+    pub backend: Backend,
+    group: ProcessGroup,
+    buckets: Vec<Bucket>,
+    /// Names the silent rank when a collective fails; None if it could not start.
+    heartbeat: Option<heartbeat::Heartbeat>,
+    /// Where small agreement tensors live: the CPU for Gloo, the rank's GPU for NCCL.
+    small: Device,
+    /// The job's deadline for `train.max_duration`, kept in torchrun's agent store (none
+    /// without it, or without a time limit).
+    pub job_deadline: Option<round::JobDeadline>,
+    /// Fences passed after rank 0's work alone ([`Dist::after_writer`]).
+    fences: u64,
+}
+
+/// A flat buffer made once, so averaging gradients allocates nothing.
+struct Bucket {
+    flat: Tensor,
+    /// (parameter index, offset, numel)
+    slots: Vec<(usize, i64, i64)>,
+}
+
+/// A failed collective, with which rank went silent when the heartbeats tell.
+fn collective<'a>(what: &'static str, heartbeat: Option<&'a heartbeat::Heartbeat>) -> impl Fn(ShimError) -> DistError + 'a {
+    move |e| DistError::Collective { what, message: e.to_string(), silent: heartbeat.map(|h| h.diagnosis()) }
+}
+
+/// A libtorch error around a collective (a copy, a move to the device): no rank went silent.
+fn torch_error(what: &'static str) -> impl Fn(TchError) -> DistError + Copy {
+    move |e| DistError::Collective { what, message: e.to_string(), silent: None }
+}
+
+impl Dist {
+    /// Joins the group. The store lives at MASTER_ADDR:MASTER_PORT: hosted by torchrun's agent
+    /// (TORCHELASTIC_USE_AGENT_STORE), where it outlives a restart and the ranks first agree on
+    /// a namespace for this attempt's keys (crates/trainguard/src/distributed/round.rs), or by rank 0 for this process
+    /// alone. `time_limit`: this process's `train.max_duration`, which the job's first attempt
+    /// makes the job's deadline.
+    pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<Self, DistError> {
+        let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
+        let host_store = !env.use_agent_store && env.rank == 0;
+        let agreed = match env.use_agent_store {
+            true => Some(Self::agree_on_attempt(env, timeout_s, time_limit).map_err(init)?),
+            false => None,
+        };
+        let prefix = agreed.map_or("trainguard/".into(), |a| format!("trainguard/attempt-{}/", a.id));
+        let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix).map_err(|e| init(e.to_string()))?;
+        let small = if backend == Backend::Nccl { device } else { Device::Cpu };
+        let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
+            .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
+            .ok();
+        let job_deadline = agreed.and_then(|a| a.deadline);
+        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small, job_deadline, fences: 0 })
+    }
+
+    /// This attempt's id and the job's deadline, agreed with its peers through the agent's store.
+    fn agree_on_attempt(env: &DistEnv, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<round::Agreed, String> {
+        let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| e.to_string())?;
+        let give_up = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
+        // Only rank 0's proposal is read (`round::agree`).
+        let own_deadline = time_limit.filter(|_| env.rank == 0).map(|limit| crate::job::deadline::own_unix_ms(limit, crate::job::deadline::started_unix_s()));
+        round::agree(&store, env.rank, env.world_size, round::nonce(), own_deadline, give_up)
+    }
+
+    /// How this rank tells its peers that a second signal ends it (None without a heartbeat).
+    pub fn stop_notice(&self) -> Option<StopNotice> {
+        self.heartbeat.as_ref().map(|h| h.stop_notice())
+    }
+
+    /// The peers that ended on a second signal, saying so first: asked after a collective failed.
+    pub fn peers_stopped_by_signal(&self) -> Vec<usize> {
+        self.heartbeat.as_ref().map(|h| h.stopped_by_signal()).unwrap_or_default()
+    }
+
+    /// `dist.backend` for this device: `auto` is NCCL on CUDA when this build has it, else Gloo.
+    pub fn choose_backend(wanted: crate::config::DistBackend, device: Device) -> Result<Backend, DistError> {
+        use crate::config::DistBackend as B;
+        let nccl = crate::ffi::dist::nccl_built();
+        match wanted {
+            B::Gloo => Ok(Backend::Gloo),
+            B::Auto => Ok(if device.is_cuda() && nccl { Backend::Nccl } else { Backend::Gloo }),
+            B::Nccl if !device.is_cuda() => Err(DistError::Backend("nccl needs CUDA devices; this run is on the CPU (use gloo or auto)".into())),
+            B::Nccl if !nccl => Err(DistError::Backend("this trainguard was built without NCCL (CUDA/NCCL headers were missing at build time); use gloo".into())),
+            B::Nccl => Ok(Backend::Nccl),
+        }
+    }
+
+    /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order.
+    pub fn plan_buckets(&mut self, params: &[Tensor], bucket_bytes: usize, device: Device) -> Result<(), TchError> {
+        let mut buckets = Vec::new();
+        let mut slots = Vec::new();
+        let mut len = 0i64;
+        let flush = |slots: &mut Vec<(usize, i64, i64)>, len: &mut i64, out: &mut Vec<Bucket>| -> Result<(), TchError> {
+            if !slots.is_empty() {
+                out.push(Bucket { flat: Tensor::f_zeros([*len], (Kind::Float, device))?, slots: std::mem::take(slots) });
+                *len = 0;
+            }
+            Ok(())
+        };
+        for (i, p) in params.iter().enumerate() {
+            let n = p.numel() as i64;
+            slots.push((i, len, n));
+            len += n;
+            if (len as usize) * 4 >= bucket_bytes {
+                flush(&mut slots, &mut len, &mut buckets)?;
+            }
+        }
+        flush(&mut slots, &mut len, &mut buckets)?;
+        self.buckets = buckets;
+        Ok(())
+    }
+
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Replaces each gradient by its mean over ranks: one all-reduce per bucket.
+    pub fn average_gradients(&mut self, grads: &mut [Tensor]) -> Result<(), DistError> {
+        let torch = torch_error("gradient all-reduce");
+        let _no_grad = tch::no_grad_guard();
+        let scale = 1.0 / self.world_size as f64;
+        let heartbeat = self.heartbeat.as_ref();
+        for b in &mut self.buckets {
+            for &(i, off, n) in &b.slots {
+                b.flat.f_narrow(0, off, n).map_err(torch)?.f_copy_(&grads[i].f_reshape([n]).map_err(torch)?).map_err(torch)?;
+            }
+            self.group.all_reduce(&mut b.flat, ReduceOp::Sum).map_err(collective("gradient all-reduce", heartbeat))?;
+            for &(i, off, n) in &b.slots {
+                let avg = b.flat.f_narrow(0, off, n).map_err(torch)?.f_view(grads[i].size().as_slice()).map_err(torch)?;
+                grads[i].f_copy_(&avg).map_err(torch)?;
+                let _ = grads[i].f_mul_scalar_(scale).map_err(torch)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// All ranks learn whether any ran out of memory or failed otherwise, and the mean of the
+    /// values (e.g. the loss). A failing rank joins too, so its peers stop with it instead of
+    /// failing in the next collective without the cause (after `dist.timeout_s` on NCCL).
+    pub fn agree(&self, local: LocalOutcome) -> Result<Agreement, DistError> {
+        let slots = match local {
+            LocalOutcome::Done(value) => [0.0f64, 0.0, value],
+            LocalOutcome::OutOfMemory => [1.0, 0.0, 0.0],
+            LocalOutcome::Failed => [0.0, 1.0, 0.0],
+        };
+        let v = self.all_reduce_values("OOM agreement", &slots, ReduceOp::Sum)?;
+        Ok(Agreement { any_oom: v[0] > 0.0, failed_ranks: v[1].round() as usize, mean_value: v[2] / self.world_size as f64 })
+    }
+
+    /// The largest of every rank's `value`, on every rank.
+    pub fn max(&self, value: f64) -> Result<f64, DistError> {
+        Ok(self.max_each(&[value])?[0])
+    }
+
+    /// The largest of every rank's value in each slot, on every rank (the stop agreement: each
+    /// rank's reason to stop as a code, so all stop together and name the same reason).
+    pub fn max_each(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
+        self.all_reduce_values("stop agreement", values, ReduceOp::Max)
+    }
+
+    /// Every rank waits here for rank 0's work alone (a checkpoint, the final weights) for as
+    /// long as rank 0 is alive, not `dist.timeout_s`, or `writer_wait` at most
+    /// ([`heartbeat::Heartbeat::fence`]). Without a heartbeat the next collective waits, as
+    /// before.
+    pub fn after_writer(&mut self, writer_wait: Option<std::time::Duration>) -> Result<(), DistError> {
+        let Some(heartbeat) = self.heartbeat.as_ref() else { return Ok(()) };
+        self.fences += 1;
+        heartbeat.fence(self.fences, writer_wait).map_err(|message| DistError::Collective { what: "wait for rank 0's writing", message, silent: None })
+    }
+
+    /// The smallest and the largest of every rank's `value`, on every rank.
+    pub fn spread(&self, value: f64) -> Result<(f64, f64), DistError> {
+        Ok((-self.max(-value)?, self.max(value)?))
+    }
+
+    /// Rank 0's `bytes` on every rank (each rank passes its own; only rank 0's are sent).
+    pub fn rank0_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, DistError> {
+        const WHAT: &str = "start comparison";
+        let torch = torch_error(WHAT);
+        let on_small = |t: Tensor| t.f_to_device(self.small).map_err(torch);
+        let mut len = on_small(Tensor::from_slice(&[mine.len() as i64]))?;
+        self.group.broadcast(&mut len, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+        let len = len.f_int64_value(&[0]).map_err(torch)?;
+        let mut buf = if self.rank == 0 { on_small(Tensor::from_slice(mine))? } else { on_small(Tensor::zeros([len], (Kind::Uint8, Device::Cpu)))? };
+        self.group.broadcast(&mut buf, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+        Vec::<u8>::try_from(&buf.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
+    }
+
+    /// The ranks that pass `flagged` true, in order, on every rank.
+    pub fn flagged_ranks(&self, flagged: bool) -> Result<Vec<usize>, DistError> {
+        let mut slots = vec![0f64; self.world_size];
+        slots[self.rank] = if flagged { 1.0 } else { 0.0 };
+        let v = self.all_reduce_values("start comparison", &slots, ReduceOp::Sum)?;
+        Ok(v.iter().enumerate().filter(|(_, f)| **f > 0.0).map(|(r, _)| r).collect())
+    }
+
+    /// Every rank's `values` reduced element-wise by `op`, on every rank: the small round trip
+    /// (host → agreement device → host) behind each agreement.
+    fn all_reduce_values(&self, what: &'static str, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, DistError> {
+        let torch = torch_error(what);
+        let mut t = Tensor::f_from_slice(values).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
+        self.group.all_reduce(&mut t, op).map_err(collective(what, self.heartbeat.as_ref()))?;
+        Vec::try_from(&t.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
+    }
+
+    /// Rank 0's parameter values on every rank.
+    pub fn broadcast_params(&self, params: &[Tensor]) -> Result<(), DistError> {
+        let _no_grad = tch::no_grad_guard();
+        for p in params {
+            let mut p = p.shallow_clone();
+            self.group.broadcast(&mut p, 0).map_err(collective("weight broadcast", self.heartbeat.as_ref()))?;
+        }
+        Ok(())
+    }
+
+    /// Largest difference of a per-parameter checksum across ranks: 0 when all ranks hold the
+    /// same weights (DDP's parameter verification, cheaply).
+    pub fn weight_spread(&self, params: &[Tensor]) -> Result<f64, DistError> {
+        let sums = params
+            .iter()
+            .map(|p| p.f_to_kind(Kind::Double)?.f_abs()?.f_sum(Kind::Double)?.f_double_value(&[]))
+            .collect::<Result<Vec<f64>, _>>()
+            .map_err(torch_error("weight check"))?;
+        let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
+        let hi = self.all_reduce_values("weight check", &sums, ReduceOp::Max)?;
+        let lo = self.all_reduce_values("weight check", &negated, ReduceOp::Max)?;
+        // NaN (a NaN weight, or infinite sums) stays NaN: "ranks differ", never "identical".
+        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, |a, d| if a.is_nan() || d.is_nan() { f64::NAN } else { a.max(d) }))
+    }
+
+    pub fn barrier(&self) -> Result<(), DistError> {
+        self.group.barrier().map_err(collective("barrier", self.heartbeat.as_ref()))
+    }
+}

@@ -1,0 +1,6 @@
+//! Files and directories written so that a kill never leaves half of one: small files replaced
+//! whole ([`whole_file`]), one writer per output directory ([`dir_lock`]) and output directories
+//! removed again when the command that made them fails ([`created_dirs`]).
+pub mod created_dirs;
+pub mod dir_lock;
+pub mod whole_file;

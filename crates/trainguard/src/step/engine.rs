@@ -1,0 +1,248 @@
+//! The guarded optimizer step and what it works on. [`optimizer_step`] is the step training runs
+//! and `plan --profile` measures: each attempt (at the micro-batch the guard chooses) runs the
+//! micro-batches under autocast with the memory savers, lets the ranks agree, unscales, applies
+//! the injected faults, clips, and updates only when the loss and gradient norm are finite.
+use crate::distributed::agree;
+use super::faults::Faults;
+use super::micro::{evaluate, forward_backward, StepData};
+use super::precision::{self, Autocast, LossScaler, ScaleChange};
+use super::graphs::{MicroGraphs, Notice};
+use super::savers::Savers;
+use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
+use crate::distributed::Dist;
+use crate::ffi::torch_panics::catch_torch_panics;
+use crate::events::{Event, LossScaleReason, Reporter};
+use crate::guard::{Guard, GuardError, Progress, StepError};
+use crate::model::Model;
+use crate::optim::{clip_grad_norm, scale_all, Optimizer, OptimizerSpec};
+use tch::{Device, TchError, Tensor};
+
+/// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
+/// what a checkpoint saves with the step's counters; beside them the micro-step graphs
+/// (`kernels.cuda_graphs`), which a checkpoint does not keep.
+pub struct Trainable {
+    pub model: Model,
+    pub opt: Optimizer,
+    pub scaler: Option<LossScaler>,
+    pub graphs: MicroGraphs,
+}
+
+impl Trainable {
+    /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
+    /// `precision` is fp16-mixed.
+    pub fn build(model: &ModelConfig, kernels: KernelsConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
+        let model = Model::with_kernels(model, kernels, seed, device)?;
+        precision::prepare(&model.params.tensors, precision)?;
+        let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
+        let graphs = MicroGraphs::new(kernels.cuda_graphs && device.is_cuda());
+        Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })
+    }
+
+    pub fn params(&self) -> &[Tensor] {
+        &self.model.params.tensors
+    }
+}
+
+/// How a step is computed: the run plan's precision, clipping and memory savers.
+#[derive(Debug, Clone)]
+pub struct StepSettings {
+    pub precision: Precision,
+    pub device: Device,
+    pub grad_clip: f64,
+    /// The configured savers; the guard's escalation level adds `escalate[..level]`.
+    pub savers: Savers,
+    pub escalate: Vec<Escalation>,
+}
+
+impl StepSettings {
+    fn savers_at(&self, level: usize) -> Savers {
+        self.escalate[..level].iter().fold(self.savers, |s, e| s.escalated(*e))
+    }
+}
+
+/// What one optimizer step produced.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOutcome {
+    /// Mean loss over the global batch (unscaled).
+    pub loss: f64,
+    pub grad_norm: f64,
+    /// The update was applied (loss and gradient norm finite).
+    pub applied: bool,
+    /// fp16: the scaled gradients overflowed (the scaler backs off; not a bad batch).
+    pub overflow: bool,
+}
+
+impl StepOutcome {
+    /// Skipped for a non-finite loss or gradient that loss scaling does not explain.
+    pub fn skipped_as_nonfinite(&self) -> bool {
+        !self.applied && !self.overflow
+    }
+}
+
+/// One optimizer step `step` at learning rate `lr`, replayed by the guard at smaller
+/// micro-batches after an out-of-memory. Emits regrow trials, recoveries and loss-scale changes.
+#[allow(clippy::too_many_arguments)]
+pub fn optimizer_step(
+    t: &mut Trainable,
+    guard: &mut Guard,
+    settings: &StepSettings,
+    data: &StepData,
+    step: u64,
+    lr: f64,
+    mut dist: Option<&mut Dist>,
+    faults: &mut Faults,
+    reporter: &mut Reporter,
+) -> Result<StepOutcome, GuardError> {
+    guard.begin_step(step, reporter);
+    let scale = t.scaler.as_ref().map_or(1.0, |s| s.scale);
+    let outcome = guard.run(step, reporter, |micro, p| {
+        let result = attempt(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+        if result.is_err() {
+            // Whatever the graphs held goes back with the failed attempt's memory.
+            t.graphs.release();
+        }
+        result
+    });
+    for notice in t.graphs.take_notices() {
+        reporter.emit(match notice {
+            Notice::Captured { micro_batch } => Event::GraphCaptured { step, micro_batch },
+            Notice::Off { reason } => Event::GraphsOff { step, reason },
+        });
+    }
+    let outcome = outcome?;
+    if let Some(s) = &mut t.scaler {
+        match s.update(outcome.overflow) {
+            ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow }),
+            ScaleChange::Grew(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Growth }),
+            ScaleChange::Unchanged => {}
+        }
+    }
+    Ok(outcome)
+}
+
+/// One attempt of a step at micro-batch `micro`, as the guard runs it.
+#[allow(clippy::too_many_arguments)]
+fn attempt(
+    t: &mut Trainable,
+    settings: &StepSettings,
+    data: &StepData,
+    step: u64,
+    lr: f64,
+    micro: usize,
+    scale: f64,
+    p: &mut Progress,
+    mut dist: Option<&mut Dist>,
+    faults: &mut Faults,
+) -> Result<StepOutcome, StepError> {
+    let Trainable { model, opt, scaler, graphs } = t;
+    let scaled = scaler.is_some();
+    let savers = settings.savers_at(p.escalation_level());
+    let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+    // Each rank's own work is caught where it is done (a libtorch error tch raised as a
+    // panic included), so a failing rank still joins the agreement that follows.
+    let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p));
+    drop(autocast);
+    // The injected leak allocates like the step's own work: before the ranks agree on it.
+    let local = local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
+    let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
+    // What runs between the two agreements allocates on each rank alone (the clipping's
+    // norms, above all): the second agreement lets every rank replay if one ran out.
+    let prepared = catch_torch_panics(|| -> Result<(f64, bool, bool), StepError> {
+        if scale != 1.0 {
+            scale_all(&mut grads, 1.0 / scale)?;
+        }
+        faults.corrupt(step, &mut loss, &mut grads, scaled)?;
+        let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
+        let overflow = scaled && !grad_norm.is_finite();
+        let applied = loss.is_finite() && grad_norm.is_finite();
+        Ok((grad_norm, overflow, applied))
+    });
+    let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
+    if applied {
+        let update = catch_torch_panics(|| model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr)));
+        agree::update_done(update, dist.as_deref())?;
+    }
+    Ok(StepOutcome { loss, grad_norm, applied, overflow })
+}
+
+/// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.
+/// Under the same autocast as training: a bf16-mixed run validates in bf16 as it trains, not in
+/// fp32 at a fraction of the speed and with a loss of another precision.
+#[allow(clippy::too_many_arguments)]
+pub fn validation_loss(model: &Model, guard: &mut Guard, settings: &StepSettings, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
+    guard.run(step, reporter, |micro, p| {
+        let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+        let local = catch_torch_panics(|| evaluate(model, data, batches, micro, p));
+        drop(autocast);
+        agree::validation_loss(local, dist)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::OomPolicy;
+    use crate::data::{Corpus, Sampler};
+    use crate::guard::{GuardState, Progress};
+
+    /// The step with `kernels.cuda_graphs`' accumulators (on the CPU every micro-step runs
+    /// eagerly into them) trains exactly as the usual step: the same weights after steps with
+    /// clipping, uneven accumulation and a change of micro-batch, and a failed attempt (an
+    /// injected non-finite loss skips the update) leaves nothing behind.
+    #[test]
+    fn steps_through_the_graphs_accumulators_train_as_the_usual_steps() {
+        use crate::config::{FaultsConfig, OptimizerConfig, TrainConfig};
+        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let spec = OptimizerSpec::from_config(&OptimizerConfig::default(), &TrainConfig::default(), &KernelsConfig::default());
+        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 10);
+        let settings = StepSettings { precision: Precision::Fp32, device: Device::Cpu, grad_clip: 0.5, savers: Savers::default(), escalate: Vec::new() };
+        let faults_cfg = FaultsConfig { nonfinite_loss_at_steps: vec![3], ..FaultsConfig::default() };
+        let train = |graphs: bool| {
+            let mut t = Trainable::build(&cfg, KernelsConfig::default(), &spec, Precision::Fp32, LossScaler::new(1.0, 1), 7, Device::Cpu).unwrap();
+            t.graphs = MicroGraphs::new(graphs);
+            let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
+            let mut faults = Faults::new(&faults_cfg, 0, 0);
+            let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
+            let mut outcomes = Vec::new();
+            for step in 0..6u64 {
+                if step == 4 {
+                    guard = Guard::new(GuardState::new(3, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
+                }
+                outcomes.push(optimizer_step(&mut t, &mut guard, &settings, &data, step, 1e-3, None, &mut faults, &mut reporter).unwrap());
+            }
+            (t.params().iter().map(Tensor::copy).collect::<Vec<_>>(), outcomes)
+        };
+        let ((usual, a), (graphed, b)) = (train(false), train(true));
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits(), x.applied), (y.loss.to_bits(), y.grad_norm.to_bits(), y.applied));
+        }
+        assert!(!a[3].applied, "the injected non-finite loss skipped step 3");
+        for (p, q) in usual.iter().zip(&graphed) {
+            assert!(p.equal(q), "the weights differ");
+        }
+    }
+
+    #[test]
+    fn validation_runs_under_the_training_precisions_autocast() {
+        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let model = Model::new(&cfg, 5, Device::Cpu).unwrap();
+        let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
+        let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 4);
+        let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
+        let validate = |precision, reporter: &mut Reporter| {
+            let settings = StepSettings { precision, device: Device::Cpu, grad_clip: 0.0, savers: Savers::default(), escalate: Vec::new() };
+            let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 4);
+            validation_loss(&model, &mut guard, &settings, &data, 2, 0, None, reporter).unwrap()
+        };
+        let bf16 = validate(Precision::Bf16Mixed, &mut reporter);
+        let fp32 = validate(Precision::Fp32, &mut reporter);
+        let under_autocast = {
+            let _autocast = Autocast::enter(Precision::Bf16Mixed, Device::Cpu).unwrap();
+            evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap()
+        };
+        assert_eq!(bf16.to_bits(), under_autocast.to_bits(), "bf16-mixed validation is the loss computed under bf16 autocast");
+        assert_eq!(fp32.to_bits(), evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap().to_bits());
+        assert_ne!(bf16, fp32, "bf16 autocast changes the loss: validation did not run under it");
+    }
+}

@@ -1,0 +1,14 @@
+//! Training: a run's state and its loop across optimizer steps (schedule, evaluation,
+//! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
+//! itself lives in [`step`](crate::step).
+mod error;
+mod resume;
+mod run;
+mod run_dir;
+mod trainer;
+mod watch;
+
+pub use resume::Resume;
+pub use run::Run;
+pub use error::TrainError;
+pub use trainer::train;

@@ -1,0 +1,542 @@
+//! A run: everything built from the plan ([`Run::build`]: corpus, run directory, allocator
+//! settings and memory cap, model and optimizer, resumed state, data-parallel group), one
+//! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
+//! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
+//! `step::optimizer_step`, the same one `plan --profile` measures.
+use super::resume::{check_compatible, corrupt_path, leave_the_old_line, ranks_change, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
+use super::run_dir::RunDir;
+use super::watch::MemoryWatch;
+use super::TrainError;
+use crate::checkpoint::store;
+use crate::checkpoint::state::DataRecord;
+use crate::data::{Corpus, Sampler, Split};
+use crate::distributed::{Dist, DistError};
+use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
+use crate::guard::{unrecovered, Guard, GuardError, GuardState};
+use crate::job::interrupt::Interrupter;
+use crate::memory::summary::table as memory_summary;
+use crate::memory::{apply_limit, ProcessMemory};
+use crate::run_plan::RunPlan;
+use crate::trace::{TraceError, Tracer};
+use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
+use std::time::{Duration, Instant};
+
+pub struct Run<'a> {
+    plan: &'a RunPlan,
+    state: TrainState,
+    corpus: Corpus,
+    reporter: Reporter,
+    ckpt: Checkpointer,
+    watch: MemoryWatch,
+    faults: Faults,
+    dist: Option<&'a mut Dist>,
+    started: Instant,
+    start_step: u64,
+    resumed: bool,
+    /// The next step to run.
+    step: u64,
+    last_loss: f64,
+    last_val: Option<f64>,
+    consecutive_bad: u64,
+    /// A slowly forgetting maximum of step times (evaluation apart): the time-limit margin.
+    slowest_recent: f64,
+    /// Process memory at start-up (CPU runs' summary figures).
+    baseline_vm: u64,
+    baseline_rss: u64,
+    /// `metrics.trace`'s profiler, on the writing rank.
+    tracer: Option<Tracer>,
+    /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
+    last_eval_s: Option<f64>,
+    /// Under a group: the time since rank 0's last checkpoint, as rank 0 read it at this
+    /// step's start (the stop agreement carries it), so that every rank takes the same
+    /// checkpoint steps and waits for them at the fence.
+    since_checkpoint: Option<Duration>,
+}
+
+impl<'a> Run<'a> {
+    /// Builds what the run needs, resuming from a checkpoint when asked; and the writing rank's
+    /// hold on `out_dir`, for the caller to keep until the run's end is recorded.
+    pub(super) fn build(plan: &'a RunPlan, resume: &Resume, mut dist: Option<&'a mut Dist>) -> Result<(Self, Option<RunDir>), TrainError> {
+        let cfg = &plan.config;
+        let t = &cfg.train;
+        let device = plan.device;
+        if let Some(n) = t.threads {
+            tch::set_num_threads(n as i32);
+        }
+        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len, t.eval_interval > 0);
+        if let Some(d) = dist.as_deref() {
+            // First of all collectives: a rank whose config differs would meet its peers in
+            // other ones, or train something else.
+            crate::distributed::ranks::check_same_start(d, cfg, corpus.as_ref().ok()).map_err(TrainError::from_start)?;
+        }
+        let corpus = corpus?;
+        let unigram_entropy = corpus.val_entropy;
+
+        let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
+        let data = data_record(cfg, &corpus);
+        let mut ckpt = Checkpointer::new(plan, data.clone());
+        // One run per out_dir, held from before anything in it is touched (the resume below
+        // removes unfinished checkpoint writes: another run's, were two in one directory).
+        // `init_from`'s weights are checked against the config where a refusal leaves that
+        // directory as it was: for a run that cannot resume, before `--overwrite` moves the old
+        // run aside; else once no checkpoint was found. All of it inside what the ranks compare
+        // (every rank checks init_from): a refusal here is one their peers hear of.
+        let check_init = || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::check_init(&cfg.model, dir));
+        let fresh = matches!(resume, Resume::Fresh | Resume::Overwrite);
+        let mut held = None;
+        let resumed = (if fresh { check_init() } else { Ok(()) })
+            .map_err(TrainError::from)
+            .and_then(|()| run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose())
+            .and_then(|h| {
+                held = h;
+                let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
+                let changed = match &start.loaded {
+                    Some(l) => check_compatible(l, cfg, &data)?,
+                    None if !fresh => check_init().map(|()| vec![])?,
+                    None => vec![],
+                };
+                Ok((start, changed))
+            });
+        let start_step = resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
+        // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
+        // options and the CUDA memory cap.
+        let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
+        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
+        if let Some(d) = dist.as_deref() {
+            // The ranks compare where they start, before anything is written. A rank that
+            // cannot start (rank 0 alone refuses an out_dir holding another run; a checkpoint
+            // only one rank sees) says so (-1), rather than its peers failing later in a
+            // collective without the cause (on NCCL after dist.timeout_s); without a
+            // shared filesystem a rank may find no checkpoint, or an older one, and would
+            // silently train from another step.
+            let (lowest, highest) = d.spread(if resumed.is_ok() { start_step as f64 } else { -1.0 })?;
+            if resumed.is_ok() && lowest < 0.0 {
+                return Err(TrainError::PeerCouldNotStart);
+            }
+            if resumed.is_ok() && lowest != highest {
+                return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
+            }
+        }
+        let (Start { loaded, skipped, restored }, mut changed) = resumed?;
+
+        // The model and optimizer, and the state resumed into them, are built before the run
+        // directory is touched: a checkpoint refused only here (its optimizer state of another
+        // shape) leaves the run it was refused over as it was. The memory cap goes on first,
+        // after the corpus is loaded: it counts what training allocates.
+        let baseline_vm = match plan.memory_limit {
+            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
+            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
+        };
+        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
+        let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
+        let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
+        let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+        crate::step::precision::configure_process(cfg.precision, device);
+        let trainable = Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
+            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+        let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
+            .with_escalation(cfg.oom.escalate.clone())
+            .data_parallel(plan.world_size > 1)
+            .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
+        let mut state = TrainState { trainable, guard, progress: Progress::default() };
+        match (&loaded, &cfg.init_from) {
+            (Some(l), _) => state.restore(l, ckpt.root())?,
+            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
+            (None, None) => {}
+        }
+
+        if let Some(h) = held.as_mut() {
+            h.prepare(cfg)?;
+        }
+        let left = match run_dir {
+            Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.as_ref().map(|l| (start_step, l.path.as_path())), t.max_steps)?,
+            None => Default::default(),
+        };
+        if let Some(h) = held.as_ref() {
+            h.mark_job()?;
+        }
+        changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
+        changed.extend(loaded.as_ref().and_then(|l| ranks_change(l.state.world_size, plan.world_size, l.config.train.global_batch_size, t.global_batch_size)));
+        let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
+            .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
+        if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
+            let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
+            reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
+        }
+        for step in restored {
+            reporter.emit(Event::CheckpointPutBack { step });
+        }
+        for e in skipped {
+            reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
+        }
+        if let Some((dir, steps)) = left.checkpoints {
+            reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to: dir.display().to_string() });
+        }
+        if let Some(to) = left.final_weights {
+            reporter.emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
+        }
+        // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
+        // use the settings, and their advice, "set memory.limit" for one, would not help).
+        for w in allocator.warnings(false).into_iter().filter(|_| device.is_cuda()) {
+            tracing::warn!("{w}");
+        }
+        for o in &allocator.overridden {
+            tracing::warn!("{} overridden by the config: {o}", allocator.env_var.unwrap_or("the environment's allocator settings"));
+        }
+        if !allocator.defaulted.is_empty() {
+            tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
+        }
+        if let Some(d) = deterministic {
+            reporter.emit(Event::Deterministic(d));
+        }
+        if let Some(d) = dist.as_deref_mut() {
+            // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are
+            // deterministic), and gradients are averaged in buckets laid out once.
+            let params = state.trainable.params();
+            d.broadcast_params(params)?;
+            d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
+                .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+            tracing::info!("rank {} of {}: gradients averaged in {} bucket(s)", d.rank, d.world_size, d.bucket_count());
+        }
+
+        reporter.emit(Event::RunStarted {
+            device: format!("{device:?}").to_lowercase(),
+            params: state.trainable.model.num_params(),
+            corpus: corpus.description.clone(),
+            unigram_entropy,
+            global_batch_size: t.global_batch_size,
+            micro_batch_size: state.guard.micro_batch(),
+            configured_micro_batch_size: plan.micro_batch,
+            accumulation: crate::data::batch::accumulation(t.global_batch_size, state.guard.micro_batch(), plan.world_size).unwrap_or(plan.accumulation),
+            world_size: plan.world_size,
+            tokens_per_step: plan.tokens_per_step,
+            max_steps: t.max_steps,
+            memory_limit_bytes: plan.memory_limit,
+            allocator: allocator.clone(),
+        });
+        if let Some(l) = &loaded {
+            ckpt.adopt(l);
+            reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed, lineage: state.progress.lineage.clone() });
+        }
+        let run = Self {
+            plan,
+            state,
+            corpus,
+            reporter,
+            ckpt,
+            watch: MemoryWatch::new(cfg, device),
+            faults: Faults::new(&cfg.faults, plan.rank, plan.restart_count),
+            dist,
+            started: Instant::now(),
+            start_step,
+            resumed: loaded.is_some(),
+            step: start_step,
+            last_loss: f64::NAN,
+            last_val: None,
+            consecutive_bad: 0,
+            slowest_recent: 0.0,
+            baseline_vm,
+            baseline_rss,
+            last_eval_s: None,
+            since_checkpoint: None,
+            tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
+        };
+        Ok((run, held))
+    }
+
+    /// Whether steps remain before `train.max_steps`.
+    pub fn has_next(&self) -> bool {
+        self.step < self.plan.config.train.max_steps
+    }
+
+    /// Runs the next optimizer step (or stops cleanly before it, with a checkpoint, when a
+    /// signal or the time limit asks): the guarded step, the non-finite policy, evaluation on
+    /// schedule, the step's metrics, a checkpoint when due.
+    pub fn step(&mut self, stop: &Interrupter) -> Result<(), TrainError> {
+        let (plan, step) = (self.plan, self.step);
+        let t = &plan.config.train;
+        match self.faults.before_step(step) {
+            Some(StepFault::Interrupt) => stop.request(),
+            Some(StepFault::Crash) => return Err(TrainError::InjectedCrash { step }),
+            None => {}
+        }
+        let (stop_now, since_checkpoint) = self.stop_reason(stop)?;
+        self.since_checkpoint = since_checkpoint;
+        if let Some(reason) = stop_now {
+            let path = self.save_for_stop(step);
+            self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
+            if path.is_none() && plan.is_writer() {
+                // Exit 4 promises a checkpoint at this step: say what a requeue would get instead.
+                let newest = store::list(self.ckpt.root()).pop();
+                return Err(TrainError::StopNotCheckpointed { step, reason, newest });
+            }
+            return Err(TrainError::Interrupted { step, reason, checkpoint: path });
+        }
+        let traced_range = self.trace(|t| t.before_step(step)).flatten();
+        let step_started = Instant::now();
+        let lr = plan.schedule.at(step);
+        let data = step_data(&self.corpus, plan);
+        if let Err(e) = data.sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
+            // The steps since the last checkpoint are kept: with the data mended, `--resume auto`
+            // goes on from here (a changed model.vocab_size is another model: a fresh start).
+            let path = self.save_for_stop(step);
+            self.reporter.emit(Event::Stopped { step, reason: StopReason::BadData, checkpoint: path.map(|p| p.display().to_string()) });
+            return Err(e.into());
+        }
+        let outcome = optimizer_step(
+            &mut self.state.trainable,
+            &mut self.state.guard,
+            &plan.step,
+            &data,
+            step,
+            lr,
+            self.dist.as_deref_mut(),
+            &mut self.faults,
+            &mut self.reporter,
+        );
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e @ GuardError::OutOfMemory(_)) => {
+                tracing::warn!("{}", memory_summary(plan.device));
+                // The failed step changed nothing: the model is still the last good state.
+                let path = self.save_for_stop(step);
+                self.reporter.emit(Event::Stopped { step, reason: StopReason::OutOfMemory, checkpoint: path.map(|p| p.display().to_string()) });
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // Counters read back from a checkpoint's trainer_state.json (which no checksum covers):
+        // one edited near u64::MAX stays there instead of wrapping to a small count.
+        let progress = &mut self.state.progress;
+        progress.micro_steps = progress.micro_steps.saturating_add(self.state.guard.accumulation() as u64);
+        progress.tokens_seen = progress.tokens_seen.saturating_add(plan.tokens_per_step as u64);
+        // Too many non-finite updates in a row: this step still gets its metrics line (the
+        // checkpoint written below counts it), then the run stops.
+        let mut give_up = false;
+        if outcome.skipped_as_nonfinite() {
+            self.consecutive_bad += 1;
+            self.state.progress.nonfinite_skips = self.state.progress.nonfinite_skips.saturating_add(1);
+            let consecutive = self.consecutive_bad;
+            self.reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive });
+            give_up = consecutive >= plan.config.nan.max_consecutive;
+        } else {
+            self.consecutive_bad = 0;
+        }
+        // Throughput counts the optimizer step only, not evaluation.
+        let step_time = step_started.elapsed().as_secs_f64();
+        let mut new_best = false;
+        let val_loss = if plan.evaluates_after(step + 1) && !give_up {
+            // Validation's activations would sit beside the graphs' pool: the next step
+            // captures them again.
+            self.state.trainable.graphs.release();
+            let eval_started = Instant::now();
+            let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &plan.step, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
+            self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
+            let best = &mut self.state.progress.best_val;
+            // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
+            if v.is_finite() && best.is_none_or(|(b, _)| v < b) {
+                *best = Some((v, step + 1));
+                new_best = true;
+            }
+            self.last_val = Some(v);
+            Some(v)
+        } else {
+            None
+        };
+        self.last_loss = outcome.loss;
+        self.slowest_recent = step_time.max(self.slowest_recent * 0.95);
+        let tokens = plan.tokens_per_step as u64;
+        let memory = self.watch.after_step(step, &mut self.state.guard.state, &mut self.reporter);
+        self.state.guard.held_between_steps(step, crate::memory::telemetry::Telemetry::leak_figure(&memory));
+        self.reporter.emit(Event::Step(StepMetrics {
+            step,
+            loss: outcome.loss,
+            lr,
+            grad_norm: outcome.grad_norm,
+            val_loss,
+            micro_batch: self.state.guard.micro_batch(),
+            accumulation: self.state.guard.accumulation(),
+            tokens,
+            tokens_per_s: tokens as f64 / step_time,
+            step_time_s: step_time,
+            elapsed_s: self.state.progress.elapsed_before + self.started.elapsed().as_secs_f64(),
+            memory,
+        }));
+        drop(traced_range);
+        if give_up {
+            let path = self.save(step + 1, false);
+            self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
+            return Err(TrainError::NonFinite { step, count: self.consecutive_bad });
+        }
+        if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
+            self.reporter.emit(Event::TraceWritten(summary));
+        }
+        self.step += 1;
+        let since_checkpoint = self.since_checkpoint.unwrap_or_else(|| self.ckpt.since_last());
+        if self.ckpt.due(self.step, new_best, since_checkpoint) || (self.step == t.max_steps && plan.config.checkpoint.at_end) {
+            self.save(self.step, self.step < t.max_steps);
+            self.after_writer()?;
+        }
+        Ok(())
+    }
+
+    /// `f` on the tracer, if any. The trace is a diagnosis: when the profiler fails the run goes
+    /// on without it, and says so.
+    fn trace<T>(&mut self, f: impl FnOnce(&mut Tracer) -> Result<T, TraceError>) -> Option<T> {
+        let result = f(self.tracer.as_mut()?);
+        result.map_err(|e| {
+            tracing::warn!("{e}; training goes on without the trace");
+            self.tracer = None;
+        }).ok()
+    }
+
+    /// Why to stop before the next step, if anything says so; every rank agrees on it. Under a
+    /// group, also the time since rank 0's last checkpoint, which decides time-based ones.
+    fn stop_reason(&self, stop: &Interrupter) -> Result<(Option<StopReason>, Option<Duration>), TrainError> {
+        // The next step, its evaluation when one follows it (the first one guessed as a third
+        // of a step's time per evaluation batch: a forward over a global batch), a checkpoint.
+        let eval = match self.plan.evaluates_after(self.step + 1) {
+            true => self.last_eval_s.unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
+            false => 0.0,
+        };
+        let margin = Duration::from_secs_f64(self.slowest_recent + eval + 1.5 * self.ckpt.last_seconds + 1.0);
+        let mut reason = if stop.requested() {
+            Some(StopReason::Signal)
+        } else {
+            let elapsed = crate::job::deadline::process_start().elapsed();
+            self.plan.time_limit.filter(|limit| elapsed + margin > *limit).map(|_| StopReason::TimeLimit)
+        };
+        // All ranks stop at the same step, or the others would wait in a collective; and every
+        // rank names the same reason (a signal before a time limit), whichever rank saw it.
+        let Some(d) = self.dist.as_deref() else { return Ok((reason, None)) };
+        let code = |r: Option<StopReason>| match r {
+            Some(StopReason::Signal) => 2.0,
+            Some(_) => 1.0,
+            None => 0.0,
+        };
+        let rank0_since = if d.rank == 0 { self.ckpt.since_last().as_secs_f64() } else { 0.0 };
+        let agreed = d.max_each(&[code(reason), rank0_since])?;
+        reason = match agreed[0] {
+            c if c >= 2.0 => Some(StopReason::Signal),
+            c if c >= 1.0 => Some(StopReason::TimeLimit),
+            _ => None,
+        };
+        Ok((reason, Some(Duration::from_secs_f64(agreed[1].max(0.0)))))
+    }
+
+    /// Every rank waits for rank 0's writing alone, for as long as rank 0 lives rather than
+    /// `dist.timeout_s` (or `dist.writer_wait_s` at most): a checkpoint slower than that on
+    /// rank 0's storage would otherwise end the job in the next collective.
+    fn after_writer(&mut self) -> Result<(), TrainError> {
+        let writer_wait = self.plan.config.dist.writer_wait_s.map(std::time::Duration::from_secs);
+        match self.dist.as_deref_mut() {
+            Some(d) => d.after_writer(writer_wait).map_err(TrainError::from),
+            None => Ok(()),
+        }
+    }
+
+    fn save(&mut self, completed: u64, goes_on: bool) -> Option<std::path::PathBuf> {
+        crate::memory::uncapped(|| self.ckpt.save(completed, goes_on, &self.state, self.started, self.plan, &mut self.reporter))
+    }
+
+    /// A collective that failed because a peer ended on a second signal (it said so in the
+    /// store first) is that planned stop here too, from the newest complete checkpoint: under
+    /// torchrun this rank then exits 0 like the peer, and the group the person stopped is not
+    /// restarted. Without a checkpoint yet, the failure stands.
+    pub(super) fn peer_stopped(&self, e: TrainError) -> TrainError {
+        let collective = match &e {
+            TrainError::Dist(d) => matches!(d, DistError::Collective { .. }),
+            TrainError::Guard(GuardError::Fatal(inner)) => matches!(inner.downcast_ref::<DistError>(), Some(DistError::Collective { .. })),
+            _ => false,
+        };
+        let Some(d) = self.dist.as_deref().filter(|_| collective) else { return e };
+        let stopped = d.peers_stopped_by_signal();
+        let newest = store::list(self.ckpt.root()).pop();
+        match (stopped.is_empty(), newest) {
+            (false, Some((step, path))) => {
+                tracing::warn!("rank(s) {stopped:?} ended on a second signal: stopping too, from the newest checkpoint (step {step})");
+                TrainError::Interrupted { step, reason: StopReason::Signal, checkpoint: Some(path) }
+            }
+            _ => e,
+        }
+    }
+
+    /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it
+    /// already holds this step (a stop right after an interval checkpoint writes nothing twice).
+    fn save_for_stop(&mut self, completed: u64) -> Option<std::path::PathBuf> {
+        match self.ckpt.last_saved_path(completed) {
+            Some(path) => Some(path),
+            None => self.save(completed, false),
+        }
+    }
+
+    /// After the last step: ranks compared, final weights written, the summary.
+    pub fn finish(mut self) -> Result<RunSummary, TrainError> {
+        let (plan, step) = (self.plan, self.step);
+        let t = &plan.config.train;
+        if step == self.start_step && self.resumed {
+            // Resumed at or past max_steps: the newest checkpoint already holds this state.
+            tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
+        }
+        let elapsed = self.started.elapsed().as_secs_f64();
+        // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
+        if plan.is_writer() && plan.config.checkpoint.at_end {
+            crate::memory::uncapped(|| crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params))?;
+        }
+        if plan.config.checkpoint.at_end {
+            self.after_writer()?;
+        }
+        if let Some(d) = self.dist.as_deref() {
+            let spread = d.weight_spread(self.state.trainable.params())?;
+            self.reporter.emit(Event::RanksCompared { world_size: d.world_size, checksum_spread: spread });
+        }
+        let steps_run = step - self.start_step;
+        let guard = &self.state.guard;
+        let cpu = !plan.device.is_cuda();
+        let summary = RunSummary {
+            steps: step,
+            final_loss: self.last_loss,
+            final_val_loss: self.last_val,
+            oom_recoveries: guard.totals.recoveries,
+            oom_escalations: guard.totals.escalations,
+            configured_micro_batch: plan.micro_batch,
+            final_micro_batch: guard.micro_batch(),
+            time_lost_s: guard.totals.time_lost.as_secs_f64(),
+            guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
+            elapsed_s: self.state.progress.elapsed_before + elapsed,
+            tokens_per_s: self.state.progress.tokens_seen as f64 / (self.state.progress.elapsed_before + elapsed),
+            session_steps: steps_run,
+            session_elapsed_s: elapsed,
+            peak_mapped_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(self.baseline_vm))).flatten(),
+            peak_resident_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(self.baseline_rss))).flatten(),
+        };
+        tracing::info!("{}", memory_summary(plan.device));
+        self.reporter.emit(Event::RunFinished(summary.clone()));
+        Ok(summary)
+    }
+}
+
+/// What the run trains on, as its checkpoints record it.
+fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
+    let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
+    DataRecord {
+        source: cfg.data.source.clone(),
+        tokenizer_crc32c: prepared.and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
+        train_tokens: corpus.len(Split::Train) as u64,
+        train_digest: corpus.sample_digest(Split::Train),
+    }
+}
+
+/// Where this rank's samples come from.
+fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
+    StepData {
+        corpus,
+        sampler: Sampler { seed: plan.config.seed, seq_len: plan.config.model.seq_len },
+        device: plan.device,
+        rank_start: plan.rank_start,
+        rank_batch: plan.rank_batch,
+        global_batch: plan.config.train.global_batch_size,
+        world: plan.world_size,
+    }
+}
+

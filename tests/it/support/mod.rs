@@ -1,0 +1,2 @@
+//! Builders of test inputs that several modules share.
+pub mod tokenizer;
