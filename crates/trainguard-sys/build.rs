@@ -86,7 +86,8 @@ fn main() {
     let site = torch_dir.canonicalize().unwrap_or_else(|_| torch_dir.clone());
     let nvidia = site.parent().map(|p| p.join("nvidia")).unwrap_or_default();
     let (cuda_inc, nccl_inc) = (nvidia.join("cu13/include"), nvidia.join("nccl/include"));
-    let cuda_headers = cuda_inc.join("crt/host_defines.h").exists() && cuda_inc.join("cuda_runtime_api.h").exists();
+    let cuda_headers =
+        cuda_inc.join("crt/host_defines.h").exists() && cuda_inc.join("cuda_runtime_api.h").exists();
 
     // The allocator's history recorder and snapshot (`memory.snapshot_on_oom`) live in
     // libtorch_cuda: compiled only when it exists, so a CPU-only libtorch still builds and links.
@@ -135,7 +136,10 @@ fn main() {
         dist.include(&cuda_inc).include(&nccl_inc).define("USE_C10D_NCCL", None).define("TG_WITH_NCCL", None);
         println!("cargo:rustc-cfg=tg_nccl");
     } else {
-        println!("cargo:warning=NCCL process groups not built: CUDA/NCCL headers not found under {}", nvidia.display());
+        println!(
+            "cargo:warning=NCCL process groups not built: CUDA/NCCL headers not found under {}",
+            nvidia.display()
+        );
     }
     println!("cargo:rustc-check-cfg=cfg(tg_nccl)");
     dist.compile("trainguard_dist");

@@ -15,7 +15,9 @@ pub fn libtorch_lib() -> PathBuf {
     match std::env::var("DEP_TCH_LIBTORCH_LIB") {
         Ok(dir) => PathBuf::from(dir),
         Err(_) => {
-            eprintln!("torch-sys did not report its libtorch lib dir (DEP_TCH_LIBTORCH_LIB); see LIBTORCH.md");
+            eprintln!(
+                "torch-sys did not report its libtorch lib dir (DEP_TCH_LIBTORCH_LIB); see LIBTORCH.md"
+            );
             std::process::exit(1)
         }
     }
@@ -31,7 +33,11 @@ pub fn emit() {
         .map(|n| format!("-l{n}"))
         .collect();
     if !cuda.is_empty() {
-        println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-L{},{},--as-needed", lib_dir.display(), cuda.join(","));
+        println!(
+            "cargo:rustc-link-arg=-Wl,--no-as-needed,-L{},{},--as-needed",
+            lib_dir.display(),
+            cuda.join(",")
+        );
     }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
 }

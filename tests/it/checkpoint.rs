@@ -6,7 +6,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use trainguard::checkpoint::store;
 
-const RUN: [&str; 5] = ["train.max_steps=40", "train.warmup_steps=5", "train.eval_interval=10", "checkpoint.interval=10", "model.dropout=0.1"];
+const RUN: [&str; 5] = [
+    "train.max_steps=40",
+    "train.warmup_steps=5",
+    "train.eval_interval=10",
+    "checkpoint.interval=10",
+    "model.dropout=0.1",
+];
 
 fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     RUN.iter().copied().chain(extra.iter().copied()).collect()
@@ -39,8 +45,12 @@ fn stop_and_resume_is_bitwise_identical_to_a_straight_run() {
     assert_bitwise_equal(&ca.join("model.safetensors"), &cb.join("model.safetensors"));
     assert_bitwise_equal(&ca.join("optimizer.safetensors"), &cb.join("optimizer.safetensors"));
     assert_bitwise_equal(&a.path().join("model.safetensors"), &b.path().join("model.safetensors"));
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(cb.join("trainer_state.json")).unwrap()).unwrap();
-    assert_eq!((state["step"].as_u64(), state["optimizer"]["steps"].as_u64(), state["micro_steps"].as_u64()), (Some(40), Some(40), Some(160)));
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cb.join("trainer_state.json")).unwrap()).unwrap();
+    assert_eq!(
+        (state["step"].as_u64(), state["optimizer"]["steps"].as_u64(), state["micro_steps"].as_u64()),
+        (Some(40), Some(40), Some(160))
+    );
     // The summary is the whole run's (its time continues metrics.jsonl's), and says what this
     // session ran beside it.
     let summary = &resumed.events_of("run_finished")[0];
@@ -59,11 +69,17 @@ fn stop_and_resume_is_bitwise_identical_to_a_straight_run() {
 #[test]
 fn a_checkpoint_saved_with_a_since_removed_switch_still_resumes() {
     let dir = tempfile::tempdir().unwrap();
-    let base = ["train.max_steps=4", "train.warmup_steps=0", "train.eval_interval=0", "checkpoint.interval=2"];
-    let first = train(dir.path(), "configs/debug.yaml", &[&base[..], &["faults.interrupt_at_step=2"]].concat());
+    let base =
+        ["train.max_steps=4", "train.warmup_steps=0", "train.eval_interval=0", "checkpoint.interval=2"];
+    let first =
+        train(dir.path(), "configs/debug.yaml", &[&base[..], &["faults.interrupt_at_step=2"]].concat());
     assert_eq!(first.code(), 4, "{}", first.stderr());
     let saved = newest_checkpoint(dir.path()).join(store::CONFIG_FILE);
-    let yaml = std::fs::read_to_string(&saved).unwrap().replacen("kernels:\n", "kernels:\n  loss_blocks_per_sm: 0\n  loss_row_in_registers: false\n", 1);
+    let yaml = std::fs::read_to_string(&saved).unwrap().replacen(
+        "kernels:\n",
+        "kernels:\n  loss_blocks_per_sm: 0\n  loss_row_in_registers: false\n",
+        1,
+    );
     std::fs::write(&saved, yaml).unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
     cmd.args(["--resume", "auto"]);
@@ -75,7 +91,14 @@ fn a_checkpoint_saved_with_a_since_removed_switch_still_resumes() {
 fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
     let (plain, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // An uneven split (30 = 8 + 8 + 8 + 6): exact resume holds for it too.
-    let long = ["train.max_steps=200", "train.warmup_steps=10", "train.eval_interval=50", "checkpoint.interval=3", "checkpoint.keep_last=2", "train.global_batch_size=30"];
+    let long = [
+        "train.max_steps=200",
+        "train.warmup_steps=10",
+        "train.eval_interval=50",
+        "checkpoint.interval=3",
+        "checkpoint.keep_last=2",
+        "train.global_batch_size=30",
+    ];
     let reference = train(plain.path(), "configs/debug.yaml", &long).ok();
     let mut kills = 0;
     let mut rng = 0x5eed_u64;
@@ -85,7 +108,9 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
         let resumed_before = run_events(killed.path(), "resumed");
         let mut cmd = command(killed.path(), "configs/debug.yaml", &long);
         let log_path = plain.path().join(format!("attempt-{attempt}.log"));
-        cmd.args(["--resume", "auto"]).stdout(Stdio::null()).stderr(std::fs::File::create(&log_path).unwrap());
+        cmd.args(["--resume", "auto"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap());
         let mut child = cmd.spawn().unwrap();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         // The delay counts from the attempt's "batch:" log line (model built, about to train): on
@@ -97,7 +122,9 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
             if let Some(status) = child.try_wait().unwrap() {
                 break Some(status);
             }
-            if started.is_none() && std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("batch: global")) {
+            if started.is_none()
+                && std::fs::read_to_string(&log_path).is_ok_and(|l| l.contains("batch: global"))
+            {
                 started = Some(Instant::now());
             }
             if kills < KILLS && started.is_some_and(|t| t.elapsed() >= delay) {
@@ -128,13 +155,22 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
     assert!(kills >= 10, "only {kills} kills happened");
     // The kills landed while training, not only during start-up: most restarts resumed from a
     // checkpoint, each from a later step than the one before.
-    let resumed: Vec<u64> = run_events(killed.path(), "resumed").iter().filter_map(|e| e["step"].as_u64()).collect();
-    assert!(resumed.len() >= KILLS / 2, "only {} of {kills} restarts resumed from a checkpoint: {resumed:?}", resumed.len());
+    let resumed: Vec<u64> =
+        run_events(killed.path(), "resumed").iter().filter_map(|e| e["step"].as_u64()).collect();
+    assert!(
+        resumed.len() >= KILLS / 2,
+        "only {} of {kills} restarts resumed from a checkpoint: {resumed:?}",
+        resumed.len()
+    );
     assert!(resumed.windows(2).all(|w| w[0] <= w[1]) && resumed.iter().any(|&s| s >= 30), "{resumed:?}");
     assert_eq!(checkpoint_steps(killed.path()).last(), Some(&200), "the run finished");
     assert_bitwise_equal(&plain.path().join("model.safetensors"), &killed.path().join("model.safetensors"));
     let killed_metrics = read_jsonl(&killed.path().join("metrics.jsonl"));
-    assert_eq!(series(&reference.metrics(), "loss"), series(&killed_metrics, "loss"), "metrics rebuilt step for step");
+    assert_eq!(
+        series(&reference.metrics(), "loss"),
+        series(&killed_metrics, "loss"),
+        "metrics rebuilt step for step"
+    );
 }
 
 fn run_events(dir: &Path, kind: &str) -> Vec<serde_json::Value> {
@@ -144,7 +180,8 @@ fn run_events(dir: &Path, kind: &str) -> Vec<serde_json::Value> {
 #[test]
 fn sigterm_checkpoints_the_last_completed_step_and_exits_4() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "checkpoint.interval=0"]);
+    let mut cmd =
+        command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "checkpoint.interval=0"]);
     let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let metrics = dir.path().join("metrics.jsonl");
     let t0 = Instant::now();
@@ -193,7 +230,10 @@ fn two_signals(dir: &Path, sets: &[&str], env: &[(&str, &str)]) -> (std::process
     let output = child.wait_with_output().unwrap();
     let took = second.elapsed().as_secs_f64();
     assert!(String::from_utf8_lossy(&output.stderr).contains("second signal: exiting now"));
-    assert!(took < step_time / 2.0, "exit took {took:.2}s after the second signal; a step takes {step_time:.2}s");
+    assert!(
+        took < step_time / 2.0,
+        "exit took {took:.2}s after the second signal; a step takes {step_time:.2}s"
+    );
     let done = read_jsonl(&metrics).len() as u64;
     assert!(done < 4, "stopped before the end");
     let newest = *checkpoint_steps(dir).last().expect("the checkpoint of step 1 stands");
@@ -201,7 +241,8 @@ fn two_signals(dir: &Path, sets: &[&str], env: &[(&str, &str)]) -> (std::process
     (output, done, newest)
 }
 
-const SLOW_STEPS: [&str; 4] = ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=1", "data.synthetic_tokens=262144"];
+const SLOW_STEPS: [&str; 4] =
+    ["train.max_steps=4", "train.warmup_steps=1", "checkpoint.interval=1", "data.synthetic_tokens=262144"];
 
 /// The second signal does not wait for the step (seconds here): the process exits at once with
 /// code 4, whatever it was doing, checkpoint write included, and `--resume auto` continues from
@@ -226,7 +267,16 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
 fn a_second_signal_mid_step_exits_4_every_time() {
     for i in 0..6u64 {
         let dir = tempfile::tempdir().unwrap();
-        let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "train.warmup_steps=0", "checkpoint.interval=1", "train.eval_interval=0"]);
+        let mut cmd = command(
+            dir.path(),
+            "configs/debug.yaml",
+            &[
+                "train.max_steps=100000",
+                "train.warmup_steps=0",
+                "checkpoint.interval=1",
+                "train.eval_interval=0",
+            ],
+        );
         let child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let t0 = Instant::now();
         while read_jsonl(&dir.path().join("metrics.jsonl")).len() < 2 {
@@ -239,13 +289,23 @@ fn a_second_signal_mid_step_exits_4_every_time() {
         std::thread::sleep(Duration::from_millis(10 + 5 * i));
         int();
         let out = child.wait_with_output().unwrap();
-        assert_eq!(out.status.code(), Some(4), "try {i}: {:?}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(4),
+            "try {i}: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
 /// A run of steps of seconds that writes no checkpoint, stderr piped.
 fn slow_run_without_checkpoints(dir: &Path) -> Command {
-    let mut cmd = command(dir, "configs/bench-10m.yaml", &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"]);
+    let mut cmd = command(
+        dir,
+        "configs/bench-10m.yaml",
+        &["train.max_steps=100", "train.warmup_steps=1", "checkpoint.interval=0", "train.eval_interval=0"],
+    );
     cmd.stdout(Stdio::null()).stderr(Stdio::piped());
     cmd
 }
@@ -275,7 +335,9 @@ fn a_second_signal_before_any_checkpoint_exits_1() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("nothing to resume from"), "{stderr}");
-    assert!(checkpoint_steps(dir.path()).is_empty() && trainguard::job::stop_record::read(dir.path()).is_none());
+    assert!(
+        checkpoint_steps(dir.path()).is_empty() && trainguard::job::stop_record::read(dir.path()).is_none()
+    );
 }
 
 /// The same with stderr closed under the run (`… 2>&1 | tee log`, the tee gone with the
@@ -299,8 +361,16 @@ fn a_second_signal_with_stderr_closed_still_exits_1_at_once() {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(status.code(), Some(1), "exited {:?} after {:.1} s", status.code(), t1.elapsed().as_secs_f64());
-    assert!(checkpoint_steps(dir.path()).is_empty() && trainguard::job::stop_record::read(dir.path()).is_none());
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "exited {:?} after {:.1} s",
+        status.code(),
+        t1.elapsed().as_secs_f64()
+    );
+    assert!(
+        checkpoint_steps(dir.path()).is_empty() && trainguard::job::stop_record::read(dir.path()).is_none()
+    );
 }
 
 /// Under torchrun's agent a second signal is a planned stop too: exit 0 (any other code would
@@ -308,7 +378,8 @@ fn a_second_signal_with_stderr_closed_still_exits_1_at_once() {
 #[test]
 fn a_second_signal_under_torchrun_exits_0_with_a_stop_record() {
     let dir = tempfile::tempdir().unwrap();
-    let (output, _, newest) = two_signals(dir.path(), &SLOW_STEPS, &[("TORCHELASTIC_RUN_ID", "second-signal")]);
+    let (output, _, newest) =
+        two_signals(dir.path(), &SLOW_STEPS, &[("TORCHELASTIC_RUN_ID", "second-signal")]);
     assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
     let record = trainguard::job::stop_record::read(dir.path()).expect("stop.json");
     assert_eq!((record.step, record.resumable, record.reason.as_deref()), (newest, true, Some("signal")));
@@ -318,7 +389,8 @@ fn a_second_signal_under_torchrun_exits_0_with_a_stop_record() {
 #[test]
 fn max_duration_stops_in_time_with_a_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "checkpoint.interval=0"]);
+    let mut cmd =
+        command(dir.path(), "configs/debug.yaml", &["train.max_steps=100000", "checkpoint.interval=0"]);
     cmd.args(["--max-duration", "3s"]);
     let t0 = Instant::now();
     let r = run(cmd, dir.path());
@@ -339,7 +411,13 @@ fn max_duration_stops_in_time_with_a_checkpoint() {
 #[test]
 fn max_duration_counts_start_up_and_the_evaluation_a_step_brings() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100000", "checkpoint.interval=0", "train.eval_interval=5", "train.eval_batches=300", "data.synthetic_tokens=100000000"];
+    let sets = [
+        "train.max_steps=100000",
+        "checkpoint.interval=0",
+        "train.eval_interval=5",
+        "train.eval_batches=300",
+        "data.synthetic_tokens=100000000",
+    ];
     let mut cmd = command(dir.path(), "configs/debug.yaml", &sets);
     cmd.args(["--max-duration", "7s"]);
     let t0 = Instant::now();
@@ -364,13 +442,22 @@ impl LastElapsed for Run {
 #[test]
 fn a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path() {
     let dir = tempfile::tempdir().unwrap();
-    train(dir.path(), "configs/debug.yaml", &["train.max_steps=30", "train.warmup_steps=5", "checkpoint.interval=10"]).ok();
+    train(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=30", "train.warmup_steps=5", "checkpoint.interval=10"],
+    )
+    .ok();
     let newest = newest_checkpoint(dir.path());
     let model = newest.join("model.safetensors");
     let len = std::fs::metadata(&model).unwrap().len();
     std::fs::File::options().write(true).open(&model).unwrap().set_len(len - 100).unwrap();
 
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=40", "train.warmup_steps=5", "checkpoint.interval=10"]);
+    let mut cmd = command(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=40", "train.warmup_steps=5", "checkpoint.interval=10"],
+    );
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path()).ok();
     let skipped = r.events_of("checkpoint_skipped");
@@ -390,13 +477,22 @@ fn a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path() {
     cmd.arg("--resume").arg(dir.path());
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("is a run directory, not a checkpoint") && r.stderr().contains("--resume auto"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("is a run directory, not a checkpoint") && r.stderr().contains("--resume auto"),
+        "{}",
+        r.stderr()
+    );
     // Its checkpoints directory: the same two ways on, not "corrupt".
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=40", "train.warmup_steps=5"]);
     cmd.arg("--resume").arg(store::root(dir.path()));
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("is a run's checkpoints directory, not a checkpoint") && r.stderr().contains("step-…"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("is a run's checkpoints directory, not a checkpoint")
+            && r.stderr().contains("step-…"),
+        "{}",
+        r.stderr()
+    );
     assert!(!r.stderr().contains("corrupt"), "{}", r.stderr());
 }
 
@@ -404,35 +500,68 @@ fn a_truncated_checkpoint_is_skipped_by_auto_and_refused_by_path() {
 fn a_changed_model_shape_is_refused_naming_the_keys_but_safe_changes_are_logged() {
     let dir = tempfile::tempdir().unwrap();
     train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=2"]).ok();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=20", "train.warmup_steps=2", "model.n_layer=3", "model.vocab_size=300"]);
+    let mut cmd = command(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=20", "train.warmup_steps=2", "model.n_layer=3", "model.vocab_size=300"],
+    );
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("model.n_layer: checkpoint 2, config 3") && r.stderr().contains("model.vocab_size"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("model.n_layer: checkpoint 2, config 3")
+            && r.stderr().contains("model.vocab_size"),
+        "{}",
+        r.stderr()
+    );
     let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=20", "train.warmup_steps=2"]);
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path()).ok();
     assert!(r.stderr().contains("train.max_steps: checkpoint 10, config 20"), "{}", r.stderr());
     // A longer schedule moves the learning rate at the step resumed: the log says by how much.
-    assert!(r.stderr().contains("learning rate at step 10: 3.0000e-4 on the checkpoint's schedule"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("learning rate at step 10: 3.0000e-4 on the checkpoint's schedule"),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
 fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=20", "train.warmup_steps=2", "faults.nonfinite_loss_at_steps=[5]"]).ok();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=20", "train.warmup_steps=2", "faults.nonfinite_loss_at_steps=[5]"],
+    )
+    .ok();
     assert_eq!(r.events_of("nonfinite_skipped").len(), 1);
     assert!(r.metrics()[5]["loss"].is_null(), "NaN is written as null");
 
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=20", "train.warmup_steps=2", "faults.nonfinite_loss_at_steps=[5, 6, 7]", "nan.max_consecutive=3"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.max_steps=20",
+            "train.warmup_steps=2",
+            "faults.nonfinite_loss_at_steps=[5, 6, 7]",
+            "nan.max_consecutive=3",
+        ],
+    );
     assert_eq!(r.code(), 5, "{}", r.stderr());
     let skips = r.events_of("nonfinite_skipped");
     assert_eq!(skips.iter().map(|e| e["consecutive"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3]);
     assert_eq!(run_events(dir.path(), "stopped")[0]["reason"], "nonfinite");
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
-    assert_eq!((state["nonfinite_skips"].as_u64(), state["optimizer"]["steps"].as_u64()), (Some(3), Some(5)), "skipped updates left the optimizer untouched");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (state["nonfinite_skips"].as_u64(), state["optimizer"]["steps"].as_u64()),
+        (Some(3), Some(5)),
+        "skipped updates left the optimizer untouched"
+    );
     // Every step the checkpoint counts has its metrics line, the last skipped one included: a
     // resume from it (at step 8) leaves no gap.
     assert_eq!(state["step"].as_u64(), Some(8));
@@ -445,15 +574,32 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
 #[test]
 fn a_stop_right_after_an_interval_checkpoint_writes_it_once_and_is_not_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=0", "checkpoint.interval=5", "faults.interrupt_at_step=5"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.max_steps=10",
+            "train.warmup_steps=0",
+            "checkpoint.interval=5",
+            "faults.interrupt_at_step=5",
+        ],
+    );
     assert_eq!(r.code(), 4, "{}", r.stderr());
-    let saved: Vec<u64> = r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    let saved: Vec<u64> =
+        r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(saved, [5], "step 5 written once");
     let stopped = r.events_of("stopped");
-    assert_eq!(stopped[0]["checkpoint"], r.events_of("checkpoint_saved")[0]["path"], "the stop points at the checkpoint just written");
+    assert_eq!(
+        stopped[0]["checkpoint"],
+        r.events_of("checkpoint_saved")[0]["path"],
+        "the stop points at the checkpoint just written"
+    );
     let err = r.stderr();
     assert!(err.contains("stopped at step 5 (signal); `--resume auto` continues from"), "{err}");
-    assert!(!err.contains("error:") && !err.contains("training failed"), "a planned stop is not a failure:\n{err}");
+    assert!(
+        !err.contains("error:") && !err.contains("training failed"),
+        "a planned stop is not a failure:\n{err}"
+    );
 }
 
 fn resume_auto(dir: &Path, sets: &[&str]) -> Run {
@@ -513,7 +659,11 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=10"])).ok();
     let ten = store::root(dir.path()).join("step-00000010");
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.crash_at_step=15"]));
+    let mut cmd = command(
+        dir.path(),
+        "configs/debug.yaml",
+        &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.crash_at_step=15"]),
+    );
     cmd.arg("--resume").arg(&ten);
     let crashed = run(cmd, dir.path());
     assert_eq!(crashed.code(), 1, "{}", crashed.stderr());
@@ -521,17 +671,28 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     assert_eq!(checkpoint_steps(dir.path()), [10, 12, 14]);
     let saved_before = crashed.events_of("checkpoint_saved").len();
 
-    let stopped = resume_auto(dir.path(), &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.interrupt_at_step=14"]));
+    let stopped = resume_auto(
+        dir.path(),
+        &with(&["checkpoint.interval=2", "train.lr=1e-3", "faults.interrupt_at_step=14"]),
+    );
     assert_eq!(stopped.code(), 4, "{}", stopped.stderr());
     assert_eq!(stopped.events_of("resumed").last().unwrap()["step"], 14, "the new line, not the old step 30");
-    assert_eq!(stopped.events_of("checkpoint_saved").len(), saved_before, "no step ran: step 14 was not written again");
+    assert_eq!(
+        stopped.events_of("checkpoint_saved").len(),
+        saved_before,
+        "no step ran: step 14 was not written again"
+    );
     assert!(stopped.events_of("stopped")[0]["checkpoint"].as_str().unwrap().ends_with("step-00000014"));
     let record = std::fs::read_to_string(dir.path().join("stop.json")).unwrap();
     assert!(record.contains(r#""resumable":true"#) && record.contains("step-00000014"), "{record}");
 
     let refused = train(dir.path(), "configs/debug.yaml", &with(&[]));
     assert_eq!(refused.code(), 2, "a fresh run over this one is refused: {}", refused.stderr());
-    assert_eq!(std::fs::read_to_string(dir.path().join("stop.json")).unwrap(), record, "the refusal left the stop record");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("stop.json")).unwrap(),
+        record,
+        "the refusal left the stop record"
+    );
 
     resume_auto(dir.path(), &with(&["checkpoint.interval=2", "train.lr=1e-3"])).ok();
     assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "no gap, no step of the old line");
@@ -551,13 +712,18 @@ fn resuming_a_set_aside_checkpoint_sets_aside_the_other_lines_checkpoint_of_its_
         let mut cmd = command(dir, "configs/debug.yaml", &with(&["train.max_steps=20", "train.lr=1e-3"]));
         cmd.arg("--resume").arg(store::root(dir).join("step-00000010"));
         let second = run(cmd, dir).ok();
-        let first_line = PathBuf::from(second.events_of("checkpoints_set_aside")[0]["to"].as_str().unwrap()).join("step-00000020");
+        let first_line = PathBuf::from(second.events_of("checkpoints_set_aside")[0]["to"].as_str().unwrap())
+            .join("step-00000020");
         let second_line = weights(&newest_checkpoint(dir));
         assert_ne!(weights(&first_line), second_line, "two lines");
         (first_line, second_line)
     };
     let back_to = |dir: &Path, ckpt: &Path, fault: &'static str| {
-        let mut cmd = command(dir, "configs/debug.yaml", &with(&["train.max_steps=30", "checkpoint.interval=100", fault]));
+        let mut cmd = command(
+            dir,
+            "configs/debug.yaml",
+            &with(&["train.max_steps=30", "checkpoint.interval=100", fault]),
+        );
         cmd.arg("--resume").arg(ckpt);
         run(cmd, dir)
     };
@@ -568,16 +734,33 @@ fn resuming_a_set_aside_checkpoint_sets_aside_the_other_lines_checkpoint_of_its_
     assert_eq!(crashed.code(), 1, "{}", crashed.stderr());
     let aside = crashed.events_of("checkpoints_set_aside").pop().unwrap(); // the log holds each run's events
     assert_eq!(aside["steps"], serde_json::json!([20]), "{aside:?}");
-    assert_eq!(weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")), second_line, "moved, not deleted");
+    assert_eq!(
+        weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")),
+        second_line,
+        "moved, not deleted"
+    );
     let auto = resume_auto(a.path(), &with(&["train.max_steps=30", "faults.interrupt_at_step=10"]));
-    assert_eq!(auto.events_of("resumed").last().unwrap()["step"], 10, "not the other line's step 20: {}", auto.stderr());
+    assert_eq!(
+        auto.events_of("resumed").last().unwrap()["step"],
+        10,
+        "not the other line's step 20: {}",
+        auto.stderr()
+    );
 
     let (first_line, second_line) = two_lines(b.path());
     let stopped = back_to(b.path(), &first_line, "faults.interrupt_at_step=20");
     assert_eq!(stopped.code(), 4, "{}", stopped.stderr());
-    assert_eq!(weights(&newest_checkpoint(b.path())), weights(&first_line), "the stop checkpoint is of the line resumed");
+    assert_eq!(
+        weights(&newest_checkpoint(b.path())),
+        weights(&first_line),
+        "the stop checkpoint is of the line resumed"
+    );
     let aside = stopped.events_of("checkpoints_set_aside").pop().unwrap();
-    assert_eq!(weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")), second_line, "the other line's step 20 kept");
+    assert_eq!(
+        weights(&PathBuf::from(aside["to"].as_str().unwrap()).join("step-00000020")),
+        second_line,
+        "the other line's step 20 kept"
+    );
 }
 
 /// A finished run's final weights are renamed aside when a resume trains past them: `sample`
@@ -593,12 +776,20 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     let fin = dir.path().join("model.safetensors");
     let step5 = std::fs::read(&fin).unwrap();
     let past = resume_auto(dir.path(), &with(&["train.max_steps=5"])).ok();
-    assert!(past.stderr().contains("nothing to train") && fin.exists(), "nothing trained: the final weights stand");
+    assert!(
+        past.stderr().contains("nothing to train") && fin.exists(),
+        "nothing trained: the final weights stand"
+    );
     let r = resume_auto(dir.path(), &with(&["train.max_steps=10", "faults.interrupt_at_step=7"]));
     assert_eq!(r.code(), 4, "{}", r.stderr());
     assert!(!fin.exists(), "step 5's final weights outlived a run stopped at step 7");
     let aside = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
-        let mut found: Vec<_> = std::fs::read_dir(d).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().starts_with("model.set-aside-")).map(|e| e.path()).collect();
+        let mut found: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("model.set-aside-"))
+            .map(|e| e.path())
+            .collect();
         found.sort();
         found
     };
@@ -607,7 +798,11 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     assert_eq!(std::fs::read(&moved[0]).unwrap(), step5, "moved as they were");
     assert!(r.stderr().contains("nothing deleted"), "{}", r.stderr());
     let event = &r.events_of("final_weights_set_aside")[0];
-    assert_eq!((event["resumed_step"].as_u64(), event["to"].as_str()), (Some(5), moved[0].to_str()), "{event}");
+    assert_eq!(
+        (event["resumed_step"].as_u64(), event["to"].as_str()),
+        (Some(5), moved[0].to_str()),
+        "{event}"
+    );
     resume_auto(dir.path(), &with(&["train.max_steps=10"])).ok();
     assert!(fin.exists(), "the final weights of step 10");
 
@@ -618,7 +813,11 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     std::fs::write(&newest, &std::fs::read(&newest).unwrap()[..1000]).unwrap();
     let r = resume_auto(dir.path(), &with(&["train.max_steps=8"]));
     assert_eq!(r.code(), 0, "{}", r.stderr());
-    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step10), "step 10's weights were lost: {}", r.stderr());
+    assert!(
+        aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step10),
+        "step 10's weights were lost: {}",
+        r.stderr()
+    );
 
     // Every checkpoint corrupt: `--resume auto` starts at step 0, and step 8's final weights,
     // the only good copy of the run's model, go aside, not under the new run's.
@@ -629,7 +828,11 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     }
     let r = resume_auto(dir.path(), &with(&["train.max_steps=3", "checkpoint.interval=0"]));
     assert_eq!(r.code(), 0, "{}", r.stderr());
-    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step8), "step 8's weights were lost: {}", r.stderr());
+    assert!(
+        aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step8),
+        "step 8's weights were lost: {}",
+        r.stderr()
+    );
     assert_eq!(r.events_of("final_weights_set_aside")[0]["resumed_step"].as_u64(), Some(0));
 
     // No checkpoints left (removed to save space): a fresh start keeps the final weights too.
@@ -637,7 +840,11 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
     std::fs::remove_dir_all(store::root(dir.path())).unwrap();
     let r = train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=2", "checkpoint.interval=0"]));
     assert_eq!(r.code(), 0, "{}", r.stderr());
-    assert!(aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step3), "step 3's weights were lost: {}", r.stderr());
+    assert!(
+        aside(dir.path()).iter().any(|p| std::fs::read(p).unwrap() == step3),
+        "step 3's weights were lost: {}",
+        r.stderr()
+    );
 }
 
 /// A final-weights write that fails part-way (at a file-size limit, as on a full disk) leaves
@@ -646,14 +853,23 @@ fn a_resume_that_trains_on_moves_the_stale_final_weights_aside() {
 #[test]
 fn a_final_weights_write_that_fails_leaves_no_temporary_file() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &["train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0"]);
+    let mut cmd = command(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=2", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0"],
+    );
     // The weights are ~480 KB (the checkpoint at the end fails first, a warning); every other file the run writes is far below the limit. A write
     // past it fails with EFBIG once SIGXFSZ, which would end the process, is ignored.
     limit_file_size(&mut cmd, 100_000);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 1, "{}", r.stderr());
     let err = r.stderr();
-    assert!(err.contains("cannot write weights") && err.contains("File too large (os error 27)") && !err.contains("IoError("), "{err}");
+    assert!(
+        err.contains("cannot write weights")
+            && err.contains("File too large (os error 27)")
+            && !err.contains("IoError("),
+        "{err}"
+    );
     assert!(!dir.path().join(".model.safetensors.tmp").exists(), "the half-written file stayed");
     assert!(!dir.path().join("model.safetensors").exists());
 }
@@ -667,9 +883,22 @@ fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record()
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("checkpoints")).unwrap();
     std::fs::write(dir.path().join("checkpoints/.tmp-step-00000003"), "not a directory").unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=10", "train.warmup_steps=2", "checkpoint.interval=0", "faults.interrupt_at_step=3"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.max_steps=10",
+            "train.warmup_steps=2",
+            "checkpoint.interval=0",
+            "faults.interrupt_at_step=3",
+        ],
+    );
     assert_eq!(r.code(), 1, "{}", r.stderr());
-    assert!(r.stderr().contains("stopped at step 3 (signal), but its checkpoint could not be written"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("stopped at step 3 (signal), but its checkpoint could not be written"),
+        "{}",
+        r.stderr()
+    );
     assert!(r.stderr().contains("start over at step 0"), "{}", r.stderr());
     assert!(!r.stderr().contains("training goes on"), "it stops: {}", r.stderr());
     assert_eq!(r.events_of("checkpoint_failed")[0]["training_goes_on"], false);
@@ -681,13 +910,20 @@ fn a_stop_whose_checkpoint_cannot_be_written_exits_1_and_leaves_no_stop_record()
 #[test]
 fn at_end_false_writes_nothing_after_the_last_step_but_keeps_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=4", "checkpoint.at_end=false"];
+    let sets = [
+        "train.max_steps=6",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=4",
+        "checkpoint.at_end=false",
+    ];
     let r = train(dir.path(), "configs/debug.yaml", &sets).ok();
     assert_eq!(r.metrics().len(), 6);
     assert_eq!(checkpoint_steps(dir.path()), [4]);
     assert!(!dir.path().join("model.safetensors").exists());
     let stopped = tempfile::tempdir().unwrap();
-    let r = train(stopped.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=5"]].concat());
+    let r =
+        train(stopped.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=5"]].concat());
     assert_eq!(r.code(), 4, "{}", r.stderr());
     assert_eq!(checkpoint_steps(stopped.path()), [4, 5]);
 }
@@ -700,15 +936,24 @@ fn a_resume_takes_a_new_micro_batch_and_counts_tokens_across_a_batch_change() {
     let dir = tempfile::tempdir().unwrap();
     let base = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"];
     let with = |extra: &[&'static str]| [&base[..], extra].concat();
-    let first = train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5", "train.micro_batch_size=4"])).ok();
+    let first =
+        train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5", "train.micro_batch_size=4"]))
+            .ok();
     assert_eq!(series(&first.metrics(), "micro_batch")[0], 4);
-    let r = resume_auto(dir.path(), &with(&["train.max_steps=7", "train.micro_batch_size=8", "train.global_batch_size=16"])).ok();
+    let r = resume_auto(
+        dir.path(),
+        &with(&["train.max_steps=7", "train.micro_batch_size=8", "train.global_batch_size=16"]),
+    )
+    .ok();
     let metrics = r.metrics();
     assert_eq!(series(&metrics[5..], "micro_batch"), [8, 8]);
     assert_eq!(series(&metrics[5..], "accumulation"), [2, 2]);
     let tokens: u64 = metrics.iter().map(|m| m["tokens"].as_u64().unwrap()).sum();
     assert_eq!(tokens, 5 * 32 * 64 + 2 * 16 * 64);
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
     assert_eq!(state["tokens_seen"].as_u64(), Some(tokens));
 }
 
@@ -721,13 +966,20 @@ fn counters_near_their_limit_stay_there_on_resume() {
     let with = |extra: &[&'static str]| [&base[..], extra].concat();
     train(dir.path(), "configs/debug.yaml", &with(&["train.max_steps=5"])).ok();
     let state_file = newest_checkpoint(dir.path()).join("trainer_state.json");
-    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
     state["tokens_seen"] = (u64::MAX - 10).into();
     state["micro_steps"] = (u64::MAX - 1).into();
     std::fs::write(&state_file, state.to_string()).unwrap();
     resume_auto(dir.path(), &with(&["train.max_steps=7"])).ok();
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
-    assert_eq!((state["step"].as_u64(), state["tokens_seen"].as_u64(), state["micro_steps"].as_u64()), (Some(7), Some(u64::MAX), Some(u64::MAX)));
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (state["step"].as_u64(), state["tokens_seen"].as_u64(), state["micro_steps"].as_u64()),
+        (Some(7), Some(u64::MAX), Some(u64::MAX))
+    );
 }
 
 /// A checkpoint refused only once its state is in the model (optimizer state of another shape,
@@ -746,7 +998,8 @@ fn a_checkpoint_refused_as_its_state_is_restored_leaves_the_run_directory_as_it_
     tch::Tensor::write_safetensors(&tensors, &file).unwrap();
     let bytes = std::fs::read(&file).unwrap();
     let state_file = ck.join("trainer_state.json");
-    let mut state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
     state["files"]["optimizer.safetensors"] = bytes.len().into();
     state["checksums"]["optimizer.safetensors"] = crc32c::crc32c(&bytes).into();
     std::fs::write(&state_file, state.to_string()).unwrap();
@@ -754,7 +1007,12 @@ fn a_checkpoint_refused_as_its_state_is_restored_leaves_the_run_directory_as_it_
     let (weights, record) = (before("model.safetensors"), before("stop.json"));
     let r = resume_auto(dir.path(), &["train.max_steps=6", "train.warmup_steps=1", "checkpoint.interval=2"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("step-00000004 is incomplete or corrupt") && r.stderr().contains("has shape [3, 5]"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("step-00000004 is incomplete or corrupt")
+            && r.stderr().contains("has shape [3, 5]"),
+        "{}",
+        r.stderr()
+    );
     assert_eq!((before("model.safetensors"), before("stop.json")), (weights, record), "{}", r.stderr());
     assert_eq!(checkpoint_steps(dir.path()), [2, 4], "nothing set aside");
 }
@@ -764,13 +1022,21 @@ fn a_checkpoint_refused_as_its_state_is_restored_leaves_the_run_directory_as_it_
 /// a resume of the run itself adds nothing, and the log, the `resumed` event and `report` say it.
 #[test]
 fn a_resume_from_another_runs_checkpoint_keeps_the_lineage() {
-    let (a, b, c) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let short = |steps: &'static str| vec![steps, "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=4"];
+    let (a, b, c) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let short = |steps: &'static str| {
+        vec![steps, "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=4"]
+    };
     train(a.path(), "configs/debug.yaml", &short("train.max_steps=8")).ok();
     let from_a = store::root(a.path()).join("step-00000004");
     let lineage = |ckpt: &Path| -> Vec<(String, u64)> {
-        let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap()).unwrap();
-        state["lineage"].as_array().map_or(vec![], |l| l.iter().map(|e| (e["checkpoint"].as_str().unwrap().to_string(), e["step"].as_u64().unwrap())).collect())
+        let state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(ckpt.join("trainer_state.json")).unwrap()).unwrap();
+        state["lineage"].as_array().map_or(vec![], |l| {
+            l.iter()
+                .map(|e| (e["checkpoint"].as_str().unwrap().to_string(), e["step"].as_u64().unwrap()))
+                .collect()
+        })
     };
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap().display().to_string();
     assert!(lineage(&newest_checkpoint(a.path())).is_empty(), "a run that began here has none");
@@ -781,13 +1047,26 @@ fn a_resume_from_another_runs_checkpoint_keeps_the_lineage() {
     let want_b = vec![(canon(&from_a), 4)];
     assert_eq!(lineage(&newest_checkpoint(b.path())), want_b);
     let ev = &rb.events_of("resumed")[0]["lineage"];
-    assert_eq!((ev[0]["checkpoint"].as_str(), ev[0]["step"].as_u64()), (Some(canon(&from_a).as_str()), Some(4)), "{ev}");
-    assert!(rb.stderr().contains(&format!("this run continues other runs' training: {} (to step 4)", canon(&from_a))), "{}", rb.stderr());
+    assert_eq!(
+        (ev[0]["checkpoint"].as_str(), ev[0]["step"].as_u64()),
+        (Some(canon(&from_a).as_str()), Some(4)),
+        "{ev}"
+    );
+    assert!(
+        rb.stderr()
+            .contains(&format!("this run continues other runs' training: {} (to step 4)", canon(&from_a))),
+        "{}",
+        rb.stderr()
+    );
 
     // The run resumed in its own directory: the same lineage, nothing added.
     let again = resume_auto(b.path(), &short("train.max_steps=16")).ok();
     let resumed = again.events_of("resumed");
-    assert_eq!((resumed.len(), &resumed[1]["step"], resumed[1]["lineage"].as_array().map(Vec::len)), (2, &serde_json::json!(12), Some(1)), "{resumed:?}");
+    assert_eq!(
+        (resumed.len(), &resumed[1]["step"], resumed[1]["lineage"].as_array().map(Vec::len)),
+        (2, &serde_json::json!(12), Some(1)),
+        "{resumed:?}"
+    );
     assert_eq!(lineage(&newest_checkpoint(b.path())), want_b);
 
     // From b's checkpoint into c: a's, then b's.
@@ -799,5 +1078,9 @@ fn a_resume_from_another_runs_checkpoint_keeps_the_lineage() {
     let o = Command::new(bin()).arg("report").arg(c.path()).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let html = std::fs::read_to_string(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
-    assert!(html.contains("<th>continues</th>") && html.contains(&format!("{} (to step 4) → {} (to step 16)", canon(&from_a), canon(&from_b))), "report names the lineage");
+    assert!(
+        html.contains("<th>continues</th>")
+            && html.contains(&format!("{} (to step 4) → {} (to step 16)", canon(&from_a), canon(&from_b))),
+        "report names the lineage"
+    );
 }

@@ -8,7 +8,8 @@ use std::time::Instant;
 use trainguard::checkpoint::store;
 use trainguard::job::stop_record::{self, Status};
 
-const SHORT: [&str; 4] = ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5", "train.global_batch_size=16"];
+const SHORT: [&str; 4] =
+    ["train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5", "train.global_batch_size=16"];
 
 fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     SHORT.iter().copied().chain(extra.iter().copied()).collect()
@@ -42,7 +43,12 @@ fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
     let fresh = run(cmd, &out).ok();
     assert_eq!(steps(&out), [5, 10]);
     assert_eq!(fresh.metrics().len(), 10);
-    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().contains("run.old-"))
+        .collect();
     assert_eq!(aside.len(), 1, "{aside:?}");
     assert_eq!(steps(&aside[0]), [10, 15, 20], "the old run kept whole");
     assert_eq!(read_jsonl(&aside[0].join("metrics.jsonl")).len(), 20);
@@ -65,7 +71,12 @@ fn overwrite_moves_a_run_named_with_a_trailing_slash_and_refuses_the_current_dir
     cmd.arg("--overwrite");
     let r = run(cmd, &out).ok();
     assert_eq!(steps(&out), [5], "{}", r.stderr());
-    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().contains("run.old-"))
+        .collect();
     assert_eq!(aside.len(), 1, "{aside:?}");
     assert_eq!(steps(&aside[0]), [5, 10], "the old run beside the new one");
 
@@ -86,11 +97,17 @@ fn overwrite_moves_aside_a_run_without_checkpoints() {
     let quiet = ["checkpoint.interval=0", "checkpoint.at_end=false"];
     train(&out, "configs/debug.yaml", &sets(&[&["train.max_steps=15"][..], &quiet[..]].concat())).ok();
     assert!(steps(&out).is_empty());
-    let mut cmd = command(&out, "configs/debug.yaml", &sets(&[&["train.max_steps=5"][..], &quiet[..]].concat()));
+    let mut cmd =
+        command(&out, "configs/debug.yaml", &sets(&[&["train.max_steps=5"][..], &quiet[..]].concat()));
     cmd.arg("--overwrite");
     let r = run(cmd, &out).ok();
     assert_eq!(r.metrics().len(), 5);
-    let aside: Vec<PathBuf> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("run.old-")).collect();
+    let aside: Vec<PathBuf> = std::fs::read_dir(d.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().contains("run.old-"))
+        .collect();
     assert_eq!(aside.len(), 1, "{aside:?}");
     assert_eq!(read_jsonl(&aside[0].join("metrics.jsonl")).len(), 15, "the old run's metrics kept");
 }
@@ -103,7 +120,8 @@ fn a_directory_in_place_of_a_file_the_run_writes_is_named() {
         std::fs::create_dir(d.path().join(file)).unwrap();
         let r = train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=3"]));
         assert_eq!(r.code(), 1, "{}", r.stderr());
-        let named = format!("cannot write {} in the run directory: Is a directory", d.path().join(file).display());
+        let named =
+            format!("cannot write {} in the run directory: Is a directory", d.path().join(file).display());
         assert!(r.stderr().contains(&named), "`{named}` missing from:\n{}", r.stderr());
     }
 }
@@ -117,15 +135,29 @@ fn a_hand_written_config_in_the_run_directory_is_kept_and_a_runs_own_is_replaced
     let text = "# run 3 of the sweep: lower lr\nmodel:\n  n_layer: 2\n  n_head: 2\n  n_embd: 32\ntrain:\n  max_steps: 5\n  warmup_steps: 1\n";
     std::fs::write(&mine, text).unwrap();
     run(command(d.path(), mine.to_str().unwrap(), &["checkpoint.interval=5"]), d.path()).ok();
-    let kept = |dir: &Path| -> Vec<PathBuf> { std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.to_string_lossy().contains("config.kept-")).collect() };
+    let kept = |dir: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().contains("config.kept-"))
+            .collect()
+    };
     let found = kept(d.path());
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(std::fs::read_to_string(&found[0]).unwrap(), text);
-    assert!(std::fs::read_to_string(&mine).unwrap().contains("n_layer: 2"), "the resolved config in its place");
+    assert!(
+        std::fs::read_to_string(&mine).unwrap().contains("n_layer: 2"),
+        "the resolved config in its place"
+    );
     let mut cmd = command(d.path(), mine.to_str().unwrap(), &["train.max_steps=8"]);
     cmd.args(["--resume", "auto"]);
     run(cmd, d.path()).ok();
-    assert_eq!(kept(d.path()).len(), 1, "the run's own config.yaml, changed by --set, was replaced, not kept");
+    assert_eq!(
+        kept(d.path()).len(),
+        1,
+        "the run's own config.yaml, changed by --set, was replaced, not kept"
+    );
     assert!(std::fs::read_to_string(&mine).unwrap().contains("max_steps: 8"));
 }
 
@@ -149,12 +181,28 @@ fn torchrun(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets
     (o, t0.elapsed().as_secs_f64())
 }
 
-fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&str], sets: &[&str]) -> Command {
+fn torchrun_command(
+    out: &Path,
+    nproc: usize,
+    restarts: usize,
+    extra_args: &[&str],
+    sets: &[&str],
+) -> Command {
     let port = free_port();
     let mut cmd = Command::new(crate::common::torchrun());
-    cmd.args([format!("--nproc_per_node={nproc}"), format!("--max-restarts={restarts}"), "--master_addr=127.0.0.1".into(), format!("--master_port={port}"), "--no-python".into(), bin()]);
+    cmd.args([
+        format!("--nproc_per_node={nproc}"),
+        format!("--max-restarts={restarts}"),
+        "--master_addr=127.0.0.1".into(),
+        format!("--master_port={port}"),
+        "--no-python".into(),
+        bin(),
+    ]);
     cmd.args(["train", "--config"]).arg(repo().join("configs/debug.yaml"));
-    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()]
+        .into_iter()
+        .chain(sets.iter().map(|s| s.to_string()))
+    {
         cmd.arg("--set").arg(s);
     }
     cmd.args(extra_args);
@@ -165,16 +213,40 @@ fn torchrun_command(out: &Path, nproc: usize, restarts: usize, extra_args: &[&st
 /// `--max-restarts=<restarts>`, run id `id` (torchrun's default, `none`, without one), `env`
 /// added to the agents'. Each worker first says `worker RANK=<rank> RESTART=<its restart
 /// count>` on stderr. Returns both agents' outputs and their stderr together.
-fn two_agents(out: &Path, id: Option<&str>, restarts: usize, env: &[(&str, &str)], sets: &[&str]) -> ([Output; 2], String) {
+fn two_agents(
+    out: &Path,
+    id: Option<&str>,
+    restarts: usize,
+    env: &[(&str, &str)],
+    sets: &[&str],
+) -> ([Output; 2], String) {
     let port = free_port();
     let agent = || {
         let mut cmd = Command::new(crate::common::torchrun());
         cmd.envs(env.iter().copied());
-        cmd.args(["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", &format!("--rdzv_endpoint=127.0.0.1:{port}"), &format!("--max-restarts={restarts}")]);
+        cmd.args([
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            &format!("--rdzv_endpoint=127.0.0.1:{port}"),
+            &format!("--max-restarts={restarts}"),
+        ]);
         cmd.args(id.map(|id| format!("--rdzv_id={id}")));
-        cmd.args(["--no-python", "bash", "-c", r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#, "worker", &bin(), "train", "--config"]);
+        cmd.args([
+            "--no-python",
+            "bash",
+            "-c",
+            r#"echo "worker RANK=$RANK RESTART=$TORCHELASTIC_RESTART_COUNT" >&2; exec "$@""#,
+            "worker",
+            &bin(),
+            "train",
+            "--config",
+        ]);
         cmd.arg(repo().join("configs/debug.yaml"));
-        for s in [format!("out_dir={}", out.display()), "train.threads=1".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+        for s in [format!("out_dir={}", out.display()), "train.threads=1".into()]
+            .into_iter()
+            .chain(sets.iter().map(|s| s.to_string()))
+        {
             cmd.arg("--set").arg(s);
         }
         cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
@@ -190,12 +262,23 @@ fn two_agents(out: &Path, id: Option<&str>, restarts: usize, env: &[(&str, &str)
 fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
     let run = |id: Option<&str>| {
         let d = tempfile::tempdir().unwrap();
-        let (outs, err) = two_agents(d.path(), id, 0, &[], &["train.max_steps=2", "train.warmup_steps=1", "dist.timeout_s=30"]);
+        let (outs, err) = two_agents(
+            d.path(),
+            id,
+            0,
+            &[],
+            &["train.max_steps=2", "train.warmup_steps=1", "dist.timeout_s=30"],
+        );
         assert!(outs.iter().all(|o| o.status.success()), "{err}");
         err
     };
     let err = run(None);
-    let warned = err.lines().filter(|l| l.contains("a torchrun job on 2 nodes under the default run id `none`") && l.contains("--rdzv-id")).count();
+    let warned = err
+        .lines()
+        .filter(|l| {
+            l.contains("a torchrun job on 2 nodes under the default run id `none`") && l.contains("--rdzv-id")
+        })
+        .count();
     assert_eq!(warned, 1, "rank 0 warns, once: {err}");
     let err = run(Some("job-7"));
     assert!(!err.contains("default run id"), "{err}");
@@ -208,7 +291,14 @@ fn a_job_on_two_nodes_under_the_default_run_id_is_warned_of() {
 #[test]
 fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=8", "train.warmup_steps=1", "checkpoint.interval=1", "dist.timeout_s=20", "faults.crash_at_step=3", "faults.crash_rank=1"];
+    let sets = [
+        "train.max_steps=8",
+        "train.warmup_steps=1",
+        "checkpoint.interval=1",
+        "dist.timeout_s=20",
+        "faults.crash_at_step=3",
+        "faults.crash_rank=1",
+    ];
     let t0 = Instant::now();
     let (outs, err) = two_agents(d.path(), Some("job-8"), 1, &[], &sets);
     let wall = t0.elapsed().as_secs_f64();
@@ -217,7 +307,11 @@ fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     eprintln!("restarted workers: {restarted:?}; {wall:.1} s");
     assert!(!err.contains("cannot join the process group"), "{err}");
     assert_eq!(err.matches("resuming at step 3").count(), 1, "rank 0 resumes, once: {err}");
-    assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().map(|m| m["step"].clone()), Some(7.into()), "{err}");
+    assert_eq!(
+        read_jsonl(&d.path().join("metrics.jsonl")).last().map(|m| m["step"].clone()),
+        Some(7.into()),
+        "{err}"
+    );
 }
 
 /// The same two nodes under a time limit: the healthy node's worker restarts with count 0,
@@ -227,22 +321,46 @@ fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
 #[test]
 fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100000", "train.warmup_steps=1", "checkpoint.interval=10", "dist.timeout_s=20", "faults.crash_at_step=30", "faults.crash_rank=1", "train.max_duration=\"20s\""];
+    let sets = [
+        "train.max_steps=100000",
+        "train.warmup_steps=1",
+        "checkpoint.interval=10",
+        "dist.timeout_s=20",
+        "faults.crash_at_step=30",
+        "faults.crash_rank=1",
+        "train.max_duration=\"20s\"",
+    ];
     let t0 = Instant::now();
     let (outs, err) = two_agents(d.path(), Some("job-9"), 1, &[], &sets);
     let wall = t0.elapsed().as_secs_f64();
     assert!(outs.iter().all(|o| o.status.success()), "{err}");
     let restarted: Vec<&str> = err.lines().filter(|l| l.starts_with("worker RANK=")).skip(2).collect();
-    assert!(restarted.iter().any(|l| l.ends_with("RESTART=0")), "a worker restarted with count 0: {restarted:?}");
+    assert!(
+        restarted.iter().any(|l| l.ends_with("RESTART=0")),
+        "a worker restarted with count 0: {restarted:?}"
+    );
     // Rank 0 (no `[rank N]` mark), whichever node it is on after the restart, carries it.
     let left: Vec<f64> = err
         .lines()
         .filter(|l| !l.starts_with("[rank"))
-        .filter_map(|l| l.split("train.max_duration ").nth(1).and_then(|t| t.split('s').next()).and_then(|n| n.parse().ok()))
+        .filter_map(|l| {
+            l.split("train.max_duration ")
+                .nth(1)
+                .and_then(|t| t.split('s').next())
+                .and_then(|n| n.parse().ok())
+        })
         .collect();
     assert_eq!(left.len(), 1, "rank 0 names the budget left, once: {err}");
-    let trained = read_jsonl(&d.path().join("metrics.jsonl")).iter().find(|m| m["step"] == 29).and_then(|m| m["elapsed_s"].as_f64()).expect("step 29 of the first attempt");
-    assert!(left[0] > 0.0 && left[0] < 20.0 - trained, "left {}, first attempt trained {trained}s: {err}", left[0]);
+    let trained = read_jsonl(&d.path().join("metrics.jsonl"))
+        .iter()
+        .find(|m| m["step"] == 29)
+        .and_then(|m| m["elapsed_s"].as_f64())
+        .expect("step 29 of the first attempt");
+    assert!(
+        left[0] > 0.0 && left[0] < 20.0 - trained,
+        "left {}, first attempt trained {trained}s: {err}",
+        left[0]
+    );
     let rec = stop_record::read(d.path()).expect("stop.json");
     assert_eq!((rec.status, rec.reason.as_deref()), (Status::Stopped, Some("time_limit")), "{err}");
     eprintln!("restarted workers: {restarted:?}; left {:.1} s of 20 s; job wall {wall:.1} s", left[0]);
@@ -253,11 +371,24 @@ fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline(
 #[test]
 fn a_restart_without_the_agents_store_says_its_time_limit_counts_from_the_restart() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100000", "train.warmup_steps=1", "checkpoint.interval=10", "dist.timeout_s=20", "faults.crash_at_step=30", "faults.crash_rank=1", "train.max_duration=\"12s\""];
-    let (outs, err) = two_agents(d.path(), Some("job-10"), 1, &[("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")], &sets);
+    let sets = [
+        "train.max_steps=100000",
+        "train.warmup_steps=1",
+        "checkpoint.interval=10",
+        "dist.timeout_s=20",
+        "faults.crash_at_step=30",
+        "faults.crash_rank=1",
+        "train.max_duration=\"12s\"",
+    ];
+    let (outs, err) =
+        two_agents(d.path(), Some("job-10"), 1, &[("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")], &sets);
     assert!(outs.iter().all(|o| o.status.success()), "{err}");
-    let warned = err.lines().filter(|l| l.contains("without the agent's store") && l.contains("counts from this restart")).count();
-    let restarted = err.lines().filter(|l| l.starts_with("worker RANK=") && !l.ends_with("RESTART=0")).count();
+    let warned = err
+        .lines()
+        .filter(|l| l.contains("without the agent's store") && l.contains("counts from this restart"))
+        .count();
+    let restarted =
+        err.lines().filter(|l| l.starts_with("worker RANK=") && !l.ends_with("RESTART=0")).count();
     assert!(restarted >= 1 && warned == restarted, "once per node that restarted ({restarted}): {err}");
     assert_eq!(stop_record::read(d.path()).and_then(|r| r.reason), Some("time_limit".into()), "{err}");
 }
@@ -269,7 +400,8 @@ fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
         let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
         let environ = std::fs::read(e.path().join("environ")).ok()?;
-        let ours = String::from_utf8_lossy(&cmdline).contains(&format!("out_dir={}", out.display())) && cmdline.starts_with(bin().as_bytes());
+        let ours = String::from_utf8_lossy(&cmdline).contains(&format!("out_dir={}", out.display()))
+            && cmdline.starts_with(bin().as_bytes());
         (ours && environ.split(|&b| b == 0).any(|v| v == want.as_bytes())).then_some(pid)
     })
 }
@@ -283,7 +415,13 @@ fn worker_pid(rank: usize, out: &Path) -> Option<i32> {
 fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
     let d = tempfile::tempdir().unwrap();
     // Steps of 0.4 s or more (1,024 sequences), so that both signals land inside one.
-    let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=40", "train.global_batch_size=1024", "checkpoint.interval=2"]));
+    let mut cmd = torchrun_command(
+        d.path(),
+        2,
+        1,
+        &[],
+        &sets(&["train.max_steps=40", "train.global_batch_size=1024", "checkpoint.interval=2"]),
+    );
     let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let t0 = Instant::now();
     while steps(d.path()).is_empty() {
@@ -304,12 +442,16 @@ fn a_second_signal_to_one_worker_stops_the_group_without_a_restart() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("ended on a second signal: stopping too"), "the peer's path: {err}");
-    let started = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "run_started").count();
+    let started =
+        read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "run_started").count();
     assert_eq!(started, 1, "not restarted: {err}");
     let rec = stop_record::read(d.path()).expect("stop.json");
     assert_eq!((rec.status, rec.reason.as_deref(), rec.resumable), (Status::Stopped, Some("signal"), true));
     let newest = *steps(d.path()).last().unwrap();
-    assert_eq!((rec.step, rec.checkpoint), (newest, Some(store::root(d.path()).join(store::dir_name(newest)).display().to_string())));
+    assert_eq!(
+        (rec.step, rec.checkpoint),
+        (newest, Some(store::root(d.path()).join(store::dir_name(newest)).display().to_string()))
+    );
 }
 
 #[test]
@@ -323,8 +465,14 @@ fn a_time_limit_under_torchrun_ends_the_job_once_with_a_stop_record() {
     let started = events.iter().filter(|e| e["event"] == "run_started").count();
     assert_eq!(started, 1, "one attempt: torchrun did not restart it: {err}");
     let rec = stop_record::read(d.path()).expect("stop.json");
-    assert_eq!((rec.status, rec.reason.as_deref(), rec.resumable), (Status::Stopped, Some("time_limit"), true));
-    assert_eq!(Some(rec.checkpoint.clone().unwrap()), steps(d.path()).last().map(|s| store::root(d.path()).join(store::dir_name(*s)).display().to_string()));
+    assert_eq!(
+        (rec.status, rec.reason.as_deref(), rec.resumable),
+        (Status::Stopped, Some("time_limit"), true)
+    );
+    assert_eq!(
+        Some(rec.checkpoint.clone().unwrap()),
+        steps(d.path()).last().map(|s| store::root(d.path()).join(store::dir_name(*s)).display().to_string())
+    );
     assert!(rec.step > 0 && rec.step == *steps(d.path()).last().unwrap());
     eprintln!("torchrun wall {wall:.1}s for a 6 s budget");
 }
@@ -333,22 +481,38 @@ fn a_time_limit_under_torchrun_ends_the_job_once_with_a_stop_record() {
 fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
     let d = tempfile::tempdir().unwrap();
     // Rank 1 dies at step 60 of the first attempt; torchrun restarts the group, which resumes.
-    let (o, wall) = torchrun(d.path(), 2, 1, &["--max-duration", "20s"], &sets(&["train.max_steps=100000", "faults.crash_at_step=60", "faults.crash_rank=1"]));
+    let (o, wall) = torchrun(
+        d.path(),
+        2,
+        1,
+        &["--max-duration", "20s"],
+        &sets(&["train.max_steps=100000", "faults.crash_at_step=60", "faults.crash_rank=1"]),
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     let left: f64 = err
         .lines()
-        .find_map(|l| l.split("train.max_duration ").nth(1).and_then(|t| t.split('s').next()).and_then(|n| n.parse().ok()))
+        .find_map(|l| {
+            l.split("train.max_duration ")
+                .nth(1)
+                .and_then(|t| t.split('s').next())
+                .and_then(|n| n.parse().ok())
+        })
         .unwrap_or_else(|| panic!("the restart names its remaining budget: {err}"));
     // The deadline was set before the first attempt trained, so what is left is at most the
     // budget less the time the first attempt had trained when it checkpointed step 60.
     let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
-    let trained = metrics.iter().find(|m| m["step"] == 59).and_then(|m| m["elapsed_s"].as_f64()).expect("step 59 of the first attempt");
+    let trained = metrics
+        .iter()
+        .find(|m| m["step"] == 59)
+        .and_then(|m| m["elapsed_s"].as_f64())
+        .expect("step 59 of the first attempt");
     assert!(left > 0.0 && left < 20.0 - trained, "left {left}, first attempt trained {trained}s");
     eprintln!("restart left with {left:.1}s of 20 s; job wall {wall:.1}s");
     let rec = stop_record::read(d.path()).expect("stop.json");
     assert_eq!((rec.status, rec.reason.as_deref()), (Status::Stopped, Some("time_limit")));
-    let resumed = read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").count();
+    let resumed =
+        read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").count();
     assert_eq!(resumed, 1);
 }
 
@@ -358,12 +522,20 @@ fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
 /// job had trained since.
 #[test]
 fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
-    let crash = ["train.max_steps=40", "checkpoint.interval=10", "faults.crash_at_step=25", "faults.crash_rank=1"];
-    let resumed_at = |dir: &Path| -> Vec<u64> { read_jsonl(&dir.join("events.jsonl")).iter().filter(|e| e["event"] == "resumed").map(|e| e["step"].as_u64().unwrap()).collect() };
+    let crash =
+        ["train.max_steps=40", "checkpoint.interval=10", "faults.crash_at_step=25", "faults.crash_rank=1"];
+    let resumed_at = |dir: &Path| -> Vec<u64> {
+        read_jsonl(&dir.join("events.jsonl"))
+            .iter()
+            .filter(|e| e["event"] == "resumed")
+            .map(|e| e["step"].as_u64().unwrap())
+            .collect()
+    };
     let d = tempfile::tempdir().unwrap();
     let (o, _) = torchrun(d.path(), 2, 1, &["--resume", "none"], &sets(&crash));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("a restart resumes it (--resume none was for the job's first attempt)"));
+    assert!(String::from_utf8_lossy(&o.stderr)
+        .contains("a restart resumes it (--resume none was for the job's first attempt)"));
     assert_eq!(resumed_at(d.path()), [20]);
     assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().unwrap()["step"], 39);
     // Begun from another run's checkpoint: the restart continues this run from its own.
@@ -373,13 +545,35 @@ fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
     let b = d.path().join("b");
     let (o, _) = torchrun(&b, 2, 1, &["--resume", from.to_str().unwrap()], &sets(&crash));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(resumed_at(&b), [10, 20], "the first attempt from the old run's step 10, the restart from its own step 20");
-    assert!(!b.join("checkpoints").read_dir().unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("set-aside")), "nothing of this job's set aside");
+    assert_eq!(
+        resumed_at(&b),
+        [10, 20],
+        "the first attempt from the old run's step 10, the restart from its own step 20"
+    );
+    assert!(
+        !b.join("checkpoints")
+            .read_dir()
+            .unwrap()
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("set-aside")),
+        "nothing of this job's set aside"
+    );
     // Dead before a checkpoint of its own, in a directory holding an older run's step 5: the
     // restart loads the path again, not that run's checkpoint.
     let c = d.path().join("c");
     train(&c, "configs/debug.yaml", &sets(&["train.max_steps=5"])).ok();
-    let (o, _) = torchrun(&c, 2, 1, &["--resume", from.to_str().unwrap()], &sets(&["train.max_steps=40", "checkpoint.interval=10", "faults.crash_at_step=12", "faults.crash_rank=1"]));
+    let (o, _) = torchrun(
+        &c,
+        2,
+        1,
+        &["--resume", from.to_str().unwrap()],
+        &sets(&[
+            "train.max_steps=40",
+            "checkpoint.interval=10",
+            "faults.crash_at_step=12",
+            "faults.crash_rank=1",
+        ]),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(resumed_at(&c), [10, 10], "{}", String::from_utf8_lossy(&o.stderr));
 }
@@ -389,7 +583,10 @@ fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
 fn torchrun_script(cwd: &Path, config: &str, out: &Path, sets: &[&str]) -> Output {
     let mut cmd = Command::new("bash");
     cmd.current_dir(cwd).arg(repo().join("scripts/launch/torchrun.sh")).args(["2", config]);
-    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+    for s in [format!("out_dir={}", out.display()), "train.threads=1".into(), "dist.timeout_s=30".into()]
+        .into_iter()
+        .chain(sets.iter().map(|s| s.to_string()))
+    {
         cmd.arg("--set").arg(s);
     }
     cmd.env("TORCHRUN", crate::common::torchrun()).env("TRAINGUARD", bin()).output().unwrap()
@@ -405,10 +602,18 @@ fn torchrun_script(cwd: &Path, config: &str, out: &Path, sets: &[&str]) -> Outpu
 fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     let d = tempfile::tempdir().unwrap();
     train(d.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
-    let files = |dir: &Path| ["metrics.jsonl", "events.jsonl", "config.yaml", "stop.json", "model.safetensors"].map(|f| std::fs::read(dir.join(f)).ok());
+    let files = |dir: &Path| {
+        ["metrics.jsonl", "events.jsonl", "config.yaml", "stop.json", "model.safetensors"]
+            .map(|f| std::fs::read(dir.join(f)).ok())
+    };
     let before = files(d.path());
     let debug = repo().join("configs/debug.yaml");
-    let o = torchrun_script(&repo(), &debug.display().to_string(), d.path(), &sets(&["train.max_steps=20", "train.lr=1e-3"]));
+    let o = torchrun_script(
+        &repo(),
+        &debug.display().to_string(),
+        d.path(),
+        &sets(&["train.max_steps=20", "train.lr=1e-3"]),
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("not started again") && err.contains("failed with exit 2"), "{err}");
@@ -417,23 +622,41 @@ fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     // With no failure record (its file cannot be written), the restart is refused as the first
     // attempt was: it resumes only a run its own job started.
     let mut cmd = torchrun_command(d.path(), 2, 1, &[], &sets(&["train.max_steps=20"]));
-    let o = cmd.env(trainguard::job::attempts::FAILURE_FILE_ENV, d.path().join("no/such/dir/f.json")).output().unwrap();
+    let o = cmd
+        .env(trainguard::job::attempts::FAILURE_FILE_ENV, d.path().join("no/such/dir/f.json"))
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("cannot record the failure"), "{err}");
-    let refused = err.lines().filter(|l| l.starts_with("error: training failed:") && l.contains("already holds 2 checkpoint(s) of another run")).count();
+    let refused = err
+        .lines()
+        .filter(|l| {
+            l.starts_with("error: training failed:")
+                && l.contains("already holds 2 checkpoint(s) of another run")
+        })
+        .count();
     assert!(refused == 2 && !err.contains("resuming at step"), "both attempts refused: {err}");
     assert!(before == files(d.path()), "the other run's files changed: {err}");
 
     // Run from the caller's directory, with its config and out_dir relative to it.
     let e = tempfile::tempdir().unwrap();
     std::fs::copy(&debug, e.path().join("mine.yaml")).unwrap();
-    let nan = ["train.max_steps=12", "checkpoint.interval=1", "faults.nonfinite_loss_at_steps=[2,3,4,5,6,7,8,9,10,11]", "nan.max_consecutive=2"];
+    let nan = [
+        "train.max_steps=12",
+        "checkpoint.interval=1",
+        "faults.nonfinite_loss_at_steps=[2,3,4,5,6,7,8,9,10,11]",
+        "nan.max_consecutive=2",
+    ];
     let o = torchrun_script(e.path(), "mine.yaml", Path::new("run"), &sets(&nan));
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(5), "{err}");
     let events = read_jsonl(&e.path().join("run/events.jsonl"));
     let count = |kind: &str| events.iter().filter(|v| v["event"] == kind).count();
-    assert_eq!((count("run_started"), count("resumed"), count("nonfinite_skipped")), (1, 0, 2), "one attempt trained: {err}");
+    assert_eq!(
+        (count("run_started"), count("resumed"), count("nonfinite_skipped")),
+        (1, 0, 2),
+        "one attempt trained: {err}"
+    );
 }
 
 #[test]
@@ -442,12 +665,21 @@ fn a_crash_under_torchrun_leaves_no_stop_record_and_a_finish_says_finished() {
     std::fs::create_dir_all(d.path()).unwrap();
     // A stale record from an earlier job must not survive into this one.
     stop_record::write(d.path(), &stop_record::StopRecord::stopped(3, "signal", None)).unwrap();
-    let (o, _) = torchrun(d.path(), 2, 0, &[], &sets(&["train.max_steps=100000", "faults.crash_at_step=3", "faults.crash_rank=1"]));
+    let (o, _) = torchrun(
+        d.path(),
+        2,
+        0,
+        &[],
+        &sets(&["train.max_steps=100000", "faults.crash_at_step=3", "faults.crash_rank=1"]),
+    );
     assert!(!o.status.success());
     assert_eq!(stop_record::read(d.path()), None, "a crash leaves no record");
 
     let e = tempfile::tempdir().unwrap();
     let (o, _) = torchrun(e.path(), 2, 0, &[], &sets(&["train.max_steps=6"]));
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(stop_record::read(e.path()).map(|r| (r.status, r.step, r.resumable)), Some((Status::Finished, 6, false)));
+    assert_eq!(
+        stop_record::read(e.path()).map(|r| (r.status, r.step, r.resumable)),
+        Some((Status::Finished, 6, false))
+    );
 }

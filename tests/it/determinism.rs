@@ -4,7 +4,8 @@
 //! it buys on CUDA (bitwise replay and resume) is checked in tests/it/gpu.rs.
 use crate::common::*;
 
-const SHORT: [&str; 4] = ["train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+const SHORT: [&str; 4] =
+    ["train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
 
 fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     SHORT.iter().copied().chain(extra.iter().copied()).collect()
@@ -17,8 +18,16 @@ fn libtorch_reports_the_switches_on_and_cpu_results_stay_bitwise_the_same() {
     cmd.env_remove("CUBLAS_WORKSPACE_CONFIG");
     let a = run(cmd, det.path()).ok();
     let d = &a.events_of("deterministic")[0];
-    assert_eq!((d["algorithms"].as_bool(), d["warn_only"].as_bool(), d["fill_uninitialized_memory"].as_bool()), (Some(true), Some(false), Some(true)), "{d}");
-    assert_eq!((d["cublas_workspace_config"].as_str(), d["cublas_workspace_config_from"].as_str()), (Some(":4096:8"), Some("trainguard")), "{d}");
+    assert_eq!(
+        (d["algorithms"].as_bool(), d["warn_only"].as_bool(), d["fill_uninitialized_memory"].as_bool()),
+        (Some(true), Some(false), Some(true)),
+        "{d}"
+    );
+    assert_eq!(
+        (d["cublas_workspace_config"].as_str(), d["cublas_workspace_config_from"].as_str()),
+        (Some(":4096:8"), Some("trainguard")),
+        "{d}"
+    );
     assert!(a.stderr().contains("CUBLAS_WORKSPACE_CONFIG=:4096:8 (set by trainguard)"), "{}", a.stderr());
     let b = train(plain.path(), "configs/debug.yaml", &sets(&[])).ok();
     assert!(b.events_of("deterministic").is_empty());
@@ -28,11 +37,16 @@ fn libtorch_reports_the_switches_on_and_cpu_results_stay_bitwise_the_same() {
 #[test]
 fn a_cublas_workspace_config_from_the_environment_is_kept() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &sets(&["deterministic=true", "train.max_steps=1"]));
+    let mut cmd =
+        command(dir.path(), "configs/debug.yaml", &sets(&["deterministic=true", "train.max_steps=1"]));
     cmd.env("CUBLAS_WORKSPACE_CONFIG", ":16:8");
     let r = run(cmd, dir.path()).ok();
     let d = &r.events_of("deterministic")[0];
-    assert_eq!((d["cublas_workspace_config"].as_str(), d["cublas_workspace_config_from"].as_str()), (Some(":16:8"), Some("environment")), "{d}");
+    assert_eq!(
+        (d["cublas_workspace_config"].as_str(), d["cublas_workspace_config_from"].as_str()),
+        (Some(":16:8"), Some("environment")),
+        "{d}"
+    );
 }
 
 /// `faults.nondeterministic_op_at_step` runs `put_` (no deterministic implementation on any
@@ -40,11 +54,19 @@ fn a_cublas_workspace_config_from_the_environment_is_kept() {
 #[test]
 fn an_op_without_a_deterministic_implementation_ends_the_run_named_with_exit_6() {
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &sets(&["deterministic=true", "faults.nondeterministic_op_at_step=1"]));
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &sets(&["deterministic=true", "faults.nondeterministic_op_at_step=1"]),
+    );
     let err = r.stderr();
     assert_eq!(r.code(), 6, "{err}");
     let fatal = r.error_line();
-    assert!(fatal.contains("deterministic: true, but `put_` has no deterministic implementation") && fatal.contains("at step 1"), "{err}");
+    assert!(
+        fatal.contains("deterministic: true, but `put_` has no deterministic implementation")
+            && fatal.contains("at step 1"),
+        "{err}"
+    );
     assert!(!err.contains("panicked") && !err.contains("Exception raised from"), "{err}");
     assert_eq!(r.metrics().len(), 1, "step 0 completed, step 1 did not");
     // The same op without deterministic mode is fine.
@@ -55,7 +77,9 @@ fn an_op_without_a_deterministic_implementation_ends_the_run_named_with_exit_6()
 /// The keys of issue 12 validate like every other: a wrong type is exit 2 naming the key.
 #[test]
 fn deterministic_and_snapshot_on_oom_take_booleans_only() {
-    for (set, key) in [("deterministic=2", "`deterministic`"), ("memory.snapshot_on_oom=maybe", "`memory.snapshot_on_oom`")] {
+    for (set, key) in
+        [("deterministic=2", "`deterministic`"), ("memory.snapshot_on_oom=maybe", "`memory.snapshot_on_oom`")]
+    {
         let dir = tempfile::tempdir().unwrap();
         let r = train(dir.path(), "configs/debug.yaml", &[set]);
         assert_eq!(r.code(), 2, "{}", r.stderr());

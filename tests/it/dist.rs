@@ -5,11 +5,21 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const RUN: [&str; 5] = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "train.eval_interval=5", "dist.timeout_s=20"];
+const RUN: [&str; 5] = [
+    "train.max_steps=12",
+    "train.warmup_steps=2",
+    "train.global_batch_size=64",
+    "train.eval_interval=5",
+    "dist.timeout_s=20",
+];
 
 fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
-    let mut a = vec!["train".to_string(), "--config".into(), repo().join("configs/debug.yaml").display().to_string()];
-    for s in [format!("out_dir={}", dir.display()), "train.threads=1".into()].into_iter().chain(sets.iter().map(|s| s.to_string())) {
+    let mut a =
+        vec!["train".to_string(), "--config".into(), repo().join("configs/debug.yaml").display().to_string()];
+    for s in [format!("out_dir={}", dir.display()), "train.threads=1".into()]
+        .into_iter()
+        .chain(sets.iter().map(|s| s.to_string()))
+    {
         a.push("--set".into());
         a.push(s);
     }
@@ -41,7 +51,13 @@ fn wait_ok(children: Vec<Child>) -> Vec<std::process::Output> {
     let outs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for (rank, out) in outs.iter().enumerate() {
         // Every rank's stderr: the first to fail explains why the others did.
-        let all = outs.iter().enumerate().map(|(r, o)| format!("--- rank {r} ({:?}):\n{}", o.status.code(), String::from_utf8_lossy(&o.stderr))).collect::<String>();
+        let all = outs
+            .iter()
+            .enumerate()
+            .map(|(r, o)| {
+                format!("--- rank {r} ({:?}):\n{}", o.status.code(), String::from_utf8_lossy(&o.stderr))
+            })
+            .collect::<String>();
         assert!(out.status.success(), "rank {rank} failed:\n{all}");
     }
     outs
@@ -59,16 +75,26 @@ fn assert_matches_single_process(dist_dir: &Path, single: &Run) {
     }
     let diff = max_weight_diff(dist_dir, &single.dir);
     assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
-    let compared: Vec<_> = read_jsonl(&dist_dir.join("events.jsonl")).into_iter().filter(|e| e["event"] == "ranks_compared").collect();
+    let compared: Vec<_> = read_jsonl(&dist_dir.join("events.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "ranks_compared")
+        .collect();
     assert_eq!(compared[0]["checksum_spread"].as_f64(), Some(0.0), "both ranks hold identical weights");
 }
 
 #[test]
 fn two_ranks_under_torchrun_equal_one_process() {
     let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=16"]].concat()).ok();
+    let single =
+        train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=16"]].concat()).ok();
     let out = Command::new(torchrun())
-        .args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={}", free_port()), "--no-python", &bin()])
+        .args([
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            &format!("--master_port={}", free_port()),
+            "--no-python",
+            &bin(),
+        ])
         .args(args(d.path(), &[&RUN[..], &["train.micro_batch_size=16"]].concat()))
         .output()
         .unwrap();
@@ -87,7 +113,14 @@ fn a_run_of_one_process_resumed_by_two_ranks_trains_as_if_never_stopped() {
     let single = train(s.path(), "configs/debug.yaml", &sets).ok();
     train(d.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=6"]].concat());
     let port = free_port();
-    let resumed = |rank| spawn_rank_with(rank, 2, port, [args(d.path(), &sets), vec!["--resume".into(), "auto".into()]].concat());
+    let resumed = |rank| {
+        spawn_rank_with(
+            rank,
+            2,
+            port,
+            [args(d.path(), &sets), vec!["--resume".into(), "auto".into()]].concat(),
+        )
+    };
     wait_ok(vec![resumed(0), resumed(1)]);
     assert_matches_single_process(d.path(), &single);
     let events = read_jsonl(&d.path().join("events.jsonl"));
@@ -116,7 +149,16 @@ fn a_rank_may_set_its_own_micro_batch_and_memory_savers() {
     let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let sets = [&RUN[..], &["train.micro_batch_size=8"]].concat();
     let single = train(s.path(), "configs/debug.yaml", &sets).ok();
-    let own = [&sets[..], &["train.micro_batch_size=4", "memory.activation_checkpointing=blocks", "train.threads=2", "dist.timeout_s=25"]].concat();
+    let own = [
+        &sets[..],
+        &[
+            "train.micro_batch_size=4",
+            "memory.activation_checkpointing=blocks",
+            "train.threads=2",
+            "dist.timeout_s=25",
+        ],
+    ]
+    .concat();
     let port = free_port();
     wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &own)]);
     assert_matches_single_process(d.path(), &single);
@@ -132,7 +174,10 @@ fn ranks_whose_configs_differ_stop_at_the_start_naming_the_keys() {
     let other = [&sets[..], &["train.lr=0.01", "model.n_layer=3"]].concat();
     let port = free_port();
     let started = Instant::now();
-    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &other)].into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &other)]
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
     let wall = started.elapsed().as_secs_f64();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
     assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
@@ -147,10 +192,13 @@ fn ranks_whose_configs_differ_stop_at_the_start_naming_the_keys() {
     std::fs::write(&odd, vec![7u8; 1001]).unwrap();
     let unreadable = format!("data.source=tokens:{}", odd.display());
     let port = free_port();
-    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &[&sets[..], &[unreadable.as_str()]].concat())]
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outs: Vec<_> = [
+        spawn_rank(0, 2, port, d.path(), &sets),
+        spawn_rank(1, 2, port, d.path(), &[&sets[..], &[unreadable.as_str()]].concat()),
+    ]
+    .into_iter()
+    .map(|c| c.wait_with_output().unwrap())
+    .collect();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
     assert!(err(1).contains("1001 bytes is not a whole number of uint16 tokens"), "{}", err(1));
     assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
@@ -165,18 +213,37 @@ fn a_rank_that_never_joins_is_named_as_the_cause_of_the_wait() {
     let sets = ["train.max_steps=3", "train.warmup_steps=1", "dist.timeout_s=4"];
     let port = free_port();
     let bad = [&sets[..], &["train.warmup_steps=9"]].concat();
-    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &bad)].into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outs: Vec<_> = [spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &bad)]
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
     assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
     assert_eq!(outs[0].status.code(), Some(1), "{}", err(0));
-    assert!(err(0).contains("(not every rank joined within dist.timeout_s: one that failed before joining"), "{}", err(0));
+    assert!(
+        err(0).contains("(not every rank joined within dist.timeout_s: one that failed before joining"),
+        "{}",
+        err(0)
+    );
 }
 
 /// Peak mapped memory above start-up of one rank's share (32 sequences) at `micro`.
 fn peak_at(micro: usize) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     let m = format!("train.micro_batch_size={micro}");
-    let r = train(dir.path(), "configs/debug.yaml", &["train.global_batch_size=32", "train.warmup_steps=0", "train.max_steps=2", "train.eval_interval=0", "memory.limit=1TiB", &m]).ok();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.global_batch_size=32",
+            "train.warmup_steps=0",
+            "train.max_steps=2",
+            "train.eval_interval=0",
+            "memory.limit=1TiB",
+            &m,
+        ],
+    )
+    .ok();
     r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
 }
 
@@ -192,14 +259,26 @@ fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
     let changes: Vec<(u64, u64, u64)> = events
         .iter()
         .filter(|e| e["event"] == "oom_recovered")
-        .map(|e| (e["step"].as_u64().unwrap(), e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap()))
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["old_micro_batch"].as_u64().unwrap(),
+                e["new_micro_batch"].as_u64().unwrap(),
+            )
+        })
         .collect();
     assert_eq!(changes, [(0, 32, 16), (0, 16, 8)], "rank 0 (which had memory) followed rank 1 down");
-    assert!(events.iter().any(|e| e["event"] == "oom_recovered" && e["error"].as_str().unwrap().contains("another rank")));
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "oom_recovered" && e["error"].as_str().unwrap().contains("another rank")));
     let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
-    assert!(metrics.iter().all(|m| m["micro_batch"] == 8 && m["accumulation"] == 4), "global batch kept: 8 × 4 × 2 ranks");
+    assert!(
+        metrics.iter().all(|m| m["micro_batch"] == 8 && m["accumulation"] == 4),
+        "global batch kept: 8 × 4 × 2 ranks"
+    );
     // The settled split, from the start, in one process: 8 × 8 = 64.
-    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=8"]].concat()).ok();
+    let single =
+        train(s.path(), "configs/debug.yaml", &[&RUN[..], &["train.micro_batch_size=8"]].concat()).ok();
     assert_matches_single_process(d.path(), &single);
 }
 
@@ -210,12 +289,37 @@ fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
 /// together to the floor, the leak named, and stop there together on the out-of-memory (exit 3).
 #[test]
 fn a_leak_on_one_rank_halves_every_rank_together_and_they_stop_together() {
-    let model = ["model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=16", "train.warmup_steps=0", "train.eval_interval=0", "checkpoint.interval=0"];
+    let model = [
+        "model.vocab_size=4096",
+        "model.seq_len=128",
+        "train.micro_batch_size=16",
+        "train.warmup_steps=0",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+    ];
     let probe = tempfile::tempdir().unwrap();
-    let peak = train(probe.path(), "configs/debug.yaml", &[&model[..], &["train.global_batch_size=32", "train.max_steps=2", "memory.limit=1TiB"]].concat()).ok().summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let peak = train(
+        probe.path(),
+        "configs/debug.yaml",
+        &[&model[..], &["train.global_batch_size=32", "train.max_steps=2", "memory.limit=1TiB"]].concat(),
+    )
+    .ok()
+    .summary()["peak_mapped_above_start_bytes"]
+        .as_u64()
+        .unwrap();
     let cap = format!("memory.limit={}", peak + (200 << 20));
     let d = tempfile::tempdir().unwrap();
-    let sets = [&model[..], &["train.global_batch_size=64", "train.max_steps=400", "dist.timeout_s=120", "faults.leak_graphs=true", "faults.fault_rank=1"]].concat();
+    let sets = [
+        &model[..],
+        &[
+            "train.global_batch_size=64",
+            "train.max_steps=400",
+            "dist.timeout_s=120",
+            "faults.leak_graphs=true",
+            "faults.fault_rank=1",
+        ],
+    ]
+    .concat();
     let rank1_sets = [&sets[..], &[cap.as_str()]].concat();
     let port = free_port();
     let started = Instant::now();
@@ -227,8 +331,15 @@ fn a_leak_on_one_rank_halves_every_rank_together_and_they_stop_together() {
     assert!(err(1).contains("more is held between steps than at step"), "rank 1 names the leak: {}", err(1));
     assert_eq!(outs[0].status.code(), Some(3), "rank 0 stops with it: {}", err(0));
     let events = read_jsonl(&d.path().join("events.jsonl"));
-    let halvings: Vec<(u64, u64)> = events.iter().filter(|e| e["event"] == "oom_recovered").map(|e| (e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap())).collect();
-    assert!(halvings.len() > 1 && halvings.last() == Some(&(2, 1)), "both ranks halved together down to the floor: {halvings:?}");
+    let halvings: Vec<(u64, u64)> = events
+        .iter()
+        .filter(|e| e["event"] == "oom_recovered")
+        .map(|e| (e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap()))
+        .collect();
+    assert!(
+        halvings.len() > 1 && halvings.last() == Some(&(2, 1)),
+        "both ranks halved together down to the floor: {halvings:?}"
+    );
     assert!(wall < 90.0, "the ranks stopped together, not after dist.timeout_s = 120 s: {wall:.1} s");
 }
 
@@ -272,22 +383,50 @@ fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
 #[test]
 fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside_it_is_named() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=3000"];
+    let sets = [
+        "train.max_steps=6",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=3",
+        "dist.timeout_s=1",
+        "faults.pause_in_checkpoint_write_ms=3000",
+    ];
     let port = free_port();
-    let outs = wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
-    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
+    let outs =
+        wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl"))
+        .iter()
+        .filter(|e| e["event"] == "checkpoint_saved")
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(saved, [3, 6], "two writes of 3 s each under a 1 s timeout");
     let waiting = String::from_utf8_lossy(&outs[1].stderr);
-    let said: Vec<&str> = waiting.lines().filter(|l| l.contains("for rank 0 to finish writing alone")).collect();
-    assert!(!said.is_empty() && said[0].contains("waiting 1 s") && said[0].contains("dist.timeout_s = 1"), "{waiting}");
+    let said: Vec<&str> =
+        waiting.lines().filter(|l| l.contains("for rank 0 to finish writing alone")).collect();
+    assert!(
+        !said.is_empty() && said[0].contains("waiting 1 s") && said[0].contains("dist.timeout_s = 1"),
+        "{waiting}"
+    );
     // Once per second (the timeout) of each wait: the seconds said climb within a wait and start
     // again at the next; two writes, two waits (how long each is depends on the machine's load).
-    let seconds: Vec<u64> = said.iter().map(|l| l.split("waiting ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).unwrap()).collect();
+    let seconds: Vec<u64> = said
+        .iter()
+        .map(|l| {
+            l.split("waiting ").nth(1).and_then(|t| t.split(' ').next()).and_then(|n| n.parse().ok()).unwrap()
+        })
+        .collect();
     let waits = 1 + seconds.windows(2).filter(|w| w[1] <= w[0]).count();
     assert!(waits == 2 && seconds.iter().all(|&s| s >= 1), "{seconds:?}: {waiting}");
 
     let e = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "faults.pause_in_checkpoint_write_ms=60000"];
+    let sets = [
+        "train.max_steps=100",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=3",
+        "dist.timeout_s=1",
+        "faults.pause_in_checkpoint_write_ms=60000",
+    ];
     let port = free_port();
     let (mut r0, r1) = (spawn_rank(0, 2, port, e.path(), &sets), spawn_rank(1, 2, port, e.path(), &sets));
     let partial = e.path().join("checkpoints/.tmp-step-00000003/model.safetensors");
@@ -303,7 +442,11 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("rank 0 stopped answering while it wrote alone"), "{err}");
-    assert!(killed_at.elapsed() < Duration::from_secs(20), "named after {:.1} s", killed_at.elapsed().as_secs_f64());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(20),
+        "named after {:.1} s",
+        killed_at.elapsed().as_secs_f64()
+    );
 }
 
 /// `dist.writer_wait_s` bounds that wait: a write hanging with rank 0 alive ends the job on the
@@ -312,7 +455,15 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
 #[test]
 fn a_write_past_dist_writer_wait_s_ends_the_job_on_the_waiting_ranks() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=100", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=3", "dist.timeout_s=1", "dist.writer_wait_s=3", "faults.pause_in_checkpoint_write_ms=120000"];
+    let sets = [
+        "train.max_steps=100",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=3",
+        "dist.timeout_s=1",
+        "dist.writer_wait_s=3",
+        "faults.pause_in_checkpoint_write_ms=120000",
+    ];
     let port = free_port();
     let (mut r0, r1) = (spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets));
     let partial = d.path().join("checkpoints/.tmp-step-00000003/model.safetensors");
@@ -324,11 +475,19 @@ fn a_write_past_dist_writer_wait_s_ends_the_job_on_the_waiting_ranks() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(writing, "rank 0 was inside the write when rank 1 ended: {err}");
-    assert!(err.contains("rank 0 is still writing alone (a checkpoint or the final weights) after 3 s, dist.writer_wait_s"), "{err}");
+    assert!(
+        err.contains(
+            "rank 0 is still writing alone (a checkpoint or the final weights) after 3 s, dist.writer_wait_s"
+        ),
+        "{err}"
+    );
     // Said every dist.timeout_s before that, and ended long before the 120 s write would.
     assert!(err.contains("waiting 1 s for rank 0 to finish writing alone"), "{err}");
     assert!(waited < Duration::from_secs(90), "ended after {:.1} s", waited.as_secs_f64());
-    assert!(trainguard::checkpoint::store::list(&trainguard::checkpoint::store::root(d.path())).is_empty(), "the write cut short is no checkpoint");
+    assert!(
+        trainguard::checkpoint::store::list(&trainguard::checkpoint::store::root(d.path())).is_empty(),
+        "the write cut short is no checkpoint"
+    );
 }
 
 /// Checkpoints by time under a group: rank 0's clock decides for every rank (it travels in the
@@ -339,11 +498,26 @@ fn a_write_past_dist_writer_wait_s_ends_the_job_on_the_waiting_ranks() {
 #[test]
 fn checkpoints_by_time_are_taken_at_the_same_steps_by_every_rank() {
     let d = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=8", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.interval_minutes=0.00002", "checkpoint.keep_last=100", "dist.timeout_s=10"];
+    let sets = [
+        "train.max_steps=8",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        "checkpoint.interval_minutes=0.00002",
+        "checkpoint.keep_last=100",
+        "dist.timeout_s=10",
+    ];
     let port = free_port();
     wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
-    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl")).iter().filter(|e| e["event"] == "checkpoint_saved").map(|e| e["step"].as_u64().unwrap()).collect();
-    assert!(saved.len() >= 3 && saved.last() == Some(&8) && saved.windows(2).all(|w| w[0] < w[1]), "checkpoints by time, once a step at most: {saved:?}");
+    let saved: Vec<u64> = read_jsonl(&d.path().join("events.jsonl"))
+        .iter()
+        .filter(|e| e["event"] == "checkpoint_saved")
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    assert!(
+        saved.len() >= 3 && saved.last() == Some(&8) && saved.windows(2).all(|w| w[0] < w[1]),
+        "checkpoints by time, once a step at most: {saved:?}"
+    );
 }
 
 #[test]
@@ -353,7 +527,14 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let port = free_port().to_string();
     let tr = |dir: &Path, extra: &[&str]| {
         Command::new(torchrun())
-            .args(["--nproc_per_node=2", "--max-restarts=1", "--master_addr=127.0.0.1", &format!("--master_port={port}"), "--no-python", &bin()])
+            .args([
+                "--nproc_per_node=2",
+                "--max-restarts=1",
+                "--master_addr=127.0.0.1",
+                &format!("--master_port={port}"),
+                "--no-python",
+                &bin(),
+            ])
             .args(args(dir, &[&sets[..], extra].concat()))
             .output()
             .unwrap()
@@ -363,7 +544,8 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
     let out = tr(d.path(), &["faults.crash_at_step=7", "faults.crash_rank=1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    let resumed: Vec<_> = read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").collect();
+    let resumed: Vec<_> =
+        read_jsonl(&d.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").collect();
     assert_eq!(resumed.len(), 1, "the restarted group resumed by itself: {err}");
     assert_eq!(resumed[0]["step"], 6, "from the newest complete checkpoint");
     let diff = max_weight_diff(d.path(), plain.path());
@@ -378,24 +560,48 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
 #[test]
 fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
     let cases: [(&[&str], i32, &str); 2] = [
-        (&["deterministic=true", "faults.nondeterministic_op_at_step=2"], 6, "`put_` has no deterministic implementation"),
+        (
+            &["deterministic=true", "faults.nondeterministic_op_at_step=2"],
+            6,
+            "`put_` has no deterministic implementation",
+        ),
         (&["faults.failing_scalar_op_at_step=2"], 1, "must match the size of tensor b"),
     ];
     for (fault, code, named) in cases {
         let d = tempfile::tempdir().unwrap();
         let port = free_port();
-        let base = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "dist.timeout_s=120", "faults.fault_rank=1"];
+        let base = [
+            "train.max_steps=12",
+            "train.warmup_steps=2",
+            "train.global_batch_size=64",
+            "dist.timeout_s=120",
+            "faults.fault_rank=1",
+        ];
         let sets = [&base[..], fault].concat();
         let started = Instant::now();
         let ranks: Vec<Child> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &sets)).collect();
         let outs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
         let wall = started.elapsed().as_secs_f64();
         let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
-        assert_eq!(outs[1].status.code(), Some(code), "{fault:?}: the failing rank names its own error: {}", err(1));
+        assert_eq!(
+            outs[1].status.code(),
+            Some(code),
+            "{fault:?}: the failing rank names its own error: {}",
+            err(1)
+        );
         assert!(err(1).contains(named), "{fault:?}: {}", err(1));
         assert!(!outs[0].status.success(), "{fault:?}: {}", err(0));
-        assert!(err(0).contains("1 other rank(s) failed with an error that is not an out-of-memory"), "{fault:?}: {}", err(0));
-        assert!(!err(0).contains("panicked") && !err(1).contains("panicked"), "{fault:?}: {}\n{}", err(0), err(1));
+        assert!(
+            err(0).contains("1 other rank(s) failed with an error that is not an out-of-memory"),
+            "{fault:?}: {}",
+            err(0)
+        );
+        assert!(
+            !err(0).contains("panicked") && !err(1).contains("panicked"),
+            "{fault:?}: {}\n{}",
+            err(0),
+            err(1)
+        );
         assert!(wall < 60.0, "{fault:?}: the peer stopped with the failing rank, not after dist.timeout_s = 120 s: {wall:.1} s");
     }
 }
@@ -405,11 +611,23 @@ fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
 #[test]
 fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
     let (shared, elsewhere) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let first = ["train.max_steps=6", "train.warmup_steps=2", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=30"];
+    let first = [
+        "train.max_steps=6",
+        "train.warmup_steps=2",
+        "train.global_batch_size=64",
+        "checkpoint.interval=3",
+        "dist.timeout_s=30",
+    ];
     let port = free_port();
     wait_ok((0..2).map(|r| spawn_rank(r, 2, port, shared.path(), &first)).collect());
     let port = free_port();
-    let more = ["train.max_steps=12", "train.warmup_steps=2", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=30"];
+    let more = [
+        "train.max_steps=12",
+        "train.warmup_steps=2",
+        "train.global_batch_size=64",
+        "checkpoint.interval=3",
+        "dist.timeout_s=30",
+    ];
     let ranks: Vec<Child> = [shared.path(), elsewhere.path()]
         .iter()
         .enumerate()
@@ -417,7 +635,12 @@ fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
             Command::new(bin())
                 .args(args(dir, &more))
                 .args(["--resume", "auto"])
-                .envs([("RANK", r.to_string()), ("LOCAL_RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("LOCAL_WORLD_SIZE", "2".into())])
+                .envs([
+                    ("RANK", r.to_string()),
+                    ("LOCAL_RANK", r.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("LOCAL_WORLD_SIZE", "2".into()),
+                ])
                 .envs([("MASTER_ADDR", "127.0.0.1".to_string()), ("MASTER_PORT", port.to_string())])
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
@@ -430,7 +653,10 @@ fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(err.contains("the ranks found different checkpoints to resume from (steps 0 to 6"), "{err}");
     }
-    let resumed = read_jsonl(&shared.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").count();
+    let resumed = read_jsonl(&shared.path().join("events.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "resumed")
+        .count();
     assert_eq!(resumed, 0, "nothing was resumed");
 }
 
@@ -440,19 +666,33 @@ fn ranks_that_would_resume_from_different_steps_refuse_to_start() {
 #[test]
 fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
     let d = tempfile::tempdir().unwrap();
-    let first = ["train.max_steps=3", "train.warmup_steps=1", "train.global_batch_size=64", "checkpoint.interval=3", "dist.timeout_s=120"];
+    let first = [
+        "train.max_steps=3",
+        "train.warmup_steps=1",
+        "train.global_batch_size=64",
+        "checkpoint.interval=3",
+        "dist.timeout_s=120",
+    ];
     let port = free_port();
     wait_ok((0..2).map(|r| spawn_rank(r, 2, port, d.path(), &first)).collect());
     let port = free_port();
     let started = Instant::now();
-    let outs: Vec<_> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &first)).collect::<Vec<_>>().into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outs: Vec<_> = (0..2)
+        .map(|r| spawn_rank(r, 2, port, d.path(), &first))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
     let wall = started.elapsed().as_secs_f64();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
     assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
     assert!(err(0).contains("already holds 1 checkpoint(s) of another run"), "{}", err(0));
     assert_eq!(outs[1].status.code(), Some(2), "{}", err(1));
     assert!(err(1).contains("another rank could not start"), "{}", err(1));
-    assert!(wall < 60.0, "rank 1 stopped at the start comparison, not after dist.timeout_s = 120 s: {wall:.1} s");
+    assert!(
+        wall < 60.0,
+        "rank 1 stopped at the start comparison, not after dist.timeout_s = 120 s: {wall:.1} s"
+    );
 
     // `--overwrite` while a run holds the directory: rank 0 refuses to move it aside, and rank 1
     // hears so at the same comparison. Before, rank 0 refused before joining the group and rank
@@ -462,8 +702,14 @@ fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
     std::io::Write::write_all(&mut lock, b"pid 4242 on elsewhere").unwrap();
     let port = free_port();
     let started = Instant::now();
-    let overwrite = |r| spawn_rank_with(r, 2, port, [args(d.path(), &first), vec!["--overwrite".into()]].concat());
-    let outs: Vec<_> = (0..2).map(overwrite).collect::<Vec<_>>().into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let overwrite =
+        |r| spawn_rank_with(r, 2, port, [args(d.path(), &first), vec!["--overwrite".into()]].concat());
+    let outs: Vec<_> = (0..2)
+        .map(overwrite)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
     let wall = started.elapsed().as_secs_f64();
     let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
     assert_eq!(outs[0].status.code(), Some(2), "{}", err(0));
@@ -477,7 +723,13 @@ fn a_rank_that_cannot_start_stops_the_others_at_the_start() {
 #[test]
 fn nccl_on_the_cpu_is_refused_clearly() {
     let d = tempfile::tempdir().unwrap();
-    let mut c = spawn_rank(0, 1, free_port(), d.path(), &["device=cpu", "dist.backend=nccl", "train.max_steps=1", "train.warmup_steps=0"]);
+    let mut c = spawn_rank(
+        0,
+        1,
+        free_port(),
+        d.path(),
+        &["device=cpu", "dist.backend=nccl", "train.max_steps=1", "train.warmup_steps=0"],
+    );
     let status = c.wait().unwrap();
     let mut err = String::new();
     std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut err).unwrap();
@@ -499,5 +751,8 @@ fn a_ranks_fatal_error_is_whole_in_the_error_file_and_marked_on_stderr() {
     let lines: Vec<&str> = err.lines().collect();
     assert!(lines.len() >= 2 && lines.iter().all(|l| l.starts_with("[rank 1] ")), "{lines:?}");
     let written = std::fs::read_to_string(&error_file).unwrap();
-    assert!(written.contains("train.warmup_steps: must not exceed train.max_steps (3), got 5"), "the problem itself, not just its header: {written}");
+    assert!(
+        written.contains("train.warmup_steps: must not exceed train.max_steps (3), got 5"),
+        "the problem itself, not just its header: {written}"
+    );
 }

@@ -39,22 +39,28 @@ fn number(v: &str, defaults: &[(&str, usize)]) -> Option<usize> {
 }
 
 fn config_in(line: &str) -> Option<String> {
-    line.split([' ', '"', '=', '{', '}', ':', '-'].as_ref()).find(|t| t.starts_with("configs/") && t.ends_with(".yaml")).map(str::to_string).or_else(|| {
-        // `${1:-configs/x.yaml}` splits on ':' and '-': find it whole instead.
-        let at = line.find("configs/")?;
-        let end = line[at..].find(".yaml")? + at + 5;
-        Some(line[at..end].to_string())
-    })
+    line.split([' ', '"', '=', '{', '}', ':', '-'].as_ref())
+        .find(|t| t.starts_with("configs/") && t.ends_with(".yaml"))
+        .map(str::to_string)
+        .or_else(|| {
+            // `${1:-configs/x.yaml}` splits on ':' and '-': find it whole instead.
+            let at = line.find("configs/")?;
+            let end = line[at..].find(".yaml")? + at + 5;
+            Some(line[at..end].to_string())
+        })
 }
 
 /// The world sizes and configs of every launcher command in `text` (from `file`).
 fn shown_in(file: &str, text: &str) -> Vec<Shown> {
     // The SLURM script's own defaults: `#SBATCH --nodes=K`, `${GPUS_PER_NODE:-G}`, `${1:-CONFIG}`.
     let sbatch = std::fs::read_to_string(repo().join("scripts/launch/slurm.sbatch")).unwrap();
-    let sb_nodes: usize = sbatch.lines().find_map(|l| l.strip_prefix("#SBATCH --nodes=")).unwrap().trim().parse().unwrap();
-    let sb_gpus: usize = sbatch.split("GPUS_PER_NODE:-").nth(1).unwrap().split('}').next().unwrap().parse().unwrap();
+    let sb_nodes: usize =
+        sbatch.lines().find_map(|l| l.strip_prefix("#SBATCH --nodes=")).unwrap().trim().parse().unwrap();
+    let sb_gpus: usize =
+        sbatch.split("GPUS_PER_NODE:-").nth(1).unwrap().split('}').next().unwrap().parse().unwrap();
     let sb_config = sbatch.lines().find(|l| l.starts_with("config=")).and_then(config_in).unwrap();
-    let script_default = text.lines().find(|l| l.starts_with("cfg=") || l.starts_with("config=")).and_then(config_in);
+    let script_default =
+        text.lines().find(|l| l.starts_with("cfg=") || l.starts_with("config=")).and_then(config_in);
     let defaults = [("GPUS_PER_NODE", sb_gpus), ("SLURM_NNODES", sb_nodes)];
     let mut found = Vec::new();
     for (i, line) in logical_lines(text).iter().enumerate() {
@@ -69,14 +75,23 @@ fn shown_in(file: &str, text: &str) -> Vec<Shown> {
         let world = if let Some(n) = flag(line, "--nproc_per_node").and_then(|v| number(&v, &defaults)) {
             let nodes = flag(line, "--nnodes").and_then(|v| number(&v, &defaults)).unwrap_or(1);
             Some(n * nodes)
-        } else if let Some(rest) = line.find("sbatch ").map(|at| &line[at + 7..]).filter(|r| r.contains("scripts/launch/slurm.sbatch")) {
+        } else if let Some(rest) = line
+            .find("sbatch ")
+            .map(|at| &line[at + 7..])
+            .filter(|r| r.contains("scripts/launch/slurm.sbatch"))
+        {
             let nodes = flag(rest, "--nodes").and_then(|v| v.parse().ok()).unwrap_or(sb_nodes);
             Some(nodes * sb_gpus)
         } else {
-            line.split("scripts/launch/torchrun.sh ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok())
+            line.split("scripts/launch/torchrun.sh ")
+                .nth(1)
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
         };
         let Some(world) = world else { continue };
-        let config = config_in(line).or_else(|| line.contains("scripts/launch/slurm.sbatch").then(|| sb_config.clone())).or(script_default.clone());
+        let config = config_in(line)
+            .or_else(|| line.contains("scripts/launch/slurm.sbatch").then(|| sb_config.clone()))
+            .or(script_default.clone());
         if let Some(config) = config {
             found.push(Shown { source, config, world });
         }
@@ -106,7 +121,8 @@ fn user_docs() -> Vec<String> {
 }
 
 fn everything_shown() -> Vec<Shown> {
-    let files: Vec<String> = user_docs().into_iter().chain(files_under("scripts", &[".sh", ".sbatch"])).collect();
+    let files: Vec<String> =
+        user_docs().into_iter().chain(files_under("scripts", &[".sh", ".sbatch"])).collect();
     files.iter().flat_map(|f| shown_in(f, &std::fs::read_to_string(repo().join(f)).unwrap())).collect()
 }
 
@@ -122,7 +138,9 @@ fn paths_named(text: &str) -> Vec<(usize, String)> {
                 if before.is_some_and(|c| c.is_alphanumeric() || matches!(c, '/' | '.' | '_' | '-')) {
                     continue; // inside another path or a URL (../shared/…, site/docs/…)
                 }
-                let end = line[at..].find(|c: char| c.is_whitespace() || "`'\"()[]<>:,;|*{}$#".contains(c)).map_or(line.len(), |e| at + e);
+                let end = line[at..]
+                    .find(|c: char| c.is_whitespace() || "`'\"()[]<>:,;|*{}$#".contains(c))
+                    .map_or(line.len(), |e| at + e);
                 let path = line[at..end].trim_end_matches(['.', '/']);
                 if path.len() > root.len() && !path.chars().any(|c| c.is_ascii_uppercase()) {
                     out.push((i + 1, path.to_string()));
@@ -135,13 +153,26 @@ fn paths_named(text: &str) -> Vec<(usize, String)> {
 
 fn plans(config: &str, world: usize) -> Result<RunPlan, String> {
     let cfg = trainguard::config::load(Some(&repo().join(config)), &[]).map_err(|e| e.to_string())?;
-    RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: world, restart_count: 0, resuming: false }).map_err(|e| e.to_string())
+    RunPlan::build(
+        cfg,
+        Environment {
+            cuda_devices: 0,
+            rank: 0,
+            local_rank: 0,
+            world_size: world,
+            restart_count: 0,
+            resuming: false,
+        },
+    )
+    .map_err(|e| e.to_string())
 }
 
 #[test]
 fn the_reader_finds_the_commands_the_docs_show() {
     let shown = everything_shown();
-    let has = |file: &str, config: &str, world: usize| shown.iter().any(|s| s.source.starts_with(file) && s.config == config && s.world == world);
+    let has = |file: &str, config: &str, world: usize| {
+        shown.iter().any(|s| s.source.starts_with(file) && s.config == config && s.world == world)
+    };
     // README: 8 GPUs on one node, 4 nodes × 8, and `sbatch --nodes=4` of the SLURM script.
     assert!(has("README.md", "configs/gpt2-124m.yaml", 8), "{shown:#?}");
     assert!(has("README.md", "configs/gpt2-124m.yaml", 32), "{shown:#?}");
@@ -166,8 +197,13 @@ fn every_path_the_docs_name_exists() {
         }
     }
     assert!(missing.is_empty(), "paths in the docs that do not exist:\n{}", missing.join("\n"));
-    let found = paths_named("see scripts/launch/torchrun.sh, `configs/debug.yaml` and https://x.org/docs/a (docs/cli.md).");
-    assert_eq!(found.iter().map(|(_, p)| p.as_str()).collect::<Vec<_>>(), ["scripts/launch/torchrun.sh", "configs/debug.yaml", "docs/cli.md"]);
+    let found = paths_named(
+        "see scripts/launch/torchrun.sh, `configs/debug.yaml` and https://x.org/docs/a (docs/cli.md).",
+    );
+    assert_eq!(
+        found.iter().map(|(_, p)| p.as_str()).collect::<Vec<_>>(),
+        ["scripts/launch/torchrun.sh", "configs/debug.yaml", "docs/cli.md"]
+    );
 }
 
 /// The code on a Markdown page with its line: fenced blocks' lines and inline `code` spans.
@@ -189,8 +225,15 @@ fn code_in(text: &str) -> Vec<(usize, String)> {
 /// Every `trainguard SUBCOMMAND` the pages show names a subcommand the binary has.
 #[test]
 fn every_subcommand_the_docs_show_exists() {
-    let help = String::from_utf8(std::process::Command::new(bin()).arg("--help").output().unwrap().stdout).unwrap();
-    let known: Vec<&str> = help.lines().skip_while(|l| !l.starts_with("Commands:")).skip(1).take_while(|l| l.starts_with("  ")).filter_map(|l| l.split_whitespace().next()).collect();
+    let help =
+        String::from_utf8(std::process::Command::new(bin()).arg("--help").output().unwrap().stdout).unwrap();
+    let known: Vec<&str> = help
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
     assert!(known.contains(&"train") && known.contains(&"plan"), "{help}");
     let mut unknown = Vec::new();
     for file in user_docs() {
@@ -212,7 +255,14 @@ fn every_subcommand_the_docs_show_exists() {
 #[test]
 fn every_command_shown_validates_at_its_world_size() {
     let shown = everything_shown();
-    let bad: Vec<String> = shown.iter().filter_map(|s| plans(&s.config, s.world).err().map(|e| format!("{} ({} on {} processes): {e}", s.source, s.config, s.world))).collect();
+    let bad: Vec<String> = shown
+        .iter()
+        .filter_map(|s| {
+            plans(&s.config, s.world)
+                .err()
+                .map(|e| format!("{} ({} on {} processes): {e}", s.source, s.config, s.world))
+        })
+        .collect();
     assert!(bad.is_empty(), "commands in the docs that exit 2:\n{}", bad.join("\n"));
 }
 
@@ -224,7 +274,11 @@ fn the_gpu_configs_split_at_every_world_size_the_docs_use() {
     for config in ["configs/gpt2-124m.yaml", "configs/gpt2-350m.yaml"] {
         for &w in &worlds {
             let p = plans(config, w).unwrap_or_else(|e| panic!("{config} at {w} processes: {e}"));
-            assert_eq!(p.micro_batch * p.accumulation * w, p.config.train.global_batch_size, "{config} at {w}");
+            assert_eq!(
+                p.micro_batch * p.accumulation * w,
+                p.config.train.global_batch_size,
+                "{config} at {w}"
+            );
         }
     }
 }
@@ -233,7 +287,22 @@ fn the_gpu_configs_split_at_every_world_size_the_docs_use() {
 fn the_old_batch_of_480_would_have_been_caught() {
     // The check above is not vacuous: GPT-2's 480 over 8 ranks plans (uneven splits are legal)
     // but not evenly: 60 sequences per rank in micro-batches of 16 leave a short last one.
-    let cfg = trainguard::config::load(Some(&repo().join("configs/gpt2-124m.yaml")), &["train.global_batch_size=480".into()]).unwrap();
-    let p = RunPlan::build(cfg, Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 8, restart_count: 0, resuming: false }).unwrap();
+    let cfg = trainguard::config::load(
+        Some(&repo().join("configs/gpt2-124m.yaml")),
+        &["train.global_batch_size=480".into()],
+    )
+    .unwrap();
+    let p = RunPlan::build(
+        cfg,
+        Environment {
+            cuda_devices: 0,
+            rank: 0,
+            local_rank: 0,
+            world_size: 8,
+            restart_count: 0,
+            resuming: false,
+        },
+    )
+    .unwrap();
     assert_ne!(p.micro_batch * p.accumulation * 8, 480);
 }

@@ -33,7 +33,8 @@ fn generated_configs_end_with_an_exit_code_never_an_abort() {
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         ((rng >> 33) as usize) % n
     };
-    let mut cases: Vec<Vec<String>> = EXTREMES.iter().flat_map(|(k, vs)| vs.iter().map(move |v| vec![format!("{k}={v}")])).collect();
+    let mut cases: Vec<Vec<String>> =
+        EXTREMES.iter().flat_map(|(k, vs)| vs.iter().map(move |v| vec![format!("{k}={v}")])).collect();
     for _ in 0..6 {
         let picks: Vec<String> = (0..2 + next(2))
             .map(|_| {
@@ -61,12 +62,19 @@ fn generated_configs_end_with_an_exit_code_never_an_abort() {
         let output = cmd.output().unwrap();
         let err = String::from_utf8_lossy(&output.stderr);
         let code = output.status.code();
-        assert!(matches!(code, Some(0..=5)), "{sets:?}: ended by a signal or an undocumented code {:?}:\n{err}", output.status);
+        assert!(
+            matches!(code, Some(0..=5)),
+            "{sets:?}: ended by a signal or an undocumented code {:?}:\n{err}",
+            output.status
+        );
         for bad in ["panicked", "memory allocation of", "RUST_BACKTRACE", "stack backtrace"] {
             assert!(!err.contains(bad), "{sets:?}: `{bad}` in stderr:\n{err}");
         }
         if code != Some(0) {
-            assert!(err.lines().any(|l| l.starts_with("error:")), "{sets:?}: exit {code:?} without an `error:` line:\n{err}");
+            assert!(
+                err.lines().any(|l| l.starts_with("error:")),
+                "{sets:?}: exit {code:?} without an `error:` line:\n{err}"
+            );
         }
     }
 }

@@ -20,7 +20,11 @@ fn cuda() -> Option<Device> {
         panic!("no CUDA device, and TRAINGUARD_REQUIRE_CUDA=1 asks for one");
     } else {
         // Written past the test harness' capture so the reason shows in every run.
-        let _ = writeln!(std::io::stderr(), "skipped: no CUDA device ({})", std::thread::current().name().unwrap_or("gpu test"));
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: no CUDA device ({})",
+            std::thread::current().name().unwrap_or("gpu test")
+        );
         None
     }
 }
@@ -86,7 +90,10 @@ fn the_current_device_is_set_and_an_invalid_one_is_an_error() {
     let n = tch::Cuda::device_count() as usize;
     ffi::set_current_device(n - 1).unwrap();
     let err = ffi::set_current_device(n).unwrap_err().to_string();
-    assert!(err.contains("invalid device ordinal") || err.contains("out of range") || err.contains("device"), "{err}");
+    assert!(
+        err.contains("invalid device ordinal") || err.contains("out of range") || err.contains("device"),
+        "{err}"
+    );
     ffi::set_current_device(0).unwrap();
 }
 
@@ -97,7 +104,10 @@ fn a_1_gib_tensor_moves_allocated_by_1_gib_and_empty_cache_returns_it() {
     let t = Tensor::zeros([1 << 28], (Kind::Float, dev)); // 2^28 floats = 1 GiB
     let during = ffi::device_stats(0).unwrap();
     let grew = during.allocated_current[0] - before.allocated_current[0];
-    eprintln!("allocated grew by {grew} bytes; reserved {} -> {}", before.reserved_current[0], during.reserved_current[0]);
+    eprintln!(
+        "allocated grew by {grew} bytes; reserved {} -> {}",
+        before.reserved_current[0], during.reserved_current[0]
+    );
     assert!((grew - (1 << 30)).abs() <= 2 << 20, "allocated moved by {grew}");
     assert!(during.reserved_current[0] - before.reserved_current[0] >= 1 << 30);
     drop(t);
@@ -117,15 +127,36 @@ fn the_guard_replays_on_real_cuda_ooms_under_a_memory_cap() {
     if cuda().is_none() {
         return;
     }
-    let (capped, plain, again) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let base = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.seq_len=512", "model.vocab_size=8192", "train.global_batch_size=64", "train.warmup_steps=0", "train.max_steps=4", "train.eval_interval=0", "device=cuda", "deterministic=true"];
-    let a = train(capped.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=64", "memory.limit=2GiB"]].concat()).ok();
+    let (capped, plain, again) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let base = [
+        "model.n_layer=4",
+        "model.n_embd=256",
+        "model.n_head=4",
+        "model.seq_len=512",
+        "model.vocab_size=8192",
+        "train.global_batch_size=64",
+        "train.warmup_steps=0",
+        "train.max_steps=4",
+        "train.eval_interval=0",
+        "device=cuda",
+        "deterministic=true",
+    ];
+    let a = train(
+        capped.path(),
+        "configs/debug.yaml",
+        &[&base[..], &["train.micro_batch_size=64", "memory.limit=2GiB"]].concat(),
+    )
+    .ok();
     eprintln!("{}", a.stderr());
     let recoveries = a.events_of("oom_recovered");
     assert!(!recoveries.is_empty(), "the cap should force at least one halving");
     assert!(recoveries[0]["error"].as_str().unwrap().contains("CUDA out of memory"));
     assert!(recoveries.iter().all(|r| r["leak"].is_null()), "no leak at step 0: {recoveries:?}");
-    assert!(capped.path().join("oom_snapshot.pickle").is_file(), "memory.snapshot_on_oom writes the first recovered out-of-memory");
+    assert!(
+        capped.path().join("oom_snapshot.pickle").is_file(),
+        "memory.snapshot_on_oom writes the first recovered out-of-memory"
+    );
     let settled = a.summary()["final_micro_batch"].as_u64().unwrap().to_string();
     let micro = format!("train.micro_batch_size={settled}");
     let at_settled = [&base[..], &[micro.as_str()]].concat();
@@ -133,7 +164,8 @@ fn the_guard_replays_on_real_cuda_ooms_under_a_memory_cap() {
     train(again.path(), "configs/debug.yaml", &at_settled).ok();
     assert_eq!(series(&a.metrics(), "micro_batch"), series(&b.metrics(), "micro_batch"));
     assert_eq!(series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
-    let (diff, same) = (max_weight_diff(capped.path(), plain.path()), max_weight_diff(again.path(), plain.path()));
+    let (diff, same) =
+        (max_weight_diff(capped.path(), plain.path()), max_weight_diff(again.path(), plain.path()));
     eprintln!("deterministic: max weight difference capped vs a run at {settled}: {diff}; two identical runs at {settled}: {same}");
     assert_eq!(same, 0.0, "deterministic mode: two identical runs must be equal");
     assert!(diff <= same, "{diff} > {same}");
@@ -147,15 +179,34 @@ fn deterministic_kill_9_and_resume_auto_equal_the_uninterrupted_run_bitwise() {
     if cuda().is_none() {
         return;
     }
-    let sets = ["device=cuda", "deterministic=true", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.seq_len=256", "model.vocab_size=8192", "train.global_batch_size=32", "train.micro_batch_size=16", "train.max_steps=60", "train.warmup_steps=3", "train.eval_interval=0", "checkpoint.interval=5"];
+    let sets = [
+        "device=cuda",
+        "deterministic=true",
+        "model.n_layer=4",
+        "model.n_embd=256",
+        "model.n_head=4",
+        "model.seq_len=256",
+        "model.vocab_size=8192",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=16",
+        "train.max_steps=60",
+        "train.warmup_steps=3",
+        "train.eval_interval=0",
+        "checkpoint.interval=5",
+    ];
     let (straight, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     train(straight.path(), "configs/debug.yaml", &sets).ok();
     // A random moment after the first checkpoint (step 5) and before the end: after N completed
     // steps plus up to 300 ms.
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() as u64;
+    let seed =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() as u64;
     let (after_steps, extra_ms) = (6 + seed % 45, (seed / 45) % 300);
     eprintln!("kill -9 after {after_steps} steps + {extra_ms} ms");
-    let mut child = command(killed.path(), "configs/debug.yaml", &sets).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut child = command(killed.path(), "configs/debug.yaml", &sets)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let metrics = killed.path().join("metrics.jsonl");
     loop {
         assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
@@ -172,7 +223,10 @@ fn deterministic_kill_9_and_resume_auto_equal_the_uninterrupted_run_bitwise() {
     let resumed = run(cmd, killed.path()).ok();
     let at = resumed.events_of("resumed")[0]["step"].as_u64().unwrap();
     eprintln!("resumed at step {at}");
-    assert_bitwise_equal(&killed.path().join("model.safetensors"), &straight.path().join("model.safetensors"));
+    assert_bitwise_equal(
+        &killed.path().join("model.safetensors"),
+        &straight.path().join("model.safetensors"),
+    );
 }
 
 /// `memory.snapshot_on_oom` (default on): an out-of-memory that even micro-batch 1 hits (256 MiB
@@ -185,12 +239,29 @@ fn an_unrecoverable_cuda_oom_leaves_a_snapshot_that_lists_the_failed_allocation(
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["device=cuda", "model.n_layer=1", "model.n_embd=32", "model.vocab_size=65536", "model.seq_len=1024", "train.global_batch_size=2", "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=0", "train.eval_interval=0", "memory.limit=256MiB"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "device=cuda",
+            "model.n_layer=1",
+            "model.n_embd=32",
+            "model.vocab_size=65536",
+            "model.seq_len=1024",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            "train.max_steps=2",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "memory.limit=256MiB",
+        ],
+    );
     assert_eq!(r.code(), 3, "{}", r.stderr());
     let pickle = dir.path().join("oom_snapshot.pickle");
     assert!(pickle.is_file(), "{}", r.stderr());
     // The python with torch: scripts/tools.sh names it (a GPU machine has no project venv).
-    let py = std::env::var_os("TRAINGUARD_PYTHON").map_or_else(|| repo().join(".venv/bin/python"), std::path::PathBuf::from);
+    let py = std::env::var_os("TRAINGUARD_PYTHON")
+        .map_or_else(|| repo().join(".venv/bin/python"), std::path::PathBuf::from);
     let script = "import pickle, sys\ns = pickle.load(open(sys.argv[1], 'rb'))\nooms = [e for t in s['device_traces'] for e in t if e['action'] == 'oom']\nprint(len(s['segments']), ooms[-1]['size'])";
     let out = std::process::Command::new(&py).args(["-c", script]).arg(&pickle).output().unwrap();
     assert!(out.status.success(), "pickle.load: {}", String::from_utf8_lossy(&out.stderr));
@@ -199,9 +270,20 @@ fn an_unrecoverable_cuda_oom_leaves_a_snapshot_that_lists_the_failed_allocation(
     eprintln!("snapshot: segments and failed allocation: {text}");
     assert!(size >= 128 << 20, "the failed allocation is the logits' size or more: {size}");
     let summary = std::fs::read_to_string(dir.path().join("oom_snapshot.txt")).unwrap();
-    assert!(summary.contains(&format!("failed allocation: {}", trainguard::memory::human(size))), "{summary}");
-    let viz = std::process::Command::new(&py).args(["-m", "torch.cuda._memory_viz", "trace"]).arg(&pickle).output().unwrap();
-    assert!(viz.status.success() && String::from_utf8_lossy(&viz.stdout).contains("raise OutOfMemoryError"), "{}", String::from_utf8_lossy(&viz.stderr));
+    assert!(
+        summary.contains(&format!("failed allocation: {}", trainguard::memory::human(size))),
+        "{summary}"
+    );
+    let viz = std::process::Command::new(&py)
+        .args(["-m", "torch.cuda._memory_viz", "trace"])
+        .arg(&pickle)
+        .output()
+        .unwrap();
+    assert!(
+        viz.status.success() && String::from_utf8_lossy(&viz.stdout).contains("raise OutOfMemoryError"),
+        "{}",
+        String::from_utf8_lossy(&viz.stderr)
+    );
 }
 
 /// A leak on CUDA (`faults.leak_graphs`: each step's graph kept, its logits alone 128 MiB) under
@@ -214,12 +296,34 @@ fn a_cuda_leak_stops_with_its_diagnosis_after_one_halving() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["device=cuda", "faults.leak_graphs=true", "model.n_layer=2", "model.n_embd=128", "model.vocab_size=8192", "model.seq_len=256", "train.global_batch_size=16", "train.micro_batch_size=16", "train.max_steps=200", "train.warmup_steps=0", "train.eval_interval=0", "memory.limit=1GiB"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "device=cuda",
+            "faults.leak_graphs=true",
+            "model.n_layer=2",
+            "model.n_embd=128",
+            "model.vocab_size=8192",
+            "model.seq_len=256",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=16",
+            "train.max_steps=200",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "memory.limit=1GiB",
+        ],
+    );
     let err = r.stderr();
     assert_eq!(r.code(), 3, "{err}");
-    let halvings: Vec<u64> = r.events_of("oom_recovered").iter().map(|e| e["new_micro_batch"].as_u64().unwrap()).collect();
+    let halvings: Vec<u64> =
+        r.events_of("oom_recovered").iter().map(|e| e["new_micro_batch"].as_u64().unwrap()).collect();
     assert_eq!(halvings, [8], "{err}");
-    assert!(err.contains("more is held between steps than at step") && err.contains("tensors are kept across steps"), "{err}");
+    assert!(
+        err.contains("more is held between steps than at step")
+            && err.contains("tensors are kept across steps"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -228,7 +332,17 @@ fn expandable_segments_shows_in_the_effective_settings() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["device=cuda", "train.max_steps=2", "train.warmup_steps=0", "memory.allocator.expandable_segments=true"]).ok();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "device=cuda",
+            "train.max_steps=2",
+            "train.warmup_steps=0",
+            "memory.allocator.expandable_segments=true",
+        ],
+    )
+    .ok();
     // Among the machine's own PYTORCH_CUDA_ALLOC_CONF keys, if it sets any.
     let conf = r.events_of("run_started")[0]["allocator"]["conf"].as_str().unwrap().to_string();
     assert!(conf.split(',').any(|kv| kv == "expandable_segments:True"), "{conf}");
@@ -246,7 +360,11 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
     let sets = ["device=cuda", "train.max_steps=10", "train.warmup_steps=2", "dist.backend=nccl"];
     let single = train(plain.path(), "configs/debug.yaml", &sets).ok();
     let mut cmd = command(d.path(), "configs/debug.yaml", &sets);
-    cmd.env("RANK", "0").env("LOCAL_RANK", "0").env("WORLD_SIZE", "1").env("MASTER_ADDR", "127.0.0.1").env("MASTER_PORT", "29531");
+    cmd.env("RANK", "0")
+        .env("LOCAL_RANK", "0")
+        .env("WORLD_SIZE", "1")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "29531");
     let r = run(cmd, d.path()).ok();
     assert_eq!(series(&single.metrics(), "loss").len(), series(&r.metrics(), "loss").len());
     let diff = max_weight_diff(d.path(), plain.path());
@@ -263,18 +381,40 @@ fn a_trace_on_cuda_counts_the_gpu_kernels() {
         return;
     }
     let d = tempfile::tempdir().unwrap();
-    let r = train(d.path(), "configs/debug.yaml", &["device=cuda", "train.max_steps=6", "train.warmup_steps=1", "metrics.trace.from_step=3"]).ok();
+    let r = train(
+        d.path(),
+        "configs/debug.yaml",
+        &["device=cuda", "train.max_steps=6", "train.warmup_steps=1", "metrics.trace.from_step=3"],
+    )
+    .ok();
     assert!(!r.stderr().contains("training goes on without the trace"), "{}", r.stderr());
     let s = r.events_of("trace_written").pop().expect("a trace_written event");
     eprintln!("trace on CUDA: {s}");
     assert_eq!(s["counted"], "gpu kernels", "{s}");
-    let gemm = s["by_work"].as_array().unwrap().iter().find(|w| w["work"] == "gemm").expect("matrix multiplications");
-    assert!(gemm["ms"].as_f64().unwrap() > 0.0 && s["busy_ms"].as_f64().unwrap() <= s["span_ms"].as_f64().unwrap() * 1.01, "{s}");
+    let gemm = s["by_work"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["work"] == "gemm")
+        .expect("matrix multiplications");
+    assert!(
+        gemm["ms"].as_f64().unwrap() > 0.0
+            && s["busy_ms"].as_f64().unwrap() <= s["span_ms"].as_f64().unwrap() * 1.01,
+        "{s}"
+    );
     let trace = std::fs::read_to_string(s["path"].as_str().unwrap()).unwrap();
-    assert!(trace.contains("\"cat\": \"kernel\"") && trace.contains("tg_ce_forward"), "our own kernels are in the trace too");
+    assert!(
+        trace.contains("\"cat\": \"kernel\"") && trace.contains("tg_ce_forward"),
+        "our own kernels are in the trace too"
+    );
     // The GPU time by launching operator: kernels found their launches and ATen's operators.
     let ops = s["by_operator"].as_array().expect("by_operator");
-    assert!(ops.iter().any(|o| o["operator"].as_str().is_some_and(|n| n.starts_with("aten::") || n.starts_with("autograd::"))), "{s}");
+    assert!(
+        ops.iter().any(|o| o["operator"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("aten::") || n.starts_with("autograd::"))),
+        "{s}"
+    );
 }
 
 /// The planner's accuracy target (issue 6), as a check: `plan --profile` on the GPU, estimated
@@ -291,8 +431,22 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
     // gate/up merged (SwiGLU's node on the joint output), and merged in fp32 (the concatenated
     // weights kept).
     let node: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_residual_norm=true"];
-    let llama_nodes: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_swiglu=true", "--set", "kernels.fused_rope=true"];
-    let merged: &[&str] = &["--set", "precision=bf16-mixed", "--set", "kernels.fused_swiglu=true", "--set", "kernels.merged_projections=true"];
+    let llama_nodes: &[&str] = &[
+        "--set",
+        "precision=bf16-mixed",
+        "--set",
+        "kernels.fused_swiglu=true",
+        "--set",
+        "kernels.fused_rope=true",
+    ];
+    let merged: &[&str] = &[
+        "--set",
+        "precision=bf16-mixed",
+        "--set",
+        "kernels.fused_swiglu=true",
+        "--set",
+        "kernels.merged_projections=true",
+    ];
     let merged_fp32: &[&str] = &["--set", "precision=fp32", "--set", "kernels.merged_projections=true"];
     for (config, seq, micros, sets) in [
         ("configs/debug.yaml", 256, "8,16,32", &[][..]),
@@ -304,7 +458,17 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
         ("configs/llama-debug.yaml", 256, "8,16,32", merged_fp32),
     ] {
         let out = std::process::Command::new(bin())
-            .args(["plan", "--profile", "--json", "--device", "cuda", "--profile-steps", "1", "--micro-batches", micros])
+            .args([
+                "plan",
+                "--profile",
+                "--json",
+                "--device",
+                "cuda",
+                "--profile-steps",
+                "1",
+                "--micro-batches",
+                micros,
+            ])
             .arg("--config")
             .arg(repo().join(config))
             .args(["--set", &format!("model.seq_len={seq}"), "--set", "data.synthetic_tokens=1048576"])
@@ -315,7 +479,10 @@ fn the_planner_estimates_peak_allocated_within_ten_percent_on_cuda() {
         let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         for p in j["profile"]["points"].as_array().unwrap() {
             let err = p["error_pct"].as_f64().unwrap_or_else(|| panic!("{config}: no measurement at {p}"));
-            eprintln!("{config} {sets:?} seq {seq} micro {}: estimate {} measured {} error {err:+.1}%", p["micro_batch"], p["estimate_bytes"], p["measured_bytes"]);
+            eprintln!(
+                "{config} {sets:?} seq {seq} micro {}: estimate {} measured {} error {err:+.1}%",
+                p["micro_batch"], p["estimate_bytes"], p["measured_bytes"]
+            );
             assert!(err.abs() <= 10.0, "{config} {sets:?} seq {seq} micro {}: {err:+.1}%", p["micro_batch"]);
         }
     }
@@ -337,9 +504,27 @@ fn an_offloaded_segment_input_lives_in_pinned_cpu_memory() {
 /// Highest `peak_allocated_bytes` of a short CUDA run, and its losses.
 fn cuda_peak(extra: &[&str]) -> (u64, Vec<f64>) {
     let dir = tempfile::tempdir().unwrap();
-    let base = ["device=cuda", "model.n_layer=12", "model.n_embd=512", "model.n_head=8", "model.seq_len=1024", "model.vocab_size=16384", "train.global_batch_size=8", "train.micro_batch_size=8", "train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "memory.activation_checkpointing=blocks"];
+    let base = [
+        "device=cuda",
+        "model.n_layer=12",
+        "model.n_embd=512",
+        "model.n_head=8",
+        "model.seq_len=1024",
+        "model.vocab_size=16384",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "train.max_steps=3",
+        "train.warmup_steps=0",
+        "train.eval_interval=0",
+        "memory.activation_checkpointing=blocks",
+    ];
     let r = train(dir.path(), "configs/debug.yaml", &[&base[..], extra].concat()).ok();
-    let peak = r.metrics().iter().filter_map(|m| m["peak_allocated_bytes"].as_u64()).max().expect("CUDA runs report peak_allocated_bytes");
+    let peak = r
+        .metrics()
+        .iter()
+        .filter_map(|m| m["peak_allocated_bytes"].as_u64())
+        .max()
+        .expect("CUDA runs report peak_allocated_bytes");
     (peak, r.metrics().iter().map(|m| m["loss"].as_f64().unwrap()).collect())
 }
 
@@ -356,7 +541,10 @@ fn offload_lowers_the_peak_allocated_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    let ((kept, plain), (offloaded, with_offload)) = (cuda_peak(&["deterministic=true"]), cuda_peak(&["deterministic=true", "memory.offload_activations=true"]));
+    let ((kept, plain), (offloaded, with_offload)) = (
+        cuda_peak(&["deterministic=true"]),
+        cuda_peak(&["deterministic=true", "memory.offload_activations=true"]),
+    );
     eprintln!("peak allocated: checkpointing {kept}, with offload {offloaded}; losses {plain:?} and {with_offload:?}");
     assert!(offloaded + (120 << 20) < kept, "offload should save over 120 MiB: {kept} → {offloaded}");
     assert_eq!(plain.len(), 3);
@@ -375,24 +563,46 @@ fn allocator_thrashing_shrinks_the_micro_batch_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    let base = ["device=cuda", "model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.seq_len=512", "model.vocab_size=8192", "train.global_batch_size=64", "train.micro_batch_size=32", "train.warmup_steps=0", "train.eval_interval=0"];
+    let base = [
+        "device=cuda",
+        "model.n_layer=4",
+        "model.n_embd=256",
+        "model.n_head=4",
+        "model.seq_len=512",
+        "model.vocab_size=8192",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=32",
+        "train.warmup_steps=0",
+        "train.eval_interval=0",
+    ];
     let probe = tempfile::tempdir().unwrap();
     let r = train(probe.path(), "configs/debug.yaml", &[&base[..], &["train.max_steps=3"]].concat()).ok();
     let peak = r.metrics().iter().filter_map(|m| m["peak_allocated_bytes"].as_u64()).max().unwrap();
     let cap = format!("memory.limit={}", peak + peak / 20);
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &[&base[..], &["train.max_steps=12", "oom.on_thrash=shrink", cap.as_str()]].concat()).ok();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[&base[..], &["train.max_steps=12", "oom.on_thrash=shrink", cap.as_str()]].concat(),
+    )
+    .ok();
     let retries: Vec<i64> = r.metrics().iter().filter_map(|m| m["alloc_retries"].as_i64()).collect();
     let thrash = r.events_of("thrash_detected");
     let Some(first) = thrash.first() else {
-        let _ = writeln!(std::io::stderr(), "skipped: no allocator thrashing at a cap of {cap} on this GPU (retries per step {retries:?})");
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: no allocator thrashing at a cap of {cap} on this GPU (retries per step {retries:?})"
+        );
         return;
     };
     assert_eq!(first["action"], "shrink");
     assert_eq!(first["new_micro_batch"], 16, "{first}");
     let step = first["step"].as_u64().unwrap() as usize;
     let m = r.metrics();
-    assert!(m[step + 1..].iter().all(|x| x["micro_batch"].as_u64().unwrap() <= 16), "smaller from the next step on");
+    assert!(
+        m[step + 1..].iter().all(|x| x["micro_batch"].as_u64().unwrap() <= 16),
+        "smaller from the next step on"
+    );
     assert!(m.iter().all(|x| x["micro_batch"].as_u64().unwrap() * x["accumulation"].as_u64().unwrap() == 64));
 }
 
@@ -412,12 +622,31 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
     let Some(dev) = cuda() else { return };
     tch::manual_seed(0);
     let shapes: [&[i64]; 4] = [&[20 << 20], &[1024, 768], &[768], &[40]];
-    let params: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
-    let grads: Vec<Vec<Tensor>> = (0..3).map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect()).collect();
+    let params: Vec<Tensor> =
+        shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
+    let grads: Vec<Vec<Tensor>> = (0..3)
+        .map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect())
+        .collect();
     let decay = [true, true, false, false];
-    let all = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw8bit, false, false), (OptimizerName::Adamw8bit, false, true), (OptimizerName::Adafactor, false, false), (OptimizerName::Adafactor, false, true), (OptimizerName::SgdMomentum, true, false)];
+    let all = [
+        (OptimizerName::Adamw, true, false),
+        (OptimizerName::Adamw8bit, false, false),
+        (OptimizerName::Adamw8bit, false, true),
+        (OptimizerName::Adafactor, false, false),
+        (OptimizerName::Adafactor, false, true),
+        (OptimizerName::SgdMomentum, true, false),
+    ];
     for (name, fused, cuda_kernel) in all {
-        let spec = OptimizerSpec { name, fused, cuda_kernel, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let spec = OptimizerSpec {
+            name,
+            fused,
+            cuda_kernel,
+            momentum: 0.9,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let run = |device: Device| -> Vec<Tensor> {
             let p: Vec<Tensor> = params.iter().map(|t| t.copy().to_device(device)).collect();
             let mut opt = Optimizer::new(&spec, &p, &decay, device).unwrap();
@@ -434,10 +663,16 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
             let diff = f64::try_from((a - b).abs().max()).unwrap();
             let mean = f64::try_from((a - b).abs().mean(Kind::Double)).unwrap();
             let name = format!("{name:?}{}", if cuda_kernel { " (CUDA kernel)" } else { "" });
-            eprintln!("{name} tensor {i} {:?}: moved {moved:.3e}, CUDA vs CPU max {diff:.3e} mean {mean:.3e}", shapes[i]);
+            eprintln!(
+                "{name} tensor {i} {:?}: moved {moved:.3e}, CUDA vs CPU max {diff:.3e} mean {mean:.3e}",
+                shapes[i]
+            );
             assert!(moved > 1e-4, "{name} tensor {i} was updated");
             let max = if name.starts_with("Adamw8bit") { 2e-3 } else { 1e-5 };
-            assert!(diff < max && mean < 1e-7, "{name} tensor {i}: CUDA and CPU updates differ by {diff:e} (mean {mean:e})");
+            assert!(
+                diff < max && mean < 1e-7,
+                "{name} tensor {i}: CUDA and CPU updates differ by {diff:e} (mean {mean:e})"
+            );
         }
     }
 }
@@ -469,25 +704,52 @@ fn adamw8bit_kernel_check(target: Kernels) {
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         let run = |device: Device| -> (Tensor, Vec<(String, Tensor)>) {
             let p = start.to_kind(kind).to_device(device).copy(); // never `start` itself (fp32 on the CPU)
-            let mut opt = AdamW8bit::with_path(cfg, &[p.shallow_clone()], &[true], device, AdamW8bitPath::Fused).unwrap();
+            let mut opt =
+                AdamW8bit::with_path(cfg, &[p.shallow_clone()], &[true], device, AdamW8bitPath::Fused)
+                    .unwrap();
             for (s, g) in grads.iter().enumerate() {
-                opt.step(&[p.shallow_clone()], &[g.to_kind(kind).to_device(device)], if s == 1 { 0.0 } else { 1e-2 }).unwrap();
+                opt.step(
+                    &[p.shallow_clone()],
+                    &[g.to_kind(kind).to_device(device)],
+                    if s == 1 { 0.0 } else { 1e-2 },
+                )
+                .unwrap();
             }
             // `apply` off with finite constants: only the moments may move.
             let before = p.copy();
-            let Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } = &opt.moments[0] else { panic!("quantised") };
+            let Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } =
+                &opt.moments[0]
+            else {
+                panic!("quantised")
+            };
             let moments = QuantisedMoments { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax };
-            let step = AdamW8bitStep { beta1: 0.9, beta2: 0.95, shrink: 0.5, scale: -1.0, shift: -1e-3, apply: false };
+            let step = AdamW8bitStep {
+                beta1: 0.9,
+                beta2: 0.95,
+                shrink: 0.5,
+                scale: -1.0,
+                shift: -1e-3,
+                apply: false,
+            };
             adamw8bit_update(&p, &grads[0].to_kind(kind).to_device(device), moments, step).unwrap();
             assert!(p.equal(&before), "{kind:?} on {device:?}: apply off left the parameters alone");
-            let state = opt.state_tensors(&["w".into()]).into_iter().map(|(k, t)| (k, t.to_device(Device::Cpu))).collect();
+            let state = opt
+                .state_tensors(&["w".into()])
+                .into_iter()
+                .map(|(k, t)| (k, t.to_device(Device::Cpu)))
+                .collect();
             (p.to_device(Device::Cpu), state)
         };
         let ((cpu_p, cpu_s), (gpu_p, gpu_s)) = (run(Device::Cpu), target.run(5, run)); // 4 steps and 1 call, one tensor
-        let moved = f64::try_from((cpu_p.to_kind(Kind::Float) - start.to_kind(kind).to_kind(Kind::Float)).abs().max()).unwrap();
+        let moved = f64::try_from(
+            (cpu_p.to_kind(Kind::Float) - start.to_kind(kind).to_kind(Kind::Float)).abs().max(),
+        )
+        .unwrap();
         let (a, b) = (cpu_p.to_kind(Kind::Float), gpu_p.to_kind(Kind::Float));
         let diff = f64::try_from((&a - &b).abs().max()).unwrap();
-        eprintln!("{kind:?}: moved {moved:.3e}, {target:?} vs CPU kernel: parameters differ by at most {diff:.3e}");
+        eprintln!(
+            "{kind:?}: moved {moved:.3e}, {target:?} vs CPU kernel: parameters differ by at most {diff:.3e}"
+        );
         assert!(moved > 1e-3, "{kind:?}: the parameters moved ({moved})");
         for ((key, c), (_, g)) in cpu_s.iter().zip(&gpu_s) {
             let off = i64::try_from(c.ne_tensor(g).sum(Kind::Int64)).unwrap();
@@ -525,9 +787,14 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
     let decay = [true, false, true, false];
     let names: Vec<String> = ["tall", "wide", "vector", "scalar"].map(String::from).to_vec();
     tch::manual_seed(2);
-    let start: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
-    let grads: Vec<Vec<Tensor>> = (0..4).map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect()).collect();
-    for (kind, eps) in [(Kind::Float, f64::from(f32::EPSILON)), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)] {
+    let start: Vec<Tensor> =
+        shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 0.02).collect();
+    let grads: Vec<Vec<Tensor>> = (0..4)
+        .map(|_| shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-3).collect())
+        .collect();
+    for (kind, eps) in
+        [(Kind::Float, f64::from(f32::EPSILON)), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)]
+    {
         let run = |device: Device| -> (Vec<Tensor>, Vec<(String, Tensor)>) {
             let p: Vec<Tensor> = start.iter().map(|t| t.to_kind(kind).to_device(device).copy()).collect();
             let mut opt = Adafactor::with_path(cfg, &p, &decay, device, AdafactorPath::Fused).unwrap();
@@ -535,10 +802,15 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
                 let g: Vec<Tensor> = g.iter().map(|t| t.to_kind(kind).to_device(device)).collect();
                 opt.step(&p, &g, if s == 1 { 0.0 } else { 1e-2 }).unwrap();
             }
-            let state = opt.state_tensors(&names).into_iter().map(|(k, t)| (k, t.to_device(Device::Cpu).to_kind(Kind::Double))).collect();
+            let state = opt
+                .state_tensors(&names)
+                .into_iter()
+                .map(|(k, t)| (k, t.to_device(Device::Cpu).to_kind(Kind::Double)))
+                .collect();
             (p.iter().map(|t| t.to_device(Device::Cpu).to_kind(Kind::Double)).collect(), state)
         };
-        let ((cpu_p, cpu_s), (gpu_p, gpu_s), (again_p, again_s)) = (run(Device::Cpu), target.run(launches, run), target.run(launches, run));
+        let ((cpu_p, cpu_s), (gpu_p, gpu_s), (again_p, again_s)) =
+            (run(Device::Cpu), target.run(launches, run), target.run(launches, run));
         for (i, ((c, g), a)) in cpu_p.iter().zip(&gpu_p).zip(&again_p).enumerate() {
             let before = start[i].to_kind(kind).to_kind(Kind::Double);
             let moved = f64::try_from((c - &before).abs().max()).unwrap();
@@ -550,7 +822,8 @@ fn adafactor_kernel_check(target: Kernels, shapes: [&[i64]; 4]) {
             if c.numel() > 1 || kind == Kind::Float {
                 assert!(moved > 1e-5, "{kind:?} {}: the parameters moved", names[i]);
             }
-            let worst = f64::try_from(((c - g).abs() - (c.abs() + (c - &before).abs()) * (2.0 * eps)).max()).unwrap();
+            let worst =
+                f64::try_from(((c - g).abs() - (c.abs() + (c - &before).abs()) * (2.0 * eps)).max()).unwrap();
             assert!(worst <= 0.0, "{kind:?} {}: {target:?} and CPU kernels differ by {diff:e}, beyond two units in the last place", names[i]);
             assert!(g.equal(a), "{kind:?} {}: two {target:?} runs differ", names[i]);
         }
@@ -582,16 +855,26 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     let base = ["precision=bf16-mixed", "model.vocab_size=50257", "memory.activation_checkpointing=none"];
     let ((plain, plain_losses), (fused, fused_losses)) = (
         cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=false"]].concat()),
-        cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false"]].concat()),
+        cuda_peak(
+            &[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=false"]].concat(),
+        ),
     );
-    let (in_forward, in_forward_losses) = cuda_peak(&[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=true"]].concat());
+    let (in_forward, in_forward_losses) = cuda_peak(
+        &[&base[..], &["kernels.fused_cross_entropy=true", "kernels.fused_loss_gradient=true"]].concat(),
+    );
     eprintln!("peak allocated, the gradient in the forward: {in_forward}; losses {in_forward_losses:?}");
     // A logits-sized bf16 buffer (8 × 1024 × 50304 × 2 bytes = 786 MiB) less the head's weight
     // gradient (154 MiB) and the hidden state's (25 MiB) that its backward holds beside them.
-    assert!(in_forward + (1 << 29) < fused, "the gradient in the forward should save over 512 MiB: {fused} → {in_forward}");
+    assert!(
+        in_forward + (1 << 29) < fused,
+        "the gradient in the forward should save over 512 MiB: {fused} → {in_forward}"
+    );
     for (a, b) in fused_losses.iter().zip(&in_forward_losses) {
         // The same bits from the loss; attention's backward may add in another order run to run.
-        assert!(((a - b) / a).abs() < 1e-4, "the gradient in the forward changed the run: {fused_losses:?} vs {in_forward_losses:?}");
+        assert!(
+            ((a - b) / a).abs() < 1e-4,
+            "the gradient in the forward changed the run: {fused_losses:?} vs {in_forward_losses:?}"
+        );
     }
     eprintln!("peak allocated, bf16-mixed: PyTorch's loss {plain}, fused {fused}; losses {plain_losses:?} and {fused_losses:?}");
     // At the start of backward PyTorch's holds 10 bytes a logit (fp32 log-probabilities, their
@@ -599,7 +882,10 @@ fn the_cross_entropy_cuda_kernels_compute_what_the_cpu_path_does() {
     // 6 × 8 × 1024 × 50304 bytes = 2.3 GiB.
     assert!(fused + (3 << 29) < plain, "the fused loss should save over 1.5 GiB: {plain} → {fused}");
     for (a, b) in plain_losses.iter().zip(&fused_losses) {
-        assert!(((a - b) / a).abs() < 1e-3, "the fused loss changed the run: {plain_losses:?} vs {fused_losses:?}");
+        assert!(
+            ((a - b) / a).abs() < 1e-3,
+            "the fused loss changed the run: {plain_losses:?} vs {fused_losses:?}"
+        );
     }
 }
 
@@ -630,7 +916,17 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
     for r in (0..rows).step_by(3) {
         let _ = start.narrow(0, r, 1).narrow(1, cols - 1, 1).fill_(30.0);
     }
-    let t: Vec<i64> = (0..rows).map(|i| if i % 5 == 1 { -100 } else if i % 7 == 3 { cols - 1 } else { (i * 7919) % pad }).collect();
+    let t: Vec<i64> = (0..rows)
+        .map(|i| {
+            if i % 5 == 1 {
+                -100
+            } else if i % 7 == 3 {
+                cols - 1
+            } else {
+                (i * 7919) % pad
+            }
+        })
+        .collect();
     let targets = Tensor::from_slice(&t);
     for (kind, ulp) in [(Kind::Float, 1.2e-7), (Kind::BFloat16, 1.0 / 128.0), (Kind::Half, 1.0 / 1024.0)] {
         let run = |device: Device| -> (f64, Tensor) {
@@ -642,12 +938,25 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
         let ((lc, gc), (lg, gg), (la, ga)) = (run(Device::Cpu), target.run(2, run), target.run(2, run)); // forward, backward
         assert_eq!(gg.kind(), kind, "the gradient keeps the logits' dtype");
         let row_max = gc.to_kind(Kind::Double).abs().amax([1], true);
-        let excess = ((gc.to_kind(Kind::Double) - gg.to_kind(Kind::Double)).abs() - row_max * ulp - 1e-6).max().double_value(&[]);
+        let excess = ((gc.to_kind(Kind::Double) - gg.to_kind(Kind::Double)).abs() - row_max * ulp - 1e-6)
+            .max()
+            .double_value(&[]);
         eprintln!("{kind:?}: loss CPU {lc} {target:?} {lg}; gradient beyond tolerance by {excess:.3e}");
         assert!(((lc - lg) / lc).abs() < 1e-5, "{kind:?}: loss {lg} vs the CPU path's {lc}");
-        assert!(excess <= 0.0, "{kind:?}: gradients differ beyond one unit in the last place of the row's largest");
-        assert_eq!(gg.narrow(1, pad, 47).abs().max().double_value(&[]), 0.0, "{kind:?}: −inf columns get no gradient");
-        assert_eq!(gg.narrow(0, 1, 1).abs().max().double_value(&[]), 0.0, "{kind:?}: an ignored row gets no gradient");
+        assert!(
+            excess <= 0.0,
+            "{kind:?}: gradients differ beyond one unit in the last place of the row's largest"
+        );
+        assert_eq!(
+            gg.narrow(1, pad, 47).abs().max().double_value(&[]),
+            0.0,
+            "{kind:?}: −inf columns get no gradient"
+        );
+        assert_eq!(
+            gg.narrow(0, 1, 1).abs().max().double_value(&[]),
+            0.0,
+            "{kind:?}: an ignored row gets no gradient"
+        );
         assert!(la == lg && ga.equal(&gg), "{kind:?}: two {target:?} runs differ");
         // `kernels.fused_loss_gradient`: the gradient written over the logits in the forward's
         // one kernel is the two kernels' to the bit, in the logits' own memory, and the loss is
@@ -656,16 +965,25 @@ fn cross_entropy_kernel_check(target: Kernels, rows: i64, cols: i64) {
             let leaf = start.to_kind(kind).to_device(device).copy().set_requires_grad(true); // a leaf of its own
             let fresh = &leaf * 1.0;
             let (handle, at) = (fresh.shallow_clone(), fresh.data_ptr());
-            let loss = weighted_cross_entropy(fresh, &targets.to_device(device), true, 1.0, Gradient::InForward).unwrap();
+            let loss =
+                weighted_cross_entropy(fresh, &targets.to_device(device), true, 1.0, Gradient::InForward)
+                    .unwrap();
             let g = Tensor::f_run_backward(&[&loss], &[&handle], false, false).unwrap().remove(0);
             (loss.double_value(&[]), g.to_device(Device::Cpu), g.data_ptr() == at)
         };
         let (lf, gf, in_place) = target.run(2, in_forward); // forward with gradient, the rescale check
-        assert!(lf == lg && gf.equal(&gg), "{kind:?}: the gradient written in the forward differs from the two kernels'");
+        assert!(
+            lf == lg && gf.equal(&gg),
+            "{kind:?}: the gradient written in the forward differs from the two kernels'"
+        );
         assert!(in_place, "{kind:?}: the gradient is the logits' memory");
     }
     let bad = Tensor::from_slice(&[0i64, cols, 3]);
-    let nan = target.run(1, |dev| cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true).unwrap().double_value(&[]));
+    let nan = target.run(1, |dev| {
+        cross_entropy(&start.narrow(0, 0, 3).to_device(dev), &bad.to_device(dev), true)
+            .unwrap()
+            .double_value(&[])
+    });
     assert!(nan.is_nan(), "an out-of-range target makes the loss NaN");
 }
 
@@ -677,7 +995,8 @@ fn clipping_on_cuda_matches_the_cpu() {
     let Some(dev) = cuda() else { return };
     tch::manual_seed(0);
     let shapes: [&[i64]; 4] = [&[50304, 768], &[768], &[3072, 768], &[40]];
-    let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-2).collect();
+    let grads: Vec<Tensor> =
+        shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, Device::Cpu)) * 1e-2).collect();
     let mut cpu: Vec<Tensor> = grads.iter().map(Tensor::copy).collect();
     let mut gpu: Vec<Tensor> = grads.iter().map(|t| t.to_device(dev)).collect();
     let (n_cpu, n_gpu) = (clip_grad_norm(&mut cpu, 1.0).unwrap(), clip_grad_norm(&mut gpu, 1.0).unwrap());
@@ -697,19 +1016,40 @@ fn fused_rms_norm_on_cuda_computes_what_the_step_by_step_form_does() {
     use trainguard::model::Model;
     use trainguard::step::Autocast;
     let Some(dev) = cuda() else { return };
-    let cfg = ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: Some(2), n_embd: 128, ffn_hidden: Some(344), vocab_size: 256, seq_len: 64, bias: false, ..ModelConfig::default() };
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: Some(2),
+        n_embd: 128,
+        ffn_hidden: Some(344),
+        vocab_size: 256,
+        seq_len: 64,
+        bias: false,
+        ..ModelConfig::default()
+    };
     let x = Tensor::randint(256, [4, 64], (Kind::Int64, dev));
     let y = Tensor::randint(256, [4, 64], (Kind::Int64, dev));
     for precision in [Precision::Fp32, Precision::Bf16Mixed] {
         let run = |fused: bool| {
-            let m = Model::with_kernels(&cfg, KernelsConfig { fused_rms_norm: fused, ..KernelsConfig::default() }, 3, dev).unwrap();
+            let m = Model::with_kernels(
+                &cfg,
+                KernelsConfig { fused_rms_norm: fused, ..KernelsConfig::default() },
+                3,
+                dev,
+            )
+            .unwrap();
             let _autocast = Autocast::enter(precision, dev).unwrap();
             let loss = m.loss(&x, &y, true, None).unwrap();
             let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
             (f64::try_from(&loss).unwrap(), grads)
         };
         let ((la, ga), (lb, gb)) = (run(false), run(true));
-        let worst = ga.iter().zip(&gb).map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap()).fold(0.0, f64::max);
+        let worst = ga
+            .iter()
+            .zip(&gb)
+            .map(|(a, b)| f64::try_from((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).unwrap())
+            .fold(0.0, f64::max);
         eprintln!("{precision:?}: loss step by step {la} fused {lb}; worst gradient difference / its tensor's largest {worst:.2e}");
         // A lost epsilon or weight moves these by percents; rounding, by far less.
         let tol = if precision == Precision::Fp32 { 1e-3 } else { 3e-2 };
@@ -727,7 +1067,12 @@ fn the_residual_norm_node_on_cuda_computes_what_atens_ops_do() {
     let Some(dev) = cuda() else { return };
     // ATen's fused RMSNorm is what the node replaces on CUDA.
     let plain = KernelsConfig { fused_rms_norm: true, ..KernelsConfig::aten() };
-    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig { fused_residual_norm: true, ..plain }, plain);
+    node_computes_what_atens_ops_do(
+        dev,
+        &[Arch::Gpt2, Arch::Llama],
+        KernelsConfig { fused_residual_norm: true, ..plain },
+        plain,
+    );
 }
 
 /// `kernels.fused_swiglu` and `kernels.fused_rope` on CUDA: a Llama with our SwiGLU node, then
@@ -739,14 +1084,29 @@ fn the_swiglu_and_rope_nodes_on_cuda_compute_what_atens_ops_do() {
     let Some(dev) = cuda() else { return };
     // ATen's fused RMSNorm is what the node replaces on CUDA.
     let plain = KernelsConfig { fused_rms_norm: true, ..KernelsConfig::aten() };
-    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..plain }, plain);
+    node_computes_what_atens_ops_do(
+        dev,
+        &[Arch::Llama],
+        KernelsConfig { fused_swiglu: true, ..plain },
+        plain,
+    );
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_rope: true, ..plain }, plain);
     // q/k/v and gate/up merged, alone, with the SwiGLU node on the joint output, and with the
     // joint RoPE node too (head dimension 64: 8 pairs a thread in 16-byte packs).
     let merged = KernelsConfig { merged_projections: true, ..plain };
     node_computes_what_atens_ops_do(dev, &[Arch::Llama], merged, plain);
-    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, ..merged }, plain);
-    node_computes_what_atens_ops_do(dev, &[Arch::Llama], KernelsConfig { fused_swiglu: true, fused_rope: true, ..merged }, plain);
+    node_computes_what_atens_ops_do(
+        dev,
+        &[Arch::Llama],
+        KernelsConfig { fused_swiglu: true, ..merged },
+        plain,
+    );
+    node_computes_what_atens_ops_do(
+        dev,
+        &[Arch::Llama],
+        KernelsConfig { fused_swiglu: true, fused_rope: true, ..merged },
+        plain,
+    );
 }
 
 /// `kernels.fused_linear` on CUDA: GPT-2 (biases, the LM head's padding mask) and a Llama with
@@ -763,7 +1123,12 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
     node_computes_what_atens_ops_do(dev, &[Arch::Gpt2, Arch::Llama], KernelsConfig::default(), plain);
     // GPT-2's up-projection with its GELU in the node (kernels.fused_gelu: 3072 columns, the
     // GELU kernel's packed rows) against the node followed by ATen's gelu.
-    node_computes_what_atens_ops_do(dev, &[Arch::Gpt2], KernelsConfig { fused_gelu: true, ..KernelsConfig::default() }, KernelsConfig::default());
+    node_computes_what_atens_ops_do(
+        dev,
+        &[Arch::Gpt2],
+        KernelsConfig { fused_gelu: true, ..KernelsConfig::default() },
+        KernelsConfig::default(),
+    );
     // 768, 3072 and 264 columns: the packed column sums (8 columns a lane; 264 and 1000 rows
     // leave a partial column tile and band); 70: a column a lane.
     for (rows, cols) in [(16384, 768), (16384, 3072), (1000, 264), (1000, 70)] {
@@ -775,7 +1140,12 @@ fn the_linear_node_on_cuda_computes_what_atens_ops_do() {
             ffi::set_autocast(true, true, false).unwrap();
             let y = ffi::linear::linear(&x, &w, Some(&b)).unwrap();
             ffi::set_autocast(true, false, false).unwrap();
-            Tensor::run_backward(&[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)], &[&b], false, false)
+            Tensor::run_backward(
+                &[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)],
+                &[&b],
+                false,
+                false,
+            )
         };
         let g = bias_grad();
         assert!(g[0].equal(&bias_grad()[0]), "{rows} x {cols}: the column sums are not deterministic");
@@ -806,13 +1176,18 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
             ffi::set_autocast(true, true, half).unwrap();
             let y = linear(&x, &w, None).unwrap();
             ffi::set_autocast(true, false, false).unwrap();
-            Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&w], false, false).remove(0)
+            Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&w], false, false)
+                .remove(0)
         };
         let once = weight_grad();
         assert!(once.defined() && once.kind() == Kind::Float);
         let sum = once.copy();
         let scope = GemmSums::start(std::slice::from_ref(&w), std::slice::from_ref(&sum)).unwrap();
-        assert_eq!(scope.held(), 1, "this libtorch's GEMM adds neither bf16 nor fp16 products into fp32: the switch does nothing");
+        assert_eq!(
+            scope.held(),
+            1,
+            "this libtorch's GEMM adds neither bf16 nor fp16 products into fp32: the switch does nothing"
+        );
         assert!(!weight_grad().defined(), "{kind:?}: inside the scope the node returns no weight gradient (its GEMM does not add {kind:?} products into fp32?)");
         drop(scope);
         let want = &once + &once;
@@ -824,7 +1199,10 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     // adds into its own sum.
     let x = Tensor::randn([4096, 576], (Kind::Float, dev)).to_kind(Kind::BFloat16);
     let dy = Tensor::randn([4096, 960], (Kind::Float, dev));
-    let parts: Vec<Tensor> = [576, 192, 192].iter().map(|&o| (Tensor::randn([o, 576], (Kind::Float, dev)) * 0.02).set_requires_grad(true)).collect();
+    let parts: Vec<Tensor> = [576, 192, 192]
+        .iter()
+        .map(|&o| (Tensor::randn([o, 576], (Kind::Float, dev)) * 0.02).set_requires_grad(true))
+        .collect();
     let refs: Vec<&Tensor> = parts.iter().collect();
     let part_grads = || {
         ffi::set_autocast(true, true, false).unwrap();
@@ -836,7 +1214,10 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     let sums: Vec<Tensor> = once.iter().map(Tensor::copy).collect();
     let scope = GemmSums::start(&parts, &sums).unwrap();
     assert_eq!(scope.held(), 3);
-    assert!(part_grads().iter().all(|g| !g.defined()), "merged: inside the scope no part's gradient is returned");
+    assert!(
+        part_grads().iter().all(|g| !g.defined()),
+        "merged: inside the scope no part's gradient is returned"
+    );
     drop(scope);
     for (i, (sum, g)) in sums.iter().zip(&once).enumerate() {
         let want = g + g;
@@ -851,16 +1232,70 @@ fn the_linear_nodes_gemm_adds_weight_gradients_into_the_steps_sums_on_cuda() {
     // apart by step 3). SGD at a large rate still shows a micro-batch's gradient lost or doubled.
     for graphs in ["kernels.cuda_graphs=false", "kernels.cuda_graphs=true"] {
         let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", "optimizer.name=sgd", "train.lr=0.3", graphs];
-        let a = train(off.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
-        let b = train(on.path(), "configs/debug.yaml", &[&base[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
-        assert_same_training((&a, off.path()), (&b, on.path()), &format!("{graphs}, added afterwards against in the GEMM"));
+        let base = [
+            "device=cuda",
+            "precision=bf16-mixed",
+            "deterministic=true",
+            "model.n_layer=2",
+            "model.n_embd=128",
+            "model.n_head=4",
+            "model.seq_len=128",
+            "train.global_batch_size=10",
+            "train.micro_batch_size=4",
+            "train.max_steps=4",
+            "train.warmup_steps=0",
+            "optimizer.name=sgd",
+            "train.lr=0.3",
+            graphs,
+        ];
+        let a = train(
+            off.path(),
+            "configs/debug.yaml",
+            &[&base[..], &["kernels.accumulate_in_gemm=false"]].concat(),
+        )
+        .ok();
+        let b = train(
+            on.path(),
+            "configs/debug.yaml",
+            &[&base[..], &["kernels.accumulate_in_gemm=true"]].concat(),
+        )
+        .ok();
+        assert_same_training(
+            (&a, off.path()),
+            (&b, on.path()),
+            &format!("{graphs}, added afterwards against in the GEMM"),
+        );
         // A Llama, its merged layers' parts adding in their own GEMMs.
         let (off, on) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let llama = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", "optimizer.name=sgd", "train.lr=0.3", graphs];
-        let a = train(off.path(), "configs/llama-debug.yaml", &[&llama[..], &["kernels.accumulate_in_gemm=false"]].concat()).ok();
-        let b = train(on.path(), "configs/llama-debug.yaml", &[&llama[..], &["kernels.accumulate_in_gemm=true"]].concat()).ok();
-        assert_same_training((&a, off.path()), (&b, on.path()), &format!("llama, {graphs}, added afterwards against in the GEMM"));
+        let llama = [
+            "device=cuda",
+            "precision=bf16-mixed",
+            "deterministic=true",
+            "train.global_batch_size=10",
+            "train.micro_batch_size=4",
+            "train.max_steps=4",
+            "train.warmup_steps=0",
+            "optimizer.name=sgd",
+            "train.lr=0.3",
+            graphs,
+        ];
+        let a = train(
+            off.path(),
+            "configs/llama-debug.yaml",
+            &[&llama[..], &["kernels.accumulate_in_gemm=false"]].concat(),
+        )
+        .ok();
+        let b = train(
+            on.path(),
+            "configs/llama-debug.yaml",
+            &[&llama[..], &["kernels.accumulate_in_gemm=true"]].concat(),
+        )
+        .ok();
+        assert_same_training(
+            (&a, off.path()),
+            (&b, on.path()),
+            &format!("llama, {graphs}, added afterwards against in the GEMM"),
+        );
     }
 }
 
@@ -874,22 +1309,42 @@ fn checkpointed_runs_without_the_segments_last_product_train_as_the_plain_run_on
     if cuda().is_none() {
         return;
     }
-    let sgd = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=4", "train.warmup_steps=0", "optimizer.name=sgd", "train.lr=0.3"];
-    let gpt2 = [&sgd[..], &["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_len=128"]].concat();
+    let sgd = [
+        "device=cuda",
+        "precision=bf16-mixed",
+        "deterministic=true",
+        "train.global_batch_size=10",
+        "train.micro_batch_size=4",
+        "train.max_steps=4",
+        "train.warmup_steps=0",
+        "optimizer.name=sgd",
+        "train.lr=0.3",
+    ];
+    let gpt2 =
+        [&sgd[..], &["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.seq_len=128"]].concat();
     for (config, base) in [("configs/debug.yaml", &gpt2[..]), ("configs/llama-debug.yaml", &sgd[..])] {
         let plain = tempfile::tempdir().unwrap();
         let a = train(plain.path(), config, &[base, &["memory.activation_checkpointing=none"]].concat()).ok();
-        for savers in ["memory.activation_checkpointing=blocks", "memory.activation_checkpointing=every_n:2"] {
+        for savers in ["memory.activation_checkpointing=blocks", "memory.activation_checkpointing=every_n:2"]
+        {
             let dir = tempfile::tempdir().unwrap();
             let b = train(dir.path(), config, &[base, &[savers]].concat()).ok();
-            assert_same_training((&a, plain.path()), (&b, dir.path()), &format!("{config}: {savers} against none"));
+            assert_same_training(
+                (&a, plain.path()),
+                (&b, dir.path()),
+                &format!("{config}: {savers} against none"),
+            );
         }
     }
 }
 
 /// Two runs that differ only in how they compute: the same losses within 1e-5 (relative) and
 /// final weights within 1e-4.
-fn assert_same_training((a, a_dir): (&Run, &std::path::Path), (b, b_dir): (&Run, &std::path::Path), what: &str) {
+fn assert_same_training(
+    (a, a_dir): (&Run, &std::path::Path),
+    (b, b_dir): (&Run, &std::path::Path),
+    what: &str,
+) {
     let (la, lb) = (series(&a.metrics(), "loss"), series(&b.metrics(), "loss"));
     eprintln!("{what}: losses {la:?}\nagainst {lb:?}; bitwise equal: {}", la == lb);
     assert_eq!(la.len(), lb.len(), "{what}");
@@ -902,15 +1357,35 @@ fn assert_same_training((a, a_dir): (&Run, &std::path::Path), (b, b_dir): (&Run,
     assert!(diff < 1e-4, "{what}: {diff}");
 }
 
-fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arch], on: trainguard::config::KernelsConfig, off: trainguard::config::KernelsConfig) {
+fn node_computes_what_atens_ops_do(
+    dev: Device,
+    archs: &[trainguard::config::Arch],
+    on: trainguard::config::KernelsConfig,
+    off: trainguard::config::KernelsConfig,
+) {
     use trainguard::config::{Arch, ModelConfig, Precision};
     use trainguard::model::Model;
     use trainguard::step::Autocast;
-    let gpt2 = ModelConfig { n_layer: 2, n_head: 12, n_embd: 768, vocab_size: 512, seq_len: 128, dropout: 0.0, ..ModelConfig::default() };
-    let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(4), ffn_hidden: Some(2048), bias: false, ..gpt2.clone() };
+    let gpt2 = ModelConfig {
+        n_layer: 2,
+        n_head: 12,
+        n_embd: 768,
+        vocab_size: 512,
+        seq_len: 128,
+        dropout: 0.0,
+        ..ModelConfig::default()
+    };
+    let llama = ModelConfig {
+        arch: Arch::Llama,
+        n_kv_head: Some(4),
+        ffn_hidden: Some(2048),
+        bias: false,
+        ..gpt2.clone()
+    };
     let x = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
     let y = Tensor::randint(512, [8, 128], (Kind::Int64, dev));
-    let rel = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).unwrap();
+    let rel =
+        |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).unwrap();
     for cfg in [gpt2, llama].into_iter().filter(|c| archs.contains(&c.arch)) {
         let run = |ours: bool, precision: Precision| {
             let m = Model::with_kernels(&cfg, if ours { on } else { off }, 3, dev).unwrap();
@@ -921,7 +1396,8 @@ fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arc
         };
         // fp32 (TF32 matmuls): the same maths, the order of operations aside (a last bit of a
         // node's output can tip a TF32 rounding: hence 1e-3, as for the fused RMSNorm above).
-        let ((la, ga), (lb, gb), (_, gc)) = (run(false, Precision::Fp32), run(true, Precision::Fp32), run(true, Precision::Fp32));
+        let ((la, ga), (lb, gb), (_, gc)) =
+            (run(false, Precision::Fp32), run(true, Precision::Fp32), run(true, Precision::Fp32));
         assert!(gb.iter().zip(&gc).all(|(b, c)| b.equal(c)), "{:?}: the node is not deterministic", cfg.arch);
         let worst = ga.iter().zip(&gb).map(|(a, b)| rel(b, a)).fold(0.0, f64::max);
         eprintln!("{:?} fp32: loss plain {la} ours {lb}; worst gradient difference / its tensor's largest {worst:.2e}", cfg.arch);
@@ -931,7 +1407,11 @@ fn node_computes_what_atens_ops_do(dev: Device, archs: &[trainguard::config::Arc
         let ((_, auto), (_, mixed)) = (run(false, Precision::Bf16Mixed), run(true, Precision::Bf16Mixed));
         for ((a, b), t) in mixed.iter().zip(&auto).zip(&ga) {
             let (ours_err, autocast_err) = (rel(a, t), rel(b, t));
-            assert!(ours_err <= 2.0 * autocast_err + 1e-3, "{:?} bf16-mixed: {ours_err:e} from fp32 against autocast's {autocast_err:e}", cfg.arch);
+            assert!(
+                ours_err <= 2.0 * autocast_err + 1e-3,
+                "{:?} bf16-mixed: {ours_err:e} from fp32 against autocast's {autocast_err:e}",
+                cfg.arch
+            );
         }
         eprintln!("{:?} bf16-mixed: within autocast's own distance from fp32", cfg.arch);
     }
@@ -946,11 +1426,15 @@ fn batches_uploaded_without_waiting_hold_the_cpu_batches() {
     let Some(dev) = cuda() else { return };
     let corpus = Corpus::synthetic(256, 200_000, 0.1).unwrap();
     let s = Sampler { seed: 1, seq_len: 256 };
-    let on_gpu: Vec<(Tensor, Tensor)> = (0..20).map(|step| s.train_batch(&corpus, step, 0..16, dev).unwrap()).collect();
+    let on_gpu: Vec<(Tensor, Tensor)> =
+        (0..20).map(|step| s.train_batch(&corpus, step, 0..16, dev).unwrap()).collect();
     for (step, (x, y)) in on_gpu.iter().enumerate() {
         let (xc, yc) = s.train_batch(&corpus, step as u64, 0..16, Device::Cpu).unwrap();
         assert_eq!(x.device(), dev);
-        assert!(x.to_device(Device::Cpu).equal(&xc) && y.to_device(Device::Cpu).equal(&yc), "step {step}: the uploaded batch differs");
+        assert!(
+            x.to_device(Device::Cpu).equal(&xc) && y.to_device(Device::Cpu).equal(&yc),
+            "step {step}: the uploaded batch differs"
+        );
     }
 }
 
@@ -983,16 +1467,38 @@ fn cuda_graphs_give_the_eager_runs_losses_and_are_captured_again_after_validatio
 
 fn graphed_run_matches_eager(savers: &[&str]) {
     let (eager, graphed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let base = ["device=cuda", "precision=bf16-mixed", "deterministic=true", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.seq_len=128", "train.global_batch_size=10", "train.micro_batch_size=4", "train.max_steps=6", "train.warmup_steps=0", "train.eval_interval=3"];
+    let base = [
+        "device=cuda",
+        "precision=bf16-mixed",
+        "deterministic=true",
+        "model.n_layer=2",
+        "model.n_embd=128",
+        "model.n_head=4",
+        "model.seq_len=128",
+        "train.global_batch_size=10",
+        "train.micro_batch_size=4",
+        "train.max_steps=6",
+        "train.warmup_steps=0",
+        "train.eval_interval=3",
+    ];
     let base = [&base[..], savers].concat();
     let a = train(eager.path(), "configs/debug.yaml", &base).ok();
-    let b = train(graphed.path(), "configs/debug.yaml", &[&base[..], &["kernels.cuda_graphs=true"]].concat()).ok();
+    let b = train(graphed.path(), "configs/debug.yaml", &[&base[..], &["kernels.cuda_graphs=true"]].concat())
+        .ok();
     eprintln!("savers {savers:?}\n{}", b.stderr());
     assert!(b.events_of("graphs_off").is_empty(), "a capture failed: {:?}", b.events_of("graphs_off"));
     assert!(a.events_of("graph_captured").is_empty(), "nothing is captured with the switch off");
-    assert_same_training((&a, eager.path()), (&b, graphed.path()), &format!("savers {savers:?}, eager against graphed"));
+    assert_same_training(
+        (&a, eager.path()),
+        (&b, graphed.path()),
+        &format!("savers {savers:?}, eager against graphed"),
+    );
     // Last, so that a different schedule does not hide the figures above.
-    let captured: Vec<(u64, u64)> = b.events_of("graph_captured").iter().map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap())).collect();
+    let captured: Vec<(u64, u64)> = b
+        .events_of("graph_captured")
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap()))
+        .collect();
     assert_eq!(captured, [(0, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");
 }
 
@@ -1005,7 +1511,15 @@ fn an_out_of_memory_inside_a_capture_is_an_oom_and_the_next_capture_works() {
     let Some(dev) = cuda() else { return };
     use trainguard::step::graphs::MicroGraphs;
     use trainguard::step::savers::loss_and_grads;
-    let cfg = trainguard::config::ModelConfig { n_layer: 4, n_head: 8, n_embd: 512, vocab_size: 8192, seq_len: 512, dropout: 0.0, ..Default::default() };
+    let cfg = trainguard::config::ModelConfig {
+        n_layer: 4,
+        n_head: 8,
+        n_embd: 512,
+        vocab_size: 8192,
+        seq_len: 512,
+        dropout: 0.0,
+        ..Default::default()
+    };
     let model = trainguard::model::Model::new(&cfg, 1, dev).unwrap();
     let x = Tensor::randint(8192, [8, 512], (Kind::Int64, dev));
     let y = Tensor::randint(8192, [8, 512], (Kind::Int64, dev));
@@ -1018,10 +1532,18 @@ fn an_out_of_memory_inside_a_capture_is_an_oom_and_the_next_capture_works() {
     let need = ffi::device_stats(0).unwrap().allocated_peak[0] - before;
     ffi::empty_cache().unwrap();
     let (free, _) = ffi::memory_info(0).unwrap();
-    let ballast = (0..16).find_map(|i| Tensor::f_empty([free as i64 - need / 2 - i * (64 << 20)], (Kind::Uint8, dev)).ok()).expect("a ballast tensor");
+    let ballast = (0..16)
+        .find_map(|i| Tensor::f_empty([free as i64 - need / 2 - i * (64 << 20)], (Kind::Uint8, dev)).ok())
+        .expect("a ballast tensor");
     eprintln!("the micro-step needs {need} bytes; {free} were free; ballast {} bytes", ballast.numel());
-    let err = graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).expect_err("the capture should run out of memory").to_string();
-    assert!(matches!(trainguard::guard::classify(&err), trainguard::guard::ErrorKind::OutOfMemory { .. }), "{err}");
+    let err = graphs
+        .micro_step(&model, &x, &y, 1.0, 0, &savers)
+        .expect_err("the capture should run out of memory")
+        .to_string();
+    assert!(
+        matches!(trainguard::guard::classify(&err), trainguard::guard::ErrorKind::OutOfMemory { .. }),
+        "{err}"
+    );
     assert_eq!(graphs.captured(), 0);
     assert!(graphs.take_notices().is_empty(), "an out of memory does not switch graphs off");
     drop(ballast);
@@ -1032,7 +1554,9 @@ fn an_out_of_memory_inside_a_capture_is_an_oom_and_the_next_capture_works() {
     graphs.micro_step(&model, &x, &y, 1.0, 0, &savers).unwrap();
     let (grads, loss) = graphs.results().unwrap();
     let (l1, g1) = loss_and_grads(&model, &x, &y, 1.0, 0, &savers).unwrap();
-    let rel = |a: &Tensor, b: &Tensor| f64::try_from((a - b).abs().max()).unwrap() / f64::try_from(b.abs().max()).unwrap().max(1e-30);
+    let rel = |a: &Tensor, b: &Tensor| {
+        f64::try_from((a - b).abs().max()).unwrap() / f64::try_from(b.abs().max()).unwrap().max(1e-30)
+    };
     assert!(rel(&loss, &(&l1 * 2.0)) < 1e-6, "loss {loss} vs 2 × {l1}");
     for (g, e) in grads.iter().zip(&g1) {
         assert!(rel(g, &(e * 2.0)) < 1e-5, "a replayed gradient differs");
@@ -1058,7 +1582,11 @@ fn an_invalidated_capture_fails_and_gives_its_memory_back() {
     let err = capture.end().err().expect("an invalidated capture should not end as a graph").to_string();
     eprintln!("the invalidated capture's end: {err}");
     ffi::empty_cache().unwrap();
-    assert_eq!(ffi::device_stats(0).unwrap().reserved_current[0], before, "the failed capture's memory is still reserved");
+    assert_eq!(
+        ffi::device_stats(0).unwrap().reserved_current[0],
+        before,
+        "the failed capture's memory is still reserved"
+    );
     let capture = Capture::begin(0, None).unwrap();
     let y = x.f_mul_scalar(2.0).unwrap();
     let graph = capture.end().unwrap();

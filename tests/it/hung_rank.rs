@@ -5,10 +5,23 @@ use crate::common::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn spawn_rank(rank: usize, world: usize, port: u16, dir: &std::path::Path, error_file: &std::path::Path) -> Child {
+fn spawn_rank(
+    rank: usize,
+    world: usize,
+    port: u16,
+    dir: &std::path::Path,
+    error_file: &std::path::Path,
+) -> Child {
     let mut cmd = Command::new(bin());
     cmd.args(["train", "--config"]).arg(repo().join("configs/debug.yaml"));
-    for s in [format!("out_dir={}", dir.display()), "train.threads=1".into(), "train.max_steps=100000".into(), "dist.timeout_s=5".into(), "checkpoint.interval=0".into(), "train.eval_interval=0".into()] {
+    for s in [
+        format!("out_dir={}", dir.display()),
+        "train.threads=1".into(),
+        "train.max_steps=100000".into(),
+        "dist.timeout_s=5".into(),
+        "checkpoint.interval=0".into(),
+        "train.eval_interval=0".into(),
+    ] {
         cmd.arg("--set").arg(s);
     }
     cmd.env("RANK", rank.to_string())
@@ -64,6 +77,9 @@ fn a_stopped_rank_makes_the_others_fail_within_the_timeout() {
     // not know), which rank went silent.
     for t in [&err, &text] {
         assert!(t.contains("collective") && t.contains("Timed out"), "says a collective timed out: {t}");
-        assert!(t.contains("rank 1 stopped answering") && !t.contains("rank 0 stopped"), "names the silent rank: {t}");
+        assert!(
+            t.contains("rank 1 stopped answering") && !t.contains("rank 0 stopped"),
+            "names the silent rank: {t}"
+        );
     }
 }

@@ -23,7 +23,8 @@ fn losses(r: &Run) -> Vec<f64> {
 // ---------------------------------------------------------------------------------------------
 // The OOM guard (as tests/it/oom.rs): a cap between the measured peaks of micro-batch 16 and 32.
 
-const OOM: [&str; 4] = ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+const OOM: [&str; 4] =
+    ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
 
 fn peak_at(micro: usize) -> u64 {
     let dir = tempfile::tempdir().unwrap();
@@ -43,10 +44,21 @@ fn oom_guard_halves_to_16_and_the_replay_equals_a_run_at_16() {
     let halvings: Vec<(u64, u64, u64)> = a
         .events_of("oom_recovered")
         .iter()
-        .map(|e| (e["step"].as_u64().unwrap(), e["old_micro_batch"].as_u64().unwrap(), e["new_micro_batch"].as_u64().unwrap()))
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["old_micro_batch"].as_u64().unwrap(),
+                e["new_micro_batch"].as_u64().unwrap(),
+            )
+        })
         .collect();
     assert_eq!(halvings, [(0, 64, 32), (0, 32, 16)], "events: {:?}", a.events());
-    assert!(a.events_of("oom_recovered").iter().all(|e| e["error"].as_str().unwrap().contains("DefaultCPUAllocator")), "real allocator failures");
+    assert!(
+        a.events_of("oom_recovered")
+            .iter()
+            .all(|e| e["error"].as_str().unwrap().contains("DefaultCPUAllocator")),
+        "real allocator failures"
+    );
     assert_eq!(a.summary()["final_micro_batch"].as_u64(), Some(16));
 
     let b = train(plain.path(), LLAMA, &with(&OOM, &["train.micro_batch_size=16", steps])).ok();
@@ -104,9 +116,16 @@ fn kill_9_mid_run_then_resume_is_bitwise_equal_to_a_straight_run() {
             assert!(t0.elapsed() < Duration::from_secs(60), "the run stalled");
             std::thread::sleep(Duration::from_millis(2));
         };
-        let resumed: Vec<_> = read_jsonl(&killed.path().join("events.jsonl")).into_iter().filter(|e| e["event"] == "resumed").collect();
+        let resumed: Vec<_> = read_jsonl(&killed.path().join("events.jsonl"))
+            .into_iter()
+            .filter(|e| e["event"] == "resumed")
+            .collect();
         if let Some(before) = newest_before {
-            assert_eq!(resumed.last().unwrap()["step"].as_u64(), Some(before), "resumed from the newest complete checkpoint");
+            assert_eq!(
+                resumed.last().unwrap()["step"].as_u64(),
+                Some(before),
+                "resumed from the newest complete checkpoint"
+            );
         }
         match finished {
             None => {
@@ -139,7 +158,13 @@ fn kill_9_mid_run_then_resume_is_bitwise_equal_to_a_straight_run() {
 // Memory savers (as tests/it/savers.rs): three blocks, so every_n:2 makes uneven segments; tied and
 // untied heads, since the chunked loss runs the head itself.
 
-const SHORT: [&str; 5] = ["train.max_steps=10", "train.warmup_steps=2", "train.eval_interval=0", "model.dropout=0.1", "model.n_layer=3"];
+const SHORT: [&str; 5] = [
+    "train.max_steps=10",
+    "train.warmup_steps=2",
+    "train.eval_interval=0",
+    "model.dropout=0.1",
+    "model.n_layer=3",
+];
 
 #[test]
 fn checkpointing_offload_and_chunked_loss_train_like_the_plain_path() {
@@ -167,7 +192,8 @@ fn checkpointing_offload_and_chunked_loss_train_like_the_plain_path() {
 // ---------------------------------------------------------------------------------------------
 // Precision.
 
-const PREC: [&str; 4] = ["train.global_batch_size=8", "train.max_steps=8", "train.warmup_steps=0", "train.eval_interval=0"];
+const PREC: [&str; 4] =
+    ["train.global_batch_size=8", "train.max_steps=8", "train.warmup_steps=0", "train.eval_interval=0"];
 
 #[test]
 fn bf16_mixed_trains_close_to_fp32_and_bf16_pure_trains() {
@@ -181,7 +207,11 @@ fn bf16_mixed_trains_close_to_fp32_and_bf16_pure_trains() {
         assert!(l.iter().all(|x| x.is_finite()), "{p}: {l:?}");
         assert!(l[7] < l[0] - 0.2, "{p} learns: {l:?}");
         let w = tch::Tensor::read_safetensors(dir.path().join("model.safetensors")).unwrap();
-        assert_eq!(w[0].1.kind(), if p == "bf16-pure" { tch::Kind::BFloat16 } else { tch::Kind::Float }, "{p}: master weights");
+        assert_eq!(
+            w[0].1.kind(),
+            if p == "bf16-pure" { tch::Kind::BFloat16 } else { tch::Kind::Float },
+            "{p}: master weights"
+        );
         if p == "bf16-mixed" {
             // Same weights, same batches, bf16 matmuls with the residual stream, norms and
             // log-softmax in fp32. Measured: within 1e-4 of fp32 for 3 steps, 5e-4 by step 7;
@@ -203,7 +233,13 @@ fn bf16_mixed_trains_close_to_fp32_and_bf16_pure_trains() {
 fn initial_weights(sets: &[String]) -> Vec<(String, tch::Tensor)> {
     let cfg = trainguard::config::load(Some(&repo().join(LLAMA)), sets).unwrap();
     let model = trainguard::model::Model::new(&cfg.model, cfg.seed, tch::Device::Cpu).unwrap();
-    let mut w: Vec<_> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.detach().copy())).collect();
+    let mut w: Vec<_> = model
+        .params
+        .names
+        .iter()
+        .cloned()
+        .zip(model.params.tensors.iter().map(|t| t.detach().copy()))
+        .collect();
     w.sort_by(|a, b| a.0.cmp(&b.0));
     w
 }
@@ -212,7 +248,13 @@ fn initial_weights(sets: &[String]) -> Vec<(String, tch::Tensor)> {
 fn every_optimizer_trains_a_llama_and_updates_every_tensor() {
     let steps = 60;
     let mut finals = std::collections::HashMap::new();
-    for (name, lr) in [("adamw", "3e-3"), ("adamw8bit", "3e-3"), ("sgd", "0.3"), ("sgd_momentum", "0.1"), ("adafactor", "0.05")] {
+    for (name, lr) in [
+        ("adamw", "3e-3"),
+        ("adamw8bit", "3e-3"),
+        ("sgd", "0.3"),
+        ("sgd_momentum", "0.1"),
+        ("adafactor", "0.05"),
+    ] {
         let sets: Vec<String> = [
             format!("optimizer.name={name}"),
             format!("train.lr={lr}"),
@@ -231,14 +273,22 @@ fn every_optimizer_trains_a_llama_and_updates_every_tensor() {
         assert!(last < first - 0.8, "{name}: loss {first} -> {last}");
         let start = initial_weights(&sets);
         let end = weights(dir.path());
-        assert_eq!(start.iter().map(|w| &w.0).collect::<Vec<_>>(), end.iter().map(|w| &w.0).collect::<Vec<_>>());
+        assert_eq!(
+            start.iter().map(|w| &w.0).collect::<Vec<_>>(),
+            end.iter().map(|w| &w.0).collect::<Vec<_>>()
+        );
         assert!(end.iter().any(|(n, _)| n == "lm_head.weight"), "untied head");
         for ((n, a), (_, b)) in start.iter().zip(&end) {
             assert!(!a.equal(b), "{name}: {n} never moved");
         }
-        let state: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap()).unwrap();
-        assert_eq!((state["optimizer"]["kind"].as_str(), state["optimizer"]["steps"].as_u64()), (Some(name), Some(steps as u64)));
+        let state: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (state["optimizer"]["kind"].as_str(), state["optimizer"]["steps"].as_u64()),
+            (Some(name), Some(steps as u64))
+        );
         finals.insert(name, last);
     }
     // The GPT-2 test's tolerance: 8-bit AdamW ends within 5 % of fp32 AdamW.
@@ -249,7 +299,14 @@ fn every_optimizer_trains_a_llama_and_updates_every_tensor() {
 // ---------------------------------------------------------------------------------------------
 // Data parallel (as tests/it/dist.rs): two ranks under the venv's torchrun, Gloo on the CPU.
 
-const DIST: [&str; 6] = ["train.max_steps=10", "train.warmup_steps=2", "train.global_batch_size=64", "train.micro_batch_size=16", "train.eval_interval=5", "dist.timeout_s=20"];
+const DIST: [&str; 6] = [
+    "train.max_steps=10",
+    "train.warmup_steps=2",
+    "train.global_batch_size=64",
+    "train.micro_batch_size=16",
+    "train.eval_interval=5",
+    "dist.timeout_s=20",
+];
 
 #[test]
 fn two_ranks_under_torchrun_equal_one_process() {
@@ -259,7 +316,13 @@ fn two_ranks_under_torchrun_equal_one_process() {
     // The same arguments `command` gives one process, after torchrun's own.
     let one = command(d.path(), LLAMA, &DIST);
     let out = Command::new(repo().join(".venv/bin/torchrun"))
-        .args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={port}"), "--no-python", &bin()])
+        .args([
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            &format!("--master_port={port}"),
+            "--no-python",
+            &bin(),
+        ])
         .args(one.get_args())
         .output()
         .unwrap();
@@ -290,7 +353,8 @@ fn resuming_a_checkpoint_of_another_arch_is_refused_naming_model_arch() {
     let gpt2 = ["train.max_steps=3", "train.warmup_steps=1", "model.ffn_hidden=256"];
     let dir = tempfile::tempdir().unwrap();
     train(dir.path(), "configs/debug.yaml", &gpt2).ok();
-    let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&gpt2, &["model.arch=llama", "train.max_steps=6"]));
+    let mut cmd =
+        command(dir.path(), "configs/debug.yaml", &with(&gpt2, &["model.arch=llama", "train.max_steps=6"]));
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());

@@ -4,7 +4,8 @@
 use crate::common::*;
 use std::path::Path;
 
-const BASE: [&str; 4] = ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+const BASE: [&str; 4] =
+    ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
 
 fn sets<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     BASE.iter().copied().chain(extra.iter().copied()).collect()
@@ -20,7 +21,12 @@ fn peak_at(micro: usize) -> u64 {
 fn peak_with(micro: usize, extra: &[&str]) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     let m = format!("train.micro_batch_size={micro}");
-    let run = train(dir.path(), "configs/debug.yaml", &sets(&[&[m.as_str(), "train.max_steps=2", "memory.limit=1TiB"], extra].concat())).ok();
+    let run = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &sets(&[&[m.as_str(), "train.max_steps=2", "memory.limit=1TiB"], extra].concat()),
+    )
+    .ok();
     run.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
 }
 
@@ -47,7 +53,11 @@ fn every_cap_between_the_peaks_of_16_and_32_is_recovered_from() {
     for twentieth in 4..=16 {
         let cap = format!("memory.limit={}", p16 + (p32 - p16) * twentieth / 20);
         let dir = tempfile::tempdir().unwrap();
-        let r = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=4", &cap]));
+        let r = train(
+            dir.path(),
+            "configs/debug.yaml",
+            &sets(&["train.micro_batch_size=64", "train.max_steps=4", &cap]),
+        );
         assert_eq!(r.code(), 0, "{cap}: {}", r.stderr());
         let recoveries = r.events_of("oom_recovered");
         assert!(!recoveries.is_empty(), "{cap}: 64 does not fit");
@@ -63,7 +73,13 @@ fn micro_changes(events: &[serde_json::Value]) -> Vec<(u64, u64, u64, u64, u64)>
         .filter(|e| e["event"] == "oom_recovered")
         .map(|e| {
             let f = |k: &str| e[k].as_u64().unwrap();
-            (f("step"), f("old_micro_batch"), f("new_micro_batch"), f("old_accumulation"), f("new_accumulation"))
+            (
+                f("step"),
+                f("old_micro_batch"),
+                f("new_micro_batch"),
+                f("old_accumulation"),
+                f("new_accumulation"),
+            )
         })
         .collect()
 }
@@ -73,11 +89,20 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     let cap = cap_fitting_16();
     let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let steps = "train.max_steps=8";
-    let a = train(capped.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", steps, &cap])).ok();
-    assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "events: {:?}", a.events());
+    let a =
+        train(capped.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", steps, &cap])).ok();
+    assert_eq!(
+        micro_changes(&a.events()),
+        [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)],
+        "events: {:?}",
+        a.events()
+    );
     for rec in a.events_of("oom_recovered") {
         assert!(rec["requested_bytes"].as_u64().unwrap() > 0, "asked-for size parsed: {rec}");
-        assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+        assert!(
+            rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"),
+            "a real allocator failure: {rec}"
+        );
         assert!(rec["leak"].is_null(), "no leak in a run that does not leak: {rec}");
     }
     assert!(a.events_of("oom_recovered")[1]["recover_ms"].as_f64().is_some(), "recovery timed");
@@ -86,9 +111,15 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
     assert!(!stderr.contains("kept across steps"), "{stderr}");
     // memory.snapshot_on_oom (default on) is a no-op on CPU: a log line, no file.
     assert!(stderr.contains("memory.snapshot_on_oom: no allocator history to write on cpu"), "{stderr}");
-    assert!(!capped.path().join("oom_snapshot.pickle").exists() && !capped.path().join("oom_snapshot.txt").exists());
+    assert!(
+        !capped.path().join("oom_snapshot.pickle").exists()
+            && !capped.path().join("oom_snapshot.txt").exists()
+    );
     let summary = a.summary();
-    assert_eq!((summary["oom_recoveries"].as_u64(), summary["final_micro_batch"].as_u64()), (Some(2), Some(16)));
+    assert_eq!(
+        (summary["oom_recoveries"].as_u64(), summary["final_micro_batch"].as_u64()),
+        (Some(2), Some(16))
+    );
 
     let b = train(plain.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=16", steps])).ok();
     let (ma, mb) = (a.metrics(), b.metrics());
@@ -97,7 +128,9 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
         assert_eq!(series(&ma, key), series(&mb, key), "{key} differs step for step");
     }
     // Global batch unchanged: micro × accumulation stays 64 on every step.
-    assert!(ma.iter().all(|m| m["micro_batch"].as_u64().unwrap() * m["accumulation"].as_u64().unwrap() == 64));
+    assert!(ma
+        .iter()
+        .all(|m| m["micro_batch"].as_u64().unwrap() * m["accumulation"].as_u64().unwrap() == 64));
     let diff = max_weight_diff(capped.path(), plain.path());
     assert!(diff <= 1e-5, "final weights differ by {diff}");
 }
@@ -119,19 +152,45 @@ fn an_oom_with_the_fused_loss_is_recovered_and_the_run_equals_the_settled_size()
         let cap = format!("memory.limit={}", (p16 + p32) / 2);
         let (capped, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let steps = "train.max_steps=4";
-        let a = train(capped.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=64", steps, &cap]].concat())).ok();
-        assert_eq!(micro_changes(&a.events()), [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)], "{form}: events: {:?}", a.events());
+        let a = train(
+            capped.path(),
+            "configs/debug.yaml",
+            &sets(&[&fused[..], &["train.micro_batch_size=64", steps, &cap]].concat()),
+        )
+        .ok();
+        assert_eq!(
+            micro_changes(&a.events()),
+            [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)],
+            "{form}: events: {:?}",
+            a.events()
+        );
         for rec in a.events_of("oom_recovered") {
             eprintln!("{form}: recovered: {rec}");
-            assert!(rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"), "a real allocator failure: {rec}");
+            assert!(
+                rec["error"].as_str().unwrap().contains("DefaultCPUAllocator"),
+                "a real allocator failure: {rec}"
+            );
             if form.ends_with("false") {
                 let logits = rec["old_micro_batch"].as_u64().unwrap() * 64 * 8192 * 4;
-                assert_eq!(rec["requested_bytes"].as_u64(), Some(logits), "a logits-sized fp32 tensor failed: {rec}");
+                assert_eq!(
+                    rec["requested_bytes"].as_u64(),
+                    Some(logits),
+                    "a logits-sized fp32 tensor failed: {rec}"
+                );
             }
         }
-        let b = train(plain.path(), "configs/debug.yaml", &sets(&[&fused[..], &["train.micro_batch_size=16", steps]].concat())).ok();
+        let b = train(
+            plain.path(),
+            "configs/debug.yaml",
+            &sets(&[&fused[..], &["train.micro_batch_size=16", steps]].concat()),
+        )
+        .ok();
         for key in ["step", "loss", "grad_norm", "micro_batch", "accumulation"] {
-            assert_eq!(series(&a.metrics(), key), series(&b.metrics(), key), "{form}: {key} differs step for step");
+            assert_eq!(
+                series(&a.metrics(), key),
+                series(&b.metrics(), key),
+                "{form}: {key} differs step for step"
+            );
         }
         let diff = max_weight_diff(capped.path(), plain.path());
         assert!(diff <= 1e-5, "{form}: final weights differ by {diff}");
@@ -153,13 +212,29 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let straight = train(dir.path(), "configs/debug.yaml", &sets(&regrow)).ok();
     let events = straight.events();
     assert_eq!(micro_changes(&events)[0], (0, 64, 32, 1, 2), "halving first: {events:?}");
-    let trials: Vec<(u64, u64)> = straight.events_of("regrow_attempt").iter().map(|e| (e["step"].as_u64().unwrap(), e["to_micro_batch"].as_u64().unwrap())).collect();
-    assert_eq!(trials.first().map(|t| t.1), Some(48), "halfway between 32 (works) and 64 (failed): {trials:?}");
+    let trials: Vec<(u64, u64)> = straight
+        .events_of("regrow_attempt")
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["to_micro_batch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        trials.first().map(|t| t.1),
+        Some(48),
+        "halfway between 32 (works) and 64 (failed): {trials:?}"
+    );
     assert!(trials.iter().all(|t| t.1 < 64), "never the size known to fail: {trials:?}");
-    let backoffs = straight.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
-    assert!(backoffs >= 1 && backoffs < trials.len(), "some trials fail and back off, some succeed: {trials:?}");
+    let backoffs =
+        straight.events_of("oom_recovered").into_iter().filter(|e| e["regrow_backoff"] == true).count();
+    assert!(
+        backoffs >= 1 && backoffs < trials.len(),
+        "some trials fail and back off, some succeed: {trials:?}"
+    );
     // Out-of-memory with flat memory between steps: no leak is diagnosed.
-    assert!(straight.events_of("oom_recovered").iter().all(|e| e["leak"].is_null()), "{:?}", straight.events_of("oom_recovered"));
+    assert!(
+        straight.events_of("oom_recovered").iter().all(|e| e["leak"].is_null()),
+        "{:?}",
+        straight.events_of("oom_recovered")
+    );
     // No oscillation: a size that failed waits 2·2^failures steps before it is tried again, so
     // none is tried more than 3 times in 30 steps (sizes at the edge pass or fail by chance; the
     // unit tests pin the waits down exactly).
@@ -168,10 +243,15 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let metrics = straight.metrics();
     assert_eq!(metrics.len(), 30);
     let last = metrics.last().unwrap()["micro_batch"].as_u64().unwrap();
-    assert!((36..48).contains(&last), "settles on the largest size that fits (40 here), not 32: ended at {last}; {trials:?}");
+    assert!(
+        (36..48).contains(&last),
+        "settles on the largest size that fits (40 here), not 32: ended at {last}; {trials:?}"
+    );
     let tokens = metrics[0]["tokens"].clone();
     assert!(metrics.iter().all(|m| m["tokens"] == tokens), "the global batch is kept on every step");
-    assert!(metrics.iter().all(|m| m["accumulation"].as_u64().unwrap() == 64u64.div_ceil(m["micro_batch"].as_u64().unwrap())));
+    assert!(metrics
+        .iter()
+        .all(|m| m["accumulation"].as_u64().unwrap() == 64u64.div_ceil(m["micro_batch"].as_u64().unwrap())));
 
     // Stopped at step 12 and resumed: the checkpoint carries what regrow learnt (sizes that
     // failed, the sizes it climbed), so the resumed run continues at the size it had and never
@@ -179,12 +259,18 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     // 64). Which sizes fail exactly at the edge varies between processes, so the two halves are
     // compared with each other, not with the straight run.
     let split = tempfile::tempdir().unwrap();
-    let first = train(split.path(), "configs/debug.yaml", &sets(&[&regrow[..], &["faults.interrupt_at_step=12"]].concat()));
+    let first = train(
+        split.path(),
+        "configs/debug.yaml",
+        &sets(&[&regrow[..], &["faults.interrupt_at_step=12"]].concat()),
+    );
     assert_eq!(first.code(), 4, "{}", first.stderr());
     let before = first.metrics();
-    let failed: Vec<u64> = first.events_of("oom_recovered").iter().map(|e| e["old_micro_batch"].as_u64().unwrap()).collect();
+    let failed: Vec<u64> =
+        first.events_of("oom_recovered").iter().map(|e| e["old_micro_batch"].as_u64().unwrap()).collect();
     let at_stop = before.last().unwrap()["micro_batch"].as_u64().unwrap();
-    let lowest_failed_above = failed.iter().copied().filter(|&f| f > at_stop).min().expect("a size failed above the one in use");
+    let lowest_failed_above =
+        failed.iter().copied().filter(|&f| f > at_stop).min().expect("a size failed above the one in use");
     let mut cmd = command(split.path(), "configs/debug.yaml", &sets(&regrow));
     cmd.args(["--resume", "auto"]);
     let resumed = run(cmd, split.path()).ok();
@@ -192,11 +278,24 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let restart = events.iter().rposition(|e| e["event"] == "resumed").expect("resumed");
     // The resumed run says it starts at the guard's size, not at the configured one.
     let started = events[..restart].iter().rfind(|e| e["event"] == "run_started").expect("run_started");
-    assert_eq!((started["micro_batch_size"].as_u64(), started["accumulation"].as_u64()), (Some(at_stop), Some(64u64.div_ceil(at_stop))), "{started}");
+    assert_eq!(
+        (started["micro_batch_size"].as_u64(), started["accumulation"].as_u64()),
+        (Some(at_stop), Some(64u64.div_ceil(at_stop))),
+        "{started}"
+    );
     assert!(started["configured_micro_batch_size"].as_u64() > Some(at_stop), "{started}");
     let said = resumed.stderr();
-    assert!((said.contains(&format!("micro {at_stop} × ")) || said.contains(&format!("micro-steps of {at_stop} "))) && said.contains("the OOM guard's size, resumed"), "{said}");
-    let after: Vec<u64> = events[restart..].iter().filter(|e| e["event"] == "regrow_attempt").map(|e| e["to_micro_batch"].as_u64().unwrap()).collect();
+    assert!(
+        (said.contains(&format!("micro {at_stop} × "))
+            || said.contains(&format!("micro-steps of {at_stop} ")))
+            && said.contains("the OOM guard's size, resumed"),
+        "{said}"
+    );
+    let after: Vec<u64> = events[restart..]
+        .iter()
+        .filter(|e| e["event"] == "regrow_attempt")
+        .map(|e| e["to_micro_batch"].as_u64().unwrap())
+        .collect();
     let fresh_guess = (at_stop + 65) / 2;
     assert!(after.first().is_some_and(|&t| t <= lowest_failed_above && t < fresh_guess), "after the resume the first trial of {after:?} goes above {lowest_failed_above}, which failed before it");
     let resumed_metrics = resumed.metrics();
@@ -204,8 +303,14 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     // The first step after the restart runs at the size in use at the stop, unless a trial (or an
     // OOM) on that very step changed it.
     let first_after = resumed_metrics[before.len()]["micro_batch"].as_u64().unwrap();
-    let changed_at_restart = events[restart..].iter().any(|e| (e["event"] == "regrow_attempt" || e["event"] == "oom_recovered") && e["step"].as_u64() == Some(before.len() as u64));
-    assert!(first_after == at_stop || changed_at_restart, "resumed at micro-batch {first_after}, stopped at {at_stop}");
+    let changed_at_restart = events[restart..].iter().any(|e| {
+        (e["event"] == "regrow_attempt" || e["event"] == "oom_recovered")
+            && e["step"].as_u64() == Some(before.len() as u64)
+    });
+    assert!(
+        first_after == at_stop || changed_at_restart,
+        "resumed at micro-batch {first_after}, stopped at {at_stop}"
+    );
 }
 
 /// The checkpoint of the last good state is written with the cap lifted: `write_safetensors`
@@ -218,15 +323,22 @@ fn the_checkpoint_after_an_out_of_memory_at_the_floor_is_written_under_any_cap()
     for mib in [36, 38, 40, 42, 44] {
         let dir = tempfile::tempdir().unwrap();
         let cap = format!("memory.limit={mib}MiB");
-        let run = train(dir.path(), "configs/debug.yaml", &["train.max_steps=3", "train.warmup_steps=1", "model.n_embd=256", "model.n_layer=4", &cap]);
+        let run = train(
+            dir.path(),
+            "configs/debug.yaml",
+            &["train.max_steps=3", "train.warmup_steps=1", "model.n_embd=256", "model.n_layer=4", &cap],
+        );
         let err = run.stderr();
         assert_eq!(run.code(), 3, "{mib} MiB: {err}");
         if err.contains("while setting up") {
             continue;
         }
         let stopped = run.events_of("stopped");
-        let ckpt = stopped[0]["checkpoint"].as_str().unwrap_or_else(|| panic!("{mib} MiB: the last good state is checkpointed: {err}"));
-        let weights = tch::Tensor::read_safetensors(Path::new(ckpt).join("model.safetensors")).expect("complete weights");
+        let ckpt = stopped[0]["checkpoint"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{mib} MiB: the last good state is checkpointed: {err}"));
+        let weights = tch::Tensor::read_safetensors(Path::new(ckpt).join("model.safetensors"))
+            .expect("complete weights");
         assert!(!weights.is_empty());
     }
 }
@@ -268,12 +380,20 @@ fn a_cap_too_small_for_micro_batch_1_exits_3_with_advice_and_keeps_the_run_dir()
 #[test]
 fn policy_fail_exits_3_at_the_first_oom() {
     let dir = tempfile::tempdir().unwrap();
-    let run = train(dir.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", "train.max_steps=2", "oom.policy=fail", "memory.limit=20MiB"]));
+    let run = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &sets(&["train.micro_batch_size=64", "train.max_steps=2", "oom.policy=fail", "memory.limit=20MiB"]),
+    );
     assert_eq!(run.code(), 3, "{}", run.stderr());
     assert!(run.events_of("oom_recovered").is_empty());
     // The message names the policy, not a floor that was never reached.
     let err = run.stderr();
-    assert!(err.contains("at micro-batch 64") && err.contains("oom.policy is fail, so no smaller micro-batch was tried"), "{err}");
+    assert!(
+        err.contains("at micro-batch 64")
+            && err.contains("oom.policy is fail, so no smaller micro-batch was tried"),
+        "{err}"
+    );
     assert!(err.contains("oom.policy: adapt") && !err.contains("oom.min_micro_batch"), "{err}");
 }
 
@@ -285,8 +405,14 @@ fn an_oom_while_setting_up_says_no_micro_batch_can_help() {
     let run = train(dir.path(), "configs/debug.yaml", &sets(&["memory.limit=256KiB"]));
     let err = run.stderr();
     assert_eq!(run.code(), 3, "{err}");
-    assert!(err.contains("out of memory while setting up") && err.contains("no micro-batch can help"), "{err}");
-    assert!(!err.contains("oom.min_micro_batch") && !err.contains("model.seq_len") && !err.contains(" 0.0 MiB"), "{err}");
+    assert!(
+        err.contains("out of memory while setting up") && err.contains("no micro-batch can help"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("oom.min_micro_batch") && !err.contains("model.seq_len") && !err.contains(" 0.0 MiB"),
+        "{err}"
+    );
 }
 
 /// `faults.leak_graphs` keeps every step's forward graph (~50 MiB here) under a cap with room for
@@ -295,24 +421,64 @@ fn an_oom_while_setting_up_says_no_micro_batch_can_help() {
 /// with the leak named (exit 3) instead of halving down to micro-batch 1.
 #[test]
 fn a_leak_stops_with_its_diagnosis_instead_of_halving_to_the_floor() {
-    let model = ["model.vocab_size=4096", "model.seq_len=128", "train.global_batch_size=32", "train.micro_batch_size=16", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+    let model = [
+        "model.vocab_size=4096",
+        "model.seq_len=128",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=16",
+        "train.warmup_steps=0",
+        "train.eval_interval=0",
+        "train.log_interval=1",
+    ];
     let probe = tempfile::tempdir().unwrap();
-    let peak = train(probe.path(), "configs/debug.yaml", &[&model[..], &["train.max_steps=2", "memory.limit=1TiB"]].concat()).ok().summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let peak = train(
+        probe.path(),
+        "configs/debug.yaml",
+        &[&model[..], &["train.max_steps=2", "memory.limit=1TiB"]].concat(),
+    )
+    .ok()
+    .summary()["peak_mapped_above_start_bytes"]
+        .as_u64()
+        .unwrap();
     let cap = format!("memory.limit={}", peak + (200 << 20));
     let dir = tempfile::tempdir().unwrap();
-    let run = train(dir.path(), "configs/debug.yaml", &[&model[..], &["train.max_steps=30", "faults.leak_graphs=true", &cap]].concat());
+    let run = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[&model[..], &["train.max_steps=30", "faults.leak_graphs=true", &cap]].concat(),
+    );
     let err = run.stderr();
     assert_eq!(run.code(), 3, "{err}");
     let recoveries = run.events_of("oom_recovered");
-    assert_eq!(micro_changes(&run.events()).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(), [(16, 8)], "one halving, not down to 1: {recoveries:?}");
+    assert_eq!(
+        micro_changes(&run.events()).iter().map(|c| (c.1, c.2)).collect::<Vec<_>>(),
+        [(16, 8)],
+        "one halving, not down to 1: {recoveries:?}"
+    );
     let leak = &recoveries[0]["leak"];
     assert!(leak["grown_bytes"].as_u64().unwrap() > 64 << 20, "{leak}");
     assert!(leak["held_bytes"].as_u64().unwrap() > leak["baseline_bytes"].as_u64().unwrap());
     let message = leak["message"].as_str().unwrap();
-    assert!(message.contains("more is held between steps than at step") && message.ends_with("tensors are kept across steps"), "{message}");
+    assert!(
+        message.contains("more is held between steps than at step")
+            && message.ends_with("tensors are kept across steps"),
+        "{message}"
+    );
     let fatal = run.error_line();
-    assert!(fatal.contains("more is held between steps than at step") && fatal.contains("tensors are kept across steps"), "{err}");
-    assert!(err.contains("did not give the memory back") && err.contains("cannot give that memory back") && err.contains(".detach()"), "{err}");
-    assert!(!err.contains("model.seq_len") && !err.contains("panicked"), "no sequence-length advice for a leak: {err}");
+    assert!(
+        fatal.contains("more is held between steps than at step")
+            && fatal.contains("tensors are kept across steps"),
+        "{err}"
+    );
+    assert!(
+        err.contains("did not give the memory back")
+            && err.contains("cannot give that memory back")
+            && err.contains(".detach()"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("model.seq_len") && !err.contains("panicked"),
+        "no sequence-length advice for a leak: {err}"
+    );
     assert_eq!(run.events_of("stopped")[0]["reason"], "out_of_memory");
 }

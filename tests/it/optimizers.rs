@@ -20,7 +20,16 @@ const ALL: [(OptimizerName, bool); 6] = [
 ];
 
 fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
-    OptimizerSpec { name, fused, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    OptimizerSpec {
+        name,
+        fused,
+        cuda_kernel: false,
+        momentum: 0.9,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    }
 }
 
 /// Deterministic values in [-1, 1) (xorshift64), independent of libtorch's global generator,
@@ -84,7 +93,10 @@ fn state_survives_a_safetensors_round_trip_and_training_continues_bit_for_bit() 
         assert_eq!((resumed.kind(), resumed.steps()), (straight.kind(), 6), "{what}");
         for ((n, a), b) in names.iter().zip(&params).zip(&resumed_params) {
             assert!(a.equal(b), "{what}: parameter {n} differs after resuming");
-            assert!(!a.equal(&toy().1[names.iter().position(|x| x == n).unwrap()]), "{what}: {n} never moved");
+            assert!(
+                !a.equal(&toy().1[names.iter().position(|x| x == n).unwrap()]),
+                "{what}: {n} never moved"
+            );
         }
         for ((ka, a), (kb, b)) in straight.state_tensors(&names).iter().zip(&resumed.state_tensors(&names)) {
             assert_eq!(ka, kb);
@@ -98,13 +110,18 @@ fn another_optimizers_state_is_refused_by_name() {
     let (names, params, decay) = toy();
     let adamw = Optimizer::new(&spec(OptimizerName::Adamw, false), &params, &decay, Device::Cpu).unwrap();
     let saved = adamw.state_tensors(&names);
-    for (name, missing) in [(OptimizerName::SgdMomentum, "momentum_buffer.w1"), (OptimizerName::Adafactor, "row_var.w1"), (OptimizerName::Adamw8bit, "exp_avg_q8.w1")] {
+    for (name, missing) in [
+        (OptimizerName::SgdMomentum, "momentum_buffer.w1"),
+        (OptimizerName::Adafactor, "row_var.w1"),
+        (OptimizerName::Adamw8bit, "exp_avg_q8.w1"),
+    ] {
         let mut other = Optimizer::new(&spec(name, false), &params, &decay, Device::Cpu).unwrap();
         let err = other.load_state(&names, &saved, 3).unwrap_err();
         assert!(err.contains(missing), "{name:?}: {err}");
     }
     // Same names, other dtype: fp32 moments do not load into 8-bit codes silently converted.
-    let mut eight = Optimizer::new(&spec(OptimizerName::Adamw8bit, false), &params, &decay, Device::Cpu).unwrap();
+    let mut eight =
+        Optimizer::new(&spec(OptimizerName::Adamw8bit, false), &params, &decay, Device::Cpu).unwrap();
     let mut forged = eight.state_tensors(&names);
     forged.iter_mut().for_each(|(_, t)| *t = t.to_kind(Kind::Float));
     let err = eight.load_state(&names, &forged, 3).unwrap_err();
@@ -121,14 +138,24 @@ struct Regression {
 impl Regression {
     fn new() -> Self {
         let x = tensor(&[256, 32], 1, 1.0);
-        let teacher = [tensor(&[128, 32], 2, 0.5), tensor(&[128], 3, 0.5), tensor(&[32, 128], 4, 0.3), tensor(&[32], 5, 0.1)];
+        let teacher = [
+            tensor(&[128, 32], 2, 0.5),
+            tensor(&[128], 3, 0.5),
+            tensor(&[32, 128], 4, 0.3),
+            tensor(&[32], 5, 0.1),
+        ];
         let y = Self::forward(&teacher, &x);
         Self { x, y }
     }
 
     fn init() -> Vec<Tensor> {
         // ~ U(-1/√fan_in, 1/√fan_in), as torch.nn.Linear initialises.
-        let p = [tensor(&[128, 32], 6, 32f64.powf(-0.5)), tensor(&[128], 7, 32f64.powf(-0.5)), tensor(&[32, 128], 8, 128f64.powf(-0.5)), tensor(&[32], 9, 128f64.powf(-0.5))];
+        let p = [
+            tensor(&[128, 32], 6, 32f64.powf(-0.5)),
+            tensor(&[128], 7, 32f64.powf(-0.5)),
+            tensor(&[32, 128], 8, 128f64.powf(-0.5)),
+            tensor(&[32], 9, 128f64.powf(-0.5)),
+        ];
         p.into_iter().map(|t| t.set_requires_grad(true)).collect()
     }
 
@@ -139,7 +166,8 @@ impl Regression {
     /// Losses before each of `steps` updates at learning rate `lr`, and the optimizer's state bytes.
     fn train(&self, name: OptimizerName, steps: usize, lr: f64) -> (Vec<f64>, u64) {
         let params = Self::init();
-        let mut opt = Optimizer::new(&spec(name, false), &params, &[true, false, true, false], Device::Cpu).unwrap();
+        let mut opt =
+            Optimizer::new(&spec(name, false), &params, &[true, false, true, false], Device::Cpu).unwrap();
         let mut losses = Vec::with_capacity(steps);
         for _ in 0..steps {
             let loss = (Self::forward(&params, &self.x) - &self.y).square().mean(Kind::Float);
@@ -178,20 +206,29 @@ fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
     // What a run hands the optimizer: the user's rows of a padded vocabulary.
     let tensors = gpt.optimizer_params().unwrap();
     let p = &gpt.params;
-    [OptimizerName::Adamw, OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit]
-        .into_iter()
-        .map(|name| {
-            // Fused AdamW: no scratch the size of the embedding.
-            let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
-            let estimate = tensors.iter().map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4)).sum();
-            let scratch = match &opt {
-                Optimizer::Adafactor(a) => a.scratch_bytes(),
-                Optimizer::AdamW8bit(a) => a.scratch_bytes(),
-                Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
-            };
-            (opt.kind(), opt.state_bytes(), estimate, scratch)
-        })
-        .collect()
+    [
+        OptimizerName::Adamw,
+        OptimizerName::Sgd,
+        OptimizerName::SgdMomentum,
+        OptimizerName::Adafactor,
+        OptimizerName::Adamw8bit,
+    ]
+    .into_iter()
+    .map(|name| {
+        // Fused AdamW: no scratch the size of the embedding.
+        let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
+        let estimate = tensors
+            .iter()
+            .map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4))
+            .sum();
+        let scratch = match &opt {
+            Optimizer::Adafactor(a) => a.scratch_bytes(),
+            Optimizer::AdamW8bit(a) => a.scratch_bytes(),
+            Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
+        };
+        (opt.kind(), opt.state_bytes(), estimate, scratch)
+    })
+    .collect()
 }
 
 #[test]
@@ -208,7 +245,13 @@ const MAX_BF16_UPDATE_ERROR: f64 = 0.3;
 
 #[test]
 fn bf16_parameters_train_like_fp32_ones() {
-    for name in [OptimizerName::Adamw, OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit] {
+    for name in [
+        OptimizerName::Adamw,
+        OptimizerName::Sgd,
+        OptimizerName::SgdMomentum,
+        OptimizerName::Adafactor,
+        OptimizerName::Adamw8bit,
+    ] {
         let (_, params, decay) = toy();
         let half: Vec<Tensor> = params.iter().map(|t| t.to_kind(Kind::BFloat16)).collect();
         let (params0, half0) = (deep_copy(&params), deep_copy(&half));
@@ -236,7 +279,10 @@ fn bf16_parameters_train_like_fp32_ones() {
             let moved = (a - a0).norm().double_value(&[]);
             let update_bf16 = (b - b0).to_kind(Kind::Float);
             let err = (&update_bf16 - (a - a0)).norm().double_value(&[]) / moved;
-            assert!(moved > 0.0 && err < MAX_BF16_UPDATE_ERROR, "{name:?}: the bf16 update is {err:.3} of the fp32 one away from it (a no-op update is 1.0)");
+            assert!(
+                moved > 0.0 && err < MAX_BF16_UPDATE_ERROR,
+                "{name:?}: the bf16 update is {err:.3} of the fp32 one away from it (a no-op update is 1.0)"
+            );
         }
     }
 }
@@ -270,7 +316,11 @@ fn on_cuda_updates_match_the_cpu_and_take_no_tensor_sized_memory() {
             let peak = trainguard::ffi::device_stats(0).unwrap().allocated_peak[0];
             // Below the largest parameter (80 × 64 fp32 = 20 KiB): a temporary the size of
             // any of the larger tensors fails this, small reduction workspaces do not.
-            assert!(peak - before <= 16 << 10, "{what}: step {s} took {} bytes beyond its state", peak - before);
+            assert!(
+                peak - before <= 16 << 10,
+                "{what}: step {s} took {} bytes beyond its state",
+                peak - before
+            );
         }
         // 8-bit codes can round the other way on the two devices (a code apart is ≤ 1.6 % of one
         // element's moment); everything else differs only by kernels' summation order.

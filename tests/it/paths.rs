@@ -20,14 +20,23 @@ fn f(v: &Value) -> f64 {
 
 /// (step, val_loss) of every step that evaluated.
 fn evals(metrics: &[Value]) -> Vec<(u64, f64)> {
-    metrics.iter().filter(|m| !m["val_loss"].is_null()).map(|m| (m["step"].as_u64().unwrap(), f(&m["val_loss"]))).collect()
+    metrics
+        .iter()
+        .filter(|m| !m["val_loss"].is_null())
+        .map(|m| (m["step"].as_u64().unwrap(), f(&m["val_loss"])))
+        .collect()
 }
 
 /// A corpus whose training head and validation tail use disjoint tokens: the head cycles
 /// through `head`, the tail through `tail`, each a deterministic sequence a model learns fast.
 /// Training on the head must lower the training loss and raise the validation loss (the tail's
 /// tokens become ever less likely); were validation drawn from the head, it would fall too.
-fn head_and_tail(len: usize, val_fraction: f64, head: std::ops::Range<u16>, tail: std::ops::Range<u16>) -> Vec<u16> {
+fn head_and_tail(
+    len: usize,
+    val_fraction: f64,
+    head: std::ops::Range<u16>,
+    tail: std::ops::Range<u16>,
+) -> Vec<u16> {
     let val_start = (len as f64 * (1.0 - val_fraction)).round() as usize;
     let cycle = |r: &std::ops::Range<u16>, i: usize| r.start + (i % (r.end - r.start) as usize) as u16;
     (0..len).map(|i| if i < val_start { cycle(&head, i) } else { cycle(&tail, i) }).collect()
@@ -42,16 +51,24 @@ fn assert_learns_head_not_tail(run: &Run) {
     assert!(v.len() >= 3, "{v:?}");
     // Measured: text 5.57 → 5.69 → 5.99 → 6.09; tokens 6.97 → 7.00 → 7.10 → 7.17.
     let rising = v.windows(2).all(|w| w[1].1 > w[0].1);
-    assert!(rising && v.last().unwrap().1 > v[0].1 + 0.1, "validation (the tail's unseen tokens) got worse at every evaluation as the head was learnt: {v:?}");
+    assert!(
+        rising && v.last().unwrap().1 > v[0].1 + 0.1,
+        "validation (the tail's unseen tokens) got worse at every evaluation as the head was learnt: {v:?}"
+    );
 }
 
-const SHORT: [&str; 4] = ["train.max_steps=30", "train.warmup_steps=2", "train.eval_interval=10", "checkpoint.interval=0"];
+const SHORT: [&str; 4] =
+    ["train.max_steps=30", "train.warmup_steps=2", "train.eval_interval=10", "checkpoint.interval=0"];
 
 #[test]
 fn text_data_trains_and_validates_on_the_tail() {
     let dir = tempfile::tempdir().unwrap();
     // Bytes are tokens: the head is lowercase letters, the tail digits and capitals.
-    let bytes: Vec<u8> = head_and_tail(20_000, 0.1, b'a' as u16..b'z' as u16 + 1, b'0' as u16..b'Z' as u16 + 1).into_iter().map(|t| t as u8).collect();
+    let bytes: Vec<u8> =
+        head_and_tail(20_000, 0.1, b'a' as u16..b'z' as u16 + 1, b'0' as u16..b'Z' as u16 + 1)
+            .into_iter()
+            .map(|t| t as u8)
+            .collect();
     let file = dir.path().join("corpus.txt");
     std::fs::write(&file, &bytes).unwrap();
     let source = format!("data.source=text:{}", file.display());
@@ -85,18 +102,35 @@ fn ids_outside_the_vocabulary_in_a_large_split_are_caught_as_steps_read_them() {
     assert!(corpus.check_as_read, "over 1 GiB: checked as read");
     let at = trainguard::data::Sampler { seed: 1337, seq_len: 64 }.train_offset(&corpus, 1, 0) + 10;
     drop(corpus);
-    std::fs::OpenOptions::new().write(true).open(&train_file).unwrap().write_all_at(&300u16.to_le_bytes(), at as u64 * 2).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&train_file)
+        .unwrap()
+        .write_all_at(&300u16.to_le_bytes(), at as u64 * 2)
+        .unwrap();
 
-    let sets = [format!("data.source={source}"), "train.max_steps=4".into(), "train.warmup_steps=0".into(), "train.eval_interval=0".into(), "checkpoint.interval=0".into()];
+    let sets = [
+        format!("data.source={source}"),
+        "train.max_steps=4".into(),
+        "train.warmup_steps=0".into(),
+        "train.eval_interval=0".into(),
+        "checkpoint.interval=0".into(),
+    ];
     let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
     let out = dir.path().join("run");
     let r = train(&out, "configs/debug.yaml", &sets);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    let said = format!("data {}: token 300 at index {at} is outside model.vocab_size = 256 (read by step 1", train_file.display());
+    let said = format!(
+        "data {}: token 300 at index {at} is outside model.vocab_size = 256 (read by step 1",
+        train_file.display()
+    );
     assert!(r.stderr().contains(&said), "{said}\n{}", r.stderr());
     assert!(!r.stderr().contains("libtorch"), "{}", r.stderr());
     assert!(out.join("checkpoints/step-00000001").is_dir(), "step 1 kept");
-    let stopped = read_jsonl(&out.join("events.jsonl")).into_iter().filter(|e| e["event"] == "stopped").collect::<Vec<_>>();
+    let stopped = read_jsonl(&out.join("events.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "stopped")
+        .collect::<Vec<_>>();
     assert_eq!((stopped[0]["reason"].as_str(), stopped[0]["step"].as_u64()), (Some("bad_data"), Some(1)));
 
     // A bad id in the validation shard is refused at load, before any step.
@@ -105,7 +139,11 @@ fn ids_outside_the_vocabulary_in_a_large_split_are_caught_as_steps_read_them() {
     std::fs::write(&val_file, bad_val.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let r = train(&dir.path().join("run2"), "configs/debug.yaml", &sets);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains(&format!("data {}: token 999 at index 4321 is outside", val_file.display())), "{}", r.stderr());
+    assert!(
+        r.stderr().contains(&format!("data {}: token 999 at index 4321 is outside", val_file.display())),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
@@ -118,12 +156,18 @@ fn uint16_token_files_train_and_validate_on_the_tail() {
     std::fs::write(&file, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let source = format!("data.source=tokens:{}", file.display());
     let out = dir.path().join("run");
-    let r = train(&out, "configs/debug.yaml", &[&SHORT[..], &[source.as_str(), "model.vocab_size=1024"]].concat()).ok();
+    let r = train(
+        &out,
+        "configs/debug.yaml",
+        &[&SHORT[..], &[source.as_str(), "model.vocab_size=1024"]].concat(),
+    )
+    .ok();
     assert_eq!(r.events_of("run_started")[0]["corpus"], format!("tokens:{} (uint16)", file.display()));
     assert_learns_head_not_tail(&r);
     // The same file with a vocabulary too small for its ids is refused, naming the token: the
     // config must change (exit 2, as a prepare dataset's larger vocabulary is).
-    let r = train(&dir.path().join("small"), "configs/debug.yaml", &[&SHORT[..], &[source.as_str()]].concat());
+    let r =
+        train(&dir.path().join("small"), "configs/debug.yaml", &[&SHORT[..], &[source.as_str()]].concat());
     assert_eq!(r.code(), 2, "{}", r.stderr());
     assert!(r.stderr().contains("token 300 at index 0 is outside model.vocab_size = 256"), "{}", r.stderr());
 }
@@ -135,8 +179,20 @@ fn interval_minutes_checkpoints_by_time() {
     // 0.01 min = 0.6 s. 200 debug steps last several seconds even on a fast CI machine (60
     // took 1.45 s on one: too few intervals to test).
     let steps = 200;
-    let r = train(dir.path(), "configs/debug.yaml", &[&format!("train.max_steps={steps}"), "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.interval_minutes=0.01", "checkpoint.keep_last=100"]).ok();
-    let saved: Vec<u64> = r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            &format!("train.max_steps={steps}"),
+            "train.eval_interval=0",
+            "checkpoint.interval=0",
+            "checkpoint.interval_minutes=0.01",
+            "checkpoint.keep_last=100",
+        ],
+    )
+    .ok();
+    let saved: Vec<u64> =
+        r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
     let by_time: Vec<u64> = saved.iter().copied().filter(|&s| s < steps).collect();
     let m = r.metrics();
     let took = f(&m[steps as usize - 1]["elapsed_s"]) - f(&m[0]["elapsed_s"]);
@@ -164,24 +220,50 @@ fn keep_best_keeps_the_best_validation_checkpoint_past_keep_last() {
     std::fs::write(&file, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
     let source = format!("data.source=tokens:{}", file.display());
     // Validation and checkpoints every 5 steps (the same weights), the newest 2 kept.
-    let base = ["train.max_steps=20", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=5", "checkpoint.keep_last=2", source.as_str()];
-    let run = |keep_best: &str, out: &Path| train(out, "configs/debug.yaml", &[&base[..], &[keep_best]].concat()).ok();
+    let base = [
+        "train.max_steps=20",
+        "train.warmup_steps=2",
+        "train.eval_interval=5",
+        "checkpoint.interval=5",
+        "checkpoint.keep_last=2",
+        source.as_str(),
+    ];
+    let run = |keep_best: &str, out: &Path| {
+        train(out, "configs/debug.yaml", &[&base[..], &[keep_best]].concat()).ok()
+    };
     let best_dir = dir.path().join("best");
     let r = run("checkpoint.keep_best=true", &best_dir);
     let v = evals(&r.metrics());
-    assert_eq!(v.iter().map(|e| e.0).collect::<Vec<_>>(), [4, 9, 14, 19], "validated after steps 5, 10, 15, 20");
-    let (best_step, best_val) = v.iter().copied().fold((0, f64::INFINITY), |a, b| if b.1 < a.1 { b } else { a });
-    assert!(v.iter().filter(|(s, _)| *s > best_step).any(|(_, l)| *l > best_val), "a later validation is worse: {v:?}");
+    assert_eq!(
+        v.iter().map(|e| e.0).collect::<Vec<_>>(),
+        [4, 9, 14, 19],
+        "validated after steps 5, 10, 15, 20"
+    );
+    let (best_step, best_val) =
+        v.iter().copied().fold((0, f64::INFINITY), |a, b| if b.1 < a.1 { b } else { a });
+    assert!(
+        v.iter().filter(|(s, _)| *s > best_step).any(|(_, l)| *l > best_val),
+        "a later validation is worse: {v:?}"
+    );
     let best_ckpt = best_step + 1;
     assert!(best_ckpt < 15, "the best is not among the newest two: {v:?}");
     assert_eq!(checkpoint_steps(&best_dir), [best_ckpt, 15, 20], "{v:?}");
-    let state: Value = serde_json::from_str(&std::fs::read_to_string(store::root(&best_dir).join(store::dir_name(20)).join("trainer_state.json")).unwrap()).unwrap();
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(store::root(&best_dir).join(store::dir_name(20)).join("trainer_state.json"))
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(state["best_val_step"].as_u64(), Some(best_ckpt));
     assert!((f(&state["best_val_loss"]) - best_val).abs() < 1e-6, "{state}");
     // Checkpoints only at the end: with keep_best, the evaluation that finds a new best writes
     // one anyway — the same weights as the interval run's.
     let sparse_dir = dir.path().join("sparse");
-    train(&sparse_dir, "configs/debug.yaml", &[&base[..], &["checkpoint.keep_best=true", "checkpoint.interval=0"]].concat()).ok();
+    train(
+        &sparse_dir,
+        "configs/debug.yaml",
+        &[&base[..], &["checkpoint.keep_best=true", "checkpoint.interval=0"]].concat(),
+    )
+    .ok();
     assert_eq!(checkpoint_steps(&sparse_dir), [best_ckpt, 20], "{v:?}");
     let weights = |d: &Path| store::root(d).join(store::dir_name(best_ckpt)).join("model.safetensors");
     assert_bitwise_equal(&weights(&best_dir), &weights(&sparse_dir));
@@ -193,7 +275,8 @@ fn keep_best_keeps_the_best_validation_checkpoint_past_keep_last() {
 
 // --- regrow -----------------------------------------------------------------------------------
 
-const OOM_BASE: [&str; 4] = ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
+const OOM_BASE: [&str; 4] =
+    ["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1"];
 
 /// Peak address space above start-up of a short run at `micro` (see tests/it/oom.rs).
 fn to_refs(v: &[String]) -> Vec<&str> {
@@ -203,7 +286,12 @@ fn to_refs(v: &[String]) -> Vec<&str> {
 fn peak_at(micro: usize) -> u64 {
     let dir = tempfile::tempdir().unwrap();
     let m = format!("train.micro_batch_size={micro}");
-    let r = train(dir.path(), "configs/debug.yaml", &[&OOM_BASE[..], &[m.as_str(), "train.max_steps=2", "memory.limit=1TiB"]].concat()).ok();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[&OOM_BASE[..], &[m.as_str(), "train.max_steps=2", "memory.limit=1TiB"]].concat(),
+    )
+    .ok();
     r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
 }
 
@@ -215,34 +303,61 @@ fn peak_at(micro: usize) -> u64 {
 #[test]
 fn regrow_succeeds_when_memory_frees_up_and_keeps_the_global_batch() {
     let (p16, p32, p64) = (peak_at(16), peak_at(32), peak_at(64));
-    assert!(p32 > p16 + (4 << 20) && p64 > p32 + (4 << 20), "peaks should grow clearly with the micro-batch: {p16} {p32} {p64}");
-    let (small, fits_32) = (format!("memory.limit={}", (p16 + p32) / 2), format!("memory.limit={}", (p32 + p64) / 2));
+    assert!(
+        p32 > p16 + (4 << 20) && p64 > p32 + (4 << 20),
+        "peaks should grow clearly with the micro-batch: {p16} {p32} {p64}"
+    );
+    let (small, fits_32) =
+        (format!("memory.limit={}", (p16 + p32) / 2), format!("memory.limit={}", (p32 + p64) / 2));
     let regrow = ["train.micro_batch_size=64", "train.max_steps=20", "oom.regrow_after_steps=1"];
-    let sets = |extra: &[&str]| -> Vec<String> { OOM_BASE.iter().chain(&regrow).chain(extra).map(|s| s.to_string()).collect() };
+    let sets = |extra: &[&str]| -> Vec<String> {
+        OOM_BASE.iter().chain(&regrow).chain(extra).map(|s| s.to_string()).collect()
+    };
     let (dir, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
 
     // Stopped after step 0 (64 → 32 → 16), before the first regrow trial.
-    let first = train(dir.path(), "configs/debug.yaml", &to_refs(&sets(&[small.as_str(), "faults.interrupt_at_step=1"])));
+    let first = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &to_refs(&sets(&[small.as_str(), "faults.interrupt_at_step=1"])),
+    );
     assert_eq!(first.code(), 4, "{}", first.stderr());
     assert!(first.metrics().iter().all(|m| m["micro_batch"] == 16), "squeezed to 16: {:?}", first.metrics());
 
     let mut cmd = command(dir.path(), "configs/debug.yaml", &to_refs(&sets(&[fits_32.as_str()])));
     cmd.args(["--resume", "auto"]);
     let resumed = run(cmd, dir.path()).ok();
-    let attempts: Vec<(u64, u64)> = resumed.events_of("regrow_attempt").iter().map(|e| (e["step"].as_u64().unwrap(), e["to_micro_batch"].as_u64().unwrap())).collect();
-    assert_eq!(attempts.first().map(|a| a.1), Some(24), "halfway to 32, which failed before the restart: {attempts:?}");
+    let attempts: Vec<(u64, u64)> = resumed
+        .events_of("regrow_attempt")
+        .iter()
+        .map(|e| (e["step"].as_u64().unwrap(), e["to_micro_batch"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        attempts.first().map(|a| a.1),
+        Some(24),
+        "halfway to 32, which failed before the restart: {attempts:?}"
+    );
     let m = resumed.metrics();
     assert_eq!(m.len(), 20);
     let micro: Vec<u64> = m.iter().map(|x| x["micro_batch"].as_u64().unwrap()).collect();
     assert!(micro[19] >= 32, "grew back to at least 32 once memory allowed: {micro:?} {attempts:?}");
     assert!(attempts.iter().any(|&(_, to)| to > 32), "and tried above it: {attempts:?}");
     assert!(micro.iter().all(|&b| b < 64), "never 64, which does not fit: {micro:?}");
-    assert!(m.iter().all(|x| x["accumulation"].as_u64().unwrap() == 64u64.div_ceil(x["micro_batch"].as_u64().unwrap())), "global batch kept every step");
+    assert!(
+        m.iter().all(
+            |x| x["accumulation"].as_u64().unwrap() == 64u64.div_ceil(x["micro_batch"].as_u64().unwrap())
+        ),
+        "global batch kept every step"
+    );
 
     let reference = train(plain.path(), "configs/debug.yaml", &to_refs(&sets(&[]))).ok();
     for (a, b) in m.iter().zip(reference.metrics()) {
         let (x, y) = (f(&a["loss"]), f(&b["loss"]));
-        assert!((x - y).abs() <= 1e-4 * y.abs(), "step {}: loss {x} vs {y} of a run that never ran out of memory", a["step"]);
+        assert!(
+            (x - y).abs() <= 1e-4 * y.abs(),
+            "step {}: loss {x} vs {y} of a run that never ran out of memory",
+            a["step"]
+        );
     }
 }
 
@@ -255,9 +370,14 @@ fn regrow_succeeds_when_memory_frees_up_and_keeps_the_global_batch() {
 #[test]
 fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() {
     let dir = tempfile::tempdir().unwrap();
-    let base = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=2"];
+    let base =
+        ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=2"];
     let paused = [&base[..], &["faults.pause_in_checkpoint_write_ms=2000"]].concat();
-    let first = command(dir.path(), "configs/debug.yaml", &paused).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let first = command(dir.path(), "configs/debug.yaml", &paused)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Inside checkpoint 4's write, checkpoint 2 complete.
     let partial = store::root(dir.path()).join(".tmp-step-00000004");
     let t0 = Instant::now();
@@ -281,7 +401,8 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
     let first = first.wait_with_output().unwrap();
     assert!(first.status.success(), "{}", String::from_utf8_lossy(&first.stderr));
     assert_eq!(checkpoint_steps(dir.path()), [2, 4, 6]);
-    let steps: Vec<u64> = read_jsonl(&dir.path().join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> =
+        read_jsonl(&dir.path().join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, (0..6).collect::<Vec<_>>());
     let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
     cmd.args(["--resume", "auto"]);
@@ -295,8 +416,19 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
 #[test]
 fn a_signal_after_an_injected_interrupt_is_the_first_one() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=6", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=0", "faults.interrupt_at_step=3", "faults.pause_in_checkpoint_write_ms=2000"];
-    let child = command(dir.path(), "configs/debug.yaml", &sets).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let sets = [
+        "train.max_steps=6",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        "faults.interrupt_at_step=3",
+        "faults.pause_in_checkpoint_write_ms=2000",
+    ];
+    let child = command(dir.path(), "configs/debug.yaml", &sets)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let partial = store::root(dir.path()).join(".tmp-step-00000003");
     let t0 = Instant::now();
     while !partial.join(store::MODEL_FILE).is_file() {
@@ -317,12 +449,22 @@ fn a_signal_after_an_injected_interrupt_is_the_first_one() {
 #[test]
 fn a_kill_inside_a_checkpoint_write_resumes_from_the_previous_one() {
     let (straight, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let base = ["train.max_steps=15", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=5", "model.dropout=0.1"];
+    let base = [
+        "train.max_steps=15",
+        "train.warmup_steps=2",
+        "train.eval_interval=5",
+        "checkpoint.interval=5",
+        "model.dropout=0.1",
+    ];
     let reference = train(straight.path(), "configs/debug.yaml", &base).ok();
 
     // Each checkpoint write pauses 2 s with its model file written: the window for the kill.
     let paused = [&base[..], &["faults.pause_in_checkpoint_write_ms=2000"]].concat();
-    let mut child = command(killed.path(), "configs/debug.yaml", &paused).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let mut child = command(killed.path(), "configs/debug.yaml", &paused)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
     let root = store::root(killed.path());
     let partial: PathBuf = root.join(".tmp-step-00000010");
     let t0 = Instant::now();
@@ -395,11 +537,20 @@ fn every_bad_input_says_error_lowercase_without_a_backtrace() {
         let o = cmd.output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.starts_with("error: "), "{args:?} {env:?}: stderr does not start with `error: `:\n{err}");
-        assert!(!err.contains("panicked") && !err.contains("backtrace") && !err.contains("Error:"), "{args:?}:\n{err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace") && !err.contains("Error:"),
+            "{args:?}:\n{err}"
+        );
         assert_eq!(o.status.code(), Some(2), "{args:?}:\n{err}");
     }
-    let o = Command::new(bin()).args(["train", "--config", c, "--set", &odd_source, "--set", &out]).output().unwrap();
+    let o = Command::new(bin())
+        .args(["train", "--config", c, "--set", &odd_source, "--set", &out])
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.starts_with("error: ") && err.contains("3 bytes is not a whole number of uint16 tokens"), "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("3 bytes is not a whole number of uint16 tokens"),
+        "{err}"
+    );
     assert_eq!(o.status.code(), Some(1), "{err}");
 }

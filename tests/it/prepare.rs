@@ -1,12 +1,15 @@
 //! `trainguard prepare` and training on its output, on the real binary: shards match the Python
 //! `tokenizers` package token for token, uint32 for large vocabularies, bad input exits 2 with
 //! nothing left behind, and a run on a prepared directory resumes bit for bit.
-use crate::support::tokenizer;
 use crate::common::*;
+use crate::support::tokenizer;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const WORDS: [&str; 16] = ["the", "cat", "sat", "on", "an", "inner", "mat", "and", "then", "ran", "after", "her", "dog", "in", "rain", "é"];
+const WORDS: [&str; 16] = [
+    "the", "cat", "sat", "on", "an", "inner", "mat", "and", "then", "ran", "after", "her", "dog", "in",
+    "rain", "é",
+];
 
 /// `n` documents of pseudo-random sentences (fixed for a given `seed`).
 fn documents(n: usize, seed: u64) -> Vec<String> {
@@ -18,7 +21,12 @@ fn documents(n: usize, seed: u64) -> Vec<String> {
     (0..n)
         .map(|_| {
             let lines = 1 + next() % 3;
-            (0..lines).map(|_| (0..4 + next() % 8).map(|_| WORDS[next() % WORDS.len()]).collect::<Vec<_>>().join(" ")).collect::<Vec<_>>().join("\n")
+            (0..lines)
+                .map(|_| {
+                    (0..4 + next() % 8).map(|_| WORDS[next() % WORDS.len()]).collect::<Vec<_>>().join(" ")
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
         })
         .collect()
 }
@@ -36,14 +44,21 @@ fn inputs(n: usize, pad_vocab_to: usize) -> Inputs {
     let (a, b) = docs.split_at(n / 2);
     std::fs::create_dir(dir.path().join("text")).unwrap();
     std::fs::write(dir.path().join("text/a.txt"), a.join("\n\n") + "\n").unwrap();
-    let jsonl: String = b.iter().map(|d| serde_json::json!({"id": 1, "text": d}).to_string() + "\n").collect();
+    let jsonl: String =
+        b.iter().map(|d| serde_json::json!({"id": 1, "text": d}).to_string() + "\n").collect();
     std::fs::write(dir.path().join("text/b.jsonl"), jsonl).unwrap();
     Inputs { dir, docs }
 }
 
 fn prepare(inputs: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut cmd = Command::new(bin());
-    cmd.arg("prepare").arg("--tokenizer").arg(inputs.join("tokenizer.json")).arg("--out").arg(out).arg(inputs.join("text")).args(extra);
+    cmd.arg("prepare")
+        .arg("--tokenizer")
+        .arg(inputs.join("tokenizer.json"))
+        .arg("--out")
+        .arg(out)
+        .arg(inputs.join("text"))
+        .args(extra);
     run(cmd, out)
 }
 
@@ -63,13 +78,22 @@ fn shard_tokens(out: &Path, files: &[PathBuf]) -> Vec<u32> {
             other => panic!("bad header {other:?}"),
         };
         assert_eq!(bytes.len(), 1024 + n * width);
-        all.extend(bytes[1024..].chunks_exact(width).map(|c| if width == 2 { u16::from_le_bytes([c[0], c[1]]) as u32 } else { u32::from_le_bytes(c.try_into().unwrap()) }));
+        all.extend(bytes[1024..].chunks_exact(width).map(|c| {
+            if width == 2 {
+                u16::from_le_bytes([c[0], c[1]]) as u32
+            } else {
+                u32::from_le_bytes(c.try_into().unwrap())
+            }
+        }));
     }
     all
 }
 
 fn listed(m: &serde_json::Value) -> Vec<PathBuf> {
-    ["val", "train"].iter().flat_map(|k| m[k].as_array().unwrap().iter().map(|s| PathBuf::from(s["file"].as_str().unwrap()))).collect()
+    ["val", "train"]
+        .iter()
+        .flat_map(|k| m[k].as_array().unwrap().iter().map(|s| PathBuf::from(s["file"].as_str().unwrap())))
+        .collect()
 }
 
 /// Python `tokenizers`' ids for each document followed by EOS: the reference. Special tokens'
@@ -88,20 +112,27 @@ fn python_tokens(tokenizer: &Path, docs: &[String], eos: u32) -> Vec<u32> {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "python tokenizers failed: {}", String::from_utf8_lossy(&out.stderr));
     let ids: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
-    ids.into_iter().flat_map(|mut d| {
-        d.push(eos);
-        d
-    }).collect()
+    ids.into_iter()
+        .flat_map(|mut d| {
+            d.push(eos);
+            d
+        })
+        .collect()
 }
 
 #[test]
 fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
     let inp = inputs(400, 0);
     let out = inp.dir.path().join("data");
-    let r = prepare(inp.dir.path(), &out, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "2"]).ok();
+    let r =
+        prepare(inp.dir.path(), &out, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "2"])
+            .ok();
     assert!(r.stdout().contains("400 documents"), "{}", r.stdout());
     let m = manifest(&out);
-    assert_eq!((m["dtype"].as_str(), m["vocab_size"].as_u64(), m["eos_id"].as_u64(), m["documents"].as_u64()), (Some("uint16"), Some(265), Some(264), Some(400)));
+    assert_eq!(
+        (m["dtype"].as_str(), m["vocab_size"].as_u64(), m["eos_id"].as_u64(), m["documents"].as_u64()),
+        (Some("uint16"), Some(265), Some(264), Some(400))
+    );
     assert_eq!(m["val"][0]["tokens"], 1000);
     let files = listed(&m);
     assert!(files.len() >= 4, "{files:?}");
@@ -113,7 +144,8 @@ fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
     assert!(got == want, "token streams differ at {:?}", got.iter().zip(&want).position(|(a, b)| a != b));
     // The output does not depend on the thread count; a directory holding a dataset is refused.
     let out1 = inp.dir.path().join("data1");
-    prepare(inp.dir.path(), &out1, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "1"]).ok();
+    prepare(inp.dir.path(), &out1, &["--shard-tokens", "3000", "--val-tokens", "1000", "--threads", "1"])
+        .ok();
     for f in files.iter().chain([&PathBuf::from("tokenizer.json")]) {
         assert_eq!(std::fs::read(out.join(f)).unwrap(), std::fs::read(out1.join(f)).unwrap(), "{f:?}");
     }
@@ -128,10 +160,15 @@ fn shards_hold_the_python_tokenizers_ids_with_eos_between_documents() {
 fn the_eos_tokens_spelling_inside_a_document_is_ordinary_text() {
     let d = tempfile::tempdir().unwrap();
     tokenizer::write(&d.path().join("tokenizer.json"), 0);
-    let docs = ["Ada had a <|endoftext|> dog.".to_string(), "the<|endoftext|>cat\nsat <|endoftext|>".to_string(), "<|endoftext|>".to_string()];
+    let docs = [
+        "Ada had a <|endoftext|> dog.".to_string(),
+        "the<|endoftext|>cat\nsat <|endoftext|>".to_string(),
+        "<|endoftext|>".to_string(),
+    ];
     std::fs::create_dir(d.path().join("text")).unwrap();
     std::fs::write(d.path().join("text/a.txt"), docs[..2].join("\n\n") + "\n").unwrap();
-    std::fs::write(d.path().join("text/b.jsonl"), serde_json::json!({"text": docs[2]}).to_string() + "\n").unwrap();
+    std::fs::write(d.path().join("text/b.jsonl"), serde_json::json!({"text": docs[2]}).to_string() + "\n")
+        .unwrap();
     let out = d.path().join("data");
     prepare(d.path(), &out, &[]).ok();
     let got = shard_tokens(&out, &listed(&manifest(&out)));
@@ -148,12 +185,24 @@ fn a_lone_surrogate_escape_in_jsonl_is_read_as_u_fffd_with_a_warning() {
     let d = tempfile::tempdir().unwrap();
     tokenizer::write(&d.path().join("tokenizer.json"), 0);
     std::fs::create_dir(d.path().join("text")).unwrap();
-    std::fs::write(d.path().join("text/s.jsonl"), "{\"text\":\"the cat\"}\n{\"text\":\"a\\ud800b\"}\n{\"text\":\"\\ud83d\\ude00 \\udc00\"}\n").unwrap();
+    std::fs::write(
+        d.path().join("text/s.jsonl"),
+        "{\"text\":\"the cat\"}\n{\"text\":\"a\\ud800b\"}\n{\"text\":\"\\ud83d\\ude00 \\udc00\"}\n",
+    )
+    .unwrap();
     let out = d.path().join("data");
     let r = prepare(d.path(), &out, &[]).ok();
-    assert!(r.stderr().contains("s.jsonl: 2 line(s) hold an unpaired UTF-16 surrogate escape") && r.stderr().contains(r"`\ud800` at line 2"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("s.jsonl: 2 line(s) hold an unpaired UTF-16 surrogate escape")
+            && r.stderr().contains(r"`\ud800` at line 2"),
+        "{}",
+        r.stderr()
+    );
     let docs = ["the cat".to_string(), "a\u{fffd}b".to_string(), "\u{1f600} \u{fffd}".to_string()];
-    assert_eq!(shard_tokens(&out, &listed(&manifest(&out))), python_tokens(&out.join("tokenizer.json"), &docs, 264));
+    assert_eq!(
+        shard_tokens(&out, &listed(&manifest(&out))),
+        python_tokens(&out.join("tokenizer.json"), &docs, 264)
+    );
 }
 
 /// A file of single-newline lines is one document: one of 2.5 MB is tokenized in pieces (a
@@ -179,7 +228,13 @@ fn a_long_document_has_the_ids_of_the_whole_and_bounded_memory() {
     assert!(r.stdout().contains("1 documents"), "{}", r.stdout());
     let got = shard_tokens(&out, &listed(&manifest(&out)));
     let want = python_tokens(&out.join("tokenizer.json"), std::slice::from_ref(&doc), 264);
-    assert!(got == want, "{} tokens, {} expected; first difference at {:?}", got.len(), want.len(), got.iter().zip(&want).position(|(a, b)| a != b));
+    assert!(
+        got == want,
+        "{} tokens, {} expected; first difference at {:?}",
+        got.len(),
+        want.len(),
+        got.iter().zip(&want).position(|(a, b)| a != b)
+    );
     // Peak resident memory of the child (Linux's VmHWM is the process's own; the children's
     // rusage maximum covers every test's children, so a fresh process under /usr/bin/time -f).
     let time = std::path::Path::new("/usr/bin/time");
@@ -188,14 +243,28 @@ fn a_long_document_has_the_ids_of_the_whole_and_bounded_memory() {
         return;
     }
     let peak_mib = |text: &Path, out: &str| -> u64 {
-        let o = Command::new(time).args(["-f", "%M"]).arg(bin()).args(["prepare", "--threads", "1", "--tokenizer"]).arg(d.path().join("tokenizer.json")).arg("--out").arg(d.path().join(out)).arg(text).output().unwrap();
-        let kib: u64 = String::from_utf8_lossy(&o.stderr).lines().last().and_then(|l| l.trim().parse().ok()).unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&o.stderr)));
+        let o = Command::new(time)
+            .args(["-f", "%M"])
+            .arg(bin())
+            .args(["prepare", "--threads", "1", "--tokenizer"])
+            .arg(d.path().join("tokenizer.json"))
+            .arg("--out")
+            .arg(d.path().join(out))
+            .arg(text)
+            .output()
+            .unwrap();
+        let kib: u64 = String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .last()
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{}", String::from_utf8_lossy(&o.stderr)));
         kib / 1024
     };
     // The binary's own (libtorch's pages), with a 10 kB corpus.
     let small: String = doc.chars().take(10_000).collect();
     std::fs::write(d.path().join("small.txt"), small).unwrap();
-    let (base, peak) = (peak_mib(&d.path().join("small.txt"), "data2"), peak_mib(&d.path().join("text"), "data3"));
+    let (base, peak) =
+        (peak_mib(&d.path().join("small.txt"), "data2"), peak_mib(&d.path().join("text"), "data3"));
     eprintln!("peak {peak} MiB for a {:.1} MB document, {base} MiB for 10 kB", doc.len() as f64 / 1e6);
     // In pieces ~+90 MiB; whole, the tokenizer's ~130 bytes per byte: ~+330 MiB.
     assert!(peak < base + 200, "peak {peak} MiB, {base} MiB for 10 kB");
@@ -207,12 +276,23 @@ fn large_vocabularies_give_uint32_shards_that_train() {
     let out = inp.dir.path().join("data");
     prepare(inp.dir.path(), &out, &["--val-tokens", "800"]).ok();
     let m = manifest(&out);
-    assert_eq!((m["dtype"].as_str(), m["header_magic"].as_i64(), m["eos_id"].as_u64()), (Some("uint32"), Some(20240801), Some(69_999)));
+    assert_eq!(
+        (m["dtype"].as_str(), m["header_magic"].as_i64(), m["eos_id"].as_u64()),
+        (Some("uint32"), Some(20240801), Some(69_999))
+    );
     let got = shard_tokens(&out, &listed(&m));
     assert_eq!(got, python_tokens(&out.join("tokenizer.json"), &inp.docs, 69_999));
     let run_dir = inp.dir.path().join("run");
     let source = format!("data.source=tokens:{}", out.display());
-    let small = ["model.n_embd=16", "model.seq_len=16", "train.max_steps=3", "train.warmup_steps=1", "train.eval_interval=3", "train.global_batch_size=4", "train.micro_batch_size=4"];
+    let small = [
+        "model.n_embd=16",
+        "model.seq_len=16",
+        "train.max_steps=3",
+        "train.warmup_steps=1",
+        "train.eval_interval=3",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+    ];
     let sets: Vec<&str> = small.iter().copied().chain([source.as_str(), "model.vocab_size=70000"]).collect();
     let r = train(&run_dir, "configs/debug.yaml", &sets).ok();
     assert_eq!(r.metrics().len(), 3);
@@ -220,14 +300,22 @@ fn large_vocabularies_give_uint32_shards_that_train() {
     let sets: Vec<&str> = small.iter().copied().chain([source.as_str(), "model.vocab_size=69999"]).collect();
     let r = train(&inp.dir.path().join("run2"), "configs/debug.yaml", &sets);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("model.vocab_size = 69999") && r.stderr().contains("at least 70000"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains("model.vocab_size = 69999") && r.stderr().contains("at least 70000"),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
 fn bad_input_names_file_and_line_exits_2_and_leaves_no_shard() {
     let inp = inputs(50, 0);
     let d = inp.dir.path();
-    std::fs::write(d.join("text/c.jsonl"), "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"body\": \"no text\"}\n").unwrap();
+    std::fs::write(
+        d.join("text/c.jsonl"),
+        "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"body\": \"no text\"}\n",
+    )
+    .unwrap();
     let out = d.join("data");
     let r = prepare(d, &out, &["--shard-tokens", "10"]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
@@ -239,7 +327,11 @@ fn bad_input_names_file_and_line_exits_2_and_leaves_no_shard() {
     let r = prepare(d, &out, &["--shard-tokens", "10"]);
     assert_eq!(r.code(), 2);
     assert!(r.stderr().contains("z.txt:3") && r.stderr().contains("invalid UTF-8"), "{}", r.stderr());
-    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 0, "no shard, manifest or staging left in an existing directory");
+    assert_eq!(
+        std::fs::read_dir(&out).unwrap().count(),
+        0,
+        "no shard, manifest or staging left in an existing directory"
+    );
     std::fs::remove_file(d.join("text/z.txt")).unwrap();
     std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap();
     let r = prepare(d, &out, &[]);
@@ -295,16 +387,36 @@ fn training_on_a_prepared_directory_resumes_bit_for_bit() {
     let out = inp.dir.path().join("data");
     prepare(inp.dir.path(), &out, &["--shard-tokens", "8000", "--val-tokens", "2000"]).ok();
     let source = format!("data.source=tokens:{}", out.display());
-    let base = ["model.vocab_size=265", "model.seq_len=32", "train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=6", "checkpoint.interval=6", "model.dropout=0.1"];
-    let sets = |extra: &[&'static str]| -> Vec<String> { base.iter().map(|s| s.to_string()).chain([source.clone()]).chain(extra.iter().map(|s| s.to_string())).collect() };
+    let base = [
+        "model.vocab_size=265",
+        "model.seq_len=32",
+        "train.max_steps=12",
+        "train.warmup_steps=2",
+        "train.eval_interval=6",
+        "checkpoint.interval=6",
+        "model.dropout=0.1",
+    ];
+    let sets = |extra: &[&'static str]| -> Vec<String> {
+        base.iter()
+            .map(|s| s.to_string())
+            .chain([source.clone()])
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
     let (a, b) = (inp.dir.path().join("a"), inp.dir.path().join("b"));
     let straight_sets = sets(&[]);
-    let straight = train(&a, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>()).ok();
-    assert!(straight.events_of("run_started")[0]["corpus"].as_str().unwrap().contains("files"), "{:?}", straight.events_of("run_started"));
+    let straight =
+        train(&a, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>()).ok();
+    assert!(
+        straight.events_of("run_started")[0]["corpus"].as_str().unwrap().contains("files"),
+        "{:?}",
+        straight.events_of("run_started")
+    );
     let first_sets = sets(&["faults.interrupt_at_step=6"]);
     let first = train(&b, "configs/debug.yaml", &first_sets.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(first.code(), 4, "{}", first.stderr());
-    let mut cmd = command(&b, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut cmd =
+        command(&b, "configs/debug.yaml", &straight_sets.iter().map(String::as_str).collect::<Vec<_>>());
     cmd.args(["--resume", "auto"]);
     let resumed = run(cmd, &b).ok();
     for key in ["loss", "grad_norm", "val_loss"] {
@@ -315,7 +427,8 @@ fn training_on_a_prepared_directory_resumes_bit_for_bit() {
     let losses = series(&straight.metrics(), "loss");
     assert!(losses.last().unwrap().as_f64().unwrap() < losses[0].as_f64().unwrap() - 1.0, "{losses:?}");
     // A model whose embedding is smaller than the tokenizer's vocabulary is refused (exit 2).
-    let small = train(&inp.dir.path().join("c"), "configs/debug.yaml", &[source.as_str(), "model.vocab_size=256"]);
+    let small =
+        train(&inp.dir.path().join("c"), "configs/debug.yaml", &[source.as_str(), "model.vocab_size=256"]);
     assert_eq!(small.code(), 2, "{}", small.stderr());
 }
 
@@ -394,12 +507,22 @@ fn a_second_prepare_into_a_directory_being_written_is_refused() {
     let second = prepare(d, &out, &[]);
     assert_eq!(second.code(), 2, "{}", second.stderr());
     let e = second.stderr();
-    assert!(e.contains(&format!("{}: another prepare is writing this directory (pid {} on ", out.display(), first.id())), "{e}");
+    assert!(
+        e.contains(&format!(
+            "{}: another prepare is writing this directory (pid {} on ",
+            out.display(),
+            first.id()
+        )),
+        "{e}"
+    );
     std::fs::write(&pipe, "the cat sat\n\non the mat\n").unwrap();
     let done = first.finish();
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
     assert_eq!(manifest(&out)["documents"], 2, "the first prepare's dataset, not the second's 10 documents");
-    let mut left: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut left: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
     left.sort();
     assert_eq!(left, ["dataset.json", "tokenizer.json", "train_000000.bin"], "no lock file or staging left");
 
@@ -425,12 +548,22 @@ fn a_tokenizer_json_in_out_other_than_the_tokenizer_is_refused_and_kept() {
     std::fs::write(out.join("tokenizer.json"), theirs).unwrap();
     let r = prepare(d, &out, &[]);
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains(&format!("{}: already exists and differs from --tokenizer", out.join("tokenizer.json").display())), "{}", r.stderr());
+    assert!(
+        r.stderr().contains(&format!(
+            "{}: already exists and differs from --tokenizer",
+            out.join("tokenizer.json").display()
+        )),
+        "{}",
+        r.stderr()
+    );
     assert_eq!(std::fs::read_to_string(out.join("tokenizer.json")).unwrap(), theirs);
     assert_eq!(std::fs::read_dir(&out).unwrap().count(), 1, "nothing else left");
     std::fs::copy(d.join("tokenizer.json"), out.join("tokenizer.json")).unwrap();
     prepare(d, &out, &[]).ok();
-    assert_eq!(std::fs::read(out.join("tokenizer.json")).unwrap(), std::fs::read(d.join("tokenizer.json")).unwrap());
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        std::fs::read(d.join("tokenizer.json")).unwrap()
+    );
 }
 
 /// A prepare that wrote its dataset exits 0 even when its summary line cannot be printed
@@ -442,11 +575,21 @@ fn a_prepare_whose_summary_cannot_be_printed_still_succeeds() {
     let d = inp.dir.path();
     let out = d.join("data");
     let mut cmd = Command::new(bin());
-    cmd.arg("prepare").arg("--tokenizer").arg(d.join("tokenizer.json")).arg("--out").arg(&out).arg(d.join("text"));
+    cmd.arg("prepare")
+        .arg("--tokenizer")
+        .arg(d.join("tokenizer.json"))
+        .arg("--out")
+        .arg(&out)
+        .arg(d.join("text"));
     cmd.stdout(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap());
     let r = run(cmd, &out);
     assert_eq!(r.code(), 0, "{}", r.stderr());
-    assert!(r.stderr().contains(&format!("the dataset was written at {}", out.display())) && r.stderr().contains("No space left on device"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains(&format!("the dataset was written at {}", out.display()))
+            && r.stderr().contains("No space left on device"),
+        "{}",
+        r.stderr()
+    );
     assert_eq!(manifest(&out)["documents"], 10);
 }
 

@@ -27,7 +27,10 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 fn sharpen(model: &Model) {
     let _no_grad = tch::no_grad_guard();
     for (name, t) in model.params.names.iter().zip(&model.params.tensors) {
-        if name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight") || name.ends_with("attn.c_attn.weight") {
+        if name.ends_with("q_proj.weight")
+            || name.ends_with("k_proj.weight")
+            || name.ends_with("attn.c_attn.weight")
+        {
             let _ = t.shallow_clone().f_mul_scalar_(8.0).unwrap();
         }
     }
@@ -40,7 +43,8 @@ fn check(cfg: ModelConfig, dir: &Path) {
     tch::manual_seed(3);
     let x = Tensor::randint(cfg.vocab_size as i64, [b, t], (Kind::Int64, Device::Cpu));
     let y = Tensor::randint(cfg.vocab_size as i64, [b, t], (Kind::Int64, Device::Cpu));
-    let named: Vec<(String, Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.detach())).collect();
+    let named: Vec<(String, Tensor)> =
+        model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.detach())).collect();
     Tensor::write_safetensors(&named, dir.join("w.safetensors")).unwrap();
     Tensor::write_safetensors(&[("x", &x), ("y", &y)], dir.join("batch.safetensors")).unwrap();
     std::fs::write(dir.join("model.json"), serde_json::to_string(&cfg).unwrap()).unwrap();
@@ -54,39 +58,86 @@ fn check(cfg: ModelConfig, dir: &Path) {
         let logits = model.forward(&x, false, None).unwrap();
         let loss = trainguard::model::cross_entropy(&logits, &y, tch::Reduction::Mean).unwrap();
         let grads = Tensor::run_backward(&[&loss], params, false, false);
-        ours.push((logits.detach(), loss.double_value(&[]), grads.iter().map(|g| g.detach()).collect::<Vec<_>>()));
+        ours.push((
+            logits.detach(),
+            loss.double_value(&[]),
+            grads.iter().map(|g| g.detach()).collect::<Vec<_>>(),
+        ));
         opt.step(params, &grads, LR).unwrap();
     }
 
     let python = repo().join(".venv/bin/python");
     let llama = cfg.arch == Arch::Llama;
-    let has_transformers = llama && Command::new(&python).args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success());
+    let has_transformers = llama
+        && Command::new(&python)
+            .args(["-c", "import transformers"])
+            .output()
+            .is_ok_and(|o| o.status.success());
     let mut cmd = Command::new(&python);
     cmd.current_dir(dir);
     if llama {
         cmd.arg(repo().join("scripts/reference/reference_llama.py"));
-        cmd.args(["--model", "model.json", "--weights", "w.safetensors", "--batch", "batch.safetensors", "--out", "ref.safetensors"]);
-        cmd.args(["--steps", "2", "--lr", &LR.to_string(), "--weight-decay", &train.weight_decay.to_string()]);
-        cmd.args(["--beta1", &train.beta1.to_string(), "--beta2", &train.beta2.to_string(), "--eps", &train.eps.to_string()]);
+        cmd.args([
+            "--model",
+            "model.json",
+            "--weights",
+            "w.safetensors",
+            "--batch",
+            "batch.safetensors",
+            "--out",
+            "ref.safetensors",
+        ]);
+        cmd.args([
+            "--steps",
+            "2",
+            "--lr",
+            &LR.to_string(),
+            "--weight-decay",
+            &train.weight_decay.to_string(),
+        ]);
+        cmd.args([
+            "--beta1",
+            &train.beta1.to_string(),
+            "--beta2",
+            &train.beta2.to_string(),
+            "--eps",
+            &train.eps.to_string(),
+        ]);
         if has_transformers {
             cmd.arg("--transformers");
         } else {
-            eprintln!("note: transformers is not installed in .venv; checked against the functional reference only");
+            eprintln!(
+                "note: transformers is not installed in .venv; checked against the functional reference only"
+            );
         }
     } else {
         let t = serde_json::json!({"lr": LR, "weight_decay": train.weight_decay, "beta1": train.beta1, "beta2": train.beta2, "eps": train.eps});
-        std::fs::write(dir.join("config.json"), serde_json::json!({"model": cfg, "train": t}).to_string()).unwrap();
+        std::fs::write(dir.join("config.json"), serde_json::json!({"model": cfg, "train": t}).to_string())
+            .unwrap();
         cmd.arg(repo().join("scripts/reference/reference_gpt.py"));
-        cmd.args(["--config", "config.json", "--check-weights", "w.safetensors", "--check-batch", "batch.safetensors", "--check-out", "ref.safetensors"]);
+        cmd.args([
+            "--config",
+            "config.json",
+            "--check-weights",
+            "w.safetensors",
+            "--check-batch",
+            "batch.safetensors",
+            "--check-out",
+            "ref.safetensors",
+        ]);
     }
     let out = cmd.output().expect("run scripts/reference/reference_llama.py");
     assert!(out.status.success(), "reference failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    let reference: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(dir.join("ref.safetensors")).unwrap().into_iter().collect();
+    let reference: std::collections::HashMap<String, Tensor> =
+        Tensor::read_safetensors(dir.join("ref.safetensors")).unwrap().into_iter().collect();
 
     let (logits, _, _) = &ours[0];
     let d = max_diff(logits, &reference["logits"]);
     assert!(d < TOL, "{cfg:?}: logits differ by {d:e}");
-    assert!(logits.std(true).double_value(&[]) > 0.05, "logits vary enough for the comparison to mean something");
+    assert!(
+        logits.std(true).double_value(&[]) > 0.05,
+        "logits vary enough for the comparison to mean something"
+    );
     if has_transformers {
         let d = max_diff(logits, &reference["hf_logits"]);
         assert!(d < TOL, "{cfg:?}: transformers' LlamaForCausalLM differs by {d:e}");
@@ -104,7 +155,18 @@ fn check(cfg: ModelConfig, dir: &Path) {
 }
 
 fn llama(seq_len: usize) -> ModelConfig {
-    ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: Some(2), n_embd: 32, ffn_hidden: Some(56), vocab_size: 61, seq_len, bias: false, ..ModelConfig::default() }
+    ModelConfig {
+        arch: Arch::Llama,
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: Some(2),
+        n_embd: 32,
+        ffn_hidden: Some(56),
+        vocab_size: 61,
+        seq_len,
+        bias: false,
+        ..ModelConfig::default()
+    }
 }
 
 #[test]
@@ -116,12 +178,23 @@ fn grouped_query_untied_llama3_rope_matches_the_reference() {
 #[test]
 fn tied_multi_head_llama_with_biases_matches_the_reference() {
     let dir = tempfile::tempdir().unwrap();
-    check(ModelConfig { n_kv_head: None, tie_embeddings: true, bias: true, norm_eps: 1e-6, ..llama(96) }, dir.path());
+    check(
+        ModelConfig { n_kv_head: None, tie_embeddings: true, bias: true, norm_eps: 1e-6, ..llama(96) },
+        dir.path(),
+    );
 }
 
 #[test]
 fn gpt2_matches_the_reference_module() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig { n_layer: 2, n_head: 4, n_embd: 32, vocab_size: 61, seq_len: 96, bias: true, ..ModelConfig::default() };
+    let cfg = ModelConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 32,
+        vocab_size: 61,
+        seq_len: 96,
+        bias: true,
+        ..ModelConfig::default()
+    };
     check(cfg, dir.path());
 }

@@ -22,21 +22,24 @@ fn report_ok(args: &[&Path]) -> String {
 
 /// The JSON data block the page embeds.
 fn data(html: &str) -> Value {
-    let start = html.find(r#"<script type="application/json" id="trainguard-data">"#).expect("data block") + 53;
+    let start =
+        html.find(r#"<script type="application/json" id="trainguard-data">"#).expect("data block") + 53;
     let end = start + html[start..].find("</script>").unwrap();
     serde_json::from_str(&html[start..end]).expect("data block is JSON")
 }
 
 /// The `<svg>` element with this id, whole.
 fn svg<'a>(html: &'a str, id: &str) -> &'a str {
-    let start = html.find(&format!(r#"<svg class="panel" id="{id}""#)).unwrap_or_else(|| panic!("no svg {id}"));
+    let start =
+        html.find(&format!(r#"<svg class="panel" id="{id}""#)).unwrap_or_else(|| panic!("no svg {id}"));
     let end = start + html[start..].find("</svg>").unwrap();
     &html[start..end]
 }
 
 fn attr(tag: &str, name: &str) -> String {
     let key = format!(" {name}=\"");
-    let s = tag.find(&key).unwrap_or_else(|| panic!("no {name} in {}", &tag[..tag.len().min(300)])) + key.len();
+    let s =
+        tag.find(&key).unwrap_or_else(|| panic!("no {name} in {}", &tag[..tag.len().min(300)])) + key.len();
     tag[s..s + tag[s..].find('"').unwrap()].to_string()
 }
 
@@ -52,8 +55,10 @@ fn polyline<'a>(svg: &'a str, run: usize, key: &str) -> Option<&'a str> {
 /// The polyline's vertices mapped back through the axis domain to (x, y) data units.
 fn unmapped(svg: &str, run: usize, key: &str) -> Vec<(f64, f64)> {
     let line = polyline(svg, run, key).unwrap_or_else(|| panic!("no polyline {key}"));
-    let (x0, x1, y0, y1) = (num(svg, "data-x0"), num(svg, "data-x1"), num(svg, "data-y0"), num(svg, "data-y1"));
-    let (l, r, t, b) = (num(svg, "data-left"), num(svg, "data-right"), num(svg, "data-top"), num(svg, "data-bottom"));
+    let (x0, x1, y0, y1) =
+        (num(svg, "data-x0"), num(svg, "data-x1"), num(svg, "data-y0"), num(svg, "data-y1"));
+    let (l, r, t, b) =
+        (num(svg, "data-left"), num(svg, "data-right"), num(svg, "data-top"), num(svg, "data-bottom"));
     attr(line, "points")
         .split(' ')
         .map(|p| {
@@ -83,11 +88,19 @@ fn field(metrics: &[Value], key: &str) -> Vec<(u64, f64)> {
 fn page_series(d: &Value, run: usize, key: &str) -> Vec<(u64, f64)> {
     let s = &d["runs"][run]["series"][key];
     let steps = s["step"].as_array().unwrap();
-    steps.iter().zip(s["value"].as_array().unwrap()).map(|(a, b)| (a.as_u64().unwrap(), b.as_f64().unwrap())).collect()
+    steps
+        .iter()
+        .zip(s["value"].as_array().unwrap())
+        .map(|(a, b)| (a.as_u64().unwrap(), b.as_f64().unwrap()))
+        .collect()
 }
 
 fn short_run(dir: &Path, extra: &[&str]) -> Run {
-    let sets = [&["train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=5"][..], extra].concat();
+    let sets = [
+        &["train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=5", "checkpoint.interval=5"][..],
+        extra,
+    ]
+    .concat();
     train(dir, "configs/debug.yaml", &sets).ok()
 }
 
@@ -116,7 +129,10 @@ fn the_numbers_drawn_are_the_numbers_in_metrics_jsonl() {
         let want = field(&metrics, key);
         assert_eq!(drawn.len(), want.len(), "{id}: one vertex per step");
         for ((x, y), (step, v)) in drawn.iter().zip(&want) {
-            assert!((x - *step as f64).abs() < xr * 1e-4 && (y - v).abs() < yr * 1e-3, "{id}: vertex ({x}, {y}) is not step {step} value {v}");
+            assert!(
+                (x - *step as f64).abs() < xr * 1e-4 && (y - v).abs() < yr * 1e-3,
+                "{id}: vertex ({x}, {y}) is not step {step} value {v}"
+            );
         }
     }
     // Wall-time axis: x is elapsed_s in the axis unit.
@@ -129,10 +145,19 @@ fn the_numbers_drawn_are_the_numbers_in_metrics_jsonl() {
     }
     // Header: config essentials and the summary.
     let summary = run.summary();
-    for text in ["2 layers × 64 hidden", "adamw", "fp32", "global 32 = micro 8 × accumulation 4 × world 1", "finished: 12 steps"] {
+    for text in [
+        "2 layers × 64 hidden",
+        "adamw",
+        "fp32",
+        "global 32 = micro 8 × accumulation 4 × world 1",
+        "finished: 12 steps",
+    ] {
         assert!(html.contains(text), "header lacks {text:?}");
     }
-    assert!(html.contains(&format!("{:.4}", summary["final_loss"].as_f64().unwrap())), "final loss in the summary");
+    assert!(
+        html.contains(&format!("{:.4}", summary["final_loss"].as_f64().unwrap())),
+        "final loss in the summary"
+    );
     assert!(html.contains("memory summary (train.log)"), "memory summary table from train.log");
 }
 
@@ -141,7 +166,19 @@ fn cap_fitting_16() -> String {
     let peak = |micro: usize| {
         let dir = tempfile::tempdir().unwrap();
         let m = format!("train.micro_batch_size={micro}");
-        let r = train(dir.path(), "configs/debug.yaml", &["train.global_batch_size=64", "train.warmup_steps=0", "train.eval_interval=0", "train.max_steps=2", &m, "memory.limit=1TiB"]).ok();
+        let r = train(
+            dir.path(),
+            "configs/debug.yaml",
+            &[
+                "train.global_batch_size=64",
+                "train.warmup_steps=0",
+                "train.eval_interval=0",
+                "train.max_steps=2",
+                &m,
+                "memory.limit=1TiB",
+            ],
+        )
+        .ok();
         r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
     };
     let (p16, p32) = (peak(16), peak(32));
@@ -164,14 +201,23 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
         "faults.nonfinite_loss_at_steps=[2]",
         &cap,
     ];
-    let first = train(dir.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=7"]].concat());
+    let first =
+        train(dir.path(), "configs/debug.yaml", &[&sets[..], &["faults.interrupt_at_step=7"]].concat());
     assert_eq!(first.code(), 4, "{}", first.stderr());
     let mut cmd = command(dir.path(), "configs/debug.yaml", &sets);
     cmd.args(["--resume", "auto"]);
     let run = run(cmd, dir.path()).ok();
     let events = run.events();
     let kinds = |k: &str| events.iter().filter(|e| e["event"] == k).count();
-    for k in ["oom_recovered", "regrow_attempt", "checkpoint_saved", "nonfinite_skipped", "stopped", "resumed", "run_finished"] {
+    for k in [
+        "oom_recovered",
+        "regrow_attempt",
+        "checkpoint_saved",
+        "nonfinite_skipped",
+        "stopped",
+        "resumed",
+        "run_finished",
+    ] {
         assert!(kinds(k) > 0, "the run should have a {k} event: {events:?}");
     }
 
@@ -179,7 +225,11 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
     let d = data(&html);
     // One continuous curve over the resume: every step once, as metrics.jsonl has it.
     let loss = page_series(&d, 0, "loss");
-    assert_eq!(loss.iter().map(|p| p.0).collect::<Vec<_>>(), (0..12).filter(|s| *s != 2).collect::<Vec<_>>(), "non-finite step 2 has a null loss");
+    assert_eq!(
+        loss.iter().map(|p| p.0).collect::<Vec<_>>(),
+        (0..12).filter(|s| *s != 2).collect::<Vec<_>>(),
+        "non-finite step 2 has a null loss"
+    );
     assert_eq!(loss, field(&run.metrics(), "loss"));
     // The micro-batch staircase follows metrics.jsonl (the step-0 OOM settled at 16 before the
     // first line, regrow trials moved it since); the header says what was configured.
@@ -191,7 +241,11 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
     for e in &events {
         let kind = e["event"].as_str().unwrap();
         let step = if kind == "run_finished" { e["steps"].as_u64() } else { e["step"].as_u64() };
-        let (Some(step), false) = (step, ["run_started", "checkpoint_skipped", "loss_scale_changed"].contains(&kind)) else { continue };
+        let (Some(step), false) =
+            (step, ["run_started", "checkpoint_skipped", "loss_scale_changed"].contains(&kind))
+        else {
+            continue;
+        };
         for p in panels {
             for axis in ["step", "wall"] {
                 let s = svg(&html, &format!("{p}-{axis}"));
@@ -203,10 +257,16 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
     // Labels say what changed.
     let oom = events.iter().find(|e| e["event"] == "oom_recovered" && e["regrow_backoff"] == false).unwrap();
     assert!(html.contains("OOM recovered"), "OOM label");
-    let change = format!("micro-batch {} → {}, accumulation {} → {}", oom["old_micro_batch"], oom["new_micro_batch"], oom["old_accumulation"], oom["new_accumulation"]);
+    let change = format!(
+        "micro-batch {} → {}, accumulation {} → {}",
+        oom["old_micro_batch"], oom["new_micro_batch"], oom["old_accumulation"], oom["new_accumulation"]
+    );
     assert!(html.contains(&change), "OOM label should contain {change:?}");
     let regrow = events.iter().find(|e| e["event"] == "regrow_attempt").unwrap();
-    assert!(html.contains(&format!("regrow trial: micro-batch {} → {}", regrow["from_micro_batch"], regrow["to_micro_batch"])));
+    assert!(html.contains(&format!(
+        "regrow trial: micro-batch {} → {}",
+        regrow["from_micro_batch"], regrow["to_micro_batch"]
+    )));
     let stopped = events.iter().find(|e| e["event"] == "stopped").unwrap();
     assert!(html.contains(&format!("stopped: {}", stopped["reason"].as_str().unwrap())), "stop reason");
     assert!(html.contains("memory.limit "), "the cap is drawn on the memory panel");
@@ -227,7 +287,11 @@ fn truncated_and_garbled_lines_are_skipped_and_named_and_a_later_line_wins() {
     text += &format!("{again}\n");
     text += r#"{"step":12,"loss":1.2,"lr":0.0"#; // killed mid-write
     std::fs::write(&path, text).unwrap();
-    std::fs::OpenOptions::new().append(true).open(dir.path().join("events.jsonl")).and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"event\":\"checkpoint_sa")).unwrap();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(dir.path().join("events.jsonl"))
+        .and_then(|mut f| std::io::Write::write_all(&mut f, b"{\"event\":\"checkpoint_sa"))
+        .unwrap();
 
     let out = report(&[dir.path()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -250,7 +314,10 @@ fn a_directory_that_is_not_a_run_is_exit_2_with_its_name() {
         let out = report(&[&bad]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{stderr}");
-        assert!(stderr.contains(&bad.display().to_string()) && stderr.contains("not a trainguard run directory"), "{stderr}");
+        assert!(
+            stderr.contains(&bad.display().to_string()) && stderr.contains("not a trainguard run directory"),
+            "{stderr}"
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
     let none = Command::new(bin()).arg("report").output().unwrap();
@@ -268,7 +335,10 @@ fn out_never_replaces_a_file_that_is_not_a_page() {
         let o = Command::new(bin()).arg("report").arg(dir.path()).arg("--out").arg(&target).output().unwrap();
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(2), "{stderr}");
-        assert!(stderr.contains(&target.display().to_string()) && stderr.contains("not a report page"), "{stderr}");
+        assert!(
+            stderr.contains(&target.display().to_string()) && stderr.contains("not a report page"),
+            "{stderr}"
+        );
         assert_eq!(std::fs::read(&target).unwrap(), before, "{name} untouched");
     }
     report_ok(&[dir.path()]);
@@ -286,10 +356,17 @@ fn the_default_page_path_never_replaces_a_users_file_and_says_to_give_out() {
     let o = report(&[dir.path()]);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{stderr}");
-    let want = format!("error: {} (where the page goes without --out) exists and is not a report page: give --out", target.display());
+    let want = format!(
+        "error: {} (where the page goes without --out) exists and is not a report page: give --out",
+        target.display()
+    );
     assert!(stderr.contains(&want), "{stderr}");
     assert!(!stderr.contains("error: --out"), "no --out was given: {stderr}");
-    assert_eq!(std::fs::read_to_string(&target).unwrap(), "my notes on this run\n", "the user's file untouched");
+    assert_eq!(
+        std::fs::read_to_string(&target).unwrap(),
+        "my notes on this run\n",
+        "the user's file untouched"
+    );
     // `--out` elsewhere writes the page and leaves the file as it is.
     let elsewhere = dir.path().join("page.html");
     assert!(report_ok(&[dir.path(), Path::new("--out"), &elsewhere]).starts_with("<!doctype html>"));
@@ -299,7 +376,9 @@ fn the_default_page_path_never_replaces_a_users_file_and_says_to_give_out() {
 /// A run directory of a few metrics lines, written by hand (no training).
 fn tiny_run(dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
-    let lines: String = (0..4).map(|s| format!("{{\"step\":{s},\"loss\":{},\"elapsed_s\":{s}.5}}\n", 5.0 - s as f64)).collect();
+    let lines: String = (0..4)
+        .map(|s| format!("{{\"step\":{s},\"loss\":{},\"elapsed_s\":{s}.5}}\n", 5.0 - s as f64))
+        .collect();
     std::fs::write(dir.join("metrics.jsonl"), lines).unwrap();
 }
 
@@ -321,7 +400,10 @@ fn runs_of_the_same_name_are_told_apart_by_their_paths() {
         assert!(html.contains(&format!("{n} · train")), "legend names run {n}");
     }
     let d = data(&html);
-    assert_eq!((d["runs"][0]["name"].as_str(), d["runs"][1]["name"].as_str()), (Some("A/run"), Some("B/run")));
+    assert_eq!(
+        (d["runs"][0]["name"].as_str(), d["runs"][1]["name"].as_str()),
+        (Some("A/run"), Some("B/run"))
+    );
     // Runs of different names keep their names alone.
     let other = root.path().join("B/other");
     tiny_run(&other);
@@ -336,7 +418,14 @@ fn two_runs_are_overlaid_with_a_legend() {
     let ra = short_run(a.path(), &[]);
     let rb = short_run(b.path(), &["train.lr=1e-3", "train.micro_batch_size=4"]);
     let out = a.path().join("both.html");
-    let o = Command::new(bin()).args(["report"]).arg(a.path()).arg(b.path()).arg("--out").arg(&out).output().unwrap();
+    let o = Command::new(bin())
+        .args(["report"])
+        .arg(a.path())
+        .arg(b.path())
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let html = std::fs::read_to_string(&out).unwrap();
     let d = data(&html);
@@ -358,7 +447,8 @@ fn a_100k_step_run_is_downsampled_keeps_its_spike_and_stays_small() {
     let dir = tempfile::tempdir().unwrap();
     let mut m = String::new();
     for step in 0..100_000u64 {
-        let loss = if step == 61_803 { 40.0 } else { 3.0 + (step as f64 * 1e-3).sin() * 0.2 - step as f64 * 1e-5 };
+        let loss =
+            if step == 61_803 { 40.0 } else { 3.0 + (step as f64 * 1e-3).sin() * 0.2 - step as f64 * 1e-5 };
         let val = if step % 1000 == 0 { format!("{}", loss + 0.1) } else { "null".into() };
         let micro = if (40_000..40_050).contains(&step) { 4 } else { 8 };
         m += &format!(
@@ -387,7 +477,11 @@ fn a_100k_step_run_is_downsampled_keeps_its_spike_and_stays_small() {
     assert!(loss.contains(&(61_803, 40.0)), "the spike survives downsampling");
     assert_eq!((loss[0].0, loss.last().unwrap().0), (0, 99_999));
     let micro = page_series(&d, 0, "micro_batch");
-    assert_eq!(micro, vec![(0, 8.0), (40_000, 4.0), (40_050, 8.0), (99_999, 8.0)], "the staircase keeps its changes");
+    assert_eq!(
+        micro,
+        vec![(0, 8.0), (40_000, 4.0), (40_050, 8.0), (99_999, 8.0)],
+        "the staircase keeps its changes"
+    );
     assert!(svg(&html, "memory-step").contains("device total 80.0 GiB"), "the card's size is drawn");
     assert_eq!(svg(&html, "loss-wall").matches("data-kind=\"checkpoint_saved\"").count(), 100);
     eprintln!("100k steps: {} bytes in {:.2}s", html.len(), took.as_secs_f64());
@@ -414,9 +508,18 @@ fn wait(mut cmd: Command, limit: Duration) -> std::process::Output {
 
 fn chromium() -> Option<PathBuf> {
     let candidates = ["chromium", "chromium-browser", "google-chrome"];
-    std::env::var_os("CHROMIUM").map(PathBuf::from).into_iter().chain(candidates.iter().map(PathBuf::from)).find(|c| {
-        Command::new(c).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-    })
+    std::env::var_os("CHROMIUM")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(candidates.iter().map(PathBuf::from))
+        .find(|c| {
+            Command::new(c)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
 }
 
 #[test]
@@ -431,14 +534,20 @@ fn chromium_renders_the_page_without_script_errors() {
     let url = format!("file://{}", dir.path().join("report.html").display());
     let profile = tempfile::tempdir().unwrap();
     let base = |c: &mut Command| {
-        c.args(["--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--hide-scrollbars"]).arg(format!("--user-data-dir={}", profile.path().display()));
+        c.args(["--headless", "--disable-gpu", "--no-sandbox", "--no-first-run", "--hide-scrollbars"])
+            .arg(format!("--user-data-dir={}", profile.path().display()));
     };
     let mut dom = Command::new(&browser);
     base(&mut dom);
     dom.arg("--dump-dom").arg(&url);
     let out = wait(dom, Duration::from_secs(90));
     let html = String::from_utf8_lossy(&out.stdout);
-    assert!(html.contains("data-status=\"ok\""), "the page's script did not finish: {}\n{}", html.lines().find(|l| l.contains("data-status")).unwrap_or("<no body>"), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        html.contains("data-status=\"ok\""),
+        "the page's script did not finish: {}\n{}",
+        html.lines().find(|l| l.contains("data-status")).unwrap_or("<no body>"),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(html.contains("script ok: 10 panels, 1 run(s)"));
 
     let shot = dir.path().join("shot.png");
@@ -456,8 +565,19 @@ fn chromium_renders_the_page_without_script_errors() {
     let non_white = px.iter().filter(|p| p[..3].iter().any(|&c| c < 235)).count();
     let distinct: std::collections::HashSet<&[u8]> = px.iter().copied().collect();
     // The train-loss blue (#1f77b4), within anti-aliasing: the curves were drawn, not just text.
-    let blue = px.iter().filter(|p| (p[0] as i32 - 0x1f).abs() < 20 && (p[1] as i32 - 0x77).abs() < 20 && (p[2] as i32 - 0xb4).abs() < 20).count();
-    assert!(non_white * 100 > px.len(), "screenshot nearly blank: {non_white} of {} pixels not white", px.len());
+    let blue = px
+        .iter()
+        .filter(|p| {
+            (p[0] as i32 - 0x1f).abs() < 20
+                && (p[1] as i32 - 0x77).abs() < 20
+                && (p[2] as i32 - 0xb4).abs() < 20
+        })
+        .count();
+    assert!(
+        non_white * 100 > px.len(),
+        "screenshot nearly blank: {non_white} of {} pixels not white",
+        px.len()
+    );
     assert!(distinct.len() > 50, "only {} colours", distinct.len());
     assert!(blue > 200, "curves missing: {blue} blue pixels");
 }
@@ -477,7 +597,11 @@ print(json.dumps({
 }))
 "#;
     let out = Command::new(&python).arg("-c").arg(script).arg(tb).output().expect("run the venv's python");
-    assert!(out.status.success(), "reading the event files failed (is tensorboard installed? bash scripts/setup.sh): {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "reading the event files failed (is tensorboard installed? bash scripts/setup.sh): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -492,11 +616,20 @@ fn assert_scalars_are_the_metrics(got: &Value, metrics: &[Value]) {
         }
     }
     let scalars = got["scalars"].as_object().unwrap();
-    assert_eq!(scalars.keys().cloned().collect::<std::collections::BTreeSet<_>>(), tags, "one scalar per numeric metrics field");
+    assert_eq!(
+        scalars.keys().cloned().collect::<std::collections::BTreeSet<_>>(),
+        tags,
+        "one scalar per numeric metrics field"
+    );
     for tag in &tags {
         // TensorBoard scalars are float32: equal as float32.
         let want: Vec<(u64, f32)> = field(metrics, tag).into_iter().map(|(s, v)| (s, v as f32)).collect();
-        let have: Vec<(u64, f32)> = scalars[tag].as_array().unwrap().iter().map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap() as f32)).collect();
+        let have: Vec<(u64, f32)> = scalars[tag]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap(), p[1].as_f64().unwrap() as f32))
+            .collect();
         assert_eq!(have, want, "{tag}");
     }
 }
@@ -504,7 +637,13 @@ fn assert_scalars_are_the_metrics(got: &Value, metrics: &[Value]) {
 #[test]
 fn tensorboard_reads_back_the_scalars_of_metrics_jsonl() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=6", "train.warmup_steps=2", "train.eval_interval=3", "checkpoint.interval=3", "metrics.tensorboard=true"];
+    let sets = [
+        "train.max_steps=6",
+        "train.warmup_steps=2",
+        "train.eval_interval=3",
+        "checkpoint.interval=3",
+        "metrics.tensorboard=true",
+    ];
     let run = train(dir.path(), "configs/debug.yaml", &sets).ok();
     let got = read_tensorboard(&dir.path().join("tb"));
     let first = run.metrics();
@@ -512,8 +651,13 @@ fn tensorboard_reads_back_the_scalars_of_metrics_jsonl() {
     let config = &got["text"]["config"][0][1];
     assert!(config.as_str().unwrap().contains("tensorboard: true"), "config text: {config}");
     let events = got["text"]["events"].as_array().unwrap();
-    assert!(events.iter().any(|e| e[1].as_str().unwrap().contains("\"event\":\"run_finished\"")), "{events:?}");
-    assert!(events.iter().any(|e| e[1].as_str().unwrap().contains("\"event\":\"checkpoint_saved\"") && e[0] == 6));
+    assert!(
+        events.iter().any(|e| e[1].as_str().unwrap().contains("\"event\":\"run_finished\"")),
+        "{events:?}"
+    );
+    assert!(events
+        .iter()
+        .any(|e| e[1].as_str().unwrap().contains("\"event\":\"checkpoint_saved\"") && e[0] == 6));
 
     // Resumed from step 3, the run logs steps 3-5 again in a new event file: TensorBoard shows
     // them once, as metrics.jsonl does, not the first session's beside them.

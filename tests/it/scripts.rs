@@ -29,7 +29,10 @@ impl Fakes {
 [ "$1" = cat ] && [ -n "${FAKE_NODE2_RECORD:-}" ] && cat "$FAKE_NODE2_RECORD"
 exec "$@""#,
         );
-        write("scontrol", r#"echo "scontrol $*" >> "$FAKE_LOG"; [ "$1 $2" = "show hostnames" ] && printf 'node1\nnode2\n'; exit 0"#);
+        write(
+            "scontrol",
+            r#"echo "scontrol $*" >> "$FAKE_LOG"; [ "$1 $2" = "show hostnames" ] && printf 'node1\nnode2\n'; exit 0"#,
+        );
         write("squeue", r#"echo "squeue $*" >> "$FAKE_LOG"; echo "$FAKE_SQUEUE""#);
         // torchrun: log its arguments, then end the way FAKE_OUTCOME says (as trainguard would
         // leave the run directory).
@@ -59,11 +62,20 @@ esac"#,
 
     fn sbatch(&self, outcome: &str, env: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new("bash");
-        cmd.current_dir(repo()).arg("scripts/launch/slurm.sbatch").arg("configs/gpt2-124m.yaml").arg("--set").arg(format!("out_dir={}", self.out().display()));
+        cmd.current_dir(repo())
+            .arg("scripts/launch/slurm.sbatch")
+            .arg("configs/gpt2-124m.yaml")
+            .arg("--set")
+            .arg(format!("out_dir={}", self.out().display()));
         let path = format!("{}:{}", self.dir.path().display(), std::env::var("PATH").unwrap());
         cmd.env("PATH", path).env("TORCHRUN", self.dir.path().join("torchrun")).env("TRAINGUARD", bin());
-        cmd.env("FAKE_LOG", self.dir.path().join("log")).env("FAKE_OUT", self.out()).env("FAKE_OUTCOME", outcome);
-        cmd.env("SLURM_JOB_ID", "42").env("SLURM_JOB_NODELIST", "node[1-2]").env("SLURM_NNODES", "2").env_remove("SLURM_JOB_END_TIME");
+        cmd.env("FAKE_LOG", self.dir.path().join("log"))
+            .env("FAKE_OUT", self.out())
+            .env("FAKE_OUTCOME", outcome);
+        cmd.env("SLURM_JOB_ID", "42")
+            .env("SLURM_JOB_NODELIST", "node[1-2]")
+            .env("SLURM_NNODES", "2")
+            .env_remove("SLURM_JOB_END_TIME");
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -87,10 +99,20 @@ fn sbatch_runs_torchrun_under_srun_with_the_jobs_own_time_and_requeues_a_stop() 
     let o = f.sbatch("stopped", &[("SLURM_JOB_END_TIME", &end.to_string())]).output().unwrap();
     let log = f.log();
     assert_eq!(o.status.code(), Some(0), "{}\n{log}", text(&o));
-    let srun = log.lines().find(|l| l.starts_with("srun ")).expect("torchrun started through srun (a job step gets SLURM's signals)");
+    let srun = log
+        .lines()
+        .find(|l| l.starts_with("srun "))
+        .expect("torchrun started through srun (a job step gets SLURM's signals)");
     assert!(srun.contains("--kill-on-bad-exit=1"), "{srun}");
     let tr = log.lines().find(|l| l.starts_with("torchrun ")).unwrap();
-    for needle in ["--nnodes=2", "--nproc_per_node=8", "--rdzv_endpoint=node1:29500", "--rdzv_id=42", "--resume auto", "train --config configs/gpt2-124m.yaml"] {
+    for needle in [
+        "--nnodes=2",
+        "--nproc_per_node=8",
+        "--rdzv_endpoint=node1:29500",
+        "--rdzv_id=42",
+        "--resume auto",
+        "train --config configs/gpt2-124m.yaml",
+    ] {
         assert!(tr.contains(needle), "`{needle}` missing: {tr}");
     }
     // An hour left, 300 s kept for the last checkpoint (a second may pass in between).
@@ -112,7 +134,8 @@ fn sbatch_does_not_requeue_a_leg_the_time_limit_stopped_where_it_began() {
     assert!(text(&o).contains("stopped it at step 7, where this leg began"), "{}", text(&o));
     assert!(!log.contains("requeue"), "{log}");
     // One step further on, the same stop requeues.
-    std::fs::rename(f.out().join("checkpoints/step-00000007"), f.out().join("checkpoints/step-00000006")).unwrap();
+    std::fs::rename(f.out().join("checkpoints/step-00000007"), f.out().join("checkpoints/step-00000006"))
+        .unwrap();
     let o = f.sbatch("stopped", &[]).output().unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert!(f.log().contains("scontrol requeue 42"), "{}", f.log());
@@ -139,7 +162,11 @@ fn sbatch_reads_squeue_when_the_end_time_is_not_exported_and_does_not_requeue_a_
 fn sbatch_reports_a_crash_and_does_not_requeue_even_with_an_old_stop_record() {
     let f = Fakes::new();
     std::fs::create_dir_all(f.out()).unwrap();
-    std::fs::write(f.out().join("stop.json"), r#"{"status":"stopped","reason":"signal","step":1,"resumable":true}"#).unwrap();
+    std::fs::write(
+        f.out().join("stop.json"),
+        r#"{"status":"stopped","reason":"signal","step":1,"resumable":true}"#,
+    )
+    .unwrap();
     let o = f.sbatch("crash", &[("FAKE_SQUEUE", "10:00")]).output().unwrap();
     let log = f.log();
     assert_ne!(o.status.code(), Some(0));
@@ -161,12 +188,18 @@ fn sbatch_exits_with_the_code_of_a_failure_a_restart_would_meet_again_on_any_nod
     let log = f.log();
     assert_eq!(o.status.code(), Some(2), "{}\n{log}", text(&o));
     assert!(text(&o).contains("failed with exit 2, which a restart would meet again"), "{}", text(&o));
-    assert!(!log.contains("requeue") && !log.contains(" cat "), "its own node's record, no step to ask: {log}");
+    assert!(
+        !log.contains("requeue") && !log.contains(" cat "),
+        "its own node's record, no step to ask: {log}"
+    );
 
     // On node2: the batch script's node has none.
     let record = f.dir.path().join("node2.json");
     std::fs::write(&record, "{\"restart_count\":1,\"code\":3,\"message\":\"out of memory\"}\n").unwrap();
-    let o = f.sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("FAKE_NODE2_RECORD", record.to_str().unwrap())]).output().unwrap();
+    let o = f
+        .sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("FAKE_NODE2_RECORD", record.to_str().unwrap())])
+        .output()
+        .unwrap();
     let log = f.log();
     assert_eq!(o.status.code(), Some(3), "{}\n{log}", text(&o));
     assert!(text(&o).contains("failed with exit 3") && !log.contains("requeue"), "{}\n{log}", text(&o));
@@ -174,13 +207,21 @@ fn sbatch_exits_with_the_code_of_a_failure_a_restart_would_meet_again_on_any_nod
 
     let files: Vec<&str> = log.lines().filter_map(|l| l.strip_prefix("failure-file ")).collect();
     assert_eq!(files.len(), 2, "{log}");
-    assert!(files[0] != files[1] && files.iter().all(|f| f.contains("trainguard-42-")), "a new file for each leg: {files:?}");
+    assert!(
+        files[0] != files[1] && files.iter().all(|f| f.contains("trainguard-42-")),
+        "a new file for each leg: {files:?}"
+    );
 }
 
 #[test]
 fn sbatch_forwards_slurms_sigterm_to_the_job_step_and_requeues() {
     let f = Fakes::new();
-    let mut child = f.sbatch("wait", &[("FAKE_SQUEUE", "UNLIMITED")]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = f
+        .sbatch("wait", &[("FAKE_SQUEUE", "UNLIMITED")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let ready = f.dir.path().join("log.ready");
     let t0 = Instant::now();
     while !ready.exists() {
@@ -201,7 +242,14 @@ fn sbatch_forwards_slurms_sigterm_to_the_job_step_and_requeues() {
 fn torchrun_sh(out: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new("bash");
     cmd.current_dir(repo()).args(["scripts/launch/torchrun.sh", "2", "configs/debug.yaml"]);
-    for s in [format!("out_dir={}", out.display()).as_str(), "train.threads=1", "train.global_batch_size=16", "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=5"] {
+    for s in [
+        format!("out_dir={}", out.display()).as_str(),
+        "train.threads=1",
+        "train.global_batch_size=16",
+        "train.warmup_steps=2",
+        "train.eval_interval=0",
+        "checkpoint.interval=5",
+    ] {
         cmd.arg("--set").arg(s);
     }
     cmd.args(extra).env("TRAINGUARD", bin()).env("MAX_RESTARTS", "1");
@@ -211,10 +259,16 @@ fn torchrun_sh(out: &Path, extra: &[&str]) -> Command {
 #[test]
 fn torchrun_sh_exits_4_on_a_planned_stop_and_0_when_finished() {
     let d = tempfile::tempdir().unwrap();
-    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--max-duration", "3s"]).output().unwrap();
+    let o =
+        torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--max-duration", "3s"]).output().unwrap();
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(text(&o).contains("stopped, resumable"), "{}", text(&o));
-    let o = torchrun_sh(d.path(), &["--set", "train.max_steps=100000", "--resume", "auto", "--max-duration", "3s"]).output().unwrap();
+    let o = torchrun_sh(
+        d.path(),
+        &["--set", "train.max_steps=100000", "--resume", "auto", "--max-duration", "3s"],
+    )
+    .output()
+    .unwrap();
     assert_eq!(o.status.code(), Some(4), "a second leg resumes and stops again: {}", text(&o));
     let e = tempfile::tempdir().unwrap();
     let o = torchrun_sh(e.path(), &["--set", "train.max_steps=6"]).output().unwrap();
@@ -246,7 +300,11 @@ fn torchrun_sh_refuses_an_out_dir_another_run_holds_with_exit_2() {
 #[test]
 fn torchrun_sh_turns_sigterm_into_a_checkpointed_resumable_stop() {
     let d = tempfile::tempdir().unwrap();
-    let child = torchrun_sh(d.path(), &["--set", "train.max_steps=100000"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let child = torchrun_sh(d.path(), &["--set", "train.max_steps=100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let metrics = d.path().join("metrics.jsonl");
     let t0 = Instant::now();
     while read_jsonl(&metrics).len() < 3 {
@@ -275,14 +333,24 @@ fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
     let o = bench(&["--pad-vocab-to", "1", "--trace", traces.path().to_str().unwrap(), "configs/debug.yaml"]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(out.contains("| work | debug-trainguard | debug-eager-fused | debug-eager-fused − debug-trainguard |"), "the sides side by side: {out}");
+    assert!(
+        out.contains(
+            "| work | debug-trainguard | debug-eager-fused | debug-eager-fused − debug-trainguard |"
+        ),
+        "the sides side by side: {out}"
+    );
     for side in ["trainguard", "eager-fused"] {
         // STEPS=2 after 3 warm-up steps: steps 5 and 6 are the profiled ones, on both sides.
         let file = traces.path().join(format!("debug-{side}.json"));
         assert!(out.contains(&format!("{}: steps 5-6, cpu operators", file.display())), "{side}: {out}");
     }
     assert!(out.lines().next().unwrap().contains("pt-compile"), "{out}");
-    let row: Vec<&str> = out.lines().find(|l| l.starts_with("configs/debug.yaml")).expect("a row for the config").split_whitespace().collect();
+    let row: Vec<&str> = out
+        .lines()
+        .find(|l| l.starts_with("configs/debug.yaml"))
+        .expect("a row for the config")
+        .split_whitespace()
+        .collect();
     assert_eq!(row[1..3], ["cpu", "fp32"], "{out}");
     for i in [3, 4, 5] {
         assert!(row[i].parse::<f64>().unwrap() > 100.0, "tokens/s in column {i}: {out}");

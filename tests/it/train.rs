@@ -17,7 +17,8 @@ fn debug_config_learns_below_the_unigram_entropy() {
     assert_eq!(metrics.len(), 200);
     let first = metrics[0]["loss"].as_f64().unwrap();
     assert!(first > val + 2.0, "loss went from {first} to {val}");
-    for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "micro_batch", "accumulation", "elapsed_s"] {
+    for key in ["step", "loss", "lr", "grad_norm", "tokens_per_s", "micro_batch", "accumulation", "elapsed_s"]
+    {
         assert!(!metrics[5][key].is_null(), "metrics line lacks {key}: {}", metrics[5]);
     }
     assert_eq!(metrics[5]["accumulation"], 4);
@@ -30,7 +31,8 @@ fn debug_config_learns_below_the_unigram_entropy() {
 #[test]
 fn without_evaluation_every_token_may_train() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["train.max_steps=3", "train.warmup_steps=0", "data.synthetic_tokens=66", "train.eval_interval=0"];
+    let sets =
+        ["train.max_steps=3", "train.warmup_steps=0", "data.synthetic_tokens=66", "train.eval_interval=0"];
     let short = train(dir.path(), "configs/debug.yaml", &sets);
     assert_eq!(short.code(), 2, "{}", short.stderr());
     assert!(short.stderr().contains("data.synthetic_tokens: must be at least"), "{}", short.stderr());
@@ -40,12 +42,17 @@ fn without_evaluation_every_token_may_train() {
     assert_eq!(run.metrics().len(), 3);
     let with_eval = train(dir.path(), "configs/debug.yaml", &["data.val_fraction=0"]);
     assert_eq!(with_eval.code(), 2);
-    assert!(with_eval.stderr().contains("data.val_fraction: must be above 0 while train.eval_interval evaluates"), "{}", with_eval.stderr());
+    assert!(
+        with_eval.stderr().contains("data.val_fraction: must be above 0 while train.eval_interval evaluates"),
+        "{}",
+        with_eval.stderr()
+    );
 }
 
 #[test]
 fn same_seed_gives_identical_metrics_and_weights() {
-    let (a, b, c) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (a, b, c) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let sets = ["train.max_steps=25", "train.eval_interval=10", "model.dropout=0.1"];
     let ra = train(a.path(), "configs/debug.yaml", &sets).ok();
     let rb = train(b.path(), "configs/debug.yaml", &sets).ok();
@@ -64,12 +71,25 @@ fn an_uneven_split_equals_the_even_split_of_the_same_global_batch() {
     // momentum SGD keeps that at its size, where Adam would turn it into lr-sized steps on
     // weights whose gradient is ~0 (the even/uneven maths is the same for every optimizer).
     let (even, uneven) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let base = ["train.global_batch_size=24", "train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=6", "model.dropout=0", "optimizer.name=sgd_momentum", "train.lr=0.1"];
-    let a = train(even.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=8"]].concat()).ok();
-    let b = train(uneven.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=5"]].concat()).ok();
+    let base = [
+        "train.global_batch_size=24",
+        "train.max_steps=12",
+        "train.warmup_steps=2",
+        "train.eval_interval=6",
+        "model.dropout=0",
+        "optimizer.name=sgd_momentum",
+        "train.lr=0.1",
+    ];
+    let a =
+        train(even.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=8"]].concat()).ok();
+    let b =
+        train(uneven.path(), "configs/debug.yaml", &[&base[..], &["train.micro_batch_size=5"]].concat()).ok();
     let (ma, mb) = (a.metrics(), b.metrics());
     assert_eq!((ma.len(), mb.len()), (12, 12));
-    assert!(mb.iter().all(|m| m["micro_batch"] == 5 && m["accumulation"] == 5), "5 micro-steps, the last of 4");
+    assert!(
+        mb.iter().all(|m| m["micro_batch"] == 5 && m["accumulation"] == 5),
+        "5 micro-steps, the last of 4"
+    );
     assert_eq!(series(&ma, "tokens"), series(&mb, "tokens"), "the same global batch every step");
     for (ra, rb) in ma.iter().zip(&mb) {
         for key in ["loss", "grad_norm"] {
@@ -118,12 +138,20 @@ fn bad_configs_exit_2_naming_the_key() {
     expect_config_error("model:\n  n_layers: 3\n", &[], &["n_layers"]);
     expect_config_error("train:\n  max_steps: lots\n", &[], &["train.max_steps"]);
     expect_config_error("model:\n  n_embd: 65\n  n_head: 2\n", &[], &["model.n_embd", "divisible"]);
-    expect_config_error("train:\n  global_batch_size: 30\n  micro_batch_size: 31\n", &[], &["train.micro_batch_size", "must not exceed train.global_batch_size (30)"]);
+    expect_config_error(
+        "train:\n  global_batch_size: 30\n  micro_batch_size: 31\n",
+        &[],
+        &["train.micro_batch_size", "must not exceed train.global_batch_size (30)"],
+    );
     expect_config_error("train: [unclosed\n", &[], &["not valid YAML"]);
     expect_config_error("", &["train.lr"], &["--set", "key.path=value"]);
     expect_config_error("", &["device=tpu"], &["device"]);
     // Every problem at once.
-    expect_config_error("model:\n  n_layer: 0\ntrain:\n  log_interval: 0\n", &[], &["model.n_layer", "train.log_interval", "2 problem"]);
+    expect_config_error(
+        "model:\n  n_layer: 0\ntrain:\n  log_interval: 0\n",
+        &[],
+        &["model.n_layer", "train.log_interval", "2 problem"],
+    );
     let out = Command::new(bin()).args(["train", "--config", "/no/such/file.yaml"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/file.yaml"));
@@ -141,23 +169,51 @@ fn version_and_config_show() {
     // full device is an error with exit 1. Neither is println!'s panic (exit 101).
     let piped = format!("{} config show | head -c0; echo \"rc=${{PIPESTATUS[0]}}\"", bin());
     let out = Command::new("bash").args(["-c", &piped]).output().unwrap();
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "rc=0", "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "rc=0",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
-    let full = Command::new(bin()).args(["config", "show"]).stdout(std::fs::File::create("/dev/full").unwrap()).output().unwrap();
+    let full = Command::new(bin())
+        .args(["config", "show"])
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
     assert_eq!(full.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&full.stderr).contains("cannot write to standard output: No space left on device"), "{}", String::from_utf8_lossy(&full.stderr));
+    assert!(
+        String::from_utf8_lossy(&full.stderr)
+            .contains("cannot write to standard output: No space left on device"),
+        "{}",
+        String::from_utf8_lossy(&full.stderr)
+    );
     // So are --version and --help, which clap would print and exit 0 from; a bad flag is still
     // clap's usage error.
     for args in [&["--version"][..], &["train", "--help"]] {
-        let full = Command::new(bin()).args(args).stdout(std::fs::File::create("/dev/full").unwrap()).output().unwrap();
+        let full = Command::new(bin())
+            .args(args)
+            .stdout(std::fs::File::create("/dev/full").unwrap())
+            .output()
+            .unwrap();
         assert_eq!(full.status.code(), Some(1), "{args:?}: {}", String::from_utf8_lossy(&full.stderr));
         let piped = format!("{} {} | head -c0; echo \"rc=${{PIPESTATUS[0]}}\"", bin(), args.join(" "));
         let out = Command::new("bash").args(["-c", &piped]).output().unwrap();
-        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "rc=0", "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "rc=0",
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let bad = Command::new(bin()).args(["train", "--resume", ""]).output().unwrap();
     assert_eq!(bad.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("an empty value: give `auto`, `none` or a checkpoint directory"), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr)
+            .contains("an empty value: give `auto`, `none` or a checkpoint directory"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }
 
 /// A libtorch error that tch raises as a panic (a Scalar-taking op refused: shapes that do not
@@ -166,7 +222,17 @@ fn version_and_config_show() {
 #[test]
 fn a_libtorch_error_raised_as_a_panic_is_an_error_not_a_crash() {
     let dir = tempfile::tempdir().unwrap();
-    let r = train(dir.path(), "configs/debug.yaml", &["train.max_steps=3", "train.warmup_steps=0", "train.eval_interval=0", "train.log_interval=1", "faults.failing_scalar_op_at_step=1"]);
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[
+            "train.max_steps=3",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "train.log_interval=1",
+            "faults.failing_scalar_op_at_step=1",
+        ],
+    );
     let err = r.stderr();
     assert_eq!(r.code(), 1, "{err}");
     let fatal = r.error_line();

@@ -10,7 +10,13 @@ use std::process::Command;
 use tch::Tensor;
 
 const VOCAB: i64 = 300;
-const SHORT: [&str; 5] = ["model.vocab_size=300", "train.max_steps=12", "train.warmup_steps=2", "train.eval_interval=6", "train.log_interval=1"];
+const SHORT: [&str; 5] = [
+    "model.vocab_size=300",
+    "train.max_steps=12",
+    "train.warmup_steps=2",
+    "train.eval_interval=6",
+    "train.log_interval=1",
+];
 
 fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     SHORT.iter().chain(extra).copied().collect()
@@ -67,7 +73,11 @@ fn assert_same_run(config: &str, extra: &[&str], tol: f64) {
 
 #[test]
 fn a_padded_gpt2_with_the_chunked_loss_trains_like_the_unpadded_one() {
-    assert_same_run("configs/debug.yaml", &["memory.loss_chunk_tokens=100", "optimizer.name=sgd", "train.lr=0.3"], 1e-6);
+    assert_same_run(
+        "configs/debug.yaml",
+        &["memory.loss_chunk_tokens=100", "optimizer.name=sgd", "train.lr=0.3"],
+        1e-6,
+    );
 }
 
 #[test]
@@ -87,7 +97,11 @@ fn adafactor_sees_the_unpadded_tensors() {
 fn a_padded_run_resumes_bitwise() {
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let straight = train(a.path(), "configs/debug.yaml", &with(&["checkpoint.interval=6"])).ok();
-    let first = train(b.path(), "configs/debug.yaml", &with(&["checkpoint.interval=6", "faults.interrupt_at_step=6"]));
+    let first = train(
+        b.path(),
+        "configs/debug.yaml",
+        &with(&["checkpoint.interval=6", "faults.interrupt_at_step=6"]),
+    );
     assert_eq!(first.code(), 4, "{}", first.stderr());
     let mut cmd = command(b.path(), "configs/debug.yaml", &with(&["checkpoint.interval=6"]));
     cmd.args(["--resume", "auto"]);
@@ -95,7 +109,11 @@ fn a_padded_run_resumes_bitwise() {
     assert_eq!(resumed.events_of("resumed")[0]["step"], 6);
     assert_eq!(series(&straight.metrics(), "loss"), series(&resumed.metrics(), "loss"));
     assert_bitwise_equal(&a.path().join("model.safetensors"), &b.path().join("model.safetensors"));
-    assert_eq!(weights(a.path()).iter().find(|(n, _)| n == "wte.weight").unwrap().1.size(), [320, 64], "checkpoints hold the padded rows");
+    assert_eq!(
+        weights(a.path()).iter().find(|(n, _)| n == "wte.weight").unwrap().1.size(),
+        [320, 64],
+        "checkpoints hold the padded rows"
+    );
 }
 
 /// A checkpoint written before `model.pad_vocab_to` existed: its config.yaml lacks the key (so
@@ -104,17 +122,32 @@ fn a_padded_run_resumes_bitwise() {
 #[test]
 fn a_checkpoint_from_before_the_padding_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    train(dir.path(), "configs/debug.yaml", &with(&["model.pad_vocab_to=1", "train.max_steps=6", "checkpoint.interval=6"])).ok();
+    train(
+        dir.path(),
+        "configs/debug.yaml",
+        &with(&["model.pad_vocab_to=1", "train.max_steps=6", "checkpoint.interval=6"]),
+    )
+    .ok();
     let saved = dir.path().join("checkpoints/step-00000006/config.yaml");
     let text = std::fs::read_to_string(&saved).unwrap();
-    let older: String = text.lines().filter(|l| !l.trim_start().starts_with("pad_vocab_to:")).map(|l| format!("{l}\n")).collect();
+    let older: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("pad_vocab_to:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
     assert_eq!(older.lines().count() + 1, text.lines().count(), "one line taken out");
     std::fs::write(&saved, older).unwrap();
     let mut cmd = command(dir.path(), "configs/debug.yaml", &with(&[]));
     cmd.args(["--resume", "auto"]);
     let r = run(cmd, dir.path());
     assert_eq!(r.code(), 2, "{}", r.stderr());
-    assert!(r.stderr().contains("model.pad_vocab_to: checkpoint 1 (`wte.weight` has the unpadded [300, 64]), config 64"), "{}", r.stderr());
+    assert!(
+        r.stderr().contains(
+            "model.pad_vocab_to: checkpoint 1 (`wte.weight` has the unpadded [300, 64]), config 64"
+        ),
+        "{}",
+        r.stderr()
+    );
 }
 
 #[test]
@@ -129,23 +162,50 @@ fn sampling_never_emits_a_padded_id_and_export_keeps_the_users_vocabulary() {
     train(&out, "configs/debug.yaml", &with(&[&source])).ok();
     // The padded rows are zero, so unmasked their logits (0) would beat about half the user's;
     // at a high temperature every id that is in the distribution turns up within 400 draws.
-    let r = tg(&["sample", out.to_str().unwrap(), "--prompt", "1 2 3", "--max-tokens", "400", "--temperature", "50", "--device", "cpu"]).ok();
+    let r = tg(&[
+        "sample",
+        out.to_str().unwrap(),
+        "--prompt",
+        "1 2 3",
+        "--max-tokens",
+        "400",
+        "--temperature",
+        "50",
+        "--device",
+        "cpu",
+    ])
+    .ok();
     let ids: Vec<i64> = r.stdout().split_whitespace().map(|w| w.parse().unwrap()).collect();
     assert_eq!(ids.len(), 400, "{}", r.stdout());
-    assert!(ids.iter().all(|&i| (0..VOCAB).contains(&i)), "a padded id was sampled: {:?}", ids.iter().filter(|&&i| i >= VOCAB).collect::<Vec<_>>());
+    assert!(
+        ids.iter().all(|&i| (0..VOCAB).contains(&i)),
+        "a padded id was sampled: {:?}",
+        ids.iter().filter(|&&i| i >= VOCAB).collect::<Vec<_>>()
+    );
     assert!(ids.iter().any(|&i| i >= 250), "the draw covers the top of the vocabulary");
 
     // Export: transformers' shapes and vocab_size are the user's.
     let hf = dir.path().join("hf");
     tg(&["export", out.to_str().unwrap(), "--hf", hf.to_str().unwrap()]).ok();
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
     assert_eq!(config["vocab_size"], VOCAB);
     let exported = tensors(&hf.join("model.safetensors"));
     assert_eq!(exported.iter().find(|(n, _)| n == "transformer.wte.weight").unwrap().1.size(), [VOCAB, 64]);
     // Loaded back (padded again on import): the same logits, over the user's vocabulary.
     let dump = |target: &Path, name: &str| -> Tensor {
         let f = dir.path().join(name);
-        tg(&["sample", target.to_str().unwrap(), "--ids", "5,17,299,2", "--device", "cpu", "--dump-logits", f.to_str().unwrap()]).ok();
+        tg(&[
+            "sample",
+            target.to_str().unwrap(),
+            "--ids",
+            "5,17,299,2",
+            "--device",
+            "cpu",
+            "--dump-logits",
+            f.to_str().unwrap(),
+        ])
+        .ok();
         Tensor::read_safetensors(&f).unwrap().remove(0).1
     };
     let (ours, back) = (dump(&out, "a.safetensors"), dump(&hf, "b.safetensors"));

@@ -3,7 +3,11 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
-#[command(name = "trainguard", version, about = "Pretrain GPT models on libtorch; runs survive CUDA out of memory.")]
+#[command(
+    name = "trainguard",
+    version,
+    about = "Pretrain GPT models on libtorch; runs survive CUDA out of memory."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -121,7 +125,10 @@ pub struct ConfigArgs {
 
 /// A count that must name at least one thing (`--top`).
 fn at_least_one(text: &str) -> Result<usize, String> {
-    text.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| format!("expected a whole number from 1, got `{text}`"))
+    text.parse::<usize>()
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| format!("expected a whole number from 1, got `{text}`"))
 }
 
 #[cfg(test)]
@@ -130,11 +137,17 @@ mod tests {
 
     #[test]
     fn trace_top_counts_from_one_and_a_negative_number_is_a_value() {
-        let top = |n: &str| Cli::try_parse_from(["trainguard", "trace", "--top", n, "t.json"]).map_err(|e| e.to_string());
+        let top = |n: &str| {
+            Cli::try_parse_from(["trainguard", "trace", "--top", n, "t.json"]).map_err(|e| e.to_string())
+        };
         assert!(matches!(top("3").unwrap().command, Command::Trace(TraceArgs { top: 3, .. })));
         for bad in ["0", "-1"] {
             let err = top(bad).unwrap_err();
-            assert!(err.contains("'--top <N>'") && err.contains(&format!("expected a whole number from 1, got `{bad}`")), "{err}");
+            assert!(
+                err.contains("'--top <N>'")
+                    && err.contains(&format!("expected a whole number from 1, got `{bad}`")),
+                "{err}"
+            );
         }
         // Reaches sample's own rule (refused there by name), not clap's "unexpected argument".
         let parsed = Cli::try_parse_from(["trainguard", "sample", "run", "--temperature", "-1"]).unwrap();

@@ -5,8 +5,8 @@ use clap::Parser;
 mod cli;
 use cli::{Cli, Command, ConfigArgs, ConfigCommand, TrainArgs};
 use trainguard::job::interrupt::Interrupter;
-use trainguard::train::{Resume, TrainError};
 use trainguard::job::{attempts, deadline, exit, stop_record};
+use trainguard::train::{Resume, TrainError};
 use trainguard::{checkpoint, config, distributed, run_plan, train};
 
 fn main() {
@@ -32,14 +32,25 @@ fn main() {
         if let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") {
             let kind = exit::kind_name(code);
             if let Err(e) = distributed::write_error_file(std::path::Path::new(&path), kind, &message(&err)) {
-                trainguard::console::logging::to_stderr(&format!("warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}", path.to_string_lossy()));
+                trainguard::console::logging::to_stderr(&format!(
+                    "warning: cannot write TORCHELASTIC_ERROR_FILE {}: {e}",
+                    path.to_string_lossy()
+                ));
             }
         }
         // Under torchrun, what a restart would meet again ends the job (src/attempts.rs).
-        if let Some(a) = attempts::Attempt::from_env(env).filter(|_| training && attempts::ends_the_job(code) && !heard_from_a_peer(&err)) {
+        if let Some(a) = attempts::Attempt::from_env(env)
+            .filter(|_| training && attempts::ends_the_job(code) && !heard_from_a_peer(&err))
+        {
             let file = failure_file(&a);
-            if let Err(e) = attempts::record_failure(&file, &attempts::Failure { restart_count: a.restart_count, code, message: message(&err) }) {
-                trainguard::console::logging::to_stderr(&format!("warning: cannot record the failure in {}: {e}; torchrun will restart the group", file.display()));
+            if let Err(e) = attempts::record_failure(
+                &file,
+                &attempts::Failure { restart_count: a.restart_count, code, message: message(&err) },
+            ) {
+                trainguard::console::logging::to_stderr(&format!(
+                    "warning: cannot record the failure in {}: {e}; torchrun will restart the group",
+                    file.display()
+                ));
             }
         }
         std::process::exit(code);
@@ -56,11 +67,17 @@ fn parse_command_line() -> Cli {
         Ok(cli) => return cli,
         Err(e) => e,
     };
-    if !matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+    if !matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
         e.exit();
     }
     use std::io::IsTerminal;
-    let text = if std::io::stdout().is_terminal() { e.render().ansi().to_string() } else { e.render().to_string() };
+    let text =
+        if std::io::stdout().is_terminal() { e.render().ansi().to_string() } else { e.render().to_string() };
     if let Err(err) = out(&text) {
         report(&err);
         std::process::exit(exit::FAILURE);
@@ -103,7 +120,9 @@ fn out(text: &str) -> anyhow::Result<()> {
 /// whose retry (a job script's, after exit 1) would be refused for what this run left.
 fn out_after_written(text: &str, written: &str) {
     if let Err(e) = out(text) {
-        trainguard::console::logging::to_stderr(&format!("{written}; only its summary line could not be printed: {e:#}"));
+        trainguard::console::logging::to_stderr(&format!(
+            "{written}; only its summary line could not be printed: {e:#}"
+        ));
     }
 }
 
@@ -118,7 +137,8 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let mut overrides = args.config.overrides.clone();
     if let Some(d) = &args.max_duration {
-        config::parse_duration(d).map_err(|why| config::ConfigError::Flag { flag: format!("--max-duration `{d}`"), why })?;
+        config::parse_duration(d)
+            .map_err(|why| config::ConfigError::Flag { flag: format!("--max-duration `{d}`"), why })?;
         // As a YAML string, whatever it looks like (`90` would read as a number).
         overrides.push(format!("train.max_duration={}", serde_json::to_string(d)?));
     }
@@ -132,7 +152,10 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     // `--overwrite`: rank 0 moves the old run aside where the ranks compare their start (a
     // refusal there is one every rank hears of).
     let (resume, set_aside) = Resume::asked(args.resume.as_deref(), args.overwrite, resumes_its_run);
-    let env = run_plan::Environment { resuming: resume.may_resume(), ..run_plan::Environment::detect(launch.as_ref()) };
+    let env = run_plan::Environment {
+        resuming: resume.may_resume(),
+        ..run_plan::Environment::detect(launch.as_ref())
+    };
     let mut plan = run_plan::RunPlan::build(cfg, env)?;
     if let (Some(a), Some(l)) = (&attempt, launch.as_ref().filter(|l| l.rank == 0)) {
         if let Some(warning) = a.unnamed_across(l.world_size.div_ceil(l.local_world_size.max(1))) {
@@ -159,13 +182,20 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     .context("cannot install the SIGINT/SIGTERM handler")?;
     if let tch::Device::Cuda(i) = plan.device {
         // Before the process group: NCCL and whatever CUDA work names no device use this one.
-        trainguard::ffi::set_current_device(i).with_context(|| format!("cannot make cuda:{i} the current device"))?;
+        trainguard::ffi::set_current_device(i)
+            .with_context(|| format!("cannot make cuda:{i} the current device"))?;
     }
     // Under a launcher (RANK set) there is always a group, world size 1 included.
     let mut group = match &launch {
         Some(l) => {
             let backend = distributed::Dist::choose_backend(plan.config.dist.backend, plan.device)?;
-            let group = distributed::Dist::init(l, backend, plan.device, plan.config.dist.timeout_s, plan.time_limit)?;
+            let group = distributed::Dist::init(
+                l,
+                backend,
+                plan.device,
+                plan.config.dist.timeout_s,
+                plan.time_limit,
+            )?;
             carry_deadline(&mut plan, l, &group);
             Some(group)
         }
@@ -181,7 +211,10 @@ fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         Err(err @ TrainError::Interrupted { .. }) => {
             if elastic {
                 // torchrun restarts a worker that exits non-zero: a planned stop must end the job.
-                tracing::warn!("{err}; exiting 0 so that torchrun does not restart the group ({} says resumable)", stop_record::path(out_dir).display());
+                tracing::warn!(
+                    "{err}; exiting 0 so that torchrun does not restart the group ({} says resumable)",
+                    stop_record::path(out_dir).display()
+                );
                 return Ok(());
             }
             Err(anyhow::Error::new(err).context("training failed"))
@@ -204,8 +237,13 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
     }
     let newest = checkpoint::store::list(&checkpoint::store::root(out_dir)).pop();
     if let (Some((step, path)), true) = (&newest, writer) {
-        if let Err(e) = stop_record::write(out_dir, &stop_record::StopRecord::stopped(*step, "signal", Some(path))) {
-            trainguard::console::logging::to_stderr(&format!("warning: cannot write the stop record {}: {e}", stop_record::path(out_dir).display()));
+        if let Err(e) =
+            stop_record::write(out_dir, &stop_record::StopRecord::stopped(*step, "signal", Some(path)))
+        {
+            trainguard::console::logging::to_stderr(&format!(
+                "warning: cannot write the stop record {}: {e}",
+                stop_record::path(out_dir).display()
+            ));
         }
     }
     match (elastic, newest) {
@@ -216,7 +254,9 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
         (false, None) => {
             // Not `eprintln!`: on a closed stderr (`| tee` gone with the Ctrl-C) it panics, and
             // the signal thread would die before the exit, deaf to every later signal.
-            trainguard::console::logging::to_stderr("no checkpoint was written yet: nothing to resume from (exit 1)");
+            trainguard::console::logging::to_stderr(
+                "no checkpoint was written yet: nothing to resume from (exit 1)",
+            );
             exit::FAILURE
         }
     }
@@ -287,7 +327,8 @@ fn run_prepare(args: &trainguard::data::prepare::PrepareArgs) -> anyhow::Result<
     let m = trainguard::data::prepare::run(args, &stop)?;
     let secs = start.elapsed().as_secs_f64();
     // From here the dataset is in place: nothing may turn it into a failure.
-    let dtype = serde_json::to_value(m.dtype).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    let dtype =
+        serde_json::to_value(m.dtype).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
     let summary = format!(
         "prepared {}: {} documents, {} training tokens in {} shard(s), {} validation tokens, {}, vocab {} (EOS {} = {}); {:.1} MB/s, {:.2}M tokens/s\n",
         args.out.display(),
@@ -302,7 +343,14 @@ fn run_prepare(args: &trainguard::data::prepare::PrepareArgs) -> anyhow::Result<
         m.input_bytes as f64 / 1e6 / secs,
         (m.train_tokens + m.val_tokens) as f64 / 1e6 / secs
     );
-    out_after_written(&summary, &format!("prepare: the dataset was written at {} ({})", args.out.display(), args.out.join("dataset.json").display()));
+    out_after_written(
+        &summary,
+        &format!(
+            "prepare: the dataset was written at {} ({})",
+            args.out.display(),
+            args.out.join("dataset.json").display()
+        ),
+    );
     Ok(())
 }
 
@@ -313,9 +361,18 @@ fn run_export(args: &cli::ExportArgs) -> anyhow::Result<()> {
         tracing::warn!("{why}: exporting without a tokenizer");
     }
     let file = trained.dataset.as_ref().map(|d| d.tokenizer_file());
-    let tokenizer = trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer { file, eos_token: &d.vocab.eos, eos_id: d.vocab.eos_id, specials: &d.specials });
+    let tokenizer =
+        trained.dataset.as_ref().zip(file.as_deref()).map(|(d, file)| trainguard::hf::Tokenizer {
+            file,
+            eos_token: &d.vocab.eos,
+            eos_id: d.vocab.eos_id,
+            specials: &d.specials,
+        });
     let files = trainguard::hf::export(&model, tokenizer, &args.hf)?;
-    out_after_written(&format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")), &format!("export: {} was written", args.hf.display()));
+    out_after_written(
+        &format!("exported {} to {}: {}\n", args.target.display(), args.hf.display(), files.join(", ")),
+        &format!("export: {} was written", args.hf.display()),
+    );
     Ok(())
 }
 
@@ -333,7 +390,10 @@ fn show_env(args: &ConfigArgs) -> anyhow::Result<()> {
 fn report(err: &anyhow::Error) {
     // A planned stop (signal, time limit) is not a failure: it says where it stopped and how
     // to go on (exit code 4 all the same).
-    let stopped = err.chain().find_map(|c| c.downcast_ref::<TrainError>()).filter(|e| matches!(e, TrainError::Interrupted { .. }));
+    let stopped = err
+        .chain()
+        .find_map(|c| c.downcast_ref::<TrainError>())
+        .filter(|e| matches!(e, TrainError::Interrupted { .. }));
     let text = match stopped {
         Some(stopped) if err.chain().find_map(oom_in).is_none() => stopped.to_string(),
         _ => format!("error: {}", message(err)),
@@ -350,7 +410,11 @@ fn message(err: &anyhow::Error) -> String {
         return f.advice();
     }
     let text = causes(err).join(": ");
-    text.lines().take_while(|l| !l.starts_with("Exception raised from")).take(21).collect::<Vec<_>>().join("\n")
+    text.lines()
+        .take_while(|l| !l.starts_with("Exception raised from"))
+        .take(21)
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The error chain's messages, outermost first, without a cause whose text its wrapper already
@@ -376,7 +440,10 @@ fn exit_code(err: &anyhow::Error) -> i32 {
             || cause.is::<run_plan::PlanError>()
             || cause.is::<trainguard::memory::allocator::AllocatorError>()
             || cause.is::<distributed::EnvError>()
-            || matches!(cause.downcast_ref::<distributed::DistError>(), Some(distributed::DistError::Backend(_)))
+            || matches!(
+                cause.downcast_ref::<distributed::DistError>(),
+                Some(distributed::DistError::Backend(_))
+            )
         {
             return exit::CONFIG;
         }
@@ -395,7 +462,10 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         {
             return exit::CONFIG;
         }
-        if matches!(cause.downcast_ref::<trainguard::data::prepare::PrepareError>(), Some(trainguard::data::prepare::PrepareError::Interrupted)) {
+        if matches!(
+            cause.downcast_ref::<trainguard::data::prepare::PrepareError>(),
+            Some(trainguard::data::prepare::PrepareError::Interrupted)
+        ) {
             return exit::INTERRUPTED;
         }
         if oom_in(cause).is_some() {
@@ -404,7 +474,9 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         match cause.downcast_ref::<TrainError>() {
             Some(TrainError::Interrupted { .. }) => return exit::INTERRUPTED,
             Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
-            Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => return exit::NOT_DETERMINISTIC,
+            Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => {
+                return exit::NOT_DETERMINISTIC
+            }
             Some(t) if t.is_usage() => return exit::CONFIG,
             _ => {}
         }

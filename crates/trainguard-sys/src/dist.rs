@@ -5,13 +5,50 @@ use tch::Tensor;
 
 extern "C" {
     fn tg_pg_nccl_built() -> c_int;
-    fn tg_pg_new(backend: c_int, host: *const c_char, port: c_int, rank: c_int, world: c_int, host_store: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
-    fn tg_pg_allreduce(group: *mut c_void, tensor: *mut c_void, op: c_int, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_pg_broadcast(group: *mut c_void, tensor: *mut c_void, root: c_int, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_pg_new(
+        backend: c_int,
+        host: *const c_char,
+        port: c_int,
+        rank: c_int,
+        world: c_int,
+        host_store: c_int,
+        timeout_ms: i64,
+        prefix: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn tg_pg_allreduce(
+        group: *mut c_void,
+        tensor: *mut c_void,
+        op: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_pg_broadcast(
+        group: *mut c_void,
+        tensor: *mut c_void,
+        root: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_free(group: *mut c_void);
-    fn tg_store_new(host: *const c_char, port: c_int, timeout_ms: i64, prefix: *const c_char, err: *mut c_char, err_len: usize) -> *mut c_void;
-    fn tg_store_add(store: *mut c_void, key: *const c_char, delta: i64, value: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_store_new(
+        host: *const c_char,
+        port: c_int,
+        timeout_ms: i64,
+        prefix: *const c_char,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn tg_store_add(
+        store: *mut c_void,
+        key: *const c_char,
+        delta: i64,
+        value: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_store_free(store: *mut c_void);
 }
 
@@ -58,13 +95,33 @@ unsafe impl Send for ProcessGroup {}
 
 impl ProcessGroup {
     #[allow(clippy::too_many_arguments)]
-    pub fn new(backend: Backend, host: &str, port: u16, rank: usize, world: usize, host_store: bool, timeout_ms: u64, prefix: &str) -> Result<Self, ShimError> {
+    pub fn new(
+        backend: Backend,
+        host: &str,
+        port: u16,
+        rank: usize,
+        world: usize,
+        host_store: bool,
+        timeout_ms: u64,
+        prefix: &str,
+    ) -> Result<Self, ShimError> {
         let host = CString::new(host).map_err(|_| ShimError::Torch("host contains NUL".into()))?;
         let prefix = CString::new(prefix).map_err(|_| ShimError::Torch("prefix contains NUL".into()))?;
         let mut err = [0u8; ERR_LEN];
         // SAFETY: both strings are NUL-terminated and outlive the call; `err` is ERR_LEN bytes.
         let handle = unsafe {
-            tg_pg_new(backend as c_int, host.as_ptr(), port as c_int, rank as c_int, world as c_int, host_store as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN)
+            tg_pg_new(
+                backend as c_int,
+                host.as_ptr(),
+                port as c_int,
+                rank as c_int,
+                world as c_int,
+                host_store as c_int,
+                timeout_ms as i64,
+                prefix.as_ptr(),
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
         };
         if handle.is_null() {
             return Err(ShimError::Torch(message(&err)));
@@ -76,13 +133,35 @@ impl ProcessGroup {
     pub fn all_reduce(&self, tensor: &mut Tensor, op: ReduceOp) -> Result<(), ShimError> {
         let mut err = [0u8; ERR_LEN];
         // SAFETY: `tensor` is a live tch handle (an at::Tensor*); the call blocks until done.
-        check(unsafe { tg_pg_allreduce(self.handle, tensor.as_mut_ptr().cast(), op as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+        check(
+            unsafe {
+                tg_pg_allreduce(
+                    self.handle,
+                    tensor.as_mut_ptr().cast(),
+                    op as c_int,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            },
+            &err,
+        )
     }
 
     pub fn broadcast(&self, tensor: &mut Tensor, root: usize) -> Result<(), ShimError> {
         let mut err = [0u8; ERR_LEN];
         // SAFETY: as in all_reduce.
-        check(unsafe { tg_pg_broadcast(self.handle, tensor.as_mut_ptr().cast(), root as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+        check(
+            unsafe {
+                tg_pg_broadcast(
+                    self.handle,
+                    tensor.as_mut_ptr().cast(),
+                    root as c_int,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            },
+            &err,
+        )
     }
 
     pub fn barrier(&self) -> Result<(), ShimError> {
@@ -113,7 +192,16 @@ impl Store {
         let prefix = CString::new(prefix).map_err(|_| ShimError::Torch("prefix contains NUL".into()))?;
         let mut err = [0u8; ERR_LEN];
         // SAFETY: both strings are NUL-terminated and outlive the call; `err` is ERR_LEN bytes.
-        let handle = unsafe { tg_store_new(host.as_ptr(), port as c_int, timeout_ms as i64, prefix.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+        let handle = unsafe {
+            tg_store_new(
+                host.as_ptr(),
+                port as c_int,
+                timeout_ms as i64,
+                prefix.as_ptr(),
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        };
         if handle.is_null() {
             return Err(ShimError::Torch(message(&err)));
         }
@@ -125,7 +213,12 @@ impl Store {
         let key = CString::new(key).map_err(|_| ShimError::Torch("key contains NUL".into()))?;
         let (mut value, mut err) = (0i64, [0u8; ERR_LEN]);
         // SAFETY: live handle, NUL-terminated key, `value` and `err` outlive the call.
-        check(unsafe { tg_store_add(self.handle, key.as_ptr(), delta, &mut value, err.as_mut_ptr().cast(), ERR_LEN) }, &err)?;
+        check(
+            unsafe {
+                tg_store_add(self.handle, key.as_ptr(), delta, &mut value, err.as_mut_ptr().cast(), ERR_LEN)
+            },
+            &err,
+        )?;
         Ok(value)
     }
 }

@@ -13,7 +13,13 @@ use std::ffi::{c_char, c_int};
 
 #[cfg(tg_cuda_graphs)]
 extern "C" {
-    fn tg_graph_capture_begin(device: c_int, share: *mut c_void, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_graph_capture_begin(
+        device: c_int,
+        share: *mut c_void,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_graph_capture_end(g: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_graph_replay(g: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_graph_free(g: *mut c_void);
@@ -44,7 +50,18 @@ impl Capture {
             let (mut handle, mut err) = (std::ptr::null_mut(), [0u8; ERR_LEN]);
             // SAFETY: `share` is a live graph handle or null; `handle` receives a new one on
             // success, owned by the Capture (freed by end's CudaGraph or by Drop).
-            result(unsafe { tg_graph_capture_begin(device as c_int, share, &mut handle, err.as_mut_ptr().cast(), ERR_LEN) }, &err)?;
+            result(
+                unsafe {
+                    tg_graph_capture_begin(
+                        device as c_int,
+                        share,
+                        &mut handle,
+                        err.as_mut_ptr().cast(),
+                        ERR_LEN,
+                    )
+                },
+                &err,
+            )?;
             Ok(Capture { handle })
         }
         #[cfg(not(tg_cuda_graphs))]

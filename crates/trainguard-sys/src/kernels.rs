@@ -10,19 +10,59 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_nvrtc_compile(src: *const c_char, major: c_int, minor: c_int, out: *mut *mut c_char, len: *mut usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_nvrtc_compile(
+        src: *const c_char,
+        major: c_int,
+        minor: c_int,
+        out: *mut *mut c_char,
+        len: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_cuda_jit_free(p: *mut c_char);
-    fn tg_nvrtc_info(major: *mut c_int, minor: *mut c_int, path: *mut c_char, path_len: usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_nvrtc_info(
+        major: *mut c_int,
+        minor: *mut c_int,
+        path: *mut c_char,
+        path_len: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_cuda_jit_prepare(ordinal: c_int, src: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_cuda_emulation_set(on: c_int);
     fn tg_cuda_emulation_on() -> c_int;
     fn tg_cuda_emulation_launches() -> u64;
     fn tg_cuda_emulation_launches_of(name: *const c_char) -> u64;
     #[cfg(test)]
-    fn tg_cuda_emulation_selftest(name: *const c_char, bytes: *mut u8, out: *mut f32, wrong: c_int, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_global_norm(ts: *const *const c_void, n: usize, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_scale_all(ts: *const *const c_void, n: usize, factor: f64, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_add_all(dst: *const *const c_void, src: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_cuda_emulation_selftest(
+        name: *const c_char,
+        bytes: *mut u8,
+        out: *mut f32,
+        wrong: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_global_norm(
+        ts: *const *const c_void,
+        n: usize,
+        out: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_scale_all(
+        ts: *const *const c_void,
+        n: usize,
+        factor: f64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_add_all(
+        dst: *const *const c_void,
+        src: *const *const c_void,
+        n: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_zero_all(ts: *const *const c_void, n: usize, err: *mut c_char, err_len: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn tg_fused_adamw(
@@ -113,7 +153,12 @@ pub struct QuantisedMoments<'a> {
 /// One 8-bit AdamW update of `param` (flat, contiguous, on the CPU or on a CUDA device the
 /// kernels were [prepared](prepare_cuda) for) from `grad` (same dtype), dequantising, updating
 /// and requantising each block of 2048 values in one pass (on CUDA: one launch).
-pub fn adamw8bit_update(param: &Tensor, grad: &Tensor, m: QuantisedMoments, s: AdamW8bitStep) -> Result<(), ShimError> {
+pub fn adamw8bit_update(
+    param: &Tensor,
+    grad: &Tensor,
+    m: QuantisedMoments,
+    s: AdamW8bitStep,
+) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: every pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
     // the shim checks devices, dtypes and lengths before it touches data, and catches every
@@ -171,7 +216,13 @@ pub struct AdafactorWorkspace<'a> {
 /// One Adafactor update of `param` (contiguous) from `grad` (same dtype and shape): on the CPU in
 /// four reads of the gradient and parameter and one write; on a CUDA device the kernels were
 /// [prepared](prepare_cuda) for, in five to seven launches that need `workspace`.
-pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s: AdafactorStep, workspace: Option<&AdafactorWorkspace>) -> Result<(), ShimError> {
+pub fn adafactor_update(
+    param: &Tensor,
+    grad: &Tensor,
+    moments: SecondMoments,
+    s: AdafactorStep,
+    workspace: Option<&AdafactorWorkspace>,
+) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     let (a, b) = match moments {
         SecondMoments::Factored { row_var, col_var } => (handle(row_var), handle(col_var)),
@@ -181,7 +232,22 @@ pub fn adafactor_update(param: &Tensor, grad: &Tensor, moments: SecondMoments, s
     // SAFETY: as in `adamw8bit_update`; `b` is null exactly when the moment is full, `ws` when no
     // workspace is given (the shim refuses a CUDA parameter without one).
     let code = unsafe {
-        tg_adafactor_update(handle(param), handle(grad), a, b, ws, bands, s.one_minus_beta2, s.rho, s.eps1, s.eps2, s.d, s.shrink, err.as_mut_ptr().cast(), ERR_LEN)
+        tg_adafactor_update(
+            handle(param),
+            handle(grad),
+            a,
+            b,
+            ws,
+            bands,
+            s.one_minus_beta2,
+            s.rho,
+            s.eps1,
+            s.eps2,
+            s.d,
+            s.shrink,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
     };
     result(code, &err)
 }
@@ -193,7 +259,14 @@ pub const CUDA_BLOCK_VALUES: i64 = 2048;
 /// Our own CUDA kernels' source (`optim_kernels.cu`, then `loss_kernels.cu`, `norm_kernels.cu`,
 /// `llama_kernels.cu` and `linear_kernels.cu`, which use its dtype loaders), NUL-terminated for the shim, which compiles it at run time with NVRTC
 /// (`cuda_jit.cpp`): the build needs no CUDA toolkit.
-const CUDA_SOURCE: &str = concat!(include_str!("../cuda/optim_kernels.cu"), include_str!("../cuda/loss_kernels.cu"), include_str!("../cuda/norm_kernels.cu"), include_str!("../cuda/llama_kernels.cu"), include_str!("../cuda/linear_kernels.cu"), "\0");
+const CUDA_SOURCE: &str = concat!(
+    include_str!("../cuda/optim_kernels.cu"),
+    include_str!("../cuda/loss_kernels.cu"),
+    include_str!("../cuda/norm_kernels.cu"),
+    include_str!("../cuda/llama_kernels.cu"),
+    include_str!("../cuda/linear_kernels.cu"),
+    "\0"
+);
 
 /// The machine code (an ELF cubin) of our CUDA kernels for compute capability `major.minor`, as
 /// [`prepare_cuda`] compiles it. Needs NVRTC (the torch wheel's `nvidia/cu13/lib/libnvrtc.so.13`),
@@ -203,7 +276,17 @@ pub fn cuda_binary(major: i32, minor: i32) -> Result<Vec<u8>, ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: the source is NUL-terminated; on success the shim hands over a malloc'd buffer of
     // `len` bytes, copied here and released with tg_cuda_jit_free.
-    let code = unsafe { tg_nvrtc_compile(CUDA_SOURCE.as_ptr().cast(), major, minor, &mut out, &mut len, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_nvrtc_compile(
+            CUDA_SOURCE.as_ptr().cast(),
+            major,
+            minor,
+            &mut out,
+            &mut len,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)?;
     // SAFETY: as above; `out` is non-null after a successful call.
     let binary = unsafe { std::slice::from_raw_parts(out.cast::<u8>(), len).to_vec() };
@@ -217,9 +300,20 @@ pub fn nvrtc_info() -> Result<(i32, i32, String), ShimError> {
     let (mut major, mut minor) = (0, 0);
     let (mut path, mut err) = ([0u8; 1024], [0u8; ERR_LEN]);
     // SAFETY: plain out-parameters and buffers of the lengths given; the shim catches exceptions.
-    let code = unsafe { tg_nvrtc_info(&mut major, &mut minor, path.as_mut_ptr().cast(), path.len(), err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_nvrtc_info(
+            &mut major,
+            &mut minor,
+            path.as_mut_ptr().cast(),
+            path.len(),
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)?;
-    let path = std::ffi::CStr::from_bytes_until_nul(&path).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    let path = std::ffi::CStr::from_bytes_until_nul(&path)
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
     Ok((major, minor, path))
 }
 
@@ -231,7 +325,17 @@ pub fn prepare_cuda(device: tch::Device) -> Result<(), ShimError> {
     let tch::Device::Cuda(ordinal) = device else { return Ok(()) };
     let mut err = [0u8; ERR_LEN];
     // SAFETY: the source is NUL-terminated and static; the shim catches every exception.
-    result(unsafe { tg_cuda_jit_prepare(ordinal as c_int, CUDA_SOURCE.as_ptr().cast(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    result(
+        unsafe {
+            tg_cuda_jit_prepare(
+                ordinal as c_int,
+                CUDA_SOURCE.as_ptr().cast(),
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        },
+        &err,
+    )
 }
 
 /// For tests on machines without a GPU: while a `CudaEmulation` lives, CPU tensors on this
@@ -314,7 +418,10 @@ pub fn global_norm(tensors: &[Tensor], out: &Tensor) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call, as
     // is `out`; the shim copies the handles (refcounted) and catches every exception.
-    result(unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), handle(out), err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    result(
+        unsafe { tg_global_norm(ptrs.as_ptr(), ptrs.len(), handle(out), err.as_mut_ptr().cast(), ERR_LEN) },
+        &err,
+    )
 }
 
 /// Multiplies every one of `tensors` by `factor` in place (one multi-tensor launch on CUDA).
@@ -330,7 +437,12 @@ pub fn scale_all(tensors: &[Tensor], factor: f64) -> Result<(), ShimError> {
 /// already added into its accumulator where it was computed (`ffi::linear::GemmSums`).
 pub fn add_all(dst: &[Tensor], src: &[Tensor]) -> Result<(), ShimError> {
     assert_eq!(dst.len(), src.len(), "tensor lists differ in length");
-    let (d, s): (Vec<_>, Vec<_>) = dst.iter().zip(src).filter(|(_, s)| s.defined()).map(|(d, s)| (handle(d) as *const c_void, handle(s) as *const c_void)).unzip();
+    let (d, s): (Vec<_>, Vec<_>) = dst
+        .iter()
+        .zip(src)
+        .filter(|(_, s)| s.defined())
+        .map(|(d, s)| (handle(d) as *const c_void, handle(s) as *const c_void))
+        .unzip();
     if d.is_empty() {
         return Ok(()); // ATen's multi-tensor ops refuse empty lists
     }
@@ -350,15 +462,40 @@ pub fn zero_all(tensors: &[Tensor]) -> Result<(), ShimError> {
 
 /// `at::_fused_adamw_` over parallel lists of tensors (all the same length); `steps` are float
 /// scalar tensors already incremented for this update.
-pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], steps: &[&Tensor], h: AdamWHyper) -> Result<(), ShimError> {
+pub fn fused_adamw(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avgs: &[&Tensor],
+    exp_avg_sqs: &[&Tensor],
+    steps: &[&Tensor],
+    h: AdamWHyper,
+) -> Result<(), ShimError> {
     let n = params.len();
-    assert!([grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n), "tensor lists differ in length");
-    let (p, g, m, v, s) = (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs), handles(steps));
+    assert!(
+        [grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().all(|&l| l == n),
+        "tensor lists differ in length"
+    );
+    let (p, g, m, v, s) =
+        (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs), handles(steps));
     let mut err = [0u8; ERR_LEN];
     // SAFETY: each pointer is a live tch tensor handle (an at::Tensor*) borrowed for the call;
     // the shim copies the handles (refcounted) and catches every exception.
     let code = unsafe {
-        tg_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), s.as_ptr(), n, h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, err.as_mut_ptr().cast(), ERR_LEN)
+        tg_fused_adamw(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n,
+            h.lr,
+            h.beta1,
+            h.beta2,
+            h.weight_decay,
+            h.eps,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
     };
     result(code, &err)
 }
@@ -366,14 +503,38 @@ pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], 
 /// `at::_fused_sgd_` over parallel lists of tensors: coupled `weight_decay`, then heavy-ball
 /// `momentum` when `momentum_buffers` is `Some` (one per parameter; `first_step` copies the
 /// gradient into them, as PyTorch's first step does).
-pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: Option<&[&Tensor]>, weight_decay: f64, momentum: f64, lr: f64, first_step: bool) -> Result<(), ShimError> {
+pub fn fused_sgd(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    momentum_buffers: Option<&[&Tensor]>,
+    weight_decay: f64,
+    momentum: f64,
+    lr: f64,
+    first_step: bool,
+) -> Result<(), ShimError> {
     let n = params.len();
-    assert!(grads.len() == n && momentum_buffers.is_none_or(|b| b.len() == n), "tensor lists differ in length");
+    assert!(
+        grads.len() == n && momentum_buffers.is_none_or(|b| b.len() == n),
+        "tensor lists differ in length"
+    );
     let (p, g, b) = (handles(params), handles(grads), momentum_buffers.map(handles));
     let b_ptr = b.as_ref().map_or(std::ptr::null(), |b| b.as_ptr());
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `fused_adamw`; `b_ptr` is null exactly when there are no buffers.
-    let code = unsafe { tg_fused_sgd(p.as_ptr(), g.as_ptr(), b_ptr, n, weight_decay, momentum, lr, c_int::from(first_step), err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_fused_sgd(
+            p.as_ptr(),
+            g.as_ptr(),
+            b_ptr,
+            n,
+            weight_decay,
+            momentum,
+            lr,
+            c_int::from(first_step),
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)
 }
 
@@ -393,7 +554,16 @@ mod tests {
             let name = std::ffi::CString::new(name).unwrap();
             let mut err = [0u8; ERR_LEN];
             // SAFETY: 48 bytes and 256 floats, as the check kernels take; the shim catches exceptions.
-            let code = unsafe { tg_cuda_emulation_selftest(name.as_ptr(), bytes.0.as_mut_ptr(), out.as_mut_ptr(), wrong as c_int, err.as_mut_ptr().cast(), ERR_LEN) };
+            let code = unsafe {
+                tg_cuda_emulation_selftest(
+                    name.as_ptr(),
+                    bytes.0.as_mut_ptr(),
+                    out.as_mut_ptr(),
+                    wrong as c_int,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            };
             (result(code, &err), bytes)
         };
         let fails_with = |name: &str, what: &str| {
@@ -414,10 +584,22 @@ mod tests {
         // the array), or one of another size than its parameter (a GPU would read it short or
         // with its neighbour's bytes): refused before any thread runs.
         let name = std::ffi::CString::new("barrier").unwrap();
-        for (wrong, refused) in [(2, "tg_test_barrier takes 3 arguments; the launch passes 2"), (3, "tg_test_barrier's parameter 2 takes 4 bytes; the launch passes 8")] {
+        for (wrong, refused) in [
+            (2, "tg_test_barrier takes 3 arguments; the launch passes 2"),
+            (3, "tg_test_barrier's parameter 2 takes 4 bytes; the launch passes 8"),
+        ] {
             let (mut bytes, mut out, mut err) = ([0u8; 48], [0f32; 256], [0u8; ERR_LEN]);
             // SAFETY: 48 bytes and 256 floats, as the check kernels take; the shim catches exceptions.
-            let code = unsafe { tg_cuda_emulation_selftest(name.as_ptr(), bytes.as_mut_ptr(), out.as_mut_ptr(), wrong, err.as_mut_ptr().cast(), ERR_LEN) };
+            let code = unsafe {
+                tg_cuda_emulation_selftest(
+                    name.as_ptr(),
+                    bytes.as_mut_ptr(),
+                    out.as_mut_ptr(),
+                    wrong,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            };
             let err = result(code, &err).expect_err(refused).to_string();
             assert!(err.contains(refused), "{err}");
         }
@@ -428,7 +610,12 @@ mod tests {
             let mut out = input;
             run("barrier", wrong, &mut out).0.unwrap();
             let passed = (0..256).all(|t| out[t] == input[(t + 32) % 256]);
-            assert_eq!(passed, !wrong, "a barrier {}: each thread gets the value of the thread 32 on", if wrong { "missing" } else { "in place" });
+            assert_eq!(
+                passed,
+                !wrong,
+                "a barrier {}: each thread gets the value of the thread 32 on",
+                if wrong { "missing" } else { "in place" }
+            );
         }
     }
 
@@ -446,7 +633,11 @@ mod tests {
             .expect("the venv's python (scripts/setup.sh)");
         let report = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{report}\n{}", String::from_utf8_lossy(&out.stderr));
-        assert_eq!(report.matches("(want a group of").count(), 15, "every kernel the check names was found: {report}");
+        assert_eq!(
+            report.matches("(want a group of").count(),
+            15,
+            "every kernel the check names was found: {report}"
+        );
     }
 
     /// The CUDA kernels run only on a GPU (tests/it/gpu.rs), but NVRTC compiles them to machine code
@@ -454,15 +645,31 @@ mod tests {
     /// generation CUDA 13 supports, or that lost a kernel the shim loads by name, fails here.
     #[test]
     fn the_cuda_kernels_compile_with_nvrtc_for_every_supported_gpu() {
-        let mut entries = vec!["tg_adafactor_coef".to_string(), "tg_ln_param_sum".to_string(), "tg_col_sum_finish".to_string()];
+        let mut entries = vec![
+            "tg_adafactor_coef".to_string(),
+            "tg_ln_param_sum".to_string(),
+            "tg_col_sum_finish".to_string(),
+        ];
         for dtype in ["f32", "bf16", "f16"] {
             entries.push(format!("tg_adamw8bit_{dtype}"));
-            entries.extend(["rows", "cols", "col_var", "scale", "usq", "apply"].map(|stage| format!("tg_adafactor_{stage}_{dtype}")));
-            entries.extend(["forward", "backward", "forward_grad", "scale_grad"].map(|pass| format!("tg_ce_{pass}_{dtype}")));
-            entries.extend(["forward", "forward_warp", "backward", "backward_warp", "param_grads"].map(|pass| format!("tg_ln_{pass}_{dtype}")));
+            entries.extend(
+                ["rows", "cols", "col_var", "scale", "usq", "apply"]
+                    .map(|stage| format!("tg_adafactor_{stage}_{dtype}")),
+            );
+            entries.extend(
+                ["forward", "backward", "forward_grad", "scale_grad"]
+                    .map(|pass| format!("tg_ce_{pass}_{dtype}")),
+            );
+            entries.extend(
+                ["forward", "forward_warp", "backward", "backward_warp", "param_grads"]
+                    .map(|pass| format!("tg_ln_{pass}_{dtype}")),
+            );
             entries.extend(["forward", "backward"].map(|pass| format!("tg_swiglu_{pass}_{dtype}")));
             entries.push(format!("tg_rope_{dtype}"));
-            entries.extend(["col_sum_bands", "col_sum_bands_packed", "gelu_backward_bands"].map(|k| format!("tg_{k}_{dtype}")));
+            entries.extend(
+                ["col_sum_bands", "col_sum_bands_packed", "gelu_backward_bands"]
+                    .map(|k| format!("tg_{k}_{dtype}")),
+            );
         }
         for (major, minor) in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
             let cubin = cuda_binary(major, minor).unwrap_or_else(|e| panic!("sm_{major}{minor}: {e}"));
@@ -471,11 +678,20 @@ mod tests {
                 // A symbol name is NUL-terminated in the ELF string table: `tg_adafactor_cols_f32`
                 // must not pass on the strength of `tg_adafactor_col_var_f32` or a longer name.
                 let symbol = format!("{entry}\0");
-                assert!(cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()), "sm_{major}{minor}: no kernel {entry}");
+                assert!(
+                    cubin.windows(symbol.len()).any(|w| w == symbol.as_bytes()),
+                    "sm_{major}{minor}: no kernel {entry}"
+                );
             }
         }
-        assert!(super::CUDA_SOURCE.contains(&format!("#define TG_BLOCK {}\n", super::CUDA_BLOCK_VALUES)), "the Rust side sizes buffers by the kernels' block");
+        assert!(
+            super::CUDA_SOURCE.contains(&format!("#define TG_BLOCK {}\n", super::CUDA_BLOCK_VALUES)),
+            "the Rust side sizes buffers by the kernels' block"
+        );
         let err = cuda_binary(1, 0).unwrap_err().to_string();
-        assert!(err.contains("sm_10") && err.contains("NVRTC"), "an unknown GPU is refused with NVRTC's reason: {err}");
+        assert!(
+            err.contains("sm_10") && err.contains("NVRTC"),
+            "an unknown GPU is refused with NVRTC's reason: {err}"
+        );
     }
 }

@@ -13,10 +13,10 @@ pub mod dist;
 pub mod graph;
 pub mod kernels;
 pub mod linear;
+pub mod llama_ops;
 pub mod loss;
 pub mod norm;
 pub mod os;
-pub mod llama_ops;
 pub mod torch_panics;
 pub mod trace;
 
@@ -80,7 +80,13 @@ extern "C" {
     fn tg_autocast(cuda: c_int, enabled: c_int, dtype: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_matmul_precision(p: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_device_stats(device: c_int, out: *mut AllocatorStats, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_memory_info(device: c_int, free: *mut i64, total: *mut i64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_memory_info(
+        device: c_int,
+        free: *mut i64,
+        total: *mut i64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_current_device(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
@@ -90,7 +96,16 @@ extern "C" {
     fn tg_deterministic_state() -> c_int;
     fn tg_set_allocator_settings(settings: *const c_char, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_get_allocator_settings(out: *mut c_char, out_len: usize) -> c_int;
-    fn tg_backward(roots: *const *const c_void, grads: *const *const c_void, n_roots: usize, inputs: *const *const c_void, n_inputs: usize, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_backward(
+        roots: *const *const c_void,
+        grads: *const *const c_void,
+        n_roots: usize,
+        inputs: *const *const c_void,
+        n_inputs: usize,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 const ERR_LEN: usize = 4096;
@@ -100,7 +115,8 @@ fn result(code: c_int, err: &[u8]) -> Result<(), ShimError> {
         0 => Ok(()),
         2 => Err(ShimError::Unavailable),
         _ => {
-            let msg = CStr::from_bytes_until_nul(err).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+            let msg =
+                CStr::from_bytes_until_nul(err).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
             Err(ShimError::Torch(msg))
         }
     }
@@ -125,10 +141,22 @@ pub fn backward(roots: &[&Tensor], grads: &[&Tensor], inputs: &[Tensor]) -> Resu
     let mut err = [0u8; ERR_LEN];
     // SAFETY: the handles are live tensors borrowed for the call; `out` holds one slot per input,
     // which the shim fills with tensors it allocated with `new` (or leaves null on an error).
-    let code = unsafe { tg_backward(r.as_ptr(), g.as_ptr(), r.len(), i.as_ptr(), i.len(), out.as_mut_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_backward(
+            r.as_ptr(),
+            g.as_ptr(),
+            r.len(),
+            i.as_ptr(),
+            i.len(),
+            out.as_mut_ptr(),
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     // Taken over before the result is read, so none leaks on an error.
     // SAFETY: each non-null pointer is a tensor the shim handed over, owned from here by tch.
-    let taken: Vec<Option<Tensor>> = out.into_iter().map(|p| (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p.cast()) })).collect();
+    let taken: Vec<Option<Tensor>> =
+        out.into_iter().map(|p| (!p.is_null()).then(|| unsafe { Tensor::from_ptr(p.cast()) })).collect();
     result(code, &err)?;
     Ok(taken.into_iter().map(|t| t.expect("the shim returns every input's gradient on success")).collect())
 }
@@ -139,14 +167,21 @@ pub fn backward(roots: &[&Tensor], grads: &[&Tensor], inputs: &[Tensor]) -> Resu
 pub fn alias_without_version(t: &Tensor) -> Tensor {
     assert_eq!(t.device(), tch::Device::Cpu, "aliases are made of CPU tensors");
     // SAFETY: the pointer, sizes and strides are t's own, so the view stays inside its storage.
-    unsafe { Tensor::from_blob(t.data_ptr() as *const u8, &t.size(), &t.stride(), t.kind(), tch::Device::Cpu) }
+    unsafe {
+        Tensor::from_blob(t.data_ptr() as *const u8, &t.size(), &t.stride(), t.kind(), tch::Device::Cpu)
+    }
 }
 
 /// Turns autocast on (to `half`: fp16, else bf16) or off for CUDA or CPU ops.
 pub fn set_autocast(cuda: bool, enabled: bool, half: bool) -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: plain values; `err` is ERR_LEN bytes.
-    result(unsafe { tg_autocast(cuda as c_int, enabled as c_int, half as c_int, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    result(
+        unsafe {
+            tg_autocast(cuda as c_int, enabled as c_int, half as c_int, err.as_mut_ptr().cast(), ERR_LEN)
+        },
+        &err,
+    )
 }
 
 /// `highest` (true fp32) or `high` (TF32 matmuls on Ampere and newer).
@@ -183,7 +218,8 @@ pub fn memory_info(device: usize) -> Result<(u64, u64), ShimError> {
     let (mut free, mut total) = (0i64, 0i64);
     let mut err = [0u8; ERR_LEN];
     // SAFETY: both outputs are valid i64s; `err` is ERR_LEN bytes.
-    let code = unsafe { tg_memory_info(device as c_int, &mut free, &mut total, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code =
+        unsafe { tg_memory_info(device as c_int, &mut free, &mut total, err.as_mut_ptr().cast(), ERR_LEN) };
     result(code, &err).map(|_| (free as u64, total as u64))
 }
 
@@ -262,7 +298,12 @@ pub fn set_deterministic(on: bool) -> Result<(), ShimError> {
 pub fn deterministic_state() -> DeterministicState {
     // SAFETY: no arguments; reads libtorch's global context.
     let bits = unsafe { tg_deterministic_state() };
-    DeterministicState { algorithms: bits & 1 != 0, warn_only: bits & 2 != 0, fill_uninitialized_memory: bits & 4 != 0, cudnn: bits & 8 != 0 }
+    DeterministicState {
+        algorithms: bits & 1 != 0,
+        warn_only: bits & 2 != 0,
+        fill_uninitialized_memory: bits & 4 != 0,
+        cudnn: bits & 8 != 0,
+    }
 }
 
 #[cfg(tg_cuda_shim)]
@@ -283,7 +324,10 @@ pub fn record_memory_history(on: bool, max_entries: usize) -> Result<(), ShimErr
         }
         let mut err = [0u8; ERR_LEN];
         // SAFETY: plain values; `err` is ERR_LEN bytes.
-        result(unsafe { tg_record_memory_history(on as c_int, max_entries, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+        result(
+            unsafe { tg_record_memory_history(on as c_int, max_entries, err.as_mut_ptr().cast(), ERR_LEN) },
+            &err,
+        )
     }
     #[cfg(not(tg_cuda_shim))]
     {
@@ -325,15 +369,20 @@ mod tests {
     /// error that says so.
     #[test]
     fn a_seeded_backward_gives_the_weighted_sums_gradients() {
-        let w = Tensor::linspace(-1.0, 2.0, 12, (Kind::Float, Device::Cpu)).view([3, 4]).set_requires_grad(true);
+        let w =
+            Tensor::linspace(-1.0, 2.0, 12, (Kind::Float, Device::Cpu)).view([3, 4]).set_requires_grad(true);
         let unused = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let x = Tensor::linspace(0.5, 1.5, 8, (Kind::Float, Device::Cpu)).view([2, 4]);
         let roots = || (x.matmul(&w.tr()), x.matmul(&w.tr()).sin().to_kind(Kind::BFloat16));
-        let (ga, gb) = (Tensor::linspace(-2.0, 1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]), Tensor::linspace(3.0, -1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]));
+        let (ga, gb) = (
+            Tensor::linspace(-2.0, 1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]),
+            Tensor::linspace(3.0, -1.0, 6, (Kind::Float, Device::Cpu)).view([2, 3]),
+        );
         let (a, b) = roots();
         let got = backward(&[&a, &b], &[&ga, &gb], &[w.shallow_clone(), unused.shallow_clone()]).unwrap();
         let (a, b) = roots();
-        let sum = (&a * &ga).sum(Kind::Float) + (b.to_kind(Kind::Float) * gb.to_kind(Kind::BFloat16).to_kind(Kind::Float)).sum(Kind::Float);
+        let sum = (&a * &ga).sum(Kind::Float)
+            + (b.to_kind(Kind::Float) * gb.to_kind(Kind::BFloat16).to_kind(Kind::Float)).sum(Kind::Float);
         let want = Tensor::run_backward(&[&sum], &[&w], false, false);
         assert!(got[0].allclose(&want[0], 1e-6, 1e-6, false), "{:?} vs {:?}", got[0], want[0]);
         assert!(!got[1].defined(), "an input the graph does not reach");

@@ -14,7 +14,15 @@ extern "C" {
     fn tg_linear_casts_reused() -> u64;
     fn tg_linear_casts_held() -> usize;
     fn tg_linear_casts_addresses(out: *mut usize, n: usize) -> usize;
-    fn tg_linear_sum_weight_grads(params: *const *const c_void, accs: *const *const c_void, n: usize, held: *mut usize, scope: *mut u64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_linear_sum_weight_grads(
+        params: *const *const c_void,
+        accs: *const *const c_void,
+        n: usize,
+        held: *mut usize,
+        scope: *mut u64,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_linear_end_weight_grad_sums(scope: u64);
     fn tg_linear_sums_attached() -> u64;
     fn tg_linear(
@@ -43,7 +51,12 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 /// weight's cast kept, its gradient added into a [`GemmSums`] accumulator) or ATen's maths. For
 /// the last layer of a block recomputed in backward, whose output nobody reads there: only its
 /// gradient flows, so its GEMM would be computed for nothing (`step::savers`).
-pub fn linear_graph_only(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, ours: bool) -> Result<Tensor, ShimError> {
+pub fn linear_graph_only(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    ours: bool,
+) -> Result<Tensor, ShimError> {
     call(x, &[weight], bias.as_slice(), Computed::GraphOnly { ours })
 }
 
@@ -69,7 +82,12 @@ pub fn merged_linear(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor]) -> Res
     call(x, weights, biases, Computed::Product)
 }
 
-fn call(x: &Tensor, weights: &[&Tensor], biases: &[&Tensor], computed: Computed) -> Result<Tensor, ShimError> {
+fn call(
+    x: &Tensor,
+    weights: &[&Tensor],
+    biases: &[&Tensor],
+    computed: Computed,
+) -> Result<Tensor, ShimError> {
     let (gelu, graph_only, our_node) = match computed {
         Computed::Product => (false, false, true),
         Computed::Gelu => (true, false, true),
@@ -183,7 +201,17 @@ impl GemmSums {
         let (mut held, mut number, mut err) = (0usize, 0u64, [0u8; ERR_LEN]);
         // SAFETY: the handles are live tensors borrowed for the call; the shim keeps its own
         // (refcounted) references and catches every exception.
-        let code = unsafe { tg_linear_sum_weight_grads(p.as_ptr(), a.as_ptr(), p.len(), &mut held, &mut number, err.as_mut_ptr().cast(), ERR_LEN) };
+        let code = unsafe {
+            tg_linear_sum_weight_grads(
+                p.as_ptr(),
+                a.as_ptr(),
+                p.len(),
+                &mut held,
+                &mut number,
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        };
         let scope = Self { held, number, _per_thread: std::marker::PhantomData };
         result(code, &err)?;
         Ok(scope)
@@ -233,7 +261,15 @@ pub(crate) mod tests {
     /// emulated on the CPU) or autocast's linear. Also the kernel launches made.
     pub fn run(c: &Case, ours: bool, device: Device) -> (Vec<Tensor>, u64) {
         // Irregular values without the global generator (tests run in parallel threads).
-        let wave = |shape: &[i64], k: f64, scale: f64| (Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin() * scale).to_device(device);
+        let wave = |shape: &[i64], k: f64, scale: f64| {
+            (Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu))
+                .view(shape)
+                .f_mul_scalar(k)
+                .unwrap()
+                .sin()
+                * scale)
+                .to_device(device)
+        };
         let x = wave(&[2, c.rows / 2, c.inputs], 0.731, 1.5);
         let x = if c.x_fp32 { x } else { x.to_kind(Kind::BFloat16) }.set_requires_grad(true);
         let w = wave(&[c.outputs, c.inputs], 0.37, 0.2).set_requires_grad(true);
@@ -255,7 +291,8 @@ pub(crate) mod tests {
     }
 
     pub fn max_rel(a: &Tensor, b: &Tensor) -> f64 {
-        let (a, b) = (a.to_kind(Kind::Double).to_device(Device::Cpu), b.to_kind(Kind::Double).to_device(Device::Cpu));
+        let (a, b) =
+            (a.to_kind(Kind::Double).to_device(Device::Cpu), b.to_kind(Kind::Double).to_device(Device::Cpu));
         ((&a - &b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[])
     }
 
@@ -269,9 +306,14 @@ pub(crate) mod tests {
     #[test]
     fn the_node_computes_what_autocasts_linear_does_with_fp32_parameter_gradients() {
         for c in &CASES {
-            let label = format!("{} x {} → {} bias {:?} x fp32 {}", c.rows, c.inputs, c.outputs, c.bias, c.x_fp32);
+            let label =
+                format!("{} x {} → {} bias {:?} x fp32 {}", c.rows, c.inputs, c.outputs, c.bias, c.x_fp32);
             let ((ours, launches), (aten, _)) = (run(c, true, Device::Cpu), run(c, false, Device::Cpu));
-            assert_eq!(launches, if c.bias == Some(true) { 2 } else { 0 }, "{label}: the column sums run only for a bias gradient");
+            assert_eq!(
+                launches,
+                if c.bias == Some(true) { 2 } else { 0 },
+                "{label}: the column sums run only for a bias gradient"
+            );
             assert_eq!(ours.len(), aten.len(), "{label}");
             // y, x's and the weight's gradients: the same GEMMs in bf16 on the CPU, bit for bit.
             for (i, (a, b)) in ours.iter().zip(&aten).enumerate().take(3) {
@@ -282,7 +324,11 @@ pub(crate) mod tests {
                 let (db, plain) = (&ours[3], &aten[3]);
                 assert_eq!(db.kind(), Kind::Float, "{label}: the bias gradient in fp32");
                 // Ours is the fp32 column sum; autocast's is that sum rounded to bf16.
-                assert!(max_rel(db, plain) <= 1.0 / 128.0, "{label}: bias gradient off by {:e}", max_rel(db, plain));
+                assert!(
+                    max_rel(db, plain) <= 1.0 / 128.0,
+                    "{label}: bias gradient off by {:e}",
+                    max_rel(db, plain)
+                );
             }
         }
     }
@@ -293,10 +339,20 @@ pub(crate) mod tests {
     /// autocast's linear under bf16, and fp32's linear without autocast.
     #[test]
     fn a_graph_only_layer_gives_zeros_and_the_layers_gradients() {
-        let wave = |shape: &[i64], k: f64, scale: f64| Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin() * scale;
+        let wave = |shape: &[i64], k: f64, scale: f64| {
+            Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu))
+                .view(shape)
+                .f_mul_scalar(k)
+                .unwrap()
+                .sin()
+                * scale
+        };
         for c in &CASES {
             for (ours, bf16) in [(true, true), (false, true), (false, false)] {
-                let label = format!("{} x {} → {} bias {:?} x fp32 {}, ours {ours}, bf16 {bf16}", c.rows, c.inputs, c.outputs, c.bias, c.x_fp32);
+                let label = format!(
+                    "{} x {} → {} bias {:?} x fp32 {}, ours {ours}, bf16 {bf16}",
+                    c.rows, c.inputs, c.outputs, c.bias, c.x_fp32
+                );
                 let x = wave(&[2, c.rows / 2, c.inputs], 0.731, 1.5);
                 let x = if c.x_fp32 || !bf16 { x } else { x.to_kind(Kind::BFloat16) }.set_requires_grad(true);
                 let w = wave(&[c.outputs, c.inputs], 0.37, 0.2).set_requires_grad(true);
@@ -311,21 +367,48 @@ pub(crate) mod tests {
                     let mut inputs = vec![&x, &w];
                     inputs.extend(b.iter().filter(|b| b.requires_grad()));
                     let mut out = vec![y.detach()];
-                    out.extend(Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)], &inputs, false, false));
+                    out.extend(Tensor::run_backward(
+                        &[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)],
+                        &inputs,
+                        false,
+                        false,
+                    ));
                     out
                 };
                 let only = grads(&|| linear_graph_only(&x, &w, b.as_ref(), ours).unwrap());
-                let full = grads(&|| if ours { linear(&x, &w, b.as_ref()).unwrap() } else { x.linear(&w, b.as_ref()) });
-                assert_eq!((only[0].kind(), only[0].size()), (full[0].kind(), full[0].size()), "{label}: the output's dtype and shape");
-                assert_eq!(only[0].abs().max().double_value(&[]), 0.0, "{label}: the output is zeros (no product computed)");
+                let full = grads(&|| {
+                    if ours {
+                        linear(&x, &w, b.as_ref()).unwrap()
+                    } else {
+                        x.linear(&w, b.as_ref())
+                    }
+                });
+                assert_eq!(
+                    (only[0].kind(), only[0].size()),
+                    (full[0].kind(), full[0].size()),
+                    "{label}: the output's dtype and shape"
+                );
+                assert_eq!(
+                    only[0].abs().max().double_value(&[]),
+                    0.0,
+                    "{label}: the output is zeros (no product computed)"
+                );
                 assert_eq!(only.len(), full.len(), "{label}");
                 for (i, (a, want)) in only.iter().zip(&full).enumerate().skip(1) {
                     assert_eq!((a.kind(), a.size()), (want.kind(), want.size()), "{label}: gradient {i}");
                     match ours {
-                        true => assert!(a.equal(want), "{label}: gradient {i} is not the node's ({:e} off)", max_rel(a, want)),
+                        true => assert!(
+                            a.equal(want),
+                            "{label}: gradient {i} is not the node's ({:e} off)",
+                            max_rel(a, want)
+                        ),
                         false => {
                             let tolerance = if bf16 { 1.0 / 128.0 } else { 1e-6 };
-                            assert!(max_rel(a, want) <= tolerance, "{label}: gradient {i} off by {:e}", max_rel(a, want));
+                            assert!(
+                                max_rel(a, want) <= tolerance,
+                                "{label}: gradient {i} off by {:e}",
+                                max_rel(a, want)
+                            );
                         }
                     }
                 }
@@ -336,7 +419,10 @@ pub(crate) mod tests {
                     let summed = grads(&|| linear_graph_only(&x, &w, b.as_ref(), true).unwrap());
                     drop(sums);
                     assert!(!summed[2].defined(), "{label}: no weight gradient handed to autograd");
-                    assert!(max_rel(&acc, &full[2].f_add_scalar(1.0).unwrap()) < 1e-6, "{label}: the sum is 1 + the gradient");
+                    assert!(
+                        max_rel(&acc, &full[2].f_add_scalar(1.0).unwrap()) < 1e-6,
+                        "{label}: the sum is 1 + the gradient"
+                    );
                     assert!(summed[1].equal(&full[1]), "{label}: x's gradient");
                 }
             }
@@ -344,8 +430,21 @@ pub(crate) mod tests {
     }
 
     extern "C" {
-        fn tg_linear_test_column_sum(dy: *const c_void, out: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-        fn tg_linear_test_gelu_backward(da: *const c_void, h: *const c_void, dh: *mut c_void, db: *mut c_void, took: *mut c_int, err: *mut c_char, err_len: usize) -> c_int;
+        fn tg_linear_test_column_sum(
+            dy: *const c_void,
+            out: *mut c_void,
+            err: *mut c_char,
+            err_len: usize,
+        ) -> c_int;
+        fn tg_linear_test_gelu_backward(
+            da: *const c_void,
+            h: *const c_void,
+            dh: *mut c_void,
+            db: *mut c_void,
+            took: *mut c_int,
+            err: *mut c_char,
+            err_len: usize,
+        ) -> c_int;
     }
 
     /// The column sums of `dy` [rows, cols] through the emulated kernels.
@@ -354,7 +453,18 @@ pub(crate) mod tests {
         let mut err = [0u8; ERR_LEN];
         let _e = CudaEmulation::start();
         // SAFETY: live tensors; the shim writes into `out`.
-        result(unsafe { tg_linear_test_column_sum(dy.as_ptr().cast(), out.as_ptr().cast_mut().cast(), err.as_mut_ptr().cast(), ERR_LEN) }, &err).unwrap();
+        result(
+            unsafe {
+                tg_linear_test_column_sum(
+                    dy.as_ptr().cast(),
+                    out.as_ptr().cast_mut().cast(),
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            },
+            &err,
+        )
+        .unwrap();
         out
     }
 
@@ -368,7 +478,13 @@ pub(crate) mod tests {
 
     /// Values of every sign and size, without the global generator.
     fn wave(rows: i64, cols: i64, k: f64, scale: f64, kind: Kind) -> Tensor {
-        (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu)).view([rows, cols]).f_mul_scalar(k).unwrap().sin() * scale).to_kind(kind)
+        (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu))
+            .view([rows, cols])
+            .f_mul_scalar(k)
+            .unwrap()
+            .sin()
+            * scale)
+            .to_kind(kind)
     }
 
     /// Rows of a multiple of 8 values on 16 bytes are summed 8 columns a lane (the packed
@@ -378,7 +494,14 @@ pub(crate) mod tests {
     fn packed_column_sums_give_the_one_column_a_lane_sums_bits() {
         // fp32's values carry 24 bits, so their sums round and the order of the adds shows in the
         // bits (16-bit values' short sums are exact in fp32 whatever the order).
-        for (rows, cols, kind) in [(1000, 64, Kind::BFloat16), (513, 264, Kind::BFloat16), (300, 40, Kind::Half), (77, 16, Kind::Float), (2100, 8, Kind::BFloat16), (3000, 264, Kind::Float)] {
+        for (rows, cols, kind) in [
+            (1000, 64, Kind::BFloat16),
+            (513, 264, Kind::BFloat16),
+            (300, 40, Kind::Half),
+            (77, 16, Kind::Float),
+            (2100, 8, Kind::BFloat16),
+            (3000, 264, Kind::Float),
+        ] {
             let dy = wave(rows, cols, 0.377, 3.0, kind);
             let suffix = match kind {
                 Kind::Float => "f32",
@@ -388,14 +511,22 @@ pub(crate) mod tests {
             let ran = |f: &dyn Fn() -> Tensor, name: &str| {
                 let before = CudaEmulation::launches_of(&format!("tg_col_sum_bands_{name}{suffix}"));
                 let out = f();
-                assert_eq!(CudaEmulation::launches_of(&format!("tg_col_sum_bands_{name}{suffix}")) - before, 1, "{rows} x {cols} {kind:?}: the {name}form ran");
+                assert_eq!(
+                    CudaEmulation::launches_of(&format!("tg_col_sum_bands_{name}{suffix}")) - before,
+                    1,
+                    "{rows} x {cols} {kind:?}: the {name}form ran"
+                );
                 out
             };
             let packed = ran(&|| column_sum(&dy), "packed_");
             let plain = ran(&|| column_sum(&off_16_bytes(&dy)), "");
             assert!(packed.equal(&plain), "{rows} x {cols} {kind:?}: {:e} apart", max_rel(&packed, &plain));
             let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
-            assert!(max_rel(&packed, &want) < 1e-5, "{rows} x {cols} {kind:?}: {:e} from the fp64 sums", max_rel(&packed, &want));
+            assert!(
+                max_rel(&packed, &want) < 1e-5,
+                "{rows} x {cols} {kind:?}: {:e} from the fp64 sums",
+                max_rel(&packed, &want)
+            );
         }
     }
 
@@ -410,11 +541,26 @@ pub(crate) mod tests {
             let _e = CudaEmulation::start();
             let db = db.map_or(std::ptr::null_mut(), |d| d.as_ptr().cast_mut().cast());
             // SAFETY: live tensors (db: or null); the shim writes into dh and db.
-            let code = unsafe { tg_linear_test_gelu_backward(da.as_ptr().cast(), h.as_ptr().cast(), dh.as_ptr().cast_mut().cast(), db, &mut took, err.as_mut_ptr().cast(), ERR_LEN) };
+            let code = unsafe {
+                tg_linear_test_gelu_backward(
+                    da.as_ptr().cast(),
+                    h.as_ptr().cast(),
+                    dh.as_ptr().cast_mut().cast(),
+                    db,
+                    &mut took,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            };
             result(code, &err).unwrap();
             (dh, took == 1)
         };
-        for (rows, cols, kind) in [(600, 64, Kind::BFloat16), (257, 3072 / 8, Kind::BFloat16), (90, 24, Kind::Half), (40, 32, Kind::Float)] {
+        for (rows, cols, kind) in [
+            (600, 64, Kind::BFloat16),
+            (257, 3072 / 8, Kind::BFloat16),
+            (90, 24, Kind::Half),
+            (40, 32, Kind::Float),
+        ] {
             let label = format!("{rows} x {cols} {kind:?}");
             let (da, h) = (wave(rows, cols, 0.513, 2.0, kind), wave(rows, cols, 0.0731, 4.0, kind));
             let db = Tensor::zeros([cols], (Kind::Float, Device::Cpu));
@@ -423,10 +569,19 @@ pub(crate) mod tests {
             let want = h.to_kind(Kind::Float).gelu_backward(&da.to_kind(Kind::Float), "none");
             // Within a rounding of D (ATen's CPU erf and exp are approximations of their own:
             // a few of fp32's last places, near zero too).
-            let ulp = if kind == Kind::Float { 1e-5 } else if kind == Kind::Half { 1.0 / 1024.0 } else { 1.0 / 128.0 };
+            let ulp = if kind == Kind::Float {
+                1e-5
+            } else if kind == Kind::Half {
+                1.0 / 1024.0
+            } else {
+                1.0 / 128.0
+            };
             let off = ((dh.to_kind(Kind::Float) - &want).abs() - want.abs() * ulp).max().double_value(&[]);
             assert!(off <= 1e-6, "{label}: dh off ATen's by more than a rounding ({off:e})");
-            assert!(db.equal(&column_sum(&dh)), "{label}: the bias's gradient is the column sums of dh, bit for bit");
+            assert!(
+                db.equal(&column_sum(&dh)),
+                "{label}: the bias's gradient is the column sums of dh, bit for bit"
+            );
             let (alone, _) = gelu_backward(&da, &h, None);
             assert!(alone.equal(&dh), "{label}: without the sums, the same dh");
         }
@@ -442,8 +597,11 @@ pub(crate) mod tests {
     /// where the kernel takes the rows, ATen's gelu_backward (and the column sums) elsewhere.
     #[test]
     fn the_linear_gelu_node_computes_autocasts_linear_and_gelu() {
-        let case = |outputs: i64, bias: Option<bool>| Case { rows: 96, inputs: 40, outputs, bias, x_fp32: false };
-        for (c, launches) in [(case(64, Some(true)), 2), (case(64, None), 1), (case(70, Some(true)), 2), (case(70, None), 0)] {
+        let case =
+            |outputs: i64, bias: Option<bool>| Case { rows: 96, inputs: 40, outputs, bias, x_fp32: false };
+        for (c, launches) in
+            [(case(64, Some(true)), 2), (case(64, None), 1), (case(70, Some(true)), 2), (case(70, None), 0)]
+        {
             let c = &c;
             let label = format!("{} x {} → {} bias {:?}", c.rows, c.inputs, c.outputs, c.bias);
             let ((ours, launched), (aten, _)) = (run_gelu(c, true), run_gelu(c, false));
@@ -460,25 +618,45 @@ pub(crate) mod tests {
     fn run_gelu(c: &Case, ours: bool) -> (Vec<Tensor>, u64) {
         let x = wave(c.rows, c.inputs, 0.731, 1.5, Kind::BFloat16).set_requires_grad(true);
         let w = wave(c.outputs, c.inputs, 0.37, 0.2, Kind::Float).set_requires_grad(true);
-        let b = c.bias.map(|grad| wave(1, c.outputs, 2.3, 0.1, Kind::Float).view([c.outputs]).set_requires_grad(grad));
+        let b = c
+            .bias
+            .map(|grad| wave(1, c.outputs, 2.3, 0.1, Kind::Float).view([c.outputs]).set_requires_grad(grad));
         let gy = wave(c.rows, c.outputs, 0.513, 1.0, Kind::BFloat16);
         let emulation = ours.then(CudaEmulation::start);
         crate::set_autocast(false, true, false).unwrap();
-        let y = if ours { linear_gelu(&x, &w, b.as_ref()).unwrap() } else { x.linear(&w, b.as_ref()).gelu("none") };
+        let y = if ours {
+            linear_gelu(&x, &w, b.as_ref()).unwrap()
+        } else {
+            x.linear(&w, b.as_ref()).gelu("none")
+        };
         crate::set_autocast(false, false, false).unwrap();
         let objective = (y.to_kind(Kind::Float) * gy.to_kind(Kind::Float)).sum(Kind::Float);
         let mut inputs = vec![&x, &w];
         inputs.extend(b.iter().filter(|b| b.requires_grad()));
         let mut out = vec![y.detach().to_kind(Kind::Float)];
-        out.extend(Tensor::run_backward(&[&objective], &inputs, false, false).iter().map(|g| g.to_kind(Kind::Float)));
+        out.extend(
+            Tensor::run_backward(&[&objective], &inputs, false, false).iter().map(|g| g.to_kind(Kind::Float)),
+        );
         (out, emulation.map_or(0, |e| e.launches()))
     }
 
     /// The column sums in fp32, in a fixed order: against fp64 sums, and the same bits twice.
     #[test]
     fn the_column_sums_are_fp32_sums_and_deterministic() {
-        for (rows, cols, kind) in [(1000, 70, Kind::BFloat16), (513, 129, Kind::BFloat16), (7, 64, Kind::Half), (0, 5, Kind::BFloat16), (2500, 40, Kind::BFloat16)] {
-            let dy = (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu)).view([rows, cols]).f_mul_scalar(0.377).unwrap().sin() * 3.0).to_kind(kind);
+        for (rows, cols, kind) in [
+            (1000, 70, Kind::BFloat16),
+            (513, 129, Kind::BFloat16),
+            (7, 64, Kind::Half),
+            (0, 5, Kind::BFloat16),
+            (2500, 40, Kind::BFloat16),
+        ] {
+            let dy = (Tensor::arange(rows * cols, (Kind::Float, Device::Cpu))
+                .view([rows, cols])
+                .f_mul_scalar(0.377)
+                .unwrap()
+                .sin()
+                * 3.0)
+                .to_kind(kind);
             let sum = |emulated: bool| {
                 let _e = emulated.then(CudaEmulation::start);
                 let x = Tensor::ones([rows, 1], (kind, Device::Cpu)).set_requires_grad(true);
@@ -487,13 +665,22 @@ pub(crate) mod tests {
                 crate::set_autocast(false, true, kind == Kind::Half).unwrap();
                 let y = linear(&x, &w, Some(&b)).unwrap();
                 crate::set_autocast(false, false, false).unwrap();
-                let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)], &[&b], false, false);
+                let g = Tensor::run_backward(
+                    &[&(y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)],
+                    &[&b],
+                    false,
+                    false,
+                );
                 g[0].shallow_clone()
             };
             let (a, b) = (sum(true), sum(true));
             assert!(a.equal(&b), "{rows} x {cols}: two runs differ");
             let want = dy.to_kind(Kind::Double).sum_dim_intlist([0i64].as_slice(), false, Kind::Double);
-            assert!(max_rel(&a, &want) < 1e-6, "{rows} x {cols} {kind:?}: {:e} from the fp64 sums", max_rel(&a, &want));
+            assert!(
+                max_rel(&a, &want) < 1e-6,
+                "{rows} x {cols} {kind:?}: {:e} from the fp64 sums",
+                max_rel(&a, &want)
+            );
         }
     }
 
@@ -505,10 +692,21 @@ pub(crate) mod tests {
     #[test]
     fn merged_layers_through_one_node_give_each_weight_its_gradient() {
         let _emulation = CudaEmulation::start();
-        let wave = |shape: &[i64], k: f64, scale: f64| Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin() * scale;
+        let wave = |shape: &[i64], k: f64, scale: f64| {
+            Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu))
+                .view(shape)
+                .f_mul_scalar(k)
+                .unwrap()
+                .sin()
+                * scale
+        };
         let x = wave(&[2, 24, 32], 0.731, 1.5).set_requires_grad(true);
-        let ws: Vec<Tensor> = [(40, 0.37), (16, 0.41), (24, 0.29)].iter().map(|&(o, k)| wave(&[o, 32], k, 0.2).set_requires_grad(true)).collect();
-        let bs: Vec<Tensor> = [40, 16, 24].iter().map(|&o| wave(&[o], 2.3, 0.1).set_requires_grad(true)).collect();
+        let ws: Vec<Tensor> = [(40, 0.37), (16, 0.41), (24, 0.29)]
+            .iter()
+            .map(|&(o, k)| wave(&[o, 32], k, 0.2).set_requires_grad(true))
+            .collect();
+        let bs: Vec<Tensor> =
+            [40, 16, 24].iter().map(|&o| wave(&[o], 2.3, 0.1).set_requires_grad(true)).collect();
         let gy = wave(&[2, 24, 80], 0.513, 1.0);
         let (w_refs, b_refs): (Vec<&Tensor>, Vec<&Tensor>) = (ws.iter().collect(), bs.iter().collect());
         // y and the gradients of x, each weight and each bias, under bf16 autocast.
@@ -525,12 +723,21 @@ pub(crate) mod tests {
             inputs.extend(&w_refs);
             inputs.extend(b_used);
             let mut out = vec![y.detach()];
-            out.extend(Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)], &inputs, false, false));
+            out.extend(Tensor::run_backward(
+                &[&(y.to_kind(Kind::Float) * &gy).sum(Kind::Float)],
+                &inputs,
+                false,
+                false,
+            ));
             out
         };
         for biases in [true, false] {
             let (ours, joined) = (run(true, biases), run(false, biases));
-            assert_eq!(ours.len(), 2 + 3 + if biases { 3 } else { 0 }, "y, x's gradient, the weights' and the biases'");
+            assert_eq!(
+                ours.len(),
+                2 + 3 + if biases { 3 } else { 0 },
+                "y, x's gradient, the weights' and the biases'"
+            );
             for (i, (a, b)) in ours.iter().zip(&joined).enumerate() {
                 assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "bias {biases}: output {i}");
                 assert!(a.equal(b), "bias {biases}: output {i} differs by {:e}", max_rel(a, b));
@@ -570,7 +777,11 @@ pub(crate) mod tests {
         for i in 0..3 {
             assert!(!g[1 + i].defined(), "weight {i}: no gradient handed to autograd");
             let want = fresh[2 + i].f_add_scalar(1.0).unwrap();
-            assert!(max_rel(&accs[i], &want) < 1e-6, "weight {i}: the sum is 1 + its gradient ({:e} off)", max_rel(&accs[i], &want));
+            assert!(
+                max_rel(&accs[i], &want) < 1e-6,
+                "weight {i}: the sum is 1 + its gradient ({:e} off)",
+                max_rel(&accs[i], &want)
+            );
             assert!(g[4 + i].equal(&fresh[5 + i]), "bias {i}");
         }
         assert!(g[0].equal(&fresh[1]), "x's gradient");

@@ -9,10 +9,39 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_swiglu(gate: *const c_void, up: *const c_void, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_swiglu_joint(joint: *const c_void, kernels: c_int, h_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_rope(x: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
-    fn tg_rope_qkv(qkv: *const c_void, cos: *const c_void, sin: *const c_void, heads: i64, kv_heads: i64, outs: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_swiglu(
+        gate: *const c_void,
+        up: *const c_void,
+        h_out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_swiglu_joint(
+        joint: *const c_void,
+        kernels: c_int,
+        h_out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_rope(
+        x: *const c_void,
+        cos: *const c_void,
+        sin: *const c_void,
+        heads: i64,
+        out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_rope_qkv(
+        qkv: *const c_void,
+        cos: *const c_void,
+        sin: *const c_void,
+        heads: i64,
+        kv_heads: i64,
+        outs: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// silu(`gate`) · `up`, elementwise, in their dtype.
@@ -21,7 +50,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor, ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: both handles are live tensors; on success the shim hands over a tensor it allocated
     // with `new`, which tch's Tensor owns and frees.
-    let code = unsafe { tg_swiglu(gate.as_ptr().cast(), up.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_swiglu(gate.as_ptr().cast(), up.as_ptr().cast(), &mut h, err.as_mut_ptr().cast(), ERR_LEN)
+    };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(h.cast()) })
@@ -35,7 +66,9 @@ pub fn swiglu_joint(gu: &Tensor, kernels: bool) -> Result<Tensor, ShimError> {
     let mut h = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `swiglu`.
-    let code = unsafe { tg_swiglu_joint(gu.as_ptr().cast(), c_int::from(kernels), &mut h, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_swiglu_joint(gu.as_ptr().cast(), c_int::from(kernels), &mut h, err.as_mut_ptr().cast(), ERR_LEN)
+    };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(h.cast()) })
@@ -48,7 +81,17 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64) -> Result<Tensor
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `swiglu`.
-    let code = unsafe { tg_rope(x.as_ptr().cast(), cos.as_ptr().cast(), sin.as_ptr().cast(), heads, &mut out, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_rope(
+            x.as_ptr().cast(),
+            cos.as_ptr().cast(),
+            sin.as_ptr().cast(),
+            heads,
+            &mut out,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)?;
     // SAFETY: a non-null pointer the shim returned with code 0.
     Ok(unsafe { Tensor::from_ptr(out.cast()) })
@@ -57,11 +100,28 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64) -> Result<Tensor
 /// The merged q/k/v output `qkv` `[b, t, (heads + 2·kv_heads)·d]` as q and k rotated by
 /// positions `0..t` (as [`rope`]) and v, each `[b, t, its heads·d]`, in one launch; backward
 /// writes `qkv`'s gradient whole in one. An error where our kernels do not run.
-pub fn rope_qkv(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor), ShimError> {
+pub fn rope_qkv(
+    qkv: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    heads: i64,
+    kv_heads: i64,
+) -> Result<(Tensor, Tensor, Tensor), ShimError> {
     let mut outs = [std::ptr::null_mut::<c_void>(); 3];
     let mut err = [0u8; ERR_LEN];
     // SAFETY: as in `swiglu`; on success the shim fills all three with tensors it allocated.
-    let code = unsafe { tg_rope_qkv(qkv.as_ptr().cast(), cos.as_ptr().cast(), sin.as_ptr().cast(), heads, kv_heads, outs.as_mut_ptr(), err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_rope_qkv(
+            qkv.as_ptr().cast(),
+            cos.as_ptr().cast(),
+            sin.as_ptr().cast(),
+            heads,
+            kv_heads,
+            outs.as_mut_ptr(),
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)?;
     // SAFETY: non-null pointers the shim returned with code 0, each handed over once.
     let [q, k, v] = outs.map(|p| unsafe { Tensor::from_ptr(p.cast()) });
@@ -84,7 +144,8 @@ mod tests {
         // enough to reach silu's flat tail (−12) and its linear side (+12).
         let wave = |k: f64, scale: f64| {
             let start = i64::from(offset);
-            let t = Tensor::arange(len + start, (Kind::Float, Device::Cpu)).f_mul_scalar(k).unwrap().sin() * scale;
+            let t = Tensor::arange(len + start, (Kind::Float, Device::Cpu)).f_mul_scalar(k).unwrap().sin()
+                * scale;
             t.to_kind(kind).narrow(0, start, len).set_requires_grad(true)
         };
         let (g, u) = (wave(0.731, 12.0), wave(1.917, 2.0));
@@ -104,7 +165,14 @@ mod tests {
 
     #[test]
     fn the_kernels_compute_what_atens_silu_and_multiply_do() {
-        for (len, kind, offset) in [(5000, Kind::Float, false), (4099, Kind::Float, false), (5000, Kind::Float, true), (6000, Kind::BFloat16, false), (6001, Kind::BFloat16, true), (2048, Kind::Half, false)] {
+        for (len, kind, offset) in [
+            (5000, Kind::Float, false),
+            (4099, Kind::Float, false),
+            (5000, Kind::Float, true),
+            (6000, Kind::BFloat16, false),
+            (6001, Kind::BFloat16, true),
+            (2048, Kind::Half, false),
+        ] {
             let (ours, aten) = (run(len, kind, offset, true), run(len, kind, offset, false));
             for (i, (a, b)) in ours.iter().zip(&aten).enumerate() {
                 assert_within_roundings(&format!("{len} {kind:?} offset {offset}: output {i}"), a, b);
@@ -131,7 +199,9 @@ mod tests {
     /// (f a multiple of 8) and rows that do not.
     #[test]
     fn the_joint_kernels_compute_what_atens_ops_on_the_halves_do() {
-        for (rows, f, kind) in [(7, 64, Kind::BFloat16), (5, 13, Kind::Float), (9, 24, Kind::Half), (3, 40, Kind::Float)] {
+        for (rows, f, kind) in
+            [(7, 64, Kind::BFloat16), (5, 13, Kind::Float), (9, 24, Kind::Half), (3, 40, Kind::Float)]
+        {
             let (gu32, dh) = joint_inputs(rows, f);
             let run = |emulated: bool| {
                 let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
@@ -140,7 +210,12 @@ mod tests {
                     true => swiglu_joint(&gu, true).unwrap(),
                     false => split_swiglu(&gu),
                 };
-                let g = Tensor::run_backward(&[&(h.to_kind(Kind::Float) * &dh).sum(Kind::Float)], &[&gu], false, false);
+                let g = Tensor::run_backward(
+                    &[&(h.to_kind(Kind::Float) * &dh).sum(Kind::Float)],
+                    &[&gu],
+                    false,
+                    false,
+                );
                 if let Some(e) = &emulation {
                     assert_eq!(e.launches(), 2, "one launch forward, one backward: the kernels ran");
                 }
@@ -151,7 +226,9 @@ mod tests {
             }
         }
         for kernels in [true, false] {
-            let err = swiglu_joint(&Tensor::ones([4, 7], (Kind::Float, Device::Cpu)), kernels).unwrap_err().to_string();
+            let err = swiglu_joint(&Tensor::ones([4, 7], (Kind::Float, Device::Cpu)), kernels)
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("even last dimension"), "{err}");
         }
     }
@@ -159,8 +236,13 @@ mod tests {
     /// A joint gate/up output `[rows · 2f]` in fp32 (irregular values up to ±8, silu's both
     /// sides) and a gradient of h `[rows, f]` for it.
     fn joint_inputs(rows: i64, f: i64) -> (Tensor, Tensor) {
-        let gu32 = Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
-        let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.513).unwrap().cos().view([rows, f]);
+        let gu32 =
+            Tensor::arange(rows * 2 * f, (Kind::Float, Device::Cpu)).f_mul_scalar(0.731).unwrap().sin() * 8.0;
+        let dh = Tensor::arange(rows * f, (Kind::Float, Device::Cpu))
+            .f_mul_scalar(0.513)
+            .unwrap()
+            .cos()
+            .view([rows, f]);
         (gu32, dh)
     }
 
@@ -177,7 +259,9 @@ mod tests {
     /// order). Under no_grad it computes the product alone.
     #[test]
     fn the_joint_node_of_atens_ops_gives_the_split_ops_bits() {
-        for (rows, f, kind) in [(7, 64, Kind::Float), (5, 13, Kind::Float), (6, 40, Kind::BFloat16), (9, 24, Kind::Half)] {
+        for (rows, f, kind) in
+            [(7, 64, Kind::Float), (5, 13, Kind::Float), (6, 40, Kind::BFloat16), (9, 24, Kind::Half)]
+        {
             let (gu32, dh) = joint_inputs(rows, f);
             let run = |joint: bool, emulated: bool| {
                 let gu = gu32.view([rows, 2 * f]).to_kind(kind).set_requires_grad(true);
@@ -188,7 +272,12 @@ mod tests {
                 // A second derivative (the gradient recorded, create_graph): of the gradient's
                 // weighted sum, again with respect to gu.
                 let recorded = Tensor::run_backward(&[&objective], &[&gu], true, true)[0].shallow_clone();
-                let gg = Tensor::run_backward(&[&(recorded.to_kind(Kind::Float) * &gu32.view([rows, 2 * f]).cos()).sum(Kind::Float)], &[&gu], false, false);
+                let gg = Tensor::run_backward(
+                    &[&(recorded.to_kind(Kind::Float) * &gu32.view([rows, 2 * f]).cos()).sum(Kind::Float)],
+                    &[&gu],
+                    false,
+                    false,
+                );
                 if let Some(e) = &emulation {
                     assert_eq!(e.launches(), 0, "the switch is off: no kernel ran");
                 }
@@ -197,11 +286,18 @@ mod tests {
             let plain = run(false, false);
             for emulated in [false, true] {
                 let joint = run(true, emulated);
-                for (what, (a, b)) in ["h", "the joint gradient", "the recorded gradient"].iter().zip(joint.iter().zip(&plain)) {
+                for (what, (a, b)) in
+                    ["h", "the joint gradient", "the recorded gradient"].iter().zip(joint.iter().zip(&plain))
+                {
                     assert!(a.equal(b), "{rows} × 2·{f} {kind:?}, emulated {emulated}: {what} differs");
                 }
-                if kind == Kind::Float {  // in 16 bits the two orders' roundings pile up where terms cancel
-                    assert_within_roundings(&format!("{rows} × 2·{f}: the second derivative"), &joint[3], &plain[3]);
+                if kind == Kind::Float {
+                    // in 16 bits the two orders' roundings pile up where terms cancel
+                    assert_within_roundings(
+                        &format!("{rows} × 2·{f}: the second derivative"),
+                        &joint[3],
+                        &plain[3],
+                    );
                 }
             }
         }

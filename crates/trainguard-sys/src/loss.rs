@@ -52,11 +52,23 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mean: bool) -> Result<Te
 /// (`kernels.fused_loss_gradient`) it writes that gradient over them in this pass, for a
 /// backward from this loss (given 1); a backward given another gradient rescales it. Backward
 /// then reads nothing more and allocates nothing.
-pub fn weighted_cross_entropy(logits: Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
+pub fn weighted_cross_entropy(
+    logits: Tensor,
+    targets: &Tensor,
+    mean: bool,
+    weight: f64,
+    gradient: Gradient,
+) -> Result<Tensor, ShimError> {
     call(&logits, targets, mean, weight, gradient)
 }
 
-fn call(logits: &Tensor, targets: &Tensor, mean: bool, weight: f64, gradient: Gradient) -> Result<Tensor, ShimError> {
+fn call(
+    logits: &Tensor,
+    targets: &Tensor,
+    mean: bool,
+    weight: f64,
+    gradient: Gradient,
+) -> Result<Tensor, ShimError> {
     let mut out = std::ptr::null_mut::<c_void>();
     let mut err = [0u8; ERR_LEN];
     let now = gradient == Gradient::InForward;
@@ -138,7 +150,10 @@ mod tests {
             let (x, t) = (logits(19, 64, kind), targets(19, 64));
             let (l, g) = ours(&x, &t, true);
             let (rl, rg) = reference(&x, &t, true);
-            assert!((l - rl).abs() <= 1e-5 * rl.abs(), "{kind:?}: loss {l} vs {rl} (computed in fp32 from the 16-bit values)");
+            assert!(
+                (l - rl).abs() <= 1e-5 * rl.abs(),
+                "{kind:?}: loss {l} vs {rl} (computed in fp32 from the 16-bit values)"
+            );
             assert_eq!(g.kind(), kind, "the gradient keeps the logits' dtype");
             // One rounding to 16 bits of the fp32 gradient: 2^-8 relative for bf16, 2^-11 fp16.
             let ulp = if kind == Kind::BFloat16 { 1.0 / 256.0 } else { 1.0 / 2048.0 };
@@ -153,7 +168,8 @@ mod tests {
         let cols = 300_000;
         let rows = 7;
         assert_eq!(cpu_block_rows(cols as u64), 3, "2^20 values a block: 3 rows, three blocks for 7");
-        let (x, t) = (logits(rows, cols, Kind::Float), Tensor::from_slice(&[0i64, 299_999, -100, 5, 150_000, 7, 1]));
+        let (x, t) =
+            (logits(rows, cols, Kind::Float), Tensor::from_slice(&[0i64, 299_999, -100, 5, 150_000, 7, 1]));
         let (l, g) = ours(&x, &t, true);
         let (rl, rg) = reference(&x, &t, true);
         assert!((l - rl).abs() <= 1e-5 * rl.abs(), "loss {l} vs {rl}");
@@ -163,7 +179,14 @@ mod tests {
     #[test]
     fn minus_infinity_columns_get_exactly_zero_gradient_and_leave_the_loss_alone() {
         let (x, t) = (logits(9, 40, Kind::Float), targets(9, 32));
-        let masked = Tensor::cat(&[x.detach().narrow(1, 0, 32), Tensor::full([9, 8], f64::NEG_INFINITY, (Kind::Float, Device::Cpu))], 1).set_requires_grad(true);
+        let masked = Tensor::cat(
+            &[
+                x.detach().narrow(1, 0, 32),
+                Tensor::full([9, 8], f64::NEG_INFINITY, (Kind::Float, Device::Cpu)),
+            ],
+            1,
+        )
+        .set_requires_grad(true);
         let (l, g) = ours(&masked, &t, true);
         let (rl, _) = reference(&x.detach().narrow(1, 0, 32), &t, true);
         assert!((l - rl).abs() <= 1e-5 * rl.abs(), "the padded vocabulary changes nothing: {l} vs {rl}");
@@ -208,7 +231,11 @@ mod tests {
         assert_eq!(loss.kind(), Kind::Double);
         loss.backward();
         let (rl, rg) = reference(&x, &t, true);
-        assert!((loss.double_value(&[]) - rl).abs() <= 1e-13 * rl.abs(), "{} vs {rl}", loss.double_value(&[]));
+        assert!(
+            (loss.double_value(&[]) - rl).abs() <= 1e-13 * rl.abs(),
+            "{} vs {rl}",
+            loss.double_value(&[])
+        );
         assert!(max_diff(&x.grad(), &rg) < 1e-15, "gradient differs by {:e}", max_diff(&x.grad(), &rg));
     }
 
@@ -217,7 +244,10 @@ mod tests {
         let x = logits(4, 10, Kind::Float);
         let loss = cross_entropy(&x, &targets(4, 10), true).unwrap();
         let err = Tensor::f_run_backward(&[&loss], &[&x], true, true).unwrap_err().to_string();
-        assert!(err.contains("differentiable once") && err.contains("kernels.fused_cross_entropy: false"), "{err}");
+        assert!(
+            err.contains("differentiable once") && err.contains("kernels.fused_cross_entropy: false"),
+            "{err}"
+        );
         // Without create_graph the same graph still differentiates.
         let grads = Tensor::f_run_backward(&[&loss], &[&x], false, false).unwrap();
         assert!(grads[0].abs().max().double_value(&[]) > 0.0);
@@ -227,27 +257,42 @@ mod tests {
     fn bad_targets_give_nan_and_bad_inputs_a_clear_error() {
         let x = logits(4, 10, Kind::Float);
         let all_ignored = Tensor::from_slice(&[-100i64; 4]);
-        assert!(cross_entropy(&x, &all_ignored, true).unwrap().double_value(&[]).is_nan(), "0/0, as PyTorch's mean");
+        assert!(
+            cross_entropy(&x, &all_ignored, true).unwrap().double_value(&[]).is_nan(),
+            "0/0, as PyTorch's mean"
+        );
         assert_eq!(cross_entropy(&x, &all_ignored, false).unwrap().double_value(&[]), 0.0);
         for bad in [10i64, -1] {
             let t = Tensor::from_slice(&[0i64, bad, 2, 3]);
-            assert!(cross_entropy(&x, &t, true).unwrap().double_value(&[]).is_nan(), "target {bad} outside the vocabulary");
+            assert!(
+                cross_entropy(&x, &t, true).unwrap().double_value(&[]).is_nan(),
+                "target {bad} outside the vocabulary"
+            );
         }
         let err = |x: &Tensor, t: &Tensor| cross_entropy(x, t, true).unwrap_err().to_string();
         assert!(err(&x, &Tensor::from_slice(&[0i32, 1, 2, 3])).contains("targets must be int64"));
         assert!(err(&x, &Tensor::from_slice(&[0i64, 1, 2])).contains("one target per row"));
-        assert!(err(&Tensor::ones([4, 10], (Kind::Int64, Device::Cpu)), &targets(4, 10)).contains("floating point"));
+        assert!(err(&Tensor::ones([4, 10], (Kind::Int64, Device::Cpu)), &targets(4, 10))
+            .contains("floating point"));
     }
 
     /// Loss and gradient of `weight · cross_entropy` on a copy of `x` (so that the node's input
     /// is, as in training, a fresh tensor of its own), through the two-pass node or, with
     /// `Gradient::InForward`, the one that writes the gradient over the logits. Also: whether the
     /// gradient came back in the logits' own memory.
-    fn weighted(x: &Tensor, t: &Tensor, mean: bool, weight: f64, gradient: Gradient, loss_gradient: f64) -> (Tensor, Tensor, bool) {
+    fn weighted(
+        x: &Tensor,
+        t: &Tensor,
+        mean: bool,
+        weight: f64,
+        gradient: Gradient,
+        loss_gradient: f64,
+    ) -> (Tensor, Tensor, bool) {
         let fresh = x.detach().set_requires_grad(true) * 1.0;
         let (handle, logits_at) = (fresh.shallow_clone(), fresh.data_ptr());
         let loss = weighted_cross_entropy(fresh, t, mean, weight, gradient).unwrap();
-        let g = Tensor::f_run_backward(&[&(&loss * loss_gradient)], &[&handle], false, false).unwrap().remove(0);
+        let g =
+            Tensor::f_run_backward(&[&(&loss * loss_gradient)], &[&handle], false, false).unwrap().remove(0);
         let in_place = g.data_ptr() == logits_at;
         (loss.detach(), g, in_place)
     }
@@ -263,18 +308,33 @@ mod tests {
     #[test]
     fn the_gradient_written_in_the_forward_is_the_two_pass_nodes_to_the_bit() {
         for emulated in [false, true] {
-            for (kind, cols) in [(Kind::Float, 37), (Kind::Float, 64), (Kind::BFloat16, 64), (Kind::BFloat16, 61), (Kind::Half, 72)] {
+            for (kind, cols) in [
+                (Kind::Float, 37),
+                (Kind::Float, 64),
+                (Kind::BFloat16, 64),
+                (Kind::BFloat16, 61),
+                (Kind::Half, 72),
+            ] {
                 for mean in [true, false] {
                     let (x, t) = (logits(13, cols, kind), targets(13, cols));
                     let emulation = emulated.then(super::super::kernels::CudaEmulation::start);
-                    let fused_before = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind)));
+                    let fused_before = super::super::kernels::CudaEmulation::launches_of(&format!(
+                        "tg_ce_forward_grad_{}",
+                        dtype_name(kind)
+                    ));
                     let (l2, g2, in_place2) = weighted(&x, &t, mean, 0.375, Gradient::InBackward, 1.0);
                     let (l1, g1, in_place1) = weighted(&x, &t, mean, 0.375, Gradient::InForward, 1.0);
                     let what = format!("{kind:?}, {cols} columns, mean {mean}, emulated {emulated}");
                     if let Some(e) = &emulation {
-                        let fused = super::super::kernels::CudaEmulation::launches_of(&format!("tg_ce_forward_grad_{}", dtype_name(kind))) - fused_before;
+                        let fused = super::super::kernels::CudaEmulation::launches_of(&format!(
+                            "tg_ce_forward_grad_{}",
+                            dtype_name(kind)
+                        )) - fused_before;
                         assert_eq!(fused, 1, "{what}: one launch of the fused kernel");
-                        assert!(e.launches() >= 4, "{what}: the kernels ran (two forward, a backward, a rescale check)");
+                        assert!(
+                            e.launches() >= 4,
+                            "{what}: the kernels ran (two forward, a backward, a rescale check)"
+                        );
                     }
                     assert!(same_bits(&l1, &l2), "{what}: loss {l1:?} vs {l2:?}");
                     assert!(same_bits(&g1, &g2), "{what}: gradients differ by {:e}", max_diff(&g1, &g2));
@@ -283,12 +343,25 @@ mod tests {
                     let (l0, g0) = {
                         let fresh = x.detach().set_requires_grad(true) * 1.0;
                         let loss = cross_entropy(&fresh, &t, mean).unwrap().f_mul_scalar(0.375).unwrap();
-                        (loss.detach(), Tensor::f_run_backward(&[&loss], &[&fresh], false, false).unwrap().remove(0))
+                        (
+                            loss.detach(),
+                            Tensor::f_run_backward(&[&loss], &[&fresh], false, false).unwrap().remove(0),
+                        )
                     };
-                    assert!(same_bits(&l1, &l0) && same_bits(&g1, &g0), "{what}: not the bits of the loss times the weight");
-                    assert!(in_place1 && !in_place2, "{what}: the gradient is the logits' memory only when written in the forward");
+                    assert!(
+                        same_bits(&l1, &l0) && same_bits(&g1, &g0),
+                        "{what}: not the bits of the loss times the weight"
+                    );
+                    assert!(
+                        in_place1 && !in_place2,
+                        "{what}: the gradient is the logits' memory only when written in the forward"
+                    );
                     let (plain, _) = ours(&x, &t, mean);
-                    assert_eq!(l1.double_value(&[]), (Tensor::from(plain as f32) * 0.375).double_value(&[]), "{what}: the loss times the weight");
+                    assert_eq!(
+                        l1.double_value(&[]),
+                        (Tensor::from(plain as f32) * 0.375).double_value(&[]),
+                        "{what}: the loss times the weight"
+                    );
                 }
             }
         }
@@ -319,7 +392,8 @@ mod tests {
                     Kind::Half => 2.0 / 2048.0,
                     _ => 1e-6,
                 };
-                let excess = ((g.to_kind(Kind::Double) - &rg).abs() - (rg.abs() * ulp + 1e-7)).max().double_value(&[]);
+                let excess =
+                    ((g.to_kind(Kind::Double) - &rg).abs() - (rg.abs() * ulp + 1e-7)).max().double_value(&[]);
                 assert!(excess <= 0.0, "{kind:?}, emulated {emulated}: beyond two roundings by {excess:e}");
                 assert_eq!(g.narrow(0, 3, 1).abs().max().double_value(&[]), 0.0, "an ignored row stays 0");
             }
@@ -349,7 +423,8 @@ mod tests {
         let (x, t) = (logits(6, 16, Kind::Float), targets(6, 16));
         let fresh = x.detach().copy().set_requires_grad(true);
         let kept = fresh.shallow_clone();
-        let loss = tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, Gradient::InForward).unwrap());
+        let loss =
+            tch::no_grad(|| weighted_cross_entropy(fresh, &t, true, 1.0, Gradient::InForward).unwrap());
         assert!(same_bits(&kept, &x.detach()), "no gradient wanted: the logits are untouched");
         assert!((loss.double_value(&[]) - ours(&x, &t, true).0).abs() < 1e-6);
 

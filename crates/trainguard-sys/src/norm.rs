@@ -8,7 +8,18 @@ use std::ffi::{c_char, c_int, c_void};
 use tch::Tensor;
 
 extern "C" {
-    fn tg_residual_norm(x: *const c_void, delta: *const c_void, weight: *const c_void, bias: *const c_void, eps: f64, rms: c_int, s_out: *mut *mut c_void, y_out: *mut *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_residual_norm(
+        x: *const c_void,
+        delta: *const c_void,
+        weight: *const c_void,
+        bias: *const c_void,
+        eps: f64,
+        rms: c_int,
+        s_out: *mut *mut c_void,
+        y_out: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
 }
 
 /// Which norm: LayerNorm (mean and variance, optional bias) or RMSNorm (root mean square, no bias).
@@ -22,7 +33,14 @@ pub enum Norm {
 /// (LayerNorm only) and `eps`. Returns the sum (with a delta: the residual stream after the add,
 /// fp32) and the normalised output, rounded to autocast's dtype while autocast is on (x's
 /// otherwise).
-pub fn residual_norm(norm: Norm, x: &Tensor, delta: Option<&Tensor>, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<(Option<Tensor>, Tensor), ShimError> {
+pub fn residual_norm(
+    norm: Norm,
+    x: &Tensor,
+    delta: Option<&Tensor>,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Option<Tensor>, Tensor), ShimError> {
     let handle = |t: Option<&Tensor>| t.map_or(std::ptr::null(), |t| t.as_ptr().cast::<c_void>());
     let (mut s, mut y) = (std::ptr::null_mut::<c_void>(), std::ptr::null_mut::<c_void>());
     let mut err = [0u8; ERR_LEN];
@@ -30,7 +48,20 @@ pub fn residual_norm(norm: Norm, x: &Tensor, delta: Option<&Tensor>, weight: &Te
     // shim hands over tensors it allocated with `new` (s only with a delta), which tch's Tensor
     // owns and frees.
     let rms = c_int::from(norm == Norm::Rms);
-    let code = unsafe { tg_residual_norm(handle(Some(x)), handle(delta), handle(Some(weight)), handle(bias), eps, rms, &mut s, &mut y, err.as_mut_ptr().cast(), ERR_LEN) };
+    let code = unsafe {
+        tg_residual_norm(
+            handle(Some(x)),
+            handle(delta),
+            handle(Some(weight)),
+            handle(bias),
+            eps,
+            rms,
+            &mut s,
+            &mut y,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
+    };
     result(code, &err)?;
     // SAFETY: non-null pointers the shim returned with code 0.
     let sum = (!s.is_null()).then(|| unsafe { Tensor::from_ptr(s.cast()) });
@@ -58,7 +89,13 @@ mod tests {
     /// gradients (y's and, with a δ, s's).
     pub fn run(c: &Case, emulated: bool) -> Vec<Tensor> {
         // Irregular values without the global generator (tests run in parallel threads).
-        let wave = |shape: &[i64], k: f64| Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape).f_mul_scalar(k).unwrap().sin();
+        let wave = |shape: &[i64], k: f64| {
+            Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu))
+                .view(shape)
+                .f_mul_scalar(k)
+                .unwrap()
+                .sin()
+        };
         let (rc, col) = ([c.rows, c.cols], [c.cols]);
         let x = (wave(&rc, 0.731) * 2.0 + 0.5).set_requires_grad(true);
         let delta = c.delta.then(|| wave(&rc, 1.917).to_kind(c.kind).set_requires_grad(true));
@@ -90,7 +127,11 @@ mod tests {
             // Backward: a warp a row sums the parameters' bands in its pass, a block a row in
             // one of its own; then the bands are added.
             let backward = if c.cols <= 1024 { 2 } else { 3 };
-            assert_eq!(e.launches(), 1 + backward, "one launch forward, {backward} backward: the kernels ran");
+            assert_eq!(
+                e.launches(),
+                1 + backward,
+                "one launch forward, {backward} backward: the kernels ran"
+            );
         }
         let mut out = vec![y.detach()];
         out.extend(s.map(|s| s.detach()));
@@ -133,7 +174,10 @@ mod tests {
         ] {
             let (ours, aten) = (run(&c, true), run(&c, false));
             assert_eq!(ours.len(), aten.len());
-            let label = format!("{:?} {} x {} delta {} bias {} {:?}", c.norm, c.rows, c.cols, c.delta, c.bias, c.kind);
+            let label = format!(
+                "{:?} {} x {} delta {} bias {} {:?}",
+                c.norm, c.rows, c.cols, c.delta, c.bias, c.kind
+            );
             for (i, (a, b)) in ours.iter().zip(&aten).enumerate() {
                 assert_eq!((a.kind(), a.size()), (b.kind(), b.size()), "{label}: output {i}");
                 // fp32 differs in the last bits (our reductions' order); a 16-bit value at most
@@ -153,10 +197,23 @@ mod tests {
     fn the_kernels_are_deterministic_and_bad_inputs_are_errors() {
         // A warp a row, and a block a row.
         for cols in [96, 1100] {
-            let c = Case { norm: Norm::Layer, rows: 300 * 96 / cols, cols, delta: true, bias: true, kind: Kind::BFloat16 };
+            let c = Case {
+                norm: Norm::Layer,
+                rows: 300 * 96 / cols,
+                cols,
+                delta: true,
+                bias: true,
+                kind: Kind::BFloat16,
+            };
             let (a, b) = (run(&c, true), run(&c, true));
             for (x, y) in a.iter().zip(&b) {
-                assert!(x.equal(y), "{cols} columns: two runs differ: {:?} {:?} by {}", x.kind(), x.size(), (x.to_kind(Kind::Double) - y.to_kind(Kind::Double)).abs().max().double_value(&[]));
+                assert!(
+                    x.equal(y),
+                    "{cols} columns: two runs differ: {:?} {:?} by {}",
+                    x.kind(),
+                    x.size(),
+                    (x.to_kind(Kind::Double) - y.to_kind(Kind::Double)).abs().max().double_value(&[])
+                );
             }
         }
         // Bad inputs: a clear error, not a crash.
@@ -164,9 +221,19 @@ mod tests {
         let w = Tensor::ones([8], (Kind::Float, Device::Cpu));
         let err = residual_norm(Norm::Layer, &x, None, &w, None, 1e-5).unwrap_err().to_string();
         assert!(err.contains("layer_norm") || err.contains("Long"), "an integer input is refused: {err}");
-        let bad = residual_norm(Norm::Layer, &w.view([1, 8]), None, &Tensor::ones([7], (Kind::Float, Device::Cpu)), None, 1e-5).unwrap_err().to_string();
+        let bad = residual_norm(
+            Norm::Layer,
+            &w.view([1, 8]),
+            None,
+            &Tensor::ones([7], (Kind::Float, Device::Cpu)),
+            None,
+            1e-5,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(bad.contains("weight must be [c]"), "{bad}");
-        let bias = residual_norm(Norm::Rms, &w.view([1, 8]), None, &w, Some(&w), 1e-5).unwrap_err().to_string();
+        let bias =
+            residual_norm(Norm::Rms, &w.view([1, 8]), None, &w, Some(&w), 1e-5).unwrap_err().to_string();
         assert!(bias.contains("RMSNorm takes no bias"), "{bias}");
     }
 }

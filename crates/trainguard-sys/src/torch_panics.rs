@@ -84,7 +84,8 @@ fn quiet_hook_installed() {
     ONCE.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
-            let caught = CATCHING.with(Cell::get) && info.payload_as_str().is_some_and(|t| torch_message(t).is_some());
+            let caught =
+                CATCHING.with(Cell::get) && info.payload_as_str().is_some_and(|t| torch_message(t).is_some());
             if !caught {
                 previous(info);
             }
@@ -111,7 +112,13 @@ mod tests {
         assert!(message.contains("must match the size"), "libtorch's own text comes back: {message}");
         assert!(!message.contains("\\n"), "escapes are undone: {message}");
         // The tensor is still usable and libtorch holds no pending error afterwards.
-        assert_eq!(a.f_add_(&tch::Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu))).unwrap().sum(tch::Kind::Float).double_value(&[]), 3.0);
+        assert_eq!(
+            a.f_add_(&tch::Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu)))
+                .unwrap()
+                .sum(tch::Kind::Float)
+                .double_value(&[]),
+            3.0
+        );
     }
 
     #[test]
@@ -128,7 +135,8 @@ mod tests {
 
     #[test]
     fn other_panics_are_not_swallowed() {
-        let outer = panic::catch_unwind(|| catch_torch_panics::<(), TchError>(|| panic!("a bug, not libtorch")));
+        let outer =
+            panic::catch_unwind(|| catch_torch_panics::<(), TchError>(|| panic!("a bug, not libtorch")));
         let payload = outer.expect_err("the bug's panic goes on");
         assert_eq!(payload.downcast_ref::<&str>(), Some(&"a bug, not libtorch"));
     }
@@ -136,7 +144,8 @@ mod tests {
     #[test]
     fn debug_escapes_are_undone() {
         let original = "line one\n\tquoted \"x\" back\\slash é \u{1F600}";
-        let text = format!("called `Result::unwrap()` on an `Err` value: {:?}", TchError::Torch(original.into()));
+        let text =
+            format!("called `Result::unwrap()` on an `Err` value: {:?}", TchError::Torch(original.into()));
         assert_eq!(torch_message(&text).as_deref(), Some(original));
         assert_eq!(torch_message("index out of bounds"), None);
     }

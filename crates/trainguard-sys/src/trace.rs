@@ -22,7 +22,8 @@ pub fn start(cuda: bool) -> Result<(), ShimError> {
 
 /// Stops the profiler and writes its Chrome trace to `path` (none without one).
 pub fn stop(path: Option<&Path>) -> Result<(), ShimError> {
-    let path = CString::new(path.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()).map_err(|_| ShimError::Torch("NUL in the trace path".into()))?;
+    let path = CString::new(path.map(|p| p.to_string_lossy().into_owned()).unwrap_or_default())
+        .map_err(|_| ShimError::Torch("NUL in the trace path".into()))?;
     let mut err = [0u8; ERR_LEN];
     // SAFETY: `path` is NUL-terminated and outlives the call; `err` is ERR_LEN bytes.
     result(unsafe { tg_trace_stop(path.as_ptr(), err.as_mut_ptr().cast(), ERR_LEN) }, &err)

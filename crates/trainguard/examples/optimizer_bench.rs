@@ -27,7 +27,16 @@ fn main() {
 }
 
 fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
-    OptimizerSpec { name, fused, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+    OptimizerSpec {
+        name,
+        fused,
+        cuda_kernel: false,
+        momentum: 0.9,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    }
 }
 
 /// State bytes of each optimizer for `model`, the planner's estimate from the same shapes, and
@@ -36,23 +45,41 @@ fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
     let gpt = Model::new(model, 0, Device::Cpu).unwrap();
     let tensors = gpt.optimizer_params().unwrap();
     let p = &gpt.params;
-    [OptimizerName::Adamw, OptimizerName::Sgd, OptimizerName::SgdMomentum, OptimizerName::Adafactor, OptimizerName::Adamw8bit]
-        .into_iter()
-        .map(|name| {
-            let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
-            let estimate = tensors.iter().map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4)).sum();
-            let scratch = match &opt {
-                Optimizer::Adafactor(a) => a.scratch_bytes(),
-                Optimizer::AdamW8bit(a) => a.scratch_bytes(),
-                Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
-            };
-            (opt.kind(), opt.state_bytes(), estimate, scratch)
-        })
-        .collect()
+    [
+        OptimizerName::Adamw,
+        OptimizerName::Sgd,
+        OptimizerName::SgdMomentum,
+        OptimizerName::Adafactor,
+        OptimizerName::Adamw8bit,
+    ]
+    .into_iter()
+    .map(|name| {
+        let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
+        let estimate = tensors
+            .iter()
+            .map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4))
+            .sum();
+        let scratch = match &opt {
+            Optimizer::Adafactor(a) => a.scratch_bytes(),
+            Optimizer::AdamW8bit(a) => a.scratch_bytes(),
+            Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
+        };
+        (opt.kind(), opt.state_bytes(), estimate, scratch)
+    })
+    .collect()
 }
 
 fn print_state_bytes() {
-    let gpt2 = ModelConfig { n_layer: 12, n_head: 12, n_embd: 768, vocab_size: 50257, seq_len: 1024, dropout: 0.0, bias: true, ..ModelConfig::default() };
+    let gpt2 = ModelConfig {
+        n_layer: 12,
+        n_head: 12,
+        n_embd: 768,
+        vocab_size: 50257,
+        seq_len: 1024,
+        dropout: 0.0,
+        bias: true,
+        ..ModelConfig::default()
+    };
     for (label, model) in [("debug", ModelConfig::default()), ("gpt2-124m", gpt2)] {
         let rows = state_bytes(&model);
         let adamw = rows[0].1 as f64;
@@ -68,7 +95,6 @@ fn print_state_bytes() {
     }
 }
 
-
 fn print_update_time() {
     use std::time::Instant;
     let device = match std::env::var("TG_BENCH_DEVICE").as_deref() {
@@ -79,7 +105,10 @@ fn print_update_time() {
     let config = std::env::var("TG_BENCH_CONFIG").unwrap_or_else(|_| "configs/gpt2-124m.yaml".into());
     let steps: usize = std::env::var("STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
     // The repository: TRAINGUARD_REPO where the binary was carried to another machine.
-    let repo = std::env::var_os("TRAINGUARD_REPO").map_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."), std::path::PathBuf::from);
+    let repo = std::env::var_os("TRAINGUARD_REPO").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."),
+        std::path::PathBuf::from,
+    );
     let cfg = trainguard::config::load(Some(&repo.join(&config)), &[]).expect("config");
     let model = Model::new(&cfg.model, 0, device).unwrap();
     let params = model.optimizer_params().unwrap();
@@ -90,17 +119,35 @@ fn print_update_time() {
             tch::Cuda::synchronize(i as i64);
         }
     };
-    println!("{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up", params.len(), numel as f64 / 1e6);
+    println!(
+        "{config}: {} tensors, {:.1}M values, {device:?}, median of {steps} updates after 2 warm-up",
+        params.len(),
+        numel as f64 / 1e6
+    );
     println!("| optimizer | ms per update (median) | min – max | × fused AdamW's time |\n|---|---|---|---|");
     let mut reference = None;
     // On CUDA 8-bit AdamW and Adafactor run twice: tensor ops, then our NVRTC kernels
     // (kernels.cuda_optimizers).
     let on_cuda = |name| device.is_cuda().then_some((name, false, true));
-    let rows = [(OptimizerName::Adamw, true, false), (OptimizerName::Adamw, false, false), (OptimizerName::Adamw8bit, false, false)].into_iter().chain(on_cuda(OptimizerName::Adamw8bit));
-    let rows = rows.chain([(OptimizerName::Adafactor, false, false)]).chain(on_cuda(OptimizerName::Adafactor));
-    let rows = rows.chain([(OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
+    let rows = [
+        (OptimizerName::Adamw, true, false),
+        (OptimizerName::Adamw, false, false),
+        (OptimizerName::Adamw8bit, false, false),
+    ]
+    .into_iter()
+    .chain(on_cuda(OptimizerName::Adamw8bit));
+    let rows =
+        rows.chain([(OptimizerName::Adafactor, false, false)]).chain(on_cuda(OptimizerName::Adafactor));
+    let rows =
+        rows.chain([(OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
     for (name, fused, cuda_kernel) in rows {
-        let mut opt = Optimizer::new(&OptimizerSpec { cuda_kernel, ..spec(name, fused) }, &params, &model.params.decay, device).unwrap();
+        let mut opt = Optimizer::new(
+            &OptimizerSpec { cuda_kernel, ..spec(name, fused) },
+            &params,
+            &model.params.decay,
+            device,
+        )
+        .unwrap();
         let mut times = Vec::with_capacity(steps);
         for i in 0..steps + 2 {
             sync();
@@ -118,10 +165,21 @@ fn print_update_time() {
         let path = match (has_both, fused) {
             (true, true) => " (fused)",
             (true, false) => " (unfused)",
-            _ if matches!(name, OptimizerName::Adamw8bit | OptimizerName::Adafactor) && device.is_cuda() => if cuda_kernel { " (CUDA kernel)" } else { " (tensor ops)" },
+            _ if matches!(name, OptimizerName::Adamw8bit | OptimizerName::Adafactor) && device.is_cuda() => {
+                if cuda_kernel {
+                    " (CUDA kernel)"
+                } else {
+                    " (tensor ops)"
+                }
+            }
             _ => "",
         };
         let label = format!("{}{path}", opt.kind());
-        println!("| {label} | {median:.2} | {:.2} – {:.2} | {:.2}× |", times[0], times[times.len() - 1], median / base);
+        println!(
+            "| {label} | {median:.2} | {:.2} – {:.2} | {:.2}× |",
+            times[0],
+            times[times.len() - 1],
+            median / base
+        );
     }
 }

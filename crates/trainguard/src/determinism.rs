@@ -49,7 +49,11 @@ pub fn enable() -> Result<Determinism, ShimError> {
     if let Some(v) = cublas.as_deref().filter(|v| !CUBLAS_DETERMINISTIC.contains(v)) {
         tracing::warn!("{CUBLAS_ENV}={v} from the environment is not one of {CUBLAS_DETERMINISTIC:?}: libtorch will refuse cuBLAS calls on CUDA in deterministic mode");
     }
-    Ok(Determinism { libtorch: ffi::deterministic_state(), cublas_workspace_config: cublas, cublas_workspace_config_from: from })
+    Ok(Determinism {
+        libtorch: ffi::deterministic_state(),
+        cublas_workspace_config: cublas,
+        cublas_workspace_config_from: from,
+    })
 }
 
 /// Whether the process started with the variable set (the initial environment, which
@@ -72,9 +76,19 @@ mod tests {
     fn libtorch_reports_the_switch_and_its_refusal_names_the_op() {
         ffi::set_deterministic(true).unwrap();
         let on = ffi::deterministic_state();
-        let refused = Tensor::zeros([4], (Kind::Float, Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false).map(|_| ());
+        let refused = Tensor::zeros([4], (Kind::Float, Device::Cpu))
+            .f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)
+            .map(|_| ());
         ffi::set_deterministic(false).unwrap();
-        assert_eq!(on, DeterministicState { algorithms: true, warn_only: false, fill_uninitialized_memory: true, cudnn: true });
+        assert_eq!(
+            on,
+            DeterministicState {
+                algorithms: true,
+                warn_only: false,
+                fill_uninitialized_memory: true,
+                cudnn: true
+            }
+        );
         assert!(!ffi::deterministic_state().algorithms);
         let message = refused.unwrap_err().to_string();
         assert!(message.contains("does not have a deterministic implementation"), "{message}");

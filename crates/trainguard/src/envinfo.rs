@@ -26,7 +26,8 @@ pub fn report(config: &Config) -> String {
     // What a CUDA run would hand libtorch, handed over as a run does before CUDA starts: the
     // keys and values libtorch refuses (from the environment too) are found here, not at the run.
     // Read first: handing them over sets PYTORCH_CUDA_ALLOC_CONF to the merged settings.
-    let (from_env, eff) = (crate::memory::allocator::env_source(), effective(&config.memory.allocator, None, true));
+    let (from_env, eff) =
+        (crate::memory::allocator::env_source(), effective(&config.memory.allocator, None, true));
     let refused = crate::memory::allocator::configure(&config.memory.allocator, None, true).err();
     let mut r = String::new();
     let _ = writeln!(r, "[trainguard]\nversion: {}", env!("CARGO_PKG_VERSION"));
@@ -39,8 +40,24 @@ pub fn report(config: &Config) -> String {
             let _ = writeln!(r, "available: {}", if v.cuda_available == 1 { "yes" } else { "no" });
             let _ = writeln!(r, "devices: {}", v.cuda_devices);
             // cudaRuntimeGetVersion: 1000·major + 10·minor.
-            let _ = writeln!(r, "cuda runtime: {}", if v.cudart_version < 0 { "unknown".into() } else { format!("{}.{}", v.cudart_version / 1000, (v.cudart_version % 1000) / 10) });
-            let _ = writeln!(r, "cudnn: {}", if v.cudnn_available == 1 { version(v.cudnn_version, &[10000, 100]) } else { "not available".into() });
+            let _ = writeln!(
+                r,
+                "cuda runtime: {}",
+                if v.cudart_version < 0 {
+                    "unknown".into()
+                } else {
+                    format!("{}.{}", v.cudart_version / 1000, (v.cudart_version % 1000) / 10)
+                }
+            );
+            let _ = writeln!(
+                r,
+                "cudnn: {}",
+                if v.cudnn_available == 1 {
+                    version(v.cudnn_version, &[10000, 100])
+                } else {
+                    "not available".into()
+                }
+            );
         }
         Err(e) => {
             let _ = writeln!(r, "unavailable: {e}");
@@ -51,7 +68,15 @@ pub fn report(config: &Config) -> String {
         Ok((major, minor, path)) => writeln!(r, "nvrtc: {major}.{minor} ({path})"),
         Err(e) => writeln!(r, "nvrtc: unavailable ({e}); kernels.cuda_optimizers cannot be used"),
     };
-    let _ = writeln!(r, "c10d backends: gloo{}", if ffi::dist::nccl_built() { ", nccl" } else { " (nccl not built: CUDA headers missing at build time)" });
+    let _ = writeln!(
+        r,
+        "c10d backends: gloo{}",
+        if ffi::dist::nccl_built() {
+            ", nccl"
+        } else {
+            " (nccl not built: CUDA headers missing at build time)"
+        }
+    );
     let _ = writeln!(r, "\n[gpus]");
     match Gpus::open() {
         Ok(g) => {
@@ -61,7 +86,14 @@ pub fn report(config: &Config) -> String {
                 let _ = writeln!(r, "none");
             }
             for d in list {
-                let _ = writeln!(r, "{}: {} ({} total, {} free)", d.index, d.name, human(d.memory_total_bytes), human(d.memory_free_bytes));
+                let _ = writeln!(
+                    r,
+                    "{}: {} ({} total, {} free)",
+                    d.index,
+                    d.name,
+                    human(d.memory_total_bytes),
+                    human(d.memory_free_bytes)
+                );
             }
         }
         Err(why) => {
@@ -76,7 +108,11 @@ pub fn report(config: &Config) -> String {
     // What a CUDA run would use (trainguard's defaults apply only to CUDA runs).
     let shown = if eff.conf.is_empty() { "(libtorch defaults)".to_string() } else { eff.conf.clone() };
     let _ = writeln!(r, "effective (CUDA runs; a CPU run does not use them): {shown}");
-    let _ = writeln!(r, "source: {} (memory.allocator of the config given with --config/--set, else defaults)", eff.source);
+    let _ = writeln!(
+        r,
+        "source: {} (memory.allocator of the config given with --config/--set, else defaults)",
+        eff.source
+    );
     // What a run with this config would refuse or warn of, said here too: this is the command
     // that diagnoses the settings.
     if let Some(e) = refused {

@@ -100,40 +100,106 @@ pub enum Event {
     Step(StepMetrics),
     /// `deterministic: true`: libtorch's switches as it reports them, and the cuBLAS setting.
     Deterministic(crate::determinism::Determinism),
-    RegrowAttempt { step: u64, from_micro_batch: usize, to_micro_batch: usize },
+    RegrowAttempt {
+        step: u64,
+        from_micro_batch: usize,
+        to_micro_batch: usize,
+    },
     /// Out of memory at the smallest micro-batch: a memory saver from `oom.escalate` switched on.
     /// `switched_on`: the `oom.escalate` entry; `effect`: what it switched on, said in full.
-    OomEscalated { step: u64, micro_batch: usize, level: usize, switched_on: String, effect: String },
+    OomEscalated {
+        step: u64,
+        micro_batch: usize,
+        level: usize,
+        switched_on: String,
+        effect: String,
+    },
     OomRecovered(OomRecovery),
     /// `lineage`: the other runs' checkpoints the line resumed from, oldest first (the one
     /// resumed now included when it is another run's).
-    Resumed { step: u64, path: String, changed: Vec<String>, lineage: Vec<crate::checkpoint::lineage::Lineage> },
-    CheckpointSkipped { path: String, reason: String },
+    Resumed {
+        step: u64,
+        path: String,
+        changed: Vec<String>,
+        lineage: Vec<crate::checkpoint::lineage::Lineage>,
+    },
+    CheckpointSkipped {
+        path: String,
+        reason: String,
+    },
     /// A checkpoint a killed replacement of the same step had left aside, put back in its place.
-    CheckpointPutBack { step: u64 },
+    CheckpointPutBack {
+        step: u64,
+    },
     /// Checkpoints of the line the run leaves moved out of its way (nothing deleted).
-    CheckpointsSetAside { resumed_step: u64, steps: Vec<u64>, to: String },
+    CheckpointsSetAside {
+        resumed_step: u64,
+        steps: Vec<u64>,
+        to: String,
+    },
     /// The final weights of an earlier end of the run, which a resumed run trains past,
     /// renamed out of the way of `sample` and `export` (nothing deleted).
-    FinalWeightsSetAside { resumed_step: u64, to: String },
-    CheckpointSaved { step: u64, path: String, seconds: f64, deleted: Vec<u64> },
-    CheckpointFailed { step: u64, error: String, training_goes_on: bool },
-    NonfiniteSkipped { step: u64, loss: f64, grad_norm: f64, consecutive: u64 },
-    LeakSuspected { step: u64, message: String },
+    FinalWeightsSetAside {
+        resumed_step: u64,
+        to: String,
+    },
+    CheckpointSaved {
+        step: u64,
+        path: String,
+        seconds: f64,
+        deleted: Vec<u64>,
+    },
+    CheckpointFailed {
+        step: u64,
+        error: String,
+        training_goes_on: bool,
+    },
+    NonfiniteSkipped {
+        step: u64,
+        loss: f64,
+        grad_norm: f64,
+        consecutive: u64,
+    },
+    LeakSuspected {
+        step: u64,
+        message: String,
+    },
     /// fp16 loss scaling: `overflow` (update skipped, scale backed off) or `growth`.
-    LossScaleChanged { step: u64, scale: f64, reason: LossScaleReason },
+    LossScaleChanged {
+        step: u64,
+        scale: f64,
+        reason: LossScaleReason,
+    },
     /// Allocation retries rose step after step; `action`: `warn` or `shrink`.
-    ThrashDetected { step: u64, total_retries: i64, action: String, new_micro_batch: Option<usize> },
+    ThrashDetected {
+        step: u64,
+        total_retries: i64,
+        action: String,
+        new_micro_batch: Option<usize>,
+    },
     /// The run stops before max_steps (see [`StopReason`]).
-    Stopped { step: u64, reason: StopReason, checkpoint: Option<String> },
+    Stopped {
+        step: u64,
+        reason: StopReason,
+        checkpoint: Option<String>,
+    },
     /// End of a multi-process run: spread of per-parameter checksums across ranks (0 = same).
-    RanksCompared { world_size: usize, checksum_spread: f64 },
+    RanksCompared {
+        world_size: usize,
+        checksum_spread: f64,
+    },
     /// `kernels.cuda_graphs`: this step captured its micro-steps of `micro_batch` sequences as
     /// a CUDA graph, replayed from then on.
-    GraphCaptured { step: u64, micro_batch: usize },
+    GraphCaptured {
+        step: u64,
+        micro_batch: usize,
+    },
     /// `kernels.cuda_graphs`: a capture failed for a reason other than memory; the run goes on
     /// without graphs.
-    GraphsOff { step: u64, reason: String },
+    GraphsOff {
+        step: u64,
+        reason: String,
+    },
     /// `metrics.trace`: the profiled steps' Chrome trace is written; where their time went.
     TraceWritten(crate::trace::TraceSummary),
     RunFinished(RunSummary),
@@ -220,18 +286,30 @@ impl Reporter {
     /// `out_dir = None`: log lines only (non-writing ranks, tests). `resume_at`: the step a
     /// resumed run starts at; metrics of later steps (from before a kill) are dropped, since the
     /// run computes them again, and both files are appended to.
-    pub fn new(out_dir: Option<&Path>, log_interval: u64, max_steps: u64, resume_at: Option<u64>) -> Result<Self, SinkError> {
+    pub fn new(
+        out_dir: Option<&Path>,
+        log_interval: u64,
+        max_steps: u64,
+        resume_at: Option<u64>,
+    ) -> Result<Self, SinkError> {
         let open = |name: &str| -> Result<Option<BufWriter<File>>, SinkError> {
             let Some(d) = out_dir else { return Ok(None) };
             let path = d.join(name);
             let named = |source| SinkError { path: path.clone(), source };
             match (resume_at, name) {
-                (Some(step), "metrics.jsonl") => keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step)).map_err(named)?,
+                (Some(step), "metrics.jsonl") => {
+                    keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step)).map_err(named)?
+                }
                 // A run killed mid-write may have left half a line.
                 (Some(_), _) => keep_lines(&path, |_| true).map_err(named)?,
                 _ => {}
             }
-            let file = if resume_at.is_some() { File::options().create(true).append(true).open(&path) } else { File::create(&path) }.map_err(named)?;
+            let file = if resume_at.is_some() {
+                File::options().create(true).append(true).open(&path)
+            } else {
+                File::create(&path)
+            }
+            .map_err(named)?;
             Ok(Some(BufWriter::new(file)))
         };
         let bar = crate::console::logging::progress_bar_wanted().then(|| {
@@ -243,14 +321,23 @@ impl Reporter {
             bar.set_position(resume_at.unwrap_or(0));
             bar
         });
-        Ok(Self { metrics: open("metrics.jsonl")?, events: open("events.jsonl")?, log_interval, max_steps, bar, tensorboard: None, resume_at })
+        Ok(Self {
+            metrics: open("metrics.jsonl")?,
+            events: open("events.jsonl")?,
+            log_interval,
+            max_steps,
+            bar,
+            tensorboard: None,
+            resume_at,
+        })
     }
 
     /// Also writes TensorBoard event files into `dir` (the writing rank's `out_dir/tb`), starting
     /// with the resolved config as text.
     pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> Result<(), SinkError> {
         let named = |source| SinkError { path: dir.to_path_buf(), source };
-        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0)).map_err(named)?;
+        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0))
+            .map_err(named)?;
         tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```")).map_err(named)?;
         self.tensorboard = Some(tb);
         Ok(())
@@ -259,9 +346,14 @@ impl Reporter {
     pub fn emit(&mut self, event: Event) {
         self.log(&event);
         if let (Some(bar), Event::Step(m)) = (&self.bar, &event) {
-            let mem = crate::memory::ProcessMemory::read().map(|p| format!(" | rss {}", human(p.rss_bytes))).unwrap_or_default();
+            let mem = crate::memory::ProcessMemory::read()
+                .map(|p| format!(" | rss {}", human(p.rss_bytes)))
+                .unwrap_or_default();
             bar.set_position(m.step + 1);
-            bar.set_message(format!("loss {:.4} | {:.0} tok/s | micro {}×{}{mem}", m.loss, m.tokens_per_s, m.micro_batch, m.accumulation));
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s | micro {}×{}{mem}",
+                m.loss, m.tokens_per_s, m.micro_batch, m.accumulation
+            ));
         }
         if let (Some(bar), Event::RunFinished(_) | Event::Stopped { .. }) = (&self.bar, &event) {
             bar.finish();
@@ -273,17 +365,20 @@ impl Reporter {
                 e => serde_json::to_string(e),
             };
             // Flushed per line: a killed run keeps every line up to its last step.
-            let written = line.map_err(std::io::Error::other).and_then(|l| writeln!(w, "{l}")).and_then(|_| w.flush());
+            let written =
+                line.map_err(std::io::Error::other).and_then(|l| writeln!(w, "{l}")).and_then(|_| w.flush());
             if let Err(e) = written {
                 tracing::warn!("cannot write run files: {e}");
             }
         }
         if let Some(tb) = &mut self.tensorboard {
             let written = match &event {
-                Event::Step(m) => serde_json::to_value(m).map_err(std::io::Error::other).and_then(|v| tb.scalars(&v)),
-                e => serde_json::to_value(e).map_err(std::io::Error::other).and_then(|v| {
-                    tb.text("events", v["step"].as_i64(), &v.to_string())
-                }),
+                Event::Step(m) => {
+                    serde_json::to_value(m).map_err(std::io::Error::other).and_then(|v| tb.scalars(&v))
+                }
+                e => serde_json::to_value(e)
+                    .map_err(std::io::Error::other)
+                    .and_then(|v| tb.text("events", v["step"].as_i64(), &v.to_string())),
             };
             if let Err(e) = written {
                 tracing::warn!("cannot write TensorBoard files, no more will be written: {e}");
@@ -483,7 +578,10 @@ mod tests {
         bytes.extend_from_slice(b"{\"event\":\"checkpoint_saved\",\"path\":\"runs/\xc3");
         std::fs::write(&path, &bytes).unwrap();
         keep_lines(&path, |_| true).unwrap();
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"event\":\"a\",\"step\":1}\n{\"event\":\"b\",\"step\":2}\n");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"event\":\"a\",\"step\":1}\n{\"event\":\"b\",\"step\":2}\n"
+        );
         keep_lines(&path, |v| v["step"].as_u64() == Some(2)).unwrap();
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"event\":\"b\",\"step\":2}\n");
         keep_lines(&dir.path().join("absent.jsonl"), |_| true).unwrap();

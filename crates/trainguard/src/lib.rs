@@ -7,8 +7,8 @@
 
 pub use trainguard_sys as ffi;
 pub mod checkpoint;
-pub mod console;
 pub mod config;
+pub mod console;
 pub mod data;
 pub mod determinism;
 pub mod distributed;
@@ -21,10 +21,10 @@ pub mod job;
 pub mod memory;
 pub mod model;
 pub mod optim;
-pub mod run_plan;
-pub mod step;
 pub mod planner;
 pub mod report;
-pub mod trace;
+pub mod run_plan;
 pub mod sample;
+pub mod step;
+pub mod trace;
 pub mod train;

@@ -4,9 +4,9 @@
 //! (precision, clipping, memory savers), the optimizer, the schedule and the checkpoint cadence.
 //! Downstream code reads these, never re-parses the config's strings.
 //! Pure: the environment comes in as [`Environment`], so every rule is unit-tested.
-use crate::data::batch;
 use crate::checkpoint::retention::Retention;
 use crate::config::{parse_duration, Checkpointing, Config, Problem};
+use crate::data::batch;
 use crate::optim::{LrSchedule, OptimizerSpec};
 use crate::step::{Savers, StepSettings};
 use std::path::Path;
@@ -31,8 +31,22 @@ impl Environment {
     pub fn detect(launch: Option<&crate::distributed::DistEnv>) -> Self {
         let cuda_devices = tch::Cuda::device_count().max(0) as usize;
         match launch {
-            Some(d) => Self { cuda_devices, rank: d.rank, local_rank: d.local_rank, world_size: d.world_size, restart_count: d.restart_count, resuming: false },
-            None => Self { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false },
+            Some(d) => Self {
+                cuda_devices,
+                rank: d.rank,
+                local_rank: d.local_rank,
+                world_size: d.world_size,
+                restart_count: d.restart_count,
+                resuming: false,
+            },
+            None => Self {
+                cuda_devices,
+                rank: 0,
+                local_rank: 0,
+                world_size: 1,
+                restart_count: 0,
+                resuming: false,
+            },
         }
     }
 }
@@ -80,7 +94,9 @@ impl CheckpointPlan {
     /// the best weights are written whatever the interval, or retention would have no
     /// checkpoint of them to keep.
     pub fn due(&self, completed: u64, since_last: Duration, new_best: bool) -> bool {
-        (self.every_steps > 0 && completed.is_multiple_of(self.every_steps)) || self.every.is_some_and(|d| since_last >= d) || (self.keep_best && new_best)
+        (self.every_steps > 0 && completed.is_multiple_of(self.every_steps))
+            || self.every.is_some_and(|d| since_last >= d)
+            || (self.keep_best && new_best)
     }
 }
 
@@ -109,10 +125,11 @@ impl RunPlan {
                 problems.push(Problem::new("train.global_batch_size", msg));
                 0
             });
-        let memory_limit = config.memory.limit.as_ref().map(|s| s.bytes()).transpose().unwrap_or_else(|msg| {
-            problems.push(Problem::new("memory.limit", msg));
-            None
-        });
+        let memory_limit =
+            config.memory.limit.as_ref().map(|s| s.bytes()).transpose().unwrap_or_else(|msg| {
+                problems.push(Problem::new("memory.limit", msg));
+                None
+            });
         if memory_limit.is_some() && !device.is_cuda() && config.precision != crate::config::Precision::Fp32 {
             // Seen: SIGSEGV in oneDNN's matmul primitive under an 8-16 MiB cap (no error, no
             // checkpoint, no stop record), "could not create a primitive" under others.
@@ -132,17 +149,25 @@ impl RunPlan {
             }
         }
         if let Some(path) = config.data.source.strip_prefix("text:").filter(|p| !Path::new(p).is_file()) {
-            problems.push(Problem::new("data.source", format!("file `{path}` does not exist or is not a file")));
+            problems
+                .push(Problem::new("data.source", format!("file `{path}` does not exist or is not a file")));
         }
-        if let Some(dir) = config.init_from.as_deref().filter(|d| !env.resuming && !d.join("config.json").is_file()) {
-            problems.push(Problem::new("init_from", format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display())));
+        if let Some(dir) =
+            config.init_from.as_deref().filter(|d| !env.resuming && !d.join("config.json").is_file())
+        {
+            problems.push(Problem::new(
+                "init_from",
+                format!("`{}` is not a Hugging Face model directory (no config.json)", dir.display()),
+            ));
         }
         let m = &config.memory;
         let checkpointing = Checkpointing::parse(&m.activation_checkpointing).unwrap_or_else(|msg| {
             problems.push(Problem::new("memory.activation_checkpointing", msg));
             Checkpointing::None
         });
-        if m.offload_activations && matches!(Checkpointing::parse(&m.activation_checkpointing), Ok(Checkpointing::None)) {
+        if m.offload_activations
+            && matches!(Checkpointing::parse(&m.activation_checkpointing), Ok(Checkpointing::None))
+        {
             // Offload moves the inputs that checkpointing keeps; alone it would change nothing.
             problems.push(Problem::new(
                 "memory.offload_activations",
@@ -150,10 +175,19 @@ impl RunPlan {
             ));
         }
         let f = &config.faults;
-        for (key, rank) in [("faults.crash_rank", Some(f.crash_rank).filter(|_| f.crash_at_step.is_some())), ("faults.fault_rank", f.fault_rank)] {
+        for (key, rank) in [
+            ("faults.crash_rank", Some(f.crash_rank).filter(|_| f.crash_at_step.is_some())),
+            ("faults.fault_rank", f.fault_rank),
+        ] {
             if let Some(r) = rank.filter(|&r| r >= env.world_size) {
                 // No rank would run the fault: a test of it would pass without it.
-                problems.push(Problem::new(key, format!("rank {r} does not exist in a world of {} (ranks 0..{})", env.world_size, env.world_size)));
+                problems.push(Problem::new(
+                    key,
+                    format!(
+                        "rank {r} does not exist in a world of {} (ranks 0..{})",
+                        env.world_size, env.world_size
+                    ),
+                ));
             }
         }
         if !problems.is_empty() {
@@ -215,13 +249,15 @@ fn token_files_exist(path: &str) -> Result<(), String> {
 /// `CUDA_VISIBLE_DEVICES`); more local ranks than visible devices is refused, since ranks
 /// sharing a GPU fail in NCCL with an obscure error or silently slow each other down.
 pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Result<Device, String> {
-    let rank_device = || match cuda_devices {
+    let rank_device = || {
+        match cuda_devices {
         1 => Ok(0),
         n if local_rank < n => Ok(local_rank),
         n => Err(format!(
             "`{spec}` on local rank {local_rank}, but this process sees {n} CUDA device(s): start one rank per GPU \
              (torchrun --nproc_per_node {n}) or give each rank its own CUDA_VISIBLE_DEVICES"
         )),
+    }
     };
     match spec {
         "auto" if cuda_devices == 0 => Ok(Device::Cpu),
@@ -253,7 +289,14 @@ pub fn resolve_device(spec: &str, cuda_devices: usize, local_rank: usize) -> Res
 mod tests {
     use super::*;
 
-    const CPU_ONLY: Environment = Environment { cuda_devices: 0, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false };
+    const CPU_ONLY: Environment = Environment {
+        cuda_devices: 0,
+        rank: 0,
+        local_rank: 0,
+        world_size: 1,
+        restart_count: 0,
+        resuming: false,
+    };
 
     #[test]
     fn derives_accumulation_and_tokens() {
@@ -293,7 +336,10 @@ mod tests {
         assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["faults.crash_rank"]);
         assert!(err.to_string().contains("rank 2 does not exist in a world of 2"), "{err}");
         let err = RunPlan::build(c.clone(), CPU_ONLY).unwrap_err();
-        assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["faults.crash_rank", "faults.fault_rank"]);
+        assert_eq!(
+            err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(),
+            ["faults.crash_rank", "faults.fault_rank"]
+        );
         RunPlan::build(c, Environment { world_size: 3, ..CPU_ONLY }).unwrap();
     }
 
@@ -332,7 +378,11 @@ mod tests {
         assert!(RunPlan::build(c.clone(), CPU_ONLY).unwrap().step.savers.offload);
         c.memory.activation_checkpointing = "every_n:x".into();
         let err = RunPlan::build(c, CPU_ONLY).unwrap_err();
-        assert_eq!(err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(), ["memory.activation_checkpointing"], "one cause, not two: {err}");
+        assert_eq!(
+            err.0.iter().map(|p| p.key.as_str()).collect::<Vec<_>>(),
+            ["memory.activation_checkpointing"],
+            "one cause, not two: {err}"
+        );
     }
 
     #[test]
@@ -341,13 +391,21 @@ mod tests {
         assert_eq!(resolve_device("auto", 2, 0), Ok(Device::Cuda(0)));
         assert_eq!(resolve_device("auto", 2, 1), Ok(Device::Cuda(1)), "one GPU per local rank");
         assert_eq!(resolve_device("cuda", 2, 1), Ok(Device::Cuda(1)));
-        assert_eq!(resolve_device("cuda", 1, 3), Ok(Device::Cuda(0)), "a rank given one device by CUDA_VISIBLE_DEVICES");
+        assert_eq!(
+            resolve_device("cuda", 1, 3),
+            Ok(Device::Cuda(0)),
+            "a rank given one device by CUDA_VISIBLE_DEVICES"
+        );
         assert_eq!(resolve_device("cuda:1", 2, 0), Ok(Device::Cuda(1)));
         assert!(resolve_device("cuda", 0, 0).unwrap_err().contains("0 CUDA device"));
         assert!(resolve_device("cuda:2", 2, 0).is_err());
         for spec in ["auto", "cuda"] {
             let err = resolve_device(spec, 2, 3).unwrap_err();
-            assert!(err.contains("local rank 3, but this process sees 2 CUDA device(s)") && err.contains("--nproc_per_node 2"), "{err}");
+            assert!(
+                err.contains("local rank 3, but this process sees 2 CUDA device(s)")
+                    && err.contains("--nproc_per_node 2"),
+                "{err}"
+            );
         }
     }
 
@@ -361,12 +419,20 @@ mod tests {
         assert_eq!(plan.time_limit, Some(Duration::from_secs(5400)));
         assert_eq!(plan.step.savers.checkpoint_every, 3);
         assert_eq!(plan.checkpoints.every, Some(Duration::from_secs(30)));
-        assert!(plan.checkpoints.due(7, Duration::from_secs(31), false) && !plan.checkpoints.due(7, Duration::from_secs(29), false));
+        assert!(
+            plan.checkpoints.due(7, Duration::from_secs(31), false)
+                && !plan.checkpoints.due(7, Duration::from_secs(29), false)
+        );
         let mut bad = Config::default();
         bad.train.max_duration = Some("soon".into());
         bad.memory.activation_checkpointing = "sometimes".into();
-        let keys: Vec<String> = RunPlan::build(bad, CPU_ONLY).unwrap_err().0.into_iter().map(|p| p.key).collect();
-        assert_eq!(keys, ["train.max_duration", "memory.activation_checkpointing"], "reported with their key paths, never a panic");
+        let keys: Vec<String> =
+            RunPlan::build(bad, CPU_ONLY).unwrap_err().0.into_iter().map(|p| p.key).collect();
+        assert_eq!(
+            keys,
+            ["train.max_duration", "memory.activation_checkpointing"],
+            "reported with their key paths, never a panic"
+        );
     }
 
     #[test]
@@ -379,7 +445,10 @@ mod tests {
         assert_eq!(evals, [5, 10, 15, 20, 23], "every 5 completed steps and after the last");
         let ckpts: Vec<u64> = (1..=23).filter(|&n| plan.checkpoints.due(n, Duration::ZERO, false)).collect();
         assert_eq!(ckpts, [5, 10, 15, 20], "the interval checkpoints hold evaluated weights");
-        assert!(plan.checkpoints.due(23, Duration::ZERO, true), "a new best is written off the interval with keep_best");
+        assert!(
+            plan.checkpoints.due(23, Duration::ZERO, true),
+            "a new best is written off the interval with keep_best"
+        );
         let plain = CheckpointPlan { keep_best: false, ..plan.checkpoints };
         assert!(!plain.due(23, Duration::ZERO, true), "but not without it");
     }
@@ -390,7 +459,10 @@ mod tests {
         c.memory.limit = Some(crate::config::Size::Text("1GiB".into()));
         c.precision = crate::config::Precision::Bf16Mixed;
         let e = RunPlan::build(c.clone(), CPU_ONLY).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("memory.limit: a CPU cap with precision bf16-mixed") && e.contains("SIGSEGV"), "{e}");
+        assert!(
+            e.contains("memory.limit: a CPU cap with precision bf16-mixed") && e.contains("SIGSEGV"),
+            "{e}"
+        );
         c.precision = crate::config::Precision::Fp32;
         assert!(RunPlan::build(c, CPU_ONLY).is_ok(), "fp32 under a CPU cap is the guard's CPU rehearsal");
     }
@@ -402,6 +474,8 @@ mod tests {
         assert_eq!(RunPlan::build(c.clone(), CPU_ONLY).unwrap().memory_limit, Some(1 << 30));
         // A plain 0 is refused as `0B` is (it was taken, and the run then failed its setup, exit 3).
         c.memory.limit = Some(crate::config::Size::Bytes(0));
-        assert!(crate::config::validate(&c).iter().any(|p| p.key == "memory.limit" && p.message.contains("at least one byte")));
+        assert!(crate::config::validate(&c)
+            .iter()
+            .any(|p| p.key == "memory.limit" && p.message.contains("at least one byte")));
     }
 }

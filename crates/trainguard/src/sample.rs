@@ -105,16 +105,37 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let tokenizer = target.join("tokenizer.json");
-        let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| crate::data::prepare::load_tokenizer(&tokenizer, crate::hf::exported_eos(target).as_deref())) {
+        let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| {
+            crate::data::prepare::load_tokenizer(&tokenizer, crate::hf::exported_eos(target).as_deref())
+        }) {
             None => (None, None),
-            Some(Ok(vocab)) => (Some(Dataset { dir: target.to_path_buf(), manifest: None, specials: crate::hf::specials(target, &vocab.tokenizer), vocab }), None),
+            Some(Ok(vocab)) => (
+                Some(Dataset {
+                    dir: target.to_path_buf(),
+                    manifest: None,
+                    specials: crate::hf::specials(target, &vocab.tokenizer),
+                    vocab,
+                }),
+                None,
+            ),
             Some(Err(e)) => (None, Some(e.to_string())),
         };
-        return Ok(Trained { model, kernels: KernelsConfig::default(), seed: 0, weights, dataset, dataset_unusable, bytes: false });
+        return Ok(Trained {
+            model,
+            kernels: KernelsConfig::default(),
+            seed: 0,
+            weights,
+            dataset,
+            dataset_unusable,
+            bytes: false,
+        });
     }
     if !target.is_dir() {
         let what = if target.exists() { "not a directory" } else { "no such directory" };
-        return Err(input(format!("{}: {what} (a checkpoint, run or Hugging Face directory is expected)", target.display())));
+        return Err(input(format!(
+            "{}: {what} (a checkpoint, run or Hugging Face directory is expected)",
+            target.display()
+        )));
     }
     let final_weights = target.join(store::MODEL_FILE);
     // `recorded`: what the run trained on, as its checkpoint says (a run's final weights: its
@@ -123,10 +144,20 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
         (l.config, l.weights, l.state.data)
     } else if target.join(store::CONFIG_FILE).is_file() && final_weights.is_file() {
-        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE)).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
-        let config: Config = crate::config::saved(&yaml).map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
-        let recorded = store::list(&store::root(target)).last().and_then(|(_, dir)| store::load_state(dir).ok()).and_then(|s| s.data);
-        (config, store::read_model_file(&final_weights).map_err(|m| input(format!("{}: {m}", final_weights.display())))?, recorded)
+        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE))
+            .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        let config: Config = crate::config::saved(&yaml)
+            .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        let recorded = store::list(&store::root(target))
+            .last()
+            .and_then(|(_, dir)| store::load_state(dir).ok())
+            .and_then(|s| s.data);
+        (
+            config,
+            store::read_model_file(&final_weights)
+                .map_err(|m| input(format!("{}: {m}", final_weights.display())))?,
+            recorded,
+        )
     } else {
         // A run without final weights (or without its config.yaml): its newest checkpoint that
         // loads, which carries its own config. Those passed over are named.
@@ -143,23 +174,45 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
                 }
                 (l.config, l.weights, l.state.data)
             }
-            None if skipped.is_empty() => return Err(input(format!("{}: no model.safetensors and no checkpoint", target.display()))),
-            None => return Err(input(format!("{}: no model.safetensors, and no checkpoint loads: {}", target.display(), why()))),
+            None if skipped.is_empty() => {
+                return Err(input(format!("{}: no model.safetensors and no checkpoint", target.display())))
+            }
+            None => {
+                return Err(input(format!(
+                    "{}: no model.safetensors, and no checkpoint loads: {}",
+                    target.display(),
+                    why()
+                )))
+            }
         }
     };
-    let (dataset, dataset_unusable) = match dataset_dir(&config.data.source).and_then(|d| trained_with(d, recorded.as_ref())) {
-        Ok(dir) => (dir, None),
-        Err(why) => (None, Some(why)),
-    };
+    let (dataset, dataset_unusable) =
+        match dataset_dir(&config.data.source).and_then(|d| trained_with(d, recorded.as_ref())) {
+            Ok(dir) => (dir, None),
+            Err(why) => (None, Some(why)),
+        };
     let bytes = !config.data.source.starts_with("tokens:");
-    Ok(Trained { model: config.model.clone(), kernels: config.kernels, seed: config.seed, weights, dataset, dataset_unusable, bytes })
+    Ok(Trained {
+        model: config.model.clone(),
+        kernels: config.kernels,
+        seed: config.seed,
+        weights,
+        dataset,
+        dataset_unusable,
+        bytes,
+    })
 }
 
 /// `dataset` when its tokenizer is the one the run recorded (or nothing was recorded): a dataset
 /// re-made in place with another tokenizer would encode the prompt and decode the output as
 /// other text, and an export would pair the model with a tokenizer it never saw.
-fn trained_with(dataset: Option<Dataset>, recorded: Option<&crate::checkpoint::state::DataRecord>) -> Result<Option<Dataset>, String> {
-    let (Some(d), Some(then)) = (&dataset, recorded.and_then(|r| r.tokenizer_crc32c)) else { return Ok(dataset) };
+fn trained_with(
+    dataset: Option<Dataset>,
+    recorded: Option<&crate::checkpoint::state::DataRecord>,
+) -> Result<Option<Dataset>, String> {
+    let (Some(d), Some(then)) = (&dataset, recorded.and_then(|r| r.tokenizer_crc32c)) else {
+        return Ok(dataset);
+    };
     let now = d.manifest.as_ref().and_then(|m| shards::tokenizer_checksum(&d.dir, m));
     match now {
         Some(now) if now != then => Err(format!(
@@ -180,21 +233,32 @@ pub fn dataset_dir(source: &str) -> Result<Option<Dataset>, String> {
             return Ok(None); // a glob of shards: no tokenizer
         }
         let here = std::env::current_dir().map(|d| format!(" from {}", d.display())).unwrap_or_default();
-        let relative = if path.is_relative() { " (a relative path is read from the directory a command runs in: run it from the one training ran in)" } else { "" };
+        let relative = if path.is_relative() {
+            " (a relative path is read from the directory a command runs in: run it from the one training ran in)"
+        } else {
+            ""
+        };
         return Err(format!("the run's data.source `{source}` is not found{here}{relative}"));
     }
     let manifest = path.join(shards::MANIFEST_FILE);
     if !manifest.is_file() {
         return Ok(None);
     }
-    let m: shards::Manifest = std::fs::read_to_string(&manifest).map_err(|e| e.to_string()).and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string())).map_err(|e| format!("{}: {e}", manifest.display()))?;
+    let m: shards::Manifest = std::fs::read_to_string(&manifest)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .map_err(|e| format!("{}: {e}", manifest.display()))?;
     let tokenizer = path.join(&m.tokenizer);
     if !tokenizer.is_file() {
-        return Err(format!("{} is missing: the tokenizer of the run's data.source `{source}`", tokenizer.display()));
+        return Err(format!(
+            "{} is missing: the tokenizer of the run's data.source `{source}`",
+            tokenizer.display()
+        ));
     }
     // One that does not load (damaged, another tokenizer without the dataset's end-of-document
     // token) is as unusable as a missing one.
-    let vocab = crate::data::prepare::load_tokenizer(&tokenizer, Some(&m.eos_token)).map_err(|e| format!("{e}: the tokenizer of the run's data.source `{source}`"))?;
+    let vocab = crate::data::prepare::load_tokenizer(&tokenizer, Some(&m.eos_token))
+        .map_err(|e| format!("{e}: the tokenizer of the run's data.source `{source}`"))?;
     Ok(Some(Dataset { dir: path.to_path_buf(), manifest: Some(m), vocab, specials: Default::default() }))
 }
 
@@ -213,7 +277,11 @@ pub fn build(t: &Trained, device: Device) -> Result<Model, SampleError> {
 /// Face directory, a checkpoint from before `model.pad_vocab_to`).
 pub fn copy_weights(model: &Model, weights: &[(String, Tensor)]) -> Result<(), String> {
     for (i, name) in model.params.names.iter().enumerate() {
-        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| format!("the weights lack `{name}`"))?;
+        let src = weights
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| format!("the weights lack `{name}`"))?;
         model.copy_user_tensor(i, src).map_err(|e| format!("`{name}` has {e}"))?;
     }
     Ok(())
@@ -242,11 +310,24 @@ impl Codec {
         match self {
             Codec::Bytes => Ok(text.bytes().map(i64::from).collect()),
             Codec::Ids(why) => {
-                let why = why.as_deref().unwrap_or("this run's data has no tokenizer (data.source is not a prepare directory)");
-                text.split_whitespace().map(|w| w.parse().map_err(|_| input(format!("{why}: give the prompt as token ids, got `{w}`")))).collect()
+                let why = why
+                    .as_deref()
+                    .unwrap_or("this run's data has no tokenizer (data.source is not a prepare directory)");
+                text.split_whitespace()
+                    .map(|w| {
+                        w.parse()
+                            .map_err(|_| input(format!("{why}: give the prompt as token ids, got `{w}`")))
+                    })
+                    .collect()
             }
             Codec::Tokenizer(t, eos) => {
-                let ids: Vec<i64> = t.encode(text, false).map_err(|e| input(e.to_string()))?.get_ids().iter().map(|&i| i as i64).collect();
+                let ids: Vec<i64> = t
+                    .encode(text, false)
+                    .map_err(|e| input(e.to_string()))?
+                    .get_ids()
+                    .iter()
+                    .map(|&i| i as i64)
+                    .collect();
                 if ids.is_empty() && !text.is_empty() {
                     // Not the empty prompt's fresh document: what was asked for would be lost.
                     return Err(input(format!("--prompt {text:?} gives no tokens with this tokenizer (it has no unknown token for what its vocabulary lacks)")));
@@ -272,7 +353,9 @@ impl Codec {
             // bytes that are not UTF-8, rather than the byte it wraps around to.
             Codec::Bytes => ids
                 .split(|&i| !(0..256).contains(&i))
-                .map(|run| String::from_utf8_lossy(&run.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
+                .map(|run| {
+                    String::from_utf8_lossy(&run.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned()
+                })
                 .collect::<Vec<_>>()
                 .join("\u{FFFD}"),
             // An id the tokenizer lacks (a model.vocab_size above the tokenizer's: untrained
@@ -281,7 +364,10 @@ impl Codec {
             Codec::Tokenizer(t, _) => {
                 let known = t.get_vocab_size(true) as i64;
                 ids.split(|&i| !(0..known).contains(&i))
-                    .map(|run| t.decode(&run.iter().map(|&i| i as u32).collect::<Vec<_>>(), false).unwrap_or_default())
+                    .map(|run| {
+                        t.decode(&run.iter().map(|&i| i as u32).collect::<Vec<_>>(), false)
+                            .unwrap_or_default()
+                    })
                     .collect::<Vec<_>>()
                     .join("\u{FFFD}")
             }
@@ -300,7 +386,10 @@ fn device_from(name: &str) -> Result<Device, SampleError> {
 /// Runs the command: hands the prompt's continuation to `emit` as it is drawn (each part whole
 /// characters; `emit` answers false once no one reads) and returns it whole (nothing with
 /// --dump-logits).
-pub fn run(args: &SampleArgs, emit: &mut dyn FnMut(&str) -> std::io::Result<bool>) -> Result<String, SampleError> {
+pub fn run(
+    args: &SampleArgs,
+    emit: &mut dyn FnMut(&str) -> std::io::Result<bool>,
+) -> Result<String, SampleError> {
     let device = device_from(&args.device)?;
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         return Err(input(format!("--temperature must be a number >= 0, got {}", args.temperature)));
@@ -312,7 +401,9 @@ pub fn run(args: &SampleArgs, emit: &mut dyn FnMut(&str) -> std::io::Result<bool
     let ids = if args.ids.is_empty() { codec.encode(&args.prompt)? } else { args.ids.clone() };
     if ids.is_empty() {
         return Err(input(match codec {
-            Codec::Ids(_) => "--prompt is empty and this run's data has no start token: give the prompt as token ids",
+            Codec::Ids(_) => {
+                "--prompt is empty and this run's data has no start token: give the prompt as token ids"
+            }
             _ => "--prompt is empty and byte-level data has no start token: give a prompt",
         }));
     }
@@ -323,14 +414,25 @@ pub fn run(args: &SampleArgs, emit: &mut dyn FnMut(&str) -> std::io::Result<bool
     if let Some(path) = &args.dump_logits {
         let t = ids.len().min(trained.model.seq_len);
         let x = Tensor::f_from_slice(&ids[ids.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
-        let logits = model.forward(&x, false, None)?.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
+        let logits = model
+            .forward(&x, false, None)?
+            .f_to_kind(Kind::Float)?
+            .f_to_device(Device::Cpu)?
+            .f_contiguous()?;
         Tensor::write_safetensors(&[("logits", &logits)], path)?;
         return Ok(String::new());
     }
     let draw = |context: &[i64], pos: usize| -> Result<i64, SampleError> {
         let t = context.len().min(trained.model.seq_len);
-        let x = Tensor::f_from_slice(&context[context.len() - t..])?.f_view([1, t as i64])?.f_to_device(device)?;
-        let logits = model.forward(&x, false, None)?.f_select(1, t as i64 - 1)?.f_view([-1])?.f_to_kind(Kind::Double)?.f_to_device(Device::Cpu)?;
+        let x = Tensor::f_from_slice(&context[context.len() - t..])?
+            .f_view([1, t as i64])?
+            .f_to_device(device)?;
+        let logits = model
+            .forward(&x, false, None)?
+            .f_select(1, t as i64 - 1)?
+            .f_view([-1])?
+            .f_to_kind(Kind::Double)?
+            .f_to_device(Device::Cpu)?;
         let logits: Vec<f64> = Vec::try_from(&logits)?;
         let u = (crate::data::mix(&[args.seed, pos as u64]) >> 11) as f64 / (1u64 << 53) as f64;
         Ok(pick(&logits, args.temperature, args.top_k, u) as i64)
@@ -432,11 +534,16 @@ mod tests {
     #[test]
     fn ids_the_tokenizer_lacks_decode_as_replacement_characters() {
         use tokenizers::models::wordlevel::WordLevel;
-        let vocab = [("a".to_string(), 0), ("b".to_string(), 1), ("[UNK]".to_string(), 2)].into_iter().collect();
+        let vocab =
+            [("a".to_string(), 0), ("b".to_string(), 1), ("[UNK]".to_string(), 2)].into_iter().collect();
         let model = WordLevel::builder().vocab(vocab).unk_token("[UNK]".into()).build().unwrap();
         let codec = Codec::Tokenizer(Box::new(tokenizers::Tokenizer::new(model)), 2);
         assert_eq!(codec.decode(&[0, 1]), "a b");
-        assert_eq!(codec.decode(&[0, 7, 1, 3, 3]), "a\u{FFFD}b\u{FFFD}\u{FFFD}", "one per id past the tokenizer's 3, none dropped");
+        assert_eq!(
+            codec.decode(&[0, 7, 1, 3, 3]),
+            "a\u{FFFD}b\u{FFFD}\u{FFFD}",
+            "one per id past the tokenizer's 3, none dropped"
+        );
     }
 
     #[test]
@@ -446,7 +553,11 @@ mod tests {
         // é's first byte alone decodes as U+FFFD: held back, not printed as one.
         assert_eq!(s.advance("caf\u{FFFD}", false).as_deref(), Some(""));
         assert_eq!(s.advance("café", false).as_deref(), Some("é"));
-        assert_eq!(s.advance("café \u{FFFD}", true).as_deref(), Some(" \u{FFFD}"), "the last token's U+FFFD is the text's");
+        assert_eq!(
+            s.advance("café \u{FFFD}", true).as_deref(),
+            Some(" \u{FFFD}"),
+            "the last token's U+FFFD is the text's"
+        );
         let mut s = Stream::default();
         assert_eq!(s.advance("a ,", false).as_deref(), Some("a ,"));
         assert_eq!(s.advance("a, b", false), None, "a decode that revises printed text prints nothing");
@@ -458,10 +569,17 @@ mod tests {
         let drawn = [7, 8, 2, 9, 10];
         let run = |stop_at: Option<i64>, max: usize| {
             let mut parts = Vec::new();
-            let whole = generate(vec![1], max, stop_at, &Codec::Ids(None), |ids, _| Ok(drawn[ids.len() - 1]), &mut |p| {
-                parts.push(p.to_string());
-                Ok(true)
-            })
+            let whole = generate(
+                vec![1],
+                max,
+                stop_at,
+                &Codec::Ids(None),
+                |ids, _| Ok(drawn[ids.len() - 1]),
+                &mut |p| {
+                    parts.push(p.to_string());
+                    Ok(true)
+                },
+            )
             .unwrap();
             (whole, parts)
         };
@@ -472,10 +590,17 @@ mod tests {
         assert_eq!(run(Some(2), 1).0, "7", "max_tokens still bounds it");
         // A reader gone: drawing stops at the first part it did not take.
         let mut draws = 0;
-        let whole = generate(vec![1], 5, None, &Codec::Ids(None), |_, _| {
-            draws += 1;
-            Ok(3)
-        }, &mut |_| Ok(false))
+        let whole = generate(
+            vec![1],
+            5,
+            None,
+            &Codec::Ids(None),
+            |_, _| {
+                draws += 1;
+                Ok(3)
+            },
+            &mut |_| Ok(false),
+        )
         .unwrap();
         assert_eq!((whole.as_str(), draws), ("3", 1));
     }

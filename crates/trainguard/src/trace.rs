@@ -41,7 +41,9 @@ impl TraceEvent {
 
 /// `events` by lane, each lane's outer events first (earlier start, then later end): the order in
 /// which one sweep with a stack of open events sees each event after those around it.
-fn lanes_outer_first<'a>(events: impl IntoIterator<Item = &'a TraceEvent>) -> HashMap<u64, Vec<&'a TraceEvent>> {
+fn lanes_outer_first<'a>(
+    events: impl IntoIterator<Item = &'a TraceEvent>,
+) -> HashMap<u64, Vec<&'a TraceEvent>> {
     let mut by_lane: HashMap<u64, Vec<&TraceEvent>> = HashMap::new();
     for e in events {
         by_lane.entry(e.lane).or_default().push(e);
@@ -129,7 +131,8 @@ pub fn parse(trace: &Value) -> Result<Parsed, String> {
             Some("cuda_runtime" | "cuda_driver") => (false, true),
             _ => continue,
         };
-        let name = e.get("name").and_then(Value::as_str).ok_or_else(|| "`name` missing or not text".to_string());
+        let name =
+            e.get("name").and_then(Value::as_str).ok_or_else(|| "`name` missing or not text".to_string());
         let (ts, dur, name) = match (micros(e, "ts"), micros(e, "dur"), name) {
             (Ok(ts), Ok(dur), Ok(name)) => (ts, dur, name),
             // One reason per event (the first), so that the reasons' counts add up.
@@ -139,8 +142,25 @@ pub fn parse(trace: &Value) -> Result<Parsed, String> {
             }
         };
         let correlation = e.get("args").and_then(|a| a.get("correlation")).and_then(Value::as_u64);
-        let lane = e.get("tid").and_then(|t| t.as_u64().or_else(|| t.as_str().and_then(|s| s.trim_start_matches("stream ").parse().ok()))).unwrap_or(0);
-        read.push((TraceEvent { device_side, launch, correlation, lane, start_ns: 0, end_ns: 0, name: name.to_string() }, ts, dur));
+        let lane = e
+            .get("tid")
+            .and_then(|t| {
+                t.as_u64().or_else(|| t.as_str().and_then(|s| s.trim_start_matches("stream ").parse().ok()))
+            })
+            .unwrap_or(0);
+        read.push((
+            TraceEvent {
+                device_side,
+                launch,
+                correlation,
+                lane,
+                start_ns: 0,
+                end_ns: 0,
+                name: name.to_string(),
+            },
+            ts,
+            dur,
+        ));
     }
     // Rounded to whole nanoseconds before the earliest start is taken off: below 2^53 ns
     // (104 days) both are exact in f64, so Kineto's clock gives the nanoseconds it wrote.
@@ -159,7 +179,8 @@ pub fn parse(trace: &Value) -> Result<Parsed, String> {
         (e.start_ns, e.end_ns) = (start as u64, end);
         events.push(e);
     }
-    let mut skipped: Vec<Skipped> = skipped.into_iter().map(|(why, events)| Skipped { why, events }).collect();
+    let mut skipped: Vec<Skipped> =
+        skipped.into_iter().map(|(why, events)| Skipped { why, events }).collect();
     skipped.sort_by(|a, b| b.events.cmp(&a.events).then_with(|| a.why.cmp(&b.why)));
     Ok(Parsed { events, skipped })
 }
@@ -168,10 +189,10 @@ pub fn parse(trace: &Value) -> Result<Parsed, String> {
 fn event_list(trace: &Value) -> Result<&Vec<Value>, String> {
     match trace {
         Value::Array(list) => Ok(list),
-        _ => trace
-            .get("traceEvents")
-            .and_then(Value::as_array)
-            .ok_or_else(|| "no `traceEvents` list, and not a list of events (the JSON Array Format): not a Chrome trace".into()),
+        _ => trace.get("traceEvents").and_then(Value::as_array).ok_or_else(|| {
+            "no `traceEvents` list, and not a list of events (the JSON Array Format): not a Chrome trace"
+                .into()
+        }),
     }
 }
 
@@ -210,7 +231,8 @@ fn summary_of(bytes: &[u8], path: &Path, top: usize) -> Result<TraceSummary, Tra
             format!("of its {}, none is a kernel, copy or set the GPU ran or an operator the CPU ran (a complete event, `\"ph\": \"X\"`, of `cat` kernel, gpu_memcpy, gpu_memset, cpu_op or user_annotation, other than the step ranges)", n_events(listed))
         };
         if !skipped.is_empty() {
-            why += &format!("; {} could not be read: {}", skipped_events(&skipped), skipped_in_words(&skipped));
+            why +=
+                &format!("; {} could not be read: {}", skipped_events(&skipped), skipped_in_words(&skipped));
         }
         return Err(TraceError::Empty { path: path.to_path_buf(), why });
     }
@@ -245,7 +267,18 @@ pub enum Work {
 }
 
 impl Work {
-    pub const ALL: [Work; 10] = [Work::Gemm, Work::Attention, Work::Norm, Work::Loss, Work::Optimizer, Work::Embedding, Work::Copy, Work::Reduce, Work::Elementwise, Work::Other];
+    pub const ALL: [Work; 10] = [
+        Work::Gemm,
+        Work::Attention,
+        Work::Norm,
+        Work::Loss,
+        Work::Optimizer,
+        Work::Embedding,
+        Work::Copy,
+        Work::Reduce,
+        Work::Elementwise,
+        Work::Other,
+    ];
 
     /// The name the tables and JSON use.
     pub fn name(self) -> &'static str {
@@ -274,19 +307,59 @@ pub fn work_of(name: &str) -> Work {
         Work::Attention
     } else if any(&["tg_ce_", "cross_entropy", "softmax", "nll_loss", "logsumexp"]) {
         Work::Loss
-    } else if any(&["adam", "adafactor", "sgd", "multi_tensor_apply", "_foreach", "lpnorm", "tg_global_norm"]) {
+    } else if any(&["adam", "adafactor", "sgd", "multi_tensor_apply", "_foreach", "lpnorm", "tg_global_norm"])
+    {
         Work::Optimizer
-    } else if any(&["layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "cucomputegrad", "tg_ln_"]) {
+    } else if any(&["layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "cucomputegrad", "tg_ln_"])
+    {
         Work::Norm
-    } else if any(&["gemm", "gemv", "nvjet", "xmma", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "splitkreduce"]) {
+    } else if any(&[
+        "gemm",
+        "gemv",
+        "nvjet",
+        "xmma",
+        "cutlass",
+        "cublas",
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::matmul",
+        "splitkreduce",
+    ]) {
         Work::Gemm
     } else if any(&["embedding", "indexselect", "index_select"]) {
         Work::Embedding
-    } else if any(&["copy", "memcpy", "memset", "fill", "aten::cat", "aten::clone", "aten::contiguous"]) || n == "aten::to" {
+    } else if any(&["copy", "memcpy", "memset", "fill", "aten::cat", "aten::clone", "aten::contiguous"])
+        || n == "aten::to"
+    {
         Work::Copy
-    } else if any(&["reduce_kernel", "aten::sum", "aten::mean", "aten::norm", "aten::max", "aten::min", "tg_col_sum"]) {
+    } else if any(&[
+        "reduce_kernel",
+        "aten::sum",
+        "aten::mean",
+        "aten::norm",
+        "aten::max",
+        "aten::min",
+        "tg_col_sum",
+    ]) {
         Work::Reduce
-    } else if any(&["elementwise", "aten::add", "aten::mul", "aten::sub", "aten::div", "gelu", "silu", "dropout", "aten::where", "aten::exp", "aten::neg", "aten::rsqrt", "aten::pow", "tg_swiglu", "tg_rope"]) {
+    } else if any(&[
+        "elementwise",
+        "aten::add",
+        "aten::mul",
+        "aten::sub",
+        "aten::div",
+        "gelu",
+        "silu",
+        "dropout",
+        "aten::where",
+        "aten::exp",
+        "aten::neg",
+        "aten::rsqrt",
+        "aten::pow",
+        "tg_swiglu",
+        "tg_rope",
+    ]) {
         Work::Elementwise
     } else {
         Work::Other
@@ -344,7 +417,14 @@ pub struct TraceSummary {
 impl TraceSummary {
     /// The warning to give when the figures leave events out (`None` when they leave none).
     pub fn skipped_warning(&self) -> Option<String> {
-        (!self.skipped.is_empty()).then(|| format!("{}: the figures leave out {} they could not read: {}", self.path, skipped_events(&self.skipped), skipped_in_words(&self.skipped)))
+        (!self.skipped.is_empty()).then(|| {
+            format!(
+                "{}: the figures leave out {} they could not read: {}",
+                self.path,
+                skipped_events(&self.skipped),
+                skipped_in_words(&self.skipped)
+            )
+        })
     }
 }
 
@@ -374,7 +454,10 @@ fn counted_times(events: &[&TraceEvent]) -> (String, Vec<(String, u64)>) {
     if device.is_empty() {
         ("cpu operators".into(), cpu_self_times(events.iter().copied()))
     } else {
-        ("gpu kernels".into(), device.iter().map(|e| (e.name.clone(), e.end_ns.saturating_sub(e.start_ns))).collect())
+        (
+            "gpu kernels".into(),
+            device.iter().map(|e| (e.name.clone(), e.end_ns.saturating_sub(e.start_ns))).collect(),
+        )
     }
 }
 
@@ -408,7 +491,9 @@ pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummar
     let marked: BTreeSet<u64> = events
         .iter()
         .filter(|e| e.is_cpu_op())
-        .filter_map(|e| STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok()))
+        .filter_map(|e| {
+            STEP_RANGES.iter().find_map(|p| e.name.strip_prefix(p)).and_then(|n| n.trim().parse().ok())
+        })
         .collect();
     let step_numbers: Vec<u64> = marked.into_iter().collect();
     let (first_step, steps) = (step_numbers.first().copied(), (step_numbers.len() as u64).max(1));
@@ -425,7 +510,8 @@ pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummar
         n.1 += 1;
     }
     // Each name's kind read once; a kind's totals are its names' sums.
-    let named: Vec<(&str, Work, u64, u64)> = per_name.into_iter().map(|(name, (d, calls))| (name, work_of(name), d, calls)).collect();
+    let named: Vec<(&str, Work, u64, u64)> =
+        per_name.into_iter().map(|(name, (d, calls))| (name, work_of(name), d, calls)).collect();
     let mut per_work: HashMap<Work, (u64, u64)> = HashMap::new();
     for &(_, work, d, calls) in &named {
         let w = per_work.entry(work).or_default();
@@ -433,17 +519,39 @@ pub fn summarise(events: &[TraceEvent], path: &Path, keep: usize) -> TraceSummar
         w.1 += calls;
     }
     let ms = |ns: u64| ns as f64 / 1e6;
-    let mut by_work: Vec<WorkTime> =
-        per_work.into_iter().map(|(work, (d, calls))| WorkTime { work, ms: ms(d), share: if busy > 0 { d as f64 / busy as f64 } else { 0.0 }, calls }).collect();
+    let mut by_work: Vec<WorkTime> = per_work
+        .into_iter()
+        .map(|(work, (d, calls))| WorkTime {
+            work,
+            ms: ms(d),
+            share: if busy > 0 { d as f64 / busy as f64 } else { 0.0 },
+            calls,
+        })
+        .collect();
     by_work.sort_by(|a, b| b.ms.total_cmp(&a.ms));
-    let mut top: Vec<NameTime> = named.into_iter().map(|(name, work, d, calls)| NameTime { name: name.to_string(), work, ms: ms(d), calls }).collect();
+    let mut top: Vec<NameTime> = named
+        .into_iter()
+        .map(|(name, work, d, calls)| NameTime { name: name.to_string(), work, ms: ms(d), calls })
+        .collect();
     top.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.name.cmp(&b.name)));
     top.truncate(keep);
     let start = events.iter().map(|e| e.start_ns).min().unwrap_or(0);
     let end = events.iter().map(|e| e.end_ns).max().unwrap_or(0);
     let mut by_operator = by_operator(events);
     by_operator.truncate(keep);
-    TraceSummary { path: path.display().to_string(), first_step, steps, step_numbers, counted, busy_ms: ms(busy), span_ms: ms(end.saturating_sub(start)), by_work, top, by_operator, skipped: Vec::new() }
+    TraceSummary {
+        path: path.display().to_string(),
+        first_step,
+        steps,
+        step_numbers,
+        counted,
+        busy_ms: ms(busy),
+        span_ms: ms(end.saturating_sub(start)),
+        by_work,
+        top,
+        by_operator,
+        skipped: Vec::new(),
+    }
 }
 
 /// The GPU's time by the CPU operator that launched it: each GPU event's launch found by its
@@ -465,7 +573,9 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
             }
             open.retain(|o| o.end_ns > l.start_ns);
             let name = match (open.first(), open.last()) {
-                (Some(outer), Some(inner)) if outer.name != inner.name => format!("{} › {}", outer.name, inner.name),
+                (Some(outer), Some(inner)) if outer.name != inner.name => {
+                    format!("{} › {}", outer.name, inner.name)
+                }
                 (Some(only), _) => only.name.clone(),
                 _ => NO_OPERATOR.to_string(),
             };
@@ -479,7 +589,10 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
         t.0 = t.0.saturating_add(e.end_ns.saturating_sub(e.start_ns));
         t.1 += 1;
     }
-    let mut out: Vec<OperatorTime> = per_op.into_iter().map(|(op, (d, n))| OperatorTime { operator: op.to_string(), ms: d as f64 / 1e6, kernels: n }).collect();
+    let mut out: Vec<OperatorTime> = per_op
+        .into_iter()
+        .map(|(op, (d, n))| OperatorTime { operator: op.to_string(), ms: d as f64 / 1e6, kernels: n })
+        .collect();
     out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.operator.cmp(&b.operator)));
     out
 }
@@ -488,20 +601,42 @@ pub fn by_operator(events: &[TraceEvent]) -> Vec<OperatorTime> {
 pub fn table(s: &TraceSummary) -> String {
     let per = |ms: f64| ms / s.steps as f64;
     let steps = steps_label(&s.step_numbers);
-    let mut out = format!("{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n", s.path, s.counted, per(s.busy_ms), per(s.span_ms));
+    let mut out = format!(
+        "{}: {steps}, {} {:.2} ms per step ({:.2} ms per step from the first event to the last)\n\n",
+        s.path,
+        s.counted,
+        per(s.busy_ms),
+        per(s.span_ms)
+    );
     out += "| work | ms per step | share | calls per step |\n|---|---|---|---|\n";
     for w in &s.by_work {
-        out += &format!("| {} | {:.2} | {:.1}% | {:.0} |\n", w.work.name(), per(w.ms), 100.0 * w.share, w.calls as f64 / s.steps as f64);
+        out += &format!(
+            "| {} | {:.2} | {:.1}% | {:.0} |\n",
+            w.work.name(),
+            per(w.ms),
+            100.0 * w.share,
+            w.calls as f64 / s.steps as f64
+        );
     }
     out += "\n| heaviest | work | ms per step | calls per step |\n|---|---|---|---|\n";
     for n in &s.top {
         let name: String = n.name.chars().take(110).collect::<String>().replace('|', "\\|");
-        out += &format!("| `{name}` | {} | {:.2} | {:.0} |\n", n.work.name(), per(n.ms), n.calls as f64 / s.steps as f64);
+        out += &format!(
+            "| `{name}` | {} | {:.2} | {:.0} |\n",
+            n.work.name(),
+            per(n.ms),
+            n.calls as f64 / s.steps as f64
+        );
     }
     if !s.by_operator.is_empty() {
         out += "\n| launched by | ms per step | kernels per step |\n|---|---|---|\n";
         for o in &s.by_operator {
-            out += &format!("| `{}` | {:.2} | {:.0} |\n", o.operator.replace('|', "\\|"), per(o.ms), o.kernels as f64 / s.steps as f64);
+            out += &format!(
+                "| `{}` | {:.2} | {:.0} |\n",
+                o.operator.replace('|', "\\|"),
+                per(o.ms),
+                o.kernels as f64 / s.steps as f64
+            );
         }
     }
     out
@@ -511,7 +646,9 @@ pub fn table(s: &TraceSummary) -> String {
 /// file's name `steps_3-4.json` says), or for steps with gaps each run of them and how many
 /// (`steps 1-2, 5 (3 steps, not contiguous)`): a range would claim steps the trace lacks.
 fn steps_label(numbers: &[u64]) -> String {
-    let (Some(&first), Some(&last)) = (numbers.first(), numbers.last()) else { return "the whole trace (no step ranges)".into() };
+    let (Some(&first), Some(&last)) = (numbers.first(), numbers.last()) else {
+        return "the whole trace (no step ranges)".into();
+    };
     if numbers.len() == 1 {
         return format!("step {first}");
     }
@@ -526,7 +663,8 @@ fn steps_label(numbers: &[u64]) -> String {
             _ => runs.push((n, n)),
         }
     }
-    let runs: Vec<String> = runs.into_iter().map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    let runs: Vec<String> =
+        runs.into_iter().map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
     format!("steps {} ({} steps, not contiguous)", runs.join(", "), numbers.len())
 }
 
@@ -544,7 +682,9 @@ pub fn compare(summaries: &[TraceSummary]) -> String {
     let Some(first) = summaries.first() else { return String::new() };
     // Each file by the shortest end of its path that no other file's has (`steps_2-3` alone
     // would head two runs' columns alike), without its extension.
-    let names = crate::console::path_names::shortest_distinct(&summaries.iter().map(|s| Path::new(&s.path).with_extension("")).collect::<Vec<_>>());
+    let names = crate::console::path_names::shortest_distinct(
+        &summaries.iter().map(|s| Path::new(&s.path).with_extension("")).collect::<Vec<_>>(),
+    );
     let mut out = format!("ms per step ({})\n\n| work |", first.counted);
     for name in &names {
         out += &format!(" {name} |");
@@ -555,7 +695,11 @@ pub fn compare(summaries: &[TraceSummary]) -> String {
     out += &format!("\n|---|{}\n", "---|".repeat(2 * summaries.len() - 1));
     // Kinds in the first's order of weight, then the rest; kinds no run spent time on left out.
     let mut kinds: Vec<Work> = first.by_work.iter().map(|w| w.work).collect();
-    let rest: Vec<Work> = Work::ALL.iter().copied().filter(|w| !kinds.contains(w) && summaries.iter().any(|s| per(s, Some(*w)) > 0.0)).collect();
+    let rest: Vec<Work> = Work::ALL
+        .iter()
+        .copied()
+        .filter(|w| !kinds.contains(w) && summaries.iter().any(|s| per(s, Some(*w)) > 0.0))
+        .collect();
     kinds.extend(rest);
     for row in kinds.into_iter().map(Some).chain([None]) {
         out += &format!("| {} |", row.map_or("all", Work::name));
@@ -590,7 +734,13 @@ pub enum TraceError {
 impl TraceError {
     /// A file the user named that cannot be read or is not a trace (exit code 2).
     pub fn is_usage(&self) -> bool {
-        matches!(self, TraceError::Read { .. } | TraceError::Format { .. } | TraceError::Gzip { .. } | TraceError::Empty { .. })
+        matches!(
+            self,
+            TraceError::Read { .. }
+                | TraceError::Format { .. }
+                | TraceError::Gzip { .. }
+                | TraceError::Empty { .. }
+        )
     }
 }
 
@@ -606,7 +756,12 @@ pub struct Tracer {
 
 impl Tracer {
     /// A tracer when `cfg` names steps and this process writes files.
-    pub fn new(cfg: &crate::config::TraceConfig, out_dir: &Path, device: tch::Device, writes_files: bool) -> Option<Self> {
+    pub fn new(
+        cfg: &crate::config::TraceConfig,
+        out_dir: &Path,
+        device: tch::Device,
+        writes_files: bool,
+    ) -> Option<Self> {
         let from = cfg.from_step.filter(|_| writes_files)?;
         Some(Self { from, to: from + cfg.steps, dir: out_dir.join("trace"), device, running: false })
     }
@@ -630,7 +785,8 @@ impl Tracer {
     /// step's range in the trace while the returned value lives.
     pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
         if step == self.from && !self.running {
-            std::fs::create_dir_all(&self.dir).map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
+            std::fs::create_dir_all(&self.dir)
+                .map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
             self.drain()?;
             shim::start(self.device.is_cuda())?;
             self.running = true;
@@ -661,7 +817,11 @@ impl Drop for Tracer {
     fn drop(&mut self) {
         if self.running {
             let _ = shim::stop(None);
-            tracing::warn!("metrics.trace: the run ended inside the traced steps {}-{}: no trace written", self.from, self.to - 1);
+            tracing::warn!(
+                "metrics.trace: the run ended inside the traced steps {}-{}: no trace written",
+                self.from,
+                self.to - 1
+            );
         }
     }
 }
@@ -671,12 +831,24 @@ mod tests {
     use super::*;
 
     fn ev(device_side: bool, lane: u64, start_ns: u64, end_ns: u64, name: &str) -> TraceEvent {
-        TraceEvent { device_side, launch: false, correlation: None, lane, start_ns, end_ns, name: name.into() }
+        TraceEvent {
+            device_side,
+            launch: false,
+            correlation: None,
+            lane,
+            start_ns,
+            end_ns,
+            name: name.into(),
+        }
     }
 
     /// A kernel on stream 7 and its launch on thread 1, tied by `correlation`.
     fn launched(correlation: u64, at_ns: u64, start_ns: u64, end_ns: u64, kernel: &str) -> [TraceEvent; 2] {
-        let launch = TraceEvent { launch: true, correlation: Some(correlation), ..ev(false, 1, at_ns, at_ns + 5, "cudaLaunchKernel") };
+        let launch = TraceEvent {
+            launch: true,
+            correlation: Some(correlation),
+            ..ev(false, 1, at_ns, at_ns + 5, "cudaLaunchKernel")
+        };
         [launch, TraceEvent { correlation: Some(correlation), ..ev(true, 7, start_ns, end_ns, kernel) }]
     }
 
@@ -706,7 +878,10 @@ mod tests {
             (NO_OPERATOR, 300, 2),
             ("aten::add_", 100, 1),
         ];
-        assert_eq!(got, want.map(|(op, ns, k)| OperatorTime { operator: op.into(), ms: ns as f64 / 1e6, kernels: k }));
+        assert_eq!(
+            got,
+            want.map(|(op, ns, k)| OperatorTime { operator: op.into(), ms: ns as f64 / 1e6, kernels: k })
+        );
         let s = summarise(&events, Path::new("t.json"), TOP);
         assert_eq!((s.counted.as_str(), s.busy_ms), ("gpu kernels", 0.0044), "launches are not work");
         assert!(s.top.iter().all(|n| n.name != "cudaLaunchKernel"));
@@ -783,7 +958,13 @@ mod tests {
         ];
         let mut got = cpu_self_times(&events);
         got.sort();
-        let want = [("aten::add", 20), ("aten::addmm", 50), ("aten::copy_", 30), ("aten::linear", 20), ("aten::mul", 60)];
+        let want = [
+            ("aten::add", 20),
+            ("aten::addmm", 50),
+            ("aten::copy_", 30),
+            ("aten::linear", 20),
+            ("aten::mul", 60),
+        ];
         assert_eq!(got, want.map(|(n, d)| (n.to_string(), d)));
         let total: u64 = got.iter().map(|(_, d)| d).sum();
         assert_eq!(total, 120 + 60, "self times add up to the time each thread was busy");
@@ -839,7 +1020,10 @@ mod tests {
         let gap = summarise(&events, Path::new("t.json"), TOP);
         assert_eq!((gap.steps, &gap.step_numbers[..]), (3, &[1, 2, 5][..]));
         let t = table(&gap);
-        assert!(t.starts_with("t.json: steps 1-2, 5 (3 steps, not contiguous), gpu kernels 1.33 ms per step"), "{t}");
+        assert!(
+            t.starts_with("t.json: steps 1-2, 5 (3 steps, not contiguous), gpu kernels 1.33 ms per step"),
+            "{t}"
+        );
         assert_eq!(steps_label(&[3]), "step 3");
         assert_eq!(steps_label(&[1, 3, 4, 5, 9]), "steps 1, 3-5, 9 (5 steps, not contiguous)");
     }
@@ -847,17 +1031,27 @@ mod tests {
     #[test]
     fn summaries_side_by_side_show_each_kinds_difference_from_the_first() {
         let ours = summarise(
-            &[ev(false, 1, 0, 10_000_000, "trainguard step 4"), ev(true, 7, 0, 6_000_000, "nvjet_tst_128x256"), ev(true, 7, 6_000_000, 9_000_000, "vectorized_layer_norm_kernel")],
+            &[
+                ev(false, 1, 0, 10_000_000, "trainguard step 4"),
+                ev(true, 7, 0, 6_000_000, "nvjet_tst_128x256"),
+                ev(true, 7, 6_000_000, 9_000_000, "vectorized_layer_norm_kernel"),
+            ],
             Path::new("dir/gpt2-trainguard.json"),
             TOP,
         );
         let theirs = summarise(
-            &[ev(true, 7, 0, 5_000_000, "nvjet_tst_128x256"), ev(true, 7, 5_000_000, 6_000_000, "tg_ce_forward_bf16")],
+            &[
+                ev(true, 7, 0, 5_000_000, "nvjet_tst_128x256"),
+                ev(true, 7, 5_000_000, 6_000_000, "tg_ce_forward_bf16"),
+            ],
             Path::new("dir/gpt2-compile.json"),
             TOP,
         );
         let t = compare(&[ours, theirs]);
-        assert!(t.contains("| work | gpt2-trainguard | gpt2-compile | gpt2-compile − gpt2-trainguard |"), "{t}");
+        assert!(
+            t.contains("| work | gpt2-trainguard | gpt2-compile | gpt2-compile − gpt2-trainguard |"),
+            "{t}"
+        );
         assert!(t.contains("| gemm | 6.00 | 5.00 | -1.00 |"), "{t}");
         assert!(t.contains("| norm | 3.00 | 0.00 | -3.00 |"), "{t}");
         assert!(t.contains("| loss | 0.00 | 1.00 | +1.00 |"), "a kind only the second has: {t}");
@@ -869,9 +1063,15 @@ mod tests {
     /// as much of each path as tells them apart.
     #[test]
     fn traces_of_the_same_name_are_told_apart_by_their_paths() {
-        let of = |path: &str| summarise(&[ev(true, 7, 0, 1_000_000, "nvjet_tst_128x256")], Path::new(path), TOP);
+        let of =
+            |path: &str| summarise(&[ev(true, 7, 0, 1_000_000, "nvjet_tst_128x256")], Path::new(path), TOP);
         let t = compare(&[of("A/trace/steps_1-2.json"), of("B/trace/steps_1-2.json")]);
-        assert!(t.contains("| work | A/trace/steps_1-2 | B/trace/steps_1-2 | B/trace/steps_1-2 − A/trace/steps_1-2 |"), "{t}");
+        assert!(
+            t.contains(
+                "| work | A/trace/steps_1-2 | B/trace/steps_1-2 | B/trace/steps_1-2 − A/trace/steps_1-2 |"
+            ),
+            "{t}"
+        );
     }
 
     /// A complete event of a kind counted whose `ts` or `dur` cannot be used is left out, and
@@ -895,14 +1095,25 @@ mod tests {
         let why = |why: &str, events: u64| Skipped { why: why.into(), events };
         assert_eq!(
             skipped,
-            [why("`dur` missing", 1), why("`dur` negative", 1), why("`dur` not a number", 1), why("`dur` null", 1), why("`name` missing or not text", 1), why("`ts` null", 1)]
+            [
+                why("`dur` missing", 1),
+                why("`dur` negative", 1),
+                why("`dur` not a number", 1),
+                why("`dur` null", 1),
+                why("`name` missing or not text", 1),
+                why("`ts` null", 1)
+            ]
         );
         let s = summary_of(trace.to_string().as_bytes(), Path::new("t.json"), TOP).unwrap();
         assert_eq!((s.busy_ms, s.skipped.len()), (0.002, 6));
         let warning = s.skipped_warning().unwrap();
         assert!(warning.starts_with("t.json: the figures leave out 6 events they could not read: 1 with `dur` missing, 1 with `dur` negative"), "{warning}");
         assert!(warning.ends_with("1 with `ts` null"), "{warning}");
-        assert_eq!(summarise(&events, Path::new("t.json"), TOP).skipped_warning(), None, "nothing to say when all were read");
+        assert_eq!(
+            summarise(&events, Path::new("t.json"), TOP).skipped_warning(),
+            None,
+            "nothing to say when all were read"
+        );
     }
 
     /// Nothing to count is an error that says why, not a table of zeros: an empty list, only
@@ -915,9 +1126,13 @@ mod tests {
         };
         assert_eq!(empty(serde_json::json!({"traceEvents": []})), "its event list is empty");
         assert_eq!(empty(serde_json::json!([])), "its event list is empty");
-        let other = empty(serde_json::json!([{"ph": "X", "cat": "python_function", "name": "f", "ts": 1, "dur": 1}, {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 1, "dur": 1}]));
+        let other = empty(
+            serde_json::json!([{"ph": "X", "cat": "python_function", "name": "f", "ts": 1, "dur": 1}, {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 1, "dur": 1}]),
+        );
         assert!(other.starts_with("of its 2 events, none is a kernel"), "{other}");
-        let bad = empty(serde_json::json!([{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}, {"ph": "X", "cat": "kernel", "name": "k", "ts": 2}]));
+        let bad = empty(
+            serde_json::json!([{"ph": "X", "cat": "kernel", "name": "k", "ts": 1}, {"ph": "X", "cat": "kernel", "name": "k", "ts": 2}]),
+        );
         assert!(bad.ends_with("; 2 events could not be read: 2 with `dur` missing"), "{bad}");
         let e = summary_of(b"{\"traceEvents\": []}", Path::new("t.json"), TOP).unwrap_err();
         assert!(e.is_usage(), "exit code 2");
@@ -938,7 +1153,10 @@ mod tests {
         let s = summary_of(trace.to_string().as_bytes(), Path::new("t.json"), TOP).unwrap();
         assert_eq!((s.busy_ms, s.span_ms), (2.0, 4.0));
         assert_eq!(s.by_work[0], WorkTime { work: Work::Gemm, ms: 2.0, share: 1.0, calls: 2 });
-        assert_eq!(s.skipped, [Skipped { why: "`ts` + `dur` past 584 years after the first event".into(), events: 1 }]);
+        assert_eq!(
+            s.skipped,
+            [Skipped { why: "`ts` + `dur` past 584 years after the first event".into(), events: 1 }]
+        );
         // Durations that add up past u64 saturate rather than wrap round to a small sum.
         let huge = [7, 8, 9].map(|stream| ev(true, stream, 0, u64::MAX / 2, "nvjet_tst"));
         assert_eq!(summarise(&huge, Path::new("t.json"), TOP).busy_ms, u64::MAX as f64 / 1e6);
@@ -984,11 +1202,18 @@ mod tests {
         });
         let Parsed { events, skipped } = parse(&trace).unwrap();
         assert_eq!((events.len(), skipped.len()), (5, 0), "{events:?}");
-        assert_eq!((events[4].launch, events[4].correlation, events[2].correlation), (true, Some(41), Some(41)), "the launch and its kernel");
+        assert_eq!(
+            (events[4].launch, events[4].correlation, events[2].correlation),
+            (true, Some(41), Some(41)),
+            "the launch and its kernel"
+        );
         // From the earliest start read (ProfilerStep#3's; the Python function's is not read),
         // to the nanosecond: 4798773604337.338 µs − 4798773604303.147 µs.
         assert_eq!(events[1], ev(false, 9, 34_191, 34_191 + 23_625, "aten::mm"));
-        assert_eq!((events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns), (true, 7, 10_500));
+        assert_eq!(
+            (events[2].device_side, events[2].lane, events[2].end_ns - events[2].start_ns),
+            (true, 7, 10_500)
+        );
         assert_eq!((events[3].device_side, events[3].lane), (true, 7), "a stream written as text");
         let s = summarise(&events, Path::new("p.json"), TOP);
         assert_eq!((s.first_step, s.steps, s.counted.as_str()), (Some(3), 1, "gpu kernels"));

@@ -33,7 +33,9 @@ impl Run {
         self.events().into_iter().filter(|e| e["event"] == kind).collect()
     }
     pub fn summary(&self) -> Value {
-        self.events_of("run_finished").pop().unwrap_or_else(|| panic!("no run_finished event; stderr:\n{}", self.stderr()))
+        self.events_of("run_finished")
+            .pop()
+            .unwrap_or_else(|| panic!("no run_finished event; stderr:\n{}", self.stderr()))
     }
     /// Asserts success and returns self.
     pub fn ok(self) -> Self {
@@ -50,7 +52,10 @@ impl Run {
 pub fn read_jsonl(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let complete = text.rfind('\n').map_or("", |end| &text[..end]);
-    complete.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}"))).collect()
+    complete
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
+        .collect()
 }
 
 /// The binary under test. `TRAINGUARD_BIN` overrides the path cargo baked in, so a test binary
@@ -66,7 +71,11 @@ pub fn repo() -> PathBuf {
 
 /// The repository root: two levels above this crate (crates/trainguard-cli).
 fn checkout() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).ancestors().nth(2).expect("crates/trainguard-cli sits two levels down").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("crates/trainguard-cli sits two levels down")
+        .to_path_buf()
 }
 
 /// The project venv's `torchrun`.

@@ -19,7 +19,11 @@ pub fn differences(saved: &Config, now: &Config) -> (Vec<String>, Vec<String>) {
     let (mut model, mut other) = (Vec::new(), Vec::new());
     for d in differing_keys(&json(saved), &json(now)) {
         let line = format!("{}: checkpoint {}, config {}", d.key, d.a, d.b);
-        if refused(&d.key, saved.model.arch) { model.push(line) } else { other.push(line) }
+        if refused(&d.key, saved.model.arch) {
+            model.push(line)
+        } else {
+            other.push(line)
+        }
     }
     (model, other)
 }
@@ -34,7 +38,12 @@ fn refused(key: &str, arch: Arch) -> bool {
         return true;
     }
     let Some(name) = key.strip_prefix("model.") else { return false };
-    !matches!((name, arch), ("dropout", _) | ("rope_theta" | "norm_eps" | "tie_embeddings" | "n_kv_head", Arch::Gpt2) | ("seq_len", Arch::Llama))
+    !matches!(
+        (name, arch),
+        ("dropout", _)
+            | ("rope_theta" | "norm_eps" | "tie_embeddings" | "n_kv_head", Arch::Gpt2)
+            | ("seq_len", Arch::Llama)
+    )
 }
 
 #[cfg(test)]
@@ -49,13 +58,19 @@ mod tests {
         now.model.n_layer = 4;
         now.model.vocab_size = 512;
         let (model, other) = differences(&saved, &now);
-        assert_eq!(model, ["model.n_layer: checkpoint 2, config 4", "model.vocab_size: checkpoint 256, config 512"]);
+        assert_eq!(
+            model,
+            ["model.n_layer: checkpoint 2, config 4", "model.vocab_size: checkpoint 256, config 512"]
+        );
         assert_eq!(other, ["train.max_steps: checkpoint 200, config 400"]);
         assert_eq!(differences(&saved, &saved), (vec![], vec![]));
         now.optimizer.name = crate::config::OptimizerName::Sgd;
         now.optimizer.fused = false;
         let (refused, other) = differences(&saved, &now);
-        assert!(refused.contains(&"optimizer.name: checkpoint \"adamw\", config \"sgd\"".to_string()), "{refused:?}");
+        assert!(
+            refused.contains(&"optimizer.name: checkpoint \"adamw\", config \"sgd\"".to_string()),
+            "{refused:?}"
+        );
         assert!(other.contains(&"optimizer.fused: checkpoint true, config false".to_string()), "{other:?}");
     }
 
@@ -78,7 +93,10 @@ mod tests {
         now.model.seq_len *= 2;
         let (model, other) = differences(&llama, &now);
         assert_eq!(model, ["model.rope_theta: checkpoint 10000.0, config 500000.0"]);
-        assert_eq!(other, [format!("model.seq_len: checkpoint {}, config {}", llama.model.seq_len, now.model.seq_len)]);
+        assert_eq!(
+            other,
+            [format!("model.seq_len: checkpoint {}, config {}", llama.model.seq_len, now.model.seq_len)]
+        );
         // A default written out is the same model: nothing to refuse, nothing to report.
         let mut spelled = llama.clone();
         spelled.model.n_kv_head = Some(llama.model.n_head);
@@ -87,7 +105,11 @@ mod tests {
         assert_eq!(differences(&llama, &spelled), (vec![], vec![]));
         assert_eq!(differences(&gpt2, &Config::default()), (vec![], vec![]));
         gpt2.model.ffn_hidden = Some(100);
-        assert_eq!(differences(&Config::default(), &gpt2).0, ["model.ffn_hidden: checkpoint 256, config 100"], "another width names the default's value");
+        assert_eq!(
+            differences(&Config::default(), &gpt2).0,
+            ["model.ffn_hidden: checkpoint 256, config 100"],
+            "another width names the default's value"
+        );
         // GPT-2's positions are a weight of seq_len rows.
         let mut now = Config::default();
         now.model.seq_len *= 2;

@@ -16,7 +16,11 @@ pub fn refuse_if_occupied(root: &Path) -> Result<(), CheckpointError> {
     let steps: Vec<u64> = store::list(root).iter().map(|(s, _)| *s).collect();
     match steps.last() {
         None => Ok(()),
-        Some(&newest) => Err(CheckpointError::RunExists { out_dir: root.parent().unwrap_or(root).to_path_buf(), newest, count: steps.len() }),
+        Some(&newest) => Err(CheckpointError::RunExists {
+            out_dir: root.parent().unwrap_or(root).to_path_buf(),
+            newest,
+            count: steps.len(),
+        }),
     }
 }
 
@@ -43,7 +47,13 @@ mod tests {
             std::fs::create_dir_all(root.join(store::dir_name(s))).unwrap();
         }
         let msg = refuse_if_occupied(&root).unwrap_err().to_string();
-        for needle in [d.path().display().to_string(), "step 20".into(), "--resume auto".into(), "--overwrite".into(), "out_dir".into()] {
+        for needle in [
+            d.path().display().to_string(),
+            "step 20".into(),
+            "--resume auto".into(),
+            "--overwrite".into(),
+            "out_dir".into(),
+        ] {
             assert!(msg.contains(&needle), "`{needle}` missing from: {msg}");
         }
     }

@@ -21,7 +21,10 @@ pub struct Lineage {
 pub fn continued(saved: &[Lineage], path: &Path, step: u64, own_root: &Path) -> Vec<Lineage> {
     // Absolute before anything is compared: `--resume step-00000008` in the checkpoints
     // directory has an empty parent.
-    let absolute = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()));
+    let absolute = |p: &Path| {
+        std::fs::canonicalize(p)
+            .unwrap_or_else(|_| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()))
+    };
     let checkpoint = absolute(path);
     let mut lineage = saved.to_vec();
     if !checkpoint.starts_with(absolute(own_root)) {
@@ -56,7 +59,10 @@ mod tests {
         let here = tempfile::tempdir_in(".").unwrap();
         let relative_root = root(Path::new(here.path().file_name().unwrap()));
         std::fs::create_dir_all(relative_root.join("set-aside-1/step-00000010")).unwrap();
-        assert_eq!(continued(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &root(here.path())), vec![]);
+        assert_eq!(
+            continued(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &root(here.path())),
+            vec![]
+        );
         assert_eq!(continued(&[], &relative_root.join("set-aside-1/step-00000010"), 10, &own_root).len(), 1);
         // Another run's: it follows what that run carried, by its absolute path.
         let theirs = other_root.join("step-00000010");

@@ -51,7 +51,9 @@ pub fn save_weights(dir: &Path, params: &Params) -> Result<PathBuf, SaveError> {
 /// space left on device (os error 28)"), not tch's debug form of it.
 pub fn write_error(e: &tch::TchError) -> String {
     match e {
-        tch::TchError::SafeTensorError { path, err: safetensors::SafeTensorError::IoError(io) } => format!("safetensors error {path}: {io}"),
+        tch::TchError::SafeTensorError { path, err: safetensors::SafeTensorError::IoError(io) } => {
+            format!("safetensors error {path}: {io}")
+        }
         e => e.to_string(),
     }
 }
@@ -64,9 +66,15 @@ mod tests {
     fn an_io_error_of_the_writer_reads_as_its_own_words() {
         // As tch gives a full disk (captured from a write into a full tmpfs).
         let full = std::io::Error::from_raw_os_error(28);
-        let e = tch::TchError::SafeTensorError { path: "/r/.model.safetensors.tmp".into(), err: safetensors::SafeTensorError::IoError(full) };
+        let e = tch::TchError::SafeTensorError {
+            path: "/r/.model.safetensors.tmp".into(),
+            err: safetensors::SafeTensorError::IoError(full),
+        };
         assert_eq!(e.to_string(), "safetensors error /r/.model.safetensors.tmp: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })", "tch's words");
-        assert_eq!(write_error(&e), "safetensors error /r/.model.safetensors.tmp: No space left on device (os error 28)");
+        assert_eq!(
+            write_error(&e),
+            "safetensors error /r/.model.safetensors.tmp: No space left on device (os error 28)"
+        );
         let other = tch::TchError::FileFormat("something else".into());
         assert_eq!(write_error(&other), other.to_string());
     }

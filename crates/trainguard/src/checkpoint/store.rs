@@ -113,9 +113,12 @@ pub fn clean_temporaries(root: &Path) -> Leftovers {
         .collect();
     for name in names {
         let path = root.join(&name);
-        let replaced = name.strip_prefix(OLD_PREFIX).and_then(|n| parse_step(n).map(|step| (step, root.join(n))));
+        let replaced =
+            name.strip_prefix(OLD_PREFIX).and_then(|n| parse_step(n).map(|step| (step, root.join(n))));
         match replaced {
-            Some((step, home)) if !home.exists() && fs::rename(&path, &home).is_ok() => found.restored.push(step),
+            Some((step, home)) if !home.exists() && fs::rename(&path, &home).is_ok() => {
+                found.restored.push(step)
+            }
             _ => {
                 let _ = fs::remove_dir_all(&path);
                 found.removed.push(path);
@@ -148,8 +151,13 @@ pub fn free_path(base: String, taken: impl Fn(&Path) -> bool) -> PathBuf {
 /// instead) and for the next `--resume auto` (which would jump to them); and a stop checkpoint
 /// of the step resumed would replace the one of that step. Returns the directory and the
 /// steps moved, if any.
-pub fn set_aside_after(root: &Path, resumed: Option<(u64, &Path)>, unix_seconds: u64) -> Result<Option<(PathBuf, Vec<u64>)>, CheckpointError> {
-    let same = |a: &Path, b: &Path| matches!((fs::canonicalize(a), fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b);
+pub fn set_aside_after(
+    root: &Path,
+    resumed: Option<(u64, &Path)>,
+    unix_seconds: u64,
+) -> Result<Option<(PathBuf, Vec<u64>)>, CheckpointError> {
+    let same =
+        |a: &Path, b: &Path| matches!((fs::canonicalize(a), fs::canonicalize(b)), (Ok(a), Ok(b)) if a == b);
     let other_line = |s: u64, dir: &Path| match resumed {
         None => true,
         Some((step, path)) => s > step || (s == step && !same(dir, path)),
@@ -217,7 +225,13 @@ pub fn save(
     Ok(final_dir)
 }
 
-fn write_files(dir: &Path, state: &TrainerState, config: &Config, weights: &[(String, Tensor)], optimizer: &[(String, Tensor)]) -> Result<(), CheckpointError> {
+fn write_files(
+    dir: &Path,
+    state: &TrainerState,
+    config: &Config,
+    weights: &[(String, Tensor)],
+    optimizer: &[(String, Tensor)],
+) -> Result<(), CheckpointError> {
     let mut state = state.clone();
     for (file, tensors) in [(MODEL_FILE, weights), (OPTIMIZER_FILE, optimizer)] {
         if file == OPTIMIZER_FILE {
@@ -287,15 +301,22 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let state = load_state(dir)?;
     // A copy of a checkpoint may have any name; one named for a step must hold that step (the
     // resume sets aside every checkpoint past the step it loads).
-    if let Some(named) = dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step) {
-        return Err(corrupt(format!("{STATE_FILE} holds step {}, its directory names step {named}", state.step)));
+    if let Some(named) =
+        dir.file_name().and_then(|n| parse_step(&n.to_string_lossy())).filter(|&n| n != state.step)
+    {
+        return Err(corrupt(format!(
+            "{STATE_FILE} holds step {}, its directory names step {named}",
+            state.step
+        )));
     }
     // What the small files alone can refuse is refused before the tensor files are read.
-    let yaml = fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+    let yaml =
+        fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     state_agrees(&state, &config).map_err(corrupt)?;
     for (file, size) in &state.files {
-        let actual = fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        let actual =
+            fs::metadata(dir.join(file)).map(|m| m.len()).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if actual != *size {
             return Err(corrupt(format!("{file} is {actual} bytes, {size} expected (truncated?)")));
         }
@@ -306,10 +327,13 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
         if let Some(expected) = state.checksums.get(file) {
             let actual = crc32c::crc32c(&bytes);
             if actual != *expected {
-                return Err(corrupt(format!("{file} has CRC-32C {actual:08x}, {expected:08x} when written (changed on disk)")));
+                return Err(corrupt(format!(
+                    "{file} has CRC-32C {actual:08x}, {expected:08x} when written (changed on disk)"
+                )));
             }
         }
-        let parsed = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| corrupt(format!("{file}: {}", not_whole(&e))))?;
+        let parsed = safetensors::SafeTensors::deserialize(&bytes)
+            .map_err(|e| corrupt(format!("{file}: {}", not_whole(&e))))?;
         parsed
             .tensors()
             .into_iter()
@@ -335,10 +359,18 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
 /// `config.yaml` names.
 fn state_agrees(state: &TrainerState, config: &Config) -> Result<(), String> {
     if state.format > STATE_FORMAT {
-        return Err(format!("{STATE_FILE} is format {}, written by a newer trainguard (this one reads format {STATE_FORMAT})", state.format));
+        return Err(format!(
+            "{STATE_FILE} is format {}, written by a newer trainguard (this one reads format {STATE_FORMAT})",
+            state.format
+        ));
     }
     let g = &state.guard;
-    let counts = [("world_size", state.world_size.unwrap_or(1)), ("guard.micro_batch", g.micro_batch), ("guard.accumulation", g.accumulation), ("guard.configured_micro_batch", g.configured_micro_batch)];
+    let counts = [
+        ("world_size", state.world_size.unwrap_or(1)),
+        ("guard.micro_batch", g.micro_batch),
+        ("guard.accumulation", g.accumulation),
+        ("guard.configured_micro_batch", g.configured_micro_batch),
+    ];
     if let Some((key, _)) = counts.iter().find(|(_, n)| *n == 0) {
         return Err(format!("{STATE_FILE}: {key} 0 (at least 1)"));
     }
@@ -354,7 +386,10 @@ fn state_agrees(state: &TrainerState, config: &Config) -> Result<(), String> {
     }
     let named = config.optimizer.name.name();
     if state.optimizer.kind != named {
-        return Err(format!("{STATE_FILE} holds the state of optimizer `{}`, its {CONFIG_FILE} names `{named}`", state.optimizer.kind));
+        return Err(format!(
+            "{STATE_FILE} holds the state of optimizer `{}`, its {CONFIG_FILE} names `{named}`",
+            state.optimizer.kind
+        ));
     }
     Ok(())
 }
@@ -365,7 +400,11 @@ fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), St
     // More blocks than tensors cannot be this file's model (and describing them would take
     // the memory of a model that size, for a number typed by hand).
     if config.model.n_layer > weights.len() {
-        return Err(format!("its {CONFIG_FILE} gives {} blocks; {MODEL_FILE} holds {} tensors", config.model.n_layer, weights.len()));
+        return Err(format!(
+            "its {CONFIG_FILE} gives {} blocks; {MODEL_FILE} holds {} tensors",
+            config.model.n_layer,
+            weights.len()
+        ));
     }
     // trainguard writes weights in floating point (fp32; bf16 in a bf16-pure run): integers
     // here would be cast and trained on as if they were weights.
@@ -373,11 +412,17 @@ fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), St
         return Err(format!("`{name}` in {MODEL_FILE} holds {:?}, not floating point", t.kind()));
     }
     for spec in crate::model::describe(&config.model) {
-        let shape = weights.iter().find(|(n, _)| *n == spec.name).map(|(_, t)| t.size()).ok_or_else(|| format!("{MODEL_FILE} lacks `{}`, which its {CONFIG_FILE}'s model has", spec.name))?;
+        let shape =
+            weights.iter().find(|(n, _)| *n == spec.name).map(|(_, t)| t.size()).ok_or_else(|| {
+                format!("{MODEL_FILE} lacks `{}`, which its {CONFIG_FILE}'s model has", spec.name)
+            })?;
         // Unpadded rows: written before model.pad_vocab_to (the resume says so, by name).
         let unpadded = spec.user_rows.map(|_| spec.user_shape());
         if shape != spec.shape && Some(&shape) != unpadded.as_ref() {
-            return Err(format!("`{}` has shape {shape:?}, its {CONFIG_FILE}'s model gives {:?}", spec.name, spec.shape));
+            return Err(format!(
+                "`{}` has shape {shape:?}, its {CONFIG_FILE}'s model gives {:?}",
+                spec.name, spec.shape
+            ));
         }
     }
     Ok(())
@@ -389,7 +434,9 @@ fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), St
 /// error leaves the path to the caller.
 pub fn read_model_file(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
     let tensors = Tensor::read_safetensors(path).map_err(|e| match e {
-        tch::TchError::SafeTensorError { err: safetensors::SafeTensorError::IoError(io), .. } => io.to_string(),
+        tch::TchError::SafeTensorError { err: safetensors::SafeTensorError::IoError(io), .. } => {
+            io.to_string()
+        }
         tch::TchError::SafeTensorError { err, .. } => not_whole(&err),
         e => e.to_string(),
     })?;
@@ -408,7 +455,8 @@ pub fn not_whole(err: &safetensors::SafeTensorError) -> String {
 /// corrupt, `--resume auto` passes over it to the newest checkpoint a run can train on.
 fn finite(file: &str, tensors: &[(String, Tensor)]) -> Result<(), String> {
     for (name, t) in tensors.iter().filter(|(_, t)| t.is_floating_point()) {
-        let finite = t.f_isfinite().and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
+        let finite =
+            t.f_isfinite().and_then(|f| f.f_sum(tch::Kind::Int64)).and_then(|n| n.f_int64_value(&[]));
         match finite.map(|n| t.numel() as i64 - n) {
             Ok(0) => {}
             Ok(n) => return Err(format!("`{name}` in {file} holds {n} of {} values that are NaN or infinite: a model of them computes NaN (training from it, non-finite losses; sampling, arbitrary tokens)", t.numel())),
@@ -451,7 +499,13 @@ mod tests {
             world_size: Some(1),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: 1 },
             loss_scaler: None,
-            guard: GuardSnapshot { micro_batch: 8, accumulation: 4, configured_micro_batch: 8, escalation_level: 0, regrow: Default::default() },
+            guard: GuardSnapshot {
+                micro_batch: 8,
+                accumulation: 4,
+                configured_micro_batch: 8,
+                escalation_level: 0,
+                regrow: Default::default(),
+            },
             optimizer: OptimizerSnapshot { kind: "adamw".into(), steps: step },
             best_val_loss: Some(1.5),
             best_val_step: Some(step),
@@ -471,7 +525,11 @@ mod tests {
     /// The weights of `Config::default()`'s model, each filled with its index.
     fn weights() -> Vec<(String, Tensor)> {
         let specs = crate::model::describe(&Config::default().model);
-        specs.into_iter().enumerate().map(|(i, s)| (s.name, Tensor::full(&s.shape, i as f64, (tch::Kind::Float, Device::Cpu)))).collect()
+        specs
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s.name, Tensor::full(&s.shape, i as f64, (tch::Kind::Float, Device::Cpu))))
+            .collect()
     }
 
     #[test]
@@ -498,9 +556,14 @@ mod tests {
             Err(CheckpointError::Corrupt { why, .. }) => why,
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         };
-        assert!(why(&root.join("step-00000010").join(MODEL_FILE)).starts_with("a file, not a checkpoint directory"));
+        assert!(why(&root.join("step-00000010").join(MODEL_FILE))
+            .starts_with("a file, not a checkpoint directory"));
         let missing = load(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(missing.starts_with("no checkpoint at ") && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"), "{missing}");
+        assert!(
+            missing.starts_with("no checkpoint at ")
+                && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"),
+            "{missing}"
+        );
     }
 
     #[test]
@@ -556,7 +619,9 @@ mod tests {
             fs::write(&path, &bad).unwrap();
             assert!(!Tensor::read_safetensors(&path).unwrap().is_empty(), "still parses");
             match load(&newest) {
-                Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains(file) && why.contains("CRC-32C"), "{why}"),
+                Err(CheckpointError::Corrupt { why, .. }) => {
+                    assert!(why.contains(file) && why.contains("CRC-32C"), "{why}")
+                }
                 other => panic!("{file} changed in place loaded: {:?}", other.map(|l| l.path)),
             }
             assert_eq!(newest_valid(&root).0.unwrap().state.step, 5, "auto passes over it");
@@ -589,7 +654,10 @@ mod tests {
         assert_eq!(found.removed.len(), 3, "{:?}", found.removed);
         assert_eq!(load(&ten).unwrap().state.step, 10, "complete, loads");
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10, 20]);
-        assert!(fs::read_dir(&root).unwrap().flatten().all(|e| !e.file_name().to_string_lossy().starts_with(TMP_PREFIX)));
+        assert!(fs::read_dir(&root)
+            .unwrap()
+            .flatten()
+            .all(|e| !e.file_name().to_string_lossy().starts_with(TMP_PREFIX)));
     }
 
     #[test]
@@ -600,7 +668,11 @@ mod tests {
             save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
         }
         let ckpt = |step: u64| root.join(dir_name(step));
-        assert_eq!(set_aside_after(&root, Some((30, &ckpt(30))), 1700000000).unwrap(), None, "nothing beyond the newest");
+        assert_eq!(
+            set_aside_after(&root, Some((30, &ckpt(30))), 1700000000).unwrap(),
+            None,
+            "nothing beyond the newest"
+        );
         let (aside, steps) = set_aside_after(&root, Some((10, &ckpt(10))), 1700000000).unwrap().unwrap();
         assert_eq!(steps, [20, 30]);
         assert_eq!(aside, root.join("set-aside-1700000000"));
@@ -609,7 +681,11 @@ mod tests {
         assert!(load(&aside.join("step-00000030")).is_ok());
         save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
         let (again, steps) = set_aside_after(&root, None, 1700000000).unwrap().unwrap();
-        assert_eq!(again, root.join("set-aside-1700000000-2"), "a second move in the same second gets its own directory");
+        assert_eq!(
+            again,
+            root.join("set-aside-1700000000-2"),
+            "a second move in the same second gets its own directory"
+        );
         assert_eq!(steps, [10, 20], "a fresh start continues no checkpoint");
         assert!(clean_temporaries(&root).removed.is_empty(), "set-aside directories are not leftovers");
     }
@@ -643,22 +719,32 @@ mod tests {
     fn a_checkpoint_that_disagrees_with_its_own_config_is_corrupt_and_auto_passes_over_it() {
         let (dir, root, newest) = five_and_ten();
         let cfg = Config::default();
-        let refused = |st: &TrainerState, cfg: &Config, w: &[(String, Tensor)]| consistent(st, cfg, w).unwrap_err();
+        let refused =
+            |st: &TrainerState, cfg: &Config, w: &[(String, Tensor)]| consistent(st, cfg, w).unwrap_err();
         assert!(consistent(&state(10), &cfg, &weights()).is_ok());
         let zero_ranks = TrainerState { world_size: Some(0), ..state(10) };
         assert!(refused(&zero_ranks, &cfg, &weights()).contains("world_size 0"));
         let mut zero_micro = state(10);
         zero_micro.guard.accumulation = 0;
         assert!(refused(&zero_micro, &cfg, &weights()).contains("guard.accumulation 0"));
-        assert!(refused(&TrainerState { elapsed_s: -4.0, ..state(10) }, &cfg, &weights()).contains("elapsed_s -4"));
-        let scaled = |scale: f64| TrainerState { loss_scaler: Some(serde_json::json!({"scale": scale, "growth_tracker": 0})), ..state(10) };
+        assert!(refused(&TrainerState { elapsed_s: -4.0, ..state(10) }, &cfg, &weights())
+            .contains("elapsed_s -4"));
+        let scaled = |scale: f64| TrainerState {
+            loss_scaler: Some(serde_json::json!({"scale": scale, "growth_tracker": 0})),
+            ..state(10)
+        };
         assert!(consistent(&scaled(65536.0), &cfg, &weights()).is_ok());
         for bad in [0.0, 1e308] {
             assert!(refused(&scaled(bad), &cfg, &weights()).contains("loss_scaler.scale"), "{bad}");
         }
-        assert!(refused(&TrainerState { format: STATE_FORMAT + 1, ..state(10) }, &cfg, &weights()).contains("newer trainguard"));
-        assert!(consistent(&TrainerState { world_size: None, ..state(10) }, &cfg, &weights()).is_ok(), "written before world_size");
-        let sgd = TrainerState { optimizer: OptimizerSnapshot { kind: "sgd".into(), steps: 10 }, ..state(10) };
+        assert!(refused(&TrainerState { format: STATE_FORMAT + 1, ..state(10) }, &cfg, &weights())
+            .contains("newer trainguard"));
+        assert!(
+            consistent(&TrainerState { world_size: None, ..state(10) }, &cfg, &weights()).is_ok(),
+            "written before world_size"
+        );
+        let sgd =
+            TrainerState { optimizer: OptimizerSnapshot { kind: "sgd".into(), steps: 10 }, ..state(10) };
         assert!(refused(&sgd, &cfg, &weights()).contains("optimizer `sgd`, its config.yaml names `adamw`"));
         let mut w = weights();
         let (name, _) = w.remove(3);
@@ -681,14 +767,13 @@ mod tests {
         padded.model.vocab_size = 250;
         let w: Vec<(String, Tensor)> = crate::model::describe(&padded.model)
             .into_iter()
-            .map(|s| {
-                (s.name.clone(), Tensor::zeros(s.user_shape(), (tch::Kind::Float, Device::Cpu)))
-            })
+            .map(|s| (s.name.clone(), Tensor::zeros(s.user_shape(), (tch::Kind::Float, Device::Cpu))))
             .collect();
         assert!(consistent(&state(10), &padded, &w).is_ok());
         // On disk: the newest, its state edited by hand, is named and step 5 resumed.
         let path = newest.join(STATE_FILE);
-        let mut edited: serde_json::Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+        let mut edited: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
         edited["world_size"] = 0.into();
         fs::write(&path, edited.to_string()).unwrap();
         // Refused by its state before its tensor files are read (here one is cut short too).
@@ -704,7 +789,9 @@ mod tests {
         let five = root.join("step-00000005");
         let renamed = root.join("step-00000007");
         fs::rename(&five, &renamed).unwrap();
-        assert!(matches!(load(&renamed), Err(CheckpointError::Corrupt { why, .. }) if why.contains("holds step 5, its directory names step 7")));
+        assert!(
+            matches!(load(&renamed), Err(CheckpointError::Corrupt { why, .. }) if why.contains("holds step 5, its directory names step 7"))
+        );
         let copy = dir.path().join("mine");
         fs::rename(&renamed, &copy).unwrap();
         assert_eq!(load(&copy).unwrap().state.step, 5);
@@ -724,7 +811,11 @@ mod tests {
         let _ = w[1].1.get(0).f_fill_(f64::NAN).unwrap();
         Tensor::write_safetensors(&w, &path).unwrap();
         let why = read_model_file(&path).unwrap_err();
-        assert!(why.contains(&format!("`{}` in model.safetensors holds", w[1].0)) && why.contains("NaN or infinite"), "{why}");
+        assert!(
+            why.contains(&format!("`{}` in model.safetensors holds", w[1].0))
+                && why.contains("NaN or infinite"),
+            "{why}"
+        );
     }
 
     /// A model file that does not parse, its size and checksum stamped to match (a bug's
@@ -738,11 +829,17 @@ mod tests {
         let size = fs::metadata(ckpt.join(MODEL_FILE)).unwrap().len() as usize;
         let garbage = vec![0xffu8; size];
         fs::write(ckpt.join(MODEL_FILE), &garbage).unwrap();
-        let mut st: serde_json::Value = serde_json::from_str(&fs::read_to_string(ckpt.join(STATE_FILE)).unwrap()).unwrap();
+        let mut st: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(ckpt.join(STATE_FILE)).unwrap()).unwrap();
         st["checksums"][MODEL_FILE] = serde_json::json!(crc32c::crc32c(&garbage));
         fs::write(ckpt.join(STATE_FILE), st.to_string()).unwrap();
         match load(&ckpt) {
-            Err(CheckpointError::Corrupt { why, .. }) => assert!(why.starts_with("model.safetensors: not a whole safetensors file (cut short, or another format)"), "{why}"),
+            Err(CheckpointError::Corrupt { why, .. }) => assert!(
+                why.starts_with(
+                    "model.safetensors: not a whole safetensors file (cut short, or another format)"
+                ),
+                "{why}"
+            ),
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         }
     }
@@ -758,9 +855,15 @@ mod tests {
             let w = weights();
             let _ = w[2].1.get(0).f_fill_(bad).unwrap();
             let why = finite(MODEL_FILE, &w).unwrap_err();
-            let expected = format!("`{}` in model.safetensors holds {} of {} values that are NaN or infinite", w[2].0, w[2].1.size()[1..].iter().product::<i64>().max(1), w[2].1.numel());
+            let expected = format!(
+                "`{}` in model.safetensors holds {} of {} values that are NaN or infinite",
+                w[2].0,
+                w[2].1.size()[1..].iter().product::<i64>().max(1),
+                w[2].1.numel()
+            );
             assert!(why.starts_with(&expected), "{bad}: {why}");
-            let bf16: Vec<(String, Tensor)> = w.iter().map(|(n, t)| (n.clone(), t.to_kind(tch::Kind::BFloat16))).collect();
+            let bf16: Vec<(String, Tensor)> =
+                w.iter().map(|(n, t)| (n.clone(), t.to_kind(tch::Kind::BFloat16))).collect();
             assert!(finite(MODEL_FILE, &bf16).is_err(), "{bad} in bf16");
         }
         let dir = tempfile::tempdir().unwrap();
@@ -770,7 +873,9 @@ mod tests {
         let _ = moments[0].1.f_fill_(f64::NAN).unwrap();
         save(&root, &state(10), &Config::default(), &weights(), &moments).unwrap();
         match load(&root.join("step-00000010")) {
-            Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains(&format!("`{}` in optimizer.safetensors holds", moments[0].0)), "{why}"),
+            Err(CheckpointError::Corrupt { why, .. }) => {
+                assert!(why.contains(&format!("`{}` in optimizer.safetensors holds", moments[0].0)), "{why}")
+            }
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         }
         let (found, skipped) = newest_valid(&root);

@@ -27,7 +27,10 @@ pub struct AllocatorConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(untagged, expecting = "a power of two (every size), or a map of size to divisions like {256: 1, 1024: 4}")]
+#[serde(
+    untagged,
+    expecting = "a power of two (every size), or a map of size to divisions like {256: 1, 1024: 4}"
+)]
 pub enum Roundup {
     All(u64),
     Intervals(#[serde(deserialize_with = "size_keys")] BTreeMap<String, u64>),
@@ -101,26 +104,39 @@ impl AllocatorConfig {
         }
         if let Some(v) = self.max_non_split_rounding_mb {
             if v < 20 {
-                p.push(Problem::new(&key("max_non_split_rounding_mb"), format!("must be >= 20 (MB), got {v}")));
+                p.push(Problem::new(
+                    &key("max_non_split_rounding_mb"),
+                    format!("must be >= 20 (MB), got {v}"),
+                ));
             }
         }
         if let Some(v) = self.garbage_collection_threshold {
             if !(v > 0.0 && v < 1.0) {
-                p.push(Problem::new(&key("garbage_collection_threshold"), format!("must be in (0, 1) exclusive, got {v}")));
+                p.push(Problem::new(
+                    &key("garbage_collection_threshold"),
+                    format!("must be in (0, 1) exclusive, got {v}"),
+                ));
             }
         }
         match &self.roundup_power2_divisions {
-            Some(Roundup::All(d)) if !power_of_two(*d) => {
-                p.push(Problem::new(&key("roundup_power2_divisions"), format!("must be a power of two, got {d}")))
-            }
+            Some(Roundup::All(d)) if !power_of_two(*d) => p.push(Problem::new(
+                &key("roundup_power2_divisions"),
+                format!("must be a power of two, got {d}"),
+            )),
             Some(Roundup::Intervals(m)) => {
                 if m.is_empty() {
-                    p.push(Problem::new(&key("roundup_power2_divisions"), "an interval map needs at least one entry"));
+                    p.push(Problem::new(
+                        &key("roundup_power2_divisions"),
+                        "an interval map needs at least one entry",
+                    ));
                 }
                 for (size, d) in m {
                     let k = key(&format!("roundup_power2_divisions.{size}"));
                     if size != ">" && !size.parse::<u64>().is_ok_and(power_of_two) {
-                        p.push(Problem::new(&k, format!("interval sizes are powers of two in MB or `>`, got `{size}`")));
+                        p.push(Problem::new(
+                            &k,
+                            format!("interval sizes are powers of two in MB or `>`, got `{size}`"),
+                        ));
                     }
                     if !power_of_two(*d) {
                         p.push(Problem::new(&k, format!("divisions must be a power of two, got {d}")));
@@ -131,7 +147,10 @@ impl AllocatorConfig {
         }
         if let Some(n) = self.pinned_num_register_threads {
             if !power_of_two(n) || n > 128 {
-                p.push(Problem::new(&key("pinned_num_register_threads"), format!("must be a power of two <= 128, got {n}")));
+                p.push(Problem::new(
+                    &key("pinned_num_register_threads"),
+                    format!("must be a power of two <= 128, got {n}"),
+                ));
             }
         }
         p
@@ -150,15 +169,21 @@ impl AllocatorConfig {
         put("expandable_segments", self.expandable_segments.map(b));
         put("max_split_size_mb", self.max_split_size_mb.map(|v| v.to_string()));
         put("garbage_collection_threshold", self.garbage_collection_threshold.map(|v| v.to_string()));
-        put("roundup_power2_divisions", self.roundup_power2_divisions.as_ref().map(|r| match r {
-            Roundup::All(d) => d.to_string(),
-            Roundup::Intervals(m) => {
-                // Increasing sizes, `>` last, as PyTorch expects.
-                let mut items: Vec<(&String, &u64)> = m.iter().collect();
-                items.sort_by_key(|(k, _)| k.parse::<u64>().unwrap_or(u64::MAX));
-                format!("[{}]", items.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(","))
-            }
-        }));
+        put(
+            "roundup_power2_divisions",
+            self.roundup_power2_divisions.as_ref().map(|r| match r {
+                Roundup::All(d) => d.to_string(),
+                Roundup::Intervals(m) => {
+                    // Increasing sizes, `>` last, as PyTorch expects.
+                    let mut items: Vec<(&String, &u64)> = m.iter().collect();
+                    items.sort_by_key(|(k, _)| k.parse::<u64>().unwrap_or(u64::MAX));
+                    format!(
+                        "[{}]",
+                        items.iter().map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",")
+                    )
+                }
+            }),
+        );
         put("max_non_split_rounding_mb", self.max_non_split_rounding_mb.map(|v| v.to_string()));
         put("release_lock_on_cudamalloc", self.release_lock_on_cudamalloc.map(b));
         put("pinned_use_cuda_host_register", self.pinned_use_cuda_host_register.map(b));
@@ -178,40 +203,78 @@ mod tests {
     #[test]
     fn each_rule_names_its_key() {
         let cases: Vec<(AllocatorConfig, &str)> = vec![
-            (AllocatorConfig { max_split_size_mb: Some(19), ..Default::default() }, "memory.allocator.max_split_size_mb"),
-            (AllocatorConfig { max_non_split_rounding_mb: Some(1), ..Default::default() }, "memory.allocator.max_non_split_rounding_mb"),
-            (AllocatorConfig { garbage_collection_threshold: Some(1.0), ..Default::default() }, "memory.allocator.garbage_collection_threshold"),
-            (AllocatorConfig { garbage_collection_threshold: Some(0.0), ..Default::default() }, "memory.allocator.garbage_collection_threshold"),
-            (AllocatorConfig { roundup_power2_divisions: Some(Roundup::All(3)), ..Default::default() }, "memory.allocator.roundup_power2_divisions"),
-            (AllocatorConfig { pinned_num_register_threads: Some(256), ..Default::default() }, "memory.allocator.pinned_num_register_threads"),
-            (AllocatorConfig { pinned_num_register_threads: Some(6), ..Default::default() }, "memory.allocator.pinned_num_register_threads"),
+            (
+                AllocatorConfig { max_split_size_mb: Some(19), ..Default::default() },
+                "memory.allocator.max_split_size_mb",
+            ),
+            (
+                AllocatorConfig { max_non_split_rounding_mb: Some(1), ..Default::default() },
+                "memory.allocator.max_non_split_rounding_mb",
+            ),
+            (
+                AllocatorConfig { garbage_collection_threshold: Some(1.0), ..Default::default() },
+                "memory.allocator.garbage_collection_threshold",
+            ),
+            (
+                AllocatorConfig { garbage_collection_threshold: Some(0.0), ..Default::default() },
+                "memory.allocator.garbage_collection_threshold",
+            ),
+            (
+                AllocatorConfig { roundup_power2_divisions: Some(Roundup::All(3)), ..Default::default() },
+                "memory.allocator.roundup_power2_divisions",
+            ),
+            (
+                AllocatorConfig { pinned_num_register_threads: Some(256), ..Default::default() },
+                "memory.allocator.pinned_num_register_threads",
+            ),
+            (
+                AllocatorConfig { pinned_num_register_threads: Some(6), ..Default::default() },
+                "memory.allocator.pinned_num_register_threads",
+            ),
         ];
         for (cfg, key) in cases {
             assert_eq!(keys(&cfg), [key], "{cfg:?}");
         }
-        let intervals = Roundup::Intervals([("64".to_string(), 8), ("100".to_string(), 4), (">".to_string(), 3)].into());
+        let intervals =
+            Roundup::Intervals([("64".to_string(), 8), ("100".to_string(), 4), (">".to_string(), 3)].into());
         let k = keys(&AllocatorConfig { roundup_power2_divisions: Some(intervals), ..Default::default() });
-        assert_eq!(k, ["memory.allocator.roundup_power2_divisions.100", "memory.allocator.roundup_power2_divisions.>"]);
+        assert_eq!(
+            k,
+            ["memory.allocator.roundup_power2_divisions.100", "memory.allocator.roundup_power2_divisions.>"]
+        );
     }
 
     #[test]
     fn valid_settings_render_as_pytorch_expects() {
         let a = AllocatorConfig {
             expandable_segments: Some(true),
-            roundup_power2_divisions: Some(Roundup::Intervals([(">".to_string(), 1), ("256".to_string(), 4), ("64".to_string(), 8)].into())),
+            roundup_power2_divisions: Some(Roundup::Intervals(
+                [(">".to_string(), 1), ("256".to_string(), 4), ("64".to_string(), 8)].into(),
+            )),
             garbage_collection_threshold: Some(0.6),
             backend: Some(Backend::Native),
             ..Default::default()
         };
         assert!(a.problems().is_empty());
         let s: Vec<String> = a.pairs().into_iter().map(|(k, v)| format!("{k}:{v}")).collect();
-        assert_eq!(s, ["backend:native", "expandable_segments:True", "garbage_collection_threshold:0.6", "roundup_power2_divisions:[64:8,256:4,>:1]"]);
+        assert_eq!(
+            s,
+            [
+                "backend:native",
+                "expandable_segments:True",
+                "garbage_collection_threshold:0.6",
+                "roundup_power2_divisions:[64:8,256:4,>:1]"
+            ]
+        );
     }
 
     #[test]
     fn interval_sizes_may_be_written_as_numbers_or_strings() {
-        let read = |yaml: &str| serde_yaml::from_str::<AllocatorConfig>(yaml).unwrap().roundup_power2_divisions;
-        let want = Some(Roundup::Intervals([("256".to_string(), 1), ("1024".to_string(), 4), (">".to_string(), 1)].into()));
+        let read =
+            |yaml: &str| serde_yaml::from_str::<AllocatorConfig>(yaml).unwrap().roundup_power2_divisions;
+        let want = Some(Roundup::Intervals(
+            [("256".to_string(), 1), ("1024".to_string(), 4), (">".to_string(), 1)].into(),
+        ));
         assert_eq!(read("roundup_power2_divisions: {256: 1, 1024: 4, \">\": 1}"), want);
         assert_eq!(read("roundup_power2_divisions: {\"256\": 1, \"1024\": 4, \">\": 1}"), want);
         assert_eq!(read("roundup_power2_divisions: 4"), Some(Roundup::All(4)));

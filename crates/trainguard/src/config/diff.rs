@@ -103,7 +103,12 @@ mod tests {
     #[test]
     fn the_per_rank_keys_are_left_out_and_nothing_else() {
         let a = Config::default();
-        let mut b = Config { out_dir: "elsewhere".into(), device: "cuda:3".into(), init_from: Some("hf".into()), ..Config::default() };
+        let mut b = Config {
+            out_dir: "elsewhere".into(),
+            device: "cuda:3".into(),
+            init_from: Some("hf".into()),
+            ..Config::default()
+        };
         b.data.source = "tokens:/mnt/node7/corpus.bin".into();
         b.train.micro_batch_size = 1;
         b.train.threads = Some(3);
@@ -118,12 +123,16 @@ mod tests {
         b.data.val_fraction = 0.3;
         b.train.global_batch_size = 3;
         b.dist.bucket_mb = 1.0;
-        let keys: Vec<String> = differing_keys(&shared_by_ranks(&a), &shared_by_ranks(&b)).into_iter().map(|d| d.key).collect();
+        let keys: Vec<String> =
+            differing_keys(&shared_by_ranks(&a), &shared_by_ranks(&b)).into_iter().map(|d| d.key).collect();
         assert_eq!(keys, ["data.val_fraction", "dist.bucket_mb", "train.global_batch_size"]);
         // Each listed key names a real one (a renamed key would silently be compared again).
         let full = json(&a);
         for (key, _) in PER_RANK_KEYS {
-            assert!(key.split('.').try_fold(&full, |node, k| node.get(k)).is_some(), "{key} is not a config key");
+            assert!(
+                key.split('.').try_fold(&full, |node, k| node.get(k)).is_some(),
+                "{key} is not a config key"
+            );
         }
     }
 }

@@ -90,7 +90,10 @@ fn set_by<'a>(overrides: &'a [String], key: &str) -> Option<&'a String> {
         fn child<'v>(v: &'v Value, part: &str) -> Option<&'v Value> {
             v.get(part).or_else(|| v.get(serde_yaml::from_str::<Value>(part).ok()?))
         }
-        rest.split('.').map(|part| part.split('[').next().unwrap_or(part)).try_fold(&value, |v, part| child(v, part)).is_some()
+        rest.split('.')
+            .map(|part| part.split('[').next().unwrap_or(part))
+            .try_fold(&value, |v, part| child(v, part))
+            .is_some()
     };
     overrides.iter().rev().find(|arg| arg.split_once('=').is_some_and(|(k, v)| gave(k, v)))
 }
@@ -99,8 +102,14 @@ fn set_by<'a>(overrides: &'a [String], key: &str) -> Option<&'a String> {
 /// before the removal holds them (every key is saved): [`saved`] drops them, so such a
 /// checkpoint still resumes; a config that sets one is told it is gone.
 const RETIRED: &[(&str, &str)] = &[
-    ("kernels.loss_blocks_per_sm", "the loss kernel's grid walk ran 2.5-3.3% slower on an H100 than a block a row"),
-    ("kernels.loss_row_in_registers", "the loss row kept in registers ran 8.5% slower on an H100 than reading it twice"),
+    (
+        "kernels.loss_blocks_per_sm",
+        "the loss kernel's grid walk ran 2.5-3.3% slower on an H100 than a block a row",
+    ),
+    (
+        "kernels.loss_row_in_registers",
+        "the loss row kept in registers ran 8.5% slower on an H100 than reading it twice",
+    ),
 ];
 
 /// A config.yaml that trainguard saved (a checkpoint's, a run's) as a [`Config`]: keys
@@ -119,9 +128,15 @@ pub fn saved(yaml: &str) -> Result<Config, serde_yaml::Error> {
 /// The tree as a [`Config`]. Every unknown key is reported at once, each with the known key it
 /// most resembles (serde stops at the first: a config with three typos took three runs), and
 /// with the file's own problems, `file_problems`.
-fn typed(mut tree: Value, shown: &Path, overrides: &[String], file_problems: Vec<Problem>) -> Result<Config, ConfigError> {
+fn typed(
+    mut tree: Value,
+    shown: &Path,
+    overrides: &[String],
+    file_problems: Vec<Problem>,
+) -> Result<Config, ConfigError> {
     // Each problem, with the --set that gave its key when one did.
-    let mut problems: Vec<(Problem, Option<&String>)> = file_problems.into_iter().map(|p| (p, None)).collect();
+    let mut problems: Vec<(Problem, Option<&String>)> =
+        file_problems.into_iter().map(|p| (p, None)).collect();
     loop {
         let e = match serde_path_to_error::deserialize::<_, Config>(tree.clone()) {
             Ok(config) if problems.is_empty() => return Ok(config),
@@ -140,8 +155,14 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String], file_problems: Vec
         }
         let message = match (RETIRED.iter().find(|(k, _)| *k == key), did_you_mean(&raw)) {
             (Some((_, why)), _) => format!("this switch was removed ({why}); delete it"),
-            (None, Some(known)) => format!("unknown field `{}`: did you mean `{known}`?", raw.split('`').nth(1).unwrap_or_default()),
-            (None, None) if wants_text(&raw) => format!("{raw} (quote it to give it as text: `\"{}\"`)", raw.split('`').nth(1).unwrap_or_default()),
+            (None, Some(known)) => format!(
+                "unknown field `{}`: did you mean `{known}`?",
+                raw.split('`').nth(1).unwrap_or_default()
+            ),
+            (None, None) if wants_text(&raw) => format!(
+                "{raw} (quote it to give it as text: `\"{}\"`)",
+                raw.split('`').nth(1).unwrap_or_default()
+            ),
             (None, None) => raw.clone(),
         };
         let from_set = set_by(overrides, &key);
@@ -155,8 +176,15 @@ fn typed(mut tree: Value, shown: &Path, overrides: &[String], file_problems: Vec
     }
     if let [(only, set)] = &problems[..] {
         return Err(match set {
-            Some(arg) => ConfigError::Override { arg: arg.to_string(), why: format!("key `{}`: {}", only.key, only.message) },
-            None => ConfigError::Type { path: shown.to_path_buf(), key: only.key.clone(), message: only.message.clone() },
+            Some(arg) => ConfigError::Override {
+                arg: arg.to_string(),
+                why: format!("key `{}`: {}", only.key, only.message),
+            },
+            None => ConfigError::Type {
+                path: shown.to_path_buf(),
+                key: only.key.clone(),
+                message: only.message.clone(),
+            },
         });
     }
     let problems = problems
@@ -184,8 +212,11 @@ fn did_you_mean(message: &str) -> Option<&str> {
 
 /// serde's words for a number or a boolean where a key takes text (a path, a name).
 fn wants_text(serde_message: &str) -> bool {
-    let scalar = ["invalid type: integer", "invalid type: floating point", "invalid type: boolean"].iter().any(|t| serde_message.starts_with(t));
-    scalar && (serde_message.ends_with("expected a string") || serde_message.ends_with("expected path string"))
+    let scalar = ["invalid type: integer", "invalid type: floating point", "invalid type: boolean"]
+        .iter()
+        .any(|t| serde_message.starts_with(t));
+    scalar
+        && (serde_message.ends_with("expected a string") || serde_message.ends_with("expected path string"))
 }
 
 /// The text of the last `--set` whose key is `key` itself, as typed (unquoted: a quoted value
@@ -234,8 +265,14 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
     loop {
         let e = match serde_yaml::from_str::<Value>(&text) {
             Ok(mut tree) => {
-                extend(&mut tree).map_err(|message| ConfigError::Yaml { path: path.to_path_buf(), message })?;
-                let problems = wide.iter().filter_map(|(stand_in, why)| Some(Problem::new(&take_out(&mut tree, stand_in)?, why.clone()))).collect();
+                extend(&mut tree)
+                    .map_err(|message| ConfigError::Yaml { path: path.to_path_buf(), message })?;
+                let problems = wide
+                    .iter()
+                    .filter_map(|(stand_in, why)| {
+                        Some(Problem::new(&take_out(&mut tree, stand_in)?, why.clone()))
+                    })
+                    .collect();
                 return Ok((tree, problems));
             }
             Err(e) => e,
@@ -245,14 +282,20 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
             let message = duplicate_key_lines(&text, &e).unwrap_or(message);
             return Err(ConfigError::Yaml { path: path.to_path_buf(), message });
         }
-        let at = e.location().map(|l| l.index()).filter(|&i| text.get(i..).is_some_and(|rest| rest.starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit())));
+        let at = e.location().map(|l| l.index()).filter(|&i| {
+            text.get(i..)
+                .is_some_and(|rest| rest.starts_with(|c: char| c == '-' || c == '+' || c.is_ascii_digit()))
+        });
         let Some(at) = at.filter(|_| wide.len() < 64) else {
             return Err(ConfigError::OutOfRange { path: path.to_path_buf(), message });
         };
-        let end = text[at..].find(|c: char| !(c.is_ascii_alphanumeric() || "+-_".contains(c))).map_or(text.len(), |n| at + n);
+        let end = text[at..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || "+-_".contains(c)))
+            .map_or(text.len(), |n| at + n);
         let stand_in = format!("trainguard: out-of-range integer {}", wide.len());
         // The key path serde_yaml puts first is the stand-in's to say once the file reads.
-        let why = message.split_once(": integer").map_or(message.clone(), |(_, rest)| format!("integer{rest}"));
+        let why =
+            message.split_once(": integer").map_or(message.clone(), |(_, rest)| format!("integer{rest}"));
         text.replace_range(at..end, &format!("\"{stand_in}\""));
         wide.push((stand_in, why));
     }
@@ -286,7 +329,9 @@ fn duplicate_key_lines(text: &str, e: &serde_yaml::Error) -> Option<String> {
         if at < indent {
             break; // the section ended
         }
-        let names_key = [key.to_string(), format!("\"{key}\""), format!("'{key}'")].iter().any(|k| content.strip_prefix(k.as_str()).is_some_and(|r| r.trim_start().starts_with(':')));
+        let names_key = [key.to_string(), format!("\"{key}\""), format!("'{key}'")]
+            .iter()
+            .any(|k| content.strip_prefix(k.as_str()).is_some_and(|r| r.trim_start().starts_with(':')));
         if at == indent && names_key {
             lines.push((i + 1).to_string());
         }
@@ -294,7 +339,10 @@ fn duplicate_key_lines(text: &str, e: &serde_yaml::Error) -> Option<String> {
     let (last, earlier) = lines.split_last().filter(|(_, earlier)| !earlier.is_empty())?;
     let section = section.trim_end_matches([':', ' ']);
     let within = if section.is_empty() { String::new() } else { format!(" in `{section}`") };
-    Some(format!("key `{key}`{within} is given more than once, on lines {} and {last}: keep one", earlier.join(", ")))
+    Some(format!(
+        "key `{key}`{within} is given more than once, on lines {} and {last}: keep one",
+        earlier.join(", ")
+    ))
 }
 
 /// Removes the value equal to the string `stand_in` from the tree and returns its key path.
@@ -307,14 +355,21 @@ fn take_out(tree: &mut Value, stand_in: &str) -> Option<String> {
                 m.remove(&key);
                 return Some(key_text(&key));
             }
-            m.iter_mut().find_map(|(k, v)| take_out(v, stand_in).map(|below| format!("{}{}{below}", key_text(k), if below.starts_with('[') { "" } else { "." })))
+            m.iter_mut().find_map(|(k, v)| {
+                take_out(v, stand_in).map(|below| {
+                    format!("{}{}{below}", key_text(k), if below.starts_with('[') { "" } else { "." })
+                })
+            })
         }
         Value::Sequence(items) => {
             if let Some(i) = items.iter().position(here) {
                 items.remove(i);
                 return Some(format!("[{i}]"));
             }
-            items.iter_mut().enumerate().find_map(|(i, v)| take_out(v, stand_in).map(|below| format!("[{i}].{below}")))
+            items
+                .iter_mut()
+                .enumerate()
+                .find_map(|(i, v)| take_out(v, stand_in).map(|below| format!("[{i}].{below}")))
         }
         _ => None,
     }
@@ -339,19 +394,32 @@ fn readable(serde_message: &str) -> String {
         let end = m[at + 16..].find(|c: char| !c.is_alphanumeric()).map_or(m.len(), |e| at + 16 + e);
         m.replace_range(at..end, "expected a section (indented key: value lines)");
     }
-    for (rust, said) in [("u64", "a whole number from 0"), ("usize", "a whole number from 0"), ("u32", "a whole number from 0 to 4294967295"), ("f64", "a number")] {
+    for (rust, said) in [
+        ("u64", "a whole number from 0"),
+        ("usize", "a whole number from 0"),
+        ("u32", "a whole number from 0 to 4294967295"),
+        ("f64", "a number"),
+    ] {
         let pattern = format!("expected {rust}");
-        if let Some(at) = m.find(&pattern).filter(|&at| !m[at + pattern.len()..].starts_with(|c: char| c.is_alphanumeric())) {
+        if let Some(at) =
+            m.find(&pattern).filter(|&at| !m[at + pattern.len()..].starts_with(|c: char| c.is_alphanumeric()))
+        {
             m.replace_range(at..at + pattern.len(), &format!("expected {said}"));
         }
     }
     // Every integer key is unsigned; a number key (a float) takes a large value written with a
     // decimal point.
     let decimal = "a number key takes it with a decimal point";
-    for (wide, range) in [("u128", "whole-number keys go up to 18446744073709551615"), ("i128", "whole-number keys start at 0")] {
+    for (wide, range) in [
+        ("u128", "whole-number keys go up to 18446744073709551615"),
+        ("i128", "whole-number keys start at 0"),
+    ] {
         let said = format!(" as {wide}, expected any YAML value");
         if let (Some(at), true) = (m.find(&said), m.contains("invalid type: integer")) {
-            m.replace_range(at..at + said.len(), &format!(" {OUT_OF_RANGE} (beyond 64 bits): {range}; {decimal}"));
+            m.replace_range(
+                at..at + said.len(),
+                &format!(" {OUT_OF_RANGE} (beyond 64 bits): {range}; {decimal}"),
+            );
             m = m.replacen("invalid type: integer", "integer", 1);
         }
     }
@@ -386,7 +454,8 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     // Only what YAML 1.1 leaves a string for want of a dot (`1e-3`): not a quoted value
     // (`out_dir="123"`), nor words Rust reads as numbers (`inf`, `NaN`).
     if let (Value::String(s), false) = (&value, quoted) {
-        let numeric = s.bytes().any(|b| b.is_ascii_digit()) && s.bytes().all(|b| b.is_ascii_digit() || b"eE+-.".contains(&b));
+        let numeric = s.bytes().any(|b| b.is_ascii_digit())
+            && s.bytes().all(|b| b.is_ascii_digit() || b"eE+-.".contains(&b));
         if let (true, Ok(x)) = (numeric, s.parse::<f64>()) {
             value = Value::Number(x.into());
         }
@@ -502,7 +571,6 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(std::time::Duration::from_secs_f64(total))
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,17 +588,27 @@ mod tests {
         apply_override(&mut t, "out_dir=\"123\"").unwrap();
         apply_override(&mut t, "metrics.trace=inf").unwrap();
         apply_override(&mut t, "init_from=NaN").unwrap();
-        assert_eq!((t["out_dir"].as_str(), t["metrics"]["trace"].as_str(), t["init_from"].as_str()), (Some("123"), Some("inf"), Some("NaN")));
+        assert_eq!(
+            (t["out_dir"].as_str(), t["metrics"]["trace"].as_str(), t["init_from"].as_str()),
+            (Some("123"), Some("inf"), Some("NaN"))
+        );
         apply_override(&mut t, "train.eps=-2E+5").unwrap();
         assert_eq!(t["train"]["eps"].as_f64(), Some(-2e5));
         // A mapping sets its keys and keeps the section's others; a list or a value replaces.
         apply_override(&mut t, "model={n_layer: 3, n_head: 2}").unwrap();
-        assert_eq!((t["model"]["n_layer"].as_u64(), t["model"]["n_head"].as_u64(), t["model"]["bias"].as_bool()), (Some(3), Some(2), Some(false)));
+        assert_eq!(
+            (t["model"]["n_layer"].as_u64(), t["model"]["n_head"].as_u64(), t["model"]["bias"].as_bool()),
+            (Some(3), Some(2), Some(false))
+        );
         apply_override(&mut t, "faults.nonfinite_loss_at_steps=[1, 2]").unwrap();
         apply_override(&mut t, "faults.nonfinite_loss_at_steps=[5]").unwrap();
         assert_eq!(t["faults"]["nonfinite_loss_at_steps"].as_sequence().map(Vec::len), Some(1));
         apply_override(&mut t, "train=5").unwrap();
-        assert_eq!(t["train"].as_u64(), Some(5), "a section replaced by a value is the type check's to refuse");
+        assert_eq!(
+            t["train"].as_u64(),
+            Some(5),
+            "a section replaced by a value is the type check's to refuse"
+        );
     }
 
     #[test]
@@ -551,7 +629,10 @@ mod tests {
         assert_eq!(parse_size("512 MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
         assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!((parse_size("16Gi").unwrap(), parse_size("16G").unwrap(), parse_size("16GB").unwrap()), (16 << 30, 16 << 30, 16_000_000_000));
+        assert_eq!(
+            (parse_size("16Gi").unwrap(), parse_size("16G").unwrap(), parse_size("16GB").unwrap()),
+            (16 << 30, 16 << 30, 16_000_000_000)
+        );
         assert!(parse_size("lots").is_err());
         assert!(parse_size("3 parsecs").is_err());
         assert!(parse_size("0").is_err());
@@ -585,22 +666,45 @@ mod tests {
         assert!(serde_yaml::from_str::<Config>(&yaml).is_err(), "the old keys are unknown to Config itself");
         assert_eq!(saved(&yaml).unwrap(), Config::default());
         let err = load(None, &["kernels.loss_blocks_per_sm=1".into()]).unwrap_err().to_string();
-        assert!(err.contains("kernels.loss_blocks_per_sm") && err.contains("was removed") && err.contains("delete it"), "{err}");
+        assert!(
+            err.contains("kernels.loss_blocks_per_sm")
+                && err.contains("was removed")
+                && err.contains("delete it"),
+            "{err}"
+        );
     }
 
     #[test]
     fn serde_type_names_are_said_in_config_words() {
-        assert_eq!(readable("invalid type: integer `5`, expected struct FaultsConfig"), "invalid type: integer `5`, expected a section (indented key: value lines)");
-        assert_eq!(readable("invalid value: integer `-1`, expected u64"), "invalid value: integer `-1`, expected a whole number from 0");
+        assert_eq!(
+            readable("invalid type: integer `5`, expected struct FaultsConfig"),
+            "invalid type: integer `5`, expected a section (indented key: value lines)"
+        );
+        assert_eq!(
+            readable("invalid value: integer `-1`, expected u64"),
+            "invalid value: integer `-1`, expected a whole number from 0"
+        );
         assert_eq!(
             readable("a.b: invalid type: integer `99999999999999999999` as u128, expected any YAML value at line 2 column 33"),
             "a.b: integer `99999999999999999999` is out of range (beyond 64 bits): whole-number keys go up to 18446744073709551615; a number key takes it with a decimal point at line 2 column 33"
         );
-        let err = load(None, &["faults.pause_in_checkpoint_write_ms=99999999999999999999".into()]).unwrap_err().to_string();
+        let err = load(None, &["faults.pause_in_checkpoint_write_ms=99999999999999999999".into()])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("is out of range") && !err.contains("not YAML"), "{err}");
         let err = load(None, &["train.lr=-99999999999999999999".into()]).unwrap_err().to_string();
-        assert!(err.contains("is out of range (beyond 64 bits): whole-number keys start at 0") && !err.contains("i128"), "{err}");
-        assert!(load(None, &["train.lr=-99999999999999999999.0".into()]).unwrap_err().to_string().contains("train.lr"), "parsed as a number, refused by validation");
+        assert!(
+            err.contains("is out of range (beyond 64 bits): whole-number keys start at 0")
+                && !err.contains("i128"),
+            "{err}"
+        );
+        assert!(
+            load(None, &["train.lr=-99999999999999999999.0".into()])
+                .unwrap_err()
+                .to_string()
+                .contains("train.lr"),
+            "parsed as a number, refused by validation"
+        );
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.yaml");
         std::fs::write(&file, "train:\n  max_steps: 99999999999999999999\n").unwrap();
@@ -613,14 +717,21 @@ mod tests {
             std::fs::write(&file, text).unwrap();
             for sets in [vec![], vec!["train.lr=1".to_string()]] {
                 let err = load(Some(&file), &sets).unwrap_err().to_string();
-                assert!(err.starts_with(&format!("{}: its top level is {found}; a config is sections", file.display())), "{sets:?}: {err}");
+                assert!(
+                    err.starts_with(&format!(
+                        "{}: its top level is {found}; a config is sections",
+                        file.display()
+                    )),
+                    "{sets:?}: {err}"
+                );
             }
         }
     }
 
     #[test]
     fn an_empty_value_does_not_wipe_a_section() {
-        let mut tree: Value = serde_yaml::from_str("model: {arch: llama, n_layer: 3}\ntrain: {threads: 2}").unwrap();
+        let mut tree: Value =
+            serde_yaml::from_str("model: {arch: llama, n_layer: 3}\ntrain: {threads: 2}").unwrap();
         for arg in ["model=", "model=~", "model=null"] {
             let err = apply_override(&mut tree, arg).unwrap_err().to_string();
             assert!(err.contains("`model` is a section and the value is empty"), "{err}");
@@ -647,13 +758,33 @@ mod tests {
         let err = load(Some(&file), &[]).unwrap_err();
         let ConfigError::Invalid { problems, .. } = &err else { panic!("{err}") };
         let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
-        assert_eq!(keys, ["train.max_steps", "model.n_layer", "memory.allocator.roundup_power2_divisions[1]", "train.lrr", "memory.allocator.roundup_power2_divisions"], "{err}");
-        assert!(problems[0].message.starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)") && problems[0].message.contains("line 3"), "{err}");
+        assert_eq!(
+            keys,
+            [
+                "train.max_steps",
+                "model.n_layer",
+                "memory.allocator.roundup_power2_divisions[1]",
+                "train.lrr",
+                "memory.allocator.roundup_power2_divisions"
+            ],
+            "{err}"
+        );
+        assert!(
+            problems[0]
+                .message
+                .starts_with("integer `99999999999999999999` is out of range (beyond 64 bits)")
+                && problems[0].message.contains("line 3"),
+            "{err}"
+        );
         assert!(problems[1].message.contains("whole-number keys start at 0"), "{err}");
         assert!(problems[3].message.contains("did you mean `lr`"), "{err}");
         // A value the command line replaces does not matter.
-        let err = load(Some(&file), &["train.max_steps=5".into(), "train.lr=0.1".into()]).unwrap_err().to_string();
-        assert!(!err.contains("max_steps") && err.contains("model.n_layer") && err.contains("train.lrr"), "{err}");
+        let err =
+            load(Some(&file), &["train.max_steps=5".into(), "train.lr=0.1".into()]).unwrap_err().to_string();
+        assert!(
+            !err.contains("max_steps") && err.contains("model.n_layer") && err.contains("train.lrr"),
+            "{err}"
+        );
         std::fs::write(&file, "train:\n  max_steps: 99999999999999999999\n").unwrap();
         let loaded = load(Some(&file), &["train.max_steps=50".into()]);
         assert_eq!(loaded.map(|c| c.train.max_steps).ok(), Some(50));
@@ -687,10 +818,19 @@ mod tests {
         let sets = ["out_dir=2024".to_string(), "init_from=1e3".into(), "device=0".into()];
         let c = load(None, &sets[..2]).unwrap();
         assert_eq!(c.out_dir, Path::new("2024"));
-        assert_eq!(c.init_from.as_deref(), Some(Path::new("1e3")), "the characters typed, not YAML's reading (1000)");
+        assert_eq!(
+            c.init_from.as_deref(),
+            Some(Path::new("1e3")),
+            "the characters typed, not YAML's reading (1000)"
+        );
         // Read as text, then judged by the key's own rule.
         let err = load(None, &sets).unwrap_err().to_string();
-        assert!(err.contains("device") && err.contains("(from --set `device=0`)") && !err.contains("invalid type"), "{err}");
+        assert!(
+            err.contains("device")
+                && err.contains("(from --set `device=0`)")
+                && !err.contains("invalid type"),
+            "{err}"
+        );
         let err = load(None, &["train.max_duration=90".into()]).unwrap_err().to_string();
         assert!(err.contains("`90` is not a duration"), "{err}");
         // A number key keeps refusing text, and a file's number is asked to be quoted.
@@ -699,7 +839,10 @@ mod tests {
         let p = dir.path().join("c.yaml");
         std::fs::write(&p, "out_dir: 2024\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();
-        assert!(err.contains("key `out_dir`") && err.contains("quote it to give it as text: `\"2024\"`"), "{err}");
+        assert!(
+            err.contains("key `out_dir`") && err.contains("quote it to give it as text: `\"2024\"`"),
+            "{err}"
+        );
         // The file's number replaced by a --set of the whole key's text loads.
         assert_eq!(load(Some(&p), &["out_dir=2025".into()]).unwrap().out_dir, Path::new("2025"));
         // What YAML would cut at a comment or refuse as an anchor, an alias, a tag or a reserved
@@ -707,8 +850,12 @@ mod tests {
         for typed in ["runs/a #1", "@runs", "&a", "*a", "!x", "a: b", "[x]"] {
             assert_eq!(load(None, &[format!("out_dir={typed}")]).unwrap().out_dir, Path::new(typed));
         }
-        let c = load(None, &["data.source=text:/tmp/my file #2.txt".into(), "init_from='/w/x #3'".into()]).unwrap();
-        assert_eq!((c.data.source.as_str(), c.init_from.as_deref()), ("text:/tmp/my file #2.txt", Some(Path::new("/w/x #3"))));
+        let c = load(None, &["data.source=text:/tmp/my file #2.txt".into(), "init_from='/w/x #3'".into()])
+            .unwrap();
+        assert_eq!(
+            (c.data.source.as_str(), c.init_from.as_deref()),
+            ("text:/tmp/my file #2.txt", Some(Path::new("/w/x #3")))
+        );
         assert_eq!(load(None, &["init_from=/a".into(), "init_from=~".into()]).unwrap().init_from, None);
     }
 
@@ -716,7 +863,11 @@ mod tests {
     fn merge_keys_apply_and_the_top_levels_x_keys_hold_anchors() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
-        std::fs::write(&p, "x-small: &small {n_layer: 3, n_head: 2}\nmodel:\n  <<: *small\n  n_embd: 64\n  n_head: 4\n").unwrap();
+        std::fs::write(
+            &p,
+            "x-small: &small {n_layer: 3, n_head: 2}\nmodel:\n  <<: *small\n  n_embd: 64\n  n_head: 4\n",
+        )
+        .unwrap();
         let c = load(Some(&p), &[]).unwrap();
         // The section's own key wins over the merged one, as YAML says.
         assert_eq!((c.model.n_layer, c.model.n_head, c.model.n_embd), (3, 4, 64));
@@ -733,7 +884,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
         std::fs::write(&p, "train:\n  lrr: 1\n  max_stepz: 3\nmodel:\n  n_layr: 2\nmemory:\n  allocator:\n    expandable_segment: true\n  zzz: 1\n").unwrap();
-        let ConfigError::Invalid { problems, .. } = load(Some(&p), &[]).unwrap_err() else { panic!("a list of problems") };
+        let ConfigError::Invalid { problems, .. } = load(Some(&p), &[]).unwrap_err() else {
+            panic!("a list of problems")
+        };
         let listed: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
         assert_eq!(
             listed[..4],
@@ -745,20 +898,28 @@ mod tests {
             ]
         );
         // Nothing close: serde's list of the keys it knows.
-        assert!(listed[4].starts_with("memory.zzz: unknown field `zzz`, expected one of `limit`"), "{listed:?}");
+        assert!(
+            listed[4].starts_with("memory.zzz: unknown field `zzz`, expected one of `limit`"),
+            "{listed:?}"
+        );
         assert_eq!(listed.len(), 5);
         // With a type error behind the unknown key, both; one unknown key alone stays one line.
         std::fs::write(&p, "train:\n  lrr: 1\n  lr: abc\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();
         assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type"), "{err}");
         std::fs::write(&p, "train:\n  lrr: 1\n").unwrap();
-        assert!(matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Type { key, .. } if key == "train.lrr"));
+        assert!(
+            matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Type { key, .. } if key == "train.lrr")
+        );
         // A typo on the command line is the --set's, and is listed with the file's own.
         let err = load(Some(&p), &["optimizer.nmae=adamw".into()]).unwrap_err().to_string();
         assert!(err.contains("2 problem(s)") && err.contains("train.lrr: unknown field"), "{err}");
         assert!(err.contains("optimizer.nmae: unknown field `nmae`: did you mean `name`? (from --set `optimizer.nmae=adamw`)"), "{err}");
         let err = load(None, &["optimizer.nmae=adamw".into()]).unwrap_err();
-        assert!(matches!(&err, ConfigError::Override { arg, why } if arg == "optimizer.nmae=adamw" && why.contains("did you mean `name`")), "{err}");
+        assert!(
+            matches!(&err, ConfigError::Override { arg, why } if arg == "optimizer.nmae=adamw" && why.contains("did you mean `name`")),
+            "{err}"
+        );
         // An unknown section given by --set is the --set's too.
         let err = load(None, &["trainz.lr=3".into()]).unwrap_err();
         assert!(matches!(&err, ConfigError::Override { arg, .. } if arg == "trainz.lr=3"), "{err}");
@@ -771,7 +932,12 @@ mod tests {
         // A type error and an unknown key: both, in one run.
         std::fs::write(&p, "train:\n  lr: abc\n  max_stepz: 3\n").unwrap();
         let err = load(Some(&p), &[]).unwrap_err().to_string();
-        assert!(err.contains("2 problem(s)") && err.contains("train.lr: invalid type") && err.contains("did you mean `max_steps`"), "{err}");
+        assert!(
+            err.contains("2 problem(s)")
+                && err.contains("train.lr: invalid type")
+                && err.contains("did you mean `max_steps`"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -782,10 +948,19 @@ mod tests {
         let sets = ["memory.limit=0GiB".to_string(), "model={n_layer: 0}".to_string()];
         let e = load(Some(&file), &sets).unwrap_err().to_string();
         assert!(e.contains("train.lr: must be a positive number, got -1\n"), "the file's own: {e}");
-        assert!(e.contains("(from --set `memory.limit=0GiB`)") && e.contains("model.n_layer: must be in 1..=4096, got 0 (from --set `model={n_layer: 0}`)"), "{e}");
+        assert!(
+            e.contains("(from --set `memory.limit=0GiB`)")
+                && e.contains("model.n_layer: must be in 1..=4096, got 0 (from --set `model={n_layer: 0}`)"),
+            "{e}"
+        );
         // A key YAML reads as a number: given by the mapping --set.
-        let e = load(None, &["memory.allocator.roundup_power2_divisions={100: 4}".to_string()]).unwrap_err().to_string();
-        assert!(e.contains("got `100` (from --set `memory.allocator.roundup_power2_divisions={100: 4}`)"), "{e}");
+        let e = load(None, &["memory.allocator.roundup_power2_divisions={100: 4}".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("got `100` (from --set `memory.allocator.roundup_power2_divisions={100: 4}`)"),
+            "{e}"
+        );
         // A mapping --set that did not give the key is not blamed for the file's value.
         std::fs::write(&file, "model:\n  n_layer: 0\n").unwrap();
         let e = load(Some(&file), &["model={n_head: 2}".to_string()]).unwrap_err().to_string();
@@ -800,12 +975,19 @@ mod tests {
             std::fs::write(&p, yaml).unwrap();
             load(Some(&p), &[]).unwrap_err().to_string()
         };
-        let e = said("model:\n  n_layer: 2\ntrain:\n  # lr\n  lr: 1\n  max_steps: 3\n  sub: {lr: 5}\n\n  lr: 2\n");
-        assert!(e.ends_with("key `lr` in `train` is given more than once, on lines 5 and 9: keep one"), "{e}");
+        let e = said(
+            "model:\n  n_layer: 2\ntrain:\n  # lr\n  lr: 1\n  max_steps: 3\n  sub: {lr: 5}\n\n  lr: 2\n",
+        );
+        assert!(
+            e.ends_with("key `lr` in `train` is given more than once, on lines 5 and 9: keep one"),
+            "{e}"
+        );
         let e = said("train:\n  lr: 1\nmodel:\n  n_layer: 2\ntrain:\n  lr: 2\n");
         assert!(e.ends_with("key `train` is given more than once, on lines 1 and 5: keep one"), "{e}");
         // A nested section's, and a flow mapping's (serde_yaml's words kept).
-        let e = said("memory:\n  allocator:\n    expandable_segments: true\n    \"expandable_segments\": false\n");
+        let e = said(
+            "memory:\n  allocator:\n    expandable_segments: true\n    \"expandable_segments\": false\n",
+        );
         assert!(e.ends_with("key `expandable_segments` in `memory.allocator` is given more than once, on lines 3 and 4: keep one"), "{e}");
         let e = said("train: {lr: 1, lr: 2}\n");
         assert!(e.contains("duplicate entry with key \"lr\""), "{e}");

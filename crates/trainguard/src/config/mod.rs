@@ -383,14 +383,22 @@ impl Escalation {
     pub fn effect(self) -> &'static str {
         match self {
             Escalation::ActivationCheckpointing => "activation_checkpointing (every block)",
-            Escalation::OffloadActivations => "offload_activations (with every block checkpointed: offload moves the checkpointed inputs)",
+            Escalation::OffloadActivations => {
+                "offload_activations (with every block checkpointed: offload moves the checkpointed inputs)"
+            }
         }
     }
 }
 
 impl Default for OomConfig {
     fn default() -> Self {
-        Self { policy: OomPolicy::Adapt, min_micro_batch: 1, regrow_after_steps: 0, on_thrash: ThrashAction::Warn, escalate: vec![] }
+        Self {
+            policy: OomPolicy::Adapt,
+            min_micro_batch: 1,
+            regrow_after_steps: 0,
+            on_thrash: ThrashAction::Warn,
+            escalate: vec![],
+        }
     }
 }
 
@@ -664,7 +672,14 @@ pub struct CheckpointConfig {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { interval: 1000, interval_minutes: None, keep_last: 3, keep_every: 0, keep_best: false, at_end: true }
+        Self {
+            interval: 1000,
+            interval_minutes: None,
+            keep_last: 3,
+            keep_every: 0,
+            keep_best: false,
+            at_end: true,
+        }
     }
 }
 
@@ -785,14 +800,18 @@ pub enum Checkpointing {
 
 impl Checkpointing {
     pub fn parse(text: &str) -> Result<Self, String> {
-        let count = |prefix: &str| text.trim().strip_prefix(prefix).and_then(|k| k.trim().parse::<usize>().ok()).filter(|&k| k >= 1);
+        let count = |prefix: &str| {
+            text.trim().strip_prefix(prefix).and_then(|k| k.trim().parse::<usize>().ok()).filter(|&k| k >= 1)
+        };
         match text.trim() {
             "none" => Ok(Self::None),
             "blocks" => Ok(Self::Every(1)),
             _ => count("every_n:")
                 .map(Self::Every)
                 .or_else(|| count("first_n:").map(Self::First))
-                .ok_or_else(|| format!("must be none, blocks, every_n:<k> or first_n:<m> with k, m >= 1, got `{text}`")),
+                .ok_or_else(|| {
+                    format!("must be none, blocks, every_n:<k> or first_n:<m> with k, m >= 1, got `{text}`")
+                }),
         }
     }
 }

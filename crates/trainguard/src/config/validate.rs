@@ -54,7 +54,10 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(
         (1..=MAX_PAD_VOCAB).contains(&m.pad_vocab_to),
         "model.pad_vocab_to",
-        format!("must be in 1..={MAX_PAD_VOCAB} (1: no padding; 64 aligns the LM head's matrix shapes), got {}", m.pad_vocab_to),
+        format!(
+            "must be in 1..={MAX_PAD_VOCAB} (1: no padding; 64 aligns the LM head's matrix shapes), got {}",
+            m.pad_vocab_to
+        ),
     );
     check_arch(m, &mut check);
     // Rules that involve seq_len are judged against a valid one only (a bad one is reported here).
@@ -62,13 +65,18 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(seq_ok, "model.seq_len", within(m.seq_len, MAX_SEQ_LEN));
     check((0.0..1.0).contains(&m.dropout), "model.dropout", format!("must be in [0, 1), got {}", m.dropout));
 
-    check(!c.out_dir.as_os_str().is_empty(), "out_dir", "must name a directory (`.` for the current one), got an empty path".into());
+    check(
+        !c.out_dir.as_os_str().is_empty(),
+        "out_dir",
+        "must name a directory (`.` for the current one), got an empty path".into(),
+    );
     check_device(&c.device, &mut check);
     check_source(c, &mut check);
     let d = &c.data;
     // 0 holds nothing out: every token trains, and nothing is left to evaluate on.
     let evaluates = c.train.eval_interval > 0;
-    let fraction_ok = (if evaluates { d.val_fraction > 0.0 } else { d.val_fraction >= 0.0 }) && d.val_fraction < 1.0;
+    let fraction_ok =
+        (if evaluates { d.val_fraction > 0.0 } else { d.val_fraction >= 0.0 }) && d.val_fraction < 1.0;
     check(
         fraction_ok,
         "data.val_fraction",
@@ -93,17 +101,31 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
 
     let t = &c.train;
-    check(t.global_batch_size >= 1, "train.global_batch_size", format!("must be at least 1, got {}", t.global_batch_size));
+    check(
+        t.global_batch_size >= 1,
+        "train.global_batch_size",
+        format!("must be at least 1, got {}", t.global_batch_size),
+    );
     check(
         !seq_ok || (t.global_batch_size as u128) * (m.seq_len as u128) <= MAX_TOKENS_PER_STEP as u128,
         "train.global_batch_size",
-        format!("{} sequences of model.seq_len {} make more than {MAX_TOKENS_PER_STEP} tokens a step", t.global_batch_size, m.seq_len),
+        format!(
+            "{} sequences of model.seq_len {} make more than {MAX_TOKENS_PER_STEP} tokens a step",
+            t.global_batch_size, m.seq_len
+        ),
     );
-    check(t.micro_batch_size >= 1, "train.micro_batch_size", format!("must be at least 1, got {}", t.micro_batch_size));
+    check(
+        t.micro_batch_size >= 1,
+        "train.micro_batch_size",
+        format!("must be at least 1, got {}", t.micro_batch_size),
+    );
     check(
         t.micro_batch_size <= t.global_batch_size,
         "train.micro_batch_size",
-        format!("must not exceed train.global_batch_size ({}), got {}", t.global_batch_size, t.micro_batch_size),
+        format!(
+            "must not exceed train.global_batch_size ({}), got {}",
+            t.global_batch_size, t.micro_batch_size
+        ),
     );
     check(t.max_steps >= 1, "train.max_steps", format!("must be at least 1, got {}", t.max_steps));
     check(t.lr > 0.0 && t.lr.is_finite(), "train.lr", format!("must be a positive number, got {}", t.lr));
@@ -119,21 +141,45 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         format!("must not exceed train.max_steps ({}), got {}", t.max_steps, t.warmup_steps),
     );
     if let Some(n) = t.lr_decay_steps {
-        check(n > t.warmup_steps, "train.lr_decay_steps", format!("must exceed train.warmup_steps ({}), got {n}", t.warmup_steps));
+        check(
+            n > t.warmup_steps,
+            "train.lr_decay_steps",
+            format!("must exceed train.warmup_steps ({}), got {n}", t.warmup_steps),
+        );
     }
-    check(t.weight_decay >= 0.0 && t.weight_decay.is_finite(), "train.weight_decay", format!("must be a finite number >= 0, got {}", t.weight_decay));
+    check(
+        t.weight_decay >= 0.0 && t.weight_decay.is_finite(),
+        "train.weight_decay",
+        format!("must be a finite number >= 0, got {}", t.weight_decay),
+    );
     check((0.0..1.0).contains(&t.beta1), "train.beta1", format!("must be in [0, 1), got {}", t.beta1));
     check((0.0..1.0).contains(&t.beta2), "train.beta2", format!("must be in [0, 1), got {}", t.beta2));
     // An infinite eps makes every Adam update 0: a run that trains nothing without a word.
-    check(t.eps > 0.0 && t.eps.is_finite(), "train.eps", format!("must be a positive finite number, got {}", t.eps));
+    check(
+        t.eps > 0.0 && t.eps.is_finite(),
+        "train.eps",
+        format!("must be a positive finite number, got {}", t.eps),
+    );
     // fp16-mixed's loss scale: 0 or NaN skipped every update as an overflow, forever.
-    check(t.loss_scale_initial.is_finite() && t.loss_scale_initial > 0.0, "train.loss_scale_initial", format!("must be a positive finite number, got {}", t.loss_scale_initial));
-    check(t.loss_scale_growth_interval >= 1, "train.loss_scale_growth_interval", "must be at least 1 (steps without an overflow before the scale doubles), got 0".to_string());
+    check(
+        t.loss_scale_initial.is_finite() && t.loss_scale_initial > 0.0,
+        "train.loss_scale_initial",
+        format!("must be a positive finite number, got {}", t.loss_scale_initial),
+    );
+    check(
+        t.loss_scale_growth_interval >= 1,
+        "train.loss_scale_growth_interval",
+        "must be at least 1 (steps without an overflow before the scale doubles), got 0".to_string(),
+    );
     check(t.grad_clip >= 0.0, "train.grad_clip", format!("must be >= 0 (0 = off), got {}", t.grad_clip));
     check(t.eval_batches >= 1, "train.eval_batches", format!("must be at least 1, got {}", t.eval_batches));
     check(t.log_interval >= 1, "train.log_interval", format!("must be at least 1, got {}", t.log_interval));
     if let Some(n) = t.threads {
-        check((1..=MAX_THREADS).contains(&n), "train.threads", format!("must be in 1..={MAX_THREADS}, got {n}"));
+        check(
+            (1..=MAX_THREADS).contains(&n),
+            "train.threads",
+            format!("must be in 1..={MAX_THREADS}, got {n}"),
+        );
     }
 
     if let Some(d) = &t.max_duration {
@@ -143,7 +189,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
     if let Some(m) = c.checkpoint.interval_minutes {
         let max = MAX_DURATION_S / 60.0;
-        check(m > 0.0 && m <= max, "checkpoint.interval_minutes", format!("must be in (0, {max}] (100 years), got {m}"));
+        check(
+            m > 0.0 && m <= max,
+            "checkpoint.interval_minutes",
+            format!("must be in (0, {max}] (100 years), got {m}"),
+        );
     }
     // Without evaluation no loss is ever a best: the checkpoint asked to be kept would never be.
     check(
@@ -165,19 +215,30 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             ),
         );
     }
-    check(c.nan.max_consecutive >= 1, "nan.max_consecutive", format!("must be at least 1, got {}", c.nan.max_consecutive));
+    check(
+        c.nan.max_consecutive >= 1,
+        "nan.max_consecutive",
+        format!("must be at least 1, got {}", c.nan.max_consecutive),
+    );
 
     match super::Checkpointing::parse(&c.memory.activation_checkpointing) {
         Err(e) => check(false, "memory.activation_checkpointing", e),
         Ok(super::Checkpointing::First(m)) => check(
             m <= c.model.n_layer,
             "memory.activation_checkpointing",
-            format!("first_n:{m} names more blocks than model.n_layer ({}); `blocks` checkpoints them all", c.model.n_layer),
+            format!(
+                "first_n:{m} names more blocks than model.n_layer ({}); `blocks` checkpoints them all",
+                c.model.n_layer
+            ),
         ),
         Ok(_) => {}
     }
     if let Some(n) = c.memory.loss_chunk_tokens {
-        check((1..=MAX_TOKENS_PER_STEP).contains(&n), "memory.loss_chunk_tokens", format!("must be in 1..={MAX_TOKENS_PER_STEP}, got {n}"));
+        check(
+            (1..=MAX_TOKENS_PER_STEP).contains(&n),
+            "memory.loss_chunk_tokens",
+            format!("must be in 1..={MAX_TOKENS_PER_STEP}, got {n}"),
+        );
     }
     check(
         (0.0..1.0).contains(&c.optimizer.momentum),
@@ -190,10 +251,18 @@ pub fn validate(c: &Config) -> Vec<Problem> {
 
     check(c.dist.timeout_s >= 1, "dist.timeout_s", format!("must be at least 1, got {}", c.dist.timeout_s));
     check(c.dist.bucket_mb > 0.0, "dist.bucket_mb", format!("must be > 0, got {}", c.dist.bucket_mb));
-    check(c.dist.writer_wait_s != Some(0), "dist.writer_wait_s", "must be at least 1 (seconds), or left out to wait as long as rank 0 is alive, got 0".to_string());
+    check(
+        c.dist.writer_wait_s != Some(0),
+        "dist.writer_wait_s",
+        "must be at least 1 (seconds), or left out to wait as long as rank 0 is alive, got 0".to_string(),
+    );
 
     let o = &c.oom;
-    check(o.min_micro_batch >= 1, "oom.min_micro_batch", format!("must be at least 1, got {}", o.min_micro_batch));
+    check(
+        o.min_micro_batch >= 1,
+        "oom.min_micro_batch",
+        format!("must be at least 1, got {}", o.min_micro_batch),
+    );
     check(
         t.micro_batch_size == 0 || o.min_micro_batch <= t.micro_batch_size,
         "oom.min_micro_batch",
@@ -207,12 +276,20 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         };
         match limit.bytes() {
             Err(e) => check(false, "memory.limit", e),
-            Ok(b) if unitless && b < 1 << 20 => check(false, "memory.limit", format!("{b} is {b} bytes (a number without a unit is bytes); give a unit, e.g. {b}GiB")),
+            Ok(b) if unitless && b < 1 << 20 => check(
+                false,
+                "memory.limit",
+                format!("{b} is {b} bytes (a number without a unit is bytes); give a unit, e.g. {b}GiB"),
+            ),
             Ok(_) => {}
         }
     }
     let leak = c.memory.leak_check_steps;
-    check(leak != 1, "memory.leak_check_steps", "must be 0 (off) or at least 2: growth is measured between steps, got 1".into());
+    check(
+        leak != 1,
+        "memory.leak_check_steps",
+        "must be 0 (off) or at least 2: growth is measured between steps, got 1".into(),
+    );
     check_cuda_graphs(c, &mut check);
     check_faults(c, &mut check);
     p
@@ -223,7 +300,9 @@ pub fn validate(c: &Config) -> Vec<Problem> {
 /// loss scaler to see it. The ranks are checked against the world size in the run plan.
 fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     let (f, max) = (&c.faults, c.train.max_steps);
-    let never = |s: u64| format!("step {s} is never run (steps are 0..{max}, train.max_steps = {max}), so the fault would not happen");
+    let never = |s: u64| {
+        format!("step {s} is never run (steps are 0..{max}, train.max_steps = {max}), so the fault would not happen")
+    };
     let single = [
         ("faults.interrupt_at_step", f.interrupt_at_step),
         ("faults.crash_at_step", f.crash_at_step),
@@ -235,7 +314,10 @@ fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
             check(s < max, key, never(s));
         }
     }
-    for (key, steps) in [("faults.nonfinite_loss_at_steps", &f.nonfinite_loss_at_steps), ("faults.fp16_overflow_at_steps", &f.fp16_overflow_at_steps)] {
+    for (key, steps) in [
+        ("faults.nonfinite_loss_at_steps", &f.nonfinite_loss_at_steps),
+        ("faults.fp16_overflow_at_steps", &f.fp16_overflow_at_steps),
+    ] {
         for (i, &s) in steps.iter().enumerate() {
             check(s < max, &format!("{key}[{i}]"), never(s));
         }
@@ -243,7 +325,10 @@ fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     check(
         f.fp16_overflow_at_steps.is_empty() || c.precision == super::Precision::Fp16Mixed,
         "faults.fp16_overflow_at_steps",
-        format!("needs precision: fp16-mixed (only its loss scaler meets overflows), got {}", c.precision.name()),
+        format!(
+            "needs precision: fp16-mixed (only its loss scaler meets overflows), got {}",
+            c.precision.name()
+        ),
     );
 }
 
@@ -281,17 +366,37 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
     match m.arch {
         super::Arch::Gpt2 => {
             check(kv == m.n_head, "model.n_kv_head", format!("gpt2 has no grouped-query attention: leave it unset or equal to model.n_head ({}), got {kv}", m.n_head));
-            check(m.tie_embeddings, "model.tie_embeddings", "gpt2 always ties its head to the token embedding: must be true".into());
+            check(
+                m.tie_embeddings,
+                "model.tie_embeddings",
+                "gpt2 always ties its head to the token embedding: must be true".into(),
+            );
         }
         super::Arch::Llama => {
-            check(m.ffn_hidden.is_some(), "model.ffn_hidden", "llama needs its SwiGLU width (e.g. 8192 for Llama 3.2 1B)".into());
+            check(
+                m.ffn_hidden.is_some(),
+                "model.ffn_hidden",
+                "llama needs its SwiGLU width (e.g. 8192 for Llama 3.2 1B)".into(),
+            );
             check(m.n_head > 0 && m.n_embd.is_multiple_of(m.n_head) && m.head_dim().is_multiple_of(2), "model.n_embd", format!("llama's rotary embedding needs an even head size: n_embd / n_head = {} / {} must be an even integer", m.n_embd, m.n_head));
-            check(m.rope_theta > 0.0 && m.rope_theta.is_finite(), "model.rope_theta", format!("must be a positive number, got {}", m.rope_theta));
-            check(m.norm_eps > 0.0 && m.norm_eps.is_finite(), "model.norm_eps", format!("must be a positive number, got {}", m.norm_eps));
+            check(
+                m.rope_theta > 0.0 && m.rope_theta.is_finite(),
+                "model.rope_theta",
+                format!("must be a positive number, got {}", m.rope_theta),
+            );
+            check(
+                m.norm_eps > 0.0 && m.norm_eps.is_finite(),
+                "model.norm_eps",
+                format!("must be a positive number, got {}", m.norm_eps),
+            );
         }
     }
     if m.n_head >= 1 {
-        check(kv >= 1 && m.n_head.is_multiple_of(kv), "model.n_kv_head", format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head));
+        check(
+            kv >= 1 && m.n_head.is_multiple_of(kv),
+            "model.n_kv_head",
+            format!("must be at least 1 and divide model.n_head ({}), got {kv}", m.n_head),
+        );
     }
     if let Some(f) = m.ffn_hidden {
         check((1..=MAX_FFN).contains(&f), "model.ffn_hidden", format!("must be in 1..={MAX_FFN}, got {f}"));
@@ -307,13 +412,21 @@ fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
         return;
     }
     let Some((kind, path)) = source.split_once(':') else {
-        check(false, "data.source", format!("must be synthetic, text:<path> or tokens:<path>, got `{source}`"));
+        check(
+            false,
+            "data.source",
+            format!("must be synthetic, text:<path> or tokens:<path>, got `{source}`"),
+        );
         return;
     };
     match kind {
         // Which files a tokens: path names (a prepare directory, shards, a glob) is the data
         // module's to say: the run plan checks that they exist.
-        "tokens" => check(!path.is_empty(), "data.source", "tokens: needs a path: tokens:<file, directory or glob>".into()),
+        "tokens" => check(
+            !path.is_empty(),
+            "data.source",
+            "tokens: needs a path: tokens:<file, directory or glob>".into(),
+        ),
         // Whether the file exists is the run plan's to check, as for tokens:.
         "text" => {
             check(!path.is_empty(), "data.source", "text: needs a path: text:<file>".into());
@@ -323,8 +436,14 @@ fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
                 format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
             );
         }
-        "synthetic" => check(false, "data.source", format!("synthetic takes no path: write `synthetic`, got `{source}`")),
-        _ => check(false, "data.source", format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>")),
+        "synthetic" => {
+            check(false, "data.source", format!("synthetic takes no path: write `synthetic`, got `{source}`"))
+        }
+        _ => check(
+            false,
+            "data.source",
+            format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>"),
+        ),
     }
 }
 
@@ -350,7 +469,10 @@ mod tests {
         c.faults.interrupt_at_step = Some(200);
         c.faults.crash_at_step = Some(500);
         c.faults.nonfinite_loss_at_steps = vec![3, 200];
-        assert_eq!(keys(&c), ["faults.interrupt_at_step", "faults.crash_at_step", "faults.nonfinite_loss_at_steps[1]"]);
+        assert_eq!(
+            keys(&c),
+            ["faults.interrupt_at_step", "faults.crash_at_step", "faults.nonfinite_loss_at_steps[1]"]
+        );
         assert!(validate(&c)[0].message.contains("steps are 0..200"), "{:?}", validate(&c));
         let mut c = Config::default();
         c.faults.fp16_overflow_at_steps = vec![2];
@@ -392,11 +514,18 @@ mod tests {
         c.data.val_fraction = 0.0;
         let p = validate(&c);
         assert_eq!(p.len(), 1, "{p:?}");
-        assert!(p[0].to_string().starts_with("data.val_fraction: must be above 0 while train.eval_interval evaluates"), "{}", p[0]);
+        assert!(
+            p[0].to_string()
+                .starts_with("data.val_fraction: must be above 0 while train.eval_interval evaluates"),
+            "{}",
+            p[0]
+        );
         c.train.eval_interval = 0;
         assert!(validate(&c).is_empty(), "{:?}", validate(&c));
         c.data.val_fraction = -0.1;
-        assert!(validate(&c)[0].to_string().contains("must be in (0, 1), or 0 with train.eval_interval: 0, got -0.1"));
+        assert!(validate(&c)[0]
+            .to_string()
+            .contains("must be in (0, 1), or 0 with train.eval_interval: 0, got -0.1"));
     }
 
     #[test]
@@ -405,7 +534,13 @@ mod tests {
         let cases: Vec<Case> = vec![
             (|c| c.train.micro_batch_size = 0, "train.micro_batch_size"),
             (|c| c.train.micro_batch_size = 64, "train.micro_batch_size"),
-            (|c| { c.train.max_steps = 0; c.train.warmup_steps = 0 }, "train.max_steps"),
+            (
+                |c| {
+                    c.train.max_steps = 0;
+                    c.train.warmup_steps = 0
+                },
+                "train.max_steps",
+            ),
             (|c| c.train.lr = -1.0, "train.lr"),
             (|c| c.train.min_lr = 1.0, "train.min_lr"),
             (|c| c.train.warmup_steps = 1000, "train.warmup_steps"),
@@ -433,7 +568,14 @@ mod tests {
             (|c| c.train.threads = Some(100_000), "train.threads"),
             (|c| c.data.source = "text:".into(), "data.source"),
             (|c| c.train.max_duration = Some("soon".into()), "train.max_duration"),
-            (|c| { c.checkpoint.keep_best = true; c.train.eval_interval = 0; c.data.val_fraction = 0.0 }, "checkpoint.keep_best"),
+            (
+                |c| {
+                    c.checkpoint.keep_best = true;
+                    c.train.eval_interval = 0;
+                    c.data.val_fraction = 0.0
+                },
+                "checkpoint.keep_best",
+            ),
             (|c| c.checkpoint.interval_minutes = Some(0.0), "checkpoint.interval_minutes"),
             (|c| c.checkpoint.interval_minutes = Some(f64::INFINITY), "checkpoint.interval_minutes"),
             (|c| c.checkpoint.interval_minutes = Some(f64::NAN), "checkpoint.interval_minutes"),
@@ -460,7 +602,10 @@ mod tests {
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Bytes(16)), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("16".into())), "memory.limit"),
-            (|c| c.memory.limit = Some(crate::config::Size::Text("99999999999999999999GiB".into())), "memory.limit"),
+            (
+                |c| c.memory.limit = Some(crate::config::Size::Text("99999999999999999999GiB".into())),
+                "memory.limit",
+            ),
             (|c| c.train.eps = f64::INFINITY, "train.eps"),
             (|c| c.train.weight_decay = f64::INFINITY, "train.weight_decay"),
             (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
@@ -478,9 +623,18 @@ mod tests {
         let mut c = Config::default();
         (c.train.max_steps, c.metrics.trace.from_step, c.metrics.trace.steps) = (8, Some(7), 5);
         let said: Vec<String> = validate(&c).iter().map(ToString::to_string).collect();
-        assert!(said.iter().any(|p| p.contains("the traced steps 7–11 end past the run's last step, 7 (train.max_steps 8)")), "{said:?}");
+        assert!(
+            said.iter()
+                .any(|p| p
+                    .contains("the traced steps 7–11 end past the run's last step, 7 (train.max_steps 8)")),
+            "{said:?}"
+        );
         c.metrics.trace.steps = 1;
-        assert!(!keys(&c).iter().any(|k| k == "metrics.trace.from_step"), "step 7 is the run's last and may be traced: {:?}", keys(&c));
+        assert!(
+            !keys(&c).iter().any(|k| k == "metrics.trace.from_step"),
+            "step 7 is the run's last and may be traced: {:?}",
+            keys(&c)
+        );
     }
 
     #[test]

@@ -77,7 +77,11 @@ pub fn init() {
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(move || RankWriter(rank))
         .with_filter(stderr_filter);
-    let file = fmt::layer().with_target(false).with_ansi(false).with_writer(|| FileWriter).with_filter(EnvFilter::new("info"));
+    let file = fmt::layer()
+        .with_target(false)
+        .with_ansi(false)
+        .with_writer(|| FileWriter)
+        .with_filter(EnvFilter::new("info"));
     let _ = tracing_subscriber::registry().with(stderr).with(file).try_init();
 }
 

@@ -15,13 +15,25 @@ pub fn shortest_distinct<P: AsRef<Path>>(paths: &[P]) -> Vec<String> {
     // and a prefix are left in: they are part of what was typed.
     let parts: Vec<Vec<String>> = paths
         .iter()
-        .map(|p| p.as_ref().components().rev().filter(|c| !matches!(c, Component::CurDir)).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect())
+        .map(|p| {
+            p.as_ref()
+                .components()
+                .rev()
+                .filter(|c| !matches!(c, Component::CurDir))
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect()
+        })
         .collect();
     parts
         .iter()
         .enumerate()
         .map(|(i, mine)| {
-            let taken_by_another = |k: usize| parts.iter().enumerate().any(|(j, other)| j != i && other.len() >= k && other[..k] == mine[..k]);
+            let taken_by_another = |k: usize| {
+                parts
+                    .iter()
+                    .enumerate()
+                    .any(|(j, other)| j != i && other.len() >= k && other[..k] == mine[..k])
+            };
             match (1..=mine.len()).find(|&k| !taken_by_another(k)) {
                 // Joined as a path: a suffix that starts at the root keeps its one separator.
                 Some(k) => mine[..k].iter().rev().collect::<PathBuf>().display().to_string(),
@@ -49,7 +61,10 @@ mod tests {
     /// The suffixes are whole components, as long as it takes for each path on its own.
     #[test]
     fn a_shared_last_name_takes_the_components_that_differ() {
-        assert_eq!(names(&["A/trace/steps_1-2", "B/trace/steps_1-2"]), ["A/trace/steps_1-2", "B/trace/steps_1-2"]);
+        assert_eq!(
+            names(&["A/trace/steps_1-2", "B/trace/steps_1-2"]),
+            ["A/trace/steps_1-2", "B/trace/steps_1-2"]
+        );
         assert_eq!(names(&["/w/A/run", "/w/B/run", "/w/B/other"]), ["A/run", "B/run", "other"]);
         assert_eq!(names(&["./A/run", "B/run"]), ["A/run", "B/run"], "`.` tells nothing apart");
         assert_eq!(names(&["../A/run", "../B/run"]), ["A/run", "B/run"]);

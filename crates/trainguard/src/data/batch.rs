@@ -12,7 +12,9 @@ pub fn accumulation(global: usize, micro: usize, world: usize) -> Result<usize, 
         return Err("micro-batch and world size must be at least 1".into());
     }
     if global < world {
-        return Err(format!("{global} sequences cannot be shared by {world} ranks: every rank needs at least one"));
+        return Err(format!(
+            "{global} sequences cannot be shared by {world} ranks: every rank needs at least one"
+        ));
     }
     let largest = global.div_ceil(world);
     if micro > largest {
@@ -78,10 +80,12 @@ mod tests {
     fn a_split_is_described_as_a_product_only_where_it_is_one() {
         assert_eq!(describe(64, 16, 2, 2), "global 64 = micro 16 × accumulation 2 × world 2");
         assert_eq!(describe(7, 3, accumulation(7, 3, 2).unwrap(), 2), "global 7 over world 2: 4 or 3 a rank, in up to 2 micro-steps of 3 (the last takes the remainder)");
-        assert_eq!(describe(9, 3, accumulation(9, 3, 3).unwrap(), 3), "global 9 = micro 3 × accumulation 1 × world 3");
+        assert_eq!(
+            describe(9, 3, accumulation(9, 3, 3).unwrap(), 3),
+            "global 9 = micro 3 × accumulation 1 × world 3"
+        );
         assert_eq!(describe(480, 64, accumulation(480, 64, 1).unwrap(), 1), "global 480 over world 1: 480 a rank, in up to 8 micro-steps of 64 (the last takes the remainder)");
     }
-
 
     #[test]
     fn accumulation_takes_the_remainder_in_a_last_short_micro_batch() {
@@ -104,7 +108,10 @@ mod tests {
             let slices: Vec<_> = (0..w).map(|r| rank_slice(g, w, r)).collect();
             let covered: Vec<usize> = slices.iter().cloned().flatten().collect();
             assert_eq!(covered, (0..g).collect::<Vec<_>>());
-            let (min, max) = (slices.iter().map(|s| s.len()).min().unwrap(), slices.iter().map(|s| s.len()).max().unwrap());
+            let (min, max) = (
+                slices.iter().map(|s| s.len()).min().unwrap(),
+                slices.iter().map(|s| s.len()).max().unwrap(),
+            );
             assert!(max - min <= 1 && Some(max) == rank_share(g, w), "{g}/{w}: {slices:?}");
         }
         assert_eq!(rank_share(30, 0), None);
@@ -136,5 +143,4 @@ mod tests {
             assert_eq!(covered, (0..n).collect::<Vec<_>>());
         }
     }
-
 }

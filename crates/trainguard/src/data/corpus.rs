@@ -153,7 +153,11 @@ impl Corpus {
         if !large.is_empty() || counts.iter().skip(vocab).any(|&c| c > 0) {
             corpus.check_vocab(corpus.val_start, corpus.len(Split::Val))?;
         }
-        corpus.val_entropy = if val_wanted && corpus.len(Split::Val) > 0 { entropy(counts.iter().chain(large.values()), corpus.len(Split::Val)) } else { f64::NAN };
+        corpus.val_entropy = if val_wanted && corpus.len(Split::Val) > 0 {
+            entropy(counts.iter().chain(large.values()), corpus.len(Split::Val))
+        } else {
+            f64::NAN
+        };
         Ok(corpus)
     }
 
@@ -161,8 +165,12 @@ impl Corpus {
     pub fn synthetic(vocab: usize, len: usize, val_fraction: f64) -> Result<Self, DataError> {
         // Stored as uint16: a larger vocabulary draws from its first 65,536 ids.
         let vocab = vocab.min(1 << 16);
-        let tokens = synthetic::generate(vocab, len).map_err(|e| DataError::TooLarge { tokens: len, why: e.to_string() })?;
-        Ok(Self { vocab, ..Self::split(Tokens::Owned(tokens), val_fraction, format!("synthetic ({len} tokens)")) })
+        let tokens = synthetic::generate(vocab, len)
+            .map_err(|e| DataError::TooLarge { tokens: len, why: e.to_string() })?;
+        Ok(Self {
+            vocab,
+            ..Self::split(Tokens::Owned(tokens), val_fraction, format!("synthetic ({len} tokens)"))
+        })
     }
 
     fn text(path: &Path, val_fraction: f64) -> Result<Self, DataError> {
@@ -173,7 +181,8 @@ impl Corpus {
 
     /// `tokens:<path>`: a `prepare` directory, a directory or glob of shards, or one file.
     fn token_source(path: &str, vocab: usize, val_fraction: f64) -> Result<Self, DataError> {
-        let sources = shards::resolve(path).map_err(|message| DataError::Format { path: path.into(), message })?;
+        let sources =
+            shards::resolve(path).map_err(|message| DataError::Format { path: path.into(), message })?;
         if let Some(m) = &sources.manifest {
             if m.vocab_size > vocab {
                 return Err(DataError::Vocab {
@@ -196,7 +205,9 @@ impl Corpus {
         }
         // Shards come from one writer: one file without the others' llm.c header is a damaged or
         // stray one, whose bytes would train as tokens.
-        if let (Some(flat), Some(headed)) = (pieces.iter().find(|p| p.offset == 0), pieces.iter().find(|p| p.offset != 0)) {
+        if let (Some(flat), Some(headed)) =
+            (pieces.iter().find(|p| p.offset == 0), pieces.iter().find(|p| p.offset != 0))
+        {
             let message = format!("has no llm.c header, where {} and the source's other shards have one: a damaged shard, or a file of another dataset", headed.path.display());
             return Err(DataError::Format { path: flat.path.clone(), message });
         }
@@ -214,7 +225,15 @@ impl Corpus {
         let mut corpus = if sources.val.is_empty() {
             Self::split(tokens, val_fraction, description)
         } else {
-            Self { tokens, val_start: train_len, description, manifest: None, vocab: usize::MAX, check_as_read: false, val_entropy: f64::NAN }
+            Self {
+                tokens,
+                val_start: train_len,
+                description,
+                manifest: None,
+                vocab: usize::MAX,
+                check_as_read: false,
+                val_entropy: f64::NAN,
+            }
         };
         corpus.manifest = sources.manifest;
         Ok(corpus)
@@ -222,7 +241,15 @@ impl Corpus {
 
     fn split(tokens: Tokens, val_fraction: f64, description: String) -> Self {
         let val_start = crate::config::val_start(tokens.len(), val_fraction);
-        Self { tokens, val_start, description, manifest: None, vocab: usize::MAX, check_as_read: false, val_entropy: f64::NAN }
+        Self {
+            tokens,
+            val_start,
+            description,
+            manifest: None,
+            vocab: usize::MAX,
+            check_as_read: false,
+            val_entropy: f64::NAN,
+        }
     }
 
     pub fn len(&self, split: Split) -> usize {
@@ -300,7 +327,10 @@ impl Corpus {
     /// whole sequence (training then validation), naming the file and the id's index in it.
     fn check_vocab(&self, start: usize, len: usize) -> Result<(), DataError> {
         let outside = |tok: u32| tok as usize >= self.vocab;
-        let error = |path: PathBuf, tok: u32, i: usize| DataError::Vocab { path, message: format!("token {tok} at index {i} is outside model.vocab_size = {}", self.vocab) };
+        let error = |path: PathBuf, tok: u32, i: usize| DataError::Vocab {
+            path,
+            message: format!("token {tok} at index {i} is outside model.vocab_size = {}", self.vocab),
+        };
         match &self.tokens {
             Tokens::Owned(v) => match (start..start + len).find(|&i| outside(v[i] as u32)) {
                 Some(i) => Err(error(PathBuf::from(&self.description), v[i] as u32, i)),
@@ -351,14 +381,18 @@ mod tests {
         let p = dir.path().join("train.bin");
         let toks: Vec<u16> = (0..1000u16).map(|i| i % 300).collect();
         std::fs::write(&p, toks.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
-        let cfg = DataConfig { source: format!("tokens:{}", p.display()), val_fraction: 0.1, ..Default::default() };
+        let cfg =
+            DataConfig { source: format!("tokens:{}", p.display()), val_fraction: 0.1, ..Default::default() };
         let c = Corpus::load(&cfg, 512, 16, true).unwrap();
         assert_eq!((c.len(Split::Train), c.len(Split::Val)), (900, 100));
         let mut w = [0u32; 3];
         c.read(Split::Val, 0, &mut w);
         assert_eq!(w, [0, 1, 2]); // token 900 is 900 % 300 = 0
         let err = Corpus::load(&cfg, 256, 16, true).err().unwrap().to_string();
-        assert!(err.contains("outside model.vocab_size = 256") && err.contains(&p.display().to_string()), "names the file: {err}");
+        assert!(
+            err.contains("outside model.vocab_size = 256") && err.contains(&p.display().to_string()),
+            "names the file: {err}"
+        );
         std::fs::write(&p, [1u8, 2, 3]).unwrap();
         assert!(Corpus::load(&cfg, 512, 16, true).is_err());
     }
@@ -392,7 +426,12 @@ mod tests {
         // A file among headed shards without their header is refused, not read as tokens.
         std::fs::write(dir.path().join("d_train_000002.bin"), [1u8, 0, 2, 0]).unwrap();
         let err = Corpus::load(&cfg, 70_100, 8, true).err().unwrap().to_string();
-        assert!(err.contains("d_train_000002.bin") && err.contains("has no llm.c header, where") && err.contains("d_train_000000.bin"), "{err}");
+        assert!(
+            err.contains("d_train_000002.bin")
+                && err.contains("has no llm.c header, where")
+                && err.contains("d_train_000000.bin"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -412,7 +451,10 @@ mod tests {
             write("d_val_000000.bin", &val);
             let err = Corpus::load(&cfg, 256, 8, true).err().unwrap().to_string();
             let file = dir.path().join("d_val_000000.bin");
-            assert!(err.contains(&format!("{}: token {bad} at index 17 is outside", file.display())), "{err}");
+            assert!(
+                err.contains(&format!("{}: token {bad} at index 17 is outside", file.display())),
+                "{err}"
+            );
         }
         write("d_val_000000.bin", &(0..30).map(|i| i % 5).collect::<Vec<_>>());
         let c = Corpus::load(&cfg, 256, 8, true).unwrap();
@@ -421,10 +463,18 @@ mod tests {
         // A validation shard too short for a window stops only a run that evaluates; its ids
         // are still checked.
         write("d_val_000000.bin", &[1, 2, 3]);
-        assert!(Corpus::load(&cfg, 256, 8, true).err().unwrap().to_string().contains("a validation split of 3"));
+        assert!(Corpus::load(&cfg, 256, 8, true)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("a validation split of 3"));
         assert_eq!(Corpus::load(&cfg, 256, 8, false).unwrap().len(Split::Val), 3);
         write("d_val_000000.bin", &[1, 300, 3]);
-        assert!(Corpus::load(&cfg, 256, 8, false).err().unwrap().to_string().contains("token 300 at index 1"));
+        assert!(Corpus::load(&cfg, 256, 8, false)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("token 300 at index 1"));
     }
 
     #[test]
@@ -432,7 +482,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.txt");
         std::fs::write(&p, "hello world ".repeat(100)).unwrap();
-        let cfg = DataConfig { source: format!("text:{}", p.display()), val_fraction: 0.1, ..Default::default() };
+        let cfg =
+            DataConfig { source: format!("text:{}", p.display()), val_fraction: 0.1, ..Default::default() };
         let c = Corpus::load(&cfg, 256, 8, true).unwrap();
         let mut w = [0u32; 5];
         c.read(Split::Train, 0, &mut w);
@@ -440,8 +491,14 @@ mod tests {
         let err = Corpus::load(&cfg, 256, 200, true).err().unwrap().to_string();
         assert!(err.contains("too short") && err.contains("validation split"), "{err}");
         // No validation asked for: the message speaks of training alone.
-        let err = Corpus::load(&DataConfig { val_fraction: 0.0, ..cfg }, 256, 2000, true).err().unwrap().to_string();
-        assert!(err.contains("a training split of 1200; it needs at least model.seq_len + 2 = 2002"), "{err}");
+        let err = Corpus::load(&DataConfig { val_fraction: 0.0, ..cfg }, 256, 2000, true)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("a training split of 1200; it needs at least model.seq_len + 2 = 2002"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -59,18 +59,36 @@ impl Sampler {
     }
 
     /// Inputs and targets `[n, seq_len]` (int64) for global samples `indices` of step `step`.
-    pub fn train_batch(&self, corpus: &Corpus, step: u64, indices: Range<usize>, device: Device) -> Result<(Tensor, Tensor), TchError> {
+    pub fn train_batch(
+        &self,
+        corpus: &Corpus,
+        step: u64,
+        indices: Range<usize>,
+        device: Device,
+    ) -> Result<(Tensor, Tensor), TchError> {
         let offsets: Vec<usize> = indices.map(|i| self.train_offset(corpus, step, i)).collect();
         self.build(corpus, Split::Train, &offsets, device)
     }
 
     /// Inputs and targets for samples `indices` of validation batch `batch`.
-    pub fn val_batch(&self, corpus: &Corpus, batch: usize, indices: Range<usize>, device: Device) -> Result<(Tensor, Tensor), TchError> {
+    pub fn val_batch(
+        &self,
+        corpus: &Corpus,
+        batch: usize,
+        indices: Range<usize>,
+        device: Device,
+    ) -> Result<(Tensor, Tensor), TchError> {
         let offsets: Vec<usize> = indices.map(|i| self.val_offset(corpus, batch, i)).collect();
         self.build(corpus, Split::Val, &offsets, device)
     }
 
-    fn build(&self, corpus: &Corpus, split: Split, offsets: &[usize], device: Device) -> Result<(Tensor, Tensor), TchError> {
+    fn build(
+        &self,
+        corpus: &Corpus,
+        split: Split,
+        offsets: &[usize],
+        device: Device,
+    ) -> Result<(Tensor, Tensor), TchError> {
         let t = self.seq_len;
         let mut x = Vec::with_capacity(offsets.len() * t);
         let mut y = Vec::with_capacity(offsets.len() * t);
@@ -125,7 +143,10 @@ mod tests {
         let other_step: Vec<usize> = (0..32).map(|i| s.train_offset(&corpus, 4, i)).collect();
         assert_ne!(whole, other_step);
         let other_seed = Sampler { seed: 8, seq_len: 16 };
-        assert_ne!(whole[0..4], (0..4).map(|i| other_seed.train_offset(&corpus, 3, i)).collect::<Vec<_>>()[..]);
+        assert_ne!(
+            whole[0..4],
+            (0..4).map(|i| other_seed.train_offset(&corpus, 3, i)).collect::<Vec<_>>()[..]
+        );
     }
 
     #[test]

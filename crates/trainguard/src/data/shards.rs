@@ -74,7 +74,10 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
             continue;
         }
         if int(1) != Some(version) {
-            return Err(format!("llm.c header with magic {magic} but version {:?}, expected {version}", int(1).unwrap_or(0)));
+            return Err(format!(
+                "llm.c header with magic {magic} but version {:?}, expected {version}",
+                int(1).unwrap_or(0)
+            ));
         }
         let tokens = int(2).unwrap_or(-1);
         if tokens < 0 {
@@ -82,8 +85,14 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
         }
         let expect = HEADER_BYTES as u64 + tokens as u64 * dtype.width() as u64;
         if size != expect {
-            let why = if size < expect { "truncated?" } else { "longer than its header says: appended to, or the count wrong?" };
-            return Err(format!("header says {tokens} tokens ({expect} bytes) but the file has {size} bytes ({why})"));
+            let why = if size < expect {
+                "truncated?"
+            } else {
+                "longer than its header says: appended to, or the count wrong?"
+            };
+            return Err(format!(
+                "header says {tokens} tokens ({expect} bytes) but the file has {size} bytes ({why})"
+            ));
         }
         return Ok(Layout { offset: HEADER_BYTES, tokens: tokens as usize, dtype });
     }
@@ -105,7 +114,8 @@ pub fn layout(head: &[u8], size: u64) -> Result<Layout, String> {
 /// as uint16 every id would then lie in 0x2020-0x7e7e, which token data does not do for long
 /// (GPT-2's most common ids are below 8192, and their high bytes below 0x20).
 fn looks_like_text(head: &[u8]) -> bool {
-    head.len() >= 64 && head.iter().all(|&b| b == b'\n' || b == b'\r' || b == b'\t' || (0x20..0x7f).contains(&b))
+    head.len() >= 64
+        && head.iter().all(|&b| b == b'\n' || b == b'\r' || b == b'\t' || (0x20..0x7f).contains(&b))
 }
 
 /// A header whose every field but the magic is llm.c's (its version, the token count the size
@@ -113,7 +123,11 @@ fn looks_like_text(head: &[u8]) -> bool {
 /// its header into training as 512 tokens. A flat file's first 1024 bytes are tokens, and that
 /// many tokens in that pattern do not happen in text.
 fn corrupt_magic(head: &[u8], size: u64) -> Option<String> {
-    let ints: Vec<i32> = head.get(..HEADER_BYTES)?.chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let ints: Vec<i32> = head
+        .get(..HEADER_BYTES)?
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
     let rest_zero = ints[3..].iter().all(|&i| i == 0);
     [Dtype::Uint16, Dtype::Uint32].into_iter().find_map(|dtype| {
         let (magic, version) = dtype.magic_version();
@@ -176,10 +190,16 @@ pub fn resolve(path: &str) -> Result<Sources, String> {
     if p.is_dir() {
         let manifest_path = p.join(MANIFEST_FILE);
         if manifest_path.is_file() {
-            let text = std::fs::read_to_string(&manifest_path).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
-            let m: Manifest = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+            let text = std::fs::read_to_string(&manifest_path)
+                .map_err(|e| format!("{}: {e}", manifest_path.display()))?;
+            let m: Manifest =
+                serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;
             if m.format != MANIFEST_FORMAT {
-                return Err(format!("{}: format `{}`, expected `{MANIFEST_FORMAT}`", manifest_path.display(), m.format));
+                return Err(format!(
+                    "{}: format `{}`, expected `{MANIFEST_FORMAT}`",
+                    manifest_path.display(),
+                    m.format
+                ));
             }
             let files = |v: &[ShardEntry]| v.iter().map(|s| p.join(&s.file)).collect::<Vec<_>>();
             return Ok(Sources { train: files(&m.train), val: files(&m.val), manifest: Some(m) });
@@ -196,7 +216,10 @@ pub fn resolve(path: &str) -> Result<Sources, String> {
     if !p.is_file() && path.contains(['*', '?', '[']) {
         let paths = glob::glob(path).map_err(|e| format!("bad glob `{path}`: {e}"))?;
         // Shards only, as in a directory: `DIR/*` of a prepare directory names its JSON files too.
-        let mut files: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file() && f.extension().is_some_and(|x| x == "bin")).collect();
+        let mut files: Vec<PathBuf> = paths
+            .filter_map(Result::ok)
+            .filter(|f| f.is_file() && f.extension().is_some_and(|x| x == "bin"))
+            .collect();
         files.sort();
         return classify(files, path);
     }
@@ -209,7 +232,9 @@ fn classify(files: Vec<PathBuf>, what: &str) -> Result<Sources, String> {
     }
     let (val, train): (Vec<_>, Vec<_>) = files.into_iter().partition(|f| is_validation(f));
     if train.is_empty() {
-        return Err(format!("only validation shards (names with a part `val`, `valid` or `validation`) at `{what}`"));
+        return Err(format!(
+            "only validation shards (names with a part `val`, `valid` or `validation`) at `{what}`"
+        ));
     }
     Ok(Sources { train, val, manifest: None })
 }
@@ -219,8 +244,9 @@ fn classify(files: Vec<PathBuf>, what: &str) -> Result<Sources, String> {
 /// `val.bin`, `data_val0.bin`; not `survival_train.bin` or `interval_000.bin`.
 fn is_validation(file: &Path) -> bool {
     let stem = file.file_stem().map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
-    stem.split(|c: char| !c.is_ascii_alphanumeric())
-        .any(|part| matches!(part.trim_end_matches(|c: char| c.is_ascii_digit()), "val" | "valid" | "validation"))
+    stem.split(|c: char| !c.is_ascii_alphanumeric()).any(|part| {
+        matches!(part.trim_end_matches(|c: char| c.is_ascii_digit()), "val" | "valid" | "validation")
+    })
 }
 
 #[cfg(test)]
@@ -244,11 +270,13 @@ mod tests {
         assert_eq!(i32::from_le_bytes(h32[4..8].try_into().unwrap()), 7);
         // Text given as tokens (a dataset.json, a .txt): refused; token ids that happen to be
         // printable for a few bytes are tokens.
-        let json = br#"{"format": "trainguard-dataset/1", "tokenizer": "tokenizer.json", "vocab_size": 424}"#.repeat(4);
+        let json = br#"{"format": "trainguard-dataset/1", "tokenizer": "tokenizer.json", "vocab_size": 424}"#
+            .repeat(4);
         assert!(layout(&json, json.len() as u64).unwrap_err().starts_with("reads as text, not token ids"));
         let text = b"Once upon a time there was a cat.\nIt sat on the mat, and then it ran.\r\n".repeat(20);
         assert!(layout(&text[..1024], text.len() as u64).is_err());
-        let ids: Vec<u8> = [8224u16, 30000, 464, 3797].iter().cycle().take(512).flat_map(|t| t.to_le_bytes()).collect();
+        let ids: Vec<u8> =
+            [8224u16, 30000, 464, 3797].iter().cycle().take(512).flat_map(|t| t.to_le_bytes()).collect();
         assert_eq!(layout(&ids, 1024).unwrap().tokens, 512, "one id below 8192 and it is tokens");
         assert_eq!(layout(b"  ab  ", 6).unwrap().tokens, 3, "a few printable bytes are tokens");
         // No magic: nanoGPT's flat uint16 file.
@@ -258,7 +286,12 @@ mod tests {
         let mut damaged = header(Dtype::Uint16, 5);
         damaged[..4].copy_from_slice(&12345i32.to_le_bytes());
         let why = layout(&damaged, 1024 + 10).unwrap_err();
-        assert!(why.starts_with("an llm.c header with magic 12345, where Uint16 shards have 20240520 (version 1 and 5 tokens"), "{why}");
+        assert!(
+            why.starts_with(
+                "an llm.c header with magic 12345, where Uint16 shards have 20240520 (version 1 and 5 tokens"
+            ),
+            "{why}"
+        );
         let mut damaged32 = header(Dtype::Uint32, 3);
         damaged32[3] ^= 0x40;
         assert!(layout(&damaged32, 1024 + 12).unwrap_err().contains("where Uint32 shards have 20240801"));
@@ -278,7 +311,9 @@ mod tests {
             std::fs::write(d.path().join(n), [0u8, 0]).unwrap();
         }
         let s = resolve(d.path().to_str().unwrap()).unwrap();
-        let names = |v: &[PathBuf]| v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        let names = |v: &[PathBuf]| {
+            v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>()
+        };
         assert_eq!(names(&s.train), ["a_train_000000.bin", "a_train_000001.bin"]);
         assert_eq!(names(&s.val), ["a_val_000000.bin"]);
         let g = resolve(&format!("{}/a_train_*.bin", d.path().display())).unwrap();
@@ -287,9 +322,15 @@ mod tests {
         assert!(resolve(&format!("{}/zzz*.bin", d.path().display())).is_err());
         // A glob takes shards only; an existing file is itself even with glob characters.
         std::fs::write(d.path().join("dataset.json"), "{}").unwrap();
-        assert_eq!(names(&resolve(&format!("{}/*", d.path().display())).unwrap().train), ["a_train_000000.bin", "a_train_000001.bin"]);
+        assert_eq!(
+            names(&resolve(&format!("{}/*", d.path().display())).unwrap().train),
+            ["a_train_000000.bin", "a_train_000001.bin"]
+        );
         std::fs::write(d.path().join("run[1].bin"), [0u8, 0]).unwrap();
-        assert_eq!(names(&resolve(&format!("{}/run[1].bin", d.path().display())).unwrap().train), ["run[1].bin"]);
+        assert_eq!(
+            names(&resolve(&format!("{}/run[1].bin", d.path().display())).unwrap().train),
+            ["run[1].bin"]
+        );
     }
 
     #[test]

@@ -25,7 +25,11 @@ fn is_oom(e: &TchError) -> bool {
 /// What the ranks agreed on: go on with the agreed value, or the error that drops the attempt
 /// (this rank's own out-of-memory, or a peer's), or ends the run (this rank's own other error,
 /// or a peer's: then no rank replays, since the failed rank will not join the replay).
-fn settle<T>(d: &Dist, local: Result<T, StepError>, value: impl Fn(&T) -> f64) -> Result<(T, f64), StepError> {
+fn settle<T>(
+    d: &Dist,
+    local: Result<T, StepError>,
+    value: impl Fn(&T) -> f64,
+) -> Result<(T, f64), StepError> {
     let outcome = match &local {
         Ok(v) => LocalOutcome::Done(value(v)),
         Err(StepError::Torch(e)) if is_oom(e) => LocalOutcome::OutOfMemory,
@@ -34,7 +38,9 @@ fn settle<T>(d: &Dist, local: Result<T, StepError>, value: impl Fn(&T) -> f64) -
     let agreed = d.agree(outcome).map_err(|e| StepError::Fatal(Box::new(e)))?;
     match local {
         Err(e) if outcome == LocalOutcome::Failed => Err(e),
-        _ if agreed.failed_ranks > 0 => Err(StepError::Fatal(Box::new(PeerFailed { rank: d.rank, failed_ranks: agreed.failed_ranks }))),
+        _ if agreed.failed_ranks > 0 => {
+            Err(StepError::Fatal(Box::new(PeerFailed { rank: d.rank, failed_ranks: agreed.failed_ranks })))
+        }
         Err(e) => Err(e),
         Ok(_) if agreed.any_oom => Err(StepError::PeerOutOfMemory),
         Ok(v) => Ok((v, agreed.mean_value)),
@@ -61,14 +67,18 @@ impl fmt::Display for PeerFailed {
 impl std::error::Error for PeerFailed {}
 
 /// This rank's gradients and loss (`local`, from `forward_backward`), averaged over the ranks.
-pub fn gradients(local: Result<(Vec<Tensor>, f64), TchError>, dist: Option<&mut Dist>) -> Result<(Vec<Tensor>, f64), StepError> {
+pub fn gradients(
+    local: Result<(Vec<Tensor>, f64), TchError>,
+    dist: Option<&mut Dist>,
+) -> Result<(Vec<Tensor>, f64), StepError> {
     let Some(d) = dist else { return Ok(local?) };
     let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), |(_, loss)| *loss)?;
     // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
-    catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e)))).map_err(|e| match e {
-        StepError::Torch(e) => StepError::Fatal(Box::new(e)),
-        other => other,
-    })?;
+    catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e))))
+        .map_err(|e| match e {
+            StepError::Torch(e) => StepError::Fatal(Box::new(e)),
+            other => other,
+        })?;
     Ok((grads, loss))
 }
 

@@ -87,7 +87,8 @@ pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>,
         local_world_size: local_world.map_or(world, |v| v as usize),
         master_addr: addr.unwrap(),
         master_port: port.unwrap() as u16,
-        use_agent_store: get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1"),
+        use_agent_store: get("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| v.eq_ignore_ascii_case("true") || v == "1"),
         restart_count,
         error_file: get("TORCHELASTIC_ERROR_FILE").filter(|f| !f.is_empty()).map(PathBuf::from),
     }))
@@ -137,10 +138,17 @@ mod tests {
     fn missing_and_inconsistent_variables_are_all_named() {
         let e = from_env(env(&[("RANK", "3"), ("WORLD_SIZE", "2")])).unwrap_err();
         let text = e.to_string();
-        for needle in ["MASTER_PORT is not set", "MASTER_ADDR is not set", "RANK=3 is not below WORLD_SIZE=2"] {
+        for needle in ["MASTER_PORT is not set", "MASTER_ADDR is not set", "RANK=3 is not below WORLD_SIZE=2"]
+        {
             assert!(text.contains(needle), "{text}");
         }
-        let e = from_env(env(&[("RANK", "0"), ("WORLD_SIZE", "x"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "70000")])).unwrap_err();
+        let e = from_env(env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "x"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "70000"),
+        ]))
+        .unwrap_err();
         assert_eq!(e.0.len(), 2, "{e}");
     }
 }

@@ -4,7 +4,8 @@ use std::path::Path;
 
 /// `{"message": {"message": "<kind>: <text>", "extraInfo": {"py_callstack": …, "timestamp": …}}}`.
 pub fn write_error_file(path: &Path, kind: &str, text: &str) -> std::io::Result<()> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let json = serde_json::json!({
         "message": {
             "message": format!("{kind}: {text}"),

@@ -71,7 +71,14 @@ pub fn period_for(timeout_s: u64) -> Duration {
 
 impl Heartbeat {
     /// Starts this rank's beating thread (the store at host:port, keys under `prefix`).
-    pub fn start(host: &str, port: u16, prefix: &str, rank: usize, world: usize, timeout_s: u64) -> Result<Self, crate::ffi::ShimError> {
+    pub fn start(
+        host: &str,
+        port: u16,
+        prefix: &str,
+        rank: usize,
+        world: usize,
+        timeout_s: u64,
+    ) -> Result<Self, crate::ffi::ShimError> {
         let period = period_for(timeout_s);
         let address = StoreAddress { host: host.into(), port, prefix: prefix.into() };
         let store = address.connect(timeout_s.max(1) * 1000)?;
@@ -106,7 +113,8 @@ impl Heartbeat {
     /// Ranks whose heartbeat did not move over three periods, read through a new connection.
     pub fn silent_ranks(&self) -> Result<Vec<usize>, crate::ffi::ShimError> {
         let store = self.store.connect(5000)?;
-        let read = |store: &Store| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>();
+        let read =
+            |store: &Store| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>();
         let before = read(&store)?;
         std::thread::sleep(self.period * 3);
         let after = read(&store)?;
@@ -127,9 +135,15 @@ impl Heartbeat {
             return store.add(FENCE_KEY, 1).map(|_| ()).map_err(|e| e.to_string());
         }
         // Without torchrun's agent rank 0 hosts the store: its end takes the store with it.
-        let gone = |e: crate::ffi::ShimError| format!("rank 0 stopped answering while it wrote alone (the store is unreachable: {})", e.to_string().lines().next().unwrap_or_default());
+        let gone = |e: crate::ffi::ShimError| {
+            format!(
+                "rank 0 stopped answering while it wrote alone (the store is unreachable: {})",
+                e.to_string().lines().next().unwrap_or_default()
+            )
+        };
         let store = self.store.connect(5000).map_err(gone)?;
-        let (mut beat, mut moved, mut pause) = (store.add(&key(0), 0).map_err(gone)?, std::time::Instant::now(), Duration::from_millis(1));
+        let (mut beat, mut moved, mut pause) =
+            (store.add(&key(0), 0).map_err(gone)?, std::time::Instant::now(), Duration::from_millis(1));
         let (since, mut notices) = (std::time::Instant::now(), 0u32);
         loop {
             if store.add(FENCE_KEY, 0).map_err(gone)? >= n as i64 {
@@ -154,7 +168,10 @@ impl Heartbeat {
             if now != beat {
                 (beat, moved) = (now, std::time::Instant::now());
             } else if moved.elapsed() > self.period * 3 {
-                return Err(format!("rank 0 stopped answering while it wrote alone (heartbeat not moving for {:.1} s)", moved.elapsed().as_secs_f64()));
+                return Err(format!(
+                    "rank 0 stopped answering while it wrote alone (heartbeat not moving for {:.1} s)",
+                    moved.elapsed().as_secs_f64()
+                ));
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(self.period / 2);
@@ -164,12 +181,21 @@ impl Heartbeat {
     /// A sentence for an error message: who went silent, or that every rank is alive.
     pub fn diagnosis(&self) -> String {
         match self.silent_ranks() {
-            Ok(r) if r.is_empty() => "every rank's heartbeat is alive: a rank is slow or stuck inside a step, not gone".into(),
+            Ok(r) if r.is_empty() => {
+                "every rank's heartbeat is alive: a rank is slow or stuck inside a step, not gone".into()
+            }
             Ok(r) => {
                 let names: Vec<String> = r.iter().map(|r| format!("rank {r}")).collect();
-                format!("{} stopped answering (heartbeat not moving for {:.1} s)", names.join(", "), (self.period * 3).as_secs_f64())
+                format!(
+                    "{} stopped answering (heartbeat not moving for {:.1} s)",
+                    names.join(", "),
+                    (self.period * 3).as_secs_f64()
+                )
             }
-            Err(e) => format!("which rank went silent is unknown (heartbeats unreadable: {})", e.to_string().lines().next().unwrap_or_default()),
+            Err(e) => format!(
+                "which rank went silent is unknown (heartbeats unreadable: {})",
+                e.to_string().lines().next().unwrap_or_default()
+            ),
         }
     }
 }

@@ -11,8 +11,8 @@ mod round;
 pub use round::JobDeadline;
 
 pub use env::{from_process_env, DistEnv, EnvError};
-pub use heartbeat::StopNotice;
 pub use error_file::write_error_file;
+pub use heartbeat::StopNotice;
 
 use crate::ffi::dist::{Backend, ProcessGroup, ReduceOp};
 use crate::ffi::ShimError;
@@ -73,7 +73,10 @@ struct Bucket {
 }
 
 /// A failed collective, with which rank went silent when the heartbeats tell.
-fn collective<'a>(what: &'static str, heartbeat: Option<&'a heartbeat::Heartbeat>) -> impl Fn(ShimError) -> DistError + 'a {
+fn collective<'a>(
+    what: &'static str,
+    heartbeat: Option<&'a heartbeat::Heartbeat>,
+) -> impl Fn(ShimError) -> DistError + 'a {
     move |e| DistError::Collective { what, message: e.to_string(), silent: heartbeat.map(|h| h.diagnosis()) }
 }
 
@@ -88,29 +91,77 @@ impl Dist {
     /// a namespace for this attempt's keys (crates/trainguard/src/distributed/round.rs), or by rank 0 for this process
     /// alone. `time_limit`: this process's `train.max_duration`, which the job's first attempt
     /// makes the job's deadline.
-    pub fn init(env: &DistEnv, backend: Backend, device: Device, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<Self, DistError> {
-        let init = |message: String| DistError::Init { addr: format!("{}:{}", env.master_addr, env.master_port), message };
+    pub fn init(
+        env: &DistEnv,
+        backend: Backend,
+        device: Device,
+        timeout_s: u64,
+        time_limit: Option<std::time::Duration>,
+    ) -> Result<Self, DistError> {
+        let init = |message: String| DistError::Init {
+            addr: format!("{}:{}", env.master_addr, env.master_port),
+            message,
+        };
         let host_store = !env.use_agent_store && env.rank == 0;
         let agreed = match env.use_agent_store {
             true => Some(Self::agree_on_attempt(env, timeout_s, time_limit).map_err(init)?),
             false => None,
         };
         let prefix = agreed.map_or("trainguard/".into(), |a| format!("trainguard/attempt-{}/", a.id));
-        let group = ProcessGroup::new(backend, &env.master_addr, env.master_port, env.rank, env.world_size, host_store, timeout_s * 1000, &prefix).map_err(|e| init(e.to_string()))?;
+        let group = ProcessGroup::new(
+            backend,
+            &env.master_addr,
+            env.master_port,
+            env.rank,
+            env.world_size,
+            host_store,
+            timeout_s * 1000,
+            &prefix,
+        )
+        .map_err(|e| init(e.to_string()))?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
-        let heartbeat = heartbeat::Heartbeat::start(&env.master_addr, env.master_port, &prefix, env.rank, env.world_size, timeout_s)
-            .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
-            .ok();
+        let heartbeat = heartbeat::Heartbeat::start(
+            &env.master_addr,
+            env.master_port,
+            &prefix,
+            env.rank,
+            env.world_size,
+            timeout_s,
+        )
+        .map_err(|e| tracing::warn!("no heartbeat ({e}): a collective timeout will not name the silent rank"))
+        .ok();
         let job_deadline = agreed.and_then(|a| a.deadline);
-        Ok(Self { rank: env.rank, world_size: env.world_size, backend, group, buckets: Vec::new(), heartbeat, small, job_deadline, fences: 0 })
+        Ok(Self {
+            rank: env.rank,
+            world_size: env.world_size,
+            backend,
+            group,
+            buckets: Vec::new(),
+            heartbeat,
+            small,
+            job_deadline,
+            fences: 0,
+        })
     }
 
     /// This attempt's id and the job's deadline, agreed with its peers through the agent's store.
-    fn agree_on_attempt(env: &DistEnv, timeout_s: u64, time_limit: Option<std::time::Duration>) -> Result<round::Agreed, String> {
-        let store = crate::ffi::dist::Store::connect(&env.master_addr, env.master_port, timeout_s * 1000, "trainguard/rounds/").map_err(|e| e.to_string())?;
+    fn agree_on_attempt(
+        env: &DistEnv,
+        timeout_s: u64,
+        time_limit: Option<std::time::Duration>,
+    ) -> Result<round::Agreed, String> {
+        let store = crate::ffi::dist::Store::connect(
+            &env.master_addr,
+            env.master_port,
+            timeout_s * 1000,
+            "trainguard/rounds/",
+        )
+        .map_err(|e| e.to_string())?;
         let give_up = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
         // Only rank 0's proposal is read (`round::agree`).
-        let own_deadline = time_limit.filter(|_| env.rank == 0).map(|limit| crate::job::deadline::own_unix_ms(limit, crate::job::deadline::started_unix_s()));
+        let own_deadline = time_limit
+            .filter(|_| env.rank == 0)
+            .map(|limit| crate::job::deadline::own_unix_ms(limit, crate::job::deadline::started_unix_s()));
         round::agree(&store, env.rank, env.world_size, round::nonce(), own_deadline, give_up)
     }
 
@@ -138,13 +189,24 @@ impl Dist {
     }
 
     /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order.
-    pub fn plan_buckets(&mut self, params: &[Tensor], bucket_bytes: usize, device: Device) -> Result<(), TchError> {
+    pub fn plan_buckets(
+        &mut self,
+        params: &[Tensor],
+        bucket_bytes: usize,
+        device: Device,
+    ) -> Result<(), TchError> {
         let mut buckets = Vec::new();
         let mut slots = Vec::new();
         let mut len = 0i64;
-        let flush = |slots: &mut Vec<(usize, i64, i64)>, len: &mut i64, out: &mut Vec<Bucket>| -> Result<(), TchError> {
+        let flush = |slots: &mut Vec<(usize, i64, i64)>,
+                     len: &mut i64,
+                     out: &mut Vec<Bucket>|
+         -> Result<(), TchError> {
             if !slots.is_empty() {
-                out.push(Bucket { flat: Tensor::f_zeros([*len], (Kind::Float, device))?, slots: std::mem::take(slots) });
+                out.push(Bucket {
+                    flat: Tensor::f_zeros([*len], (Kind::Float, device))?,
+                    slots: std::mem::take(slots),
+                });
                 *len = 0;
             }
             Ok(())
@@ -174,11 +236,22 @@ impl Dist {
         let heartbeat = self.heartbeat.as_ref();
         for b in &mut self.buckets {
             for &(i, off, n) in &b.slots {
-                b.flat.f_narrow(0, off, n).map_err(torch)?.f_copy_(&grads[i].f_reshape([n]).map_err(torch)?).map_err(torch)?;
+                b.flat
+                    .f_narrow(0, off, n)
+                    .map_err(torch)?
+                    .f_copy_(&grads[i].f_reshape([n]).map_err(torch)?)
+                    .map_err(torch)?;
             }
-            self.group.all_reduce(&mut b.flat, ReduceOp::Sum).map_err(collective("gradient all-reduce", heartbeat))?;
+            self.group
+                .all_reduce(&mut b.flat, ReduceOp::Sum)
+                .map_err(collective("gradient all-reduce", heartbeat))?;
             for &(i, off, n) in &b.slots {
-                let avg = b.flat.f_narrow(0, off, n).map_err(torch)?.f_view(grads[i].size().as_slice()).map_err(torch)?;
+                let avg = b
+                    .flat
+                    .f_narrow(0, off, n)
+                    .map_err(torch)?
+                    .f_view(grads[i].size().as_slice())
+                    .map_err(torch)?;
                 grads[i].f_copy_(&avg).map_err(torch)?;
                 let _ = grads[i].f_mul_scalar_(scale).map_err(torch)?;
             }
@@ -196,7 +269,11 @@ impl Dist {
             LocalOutcome::Failed => [0.0, 1.0, 0.0],
         };
         let v = self.all_reduce_values("OOM agreement", &slots, ReduceOp::Sum)?;
-        Ok(Agreement { any_oom: v[0] > 0.0, failed_ranks: v[1].round() as usize, mean_value: v[2] / self.world_size as f64 })
+        Ok(Agreement {
+            any_oom: v[0] > 0.0,
+            failed_ranks: v[1].round() as usize,
+            mean_value: v[2] / self.world_size as f64,
+        })
     }
 
     /// The largest of every rank's `value`, on every rank.
@@ -217,7 +294,11 @@ impl Dist {
     pub fn after_writer(&mut self, writer_wait: Option<std::time::Duration>) -> Result<(), DistError> {
         let Some(heartbeat) = self.heartbeat.as_ref() else { return Ok(()) };
         self.fences += 1;
-        heartbeat.fence(self.fences, writer_wait).map_err(|message| DistError::Collective { what: "wait for rank 0's writing", message, silent: None })
+        heartbeat.fence(self.fences, writer_wait).map_err(|message| DistError::Collective {
+            what: "wait for rank 0's writing",
+            message,
+            silent: None,
+        })
     }
 
     /// The smallest and the largest of every rank's `value`, on every rank.
@@ -233,7 +314,11 @@ impl Dist {
         let mut len = on_small(Tensor::from_slice(&[mine.len() as i64]))?;
         self.group.broadcast(&mut len, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
         let len = len.f_int64_value(&[0]).map_err(torch)?;
-        let mut buf = if self.rank == 0 { on_small(Tensor::from_slice(mine))? } else { on_small(Tensor::zeros([len], (Kind::Uint8, Device::Cpu)))? };
+        let mut buf = if self.rank == 0 {
+            on_small(Tensor::from_slice(mine))?
+        } else {
+            on_small(Tensor::zeros([len], (Kind::Uint8, Device::Cpu)))?
+        };
         self.group.broadcast(&mut buf, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
         Vec::<u8>::try_from(&buf.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
     }
@@ -248,7 +333,12 @@ impl Dist {
 
     /// Every rank's `values` reduced element-wise by `op`, on every rank: the small round trip
     /// (host → agreement device → host) behind each agreement.
-    fn all_reduce_values(&self, what: &'static str, values: &[f64], op: ReduceOp) -> Result<Vec<f64>, DistError> {
+    fn all_reduce_values(
+        &self,
+        what: &'static str,
+        values: &[f64],
+        op: ReduceOp,
+    ) -> Result<Vec<f64>, DistError> {
         let torch = torch_error(what);
         let mut t = Tensor::f_from_slice(values).and_then(|t| t.f_to_device(self.small)).map_err(torch)?;
         self.group.all_reduce(&mut t, op).map_err(collective(what, self.heartbeat.as_ref()))?;
@@ -260,7 +350,9 @@ impl Dist {
         let _no_grad = tch::no_grad_guard();
         for p in params {
             let mut p = p.shallow_clone();
-            self.group.broadcast(&mut p, 0).map_err(collective("weight broadcast", self.heartbeat.as_ref()))?;
+            self.group
+                .broadcast(&mut p, 0)
+                .map_err(collective("weight broadcast", self.heartbeat.as_ref()))?;
         }
         Ok(())
     }
@@ -277,7 +369,13 @@ impl Dist {
         let hi = self.all_reduce_values("weight check", &sums, ReduceOp::Max)?;
         let lo = self.all_reduce_values("weight check", &negated, ReduceOp::Max)?;
         // NaN (a NaN weight, or infinite sums) stays NaN: "ranks differ", never "identical".
-        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, |a, d| if a.is_nan() || d.is_nan() { f64::NAN } else { a.max(d) }))
+        Ok(hi.iter().zip(&lo).map(|(h, l)| (h + l).abs()).fold(0.0, |a, d| {
+            if a.is_nan() || d.is_nan() {
+                f64::NAN
+            } else {
+                a.max(d)
+            }
+        }))
     }
 
     pub fn barrier(&self) -> Result<(), DistError> {

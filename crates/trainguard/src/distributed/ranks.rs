@@ -83,7 +83,10 @@ mod tests {
         let mut mine = Config::default();
         let doc = |c: &Config, corpus: Option<&Corpus>| start_document(c, corpus);
         mine.train.micro_batch_size = 1; // may differ per rank
-        assert_eq!(differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&mine, Some(&corpus))), Vec::<String>::new());
+        assert_eq!(
+            differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&mine, Some(&corpus))),
+            Vec::<String>::new()
+        );
         mine.train.lr = 0.25;
         mine.model.n_layer = 5;
         assert_eq!(
@@ -94,7 +97,10 @@ mod tests {
         let other = Corpus::synthetic(256, 8192, 0.25).unwrap();
         let d = differences_from_rank0(&doc(&rank0, Some(&corpus)), &doc(&rank0, Some(&other)));
         assert_eq!(d.len(), 4, "{d:?}");
-        for counts in ["corpus.train_tokens: rank 0 3072, this rank 6144", "corpus.val_tokens: rank 0 1024, this rank 2048"] {
+        for counts in [
+            "corpus.train_tokens: rank 0 3072, this rank 6144",
+            "corpus.val_tokens: rank 0 1024, this rank 2048",
+        ] {
             assert!(d.iter().any(|line| line == counts), "{counts} in {d:?}");
         }
         // As many tokens, other ones: a node with another (or a stale) copy of the data.
@@ -103,7 +109,10 @@ mod tests {
             let mut bytes: Vec<u8> = (0..4096u32).map(|i| b'a' + (i % 26) as u8).collect();
             bytes[at] = b'!';
             std::fs::write(dir.path().join(name), bytes).unwrap();
-            let data = crate::config::DataConfig { source: format!("text:{}", dir.path().join(name).display()), ..Default::default() };
+            let data = crate::config::DataConfig {
+                source: format!("text:{}", dir.path().join(name).display()),
+                ..Default::default()
+            };
             Corpus::load(&data, 256, 64, true).unwrap()
         };
         let (a, b) = (text("a.txt", 1000), text("b.txt", 2000));

@@ -48,7 +48,8 @@ fn set(s: &impl Counters, key: &str, value: i64) -> Result<(), String> {
 /// difference of two fits an i64).
 pub fn nonce() -> i64 {
     use std::hash::BuildHasher;
-    let hash = std::collections::hash_map::RandomState::new().hash_one((std::process::id(), std::time::SystemTime::now()));
+    let hash = std::collections::hash_map::RandomState::new()
+        .hash_one((std::process::id(), std::time::SystemTime::now()));
     (hash >> 2) as i64 | 1
 }
 
@@ -73,7 +74,14 @@ pub struct JobDeadline {
 /// This attempt's id and the job's deadline, agreed by `world` ranks; an error names who did
 /// not answer by `give_up`. `deadline_ms`, rank 0's own deadline (its start + the limit), is
 /// the job's when no earlier attempt set one; other ranks' is not read.
-pub fn agree(store: &impl Counters, rank: usize, world: usize, own: i64, deadline_ms: Option<i64>, give_up: Instant) -> Result<Agreed, String> {
+pub fn agree(
+    store: &impl Counters,
+    rank: usize,
+    world: usize,
+    own: i64,
+    deadline_ms: Option<i64>,
+    give_up: Instant,
+) -> Result<Agreed, String> {
     set(store, &format!("hello/{rank}"), own)?;
     if rank != 0 {
         loop {
@@ -150,7 +158,15 @@ mod tests {
     #[test]
     fn ranks_agree_on_this_attempts_id_over_an_earlier_attempts_keys() {
         let store = Memory::default();
-        for (k, v) in [("hello/1", 11), ("hello/2", 12), ("round/1", 11), ("round/2", 12), ("round/id", 10), ("ack/1", 10), ("ack/2", 10)] {
+        for (k, v) in [
+            ("hello/1", 11),
+            ("hello/2", 12),
+            ("round/1", 11),
+            ("round/2", 12),
+            ("round/id", 10),
+            ("ack/1", 10),
+            ("ack/2", 10),
+        ] {
             store.add(k, v).unwrap();
         }
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -175,7 +191,9 @@ mod tests {
         let ranks: Vec<_> = [0, 1]
             .map(|rank| {
                 let s = store.clone();
-                std::thread::spawn(move || agree(&s, rank, 2, ids[rank], deadline_ms.map(|ms| ms + rank as i64), give_up).unwrap())
+                std::thread::spawn(move || {
+                    agree(&s, rank, 2, ids[rank], deadline_ms.map(|ms| ms + rank as i64), give_up).unwrap()
+                })
             })
             .into();
         let agreed: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
@@ -194,7 +212,11 @@ mod tests {
         let kept = Some(JobDeadline { unix_ms: 5_000, earlier: true });
         assert_eq!(restart.map(|a| (a.id, a.deadline)), [(20, kept), (20, kept)]);
         let without = attempt(&store, [30, 31], None);
-        assert_eq!(without.map(|a| a.deadline), [kept, kept], "an attempt with no limit of its own still reads the job's");
+        assert_eq!(
+            without.map(|a| a.deadline),
+            [kept, kept],
+            "an attempt with no limit of its own still reads the job's"
+        );
         let launch = attempt(&Memory::default(), [40, 41], Some(9_000));
         assert_eq!(launch.map(|a| a.deadline), [Some(JobDeadline { unix_ms: 9_000, earlier: false }); 2]);
         assert_eq!(attempt(&Memory::default(), [50, 51], None).map(|a| a.deadline), [None, None]);

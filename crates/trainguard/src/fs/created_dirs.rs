@@ -31,7 +31,9 @@ pub fn create_missing(dir: &Path) -> Result<Vec<PathBuf>, CreateError> {
                 continue;
             }
             Err(_) if at.is_dir() => continue, // another process created it meanwhile
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => CreateError::NotADirectory { path: at },
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                CreateError::NotADirectory { path: at }
+            }
             Err(source) => CreateError::Io { path: at, source },
         };
         remove_created(&created);
@@ -62,13 +64,19 @@ mod tests {
         assert_eq!(created, [d.path().join("there/a"), d.path().join("there/a/b")]);
         std::fs::write(d.path().join("there/a/kept.txt"), "x").unwrap();
         remove_created(&created);
-        assert!(!d.path().join("there/a/b").exists() && d.path().join("there/a/kept.txt").is_file(), "a directory holding something stays");
+        assert!(
+            !d.path().join("there/a/b").exists() && d.path().join("there/a/kept.txt").is_file(),
+            "a directory holding something stays"
+        );
         std::fs::remove_file(d.path().join("there/a/kept.txt")).unwrap();
         let created = create_missing(&d.path().join("there/a/b")).unwrap();
         assert_eq!(created, [d.path().join("there/a/b")], "`a` was there this time");
         let created = [d.path().join("there/a"), created[0].clone()];
         remove_created(&created);
-        assert!(!d.path().join("there/a").exists() && d.path().join("there").is_dir(), "one that was there stays");
+        assert!(
+            !d.path().join("there/a").exists() && d.path().join("there").is_dir(),
+            "one that was there stays"
+        );
         std::fs::write(d.path().join("file"), "x").unwrap();
         let err = create_missing(&d.path().join("new/../file/sub")).unwrap_err();
         assert!(matches!(&err, CreateError::NotADirectory { path } if path.ends_with("file")), "{err}");

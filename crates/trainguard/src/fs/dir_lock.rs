@@ -37,8 +37,14 @@ impl RunDirLock {
         // created) guards nothing: take it again, on the file now at the path.
         for _ in 0..8 {
             match &taken {
-                Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() => return Ok(None),
-                Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => taken = Self::try_take(dir),
+                Err(LockError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() =>
+                {
+                    return Ok(None)
+                }
+                Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                    taken = Self::try_take(dir)
+                }
                 _ => break,
             }
         }
@@ -57,7 +63,8 @@ impl RunDirLock {
     fn try_take(dir: &Path) -> Result<Self, LockError> {
         let path = dir.join(LOCK_FILE);
         let io = |source| LockError::Io { path: path.clone(), source };
-        let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
+        let mut file =
+            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io)?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {
@@ -71,11 +78,19 @@ impl RunDirLock {
         use std::os::unix::fs::MetadataExt;
         let (held, named) = (file.metadata().map_err(io)?, std::fs::metadata(&path));
         if !named.is_ok_and(|n| (n.dev(), n.ino()) == (held.dev(), held.ino())) {
-            return Err(io(std::io::Error::new(std::io::ErrorKind::NotFound, "the lock file was removed while it was being locked")));
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the lock file was removed while it was being locked",
+            )));
         }
         // Who holds it, for the message a second run gets (the host: out_dir may be shared).
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-        file.set_len(0).and_then(|_| file.rewind()).and_then(|_| write!(file, "pid {} on {host}", std::process::id())).map_err(io)?;
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default();
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| write!(file, "pid {} on {host}", std::process::id()))
+            .map_err(io)?;
         Ok(Self(file))
     }
 }
@@ -96,7 +111,10 @@ mod tests {
         assert!(RunDirLock::take(&dir.path().join("absent")).unwrap().is_none());
         let first = RunDirLock::take(dir.path()).unwrap().expect("the directory exists");
         let err = RunDirLock::take(dir.path()).unwrap_err();
-        assert!(matches!(&err, LockError::Busy { holder: Some(h), .. } if h.starts_with(&format!("pid {} on ", std::process::id()))), "{err}");
+        assert!(
+            matches!(&err, LockError::Busy { holder: Some(h), .. } if h.starts_with(&format!("pid {} on ", std::process::id()))),
+            "{err}"
+        );
         assert!(err.to_string().contains("in use by another trainguard run"), "{err}");
         drop(first);
         assert!(RunDirLock::take(dir.path()).unwrap().is_some());

@@ -5,7 +5,9 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     /// An allocation failed; the size asked for when the message says it.
-    OutOfMemory { requested_bytes: Option<u64> },
+    OutOfMemory {
+        requested_bytes: Option<u64>,
+    },
     Other,
 }
 
@@ -40,13 +42,18 @@ pub fn classify(message: &str) -> ErrorKind {
 pub fn nondeterministic_op(message: &str) -> Option<String> {
     const NO_IMPL: &str = " does not have a deterministic implementation";
     if let Some(at) = message.find(NO_IMPL) {
-        let op = message[..at].split_whitespace().last().unwrap_or("an op").trim_matches(|c: char| c == '`' || c == '\'' || c == '"');
+        let op = message[..at]
+            .split_whitespace()
+            .last()
+            .unwrap_or("an op")
+            .trim_matches(|c: char| c == '`' || c == '\'' || c == '"');
         return Some(format!("`{op}`"));
     }
     if message.contains("this operation is not deterministic because it uses CuBLAS") {
         return Some("cuBLAS with CUBLAS_WORKSPACE_CONFIG unset or not :4096:8 / :16:8".into());
     }
-    if message.contains("makes the algorithm non-deterministic, and pytorch's deterministic mode is enabled") {
+    if message.contains("makes the algorithm non-deterministic, and pytorch's deterministic mode is enabled")
+    {
         return Some("memory-efficient attention backward with key splits".into());
     }
     None
@@ -94,7 +101,10 @@ mod tests {
         assert_eq!(classify(CUBLAS), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(CUDNN), ErrorKind::OutOfMemory { requested_bytes: None });
         assert_eq!(classify(DRIVER), ErrorKind::OutOfMemory { requested_bytes: None });
-        assert_eq!(classify("cuLaunchKernel: CUDA driver error 700 (an illegal memory access was encountered)"), ErrorKind::Other);
+        assert_eq!(
+            classify("cuLaunchKernel: CUDA driver error 700 (an illegal memory access was encountered)"),
+            ErrorKind::Other
+        );
         assert_eq!(classify(BAD_ALLOC), ErrorKind::OutOfMemory { requested_bytes: None });
         let mib = "CUDA out of memory. Tried to allocate 20.50 MiB. GPU 0 has a total capacity of 15.77 GiB";
         assert_eq!(classify(mib), ErrorKind::OutOfMemory { requested_bytes: Some(21_495_808) });

@@ -34,7 +34,10 @@ impl HeldMemory {
             baseline_bytes: base,
             held_bytes: held,
             grown_bytes: grown,
-            message: format!("{} more is held between steps than at step {step}: tensors are kept across steps", crate::memory::human(grown)),
+            message: format!(
+                "{} more is held between steps than at step {step}: tensors are kept across steps",
+                crate::memory::human(grown)
+            ),
         })
     }
 }
@@ -57,7 +60,10 @@ mod tests {
         // gpt2-124m with faults.leak_graphs on an H100: ~6.5 GB more per step.
         let d = h.diagnose(Some(1489 * MIB + 13 * 1024 * MIB)).unwrap();
         assert_eq!((d.baseline_step, d.grown_bytes), (1, 13 * 1024 * MIB));
-        assert_eq!(d.message, "13.00 GiB more is held between steps than at step 1: tensors are kept across steps");
+        assert_eq!(
+            d.message,
+            "13.00 GiB more is held between steps than at step 1: tensors are kept across steps"
+        );
     }
 
     #[test]

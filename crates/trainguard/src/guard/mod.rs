@@ -11,8 +11,8 @@ mod classify;
 mod leak;
 mod policy;
 
-pub use classify::{classify, nondeterministic_op, ErrorKind};
 pub use crate::events::LeakDiagnosis;
+pub use classify::{classify, nondeterministic_op, ErrorKind};
 pub use leak::HeldMemory;
 pub use policy::{BlockedSize, Decision, GuardState, RegrowMemory};
 
@@ -54,9 +54,14 @@ impl OomFailure {
         if let Some(leak) = &self.leak {
             return self.leak_advice(leak);
         }
-        let asked = self.requested_bytes.map(|b| format!(", asking for {}", crate::memory::human(b))).unwrap_or_default();
+        let asked = self
+            .requested_bytes
+            .map(|b| format!(", asking for {}", crate::memory::human(b)))
+            .unwrap_or_default();
         let mem = match (self.memory.allocated_bytes, self.memory.reserved_bytes) {
-            (Some(a), Some(r)) => format!("{} allocated, {} reserved", crate::memory::human(a), crate::memory::human(r)),
+            (Some(a), Some(r)) => {
+                format!("{} allocated, {} reserved", crate::memory::human(a), crate::memory::human(r))
+            }
             _ => "memory figures unavailable".into(),
         };
         let (what, first_change) = match (self.gave_up, self.step) {
@@ -245,7 +250,18 @@ fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
 
 impl Guard {
     pub fn new(state: GuardState, policy: OomPolicy, device: Device, rank_batch: usize) -> Self {
-        Self { state, escalate: Vec::new(), policy, device, rank_batch, totals: GuardTotals::default(), held: HeldMemory::default(), halved_for_leak: false, data_parallel: false, snapshot: SnapshotTarget::default() }
+        Self {
+            state,
+            escalate: Vec::new(),
+            policy,
+            device,
+            rank_batch,
+            totals: GuardTotals::default(),
+            held: HeldMemory::default(),
+            halved_for_leak: false,
+            data_parallel: false,
+            snapshot: SnapshotTarget::default(),
+        }
     }
 
     /// One rank of several. Each rank measures its own memory, so a leak can be found on one
@@ -261,7 +277,11 @@ impl Guard {
     /// (rank 0 on CUDA, [`memory::oom_snapshot::start`]); otherwise, if `asked`, the first
     /// out-of-memory logs that there is nothing to write.
     pub fn with_oom_snapshot(mut self, asked: bool, recording: bool, dir: std::path::PathBuf) -> Self {
-        self.snapshot = SnapshotTarget { dir: recording.then_some(dir), unavailable: asked && !recording, first_written: false };
+        self.snapshot = SnapshotTarget {
+            dir: recording.then_some(dir),
+            unavailable: asked && !recording,
+            first_written: false,
+        };
         self
     }
 
@@ -277,7 +297,9 @@ impl Guard {
     fn write_snapshot(&mut self, fatal: bool) {
         if std::mem::take(&mut self.snapshot.unavailable) {
             let device = format!("{:?}", self.device).to_lowercase();
-            tracing::info!("memory.snapshot_on_oom: no allocator history to write on {device} (CUDA only): no snapshot");
+            tracing::info!(
+                "memory.snapshot_on_oom: no allocator history to write on {device} (CUDA only): no snapshot"
+            );
         }
         let Some(dir) = &self.snapshot.dir else { return };
         if !fatal && self.snapshot.first_written {
@@ -379,7 +401,9 @@ impl Guard {
             let leak = self.held.diagnose(after.allocated_bytes);
             let decision = match self.policy {
                 // A leak found again after one halving for it: more halvings cannot help.
-                OomPolicy::Adapt if leak.is_some() && self.halved_for_leak && !self.data_parallel => Decision::GiveUp,
+                OomPolicy::Adapt if leak.is_some() && self.halved_for_leak && !self.data_parallel => {
+                    Decision::GiveUp
+                }
                 OomPolicy::Adapt => self.state.on_oom(step),
                 OomPolicy::Fail | OomPolicy::Off => Decision::GiveUp,
             };
@@ -393,7 +417,11 @@ impl Guard {
                 for (rec, _) in pending.drain(..) {
                     reporter.emit(Event::OomRecovered(rec));
                 }
-                let (switched_on, effect) = self.escalate.get(level - 1).map(|e| (e.name().to_string(), e.effect().to_string())).unwrap_or_default();
+                let (switched_on, effect) = self
+                    .escalate
+                    .get(level - 1)
+                    .map(|e| (e.name().to_string(), e.effect().to_string()))
+                    .unwrap_or_default();
                 reporter.emit(Event::OomEscalated { step, micro_batch: micro, level, switched_on, effect });
                 self.totals.recoveries += 1;
                 self.totals.escalations += 1;
@@ -413,7 +441,11 @@ impl Guard {
                     memory: after,
                     message,
                     leak,
-                    gave_up: if self.policy == OomPolicy::Adapt { GaveUp::AtFloor } else { GaveUp::Policy(self.policy) },
+                    gave_up: if self.policy == OomPolicy::Adapt {
+                        GaveUp::AtFloor
+                    } else {
+                        GaveUp::Policy(self.policy)
+                    },
                 })));
             };
             self.totals.recoveries += 1;

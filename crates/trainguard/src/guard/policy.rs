@@ -17,9 +17,14 @@ pub use crate::checkpoint::state::{BlockedSize, RegrowMemory};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
     /// Replay the step at this micro-batch. `backoff`: it is a regrow trial being undone.
-    Retry { micro_batch: usize, backoff: bool },
+    Retry {
+        micro_batch: usize,
+        backoff: bool,
+    },
     /// At the floor: replay with the next memory saver switched on (`level` savers on now).
-    Escalate { level: usize },
+    Escalate {
+        level: usize,
+    },
     GiveUp,
 }
 
@@ -42,7 +47,17 @@ pub struct GuardState {
 impl GuardState {
     pub fn new(configured: usize, floor: usize, regrow_after: u64) -> Self {
         let floor = floor.clamp(1, configured.max(1));
-        Self { configured, floor, current: configured, regrow_after, clean_steps: 0, ladder: Vec::new(), blocked: Vec::new(), escalations: 0, level: 0 }
+        Self {
+            configured,
+            floor,
+            current: configured,
+            regrow_after,
+            clean_steps: 0,
+            ladder: Vec::new(),
+            blocked: Vec::new(),
+            escalations: 0,
+            level: 0,
+        }
     }
 
     /// Allows `n` escalation steps (oom.escalate) before giving up at the floor.
@@ -74,7 +89,11 @@ impl GuardState {
     /// What a checkpoint keeps of the regrow rule (restore with
     /// [`with_regrow_memory`](Self::with_regrow_memory)).
     pub fn regrow_memory(&self) -> RegrowMemory {
-        RegrowMemory { clean_steps: self.clean_steps, blocked: self.blocked.clone(), ladder: self.ladder.clone() }
+        RegrowMemory {
+            clean_steps: self.clean_steps,
+            blocked: self.blocked.clone(),
+            ladder: self.ladder.clone(),
+        }
     }
 
     pub fn with_regrow_memory(mut self, memory: RegrowMemory) -> Self {
@@ -104,13 +123,16 @@ impl GuardState {
     /// (the configured size + 1 when none has); that failed size itself once nothing lies
     /// between and its block has run out.
     fn regrow_candidate(&self, step: u64) -> Option<usize> {
-        let lowest_failed = self.blocked.iter().filter(|b| b.micro_batch > self.current).min_by_key(|b| b.micro_batch);
+        let lowest_failed =
+            self.blocked.iter().filter(|b| b.micro_batch > self.current).min_by_key(|b| b.micro_batch);
         let ceiling = lowest_failed.map_or(self.configured + 1, |b| b.micro_batch.min(self.configured + 1));
         let candidate = self.current + (ceiling - self.current) / 2;
         if candidate > self.current {
             return Some(candidate);
         }
-        lowest_failed.filter(|b| b.micro_batch <= self.configured && step >= b.until_step).map(|b| b.micro_batch)
+        lowest_failed
+            .filter(|b| b.micro_batch <= self.configured && step >= b.until_step)
+            .map(|b| b.micro_batch)
     }
 
     pub fn on_success(&mut self) {
@@ -243,7 +265,13 @@ mod tests {
         let sizes: Vec<usize> = trials.iter().map(|t| t.1).collect();
         assert_eq!(sizes[..4], [24, 20, 18, 17], "bisection first");
         // Then only the size next to the working one, ever more rarely.
-        let retries: Vec<u64> = trials[4..].iter().map(|t| { assert_eq!(t.1, 17); t.0 }).collect();
+        let retries: Vec<u64> = trials[4..]
+            .iter()
+            .map(|t| {
+                assert_eq!(t.1, 17);
+                t.0
+            })
+            .collect();
         assert!(retries.len() >= 2, "regrow must try again: {trials:?}");
         let gaps: Vec<u64> = retries.windows(2).map(|w| w[1] - w[0]).collect();
         assert!(gaps.windows(2).all(|g| g[1] > g[0]), "waits grow: {trials:?}");
@@ -290,8 +318,16 @@ mod tests {
         for _ in 0..5 {
             s.on_success();
         }
-        assert_eq!(s.on_oom(15), Decision::Retry { micro_batch: 40, backoff: true }, "back to the size before the trial");
-        assert_eq!(s.on_oom(15), Decision::Retry { micro_batch: 20, backoff: false }, "that failed too: halve");
+        assert_eq!(
+            s.on_oom(15),
+            Decision::Retry { micro_batch: 40, backoff: true },
+            "back to the size before the trial"
+        );
+        assert_eq!(
+            s.on_oom(15),
+            Decision::Retry { micro_batch: 20, backoff: false },
+            "that failed too: halve"
+        );
     }
 
     #[test]
@@ -317,7 +353,9 @@ mod tests {
         // Two failed trials at 32 by step 60, then a "restart": the resumed state must wait
         // exactly as long as the uninterrupted one before trying 32 again.
         let (_, before) = simulate(60);
-        let resumed = GuardState::new(32, 1, 5).with_current(before.current()).with_regrow_memory(before.regrow_memory());
+        let resumed = GuardState::new(32, 1, 5)
+            .with_current(before.current())
+            .with_regrow_memory(before.regrow_memory());
         let next_trial = |mut s: GuardState| (60..1000).find(|&step| s.begin_step(step).is_some());
         let (straight, restored) = (next_trial(before.clone()), next_trial(resumed));
         assert!(straight.is_some());

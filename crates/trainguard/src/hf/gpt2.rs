@@ -9,14 +9,31 @@ use crate::model::LAYER_NORM_EPS;
 use serde_json::{json, Value};
 use std::path::Path;
 
-pub const FAMILY: Family = Family { arch: Arch::Gpt2, model_type: "gpt2", hf_name, from_hf, config_json, model_config, zero_tensors, config_keys: &CONFIG_KEYS };
+pub const FAMILY: Family = Family {
+    arch: Arch::Gpt2,
+    model_type: "gpt2",
+    hf_name,
+    from_hf,
+    config_json,
+    model_config,
+    zero_tensors,
+    config_keys: &CONFIG_KEYS,
+};
 
-const CONFIG_KEYS: [(&str, &str); 6] = [("n_layer", "n_layer"), ("n_head", "n_head"), ("n_embd", "n_embd"), ("vocab_size", "vocab_size"), ("seq_len", "n_positions"), ("dropout", "resid_pdrop")];
+const CONFIG_KEYS: [(&str, &str); 6] = [
+    ("n_layer", "n_layer"),
+    ("n_head", "n_head"),
+    ("n_embd", "n_embd"),
+    ("vocab_size", "vocab_size"),
+    ("seq_len", "n_positions"),
+    ("dropout", "resid_pdrop"),
+];
 
 /// Prefix of every parameter's name in `transformers`.
 pub const PREFIX: &str = "transformer.";
 /// Suffixes of the `Conv1D` weights (transposed relative to trainguard's linear weights).
-pub const CONV1D: [&str; 4] = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
+pub const CONV1D: [&str; 4] =
+    ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"];
 /// Names `transformers` may write that trainguard has no parameter for (tied or buffers).
 pub const IGNORED: [&str; 1] = ["lm_head.weight"];
 
@@ -30,7 +47,9 @@ pub fn hf_name(name: &str) -> (String, bool) {
 /// `h.N.attn.bias` and `h.N.attn.masked_bias`: buffers, which transformers does not load either.
 fn from_hf(hf: &str, _: &ModelConfig) -> Option<String> {
     let name = hf.strip_prefix(PREFIX).unwrap_or(hf);
-    let mask = name.strip_prefix("h.").and_then(|r| r.split_once('.')).is_some_and(|(i, rest)| i.parse::<usize>().is_ok() && matches!(rest, "attn.bias" | "attn.masked_bias"));
+    let mask = name.strip_prefix("h.").and_then(|r| r.split_once('.')).is_some_and(|(i, rest)| {
+        i.parse::<usize>().is_ok() && matches!(rest, "attn.bias" | "attn.masked_bias")
+    });
     (!IGNORED.contains(&hf) && !mask).then(|| name.to_string())
 }
 
@@ -42,7 +61,14 @@ fn zero_tensors(cfg: &ModelConfig) -> Vec<(String, i64)> {
     let c = cfg.n_embd as i64;
     let mut out = vec![("ln_f.bias".to_string(), c)];
     for i in 0..cfg.n_layer {
-        for (s, n) in [("ln_1.bias", c), ("attn.c_attn.bias", 3 * c), ("attn.c_proj.bias", c), ("ln_2.bias", c), ("mlp.c_fc.bias", 4 * c), ("mlp.c_proj.bias", c)] {
+        for (s, n) in [
+            ("ln_1.bias", c),
+            ("attn.c_attn.bias", 3 * c),
+            ("attn.c_proj.bias", c),
+            ("ln_2.bias", c),
+            ("mlp.c_fc.bias", 4 * c),
+            ("mlp.c_proj.bias", c),
+        ] {
             out.push((format!("h.{i}.{s}"), n));
         }
     }
@@ -76,7 +102,10 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
     let num = |k: &str| whole(c, k, cpath);
     let n_embd = num("n_embd")?;
     if !c["n_inner"].is_null() && c["n_inner"].as_u64() != Some(4 * n_embd as u64) {
-        return Err(bad(cpath, format!("n_inner {} is not 4 × n_embd; trainguard's MLP is 4 × n_embd wide", c["n_inner"])));
+        return Err(bad(
+            cpath,
+            format!("n_inner {} is not 4 × n_embd; trainguard's MLP is 4 × n_embd wide", c["n_inner"]),
+        ));
     }
     // Keys that change the maths where trainguard computes one way: refused by name (the
     // activation alone is let through with a warning: GPT-2's own checkpoints use gelu_new).
@@ -88,13 +117,22 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         v => v.as_f64().ok_or_else(|| bad(cpath, format!("`layer_norm_epsilon` is {v}, not a number")))?,
     };
     if eps != LAYER_NORM_EPS {
-        return Err(bad(cpath, format!("`layer_norm_epsilon` is {eps}; trainguard's LayerNorm uses {LAYER_NORM_EPS}")));
+        return Err(bad(
+            cpath,
+            format!("`layer_norm_epsilon` is {eps}; trainguard's LayerNorm uses {LAYER_NORM_EPS}"),
+        ));
     }
     if switch(c, "scale_attn_weights", cpath)? == Some(false) {
-        return Err(bad(cpath, "`scale_attn_weights` is false; trainguard scales attention scores by 1/sqrt(head size)"));
+        return Err(bad(
+            cpath,
+            "`scale_attn_weights` is false; trainguard scales attention scores by 1/sqrt(head size)",
+        ));
     }
     if switch(c, "scale_attn_by_inverse_layer_idx", cpath)? == Some(true) {
-        return Err(bad(cpath, "`scale_attn_by_inverse_layer_idx` is true; trainguard scales every layer's attention alike"));
+        return Err(bad(
+            cpath,
+            "`scale_attn_by_inverse_layer_idx` is true; trainguard scales every layer's attention alike",
+        ));
     }
     // transformers' names for GELU: exact ones, and tanh approximations (GPT-2's own `gelu_new`,
     // also what an absent key means) that differ from it in the fourth digit. Any other
@@ -134,10 +172,16 @@ mod tests {
         assert_eq!(hf_name("h.3.attn.c_attn.bias"), ("transformer.h.3.attn.c_attn.bias".into(), false));
         assert!(hf_name("h.0.mlp.c_proj.weight").1);
         assert!(!hf_name("ln_f.weight").1);
-        assert_eq!(from_hf("transformer.h.0.ln_1.weight", &ModelConfig::default()).as_deref(), Some("h.0.ln_1.weight"));
+        assert_eq!(
+            from_hf("transformer.h.0.ln_1.weight", &ModelConfig::default()).as_deref(),
+            Some("h.0.ln_1.weight")
+        );
         assert_eq!(from_hf("lm_head.weight", &ModelConfig::default()), None);
         // The Hub's layout: no prefix, and each block's causal mask buffers beside its weights.
-        assert_eq!(from_hf("h.0.attn.c_attn.bias", &ModelConfig::default()).as_deref(), Some("h.0.attn.c_attn.bias"));
+        assert_eq!(
+            from_hf("h.0.attn.c_attn.bias", &ModelConfig::default()).as_deref(),
+            Some("h.0.attn.c_attn.bias")
+        );
         for mask in ["h.0.attn.bias", "transformer.h.11.attn.bias", "h.3.attn.masked_bias"] {
             assert_eq!(from_hf(mask, &ModelConfig::default()), None, "{mask}");
         }
@@ -156,25 +200,44 @@ mod tests {
         assert!(with("tie_word_embeddings", json!(false)).contains("`tie_word_embeddings` is false"));
         assert!(with("layer_norm_epsilon", json!(0.01)).contains("`layer_norm_epsilon` is 0.01"));
         assert!(with("scale_attn_weights", json!(false)).contains("`scale_attn_weights`"));
-        assert!(with("scale_attn_by_inverse_layer_idx", json!(true)).contains("`scale_attn_by_inverse_layer_idx`"));
-        for (k, v) in [("tie_word_embeddings", json!("no")), ("tie_word_embeddings", json!(0)), ("scale_attn_weights", json!(1))] {
+        assert!(with("scale_attn_by_inverse_layer_idx", json!(true))
+            .contains("`scale_attn_by_inverse_layer_idx`"));
+        for (k, v) in [
+            ("tie_word_embeddings", json!("no")),
+            ("tie_word_embeddings", json!(0)),
+            ("scale_attn_weights", json!(1)),
+        ] {
             assert!(with(k, v.clone()).contains(&format!("`{k}` is {v}, not true or false")), "{k}: {v}");
         }
-        assert!(with("layer_norm_epsilon", json!("1e-5")).contains("`layer_norm_epsilon` is \"1e-5\", not a number"));
+        assert!(with("layer_norm_epsilon", json!("1e-5"))
+            .contains("`layer_norm_epsilon` is \"1e-5\", not a number"));
         let mut v = config_json(&cfg);
         v["activation_function"] = json!("gelu_new");
-        assert!(model_config(&v, p).is_ok(), "GPT-2's own checkpoints use gelu_new: a warning, not a refusal");
+        assert!(
+            model_config(&v, p).is_ok(),
+            "GPT-2's own checkpoints use gelu_new: a warning, not a refusal"
+        );
         v.as_object_mut().unwrap().remove("activation_function");
         assert!(model_config(&v, p).is_ok(), "absent: transformers' default, gelu_new");
         for other in [json!("relu"), json!("quick_gelu"), json!("totally_bogus"), json!(3)] {
-            assert!(with("activation_function", other.clone()).contains("`activation_function` is"), "{other}");
+            assert!(
+                with("activation_function", other.clone()).contains("`activation_function` is"),
+                "{other}"
+            );
         }
         // A size that is no whole number is named as given; one left out is said to be missing.
-        for (given, said) in [(json!(-1), "`n_layer` is -1: a size or count, so not below 0"), (json!(2.5), "`n_layer` is 2.5, not a whole number"), (json!("12"), "`n_layer` is \"12\", not a whole number")] {
+        for (given, said) in [
+            (json!(-1), "`n_layer` is -1: a size or count, so not below 0"),
+            (json!(2.5), "`n_layer` is 2.5, not a whole number"),
+            (json!("12"), "`n_layer` is \"12\", not a whole number"),
+        ] {
             assert!(with("n_layer", given).ends_with(said), "{said}");
         }
         let mut v = config_json(&cfg);
         v.as_object_mut().unwrap().remove("n_embd");
-        assert!(model_config(&v, p).unwrap_err().to_string().ends_with("`n_embd` is missing (a whole number)"));
+        assert!(model_config(&v, p)
+            .unwrap_err()
+            .to_string()
+            .ends_with("`n_embd` is missing (a whole number)"));
     }
 }

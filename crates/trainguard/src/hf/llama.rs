@@ -10,7 +10,16 @@ use crate::config::{Arch, ModelConfig};
 use serde_json::{json, Value};
 use std::path::Path;
 
-pub const FAMILY: Family = Family { arch: Arch::Llama, model_type: "llama", hf_name, from_hf, config_json, model_config, zero_tensors, config_keys: &CONFIG_KEYS };
+pub const FAMILY: Family = Family {
+    arch: Arch::Llama,
+    model_type: "llama",
+    hf_name,
+    from_hf,
+    config_json,
+    model_config,
+    zero_tensors,
+    config_keys: &CONFIG_KEYS,
+};
 
 const CONFIG_KEYS: [(&str, &str); 10] = [
     ("n_layer", "num_hidden_layers"),
@@ -76,32 +85,63 @@ fn model_config(c: &Value, cpath: &Path) -> Result<ModelConfig, HfError> {
         }
     };
     if !c["rope_scaling"].is_null() {
-        return Err(bad(cpath, format!("`rope_scaling` is {}; trainguard applies plain RoPE, so it must be null", c["rope_scaling"])));
+        return Err(bad(
+            cpath,
+            format!(
+                "`rope_scaling` is {}; trainguard applies plain RoPE, so it must be null",
+                c["rope_scaling"]
+            ),
+        ));
     }
     let rope = &c["rope_parameters"];
     if !(rope["rope_type"].is_null() || rope["rope_type"] == "default") {
-        return Err(bad(cpath, format!("`rope_parameters.rope_type` is {}; trainguard applies plain RoPE (\"default\")", rope["rope_type"])));
+        return Err(bad(
+            cpath,
+            format!(
+                "`rope_parameters.rope_type` is {}; trainguard applies plain RoPE (\"default\")",
+                rope["rope_type"]
+            ),
+        ));
     }
     if !c["hidden_act"].is_null() && c["hidden_act"] != "silu" {
-        return Err(bad(cpath, format!("`hidden_act` is {}; trainguard's SwiGLU uses silu", c["hidden_act"])));
+        return Err(bad(
+            cpath,
+            format!("`hidden_act` is {}; trainguard's SwiGLU uses silu", c["hidden_act"]),
+        ));
     }
-    let (attn_bias, mlp_bias) = (switch(c, "attention_bias", cpath)?.unwrap_or(false), switch(c, "mlp_bias", cpath)?.unwrap_or(false));
+    let (attn_bias, mlp_bias) = (
+        switch(c, "attention_bias", cpath)?.unwrap_or(false),
+        switch(c, "mlp_bias", cpath)?.unwrap_or(false),
+    );
     if attn_bias != mlp_bias {
         return Err(bad(cpath, format!("`attention_bias` {attn_bias} and `mlp_bias` {mlp_bias} differ; trainguard's `model.bias` sets both")));
     }
     let (n_embd, n_head) = (num("hidden_size")?, num("num_attention_heads")?);
     if !c["head_dim"].is_null() && c["head_dim"].as_u64() != Some((n_embd / n_head.max(1)) as u64) {
-        return Err(bad(cpath, format!("`head_dim` {} is not hidden_size / num_attention_heads = {}; trainguard derives it", c["head_dim"], n_embd / n_head.max(1))));
+        return Err(bad(
+            cpath,
+            format!(
+                "`head_dim` {} is not hidden_size / num_attention_heads = {}; trainguard derives it",
+                c["head_dim"],
+                n_embd / n_head.max(1)
+            ),
+        ));
     }
     // transformers 4 reads `rope_theta`, 5 `rope_parameters`: two bases would be two models.
-    let (top, nested) = (optional(&c["rope_theta"], "rope_theta")?, optional(&rope["rope_theta"], "rope_parameters.rope_theta")?);
+    let (top, nested) = (
+        optional(&c["rope_theta"], "rope_theta")?,
+        optional(&rope["rope_theta"], "rope_parameters.rope_theta")?,
+    );
     if let Some((a, b)) = top.zip(nested).filter(|(a, b)| a != b) {
         return Err(bad(cpath, format!("`rope_theta` {a} and `rope_parameters.rope_theta` {b} differ (transformers 4 reads the first, 5 the second): keep the one the model was trained with")));
     }
     let theta = top.or(nested).unwrap_or(10_000.0);
     let kv_heads = optional(&c["num_key_value_heads"], "num_key_value_heads")?;
     if kv_heads.is_some_and(|k| k.fract() != 0.0 || k < 0.0) {
-        return Err(bad(cpath, format!("`num_key_value_heads` is {}, not a count", c["num_key_value_heads"])));
+        return Err(bad(
+            cpath,
+            format!("`num_key_value_heads` is {}, not a count", c["num_key_value_heads"]),
+        ));
     }
     #[allow(clippy::needless_update)] // the lead's model restructure may add fields
     let cfg = ModelConfig {
@@ -129,7 +169,21 @@ mod tests {
     use super::*;
 
     fn cfg() -> ModelConfig {
-        ModelConfig { arch: Arch::Llama, n_layer: 3, n_head: 4, n_kv_head: Some(2), n_embd: 32, ffn_hidden: Some(48), vocab_size: 40, seq_len: 16, bias: false, rope_theta: 5e5, norm_eps: 1e-6, tie_embeddings: false, ..ModelConfig::default() }
+        ModelConfig {
+            arch: Arch::Llama,
+            n_layer: 3,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 32,
+            ffn_hidden: Some(48),
+            vocab_size: 40,
+            seq_len: 16,
+            bias: false,
+            rope_theta: 5e5,
+            norm_eps: 1e-6,
+            tie_embeddings: false,
+            ..ModelConfig::default()
+        }
     }
 
     #[test]
@@ -158,7 +212,12 @@ mod tests {
         assert!(with("mlp_bias", json!(true)).contains("`attention_bias` false and `mlp_bias` true differ"));
         assert!(with("head_dim", json!(16)).contains("`head_dim` 16"));
         // A switch of another type is refused, not read as false (transformers refuses it too).
-        for (k, v) in [("tie_word_embeddings", json!(1)), ("tie_word_embeddings", json!("no")), ("attention_bias", json!(0)), ("mlp_bias", json!("false"))] {
+        for (k, v) in [
+            ("tie_word_embeddings", json!(1)),
+            ("tie_word_embeddings", json!("no")),
+            ("attention_bias", json!(0)),
+            ("mlp_bias", json!("false")),
+        ] {
             assert!(with(k, v.clone()).contains(&format!("`{k}` is {v}, not true or false")), "{k}: {v}");
         }
         // Two RoPE bases: refused, where the top-level one was taken and transformers 5 takes
@@ -173,7 +232,10 @@ mod tests {
 
     #[test]
     fn names_are_the_identity_and_a_tied_head_and_rope_buffers_are_skipped() {
-        assert_eq!(hf_name("model.layers.0.self_attn.q_proj.weight"), ("model.layers.0.self_attn.q_proj.weight".into(), false));
+        assert_eq!(
+            hf_name("model.layers.0.self_attn.q_proj.weight"),
+            ("model.layers.0.self_attn.q_proj.weight".into(), false)
+        );
         assert_eq!(from_hf("lm_head.weight", &cfg()).as_deref(), Some("lm_head.weight"));
         assert_eq!(from_hf("lm_head.weight", &ModelConfig { tie_embeddings: true, ..cfg() }), None);
         assert_eq!(from_hf("model.rotary_emb.inv_freq", &cfg()), None);

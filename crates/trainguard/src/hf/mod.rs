@@ -74,8 +74,13 @@ fn warn_once(message: String) {
 fn whole(c: &Value, key: &str, cpath: &Path) -> Result<usize, HfError> {
     match &c[key] {
         Value::Null => Err(bad(cpath, format!("`{key}` is missing (a whole number)"))),
-        v if v.as_i64().is_some_and(|n| n < 0) => Err(bad(cpath, format!("`{key}` is {v}: a size or count, so not below 0"))),
-        v => v.as_u64().map(|n| n as usize).ok_or_else(|| bad(cpath, format!("`{key}` is {v}, not a whole number"))),
+        v if v.as_i64().is_some_and(|n| n < 0) => {
+            Err(bad(cpath, format!("`{key}` is {v}: a size or count, so not below 0")))
+        }
+        v => v
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| bad(cpath, format!("`{key}` is {v}, not a whole number"))),
     }
 }
 
@@ -102,7 +107,10 @@ impl Tokenizer<'_> {
     /// The start token (tokenizer_config.json's) and its id (config.json's): the directory's
     /// own, else the EOS (a prepared dataset's documents begin after one, as GPT-2's do).
     fn bos(&self) -> (&str, u32) {
-        (self.specials.bos_token.as_deref().unwrap_or(self.eos_token), self.specials.bos_id.unwrap_or(self.eos_id))
+        (
+            self.specials.bos_token.as_deref().unwrap_or(self.eos_token),
+            self.specials.bos_id.unwrap_or(self.eos_id),
+        )
     }
 }
 
@@ -120,7 +128,10 @@ pub struct Specials {
 
 /// `dir`'s JSON file `file` (config.json, tokenizer_config.json); Null when absent or not JSON.
 fn read_json(dir: &Path, file: &str) -> Value {
-    std::fs::read_to_string(dir.join(file)).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).unwrap_or(Value::Null)
+    std::fs::read_to_string(dir.join(file))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .unwrap_or(Value::Null)
 }
 
 /// The token tokenizer_config.json (`tc`) names under `key`: a string, or an added-token object
@@ -140,7 +151,10 @@ pub fn specials(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Specials {
     let (tc, config) = (read_json(dir, "tokenizer_config.json"), read_json(dir, "config.json"));
     let token = |key: &str| named_token(&tc, key).filter(|t| tokenizer.token_to_id(t).is_some());
     let named = token("bos_token");
-    let id = config["bos_token_id"].as_u64().and_then(|id| u32::try_from(id).ok()).filter(|id| tokenizer.id_to_token(*id).is_some());
+    let id = config["bos_token_id"]
+        .as_u64()
+        .and_then(|id| u32::try_from(id).ok())
+        .filter(|id| tokenizer.id_to_token(*id).is_some());
     Specials {
         bos_token: named.clone().or_else(|| id.and_then(|id| tokenizer.id_to_token(id))),
         bos_id: id.or_else(|| named.and_then(|t| tokenizer.token_to_id(&t))),
@@ -154,7 +168,8 @@ pub fn specials(dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Specials {
 /// `config.json` last: an export that fails (a full disk) leaves neither half a model nor a file
 /// that would refuse the retry.
 pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result<Vec<String>, HfError> {
-    let werr = |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
+    let werr =
+        |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
     if out.exists() && !out.is_dir() {
         return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
     }
@@ -163,13 +178,21 @@ pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result
     if let Some(held) = ["model.safetensors", "config.json"].iter().find(|f| out.join(f).exists()) {
         return Err(bad(out, format!("already holds {held}: a model; choose another directory")));
     }
-    if let Some(held) = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"].iter().find(|f| out.join(f).exists()) {
-        return Err(bad(out, format!("already holds {held}, which the export would replace; choose another directory")));
+    if let Some(held) = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+        .iter()
+        .find(|f| out.join(f).exists())
+    {
+        return Err(bad(
+            out,
+            format!("already holds {held}, which the export would replace; choose another directory"),
+        ));
     }
     let created = !out.exists();
     std::fs::create_dir_all(out).map_err(|e| werr(out, &e))?;
     let staging = out.join(format!(".export-{}", std::process::id()));
-    let written = std::fs::create_dir(&staging).map_err(|e| werr(&staging, &e)).and_then(|_| write_files(model, tokenizer, &staging, out));
+    let written = std::fs::create_dir(&staging)
+        .map_err(|e| werr(&staging, &e))
+        .and_then(|_| write_files(model, tokenizer, &staging, out));
     let moved = written.and_then(|mut files| {
         // config.json names the directory a model for transformers, and for a retry: last.
         files.sort_by_key(|f| f == "config.json");
@@ -186,9 +209,23 @@ pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result
 }
 
 /// The export's files, written in `staging`; errors name each file where it was to go, in `out`.
-fn write_files(model: &Model, tokenizer: Option<Tokenizer>, staging: &Path, out: &Path) -> Result<Vec<String>, HfError> {
-    let werr = |file: &str, e: &dyn std::fmt::Display| HfError::Write { path: out.join(file), message: e.to_string() };
-    let json_file = |file: &str, v: &Value| std::fs::write(staging.join(file), serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n").map_err(|e| werr(file, &e));
+fn write_files(
+    model: &Model,
+    tokenizer: Option<Tokenizer>,
+    staging: &Path,
+    out: &Path,
+) -> Result<Vec<String>, HfError> {
+    let werr = |file: &str, e: &dyn std::fmt::Display| HfError::Write {
+        path: out.join(file),
+        message: e.to_string(),
+    };
+    let json_file = |file: &str, v: &Value| {
+        std::fs::write(
+            staging.join(file),
+            serde_json::to_string_pretty(v).expect("JSON values serialise") + "\n",
+        )
+        .map_err(|e| werr(file, &e))
+    };
     let cfg = &model.cfg;
     let fam = family(cfg.arch);
     let _no_grad = tch::no_grad_guard();
@@ -196,22 +233,31 @@ fn write_files(model: &Model, tokenizer: Option<Tokenizer>, staging: &Path, out:
     for (i, name) in model.params.names.iter().enumerate() {
         let (hf, transposed) = (fam.hf_name)(name);
         // The user's vocabulary rows: transformers sees `vocab_size`, not the padding.
-        let t = model.user_tensor(i).map_err(|e| werr("model.safetensors", &e))?.to_device(Device::Cpu).to_kind(Kind::Float);
+        let t = model
+            .user_tensor(i)
+            .map_err(|e| werr("model.safetensors", &e))?
+            .to_device(Device::Cpu)
+            .to_kind(Kind::Float);
         tensors.push((hf, if transposed { t.tr().contiguous() } else { t.contiguous() }));
     }
     for (name, n) in (fam.zero_tensors)(cfg) {
         tensors.push(((fam.hf_name)(&name).0, Tensor::zeros([n], (Kind::Float, Device::Cpu))));
     }
     let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    Tensor::write_safetensors(&refs, staging.join("model.safetensors")).map_err(|e| werr("model.safetensors", &crate::checkpoint::write_error(&e)))?;
+    Tensor::write_safetensors(&refs, staging.join("model.safetensors"))
+        .map_err(|e| werr("model.safetensors", &crate::checkpoint::write_error(&e)))?;
 
     let (bos, eos) = (tokenizer.as_ref().map(|t| t.bos().1), tokenizer.as_ref().map(|t| t.eos_id));
-    let mut written = vec!["config.json".to_string(), "model.safetensors".into(), "generation_config.json".into()];
+    let mut written =
+        vec!["config.json".to_string(), "model.safetensors".into(), "generation_config.json".into()];
     let mut config = (fam.config_json)(cfg);
     config["bos_token_id"] = json!(bos);
     config["eos_token_id"] = json!(eos);
     json_file("config.json", &config)?;
-    json_file("generation_config.json", &json!({"_from_model_config": true, "bos_token_id": bos, "eos_token_id": eos}))?;
+    json_file(
+        "generation_config.json",
+        &json!({"_from_model_config": true, "bos_token_id": bos, "eos_token_id": eos}),
+    )?;
     if let Some(t) = tokenizer {
         std::fs::copy(t.file, staging.join("tokenizer.json")).map_err(|e| werr("tokenizer.json", &e))?;
         let tc = json!({
@@ -279,7 +325,10 @@ fn read_config(dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
         })
         .collect();
     if !problems.is_empty() {
-        return Err(bad(&cpath, format!("describes a model trainguard cannot build: {}", problems.join("; "))));
+        return Err(bad(
+            &cpath,
+            format!("describes a model trainguard cannot build: {}", problems.join("; ")),
+        ));
     }
     Ok((fam, cfg))
 }
@@ -305,12 +354,18 @@ fn checked_init(cfg: &ModelConfig, dir: &Path) -> Result<(&'static Family, Model
 fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConfig) -> Result<(), HfError> {
     let (wpath, cpath) = (dir.join("model.safetensors"), dir.join("config.json"));
     if theirs.arch != cfg.arch {
-        return Err(bad(&cpath, format!("holds a {:?} model; model.arch is {:?}", theirs.arch, cfg.arch).to_lowercase()));
+        return Err(bad(
+            &cpath,
+            format!("holds a {:?} model; model.arch is {:?}", theirs.arch, cfg.arch).to_lowercase(),
+        ));
     }
     // What no tensor's shape shows but the logits depend on: the same weights under another
     // head count, RoPE base or norm epsilon compute another model.
     let ours = cfg;
-    let mut compared = vec![("n_head", theirs.n_head.to_string(), ours.n_head.to_string()), ("n_kv_head", theirs.kv_heads().to_string(), ours.kv_heads().to_string())];
+    let mut compared = vec![
+        ("n_head", theirs.n_head.to_string(), ours.n_head.to_string()),
+        ("n_kv_head", theirs.kv_heads().to_string(), ours.kv_heads().to_string()),
+    ];
     if ours.arch == Arch::Llama {
         compared.push(("rope_theta", theirs.rope_theta.to_string(), ours.rope_theta.to_string()));
         compared.push(("norm_eps", theirs.norm_eps.to_string(), ours.norm_eps.to_string()));
@@ -319,20 +374,32 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
         compared.push(("tie_embeddings", theirs.tie_embeddings.to_string(), ours.tie_embeddings.to_string()));
     }
     if let Some((key, t, o)) = compared.into_iter().find(|(_, t, o)| t != o) {
-        return Err(bad(&cpath, format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights")));
+        return Err(bad(
+            &cpath,
+            format!("gives {key} {t}; the config's model.{key} is {o}: set it to {t} to load these weights"),
+        ));
     }
     if !wpath.exists() && dir.join(SHARD_INDEX).is_file() {
         return Err(bad(dir, format!("holds its weights in shards ({SHARD_INDEX}); trainguard reads one model.safetensors: save it unsharded first (transformers: `model.save_pretrained(dir, max_shard_size=\"1000GB\")`)")));
     }
     let file = std::fs::File::open(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let map = crate::ffi::os::map_readonly(&file).map_err(|e| bad(&wpath, e.to_string()))?;
-    let header = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(&wpath, crate::checkpoint::store::not_whole(&e)))?;
+    let header = safetensors::SafeTensors::deserialize(&map)
+        .map_err(|e| bad(&wpath, crate::checkpoint::store::not_whole(&e)))?;
     // trainguard's names, sorted: the first tensor without a place is the same on every run.
-    let mut views: Vec<(String, safetensors::tensor::TensorView)> = header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, theirs)?, v))).collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> =
+        header.tensors().into_iter().filter_map(|(n, v)| Some(((fam.from_hf)(&n, theirs)?, v))).collect();
     views.sort_by(|a, b| a.0.cmp(&b.0));
     use safetensors::Dtype::{BF16, F16, F32, F64};
     if let Some((name, view)) = views.iter().find(|(_, v)| !matches!(v.dtype(), BF16 | F16 | F32 | F64)) {
-        return Err(bad(&wpath, format!("`{}` is {:?}; weights are floating point (F32, F16, BF16 or F64)", (fam.hf_name)(name).0, view.dtype())));
+        return Err(bad(
+            &wpath,
+            format!(
+                "`{}` is {:?}; weights are floating point (F32, F16, BF16 or F64)",
+                (fam.hf_name)(name).0,
+                view.dtype()
+            ),
+        ));
     }
     let specs = crate::model::describe(cfg);
     if let Some(why) = untied_head(&header, fam, theirs, &specs) {
@@ -340,11 +407,21 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
     }
     for s in &specs {
         let hf = (fam.hf_name)(&s.name).0;
-        let view = views.iter().find(|(n, _)| *n == s.name).map(|(_, v)| v).ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
+        let view = views
+            .iter()
+            .find(|(n, _)| *n == s.name)
+            .map(|(_, v)| v)
+            .ok_or_else(|| bad(&wpath, format!("no tensor `{hf}`")))?;
         // transformers' vocabulary matrices have the user's rows; the model pads them.
         let got: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
         if hf_shape(fam, &s.name, &got) != s.user_shape() {
-            return Err(bad(&wpath, format!("`{hf}` has shape {got:?}; the model (its config) needs {:?}", hf_shape(fam, &s.name, &s.user_shape()))));
+            return Err(bad(
+                &wpath,
+                format!(
+                    "`{hf}` has shape {got:?}; the model (its config) needs {:?}",
+                    hf_shape(fam, &s.name, &s.user_shape())
+                ),
+            ));
         }
     }
     let names: Vec<&str> = views.iter().map(|(n, _)| n.as_str()).collect();
@@ -359,13 +436,21 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
     }
     // The weights fit `cfg`'s model; the config.json beside them must give its sizes too (it
     // describes the directory to transformers, and to `sample` and `export` here).
-    let mut sizes = vec![("n_layer", theirs.n_layer, cfg.n_layer), ("n_embd", theirs.n_embd, cfg.n_embd), ("vocab_size", theirs.vocab_size, cfg.vocab_size), ("ffn_hidden", theirs.ffn(), cfg.ffn())];
+    let mut sizes = vec![
+        ("n_layer", theirs.n_layer, cfg.n_layer),
+        ("n_embd", theirs.n_embd, cfg.n_embd),
+        ("vocab_size", theirs.vocab_size, cfg.vocab_size),
+        ("ffn_hidden", theirs.ffn(), cfg.ffn()),
+    ];
     if cfg.arch == Arch::Gpt2 {
         sizes.push(("seq_len", theirs.seq_len, cfg.seq_len)); // the position embedding's rows
     }
     if let Some((key, said, held)) = sizes.into_iter().find(|(_, t, o)| t != o) {
         let theirs_key = fam.config_keys.iter().find(|(o, _)| *o == key).map_or(key, |(_, t)| t);
-        return Err(bad(&cpath, format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})")));
+        return Err(bad(
+            &cpath,
+            format!("gives `{theirs_key}` {said}; the weights beside it have {held} (model.{key})"),
+        ));
     }
     Ok(())
 }
@@ -374,12 +459,19 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
 /// values: transformers then keeps both (it warns and does not tie them), and loading the
 /// embedding alone, as a tied model does, would compute another model. An exporter's copy of
 /// the embedding, the same to the bit, is what tying means and passes.
-fn untied_head(header: &safetensors::SafeTensors, fam: &Family, theirs: &ModelConfig, specs: &[crate::model::TensorSpec]) -> Option<String> {
+fn untied_head(
+    header: &safetensors::SafeTensors,
+    fam: &Family,
+    theirs: &ModelConfig,
+    specs: &[crate::model::TensorSpec],
+) -> Option<String> {
     const HEAD: &str = "lm_head.weight";
     let head = header.tensor(HEAD).ok().filter(|_| (fam.from_hf)(HEAD, theirs).is_none())?;
     let ours = &specs.iter().find(|s| s.part == crate::model::Part::TiedEmbedding)?.name;
     // Under transformers' name, or ours (the Hub's GPT-2 has no `transformer.` prefix).
-    let (embed_name, embed) = [(fam.hf_name)(ours).0, ours.clone()].into_iter().find_map(|n| header.tensor(&n).ok().map(|t| (n, t)))?;
+    let (embed_name, embed) = [(fam.hf_name)(ours).0, ours.clone()]
+        .into_iter()
+        .find_map(|n| header.tensor(&n).ok().map(|t| (n, t)))?;
     let same = head.dtype() == embed.dtype() && head.shape() == embed.shape() && head.data() == embed.data();
     let fix = match theirs.arch {
         Arch::Gpt2 => "trainguard's GPT-2 ties its head to the embedding, so it cannot build this model",
@@ -398,7 +490,9 @@ pub fn init_from(model: &Model, dir: &Path) -> Result<(), HfError> {
     let _no_grad = tch::no_grad_guard();
     for (i, name) in model.params.names.iter().enumerate() {
         // Changed on disk since the check: its tensor may have gone.
-        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| bad(&wpath, format!("no tensor `{}`", (family(model.cfg.arch).hf_name)(name).0)))?;
+        let src = weights.iter().find(|(n, _)| n == name).map(|(_, t)| t).ok_or_else(|| {
+            bad(&wpath, format!("no tensor `{}`", (family(model.cfg.arch).hf_name)(name).0))
+        })?;
         model.copy_user_tensor(i, src).map_err(|e| bad(&wpath, e))?;
     }
     Ok(())
@@ -413,7 +507,12 @@ pub fn unplaced(model: &Model, weights: &[(String, Tensor)]) -> Option<String> {
 
 /// [`unplaced`] for the model `cfg` describes: `has` says which names it has, `is_zero` whether
 /// the tensor `names[i]` is all zeros.
-fn unplaced_in(cfg: &ModelConfig, has: impl Fn(&str) -> bool, names: &[&str], is_zero: impl Fn(usize) -> bool) -> Option<String> {
+fn unplaced_in(
+    cfg: &ModelConfig,
+    has: impl Fn(&str) -> bool,
+    names: &[&str],
+    is_zero: impl Fn(usize) -> bool,
+) -> Option<String> {
     let i = (0..names.len()).find(|&i| !(has(names[i]) || names[i].ends_with(".bias") && is_zero(i)))?;
     let name = names[i];
     let block = name.split('.').find_map(|s| s.parse::<usize>().ok());
@@ -455,7 +554,15 @@ mod tests {
     }
 
     fn cfg(bias: bool) -> ModelConfig {
-        ModelConfig { bias, n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 40, seq_len: 8, ..ModelConfig::default() }
+        ModelConfig {
+            bias,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 40,
+            seq_len: 8,
+            ..ModelConfig::default()
+        }
     }
 
     #[test]
@@ -473,8 +580,16 @@ mod tests {
             let qkv = raw.iter().find(|(n, _)| n == "transformer.h.0.attn.c_attn.weight").unwrap();
             assert_eq!(qkv.1.size(), [16, 48], "Conv1D layout [in, out]");
             // Refused from the config alone, before any model is built.
-            let e = check_init(&ModelConfig { n_embd: 32, ..cfg(bias) }, &d.path().join("hf")).err().unwrap().to_string();
-            assert!(e.contains("`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 32]"), "{e}");
+            let e = check_init(&ModelConfig { n_embd: 32, ..cfg(bias) }, &d.path().join("hf"))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains(
+                    "`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 32]"
+                ),
+                "{e}"
+            );
         }
     }
 
@@ -496,17 +611,27 @@ mod tests {
         let name = name.clone();
         Tensor::write_safetensors(&raw, &path).unwrap();
         let e = import(&hf).unwrap_err().to_string();
-        assert!(e.contains(&format!("`{name}` in model.safetensors holds 1 of")) && e.contains("NaN or infinite"), "{e}");
+        assert!(
+            e.contains(&format!("`{name}` in model.safetensors holds 1 of")) && e.contains("NaN or infinite"),
+            "{e}"
+        );
         let model = Model::new(&cfg(true), 2, Device::Cpu).unwrap();
         assert!(init_from(&model, &hf).unwrap_err().to_string().contains("NaN or infinite"));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
         let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
-        assert!(e.contains("model.safetensors: not a whole safetensors file (cut short, or another format)"), "{e}");
+        assert!(
+            e.contains("model.safetensors: not a whole safetensors file (cut short, or another format)"),
+            "{e}"
+        );
         std::fs::remove_file(&path).unwrap();
         std::fs::write(hf.join(SHARD_INDEX), "{}").unwrap();
         let e = import(&hf).unwrap_err().to_string();
-        assert!(e.contains("holds its weights in shards (model.safetensors.index.json)") && e.contains("max_shard_size"), "{e}");
+        assert!(
+            e.contains("holds its weights in shards (model.safetensors.index.json)")
+                && e.contains("max_shard_size"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -521,25 +646,43 @@ mod tests {
             let t: Vec<(String, Tensor)> = raw.iter().map(|(n, t)| (n.clone(), f(n, t))).collect();
             Tensor::write_safetensors(&t, &path).unwrap();
         };
-        let zero_biases = |n: &str, t: &Tensor| if n.ends_with(".bias") { t.zeros_like() } else { t.shallow_clone() };
+        let zero_biases =
+            |n: &str, t: &Tensor| if n.ends_with(".bias") { t.zeros_like() } else { t.shallow_clone() };
         // bf16 weights, into a model without biases: the zero biases are dropped.
         rewrite(&|n, t| zero_biases(n, t).to_kind(Kind::BFloat16));
         let b = Model::new(&cfg(false), 2, Device::Cpu).unwrap();
         init_from(&b, &hf).unwrap();
         for (i, name) in b.params.names.iter().enumerate() {
             let j = a.params.names.iter().position(|n| n == name).unwrap();
-            assert!(b.user_tensor(i).unwrap().equal(&a.user_tensor(j).unwrap().to_kind(Kind::BFloat16).to_kind(Kind::Float)), "{name}");
+            assert!(
+                b.user_tensor(i)
+                    .unwrap()
+                    .equal(&a.user_tensor(j).unwrap().to_kind(Kind::BFloat16).to_kind(Kind::Float)),
+                "{name}"
+            );
         }
         // One bias not zero: read from the mapped file, and refused by name.
         rewrite(&|n, t| if n == "transformer.h.1.mlp.c_fc.bias" { t.ones_like() } else { zero_biases(n, t) });
         let e = check_init(&cfg(false), &hf).unwrap_err().to_string();
         assert!(e.contains("`transformer.h.1.mlp.c_fc.bias` has no place in the model: a non-zero bias, and model.bias is false"), "{e}");
         check_init(&cfg(true), &hf).unwrap();
-        rewrite(&|n, t| if n == "transformer.wpe.weight" { t.to_kind(Kind::Int64) } else { t.shallow_clone() });
+        rewrite(&|n, t| {
+            if n == "transformer.wpe.weight" {
+                t.to_kind(Kind::Int64)
+            } else {
+                t.shallow_clone()
+            }
+        });
         let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
         assert!(e.contains("`transformer.wpe.weight` is I64; weights are floating point"), "{e}");
         // A bias the model lacks that is not a float is named for its dtype, not as "non-zero".
-        rewrite(&|n, t| if n == "transformer.h.0.attn.c_proj.bias" { t.zeros_like().to_kind(Kind::Int64) } else { zero_biases(n, t) });
+        rewrite(&|n, t| {
+            if n == "transformer.h.0.attn.c_proj.bias" {
+                t.zeros_like().to_kind(Kind::Int64)
+            } else {
+                zero_biases(n, t)
+            }
+        });
         let e = check_init(&cfg(false), &hf).unwrap_err().to_string();
         assert!(e.contains("`transformer.h.0.attn.c_proj.bias` is I64; weights are floating point"), "{e}");
     }
@@ -548,11 +691,22 @@ mod tests {
     fn llama_export_then_init_from_is_bit_exact_tied_or_not_and_refuses_another_arch() {
         let d = tempfile::tempdir().unwrap();
         for tie in [true, false] {
-            let c = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(24), bias: false, tie_embeddings: tie, ..cfg(false) };
+            let c = ModelConfig {
+                arch: Arch::Llama,
+                n_kv_head: Some(1),
+                ffn_hidden: Some(24),
+                bias: false,
+                tie_embeddings: tie,
+                ..cfg(false)
+            };
             let hf = d.path().join(format!("hf-{tie}"));
             let a = Model::new(&c, 1, Device::Cpu).unwrap();
             export(&a, None, &hf).unwrap();
-            let names: Vec<String> = Tensor::read_safetensors(hf.join("model.safetensors")).unwrap().into_iter().map(|(n, _)| n).collect();
+            let names: Vec<String> = Tensor::read_safetensors(hf.join("model.safetensors"))
+                .unwrap()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
             assert_eq!(names.contains(&"lm_head.weight".to_string()), !tie, "a tied head is not written");
             assert_eq!(names.len(), a.params.names.len());
             let (back, _) = import(&hf).unwrap();
@@ -576,9 +730,15 @@ mod tests {
         let a = Model::new(&c, 1, Device::Cpu).unwrap();
         export(&a, None, &hf).unwrap();
         let wpath = hf.join("model.safetensors");
-        let mut weights: Vec<(String, Tensor)> = Tensor::read_safetensors(&wpath).unwrap().into_iter().map(|(n, t)| (n.trim_start_matches("transformer.").to_string(), t)).collect();
+        let mut weights: Vec<(String, Tensor)> = Tensor::read_safetensors(&wpath)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n.trim_start_matches("transformer.").to_string(), t))
+            .collect();
         for i in 0..c.n_layer {
-            let mask = Tensor::ones([c.seq_len as i64, c.seq_len as i64], (Kind::Float, Device::Cpu)).tril(0).view([1, 1, c.seq_len as i64, c.seq_len as i64]);
+            let mask = Tensor::ones([c.seq_len as i64, c.seq_len as i64], (Kind::Float, Device::Cpu))
+                .tril(0)
+                .view([1, 1, c.seq_len as i64, c.seq_len as i64]);
             weights.push((format!("h.{i}.attn.bias"), mask));
             weights.push((format!("h.{i}.attn.masked_bias"), Tensor::from(-10000.0f32)));
         }
@@ -608,7 +768,14 @@ mod tests {
     #[test]
     fn a_head_stored_apart_from_the_embedding_it_is_tied_to_is_refused_unless_a_copy() {
         let d = tempfile::tempdir().unwrap();
-        let untied = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(24), bias: false, tie_embeddings: false, ..cfg(false) };
+        let untied = ModelConfig {
+            arch: Arch::Llama,
+            n_kv_head: Some(1),
+            ffn_hidden: Some(24),
+            bias: false,
+            tie_embeddings: false,
+            ..cfg(false)
+        };
         let tied = ModelConfig { tie_embeddings: true, ..untied.clone() };
         let hf = d.path().join("hf");
         export(&Model::new(&untied, 1, Device::Cpu).unwrap(), None, &hf).unwrap();
@@ -617,10 +784,17 @@ mod tests {
         c["tie_word_embeddings"] = json!(true);
         std::fs::write(&cpath, c.to_string()).unwrap();
         for e in [import(&hf).err().unwrap().to_string(), check_init(&tied, &hf).err().unwrap().to_string()] {
-            assert!(e.contains("holds `lm_head.weight`, other values than `model.embed_tokens.weight`") && e.contains("tie_word_embeddings"), "{e}");
+            assert!(
+                e.contains("holds `lm_head.weight`, other values than `model.embed_tokens.weight`")
+                    && e.contains("tie_word_embeddings"),
+                "{e}"
+            );
         }
         let e = check_init(&untied, &hf).err().unwrap().to_string();
-        assert!(e.contains("gives tie_embeddings true; the config's model.tie_embeddings is false"), "not a tensor said missing: {e}");
+        assert!(
+            e.contains("gives tie_embeddings true; the config's model.tie_embeddings is false"),
+            "not a tensor said missing: {e}"
+        );
         // The head rewritten as the embedding's copy: what tying means.
         let wpath = hf.join("model.safetensors");
         let mut weights = Tensor::read_safetensors(&wpath).unwrap();
@@ -645,13 +819,22 @@ mod tests {
         // Sizes that would build a model of hundreds of GiB: refused from the header.
         edit("n_embd", 131072);
         let e = import(&hf).unwrap_err().to_string();
-        assert!(e.contains("`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 131072]"), "{e}");
+        assert!(
+            e.contains(
+                "`transformer.wte.weight` has shape [40, 16]; the model (its config) needs [40, 131072]"
+            ),
+            "{e}"
+        );
         // More blocks than the file holds: for import, a missing tensor; for init_from into
         // the model the weights fit, the config.json's own count.
         edit("n_layer", 3);
         assert!(import(&hf).unwrap_err().to_string().contains("no tensor `transformer.h.2."));
         let e = check_init(&cfg(true), &hf).unwrap_err().to_string();
-        assert!(e.contains("config.json") && e.contains("gives `n_layer` 3; the weights beside it have 2 (model.n_layer)"), "{e}");
+        assert!(
+            e.contains("config.json")
+                && e.contains("gives `n_layer` 3; the weights beside it have 2 (model.n_layer)"),
+            "{e}"
+        );
         std::fs::write(&json, good.to_string()).unwrap();
         assert_eq!(import(&hf).unwrap().0, cfg(true));
     }

@@ -63,11 +63,21 @@ impl Attempt {
 
     /// The failure record's path: `$TRAINGUARD_FAILURE_FILE`, else one in `tmp` for this user
     /// (`uid`), torchrun agent (`agent`, the parent's pid) and run id: never another job's.
-    pub fn failure_file(&self, var: impl Fn(&str) -> Option<String>, tmp: &Path, uid: u32, agent: u32) -> PathBuf {
+    pub fn failure_file(
+        &self,
+        var: impl Fn(&str) -> Option<String>,
+        tmp: &Path,
+        uid: u32,
+        agent: u32,
+    ) -> PathBuf {
         match var(FAILURE_FILE_ENV).filter(|p| !p.is_empty()) {
             Some(p) => PathBuf::from(p),
             None => {
-                let id: String = self.run_id.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+                let id: String = self
+                    .run_id
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+                    .collect();
                 tmp.join(format!("trainguard-torchrun-{uid}-{agent}-{id}.failed.json"))
             }
         }
@@ -134,16 +144,26 @@ mod tests {
     #[test]
     fn an_attempt_is_read_from_torchruns_environment() {
         assert_eq!(Attempt::from_env(env(&[])), None, "not under torchrun");
-        let a = Attempt::from_env(env(&[("TORCHELASTIC_RUN_ID", "job/7"), ("TORCHELASTIC_RESTART_COUNT", "2")])).unwrap();
+        let a =
+            Attempt::from_env(env(&[("TORCHELASTIC_RUN_ID", "job/7"), ("TORCHELASTIC_RESTART_COUNT", "2")]))
+                .unwrap();
         assert_eq!(a, Attempt { run_id: "job/7".into(), restart_count: 2 });
-        assert_eq!(a.failure_file(env(&[]), Path::new("/tmp"), 1000, 42), PathBuf::from("/tmp/trainguard-torchrun-1000-42-job_7.failed.json"));
-        assert_eq!(a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp"), 1000, 42), PathBuf::from("/jobs/f.json"));
+        assert_eq!(
+            a.failure_file(env(&[]), Path::new("/tmp"), 1000, 42),
+            PathBuf::from("/tmp/trainguard-torchrun-1000-42-job_7.failed.json")
+        );
+        assert_eq!(
+            a.failure_file(env(&[(FAILURE_FILE_ENV, "/jobs/f.json")]), Path::new("/tmp"), 1000, 42),
+            PathBuf::from("/jobs/f.json")
+        );
     }
 
     #[test]
     fn a_job_on_several_nodes_under_the_default_run_id_is_warned_of() {
         let at = |id: &str| Attempt { run_id: id.into(), restart_count: 0 };
-        assert!(at("none").unnamed_across(2).is_some_and(|w| w.contains("on 2 nodes") && w.contains("--rdzv-id")));
+        assert!(at("none")
+            .unnamed_across(2)
+            .is_some_and(|w| w.contains("on 2 nodes") && w.contains("--rdzv-id")));
         assert_eq!(at("none").unnamed_across(1), None, "one node restarts as a whole, its count raised");
         assert_eq!(at("job-7").unnamed_across(4), None, "a named job");
     }
@@ -174,8 +194,13 @@ mod tests {
         assert!(file.exists(), "never removed by a worker: a sibling may have written it");
         assert_eq!(earlier_failure(&d.path().join("none.json"), &at(1)), None);
         assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1, "no temporary file left");
-        let msg = EarlierFailure(Failure { restart_count: 0, code: 2, message: "refused".into() }).to_string();
-        assert!(msg.starts_with("attempt 1 of this torchrun job (restart 0) ended with exit 2") && msg.ends_with(": refused"), "{msg}");
+        let msg =
+            EarlierFailure(Failure { restart_count: 0, code: 2, message: "refused".into() }).to_string();
+        assert!(
+            msg.starts_with("attempt 1 of this torchrun job (restart 0) ended with exit 2")
+                && msg.ends_with(": refused"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -18,7 +18,12 @@ impl Interrupter {
     /// Routes SIGINT and SIGTERM here (ctrlc's `termination` feature), saying `first`. A
     /// second signal says `then` and exits at once with the code `second` returns, after
     /// whatever it does (the stop record).
-    pub fn install_signal_handler(&self, first: &'static str, then: &'static str, second: impl Fn() -> i32 + Send + 'static) -> Result<(), ctrlc::Error> {
+    pub fn install_signal_handler(
+        &self,
+        first: &'static str,
+        then: &'static str,
+        second: impl Fn() -> i32 + Send + 'static,
+    ) -> Result<(), ctrlc::Error> {
         let count = self.0.clone();
         ctrlc::set_handler(move || {
             if count.fetch_add(1, Ordering::SeqCst) & !REQUESTED_BY_CODE >= 1 {
@@ -29,7 +34,9 @@ impl Interrupter {
                 // (SIGSEGV, exit 139, which torchrun takes for a failure).
                 crate::ffi::os::exit_now(code);
             }
-            crate::console::logging::to_stderr(&format!("signal received: {first} (send it again to exit at once)"));
+            crate::console::logging::to_stderr(&format!(
+                "signal received: {first} (send it again to exit at once)"
+            ));
         })
     }
 

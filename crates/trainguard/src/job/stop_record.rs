@@ -44,7 +44,13 @@ pub struct StopRecord {
 impl StopRecord {
     pub fn stopped(step: u64, reason: &str, checkpoint: Option<&Path>) -> Self {
         let resumable = checkpoint.is_some();
-        Self { status: Status::Stopped, reason: Some(reason.into()), step, checkpoint: checkpoint.map(|c| c.display().to_string()), resumable }
+        Self {
+            status: Status::Stopped,
+            reason: Some(reason.into()),
+            step,
+            checkpoint: checkpoint.map(|c| c.display().to_string()),
+            resumable,
+        }
     }
     pub fn finished(step: u64) -> Self {
         Self { status: Status::Finished, reason: None, step, checkpoint: None, resumable: false }

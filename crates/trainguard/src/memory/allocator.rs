@@ -43,23 +43,47 @@ impl EffectiveSettings {
         let value = |k: &str| pairs.iter().rev().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
         let on = |k: &str| value(k).is_some_and(|v| v.eq_ignore_ascii_case("true"));
         let env = self.env_var.unwrap_or("PYTORCH_CUDA_ALLOC_CONF");
-        let name = |k: &str| if self.from_config.iter().any(|c| c == k) { format!("{}.{k}", crate::config::allocator::KEY) } else { format!("{env}'s {k}") };
+        let name = |k: &str| {
+            if self.from_config.iter().any(|c| c == k) {
+                format!("{}.{k}", crate::config::allocator::KEY)
+            } else {
+                format!("{env}'s {k}")
+            }
+        };
         let mut w = Vec::new();
         if value("backend") == Some("cudaMallocAsync") {
-            for k in ["max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments"] {
+            for k in [
+                "max_split_size_mb",
+                "roundup_power2_divisions",
+                "garbage_collection_threshold",
+                "expandable_segments",
+            ] {
                 if value(k).is_some() {
                     w.push(format!("{} is ignored by backend cudaMallocAsync", name(k)));
                 }
             }
         }
-        if value("garbage_collection_threshold").is_some() && !fraction_set && value("per_process_memory_fraction").is_none() {
-            w.push(format!("{} only acts under a memory fraction: set memory.limit", name("garbage_collection_threshold")));
+        if value("garbage_collection_threshold").is_some()
+            && !fraction_set
+            && value("per_process_memory_fraction").is_none()
+        {
+            w.push(format!(
+                "{} only acts under a memory fraction: set memory.limit",
+                name("garbage_collection_threshold")
+            ));
         }
         if on("expandable_segments") && value("max_split_size_mb").is_some() {
-            w.push(format!("{} with {}: known to misbehave in some PyTorch versions; pick one", name("expandable_segments"), name("max_split_size_mb")));
+            w.push(format!(
+                "{} with {}: known to misbehave in some PyTorch versions; pick one",
+                name("expandable_segments"),
+                name("max_split_size_mb")
+            ));
         }
         if value("pinned_num_register_threads").is_some() && !on("pinned_use_cuda_host_register") {
-            w.push(format!("{} does nothing without pinned_use_cuda_host_register: true", name("pinned_num_register_threads")));
+            w.push(format!(
+                "{} does nothing without pinned_use_cuda_host_register: true",
+                name("pinned_num_register_threads")
+            ));
         }
         w
     }
@@ -99,7 +123,8 @@ fn split_pairs(conf: &str) -> Vec<(String, String)> {
 
 /// trainguard's defaults for a CUDA run, given what the environment (`env`) and the config set.
 pub fn cuda_defaults(env: Option<&str>, config: &[(String, String)]) -> Vec<(String, String)> {
-    let set: Vec<(String, String)> = env.map(split_pairs).unwrap_or_default().into_iter().chain(config.iter().cloned()).collect();
+    let set: Vec<(String, String)> =
+        env.map(split_pairs).unwrap_or_default().into_iter().chain(config.iter().cloned()).collect();
     let has = |k: &str| set.iter().any(|(key, _)| key == k);
     let async_backend = set.iter().any(|(k, v)| k == "backend" && v == "cudaMallocAsync");
     if has("expandable_segments") || has("max_split_size_mb") || async_backend {
@@ -109,7 +134,12 @@ pub fn cuda_defaults(env: Option<&str>, config: &[(String, String)]) -> Vec<(Str
 }
 
 /// The merge rule above, pure. `defaults` apply only to keys neither source names.
-pub fn merge(env: Option<&str>, config: &[(String, String)], defaults: &[(String, String)], fraction: Option<f64>) -> EffectiveSettings {
+pub fn merge(
+    env: Option<&str>,
+    config: &[(String, String)],
+    defaults: &[(String, String)],
+    fraction: Option<f64>,
+) -> EffectiveSettings {
     let mut pairs = env.map(split_pairs).unwrap_or_default();
     let from_env = !pairs.is_empty();
     let mut defaulted = Vec::new();
@@ -136,7 +166,9 @@ pub fn merge(env: Option<&str>, config: &[(String, String)], defaults: &[(String
         }
     }
     let mut source: Vec<&str> = Vec::new();
-    for (on, name) in [(from_env, "environment"), (!own.is_empty(), "config"), (!defaulted.is_empty(), "default")] {
+    for (on, name) in
+        [(from_env, "environment"), (!own.is_empty(), "config"), (!defaulted.is_empty(), "default")]
+    {
         if on {
             source.push(name);
         }
@@ -155,7 +187,9 @@ pub fn env_conf() -> Option<String> {
 /// reads `PYTORCH_CUDA_ALLOC_CONF`, else `PYTORCH_ALLOC_CONF`.
 pub fn env_source() -> Option<(&'static str, String)> {
     let read = |name: &'static str| std::env::var(name).ok().map(|v| (name, v));
-    read("PYTORCH_CUDA_ALLOC_CONF").or_else(|| read("PYTORCH_ALLOC_CONF")).filter(|(_, s)| !s.trim().is_empty())
+    read("PYTORCH_CUDA_ALLOC_CONF")
+        .or_else(|| read("PYTORCH_ALLOC_CONF"))
+        .filter(|(_, s)| !s.trim().is_empty())
 }
 
 /// The settings a run would use: the environment's, `alloc`'s, trainguard's defaults when the run
@@ -164,12 +198,19 @@ pub fn effective(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
     let (source, config) = (env_source(), alloc.pairs());
     let env = source.as_ref().map(|(_, value)| value.as_str());
     let defaults = if cuda { cuda_defaults(env, &config) } else { Vec::new() };
-    EffectiveSettings { env_var: source.as_ref().map(|(name, _)| *name), ..merge(env, &config, &defaults, fraction) }
+    EffectiveSettings {
+        env_var: source.as_ref().map(|(name, _)| *name),
+        ..merge(env, &config, &defaults, fraction)
+    }
 }
 
 /// [`effective`], applied; must run before the first CUDA allocation (and before other threads
 /// read the environment: call it early in `main`).
-pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> Result<EffectiveSettings, AllocatorError> {
+pub fn configure(
+    alloc: &AllocatorConfig,
+    fraction: Option<f64>,
+    cuda: bool,
+) -> Result<EffectiveSettings, AllocatorError> {
     let eff = effective(alloc, fraction, cuda);
     if eff.source == "none" {
         return Ok(eff);
@@ -189,9 +230,17 @@ pub fn configure(alloc: &AllocatorConfig, fraction: Option<f64>, cuda: bool) -> 
     std::env::set_var("PYTORCH_CUDA_ALLOC_CONF", &eff.conf);
     // Everything but the backend (already in effect; parsing it again starts CUDA, which fails
     // on a machine without a driver) is handed over now.
-    let settings = split_pairs(&eff.conf).into_iter().filter(|(k, _)| k != "backend").map(|(k, v)| format!("{k}:{v}")).collect::<Vec<_>>().join(",");
+    let settings = split_pairs(&eff.conf)
+        .into_iter()
+        .filter(|(k, _)| k != "backend")
+        .map(|(k, v)| format!("{k}:{v}"))
+        .collect::<Vec<_>>()
+        .join(",");
     if !settings.is_empty() {
-        ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError { conf: eff.conf.clone(), message: format!("libtorch refused them: {}", e.to_string().lines().next().unwrap_or_default()) })?;
+        ffi::set_allocator_settings(&settings).map_err(|e| AllocatorError {
+            conf: eff.conf.clone(),
+            message: format!("libtorch refused them: {}", e.to_string().lines().next().unwrap_or_default()),
+        })?;
     }
     Ok(eff)
 }
@@ -210,7 +259,13 @@ fn refused_backend(alloc: &AllocatorConfig) -> Option<String> {
 /// The allocator backend libtorch chose when it loaded, from the environment's settings `env`:
 /// the last `backend` key, else `native`.
 fn load_time_backend(env: Option<&str>) -> String {
-    env.map(split_pairs).unwrap_or_default().into_iter().rev().find(|(k, _)| k == "backend").map(|(_, v)| v).unwrap_or_else(|| "native".into())
+    env.map(split_pairs)
+        .unwrap_or_default()
+        .into_iter()
+        .rev()
+        .find(|(k, _)| k == "backend")
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| "native".into())
 }
 
 #[cfg(test)]
@@ -223,7 +278,12 @@ mod tests {
 
     #[test]
     fn config_wins_over_the_environment_key_by_key() {
-        let e = merge(Some("expandable_segments:True,max_split_size_mb:128"), &[p("max_split_size_mb", "256")], &[], None);
+        let e = merge(
+            Some("expandable_segments:True,max_split_size_mb:128"),
+            &[p("max_split_size_mb", "256")],
+            &[],
+            None,
+        );
         assert_eq!(e.conf, "expandable_segments:True,max_split_size_mb:256");
         assert_eq!(e.source, "environment+config");
         assert_eq!(e.overridden, ["max_split_size_mb: environment 128, config 256"]);
@@ -234,17 +294,26 @@ mod tests {
         assert_eq!(merge(None, &[], &[], None).source, "none");
         assert_eq!(merge(Some("backend:native"), &[], &[], None).conf, "backend:native");
         let e = merge(None, &[p("expandable_segments", "True")], &[], Some(0.25));
-        assert_eq!((e.conf.as_str(), e.source.as_str()), ("expandable_segments:True,per_process_memory_fraction:0.250000", "config"));
+        assert_eq!(
+            (e.conf.as_str(), e.source.as_str()),
+            ("expandable_segments:True,per_process_memory_fraction:0.250000", "config")
+        );
     }
 
     #[test]
     fn expandable_segments_by_default_on_cuda_unless_told_otherwise() {
         let on = cuda_defaults(None, &[]);
         let e = merge(None, &[], &on, Some(0.5));
-        assert_eq!((e.conf.as_str(), e.source.as_str()), ("expandable_segments:True,per_process_memory_fraction:0.500000", "config+default"));
+        assert_eq!(
+            (e.conf.as_str(), e.source.as_str()),
+            ("expandable_segments:True,per_process_memory_fraction:0.500000", "config+default")
+        );
         assert_eq!(e.defaulted, ["expandable_segments:True"]);
         let env_other = cuda_defaults(Some("garbage_collection_threshold:0.6"), &[]);
-        assert_eq!(merge(Some("garbage_collection_threshold:0.6"), &[], &env_other, None).conf, "garbage_collection_threshold:0.6,expandable_segments:True");
+        assert_eq!(
+            merge(Some("garbage_collection_threshold:0.6"), &[], &env_other, None).conf,
+            "garbage_collection_threshold:0.6,expandable_segments:True"
+        );
         for (env, config) in [
             (Some("expandable_segments:False"), vec![]),
             (None, vec![p("expandable_segments", "False")]),
@@ -260,7 +329,9 @@ mod tests {
 
     #[test]
     fn combinations_that_do_nothing_or_break_are_warned_of_whichever_source_set_them() {
-        let warned = |env: Option<&str>, config: &[(String, String)], fraction_set: bool| merge(env, config, &[], None).warnings(fraction_set);
+        let warned = |env: Option<&str>, config: &[(String, String)], fraction_set: bool| {
+            merge(env, config, &[], None).warnings(fraction_set)
+        };
         // From the config alone, named by its keys.
         let w = warned(None, &[p("backend", "cudaMallocAsync"), p("max_split_size_mb", "128")], false);
         assert_eq!(w, ["memory.allocator.max_split_size_mb is ignored by backend cudaMallocAsync"]);
@@ -269,21 +340,44 @@ mod tests {
         let gc = [p("garbage_collection_threshold", "0.8")];
         assert_eq!(warned(None, &gc, false), ["memory.allocator.garbage_collection_threshold only acts under a memory fraction: set memory.limit"]);
         assert!(warned(None, &gc, true).is_empty(), "with a memory fraction the threshold acts");
-        assert!(merge(None, &gc, &[], Some(0.5)).warnings(false).is_empty(), "the fraction in the settings counts too");
+        assert!(
+            merge(None, &gc, &[], Some(0.5)).warnings(false).is_empty(),
+            "the fraction in the settings counts too"
+        );
         assert_eq!(warned(None, &[p("pinned_num_register_threads", "8")], false).len(), 1);
-        assert!(warned(None, &[p("pinned_num_register_threads", "8"), p("pinned_use_cuda_host_register", "True")], false).is_empty());
+        assert!(warned(
+            None,
+            &[p("pinned_num_register_threads", "8"), p("pinned_use_cuda_host_register", "True")],
+            false
+        )
+        .is_empty());
         // From the environment alone, named as the environment's.
         let w = warned(Some("backend:cudaMallocAsync,expandable_segments:True"), &[], false);
-        assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments is ignored by backend cudaMallocAsync"]);
+        assert_eq!(
+            w,
+            ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments is ignored by backend cudaMallocAsync"]
+        );
         let w = warned(Some("expandable_segments:true,max_split_size_mb:256"), &[], false);
         assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments with PYTORCH_CUDA_ALLOC_CONF's max_split_size_mb: known to misbehave in some PyTorch versions; pick one"]);
         // Half from each: each key named where it came from; a key the config replaced is the config's.
-        let w = warned(Some("expandable_segments:True,max_split_size_mb:64"), &[p("max_split_size_mb", "128")], false);
+        let w = warned(
+            Some("expandable_segments:True,max_split_size_mb:64"),
+            &[p("max_split_size_mb", "128")],
+            false,
+        );
         assert_eq!(w, ["PYTORCH_CUDA_ALLOC_CONF's expandable_segments with memory.allocator.max_split_size_mb: known to misbehave in some PyTorch versions; pick one"]);
         // The config turning the environment's switch off ends the warning.
-        assert!(warned(Some("expandable_segments:True,max_split_size_mb:64"), &[p("expandable_segments", "False")], false).is_empty());
+        assert!(warned(
+            Some("expandable_segments:True,max_split_size_mb:64"),
+            &[p("expandable_segments", "False")],
+            false
+        )
+        .is_empty());
         // The environment's other variable is named as the one read.
-        let named = EffectiveSettings { env_var: Some("PYTORCH_ALLOC_CONF"), ..merge(Some("garbage_collection_threshold:0.6"), &[], &[], None) };
+        let named = EffectiveSettings {
+            env_var: Some("PYTORCH_ALLOC_CONF"),
+            ..merge(Some("garbage_collection_threshold:0.6"), &[], &[], None)
+        };
         assert_eq!(named.warnings(false), ["PYTORCH_ALLOC_CONF's garbage_collection_threshold only acts under a memory fraction: set memory.limit"]);
         // trainguard's own default never warns, nor do no settings.
         let d = cuda_defaults(None, &[]);
@@ -295,7 +389,10 @@ mod tests {
     fn the_backend_is_the_one_libtorch_loaded_with() {
         assert_eq!(load_time_backend(None), "native");
         assert_eq!(load_time_backend(Some("expandable_segments:True")), "native");
-        assert_eq!(load_time_backend(Some("backend:cudaMallocAsync,max_split_size_mb:64")), "cudaMallocAsync");
+        assert_eq!(
+            load_time_backend(Some("backend:cudaMallocAsync,max_split_size_mb:64")),
+            "cudaMallocAsync"
+        );
     }
 
     #[test]
@@ -306,7 +403,10 @@ mod tests {
 
     #[test]
     fn libtorch_parses_what_the_config_renders() {
-        let alloc: AllocatorConfig = serde_yaml::from_str("{expandable_segments: true, roundup_power2_divisions: {'64': 8, '>': 1}, max_split_size_mb: 64}").unwrap();
+        let alloc: AllocatorConfig = serde_yaml::from_str(
+            "{expandable_segments: true, roundup_power2_divisions: {'64': 8, '>': 1}, max_split_size_mb: 64}",
+        )
+        .unwrap();
         let eff = merge(None, &alloc.pairs(), &[], None);
         ffi::set_allocator_settings(&eff.conf).unwrap();
         assert!(ffi::set_allocator_settings("max_split_size_mb:10").is_err(), "libtorch's own range check");

@@ -135,8 +135,12 @@ mod tests {
         let counters: [i64; 14] = [0, 0, 0, 2, 7, 9, 9, 10, 14, 15, 21, 21, 21, 21];
         let mut detector = ThrashDetector::new(3);
         let mut guard = GuardState::new(32, 4, 0);
-        let shrunk: Vec<(u64, Option<usize>)> =
-            counters.iter().enumerate().filter(|&(_, &c)| detector.observe(c)).map(|(step, _)| (step as u64, guard.shrink(step as u64))).collect();
+        let shrunk: Vec<(u64, Option<usize>)> = counters
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| detector.observe(c))
+            .map(|(step, _)| (step as u64, guard.shrink(step as u64)))
+            .collect();
         // Rises at steps 3, 4, 5 → fires at 5; flat at 6 resets; rises at 7, 8, 9 → fires at 9;
         // the rise at 10 alone is not three in a row.
         assert_eq!(shrunk, [(5, Some(16)), (9, Some(8))]);

@@ -43,21 +43,24 @@ impl Gpus {
 
     pub fn list(&self) -> Vec<GpuInfo> {
         let n = self.nvml.device_count().unwrap_or(0);
-        (0..n)
-            .filter_map(|i| info(&self.nvml.device_by_index(i).ok()?, i))
-            .collect()
+        (0..n).filter_map(|i| info(&self.nvml.device_by_index(i).ok()?, i)).collect()
     }
 
     /// The NVML device behind CUDA's device `cuda_index` in this process.
     fn for_cuda(&self, cuda_index: usize) -> Result<Device<'_>, String> {
         let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let at = |what: &str, e: nvml_wrapper::error::NvmlError| format!("NVML device {what} (CUDA device {cuda_index}): {e}");
+        let at = |what: &str, e: nvml_wrapper::error::NvmlError| {
+            format!("NVML device {what} (CUDA device {cuda_index}): {e}")
+        };
         match cuda_to_nvml(cuda_index, visible.as_deref())? {
             NvmlDevice::Index(i) => self.nvml.device_by_index(i).map_err(|e| at(&i.to_string(), e)),
             // CUDA accepts a unique prefix of a UUID; NVML wants it whole.
             NvmlDevice::Uuid(prefix) => self.nvml.device_by_uuid(prefix.as_str()).or_else(|e| {
                 let n = self.nvml.device_count().unwrap_or(0);
-                (0..n).filter_map(|i| self.nvml.device_by_index(i).ok()).find(|d| d.uuid().is_ok_and(|u| u.starts_with(&prefix))).ok_or_else(|| at(&prefix, e))
+                (0..n)
+                    .filter_map(|i| self.nvml.device_by_index(i).ok())
+                    .find(|d| d.uuid().is_ok_and(|u| u.starts_with(&prefix)))
+                    .ok_or_else(|| at(&prefix, e))
             }),
         }
     }
@@ -90,7 +93,12 @@ impl Gpus {
 /// NVML device `index`'s name and memory; `None` when its memory cannot be read.
 fn info(d: &Device, index: u32) -> Option<GpuInfo> {
     let mem = d.memory_info().ok()?;
-    Some(GpuInfo { index, name: d.name().unwrap_or_default(), memory_total_bytes: mem.total, memory_free_bytes: mem.free })
+    Some(GpuInfo {
+        index,
+        name: d.name().unwrap_or_default(),
+        memory_total_bytes: mem.total,
+        memory_free_bytes: mem.free,
+    })
 }
 
 /// Where NVML finds a CUDA device.
@@ -112,10 +120,14 @@ pub fn cuda_to_nvml(cuda_index: usize, visible: Option<&str>) -> Result<NvmlDevi
     let Some(list) = visible else { return Ok(NvmlDevice::Index(cuda_index as u32)) };
     let hidden = || format!("CUDA_VISIBLE_DEVICES=`{list}` lists no CUDA device {cuda_index}");
     let entries = list.split(',').map(str::trim);
-    let devices: Vec<NvmlDevice> = match ["GPU-", "MIG-"].into_iter().find(|p| list.trim_start().starts_with(p)) {
-        Some(prefix) => entries.take_while(|e| e.starts_with(prefix)).map(|e| NvmlDevice::Uuid(e.to_string())).collect(),
-        None => entries.map_while(strtoul).map(NvmlDevice::Index).collect(),
-    };
+    let devices: Vec<NvmlDevice> =
+        match ["GPU-", "MIG-"].into_iter().find(|p| list.trim_start().starts_with(p)) {
+            Some(prefix) => entries
+                .take_while(|e| e.starts_with(prefix))
+                .map(|e| NvmlDevice::Uuid(e.to_string()))
+                .collect(),
+            None => entries.map_while(strtoul).map(NvmlDevice::Index).collect(),
+        };
     let repeated = devices.iter().enumerate().any(|(i, d)| devices[..i].contains(d));
     if repeated {
         return Err(format!("{}: it names a device twice, which hides every device", hidden()));
@@ -143,7 +155,10 @@ mod tests {
         assert_eq!(cuda_to_nvml(1, Some("6, 2")), Ok(Index(2)), "the list's order, not NVML's");
         assert_eq!(cuda_to_nvml(0, Some("1gpu,+4")), Ok(Index(1)), "strtoul's reading");
         assert_eq!(cuda_to_nvml(1, Some("1gpu,+4")), Ok(Index(4)));
-        assert!(cuda_to_nvml(2, Some("0,1,-1,2")).unwrap_err().contains("lists no CUDA device 2"), "the list ends at an invalid entry");
+        assert!(
+            cuda_to_nvml(2, Some("0,1,-1,2")).unwrap_err().contains("lists no CUDA device 2"),
+            "the list ends at an invalid entry"
+        );
         assert!(cuda_to_nvml(0, Some("")).is_err(), "an empty list hides every device");
         assert!(cuda_to_nvml(1, Some("4")).is_err());
         assert!(cuda_to_nvml(0, Some("2,3,2")).unwrap_err().contains("names a device twice"));

@@ -85,7 +85,11 @@ pub fn prepare_cpu_limit() {
 fn warm_up_blas() {
     let products = || -> Result<(), tch::TchError> {
         let a = tch::Tensor::f_ones([512, 512], (tch::Kind::Float, Device::Cpu))?;
-        for (x, y) in [(a.shallow_clone(), a.shallow_clone()), (a.shallow_clone(), a.f_transpose(0, 1)?), (a.f_transpose(0, 1)?, a.shallow_clone())] {
+        for (x, y) in [
+            (a.shallow_clone(), a.shallow_clone()),
+            (a.shallow_clone(), a.f_transpose(0, 1)?),
+            (a.f_transpose(0, 1)?, a.shallow_clone()),
+        ] {
             let _ = x.f_matmul(&y)?.f_sum(tch::Kind::Float)?;
         }
         Ok(())

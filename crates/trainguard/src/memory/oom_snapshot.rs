@@ -34,7 +34,9 @@ pub fn start(enabled: bool, device: Device, writer: bool) -> bool {
     }
     match crate::ffi::record_memory_history(true, MAX_ENTRIES) {
         Ok(()) => {
-            tracing::info!("memory.snapshot_on_oom: recording the CUDA allocator's history (last {MAX_ENTRIES} events)");
+            tracing::info!(
+                "memory.snapshot_on_oom: recording the CUDA allocator's history (last {MAX_ENTRIES} events)"
+            );
             true
         }
         Err(e) => {
@@ -113,7 +115,9 @@ impl Summary {
     pub fn text(&self) -> String {
         let mut out = String::from("CUDA caching-allocator snapshot at the out-of-memory (oom_snapshot.pickle: open it at https://pytorch.org/memory_viz)\n");
         match self.failed.last() {
-            Some((size, free)) => out += &format!("failed allocation: {} ({} free on the device)\n", human(*size), human(*free)),
+            Some((size, free)) => {
+                out += &format!("failed allocation: {} ({} free on the device)\n", human(*size), human(*free))
+            }
             None => out += "failed allocation: not in the recorded history\n",
         }
         out += &format!(
@@ -141,7 +145,13 @@ fn human(bytes: u64) -> String {
 
 fn dict(v: &Value) -> Option<BTreeMap<&str, &Value>> {
     match v {
-        Value::Dict(d) => Some(d.iter().filter_map(|(k, v)| if let HashableValue::String(k) = k { Some((k.as_str(), v)) } else { None }).collect()),
+        Value::Dict(d) => Some(
+            d.iter()
+                .filter_map(
+                    |(k, v)| if let HashableValue::String(k) = k { Some((k.as_str(), v)) } else { None },
+                )
+                .collect(),
+        ),
         _ => None,
     }
 }
@@ -177,7 +187,13 @@ mod tests {
     }
 
     fn block(size: i64, addr: i64, state: &str) -> Value {
-        d(vec![("size", Value::I64(size)), ("requested_size", Value::I64(size)), ("address", Value::I64(addr)), ("state", Value::String(state.into())), ("frames", Value::List(vec![]))])
+        d(vec![
+            ("size", Value::I64(size)),
+            ("requested_size", Value::I64(size)),
+            ("address", Value::I64(addr)),
+            ("state", Value::String(state.into())),
+            ("frames", Value::List(vec![])),
+        ])
     }
 
     /// The layout of `torch.cuda.memory._snapshot()` (PyTorch's documented Snapshot / Segment /
@@ -190,12 +206,29 @@ mod tests {
             ("address", Value::I64(0x7000_0000_0000)),
             ("total_size", Value::I64(4 * gib)),
             ("segment_type", Value::String("large".into())),
-            ("blocks", Value::List(vec![block(3 * gib, 0x7000_0000_0000, "active_allocated"), block(gib, 0x7000_c000_0000, "inactive")])),
+            (
+                "blocks",
+                Value::List(vec![
+                    block(3 * gib, 0x7000_0000_0000, "active_allocated"),
+                    block(gib, 0x7000_c000_0000, "inactive"),
+                ]),
+            ),
         ]);
-        let seg2 = d(vec![("total_size", Value::I64(2 << 20)), ("blocks", Value::List((0..12).map(|i| block(512 + i, 0x10 + i, "active_allocated")).collect()))]);
+        let seg2 = d(vec![
+            ("total_size", Value::I64(2 << 20)),
+            ("blocks", Value::List((0..12).map(|i| block(512 + i, 0x10 + i, "active_allocated")).collect())),
+        ]);
         let traces = Value::List(vec![Value::List(vec![
-            d(vec![("action", Value::String("alloc".into())), ("addr", Value::I64(1)), ("size", Value::I64(512))]),
-            d(vec![("action", Value::String("oom".into())), ("device_free", Value::I64(gib / 2)), ("size", Value::I64(2 * gib))]),
+            d(vec![
+                ("action", Value::String("alloc".into())),
+                ("addr", Value::I64(1)),
+                ("size", Value::I64(512)),
+            ]),
+            d(vec![
+                ("action", Value::String("oom".into())),
+                ("device_free", Value::I64(gib / 2)),
+                ("size", Value::I64(2 * gib)),
+            ]),
         ])]);
         let snap = d(vec![("segments", Value::List(vec![seg1, seg2])), ("device_traces", traces)]);
         let bytes = serde_pickle::value_to_vec(&snap, serde_pickle::SerOptions::new().proto_v2()).unwrap();

@@ -38,7 +38,10 @@ mod tests {
     fn parses_proc_status() {
         let s = "Name:\tx\nVmPeak:\t  200 kB\nVmSize:\t  100 kB\nVmHWM:\t 50 kB\nVmRSS:\t 40 kB\n";
         let m = ProcessMemory::parse(s).unwrap();
-        assert_eq!((m.vm_bytes, m.vm_peak_bytes, m.rss_bytes, m.rss_peak_bytes), (102_400, 204_800, 40_960, 51_200));
+        assert_eq!(
+            (m.vm_bytes, m.vm_peak_bytes, m.rss_bytes, m.rss_peak_bytes),
+            (102_400, 204_800, 40_960, 51_200)
+        );
         assert!(ProcessMemory::read().is_some());
     }
 }

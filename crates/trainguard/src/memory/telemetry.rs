@@ -48,7 +48,9 @@ impl Telemetry {
     /// On CUDA devices NVML is opened here; if it cannot be, one warning and GPU fields null.
     pub fn new(device: Device) -> Self {
         let gpus = match device {
-            Device::Cuda(_) => Gpus::open().map_err(|why| tracing::warn!("{why}; GPU utilisation, temperature and power will be null")).ok(),
+            Device::Cuda(_) => Gpus::open()
+                .map_err(|why| tracing::warn!("{why}; GPU utilisation, temperature and power will be null"))
+                .ok(),
             _ => None,
         };
         if let Device::Cuda(i) = device {
@@ -58,7 +60,8 @@ impl Telemetry {
     }
 
     pub fn sample(&mut self) -> MemoryMetrics {
-        let mut m = MemoryMetrics { rss_bytes: ProcessMemory::read().map(|p| p.rss_bytes), ..Default::default() };
+        let mut m =
+            MemoryMetrics { rss_bytes: ProcessMemory::read().map(|p| p.rss_bytes), ..Default::default() };
         if let Device::Cuda(i) = self.device {
             if let Ok(s) = ffi::device_stats(i) {
                 let u = |v: i64| Some(v.max(0) as u64);
@@ -66,13 +69,16 @@ impl Telemetry {
                 m.reserved_bytes = u(s.reserved_current[0]);
                 m.peak_allocated_bytes = u(s.allocated_peak[0]);
                 m.peak_reserved_bytes = u(s.reserved_peak[0]);
-                m.alloc_retries = Some(s.num_alloc_retries - self.last_retries.unwrap_or(s.num_alloc_retries));
+                m.alloc_retries =
+                    Some(s.num_alloc_retries - self.last_retries.unwrap_or(s.num_alloc_retries));
                 self.last_retries = Some(s.num_alloc_retries);
                 self.total_retries = s.num_alloc_retries;
                 let _ = ffi::reset_peak_stats(i);
             }
             let now = Instant::now();
-            if let Some(g) = self.gpus.as_ref().filter(|_| nvml_due(self.gpu_read.as_ref().map(|(t, _)| *t), now)) {
+            if let Some(g) =
+                self.gpus.as_ref().filter(|_| nvml_due(self.gpu_read.as_ref().map(|(t, _)| *t), now))
+            {
                 match g.read(i) {
                     Ok(r) => self.gpu_read = Some((now, r)),
                     Err(why) => {

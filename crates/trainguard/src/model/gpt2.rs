@@ -2,7 +2,9 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
-use super::layers::{causal_attention, linear, param, split_heads, LayerNorm, Linear, Output, ResidualNorm, Stream};
+use super::layers::{
+    causal_attention, linear, param, split_heads, LayerNorm, Linear, Output, ResidualNorm, Stream,
+};
 use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -16,7 +18,8 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let std = 0.02;
     let proj_std = 0.02 / (2.0 * cfg.n_layer as f64).sqrt();
     let mut out = vec![
-        TensorSpec::new("wte.weight", &[v, c], Init::Normal(std), false, Part::TiedEmbedding).vocab_rows(cfg.vocab_size as i64),
+        TensorSpec::new("wte.weight", &[v, c], Init::Normal(std), false, Part::TiedEmbedding)
+            .vocab_rows(cfg.vocab_size as i64),
         TensorSpec::new("wpe.weight", &[t, c], Init::Normal(std), false, Part::Embedding),
     ];
     let norm = |out: &mut Vec<TensorSpec>, name: String, part: Part| {
@@ -28,7 +31,13 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     for i in 0..cfg.n_layer {
         let part = Part::Block(i);
         let linear = |out: &mut Vec<TensorSpec>, name: &str, o: i64, inp: i64, std: f64| {
-            out.push(TensorSpec::new(format!("h.{i}.{name}.weight"), &[o, inp], Init::Normal(std), true, part));
+            out.push(TensorSpec::new(
+                format!("h.{i}.{name}.weight"),
+                &[o, inp],
+                Init::Normal(std),
+                true,
+                part,
+            ));
             if cfg.bias {
                 out.push(TensorSpec::new(format!("h.{i}.{name}.bias"), &[o], Init::Zeros, false, part));
             }
@@ -62,7 +71,10 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         final_norm: saves::layer_norm(c, 1).into(),
         buffers: vec![],
         // GELU's input gradient replaces its output's, whose saved input is freed by then.
-        block_backward: vec![Saved::token("GELU gradient", f, Stored::Compute), Saved::token("residual gradient", c, Stored::Residual)],
+        block_backward: vec![
+            Saved::token("GELU gradient", f, Stored::Compute),
+            Saved::token("residual gradient", c, Stored::Residual),
+        ],
     }
 }
 
@@ -126,7 +138,14 @@ impl Decoder for Gpt2 {
         tok.f_add(&pe)?.f_dropout(dropout, train)
     }
 
-    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError> {
+    fn block(
+        &self,
+        i: usize,
+        stream: &Stream,
+        dropout: f64,
+        train: bool,
+        output: Output,
+    ) -> Result<Stream, TchError> {
         let blk = &self.blocks[i];
         let (x, normed) = blk.ln_1.stream_forward(stream)?;
         let qkv = blk.attn.forward(&normed)?;
@@ -158,7 +177,16 @@ mod tests {
     use tch::{Device, Tensor};
 
     fn cfg() -> ModelConfig {
-        ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 32, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() }
+        ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 32,
+            seq_len: 8,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        }
     }
 
     #[test]

@@ -7,7 +7,10 @@ use tch::{Device, Kind, TchError, Tensor};
 
 /// The parameter `name` of `params` (a handle to the same storage).
 pub fn param(params: &Params, name: &str) -> Result<Tensor, TchError> {
-    params.get(name).map(Tensor::shallow_clone).ok_or_else(|| TchError::Torch(format!("model: no parameter `{name}`")))
+    params
+        .get(name)
+        .map(Tensor::shallow_clone)
+        .ok_or_else(|| TchError::Torch(format!("model: no parameter `{name}`")))
 }
 
 /// What a block's output is computed for.
@@ -45,7 +48,9 @@ impl Linear {
     pub fn forward_for(&self, x: &Tensor, output: Output) -> Result<Tensor, TchError> {
         match output {
             Output::Values => self.forward(x),
-            Output::GraphOnly => Ok(crate::ffi::linear::linear_graph_only(x, &self.weight, self.bias.as_ref(), self.ours)?),
+            Output::GraphOnly => {
+                Ok(crate::ffi::linear::linear_graph_only(x, &self.weight, self.bias.as_ref(), self.ours)?)
+            }
         }
     }
 
@@ -124,7 +129,14 @@ impl ResidualNorm for LayerNorm {
 
     fn add_forward(&self, x: &Tensor, delta: &Tensor) -> Result<(Tensor, Tensor), TchError> {
         if self.ours && x.kind() == Kind::Float {
-            return residual_norm_with_sum(Norm::Layer, x, delta, &self.weight, self.bias.as_ref(), Self::EPS);
+            return residual_norm_with_sum(
+                Norm::Layer,
+                x,
+                delta,
+                &self.weight,
+                self.bias.as_ref(),
+                Self::EPS,
+            );
         }
         let sum = x.f_add(delta)?;
         let y = self.forward(&sum)?;
@@ -171,7 +183,14 @@ pub trait ResidualNorm {
 }
 
 /// Our node with a residual add: `(x + delta, norm(x + delta))`.
-fn residual_norm_with_sum(norm: Norm, x: &Tensor, delta: &Tensor, weight: &Tensor, bias: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor), TchError> {
+fn residual_norm_with_sum(
+    norm: Norm,
+    x: &Tensor,
+    delta: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor), TchError> {
     let (sum, y) = residual_norm(norm, x, Some(delta), weight, bias, eps)?;
     Ok((sum.ok_or_else(|| TchError::Torch("residual_norm: no sum returned for a residual add".into()))?, y))
 }
@@ -244,9 +263,17 @@ pub struct Rope {
 impl Rope {
     /// In fp32 step by step as `transformers` computes them, so positions far into the
     /// sequence rotate by the same angles.
-    pub fn new(head_dim: i64, max_len: i64, theta: f64, device: Device, ours: bool) -> Result<Self, TchError> {
+    pub fn new(
+        head_dim: i64,
+        max_len: i64,
+        theta: f64,
+        device: Device,
+        ours: bool,
+    ) -> Result<Self, TchError> {
         let _no_grad = tch::no_grad_guard();
-        let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Int64, device))?.f_to_kind(Kind::Float)?.f_div_scalar(head_dim as f64)?;
+        let exponents = Tensor::f_arange_start_step(0, head_dim, 2, (Kind::Int64, device))?
+            .f_to_kind(Kind::Float)?
+            .f_div_scalar(head_dim as f64)?;
         let inv_freq = Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()?;
         let pos = Tensor::f_arange(max_len, (Kind::Float, device))?;
         let freqs = pos.f_outer(&inv_freq)?;
@@ -266,7 +293,12 @@ impl Rope {
     /// q, k and v `[b, heads, t, d]` from the merged q/k/v output `qkv` `[b, t, (heads +
     /// 2·kv_heads)·d]`, q and k rotated: by our joint node in one launch each way (v copied out,
     /// the joint gradient written whole), or by ATen's ops on the parts.
-    pub fn rotate_joint_heads(&self, qkv: &Tensor, heads: i64, kv_heads: i64) -> Result<(Tensor, Tensor, Tensor), TchError> {
+    pub fn rotate_joint_heads(
+        &self,
+        qkv: &Tensor,
+        heads: i64,
+        kv_heads: i64,
+    ) -> Result<(Tensor, Tensor, Tensor), TchError> {
         let (q, k, v) = match self.ours {
             true => {
                 let (q, k, v) = crate::ffi::llama_ops::rope_qkv(qkv, &self.cos, &self.sin, heads, kv_heads)?;
@@ -277,7 +309,11 @@ impl Rope {
                 let parts = qkv.f_split_with_sizes([heads * d, kv_heads * d, kv_heads * d], -1)?;
                 // v copied out of the joint output: attention keeps it, and as a view it would
                 // keep q's and k's columns alive too (the rotation writes new q and k).
-                (self.apply(&split_heads(&parts[0], heads)?)?, self.apply(&split_heads(&parts[1], kv_heads)?)?, parts[2].f_contiguous()?)
+                (
+                    self.apply(&split_heads(&parts[0], heads)?)?,
+                    self.apply(&split_heads(&parts[1], kv_heads)?)?,
+                    parts[2].f_contiguous()?,
+                )
             }
         };
         Ok((q, k, split_heads(&v, kv_heads)?))
@@ -302,7 +338,10 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, dropout: f64) -> Res
     let (b, h, t, d) = q.size4()?;
     let groups = h / k.size()[1];
     let y = if groups > 1 && repeats_grouped_heads(q.device(), q.kind()) {
-        let (k, v) = (k.f_repeat_interleave_self_int(groups, 1, None)?, v.f_repeat_interleave_self_int(groups, 1, None)?);
+        let (k, v) = (
+            k.f_repeat_interleave_self_int(groups, 1, None)?,
+            v.f_repeat_interleave_self_int(groups, 1, None)?,
+        );
         Tensor::f_scaled_dot_product_attention::<Tensor>(q, &k, &v, None, dropout, true, None, false)?
     } else {
         Tensor::f_scaled_dot_product_attention::<Tensor>(q, k, v, None, dropout, true, None, groups > 1)?
@@ -330,7 +369,15 @@ pub fn split_heads(x: &Tensor, heads: i64) -> Result<Tensor, TchError> {
 /// `ours`, gate and up as one matrix multiplication with `merged` (a joint node, ours or of
 /// ATen's ops, then reads their joint output as it is and writes its gradient whole); `down` for
 /// `output`.
-pub fn swiglu(x: &Tensor, gate: &Linear, up: &Linear, down: &Linear, ours: bool, merged: bool, output: Output) -> Result<Tensor, TchError> {
+pub fn swiglu(
+    x: &Tensor,
+    gate: &Linear,
+    up: &Linear,
+    down: &Linear,
+    ours: bool,
+    merged: bool,
+    output: Output,
+) -> Result<Tensor, TchError> {
     let product = match (merged, ours) {
         // The joint node in both cases (ATen's ops where ours is off): it writes the joint
         // gradient, where autograd would join the halves' gradients by a copy.
@@ -398,14 +445,31 @@ mod tests {
     fn the_rope_node_rotates_as_atens_ops_do() {
         use crate::ffi::kernels::CudaEmulation;
         for d in [8, 16] {
-            let (plain, ours) = (Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(), Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap());
-            let x32 = Tensor::arange(3 * 5 * 2 * d, (Kind::Float, Device::Cpu)).view([3, 5, 2 * d]).f_mul_scalar(0.37).unwrap().sin() * 3.0;
-            let dy = Tensor::arange(3 * 2 * 5 * d, (Kind::Float, Device::Cpu)).view([3, 2, 5, d]).f_mul_scalar(0.91).unwrap().cos();
+            let (plain, ours) = (
+                Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(),
+                Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap(),
+            );
+            let x32 = Tensor::arange(3 * 5 * 2 * d, (Kind::Float, Device::Cpu))
+                .view([3, 5, 2 * d])
+                .f_mul_scalar(0.37)
+                .unwrap()
+                .sin()
+                * 3.0;
+            let dy = Tensor::arange(3 * 2 * 5 * d, (Kind::Float, Device::Cpu))
+                .view([3, 2, 5, d])
+                .f_mul_scalar(0.91)
+                .unwrap()
+                .cos();
             let run = |rope: &Rope, kind: Kind| {
                 let x = x32.to_kind(kind).set_requires_grad(true);
                 let emulation = rope.ours.then(CudaEmulation::start);
                 let y = rope.rotate_heads(&x, 2).unwrap();
-                let g = Tensor::run_backward(&[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)], &[&x], false, false);
+                let g = Tensor::run_backward(
+                    &[&(y.to_kind(Kind::Float) * &dy).sum(Kind::Float)],
+                    &[&x],
+                    false,
+                    false,
+                );
                 if let Some(e) = emulation {
                     assert_eq!(e.launches(), 2, "one launch forward, one backward");
                 }
@@ -413,9 +477,21 @@ mod tests {
             };
             let ((ya, ga), (yb, gb)) = (run(&plain, Kind::Float), run(&ours, Kind::Float));
             assert_eq!(yb.size(), [3, 2, 5, d]);
-            assert!(rel(&yb, &ya) < 1e-6 && rel(&gb, &ga) < 1e-6, "d {d} fp32: {} {}", rel(&yb, &ya), rel(&gb, &ga));
+            assert!(
+                rel(&yb, &ya) < 1e-6 && rel(&gb, &ga) < 1e-6,
+                "d {d} fp32: {} {}",
+                rel(&yb, &ya),
+                rel(&gb, &ga)
+            );
             let ((yp, gp), (yo, go)) = (run(&plain, Kind::BFloat16), run(&ours, Kind::BFloat16));
-            assert!(rel(&yo, &ya) <= rel(&yp, &ya) + 1e-3 && rel(&go, &ga) <= rel(&gp, &ga) + 1e-3, "d {d} bf16: ours {} {}, ATen's {} {}", rel(&yo, &ya), rel(&go, &ga), rel(&yp, &ya), rel(&gp, &ga));
+            assert!(
+                rel(&yo, &ya) <= rel(&yp, &ya) + 1e-3 && rel(&go, &ga) <= rel(&gp, &ga) + 1e-3,
+                "d {d} bf16: ours {} {}, ATen's {} {}",
+                rel(&yo, &ya),
+                rel(&go, &ga),
+                rel(&yp, &ya),
+                rel(&gp, &ga)
+            );
             // A wrong rotation would be far off: the halves swapped give O(1) differences.
             assert!(rel(&yo, &ya) < 1e-2);
             // q's columns of a merged q/k/v output are read where they are (rows 3·d apart here),
@@ -423,14 +499,22 @@ mod tests {
             let wide = Tensor::cat(&[&x32, &x32.narrow(2, 0, d).f_mul_scalar(-2.0).unwrap()], 2);
             let emulation = CudaEmulation::start();
             for view in [wide.narrow(2, 0, 2 * d), wide.narrow(2, 1, 2 * d)] {
-                let (strided, copied) = (ours.rotate_heads(&view, 2).unwrap(), ours.rotate_heads(&view.contiguous(), 2).unwrap());
+                let (strided, copied) =
+                    (ours.rotate_heads(&view, 2).unwrap(), ours.rotate_heads(&view.contiguous(), 2).unwrap());
                 assert!(strided.equal(&copied), "d {d}: the node read a strided q wrongly");
             }
             assert_eq!(emulation.launches(), 4);
         }
         // Where the kernels do not run, the node is refused with its reason.
         let ours = Rope::new(8, 7, 10000.0, Device::Cpu, true).unwrap();
-        let err = crate::ffi::llama_ops::rope(&Tensor::ones([3, 5, 16], (Kind::Float, Device::Cpu)), &ours.cos, &ours.sin, 2).unwrap_err().to_string();
+        let err = crate::ffi::llama_ops::rope(
+            &Tensor::ones([3, 5, 16], (Kind::Float, Device::Cpu)),
+            &ours.cos,
+            &ours.sin,
+            2,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("do not run on this device"), "{err}");
     }
 
@@ -447,20 +531,36 @@ mod tests {
         use crate::ffi::kernels::CudaEmulation;
         let (heads, kv) = (3, 1);
         for (d, kind) in [(8, Kind::Float), (16, Kind::Float), (16, Kind::BFloat16), (32, Kind::Half)] {
-            let (plain, ours) = (Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(), Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap());
+            let (plain, ours) = (
+                Rope::new(d, 7, 10000.0, Device::Cpu, false).unwrap(),
+                Rope::new(d, 7, 10000.0, Device::Cpu, true).unwrap(),
+            );
             let width = (heads + 2 * kv) * d;
-            let qkv32 = Tensor::arange(2 * 6 * width, (Kind::Float, Device::Cpu)).view([2, 6, width]).f_mul_scalar(0.37).unwrap().sin() * 3.0;
+            let qkv32 = Tensor::arange(2 * 6 * width, (Kind::Float, Device::Cpu))
+                .view([2, 6, width])
+                .f_mul_scalar(0.37)
+                .unwrap()
+                .sin()
+                * 3.0;
             let dys: Vec<Tensor> = [heads, kv, kv]
                 .iter()
                 .enumerate()
-                .map(|(i, &n)| Tensor::arange(2 * n * 6 * d, (Kind::Float, Device::Cpu)).view([2, n, 6, d]).f_mul_scalar(0.91 + i as f64).unwrap().cos())
+                .map(|(i, &n)| {
+                    Tensor::arange(2 * n * 6 * d, (Kind::Float, Device::Cpu))
+                        .view([2, n, 6, d])
+                        .f_mul_scalar(0.91 + i as f64)
+                        .unwrap()
+                        .cos()
+                })
                 .collect();
             let run = |rope: &Rope, used: usize| {
                 let qkv = qkv32.to_kind(kind).set_requires_grad(true);
                 let emulation = rope.ours.then(CudaEmulation::start);
                 let (q, k, v) = rope.rotate_joint_heads(&qkv, heads, kv).unwrap();
                 let parts = [&q, &k, &v];
-                let objective = (0..used).map(|i| (parts[i].to_kind(Kind::Float) * &dys[i]).sum(Kind::Float)).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b);
+                let objective = (0..used)
+                    .map(|i| (parts[i].to_kind(Kind::Float) * &dys[i]).sum(Kind::Float))
+                    .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b);
                 let g = Tensor::run_backward(&[&objective], &[&qkv], false, false);
                 if let Some(e) = emulation {
                     assert_eq!(e.launches(), 2, "one launch forward, one backward");
@@ -474,12 +574,23 @@ mod tests {
             let qkv = qkv32.to_kind(kind);
             let single = {
                 let _emulation = CudaEmulation::start();
-                [ours.rotate_heads(&qkv.narrow(2, 0, heads * d), heads).unwrap(), ours.rotate_heads(&qkv.narrow(2, heads * d, kv * d), kv).unwrap()]
+                [
+                    ours.rotate_heads(&qkv.narrow(2, 0, heads * d), heads).unwrap(),
+                    ours.rotate_heads(&qkv.narrow(2, heads * d, kv * d), kv).unwrap(),
+                ]
             };
             for (i, s) in single.iter().enumerate() {
-                assert!(joint[i].equal(&s.to_kind(Kind::Float)), "{what}: part {i} differs from the single node's");
+                assert!(
+                    joint[i].equal(&s.to_kind(Kind::Float)),
+                    "{what}: part {i} differs from the single node's"
+                );
             }
-            assert!(joint[2].equal(&split_heads(&qkv.narrow(2, (heads + kv) * d, kv * d), kv).unwrap().to_kind(Kind::Float)), "{what}: v is not copied");
+            assert!(
+                joint[2].equal(
+                    &split_heads(&qkv.narrow(2, (heads + kv) * d, kv * d), kv).unwrap().to_kind(Kind::Float)
+                ),
+                "{what}: v is not copied"
+            );
             let tolerance = if kind == Kind::Float { 1e-6 } else { 1e-2 };
             for (i, (a, b)) in joint.iter().zip(&aten).enumerate() {
                 assert!(rel(a, b) < tolerance, "{what}: part {i} from ATen's by {}", rel(a, b));
@@ -491,7 +602,15 @@ mod tests {
             assert!(g2.narrow(2, 0, (heads + kv) * d).equal(&gj.narrow(2, 0, (heads + kv) * d)), "{what}");
         }
         let ours = Rope::new(8, 7, 10000.0, Device::Cpu, true).unwrap();
-        let err = crate::ffi::llama_ops::rope_qkv(&Tensor::ones([2, 6, 40], (Kind::Float, Device::Cpu)), &ours.cos, &ours.sin, 3, 0).unwrap_err().to_string();
+        let err = crate::ffi::llama_ops::rope_qkv(
+            &Tensor::ones([2, 6, 40], (Kind::Float, Device::Cpu)),
+            &ours.cos,
+            &ours.sin,
+            3,
+            0,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("must be positive"), "{err}");
     }
 }

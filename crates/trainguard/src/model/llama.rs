@@ -5,7 +5,10 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
-use super::layers::{causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, Output, ResidualNorm, RmsNorm, Rope, Stream};
+use super::layers::{
+    causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, Output, ResidualNorm,
+    RmsNorm, Rope, Stream,
+};
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -22,7 +25,9 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let d = cfg.head_dim() as i64;
     let (q, kv) = (cfg.n_head as i64 * d, cfg.kv_heads() as i64 * d);
     let embed_part = if cfg.tie_embeddings { Part::TiedEmbedding } else { Part::Embedding };
-    let mut out = vec![TensorSpec::new("model.embed_tokens.weight", &[v, h], Init::Normal(STD), false, embed_part).vocab_rows(user)];
+    let mut out =
+        vec![TensorSpec::new("model.embed_tokens.weight", &[v, h], Init::Normal(STD), false, embed_part)
+            .vocab_rows(user)];
     for i in 0..cfg.n_layer {
         let part = Part::Block(i);
         let p = |s: &str| format!("model.layers.{i}.{s}");
@@ -44,7 +49,9 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     }
     out.push(TensorSpec::new("model.norm.weight", &[h], Init::Ones, false, Part::Head));
     if !cfg.tie_embeddings {
-        out.push(TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head).vocab_rows(user));
+        out.push(
+            TensorSpec::new("lm_head.weight", &[v, h], Init::Normal(STD), true, Part::Head).vocab_rows(user),
+        );
     }
     out
 }
@@ -66,16 +73,27 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let mut block: Vec<Saved> = saves::rms_norm(h, readers(3), r);
     if r.merged_projections {
         let weights = (a * d + 2 * kv + 2 * f) * h;
-        block.push(Saved { what: "q/k/v and gate/up weights, concatenated", count: Count::Fixed(weights), stored: Stored::WeightCopy });
+        block.push(Saved {
+            what: "q/k/v and gate/up weights, concatenated",
+            count: Count::Fixed(weights),
+            stored: Stored::WeightCopy,
+        });
     }
-    if !r.rope_node {  // our node reads the fp32 tables (counted once, below) and keeps nothing
-        block.push(Saved { what: "RoPE cos and sin for q and k", count: Count::Position(4 * d), stored: Stored::CastTable });
+    if !r.rope_node {
+        // our node reads the fp32 tables (counted once, below) and keeps nothing
+        block.push(Saved {
+            what: "RoPE cos and sin for q and k",
+            count: Count::Position(4 * d),
+            stored: Stored::CastTable,
+        });
     }
     block.extend(saves::attention(a * d, kv, a, r));
     block.extend(saves::dropout(h, r));
     block.extend(saves::rms_norm(h, readers(2), r));
     block.push(match r.swiglu_node {
-        true => Saved::token("SwiGLU gate, up, product (our node keeps no silu(gate))", 3 * f, Stored::Compute),
+        true => {
+            Saved::token("SwiGLU gate, up, product (our node keeps no silu(gate))", 3 * f, Stored::Compute)
+        }
         false => Saved::token("SwiGLU gate, up, silu(gate), product", 4 * f, Stored::Compute),
     });
     block.extend(saves::dropout(h, r));
@@ -83,7 +101,11 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         block,
         embedding: saves::dropout(h, r).into_iter().collect(),
         final_norm: saves::rms_norm(h, 1, r),
-        buffers: vec![Saved { what: "RoPE cos and sin tables", count: Count::Position(2 * d), stored: Stored::Fp32 }],
+        buffers: vec![Saved {
+            what: "RoPE cos and sin tables",
+            count: Count::Position(2 * d),
+            stored: Stored::Fp32,
+        }],
         // The product's gradient splits into gate's and up's while the product itself (down's
         // saved input) is freed: two f-wide gradients net. Merged, the joint node (ours or of
         // ATen's ops) writes them into the joint output's gradient: two as well.
@@ -125,10 +147,18 @@ pub struct Llama {
 
 impl Llama {
     /// `ours`: the RMSNorms through our residual-norm node, SwiGLU and RoPE through ours.
-    pub fn new(cfg: &ModelConfig, kernels: KernelsConfig, params: &Params, device: Device, ours: OurNodes) -> Result<Self, TchError> {
+    pub fn new(
+        cfg: &ModelConfig,
+        kernels: KernelsConfig,
+        params: &Params,
+        device: Device,
+        ours: OurNodes,
+    ) -> Result<Self, TchError> {
         let (bias, eps) = (cfg.bias, cfg.norm_eps);
         let fused = kernels.fused_rms_norm && device.is_cuda();
-        let norm = |name: &str| -> Result<RmsNorm, TchError> { Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours: ours.norms }) };
+        let norm = |name: &str| -> Result<RmsNorm, TchError> {
+            Ok(RmsNorm { weight: param(params, name)?, eps, fused, ours: ours.norms })
+        };
         let lin = |name: &str| Linear::load(params, name, bias, ours.linear);
         let layers = (0..cfg.n_layer)
             .map(|i| {
@@ -147,7 +177,8 @@ impl Llama {
             })
             .collect::<Result<_, TchError>>()?;
         let embed = param(params, "model.embed_tokens.weight")?;
-        let lm_head = if cfg.tie_embeddings { embed.shallow_clone() } else { param(params, "lm_head.weight")? };
+        let lm_head =
+            if cfg.tie_embeddings { embed.shallow_clone() } else { param(params, "lm_head.weight")? };
         Ok(Self {
             n_head: cfg.n_head as i64,
             n_kv_head: cfg.kv_heads() as i64,
@@ -165,10 +196,18 @@ impl Llama {
     /// Layer `l`'s attention inputs from the normed `h`: q and k rotated, v, each `[b, heads, t, d]`.
     fn attention_inputs(&self, l: &Layer, h: &Tensor) -> Result<(Tensor, Tensor, Tensor), TchError> {
         if self.merged {
-            return self.rope.rotate_joint_heads(&merged_linear(h, &[&l.q, &l.k, &l.v])?, self.n_head, self.n_kv_head);
+            return self.rope.rotate_joint_heads(
+                &merged_linear(h, &[&l.q, &l.k, &l.v])?,
+                self.n_head,
+                self.n_kv_head,
+            );
         }
         let (q, k, v) = (l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?);
-        Ok((self.rope.rotate_heads(&q, self.n_head)?, self.rope.rotate_heads(&k, self.n_kv_head)?, split_heads(&v, self.n_kv_head)?))
+        Ok((
+            self.rope.rotate_heads(&q, self.n_head)?,
+            self.rope.rotate_heads(&k, self.n_kv_head)?,
+            split_heads(&v, self.n_kv_head)?,
+        ))
     }
 }
 
@@ -177,7 +216,14 @@ impl Decoder for Llama {
         Tensor::f_embedding(&self.embed, idx, -1, false, false)?.f_dropout(dropout, train)
     }
 
-    fn block(&self, i: usize, stream: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError> {
+    fn block(
+        &self,
+        i: usize,
+        stream: &Stream,
+        dropout: f64,
+        train: bool,
+        output: Output,
+    ) -> Result<Stream, TchError> {
         let l = &self.layers[i];
         let (x, normed) = l.input_norm.stream_forward(stream)?;
         let (q, k, v) = self.attention_inputs(l, &normed)?;
@@ -203,7 +249,18 @@ mod tests {
     use tch::{Device, Kind, Tensor};
 
     fn cfg() -> ModelConfig {
-        ModelConfig { arch: Arch::Llama, n_layer: 2, n_head: 4, n_kv_head: Some(2), n_embd: 32, ffn_hidden: Some(48), vocab_size: 40, seq_len: 16, bias: false, ..ModelConfig::default() }
+        ModelConfig {
+            arch: Arch::Llama,
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: Some(2),
+            n_embd: 32,
+            ffn_hidden: Some(48),
+            vocab_size: 40,
+            seq_len: 16,
+            bias: false,
+            ..ModelConfig::default()
+        }
     }
 
     #[test]
@@ -214,7 +271,9 @@ mod tests {
         assert_eq!(m.num_params(), v * h + l * per_layer + h, "tied head counted once");
         assert_eq!(m.params.names[2], "model.layers.0.self_attn.q_proj.weight");
         assert_eq!(m.params.get("model.layers.1.self_attn.k_proj.weight").unwrap().size(), [kv, h]);
-        let untied = Model::new(&ModelConfig { tie_embeddings: false, pad_vocab_to: 1, ..cfg() }, 0, Device::Cpu).unwrap();
+        let untied =
+            Model::new(&ModelConfig { tie_embeddings: false, pad_vocab_to: 1, ..cfg() }, 0, Device::Cpu)
+                .unwrap();
         assert_eq!(untied.num_params(), m.num_params() + v * h);
         assert_eq!(untied.params.names.last().unwrap(), "lm_head.weight");
     }

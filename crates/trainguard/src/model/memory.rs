@@ -167,7 +167,11 @@ pub mod layers {
         }
         let output = Saved::token("RMSNorm output", h, Stored::LinearInput(readers));
         if r.fused_rms_norm {
-            return vec![Saved::token("RMSNorm input", h, Stored::Residual), Saved::token("RMSNorm rstd", 1, Stored::Fp32), output];
+            return vec![
+                Saved::token("RMSNorm input", h, Stored::Residual),
+                Saved::token("RMSNorm rstd", 1, Stored::Fp32),
+                output,
+            ];
         }
         vec![
             Saved::token("RMSNorm input in fp32", h, Stored::Fp32),
@@ -184,14 +188,29 @@ pub mod layers {
     /// view), plus either the log-sum-exp or the score matrices.
     pub fn attention(q: u64, kv: u64, heads: u64, r: Regime) -> Vec<Saved> {
         let kv = if r.repeated_kv_heads { q } else { kv };
-        let mut out = vec![Saved::token("attention q, k, v", q + 2 * kv, Stored::Compute), Saved::token("attention output", q, Stored::Compute)];
+        let mut out = vec![
+            Saved::token("attention q, k, v", q + 2 * kv, Stored::Compute),
+            Saved::token("attention output", q, Stored::Compute),
+        ];
         if r.fused_attention {
             out.push(Saved::token("attention log-sum-exp", heads, Stored::Fp32));
         } else {
-            out.push(Saved { what: "attention probabilities", count: Count::Scores(heads), stored: Stored::Compute });
+            out.push(Saved {
+                what: "attention probabilities",
+                count: Count::Scores(heads),
+                stored: Stored::Compute,
+            });
             if r.dropout {
-                out.push(Saved { what: "attention probabilities after dropout", count: Count::Scores(heads), stored: Stored::Compute });
-                out.push(Saved { what: "attention dropout mask", count: Count::Scores(heads), stored: Stored::DropoutMask });
+                out.push(Saved {
+                    what: "attention probabilities after dropout",
+                    count: Count::Scores(heads),
+                    stored: Stored::Compute,
+                });
+                out.push(Saved {
+                    what: "attention dropout mask",
+                    count: Count::Scores(heads),
+                    stored: Stored::DropoutMask,
+                });
             }
         }
         out
@@ -217,7 +236,16 @@ mod tests {
 
     #[test]
     fn rms_norm_keeps_fp32_statistics_whatever_the_precision() {
-        let r = Regime { fused_attention: true, dropout: false, fused_rms_norm: false, repeated_kv_heads: false, residual_norm_node: false, swiglu_node: false, rope_node: false, merged_projections: false };
+        let r = Regime {
+            fused_attention: true,
+            dropout: false,
+            fused_rms_norm: false,
+            repeated_kv_heads: false,
+            residual_norm_node: false,
+            swiglu_node: false,
+            rope_node: false,
+            merged_projections: false,
+        };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
         assert_eq!(per_token(&n, &FP32), 40 + 4 + 40 + 40);

@@ -34,7 +34,14 @@ trait Decoder: Send {
     fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
     /// Block `i` on the stream `[b, t, c]`: its first norm adds what the previous block left
     /// pending; its own output, computed for `output`, is left pending in turn.
-    fn block(&self, i: usize, x: &Stream, dropout: f64, train: bool, output: Output) -> Result<Stream, TchError>;
+    fn block(
+        &self,
+        i: usize,
+        x: &Stream,
+        dropout: f64,
+        train: bool,
+        output: Output,
+    ) -> Result<Stream, TchError>;
     /// Final norm (adding what the last block left pending) and LM head: logits `[…, padded
     /// vocab]` for the stream `[…, c]`, `mask` (the padded vocabulary's) added as the head's bias.
     fn head(&self, x: &Stream, mask: Option<&Tensor>) -> Result<Tensor, TchError>;
@@ -100,7 +107,12 @@ impl Model {
 
     /// As [`Model::new`], with `kernels` choosing how the forward computes (not what: the
     /// weights and the maths are the same whatever it says).
-    pub fn with_kernels(cfg: &ModelConfig, kernels: KernelsConfig, seed: u64, device: Device) -> Result<Self, TchError> {
+    pub fn with_kernels(
+        cfg: &ModelConfig,
+        kernels: KernelsConfig,
+        seed: u64,
+        device: Device,
+    ) -> Result<Self, TchError> {
         let specs = describe(cfg);
         let mut params = Params { seed, ..Params::default() };
         for s in &specs {
@@ -138,14 +150,18 @@ impl Model {
         };
         // Our NVRTC kernels are compiled for the device once; a failure names the first switch on.
         let switches = [
-            (kernels.fused_cross_entropy, "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)"),
+            (
+                kernels.fused_cross_entropy,
+                "the fused cross-entropy's CUDA kernels (kernels.fused_cross_entropy)",
+            ),
             (kernels.fused_residual_norm, "the residual norm's CUDA kernels (kernels.fused_residual_norm)"),
             (kernels.fused_swiglu, "SwiGLU's CUDA kernels (kernels.fused_swiglu)"),
             (kernels.fused_rope, "RoPE's CUDA kernels (kernels.fused_rope)"),
             (kernels.fused_linear, "the linear node's CUDA kernels (kernels.fused_linear)"),
         ];
         if let Some((_, switch)) = switches.iter().find(|(on, _)| *on) {
-            crate::ffi::kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
+            crate::ffi::kernels::prepare_cuda(device)
+                .map_err(|e| TchError::Torch(format!("{switch} cannot be used: {e}")))?;
         }
         Ok(Self {
             cfg: cfg.clone(),
@@ -218,13 +234,26 @@ impl Model {
     /// Block `i` on `x` for a recomputation that only pushes a gradient back through it: the
     /// stream and the block's output, not added, the output's last product not computed
     /// ([`Output::GraphOnly`]). The block's output gradient is each one's.
-    pub fn block_graph(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Vec<Tensor>, TchError> {
+    pub fn block_graph(
+        &self,
+        i: usize,
+        x: &Tensor,
+        train: bool,
+        seed: Option<u64>,
+    ) -> Result<Vec<Tensor>, TchError> {
         let s = self.stream_block(i, &Stream::settled_at(x), train, seed, Output::GraphOnly)?;
         Ok([s.x].into_iter().chain(s.pending).collect())
     }
 
     /// Block `i` on the stream `x`, its own output left pending (its dropout stage `1 + i`).
-    fn stream_block(&self, i: usize, x: &Stream, train: bool, seed: Option<u64>, output: Output) -> Result<Stream, TchError> {
+    fn stream_block(
+        &self,
+        i: usize,
+        x: &Stream,
+        train: bool,
+        seed: Option<u64>,
+        output: Output,
+    ) -> Result<Stream, TchError> {
         self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train, output)
     }
 
@@ -252,23 +281,42 @@ impl Model {
     /// `weight` · the mean cross-entropy of the next-token predictions for inputs `x` and
     /// targets `y`, for training: a backward from it gives the step's gradients
     /// ([`Model::weighted_cross_entropy`]).
-    pub fn weighted_loss(&self, x: &Tensor, y: &Tensor, weight: f64, seed: Option<u64>) -> Result<Tensor, TchError> {
+    pub fn weighted_loss(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        weight: f64,
+        seed: Option<u64>,
+    ) -> Result<Tensor, TchError> {
         self.weighted_cross_entropy(self.padded_logits(x, true, seed)?, y, Reduction::Mean, weight)
     }
 
     /// `weight` · [`Model::cross_entropy`] of `logits`, which it takes: with our node and
     /// `kernels.fused_loss_gradient`, and autograd wanting the logits' gradient, the node writes
     /// it over them in its forward, for a backward from this loss.
-    pub fn weighted_cross_entropy(&self, logits: Tensor, y: &Tensor, reduction: Reduction, weight: f64) -> Result<Tensor, TchError> {
+    pub fn weighted_cross_entropy(
+        &self,
+        logits: Tensor,
+        y: &Tensor,
+        reduction: Reduction,
+        weight: f64,
+    ) -> Result<Tensor, TchError> {
         match (self.fused_loss, our_node_mean(reduction)) {
-            (true, Some(mean)) => Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient)?),
+            (true, Some(mean)) => {
+                Ok(crate::ffi::loss::weighted_cross_entropy(logits, y, mean, weight, self.loss_gradient)?)
+            }
             _ => cross_entropy(&logits, y, reduction)?.f_mul_scalar(weight),
         }
     }
 
     /// Cross-entropy of `logits` `[…, v]` against targets `[…]` (`Mean` or `Sum`) as
     /// `kernels.fused_cross_entropy` says: our autograd node, or PyTorch's ([`cross_entropy`]).
-    pub fn cross_entropy(&self, logits: &Tensor, y: &Tensor, reduction: Reduction) -> Result<Tensor, TchError> {
+    pub fn cross_entropy(
+        &self,
+        logits: &Tensor,
+        y: &Tensor,
+        reduction: Reduction,
+    ) -> Result<Tensor, TchError> {
         match (self.fused_loss, our_node_mean(reduction)) {
             (true, Some(mean)) => Ok(crate::ffi::loss::cross_entropy(logits, y, mean)?),
             _ => cross_entropy(logits, y, reduction),
@@ -324,7 +372,10 @@ impl Model {
             p.shallow_clone().f_copy_(src).map(drop)
         } else if got == user {
             let rows = user[0];
-            p.f_narrow(0, 0, rows).and_then(|mut d| d.f_copy_(src)).and_then(|_| p.f_narrow(0, rows, full[0] - rows)?.f_zero_()).map(drop)
+            p.f_narrow(0, 0, rows)
+                .and_then(|mut d| d.f_copy_(src))
+                .and_then(|_| p.f_narrow(0, rows, full[0] - rows)?.f_zero_())
+                .map(drop)
         } else {
             return Err(format!("shape {got:?}, the model needs {user:?}"));
         };
@@ -364,8 +415,21 @@ mod padding_tests {
 
     /// Vocabulary 61: 64 rows with the default padding, 61 with `pad_vocab_to: 1`.
     fn configs() -> Vec<ModelConfig> {
-        let gpt2 = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 61, seq_len: 8, ..ModelConfig::default() };
-        let llama = ModelConfig { arch: Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..gpt2.clone() };
+        let gpt2 = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 61,
+            seq_len: 8,
+            ..ModelConfig::default()
+        };
+        let llama = ModelConfig {
+            arch: Arch::Llama,
+            n_kv_head: Some(1),
+            ffn_hidden: Some(40),
+            bias: false,
+            ..gpt2.clone()
+        };
         vec![gpt2, llama.clone(), ModelConfig { tie_embeddings: false, ..llama }]
     }
 
@@ -401,7 +465,11 @@ mod padding_tests {
                     assert!(a.equal(b), "{}", padded.params.names[i]);
                 } else {
                     assert_eq!(a.size()[0], 64, "{}", padded.params.names[i]);
-                    assert!(a.narrow(0, 0, 61).equal(b), "{}: the user rows are drawn as without padding", padded.params.names[i]);
+                    assert!(
+                        a.narrow(0, 0, 61).equal(b),
+                        "{}: the user rows are drawn as without padding",
+                        padded.params.names[i]
+                    );
                     assert_eq!(padding_max(a, 61), 0.0);
                     assert!(padded.user_tensor(i).unwrap().equal(b));
                 }
@@ -424,7 +492,12 @@ mod padding_tests {
                 assert!(dl < 1e-6, "{:?} chunk {chunk:?}: loss differs by {dl:e}", cfg.arch);
                 for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
                     let d = user_diff(a, b);
-                    assert!(d < 1e-6, "{:?} chunk {chunk:?}: gradient of {} differs by {d:e}", cfg.arch, padded.params.names[i]);
+                    assert!(
+                        d < 1e-6,
+                        "{:?} chunk {chunk:?}: gradient of {} differs by {d:e}",
+                        cfg.arch,
+                        padded.params.names[i]
+                    );
                     if a.size() != b.size() {
                         assert_eq!(padding_max(a, 61), 0.0, "padded rows get exactly zero gradient");
                     }
@@ -441,15 +514,30 @@ mod padding_tests {
         let (x, y) = batch();
         let fused_kernels = KernelsConfig { fused_cross_entropy: true, ..KernelsConfig::default() };
         for cfg in configs() {
-            let plain = Model::with_kernels(&cfg, KernelsConfig { fused_cross_entropy: false, ..KernelsConfig::default() }, 3, Device::Cpu).unwrap();
+            let plain = Model::with_kernels(
+                &cfg,
+                KernelsConfig { fused_cross_entropy: false, ..KernelsConfig::default() },
+                3,
+                Device::Cpu,
+            )
+            .unwrap();
             let fused = Model::with_kernels(&cfg, fused_kernels, 3, Device::Cpu).unwrap();
-            for (checkpointing, chunk) in [(Checkpointing::None, None), (Checkpointing::None, Some(10)), (Checkpointing::Every(1), Some(16))] {
+            for (checkpointing, chunk) in [
+                (Checkpointing::None, None),
+                (Checkpointing::None, Some(10)),
+                (Checkpointing::Every(1), Some(16)),
+            ] {
                 let savers = Savers::new(checkpointing, false, chunk);
                 let (lb, gb) = loss_and_grads(&plain, &x, &y, 0.5, 0, &savers).unwrap();
                 for emulated in [false, true] {
-                    let what = format!("{:?} {checkpointing:?} chunk {chunk:?}{}", cfg.arch, if emulated { " (CUDA kernels, emulated)" } else { "" });
+                    let what = format!(
+                        "{:?} {checkpointing:?} chunk {chunk:?}{}",
+                        cfg.arch,
+                        if emulated { " (CUDA kernels, emulated)" } else { "" }
+                    );
                     let emulation = emulated.then(crate::ffi::kernels::CudaEmulation::start);
-                    let fused_before = crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32");
+                    let fused_before =
+                        crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32");
                     let (la, ga) = loss_and_grads(&fused, &x, &y, 0.5, 0, &savers).unwrap();
                     if let Some(e) = emulation {
                         // Per chunk of the loss one kernel writing the loss and the gradient
@@ -457,7 +545,12 @@ mod padding_tests {
                         // rescale check: none fell back to the CPU path.
                         let chunks = chunk.map_or(1, |c| x.numel().div_ceil(c)) as u64;
                         assert_eq!(e.launches(), 2 * chunks, "{what}: kernel launches");
-                        assert_eq!(crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32") - fused_before, chunks, "{what}: the gradient written in the forward");
+                        assert_eq!(
+                            crate::ffi::kernels::CudaEmulation::launches_of("tg_ce_forward_grad_f32")
+                                - fused_before,
+                            chunks,
+                            "{what}: the gradient written in the forward"
+                        );
                     }
                     let dl = (la.double_value(&[]) - lb.double_value(&[])).abs();
                     assert!(dl < 1e-6, "{what}: loss differs by {dl:e}");
@@ -470,7 +563,10 @@ mod padding_tests {
             // Which node ran: PyTorch's refuses a target outside the vocabulary, ours gives NaN.
             let outside = y.full_like(70);
             assert!(plain.loss(&x, &outside, false, None).is_err());
-            assert!(fused.loss(&x, &outside, false, None).unwrap().double_value(&[]).is_nan(), "the fused model computes its loss with the fused node");
+            assert!(
+                fused.loss(&x, &outside, false, None).unwrap().double_value(&[]).is_nan(),
+                "the fused model computes its loss with the fused node"
+            );
         }
     }
 
@@ -486,7 +582,11 @@ mod padding_tests {
         }
         let _no_grad = tch::no_grad_guard();
         let _ = views[0].shallow_clone().fill_(2.0);
-        assert_eq!(padded.params.tensors[0].narrow(0, 0, 61).min().double_value(&[]), 2.0, "the same storage");
+        assert_eq!(
+            padded.params.tensors[0].narrow(0, 0, 61).min().double_value(&[]),
+            2.0,
+            "the same storage"
+        );
         assert_eq!(padding_max(&padded.params.tensors[0], 61), 0.0, "the padded rows are not in the view");
     }
 
@@ -518,10 +618,15 @@ mod padding_tests {
             padded.copy_user_tensor(i, &src).unwrap();
             assert!(padded.user_tensor(i).unwrap().equal(&src));
             if padded.user_shape(i) != padded.params.tensors[i].size() {
-                assert_eq!(padding_max(&padded.params.tensors[i], 61), 0.0, "an import leaves the padding at zero");
+                assert_eq!(
+                    padding_max(&padded.params.tensors[i], 61),
+                    0.0,
+                    "an import leaves the padding at zero"
+                );
             }
         }
-        let err = padded.copy_user_tensor(0, &Tensor::zeros([60, 16], (Kind::Float, Device::Cpu))).unwrap_err();
+        let err =
+            padded.copy_user_tensor(0, &Tensor::zeros([60, 16], (Kind::Float, Device::Cpu))).unwrap_err();
         assert!(err.contains("[60, 16]") && err.contains("[61, 16]"), "{err}");
     }
 }
@@ -537,7 +642,16 @@ mod node_tests {
     use tch::{Device, Kind, Tensor};
 
     fn gpt2() -> ModelConfig {
-        ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 32, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() }
+        ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 32,
+            seq_len: 8,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        }
     }
 
     fn llama() -> ModelConfig {
@@ -548,14 +662,24 @@ mod node_tests {
     /// (the same less the node under test), in fp32 and under bf16 autocast, with
     /// blocks recomputed (checkpointing) too; `launches(bf16, recomputed)` is how many kernel
     /// launches a forward and backward make (every node ran the kernels).
-    fn gives_the_plain_models_loss_and_gradients(c: &ModelConfig, on: KernelsConfig, off: KernelsConfig, launches: impl Fn(bool, bool) -> u64) {
+    fn gives_the_plain_models_loss_and_gradients(
+        c: &ModelConfig,
+        on: KernelsConfig,
+        off: KernelsConfig,
+        launches: impl Fn(bool, bool) -> u64,
+    ) {
         let x = Tensor::arange(32, (Kind::Int64, Device::Cpu)).remainder(32).view([4, 8]);
         let y = (x.shallow_clone() * 5 + 1).remainder(32);
         let plain = Model::with_kernels(c, off, 3, Device::Cpu).unwrap();
         let emulation = CudaEmulation::start();
         let ours = Model::with_kernels(c, on, 3, Device::Cpu).unwrap();
         drop(emulation);
-        for (bf16, checkpointing) in [(false, Checkpointing::None), (true, Checkpointing::None), (false, Checkpointing::Every(1)), (true, Checkpointing::Every(1))] {
+        for (bf16, checkpointing) in [
+            (false, Checkpointing::None),
+            (true, Checkpointing::None),
+            (false, Checkpointing::Every(1)),
+            (true, Checkpointing::Every(1)),
+        ] {
             let what = format!("{:?}, bf16 autocast {bf16}, {checkpointing:?}", c.arch);
             let savers = Savers::new(checkpointing, false, None);
             let run = |m: &Model, emulated: bool| {
@@ -569,12 +693,21 @@ mod node_tests {
             let ((la, ga), launched) = run(&ours, true);
             let recomputed = !matches!(checkpointing, Checkpointing::None);
             assert_eq!(launched, Some(launches(bf16, recomputed)), "{what}: every node ran the kernels");
-            let rel = |a: &Tensor, b: &Tensor| ((a - b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[]);
+            let rel =
+                |a: &Tensor, b: &Tensor| ((a - b).abs().max() / (b.abs().max() + 1e-12)).double_value(&[]);
             if !bf16 {
                 // fp32: the same maths; only the order of operations differs.
-                assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-5 * lb.double_value(&[]).abs(), "{what}: loss");
+                assert!(
+                    (la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-5 * lb.double_value(&[]).abs(),
+                    "{what}: loss"
+                );
                 for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
-                    assert!(rel(a, b) < 1e-5, "{what}: gradient of {} differs by {:e}", ours.params.names[i], rel(a, b));
+                    assert!(
+                        rel(a, b) < 1e-5,
+                        "{what}: gradient of {} differs by {:e}",
+                        ours.params.names[i],
+                        rel(a, b)
+                    );
                 }
                 continue;
             }
@@ -585,9 +718,16 @@ mod node_tests {
             let (_, truth) = loss_and_grads(&plain, &x, &y, 1.0, 0, &savers).unwrap();
             for (i, ((a, b), t)) in ga.iter().zip(&gb).zip(&truth).enumerate() {
                 let (ours_err, autocast_err) = (rel(a, t), rel(b, t));
-                assert!(ours_err <= 2.0 * autocast_err + 1e-3, "{what}: gradient of {}: {ours_err:e} from fp32 against autocast's {autocast_err:e}", ours.params.names[i]);
+                assert!(
+                    ours_err <= 2.0 * autocast_err + 1e-3,
+                    "{what}: gradient of {}: {ours_err:e} from fp32 against autocast's {autocast_err:e}",
+                    ours.params.names[i]
+                );
             }
-            assert!((la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-3 * lb.double_value(&[]).abs(), "{what}: loss");
+            assert!(
+                (la.double_value(&[]) - lb.double_value(&[])).abs() < 1e-3 * lb.double_value(&[]).abs(),
+                "{what}: loss"
+            );
         }
     }
 
@@ -600,7 +740,9 @@ mod node_tests {
             let norms = 2 * c.n_layer as u64 + 1;
             let on = KernelsConfig { fused_residual_norm: true, ..plain };
             // A norm: one launch forward, two backward (the parameters' bands summed in its pass).
-            gives_the_plain_models_loss_and_gradients(&c, on, plain, |_, recomputed| 3 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 });
+            gives_the_plain_models_loss_and_gradients(&c, on, plain, |_, recomputed| {
+                3 * norms + if recomputed { 2 * c.n_layer as u64 } else { 0 }
+            });
         }
     }
 
@@ -614,7 +756,13 @@ mod node_tests {
         let y = (x.shallow_clone() * 5 + 1).remainder(32);
         for c in [gpt2(), llama()] {
             let _emulation = CudaEmulation::start();
-            let m = Model::with_kernels(&c, KernelsConfig { fused_residual_norm: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+            let m = Model::with_kernels(
+                &c,
+                KernelsConfig { fused_residual_norm: true, ..KernelsConfig::aten() },
+                3,
+                Device::Cpu,
+            )
+            .unwrap();
             for bf16 in [false, true] {
                 crate::ffi::set_autocast(false, bf16, false).unwrap();
                 let pending = m.loss(&x, &y, true, None).unwrap();
@@ -625,7 +773,10 @@ mod node_tests {
                 let settled = m.cross_entropy(&m.head(&h).unwrap(), &y, tch::Reduction::Mean).unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();
                 let params: Vec<&Tensor> = m.params.tensors.iter().collect();
-                let (ga, gb) = (Tensor::run_backward(&[&pending], &params, false, false), Tensor::run_backward(&[&settled], &params, false, false));
+                let (ga, gb) = (
+                    Tensor::run_backward(&[&pending], &params, false, false),
+                    Tensor::run_backward(&[&settled], &params, false, false),
+                );
                 assert!(pending.equal(&settled), "{:?} bf16 {bf16}: loss {pending:?} vs {settled:?}", c.arch);
                 for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
                     assert!(a.equal(b), "{:?} bf16 {bf16}: gradient of {}", c.arch, m.params.names[i]);
@@ -642,9 +793,13 @@ mod node_tests {
         let c = llama();
         let blocks = c.n_layer as u64;
         let swiglu = KernelsConfig { fused_swiglu: true, ..plain };
-        gives_the_plain_models_loss_and_gradients(&c, swiglu, plain, |_, recomputed| 2 * blocks + if recomputed { blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&c, swiglu, plain, |_, recomputed| {
+            2 * blocks + if recomputed { blocks } else { 0 }
+        });
         let rope = KernelsConfig { fused_rope: true, ..plain };
-        gives_the_plain_models_loss_and_gradients(&c, rope, plain, |_, recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&c, rope, plain, |_, recomputed| {
+            4 * blocks + if recomputed { 2 * blocks } else { 0 }
+        });
     }
 
     /// `kernels.merged_projections`: a Llama's q/k/v and gate/up each as one matrix
@@ -662,12 +817,25 @@ mod node_tests {
             gives_the_plain_models_loss_and_gradients(&c, merged, plain, |_, _| 0);
             let nodes = KernelsConfig { fused_swiglu: true, fused_rope: true, ..merged };
             // SwiGLU's and the joint RoPE node's one launch each way a block.
-            gives_the_plain_models_loss_and_gradients(&c, nodes, plain, |_, recomputed| 4 * blocks + if recomputed { 2 * blocks } else { 0 });
+            gives_the_plain_models_loss_and_gradients(&c, nodes, plain, |_, recomputed| {
+                4 * blocks + if recomputed { 2 * blocks } else { 0 }
+            });
         }
         let biased = ModelConfig { bias: true, ..llama() };
         let linear = KernelsConfig { fused_linear: true, ..plain };
-        gives_the_plain_models_loss_and_gradients(&biased, KernelsConfig { merged_projections: true, ..linear }, plain, |bf16, _| if bf16 { 4 * 2 * blocks } else { 0 });
-        gives_the_plain_models_loss_and_gradients(&biased, linear, plain, |bf16, _| if bf16 { 7 * 2 * blocks } else { 0 });
+        gives_the_plain_models_loss_and_gradients(
+            &biased,
+            KernelsConfig { merged_projections: true, ..linear },
+            plain,
+            |bf16, _| if bf16 { 4 * 2 * blocks } else { 0 },
+        );
+        gives_the_plain_models_loss_and_gradients(&biased, linear, plain, |bf16, _| {
+            if bf16 {
+                7 * 2 * blocks
+            } else {
+                0
+            }
+        });
     }
 
     /// The linear node (only under a 16-bit autocast): in GPT-2 its four biased layers a block
@@ -679,7 +847,13 @@ mod node_tests {
         let on = KernelsConfig { fused_linear: true, ..plain };
         let g = gpt2();
         assert!(g.padded_vocab() > g.vocab_size, "the head has its padding mask");
-        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| {
+            if bf16 {
+                4 * 2 * g.n_layer as u64
+            } else {
+                0
+            }
+        });
         gives_the_plain_models_loss_and_gradients(&llama(), on, plain, |_, _| 0);
     }
 
@@ -695,11 +869,28 @@ mod node_tests {
         assert_eq!(4 * g.n_embd % 8, 0, "the up-projection's rows fit the GELU kernel");
         let gelu_launches = || CudaEmulation::launches_of("tg_gelu_backward_bands_bf16");
         let before = gelu_launches();
-        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| if bf16 { 4 * 2 * g.n_layer as u64 } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&g, on, plain, |bf16, _| {
+            if bf16 {
+                4 * 2 * g.n_layer as u64
+            } else {
+                0
+            }
+        });
         assert!(gelu_launches() > before, "the GELU kernel ran, in place of the up-projection's column sums");
         let unbiased = ModelConfig { bias: false, ..g };
-        gives_the_plain_models_loss_and_gradients(&unbiased, on, plain, |bf16, _| if bf16 { unbiased.n_layer as u64 } else { 0 });
+        gives_the_plain_models_loss_and_gradients(&unbiased, on, plain, |bf16, _| {
+            if bf16 {
+                unbiased.n_layer as u64
+            } else {
+                0
+            }
+        });
         // Without the linear node the switch has nothing to fuse into: ATen's ops, no launch.
-        gives_the_plain_models_loss_and_gradients(&unbiased, KernelsConfig { fused_gelu: true, ..plain }, plain, |_, _| 0);
+        gives_the_plain_models_loss_and_gradients(
+            &unbiased,
+            KernelsConfig { fused_gelu: true, ..plain },
+            plain,
+            |_, _| 0,
+        );
     }
 }

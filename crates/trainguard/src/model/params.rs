@@ -5,7 +5,8 @@ use crate::data::mix;
 use tch::{Device, Kind, TchError, Tensor};
 
 fn name_key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3)) // FNV-1a
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x1000_0000_01b3))
+    // FNV-1a
 }
 
 /// `n` draws from N(0, std²): SplitMix64 uniforms through Box-Muller. `None` when the host
@@ -58,7 +59,14 @@ pub enum Init {
 }
 
 impl Params {
-    pub fn add(&mut self, name: String, shape: &[i64], init: Init, decay: bool, device: Device) -> Result<Tensor, TchError> {
+    pub fn add(
+        &mut self,
+        name: String,
+        shape: &[i64],
+        init: Init,
+        decay: bool,
+        device: Device,
+    ) -> Result<Tensor, TchError> {
         let opts = (Kind::Float, device);
         let t = match init {
             Init::Normal(std) => {
@@ -101,6 +109,9 @@ mod tests {
         assert!((var.sqrt() - 0.02).abs() < 2e-4, "{}", var.sqrt());
         assert_eq!(v[..10], normal_values(42, 10, 0.02).unwrap()[..]);
         assert_ne!(v[..10], normal_values(43, 10, 0.02).unwrap()[..]);
-        assert!(normal_values(1, usize::MAX / 2, 0.02).is_none(), "an impossible size is an answer, not an abort");
+        assert!(
+            normal_values(1, usize::MAX / 2, 0.02).is_none(),
+            "an impossible size is an answer, not an abort"
+        );
     }
 }

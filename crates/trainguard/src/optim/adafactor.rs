@@ -128,7 +128,12 @@ impl Adafactor {
         })
     }
 
-    pub fn new(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+    pub fn new(
+        cfg: AdafactorConfig,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+    ) -> Result<Self, TchError> {
         Self::with_path(cfg, params, decay, device, Path::for_device(device, false))
     }
 
@@ -139,32 +144,56 @@ impl Adafactor {
     pub fn scratch_elements(shapes: impl IntoIterator<Item = Vec<i64>>, path: Path) -> [i64; 3] {
         let Path::Bands { chunk_elements } = path else { return [1, 1, 1] };
         shapes.into_iter().fold([1, 1, 1], |[update, rows_max, cols_max], shape| match shape[..] {
-            [rows, cols] => [update.max(band_rows(rows, cols, chunk_elements) * cols), rows_max.max(rows), cols_max.max(cols)],
+            [rows, cols] => [
+                update.max(band_rows(rows, cols, chunk_elements) * cols),
+                rows_max.max(rows),
+                cols_max.max(cols),
+            ],
             _ => [update.max(shape.iter().product()), rows_max, cols_max],
         })
     }
 
     /// [`new`](Self::new) with the path chosen (tests run both on the CPU, and small bands to
     /// exercise banding).
-    pub fn with_path(cfg: AdafactorConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
+    pub fn with_path(
+        cfg: AdafactorConfig,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+        path: Path,
+    ) -> Result<Self, TchError> {
         let kind = params.first().map_or(Kind::Float, Tensor::kind);
         if let Some(p) = params.iter().find(|p| p.kind() != kind) {
-            return Err(TchError::Kind(format!("adafactor needs parameters of one dtype, got {kind:?} and {:?}", p.kind())));
+            return Err(TchError::Kind(format!(
+                "adafactor needs parameters of one dtype, got {kind:?} and {:?}",
+                p.kind()
+            )));
         }
         let mut state = Vec::with_capacity(params.len());
         for p in params {
             match p.size()[..] {
                 [rows, cols] => {
-                    state.push(SecondMoment::Factored { row_var: Tensor::f_zeros([rows, 1], (kind, device))?, col_var: Tensor::f_zeros([1, cols], (kind, device))? });
+                    state.push(SecondMoment::Factored {
+                        row_var: Tensor::f_zeros([rows, 1], (kind, device))?,
+                        col_var: Tensor::f_zeros([1, cols], (kind, device))?,
+                    });
                 }
                 [] | [_] => state.push(SecondMoment::Full { variance: Tensor::f_zeros_like(p)? }),
-                ref shape => return Err(TchError::Shape(format!("adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"))),
+                ref shape => {
+                    return Err(TchError::Shape(format!(
+                        "adafactor factors matrices and keeps vectors whole; a parameter has shape {shape:?}"
+                    )))
+                }
             }
         }
         let workspace = match Self::workspace_elements(params.iter().map(Tensor::size), path, device) {
             0 => None,
             elements => {
-                kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("Adafactor's CUDA kernels (kernels.cuda_optimizers) cannot be used: {e}")))?;
+                kernels::prepare_cuda(device).map_err(|e| {
+                    TchError::Torch(format!(
+                        "Adafactor's CUDA kernels (kernels.cuda_optimizers) cannot be used: {e}"
+                    ))
+                })?;
                 Some(Tensor::f_zeros([elements], (Kind::Double, device))?)
             }
         };
@@ -205,7 +234,9 @@ impl Adafactor {
             let decays = self.decay[i] && self.cfg.weight_decay != 0.0;
             let Path::Bands { chunk_elements } = self.path else {
                 let moments = match &self.state[i] {
-                    SecondMoment::Factored { row_var, col_var } => SecondMoments::Factored { row_var, col_var },
+                    SecondMoment::Factored { row_var, col_var } => {
+                        SecondMoments::Factored { row_var, col_var }
+                    }
                     SecondMoment::Full { variance } => SecondMoments::Full { variance },
                 };
                 let shrink = if decays { 1.0 - lr * self.cfg.weight_decay } else { 1.0 };
@@ -217,7 +248,13 @@ impl Adafactor {
                     };
                     AdafactorWorkspace { buffer, column_bands }
                 });
-                kernels::adafactor_update(&p, g, moments, AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink }, workspace.as_ref())?;
+                kernels::adafactor_update(
+                    &p,
+                    g,
+                    moments,
+                    AdafactorStep { one_minus_beta2, rho, eps1, eps2, d, shrink },
+                    workspace.as_ref(),
+                )?;
                 continue;
             };
             // α = max(eps2, RMS(p)) · ρ, from the parameter before this step's decay.
@@ -243,7 +280,8 @@ impl Adafactor {
                     let _ = cm.f_square_()?;
                     let _ = cm.f_div_scalar_(rows as f64)?;
                     let _ = col_var.f_lerp_(&cm, one_minus_beta2)?;
-                    let mut rvm = row_var.f_mean_out(&self.row_var_mean, [-2i64].as_slice(), true, None::<Kind>)?;
+                    let mut rvm =
+                        row_var.f_mean_out(&self.row_var_mean, [-2i64].as_slice(), true, None::<Kind>)?;
                     let _ = rvm.f_clamp_min_(eps1)?;
                     let band = band_rows(rows, cols, chunk_elements);
                     (0..rows).step_by(band as usize).map(|r0| (r0, band.min(rows - r0))).collect::<Vec<_>>()
@@ -298,7 +336,9 @@ impl Adafactor {
     /// The update of rows `r0..r0+len` of factored parameter `i`, in the scratch buffer:
     /// g / √max(row_var ⊗ col_var / mean(row_var), eps1²).
     fn update_band(&self, i: usize, g: &Tensor, r0: i64, len: i64, eps1: f64) -> Result<Tensor, TchError> {
-        let SecondMoment::Factored { row_var, col_var } = &self.state[i] else { unreachable!("bands exist for factored parameters only") };
+        let SecondMoment::Factored { row_var, col_var } = &self.state[i] else {
+            unreachable!("bands exist for factored parameters only")
+        };
         let cols = g.size()[1];
         let u = self.scratch.f_narrow(0, 0, len * cols)?.f_view([len, cols])?;
         // An outer product: PyTorch's `row_var @ col_var` with an inner dimension of 1, which is
@@ -313,7 +353,9 @@ impl Adafactor {
 
     /// The update of unfactored parameter `i`, in the scratch buffer (which holds g² on entry).
     fn update_full(&self, i: usize, g: &Tensor, eps1: f64) -> Result<Tensor, TchError> {
-        let SecondMoment::Full { variance } = &self.state[i] else { unreachable!("only unfactored parameters have a full variance") };
+        let SecondMoment::Full { variance } = &self.state[i] else {
+            unreachable!("only unfactored parameters have a full variance")
+        };
         let mut u = self.scratch.f_narrow(0, 0, g.numel() as i64)?.f_view(g.size().as_slice())?;
         u.f_copy_(variance)?;
         let _ = u.f_clamp_min_(eps1 * eps1)?;
@@ -350,14 +392,21 @@ impl Adafactor {
                     out.push((format!("row_var.{n}"), row_var.shallow_clone()));
                     out.push((format!("col_var.{n}"), col_var.shallow_clone()));
                 }
-                SecondMoment::Full { variance } => out.push((format!("variance.{n}"), variance.shallow_clone())),
+                SecondMoment::Full { variance } => {
+                    out.push((format!("variance.{n}"), variance.shallow_clone()))
+                }
             }
         }
         out
     }
 
     /// Restores moments saved by [`state_tensors`](Self::state_tensors) and the update count.
-    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        names: &[String],
+        saved: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), String> {
         let _no_grad = tch::no_grad_guard();
         for (s, n) in self.state.iter_mut().zip(names) {
             match s {
@@ -385,7 +434,10 @@ impl Adafactor {
     /// Device bytes of the update's scratch, the row/column buffers and the CUDA kernels' workspace
     /// (not checkpointed).
     pub fn scratch_bytes(&self) -> u64 {
-        bytes(&self.scratch) + bytes(&self.row_mean) + bytes(&self.col_mean) + self.workspace.as_ref().map_or(0, bytes)
+        bytes(&self.scratch)
+            + bytes(&self.row_mean)
+            + bytes(&self.col_mean)
+            + self.workspace.as_ref().map_or(0, bytes)
     }
 }
 
@@ -416,7 +468,8 @@ mod tests {
         [[-0.1, 0.0, 0.2, -0.3], [0.1, -0.1, 0.0, 0.4], [0.2, 0.2, -0.2, 0.1]],
         [[0.3, -0.3, 0.1, 0.1], [0.0, 0.0, 0.5, -0.2], [-0.1, 0.3, 0.0, 0.0]],
     ];
-    const GB: [[f32; 4]; 4] = [[0.01, -0.02, 0.5, 0.0], [0.02, 0.01, -0.3, 0.1], [-0.05, 0.0, 0.2, 0.1], [0.0, 0.03, -0.1, -0.2]];
+    const GB: [[f32; 4]; 4] =
+        [[0.01, -0.02, 0.5, 0.0], [0.02, 0.01, -0.3, 0.1], [-0.05, 0.0, 0.2, 0.1], [0.0, 0.03, -0.1, -0.2]];
 
     /// Reference numbers from PyTorch 2.11 (`torch.optim.Adafactor`, for-loop implementation):
     /// ```python
@@ -438,7 +491,8 @@ mod tests {
     #[allow(clippy::excessive_precision)]
     const REFERENCE_ROW_VAR: [f32; 3] = [0.035_551_130_77, 0.053_634_606_30, 0.039_690_371_60];
     #[allow(clippy::excessive_precision)]
-    const REFERENCE_COL_VAR: [f32; 4] = [0.028_310_272_84, 0.055_611_532_18, 0.052_045_822_14, 0.035_867_180_68];
+    const REFERENCE_COL_VAR: [f32; 4] =
+        [0.028_310_272_84, 0.055_611_532_18, 0.052_045_822_14, 0.035_867_180_68];
 
     fn run(path: Path) -> (Adafactor, Tensor, Tensor) {
         let w = Tensor::from_slice(&W.concat()).view([3, 4]);
@@ -447,7 +501,8 @@ mod tests {
         let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
         let mut opt = Adafactor::with_path(cfg, &params, &[true, false], Device::Cpu, path).unwrap();
         for (gw, gb) in GW.iter().zip(&GB) {
-            opt.step(&params, &[Tensor::from_slice(&gw.concat()).view([3, 4]), Tensor::from_slice(gb)], 0.05).unwrap();
+            opt.step(&params, &[Tensor::from_slice(&gw.concat()).view([3, 4]), Tensor::from_slice(gb)], 0.05)
+                .unwrap();
         }
         (opt, w, b)
     }
@@ -468,7 +523,9 @@ mod tests {
             let (opt, w, b) = run(path);
             assert_close(&w, &REFERENCE_W.concat(), 1e-6, &format!("matrix, {path:?}"));
             assert_close(&b, &REFERENCE_B, 1e-6, &format!("vector, {path:?}"));
-            let SecondMoment::Factored { row_var, col_var } = &opt.state[0] else { panic!("the matrix is factored") };
+            let SecondMoment::Factored { row_var, col_var } = &opt.state[0] else {
+                panic!("the matrix is factored")
+            };
             assert_eq!((row_var.size(), col_var.size()), (vec![3, 1], vec![1, 4]));
             assert_close(row_var, &REFERENCE_ROW_VAR, 1e-7, "row_var");
             assert_close(col_var, &REFERENCE_COL_VAR, 1e-7, "col_var");
@@ -482,14 +539,34 @@ mod tests {
     fn the_fused_cpu_kernel_computes_what_the_tensor_ops_do() {
         let cfg = AdafactorConfig { weight_decay: 0.1, ..AdafactorConfig::default() };
         let names = ["w", "v", "s"].map(String::from);
-        let wave = |n: usize, k: f64| Tensor::from_slice(&(0..n).map(|i| ((i as f64 * k).sin() * 0.5) as f32).collect::<Vec<_>>());
+        let wave = |n: usize, k: f64| {
+            Tensor::from_slice(&(0..n).map(|i| ((i as f64 * k).sin() * 0.5) as f32).collect::<Vec<_>>())
+        };
         for kind in [Kind::Float, Kind::BFloat16] {
-            let make = || [wave(21_000, 0.37).view([300, 70]).to_kind(kind), wave(5000, 1.3).to_kind(kind), Tensor::from(0.3f32).to_kind(kind)];
+            let make = || {
+                [
+                    wave(21_000, 0.37).view([300, 70]).to_kind(kind),
+                    wave(5000, 1.3).to_kind(kind),
+                    Tensor::from(0.3f32).to_kind(kind),
+                ]
+            };
             let (fused_p, ops_p) = (make(), make());
-            let mut fused = Adafactor::with_path(cfg, &fused_p, &[true, false, true], Device::Cpu, Path::Fused).unwrap();
-            let mut ops = Adafactor::with_path(cfg, &ops_p, &[true, false, true], Device::Cpu, Path::Bands { chunk_elements: 7000 }).unwrap();
+            let mut fused =
+                Adafactor::with_path(cfg, &fused_p, &[true, false, true], Device::Cpu, Path::Fused).unwrap();
+            let mut ops = Adafactor::with_path(
+                cfg,
+                &ops_p,
+                &[true, false, true],
+                Device::Cpu,
+                Path::Bands { chunk_elements: 7000 },
+            )
+            .unwrap();
             for step in 0..5 {
-                let grads = [wave(21_000, 0.11 + step as f64).view([300, 70]).to_kind(kind), wave(5000, 0.7 + step as f64).to_kind(kind) * 0.01, Tensor::from(0.2f32).to_kind(kind)];
+                let grads = [
+                    wave(21_000, 0.11 + step as f64).view([300, 70]).to_kind(kind),
+                    wave(5000, 0.7 + step as f64).to_kind(kind) * 0.01,
+                    Tensor::from(0.2f32).to_kind(kind),
+                ];
                 for (f, o) in fused_p.iter().zip(&ops_p) {
                     o.shallow_clone().copy_(f);
                 }
@@ -502,8 +579,13 @@ mod tests {
                 let ulps = if kind == Kind::Float { 8.0 * f32::EPSILON as f64 } else { 1.0 / 128.0 };
                 for (j, ((f, o), b)) in fused_p.iter().zip(&ops_p).zip(&before).enumerate() {
                     let step_size = (o - b).abs();
-                    let worst = ((f - o).abs() - (o.abs() + b.abs() + step_size * 4.0) * ulps).max().double_value(&[]);
-                    assert!(worst <= 0.0, "{kind:?} step {step}, tensor {j}: parameters differ by {worst} beyond the bound");
+                    let worst = ((f - o).abs() - (o.abs() + b.abs() + step_size * 4.0) * ulps)
+                        .max()
+                        .double_value(&[]);
+                    assert!(
+                        worst <= 0.0,
+                        "{kind:?} step {step}, tensor {j}: parameters differ by {worst} beyond the bound"
+                    );
                 }
                 for ((key, f), (_, o)) in fused.state_tensors(&names).iter().zip(&ops.state_tensors(&names)) {
                     let rel = ((f - o).abs() / o.abs().clamp_min(1e-30)).max().double_value(&[]);
@@ -523,17 +605,38 @@ mod tests {
         assert_eq!(Adafactor::column_bands(5, 768), 5, "never more bands than rows");
         assert_eq!(Adafactor::column_bands(4096, 50_304), 20, "2^20 / 50304 bands of a wide matrix");
         assert_eq!(Adafactor::column_bands(10, 1 << 22), 1, "at least one band");
-        let cuda = |shapes: &[Vec<i64>]| Adafactor::workspace_elements(shapes.to_vec(), Path::Fused, Device::Cuda(0));
+        let cuda = |shapes: &[Vec<i64>]| {
+            Adafactor::workspace_elements(shapes.to_vec(), Path::Fused, Device::Cuda(0))
+        };
         assert_eq!(cuda(&[vec![5000]]), 4 + 3, "a vector: one sum per 2048 values");
         assert_eq!(cuda(&[vec![]]), 4 + 1, "a scalar is one unit");
         assert_eq!(cuda(&[vec![300, 70], vec![5000]]), 4 + 300 + 128 * 70);
-        let gpt2 = [vec![50_304, 768], vec![1024, 768], vec![2304, 768], vec![3072, 768], vec![768, 3072], vec![768]];
+        let gpt2 = [
+            vec![50_304, 768],
+            vec![1024, 768],
+            vec![2304, 768],
+            vec![3072, 768],
+            vec![768, 3072],
+            vec![768],
+        ];
         let elements = cuda(&gpt2);
-        assert_eq!(elements, 4 + 768 + 128 * 3072, "the MLP's down-projection: 128 bands of 3072 column sums");
+        assert_eq!(
+            elements,
+            4 + 768 + 128 * 3072,
+            "the MLP's down-projection: 128 bands of 3072 column sums"
+        );
         assert_eq!((elements * 8) >> 20, 3, "3 MiB for GPT-2");
-        assert_eq!(Adafactor::workspace_elements(gpt2.to_vec(), Path::Fused, Device::Cpu), 0, "the CPU kernel sums in registers");
+        assert_eq!(
+            Adafactor::workspace_elements(gpt2.to_vec(), Path::Fused, Device::Cpu),
+            0,
+            "the CPU kernel sums in registers"
+        );
         let bands = Path::Bands { chunk_elements: CHUNK_ELEMENTS };
-        assert_eq!(Adafactor::workspace_elements(gpt2.to_vec(), bands, Device::Cuda(0)), 0, "tensor ops need no workspace");
+        assert_eq!(
+            Adafactor::workspace_elements(gpt2.to_vec(), bands, Device::Cuda(0)),
+            0,
+            "tensor ops need no workspace"
+        );
         assert_eq!(Path::for_device(Device::Cpu, false), Path::Fused);
         assert_eq!(Path::for_device(Device::Cuda(0), true), Path::Fused, "kernels.cuda_optimizers");
         assert_eq!(Path::for_device(Device::Cuda(0), false), Path::Bands { chunk_elements: CHUNK_ELEMENTS });
@@ -551,6 +654,9 @@ mod tests {
     #[test]
     fn tensors_of_three_dimensions_are_refused_not_mishandled() {
         let p = [Tensor::zeros([2, 3, 4], (Kind::Float, Device::Cpu))];
-        assert!(matches!(Adafactor::new(AdafactorConfig::default(), &p, &[true], Device::Cpu), Err(TchError::Shape(_))));
+        assert!(matches!(
+            Adafactor::new(AdafactorConfig::default(), &p, &[true], Device::Cpu),
+            Err(TchError::Shape(_))
+        ));
     }
 }

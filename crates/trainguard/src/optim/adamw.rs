@@ -35,9 +35,15 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    pub fn new(cfg: AdamWConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+    pub fn new(
+        cfg: AdamWConfig,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+    ) -> Result<Self, TchError> {
         let zeros = |p: &Tensor| Tensor::f_zeros_like(p);
-        let scratch_len = if cfg.fused { 0 } else { params.iter().map(Tensor::numel).max().unwrap_or(1) as i64 };
+        let scratch_len =
+            if cfg.fused { 0 } else { params.iter().map(Tensor::numel).max().unwrap_or(1) as i64 };
         Ok(Self {
             cfg,
             exp_avg: params.iter().map(zeros).collect::<Result<_, _>>()?,
@@ -45,7 +51,10 @@ impl AdamW {
             steps: 0,
             decay: decay.to_vec(),
             // Same dtype as the parameters (bf16 under precision bf16-pure).
-            scratch: Tensor::f_empty([scratch_len], (params.first().map_or(Kind::Float, Tensor::kind), device))?,
+            scratch: Tensor::f_empty(
+                [scratch_len],
+                (params.first().map_or(Kind::Float, Tensor::kind), device),
+            )?,
             state_step: Tensor::f_zeros([], (Kind::Float, device))?,
         })
     }
@@ -95,14 +104,29 @@ impl AdamW {
     }
 
     /// Restores moments saved by [`state_tensors`](Self::state_tensors) and the update count.
-    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        names: &[String],
+        saved: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), String> {
         let _no_grad = tch::no_grad_guard();
-        let find = |key: &str| saved.iter().find(|(k, _)| k == key).map(|(_, t)| t).ok_or_else(|| format!("optimizer state lacks `{key}`"));
+        let find = |key: &str| {
+            saved
+                .iter()
+                .find(|(k, _)| k == key)
+                .map(|(_, t)| t)
+                .ok_or_else(|| format!("optimizer state lacks `{key}`"))
+        };
         for (i, n) in names.iter().enumerate() {
             for (kind, dst) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
                 let src = find(&format!("{kind}.{n}"))?;
                 if src.size() != dst.size() {
-                    return Err(format!("`{kind}.{n}` has shape {:?}, the model needs {:?}", src.size(), dst.size()));
+                    return Err(format!(
+                        "`{kind}.{n}` has shape {:?}, the model needs {:?}",
+                        src.size(),
+                        dst.size()
+                    ));
                 }
                 dst.f_copy_(src).map_err(|e| e.to_string())?;
             }
@@ -116,7 +140,8 @@ impl AdamW {
     /// counter with it (a failure to refill it is the failure already being reported).
     pub(super) fn count_back_to(&mut self, steps: u64) {
         self.steps = steps;
-        let _ = crate::ffi::torch_panics::catch_torch_panics(|| self.state_step.f_fill_(steps as f64).map(drop));
+        let _ =
+            crate::ffi::torch_panics::catch_torch_panics(|| self.state_step.f_fill_(steps as f64).map(drop));
     }
 
     fn fused_step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
@@ -126,17 +151,40 @@ impl AdamW {
             ts.iter().collect()
         }
         let h = AdamWHyper { lr, beta1, beta2, weight_decay, eps };
-        fused_update(&refs(params), &refs(grads), &refs(&self.exp_avg), &refs(&self.exp_avg_sq), &self.decay, &self.state_step, h)
+        fused_update(
+            &refs(params),
+            &refs(grads),
+            &refs(&self.exp_avg),
+            &refs(&self.exp_avg_sq),
+            &self.decay,
+            &self.state_step,
+            h,
+        )
     }
 }
 
 /// One AdamW update of the parallel lists `params`, `grads` and their moments (fp32, as AdamW
 /// keeps them) by ATen's fused kernel, at the update count in `step`: two kernel calls, the
 /// tensors whose `decay` flag is set with `h.weight_decay`, then the others without.
-pub(super) fn fused_update(params: &[&Tensor], grads: &[&Tensor], exp_avg: &[&Tensor], exp_avg_sq: &[&Tensor], decay: &[bool], step: &Tensor, h: AdamWHyper) -> Result<(), TchError> {
+pub(super) fn fused_update(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    exp_avg: &[&Tensor],
+    exp_avg_sq: &[&Tensor],
+    decay: &[bool],
+    step: &Tensor,
+    h: AdamWHyper,
+) -> Result<(), TchError> {
     for (with_decay, idx) in decay_groups(decay) {
         let h = AdamWHyper { weight_decay: if with_decay { h.weight_decay } else { 0.0 }, ..h };
-        kernels::fused_adamw(&pick(params, &idx), &pick(grads, &idx), &pick(exp_avg, &idx), &pick(exp_avg_sq, &idx), &vec![step; idx.len()], h)?;
+        kernels::fused_adamw(
+            &pick(params, &idx),
+            &pick(grads, &idx),
+            &pick(exp_avg, &idx),
+            &pick(exp_avg_sq, &idx),
+            &vec![step; idx.len()],
+            h,
+        )?;
     }
     Ok(())
 }
@@ -150,14 +198,24 @@ mod tests {
     #[test]
     fn counting_back_after_a_failed_fused_update_restores_the_device_counter() {
         let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused: true };
-        let fresh = || vec![Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(), Tensor::ones([5], (Kind::Float, Device::Cpu))];
-        let grads = [Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+        let fresh = || {
+            vec![
+                Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(),
+                Tensor::ones([5], (Kind::Float, Device::Cpu)),
+            ]
+        };
+        let grads =
+            [Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu))];
         let (a, b) = (fresh(), fresh());
         let mut failing = AdamW::new(cfg, &a, &[true, false], Device::Cpu).unwrap();
         let mut plain = AdamW::new(cfg, &b, &[true, false], Device::Cpu).unwrap();
         let wrong = [Tensor::ones([4, 3], (Kind::Float, Device::Cpu)), grads[1].shallow_clone()];
         assert!(failing.step(&a, &wrong, 1e-2).is_err());
-        assert_eq!(failing.state_step.double_value(&[]), 1.0, "the kernel's counter moved before the failure");
+        assert_eq!(
+            failing.state_step.double_value(&[]),
+            1.0,
+            "the kernel's counter moved before the failure"
+        );
         failing.count_back_to(0);
         failing.step(&a, &grads, 1e-2).unwrap();
         plain.step(&b, &grads, 1e-2).unwrap();

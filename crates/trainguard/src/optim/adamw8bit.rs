@@ -97,16 +97,31 @@ impl AdamW8bit {
 
     /// The default path for `device` (on CUDA the tensor ops; [`with_path`](Self::with_path)
     /// picks the kernel).
-    pub fn new(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+    pub fn new(
+        cfg: AdamW8bitConfig,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+    ) -> Result<Self, TchError> {
         Self::with_path(cfg, params, decay, device, Path::for_device(device, false))
     }
 
     /// [`new`](Self::new) with the update path chosen. The fused path on CUDA compiles and loads
     /// the kernel here, so that a missing NVRTC or a driver error stops the run before its first
     /// step, naming the cause.
-    pub fn with_path(cfg: AdamW8bitConfig, params: &[Tensor], decay: &[bool], device: Device, path: Path) -> Result<Self, TchError> {
+    pub fn with_path(
+        cfg: AdamW8bitConfig,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+        path: Path,
+    ) -> Result<Self, TchError> {
         if path == Path::Fused && device.is_cuda() {
-            kernels::prepare_cuda(device).map_err(|e| TchError::Torch(format!("8-bit AdamW's CUDA kernel (kernels.cuda_optimizers) cannot be used: {e}")))?;
+            kernels::prepare_cuda(device).map_err(|e| {
+                TchError::Torch(format!(
+                    "8-bit AdamW's CUDA kernel (kernels.cuda_optimizers) cannot be used: {e}"
+                ))
+            })?;
         }
         let mut moments = Vec::with_capacity(params.len());
         for p in params {
@@ -147,7 +162,14 @@ impl AdamW8bit {
         let bc2 = 1.0 - beta2.powi(self.steps as i32);
         // As in `AdamW::step`: p −= lr/bc1 · m / (√v/√bc2 + eps), written as p += m / tmp with
         // tmp = √v · (−bc1/(lr·√bc2)) − eps·bc1/lr.
-        let rule = Rule { beta1, beta2, shrink: 1.0 - lr * weight_decay, scale: -bc1 / (lr * bc2.sqrt()), shift: -eps * bc1 / lr, apply: lr > 0.0 };
+        let rule = Rule {
+            beta1,
+            beta2,
+            shrink: 1.0 - lr * weight_decay,
+            scale: -bc1 / (lr * bc2.sqrt()),
+            shift: -eps * bc1 / lr,
+            apply: lr > 0.0,
+        };
         self.fused_small(params, grads, lr)?;
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             if self.takes_fused(i, p, g) {
@@ -161,13 +183,30 @@ impl AdamW8bit {
                     let n = p.numel() as i64;
                     let mut tmp = self.tmp.f_narrow(0, 0, n)?;
                     let g = as_fp32(&g, &self.grad32)?;
-                    rule.apply(&p, &g, &mut exp_avg.f_view([-1])?, &mut exp_avg_sq.f_view([-1])?, &mut tmp, decays)?;
+                    rule.apply(
+                        &p,
+                        &g,
+                        &mut exp_avg.f_view([-1])?,
+                        &mut exp_avg_sq.f_view([-1])?,
+                        &mut tmp,
+                        decays,
+                    )?;
                 }
-                Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => match self.path {
+                Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => match self
+                    .path
+                {
                     Path::Fused => {
-                        let moments = QuantisedMoments { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax };
+                        let moments =
+                            QuantisedMoments { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax };
                         let shrink = if decays { rule.shrink } else { 1.0 };
-                        let step = AdamW8bitStep { beta1, beta2, shrink, scale: rule.scale, shift: rule.shift, apply: rule.apply };
+                        let step = AdamW8bitStep {
+                            beta1,
+                            beta2,
+                            shrink,
+                            scale: rule.scale,
+                            shift: rule.shift,
+                            apply: rule.apply,
+                        };
                         kernels::adamw8bit_update(&p, &g, moments, step)?;
                     }
                     Path::Runs { chunk_blocks } => {
@@ -204,20 +243,31 @@ impl AdamW8bit {
     /// kernel (their moments are AdamW's; `adamw::fused_update`): two launches, with and without
     /// weight decay.
     fn fused_small(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
-        let picked: Vec<usize> = (0..params.len()).filter(|&i| self.takes_fused(i, &params[i], &grads[i])).collect();
+        let picked: Vec<usize> =
+            (0..params.len()).filter(|&i| self.takes_fused(i, &params[i], &grads[i])).collect();
         if picked.is_empty() {
             return Ok(());
         }
         let _ = self.state_step.f_fill_(self.steps as f64)?;
         let (mut m, mut v) = (Vec::with_capacity(picked.len()), Vec::with_capacity(picked.len()));
         for &i in &picked {
-            let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else { unreachable!("picked are unquantised") };
+            let Moments::Full { exp_avg, exp_avg_sq } = &self.moments[i] else {
+                unreachable!("picked are unquantised")
+            };
             m.push(exp_avg);
             v.push(exp_avg_sq);
         }
         let decay: Vec<bool> = picked.iter().map(|&i| self.decay[i]).collect();
         let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
-        fused_update(&pick(params, &picked), &pick(grads, &picked), &m, &v, &decay, &self.state_step, AdamWHyper { lr, beta1, beta2, weight_decay, eps })
+        fused_update(
+            &pick(params, &picked),
+            &pick(grads, &picked),
+            &m,
+            &v,
+            &decay,
+            &self.state_step,
+            AdamWHyper { lr, beta1, beta2, weight_decay, eps },
+        )
     }
 
     /// `exp_avg.<param>` / `exp_avg_sq.<param>` (fp32) for small tensors; for quantised ones
@@ -234,11 +284,18 @@ impl AdamW8bit {
     }
 
     /// Restores moments saved by [`state_tensors`](Self::state_tensors) and the update count.
-    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        names: &[String],
+        saved: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), String> {
         let _no_grad = tch::no_grad_guard();
         for (m, n) in self.moments.iter_mut().zip(names) {
             let targets: Vec<(&str, &mut Tensor)> = match m {
-                Moments::Full { exp_avg, exp_avg_sq } => vec![("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
+                Moments::Full { exp_avg, exp_avg_sq } => {
+                    vec![("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+                }
                 Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => vec![
                     ("exp_avg_q8", exp_avg),
                     ("exp_avg_absmax", exp_avg_absmax),
@@ -267,7 +324,12 @@ impl AdamW8bit {
         match m {
             Moments::Full { exp_avg, exp_avg_sq } => vec![("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)],
             Moments::Quantised { exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax } => {
-                vec![("exp_avg_q8", exp_avg), ("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_q8", exp_avg_sq), ("exp_avg_sq_absmax", exp_avg_sq_absmax)]
+                vec![
+                    ("exp_avg_q8", exp_avg),
+                    ("exp_avg_absmax", exp_avg_absmax),
+                    ("exp_avg_sq_q8", exp_avg_sq),
+                    ("exp_avg_sq_absmax", exp_avg_sq_absmax),
+                ]
             }
         }
     }
@@ -288,7 +350,15 @@ struct Rule {
 
 impl Rule {
     /// AdamW on fp32 moments `m`, `v` (updated in place); `tmp` is scratch of the same shape.
-    fn apply(&self, p: &Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, tmp: &mut Tensor, decays: bool) -> Result<(), TchError> {
+    fn apply(
+        &self,
+        p: &Tensor,
+        g: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+        tmp: &mut Tensor,
+        decays: bool,
+    ) -> Result<(), TchError> {
         let _ = m.f_lerp_(g, 1.0 - self.beta1)?;
         let _ = g.f_mul_out(tmp, g)?;
         let _ = v.f_lerp_(tmp, 1.0 - self.beta2)?;
@@ -340,20 +410,32 @@ mod tests {
         // Two small tensors, one with weight decay and one without, beside a quantised one.
         let (w, b) = (pseudo(300, 1), pseudo(40, 2));
         let big = pseudo(5000, 3);
-        let make = || [Tensor::from_slice(&w).view([20, 15]), Tensor::from_slice(&b), Tensor::from_slice(&big)];
+        let make =
+            || [Tensor::from_slice(&w).view([20, 15]), Tensor::from_slice(&b), Tensor::from_slice(&big)];
         let (reference_params, eight_params) = (make(), make());
         let adamw_cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused: true };
         let cfg = AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
-        let mut reference = AdamW::new(adamw_cfg, &reference_params[..2], &[true, false], Device::Cpu).unwrap();
+        let mut reference =
+            AdamW::new(adamw_cfg, &reference_params[..2], &[true, false], Device::Cpu).unwrap();
         let mut eight = AdamW8bit::new(cfg, &eight_params, &[true, false, true], Device::Cpu).unwrap();
-        assert!(matches!(eight.moments[0], Moments::Full { .. }) && matches!(eight.moments[2], Moments::Quantised { .. }));
+        assert!(
+            matches!(eight.moments[0], Moments::Full { .. })
+                && matches!(eight.moments[2], Moments::Quantised { .. })
+        );
         for s in 0..5 {
-            let g = [Tensor::from_slice(&pseudo(300, 10 + s)).view([20, 15]), Tensor::from_slice(&pseudo(40, 20 + s)), Tensor::from_slice(&pseudo(5000, 30 + s))];
+            let g = [
+                Tensor::from_slice(&pseudo(300, 10 + s)).view([20, 15]),
+                Tensor::from_slice(&pseudo(40, 20 + s)),
+                Tensor::from_slice(&pseudo(5000, 30 + s)),
+            ];
             reference.step(&reference_params[..2], &g[..2], 0.01).unwrap();
             eight.step(&eight_params, &g, 0.01).unwrap();
         }
         for i in 0..2 {
-            assert!(reference_params[i].equal(&eight_params[i]), "tensor {i}: the same kernel, the same numbers");
+            assert!(
+                reference_params[i].equal(&eight_params[i]),
+                "tensor {i}: the same kernel, the same numbers"
+            );
         }
         assert!(!eight_params[2].equal(&make()[2]), "the quantised tensor was updated too");
         assert_eq!(eight.state_bytes(), 340 * 8 + 2 * 5000 + 2 * 3 * 4);
@@ -368,14 +450,30 @@ mod tests {
         let n = 5 * BLOCK as usize + 100;
         let names = ["a".to_string(), "b".to_string()];
         for kind in [Kind::Float, Kind::BFloat16] {
-            let make = || [Tensor::from_slice(&pseudo(n, 1)).to_kind(kind), Tensor::from_slice(&pseudo(n, 2)).to_kind(kind)];
+            let make = || {
+                [
+                    Tensor::from_slice(&pseudo(n, 1)).to_kind(kind),
+                    Tensor::from_slice(&pseudo(n, 2)).to_kind(kind),
+                ]
+            };
             let (fused_p, runs_p) = (make(), make());
-            let mut fused = AdamW8bit::with_path(cfg, &fused_p, &[true, false], Device::Cpu, Path::Fused).unwrap();
-            let mut runs = AdamW8bit::with_path(cfg, &runs_p, &[true, false], Device::Cpu, Path::Runs { chunk_blocks: 2 }).unwrap();
+            let mut fused =
+                AdamW8bit::with_path(cfg, &fused_p, &[true, false], Device::Cpu, Path::Fused).unwrap();
+            let mut runs = AdamW8bit::with_path(
+                cfg,
+                &runs_p,
+                &[true, false],
+                Device::Cpu,
+                Path::Runs { chunk_blocks: 2 },
+            )
+            .unwrap();
             for step in 0..6u64 {
                 let mut g0 = pseudo(n, 10 + step);
                 g0[BLOCK as usize..2 * BLOCK as usize].iter_mut().for_each(|x| *x = 0.0);
-                let grads = [Tensor::from_slice(&g0).to_kind(kind), Tensor::from_slice(&pseudo(n, 20 + step)).to_kind(kind) * 1e-3];
+                let grads = [
+                    Tensor::from_slice(&g0).to_kind(kind),
+                    Tensor::from_slice(&pseudo(n, 20 + step)).to_kind(kind) * 1e-3,
+                ];
                 let lr = if step == 2 { 0.0 } else { 0.01 };
                 // The tensor-op path starts from the fused path's state.
                 for (f, r) in fused_p.iter().zip(&runs_p) {
@@ -392,7 +490,10 @@ mod tests {
                     // may differ in its last bits.
                     let ulps = if kind == Kind::Float { 4.0 * f32::EPSILON as f64 } else { 1.0 / 128.0 };
                     let worst = ((f - r).abs() - (r.abs() + b.abs()) * ulps).max().double_value(&[]);
-                    assert!(worst <= 1e-6 * lr, "{kind:?} step {step}: parameters differ by {worst} beyond {ulps} relative");
+                    assert!(
+                        worst <= 1e-6 * lr,
+                        "{kind:?} step {step}: parameters differ by {worst} beyond {ulps} relative"
+                    );
                 }
                 let (fs, rs) = (fused.state_tensors(&names), runs.state_tensors(&names));
                 for ((key, f), (_, r)) in fs.iter().zip(&rs) {
@@ -402,8 +503,12 @@ mod tests {
                     } else {
                         // A code can land one step over when its value sits on a rounding edge.
                         let diff = (f.to_kind(Kind::Int) - r.to_kind(Kind::Int)).abs();
-                        let (worst, off) = (diff.max().int64_value(&[]), diff.gt(0).sum(Kind::Int64).int64_value(&[]));
-                        assert!(worst <= 1 && off * 1000 <= n as i64, "{kind:?} step {step}: codes `{key}` differ by up to {worst} in {off} of {n}");
+                        let (worst, off) =
+                            (diff.max().int64_value(&[]), diff.gt(0).sum(Kind::Int64).int64_value(&[]));
+                        assert!(
+                            worst <= 1 && off * 1000 <= n as i64,
+                            "{kind:?} step {step}: codes `{key}` differ by up to {worst} in {off} of {n}"
+                        );
                     }
                 }
                 if step == 2 {
@@ -419,22 +524,46 @@ mod tests {
         assert_eq!(Path::for_device(Device::Cuda(0), true), Path::Fused, "kernels.cuda_optimizers");
         assert_eq!(Path::for_device(Device::Cuda(0), false).run_elements(), 1 << 24);
         let gpt2 = [38_597_376i64, 786_432, 2_359_296, 768, 3072];
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cpu, false)), 3072, "the largest unquantised tensor");
+        assert_eq!(
+            AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cpu, false)),
+            3072,
+            "the largest unquantised tensor"
+        );
         assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0), false)), 1 << 24);
-        assert_eq!(AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0), true)), 3072, "nor does the CUDA kernel");
-        assert_eq!(AdamW8bit::scratch_elements([3000, 100], Path::for_device(Device::Cuda(0), false)), 3000, "unquantised tensors whole");
+        assert_eq!(
+            AdamW8bit::scratch_elements(gpt2, Path::for_device(Device::Cuda(0), true)),
+            3072,
+            "nor does the CUDA kernel"
+        );
+        assert_eq!(
+            AdamW8bit::scratch_elements([3000, 100], Path::for_device(Device::Cuda(0), false)),
+            3000,
+            "unquantised tensors whole"
+        );
     }
 
     #[test]
     fn large_tensors_are_stored_in_one_byte_per_moment_plus_a_scale_per_block() {
         let n = 3 * BLOCK + 100; // a partial last block
         let p = [Tensor::zeros([n], (Kind::Float, Device::Cpu))];
-        let opt = AdamW8bit::new(AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 }, &p, &[false], Device::Cpu).unwrap();
+        let opt = AdamW8bit::new(
+            AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 },
+            &p,
+            &[false],
+            Device::Cpu,
+        )
+        .unwrap();
         assert_eq!(opt.state_bytes(), 2 * n as u64 + 2 * 4 * 4);
-        let kinds: Vec<(String, Kind)> = opt.state_tensors(&["w".into()]).into_iter().map(|(k, t)| (k, t.kind())).collect();
+        let kinds: Vec<(String, Kind)> =
+            opt.state_tensors(&["w".into()]).into_iter().map(|(k, t)| (k, t.kind())).collect();
         assert_eq!(
             kinds,
-            [("exp_avg_q8.w".into(), Kind::Int8), ("exp_avg_absmax.w".into(), Kind::Float), ("exp_avg_sq_q8.w".into(), Kind::Uint8), ("exp_avg_sq_absmax.w".into(), Kind::Float)]
+            [
+                ("exp_avg_q8.w".into(), Kind::Int8),
+                ("exp_avg_absmax.w".into(), Kind::Float),
+                ("exp_avg_sq_q8.w".into(), Kind::Uint8),
+                ("exp_avg_sq_absmax.w".into(), Kind::Float)
+            ]
         );
     }
 
@@ -445,10 +574,18 @@ mod tests {
         g[..2048].iter_mut().for_each(|x| *x = 0.0);
         let p = Tensor::from_slice(&pseudo(5000, 4));
         let before = p.copy();
-        let mut opt = AdamW8bit::new(AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }, &[p.shallow_clone()], &[true], Device::Cpu).unwrap();
+        let mut opt = AdamW8bit::new(
+            AdamW8bitConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+            &[p.shallow_clone()],
+            &[true],
+            Device::Cpu,
+        )
+        .unwrap();
         opt.step(&[p.shallow_clone()], &[Tensor::from_slice(&g)], 0.0).unwrap();
         assert!(p.equal(&before));
-        let Moments::Quantised { exp_avg_absmax, .. } = &opt.moments[0] else { panic!("5000 elements are quantised") };
+        let Moments::Quantised { exp_avg_absmax, .. } = &opt.moments[0] else {
+            panic!("5000 elements are quantised")
+        };
         assert!(f64::try_from(exp_avg_absmax.get(1)).unwrap() > 0.0, "the first moment moved");
     }
 }

@@ -48,7 +48,8 @@ mod tests {
     fn the_norm_is_the_fp64_norm_and_every_gradient_takes_its_coefficient() {
         tch::manual_seed(1);
         let shapes: [&[i64]; 4] = [&[300, 70], &[70], &[5000], &[3, 4]];
-        let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, tch::Device::Cpu))).collect();
+        let grads: Vec<Tensor> =
+            shapes.iter().map(|s| Tensor::randn(*s, (Kind::Float, tch::Device::Cpu))).collect();
         let want = fp64_norm(&grads);
         let mut got: Vec<Tensor> = grads.iter().map(Tensor::copy).collect();
         let total = clip_grad_norm(&mut got, 0.5).unwrap();
@@ -61,7 +62,11 @@ mod tests {
     }
 
     fn fp64_norm(grads: &[Tensor]) -> f64 {
-        grads.iter().map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[])).sum::<f64>().sqrt()
+        grads
+            .iter()
+            .map(|g| g.to_kind(Kind::Double).square().sum(Kind::Double).double_value(&[]))
+            .sum::<f64>()
+            .sqrt()
     }
 
     /// On the CPU ATen's norm kernel accumulates a tensor in fp32 and drifts on large ones: an
@@ -70,7 +75,10 @@ mod tests {
     #[test]
     fn an_embedding_sized_gradients_norm_on_the_cpu_is_the_fp64_norm() {
         tch::manual_seed(0);
-        let mut grads = vec![Tensor::randn([50304, 768], (Kind::Float, tch::Device::Cpu)) * 1e-2, Tensor::randn([7], (Kind::Float, tch::Device::Cpu))];
+        let mut grads = vec![
+            Tensor::randn([50304, 768], (Kind::Float, tch::Device::Cpu)) * 1e-2,
+            Tensor::randn([7], (Kind::Float, tch::Device::Cpu)),
+        ];
         let want = fp64_norm(&grads);
         let total = clip_grad_norm(&mut grads, 0.0).unwrap();
         assert!(((total - want) / want).abs() < 1e-7, "{total} vs {want} (fp64)");

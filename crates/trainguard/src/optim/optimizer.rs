@@ -55,19 +55,48 @@ pub enum Optimizer {
 
 impl Optimizer {
     /// Builds the state for `params` (with their weight-decay flags) on `device`.
-    pub fn new(spec: &OptimizerSpec, params: &[Tensor], decay: &[bool], device: Device) -> Result<Self, TchError> {
+    pub fn new(
+        spec: &OptimizerSpec,
+        params: &[Tensor],
+        decay: &[bool],
+        device: Device,
+    ) -> Result<Self, TchError> {
         let OptimizerSpec { name, fused, cuda_kernel, momentum, beta1, beta2, eps, weight_decay } = *spec;
         Ok(match name {
-            OptimizerName::Adamw => Self::AdamW(AdamW::new(AdamWConfig { beta1, beta2, eps, weight_decay, fused }, params, decay, device)?),
-            OptimizerName::Sgd => Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay, fused }, params, decay, device)?),
-            OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(SgdConfig { momentum: Some(momentum), weight_decay, fused }, params, decay, device)?),
+            OptimizerName::Adamw => Self::AdamW(AdamW::new(
+                AdamWConfig { beta1, beta2, eps, weight_decay, fused },
+                params,
+                decay,
+                device,
+            )?),
+            OptimizerName::Sgd => {
+                Self::Sgd(Sgd::new(SgdConfig { momentum: None, weight_decay, fused }, params, decay, device)?)
+            }
+            OptimizerName::SgdMomentum => Self::Sgd(Sgd::new(
+                SgdConfig { momentum: Some(momentum), weight_decay, fused },
+                params,
+                decay,
+                device,
+            )?),
             OptimizerName::Adafactor => {
                 let path = AdafactorPath::for_device(device, cuda_kernel);
-                Self::Adafactor(Adafactor::with_path(AdafactorConfig { weight_decay, ..AdafactorConfig::default() }, params, decay, device, path)?)
+                Self::Adafactor(Adafactor::with_path(
+                    AdafactorConfig { weight_decay, ..AdafactorConfig::default() },
+                    params,
+                    decay,
+                    device,
+                    path,
+                )?)
             }
             OptimizerName::Adamw8bit => {
                 let path = AdamW8bitPath::for_device(device, cuda_kernel);
-                Self::AdamW8bit(AdamW8bit::with_path(AdamW8bitConfig { beta1, beta2, eps, weight_decay }, params, decay, device, path)?)
+                Self::AdamW8bit(AdamW8bit::with_path(
+                    AdamW8bitConfig { beta1, beta2, eps, weight_decay },
+                    params,
+                    decay,
+                    device,
+                    path,
+                )?)
             }
         })
     }
@@ -119,7 +148,12 @@ impl Optimizer {
 
     /// Restores what [`state_tensors`](Self::state_tensors) saved, and the update count. A
     /// missing tensor, or one of another shape or dtype, is an error naming it.
-    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        names: &[String],
+        saved: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), String> {
         match self {
             Self::AdamW(o) => o.load_state(names, saved, steps),
             Self::Sgd(o) => o.load_state(names, saved, steps),
@@ -167,14 +201,41 @@ mod tests {
     use tch::Kind;
 
     fn spec(name: OptimizerName) -> OptimizerSpec {
-        OptimizerSpec { name, fused: false, cuda_kernel: false, momentum: 0.9, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }
+        OptimizerSpec {
+            name,
+            fused: false,
+            cuda_kernel: false,
+            momentum: 0.9,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
     }
 
     #[test]
     fn a_refused_update_changes_and_counts_nothing_and_the_next_is_the_first() {
-        for (name, fused) in [(OptimizerName::Adamw, true), (OptimizerName::Adamw, false), (OptimizerName::Sgd, false), (OptimizerName::SgdMomentum, false), (OptimizerName::Adafactor, false), (OptimizerName::Adamw8bit, false)] {
-            let fresh = || (0..2).map(|i| Tensor::arange(300, (Kind::Float, Device::Cpu)).f_mul_scalar(0.01 * (i + 1) as f64).unwrap().reshape([20, 15])).collect::<Vec<_>>();
-            let grads: Vec<Tensor> = (0..2).map(|i| Tensor::ones([20, 15], (Kind::Float, Device::Cpu)) * (0.5 + i as f64)).collect();
+        for (name, fused) in [
+            (OptimizerName::Adamw, true),
+            (OptimizerName::Adamw, false),
+            (OptimizerName::Sgd, false),
+            (OptimizerName::SgdMomentum, false),
+            (OptimizerName::Adafactor, false),
+            (OptimizerName::Adamw8bit, false),
+        ] {
+            let fresh = || {
+                (0..2)
+                    .map(|i| {
+                        Tensor::arange(300, (Kind::Float, Device::Cpu))
+                            .f_mul_scalar(0.01 * (i + 1) as f64)
+                            .unwrap()
+                            .reshape([20, 15])
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let grads: Vec<Tensor> = (0..2)
+                .map(|i| Tensor::ones([20, 15], (Kind::Float, Device::Cpu)) * (0.5 + i as f64))
+                .collect();
             let spec = OptimizerSpec { fused, ..spec(name) };
             let (a, b) = (fresh(), fresh());
             let mut failing = Optimizer::new(&spec, &a, &[true, false], Device::Cpu).unwrap();
@@ -185,7 +246,10 @@ mod tests {
                 let err = failing.step(&a, &[wrong, grads[1].shallow_clone()], 1e-2).unwrap_err().to_string();
                 assert!(err.contains("gradient 0 is"), "{name:?} fused {fused}: {err}");
             }
-            assert!(a.iter().zip(&b).all(|(x, y)| x.equal(y)), "{name:?} fused {fused}: a refused update moved a parameter");
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.equal(y)),
+                "{name:?} fused {fused}: a refused update moved a parameter"
+            );
             assert_eq!(failing.steps(), 0, "{name:?} fused {fused}: the failed update was counted");
             failing.step(&a, &grads, 1e-2).unwrap();
             plain.step(&b, &grads, 1e-2).unwrap();
@@ -209,8 +273,16 @@ mod tests {
     fn an_update_that_fails_inside_is_counted_back() {
         for fused in [true, false] {
             let spec = OptimizerSpec { fused, ..spec(OptimizerName::Adamw) };
-            let fresh = || vec![Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(), Tensor::ones([5], (Kind::Float, Device::Cpu))];
-            let grads = [Tensor::ones([3, 4], (Kind::Float, Device::Cpu)), Tensor::ones([5], (Kind::Float, Device::Cpu))];
+            let fresh = || {
+                vec![
+                    Tensor::arange(12, (Kind::Float, Device::Cpu)).f_reshape([3, 4]).unwrap(),
+                    Tensor::ones([5], (Kind::Float, Device::Cpu)),
+                ]
+            };
+            let grads = [
+                Tensor::ones([3, 4], (Kind::Float, Device::Cpu)),
+                Tensor::ones([5], (Kind::Float, Device::Cpu)),
+            ];
             let (a, b) = (fresh(), fresh());
             let mut failing = Optimizer::new(&spec, &a, &[true, false], Device::Cpu).unwrap();
             let mut plain = Optimizer::new(&spec, &b, &[true, false], Device::Cpu).unwrap();
@@ -220,13 +292,19 @@ mod tests {
             assert_eq!(failing.steps(), 0, "fused {fused}: the failed update was counted");
             failing.step(&a, &grads, 1e-2).unwrap();
             plain.step(&b, &grads, 1e-2).unwrap();
-            assert!(a.iter().zip(&b).all(|(x, y)| x.equal(y)), "fused {fused}: the next update is not the first");
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.equal(y)),
+                "fused {fused}: the next update is not the first"
+            );
         }
     }
 
     #[test]
     fn each_name_builds_its_optimizer() {
-        let params = [Tensor::zeros([64, 64], (Kind::Float, Device::Cpu)), Tensor::zeros([64], (Kind::Float, Device::Cpu))];
+        let params = [
+            Tensor::zeros([64, 64], (Kind::Float, Device::Cpu)),
+            Tensor::zeros([64], (Kind::Float, Device::Cpu)),
+        ];
         let want = [
             (OptimizerName::Adamw, "adamw", 2 * 4160 * 4),
             (OptimizerName::Sgd, "sgd", 0),
@@ -243,7 +321,13 @@ mod tests {
     #[test]
     fn plain_sgd_ignores_the_configured_momentum() {
         // optimizer.momentum defaults to 0.9 for every optimizer; only sgd_momentum uses it.
-        let opt = Optimizer::new(&spec(OptimizerName::Sgd), &[Tensor::zeros([3], (Kind::Float, Device::Cpu))], &[true], Device::Cpu).unwrap();
+        let opt = Optimizer::new(
+            &spec(OptimizerName::Sgd),
+            &[Tensor::zeros([3], (Kind::Float, Device::Cpu))],
+            &[true],
+            Device::Cpu,
+        )
+        .unwrap();
         assert!(matches!(&opt, Optimizer::Sgd(s) if s.cfg.momentum.is_none()));
     }
 

@@ -50,7 +50,12 @@ pub fn blocks(numel: i64) -> i64 {
 
 /// Writes the signed code of `x` (fp32, `[nb, len]`) into `q` (int8, same shape) and each row's
 /// absmax into `absmax` (fp32, `[nb, 1]`). Destroys `x`; `tmp` is fp32 scratch of `x`'s shape.
-pub fn quantise_signed(x: &mut Tensor, q: &Tensor, absmax: &mut Tensor, tmp: &mut Tensor) -> Result<(), TchError> {
+pub fn quantise_signed(
+    x: &mut Tensor,
+    q: &Tensor,
+    absmax: &mut Tensor,
+    tmp: &mut Tensor,
+) -> Result<(), TchError> {
     let _ = x.f_abs_out(tmp)?;
     let _ = tmp.f_amax_out(absmax, [1], true)?;
     let _ = absmax.f_clamp_min_(TINY)?;
@@ -66,7 +71,12 @@ pub fn quantise_signed(x: &mut Tensor, q: &Tensor, absmax: &mut Tensor, tmp: &mu
 }
 
 /// Inverse of [`quantise_signed`]: `x = sign(q) · (q/127)² · absmax`. `tmp` is fp32 scratch.
-pub fn dequantise_signed(q: &Tensor, absmax: &Tensor, x: &mut Tensor, tmp: &mut Tensor) -> Result<(), TchError> {
+pub fn dequantise_signed(
+    q: &Tensor,
+    absmax: &Tensor,
+    x: &mut Tensor,
+    tmp: &mut Tensor,
+) -> Result<(), TchError> {
     x.f_copy_(q)?;
     let _ = x.f_abs_out(tmp)?;
     let _ = x.f_mul_(tmp)?;
@@ -152,26 +162,45 @@ mod tests {
         let ratio = (&m.abs() / a.clamp_min(TINY)).sqrt();
         let bound = &a * (ratio * 2.0 + 1.0 / 254.0) / 254.0 * (1.0 + 1e-4) + 1e-37;
         let err = (&m_hat - &m).abs();
-        assert!(bool::try_from(err.le_tensor(&bound).all()).unwrap(), "m: worst error/bound {}", f64::try_from((&err / &bound).max()).unwrap());
+        assert!(
+            bool::try_from(err.le_tensor(&bound).all()).unwrap(),
+            "m: worst error/bound {}",
+            f64::try_from((&err / &bound).max()).unwrap()
+        );
         assert!(bool::try_from((m_hat.sign() * m.sign()).ge(0.0).all()).unwrap(), "a sign flipped");
         let (v, v_hat) = round_trip(false, &x);
         let (s, s_hat) = (v.sqrt(), v_hat.sqrt());
         let fourth = (&v / a.clamp_min(TINY)).sqrt().sqrt();
         let bound = a.sqrt() * (fourth * 2.0 + 1.0 / 510.0) / 510.0 * (1.0 + 1e-4) + 1e-37;
         let err = (&s_hat - &s).abs();
-        assert!(bool::try_from(err.le_tensor(&bound).all()).unwrap(), "√v: worst error/bound {}", f64::try_from((&err / &bound).max()).unwrap());
+        assert!(
+            bool::try_from(err.le_tensor(&bound).all()).unwrap(),
+            "√v: worst error/bound {}",
+            f64::try_from((&err / &bound).max()).unwrap()
+        );
         assert_eq!(f64::try_from(v_hat.get(3).abs().max()).unwrap(), 0.0, "a zero block stays zero");
         // The largest value of each block comes back to within fp32 rounding.
         let top = (v_hat.amax([1], true) - v.amax([1], true)).abs() / a.clamp_min(TINY);
         assert!(f64::try_from(top.max()).unwrap() < 1e-6);
         // Small values survive: everything above 1e-8·absmax is non-zero after the round trip.
         let small = v.gt_tensor(&(&a * 1e-8)).logical_and(&v_hat.eq(0.0));
-        assert!(!bool::try_from(small.any()).unwrap(), "a second moment above 1e-8·absmax was rounded to zero");
+        assert!(
+            !bool::try_from(small.any()).unwrap(),
+            "a second moment above 1e-8·absmax was rounded to zero"
+        );
     }
 
     #[test]
     fn chunks_cover_whole_blocks_then_the_tail() {
-        assert_eq!(chunks(5 * BLOCK + 7, 2), [(0, 2 * BLOCK, 0, 2), (2 * BLOCK, 2 * BLOCK, 2, 2), (4 * BLOCK, BLOCK, 4, 1), (5 * BLOCK, 7, 5, 1)]);
+        assert_eq!(
+            chunks(5 * BLOCK + 7, 2),
+            [
+                (0, 2 * BLOCK, 0, 2),
+                (2 * BLOCK, 2 * BLOCK, 2, 2),
+                (4 * BLOCK, BLOCK, 4, 1),
+                (5 * BLOCK, 7, 5, 1)
+            ]
+        );
         assert_eq!(chunks(2 * BLOCK, 8), [(0, 2 * BLOCK, 0, 2)]);
         assert_eq!(blocks(2 * BLOCK + 1), 3);
     }

@@ -11,7 +11,12 @@ pub struct LrSchedule {
 
 impl LrSchedule {
     pub fn from_config(t: &TrainConfig) -> Self {
-        Self { max_lr: t.lr, min_lr: t.min_lr, warmup_steps: t.warmup_steps, decay_steps: t.lr_decay_steps.unwrap_or(t.max_steps) }
+        Self {
+            max_lr: t.lr,
+            min_lr: t.min_lr,
+            warmup_steps: t.warmup_steps,
+            decay_steps: t.lr_decay_steps.unwrap_or(t.max_steps),
+        }
     }
 
     /// Learning rate of optimizer step `step` (0-based).
@@ -42,7 +47,11 @@ mod tests {
         assert!((S.at(9) - 10.0 / 11.0).abs() < 1e-12);
         assert!(S.at(0) < S.at(1) && S.at(1) < S.at(9));
         let endless = LrSchedule { warmup_steps: u64::MAX, decay_steps: u64::MAX, ..S };
-        assert!(endless.at(0).is_finite() && endless.at(0) > 0.0 && endless.at(u64::MAX - 1) <= 1.0, "{}", endless.at(0));
+        assert!(
+            endless.at(0).is_finite() && endless.at(0) > 0.0 && endless.at(u64::MAX - 1) <= 1.0,
+            "{}",
+            endless.at(0)
+        );
     }
 
     #[test]

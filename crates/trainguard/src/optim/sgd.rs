@@ -42,7 +42,14 @@ impl Sgd {
         };
         let mut weight_decay = Tensor::f_zeros([], (Kind::Float, device))?;
         let _ = weight_decay.f_fill_(cfg.weight_decay)?;
-        Ok(Self { cfg, momentum_buffer, steps: 0, decay: decay.to_vec(), neg_lr: Tensor::f_zeros([], (Kind::Float, device))?, weight_decay })
+        Ok(Self {
+            cfg,
+            momentum_buffer,
+            steps: 0,
+            decay: decay.to_vec(),
+            neg_lr: Tensor::f_zeros([], (Kind::Float, device))?,
+            weight_decay,
+        })
     }
 
     /// Applies one update with learning rate `lr` from `grads` (same order as `params`).
@@ -67,7 +74,15 @@ impl Sgd {
             for (with_decay, idx) in decay_groups(&self.decay) {
                 let bufs = mu.map(|_| pick(&self.momentum_buffer, &idx));
                 let wd = if with_decay { wd } else { 0.0 };
-                kernels::fused_sgd(&pick(params, &idx), &pick(grads, &idx), bufs.as_deref(), wd, mu.unwrap_or(0.0), lr, first)?;
+                kernels::fused_sgd(
+                    &pick(params, &idx),
+                    &pick(grads, &idx),
+                    bufs.as_deref(),
+                    wd,
+                    mu.unwrap_or(0.0),
+                    lr,
+                    first,
+                )?;
             }
             return Ok(());
         }
@@ -104,7 +119,12 @@ impl Sgd {
 
     /// What the tensor-op path leaves in the buffers at momentum 0 (`0·buf + g + wd·p`, the
     /// weights before the update): read only by a resume at another momentum.
-    fn copy_gradients_with_decay_into_buffers(&mut self, params: &[Tensor], grads: &[Tensor], wd: f64) -> Result<(), TchError> {
+    fn copy_gradients_with_decay_into_buffers(
+        &mut self,
+        params: &[Tensor],
+        grads: &[Tensor],
+        wd: f64,
+    ) -> Result<(), TchError> {
         for (i, (p, g)) in params.iter().zip(grads).enumerate() {
             let buf = &mut self.momentum_buffer[i];
             buf.f_copy_(g)?;
@@ -117,11 +137,20 @@ impl Sgd {
 
     /// The momentum buffers as `momentum_buffer.<param>` (nothing for plain SGD).
     pub fn state_tensors(&self, names: &[String]) -> Vec<(String, Tensor)> {
-        self.momentum_buffer.iter().zip(names).map(|(b, n)| (format!("momentum_buffer.{n}"), b.shallow_clone())).collect()
+        self.momentum_buffer
+            .iter()
+            .zip(names)
+            .map(|(b, n)| (format!("momentum_buffer.{n}"), b.shallow_clone()))
+            .collect()
     }
 
     /// Restores buffers saved by [`state_tensors`](Self::state_tensors) and the update count.
-    pub fn load_state(&mut self, names: &[String], saved: &[(String, Tensor)], steps: u64) -> Result<(), String> {
+    pub fn load_state(
+        &mut self,
+        names: &[String],
+        saved: &[(String, Tensor)],
+        steps: u64,
+    ) -> Result<(), String> {
         let _no_grad = tch::no_grad_guard();
         for (buf, n) in self.momentum_buffer.iter_mut().zip(names) {
             restore(buf, saved, &format!("momentum_buffer.{n}"))?;
@@ -143,7 +172,9 @@ mod tests {
     fn run(momentum: Option<f64>, fused: bool) -> (Vec<f32>, f32) {
         let (p, q) = (Tensor::from_slice(&[1.0f32, -2.0, 3.0]), Tensor::from_slice(&[0.5f32]));
         let params = [p.shallow_clone(), q.shallow_clone()];
-        let mut opt = Sgd::new(SgdConfig { momentum, weight_decay: 0.1, fused }, &params, &[true, false], Device::Cpu).unwrap();
+        let mut opt =
+            Sgd::new(SgdConfig { momentum, weight_decay: 0.1, fused }, &params, &[true, false], Device::Cpu)
+                .unwrap();
         for g in [[0.5f32, -1.0, 2.0], [0.1, 0.2, -0.3], [-1.0, 0.0, 1.0]] {
             opt.step(&params, &[Tensor::from_slice(&g), Tensor::from_slice(&g[..1])], 0.1).unwrap();
         }
@@ -196,7 +227,9 @@ mod tests {
         let grads = [[0.5f32, -1.0, 2.0], [0.1, 0.2, -0.3], [-1.0, 0.0, 1.0]];
         let make = || [Tensor::from_slice(&[1.0f32, -2.0, 3.0]), Tensor::from_slice(&[0.5f32])];
         let cfg = SgdConfig { momentum: Some(0.9), weight_decay: 0.1, fused: true };
-        let step = |opt: &mut Sgd, params: &[Tensor], g: &[f32; 3]| opt.step(params, &[Tensor::from_slice(g), Tensor::from_slice(&g[..1])], 0.1).unwrap();
+        let step = |opt: &mut Sgd, params: &[Tensor], g: &[f32; 3]| {
+            opt.step(params, &[Tensor::from_slice(g), Tensor::from_slice(&g[..1])], 0.1).unwrap()
+        };
         let (straight, resumed) = (make(), make());
         let mut a = Sgd::new(cfg, &straight, &[true, false], Device::Cpu).unwrap();
         grads.iter().for_each(|g| step(&mut a, &straight, g));
@@ -205,7 +238,10 @@ mod tests {
         let mut c = Sgd::new(cfg, &resumed, &[true, false], Device::Cpu).unwrap();
         c.load_state(&names, &b.state_tensors(&names), b.steps).unwrap();
         grads[1..].iter().for_each(|g| step(&mut c, &resumed, g));
-        assert!(straight.iter().zip(&resumed).all(|(x, y)| x.equal(y)), "a resumed run equals the straight one bit for bit");
+        assert!(
+            straight.iter().zip(&resumed).all(|(x, y)| x.equal(y)),
+            "a resumed run equals the straight one bit for bit"
+        );
     }
 
     /// bf16 parameters (bf16-pure) on the CPU: the fused setting gives the tensor-op path's
@@ -215,7 +251,9 @@ mod tests {
         for momentum in [None, Some(0.9)] {
             let update = |fused: bool| {
                 let p = [Tensor::ones([64], (Kind::BFloat16, Device::Cpu))];
-                let mut opt = Sgd::new(SgdConfig { momentum, weight_decay: 0.0, fused }, &p, &[true], Device::Cpu).unwrap();
+                let mut opt =
+                    Sgd::new(SgdConfig { momentum, weight_decay: 0.0, fused }, &p, &[true], Device::Cpu)
+                        .unwrap();
                 for _ in 0..2 {
                     opt.step(&p, &[Tensor::full([64], 0.25, (Kind::BFloat16, Device::Cpu))], 1.0).unwrap();
                 }
@@ -238,7 +276,13 @@ mod tests {
         }
         let buffers = |fused: bool| {
             let params = [Tensor::from_slice(&[1.0f32, -2.0, 3.0])];
-            let mut opt = Sgd::new(SgdConfig { momentum: Some(0.0), weight_decay: 0.1, fused }, &params, &[true], Device::Cpu).unwrap();
+            let mut opt = Sgd::new(
+                SgdConfig { momentum: Some(0.0), weight_decay: 0.1, fused },
+                &params,
+                &[true],
+                Device::Cpu,
+            )
+            .unwrap();
             opt.step(&params, &[Tensor::from_slice(&[0.5f32, -1.0, 2.0])], 0.1).unwrap();
             opt.momentum_buffer[0].shallow_clone()
         };
@@ -250,9 +294,17 @@ mod tests {
     #[test]
     fn only_momentum_keeps_state() {
         let p = [Tensor::zeros([4, 3], (Kind::Float, Device::Cpu))];
-        let plain = Sgd::new(SgdConfig { momentum: None, weight_decay: 0.0, fused: true }, &p, &[true], Device::Cpu).unwrap();
+        let plain =
+            Sgd::new(SgdConfig { momentum: None, weight_decay: 0.0, fused: true }, &p, &[true], Device::Cpu)
+                .unwrap();
         assert_eq!((plain.state_bytes(), plain.state_tensors(&["w".into()]).len()), (0, 0));
-        let heavy = Sgd::new(SgdConfig { momentum: Some(0.9), weight_decay: 0.0, fused: true }, &p, &[true], Device::Cpu).unwrap();
+        let heavy = Sgd::new(
+            SgdConfig { momentum: Some(0.9), weight_decay: 0.0, fused: true },
+            &p,
+            &[true],
+            Device::Cpu,
+        )
+        .unwrap();
         assert_eq!(heavy.state_bytes(), 12 * 4);
         assert_eq!(heavy.state_tensors(&["w".into()])[0].0, "momentum_buffer.w");
     }

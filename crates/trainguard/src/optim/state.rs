@@ -7,7 +7,11 @@ use tch::{TchError, Tensor};
 /// Copies the tensor saved as `key` into `dst`. A missing key, another shape or another kind is
 /// an error (a checkpoint from another optimizer or model must not load silently converted).
 pub(crate) fn restore(dst: &mut Tensor, saved: &[(String, Tensor)], key: &str) -> Result<(), String> {
-    let src = saved.iter().find(|(k, _)| k == key).map(|(_, t)| t).ok_or_else(|| format!("optimizer state lacks `{key}`"))?;
+    let src = saved
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, t)| t)
+        .ok_or_else(|| format!("optimizer state lacks `{key}`"))?;
     if src.size() != dst.size() {
         return Err(format!("`{key}` has shape {:?}, the model needs {:?}", src.size(), dst.size()));
     }

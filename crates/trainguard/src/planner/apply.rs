@@ -68,7 +68,11 @@ fn key_of(line: &str) -> Option<&str> {
     let t = line.trim_start();
     let colon = t.find(':')?;
     let k = t[..colon].trim_end();
-    (!k.is_empty() && !k.starts_with('#') && !k.starts_with('-') && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')).then_some(k)
+    (!k.is_empty()
+        && !k.starts_with('#')
+        && !k.starts_with('-')
+        && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+    .then_some(k)
 }
 
 fn top_level_key(line: &str) -> Option<&str> {
@@ -128,7 +132,10 @@ pub fn backup_path(path: &Path) -> PathBuf {
     if !base.exists() {
         return base;
     }
-    (1..).map(|n| PathBuf::from(format!("{}.bak.{n}", path.display()))).find(|p| !p.exists()).expect("some name is free")
+    (1..)
+        .map(|n| PathBuf::from(format!("{}.bak.{n}", path.display())))
+        .find(|p| !p.exists())
+        .expect("some name is free")
 }
 
 #[cfg(test)]
@@ -173,10 +180,15 @@ oom:
     #[test]
     fn missing_keys_and_sections_are_added() {
         let out = set_value("train:\n    lr: 1 # x\n", "train", "micro_batch_size", "4").unwrap();
-        assert_eq!(out, "train:\n    micro_batch_size: 4\n    lr: 1 # x\n", "the section's indentation is kept");
+        assert_eq!(
+            out, "train:\n    micro_batch_size: 4\n    lr: 1 # x\n",
+            "the section's indentation is kept"
+        );
         let out = set_value("seed: 1", "train", "micro_batch_size", "4").unwrap();
         assert_eq!(out, "seed: 1\ntrain:\n  micro_batch_size: 4\n");
-        let out = set_value("seed: 1\r\ntrain:\r\n  micro_batch_size: 2\r\n", "train", "micro_batch_size", "4").unwrap();
+        let out =
+            set_value("seed: 1\r\ntrain:\r\n  micro_batch_size: 2\r\n", "train", "micro_batch_size", "4")
+                .unwrap();
         assert_eq!(out, "seed: 1\r\ntrain:\r\n  micro_batch_size: 4\r\n", "CRLF kept");
     }
 

@@ -110,9 +110,20 @@ impl Transformer {
         // runs outside 16-bit.
         let repeated_kv_heads = s.target == Target::Cuda && s.precision == Precision::Fp32;
         // As `model::Model`: our node where its kernels run, for fp32 weights (not bf16-pure).
-        let residual_norm_node = s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
-        let (swiglu_node, rope_node) = (s.fused_swiglu && s.target == Target::Cuda, s.fused_rope && s.target == Target::Cuda);
-        let regime = Regime { fused_attention: s.flash, dropout: s.dropout, fused_rms_norm, repeated_kv_heads, residual_norm_node, swiglu_node, rope_node, merged_projections: s.merged_projections };
+        let residual_norm_node =
+            s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
+        let (swiglu_node, rope_node) =
+            (s.fused_swiglu && s.target == Target::Cuda, s.fused_rope && s.target == Target::Cuda);
+        let regime = Regime {
+            fused_attention: s.flash,
+            dropout: s.dropout,
+            fused_rms_norm,
+            repeated_kv_heads,
+            residual_norm_node,
+            swiglu_node,
+            rope_node,
+            merged_projections: s.merged_projections,
+        };
         crate::model::saved_activations(&self.model_config(), regime)
     }
 
@@ -145,9 +156,16 @@ impl Transformer {
 pub use crate::config::{OptimizerName, Precision};
 
 /// The precisions the recommendation compares, in the order it lists them.
-pub const PRECISIONS: [Precision; 4] = [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure];
+pub const PRECISIONS: [Precision; 4] =
+    [Precision::Fp32, Precision::Bf16Mixed, Precision::Fp16Mixed, Precision::Bf16Pure];
 /// The optimizers the recommendation compares, most memory first.
-pub const OPTIMIZERS: [OptimizerName; 5] = [OptimizerName::Adamw, OptimizerName::Adamw8bit, OptimizerName::Adafactor, OptimizerName::SgdMomentum, OptimizerName::Sgd];
+pub const OPTIMIZERS: [OptimizerName; 5] = [
+    OptimizerName::Adamw,
+    OptimizerName::Adamw8bit,
+    OptimizerName::Adafactor,
+    OptimizerName::SgdMomentum,
+    OptimizerName::Sgd,
+];
 
 /// How a precision stores weights, gradients, optimizer state and activations, in bytes per
 /// element. bf16-mixed / fp16-mixed: fp32 parameters are the master copy, 16-bit copies of the
@@ -168,26 +186,46 @@ pub trait PrecisionBytes: Copy {
 impl PrecisionBytes for Precision {
     /// Bytes per element of the working weights.
     fn weight_bytes(self) -> u64 {
-        if self == Precision::Fp32 { 4 } else { 2 }
+        if self == Precision::Fp32 {
+            4
+        } else {
+            2
+        }
     }
     /// Bytes per element of the fp32 master copy (0: none).
     fn master_bytes(self) -> u64 {
-        if self.is_mixed() { 4 } else { 0 }
+        if self.is_mixed() {
+            4
+        } else {
+            0
+        }
     }
     fn grad_bytes(self) -> u64 {
-        if self == Precision::Bf16Pure { 2 } else { 4 }
+        if self == Precision::Bf16Pure {
+            2
+        } else {
+            4
+        }
     }
     /// Optimizer state follows the parameters it belongs to (`zeros_like(param)` in PyTorch).
     fn state_bytes(self) -> u64 {
         self.grad_bytes()
     }
     fn activation_bytes(self) -> u64 {
-        if self == Precision::Fp32 { 4 } else { 2 }
+        if self == Precision::Fp32 {
+            4
+        } else {
+            2
+        }
     }
     /// Bytes per element of the residual stream (what the LayerNorms see): autocast runs
     /// LayerNorm in fp32 and fp32 + bf16 sums stay fp32, so only bf16-pure keeps it in 16 bits.
     fn residual_bytes(self) -> u64 {
-        if self == Precision::Bf16Pure { 2 } else { 4 }
+        if self == Precision::Bf16Pure {
+            2
+        } else {
+            4
+        }
     }
     /// Bytes per logit and log-probability: autocast computes log-softmax in fp32; bf16-pure
     /// stays in bf16.
@@ -202,7 +240,12 @@ impl PrecisionBytes for Precision {
 /// Bytes per element of each kind of saved tensor, for the precision and the target.
 fn widths(s: &Setup) -> Widths {
     let p = s.precision;
-    Widths { compute: p.activation_bytes(), residual: p.residual_bytes(), autocast: p.is_mixed(), mask: mask_bytes(s) }
+    Widths {
+        compute: p.activation_bytes(),
+        residual: p.residual_bytes(),
+        autocast: p.is_mixed(),
+        mask: mask_bytes(s),
+    }
 }
 
 /// Optimizer state bytes per parameter tensor.
@@ -320,7 +363,10 @@ impl Setup {
     /// (`KeptCasts` in src/step/micro.rs; mixed precision on CUDA, without checkpointing) or, with
     /// CUDA graphs, for the run (src/step/graphs.rs).
     pub fn keeps_casts(&self) -> bool {
-        self.fused_linear && self.precision.is_mixed() && self.target == Target::Cuda && (self.cuda_graphs || !self.activation_checkpointing)
+        self.fused_linear
+            && self.precision.is_mixed()
+            && self.target == Target::Cuda
+            && (self.cuda_graphs || !self.activation_checkpointing)
     }
 
     /// Blocks per checkpointed segment (at least one).
@@ -433,7 +479,10 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
     let shapes = m.tensors().into_iter().map(|sh| sh.into_iter().map(|d| d as i64).collect::<Vec<i64>>());
     match s.optimizer {
         OptimizerName::Adamw8bit => {
-            let elements = AdamW8bit::scratch_elements(shapes.map(|sh| sh.iter().product::<i64>()), AdamW8bitPath::for_device(device, s.cuda_optimizers)) as u64;
+            let elements = AdamW8bit::scratch_elements(
+                shapes.map(|sh| sh.iter().product::<i64>()),
+                AdamW8bitPath::for_device(device, s.cuda_optimizers),
+            ) as u64;
             let buffers = if s.precision == Precision::Bf16Pure { 4 } else { 3 };
             buffers * round_up(elements * 4, round)
         }
@@ -441,8 +490,13 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
             let param_bytes = if s.precision == Precision::Bf16Pure { 2 } else { 4 };
             let path = AdafactorPath::for_device(device, s.cuda_optimizers);
             let shapes: Vec<Vec<i64>> = shapes.collect();
-            let workspace = round_up(8 * Adafactor::workspace_elements(shapes.clone(), path, device) as u64, round);
-            workspace + Adafactor::scratch_elements(shapes, path).iter().map(|&n| round_up(n as u64 * param_bytes, round)).sum::<u64>()
+            let workspace =
+                round_up(8 * Adafactor::workspace_elements(shapes.clone(), path, device) as u64, round);
+            workspace
+                + Adafactor::scratch_elements(shapes, path)
+                    .iter()
+                    .map(|&n| round_up(n as u64 * param_bytes, round))
+                    .sum::<u64>()
         }
         // The unfused update's one temporary, the parameters' dtype (`AdamW::new`).
         OptimizerName::Adamw if !s.fused_optimizer => {
@@ -457,7 +511,8 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
 /// to `--params` when given.
 fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> u64) -> u64 {
     let round = if target == Target::Cuda { CUDA_ROUND } else { 1 };
-    let sum: u64 = model.tensors().iter().map(|s| bytes_of(s)).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
+    let sum: u64 =
+        model.tensors().iter().map(|s| bytes_of(s)).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
     match model.params_override {
         Some(p) => (sum as f64 * p as f64 / model.layout_params().max(1) as f64).round() as u64,
         None => sum,
@@ -542,9 +597,11 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
-    let optimizer = per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes())) + optimizer_scratch(m, s);
+    let optimizer =
+        per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes())) + optimizer_scratch(m, s);
     // The all-reduce buckets hold every gradient in fp32 whatever the precision (`Dist::plan_buckets`).
-    let dp_buffers = if s.gpus > 1 { per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * 4) } else { 0 };
+    let dp_buffers =
+        if s.gpus > 1 { per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * 4) } else { 0 };
     let buffers = buffers(m, s);
     let base = weights + master_weights + optimizer + dp_buffers + buffers;
     // Earlier micro-steps' sum, or the graphs' accumulators (which a single micro-step has too).
@@ -628,7 +685,8 @@ fn first_segment_backward(m: &Transformer, s: &Setup, micro: u64, gradients: u64
     let block_params = m.params_in(Part::Block(0));
     // The segment's and the untied embedding's (GPT-2's wpe, an untied Llama's token embedding)
     // share of the gradients, in the same units (and rounding) as `gradients`.
-    let not_yet = (gradients as f64 * (k * block_params + m.params_in(Part::Embedding)) as f64 / m.layout_params().max(1) as f64) as u64;
+    let not_yet = (gradients as f64 * (k * block_params + m.params_in(Part::Embedding)) as f64
+        / m.layout_params().max(1) as f64) as u64;
     let widest = sum(&m.saved(s).block_backward, &widths(s), micro, m.seq_len);
     gradients.saturating_sub(not_yet) + at.outside + k * at.per_layer + widest + m.hidden * r * tokens
 }
@@ -671,7 +729,9 @@ impl Moments {
                 // dtype: 4 + 2 bytes, not 4 + 4 (the H100's bf16-mixed peaks were 2·b·s·v bytes
                 // below the estimate that counted 4). CPU autocast casts the logits to fp32
                 // first: 4 + 4 there.
-                let logit_grad = chunk * m.padded_vocab() * if s.target == Target::Cuda { p.activation_bytes() } else { p.logit_bytes() };
+                let logit_grad = chunk
+                    * m.padded_vocab()
+                    * if s.target == Target::Cuda { p.activation_bytes() } else { p.logit_bytes() };
                 (logits, logit_grad, logits + logit_grad)
             }
             true => {
@@ -686,7 +746,12 @@ impl Moments {
                 let in_forward = s.loss_gradient_in_forward();
                 let blocks = if in_forward { 2 } else { 1 };
                 let scratch = match s.target {
-                    Target::Cpu => blocks * 4 * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab())) * m.padded_vocab(),
+                    Target::Cpu => {
+                        blocks
+                            * 4
+                            * chunk.min(crate::ffi::loss::cpu_block_rows(m.padded_vocab()))
+                            * m.padded_vocab()
+                    }
                     Target::Cuda => 0,
                 };
                 (logits, logit_grad, if in_forward { scratch } else { logit_grad + scratch })
@@ -707,7 +772,11 @@ impl Moments {
             // held through the body's backward.
             let later = u64::from(chunk < tokens);
             block_backward += head_grad + hidden_grad;
-            ((logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad) + hidden_grad, tied * head_grad)
+            (
+                (logits + cross_entropy + later * head_grad).max(logit_grad + (1 + later) * head_grad)
+                    + hidden_grad,
+                tied * head_grad,
+            )
         } else {
             // The loss's forward and backward (logits and cross-entropy's buffers), then the
             // head's backward: the logits' gradient (the loss's other buffers freed; with
@@ -751,12 +820,35 @@ pub(crate) mod fixtures {
 
     /// GPT-2 small: 12 × 768, 12 heads, vocab 50257, seq 1024, biases.
     pub fn gpt2_small() -> Transformer {
-        Transformer { layers: 12, hidden: 768, heads: 12, vocab: 50257, seq_len: 1024, ffn: 3072, bias: true, params_override: None, ..Default::default() }
+        Transformer {
+            layers: 12,
+            hidden: 768,
+            heads: 12,
+            vocab: 50257,
+            seq_len: 1024,
+            ffn: 3072,
+            bias: true,
+            params_override: None,
+            ..Default::default()
+        }
     }
 
     /// Llama 3.2 1B: 16 × 2048, 32 heads sharing 8 KV heads, SwiGLU 8192, vocab 128256, tied, seq 2048.
     pub fn llama32_1b() -> Transformer {
-        Transformer { arch: Arch::Llama, layers: 16, hidden: 2048, heads: 32, kv_heads: Some(8), vocab: 128_256, seq_len: 2048, ffn: 8192, tied: true, bias: false, pad_vocab_to: 64, params_override: None }
+        Transformer {
+            arch: Arch::Llama,
+            layers: 16,
+            hidden: 2048,
+            heads: 32,
+            kv_heads: Some(8),
+            vocab: 128_256,
+            seq_len: 2048,
+            ffn: 8192,
+            tied: true,
+            bias: false,
+            pad_vocab_to: 64,
+            params_override: None,
+        }
     }
 
     /// fp32 AdamW on one CUDA GPU, flash attention, 1 GiB context, 10% fragmentation.
@@ -841,7 +933,17 @@ mod tests {
 
     #[test]
     fn adafactor_and_8bit_adamw_follow_the_tensor_shapes() {
-        let tiny = Transformer { layers: 1, hidden: 64, heads: 2, vocab: 128, seq_len: 16, ffn: 256, bias: false, params_override: None, ..Default::default() };
+        let tiny = Transformer {
+            layers: 1,
+            hidden: 64,
+            heads: 2,
+            vocab: 128,
+            seq_len: 16,
+            ffn: 256,
+            bias: false,
+            params_override: None,
+            ..Default::default()
+        };
         let s = |o| estimate(&tiny, &setup(Precision::Fp32, o), 1, 1).optimizer;
         // Matrices: wte 128×64, wpe 16×64, qkv 192×64, proj 64×64, fc 256×64, proj 64×256; vectors: 3 LN weights of 64.
         let factored = (128 + 64) + (16 + 64) + (192 + 64) + (64 + 64) + (256 + 64) + (64 + 256);
@@ -874,7 +976,12 @@ mod tests {
     fn korthikanti_activations_in_16_bit_with_dropout_and_materialised_attention() {
         let m = gpt2();
         // Everything in 16 bits, the residual stream included, as in Megatron's accounting.
-        let s = Setup { dropout: true, flash: false, target: Target::Cuda, ..setup(Precision::Bf16Pure, OptimizerName::Adamw) };
+        let s = Setup {
+            dropout: true,
+            flash: false,
+            target: Target::Cuda,
+            ..setup(Precision::Bf16Pure, OptimizerName::Adamw)
+        };
         let (seq, b, h, a) = (1024u64, 4u64, 768u64, 12u64);
         // s·b·h·(34 + 5·a·s/h) plus the fp32 LayerNorm statistics (2 norms × mean, rstd).
         let korthikanti = seq * b * h * 34 + 5 * a * seq * seq * b;
@@ -902,19 +1009,30 @@ mod tests {
         let ck = Setup { activation_checkpointing: true, ..s.clone() };
         let (plain, with) = (estimate(&m, &s, 8, 2), estimate(&m, &ck, 8, 2));
         let sbh = 1024 * 8 * 768;
-        assert_eq!(with.activations, plain.activations - 12 * plain.activations_per_layer + plain.activations_per_layer + 12 * sbh * 4);
+        assert_eq!(
+            with.activations,
+            plain.activations - 12 * plain.activations_per_layer + plain.activations_per_layer + 12 * sbh * 4
+        );
         assert!(with.activations * 4 < plain.activations);
     }
 
     #[test]
     fn segments_of_three_blocks_keep_four_inputs_and_recompute_three_blocks() {
         let m = gpt2();
-        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, ..setup(Precision::Fp32, OptimizerName::Adamw) };
+        let s = Setup {
+            activation_checkpointing: true,
+            checkpoint_blocks: 3,
+            ..setup(Precision::Fp32, OptimizerName::Adamw)
+        };
         let e = estimate(&m, &s, 8, 2);
         let sbh = 1024 * 8 * 768;
         let blocks = Setup { checkpoint_blocks: 1, ..s.clone() };
         let one = estimate(&m, &blocks, 8, 2);
-        assert_eq!(e.activations_outside, one.activations_outside - 8 * sbh * 4, "12 / 3 = 4 saved inputs instead of 12");
+        assert_eq!(
+            e.activations_outside,
+            one.activations_outside - 8 * sbh * 4,
+            "12 / 3 = 4 saved inputs instead of 12"
+        );
         assert_eq!(e.activations, 3 * e.activations_per_layer + e.activations_outside);
     }
 
@@ -929,7 +1047,11 @@ mod tests {
         let part = Setup { checkpoint_first: Some(4), ..full.clone() };
         let (plain, all, e) = (estimate(&m, &s, 8, 2), estimate(&m, &full, 8, 2), estimate(&m, &part, 8, 2));
         let sbh = 1024 * 8 * 768;
-        assert_eq!(e.activations_outside, all.activations_outside - 8 * sbh * 4, "4 saved inputs instead of 12");
+        assert_eq!(
+            e.activations_outside,
+            all.activations_outside - 8 * sbh * 4,
+            "4 saved inputs instead of 12"
+        );
         assert_eq!(e.activations, 8 * e.activations_per_layer + e.activations_outside);
         assert!(all.peak_allocated < e.peak_allocated && e.peak_allocated < plain.peak_allocated);
         assert_eq!(estimate(&m, &Setup { checkpoint_first: Some(40), ..full.clone() }, 8, 2), all);
@@ -948,7 +1070,10 @@ mod tests {
         // or one next to that and the chunk's new one; plus the chunk inputs' gradients.
         let head = (3 * l + g).max(l + 2 * g) + hidden;
         assert_eq!(e.peak_phase, "start of backward");
-        assert_eq!(e.peak_allocated, e.weights + e.optimizer + 12 * e.activations_per_layer + e.activations_outside + head);
+        assert_eq!(
+            e.peak_allocated,
+            e.weights + e.optimizer + 12 * e.activations_per_layer + e.activations_outside + head
+        );
         // Without chunks: 3 × 4 × 4096 × 50304 bytes (2.30 GiB) of logits and their gradients
         // against 0.73 GiB with them.
         let plain = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 4, 1);
@@ -965,13 +1090,21 @@ mod tests {
     fn checkpointed_the_first_blocks_backward_holds_every_later_gradient() {
         // A short sequence with a 2-chunk loss: the logits are small, the gradients are not.
         let m = Transformer { seq_len: 256, ..gpt2() };
-        let s = Setup { activation_checkpointing: true, checkpoint_blocks: 3, loss_chunk_tokens: Some(256), ..setup(Precision::Fp32, OptimizerName::Adamw) };
+        let s = Setup {
+            activation_checkpointing: true,
+            checkpoint_blocks: 3,
+            loss_chunk_tokens: Some(256),
+            ..setup(Precision::Fp32, OptimizerName::Adamw)
+        };
         let e = estimate(&m, &s, 8, 2);
         assert_eq!(e.peak_phase, "first blocks' recomputed backward");
         let block = (12 * 768 * 768 + 13 * 768) as f64; // 4h² + 2fh weights, 9h + f biases and LayerNorms
         let not_yet = (e.gradients as f64 * (3.0 * block + 256.0 * 768.0) / m.layout_params() as f64) as u64;
         let tokens = 8 * 256;
-        let expected = e.gradients - not_yet + e.activations_outside + 3 * e.activations_per_layer + (3072 + 2 * 768) * tokens * 4;
+        let expected = e.gradients - not_yet
+            + e.activations_outside
+            + 3 * e.activations_per_layer
+            + (3072 + 2 * 768) * tokens * 4;
         assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + expected);
     }
 
@@ -1005,7 +1138,10 @@ mod tests {
         };
         let e = estimate(&m, &setup(Precision::Bf16Pure, OptimizerName::Adamw), 1, 1);
         let gb = e.states() as f64 / 1e9;
-        assert!((gb - 64.2).abs() < 0.5, "{gb} GB: 2 (weights) + 2 (grads) + 4 (two bf16 moments) bytes/param");
+        assert!(
+            (gb - 64.2).abs() < 0.5,
+            "{gb} GB: 2 (weights) + 2 (grads) + 4 (two bf16 moments) bytes/param"
+        );
         assert!(e.states() > 40 * (1 << 30), "does not fit a 40 GB card before the first activation");
     }
 
@@ -1017,7 +1153,11 @@ mod tests {
         let cuda = super::fixtures::cuda_fp32_adamw();
         let ck = Setup { activation_checkpointing: true, precision: Precision::Bf16Mixed, ..cuda.clone() };
         let cases = [
-            (super::fixtures::llama32_1b(), Setup { fused_cross_entropy: true, fused_loss_gradient: true, ..ck.clone() }, 4),
+            (
+                super::fixtures::llama32_1b(),
+                Setup { fused_cross_entropy: true, fused_loss_gradient: true, ..ck.clone() },
+                4,
+            ),
             (gpt2(), Setup { checkpoint_blocks: 5, ..ck.clone() }, 8),
             (Transformer { seq_len: 1, ..gpt2() }, cuda.clone(), 1),
             (gpt2(), cuda, 8),
@@ -1026,7 +1166,13 @@ mod tests {
         for (m, s, micro) in cases {
             let e = estimate(&m, &s, micro, 2);
             phases.insert(e.peak_phase);
-            assert!(e.linear(micro).abs_diff(e.total) <= 2 * micro, "{}: {} vs {}", e.peak_phase, e.linear(micro), e.total);
+            assert!(
+                e.linear(micro).abs_diff(e.total) <= 2 * micro,
+                "{}: {} vs {}",
+                e.peak_phase,
+                e.linear(micro),
+                e.total
+            );
         }
         assert_eq!(phases.len(), 3, "{phases:?}");
     }
@@ -1039,7 +1185,12 @@ mod tests {
         assert_eq!(two.peak_allocated - one.peak_allocated, one.gradients);
         // fixed + slope·b while accumulating, to the byte per sample (rounding of the margin).
         assert!(two.linear(4).abs_diff(two.total) <= 4);
-        let nine = estimate(&m, &Setup { target: Target::Cuda, fragmentation: 0.1, cuda_overhead: 1 << 30, ..s.clone() }, 9, 3);
+        let nine = estimate(
+            &m,
+            &Setup { target: Target::Cuda, fragmentation: 0.1, cuda_overhead: 1 << 30, ..s.clone() },
+            9,
+            3,
+        );
         assert!(nine.linear(9).abs_diff(nine.total) <= 9, "{} vs {}", nine.linear(9), nine.total);
         // A tiny batch: activations are smaller than the gradients, which then set the peak.
         let short = Transformer { seq_len: 1, ..gpt2() };
@@ -1054,7 +1205,12 @@ mod tests {
             let e = estimate(&short, &setup(precision, OptimizerName::Adamw), 1, 1);
             let copies = if precision == Precision::Bf16Pure { 0 } else { e.weights };
             assert_eq!(e.peak_phase, "end of backward", "{precision:?}");
-            assert_eq!(e.peak_allocated, e.weights + e.master_weights + e.optimizer + e.gradients + e.embedding_grad_transient - copies, "{precision:?}");
+            assert_eq!(
+                e.peak_allocated,
+                e.weights + e.master_weights + e.optimizer + e.gradients + e.embedding_grad_transient
+                    - copies,
+                "{precision:?}"
+            );
         }
         // The linear node's casts kept through the step (CUDA, no checkpointing; with graphs,
         // checkpointing or not, for the run) are still there at its end.
@@ -1062,22 +1218,45 @@ mod tests {
         let kept = Setup { fused_linear: true, ..cuda.clone() };
         let (released, held) = (estimate(&short, &cuda, 1, 1), estimate(&short, &kept, 1, 1));
         assert_eq!(held.peak_allocated - released.peak_allocated, released.weights);
-        for other in [Setup { activation_checkpointing: true, ..kept.clone() }, Setup { target: Target::Cpu, ..kept.clone() }, Setup { fused_linear: false, ..kept.clone() }] {
+        for other in [
+            Setup { activation_checkpointing: true, ..kept.clone() },
+            Setup { target: Target::Cpu, ..kept.clone() },
+            Setup { fused_linear: false, ..kept.clone() },
+        ] {
             assert!(!other.keeps_casts(), "{other:?}");
         }
-        assert!(Setup { activation_checkpointing: true, cuda_graphs: true, ..kept.clone() }.keeps_casts(), "the graphs keep them for the run");
+        assert!(
+            Setup { activation_checkpointing: true, cuda_graphs: true, ..kept.clone() }.keeps_casts(),
+            "the graphs keep them for the run"
+        );
     }
 
     #[test]
     fn a_byte_vocabulary_puts_the_peak_in_the_last_blocks_backward() {
         // bench-10m: h = 384, f = 1536, v = 256: 12·v = 3072 bytes/token of logits and
         // cross-entropy against (f + h)·4 = 7680 bytes/token of the last block's gradients.
-        let m = Transformer { layers: 6, hidden: 384, heads: 6, vocab: 256, seq_len: 256, ffn: 1536, bias: true, params_override: None, ..Default::default() };
+        let m = Transformer {
+            layers: 6,
+            hidden: 384,
+            heads: 6,
+            vocab: 256,
+            seq_len: 256,
+            ffn: 1536,
+            bias: true,
+            params_override: None,
+            ..Default::default()
+        };
         let e = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2);
         assert_eq!(e.block_backward_transient, (1536 + 384) * 256 * 8 * 4);
         assert_eq!(e.peak_phase, "last block's backward");
-        assert_eq!(e.peak_allocated, e.weights + e.optimizer + e.gradients + e.activations + e.block_backward_transient);
-        assert_eq!(estimate(&gpt2(), &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2).peak_phase, "start of backward");
+        assert_eq!(
+            e.peak_allocated,
+            e.weights + e.optimizer + e.gradients + e.activations + e.block_backward_transient
+        );
+        assert_eq!(
+            estimate(&gpt2(), &setup(Precision::Fp32, OptimizerName::Adamw), 8, 2).peak_phase,
+            "start of backward"
+        );
     }
 
     /// The H100's bf16-mixed figure (gpt2-124m, seq 1024, vocab 50257, two micro-steps per
@@ -1094,12 +1273,26 @@ mod tests {
         let tokens_by_vocab = 59 * 1024 * 50257;
         assert_eq!((e.logits, e.cross_entropy), (4 * tokens_by_vocab, (4 + 2) * tokens_by_vocab));
         let error = e.peak_allocated as f64 / (49.38 * GIB) - 1.0;
-        println!("bf16-mixed at 59: estimate {:.2} GiB vs 49.38 GiB measured: {:+.2}%", e.peak_allocated as f64 / GIB, error * 100.0);
-        assert!(error.abs() < 0.03, "estimate {:.2} GiB vs 49.38 GiB measured: {:+.1}%", e.peak_allocated as f64 / GIB, error * 100.0);
+        println!(
+            "bf16-mixed at 59: estimate {:.2} GiB vs 49.38 GiB measured: {:+.2}%",
+            e.peak_allocated as f64 / GIB,
+            error * 100.0
+        );
+        assert!(
+            error.abs() < 0.03,
+            "estimate {:.2} GiB vs 49.38 GiB measured: {:+.1}%",
+            e.peak_allocated as f64 / GIB,
+            error * 100.0
+        );
         // fp32 and the CPU analogue keep 4 + 4.
         let fp32 = estimate(&m, &super::fixtures::cuda_fp32_adamw(), 59, 2);
         assert_eq!(fp32.cross_entropy, 8 * tokens_by_vocab);
-        let cpu = estimate(&m, &Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cpu_fp32_adamw() }, 59, 2);
+        let cpu = estimate(
+            &m,
+            &Setup { precision: Precision::Bf16Mixed, ..super::fixtures::cpu_fp32_adamw() },
+            59,
+            2,
+        );
         assert_eq!(cpu.cross_entropy, 8 * tokens_by_vocab);
     }
 
@@ -1109,10 +1302,17 @@ mod tests {
     /// 1.44 GB lower. On the CPU two fp32 blocks of working values stay.
     #[test]
     fn the_loss_gradient_in_the_forward_drops_the_second_logits_buffer() {
-        let two_pass = Setup { precision: Precision::Bf16Mixed, fused_cross_entropy: true, ..super::fixtures::cuda_fp32_adamw() };
+        let two_pass = Setup {
+            precision: Precision::Bf16Mixed,
+            fused_cross_entropy: true,
+            ..super::fixtures::cuda_fp32_adamw()
+        };
         let in_forward = Setup { fused_loss_gradient: true, ..two_pass.clone() };
         assert!(in_forward.loss_gradient_in_forward() && !two_pass.loss_gradient_in_forward());
-        assert!(!Setup { fused_cross_entropy: false, ..in_forward.clone() }.loss_gradient_in_forward(), "only with the fused loss");
+        assert!(
+            !Setup { fused_cross_entropy: false, ..in_forward.clone() }.loss_gradient_in_forward(),
+            "only with the fused loss"
+        );
         let m = gpt2();
         let (a, b) = (estimate(&m, &two_pass, 16, 4), estimate(&m, &in_forward, 16, 4));
         let tokens = 16 * 1024;
@@ -1121,7 +1321,11 @@ mod tests {
         assert_eq!((a.peak_phase, b.peak_phase), ("start of backward", "start of backward"));
         let (head_grad, hidden_grad) = (V * 768 * 4, tokens * 768 * 4);
         assert_eq!(a.peak_allocated - b.peak_allocated, logits + 4 * tokens - head_grad - hidden_grad);
-        println!("gpt2-124m micro 16: peak {:.2} → {:.2} GiB", a.peak_allocated as f64 / GIB, b.peak_allocated as f64 / GIB);
+        println!(
+            "gpt2-124m micro 16: peak {:.2} → {:.2} GiB",
+            a.peak_allocated as f64 / GIB,
+            b.peak_allocated as f64 / GIB
+        );
         let cpu = |s: &Setup| estimate(&m, &Setup { target: Target::Cpu, ..s.clone() }, 16, 4).cross_entropy;
         let block = 4 * crate::ffi::loss::cpu_block_rows(V) * V;
         assert_eq!((cpu(&two_pass), cpu(&in_forward)), (logits + block, 2 * block));
@@ -1129,7 +1333,17 @@ mod tests {
 
     #[test]
     fn cuda_target_adds_rounding_fragmentation_and_context() {
-        let m = Transformer { layers: 1, hidden: 8, heads: 2, vocab: 16, seq_len: 4, ffn: 32, bias: true, params_override: None, ..Default::default() };
+        let m = Transformer {
+            layers: 1,
+            hidden: 8,
+            heads: 2,
+            vocab: 16,
+            seq_len: 4,
+            ffn: 32,
+            bias: true,
+            params_override: None,
+            ..Default::default()
+        };
         let cpu = setup(Precision::Fp32, OptimizerName::Adamw);
         let cuda = Setup { target: Target::Cuda, cuda_overhead: 1 << 30, fragmentation: 0.1, ..cpu.clone() };
         let (a, b) = (estimate(&m, &cpu, 2, 2), estimate(&m, &cuda, 2, 2));
@@ -1156,22 +1370,35 @@ mod tests {
     fn unfused_adamw_keeps_a_temporary_the_size_of_the_largest_parameter() {
         let (m, s) = (gpt2(), setup(Precision::Fp32, OptimizerName::Adamw));
         let largest = m.tensors().iter().map(|sh| sh.iter().product::<u64>()).max().unwrap();
-        let (fused, unfused) = (estimate(&m, &s, 1, 1), estimate(&m, &Setup { fused_optimizer: false, ..s.clone() }, 1, 1));
+        let (fused, unfused) =
+            (estimate(&m, &s, 1, 1), estimate(&m, &Setup { fused_optimizer: false, ..s.clone() }, 1, 1));
         assert_eq!(unfused.optimizer - fused.optimizer, largest * 4);
         let pure = Setup { precision: Precision::Bf16Pure, ..s };
-        assert_eq!(estimate(&m, &Setup { fused_optimizer: false, ..pure.clone() }, 1, 1).optimizer - estimate(&m, &pure, 1, 1).optimizer, largest * 2);
+        assert_eq!(
+            estimate(&m, &Setup { fused_optimizer: false, ..pure.clone() }, 1, 1).optimizer
+                - estimate(&m, &pure, 1, 1).optimizer,
+            largest * 2
+        );
     }
 
     #[test]
     fn offloaded_segment_inputs_leave_the_gpu_but_one() {
         let m = gpt2();
         let ck = Setup { activation_checkpointing: true, ..super::fixtures::cuda_fp32_adamw() };
-        let (kept, offloaded) = (estimate(&m, &ck, 8, 2), estimate(&m, &Setup { offload_activations: true, ..ck.clone() }, 8, 2));
+        let (kept, offloaded) =
+            (estimate(&m, &ck, 8, 2), estimate(&m, &Setup { offload_activations: true, ..ck.clone() }, 8, 2));
         let sbh = 1024 * 8 * 768;
-        assert_eq!(kept.activations_outside - offloaded.activations_outside, 11 * sbh * 4, "12 inputs kept, 1 back at a time");
+        assert_eq!(
+            kept.activations_outside - offloaded.activations_outside,
+            11 * sbh * 4,
+            "12 inputs kept, 1 back at a time"
+        );
         // On the CPU host memory is the device's: nothing moves.
         let cpu = Setup { target: Target::Cpu, cuda_overhead: 0, fragmentation: 0.0, ..ck };
-        assert_eq!(estimate(&m, &cpu, 8, 2).activations_outside, estimate(&m, &Setup { offload_activations: true, ..cpu }, 8, 2).activations_outside);
+        assert_eq!(
+            estimate(&m, &cpu, 8, 2).activations_outside,
+            estimate(&m, &Setup { offload_activations: true, ..cpu }, 8, 2).activations_outside
+        );
     }
 
     #[test]
@@ -1237,14 +1464,31 @@ mod tests {
         // Our SwiGLU node (CUDA) keeps gate, up and the product, not silu(gate): one f-wide
         // tensor less per block, in each precision's compute dtype.
         for (setup, bytes) in [(fp32, 4), (mixed, 2), (pure, 2)] {
-            let (plain, ours) = (Setup { target: Target::Cuda, ..setup.clone() }, Setup { target: Target::Cuda, fused_swiglu: true, ..setup.clone() });
-            assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &ours, b), bytes * f * tokens, "{:?}", setup.precision);
+            let (plain, ours) = (
+                Setup { target: Target::Cuda, ..setup.clone() },
+                Setup { target: Target::Cuda, fused_swiglu: true, ..setup.clone() },
+            );
+            assert_eq!(
+                layer_activations(&m, &plain, b) - layer_activations(&m, &ours, b),
+                bytes * f * tokens,
+                "{:?}",
+                setup.precision
+            );
             let on_cpu = Setup { fused_swiglu: true, fused_rope: true, ..setup.clone() };
-            assert_eq!(layer_activations(&m, &on_cpu, b), layer_activations(&m, &setup, b), "the CPU runs ATen's ops");
+            assert_eq!(
+                layer_activations(&m, &on_cpu, b),
+                layer_activations(&m, &setup, b),
+                "the CPU runs ATen's ops"
+            );
             // Our RoPE node keeps no cast tables (fp32's casts are the tables themselves: none).
             let rope = Setup { target: Target::Cuda, fused_rope: true, ..setup.clone() };
             let tables = if bytes == 4 { 0 } else { 4 * seq * d * bytes };
-            assert_eq!(layer_activations(&m, &plain, b) - layer_activations(&m, &rope, b), tables, "{:?}", setup.precision);
+            assert_eq!(
+                layer_activations(&m, &plain, b) - layer_activations(&m, &rope, b),
+                tables,
+                "{:?}",
+                setup.precision
+            );
         }
     }
 
@@ -1260,18 +1504,35 @@ mod tests {
         let (h, kv, f, seq, b) = (2048u64, 512u64, 8192u64, 2048u64, 2u64);
         let tokens = b * seq;
         let joined = (h + 2 * kv + 2 * f) * h;
-        for (precision, weight_copy) in [(Precision::Fp32, 4 * joined), (Precision::Bf16Mixed, 0), (Precision::Bf16Pure, 2 * joined)] {
+        for (precision, weight_copy) in
+            [(Precision::Fp32, 4 * joined), (Precision::Bf16Mixed, 0), (Precision::Bf16Pure, 2 * joined)]
+        {
             let plain = setup(precision, OptimizerName::Adamw);
             let merged = Setup { merged_projections: true, ..plain.clone() };
             let casts = if precision == Precision::Bf16Mixed { 2 * h * (3 - 1 + 2 - 1) * tokens } else { 0 };
-            assert_eq!(layer_activations(&m, &plain, b) + weight_copy - casts, layer_activations(&m, &merged, b), "{precision:?}");
+            assert_eq!(
+                layer_activations(&m, &plain, b) + weight_copy - casts,
+                layer_activations(&m, &merged, b),
+                "{precision:?}"
+            );
             let (e, em) = (estimate(&m, &plain, b, 1), estimate(&m, &merged, b, 1));
             assert_eq!(em.block_backward_transient, e.block_backward_transient, "{precision:?}");
             let node = Setup { target: Target::Cuda, fused_swiglu: true, ..plain.clone() };
-            let (n, nm) = (estimate(&m, &node, b, 1), estimate(&m, &Setup { merged_projections: true, ..node.clone() }, b, 1));
+            let (n, nm) = (
+                estimate(&m, &node, b, 1),
+                estimate(&m, &Setup { merged_projections: true, ..node.clone() }, b, 1),
+            );
             assert_eq!(nm.block_backward_transient, n.block_backward_transient, "{precision:?}");
         }
-        assert_eq!(layer_activations(&gpt2(), &Setup { merged_projections: true, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) }, 2), layer_activations(&gpt2(), &setup(Precision::Bf16Mixed, OptimizerName::Adamw), 2), "GPT-2 is unchanged");
+        assert_eq!(
+            layer_activations(
+                &gpt2(),
+                &Setup { merged_projections: true, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) },
+                2
+            ),
+            layer_activations(&gpt2(), &setup(Precision::Bf16Mixed, OptimizerName::Adamw), 2),
+            "GPT-2 is unchanged"
+        );
     }
 
     /// `kernels.cuda_graphs`: the accumulators are a gradient-sized buffer held through the step
@@ -1286,13 +1547,20 @@ mod tests {
         assert_eq!(one_graphed.peak_allocated - one.peak_allocated, one.gradients);
         assert_eq!(estimate(&m, &graphs, 4, 2).peak_allocated, estimate(&m, &cuda, 4, 2).peak_allocated);
         let cpu = Setup { target: Target::Cpu, ..graphs.clone() };
-        assert_eq!(estimate(&m, &cpu, 4, 1).peak_allocated, estimate(&m, &Setup { cuda_graphs: false, ..cpu.clone() }, 4, 1).peak_allocated);
+        assert_eq!(
+            estimate(&m, &cpu, 4, 1).peak_allocated,
+            estimate(&m, &Setup { cuda_graphs: false, ..cpu.clone() }, 4, 1).peak_allocated
+        );
     }
 
     #[test]
     fn llama_3_2_1b_in_bf16_mixed_with_checkpointing_fits_an_h100_at_micro_batch_8() {
         let m = super::fixtures::llama32_1b();
-        let s = Setup { precision: Precision::Bf16Mixed, activation_checkpointing: true, ..super::fixtures::cuda_fp32_adamw() };
+        let s = Setup {
+            precision: Precision::Bf16Mixed,
+            activation_checkpointing: true,
+            ..super::fixtures::cuda_fp32_adamw()
+        };
         let e = estimate(&m, &s, 8, 32);
         // 16 + 2 bytes per parameter (bf16 weights, fp32 master, fp32 gradients, two fp32 moments).
         assert!((e.states() as f64 / 1e9 - 18.0 * 1.2358).abs() < 0.05, "{}", e.states());

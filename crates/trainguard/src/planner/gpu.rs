@@ -35,12 +35,21 @@ pub fn detect() -> Result<DetectedGpu, String> {
     let gpus = crate::memory::gpu::Gpus::open().map_err(|e| format!("no NVIDIA GPU found: {e}"))?;
     let list = gpus.cuda_visible();
     let first = list.first().ok_or("NVML reports no NVIDIA GPU that CUDA_VISIBLE_DEVICES leaves visible")?;
-    Ok(DetectedGpu { name: first.name.clone(), total: first.memory_total_bytes, free: first.memory_free_bytes, count: list.len() as u32 })
+    Ok(DetectedGpu {
+        name: first.name.clone(),
+        total: first.memory_total_bytes,
+        free: first.memory_free_bytes,
+        count: list.len() as u32,
+    })
 }
 
 /// Resolves `--gpu` / `--gpu-memory` (already parsed to bytes). `detect` is injected so the
 /// rules are tested without a GPU. `Ok(None)`: no target given.
-pub fn resolve(gpu: Option<&str>, gpu_memory: Option<u64>, detect: impl FnOnce() -> Result<DetectedGpu, String>) -> Result<Option<GpuTarget>, String> {
+pub fn resolve(
+    gpu: Option<&str>,
+    gpu_memory: Option<u64>,
+    detect: impl FnOnce() -> Result<DetectedGpu, String>,
+) -> Result<Option<GpuTarget>, String> {
     let custom = |name: String, note: Option<String>| GpuTarget {
         name,
         capacity_bytes: gpu_memory.unwrap_or_default(),
@@ -58,21 +67,39 @@ pub fn resolve(gpu: Option<&str>, gpu_memory: Option<u64>, detect: impl FnOnce()
                 total_bytes: Some(d.total),
                 free_bytes: Some(d.free),
                 source: if gpu_memory.is_some() { "--gpu-memory".into() } else { "nvml".into() },
-                note: (d.count > 1).then(|| format!("{} GPUs visible; planning for GPU 0 (use --gpus N for data parallel)", d.count)),
+                note: (d.count > 1).then(|| {
+                    format!("{} GPUs visible; planning for GPU 0 (use --gpus N for data parallel)", d.count)
+                }),
             })),
             Err(why) => match gpu_memory {
-                Some(_) => Ok(Some(custom("custom".into(), Some(format!("--gpu auto: {why}; using --gpu-memory instead"))))),
-                None => Err(format!("--gpu auto: {why}. Name a GPU (--gpu a100-80; known: {}) or give --gpu-memory 24GiB", presets::known_names())),
+                Some(_) => Ok(Some(custom(
+                    "custom".into(),
+                    Some(format!("--gpu auto: {why}; using --gpu-memory instead")),
+                ))),
+                None => Err(format!(
+                    "--gpu auto: {why}. Name a GPU (--gpu a100-80; known: {}) or give --gpu-memory 24GiB",
+                    presets::known_names()
+                )),
             },
         },
         Some(name) => {
             if let Some(v) = presets::variants(name) {
-                return Err(format!("--gpu: `{name}` comes in {}: name the one you have (or give --gpu-memory)", v.join(" and ")));
+                return Err(format!(
+                    "--gpu: `{name}` comes in {}: name the one you have (or give --gpu-memory)",
+                    v.join(" and ")
+                ));
             }
-            let p = presets::find(name)
-                .ok_or_else(|| format!("--gpu: unknown GPU `{name}`; known: auto, {} (or give --gpu-memory 24GiB)", presets::known_names()))?;
+            let p = presets::find(name).ok_or_else(|| {
+                format!(
+                    "--gpu: unknown GPU `{name}`; known: auto, {} (or give --gpu-memory 24GiB)",
+                    presets::known_names()
+                )
+            })?;
             Ok(Some(match gpu_memory {
-                Some(_) => custom(p.name.into(), Some(format!("--gpu-memory overrides the {} preset's {} MiB", p.name, p.mib))),
+                Some(_) => custom(
+                    p.name.into(),
+                    Some(format!("--gpu-memory overrides the {} preset's {} MiB", p.name, p.mib)),
+                ),
                 None => GpuTarget {
                     name: p.name.into(),
                     capacity_bytes: p.bytes(),
@@ -97,13 +124,23 @@ mod tests {
     #[test]
     fn presets_memory_and_auto_resolve() {
         let t = resolve(Some("a100-40"), None, none).unwrap().unwrap();
-        assert_eq!((t.name.as_str(), t.capacity_bytes, t.source.as_str()), ("a100-40", 40_960 << 20, "preset"));
+        assert_eq!(
+            (t.name.as_str(), t.capacity_bytes, t.source.as_str()),
+            ("a100-40", 40_960 << 20, "preset")
+        );
         let t = resolve(None, Some(24 << 30), none).unwrap().unwrap();
         assert_eq!((t.capacity_bytes, t.source.as_str()), (24 << 30, "--gpu-memory"));
         let t = resolve(Some("h100"), Some(16 << 30), none).unwrap().unwrap();
         assert_eq!(t.capacity_bytes, 16 << 30, "--gpu-memory rehearses a smaller card");
         assert!(resolve(None, None, none).unwrap().is_none());
-        let card = || Ok(DetectedGpu { name: "NVIDIA H100 80GB HBM3".into(), total: 85 << 30, free: 80 << 30, count: 2 });
+        let card = || {
+            Ok(DetectedGpu {
+                name: "NVIDIA H100 80GB HBM3".into(),
+                total: 85 << 30,
+                free: 80 << 30,
+                count: 2,
+            })
+        };
         let t = resolve(Some("auto"), None, card).unwrap().unwrap();
         assert_eq!((t.capacity_bytes, t.total_bytes, t.source.as_str()), (80 << 30, Some(85 << 30), "nvml"));
         assert!(t.note.unwrap().contains("2 GPUs"));
@@ -112,7 +149,10 @@ mod tests {
     #[test]
     fn auto_without_nvml_is_an_error_unless_memory_is_given() {
         let err = resolve(Some("auto"), None, none).unwrap_err();
-        assert!(err.contains("--gpu auto") && err.contains("no NVIDIA GPU") && err.contains("--gpu-memory"), "{err}");
+        assert!(
+            err.contains("--gpu auto") && err.contains("no NVIDIA GPU") && err.contains("--gpu-memory"),
+            "{err}"
+        );
         let t = resolve(Some("auto"), Some(12 << 30), none).unwrap().unwrap();
         assert_eq!(t.capacity_bytes, 12 << 30);
         assert!(t.note.unwrap().contains("using --gpu-memory"));

@@ -60,19 +60,31 @@ pub struct PlanArgs {
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub vocab: Option<u64>,
     /// Sequence length in tokens.
-    #[arg(long = "seq-len", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    #[arg(
+        long = "seq-len",
+        value_name = "N",
+        help_heading = "Model (generic transformer; overrides the config)"
+    )]
     pub seq_len: Option<u64>,
     /// MLP width: gpt2's hidden layer (default 4 × hidden); llama's SwiGLU width (required).
     #[arg(long, value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
     pub ffn: Option<u64>,
     /// llama: key/value heads of grouped-query attention (must divide --heads; default --heads).
-    #[arg(long = "kv-heads", value_name = "N", help_heading = "Model (generic transformer; overrides the config)")]
+    #[arg(
+        long = "kv-heads",
+        value_name = "N",
+        help_heading = "Model (generic transformer; overrides the config)"
+    )]
     pub kv_heads: Option<u64>,
     /// llama: a separate LM head (`lm_head.weight`) instead of the token embedding.
     #[arg(long, overrides_with = "tied", help_heading = "Model (generic transformer; overrides the config)")]
     pub untied: bool,
     /// llama: the LM head is the token embedding (the default).
-    #[arg(long, overrides_with = "untied", help_heading = "Model (generic transformer; overrides the config)")]
+    #[arg(
+        long,
+        overrides_with = "untied",
+        help_heading = "Model (generic transformer; overrides the config)"
+    )]
     pub tied: bool,
     /// No biases in linear layers and LayerNorms.
     #[arg(long, help_heading = "Model (generic transformer; overrides the config)")]
@@ -136,10 +148,22 @@ pub struct PlanArgs {
     #[arg(long, value_name = "DEVICE", requires = "profile", help_heading = "Output and actions")]
     pub device: Option<String>,
     /// Measure exactly these micro-batches (`1,2,4`) instead of searching.
-    #[arg(long, value_name = "N,N,…", value_delimiter = ',', requires = "profile", help_heading = "Output and actions")]
+    #[arg(
+        long,
+        value_name = "N,N,…",
+        value_delimiter = ',',
+        requires = "profile",
+        help_heading = "Output and actions"
+    )]
     pub micro_batches: Vec<u64>,
     /// Optimizer steps per measured micro-batch.
-    #[arg(long, value_name = "N", default_value_t = 2, requires = "profile", help_heading = "Output and actions")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 2,
+        requires = "profile",
+        help_heading = "Output and actions"
+    )]
     pub profile_steps: u64,
     /// Write the chosen micro-batch (and --global-batch) into the config, keeping a backup.
     #[arg(long, help_heading = "Output and actions")]
@@ -232,7 +256,9 @@ impl Inputs {
             return Err(usage("--micro-batches must list sizes of at least 1"));
         }
         let size = |flag: &str, v: &str| match config::parse_size(v) {
-            Ok(b) if b > config::limits::MAX_DEVICE_BYTES => Err(usage(format!("{flag}: {v} is more than a PiB"))),
+            Ok(b) if b > config::limits::MAX_DEVICE_BYTES => {
+                Err(usage(format!("{flag}: {v} is more than a PiB")))
+            }
             r => r.map_err(|e| usage(format!("{flag}: {e}"))),
         };
         let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
@@ -240,10 +266,17 @@ impl Inputs {
         if let (Some(b), Some(v)) = (gpu_memory, a.gpu_memory.as_deref()) {
             // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
             if b < 1 << 20 {
-                let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') { format!("; give a unit, e.g. {v}GiB or {v}GB") } else { String::new() };
+                let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') {
+                    format!("; give a unit, e.g. {v}GiB or {v}GB")
+                } else {
+                    String::new()
+                };
                 // `1.5` is 1.5 bytes, not the 1 parse_size rounds it to.
-                let bytes = if v.trim().parse::<f64>().is_ok() { v.trim().to_string() } else { b.to_string() };
-                return Err(usage(format!("--gpu-memory: {v} is {bytes} bytes, too small for a GPU{advice}")));
+                let bytes =
+                    if v.trim().parse::<f64>().is_ok() { v.trim().to_string() } else { b.to_string() };
+                return Err(usage(format!(
+                    "--gpu-memory: {v} is {bytes} bytes, too small for a GPU{advice}"
+                )));
             }
         }
         let params = a.params.as_deref().map(parse_count).transpose()?;
@@ -259,12 +292,18 @@ impl Inputs {
             || a.tied;
         let (file, source) = if a.config.is_some() || !generic {
             let cfg = config::load(a.config.as_deref(), &a.overrides)?;
-            (Some(cfg), a.config.as_ref().map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()))
+            (
+                Some(cfg),
+                a.config
+                    .as_ref()
+                    .map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()),
+            )
         } else {
             if !a.overrides.is_empty() {
                 return Err(usage("--set edits a config: give --config, or describe the model with --layers, --hidden, --heads, --vocab, --seq-len"));
             }
-            let missing: Vec<&str> = GENERIC_REQUIRED.iter().zip(given).filter(|(_, v)| v.is_none()).map(|(f, _)| *f).collect();
+            let missing: Vec<&str> =
+                GENERIC_REQUIRED.iter().zip(given).filter(|(_, v)| v.is_none()).map(|(f, _)| *f).collect();
             if !missing.is_empty() {
                 return Err(usage(format!(
                     "a generic transformer needs {} (missing: {}), or a --config",
@@ -280,7 +319,13 @@ impl Inputs {
         let described_by_flags = file.is_none();
         let mut config = file.unwrap_or_default();
         let m = &mut config.model;
-        for (flag, key) in [(a.layers, &mut m.n_layer), (a.hidden, &mut m.n_embd), (a.heads, &mut m.n_head), (a.vocab, &mut m.vocab_size), (a.seq_len, &mut m.seq_len)] {
+        for (flag, key) in [
+            (a.layers, &mut m.n_layer),
+            (a.hidden, &mut m.n_embd),
+            (a.heads, &mut m.n_head),
+            (a.vocab, &mut m.vocab_size),
+            (a.seq_len, &mut m.seq_len),
+        ] {
             if let Some(v) = flag {
                 *key = v as usize;
             }
@@ -305,7 +350,8 @@ impl Inputs {
         if a.loss_chunk_tokens == Some(0) {
             return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
         }
-        config.memory.loss_chunk_tokens = a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
+        config.memory.loss_chunk_tokens =
+            a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
 
         if let Some(f) = a.ffn {
             config.model.ffn_hidden = Some(f as usize);
@@ -347,7 +393,11 @@ impl Inputs {
             fragmentation: a.fragmentation,
         };
 
-        let mut micro = a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
+        let mut micro = a.micro_batch.unwrap_or(if described_by_flags {
+            1
+        } else {
+            config.train.micro_batch_size as u64
+        });
         if micro == 0 {
             return Err(usage("--micro-batch must be at least 1, got 0"));
         }
@@ -356,19 +406,28 @@ impl Inputs {
         let max_tokens = config::limits::MAX_TOKENS_PER_STEP as u128;
         for (flag, n) in [("--micro-batch", Some(micro)), ("--global-batch", global)] {
             if let Some(n) = n.filter(|&n| n as u128 * model.seq_len as u128 > max_tokens) {
-                return Err(usage(format!("{flag} {n}: sequences of {} tokens make more than {max_tokens} tokens a step", model.seq_len)));
+                return Err(usage(format!(
+                    "{flag} {n}: sequences of {} tokens make more than {max_tokens} tokens a step",
+                    model.seq_len
+                )));
             }
         }
-        let rank_batch = match global {
-            Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
-            Some(g) if g < a.gpus => return Err(usage(format!("--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence", a.gpus))),
-            // The busiest GPU's share is what must fit (shares differ by one when uneven).
-            Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
-            None => None,
-        };
+        let rank_batch =
+            match global {
+                Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
+                Some(g) if g < a.gpus => return Err(usage(format!(
+                    "--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence",
+                    a.gpus
+                ))),
+                // The busiest GPU's share is what must fit (shares differ by one when uneven).
+                Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
+                None => None,
+            };
         match rank_batch {
             Some(r) if micro > r && a.micro_batch.is_some() => {
-                return Err(usage(format!("--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)")));
+                return Err(usage(format!(
+                    "--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)"
+                )));
             }
             // The config's micro-batch, for another global batch: the share is the most a step runs.
             Some(r) if micro > r => micro = r,
@@ -401,7 +460,10 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
         }
     }
     if !m.hidden.is_multiple_of(m.heads) {
-        return Err(usage(format!("--heads {} must divide --hidden {} (each head gets hidden / heads channels)", m.heads, m.hidden)));
+        return Err(usage(format!(
+            "--heads {} must divide --hidden {} (each head gets hidden / heads channels)",
+            m.heads, m.hidden
+        )));
     }
     let kv = m.kv();
     match m.arch {
@@ -429,7 +491,8 @@ fn check_model(m: &Transformer) -> Result<(), PlannerError> {
 /// `124M`, `8B`, `1.5e9`, `350000000` → a parameter count.
 pub fn parse_count(text: &str) -> Result<u64, PlannerError> {
     let t = text.trim();
-    let bad = || usage(format!("--params: `{text}` is not a parameter count like 124M, 8B, 1.5e9 or 350000000"));
+    let bad =
+        || usage(format!("--params: `{text}` is not a parameter count like 124M, 8B, 1.5e9 or 350000000"));
     let (num, mult) = match t.chars().last().map(|c| c.to_ascii_uppercase()) {
         Some('K') => (&t[..t.len() - 1], 1e3),
         Some('M') => (&t[..t.len() - 1], 1e6),
@@ -528,7 +591,12 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
     }
     let est = estimate::estimate(&inputs.model, &inputs.setup, inputs.micro, inputs.accumulation);
     let rec = inputs.target.as_ref().map(|t| {
-        recommend::recommend(&inputs.model, &inputs.setup, inputs.rank_batch, Budget { capacity: t.capacity_bytes, margin: args.margin.unwrap_or(ESTIMATE_MARGIN) })
+        recommend::recommend(
+            &inputs.model,
+            &inputs.setup,
+            inputs.rank_batch,
+            Budget { capacity: t.capacity_bytes, margin: args.margin.unwrap_or(ESTIMATE_MARGIN) },
+        )
     });
     let prof = if args.profile { Some(run_profile(args, &inputs)?) } else { None };
 
@@ -569,7 +637,11 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
         profile: prof.as_ref(),
         applied: applied.as_ref(),
     };
-    let text = if args.json { serde_json::to_string_pretty(&out).expect("the report always serialises") + "\n" } else { report::render(&out) };
+    let text = if args.json {
+        serde_json::to_string_pretty(&out).expect("the report always serialises") + "\n"
+    } else {
+        report::render(&out)
+    };
     crate::console::output::print(&text).map_err(PlannerError::Stdout)?;
     match nothing_fits {
         Some(msg) => Err(PlannerError::NothingFits(msg)),
@@ -598,9 +670,17 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
     }
     let spec = args.device.clone().unwrap_or_else(|| cfg.device.clone());
     let cuda_devices = tch::Cuda::device_count().max(0) as usize;
-    let device = run_plan::resolve_device(&spec, cuda_devices, 0).map_err(|e| usage(format!("--device: {e}")))?;
+    let device =
+        run_plan::resolve_device(&spec, cuda_devices, 0).map_err(|e| usage(format!("--device: {e}")))?;
     cfg.device = spec;
-    let env = run_plan::Environment { cuda_devices, rank: 0, local_rank: 0, world_size: 1, restart_count: 0, resuming: false };
+    let env = run_plan::Environment {
+        cuda_devices,
+        rank: 0,
+        local_rank: 0,
+        world_size: 1,
+        restart_count: 0,
+        resuming: false,
+    };
     let plan = RunPlan::build(cfg, env).map_err(|e| usage(format!("--profile: {e}")))?;
     let setup = Setup {
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
@@ -617,7 +697,8 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
 fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, PlannerError> {
     let (run_plan, setup) = profile_inputs(args, inputs)?;
     let device = run_plan.device;
-    let capacity = profile::capacity(device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
+    let capacity =
+        profile::capacity(device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
     let plan = profile::Plan {
         device,
         sizes: args.micro_batches.clone(),
@@ -668,7 +749,11 @@ fn run_profile(args: &PlanArgs, inputs: &Inputs) -> Result<ProfileReport, Planne
 /// is in use on the whole card (the context and other processes' memory included) against it,
 /// and the free figure has other processes' memory taken off already; it would count twice.
 fn profile_capacity(target: Option<&GpuTarget>, memory_limit: Option<u64>) -> Option<u64> {
-    target.map(|t| if t.source == "nvml" { t.total_bytes.unwrap_or(t.capacity_bytes) } else { t.capacity_bytes }).or(memory_limit)
+    target
+        .map(
+            |t| if t.source == "nvml" { t.total_bytes.unwrap_or(t.capacity_bytes) } else { t.capacity_bytes },
+        )
+        .or(memory_limit)
 }
 
 /// Runs this binary again with the same flags plus `--profile-one B` and reads its JSON line.
@@ -684,7 +769,11 @@ fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
-        return Err(child_err(format!("exited with {}: {}", out.status, stderr.lines().last().unwrap_or(""))));
+        return Err(child_err(format!(
+            "exited with {}: {}",
+            out.status,
+            stderr.lines().last().unwrap_or("")
+        )));
     }
     let line = stdout.lines().last().unwrap_or("");
     serde_json::from_str(line).map_err(|e| child_err(format!("unreadable answer `{line}`: {e}")))
@@ -693,10 +782,14 @@ fn measure_in_child(micro: u64) -> Result<Measured, ProfileError> {
 /// The child side of [`measure_in_child`]: one size, one JSON line on stdout.
 fn profile_child(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<(), PlannerError> {
     let (run_plan, _) = profile_inputs(args, inputs)?;
-    let capacity = profile::capacity(run_plan.device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
+    let capacity =
+        profile::capacity(run_plan.device, profile_capacity(inputs.target.as_ref(), run_plan.memory_limit))?;
     let mut session = profile::Session::open(run_plan, capacity)?;
     let m = session.measure(micro, args.profile_steps)?;
-    crate::console::output::print(&(serde_json::to_string(&m).expect("a measurement always serialises") + "\n")).map_err(PlannerError::Stdout)
+    crate::console::output::print(
+        &(serde_json::to_string(&m).expect("a measurement always serialises") + "\n"),
+    )
+    .map_err(PlannerError::Stdout)
 }
 
 /// Writes `micro` (and `--global-batch`, when it differs) into the config file.
@@ -713,8 +806,16 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     if global != cfg.train.global_batch_size as u64 {
         new = apply::set_value(&new, "train", "global_batch_size", &global.to_string())?;
     }
-    let accumulation = crate::data::batch::accumulation(global as usize, micro as usize, args.gpus as usize).map_err(|e| usage(format!("--apply: {e}")))? as u64;
-    let mut applied = Applied { path: path.to_path_buf(), backup: None, micro_batch: micro, global_batch: global, accumulation, diff: apply::diff(&old, &new) };
+    let accumulation = crate::data::batch::accumulation(global as usize, micro as usize, args.gpus as usize)
+        .map_err(|e| usage(format!("--apply: {e}")))? as u64;
+    let mut applied = Applied {
+        path: path.to_path_buf(),
+        backup: None,
+        micro_batch: micro,
+        global_batch: global,
+        accumulation,
+        diff: apply::diff(&old, &new),
+    };
     if new == old {
         return Ok(applied);
     }
@@ -722,7 +823,8 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     // copy and left the file it pointed to as it was), keeping its permissions.
     let target = std::fs::canonicalize(path).map_err(io("resolve", path))?;
     // The edited text must load, as a valid config holding the new values, before anything is written.
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
+    let name =
+        target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "config.yaml".into());
     let tmp = target.with_file_name(format!(".{name}.trainguard-apply"));
     if let Err(e) = std::fs::write(&tmp, &new) {
         let _ = std::fs::remove_file(&tmp); // half written on a full disk
@@ -733,14 +835,23 @@ fn apply_choice(args: &PlanArgs, inputs: &Inputs, micro: u64) -> Result<Applied,
     }
     let check = config::load(Some(&tmp), &[]).map_err(|e| e.to_string()).and_then(|c| {
         let got = (c.train.micro_batch_size as u64, c.train.global_batch_size as u64);
-        if got == (micro, global) { Ok(()) } else { Err(format!("the edited file reads back as micro-batch {} and global batch {}", got.0, got.1)) }
+        if got == (micro, global) {
+            Ok(())
+        } else {
+            Err(format!("the edited file reads back as micro-batch {} and global batch {}", got.0, got.1))
+        }
     });
     if let Err(why) = check {
         let _ = std::fs::remove_file(&tmp);
-        return Err(usage(format!("--apply: the edited {} would not be valid, nothing written: {why}", path.display())));
+        return Err(usage(format!(
+            "--apply: the edited {} would not be valid, nothing written: {why}",
+            path.display()
+        )));
     }
     let backup = apply::backup_path(path);
-    let replaced = std::fs::copy(path, &backup).map_err(io("back up to", &backup)).and_then(|_| std::fs::rename(&tmp, &target).map_err(io("replace", &target)));
+    let replaced = std::fs::copy(path, &backup)
+        .map_err(io("back up to", &backup))
+        .and_then(|_| std::fs::rename(&tmp, &target).map_err(io("replace", &target)));
     if let Err(e) = replaced {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
@@ -771,20 +882,36 @@ mod tests {
     #[test]
     fn a_profile_fills_the_cards_total_under_gpu_auto_and_the_named_size_otherwise() {
         let gib = 1u64 << 30;
-        let detected = || Ok(gpu::DetectedGpu { name: "H100".into(), total: 80 * gib, free: 60 * gib, count: 1 });
+        let detected =
+            || Ok(gpu::DetectedGpu { name: "H100".into(), total: 80 * gib, free: 60 * gib, count: 1 });
         let auto = gpu::resolve(Some("auto"), None, detected).unwrap().unwrap();
         assert_eq!(auto.capacity_bytes, 60 * gib, "the estimate plans with what is free");
         assert_eq!(profile_capacity(Some(&auto), Some(gib)), Some(80 * gib));
         let rehearsed = gpu::resolve(Some("auto"), Some(16 * gib), detected).unwrap().unwrap();
-        assert_eq!(profile_capacity(Some(&rehearsed), None), Some(16 * gib), "--gpu-memory rehearses a smaller card");
+        assert_eq!(
+            profile_capacity(Some(&rehearsed), None),
+            Some(16 * gib),
+            "--gpu-memory rehearses a smaller card"
+        );
         let preset = gpu::resolve(Some("a100-40"), None, detected).unwrap().unwrap();
         assert_eq!(profile_capacity(Some(&preset), None), Some(preset.capacity_bytes));
-        assert_eq!(profile_capacity(None, Some(3 * gib)), Some(3 * gib), "memory.limit, the cap training runs under");
+        assert_eq!(
+            profile_capacity(None, Some(3 * gib)),
+            Some(3 * gib),
+            "memory.limit, the cap training runs under"
+        );
         assert_eq!(profile_capacity(None, None), None);
     }
 
     fn args() -> PlanArgs {
-        PlanArgs { margin: None, fragmentation: 0.1, gpus: 1, profile_steps: 2, cuda_overhead: "1GiB".into(), ..Default::default() }
+        PlanArgs {
+            margin: None,
+            fragmentation: 0.1,
+            gpus: 1,
+            profile_steps: 2,
+            cuda_overhead: "1GiB".into(),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -794,7 +921,11 @@ mod tests {
         assert!(err.contains("missing: --heads, --vocab, --seq-len"), "{err}");
         let a = PlanArgs { heads: Some(12), vocab: Some(50257), seq_len: Some(1024), ..a };
         let i = Inputs::resolve(&a).unwrap();
-        assert_eq!((i.model.ffn, i.model.params()), (3072, 124_439_808 + 47 * 768), "50257 padded to 50304 rows");
+        assert_eq!(
+            (i.model.ffn, i.model.params()),
+            (3072, 124_439_808 + 47 * 768),
+            "50257 padded to 50304 rows"
+        );
         assert_eq!((i.micro, i.global, i.accumulation), (1, None, 2));
     }
 
@@ -807,26 +938,63 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_batches_are_usage_errors_naming_the_flag() {
-        let gpt = || PlanArgs { layers: Some(2), hidden: Some(64), heads: Some(2), vocab: Some(256), seq_len: Some(64), ..args() };
+        let gpt = || PlanArgs {
+            layers: Some(2),
+            hidden: Some(64),
+            heads: Some(2),
+            vocab: Some(256),
+            seq_len: Some(64),
+            ..args()
+        };
         let cases: Vec<(PlanArgs, &str)> = vec![
             (PlanArgs { layers: Some(0), ..gpt() }, "--layers (model.n_layer) must be in 1..=4096, got 0"),
-            (PlanArgs { layers: Some(u64::MAX), ..gpt() }, "--layers (model.n_layer) must be in 1..=4096, got 18446744073709551615"),
-            (PlanArgs { seq_len: Some(1 << 40), ..gpt() }, "--seq-len (model.seq_len) must be in 1..=4194304"),
+            (
+                PlanArgs { layers: Some(u64::MAX), ..gpt() },
+                "--layers (model.n_layer) must be in 1..=4096, got 18446744073709551615",
+            ),
+            (
+                PlanArgs { seq_len: Some(1 << 40), ..gpt() },
+                "--seq-len (model.seq_len) must be in 1..=4194304",
+            ),
             (PlanArgs { params: Some("1e30".into()), ..gpt() }, "--params must be in 1..=1e14"),
-            (PlanArgs { cuda_overhead: "2000000TiB".into(), ..gpt() }, "--cuda-overhead: 2000000TiB is more than a PiB"),
-            (PlanArgs { cuda_overhead: "99999999999999999999GiB".into(), ..gpt() }, "--cuda-overhead: `99999999999999999999GiB` is more bytes than 64 bits count"),
+            (
+                PlanArgs { cuda_overhead: "2000000TiB".into(), ..gpt() },
+                "--cuda-overhead: 2000000TiB is more than a PiB",
+            ),
+            (
+                PlanArgs { cuda_overhead: "99999999999999999999GiB".into(), ..gpt() },
+                "--cuda-overhead: `99999999999999999999GiB` is more bytes than 64 bits count",
+            ),
             (PlanArgs { heads: Some(3), ..gpt() }, "--heads 3 must divide --hidden 64"),
             (PlanArgs { margin: Some(1.5), ..gpt() }, "--margin must be in (0, 1]"),
-            (PlanArgs { global_batch: Some(3), gpus: 4, ..gpt() }, "--global-batch 3 cannot be shared by --gpus 4"),
-            (PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() }, "--micro-batch 16 exceeds the per-GPU batch 8"),
-            (PlanArgs { global_batch: Some(8), micro_batches: vec![4, 16], ..gpt() }, "--micro-batches 16 exceeds the per-GPU batch 8"),
+            (
+                PlanArgs { global_batch: Some(3), gpus: 4, ..gpt() },
+                "--global-batch 3 cannot be shared by --gpus 4",
+            ),
+            (
+                PlanArgs { global_batch: Some(8), micro_batch: Some(16), ..gpt() },
+                "--micro-batch 16 exceeds the per-GPU batch 8",
+            ),
+            (
+                PlanArgs { global_batch: Some(8), micro_batches: vec![4, 16], ..gpt() },
+                "--micro-batches 16 exceeds the per-GPU batch 8",
+            ),
             (PlanArgs { gpu: Some("a100-50".into()), ..gpt() }, "unknown GPU `a100-50`"),
             (PlanArgs { gpu_memory: Some("lots".into()), ..gpt() }, "--gpu-memory:"),
             (PlanArgs { gpu_memory: Some("24".into()), ..gpt() }, "give a unit, e.g. 24GiB"),
-            (PlanArgs { gpu_memory: Some("500KiB".into()), ..gpt() }, "500KiB is 512000 bytes, too small for a GPU"),
+            (
+                PlanArgs { gpu_memory: Some("500KiB".into()), ..gpt() },
+                "500KiB is 512000 bytes, too small for a GPU",
+            ),
             (PlanArgs { params: Some("1e30".into()), ..gpt() }, "got 1e30"),
-            (PlanArgs { micro_batch: Some(u64::MAX), ..gpt() }, "--micro-batch 18446744073709551615: sequences of"),
-            (PlanArgs { global_batch: Some(100_000_000_000_000), ..gpt() }, "--global-batch 100000000000000: sequences of"),
+            (
+                PlanArgs { micro_batch: Some(u64::MAX), ..gpt() },
+                "--micro-batch 18446744073709551615: sequences of",
+            ),
+            (
+                PlanArgs { global_batch: Some(100_000_000_000_000), ..gpt() },
+                "--global-batch 100000000000000: sequences of",
+            ),
         ];
         for (a, want) in cases {
             let err = Inputs::resolve(&a).err().unwrap();
@@ -842,14 +1010,31 @@ mod tests {
         assert_eq!((i.micro, i.global, i.accumulation), (8, Some(32), 4));
         // With a config, generic flags override its sizes; without one they describe the whole model.
         let debug = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs/debug.yaml");
-        let i = Inputs::resolve(&PlanArgs { config: Some(debug), seq_len: Some(32), global_batch: Some(64), gpus: 2, ..args() }).unwrap();
+        let i = Inputs::resolve(&PlanArgs {
+            config: Some(debug),
+            seq_len: Some(32),
+            global_batch: Some(64),
+            gpus: 2,
+            ..args()
+        })
+        .unwrap();
         assert_eq!((i.model.seq_len, i.rank_batch, i.accumulation), (32, Some(32), 4));
         assert_eq!(i.model.layers, d.model.n_layer as u64, "other sizes still come from the config");
     }
 
     #[test]
     fn llama_flags_describe_grouped_query_heads_swiglu_and_an_untied_head() {
-        let llama = || PlanArgs { arch: Some(Arch::Llama), layers: Some(16), hidden: Some(2048), heads: Some(32), kv_heads: Some(8), ffn: Some(8192), vocab: Some(128_256), seq_len: Some(2048), ..args() };
+        let llama = || PlanArgs {
+            arch: Some(Arch::Llama),
+            layers: Some(16),
+            hidden: Some(2048),
+            heads: Some(32),
+            kv_heads: Some(8),
+            ffn: Some(8192),
+            vocab: Some(128_256),
+            seq_len: Some(2048),
+            ..args()
+        };
         let i = Inputs::resolve(&llama()).unwrap();
         assert_eq!((i.model.arch, i.model.kv(), i.model.tied, i.model.bias), (Arch::Llama, 8, true, false));
         assert_eq!(i.model.params(), 1_235_814_400, "Llama 3.2 1B");
@@ -857,16 +1042,32 @@ mod tests {
         assert_eq!(untied.model.params(), 1_235_814_400 + 128_256 * 2048);
         // On a config they override its keys like the other flags.
         let cfg = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../configs/llama-debug.yaml");
-        let i = Inputs::resolve(&PlanArgs { config: Some(cfg.clone()), kv_heads: Some(1), ffn: Some(96), untied: true, ..args() }).unwrap();
-        assert_eq!((i.config.model.n_kv_head, i.config.model.ffn_hidden, i.config.model.tie_embeddings), (Some(1), Some(96), false));
+        let i = Inputs::resolve(&PlanArgs {
+            config: Some(cfg.clone()),
+            kv_heads: Some(1),
+            ffn: Some(96),
+            untied: true,
+            ..args()
+        })
+        .unwrap();
+        assert_eq!(
+            (i.config.model.n_kv_head, i.config.model.ffn_hidden, i.config.model.tie_embeddings),
+            (Some(1), Some(96), false)
+        );
         assert_eq!((i.model.arch, i.model.kv(), i.model.ffn, i.model.tied), (Arch::Llama, 1, 96, false));
         let cases: Vec<(PlanArgs, &str)> = vec![
             (PlanArgs { ffn: None, ..llama() }, "--arch llama needs --ffn N"),
             (PlanArgs { kv_heads: Some(5), ..llama() }, "--kv-heads 5 must divide --heads 32"),
             (PlanArgs { kv_heads: Some(0), ..llama() }, "--kv-heads 0 must divide --heads 32"),
             (PlanArgs { hidden: Some(2080), heads: Some(32), ..llama() }, "even head size"),
-            (PlanArgs { arch: Some(Arch::Gpt2), ..llama() }, "model.n_kv_head 8 (the config's, or --kv-heads) needs model.arch llama"),
-            (PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() }, "model.tie_embeddings: false (the config's, or --untied) needs model.arch llama"),
+            (
+                PlanArgs { arch: Some(Arch::Gpt2), ..llama() },
+                "model.n_kv_head 8 (the config's, or --kv-heads) needs model.arch llama",
+            ),
+            (
+                PlanArgs { arch: Some(Arch::Gpt2), kv_heads: None, untied: true, ..llama() },
+                "model.tie_embeddings: false (the config's, or --untied) needs model.arch llama",
+            ),
         ];
         for (a, want) in cases {
             let err = Inputs::resolve(&a).err().unwrap_or_else(|| panic!("`{want}`: resolved"));

@@ -39,12 +39,8 @@ pub const PRESETS: &[Preset] = &[
 ];
 
 /// Other spellings people type.
-const ALIASES: &[(&str, &str)] = &[
-    ("a100-40gb", "a100-40"),
-    ("a100-80gb", "a100-80"),
-    ("h100-80", "h100"),
-    ("quadro-rtx6000", "rtx6000"),
-];
+const ALIASES: &[(&str, &str)] =
+    &[("a100-40gb", "a100-40"), ("a100-80gb", "a100-80"), ("h100-80", "h100"), ("quadro-rtx6000", "rtx6000")];
 
 /// Family names that leave the memory open: `--apply` for an A100 40 GB planned as the 80 GB
 /// card would write a micro-batch for twice its memory.
@@ -58,7 +54,12 @@ pub fn variants(name: &str) -> Option<&'static [&'static str]> {
 
 /// Looks a preset up by name: case-insensitive, `_` and ` ` read as `-`.
 pub fn find(name: &str) -> Option<&'static Preset> {
-    let key: String = name.trim().to_ascii_lowercase().chars().map(|c| if c == '_' || c == ' ' { '-' } else { c }).collect();
+    let key: String = name
+        .trim()
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c == '_' || c == ' ' { '-' } else { c })
+        .collect();
     let key = ALIASES.iter().find(|(alias, _)| *alias == key).map_or(key.as_str(), |(_, to)| to);
     PRESETS.iter().find(|p| p.name == key)
 }
@@ -84,7 +85,8 @@ mod tests {
 
     #[test]
     fn every_preset_the_issue_names_is_there_with_a_plausible_size() {
-        for name in ["t4", "l4", "a10", "rtx6000", "v100-16", "v100-32", "a100-40", "a100-80", "h100", "h200"] {
+        for name in ["t4", "l4", "a10", "rtx6000", "v100-16", "v100-32", "a100-40", "a100-80", "h100", "h200"]
+        {
             let p = find(name).unwrap_or_else(|| panic!("{name} missing"));
             // nvidia-smi's total lies within 10% of the marketing size in GB.
             let words: Vec<&str> = p.description.split_whitespace().collect();

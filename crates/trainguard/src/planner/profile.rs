@@ -207,7 +207,8 @@ impl Session {
         // The allocator settings training would run with (on CUDA the cap is a memory fraction
         // that goes in with them), so that what is measured is what training will reserve.
         let fraction = memory::limit_fraction(limit_now.then_some(cap), device)?;
-        let settings = memory::allocator::configure(&config.memory.allocator, fraction, device.is_cuda()).map_err(|e| ProfileError::Step(e.to_string()))?;
+        let settings = memory::allocator::configure(&config.memory.allocator, fraction, device.is_cuda())
+            .map_err(|e| ProfileError::Step(e.to_string()))?;
         tracing::info!("profile: allocator settings `{}` ({})", settings.conf, settings.source);
         if limit_now {
             memory::apply_limit(cap, device)?;
@@ -254,11 +255,23 @@ impl Session {
                 let s = ffi::device_stats(i)?;
                 let peak = (s.allocated_peak[0].max(0) as u64).saturating_sub(self.baseline);
                 let retries = (s.num_alloc_retries - retries_before).max(0) as u64;
-                Ok(Measured { peak: Some(peak), device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before), retries, oom: false, steps })
+                Ok(Measured {
+                    peak: Some(peak),
+                    device_used: Some(s.reserved_peak[0].max(0) as u64 + self.used_before),
+                    retries,
+                    oom: false,
+                    steps,
+                })
             }
             _ => {
                 let p = ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?;
-                Ok(Measured { peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)), device_used: None, retries: 0, oom: false, steps })
+                Ok(Measured {
+                    peak: Some(p.rss_peak_bytes.saturating_sub(self.baseline)),
+                    device_used: None,
+                    retries: 0,
+                    oom: false,
+                    steps,
+                })
             }
         }
     }
@@ -281,16 +294,38 @@ fn build(plan: &RunPlan, model: &crate::config::ModelConfig) -> Result<Trainable
 
 /// `n` of training's optimizer steps at micro-batch `micro`, each inside the guard with
 /// `oom.policy: fail`. `None`: out of memory (caught, everything freed).
-fn steps(t: &mut Trainable, corpus: &Corpus, plan: &RunPlan, micro: u64, n: u64) -> Result<Option<StepCounts>, ProfileError> {
+fn steps(
+    t: &mut Trainable,
+    corpus: &Corpus,
+    plan: &RunPlan,
+    micro: u64,
+    n: u64,
+) -> Result<Option<StepCounts>, ProfileError> {
     let (config, device) = (&plan.config, plan.device);
     let rank_batch = (micro * ACCUMULATION) as usize;
-    let data = StepData::single(corpus, Sampler { seed: config.seed, seq_len: config.model.seq_len }, device, rank_batch);
-    let mut guard = Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
+    let data = StepData::single(
+        corpus,
+        Sampler { seed: config.seed, seq_len: config.model.seq_len },
+        device,
+        rank_batch,
+    );
+    let mut guard =
+        Guard::new(GuardState::new(micro as usize, micro as usize, 0), OomPolicy::Fail, device, rank_batch);
     let mut reporter = Reporter::new(None, 1, n, None).map_err(|e| ProfileError::Step(e.to_string()))?;
     let mut faults = Faults::new(&config.faults, 0, 0);
     let mut counts = StepCounts::default();
     for step in 0..n {
-        match optimizer_step(t, &mut guard, &plan.step, &data, step, config.train.lr, None, &mut faults, &mut reporter) {
+        match optimizer_step(
+            t,
+            &mut guard,
+            &plan.step,
+            &data,
+            step,
+            config.train.lr,
+            None,
+            &mut faults,
+            &mut reporter,
+        ) {
             Ok(o) if o.applied => counts.applied += 1,
             Ok(_) => counts.skipped += 1,
             Err(GuardError::OutOfMemory(_)) => return Ok(None),
@@ -334,7 +369,11 @@ pub fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
 
 /// Runs the profile. `measure_one(b)` is either an in-process [`Session`] or a child process;
 /// the caller picks (see `planner::run_profile`).
-pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Result<Measured, ProfileError>) -> Result<ProfileReport, ProfileError> {
+pub fn run(
+    plan: &Plan,
+    capacity: u64,
+    mut measure_one: impl FnMut(u64) -> Result<Measured, ProfileError>,
+) -> Result<ProfileReport, ProfileError> {
     let budget = (capacity as f64 * plan.margin).floor() as u64;
     let est = |b: u64| estimate(plan.model, plan.setup, b, ACCUMULATION);
     let mut points: Vec<Point> = Vec::new();
@@ -362,8 +401,17 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
             _ if m.retries > 0 => Outcome::Retries,
             _ => Outcome::Fits,
         };
-        let error_pct = m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
-        points.push(Point { micro_batch: b, estimate_bytes, peak_phase, measured_bytes: m.peak, error_pct, outcome, steps: m.steps });
+        let error_pct =
+            m.peak.filter(|&p| p > 0).map(|p| (estimate_bytes as f64 - p as f64) / p as f64 * 100.0);
+        points.push(Point {
+            micro_batch: b,
+            estimate_bytes,
+            peak_phase,
+            measured_bytes: m.peak,
+            error_pct,
+            outcome,
+            steps: m.steps,
+        });
         outcome == Outcome::Fits
     };
     let largest = if plan.sizes.is_empty() {
@@ -381,7 +429,11 @@ pub fn run(plan: &Plan, capacity: u64, mut measure_one: impl FnMut(u64) -> Resul
     let measured: Vec<&Point> = points.iter().filter(|p| p.measured_bytes.is_some()).collect();
     let line = |y: &dyn Fn(&Point) -> u64| {
         let xy: Vec<(f64, f64)> = measured.iter().map(|p| (p.micro_batch as f64, y(p) as f64)).collect();
-        fit_line(&xy).map(|(fixed, slope)| Fit { fixed_bytes: fixed, per_sample_bytes: slope, points: xy.len() })
+        fit_line(&xy).map(|(fixed, slope)| Fit {
+            fixed_bytes: fixed,
+            per_sample_bytes: slope,
+            points: xy.len(),
+        })
     };
     let fit = line(&|p| p.measured_bytes.unwrap_or_default());
     let estimate_fit = line(&|p| p.estimate_bytes);
@@ -428,13 +480,26 @@ mod tests {
 
     /// A device where a step at micro-batch b peaks at 100 + 10·b bytes and b ≥ 45 runs out of memory.
     fn fake(b: u64) -> Result<Measured, ProfileError> {
-        Ok(if b >= 45 { Measured { oom: true, ..Default::default() } } else { Measured { peak: Some(100 + 10 * b), ..Default::default() } })
+        Ok(if b >= 45 {
+            Measured { oom: true, ..Default::default() }
+        } else {
+            Measured { peak: Some(100 + 10 * b), ..Default::default() }
+        })
     }
 
     #[test]
     fn the_search_doubles_then_bisects_on_measurements_within_the_margin() {
         let (model, setup) = plan_parts();
-        let plan = Plan { device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let plan = Plan {
+            device: Device::Cpu,
+            sizes: vec![],
+            steps: 1,
+            rank_batch: Some(48),
+            margin: 0.5,
+            isolate: false,
+            model: &model,
+            setup: &setup,
+        };
         let mut seen = Vec::new();
         // Capacity 1000 at margin 0.5: a budget of 500 bytes, so 40 is the largest that fits.
         let r = run(&plan, 1000, |b| {
@@ -442,13 +507,27 @@ mod tests {
             fake(b)
         })
         .unwrap();
-        assert_eq!(seen, [1, 2, 4, 8, 16, 32, 48, 40, 44, 42, 41], "doubling (capped at the per-GPU batch), then bisection");
+        assert_eq!(
+            seen,
+            [1, 2, 4, 8, 16, 32, 48, 40, 44, 42, 41],
+            "doubling (capped at the per-GPU batch), then bisection"
+        );
         assert_eq!(r.largest_fitting, Some(40));
-        assert_eq!((r.micro_batch, r.micro_accumulation), (Some(40), Some(2)), "the largest that fits: 40 + 8");
+        assert_eq!(
+            (r.micro_batch, r.micro_accumulation),
+            (Some(40), Some(2)),
+            "the largest that fits: 40 + 8"
+        );
         let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
-        assert_eq!((outcome(40), outcome(41), outcome(48)), (Outcome::Fits, Outcome::OverBudget, Outcome::OutOfMemory));
+        assert_eq!(
+            (outcome(40), outcome(41), outcome(48)),
+            (Outcome::Fits, Outcome::OverBudget, Outcome::OutOfMemory)
+        );
         let fit = r.fit.unwrap();
-        assert!((fit.fixed_bytes - 100.0).abs() < 1e-6 && (fit.per_sample_bytes - 10.0).abs() < 1e-6, "{fit:?}");
+        assert!(
+            (fit.fixed_bytes - 100.0).abs() < 1e-6 && (fit.per_sample_bytes - 10.0).abs() < 1e-6,
+            "{fit:?}"
+        );
         assert_eq!(fit.points, 10, "every size that ran, over budget or not; not the one out of memory");
         assert!(r.points.windows(2).all(|w| w[0].micro_batch < w[1].micro_batch));
     }
@@ -458,17 +537,38 @@ mod tests {
     #[test]
     fn a_size_that_made_the_allocator_retry_does_not_fit() {
         let (model, setup) = plan_parts();
-        let plan = Plan { device: Device::Cpu, sizes: vec![], steps: 1, rank_batch: Some(48), margin: 0.5, isolate: false, model: &model, setup: &setup };
+        let plan = Plan {
+            device: Device::Cpu,
+            sizes: vec![],
+            steps: 1,
+            rank_batch: Some(48),
+            margin: 0.5,
+            isolate: false,
+            model: &model,
+            setup: &setup,
+        };
         let r = run(&plan, 1000, |b| fake(b).map(|m| Measured { retries: u64::from(b >= 30), ..m })).unwrap();
         assert_eq!(r.largest_fitting, Some(29));
         let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
-        assert_eq!((outcome(29), outcome(30), outcome(32)), (Outcome::Fits, Outcome::Retries, Outcome::Retries));
+        assert_eq!(
+            (outcome(29), outcome(30), outcome(32)),
+            (Outcome::Fits, Outcome::Retries, Outcome::Retries)
+        );
     }
 
     #[test]
     fn explicit_sizes_are_measured_as_given_and_failures_propagate() {
         let (model, setup) = plan_parts();
-        let plan = Plan { device: Device::Cpu, sizes: vec![4, 1, 2], steps: 1, rank_batch: None, margin: 0.85, isolate: false, model: &model, setup: &setup };
+        let plan = Plan {
+            device: Device::Cpu,
+            sizes: vec![4, 1, 2],
+            steps: 1,
+            rank_batch: None,
+            margin: 0.85,
+            isolate: false,
+            model: &model,
+            setup: &setup,
+        };
         let r = run(&plan, 1 << 30, fake).unwrap();
         assert_eq!(r.points.iter().map(|p| p.micro_batch).collect::<Vec<_>>(), [1, 2, 4]);
         assert_eq!(r.largest_fitting, None, "no search");

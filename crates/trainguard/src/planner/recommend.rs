@@ -90,7 +90,12 @@ pub fn total_at(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, b: 
     estimate(model, setup, b, accumulation).total
 }
 
-pub fn recommend(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, budget: Budget) -> Recommendation {
+pub fn recommend(
+    model: &Transformer,
+    setup: &Setup,
+    rank_batch: Option<u64>,
+    budget: Budget,
+) -> Recommendation {
     let limit = budget.bytes();
     let cost = |b: u64| total_at(model, setup, rank_batch, b);
     // Divisibility aside, with accumulation (monotone in b).
@@ -137,7 +142,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     let now = total_at(model, setup, rank_batch, 1);
     let mut options: Vec<(String, Transformer, Setup)> = Vec::new();
     for o in OPTIMIZERS.into_iter().filter(|&o| o != setup.optimizer) {
-        options.push((format!("optimizer {} instead of {}", o.name(), setup.optimizer.name()), model.clone(), Setup { optimizer: o, ..setup.clone() }));
+        options.push((
+            format!("optimizer {} instead of {}", o.name(), setup.optimizer.name()),
+            model.clone(),
+            Setup { optimizer: o, ..setup.clone() },
+        ));
     }
     let precisions: &[Precision] = match setup.precision {
         Precision::Fp32 => &[Precision::Bf16Mixed, Precision::Bf16Pure],
@@ -145,7 +154,11 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
         Precision::Bf16Pure => &[],
     };
     for &p in precisions {
-        options.push((format!("precision {} instead of {}", p.name(), setup.precision.name()), model.clone(), Setup { precision: p, ..setup.clone() }));
+        options.push((
+            format!("precision {} instead of {}", p.name(), setup.precision.name()),
+            model.clone(),
+            Setup { precision: p, ..setup.clone() },
+        ));
     }
     let checkpointed = setup.checkpointed_blocks(model);
     if checkpointed < model.layers {
@@ -153,15 +166,27 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
             0 => "activation checkpointing".to_string(),
             m => format!("activation checkpointing of every block instead of the first {m}"),
         };
-        options.push((change, model.clone(), Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() }));
+        options.push((
+            change,
+            model.clone(),
+            Setup { activation_checkpointing: true, checkpoint_first: None, ..setup.clone() },
+        ));
         // The fewest first blocks that close the gap, when fewer than all do: less to recompute.
         // Each checkpointed block lowers the total, so the search counts the blocks left out
         // (k, f = layers - k) and bisects: a scan of every f, each estimate itself a walk over
         // the layers, took a minute at a thousand layers.
-        let first = |f: u64| Setup { activation_checkpointing: true, checkpoint_first: Some(f), checkpoint_blocks: 1, ..setup.clone() };
-        let left_out = largest_fitting(model.layers - 1 - checkpointed, |k| total_at(model, &first(model.layers - k), rank_batch, 1) <= limit);
+        let first = |f: u64| Setup {
+            activation_checkpointing: true,
+            checkpoint_first: Some(f),
+            checkpoint_blocks: 1,
+            ..setup.clone()
+        };
+        let left_out = largest_fitting(model.layers - 1 - checkpointed, |k| {
+            total_at(model, &first(model.layers - k), rank_batch, 1) <= limit
+        });
         if let Some(f) = left_out.map(|k| model.layers - k) {
-            let change = format!("activation checkpointing, first {f} of {} blocks (first_n:{f})", model.layers);
+            let change =
+                format!("activation checkpointing, first {f} of {} blocks (first_n:{f})", model.layers);
             options.push((change, model.clone(), first(f)));
         }
     }
@@ -185,13 +210,22 @@ pub fn levers(model: &Transformer, setup: &Setup, rank_batch: Option<u64>, limit
     }
     if model.seq_len >= 2 {
         let half = model.seq_len / 2;
-        options.push((format!("sequence length {half} instead of {}", model.seq_len), Transformer { seq_len: half, ..model.clone() }, setup.clone()));
+        options.push((
+            format!("sequence length {half} instead of {}", model.seq_len),
+            Transformer { seq_len: half, ..model.clone() },
+            setup.clone(),
+        ));
     }
     let mut out: Vec<Lever> = options
         .into_iter()
         .map(|(change, m, s)| (change, total_at(&m, &s, rank_batch, 1)))
         .filter(|(_, total)| *total < now)
-        .map(|(change, total)| Lever { change, saving_bytes: now - total, total_bytes: total, closes_gap: total <= limit })
+        .map(|(change, total)| Lever {
+            change,
+            saving_bytes: now - total,
+            total_bytes: total,
+            closes_gap: total <= limit,
+        })
         .collect();
     out.sort_by(|a, b| b.saving_bytes.cmp(&a.saving_bytes).then_with(|| a.change.cmp(&b.change)));
 
@@ -248,7 +282,11 @@ mod tests {
             assert!(calls <= 2 * 64, "{calls} calls");
         }
         assert_eq!(largest_fitting(1 << 20, |_| false), None);
-        assert_eq!(largest_fitting(48, |_| true), Some(48), "capped at the limit, which need not be a power of two");
+        assert_eq!(
+            largest_fitting(48, |_| true),
+            Some(48),
+            "capped at the limit, which need not be a power of two"
+        );
         assert_eq!(largest_fitting(48, |b| b <= 40), Some(40));
     }
 
@@ -294,7 +332,17 @@ mod tests {
 
     #[test]
     fn nothing_fits_says_by_how_much_and_which_levers_close_the_gap() {
-        let m = Transformer { layers: 32, hidden: 4096, heads: 32, vocab: 128_256, seq_len: 8192, ffn: 14_336, bias: false, params_override: Some(8_030_261_248), ..Default::default() };
+        let m = Transformer {
+            layers: 32,
+            hidden: 4096,
+            heads: 32,
+            vocab: 128_256,
+            seq_len: 8192,
+            ffn: 14_336,
+            bias: false,
+            params_override: Some(8_030_261_248),
+            ..Default::default()
+        };
         let s = Setup { precision: Precision::Bf16Mixed, ..setup() };
         let r = recommend(&m, &s, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
         assert!(!r.fits);
@@ -309,14 +357,25 @@ mod tests {
         let singles: Vec<_> = r.levers.iter().filter(|l| !l.change.starts_with("all")).collect();
         assert!(singles.windows(2).all(|w| w[0].saving_bytes >= w[1].saving_bytes), "largest saving first");
         let names: Vec<&str> = r.levers.iter().map(|l| l.change.as_str()).collect();
-        for want in ["optimizer adamw8bit", "precision bf16-pure", "activation checkpointing", "sequence length 4096", "chunked loss (memory.loss_chunk_tokens: 1024)", "fused cross-entropy"] {
+        for want in [
+            "optimizer adamw8bit",
+            "precision bf16-pure",
+            "activation checkpointing",
+            "sequence length 4096",
+            "chunked loss (memory.loss_chunk_tokens: 1024)",
+            "fused cross-entropy",
+        ] {
             assert!(names.iter().any(|n| n.starts_with(want)), "{want} missing from {names:?}");
         }
         // The 8-bit optimizer saves 6 of AdamW's 8 bytes per parameter (less the block scales).
         let eight = r.levers.iter().find(|l| l.change.starts_with("optimizer adamw8bit")).unwrap();
         let p = 8_030_261_248f64;
         let with_margin = 6.0 * p * (1.0 + s.fragmentation);
-        assert!((eight.saving_bytes as f64 / with_margin - 1.0).abs() < 0.02, "{}", eight.saving_bytes as f64 / p);
+        assert!(
+            (eight.saving_bytes as f64 / with_margin - 1.0).abs() < 0.02,
+            "{}",
+            eight.saving_bytes as f64 / p
+        );
         // 8B with mixed precision needs 18 bytes/param: no single lever fits it into 34 GiB.
         assert!(singles.iter().all(|l| !l.closes_gap));
         // The fused loss keeps 2 + 2 bytes a logit (bf16 logits and their gradient) and a
@@ -328,12 +387,25 @@ mod tests {
         let logits = (8192 * m.padded_vocab()) as f64;
         let head_backward = 2.0 * logits + (m.padded_vocab() * 4096 * 4) as f64 + (8192 * 4096 * 4) as f64;
         let expected = (10.0 * logits - head_backward) * (1.0 + s.fragmentation);
-        assert!((fused.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", fused.saving_bytes);
-        let already = recommend(&m, &Setup { fused_cross_entropy: true, ..s.clone() }, Some(64), Budget { capacity: 40 * GIB, margin: 0.85 });
+        assert!(
+            (fused.saving_bytes as f64 / expected - 1.0).abs() < 0.01,
+            "saves {} of {expected}",
+            fused.saving_bytes
+        );
+        let already = recommend(
+            &m,
+            &Setup { fused_cross_entropy: true, ..s.clone() },
+            Some(64),
+            Budget { capacity: 40 * GIB, margin: 0.85 },
+        );
         assert!(already.levers.iter().all(|l| !l.change.starts_with("fused")), "no lever for what is on");
         // The head's backward, not the loss's second logits buffer, sets that moment here:
         // writing the gradient in the forward saves nothing, so it is no lever.
-        assert!(already.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")), "{:#?}", already.levers);
+        assert!(
+            already.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")),
+            "{:#?}",
+            already.levers
+        );
     }
 
     /// GPT-2 at sequence 8192 (768 wide, 16-bit logits) that does not fit even at micro-batch 1
@@ -347,12 +419,26 @@ mod tests {
         let budget = Budget { capacity: total_at(&m, &s, Some(64), 1), margin: 0.85 };
         let r = recommend(&m, &s, Some(64), budget);
         assert!(!r.fits);
-        let lever = r.levers.iter().find(|l| l.change.starts_with("the loss's gradient in its forward")).expect("the in-forward lever");
+        let lever = r
+            .levers
+            .iter()
+            .find(|l| l.change.starts_with("the loss's gradient in its forward"))
+            .expect("the in-forward lever");
         let tokens = 8192;
-        let expected = (2 * tokens * m.padded_vocab() + 4 * tokens - m.padded_vocab() * 768 * 4 - tokens * 768 * 4) as f64 * (1.0 + s.fragmentation);
-        assert!((lever.saving_bytes as f64 / expected - 1.0).abs() < 0.01, "saves {} of {expected}", lever.saving_bytes);
+        let expected = (2 * tokens * m.padded_vocab() + 4 * tokens
+            - m.padded_vocab() * 768 * 4
+            - tokens * 768 * 4) as f64
+            * (1.0 + s.fragmentation);
+        assert!(
+            (lever.saving_bytes as f64 / expected - 1.0).abs() < 0.01,
+            "saves {} of {expected}",
+            lever.saving_bytes
+        );
         let on = recommend(&m, &Setup { fused_loss_gradient: true, ..s.clone() }, Some(64), budget);
-        assert!(on.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")), "no lever for what is on");
+        assert!(
+            on.levers.iter().all(|l| !l.change.starts_with("the loss's gradient")),
+            "no lever for what is on"
+        );
     }
 
     /// A budget between full checkpointing's total and no checkpointing's: the levers name the
@@ -370,6 +456,9 @@ mod tests {
         assert!(lever.closes_gap && (1..m.layers).contains(&f), "{lever:?}");
         let fewer = Setup { checkpoint_first: Some(f - 1), ..full.clone() };
         assert!(f == 1 || total_at(&m, &fewer, Some(64), 1) > capacity, "{} blocks would do", f - 1);
-        assert!(r.levers.iter().any(|l| l.change == "activation checkpointing" && l.saving_bytes > lever.saving_bytes));
+        assert!(r
+            .levers
+            .iter()
+            .any(|l| l.change == "activation checkpointing" && l.saving_bytes > lever.saving_bytes));
     }
 }

@@ -60,7 +60,9 @@ pub fn render(r: &Report) -> String {
     let _ = writeln!(o, "trainguard plan: {}", r.source);
     let arch = arch_name(m.arch);
     let params = match m.params_override {
-        Some(_) => format!("{} parameters (--params; {arch} layout: {})", count(r.params), count(m.layout_params())),
+        Some(_) => {
+            format!("{} parameters (--params; {arch} layout: {})", count(r.params), count(m.layout_params()))
+        }
         None => format!("{} parameters", count(r.params)),
     };
     let _ = writeln!(o, "model     {params}; {arch}: {}", model_parts(m));
@@ -93,18 +95,30 @@ pub fn render(r: &Report) -> String {
     // Our loss keeps the logits in the head's dtype, then their gradient beside them or over them.
     let (logit_dtype, cross_entropy) = match (s.fused_cross_entropy, s.loss_gradient_in_forward()) {
         // Under CUDA autocast the logits' gradient is 16-bit beside the log-probabilities' fp32 one.
-        (false, _) if s.target == Target::Cuda && s.precision.is_mixed() => (dtype, format!("cross-entropy (log-softmax gradients, {dtype} and 16-bit)")),
+        (false, _) if s.target == Target::Cuda && s.precision.is_mixed() => {
+            (dtype, format!("cross-entropy (log-softmax gradients, {dtype} and 16-bit)"))
+        }
         (false, _) => (dtype, format!("cross-entropy (log-softmax gradients, {dtype})")),
         (true, in_forward) => {
             let d = if s.precision.activation_bytes() == 4 { "fp32" } else { "16-bit" };
-            let what = if in_forward { "gradient written over the logits".to_string() } else { format!("the logits' gradient, {d}") };
+            let what = if in_forward {
+                "gradient written over the logits".to_string()
+            } else {
+                format!("the logits' gradient, {d}")
+            };
             (d, format!("cross-entropy ({what})"))
         }
     };
     let mut rows: Vec<(String, String)> = vec![
-        (format!("weights ({})", if s.precision.weight_bytes() == 4 { "fp32" } else { "16-bit" }), v(e.weights)),
+        (
+            format!("weights ({})", if s.precision.weight_bytes() == 4 { "fp32" } else { "16-bit" }),
+            v(e.weights),
+        ),
         ("fp32 master weights".into(), v(e.master_weights)),
-        (format!("gradients ({})", if s.precision.grad_bytes() == 4 { "fp32" } else { "bf16" }), v(e.gradients)),
+        (
+            format!("gradients ({})", if s.precision.grad_bytes() == 4 { "fp32" } else { "bf16" }),
+            v(e.gradients),
+        ),
         (format!("optimizer state ({})", s.optimizer.name()), v(e.optimizer)),
         (
             format!(
@@ -116,7 +130,13 @@ pub fn render(r: &Report) -> String {
             ),
             v(e.activations),
         ),
-        (format!("logits ({}, {logit_dtype})", if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }), v(e.logits)),
+        (
+            format!(
+                "logits ({}, {logit_dtype})",
+                if s.loss_chunk_tokens.is_some() { "one chunk × v" } else { "b·s·v" }
+            ),
+            v(e.logits),
+        ),
         (cross_entropy, v(e.cross_entropy)),
     ];
     if e.buffers > 0 {
@@ -127,18 +147,30 @@ pub fn render(r: &Report) -> String {
     }
     // The rows are what exists at the start of backward; the peak may be elsewhere, holding
     // more (gradients being made) or less (activations freed): the difference, so they add up.
-    let listed = e.states() + e.buffers + e.activations + e.logits + e.cross_entropy + if r.gpus > 1 { e.dp_buffers } else { 0 };
+    let listed = e.states()
+        + e.buffers
+        + e.activations
+        + e.logits
+        + e.cross_entropy
+        + if r.gpus > 1 { e.dp_buffers } else { 0 };
     if e.peak_allocated > listed {
         rows.push((format!("+ also alive at the peak ({})", e.peak_phase), v(e.peak_allocated - listed)));
     } else if e.peak_allocated < listed {
-        rows.push((format!("− not alive together at the peak ({})", e.peak_phase), format!("−{}", v(listed - e.peak_allocated))));
+        rows.push((
+            format!("− not alive together at the peak ({})", e.peak_phase),
+            format!("−{}", v(listed - e.peak_allocated)),
+        ));
     }
     rows.push(("= peak allocated".into(), v(e.peak_allocated)));
-    rows.push((format!("allocator fragmentation margin ({:.0}%)", s.fragmentation * 100.0), v(e.fragmentation)));
+    rows.push((
+        format!("allocator fragmentation margin ({:.0}%)", s.fragmentation * 100.0),
+        v(e.fragmentation),
+    ));
     rows.push(("CUDA context and workspaces".into(), v(e.cuda_overhead)));
     rows.push(("= total per GPU".into(), v(e.total)));
     let width = rows.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0).max(50);
-    let _ = writeln!(o, "\n  {:<width$} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));
+    let _ =
+        writeln!(o, "\n  {:<width$} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));
     for (name, value) in rows {
         let _ = writeln!(o, "  {name:<width$} {value:>10}");
     }
@@ -175,13 +207,19 @@ pub fn render(r: &Report) -> String {
         );
     }
     if e.states() > 0 {
-        let _ = writeln!(o, "  before the first activation (weights, master, gradients, optimizer): {} ({:.1} GB)", size(e.states() as f64), e.states() as f64 / 1e9);
+        let _ = writeln!(
+            o,
+            "  before the first activation (weights, master, gradients, optimizer): {} ({:.1} GB)",
+            size(e.states() as f64),
+            e.states() as f64 / 1e9
+        );
     }
 
     match (r.gpu, r.recommendation) {
         (Some(g), Some(rec)) => render_recommendation(&mut o, r, g, rec),
         _ => {
-            let _ = writeln!(o, "\nno GPU given: add --gpu NAME|auto or --gpu-memory SIZE for a recommendation");
+            let _ =
+                writeln!(o, "\nno GPU given: add --gpu NAME|auto or --gpu-memory SIZE for a recommendation");
         }
     }
     if let Some(p) = r.profile {
@@ -242,10 +280,17 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
     if rec.fits {
         let micro = rec.micro_batch.unwrap_or(1);
         let split = match (rec.accumulation, r.global_batch) {
-            (Some(k), Some(gb)) => format!("micro-batch {micro} × accumulation {k} (global {gb} over {} GPU(s))", r.gpus),
+            (Some(k), Some(gb)) => {
+                format!("micro-batch {micro} × accumulation {k} (global {gb} over {} GPU(s))", r.gpus)
+            }
             _ => format!("micro-batch {micro}"),
         };
-        let _ = writeln!(o, "fits      {split}: {} estimated, {:.0}% of the card", size(rec.total_bytes as f64), rec.utilisation * 100.0);
+        let _ = writeln!(
+            o,
+            "fits      {split}: {} estimated, {:.0}% of the card",
+            size(rec.total_bytes as f64),
+            rec.utilisation * 100.0
+        );
     } else {
         let _ = writeln!(
             o,
@@ -255,7 +300,10 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
             size(rec.budget_bytes as f64)
         );
         if rec.levers.is_empty() {
-            let _ = writeln!(o, "          no lever modelled here helps: a larger GPU, or shard the model state (ZeRO/FSDP)");
+            let _ = writeln!(
+                o,
+                "          no lever modelled here helps: a larger GPU, or shard the model state (ZeRO/FSDP)"
+            );
         } else {
             let _ = writeln!(o, "levers (saving at micro-batch 1, each on its own unless said):");
             for l in &rec.levers {
@@ -273,9 +321,21 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
 }
 
 fn render_profile(o: &mut String, p: &ProfileReport) {
-    let _ = writeln!(o, "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}", p.device, p.steps, p.accumulation, size(p.budget_bytes as f64), size(p.capacity_bytes as f64));
+    let _ = writeln!(
+        o,
+        "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}",
+        p.device,
+        p.steps,
+        p.accumulation,
+        size(p.budget_bytes as f64),
+        size(p.capacity_bytes as f64)
+    );
     let _ = writeln!(o, "  measured: {}", p.method);
-    let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} outcome", "micro-batch", "estimate", "measured", "error", "estimated peak at");
+    let _ = writeln!(
+        o,
+        "  {:>11} {:>13} {:>13} {:>8}  {:<21} outcome",
+        "micro-batch", "estimate", "measured", "error", "estimated peak at"
+    );
     for pt in &p.points {
         let measured = pt.measured_bytes.map_or("—".into(), |m| size(m as f64));
         let err = pt.error_pct.map_or("—".into(), |e| format!("{e:+.1}%"));
@@ -285,7 +345,15 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
             Outcome::Retries => "the allocator retried (would thrash)",
             Outcome::OutOfMemory => "out of memory (caught by the guard)",
         };
-        let _ = writeln!(o, "  {:>11} {:>13} {:>13} {:>8}  {:<21} {outcome}", pt.micro_batch, size(pt.estimate_bytes as f64), measured, err, pt.peak_phase);
+        let _ = writeln!(
+            o,
+            "  {:>11} {:>13} {:>13} {:>8}  {:<21} {outcome}",
+            pt.micro_batch,
+            size(pt.estimate_bytes as f64),
+            measured,
+            err,
+            pt.peak_phase
+        );
     }
     match (&p.fit, &p.estimate_fit) {
         (Some(f), Some(e)) => {
@@ -314,7 +382,9 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
                 let smallest = p.points.iter().map(|pt| pt.micro_batch).min().unwrap_or(1);
                 let which = match smallest {
                     1 => "not even micro-batch 1".to_string(),
-                    _ => format!("none of the sizes measured, the smallest {smallest} (smaller ones were not tried)"),
+                    _ => format!(
+                        "none of the sizes measured, the smallest {smallest} (smaller ones were not tried)"
+                    ),
                 };
                 let _ = writeln!(
                     o,
@@ -334,10 +404,19 @@ fn render_applied(o: &mut String, a: &Applied, gpus: u64) {
             o.push_str(&a.diff);
         }
         None => {
-            let _ = writeln!(o, "\n{} already has micro_batch_size {}: nothing written", a.path.display(), a.micro_batch);
+            let _ = writeln!(
+                o,
+                "\n{} already has micro_batch_size {}: nothing written",
+                a.path.display(),
+                a.micro_batch
+            );
         }
     }
-    let _ = writeln!(o, "accumulation {} = ⌈global {} / ({gpus} GPU(s) × micro-batch {})⌉", a.accumulation, a.global_batch, a.micro_batch);
+    let _ = writeln!(
+        o,
+        "accumulation {} = ⌈global {} / ({gpus} GPU(s) × micro-batch {})⌉",
+        a.accumulation, a.global_batch, a.micro_batch
+    );
 }
 
 #[cfg(test)]
@@ -359,7 +438,14 @@ mod tests {
     fn with_report_for<R>(s: Setup, f: impl FnOnce(&Report) -> R) -> R {
         let m = inputs().0;
         let e = estimate(&m, &s, 16, 30);
-        let g = GpuTarget { name: "a100-40".into(), capacity_bytes: 40 << 30, total_bytes: None, free_bytes: None, source: "preset".into(), note: None };
+        let g = GpuTarget {
+            name: "a100-40".into(),
+            capacity_bytes: 40 << 30,
+            total_bytes: None,
+            free_bytes: None,
+            source: "preset".into(),
+            note: None,
+        };
         let rec = recommend(&m, &s, Some(480), Budget { capacity: g.capacity_bytes, margin: 0.85 });
         let r = Report {
             schema: SCHEMA,
@@ -382,14 +468,23 @@ mod tests {
 
     #[test]
     fn json_has_the_documented_fields_and_consistent_sums() {
-        let j: serde_json::Value = with_sample_report(|r| serde_json::from_str(&serde_json::to_string(r).unwrap()).unwrap());
+        let j: serde_json::Value =
+            with_sample_report(|r| serde_json::from_str(&serde_json::to_string(r).unwrap()).unwrap());
         assert_eq!(j["schema"], 1);
         assert_eq!(j["params"], 124_439_808u64 + 47 * 768, "the vocabulary padded to 50304 rows");
         assert_eq!(j["setup"]["precision"], "fp32");
         assert_eq!(j["setup"]["optimizer"], "adamw");
         let est = &j["estimate"];
         let part = |k: &str| est[k].as_u64().unwrap_or_else(|| panic!("estimate.{k} missing"));
-        let sum = part("weights") + part("master_weights") + part("gradients") + part("optimizer") + part("buffers") + part("activations") + part("logits") + part("cross_entropy") + part("dp_buffers");
+        let sum = part("weights")
+            + part("master_weights")
+            + part("gradients")
+            + part("optimizer")
+            + part("buffers")
+            + part("activations")
+            + part("logits")
+            + part("cross_entropy")
+            + part("dp_buffers");
         assert_eq!(sum, part("peak_allocated"), "accumulating: every part is held at once");
         assert_eq!(part("peak_allocated") + part("fragmentation") + part("cuda_overhead"), part("total"));
         let rj = &j["recommendation"];
@@ -403,7 +498,21 @@ mod tests {
     #[test]
     fn table_lists_every_part_and_the_recommendation() {
         let (text, total) = with_sample_report(|r| (render(r), r.estimate.total));
-        for row in ["weights (fp32)", "fp32 master weights", "gradients", "optimizer state (adamw)", "activations:", "logits", "cross-entropy", "fragmentation", "CUDA context", "= total per GPU", "fixed", "per sample", "fits      micro-batch"] {
+        for row in [
+            "weights (fp32)",
+            "fp32 master weights",
+            "gradients",
+            "optimizer state (adamw)",
+            "activations:",
+            "logits",
+            "cross-entropy",
+            "fragmentation",
+            "CUDA context",
+            "= total per GPU",
+            "fixed",
+            "per sample",
+            "fits      micro-batch",
+        ] {
             assert!(text.contains(row), "`{row}` missing:\n{text}");
         }
         assert!(text.contains(&format!("{:.3}", total as f64 / GIB)), "{text}");

@@ -8,7 +8,8 @@ use super::svg::{self, esc, fmt_num, HLine, Line, VMark};
 use serde_json::{json, Value};
 use std::fmt::Write;
 
-const COLORS: &[&str] = &["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#e377c2"];
+const COLORS: &[&str] =
+    &["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#17becf", "#e377c2"];
 const DASHES: &[&str] = &["", "7 3", "2 2", "9 3 2 3", "4 4", "12 2"];
 
 /// The points drawn for each run, keyed by metrics field, and its markers.
@@ -18,7 +19,10 @@ struct Drawn {
 }
 
 fn drawn(run: &RunData) -> Drawn {
-    let series = PANELS.iter().flat_map(|p| p.series.iter().map(move |s| (s.key, series::drawn(run, s.key, p.steps)))).collect();
+    let series = PANELS
+        .iter()
+        .flat_map(|p| p.series.iter().map(move |s| (s.key, series::drawn(run, s.key, p.steps))))
+        .collect();
     let marks = series::marks(run).into_iter().map(|m| {
         let wall = run.wall_at(m.step);
         (m, wall)
@@ -54,7 +58,9 @@ pub fn page(runs: &[RunData]) -> String {
     }
     o.push_str("</div>\n");
     // JSON inside <script>: `<` escaped so no string can close the element.
-    let data = serde_json::to_string(&data_json(runs, &drawn)).expect("JSON values serialise").replace('<', "\\u003c");
+    let data = serde_json::to_string(&data_json(runs, &drawn))
+        .expect("JSON values serialise")
+        .replace('<', "\\u003c");
     let _ = write!(o, "<script type=\"application/json\" id=\"trainguard-data\">{data}</script>\n<p id=\"script-status\" class=\"gen\">the hover readout needs JavaScript</p>\n<script>{SCRIPT}</script>\n</body></html>\n");
     o
 }
@@ -98,7 +104,12 @@ fn wall_unit(max_s: f64) -> (f64, &'static str) {
 
 fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String {
     let wall = axis == "wall";
-    let max_wall = drawn.iter().flat_map(|d| d.series.iter().flat_map(|s| s.1.iter().map(|q| q.1)).chain(d.marks.iter().map(|m| m.1))).fold(0.0, f64::max);
+    let max_wall = drawn
+        .iter()
+        .flat_map(|d| {
+            d.series.iter().flat_map(|s| s.1.iter().map(|q| q.1)).chain(d.marks.iter().map(|m| m.1))
+        })
+        .fold(0.0, f64::max);
     let (unit, x_label) = if wall { wall_unit(max_wall) } else { (1.0, "optimizer step") };
     let x_of = |step: u64, w: f64| if wall { w / unit } else { step as f64 };
     let multi = runs.len() > 1;
@@ -110,14 +121,25 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
             if pts.is_empty() {
                 continue;
             }
-            let (color, dash) = if multi { (COLORS[ri % COLORS.len()], DASHES[si % DASHES.len()]) } else { (COLORS[si % COLORS.len()], "") };
+            let (color, dash) = if multi {
+                (COLORS[ri % COLORS.len()], DASHES[si % DASHES.len()])
+            } else {
+                (COLORS[si % COLORS.len()], "")
+            };
             let label = if multi { format!("{} · {}", runs[ri].name, s.label) } else { s.label.to_string() };
             let _ = write!(
                 legend,
                 r#"<span><svg width="26" height="10"><line x1="0" y1="5" x2="26" y2="5" stroke="{color}" stroke-width="2" stroke-dasharray="{dash}"/></svg>{}</span>"#,
                 esc(&label)
             );
-            lines.push(Line { run: ri, key: s.key, color, dash, points: pts.iter().map(|q| (x_of(q.0, q.1), q.2 * s.scale)).collect(), staircase: p.steps });
+            lines.push(Line {
+                run: ri,
+                key: s.key,
+                color,
+                dash,
+                points: pts.iter().map(|q| (x_of(q.0, q.1), q.2 * s.scale)).collect(),
+                staircase: p.steps,
+            });
         }
     }
     let mut hlines = vec![];
@@ -126,14 +148,22 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
             let who = if multi { format!("{}: ", r.name) } else { String::new() };
             let color = if multi { COLORS[ri % COLORS.len()] } else { "#555555" };
             if let Some(total) = r.series("gpu_memory_total_bytes").last() {
-                hlines.push(HLine { label: format!("{who}device total {:.1} GiB", total.2 / GIB), y: total.2 / GIB, color });
+                hlines.push(HLine {
+                    label: format!("{who}device total {:.1} GiB", total.2 / GIB),
+                    y: total.2 / GIB,
+                    color,
+                });
             }
             let started = r.last_event("run_started");
             if let Some(limit) = started.and_then(|e| e["memory_limit_bytes"].as_f64()) {
                 // On CPU the cap is on address space mapped above start-up, not on resident size.
                 let cpu = started.is_some_and(|e| e["device"] == "cpu");
                 let what = if cpu { " (CPU: address space above start-up)" } else { "" };
-                hlines.push(HLine { label: format!("{who}memory.limit {:.2} GiB{what}", limit / GIB), y: limit / GIB, color: "#d62728" });
+                hlines.push(HLine {
+                    label: format!("{who}memory.limit {:.2} GiB{what}", limit / GIB),
+                    y: limit / GIB,
+                    color: "#d62728",
+                });
             }
         }
     }
@@ -151,10 +181,19 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
         })
         .collect();
     // One x range for every panel of an axis, so markers line up from panel to panel.
-    let xs = drawn.iter().flat_map(|d| d.series.iter().flat_map(|s| s.1.iter().map(|q| x_of(q.0, q.1))).chain(d.marks.iter().map(|(m, w)| x_of(m.step, *w))));
+    let xs = drawn.iter().flat_map(|d| {
+        d.series
+            .iter()
+            .flat_map(|s| s.1.iter().map(|q| x_of(q.0, q.1)))
+            .chain(d.marks.iter().map(|(m, w)| x_of(m.step, *w)))
+    });
     let (lo, hi) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
     let x = if lo.is_finite() { (lo.min(0.0), hi) } else { (0.0, 1.0) };
-    let unit_label = if p.unit.is_empty() { String::new() } else { format!(" <span class=\"unit\">({})</span>", esc(p.unit)) };
+    let unit_label = if p.unit.is_empty() {
+        String::new()
+    } else {
+        format!(" <span class=\"unit\">({})</span>", esc(p.unit))
+    };
     let body = if lines.is_empty() && hlines.is_empty() {
         "<p class=\"empty\">no data in metrics.jsonl for this panel</p>".to_string()
     } else {
@@ -202,20 +241,30 @@ fn status(r: &RunData) -> String {
     for e in r.events[start.min(r.events.len())..].iter().rev() {
         match e["event"].as_str() {
             Some("run_finished") => return format!("finished: {} steps", e["steps"]),
-            Some("stopped") => return format!("stopped at step {}: {}", e["step"], e["reason"].as_str().unwrap_or("?")),
+            Some("stopped") => {
+                return format!("stopped at step {}: {}", e["step"], e["reason"].as_str().unwrap_or("?"))
+            }
             _ => {}
         }
     }
     match last_step {
-        Some(s) => format!("running, or ended without a summary (killed?): last step in metrics.jsonl is {s}"),
+        Some(s) => {
+            format!("running, or ended without a summary (killed?): last step in metrics.jsonl is {s}")
+        }
         None => "no steps in metrics.jsonl yet".into(),
     }
 }
 
 fn header(r: &RunData, color: Option<&str>) -> String {
     let mut o = String::new();
-    let swatch = color.map(|c| format!("<span class=\"swatch\" style=\"background:{c}\"></span>")).unwrap_or_default();
-    let _ = write!(o, "<div class=\"run\"><h2>{swatch}{}</h2><p class=\"status\">{}</p><div class=\"tables\">", esc(&r.name), esc(&status(r)));
+    let swatch =
+        color.map(|c| format!("<span class=\"swatch\" style=\"background:{c}\"></span>")).unwrap_or_default();
+    let _ = write!(
+        o,
+        "<div class=\"run\"><h2>{swatch}{}</h2><p class=\"status\">{}</p><div class=\"tables\">",
+        esc(&r.name),
+        esc(&status(r))
+    );
     let started = r.last_event("run_started");
     let st = |k: &str| started.map(|e| &e[k]).filter(|v| !v.is_null());
     let cfg = |k: &str| yaml_str(r.config_value(k));
@@ -223,18 +272,30 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     // Config essentials.
     let mut t = String::new();
     let params = st("params").and_then(json_num).map(|p| format!("{:.2}M parameters", p / 1e6));
-    let shape = match (cfg("model.n_layer"), cfg("model.n_embd"), cfg("model.n_head"), cfg("model.seq_len"), cfg("model.vocab_size")) {
-        (Some(l), Some(e), Some(h), Some(s), Some(v)) => Some(format!("{l} layers × {e} hidden, {h} heads, seq {s}, vocab {v}")),
+    let shape = match (
+        cfg("model.n_layer"),
+        cfg("model.n_embd"),
+        cfg("model.n_head"),
+        cfg("model.seq_len"),
+        cfg("model.vocab_size"),
+    ) {
+        (Some(l), Some(e), Some(h), Some(s), Some(v)) => {
+            Some(format!("{l} layers × {e} hidden, {h} heads, seq {s}, vocab {v}"))
+        }
         _ => None,
     };
     row(&mut t, "model", [params, shape].into_iter().flatten().collect::<Vec<_>>().join("; "));
     let g = st("global_batch_size").map(|v| v.to_string()).or_else(|| cfg("train.global_batch_size"));
     let m = st("micro_batch_size").map(|v| v.to_string()).or_else(|| cfg("train.micro_batch_size"));
     let batch = match (g, m, st("accumulation"), st("world_size")) {
-        (Some(g), Some(m), Some(a), Some(w)) => match (g.parse::<usize>(), m.parse::<usize>(), a.as_u64(), w.as_u64()) {
-            (Ok(g), Ok(m), Some(a), Some(w)) => crate::data::batch::describe(g, m, a as usize, w as usize),
-            _ => format!("global {g} · micro {m} · accumulation {a} · world {w}"),
-        },
+        (Some(g), Some(m), Some(a), Some(w)) => {
+            match (g.parse::<usize>(), m.parse::<usize>(), a.as_u64(), w.as_u64()) {
+                (Ok(g), Ok(m), Some(a), Some(w)) => {
+                    crate::data::batch::describe(g, m, a as usize, w as usize)
+                }
+                _ => format!("global {g} · micro {m} · accumulation {a} · world {w}"),
+            }
+        }
         (g, m, _, _) => format!("global {} · micro {}", g.unwrap_or("?".into()), m.unwrap_or("?".into())),
     };
     let tps = st("tokens_per_step").map(|v| format!("; {v} tokens/step")).unwrap_or_default();
@@ -242,7 +303,11 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     row(&mut t, "precision", cfg("precision").unwrap_or("?".into()));
     let lr = cfg("train.lr").map(|l| format!(", lr {l}")).unwrap_or_default();
     row(&mut t, "optimizer", format!("{}{lr}", cfg("optimizer.name").unwrap_or("?".into())));
-    let device = st("device").and_then(Value::as_str).map(str::to_string).or_else(|| cfg("device")).unwrap_or("?".into());
+    let device = st("device")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .or_else(|| cfg("device"))
+        .unwrap_or("?".into());
     row(&mut t, "device", device);
     if let Some(l) = cfg("memory.limit") {
         let bytes = l.parse::<f64>().map(|b| format!(" ({:.3} GiB)", b / GIB)).unwrap_or_default();
@@ -252,7 +317,15 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     if let Some(s) = saver {
         row(&mut t, "activation checkpointing", s);
     }
-    row(&mut t, "data", st("corpus").and_then(Value::as_str).map(str::to_string).or_else(|| cfg("data.source")).unwrap_or("?".into()));
+    row(
+        &mut t,
+        "data",
+        st("corpus")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .or_else(|| cfg("data.source"))
+            .unwrap_or("?".into()),
+    );
     row(&mut t, "max steps", cfg("train.max_steps").unwrap_or("?".into()));
     let _ = write!(o, "<table class=\"kv\"><caption>config</caption>{t}</table>");
 
@@ -293,12 +366,21 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     }
     let resumed = r.events_of("resumed").next().is_some();
     // Steps trained in other runs' directories: their metrics are there, not here.
-    if let Some(lineage) = r.last_event("resumed").and_then(|e| e["lineage"].as_array()).filter(|l| !l.is_empty()) {
-        let runs: Vec<String> = lineage.iter().map(|l| format!("{} (to step {})", l["checkpoint"].as_str().unwrap_or("?"), l["step"])).collect();
+    if let Some(lineage) =
+        r.last_event("resumed").and_then(|e| e["lineage"].as_array()).filter(|l| !l.is_empty())
+    {
+        let runs: Vec<String> = lineage
+            .iter()
+            .map(|l| format!("{} (to step {})", l["checkpoint"].as_str().unwrap_or("?"), l["step"]))
+            .collect();
         row(&mut t, "continues", runs.join(" → "));
     }
     if let Some(v) = sm("time_lost_s") {
-        row(&mut t, "time lost to OOM", if resumed { format!("{v:.2}s (last session)") } else { format!("{v:.2}s") });
+        row(
+            &mut t,
+            "time lost to OOM",
+            if resumed { format!("{v:.2}s (last session)") } else { format!("{v:.2}s") },
+        );
     }
     if let Some(v) = sm("guard_overhead_s") {
         row(&mut t, "guard overhead", format!("{v:.3}s"));
@@ -312,10 +394,19 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         let pts = r.series(s.key);
         if let Some(lastp) = pts.last() {
             let peak = pts.iter().map(|p| p.2).fold(f64::NEG_INFINITY, f64::max);
-            let _ = write!(t, "<tr><th>{}</th><td>{} GiB</td><td>{} GiB</td></tr>", esc(s.label), fmt_num(lastp.2 / GIB), fmt_num(peak / GIB));
+            let _ = write!(
+                t,
+                "<tr><th>{}</th><td>{} GiB</td><td>{} GiB</td></tr>",
+                esc(s.label),
+                fmt_num(lastp.2 / GIB),
+                fmt_num(peak / GIB)
+            );
         }
     }
-    for (k, label) in [("peak_mapped_above_start_bytes", "mapped above start (peak)"), ("peak_resident_above_start_bytes", "resident above start (peak)")] {
+    for (k, label) in [
+        ("peak_mapped_above_start_bytes", "mapped above start (peak)"),
+        ("peak_resident_above_start_bytes", "resident above start (peak)"),
+    ] {
         if let Some(v) = sm(k) {
             let _ = write!(t, "<tr><th>{}</th><td></td><td>{} GiB</td></tr>", esc(label), fmt_num(v / GIB));
         }
@@ -324,7 +415,8 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         let _ = write!(o, "<table class=\"kv\"><caption>memory (metrics.jsonl)</caption><tr><th></th><th>last</th><th>peak</th></tr>{t}</table>");
     }
     if let Some(table) = &r.memory_table {
-        let _ = write!(o, "<div><p class=\"cap\">memory summary (train.log)</p><pre>{}</pre></div>", esc(table));
+        let _ =
+            write!(o, "<div><p class=\"cap\">memory summary (train.log)</p><pre>{}</pre></div>", esc(table));
     }
     o.push_str("</div>");
     if !r.skipped.is_empty() {

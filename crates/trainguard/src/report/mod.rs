@@ -45,29 +45,44 @@ pub fn default_out(runs: &[PathBuf]) -> PathBuf {
 fn is_page(path: &Path) -> bool {
     use std::io::Read;
     let mut head = [0u8; 15];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok() && head.eq_ignore_ascii_case(b"<!doctype html>")
+    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok()
+        && head.eq_ignore_ascii_case(b"<!doctype html>")
 }
 
 /// Reads every run, writes the page, and prints what was skipped on stderr. Returns the path.
 pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError> {
     let mut runs = dirs.iter().map(|d| read::read_run(d)).collect::<Result<Vec<_>, _>>()?;
     // Named among each other: two runs' directories may both be called `run`.
-    for (r, name) in runs.iter_mut().zip(read::run_names(&dirs.iter().map(PathBuf::as_path).collect::<Vec<_>>())) {
+    for (r, name) in
+        runs.iter_mut().zip(read::run_names(&dirs.iter().map(PathBuf::as_path).collect::<Vec<_>>()))
+    {
         r.name = name;
     }
     for r in &runs {
         const SHOWN: usize = 10;
         for s in r.skipped.iter().take(SHOWN) {
-            crate::console::logging::to_stderr(&format!("warning: {}: {} line {}: {}; skipped", r.dir.display(), s.file, s.line, s.reason));
+            crate::console::logging::to_stderr(&format!(
+                "warning: {}: {} line {}: {}; skipped",
+                r.dir.display(),
+                s.file,
+                s.line,
+                s.reason
+            ));
         }
         if r.skipped.len() > SHOWN {
-            crate::console::logging::to_stderr(&format!("warning: {}: {} more lines skipped (listed in the report)", r.dir.display(), r.skipped.len() - SHOWN));
+            crate::console::logging::to_stderr(&format!(
+                "warning: {}: {} more lines skipped (listed in the report)",
+                r.dir.display(),
+                r.skipped.len() - SHOWN
+            ));
         }
     }
     // A page may replace an earlier page, nothing else (`--out RUN/metrics.jsonl` would have
     // replaced the run's metrics with the page drawn from them).
     let out = match out {
-        Some(given) if given.exists() && !is_page(given) => return Err(ReportError::NotAPage { path: given.to_path_buf() }),
+        Some(given) if given.exists() && !is_page(given) => {
+            return Err(ReportError::NotAPage { path: given.to_path_buf() })
+        }
         Some(given) => given.to_path_buf(),
         None => {
             let path = default_out(dirs);
@@ -79,6 +94,7 @@ pub fn run(dirs: &[PathBuf], out: Option<&Path>) -> Result<PathBuf, ReportError>
     };
     let page = html::page(&runs);
     // Whole: a browser reloading the page never sees half.
-    whole_file::replace(&out, page.as_bytes()).map_err(|source| ReportError::Write { path: out.clone(), source })?;
+    whole_file::replace(&out, page.as_bytes())
+        .map_err(|source| ReportError::Write { path: out.clone(), source })?;
     Ok(out)
 }

@@ -80,7 +80,11 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     }
     let has = |f: &str| dir.join(f).is_file();
     if !has("metrics.jsonl") && !has("events.jsonl") && !has("config.yaml") {
-        return Err(ReportError::NotARun { dir: dir.into(), why: "it has no metrics.jsonl, events.jsonl or config.yaml (trainguard writes them to out_dir)".into() });
+        return Err(ReportError::NotARun {
+            dir: dir.into(),
+            why: "it has no metrics.jsonl, events.jsonl or config.yaml (trainguard writes them to out_dir)"
+                .into(),
+        });
     }
     let name = run_names(&[dir]).remove(0);
     let mut run = RunData { dir: dir.into(), name, ..Default::default() };
@@ -90,12 +94,20 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
             (Some(step), Value::Object(m)) => {
                 run.steps.insert(step, m);
             }
-            _ => run.skipped.push(Skipped { file: "metrics.jsonl".into(), line, reason: "no numeric \"step\" field".into() }),
+            _ => run.skipped.push(Skipped {
+                file: "metrics.jsonl".into(),
+                line,
+                reason: "no numeric \"step\" field".into(),
+            }),
         }
     }
     for (line, v) in jsonl(dir, "events.jsonl", &mut run.skipped)? {
         if v.get("event").and_then(Value::as_str).is_none() {
-            run.skipped.push(Skipped { file: "events.jsonl".into(), line, reason: "no \"event\" field".into() });
+            run.skipped.push(Skipped {
+                file: "events.jsonl".into(),
+                line,
+                reason: "no \"event\" field".into(),
+            });
         } else if !run.events.contains(&v) {
             run.events.push(v);
         }
@@ -103,21 +115,28 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     match std::fs::read_to_string(dir.join("config.yaml")) {
         Ok(text) => match serde_yaml::from_str(&text) {
             Ok(v) => run.config = Some(v),
-            Err(e) => run.skipped.push(Skipped { file: "config.yaml".into(), line: e.location().map_or(0, |l| l.line()), reason: format!("not YAML: {e}") }),
+            Err(e) => run.skipped.push(Skipped {
+                file: "config.yaml".into(),
+                line: e.location().map_or(0, |l| l.line()),
+                reason: format!("not YAML: {e}"),
+            }),
         },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(source) => return Err(ReportError::Read { path: dir.join("config.yaml"), source }),
     }
     let order = |f: &str| ["metrics.jsonl", "events.jsonl", "config.yaml"].iter().position(|n| *n == f);
     run.skipped.sort_by_key(|s| (order(&s.file), s.line));
-    run.memory_table = std::fs::read(dir.join("train.log")).ok().and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
+    run.memory_table = std::fs::read(dir.join("train.log"))
+        .ok()
+        .and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
     Ok(run)
 }
 
 /// What the page calls each of the runs in `dirs`: the directory's own name (that of `.` too),
 /// with as many of its parents as tell it apart from the others' (`A/run`, `B/run`).
 pub fn run_names(dirs: &[&Path]) -> Vec<String> {
-    let canonical: Vec<PathBuf> = dirs.iter().map(|d| d.canonicalize().unwrap_or_else(|_| d.to_path_buf())).collect();
+    let canonical: Vec<PathBuf> =
+        dirs.iter().map(|d| d.canonicalize().unwrap_or_else(|_| d.to_path_buf())).collect();
     crate::console::path_names::shortest_distinct(&canonical)
 }
 
@@ -197,7 +216,10 @@ mod tests {
 
     #[test]
     fn wall_time_of_an_event_step() {
-        let d = dir_with(&[("metrics.jsonl", "{\"step\":0,\"elapsed_s\":1.0}\n{\"step\":5,\"elapsed_s\":6.0}\n")]);
+        let d = dir_with(&[(
+            "metrics.jsonl",
+            "{\"step\":0,\"elapsed_s\":1.0}\n{\"step\":5,\"elapsed_s\":6.0}\n",
+        )]);
         let r = read_run(d.path()).unwrap();
         assert_eq!((r.wall_at(0), r.wall_at(3), r.wall_at(9)), (1.0, 1.0, 6.0));
     }

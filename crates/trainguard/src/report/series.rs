@@ -35,9 +35,30 @@ const fn gib(key: &'static str, label: &'static str) -> SeriesDef {
 }
 
 pub const PANELS: &[PanelDef] = &[
-    PanelDef { id: "loss", title: "Loss", unit: "nats", series: &[s("loss", "train"), s("val_loss", "validation")], steps: false, from_zero: false },
-    PanelDef { id: "lr", title: "Learning rate", unit: "", series: &[s("lr", "lr")], steps: false, from_zero: true },
-    PanelDef { id: "throughput", title: "Throughput", unit: "tokens/s", series: &[s("tokens_per_s", "tokens/s")], steps: false, from_zero: true },
+    PanelDef {
+        id: "loss",
+        title: "Loss",
+        unit: "nats",
+        series: &[s("loss", "train"), s("val_loss", "validation")],
+        steps: false,
+        from_zero: false,
+    },
+    PanelDef {
+        id: "lr",
+        title: "Learning rate",
+        unit: "",
+        series: &[s("lr", "lr")],
+        steps: false,
+        from_zero: true,
+    },
+    PanelDef {
+        id: "throughput",
+        title: "Throughput",
+        unit: "tokens/s",
+        series: &[s("tokens_per_s", "tokens/s")],
+        steps: false,
+        from_zero: true,
+    },
     PanelDef {
         id: "memory",
         title: "Memory",
@@ -53,7 +74,14 @@ pub const PANELS: &[PanelDef] = &[
         steps: false,
         from_zero: true,
     },
-    PanelDef { id: "batch", title: "Micro-batch × accumulation", unit: "", series: &[s("micro_batch", "micro-batch"), s("accumulation", "accumulation")], steps: true, from_zero: true },
+    PanelDef {
+        id: "batch",
+        title: "Micro-batch × accumulation",
+        unit: "",
+        series: &[s("micro_batch", "micro-batch"), s("accumulation", "accumulation")],
+        steps: true,
+        from_zero: true,
+    },
 ];
 
 /// Buckets per curve: about one per pixel column of a full-width panel.
@@ -71,7 +99,9 @@ pub fn downsample(points: &[(u64, f64, f64)], buckets: usize) -> Vec<(u64, f64, 
     for b in 0..buckets {
         let (lo, hi) = (b * points.len() / buckets, (b + 1) * points.len() / buckets);
         let chunk = &points[lo..hi];
-        let by = |f: fn(f64, f64) -> bool| chunk.iter().enumerate().fold(0, |best, (i, p)| if f(p.2, chunk[best].2) { i } else { best });
+        let by = |f: fn(f64, f64) -> bool| {
+            chunk.iter().enumerate().fold(0, |best, (i, p)| if f(p.2, chunk[best].2) { i } else { best })
+        };
         keep[lo + by(|a, b| a < b)] = true;
         keep[lo + by(|a, b| a > b)] = true;
     }
@@ -124,9 +154,16 @@ pub fn marks(run: &RunData) -> Vec<Mark> {
         };
         let Some(step) = step else { continue };
         let label = match kind {
-            "oom_recovered" if e["regrow_backoff"] == true => format!("regrow trial failed: micro-batch {} → {}", n(e, "old_micro_batch"), n(e, "new_micro_batch")),
+            "oom_recovered" if e["regrow_backoff"] == true => format!(
+                "regrow trial failed: micro-batch {} → {}",
+                n(e, "old_micro_batch"),
+                n(e, "new_micro_batch")
+            ),
             "oom_recovered" => {
-                let asked = e["requested_bytes"].as_f64().map(|b| format!(" (asked for {:.1} MiB)", b / (1u64 << 20) as f64)).unwrap_or_default();
+                let asked = e["requested_bytes"]
+                    .as_f64()
+                    .map(|b| format!(" (asked for {:.1} MiB)", b / (1u64 << 20) as f64))
+                    .unwrap_or_default();
                 format!(
                     "OOM recovered{asked}: micro-batch {} → {}, accumulation {} → {}",
                     n(e, "old_micro_batch"),
@@ -135,15 +172,25 @@ pub fn marks(run: &RunData) -> Vec<Mark> {
                     n(e, "new_accumulation")
                 )
             }
-            "regrow_attempt" => format!("regrow trial: micro-batch {} → {}", n(e, "from_micro_batch"), n(e, "to_micro_batch")),
-            "oom_escalated" => format!("OOM at micro-batch {}: {} switched on", n(e, "micro_batch"), n(e, "switched_on")),
+            "regrow_attempt" => {
+                format!("regrow trial: micro-batch {} → {}", n(e, "from_micro_batch"), n(e, "to_micro_batch"))
+            }
+            "oom_escalated" => {
+                format!("OOM at micro-batch {}: {} switched on", n(e, "micro_batch"), n(e, "switched_on"))
+            }
             "checkpoint_saved" => format!("checkpoint {}", n(e, "path")),
             "checkpoint_failed" => format!("checkpoint failed: {}", n(e, "error")),
             "leak_suspected" => format!("leak suspected: {}", n(e, "message")),
-            "thrash_detected" => format!("allocator thrash ({} retries): {}", n(e, "total_retries"), n(e, "action")),
-            "nonfinite_skipped" => format!("non-finite loss or gradient: update skipped ({} in a row)", n(e, "consecutive")),
+            "thrash_detected" => {
+                format!("allocator thrash ({} retries): {}", n(e, "total_retries"), n(e, "action"))
+            }
+            "nonfinite_skipped" => {
+                format!("non-finite loss or gradient: update skipped ({} in a row)", n(e, "consecutive"))
+            }
             "graphs_off" => format!("CUDA graphs off: {}", n(e, "reason")),
-            "loss_scale_changed" if e["reason"] == "overflow" => format!("fp16 overflow: loss scale {}", n(e, "scale")),
+            "loss_scale_changed" if e["reason"] == "overflow" => {
+                format!("fp16 overflow: loss scale {}", n(e, "scale"))
+            }
             "resumed" => format!("resumed at step {step} from {}", n(e, "path")),
             "stopped" => format!("stopped: {}", n(e, "reason")),
             "run_finished" => format!("finished after {step} steps"),
@@ -216,6 +263,9 @@ mod tests {
     #[test]
     fn staircase_keeps_changes_and_last() {
         let c = changes(&pts(&[8.0, 8.0, 4.0, 4.0, 4.0, 8.0, 8.0]));
-        assert_eq!(c.iter().map(|p| (p.0, p.2)).collect::<Vec<_>>(), vec![(0, 8.0), (2, 4.0), (5, 8.0), (6, 8.0)]);
+        assert_eq!(
+            c.iter().map(|p| (p.0, p.2)).collect::<Vec<_>>(),
+            vec![(0, 8.0), (2, 4.0), (5, 8.0), (6, 8.0)]
+        );
     }
 }

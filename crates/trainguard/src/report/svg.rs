@@ -76,7 +76,8 @@ pub fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
     }
     let raw = span / n as f64;
     let mag = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * mag).find(|s| span / s <= n as f64).unwrap_or(10.0 * mag);
+    let step =
+        [1.0, 2.0, 5.0, 10.0].iter().map(|m| m * mag).find(|s| span / s <= n as f64).unwrap_or(10.0 * mag);
     let first = (lo / step).ceil() as i64;
     let last = (hi / step).floor() as i64;
     (first..=last).map(|i| i as f64 * step).collect()
@@ -84,7 +85,12 @@ pub fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
 
 /// The y domain: every point and reference line, padded 5%; never empty.
 fn y_domain(p: &Panel) -> (f64, f64) {
-    let ys = p.lines.iter().flat_map(|l| l.points.iter().map(|q| q.1)).chain(p.hlines.iter().map(|h| h.y)).filter(|y| y.is_finite());
+    let ys = p
+        .lines
+        .iter()
+        .flat_map(|l| l.points.iter().map(|q| q.1))
+        .chain(p.hlines.iter().map(|h| h.y))
+        .filter(|y| y.is_finite());
     let (mut lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
     if !lo.is_finite() {
         return (0.0, 1.0);
@@ -129,15 +135,38 @@ pub fn render(p: &Panel) -> String {
         let _ = write!(o, r#"<line x1="{LEFT}" y1="{y:.1}" x2="{RIGHT}" y2="{y:.1}"/>"#, y = sy(t));
     }
     o.push_str("</g>");
-    let _ = write!(o, r##"<rect x="{LEFT}" y="{TOP}" width="{}" height="{}" fill="none" stroke="#999"/>"##, RIGHT - LEFT, BOTTOM - TOP);
+    let _ = write!(
+        o,
+        r##"<rect x="{LEFT}" y="{TOP}" width="{}" height="{}" fill="none" stroke="#999"/>"##,
+        RIGHT - LEFT,
+        BOTTOM - TOP
+    );
     o.push_str(r##"<g class="ticks" font-size="11" fill="#444" font-family="sans-serif">"##);
     for &t in &xt {
-        let _ = write!(o, r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#, sx(t), BOTTOM + 14.0, fmt_num(t));
+        let _ = write!(
+            o,
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            sx(t),
+            BOTTOM + 14.0,
+            fmt_num(t)
+        );
     }
     for &t in &yt {
-        let _ = write!(o, r#"<text x="{}" y="{:.1}" text-anchor="end" dominant-baseline="middle">{}</text>"#, LEFT - 5.0, sy(t), fmt_num(t));
+        let _ = write!(
+            o,
+            r#"<text x="{}" y="{:.1}" text-anchor="end" dominant-baseline="middle">{}</text>"#,
+            LEFT - 5.0,
+            sy(t),
+            fmt_num(t)
+        );
     }
-    let _ = write!(o, r#"<text x="{}" y="{}" text-anchor="middle">{}</text></g>"#, (LEFT + RIGHT) / 2.0, H - 2.0, esc(p.x_label));
+    let _ = write!(
+        o,
+        r#"<text x="{}" y="{}" text-anchor="middle">{}</text></g>"#,
+        (LEFT + RIGHT) / 2.0,
+        H - 2.0,
+        esc(p.x_label)
+    );
 
     for h in p.hlines {
         let y = sy(h.y);
@@ -160,7 +189,8 @@ pub fn render(p: &Panel) -> String {
             let _ = write!(pts, "{:.2},{:.2} ", sx(x), sy(y));
             prev = Some(y);
         }
-        let dash = if l.dash.is_empty() { String::new() } else { format!(r#" stroke-dasharray="{}""#, l.dash) };
+        let dash =
+            if l.dash.is_empty() { String::new() } else { format!(r#" stroke-dasharray="{}""#, l.dash) };
         let _ = write!(
             o,
             r#"<polyline class="series" data-run="{}" data-key="{}" fill="none" stroke="{}" stroke-width="1.5"{dash} stroke-linejoin="round" points="{}"/>"#,
@@ -172,7 +202,8 @@ pub fn render(p: &Panel) -> String {
         // Sparse curves (validation loss) also get dots: a single point has no line to show it.
         if l.points.len() <= 60 {
             for &(x, y) in &l.points {
-                let _ = write!(o, r#"<circle cx="{:.2}" cy="{:.2}" r="2.5" fill="{}"/>"#, sx(x), sy(y), l.color);
+                let _ =
+                    write!(o, r#"<circle cx="{:.2}" cy="{:.2}" r="2.5" fill="{}"/>"#, sx(x), sy(y), l.color);
             }
         }
     }
@@ -188,7 +219,10 @@ pub fn render(p: &Panel) -> String {
             l = esc(&m.label),
         );
     }
-    let _ = write!(o, r##"<line class="guide" x1="0" y1="{TOP}" x2="0" y2="{BOTTOM}" stroke="#555" stroke-width="1" visibility="hidden"/></svg>"##);
+    let _ = write!(
+        o,
+        r##"<line class="guide" x1="0" y1="{TOP}" x2="0" y2="{BOTTOM}" stroke="#555" stroke-width="1" visibility="hidden"/></svg>"##
+    );
     o
 }
 
@@ -215,8 +249,25 @@ mod tests {
 
     #[test]
     fn polyline_maps_points_into_the_plot_area() {
-        let lines = [Line { run: 0, key: "loss", color: "#000", dash: "", points: vec![(0.0, 1.0), (10.0, 3.0)], staircase: false }];
-        let svg = render(&Panel { id: "loss", axis: "step", x_label: "step", x_unit_s: 1.0, x: (0.0, 10.0), from_zero: false, lines: &lines, hlines: &[], marks: &[] });
+        let lines = [Line {
+            run: 0,
+            key: "loss",
+            color: "#000",
+            dash: "",
+            points: vec![(0.0, 1.0), (10.0, 3.0)],
+            staircase: false,
+        }];
+        let svg = render(&Panel {
+            id: "loss",
+            axis: "step",
+            x_label: "step",
+            x_unit_s: 1.0,
+            x: (0.0, 10.0),
+            from_zero: false,
+            lines: &lines,
+            hlines: &[],
+            marks: &[],
+        });
         // y domain 1..3 padded by 5% of 2: 0.9..3.1.
         let y = |v: f64| BOTTOM - (v - 0.9) / 2.2 * (BOTTOM - TOP);
         let want = format!(r#"points="{LEFT:.2},{:.2} {RIGHT:.2},{:.2}""#, y(1.0), y(3.0));

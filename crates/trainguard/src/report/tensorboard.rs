@@ -103,13 +103,30 @@ impl TensorBoardWriter {
     pub fn create(dir: &Path, start_step: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "localhost".into());
-        let name = format!("events.out.tfevents.{}.{:06}.{host}.{}.trainguard", now.as_secs(), now.subsec_micros(), std::process::id());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into());
+        let name = format!(
+            "events.out.tfevents.{}.{:06}.{host}.{}.trainguard",
+            now.as_secs(),
+            now.subsec_micros(),
+            std::process::id()
+        );
         let path = dir.join(name);
         let step = start_step as i64;
         let mut w = Self { out: BufWriter::new(File::create(&path)?), path, last_step: step };
-        w.write(Event { wall_time: now.as_secs_f64(), step, file_version: Some("brain.Event:2".into()), ..Default::default() })?;
-        w.write(Event { wall_time: now.as_secs_f64(), step, session_log: Some(SessionLog { status: SESSION_START }), ..Default::default() })?;
+        w.write(Event {
+            wall_time: now.as_secs_f64(),
+            step,
+            file_version: Some("brain.Event:2".into()),
+            ..Default::default()
+        })?;
+        w.write(Event {
+            wall_time: now.as_secs_f64(),
+            step,
+            session_log: Some(SessionLog { status: SESSION_START }),
+            ..Default::default()
+        })?;
         Ok(w)
     }
 
@@ -125,7 +142,14 @@ impl TensorBoardWriter {
         let value = fields
             .iter()
             .filter(|(k, _)| k.as_str() != "step")
-            .filter_map(|(k, v)| v.as_f64().map(|x| SummaryValue { tag: k.clone(), simple_value: Some(x as f32), tensor: None, metadata: None }))
+            .filter_map(|(k, v)| {
+                v.as_f64().map(|x| SummaryValue {
+                    tag: k.clone(),
+                    simple_value: Some(x as f32),
+                    tensor: None,
+                    metadata: None,
+                })
+            })
             .collect();
         self.last_step = step;
         self.summary(step, Summary { value })
@@ -137,7 +161,11 @@ impl TensorBoardWriter {
         let value = SummaryValue {
             tag: tag.into(),
             simple_value: None,
-            tensor: Some(TensorProto { dtype: DT_STRING, tensor_shape: Some(TensorShape {}), string_val: vec![text.as_bytes().to_vec()] }),
+            tensor: Some(TensorProto {
+                dtype: DT_STRING,
+                tensor_shape: Some(TensorShape {}),
+                string_val: vec![text.as_bytes().to_vec()],
+            }),
             metadata: Some(SummaryMetadata { plugin_data: Some(PluginData { plugin_name: "text".into() }) }),
         };
         self.summary(step.unwrap_or(self.last_step), Summary { value: vec![value] })
@@ -210,10 +238,14 @@ mod tests {
             at += 16 + n;
         }
         assert_eq!(events[0].file_version.as_deref(), Some("brain.Event:2"));
-        assert_eq!((events[1].step, events[1].session_log.as_ref().map(|l| l.status)), (0, Some(SESSION_START)));
+        assert_eq!(
+            (events[1].step, events[1].session_log.as_ref().map(|l| l.status)),
+            (0, Some(SESSION_START))
+        );
         let s = events[2].summary.as_ref().unwrap();
         assert_eq!(events[2].step, 7);
-        let tags: Vec<(&str, Option<f32>)> = s.value.iter().map(|v| (v.tag.as_str(), v.simple_value)).collect();
+        let tags: Vec<(&str, Option<f32>)> =
+            s.value.iter().map(|v| (v.tag.as_str(), v.simple_value)).collect();
         assert_eq!(tags, vec![("loss", Some(2.5)), ("micro_batch", Some(4.0))]);
     }
 }

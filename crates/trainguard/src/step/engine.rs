@@ -2,16 +2,16 @@
 //! and `plan --profile` measures: each attempt (at the micro-batch the guard chooses) runs the
 //! micro-batches under autocast with the memory savers, lets the ranks agree, unscales, applies
 //! the injected faults, clips, and updates only when the loss and gradient norm are finite.
-use crate::distributed::agree;
 use super::faults::Faults;
+use super::graphs::{MicroGraphs, Notice};
 use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
-use super::graphs::{MicroGraphs, Notice};
 use super::savers::Savers;
 use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
+use crate::distributed::agree;
 use crate::distributed::Dist;
-use crate::ffi::torch_panics::catch_torch_panics;
 use crate::events::{Event, LossScaleReason, Reporter};
+use crate::ffi::torch_panics::catch_torch_panics;
 use crate::guard::{Guard, GuardError, Progress, StepError};
 use crate::model::Model;
 use crate::optim::{clip_grad_norm, scale_all, Optimizer, OptimizerSpec};
@@ -30,7 +30,15 @@ pub struct Trainable {
 impl Trainable {
     /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
     /// `precision` is fp16-mixed.
-    pub fn build(model: &ModelConfig, kernels: KernelsConfig, spec: &OptimizerSpec, precision: Precision, scaler: LossScaler, seed: u64, device: Device) -> Result<Self, TchError> {
+    pub fn build(
+        model: &ModelConfig,
+        kernels: KernelsConfig,
+        spec: &OptimizerSpec,
+        precision: Precision,
+        scaler: LossScaler,
+        seed: u64,
+        device: Device,
+    ) -> Result<Self, TchError> {
         let model = Model::with_kernels(model, kernels, seed, device)?;
         precision::prepare(&model.params.tensors, precision)?;
         let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
@@ -112,8 +120,12 @@ pub fn optimizer_step(
     let outcome = outcome?;
     if let Some(s) = &mut t.scaler {
         match s.update(outcome.overflow) {
-            ScaleChange::BackedOff(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow }),
-            ScaleChange::Grew(scale) => reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Growth }),
+            ScaleChange::BackedOff(scale) => {
+                reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Overflow })
+            }
+            ScaleChange::Grew(scale) => {
+                reporter.emit(Event::LossScaleChanged { step, scale, reason: LossScaleReason::Growth })
+            }
             ScaleChange::Unchanged => {}
         }
     }
@@ -137,13 +149,15 @@ fn attempt(
     let Trainable { model, opt, scaler, graphs } = t;
     let scaled = scaler.is_some();
     let savers = settings.savers_at(p.escalation_level());
-    let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+    let autocast =
+        Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
     // Each rank's own work is caught where it is done (a libtorch error tch raised as a
     // panic included), so a failing rank still joins the agreement that follows.
     let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p));
     drop(autocast);
     // The injected leak allocates like the step's own work: before the ranks agree on it.
-    let local = local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
+    let local =
+        local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
     let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
     // What runs between the two agreements allocates on each rank alone (the clipping's
     // norms, above all): the second agreement lets every rank replay if one ran out.
@@ -159,7 +173,9 @@ fn attempt(
     });
     let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
     if applied {
-        let update = catch_torch_panics(|| model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr)));
+        let update = catch_torch_panics(|| {
+            model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr))
+        });
         agree::update_done(update, dist.as_deref())?;
     }
     Ok(StepOutcome { loss, grad_norm, applied, overflow })
@@ -169,9 +185,19 @@ fn attempt(
 /// Under the same autocast as training: a bf16-mixed run validates in bf16 as it trains, not in
 /// fp32 at a fraction of the speed and with a loss of another precision.
 #[allow(clippy::too_many_arguments)]
-pub fn validation_loss(model: &Model, guard: &mut Guard, settings: &StepSettings, data: &StepData, batches: usize, step: u64, dist: Option<&Dist>, reporter: &mut Reporter) -> Result<f64, GuardError> {
+pub fn validation_loss(
+    model: &Model,
+    guard: &mut Guard,
+    settings: &StepSettings,
+    data: &StepData,
+    batches: usize,
+    step: u64,
+    dist: Option<&Dist>,
+    reporter: &mut Reporter,
+) -> Result<f64, GuardError> {
     guard.run(step, reporter, |micro, p| {
-        let autocast = Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
+        let autocast = Autocast::enter(settings.precision, settings.device)
+            .map_err(|e| StepError::Fatal(Box::new(e)))?;
         let local = catch_torch_panics(|| evaluate(model, data, batches, micro, p));
         drop(autocast);
         agree::validation_loss(local, dist)
@@ -192,14 +218,42 @@ mod tests {
     #[test]
     fn steps_through_the_graphs_accumulators_train_as_the_usual_steps() {
         use crate::config::{FaultsConfig, OptimizerConfig, TrainConfig};
-        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
-        let spec = OptimizerSpec::from_config(&OptimizerConfig::default(), &TrainConfig::default(), &KernelsConfig::default());
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            vocab_size: 64,
+            seq_len: 16,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        };
+        let spec = OptimizerSpec::from_config(
+            &OptimizerConfig::default(),
+            &TrainConfig::default(),
+            &KernelsConfig::default(),
+        );
         let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
         let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 10);
-        let settings = StepSettings { precision: Precision::Fp32, device: Device::Cpu, grad_clip: 0.5, savers: Savers::default(), escalate: Vec::new() };
+        let settings = StepSettings {
+            precision: Precision::Fp32,
+            device: Device::Cpu,
+            grad_clip: 0.5,
+            savers: Savers::default(),
+            escalate: Vec::new(),
+        };
         let faults_cfg = FaultsConfig { nonfinite_loss_at_steps: vec![3], ..FaultsConfig::default() };
         let train = |graphs: bool| {
-            let mut t = Trainable::build(&cfg, KernelsConfig::default(), &spec, Precision::Fp32, LossScaler::new(1.0, 1), 7, Device::Cpu).unwrap();
+            let mut t = Trainable::build(
+                &cfg,
+                KernelsConfig::default(),
+                &spec,
+                Precision::Fp32,
+                LossScaler::new(1.0, 1),
+                7,
+                Device::Cpu,
+            )
+            .unwrap();
             t.graphs = MicroGraphs::new(graphs);
             let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
             let mut faults = Faults::new(&faults_cfg, 0, 0);
@@ -209,13 +263,29 @@ mod tests {
                 if step == 4 {
                     guard = Guard::new(GuardState::new(3, 1, 0), OomPolicy::Fail, Device::Cpu, 10);
                 }
-                outcomes.push(optimizer_step(&mut t, &mut guard, &settings, &data, step, 1e-3, None, &mut faults, &mut reporter).unwrap());
+                outcomes.push(
+                    optimizer_step(
+                        &mut t,
+                        &mut guard,
+                        &settings,
+                        &data,
+                        step,
+                        1e-3,
+                        None,
+                        &mut faults,
+                        &mut reporter,
+                    )
+                    .unwrap(),
+                );
             }
             (t.params().iter().map(Tensor::copy).collect::<Vec<_>>(), outcomes)
         };
         let ((usual, a), (graphed, b)) = (train(false), train(true));
         for (x, y) in a.iter().zip(&b) {
-            assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits(), x.applied), (y.loss.to_bits(), y.grad_norm.to_bits(), y.applied));
+            assert_eq!(
+                (x.loss.to_bits(), x.grad_norm.to_bits(), x.applied),
+                (y.loss.to_bits(), y.grad_norm.to_bits(), y.applied)
+            );
         }
         assert!(!a[3].applied, "the injected non-finite loss skipped step 3");
         for (p, q) in usual.iter().zip(&graphed) {
@@ -225,13 +295,28 @@ mod tests {
 
     #[test]
     fn validation_runs_under_the_training_precisions_autocast() {
-        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 32,
+            vocab_size: 64,
+            seq_len: 16,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        };
         let model = Model::new(&cfg, 5, Device::Cpu).unwrap();
         let corpus = Corpus::synthetic(64, 20_000, 0.1).unwrap();
         let data = StepData::single(&corpus, Sampler { seed: 2, seq_len: 16 }, Device::Cpu, 4);
         let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
         let validate = |precision, reporter: &mut Reporter| {
-            let settings = StepSettings { precision, device: Device::Cpu, grad_clip: 0.0, savers: Savers::default(), escalate: Vec::new() };
+            let settings = StepSettings {
+                precision,
+                device: Device::Cpu,
+                grad_clip: 0.0,
+                savers: Savers::default(),
+                escalate: Vec::new(),
+            };
             let mut guard = Guard::new(GuardState::new(4, 1, 0), OomPolicy::Fail, Device::Cpu, 4);
             validation_loss(&model, &mut guard, &settings, &data, 2, 0, None, reporter).unwrap()
         };
@@ -241,8 +326,15 @@ mod tests {
             let _autocast = Autocast::enter(Precision::Bf16Mixed, Device::Cpu).unwrap();
             evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap()
         };
-        assert_eq!(bf16.to_bits(), under_autocast.to_bits(), "bf16-mixed validation is the loss computed under bf16 autocast");
-        assert_eq!(fp32.to_bits(), evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap().to_bits());
+        assert_eq!(
+            bf16.to_bits(),
+            under_autocast.to_bits(),
+            "bf16-mixed validation is the loss computed under bf16 autocast"
+        );
+        assert_eq!(
+            fp32.to_bits(),
+            evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap().to_bits()
+        );
         assert_ne!(bf16, fp32, "bf16 autocast changes the loss: validation did not run under it");
     }
 }

@@ -38,7 +38,8 @@ impl Faults {
 
     /// Checked before step `step` starts.
     pub fn before_step(&self, step: u64) -> Option<StepFault> {
-        if self.cfg.crash_at_step == Some(step) && self.cfg.crash_rank == self.rank && self.restart_count == 0 {
+        if self.cfg.crash_at_step == Some(step) && self.cfg.crash_rank == self.rank && self.restart_count == 0
+        {
             return Some(StepFault::Crash);
         }
         (self.cfg.interrupt_at_step == Some(step)).then_some(StepFault::Interrupt)
@@ -46,13 +47,23 @@ impl Faults {
 
     /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow; or an
     /// op with no deterministic implementation, or one that libtorch refuses.
-    pub(super) fn corrupt(&self, step: u64, loss: &mut f64, grads: &mut [Tensor], loss_scaled: bool) -> Result<(), TchError> {
+    pub(super) fn corrupt(
+        &self,
+        step: u64,
+        loss: &mut f64,
+        grads: &mut [Tensor],
+        loss_scaled: bool,
+    ) -> Result<(), TchError> {
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
         }
         let this_rank = self.on_this_rank();
         if self.cfg.nondeterministic_op_at_step == Some(step) && this_rank {
-            let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(&Tensor::from_slice(&[1i64, 2]), &Tensor::from_slice(&[1f32, 2.0]), false)?;
+            let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(
+                &Tensor::from_slice(&[1i64, 2]),
+                &Tensor::from_slice(&[1f32, 2.0]),
+                false,
+            )?;
         }
         if self.cfg.failing_scalar_op_at_step == Some(step) && this_rank {
             let mut a = Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu));
@@ -68,9 +79,20 @@ impl Faults {
 
     /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
     /// before the update, so an out-of-memory here replays a step that changed nothing yet.
-    pub(super) fn leak_graph(&mut self, model: &Model, data: &StepData, step: u64, micro: usize) -> Result<(), TchError> {
+    pub(super) fn leak_graph(
+        &mut self,
+        model: &Model,
+        data: &StepData,
+        step: u64,
+        micro: usize,
+    ) -> Result<(), TchError> {
         if self.cfg.leak_graphs && self.on_this_rank() && self.leaked_at != Some(step) {
-            let (x, _) = data.sampler.train_batch(data.corpus, step, data.rank_start..data.rank_start + micro, data.device)?;
+            let (x, _) = data.sampler.train_batch(
+                data.corpus,
+                step,
+                data.rank_start..data.rank_start + micro,
+                data.device,
+            )?;
             self.leaked.push(model.forward(&x, true, None)?);
             self.leaked_at = Some(step);
         }

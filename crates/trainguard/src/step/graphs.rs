@@ -138,7 +138,15 @@ impl MicroGraphs {
     /// One micro-step of `x`, `y` with loss weight `weight` (`seed`: the dropout seed, which
     /// only an eager run can use): run and added, captured and replayed, or replayed, as its
     /// length's phase says.
-    pub fn micro_step(&mut self, model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(), TchError> {
+    pub fn micro_step(
+        &mut self,
+        model: &Model,
+        x: &Tensor,
+        y: &Tensor,
+        weight: f64,
+        seed: u64,
+        savers: &Savers,
+    ) -> Result<(), TchError> {
         let rows = x.size().first().copied().unwrap_or(0);
         let i = self.length(rows, weight, *savers);
         let can_capture = self.on && matches!(x.device(), Device::Cuda(_));
@@ -175,7 +183,9 @@ impl MicroGraphs {
     /// The step's gradients and weighted loss sum (the accumulators themselves: zeroed when the
     /// next step begins).
     pub fn results(&self) -> Option<(Vec<Tensor>, Tensor)> {
-        self.acc.as_ref().map(|a| (a.grads.iter().map(Tensor::shallow_clone).collect(), a.loss.shallow_clone()))
+        self.acc
+            .as_ref()
+            .map(|a| (a.grads.iter().map(Tensor::shallow_clone).collect(), a.loss.shallow_clone()))
     }
 
     /// Frees the graphs, their memory pool and the accumulators (a failed attempt, validation).
@@ -211,7 +221,11 @@ impl MicroGraphs {
 
     fn length(&mut self, rows: i64, weight: f64, savers: Savers) -> usize {
         let weight_bits = weight.to_bits();
-        if let Some(i) = self.lengths.iter().position(|l| l.rows == rows && l.weight_bits == weight_bits && l.savers == savers) {
+        if let Some(i) = self
+            .lengths
+            .iter()
+            .position(|l| l.rows == rows && l.weight_bits == weight_bits && l.savers == savers)
+        {
             return i;
         }
         self.lengths.push(Length { rows, weight_bits, savers, phase: Phase::Unseen, graph: None });
@@ -219,7 +233,15 @@ impl MicroGraphs {
     }
 
     /// The micro-step's loss and gradients added into the accumulators.
-    fn run(&self, model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(), TchError> {
+    fn run(
+        &self,
+        model: &Model,
+        x: &Tensor,
+        y: &Tensor,
+        weight: f64,
+        seed: u64,
+        savers: &Savers,
+    ) -> Result<(), TchError> {
         let acc = self.acc.as_ref().expect("begin_step made the accumulators");
         let (loss, grads) = loss_and_grads(model, x, y, weight, seed, savers)?;
         kernels::add_all(std::slice::from_ref(&acc.loss), &[loss])?;
@@ -230,7 +252,14 @@ impl MicroGraphs {
     /// Records the micro-step of `x`, `y` (copied into new static inputs) as a graph sharing the
     /// pool of the graphs already made. An out of memory is the caller's error; any other
     /// failure switches graphs off (None).
-    fn capture(&mut self, model: &Model, x: &Tensor, y: &Tensor, weight: f64, savers: &Savers) -> Result<Option<Graphed>, TchError> {
+    fn capture(
+        &mut self,
+        model: &Model,
+        x: &Tensor,
+        y: &Tensor,
+        weight: f64,
+        savers: &Savers,
+    ) -> Result<Option<Graphed>, TchError> {
         let Device::Cuda(device) = x.device() else { return Ok(None) };
         let static_copy = |t: &Tensor| -> Result<Tensor, TchError> {
             let mut s = t.f_empty_like()?;
@@ -280,7 +309,10 @@ mod tests {
         let on = MicroGraphs::new(true);
         let plain = Savers::default();
         assert!(on.applies(&plain, 1.0));
-        assert!(on.applies(&Savers { checkpoint_every: 1, loss_chunk_tokens: Some(64), ..plain }, 1.0), "checkpointing and a chunked loss");
+        assert!(
+            on.applies(&Savers { checkpoint_every: 1, loss_chunk_tokens: Some(64), ..plain }, 1.0),
+            "checkpointing and a chunked loss"
+        );
         assert!(!on.applies(&plain, 1024.0), "fp16 loss scaling");
         assert!(!on.applies(&Savers { checkpoint_every: 1, offload: true, ..plain }, 1.0), "offload");
         assert!(!MicroGraphs::new(false).applies(&plain, 1.0), "switched off");

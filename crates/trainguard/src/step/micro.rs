@@ -2,14 +2,14 @@
 //! (weights, step, micro-batch): the guard can replay them at any micro-batch and get the same
 //! samples. Gradients are returned, not left in `.grad`, so a failed attempt leaves nothing
 //! behind: dropping the attempt's locals frees them ("set to none", not zeroed).
-use crate::data::batch;
-use crate::data::{Corpus, Sampler};
-use crate::guard::Progress;
-use crate::model::Model;
 use super::graphs::MicroGraphs;
 use super::savers::{loss_and_grads, Savers};
+use crate::data::batch;
+use crate::data::{Corpus, Sampler};
 use crate::ffi::kernels;
 use crate::ffi::linear::KeptCasts;
+use crate::guard::Progress;
+use crate::model::Model;
 use tch::{Device, TchError, Tensor};
 
 /// Where a rank's samples come from.
@@ -42,12 +42,23 @@ impl StepData<'_> {
 /// on the split. Where `graphs` apply, the micro-steps add into their accumulators (and replay
 /// as CUDA graphs once captured).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize, savers: &Savers, scale: f64, graphs: &mut MicroGraphs, progress: &mut Progress) -> Result<(Vec<Tensor>, f64), TchError> {
+pub fn forward_backward(
+    model: &Model,
+    data: &StepData,
+    step: u64,
+    micro: usize,
+    savers: &Savers,
+    scale: f64,
+    graphs: &mut MicroGraphs,
+    progress: &mut Progress,
+) -> Result<(Vec<Tensor>, f64), TchError> {
     let (grads, loss_sum) = if graphs.applies(savers, scale) {
         graphs.begin_step(model, micro)?;
         // The linear node adds its weights' gradients into the accumulators in its GEMMs.
         let _sums = graphs.accumulators().map(|acc| model.sum_weight_grads_into(acc)).transpose()?;
-        each_micro_batch(data, step, micro, progress, |x, y, weight, seed| graphs.micro_step(model, x, y, weight * scale, seed, savers))?;
+        each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
+            graphs.micro_step(model, x, y, weight * scale, seed, savers)
+        })?;
         graphs.results().map(|(g, l)| (g, Some(l))).expect("begin_step made the accumulators")
     } else {
         graphs.forget();
@@ -82,7 +93,13 @@ pub fn forward_backward(model: &Model, data: &StepData, step: u64, micro: usize,
 
 /// `f(x, y, loss weight, dropout seed)` for each micro-batch of this rank's share of step `step`
 /// split into `micro`, in order.
-fn each_micro_batch(data: &StepData, step: u64, micro: usize, progress: &mut Progress, mut f: impl FnMut(&Tensor, &Tensor, f64, u64) -> Result<(), TchError>) -> Result<(), TchError> {
+fn each_micro_batch(
+    data: &StepData,
+    step: u64,
+    micro: usize,
+    progress: &mut Progress,
+    mut f: impl FnMut(&Tensor, &Tensor, f64, u64) -> Result<(), TchError>,
+) -> Result<(), TchError> {
     for r in batch::split(data.rank_batch, micro) {
         let weight = data.weight(r.len());
         let indices = data.rank_start + r.start..data.rank_start + r.end;
@@ -97,7 +114,13 @@ fn each_micro_batch(data: &StepData, step: u64, micro: usize, progress: &mut Pro
 
 /// Mean validation loss over `batches` fixed batches of `batch_size` samples, evaluated in
 /// chunks of `micro`.
-pub fn evaluate(model: &Model, data: &StepData, batches: usize, micro: usize, progress: &mut Progress) -> Result<f64, TchError> {
+pub fn evaluate(
+    model: &Model,
+    data: &StepData,
+    batches: usize,
+    micro: usize,
+    progress: &mut Progress,
+) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
     let _casts = KeptCasts::start()?;
     let mut total = 0.0;
@@ -121,7 +144,16 @@ mod tests {
     use crate::step::savers::loss_and_grads;
 
     fn setup() -> (Model, Corpus) {
-        let cfg = ModelConfig { n_layer: 1, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 64,
+            seq_len: 8,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        };
         (Model::new(&cfg, 3, Device::Cpu).unwrap(), Corpus::synthetic(64, 20_000, 0.1).unwrap())
     }
 
@@ -131,10 +163,16 @@ mod tests {
         let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 10);
         let plain = Savers::default();
         let off = &mut MicroGraphs::new(false);
-        let (whole, loss_whole) = forward_backward(&model, &data, 4, 10, &plain, 1.0, off, &mut Progress::default()).unwrap();
+        let (whole, loss_whole) =
+            forward_backward(&model, &data, 4, 10, &plain, 1.0, off, &mut Progress::default()).unwrap();
         for micro in [3, 4, 7] {
-            let (split, loss_split) = forward_backward(&model, &data, 4, micro, &plain, 1.0, off, &mut Progress::default()).unwrap();
-            assert!((loss_whole - loss_split).abs() < 1e-5, "micro {micro}: loss {loss_whole} vs {loss_split}");
+            let (split, loss_split) =
+                forward_backward(&model, &data, 4, micro, &plain, 1.0, off, &mut Progress::default())
+                    .unwrap();
+            assert!(
+                (loss_whole - loss_split).abs() < 1e-5,
+                "micro {micro}: loss {loss_whole} vs {loss_split}"
+            );
             for (a, b) in whole.iter().zip(&split) {
                 let diff = (a - b).abs().max().double_value(&[]);
                 assert!(diff < 1e-5, "micro {micro}: gradient differs by {diff}");
@@ -157,8 +195,12 @@ mod tests {
             if step == 7 {
                 graphed.release();
             }
-            let (want, want_loss) = forward_backward(&model, &data, step, micro, &plain, 1.0, usual, &mut Progress::default()).unwrap();
-            let (got, got_loss) = forward_backward(&model, &data, step, micro, &plain, 1.0, graphed, &mut Progress::default()).unwrap();
+            let (want, want_loss) =
+                forward_backward(&model, &data, step, micro, &plain, 1.0, usual, &mut Progress::default())
+                    .unwrap();
+            let (got, got_loss) =
+                forward_backward(&model, &data, step, micro, &plain, 1.0, graphed, &mut Progress::default())
+                    .unwrap();
             assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "step {step}: loss");
             assert_eq!(got.len(), want.len());
             for (a, b) in got.iter().zip(&want) {
@@ -168,15 +210,18 @@ mod tests {
         }
         // Checkpointing and a chunked loss go through the accumulators as well, to the bit.
         let savers = Savers { checkpoint_every: 1, loss_chunk_tokens: Some(16), ..plain };
-        let (want, want_loss) = forward_backward(&model, &data, 8, 4, &savers, 1.0, usual, &mut Progress::default()).unwrap();
-        let (got, got_loss) = forward_backward(&model, &data, 8, 4, &savers, 1.0, graphed, &mut Progress::default()).unwrap();
+        let (want, want_loss) =
+            forward_backward(&model, &data, 8, 4, &savers, 1.0, usual, &mut Progress::default()).unwrap();
+        let (got, got_loss) =
+            forward_backward(&model, &data, 8, 4, &savers, 1.0, graphed, &mut Progress::default()).unwrap();
         assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "savers: loss");
         assert!(got.iter().zip(&want).all(|(a, b)| a.equal(b)), "savers: a gradient differs");
         let (held, _) = graphed.results().unwrap();
         assert!(got[0].equal(&held[0]), "the savers' step went through the accumulators");
         // Offload runs as usual, outside them.
         let offload = Savers { offload: true, ..savers };
-        let (a, _) = forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default()).unwrap();
+        let (a, _) =
+            forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default()).unwrap();
         let (held, _) = graphed.results().unwrap();
         assert!(!a[0].equal(&held[0]), "offload's step did not go through the accumulators");
     }
@@ -185,11 +230,23 @@ mod tests {
     /// so that its kernels run), its corpus, and the casts a micro-step makes: four weights and
     /// four biases a block, and the LM head's weight.
     fn linear_node_gpt2() -> (ModelConfig, Model, Corpus, u64) {
-        linear_node_gpt2_with(crate::config::KernelsConfig { fused_linear: true, ..crate::config::KernelsConfig::aten() })
+        linear_node_gpt2_with(crate::config::KernelsConfig {
+            fused_linear: true,
+            ..crate::config::KernelsConfig::aten()
+        })
     }
 
     fn linear_node_gpt2_with(kernels: crate::config::KernelsConfig) -> (ModelConfig, Model, Corpus, u64) {
-        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: true, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 64,
+            seq_len: 8,
+            dropout: 0.0,
+            bias: true,
+            ..ModelConfig::default()
+        };
         let model = Model::with_kernels(&cfg, kernels, 3, Device::Cpu).unwrap();
         let casts = 8 * cfg.n_layer as u64 + 1;
         (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
@@ -198,9 +255,25 @@ mod tests {
     /// A Llama of the same size with merged projections through the linear node; the casts a
     /// forward makes: per block o, down and the joint q/k/v and gate/up casts, and the head's.
     fn merged_llama_with(kernels: crate::config::KernelsConfig) -> (ModelConfig, Model, Corpus, u64) {
-        let cfg = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 64, seq_len: 8, dropout: 0.0, bias: false, ..ModelConfig::default() };
-        let cfg = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), ..cfg };
-        let model = Model::with_kernels(&cfg, crate::config::KernelsConfig { merged_projections: true, ..kernels }, 3, Device::Cpu).unwrap();
+        let cfg = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 64,
+            seq_len: 8,
+            dropout: 0.0,
+            bias: false,
+            ..ModelConfig::default()
+        };
+        let cfg =
+            ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), ..cfg };
+        let model = Model::with_kernels(
+            &cfg,
+            crate::config::KernelsConfig { merged_projections: true, ..kernels },
+            3,
+            Device::Cpu,
+        )
+        .unwrap();
         let casts = 4 * cfg.n_layer as u64 + 1;
         (cfg, model, Corpus::synthetic(64, 20_000, 0.1).unwrap(), casts)
     }
@@ -219,7 +292,16 @@ mod tests {
         let step = |micro: usize| {
             crate::ffi::set_autocast(false, true, false).unwrap();
             let before = KeptCasts::reused();
-            let out = forward_backward(&model, &data, 4, micro, &plain, 1.0, &mut MicroGraphs::new(false), &mut Progress::default());
+            let out = forward_backward(
+                &model,
+                &data,
+                4,
+                micro,
+                &plain,
+                1.0,
+                &mut MicroGraphs::new(false),
+                &mut Progress::default(),
+            );
             crate::ffi::set_autocast(false, false, false).unwrap();
             let (grads, loss) = out.unwrap();
             (grads, loss, KeptCasts::reused() - before)
@@ -245,14 +327,19 @@ mod tests {
         }
         assert_eq!(split_loss, fresh_loss.unwrap().double_value(&[]), "loss");
         assert!(split.iter().zip(fresh.as_ref().unwrap()).all(|(a, b)| a.equal(b)), "gradients, to the bit");
-        assert!((whole_loss - split_loss).abs() < 1e-2 * whole_loss.abs(), "the split changes only roundings");
+        assert!(
+            (whole_loss - split_loss).abs() < 1e-2 * whole_loss.abs(),
+            "the split changes only roundings"
+        );
         drop(whole);
         // A weight changed in place (as the optimizer does) is cast again.
         let scope = KeptCasts::start().unwrap();
         crate::ffi::set_autocast(false, true, false).unwrap();
         let (x, y) = data.sampler.train_batch(&corpus, 4, 0..2, Device::Cpu).unwrap();
         let first = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
-        let _ = tch::no_grad(|| model.params.get("h.0.mlp.c_fc.weight").unwrap().shallow_clone().f_add_scalar_(0.5).unwrap());
+        let _ = tch::no_grad(|| {
+            model.params.get("h.0.mlp.c_fc.weight").unwrap().shallow_clone().f_add_scalar_(0.5).unwrap()
+        });
         let before = KeptCasts::reused();
         let changed = model.loss(&x, &y, false, None).unwrap().double_value(&[]);
         assert_eq!(KeptCasts::reused() - before, casts - 1, "all but the changed tensor reused");
@@ -263,14 +350,29 @@ mod tests {
         assert_eq!(changed, recast, "as cast afresh");
         // Merged projections' joint casts are kept as the parameters' are: one set, which the
         // second forward reuses whole.
-        let llama = ModelConfig { arch: crate::config::Arch::Llama, n_kv_head: Some(1), ffn_hidden: Some(40), bias: false, ..cfg };
-        let merged = Model::with_kernels(&llama, KernelsConfig { fused_linear: true, merged_projections: true, ..KernelsConfig::aten() }, 3, Device::Cpu).unwrap();
+        let llama = ModelConfig {
+            arch: crate::config::Arch::Llama,
+            n_kv_head: Some(1),
+            ffn_hidden: Some(40),
+            bias: false,
+            ..cfg
+        };
+        let merged = Model::with_kernels(
+            &llama,
+            KernelsConfig { fused_linear: true, merged_projections: true, ..KernelsConfig::aten() },
+            3,
+            Device::Cpu,
+        )
+        .unwrap();
         let _scope = KeptCasts::start().unwrap();
         crate::ffi::set_autocast(false, true, false).unwrap();
         let held_reused: Vec<(usize, u64)> = (0..2)
             .map(|_| {
                 let before = KeptCasts::reused();
-                merged.loss(&x, &y, false, None).map(|_| (KeptCasts::held(), KeptCasts::reused() - before)).unwrap()
+                merged
+                    .loss(&x, &y, false, None)
+                    .map(|_| (KeptCasts::held(), KeptCasts::reused() - before))
+                    .unwrap()
             })
             .collect();
         crate::ffi::set_autocast(false, false, false).unwrap();
@@ -290,25 +392,50 @@ mod tests {
     fn the_graphs_kept_casts_follow_the_weights_from_step_to_step() {
         fn steps(graphs: bool, merged: bool) -> Vec<(f64, Vec<Tensor>)> {
             let _emulation = CudaEmulation::start();
-            let kernels = crate::config::KernelsConfig { fused_linear: true, ..crate::config::KernelsConfig::aten() };
-            let (_, model, corpus, casts) = if merged { merged_llama_with(kernels) } else { linear_node_gpt2_with(kernels) };
+            let kernels =
+                crate::config::KernelsConfig { fused_linear: true, ..crate::config::KernelsConfig::aten() };
+            let (_, model, corpus, casts) =
+                if merged { merged_llama_with(kernels) } else { linear_node_gpt2_with(kernels) };
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let mut mode = MicroGraphs::new(graphs);
             let mut out = Vec::new();
             // Step 2 as the guard escalates it (offload, checkpointing): outside the graphs.
             let escalated = Savers { checkpoint_every: 1, offload: true, ..Savers::default() };
-            let (mut where_kept, mut reused_before, mut reused_at_step_0) = (Vec::new(), KeptCasts::reused(), 0);
+            let (mut where_kept, mut reused_before, mut reused_at_step_0) =
+                (Vec::new(), KeptCasts::reused(), 0);
             for step in 0..4u64 {
                 let savers = if step == 2 { escalated } else { Savers::default() };
                 crate::ffi::set_autocast(false, true, false).unwrap();
-                let (grads, loss) = forward_backward(&model, &data, step, 2, &savers, 1.0, &mut mode, &mut Progress::default()).unwrap();
+                let (grads, loss) = forward_backward(
+                    &model,
+                    &data,
+                    step,
+                    2,
+                    &savers,
+                    1.0,
+                    &mut mode,
+                    &mut Progress::default(),
+                )
+                .unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();
-                assert_eq!(KeptCasts::held() > 0, graphs && step != 2, "step {step}: kept for the graphs, none after a step outside them");
+                assert_eq!(
+                    KeptCasts::held() > 0,
+                    graphs && step != 2,
+                    "step {step}: kept for the graphs, none after a step outside them"
+                );
                 if graphs && step == 1 {
                     // Step 1's refresh made the casts again where step 0 had put them, and as
                     // current: step 1 reused every one of them, none was cast anew.
-                    assert_eq!(KeptCasts::addresses(), where_kept, "the casts stay where captured graphs read them");
-                    assert_eq!(KeptCasts::reused() - reused_before, reused_at_step_0 + casts, "step 1 reused every cast");
+                    assert_eq!(
+                        KeptCasts::addresses(),
+                        where_kept,
+                        "the casts stay where captured graphs read them"
+                    );
+                    assert_eq!(
+                        KeptCasts::reused() - reused_before,
+                        reused_at_step_0 + casts,
+                        "step 1 reused every cast"
+                    );
                 }
                 if step == 0 {
                     where_kept = KeptCasts::addresses();
@@ -337,7 +464,10 @@ mod tests {
             let graphed = std::thread::spawn(move || steps(true, merged)).join().unwrap();
             for (step, ((la, ga), (lb, gb))) in graphed.iter().zip(&eager).enumerate() {
                 assert_eq!(la.to_bits(), lb.to_bits(), "merged {merged}, step {step}: loss");
-                assert!(ga.iter().zip(gb).all(|(a, b)| a.equal(b)), "merged {merged}, step {step}: a gradient differs");
+                assert!(
+                    ga.iter().zip(gb).all(|(a, b)| a.equal(b)),
+                    "merged {merged}, step {step}: a gradient differs"
+                );
             }
         }
     }
@@ -352,18 +482,34 @@ mod tests {
         use crate::config::KernelsConfig;
         use crate::ffi::linear::GemmSums;
         let _emulation = CudaEmulation::start();
-        let kernels = |on: bool| KernelsConfig { fused_linear: true, accumulate_in_gemm: on, ..KernelsConfig::aten() };
+        let kernels =
+            |on: bool| KernelsConfig { fused_linear: true, accumulate_in_gemm: on, ..KernelsConfig::aten() };
         // Four weights a block and the (tied) head's go through the node.
         let weights = 4 * 2 + 1;
         let step = |on: bool, graphs: bool, savers: Savers, merged: bool| {
-            let (_, model, corpus, _) = if merged { merged_llama_with(kernels(on)) } else { linear_node_gpt2_with(kernels(on)) };
+            let (_, model, corpus, _) =
+                if merged { merged_llama_with(kernels(on)) } else { linear_node_gpt2_with(kernels(on)) };
             let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
             let before = GemmSums::attached();
             crate::ffi::set_autocast(false, true, false).unwrap();
-            let out = forward_backward(&model, &data, 4, 2, &savers, 1.0, &mut MicroGraphs::new(graphs), &mut Progress::default());
+            let out = forward_backward(
+                &model,
+                &data,
+                4,
+                2,
+                &savers,
+                1.0,
+                &mut MicroGraphs::new(graphs),
+                &mut Progress::default(),
+            );
             crate::ffi::set_autocast(false, false, false).unwrap();
             let (grads, loss) = out.unwrap();
-            let tied = model.params.names.iter().position(|n| n == "wte.weight" || n == "model.embed_tokens.weight").unwrap();
+            let tied = model
+                .params
+                .names
+                .iter()
+                .position(|n| n == "wte.weight" || n == "model.embed_tokens.weight")
+                .unwrap();
             (grads, loss, GemmSums::attached() - before, tied)
         };
         let plain = Savers::default();
@@ -406,9 +552,17 @@ mod tests {
         drop(scope);
         let (_, grads) = out.unwrap();
         let added: Vec<bool> = grads.iter().map(|g| !g.defined()).collect();
-        assert_eq!(added.iter().filter(|&&a| a).count() as u64, weights - 1, "the blocks' weights (the tied head's also gets the embedding's)");
+        assert_eq!(
+            added.iter().filter(|&&a| a).count() as u64,
+            weights - 1,
+            "the blocks' weights (the tied head's also gets the embedding's)"
+        );
         for ((g, sum), added) in grads.iter().zip(&sums).zip(added) {
-            assert_eq!(sum.abs().sum(tch::Kind::Float).double_value(&[]) > 0.0, added || g.dim() == 2 && g.size()[0] == 64, "a sum is written where the node added");
+            assert_eq!(
+                sum.abs().sum(tch::Kind::Float).double_value(&[]) > 0.0,
+                added || g.dim() == 2 && g.size()[0] == 64,
+                "a sum is written where the node added"
+            );
         }
         // A graph made inside a scope whose backward runs after it ended: the usual gradient.
         let scope = model.sum_weight_grads_into(&sums).unwrap().expect("the switch is on");
@@ -419,7 +573,10 @@ mod tests {
         let late = Tensor::f_run_backward(&[&loss.unwrap()], &model.params.tensors, false, false).unwrap();
         assert!(late.iter().all(Tensor::defined), "a scope that ended adds nothing");
         // A scope started replaces the last; dropping the replaced one leaves the new one open.
-        let (first, second) = (model.sum_weight_grads_into(&sums).unwrap().unwrap(), model.sum_weight_grads_into(&sums).unwrap().unwrap());
+        let (first, second) = (
+            model.sum_weight_grads_into(&sums).unwrap().unwrap(),
+            model.sum_weight_grads_into(&sums).unwrap().unwrap(),
+        );
         drop(first);
         crate::ffi::set_autocast(false, true, false).unwrap();
         let out = loss_and_grads(&model, &x, &y, 1.0, 0, &plain);
@@ -434,6 +591,9 @@ mod tests {
     fn a_real_allocation_failure_comes_back_as_an_oom_error() {
         // 2^50 floats: the CPU allocator refuses, libtorch raises, tch returns Err.
         let err = Tensor::f_empty([1i64 << 50], (tch::Kind::Float, Device::Cpu)).unwrap_err().to_string();
-        assert!(matches!(crate::guard::classify(&err), crate::guard::ErrorKind::OutOfMemory { requested_bytes: Some(b) } if b == 1 << 52), "{err}");
+        assert!(
+            matches!(crate::guard::classify(&err), crate::guard::ErrorKind::OutOfMemory { requested_bytes: Some(b) } if b == 1 << 52),
+            "{err}"
+        );
     }
 }

@@ -39,7 +39,9 @@ pub fn configure_process(p: Precision, device: Device) {
     if device.is_cuda() {
         let tf32 = p == Precision::Fp32;
         match ffi::set_matmul_precision(if tf32 { "high" } else { "highest" }) {
-            Ok(()) if tf32 => tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)"),
+            Ok(()) if tf32 => {
+                tracing::info!("fp32 run: TF32 matmuls allowed (float32 matmul precision `high`)")
+            }
             Ok(()) => {}
             Err(e) => tracing::warn!("cannot set the float32 matmul precision: {e}"),
         }

@@ -91,7 +91,14 @@ fn accumulate(grads: &mut [Option<Tensor>], idx: &[usize], new: Vec<Tensor>) -> 
 /// parameter order), computed with `savers`. Returns the weighted loss, detached. Inside a
 /// [`crate::ffi::linear::GemmSums`] scope the gradients it added into their accumulators are
 /// undefined tensors.
-pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: u64, savers: &Savers) -> Result<(Tensor, Vec<Tensor>), TchError> {
+pub fn loss_and_grads(
+    model: &Model,
+    x: &Tensor,
+    y: &Tensor,
+    weight: f64,
+    seed: u64,
+    savers: &Savers,
+) -> Result<(Tensor, Vec<Tensor>), TchError> {
     let params = &model.params.tensors;
     if savers.plain() {
         let loss = model.weighted_loss(x, y, weight, Some(seed))?;
@@ -141,17 +148,28 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
 
     // Head and loss, from a detached copy of the body's output.
     let hidden = body_out.f_detach()?.f_set_requires_grad(true)?;
-    let (loss, grad_hidden) = head_backward(model, &hidden, y, weight, savers.loss_chunk_tokens, &groups.head, &mut grads)?;
+    let (loss, grad_hidden) =
+        head_backward(model, &hidden, y, weight, savers.loss_chunk_tokens, &groups.head, &mut grads)?;
 
     // Body backward.
-    let blocks = |range: std::ops::Range<usize>| -> Vec<usize> { groups.blocks[range].iter().flatten().copied().collect() };
+    let blocks = |range: std::ops::Range<usize>| -> Vec<usize> {
+        groups.blocks[range].iter().flatten().copied().collect()
+    };
     if k == 0 {
         let body_idx: Vec<usize> = groups.embed.iter().copied().chain(blocks(0..n)).collect();
         push_back(std::slice::from_ref(&body_out), &grad_hidden, params, &body_idx, None, &mut grads)?;
     } else {
         let mut grad_out = grad_hidden;
         if let Some(leaf) = kept_from {
-            grad_out = push_back(std::slice::from_ref(&body_out), &grad_out, params, &blocks(checkpointed..n), Some(leaf), &mut grads)?.expect("the kept blocks' input gradient");
+            grad_out = push_back(
+                std::slice::from_ref(&body_out),
+                &grad_out,
+                params,
+                &blocks(checkpointed..n),
+                Some(leaf),
+                &mut grads,
+            )?
+            .expect("the kept blocks' input gradient");
         }
         for (start, input) in saved.into_iter().rev() {
             let input = reload(&input, device)?.f_detach()?.f_set_requires_grad(true)?;
@@ -163,7 +181,8 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
             // The segment's output is not read, only its gradient pushed back: the last block's
             // stream and output stay apart, and its last product is not computed.
             let out = model.block_graph(end - 1, &h, true, Some(seed))?;
-            grad_out = push_back(&out, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?.expect("the segment input's gradient");
+            grad_out = push_back(&out, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?
+                .expect("the segment input's gradient");
         }
         let e = model.embed(x, true, Some(seed))?;
         push_back(&[e], &grad_out, params, &groups.embed, None, &mut grads)?;
@@ -179,7 +198,14 @@ pub fn loss_and_grads(model: &Model, x: &Tensor, y: &Tensor, weight: f64, seed: 
 /// Pushes `grad_out` back through the graphs of `outs` (each of which it is the gradient of: a
 /// block's output, or its stream and its output not yet added) into the parameters `idx` (added
 /// to `grads`) and into the leaf `input` when there is one, whose gradient it returns.
-fn push_back(outs: &[Tensor], grad_out: &Tensor, params: &[Tensor], idx: &[usize], input: Option<Tensor>, grads: &mut [Option<Tensor>]) -> Result<Option<Tensor>, TchError> {
+fn push_back(
+    outs: &[Tensor],
+    grad_out: &Tensor,
+    params: &[Tensor],
+    idx: &[usize],
+    input: Option<Tensor>,
+    grads: &mut [Option<Tensor>],
+) -> Result<Option<Tensor>, TchError> {
     let with_input = input.is_some();
     let mut inputs: Vec<Tensor> = idx.iter().map(|&i| params[i].shallow_clone()).collect();
     inputs.extend(input);
@@ -201,7 +227,8 @@ fn head_backward(
     head_idx: &[usize],
     grads: &mut [Option<Tensor>],
 ) -> Result<(Tensor, Tensor), TchError> {
-    let head_params: Vec<Tensor> = head_idx.iter().map(|&i| model.params.tensors[i].shallow_clone()).collect();
+    let head_params: Vec<Tensor> =
+        head_idx.iter().map(|&i| model.params.tensors[i].shallow_clone()).collect();
     let Some(chunk) = chunk else {
         let loss = model.weighted_cross_entropy(model.head(hidden)?, y, Reduction::Mean, weight)?;
         let mut inputs = head_params;
@@ -224,7 +251,12 @@ fn head_backward(
         // Sum over the chunk ÷ all tokens: the chunks add up to the mean. (All tokens, not the
         // targets counted: our batches are token streams with no −100 targets, and the step's
         // token weights (`weight`) count every token too.)
-        let loss = model.weighted_cross_entropy(model.head(&inp)?, &targets.f_narrow(0, start, len)?, Reduction::Sum, weight / n as f64)?;
+        let loss = model.weighted_cross_entropy(
+            model.head(&inp)?,
+            &targets.f_narrow(0, start, len)?,
+            Reduction::Sum,
+            weight / n as f64,
+        )?;
         let mut inputs: Vec<Tensor> = head_params.iter().map(|t| t.shallow_clone()).collect();
         inputs.push(inp);
         let mut g = Tensor::f_run_backward(&[&loss], &inputs, false, false)?;
@@ -268,7 +300,16 @@ mod tests {
     static GLOBAL_RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn setup(dropout: f64) -> (Model, Tensor, Tensor) {
-        let cfg = ModelConfig { n_layer: 4, n_head: 2, n_embd: 32, vocab_size: 64, seq_len: 16, dropout, bias: true, ..ModelConfig::default() };
+        let cfg = ModelConfig {
+            n_layer: 4,
+            n_head: 2,
+            n_embd: 32,
+            vocab_size: 64,
+            seq_len: 16,
+            dropout,
+            bias: true,
+            ..ModelConfig::default()
+        };
         let m = Model::new(&cfg, 11, Device::Cpu).unwrap();
         let x = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
         let y = Tensor::f_randint(64, [3, 16], (tch::Kind::Int64, Device::Cpu)).unwrap();
@@ -289,9 +330,19 @@ mod tests {
                 Savers { checkpoint_every: 1, ..Default::default() },
                 Savers { checkpoint_every: 3, ..Default::default() },
                 Savers { loss_chunk_tokens: Some(5), ..Default::default() },
-                Savers { checkpoint_every: 2, offload: true, loss_chunk_tokens: Some(16), checkpoint_first: None },
+                Savers {
+                    checkpoint_every: 2,
+                    offload: true,
+                    loss_chunk_tokens: Some(16),
+                    checkpoint_first: None,
+                },
                 Savers { checkpoint_every: 1, checkpoint_first: Some(1), ..Default::default() },
-                Savers { checkpoint_every: 1, checkpoint_first: Some(2), offload: true, loss_chunk_tokens: Some(16) },
+                Savers {
+                    checkpoint_every: 1,
+                    checkpoint_first: Some(2),
+                    offload: true,
+                    loss_chunk_tokens: Some(16),
+                },
                 Savers { checkpoint_every: 1, checkpoint_first: Some(9), ..Default::default() },
             ];
             for s in variants {
@@ -343,22 +394,50 @@ mod tests {
             ran.unwrap();
             let trace = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
             let events = crate::trace::parse(&trace).unwrap().events;
-            events.iter().filter(|e| !e.device_side && !e.launch && matches!(e.name.as_str(), "aten::mm" | "aten::addmm")).count()
+            events
+                .iter()
+                .filter(|e| {
+                    !e.device_side && !e.launch && matches!(e.name.as_str(), "aten::mm" | "aten::addmm")
+                })
+                .count()
         };
         let plain = products(&Savers::default());
         // A GPT-2 block's forward: four products (q/k/v, the attention's projection, the MLP's
         // two); 4 blocks.
-        assert_eq!(products(&Savers { checkpoint_every: 1, ..Default::default() }) - plain, 4 * 3, "every block ends a segment");
-        assert_eq!(products(&Savers { checkpoint_every: 2, ..Default::default() }) - plain, 2 * (4 + 3), "segments of two");
-        assert_eq!(products(&Savers { checkpoint_every: 1, checkpoint_first: Some(1), ..Default::default() }) - plain, 3, "the first block alone");
+        assert_eq!(
+            products(&Savers { checkpoint_every: 1, ..Default::default() }) - plain,
+            4 * 3,
+            "every block ends a segment"
+        );
+        assert_eq!(
+            products(&Savers { checkpoint_every: 2, ..Default::default() }) - plain,
+            2 * (4 + 3),
+            "segments of two"
+        );
+        assert_eq!(
+            products(&Savers { checkpoint_every: 1, checkpoint_first: Some(1), ..Default::default() })
+                - plain,
+            3,
+            "the first block alone"
+        );
     }
 
     #[test]
     fn offload_matches_checkpointing_alone() {
         let _rng = GLOBAL_RNG.lock().unwrap_or_else(|e| e.into_inner());
         let (m, x, y) = setup(0.1);
-        let (_, a) = loss_and_grads(&m, &x, &y, 1.0, 3, &Savers { checkpoint_every: 1, ..Default::default() }).unwrap();
-        let (_, b) = loss_and_grads(&m, &x, &y, 1.0, 3, &Savers { checkpoint_every: 1, offload: true, ..Default::default() }).unwrap();
+        let (_, a) =
+            loss_and_grads(&m, &x, &y, 1.0, 3, &Savers { checkpoint_every: 1, ..Default::default() })
+                .unwrap();
+        let (_, b) = loss_and_grads(
+            &m,
+            &x,
+            &y,
+            1.0,
+            3,
+            &Savers { checkpoint_every: 1, offload: true, ..Default::default() },
+        )
+        .unwrap();
         assert_eq!(max_diff(&a, &b), 0.0);
     }
 
@@ -368,10 +447,15 @@ mod tests {
         assert_eq!((s.checkpoint_every, s.offload), (1, false));
         let s = s.escalated(Escalation::OffloadActivations);
         assert_eq!((s.checkpoint_every, s.offload), (1, true));
-        let keep = Savers { checkpoint_every: 3, ..Default::default() }.escalated(Escalation::ActivationCheckpointing);
+        let keep = Savers { checkpoint_every: 3, ..Default::default() }
+            .escalated(Escalation::ActivationCheckpointing);
         assert_eq!(keep.checkpoint_every, 3, "an explicit segment length is kept");
         let part = Savers::new(Checkpointing::First(2), false, None);
         assert_eq!((part.checkpoint_every, part.checkpoint_first), (1, Some(2)));
-        assert_eq!(part.escalated(Escalation::ActivationCheckpointing).checkpoint_first, None, "escalating checkpoints every block");
+        assert_eq!(
+            part.escalated(Escalation::ActivationCheckpointing).checkpoint_first,
+            None,
+            "escalating checkpoints every block"
+        );
     }
 }

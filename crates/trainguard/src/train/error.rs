@@ -85,7 +85,12 @@ impl TrainError {
     /// restart may mend (ranks that found different checkpoints: a directory cache that lagged
     /// behind a crash's last checkpoint): not one to end a torchrun job on.
     pub fn heard_from_a_peer(&self) -> bool {
-        matches!(self, TrainError::PeerCouldNotStart | TrainError::Start(StartMismatch::PeersDiffer { .. }) | TrainError::ResumeDisagrees { .. })
+        matches!(
+            self,
+            TrainError::PeerCouldNotStart
+                | TrainError::Start(StartMismatch::PeersDiffer { .. })
+                | TrainError::ResumeDisagrees { .. }
+        )
     }
 
     /// The user's input is wrong (exit 2): a checkpoint or model to start from that cannot be

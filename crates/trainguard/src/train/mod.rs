@@ -8,7 +8,7 @@ mod run_dir;
 mod trainer;
 mod watch;
 
+pub use error::TrainError;
 pub use resume::Resume;
 pub use run::Run;
-pub use error::TrainError;
 pub use trainer::train;

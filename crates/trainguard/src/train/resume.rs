@@ -3,10 +3,10 @@
 //! from, restoring that state from it, and writing checkpoints on schedule with retention applied
 //! (rank 0 only).
 use super::TrainError;
+use crate::checkpoint::lineage;
 use crate::checkpoint::retention;
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
-use crate::checkpoint::lineage;
 use crate::config::Config;
 use crate::events::{Event, Reporter};
 use crate::guard::Guard;
@@ -60,7 +60,10 @@ impl Resume {
         };
         let (restart, from) = match first {
             Self::Path(p) => {
-                let from = format!(" from its newest checkpoint past {}'s step, else from that one again", p.display());
+                let from = format!(
+                    " from its newest checkpoint past {}'s step, else from that one again",
+                    p.display()
+                );
                 (Self::AutoOr(p), from)
             }
             _ => (Self::Auto, String::new()),
@@ -112,7 +115,13 @@ impl TrainState {
         let g = &l.state.guard;
         let configured = self.guard.state.configured();
         let current = if g.configured_micro_batch == configured { g.micro_batch } else { configured };
-        self.guard.state = self.guard.state.clone().with_current(current).with_regrow_memory(g.regrow.clone()).with_level(g.escalation_level);
+        self.guard.state = self
+            .guard
+            .state
+            .clone()
+            .with_current(current)
+            .with_regrow_memory(g.regrow.clone())
+            .with_level(g.escalation_level);
         self.progress = Progress {
             micro_steps: l.state.micro_steps,
             tokens_seen: l.state.tokens_seen,
@@ -127,10 +136,16 @@ impl TrainState {
 
 pub(super) fn corrupt_path(e: &CheckpointError) -> String {
     match e {
-        CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => path.display().to_string(),
-        CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => path.display().to_string(),
+        CheckpointError::Corrupt { path, .. } | CheckpointError::Io { path, .. } => {
+            path.display().to_string()
+        }
+        CheckpointError::Incompatible { path, .. } | CheckpointError::Save { path, .. } => {
+            path.display().to_string()
+        }
         CheckpointError::RunExists { out_dir, .. } => out_dir.display().to_string(),
-        CheckpointError::RunNotCheckpoint { path } | CheckpointError::CheckpointsNotCheckpoint { path } | CheckpointError::Missing { path } => path.display().to_string(),
+        CheckpointError::RunNotCheckpoint { path }
+        | CheckpointError::CheckpointsNotCheckpoint { path }
+        | CheckpointError::Missing { path } => path.display().to_string(),
     }
 }
 
@@ -161,15 +176,21 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         }
         Resume::Overwrite => Ok(Start::default()), // the directory was moved aside: nothing there
         Resume::Auto => Ok(newest(root, writer, None)),
-        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => Err(CheckpointError::RunNotCheckpoint { path: p.clone() }),
-        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && !store::list(p).is_empty() => Err(CheckpointError::CheckpointsNotCheckpoint { path: p.clone() }),
+        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && store::root(p).is_dir() => {
+            Err(CheckpointError::RunNotCheckpoint { path: p.clone() })
+        }
+        Resume::Path(p) if !p.join(store::STATE_FILE).exists() && !store::list(p).is_empty() => {
+            Err(CheckpointError::CheckpointsNotCheckpoint { path: p.clone() })
+        }
         Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
         Resume::AutoOr(p) => {
             // The job's own checkpoints are past the step it began from (the first attempt set
             // aside any later one before the job was recorded); an older one is another run's.
             let began = store::load_state(p)?.step;
             match newest(root, writer, Some(began)) {
-                Start { loaded: None, skipped, restored } => Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? }),
+                Start { loaded: None, skipped, restored } => {
+                    Ok(Start { skipped, restored, ..resolve_resume(&Resume::Path(p.clone()), root, writer)? })
+                }
                 own => Ok(own),
             }
         }
@@ -202,14 +223,22 @@ pub(super) struct LeftBehind {
 /// file system). Nothing is deleted: where the newest checkpoint was corrupt and passed over,
 /// those weights are the only copy of its step; where every checkpoint was, or they were
 /// removed, a fresh start would otherwise write over the only copy of the run's model.
-pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<(u64, &Path)>, max_steps: u64) -> Result<LeftBehind, TrainError> {
+pub(super) fn leave_the_old_line(
+    out_dir: &Path,
+    root: &Path,
+    resumed: Option<(u64, &Path)>,
+    max_steps: u64,
+) -> Result<LeftBehind, TrainError> {
     let now = crate::job::deadline::now_unix_s() as u64;
     let checkpoints = store::set_aside_after(root, resumed, now)?;
     let stale = out_dir.join(crate::checkpoint::WEIGHTS_FILE);
     let mut final_weights = None;
     if resumed.map_or(0, |(step, _)| step) < max_steps && stale.exists() {
-        let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| p.exists());
-        std::fs::rename(&stale, &to).map_err(|source| TrainError::RunDirFile { file: stale.clone(), source })?;
+        let to = store::free_path(format!("{}/model.set-aside-{now}.safetensors", out_dir.display()), |p| {
+            p.exists()
+        });
+        std::fs::rename(&stale, &to)
+            .map_err(|source| TrainError::RunDirFile { file: stale.clone(), source })?;
         final_weights = Some(to);
     }
     Ok(LeftBehind { checkpoints, final_weights })
@@ -220,22 +249,49 @@ pub(super) fn leave_the_old_line(out_dir: &Path, root: &Path, resumed: Option<(u
 pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
     let step = l.state.step;
     let (before, now) = (LrSchedule::from_config(&l.config.train).at(step), plan.schedule.at(step));
-    (before != now).then(|| format!("learning rate at step {step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"))
+    (before != now).then(|| {
+        format!(
+            "learning rate at step {step}: {before:.4e} on the checkpoint's schedule, {now:.4e} on this one"
+        )
+    })
 }
 
 /// Another number of ranks than the checkpoint's, said with each rank's share of the global
 /// batch (the checkpoint's and this run's). Where the global batch is the same, so are each
 /// step's samples (each rank takes its share of them): the update is the same sum in another
 /// order; with dropout, the masks are drawn per micro-batch and differ.
-pub(super) fn ranks_change(saved: Option<usize>, now: usize, saved_global: usize, global: usize) -> Option<String> {
+pub(super) fn ranks_change(
+    saved: Option<usize>,
+    now: usize,
+    saved_global: usize,
+    global: usize,
+) -> Option<String> {
     let saved = saved.filter(|&s| s != now)?;
-    let share = |g: usize, n: usize| if g.is_multiple_of(n) { format!("{}", g / n) } else { format!("{}-{}", g / n, g.div_ceil(n)) };
-    let samples = if saved_global == global { format!("the global batch of {global} and each step's samples stay the same") } else { format!("the global batch changed too, {saved_global} to {global}") };
-    Some(format!("ranks: checkpoint {saved}, now {now} ({samples}: {} per rank, {} before)", share(global, now), share(saved_global, saved)))
+    let share = |g: usize, n: usize| {
+        if g.is_multiple_of(n) {
+            format!("{}", g / n)
+        } else {
+            format!("{}-{}", g / n, g.div_ceil(n))
+        }
+    };
+    let samples = if saved_global == global {
+        format!("the global batch of {global} and each step's samples stay the same")
+    } else {
+        format!("the global batch changed too, {saved_global} to {global}")
+    };
+    Some(format!(
+        "ranks: checkpoint {saved}, now {now} ({samples}: {} per rank, {} before)",
+        share(global, now),
+        share(saved_global, saved)
+    ))
 }
 
 /// Refuses a checkpoint whose model differs from the config; returns the safe changes.
-pub(super) fn check_compatible(l: &Loaded, cfg: &Config, data: &DataRecord) -> Result<Vec<String>, CheckpointError> {
+pub(super) fn check_compatible(
+    l: &Loaded,
+    cfg: &Config,
+    data: &DataRecord,
+) -> Result<Vec<String>, CheckpointError> {
     let (mut model, mut other) = compare::differences(&l.config, cfg);
     match data_change(l.state.data.as_ref(), data, l.state.step) {
         Some(DataChange::Tokenizer(why)) => model.push(why),
@@ -280,8 +336,13 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
         // user's rows where written before model.pad_vocab_to; that model is this run's
         // (`check_compatible`). So a weight of another shape is the latter, whose optimizer
         // state is unpadded too.
-        let Some(src) = l.weights.iter().find(|(n, t)| n == name && t.size() == p.size()).map(|(_, t)| t) else {
-            let why = format!("model.pad_vocab_to: checkpoint 1 (`{name}` has the unpadded {:?}), config {}", model.user_shape(i), model.cfg.pad_vocab_to);
+        let Some(src) = l.weights.iter().find(|(n, t)| n == name && t.size() == p.size()).map(|(_, t)| t)
+        else {
+            let why = format!(
+                "model.pad_vocab_to: checkpoint 1 (`{name}` has the unpadded {:?}), config {}",
+                model.user_shape(i),
+                model.cfg.pad_vocab_to
+            );
             return Err(CheckpointError::Incompatible { path: l.path.clone(), differences: vec![why] });
         };
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
@@ -352,7 +413,15 @@ impl Checkpointer {
 
     /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is
     /// reported (`goes_on`: training goes on after it, as after an interval's; not a stop's).
-    pub(super) fn save(&mut self, completed: u64, goes_on: bool, s: &TrainState, started: Instant, plan: &RunPlan, reporter: &mut Reporter) -> Option<PathBuf> {
+    pub(super) fn save(
+        &mut self,
+        completed: u64,
+        goes_on: bool,
+        s: &TrainState,
+        started: Instant,
+        plan: &RunPlan,
+        reporter: &mut Reporter,
+    ) -> Option<PathBuf> {
         if !self.writer {
             return None;
         }
@@ -386,7 +455,13 @@ impl Checkpointer {
             data: Some(self.data.clone()),
             lineage: progress.lineage.clone(),
         };
-        let weights: Vec<(String, tch::Tensor)> = model.params.names.iter().cloned().zip(model.params.tensors.iter().map(|t| t.shallow_clone())).collect();
+        let weights: Vec<(String, tch::Tensor)> = model
+            .params
+            .names
+            .iter()
+            .cloned()
+            .zip(model.params.tensors.iter().map(|t| t.shallow_clone()))
+            .collect();
         match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
             Ok(path) => {
                 let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
@@ -401,11 +476,20 @@ impl Checkpointer {
                 self.last_seconds = t0.elapsed().as_secs_f64();
                 self.last_saved = Some(completed);
                 self.last_path = Some(path.clone());
-                reporter.emit(Event::CheckpointSaved { step: completed, path: path.display().to_string(), seconds: self.last_seconds, deleted });
+                reporter.emit(Event::CheckpointSaved {
+                    step: completed,
+                    path: path.display().to_string(),
+                    seconds: self.last_seconds,
+                    deleted,
+                });
                 Some(path)
             }
             Err(e) => {
-                reporter.emit(Event::CheckpointFailed { step: completed, error: e.to_string(), training_goes_on: goes_on });
+                reporter.emit(Event::CheckpointFailed {
+                    step: completed,
+                    error: e.to_string(),
+                    training_goes_on: goes_on,
+                });
                 None
             }
         }
@@ -418,17 +502,25 @@ mod tests {
 
     #[test]
     fn another_tokenizer_is_refused_and_other_tokens_are_said() {
-        let then = DataRecord { source: "tokens:data".into(), tokenizer_crc32c: Some(7), train_tokens: 100, train_digest: "ab".into() };
+        let then = DataRecord {
+            source: "tokens:data".into(),
+            tokenizer_crc32c: Some(7),
+            train_tokens: 100,
+            train_digest: "ab".into(),
+        };
         assert!(data_change(Some(&then), &then, 5).is_none());
         assert!(data_change(None, &then, 5).is_none(), "a checkpoint from before the record");
         let retokenized = DataRecord { tokenizer_crc32c: Some(8), ..then.clone() };
-        let Some(DataChange::Tokenizer(why)) = data_change(Some(&then), &retokenized, 5) else { panic!("not refused") };
+        let Some(DataChange::Tokenizer(why)) = data_change(Some(&then), &retokenized, 5) else {
+            panic!("not refused")
+        };
         assert!(why.contains("not the one step 5 trained with (CRC-32C 00000008, 00000007 then"), "{why}");
         let more = DataRecord { train_tokens: 150, train_digest: "cd".into(), ..then.clone() };
         let Some(DataChange::Tokens(note)) = data_change(Some(&then), &more, 5) else { panic!("not said") };
         assert!(note.contains("100 tokens then, 150 now"), "{note}");
         // Another source is the config comparison's to name; without a tokenizer nothing to compare.
-        assert!(data_change(Some(&then), &DataRecord { source: "tokens:other".into(), ..more.clone() }, 5).is_none());
+        assert!(data_change(Some(&then), &DataRecord { source: "tokens:other".into(), ..more.clone() }, 5)
+            .is_none());
         assert!(data_change(Some(&then), &DataRecord { tokenizer_crc32c: None, ..then.clone() }, 5).is_none());
     }
 
@@ -464,10 +556,17 @@ mod tests {
         // the older checkpoint the job began from (unless the run has none yet); the log says
         // which choice was set aside, unless it was that run's own `auto`.
         assert_eq!(Resume::asked(Some("auto"), false, true), (Resume::Auto, None));
-        for (resume, overwrite, set_aside) in [(None, false, "a fresh start (no --resume)"), (Some("none"), false, "--resume none"), (None, true, "--overwrite")] {
+        for (resume, overwrite, set_aside) in [
+            (None, false, "a fresh start (no --resume)"),
+            (Some("none"), false, "--resume none"),
+            (None, true, "--overwrite"),
+        ] {
             let (restart, note) = Resume::asked(resume, overwrite, true);
             assert_eq!(restart, Resume::Auto, "{resume:?} {overwrite}");
-            assert_eq!(note.unwrap(), format!("a restart resumes it ({set_aside} was for the job's first attempt)"));
+            assert_eq!(
+                note.unwrap(),
+                format!("a restart resumes it ({set_aside} was for the job's first attempt)")
+            );
         }
         let (restart, note) = Resume::asked(Some(p), false, true);
         assert_eq!(restart, Resume::AutoOr(path()));
@@ -483,6 +582,11 @@ mod tests {
             Some("ranks: checkpoint 1, now 2 (the global batch of 64 and each step's samples stay the same: 32 per rank, 64 before)")
         );
         assert!(ranks_change(Some(2), 3, 64, 64).unwrap().contains(": 21-22 per rank, 32 before)"));
-        assert_eq!(ranks_change(Some(1), 2, 32, 64).as_deref(), Some("ranks: checkpoint 1, now 2 (the global batch changed too, 32 to 64: 32 per rank, 32 before)"));
+        assert_eq!(
+            ranks_change(Some(1), 2, 32, 64).as_deref(),
+            Some(
+                "ranks: checkpoint 1, now 2 (the global batch changed too, 32 to 64: 32 per rank, 32 before)"
+            )
+        );
     }
 }

@@ -3,12 +3,15 @@
 //! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
-use super::resume::{check_compatible, corrupt_path, leave_the_old_line, ranks_change, resolve_resume, schedule_change, Checkpointer, Progress, Resume, Start, TrainState};
+use super::resume::{
+    check_compatible, corrupt_path, leave_the_old_line, ranks_change, resolve_resume, schedule_change,
+    Checkpointer, Progress, Resume, Start, TrainState,
+};
 use super::run_dir::RunDir;
 use super::watch::MemoryWatch;
 use super::TrainError;
-use crate::checkpoint::store;
 use crate::checkpoint::state::DataRecord;
+use crate::checkpoint::store;
 use crate::data::{Corpus, Sampler, Split};
 use crate::distributed::{Dist, DistError};
 use crate::events::{Event, Reporter, RunSummary, StepMetrics, StopReason};
@@ -17,8 +20,8 @@ use crate::job::interrupt::Interrupter;
 use crate::memory::summary::table as memory_summary;
 use crate::memory::{apply_limit, ProcessMemory};
 use crate::run_plan::RunPlan;
-use crate::trace::{TraceError, Tracer};
 use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
+use crate::trace::{TraceError, Tracer};
 use std::time::{Duration, Instant};
 
 pub struct Run<'a> {
@@ -56,7 +59,11 @@ pub struct Run<'a> {
 impl<'a> Run<'a> {
     /// Builds what the run needs, resuming from a checkpoint when asked; and the writing rank's
     /// hold on `out_dir`, for the caller to keep until the run's end is recorded.
-    pub(super) fn build(plan: &'a RunPlan, resume: &Resume, mut dist: Option<&'a mut Dist>) -> Result<(Self, Option<RunDir>), TrainError> {
+    pub(super) fn build(
+        plan: &'a RunPlan,
+        resume: &Resume,
+        mut dist: Option<&'a mut Dist>,
+    ) -> Result<(Self, Option<RunDir>), TrainError> {
         let cfg = &plan.config;
         let t = &cfg.train;
         let device = plan.device;
@@ -67,7 +74,8 @@ impl<'a> Run<'a> {
         if let Some(d) = dist.as_deref() {
             // First of all collectives: a rank whose config differs would meet its peers in
             // other ones, or train something else.
-            crate::distributed::ranks::check_same_start(d, cfg, corpus.as_ref().ok()).map_err(TrainError::from_start)?;
+            crate::distributed::ranks::check_same_start(d, cfg, corpus.as_ref().ok())
+                .map_err(TrainError::from_start)?;
         }
         let corpus = corpus?;
         let unigram_entropy = corpus.val_entropy;
@@ -81,12 +89,15 @@ impl<'a> Run<'a> {
         // directory as it was: for a run that cannot resume, before `--overwrite` moves the old
         // run aside; else once no checkpoint was found. All of it inside what the ranks compare
         // (every rank checks init_from): a refusal here is one their peers hear of.
-        let check_init = || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::check_init(&cfg.model, dir));
+        let check_init =
+            || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::check_init(&cfg.model, dir));
         let fresh = matches!(resume, Resume::Fresh | Resume::Overwrite);
         let mut held = None;
         let resumed = (if fresh { check_init() } else { Ok(()) })
             .map_err(TrainError::from)
-            .and_then(|()| run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose())
+            .and_then(|()| {
+                run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose()
+            })
             .and_then(|h| {
                 held = h;
                 let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
@@ -97,11 +108,13 @@ impl<'a> Run<'a> {
                 };
                 Ok((start, changed))
             });
-        let start_step = resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
+        let start_step =
+            resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
         let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
-        let allocator = crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
+        let allocator =
+            crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
         if let Some(d) = dist.as_deref() {
             // The ranks compare where they start, before anything is written. A rank that
             // cannot start (rank 0 alone refuses an out_dir holding another run; a checkpoint
@@ -129,15 +142,33 @@ impl<'a> Run<'a> {
         };
         let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
         let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
-        let recording = crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
+        let recording =
+            crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
         let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
         crate::step::precision::configure_process(cfg.precision, device);
-        let trainable = Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
-            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-        let guard = Guard::new(GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps), cfg.oom.policy, device, plan.rank_batch)
-            .with_escalation(cfg.oom.escalate.clone())
-            .data_parallel(plan.world_size > 1)
-            .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
+        let trainable = Trainable::build(
+            &cfg.model,
+            cfg.kernels,
+            &plan.optimizer,
+            cfg.precision,
+            scaler,
+            cfg.seed,
+            device,
+        )
+        .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+        let guard = Guard::new(
+            GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps),
+            cfg.oom.policy,
+            device,
+            plan.rank_batch,
+        )
+        .with_escalation(cfg.oom.escalate.clone())
+        .data_parallel(plan.world_size > 1)
+        .with_oom_snapshot(
+            cfg.memory.snapshot_on_oom && plan.is_writer(),
+            recording,
+            cfg.out_dir.clone(),
+        );
         let mut state = TrainState { trainable, guard, progress: Progress::default() };
         match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l, ckpt.root())?,
@@ -149,19 +180,34 @@ impl<'a> Run<'a> {
             h.prepare(cfg)?;
         }
         let left = match run_dir {
-            Some(dir) => leave_the_old_line(dir, ckpt.root(), loaded.as_ref().map(|l| (start_step, l.path.as_path())), t.max_steps)?,
+            Some(dir) => leave_the_old_line(
+                dir,
+                ckpt.root(),
+                loaded.as_ref().map(|l| (start_step, l.path.as_path())),
+                t.max_steps,
+            )?,
             None => Default::default(),
         };
         if let Some(h) = held.as_ref() {
             h.mark_job()?;
         }
         changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
-        changed.extend(loaded.as_ref().and_then(|l| ranks_change(l.state.world_size, plan.world_size, l.config.train.global_batch_size, t.global_batch_size)));
-        let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
-            .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
+        changed.extend(loaded.as_ref().and_then(|l| {
+            ranks_change(
+                l.state.world_size,
+                plan.world_size,
+                l.config.train.global_batch_size,
+                t.global_batch_size,
+            )
+        }));
+        let mut reporter =
+            Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
+                .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
             let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
-            reporter.enable_tensorboard(&dir.join("tb"), &yaml).map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
+            reporter
+                .enable_tensorboard(&dir.join("tb"), &yaml)
+                .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
         }
         for step in restored {
             reporter.emit(Event::CheckpointPutBack { step });
@@ -170,10 +216,15 @@ impl<'a> Run<'a> {
             reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
         }
         if let Some((dir, steps)) = left.checkpoints {
-            reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to: dir.display().to_string() });
+            reporter.emit(Event::CheckpointsSetAside {
+                resumed_step: start_step,
+                steps,
+                to: dir.display().to_string(),
+            });
         }
         if let Some(to) = left.final_weights {
-            reporter.emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
+            reporter
+                .emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
         }
         // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
         // use the settings, and their advice, "set memory.limit" for one, would not help).
@@ -181,10 +232,16 @@ impl<'a> Run<'a> {
             tracing::warn!("{w}");
         }
         for o in &allocator.overridden {
-            tracing::warn!("{} overridden by the config: {o}", allocator.env_var.unwrap_or("the environment's allocator settings"));
+            tracing::warn!(
+                "{} overridden by the config: {o}",
+                allocator.env_var.unwrap_or("the environment's allocator settings")
+            );
         }
         if !allocator.defaulted.is_empty() {
-            tracing::info!("allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)", allocator.defaulted.join(","));
+            tracing::info!(
+                "allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)",
+                allocator.defaulted.join(",")
+            );
         }
         if let Some(d) = deterministic {
             reporter.emit(Event::Deterministic(d));
@@ -196,7 +253,12 @@ impl<'a> Run<'a> {
             d.broadcast_params(params)?;
             d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
                 .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-            tracing::info!("rank {} of {}: gradients averaged in {} bucket(s)", d.rank, d.world_size, d.bucket_count());
+            tracing::info!(
+                "rank {} of {}: gradients averaged in {} bucket(s)",
+                d.rank,
+                d.world_size,
+                d.bucket_count()
+            );
         }
 
         reporter.emit(Event::RunStarted {
@@ -207,7 +269,12 @@ impl<'a> Run<'a> {
             global_batch_size: t.global_batch_size,
             micro_batch_size: state.guard.micro_batch(),
             configured_micro_batch_size: plan.micro_batch,
-            accumulation: crate::data::batch::accumulation(t.global_batch_size, state.guard.micro_batch(), plan.world_size).unwrap_or(plan.accumulation),
+            accumulation: crate::data::batch::accumulation(
+                t.global_batch_size,
+                state.guard.micro_batch(),
+                plan.world_size,
+            )
+            .unwrap_or(plan.accumulation),
             world_size: plan.world_size,
             tokens_per_step: plan.tokens_per_step,
             max_steps: t.max_steps,
@@ -216,7 +283,12 @@ impl<'a> Run<'a> {
         });
         if let Some(l) = &loaded {
             ckpt.adopt(l);
-            reporter.emit(Event::Resumed { step: start_step, path: l.path.display().to_string(), changed, lineage: state.progress.lineage.clone() });
+            reporter.emit(Event::Resumed {
+                step: start_step,
+                path: l.path.display().to_string(),
+                changed,
+                lineage: state.progress.lineage.clone(),
+            });
         }
         let run = Self {
             plan,
@@ -264,7 +336,11 @@ impl<'a> Run<'a> {
         self.since_checkpoint = since_checkpoint;
         if let Some(reason) = stop_now {
             let path = self.save_for_stop(step);
-            self.reporter.emit(Event::Stopped { step, reason, checkpoint: path.as_ref().map(|p| p.display().to_string()) });
+            self.reporter.emit(Event::Stopped {
+                step,
+                reason,
+                checkpoint: path.as_ref().map(|p| p.display().to_string()),
+            });
             if path.is_none() && plan.is_writer() {
                 // Exit 4 promises a checkpoint at this step: say what a requeue would get instead.
                 let newest = store::list(self.ckpt.root()).pop();
@@ -280,7 +356,11 @@ impl<'a> Run<'a> {
             // The steps since the last checkpoint are kept: with the data mended, `--resume auto`
             // goes on from here (a changed model.vocab_size is another model: a fresh start).
             let path = self.save_for_stop(step);
-            self.reporter.emit(Event::Stopped { step, reason: StopReason::BadData, checkpoint: path.map(|p| p.display().to_string()) });
+            self.reporter.emit(Event::Stopped {
+                step,
+                reason: StopReason::BadData,
+                checkpoint: path.map(|p| p.display().to_string()),
+            });
             return Err(e.into());
         }
         let outcome = optimizer_step(
@@ -300,7 +380,11 @@ impl<'a> Run<'a> {
                 tracing::warn!("{}", memory_summary(plan.device));
                 // The failed step changed nothing: the model is still the last good state.
                 let path = self.save_for_stop(step);
-                self.reporter.emit(Event::Stopped { step, reason: StopReason::OutOfMemory, checkpoint: path.map(|p| p.display().to_string()) });
+                self.reporter.emit(Event::Stopped {
+                    step,
+                    reason: StopReason::OutOfMemory,
+                    checkpoint: path.map(|p| p.display().to_string()),
+                });
                 return Err(e.into());
             }
             Err(e) => return Err(e.into()),
@@ -317,7 +401,12 @@ impl<'a> Run<'a> {
             self.consecutive_bad += 1;
             self.state.progress.nonfinite_skips = self.state.progress.nonfinite_skips.saturating_add(1);
             let consecutive = self.consecutive_bad;
-            self.reporter.emit(Event::NonfiniteSkipped { step, loss: outcome.loss, grad_norm: outcome.grad_norm, consecutive });
+            self.reporter.emit(Event::NonfiniteSkipped {
+                step,
+                loss: outcome.loss,
+                grad_norm: outcome.grad_norm,
+                consecutive,
+            });
             give_up = consecutive >= plan.config.nan.max_consecutive;
         } else {
             self.consecutive_bad = 0;
@@ -330,7 +419,16 @@ impl<'a> Run<'a> {
             // captures them again.
             self.state.trainable.graphs.release();
             let eval_started = Instant::now();
-            let v = validation_loss(&self.state.trainable.model, &mut self.state.guard, &plan.step, &data, t.eval_batches, step, self.dist.as_deref(), &mut self.reporter)?;
+            let v = validation_loss(
+                &self.state.trainable.model,
+                &mut self.state.guard,
+                &plan.step,
+                &data,
+                t.eval_batches,
+                step,
+                self.dist.as_deref(),
+                &mut self.reporter,
+            )?;
             self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
             let best = &mut self.state.progress.best_val;
             // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
@@ -365,7 +463,11 @@ impl<'a> Run<'a> {
         drop(traced_range);
         if give_up {
             let path = self.save(step + 1, false);
-            self.reporter.emit(Event::Stopped { step, reason: StopReason::Nonfinite, checkpoint: path.map(|p| p.display().to_string()) });
+            self.reporter.emit(Event::Stopped {
+                step,
+                reason: StopReason::Nonfinite,
+                checkpoint: path.map(|p| p.display().to_string()),
+            });
             return Err(TrainError::NonFinite { step, count: self.consecutive_bad });
         }
         if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
@@ -373,7 +475,9 @@ impl<'a> Run<'a> {
         }
         self.step += 1;
         let since_checkpoint = self.since_checkpoint.unwrap_or_else(|| self.ckpt.since_last());
-        if self.ckpt.due(self.step, new_best, since_checkpoint) || (self.step == t.max_steps && plan.config.checkpoint.at_end) {
+        if self.ckpt.due(self.step, new_best, since_checkpoint)
+            || (self.step == t.max_steps && plan.config.checkpoint.at_end)
+        {
             self.save(self.step, self.step < t.max_steps);
             self.after_writer()?;
         }
@@ -384,10 +488,12 @@ impl<'a> Run<'a> {
     /// on without it, and says so.
     fn trace<T>(&mut self, f: impl FnOnce(&mut Tracer) -> Result<T, TraceError>) -> Option<T> {
         let result = f(self.tracer.as_mut()?);
-        result.map_err(|e| {
-            tracing::warn!("{e}; training goes on without the trace");
-            self.tracer = None;
-        }).ok()
+        result
+            .map_err(|e| {
+                tracing::warn!("{e}; training goes on without the trace");
+                self.tracer = None;
+            })
+            .ok()
     }
 
     /// Why to stop before the next step, if anything says so; every rank agrees on it. Under a
@@ -396,7 +502,9 @@ impl<'a> Run<'a> {
         // The next step, its evaluation when one follows it (the first one guessed as a third
         // of a step's time per evaluation batch: a forward over a global batch), a checkpoint.
         let eval = match self.plan.evaluates_after(self.step + 1) {
-            true => self.last_eval_s.unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
+            true => self
+                .last_eval_s
+                .unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
             false => 0.0,
         };
         let margin = Duration::from_secs_f64(self.slowest_recent + eval + 1.5 * self.ckpt.last_seconds + 1.0);
@@ -436,7 +544,9 @@ impl<'a> Run<'a> {
     }
 
     fn save(&mut self, completed: u64, goes_on: bool) -> Option<std::path::PathBuf> {
-        crate::memory::uncapped(|| self.ckpt.save(completed, goes_on, &self.state, self.started, self.plan, &mut self.reporter))
+        crate::memory::uncapped(|| {
+            self.ckpt.save(completed, goes_on, &self.state, self.started, self.plan, &mut self.reporter)
+        })
     }
 
     /// A collective that failed because a peer ended on a second signal (it said so in the
@@ -446,7 +556,9 @@ impl<'a> Run<'a> {
     pub(super) fn peer_stopped(&self, e: TrainError) -> TrainError {
         let collective = match &e {
             TrainError::Dist(d) => matches!(d, DistError::Collective { .. }),
-            TrainError::Guard(GuardError::Fatal(inner)) => matches!(inner.downcast_ref::<DistError>(), Some(DistError::Collective { .. })),
+            TrainError::Guard(GuardError::Fatal(inner)) => {
+                matches!(inner.downcast_ref::<DistError>(), Some(DistError::Collective { .. }))
+            }
             _ => false,
         };
         let Some(d) = self.dist.as_deref().filter(|_| collective) else { return e };
@@ -476,12 +588,17 @@ impl<'a> Run<'a> {
         let t = &plan.config.train;
         if step == self.start_step && self.resumed {
             // Resumed at or past max_steps: the newest checkpoint already holds this state.
-            tracing::info!("nothing to do: the checkpoint is at step {step}, train.max_steps is {}", t.max_steps);
+            tracing::info!(
+                "nothing to do: the checkpoint is at step {step}, train.max_steps is {}",
+                t.max_steps
+            );
         }
         let elapsed = self.started.elapsed().as_secs_f64();
         // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
         if plan.is_writer() && plan.config.checkpoint.at_end {
-            crate::memory::uncapped(|| crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params))?;
+            crate::memory::uncapped(|| {
+                crate::checkpoint::save_weights(&plan.config.out_dir, &self.state.trainable.model.params)
+            })?;
         }
         if plan.config.checkpoint.at_end {
             self.after_writer()?;
@@ -504,11 +621,16 @@ impl<'a> Run<'a> {
             time_lost_s: guard.totals.time_lost.as_secs_f64(),
             guard_overhead_s: guard.totals.bookkeeping.as_secs_f64(),
             elapsed_s: self.state.progress.elapsed_before + elapsed,
-            tokens_per_s: self.state.progress.tokens_seen as f64 / (self.state.progress.elapsed_before + elapsed),
+            tokens_per_s: self.state.progress.tokens_seen as f64
+                / (self.state.progress.elapsed_before + elapsed),
             session_steps: steps_run,
             session_elapsed_s: elapsed,
-            peak_mapped_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(self.baseline_vm))).flatten(),
-            peak_resident_above_start_bytes: cpu.then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(self.baseline_rss))).flatten(),
+            peak_mapped_above_start_bytes: cpu
+                .then(|| ProcessMemory::read().map(|p| p.vm_peak_bytes.saturating_sub(self.baseline_vm)))
+                .flatten(),
+            peak_resident_above_start_bytes: cpu
+                .then(|| ProcessMemory::read().map(|p| p.rss_peak_bytes.saturating_sub(self.baseline_rss)))
+                .flatten(),
         };
         tracing::info!("{}", memory_summary(plan.device));
         self.reporter.emit(Event::RunFinished(summary.clone()));
@@ -521,7 +643,8 @@ fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
     let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
     DataRecord {
         source: cfg.data.source.clone(),
-        tokenizer_crc32c: prepared.and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
+        tokenizer_crc32c: prepared
+            .and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
         train_tokens: corpus.len(Split::Train) as u64,
         train_digest: corpus.sample_digest(Split::Train),
     }
@@ -539,4 +662,3 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
         world: plan.world_size,
     }
 }
-

@@ -6,10 +6,10 @@
 //! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
 //! the job that started the run are written. At the end, still held: the record of how the run
 //! ended.
-use crate::fs::dir_lock::{RunDirLock, LOCK_FILE};
 use super::TrainError;
 use crate::checkpoint::fresh;
 use crate::fs::created_dirs::{self, remove_created};
+use crate::fs::dir_lock::{RunDirLock, LOCK_FILE};
 use crate::job::{deadline, stop_record};
 use std::path::{Path, PathBuf};
 
@@ -77,7 +77,8 @@ impl RunDir {
     pub(super) fn mark_job(&self) -> Result<(), TrainError> {
         if let Some(attempt) = crate::job::attempts::Attempt::from_env(|k| std::env::var(k).ok()) {
             let file = self.path.join(crate::job::attempts::JOB_FILE);
-            crate::job::attempts::record_job(&self.path, &attempt.run_id).map_err(|source| TrainError::RunDirFile { file, source })?;
+            crate::job::attempts::record_job(&self.path, &attempt.run_id)
+                .map_err(|source| TrainError::RunDirFile { file, source })?;
         }
         Ok(())
     }
@@ -86,7 +87,9 @@ impl RunDir {
     pub(super) fn record_end(&self, ended: &Result<crate::events::RunSummary, TrainError>) {
         let record = match ended {
             Ok(summary) => stop_record::StopRecord::finished(summary.steps),
-            Err(TrainError::Interrupted { step, reason, checkpoint }) => stop_record::StopRecord::stopped(*step, reason.as_str(), checkpoint.as_deref()),
+            Err(TrainError::Interrupted { step, reason, checkpoint }) => {
+                stop_record::StopRecord::stopped(*step, reason.as_str(), checkpoint.as_deref())
+            }
             Err(_) => return,
         };
         if let Err(e) = stop_record::write(&self.path, &record) {
@@ -124,19 +127,34 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
         Err(e) => return Err(e),
     };
-    let as_written = |body: &str| crate::config::saved(body).ok().and_then(|c| serde_yaml::to_string(&c).ok()).is_some_and(|again| again == body);
+    let as_written = |body: &str| {
+        crate::config::saved(body)
+            .ok()
+            .and_then(|c| serde_yaml::to_string(&c).ok())
+            .is_some_and(|again| again == body)
+    };
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
-    let version = first.strip_prefix("# trainguard ").and_then(|v| v.split_once(':')).map(|(v, _)| v).filter(|v| config_header(v) == first && !v.contains(' '));
+    let version = first
+        .strip_prefix("# trainguard ")
+        .and_then(|v| v.split_once(':'))
+        .map(|(v, _)| v)
+        .filter(|v| config_header(v) == first && !v.contains(' '));
     let ours = match version {
         Some(env!("CARGO_PKG_VERSION")) => as_written(body),
-        Some(_) => !body.lines().any(|l| l.trim_start().starts_with('#')) && serde_yaml::from_str::<serde_yaml::Value>(body).is_ok(),
+        Some(_) => {
+            !body.lines().any(|l| l.trim_start().starts_with('#'))
+                && serde_yaml::from_str::<serde_yaml::Value>(body).is_ok()
+        }
         None => as_written(&text),
     };
     if ours {
         return Ok(None);
     }
     let dir = file.parent().unwrap_or(Path::new("."));
-    let kept = crate::checkpoint::store::free_path(format!("{}/config.kept-{}.yaml", dir.display(), deadline::now_unix_s() as u64), |p| p.exists());
+    let kept = crate::checkpoint::store::free_path(
+        format!("{}/config.kept-{}.yaml", dir.display(), deadline::now_unix_s() as u64),
+        |p| p.exists(),
+    );
     std::fs::rename(file, &kept)?;
     Ok(Some(kept))
 }
@@ -158,7 +176,8 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     let _live = RunDirLock::take(out_dir)?;
     // Whatever an old run left, checkpoints or not (a benchmark's metrics, a run killed before
     // its first checkpoint): only the lock just taken is not one.
-    let holds_something = std::fs::read_dir(out_dir).is_ok_and(|mut entries| entries.any(|e| e.is_ok_and(|e| e.file_name() != LOCK_FILE)));
+    let holds_something = std::fs::read_dir(out_dir)
+        .is_ok_and(|mut entries| entries.any(|e| e.is_ok_and(|e| e.file_name() != LOCK_FILE)));
     if !holds_something {
         return Ok(());
     }
@@ -167,7 +186,9 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     let io = |source| TrainError::RunDir { path: out_dir.to_path_buf(), source };
     let trimmed: PathBuf = out_dir.components().collect();
     let real = match (trimmed.parent(), trimmed.file_name()) {
-        (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => parent.canonicalize().map_err(io)?.join(name),
+        (Some(parent), Some(name)) if !parent.as_os_str().is_empty() => {
+            parent.canonicalize().map_err(io)?.join(name)
+        }
         (_, Some(name)) => std::env::current_dir().and_then(|d| d.canonicalize()).map_err(io)?.join(name),
         _ => trimmed.canonicalize().map_err(io)?, // `.`, `..`
     };
@@ -176,7 +197,10 @@ fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
         return Err(TrainError::OverwriteHoldsCwd { path: out_dir.to_path_buf() });
     }
     let aside = fresh::aside_path(&real, deadline::now_unix_s() as u64, |p| p.exists());
-    std::fs::rename(&real, &aside).map_err(|e| TrainError::RunDir { path: out_dir.to_path_buf(), source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())) })?;
+    std::fs::rename(&real, &aside).map_err(|e| TrainError::RunDir {
+        path: out_dir.to_path_buf(),
+        source: std::io::Error::new(e.kind(), format!("cannot move it aside to {}: {e}", aside.display())),
+    })?;
     tracing::warn!("--overwrite: moved the old run {} to {}", out_dir.display(), aside.display());
     Ok(())
 }
@@ -218,15 +242,25 @@ mod tests {
         assert_eq!(keep_a_written_config(&file).unwrap(), None, "none there");
         let ours = serde_yaml::to_string(&crate::config::Config::default()).unwrap();
         std::fs::write(&file, &ours).unwrap();
-        assert_eq!(keep_a_written_config(&file).unwrap(), None, "as trainguard wrote it before the header: replaced");
+        assert_eq!(
+            keep_a_written_config(&file).unwrap(),
+            None,
+            "as trainguard wrote it before the header: replaced"
+        );
         let mut held = RunDir::hold(d.path(), false).unwrap();
         held.prepare(&crate::config::Config::default()).unwrap();
         let written = std::fs::read_to_string(&file).unwrap();
         assert!(written.starts_with(&format!("{}\n", config_header(env!("CARGO_PKG_VERSION")))), "{written}");
         assert_eq!(crate::config::saved(&written).unwrap(), crate::config::Config::default());
         // Another version's: a key added since (absent), one retired since (present).
-        let other_version = written.replacen(env!("CARGO_PKG_VERSION"), "0.0.1", 1).replace("  fused_gelu: false\n", "").replace("kernels:\n", "kernels:\n  loss_blocks_per_sm: 2\n");
-        assert!(!other_version.contains("fused_gelu") && other_version.contains("loss_blocks_per_sm: 2"), "{other_version}");
+        let other_version = written
+            .replacen(env!("CARGO_PKG_VERSION"), "0.0.1", 1)
+            .replace("  fused_gelu: false\n", "")
+            .replace("kernels:\n", "kernels:\n  loss_blocks_per_sm: 2\n");
+        assert!(
+            !other_version.contains("fused_gelu") && other_version.contains("loss_blocks_per_sm: 2"),
+            "{other_version}"
+        );
         std::fs::write(&file, &other_version).unwrap();
         assert_eq!(keep_a_written_config(&file).unwrap(), None, "another version's: replaced, not kept");
         // A newer version's, with a key this one does not know: still trainguard's.
@@ -237,7 +271,14 @@ mod tests {
         let edited = written.replace("  max_steps: 200\n", "  max_steps:  500\n");
         assert_ne!(edited, written);
         let own_header = "# trainguard sweep 3\ntrain:\n  lr: 0.001\n";
-        for theirs in ["# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(), &ours.as_bytes()[..ours.len() / 2], b"\xff\xfe", commented.as_bytes(), edited.as_bytes(), own_header.as_bytes()] {
+        for theirs in [
+            "# lr sweep, run 3\ntrain:\n  lr: 3.0e-4\n".as_bytes(),
+            &ours.as_bytes()[..ours.len() / 2],
+            b"\xff\xfe",
+            commented.as_bytes(),
+            edited.as_bytes(),
+            own_header.as_bytes(),
+        ] {
             std::fs::write(&file, theirs).unwrap();
             let kept = keep_a_written_config(&file).unwrap().expect("kept");
             assert!(kept.file_name().unwrap().to_string_lossy().starts_with("config.kept-"), "{kept:?}");
@@ -260,7 +301,10 @@ mod tests {
         std::os::unix::fs::symlink(parent.path().join("nowhere"), parent.path().join("link")).unwrap();
         for (out_dir, named) in [("run/sub", "run"), ("link", "link"), ("link/sub", "link")] {
             let err = RunDir::hold(&parent.path().join(out_dir), false).err().unwrap();
-            assert!(matches!(&err, TrainError::OutDirNotADirectory { path } if path == &parent.path().join(named)), "{out_dir}: {err}");
+            assert!(
+                matches!(&err, TrainError::OutDirNotADirectory { path } if path == &parent.path().join(named)),
+                "{out_dir}: {err}"
+            );
         }
         // Directories created on the way to the file go again (`m`, through `m/..`).
         let err = RunDir::hold(&parent.path().join("m/../run/sub"), false).err().unwrap();

@@ -1,18 +1,23 @@
 //! The loop over a run's steps ([`train`]).
 //! What a step does is `step::optimizer_step`; what a run holds and when it checkpoints, evaluates
 //! and stops is [`Run`](super::run::Run).
-use super::run::Run;
 use super::resume::Resume;
+use super::run::Run;
+use super::TrainError;
 use crate::distributed::Dist;
 use crate::events::RunSummary;
-use super::TrainError;
 use crate::job::interrupt::Interrupter;
 use crate::run_plan::RunPlan;
 
 /// Trains `plan` from where `resume` says to `train.max_steps`, or until a stop.
 /// Rank 0 records how the run ended (`stop.json`) while it still holds `out_dir`: a run started
 /// there the moment the lock went would otherwise have its record overwritten by this one's.
-pub fn train(plan: &RunPlan, resume: &Resume, stop: &Interrupter, dist: Option<&mut Dist>) -> Result<RunSummary, TrainError> {
+pub fn train(
+    plan: &RunPlan,
+    resume: &Resume,
+    stop: &Interrupter,
+    dist: Option<&mut Dist>,
+) -> Result<RunSummary, TrainError> {
     let (run, held) = Run::build(plan, resume, dist)?;
     let ended = run_to_the_end(run, stop);
     if let Some(dir) = &held {

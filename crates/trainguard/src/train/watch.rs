@@ -28,7 +28,12 @@ impl MemoryWatch {
 
     /// Reads memory after step `step`, reports what the detectors see, and returns the figures
     /// for the step's metrics line.
-    pub(super) fn after_step(&mut self, step: u64, guard: &mut GuardState, reporter: &mut Reporter) -> MemoryMetrics {
+    pub(super) fn after_step(
+        &mut self,
+        step: u64,
+        guard: &mut GuardState,
+        reporter: &mut Reporter,
+    ) -> MemoryMetrics {
         let memory = self.telemetry.sample();
         if let Some(message) = Telemetry::leak_figure(&memory).and_then(|b| self.leak.observe(b)) {
             reporter.emit(Event::LeakSuspected { step, message });

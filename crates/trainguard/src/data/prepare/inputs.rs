@@ -38,7 +38,8 @@ pub fn expand(inputs: &[String]) -> Result<Vec<(PathBuf, Kind)>, PrepareError> {
             }
             out.extend(found.into_iter().filter_map(|f| kind_of(&f).map(|k| (f, k))));
         } else if !p.exists() && input.contains(['*', '?', '[']) {
-            let paths = glob::glob(input).map_err(|e| PrepareError::input(p, None, &format!("bad glob: {e}")))?;
+            let paths =
+                glob::glob(input).map_err(|e| PrepareError::input(p, None, &format!("bad glob: {e}")))?;
             let mut found: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|f| f.is_file()).collect();
             found.sort();
             let before = out.len();
@@ -47,7 +48,13 @@ pub fn expand(inputs: &[String]) -> Result<Vec<(PathBuf, Kind)>, PrepareError> {
                 return Err(PrepareError::input(p, None, "no .txt or .jsonl file matches this glob"));
             }
         } else {
-            let kind = kind_of(p).ok_or_else(|| PrepareError::input(p, None, "unsupported input: expected a .txt or .jsonl file, a directory or a glob"))?;
+            let kind = kind_of(p).ok_or_else(|| {
+                PrepareError::input(
+                    p,
+                    None,
+                    "unsupported input: expected a .txt or .jsonl file, a directory or a glob",
+                )
+            })?;
             std::fs::metadata(p).map_err(|e| PrepareError::input(p, None, &format!("cannot read: {e}")))?;
             out.push((p.to_path_buf(), kind));
         }
@@ -73,9 +80,11 @@ fn once_each(files: Vec<(PathBuf, Kind)>) -> Vec<(PathBuf, Kind)> {
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), PrepareError> {
-    let entries = std::fs::read_dir(dir).map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?;
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?;
     for e in entries {
-        let path = e.map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?.path();
+        let path =
+            e.map_err(|e| PrepareError::input(dir, None, &format!("cannot read directory: {e}")))?.path();
         if path.is_dir() {
             walk(&path, out)?;
         } else if kind_of(&path).is_some() {
@@ -101,15 +110,28 @@ pub struct Documents {
 
 impl Documents {
     pub fn open(path: &Path, kind: Kind, field: &str) -> Result<Self, PrepareError> {
-        let f = std::fs::File::open(path).map_err(|e| PrepareError::input(path, None, &format!("cannot read: {e}")))?;
+        let f = std::fs::File::open(path)
+            .map_err(|e| PrepareError::input(path, None, &format!("cannot read: {e}")))?;
         let reader = Box::new(std::io::BufReader::with_capacity(1 << 20, f));
-        Ok(Self { path: path.into(), kind, field: field.into(), reader, line: 0, buf: Vec::new(), done: false, lone_surrogates: 0, first_lone: None })
+        Ok(Self {
+            path: path.into(),
+            kind,
+            field: field.into(),
+            reader,
+            line: 0,
+            buf: Vec::new(),
+            done: false,
+            lone_surrogates: 0,
+            first_lone: None,
+        })
     }
 
     /// The next line without its newline, checked to be UTF-8; None at the end.
     fn next_line(&mut self) -> Result<Option<&str>, PrepareError> {
         self.buf.clear();
-        let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| PrepareError::input(&self.path, Some(self.line + 1), &format!("cannot read: {e}")))?;
+        let n = self.reader.read_until(b'\n', &mut self.buf).map_err(|e| {
+            PrepareError::input(&self.path, Some(self.line + 1), &format!("cannot read: {e}"))
+        })?;
         if n == 0 {
             return Ok(None);
         }
@@ -119,7 +141,11 @@ impl Documents {
         }
         match std::str::from_utf8(&self.buf) {
             Ok(s) => Ok(Some(s)),
-            Err(e) => Err(PrepareError::input(&self.path, Some(self.line), &format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()))),
+            Err(e) => Err(PrepareError::input(
+                &self.path,
+                Some(self.line),
+                &format!("invalid UTF-8 at byte {} of the line", e.valid_up_to()),
+            )),
         }
     }
 
@@ -146,7 +172,10 @@ impl Documents {
                     Ok(v) => (v, None),
                     Err(e) => match replace_lone_surrogates(line) {
                         // `\ufffd` is as long as the escape it replaces: a column named is the line's.
-                        Some((fixed, first)) => (serde_json::from_str(&fixed).map_err(|e| bad(&format!("not JSON: {e}")))?, Some(first)),
+                        Some((fixed, first)) => (
+                            serde_json::from_str(&fixed).map_err(|e| bad(&format!("not JSON: {e}")))?,
+                            Some(first),
+                        ),
                         None => return Err(bad(&format!("not JSON: {e}"))),
                     },
                 };
@@ -260,7 +289,11 @@ mod tests {
         std::fs::write(&t, "one\nline two\n\n\n  \nsecond\r\n\nthird").unwrap();
         assert_eq!(docs(&t, Kind::Text).unwrap(), ["one\nline two", "second", "third"]);
         let j = dir.path().join("b.jsonl");
-        std::fs::write(&j, "{\"text\": \"x y\"}\n\n{\"text\": \"\"}\n{\"text\": \" \\n\"}\n{\"text\": \"z\", \"id\": 2}\n").unwrap();
+        std::fs::write(
+            &j,
+            "{\"text\": \"x y\"}\n\n{\"text\": \"\"}\n{\"text\": \" \\n\"}\n{\"text\": \"z\", \"id\": 2}\n",
+        )
+        .unwrap();
         assert_eq!(docs(&j, Kind::Jsonl).unwrap(), ["x y", "z"]);
         std::fs::write(&j, "{\"text\": \"x\"}\n{\"body\": \"z\"}\n").unwrap();
         let e = docs(&j, Kind::Jsonl).unwrap_err().to_string();
@@ -276,12 +309,17 @@ mod tests {
         assert_eq!(fix(r#"{"text":"a\ud800b"}"#), Some((r#"{"text":"a\ufffdb"}"#.into(), r"\ud800".into())));
         // A trailing one alone, a leading one before another leading one (the second is paired).
         assert_eq!(fix(r#""\uDC00 \ud800\ud83d\ude00""#).unwrap().0, r#""\ufffd \ufffd\ud83d\ude00""#);
-        assert_eq!(fix(r#""\ud83d\ude00 \u00e9 \\ud800 \n""#), None, "a pair, a plain escape, an escaped backslash");
+        assert_eq!(
+            fix(r#""\ud83d\ude00 \u00e9 \\ud800 \n""#),
+            None,
+            "a pair, a plain escape, an escaped backslash"
+        );
         assert_eq!(fix(r#""\ud800""#).unwrap().0, r#""\ufffd""#, "at the end of the string");
 
         let dir = tempfile::tempdir().unwrap();
         let j = dir.path().join("s.jsonl");
-        std::fs::write(&j, "{\"text\": \"ok\"}\n{\"text\": \"a\\ud800b\"}\n{\"text\": \"\\udfff\\u00e9\"}\n").unwrap();
+        std::fs::write(&j, "{\"text\": \"ok\"}\n{\"text\": \"a\\ud800b\"}\n{\"text\": \"\\udfff\\u00e9\"}\n")
+            .unwrap();
         let mut d = Documents::open(&j, Kind::Jsonl, "text").unwrap();
         let mut got = vec![];
         while let Some(doc) = d.next_doc().unwrap() {
@@ -303,15 +341,23 @@ mod tests {
             std::fs::write(dir.path().join(n), "x").unwrap();
         }
         let all = expand(&[dir.path().display().to_string()]).unwrap();
-        let names: Vec<_> = all.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
+        let names: Vec<_> =
+            all.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
         assert_eq!(names, ["a.jsonl", "b.txt", "sub/c.txt"]);
         assert_eq!(expand(&[format!("{}/*.txt", dir.path().display())]).unwrap().len(), 1);
         assert!(expand(&[dir.path().join("skip.md").display().to_string()]).is_err());
         assert!(expand(&[dir.path().join("missing.txt").display().to_string()]).is_err());
         // Named by the directory, a glob, itself and another spelling: read once, where first named.
         let b = dir.path().join("b.txt").display().to_string();
-        let twice = expand(&[b.clone(), dir.path().display().to_string(), format!("{}/*.txt", dir.path().display()), format!("{}/sub/../b.txt", dir.path().display())]).unwrap();
-        let names: Vec<_> = twice.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
+        let twice = expand(&[
+            b.clone(),
+            dir.path().display().to_string(),
+            format!("{}/*.txt", dir.path().display()),
+            format!("{}/sub/../b.txt", dir.path().display()),
+        ])
+        .unwrap();
+        let names: Vec<_> =
+            twice.iter().map(|(p, _)| p.strip_prefix(dir.path()).unwrap().display().to_string()).collect();
         assert_eq!(names, ["b.txt", "a.jsonl", "sub/c.txt"]);
     }
 }

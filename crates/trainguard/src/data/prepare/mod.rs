@@ -105,27 +105,57 @@ pub fn load_tokenizer(path: &Path, eos: Option<&str>) -> Result<Vocab, PrepareEr
         };
         PrepareError::input(path, None, &why)
     })?;
-    let tokenizer = text.parse::<Tokenizer>().map_err(|e| PrepareError::input(path, None, &not_a_tokenizer(&text, &e.to_string())))?;
+    let tokenizer = text
+        .parse::<Tokenizer>()
+        .map_err(|e| PrepareError::input(path, None, &not_a_tokenizer(&text, &e.to_string())))?;
     let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m as usize + 1);
     // A model could not be configured for it (model.vocab_size's bound): said here, not after
     // the whole corpus is tokenized.
     let most = crate::config::limits::MAX_VOCAB;
     if size > most {
-        return Err(PrepareError::input(path, None, &format!("a token id of {} is beyond the largest vocabulary a model takes ({most} tokens)", size - 1)));
+        return Err(PrepareError::input(
+            path,
+            None,
+            &format!(
+                "a token id of {} is beyond the largest vocabulary a model takes ({most} tokens)",
+                size - 1
+            ),
+        ));
     }
     let (eos, eos_id) = match eos {
-        Some(t) => (t.to_string(), tokenizer.token_to_id(t).ok_or_else(|| PrepareError::input(path, None, &format!("--eos `{t}` is not in the vocabulary")))?),
+        Some(t) => (
+            t.to_string(),
+            tokenizer.token_to_id(t).ok_or_else(|| {
+                PrepareError::input(path, None, &format!("--eos `{t}` is not in the vocabulary"))
+            })?,
+        ),
         None => EOS_CANDIDATES
             .iter()
             .find_map(|t| tokenizer.token_to_id(t).map(|id| (t.to_string(), id)))
-            .ok_or_else(|| PrepareError::input(path, None, &format!("no end-of-document token among {EOS_CANDIDATES:?}; name one with --eos")))?,
+            .ok_or_else(|| {
+                PrepareError::input(
+                    path,
+                    None,
+                    &format!("no end-of-document token among {EOS_CANDIDATES:?}; name one with --eos"),
+                )
+            })?,
     };
     Ok(Vocab { tokenizer, size, eos_id, eos })
 }
 
 /// Top-level keys `tokenizers` reads; it fails on any other with a message about the JSON
 /// syntax (`expected `,` or `}``) where the file has none.
-const TOKENIZER_KEYS: [&str; 9] = ["version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer", "model", "decoder", "post_processor"];
+const TOKENIZER_KEYS: [&str; 9] = [
+    "version",
+    "truncation",
+    "padding",
+    "added_tokens",
+    "normalizer",
+    "pre_tokenizer",
+    "model",
+    "decoder",
+    "post_processor",
+];
 
 /// Why `text` does not load as a tokenizer (`error`: the `tokenizers` crate's), said as what
 /// the file is: the crate's own message for a JSON file without `model` or with a key it does
@@ -138,9 +168,11 @@ fn not_a_tokenizer(text: &str, error: &str) -> String {
     let Some(object) = value.as_object() else {
         return "is JSON but not a tokenizer.json: not an object".into();
     };
-    let unknown: Vec<String> = object.keys().filter(|k| !TOKENIZER_KEYS.contains(&k.as_str())).map(|k| format!("`{k}`")).collect();
+    let unknown: Vec<String> =
+        object.keys().filter(|k| !TOKENIZER_KEYS.contains(&k.as_str())).map(|k| format!("`{k}`")).collect();
     if !object.contains_key("model") {
-        let keys = if unknown.is_empty() { String::new() } else { format!(" (its keys: {})", unknown.join(", ")) };
+        let keys =
+            if unknown.is_empty() { String::new() } else { format!(" (its keys: {})", unknown.join(", ")) };
         return format!("is JSON but not a tokenizer.json: it has no `model`{keys}; a Hugging Face tokenizer.json holds `model`, `added_tokens`, `pre_tokenizer`, … (tokenizer_config.json and vocab.json are not one)");
     }
     if !unknown.is_empty() {
@@ -153,7 +185,10 @@ fn not_a_tokenizer(text: &str, error: &str) -> String {
 /// directory is removed.
 pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareError> {
     if args.shard_tokens == 0 || args.shard_tokens >= i32::MAX as usize {
-        return Err(PrepareError::Input(format!("--shard-tokens must be between 1 and {} (llm.c's int32 count)", i32::MAX - 1)));
+        return Err(PrepareError::Input(format!(
+            "--shard-tokens must be between 1 and {} (llm.c's int32 count)",
+            i32::MAX - 1
+        )));
     }
     if args.val_tokens >= i32::MAX as usize {
         return Err(PrepareError::Input(format!("--val-tokens must be below {}", i32::MAX)));
@@ -170,15 +205,25 @@ pub fn run(args: &PrepareArgs, stop: &Interrupter) -> Result<Manifest, PrepareEr
     Ok(m)
 }
 
-fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Kind)], staging: &Path, stop: &Interrupter) -> Result<Manifest, PrepareError> {
+fn prepare_into(
+    args: &PrepareArgs,
+    vocab: &Vocab,
+    files: &[(PathBuf, inputs::Kind)],
+    staging: &Path,
+    stop: &Interrupter,
+) -> Result<Manifest, PrepareError> {
     let write_err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| PrepareError::Write { path: path.clone(), source }
     };
-    std::fs::copy(&args.tokenizer, staging.join(out_dir::TOKENIZER_FILE)).map_err(write_err(&args.tokenizer))?;
+    std::fs::copy(&args.tokenizer, staging.join(out_dir::TOKENIZER_FILE))
+        .map_err(write_err(&args.tokenizer))?;
     let dtype = Dtype::for_vocab(vocab.size);
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| PrepareError::Input(format!("cannot start {threads} threads: {e}")))?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| PrepareError::Input(format!("cannot start {threads} threads: {e}")))?;
     let input_bytes: u64 = files.iter().map(|(p, _)| std::fs::metadata(p).map_or(0, |m| m.len())).sum();
     let progress = Progress::new(input_bytes);
     let mut out = writer::ShardWriter::new(staging, dtype, args.shard_tokens, args.val_tokens);
@@ -193,7 +238,9 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
         if stop.requested() {
             return Err(PrepareError::Interrupted);
         }
-        let encoded: Vec<Result<Vec<u32>, String>> = pool.install(|| pending.par_iter().map(|docs| encode(&vocab.tokenizer, docs, vocab.eos_id)).collect());
+        let encoded: Vec<Result<Vec<u32>, String>> = pool.install(|| {
+            pending.par_iter().map(|docs| encode(&vocab.tokenizer, docs, vocab.eos_id)).collect()
+        });
         for (docs, toks) in pending.iter().zip(encoded) {
             let toks = toks.map_err(|e| PrepareError::Input(format!("tokenizer failed: {e}")))?;
             out.write(&toks).map_err(write_err(staging))?;
@@ -227,7 +274,10 @@ fn prepare_into(args: &PrepareArgs, vocab: &Vocab, files: &[(PathBuf, inputs::Ki
     let train_tokens: u64 = out.train.iter().map(|s| s.tokens).sum();
     if train_tokens == 0 {
         let total = train_tokens + val_tokens;
-        return Err(PrepareError::Input(format!("the inputs give {total} tokens, none left for training after --val-tokens {}", args.val_tokens)));
+        return Err(PrepareError::Input(format!(
+            "the inputs give {total} tokens, none left for training after --val-tokens {}",
+            args.val_tokens
+        )));
     }
     let (magic, version) = dtype.magic_version();
     Ok(Manifest {
@@ -303,11 +353,18 @@ fn encode_doc(tok: &Tokenizer, doc: &str) -> Result<Vec<u32>, String> {
 
 /// The first place in the [`PIECE_BYTES`] from byte `from` of `doc` where the ids split cleanly
 /// (see [`encode_doc`]), within [`SEAM_TRIES`] checks.
-fn seam(doc: &str, from: usize, ids: &impl Fn(&str) -> Result<Vec<u32>, String>) -> Result<Option<usize>, String> {
+fn seam(
+    doc: &str,
+    from: usize,
+    ids: &impl Fn(&str) -> Result<Vec<u32>, String>,
+) -> Result<Option<usize>, String> {
     let bytes = doc.as_bytes();
     let space = |i: usize| bytes[i].is_ascii_whitespace();
     // A line's start (after a line break, not indented) or a single space before a word.
-    let candidate = |p: usize| !space(p) && bytes[p - 1] == b'\n' || bytes[p] == b' ' && !space(p - 1) && p + 1 < bytes.len() && !space(p + 1);
+    let candidate = |p: usize| {
+        !space(p) && bytes[p - 1] == b'\n'
+            || bytes[p] == b' ' && !space(p - 1) && p + 1 < bytes.len() && !space(p + 1)
+    };
     let mut tries = 0;
     for p in char_start(doc, from, true).max(1)..bytes.len().min(from + PIECE_BYTES) {
         if tries == SEAM_TRIES {
@@ -317,7 +374,8 @@ fn seam(doc: &str, from: usize, ids: &impl Fn(&str) -> Result<Vec<u32>, String>)
             continue;
         }
         tries += 1;
-        let (l, r) = (char_start(doc, p.saturating_sub(SEAM_BYTES), false), char_start(doc, p + SEAM_BYTES, true));
+        let (l, r) =
+            (char_start(doc, p.saturating_sub(SEAM_BYTES), false), char_start(doc, p + SEAM_BYTES, true));
         let mut halves = ids(&doc[l..p])?;
         halves.extend(ids(&doc[p..r])?);
         if ids(&doc[l..r])? == halves {
@@ -361,14 +419,17 @@ struct Progress {
 
 impl Progress {
     fn new(total_bytes: u64) -> Self {
-        let bar = (std::io::stderr().is_terminal() && std::env::var_os("TRAINGUARD_NO_PROGRESS").is_none()).then(|| {
-            let b = indicatif::ProgressBar::new(total_bytes);
-            b.set_style(
-                indicatif::ProgressStyle::with_template("{bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}")
+        let bar = (std::io::stderr().is_terminal() && std::env::var_os("TRAINGUARD_NO_PROGRESS").is_none())
+            .then(|| {
+                let b = indicatif::ProgressBar::new(total_bytes);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{bar:30} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {msg} ETA {eta}",
+                    )
                     .expect("a valid template"),
-            );
-            b
-        });
+                );
+                b
+            });
         Self { bar, start: Instant::now() }
     }
 
@@ -404,7 +465,11 @@ mod tests {
     fn a_token_id_beyond_any_models_vocabulary_is_refused_when_the_tokenizer_loads() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenizer.json");
-        let json = |top: u64| format!(r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"</s>":1,"x":{top}}},"unk_token":"[UNK]"}}}}"#);
+        let json = |top: u64| {
+            format!(
+                r#"{{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,"pre_tokenizer":null,"post_processor":null,"decoder":null,"model":{{"type":"WordLevel","vocab":{{"[UNK]":0,"</s>":1,"x":{top}}},"unk_token":"[UNK]"}}}}"#
+            )
+        };
         std::fs::write(&path, json(4294967295)).unwrap();
         let err = load_tokenizer(&path, None).err().unwrap().to_string();
         assert!(err.contains("a token id of 4294967295 is beyond the largest vocabulary"), "{err}");
@@ -429,12 +494,16 @@ mod tests {
         assert!(e.contains("is JSON but not a tokenizer.json: it has no `model` (its keys: `a`)"), "{e}");
         assert!(!e.contains("line 1 column"), "no syntax error where the syntax is fine: {e}");
         assert!(err(Some("[1, 2]")).contains("is JSON but not a tokenizer.json: not an object"));
-        let e = err(Some(r#"{"model": {"type": "WordLevel", "vocab": {"x": 0}, "unk_token": "x"}, "extra": 1}"#));
+        let e =
+            err(Some(r#"{"model": {"type": "WordLevel", "vocab": {"x": 0}, "unk_token": "x"}, "extra": 1}"#));
         assert!(e.contains("top-level `extra` it does not know"), "{e}");
         let e = err(Some(r#"{"model": 3}"#));
         assert!(e.contains("not a valid tokenizer.json: "), "{e}");
         let e = err(Some("{model"));
-        assert!(e.contains("not a tokenizer.json: not JSON (key must be a string at line 1 column 2)"), "{e}");
+        assert!(
+            e.contains("not a tokenizer.json: not JSON (key must be a string at line 1 column 2)"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -445,7 +514,19 @@ mod tests {
             #[command(flatten)]
             args: PrepareArgs,
         }
-        let parse = |threads: &str| Cli::try_parse_from(["prepare", "--tokenizer", "t.json", "--out", "o", "in.txt", "--threads", threads]).map(|c| c.args.threads);
+        let parse = |threads: &str| {
+            Cli::try_parse_from([
+                "prepare",
+                "--tokenizer",
+                "t.json",
+                "--out",
+                "o",
+                "in.txt",
+                "--threads",
+                threads,
+            ])
+            .map(|c| c.args.threads)
+        };
         assert_eq!(parse("8").unwrap(), Some(8));
         assert!(parse("0").is_err() && parse("100000").is_err());
     }
@@ -460,29 +541,48 @@ mod tests {
         // Whitespace-split words: every line start is a clean seam (an indented one is skipped).
         let plain = tokenizer(r#"{"type":"Whitespace"}"#);
         let p = seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&plain, s))).unwrap().expect("a seam");
-        assert!(p >= PIECE_BYTES && doc[..p].ends_with("  x\n"), "after a line break, before a line that does not start with a space");
+        assert!(
+            p >= PIECE_BYTES && doc[..p].ends_with("  x\n"),
+            "after a line break, before a line that does not start with a space"
+        );
         assert_eq!(encode_doc(&plain, &doc).unwrap(), whole(&plain, &doc));
         // One line: before the space that starts a word.
         let line = "x y  y".repeat(PIECE_BYTES / 3);
         let p = seam(&line, PIECE_BYTES, &|s: &str| Ok(whole(&plain, s))).unwrap().expect("a seam");
-        assert!(line[..p].ends_with('x') && line[p..].starts_with(" y"), "{}|{}", &line[p - 3..p], &line[p..p + 3]);
+        assert!(
+            line[..p].ends_with('x') && line[p..].starts_with(" y"),
+            "{}|{}",
+            &line[p - 3..p],
+            &line[p..p + 3]
+        );
         assert_eq!(encode_doc(&plain, &line).unwrap(), whole(&plain, &line));
         // A prefix added at each input's start: no seam is clean, the document goes whole.
-        let prefixed = tokenizer(r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true}"#);
+        let prefixed =
+            tokenizer(r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true}"#);
         assert_eq!(seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&prefixed, s))).unwrap(), None);
         assert_eq!(encode_doc(&prefixed, &doc).unwrap(), whole(&prefixed, &doc));
         // GPT-2's byte-level split: `\s+(?!\S)` keeps a blank line's two breaks apart before a
         // word, and together at the end of a half. A seam after a blank line is passed over,
         // one after a single break is taken.
-        let byte_level = tokenizer(r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#);
+        let byte_level = tokenizer(
+            r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#,
+        );
         let ids = |s: &str| Ok(whole(&byte_level, s));
-        assert_ne!([whole(&byte_level, "x\n\n"), whole(&byte_level, "y")].concat(), whole(&byte_level, "x\n\ny"), "the split this guards against");
+        assert_ne!(
+            [whole(&byte_level, "x\n\n"), whole(&byte_level, "y")].concat(),
+            whole(&byte_level, "x\n\ny"),
+            "the split this guards against"
+        );
         let mixed = "x\n\ny\n".repeat((PIECE_BYTES * 5 / 2) / 5);
         let p = seam(&mixed, PIECE_BYTES, &ids).unwrap().expect("a seam");
         assert!(mixed[..p].ends_with("y\n"), "after the single break: {:?}", &mixed[p - 3..p]);
         assert_eq!(encode_doc(&byte_level, &mixed).unwrap(), whole(&byte_level, &mixed));
         let blank_lines = "x\n\n".repeat((PIECE_BYTES * 5 / 2) / 3);
-        assert_eq!(seam(&blank_lines, PIECE_BYTES, &ids).unwrap(), None, "every line start follows a blank line");
+        assert_eq!(
+            seam(&blank_lines, PIECE_BYTES, &ids).unwrap(),
+            None,
+            "every line start follows a blank line"
+        );
         assert_eq!(encode_doc(&byte_level, &blank_lines).unwrap(), whole(&byte_level, &blank_lines));
         // Byte offsets inside a character are moved to its start or end.
         assert_eq!((char_start("aé", 2, true), char_start("aé", 2, false)), (3, 1));

@@ -7,8 +7,8 @@
 //! the start let the one that finished last rename its files over the other's dataset. What
 //! is written into the staging directory, and how it is published, is `prepare`'s.
 use super::PrepareError;
-use crate::fs::created_dirs::{self, CreateError};
 use crate::data::shards;
+use crate::fs::created_dirs::{self, CreateError};
 use crate::fs::dir_lock::{LockError, RunDirLock, LOCK_FILE};
 use std::path::{Path, PathBuf};
 
@@ -34,7 +34,11 @@ impl OutDir {
         let mut tries = 0;
         let (created, lock) = loop {
             let created = created_dirs::create_missing(out).map_err(|e| match e {
-                CreateError::NotADirectory { path } => PrepareError::input(&path, None, "exists and is not a directory; give a directory for --out (a new one is created)"),
+                CreateError::NotADirectory { path } => PrepareError::input(
+                    &path,
+                    None,
+                    "exists and is not a directory; give a directory for --out (a new one is created)",
+                ),
                 CreateError::Io { path, source } => PrepareError::Write { path, source },
             })?;
             let lock = match RunDirLock::take(out) {
@@ -59,7 +63,8 @@ impl OutDir {
         let held = Self { path: out.to_path_buf(), lock, created, staging };
         check(out, tokenizer)?;
         remove_abandoned_staging(out);
-        std::fs::create_dir(&held.staging).map_err(|source| PrepareError::Write { path: held.staging.clone(), source })?;
+        std::fs::create_dir(&held.staging)
+            .map_err(|source| PrepareError::Write { path: held.staging.clone(), source })?;
         Ok(held)
     }
 
@@ -91,11 +96,25 @@ impl Drop for OutDir {
 /// a copy of `tokenizer` (`prepare` writes its own under that name, over whatever is there).
 fn check(out: &Path, tokenizer: &Path) -> Result<(), PrepareError> {
     if out.join(shards::MANIFEST_FILE).exists() {
-        return Err(PrepareError::input(out, None, "already holds a dataset (dataset.json); choose another --out or remove it"));
+        return Err(PrepareError::input(
+            out,
+            None,
+            "already holds a dataset (dataset.json); choose another --out or remove it",
+        ));
     }
-    let entries = std::fs::read_dir(out).map_err(|e| PrepareError::input(out, None, &format!("cannot read the directory: {e}")))?;
-    if let Some(bin) = entries.filter_map(|e| e.ok()).find(|e| e.path().extension().is_some_and(|x| x == "bin")) {
-        return Err(PrepareError::input(out, None, &format!("already holds token shards ({}); choose another --out", bin.file_name().to_string_lossy())));
+    let entries = std::fs::read_dir(out)
+        .map_err(|e| PrepareError::input(out, None, &format!("cannot read the directory: {e}")))?;
+    if let Some(bin) =
+        entries.filter_map(|e| e.ok()).find(|e| e.path().extension().is_some_and(|x| x == "bin"))
+    {
+        return Err(PrepareError::input(
+            out,
+            None,
+            &format!(
+                "already holds token shards ({}); choose another --out",
+                bin.file_name().to_string_lossy()
+            ),
+        ));
     }
     let existing = out.join(TOKENIZER_FILE);
     let theirs = match std::fs::read(&existing) {
@@ -104,7 +123,8 @@ fn check(out: &Path, tokenizer: &Path) -> Result<(), PrepareError> {
         Err(e) => return Err(PrepareError::input(&existing, None, &format!("is in the way of the tokenizer copy prepare writes there, and cannot be read to compare with --tokenizer ({e}); move it away or choose another --out"))),
     };
     // `--tokenizer` was read a moment ago (it loaded): a failure here is the file changing.
-    let ours = std::fs::read(tokenizer).map_err(|e| PrepareError::input(tokenizer, None, &format!("cannot read the tokenizer: {e}")))?;
+    let ours = std::fs::read(tokenizer)
+        .map_err(|e| PrepareError::input(tokenizer, None, &format!("cannot read the tokenizer: {e}")))?;
     if theirs != ours {
         return Err(PrepareError::input(
             &existing,
@@ -124,7 +144,9 @@ fn remove_abandoned_staging(out: &Path) {
     let Ok(entries) = std::fs::read_dir(out) else { return };
     for e in entries.filter_map(Result::ok) {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(STAGING_PREFIX).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = name.strip_prefix(STAGING_PREFIX).and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if pid == std::process::id() || !Path::new(&format!("/proc/{pid}")).exists() {
             tracing::info!("removing {}, left by a prepare that did not finish", e.path().display());
             let _ = std::fs::remove_dir_all(e.path());
@@ -171,8 +193,18 @@ mod tests {
         let err = OutDir::hold(&out, &tok).err().expect("refused");
         assert!(super::super::is_usage(&err), "{err}");
         let err = err.to_string();
-        assert!(err.starts_with(&format!("{}: already exists and differs from --tokenizer", out.join(TOKENIZER_FILE).display())), "{err}");
-        assert_eq!(std::fs::read_to_string(out.join(TOKENIZER_FILE)).unwrap(), "{\"a\": 2}", "left as it was");
+        assert!(
+            err.starts_with(&format!(
+                "{}: already exists and differs from --tokenizer",
+                out.join(TOKENIZER_FILE).display()
+            )),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(out.join(TOKENIZER_FILE)).unwrap(),
+            "{\"a\": 2}",
+            "left as it was"
+        );
         std::fs::write(out.join(TOKENIZER_FILE), "{\"a\": 1}").unwrap();
         drop(OutDir::hold(&out, &tok).expect("the same bytes: taken"));
         assert!(out.join(TOKENIZER_FILE).is_file(), "an existing directory keeps its files");

@@ -30,7 +30,8 @@ impl ShardWriter {
     }
 
     pub fn total(&self) -> u64 {
-        self.train.iter().chain(&self.val).map(|s| s.tokens).sum::<u64>() + self.open.as_ref().map_or(0, |o| o.tokens as u64)
+        self.train.iter().chain(&self.val).map(|s| s.tokens).sum::<u64>()
+            + self.open.as_ref().map_or(0, |o| o.tokens as u64)
     }
 
     /// Appends `tokens`, opening and closing shards as they fill.
