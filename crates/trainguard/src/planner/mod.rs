@@ -412,17 +412,18 @@ impl Inputs {
                 )));
             }
         }
-        let rank_batch =
-            match global {
-                Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
-                Some(g) if g < a.gpus => return Err(usage(format!(
+        let rank_batch = match global {
+            Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
+            Some(g) if g < a.gpus => {
+                return Err(usage(format!(
                     "--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence",
                     a.gpus
-                ))),
-                // The busiest GPU's share is what must fit (shares differ by one when uneven).
-                Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
-                None => None,
-            };
+                )))
+            }
+            // The busiest GPU's share is what must fit (shares differ by one when uneven).
+            Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
+            None => None,
+        };
         match rank_batch {
             Some(r) if micro > r && a.micro_batch.is_some() => {
                 return Err(usage(format!(
