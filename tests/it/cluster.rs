@@ -27,6 +27,18 @@ fn a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints() {
     assert_eq!(steps(&out), [10, 15, 20], "keep_last 3");
     assert_eq!(stop_record::read(&out).map(|r| (r.status, r.step)), Some((Status::Finished, 20)));
 
+    // The same command again (README's first command run twice): the finished run is reported,
+    // nothing is trained or touched, exit 0.
+    let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let same = train(&out, "configs/debug.yaml", &sets(&["train.max_steps=20"])).ok();
+    assert!(
+        same.stderr().contains("holds this config's run, finished at step 20: nothing to train"),
+        "{}",
+        same.stderr()
+    );
+    assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics, "nothing trained");
+    assert_eq!(steps(&out), [10, 15, 20]);
+
     // The case: the default `--resume none`, fewer steps, same directory.
     let again = train(&out, "configs/debug.yaml", &sets(&["train.max_steps=10"]));
     assert_eq!(again.code(), 2, "{}", again.stderr());
@@ -631,7 +643,7 @@ fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     let refused = err
         .lines()
         .filter(|l| {
-            l.starts_with("error: training failed:")
+            l.starts_with("error: refused before training:")
                 && l.contains("already holds 2 checkpoint(s) of another run")
         })
         .count();

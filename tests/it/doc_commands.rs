@@ -206,17 +206,31 @@ fn every_path_the_docs_name_exists() {
     );
 }
 
-/// The code on a Markdown page with its line: fenced blocks' lines and inline `code` spans.
+/// The code on a Markdown page with its line: fenced blocks' lines and inline `code` spans (a
+/// span may go on over a line break, as Markdown allows; the line is where it begins).
 fn code_in(text: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     let mut fenced = false;
+    let mut span: Option<(usize, String)> = None;
     for (i, line) in text.lines().enumerate() {
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
+            span = None;
         } else if fenced {
             out.push((i + 1, line.to_string()));
+        } else if line.trim().is_empty() {
+            span = None; // a span ends with its paragraph
         } else {
-            out.extend(line.split('`').skip(1).step_by(2).map(|span| (i + 1, span.to_string())));
+            for (k, piece) in line.split('`').enumerate() {
+                match (&mut span, k > 0) {
+                    (Some((_, text)), false) => text.push_str(&format!(" {piece}")),
+                    (Some(_), true) => {
+                        out.extend(span.take());
+                    }
+                    (None, true) => span = Some((i + 1, piece.to_string())),
+                    (None, false) => {}
+                }
+            }
         }
     }
     out
@@ -238,12 +252,15 @@ fn every_subcommand_the_docs_show_exists() {
     let mut unknown = Vec::new();
     for file in user_docs() {
         for (line, code) in code_in(&std::fs::read_to_string(repo().join(&file)).unwrap()) {
-            for (at, _) in code.match_indices("trainguard ") {
-                if code[..at].chars().last().is_some_and(|c| !(c.is_whitespace() || c == '/')) {
-                    continue; // another word ending in "trainguard"
-                }
-                let sub = code[at + 11..].split_whitespace().next().unwrap_or("");
-                if !sub.is_empty() && sub.chars().all(|c| c.is_ascii_lowercase()) && !known.contains(&sub) {
+            // A command: one that begins a line or follows `&&`, `;` or `|` (prose that names
+            // trainguard, "a `trainguard step N` range", is no command).
+            for part in code.split(['&', ';', '|']).map(str::trim_start) {
+                let rest = ["trainguard ", "target/release/trainguard ", "cargo run --release -- "]
+                    .iter()
+                    .find_map(|p| part.strip_prefix(p));
+                let sub = rest.and_then(|r| r.split_whitespace().next()).unwrap_or("");
+                let word = !sub.is_empty() && sub.chars().all(|c| c.is_ascii_lowercase());
+                if word && !known.contains(&sub) {
                     unknown.push(format!("{file}:{line}: trainguard {sub}"));
                 }
             }
@@ -305,4 +322,40 @@ fn the_old_batch_of_480_would_have_been_caught() {
     )
     .unwrap();
     assert_ne!(p.micro_batch * p.accumulation * 8, 480);
+}
+
+/// The config reference cannot go stale: every key a config has (the default config's leaves,
+/// as `config show` prints them) has its row in docs/config.md, and every row names a key.
+#[test]
+fn the_config_reference_lists_every_key() {
+    fn leaves(prefix: &str, v: &serde_yaml::Value, out: &mut Vec<String>) {
+        match v {
+            serde_yaml::Value::Mapping(m) if !m.is_empty() => {
+                for (k, v) in m {
+                    let k = k.as_str().expect("config keys are text");
+                    let path = if prefix.is_empty() { k.to_string() } else { format!("{prefix}.{k}") };
+                    leaves(&path, v, out);
+                }
+            }
+            _ => out.push(prefix.to_string()),
+        }
+    }
+    let mut keys = Vec::new();
+    leaves("", &serde_yaml::to_value(trainguard::config::Config::default()).unwrap(), &mut keys);
+    assert!(keys.len() > 80 && keys.contains(&"train.lr".to_string()), "{keys:?}");
+    let page = std::fs::read_to_string(repo().join("docs/config.md")).unwrap();
+    let rows: Vec<String> = page
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .filter_map(|l| l.split('`').nth(1).map(str::to_string))
+        .collect();
+    let missing: Vec<&String> = keys.iter().filter(|k| !rows.contains(k)).collect();
+    assert!(missing.is_empty(), "keys without a row in docs/config.md: {missing:?}");
+    let known = |row: &String| keys.iter().any(|k| k == row || k.starts_with(&format!("{row}.")));
+    let sections: Vec<&str> = keys.iter().filter_map(|k| k.split_once('.').map(|(s, _)| s)).collect();
+    let stale: Vec<&String> = rows
+        .iter()
+        .filter(|r| r.split_once('.').is_some_and(|(s, _)| sections.contains(&s)) && !known(r))
+        .collect();
+    assert!(stale.is_empty(), "rows in docs/config.md for keys the config lacks: {stale:?}");
 }

@@ -227,10 +227,12 @@ fn sampling_stops_at_the_end_of_document_and_streams_until_the_reader_goes() {
     assert_eq!(status.code(), Some(0), "a reader gone ends it quietly");
 }
 
-/// A run whose `data.source` is relative (as README's example gives it), sampled and exported
-/// from another directory, and then with its dataset's tokenizer gone: each says why the
-/// tokenizer cannot be had, where it once said "not a prepare directory" or exported without it
-/// in silence (or, with the tokenizer gone, failed naming the output and left half an export).
+/// A run whose `data.source` is given relative (as README's example gives it) records it
+/// absolute and samples the same from another directory. One recorded relative (by an earlier
+/// version), sampled and exported from another directory, and then with its dataset's tokenizer
+/// gone: each says why the tokenizer cannot be had, where it once said "not a prepare directory"
+/// or exported without it in silence (or, with the tokenizer gone, failed naming the output and
+/// left half an export).
 #[test]
 fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
     let d = tempfile::tempdir().unwrap();
@@ -265,7 +267,15 @@ fn a_runs_tokenizer_out_of_reach_is_named_by_sample_and_export() {
         ]);
         run(cmd, cwd)
     };
-    sample(d.path()).ok();
+    let here = sample(d.path()).ok();
+    // The run recorded its relative source against the directory it ran in: the run directory
+    // reads the same from anywhere.
+    let recorded = std::fs::read_to_string(run_dir.join("config.yaml")).unwrap();
+    let absolute = format!("source: tokens:{}", d.path().join("data").display());
+    assert!(recorded.contains(&absolute), "{recorded}");
+    assert_eq!(sample(&repo()).ok().stdout(), here.stdout(), "sampled from another directory");
+    // A run recorded before (its source relative) is read from where training ran only.
+    std::fs::write(run_dir.join("config.yaml"), recorded.replace(&absolute, "source: tokens:data")).unwrap();
     let elsewhere = sample(&repo());
     assert_eq!(elsewhere.code(), 2, "{}", elsewhere.stderr());
     assert!(

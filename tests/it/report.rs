@@ -548,7 +548,41 @@ fn chromium_renders_the_page_without_script_errors() {
         html.lines().find(|l| l.contains("data-status")).unwrap_or("<no body>"),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(html.contains("script ok: 10 panels, 1 run(s)"));
+    assert!(html.contains("data-panels=\"10 panels, 1 run(s)\""), "{html}");
+    assert!(!html.contains("script ok"), "no debug line on the page");
+
+    // A view from the URL, as the page's controls make one: the loss panel on a log scale, every
+    // step panel zoomed to steps 3-6, each curve drawn again from the data (all of its points in
+    // the range, none outside), the markers outside hidden.
+    let mut dom = Command::new(&browser);
+    base(&mut dom);
+    dom.arg("--dump-dom").arg(format!("{url}#log=loss&x=3-6"));
+    let html = String::from_utf8_lossy(&wait(dom, Duration::from_secs(90)).stdout).into_owned();
+    assert!(html.contains("data-status=\"ok\""), "{html}");
+    let svg = |id: &str| {
+        let at = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no {id}: {html}"));
+        let start = html[..at].rfind("<svg").unwrap();
+        html[start..start + html[start..].find("</svg>").unwrap()].to_string()
+    };
+    let (loss, lr) = (svg("loss-step"), svg("lr-step"));
+    let tag = |s: &str| s[..s.find('>').unwrap()].to_string();
+    for needle in ["data-log=\"1\"", "data-x0=\"3\"", "data-x1=\"6\""] {
+        assert!(tag(&loss).contains(needle), "{needle}: {}", tag(&loss));
+    }
+    assert!(tag(&lr).contains("data-x0=\"3\"") && !tag(&lr).contains("data-log=\"1\""), "{}", tag(&lr));
+    let points = |s: &str, key: &str| {
+        let at = s.find(&format!("data-key=\"{key}\"")).unwrap();
+        let p = &s[at..];
+        let p = &p[p.find("points=\"").unwrap() + 8..];
+        p[..p.find('"').unwrap()].split_whitespace().count()
+    };
+    assert_eq!(points(&loss, "loss"), 4, "steps 3, 4, 5 and 6: {loss}");
+    let ticks: Vec<f64> = loss
+        .split("class=\"ytick\"")
+        .skip(1)
+        .filter_map(|t| t[t.find('>')? + 1..t.find('<')?].parse().ok())
+        .collect();
+    assert!(ticks.len() >= 2 && ticks.iter().all(|t| *t > 0.0), "log-scale ticks: {ticks:?}");
 
     let shot = dir.path().join("shot.png");
     let mut cmd = Command::new(&browser);

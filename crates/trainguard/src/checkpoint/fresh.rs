@@ -2,7 +2,7 @@
 //! checkpoints belongs to another run, and starting over there would leave that run's newer
 //! checkpoints beside the new ones (a later `--resume auto` would pick them up). Also where
 //! `--overwrite` moves an old run; the move itself (whatever the run holds) happens at the edge
-//! (src/train/run_dir.rs).
+//! (train::run_dir).
 use super::store::{self, CheckpointError};
 use std::path::{Path, PathBuf};
 

@@ -40,7 +40,7 @@ mod tests {
     /// A run's checkpoints directory (as `checkpoint::store::root` names it, not imported: this
     /// module stays below everything).
     fn root(out_dir: &Path) -> std::path::PathBuf {
-        out_dir.join("checkpoints")
+        out_dir.join(crate::fs::run_files::CHECKPOINTS)
     }
 
     #[test]

@@ -14,7 +14,7 @@ use tch::Tensor;
 
 pub use store::{CheckpointError, Loaded};
 
-pub const WEIGHTS_FILE: &str = "model.safetensors";
+pub const WEIGHTS_FILE: &str = crate::fs::run_files::WEIGHTS;
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot write weights to {path}: {message}")]

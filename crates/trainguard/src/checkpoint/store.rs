@@ -54,7 +54,7 @@ pub struct Loaded {
 }
 
 pub fn root(out_dir: &Path) -> PathBuf {
-    out_dir.join("checkpoints")
+    out_dir.join(crate::fs::run_files::CHECKPOINTS)
 }
 
 pub fn dir_name(step: u64) -> String {

@@ -62,13 +62,31 @@ pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigE
     if problems.is_empty() {
         return Ok(config);
     }
-    // A value the command line gave is blamed on the --set that gave it, not on the file.
+    // A value the command line gave is blamed on the --set that gave it, not on the file. A
+    // rule over two keys (`train.max_steps=2` under the file's `warmup_steps: 20`) names where
+    // each came from.
     for p in &mut problems {
         if let Some(arg) = set_by(overrides, &p.key) {
             p.message.push_str(&format!(" (from --set `{arg}`)"));
+        } else {
+            let note = keys_named(&p.message).find_map(|k| {
+                set_by(overrides, k)
+                    .map(|a| format!(" ({k} from --set `{a}`, {} from {})", p.key, shown.display()))
+            });
+            p.message.push_str(&note.unwrap_or_default());
         }
     }
     Err(ConfigError::Invalid { path: shown, problems })
+}
+
+/// The config keys a problem's message names (`train.max_steps` in "must not exceed
+/// train.max_steps (2)"): dotted lower-case paths of known sections.
+fn keys_named(message: &str) -> impl Iterator<Item = &str> {
+    message
+        .split(|c: char| !(c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '.'))
+        .map(|w| w.trim_end_matches('.'))
+        .filter(|w| w.split_once('.').is_some_and(|(section, key)| !section.is_empty() && !key.is_empty()))
+        .filter(|w| !w.chars().next().is_some_and(|c| c.is_ascii_digit()))
 }
 
 /// The last `--set` that gave `key`: one whose key is `key`, or above it with a value that holds
@@ -1001,5 +1019,23 @@ mod tests {
         let p = dir.path().join("c.yaml");
         std::fs::write(&p, "train: [unclosed\n").unwrap();
         assert!(matches!(load(Some(&p), &[]).unwrap_err(), ConfigError::Yaml { .. }));
+    }
+
+    #[test]
+    fn a_conflict_a_set_caused_names_where_each_value_came_from_and_what_to_change() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("c.yaml");
+        std::fs::write(&p, "train:\n  warmup_steps: 20\n").unwrap();
+        let err = load(Some(&p), &["train.max_steps=2".into()]).unwrap_err().to_string();
+        let want = format!(
+            "train.warmup_steps: must not exceed train.max_steps (2), got 20: lower train.warmup_steps or raise \
+             train.max_steps (train.max_steps from --set `train.max_steps=2`, train.warmup_steps from {})",
+            p.display()
+        );
+        assert!(err.contains(&want), "{err}");
+        // Both from the file: no --set is named.
+        std::fs::write(&p, "train:\n  warmup_steps: 20\n  max_steps: 2\n").unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("got 20: lower train.warmup_steps") && !err.contains("--set"), "{err}");
     }
 }

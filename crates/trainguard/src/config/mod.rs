@@ -2,6 +2,7 @@
 //! overrides, then checked by [`validate`]. Owns parsing and per-key validation; it does not
 //! derive anything from the environment (that is `plan`'s job).
 pub mod allocator;
+mod anchor;
 pub mod diff;
 pub mod limits;
 mod load;
@@ -596,9 +597,9 @@ impl KernelsConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct MemoryConfig {
     /// Make the real allocator fail at this size (`16GiB`, `512MiB`, bytes): a CUDA memory
-    /// fraction on GPUs, an address-space limit on CPU. See README "Memory cap".
+    /// fraction on GPUs, an address-space limit on CPU. See docs/memory-and-precision.md.
     pub limit: Option<Size>,
-    /// CUDA caching-allocator options (PYTORCH_CUDA_ALLOC_CONF keys); see README "Allocator".
+    /// CUDA caching-allocator options (PYTORCH_CUDA_ALLOC_CONF keys); see docs/memory-and-precision.md.
     pub allocator: allocator::AllocatorConfig,
     /// Warn when memory grows steadily over this many steps (after 5 warm-up steps); 0 = off.
     pub leak_check_steps: usize,

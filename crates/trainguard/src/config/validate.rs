@@ -138,13 +138,19 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check(
         t.warmup_steps <= t.max_steps,
         "train.warmup_steps",
-        format!("must not exceed train.max_steps ({}), got {}", t.max_steps, t.warmup_steps),
+        format!(
+            "must not exceed train.max_steps ({}), got {}: lower train.warmup_steps or raise train.max_steps",
+            t.max_steps, t.warmup_steps
+        ),
     );
     if let Some(n) = t.lr_decay_steps {
         check(
             n > t.warmup_steps,
             "train.lr_decay_steps",
-            format!("must exceed train.warmup_steps ({}), got {n}", t.warmup_steps),
+            format!(
+                "must exceed train.warmup_steps ({}), got {n}: raise train.lr_decay_steps or lower train.warmup_steps",
+                t.warmup_steps
+            ),
         );
     }
     check(

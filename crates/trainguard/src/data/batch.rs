@@ -38,6 +38,18 @@ pub fn describe(global: usize, micro: usize, accumulation: usize, world: usize) 
     format!("global {global} over world {world}: {shares} a rank, in up to {accumulation} micro-steps of {micro} (the last takes the remainder)")
 }
 
+/// A per-rank batch of `n` sequences in micro-steps of `micro`, in words: `20 × 3` where it
+/// divides, else with the remainder the last micro-step takes: `21 × 12 + 4`; `n` alone when
+/// it is under `micro`.
+pub fn micro_steps_in_words(n: usize, micro: usize) -> String {
+    let micro = micro.max(1);
+    match n % micro {
+        _ if n < micro => format!("{n}"),
+        0 => format!("{micro} × {}", n / micro),
+        rest => format!("{micro} × {} + {rest}", n / micro),
+    }
+}
+
 /// The global sample indices rank `rank` of `world` takes from a batch of `global`:
 /// `[rank·global/world, (rank+1)·global/world)`. Shares are equal when `world` divides `global`
 /// and differ by one sequence otherwise.
@@ -75,6 +87,13 @@ pub fn loss_weight(micro_len: usize, global: usize, world: usize) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn micro_steps_in_words_say_the_remainder() {
+        assert_eq!(micro_steps_in_words(256, 21), "21 × 12 + 4");
+        assert_eq!(micro_steps_in_words(60, 20), "20 × 3");
+        assert_eq!(micro_steps_in_words(3, 8), "3", "one micro-step, smaller than the size");
+    }
 
     #[test]
     fn a_split_is_described_as_a_product_only_where_it_is_one() {

@@ -14,7 +14,7 @@ pub const LOCK_FILE: &str = ".lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    #[error("{} is in use by another trainguard run ({}): two runs in one out_dir would delete each other's checkpoints in progress and mix their metrics; wait for it to end, or choose another out_dir. If that process is gone (on network storage a lock can outlive a crashed host: NFS keeps it until the host's lease ends or it reboots), remove {} and start again", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"), .dir.join(LOCK_FILE).display())]
+    #[error("{} is in use by another trainguard run ({}): wait for it to end, or choose another out_dir. If that process is surely gone (NFS can keep a crashed host's lock), remove {} and start again", .dir.display(), .holder.as_deref().unwrap_or("its pid unknown"), .dir.join(LOCK_FILE).display())]
     Busy { dir: PathBuf, holder: Option<String> },
     #[error("cannot lock {}: {source}", .path.display())]
     Io { path: PathBuf, source: std::io::Error },

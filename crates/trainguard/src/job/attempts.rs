@@ -24,7 +24,7 @@ use crate::fs::whole_file;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub const JOB_FILE: &str = "torchrun_job.json";
+pub const JOB_FILE: &str = crate::fs::run_files::JOB;
 /// Where the job scripts ask for the failure record (a path; its directory must exist).
 pub const FAILURE_FILE_ENV: &str = "TRAINGUARD_FAILURE_FILE";
 

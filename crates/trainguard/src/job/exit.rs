@@ -1,5 +1,5 @@
 //! Exit codes a job script can branch on. A leaf: the mapping from an error chain to a code
-//! lives with the binary (`src/main.rs`), which is the only place that sees every error type.
+//! lives with the binary (`trainguard-cli`), which is the only place that sees every error type.
 pub const SUCCESS: i32 = 0;
 /// Anything not listed below (I/O, data files, libtorch errors that are not out-of-memory).
 pub const FAILURE: i32 = 1;

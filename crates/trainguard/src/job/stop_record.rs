@@ -10,12 +10,12 @@
 //!   would not continue where it stopped (the record is removed once a run is built).
 //!
 //! Owns the record's format, where it lives and whether a launcher is present; not when to
-//! stop (the trainer) nor the exit code mapping (src/exit.rs).
+//! stop (the trainer) nor the exit code mapping (job::exit).
 use crate::fs::whole_file;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub const FILE: &str = "stop.json";
+pub const FILE: &str = crate::fs::run_files::STOP;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -361,7 +361,7 @@ impl Setup {
 
     /// The linear node keeps the weights' 16-bit casts until the step's gradients are complete
     /// (`KeptCasts` in src/step/micro.rs; mixed precision on CUDA, without checkpointing) or, with
-    /// CUDA graphs, for the run (src/step/graphs.rs).
+    /// CUDA graphs, for the run (step::graphs).
     pub fn keeps_casts(&self) -> bool {
         self.fused_linear
             && self.precision.is_mixed()

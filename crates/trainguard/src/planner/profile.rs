@@ -53,7 +53,7 @@ pub enum ProfileError {
     #[error("cannot reset the peak resident size through /proc/self/clear_refs: {0}")]
     ResetPeak(std::io::Error),
     /// Not even the model, its optimizer and libtorch's set-up fit: no micro-batch can.
-    #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, or --gpu / --gpu-memory); raise the cap or shrink the model (the memory savers and precisions: README \"Memory savers and precision\"; for a GPU, `plan --gpu NAME` without --profile lists what each frees)", crate::memory::human(*.cap))]
+    #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, --gpu or --gpu-memory); raise the cap or shrink the model (docs/memory-and-precision.md)", crate::memory::human(*.cap))]
     SetupOutOfMemory { cap: u64 },
     #[error("child process for micro-batch {micro}: {why}")]
     Child { micro: u64, why: String },
@@ -136,7 +136,7 @@ pub struct ProfileReport {
     pub estimate_fit: Option<Fit>,
     /// Found by the search (double, then bisect); none when sizes were given or 1 did not fit.
     pub largest_fitting: Option<u64>,
-    /// Largest divisor of the per-GPU batch at or under `largest_fitting`, and its accumulation.
+    /// The size to run ([`super::recommend::dividing_size`] of `largest_fitting`), and its accumulation.
     pub micro_batch: Option<u64>,
     pub micro_accumulation: Option<u64>,
 }
@@ -437,8 +437,9 @@ pub fn run(
     };
     let fit = line(&|p| p.measured_bytes.unwrap_or_default());
     let estimate_fit = line(&|p| p.estimate_bytes);
-    // Any size works: the last micro-batch of a step takes the remainder.
-    let micro_batch = largest;
+    // Any size works (the last micro-batch of a step takes the remainder); one that divides the
+    // batch in as many micro-steps is preferred.
+    let micro_batch = largest.map(|b| plan.rank_batch.map_or(b, |r| super::recommend::dividing_size(r, b)));
     Ok(ProfileReport {
         device: format!("{:?}", plan.device).to_lowercase(),
         method: String::new(),
@@ -515,8 +516,8 @@ mod tests {
         assert_eq!(r.largest_fitting, Some(40));
         assert_eq!(
             (r.micro_batch, r.micro_accumulation),
-            (Some(40), Some(2)),
-            "the largest that fits: 40 + 8"
+            (Some(24), Some(2)),
+            "40 fits, and 24 × 2 takes as many micro-steps as 40 + 8"
         );
         let outcome = |b: u64| r.points.iter().find(|p| p.micro_batch == b).unwrap().outcome;
         assert_eq!(

@@ -36,6 +36,13 @@ pub struct Report<'a> {
 const GIB: f64 = (1u64 << 30) as f64;
 const MIB: f64 = (1u64 << 20) as f64;
 
+/// The busiest GPU's share of a global batch `global` in micro-steps of `micro`: `21 × 12 + 4`.
+fn per_gpu_steps(global: u64, micro: u64, gpus: u64) -> String {
+    let share =
+        crate::data::batch::rank_share(global as usize, gpus.max(1) as usize).unwrap_or(global as usize);
+    crate::data::batch::micro_steps_in_words(share, micro as usize)
+}
+
 /// `12.34 GiB` or `56.7 MiB`.
 pub fn size(bytes: f64) -> String {
     if bytes.abs() >= GIB {
@@ -83,7 +90,12 @@ pub fn render(r: &Report) -> String {
     );
     let batch = match (r.global_batch, r.accumulation) {
         (Some(g), Some(k)) if r.micro_batch * k * r.gpus == g => format!("micro-batch {} × accumulation {k} × {} GPU(s) = global {g}", r.micro_batch, r.gpus),
-        (Some(g), Some(k)) => format!("micro-batch {} × accumulation {k} × {} GPU(s) ≥ global {g} (the last micro-step of a GPU runs the remainder)", r.micro_batch, r.gpus),
+        (Some(g), Some(k)) => format!(
+            "micro-batch {} × accumulation {k} × {} GPU(s) ≥ global {g} ({} a GPU: the last micro-step takes the remainder)",
+            r.micro_batch,
+            r.gpus,
+            per_gpu_steps(g, r.micro_batch, r.gpus)
+        ),
         _ => format!("micro-batch {} (no global batch: gradients assumed held across micro-steps)", r.micro_batch),
     };
     let _ = writeln!(o, "batch     {batch}");
@@ -223,7 +235,7 @@ pub fn render(r: &Report) -> String {
         }
     }
     if let Some(p) = r.profile {
-        render_profile(&mut o, p);
+        render_profile(&mut o, r, p);
     }
     if let Some(a) = r.applied {
         render_applied(&mut o, a, r.gpus);
@@ -281,7 +293,11 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
         let micro = rec.micro_batch.unwrap_or(1);
         let split = match (rec.accumulation, r.global_batch) {
             (Some(k), Some(gb)) => {
-                format!("micro-batch {micro} × accumulation {k} (global {gb} over {} GPU(s))", r.gpus)
+                format!(
+                    "micro-batch {micro} × accumulation {k} ({} a GPU; global {gb} over {} GPU(s))",
+                    per_gpu_steps(gb, micro, r.gpus),
+                    r.gpus
+                )
             }
             _ => format!("micro-batch {micro}"),
         };
@@ -320,7 +336,7 @@ fn render_recommendation(o: &mut String, r: &Report, g: &GpuTarget, rec: &Recomm
     }
 }
 
-fn render_profile(o: &mut String, p: &ProfileReport) {
+fn render_profile(o: &mut String, r: &Report, p: &ProfileReport) {
     let _ = writeln!(
         o,
         "\nprofile on {}: {} step(s) of {} micro-steps per size; budget {} of {}",
@@ -374,8 +390,15 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
     if !p.points.is_empty() {
         match (p.largest_fitting, p.micro_batch) {
             (Some(l), Some(b)) => {
-                let acc = p.micro_accumulation.map(|k| format!(" × accumulation {k}")).unwrap_or_default();
-                let _ = writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc} (the last micro-batch takes the remainder)");
+                let acc = match (p.micro_accumulation, r.global_batch) {
+                    (Some(k), Some(g)) => {
+                        format!(" × accumulation {k} ({} a GPU)", per_gpu_steps(g, b, r.gpus))
+                    }
+                    (Some(k), None) => format!(" × accumulation {k}"),
+                    _ => String::new(),
+                };
+                let _ =
+                    writeln!(o, "  largest micro-batch that fits by measurement: {l} → micro-batch {b}{acc}");
             }
             _ if p.points.iter().all(|pt| pt.outcome != Outcome::Fits) => {
                 // The search starts at 1; sizes given (`--micro-batches`) may not.
@@ -388,7 +411,7 @@ fn render_profile(o: &mut String, p: &ProfileReport) {
                 };
                 let _ = writeln!(
                     o,
-                    "  nothing fits by measurement, {which}, within the budget of {}: raise the cap or shrink what a step holds (the memory savers and precisions: README \"Memory savers and precision\"; for a GPU, `plan --gpu NAME` without --profile lists what each frees)",
+                    "  nothing fits by measurement, {which}, within the budget of {}: raise the cap or shrink what a step holds (the memory savers and precisions: docs/memory-and-precision.md; for a GPU, `plan --gpu NAME` without --profile lists what each frees)",
                     size(p.budget_bytes as f64)
                 );
             }

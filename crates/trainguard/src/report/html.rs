@@ -194,13 +194,20 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
     } else {
         format!(" <span class=\"unit\">({})</span>", esc(p.unit))
     };
+    // Log scale and zoom are the page script's: drag across a panel to zoom every panel of the
+    // axis, double-click or "reset zoom" to see the whole run again.
+    let controls = if lines.is_empty() {
+        ""
+    } else {
+        "<span class=\"ctl\"><label><input type=\"checkbox\" class=\"logy\"> log y</label><button type=\"button\" class=\"unzoom\">reset zoom</button> drag to zoom</span>"
+    };
     let body = if lines.is_empty() && hlines.is_empty() {
         "<p class=\"empty\">no data in metrics.jsonl for this panel</p>".to_string()
     } else {
         String::new()
     };
     format!(
-        "<figure class=\"box\"><figcaption>{}{unit_label} <span class=\"readout\"></span></figcaption><div class=\"legend\">{legend}</div>{body}{}</figure>\n",
+        "<figure class=\"box\"><figcaption>{}{unit_label} <span class=\"readout\"></span></figcaption><div class=\"legend\">{legend}{controls}</div>{body}{}</figure>\n",
         esc(p.title),
         svg::render(&svg::Panel { id: p.id, axis, x_label, x_unit_s: unit, x, from_zero: p.from_zero, lines: &lines, hlines: &hlines, marks: &marks })
     )
@@ -437,15 +444,20 @@ table.kv{border-collapse:collapse;font-size:12px}table.kv caption{text-align:lef
 .swatch{display:inline-block;width:12px;height:12px;margin-right:6px;vertical-align:-1px}\
 .panels{margin-top:8px}.by-wall{display:none}#x-wall:checked~.panels .by-step{display:none}#x-wall:checked~.panels .by-wall{display:block}\
 label{font-size:13px;margin-right:10px}figure.box{margin:10px 0 14px;max-width:1100px}figcaption{font-weight:600;font-size:14px}.unit{font-weight:400;color:#666}\
-.readout{font-weight:400;font-size:12px;color:#333;margin-left:12px}.legend{font-size:12px;color:#333}.legend span{margin-right:14px;white-space:nowrap}.legend svg{vertical-align:middle;margin-right:4px}\
+.readout{font-weight:400;font-size:12px;color:#333;margin-left:12px}.ctl{font-size:12px;color:#666;margin-left:14px}.ctl button{font-size:11px;margin:0 6px}.legend{font-size:12px;color:#333}.legend span{margin-right:14px;white-space:nowrap}.legend svg{vertical-align:middle;margin-right:4px}\
 svg.panel{width:100%;height:auto;aspect-ratio:4/1;display:block}.empty{color:#888;font-size:12px}";
 
-/// Hover readout: the nearest drawn point of every curve of the panel under the pointer.
+/// The page's script: the hover readout (the nearest point of every curve of the panel under the
+/// pointer), a log y scale per panel, and zoom (drag across a panel: every panel of that axis
+/// shows the range; double-click or "reset zoom" to undo). Curves are drawn again from the data
+/// block, so a zoom shows every point of the range. The URL's fragment sets a view on load:
+/// `#log=loss,grad_norm&x=100-200` (panels by id; the range in the step axis' units).
 const SCRIPT: &str = r#"(function () {
   var body = document.body, status = document.getElementById('script-status');
   function fail(msg) { body.setAttribute('data-status', 'error: ' + msg); if (status) status.textContent = 'script error: ' + msg; }
   window.addEventListener('error', function (e) { fail(e.message); });
   try {
+    var NS = 'http://www.w3.org/2000/svg';
     var data = JSON.parse(document.getElementById('trainguard-data').textContent);
     var labels = {};
     data.panels.forEach(function (p) { p.keys.forEach(function (k, i) { labels[k] = { label: p.labels[i], scale: p.scale[i] }; }); });
@@ -455,31 +467,148 @@ const SCRIPT: &str = r#"(function () {
       return Math.abs(xs[lo] - x) <= Math.abs(xs[hi] - x) ? lo : hi;
     }
     function fmt(v) { var a = Math.abs(v); return a !== 0 && (a < 1e-3 || a >= 1e6) ? v.toExponential(2) : String(+v.toPrecision(5)); }
+    function ticks(lo, hi, n) {
+      var span = hi - lo; if (!(span > 0) || !isFinite(span)) return [lo];
+      var mag = Math.pow(10, Math.floor(Math.log10(span / n))), step = 10 * mag;
+      [1, 2, 5, 10].some(function (m) { if (span / (m * mag) <= n) { step = m * mag; return true; } return false; });
+      var out = []; for (var i = Math.ceil(lo / step); i <= Math.floor(hi / step); i++) out.push(i * step);
+      return out;
+    }
+    function el(name, attrs, text) {
+      var e = document.createElementNS(NS, name);
+      for (var k in attrs) e.setAttribute(k, attrs[k]);
+      if (text !== undefined) e.textContent = text;
+      return e;
+    }
+    function xsOf(s, wall, unit) { return wall ? s.wall.map(function (w) { return w / unit; }) : s.step; }
+    // Draws the panel again for its current x range and scale.
+    function redraw(svg) {
+      var d = svg.dataset, wall = d.axis === 'wall', unit = +d.xunit, log = d.log === '1';
+      var x0 = +d.x0, x1 = +d.x1, left = +d.left, right = +d.right, top = +d.top, bottom = +d.bottom;
+      var curves = [], lo = Infinity, hi = -Infinity;
+      function y(v) { return log ? (v > 0 ? Math.log10(v) : NaN) : v; }
+      Array.prototype.forEach.call(svg.querySelectorAll('polyline.series'), function (pl) {
+        var k = pl.dataset.key, s = data.runs[+pl.dataset.run].series[k], pts = [];
+        if (s) {
+          var xs = xsOf(s, wall, unit);
+          for (var i = 0; i < xs.length; i++) {
+            var v = y(s.value[i] * labels[k].scale);
+            if (xs[i] < x0 || xs[i] > x1 || !isFinite(v)) continue;
+            pts.push([xs[i], v]); lo = Math.min(lo, v); hi = Math.max(hi, v);
+          }
+        }
+        curves.push([pl, pts]);
+      });
+      var hlines = svg.querySelectorAll('g.hline');
+      Array.prototype.forEach.call(hlines, function (g) { var v = y(+g.dataset.y); if (isFinite(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); } });
+      if (!isFinite(lo)) { lo = 0; hi = 1; }
+      if (hi - lo <= 1e-12 * Math.max(Math.abs(hi), 1e-300)) { lo -= 0.5; hi += 0.5; }
+      var pad = (hi - lo) * 0.05; lo -= pad; hi += pad;
+      function sx(x) { return left + (x - x0) / (x1 - x0) * (right - left); }
+      function sy(v) { return bottom - (v - lo) / (hi - lo) * (bottom - top); }
+      Array.prototype.forEach.call(svg.querySelectorAll('circle.dot'), function (c) { c.parentNode.removeChild(c); });
+      curves.forEach(function (c) {
+        var pl = c[0], pts = c[1], out = [], prev = null, stairs = pl.dataset.stairs === '1';
+        pts.forEach(function (p) {
+          if (stairs && prev !== null) out.push(sx(p[0]).toFixed(2) + ',' + sy(prev).toFixed(2));
+          out.push(sx(p[0]).toFixed(2) + ',' + sy(p[1]).toFixed(2)); prev = p[1];
+        });
+        pl.setAttribute('points', out.join(' '));
+        if (pts.length <= 60) pts.forEach(function (p) { pl.parentNode.insertBefore(el('circle', { 'class': 'dot', cx: sx(p[0]).toFixed(2), cy: sy(p[1]).toFixed(2), r: 2.5, fill: pl.getAttribute('stroke') }), pl.nextSibling); });
+      });
+      Array.prototype.forEach.call(hlines, function (g) {
+        var v = y(+g.dataset.y), line = g.querySelector('line'), text = g.querySelector('text');
+        g.setAttribute('visibility', isFinite(v) ? 'visible' : 'hidden');
+        if (!isFinite(v)) return;
+        line.setAttribute('y1', sy(v).toFixed(1)); line.setAttribute('y2', sy(v).toFixed(1)); text.setAttribute('y', (sy(v) - 4).toFixed(1));
+      });
+      Array.prototype.forEach.call(svg.querySelectorAll('g.marker'), function (g) {
+        var x = +g.dataset.x, inside = x >= x0 && x <= x1;
+        g.setAttribute('visibility', inside ? 'visible' : 'hidden');
+        g.querySelector('line').setAttribute('x1', sx(x).toFixed(2)); g.querySelector('line').setAttribute('x2', sx(x).toFixed(2));
+        g.querySelector('path').setAttribute('d', 'M' + (sx(x) - 4).toFixed(2) + ' ' + top + ' l8 0 l-4 7 z');
+      });
+      // Grid and tick labels; on a log scale, ticks at powers of ten where the range holds two.
+      var grid = svg.querySelector('g.grid'), tk = svg.querySelector('g.ticks'), xlabel = tk.lastChild;
+      while (grid.firstChild) grid.removeChild(grid.firstChild);
+      while (tk.firstChild !== xlabel) tk.removeChild(tk.firstChild);
+      // [position on the drawn scale, value]: on a log scale powers of ten where two fit, else
+      // round values placed by their logarithm.
+      var yt = ticks(lo, hi, 5).map(function (t) { return [t, t]; });
+      if (log) {
+        var powers = ticks(Math.ceil(lo), Math.floor(hi), 6).filter(function (t) { return t === Math.round(t); });
+        yt = powers.length >= 2 ? powers.map(function (t) { return [t, Math.pow(10, t)]; })
+          : ticks(Math.pow(10, lo), Math.pow(10, hi), 5).filter(function (v) { return v > 0; }).map(function (v) { return [Math.log10(v), v]; });
+      }
+      ticks(x0, x1, 8).forEach(function (t) {
+        grid.appendChild(el('line', { x1: sx(t).toFixed(1), y1: top, x2: sx(t).toFixed(1), y2: bottom }));
+        tk.insertBefore(el('text', { x: sx(t).toFixed(1), y: bottom + 14, 'text-anchor': 'middle' }, fmt(t)), xlabel);
+      });
+      yt.forEach(function (t) {
+        grid.appendChild(el('line', { x1: left, y1: sy(t[0]).toFixed(1), x2: right, y2: sy(t[0]).toFixed(1) }));
+        tk.insertBefore(el('text', { 'class': 'ytick', x: left - 5, y: sy(t[0]).toFixed(1), 'text-anchor': 'end', 'dominant-baseline': 'middle' }, fmt(t[1])), xlabel);
+      });
+    }
     var svgs = document.querySelectorAll('svg.panel');
+    function sameAxis(axis) { return Array.prototype.filter.call(svgs, function (s) { return s.dataset.axis === axis; }); }
+    function zoom(axis, x0, x1) {
+      sameAxis(axis).forEach(function (s) { s.dataset.x0 = x0; s.dataset.x1 = x1; redraw(s); });
+    }
+    function unzoom(axis) { sameAxis(axis).forEach(function (s) { s.dataset.x0 = s.dataset.bx0; s.dataset.x1 = s.dataset.bx1; redraw(s); }); }
     Array.prototype.forEach.call(svgs, function (svg) {
       var d = svg.dataset, keys = d.keys ? d.keys.split(' ') : [], wall = d.axis === 'wall';
-      var x0 = +d.x0, x1 = +d.x1, left = +d.left, right = +d.right, unit = +d.xunit, width = svg.viewBox.baseVal.width;
-      var guide = svg.querySelector('line.guide'), out = svg.parentNode.querySelector('.readout');
+      var left = +d.left, right = +d.right, unit = +d.xunit, width = svg.viewBox.baseVal.width;
+      d.bx0 = d.x0; d.bx1 = d.x1;
+      var guide = svg.querySelector('line.guide'), fig = svg.parentNode, out = fig.querySelector('.readout');
+      var sel = el('rect', { 'class': 'sel', y: d.top, height: +d.bottom - +d.top, fill: '#1f77b4', 'fill-opacity': 0.12, visibility: 'hidden' });
+      svg.appendChild(sel);
+      function vxOf(ev) { var box = svg.getBoundingClientRect(); return (ev.clientX - box.left) / box.width * width; }
+      function xOf(vx) { return +d.x0 + (vx - left) / (right - left) * (+d.x1 - +d.x0); }
+      var from = null;
+      svg.addEventListener('mousedown', function (ev) { var vx = vxOf(ev); if (vx >= left && vx <= right) { from = vx; ev.preventDefault(); } });
+      svg.addEventListener('mouseup', function (ev) {
+        if (from === null) return;
+        var to = Math.max(left, Math.min(right, vxOf(ev))), a = Math.min(from, to), b = Math.max(from, to);
+        from = null; sel.setAttribute('visibility', 'hidden');
+        if (b - a > 4) zoom(d.axis, xOf(a), xOf(b));
+      });
+      svg.addEventListener('dblclick', function () { unzoom(d.axis); });
       svg.addEventListener('mousemove', function (ev) {
-        var box = svg.getBoundingClientRect(), vx = (ev.clientX - box.left) / box.width * width;
+        var vx = vxOf(ev);
         if (vx < left || vx > right) return;
-        var x = x0 + (vx - left) / (right - left) * (x1 - x0);
+        if (from !== null) { sel.setAttribute('x', Math.min(from, vx)); sel.setAttribute('width', Math.abs(vx - from)); sel.setAttribute('visibility', 'visible'); }
+        var x = xOf(vx);
         guide.setAttribute('x1', vx); guide.setAttribute('x2', vx); guide.setAttribute('visibility', 'visible');
         var parts = [(wall ? 't ' + fmt(x) : 'step ' + Math.round(x))];
         data.runs.forEach(function (run) {
           keys.forEach(function (k) {
             var s = run.series[k];
             if (!s || !s.value.length) return;
-            var xs = wall ? s.wall.map(function (w) { return w / unit; }) : s.step;
-            var i = nearest(xs, x), who = data.runs.length > 1 ? run.name + ' · ' : '';
+            var i = nearest(xsOf(s, wall, unit), x), who = data.runs.length > 1 ? run.name + ' · ' : '';
             parts.push(who + labels[k].label + ' ' + fmt(s.value[i] * labels[k].scale) + ' (step ' + s.step[i] + ')');
           });
         });
         out.textContent = parts.join('  |  ');
       });
-      svg.addEventListener('mouseleave', function () { guide.setAttribute('visibility', 'hidden'); });
+      svg.addEventListener('mouseleave', function () { guide.setAttribute('visibility', 'hidden'); from = null; sel.setAttribute('visibility', 'hidden'); });
+      var logy = fig.querySelector('input.logy'), reset = fig.querySelector('button.unzoom');
+      if (logy) logy.addEventListener('change', function () { d.log = logy.checked ? '1' : '0'; redraw(svg); });
+      if (reset) reset.addEventListener('click', function () { unzoom(d.axis); });
     });
+    // A view from the URL: #log=loss,grad_norm&x=100-200.
+    var view = {};
+    location.hash.replace(/^#/, '').split('&').forEach(function (kv) { var p = kv.split('='); if (p.length === 2) view[p[0]] = decodeURIComponent(p[1]); });
+    if (view.log) view.log.split(',').forEach(function (id) {
+      Array.prototype.forEach.call(svgs, function (s) {
+        if (s.dataset.panel !== id) return;
+        s.dataset.log = '1'; var box = s.parentNode.querySelector('input.logy'); if (box) box.checked = true; redraw(s);
+      });
+    });
+    var range = (view.x || '').split('-').map(Number);
+    if (range.length === 2 && range[1] > range[0]) zoom('step', range[0], range[1]);
+    // For tests and tools, not the reader: the page says nothing when all is well.
+    body.setAttribute('data-panels', svgs.length + ' panels, ' + data.runs.length + ' run(s)');
+    status.parentNode.removeChild(status);
     body.setAttribute('data-status', 'ok');
-    status.textContent = 'script ok: ' + svgs.length + ' panels, ' + data.runs.length + ' run(s)';
   } catch (e) { fail(String(e)); }
 })();"#;

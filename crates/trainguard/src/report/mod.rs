@@ -10,7 +10,7 @@ pub mod series;
 pub mod svg;
 pub mod tensorboard;
 
-use crate::fs::whole_file;
+use crate::fs::{run_files, whole_file};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +38,7 @@ impl ReportError {
 
 /// Where the page goes when `--out` is not given: the first run's `report.html`.
 pub fn default_out(runs: &[PathBuf]) -> PathBuf {
-    runs.first().map_or_else(|| PathBuf::from("report.html"), |d| d.join("report.html"))
+    runs.first().map_or_else(|| PathBuf::from(run_files::REPORT), |d| d.join(run_files::REPORT))
 }
 
 /// `path` is a file that begins as the pages [`html::page`] writes.

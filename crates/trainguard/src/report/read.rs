@@ -4,6 +4,7 @@
 //! missing or new field never fails the whole file; what cannot be read is recorded in
 //! [`RunData::skipped`] with its file and line, never a panic.
 use super::ReportError;
+use crate::fs::run_files::{CONFIG, EVENTS, LOG, METRICS};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -79,7 +80,7 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
         return Err(ReportError::NotARun { dir: dir.into(), why: why.into() });
     }
     let has = |f: &str| dir.join(f).is_file();
-    if !has("metrics.jsonl") && !has("events.jsonl") && !has("config.yaml") {
+    if !has(METRICS) && !has(EVENTS) && !has(CONFIG) {
         return Err(ReportError::NotARun {
             dir: dir.into(),
             why: "it has no metrics.jsonl, events.jsonl or config.yaml (trainguard writes them to out_dir)"
@@ -89,46 +90,41 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     let name = run_names(&[dir]).remove(0);
     let mut run = RunData { dir: dir.into(), name, ..Default::default() };
 
-    for (line, v) in jsonl(dir, "metrics.jsonl", &mut run.skipped)? {
+    for (line, v) in jsonl(dir, METRICS, &mut run.skipped)? {
         match (v.get("step").and_then(Value::as_u64), v) {
             (Some(step), Value::Object(m)) => {
                 run.steps.insert(step, m);
             }
             _ => run.skipped.push(Skipped {
-                file: "metrics.jsonl".into(),
+                file: METRICS.into(),
                 line,
                 reason: "no numeric \"step\" field".into(),
             }),
         }
     }
-    for (line, v) in jsonl(dir, "events.jsonl", &mut run.skipped)? {
+    for (line, v) in jsonl(dir, EVENTS, &mut run.skipped)? {
         if v.get("event").and_then(Value::as_str).is_none() {
-            run.skipped.push(Skipped {
-                file: "events.jsonl".into(),
-                line,
-                reason: "no \"event\" field".into(),
-            });
+            run.skipped.push(Skipped { file: EVENTS.into(), line, reason: "no \"event\" field".into() });
         } else if !run.events.contains(&v) {
             run.events.push(v);
         }
     }
-    match std::fs::read_to_string(dir.join("config.yaml")) {
+    match std::fs::read_to_string(dir.join(CONFIG)) {
         Ok(text) => match serde_yaml::from_str(&text) {
             Ok(v) => run.config = Some(v),
             Err(e) => run.skipped.push(Skipped {
-                file: "config.yaml".into(),
+                file: CONFIG.into(),
                 line: e.location().map_or(0, |l| l.line()),
                 reason: format!("not YAML: {e}"),
             }),
         },
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => return Err(ReportError::Read { path: dir.join("config.yaml"), source }),
+        Err(source) => return Err(ReportError::Read { path: dir.join(CONFIG), source }),
     }
-    let order = |f: &str| ["metrics.jsonl", "events.jsonl", "config.yaml"].iter().position(|n| *n == f);
+    let order = |f: &str| [METRICS, EVENTS, CONFIG].iter().position(|n| *n == f);
     run.skipped.sort_by_key(|s| (order(&s.file), s.line));
-    run.memory_table = std::fs::read(dir.join("train.log"))
-        .ok()
-        .and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
+    run.memory_table =
+        std::fs::read(dir.join(LOG)).ok().and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
     Ok(run)
 }
 

@@ -172,11 +172,12 @@ pub fn render(p: &Panel) -> String {
         let y = sy(h.y);
         let _ = write!(
             o,
-            r#"<g class="hline"><line x1="{LEFT}" y1="{y:.1}" x2="{RIGHT}" y2="{y:.1}" stroke="{c}" stroke-width="1.5" stroke-dasharray="10 4"/><text x="{tx}" y="{ty:.1}" text-anchor="end" font-size="11" font-family="sans-serif" fill="{c}">{l}</text><title>{l}</title></g>"#,
+            r#"<g class="hline" data-y="{yv}"><line x1="{LEFT}" y1="{y:.1}" x2="{RIGHT}" y2="{y:.1}" stroke="{c}" stroke-width="1.5" stroke-dasharray="10 4"/><text x="{tx}" y="{ty:.1}" text-anchor="end" font-size="11" font-family="sans-serif" fill="{c}">{l}</text><title>{l}</title></g>"#,
             c = h.color,
             tx = RIGHT - 4.0,
             ty = y - 4.0,
             l = esc(&h.label),
+            yv = h.y,
         );
     }
     for l in p.lines {
@@ -191,9 +192,10 @@ pub fn render(p: &Panel) -> String {
         }
         let dash =
             if l.dash.is_empty() { String::new() } else { format!(r#" stroke-dasharray="{}""#, l.dash) };
+        let stairs = if l.staircase { r#" data-stairs="1""# } else { "" };
         let _ = write!(
             o,
-            r#"<polyline class="series" data-run="{}" data-key="{}" fill="none" stroke="{}" stroke-width="1.5"{dash} stroke-linejoin="round" points="{}"/>"#,
+            r#"<polyline class="series" data-run="{}" data-key="{}"{stairs} fill="none" stroke="{}" stroke-width="1.5"{dash} stroke-linejoin="round" points="{}"/>"#,
             l.run,
             l.key,
             l.color,
@@ -202,8 +204,13 @@ pub fn render(p: &Panel) -> String {
         // Sparse curves (validation loss) also get dots: a single point has no line to show it.
         if l.points.len() <= 60 {
             for &(x, y) in &l.points {
-                let _ =
-                    write!(o, r#"<circle cx="{:.2}" cy="{:.2}" r="2.5" fill="{}"/>"#, sx(x), sy(y), l.color);
+                let _ = write!(
+                    o,
+                    r#"<circle class="dot" cx="{:.2}" cy="{:.2}" r="2.5" fill="{}"/>"#,
+                    sx(x),
+                    sy(y),
+                    l.color
+                );
             }
         }
     }
@@ -211,12 +218,13 @@ pub fn render(p: &Panel) -> String {
         let x = sx(m.x);
         let _ = write!(
             o,
-            r#"<g class="marker" data-kind="{k}" data-step="{s}"><line x1="{x:.2}" y1="{TOP}" x2="{x:.2}" y2="{BOTTOM}" stroke="{c}" stroke-width="1.2" stroke-dasharray="3 3"/><path d="M{a:.2} {TOP} l8 0 l-4 7 z" fill="{c}"/><title>step {s}: {l}</title></g>"#,
+            r#"<g class="marker" data-kind="{k}" data-step="{s}" data-x="{xv}"><line x1="{x:.2}" y1="{TOP}" x2="{x:.2}" y2="{BOTTOM}" stroke="{c}" stroke-width="1.2" stroke-dasharray="3 3"/><path d="M{a:.2} {TOP} l8 0 l-4 7 z" fill="{c}"/><title>step {s}: {l}</title></g>"#,
             k = esc(&m.kind),
             s = m.step,
             c = m.color,
             a = x - 4.0,
             l = esc(&m.label),
+            xv = m.x,
         );
     }
     let _ = write!(

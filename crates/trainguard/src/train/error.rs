@@ -31,7 +31,7 @@ pub enum TrainError {
     Determinism(#[from] crate::ffi::ShimError),
     #[error("init_from: {0}")]
     InitFrom(#[from] crate::hf::HfError),
-    #[error("the ranks found different checkpoints to resume from (steps {lowest} to {highest}; a rank without one starts at 0): every rank must read rank 0's out_dir, on a filesystem all nodes share, or resume from one path (--resume <checkpoint dir>)")]
+    #[error("the ranks found different checkpoints to resume from (steps {lowest} to {highest}; 0 = none): put out_dir on a filesystem all nodes share, or pass --resume <checkpoint dir>")]
     ResumeDisagrees { lowest: u64, highest: u64 },
     /// The ranks did not start alike (another config, other tokens).
     #[error(transparent)]

@@ -2,13 +2,16 @@
 //! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
 //! itself lives in [`step`](crate::step).
 mod error;
+mod finished;
 mod resume;
 mod run;
 mod run_dir;
+mod start;
 mod trainer;
 mod watch;
 
 pub use error::TrainError;
+pub use finished::finished_run;
 pub use resume::Resume;
 pub use run::Run;
 pub use trainer::train;

@@ -4,10 +4,11 @@
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
 use super::resume::{
-    check_compatible, corrupt_path, leave_the_old_line, ranks_change, resolve_resume, schedule_change,
-    Checkpointer, Progress, Resume, Start, TrainState,
+    corrupt_path, leave_the_old_line, ranks_change, schedule_change, Checkpointer, Progress, Resume, Start,
+    TrainState,
 };
 use super::run_dir::RunDir;
+use super::start::Decision;
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::state::DataRecord;
@@ -22,6 +23,7 @@ use crate::memory::{apply_limit, ProcessMemory};
 use crate::run_plan::RunPlan;
 use crate::step::{optimizer_step, validation_loss, Faults, LossScaler, StepData, StepFault, Trainable};
 use crate::trace::{TraceError, Tracer};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 pub struct Run<'a> {
@@ -83,33 +85,10 @@ impl<'a> Run<'a> {
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let data = data_record(cfg, &corpus);
         let mut ckpt = Checkpointer::new(plan, data.clone());
-        // One run per out_dir, held from before anything in it is touched (the resume below
-        // removes unfinished checkpoint writes: another run's, were two in one directory).
-        // `init_from`'s weights are checked against the config where a refusal leaves that
-        // directory as it was: for a run that cannot resume, before `--overwrite` moves the old
-        // run aside; else once no checkpoint was found. All of it inside what the ranks compare
-        // (every rank checks init_from): a refusal here is one their peers hear of.
-        let check_init =
-            || cfg.init_from.as_deref().map_or(Ok(()), |dir| crate::hf::check_init(&cfg.model, dir));
-        let fresh = matches!(resume, Resume::Fresh | Resume::Overwrite);
-        let mut held = None;
-        let resumed = (if fresh { check_init() } else { Ok(()) })
-            .map_err(TrainError::from)
-            .and_then(|()| {
-                run_dir.map(|dir| RunDir::hold(dir, matches!(resume, Resume::Overwrite))).transpose()
-            })
-            .and_then(|h| {
-                held = h;
-                let start = resolve_resume(resume, ckpt.root(), plan.is_writer())?;
-                let changed = match &start.loaded {
-                    Some(l) => check_compatible(l, cfg, &data)?,
-                    None if !fresh => check_init().map(|()| vec![])?,
-                    None => vec![],
-                };
-                Ok((start, changed))
-            });
-        let start_step =
-            resumed.as_ref().map_or(0, |(start, _)| start.loaded.as_ref().map_or(0, |l| l.state.step));
+        // Inside what the ranks compare (every rank checks init_from): a refusal is one their
+        // peers hear of.
+        let (mut held, resumed) = super::start::decide(plan, resume, ckpt.root(), &data);
+        let start_step = resumed.as_ref().map_or(0, |d| d.step());
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
         let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
@@ -130,7 +109,7 @@ impl<'a> Run<'a> {
                 return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
             }
         }
-        let (Start { loaded, skipped, restored }, mut changed) = resumed?;
+        let Decision { start: Start { loaded, skipped, restored }, mut changed } = resumed?;
 
         // The model and optimizer, and the state resumed into them, are built before the run
         // directory is touched: a checkpoint refused only here (its optimizer state of another
@@ -200,49 +179,10 @@ impl<'a> Run<'a> {
                 t.global_batch_size,
             )
         }));
-        let mut reporter =
-            Reporter::new(run_dir, t.log_interval, t.max_steps, loaded.as_ref().map(|_| start_step))
-                .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
-        if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
-            let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
-            reporter
-                .enable_tensorboard(&dir.join("tb"), &yaml)
-                .map_err(|e| TrainError::RunDirFile { file: e.path, source: e.source })?;
-        }
-        for step in restored {
-            reporter.emit(Event::CheckpointPutBack { step });
-        }
-        for e in skipped {
-            reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
-        }
-        if let Some((dir, steps)) = left.checkpoints {
-            reporter.emit(Event::CheckpointsSetAside {
-                resumed_step: start_step,
-                steps,
-                to: dir.display().to_string(),
-            });
-        }
-        if let Some(to) = left.final_weights {
-            reporter
-                .emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
-        }
-        // The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not
-        // use the settings, and their advice, "set memory.limit" for one, would not help).
-        for w in allocator.warnings(false).into_iter().filter(|_| device.is_cuda()) {
-            tracing::warn!("{w}");
-        }
-        for o in &allocator.overridden {
-            tracing::warn!(
-                "{} overridden by the config: {o}",
-                allocator.env_var.unwrap_or("the environment's allocator settings")
-            );
-        }
-        if !allocator.defaulted.is_empty() {
-            tracing::info!(
-                "allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)",
-                allocator.defaulted.join(",")
-            );
-        }
+        let resumed_at = loaded.as_ref().map(|_| start_step);
+        let mut reporter = open_reporter(plan, run_dir, resumed_at)?;
+        report_what_the_start_found(&mut reporter, start_step, restored, skipped, left);
+        warn_of_allocator_settings(&allocator, device);
         if let Some(d) = deterministic {
             reporter.emit(Event::Deterministic(d));
         }
@@ -639,6 +579,67 @@ impl<'a> Run<'a> {
 }
 
 /// What the run trains on, as its checkpoints record it.
+/// The run's reporter: log lines on every rank, the run files on the writing one (appended to
+/// from the step resumed at), and TensorBoard's when asked.
+fn open_reporter(
+    plan: &RunPlan,
+    run_dir: Option<&Path>,
+    resumed_at: Option<u64>,
+) -> Result<Reporter, TrainError> {
+    let (cfg, t) = (&plan.config, &plan.config.train);
+    let file_error = |e: crate::events::SinkError| TrainError::RunDirFile { file: e.path, source: e.source };
+    let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, resumed_at).map_err(file_error)?;
+    if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
+        let yaml = serde_yaml::to_string(cfg).expect("a Config always serialises");
+        reporter
+            .enable_tensorboard(&dir.join(crate::fs::run_files::TENSORBOARD), &yaml)
+            .map_err(file_error)?;
+    }
+    Ok(reporter)
+}
+
+/// What the start found in `out_dir` and did about it: checkpoints put back or passed over as
+/// broken, a line of checkpoints and final weights moved out of the way (nothing deleted).
+fn report_what_the_start_found(
+    reporter: &mut Reporter,
+    start_step: u64,
+    restored: Vec<u64>,
+    skipped: Vec<crate::checkpoint::CheckpointError>,
+    left: super::resume::LeftBehind,
+) {
+    for step in restored {
+        reporter.emit(Event::CheckpointPutBack { step });
+    }
+    for e in skipped {
+        reporter.emit(Event::CheckpointSkipped { path: corrupt_path(&e), reason: e.to_string() });
+    }
+    if let Some((dir, steps)) = left.checkpoints {
+        let to = dir.display().to_string();
+        reporter.emit(Event::CheckpointsSetAside { resumed_step: start_step, steps, to });
+    }
+    if let Some(to) = left.final_weights {
+        reporter.emit(Event::FinalWeightsSetAside { resumed_step: start_step, to: to.display().to_string() });
+    }
+}
+
+/// The allocator's warnings once the run's log is open: CUDA's only (a CPU run does not use the
+/// settings, and their advice, "set memory.limit" for one, would not help).
+fn warn_of_allocator_settings(allocator: &crate::memory::allocator::EffectiveSettings, device: tch::Device) {
+    for w in allocator.warnings(false).into_iter().filter(|_| device.is_cuda()) {
+        tracing::warn!("{w}");
+    }
+    for o in &allocator.overridden {
+        let source = allocator.env_var.unwrap_or("the environment's allocator settings");
+        tracing::warn!("{source} overridden by the config: {o}");
+    }
+    if !allocator.defaulted.is_empty() {
+        tracing::info!(
+            "allocator: {} by default on CUDA (memory.allocator.expandable_segments: false turns it off)",
+            allocator.defaulted.join(",")
+        );
+    }
+}
+
 fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
     let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
     DataRecord {

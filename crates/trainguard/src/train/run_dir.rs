@@ -10,6 +10,7 @@ use super::TrainError;
 use crate::checkpoint::fresh;
 use crate::fs::created_dirs::{self, remove_created};
 use crate::fs::dir_lock::{RunDirLock, LOCK_FILE};
+use crate::fs::run_files;
 use crate::job::{deadline, stop_record};
 use std::path::{Path, PathBuf};
 
@@ -60,7 +61,7 @@ impl RunDir {
         stop_record::clear(dir).map_err(io)?;
         let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
         let yaml = format!("{}\n{yaml}", config_header(env!("CARGO_PKG_VERSION")));
-        let (config_file, log_file) = (dir.join("config.yaml"), dir.join("train.log"));
+        let (config_file, log_file) = (dir.join(run_files::CONFIG), dir.join(run_files::LOG));
         crate::console::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
         if let Some(kept) = keep_a_written_config(&config_file).map_err(|e| of(&config_file, e))? {
             tracing::warn!("{} was not as trainguard writes it (written or edited by hand; --config may have named it): kept as {}", config_file.display(), kept.display());

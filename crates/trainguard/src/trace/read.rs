@@ -1,16 +1,12 @@
-//! Profiles (`metrics.trace`, `trainguard trace`): PyTorch's own profiler records steps
-//! `from_step .. from_step + steps` on the writing rank and writes a Chrome trace to
-//! `out_dir/trace/steps_A-B.json` (chrome://tracing, Perfetto); [`read`] takes that file, or one
-//! PyTorch's `torch.profiler` wrote, and [`summarise`] says where the time went: by kind of work
-//! ([`Work`]) and by the heaviest kernels. On CUDA it counts the GPU's kernels, copies and sets;
-//! without them, each CPU operator's self time (its time less the operators it called). Reading
-//! and summarising are pure functions of the file's events, unit-tested.
-use crate::ffi::trace::{self as shim, Range};
-use crate::ffi::ShimError;
+//! The trace reader: a Chrome trace (ours, or one `torch.profiler` wrote) parsed into events
+//! with durations, and [`summarise`]d: where the time went by kind of work ([`Work`]) and by the
+//! heaviest kernels; `trainguard trace`'s tables. Pure functions of the file's events,
+//! unit-tested.
+use super::TraceError;
 use serde::Serialize;
 use serde_json::Value;
 use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// One event with a duration: an operator or range the CPU ran (`lane`: its thread), with
 /// `launch` a CUDA runtime call the CPU made (a kernel's launch), or with `device_side` a kernel,
@@ -55,7 +51,7 @@ fn lanes_outer_first<'a>(
 }
 
 /// The name of our step ranges, before the step's number (`trainguard step N`).
-const OUR_STEP_RANGE: &str = "trainguard step ";
+pub(super) const OUR_STEP_RANGE: &str = "trainguard step ";
 
 /// The step ranges a trace marks: ours or `torch.profiler`'s (`ProfilerStep#N`).
 const STEP_RANGES: [&str; 2] = [OUR_STEP_RANGE, "ProfilerStep#"];
@@ -712,118 +708,6 @@ pub fn compare(summaries: &[TraceSummary]) -> String {
         out += "\n";
     }
     out
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    #[error("metrics.trace: {0}")]
-    Profiler(#[from] ShimError),
-    // `error`, not `source`: the message is whole here, the chain would repeat it.
-    #[error("metrics.trace: cannot create {path}: {error}")]
-    Dir { path: PathBuf, error: std::io::Error },
-    #[error("cannot read the trace {path}: {error}")]
-    Read { path: PathBuf, error: std::io::Error },
-    #[error("{path} is not a Chrome trace of PyTorch's profiler: {message}")]
-    Format { path: PathBuf, message: String },
-    #[error("{} is gzip-compressed (as torch.profiler's `tensorboard_trace_handler(use_gzip=True)` writes `*.pt.trace.json.gz`): gunzip it first, `gunzip -c {} > {}`, and give that file", path.display(), path.display(), unzipped.display())]
-    Gzip { path: PathBuf, unzipped: PathBuf },
-    #[error("{path} holds nothing to tabulate: {why}")]
-    Empty { path: PathBuf, why: String },
-}
-
-impl TraceError {
-    /// A file the user named that cannot be read or is not a trace (exit code 2).
-    pub fn is_usage(&self) -> bool {
-        matches!(
-            self,
-            TraceError::Read { .. }
-                | TraceError::Format { .. }
-                | TraceError::Gzip { .. }
-                | TraceError::Empty { .. }
-        )
-    }
-}
-
-/// Records the configured steps: [`Tracer::before_step`] starts the profiler at the first and
-/// marks each step, [`Tracer::after_step`] stops it after the last and summarises.
-pub struct Tracer {
-    from: u64,
-    to: u64,
-    dir: PathBuf,
-    device: tch::Device,
-    running: bool,
-}
-
-impl Tracer {
-    /// A tracer when `cfg` names steps and this process writes files.
-    pub fn new(
-        cfg: &crate::config::TraceConfig,
-        out_dir: &Path,
-        device: tch::Device,
-        writes_files: bool,
-    ) -> Option<Self> {
-        let from = cfg.from_step.filter(|_| writes_files)?;
-        Some(Self { from, to: from + cfg.steps, dir: out_dir.join("trace"), device, running: false })
-    }
-
-    /// Waits for the GPU's queue to drain, so the trace holds the traced steps' kernels whole:
-    /// none of the step before (its optimizer update may still run when the next step starts),
-    /// and each of the last one's finished before the profiler stops.
-    fn drain(&self) -> Result<(), TraceError> {
-        if let tch::Device::Cuda(i) = self.device {
-            // tch raises a CUDA error here as a panic: brought back as the error it is.
-            crate::ffi::torch_panics::catch_torch_panics(|| {
-                tch::Cuda::synchronize(i as i64);
-                Ok::<(), tch::TchError>(())
-            })
-            .map_err(|e| TraceError::Profiler(ShimError::Torch(e.to_string())))?;
-        }
-        Ok(())
-    }
-
-    /// Before step `step`: the profiler started if this is the first traced step, and the
-    /// step's range in the trace while the returned value lives.
-    pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
-        if step == self.from && !self.running {
-            std::fs::create_dir_all(&self.dir)
-                .map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
-            self.drain()?;
-            shim::start(self.device.is_cuda())?;
-            self.running = true;
-        }
-        Ok(self.running.then(|| Range::new(&format!("{OUR_STEP_RANGE}{step}"))))
-    }
-
-    /// After step `step`: after the last traced one, the trace written and summarised.
-    pub fn after_step(&mut self, step: u64) -> Result<Option<TraceSummary>, TraceError> {
-        if !self.running || step + 1 < self.to {
-            return Ok(None);
-        }
-        let path = self.dir.join(format!("steps_{}-{}.json", self.from, self.to - 1));
-        self.drain()?; // on an error the profiler still runs, and Drop stops it
-        self.running = false;
-        shim::stop(Some(&path))?;
-        let summary = read(&path, TOP)?;
-        if let Some(warning) = summary.skipped_warning() {
-            tracing::warn!("metrics.trace: {warning}");
-        }
-        Ok(Some(summary))
-    }
-}
-
-impl Drop for Tracer {
-    /// A run that stops inside the traced steps leaves no profiler running (and no trace, which
-    /// it says).
-    fn drop(&mut self) {
-        if self.running {
-            let _ = shim::stop(None);
-            tracing::warn!(
-                "metrics.trace: the run ended inside the traced steps {}-{}: no trace written",
-                self.from,
-                self.to - 1
-            );
-        }
-    }
 }
 
 #[cfg(test)]
