@@ -256,7 +256,7 @@ fn a_second_signal_exits_at_once_and_resume_continues_from_the_last_complete_che
     cmd.args(["--resume", "auto"]);
     let resumed = run(cmd, dir.path()).ok();
     assert_eq!(resumed.events_of("resumed")[0]["step"], newest);
-    assert_eq!(series(&resumed.metrics(), "step"), (0..4).map(serde_json::Value::from).collect::<Vec<_>>());
+    assert_eq!(series(&resumed.metrics(), "step"), (1..=4).map(serde_json::Value::from).collect::<Vec<_>>());
 }
 
 /// The second signal exits from the signal thread while the main thread is inside libtorch
@@ -532,11 +532,12 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     let r = train(
         dir.path(),
         "configs/debug.yaml",
-        &["train.max_steps=20", "train.warmup_steps=2", "faults.nonfinite_loss_at_steps=[5]"],
+        &["train.max_steps=20", "train.warmup_steps=2", "faults.nonfinite_loss_at_steps=[6]"],
     )
     .ok();
     assert_eq!(r.events_of("nonfinite_skipped").len(), 1);
-    assert!(r.metrics()[5]["loss"].is_null(), "NaN is written as null");
+    assert_eq!(r.events_of("nonfinite_skipped")[0]["step"], 6, "step 6: counted from 1");
+    assert!(r.metrics()[5]["loss"].is_null() && r.metrics()[5]["step"] == 6, "NaN is written as null");
 
     let dir = tempfile::tempdir().unwrap();
     let r = train(
@@ -545,7 +546,7 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
         &[
             "train.max_steps=20",
             "train.warmup_steps=2",
-            "faults.nonfinite_loss_at_steps=[5, 6, 7]",
+            "faults.nonfinite_loss_at_steps=[6, 7, 8]",
             "nan.max_consecutive=3",
         ],
     );
@@ -566,7 +567,7 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     // resume from it (at step 8) leaves no gap.
     assert_eq!(state["step"].as_u64(), Some(8));
     let logged: Vec<u64> = r.metrics().iter().map(|m| m["step"].as_u64().unwrap()).collect();
-    assert_eq!(logged, (0..8).collect::<Vec<u64>>());
+    assert_eq!(logged, (1..=8).collect::<Vec<u64>>());
 }
 
 /// A stop right after an interval checkpoint: the checkpoint of that step is not written a second
@@ -645,7 +646,7 @@ fn a_corrupt_newest_is_set_aside_and_a_crash_after_resumes_from_the_runs_own() {
 
     let r = resume_auto(dir.path(), &later).ok();
     assert_eq!(r.events_of("resumed").last().unwrap()["step"], 25);
-    assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "every step once, in order");
+    assert_eq!(metric_steps(dir.path()), (1..=40).collect::<Vec<_>>(), "every step once, in order");
 }
 
 /// `--resume <older checkpoint>` starts a new line from it: the newer checkpoints of the old
@@ -695,7 +696,7 @@ fn resuming_an_older_checkpoint_sets_the_newer_ones_aside() {
     );
 
     resume_auto(dir.path(), &with(&["checkpoint.interval=2", "train.lr=1e-3"])).ok();
-    assert_eq!(metric_steps(dir.path()), (0..40).collect::<Vec<_>>(), "no gap, no step of the old line");
+    assert_eq!(metric_steps(dir.path()), (1..=40).collect::<Vec<_>>(), "no gap, no step of the old line");
 }
 
 /// Going back to a set-aside checkpoint of step S, where `out_dir` has another line's step S:

@@ -321,7 +321,7 @@ fn ranks_restarted_with_different_counts_on_two_nodes_meet_and_resume() {
     assert_eq!(err.matches("resuming at step 3").count(), 1, "rank 0 resumes, once: {err}");
     assert_eq!(
         read_jsonl(&d.path().join("metrics.jsonl")).last().map(|m| m["step"].clone()),
-        Some(7.into()),
+        Some(8.into()),
         "{err}"
     );
 }
@@ -365,9 +365,9 @@ fn a_worker_restarted_with_count_zero_on_a_healthy_node_keeps_the_jobs_deadline(
     assert_eq!(left.len(), 1, "rank 0 names the budget left, once: {err}");
     let trained = read_jsonl(&d.path().join("metrics.jsonl"))
         .iter()
-        .find(|m| m["step"] == 29)
+        .find(|m| m["step"] == 30)
         .and_then(|m| m["elapsed_s"].as_f64())
-        .expect("step 29 of the first attempt");
+        .expect("step 30 of the first attempt");
     assert!(
         left[0] > 0.0 && left[0] < 20.0 - trained,
         "left {}, first attempt trained {trained}s: {err}",
@@ -516,9 +516,9 @@ fn a_torchrun_restart_gets_only_what_is_left_of_the_time_budget() {
     let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
     let trained = metrics
         .iter()
-        .find(|m| m["step"] == 59)
+        .find(|m| m["step"] == 60)
         .and_then(|m| m["elapsed_s"].as_f64())
-        .expect("step 59 of the first attempt");
+        .expect("step 60 of the first attempt");
     assert!(left > 0.0 && left < 20.0 - trained, "left {left}, first attempt trained {trained}s");
     eprintln!("restart left with {left:.1}s of 20 s; job wall {wall:.1}s");
     let rec = stop_record::read(d.path()).expect("stop.json");
@@ -549,7 +549,7 @@ fn a_torchrun_restart_resumes_its_own_run_whatever_resume_was_asked() {
     assert!(String::from_utf8_lossy(&o.stderr)
         .contains("a restart resumes it (--resume none was for the job's first attempt)"));
     assert_eq!(resumed_at(d.path()), [20]);
-    assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().unwrap()["step"], 39);
+    assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).last().unwrap()["step"], 40);
     // Begun from another run's checkpoint: the restart continues this run from its own.
     let old = tempfile::tempdir().unwrap();
     train(old.path(), "configs/debug.yaml", &sets(&["train.max_steps=10"])).ok();
@@ -656,7 +656,7 @@ fn failures_a_restart_would_meet_again_end_a_torchrun_job_with_their_code() {
     let nan = [
         "train.max_steps=12",
         "checkpoint.interval=1",
-        "faults.nonfinite_loss_at_steps=[2,3,4,5,6,7,8,9,10,11]",
+        "faults.nonfinite_loss_at_steps=[3,4,5,6,7,8,9,10,11,12]",
         "nan.max_consecutive=2",
     ];
     let o = torchrun_script(e.path(), "mine.yaml", Path::new("run"), &sets(&nan));

@@ -50,28 +50,28 @@ fn a_cublas_workspace_config_from_the_environment_is_kept() {
 }
 
 /// `faults.nondeterministic_op_at_step` runs `put_` (no deterministic implementation on any
-/// device) inside step 1.
+/// device) inside step 2.
 #[test]
 fn an_op_without_a_deterministic_implementation_ends_the_run_named_with_exit_6() {
     let dir = tempfile::tempdir().unwrap();
     let r = train(
         dir.path(),
         "configs/debug.yaml",
-        &sets(&["deterministic=true", "faults.nondeterministic_op_at_step=1"]),
+        &sets(&["deterministic=true", "faults.nondeterministic_op_at_step=2"]),
     );
     let err = r.stderr();
     assert_eq!(r.code(), 6, "{err}");
     let fatal = r.error_line();
     assert!(
         fatal.contains("deterministic: true, but `put_` has no deterministic implementation")
-            && fatal.contains("at step 1"),
+            && fatal.contains("at step 2"),
         "{err}"
     );
     assert!(!err.contains("panicked") && !err.contains("Exception raised from"), "{err}");
-    assert_eq!(r.metrics().len(), 1, "step 0 completed, step 1 did not");
+    assert_eq!(r.metrics().len(), 1, "step 1 completed, step 2 did not");
     // The same op without deterministic mode is fine.
     let ok = tempfile::tempdir().unwrap();
-    train(ok.path(), "configs/debug.yaml", &sets(&["faults.nondeterministic_op_at_step=1"])).ok();
+    train(ok.path(), "configs/debug.yaml", &sets(&["faults.nondeterministic_op_at_step=2"])).ok();
 }
 
 /// The keys of issue 12 validate like every other: a wrong type is exit 2 naming the key.

@@ -267,7 +267,7 @@ fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
             )
         })
         .collect();
-    assert_eq!(changes, [(0, 32, 16), (0, 16, 8)], "rank 0 (which had memory) followed rank 1 down");
+    assert_eq!(changes, [(1, 32, 16), (1, 16, 8)], "rank 0 (which had memory) followed rank 1 down");
     assert!(events
         .iter()
         .any(|e| e["event"] == "oom_recovered" && e["error"].as_str().unwrap().contains("another rank")));
@@ -561,11 +561,11 @@ fn a_torchrun_restart_resumes_from_the_checkpoint_and_finishes_identically() {
 fn a_rank_that_fails_alone_stops_its_peers_at_once_not_after_the_timeout() {
     let cases: [(&[&str], i32, &str); 2] = [
         (
-            &["deterministic=true", "faults.nondeterministic_op_at_step=2"],
+            &["deterministic=true", "faults.nondeterministic_op_at_step=3"],
             6,
             "`put_` has no deterministic implementation",
         ),
-        (&["faults.failing_scalar_op_at_step=2"], 1, "must match the size of tensor b"),
+        (&["faults.failing_scalar_op_at_step=3"], 1, "must match the size of tensor b"),
     ];
     for (fault, code, named) in cases {
         let d = tempfile::tempdir().unwrap();

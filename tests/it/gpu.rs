@@ -152,7 +152,7 @@ fn the_guard_replays_on_real_cuda_ooms_under_a_memory_cap() {
     let recoveries = a.events_of("oom_recovered");
     assert!(!recoveries.is_empty(), "the cap should force at least one halving");
     assert!(recoveries[0]["error"].as_str().unwrap().contains("CUDA out of memory"));
-    assert!(recoveries.iter().all(|r| r["leak"].is_null()), "no leak at step 0: {recoveries:?}");
+    assert!(recoveries.iter().all(|r| r["leak"].is_null()), "no leak at step 1: {recoveries:?}");
     assert!(
         capped.path().join("oom_snapshot.pickle").is_file(),
         "memory.snapshot_on_oom writes the first recovered out-of-memory"
@@ -600,8 +600,8 @@ fn allocator_thrashing_shrinks_the_micro_batch_on_cuda() {
     let step = first["step"].as_u64().unwrap() as usize;
     let m = r.metrics();
     assert!(
-        m[step + 1..].iter().all(|x| x["micro_batch"].as_u64().unwrap() <= 16),
-        "smaller from the next step on"
+        m[step..].iter().all(|x| x["micro_batch"].as_u64().unwrap() <= 16),
+        "smaller from the next step on (steps count from 1: metrics line `step` is m[step - 1])"
     );
     assert!(m.iter().all(|x| x["micro_batch"].as_u64().unwrap() * x["accumulation"].as_u64().unwrap() == 64));
 }
@@ -1499,7 +1499,7 @@ fn graphed_run_matches_eager(savers: &[&str]) {
         .iter()
         .map(|e| (e["step"].as_u64().unwrap(), e["micro_batch"].as_u64().unwrap()))
         .collect();
-    assert_eq!(captured, [(0, 4), (1, 2), (3, 4), (3, 2)], "savers {savers:?}");
+    assert_eq!(captured, [(1, 4), (2, 2), (4, 4), (4, 2)], "savers {savers:?}");
 }
 
 /// An out of memory inside a capture (a ballast tensor leaves half of what the micro-step

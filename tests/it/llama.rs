@@ -52,7 +52,7 @@ fn oom_guard_halves_to_16_and_the_replay_equals_a_run_at_16() {
             )
         })
         .collect();
-    assert_eq!(halvings, [(0, 64, 32), (0, 32, 16)], "events: {:?}", a.events());
+    assert_eq!(halvings, [(1, 64, 32), (1, 32, 16)], "events: {:?}", a.events());
     assert!(
         a.events_of("oom_recovered")
             .iter()

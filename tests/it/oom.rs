@@ -93,7 +93,7 @@ fn oom_halves_to_16_replays_the_same_samples_and_matches_a_run_at_16() {
         train(capped.path(), "configs/debug.yaml", &sets(&["train.micro_batch_size=64", steps, &cap])).ok();
     assert_eq!(
         micro_changes(&a.events()),
-        [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)],
+        [(1, 64, 32, 1, 2), (1, 32, 16, 2, 4)],
         "events: {:?}",
         a.events()
     );
@@ -160,7 +160,7 @@ fn an_oom_with_the_fused_loss_is_recovered_and_the_run_equals_the_settled_size()
         .ok();
         assert_eq!(
             micro_changes(&a.events()),
-            [(0, 64, 32, 1, 2), (0, 32, 16, 2, 4)],
+            [(1, 64, 32, 1, 2), (1, 32, 16, 2, 4)],
             "{form}: events: {:?}",
             a.events()
         );
@@ -211,7 +211,7 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let regrow = ["train.micro_batch_size=64", "train.max_steps=30", "oom.regrow_after_steps=2", &cap];
     let straight = train(dir.path(), "configs/debug.yaml", &sets(&regrow)).ok();
     let events = straight.events();
-    assert_eq!(micro_changes(&events)[0], (0, 64, 32, 1, 2), "halving first: {events:?}");
+    assert_eq!(micro_changes(&events)[0], (1, 64, 32, 1, 2), "halving first, at step 1: {events:?}");
     let trials: Vec<(u64, u64)> = straight
         .events_of("regrow_attempt")
         .iter()
@@ -305,7 +305,7 @@ fn regrow_bisects_to_the_largest_size_that_fits_backs_off_and_resumes_with_what_
     let first_after = resumed_metrics[before.len()]["micro_batch"].as_u64().unwrap();
     let changed_at_restart = events[restart..].iter().any(|e| {
         (e["event"] == "regrow_attempt" || e["event"] == "oom_recovered")
-            && e["step"].as_u64() == Some(before.len() as u64)
+            && e["step"].as_u64() == Some(before.len() as u64 + 1)
     });
     assert!(
         first_after == at_stop || changed_at_restart,
@@ -365,10 +365,10 @@ fn a_cap_too_small_for_micro_batch_1_exits_3_with_advice_and_keeps_the_run_dir()
     );
     let err = run.stderr();
     assert_eq!(run.code(), 3, "{err}");
-    assert!(err.contains("out of memory at step 0 at micro-batch 1"), "{err}");
+    assert!(err.contains("out of memory at step 1 at micro-batch 1"), "{err}");
     assert!(err.contains("what to change") && err.contains("model.seq_len"), "{err}");
     assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
-    assert_eq!(micro_changes(&run.events()), [(0, 4, 2, 1, 2), (0, 2, 1, 2, 4)]);
+    assert_eq!(micro_changes(&run.events()), [(1, 4, 2, 1, 2), (1, 2, 1, 2, 4)]);
     assert!(Path::new(&dir.path().join("config.yaml")).is_file(), "run directory intact");
     let stopped = run.events_of("stopped");
     assert_eq!(stopped[0]["reason"], "out_of_memory");

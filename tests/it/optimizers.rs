@@ -5,9 +5,7 @@
 //! tests next to each implementation.)
 use tch::{Device, Kind, Tensor};
 use trainguard::config::{ModelConfig, OptimizerName};
-use trainguard::model::Model;
 use trainguard::optim::{Optimizer, OptimizerSpec};
-use trainguard::planner::estimate::OptimizerState;
 
 /// Every optimizer, AdamW on both of its paths.
 const ALL: [(OptimizerName, bool); 6] = [
@@ -199,42 +197,10 @@ fn adamw8bit_tracks_fp32_adamw_with_a_quarter_of_the_state() {
     assert!((0.25..0.27).contains(&ratio), "{ratio}");
 }
 
-/// State bytes of each optimizer for `model`, the planner's estimate from the same shapes, and
-/// the device scratch the update uses besides (fused AdamW and SGD have none).
-fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
-    let gpt = Model::new(model, 0, Device::Cpu).unwrap();
-    // What a run hands the optimizer: the user's rows of a padded vocabulary.
-    let tensors = gpt.optimizer_params().unwrap();
-    let p = &gpt.params;
-    [
-        OptimizerName::Adamw,
-        OptimizerName::Sgd,
-        OptimizerName::SgdMomentum,
-        OptimizerName::Adafactor,
-        OptimizerName::Adamw8bit,
-    ]
-    .into_iter()
-    .map(|name| {
-        // Fused AdamW: no scratch the size of the embedding.
-        let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
-        let estimate = tensors
-            .iter()
-            .map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4))
-            .sum();
-        let scratch = match &opt {
-            Optimizer::Adafactor(a) => a.scratch_bytes(),
-            Optimizer::AdamW8bit(a) => a.scratch_bytes(),
-            Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
-        };
-        (opt.kind(), opt.state_bytes(), estimate, scratch)
-    })
-    .collect()
-}
-
 #[test]
 fn state_bytes_equal_the_planners_estimate_for_the_debug_model() {
-    for (kind, bytes, estimate, _) in state_bytes(&ModelConfig::default()) {
-        assert_eq!(bytes, estimate, "{kind}");
+    for s in trainguard::planner::optimizer_state::measure(&ModelConfig::default()).unwrap() {
+        assert_eq!(s.measured, s.estimate, "{}", s.kind);
     }
 }
 

@@ -236,7 +236,7 @@ fn keep_best_keeps_the_best_validation_checkpoint_past_keep_last() {
     let v = evals(&r.metrics());
     assert_eq!(
         v.iter().map(|e| e.0).collect::<Vec<_>>(),
-        [4, 9, 14, 19],
+        [5, 10, 15, 20],
         "validated after steps 5, 10, 15, 20"
     );
     let (best_step, best_val) =
@@ -245,7 +245,8 @@ fn keep_best_keeps_the_best_validation_checkpoint_past_keep_last() {
         v.iter().filter(|(s, _)| *s > best_step).any(|(_, l)| *l > best_val),
         "a later validation is worse: {v:?}"
     );
-    let best_ckpt = best_step + 1;
+    // Steps count from 1: the metrics line and the checkpoint name the same step.
+    let best_ckpt = best_step;
     assert!(best_ckpt < 15, "the best is not among the newest two: {v:?}");
     assert_eq!(checkpoint_steps(&best_dir), [best_ckpt, 15, 20], "{v:?}");
     let state: Value = serde_json::from_str(
@@ -403,7 +404,7 @@ fn a_second_run_in_a_busy_out_dir_is_refused_and_the_first_finishes_untouched() 
     assert_eq!(checkpoint_steps(dir.path()), [2, 4, 6]);
     let steps: Vec<u64> =
         read_jsonl(&dir.path().join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps, (0..6).collect::<Vec<_>>());
+    assert_eq!(steps, (1..=6).collect::<Vec<_>>());
     let mut cmd = command(dir.path(), "configs/debug.yaml", &base);
     cmd.args(["--resume", "auto"]);
     assert!(run(cmd, dir.path()).ok().stderr().contains("nothing to do"));

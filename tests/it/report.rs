@@ -198,7 +198,7 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
         "train.max_steps=12",
         "oom.regrow_after_steps=3",
         "checkpoint.interval=4",
-        "faults.nonfinite_loss_at_steps=[2]",
+        "faults.nonfinite_loss_at_steps=[3]",
         &cap,
     ];
     let first =
@@ -227,8 +227,8 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
     let loss = page_series(&d, 0, "loss");
     assert_eq!(
         loss.iter().map(|p| p.0).collect::<Vec<_>>(),
-        (0..12).filter(|s| *s != 2).collect::<Vec<_>>(),
-        "non-finite step 2 has a null loss"
+        (1..=12).filter(|s| *s != 3).collect::<Vec<_>>(),
+        "non-finite step 3 has a null loss"
     );
     assert_eq!(loss, field(&run.metrics(), "loss"));
     // The micro-batch staircase follows metrics.jsonl (the step-0 OOM settled at 16 before the
@@ -249,7 +249,7 @@ fn events_of_a_real_oom_stop_and_resume_run_are_marked_on_every_panel() {
         for p in panels {
             for axis in ["step", "wall"] {
                 let s = svg(&html, &format!("{p}-{axis}"));
-                let tag = format!(r#"<g class="marker" data-kind="{kind}" data-step="{step}">"#);
+                let tag = format!(r#"<g class="marker" data-kind="{kind}" data-step="{step}" "#);
                 assert!(s.contains(&tag), "{p}-{axis} lacks the {kind} marker at step {step}");
             }
         }
@@ -693,13 +693,13 @@ fn tensorboard_reads_back_the_scalars_of_metrics_jsonl() {
         .iter()
         .any(|e| e[1].as_str().unwrap().contains("\"event\":\"checkpoint_saved\"") && e[0] == 6));
 
-    // Resumed from step 3, the run logs steps 3-5 again in a new event file: TensorBoard shows
+    // Resumed from step 3, the run logs steps 4-6 again in a new event file: TensorBoard shows
     // them once, as metrics.jsonl does, not the first session's beside them.
     let mut cmd = command(dir.path(), "configs/debug.yaml", &[&sets[..], &["train.lr=0.01"]].concat());
     cmd.arg("--resume").arg(dir.path().join("checkpoints/step-00000003"));
     let resumed = crate::common::run(cmd, dir.path()).ok();
     let metrics = resumed.metrics();
-    assert_eq!(metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5]);
+    assert_eq!(metrics.iter().map(|m| m["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
     assert_ne!(metrics[4]["loss"], first[4]["loss"], "another learning rate after the resume: other losses");
     assert_eq!(std::fs::read_dir(dir.path().join("tb")).unwrap().count(), 2, "one event file per session");
     assert_scalars_are_the_metrics(&read_tensorboard(&dir.path().join("tb")), &metrics);

@@ -151,7 +151,7 @@ fn fp16_overflow_skips_the_update_and_halves_the_scale_then_it_grows_back() {
             "train.eval_interval=0",
             "train.loss_scale_initial=1024",
             "train.loss_scale_growth_interval=4",
-            "faults.fp16_overflow_at_steps=[2]",
+            "faults.fp16_overflow_at_steps=[3]",
         ],
     );
     if r.code() != 0 && r.stderr().contains("autocast") {
@@ -170,7 +170,7 @@ fn fp16_overflow_skips_the_update_and_halves_the_scale_then_it_grows_back() {
             )
         })
         .collect();
-    assert_eq!(changes, [(2, 512.0, "overflow".to_string()), (6, 1024.0, "growth".to_string())]);
+    assert_eq!(changes, [(3, 512.0, "overflow".to_string()), (7, 1024.0, "growth".to_string())]);
     assert!(
         r.events_of("nonfinite_skipped").is_empty(),
         "an fp16 overflow is the scaler's business, not a bad batch"

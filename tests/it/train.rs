@@ -230,13 +230,46 @@ fn a_libtorch_error_raised_as_a_panic_is_an_error_not_a_crash() {
             "train.warmup_steps=0",
             "train.eval_interval=0",
             "train.log_interval=1",
-            "faults.failing_scalar_op_at_step=1",
+            "faults.failing_scalar_op_at_step=2",
         ],
     );
     let err = r.stderr();
     assert_eq!(r.code(), 1, "{err}");
     let fatal = r.error_line();
-    assert!(fatal.contains("must match the size of tensor b") && fatal.contains("step 1"), "{err}");
+    assert!(fatal.contains("must match the size of tensor b") && fatal.contains("step 2"), "{err}");
     assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
-    assert_eq!(r.metrics().len(), 1, "step 0 completed, step 1 did not");
+    assert_eq!(r.metrics().len(), 1, "step 1 completed, step 2 did not");
+}
+
+/// Steps are counted from 1 everywhere: the log's last line is `step 20/20`, the metrics run
+/// from step 1 to 20, the final evaluation is on step 20's line, and the last checkpoint is
+/// `step-00000020` (the log once said "step 19/20" beside "checkpoint at step 20").
+#[test]
+fn steps_are_counted_from_one_in_the_log_metrics_events_and_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &["train.max_steps=20", "train.warmup_steps=2", "train.eval_interval=10", "checkpoint.interval=10"],
+    )
+    .ok();
+    let err = r.stderr();
+    for line in ["step     1/20 |", "step    10/20 |", "step    20/20 |", "checkpoint at step 20:"] {
+        assert!(err.contains(line), "`{line}` missing: {err}");
+    }
+    assert!(!err.contains("step     0/20") && !err.contains("step    19/20"), "{err}");
+    let steps: Vec<u64> = r.metrics().iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=20).collect::<Vec<_>>());
+    let evaluated: Vec<u64> = r
+        .metrics()
+        .iter()
+        .filter(|m| !m["val_loss"].is_null())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evaluated, [10, 20], "evaluated after steps 10 and 20, as the checkpoints");
+    let saved: Vec<u64> =
+        r.events_of("checkpoint_saved").iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(saved, [10, 20]);
+    assert!(dir.path().join("checkpoints/step-00000020").is_dir());
+    assert_eq!(r.summary()["steps"], 20);
 }

@@ -13,7 +13,7 @@ use tch::{Device, Tensor};
 use trainguard::config::{ModelConfig, OptimizerName};
 use trainguard::model::Model;
 use trainguard::optim::{Optimizer, OptimizerSpec};
-use trainguard::planner::estimate::OptimizerState;
+use trainguard::planner::optimizer_state::StateBytes;
 
 fn main() {
     match std::env::args().nth(1).as_deref() {
@@ -39,36 +39,6 @@ fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
     }
 }
 
-/// State bytes of each optimizer for `model`, the planner's estimate from the same shapes, and
-/// the device scratch the update uses besides (fused AdamW and SGD have none).
-fn state_bytes(model: &ModelConfig) -> Vec<(&'static str, u64, u64, u64)> {
-    let gpt = Model::new(model, 0, Device::Cpu).unwrap();
-    let tensors = gpt.optimizer_params().unwrap();
-    let p = &gpt.params;
-    [
-        OptimizerName::Adamw,
-        OptimizerName::Sgd,
-        OptimizerName::SgdMomentum,
-        OptimizerName::Adafactor,
-        OptimizerName::Adamw8bit,
-    ]
-    .into_iter()
-    .map(|name| {
-        let opt = Optimizer::new(&spec(name, true), &tensors, &p.decay, Device::Cpu).unwrap();
-        let estimate = tensors
-            .iter()
-            .map(|t| name.state_for(&t.size().iter().map(|&d| d as u64).collect::<Vec<_>>(), 4))
-            .sum();
-        let scratch = match &opt {
-            Optimizer::Adafactor(a) => a.scratch_bytes(),
-            Optimizer::AdamW8bit(a) => a.scratch_bytes(),
-            Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
-        };
-        (opt.kind(), opt.state_bytes(), estimate, scratch)
-    })
-    .collect()
-}
-
 fn print_state_bytes() {
     let gpt2 = ModelConfig {
         n_layer: 12,
@@ -81,9 +51,10 @@ fn print_state_bytes() {
         ..ModelConfig::default()
     };
     for (label, model) in [("debug", ModelConfig::default()), ("gpt2-124m", gpt2)] {
-        let rows = state_bytes(&model);
-        let adamw = rows[0].1 as f64;
-        for (kind, bytes, estimate, scratch) in rows {
+        let rows =
+            trainguard::planner::optimizer_state::measure(&model).expect("the model builds on the CPU");
+        let adamw = rows[0].measured as f64;
+        for StateBytes { kind, measured: bytes, estimate, scratch } in rows {
             let mib = |b: u64| b as f64 / (1 << 20) as f64;
             println!(
                 "{label:10} {kind:13} {bytes:>12} bytes  {:7.1} MiB  {:5.1} % of adamw  (planner: {estimate})  scratch {:.1} KiB",

@@ -731,15 +731,16 @@ impl Default for TraceConfig {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct FaultsConfig {
-    /// Steps whose loss is replaced by NaN (the update must be skipped).
+    /// Steps (counted from 1, as the log does) whose loss is replaced by NaN (the update must be
+    /// skipped).
     pub nonfinite_loss_at_steps: Vec<u64>,
     /// Steps whose (fp16-mixed) gradients are made infinite after unscaling: an overflow.
     pub fp16_overflow_at_steps: Vec<u64>,
-    /// Behave as if SIGTERM arrived just before this step (checkpoint, exit 4).
+    /// Behave as if SIGTERM arrived once this many steps are done (checkpoint at that step, exit 4).
     pub interrupt_at_step: Option<u64>,
     /// Keep every step's forward graph alive, as a leaking training script would.
     pub leak_graphs: bool,
-    /// Rank `crash_rank` fails with exit 1 just before this step, on the first attempt of a
+    /// Rank `crash_rank` fails with exit 1 once this many steps are done, on the first attempt of a
     /// torchrun group only (TORCHELASTIC_RESTART_COUNT = 0).
     pub crash_at_step: Option<u64>,
     pub crash_rank: usize,

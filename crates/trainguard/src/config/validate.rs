@@ -301,23 +301,33 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     p
 }
 
-/// An injected fault that could never happen would let a test of it pass without it: its step
-/// must be one the run reaches (steps are 0..train.max_steps), and an overflow needs fp16's
-/// loss scaler to see it. The ranks are checked against the world size in the run plan.
+/// An injected fault that could never happen would let a test of it pass without it: a fault
+/// inside a step names a step the run reaches (steps count from 1 to train.max_steps), a stop
+/// or crash "once N steps are done" an N the run reaches before its end (0..train.max_steps),
+/// and an overflow needs fp16's loss scaler to see it. The ranks are checked against the world
+/// size in the run plan.
 fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
     let (f, max) = (&c.faults, c.train.max_steps);
     let never = |s: u64| {
-        format!("step {s} is never run (steps are 0..{max}, train.max_steps = {max}), so the fault would not happen")
+        format!("step {s} is never run (steps are 1..={max}, train.max_steps = {max}), so the fault would not happen")
     };
-    let single = [
-        ("faults.interrupt_at_step", f.interrupt_at_step),
-        ("faults.crash_at_step", f.crash_at_step),
+    let never_done = |s: u64| {
+        format!("{s} steps are never done before the run ends (train.max_steps = {max}), so the fault would not happen")
+    };
+    for (key, done) in
+        [("faults.interrupt_at_step", f.interrupt_at_step), ("faults.crash_at_step", f.crash_at_step)]
+    {
+        if let Some(s) = done {
+            check(s < max, key, never_done(s));
+        }
+    }
+    let inside = [
         ("faults.nondeterministic_op_at_step", f.nondeterministic_op_at_step),
         ("faults.failing_scalar_op_at_step", f.failing_scalar_op_at_step),
     ];
-    for (key, step) in single {
+    for (key, step) in inside {
         if let Some(s) = step {
-            check(s < max, key, never(s));
+            check((1..=max).contains(&s), key, never(s));
         }
     }
     for (key, steps) in [
@@ -325,7 +335,7 @@ fn check_faults(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
         ("faults.fp16_overflow_at_steps", &f.fp16_overflow_at_steps),
     ] {
         for (i, &s) in steps.iter().enumerate() {
-            check(s < max, &format!("{key}[{i}]"), never(s));
+            check((1..=max).contains(&s), &format!("{key}[{i}]"), never(s));
         }
     }
     check(
@@ -470,16 +480,21 @@ mod tests {
     fn faults_that_could_never_happen_are_refused() {
         let mut c = Config::default(); // max_steps 200
         c.faults.interrupt_at_step = Some(199);
-        c.faults.nonfinite_loss_at_steps = vec![0, 199];
+        c.faults.nonfinite_loss_at_steps = vec![1, 200];
         assert!(keys(&c).is_empty());
         c.faults.interrupt_at_step = Some(200);
         c.faults.crash_at_step = Some(500);
-        c.faults.nonfinite_loss_at_steps = vec![3, 200];
+        c.faults.nonfinite_loss_at_steps = vec![0, 3, 201];
         assert_eq!(
             keys(&c),
-            ["faults.interrupt_at_step", "faults.crash_at_step", "faults.nonfinite_loss_at_steps[1]"]
+            [
+                "faults.interrupt_at_step",
+                "faults.crash_at_step",
+                "faults.nonfinite_loss_at_steps[0]",
+                "faults.nonfinite_loss_at_steps[2]"
+            ]
         );
-        assert!(validate(&c)[0].message.contains("steps are 0..200"), "{:?}", validate(&c));
+        assert!(validate(&c)[2].message.contains("steps are 1..=200"), "{:?}", validate(&c));
         let mut c = Config::default();
         c.faults.fp16_overflow_at_steps = vec![2];
         assert_eq!(keys(&c), ["faults.fp16_overflow_at_steps"]);

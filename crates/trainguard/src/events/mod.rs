@@ -177,7 +177,7 @@ pub enum Event {
         action: String,
         new_micro_batch: Option<usize>,
     },
-    /// The run stops before max_steps (see [`StopReason`]).
+    /// The run stops before max_steps (see [`StopReason`]), `step` steps done.
     Stopped {
         step: u64,
         reason: StopReason,
@@ -203,6 +203,30 @@ pub enum Event {
     /// `metrics.trace`: the profiled steps' Chrome trace is written; where their time went.
     TraceWritten(crate::trace::TraceSummary),
     RunFinished(RunSummary),
+}
+
+impl Event {
+    /// Steps are counted from 1 in everything a run reports (log, metrics, events, checkpoints,
+    /// report): step N is the Nth optimizer step, and a checkpoint at step N holds the state
+    /// after it. The loop counts from 0 (the index the sampler and the schedule take), so the
+    /// events about a step in progress carry that index until here; the others (checkpoints,
+    /// resume, stops, the end) carry a count of steps completed already.
+    pub(crate) fn counted_from_one(mut self) -> Self {
+        match &mut self {
+            Event::Step(StepMetrics { step, .. })
+            | Event::OomRecovered(OomRecovery { step, .. })
+            | Event::RegrowAttempt { step, .. }
+            | Event::OomEscalated { step, .. }
+            | Event::NonfiniteSkipped { step, .. }
+            | Event::LeakSuspected { step, .. }
+            | Event::LossScaleChanged { step, .. }
+            | Event::ThrashDetected { step, .. }
+            | Event::GraphCaptured { step, .. }
+            | Event::GraphsOff { step, .. } => *step += 1,
+            _ => {}
+        }
+        self
+    }
 }
 
 /// The leak the guard found at an out-of-memory (the `leak` field of `oom_recovered`;

@@ -27,8 +27,8 @@ impl Reporter {
 
     /// Every `train.log_interval` steps, the last and any that evaluated.
     fn step_line(&self, m: &StepMetrics) {
-        let last = m.step + 1 == self.max_steps;
-        if m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() {
+        let (first, last) = (m.step == 1, m.step == self.max_steps);
+        if first || m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() {
             let val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
             let mem = &m.memory;
             let mem = match (mem.allocated_bytes, mem.reserved_bytes, mem.peak_allocated_bytes) {
@@ -61,10 +61,14 @@ impl Reporter {
                     None if self.events.is_none() => "; rank 0 writes the checkpoint".into(),
                     None => "; no checkpoint".into(),
                 };
-                // The non-finite stop comes after its step (whose checkpoint counts it); every
-                // other stop comes before the step it names, which its checkpoint has not run.
-                let when = if matches!(reason, StopReason::Nonfinite) { "after" } else { "before" };
-                tracing::warn!("stopping {when} step {step} ({reason}){ck}");
+                // `step`: the steps done. The non-finite stop comes after the last of them (its
+                // checkpoint counts it); every other stop before the next one.
+                let (when, n) = if matches!(reason, StopReason::Nonfinite) {
+                    ("after", *step)
+                } else {
+                    ("before", step + 1)
+                };
+                tracing::warn!("stopping {when} step {n} ({reason}){ck}");
             }
             Event::TraceWritten(s) => {
                 let kinds: Vec<String> = s

@@ -44,7 +44,7 @@ impl Reporter {
             let named = |source| SinkError { path: path.clone(), source };
             match (resume_at, name) {
                 (Some(step), run_files::METRICS) => {
-                    keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s < step)).map_err(named)?
+                    keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s <= step)).map_err(named)?
                 }
                 // A run killed mid-write may have left half a line.
                 (Some(_), _) => keep_lines(&path, |_| true).map_err(named)?,
@@ -82,20 +82,23 @@ impl Reporter {
     /// with the resolved config as text.
     pub fn enable_tensorboard(&mut self, dir: &Path, config_yaml: &str) -> Result<(), SinkError> {
         let named = |source| SinkError { path: dir.to_path_buf(), source };
-        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, self.resume_at.unwrap_or(0))
-            .map_err(named)?;
+        // A resumed run's first line is the step after its checkpoint's: earlier files' lines from
+        // there on are the ones it replays.
+        let first_step = self.resume_at.map_or(0, |done| done + 1);
+        let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, first_step).map_err(named)?;
         tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```")).map_err(named)?;
         self.tensorboard = Some(tb);
         Ok(())
     }
 
     pub fn emit(&mut self, event: Event) {
+        let event = event.counted_from_one();
         self.log(&event);
         if let (Some(bar), Event::Step(m)) = (&self.bar, &event) {
             let mem = crate::memory::ProcessMemory::read()
                 .map(|p| format!(" | rss {}", human(p.rss_bytes)))
                 .unwrap_or_default();
-            bar.set_position(m.step + 1);
+            bar.set_position(m.step);
             bar.set_message(format!(
                 "loss {:.4} | {:.0} tok/s | micro {}×{}{mem}",
                 m.loss, m.tokens_per_s, m.micro_batch, m.accumulation

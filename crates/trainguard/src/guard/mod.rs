@@ -26,6 +26,7 @@ use tch::{Device, TchError};
 /// An out-of-memory the guard could not recover from.
 #[derive(Debug, Clone)]
 pub struct OomFailure {
+    /// The loop's index of the step (its texts say step `index + 1`); none while setting up.
     pub step: Option<u64>,
     pub micro_batch: usize,
     pub requested_bytes: Option<u64>,
@@ -70,11 +71,11 @@ impl OomFailure {
                 "- a smaller model (model.n_layer, model.n_embd) or vocabulary (model.vocab_size)",
             ),
             (GaveUp::Policy(p), Some(s)) => (
-                format!("out of memory at step {s} at micro-batch {}{asked}; oom.policy is {}, so no smaller micro-batch was tried", self.micro_batch, format!("{p:?}").to_lowercase()),
+                format!("out of memory at step {} at micro-batch {}{asked}; oom.policy is {}, so no smaller micro-batch was tried", s + 1, self.micro_batch, format!("{p:?}").to_lowercase()),
                 "- oom.policy: adapt (the default): halve the micro-batch, double accumulation, replay the same samples",
             ),
             (GaveUp::AtFloor, Some(s)) => (
-                format!("out of memory at step {s} at micro-batch {}{asked}; nothing smaller is allowed (oom.min_micro_batch)", self.micro_batch),
+                format!("out of memory at step {} at micro-batch {}{asked}; nothing smaller is allowed (oom.min_micro_batch)", s + 1, self.micro_batch),
                 "- a shorter sequence (model.seq_len): activations and logits grow with it",
             ),
         };
@@ -96,7 +97,7 @@ impl OomFailure {
 impl OomFailure {
     /// A leak: halving cannot fix it, so the advice is about what keeps tensors alive.
     fn leak_advice(&self, leak: &LeakDiagnosis) -> String {
-        let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {s}"));
+        let at = self.step.map_or("while setting up".to_string(), |s| format!("at step {}", s + 1));
         format!(
             "out of memory {at} at micro-batch {}: {}.\n\
              held between steps: {} after step {}, {} now. A smaller micro-batch cannot give that memory back, \
@@ -227,7 +228,8 @@ pub fn unrecovered(err: TchError, step: Option<u64>, micro_batch: usize, device:
 
 /// A libtorch error that is not an out-of-memory: named when deterministic mode refused an op.
 fn other_error(err: TchError, message: &str, step: Option<u64>) -> GuardError {
-    let at = step.map_or("while setting up".into(), |s| format!("at step {s}"));
+    // `step`: the loop's index; a run reports steps counted from 1.
+    let at = step.map_or("while setting up".into(), |s| format!("at step {}", s + 1));
     match nondeterministic_op(message) {
         Some(op) => GuardError::NotDeterministic { op, at },
         None => GuardError::Torch { error: err, at },
@@ -285,8 +287,8 @@ impl Guard {
         self
     }
 
-    /// Memory held after step `step` (the leak detector's figure): what an out-of-memory later
-    /// compares with.
+    /// Memory held once `step` steps are done (the leak detector's figure): what an
+    /// out-of-memory later compares with.
     pub fn held_between_steps(&mut self, step: u64, bytes: Option<u64>) {
         if let Some(b) = bytes {
             self.held.between_steps(step, b);

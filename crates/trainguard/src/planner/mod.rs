@@ -6,6 +6,7 @@
 pub mod apply;
 pub mod estimate;
 pub mod gpu;
+pub mod optimizer_state;
 pub mod presets;
 pub mod profile;
 pub mod recommend;

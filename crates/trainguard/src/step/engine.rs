@@ -242,7 +242,7 @@ mod tests {
             savers: Savers::default(),
             escalate: Vec::new(),
         };
-        let faults_cfg = FaultsConfig { nonfinite_loss_at_steps: vec![3], ..FaultsConfig::default() };
+        let faults_cfg = FaultsConfig { nonfinite_loss_at_steps: vec![4], ..FaultsConfig::default() };
         let train = |graphs: bool| {
             let mut t = Trainable::build(
                 &cfg,
@@ -287,7 +287,7 @@ mod tests {
                 (y.loss.to_bits(), y.grad_norm.to_bits(), y.applied)
             );
         }
-        assert!(!a[3].applied, "the injected non-finite loss skipped step 3");
+        assert!(!a[3].applied, "the injected non-finite loss skipped step 4 (index 3)");
         for (p, q) in usual.iter().zip(&graphed) {
             assert!(p.equal(q), "the weights differ");
         }

@@ -36,7 +36,9 @@ impl Faults {
         self.cfg.fault_rank.is_none_or(|r| r == self.rank)
     }
 
-    /// Checked before step `step` starts.
+    /// Checked before the step of loop index `step` starts, that is once `step` steps are done:
+    /// `faults.interrupt_at_step: 20` stops with 20 steps done, as a signal would (checkpoint at
+    /// step 20).
     pub fn before_step(&self, step: u64) -> Option<StepFault> {
         if self.cfg.crash_at_step == Some(step) && self.cfg.crash_rank == self.rank && self.restart_count == 0
         {
@@ -46,14 +48,16 @@ impl Faults {
     }
 
     /// After the gradients were averaged and unscaled: a NaN loss, or (fp16) an overflow; or an
-    /// op with no deterministic implementation, or one that libtorch refuses.
+    /// op with no deterministic implementation, or one that libtorch refuses. `index`: the
+    /// loop's, from 0; the config names steps as a run reports them, from 1.
     pub(super) fn corrupt(
         &self,
-        step: u64,
+        index: u64,
         loss: &mut f64,
         grads: &mut [Tensor],
         loss_scaled: bool,
     ) -> Result<(), TchError> {
+        let step = index + 1;
         if self.cfg.nonfinite_loss_at_steps.contains(&step) {
             *loss = f64::NAN;
         }

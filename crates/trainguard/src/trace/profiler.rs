@@ -49,9 +49,11 @@ impl Tracer {
         Ok(())
     }
 
-    /// Before step `step`: the profiler started if this is the first traced step, and the
-    /// step's range in the trace while the returned value lives.
-    pub fn before_step(&mut self, step: u64) -> Result<Option<Range>, TraceError> {
+    /// Before the step of loop index `index` (step `index + 1`, as steps are counted): the
+    /// profiler started if this is the first traced step, and the step's range in the trace
+    /// while the returned value lives.
+    pub fn before_step(&mut self, index: u64) -> Result<Option<Range>, TraceError> {
+        let step = index + 1;
         if step == self.from && !self.running {
             std::fs::create_dir_all(&self.dir)
                 .map_err(|error| TraceError::Dir { path: self.dir.clone(), error })?;
@@ -62,9 +64,10 @@ impl Tracer {
         Ok(self.running.then(|| Range::new(&format!("{OUR_STEP_RANGE}{step}"))))
     }
 
-    /// After step `step`: after the last traced one, the trace written and summarised.
-    pub fn after_step(&mut self, step: u64) -> Result<Option<TraceSummary>, TraceError> {
-        if !self.running || step + 1 < self.to {
+    /// After the step of loop index `index`: after the last traced one, the trace written and
+    /// summarised.
+    pub fn after_step(&mut self, index: u64) -> Result<Option<TraceSummary>, TraceError> {
+        if !self.running || index + 2 < self.to {
             return Ok(None);
         }
         let path = self.dir.join(format!("steps_{}-{}.json", self.from, self.to - 1));

@@ -38,7 +38,7 @@ pub enum TrainError {
     Start(StartMismatch),
     #[error("another rank could not start (its own error names why: an out_dir that holds another run, or a checkpoint it cannot use); every rank stops")]
     PeerCouldNotStart,
-    #[error("injected failure at step {step} (faults.crash_at_step)")]
+    #[error("injected failure after step {step} (faults.crash_at_step)")]
     InjectedCrash { step: u64 },
     #[error("out_dir: {path} exists and is not a directory; give a directory (a new one is created)")]
     OutDirNotADirectory { path: PathBuf },

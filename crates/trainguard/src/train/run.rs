@@ -385,7 +385,9 @@ impl<'a> Run<'a> {
         self.slowest_recent = step_time.max(self.slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
         let memory = self.watch.after_step(step, &mut self.state.guard.state, &mut self.reporter);
-        self.state.guard.held_between_steps(step, crate::memory::telemetry::Telemetry::leak_figure(&memory));
+        self.state
+            .guard
+            .held_between_steps(step + 1, crate::memory::telemetry::Telemetry::leak_figure(&memory));
         self.reporter.emit(Event::Step(StepMetrics {
             step,
             loss: outcome.loss,
@@ -404,11 +406,11 @@ impl<'a> Run<'a> {
         if give_up {
             let path = self.save(step + 1, false);
             self.reporter.emit(Event::Stopped {
-                step,
+                step: step + 1,
                 reason: StopReason::Nonfinite,
                 checkpoint: path.map(|p| p.display().to_string()),
             });
-            return Err(TrainError::NonFinite { step, count: self.consecutive_bad });
+            return Err(TrainError::NonFinite { step: step + 1, count: self.consecutive_bad });
         }
         if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
             self.reporter.emit(Event::TraceWritten(summary));

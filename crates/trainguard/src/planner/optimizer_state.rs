@@ -1,0 +1,57 @@
+//! Each optimizer's state measured on a model's real parameters (built on the CPU), beside the
+//! planner's estimate from the same shapes and the scratch its update uses besides: what
+//! `tests/it/optimizers.rs` holds equal and `examples/optimizer_bench.rs state` prints.
+use super::estimate::OptimizerState;
+use crate::config::{ModelConfig, OptimizerName};
+use crate::model::Model;
+use crate::optim::{Optimizer, OptimizerSpec};
+use tch::{Device, TchError};
+
+/// One optimizer's state for one model.
+pub struct StateBytes {
+    pub kind: &'static str,
+    pub measured: u64,
+    pub estimate: u64,
+    /// The device scratch the update uses besides its state (fused AdamW and SGD: none).
+    pub scratch: u64,
+}
+
+/// Every optimizer's state for `model`, AdamW first.
+pub fn measure(model: &ModelConfig) -> Result<Vec<StateBytes>, TchError> {
+    let built = Model::new(model, 0, Device::Cpu)?;
+    // What a run hands the optimizer: the user's rows of a padded vocabulary.
+    let tensors = built.optimizer_params()?;
+    let names = [
+        OptimizerName::Adamw,
+        OptimizerName::Sgd,
+        OptimizerName::SgdMomentum,
+        OptimizerName::Adafactor,
+        OptimizerName::Adamw8bit,
+    ];
+    names
+        .into_iter()
+        .map(|name| {
+            // The hyperparameters do not change the state's size. Fused AdamW: no scratch the
+            // size of the embedding.
+            let spec = OptimizerSpec {
+                name,
+                fused: true,
+                cuda_kernel: false,
+                momentum: 0.9,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            };
+            let opt = Optimizer::new(&spec, &tensors, &built.params.decay, Device::Cpu)?;
+            let shape = |t: &tch::Tensor| t.size().iter().map(|&d| d as u64).collect::<Vec<_>>();
+            let estimate = tensors.iter().map(|t| name.state_for(&shape(t), 4)).sum();
+            let scratch = match &opt {
+                Optimizer::Adafactor(a) => a.scratch_bytes(),
+                Optimizer::AdamW8bit(a) => a.scratch_bytes(),
+                Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
+            };
+            Ok(StateBytes { kind: opt.kind(), measured: opt.state_bytes(), estimate, scratch })
+        })
+        .collect()
+}
