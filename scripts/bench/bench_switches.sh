@@ -26,7 +26,7 @@ for v in "$@"; do
   read -r tps peak < <("$PY" -c 'import json, statistics, sys
 m = [json.loads(l) for l in open(sys.argv[1])]
 peak = max((x.get("peak_allocated_bytes") or 0) for x in m)
-warm = [x["tokens_per_s"] for x in m if x["step"] >= 5] or [x["tokens_per_s"] for x in m[1:]] or [x["tokens_per_s"] for x in m]
+warm = [x["tokens_per_s"] for x in m if x["step"] > 5] or [x["tokens_per_s"] for x in m[1:]] or [x["tokens_per_s"] for x in m]
 print(round(statistics.median(warm)), f"{peak / 2**30:.2f}" if peak else "-")' "$dir/metrics.jsonl")
   [ -n "$base" ] || base=$tps
   printf "| %s | %s | %.3f× | %s |\n" "$name" "$tps" "$("$PY" -c "print($tps / $base)")" "$peak"

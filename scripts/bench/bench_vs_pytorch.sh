@@ -61,7 +61,7 @@ trainguard_tps() {  # mean tokens/s over the steps after warm-up, from metrics.j
   # the old metrics must never be read back as this run's.
   rm -rf "$out/tg"
   local extra=0 tr=()
-  [ -z "$trace" ] || { extra=2; tr=(--set "metrics.trace.from_step=$((STEPS + WARMUP))"); }
+  [ -z "$trace" ] || { extra=2; tr=(--set "metrics.trace.from_step=$((STEPS + WARMUP + 1))"); }
   "$BIN" train --config "$1" --set out_dir="$out/tg" --set device="$device" --set train.threads="$threads" \
     --set precision="$precision" ${tg_extra[@]+"${tg_extra[@]}"} ${tr[@]+"${tr[@]}"} \
     --set train.max_steps=$((STEPS + WARMUP + extra)) --set train.warmup_steps=1 --set train.eval_interval=0 --set checkpoint.interval=0 --set checkpoint.at_end=false 2>"$out/tg.err" \

@@ -46,7 +46,7 @@ for name in ("applied", "no-expandable"):
     retries = sum(x["alloc_retries"] or 0 for x in m)  # per step in metrics.jsonl
     ooms = sum(e["event"] == "oom_recovered" for e in ev)
     conf = next(e for e in ev if e["event"] == "run_started").get("allocator", {}).get("conf")
-    speeds = sorted(x["tokens_per_s"] for x in m if x["step"] >= 5) or [0]  # retries cost speed
+    speeds = sorted(x["tokens_per_s"] for x in m if x["step"] > 5) or [0]  # retries cost speed
     tps = speeds[len(speeds) // 2]
     print(f"{name:14s} steps {len(m)}: peak reserved {reserved / 2**30:.2f} GiB = {reserved / total:.1%} of the card, "
           f"peak allocated {allocated / 2**30:.2f} GiB, reserved/allocated {reserved / max(allocated, 1):.3f}, "
