@@ -239,208 +239,240 @@ struct Inputs {
 
 const GENERIC_REQUIRED: [&str; 5] = ["--layers", "--hidden", "--heads", "--vocab", "--seq-len"];
 
-impl Inputs {
-    fn resolve(a: &PlanArgs) -> Result<Self, PlannerError> {
-        if let Some(m) = a.margin.filter(|m| !(*m > 0.0 && *m <= 1.0)) {
-            return Err(usage(format!("--margin must be in (0, 1], got {m}")));
+/// The flags' own ranges, and the two sizes they give (CUDA's overhead, the card's memory).
+fn check_flags(a: &PlanArgs) -> Result<(u64, Option<u64>), PlannerError> {
+    if let Some(m) = a.margin.filter(|m| !(*m > 0.0 && *m <= 1.0)) {
+        return Err(usage(format!("--margin must be in (0, 1], got {m}")));
+    }
+    if !(0.0..1.0).contains(&a.fragmentation) {
+        return Err(usage(format!("--fragmentation must be in [0, 1), got {}", a.fragmentation)));
+    }
+    if a.gpus == 0 {
+        return Err(usage("--gpus must be at least 1, got 0"));
+    }
+    if a.profile_steps == 0 {
+        return Err(usage("--profile-steps must be at least 1, got 0"));
+    }
+    if a.micro_batches.contains(&0) {
+        return Err(usage("--micro-batches must list sizes of at least 1"));
+    }
+    let size = |flag: &str, v: &str| match config::parse_size(v) {
+        Ok(b) if b > config::limits::MAX_DEVICE_BYTES => {
+            Err(usage(format!("{flag}: {v} is more than a PiB")))
         }
-        if !(0.0..1.0).contains(&a.fragmentation) {
-            return Err(usage(format!("--fragmentation must be in [0, 1), got {}", a.fragmentation)));
+        r => r.map_err(|e| usage(format!("{flag}: {e}"))),
+    };
+    let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
+    let gpu_memory = a.gpu_memory.as_deref().map(|v| size("--gpu-memory", v)).transpose()?;
+    if let (Some(b), Some(v)) = (gpu_memory, a.gpu_memory.as_deref()) {
+        // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
+        if b < 1 << 20 {
+            let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') {
+                format!("; give a unit, e.g. {v}GiB or {v}GB")
+            } else {
+                String::new()
+            };
+            // `1.5` is 1.5 bytes, not the 1 parse_size rounds it to.
+            let bytes = if v.trim().parse::<f64>().is_ok() { v.trim().to_string() } else { b.to_string() };
+            return Err(usage(format!("--gpu-memory: {v} is {bytes} bytes, too small for a GPU{advice}")));
         }
-        if a.gpus == 0 {
-            return Err(usage("--gpus must be at least 1, got 0"));
-        }
-        if a.profile_steps == 0 {
-            return Err(usage("--profile-steps must be at least 1, got 0"));
-        }
-        if a.micro_batches.contains(&0) {
-            return Err(usage("--micro-batches must list sizes of at least 1"));
-        }
-        let size = |flag: &str, v: &str| match config::parse_size(v) {
-            Ok(b) if b > config::limits::MAX_DEVICE_BYTES => {
-                Err(usage(format!("{flag}: {v} is more than a PiB")))
-            }
-            r => r.map_err(|e| usage(format!("{flag}: {e}"))),
-        };
-        let cuda_overhead = size("--cuda-overhead", &a.cuda_overhead)?;
-        let gpu_memory = a.gpu_memory.as_deref().map(|v| size("--gpu-memory", v)).transpose()?;
-        if let (Some(b), Some(v)) = (gpu_memory, a.gpu_memory.as_deref()) {
-            // A bare number is bytes: `--gpu-memory 24` planned for a 24-byte card.
-            if b < 1 << 20 {
-                let advice = if v.trim().chars().all(|c| c.is_ascii_digit() || c == '.') {
-                    format!("; give a unit, e.g. {v}GiB or {v}GB")
-                } else {
-                    String::new()
-                };
-                // `1.5` is 1.5 bytes, not the 1 parse_size rounds it to.
-                let bytes =
-                    if v.trim().parse::<f64>().is_ok() { v.trim().to_string() } else { b.to_string() };
-                return Err(usage(format!(
-                    "--gpu-memory: {v} is {bytes} bytes, too small for a GPU{advice}"
-                )));
-            }
-        }
-        let params = a.params.as_deref().map(parse_count).transpose()?;
+    }
+    Ok((cuda_overhead, gpu_memory))
+}
 
-        let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
-        let generic = given.iter().any(Option::is_some)
-            || a.ffn.is_some()
-            || params.is_some()
-            || a.no_bias
-            || a.arch.is_some()
-            || a.kv_heads.is_some()
-            || a.untied
-            || a.tied;
-        let (file, source) = if a.config.is_some() || !generic {
-            let cfg = config::load(a.config.as_deref(), &a.overrides)?;
-            (
-                Some(cfg),
-                a.config
-                    .as_ref()
-                    .map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()),
-            )
-        } else {
-            if !a.overrides.is_empty() {
-                return Err(usage("--set edits a config: give --config, or describe the model with --layers, --hidden, --heads, --vocab, --seq-len"));
-            }
-            let missing: Vec<&str> =
-                GENERIC_REQUIRED.iter().zip(given).filter(|(_, v)| v.is_none()).map(|(f, _)| *f).collect();
-            if !missing.is_empty() {
-                return Err(usage(format!(
-                    "a generic transformer needs {} (missing: {}), or a --config",
-                    GENERIC_REQUIRED.join(", "),
-                    missing.join(", ")
-                )));
-            }
-            (None, "command line".into())
-        };
+/// The config the flags name (or the built-in one), and where it came from in words; none for a
+/// generic transformer the flags describe alone.
+fn read_config(a: &PlanArgs, params_given: bool) -> Result<(Option<config::Config>, String), PlannerError> {
+    let given = [a.layers, a.hidden, a.heads, a.vocab, a.seq_len];
+    let generic = given.iter().any(Option::is_some)
+        || a.ffn.is_some()
+        || params_given
+        || a.no_bias
+        || a.arch.is_some()
+        || a.kv_heads.is_some()
+        || a.untied
+        || a.tied;
+    Ok(if a.config.is_some() || !generic {
+        let cfg = config::load(a.config.as_deref(), &a.overrides)?;
+        (
+            Some(cfg),
+            a.config
+                .as_ref()
+                .map_or("built-in defaults (the debug model)".into(), |p| p.display().to_string()),
+        )
+    } else {
+        if !a.overrides.is_empty() {
+            return Err(usage("--set edits a config: give --config, or describe the model with --layers, --hidden, --heads, --vocab, --seq-len"));
+        }
+        let missing: Vec<&str> =
+            GENERIC_REQUIRED.iter().zip(given).filter(|(_, v)| v.is_none()).map(|(f, _)| *f).collect();
+        if !missing.is_empty() {
+            return Err(usage(format!(
+                "a generic transformer needs {} (missing: {}), or a --config",
+                GENERIC_REQUIRED.join(", "),
+                missing.join(", ")
+            )));
+        }
+        (None, "command line".into())
+    })
+}
+
+/// The model, precision, optimizer and savers the flags set over the config's.
+fn apply_model_flags(
+    a: &PlanArgs,
+    config: &mut config::Config,
+    described_by_flags: bool,
+) -> Result<(), PlannerError> {
+    let m = &mut config.model;
+    for (flag, key) in [
+        (a.layers, &mut m.n_layer),
+        (a.hidden, &mut m.n_embd),
+        (a.heads, &mut m.n_head),
+        (a.vocab, &mut m.vocab_size),
+        (a.seq_len, &mut m.seq_len),
+    ] {
+        if let Some(v) = flag {
+            *key = v as usize;
+        }
+    }
+    if let Some(arch) = a.arch {
+        m.arch = arch;
+    }
+    // The Llama family has no biases; a config may still say otherwise.
+    let llama_from_flags = described_by_flags && m.arch == Arch::Llama;
+    m.bias &= !(a.no_bias || llama_from_flags);
+    if let Some(k) = a.kv_heads {
+        m.n_kv_head = Some(k as usize);
+    }
+    if a.untied || a.tied {
+        m.tie_embeddings = a.tied;
+    }
+    config.precision = a.precision.unwrap_or(config.precision);
+    config.optimizer.name = a.optimizer.unwrap_or(config.optimizer.name);
+    if a.activation_checkpointing && config.memory.activation_checkpointing == "none" {
+        config.memory.activation_checkpointing = "blocks".into();
+    }
+    if a.loss_chunk_tokens == Some(0) {
+        return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
+    }
+    config.memory.loss_chunk_tokens =
+        a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
+
+    if let Some(f) = a.ffn {
+        config.model.ffn_hidden = Some(f as usize);
+    }
+    if config.model.arch == Arch::Llama && config.model.ffn_hidden.is_none() {
+        return Err(usage("--arch llama needs --ffn N: its SwiGLU width (e.g. 8192 for Llama 3.2 1B, 1536 for SmolLM2-135M)"));
+    }
+    Ok(())
+}
+
+/// What the estimate needs of the run besides the model.
+fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup {
+    let (segment, first) = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
+        Ok(config::Checkpointing::Every(k)) => (Some(k as u64), None),
+        Ok(config::Checkpointing::First(m)) => (Some(1), Some(m as u64)),
+        _ => (None, None),
+    };
+    Setup {
+        precision: config.precision,
+        optimizer: config.optimizer.name,
+        activation_checkpointing: segment.is_some(),
+        checkpoint_blocks: segment.unwrap_or(1),
+        checkpoint_first: first,
+        flash: !a.no_flash,
+        dropout: config.model.dropout > 0.0,
+        loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
+        fused_rms_norm: config.kernels.fused_rms_norm,
+        cuda_optimizers: config.kernels.cuda_optimizers,
+        fused_optimizer: config.optimizer.fused,
+        offload_activations: config.memory.offload_activations,
+        fused_cross_entropy: config.kernels.fused_cross_entropy,
+        fused_loss_gradient: config.kernels.fused_loss_gradient,
+        fused_residual_norm: config.kernels.fused_residual_norm,
+        fused_swiglu: config.kernels.fused_swiglu,
+        fused_rope: config.kernels.fused_rope,
+        cuda_graphs: config.kernels.cuda_graphs,
+        merged_projections: config.kernels.merged_projections,
+        fused_linear: config.kernels.fused_linear,
+        target: Target::Cuda,
+        gpus: a.gpus,
+        cuda_overhead,
+        fragmentation: a.fragmentation,
+    }
+}
+
+/// The micro-batch, the busiest GPU's share of the global batch and the accumulation.
+fn batch_split(
+    a: &PlanArgs,
+    config: &config::Config,
+    model: &Transformer,
+    global: Option<u64>,
+    described_by_flags: bool,
+) -> Result<(u64, Option<u64>, u64), PlannerError> {
+    let mut micro =
+        a.micro_batch.unwrap_or(if described_by_flags { 1 } else { config.train.micro_batch_size as u64 });
+    if micro == 0 {
+        return Err(usage("--micro-batch must be at least 1, got 0"));
+    }
+    // The config's bound on tokens a step (train.global_batch_size), for the flags too: past
+    // it the byte counts wrapped and a plan of 2^64 sequences "fit" in 1.9 GiB.
+    let max_tokens = config::limits::MAX_TOKENS_PER_STEP as u128;
+    for (flag, n) in [("--micro-batch", Some(micro)), ("--global-batch", global)] {
+        if let Some(n) = n.filter(|&n| n as u128 * model.seq_len as u128 > max_tokens) {
+            return Err(usage(format!(
+                "{flag} {n}: sequences of {} tokens make more than {max_tokens} tokens a step",
+                model.seq_len
+            )));
+        }
+    }
+    let rank_batch = match global {
+        Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
+        Some(g) if g < a.gpus => {
+            return Err(usage(format!(
+                "--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence",
+                a.gpus
+            )))
+        }
+        // The busiest GPU's share is what must fit (shares differ by one when uneven).
+        Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
+        None => None,
+    };
+    match rank_batch {
+        Some(r) if micro > r && a.micro_batch.is_some() => {
+            return Err(usage(format!(
+                "--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)"
+            )));
+        }
+        // The config's micro-batch, for another global batch: the share is the most a step runs.
+        Some(r) if micro > r => micro = r,
+        _ => {}
+    }
+    if let Some(r) = rank_batch {
+        if let Some(m) = a.micro_batches.iter().find(|&&m| m > r) {
+            return Err(usage(format!("--micro-batches {m} exceeds the per-GPU batch {r} (global batch / --gpus): training would refuse it")));
+        }
+    }
+    let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
+    Ok((micro, rank_batch, accumulation))
+}
+
+impl Inputs {
+    /// The plan's inputs from the flags and the config they name: each step a function of its own.
+    fn resolve(a: &PlanArgs) -> Result<Self, PlannerError> {
+        let (cuda_overhead, gpu_memory) = check_flags(a)?;
+        let params = a.params.as_deref().map(parse_count).transpose()?;
+        let (file, source) = read_config(a, params.is_some())?;
         let global = a.global_batch.or(file.as_ref().map(|c| c.train.global_batch_size as u64));
         // A generic transformer: the built-in defaults stand in for what the flags do not say
         // (no dropout, fp32, AdamW, no savers); every size comes from the flags.
         let described_by_flags = file.is_none();
         let mut config = file.unwrap_or_default();
-        let m = &mut config.model;
-        for (flag, key) in [
-            (a.layers, &mut m.n_layer),
-            (a.hidden, &mut m.n_embd),
-            (a.heads, &mut m.n_head),
-            (a.vocab, &mut m.vocab_size),
-            (a.seq_len, &mut m.seq_len),
-        ] {
-            if let Some(v) = flag {
-                *key = v as usize;
-            }
-        }
-        if let Some(arch) = a.arch {
-            m.arch = arch;
-        }
-        // The Llama family has no biases; a config may still say otherwise.
-        let llama_from_flags = described_by_flags && m.arch == Arch::Llama;
-        m.bias &= !(a.no_bias || llama_from_flags);
-        if let Some(k) = a.kv_heads {
-            m.n_kv_head = Some(k as usize);
-        }
-        if a.untied || a.tied {
-            m.tie_embeddings = a.tied;
-        }
-        config.precision = a.precision.unwrap_or(config.precision);
-        config.optimizer.name = a.optimizer.unwrap_or(config.optimizer.name);
-        if a.activation_checkpointing && config.memory.activation_checkpointing == "none" {
-            config.memory.activation_checkpointing = "blocks".into();
-        }
-        if a.loss_chunk_tokens == Some(0) {
-            return Err(usage("--loss-chunk-tokens must be at least 1, got 0"));
-        }
-        config.memory.loss_chunk_tokens =
-            a.loss_chunk_tokens.map(|n| n as usize).or(config.memory.loss_chunk_tokens);
-
-        if let Some(f) = a.ffn {
-            config.model.ffn_hidden = Some(f as usize);
-        }
-        if config.model.arch == Arch::Llama && config.model.ffn_hidden.is_none() {
-            return Err(usage("--arch llama needs --ffn N: its SwiGLU width (e.g. 8192 for Llama 3.2 1B, 1536 for SmolLM2-135M)"));
-        }
+        apply_model_flags(a, &mut config, described_by_flags)?;
         let model = Transformer { params_override: params, ..Transformer::from_config(&config.model) };
         check_model(&model)?;
-        let (segment, first) = match config::Checkpointing::parse(&config.memory.activation_checkpointing) {
-            Ok(config::Checkpointing::Every(k)) => (Some(k as u64), None),
-            Ok(config::Checkpointing::First(m)) => (Some(1), Some(m as u64)),
-            _ => (None, None),
-        };
-        let setup = Setup {
-            precision: config.precision,
-            optimizer: config.optimizer.name,
-            activation_checkpointing: segment.is_some(),
-            checkpoint_blocks: segment.unwrap_or(1),
-            checkpoint_first: first,
-            flash: !a.no_flash,
-            dropout: config.model.dropout > 0.0,
-            loss_chunk_tokens: config.memory.loss_chunk_tokens.map(|n| n as u64),
-            fused_rms_norm: config.kernels.fused_rms_norm,
-            cuda_optimizers: config.kernels.cuda_optimizers,
-            fused_optimizer: config.optimizer.fused,
-            offload_activations: config.memory.offload_activations,
-            fused_cross_entropy: config.kernels.fused_cross_entropy,
-            fused_loss_gradient: config.kernels.fused_loss_gradient,
-            fused_residual_norm: config.kernels.fused_residual_norm,
-            fused_swiglu: config.kernels.fused_swiglu,
-            fused_rope: config.kernels.fused_rope,
-            cuda_graphs: config.kernels.cuda_graphs,
-            merged_projections: config.kernels.merged_projections,
-            fused_linear: config.kernels.fused_linear,
-            target: Target::Cuda,
-            gpus: a.gpus,
-            cuda_overhead,
-            fragmentation: a.fragmentation,
-        };
-
-        let mut micro = a.micro_batch.unwrap_or(if described_by_flags {
-            1
-        } else {
-            config.train.micro_batch_size as u64
-        });
-        if micro == 0 {
-            return Err(usage("--micro-batch must be at least 1, got 0"));
-        }
-        // The config's bound on tokens a step (train.global_batch_size), for the flags too: past
-        // it the byte counts wrapped and a plan of 2^64 sequences "fit" in 1.9 GiB.
-        let max_tokens = config::limits::MAX_TOKENS_PER_STEP as u128;
-        for (flag, n) in [("--micro-batch", Some(micro)), ("--global-batch", global)] {
-            if let Some(n) = n.filter(|&n| n as u128 * model.seq_len as u128 > max_tokens) {
-                return Err(usage(format!(
-                    "{flag} {n}: sequences of {} tokens make more than {max_tokens} tokens a step",
-                    model.seq_len
-                )));
-            }
-        }
-        let rank_batch = match global {
-            Some(0) => return Err(usage("--global-batch must be at least 1, got 0")),
-            Some(g) if g < a.gpus => {
-                return Err(usage(format!(
-                    "--global-batch {g} cannot be shared by --gpus {}: every GPU needs at least one sequence",
-                    a.gpus
-                )))
-            }
-            // The busiest GPU's share is what must fit (shares differ by one when uneven).
-            Some(g) => crate::data::batch::rank_share(g as usize, a.gpus as usize).map(|r| r as u64),
-            None => None,
-        };
-        match rank_batch {
-            Some(r) if micro > r && a.micro_batch.is_some() => {
-                return Err(usage(format!(
-                    "--micro-batch {micro} exceeds the per-GPU batch {r} (global batch / --gpus)"
-                )));
-            }
-            // The config's micro-batch, for another global batch: the share is the most a step runs.
-            Some(r) if micro > r => micro = r,
-            _ => {}
-        }
-        if let Some(r) = rank_batch {
-            if let Some(m) = a.micro_batches.iter().find(|&&m| m > r) {
-                return Err(usage(format!("--micro-batches {m} exceeds the per-GPU batch {r} (global batch / --gpus): training would refuse it")));
-            }
-        }
-        let accumulation = rank_batch.map_or(2, |r| r.div_ceil(micro));
+        let setup = setup_of(a, &config, cuda_overhead);
+        let (micro, rank_batch, accumulation) = batch_split(a, &config, &model, global, described_by_flags)?;
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;
         Ok(Self { config, source, model, setup, micro, global, rank_batch, accumulation, target })
     }
