@@ -123,32 +123,7 @@ impl<'a> Run<'a> {
         let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
         let recording =
             crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
-        let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
-        crate::step::precision::configure_process(cfg.precision, device);
-        let trainable = Trainable::build(
-            &cfg.model,
-            cfg.kernels,
-            &plan.optimizer,
-            cfg.precision,
-            scaler,
-            cfg.seed,
-            device,
-        )
-        .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-        let guard = Guard::new(
-            GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps),
-            cfg.oom.policy,
-            device,
-            plan.rank_batch,
-        )
-        .with_escalation(cfg.oom.escalate.clone())
-        .data_parallel(plan.world_size > 1)
-        .with_oom_snapshot(
-            cfg.memory.snapshot_on_oom && plan.is_writer(),
-            recording,
-            cfg.out_dir.clone(),
-        );
-        let mut state = TrainState { trainable, guard, progress: Progress::default() };
+        let mut state = fresh_state(plan, recording)?;
         match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l, ckpt.root())?,
             (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
@@ -187,18 +162,7 @@ impl<'a> Run<'a> {
             reporter.emit(Event::Deterministic(d));
         }
         if let Some(d) = dist.as_deref_mut() {
-            // Every rank starts from rank 0's weights (equal anyway: init and checkpoints are
-            // deterministic), and gradients are averaged in buckets laid out once.
-            let params = state.trainable.params();
-            d.broadcast_params(params)?;
-            d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
-                .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-            tracing::info!(
-                "rank {} of {}: gradients averaged in {} bucket(s)",
-                d.rank,
-                d.world_size,
-                d.bucket_count()
-            );
+            join_group(d, plan, &state)?;
         }
 
         reporter.emit(Event::RunStarted {
@@ -581,6 +545,44 @@ impl<'a> Run<'a> {
 }
 
 /// What the run trains on, as its checkpoints record it.
+/// The model, optimizer, loss scaler and OOM guard as a fresh run starts them (a resume then
+/// restores its checkpoint into them).
+fn fresh_state(plan: &RunPlan, recording: bool) -> Result<TrainState, TrainError> {
+    let (cfg, t, device) = (&plan.config, &plan.config.train, plan.device);
+    let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
+    crate::step::precision::configure_process(cfg.precision, device);
+    let trainable =
+        Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
+            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+    let guard = Guard::new(
+        GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps),
+        cfg.oom.policy,
+        device,
+        plan.rank_batch,
+    )
+    .with_escalation(cfg.oom.escalate.clone())
+    .data_parallel(plan.world_size > 1)
+    .with_oom_snapshot(cfg.memory.snapshot_on_oom && plan.is_writer(), recording, cfg.out_dir.clone());
+    Ok(TrainState { trainable, guard, progress: Progress::default() })
+}
+
+/// Every rank starts from rank 0's weights (equal anyway: init and checkpoints are
+/// deterministic), and gradients are averaged in buckets laid out once.
+fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), TrainError> {
+    let (cfg, device) = (&plan.config, plan.device);
+    let params = state.trainable.params();
+    d.broadcast_params(params)?;
+    d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
+        .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+    tracing::info!(
+        "rank {} of {}: gradients averaged in {} bucket(s)",
+        d.rank,
+        d.world_size,
+        d.bucket_count()
+    );
+    Ok(())
+}
+
 /// The run's reporter: log lines on every rank, the run files on the writing one (appended to
 /// from the step resumed at), and TensorBoard's when asked.
 fn open_reporter(
