@@ -225,11 +225,12 @@ def bench(model, m, t, args, no_decay, **extra):
     for step in range(timed + traced):
         if step == timed:
             # After the timed steps, so the profiler's cost is in no timing. Each step is a
-            # ProfilerStep#N range, as torch.profiler's schedule marks them.
+            # ProfilerStep#N range, as torch.profiler's schedule marks them; N counts from 1, as
+            # trainguard's steps do, so both traces name the same steps.
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
             profiler = torch.profiler.profile(activities=acts)
             profiler.__enter__()
-        mark = torch.profiler.record_function(f"ProfilerStep#{step}") if profiler else contextlib.nullcontext()
+        mark = torch.profiler.record_function(f"ProfilerStep#{step + 1}") if profiler else contextlib.nullcontext()
         mark.__enter__()
         t0 = time.perf_counter()
         for _ in range(accum):

@@ -340,9 +340,10 @@ fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
         "the sides side by side: {out}"
     );
     for side in ["trainguard", "eager-fused"] {
-        // STEPS=2 after 3 warm-up steps: steps 5 and 6 are the profiled ones, on both sides.
+        // STEPS=2 after 3 warm-up steps: steps 6 and 7 (counted from 1) are the profiled ones,
+        // on both sides.
         let file = traces.path().join(format!("debug-{side}.json"));
-        assert!(out.contains(&format!("{}: steps 5-6, cpu operators", file.display())), "{side}: {out}");
+        assert!(out.contains(&format!("{}: steps 6-7, cpu operators", file.display())), "{side}: {out}");
     }
     assert!(out.lines().next().unwrap().contains("pt-compile"), "{out}");
     let row: Vec<&str> = out

@@ -209,14 +209,15 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     );
     let tr = &c.metrics.trace;
     check(tr.steps >= 1, "metrics.trace.steps", format!("must be at least 1, got {}", tr.steps));
+    // Steps count from 1: the last traced step, from + steps - 1, is at most train.max_steps.
     if let Some(from) = tr.from_step {
+        let last = from.saturating_add(tr.steps).saturating_sub(1);
+        check(from >= 1, "metrics.trace.from_step", format!("steps count from 1, got {from}"));
         check(
-            from.saturating_add(tr.steps) <= t.max_steps,
+            last <= t.max_steps,
             "metrics.trace.from_step",
             format!(
-                "the traced steps {from}–{} end past the run's last step, {} (train.max_steps {}): pick an earlier step or fewer metrics.trace.steps",
-                from.saturating_add(tr.steps).saturating_sub(1),
-                t.max_steps.saturating_sub(1),
+                "the traced steps {from}–{last} end past the run's last step, {} (train.max_steps): pick an earlier step or fewer metrics.trace.steps",
                 t.max_steps
             ),
         );
@@ -630,7 +631,7 @@ mod tests {
             (|c| c.train.eps = f64::INFINITY, "train.eps"),
             (|c| c.train.weight_decay = f64::INFINITY, "train.weight_decay"),
             (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
-            (|c| c.metrics.trace.from_step = Some(c.train.max_steps - 1), "metrics.trace.from_step"),
+            (|c| c.metrics.trace.from_step = Some(c.train.max_steps), "metrics.trace.from_step"),
         ];
         for (mutate, key) in cases {
             let mut c = Config::default();
@@ -645,17 +646,19 @@ mod tests {
         (c.train.max_steps, c.metrics.trace.from_step, c.metrics.trace.steps) = (8, Some(7), 5);
         let said: Vec<String> = validate(&c).iter().map(ToString::to_string).collect();
         assert!(
-            said.iter()
-                .any(|p| p
-                    .contains("the traced steps 7–11 end past the run's last step, 7 (train.max_steps 8)")),
+            said.iter().any(
+                |p| p.contains("the traced steps 7–11 end past the run's last step, 8 (train.max_steps)")
+            ),
             "{said:?}"
         );
-        c.metrics.trace.steps = 1;
+        c.metrics.trace.steps = 2;
         assert!(
             !keys(&c).iter().any(|k| k == "metrics.trace.from_step"),
-            "step 7 is the run's last and may be traced: {:?}",
+            "steps 7 and 8, the run's last, may be traced: {:?}",
             keys(&c)
         );
+        c.metrics.trace.from_step = Some(0);
+        assert!(keys(&c).iter().any(|k| k == "metrics.trace.from_step"), "steps count from 1");
     }
 
     #[test]
