@@ -18,16 +18,7 @@ const ALL: [(OptimizerName, bool); 6] = [
 ];
 
 fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
-    OptimizerSpec {
-        name,
-        fused,
-        cuda_kernel: false,
-        momentum: 0.9,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
+    OptimizerSpec::with_defaults(name, fused)
 }
 
 /// Deterministic values in [-1, 1) (xorshift64), independent of libtorch's global generator,

@@ -26,19 +26,6 @@ fn main() {
     }
 }
 
-fn spec(name: OptimizerName, fused: bool) -> OptimizerSpec {
-    OptimizerSpec {
-        name,
-        fused,
-        cuda_kernel: false,
-        momentum: 0.9,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-    }
-}
-
 fn print_state_bytes() {
     let gpt2 = ModelConfig {
         n_layer: 12,
@@ -113,7 +100,7 @@ fn print_update_time() {
         rows.chain([(OptimizerName::SgdMomentum, true, false), (OptimizerName::SgdMomentum, false, false)]);
     for (name, fused, cuda_kernel) in rows {
         let mut opt = Optimizer::new(
-            &OptimizerSpec { cuda_kernel, ..spec(name, fused) },
+            &OptimizerSpec { cuda_kernel, ..OptimizerSpec::with_defaults(name, fused) },
             &params,
             &model.params.decay,
             device,

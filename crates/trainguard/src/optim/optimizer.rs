@@ -31,6 +31,17 @@ pub struct OptimizerSpec {
 }
 
 impl OptimizerSpec {
+    /// `name` with the config's default hyperparameters and no CUDA kernels: for measurements
+    /// and tests, where the values do not matter but must be the same each time.
+    pub fn with_defaults(name: OptimizerName, fused: bool) -> Self {
+        let defaults = Self::from_config(
+            &OptimizerConfig::default(),
+            &TrainConfig::default(),
+            &KernelsConfig::default(),
+        );
+        Self { name, fused, cuda_kernel: false, ..defaults }
+    }
+
     pub fn from_config(optimizer: &OptimizerConfig, train: &TrainConfig, kernels: &KernelsConfig) -> Self {
         Self {
             name: optimizer.name,
@@ -201,16 +212,7 @@ mod tests {
     use tch::Kind;
 
     fn spec(name: OptimizerName) -> OptimizerSpec {
-        OptimizerSpec {
-            name,
-            fused: false,
-            cuda_kernel: false,
-            momentum: 0.9,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
+        OptimizerSpec::with_defaults(name, false)
     }
 
     #[test]

@@ -33,17 +33,12 @@ pub fn measure(model: &ModelConfig) -> Result<Vec<StateBytes>, TchError> {
         .map(|name| {
             // The hyperparameters do not change the state's size. Fused AdamW: no scratch the
             // size of the embedding.
-            let spec = OptimizerSpec {
-                name,
-                fused: true,
-                cuda_kernel: false,
-                momentum: 0.9,
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-            };
-            let opt = Optimizer::new(&spec, &tensors, &built.params.decay, Device::Cpu)?;
+            let opt = Optimizer::new(
+                &OptimizerSpec::with_defaults(name, true),
+                &tensors,
+                &built.params.decay,
+                Device::Cpu,
+            )?;
             let shape = |t: &tch::Tensor| t.size().iter().map(|&d| d as u64).collect::<Vec<_>>();
             let estimate = tensors.iter().map(|t| name.state_for(&shape(t), 4)).sum();
             let scratch = match &opt {
