@@ -1085,3 +1085,65 @@ fn a_resume_from_another_runs_checkpoint_keeps_the_lineage() {
         "report names the lineage"
     );
 }
+
+/// Warmup-stable-decay, and a cooldown branch from a stable-phase checkpoint (`--cooldown`): the
+/// main line's rate is the peak from the end of warmup to the decay; the branch starts from the
+/// checkpoint's state (its first loss is the main line's at that step, to the bit), decays over
+/// all of its steps by the formula (1 − √x by default, the last at the floor), names the branch
+/// point in its lineage,
+/// and leaves the main line's files as they were.
+#[test]
+fn a_cooldown_branch_decays_from_a_stable_checkpoint_and_leaves_the_main_line_alone() {
+    let (main, branch) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [
+        "train.schedule=wsd",
+        "train.max_steps=40",
+        "train.warmup_steps=5",
+        "train.decay_fraction=0.25",
+        "checkpoint.interval=10",
+        "train.eval_interval=0",
+    ];
+    let m = train(main.path(), "configs/debug.yaml", &sets).ok();
+    let (peak, floor) = (3.0e-3, 3.0e-4); // configs/debug.yaml's lr and min_lr
+    let lr_of = |metrics: &[serde_json::Value], step: u64| {
+        metrics.iter().find(|x| x["step"] == step).and_then(|x| x["lr"].as_f64()).unwrap()
+    };
+    let main_metrics = m.metrics();
+    assert!((6..=30).all(|s| lr_of(&main_metrics, s) == peak), "stable after the warmup");
+    assert!(
+        lr_of(&main_metrics, 31) < peak && (lr_of(&main_metrics, 40) - floor).abs() < 1e-15,
+        "decays to the floor"
+    );
+    let before = (std::fs::read(main.path().join("metrics.jsonl")).unwrap(), checkpoint_steps(main.path()));
+
+    let from = store::root(main.path()).join(store::dir_name(20));
+    let mut cmd = command(branch.path(), "configs/debug.yaml", &sets);
+    cmd.args(["--resume", from.to_str().unwrap(), "--cooldown", "10"]);
+    let b = run(cmd, branch.path()).ok();
+    let bm = b.metrics();
+    assert_eq!(
+        bm.iter().map(|x| x["step"].as_u64().unwrap()).collect::<Vec<_>>(),
+        (21..=30).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        bm[0]["loss"].as_f64().map(f64::to_bits),
+        main_metrics[20]["loss"].as_f64().map(f64::to_bits),
+        "step 21 starts from the same weights on both lines"
+    );
+    for (k, x) in bm.iter().enumerate() {
+        let want = floor + (peak - floor) * (1.0 - ((k + 1) as f64 / 10.0).sqrt());
+        let got = x["lr"].as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-15 * peak, "step {}: lr {got}, formula {want}", x["step"]);
+    }
+    let resumed = &b.events_of("resumed")[0];
+    assert_eq!(resumed["step"], 20);
+    assert!(resumed["lineage"].to_string().contains("step-00000020"), "the branch point: {resumed}");
+    let after = (std::fs::read(main.path().join("metrics.jsonl")).unwrap(), checkpoint_steps(main.path()));
+    assert!(before == after, "the main line is left as it was");
+    // Without a checkpoint to branch from, the flag is refused by name.
+    let mut cmd = command(branch.path(), "configs/debug.yaml", &sets);
+    cmd.args(["--cooldown", "10"]);
+    let refused = run(cmd, branch.path());
+    assert_eq!(refused.code(), 2, "{}", refused.stderr());
+    assert!(refused.stderr().contains("--cooldown 10: needs --resume CHECKPOINT"), "{}", refused.stderr());
+}

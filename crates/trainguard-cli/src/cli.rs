@@ -102,6 +102,11 @@ pub struct TrainArgs {
     /// start is refused (exit 2).
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+    /// With `--resume CHECKPOINT` (and another out_dir): a decay branch of STEPS steps from that
+    /// checkpoint, all of them decaying (sets train.schedule wsd, train.max_steps and
+    /// train.decay_fraction); the run it came from is left as it is.
+    #[arg(long, value_name = "STEPS")]
+    pub cooldown: Option<u64>,
 }
 
 /// `--resume ''` (an unset shell variable) names no checkpoint: refused here, as clap's own

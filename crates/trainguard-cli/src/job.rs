@@ -23,6 +23,9 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         overrides.push(format!("train.max_duration={}", serde_json::to_string(d)?));
     }
     // Inputs named relative to here are recorded absolute: the run directory reads from anywhere.
+    if let Some(steps) = args.cooldown {
+        overrides.extend(cooldown_sets(args.resume.as_deref(), steps)?);
+    }
     let cwd = std::env::current_dir().context("cannot read the current directory")?;
     let cfg = config::load(args.config.config.as_deref(), &overrides)?.anchored(&cwd);
     let launch = distributed::from_process_env()?;
@@ -155,6 +158,29 @@ fn second_signal(out_dir: &std::path::Path, writer: bool, elastic: bool) -> i32 
             exit::FAILURE
         }
     }
+}
+
+/// `--cooldown STEPS` from the checkpoint `--resume` names: the branch trains STEPS more steps
+/// and decays over all of them (train.schedule wsd; the decay's share of max_steps is STEPS of
+/// its step + STEPS).
+fn cooldown_sets(resume: Option<&str>, steps: u64) -> anyhow::Result<Vec<String>> {
+    let flag = |why: String| config::ConfigError::Flag { flag: format!("--cooldown {steps}"), why };
+    let path = match resume {
+        _ if steps == 0 => return Err(flag("a cooldown of at least one step".into()).into()),
+        Some(p) if p != "auto" && p != "none" => std::path::Path::new(p),
+        _ => {
+            return Err(
+                flag("needs --resume CHECKPOINT: the stable-phase checkpoint to branch from".into()).into()
+            )
+        }
+    };
+    let at = checkpoint::store::load_state(path)?.step;
+    let total = at + steps;
+    Ok(vec![
+        "train.schedule=wsd".into(),
+        format!("train.max_steps={total}"),
+        format!("train.decay_fraction={}", steps as f64 / total as f64),
+    ])
 }
 
 /// Under torchrun, after a failure: the agent's error file gets the real cause, and what a

@@ -224,6 +224,13 @@ pub struct TrainConfig {
     pub warmup_steps: u64,
     /// Steps over which the cosine decays to `min_lr`; default `max_steps`.
     pub lr_decay_steps: Option<u64>,
+    /// `cosine` (warmup, then cosine decay to `min_lr`) or `wsd` (warmup, stable at `lr`, then
+    /// the last `decay_fraction` of `max_steps` down to `min_lr` in `decay_shape`).
+    pub schedule: Schedule,
+    /// wsd: the share of `max_steps`, at the end, over which the rate decays; in (0, 1].
+    pub decay_fraction: f64,
+    /// wsd: how the rate falls over the decay.
+    pub decay_shape: DecayShape,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -253,6 +260,9 @@ impl Default for TrainConfig {
             min_lr: 3.0e-4,
             warmup_steps: 20,
             lr_decay_steps: None,
+            schedule: Schedule::Cosine,
+            decay_fraction: 0.2,
+            decay_shape: DecayShape::Sqrt,
             weight_decay: 0.1,
             beta1: 0.9,
             beta2: 0.95,
@@ -267,6 +277,27 @@ impl Default for TrainConfig {
             loss_scale_growth_interval: 2000,
         }
     }
+}
+
+/// The learning-rate schedule (`train.schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Cosine,
+    /// Warmup, stable, decay: a run can be cooled down from any point of the stable phase.
+    Wsd,
+}
+
+/// How a wsd schedule's decay falls from `lr` to `min_lr` over x ∈ [0, 1] of the decay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayShape {
+    /// 1 − x.
+    Linear,
+    /// (1 + cos πx) / 2.
+    Cosine,
+    /// 1 − √x (Hägele et al., 2024: as good as cosine at the end of a run).
+    Sqrt,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

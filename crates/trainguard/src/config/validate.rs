@@ -143,6 +143,16 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             t.max_steps, t.warmup_steps
         ),
     );
+    check(
+        t.decay_fraction > 0.0 && t.decay_fraction <= 1.0,
+        "train.decay_fraction",
+        format!("must be in (0, 1], got {}", t.decay_fraction),
+    );
+    check(
+        t.schedule != super::Schedule::Wsd || t.lr_decay_steps.is_none(),
+        "train.lr_decay_steps",
+        "is the cosine schedule's; train.schedule: wsd decays over train.decay_fraction of max_steps: remove one".into(),
+    );
     if let Some(n) = t.lr_decay_steps {
         check(
             n > t.warmup_steps,
