@@ -22,10 +22,10 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         // As a YAML string, whatever it looks like (`90` would read as a number).
         overrides.push(format!("train.max_duration={}", serde_json::to_string(d)?));
     }
-    // Inputs named relative to here are recorded absolute: the run directory reads from anywhere.
     if let Some(steps) = args.cooldown {
         overrides.extend(cooldown_sets(args.resume.as_deref(), steps)?);
     }
+    // Inputs named relative to here are recorded absolute: the run directory reads from anywhere.
     let cwd = std::env::current_dir().context("cannot read the current directory")?;
     let cfg = config::load(args.config.config.as_deref(), &overrides)?.anchored(&cwd);
     let launch = distributed::from_process_env()?;

@@ -13,10 +13,9 @@ pub fn finished_run(config: &Config) -> Option<u64> {
     if record.status != Status::Finished || record.step != config.train.max_steps {
         return None;
     }
+    // Its first line, the header naming the version that wrote it, is a YAML comment.
     let written = std::fs::read_to_string(dir.join(crate::fs::run_files::CONFIG)).ok()?;
-    // The first line is the header naming the version that wrote it.
-    let body = written.split_once('\n').map_or("", |(_, body)| body);
-    let theirs = crate::config::saved(body).ok()?;
+    let theirs = crate::config::saved(&written).ok()?;
     (&theirs == config && has_final_weights(dir)).then_some(record.step)
 }
 
