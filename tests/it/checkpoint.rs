@@ -570,6 +570,34 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     assert_eq!(logged, (1..=8).collect::<Vec<u64>>());
 }
 
+/// `nan.max_consecutive` counts non-finite updates in a row across a stop and resume: a run
+/// preempted between bad steps (here after steps 6 and 7 were skipped) stops at the third, as
+/// the straight run does, instead of starting the count again at every restart.
+#[test]
+fn the_count_of_nonfinite_updates_in_a_row_goes_on_across_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = [
+        "train.max_steps=20",
+        "train.warmup_steps=2",
+        "faults.nonfinite_loss_at_steps=[6, 7, 8]",
+        "nan.max_consecutive=3",
+    ];
+    let first =
+        train(dir.path(), "configs/debug.yaml", &[&bad[..], &["faults.interrupt_at_step=7"]].concat());
+    assert_eq!(first.code(), 4, "{}", first.stderr());
+    let mut cmd = command(dir.path(), "configs/debug.yaml", &bad);
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, dir.path());
+    assert_eq!(resumed.code(), 5, "the third in a row stops the run: {}", resumed.stderr());
+    let skips = run_events(dir.path(), "nonfinite_skipped");
+    assert_eq!(skips.iter().map(|e| e["consecutive"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3]);
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(newest_checkpoint(dir.path()).join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((state["step"].as_u64(), state["nonfinite_streak"].as_u64()), (Some(8), Some(3)));
+}
+
 /// A stop right after an interval checkpoint: the checkpoint of that step is not written a second
 /// time, and the stop is reported as a stop (with how to resume), not as an error.
 #[test]

@@ -282,6 +282,55 @@ fn an_oom_on_one_rank_makes_every_rank_replay_at_the_same_step() {
     assert_matches_single_process(d.path(), &single);
 }
 
+/// Ranks may run different micro-batches (`train.micro_batch_size` per rank). Rank 1 runs out of
+/// memory at 32 and can halve; rank 0 is at its floor (8) and its own attempt succeeded: it
+/// replays the step as it is. (It gave up with exit 3 on an out-of-memory that was not its own,
+/// with no checkpoint, and rank 1 then failed in a collective with exit 1.)
+#[test]
+fn a_rank_at_its_floor_replays_as_it_is_when_a_peer_runs_out_of_memory() {
+    let cap = format!("memory.limit={}", (peak_at(8) + peak_at(16)) / 2);
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=8", "oom.min_micro_batch=8"]].concat();
+    let rank1 = [&RUN[..], &["train.micro_batch_size=32", "oom.min_micro_batch=8", &cap]].concat();
+    let port = free_port();
+    let outs =
+        wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &rank1)]);
+    let rank0 = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        rank0.contains("another rank ran out of memory; replaying the step at this rank's micro-batch 8"),
+        "{rank0}"
+    );
+    let single = train(s.path(), "configs/debug.yaml", &sets).ok();
+    assert_matches_single_process(d.path(), &single);
+}
+
+/// A loss that turns non-finite on one rank only (`faults.fault_rank=1`, after the gradient
+/// all-reduce) skips the update on every rank: the ranks agree on applying it, so the replicas
+/// stay identical (rank 0 applied it alone, and the weights of the two ranks parted).
+#[test]
+fn a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let fault = ["train.micro_batch_size=16", "faults.nonfinite_loss_at_steps=[3]"];
+    let sets = [&RUN[..], &fault[..], &["faults.fault_rank=1"]].concat();
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let skipped: Vec<_> = read_jsonl(&d.path().join("events.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "nonfinite_skipped")
+        .map(|e| e["step"].clone())
+        .collect();
+    assert_eq!(skipped, [3], "rank 0, whose loss was finite, skipped step 3 with rank 1");
+    let compared: Vec<_> = read_jsonl(&d.path().join("events.jsonl"))
+        .into_iter()
+        .filter(|e| e["event"] == "ranks_compared")
+        .collect();
+    assert_eq!(compared[0]["checksum_spread"].as_f64(), Some(0.0), "both ranks hold identical weights");
+    // The same updates as one process whose step 3 was skipped.
+    let single = train(s.path(), "configs/debug.yaml", &[&RUN[..], &fault[..]].concat()).ok();
+    let diff = max_weight_diff(d.path(), &single.dir);
+    assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
+}
+
 /// A leak on rank 1 alone (`faults.leak_graphs` with `faults.fault_rank=1`), under a cap on rank
 /// 1 only. Rank 1 finds the leak at its out-of-memory; rank 0 sees none. Were rank 1 to stop after
 /// its one leak halving, rank 0 would replay alone and fail in its next collective (a

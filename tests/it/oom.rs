@@ -482,3 +482,142 @@ fn a_leak_stops_with_its_diagnosis_instead_of_halving_to_the_floor() {
     );
     assert_eq!(run.events_of("stopped")[0]["reason"], "out_of_memory");
 }
+
+/// A wider model (about 3.2M parameters: a checkpoint of about 38 MB with AdamW's state) whose
+/// micro-batches 8 and 16 of a 16-sequence step differ by less than twice the checkpoint.
+const WIDE: [&str; 5] = [
+    "model.n_embd=256",
+    "model.n_layer=4",
+    "train.global_batch_size=16",
+    "train.warmup_steps=0",
+    "train.eval_interval=0",
+];
+
+fn wide(extra: &[&str]) -> Vec<String> {
+    WIDE.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+fn wide_peak(micro: usize) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let m = format!("train.micro_batch_size={micro}");
+    let sets = wide(&[&m, "train.max_steps=1", "memory.limit=1TiB"]);
+    let r =
+        train(dir.path(), "configs/debug.yaml", &sets.iter().map(String::as_str).collect::<Vec<_>>()).ok();
+    r.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap()
+}
+
+fn newest_checkpoint(out: &Path) -> std::path::PathBuf {
+    use trainguard::checkpoint::store;
+    store::list(&store::root(out)).pop().expect("a checkpoint").1
+}
+
+fn bytes_in(dir: &Path) -> u64 {
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum()
+}
+
+/// A resumed run under a CPU cap has the room a fresh run has: the checkpoint it read before
+/// the cap went on is not counted as start-up memory once its tensors are in the model. (The cap
+/// was larger by the checkpoint's size, so a micro-batch that does not fit a fresh run fitted a
+/// resumed one: the rehearsal of a smaller device was wrong after every restart.)
+#[test]
+fn a_resumed_run_under_a_cpu_cap_has_the_room_of_a_fresh_one() {
+    let (p8, p16) = (wide_peak(8), wide_peak(16));
+    assert!(p16 > p8 + (8 << 20), "micro-batch 16 needs clearly more than 8: {p8} vs {p16}");
+    let cap = format!("memory.limit={}", (p8 + p16) / 2);
+    let dir = tempfile::tempdir().unwrap();
+    let first = wide(&["train.micro_batch_size=8", "train.max_steps=2", &cap]);
+    train(dir.path(), "configs/debug.yaml", &first.iter().map(String::as_str).collect::<Vec<_>>()).ok();
+    let checkpoint = bytes_in(&newest_checkpoint(dir.path()));
+    assert!(
+        checkpoint > (p16 - p8) / 2 + (4 << 20),
+        "the checkpoint ({checkpoint} bytes) is more room than the cap leaves micro-batch 16 short of ({p8}, {p16})"
+    );
+    let again = wide(&["train.micro_batch_size=16", "train.max_steps=4", &cap]);
+    let mut cmd =
+        command(dir.path(), "configs/debug.yaml", &again.iter().map(String::as_str).collect::<Vec<_>>());
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, dir.path()).ok();
+    let changes = micro_changes(&resumed.events());
+    assert_eq!(
+        changes.first().map(|c| (c.0, c.1, c.2)),
+        Some((3, 16, 8)),
+        "micro-batch 16 does not fit under the cap after a resume either: {changes:?}\n{}",
+        resumed.stderr()
+    );
+}
+
+/// A new `train.micro_batch_size` at a resume starts the regrow rule afresh: the sizes that
+/// failed and the ladder climbed were sizes of the old micro-batch.
+#[test]
+fn a_new_micro_batch_at_a_resume_forgets_what_regrow_learnt_of_the_old_one() {
+    let cap = cap_fitting_16();
+    let dir = tempfile::tempdir().unwrap();
+    let regrow = ["train.max_steps=2", "oom.regrow_after_steps=50"];
+    train(
+        dir.path(),
+        "configs/debug.yaml",
+        &sets(&[&regrow[..], &["train.micro_batch_size=32", &cap]].concat()),
+    )
+    .ok();
+    let state = |dir: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(newest_checkpoint(dir).join("trainer_state.json")).unwrap())
+            .unwrap()
+    };
+    let blocked = state(dir.path())["guard"]["regrow"]["blocked"].clone();
+    assert_eq!(blocked[0]["micro_batch"], 32, "32 failed under the cap: {blocked}");
+    let mut cmd = command(
+        dir.path(),
+        "configs/debug.yaml",
+        &sets(&[
+            "train.max_steps=3",
+            "oom.regrow_after_steps=50",
+            "train.micro_batch_size=24",
+            "memory.limit=1TiB",
+        ]),
+    );
+    cmd.args(["--resume", "auto"]);
+    let resumed = run(cmd, dir.path()).ok();
+    let guard = state(dir.path())["guard"].clone();
+    assert_eq!(guard["micro_batch"], 24, "{}", resumed.stderr());
+    assert_eq!(guard["regrow"]["blocked"], serde_json::json!([]), "{guard}");
+    assert_eq!(guard["regrow"]["ladder"], serde_json::json!([]), "{guard}");
+}
+
+/// Evaluation computes the loss in chunks of `memory.loss_chunk_tokens`, as the training step
+/// does: with a 65,536-token vocabulary (whole logits of 256 MiB at micro-batch 8) a cap that
+/// the chunked training step fits with a third of the logits to spare let the run train, then
+/// ran out of memory in evaluation at the floor and stopped it (exit 3).
+#[test]
+fn evaluation_computes_the_loss_in_chunks_as_training_does() {
+    let big = [
+        "model.vocab_size=65536",
+        "model.seq_len=128",
+        "memory.loss_chunk_tokens=128",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "oom.min_micro_batch=8",
+        "train.warmup_steps=0",
+        "train.max_steps=2",
+    ];
+    let logits: u64 = 8 * 128 * 65536 * 4;
+    let free = tempfile::tempdir().unwrap();
+    let training = train(
+        free.path(),
+        "configs/debug.yaml",
+        &[&big[..], &["train.eval_interval=0", "memory.limit=1TiB"]].concat(),
+    )
+    .ok();
+    let peak = training.summary()["peak_mapped_above_start_bytes"].as_u64().unwrap();
+    let cap = format!("memory.limit={}", peak + logits / 3);
+    let dir = tempfile::tempdir().unwrap();
+    let r = train(
+        dir.path(),
+        "configs/debug.yaml",
+        &[&big[..], &["train.eval_interval=1", "train.eval_batches=1", &cap]].concat(),
+    );
+    assert_eq!(r.code(), 0, "{}", r.stderr());
+    assert!(r.events_of("oom_recovered").is_empty(), "{:?}", r.events_of("oom_recovered"));
+    let metrics = r.metrics();
+    assert!(metrics.iter().all(|m| m["val_loss"].as_f64().is_some_and(f64::is_finite)), "{metrics:?}");
+    assert!(metrics.iter().all(|m| m["micro_batch"] == 8), "{metrics:?}");
+}

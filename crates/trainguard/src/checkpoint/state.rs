@@ -31,6 +31,11 @@ pub struct TrainerState {
     pub best_val_step: Option<u64>,
     /// Updates skipped for a non-finite loss or gradient norm, over the whole run.
     pub nonfinite_skips: u64,
+    /// Of those, how many in a row up to this step: `nan.max_consecutive` counts on across a
+    /// resume (a run preempted between bad steps would otherwise never reach it). Absent in
+    /// checkpoints written before it: 0.
+    #[serde(default)]
+    pub nonfinite_streak: u64,
     /// Training time before this checkpoint, over all resumes.
     pub elapsed_s: f64,
     /// Size in bytes of each tensor file: a truncated file is caught before it is parsed.

@@ -510,6 +510,7 @@ mod tests {
             best_val_loss: Some(1.5),
             best_val_step: Some(step),
             nonfinite_skips: 0,
+            nonfinite_streak: 0,
             elapsed_s: 1.0,
             files: Default::default(),
             checksums: Default::default(),

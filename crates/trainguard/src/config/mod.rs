@@ -784,7 +784,8 @@ pub struct FaultsConfig {
     /// Run an op taking a scalar that libtorch refuses (shapes that do not broadcast) inside this
     /// step, after the gradient all-reduce: tch raises that error as a panic.
     pub failing_scalar_op_at_step: Option<u64>,
-    /// Only this rank runs the two ops above and leaks (`leak_graphs`); default: every rank.
+    /// Only this rank gets the non-finite losses and overflows, runs the two ops above and leaks
+    /// (`leak_graphs`); default: every rank.
     pub fault_rank: Option<usize>,
 }
 

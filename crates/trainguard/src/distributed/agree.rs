@@ -24,15 +24,18 @@ fn is_oom(e: &TchError) -> bool {
 
 /// What the ranks agreed on: go on with the agreed value, or the error that drops the attempt
 /// (this rank's own out-of-memory, or a peer's), or ends the run (this rank's own other error,
-/// or a peer's: then no rank replays, since the failed rank will not join the replay).
+/// or a peer's: then no rank replays, since the failed rank will not join the replay; or an
+/// out-of-memory on a rank with nothing left to try: then every rank gives up with it).
+/// `last_resort`: an out-of-memory here would end this rank's run ([`crate::guard::Progress`]).
 fn settle<T>(
     d: &Dist,
     local: Result<T, StepError>,
+    last_resort: bool,
     value: impl Fn(&T) -> f64,
 ) -> Result<(T, f64), StepError> {
     let outcome = match &local {
         Ok(v) => LocalOutcome::Done(value(v)),
-        Err(StepError::Torch(e)) if is_oom(e) => LocalOutcome::OutOfMemory,
+        Err(StepError::Torch(e)) if is_oom(e) => LocalOutcome::OutOfMemory { last_resort },
         Err(_) => LocalOutcome::Failed,
     };
     let agreed = d.agree(outcome).map_err(|e| StepError::Fatal(Box::new(e)))?;
@@ -41,6 +44,10 @@ fn settle<T>(
         _ if agreed.failed_ranks > 0 => {
             Err(StepError::Fatal(Box::new(PeerFailed { rank: d.rank, failed_ranks: agreed.failed_ranks })))
         }
+        Err(StepError::Torch(e)) if agreed.oom_gives_up => {
+            Err(StepError::GroupOutOfMemory { own: Some(e.to_string()) })
+        }
+        _ if agreed.oom_gives_up => Err(StepError::GroupOutOfMemory { own: None }),
         Err(e) => Err(e),
         Ok(_) if agreed.any_oom => Err(StepError::PeerOutOfMemory),
         Ok(v) => Ok((v, agreed.mean_value)),
@@ -70,9 +77,10 @@ impl std::error::Error for PeerFailed {}
 pub fn gradients(
     local: Result<(Vec<Tensor>, f64), TchError>,
     dist: Option<&mut Dist>,
+    last_resort: bool,
 ) -> Result<(Vec<Tensor>, f64), StepError> {
     let Some(d) = dist else { return Ok(local?) };
-    let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), |(_, loss)| *loss)?;
+    let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
     // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
     catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e))))
         .map_err(|e| match e {
@@ -83,16 +91,44 @@ pub fn gradients(
 }
 
 /// This rank's validation loss (`local`, from `evaluate`), averaged over the ranks.
-pub fn validation_loss(local: Result<f64, TchError>, dist: Option<&Dist>) -> Result<f64, StepError> {
+pub fn validation_loss(
+    local: Result<f64, TchError>,
+    dist: Option<&Dist>,
+    last_resort: bool,
+) -> Result<f64, StepError> {
     let Some(d) = dist else { return Ok(local?) };
-    Ok(settle(d, local.map_err(StepError::Torch), |v| *v)?.1)
+    Ok(settle(d, local.map_err(StepError::Torch), last_resort, |v| *v)?.1)
+}
+
+/// What a rank found between the gradient all-reduce and the update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prepared {
+    pub grad_norm: f64,
+    /// fp16: the scaled gradients overflowed.
+    pub overflow: bool,
+    /// Loss and gradient norm finite: this rank would apply the update.
+    pub applied: bool,
 }
 
 /// The second agreement, after what each rank did alone between the gradient all-reduce and
-/// the update (`local`: the clipping's result, or its error).
-pub fn before_update<T>(local: Result<T, StepError>, dist: Option<&Dist>) -> Result<T, StepError> {
+/// the update (`local`: the clipping's result, or its error). The ranks also agree on the update
+/// itself: all apply it or none does (a rank whose loss or gradients turned non-finite on its
+/// own would otherwise skip while its peers apply: replicas that silently differ), and an
+/// overflow on any rank is one on all (their loss scalers stay equal).
+pub fn before_update(
+    local: Result<Prepared, StepError>,
+    dist: Option<&Dist>,
+    last_resort: bool,
+) -> Result<Prepared, StepError> {
     let Some(d) = dist else { return local };
-    Ok(settle(d, local, |_| 0.0)?.0)
+    // Each rank's flags in one number: not applied counts 1, an overflow `world + 1`; the sum
+    // over ranks then reads back both counts exactly.
+    let radix = (d.world_size + 1) as f64;
+    let flags = |p: &Prepared| f64::from(u8::from(!p.applied)) + radix * f64::from(u8::from(p.overflow));
+    let (mine, mean) = settle(d, local, last_resort, flags)?;
+    let sum = (mean * d.world_size as f64).round();
+    let (overflows, skips) = ((sum / radix).floor(), sum % radix);
+    Ok(Prepared { applied: mine.applied && skips == 0.0, overflow: mine.overflow || overflows > 0.0, ..mine })
 }
 
 /// An update that failed on one rank of several after its peers went on with theirs.

@@ -33,7 +33,10 @@ pub enum DistError {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LocalOutcome {
     Done(f64),
-    OutOfMemory,
+    /// `last_resort`: this rank would give up on it (at its floor, escalations spent).
+    OutOfMemory {
+        last_resort: bool,
+    },
     /// Any other error: the run ends on every rank at once, the cause named.
     Failed,
 }
@@ -42,6 +45,8 @@ pub enum LocalOutcome {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Agreement {
     pub any_oom: bool,
+    /// A rank ran out of memory with nothing left to try: every rank gives up together.
+    pub oom_gives_up: bool,
     /// How many ranks failed with an error that is not an out-of-memory.
     pub failed_ranks: usize,
     pub mean_value: f64,
@@ -264,13 +269,14 @@ impl Dist {
     /// failing in the next collective without the cause (after `dist.timeout_s` on NCCL).
     pub fn agree(&self, local: LocalOutcome) -> Result<Agreement, DistError> {
         let slots = match local {
-            LocalOutcome::Done(value) => [0.0f64, 0.0, value],
-            LocalOutcome::OutOfMemory => [1.0, 0.0, 0.0],
-            LocalOutcome::Failed => [0.0, 1.0, 0.0],
+            LocalOutcome::Done(value) => [0.0f64, 0.0, value, 0.0],
+            LocalOutcome::OutOfMemory { last_resort } => [1.0, 0.0, 0.0, f64::from(u8::from(last_resort))],
+            LocalOutcome::Failed => [0.0, 1.0, 0.0, 0.0],
         };
         let v = self.all_reduce_values("OOM agreement", &slots, ReduceOp::Sum)?;
         Ok(Agreement {
             any_oom: v[0] > 0.0,
+            oom_gives_up: v[3] > 0.0,
             failed_ranks: v[1].round() as usize,
             mean_value: v[2] / self.world_size as f64,
         })

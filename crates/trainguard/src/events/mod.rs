@@ -45,6 +45,8 @@ pub struct OomRecovery {
     pub error: String,
     /// Memory held between steps grew since the first steps: tensors kept across steps.
     pub leak: Option<LeakDiagnosis>,
+    /// In the evaluation after the step: its own micro-batch halved, training's stays.
+    pub in_evaluation: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]

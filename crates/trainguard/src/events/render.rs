@@ -200,7 +200,11 @@ fn step_news(event: &Event) {
                 _ => "memory figures unavailable".into(),
             };
             let asked = r.requested_bytes.map(|b| format!(" (asked for {})", human(b))).unwrap_or_default();
-            let what = if r.regrow_backoff { "regrow failed, backing off" } else { "out of memory" };
+            let what = match (r.regrow_backoff, r.in_evaluation) {
+                (true, _) => "regrow failed, backing off",
+                (false, true) => "out of memory in evaluation (training's micro-batch stays)",
+                (false, false) => "out of memory",
+            };
             let recovered = if r.recover_ms.is_finite() {
                 format!("recovered in {:.0} ms", r.recover_ms)
             } else {

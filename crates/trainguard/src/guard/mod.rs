@@ -141,6 +141,10 @@ pub enum StepError {
     Torch(TchError),
     /// This rank was fine but another rank ran out of memory: all ranks replay together.
     PeerOutOfMemory,
+    /// A rank ran out of memory with nothing left to try (at its floor, escalations spent): every
+    /// rank gives up together, rather than some replaying into a collective the others never
+    /// reach. `own`: this rank's own out-of-memory message, when it had one.
+    GroupOutOfMemory { own: Option<String> },
     /// Anything else that must end the run (a failed collective, …), already typed.
     Fatal(Box<dyn std::error::Error + Send + Sync>),
 }
@@ -157,12 +161,19 @@ impl From<TchError> for StepError {
 pub struct Progress {
     first_micro_done: Option<Instant>,
     level: usize,
+    last_resort: bool,
 }
 
 impl Progress {
     /// How many of `oom.escalate`'s memory savers this attempt must switch on.
     pub fn escalation_level(&self) -> usize {
         self.level
+    }
+
+    /// An out-of-memory in this attempt would end the run (at the floor, escalations spent, or
+    /// the policy does not adapt): what this rank tells its peers when they agree.
+    pub fn last_resort(&self) -> bool {
+        self.last_resort
     }
 
     pub fn micro_step_done(&mut self) {
@@ -195,6 +206,11 @@ pub struct Guard {
     /// One of several ranks: see [`Guard::data_parallel`].
     data_parallel: bool,
     snapshot: SnapshotTarget,
+    /// The micro-batch evaluation settled on after an out-of-memory of its own (see
+    /// [`Guard::run_evaluation`]); none until one.
+    eval_micro_batch: Option<usize>,
+    /// Inside [`Guard::run_evaluation`]: its recoveries say so.
+    evaluating: bool,
 }
 
 /// Where `memory.snapshot_on_oom` writes, and what it has written.
@@ -237,14 +253,16 @@ fn other_error(err: TchError, message: &str, step: Option<u64>) -> GuardError {
 }
 
 const PEER_OOM: &str = "out of memory on another rank (this rank's attempt succeeded)";
+const PEER_OOM_AT_FLOOR: &str =
+    "out of memory on another rank with nothing left to try there (this rank's attempt succeeded)";
 
-fn peer_oom(step: u64, micro_batch: usize, device: Device) -> GuardError {
+fn peer_oom(step: u64, micro_batch: usize, device: Device, message: &str) -> GuardError {
     GuardError::OutOfMemory(Box::new(OomFailure {
         step: Some(step),
         micro_batch,
         requested_bytes: None,
         memory: memory::snapshot(device),
-        message: PEER_OOM.into(),
+        message: message.into(),
         leak: None,
         gave_up: GaveUp::Policy(OomPolicy::Off),
     }))
@@ -263,7 +281,40 @@ impl Guard {
             halved_for_leak: false,
             data_parallel: false,
             snapshot: SnapshotTarget::default(),
+            eval_micro_batch: None,
+            evaluating: false,
         }
+    }
+
+    /// Whether an out-of-memory now would end the run rather than be replayed smaller.
+    fn at_last_resort(&self) -> bool {
+        match self.policy {
+            OomPolicy::Adapt => self.state.gives_up_on_oom(),
+            OomPolicy::Fail | OomPolicy::Off => true,
+        }
+    }
+
+    /// Evaluation inside the guard, apart from what training learnt: an out-of-memory in
+    /// evaluation halves evaluation's own micro-batch (kept for the evaluations after it), never
+    /// training's, and an evaluation is not a clean training step for regrow. Training's state
+    /// comes back as it was whatever evaluation met.
+    pub fn run_evaluation<T>(
+        &mut self,
+        step: u64,
+        reporter: &mut Reporter,
+        attempt: impl FnMut(usize, &mut Progress) -> Result<T, StepError>,
+    ) -> Result<T, GuardError> {
+        let training = self.state.clone();
+        let micro = self.eval_micro_batch.map_or(training.current(), |m| m.min(training.current()));
+        self.state = training.clone().with_current(micro);
+        self.evaluating = true;
+        let result = self.run(step, reporter, attempt);
+        self.evaluating = false;
+        if result.is_ok() && self.state.current() < training.current() {
+            self.eval_micro_batch = Some(self.state.current());
+        }
+        self.state = training;
+        result
     }
 
     /// One rank of several. Each rank measures its own memory, so a leak can be found on one
@@ -348,10 +399,14 @@ impl Guard {
     ) -> Result<T, GuardError> {
         if self.policy == OomPolicy::Off {
             let micro = self.state.current();
-            let mut progress = Progress { first_micro_done: None, level: self.state.level() };
+            let mut progress =
+                Progress { first_micro_done: None, level: self.state.level(), last_resort: true };
             return catch_torch_panics(|| attempt(micro, &mut progress)).map_err(|e| match e {
                 StepError::Torch(e) => unrecovered(e, Some(step), micro, self.device),
-                StepError::PeerOutOfMemory => peer_oom(step, micro, self.device),
+                StepError::PeerOutOfMemory => peer_oom(step, micro, self.device, PEER_OOM),
+                StepError::GroupOutOfMemory { own } => {
+                    peer_oom(step, micro, self.device, own.as_deref().unwrap_or(PEER_OOM_AT_FLOOR))
+                }
                 StepError::Fatal(e) => GuardError::Fatal(e),
             });
         }
@@ -361,7 +416,11 @@ impl Guard {
         let mut in_attempts = Duration::ZERO;
         loop {
             let micro = self.state.current();
-            let mut progress = Progress { first_micro_done: None, level: self.state.level() };
+            let mut progress = Progress {
+                first_micro_done: None,
+                level: self.state.level(),
+                last_resort: self.at_last_resort(),
+            };
             let started = Instant::now();
             // Everything the attempt allocated (activations, losses, partial gradients) is owned
             // inside it and dropped when it returns: the error below holds only a message. A
@@ -394,8 +453,39 @@ impl Guard {
                     (message, requested_bytes, true)
                 }
                 StepError::PeerOutOfMemory => (PEER_OOM.to_string(), None, false),
+                StepError::GroupOutOfMemory { own } => {
+                    // The group gives up together: what this rank's own policy says no longer matters.
+                    for (rec, _) in pending.drain(..) {
+                        reporter.emit(Event::OomRecovered(rec));
+                    }
+                    let message = own.unwrap_or_else(|| PEER_OOM_AT_FLOOR.to_string());
+                    return Err(GuardError::OutOfMemory(Box::new(OomFailure {
+                        step: Some(step),
+                        micro_batch: micro,
+                        requested_bytes: None,
+                        memory: memory::snapshot(self.device),
+                        message,
+                        leak: None,
+                        gave_up: if self.policy == OomPolicy::Adapt {
+                            GaveUp::AtFloor
+                        } else {
+                            GaveUp::Policy(self.policy)
+                        },
+                    })));
+                }
                 StepError::Fatal(e) => return Err(GuardError::Fatal(e)),
             };
+            if !own && self.at_last_resort() {
+                // A peer ran out of memory and will replay smaller; this rank's attempt succeeded
+                // and it has nothing smaller to go to (its own micro-batch may differ): it
+                // replays as it is, rather than giving up on an out-of-memory that was not its own.
+                tracing::info!(
+                    "step {}: another rank ran out of memory; replaying the step at this rank's micro-batch {micro}",
+                    step + 1
+                );
+                self.totals.time_lost += started.elapsed();
+                continue;
+            }
             let before = memory::snapshot(self.device);
             memory::empty_cache(self.device);
             memory::reset_peaks(self.device);
@@ -466,9 +556,52 @@ impl Guard {
                     recover_ms: f64::NAN,
                     error: first_line(&message).to_string(),
                     leak,
+                    in_evaluation: self.evaluating,
                 },
                 failed_at,
             ));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A real allocator failure (libtorch's CPU allocator refusing 4 PiB) when `micro` is above
+    /// `fits`: what an attempt meets when its micro-batch does not fit.
+    fn attempt_fitting(fits: usize) -> impl FnMut(usize, &mut Progress) -> Result<usize, StepError> {
+        move |micro, _| {
+            if micro > fits {
+                let _ = tch::Tensor::f_empty([1i64 << 50], (tch::Kind::Float, Device::Cpu))?;
+            }
+            Ok(micro)
+        }
+    }
+
+    /// An out-of-memory in evaluation halves evaluation's micro-batch (kept for the next one),
+    /// never training's, and an evaluation is no clean step for regrow.
+    #[test]
+    fn an_evaluation_out_of_memory_leaves_training_as_it_was() {
+        let mut reporter = Reporter::new(None, 1, 1, None).unwrap();
+        let mut guard = Guard::new(GuardState::new(8, 1, 2), OomPolicy::Adapt, Device::Cpu, 32);
+        assert_eq!(guard.run(0, &mut reporter, attempt_fitting(8)).unwrap(), 8);
+        let before = guard.state.clone();
+        assert_eq!(guard.run_evaluation(0, &mut reporter, attempt_fitting(2)).unwrap(), 2);
+        assert_eq!(guard.state, before, "training's micro-batch and regrow history are as they were");
+        assert_eq!(guard.micro_batch(), 8);
+        // The next evaluation starts where the last one fitted.
+        let mut tried = Vec::new();
+        guard
+            .run_evaluation(1, &mut reporter, |micro, _| -> Result<(), StepError> {
+                tried.push(micro);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(tried, [2]);
+        assert_eq!(guard.state, before);
+        // Training's own out-of-memory still halves training's.
+        assert_eq!(guard.run(1, &mut reporter, attempt_fitting(4)).unwrap(), 4);
+        assert_eq!(guard.micro_batch(), 4);
     }
 }

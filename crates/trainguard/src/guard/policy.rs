@@ -135,6 +135,14 @@ impl GuardState {
             .map(|b| b.micro_batch)
     }
 
+    /// Whether [`on_oom`](Self::on_oom) would give up now: no rung to step down to, at the
+    /// floor, every escalation spent. Peers are told before they agree on an attempt.
+    pub fn gives_up_on_oom(&self) -> bool {
+        !self.ladder.iter().any(|&p| p < self.current)
+            && self.current <= self.floor
+            && self.level >= self.escalations
+    }
+
     pub fn on_success(&mut self) {
         self.clean_steps += 1;
     }
@@ -189,6 +197,34 @@ impl GuardState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What peers are told before an attempt matches what `on_oom` then decides.
+    #[test]
+    fn gives_up_on_oom_foretells_on_oom() {
+        for (configured, floor, escalations) in [(64, 1, 0), (8, 8, 0), (16, 4, 2), (5, 2, 1)] {
+            let mut s = GuardState::new(configured, floor, 0).with_escalations(escalations);
+            loop {
+                let foretold = s.gives_up_on_oom();
+                let decision = s.on_oom(0);
+                assert_eq!(
+                    foretold,
+                    decision == Decision::GiveUp,
+                    "{configured} {floor} {escalations}: {decision:?}"
+                );
+                if foretold {
+                    break;
+                }
+            }
+        }
+        // A regrow trial that fails steps back down a rung, even at a floor-sized ladder.
+        let mut s = GuardState::new(8, 2, 1);
+        s.on_oom(0);
+        s.on_oom(0);
+        assert_eq!(s.current(), 2);
+        s.on_success();
+        assert_eq!(s.begin_step(5), Some(3));
+        assert!(!s.gives_up_on_oom());
+    }
 
     #[test]
     fn halves_down_to_the_floor_then_gives_up() {

@@ -73,6 +73,17 @@ pub fn uncapped<T>(f: impl FnOnce() -> T) -> T {
     out
 }
 
+/// Puts the CPU cap at `baseline_bytes + limit_bytes`, once memory the cap's baseline counted
+/// has been given back (a checkpoint read before the cap went on, whose tensors are in the model
+/// now): the cap then counts what training holds, as in a fresh run, instead of leaving the
+/// checkpoint's size as extra room. Nothing to do without a CPU cap.
+pub fn rebase_cpu_limit(baseline_bytes: u64, limit_bytes: u64) -> Result<(), LimitError> {
+    if ffi::os::address_space_limit().is_none_or(|b| b == libc::RLIM_INFINITY) {
+        return Ok(());
+    }
+    ffi::os::limit_address_space(baseline_bytes.saturating_add(limit_bytes)).map_err(LimitError::Rlimit)
+}
+
 /// Allocator settings a CPU cap needs, to be made before the process starts any thread of its
 /// own: a thread's first allocation otherwise reserves a 64 MiB malloc arena, and one that
 /// happens after the cap is set would count against it at random.

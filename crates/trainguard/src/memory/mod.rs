@@ -11,7 +11,7 @@ mod process;
 pub mod summary;
 pub mod telemetry;
 
-pub use limit::{apply_limit, prepare_cpu_limit, uncapped, LimitError, LimitReport};
+pub use limit::{apply_limit, prepare_cpu_limit, rebase_cpu_limit, uncapped, LimitError, LimitReport};
 pub use process::ProcessMemory;
 
 use crate::ffi;

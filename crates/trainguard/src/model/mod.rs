@@ -278,6 +278,29 @@ impl Model {
         self.cross_entropy(&self.padded_logits(x, train, seed)?, y, Reduction::Mean)
     }
 
+    /// [`Model::loss`] for evaluation (no dropout, no graph) with the final norm, the head and
+    /// the cross-entropy over `chunk` tokens at a time (`memory.loss_chunk_tokens`), as the
+    /// chunked training step computes it: never the batch × seq × vocab logits at once.
+    pub fn loss_in_chunks(&self, x: &Tensor, y: &Tensor, chunk: usize) -> Result<Tensor, TchError> {
+        let mut hidden = self.embed(x, false, None)?;
+        for i in 0..self.n_blocks() {
+            hidden = self.block(i, &hidden, false, None)?;
+        }
+        let c = *hidden.size().last().expect("hidden states have a last dimension");
+        let (flat, targets) = (hidden.f_reshape([-1, c])?, y.f_reshape([-1])?);
+        let n = flat.size()[0];
+        let mut total = Tensor::f_zeros([], (tch::Kind::Double, flat.device()))?;
+        let mut start = 0;
+        while start < n {
+            let len = (chunk as i64).min(n - start);
+            let logits = self.head(&flat.f_narrow(0, start, len)?)?;
+            let sum = self.cross_entropy(&logits, &targets.f_narrow(0, start, len)?, Reduction::Sum)?;
+            total = total.f_add(&sum.f_to_kind(tch::Kind::Double)?)?;
+            start += len;
+        }
+        total.f_div_scalar(n as f64)
+    }
+
     /// `weight` · the mean cross-entropy of the next-token predictions for inputs `x` and
     /// targets `y`, for training: a backward from it gives the step's gradients
     /// ([`Model::weighted_cross_entropy`]).

@@ -8,7 +8,7 @@ use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
 use super::savers::Savers;
 use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
-use crate::distributed::agree;
+use crate::distributed::agree::{self, Prepared};
 use crate::distributed::Dist;
 use crate::events::{Event, LossScaleReason, Reporter};
 use crate::ffi::torch_panics::catch_torch_panics;
@@ -158,10 +158,10 @@ fn attempt(
     // The injected leak allocates like the step's own work: before the ranks agree on it.
     let local =
         local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
-    let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut())?;
+    let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut(), p.last_resort())?;
     // What runs between the two agreements allocates on each rank alone (the clipping's
     // norms, above all): the second agreement lets every rank replay if one ran out.
-    let prepared = catch_torch_panics(|| -> Result<(f64, bool, bool), StepError> {
+    let prepared = catch_torch_panics(|| -> Result<Prepared, StepError> {
         if scale != 1.0 {
             scale_all(&mut grads, 1.0 / scale)?;
         }
@@ -169,9 +169,10 @@ fn attempt(
         let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
         let overflow = scaled && !grad_norm.is_finite();
         let applied = loss.is_finite() && grad_norm.is_finite();
-        Ok((grad_norm, overflow, applied))
+        Ok(Prepared { grad_norm, overflow, applied })
     });
-    let (grad_norm, overflow, applied) = agree::before_update(prepared, dist.as_deref())?;
+    let Prepared { grad_norm, overflow, applied } =
+        agree::before_update(prepared, dist.as_deref(), p.last_resort())?;
     if applied {
         let update = catch_torch_panics(|| {
             model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr))
@@ -181,7 +182,9 @@ fn attempt(
     Ok(StepOutcome { loss, grad_norm, applied, overflow })
 }
 
-/// The mean validation loss over `batches` fixed batches, inside the guard, averaged over ranks.
+/// The mean validation loss over `batches` fixed batches, inside the guard (apart from training's
+/// micro-batch: [`Guard::run_evaluation`]), averaged over ranks, the loss in chunks of
+/// `memory.loss_chunk_tokens` as training computes it.
 /// Under the same autocast as training: a bf16-mixed run validates in bf16 as it trains, not in
 /// fp32 at a fraction of the speed and with a loss of another precision.
 #[allow(clippy::too_many_arguments)]
@@ -195,12 +198,13 @@ pub fn validation_loss(
     dist: Option<&Dist>,
     reporter: &mut Reporter,
 ) -> Result<f64, GuardError> {
-    guard.run(step, reporter, |micro, p| {
+    guard.run_evaluation(step, reporter, |micro, p| {
         let autocast = Autocast::enter(settings.precision, settings.device)
             .map_err(|e| StepError::Fatal(Box::new(e)))?;
-        let local = catch_torch_panics(|| evaluate(model, data, batches, micro, p));
+        let chunk = settings.savers.loss_chunk_tokens;
+        let local = catch_torch_panics(|| evaluate(model, data, batches, micro, chunk, p));
         drop(autocast);
-        agree::validation_loss(local, dist)
+        agree::validation_loss(local, dist, p.last_resort())
     })
 }
 
@@ -324,7 +328,7 @@ mod tests {
         let fp32 = validate(Precision::Fp32, &mut reporter);
         let under_autocast = {
             let _autocast = Autocast::enter(Precision::Bf16Mixed, Device::Cpu).unwrap();
-            evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap()
+            evaluate(&model, &data, 2, 4, None, &mut Progress::default()).unwrap()
         };
         assert_eq!(
             bf16.to_bits(),
@@ -333,7 +337,7 @@ mod tests {
         );
         assert_eq!(
             fp32.to_bits(),
-            evaluate(&model, &data, 2, 4, &mut Progress::default()).unwrap().to_bits()
+            evaluate(&model, &data, 2, 4, None, &mut Progress::default()).unwrap().to_bits()
         );
         assert_ne!(bf16, fp32, "bf16 autocast changes the loss: validation did not run under it");
     }

@@ -58,10 +58,10 @@ impl Faults {
         loss_scaled: bool,
     ) -> Result<(), TchError> {
         let step = index + 1;
-        if self.cfg.nonfinite_loss_at_steps.contains(&step) {
+        let this_rank = self.on_this_rank();
+        if self.cfg.nonfinite_loss_at_steps.contains(&step) && this_rank {
             *loss = f64::NAN;
         }
-        let this_rank = self.on_this_rank();
         if self.cfg.nondeterministic_op_at_step == Some(step) && this_rank {
             let _ = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu)).f_put_(
                 &Tensor::from_slice(&[1i64, 2]),
@@ -73,7 +73,7 @@ impl Faults {
             let mut a = Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu));
             let _ = a.f_lerp_(&Tensor::ones([4], (tch::Kind::Float, tch::Device::Cpu)), 0.5)?;
         }
-        if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) {
+        if loss_scaled && self.cfg.fp16_overflow_at_steps.contains(&step) && this_rank {
             if let Some(g) = grads.first_mut() {
                 let _ = g.f_fill_(f64::INFINITY)?;
             }
@@ -101,5 +101,28 @@ impl Faults {
             self.leaked_at = Some(step);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `faults.fault_rank` names the rank whose loss turns non-finite; the others keep theirs.
+    #[test]
+    fn a_nonfinite_loss_is_injected_on_the_named_rank_only() {
+        let cfg =
+            FaultsConfig { nonfinite_loss_at_steps: vec![3], fault_rank: Some(1), ..FaultsConfig::default() };
+        let loss_on = |rank: usize| {
+            let mut loss = 2.5;
+            Faults::new(&cfg, rank, 0).corrupt(2, &mut loss, &mut [], false).unwrap();
+            loss
+        };
+        assert_eq!(loss_on(0), 2.5);
+        assert!(loss_on(1).is_nan());
+        let every_rank = FaultsConfig { fault_rank: None, ..cfg.clone() };
+        let mut loss = 2.5;
+        Faults::new(&every_rank, 0, 0).corrupt(2, &mut loss, &mut [], false).unwrap();
+        assert!(loss.is_nan(), "without fault_rank every rank");
     }
 }

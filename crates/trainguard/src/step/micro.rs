@@ -119,6 +119,7 @@ pub fn evaluate(
     data: &StepData,
     batches: usize,
     micro: usize,
+    loss_chunk_tokens: Option<usize>,
     progress: &mut Progress,
 ) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
@@ -129,7 +130,11 @@ pub fn evaluate(
             let weight = data.weight(r.len());
             let indices = data.rank_start + r.start..data.rank_start + r.end;
             let (x, y) = data.sampler.val_batch(data.corpus, b, indices, data.device)?;
-            total += model.loss(&x, &y, false, None)?.f_double_value(&[])? * weight;
+            let loss = match loss_chunk_tokens {
+                Some(chunk) => model.loss_in_chunks(&x, &y, chunk)?,
+                None => model.loss(&x, &y, false, None)?,
+            };
+            total += loss.f_double_value(&[])? * weight;
             progress.micro_step_done();
         }
     }
@@ -179,6 +184,19 @@ mod tests {
             }
         }
         assert!(model.params.tensors.iter().all(|p| !p.grad().defined()), "nothing is left in .grad");
+    }
+
+    /// Evaluation with `memory.loss_chunk_tokens` (chunks that do not divide the tokens, the
+    /// last one short) gives the whole-logits loss.
+    #[test]
+    fn a_chunked_evaluation_gives_the_whole_logits_loss() {
+        let (model, corpus) = setup();
+        let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 10);
+        let whole = evaluate(&model, &data, 2, 4, None, &mut Progress::default()).unwrap();
+        for chunk in [1, 7, 24, 1000] {
+            let chunked = evaluate(&model, &data, 2, 4, Some(chunk), &mut Progress::default()).unwrap();
+            assert!((whole - chunked).abs() < 1e-6, "chunk {chunk}: {chunked} vs {whole}");
+        }
     }
 
     /// `kernels.cuda_graphs`' accumulators (what the graphs add into; on the CPU every

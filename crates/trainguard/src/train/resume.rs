@@ -86,6 +86,8 @@ pub(super) struct Progress {
     pub(super) tokens_seen: u64,
     pub(super) best_val: Option<(f64, u64)>,
     pub(super) nonfinite_skips: u64,
+    /// Non-finite updates in a row up to now (`nan.max_consecutive`).
+    pub(super) nonfinite_streak: u64,
     pub(super) elapsed_before: f64,
     /// Other runs' checkpoints this run's line resumed from, oldest first.
     pub(super) lineage: Vec<lineage::Lineage>,
@@ -114,19 +116,25 @@ impl TrainState {
         }
         let g = &l.state.guard;
         let configured = self.guard.state.configured();
-        let current = if g.configured_micro_batch == configured { g.micro_batch } else { configured };
+        // What regrow learnt (sizes that failed, the ladder climbed) is about the sizes of the
+        // checkpoint's micro-batch: under another one it starts afresh, as the guard does.
+        let (current, regrow) = match g.configured_micro_batch == configured {
+            true => (g.micro_batch, g.regrow.clone()),
+            false => (configured, Default::default()),
+        };
         self.guard.state = self
             .guard
             .state
             .clone()
             .with_current(current)
-            .with_regrow_memory(g.regrow.clone())
+            .with_regrow_memory(regrow)
             .with_level(g.escalation_level);
         self.progress = Progress {
             micro_steps: l.state.micro_steps,
             tokens_seen: l.state.tokens_seen,
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
             nonfinite_skips: l.state.nonfinite_skips,
+            nonfinite_streak: l.state.nonfinite_streak,
             elapsed_before: l.state.elapsed_s,
             lineage: lineage::continued(&l.state.lineage, &l.path, l.state.step, own_root),
         };
@@ -449,6 +457,7 @@ impl Checkpointer {
             best_val_loss: progress.best_val.map(|b| b.0),
             best_val_step: progress.best_val.map(|b| b.1),
             nonfinite_skips: progress.nonfinite_skips,
+            nonfinite_streak: progress.nonfinite_streak,
             elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
             files: Default::default(),
             checksums: Default::default(),

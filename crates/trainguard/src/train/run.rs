@@ -42,7 +42,6 @@ pub struct Run<'a> {
     step: u64,
     last_loss: f64,
     last_val: Option<f64>,
-    consecutive_bad: u64,
     /// A slowly forgetting maximum of step times (evaluation apart): the time-limit margin.
     slowest_recent: f64,
     /// Process memory at start-up (CPU runs' summary figures).
@@ -87,7 +86,10 @@ impl<'a> Run<'a> {
         let mut ckpt = Checkpointer::new(plan, data.clone());
         // Inside what the ranks compare (every rank checks init_from): a refusal is one their
         // peers hear of.
+        // What reading a checkpoint maps: counted out of the CPU cap's baseline below.
+        let before_reading = ProcessMemory::read().map_or(0, |p| p.vm_bytes);
         let (mut held, resumed) = super::start::decide(plan, resume, ckpt.root(), &data);
+        let reading = ProcessMemory::read().map_or(0, |p| p.vm_bytes).saturating_sub(before_reading);
         let start_step = resumed.as_ref().map_or(0, |d| d.step());
         // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
         // options and the CUDA memory cap.
@@ -109,13 +111,13 @@ impl<'a> Run<'a> {
                 return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
             }
         }
-        let Decision { start: Start { loaded, skipped, restored }, mut changed } = resumed?;
+        let Decision { start: Start { mut loaded, skipped, restored }, mut changed } = resumed?;
 
         // The model and optimizer, and the state resumed into them, are built before the run
         // directory is touched: a checkpoint refused only here (its optimizer state of another
         // shape) leaves the run it was refused over as it was. The memory cap goes on first,
         // after the corpus is loaded: it counts what training allocates.
-        let baseline_vm = match plan.memory_limit {
+        let mut baseline_vm = match plan.memory_limit {
             Some(limit) => apply_limit(limit, device)?.baseline_bytes,
             None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
         };
@@ -128,6 +130,15 @@ impl<'a> Run<'a> {
             (Some(l), _) => state.restore(l, ckpt.root())?,
             (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
             (None, None) => {}
+        }
+        if let Some(l) = loaded.as_mut() {
+            // Its tensors are copied into the model and optimizer: what they held goes back, and
+            // the CPU cap no longer counts them as start-up memory.
+            (l.weights, l.optimizer) = (Vec::new(), Vec::new());
+            baseline_vm = baseline_vm.saturating_sub(reading);
+            if let (Some(limit), tch::Device::Cpu) = (plan.memory_limit, device) {
+                crate::memory::rebase_cpu_limit(baseline_vm, limit)?;
+            }
         }
 
         if let Some(h) = held.as_mut() {
@@ -209,7 +220,6 @@ impl<'a> Run<'a> {
             step: start_step,
             last_loss: f64::NAN,
             last_val: None,
-            consecutive_bad: 0,
             slowest_recent: 0.0,
             baseline_vm,
             baseline_rss,
@@ -302,9 +312,10 @@ impl<'a> Run<'a> {
         // checkpoint written below counts it), then the run stops.
         let mut give_up = false;
         if outcome.skipped_as_nonfinite() {
-            self.consecutive_bad += 1;
-            self.state.progress.nonfinite_skips = self.state.progress.nonfinite_skips.saturating_add(1);
-            let consecutive = self.consecutive_bad;
+            let progress = &mut self.state.progress;
+            progress.nonfinite_streak = progress.nonfinite_streak.saturating_add(1);
+            progress.nonfinite_skips = progress.nonfinite_skips.saturating_add(1);
+            let consecutive = progress.nonfinite_streak;
             self.reporter.emit(Event::NonfiniteSkipped {
                 step,
                 loss: outcome.loss,
@@ -313,11 +324,14 @@ impl<'a> Run<'a> {
             });
             give_up = consecutive >= plan.config.nan.max_consecutive;
         } else {
-            self.consecutive_bad = 0;
+            self.state.progress.nonfinite_streak = 0;
         }
         // Throughput counts the optimizer step only, not evaluation.
         let step_time = step_started.elapsed().as_secs_f64();
         let mut new_best = false;
+        // An out-of-memory evaluation could not recover from: the step's update is applied, so
+        // the run stops below with that step checkpointed and its metrics line written.
+        let mut eval_oom = None;
         let val_loss = if plan.evaluates_after(step + 1) && !give_up {
             // Validation's activations would sit beside the graphs' pool: the next step
             // captures them again.
@@ -332,7 +346,16 @@ impl<'a> Run<'a> {
                 step,
                 self.dist.as_deref(),
                 &mut self.reporter,
-            )?;
+            );
+            let v = match v {
+                Ok(v) => v,
+                Err(e @ GuardError::OutOfMemory(_)) => {
+                    tracing::warn!("{}", memory_summary(plan.device));
+                    eval_oom = Some(e);
+                    f64::NAN
+                }
+                Err(e) => return Err(e.into()),
+            };
             self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
             let best = &mut self.state.progress.best_val;
             // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
@@ -340,8 +363,12 @@ impl<'a> Run<'a> {
                 *best = Some((v, step + 1));
                 new_best = true;
             }
-            self.last_val = Some(v);
-            Some(v)
+            if eval_oom.is_some() {
+                None
+            } else {
+                self.last_val = Some(v);
+                Some(v)
+            }
         } else {
             None
         };
@@ -367,6 +394,15 @@ impl<'a> Run<'a> {
             memory,
         }));
         drop(traced_range);
+        if let Some(e) = eval_oom {
+            let path = self.save_for_stop(step + 1);
+            self.reporter.emit(Event::Stopped {
+                step: step + 1,
+                reason: StopReason::OutOfMemory,
+                checkpoint: path.map(|p| p.display().to_string()),
+            });
+            return Err(e.into());
+        }
         if give_up {
             let path = self.save(step + 1, false);
             self.reporter.emit(Event::Stopped {
@@ -374,7 +410,10 @@ impl<'a> Run<'a> {
                 reason: StopReason::Nonfinite,
                 checkpoint: path.map(|p| p.display().to_string()),
             });
-            return Err(TrainError::NonFinite { step: step + 1, count: self.consecutive_bad });
+            return Err(TrainError::NonFinite {
+                step: step + 1,
+                count: self.state.progress.nonfinite_streak,
+            });
         }
         if let Some(summary) = self.trace(|t| t.after_step(step)).flatten() {
             self.reporter.emit(Event::TraceWritten(summary));
