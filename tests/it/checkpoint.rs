@@ -570,6 +570,37 @@ fn non_finite_losses_are_skipped_then_stop_with_exit_5() {
     assert_eq!(logged, (1..=8).collect::<Vec<u64>>());
 }
 
+/// Muon through the real binary: it learns (the loss falls well below the uniform guess), and a
+/// run stopped at step 20 and resumed equals the straight run bit for bit (the matrices'
+/// momentum and AdamW's moments of the rest go through the checkpoint).
+#[test]
+fn muon_trains_and_resumes_bit_for_bit() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let muon = sets(&["optimizer.name=muon"]);
+    let straight = train(a.path(), "configs/debug.yaml", &muon).ok();
+    let losses = series(&straight.metrics(), "loss");
+    let (first, last) = (losses[0].as_f64().unwrap(), losses.last().unwrap().as_f64().unwrap());
+    assert!(last < 0.7 * first, "muon learns: loss {first} -> {last}");
+    let stopped =
+        train(b.path(), "configs/debug.yaml", &[&muon[..], &["faults.interrupt_at_step=20"]].concat());
+    assert_eq!(stopped.code(), 4, "{}", stopped.stderr());
+    let state = std::fs::read_to_string(newest_checkpoint(b.path()).join("trainer_state.json")).unwrap();
+    assert!(state.contains("\"kind\": \"muon\""), "{state}");
+    let mut cmd = command(b.path(), "configs/debug.yaml", &muon);
+    cmd.args(["--resume", "auto"]);
+    run(cmd, b.path()).ok();
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let (ca, cb) = (newest_checkpoint(a.path()), newest_checkpoint(b.path()));
+        assert_bitwise_equal(&ca.join(file), &cb.join(file));
+    }
+    let optimizer = tensors(&newest_checkpoint(b.path()).join("optimizer.safetensors"));
+    assert!(
+        optimizer.iter().any(|(k, _)| k == "momentum_buffer.h.0.mlp.c_fc.weight"),
+        "a block matrix's momentum"
+    );
+    assert!(optimizer.iter().any(|(k, _)| k == "exp_avg.wte.weight"), "the embedding is AdamW's");
+}
+
 /// `nan.max_consecutive` counts non-finite updates in a row across a stop and resume: a run
 /// preempted between bad steps (here after steps 6 and 7 were skipped) stops at the third, as
 /// the straight run does, instead of starting the count again at every restart.

@@ -646,6 +646,7 @@ fn optimizers_update_on_cuda_as_on_the_cpu() {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            ..OptimizerSpec::with_defaults(name, fused)
         };
         let run = |device: Device| -> Vec<Tensor> {
             let p: Vec<Tensor> = params.iter().map(|t| t.copy().to_device(device)).collect();

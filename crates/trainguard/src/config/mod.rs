@@ -341,11 +341,28 @@ pub struct OptimizerConfig {
     pub fused: bool,
     /// Momentum of `sgd_momentum`.
     pub momentum: f64,
+    /// Muon: the peak learning rate of the orthogonalised matrices (the schedule scales it as it
+    /// scales `train.lr`, which the AdamW-updated parameters use).
+    pub muon_lr: f64,
+    /// Muon: the matrices' momentum.
+    pub muon_momentum: f64,
+    /// Muon: Nesterov momentum (the published default).
+    pub muon_nesterov: bool,
+    /// Muon: Newton–Schulz iterations per update.
+    pub muon_ns_steps: usize,
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        Self { name: OptimizerName::Adamw, fused: true, momentum: 0.9 }
+        Self {
+            name: OptimizerName::Adamw,
+            fused: true,
+            momentum: 0.9,
+            muon_lr: 0.02,
+            muon_momentum: 0.95,
+            muon_nesterov: true,
+            muon_ns_steps: 5,
+        }
     }
 }
 
@@ -363,6 +380,8 @@ pub enum OptimizerName {
     Adafactor,
     #[value(name = "adamw8bit", alias = "adamw-8bit")]
     Adamw8bit,
+    #[value(name = "muon")]
+    Muon,
 }
 
 impl OptimizerName {
@@ -374,6 +393,7 @@ impl OptimizerName {
             OptimizerName::SgdMomentum => "sgd_momentum",
             OptimizerName::Adafactor => "adafactor",
             OptimizerName::Adamw8bit => "adamw8bit",
+            OptimizerName::Muon => "muon",
         }
     }
 }

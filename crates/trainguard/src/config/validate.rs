@@ -262,6 +262,22 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "optimizer.momentum",
         format!("must be in [0, 1), got {}", c.optimizer.momentum),
     );
+    let o = &c.optimizer;
+    check(
+        o.muon_lr.is_finite() && o.muon_lr > 0.0,
+        "optimizer.muon_lr",
+        format!("must be a positive number, got {}", o.muon_lr),
+    );
+    check(
+        (0.0..1.0).contains(&o.muon_momentum),
+        "optimizer.muon_momentum",
+        format!("must be in [0, 1), got {}", o.muon_momentum),
+    );
+    check(
+        (1..=20).contains(&o.muon_ns_steps),
+        "optimizer.muon_ns_steps",
+        format!("must be in 1..=20, got {}", o.muon_ns_steps),
+    );
     for problem in c.memory.allocator.problems() {
         check(false, &problem.key, problem.message);
     }
@@ -630,6 +646,9 @@ mod tests {
             (|c| c.train.loss_scale_initial = f64::NAN, "train.loss_scale_initial"),
             (|c| c.train.loss_scale_growth_interval = 0, "train.loss_scale_growth_interval"),
             (|c| c.optimizer.momentum = 1.5, "optimizer.momentum"),
+            (|c| c.optimizer.muon_lr = 0.0, "optimizer.muon_lr"),
+            (|c| c.optimizer.muon_momentum = 1.0, "optimizer.muon_momentum"),
+            (|c| c.optimizer.muon_ns_steps = 0, "optimizer.muon_ns_steps"),
             (|c| c.dist.bucket_mb = 0.0, "dist.bucket_mb"),
             (|c| c.memory.limit = Some(crate::config::Size::Text("lots".into())), "memory.limit"),
             (|c| c.memory.limit = Some(crate::config::Size::Bytes(16)), "memory.limit"),

@@ -360,6 +360,16 @@ impl Model {
     /// (a contiguous view of the same storage). Per-tensor statistics (Adafactor's RMS terms,
     /// 8-bit AdamW's blocks) then see exactly the unpadded model's tensors, the optimizer state
     /// has the user's shapes, and the padded rows are never written.
+    /// Which parameters are the blocks' weight matrices (2-D, decayed, inside a block): what
+    /// Muon orthogonalises; the embeddings and the LM head are not.
+    pub fn block_matrices(&self) -> Vec<bool> {
+        let mut out = vec![false; self.params.tensors.len()];
+        for &i in self.groups.blocks.iter().flatten() {
+            out[i] = self.params.decay[i] && self.params.tensors[i].dim() == 2;
+        }
+        out
+    }
+
     pub fn optimizer_params(&self) -> Result<Vec<Tensor>, TchError> {
         (0..self.params.tensors.len()).map(|i| self.user_tensor(i)).collect()
     }

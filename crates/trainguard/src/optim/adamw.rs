@@ -138,7 +138,7 @@ impl AdamW {
 
     /// The update count back to `steps` after a failed update, the fused kernel's device
     /// counter with it (a failure to refill it is the failure already being reported).
-    pub(super) fn count_back_to(&mut self, steps: u64) {
+    pub(crate) fn count_back_to(&mut self, steps: u64) {
         self.steps = steps;
         let _ =
             crate::ffi::torch_panics::catch_torch_panics(|| self.state_step.f_fill_(steps as f64).map(drop));

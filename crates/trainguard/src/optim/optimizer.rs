@@ -4,6 +4,7 @@
 use super::adafactor::{Adafactor, AdafactorConfig, Path as AdafactorPath};
 use super::adamw::{AdamW, AdamWConfig};
 use super::adamw8bit::{AdamW8bit, AdamW8bitConfig, Path as AdamW8bitPath};
+use super::muon::{Muon, MuonConfig};
 use super::sgd::{Sgd, SgdConfig};
 use crate::config::{KernelsConfig, OptimizerConfig, OptimizerName, TrainConfig};
 use crate::ffi::torch_panics::catch_torch_panics;
@@ -28,6 +29,17 @@ pub struct OptimizerSpec {
     /// Decoupled for AdamW, 8-bit AdamW and Adafactor; coupled (added to the gradient) for SGD,
     /// as in PyTorch. Only parameters whose `decay` flag is set decay.
     pub weight_decay: f64,
+    /// Muon's own settings (the others ignore them).
+    pub muon: MuonSettings,
+}
+
+/// `optimizer.muon_*`, with the matrices' rate as a multiple of `train.lr`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MuonSettings {
+    pub lr_scale: f64,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub ns_steps: usize,
 }
 
 impl OptimizerSpec {
@@ -52,6 +64,12 @@ impl OptimizerSpec {
             beta2: train.beta2,
             eps: train.eps,
             weight_decay: train.weight_decay,
+            muon: MuonSettings {
+                lr_scale: optimizer.muon_lr / train.lr,
+                momentum: optimizer.muon_momentum,
+                nesterov: optimizer.muon_nesterov,
+                ns_steps: optimizer.muon_ns_steps,
+            },
         }
     }
 }
@@ -62,17 +80,43 @@ pub enum Optimizer {
     Sgd(Sgd),
     Adafactor(Adafactor),
     AdamW8bit(AdamW8bit),
+    Muon(Muon),
 }
 
 impl Optimizer {
-    /// Builds the state for `params` (with their weight-decay flags) on `device`.
+    /// Builds the state for `params` (with their weight-decay flags) on `device`. Muon takes the
+    /// 2-D parameters that decay for the matrices it orthogonalises: where a model is at hand,
+    /// [`Optimizer::for_model`] tells the LM head (2-D, decayed, but AdamW's) apart.
     pub fn new(
         spec: &OptimizerSpec,
         params: &[Tensor],
         decay: &[bool],
         device: Device,
     ) -> Result<Self, TchError> {
-        let OptimizerSpec { name, fused, cuda_kernel, momentum, beta1, beta2, eps, weight_decay } = *spec;
+        let matrices: Vec<bool> = params.iter().zip(decay).map(|(p, &d)| d && p.dim() == 2).collect();
+        Self::with_matrices(spec, params, decay, &matrices, device)
+    }
+
+    /// The optimizer for `model`'s parameters (the user's rows of a padded vocabulary), Muon's
+    /// matrices being the blocks' weight matrices.
+    pub fn for_model(
+        spec: &OptimizerSpec,
+        model: &crate::model::Model,
+        device: Device,
+    ) -> Result<Self, TchError> {
+        let params = model.optimizer_params()?;
+        Self::with_matrices(spec, &params, &model.params.decay, &model.block_matrices(), device)
+    }
+
+    fn with_matrices(
+        spec: &OptimizerSpec,
+        params: &[Tensor],
+        decay: &[bool],
+        matrices: &[bool],
+        device: Device,
+    ) -> Result<Self, TchError> {
+        let OptimizerSpec { name, fused, cuda_kernel, momentum, beta1, beta2, eps, weight_decay, muon } =
+            *spec;
         Ok(match name {
             OptimizerName::Adamw => Self::AdamW(AdamW::new(
                 AdamWConfig { beta1, beta2, eps, weight_decay, fused },
@@ -109,6 +153,20 @@ impl Optimizer {
                     path,
                 )?)
             }
+            OptimizerName::Muon => Self::Muon(Muon::new(
+                MuonConfig {
+                    lr_scale: muon.lr_scale,
+                    momentum: muon.momentum,
+                    nesterov: muon.nesterov,
+                    ns_steps: muon.ns_steps,
+                    weight_decay,
+                    adamw: AdamWConfig { beta1, beta2, eps, weight_decay, fused },
+                },
+                params,
+                decay,
+                matrices,
+                device,
+            )?),
         })
     }
 
@@ -129,6 +187,7 @@ impl Optimizer {
             Self::Sgd(o) => o.step(params, grads, lr),
             Self::Adafactor(o) => o.step(params, grads, lr),
             Self::AdamW8bit(o) => o.step(params, grads, lr),
+            Self::Muon(o) => o.step(params, grads, lr),
         });
         if result.is_err() {
             self.count_back_to(before);
@@ -143,6 +202,7 @@ impl Optimizer {
             Self::Sgd(o) => o.steps = steps,
             Self::Adafactor(o) => o.steps = steps,
             Self::AdamW8bit(o) => o.steps = steps, // its device counter is refilled each update
+            Self::Muon(o) => o.count_back_to(steps),
         }
     }
 
@@ -154,6 +214,7 @@ impl Optimizer {
             Self::Sgd(o) => o.state_tensors(names),
             Self::Adafactor(o) => o.state_tensors(names),
             Self::AdamW8bit(o) => o.state_tensors(names),
+            Self::Muon(o) => o.state_tensors(names),
         }
     }
 
@@ -170,6 +231,7 @@ impl Optimizer {
             Self::Sgd(o) => o.load_state(names, saved, steps),
             Self::Adafactor(o) => o.load_state(names, saved, steps),
             Self::AdamW8bit(o) => o.load_state(names, saved, steps),
+            Self::Muon(o) => o.load_state(names, saved, steps),
         }
     }
 
@@ -180,6 +242,7 @@ impl Optimizer {
             Self::Sgd(o) => o.steps,
             Self::Adafactor(o) => o.steps,
             Self::AdamW8bit(o) => o.steps,
+            Self::Muon(o) => o.steps,
         }
     }
 
@@ -191,6 +254,7 @@ impl Optimizer {
             Self::Sgd(_) => "sgd",
             Self::Adafactor(_) => "adafactor",
             Self::AdamW8bit(_) => "adamw8bit",
+            Self::Muon(_) => "muon",
         }
     }
 
@@ -202,6 +266,7 @@ impl Optimizer {
             Self::Sgd(o) => o.state_bytes(),
             Self::Adafactor(o) => o.state_bytes(),
             Self::AdamW8bit(o) => o.state_bytes(),
+            Self::Muon(o) => o.state_bytes(),
         }
     }
 }

@@ -250,13 +250,18 @@ fn widths(s: &Setup) -> Widths {
 
 /// Optimizer state bytes per parameter tensor.
 pub trait OptimizerState: Copy {
-    fn state_for(self, shape: &[u64], state: u64) -> u64;
+    fn state_for(self, tensor: &TensorSpec, state: u64) -> u64;
+}
+
+/// What Muon orthogonalises: the blocks' weight matrices (`Model::block_matrices`).
+pub fn is_block_matrix(t: &TensorSpec) -> bool {
+    t.decay && t.shape.len() == 2 && matches!(t.part, Part::Block(_))
 }
 
 impl OptimizerState for OptimizerName {
-    /// State bytes for one parameter tensor of `shape`, with `state` bytes per full-precision
-    /// state element.
-    fn state_for(self, shape: &[u64], state: u64) -> u64 {
+    /// State bytes for one parameter tensor, with `state` bytes per full-precision state element.
+    fn state_for(self, tensor: &TensorSpec, state: u64) -> u64 {
+        let shape: Vec<u64> = tensor.shape.iter().map(|&d| d as u64).collect();
         let n: u64 = shape.iter().product();
         match self {
             OptimizerName::Adamw => 2 * n * state,
@@ -264,7 +269,7 @@ impl OptimizerState for OptimizerName {
             OptimizerName::SgdMomentum => n * state,
             // Factored second moment (row and column means) for matrices, no first moment
             // (beta1 = None, the default); vectors keep a full second moment.
-            OptimizerName::Adafactor => match shape {
+            OptimizerName::Adafactor => match shape[..] {
                 [rows, cols] => (rows + cols) * state,
                 _ => n * state,
             },
@@ -277,6 +282,9 @@ impl OptimizerState for OptimizerName {
                     2 * n + 2 * n.div_ceil(2048) * 4
                 }
             }
+            // A momentum for each block matrix, AdamW's two moments for everything else.
+            OptimizerName::Muon if is_block_matrix(tensor) => n * state,
+            OptimizerName::Muon => 2 * n * state,
         }
     }
 }
@@ -499,6 +507,20 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
                     .sum::<u64>()
         }
         // The unfused update's one temporary, the parameters' dtype (`AdamW::new`).
+        // The update buffer of each block matrix, in the parameters' dtype (`Muon::new`); its
+        // AdamW's unfused temporary besides, when not fused.
+        OptimizerName::Muon => {
+            let bytes = if s.precision == Precision::Bf16Pure { 2 } else { 4 };
+            let specs = m.specs();
+            let matrices: u64 = specs
+                .iter()
+                .filter(|t| is_block_matrix(t))
+                .map(|t| round_up(t.numel() as u64 * bytes, round))
+                .sum();
+            let largest_other =
+                specs.iter().filter(|t| !is_block_matrix(t)).map(|t| t.numel() as u64).max().unwrap_or(0);
+            matrices + if s.fused_optimizer { 0 } else { round_up(largest_other * bytes, round) }
+        }
         OptimizerName::Adamw if !s.fused_optimizer => {
             let largest = m.tensors().iter().map(|sh| sh.iter().product::<u64>()).max().unwrap_or(0);
             round_up(largest * if s.precision == Precision::Bf16Pure { 2 } else { 4 }, round)
@@ -510,9 +532,13 @@ fn optimizer_scratch(m: &Transformer, s: &Setup) -> u64 {
 /// Bytes of the parameter-sized buffers: each tensor rounded as the allocator would, then scaled
 /// to `--params` when given.
 fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> u64) -> u64 {
+    per_spec(model, target, |t| bytes_of(&t.shape.iter().map(|&d| d as u64).collect::<Vec<_>>()))
+}
+
+/// [`per_tensor`] from each parameter's description (its part, its decay flag).
+fn per_spec(model: &Transformer, target: Target, bytes_of: impl Fn(&TensorSpec) -> u64) -> u64 {
     let round = if target == Target::Cuda { CUDA_ROUND } else { 1 };
-    let sum: u64 =
-        model.tensors().iter().map(|s| bytes_of(s)).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
+    let sum: u64 = model.specs().iter().map(&bytes_of).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
     match model.params_override {
         Some(p) => (sum as f64 * p as f64 / model.layout_params().max(1) as f64).round() as u64,
         None => sum,
@@ -598,7 +624,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
     let optimizer =
-        per_tensor(m, s.target, |sh| s.optimizer.state_for(sh, p.state_bytes())) + optimizer_scratch(m, s);
+        per_spec(m, s.target, |t| s.optimizer.state_for(t, p.state_bytes())) + optimizer_scratch(m, s);
     // The all-reduce buckets hold every gradient in fp32 whatever the precision (`Dist::plan_buckets`).
     let dp_buffers =
         if s.gpus > 1 { per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * 4) } else { 0 };
@@ -965,7 +991,7 @@ mod tests {
     fn adafactor_on_cuda_counts_its_band_and_row_and_column_buffers() {
         let m = gpt2();
         let s = Setup { target: Target::Cuda, ..setup(Precision::Fp32, OptimizerName::Adafactor) };
-        let state = per_tensor(&m, Target::Cuda, |sh| OptimizerName::Adafactor.state_for(sh, 4));
+        let state = per_spec(&m, Target::Cuda, |t| OptimizerName::Adafactor.state_for(t, 4));
         let (band, rows, cols) = (5461 * 768 * 4, 50304 * 4, 3072 * 4);
         assert_eq!(band + rows + cols, 16_989_696);
         let rounded: u64 = [band, rows, cols].iter().map(|&b: &u64| b.div_ceil(512) * 512).sum();

@@ -3,7 +3,7 @@
 //! `tests/it/optimizers.rs` holds equal and `examples/optimizer_bench.rs state` prints.
 use super::estimate::OptimizerState;
 use crate::config::{ModelConfig, OptimizerName};
-use crate::model::Model;
+use crate::model::{Model, TensorSpec};
 use crate::optim::{Optimizer, OptimizerSpec};
 use tch::{Device, TchError};
 
@@ -27,23 +27,25 @@ pub fn measure(model: &ModelConfig) -> Result<Vec<StateBytes>, TchError> {
         OptimizerName::SgdMomentum,
         OptimizerName::Adafactor,
         OptimizerName::Adamw8bit,
+        OptimizerName::Muon,
     ];
+    let specs = crate::model::describe(model);
     names
         .into_iter()
         .map(|name| {
             // The hyperparameters do not change the state's size. Fused AdamW: no scratch the
             // size of the embedding.
-            let opt = Optimizer::new(
-                &OptimizerSpec::with_defaults(name, true),
-                &tensors,
-                &built.params.decay,
-                Device::Cpu,
-            )?;
-            let shape = |t: &tch::Tensor| t.size().iter().map(|&d| d as u64).collect::<Vec<_>>();
-            let estimate = tensors.iter().map(|t| name.state_for(&shape(t), 4)).sum();
+            let opt = Optimizer::for_model(&OptimizerSpec::with_defaults(name, true), &built, Device::Cpu)?;
+            // Each description with the shape the optimizer is handed (the user's rows).
+            let estimate = specs
+                .iter()
+                .zip(&tensors)
+                .map(|(s, t)| name.state_for(&TensorSpec { shape: t.size(), ..s.clone() }, 4))
+                .sum();
             let scratch = match &opt {
                 Optimizer::Adafactor(a) => a.scratch_bytes(),
                 Optimizer::AdamW8bit(a) => a.scratch_bytes(),
+                Optimizer::Muon(m) => m.scratch_bytes(),
                 Optimizer::AdamW(_) | Optimizer::Sgd(_) => 0,
             };
             Ok(StateBytes { kind: opt.kind(), measured: opt.state_bytes(), estimate, scratch })

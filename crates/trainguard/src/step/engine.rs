@@ -41,7 +41,7 @@ impl Trainable {
     ) -> Result<Self, TchError> {
         let model = Model::with_kernels(model, kernels, seed, device)?;
         precision::prepare(&model.params.tensors, precision)?;
-        let opt = Optimizer::new(spec, &model.optimizer_params()?, &model.params.decay, device)?;
+        let opt = Optimizer::for_model(spec, &model, device)?;
         let graphs = MicroGraphs::new(kernels.cuda_graphs && device.is_cuda());
         Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })
     }
