@@ -4,7 +4,9 @@
 //! counter does not move over a few periods are the silent ones: a process that is stopped,
 //! killed or whose machine froze. A rank that is alive but stuck (a long step, a hung kernel)
 //! keeps beating and is not named. Counters, not clocks: machines' clocks need not agree.
-use crate::ffi::dist::Store;
+//! Every read and write of the store is bounded in time ([`super::store`]): launched without
+//! torchrun's agent, rank 0 hosts the store, and a frozen rank 0 answers nothing.
+use super::store::{BoundedStore, StoreAddress, StoreError};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +14,9 @@ use std::time::Duration;
 pub struct Heartbeat {
     stop: Arc<AtomicBool>,
     store: StoreAddress,
+    /// Launched without torchrun's agent: the store lives in rank 0's process, and goes silent
+    /// or away with it.
+    rank0_hosts_store: bool,
     rank: usize,
     world: usize,
     period: Duration,
@@ -39,25 +44,14 @@ pub struct StopNotice {
     rank: usize,
 }
 
-/// Where the group's store is and this group's keys in it: each reading or writing thread opens
-/// a connection of its own.
-#[derive(Debug, Clone)]
-struct StoreAddress {
-    host: String,
-    port: u16,
-    prefix: String,
-}
-
-impl StoreAddress {
-    fn connect(&self, timeout_ms: u64) -> Result<Store, crate::ffi::ShimError> {
-        Store::connect(&self.host, self.port, timeout_ms, &self.prefix)
-    }
-}
+/// How long a best-effort request waits for the store: a notice on the way out, a diagnosis.
+const BEST_EFFORT: Duration = Duration::from_secs(2);
 
 impl StopNotice {
-    /// Best effort, within 2 s: the process exits right after, whatever the store says.
+    /// Best effort, within 2 s each to connect and to add: the process exits right after,
+    /// whatever the store says.
     pub fn announce(&self) {
-        if let Ok(store) = self.store.connect(2000) {
+        if let Ok(store) = self.store.connect(BEST_EFFORT) {
             let _ = store.add(&stopped_key(self.rank), 1);
         }
     }
@@ -70,18 +64,17 @@ pub fn period_for(timeout_s: u64) -> Duration {
 }
 
 impl Heartbeat {
-    /// Starts this rank's beating thread (the store at host:port, keys under `prefix`).
+    /// Starts this rank's beating thread (the store at `address`; `rank0_hosts_store` without
+    /// torchrun's agent).
     pub fn start(
-        host: &str,
-        port: u16,
-        prefix: &str,
+        address: StoreAddress,
+        rank0_hosts_store: bool,
         rank: usize,
         world: usize,
         timeout_s: u64,
-    ) -> Result<Self, crate::ffi::ShimError> {
-        let period = period_for(timeout_s);
-        let address = StoreAddress { host: host.into(), port, prefix: prefix.into() };
-        let store = address.connect(timeout_s.max(1) * 1000)?;
+    ) -> Result<Self, StoreError> {
+        let (period, timeout) = (period_for(timeout_s), Duration::from_secs(timeout_s.max(1)));
+        let store = address.connect(timeout)?;
         store.add(&key(rank), 1)?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -91,12 +84,12 @@ impl Heartbeat {
                 while !flag.load(Ordering::Relaxed) {
                     std::thread::sleep(period);
                     if store.add(&key(rank), 1).is_err() {
-                        return; // the store is gone: nothing left to tell
+                        return; // the store is gone or silent: nothing left to tell
                     }
                 }
             })
             .map_err(|e| crate::ffi::ShimError::Torch(format!("cannot start the heartbeat thread: {e}")))?;
-        Ok(Self { stop, store: address, rank, world, period, timeout: Duration::from_secs(timeout_s.max(1)) })
+        Ok(Self { stop, store: address, rank0_hosts_store, rank, world, period, timeout })
     }
 
     pub fn stop_notice(&self) -> StopNotice {
@@ -106,15 +99,16 @@ impl Heartbeat {
     /// The ranks that announced a stop on a second signal ([`StopNotice`]); none when the store
     /// is gone with them (rank 0 hosted it, without torchrun's agent).
     pub fn stopped_by_signal(&self) -> Vec<usize> {
-        let Ok(store) = self.store.connect(2000) else { return vec![] };
+        let Ok(store) = self.store.connect(BEST_EFFORT) else { return vec![] };
         (0..self.world).filter(|&r| store.add(&stopped_key(r), 0).is_ok_and(|n| n > 0)).collect()
     }
 
     /// Ranks whose heartbeat did not move over three periods, read through a new connection.
-    pub fn silent_ranks(&self) -> Result<Vec<usize>, crate::ffi::ShimError> {
-        let store = self.store.connect(5000)?;
-        let read =
-            |store: &Store| (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>();
+    pub fn silent_ranks(&self) -> Result<Vec<usize>, StoreError> {
+        let store = self.store.connect(BEST_EFFORT)?;
+        let read = |store: &BoundedStore| {
+            (0..self.world).map(|r| store.add(&key(r), 0)).collect::<Result<Vec<i64>, _>>()
+        };
         let before = read(&store)?;
         std::thread::sleep(self.period * 3);
         let after = read(&store)?;
@@ -128,20 +122,22 @@ impl Heartbeat {
     /// come from a thread of their own), and fail once it stands still for three periods. A
     /// write that hangs with rank 0 alive holds them here, so every `dist.timeout_s` they say
     /// how long they have waited: the job's log shows where it stands, not silence. With
-    /// `writer_wait` (`dist.writer_wait_s`) they wait that long at most, then fail.
+    /// `writer_wait` (`dist.writer_wait_s`) they wait that long at most, then fail. Each read
+    /// of the store gives up after `dist.timeout_s`.
     pub fn fence(&self, n: u64, writer_wait: Option<Duration>) -> Result<(), String> {
         if self.rank == 0 {
-            let store = self.store.connect(5000).map_err(|e| e.to_string())?;
+            let store = self.store.connect(self.timeout).map_err(|e| e.to_string())?;
             return store.add(FENCE_KEY, 1).map(|_| ()).map_err(|e| e.to_string());
         }
-        // Without torchrun's agent rank 0 hosts the store: its end takes the store with it.
-        let gone = |e: crate::ffi::ShimError| {
+        // Without torchrun's agent rank 0 hosts the store: its end takes the store with it, and
+        // a frozen rank 0 leaves it silent.
+        let gone = |e: StoreError| {
             format!(
                 "rank 0 stopped answering while it wrote alone (the store is unreachable: {})",
                 e.to_string().lines().next().unwrap_or_default()
             )
         };
-        let store = self.store.connect(5000).map_err(gone)?;
+        let store = self.store.connect(self.timeout).map_err(gone)?;
         let (mut beat, mut moved, mut pause) =
             (store.add(&key(0), 0).map_err(gone)?, std::time::Instant::now(), Duration::from_millis(1));
         let (since, mut notices) = (std::time::Instant::now(), 0u32);
@@ -192,6 +188,11 @@ impl Heartbeat {
                     (self.period * 3).as_secs_f64()
                 )
             }
+            // The store lives in rank 0's process: unreachable or silent, rank 0 is gone or frozen.
+            Err(e) if self.rank0_hosts_store => format!(
+                "rank 0 stopped answering (it hosts the group's store: {})",
+                e.to_string().lines().next().unwrap_or_default()
+            ),
             Err(e) => format!(
                 "which rank went silent is unknown (heartbeats unreadable: {})",
                 e.to_string().lines().next().unwrap_or_default()

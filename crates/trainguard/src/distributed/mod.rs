@@ -7,6 +7,7 @@ mod error_file;
 mod heartbeat;
 pub mod ranks;
 mod round;
+mod store;
 
 pub use round::JobDeadline;
 
@@ -126,9 +127,8 @@ impl Dist {
         .map_err(|e| init(e.to_string()))?;
         let small = if backend == Backend::Nccl { device } else { Device::Cpu };
         let heartbeat = heartbeat::Heartbeat::start(
-            &env.master_addr,
-            env.master_port,
-            &prefix,
+            store::StoreAddress::new(&env.master_addr, env.master_port, &prefix),
+            !env.use_agent_store,
             env.rank,
             env.world_size,
             timeout_s,
@@ -155,13 +155,9 @@ impl Dist {
         timeout_s: u64,
         time_limit: Option<std::time::Duration>,
     ) -> Result<round::Agreed, String> {
-        let store = crate::ffi::dist::Store::connect(
-            &env.master_addr,
-            env.master_port,
-            timeout_s * 1000,
-            "trainguard/rounds/",
-        )
-        .map_err(|e| e.to_string())?;
+        let store = store::StoreAddress::new(&env.master_addr, env.master_port, "trainguard/rounds/")
+            .connect(std::time::Duration::from_secs(timeout_s.max(1)))
+            .map_err(|e| e.to_string())?;
         let give_up = std::time::Instant::now() + std::time::Duration::from_secs(timeout_s);
         // Only rank 0's proposal is read (`round::agree`).
         let own_deadline = time_limit

@@ -25,9 +25,10 @@ pub trait Counters {
     fn add(&self, key: &str, delta: i64) -> Result<i64, String>;
 }
 
-impl Counters for crate::ffi::dist::Store {
+/// Each request bounded by `dist.timeout_s`, like the agreement as a whole.
+impl Counters for super::store::BoundedStore {
     fn add(&self, key: &str, delta: i64) -> Result<i64, String> {
-        crate::ffi::dist::Store::add(self, key, delta).map_err(|e| e.to_string())
+        super::store::BoundedStore::add(self, key, delta).map_err(|e| e.to_string())
     }
 }
 
