@@ -270,6 +270,44 @@ fn a_long_document_has_the_ids_of_the_whole_and_bounded_memory() {
     assert!(peak < base + 200, "peak {peak} MiB, {base} MiB for 10 kB");
 }
 
+/// Text without whitespace (a 21 MB one-line document) is cut into pieces at character
+/// boundaries: under a memory limit it succeeds with every token written. Whole, the tokenizer
+/// needed ~180 bytes per byte of it (3.8 GB) and aborted at the limit with a backtrace.
+#[test]
+fn text_without_whitespace_is_tokenized_within_a_memory_limit() {
+    let prlimit = Path::new("/usr/bin/prlimit");
+    if !prlimit.exists() {
+        eprintln!("skipped: no /usr/bin/prlimit");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    tokenizer::write(&d.path().join("tokenizer.json"), 0);
+    // `a` and `é` (bytes 0xC3 0xA9): no merge joins them, so a piece's ids are the whole's.
+    let n = 7_000_000;
+    std::fs::create_dir(d.path().join("text")).unwrap();
+    std::fs::write(d.path().join("text/one.txt"), "aé".repeat(n)).unwrap();
+    let out = d.path().join("data");
+    let mut cmd = Command::new(prlimit);
+    // Private writable memory (the heap; not libtorch's mapped files, which vary by build).
+    cmd.arg(format!("--data={}", MEMORY_LIMIT_MIB << 20))
+        .arg(bin())
+        .args(["prepare", "--threads", "2", "--tokenizer"])
+        .arg(d.path().join("tokenizer.json"))
+        .arg("--out")
+        .arg(&out)
+        .arg(d.path().join("text"));
+    let r = run(cmd, &out);
+    assert_eq!(r.code(), 0, "under a {MEMORY_LIMIT_MIB} MiB data limit:\n{}", r.stderr());
+    assert!(r.stderr().contains("20 cut(s) in long documents"), "{}", r.stderr());
+    let got = shard_tokens(&out, &listed(&manifest(&out)));
+    assert_eq!(got.len(), 3 * n + 1);
+    assert!(got[..3 * n].chunks(3).all(|c| c == [97, 195, 169]) && got[3 * n] == 264);
+}
+
+/// The `--data` limit above: the binary needs ~0.6 GiB of it (CUDA libtorch's loader) and ~1.1
+/// GiB at most with two threads in pieces; whole, ~3.8 GB.
+const MEMORY_LIMIT_MIB: u64 = 2048;
+
 #[test]
 fn large_vocabularies_give_uint32_shards_that_train() {
     let inp = inputs(300, 70_000);

@@ -1,6 +1,7 @@
 //! `trainguard prepare`: text (`.txt`, `.jsonl`) → token shards with a Hugging Face
-//! `tokenizer.json`. Owns the command: reading documents in chunks, tokenizing the chunks in
-//! parallel (rayon) and writing them in input order, EOS after every document, publishing
+//! `tokenizer.json`. Owns the command: reading documents in chunks (a long one cut into pieces,
+//! so the tokenizer's memory is bounded whatever the text), tokenizing the chunks in parallel
+//! (rayon) and writing them in input order, EOS after every document, publishing
 //! (everything is written under `DIR/.prepare-tmp-*` and moved into place only when the whole
 //! corpus is done, `dataset.json` last) and the progress display. The output directory itself
 //! (created, locked, checked, its staging directory, undone on failure) is `out_dir`'s; the
@@ -15,8 +16,9 @@ use clap::Args;
 use rayon::prelude::*;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
-use tokenizers::Tokenizer;
+use tokenizers::{NormalizedString, Normalizer, Tokenizer};
 
 #[derive(Debug, Args)]
 pub struct PrepareArgs {
@@ -228,39 +230,63 @@ fn prepare_into(
     let progress = Progress::new(input_bytes);
     let mut out = writer::ShardWriter::new(staging, dtype, args.shard_tokens, args.val_tokens);
     let mut documents = 0u64;
+    // Cuts where the ids may differ from the whole document's, counted by reader and workers.
+    let forced_cuts = AtomicUsize::new(0);
     // Chunks are read in order, a window of them is tokenized in parallel, and the results are
     // written in order: the output does not depend on the thread count.
     let window = threads * 4;
-    let mut pending: Vec<Vec<String>> = Vec::with_capacity(window);
-    let mut chunk: Vec<String> = Vec::new();
+    let mut pending: Vec<Vec<Piece>> = Vec::with_capacity(window);
+    let mut chunk: Vec<Piece> = Vec::new();
     let mut chunk_bytes = 0;
-    let flush = |pending: &mut Vec<Vec<String>>, out: &mut writer::ShardWriter| -> Result<(), PrepareError> {
+    let flush = |pending: &mut Vec<Vec<Piece>>, out: &mut writer::ShardWriter| -> Result<(), PrepareError> {
         if stop.requested() {
             return Err(PrepareError::Interrupted);
         }
         let encoded: Vec<Result<Vec<u32>, String>> = pool.install(|| {
-            pending.par_iter().map(|docs| encode(&vocab.tokenizer, docs, vocab.eos_id)).collect()
+            pending
+                .par_iter()
+                .map(|pieces| encode(&vocab.tokenizer, pieces, vocab.eos_id, &forced_cuts))
+                .collect()
         });
-        for (docs, toks) in pending.iter().zip(encoded) {
-            let toks = toks.map_err(|e| PrepareError::Input(format!("tokenizer failed: {e}")))?;
+        for (pieces, toks) in pending.iter().zip(encoded) {
+            let toks = toks.map_err(tokenizer_failed)?;
             out.write(&toks).map_err(write_err(staging))?;
-            progress.advance(docs.iter().map(|d| d.len() as u64 + 1).sum(), out.total());
+            progress.advance(
+                pieces.iter().map(|p| p.text.len() as u64 + u64::from(p.ends_doc)).sum(),
+                out.total(),
+            );
         }
         pending.clear();
+        Ok(())
+    };
+    let mut push = |piece: Piece, out: &mut writer::ShardWriter| -> Result<(), PrepareError> {
+        chunk_bytes += piece.text.len();
+        chunk.push(piece);
+        if chunk_bytes >= CHUNK_BYTES {
+            pending.push(std::mem::take(&mut chunk));
+            chunk_bytes = 0;
+            if pending.len() == window {
+                flush(&mut pending, &mut *out)?;
+            }
+        }
         Ok(())
     };
     for (path, kind) in files {
         let mut docs = inputs::Documents::open(path, *kind, &args.text_field)?;
         while let Some(doc) = docs.next_doc()? {
             documents += 1;
-            chunk_bytes += doc.len();
-            chunk.push(doc);
-            if chunk_bytes >= CHUNK_BYTES {
-                pending.push(std::mem::take(&mut chunk));
-                chunk_bytes = 0;
-                if pending.len() == window {
-                    flush(&mut pending, &mut out)?;
-                }
+            if doc.len() <= PIECE_BYTES {
+                push(Piece { text: doc, ends_doc: true }, &mut out)?;
+                continue;
+            }
+            // A long document goes in pieces, each its own work item: the tokenizer's memory
+            // and the ids in flight are those of a window of pieces, whatever the document's size.
+            let (ends, forced) = piece_ends(&vocab.tokenizer, &doc).map_err(tokenizer_failed)?;
+            forced_cuts.fetch_add(forced, Ordering::Relaxed);
+            let mut start = 0;
+            for end in ends {
+                push(Piece { text: doc[start..end].to_string(), ends_doc: end == doc.len() }, &mut out)?;
+                start = end;
             }
         }
     }
@@ -268,6 +294,12 @@ fn prepare_into(
         pending.push(chunk);
     }
     flush(&mut pending, &mut out)?;
+    let forced_cuts = forced_cuts.into_inner();
+    if forced_cuts > 0 {
+        tracing::warn!(
+            "{forced_cuts} cut(s) in long documents (or text the tokenizer's normalizer expands) where no nearby place splits the ids cleanly: each side was tokenized apart, so the tokens next to such a cut may differ from the whole document's"
+        );
+    }
     out.close().map_err(write_err(staging))?;
     progress.finish();
     let val_tokens: u64 = out.val.iter().map(|s| s.tokens).sum();
@@ -309,50 +341,128 @@ fn ordinary_text(tok: &mut Tokenizer) {
     tok.set_encode_special_tokens(true);
 }
 
-/// Tokens of `docs`, each followed by EOS.
-fn encode(tok: &Tokenizer, docs: &[String], eos: u32) -> Result<Vec<u32>, String> {
-    let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() / 3).sum());
-    for d in docs {
-        out.extend(encode_doc(tok, d)?);
-        out.push(eos);
+/// Text tokenized in one call: a document, or a piece of a long one; EOS follows the last.
+struct Piece {
+    text: String,
+    ends_doc: bool,
+}
+
+fn tokenizer_failed(e: String) -> PrepareError {
+    PrepareError::Input(format!("tokenizer failed: {e}"))
+}
+
+/// Tokens of `pieces`, EOS after each that ends a document; `forced` counts the cuts made to
+/// bound what the normalizer makes of a piece.
+fn encode(tok: &Tokenizer, pieces: &[Piece], eos: u32, forced: &AtomicUsize) -> Result<Vec<u32>, String> {
+    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.text.len() / 3).sum());
+    for p in pieces {
+        let parts = normalized_parts(tok, &p.text)?;
+        forced.fetch_add(parts.len() - 1, Ordering::Relaxed);
+        for part in parts {
+            out.extend(tok.encode_fast(part, false).map_err(|e| e.to_string())?.get_ids());
+        }
+        if p.ends_doc {
+            out.push(eos);
+        }
     }
     Ok(out)
 }
 
-/// Documents longer than this are tokenized in pieces: a tokenizer's working memory is about 100
-/// bytes per byte of its input, and a file of single-newline lines is one `.txt` document (a
-/// 1 GB one would have needed ~100 GB at once).
+/// Normalized bytes handed to the tokenizer at once, at most: a normalizer that expands text
+/// (NFKC makes U+FDFA's 3 bytes 33) would otherwise multiply a piece's memory by its factor.
+const NORMALIZED_BYTES: usize = 2 * PIECE_BYTES;
+/// Bytes normalized at once to measure a text's normalized size (its memory: ~17 bytes a byte).
+const MEASURE_BYTES: usize = 4 << 10;
+/// Texts up to this size are not measured (most documents: measuring costs a second
+/// normalization, ~13% of the time under NFKC): even a 32-fold expansion (NFKC's most is 11)
+/// keeps them within [`NORMALIZED_BYTES`].
+const UNMEASURED_BYTES: usize = NORMALIZED_BYTES / 32;
+
+/// `text` in consecutive parts whose normalized size is at most [`NORMALIZED_BYTES`] (a part
+/// of one character excepted), halved (see [`forced_cut`]) until they are; `text` whole when
+/// the tokenizer has no normalizer, `text` is at most [`UNMEASURED_BYTES`], or the normalizer
+/// does not grow it that far.
+fn normalized_parts<'a>(tok: &Tokenizer, text: &'a str) -> Result<Vec<&'a str>, String> {
+    let Some(normalizer) = tok.get_normalizer().filter(|_| text.len() > UNMEASURED_BYTES) else {
+        return Ok(vec![text]);
+    };
+    let mut parts = Vec::new();
+    let mut todo = vec![text];
+    while let Some(t) = todo.pop() {
+        let mid = forced_cut(t, t.len() / 2, t.len() / 4);
+        if normalized_len(normalizer, t)? <= NORMALIZED_BYTES || mid == 0 {
+            parts.push(t);
+        } else {
+            todo.extend([&t[mid..], &t[..mid]]); // the first half on top: parts stay in order
+        }
+    }
+    Ok(parts)
+}
+
+/// The size of `text` normalized, measured [`MEASURE_BYTES`] at a time.
+fn normalized_len(normalizer: &impl Normalizer, text: &str) -> Result<usize, String> {
+    let (mut len, mut start) = (0, 0);
+    while start < text.len() {
+        let end = char_start(text, start + MEASURE_BYTES, true);
+        let mut s = NormalizedString::from(&text[start..end]);
+        normalizer.normalize(&mut s).map_err(|e| e.to_string())?;
+        len += s.len();
+        start = end;
+    }
+    Ok(len)
+}
+
+/// Documents longer than this are tokenized in pieces of 1 to 2 of it: a tokenizer's working
+/// memory is about 130 bytes per byte of its input (more where its normalizer expands the text),
+/// and a file of single-newline lines is one `.txt` document (a 1 GB one would have needed
+/// ~130 GB at once).
 const PIECE_BYTES: usize = 1 << 20;
 /// Bytes each side of a piece's end tokenized to check it.
 const SEAM_BYTES: usize = 256;
-/// Seams checked before a document's rest is tokenized whole.
+/// Seams checked before a piece is cut where the ids may not split cleanly.
 const SEAM_TRIES: usize = 4;
 
-/// The ids `tok` gives the whole of `doc`, computed in pieces of about [`PIECE_BYTES`]. A piece
-/// ends at a line's start or before the space that starts a word, and only where the text
-/// around that point gives the same ids whole as in two halves (GPT-2's `\s+(?!\S)` splits a
-/// blank line's breaks otherwise: such a line start is passed over). A stretch with no such
-/// place (no spaces or line breaks, or a tokenizer whose every seam fails) makes its piece
-/// longer; a document with none is tokenized whole, as before.
-fn encode_doc(tok: &Tokenizer, doc: &str) -> Result<Vec<u32>, String> {
+/// Where `doc` is cut into pieces tokenized apart: the end of each, the last `doc.len()`; and
+/// how many cuts were forced. A piece ends at a line's start or before the space that starts a
+/// word, and only where the text around that point gives the same ids whole as in two halves
+/// (GPT-2's `\s+(?!\S)` splits a blank line's breaks otherwise: such a line start is passed
+/// over), so the ids are the whole document's. Where the [`PIECE_BYTES`] after a piece's first
+/// [`PIECE_BYTES`] hold no such place within [`SEAM_TRIES`] checks (no spaces or line breaks, or
+/// a tokenizer whose every seam fails), the cut is forced (see [`forced_cut`]): a piece is never
+/// longer than twice [`PIECE_BYTES`], whatever the text.
+fn piece_ends(tok: &Tokenizer, doc: &str) -> Result<(Vec<usize>, usize), String> {
     let ids = |s: &str| tok.encode_fast(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string());
-    let mut out = Vec::new();
-    let (mut start, mut from) = (0, PIECE_BYTES);
-    while from < doc.len() {
-        match seam(doc, from, &ids)? {
-            Some(end) => {
-                out.extend(ids(&doc[start..end])?);
-                (start, from) = (end, end + PIECE_BYTES);
+    let (mut ends, mut forced, mut start) = (Vec::new(), 0, 0);
+    while doc.len() - start > PIECE_BYTES {
+        let from = start + PIECE_BYTES;
+        start = match seam(doc, from, &ids)? {
+            Some(end) => end,
+            None => {
+                forced += 1;
+                forced_cut(doc, from, PIECE_BYTES)
             }
-            None => from += PIECE_BYTES,
-        }
+        };
+        ends.push(start);
     }
-    out.extend(ids(&doc[start..])?);
-    Ok(out)
+    ends.push(doc.len());
+    Ok((ends, forced))
+}
+
+/// A cut at or after byte `from` of `doc` where no clean seam was found: before the first ASCII
+/// whitespace in the `reach` bytes from there (words stay whole), else at the character
+/// boundary at or before `from`. The text each side is tokenized (and normalized) apart: a merge
+/// across the cut is not made, and a tokenizer that prefixes its input (a Metaspace
+/// `prepend_scheme: always`) prefixes the piece after it.
+fn forced_cut(doc: &str, from: usize, reach: usize) -> usize {
+    let window = &doc.as_bytes()[from..doc.len().min(from + reach)];
+    match window.iter().position(u8::is_ascii_whitespace) {
+        Some(i) => from + i,
+        None => char_start(doc, from, false),
+    }
 }
 
 /// The first place in the [`PIECE_BYTES`] from byte `from` of `doc` where the ids split cleanly
-/// (see [`encode_doc`]), within [`SEAM_TRIES`] checks.
+/// (see [`piece_ends`]), within [`SEAM_TRIES`] checks.
 fn seam(
     doc: &str,
     from: usize,
@@ -535,6 +645,18 @@ mod tests {
         tok.encode_fast(doc, false).unwrap().get_ids().to_vec()
     }
 
+    /// The pieces `doc` is tokenized in, and how many cuts were forced.
+    fn pieces<'a>(tok: &Tokenizer, doc: &'a str) -> (Vec<&'a str>, usize) {
+        let (ends, forced) = piece_ends(tok, doc).unwrap();
+        let starts = std::iter::once(0).chain(ends.iter().copied());
+        (starts.zip(&ends).map(|(a, &b)| &doc[a..b]).collect(), forced)
+    }
+
+    /// The ids of `doc` tokenized in its pieces, as `prepare` writes them.
+    fn encode_doc(tok: &Tokenizer, doc: &str) -> Vec<u32> {
+        pieces(tok, doc).0.iter().flat_map(|p| whole(tok, p)).collect()
+    }
+
     #[test]
     fn a_long_document_is_tokenized_in_pieces_only_where_the_ids_are_the_same() {
         let doc = "xy\n  x\n".repeat((PIECE_BYTES * 5 / 2) / 7);
@@ -545,7 +667,7 @@ mod tests {
             p >= PIECE_BYTES && doc[..p].ends_with("  x\n"),
             "after a line break, before a line that does not start with a space"
         );
-        assert_eq!(encode_doc(&plain, &doc).unwrap(), whole(&plain, &doc));
+        assert_eq!(encode_doc(&plain, &doc), whole(&plain, &doc));
         // One line: before the space that starts a word.
         let line = "x y  y".repeat(PIECE_BYTES / 3);
         let p = seam(&line, PIECE_BYTES, &|s: &str| Ok(whole(&plain, s))).unwrap().expect("a seam");
@@ -555,12 +677,18 @@ mod tests {
             &line[p - 3..p],
             &line[p..p + 3]
         );
-        assert_eq!(encode_doc(&plain, &line).unwrap(), whole(&plain, &line));
-        // A prefix added at each input's start: no seam is clean, the document goes whole.
+        assert_eq!(encode_doc(&plain, &line), whole(&plain, &line));
+        // A prefix added at each input's start: no seam is clean, the cut is forced before the
+        // first whitespace after a piece's first PIECE_BYTES.
         let prefixed =
             tokenizer(r#"{"type":"Metaspace","replacement":"▁","prepend_scheme":"always","split":true}"#);
         assert_eq!(seam(&doc, PIECE_BYTES, &|s: &str| Ok(whole(&prefixed, s))).unwrap(), None);
-        assert_eq!(encode_doc(&prefixed, &doc).unwrap(), whole(&prefixed, &doc));
+        let (parts, forced) = pieces(&prefixed, &doc);
+        assert_eq!((parts.len(), forced), (3, 2));
+        assert!(
+            parts[1].starts_with(|c: char| c.is_ascii_whitespace())
+                && parts[..2].iter().all(|p| (PIECE_BYTES..PIECE_BYTES + 8).contains(&p.len()))
+        );
         // GPT-2's byte-level split: `\s+(?!\S)` keeps a blank line's two breaks apart before a
         // word, and together at the end of a half. A seam after a blank line is passed over,
         // one after a single break is taken.
@@ -576,15 +704,56 @@ mod tests {
         let mixed = "x\n\ny\n".repeat((PIECE_BYTES * 5 / 2) / 5);
         let p = seam(&mixed, PIECE_BYTES, &ids).unwrap().expect("a seam");
         assert!(mixed[..p].ends_with("y\n"), "after the single break: {:?}", &mixed[p - 3..p]);
-        assert_eq!(encode_doc(&byte_level, &mixed).unwrap(), whole(&byte_level, &mixed));
+        assert_eq!(encode_doc(&byte_level, &mixed), whole(&byte_level, &mixed));
         let blank_lines = "x\n\n".repeat((PIECE_BYTES * 5 / 2) / 3);
         assert_eq!(
             seam(&blank_lines, PIECE_BYTES, &ids).unwrap(),
             None,
             "every line start follows a blank line"
         );
-        assert_eq!(encode_doc(&byte_level, &blank_lines).unwrap(), whole(&byte_level, &blank_lines));
+        let (parts, forced) = pieces(&byte_level, &blank_lines);
+        assert!(forced == 2 && parts.iter().all(|p| p.len() <= PIECE_BYTES + 3), "{forced} forced");
+        assert_eq!(parts.concat(), blank_lines);
         // Byte offsets inside a character are moved to its start or end.
         assert_eq!((char_start("aé", 2, true), char_start("aé", 2, false)), (3, 1));
+    }
+
+    #[test]
+    fn text_a_normalizer_expands_is_tokenized_in_parts_of_bounded_normalized_size() {
+        let mut tok = tokenizer(r#"{"type":"Whitespace"}"#);
+        // NFKC makes U+FDFA's 3 bytes 33: a 1 MiB piece, 11 MiB.
+        let text = "\u{fdfa}".repeat(PIECE_BYTES / 3);
+        assert_eq!(normalized_parts(&tok, &text).unwrap(), [text.as_str()], "no normalizer");
+        tok.with_normalizer(Some(tokenizers::normalizers::unicode::NFKC)).unwrap();
+        let parts = normalized_parts(&tok, &text).unwrap();
+        let nfkc = tok.get_normalizer().unwrap();
+        let sizes: Vec<usize> = parts.iter().map(|p| normalized_len(nfkc, p).unwrap()).collect();
+        assert!(
+            parts.len() >= 6 && sizes.iter().all(|&n| n <= NORMALIZED_BYTES && n > NORMALIZED_BYTES / 4),
+            "{sizes:?}"
+        );
+        assert_eq!(parts.concat(), text, "in order, cut at character boundaries");
+        // Text it leaves as it is: whole.
+        let plain = "x y ".repeat(PIECE_BYTES / 2);
+        assert_eq!(normalized_parts(&tok, &plain).unwrap().len(), 1);
+        let (forced, n) = (AtomicUsize::new(0), parts.len());
+        let piece = Piece { text: text.clone(), ends_doc: true };
+        let ids = encode(&tok, std::slice::from_ref(&piece), 9, &forced).unwrap();
+        assert_eq!((ids.last(), forced.into_inner()), (Some(&9), n - 1));
+    }
+
+    #[test]
+    fn text_without_whitespace_is_cut_at_a_character_boundary_every_piece() {
+        let byte_level = tokenizer(
+            r#"{"type":"ByteLevel","add_prefix_space":false,"trim_offsets":true,"use_regex":true}"#,
+        );
+        // 3 bytes a character: PIECE_BYTES from a piece's start falls inside one at times.
+        let doc = "aé".repeat(PIECE_BYTES * 7 / 2 / 3);
+        let (parts, forced) = pieces(&byte_level, &doc);
+        assert_eq!((parts.len(), forced), (4, 3));
+        assert!(parts[..3].iter().all(|p| (PIECE_BYTES - 3..=PIECE_BYTES).contains(&p.len())));
+        assert_eq!(parts.concat(), doc, "cut at character boundaries (a slice inside one panics)");
+        // A document of at most PIECE_BYTES is one piece.
+        assert_eq!(pieces(&byte_level, &doc[..char_start(&doc, PIECE_BYTES, false)]).0.len(), 1);
     }
 }
