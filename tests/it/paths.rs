@@ -2,7 +2,8 @@
 //! falls, validation is the file's tail), checkpoints by time (`checkpoint.interval_minutes`),
 //! `checkpoint.keep_best` surviving retention, a regrow that succeeds under a real memory cap,
 //! a kill inside a checkpoint write (made to happen with `faults.pause_in_checkpoint_write_ms`),
-//! and every bad-input message starting with `error:`.
+//! every bad-input message starting with `error:`, and the out_dirs refused for what they hold
+//! (another run's checkpoints, the user's own files).
 use crate::common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -554,4 +555,100 @@ fn every_bad_input_says_error_lowercase_without_a_backtrace() {
         "{err}"
     );
     assert_eq!(o.status.code(), Some(1), "{err}");
+}
+
+/// A short run with a checkpoint every 2 steps, for the out_dir refusals.
+const TWO_CHECKPOINTS: [&str; 4] =
+    ["train.max_steps=4", "train.warmup_steps=1", "train.eval_interval=0", "checkpoint.interval=2"];
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Issue 64: an out_dir inside another run's checkpoints directory was accepted, and that run's
+/// retention deleted it with the checkpoint it sat in. Refused (exit 2) naming both directories,
+/// nothing created; and the other way round, a run whose checkpoints directory holds a run.
+#[test]
+fn an_out_dir_inside_or_holding_another_runs_checkpoints_is_refused_naming_both() {
+    let d = tempfile::tempdir().unwrap();
+    let a = d.path().join("a");
+    train(&a, "configs/debug.yaml", &TWO_CHECKPOINTS).ok();
+    let b = store::root(&a).join(store::dir_name(2)).join("b");
+    let r = train(&b, "configs/debug.yaml", &TWO_CHECKPOINTS);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for needle in [b.display().to_string(), a.display().to_string(), "retention".into()] {
+        assert!(r.error_line().contains(&needle), "`{needle}` missing: {}", r.stderr());
+    }
+    assert!(!b.exists(), "nothing created");
+    assert_eq!(checkpoint_steps(&a), [2, 4]);
+
+    let x = d.path().join("x");
+    let inner = store::root(&x).join("kept").join("c");
+    train(&inner, "configs/debug.yaml", &TWO_CHECKPOINTS).ok();
+    let r = train(&x, "configs/debug.yaml", &TWO_CHECKPOINTS);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for needle in [x.display().to_string(), inner.display().to_string()] {
+        assert!(r.error_line().contains(&needle), "`{needle}` missing: {}", r.stderr());
+    }
+    assert_eq!(names(&x), ["checkpoints"], "no lock file, no run files");
+    assert_eq!(checkpoint_steps(&inner), [2, 4]);
+}
+
+/// Issue 64: `--overwrite` moved any directory aside that held something (`$HOME` in the
+/// report). Only a trainguard run is moved now: another directory is refused (exit 2), left as
+/// it was, without a `.lock`; a refusal after the lock is taken (a checkpoint to resume from
+/// that is not there) removes the lock file it created too.
+#[test]
+fn overwrite_refuses_a_directory_that_is_not_a_run_and_a_refusal_leaves_no_lock() {
+    let d = tempfile::tempdir().unwrap();
+    let home = d.path().join("home");
+    std::fs::create_dir_all(home.join(".ssh")).unwrap();
+    std::fs::write(home.join("notes.txt"), "mine").unwrap();
+    let mut cmd = command(&home, "configs/debug.yaml", &TWO_CHECKPOINTS);
+    cmd.arg("--overwrite");
+    let r = run(cmd, &home);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    for needle in [home.display().to_string(), "--overwrite".into(), "not a trainguard run".into()] {
+        assert!(r.error_line().contains(&needle), "`{needle}` missing: {}", r.stderr());
+    }
+    assert_eq!(names(&home), [".ssh", "notes.txt"]);
+    assert_eq!(names(d.path()), ["home"], "nothing moved aside");
+
+    let empty = d.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let mut cmd = command(&empty, "configs/debug.yaml", &TWO_CHECKPOINTS);
+    cmd.arg("--resume").arg(d.path().join("missing"));
+    let r = run(cmd, &empty);
+    assert_eq!(r.code(), 2, "{}", r.stderr());
+    assert!(names(&empty).is_empty(), "left: {:?}", names(&empty));
+}
+
+/// Issue 64: a fresh run truncated the user's own `metrics.jsonl` and `events.jsonl` in an
+/// out_dir that is not a run. Refused (exit 2, naming them), the files as they were, whatever
+/// `--resume` says (`auto` finds no checkpoint there and would start fresh).
+#[test]
+fn a_directory_that_is_not_a_run_keeps_its_own_metrics_and_events() {
+    let d = tempfile::tempdir().unwrap();
+    let (metrics, events) = ("{\"step\": 1, \"loss\": 0.5}\n", "{\"event\": \"mine\"}\n");
+    std::fs::write(d.path().join("metrics.jsonl"), metrics).unwrap();
+    std::fs::write(d.path().join("events.jsonl"), events).unwrap();
+    for resume in ["none", "auto"] {
+        let mut cmd = command(d.path(), "configs/debug.yaml", &TWO_CHECKPOINTS);
+        cmd.args(["--resume", resume]);
+        let r = run(cmd, d.path());
+        assert_eq!(r.code(), 2, "--resume {resume}: {}", r.stderr());
+        for needle in [d.path().display().to_string(), "metrics.jsonl, events.jsonl".into()] {
+            assert!(r.error_line().contains(&needle), "`{needle}` missing: {}", r.stderr());
+        }
+        assert_eq!(std::fs::read_to_string(d.path().join("metrics.jsonl")).unwrap(), metrics);
+        assert_eq!(std::fs::read_to_string(d.path().join("events.jsonl")).unwrap(), events);
+        assert_eq!(names(d.path()), ["events.jsonl", "metrics.jsonl"], "--resume {resume}");
+    }
 }

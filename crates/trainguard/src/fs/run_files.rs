@@ -1,6 +1,7 @@
 //! The names of what a run directory (`out_dir`) holds, in one place: every writer and reader
 //! (the trainer, the event sinks, `report`, `sample`, `export`, resume) takes them from here.
-//! docs/checkpoints.md describes each file.
+//! docs/checkpoints.md describes each file. A directory is a run by its [`CONFIG`] as trainguard
+//! writes it, or a checkpoint under [`CHECKPOINTS`] (`train::placement`), not by the other names.
 
 /// The resolved config, written at each start (`sample`, `report` and resume read it).
 pub const CONFIG: &str = "config.yaml";

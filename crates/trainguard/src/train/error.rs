@@ -44,6 +44,9 @@ pub enum TrainError {
     OutDirNotADirectory { path: PathBuf },
     #[error("--overwrite: out_dir {path} holds the current directory, which cannot be moved aside from inside; run from elsewhere or name out_dir from its parent")]
     OverwriteHoldsCwd { path: PathBuf },
+    /// An out_dir where the run would lose another run or the user's files.
+    #[error(transparent)]
+    Placement(#[from] super::PlacementError),
     #[error("cannot write run directory {path}: {source}")]
     RunDir { path: PathBuf, source: std::io::Error },
     /// A file of the run directory (a directory may stand where it goes).
@@ -105,6 +108,7 @@ impl TrainError {
             | TrainError::InitFrom(_)
             | TrainError::OutDirNotADirectory { .. }
             | TrainError::OverwriteHoldsCwd { .. }
+            | TrainError::Placement(_)
             | TrainError::Start(StartMismatch::DiffersFromRank0 { .. }) => true,
             _ => self.heard_from_a_peer(),
         }

@@ -3,6 +3,7 @@
 //! itself lives in [`step`](crate::step).
 mod error;
 mod finished;
+mod placement;
 mod resume;
 mod run;
 mod run_dir;
@@ -12,6 +13,7 @@ mod watch;
 
 pub use error::TrainError;
 pub use finished::finished_run;
+pub use placement::PlacementError;
 pub use resume::Resume;
 pub use run::Run;
 pub use trainer::train;

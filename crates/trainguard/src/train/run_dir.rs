@@ -1,7 +1,8 @@
-//! Rank 0's run directory as a run starts. Before anything in it is read: the old run moved
-//! aside (`--overwrite`), the directory created when new and locked (one run per out_dir,
-//! [`lock`](super::lock)). A directory this start created goes again if the start is then
-//! refused: a refused command leaves nothing behind.
+//! Rank 0's run directory as a run starts. Before anything in it is read: the directory checked
+//! for what it holds ([`placement`](super::placement)), the old run moved aside
+//! (`--overwrite`), the directory created when new and locked (one run per out_dir,
+//! [`dir_lock`](crate::fs::dir_lock)). A directory or lock file this start created goes again
+//! if the start is then refused: a refused command leaves nothing behind.
 //! Once the ranks agree to start and the model is built (a resumed state restored into it):
 //! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
 //! the job that started the run are written. At the end, still held: the record of how the run
@@ -21,6 +22,8 @@ pub(super) struct RunDir {
     /// The directories this start created (`path` and parents of it, outermost first), while
     /// not yet prepared: removed on drop, innermost first.
     provisional: Vec<PathBuf>,
+    /// The lock file is this start's, while not yet prepared: removed on drop.
+    provisional_lock: bool,
 }
 
 impl RunDir {
@@ -33,6 +36,8 @@ impl RunDir {
         if dir.exists() && !dir.is_dir() {
             return Err(TrainError::OutDirNotADirectory { path: dir.to_path_buf() });
         }
+        super::placement::check(dir, overwrite)?;
+        let lock_was_there = dir.join(LOCK_FILE).exists();
         if overwrite {
             move_old_run_aside(dir)?;
         }
@@ -47,7 +52,8 @@ impl RunDir {
             }
             tries += 1;
         };
-        Ok(Self { path: dir.to_path_buf(), _lock: lock, provisional: created })
+        let provisional_lock = !lock_was_there || !created.is_empty();
+        Ok(Self { path: dir.to_path_buf(), _lock: lock, provisional: created, provisional_lock })
     }
 
     /// The ranks agreed to start and the model is built: from here the directory is this run's. An earlier run's stop
@@ -69,6 +75,7 @@ impl RunDir {
         // Whole: `sample` and `report` read it, and a truncated one still parses (defaults).
         crate::fs::whole_file::replace(&config_file, yaml.as_bytes()).map_err(|e| of(&config_file, e))?;
         self.provisional.clear();
+        self.provisional_lock = false;
         Ok(())
     }
 
@@ -101,11 +108,12 @@ impl RunDir {
 
 impl Drop for RunDir {
     fn drop(&mut self) {
-        if !self.provisional.is_empty() {
-            // Only what this start put there; a directory that holds more stays.
+        // Only what this start put there; a directory that holds more stays. The lock file
+        // goes while still locked: a start waiting on it retries on a new one (`RunDirLock`).
+        if self.provisional_lock {
             let _ = std::fs::remove_file(self.path.join(LOCK_FILE));
-            remove_created(&self.provisional);
         }
+        remove_created(&self.provisional);
     }
 }
 
@@ -128,19 +136,8 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
         Err(e) => return Err(e),
     };
-    let as_written = |body: &str| {
-        crate::config::saved(body)
-            .ok()
-            .and_then(|c| serde_yaml::to_string(&c).ok())
-            .is_some_and(|again| again == body)
-    };
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
-    let version = first
-        .strip_prefix("# trainguard ")
-        .and_then(|v| v.split_once(':'))
-        .map(|(v, _)| v)
-        .filter(|v| config_header(v) == first && !v.contains(' '));
-    let ours = match version {
+    let ours = match header_version(first) {
         Some(env!("CARGO_PKG_VERSION")) => as_written(body),
         Some(_) => {
             !body.lines().any(|l| l.trim_start().starts_with('#'))
@@ -160,6 +157,30 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     Ok(Some(kept))
 }
 
+/// Whether `text` is a `config.yaml` that trainguard wrote, by any version and edited or not:
+/// its header line, or (written before the header) the text this version writes for the
+/// config it reads as. What marks a directory as a run ([`placement`](super::placement)).
+pub(super) fn config_by_trainguard(text: &str) -> bool {
+    header_version(text.split_once('\n').map_or(text, |(first, _)| first)).is_some() || as_written(text)
+}
+
+/// The version a [`config_header`] line names, when `first_line` is one.
+fn header_version(first_line: &str) -> Option<&str> {
+    first_line
+        .strip_prefix("# trainguard ")
+        .and_then(|v| v.split_once(':'))
+        .map(|(v, _)| v)
+        .filter(|v| config_header(v) == first_line && !v.contains(' '))
+}
+
+/// `body` is exactly what this version writes for the config it reads as.
+fn as_written(body: &str) -> bool {
+    crate::config::saved(body)
+        .ok()
+        .and_then(|c| serde_yaml::to_string(&c).ok())
+        .is_some_and(|again| again == body)
+}
+
 /// Creates `dir` and whichever of its parents are missing ([`created_dirs`]): the directories
 /// created, outermost first. A part of the path that is a file or a dangling link is the user's
 /// out_dir mistake (exit 2).
@@ -170,16 +191,26 @@ fn create_missing(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
     })
 }
 
-/// `--overwrite`: the old run's directory goes to `OUT_DIR.old-<unix time>`, never deleted;
-/// not from under a run that is still writing there.
+/// `--overwrite`: the old run's directory (a run: [`placement`](super::placement)) goes to
+/// `OUT_DIR.old-<unix time>`, never deleted; not from under a run that is still writing there.
+/// Refused, it leaves no lock file it created.
 fn move_old_run_aside(out_dir: &Path) -> Result<(), TrainError> {
+    let lock_was_there = out_dir.join(LOCK_FILE).exists();
     // Decided under the lock: another `--overwrite` launched at once may have moved it already.
-    let _live = RunDirLock::take(out_dir)?;
+    let live = RunDirLock::take(out_dir)?;
+    let moved = move_held_run_aside(out_dir);
+    if moved.is_err() && !lock_was_there {
+        let _ = std::fs::remove_file(out_dir.join(LOCK_FILE)); // still held: see `RunDir`'s drop
+    }
+    drop(live);
+    moved
+}
+
+/// [`move_old_run_aside`] under its lock.
+fn move_held_run_aside(out_dir: &Path) -> Result<(), TrainError> {
     // Whatever an old run left, checkpoints or not (a benchmark's metrics, a run killed before
     // its first checkpoint): only the lock just taken is not one.
-    let holds_something = std::fs::read_dir(out_dir)
-        .is_ok_and(|mut entries| entries.any(|e| e.is_ok_and(|e| e.file_name() != LOCK_FILE)));
-    if !holds_something {
+    if !super::placement::holds_anything_but_the_lock(out_dir) {
         return Ok(());
     }
     // By its real path: `runs/x/` or `.` would otherwise name the aside path inside itself.
