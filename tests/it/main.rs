@@ -25,4 +25,5 @@ mod savers;
 mod scripts;
 mod telemetry;
 mod train;
+mod untrusted;
 mod vocab;

@@ -175,7 +175,12 @@ fn cooldown_sets(resume: Option<&str>, steps: u64) -> anyhow::Result<Vec<String>
         }
     };
     let at = checkpoint::store::load_state(path)?.step;
-    let total = at + steps;
+    let total = at.checked_add(steps).ok_or_else(|| {
+        flag(format!(
+            "the checkpoint is at step {at}: the branch would end past step {}, the most a run counts",
+            u64::MAX
+        ))
+    })?;
     Ok(vec![
         "train.schedule=wsd".into(),
         format!("train.max_steps={total}"),

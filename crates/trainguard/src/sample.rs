@@ -144,8 +144,11 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
         (l.config, l.weights, l.state.data)
     } else if target.join(store::CONFIG_FILE).is_file() && final_weights.is_file() {
-        let yaml = std::fs::read_to_string(target.join(store::CONFIG_FILE))
-            .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        let yaml = crate::fs::whole_file::read_string_at_most(
+            &target.join(store::CONFIG_FILE),
+            crate::config::limits::MAX_CONFIG_BYTES,
+        )
+        .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let config: Config = crate::config::saved(&yaml)
             .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
         let recorded = store::list(&store::root(target))
@@ -244,7 +247,7 @@ pub fn dataset_dir(source: &str) -> Result<Option<Dataset>, String> {
     if !manifest.is_file() {
         return Ok(None);
     }
-    let m: shards::Manifest = std::fs::read_to_string(&manifest)
+    let m: shards::Manifest = crate::fs::whole_file::read_regular_string(&manifest)
         .map_err(|e| e.to_string())
         .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
         .map_err(|e| format!("{}: {e}", manifest.display()))?;

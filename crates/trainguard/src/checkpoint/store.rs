@@ -8,6 +8,7 @@
 //! its own config, or whose tensors hold NaN or ±inf ([`load`]).
 use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
+use crate::fs::whole_file;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
@@ -291,7 +292,8 @@ pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
     if !dir.exists() {
         return Err(CheckpointError::Missing { path: dir.to_path_buf() });
     }
-    let text = fs::read_to_string(dir.join(STATE_FILE)).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))?;
+    let text = whole_file::read_regular_string(&dir.join(STATE_FILE))
+        .map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))?;
     serde_json::from_str(&text).map_err(|e| corrupt(format!("{STATE_FILE}: {e}")))
 }
 
@@ -311,7 +313,8 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     }
     // What the small files alone can refuse is refused before the tensor files are read.
     let yaml =
-        fs::read_to_string(dir.join(CONFIG_FILE)).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
+        whole_file::read_string_at_most(&dir.join(CONFIG_FILE), crate::config::limits::MAX_CONFIG_BYTES)
+            .map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     let config: Config = crate::config::saved(&yaml).map_err(|e| corrupt(format!("{CONFIG_FILE}: {e}")))?;
     state_agrees(&state, &config).map_err(corrupt)?;
     for (file, size) in &state.files {
@@ -321,9 +324,15 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
             return Err(corrupt(format!("{file} is {actual} bytes, {size} expected (truncated?)")));
         }
     }
-    // Each tensor file is read once: its checksum and its tensors come from the same bytes.
+    // Each tensor file is read once: its checksum and its tensors come from the same bytes, and
+    // no more of them than the size recorded (a device or a file grown since would never end).
     let read = |file: &str| -> Result<Vec<(String, Tensor)>, CheckpointError> {
-        let bytes = fs::read(dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        let size = state
+            .files
+            .get(file)
+            .ok_or_else(|| corrupt(format!("{STATE_FILE} records no size for {file}")))?;
+        let bytes =
+            whole_file::read_at_most(&dir.join(file), *size).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if let Some(expected) = state.checksums.get(file) {
             let actual = crc32c::crc32c(&bytes);
             if actual != *expected {
@@ -332,16 +341,7 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
                 )));
             }
         }
-        let parsed = safetensors::SafeTensors::deserialize(&bytes)
-            .map_err(|e| corrupt(format!("{file}: {}", not_whole(&e))))?;
-        parsed
-            .tensors()
-            .into_iter()
-            .map(|(name, view)| match Tensor::try_from(view) {
-                Ok(t) => Ok((name, t)),
-                Err(e) => Err(corrupt(format!("{file}: {name}: {e}"))),
-            })
-            .collect()
+        tensors_of(&bytes).map_err(|why| corrupt(format!("{file}: {why}")))
     };
     let (weights, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
     weights_agree(&config, &weights).map_err(corrupt)?;
@@ -433,15 +433,25 @@ fn weights_agree(config: &Config, weights: &[(String, Tensor)]) -> Result<(), St
 /// short is said to be one, and NaN or ±inf in it is named by tensor, not computed with. The
 /// error leaves the path to the caller.
 pub fn read_model_file(path: &Path) -> Result<Vec<(String, Tensor)>, String> {
-    let tensors = Tensor::read_safetensors(path).map_err(|e| match e {
-        tch::TchError::SafeTensorError { err: safetensors::SafeTensorError::IoError(io), .. } => {
-            io.to_string()
-        }
-        tch::TchError::SafeTensorError { err, .. } => not_whole(&err),
-        e => e.to_string(),
-    })?;
+    // Mapped, as tch's reader maps it, from the file opened as a regular one.
+    let (file, _) = whole_file::open_regular(path).map_err(|e| e.to_string())?;
+    let map = crate::ffi::os::map_readonly(&file).map_err(|e| e.to_string())?;
+    let tensors = tensors_of(&map)?;
     finite(&path.file_name().unwrap_or_default().to_string_lossy(), &tensors)?;
     Ok(tensors)
+}
+
+/// The tensors of a safetensors file's bytes.
+fn tensors_of(bytes: &[u8]) -> Result<Vec<(String, Tensor)>, String> {
+    let parsed = safetensors::SafeTensors::deserialize(bytes).map_err(|e| not_whole(&e))?;
+    parsed
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| match Tensor::try_from(view) {
+            Ok(t) => Ok((name, t)),
+            Err(e) => Err(format!("{name}: {e}")),
+        })
+        .collect()
 }
 
 /// What a safetensors file that does not parse is, said once for every reader of one.
@@ -584,6 +594,33 @@ mod tests {
         save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
         let newest = save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
         (dir, root, newest)
+    }
+
+    /// A weights file swapped for a FIFO or `/dev/zero`, the manifest saying 0 bytes as either's
+    /// length is: refused as what it is, not read until memory runs out (or forever).
+    #[test]
+    fn a_tensor_file_that_is_not_a_regular_file_is_refused_not_read() {
+        let (_dir, root, newest) = five_and_ten();
+        let state_path = newest.join(STATE_FILE);
+        let mut st: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(&state_path).unwrap()).unwrap();
+        st["files"][MODEL_FILE] = serde_json::json!(0);
+        st.as_object_mut().unwrap().remove("checksums");
+        fs::write(&state_path, st.to_string()).unwrap();
+        let model = newest.join(MODEL_FILE);
+        fs::remove_file(&model).unwrap();
+        crate::fs::whole_file::tests::fifo(&newest, MODEL_FILE);
+        for what in ["a FIFO (named pipe)", "a character device"] {
+            match load(&newest) {
+                Err(CheckpointError::Corrupt { why, .. }) => {
+                    assert_eq!(why, format!("{MODEL_FILE}: {what}, not a regular file"))
+                }
+                other => panic!("{what} loaded: {:?}", other.map(|l| l.path)),
+            }
+            fs::remove_file(&model).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", &model).unwrap();
+        }
+        assert_eq!(newest_valid(&root).0.unwrap().state.step, 5, "auto passes over it");
     }
 
     #[test]

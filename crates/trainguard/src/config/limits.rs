@@ -24,3 +24,16 @@ pub const MAX_DEVICE_BYTES: u64 = 1 << 50;
 pub const MAX_THREADS: usize = 1 << 12;
 /// A duration (`train.max_duration`, `checkpoint.interval_minutes`): a century, in seconds.
 pub const MAX_DURATION_S: f64 = 100.0 * 365.25 * 86400.0;
+/// A config file (`--config`, a run's or a checkpoint's `config.yaml`), in bytes: configs are a
+/// few KiB; what is read is bounded before YAML makes a tree of it.
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
+/// How much larger than its text a YAML tree may be (each node counted as [`YAML_NODE_BYTES`],
+/// each scalar as its text too; a text under 64 KiB counts as 64 KiB). An alias (`*base`)
+/// repeats what its anchor names: serde_yaml allows 100 times the document's events, and a
+/// 0.77 MB config of nested aliases became a 2.7 GB tree. Text without aliases stays under 9×.
+pub const MAX_YAML_EXPANSION: u64 = 16;
+/// What one node of a YAML tree counts towards [`MAX_YAML_EXPANSION`].
+pub const YAML_NODE_BYTES: u64 = 16;
+/// Levels of a `--set` key path (`train.lr` has 2): a config is a few levels deep; tens of
+/// thousands overflowed the stack.
+pub const MAX_SET_DEPTH: usize = 64;

@@ -1,5 +1,6 @@
 //! Reading a config: YAML file → `--set` overrides applied to the YAML tree → typed [`Config`]
 //! (type errors carry their key path) → [`validate`](super::validate) (every problem at once).
+use super::limits::{MAX_CONFIG_BYTES, MAX_SET_DEPTH, MAX_YAML_EXPANSION, YAML_NODE_BYTES};
 use super::{validate, Config, Problem};
 use serde_yaml::Value;
 use std::path::{Path, PathBuf};
@@ -15,6 +16,9 @@ pub enum ConfigError {
     /// Valid YAML holding a number no config key can take (serde_yaml refuses it while parsing).
     #[error("{path}: {message}")]
     OutOfRange { path: PathBuf, message: String },
+    /// YAML whose aliases would make a tree far larger than its text.
+    #[error("{path}: {message}")]
+    Expands { path: PathBuf, message: String },
     #[error("{path}: key `{key}`: {message}")]
     Type { path: PathBuf, key: String, message: String },
     /// The file is one value (a number, a list), not sections.
@@ -133,7 +137,7 @@ const RETIRED: &[(&str, &str)] = &[
 /// A config.yaml that trainguard saved (a checkpoint's, a run's) as a [`Config`]: keys
 /// retired since it was written are dropped. Not validated: it was when it was saved.
 pub fn saved(yaml: &str) -> Result<Config, serde_yaml::Error> {
-    let mut tree: Value = serde_yaml::from_str(yaml)?;
+    let mut tree = yaml_tree(yaml)?;
     for (key, _) in RETIRED {
         let (section, name) = key.split_once('.').expect("retired keys are section.key");
         if let Some(Value::Mapping(m)) = tree.get_mut(section) {
@@ -274,10 +278,14 @@ fn remove(tree: &mut Value, path: &serde_path_to_error::Path) -> bool {
 /// its place) and the file read again: the run that reports it reports the file's other
 /// problems too, not one a run.
 fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
-    let mut text = std::fs::read_to_string(path).map_err(|source| match source.kind() {
-        std::io::ErrorKind::NotFound => ConfigError::NotFound { path: path.to_path_buf() },
-        _ => ConfigError::Read { path: path.to_path_buf(), source },
-    })?;
+    let mut text =
+        crate::fs::whole_file::read_string_at_most(path, MAX_CONFIG_BYTES).map_err(|source| match source
+            .kind()
+        {
+            std::io::ErrorKind::NotFound => ConfigError::NotFound { path: path.to_path_buf() },
+            _ => ConfigError::Read { path: path.to_path_buf(), source },
+        })?;
+    within_expansion(&text).map_err(|message| ConfigError::Expands { path: path.to_path_buf(), message })?;
     // Each put-aside integer: the string standing in its place, and what is wrong with it.
     let mut wide: Vec<(String, String)> = Vec::new();
     loop {
@@ -316,6 +324,104 @@ fn read_yaml(path: &Path) -> Result<(Value, Vec<Problem>), ConfigError> {
             message.split_once(": integer").map_or(message.clone(), |(_, rest)| format!("integer{rest}"));
         text.replace_range(at..end, &format!("\"{stand_in}\""));
         wide.push((stand_in, why));
+    }
+}
+
+/// `text`'s YAML tree is at most [`MAX_YAML_EXPANSION`] times the size of the text (at least
+/// 64 KiB): its aliases are counted as serde_yaml replays them, before a tree is built, and the
+/// count stops where it passes the bound. Text that is not YAML passes: its parse says why.
+fn within_expansion(text: &str) -> Result<(), String> {
+    let budget = MAX_YAML_EXPANSION * (text.len() as u64).max(64 << 10);
+    let count = Count { seen: &std::cell::Cell::new(0), budget };
+    let _ = serde::de::DeserializeSeed::deserialize(count, serde_yaml::Deserializer::from_str(text));
+    match count.seen.get() {
+        n if n > budget => Err(format!(
+            "its aliases (`*name`) repeat what their anchors name into a tree more than {MAX_YAML_EXPANSION} times the size of the text: write fewer of them"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `text` as a YAML tree, its aliases held to [`within_expansion`]: YAML read from a file that
+/// trainguard wrote once but anyone may have changed since (a run's or a checkpoint's
+/// `config.yaml`).
+pub fn yaml_tree(text: &str) -> Result<Value, serde_yaml::Error> {
+    within_expansion(text).map_err(<serde_yaml::Error as serde::de::Error>::custom)?;
+    serde_yaml::from_str(text)
+}
+
+/// Visits a YAML document node by node, building nothing, adding each node's size to `seen`.
+#[derive(Clone, Copy)]
+struct Count<'c> {
+    seen: &'c std::cell::Cell<u64>,
+    budget: u64,
+}
+
+impl Count<'_> {
+    /// One node, with `text` bytes of scalar; past the budget, an error ends the visit.
+    fn add<E: serde::de::Error>(self, text: usize) -> Result<(), E> {
+        self.seen.set(self.seen.get().saturating_add(YAML_NODE_BYTES + text as u64));
+        match self.seen.get() > self.budget {
+            true => Err(E::custom("over the expansion budget")),
+            false => Ok(()),
+        }
+    }
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for Count<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Count<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any YAML value")
+    }
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        self.add(0)
+    }
+    // Integers beyond 64 bits: read_yaml reports them, after this count.
+    fn visit_i128<E: serde::de::Error>(self, _: i128) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_u128<E: serde::de::Error>(self, _: u128) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<(), E> {
+        self.add(s.len())
+    }
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.add(0)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        self.add(0)?;
+        while seq.next_element_seed(self)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        self.add(0)?;
+        while map.next_key_seed(self)?.is_some() {
+            map.next_value_seed(self)?;
+        }
+        Ok(())
+    }
+    /// A tagged value (`!tag value`).
+    fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<(), A::Error> {
+        use serde::de::VariantAccess;
+        let ((), value) = data.variant_seed(self)?;
+        value.newtype_variant_seed(self)
     }
 }
 
@@ -456,6 +562,12 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     if parts.iter().any(|p| p.trim().is_empty()) {
         return Err(bad("empty key segment"));
     }
+    if parts.len() > MAX_SET_DEPTH {
+        return Err(bad(&format!(
+            "the key path has {} levels; a config's keys are at most {MAX_SET_DEPTH} deep",
+            parts.len()
+        )));
+    }
     // A path or a name is the characters typed: YAML would end `runs/a #1` at its comment and
     // refuse `@runs`, `&a`, `*a`, `!x`. Quoted, it is YAML's (the quotes taken off); `~`, `null`
     // or nothing, the key's absence.
@@ -464,6 +576,7 @@ pub fn apply_override(tree: &mut Value, arg: &str) -> Result<(), ConfigError> {
     let mut value: Value = if verbatim {
         Value::String(raw.trim().to_string())
     } else {
+        within_expansion(raw).map_err(|why| bad(&format!("the value: {why}")))?;
         serde_yaml::from_str(raw).map_err(|e| {
             let m = readable(&e.to_string());
             bad(&if m.contains(OUT_OF_RANGE) { m } else { format!("value is not YAML: {m}") })
@@ -1009,6 +1122,49 @@ mod tests {
         assert!(e.ends_with("key `expandable_segments` in `memory.allocator` is given more than once, on lines 3 and 4: keep one"), "{e}");
         let e = said("train: {lr: 1, lr: 2}\n");
         assert!(e.contains("duplicate entry with key \"lr\""), "{e}");
+    }
+
+    #[test]
+    fn aliases_that_make_a_tree_far_larger_than_the_text_are_refused_before_it_is_built() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        // 11 KB of text, two million values (serde_yaml's own limit lets it through).
+        let list = vec!["0"; 700].join(",");
+        let uses = vec!["*a"; 3000].join(",");
+        std::fs::write(&p, format!("x-a: &a [{list}]\nx-b: [{uses}]\n")).unwrap();
+        let err = load(Some(&p), &[]).unwrap_err();
+        assert!(matches!(err, ConfigError::Expands { .. }), "{err}");
+        assert!(err.to_string().contains("more than 16 times the size of the text"), "{err}");
+        // A --set value's aliases, and a saved config's, are held to the same bound.
+        let mut t = Value::Mapping(Default::default());
+        let err = apply_override(&mut t, &format!("x=[&a [{list}], {uses}]")).unwrap_err();
+        assert!(err.to_string().contains("the value: its aliases"), "{err}");
+        assert!(saved(&format!("x-a: &a [{list}]\nx-b: [{uses}]\n")).is_err());
+        // Text without aliases, the densest YAML there is, is within the bound.
+        assert_eq!(within_expansion(&format!("[{}]", vec!["[]"; 100_000].join(","))), Ok(()));
+    }
+
+    #[test]
+    fn a_config_that_is_too_large_or_not_a_regular_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, format!("# {}\n", "x".repeat(MAX_CONFIG_BYTES as usize))).unwrap();
+        let err = load(Some(&p), &[]).unwrap_err().to_string();
+        assert!(err.contains("c.yaml") && err.contains("more than the 4194304 it may hold"), "{err}");
+        let fifo = crate::fs::whole_file::tests::fifo(dir.path(), "pipe.yaml");
+        let err = load(Some(&fifo), &[]).unwrap_err().to_string();
+        assert!(err.ends_with("pipe.yaml: a FIFO (named pipe), not a regular file"), "{err}");
+    }
+
+    #[test]
+    fn a_set_key_path_deeper_than_any_config_is_refused() {
+        let mut t = Value::Mapping(Default::default());
+        apply_override(&mut t, &format!("{}=1", vec!["a"; MAX_SET_DEPTH].join("."))).unwrap();
+        let err = apply_override(&mut t, &format!("{}=1", vec!["a"; 20_000].join("."))).unwrap_err();
+        assert!(
+            err.to_string().ends_with("the key path has 20000 levels; a config's keys are at most 64 deep"),
+            "{err}"
+        );
     }
 
     #[test]

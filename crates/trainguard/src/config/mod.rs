@@ -8,7 +8,7 @@ pub mod limits;
 mod load;
 mod validate;
 
-pub use load::{apply_override, load, parse_duration, parse_size, saved, ConfigError};
+pub use load::{apply_override, load, parse_duration, parse_size, saved, yaml_tree, ConfigError};
 pub use validate::{validate, Problem};
 
 use serde::{Deserialize, Serialize};

@@ -174,7 +174,8 @@ impl Corpus {
     }
 
     fn text(path: &Path, val_fraction: f64) -> Result<Self, DataError> {
-        let bytes = std::fs::read(path).map_err(|source| DataError::Io { path: path.into(), source })?;
+        let bytes = crate::fs::whole_file::read_regular(path)
+            .map_err(|source| DataError::Io { path: path.into(), source })?;
         let tokens = bytes.into_iter().map(u16::from).collect();
         Ok(Self::split(Tokens::Owned(tokens), val_fraction, format!("text:{}", path.display())))
     }
@@ -363,8 +364,7 @@ fn entropy<'a>(counts: impl Iterator<Item = &'a u64>, n: usize) -> f64 {
 
 fn map_piece(file: &Path, start: usize) -> Result<Piece, DataError> {
     let io = |source| DataError::Io { path: file.into(), source };
-    let f = std::fs::File::open(file).map_err(io)?;
-    let size = f.metadata().map_err(io)?.len();
+    let (f, size) = crate::fs::whole_file::open_regular(file).map_err(io)?;
     let map = crate::ffi::os::map_readonly(&f).map_err(io)?;
     let l = shards::layout(&map[..map.len().min(shards::HEADER_BYTES)], size)
         .map_err(|message| DataError::Format { path: file.into(), message })?;

@@ -170,7 +170,9 @@ pub struct Manifest {
 /// CRC-32C of the tokenizer.json a `prepare` directory's manifest names, when it can be read:
 /// what a run records of its tokenizer, and what `sample`/`export` compare with.
 pub fn tokenizer_checksum(dir: &Path, manifest: &Manifest) -> Option<u32> {
-    std::fs::read(dir.join(&manifest.tokenizer)).ok().map(|bytes| crc32c::crc32c(&bytes))
+    crate::fs::whole_file::read_regular(&dir.join(&manifest.tokenizer))
+        .ok()
+        .map(|bytes| crc32c::crc32c(&bytes))
 }
 
 /// Where the shards of a `tokens:<path>` source are, and which hold validation tokens.
@@ -190,7 +192,7 @@ pub fn resolve(path: &str) -> Result<Sources, String> {
     if p.is_dir() {
         let manifest_path = p.join(MANIFEST_FILE);
         if manifest_path.is_file() {
-            let text = std::fs::read_to_string(&manifest_path)
+            let text = crate::fs::whole_file::read_regular_string(&manifest_path)
                 .map_err(|e| format!("{}: {e}", manifest_path.display()))?;
             let m: Manifest =
                 serde_json::from_str(&text).map_err(|e| format!("{}: {e}", manifest_path.display()))?;

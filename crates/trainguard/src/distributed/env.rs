@@ -25,7 +25,7 @@ pub struct EnvError(pub Vec<String>);
 /// Reads the worker environment through `get`; `Ok(None)` when `RANK` is unset.
 pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>, EnvError> {
     if get("RANK").is_none() {
-        return Ok(None);
+        return alone(get("WORLD_SIZE")).map_err(|p| EnvError(vec![p])).map(|()| None);
     }
     let mut problems = Vec::new();
     let mut num = |name: &str, required: bool| -> Option<u64> {
@@ -94,6 +94,19 @@ pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<DistEnv>,
     }))
 }
 
+/// Without `RANK`, one process: a `WORLD_SIZE` beside it (a launcher's, a job script's) is
+/// passed over, unless it cannot be a world's size at all: a typo that says no world is meant.
+fn alone(world: Option<String>) -> Result<(), String> {
+    match world.as_deref().map(str::trim).filter(|w| !w.is_empty()).map(str::parse::<u64>) {
+        None | Some(Ok(1..)) => Ok(()),
+        Some(Ok(0)) => Err("WORLD_SIZE=0 (without RANK: one process; a world has at least one rank)".into()),
+        Some(Err(_)) => Err(format!(
+            "WORLD_SIZE={:?} is not a non-negative integer (without RANK: one process)",
+            world.unwrap_or_default()
+        )),
+    }
+}
+
 pub fn from_process_env() -> Result<Option<DistEnv>, EnvError> {
     from_env(|k| std::env::var(k).ok())
 }
@@ -123,6 +136,12 @@ mod tests {
     #[test]
     fn no_rank_means_one_process() {
         assert_eq!(from_env(env(&[("WORLD_SIZE", "4")])), Ok(None));
+        assert_eq!(from_env(env(&[])), Ok(None));
+        // Unless WORLD_SIZE cannot be a world's size at all.
+        for (world, said) in [("0", "WORLD_SIZE=0"), ("two", "WORLD_SIZE=\"two\" is not")] {
+            let e = from_env(env(&[("WORLD_SIZE", world)])).unwrap_err();
+            assert!(e.to_string().contains(said), "{e}");
+        }
     }
 
     #[test]

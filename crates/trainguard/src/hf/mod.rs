@@ -128,7 +128,7 @@ pub struct Specials {
 
 /// `dir`'s JSON file `file` (config.json, tokenizer_config.json); Null when absent or not JSON.
 fn read_json(dir: &Path, file: &str) -> Value {
-    std::fs::read_to_string(dir.join(file))
+    crate::fs::whole_file::read_regular_string(&dir.join(file))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
         .unwrap_or(Value::Null)
@@ -172,6 +172,9 @@ pub fn export(model: &Model, tokenizer: Option<Tokenizer>, out: &Path) -> Result
         |p: &Path, e: &dyn std::fmt::Display| HfError::Write { path: p.into(), message: e.to_string() };
     if out.exists() && !out.is_dir() {
         return Err(bad(out, "is a file, not a directory; give a directory (a new one is created)"));
+    }
+    if !out.exists() && out.symlink_metadata().is_ok() {
+        return Err(bad(out, "is a symbolic link to nothing; give a directory (a new one is created), or make the link's target"));
     }
     // Any model there (another format's weights beside their config.json included) stays whole,
     // and no file of the user's is replaced by one of the export's names.
@@ -306,7 +309,7 @@ fn read_config(dir: &Path) -> Result<(&'static Family, ModelConfig), HfError> {
     if !cpath.is_file() {
         return Err(bad(dir, "is not a Hugging Face model directory (no config.json)"));
     }
-    let text = std::fs::read_to_string(&cpath).map_err(|e| bad(&cpath, e.to_string()))?;
+    let text = crate::fs::whole_file::read_regular_string(&cpath).map_err(|e| bad(&cpath, e.to_string()))?;
     let c: Value = serde_json::from_str(&text).map_err(|e| bad(&cpath, e.to_string()))?;
     let fam = FAMILIES.iter().find(|f| c["model_type"] == f.model_type).ok_or_else(|| {
         let known: Vec<&str> = FAMILIES.iter().map(|f| f.model_type).collect();
@@ -382,7 +385,7 @@ fn check_weights(dir: &Path, fam: &Family, theirs: &ModelConfig, cfg: &ModelConf
     if !wpath.exists() && dir.join(SHARD_INDEX).is_file() {
         return Err(bad(dir, format!("holds its weights in shards ({SHARD_INDEX}); trainguard reads one model.safetensors: save it unsharded first (transformers: `model.save_pretrained(dir, max_shard_size=\"1000GB\")`)")));
     }
-    let file = std::fs::File::open(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
+    let (file, _) = crate::fs::whole_file::open_regular(&wpath).map_err(|e| bad(&wpath, e.to_string()))?;
     let map = crate::ffi::os::map_readonly(&file).map_err(|e| bad(&wpath, e.to_string()))?;
     let header = safetensors::SafeTensors::deserialize(&map)
         .map_err(|e| bad(&wpath, crate::checkpoint::store::not_whole(&e)))?;

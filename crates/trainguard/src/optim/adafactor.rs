@@ -220,7 +220,7 @@ impl Adafactor {
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         let _no_grad = tch::no_grad_guard();
         check_lengths(params, grads, self.state.len())?;
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         let t = self.steps as f64;
         let one_minus_beta2 = t.powf(self.cfg.beta2_decay);
         let rho = lr.min(1.0 / t.powf(0.5));

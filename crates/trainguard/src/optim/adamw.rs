@@ -62,13 +62,12 @@ impl AdamW {
     /// Applies one update with learning rate `lr` from `grads` (same order as `params`).
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         let _no_grad = tch::no_grad_guard();
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         if self.cfg.fused {
             return self.fused_step(params, grads, lr);
         }
         let AdamWConfig { beta1, beta2, eps, weight_decay, .. } = self.cfg;
-        let bc1 = 1.0 - beta1.powi(self.steps as i32);
-        let bc2 = 1.0 - beta2.powi(self.steps as i32);
+        let (bc1, bc2) = (bias_correction(beta1, self.steps), bias_correction(beta2, self.steps));
         // p -= lr/bc1 · m / (√v/√bc2 + eps), written as p += m / tmp with
         // tmp = √v · (-bc1/(lr·√bc2)) − eps·bc1/lr, since addcdiv_ takes no scalar here.
         let scale = -bc1 / (lr * bc2.sqrt());
@@ -166,6 +165,13 @@ impl AdamW {
 /// One AdamW update of the parallel lists `params`, `grads` and their moments (fp32, as AdamW
 /// keeps them) by ATen's fused kernel, at the update count in `step`: two kernel calls, the
 /// tensors whose `decay` flag is set with `h.weight_decay`, then the others without.
+/// `1 − beta^steps`, Adam's bias correction. `steps as i32` wrapped from step 2^31 (a count
+/// restored from a checkpoint's `optimizer.steps`): a negative power, a correction below 0 and
+/// updates of the wrong sign. Past 2^31 steps `beta^steps` is 0 in f64 for any beta below 1.
+pub(super) fn bias_correction(beta: f64, steps: u64) -> f64 {
+    1.0 - beta.powi(i32::try_from(steps).unwrap_or(i32::MAX))
+}
+
 pub(super) fn fused_update(
     params: &[&Tensor],
     grads: &[&Tensor],
@@ -230,6 +236,27 @@ mod tests {
     ///     p.grad = torch.tensor(g); opt.step()
     /// print(p.tolist())
     /// ```
+    /// An update count near 2^64 (a checkpoint's `optimizer.steps`) updates as any large one
+    /// does: its bias correction is 1, not a wrapped power.
+    #[test]
+    fn a_huge_update_count_updates_as_a_large_one_does() {
+        assert_eq!(bias_correction(0.9, 1 << 31), 1.0);
+        assert_eq!(bias_correction(0.9, u64::MAX), 1.0);
+        for fused in [false, true] {
+            let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, fused };
+            let updated = |steps: u64| {
+                let p = Tensor::from_slice(&[1.0f32, -2.0]);
+                let mut opt = AdamW::new(cfg, &[p.shallow_clone()], &[true], Device::Cpu).unwrap();
+                opt.count_back_to(steps);
+                opt.step(&[p.shallow_clone()], &[Tensor::from_slice(&[0.5f32, -1.0])], 0.1).unwrap();
+                Vec::<f32>::try_from(&p).unwrap()
+            };
+            for steps in [(1 << 31) - 1, u64::MAX - 1, u64::MAX] {
+                assert_eq!(updated(steps), updated(1_000_000), "fused={fused}, {steps} steps before");
+            }
+        }
+    }
+
     #[test]
     fn a_zero_learning_rate_leaves_parameters_finite_and_unchanged() {
         for fused in [false, true] {

@@ -156,10 +156,12 @@ impl AdamW8bit {
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], lr: f64) -> Result<(), TchError> {
         let _no_grad = tch::no_grad_guard();
         check_lengths(params, grads, self.moments.len())?;
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         let AdamW8bitConfig { beta1, beta2, eps, weight_decay } = self.cfg;
-        let bc1 = 1.0 - beta1.powi(self.steps as i32);
-        let bc2 = 1.0 - beta2.powi(self.steps as i32);
+        let (bc1, bc2) = (
+            super::adamw::bias_correction(beta1, self.steps),
+            super::adamw::bias_correction(beta2, self.steps),
+        );
         // As in `AdamW::step`: p −= lr/bc1 · m / (√v/√bc2 + eps), written as p += m / tmp with
         // tmp = √v · (−bc1/(lr·√bc2)) − eps·bc1/lr.
         let rule = Rule {

@@ -57,7 +57,7 @@ impl Sgd {
         let _no_grad = tch::no_grad_guard();
         check_lengths(params, grads, self.decay.len())?;
         let first = self.steps == 0;
-        self.steps += 1;
+        self.steps = self.steps.saturating_add(1);
         let wd = self.cfg.weight_decay;
         // ATen 2.11's CPU kernel leaves bf16 and fp16 tensors of 16 values or more unchanged
         // (its vectorised loop drops the update; `torch._fused_sgd_` shows it in Python): on

@@ -213,22 +213,30 @@ fn panel(p: &PanelDef, axis: &str, runs: &[RunData], drawn: &[Drawn]) -> String 
     )
 }
 
+/// A config value as the page shows it ([`shortened`](super::read::shortened)).
 fn yaml_str(v: Option<&serde_yaml::Value>) -> Option<String> {
-    match v? {
+    let text = match v? {
         serde_yaml::Value::Null => None,
         serde_yaml::Value::String(s) => Some(s.clone()),
         serde_yaml::Value::Number(n) => Some(n.to_string()),
         serde_yaml::Value::Bool(b) => Some(b.to_string()),
         other => serde_yaml::to_string(other).ok().map(|s| s.trim().replace('\n', " ")),
-    }
+    };
+    text.map(|t| super::read::shortened(&t).into_owned())
 }
 
 fn json_num(v: &Value) -> Option<f64> {
     v.as_f64()
 }
 
+/// A duration for the page: seconds, minutes, hours, days; beyond a century (a clock gone wrong,
+/// a hand-edited file) said as that, not as a count of hours 20 digits long.
 fn secs(s: f64) -> String {
-    if s >= 3600.0 {
+    if s > crate::config::limits::MAX_DURATION_S {
+        "more than 100 years".into()
+    } else if s >= 86400.0 {
+        format!("{}d{:02}h", (s / 86400.0) as u64, ((s % 86400.0) / 3600.0) as u64)
+    } else if s >= 3600.0 {
         format!("{}h{:02}m", (s / 3600.0) as u64, ((s % 3600.0) / 60.0) as u64)
     } else if s >= 60.0 {
         format!("{}m{:02}s", (s / 60.0) as u64, (s % 60.0) as u64)
@@ -612,3 +620,17 @@ const SCRIPT: &str = r#"(function () {
     body.setAttribute('data-status', 'ok');
   } catch (e) { fail(String(e)); }
 })();"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_read_in_their_largest_unit_and_an_absurd_one_is_said_so() {
+        assert_eq!(secs(42.0), "42.0s");
+        assert_eq!(secs(7260.0), "2h01m");
+        assert_eq!(secs(3.0 * 86400.0 + 5.0 * 3600.0 + 59.0), "3d05h");
+        // u64::MAX seconds (a metrics line edited by hand) was "18446744073709551615h00m".
+        assert_eq!(secs(u64::MAX as f64), "more than 100 years");
+    }
+}

@@ -32,7 +32,10 @@ pub enum ReportError {
 impl ReportError {
     /// The user named something that is not a run (exit code 2).
     pub fn is_usage(&self) -> bool {
+        // A run file that is not a regular file (a FIFO, a device) was put there, not written
+        // by a run.
         matches!(self, Self::NotARun { .. } | Self::NotAPage { .. } | Self::DefaultNotAPage { .. })
+            || matches!(self, Self::Read { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput)
     }
 }
 
@@ -45,7 +48,7 @@ pub fn default_out(runs: &[PathBuf]) -> PathBuf {
 fn is_page(path: &Path) -> bool {
     use std::io::Read;
     let mut head = [0u8; 15];
-    std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head)).is_ok()
+    whole_file::open_regular(path).and_then(|(mut f, _)| f.read_exact(&mut head)).is_ok()
         && head.eq_ignore_ascii_case(b"<!doctype html>")
 }
 

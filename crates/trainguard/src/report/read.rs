@@ -5,6 +5,7 @@
 //! [`RunData::skipped`] with its file and line, never a panic.
 use super::ReportError;
 use crate::fs::run_files::{CONFIG, EVENTS, LOG, METRICS};
+use crate::fs::whole_file;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -109,8 +110,9 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
             run.events.push(v);
         }
     }
-    match std::fs::read_to_string(dir.join(CONFIG)) {
-        Ok(text) => match serde_yaml::from_str(&text) {
+    let config = whole_file::read_string_at_most(&dir.join(CONFIG), crate::config::limits::MAX_CONFIG_BYTES);
+    match config {
+        Ok(text) => match crate::config::yaml_tree(&text) {
             Ok(v) => run.config = Some(v),
             Err(e) => run.skipped.push(Skipped {
                 file: CONFIG.into(),
@@ -123,8 +125,9 @@ pub fn read_run(dir: &Path) -> Result<RunData, ReportError> {
     }
     let order = |f: &str| [METRICS, EVENTS, CONFIG].iter().position(|n| *n == f);
     run.skipped.sort_by_key(|s| (order(&s.file), s.line));
-    run.memory_table =
-        std::fs::read(dir.join(LOG)).ok().and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
+    run.memory_table = whole_file::read_regular(&dir.join(LOG))
+        .ok()
+        .and_then(|b| last_memory_table(&String::from_utf8_lossy(&b)));
     Ok(run)
 }
 
@@ -139,7 +142,7 @@ pub fn run_names(dirs: &[&Path]) -> Vec<String> {
 /// The parsed lines of a JSONL file with their 1-based numbers; a missing file is empty.
 fn jsonl(dir: &Path, file: &str, skipped: &mut Vec<Skipped>) -> Result<Vec<(usize, Value)>, ReportError> {
     let path = dir.join(file);
-    let bytes = match std::fs::read(&path) {
+    let bytes = match whole_file::read_regular(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
         Err(source) => return Err(ReportError::Read { path, source }),
@@ -152,7 +155,10 @@ fn jsonl(dir: &Path, file: &str, skipped: &mut Vec<Skipped>) -> Result<Vec<(usiz
             continue;
         }
         match serde_json::from_str::<Value>(l) {
-            Ok(v) => out.push((i + 1, v)),
+            Ok(mut v) => {
+                shorten_strings(&mut v);
+                out.push((i + 1, v))
+            }
             Err(e) => {
                 let what = if e.is_eof() { "truncated JSON" } else { "invalid JSON" };
                 skipped.push(Skipped { file: file.into(), line: i + 1, reason: format!("{what} ({e})") });
@@ -160,6 +166,40 @@ fn jsonl(dir: &Path, file: &str, skipped: &mut Vec<Skipped>) -> Result<Vec<(usiz
         }
     }
     Ok(out)
+}
+
+/// The most characters of one string of a run file the page shows (a label, a reason, a path):
+/// a run's own strings are far shorter, and each is drawn on every panel, so a 50 MB string
+/// made a 2.6 GB page.
+pub const MAX_SHOWN_CHARS: usize = 2000;
+
+/// `text` cut to [`MAX_SHOWN_CHARS`], saying how long it was.
+pub fn shortened(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(MAX_SHOWN_CHARS) {
+        None => text.into(),
+        Some((end, _)) => format!("{}… ({} characters in all)", &text[..end], text.chars().count()).into(),
+    }
+}
+
+/// Every string in `v` (keys too) [`shortened`].
+fn shorten_strings(v: &mut Value) {
+    match v {
+        Value::String(s) => {
+            if let std::borrow::Cow::Owned(short) = shortened(s) {
+                *s = short;
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(shorten_strings),
+        Value::Object(map) => {
+            let long = map.keys().any(|k| matches!(shortened(k), std::borrow::Cow::Owned(_)));
+            if long {
+                *map =
+                    std::mem::take(map).into_iter().map(|(k, v)| (shortened(&k).into_owned(), v)).collect();
+            }
+            map.values_mut().for_each(shorten_strings);
+        }
+        _ => {}
+    }
 }
 
 /// The block after the last `memory summary` line of the log: its title and the `|` rows.
@@ -218,5 +258,28 @@ mod tests {
         )]);
         let r = read_run(d.path()).unwrap();
         assert_eq!((r.wall_at(0), r.wall_at(3), r.wall_at(9)), (1.0, 1.0, 6.0));
+    }
+
+    #[test]
+    fn a_long_string_in_a_run_file_is_cut_and_says_its_length() {
+        let long = "é".repeat(MAX_SHOWN_CHARS + 10);
+        let line = serde_json::json!({"event": "stopped", "step": 3, "reason": long, "detail": ["ok"]});
+        let d = dir_with(&[("events.jsonl", &format!("{line}\n"))]);
+        let r = read_run(d.path()).unwrap();
+        let reason = r.events[0]["reason"].as_str().unwrap();
+        let end = format!("… ({} characters in all)", MAX_SHOWN_CHARS + 10);
+        assert!(reason.ends_with(&end), "{}", &reason[reason.len() - 40..]);
+        assert_eq!(reason.chars().count(), MAX_SHOWN_CHARS + end.chars().count());
+        assert_eq!(r.events[0]["detail"][0], "ok");
+        assert_eq!(shortened("short"), "short");
+    }
+
+    #[test]
+    fn a_run_file_that_is_not_a_regular_file_is_refused_by_name() {
+        let d = dir_with(&[("config.yaml", "seed: 1\n")]);
+        crate::fs::whole_file::tests::fifo(d.path(), METRICS);
+        let e = read_run(d.path()).unwrap_err();
+        assert!(e.is_usage(), "{e}");
+        assert!(e.to_string().contains("metrics.jsonl: a FIFO (named pipe), not a regular file"), "{e}");
     }
 }

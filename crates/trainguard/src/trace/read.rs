@@ -199,7 +199,8 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// The summary of the Chrome trace at `path`, naming its `top` heaviest kernels (operators) and
 /// launching operators.
 pub fn read(path: &Path, top: usize) -> Result<TraceSummary, TraceError> {
-    let bytes = std::fs::read(path).map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
+    let bytes = crate::fs::whole_file::read_regular(path)
+        .map_err(|error| TraceError::Read { path: path.to_path_buf(), error })?;
     summary_of(&bytes, path, top)
 }
 

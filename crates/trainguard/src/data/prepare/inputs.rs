@@ -110,7 +110,7 @@ pub struct Documents {
 
 impl Documents {
     pub fn open(path: &Path, kind: Kind, field: &str) -> Result<Self, PrepareError> {
-        let f = std::fs::File::open(path)
+        let (f, _) = crate::fs::whole_file::open_regular(path)
             .map_err(|e| PrepareError::input(path, None, &format!("cannot read: {e}")))?;
         let reader = Box::new(std::io::BufReader::with_capacity(1 << 20, f));
         Ok(Self {
