@@ -477,15 +477,7 @@ fn prepare_files(tokenizer: &Path, out: &Path, files: &[&Path]) -> Run {
     run(cmd, out)
 }
 
-/// A named pipe: a `prepare` reading it waits, holding its output directory, until the test
-/// writes the text (no race on how long a corpus takes to tokenize).
-fn fifo(path: &Path) {
-    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
-}
-
-/// A `prepare` waiting on a pipe, killed if the test fails before it is done with it (it would
-/// otherwise wait on the pipe for ever).
+/// A `prepare` still running, killed if the test fails before it is done with it.
 struct Waiting(Option<std::process::Child>);
 
 impl Waiting {
@@ -506,8 +498,8 @@ impl Drop for Waiting {
     }
 }
 
-/// Starts a `prepare` of the pipe `input` into `out` and waits until it holds `out` (its
-/// staging directory is made after the lock is taken and the directory checked).
+/// Starts a `prepare` of `input` into `out` and waits until it holds `out` (its staging
+/// directory is made after the lock is taken and the directory checked).
 fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> Waiting {
     let child = Command::new(bin())
         .arg("prepare")
@@ -525,9 +517,21 @@ fn prepare_waiting_on(tokenizer: &Path, out: &Path, input: &Path) -> Waiting {
     let started = std::time::Instant::now();
     while !staging.is_dir() {
         assert!(started.elapsed().as_secs() < 60, "prepare never started writing {}", out.display());
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
     child
+}
+
+/// Text of `documents` short documents: several seconds of tokenizing, a window in which a
+/// `prepare` holds its `--out`. (A pipe held it open before; `prepare` reads regular files only.)
+fn long_input(path: &Path, documents: usize) {
+    let text: String = (0..documents).map(|i| format!("the cat sat on the mat, number {i}\n\n")).collect();
+    std::fs::write(path, text).unwrap();
+}
+
+fn signal(child: &Waiting, sig: i32) {
+    // SAFETY: a plain kill(2) of a child this test started and has not reaped.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
 /// Two `prepare`s into one `--out`: the second, started while the first writes, is refused
@@ -539,10 +543,13 @@ fn a_second_prepare_into_a_directory_being_written_is_refused() {
     let inp = inputs(10, 0);
     let d = inp.dir.path();
     let tok = d.join("tokenizer.json");
-    let (pipe, out) = (d.join("pipe.txt"), d.join("data"));
-    fifo(&pipe);
-    let first = prepare_waiting_on(&tok, &out, &pipe);
+    let (long, out) = (d.join("long.txt"), d.join("data"));
+    long_input(&long, 400_000);
+    let first = prepare_waiting_on(&tok, &out, &long);
+    // Held still while the second tries: it cannot finish first by chance.
+    signal(&first, libc::SIGSTOP);
     let second = prepare(d, &out, &[]);
+    signal(&first, libc::SIGCONT);
     assert_eq!(second.code(), 2, "{}", second.stderr());
     let e = second.stderr();
     assert!(
@@ -553,21 +560,25 @@ fn a_second_prepare_into_a_directory_being_written_is_refused() {
         )),
         "{e}"
     );
-    std::fs::write(&pipe, "the cat sat\n\non the mat\n").unwrap();
     let done = first.finish();
     assert!(done.status.success(), "{}", String::from_utf8_lossy(&done.stderr));
-    assert_eq!(manifest(&out)["documents"], 2, "the first prepare's dataset, not the second's 10 documents");
+    assert_eq!(
+        manifest(&out)["documents"],
+        400_000,
+        "the first prepare's dataset, not the second's 10 documents"
+    );
     let mut left: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| !["tokenizer.json", "dataset.json"].contains(&n.as_str()) && !n.ends_with(".bin"))
         .collect();
     left.sort();
-    assert_eq!(left, ["dataset.json", "tokenizer.json", "train_000000.bin"], "no lock file or staging left");
+    assert!(left.is_empty(), "no lock file or staging left: {left:?}");
 
     let out = d.join("data2");
-    let killed = prepare_waiting_on(&tok, &out, &pipe);
+    let killed = prepare_waiting_on(&tok, &out, &long);
     let pid = killed.id();
-    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    signal(&killed, libc::SIGKILL);
     assert_eq!(std::os::unix::process::ExitStatusExt::signal(&killed.finish().status), Some(libc::SIGKILL));
     prepare(d, &out, &[]).ok();
     assert_eq!(manifest(&out)["documents"], 10);

@@ -7,14 +7,14 @@
 //! torchrun's agent, rank 0 hosts the store, and a frozen rank 0 (SIGSTOP, a machine that hangs)
 //! keeps its socket open: a request to it neither returns nor fails, and its peer would wait
 //! forever after the collective that named the problem timed out. c10d does not expose its
-//! socket for a receive timeout of our own, so each request runs on a thread of its own and the
-//! caller waits for its answer within the bound. A thread that never comes back is left behind
-//! holding its connection: that store is then taken as silent and not asked again (each later
-//! request fails at once), and the rank ends on the error anyway.
+//! socket for a receive timeout of our own, so each connection's requests run on a thread of its
+//! own and the caller waits for each answer within the bound. A thread that never comes back is
+//! left behind holding its connection: that store is then taken as silent and not asked again
+//! (each later request fails at once), and the rank ends on the error anyway.
 use crate::ffi::dist::Store;
 use crate::ffi::ShimError;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -40,45 +40,66 @@ impl StoreAddress {
         Self { host: host.into(), port, prefix: prefix.into(), silent: Arc::default() }
     }
 
-    /// A new connection, made within `within`; each of its requests is bounded by it too.
-    pub fn connect(&self, within: Duration) -> Result<BoundedStore, StoreError> {
-        let (host, port, prefix) = (self.host.clone(), self.port, self.prefix.clone());
-        let ms = within.as_millis() as u64;
-        let store = self.bounded(within, move || Store::connect(&host, port, ms, &prefix))?;
-        Ok(BoundedStore { store: Arc::new(Mutex::new(store)), address: self.clone(), within })
+    fn no_answer(&self, within: Duration) -> StoreError {
+        StoreError::NoAnswer { addr: format!("{}:{}", self.host, self.port), within }
     }
 
-    /// `request`'s answer if it comes within `within` (from a thread of its own, see above).
-    fn bounded<T: Send + 'static>(
+    /// What `receive` brings within `within`; past it the store is taken as silent.
+    fn answer<T>(
         &self,
+        receive: &mpsc::Receiver<Result<T, ShimError>>,
         within: Duration,
-        request: impl FnOnce() -> Result<T, ShimError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        let no_answer = || StoreError::NoAnswer { addr: format!("{}:{}", self.host, self.port), within };
-        if self.silent.load(Ordering::Relaxed) {
-            return Err(no_answer());
-        }
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("store-request".into())
-            .spawn(move || {
-                let _ = tx.send(request());
-            })
-            .map_err(|e| ShimError::Torch(format!("cannot start a thread for a store request: {e}")))?;
-        match rx.recv_timeout(within) {
+        match receive.recv_timeout(within) {
             Ok(answer) => Ok(answer?),
             Err(_) => {
                 self.silent.store(true, Ordering::Relaxed);
-                Err(no_answer())
+                Err(self.no_answer(within))
             }
         }
     }
+
+    /// A new connection, made within `within`, on a thread of its own that then serves each of
+    /// its requests, which are bounded by `within` too. One thread for the connection's life,
+    /// not one per request: under a CPU `memory.limit` (an address-space cap) a stack mapped
+    /// for every heartbeat would come and go in the middle of a step and fail its allocations
+    /// at random.
+    pub fn connect(&self, within: Duration) -> Result<BoundedStore, StoreError> {
+        if self.silent.load(Ordering::Relaxed) {
+            return Err(self.no_answer(within));
+        }
+        let (host, port, prefix) = (self.host.clone(), self.port, self.prefix.clone());
+        let ms = within.as_millis() as u64;
+        let (requests, incoming) = mpsc::channel::<Request>();
+        let (ready, connected) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("store-client".into())
+            .spawn(move || {
+                let store = match Store::connect(&host, port, ms, &prefix) {
+                    Ok(store) => store,
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = ready.send(Ok(()));
+                for request in incoming {
+                    request(&store);
+                }
+            })
+            .map_err(|e| ShimError::Torch(format!("cannot start a thread for the store's client: {e}")))?;
+        self.answer(&connected, within)?;
+        Ok(BoundedStore { requests, address: self.clone(), within })
+    }
 }
+
+/// A request the connection's thread runs against its store.
+type Request = Box<dyn FnOnce(&Store) + Send>;
 
 /// One connection to the store; each request gives up after the bound it was made with.
 pub struct BoundedStore {
-    /// Shared with the request's thread, which a request that never returns keeps.
-    store: Arc<Mutex<Store>>,
+    /// To the thread that holds the connection (a request that never returns keeps it).
+    requests: mpsc::Sender<Request>,
     address: StoreAddress,
     within: Duration,
 }
@@ -86,12 +107,17 @@ pub struct BoundedStore {
 impl BoundedStore {
     /// Adds `delta` to the counter at `key` (0 when missing) and returns the new value; 0 reads.
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        let (store, key) = (self.store.clone(), key.to_string());
-        self.address.bounded(self.within, move || {
-            // A poisoned lock is a request that panicked: the connection is still whole.
-            let store = store.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            store.add(&key, delta)
-        })
+        if self.address.silent.load(Ordering::Relaxed) {
+            return Err(self.address.no_answer(self.within));
+        }
+        let (reply, answer) = mpsc::channel();
+        let key = key.to_string();
+        let request: Request = Box::new(move |store: &Store| {
+            let _ = reply.send(store.add(&key, delta));
+        });
+        // A send fails only once the thread has ended, which it does only after a failed connect.
+        self.requests.send(request).map_err(|_| self.address.no_answer(self.within))?;
+        self.address.answer(&answer, self.within)
     }
 }
 
