@@ -4,7 +4,8 @@
 # config, corpus and seed. Prints one line per run, then each optimizer's best and the ratios.
 #   scripts/bench/bench_muon.sh [--config FILE] [--target LOSS] [--steps N] [--device cpu|cuda]
 #   env ADAMW_LRS (train.lr, default "1e-3 3e-3 1e-2"), MUON_LRS (optimizer.muon_lr, default
-#   "0.01 0.02 0.05"; the embeddings, head, norms and biases keep train.lr's default),
+#   "0.01 0.02 0.05"), MUON_TRAIN_LR (train.lr of Muon's AdamW-updated embeddings, head, norms
+#   and biases; default the config's),
 #   THREADS (CPU intra-op threads, default 2)
 set -euo pipefail
 source "$(dirname "$0")/../tools.sh"
@@ -38,7 +39,9 @@ print(json.dumps({"optimizer": name, "lr": label, "steps": hit and hit["step"],
 PYEOF
 }
 for lr in ${ADAMW_LRS:-1e-3 3e-3 1e-2}; do run adamw "$lr" --set optimizer.name=adamw --set "train.lr=$lr" --set "train.min_lr=$(awk "BEGIN{print $lr/10}")"; done
-for lr in ${MUON_LRS:-0.01 0.02 0.05}; do run muon "$lr" --set optimizer.name=muon --set "optimizer.muon_lr=$lr"; done
+muon_rest=()
+[ -z "${MUON_TRAIN_LR:-}" ] || muon_rest=(--set "train.lr=$MUON_TRAIN_LR" --set "train.min_lr=$(awk "BEGIN{print $MUON_TRAIN_LR/10}")")
+for lr in ${MUON_LRS:-0.01 0.02 0.05}; do run muon "$lr" --set optimizer.name=muon --set "optimizer.muon_lr=$lr" "${muon_rest[@]}"; done
 "$PY" - "$results" "$target" "$config" <<'PYEOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
