@@ -37,3 +37,6 @@ pub const YAML_NODE_BYTES: u64 = 16;
 /// Levels of a `--set` key path (`train.lr` has 2): a config is a few levels deep; tens of
 /// thousands overflowed the stack.
 pub const MAX_SET_DEPTH: usize = 64;
+/// `dist.timeout_s`: a week. The heartbeat's period and the fence's notices are multiples of it,
+/// and c10d takes it in milliseconds: a value near 2^64 overflowed them.
+pub const MAX_DIST_TIMEOUT_S: u64 = 7 * 24 * 3600;

@@ -282,7 +282,13 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         check(false, &problem.key, problem.message);
     }
 
-    check(c.dist.timeout_s >= 1, "dist.timeout_s", format!("must be at least 1, got {}", c.dist.timeout_s));
+    // A week at most: the heartbeat's periods and the fence's notices are multiples of it (and
+    // c10d takes it in milliseconds), which a value near 2^64 would overflow.
+    check(
+        (1..=MAX_DIST_TIMEOUT_S).contains(&c.dist.timeout_s),
+        "dist.timeout_s",
+        format!("must be in 1..={MAX_DIST_TIMEOUT_S} (a week), got {}", c.dist.timeout_s),
+    );
     check(c.dist.bucket_mb > 0.0, "dist.bucket_mb", format!("must be > 0, got {}", c.dist.bucket_mb));
     check(
         c.dist.writer_wait_s != Some(0),
@@ -635,6 +641,7 @@ mod tests {
             (|c| c.train.max_duration = Some("99999999999999999999s".into()), "train.max_duration"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
+            (|c| c.dist.timeout_s = u64::MAX, "dist.timeout_s"),
             (|c| c.dist.writer_wait_s = Some(0), "dist.writer_wait_s"),
             (|c| c.memory.activation_checkpointing = "sometimes".into(), "memory.activation_checkpointing"),
             (|c| c.memory.activation_checkpointing = "every_n:0".into(), "memory.activation_checkpointing"),
