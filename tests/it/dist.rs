@@ -331,6 +331,18 @@ fn a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank() {
     assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
 }
 
+/// Muon with two ranks trains the updates of one process: every rank holds the whole averaged
+/// gradient, so each orthogonalises whole matrices.
+#[test]
+fn muon_on_two_ranks_equals_one_process() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [&RUN[..], &["train.micro_batch_size=16", "optimizer.name=muon"]].concat();
+    let single = train(s.path(), "configs/debug.yaml", &sets).ok();
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    assert_matches_single_process(d.path(), &single);
+}
+
 /// A leak on rank 1 alone (`faults.leak_graphs` with `faults.fault_rank=1`), under a cap on rank
 /// 1 only. Rank 1 finds the leak at its out-of-memory; rank 0 sees none. Were rank 1 to stop after
 /// its one leak halving, rank 0 would replay alone and fail in its next collective (a

@@ -78,7 +78,7 @@ pub(super) fn is_run(dir: &Path) -> bool {
         && std::fs::File::open(&config)
             .and_then(|f| f.take(CONFIG_MAX_BYTES).read_to_string(&mut text))
             .is_ok()
-        && super::run_dir::config_by_trainguard(&text);
+        && super::config_file::by_trainguard(&text);
     ours || !store::list(&store::root(dir)).is_empty()
 }
 
@@ -143,8 +143,8 @@ mod tests {
     /// A run directory as a start leaves it: its config.yaml, with the header.
     fn make_run(dir: &Path) {
         std::fs::create_dir_all(dir).unwrap();
-        let mut held = super::super::run_dir::RunDir::hold(dir, false).unwrap();
-        held.prepare(&crate::config::Config::default()).unwrap();
+        let text = super::super::config_file::text(&crate::config::Config::default()).unwrap();
+        std::fs::write(dir.join(run_files::CONFIG), text).unwrap();
     }
 
     #[test]

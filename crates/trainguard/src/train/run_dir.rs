@@ -7,6 +7,7 @@
 //! an earlier run's stop record goes, the resolved config, the log file and (under torchrun)
 //! the job that started the run are written. At the end, still held: the record of how the run
 //! ended.
+use super::config_file;
 use super::TrainError;
 use crate::checkpoint::fresh;
 use crate::fs::created_dirs::{self, remove_created};
@@ -65,8 +66,7 @@ impl RunDir {
         // The file, where the run directory holds something else under its name.
         let of = |file: &Path, source| TrainError::RunDirFile { file: file.to_path_buf(), source };
         stop_record::clear(dir).map_err(io)?;
-        let yaml = serde_yaml::to_string(config).map_err(|e| io(std::io::Error::other(e)))?;
-        let yaml = format!("{}\n{yaml}", config_header(env!("CARGO_PKG_VERSION")));
+        let yaml = config_file::text(config).map_err(|e| io(std::io::Error::other(e)))?;
         let (config_file, log_file) = (dir.join(run_files::CONFIG), dir.join(run_files::LOG));
         crate::console::logging::also_to_file(&log_file).map_err(|e| of(&log_file, e))?;
         if let Some(kept) = keep_a_written_config(&config_file).map_err(|e| of(&config_file, e))? {
@@ -117,15 +117,9 @@ impl Drop for RunDir {
     }
 }
 
-/// The first line of the run's `config.yaml`: what marks it as trainguard's own, whichever
-/// version wrote it (another version's, with keys added or retired since, is not the user's).
-fn config_header(version: &str) -> String {
-    format!("# trainguard {version}: the run's resolved config, written again at each start")
-}
-
 /// A `config.yaml` in the run directory that trainguard did not write as it stands is renamed
 /// `config.kept-<unix time>.yaml` before the run writes its own: comments and layout are what
-/// the resolved config loses. Trainguard's own begins with [`config_header`]: this version's
+/// the resolved config loses. Trainguard's own begins with [`config_file::header`]: this version's
 /// is then as this version writes the config it reads as, another version's is YAML without
 /// another comment. One written before the header is trainguard's when its text is as this
 /// version writes the config it reads as.
@@ -137,13 +131,13 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Err(e) => return Err(e),
     };
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
-    let ours = match header_version(first) {
-        Some(env!("CARGO_PKG_VERSION")) => as_written(body),
+    let ours = match config_file::header_version(first) {
+        Some(env!("CARGO_PKG_VERSION")) => config_file::as_written(body),
         Some(_) => {
             !body.lines().any(|l| l.trim_start().starts_with('#'))
                 && serde_yaml::from_str::<serde_yaml::Value>(body).is_ok()
         }
-        None => as_written(&text),
+        None => config_file::as_written(&text),
     };
     if ours {
         return Ok(None);
@@ -155,30 +149,6 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
     );
     std::fs::rename(file, &kept)?;
     Ok(Some(kept))
-}
-
-/// Whether `text` is a `config.yaml` that trainguard wrote, by any version and edited or not:
-/// its header line, or (written before the header) the text this version writes for the
-/// config it reads as. What marks a directory as a run ([`placement`](super::placement)).
-pub(super) fn config_by_trainguard(text: &str) -> bool {
-    header_version(text.split_once('\n').map_or(text, |(first, _)| first)).is_some() || as_written(text)
-}
-
-/// The version a [`config_header`] line names, when `first_line` is one.
-fn header_version(first_line: &str) -> Option<&str> {
-    first_line
-        .strip_prefix("# trainguard ")
-        .and_then(|v| v.split_once(':'))
-        .map(|(v, _)| v)
-        .filter(|v| config_header(v) == first_line && !v.contains(' '))
-}
-
-/// `body` is exactly what this version writes for the config it reads as.
-fn as_written(body: &str) -> bool {
-    crate::config::saved(body)
-        .ok()
-        .and_then(|c| serde_yaml::to_string(&c).ok())
-        .is_some_and(|again| again == body)
 }
 
 /// Creates `dir` and whichever of its parents are missing ([`created_dirs`]): the directories
@@ -282,7 +252,10 @@ mod tests {
         let mut held = RunDir::hold(d.path(), false).unwrap();
         held.prepare(&crate::config::Config::default()).unwrap();
         let written = std::fs::read_to_string(&file).unwrap();
-        assert!(written.starts_with(&format!("{}\n", config_header(env!("CARGO_PKG_VERSION")))), "{written}");
+        assert!(
+            written.starts_with(&format!("{}\n", config_file::header(env!("CARGO_PKG_VERSION")))),
+            "{written}"
+        );
         assert_eq!(crate::config::saved(&written).unwrap(), crate::config::Config::default());
         // Another version's: a key added since (absent), one retired since (present).
         let other_version = written
