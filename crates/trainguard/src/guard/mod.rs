@@ -294,6 +294,15 @@ impl Guard {
         }
     }
 
+    /// Why an out-of-memory that ends the run was not retried smaller: the floor under `adapt`,
+    /// else the policy.
+    fn gave_up(&self) -> GaveUp {
+        match self.policy {
+            OomPolicy::Adapt => GaveUp::AtFloor,
+            policy => GaveUp::Policy(policy),
+        }
+    }
+
     /// Evaluation inside the guard, apart from what training learnt: an out-of-memory in
     /// evaluation halves evaluation's own micro-batch (kept for the evaluations after it), never
     /// training's, and an evaluation is not a clean training step for regrow. Training's state
@@ -466,11 +475,7 @@ impl Guard {
                         memory: memory::snapshot(self.device),
                         message,
                         leak: None,
-                        gave_up: if self.policy == OomPolicy::Adapt {
-                            GaveUp::AtFloor
-                        } else {
-                            GaveUp::Policy(self.policy)
-                        },
+                        gave_up: self.gave_up(),
                     })));
                 }
                 StepError::Fatal(e) => return Err(GuardError::Fatal(e)),
@@ -533,11 +538,7 @@ impl Guard {
                     memory: after,
                     message,
                     leak,
-                    gave_up: if self.policy == OomPolicy::Adapt {
-                        GaveUp::AtFloor
-                    } else {
-                        GaveUp::Policy(self.policy)
-                    },
+                    gave_up: self.gave_up(),
                 })));
             };
             self.totals.recoveries += 1;

@@ -10,7 +10,7 @@
 use crate::checkpoint::store;
 use crate::fs::dir_lock::LOCK_FILE;
 use crate::fs::run_files;
-use std::io::Read;
+use crate::fs::whole_file::read_string_at_most;
 use std::path::{Component, Path, PathBuf};
 
 /// An `out_dir` refused for what is already there (exit 2).
@@ -72,13 +72,9 @@ pub(super) fn is_run(dir: &Path) -> bool {
     if dir.join(store::STATE_FILE).exists() {
         return false;
     }
-    let config = dir.join(run_files::CONFIG);
-    let mut text = String::new();
-    let ours = config.is_file() // not a FIFO, which would block the read
-        && std::fs::File::open(&config)
-            .and_then(|f| f.take(CONFIG_MAX_BYTES).read_to_string(&mut text))
-            .is_ok()
-        && super::config_file::by_trainguard(&text);
+    // A regular file only (a FIFO would block the read), and no larger than trainguard writes.
+    let ours = read_string_at_most(&dir.join(run_files::CONFIG), CONFIG_MAX_BYTES)
+        .is_ok_and(|text| super::config_file::by_trainguard(&text));
     ours || !store::list(&store::root(dir)).is_empty()
 }
 

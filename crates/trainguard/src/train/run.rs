@@ -249,12 +249,7 @@ impl<'a> Run<'a> {
         let (stop_now, since_checkpoint) = self.stop_reason(stop)?;
         self.since_checkpoint = since_checkpoint;
         if let Some(reason) = stop_now {
-            let path = self.save_for_stop(step);
-            self.reporter.emit(Event::Stopped {
-                step,
-                reason,
-                checkpoint: path.as_ref().map(|p| p.display().to_string()),
-            });
+            let path = self.stop_checkpointed(step, reason);
             if path.is_none() && plan.is_writer() {
                 // Exit 4 promises a checkpoint at this step: say what a requeue would get instead.
                 let newest = store::list(self.ckpt.root()).pop();
@@ -269,12 +264,7 @@ impl<'a> Run<'a> {
         if let Err(e) = data.sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
             // The steps since the last checkpoint are kept: with the data mended, `--resume auto`
             // goes on from here (a changed model.vocab_size is another model: a fresh start).
-            let path = self.save_for_stop(step);
-            self.reporter.emit(Event::Stopped {
-                step,
-                reason: StopReason::BadData,
-                checkpoint: path.map(|p| p.display().to_string()),
-            });
+            self.stop_checkpointed(step, StopReason::BadData);
             return Err(e.into());
         }
         let outcome = optimizer_step(
@@ -293,12 +283,7 @@ impl<'a> Run<'a> {
             Err(e @ GuardError::OutOfMemory(_)) => {
                 tracing::warn!("{}", memory_summary(plan.device));
                 // The failed step changed nothing: the model is still the last good state.
-                let path = self.save_for_stop(step);
-                self.reporter.emit(Event::Stopped {
-                    step,
-                    reason: StopReason::OutOfMemory,
-                    checkpoint: path.map(|p| p.display().to_string()),
-                });
+                self.stop_checkpointed(step, StopReason::OutOfMemory);
                 return Err(e.into());
             }
             Err(e) => return Err(e.into()),
@@ -347,27 +332,24 @@ impl<'a> Run<'a> {
                 self.dist.as_deref(),
                 &mut self.reporter,
             );
-            let v = match v {
-                Ok(v) => v,
+            self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
+            match v {
+                Ok(v) => {
+                    let best = &mut self.state.progress.best_val;
+                    // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
+                    if v.is_finite() && best.is_none_or(|(b, _)| v < b) {
+                        *best = Some((v, step + 1));
+                        new_best = true;
+                    }
+                    self.last_val = Some(v);
+                    Some(v)
+                }
                 Err(e @ GuardError::OutOfMemory(_)) => {
                     tracing::warn!("{}", memory_summary(plan.device));
                     eval_oom = Some(e);
-                    f64::NAN
+                    None
                 }
                 Err(e) => return Err(e.into()),
-            };
-            self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
-            let best = &mut self.state.progress.best_val;
-            // A non-finite loss is no best (it was kept as one, and its checkpoint with it).
-            if v.is_finite() && best.is_none_or(|(b, _)| v < b) {
-                *best = Some((v, step + 1));
-                new_best = true;
-            }
-            if eval_oom.is_some() {
-                None
-            } else {
-                self.last_val = Some(v);
-                Some(v)
             }
         } else {
             None
@@ -395,12 +377,7 @@ impl<'a> Run<'a> {
         }));
         drop(traced_range);
         if let Some(e) = eval_oom {
-            let path = self.save_for_stop(step + 1);
-            self.reporter.emit(Event::Stopped {
-                step: step + 1,
-                reason: StopReason::OutOfMemory,
-                checkpoint: path.map(|p| p.display().to_string()),
-            });
+            self.stop_checkpointed(step + 1, StopReason::OutOfMemory);
             return Err(e.into());
         }
         if give_up {
@@ -516,6 +493,20 @@ impl<'a> Run<'a> {
             }
             _ => e,
         }
+    }
+
+    /// A stop for `reason` with `completed` steps done: their checkpoint ([`save_for_stop`]) and
+    /// the `stopped` event naming it.
+    ///
+    /// [`save_for_stop`]: Self::save_for_stop
+    fn stop_checkpointed(&mut self, completed: u64, reason: StopReason) -> Option<std::path::PathBuf> {
+        let path = self.save_for_stop(completed);
+        self.reporter.emit(Event::Stopped {
+            step: completed,
+            reason,
+            checkpoint: path.as_ref().map(|p| p.display().to_string()),
+        });
+        path
     }
 
     /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it
