@@ -660,6 +660,10 @@ pub struct MemoryConfig {
     pub activation_checkpointing: String,
     /// Checkpointed segments' inputs wait in (pinned) CPU memory for the backward pass.
     pub offload_activations: bool,
+    /// The optimizer state (under `dist.shard`, this rank's part of it) and the fp32 update live
+    /// in (pinned) host memory: gradients go to the host, the update runs there with the CPU
+    /// kernels, the new weights come back. See docs/sharding.md.
+    pub offload_optimizer: bool,
     /// LM head and cross-entropy over chunks of this many tokens: the full logits are never
     /// materialised at once. None = one piece.
     pub loss_chunk_tokens: Option<usize>,
@@ -677,6 +681,7 @@ impl Default for MemoryConfig {
             leak_check_steps: 20,
             activation_checkpointing: "none".into(),
             offload_activations: false,
+            offload_optimizer: false,
             loss_chunk_tokens: None,
             snapshot_on_oom: true,
         }
@@ -824,11 +829,21 @@ pub struct DistConfig {
     /// ends in a torchrun restart from the last complete checkpoint rather than holding the
     /// job's GPUs. None (default): as long as rank 0's heartbeat moves.
     pub writer_wait_s: Option<u64>,
+    /// Sharded data parallel: `none` (every rank holds everything), `optimizer` (each rank keeps
+    /// the optimizer state of the parameters it owns: ZeRO-1) or `gradients` (and receives only
+    /// its own parameters' averaged gradients, by reduce-scatter: ZeRO-2). See docs/sharding.md.
+    pub shard: ShardLevel,
 }
 
 impl Default for DistConfig {
     fn default() -> Self {
-        Self { backend: DistBackend::Auto, timeout_s: 300, bucket_mb: 25.0, writer_wait_s: None }
+        Self {
+            backend: DistBackend::Auto,
+            timeout_s: 300,
+            bucket_mb: 25.0,
+            writer_wait_s: None,
+            shard: ShardLevel::None,
+        }
     }
 }
 
@@ -838,6 +853,26 @@ pub enum DistBackend {
     Auto,
     Gloo,
     Nccl,
+}
+
+/// `dist.shard`: what each rank keeps only its own part of, in the order the levels add up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardLevel {
+    #[default]
+    None,
+    Optimizer,
+    Gradients,
+}
+
+impl ShardLevel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Optimizer => "optimizer",
+            Self::Gradients => "gradients",
+        }
+    }
 }
 
 /// `memory.activation_checkpointing`, parsed.

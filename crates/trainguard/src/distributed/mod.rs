@@ -7,6 +7,7 @@ mod error_file;
 mod heartbeat;
 pub mod ranks;
 mod round;
+pub mod shard;
 mod store;
 
 pub use round::JobDeadline;
