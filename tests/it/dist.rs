@@ -13,7 +13,7 @@ const RUN: [&str; 5] = [
     "dist.timeout_s=20",
 ];
 
-fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
+pub(crate) fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
     let mut a =
         vec!["train".to_string(), "--config".into(), repo().join("configs/debug.yaml").display().to_string()];
     for s in [format!("out_dir={}", dir.display()), "train.threads=1".into()]
@@ -27,11 +27,11 @@ fn args(dir: &Path, sets: &[&str]) -> Vec<String> {
 }
 
 /// Starts rank `rank` of `world` by hand, as torchrun would.
-fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -> Child {
+pub(crate) fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -> Child {
     spawn_rank_with(rank, world, port, args(dir, sets))
 }
 
-fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> Child {
+pub(crate) fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> Child {
     Command::new(bin())
         .args(args)
         .env("RANK", rank.to_string())
@@ -47,7 +47,7 @@ fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> C
 }
 
 /// Every rank's output, once each has exited 0.
-fn wait_ok(children: Vec<Child>) -> Vec<std::process::Output> {
+pub(crate) fn wait_ok(children: Vec<Child>) -> Vec<std::process::Output> {
     let outs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     for (rank, out) in outs.iter().enumerate() {
         // Every rank's stderr: the first to fail explains why the others did.

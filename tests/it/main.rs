@@ -23,6 +23,7 @@ mod reference;
 mod report;
 mod savers;
 mod scripts;
+mod sharding;
 mod telemetry;
 mod train;
 mod untrusted;

@@ -102,6 +102,26 @@ int tg_pg_broadcast(void* group, void* tensor, int root, char* err, size_t err_l
   });
 }
 
+// Sharded data parallel: `input` holds world × n elements, `output` n; output = the sum over
+// ranks of this rank's n-element piece of every rank's input (c10d's reduce_scatter_tensor).
+int tg_pg_reduce_scatter(void* group, void* output, void* input, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    g->backend->_reduce_scatter_base(*static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input), o)->wait();
+  });
+}
+
+// `input` n elements, `output` world × n: every rank's input, rank after rank
+// (all_gather_into_tensor).
+int tg_pg_all_gather(void* group, void* output, void* input, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    g->backend->_allgather_base(*static_cast<at::Tensor*>(output), *static_cast<at::Tensor*>(input))->wait();
+  });
+}
+
 int tg_pg_barrier(void* group, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { static_cast<Group*>(group)->backend->barrier()->wait(); });
 }

@@ -31,6 +31,20 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn tg_pg_reduce_scatter(
+        group: *mut c_void,
+        output: *mut c_void,
+        input: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_pg_all_gather(
+        group: *mut c_void,
+        output: *mut c_void,
+        input: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_free(group: *mut c_void);
     fn tg_store_new(
@@ -156,6 +170,43 @@ impl ProcessGroup {
                     self.handle,
                     tensor.as_mut_ptr().cast(),
                     root as c_int,
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            },
+            &err,
+        )
+    }
+
+    /// `output` (n elements) = the sum over ranks of this rank's n-element piece of their
+    /// `input` (world × n elements, contiguous, same dtype and device as `output`).
+    pub fn reduce_scatter(&self, output: &mut Tensor, input: &mut Tensor) -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: both are live tch handles (at::Tensor*); the call blocks until done.
+        check(
+            unsafe {
+                tg_pg_reduce_scatter(
+                    self.handle,
+                    output.as_mut_ptr().cast(),
+                    input.as_mut_ptr().cast(),
+                    err.as_mut_ptr().cast(),
+                    ERR_LEN,
+                )
+            },
+            &err,
+        )
+    }
+
+    /// `output` (world × n elements) = every rank's `input` (n elements), rank after rank.
+    pub fn all_gather(&self, output: &mut Tensor, input: &mut Tensor) -> Result<(), ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: as in reduce_scatter.
+        check(
+            unsafe {
+                tg_pg_all_gather(
+                    self.handle,
+                    output.as_mut_ptr().cast(),
+                    input.as_mut_ptr().cast(),
                     err.as_mut_ptr().cast(),
                     ERR_LEN,
                 )

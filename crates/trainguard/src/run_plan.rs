@@ -8,7 +8,7 @@ use crate::checkpoint::retention::Retention;
 use crate::config::{parse_duration, Checkpointing, Config, Problem};
 use crate::data::batch;
 use crate::optim::{LrSchedule, OptimizerSpec};
-use crate::step::{Savers, StepSettings};
+use crate::step::{LayoutSpec, Savers, StepSettings};
 use std::path::Path;
 use std::time::Duration;
 use tch::Device;
@@ -73,6 +73,8 @@ pub struct RunPlan {
     /// Precision, clipping and memory savers of every step.
     pub step: StepSettings,
     pub optimizer: OptimizerSpec,
+    /// Where the optimizer's state lives: `dist.shard` on this rank, `memory.offload_optimizer`.
+    pub layout: LayoutSpec,
     pub schedule: LrSchedule,
     pub checkpoints: CheckpointPlan,
 }
@@ -222,6 +224,13 @@ impl RunPlan {
             time_limit,
             step,
             optimizer: OptimizerSpec::from_config(&config.optimizer, t, &config.kernels),
+            layout: LayoutSpec {
+                shard: config.dist.shard,
+                rank: env.rank,
+                world: env.world_size,
+                chunk: LayoutSpec::chunk_for(config.dist.bucket_mb, env.world_size),
+                offload: config.memory.offload_optimizer,
+            },
             schedule: LrSchedule::from_config(t),
             checkpoints,
             config,

@@ -6,6 +6,14 @@
 //! its two renames. Each tensor file's size and CRC-32C are in `trainer_state.json`: a file
 //! truncated or changed in place is corrupt, never loaded; so is one whose parts disagree with
 //! its own config, or whose tensors hold NaN or ±inf ([`load`]).
+//!
+//! Under `dist.shard` each rank writes its own part of the optimizer state
+//! (`optimizer.rank-RRRRR-of-WWWWW.safetensors`) in parallel, staged in a temporary directory of
+//! its own ([`stage_shard`]); rank 0 moves the staged files into its temporary checkpoint, whose
+//! `trainer_state.json` records every file's size and checksum, and renames it into place only
+//! then: a rank killed at any moment leaves the previous checkpoint whole. Each state tensor is
+//! named for its parameter, so a checkpoint loads into any world size and level ([`load`] reads
+//! every optimizer file).
 use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
 use crate::fs::whole_file;
@@ -20,6 +28,59 @@ pub const CONFIG_FILE: &str = "config.yaml";
 const TMP_PREFIX: &str = ".tmp-";
 /// A checkpoint moved aside while the same step is written again.
 const OLD_PREFIX: &str = ".tmp-old-";
+/// A rank's optimizer shard waiting for rank 0 to take it into a checkpoint.
+const SHARD_PREFIX: &str = ".tmp-shard-";
+
+/// The optimizer file `rank` of `world` writes under `dist.shard`.
+pub fn optimizer_shard_file(rank: usize, world: usize) -> String {
+    format!("optimizer.rank-{rank:05}-of-{world:05}.safetensors")
+}
+
+/// Whether a checkpoint file holds optimizer state (the whole, or one rank's shard).
+fn is_optimizer_file(name: &str) -> bool {
+    name == OPTIMIZER_FILE || (name.starts_with("optimizer.rank-") && name.ends_with(".safetensors"))
+}
+
+/// One rank's optimizer shard, written and fsynced where rank 0 takes it from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StagedShard {
+    pub path: PathBuf,
+    pub size: u64,
+    pub crc32c: u32,
+}
+
+impl StagedShard {
+    /// Where `rank` stages its shard of the checkpoint of `step` under `root`.
+    pub fn path(root: &Path, step: u64, rank: usize, world: usize) -> PathBuf {
+        root.join(format!("{SHARD_PREFIX}{}-{rank}", dir_name(step))).join(optimizer_shard_file(rank, world))
+    }
+}
+
+/// Writes this rank's optimizer shard of the checkpoint of `step` into its staging directory,
+/// file and directory fsynced, and returns its size and checksum for rank 0's records.
+pub fn stage_shard(
+    root: &Path,
+    step: u64,
+    rank: usize,
+    world: usize,
+    optimizer: &[(String, Tensor)],
+    pause: Option<std::time::Duration>,
+) -> Result<StagedShard, CheckpointError> {
+    let path = StagedShard::path(root, step, rank, world);
+    let dir = path.parent().expect("a staged shard lies in a directory");
+    if dir.exists() {
+        fs::remove_dir_all(dir).map_err(io(dir))?;
+    }
+    fs::create_dir_all(dir).map_err(io(dir))?;
+    // Test-only (`faults.pause_in_checkpoint_write_ms`): a window inside the write, so a test
+    // can kill this rank mid-checkpoint on purpose.
+    if let Some(pause) = pause {
+        std::thread::sleep(pause);
+    }
+    let (size, crc32c) = write_tensors(&path, optimizer)?;
+    fsync(dir)?;
+    Ok(StagedShard { path, size, crc32c })
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -186,13 +247,27 @@ pub fn remove(root: &Path, step: u64) -> Result<(), CheckpointError> {
     fs::remove_dir_all(&doomed).map_err(io(&doomed))
 }
 
+/// This writer's optimizer state and the file it goes to, and the other ranks' staged shards.
+pub struct OptimizerParts<'a> {
+    pub file: String,
+    pub tensors: &'a [(String, Tensor)],
+    pub staged: Vec<StagedShard>,
+}
+
+impl<'a> OptimizerParts<'a> {
+    /// The whole state in `optimizer.safetensors`.
+    pub fn whole(tensors: &'a [(String, Tensor)]) -> Self {
+        Self { file: OPTIMIZER_FILE.into(), tensors, staged: Vec::new() }
+    }
+}
+
 /// Writes one checkpoint atomically and returns its directory.
 pub fn save(
     root: &Path,
     state: &TrainerState,
     config: &Config,
     weights: &[(String, Tensor)],
-    optimizer: &[(String, Tensor)],
+    optimizer: OptimizerParts,
 ) -> Result<PathBuf, CheckpointError> {
     fs::create_dir_all(root).map_err(io(root))?;
     let name = dir_name(state.step);
@@ -231,29 +306,30 @@ fn write_files(
     state: &TrainerState,
     config: &Config,
     weights: &[(String, Tensor)],
-    optimizer: &[(String, Tensor)],
+    optimizer: OptimizerParts,
 ) -> Result<(), CheckpointError> {
     let mut state = state.clone();
-    for (file, tensors) in [(MODEL_FILE, weights), (OPTIMIZER_FILE, optimizer)] {
-        if file == OPTIMIZER_FILE {
+    for (file, tensors) in [(MODEL_FILE, weights), (optimizer.file.as_str(), optimizer.tensors)] {
+        if file != MODEL_FILE {
             // Test-only: a window with the model file written and the rest missing, so a test
             // can kill the writer mid-checkpoint on purpose rather than by chance.
             if let Some(ms) = config.faults.pause_in_checkpoint_write_ms {
                 std::thread::sleep(std::time::Duration::from_millis(ms));
             }
         }
-        let path = dir.join(file);
-        let save_err = |why: String| CheckpointError::Save { path: path.clone(), why };
-        let cpu: Vec<(&str, Tensor)> = tensors
-            .iter()
-            .map(|(n, t)| Ok((n.as_str(), t.f_detach()?.f_to_device(Device::Cpu)?)))
-            .collect::<Result<_, tch::TchError>>()
-            .map_err(|e| save_err(e.to_string()))?;
-        Tensor::write_safetensors(&cpu, &path).map_err(|e| save_err(super::write_error(&e)))?;
-        fsync(&path)?;
-        state.files.insert(file.to_string(), fs::metadata(&path).map_err(io(&path))?.len());
-        // Read back from the page cache: what the file holds, not what was meant for it.
-        state.checksums.insert(file.to_string(), checksum(&path).map_err(io(&path))?);
+        let (size, crc) = write_tensors(&dir.join(file), tensors)?;
+        state.files.insert(file.to_string(), size);
+        state.checksums.insert(file.to_string(), crc);
+    }
+    for shard in &optimizer.staged {
+        let name = shard.path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let to = dir.join(&name);
+        fs::rename(&shard.path, &to).map_err(io(&shard.path))?;
+        if let Some(staging) = shard.path.parent() {
+            let _ = fs::remove_dir(staging);
+        }
+        state.files.insert(name.clone(), shard.size);
+        state.checksums.insert(name, shard.crc32c);
     }
     let json = serde_json::to_string_pretty(&state).expect("TrainerState serialises");
     let yaml = serde_yaml::to_string(config).expect("Config serialises");
@@ -263,6 +339,22 @@ fn write_files(
         fsync(&path)?;
     }
     Ok(())
+}
+
+/// Writes `tensors` (moved to the CPU) to `path` as safetensors, fsynced; returns the file's
+/// size and its CRC-32C read back from the page cache: what the file holds, not what was meant
+/// for it.
+fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(u64, u32), CheckpointError> {
+    let save_err = |why: String| CheckpointError::Save { path: path.to_path_buf(), why };
+    let cpu: Vec<(&str, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.as_str(), t.f_detach()?.f_to_device(Device::Cpu)?)))
+        .collect::<Result<_, tch::TchError>>()
+        .map_err(|e| save_err(e.to_string()))?;
+    Tensor::write_safetensors(&cpu, path).map_err(|e| save_err(super::write_error(&e)))?;
+    fsync(path)?;
+    let size = fs::metadata(path).map_err(io(path))?.len();
+    Ok((size, checksum(path).map_err(io(path))?))
 }
 
 /// CRC-32C of a file's bytes, read in pieces small enough to come from the heap: a buffer
@@ -343,9 +435,22 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
         }
         tensors_of(&bytes).map_err(|why| corrupt(format!("{file}: {why}")))
     };
-    let (weights, optimizer) = (read(MODEL_FILE)?, read(OPTIMIZER_FILE)?);
+    let weights = read(MODEL_FILE)?;
+    // The whole state in one file, or one shard per rank that wrote it (under `dist.shard`).
+    let optimizer_files: Vec<&String> = state.files.keys().filter(|f| is_optimizer_file(f)).collect();
+    if optimizer_files.is_empty() {
+        return Err(corrupt(format!(
+            "{STATE_FILE} records no optimizer file ({OPTIMIZER_FILE}, or optimizer.rank-…)"
+        )));
+    }
+    let mut optimizer = Vec::new();
+    for file in optimizer_files {
+        let part = read(file)?;
+        finite(file, &part).map_err(corrupt)?;
+        optimizer.extend(part);
+    }
     weights_agree(&config, &weights).map_err(corrupt)?;
-    finite(MODEL_FILE, &weights).and_then(|()| finite(OPTIMIZER_FILE, &optimizer)).map_err(corrupt)?;
+    finite(MODEL_FILE, &weights).map_err(corrupt)?;
     Ok(Loaded { path: dir.to_path_buf(), state, config, weights, optimizer })
 }
 
@@ -548,7 +653,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
         for step in [5, 10] {
-            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
+            save(&root, &state(step), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+                .unwrap();
         }
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [5, 10]);
         let l = load(&root.join("step-00000010")).unwrap();
@@ -560,7 +666,7 @@ mod tests {
         let a = &l.optimizer.iter().find(|(n, _)| n == "a").unwrap().1;
         assert!(a.equal(&Tensor::from_slice(&[1.0f32, 2.0])));
         // Saving the same step again replaces it.
-        save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         assert_eq!(list(&root).len(), 2);
         // A file of one given for the checkpoint, and a path to nothing, are told apart.
         let why = |p: &Path| match load(p) {
@@ -591,8 +697,10 @@ mod tests {
     fn five_and_ten() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
-        let newest = save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(5), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
+        let newest =
+            save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+                .unwrap();
         (dir, root, newest)
     }
 
@@ -678,13 +786,14 @@ mod tests {
     fn a_replacement_killed_between_its_renames_puts_the_old_checkpoint_back() {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        let ten = save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        let ten = save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+            .unwrap();
         // What save() leaves when killed between renaming step-10 aside and the new one in.
         fs::rename(&ten, root.join(".tmp-old-step-00000010")).unwrap();
         fs::create_dir(root.join(".tmp-step-00000010")).unwrap();
         // A half-deleted checkpoint, and an old one whose step is back in place: both go.
         fs::create_dir(root.join(".tmp-del-step-00000005")).unwrap();
-        save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(20), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         fs::create_dir(root.join(".tmp-old-step-00000020")).unwrap();
         assert_eq!(list(&root).len(), 1);
         let found = clean_temporaries(&root);
@@ -703,7 +812,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
         for step in [10, 20, 30] {
-            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
+            save(&root, &state(step), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+                .unwrap();
         }
         let ckpt = |step: u64| root.join(dir_name(step));
         assert_eq!(
@@ -717,7 +827,7 @@ mod tests {
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10]);
         assert_eq!(list(&aside).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30], "moved, not deleted");
         assert!(load(&aside.join("step-00000030")).is_ok());
-        save(&root, &state(20), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(20), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let (again, steps) = set_aside_after(&root, None, 1700000000).unwrap().unwrap();
         assert_eq!(
             again,
@@ -735,16 +845,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (root, elsewhere) = (root(dir.path()), dir.path().join("other"));
         for step in [10, 20] {
-            save(&root, &state(step), &Config::default(), &weights(), &tensors()).unwrap();
+            save(&root, &state(step), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+                .unwrap();
         }
-        let theirs = save(&elsewhere, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        let theirs =
+            save(&elsewhere, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors()))
+                .unwrap();
         let (aside, steps) = set_aside_after(&root, Some((10, &theirs)), 1700000000).unwrap().unwrap();
         assert_eq!(steps, [10, 20]);
         assert!(list(&root).is_empty(), "{:?}", list(&root));
         assert_eq!(list(&aside).len(), 2, "moved, not deleted");
         assert!(load(&theirs).is_ok(), "the checkpoint resumed stays where it is");
         // Named through another path (`./`, a symlinked directory), the resumed one is still the same.
-        save(&root, &state(10), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let roundabout = root.join("..").join("checkpoints").join(dir_name(10));
         assert_eq!(set_aside_after(&root, Some((10, &roundabout)), 1700000001).unwrap(), None);
     }
@@ -862,7 +975,7 @@ mod tests {
     fn a_checkpoints_model_file_that_does_not_parse_is_named_as_not_whole() {
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(5), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let ckpt = root.join("step-00000005");
         let size = fs::metadata(ckpt.join(MODEL_FILE)).unwrap().len() as usize;
         let garbage = vec![0xffu8; size];
@@ -906,10 +1019,10 @@ mod tests {
         }
         let dir = tempfile::tempdir().unwrap();
         let root = root(dir.path());
-        save(&root, &state(5), &Config::default(), &weights(), &tensors()).unwrap();
+        save(&root, &state(5), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let mut moments = tensors();
         let _ = moments[0].1.f_fill_(f64::NAN).unwrap();
-        save(&root, &state(10), &Config::default(), &weights(), &moments).unwrap();
+        save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&moments)).unwrap();
         match load(&root.join("step-00000010")) {
             Err(CheckpointError::Corrupt { why, .. }) => {
                 assert!(why.contains(&format!("`{}` in optimizer.safetensors holds", moments[0].0)), "{why}")

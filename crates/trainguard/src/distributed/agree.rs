@@ -12,6 +12,7 @@
 //! A rank whose work failed with any other error still joins the agreement before it stops, so
 //! its peers stop at once, naming why, instead of failing in their next collective with only "a
 //! rank died or timed out" (on NCCL after `dist.timeout_s`).
+use crate::distributed::shard::Sharding;
 use crate::distributed::{Dist, LocalOutcome};
 use crate::ffi::torch_panics::catch_torch_panics;
 use crate::guard::{classify, ErrorKind, StepError};
@@ -82,12 +83,59 @@ pub fn gradients(
     let Some(d) = dist else { return Ok(local?) };
     let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
     // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
-    catch_torch_panics(|| d.average_gradients(&mut grads).map_err(|e| StepError::Fatal(Box::new(e))))
-        .map_err(|e| match e {
-            StepError::Torch(e) => StepError::Fatal(Box::new(e)),
-            other => other,
-        })?;
+    fatal_on_error(|| d.average_gradients(&mut grads))?;
     Ok((grads, loss))
+}
+
+/// A collective every rank entered after an agreement: any failure in it (a peer gone, an
+/// out-of-memory in its buffers) ends the run, since no rank can replay alone.
+fn fatal_on_error<T>(f: impl FnOnce() -> Result<T, super::DistError>) -> Result<T, StepError> {
+    catch_torch_panics(|| f().map_err(|e| StepError::Fatal(Box::new(e)))).map_err(|e| match e {
+        StepError::Torch(e) => StepError::Fatal(Box::new(e)),
+        other => other,
+    })
+}
+
+/// `dist.shard: gradients`: this rank's gradients and loss (`local`: one gradient per
+/// optimizer parameter), summed over the ranks with each rank receiving only those of the
+/// parameters it owns, averaged. The full gradients are freed when this returns.
+pub fn owned_gradients(
+    local: Result<(Vec<Tensor>, f64), TchError>,
+    dist: Option<&mut Dist>,
+    shard: &Sharding,
+    last_resort: bool,
+) -> Result<(Vec<Tensor>, f64), StepError> {
+    let Some(d) = dist else {
+        let (grads, loss) = local?;
+        return Ok((shard.pick_tensors(&grads), loss));
+    };
+    let ((grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
+    let owned = fatal_on_error(|| d.reduce_scatter_gradients(&grads, &shard.ownership, shard.chunk))?;
+    Ok((owned, loss))
+}
+
+/// The global gradient norm from each rank's squared norm of its own gradients (`local`), agreed
+/// like the work before the update: a rank that ran out of memory computing its part replays
+/// with every other.
+pub fn global_norm(
+    local: Result<f64, StepError>,
+    dist: Option<&Dist>,
+    last_resort: bool,
+) -> Result<f64, StepError> {
+    let Some(d) = dist else { return Ok(local?.sqrt()) };
+    let (_, mean) = settle(d, local, last_resort, |sq| *sq)?;
+    Ok((mean * d.world_size as f64).sqrt())
+}
+
+/// After every rank applied the update to its own parameters: each rank's put back on all.
+pub fn parameters_gathered(
+    model: &crate::model::Model,
+    shard: &Sharding,
+    dist: Option<&Dist>,
+) -> Result<(), StepError> {
+    let Some(d) = dist else { return Ok(()) };
+    let params = model.optimizer_params()?;
+    fatal_on_error(|| d.all_gather_parameters(&params, &shard.ownership, shard.chunk))
 }
 
 /// This rank's validation loss (`local`, from `evaluate`), averaged over the ranks.

@@ -9,6 +9,7 @@ pub mod ranks;
 mod round;
 pub mod shard;
 mod store;
+mod zero;
 
 pub use round::JobDeadline;
 
@@ -324,6 +325,15 @@ impl Dist {
         };
         self.group.broadcast(&mut buf, 0).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
         Vec::<u8>::try_from(&buf.f_to_device(Device::Cpu).map_err(torch)?).map_err(torch)
+    }
+
+    /// Every rank's `mine` (the same length on each), indexed by rank, on every rank.
+    pub fn each_rank(&self, mine: &[f64]) -> Result<Vec<Vec<f64>>, DistError> {
+        let k = mine.len();
+        let mut slots = vec![0f64; self.world_size * k];
+        slots[self.rank * k..(self.rank + 1) * k].copy_from_slice(mine);
+        let v = self.all_reduce_values("shard exchange", &slots, ReduceOp::Sum)?;
+        Ok(v.chunks(k.max(1)).map(<[f64]>::to_vec).collect())
     }
 
     /// The ranks that pass `flagged` true, in order, on every rank.

@@ -13,6 +13,42 @@
 //! of that buffer leaves each rank its own parameters' gradients, an all-gather of the slots
 //! puts every rank's updated parameters back on all.
 
+use crate::config::ShardLevel;
+
+/// This rank's part under `dist.shard`: the level, who owns what, and this rank's parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sharding {
+    pub level: ShardLevel,
+    pub rank: usize,
+    pub ownership: Ownership,
+    /// The parameters this rank owns (indices into the optimizer's parameters), in order.
+    pub owned: Vec<usize>,
+    /// Elements per rank in each piece of the collectives (`dist.bucket_mb` over the world).
+    pub chunk: i64,
+}
+
+impl Sharding {
+    /// `level` over parameters of `numels` elements for `rank` of `world`; None for `none`.
+    pub fn new(level: ShardLevel, numels: &[i64], rank: usize, world: usize, chunk: i64) -> Option<Self> {
+        if level == ShardLevel::None {
+            return None;
+        }
+        let ownership = Ownership::assign(numels, world);
+        let owned = ownership.owned(rank);
+        Some(Self { level, rank, ownership, owned, chunk })
+    }
+
+    /// `items[i]` for each parameter `i` this rank owns.
+    pub fn pick<T: Clone>(&self, items: &[T]) -> Vec<T> {
+        self.owned.iter().map(|&i| items[i].clone()).collect()
+    }
+
+    /// The tensors of the parameters this rank owns (shallow: the same storage).
+    pub fn pick_tensors(&self, tensors: &[tch::Tensor]) -> Vec<tch::Tensor> {
+        self.owned.iter().map(|&i| tensors[i].shallow_clone()).collect()
+    }
+}
+
 /// Which rank owns each parameter, and where each sits in the flat, slot-per-rank layout.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ownership {

@@ -7,18 +7,37 @@ use tch::{Kind, TchError, Tensor};
 /// Scales `grads` in place so their global L2 norm is at most `max_norm` (0 = no clipping) and
 /// returns the norm before clipping. One host sync (the norm is read back).
 pub fn clip_grad_norm(grads: &mut [Tensor], max_norm: f64) -> Result<f64, TchError> {
+    let total = norm(grads)?;
+    clip_to(grads, total, max_norm)?;
+    Ok(total)
+}
+
+/// The L2 norm of `grads` together (0 for none). One host sync.
+fn norm(grads: &[Tensor]) -> Result<f64, TchError> {
     let _no_grad = tch::no_grad_guard();
     let Some(first) = grads.first() else { return Ok(0.0) };
     let total = Tensor::f_zeros([], (Kind::Double, first.device()))?;
     kernels::global_norm(grads, &total)?;
-    let total = total.f_double_value(&[])?;
+    total.f_double_value(&[])
+}
+
+/// The squared L2 norm of `grads` together: one rank's part of a norm over shards, whose
+/// squares the ranks sum.
+pub fn squared_norm(grads: &[Tensor]) -> Result<f64, TchError> {
+    Ok(norm(grads)?.powi(2))
+}
+
+/// Scales `grads` in place so that a global norm of `total` (computed elsewhere: over every
+/// rank's shard) becomes at most `max_norm` (0 = no clipping).
+pub fn clip_to(grads: &mut [Tensor], total: f64, max_norm: f64) -> Result<(), TchError> {
     if max_norm > 0.0 && total.is_finite() {
         let coef = max_norm / (total + 1e-6);
         if coef < 1.0 {
+            let _no_grad = tch::no_grad_guard();
             scale_all(grads, coef)?;
         }
     }
-    Ok(total)
+    Ok(())
 }
 
 /// Every gradient times `factor`, in place (also the fp16 loss scale's unscaling).

@@ -16,7 +16,7 @@ mod state;
 pub use adafactor::{Adafactor, AdafactorConfig, Path as AdafactorPath, SecondMoment};
 pub use adamw::{AdamW, AdamWConfig};
 pub use adamw8bit::{AdamW8bit, AdamW8bitConfig, Moments, Path as AdamW8bitPath};
-pub use clip::{clip_grad_norm, scale_all};
+pub use clip::{clip_grad_norm, clip_to, scale_all, squared_norm};
 pub use muon::{orthogonalise, Muon, MuonConfig};
 pub use optimizer::{MuonSettings, Optimizer, OptimizerSpec};
 pub use quant::{BLOCK as QUANT_BLOCK, MIN_QUANTISED};

@@ -108,6 +108,21 @@ impl Optimizer {
         Self::with_matrices(spec, &params, &model.params.decay, &model.block_matrices(), device)
     }
 
+    /// The optimizer for the parameters of `model` that this rank owns under `dist.shard`
+    /// (whole tensors: see [`crate::distributed::shard`]), holding their state alone. `params`:
+    /// the tensors it updates (the owned parameters themselves, or their host copies under
+    /// `memory.offload_optimizer`), on `device`.
+    pub fn for_owned(
+        spec: &OptimizerSpec,
+        model: &crate::model::Model,
+        owned: &[usize],
+        params: &[Tensor],
+        device: Device,
+    ) -> Result<Self, TchError> {
+        let pick = |v: &[bool]| owned.iter().map(|&i| v[i]).collect::<Vec<bool>>();
+        Self::with_matrices(spec, params, &pick(&model.params.decay), &pick(&model.block_matrices()), device)
+    }
+
     fn with_matrices(
         spec: &OptimizerSpec,
         params: &[Tensor],

@@ -289,7 +289,7 @@ fn setup_oom(cap: u64) -> impl Fn(TchError) -> ProfileError {
 fn build(plan: &RunPlan, model: &crate::config::ModelConfig) -> Result<Trainable, TchError> {
     let (c, t) = (&plan.config, &plan.config.train);
     let scaler = crate::step::LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
-    Trainable::build(model, c.kernels, &plan.optimizer, c.precision, scaler, c.seed, plan.device)
+    Trainable::build(model, c.kernels, &plan.optimizer, plan.layout, c.precision, scaler, c.seed, plan.device)
 }
 
 /// `n` of training's optimizer steps at micro-batch `micro`, each inside the guard with

@@ -7,6 +7,7 @@ use super::graphs::{MicroGraphs, Notice};
 use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
 use super::savers::Savers;
+use super::state_layout::{LayoutSpec, StateLayout};
 use crate::config::{Escalation, KernelsConfig, ModelConfig, Precision};
 use crate::distributed::agree::{self, Prepared};
 use crate::distributed::Dist;
@@ -14,7 +15,7 @@ use crate::events::{Event, LossScaleReason, Reporter};
 use crate::ffi::torch_panics::catch_torch_panics;
 use crate::guard::{Guard, GuardError, Progress, StepError};
 use crate::model::Model;
-use crate::optim::{clip_grad_norm, scale_all, Optimizer, OptimizerSpec};
+use crate::optim::{clip_grad_norm, clip_to, scale_all, squared_norm, Optimizer, OptimizerSpec};
 use tch::{Device, TchError, Tensor};
 
 /// The model, its optimizer and (fp16-mixed) the loss scaler: the state a step changes, and
@@ -23,6 +24,8 @@ use tch::{Device, TchError, Tensor};
 pub struct Trainable {
     pub model: Model,
     pub opt: Optimizer,
+    /// Where `opt`'s state lives: all of it here, this rank's part (`dist.shard`), on the host.
+    pub layout: StateLayout,
     pub scaler: Option<LossScaler>,
     pub graphs: MicroGraphs,
 }
@@ -30,10 +33,12 @@ pub struct Trainable {
 impl Trainable {
     /// A fresh model in `precision` on `device` and the optimizer for it; a loss scaler when
     /// `precision` is fp16-mixed.
+    #[allow(clippy::too_many_arguments)]
     pub fn build(
         model: &ModelConfig,
         kernels: KernelsConfig,
         spec: &OptimizerSpec,
+        layout: LayoutSpec,
         precision: Precision,
         scaler: LossScaler,
         seed: u64,
@@ -41,9 +46,9 @@ impl Trainable {
     ) -> Result<Self, TchError> {
         let model = Model::with_kernels(model, kernels, seed, device)?;
         precision::prepare(&model.params.tensors, precision)?;
-        let opt = Optimizer::for_model(spec, &model, device)?;
+        let (opt, layout) = StateLayout::build(layout, spec, &model, device)?;
         let graphs = MicroGraphs::new(kernels.cuda_graphs && device.is_cuda());
-        Ok(Self { model, opt, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })
+        Ok(Self { model, opt, layout, scaler: (precision == Precision::Fp16Mixed).then_some(scaler), graphs })
     }
 
     pub fn params(&self) -> &[Tensor] {
@@ -146,7 +151,7 @@ fn attempt(
     mut dist: Option<&mut Dist>,
     faults: &mut Faults,
 ) -> Result<StepOutcome, StepError> {
-    let Trainable { model, opt, scaler, graphs } = t;
+    let Trainable { model, opt, layout, scaler, graphs } = t;
     let scaled = scaler.is_some();
     let savers = settings.savers_at(p.escalation_level());
     let autocast =
@@ -158,28 +163,76 @@ fn attempt(
     // The injected leak allocates like the step's own work: before the ranks agree on it.
     let local =
         local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
-    let (mut grads, mut loss) = agree::gradients(local, dist.as_deref_mut(), p.last_resort())?;
+    let last_resort = p.last_resort();
+    // Replicated (and `dist.shard: optimizer`): every rank holds every averaged gradient and
+    // computes the same norm alone. `dist.shard: gradients`: each rank receives its own
+    // parameters' only, and the norm is summed over the ranks in an agreement of its own.
+    let (mut grads, mut loss, sharded_norm) = match layout.shards_gradients() {
+        None => {
+            let (grads, loss) = agree::gradients(local, dist.as_deref_mut(), last_resort)?;
+            (grads, loss, None)
+        }
+        Some(s) => {
+            let local = local.and_then(|(g, l)| Ok((model.optimizer_grads(&g)?, l)));
+            let (mut grads, mut loss) = agree::owned_gradients(local, dist.as_deref_mut(), s, last_resort)?;
+            let local = catch_torch_panics(|| -> Result<f64, StepError> {
+                unscale_and_corrupt(&mut grads, &mut loss, scale, faults, step, scaled)?;
+                Ok(squared_norm(&grads)?)
+            });
+            let norm = agree::global_norm(local, dist.as_deref(), last_resort)?;
+            (grads, loss, Some(norm))
+        }
+    };
     // What runs between the two agreements allocates on each rank alone (the clipping's
     // norms, above all): the second agreement lets every rank replay if one ran out.
     let prepared = catch_torch_panics(|| -> Result<Prepared, StepError> {
-        if scale != 1.0 {
-            scale_all(&mut grads, 1.0 / scale)?;
-        }
-        faults.corrupt(step, &mut loss, &mut grads, scaled)?;
-        let grad_norm = clip_grad_norm(&mut grads, settings.grad_clip)?;
+        let grad_norm = match sharded_norm {
+            None => {
+                unscale_and_corrupt(&mut grads, &mut loss, scale, faults, step, scaled)?;
+                clip_grad_norm(&mut grads, settings.grad_clip)?
+            }
+            Some(norm) => {
+                clip_to(&mut grads, norm, settings.grad_clip)?;
+                norm
+            }
+        };
         let overflow = scaled && !grad_norm.is_finite();
         let applied = loss.is_finite() && grad_norm.is_finite();
         Ok(Prepared { grad_norm, overflow, applied })
     });
     let Prepared { grad_norm, overflow, applied } =
-        agree::before_update(prepared, dist.as_deref(), p.last_resort())?;
+        agree::before_update(prepared, dist.as_deref(), last_resort)?;
     if applied {
         let update = catch_torch_panics(|| {
-            model.optimizer_params().and_then(|params| opt.step(&params, &model.optimizer_grads(&grads)?, lr))
+            let grads = match layout.shards_gradients() {
+                Some(_) => grads,
+                None => layout.mine(model.optimizer_grads(&grads)?),
+            };
+            layout.update(model, opt, &grads, lr)
         });
         agree::update_done(update, dist.as_deref())?;
+        if let Some(s) = &layout.shard {
+            agree::parameters_gathered(model, s, dist.as_deref())?;
+        }
     }
     Ok(StepOutcome { loss, grad_norm, applied, overflow })
+}
+
+/// The loss scale taken out of `grads` and the injected faults applied: the work between the
+/// gradients' exchange and the norm.
+fn unscale_and_corrupt(
+    grads: &mut [Tensor],
+    loss: &mut f64,
+    scale: f64,
+    faults: &mut Faults,
+    step: u64,
+    scaled: bool,
+) -> Result<(), StepError> {
+    if scale != 1.0 {
+        scale_all(grads, 1.0 / scale)?;
+    }
+    faults.corrupt(step, loss, grads, scaled)?;
+    Ok(())
 }
 
 /// The mean validation loss over `batches` fixed batches, inside the guard (apart from training's
@@ -252,6 +305,7 @@ mod tests {
                 &cfg,
                 KernelsConfig::default(),
                 &spec,
+                LayoutSpec::default(),
                 Precision::Fp32,
                 LossScaler::new(1.0, 1),
                 7,

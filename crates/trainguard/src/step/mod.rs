@@ -10,9 +10,11 @@ pub mod graphs;
 mod micro;
 pub mod precision;
 pub mod savers;
+pub mod state_layout;
 
 pub use engine::{optimizer_step, validation_loss, StepOutcome, StepSettings, Trainable};
 pub use faults::{Faults, StepFault};
 pub use micro::{evaluate, forward_backward, StepData};
 pub use precision::{Autocast, LossScaler, ScaleChange};
 pub use savers::Savers;
+pub use state_layout::{LayoutSpec, StateLayout};

@@ -355,13 +355,19 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
         };
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
     }
-    opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
+    // Each saved state tensor is named for its parameter, whichever rank wrote it: a run takes
+    // its own parameters' from a checkpoint of any world size and `dist.shard` level.
+    let names = t.layout.state_names(&model.params.names);
+    opt.load_state(&names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)?;
+    t.layout.refresh_host(model).map_err(|e| corrupt(e.to_string()))
 }
 
 /// When to checkpoint, and writing one with retention applied.
 pub(super) struct Checkpointer {
     root: PathBuf,
     writer: bool,
+    rank: usize,
+    world: usize,
     plan: CheckpointPlan,
     last_at: Instant,
     /// How long the last write took: the time-limit margin uses it.
@@ -379,6 +385,8 @@ impl Checkpointer {
             data,
             root: store::root(&plan.config.out_dir),
             writer: plan.is_writer(),
+            rank: plan.rank,
+            world: plan.world_size,
             plan: plan.checkpoints,
             last_at: Instant::now(),
             last_seconds: 0.0,
@@ -419,13 +427,67 @@ impl Checkpointer {
         self.last_at.elapsed()
     }
 
+    /// Under `dist.shard`, on every rank: this rank's optimizer shard of the checkpoint of
+    /// `completed` steps staged (rank 0 writes its own into the checkpoint), and every rank's
+    /// size and checksum exchanged. Rank 0 gets the other ranks' staged shards, or why one
+    /// failed; without sharding, or on the other ranks, None.
+    pub(super) fn stage_shards(
+        &self,
+        completed: u64,
+        s: &TrainState,
+        dist: Option<&crate::distributed::Dist>,
+        config: &Config,
+    ) -> Option<Result<Vec<store::StagedShard>, String>> {
+        let (t, d) = (&s.trainable, dist?);
+        t.layout.shard.as_ref()?;
+        let (rank, world) = (self.rank, self.world);
+        // Each rank's [written, size, CRC-32C]: all exact in an f64.
+        let mine = if self.writer {
+            [1.0, 0.0, 0.0]
+        } else {
+            let tensors = t.opt.state_tensors(&t.layout.state_names(&t.model.params.names));
+            let pause = config.faults.pause_in_checkpoint_write_ms.map(Duration::from_millis);
+            match store::stage_shard(&self.root, completed, rank, world, &tensors, pause) {
+                Ok(staged) => [1.0, staged.size as f64, f64::from(staged.crc32c)],
+                Err(e) => {
+                    tracing::warn!("rank {rank}: could not stage its optimizer shard: {e}");
+                    [0.0, 0.0, 0.0]
+                }
+            }
+        };
+        let all = match d.each_rank(&mine) {
+            Ok(all) => all,
+            Err(e) => return self.writer.then(|| Err(e.to_string())),
+        };
+        if !self.writer {
+            return None;
+        }
+        let failed: Vec<usize> = (0..world).filter(|&r| all[r][0] != 1.0).collect();
+        if !failed.is_empty() {
+            return Some(Err(format!(
+                "rank(s) {failed:?} could not write their optimizer shard (their log says why)"
+            )));
+        }
+        Some(Ok((1..world)
+            .map(|r| store::StagedShard {
+                path: store::StagedShard::path(&self.root, completed, r, world),
+                size: all[r][1] as u64,
+                crc32c: all[r][2] as u32,
+            })
+            .collect()))
+    }
+
     /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is
     /// reported (`goes_on`: training goes on after it, as after an interval's; not a stop's).
+    /// `shards`: the other ranks' staged optimizer shards under `dist.shard`
+    /// ([`Checkpointer::stage_shards`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn save(
         &mut self,
         completed: u64,
         goes_on: bool,
         s: &TrainState,
+        shards: Option<Result<Vec<store::StagedShard>, String>>,
         started: Instant,
         plan: &RunPlan,
         reporter: &mut Reporter,
@@ -433,6 +495,13 @@ impl Checkpointer {
         if !self.writer {
             return None;
         }
+        let staged = match shards.transpose() {
+            Ok(staged) => staged,
+            Err(error) => {
+                reporter.emit(Event::CheckpointFailed { step: completed, error, training_goes_on: goes_on });
+                return None;
+            }
+        };
         let cfg = &plan.config;
         let (model, opt, guard, progress) = (&s.trainable.model, &s.trainable.opt, &s.guard, &s.progress);
         let scaler = s.trainable.scaler.as_ref();
@@ -471,7 +540,17 @@ impl Checkpointer {
             .cloned()
             .zip(model.params.tensors.iter().map(|t| t.shallow_clone()))
             .collect();
-        match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
+        let layout = &s.trainable.layout;
+        let tensors = opt.state_tensors(&layout.state_names(&model.params.names));
+        let parts = match staged {
+            Some(staged) => store::OptimizerParts {
+                file: store::optimizer_shard_file(self.rank, self.world),
+                tensors: &tensors,
+                staged,
+            },
+            None => store::OptimizerParts::whole(&tensors),
+        };
+        match store::save(&self.root, &state, cfg, &weights, parts) {
             Ok(path) => {
                 let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
                 let best = if self.plan.keep_best { progress.best_val.map(|b| b.1) } else { None };

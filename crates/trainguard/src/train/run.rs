@@ -128,7 +128,13 @@ impl<'a> Run<'a> {
         let mut state = fresh_state(plan, recording)?;
         match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l, ckpt.root())?,
-            (None, Some(dir)) => crate::hf::init_from(&state.trainable.model, dir)?,
+            (None, Some(dir)) => {
+                crate::hf::init_from(&state.trainable.model, dir)?;
+                let t = &state.trainable;
+                t.layout
+                    .refresh_host(&t.model)
+                    .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+            }
             (None, None) => {}
         }
         if let Some(l) = loaded.as_mut() {
@@ -467,7 +473,17 @@ impl<'a> Run<'a> {
 
     fn save(&mut self, completed: u64, goes_on: bool) -> Option<std::path::PathBuf> {
         crate::memory::uncapped(|| {
-            self.ckpt.save(completed, goes_on, &self.state, self.started, self.plan, &mut self.reporter)
+            let shards =
+                self.ckpt.stage_shards(completed, &self.state, self.dist.as_deref(), &self.plan.config);
+            self.ckpt.save(
+                completed,
+                goes_on,
+                &self.state,
+                shards,
+                self.started,
+                self.plan,
+                &mut self.reporter,
+            )
         })
     }
 
@@ -581,9 +597,17 @@ fn fresh_state(plan: &RunPlan, recording: bool) -> Result<TrainState, TrainError
     let (cfg, t, device) = (&plan.config, &plan.config.train, plan.device);
     let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
     crate::step::precision::configure_process(cfg.precision, device);
-    let trainable =
-        Trainable::build(&cfg.model, cfg.kernels, &plan.optimizer, cfg.precision, scaler, cfg.seed, device)
-            .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+    let trainable = Trainable::build(
+        &cfg.model,
+        cfg.kernels,
+        &plan.optimizer,
+        plan.layout,
+        cfg.precision,
+        scaler,
+        cfg.seed,
+        device,
+    )
+    .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
     let guard = Guard::new(
         GuardState::new(plan.micro_batch, cfg.oom.min_micro_batch, cfg.oom.regrow_after_steps),
         cfg.oom.policy,
@@ -600,16 +624,39 @@ fn fresh_state(plan: &RunPlan, recording: bool) -> Result<TrainState, TrainError
 /// deterministic), and gradients are averaged in buckets laid out once.
 fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), TrainError> {
     let (cfg, device) = (&plan.config, plan.device);
-    let params = state.trainable.params();
+    let t = &state.trainable;
+    let params = t.params();
+    let unrecovered = |e| unrecovered(e, None, plan.micro_batch, device);
     d.broadcast_params(params)?;
-    d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
-        .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-    tracing::info!(
-        "rank {} of {}: gradients averaged in {} bucket(s)",
-        d.rank,
-        d.world_size,
-        d.bucket_count()
-    );
+    t.layout.refresh_host(&t.model).map_err(unrecovered)?;
+    match &t.layout.shard {
+        // Reduce-scattered in pieces made per step: no buckets kept.
+        Some(s) if t.layout.shards_gradients().is_some() => tracing::info!(
+            "rank {} of {}: dist.shard {}: owns {} of {} parameters ({} elements; the largest share is {:.2}x an even one)",
+            d.rank,
+            d.world_size,
+            s.level.name(),
+            s.owned.len(),
+            params.len(),
+            s.ownership.elements(d.rank),
+            s.ownership.imbalance()
+        ),
+        _ => {
+            d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
+                .map_err(unrecovered)?;
+            tracing::info!(
+                "rank {} of {}: gradients averaged in {} bucket(s){}",
+                d.rank,
+                d.world_size,
+                d.bucket_count(),
+                t.layout.shard.as_ref().map_or(String::new(), |s| format!(
+                    "; dist.shard optimizer: owns the state of {} of {} parameters",
+                    s.owned.len(),
+                    params.len()
+                ))
+            );
+        }
+    }
     Ok(())
 }
 

@@ -1,0 +1,157 @@
+//! The collectives of sharded data parallel (`dist.shard`), over the slot-per-rank layout of
+//! [`Ownership`]: gradients summed over ranks with each rank receiving only its own parameters'
+//! (reduce-scatter), and every rank's updated parameters put back on all (all-gather).
+//!
+//! Both run in pieces of at most `chunk` elements per rank, so what they allocate is bounded by
+//! `dist.bucket_mb` × world size, not by the model: piece k is, on every rank's slot, the
+//! elements `k·chunk ..` of that slot, which c10d's reduce-scatter and all-gather exchange as one
+//! flat buffer of `world × len` elements. The buffers are fp32 whatever the precision (as the
+//! all-reduce buckets are): a bf16 gradient summed over ranks in bf16 would round at every
+//! rank's addition.
+use super::shard::Ownership;
+use super::{collective, torch_error, Dist, DistError};
+use tch::{Kind, Tensor};
+
+/// Where a parameter's elements sit: its owner's slot, from `start` within that slot.
+struct Placed {
+    owner: usize,
+    start: i64,
+    len: i64,
+}
+
+fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
+    let slot = own.slot();
+    own.offsets()
+        .iter()
+        .zip(numels)
+        .enumerate()
+        .map(|(i, (&off, &len))| {
+            let owner = own.owner(i);
+            Placed { owner, start: off - owner as i64 * slot, len }
+        })
+        .collect()
+}
+
+/// The part of `[p.start, p.start + p.len)` inside the piece `[from, from + len)` of a slot, as
+/// (offset in the parameter, offset in the piece, length).
+fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
+    let lo = p.start.max(from);
+    let hi = (p.start + p.len).min(from + len);
+    (lo < hi).then(|| (lo - p.start, lo - from, hi - lo))
+}
+
+impl Dist {
+    /// Each of `grads` (one per parameter, laid out by `own`) summed over the ranks and divided
+    /// by the world size, returned for the parameters this rank owns only, in parameter order
+    /// (new tensors, each of its gradient's shape and dtype).
+    pub fn reduce_scatter_gradients(
+        &self,
+        grads: &[Tensor],
+        own: &Ownership,
+        chunk: i64,
+    ) -> Result<Vec<Tensor>, DistError> {
+        const WHAT: &str = "gradient reduce-scatter";
+        let torch = torch_error(WHAT);
+        let _no_grad = tch::no_grad_guard();
+        let numels: Vec<i64> = grads.iter().map(|g| g.numel() as i64).collect();
+        let placed = placements(own, &numels);
+        let flats: Vec<Tensor> =
+            grads.iter().map(|g| g.f_reshape([-1])).collect::<Result<_, _>>().map_err(torch)?;
+        let mine: Vec<usize> = (0..grads.len()).filter(|&i| placed[i].owner == self.rank).collect();
+        let out: Vec<Tensor> = mine
+            .iter()
+            .map(|&i| Tensor::f_zeros([numels[i]], (Kind::Float, grads[i].device())))
+            .collect::<Result<_, _>>()
+            .map_err(torch)?;
+        let (slot, world) = (own.slot(), self.world_size as i64);
+        let chunk = chunk.clamp(1, slot);
+        let device = grads.first().map_or(self.small, |g| g.device());
+        let mut from = 0;
+        while from < slot {
+            let len = chunk.min(slot - from);
+            let mut input = Tensor::f_zeros([world * len], (Kind::Float, device)).map_err(torch)?;
+            for (i, p) in placed.iter().enumerate() {
+                if let Some((at, to, n)) = overlap(p, from, len) {
+                    input
+                        .f_narrow(0, p.owner as i64 * len + to, n)
+                        .and_then(|mut dst| dst.f_copy_(&flats[i].f_narrow(0, at, n)?))
+                        .map_err(torch)?;
+                }
+            }
+            let mut piece = Tensor::f_empty([len], (Kind::Float, device)).map_err(torch)?;
+            self.group
+                .reduce_scatter(&mut piece, &mut input)
+                .map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            for (k, &i) in mine.iter().enumerate() {
+                if let Some((at, to, n)) = overlap(&placed[i], from, len) {
+                    out[k]
+                        .f_narrow(0, at, n)
+                        .and_then(|mut dst| dst.f_copy_(&piece.f_narrow(0, to, n)?))
+                        .map_err(torch)?;
+                }
+            }
+            from += len;
+        }
+        let scale = 1.0 / self.world_size as f64;
+        mine.iter()
+            .zip(out)
+            .map(|(&i, sum)| {
+                sum.f_mul_scalar(scale)?.f_to_kind(grads[i].kind())?.f_view(grads[i].size().as_slice())
+            })
+            .collect::<Result<_, _>>()
+            .map_err(torch)
+    }
+
+    /// Every rank's owned `params` (laid out by `own`) copied into the others' `params`: after
+    /// each rank updated its own, all hold the same weights again.
+    pub fn all_gather_parameters(
+        &self,
+        params: &[Tensor],
+        own: &Ownership,
+        chunk: i64,
+    ) -> Result<(), DistError> {
+        const WHAT: &str = "parameter all-gather";
+        let torch = torch_error(WHAT);
+        let _no_grad = tch::no_grad_guard();
+        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
+        let placed = placements(own, &numels);
+        let (slot, world) = (own.slot(), self.world_size as i64);
+        let chunk = chunk.clamp(1, slot);
+        let device = params.first().map_or(self.small, |p| p.device());
+        let mut from = 0;
+        while from < slot {
+            let len = chunk.min(slot - from);
+            let mut piece = Tensor::f_zeros([len], (Kind::Float, device)).map_err(torch)?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
+                if let Some((at, to, n)) = overlap(p, from, len) {
+                    let src = params[i].f_reshape([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
+                    piece.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
+                }
+            }
+            let mut all = Tensor::f_empty([world * len], (Kind::Float, device)).map_err(torch)?;
+            self.group.all_gather(&mut all, &mut piece).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
+                if let Some((at, to, n)) = overlap(p, from, len) {
+                    let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
+                    write_flat(&params[i], at, &src).map_err(torch)?;
+                }
+            }
+            from += len;
+        }
+        Ok(())
+    }
+}
+
+/// Copies `src` into `param`'s elements `at..at + src.numel()` (in its row-major order), in
+/// place: `param` may be a view (a padded embedding's rows), whose reshape would be a copy.
+fn write_flat(param: &Tensor, at: i64, src: &Tensor) -> Result<(), tch::TchError> {
+    if param.is_contiguous() {
+        let mut dst = param.f_view([-1])?.f_narrow(0, at, src.numel() as i64)?;
+        dst.f_copy_(src)?;
+        return Ok(());
+    }
+    let whole = param.f_reshape([-1])?;
+    whole.f_narrow(0, at, src.numel() as i64)?.f_copy_(src)?;
+    param.shallow_clone().f_copy_(&whole.f_view(param.size().as_slice())?)?;
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! Sharded data parallel (`dist.shard`) and optimizer offload on CPU with Gloo ranks: each level
+//! on 2, 3 and 4 ranks equals one process, checkpoints every rank writes its part of, resumed at
+//! other world sizes and levels, and a rank killed inside a checkpoint write.
+use crate::common::*;
+use crate::dist::{args, spawn_rank, spawn_rank_with, wait_ok};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// 20 steps (a checkpoint at 10 and 20), uneven rank shares for 3 ranks (64 = 21 + 21 + 22).
+const RUN: [&str; 7] = [
+    "train.max_steps=20",
+    "train.warmup_steps=2",
+    "train.global_batch_size=64",
+    "train.micro_batch_size=16",
+    "train.eval_interval=10",
+    "checkpoint.interval=10",
+    "dist.timeout_s=30",
+];
+
+fn ranks(world: usize, dir: &Path, sets: &[&str]) {
+    let port = free_port();
+    wait_ok((0..world).map(|r| spawn_rank(r, world, port, dir, sets)).collect());
+}
+
+fn resumed_ranks(world: usize, dir: &Path, sets: &[&str]) {
+    let port = free_port();
+    let resume = |r| {
+        spawn_rank_with(r, world, port, [args(dir, sets), vec!["--resume".into(), "auto".into()]].concat())
+    };
+    wait_ok((0..world).map(resume).collect());
+}
+
+/// `world` ranks (resuming when `resume`) that stop at `faults.interrupt_at_step` as on a
+/// signal: each exits 4 (docs/exit-codes.md), its checkpoint written.
+fn interrupted_ranks(world: usize, dir: &Path, sets: &[&str], resume: bool) {
+    let port = free_port();
+    let tail: Vec<String> = if resume { vec!["--resume".into(), "auto".into()] } else { Vec::new() };
+    let children: Vec<_> = (0..world)
+        .map(|r| spawn_rank_with(r, world, port, [args(dir, sets), tail.clone()].concat()))
+        .collect();
+    for (r, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(4), "rank {r}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+/// Loss and gradient norm of every step within 1e-5 of the one-process run's, and the weights.
+fn assert_like(dir: &Path, single: &Path, what: &str) {
+    let (a, b) = (read_jsonl(&dir.join("metrics.jsonl")), read_jsonl(&single.join("metrics.jsonl")));
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(&b) {
+        for key in ["loss", "grad_norm"] {
+            let (u, v) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+            assert!((u - v).abs() <= 1e-5 * v.abs().max(1.0), "{what}, step {}: {key} {u} vs {v}", x["step"]);
+        }
+    }
+    let diff = max_weight_diff(dir, single);
+    assert!(diff <= 1e-5, "{what}: weights differ from one process by {diff}");
+}
+
+/// The optimizer files of the newest checkpoint of a run.
+fn optimizer_files(dir: &Path) -> Vec<String> {
+    let newest = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("step-"))
+        .max()
+        .unwrap();
+    let mut files: Vec<String> = std::fs::read_dir(newest)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("optimizer"))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn each_shard_level_on_two_three_and_four_ranks_equals_one_process() {
+    let s = tempfile::tempdir().unwrap();
+    train(s.path(), "configs/debug.yaml", &RUN).ok();
+    for level in ["optimizer", "gradients"] {
+        for world in [2, 3, 4] {
+            let d = tempfile::tempdir().unwrap();
+            let shard = format!("dist.shard={level}");
+            ranks(world, d.path(), &[&RUN[..], &[shard.as_str()]].concat());
+            assert_like(d.path(), s.path(), &format!("{level} on {world} ranks"));
+            let want: Vec<String> =
+                (0..world).map(|r| format!("optimizer.rank-{r:05}-of-{world:05}.safetensors")).collect();
+            assert_eq!(optimizer_files(d.path()), want, "every rank wrote its own part");
+        }
+    }
+}
+
+/// Llama with Adafactor (factored rows: its state laid out per whole matrix), sharded over 3
+/// ranks, equals one process.
+#[test]
+fn llama_with_adafactor_sharded_over_three_ranks_equals_one_process() {
+    let sets = [&RUN[..], &["optimizer.name=adafactor", "train.threads=1"]].concat();
+    let s = tempfile::tempdir().unwrap();
+    train(s.path(), "configs/llama-debug.yaml", &sets).ok();
+    let d = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let rank = |r| {
+        let mut a = args(d.path(), &[&sets[..], &["dist.shard=gradients"]].concat());
+        a[2] = repo().join("configs/llama-debug.yaml").display().to_string();
+        spawn_rank_with(r, 3, port, a)
+    };
+    wait_ok(vec![rank(0), rank(1), rank(2)]);
+    assert_like(d.path(), s.path(), "llama with adafactor");
+}
+
+/// 8-bit AdamW's quantisation rounds a gradient's last-bit differences (another order of the
+/// sum over ranks) into a visible step, so it is compared where the gradients are the same
+/// bits: sharding only the optimizer state, the ranks average as replicated ranks do, and each
+/// rank's blocks update exactly as there.
+#[test]
+fn adamw8bit_with_its_state_sharded_equals_replicated_ranks_bit_for_bit() {
+    let sets = [&RUN[..], &["optimizer.name=adamw8bit"]].concat();
+    let (r, d) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    ranks(3, r.path(), &sets);
+    ranks(3, d.path(), &[&sets[..], &["dist.shard=optimizer"]].concat());
+    assert_eq!(max_weight_diff(d.path(), r.path()), 0.0);
+    assert_eq!(optimizer_files(d.path()).len(), 3);
+}
+
+/// Stopped at step 7 on 2 ranks sharding gradients, resumed by 3 ranks sharding the optimizer
+/// state only, stopped at 14, and finished by one process without sharding: the straight run's
+/// weights. Each resume reads the parts of whatever world and level wrote them.
+#[test]
+fn a_run_resumed_from_two_sharded_ranks_to_three_to_one_process_trains_as_the_straight_run() {
+    let (s, d) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(s.path(), "configs/debug.yaml", &RUN).ok();
+    interrupted_ranks(
+        2,
+        d.path(),
+        &[&RUN[..], &["dist.shard=gradients", "faults.interrupt_at_step=7"]].concat(),
+        false,
+    );
+    assert_eq!(optimizer_files(d.path()).len(), 2);
+    interrupted_ranks(
+        3,
+        d.path(),
+        &[&RUN[..], &["dist.shard=optimizer", "faults.interrupt_at_step=14"]].concat(),
+        true,
+    );
+    assert_eq!(optimizer_files(d.path()).len(), 3);
+    let mut c = command(d.path(), "configs/debug.yaml", &RUN);
+    c.args(["--resume", "auto"]);
+    run(c, d.path()).ok();
+    assert_eq!(optimizer_files(d.path()), ["optimizer.safetensors"]);
+    let diff = max_weight_diff(d.path(), s.path());
+    assert!(diff <= 1e-5, "weights differ from the straight run by {diff}");
+}
+
+/// `memory.offload_optimizer`: the update on host copies of the weights gives the same weights
+/// as the update in place, bit for bit, alone and under sharding.
+#[test]
+fn offloading_the_optimizer_trains_exactly_as_without() {
+    let (s, o) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(s.path(), "configs/debug.yaml", &RUN).ok();
+    train(o.path(), "configs/debug.yaml", &[&RUN[..], &["memory.offload_optimizer=true"]].concat()).ok();
+    assert_eq!(max_weight_diff(o.path(), s.path()), 0.0);
+    let d = tempfile::tempdir().unwrap();
+    ranks(2, d.path(), &[&RUN[..], &["dist.shard=gradients", "memory.offload_optimizer=true"]].concat());
+    assert_like(d.path(), s.path(), "offload under sharding");
+}
+
+/// A rank killed inside a checkpoint write (rank 1 while it stages its part, or rank 0 while it
+/// writes the checkpoint) leaves the previous checkpoint whole: both ranks resume from it and
+/// finish with the weights of a run that was never killed, bit for bit.
+#[test]
+fn a_rank_killed_inside_a_sharded_checkpoint_write_leaves_the_previous_one_whole() {
+    let reference = tempfile::tempdir().unwrap();
+    let sets = [&RUN[..], &["dist.shard=gradients"]].concat();
+    ranks(2, reference.path(), &sets);
+    for victim in [1usize, 0] {
+        let d = tempfile::tempdir().unwrap();
+        let slow =
+            [&sets[..], &["faults.pause_in_checkpoint_write_ms=8000", "checkpoint.interval=5"]].concat();
+        let port = free_port();
+        let mut children: Vec<_> = (0..2).map(|r| spawn_rank(r, 2, port, d.path(), &slow)).collect();
+        // Rank 1 pauses once its staging directory exists; rank 0 once model.safetensors is in
+        // its temporary checkpoint. Checkpoint 5 is written first: kill inside checkpoint 10.
+        let inside = match victim {
+            1 => d.path().join("checkpoints/.tmp-shard-step-00000010-1"),
+            _ => d.path().join("checkpoints/.tmp-step-00000010/model.safetensors"),
+        };
+        let t0 = Instant::now();
+        while !inside.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(300), "checkpoint 10 never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        children[victim].kill().unwrap();
+        for c in &mut children {
+            let _ = c.wait();
+        }
+        assert!(d.path().join("checkpoints/step-00000005/trainer_state.json").is_file());
+        assert!(!d.path().join("checkpoints/step-00000010").exists(), "victim {victim}");
+        // Without the pause, resumed from 5 (leftovers removed), to the end.
+        resumed_ranks(2, d.path(), &[&sets[..], &["checkpoint.interval=5"]].concat());
+        let resumed: Vec<_> = read_jsonl(&d.path().join("events.jsonl"))
+            .into_iter()
+            .filter(|e| e["event"] == "resumed")
+            .collect();
+        assert_eq!(resumed.last().unwrap()["step"], 5, "victim {victim}");
+        assert_eq!(max_weight_diff(d.path(), reference.path()), 0.0, "victim {victim}");
+    }
+}
