@@ -209,3 +209,76 @@ fn a_rank_killed_inside_a_sharded_checkpoint_write_leaves_the_previous_one_whole
         assert_eq!(max_weight_diff(d.path(), reference.path()), 0.0, "victim {victim}");
     }
 }
+
+/// A model whose AdamW state and all-reduce buckets weigh more than its activations (13M
+/// parameters: ~200 MB of state and buckets per replicated rank), at its micro-batch floor with
+/// every block checkpointed already: only moving state away can make it fit.
+const HEAVY: [&str; 13] = [
+    "model.n_embd=512",
+    "model.n_head=8",
+    "model.n_layer=4",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "oom.min_micro_batch=2",
+    "memory.activation_checkpointing=blocks",
+    "train.max_steps=4",
+    "train.warmup_steps=1",
+    "train.eval_interval=0",
+    "checkpoint.interval=0",
+    "dist.timeout_s=60",
+    // Pieces of 2 MiB: the collectives' buffers are then small beside the 50 MB of weights.
+    "dist.bucket_mb=2",
+];
+
+/// Rank 0's peak mapped memory above its start on 2 ranks, with `sets`, training alone (a
+/// checkpoint's write buffers, outside the cap, would be the peak).
+fn rank_peak(sets: &[&str]) -> u64 {
+    let d = tempfile::tempdir().unwrap();
+    ranks(2, d.path(), &[sets, &["memory.limit=1TiB", "checkpoint.at_end=false"]].concat());
+    let finished =
+        read_jsonl(&d.path().join("events.jsonl")).into_iter().find(|e| e["event"] == "run_finished");
+    finished.unwrap()["peak_mapped_above_start_bytes"].as_u64().unwrap()
+}
+
+/// Two replicated ranks at their floor under a per-rank cap between the replicated and the
+/// sharded peak: without escalation they stop with exit 3; with `oom.escalate: [shard_gradients]`
+/// both move to sharded gradients at the same step and train on, the global batch kept, the
+/// level in trainer_state.json.
+#[test]
+fn replicated_ranks_at_their_floor_escalate_to_sharding_instead_of_exiting_3() {
+    let (replicated, sharded) =
+        (rank_peak(&HEAVY), rank_peak(&[&HEAVY[..], &["dist.shard=gradients"]].concat()));
+    assert!(sharded + (40 << 20) < replicated, "sharding saves state and buckets: {sharded} vs {replicated}");
+    let cap = format!("memory.limit={}", (replicated + sharded) / 2);
+    let capped = [&HEAVY[..], &[cap.as_str()]].concat();
+
+    let d = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let outs: Vec<_> = (0..2)
+        .map(|r| spawn_rank(r, 2, port, d.path(), &capped))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert_eq!(o.status.code(), Some(3), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+
+    let e = tempfile::tempdir().unwrap();
+    ranks(2, e.path(), &[&capped[..], &["oom.escalate=[shard_gradients]"]].concat());
+    let events = read_jsonl(&e.path().join("events.jsonl"));
+    let escalated: Vec<_> = events.iter().filter(|e| e["event"] == "oom_escalated").collect();
+    assert_eq!(escalated.len(), 1, "{events:?}");
+    let metrics = read_jsonl(&e.path().join("metrics.jsonl"));
+    assert_eq!(metrics.len(), 4);
+    assert!(
+        metrics.iter().all(|m| m["micro_batch"] == 2 && m["accumulation"] == 1),
+        "global batch kept: 2 × 1 × 2 ranks"
+    );
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(e.path().join("checkpoints/step-00000004/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["guard"]["escalation_level"], 1);
+    assert_eq!(optimizer_files(e.path()).len(), 2, "each rank wrote its part");
+}

@@ -5,7 +5,7 @@
 //! Downstream code reads these, never re-parses the config's strings.
 //! Pure: the environment comes in as [`Environment`], so every rule is unit-tested.
 use crate::checkpoint::retention::Retention;
-use crate::config::{parse_duration, Checkpointing, Config, Problem};
+use crate::config::{parse_duration, Checkpointing, Config, Escalation, Problem};
 use crate::data::batch;
 use crate::optim::{LrSchedule, OptimizerSpec};
 use crate::step::{LayoutSpec, Savers, StepSettings};
@@ -189,6 +189,17 @@ impl RunPlan {
                         "rank {r} does not exist in a world of {} (ranks 0..{})",
                         env.world_size, env.world_size
                     ),
+                ));
+            }
+        }
+        if env.world_size == 1 {
+            // One rank owns every parameter: sharding would move nothing.
+            let escalate = &config.oom.escalate;
+            let sharding = [Escalation::ShardOptimizer, Escalation::ShardGradients];
+            if let Some(e) = escalate.iter().find(|e| sharding.contains(e)) {
+                problems.push(Problem::new(
+                    "oom.escalate",
+                    format!("`{}` shards over several ranks and this run has one (WORLD_SIZE 1): drop it, or launch with torchrun", e.name()),
                 ));
             }
         }

@@ -419,6 +419,12 @@ pub struct OomConfig {
 pub enum Escalation {
     ActivationCheckpointing,
     OffloadActivations,
+    /// The optimizer state and its update move to host memory (`memory.offload_optimizer`).
+    OffloadOptimizer,
+    /// With several ranks: each keeps only its own parameters' optimizer state (`dist.shard: optimizer`).
+    ShardOptimizer,
+    /// With several ranks: and receives only its own parameters' gradients (`dist.shard: gradients`).
+    ShardGradients,
 }
 
 impl Escalation {
@@ -427,6 +433,9 @@ impl Escalation {
         match self {
             Escalation::ActivationCheckpointing => "activation_checkpointing",
             Escalation::OffloadActivations => "offload_activations",
+            Escalation::OffloadOptimizer => "offload_optimizer",
+            Escalation::ShardOptimizer => "shard_optimizer",
+            Escalation::ShardGradients => "shard_gradients",
         }
     }
 
@@ -437,6 +446,15 @@ impl Escalation {
             Escalation::ActivationCheckpointing => "activation_checkpointing (every block)",
             Escalation::OffloadActivations => {
                 "offload_activations (with every block checkpointed: offload moves the checkpointed inputs)"
+            }
+            Escalation::OffloadOptimizer => {
+                "offload_optimizer (the optimizer state and its update move to host memory)"
+            }
+            Escalation::ShardOptimizer => {
+                "shard_optimizer (each rank keeps only its own parameters' optimizer state)"
+            }
+            Escalation::ShardGradients => {
+                "shard_gradients (each rank keeps only its own parameters' optimizer state and gradients)"
             }
         }
     }

@@ -227,6 +227,11 @@ impl Dist {
         Ok(())
     }
 
+    /// Frees the all-reduce buckets (sharded gradients are reduce-scattered instead).
+    pub fn release_buckets(&mut self) {
+        self.buckets.clear();
+    }
+
     pub fn bucket_count(&self) -> usize {
         self.buckets.len()
     }
@@ -237,6 +242,13 @@ impl Dist {
         let _no_grad = tch::no_grad_guard();
         let scale = 1.0 / self.world_size as f64;
         let heartbeat = self.heartbeat.as_ref();
+        if self.buckets.is_empty() && !grads.is_empty() {
+            return Err(DistError::Collective {
+                what: "gradient all-reduce",
+                message: "no buckets laid out (Dist::plan_buckets)".into(),
+                silent: None,
+            });
+        }
         for b in &mut self.buckets {
             for &(i, off, n) in &b.slots {
                 b.flat

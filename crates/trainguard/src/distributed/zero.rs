@@ -66,10 +66,13 @@ impl Dist {
         let (slot, world) = (own.slot(), self.world_size as i64);
         let chunk = chunk.clamp(1, slot);
         let device = grads.first().map_or(self.small, |g| g.device());
+        // One input buffer for every piece (the last may be shorter: a prefix of it).
+        let buffer = Tensor::f_empty([world * chunk], (Kind::Float, device)).map_err(torch)?;
         let mut from = 0;
         while from < slot {
             let len = chunk.min(slot - from);
-            let mut input = Tensor::f_zeros([world * len], (Kind::Float, device)).map_err(torch)?;
+            let mut input =
+                buffer.f_narrow(0, 0, world * len).and_then(|mut b| b.f_zero_()).map_err(torch)?;
             for (i, p) in placed.iter().enumerate() {
                 if let Some((at, to, n)) = overlap(p, from, len) {
                     input
@@ -92,11 +95,13 @@ impl Dist {
             }
             from += len;
         }
+        // In place: an fp32 gradient is its accumulator, not a copy of it.
         let scale = 1.0 / self.world_size as f64;
         mine.iter()
             .zip(out)
-            .map(|(&i, sum)| {
-                sum.f_mul_scalar(scale)?.f_to_kind(grads[i].kind())?.f_view(grads[i].size().as_slice())
+            .map(|(&i, mut sum)| {
+                let _ = sum.f_mul_scalar_(scale)?;
+                sum.f_to_kind(grads[i].kind())?.f_view(grads[i].size().as_slice())
             })
             .collect::<Result<_, _>>()
             .map_err(torch)
@@ -118,17 +123,21 @@ impl Dist {
         let (slot, world) = (own.slot(), self.world_size as i64);
         let chunk = chunk.clamp(1, slot);
         let device = params.first().map_or(self.small, |p| p.device());
+        let (pieces, gathered) = (
+            Tensor::f_empty([chunk], (Kind::Float, device)).map_err(torch)?,
+            Tensor::f_empty([world * chunk], (Kind::Float, device)).map_err(torch)?,
+        );
         let mut from = 0;
         while from < slot {
             let len = chunk.min(slot - from);
-            let mut piece = Tensor::f_zeros([len], (Kind::Float, device)).map_err(torch)?;
+            let mut piece = pieces.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
             for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
                 if let Some((at, to, n)) = overlap(p, from, len) {
                     let src = params[i].f_reshape([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
                     piece.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
                 }
             }
-            let mut all = Tensor::f_empty([world * len], (Kind::Float, device)).map_err(torch)?;
+            let mut all = gathered.f_narrow(0, 0, world * len).map_err(torch)?;
             self.group.all_gather(&mut all, &mut piece).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
             for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
                 if let Some((at, to, n)) = overlap(p, from, len) {

@@ -154,11 +154,25 @@ fn attempt(
     let Trainable { model, opt, layout, scaler, graphs } = t;
     let scaled = scaler.is_some();
     let savers = settings.savers_at(p.escalation_level());
+    // The guard escalated to offloading or sharding the optimizer state: moved before the
+    // attempt (on every rank alike: the ranks escalate together).
+    // A failure to move it is this rank's failed attempt, agreed on like any other.
+    let wanted = layout.base.escalated(&settings.escalate[..p.escalation_level()]);
+    let moved = match wanted == layout.spec {
+        true => Ok(()),
+        false => catch_torch_panics(|| layout.change_to(wanted, opt, model, settings.device)),
+    };
+    if let (Ok(()), Some(_), Some(d)) = (&moved, layout.shards_gradients(), dist.as_deref_mut()) {
+        // Gradients are reduce-scattered from now on: the all-reduce buckets go.
+        d.release_buckets();
+    }
     let autocast =
         Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
     // Each rank's own work is caught where it is done (a libtorch error tch raised as a
     // panic included), so a failing rank still joins the agreement that follows.
-    let local = catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p));
+    let local = moved.and_then(|()| {
+        catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p))
+    });
     drop(autocast);
     // The injected leak allocates like the step's own work: before the ranks agree on it.
     let local =

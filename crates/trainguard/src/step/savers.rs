@@ -65,6 +65,8 @@ impl Savers {
                 self.checkpoint_first = None;
                 self.offload = true;
             }
+            // Where the optimizer state lives: the step's layout, not its savers.
+            Escalation::OffloadOptimizer | Escalation::ShardOptimizer | Escalation::ShardGradients => {}
         }
         self
     }

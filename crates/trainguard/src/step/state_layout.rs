@@ -4,7 +4,7 @@
 //! parameters, and the new weights are copied back). Owns the building of the optimizer for
 //! that layout, the update through it, the names of the state a checkpoint of this rank holds,
 //! and moving an optimizer's state into another layout (the OOM guard's escalations).
-use crate::config::ShardLevel;
+use crate::config::{Escalation, ShardLevel};
 use crate::distributed::shard::Sharding;
 use crate::model::Model;
 use crate::optim::{Optimizer, OptimizerSpec};
@@ -28,6 +28,16 @@ impl Default for LayoutSpec {
 }
 
 impl LayoutSpec {
+    /// With the OOM guard's escalations `done` switched on (those that move optimizer state).
+    pub fn escalated(self, done: &[Escalation]) -> Self {
+        done.iter().fold(self, |s, e| match e {
+            Escalation::OffloadOptimizer => Self { offload: true, ..s },
+            Escalation::ShardOptimizer => Self { shard: s.shard.max(ShardLevel::Optimizer), ..s },
+            Escalation::ShardGradients => Self { shard: s.shard.max(ShardLevel::Gradients), ..s },
+            Escalation::ActivationCheckpointing | Escalation::OffloadActivations => s,
+        })
+    }
+
     /// Elements per rank in a piece of about `bucket_mb` MiB of fp32 over all ranks.
     pub fn chunk_for(bucket_mb: f64, world: usize) -> i64 {
         ((bucket_mb * (1 << 20) as f64 / 4.0) as i64 / world.max(1) as i64).max(1)
@@ -36,7 +46,10 @@ impl LayoutSpec {
 
 /// The layout a [`crate::step::Trainable`]'s optimizer was built for.
 pub struct StateLayout {
+    /// What the run configured; `spec` is that with the OOM guard's escalations applied.
+    pub base: LayoutSpec,
     pub spec: LayoutSpec,
+    opt_spec: OptimizerSpec,
     pub shard: Option<Sharding>,
     /// Under offload: the host copies of the parameters the optimizer updates (this rank's own
     /// under sharding), in the optimizer's order.
@@ -54,9 +67,57 @@ impl StateLayout {
         let params = model.optimizer_params()?;
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
-        let layout = Self { spec, shard, host: None };
+        let layout = Self { base: spec, spec, opt_spec: *opt_spec, shard, host: None };
         let (opt, host) = layout.optimizer_for(opt_spec, model, &params, device)?;
         Ok((opt, Self { host, ..layout }))
+    }
+
+    /// Moves `opt`'s state into the layout `spec` (an escalation of the OOM guard): this rank's
+    /// parameters' state is copied into an optimizer built for the new layout, which replaces
+    /// `opt` only once it holds it, so a failure (an out-of-memory building it) leaves `opt`
+    /// and this layout as they were, for the guard to handle.
+    pub fn change_to(
+        &mut self,
+        spec: LayoutSpec,
+        opt: &mut Optimizer,
+        model: &Model,
+        device: Device,
+    ) -> Result<(), TchError> {
+        let params = model.optimizer_params()?;
+        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
+        let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
+        let next = Self { base: self.base, spec, opt_spec: self.opt_spec, shard, host: None };
+        let keep = next.state_names(&model.params.names);
+        // Each state tensor is named `<kind>.<parameter name>`: what the new layout keeps.
+        let saved: Vec<(String, Tensor)> = opt
+            .state_tensors(&self.state_names(&model.params.names))
+            .into_iter()
+            .filter(|(key, _)| {
+                keep.iter().any(|n| key.strip_suffix(n.as_str()).is_some_and(|k| k.ends_with('.')))
+            })
+            .collect();
+        let steps = opt.steps();
+        // The state this rank no longer keeps is freed before the new state is made (at the
+        // micro-batch floor the two together may not fit): from here a failure cannot go back.
+        let placeholder = Optimizer::for_owned(&self.opt_spec, model, &[], &[], device)?;
+        drop(std::mem::replace(opt, placeholder));
+        let moved =
+            next.optimizer_for(&self.opt_spec, model, &params, device).and_then(|(mut fresh, host)| {
+                fresh.load_state(&keep, &saved, steps).map_err(TchError::Torch)?;
+                Ok((fresh, host))
+            });
+        let (fresh, host) = moved.map_err(|e| {
+            // Not an out-of-memory the guard could replay: the old layout's state is gone.
+            let text = e.to_string();
+            let first = match crate::guard::classify(&text) {
+                crate::guard::ErrorKind::OutOfMemory { .. } => "it ran out of memory".to_string(),
+                _ => text.lines().next().unwrap_or_default().to_string(),
+            };
+            TchError::Torch(format!("oom.escalate could not move the optimizer state into its new layout ({first}); the part this rank gave up was freed, so the run stops here: resume from the newest checkpoint (--resume auto)"))
+        })?;
+        *opt = fresh;
+        *self = Self { host, ..next };
+        self.refresh_host(model)
     }
 
     /// An optimizer for this layout's parameters (fresh state), and the host copies it updates.

@@ -377,6 +377,9 @@ pub(super) struct Checkpointer {
     last_path: Option<PathBuf>,
     /// What this run trains on, recorded in each checkpoint.
     data: DataRecord,
+    /// When the ranks began staging the checkpoint being written (under `dist.shard`): its
+    /// time counts from there.
+    staging_started: Option<Instant>,
 }
 
 impl Checkpointer {
@@ -392,6 +395,7 @@ impl Checkpointer {
             last_seconds: 0.0,
             last_saved: None,
             last_path: None,
+            staging_started: None,
         }
     }
 
@@ -432,7 +436,7 @@ impl Checkpointer {
     /// size and checksum exchanged. Rank 0 gets the other ranks' staged shards, or why one
     /// failed; without sharding, or on the other ranks, None.
     pub(super) fn stage_shards(
-        &self,
+        &mut self,
         completed: u64,
         s: &TrainState,
         dist: Option<&crate::distributed::Dist>,
@@ -441,6 +445,7 @@ impl Checkpointer {
         let (t, d) = (&s.trainable, dist?);
         t.layout.shard.as_ref()?;
         let (rank, world) = (self.rank, self.world);
+        self.staging_started = Some(Instant::now());
         // Each rank's [written, size, CRC-32C]: all exact in an f64.
         let mine = if self.writer {
             [1.0, 0.0, 0.0]
@@ -492,6 +497,7 @@ impl Checkpointer {
         plan: &RunPlan,
         reporter: &mut Reporter,
     ) -> Option<PathBuf> {
+        let t0 = self.staging_started.take().unwrap_or_else(Instant::now);
         if !self.writer {
             return None;
         }
@@ -505,7 +511,6 @@ impl Checkpointer {
         let cfg = &plan.config;
         let (model, opt, guard, progress) = (&s.trainable.model, &s.trainable.opt, &s.guard, &s.progress);
         let scaler = s.trainable.scaler.as_ref();
-        let t0 = Instant::now();
         let state = TrainerState {
             format: STATE_FORMAT,
             step: completed,
