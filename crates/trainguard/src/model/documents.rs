@@ -85,7 +85,10 @@ fn lengths_of(starts: &Tensor) -> Result<DocumentAttention, TchError> {
 
 /// The id at which a run's documents end: none when `data.document_mask` is off; `manifest`:
 /// the `eos_id` of the source's `prepare` manifest.
-pub fn run_eos(data: &crate::config::DataConfig, manifest: Option<u32>) -> Result<Option<u32>, DocumentsError> {
+pub fn run_eos(
+    data: &crate::config::DataConfig,
+    manifest: Option<u32>,
+) -> Result<Option<u32>, DocumentsError> {
     data.document_mask.then(|| eos_id(data.eos_id, manifest, &data.source)).transpose()
 }
 
@@ -149,7 +152,8 @@ mod tests {
 
     #[test]
     fn the_mask_lets_a_token_read_its_own_document_up_to_itself() {
-        let DocumentAttention::Mask(mask) = Documents::with_form(&batch(), 0, false).unwrap().attention else {
+        let DocumentAttention::Mask(mask) = Documents::with_form(&batch(), 0, false).unwrap().attention
+        else {
             panic!("asked for the mask");
         };
         assert_eq!(mask.size(), [3, 1, 8, 8]);
@@ -202,7 +206,14 @@ mod tests {
 
     fn configs() -> Vec<crate::config::ModelConfig> {
         use crate::config::{Arch, ModelConfig};
-        let gpt2 = ModelConfig { n_layer: 2, n_head: 2, n_embd: 16, vocab_size: 32, seq_len: 12, ..Default::default() };
+        let gpt2 = ModelConfig {
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 16,
+            vocab_size: 32,
+            seq_len: 12,
+            ..Default::default()
+        };
         let llama = ModelConfig {
             arch: Arch::Llama,
             n_head: 4,
@@ -248,7 +259,9 @@ mod tests {
     fn checkpointing_recomputes_with_the_same_documents() {
         use super::super::Model;
         use crate::step::savers::{loss_and_grads, Savers};
-        let x = Tensor::from_slice(&[5i64, 9, 0, 4, 7, 0, 3, 8, 11, 2, 0, 6, 1, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 0]).view([2, 12]);
+        let x =
+            Tensor::from_slice(&[5i64, 9, 0, 4, 7, 0, 3, 8, 11, 2, 0, 6, 1, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 0])
+                .view([2, 12]);
         let y = x.roll([-1], [1]);
         for cfg in configs() {
             let mut m = Model::new(&cfg, 3, Device::Cpu).unwrap();

@@ -2,10 +2,10 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
+use super::documents::Documents;
 use super::layers::{
     causal_attention, linear, param, split_heads, LayerNorm, Linear, Output, ResidualNorm, Stream,
 };
-use super::documents::Documents;
 use super::memory::{layers as saves, Activations, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -170,7 +170,8 @@ impl Decoder for Gpt2 {
         // adds the three (on the CPU that cost twice the split's time: `trainguard trace`).
         let parts = qkv.f_split(c, 2)?;
         let heads = |j: usize| split_heads(&parts[j], self.n_head);
-        let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout, documents.map(|d| &d.attention))?;
+        let y =
+            causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout, documents.map(|d| &d.attention))?;
         let (x, normed) = blk.ln_2.add_forward(&x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
         let h = blk.fc.forward_gelu(&normed, self.our_gelu)?;
         Ok(Stream { x, pending: Some(blk.mlp_proj.forward_for(&h, output)?.f_dropout(dropout, train)?) })

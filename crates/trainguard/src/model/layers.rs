@@ -404,7 +404,16 @@ pub fn causal_attention(
         }
         Some(DocumentAttention::Mask(mask)) => {
             let mask = mask.f_to_kind(q.kind())?;
-            let y = Tensor::f_scaled_dot_product_attention(q, k, v, Some(&mask), dropout, false, None, groups > 1)?;
+            let y = Tensor::f_scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                Some(&mask),
+                dropout,
+                false,
+                None,
+                groups > 1,
+            )?;
             return y.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d]);
         }
     }

@@ -5,11 +5,11 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
+use super::documents::Documents;
 use super::layers::{
     causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, Output, ResidualNorm,
     RmsNorm, Rope, Stream,
 };
-use super::documents::Documents;
 use super::memory::{layers as saves, Activations, Count, Regime, Saved, Stored};
 use super::params::{Init, Params};
 use super::spec::{Part, TensorSpec};
@@ -236,7 +236,13 @@ impl Llama {
             false => vec![l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?],
         };
         let (cos, sin) = self.rope.tables_at(positions, projected[0].kind())?;
-        Rope::rotate_at([&projected[0], &projected[1], &projected[2]], self.n_head, self.n_kv_head, &cos, &sin)
+        Rope::rotate_at(
+            [&projected[0], &projected[1], &projected[2]],
+            self.n_head,
+            self.n_kv_head,
+            &cos,
+            &sin,
+        )
     }
 }
 

@@ -237,10 +237,14 @@ pub mod layers {
         let Some(form) = r.documents else { return vec![] };
         let mut out = vec![Saved::token("positions inside documents (int64)", 1, Stored::Bytes(8))];
         out.push(match form {
-            DocumentForm::Mask => {
-                Saved { what: "document mask (fp32, t × t per sequence)", count: Count::Scores(1), stored: Stored::Fp32 }
+            DocumentForm::Mask => Saved {
+                what: "document mask (fp32, t × t per sequence)",
+                count: Count::Scores(1),
+                stored: Stored::Fp32,
+            },
+            DocumentForm::Lengths => {
+                Saved::token("documents' cumulative lengths (int32)", 1, Stored::Bytes(4))
             }
-            DocumentForm::Lengths => Saved::token("documents' cumulative lengths (int32)", 1, Stored::Bytes(4)),
         });
         out
     }

@@ -1028,7 +1028,8 @@ mod tests {
                         Target::Cuda => seq * b * 4,
                     };
                     assert_eq!(outside, seq * b * 8 + form, "{:?} {target:?} {precision:?}", m.arch);
-                    let per_block = layer_activations(&m, &masked, b) as i64 - layer_activations(&m, &plain, b) as i64;
+                    let per_block =
+                        layer_activations(&m, &masked, b) as i64 - layer_activations(&m, &plain, b) as i64;
                     let e = precision.activation_bytes();
                     let cast = if target == Target::Cpu && e == 2 { seq * seq * b * e } else { 0 };
                     let rope = match m.arch {
@@ -1039,7 +1040,12 @@ mod tests {
                         }
                         crate::config::Arch::Gpt2 => 0,
                     };
-                    assert_eq!(per_block, cast as i64 + rope, "{:?} {target:?} {precision:?}: {l} blocks", m.arch);
+                    assert_eq!(
+                        per_block,
+                        cast as i64 + rope,
+                        "{:?} {target:?} {precision:?}: {l} blocks",
+                        m.arch
+                    );
                 }
             }
         }

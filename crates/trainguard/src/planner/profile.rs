@@ -289,10 +289,15 @@ fn setup_oom(cap: u64) -> impl Fn(TchError) -> ProfileError {
 }
 
 /// The model, optimizer and loss scaler training would build for `plan`, with `model`'s shape.
-fn build(plan: &RunPlan, model: &crate::config::ModelConfig, eos: Option<u32>) -> Result<Trainable, TchError> {
+fn build(
+    plan: &RunPlan,
+    model: &crate::config::ModelConfig,
+    eos: Option<u32>,
+) -> Result<Trainable, TchError> {
     let (c, t) = (&plan.config, &plan.config.train);
     let scaler = crate::step::LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
-    let mut built = Trainable::build(model, c.kernels, &plan.optimizer, c.precision, scaler, c.seed, plan.device)?;
+    let mut built =
+        Trainable::build(model, c.kernels, &plan.optimizer, c.precision, scaler, c.seed, plan.device)?;
     if let Some(eos) = eos {
         built.model.mask_documents(eos);
     }
