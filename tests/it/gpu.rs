@@ -1628,7 +1628,7 @@ fn document_masked_attention_on_cuda_matches_the_cpu_mask_path() {
                 let on = Model::new(&cfg, 9, device).unwrap();
                 let _g = tch::no_grad_guard();
                 for (dst, src) in on.params.tensors.iter().zip(&m.params.tensors) {
-                    let _ = dst.shallow_clone().copy_(src);
+                    dst.shallow_clone().copy_(src);
                 }
                 m = on;
             }
