@@ -201,11 +201,30 @@ fn an_unknown_or_conflicting_eos_id_is_refused_by_key() {
 fn another_micro_batch_split_trains_the_same_weights() {
     let d = tempfile::tempdir().unwrap();
     let sets = |micro: &'static str| {
-        ["data.document_mask=true", "data.eos_id=3", "train.max_steps=5", "train.eval_interval=0", micro]
+        [
+            "data.document_mask=true",
+            "data.eos_id=3",
+            "train.max_steps=5",
+            "train.warmup_steps=1",
+            "train.eval_interval=0",
+            micro,
+        ]
     };
     let (a, b) = (d.path().join("a"), d.path().join("b"));
     train(&a, "configs/debug.yaml", &sets("train.micro_batch_size=8")).ok();
     train(&b, "configs/debug.yaml", &sets("train.micro_batch_size=2")).ok();
     let diff = max_weight_diff(&a, &b);
     assert!(diff < 1e-5, "weights differ by {diff:e}");
+    // Id 3 does end documents in the built-in corpus: without the mask the weights differ.
+    let c = d.path().join("c");
+    let plain = [
+        "data.eos_id=3",
+        "train.max_steps=5",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "train.micro_batch_size=8",
+    ];
+    train(&c, "configs/debug.yaml", &plain).ok();
+    let unmasked = max_weight_diff(&a, &c);
+    assert!(unmasked > 1e-4, "the mask changed nothing ({unmasked:e}): no documents in these windows");
 }
