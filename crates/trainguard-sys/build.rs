@@ -6,7 +6,8 @@
 //!   `cpp/loss_kernels.cpp` (the fused cross-entropy's autograd node), `cpp/norm_kernels.cpp`
 //!   (the residual norm's), `cpp/llama_kernels.cpp` (SwiGLU's and RoPE's),
 //!   `cpp/linear_kernels.cpp` (the linear layer's), `cpp/trace.cpp`
-//!   (PyTorch's profiler, `metrics.trace`), `cpp/cuda_jit.cpp`
+//!   (PyTorch's profiler, `metrics.trace`), `cpp/attention.cpp` (the variable-length
+//!   attention of `data.document_mask`), `cpp/cuda_jit.cpp`
 //!   (NVRTC and the CUDA driver, both opened at run time: no CUDA toolkit needed here),
 //!   `cpp/cuda_emulation.cpp` (the `.cu` kernels compiled for the host, for tests without a
 //!   GPU), `cpp/shim_cuda.cpp` (the allocator's history recorder; only against a libtorch
@@ -43,6 +44,7 @@ fn main() {
     println!("cargo:rerun-if-changed=cuda/loss_kernels.cu");
     println!("cargo:rerun-if-changed=cpp/shim_cuda.cpp");
     println!("cargo:rerun-if-changed=cpp/graph.cpp");
+    println!("cargo:rerun-if-changed=cpp/attention.cpp");
     println!("cargo:rerun-if-env-changed=LIBTORCH");
 
     let mut shim = cc::Build::new();
@@ -56,6 +58,7 @@ fn main() {
         .file("cpp/linear_kernels.cpp")
         .file("cpp/cuda_jit.cpp")
         .file("cpp/cuda_emulation.cpp")
+        .file("cpp/attention.cpp")
         .include(&include)
         .include(include.join("torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -1594,3 +1594,83 @@ fn an_invalidated_capture_fails_and_gives_its_memory_back() {
     graph.replay().unwrap();
     assert_eq!(y.sum(Kind::Float).double_value(&[]), 2.0 * (1 << 20) as f64);
 }
+
+/// `data.document_mask` on CUDA: the documents go to the variable-length kernels as cumulative
+/// lengths (no t × t mask), and the model's loss and gradients equal the CPU's block-diagonal
+/// mask path (itself checked against PyTorch in document_mask.rs): fp32 through the
+/// memory-efficient kernel (GPT-2, and a grouped-query Llama whose k/v heads the shim repeats)
+/// to 1e-4; bf16 q/k/v through flash attention against the fp32 CPU mask to bf16's rounding.
+#[test]
+fn document_masked_attention_on_cuda_matches_the_cpu_mask_path() {
+    use trainguard::config::{Arch, ModelConfig};
+    use trainguard::model::documents::{DocumentAttention, Documents};
+    use trainguard::model::Model;
+    let Some(dev) = cuda() else { return };
+    let gpt2 =
+        ModelConfig { n_layer: 2, n_head: 4, n_embd: 64, vocab_size: 61, seq_len: 128, ..Default::default() };
+    let llama = ModelConfig {
+        arch: Arch::Llama,
+        n_kv_head: Some(2),
+        ffn_hidden: Some(96),
+        bias: false,
+        ..gpt2.clone()
+    };
+    tch::manual_seed(5);
+    let x = Tensor::randint_low(1, 61, [3, 128], (Kind::Int64, Device::Cpu));
+    for (r, i) in [(0, 9), (0, 10), (0, 70), (1, 127), (2, 40), (2, 41), (2, 100)] {
+        let _ = x.get(r).get(i).fill_(0);
+    }
+    let y = x.roll([-1], [1]);
+    for cfg in [gpt2, llama] {
+        let run = |device: Device| {
+            let mut m = Model::new(&cfg, 9, Device::Cpu).unwrap();
+            if device != Device::Cpu {
+                let on = Model::new(&cfg, 9, device).unwrap();
+                let _g = tch::no_grad_guard();
+                for (dst, src) in on.params.tensors.iter().zip(&m.params.tensors) {
+                    dst.shallow_clone().copy_(src);
+                }
+                m = on;
+            }
+            m.mask_documents(0);
+            let (xd, yd) = (x.to_device(device), y.to_device(device));
+            let loss = m.loss(&xd, &yd, false, None).unwrap();
+            let grads = Tensor::run_backward(&[&loss], &m.params.tensors, false, false);
+            (loss.double_value(&[]), grads.iter().map(|g| g.to_device(Device::Cpu)).collect::<Vec<_>>())
+        };
+        let (cpu_loss, cpu_grads) = run(Device::Cpu);
+        let (gpu_loss, gpu_grads) = run(dev);
+        assert!(
+            (cpu_loss - gpu_loss).abs() < 1e-5,
+            "{:?}: loss {gpu_loss} on CUDA, {cpu_loss} on the CPU",
+            cfg.arch
+        );
+        for (a, b) in gpu_grads.iter().zip(&cpu_grads) {
+            let d = (a - b).abs().max().double_value(&[]);
+            assert!(d < 1e-4, "{:?}: a gradient differs by {d:e}", cfg.arch);
+        }
+    }
+    // The CUDA form is lengths, and flash (bf16) agrees with the CPU's fp32 mask.
+    let documents = Documents::of(&x.to_device(dev), 0).unwrap();
+    let DocumentAttention::Lengths { cu_seqlens, max_len } = &documents.attention else {
+        panic!("CUDA should take the documents as lengths");
+    };
+    let cpu = Documents::of(&x, 0).unwrap();
+    let DocumentAttention::Mask(mask) = &cpu.attention else { panic!("the CPU takes the mask") };
+    let (b, h, t, d) = (3, 4, 128, 32);
+    let q = Tensor::randn([b, h, t, d], (Kind::Float, Device::Cpu));
+    let k = Tensor::randn([b, 2, t, d], (Kind::Float, Device::Cpu));
+    let v = Tensor::randn([b, 2, t, d], (Kind::Float, Device::Cpu));
+    let reference = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(mask), 0.0, false, None, true)
+        .transpose(1, 2)
+        .reshape([b * t, h, d]);
+    let tokens =
+        |x: &Tensor| x.transpose(1, 2).reshape([b * t, -1, d]).to_kind(Kind::BFloat16).to_device(dev);
+    let flash =
+        ffi::attention::varlen_attention(&tokens(&q), &tokens(&k), &tokens(&v), cu_seqlens, *max_len, 0.0)
+            .unwrap()
+            .to_kind(Kind::Float)
+            .to_device(Device::Cpu);
+    let diff = (flash - &reference).abs().max().double_value(&[]);
+    assert!(diff < 3e-2, "flash in bf16 differs from the fp32 mask by {diff:e}");
+}

@@ -3,12 +3,14 @@
 //! optimizers' and clipping's kernels: [`kernels`]), over `loss_kernels.cpp` (the loss as one
 //! autograd node: [`loss`]), over `norm_kernels.cpp` (LayerNorm and RMSNorm with their residual add: [`norm`]), over
 //! `linear_kernels.cpp` (the linear layer with fp32 parameter gradients: [`linear`]),
+//! over `attention.cpp` (variable-length attention over documents: [`attention`]),
 //! over `shim_cuda.cpp` (the allocator's
 //! history and snapshot), over `graph.cpp` (CUDA graphs: [`graph`]), over `dist.cpp` (c10d: [`dist`]), over `trace.cpp` (PyTorch's profiler:
 //! [`trace`]) and over the few OS calls trainguard
 //! makes ([`os`]). Each call returns a typed
 //! result; "no accelerator" is [`ShimError::Unavailable`], never an abort. [`torch_panics`]
 //! turns the libtorch errors tch itself raises as panics back into errors.
+pub mod attention;
 pub mod dist;
 pub mod graph;
 pub mod kernels;

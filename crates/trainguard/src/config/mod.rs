@@ -169,11 +169,24 @@ pub struct DataConfig {
     pub val_fraction: f64,
     /// Length of the built-in synthetic corpus, in tokens.
     pub synthetic_tokens: usize,
+    /// Attention stays inside each document of a packed sequence (documents end at the EOS id),
+    /// and positions restart at each document's first token (`model::documents`).
+    pub document_mask: bool,
+    /// The id that ends a document, for sources whose metadata does not name one (synthetic,
+    /// `text:`, llm.c shards without a `prepare` manifest); a `prepare` directory's
+    /// `dataset.json` names it (`eos_id`), and a different value here is refused.
+    pub eos_id: Option<u32>,
 }
 
 impl Default for DataConfig {
     fn default() -> Self {
-        Self { source: "synthetic".into(), val_fraction: 0.1, synthetic_tokens: 1 << 20 }
+        Self {
+            source: "synthetic".into(),
+            val_fraction: 0.1,
+            synthetic_tokens: 1 << 20,
+            document_mask: false,
+            eos_id: None,
+        }
     }
 }
 

@@ -330,6 +330,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "must be 0 (off) or at least 2: growth is measured between steps, got 1".into(),
     );
     check_cuda_graphs(c, &mut check);
+    check_document_mask(c, &mut check);
     check_faults(c, &mut check);
     p
 }
@@ -398,6 +399,23 @@ fn check_cuda_graphs(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
         !c.memory.offload_activations,
         "memory.offload_activations",
         format!("must be false with kernels.cuda_graphs (offload copies through host memory; {why}); checkpointing and a chunked loss can be graphed"),
+    );
+}
+
+/// `data.document_mask` and `data.eos_id`: an id the embedding has; a mask that CUDA graphs
+/// cannot replay (document lengths change every batch, and finding them is a host sync).
+fn check_document_mask(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
+    if let Some(id) = c.data.eos_id {
+        check(
+            (id as usize) < c.model.vocab_size,
+            "data.eos_id",
+            format!("must be below model.vocab_size ({}), got {id}", c.model.vocab_size),
+        );
+    }
+    check(
+        !(c.data.document_mask && c.kernels.cuda_graphs),
+        "data.document_mask",
+        "cannot run with kernels.cuda_graphs: the documents' lengths change every batch and are read back to the host, which a replayed graph cannot do; set one of them false".into(),
     );
 }
 
@@ -615,6 +633,14 @@ mod tests {
             (|c| c.model.seq_len = 0, "model.seq_len"),
             (|c| c.model.n_embd = 0, "model.n_embd"),
             (|c| c.data.synthetic_tokens = 10, "data.synthetic_tokens"),
+            (|c| c.data.eos_id = Some(1 << 20), "data.eos_id"),
+            (
+                |c| {
+                    c.data.document_mask = true;
+                    c.kernels.cuda_graphs = true
+                },
+                "data.document_mask",
+            ),
             (|c| c.memory.leak_check_steps = 1, "memory.leak_check_steps"),
             (|c| c.train.beta1 = 1.0, "train.beta1"),
             (|c| c.train.eps = 0.0, "train.eps"),

@@ -2,6 +2,7 @@
 //! (fused QKV) and a GELU MLP, a final LayerNorm and an LM head tied to the token embedding.
 //! Initialisation follows GPT-2: N(0, 0.02), residual projections N(0, 0.02/√(2·n_layer)).
 //! Names are nanoGPT's (`wte.weight`, `h.N.attn.c_attn.weight`, …), Linear layout ([out, in]).
+use super::documents::Documents;
 use super::layers::{
     causal_attention, linear, param, split_heads, LayerNorm, Linear, Output, ResidualNorm, Stream,
 };
@@ -61,13 +62,14 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     let (c, f, a) = (cfg.n_embd as u64, cfg.ffn() as u64, cfg.n_head as u64);
     let mut block: Vec<Saved> = saves::layer_norm(c, 1).into();
     block.extend(saves::attention(c, c, a, r));
+    block.extend(saves::document_mask_cast(r));
     block.extend(saves::dropout(c, r));
     block.extend(saves::layer_norm(c, 1));
     block.push(Saved::token("GELU input and output", 2 * f, Stored::Compute));
     block.extend(saves::dropout(c, r));
     Activations {
         block,
-        embedding: saves::dropout(c, r).into_iter().collect(),
+        embedding: saves::dropout(c, r).into_iter().chain(saves::documents(r)).collect(),
         final_norm: saves::layer_norm(c, 1).into(),
         buffers: vec![],
         // GELU's input gradient replaces its output's, whose saved input is freed by then.
@@ -130,9 +132,21 @@ impl Gpt2 {
 }
 
 impl Decoder for Gpt2 {
-    fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
+    fn embed(
+        &self,
+        idx: &Tensor,
+        documents: Option<&Documents>,
+        dropout: f64,
+        train: bool,
+    ) -> Result<Tensor, TchError> {
         let (_, t) = idx.size2()?;
-        let pos = Tensor::f_arange(t, (Kind::Int64, idx.device()))?;
+        // Within documents, positions restart as they do for a document fed alone (sampling, an
+        // exported model): the position embedding of a document's token does not depend on
+        // where packing put the document.
+        let pos = match documents {
+            Some(d) => d.positions.shallow_clone(),
+            None => Tensor::f_arange(t, (Kind::Int64, idx.device()))?,
+        };
         let tok = Tensor::f_embedding(&self.wte, idx, -1, false, false)?;
         let pe = Tensor::f_embedding(&self.wpe, &pos, -1, false, false)?;
         tok.f_add(&pe)?.f_dropout(dropout, train)
@@ -142,6 +156,7 @@ impl Decoder for Gpt2 {
         &self,
         i: usize,
         stream: &Stream,
+        documents: Option<&Documents>,
         dropout: f64,
         train: bool,
         output: Output,
@@ -155,7 +170,8 @@ impl Decoder for Gpt2 {
         // adds the three (on the CPU that cost twice the split's time: `trainguard trace`).
         let parts = qkv.f_split(c, 2)?;
         let heads = |j: usize| split_heads(&parts[j], self.n_head);
-        let y = causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout)?;
+        let y =
+            causal_attention(&heads(0)?, &heads(1)?, &heads(2)?, dropout, documents.map(|d| &d.attention))?;
         let (x, normed) = blk.ln_2.add_forward(&x, &blk.attn_proj.forward(&y)?.f_dropout(dropout, train)?)?;
         let h = blk.fc.forward_gelu(&normed, self.our_gelu)?;
         Ok(Stream { x, pending: Some(blk.mlp_proj.forward_for(&h, output)?.f_dropout(dropout, train)?) })

@@ -1,6 +1,9 @@
 //! The layers the architectures are assembled from, each a fallible function of tensors:
-//! linear, LayerNorm, RMSNorm, rotary position embedding, causal attention over
-//! `scaled_dot_product_attention` (grouped-query heads included), GELU and SwiGLU MLPs.
+//! linear, LayerNorm, RMSNorm, rotary position embedding (by position in the window or in the
+//! document), causal attention over `scaled_dot_product_attention` (grouped-query heads
+//! included; within documents through a mask or the variable-length kernels), GELU and SwiGLU
+//! MLPs.
+use super::documents::DocumentAttention;
 use super::params::Params;
 use crate::ffi::norm::{residual_norm, Norm};
 use tch::{Device, Kind, TchError, Tensor};
@@ -321,22 +324,99 @@ impl Rope {
 
     /// `x` `[b, heads, t, head_dim]` rotated by its positions `0..t`.
     pub fn apply(&self, x: &Tensor) -> Result<Tensor, TchError> {
-        let (t, d) = (x.size()[2], x.size()[3]);
+        let t = x.size()[2];
         let cos = self.cos.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
         let sin = self.sin.f_narrow(0, 0, t)?.f_to_kind(x.kind())?;
-        // Halves by one split (its backward is one concatenation; two narrows' would zero-fill a
-        // full-width tensor each and add them).
-        let halves = x.f_split(d / 2, -1)?;
-        let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
-        x.f_mul(&cos)?.f_add(&rotated.f_mul(&sin)?)
+        rotate(x, &cos, &sin)
     }
+
+    /// The cos and sin of each token's position `positions` `[b, t]` (inside its document),
+    /// `[b, 1, t, head_dim]` in `kind`: gathered once per block for q and k.
+    pub fn tables_at(&self, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tensor), TchError> {
+        let (b, t) = positions.size2()?;
+        let d = self.cos.size()[1];
+        let flat = positions.f_reshape([-1])?;
+        let gather = |table: &Tensor| table.f_index_select(0, &flat)?.f_view([b, 1, t, d])?.f_to_kind(kind);
+        Ok((gather(&self.cos)?, gather(&self.sin)?))
+    }
+
+    /// q, k and v `[b, heads, t, d]` with q and k rotated by the positions whose tables are
+    /// `cos` and `sin` ([`Rope::tables_at`]), from their projections' outputs `[b, t, heads·d]`
+    /// (or the merged output `qkv`, split first). ATen's ops: our node rotates by the position in
+    /// the window only.
+    pub fn rotate_at(
+        parts: [&Tensor; 3],
+        heads: i64,
+        kv_heads: i64,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor), TchError> {
+        let [q, k, v] = parts;
+        Ok((
+            rotate(&split_heads(q, heads)?, cos, sin)?,
+            rotate(&split_heads(k, kv_heads)?, cos, sin)?,
+            split_heads(&v.f_contiguous()?, kv_heads)?,
+        ))
+    }
+}
+
+/// `x` `[b, heads, t, d]` rotated by the tables `cos` and `sin` (broadcast over heads).
+fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, TchError> {
+    let d = x.size()[3];
+    // Halves by one split (its backward is one concatenation; two narrows' would zero-fill a
+    // full-width tensor each and add them).
+    let halves = x.f_split(d / 2, -1)?;
+    let rotated = Tensor::f_cat(&[&halves[1].f_neg()?, &halves[0]], -1)?;
+    x.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)
 }
 
 /// Causal attention of `q` `[b, heads, t, d]` over `k`, `v` `[b, kv_heads, t, d]`; when there
 /// are fewer key/value heads each serves `heads / kv_heads` query heads. Returns `[b, t, heads·d]`.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, dropout: f64) -> Result<Tensor, TchError> {
+/// With `documents` each token reads only its own document's tokens (`data.document_mask`):
+/// through the variable-length fused kernels given the documents' lengths, or through
+/// `scaled_dot_product_attention` with the block-diagonal mask.
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dropout: f64,
+    documents: Option<&DocumentAttention>,
+) -> Result<Tensor, TchError> {
     let (b, h, t, d) = q.size4()?;
     let groups = h / k.size()[1];
+    match documents {
+        None => {}
+        Some(DocumentAttention::Lengths { cu_seqlens, max_len }) => {
+            // [b, heads, t, d] → [b·t, heads, d]: the documents laid end to end.
+            let tokens = |x: &Tensor| -> Result<Tensor, TchError> {
+                let heads = x.size()[1];
+                x.f_transpose(1, 2)?.f_contiguous()?.f_view([b * t, heads, d])
+            };
+            let y = crate::ffi::attention::varlen_attention(
+                &tokens(q)?,
+                &tokens(k)?,
+                &tokens(v)?,
+                cu_seqlens,
+                *max_len,
+                dropout,
+            )?;
+            return y.f_view([b, t, h * d]);
+        }
+        Some(DocumentAttention::Mask(mask)) => {
+            let mask = mask.f_to_kind(q.kind())?;
+            let y = Tensor::f_scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                Some(&mask),
+                dropout,
+                false,
+                None,
+                groups > 1,
+            )?;
+            return y.f_transpose(1, 2)?.f_contiguous()?.f_view([b, t, h * d]);
+        }
+    }
     let y = if groups > 1 && repeats_grouped_heads(q.device(), q.kind()) {
         let (k, v) = (
             k.f_repeat_interleave_self_int(groups, 1, None)?,

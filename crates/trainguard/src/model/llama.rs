@@ -5,6 +5,7 @@
 //! (`model.layers.N.self_attn.q_proj.weight`, …), so import and export copy tensors as they are.
 //! Initialisation as `transformers` does it: N(0, 0.02) for linear layers and the embedding,
 //! ones for the norms.
+use super::documents::Documents;
 use super::layers::{
     causal_attention, linear, merged_linear, param, split_heads, swiglu, Linear, Output, ResidualNorm,
     RmsNorm, Rope, Stream,
@@ -79,7 +80,11 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
             stored: Stored::WeightCopy,
         });
     }
-    if !r.rope_node {
+    if r.documents.is_some() {
+        // gathered at each token's position in its document, once per block for q and k
+        // (ATen's ops: our node takes no positions)
+        block.push(Saved::token("RoPE cos and sin at document positions", 2 * d, Stored::Compute));
+    } else if !r.rope_node {
         // our node reads the fp32 tables (counted once, below) and keeps nothing
         block.push(Saved {
             what: "RoPE cos and sin for q and k",
@@ -88,6 +93,7 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
         });
     }
     block.extend(saves::attention(a * d, kv, a, r));
+    block.extend(saves::document_mask_cast(r));
     block.extend(saves::dropout(h, r));
     block.extend(saves::rms_norm(h, readers(2), r));
     block.push(match r.swiglu_node {
@@ -99,7 +105,7 @@ pub fn saved(cfg: &ModelConfig, r: Regime) -> Activations {
     block.extend(saves::dropout(h, r));
     Activations {
         block,
-        embedding: saves::dropout(h, r).into_iter().collect(),
+        embedding: saves::dropout(h, r).into_iter().chain(saves::documents(r)).collect(),
         final_norm: saves::rms_norm(h, 1, r),
         buffers: vec![Saved {
             what: "RoPE cos and sin tables",
@@ -211,8 +217,43 @@ impl Llama {
     }
 }
 
+impl Llama {
+    /// [`Llama::attention_inputs`] with q and k rotated by each token's position inside its
+    /// document (`positions` `[b, t]`), through ATen's ops whatever `kernels.fused_rope` says.
+    fn document_attention_inputs(
+        &self,
+        l: &Layer,
+        h: &Tensor,
+        positions: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor), TchError> {
+        let projected = match self.merged {
+            true => {
+                let qkv = merged_linear(h, &[&l.q, &l.k, &l.v])?;
+                let d = qkv.size()[2] / (self.n_head + 2 * self.n_kv_head);
+                let (q, kv) = (self.n_head * d, self.n_kv_head * d);
+                qkv.f_split_with_sizes([q, kv, kv], -1)?
+            }
+            false => vec![l.q.forward(h)?, l.k.forward(h)?, l.v.forward(h)?],
+        };
+        let (cos, sin) = self.rope.tables_at(positions, projected[0].kind())?;
+        Rope::rotate_at(
+            [&projected[0], &projected[1], &projected[2]],
+            self.n_head,
+            self.n_kv_head,
+            &cos,
+            &sin,
+        )
+    }
+}
+
 impl Decoder for Llama {
-    fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError> {
+    fn embed(
+        &self,
+        idx: &Tensor,
+        _documents: Option<&Documents>,
+        dropout: f64,
+        train: bool,
+    ) -> Result<Tensor, TchError> {
         Tensor::f_embedding(&self.embed, idx, -1, false, false)?.f_dropout(dropout, train)
     }
 
@@ -220,14 +261,18 @@ impl Decoder for Llama {
         &self,
         i: usize,
         stream: &Stream,
+        documents: Option<&Documents>,
         dropout: f64,
         train: bool,
         output: Output,
     ) -> Result<Stream, TchError> {
         let l = &self.layers[i];
         let (x, normed) = l.input_norm.stream_forward(stream)?;
-        let (q, k, v) = self.attention_inputs(l, &normed)?;
-        let y = causal_attention(&q, &k, &v, dropout)?;
+        let (q, k, v) = match documents {
+            Some(d) => self.document_attention_inputs(l, &normed, &d.positions)?,
+            None => self.attention_inputs(l, &normed)?,
+        };
+        let y = causal_attention(&q, &k, &v, dropout, documents.map(|d| &d.attention))?;
         let (x, normed) = l.post_norm.add_forward(&x, &l.o.forward(&y)?.f_dropout(dropout, train)?)?;
         let m = swiglu(&normed, &l.gate, &l.up, &l.down, self.our_swiglu, self.merged, output)?;
         Ok(Stream { x, pending: Some(m.f_dropout(dropout, train)?) })
@@ -298,9 +343,9 @@ mod tests {
         let q = Tensor::randn([1, 4, 5, 8], (Kind::Float, Device::Cpu));
         let k = Tensor::randn([1, 2, 5, 8], (Kind::Float, Device::Cpu));
         let v = Tensor::randn([1, 2, 5, 8], (Kind::Float, Device::Cpu));
-        let grouped = super::causal_attention(&q, &k, &v, 0.0).unwrap();
+        let grouped = super::causal_attention(&q, &k, &v, 0.0, None).unwrap();
         let rep = |t: &Tensor| t.repeat_interleave_self_int(2, 1, None);
-        let full = super::causal_attention(&q, &rep(&k), &rep(&v), 0.0).unwrap();
+        let full = super::causal_attention(&q, &rep(&k), &rep(&v), 0.0, None).unwrap();
         assert!(grouped.allclose(&full, 1e-6, 1e-6, false));
     }
 }

@@ -39,6 +39,8 @@ pub enum Stored {
     CastTable,
     /// A dropout mask.
     DropoutMask,
+    /// Fixed bytes per element whatever the precision (token ids, positions, lengths: integers).
+    Bytes(u64),
     /// Weights copied in the forward (concatenated, `kernels.merged_projections`): under
     /// autocast the copy is the 16-bit cast that replaces the ones counted with the weights
     /// (nothing new); otherwise a copy in the compute dtype.
@@ -75,6 +77,7 @@ impl Saved {
             Stored::CastTable if w.compute == 4 => 0,
             Stored::CastTable => w.compute,
             Stored::DropoutMask => w.mask,
+            Stored::Bytes(n) => n,
             Stored::WeightCopy if w.autocast => 0,
             Stored::WeightCopy => w.compute,
         };
@@ -116,6 +119,17 @@ pub struct Regime {
     /// Llama's q/k/v and gate/up each one matrix multiplication (`kernels.merged_projections`):
     /// each norm has one reader, and the concatenated weights are kept.
     pub merged_projections: bool,
+    /// `data.document_mask`, and how attention takes the documents.
+    pub documents: Option<DocumentForm>,
+}
+
+/// How attention takes the documents of `data.document_mask` (`model::documents`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DocumentForm {
+    /// The CPU's block-diagonal mask: an fp32 t × t matrix per sequence, shared by the blocks.
+    Mask,
+    /// CUDA's variable-length kernels: the documents' cumulative lengths, int32.
+    Lengths,
 }
 
 /// What one architecture's forward keeps for backward.
@@ -137,7 +151,7 @@ pub struct Activations {
 
 /// Shared layers' saved tensors.
 pub mod layers {
-    use super::{Count, Regime, Saved, Stored};
+    use super::{Count, DocumentForm, Regime, Saved, Stored};
 
     /// LayerNorm over `h` channels read by `readers` linear layers: its input, fp32 mean and
     /// rstd per token, its output.
@@ -216,6 +230,35 @@ pub mod layers {
         out
     }
 
+    /// What `data.document_mask` holds through the step (before the first block, shared by
+    /// all): each token's int64 position in its document, and the fp32 mask or the int32
+    /// lengths (at most one document per token, plus one).
+    pub fn documents(r: Regime) -> Vec<Saved> {
+        let Some(form) = r.documents else { return vec![] };
+        let mut out = vec![Saved::token("positions inside documents (int64)", 1, Stored::Bytes(8))];
+        out.push(match form {
+            DocumentForm::Mask => Saved {
+                what: "document mask (fp32, t × t per sequence)",
+                count: Count::Scores(1),
+                stored: Stored::Fp32,
+            },
+            DocumentForm::Lengths => {
+                Saved::token("documents' cumulative lengths (int32)", 1, Stored::Bytes(4))
+            }
+        });
+        out
+    }
+
+    /// Per block with the mask of `data.document_mask`: its copy in a 16-bit compute dtype,
+    /// which attention keeps for backward (none in fp32: the shared mask itself).
+    pub fn document_mask_cast(r: Regime) -> Option<Saved> {
+        (r.documents == Some(DocumentForm::Mask)).then_some(Saved {
+            what: "document mask cast to the compute dtype",
+            count: Count::Scores(1),
+            stored: Stored::CastTable,
+        })
+    }
+
     /// Dropout on `n` channels per token: its mask, when dropout is on.
     pub fn dropout(n: u64, r: Regime) -> Option<Saved> {
         r.dropout.then(|| Saved::token("dropout mask", n, Stored::DropoutMask))
@@ -245,6 +288,7 @@ mod tests {
             swiglu_node: false,
             rope_node: false,
             merged_projections: false,
+            documents: None,
         };
         let n = layers::rms_norm(10, 3, r);
         // input 4h, rsqrt 4, normalised h·r, output: one tensor, or a 16-bit copy per reader.
@@ -268,5 +312,32 @@ mod tests {
         assert_eq!((t.bytes(&FP32, 4, 16), t.bytes(&MIXED, 4, 16)), (0, 8 * 16 * 2));
         let s = Saved { what: "p", count: Count::Scores(2), stored: Stored::Compute };
         assert_eq!(s.bytes(&FP32, 3, 16), 2 * 3 * 16 * 16 * 4);
+    }
+
+    /// The CPU's document mask costs b·s² fp32 once (and a 16-bit copy per block in 16 bits);
+    /// CUDA's lengths cost 4 bytes a token at most; both add the int64 positions.
+    #[test]
+    fn the_document_mask_grows_with_the_square_of_the_sequence_and_lengths_with_the_tokens() {
+        let r = |documents| Regime {
+            fused_attention: true,
+            dropout: false,
+            fused_rms_norm: false,
+            repeated_kv_heads: false,
+            residual_norm_node: false,
+            swiglu_node: false,
+            rope_node: false,
+            merged_projections: false,
+            documents,
+        };
+        let bytes = |list: &[Saved], w: &Widths| list.iter().map(|s| s.bytes(w, 3, 16)).sum::<u64>();
+        assert!(layers::documents(r(None)).is_empty());
+        let mask = layers::documents(r(Some(DocumentForm::Mask)));
+        assert_eq!(bytes(&mask, &FP32), 3 * 16 * 8 + 3 * 16 * 16 * 4);
+        assert_eq!(bytes(&mask, &MIXED), 3 * 16 * 8 + 3 * 16 * 16 * 4, "the shared mask stays fp32");
+        let lengths = layers::documents(r(Some(DocumentForm::Lengths)));
+        assert_eq!(bytes(&lengths, &MIXED), 3 * 16 * 8 + 3 * 16 * 4);
+        let cast = layers::document_mask_cast(r(Some(DocumentForm::Mask))).unwrap();
+        assert_eq!((cast.bytes(&FP32, 3, 16), cast.bytes(&MIXED, 3, 16)), (0, 3 * 16 * 16 * 2));
+        assert!(layers::document_mask_cast(r(Some(DocumentForm::Lengths))).is_none());
     }
 }

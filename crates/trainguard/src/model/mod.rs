@@ -11,6 +11,7 @@
 //! shapes, and [`Model::optimizer_params`] gives the optimizer the user's rows. Adding an architecture: one file with its `tensors()`, its
 //! `saved()` and a [`Decoder`], and one arm in [`describe`], [`saved_activations`] and
 //! [`Model::new`] — the only places that match on `model.arch`.
+pub mod documents;
 mod gpt2;
 mod layers;
 pub use layers::LAYER_NORM_EPS;
@@ -25,19 +26,27 @@ pub use spec::{ParamGroups, Part, TensorSpec};
 use crate::config::{Arch, KernelsConfig, ModelConfig};
 use crate::ffi::linear::GemmSums;
 use crate::ffi::ShimError;
+use documents::Documents;
 use layers::{Output, Stream};
 use tch::{Device, Kind, Reduction, TchError, Tensor};
 
 /// One architecture's network over its parameters. `dropout` is already 0 outside training.
 trait Decoder: Send {
-    /// Token ids `[b, t]` → hidden states `[b, t, c]`.
-    fn embed(&self, idx: &Tensor, dropout: f64, train: bool) -> Result<Tensor, TchError>;
+    /// Token ids `[b, t]` → hidden states `[b, t, c]`; with `documents`, positions inside them.
+    fn embed(
+        &self,
+        idx: &Tensor,
+        documents: Option<&Documents>,
+        dropout: f64,
+        train: bool,
+    ) -> Result<Tensor, TchError>;
     /// Block `i` on the stream `[b, t, c]`: its first norm adds what the previous block left
     /// pending; its own output, computed for `output`, is left pending in turn.
     fn block(
         &self,
         i: usize,
         x: &Stream,
+        documents: Option<&Documents>,
         dropout: f64,
         train: bool,
         output: Output,
@@ -95,6 +104,8 @@ pub struct Model {
     loss_gradient: crate::ffi::loss::Gradient,
     /// `kernels.accumulate_in_gemm`, where the linear node runs.
     weight_grads_in_gemm: bool,
+    /// `data.document_mask`: the id that ends a document; attention stays inside documents.
+    document_eos: Option<i64>,
     net: Box<dyn Decoder>,
 }
 
@@ -175,8 +186,20 @@ impl Model {
                 false => crate::ffi::loss::Gradient::InBackward,
             },
             weight_grads_in_gemm: kernels.accumulate_in_gemm && ours.linear,
+            document_eos: None,
             net,
         })
+    }
+
+    /// From now on attention stays inside documents, which end at `eos` (`data.document_mask`).
+    pub fn mask_documents(&mut self, eos: u32) {
+        self.document_eos = Some(eos as i64);
+    }
+
+    /// The documents of the batch `idx` `[b, t]` when documents are masked: what
+    /// [`Model::embed`] and [`Model::block`] take, computed once per micro-batch.
+    pub fn documents(&self, idx: &Tensor) -> Result<Option<Documents>, TchError> {
+        self.document_eos.map(|eos| Documents::of(idx, eos)).transpose()
     }
 
     /// With `kernels.accumulate_in_gemm` where the linear node runs: a scope in which that node
@@ -201,9 +224,11 @@ impl Model {
     /// Logits `[b, t, padded vocab]`, the padded columns -inf. Each block's output stays pending
     /// for the next norm to add (one pass with our node).
     fn padded_logits(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        let mut x = Stream::settled_at(&self.embed(idx, train, seed)?);
+        let documents = self.documents(idx)?;
+        let documents = documents.as_ref();
+        let mut x = Stream::settled_at(&self.embed(idx, documents, train, seed)?);
         for i in 0..self.n_blocks() {
-            x = self.stream_block(i, &x, train, seed, Output::Values)?;
+            x = self.stream_block(i, &x, documents, train, seed, Output::Values)?;
         }
         self.net.head(&x, self.vocab_mask(x.x.kind())?.as_ref())
     }
@@ -220,15 +245,28 @@ impl Model {
         p
     }
 
-    /// Embeddings (and dropout): `[b, t, c]`.
-    pub fn embed(&self, idx: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        self.net.embed(idx, self.dropout(train, seed, 0), train)
+    /// Embeddings (and dropout): `[b, t, c]`; `documents`: [`Model::documents`] of `idx`.
+    pub fn embed(
+        &self,
+        idx: &Tensor,
+        documents: Option<&Documents>,
+        train: bool,
+        seed: Option<u64>,
+    ) -> Result<Tensor, TchError> {
+        self.net.embed(idx, documents, self.dropout(train, seed, 0), train)
     }
 
     /// Block `i` on `x` `[b, t, c]`, its output added to the stream (what a checkpointed segment
     /// keeps; [`Model::forward`] leaves it for the next norm to add).
-    pub fn block(&self, i: usize, x: &Tensor, train: bool, seed: Option<u64>) -> Result<Tensor, TchError> {
-        self.stream_block(i, &Stream::settled_at(x), train, seed, Output::Values)?.settle()
+    pub fn block(
+        &self,
+        i: usize,
+        x: &Tensor,
+        documents: Option<&Documents>,
+        train: bool,
+        seed: Option<u64>,
+    ) -> Result<Tensor, TchError> {
+        self.stream_block(i, &Stream::settled_at(x), documents, train, seed, Output::Values)?.settle()
     }
 
     /// Block `i` on `x` for a recomputation that only pushes a gradient back through it: the
@@ -238,10 +276,11 @@ impl Model {
         &self,
         i: usize,
         x: &Tensor,
+        documents: Option<&Documents>,
         train: bool,
         seed: Option<u64>,
     ) -> Result<Vec<Tensor>, TchError> {
-        let s = self.stream_block(i, &Stream::settled_at(x), train, seed, Output::GraphOnly)?;
+        let s = self.stream_block(i, &Stream::settled_at(x), documents, train, seed, Output::GraphOnly)?;
         Ok([s.x].into_iter().chain(s.pending).collect())
     }
 
@@ -250,11 +289,12 @@ impl Model {
         &self,
         i: usize,
         x: &Stream,
+        documents: Option<&Documents>,
         train: bool,
         seed: Option<u64>,
         output: Output,
     ) -> Result<Stream, TchError> {
-        self.net.block(i, x, self.dropout(train, seed, 1 + i as u64), train, output)
+        self.net.block(i, x, documents, self.dropout(train, seed, 1 + i as u64), train, output)
     }
 
     /// Final norm and the LM head: logits `[…, padded vocab]` for hidden states `[…, c]`, the
@@ -282,9 +322,10 @@ impl Model {
     /// the cross-entropy over `chunk` tokens at a time (`memory.loss_chunk_tokens`), as the
     /// chunked training step computes it: never the batch × seq × vocab logits at once.
     pub fn loss_in_chunks(&self, x: &Tensor, y: &Tensor, chunk: usize) -> Result<Tensor, TchError> {
-        let mut hidden = self.embed(x, false, None)?;
+        let documents = self.documents(x)?;
+        let mut hidden = self.embed(x, documents.as_ref(), false, None)?;
         for i in 0..self.n_blocks() {
-            hidden = self.block(i, &hidden, false, None)?;
+            hidden = self.block(i, &hidden, documents.as_ref(), false, None)?;
         }
         let c = *hidden.size().last().expect("hidden states have a last dimension");
         let (flat, targets) = (hidden.f_reshape([-1, c])?, y.f_reshape([-1])?);
@@ -634,7 +675,7 @@ mod padding_tests {
                     let _ = t.narrow(0, 61, 3).fill_(1.0);
                 }
             }
-            let hidden = padded.embed(&x, false, None).unwrap();
+            let hidden = padded.embed(&x, None, false, None).unwrap();
             let logits = padded.head(&hidden).unwrap();
             assert_eq!(logits.size(), [6, 8, 64]);
             let tail = logits.narrow(-1, 61, 3);
@@ -799,9 +840,9 @@ mod node_tests {
             for bf16 in [false, true] {
                 crate::ffi::set_autocast(false, bf16, false).unwrap();
                 let pending = m.loss(&x, &y, true, None).unwrap();
-                let mut h = m.embed(&x, true, None).unwrap();
+                let mut h = m.embed(&x, None, true, None).unwrap();
                 for i in 0..m.n_blocks() {
-                    h = m.block(i, &h, true, None).unwrap();
+                    h = m.block(i, &h, None, true, None).unwrap();
                 }
                 let settled = m.cross_entropy(&m.head(&h).unwrap(), &y, tch::Reduction::Mean).unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();

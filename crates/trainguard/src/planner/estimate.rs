@@ -10,7 +10,7 @@
 //! Notation: L layers, h hidden, a heads, s sequence length, b micro-batch, v vocabulary,
 //! f MLP width, e bytes per activation element (4 in fp32, 2 in 16-bit).
 use crate::config::{Arch, ModelConfig};
-use crate::model::memory::{Activations, Regime, Widths};
+use crate::model::memory::{Activations, DocumentForm, Regime, Widths};
 use crate::model::{Part, TensorSpec};
 use crate::optim::{Adafactor, AdafactorPath, AdamW8bit, AdamW8bitPath};
 use serde::Serialize;
@@ -112,8 +112,16 @@ impl Transformer {
         // As `model::Model`: our node where its kernels run, for fp32 weights (not bf16-pure).
         let residual_norm_node =
             s.fused_residual_norm && s.target == Target::Cuda && s.precision != Precision::Bf16Pure;
-        let (swiglu_node, rope_node) =
-            (s.fused_swiglu && s.target == Target::Cuda, s.fused_rope && s.target == Target::Cuda);
+        // As `model::llama`: within documents RoPE takes ATen's ops whatever `fused_rope` says.
+        let (swiglu_node, rope_node) = (
+            s.fused_swiglu && s.target == Target::Cuda,
+            s.fused_rope && s.target == Target::Cuda && !s.document_mask,
+        );
+        // As `model::documents::Documents::of`: lengths where the variable-length kernels run.
+        let documents = s.document_mask.then_some(match s.target {
+            Target::Cuda => DocumentForm::Lengths,
+            Target::Cpu => DocumentForm::Mask,
+        });
         let regime = Regime {
             fused_attention: s.flash,
             dropout: s.dropout,
@@ -123,6 +131,7 @@ impl Transformer {
             swiglu_node,
             rope_node,
             merged_projections: s.merged_projections,
+            documents,
         };
         crate::model::saved_activations(&self.model_config(), regime)
     }
@@ -342,6 +351,8 @@ pub struct Setup {
     pub cuda_graphs: bool,
     /// `kernels.merged_projections`: Llama's q/k/v and gate/up each one matrix multiplication.
     pub merged_projections: bool,
+    /// `data.document_mask`: positions per token, and the CPU's t × t mask or CUDA's lengths.
+    pub document_mask: bool,
     /// `kernels.fused_linear`: the linear node, which under autocast keeps its weights' 16-bit
     /// casts through a step's micro-steps without checkpointing, and for the run with graphs.
     pub fused_linear: bool,
@@ -899,6 +910,7 @@ pub(crate) mod fixtures {
             fused_rope: false,
             cuda_graphs: false,
             merged_projections: false,
+            document_mask: false,
             fused_linear: false,
             target: Target::Cuda,
             gpus: 1,
@@ -996,6 +1008,47 @@ mod tests {
         assert_eq!(band + rows + cols, 16_989_696);
         let rounded: u64 = [band, rows, cols].iter().map(|&b: &u64| b.div_ceil(512) * 512).sum();
         assert_eq!(estimate(&m, &s, 1, 1).optimizer, state + rounded);
+    }
+
+    /// `data.document_mask`: on the CPU the fp32 t × t mask per sequence (and per block its
+    /// 16-bit copy in bf16), on CUDA 4 bytes of lengths a token, never a t × t matrix; both keep
+    /// the int64 positions; Llama's RoPE tables become per token.
+    #[test]
+    fn document_masking_counts_the_cpus_mask_and_cudas_lengths() {
+        let b = 4u64;
+        for m in [gpt2(), super::fixtures::llama32_1b()] {
+            let (l, d, seq) = (m.layers, m.hidden / m.heads, m.seq_len);
+            for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+                for target in [Target::Cpu, Target::Cuda] {
+                    let plain = Setup { target, ..setup(precision, OptimizerName::Adamw) };
+                    let masked = Setup { document_mask: true, ..plain.clone() };
+                    let outside = outside_activations(&m, &masked, b) - outside_activations(&m, &plain, b);
+                    let form = match target {
+                        Target::Cpu => seq * seq * b * 4,
+                        Target::Cuda => seq * b * 4,
+                    };
+                    assert_eq!(outside, seq * b * 8 + form, "{:?} {target:?} {precision:?}", m.arch);
+                    let per_block =
+                        layer_activations(&m, &masked, b) as i64 - layer_activations(&m, &plain, b) as i64;
+                    let e = precision.activation_bytes();
+                    let cast = if target == Target::Cpu && e == 2 { seq * seq * b * e } else { 0 };
+                    let rope = match m.arch {
+                        // per-token tables replace the cast position tables (none in fp32) or the node's
+                        crate::config::Arch::Llama => {
+                            let before = if e == 4 { 0 } else { 4 * d * seq * e };
+                            (2 * d * seq * b * e) as i64 - before as i64
+                        }
+                        crate::config::Arch::Gpt2 => 0,
+                    };
+                    assert_eq!(
+                        per_block,
+                        cast as i64 + rope,
+                        "{:?} {target:?} {precision:?}: {l} blocks",
+                        m.arch
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -394,6 +394,7 @@ fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup 
         fused_rope: config.kernels.fused_rope,
         cuda_graphs: config.kernels.cuda_graphs,
         merged_projections: config.kernels.merged_projections,
+        document_mask: config.data.document_mask,
         fused_linear: config.kernels.fused_linear,
         target: Target::Cuda,
         gpus: a.gpus,

@@ -55,6 +55,8 @@ pub enum ProfileError {
     /// Not even the model, its optimizer and libtorch's set-up fit: no micro-batch can.
     #[error("nothing fits, not even micro-batch 1: the model and its optimizer alone ran out of memory under the profile's cap of {} (memory.limit, --gpu or --gpu-memory); raise the cap or shrink the model (docs/memory-and-precision.md)", crate::memory::human(*.cap))]
     SetupOutOfMemory { cap: u64 },
+    #[error(transparent)]
+    Documents(#[from] crate::model::documents::DocumentsError),
     #[error("child process for micro-batch {micro}: {why}")]
     Child { micro: u64, why: String },
 }
@@ -200,6 +202,7 @@ impl Session {
         crate::step::precision::configure_process(config.precision, device);
         let m = &config.model;
         let corpus = Corpus::load(&config.data, m.vocab_size, m.seq_len, config.train.eval_interval > 0)?;
+        let eos = crate::model::documents::run_eos(&config.data, corpus.manifest.as_ref().map(|m| m.eos_id))?;
         let limit_now = match device {
             Device::Cuda(i) => ffi::memory_info(i)?.1 > cap,
             _ => true,
@@ -219,7 +222,7 @@ impl Session {
         {
             let mut small = config.model.clone();
             small.n_layer = 1;
-            let mut warm = build(&plan, &small).map_err(setup_oom(cap))?;
+            let mut warm = build(&plan, &small, eos).map_err(setup_oom(cap))?;
             if steps(&mut warm, &corpus, &plan, 1, 1)?.is_none() {
                 tracing::warn!("profile: the warm-up step (one block, micro-batch 1) ran out of memory");
             }
@@ -235,7 +238,7 @@ impl Session {
             }
             _ => (ProcessMemory::read().ok_or(ProfileError::NoProcStatus)?.rss_bytes, 0),
         };
-        let trainable = build(&plan, m).map_err(setup_oom(cap))?;
+        let trainable = build(&plan, m, eos).map_err(setup_oom(cap))?;
         Ok(Self { trainable, corpus, plan, baseline, used_before })
     }
 
@@ -286,10 +289,27 @@ fn setup_oom(cap: u64) -> impl Fn(TchError) -> ProfileError {
 }
 
 /// The model, optimizer and loss scaler training would build for `plan`, with `model`'s shape.
-fn build(plan: &RunPlan, model: &crate::config::ModelConfig) -> Result<Trainable, TchError> {
+fn build(
+    plan: &RunPlan,
+    model: &crate::config::ModelConfig,
+    eos: Option<u32>,
+) -> Result<Trainable, TchError> {
     let (c, t) = (&plan.config, &plan.config.train);
     let scaler = crate::step::LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
-    Trainable::build(model, c.kernels, &plan.optimizer, plan.layout, c.precision, scaler, c.seed, plan.device)
+    let mut built = Trainable::build(
+        model,
+        c.kernels,
+        &plan.optimizer,
+        plan.layout,
+        c.precision,
+        scaler,
+        c.seed,
+        plan.device,
+    )?;
+    if let Some(eos) = eos {
+        built.model.mask_documents(eos);
+    }
+    Ok(built)
 }
 
 /// `n` of training's optimizer steps at micro-batch `micro`, each inside the guard with

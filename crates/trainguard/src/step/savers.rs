@@ -108,6 +108,9 @@ pub fn loss_and_grads(
         return Ok((loss.f_detach()?, grads));
     }
     let groups = model.param_groups();
+    // Once per micro-batch, for its forward and every recomputation.
+    let documents = model.documents(x)?;
+    let documents = documents.as_ref();
     let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
     let device = x.device();
     let (k, n) = (savers.checkpoint_every, model.n_blocks());
@@ -119,21 +122,21 @@ pub fn loss_and_grads(
     let mut saved: Vec<(usize, Tensor)> = Vec::new();
     let mut kept_from: Option<Tensor> = None;
     let body_out = if k == 0 {
-        let mut h = model.embed(x, true, Some(seed))?;
+        let mut h = model.embed(x, documents, true, Some(seed))?;
         for i in 0..n {
-            h = model.block(i, &h, true, Some(seed))?;
+            h = model.block(i, &h, documents, true, Some(seed))?;
         }
         h
     } else {
         let mut h = {
             let _no_grad = tch::no_grad_guard();
-            let mut h = model.embed(x, true, Some(seed))?;
+            let mut h = model.embed(x, documents, true, Some(seed))?;
             for i in 0..checkpointed {
                 if i % k == 0 {
                     let keep = if savers.offload { offload(&h)? } else { h.shallow_clone() };
                     saved.push((i, keep));
                 }
-                h = model.block(i, &h, true, Some(seed))?;
+                h = model.block(i, &h, documents, true, Some(seed))?;
             }
             h
         };
@@ -142,7 +145,7 @@ pub fn loss_and_grads(
             h = leaf.shallow_clone();
             kept_from = Some(leaf);
             for i in checkpointed..n {
-                h = model.block(i, &h, true, Some(seed))?;
+                h = model.block(i, &h, documents, true, Some(seed))?;
             }
         }
         h
@@ -178,15 +181,15 @@ pub fn loss_and_grads(
             let mut h = input.shallow_clone();
             let end = (start + k).min(checkpointed);
             for i in start..end - 1 {
-                h = model.block(i, &h, true, Some(seed))?;
+                h = model.block(i, &h, documents, true, Some(seed))?;
             }
             // The segment's output is not read, only its gradient pushed back: the last block's
             // stream and output stay apart, and its last product is not computed.
-            let out = model.block_graph(end - 1, &h, true, Some(seed))?;
+            let out = model.block_graph(end - 1, &h, documents, true, Some(seed))?;
             grad_out = push_back(&out, &grad_out, params, &blocks(start..end), Some(input), &mut grads)?
                 .expect("the segment input's gradient");
         }
-        let e = model.embed(x, true, Some(seed))?;
+        let e = model.embed(x, documents, true, Some(seed))?;
         push_back(&[e], &grad_out, params, &groups.embed, None, &mut grads)?;
     }
     let grads = grads

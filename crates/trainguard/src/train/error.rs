@@ -27,6 +27,9 @@ pub enum TrainError {
     Lock(#[from] crate::fs::dir_lock::LockError),
     #[error(transparent)]
     Dist(#[from] crate::distributed::DistError),
+    /// `data.document_mask` without an EOS id, or with two that differ (exit 2).
+    #[error(transparent)]
+    Documents(#[from] crate::model::documents::DocumentsError),
     #[error("deterministic: {0}")]
     Determinism(#[from] crate::ffi::ShimError),
     #[error("init_from: {0}")]
@@ -109,6 +112,7 @@ impl TrainError {
             | TrainError::OutDirNotADirectory { .. }
             | TrainError::OverwriteHoldsCwd { .. }
             | TrainError::Placement(_)
+            | TrainError::Documents(_)
             | TrainError::Start(StartMismatch::DiffersFromRank0 { .. }) => true,
             _ => self.heard_from_a_peer(),
         }

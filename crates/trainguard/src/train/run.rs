@@ -80,6 +80,8 @@ impl<'a> Run<'a> {
         }
         let corpus = corpus?;
         let unigram_entropy = corpus.val_entropy;
+        let document_eos =
+            crate::model::documents::run_eos(&cfg.data, corpus.manifest.as_ref().map(|m| m.eos_id))?;
 
         let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
         let data = data_record(cfg, &corpus);
@@ -126,6 +128,10 @@ impl<'a> Run<'a> {
         let recording =
             crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
         let mut state = fresh_state(plan, recording)?;
+        if let Some(eos) = document_eos {
+            state.trainable.model.mask_documents(eos);
+            say_how_documents_are_masked(plan, eos);
+        }
         match (&loaded, &cfg.init_from) {
             (Some(l), _) => state.restore(l, ckpt.root())?,
             (None, Some(dir)) => {
@@ -593,6 +599,20 @@ impl<'a> Run<'a> {
 /// What the run trains on, as its checkpoints record it.
 /// The model, optimizer, loss scaler and OOM guard as a fresh run starts them (a resume then
 /// restores its checkpoint into them).
+/// The log's word on `data.document_mask`: where documents end, and which attention path runs
+/// (a fused RoPE node that cannot take positions inside documents is left out, and said so).
+fn say_how_documents_are_masked(plan: &RunPlan, eos: u32) {
+    let cfg = &plan.config;
+    let path = match plan.device.is_cuda() {
+        true => "variable-length fused attention (no t × t mask)",
+        false => "a block-diagonal causal mask",
+    };
+    tracing::info!("data.document_mask: documents end at token id {eos}; attention within each through {path}, positions restarting per document");
+    if cfg.model.arch == crate::config::Arch::Llama && cfg.kernels.fused_rope && plan.device.is_cuda() {
+        tracing::info!("data.document_mask: RoPE rotates by position inside the document through ATen's ops (kernels.fused_rope's node rotates by position in the window only)");
+    }
+}
+
 fn fresh_state(plan: &RunPlan, recording: bool) -> Result<TrainState, TrainError> {
     let (cfg, t, device) = (&plan.config, &plan.config.train, plan.device);
     let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
