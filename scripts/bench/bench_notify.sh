@@ -2,13 +2,13 @@
 # What a dead webhook costs training: the same CPU run (configs/debug.yaml, a checkpoint and a
 # notification every CKPT steps, and one at the end) without a webhook, with one on a loopback
 # port nothing listens on (refused at once), and with one on a loopback server that accepts and
-# never answers (each try waits notify.timeout_s). Alternated ROUNDS times; the best training
-# time of each side (run_finished's session_elapsed_s) is compared, and the process' wall time
-# beside it (which includes the bounded wait for the queue at exit, notify.timeout_s at most).
-# Usage: scripts/bench/bench_notify.sh   (env: ROUNDS=3 STEPS=300 CKPT=10 THREADS=$(nproc))
+# never answers (each try waits notify.timeout_s). The three run at once, ROUNDS times; the best
+# of each side is compared: training time (run_finished's session_elapsed_s), the median step
+# time, and the process' wall time (which includes the bounded wait at exit, notify.timeout_s).
+# Usage: scripts/bench/bench_notify.sh   (env: ROUNDS=3 STEPS=100 CKPT=5 THREADS=1)
 set -euo pipefail
 source "$(dirname "$0")/../tools.sh"
-ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-300}; CKPT=${CKPT:-10}; THREADS=${THREADS:-$(nproc)}
+ROUNDS=${ROUNDS:-3}; STEPS=${STEPS:-100}; CKPT=${CKPT:-5}; THREADS=${THREADS:-1}
 out=$(mktemp -d)
 # A server that accepts every connection and never answers (held open until it ends).
 "$PY" -c '
@@ -28,36 +28,36 @@ common=(--config configs/debug.yaml --set train.threads="$THREADS" --set train.e
   --set train.log_interval=1000 --set train.max_steps="$STEPS" --set checkpoint.interval="$CKPT"
   --set checkpoint.keep_last=1 --set 'notify.on=[checkpoint_saved, finished]')
 
-run() {  # prints "training_s wall_s" of a fresh run named $1 with --set args $2...
+run() {  # a fresh run named $1 with --set args $2...; its figures in $out/$1.fig
   local name=$1; shift
   rm -rf "${out:?}/$name"
   local t0; t0=$("$PY" -c 'import time; print(time.monotonic())')
   "$BIN" train "${common[@]}" --set out_dir="$out/$name" "$@" 2>"$out/$name.err" >/dev/null
   local t1; t1=$("$PY" -c 'import time; print(time.monotonic())')
   "$PY" -c "
-import json; s=[json.loads(l) for l in open('$out/$name/events.jsonl')][-1]
-print(s['session_elapsed_s'], $t1 - $t0)"
+import json, statistics
+s=[json.loads(l) for l in open('$out/$name/events.jsonl')][-1]
+m=[json.loads(l)['step_time_s'] for l in open('$out/$name/metrics.jsonl')][5:]
+print(s['session_elapsed_s'], statistics.median(m), $t1 - $t0)" > "$out/$name.fig"
 }
 
-echo "== configs/debug.yaml, $STEPS steps, a notification every $CKPT steps, $THREADS threads, best of $ROUNDS"
-declare -A train wall
-for k in none refused silent; do train[$k]=1e9; wall[$k]=1e9; done
-for _ in $(seq "$ROUNDS"); do
-  for k in none refused silent; do
-    case $k in
-      none) r=$(run none) ;;
-      refused) r=$(run refused --set notify.webhook="http://127.0.0.1:$refused_port/hook") ;;
-      silent) r=$(run silent --set notify.webhook="http://127.0.0.1:$silent_port/hook") ;;
-    esac
-    read -r t w <<<"$r"
-    train[$k]=$("$PY" -c "print(min(${train[$k]}, $t))"); wall[$k]=$("$PY" -c "print(min(${wall[$k]}, $w))")
-  done
+# The three side by side in each round: on a shared machine they meet the same load, which runs
+# one after another do not (the ratio would measure the load's drift).
+echo "== configs/debug.yaml, $STEPS steps, a notification every $CKPT steps, $THREADS threads each, the three at once, $ROUNDS rounds"
+for r in $(seq "$ROUNDS"); do
+  run "none$r" & a=$!
+  run "refused$r" --set notify.webhook="http://127.0.0.1:$refused_port/hook" & b=$!
+  run "silent$r" --set notify.webhook="http://127.0.0.1:$silent_port/hook" & c=$!
+  wait $a $b $c
 done
-warned=$(grep -c "notify: cannot send" "$out/silent.err" "$out/refused.err" | tr '\n' ' ')
 "$PY" -c "
-t={'none':${train[none]},'refused':${train[refused]},'silent':${train[silent]}}
-w={'none':${wall[none]},'refused':${wall[refused]},'silent':${wall[silent]}}
-for k in t: print(f'{k:8s} training {t[k]:7.2f} s  process {w[k]:7.2f} s')
-for k in ('refused','silent'): print(f'{k}/none: training {t[k]/t[\"none\"]:.4f}  process {w[k]/w[\"none\"]:.4f} (the exit waits notify.timeout_s at most)')
+import statistics
+rounds=range(1, $ROUNDS + 1)
+fig={k: [list(map(float, open(f'$out/{k}{r}.fig').read().split())) for r in rounds] for k in ('none','refused','silent')}
+best=lambda k, i: min(f[i] for f in fig[k])
+for k in fig: print(f'{k:8s} training {best(k,0):7.2f} s  median step {1e3*best(k,1):7.2f} ms  process {best(k,2):7.2f} s')
+for k in ('refused','silent'):
+    print(f'{k}/none: training {best(k,0)/best(\"none\",0):.4f}  median step {best(k,1)/best(\"none\",1):.4f}  process {best(k,2)/best(\"none\",2):.4f} (the exit waits notify.timeout_s at most)')
 "
+warned=$(grep -c "notify: cannot send" "$out"/silent*.err "$out"/refused*.err | sed "s#$out/##" | tr '\n' ' ')
 echo "warnings (one per run expected): $warned"

@@ -184,7 +184,10 @@ fn sbatch_tells_the_webhook_of_a_run_that_ended_without_a_word() {
     let hook = crate::notify::Hook::start();
     let f = Fakes::new();
     let url = hook.url();
-    let o = f.sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("TRAINGUARD_NOTIFY_WEBHOOK", url.as_str())]).output().unwrap();
+    let o = f
+        .sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("TRAINGUARD_NOTIFY_WEBHOOK", url.as_str())])
+        .output()
+        .unwrap();
     assert_ne!(o.status.code(), Some(0));
     assert_eq!(hook.names(), ["crashed"], "{}", text(&o));
     let body = &hook.bodies()[0];

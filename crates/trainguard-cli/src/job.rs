@@ -136,7 +136,8 @@ static NOTIFIER: std::sync::OnceLock<trainguard::notify::Notifier> = std::sync::
 
 /// The exit codes whose end is told as `crashed`: a failure the process lived to see (4 is a
 /// planned stop, told by its `stopped` event; a killed process is the job script's to tell).
-const CRASH_CODES: [i32; 5] = [exit::FAILURE, exit::CONFIG, exit::OUT_OF_MEMORY, exit::NONFINITE, exit::NOT_DETERMINISTIC];
+const CRASH_CODES: [i32; 5] =
+    [exit::FAILURE, exit::CONFIG, exit::OUT_OF_MEMORY, exit::NONFINITE, exit::NOT_DETERMINISTIC];
 
 /// Before the process exits with `code`: a failure is told as `crashed`, and what is queued is
 /// given `notify.timeout_s` at most to go out.
@@ -155,7 +156,9 @@ pub(crate) fn notify_end(code: i32, message: &str) {
         n.crashed(code, exit::kind_name(code), message);
     }
     if !n.flush() {
-        trainguard::console::logging::to_stderr("warning: notify: the last notifications did not go out in notify.timeout_s");
+        trainguard::console::logging::to_stderr(
+            "warning: notify: the last notifications did not go out in notify.timeout_s",
+        );
     }
 }
 

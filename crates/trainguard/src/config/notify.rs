@@ -110,7 +110,11 @@ impl WebhookUrl {
         match split(&self.0) {
             None => Some(format!(
                 "expected an http:// or https:// URL with a host, got {}",
-                if self.0.is_empty() { "an empty string".to_string() } else { format!("`{}`", first_word(&self.0)) }
+                if self.0.is_empty() {
+                    "an empty string".to_string()
+                } else {
+                    format!("`{}`", first_word(&self.0))
+                }
             )),
             Some(_) if self.0.chars().any(char::is_whitespace) => {
                 Some(format!("expected a URL without spaces, got one to {}", self.shown()))

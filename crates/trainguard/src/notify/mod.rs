@@ -33,7 +33,10 @@ impl NotifyError {
 
 /// The webhook `cfg` names, from the config or the environment (`env` reads a variable); none
 /// when neither gives one.
-pub fn webhook(cfg: &NotifyConfig, env: impl Fn(&str) -> Option<String>) -> Result<Option<WebhookUrl>, NotifyError> {
+pub fn webhook(
+    cfg: &NotifyConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Option<WebhookUrl>, NotifyError> {
     if let Some(url) = &cfg.webhook {
         return Ok(Some(url.clone()));
     }
@@ -47,7 +50,9 @@ pub fn webhook(cfg: &NotifyConfig, env: impl Fn(&str) -> Option<String>) -> Resu
         None => return Ok(None),
     };
     match url.problem() {
-        Some(why) => Err(NotifyError::EnvBadUrl { name: name.into(), why: format!("holds a bad URL: {why}") }),
+        Some(why) => {
+            Err(NotifyError::EnvBadUrl { name: name.into(), why: format!("holds a bad URL: {why}") })
+        }
         None => Ok(Some(url)),
     }
 }
@@ -152,7 +157,10 @@ mod tests {
         assert!(e.to_string().starts_with("notify.webhook_env: names MY_HOOK, which is not set"), "{e}");
         assert!(e.is_usage());
         let e = webhook(&cfg, env_with(&[("MY_HOOK", "hooks.slack.com/services/SECRET")])).unwrap_err();
-        assert!(e.to_string().contains("MY_HOOK holds a bad URL") && !e.to_string().contains("SECRET"), "{e}");
+        assert!(
+            e.to_string().contains("MY_HOOK holds a bad URL") && !e.to_string().contains("SECRET"),
+            "{e}"
+        );
         let named = webhook(&cfg, env_with(&[("MY_HOOK", "https://discord.com/api/webhooks/1/t")])).unwrap();
         assert_eq!(named.unwrap().secret(), "https://discord.com/api/webhooks/1/t");
         cfg.webhook = Some(WebhookUrl::new("http://127.0.0.1:9/x"));

@@ -167,7 +167,10 @@ mod tests {
         // Every other event by its events.jsonl name: a new kind needs no code here.
         let failed = Event::CheckpointFailed { step: 5, error: "disk full".into(), training_goes_on: true };
         assert_eq!(name_of(&failed).as_deref(), Some("checkpoint_failed"));
-        assert_eq!(name_of(&Event::LeakSuspected { step: 1, message: "m".into() }).as_deref(), Some("leak_suspected"));
+        assert_eq!(
+            name_of(&Event::LeakSuspected { step: 1, message: "m".into() }).as_deref(),
+            Some("leak_suspected")
+        );
         // The names it gives are the ones notify.on accepts.
         for e in [&failed, &escalated] {
             let name = name_of(e).unwrap();
@@ -179,7 +182,10 @@ mod tests {
     fn the_body_has_slack_discord_and_ntfy_fields_with_the_same_line() {
         let n = Notice::of_event("finished".into(), &Event::RunFinished(summary()));
         let b = n.body("runs/gpt2", "node7");
-        assert_eq!(b["text"], "runs/gpt2 on node7: finished 200 steps, loss 2.5000, validation 2.7500 in 2.0 h");
+        assert_eq!(
+            b["text"],
+            "runs/gpt2 on node7: finished 200 steps, loss 2.5000, validation 2.7500 in 2.0 h"
+        );
         assert_eq!(b["content"], b["text"]);
         assert_eq!(b["title"], "trainguard runs/gpt2: finished");
         assert_eq!(b["event"], "finished");
@@ -195,7 +201,10 @@ mod tests {
         let n = Notice::crashed(3, "OutOfMemoryError", &long);
         let b = n.body("runs/a", "h");
         let text = b["text"].as_str().unwrap();
-        assert_eq!(text, "runs/a on h: crashed, exit 3 (OutOfMemoryError): out of memory at step 1 at micro-batch 1");
+        assert_eq!(
+            text,
+            "runs/a on h: crashed, exit 3 (OutOfMemoryError): out of memory at step 1 at micro-batch 1"
+        );
         assert_eq!(b["exit_code"], 3);
         assert_eq!(b["details"]["message"], long.as_str());
         let wide = Notice { headline: "y".repeat(3000), ..n };

@@ -59,7 +59,13 @@ impl Queue {
     }
 }
 
-fn send_all(rx: mpsc::Receiver<Message>, url: &WebhookUrl, timeout: Duration, retries: u32, queued: &AtomicUsize) {
+fn send_all(
+    rx: mpsc::Receiver<Message>,
+    url: &WebhookUrl,
+    timeout: Duration,
+    retries: u32,
+    queued: &AtomicUsize,
+) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         // A redirected POST would arrive as a GET elsewhere: a hook that moved is a failure.
@@ -125,7 +131,8 @@ mod tests {
     fn a_dead_url_fails_after_its_tries_and_flush_returns() {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let url = WebhookUrl::new(format!("http://127.0.0.1:{port}/hook/SECRET"));
-        let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(1))).build().into();
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(1))).build().into();
         let err = deliver(&agent, &url, "{}", 1).unwrap_err();
         assert!(err.contains("2 tries"), "{err}");
         let q = Queue::start(url, Duration::from_millis(200), 0).unwrap();
