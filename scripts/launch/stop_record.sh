@@ -65,3 +65,21 @@ failure_code() {
 record_stamp() {
   [ -f "$1/stop.json" ] && stat -c '%i %.9Y' "$1/stop.json"
 }
+
+# notify_killed OUT_DIR CODE: a run that ended without a word (killed: the OOM killer, kill -9, a
+# node lost) is told as `crashed` to the webhook in TRAINGUARD_NOTIFY_WEBHOOK, when it is set
+# (docs/notifications.md; trainguard tells every end it lives to see itself). The JSON body has
+# trainguard's shape; curl tries 3 times, 10 s each at most. The URL is a secret: a failure
+# names its scheme and host only.
+notify_killed() {
+  local url=${TRAINGUARD_NOTIFY_WEBHOOK:-} dir=$1 code=$2 host text json
+  [ -n "$url" ] || return 0
+  command -v curl >/dev/null || { echo "warning: notify: no curl to send the crash notice" >&2; return 0; }
+  host=$(hostname 2>/dev/null || echo "unknown host")
+  dir=${dir//\\/\\\\}; dir=${dir//\"/\\\"}
+  text="$dir on $host: crashed, exit $code (killed: no error from trainguard, no stop record)"
+  json=$(printf '{"text":"%s","content":"%s","title":"trainguard %s: crashed","event":"crashed","run":"%s","host":"%s","step":null,"exit_code":%d,"details":{"message":"the job script saw the run end without a stop record or a failure record"}}' \
+    "$text" "$text" "$dir" "$dir" "$host" "$code")
+  curl -fsS -o /dev/null -m 10 --retry 2 -H 'Content-Type: application/json' -d "$json" "$url" 2>/dev/null \
+    || echo "warning: notify: cannot send the crash notice to $(printf '%s' "$url" | sed -E 's#^([a-zA-Z]+://)([^@/?#]*@)?([^/?#]*).*#\1\3/…#')" >&2
+}

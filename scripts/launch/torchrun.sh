@@ -64,5 +64,6 @@ case $status in
        exit "$failed"
      fi
      echo "trainguard: crashed: torchrun exited $code and left no stop record in $out_dir" >&2
+     notify_killed "$out_dir" "$code"
      [ "$code" -ne 0 ] && exit "$code"; exit 1 ;;
 esac

@@ -15,6 +15,7 @@ mod gpu;
 mod hf;
 mod hung_rank;
 mod llama;
+mod notify;
 mod oom;
 mod optimizers;
 mod paths;

@@ -177,6 +177,26 @@ fn sbatch_reports_a_crash_and_does_not_requeue_even_with_an_old_stop_record() {
     assert!(f.out().join("stop.json").exists());
 }
 
+/// A run killed without a word (no stop record, no failure record) is the job script's to tell:
+/// one `crashed` notice to the webhook in TRAINGUARD_NOTIFY_WEBHOOK, and the URL not printed.
+#[test]
+fn sbatch_tells_the_webhook_of_a_run_that_ended_without_a_word() {
+    let hook = crate::notify::Hook::start();
+    let f = Fakes::new();
+    let url = hook.url();
+    let o = f
+        .sbatch("crash", &[("FAKE_SQUEUE", "10:00"), ("TRAINGUARD_NOTIFY_WEBHOOK", url.as_str())])
+        .output()
+        .unwrap();
+    assert_ne!(o.status.code(), Some(0));
+    assert_eq!(hook.names(), ["crashed"], "{}", text(&o));
+    let body = &hook.bodies()[0];
+    assert_eq!(body["exit_code"], 1);
+    assert_eq!(body["run"], f.out().display().to_string());
+    assert!(body["text"].as_str().unwrap().contains("killed"), "{body}");
+    assert!(!text(&o).contains(crate::notify::TOKEN), "{}", text(&o));
+}
+
 /// A failure no restart mends ends the job with its code, not requeued, whichever node's worker
 /// recorded it: the batch script's node keeps its own record; another node's is asked for with a
 /// short job step. Each leg records in a new file (a requeue keeps the job id, and a record from

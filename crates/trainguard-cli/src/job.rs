@@ -31,6 +31,11 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     let launch = distributed::from_process_env()?;
     let elastic = stop_record::under_elastic_agent(|k| std::env::var(k).ok());
     let writer = launch.as_ref().is_none_or(|l| l.rank == 0);
+    // Rank 0 alone notifies; from here on a failure can be told (the error path's `crashed`).
+    // A webhook the environment gets wrong is refused now; the sender starts below.
+    if writer && trainguard::notify::webhook(&cfg.notify, env)?.is_some() {
+        let _ = NOTIFY_SETUP.set((cfg.notify.clone(), cfg.out_dir.clone()));
+    }
     // Under torchrun a process resumes the run its job started (a restart); after an attempt
     // refused or failed before that, it does what the command asked (trainguard::job::attempts).
     let resumes_its_run = attempt.as_ref().is_some_and(|a| attempts::started_by(&cfg.out_dir, a));
@@ -68,6 +73,10 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     // Before the signal thread and before CUDA creates a cuBLAS handle.
     trainguard::determinism::prepare_env(plan.config.deterministic);
+    // After the CPU cap's allocator settings, as every thread of the process.
+    if let Some(n) = start_notifier()? {
+        let _ = NOTIFIER.set(n);
+    }
     let stop = Interrupter::new();
     let out = plan.config.out_dir.clone();
     stop.install_signal_handler(
@@ -102,7 +111,7 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     // Rank 0 has written `stop.json` (finished, or stopped and resumable) before `train` returns.
     let out_dir = &plan.config.out_dir;
-    match train::train(&plan, &resume, &stop, group.as_mut()) {
+    match train::train(&plan, &resume, &stop, group.as_mut(), NOTIFIER.get()) {
         Ok(_) => Ok(()),
         Err(err @ TrainError::Interrupted { .. }) => {
             if elastic {
@@ -118,6 +127,49 @@ pub(crate) fn run_train(args: &TrainArgs) -> anyhow::Result<()> {
         // A refusal of the user's input comes before the first step: nothing was trained.
         Err(e) if e.is_usage() => Err(anyhow::Error::new(e).context("refused before training")),
         Err(e) => Err(anyhow::Error::new(e).context("training failed")),
+    }
+}
+
+/// Rank 0's notifier, once its config names a webhook: the run's reporter feeds it, and the
+/// error path tells it of a crash before the process exits.
+static NOTIFIER: std::sync::OnceLock<trainguard::notify::Notifier> = std::sync::OnceLock::new();
+
+/// The exit codes whose end is told as `crashed`: a failure the process lived to see (4 is a
+/// planned stop, told by its `stopped` event; a killed process is the job script's to tell).
+const CRASH_CODES: [i32; 5] =
+    [exit::FAILURE, exit::CONFIG, exit::OUT_OF_MEMORY, exit::NONFINITE, exit::NOT_DETERMINISTIC];
+
+/// Before the process exits with `code`: a failure is told as `crashed`, and what is queued is
+/// given `notify.timeout_s` at most to go out.
+pub(crate) fn notify_end(code: i32, message: &str) {
+    // A failure before the sender started (the plan refused) starts it now.
+    let started = match NOTIFIER.get() {
+        Some(n) => Some(n.clone()),
+        None if CRASH_CODES.contains(&code) => start_notifier().unwrap_or_else(|e| {
+            trainguard::console::logging::to_stderr(&format!("warning: {e}"));
+            None
+        }),
+        None => None,
+    };
+    let Some(n) = started else { return };
+    if CRASH_CODES.contains(&code) {
+        n.crashed(code, exit::kind_name(code), message);
+    }
+    if !n.flush() {
+        trainguard::console::logging::to_stderr(
+            "warning: notify: the last notifications did not go out in notify.timeout_s",
+        );
+    }
+}
+
+/// Rank 0's `notify` section and `out_dir`, once the webhook is known to be usable.
+static NOTIFY_SETUP: std::sync::OnceLock<(config::notify::NotifyConfig, std::path::PathBuf)> =
+    std::sync::OnceLock::new();
+
+fn start_notifier() -> Result<Option<trainguard::notify::Notifier>, trainguard::notify::NotifyError> {
+    match NOTIFY_SETUP.get() {
+        Some((cfg, out_dir)) => trainguard::notify::Notifier::start(cfg, out_dir, env),
+        None => Ok(None),
     }
 }
 

@@ -30,8 +30,10 @@ fn main() {
         report(&err);
         let code = exit_code(&err);
         job::tell_the_launcher(&err, code, training);
+        job::notify_end(code, &message(&err));
         std::process::exit(code);
     }
+    job::notify_end(exit::SUCCESS, "");
     std::process::exit(exit::SUCCESS);
 }
 
@@ -256,7 +258,9 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         {
             return exit::CONFIG;
         }
-        if cause.downcast_ref::<trainguard::planner::PlannerError>().is_some_and(|e| e.is_usage()) {
+        if cause.downcast_ref::<trainguard::planner::PlannerError>().is_some_and(|e| e.is_usage())
+            || cause.downcast_ref::<trainguard::notify::NotifyError>().is_some_and(|e| e.is_usage())
+        {
             return exit::CONFIG;
         }
         if cause.downcast_ref::<trainguard::data::DataError>().is_some_and(|e| e.is_usage())

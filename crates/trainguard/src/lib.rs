@@ -20,6 +20,7 @@ pub mod hf;
 pub mod job;
 pub mod memory;
 pub mod model;
+pub mod notify;
 pub mod optim;
 pub mod planner;
 pub mod report;

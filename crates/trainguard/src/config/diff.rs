@@ -46,7 +46,7 @@ pub fn differing_keys(a: &Value, b: &Value) -> Vec<KeyDifference> {
 /// The keys the ranks of one run may set differently, with why (README's torchrun section
 /// lists them). Every other key changes the maths, the collectives' shapes or when the ranks
 /// meet, so a rank that differs there would train something else or hang its peers.
-pub const PER_RANK_KEYS: [(&str, &str); 12] = [
+pub const PER_RANK_KEYS: [(&str, &str); 13] = [
     ("out_dir", "rank 0 alone writes; the ranks' resume points are compared on their own"),
     ("device", "each rank has its own GPU"),
     ("data.source", "nodes may mount the corpus at different paths; the tokens loaded are compared instead"),
@@ -56,6 +56,7 @@ pub const PER_RANK_KEYS: [(&str, &str); 12] = [
     ("train.max_duration", "a torchrun restart gives each rank what is left of its own budget; the ranks agree on every stop"),
     ("memory", "memory savers and allocator settings change no result"),
     ("metrics", "rank 0 alone reports"),
+    ("notify", "rank 0 alone notifies"),
     ("faults", "tests inject a failure on one rank"),
     ("dist.timeout_s", "how long a rank waits"),
     ("dist.writer_wait_s", "how long a rank waits for rank 0's writing"),

@@ -6,6 +6,7 @@ mod anchor;
 pub mod diff;
 pub mod limits;
 mod load;
+pub mod notify;
 mod validate;
 
 pub use load::{apply_override, load, parse_duration, parse_size, saved, yaml_tree, ConfigError};
@@ -42,6 +43,8 @@ pub struct Config {
     pub dist: DistConfig,
     /// Extra metric sinks beside metrics.jsonl.
     pub metrics: MetricsConfig,
+    /// Webhook notifications of the run's end and of chosen events (rank 0 sends).
+    pub notify: notify::NotifyConfig,
     /// Test-only fault injection; leave empty in real runs.
     pub faults: FaultsConfig,
     /// A Hugging Face GPT-2 directory (`trainguard export --hf`, or transformers'
@@ -69,6 +72,7 @@ impl Default for Config {
             nan: NanConfig::default(),
             dist: DistConfig::default(),
             metrics: MetricsConfig::default(),
+            notify: notify::NotifyConfig::default(),
             faults: FaultsConfig::default(),
             init_from: None,
         }

@@ -332,6 +332,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check_cuda_graphs(c, &mut check);
     check_document_mask(c, &mut check);
     check_faults(c, &mut check);
+    super::notify::check(&c.notify, &mut p);
     p
 }
 

@@ -6,7 +6,7 @@ mod render;
 mod reporter;
 
 use crate::memory::MemorySnapshot;
-pub use reporter::{Reporter, SinkError};
+pub use reporter::{Reporter, SinkError, Subscriber};
 use serde::Serialize;
 
 /// One optimizer step's figures (a metrics.jsonl line).

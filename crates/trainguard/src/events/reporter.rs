@@ -1,6 +1,7 @@
 //! Where events go: `metrics.jsonl` (one line per step), `events.jsonl` (the rest),
 //! TensorBoard's event files when asked, the progress bar, and the log (words in `render.rs`).
 //! Each line is flushed as written; a resumed run rewrites the files to its checkpoint first.
+//! [`Subscriber`]s (the notifier) see every event after the files have it.
 use super::Event;
 use crate::fs::{run_files, whole_file};
 use crate::memory::human;
@@ -18,6 +19,13 @@ pub struct Reporter {
     tensorboard: Option<crate::report::tensorboard::TensorBoardWriter>,
     /// The step a resumed run started at (a run resumed at or past max_steps trains nothing).
     pub(super) resume_at: Option<u64>,
+    subscribers: Vec<Box<dyn Subscriber>>,
+}
+
+/// Something told of every event, numbered as the files have it (steps from 1). It runs on the
+/// training thread, on every step: it must return at once (hand work to a thread of its own).
+pub trait Subscriber: Send {
+    fn event(&mut self, event: &Event);
 }
 
 /// A file of the run directory the reporter could not open or rewrite.
@@ -75,6 +83,7 @@ impl Reporter {
             bar,
             tensorboard: None,
             resume_at,
+            subscribers: Vec::new(),
         })
     }
 
@@ -89,6 +98,11 @@ impl Reporter {
         tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```")).map_err(named)?;
         self.tensorboard = Some(tb);
         Ok(())
+    }
+
+    /// Tells `subscriber` of every event from now on.
+    pub fn subscribe(&mut self, subscriber: Box<dyn Subscriber>) {
+        self.subscribers.push(subscriber);
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -133,6 +147,9 @@ impl Reporter {
                 tracing::warn!("cannot write TensorBoard files, no more will be written: {e}");
                 self.tensorboard = None;
             }
+        }
+        for s in &mut self.subscribers {
+            s.event(&event);
         }
     }
 }

@@ -64,6 +64,7 @@ impl<'a> Run<'a> {
         plan: &'a RunPlan,
         resume: &Resume,
         mut dist: Option<&'a mut Dist>,
+        notifier: Option<&crate::notify::Notifier>,
     ) -> Result<(Self, Option<RunDir>), TrainError> {
         let cfg = &plan.config;
         let t = &cfg.train;
@@ -178,7 +179,7 @@ impl<'a> Run<'a> {
             )
         }));
         let resumed_at = loaded.as_ref().map(|_| start_step);
-        let mut reporter = open_reporter(plan, run_dir, resumed_at)?;
+        let mut reporter = open_reporter(plan, run_dir, resumed_at, notifier)?;
         report_what_the_start_found(&mut reporter, start_step, restored, skipped, left);
         warn_of_allocator_settings(&allocator, device);
         if let Some(d) = deterministic {
@@ -681,11 +682,12 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
 }
 
 /// The run's reporter: log lines on every rank, the run files on the writing one (appended to
-/// from the step resumed at), and TensorBoard's when asked.
+/// from the step resumed at), TensorBoard's when asked, and the writing rank's notifier.
 fn open_reporter(
     plan: &RunPlan,
     run_dir: Option<&Path>,
     resumed_at: Option<u64>,
+    notifier: Option<&crate::notify::Notifier>,
 ) -> Result<Reporter, TrainError> {
     let (cfg, t) = (&plan.config, &plan.config.train);
     let file_error = |e: crate::events::SinkError| TrainError::RunDirFile { file: e.path, source: e.source };
@@ -695,6 +697,9 @@ fn open_reporter(
         reporter
             .enable_tensorboard(&dir.join(crate::fs::run_files::TENSORBOARD), &yaml)
             .map_err(file_error)?;
+    }
+    if let (Some(_), Some(n)) = (run_dir, notifier) {
+        reporter.subscribe(Box::new(n.clone()));
     }
     Ok(reporter)
 }

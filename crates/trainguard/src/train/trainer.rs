@@ -7,9 +7,11 @@ use super::TrainError;
 use crate::distributed::Dist;
 use crate::events::RunSummary;
 use crate::job::interrupt::Interrupter;
+use crate::notify::Notifier;
 use crate::run_plan::RunPlan;
 
-/// Trains `plan` from where `resume` says to `train.max_steps`, or until a stop.
+/// Trains `plan` from where `resume` says to `train.max_steps`, or until a stop; `notifier`
+/// (rank 0's) is told of the run's events.
 /// Rank 0 records how the run ended (`stop.json`) while it still holds `out_dir`: a run started
 /// there the moment the lock went would otherwise have its record overwritten by this one's.
 pub fn train(
@@ -17,8 +19,9 @@ pub fn train(
     resume: &Resume,
     stop: &Interrupter,
     dist: Option<&mut Dist>,
+    notifier: Option<&Notifier>,
 ) -> Result<RunSummary, TrainError> {
-    let (run, held) = Run::build(plan, resume, dist)?;
+    let (run, held) = Run::build(plan, resume, dist, notifier)?;
     let ended = run_to_the_end(run, stop);
     if let Some(dir) = &held {
         dir.record_end(&ended);
