@@ -9,6 +9,7 @@ mod cluster;
 mod determinism;
 mod dist;
 mod doc_commands;
+mod eval;
 mod generated_configs;
 mod gpu;
 mod hf;
