@@ -25,7 +25,10 @@ fn generated_task(path: &Path, n: usize) {
     for i in 0..n {
         let animal = ["dog", "rain", "inner"][i % 3];
         let context = match i % 4 {
-            3 => format!("the cat {animal} sat on the mat and ran after her {} the cat {animal} sat on the", i % 7),
+            3 => format!(
+                "the cat {animal} sat on the mat and ran after her {} the cat {animal} sat on the",
+                i % 7
+            ),
             _ => format!("the cat {animal} sat on the"),
         };
         // At most 12 characters: the test tokenizer has few merges, the window is 16 tokens.
@@ -116,7 +119,10 @@ fn eval_scores_every_example_as_transformers_does_on_the_exported_model() {
         }
     }
     assert!(worst < 1e-4, "summed log-likelihoods differ by up to {worst}");
-    eprintln!("largest difference from transformers: {worst:.2e}; example 0: {} vs {}", ours[0]["sums"], theirs[0]["sums"]);
+    eprintln!(
+        "largest difference from transformers: {worst:.2e}; example 0: {} vs {}",
+        ours[0]["sums"], theirs[0]["sums"]
+    );
     // Not a degenerate model: the endings' sums differ, and length normalisation changes choices.
     assert!(ours.iter().any(|s| s["pred"] != s["pred_norm"]), "acc and acc_norm never differ");
     assert_eq!(result["acc"], reference["acc"]);
@@ -129,7 +135,8 @@ fn eval_scores_every_example_as_transformers_does_on_the_exported_model() {
     eval(&hf, &task, &["--scores", from_hf.to_str().unwrap()]).ok();
     for (a, b) in scores(&from_hf).iter().zip(&ours) {
         assert_eq!(a["pred"], b["pred"]);
-        let diff = floats(&a["sums"]).iter().zip(floats(&b["sums"])).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        let diff =
+            floats(&a["sums"]).iter().zip(floats(&b["sums"])).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
         assert!(diff < 1e-5, "{diff}");
     }
     // --max-examples scores the first ones only; the text line says both accuracies.
@@ -170,8 +177,11 @@ fn tasks_scored_in_the_loop_reach_metrics_tensorboard_and_the_report() {
     let sets = train_with_tasks(&run_dir, &data, &task, &["eval.every_steps=4", "metrics.tensorboard=true"]);
     let run = train(&run_dir, "configs/debug.yaml", &refs(&sets)).ok();
     let metrics = run.metrics();
-    let scored: Vec<u64> =
-        metrics.iter().filter(|m| m.get("eval_gen_acc").is_some()).map(|m| m["step"].as_u64().unwrap()).collect();
+    let scored: Vec<u64> = metrics
+        .iter()
+        .filter(|m| m.get("eval_gen_acc").is_some())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(scored, [4, 8, 12], "every 4 steps (and the last)");
     let last = metrics.last().unwrap();
     for key in ["eval_gen_acc", "eval_gen_acc_norm", "eval_acc", "eval_acc_norm"] {
@@ -209,7 +219,12 @@ fn two_ranks_split_the_examples_and_report_the_whole_task() {
     let run_dir = d.path().join("run");
     let sets = train_with_tasks(&run_dir, &data, &task, &["dist.timeout_s=30", "train.micro_batch_size=4"]);
     let mut cmd = std::process::Command::new(torchrun());
-    cmd.args(["--nproc_per_node=2", "--master_addr=127.0.0.1", &format!("--master_port={}", free_port()), "--no-python"]);
+    cmd.args([
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        &format!("--master_port={}", free_port()),
+        "--no-python",
+    ]);
     let train_cmd = command(&run_dir, "configs/debug.yaml", &refs(&sets));
     cmd.arg(train_cmd.get_program()).args(train_cmd.get_args());
     let out = cmd.output().unwrap();

@@ -238,7 +238,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             check(false, &format!("eval.tasks[{i}].name"), why);
         }
         if ev.tasks[..i].iter().any(|t| t.name == task.name) {
-            check(false, &format!("eval.tasks[{i}].name"), format!("`{}` names two tasks: each needs its own name", task.name));
+            check(
+                false,
+                &format!("eval.tasks[{i}].name"),
+                format!("`{}` names two tasks: each needs its own name", task.name),
+            );
         }
         check(
             !task.path.as_os_str().is_empty(),
@@ -246,8 +250,16 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             "expected the task's JSONL file (HellaSwag's layout: `ctx`, `endings`, `label`)".into(),
         );
     }
-    check(ev.every_steps != Some(0), "eval.every_steps", "must be at least 1 (leave it unset to score the tasks when validation runs), got 0".into());
-    check(ev.max_examples != Some(0), "eval.max_examples", "must be at least 1 (unset: every example), got 0".into());
+    check(
+        ev.every_steps != Some(0),
+        "eval.every_steps",
+        "must be at least 1 (leave it unset to score the tasks when validation runs), got 0".into(),
+    );
+    check(
+        ev.max_examples != Some(0),
+        "eval.max_examples",
+        "must be at least 1 (unset: every example), got 0".into(),
+    );
     check(
         ev.tasks.is_empty() || ev.every_steps.is_some() || evaluates,
         "eval.tasks",

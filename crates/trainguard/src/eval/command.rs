@@ -31,8 +31,9 @@ pub struct EvalArgs {
 
 /// `NAME=FILE`, the name checked as `eval.tasks[].name` is.
 fn task_arg(text: &str) -> Result<(String, PathBuf), String> {
-    let (name, file) =
-        text.split_once('=').ok_or_else(|| format!("expected NAME=FILE.jsonl (e.g. hellaswag=val.jsonl), got `{text}`"))?;
+    let (name, file) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected NAME=FILE.jsonl (e.g. hellaswag=val.jsonl), got `{text}`"))?;
     super::check_name(name)?;
     if file.is_empty() {
         return Err(format!("expected NAME=FILE.jsonl: no file after `{name}=`"));
@@ -59,7 +60,8 @@ pub fn run(args: &EvalArgs) -> Result<Vec<TaskResult>, EvalError> {
     let mut scores = match &args.scores {
         Some(path) => Some((
             std::io::BufWriter::new(
-                std::fs::File::create(path).map_err(|source| EvalError::Write { path: path.clone(), source })?,
+                std::fs::File::create(path)
+                    .map_err(|source| EvalError::Write { path: path.clone(), source })?,
             ),
             path,
         )),
@@ -112,7 +114,10 @@ mod tests {
 
     #[test]
     fn a_task_is_a_name_and_a_file() {
-        assert_eq!(task_arg("hellaswag=data/val.jsonl").unwrap(), ("hellaswag".into(), "data/val.jsonl".into()));
+        assert_eq!(
+            task_arg("hellaswag=data/val.jsonl").unwrap(),
+            ("hellaswag".into(), "data/val.jsonl".into())
+        );
         assert_eq!(task_arg("t=a=b.jsonl").unwrap().1, PathBuf::from("a=b.jsonl"), "the first `=` splits");
         assert!(task_arg("val.jsonl").unwrap_err().contains("expected NAME=FILE.jsonl"));
         assert!(task_arg("t=").unwrap_err().contains("no file"));
@@ -122,8 +127,14 @@ mod tests {
     #[test]
     fn results_read_as_counts_and_fractions() {
         let r = TaskResult { task: "hs".into(), examples: 8, correct: 2, correct_norm: 3 };
-        assert_eq!(render(&[r.clone()], false), "hs: acc 0.2500 (2/8), acc_norm 0.3750 (3/8; per character)\n");
+        assert_eq!(
+            render(std::slice::from_ref(&r), false),
+            "hs: acc 0.2500 (2/8), acc_norm 0.3750 (3/8; per character)\n"
+        );
         let v: serde_json::Value = serde_json::from_str(render(&[r], true).trim()).unwrap();
-        assert_eq!((v["task"].as_str(), v["acc"].as_f64(), v["correct_norm"].as_u64()), (Some("hs"), Some(0.25), Some(3)));
+        assert_eq!(
+            (v["task"].as_str(), v["acc"].as_f64(), v["correct_norm"].as_u64()),
+            (Some("hs"), Some(0.25), Some(3))
+        );
     }
 }

@@ -73,7 +73,14 @@ impl Encoder {
 
     /// `e` in ids, checked against the model: every id inside `vocab`, every ending within the
     /// `seq_len` window with a token before it. An error names the file and line.
-    pub fn encode(&self, e: &Example, index: usize, file: &Path, vocab: usize, seq_len: usize) -> Result<Encoded, EvalError> {
+    pub fn encode(
+        &self,
+        e: &Example,
+        index: usize,
+        file: &Path,
+        vocab: usize,
+        seq_len: usize,
+    ) -> Result<Encoded, EvalError> {
         let at = |why: String| EvalError::Input(format!("{}:{}: {why}", file.display(), e.line));
         let mut context = match self {
             Encoder::Tokenizer(_, eos) => vec![*eos],
@@ -81,7 +88,10 @@ impl Encoder {
         };
         context.extend(self.ids(&e.context).map_err(at)?);
         if context.is_empty() {
-            return Err(at("the context is empty and byte-level data has no start token: nothing conditions the endings".into()));
+            return Err(at(
+                "the context is empty and byte-level data has no start token: nothing conditions the endings"
+                    .into(),
+            ));
         }
         let mut endings = Vec::with_capacity(e.endings.len());
         for (i, ending) in e.endings.iter().enumerate() {
@@ -97,8 +107,12 @@ impl Encoder {
             }
             endings.push(ids);
         }
-        if let Some(bad) = context.iter().chain(endings.iter().flatten()).find(|&&i| i < 0 || i as usize >= vocab) {
-            return Err(at(format!("token id {bad} is outside the model's vocabulary of {vocab} (model.vocab_size)")));
+        if let Some(bad) =
+            context.iter().chain(endings.iter().flatten()).find(|&&i| i < 0 || i as usize >= vocab)
+        {
+            return Err(at(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab} (model.vocab_size)"
+            )));
         }
         let chars = e.endings.iter().map(|s| continuation(s).chars().count()).collect();
         Ok(Encoded { index, context, endings, chars, label: e.label })
@@ -110,7 +124,12 @@ mod tests {
     use super::*;
 
     fn example(context: &str, endings: &[&str]) -> Example {
-        Example { context: context.into(), endings: endings.iter().map(|s| s.to_string()).collect(), label: 1, line: 7 }
+        Example {
+            context: context.into(),
+            endings: endings.iter().map(|s| s.to_string()).collect(),
+            label: 1,
+            line: 7,
+        }
     }
 
     #[test]
@@ -122,9 +141,16 @@ mod tests {
         assert_eq!(e.chars, [2, 3], "characters, not bytes");
         assert_eq!((e.index, e.label), (3, 1));
         let err = Encoder::Bytes.encode(&example("Hi", &["a", "bé"]), 0, f, 128, 8).unwrap_err().to_string();
-        assert_eq!(err, "t.jsonl:7: token id 195 is outside the model's vocabulary of 128 (model.vocab_size)");
-        let err = Encoder::Bytes.encode(&example("Hi", &["a", "abcd"]), 0, f, 256, 4).unwrap_err().to_string();
-        assert!(err.starts_with("t.jsonl:7: `endings`[1] is 5 tokens, more than the model's window of 4"), "{err}");
+        assert_eq!(
+            err,
+            "t.jsonl:7: token id 195 is outside the model's vocabulary of 128 (model.vocab_size)"
+        );
+        let err =
+            Encoder::Bytes.encode(&example("Hi", &["a", "abcd"]), 0, f, 256, 4).unwrap_err().to_string();
+        assert!(
+            err.starts_with("t.jsonl:7: `endings`[1] is 5 tokens, more than the model's window of 4"),
+            "{err}"
+        );
         let err = Encoder::Bytes.encode(&example("", &["a", "b"]), 0, f, 256, 4).unwrap_err().to_string();
         assert!(err.contains("the context is empty"), "{err}");
     }

@@ -57,7 +57,9 @@ pub fn check_name(name: &str) -> Result<(), String> {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
     match ok {
         true => Ok(()),
-        false => Err(format!("a task name is 1 to 64 letters, digits, `_` or `-` (it names metrics fields), got {name:?}")),
+        false => Err(format!(
+            "a task name is 1 to 64 letters, digits, `_` or `-` (it names metrics fields), got {name:?}"
+        )),
     }
 }
 
@@ -96,7 +98,11 @@ pub fn tasks_of(cfg: &crate::config::Config) -> Result<Vec<Task>, EvalError> {
     }
     let encoder = Encoder::of_source(&cfg.data.source)?;
     let (m, max) = (&cfg.model, cfg.eval.max_examples);
-    cfg.eval.tasks.iter().map(|t| Task::load(&t.name, &t.path, &encoder, m.vocab_size, m.seq_len, max)).collect()
+    cfg.eval
+        .tasks
+        .iter()
+        .map(|t| Task::load(&t.name, &t.path, &encoder, m.vocab_size, m.seq_len, max))
+        .collect()
 }
 
 /// A task's accuracy, over all ranks.
@@ -191,7 +197,12 @@ mod tests {
 
     #[test]
     fn metrics_name_each_task_and_their_mean() {
-        let r = |task: &str, correct, correct_norm| TaskResult { task: task.into(), examples: 4, correct, correct_norm };
+        let r = |task: &str, correct, correct_norm| TaskResult {
+            task: task.into(),
+            examples: 4,
+            correct,
+            correct_norm,
+        };
         let m = metrics(&[r("hellaswag", 1, 2), r("mine", 3, 4)]);
         assert_eq!(m["eval_hellaswag_acc"], 0.25);
         assert_eq!(m["eval_hellaswag_acc_norm"], 0.5);

@@ -57,7 +57,12 @@ pub fn choose(sums: &[f64], chars: &[usize]) -> (usize, usize) {
 
 /// Scores one example: its endings in one forward pass (right-padded to the longest; padding
 /// after a row's tokens does not change its causal logits), log-softmax in fp32.
-pub fn score(model: &Model, e: &Encoded, seq_len: usize, device: Device) -> Result<ExampleScore, tch::TchError> {
+pub fn score(
+    model: &Model,
+    e: &Encoded,
+    seq_len: usize,
+    device: Device,
+) -> Result<ExampleScore, tch::TchError> {
     let windows: Vec<(Vec<i64>, Vec<i64>, usize)> = e
         .endings
         .iter()

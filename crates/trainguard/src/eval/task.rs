@@ -45,7 +45,10 @@ pub fn parse(text: &str) -> Result<Vec<Example>, (usize, String)> {
         examples.push(example(line, n).map_err(|why| (n, why))?);
     }
     if examples.is_empty() {
-        return Err((1, "no examples: expected one JSON object per line with `ctx`, `endings` and `label`".into()));
+        return Err((
+            1,
+            "no examples: expected one JSON object per line with `ctx`, `endings` and `label`".into(),
+        ));
     }
     Ok(examples)
 }
@@ -70,7 +73,9 @@ fn example(line: &str, n: usize) -> Result<Example, String> {
     let endings: Vec<String> = match o.get("endings") {
         Some(Value::Array(a)) => a
             .iter()
-            .map(|e| e.as_str().map(str::to_string).ok_or_else(|| format!("`endings` must hold strings, got {e}")))
+            .map(|e| {
+                e.as_str().map(str::to_string).ok_or_else(|| format!("`endings` must hold strings, got {e}"))
+            })
             .collect::<Result<_, _>>()?,
         Some(other) => return Err(format!("`endings` must be a list of strings, got {other}")),
         None => return Err("expected `endings`: the list of candidate endings".into()),
@@ -131,7 +136,10 @@ mod tests {
             (r#"{"ctx": "c", "endings": ["a", 1], "label": 0}"#, "`endings` must hold strings, got 1"),
             (r#"{"ctx": "c", "endings": ["a"], "label": 0}"#, "2..=64 endings, got 1"),
             (r#"{"ctx": "c", "endings": ["a", " "], "label": 0}"#, "`endings`[1] is empty"),
-            (r#"{"ctx": "c", "endings": ["a", "b"], "label": 2}"#, "0..2 (a number or a string of digits), got 2"),
+            (
+                r#"{"ctx": "c", "endings": ["a", "b"], "label": 2}"#,
+                "0..2 (a number or a string of digits), got 2",
+            ),
             (r#"{"ctx": "c", "endings": ["a", "b"], "label": "x"}"#, "got \"x\""),
             (r#"{"ctx": "c", "endings": ["a", "b"]}"#, "got nothing"),
             (r#"{"ctx": "c", "endings": ["a", "b"], "label": -1}"#, "got -1"),
@@ -142,7 +150,8 @@ mod tests {
             assert!(why.contains(expected), "{bad}: {why}");
         }
         assert_eq!(parse("\n \n").unwrap_err().0, 1);
-        let long = format!(r#"{{"ctx": "{}", "endings": ["a", "b"], "label": 0}}"#, "x".repeat(MAX_LINE_BYTES));
+        let long =
+            format!(r#"{{"ctx": "{}", "endings": ["a", "b"], "label": 0}}"#, "x".repeat(MAX_LINE_BYTES));
         assert!(parse(&long).unwrap_err().1.contains("more than the"));
     }
 

@@ -96,7 +96,9 @@ fn data_json(runs: &[RunData], drawn: &[Drawn]) -> Value {
 /// (an empty panel on every other run's page would say nothing).
 fn shown(p: &PanelDef, drawn: &[Drawn]) -> bool {
     p.id != "downstream"
-        || drawn.iter().any(|d| d.series.iter().any(|(k, pts)| p.series.iter().any(|s| s.key == *k) && !pts.is_empty()))
+        || drawn
+            .iter()
+            .any(|d| d.series.iter().any(|(k, pts)| p.series.iter().any(|s| s.key == *k) && !pts.is_empty()))
 }
 
 /// Seconds per unit and the axis label for a wall-time axis reaching `max_s`.

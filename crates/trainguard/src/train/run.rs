@@ -431,7 +431,14 @@ impl<'a> Run<'a> {
         for task in &self.tasks {
             let model = &self.state.trainable.model;
             let seq_len = plan.config.model.seq_len;
-            results.push(crate::eval::run_task(model, task, seq_len, plan.device, self.dist.as_deref(), &mut |_| Ok(()))?);
+            results.push(crate::eval::run_task(
+                model,
+                task,
+                seq_len,
+                plan.device,
+                self.dist.as_deref(),
+                &mut |_| Ok(()),
+            )?);
         }
         drop(autocast);
         self.last_tasks_s = Some(started.elapsed().as_secs_f64());
@@ -463,7 +470,9 @@ impl<'a> Run<'a> {
         };
         let tasks = match self.plan.scores_tasks_after(self.step + 1) {
             // The first scoring guessed as long as an evaluation.
-            true => self.last_tasks_s.unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
+            true => self
+                .last_tasks_s
+                .unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
             false => 0.0,
         };
         let margin =
