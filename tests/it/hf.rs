@@ -8,7 +8,7 @@ use std::process::Command;
 
 const IDS: &str = "5,17,30,2,9,100,200,64";
 
-fn tg(args: &[&str]) -> Run {
+pub(crate) fn tg(args: &[&str]) -> Run {
     let mut cmd = Command::new(bin());
     cmd.args(args);
     run(cmd, Path::new("."))
@@ -50,7 +50,7 @@ print((l - load_file(sys.argv[2])['logits']).abs().max().item())
 ";
 
 /// A small run trained on a prepared dataset (with the test tokenizer).
-fn trained_run(root: &Path) -> PathBuf {
+pub(crate) fn trained_run(root: &Path) -> PathBuf {
     let data = prepared(root);
     let out = root.join("run");
     let source = format!("data.source=tokens:{}", data.display());
@@ -72,7 +72,7 @@ fn trained_run(root: &Path) -> PathBuf {
 }
 
 /// A small corpus prepared with the test tokenizer (vocabulary 265, EOS 264).
-fn prepared(root: &Path) -> PathBuf {
+pub(crate) fn prepared(root: &Path) -> PathBuf {
     tokenizer::write(&root.join("tokenizer.json"), 0);
     let text: String = (0..600)
         .map(|i| {

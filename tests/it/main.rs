@@ -10,6 +10,7 @@ mod determinism;
 mod dist;
 mod doc_commands;
 mod document_mask;
+mod eval;
 mod generated_configs;
 mod gpu;
 mod hf;

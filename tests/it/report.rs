@@ -617,7 +617,7 @@ fn chromium_renders_the_page_without_script_errors() {
 }
 
 /// What TensorBoard's own reader finds in `tb`: scalars and text summaries by tag.
-fn read_tensorboard(tb: &Path) -> Value {
+pub(crate) fn read_tensorboard(tb: &Path) -> Value {
     let python = repo().join(".venv/bin/python");
     let script = r#"
 import json, sys

@@ -35,6 +35,8 @@ pub enum Command {
     /// Continue a prompt with a trained model (a checkpoint, a run directory or an exported directory).
     #[command(allow_negative_numbers = true)]
     Sample(trainguard::sample::SampleArgs),
+    /// Score a trained model on multiple-choice tasks (HellaSwag's JSONL layout) by log-likelihood.
+    Eval(trainguard::eval::command::EvalArgs),
     /// Write a run's or checkpoint's model as a Hugging Face transformers directory.
     Export(ExportArgs),
     /// Where a profiled step's time went: a Chrome trace of PyTorch's profiler (`metrics.trace`

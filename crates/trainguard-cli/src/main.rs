@@ -24,6 +24,7 @@ fn main() {
         Command::Prepare(args) => run_prepare(&args),
         Command::Sample(args) => run_sample(&args),
         Command::Export(args) => run_export(&args),
+        Command::Eval(args) => run_eval(&args),
         Command::Trace(args) => run_trace(&args),
     };
     if let Err(err) = result {
@@ -165,6 +166,11 @@ fn run_prepare(args: &trainguard::data::prepare::PrepareArgs) -> anyhow::Result<
     Ok(())
 }
 
+fn run_eval(args: &trainguard::eval::command::EvalArgs) -> anyhow::Result<()> {
+    let results = trainguard::eval::command::run(args)?;
+    out(&trainguard::eval::command::render(&results, args.json))
+}
+
 fn run_export(args: &cli::ExportArgs) -> anyhow::Result<()> {
     let trained = trainguard::sample::open(&args.target)?;
     let model = trainguard::sample::build(&trained, tch::Device::Cpu)?;
@@ -266,6 +272,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         if cause.downcast_ref::<trainguard::data::DataError>().is_some_and(|e| e.is_usage())
             || trainguard::data::prepare::is_usage(cause)
             || trainguard::sample::is_usage(cause)
+            || trainguard::eval::is_usage(cause)
             || trainguard::hf::is_usage(cause)
         {
             return exit::CONFIG;

@@ -13,6 +13,7 @@ pub mod data;
 pub mod determinism;
 pub mod distributed;
 pub mod envinfo;
+pub mod eval;
 pub mod events;
 pub mod fs;
 pub mod guard;

@@ -115,6 +115,17 @@ impl RunPlan {
         t.eval_interval > 0 && (completed.is_multiple_of(t.eval_interval) || completed == t.max_steps)
     }
 
+    /// Whether `eval.tasks` are scored after `completed` steps: every `eval.every_steps` and
+    /// after the last, or when validation runs where that is unset.
+    pub fn scores_tasks_after(&self, completed: u64) -> bool {
+        let (e, max) = (&self.config.eval, self.config.train.max_steps);
+        match e.every_steps {
+            _ if e.tasks.is_empty() => false,
+            Some(n) => n > 0 && (completed.is_multiple_of(n) || completed == max),
+            None => self.evaluates_after(completed),
+        }
+    }
+
     pub fn build(config: Config, env: Environment) -> Result<Self, PlanError> {
         let mut problems = Vec::new();
         let device = resolve_device(&config.device, env.cuda_devices, env.local_rank).unwrap_or_else(|msg| {
@@ -463,6 +474,14 @@ mod tests {
         let plan = RunPlan::build(c, CPU_ONLY).unwrap();
         let evals: Vec<u64> = (1..=23).filter(|&n| plan.evaluates_after(n)).collect();
         assert_eq!(evals, [5, 10, 15, 20, 23], "every 5 completed steps and after the last");
+        assert!(!(1..=23).any(|n| plan.scores_tasks_after(n)), "no eval.tasks: nothing scored");
+        let mut tasks = plan.clone();
+        tasks.config.eval.tasks = vec![crate::config::EvalTask { name: "t".into(), path: "t.jsonl".into() }];
+        let scored: Vec<u64> = (1..=23).filter(|&n| tasks.scores_tasks_after(n)).collect();
+        assert_eq!(scored, evals, "unset eval.every_steps: with validation");
+        tasks.config.eval.every_steps = Some(7);
+        let scored: Vec<u64> = (1..=23).filter(|&n| tasks.scores_tasks_after(n)).collect();
+        assert_eq!(scored, [7, 14, 21, 23], "every 7 and after the last");
         let ckpts: Vec<u64> = (1..=23).filter(|&n| plan.checkpoints.due(n, Duration::ZERO, false)).collect();
         assert_eq!(ckpts, [5, 10, 15, 20], "the interval checkpoints hold evaluated weights");
         assert!(

@@ -1,5 +1,5 @@
 //! A run's paths made absolute as it starts: `data.source`'s file, directory or glob and
-//! `init_from`, given relative to the directory the command ran in, are recorded in the run's
+//! `init_from` and `eval.tasks`' files, given relative to the directory the command ran in, are recorded in the run's
 //! `config.yaml` against that directory, so that `sample`, `export`, `report` and a resume read
 //! the same files from anywhere, and the run directory can move (the data stays where it was).
 use super::Config;
@@ -20,6 +20,9 @@ impl Config {
         if let Some(dir) = self.init_from.as_mut().filter(|d| d.is_relative()) {
             *dir = cwd.join(&dir);
         }
+        for task in self.eval.tasks.iter_mut().filter(|t| t.path.is_relative()) {
+            task.path = cwd.join(&task.path);
+        }
         self
     }
 }
@@ -34,7 +37,13 @@ mod tests {
         let mut c = Config::default();
         c.data.source = "text:data/corpus.txt".into();
         c.init_from = Some("hf/gpt2".into());
+        c.eval.tasks = vec![
+            crate::config::EvalTask { name: "a".into(), path: "tasks/hs.jsonl".into() },
+            crate::config::EvalTask { name: "b".into(), path: "/abs/t.jsonl".into() },
+        ];
         let a = c.anchored(cwd);
+        assert_eq!(a.eval.tasks[0].path, Path::new("/home/me/work/tasks/hs.jsonl"));
+        assert_eq!(a.eval.tasks[1].path, Path::new("/abs/t.jsonl"));
         assert_eq!(a.data.source, "text:/home/me/work/data/corpus.txt");
         assert_eq!(a.init_from.as_deref(), Some(Path::new("/home/me/work/hf/gpt2")));
         assert_eq!(a.out_dir, Config::default().out_dir, "out_dir stays as given");

@@ -45,6 +45,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// Webhook notifications of the run's end and of chosen events (rank 0 sends).
     pub notify: notify::NotifyConfig,
+    /// Downstream evaluation in the loop: multiple-choice task files scored by log-likelihood.
+    pub eval: EvalConfig,
     /// Test-only fault injection; leave empty in real runs.
     pub faults: FaultsConfig,
     /// A Hugging Face GPT-2 directory (`trainguard export --hf`, or transformers'
@@ -73,6 +75,7 @@ impl Default for Config {
             dist: DistConfig::default(),
             metrics: MetricsConfig::default(),
             notify: notify::NotifyConfig::default(),
+            eval: EvalConfig::default(),
             faults: FaultsConfig::default(),
             init_from: None,
         }
@@ -799,6 +802,31 @@ pub struct MetricsConfig {
     /// PyTorch's profiler over chosen steps (rank 0): a Chrome trace and a summary of where the
     /// time went (`crate::trace`).
     pub trace: TraceConfig,
+}
+
+/// `eval`: downstream tasks scored during training (`crate::eval`; `trainguard eval` scores a
+/// saved model the same way).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Multiple-choice task files in HellaSwag's JSONL layout, each named (the metrics fields
+    /// `eval_NAME_acc` and `eval_NAME_acc_norm`).
+    pub tasks: Vec<EvalTask>,
+    /// Score the tasks after every N completed steps and after the last; none (the default):
+    /// when validation runs (`train.eval_interval`).
+    pub every_steps: Option<u64>,
+    /// Score only each task's first N examples (all by default).
+    pub max_examples: Option<usize>,
+}
+
+/// One `eval.tasks` entry.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalTask {
+    /// Letters, digits, `_` and `-`: it names metrics fields.
+    pub name: String,
+    /// The task's JSONL file (relative: to the directory training starts in).
+    pub path: PathBuf,
 }
 
 /// `metrics.trace`: which optimizer steps to record with PyTorch's profiler.

@@ -232,6 +232,39 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             ),
         );
     }
+    let ev = &c.eval;
+    for (i, task) in ev.tasks.iter().enumerate() {
+        if let Err(why) = crate::eval::check_name(&task.name) {
+            check(false, &format!("eval.tasks[{i}].name"), why);
+        }
+        if ev.tasks[..i].iter().any(|t| t.name == task.name) {
+            check(
+                false,
+                &format!("eval.tasks[{i}].name"),
+                format!("`{}` names two tasks: each needs its own name", task.name),
+            );
+        }
+        check(
+            !task.path.as_os_str().is_empty(),
+            &format!("eval.tasks[{i}].path"),
+            "expected the task's JSONL file (HellaSwag's layout: `ctx`, `endings`, `label`)".into(),
+        );
+    }
+    check(
+        ev.every_steps != Some(0),
+        "eval.every_steps",
+        "must be at least 1 (leave it unset to score the tasks when validation runs), got 0".into(),
+    );
+    check(
+        ev.max_examples != Some(0),
+        "eval.max_examples",
+        "must be at least 1 (unset: every example), got 0".into(),
+    );
+    check(
+        ev.tasks.is_empty() || ev.every_steps.is_some() || evaluates,
+        "eval.tasks",
+        "are scored when validation runs by default, and train.eval_interval is 0: set eval.every_steps, or train.eval_interval above 0".into(),
+    );
     check(
         c.nan.max_consecutive >= 1,
         "nan.max_consecutive",
@@ -523,6 +556,10 @@ mod tests {
         validate(c).into_iter().map(|p| p.key).collect()
     }
 
+    fn task(name: &str, path: &str) -> crate::config::EvalTask {
+        crate::config::EvalTask { name: name.into(), path: path.into() }
+    }
+
     #[test]
     fn defaults_are_valid() {
         assert!(validate(&Config::default()).is_empty());
@@ -695,6 +732,18 @@ mod tests {
             (|c| c.train.weight_decay = f64::INFINITY, "train.weight_decay"),
             (|c| c.metrics.trace.steps = 0, "metrics.trace.steps"),
             (|c| c.metrics.trace.from_step = Some(c.train.max_steps), "metrics.trace.from_step"),
+            (|c| c.eval.tasks = vec![task("hella swag", "t.jsonl")], "eval.tasks[0].name"),
+            (|c| c.eval.tasks = vec![task("a", "t.jsonl"), task("a", "u.jsonl")], "eval.tasks[1].name"),
+            (|c| c.eval.tasks = vec![task("a", "")], "eval.tasks[0].path"),
+            (|c| c.eval.every_steps = Some(0), "eval.every_steps"),
+            (|c| c.eval.max_examples = Some(0), "eval.max_examples"),
+            (
+                |c| {
+                    c.eval.tasks = vec![task("a", "t.jsonl")];
+                    c.train.eval_interval = 0;
+                },
+                "eval.tasks",
+            ),
         ];
         for (mutate, key) in cases {
             let mut c = Config::default();

@@ -303,6 +303,12 @@ impl Dist {
         self.all_reduce_values("stop agreement", values, ReduceOp::Max)
     }
 
+    /// The sum of every rank's value in each slot, on every rank (downstream evaluation's
+    /// counts: each rank scores its share of the examples).
+    pub fn sum_each(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
+        self.all_reduce_values("downstream evaluation", values, ReduceOp::Sum)
+    }
+
     /// Every rank waits here for rank 0's work alone (a checkpoint, the final weights) for as
     /// long as rank 0 is alive, not `dist.timeout_s`, or `writer_wait` at most
     /// ([`heartbeat::Heartbeat::fence`]). Without a heartbeat the next collective waits, as

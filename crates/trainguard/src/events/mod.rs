@@ -26,6 +26,10 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
     #[serde(flatten)]
     pub memory: crate::memory::telemetry::MemoryMetrics,
+    /// `eval.tasks`' accuracies on steps that scored them (`crate::eval::metrics` names the
+    /// fields: `eval_NAME_acc`, `eval_NAME_acc_norm`, their means `eval_acc`, `eval_acc_norm`).
+    #[serde(flatten)]
+    pub downstream: std::collections::BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]

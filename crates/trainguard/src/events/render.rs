@@ -28,8 +28,15 @@ impl Reporter {
     /// Every `train.log_interval` steps, the last and any that evaluated.
     fn step_line(&self, m: &StepMetrics) {
         let (first, last) = (m.step == 1, m.step == self.max_steps);
-        if first || m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() {
-            let val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+        let scored = !m.downstream.is_empty();
+        if first || m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() || scored {
+            let mut val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+            // Each task's accuracy, by sum and per character: `eval_NAME_acc` → `NAME`.
+            for (k, acc) in m.downstream.iter().filter(|(k, _)| k.ends_with("_acc") && *k != "eval_acc") {
+                let name = &k["eval_".len()..k.len() - "_acc".len()];
+                let norm = m.downstream.get(&format!("{k}_norm")).copied().unwrap_or(f64::NAN);
+                val.push_str(&format!(" | {name} {acc:.3}/{norm:.3}"));
+            }
             let mem = &m.memory;
             let mem = match (mem.allocated_bytes, mem.reserved_bytes, mem.peak_allocated_bytes) {
                 (Some(a), Some(r), Some(p)) => {

@@ -51,7 +51,7 @@ pub fn page(runs: &[RunData]) -> String {
     o.push_str("<input type=\"radio\" name=\"xaxis\" id=\"x-step\" checked><label for=\"x-step\">x: optimizer step</label> <input type=\"radio\" name=\"xaxis\" id=\"x-wall\"><label for=\"x-wall\">x: wall time</label>\n<div class=\"panels\">\n");
     for axis in ["step", "wall"] {
         let _ = writeln!(o, "<div class=\"by-{axis}\">");
-        for p in PANELS {
+        for p in PANELS.iter().filter(|p| shown(p, &drawn)) {
             o.push_str(&panel(p, axis, runs, &drawn));
         }
         o.push_str("</div>\n");
@@ -86,9 +86,19 @@ fn data_json(runs: &[RunData], drawn: &[Drawn]) -> Value {
         .collect();
     let panels: Vec<Value> = PANELS
         .iter()
+        .filter(|p| shown(p, drawn))
         .map(|p| json!({"id": p.id, "title": p.title, "unit": p.unit, "keys": p.series.iter().map(|s| s.key).collect::<Vec<_>>(), "labels": p.series.iter().map(|s| s.label).collect::<Vec<_>>(), "scale": p.series.iter().map(|s| s.scale).collect::<Vec<_>>()}))
         .collect();
     json!({"schema": 1, "runs": runs, "panels": panels})
+}
+
+/// Whether a panel is drawn: the downstream accuracy only for runs that scored `eval.tasks`
+/// (an empty panel on every other run's page would say nothing).
+fn shown(p: &PanelDef, drawn: &[Drawn]) -> bool {
+    p.id != "downstream"
+        || drawn
+            .iter()
+            .any(|d| d.series.iter().any(|(k, pts)| p.series.iter().any(|s| s.key == *k) && !pts.is_empty()))
 }
 
 /// Seconds per unit and the axis label for a wall-time axis reaching `max_s`.
@@ -367,6 +377,9 @@ fn header(r: &RunData, color: Option<&str>) -> String {
     let val = sm("final_val_loss").or_else(|| r.series("val_loss").last().map(|p| p.2));
     if let Some(v) = val {
         row(&mut t, "final val loss", format!("{v:.4}"));
+    }
+    for (name, step, acc, norm) in series::downstream_last(r) {
+        row(&mut t, &format!("eval {name}"), format!("acc {acc:.4}, acc_norm {norm:.4} (step {step})"));
     }
     // A resumed run's summary counts its last session; events.jsonl has every session's.
     let in_events = r.events_of("oom_recovered").count();

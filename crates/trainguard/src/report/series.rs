@@ -43,6 +43,15 @@ pub const PANELS: &[PanelDef] = &[
         steps: false,
         from_zero: false,
     },
+    // `eval.tasks`: the mean over the tasks (each task's last figures are in the header).
+    PanelDef {
+        id: "downstream",
+        title: "Downstream accuracy",
+        unit: "",
+        series: &[s("eval_acc", "acc"), s("eval_acc_norm", "acc_norm (per character)")],
+        steps: false,
+        from_zero: true,
+    },
     PanelDef {
         id: "lr",
         title: "Learning rate",
@@ -83,6 +92,29 @@ pub const PANELS: &[PanelDef] = &[
         from_zero: true,
     },
 ];
+
+/// Each `eval.tasks` task's last scores: (name, step, acc, acc_norm), by name. The names come
+/// from the fields `eval_NAME_acc` (`crate::eval::metrics`).
+pub fn downstream_last(run: &RunData) -> Vec<(String, u64, f64, f64)> {
+    let mut names = std::collections::BTreeSet::new();
+    for m in run.steps.values() {
+        for k in m.keys() {
+            if let Some(name) = k.strip_prefix("eval_").and_then(|k| k.strip_suffix("_acc")) {
+                if !name.is_empty() {
+                    names.insert(name.to_string());
+                }
+            }
+        }
+    }
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let (step, _, acc) = *run.series(&format!("eval_{name}_acc")).last()?;
+            let norm = run.series(&format!("eval_{name}_acc_norm")).last().map_or(f64::NAN, |p| p.2);
+            Some((name, step, acc, norm))
+        })
+        .collect()
+}
 
 /// Buckets per curve: about one per pixel column of a full-width panel.
 pub const BUCKETS: usize = 1000;

@@ -32,6 +32,9 @@ pub enum TrainError {
     Documents(#[from] crate::model::documents::DocumentsError),
     #[error("deterministic: {0}")]
     Determinism(#[from] crate::ffi::ShimError),
+    /// `eval.tasks`: a task file that cannot be used (exit 2), or scoring failed.
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
     #[error("init_from: {0}")]
     InitFrom(#[from] crate::hf::HfError),
     #[error("the ranks found different checkpoints to resume from (steps {lowest} to {highest}; 0 = none): put out_dir on a filesystem all nodes share, or pass --resume <checkpoint dir>")]
@@ -105,6 +108,7 @@ impl TrainError {
     pub fn is_usage(&self) -> bool {
         match self {
             TrainError::Data(e) => e.is_usage(),
+            TrainError::Eval(e) => e.is_usage(),
             TrainError::Lock(l) => matches!(l, crate::fs::dir_lock::LockError::Busy { .. }),
             TrainError::Checkpoint(_)
             | TrainError::Allocator(_)

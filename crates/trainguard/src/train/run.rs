@@ -51,6 +51,10 @@ pub struct Run<'a> {
     tracer: Option<Tracer>,
     /// Seconds the last evaluation took: the time limit's margin before a step that evaluates.
     last_eval_s: Option<f64>,
+    /// `eval.tasks`, read and encoded at the start (a bad file stops the run before it trains).
+    tasks: Vec<crate::eval::Task>,
+    /// Seconds the last scoring of the tasks took: the time limit's margin before one.
+    last_tasks_s: Option<f64>,
     /// Under a group: the time since rank 0's last checkpoint, as rank 0 read it at this
     /// step's start (the stop agreement carries it), so that every rank takes the same
     /// checkpoint steps and waits for them at the fence.
@@ -80,6 +84,7 @@ impl<'a> Run<'a> {
                 .map_err(TrainError::from_start)?;
         }
         let corpus = corpus?;
+        let tasks = crate::eval::tasks_of(cfg)?;
         let unigram_entropy = corpus.val_entropy;
         let document_eos =
             crate::model::documents::run_eos(&cfg.data, corpus.manifest.as_ref().map(|m| m.eos_id))?;
@@ -237,6 +242,8 @@ impl<'a> Run<'a> {
             baseline_vm,
             baseline_rss,
             last_eval_s: None,
+            tasks,
+            last_tasks_s: None,
             since_checkpoint: None,
             tracer: Tracer::new(&cfg.metrics.trace, &cfg.out_dir, device, plan.is_writer()),
         };
@@ -367,6 +374,10 @@ impl<'a> Run<'a> {
         } else {
             None
         };
+        let downstream = match plan.scores_tasks_after(step + 1) && !give_up && eval_oom.is_none() {
+            true => self.score_tasks()?,
+            false => Default::default(),
+        };
         self.last_loss = outcome.loss;
         self.slowest_recent = step_time.max(self.slowest_recent * 0.95);
         let tokens = plan.tokens_per_step as u64;
@@ -387,6 +398,7 @@ impl<'a> Run<'a> {
             step_time_s: step_time,
             elapsed_s: self.state.progress.elapsed_before + self.started.elapsed().as_secs_f64(),
             memory,
+            downstream,
         }));
         drop(traced_range);
         if let Some(e) = eval_oom {
@@ -419,6 +431,33 @@ impl<'a> Run<'a> {
         Ok(())
     }
 
+    /// `eval.tasks` scored on the current weights (each rank its share of the examples, the
+    /// counts summed), under the training precision's autocast as validation is: the metrics
+    /// fields.
+    fn score_tasks(&mut self) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
+        let plan = self.plan;
+        self.state.trainable.graphs.release();
+        let started = Instant::now();
+        let autocast = crate::step::Autocast::enter(plan.config.precision, plan.device)
+            .map_err(crate::eval::EvalError::Autocast)?;
+        let mut results = Vec::with_capacity(self.tasks.len());
+        for task in &self.tasks {
+            let model = &self.state.trainable.model;
+            let seq_len = plan.config.model.seq_len;
+            results.push(crate::eval::run_task(
+                model,
+                task,
+                seq_len,
+                plan.device,
+                self.dist.as_deref(),
+                &mut |_| Ok(()),
+            )?);
+        }
+        drop(autocast);
+        self.last_tasks_s = Some(started.elapsed().as_secs_f64());
+        Ok(crate::eval::metrics(&results))
+    }
+
     /// `f` on the tracer, if any. The trace is a diagnosis: when the profiler fails the run goes
     /// on without it, and says so.
     fn trace<T>(&mut self, f: impl FnOnce(&mut Tracer) -> Result<T, TraceError>) -> Option<T> {
@@ -442,7 +481,15 @@ impl<'a> Run<'a> {
                 .unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
             false => 0.0,
         };
-        let margin = Duration::from_secs_f64(self.slowest_recent + eval + 1.5 * self.ckpt.last_seconds + 1.0);
+        let tasks = match self.plan.scores_tasks_after(self.step + 1) {
+            // The first scoring guessed as long as an evaluation.
+            true => self
+                .last_tasks_s
+                .unwrap_or(self.slowest_recent * self.plan.config.train.eval_batches as f64 / 3.0),
+            false => 0.0,
+        };
+        let margin =
+            Duration::from_secs_f64(self.slowest_recent + eval + tasks + 1.5 * self.ckpt.last_seconds + 1.0);
         let mut reason = if stop.requested() {
             Some(StopReason::Signal)
         } else {
