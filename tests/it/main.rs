@@ -14,6 +14,7 @@ mod gpu;
 mod hf;
 mod hung_rank;
 mod llama;
+mod mixture;
 mod oom;
 mod optimizers;
 mod paths;

@@ -26,6 +26,11 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
     #[serde(flatten)]
     pub memory: crate::memory::telemetry::MemoryMetrics,
+    /// A mixture's figures by source name (`data.sources`), as flat fields (TensorBoard groups
+    /// them by the prefix): `tokens_seen/<name>`, tokens trained on from it over the whole run,
+    /// and on steps where evaluation ran `val_loss/<name>`. Empty for one source.
+    #[serde(flatten)]
+    pub by_source: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]

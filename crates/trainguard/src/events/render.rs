@@ -29,7 +29,16 @@ impl Reporter {
     fn step_line(&self, m: &StepMetrics) {
         let (first, last) = (m.step == 1, m.step == self.max_steps);
         if first || m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() {
-            let val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+            let by_source: Vec<String> = m
+                .by_source
+                .iter()
+                .filter_map(|(k, v)| Some(format!("{} {:.4}", k.strip_prefix("val_loss/")?, v.as_f64()?)))
+                .collect();
+            let by_source = match by_source.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", by_source.join(", ")),
+            };
+            let val = m.val_loss.map(|v| format!(" | val {v:.4}{by_source}")).unwrap_or_default();
             let mem = &m.memory;
             let mem = match (mem.allocated_bytes, mem.reserved_bytes, mem.peak_allocated_bytes) {
                 (Some(a), Some(r), Some(p)) => {
