@@ -216,6 +216,17 @@ pub fn val_start(tokens: usize, val_fraction: f64) -> usize {
 }
 
 impl DataConfig {
+    /// The source whose ids the model reads: `data.source`, or a mixture's first `tokens:`
+    /// entry (else its first `text:`, else `synthetic`): where `sample` and `export` find the
+    /// tokenizer. A mixture's sources share one (`tokens:` and `text:` together are refused).
+    pub fn primary_source(&self) -> &str {
+        let first = |kind: &str| self.sources.iter().find(|s| s.source.starts_with(kind));
+        match self.sources.is_empty() {
+            true => &self.source,
+            false => first("tokens:").or_else(|| first("text:")).map_or("synthetic", |s| &s.source),
+        }
+    }
+
     /// Each source's name and weight: the mixture's entries, or the one source at weight 1.
     pub fn weighted(&self) -> Vec<(String, f64)> {
         match self.sources.is_empty() {

@@ -495,6 +495,16 @@ fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
             );
         }
     }
+    // Bytes and a tokenizer's ids are two vocabularies: one model cannot read both.
+    if let Some(t) = d.sources.iter().position(|s| s.source.starts_with("tokens:")) {
+        if let Some(x) = d.sources.iter().position(|s| s.source.starts_with("text:")) {
+            check(
+                false,
+                &format!("data.sources[{x}].source"),
+                format!("a text: source (bytes as ids) cannot be mixed with data.sources[{t}]'s tokens: (a tokenizer's ids): prepare the text with the same tokenizer (trainguard prepare) and give it as tokens:"),
+            );
+        }
+    }
     let total: f64 = d.sources.iter().map(|s| s.weight).sum();
     let each_ok = d.sources.iter().all(|s| s.weight.is_finite() && s.weight > 0.0);
     check(
@@ -817,6 +827,10 @@ mod tests {
         assert_eq!(keys(&c), ["data.sources[1].name"]);
         c.data.sources[1].name = Some("web_b".into());
         assert!(validate(&c).is_empty());
+        // Bytes beside a tokenizer's ids: refused, naming the text entry.
+        c.data.sources = vec![source("tokens:/a/web", 1.0), source("text:/b/code.txt", 1.0)];
+        assert_eq!(keys(&c), ["data.sources[1].source"]);
+        assert_eq!(c.data.primary_source(), "tokens:/a/web");
         // The synthetic corpus' size is checked when a mixture uses it.
         c.data.sources[0].source = "synthetic".into();
         c.data.synthetic_tokens = 10;

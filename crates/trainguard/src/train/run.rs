@@ -719,9 +719,20 @@ fn warn_of_allocator_settings(allocator: &crate::memory::allocator::EffectiveSet
 }
 
 fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
-    let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
+    let primary = cfg.data.primary_source();
+    let manifest = match &corpus.mixture {
+        None => corpus.manifest.as_ref(),
+        Some(m) => cfg
+            .data
+            .sources
+            .iter()
+            .zip(&m.sources)
+            .find(|(s, _)| s.source == primary)
+            .and_then(|(_, c)| c.manifest.as_ref()),
+    };
+    let prepared = primary.strip_prefix("tokens:").zip(manifest);
     DataRecord {
-        source: cfg.data.source.clone(),
+        source: primary.to_string(),
         tokenizer_crc32c: prepared
             .and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
         train_tokens: corpus.len(Split::Train) as u64,
