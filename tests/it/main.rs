@@ -17,6 +17,7 @@ mod hf;
 mod hung_rank;
 mod llama;
 mod notify;
+mod mixture;
 mod oom;
 mod optimizers;
 mod paths;

@@ -156,14 +156,25 @@ impl RunPlan {
             problems.push(Problem::new("train.max_duration", msg));
             None
         });
-        if let Some(path) = config.data.source.strip_prefix("tokens:") {
-            if let Err(msg) = token_files_exist(path) {
-                problems.push(Problem::new("data.source", msg));
+        let d = &config.data;
+        let sources: Vec<(String, &str)> = match d.sources.is_empty() {
+            true => vec![("data.source".into(), d.source.as_str())],
+            false => d
+                .sources
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (format!("data.sources[{i}].source"), s.source.as_str()))
+                .collect(),
+        };
+        for (key, source) in sources {
+            if let Some(path) = source.strip_prefix("tokens:") {
+                if let Err(msg) = token_files_exist(path) {
+                    problems.push(Problem::new(&key, msg));
+                }
             }
-        }
-        if let Some(path) = config.data.source.strip_prefix("text:").filter(|p| !Path::new(p).is_file()) {
-            problems
-                .push(Problem::new("data.source", format!("file `{path}` does not exist or is not a file")));
+            if let Some(path) = source.strip_prefix("text:").filter(|p| !Path::new(p).is_file()) {
+                problems.push(Problem::new(&key, format!("file `{path}` does not exist or is not a file")));
+            }
         }
         if let Some(dir) =
             config.init_from.as_deref().filter(|d| !env.resuming && !d.join("config.json").is_file())

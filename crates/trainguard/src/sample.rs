@@ -190,11 +190,11 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         }
     };
     let (dataset, dataset_unusable) =
-        match dataset_dir(&config.data.source).and_then(|d| trained_with(d, recorded.as_ref())) {
+        match dataset_dir(config.data.primary_source()).and_then(|d| trained_with(d, recorded.as_ref())) {
             Ok(dir) => (dir, None),
             Err(why) => (None, Some(why)),
         };
-    let bytes = !config.data.source.starts_with("tokens:");
+    let bytes = !config.data.primary_source().starts_with("tokens:");
     Ok(Trained {
         model: config.model.clone(),
         kernels: config.kernels,

@@ -13,6 +13,11 @@ pub struct TrainerState {
     /// Successful micro-steps so far (forward + backward passes).
     pub micro_steps: u64,
     pub tokens_seen: u64,
+    /// Of those, the tokens each source of a mixture gave, by name (`data.sources`), summed
+    /// over every mixture the run has trained under: a resume that changes the weights, or
+    /// drops a source, keeps what was seen. Empty for a run of one source.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tokens_by_source: BTreeMap<String, u64>,
     /// The sampler is a pure function of (seed, step, sample): its position is the step.
     pub sampler: SamplerState,
     /// The ranks that trained it (absent in checkpoints written before it). Another count may

@@ -610,6 +610,7 @@ mod tests {
             step,
             micro_steps: 4 * step,
             tokens_seen: 100 * step,
+            tokens_by_source: Default::default(),
             sampler: SamplerState { seed: 1, next_step: step },
             world_size: Some(1),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: 1 },

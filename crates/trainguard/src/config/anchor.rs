@@ -9,13 +9,9 @@ impl Config {
     /// This config with its input paths joined to `cwd` where they are relative. `out_dir`
     /// stays as given: it is where the run is, not what it reads.
     pub fn anchored(mut self, cwd: &Path) -> Config {
-        for prefix in ["text:", "tokens:"] {
-            if let Some(path) = self.data.source.strip_prefix(prefix) {
-                if Path::new(path).is_relative() {
-                    self.data.source = format!("{prefix}{}", cwd.join(path).display());
-                }
-                break;
-            }
+        anchor_source(&mut self.data.source, cwd);
+        for s in &mut self.data.sources {
+            anchor_source(&mut s.source, cwd);
         }
         if let Some(dir) = self.init_from.as_mut().filter(|d| d.is_relative()) {
             *dir = cwd.join(&dir);
@@ -24,6 +20,18 @@ impl Config {
             task.path = cwd.join(&task.path);
         }
         self
+    }
+}
+
+/// `source`'s relative path (after `text:` or `tokens:`) joined to `cwd`.
+fn anchor_source(source: &mut String, cwd: &Path) {
+    for prefix in ["text:", "tokens:"] {
+        if let Some(path) = source.strip_prefix(prefix) {
+            if Path::new(path).is_relative() {
+                *source = format!("{prefix}{}", cwd.join(path).display());
+            }
+            break;
+        }
     }
 }
 
@@ -55,5 +63,12 @@ mod tests {
             c.data.source = kept.into();
             assert_eq!(c.anchored(cwd).data.source, kept);
         }
+        // A mixture's sources too.
+        let mut c = Config::default();
+        c.data.sources = ["tokens:web", "synthetic", "text:/abs/code.txt"]
+            .map(|s| crate::config::SourceConfig { source: s.into(), weight: 1.0, name: None })
+            .to_vec();
+        let got: Vec<String> = c.anchored(cwd).data.sources.into_iter().map(|s| s.source).collect();
+        assert_eq!(got, ["tokens:/home/me/work/web", "synthetic", "text:/abs/code.txt"]);
     }
 }

@@ -172,6 +172,9 @@ pub enum Arch {
 pub struct DataConfig {
     /// `synthetic | text:<path> | tokens:<path>`.
     pub source: String,
+    /// A weighted mixture of sources in place of `source` (docs/data.md#mixtures): each
+    /// sample is drawn from one of them, chosen by weight. Empty: `source` alone.
+    pub sources: Vec<SourceConfig>,
     /// Share of the corpus (its tail) held out for validation.
     pub val_fraction: f64,
     /// Length of the built-in synthetic corpus, in tokens.
@@ -189,10 +192,41 @@ impl Default for DataConfig {
     fn default() -> Self {
         Self {
             source: "synthetic".into(),
+            sources: Vec::new(),
             val_fraction: 0.1,
             synthetic_tokens: 1 << 20,
             document_mask: false,
             eos_id: None,
+        }
+    }
+}
+
+/// One source of a mixture (`data.sources[i]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// `synthetic | text:<path> | tokens:<path>`, as `data.source` takes.
+    pub source: String,
+    /// Its share of the samples, relative to the others' (any positive number).
+    pub weight: f64,
+    /// What metrics, the checkpoint and the report call it; by default the last part of its
+    /// path (`synthetic` for the built-in corpus).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl SourceConfig {
+    /// [`Self::name`], or the last part of the source's path.
+    pub fn label(&self) -> String {
+        if let Some(n) = &self.name {
+            return n.clone();
+        }
+        let path = self.source.split_once(':').map_or(self.source.as_str(), |(_, p)| p);
+        let last = path.trim_end_matches('/').rsplit('/').next().unwrap_or(path);
+        if last.is_empty() {
+            self.source.clone()
+        } else {
+            last.to_string()
         }
     }
 }
@@ -203,6 +237,27 @@ pub fn val_start(tokens: usize, val_fraction: f64) -> usize {
 }
 
 impl DataConfig {
+    /// The source whose ids the model reads: `data.source`, or a mixture's first `tokens:`
+    /// entry (else its first `text:`, else `synthetic`): where `sample` and `export` find the
+    /// tokenizer. A mixture's sources share one (`tokens:` and `text:` together are refused).
+    pub fn primary_source(&self) -> &str {
+        let first = |kind: &str| self.sources.iter().find(|s| s.source.starts_with(kind));
+        match self.sources.is_empty() {
+            true => &self.source,
+            false => first("tokens:").or_else(|| first("text:")).map_or("synthetic", |s| &s.source),
+        }
+    }
+
+    /// Each source's name and weight: the mixture's entries, or the one source at weight 1.
+    pub fn weighted(&self) -> Vec<(String, f64)> {
+        match self.sources.is_empty() {
+            true => {
+                vec![(SourceConfig { source: self.source.clone(), weight: 1.0, name: None }.label(), 1.0)]
+            }
+            false => self.sources.iter().map(|s| (s.label(), s.weight)).collect(),
+        }
+    }
+
     /// Where the held-out tail of a corpus of `tokens` tokens starts (no validation shards).
     pub fn val_start(&self, tokens: usize) -> usize {
         val_start(tokens, self.val_fraction)

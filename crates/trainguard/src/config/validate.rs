@@ -86,7 +86,11 @@ pub fn validate(c: &Config) -> Vec<Problem> {
             format!("must be in (0, 1), or 0 with train.eval_interval: 0, got {}", d.val_fraction)
         },
     );
-    if seq_ok && fraction_ok && d.source == "synthetic" {
+    let synthetic = match d.sources.is_empty() {
+        true => d.source == "synthetic",
+        false => d.sources.iter().any(|s| s.source == "synthetic"),
+    };
+    if seq_ok && fraction_ok && synthetic {
         let needed = d.min_tokens(m.seq_len);
         check(
             d.synthetic_tokens >= needed,
@@ -508,41 +512,90 @@ fn check_arch(m: &super::ModelConfig, check: &mut impl FnMut(bool, &str, String)
 const MAX_PAD_VOCAB: usize = 1 << 16;
 
 fn check_source(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
-    let source = c.data.source.as_str();
+    let d = &c.data;
+    if d.sources.is_empty() {
+        check_one_source(&d.source, "data.source", c.model.vocab_size, check);
+        return;
+    }
+    check(
+        d.source == "synthetic",
+        "data.source",
+        format!("cannot be set together with data.sources (got `{}`): give the one source as data.sources' only entry, or drop data.sources", d.source),
+    );
+    let mut names = std::collections::BTreeMap::new();
+    for (i, s) in d.sources.iter().enumerate() {
+        check_one_source(&s.source, &format!("data.sources[{i}].source"), c.model.vocab_size, check);
+        check(
+            s.weight.is_finite() && s.weight > 0.0,
+            &format!("data.sources[{i}].weight"),
+            format!(
+                "must be a positive finite number (a share relative to the other sources'), got {}",
+                s.weight
+            ),
+        );
+        let label = s.label();
+        check(
+            !label.is_empty() && !label.contains(char::is_whitespace),
+            &format!("data.sources[{i}].name"),
+            format!("must be a non-empty name without spaces, got `{label}`"),
+        );
+        if let Some(first) = names.insert(label.clone(), i) {
+            check(
+                false,
+                &format!("data.sources[{i}].name"),
+                format!("`{label}` names data.sources[{first}] already: give each source its own name"),
+            );
+        }
+    }
+    // Bytes and a tokenizer's ids are two vocabularies: one model cannot read both.
+    if let Some(t) = d.sources.iter().position(|s| s.source.starts_with("tokens:")) {
+        if let Some(x) = d.sources.iter().position(|s| s.source.starts_with("text:")) {
+            check(
+                false,
+                &format!("data.sources[{x}].source"),
+                format!("a text: source (bytes as ids) cannot be mixed with data.sources[{t}]'s tokens: (a tokenizer's ids): prepare the text with the same tokenizer (trainguard prepare) and give it as tokens:"),
+            );
+        }
+    }
+    let total: f64 = d.sources.iter().map(|s| s.weight).sum();
+    let each_ok = d.sources.iter().all(|s| s.weight.is_finite() && s.weight > 0.0);
+    check(
+        !each_ok || total.is_finite(),
+        "data.sources",
+        format!("the weights must sum to a finite positive number, got {total}"),
+    );
+}
+
+/// One `synthetic | text:<path> | tokens:<path>` under config key `key`.
+fn check_one_source(source: &str, key: &str, vocab_size: usize, check: &mut impl FnMut(bool, &str, String)) {
     if source == "synthetic" {
         return;
     }
     let Some((kind, path)) = source.split_once(':') else {
-        check(
-            false,
-            "data.source",
-            format!("must be synthetic, text:<path> or tokens:<path>, got `{source}`"),
-        );
+        check(false, key, format!("must be synthetic, text:<path> or tokens:<path>, got `{source}`"));
         return;
     };
     match kind {
         // Which files a tokens: path names (a prepare directory, shards, a glob) is the data
         // module's to say: the run plan checks that they exist.
-        "tokens" => check(
-            !path.is_empty(),
-            "data.source",
-            "tokens: needs a path: tokens:<file, directory or glob>".into(),
-        ),
+        "tokens" => {
+            check(!path.is_empty(), key, "tokens: needs a path: tokens:<file, directory or glob>".into())
+        }
         // Whether the file exists is the run plan's to check, as for tokens:.
         "text" => {
-            check(!path.is_empty(), "data.source", "text: needs a path: text:<file>".into());
+            check(!path.is_empty(), key, "text: needs a path: text:<file>".into());
             check(
-                c.model.vocab_size >= 256,
+                vocab_size >= 256,
                 "model.vocab_size",
-                format!("must be at least 256 for text: sources (byte tokens), got {}", c.model.vocab_size),
+                format!("must be at least 256 for text: sources (byte tokens), got {vocab_size}"),
             );
         }
         "synthetic" => {
-            check(false, "data.source", format!("synthetic takes no path: write `synthetic`, got `{source}`"))
+            check(false, key, format!("synthetic takes no path: write `synthetic`, got `{source}`"))
         }
         _ => check(
             false,
-            "data.source",
+            key,
             format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>"),
         ),
     }
@@ -812,6 +865,52 @@ mod tests {
         assert!(validate(&c).is_empty());
         c.model.vocab_size = 100;
         assert_eq!(keys(&c), ["model.vocab_size"]);
+    }
+
+    #[test]
+    fn a_mixture_names_the_entry_and_field_at_fault() {
+        let source =
+            |s: &str, weight: f64| crate::config::SourceConfig { source: s.into(), weight, name: None };
+        let mut c = Config::default();
+        c.data.sources = vec![source("tokens:/d/web", 0.8), source("synthetic", 0.2)];
+        assert!(validate(&c).is_empty(), "{:?}", validate(&c));
+        c.data.sources[1].weight = 0.0;
+        assert_eq!(keys(&c), ["data.sources[1].weight"]);
+        c.data.sources[0].weight = -1.0;
+        c.data.sources[1].weight = f64::NAN;
+        assert_eq!(keys(&c), ["data.sources[0].weight", "data.sources[1].weight"]);
+        let msg = validate(&c)[0].to_string();
+        assert!(
+            msg.contains("data.sources[0].weight: must be a positive finite number")
+                && msg.contains("got -1"),
+            "{msg}"
+        );
+        c.data.sources = vec![source("csv:x", 1.0), source("tokens:", 1.0)];
+        assert_eq!(keys(&c), ["data.sources[0].source", "data.sources[1].source"]);
+        // Both ways of naming the data at once: refused, naming both keys.
+        c.data.sources = vec![source("tokens:/d/web", 1.0)];
+        c.data.source = "tokens:/d/code".into();
+        let p = validate(&c);
+        assert_eq!(p.len(), 1);
+        assert!(
+            p[0].to_string().starts_with("data.source: cannot be set together with data.sources"),
+            "{}",
+            p[0]
+        );
+        // Two sources that would share a name in the metrics.
+        c.data.source = "synthetic".into();
+        c.data.sources = vec![source("tokens:/a/web", 1.0), source("tokens:/b/web", 1.0)];
+        assert_eq!(keys(&c), ["data.sources[1].name"]);
+        c.data.sources[1].name = Some("web_b".into());
+        assert!(validate(&c).is_empty());
+        // Bytes beside a tokenizer's ids: refused, naming the text entry.
+        c.data.sources = vec![source("tokens:/a/web", 1.0), source("text:/b/code.txt", 1.0)];
+        assert_eq!(keys(&c), ["data.sources[1].source"]);
+        assert_eq!(c.data.primary_source(), "tokens:/a/web");
+        // The synthetic corpus' size is checked when a mixture uses it.
+        c.data.sources[0].source = "synthetic".into();
+        c.data.synthetic_tokens = 10;
+        assert_eq!(keys(&c), ["data.synthetic_tokens"]);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! A corpus of tokens in memory or memory-mapped from disk (one file or many shards read as
 //! one sequence), split into a training head and a validation tail or validation shards.
+use super::mixture::{Mixture, Weights};
 use super::shards::{self, Dtype};
 use super::synthetic;
 use crate::config::DataConfig;
@@ -114,6 +115,9 @@ pub struct Corpus {
     /// [`Self::unigram_entropy`] of the validation split, from the scan at load that also
     /// checks its ids.
     pub val_entropy: f64,
+    /// A mixture's sources (`data.sources`), each a corpus of its own; its splits are theirs
+    /// one after another. None for one source.
+    pub mixture: Option<Mixture>,
 }
 
 /// A training split of more bytes than this is checked as steps read it, not at load (a
@@ -125,7 +129,40 @@ impl Corpus {
     /// Loads `data.source` for a model with `vocab` tokens and windows of `seq_len + 1`; a
     /// validation split too short for one window is refused only when the run `evaluates`.
     pub fn load(cfg: &DataConfig, vocab: usize, seq_len: usize, evaluates: bool) -> Result<Self, DataError> {
-        let mut corpus = match cfg.source.split_once(':') {
+        if cfg.sources.is_empty() {
+            return Self::load_source(&cfg.source, cfg, vocab, seq_len, evaluates);
+        }
+        let sources = cfg
+            .sources
+            .iter()
+            .map(|s| Self::load_source(&s.source, cfg, vocab, seq_len, evaluates))
+            .collect::<Result<Vec<_>, _>>()?;
+        let weights: Vec<f64> = cfg.sources.iter().map(|s| s.weight).collect();
+        let mixture = Mixture {
+            names: cfg.sources.iter().map(|s| s.label()).collect(),
+            weights: Weights::new(&weights),
+            sources,
+        };
+        let mut corpus = Self::split(Tokens::Owned(Vec::new()), 0.0, mixture.describe());
+        corpus.vocab = vocab;
+        corpus.check_as_read = mixture.sources.iter().any(|c| c.check_as_read);
+        corpus.mixture = Some(mixture);
+        // The sources' validation tokens pooled (each source's was checked as it loaded).
+        if corpus.len(Split::Val) > 0 {
+            corpus.val_entropy = corpus.unigram_entropy(Split::Val);
+        }
+        Ok(corpus)
+    }
+
+    /// One source (`data.source`, or an entry of `data.sources`), split and checked.
+    fn load_source(
+        source: &str,
+        cfg: &DataConfig,
+        vocab: usize,
+        seq_len: usize,
+        evaluates: bool,
+    ) -> Result<Self, DataError> {
+        let mut corpus = match source.split_once(':') {
             None => Self::synthetic(vocab, cfg.synthetic_tokens, cfg.val_fraction)?,
             Some(("text", path)) => Self::text(Path::new(path), cfg.val_fraction)?,
             Some((_, path)) => Self::token_source(path, vocab, cfg.val_fraction)?,
@@ -234,6 +271,7 @@ impl Corpus {
                 vocab: usize::MAX,
                 check_as_read: false,
                 val_entropy: f64::NAN,
+                mixture: None,
             }
         };
         corpus.manifest = sources.manifest;
@@ -250,10 +288,14 @@ impl Corpus {
             vocab: usize::MAX,
             check_as_read: false,
             val_entropy: f64::NAN,
+            mixture: None,
         }
     }
 
     pub fn len(&self, split: Split) -> usize {
+        if let Some(m) = &self.mixture {
+            return m.sources.iter().map(|c| c.len(split)).sum();
+        }
         match split {
             Split::Train => self.val_start,
             Split::Val => self.tokens.len() - self.val_start,
@@ -261,7 +303,7 @@ impl Corpus {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.tokens.len() == 0
+        self.len(Split::Train) + self.len(Split::Val) == 0
     }
 
     /// Number of distinct start offsets for windows of `seq_len + 1` tokens in `split`.
@@ -271,6 +313,9 @@ impl Corpus {
 
     /// Copies `out.len()` tokens starting at `offset` within `split`.
     pub fn read(&self, split: Split, offset: usize, out: &mut [u32]) {
+        if let Some(m) = &self.mixture {
+            return m.read(split, offset, out);
+        }
         let base = if split == Split::Train { 0 } else { self.val_start };
         self.tokens.copy_to(base + offset, out);
     }
@@ -353,6 +398,10 @@ impl Corpus {
     /// [`check_vocab`](Self::check_vocab) of the training window of `seq_len + 1` tokens at
     /// `offset` (for a training split too large to scan at load: [`Self::check_as_read`]).
     pub fn check_train_window(&self, offset: usize, seq_len: usize) -> Result<(), DataError> {
+        if let Some(m) = &self.mixture {
+            let (k, local) = m.locate(Split::Train, offset);
+            return m.sources[k].check_train_window(local, seq_len);
+        }
         self.check_vocab(offset, seq_len + 1)
     }
 }

@@ -2,8 +2,9 @@
 //! offset that is a pure function of (seed, t, i), so the samples of any step can be produced
 //! again in any split: the OOM guard replays a step at a smaller micro-batch, a resumed run
 //! continues exactly, and rank r of N reads indices [r·B/N, (r+1)·B/N) of the same global batch.
-//! A batch's inputs and targets reach a GPU together, by one asynchronous copy from pinned
-//! memory.
+//! In a mixture the source of each sample is chosen by weight from the same (seed, t, i)
+//! (`mixture.rs`), then the window within that source. A batch's inputs and targets reach a GPU
+//! together, by one asynchronous copy from pinned memory.
 use super::{Corpus, DataError, Split};
 use std::ops::Range;
 use tch::{Device, Kind, TchError, Tensor};
@@ -31,14 +32,35 @@ pub struct Sampler {
 impl Sampler {
     /// Start offset (within the split) of global sample `index` of training step `step`.
     pub fn train_offset(&self, corpus: &Corpus, step: u64, index: usize) -> usize {
-        let span = corpus.windows(Split::Train, self.seq_len);
-        (mix(&[self.seed, step, index as u64]) % span as u64) as usize
+        let h = mix(&[self.seed, step, index as u64]);
+        self.place(corpus, Split::Train, h, self.seed, step, index)
     }
 
     /// Start offset of sample `index` of validation batch `batch` (the same at every eval).
     pub fn val_offset(&self, corpus: &Corpus, batch: usize, index: usize) -> usize {
-        let span = corpus.windows(Split::Val, self.seq_len);
-        (mix(&[self.seed ^ EVAL_SALT, batch as u64, index as u64]) % span as u64) as usize
+        let h = mix(&[self.seed ^ EVAL_SALT, batch as u64, index as u64]);
+        self.place(corpus, Split::Val, h, self.seed ^ EVAL_SALT, batch as u64, index)
+    }
+
+    /// The window hash `h` as an offset into `split`: of the whole corpus, or, in a mixture, of
+    /// the source chosen for sample `index` of `draw` (a window never crosses into another
+    /// source). One source reads exactly as before mixtures existed.
+    fn place(&self, corpus: &Corpus, split: Split, h: u64, seed: u64, draw: u64, index: usize) -> usize {
+        match &corpus.mixture {
+            None => (h % corpus.windows(split, self.seq_len) as u64) as usize,
+            Some(m) => {
+                let k = m.weights.choose(seed, draw, index);
+                m.base(split, k) + (h % m.sources[k].windows(split, self.seq_len) as u64) as usize
+            }
+        }
+    }
+
+    /// Tokens each source of a mixture gives step `step`'s global batch, by name (empty for
+    /// one source): every rank can count the whole batch, so rank 0 reports it alone.
+    pub fn tokens_by_source(&self, corpus: &Corpus, step: u64, global_batch: usize) -> Vec<(String, u64)> {
+        let Some(m) = &corpus.mixture else { return Vec::new() };
+        let counts = m.weights.counts(self.seed, step, 0..global_batch);
+        m.names.iter().cloned().zip(counts.into_iter().map(|n| n * self.seq_len as u64)).collect()
     }
 
     /// Refuses an id outside the vocabulary in any window of step `step`, every rank's samples
@@ -147,6 +169,57 @@ mod tests {
             whole[0..4],
             (0..4).map(|i| other_seed.train_offset(&corpus, 3, i)).collect::<Vec<_>>()[..]
         );
+    }
+
+    #[test]
+    fn a_mixtures_samples_come_whole_from_the_source_chosen_for_them() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two sources told apart by their ids: all of `low` below 100, all of `high` above.
+        let write = |name: &str, base: u16| {
+            let p = dir.path().join(name);
+            let toks: Vec<u8> = (0..4000u16).flat_map(|i| (base + i % 50).to_le_bytes()).collect();
+            std::fs::write(&p, toks).unwrap();
+            format!("tokens:{}", p.display())
+        };
+        let source = |s: String, weight: f64| crate::config::SourceConfig { source: s, weight, name: None };
+        let cfg = crate::config::DataConfig {
+            sources: vec![source(write("low.bin", 0), 0.8), source(write("high.bin", 200), 0.2)],
+            ..Default::default()
+        };
+        let corpus = Corpus::load(&cfg, 256, 16, true).unwrap();
+        let m = corpus.mixture.as_ref().unwrap();
+        assert_eq!(m.names, ["low.bin", "high.bin"]);
+        let s = Sampler { seed: 4, seq_len: 16 };
+        let (x, y) = s.train_batch(&corpus, 9, 0..256, Device::Cpu).unwrap();
+        let both = Tensor::cat(&[x, y], 1);
+        let mut high = 0;
+        for i in 0..256 {
+            let row: Vec<i64> = Vec::try_from(both.get(i)).unwrap();
+            let from_high = m.weights.choose(4, 9, i as usize) == 1;
+            assert!(row.iter().all(|&t| (t >= 200) == from_high), "sample {i} mixes sources: {row:?}");
+            high += from_high as u64;
+        }
+        assert_eq!(
+            s.tokens_by_source(&corpus, 9, 256),
+            [("low.bin".to_string(), (256 - high) * 16), ("high.bin".to_string(), high * 16)]
+        );
+        // Validation draws by weight too, each window inside its source's validation split.
+        for i in 0..64 {
+            let off = s.val_offset(&corpus, 2, i);
+            let (k, local) = m.locate(Split::Val, off);
+            assert!(local + 17 <= m.sources[k].len(Split::Val));
+            assert_eq!(k, m.weights.choose(4 ^ EVAL_SALT, 2, i));
+        }
+        // One source samples exactly as it always did.
+        let single = Corpus::load(
+            &crate::config::DataConfig { source: cfg.sources[0].source.clone(), ..Default::default() },
+            256,
+            16,
+            true,
+        )
+        .unwrap();
+        let h = mix(&[4, 9, 3]);
+        assert_eq!(s.train_offset(&single, 9, 3), (h % single.windows(Split::Train, 16) as u64) as usize);
     }
 
     #[test]

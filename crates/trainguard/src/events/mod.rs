@@ -30,6 +30,11 @@ pub struct StepMetrics {
     /// fields: `eval_NAME_acc`, `eval_NAME_acc_norm`, their means `eval_acc`, `eval_acc_norm`).
     #[serde(flatten)]
     pub downstream: std::collections::BTreeMap<String, f64>,
+    /// A mixture's figures by source name (`data.sources`), as flat fields (TensorBoard groups
+    /// them by the prefix): `tokens_seen/<name>`, tokens trained on from it over the whole run,
+    /// and on steps where evaluation ran `val_loss/<name>`. Empty for one source.
+    #[serde(flatten)]
+    pub by_source: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]

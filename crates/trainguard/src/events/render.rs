@@ -30,7 +30,16 @@ impl Reporter {
         let (first, last) = (m.step == 1, m.step == self.max_steps);
         let scored = !m.downstream.is_empty();
         if first || m.step.is_multiple_of(self.log_interval) || last || m.val_loss.is_some() || scored {
-            let mut val = m.val_loss.map(|v| format!(" | val {v:.4}")).unwrap_or_default();
+            let by_source: Vec<String> = m
+                .by_source
+                .iter()
+                .filter_map(|(k, v)| Some(format!("{} {:.4}", k.strip_prefix("val_loss/")?, v.as_f64()?)))
+                .collect();
+            let by_source = match by_source.is_empty() {
+                true => String::new(),
+                false => format!(" ({})", by_source.join(", ")),
+            };
+            let mut val = m.val_loss.map(|v| format!(" | val {v:.4}{by_source}")).unwrap_or_default();
             // Each task's accuracy, by sum and per character: `eval_NAME_acc` → `NAME`.
             for (k, acc) in m.downstream.iter().filter(|(k, _)| k.ends_with("_acc") && *k != "eval_acc") {
                 let name = &k["eval_".len()..k.len() - "_acc".len()];

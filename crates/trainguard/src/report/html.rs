@@ -255,6 +255,26 @@ fn secs(s: f64) -> String {
     }
 }
 
+/// A mixture's sources (`tokens_seen/<name>` and `val_loss/<name>` of metrics.jsonl): the
+/// tokens each gave so far with its share, and its last validation loss. Empty for one source.
+fn mixture_table(r: &RunData) -> String {
+    let Some(last) = r.steps.values().next_back() else { return String::new() };
+    let seen: Vec<(&str, f64)> =
+        last.iter().filter_map(|(k, v)| Some((k.strip_prefix("tokens_seen/")?, json_num(v)?))).collect();
+    if seen.is_empty() {
+        return String::new();
+    }
+    let total: f64 = seen.iter().map(|(_, n)| n).sum();
+    let mut t = String::from("<tr><th>source</th><th>tokens</th><th>share</th><th>last val loss</th></tr>");
+    for (name, n) in seen {
+        let val =
+            r.series(&format!("val_loss/{name}")).last().map_or("–".into(), |p| format!("{:.4}", p.2));
+        let share = if total > 0.0 { 100.0 * n / total } else { 0.0 };
+        let _ = write!(t, "<tr><td>{}</td><td>{n:.0}</td><td>{share:.1}%</td><td>{val}</td></tr>", esc(name));
+    }
+    format!("<table class=\"kv\"><caption>data mixture</caption>{t}</table>")
+}
+
 fn row(o: &mut String, k: &str, v: impl AsRef<str>) {
     let _ = write!(o, "<tr><th>{}</th><td>{}</td></tr>", esc(k), esc(v.as_ref()));
 }
@@ -414,6 +434,7 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         row(&mut t, "guard overhead", format!("{v:.3}s"));
     }
     let _ = write!(o, "<table class=\"kv\"><caption>summary</caption>{t}</table>");
+    o.push_str(&mixture_table(r));
 
     // Memory: current (last line) and peak over the run of each field metrics.jsonl has.
     let mut t = String::new();

@@ -84,6 +84,8 @@ pub(super) struct Progress {
     /// Tokens trained on over the whole run: summed step by step, since the global batch may
     /// change at a resume.
     pub(super) tokens_seen: u64,
+    /// Of those, each mixture source's, by name (kept across changes of the mixture).
+    pub(super) tokens_by_source: std::collections::BTreeMap<String, u64>,
     pub(super) best_val: Option<(f64, u64)>,
     pub(super) nonfinite_skips: u64,
     /// Non-finite updates in a row up to now (`nan.max_consecutive`).
@@ -132,6 +134,7 @@ impl TrainState {
         self.progress = Progress {
             micro_steps: l.state.micro_steps,
             tokens_seen: l.state.tokens_seen,
+            tokens_by_source: l.state.tokens_by_source.clone(),
             best_val: l.state.best_val_loss.zip(l.state.best_val_step),
             nonfinite_skips: l.state.nonfinite_skips,
             nonfinite_streak: l.state.nonfinite_streak,
@@ -516,6 +519,7 @@ impl Checkpointer {
             step: completed,
             micro_steps: progress.micro_steps,
             tokens_seen: progress.tokens_seen,
+            tokens_by_source: progress.tokens_by_source.clone(),
             sampler: SamplerState { seed: cfg.seed, next_step: completed },
             world_size: Some(plan.world_size),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },

@@ -183,6 +183,7 @@ impl<'a> Run<'a> {
                 t.global_batch_size,
             )
         }));
+        changed.extend(loaded.as_ref().and_then(|l| mixture_change(&l.config.data, &cfg.data)));
         let resumed_at = loaded.as_ref().map(|_| start_step);
         let mut reporter = open_reporter(plan, run_dir, resumed_at, notifier)?;
         report_what_the_start_found(&mut reporter, start_step, restored, skipped, left);
@@ -250,6 +251,18 @@ impl<'a> Run<'a> {
         Ok((run, held))
     }
 
+    /// A mixture's metrics by source: its validation losses `val` (when evaluation ran) and
+    /// every source's tokens so far (those of sources an earlier mixture of this run had too).
+    fn by_source(
+        &self,
+        mut val: std::collections::BTreeMap<String, serde_json::Value>,
+    ) -> std::collections::BTreeMap<String, serde_json::Value> {
+        for (name, n) in &self.state.progress.tokens_by_source {
+            val.insert(format!("tokens_seen/{name}"), serde_json::json!(n));
+        }
+        val
+    }
+
     /// Whether steps remain before `train.max_steps`.
     pub fn has_next(&self) -> bool {
         self.step < self.plan.config.train.max_steps
@@ -313,6 +326,10 @@ impl<'a> Run<'a> {
         let progress = &mut self.state.progress;
         progress.micro_steps = progress.micro_steps.saturating_add(self.state.guard.accumulation() as u64);
         progress.tokens_seen = progress.tokens_seen.saturating_add(plan.tokens_per_step as u64);
+        for (name, n) in data.sampler.tokens_by_source(&self.corpus, step, t.global_batch_size) {
+            let seen = progress.tokens_by_source.entry(name).or_default();
+            *seen = seen.saturating_add(n);
+        }
         // Too many non-finite updates in a row: this step still gets its metrics line (the
         // checkpoint written below counts it), then the run stops.
         let mut give_up = false;
@@ -337,12 +354,13 @@ impl<'a> Run<'a> {
         // An out-of-memory evaluation could not recover from: the step's update is applied, so
         // the run stops below with that step checkpointed and its metrics line written.
         let mut eval_oom = None;
+        let mut val_by_source = std::collections::BTreeMap::new();
         let val_loss = if plan.evaluates_after(step + 1) && !give_up {
             // Validation's activations would sit beside the graphs' pool: the next step
             // captures them again.
             self.state.trainable.graphs.release();
             let eval_started = Instant::now();
-            let v = validation_loss(
+            let mut v = validation_loss(
                 &self.state.trainable.model,
                 &mut self.state.guard,
                 &plan.step,
@@ -352,6 +370,31 @@ impl<'a> Run<'a> {
                 self.dist.as_deref(),
                 &mut self.reporter,
             );
+            // A mixture's sources, each on its own validation split, after the overall figure
+            // (which draws its windows by weight, as training does).
+            if let (Ok(_), Some(m)) = (&v, &self.corpus.mixture) {
+                for (name, source) in m.names.iter().zip(&m.sources) {
+                    let one = validation_loss(
+                        &self.state.trainable.model,
+                        &mut self.state.guard,
+                        &plan.step,
+                        &step_data(source, plan),
+                        t.eval_batches,
+                        step,
+                        self.dist.as_deref(),
+                        &mut self.reporter,
+                    );
+                    match one {
+                        Ok(l) => {
+                            val_by_source.insert(format!("val_loss/{name}"), serde_json::json!(l));
+                        }
+                        Err(e) => {
+                            v = Err(e);
+                            break;
+                        }
+                    }
+                }
+            }
             self.last_eval_s = Some(eval_started.elapsed().as_secs_f64());
             match v {
                 Ok(v) => {
@@ -399,6 +442,7 @@ impl<'a> Run<'a> {
             elapsed_s: self.state.progress.elapsed_before + self.started.elapsed().as_secs_f64(),
             memory,
             downstream,
+            by_source: self.by_source(val_by_source),
         }));
         drop(traced_range);
         if let Some(e) = eval_oom {
@@ -794,14 +838,33 @@ fn warn_of_allocator_settings(allocator: &crate::memory::allocator::EffectiveSet
 }
 
 fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
-    let prepared = cfg.data.source.strip_prefix("tokens:").zip(corpus.manifest.as_ref());
+    let primary = cfg.data.primary_source();
+    let manifest = match &corpus.mixture {
+        None => corpus.manifest.as_ref(),
+        Some(m) => cfg
+            .data
+            .sources
+            .iter()
+            .zip(&m.sources)
+            .find(|(s, _)| s.source == primary)
+            .and_then(|(_, c)| c.manifest.as_ref()),
+    };
+    let prepared = primary.strip_prefix("tokens:").zip(manifest);
     DataRecord {
-        source: cfg.data.source.clone(),
+        source: primary.to_string(),
         tokenizer_crc32c: prepared
             .and_then(|(dir, m)| crate::data::shards::tokenizer_checksum(std::path::Path::new(dir), m)),
         train_tokens: corpus.len(Split::Train) as u64,
         train_digest: corpus.sample_digest(Split::Train),
     }
+}
+
+/// The resumed run's mixture against its checkpoint's, when either is one.
+fn mixture_change(then: &crate::config::DataConfig, now: &crate::config::DataConfig) -> Option<String> {
+    if then.sources.is_empty() && now.sources.is_empty() {
+        return None;
+    }
+    crate::data::mixture::weights_change(&then.weighted(), &now.weighted())
 }
 
 /// Where this rank's samples come from.
