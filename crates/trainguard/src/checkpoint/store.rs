@@ -526,6 +526,7 @@ mod tests {
             checksums: Default::default(),
             data: None,
             lineage: vec![],
+            divergence: None,
         }
     }
 

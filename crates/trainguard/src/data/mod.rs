@@ -8,6 +8,7 @@ mod corpus;
 pub mod prepare;
 mod sampler;
 pub mod shards;
+pub mod skips;
 mod synthetic;
 
 pub use corpus::{Corpus, DataError, Split};

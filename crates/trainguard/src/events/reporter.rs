@@ -10,6 +10,8 @@ use std::path::Path;
 
 pub struct Reporter {
     pub(super) metrics: Option<BufWriter<File>>,
+    /// Where `metrics` writes: [`Reporter::rewind`] rewrites it.
+    metrics_path: Option<std::path::PathBuf>,
     pub(super) events: Option<BufWriter<File>>,
     pub(super) log_interval: u64,
     pub(super) max_steps: u64,
@@ -69,6 +71,7 @@ impl Reporter {
         });
         Ok(Self {
             metrics: open(run_files::METRICS)?,
+            metrics_path: out_dir.map(|d| d.join(run_files::METRICS)),
             events: open(run_files::EVENTS)?,
             log_interval,
             max_steps,
@@ -88,6 +91,22 @@ impl Reporter {
         let mut tb = crate::report::tensorboard::TensorBoardWriter::create(dir, first_step).map_err(named)?;
         tb.text("config", Some(0), &format!("```yaml\n{config_yaml}```")).map_err(named)?;
         self.tensorboard = Some(tb);
+        Ok(())
+    }
+
+    /// Back to `step` steps done (a divergence rollback): `metrics.jsonl` keeps the lines up to
+    /// it, as a run resumed from that checkpoint would, and the steps trained again follow.
+    pub fn rewind(&mut self, step: u64) -> Result<(), SinkError> {
+        let (Some(w), Some(path)) = (self.metrics.as_mut(), self.metrics_path.clone()) else { return Ok(()) };
+        let named = |source| SinkError { path: path.clone(), source };
+        w.flush().map_err(named)?;
+        keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s <= step)).map_err(named)?;
+        // The rewrite replaced the file: appending goes on in the new one.
+        let file = File::options().append(true).open(&path).map_err(named)?;
+        self.metrics = Some(BufWriter::new(file));
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+        }
         Ok(())
     }
 

@@ -376,6 +376,15 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         None => format!("{in_events} in events.jsonl"),
     };
     row(&mut t, "OOM recoveries", ooms);
+    let rollbacks: Vec<String> = r
+        .events_of("rolled_back")
+        .map(|e| {
+            format!("to step {} (data steps {}–{} skipped)", e["step"], e["skipped_from"], e["skipped_to"])
+        })
+        .collect();
+    if !rollbacks.is_empty() {
+        row(&mut t, "divergence rollbacks", format!("{}: {}", rollbacks.len(), rollbacks.join("; ")));
+    }
     if let (Some(f), Some(c)) = (sm("final_micro_batch"), sm("configured_micro_batch")) {
         row(&mut t, "micro-batch", format!("{f} (configured {c})"));
     }
