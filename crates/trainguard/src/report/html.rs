@@ -642,4 +642,17 @@ mod tests {
         // u64::MAX seconds (a metrics line edited by hand) was "18446744073709551615h00m".
         assert_eq!(secs(u64::MAX as f64), "more than 100 years");
     }
+
+    /// The header counts the divergence guard's rollbacks with the data each skipped.
+    #[test]
+    fn rollbacks_and_their_skipped_data_are_in_the_header() {
+        let rolled = |step: u64, from: u64, to: u64| serde_json::json!({"event": "rolled_back", "step": step, "diverged_step": to, "skipped_from": from, "skipped_to": to});
+        let r = RunData { events: vec![rolled(30, 31, 32), rolled(40, 41, 45)], ..RunData::default() };
+        let h = header(&r, None);
+        assert!(
+            h.contains("<th>divergence rollbacks</th><td>2: to step 30 (data steps 31–32 skipped); to step 40 (data steps 41–45 skipped)</td>"),
+            "{h}"
+        );
+        assert!(!header(&RunData::default(), None).contains("divergence"));
+    }
 }
