@@ -817,3 +817,38 @@ fn a_ranks_fatal_error_is_whole_in_the_error_file_and_marked_on_stderr() {
         "the problem itself, not just its header: {written}"
     );
 }
+
+/// The divergence guard under two ranks: both see the spike that one destructive update
+/// (`faults.lr_spike`) causes, agree to roll back to the same checkpoint, skip the same data and
+/// end with identical weights, those of one process doing the same.
+#[test]
+fn two_ranks_roll_back_together_from_a_divergence() {
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [
+        "train.max_steps=40",
+        "train.eval_interval=0",
+        "checkpoint.interval=10",
+        "dist.timeout_s=20",
+        "divergence.enabled=true",
+        "faults.lr_spike={data_step: 31, factor: 1000}",
+    ];
+    let single = train(s.path(), "configs/debug.yaml", &sets).ok();
+    let port = free_port();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &sets)]);
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let of = |kind: &str| events.iter().filter(|e| e["event"] == kind).cloned().collect::<Vec<_>>();
+    let rolled = of("rolled_back");
+    assert_eq!(rolled.len(), 1, "{events:?}");
+    let window = |e: &serde_json::Value| {
+        ["step", "diverged_step", "skipped_from", "skipped_to"].map(|k| e[k].as_u64().unwrap())
+    };
+    assert_eq!(window(&rolled[0]), [30, 32, 31, 32]);
+    assert_eq!(window(&rolled[0]), window(&single.events_of("rolled_back")[0]), "as one process");
+    assert_eq!(
+        of("ranks_compared")[0]["checksum_spread"].as_f64(),
+        Some(0.0),
+        "both ranks hold identical weights"
+    );
+    let diff = max_weight_diff(d.path(), &single.dir);
+    assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
+}

@@ -8,6 +8,7 @@ mod checkpoint;
 mod cluster;
 mod determinism;
 mod dist;
+mod divergence;
 mod doc_commands;
 mod document_mask;
 mod eval;

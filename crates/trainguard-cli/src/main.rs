@@ -293,7 +293,7 @@ fn exit_code(err: &anyhow::Error) -> i32 {
         }
         match cause.downcast_ref::<TrainError>() {
             Some(TrainError::Interrupted { .. }) => return exit::INTERRUPTED,
-            Some(TrainError::NonFinite { .. }) => return exit::NONFINITE,
+            Some(TrainError::NonFinite { .. } | TrainError::Diverged { .. }) => return exit::NONFINITE,
             Some(TrainError::Guard(trainguard::guard::GuardError::NotDeterministic { .. })) => {
                 return exit::NOT_DETERMINISTIC
             }

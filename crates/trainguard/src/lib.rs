@@ -12,6 +12,7 @@ pub mod console;
 pub mod data;
 pub mod determinism;
 pub mod distributed;
+pub mod divergence;
 pub mod envinfo;
 pub mod eval;
 pub mod events;

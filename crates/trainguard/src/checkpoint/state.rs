@@ -59,6 +59,10 @@ pub struct TrainerState {
     /// began here).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lineage: Vec<crate::checkpoint::lineage::Lineage>,
+    /// The divergence guard's record (`divergence.*`): its statistic's recent values, the data
+    /// windows skipped and the rollbacks. Absent when the guard is off and never rolled back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub divergence: Option<DivergenceRecord>,
 }
 
 /// The identity of a run's data: a `prepare` dataset re-made in place with another tokenizer
@@ -127,4 +131,38 @@ pub struct RegrowMemory {
     /// The sizes regrow climbed from, lowest first (absent in older checkpoints).
     #[serde(default)]
     pub ladder: Vec<usize>,
+}
+
+// The divergence guard's record (`divergence`) is defined here too, as the record a checkpoint
+// keeps; the guard's logic is in `crate::divergence`.
+/// What the divergence guard knows at a checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DivergenceRecord {
+    /// The last `divergence.window` healthy steps' losses, oldest first: the median and MAD the
+    /// next step is judged against. A rollback takes these from the checkpoint it returns to.
+    pub losses: Vec<f64>,
+    /// The same steps' gradient norms.
+    pub grad_norms: Vec<f64>,
+    /// Data steps never drawn again (`data::skips`). Kept across a rollback.
+    pub skipped: Vec<SkippedWindow>,
+    /// Every rollback of the run, oldest first. Kept across a rollback.
+    pub rollbacks: Vec<RollbackRecord>,
+    /// Steps (the loop's index, from 0) below this one train at `train.lr` × `divergence.lr_factor`.
+    pub lowered_lr_until: Option<u64>,
+}
+
+/// Data steps `from..to` (the sampler's step index, from 0; `to` excluded), skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedWindow {
+    pub from: u64,
+    pub to: u64,
+}
+
+/// One rollback: the step that diverged (counted from 1, as reported), the data step it drew
+/// (from 0) and the step of the checkpoint the run went back to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollbackRecord {
+    pub diverged_step: u64,
+    pub data_step: u64,
+    pub to_step: u64,
 }

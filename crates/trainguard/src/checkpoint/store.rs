@@ -632,6 +632,7 @@ mod tests {
             checksums: Default::default(),
             data: None,
             lineage: vec![],
+            divergence: None,
         }
     }
 

@@ -40,6 +40,8 @@ pub struct Config {
     pub kernels: KernelsConfig,
     pub checkpoint: CheckpointConfig,
     pub nan: NanConfig,
+    /// The divergence guard: roll back past a loss spike and skip its data (off by default).
+    pub divergence: DivergenceConfig,
     pub dist: DistConfig,
     /// Extra metric sinks beside metrics.jsonl.
     pub metrics: MetricsConfig,
@@ -72,6 +74,7 @@ impl Default for Config {
             kernels: KernelsConfig::default(),
             checkpoint: CheckpointConfig::default(),
             nan: NanConfig::default(),
+            divergence: DivergenceConfig::default(),
             dist: DistConfig::default(),
             metrics: MetricsConfig::default(),
             notify: notify::NotifyConfig::default(),
@@ -847,6 +850,50 @@ impl Default for NanConfig {
     }
 }
 
+/// `divergence.*`: a loss spike (or `nan.max_consecutive` non-finite updates) rolls the run back
+/// to its last checkpoint and skips the data that led to it (`crate::divergence`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DivergenceConfig {
+    /// Off by default: a spike trains on, and non-finite streaks end the run with exit 5.
+    pub enabled: bool,
+    /// How many recent healthy steps the median and MAD are taken over.
+    pub window: usize,
+    /// No step is judged before this many healthy steps are in the window.
+    pub min_history: usize,
+    /// A loss more than this many robust standard deviations (1.4826 × MAD) above the median
+    /// is a spike...
+    pub threshold: f64,
+    /// ...when it is also this fraction above the median (a floor for a flat, noiseless window).
+    pub min_rise: f64,
+    /// The same test on the gradient norm, in robust standard deviations; null: not watched.
+    pub grad_norm_threshold: Option<f64>,
+    /// After this many rollbacks within `rollback_window` steps of data, the next divergence
+    /// stops the run (exit 5, the last good checkpoint kept).
+    pub max_rollbacks: usize,
+    pub rollback_window: u64,
+    /// The learning rate is multiplied by this for `lr_steps` steps after a rollback (1: kept).
+    pub lr_factor: f64,
+    pub lr_steps: u64,
+}
+
+impl Default for DivergenceConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            window: 100,
+            min_history: 20,
+            threshold: 6.0,
+            min_rise: 0.2,
+            grad_norm_threshold: None,
+            max_rollbacks: 3,
+            rollback_window: 1000,
+            lr_factor: 1.0,
+            lr_steps: 0,
+        }
+    }
+}
+
 /// Where metrics go besides `metrics.jsonl` (always written).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -927,9 +974,22 @@ pub struct FaultsConfig {
     /// Run an op taking a scalar that libtorch refuses (shapes that do not broadcast) inside this
     /// step, after the gradient all-reduce: tch raises that error as a panic.
     pub failing_scalar_op_at_step: Option<u64>,
+    /// A step whose learning rate is multiplied by `factor`, chosen by the data it draws
+    /// (`data_step`, counted from 1: step N's data in a run that skipped none): a destructive
+    /// update that a poisoned batch would cause, after which a small model diverges for real.
+    /// A run that skipped that data never takes it.
+    pub lr_spike: Option<LrSpikeFault>,
     /// Only this rank gets the non-finite losses and overflows, runs the two ops above and leaks
     /// (`leak_graphs`); default: every rank.
     pub fault_rank: Option<usize>,
+}
+
+/// `faults.lr_spike`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LrSpikeFault {
+    pub data_step: u64,
+    pub factor: f64,
 }
 
 /// Multi-process runs (torchrun).

@@ -28,6 +28,65 @@ impl fmt::Display for Problem {
     }
 }
 
+/// `divergence.*` (checked whether or not it is enabled: a value set is a value meant) and the
+/// fault that tests it.
+fn check_divergence(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
+    let d = &c.divergence;
+    let positive = |v: f64| v.is_finite() && v > 0.0;
+    check(d.window >= 3, "divergence.window", format!("must be at least 3 steps, got {}", d.window));
+    check(
+        // Against a window that is itself refused, the window's problem is the one to name.
+        d.min_history >= 3 && (d.window < 3 || d.min_history <= d.window),
+        "divergence.min_history",
+        format!("must be in 3..=divergence.window ({}), got {}", d.window, d.min_history),
+    );
+    check(
+        positive(d.threshold),
+        "divergence.threshold",
+        format!("must be a number above 0, got {}", d.threshold),
+    );
+    check(
+        d.min_rise.is_finite() && d.min_rise >= 0.0,
+        "divergence.min_rise",
+        format!("must be a number at least 0, got {}", d.min_rise),
+    );
+    if let Some(g) = d.grad_norm_threshold {
+        check(
+            positive(g),
+            "divergence.grad_norm_threshold",
+            format!("must be a number above 0 or null, got {g}"),
+        );
+    }
+    check(
+        d.rollback_window >= 1,
+        "divergence.rollback_window",
+        format!("must be at least 1 step, got {}", d.rollback_window),
+    );
+    check(
+        positive(d.lr_factor) && d.lr_factor <= 1.0,
+        "divergence.lr_factor",
+        format!("must be in (0, 1] (1 keeps the learning rate), got {}", d.lr_factor),
+    );
+    let checkpoints = c.checkpoint.interval > 0 || c.checkpoint.interval_minutes.is_some();
+    check(
+        !d.enabled || checkpoints,
+        "divergence.enabled",
+        "a rollback returns to the last checkpoint: set checkpoint.interval (or checkpoint.interval_minutes) too".into(),
+    );
+    if let Some(f) = c.faults.lr_spike {
+        check(
+            f.data_step >= 1,
+            "faults.lr_spike.data_step",
+            format!("steps count from 1, got {}", f.data_step),
+        );
+        check(
+            positive(f.factor),
+            "faults.lr_spike.factor",
+            format!("must be a number above 0, got {}", f.factor),
+        );
+    }
+}
+
 /// Checks every rule; an empty list means the config is valid.
 pub fn validate(c: &Config) -> Vec<Problem> {
     let mut p = Vec::new();
@@ -274,6 +333,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
         "nan.max_consecutive",
         format!("must be at least 1, got {}", c.nan.max_consecutive),
     );
+    check_divergence(c, &mut check);
 
     match super::Checkpointing::parse(&c.memory.activation_checkpointing) {
         Err(e) => check(false, "memory.activation_checkpointing", e),
@@ -757,6 +817,24 @@ mod tests {
             (|c| c.train.global_batch_size = usize::MAX, "train.global_batch_size"),
             (|c| c.train.max_duration = Some("99999999999999999999s".into()), "train.max_duration"),
             (|c| c.nan.max_consecutive = 0, "nan.max_consecutive"),
+            (|c| c.divergence.window = 2, "divergence.window"),
+            (|c| c.divergence.min_history = 101, "divergence.min_history"),
+            (|c| c.divergence.threshold = f64::NAN, "divergence.threshold"),
+            (|c| c.divergence.min_rise = -0.1, "divergence.min_rise"),
+            (|c| c.divergence.grad_norm_threshold = Some(0.0), "divergence.grad_norm_threshold"),
+            (|c| c.divergence.rollback_window = 0, "divergence.rollback_window"),
+            (|c| c.divergence.lr_factor = 2.0, "divergence.lr_factor"),
+            (
+                |c| {
+                    c.divergence.enabled = true;
+                    c.checkpoint.interval = 0;
+                },
+                "divergence.enabled",
+            ),
+            (
+                |c| c.faults.lr_spike = Some(crate::config::LrSpikeFault { data_step: 0, factor: 10.0 }),
+                "faults.lr_spike.data_step",
+            ),
             (|c| c.dist.timeout_s = 0, "dist.timeout_s"),
             (|c| c.dist.timeout_s = u64::MAX, "dist.timeout_s"),
             (|c| c.dist.writer_wait_s = Some(0), "dist.writer_wait_s"),

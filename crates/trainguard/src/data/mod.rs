@@ -10,6 +10,7 @@ pub mod mixture;
 pub mod prepare;
 mod sampler;
 pub mod shards;
+pub mod skips;
 mod synthetic;
 
 pub use corpus::{Corpus, DataError, Split};

@@ -188,6 +188,35 @@ pub enum Event {
         action: String,
         new_micro_batch: Option<usize>,
     },
+    /// `divergence.*`: step `step` diverged (its loss or gradient norm past `limit`, judged
+    /// against the `median` and `mad` of the recent healthy steps; or `nan.max_consecutive`
+    /// non-finite updates, `value` of them) after drawing data step `data_step` (from 1).
+    /// `gives_up`: the rollbacks are spent (`recent` within `divergence.rollback_window`).
+    Diverged {
+        step: u64,
+        data_step: u64,
+        statistic: crate::divergence::Statistic,
+        value: f64,
+        median: f64,
+        mad: f64,
+        limit: f64,
+        recent: usize,
+        gives_up: bool,
+    },
+    /// After `diverged`: the model, optimizer, scaler and guards are back at checkpoint
+    /// `checkpoint` (`step` steps done), data steps `skipped_from..=skipped_to` (from 1) are
+    /// never drawn, and steps before `lr_lowered_until` train at the learning rate × `lr_factor`.
+    /// `rollbacks`: the run's so far, this one included.
+    RolledBack {
+        step: u64,
+        diverged_step: u64,
+        checkpoint: String,
+        skipped_from: u64,
+        skipped_to: u64,
+        lr_factor: f64,
+        lr_lowered_until: Option<u64>,
+        rollbacks: usize,
+    },
     /// The run stops before max_steps (see [`StopReason`]), `step` steps done.
     Stopped {
         step: u64,
@@ -229,6 +258,7 @@ impl Event {
             | Event::RegrowAttempt { step, .. }
             | Event::OomEscalated { step, .. }
             | Event::NonfiniteSkipped { step, .. }
+            | Event::Diverged { step, .. }
             | Event::LeakSuspected { step, .. }
             | Event::LossScaleChanged { step, .. }
             | Event::ThrashDetected { step, .. }
@@ -267,6 +297,8 @@ pub enum StopReason {
     OutOfMemory,
     /// A token id outside the vocabulary in the step's windows (a training split over 1 GiB).
     BadData,
+    /// Diverged again with `divergence.max_rollbacks` spent.
+    Diverged,
 }
 
 impl StopReason {
@@ -277,6 +309,7 @@ impl StopReason {
             StopReason::Nonfinite => "nonfinite",
             StopReason::OutOfMemory => "out_of_memory",
             StopReason::BadData => "bad_data",
+            StopReason::Diverged => "diverged",
         }
     }
 }

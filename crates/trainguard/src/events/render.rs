@@ -79,7 +79,7 @@ impl Reporter {
                 };
                 // `step`: the steps done. The non-finite stop comes after the last of them (its
                 // checkpoint counts it); every other stop before the next one.
-                let (when, n) = if matches!(reason, StopReason::Nonfinite) {
+                let (when, n) = if matches!(reason, StopReason::Nonfinite | StopReason::Diverged) {
                     ("after", *step)
                 } else {
                     ("before", step + 1)
@@ -234,6 +234,33 @@ fn step_news(event: &Event) {
         }
         Event::NonfiniteSkipped { step, loss, grad_norm, consecutive } => {
             tracing::warn!("step {step}: non-finite loss {loss} or gradient norm {grad_norm}: update skipped ({consecutive} in a row)");
+        }
+        Event::Diverged { step, data_step, statistic, value, median, mad, limit, recent, gives_up } => {
+            let what = match statistic {
+                crate::divergence::Statistic::Nonfinite => format!("{value} non-finite updates in a row"),
+                s => format!("{} {value:.4} past {limit:.4} (median {median:.4}, MAD {mad:.4})", s.name()),
+            };
+            let next = if *gives_up {
+                format!("{recent} rollbacks within divergence.rollback_window already: stopping")
+            } else {
+                "rolling back".to_string()
+            };
+            tracing::warn!("step {step} diverged (data step {data_step}): {what}; {next}");
+        }
+        Event::RolledBack {
+            step,
+            diverged_step,
+            checkpoint,
+            skipped_from,
+            skipped_to,
+            lr_factor,
+            lr_lowered_until,
+            rollbacks,
+        } => {
+            let lr = lr_lowered_until
+                .map(|u| format!("; learning rate × {lr_factor} up to step {u}"))
+                .unwrap_or_default();
+            tracing::warn!("rolled back from step {diverged_step} to step {step} ({checkpoint}); data steps {skipped_from}–{skipped_to} skipped{lr} (rollback {rollbacks} of the run)");
         }
         Event::LossScaleChanged { step, scale, reason } => match reason {
             LossScaleReason::Overflow => tracing::warn!(

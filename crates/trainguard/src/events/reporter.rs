@@ -11,6 +11,8 @@ use std::path::Path;
 
 pub struct Reporter {
     pub(super) metrics: Option<BufWriter<File>>,
+    /// Where `metrics` writes: [`Reporter::rewind`] rewrites it.
+    metrics_path: Option<std::path::PathBuf>,
     pub(super) events: Option<BufWriter<File>>,
     pub(super) log_interval: u64,
     pub(super) max_steps: u64,
@@ -77,6 +79,7 @@ impl Reporter {
         });
         Ok(Self {
             metrics: open(run_files::METRICS)?,
+            metrics_path: out_dir.map(|d| d.join(run_files::METRICS)),
             events: open(run_files::EVENTS)?,
             log_interval,
             max_steps,
@@ -103,6 +106,22 @@ impl Reporter {
     /// Tells `subscriber` of every event from now on.
     pub fn subscribe(&mut self, subscriber: Box<dyn Subscriber>) {
         self.subscribers.push(subscriber);
+    }
+
+    /// Back to `step` steps done (a divergence rollback): `metrics.jsonl` keeps the lines up to
+    /// it, as a run resumed from that checkpoint would, and the steps trained again follow.
+    pub fn rewind(&mut self, step: u64) -> Result<(), SinkError> {
+        let (Some(w), Some(path)) = (self.metrics.as_mut(), self.metrics_path.clone()) else { return Ok(()) };
+        let named = |source| SinkError { path: path.clone(), source };
+        w.flush().map_err(named)?;
+        keep_lines(&path, |v| v["step"].as_u64().is_some_and(|s| s <= step)).map_err(named)?;
+        // The rewrite replaced the file: appending goes on in the new one.
+        let file = File::options().append(true).open(&path).map_err(named)?;
+        self.metrics = Some(BufWriter::new(file));
+        if let Some(bar) = &self.bar {
+            bar.set_position(step);
+        }
+        Ok(())
     }
 
     pub fn emit(&mut self, event: Event) {

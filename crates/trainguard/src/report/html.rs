@@ -409,6 +409,15 @@ fn header(r: &RunData, color: Option<&str>) -> String {
         None => format!("{in_events} in events.jsonl"),
     };
     row(&mut t, "OOM recoveries", ooms);
+    let rollbacks: Vec<String> = r
+        .events_of("rolled_back")
+        .map(|e| {
+            format!("to step {} (data steps {}–{} skipped)", e["step"], e["skipped_from"], e["skipped_to"])
+        })
+        .collect();
+    if !rollbacks.is_empty() {
+        row(&mut t, "divergence rollbacks", format!("{}: {}", rollbacks.len(), rollbacks.join("; ")));
+    }
     if let (Some(f), Some(c)) = (sm("final_micro_batch"), sm("configured_micro_batch")) {
         row(&mut t, "micro-batch", format!("{f} (configured {c})"));
     }
@@ -666,5 +675,18 @@ mod tests {
         assert_eq!(secs(3.0 * 86400.0 + 5.0 * 3600.0 + 59.0), "3d05h");
         // u64::MAX seconds (a metrics line edited by hand) was "18446744073709551615h00m".
         assert_eq!(secs(u64::MAX as f64), "more than 100 years");
+    }
+
+    /// The header counts the divergence guard's rollbacks with the data each skipped.
+    #[test]
+    fn rollbacks_and_their_skipped_data_are_in_the_header() {
+        let rolled = |step: u64, from: u64, to: u64| serde_json::json!({"event": "rolled_back", "step": step, "diverged_step": to, "skipped_from": from, "skipped_to": to});
+        let r = RunData { events: vec![rolled(30, 31, 32), rolled(40, 41, 45)], ..RunData::default() };
+        let h = header(&r, None);
+        assert!(
+            h.contains("<th>divergence rollbacks</th><td>2: to step 30 (data steps 31–32 skipped); to step 40 (data steps 41–45 skipped)</td>"),
+            "{h}"
+        );
+        assert!(!header(&RunData::default(), None).contains("divergence"));
     }
 }

@@ -220,6 +220,21 @@ pub fn marks(run: &RunData) -> Vec<Mark> {
                 format!("non-finite loss or gradient: update skipped ({} in a row)", n(e, "consecutive"))
             }
             "graphs_off" => format!("CUDA graphs off: {}", n(e, "reason")),
+            "diverged" => format!(
+                "diverged (data step {}): {} {} past {}{}",
+                n(e, "data_step"),
+                n(e, "statistic"),
+                n(e, "value"),
+                n(e, "limit"),
+                if e["gives_up"] == true { "; rollbacks spent" } else { "" }
+            ),
+            "rolled_back" => format!(
+                "rolled back from step {} to {}: data steps {}–{} skipped",
+                n(e, "diverged_step"),
+                step,
+                n(e, "skipped_from"),
+                n(e, "skipped_to")
+            ),
             "loss_scale_changed" if e["reason"] == "overflow" => {
                 format!("fp16 overflow: loss scale {}", n(e, "scale"))
             }
@@ -244,6 +259,8 @@ pub fn mark_color(kind: &str) -> &'static str {
         "leak_suspected" | "thrash_detected" => "#9467bd",
         "loss_scale_changed" => "#bcbd22",
         "resumed" => "#1f77b4",
+        "diverged" => "#e377c2",
+        "rolled_back" => "#8c564b",
         _ => "#222222",
     }
 }
@@ -290,6 +307,24 @@ mod tests {
         assert_eq!((m[0].kind.as_str(), m[0].step), ("graphs_off", 3));
         assert_eq!(m[0].label, "CUDA graphs off: operation not permitted when stream is capturing");
         assert_eq!(mark_color(&m[0].kind), "#ff7f0e");
+    }
+
+    /// A divergence and its rollback are marked: the spike where it happened, the rollback at
+    /// the step training went back to, with the data skipped.
+    #[test]
+    fn divergence_and_rollback_are_marked() {
+        let events = vec![
+            serde_json::json!({"event": "diverged", "step": 32, "data_step": 32, "statistic": "loss", "value": 9.5, "median": 3.0, "mad": 0.1, "limit": 3.6, "recent": 0, "gives_up": false}),
+            serde_json::json!({"event": "rolled_back", "step": 30, "diverged_step": 32, "checkpoint": "c", "skipped_from": 31, "skipped_to": 32, "lr_factor": 1.0, "lr_lowered_until": null, "rollbacks": 1}),
+        ];
+        let m = marks(&RunData { events, ..RunData::default() });
+        assert_eq!(
+            m.iter().map(|m| (m.kind.as_str(), m.step)).collect::<Vec<_>>(),
+            vec![("diverged", 32), ("rolled_back", 30)]
+        );
+        assert_eq!(m[0].label, "diverged (data step 32): loss 9.5 past 3.6");
+        assert_eq!(m[1].label, "rolled back from step 32 to 30: data steps 31–32 skipped");
+        assert_ne!(mark_color("rolled_back"), mark_color("whatever"));
     }
 
     #[test]

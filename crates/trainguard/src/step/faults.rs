@@ -81,6 +81,16 @@ impl Faults {
         Ok(())
     }
 
+    /// `faults.lr_spike`: the learning rate's multiplier for the step that draws data step
+    /// `data_step` (the sampler's index, from 0; the config counts from 1). Every rank alike:
+    /// the update is the group's.
+    pub fn lr_multiplier(&self, data_step: u64) -> f64 {
+        match self.cfg.lr_spike {
+            Some(f) if f.data_step == data_step + 1 => f.factor,
+            _ => 1.0,
+        }
+    }
+
     /// Keeps a forward graph alive across steps if asked to leak. Runs inside the guarded step
     /// before the update, so an out-of-memory here replays a step that changed nothing yet.
     pub(super) fn leak_graph(
@@ -124,5 +134,18 @@ mod tests {
         let mut loss = 2.5;
         Faults::new(&every_rank, 0, 0).corrupt(2, &mut loss, &mut [], false).unwrap();
         assert!(loss.is_nan(), "without fault_rank every rank");
+    }
+
+    /// The spike goes with the data step it names (counted from 1), not with a step number: a
+    /// run that skipped that data never takes it.
+    #[test]
+    fn the_learning_rate_spike_follows_its_data_step() {
+        let cfg = FaultsConfig {
+            lr_spike: Some(crate::config::LrSpikeFault { data_step: 31, factor: 300.0 }),
+            ..FaultsConfig::default()
+        };
+        let f = Faults::new(&cfg, 0, 0);
+        assert_eq!((f.lr_multiplier(29), f.lr_multiplier(30), f.lr_multiplier(31)), (1.0, 300.0, 1.0));
+        assert_eq!(Faults::default().lr_multiplier(30), 1.0);
     }
 }

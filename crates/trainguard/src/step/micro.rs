@@ -4,6 +4,7 @@
 //! behind: dropping the attempt's locals frees them ("set to none", not zeroed).
 use super::graphs::MicroGraphs;
 use super::savers::{loss_and_grads, Savers};
+use crate::checkpoint::state::SkippedWindow;
 use crate::data::batch;
 use crate::data::{Corpus, Sampler};
 use crate::ffi::kernels;
@@ -23,12 +24,29 @@ pub struct StepData<'a> {
     /// The global batch and the ranks sharing it: the loss weights' denominator.
     pub global_batch: usize,
     pub world: usize,
+    /// Data steps the divergence guard skipped: step `t` draws the samples (and dropout masks)
+    /// of data step `data::skips::data_step(t, skipped)`.
+    pub skipped: &'a [SkippedWindow],
 }
 
 impl StepData<'_> {
     /// One process taking a whole batch of `batch` sequences.
     pub fn single(corpus: &Corpus, sampler: Sampler, device: Device, batch: usize) -> StepData<'_> {
-        StepData { corpus, sampler, device, rank_start: 0, rank_batch: batch, global_batch: batch, world: 1 }
+        StepData {
+            corpus,
+            sampler,
+            device,
+            rank_start: 0,
+            rank_batch: batch,
+            global_batch: batch,
+            world: 1,
+            skipped: &[],
+        }
+    }
+
+    /// The data step optimizer step `step` draws.
+    pub fn data_step(&self, step: u64) -> u64 {
+        crate::data::skips::data_step(step, self.skipped)
     }
 
     fn weight(&self, micro_len: usize) -> f64 {
@@ -100,6 +118,7 @@ fn each_micro_batch(
     progress: &mut Progress,
     mut f: impl FnMut(&Tensor, &Tensor, f64, u64) -> Result<(), TchError>,
 ) -> Result<(), TchError> {
+    let step = data.data_step(step);
     for r in batch::split(data.rank_batch, micro) {
         let weight = data.weight(r.len());
         let indices = data.rank_start + r.start..data.rank_start + r.end;

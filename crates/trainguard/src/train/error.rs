@@ -70,6 +70,9 @@ pub enum TrainError {
     StopNotCheckpointed { step: u64, reason: StopReason, newest: Option<(u64, PathBuf)> },
     #[error("{count} updates in a row had a non-finite loss or gradient norm (last at step {step}); stopped with the last good state checkpointed. Lower train.lr, check the data, or raise nan.max_consecutive")]
     NonFinite { step: u64, count: u64 },
+    /// `divergence.*`: diverged and could not roll back (exit 5, as [`Self::NonFinite`]).
+    #[error("step {step} diverged and the divergence guard cannot roll back: {why}; stopped with the last good state checkpointed ({}). Lower train.lr, check the data, or raise divergence.max_rollbacks", .checkpoint.as_ref().map_or("no checkpoint".to_string(), |c| c.display().to_string()))]
+    Diverged { step: u64, why: String, checkpoint: Option<PathBuf> },
 }
 
 impl TrainError {

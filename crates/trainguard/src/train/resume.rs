@@ -93,6 +93,8 @@ pub(super) struct Progress {
     pub(super) elapsed_before: f64,
     /// Other runs' checkpoints this run's line resumed from, oldest first.
     pub(super) lineage: Vec<lineage::Lineage>,
+    /// The divergence guard's window, skipped data and rollbacks.
+    pub(super) divergence: DivergenceRecord,
 }
 
 /// Everything a checkpoint saves and a resume restores.
@@ -140,6 +142,7 @@ impl TrainState {
             nonfinite_streak: l.state.nonfinite_streak,
             elapsed_before: l.state.elapsed_s,
             lineage: lineage::continued(&l.state.lineage, &l.path, l.state.step, own_root),
+            divergence: l.state.divergence.clone().unwrap_or_default(),
         };
         Ok(())
     }
@@ -520,7 +523,10 @@ impl Checkpointer {
             micro_steps: progress.micro_steps,
             tokens_seen: progress.tokens_seen,
             tokens_by_source: progress.tokens_by_source.clone(),
-            sampler: SamplerState { seed: cfg.seed, next_step: completed },
+            sampler: SamplerState {
+                seed: cfg.seed,
+                next_step: crate::data::skips::data_step(completed, &progress.divergence.skipped),
+            },
             world_size: Some(plan.world_size),
             rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
             loss_scaler: scaler.map(|s| serde_json::to_value(s).expect("LossScaler serialises")),
@@ -541,6 +547,8 @@ impl Checkpointer {
             checksums: Default::default(),
             data: Some(self.data.clone()),
             lineage: progress.lineage.clone(),
+            divergence: (progress.divergence != DivergenceRecord::default())
+                .then(|| progress.divergence.clone()),
         };
         let weights: Vec<(String, tch::Tensor)> = model
             .params

@@ -26,6 +26,8 @@ use crate::trace::{TraceError, Tracer};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+mod rollback;
+
 pub struct Run<'a> {
     plan: &'a RunPlan,
     state: TrainState,
@@ -292,9 +294,14 @@ impl<'a> Run<'a> {
         }
         let traced_range = self.trace(|t| t.before_step(step)).flatten();
         let step_started = Instant::now();
-        let lr = plan.schedule.at(step);
-        let data = step_data(&self.corpus, plan);
-        if let Err(e) = data.sampler.check_train_step(&self.corpus, step, t.global_batch_size) {
+        // The divergence guard's skipped data: this step draws the next data step past them.
+        let skipped = self.state.progress.divergence.skipped.clone();
+        let data = step_data(&self.corpus, plan, &skipped);
+        let data_step = data.data_step(step);
+        let lr = plan.schedule.at(step)
+            * crate::divergence::lr_factor(&plan.config.divergence, &self.state.progress.divergence, step)
+            * self.faults.lr_multiplier(data_step);
+        if let Err(e) = data.sampler.check_train_step(&self.corpus, data_step, t.global_batch_size) {
             // The steps since the last checkpoint are kept: with the data mended, `--resume auto`
             // goes on from here (a changed model.vocab_size is another model: a fresh start).
             self.stop_checkpointed(step, StopReason::BadData);
@@ -348,6 +355,12 @@ impl<'a> Run<'a> {
         } else {
             self.state.progress.nonfinite_streak = 0;
         }
+        let (divergence, dist) = (&plan.config.divergence, self.dist.as_deref());
+        if let Some(spike) = rollback::judge(divergence, &mut self.state.progress, &outcome, give_up, dist)? {
+            // Nothing of this step is kept: no metrics line, no evaluation, no checkpoint.
+            drop(traced_range);
+            return self.on_divergence(step, data_step, spike);
+        }
         // Throughput counts the optimizer step only, not evaluation.
         let step_time = step_started.elapsed().as_secs_f64();
         let mut new_best = false;
@@ -378,7 +391,7 @@ impl<'a> Run<'a> {
                         &self.state.trainable.model,
                         &mut self.state.guard,
                         &plan.step,
-                        &step_data(source, plan),
+                        &step_data(source, plan, &[]),
                         t.eval_batches,
                         step,
                         self.dist.as_deref(),
@@ -867,8 +880,12 @@ fn mixture_change(then: &crate::config::DataConfig, now: &crate::config::DataCon
     crate::data::mixture::weights_change(&then.weighted(), &now.weighted())
 }
 
-/// Where this rank's samples come from.
-fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
+/// Where this rank's samples come from, past the data steps the divergence guard skipped.
+fn step_data<'c>(
+    corpus: &'c Corpus,
+    plan: &RunPlan,
+    skipped: &'c [crate::checkpoint::state::SkippedWindow],
+) -> StepData<'c> {
     StepData {
         corpus,
         sampler: Sampler { seed: plan.config.seed, seq_len: plan.config.model.seq_len },
@@ -877,5 +894,6 @@ fn step_data<'c>(corpus: &'c Corpus, plan: &RunPlan) -> StepData<'c> {
         rank_batch: plan.rank_batch,
         global_batch: plan.config.train.global_batch_size,
         world: plan.world_size,
+        skipped,
     }
 }
