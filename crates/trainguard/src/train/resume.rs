@@ -1,20 +1,16 @@
-//! Where a run starts and what it leaves behind: the state a checkpoint holds ([`TrainState`]:
-//! model, optimizer, loss scaler, guard, counters), choosing and checking the checkpoint to resume
-//! from, restoring that state from it, and writing checkpoints on schedule with retention applied
-//! (rank 0 only).
+//! Where a run starts: the state a checkpoint holds ([`TrainState`]: model, optimizer, loss
+//! scaler, guard, counters), choosing and checking the checkpoint to resume from, and restoring
+//! that state from it. Writing checkpoints on schedule is [`super::checkpointer`]'s.
 use super::TrainError;
 use crate::checkpoint::lineage;
-use crate::checkpoint::retention;
 use crate::checkpoint::state::*;
 use crate::checkpoint::{compare, store, CheckpointError, Loaded};
 use crate::config::Config;
-use crate::events::{Event, Reporter};
 use crate::guard::Guard;
 use crate::optim::LrSchedule;
-use crate::run_plan::{CheckpointPlan, RunPlan};
+use crate::run_plan::RunPlan;
 use crate::step::{LossScaler, Trainable};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 /// Where a run starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -356,153 +352,6 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
         p.shallow_clone().f_copy_(src).map_err(|e| corrupt(e.to_string()))?;
     }
     opt.load_state(&model.params.names, &l.optimizer, l.state.optimizer.steps).map_err(corrupt)
-}
-
-/// When to checkpoint, and writing one with retention applied.
-pub(super) struct Checkpointer {
-    root: PathBuf,
-    writer: bool,
-    plan: CheckpointPlan,
-    last_at: Instant,
-    /// How long the last write took: the time-limit margin uses it.
-    pub(super) last_seconds: f64,
-    /// The step of the newest checkpoint written by this run.
-    pub(super) last_saved: Option<u64>,
-    last_path: Option<PathBuf>,
-    /// What this run trains on, recorded in each checkpoint.
-    data: DataRecord,
-}
-
-impl Checkpointer {
-    pub(super) fn new(plan: &RunPlan, data: DataRecord) -> Self {
-        Self {
-            data,
-            root: store::root(&plan.config.out_dir),
-            writer: plan.is_writer(),
-            plan: plan.checkpoints,
-            last_at: Instant::now(),
-            last_seconds: 0.0,
-            last_saved: None,
-            last_path: None,
-        }
-    }
-
-    pub(super) fn root(&self) -> &Path {
-        &self.root
-    }
-
-    /// The checkpoint this run resumed from, when it lies under this run's root: a stop before
-    /// any step then points at it instead of writing the same step again (a replacement, during
-    /// which the step is briefly absent).
-    pub(super) fn adopt(&mut self, l: &Loaded) {
-        let canonical = |p: &Path| std::fs::canonicalize(p).ok();
-        if l.path.parent().and_then(canonical).is_some_and(|p| Some(p) == canonical(&self.root)) {
-            self.last_saved = Some(l.state.step);
-            self.last_path = Some(l.path.clone());
-        }
-    }
-
-    /// The checkpoint this run wrote (or resumed from) last, if it holds `completed` steps.
-    pub(super) fn last_saved_path(&self, completed: u64) -> Option<PathBuf> {
-        (self.last_saved == Some(completed)).then(|| self.last_path.clone()).flatten()
-    }
-
-    /// Whether a checkpoint of `completed` steps is due, `since_last` the time since the last
-    /// one (under a group, rank 0's, agreed at the step's start: every rank decides alike and
-    /// passes the fence after it).
-    pub(super) fn due(&self, completed: u64, new_best: bool, since_last: Duration) -> bool {
-        self.plan.due(completed, since_last, new_best)
-    }
-
-    /// The time since the last checkpoint this process wrote (or since it started).
-    pub(super) fn since_last(&self) -> Duration {
-        self.last_at.elapsed()
-    }
-
-    /// Writes a checkpoint of `completed` steps (the run started at `started`); a failure is
-    /// reported (`goes_on`: training goes on after it, as after an interval's; not a stop's).
-    pub(super) fn save(
-        &mut self,
-        completed: u64,
-        goes_on: bool,
-        s: &TrainState,
-        started: Instant,
-        plan: &RunPlan,
-        reporter: &mut Reporter,
-    ) -> Option<PathBuf> {
-        if !self.writer {
-            return None;
-        }
-        let cfg = &plan.config;
-        let (model, opt, guard, progress) = (&s.trainable.model, &s.trainable.opt, &s.guard, &s.progress);
-        let scaler = s.trainable.scaler.as_ref();
-        let t0 = Instant::now();
-        let state = TrainerState {
-            format: STATE_FORMAT,
-            step: completed,
-            micro_steps: progress.micro_steps,
-            tokens_seen: progress.tokens_seen,
-            sampler: SamplerState { seed: cfg.seed, next_step: completed },
-            world_size: Some(plan.world_size),
-            rng: RngState { scheme: RNG_SCHEME.into(), seed: cfg.seed },
-            loss_scaler: scaler.map(|s| serde_json::to_value(s).expect("LossScaler serialises")),
-            guard: GuardSnapshot {
-                micro_batch: guard.micro_batch(),
-                accumulation: guard.accumulation(),
-                configured_micro_batch: plan.micro_batch,
-                escalation_level: guard.state.level(),
-                regrow: guard.state.regrow_memory(),
-            },
-            optimizer: OptimizerSnapshot { kind: opt.kind().into(), steps: opt.steps() },
-            best_val_loss: progress.best_val.map(|b| b.0),
-            best_val_step: progress.best_val.map(|b| b.1),
-            nonfinite_skips: progress.nonfinite_skips,
-            nonfinite_streak: progress.nonfinite_streak,
-            elapsed_s: progress.elapsed_before + started.elapsed().as_secs_f64(),
-            files: Default::default(),
-            checksums: Default::default(),
-            data: Some(self.data.clone()),
-            lineage: progress.lineage.clone(),
-        };
-        let weights: Vec<(String, tch::Tensor)> = model
-            .params
-            .names
-            .iter()
-            .cloned()
-            .zip(model.params.tensors.iter().map(|t| t.shallow_clone()))
-            .collect();
-        match store::save(&self.root, &state, cfg, &weights, &opt.state_tensors(&model.params.names)) {
-            Ok(path) => {
-                let steps: Vec<u64> = store::list(&self.root).iter().map(|(s, _)| *s).collect();
-                let best = if self.plan.keep_best { progress.best_val.map(|b| b.1) } else { None };
-                let deleted = retention::to_delete(&steps, self.plan.retention, best, completed);
-                for s in &deleted {
-                    if let Err(e) = store::remove(&self.root, *s) {
-                        tracing::warn!("could not remove an old checkpoint: {e}");
-                    }
-                }
-                self.last_at = Instant::now();
-                self.last_seconds = t0.elapsed().as_secs_f64();
-                self.last_saved = Some(completed);
-                self.last_path = Some(path.clone());
-                reporter.emit(Event::CheckpointSaved {
-                    step: completed,
-                    path: path.display().to_string(),
-                    seconds: self.last_seconds,
-                    deleted,
-                });
-                Some(path)
-            }
-            Err(e) => {
-                reporter.emit(Event::CheckpointFailed {
-                    step: completed,
-                    error: e.to_string(),
-                    training_goes_on: goes_on,
-                });
-                None
-            }
-        }
-    }
 }
 
 #[cfg(test)]
