@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tch::Tensor;
 
+/// Tensors by name, as a checkpoint file holds them.
+type Named = Vec<(String, Tensor)>;
+
 /// What a wait for the write in flight is for (the `checkpoint_waited` event's `before`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum WaitFor {
@@ -53,7 +56,7 @@ pub(super) struct Checkpointer {
     data: DataRecord,
     in_flight: Option<InFlight>,
     /// The host buffers of the last background write, for the next copy.
-    spare: (Vec<(String, Tensor)>, Vec<(String, Tensor)>),
+    spare: (Named, Named),
 }
 
 impl Checkpointer {
