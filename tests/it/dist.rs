@@ -440,7 +440,8 @@ fn a_killed_rank_makes_the_survivor_fail_within_the_timeout() {
 /// Rank 0 writes checkpoints alone: the other ranks wait at a fence for as long as rank 0
 /// lives, not `dist.timeout_s`, so writes slower than the timeout (slow storage) do not end the
 /// job, and each timeout's worth of waiting is said; a rank 0 killed inside a write is named
-/// by its peer within seconds.
+/// by its peer within seconds. (Synchronous writes, `checkpoint.async: false`: the fence waits
+/// for the write itself.)
 #[test]
 fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside_it_is_named() {
     let d = tempfile::tempdir().unwrap();
@@ -450,6 +451,7 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
         "train.eval_interval=0",
         "checkpoint.interval=3",
         "dist.timeout_s=1",
+        "checkpoint.async=false",
         "faults.pause_in_checkpoint_write_ms=3000",
     ];
     let port = free_port();
@@ -486,6 +488,7 @@ fn a_checkpoint_slower_than_the_timeout_is_waited_for_and_a_writer_killed_inside
         "train.eval_interval=0",
         "checkpoint.interval=3",
         "dist.timeout_s=1",
+        "checkpoint.async=false",
         "faults.pause_in_checkpoint_write_ms=60000",
     ];
     let port = free_port();
@@ -851,4 +854,63 @@ fn two_ranks_roll_back_together_from_a_divergence() {
     );
     let diff = max_weight_diff(d.path(), &single.dir);
     assert!(diff <= 1e-5, "weights differ from the single-process run by {diff}");
+}
+
+/// `checkpoint.async` with two ranks: rank 0 writes in the background while both train on.
+/// Both killed while a background write is in flight (checkpoint 4 half written, 2 complete),
+/// `--resume auto` on both resumes from checkpoint 2, agreed, and ends bitwise where a run that
+/// was not killed does.
+#[test]
+fn two_ranks_killed_during_a_background_write_resume_from_the_last_complete_checkpoint() {
+    let (straight, killed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let sets = [
+        "train.max_steps=8",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=2",
+        "checkpoint.async=true",
+    ];
+    let port = free_port();
+    wait_ok(vec![
+        spawn_rank(0, 2, port, straight.path(), &sets),
+        spawn_rank(1, 2, port, straight.path(), &sets),
+    ]);
+    let paused = [&sets[..], &["faults.pause_in_checkpoint_write_ms=1500"]].concat();
+    let port = free_port();
+    let mut ranks =
+        vec![spawn_rank(0, 2, port, killed.path(), &paused), spawn_rank(1, 2, port, killed.path(), &paused)];
+    let root = killed.path().join("checkpoints");
+    let complete = |step: u64| root.join(format!("step-{step:08}")).is_dir();
+    let t0 = Instant::now();
+    while !(complete(2) && root.join(".tmp-step-00000004/model.safetensors").is_file()) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "checkpoint 4 never started");
+        assert!(ranks.iter_mut().all(|r| r.try_wait().unwrap().is_none()), "a rank ended early");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for r in &mut ranks {
+        r.kill().unwrap(); // SIGKILL
+        r.wait().unwrap();
+    }
+    assert!(!complete(4), "checkpoint 4 was in flight");
+    let port = free_port();
+    let resume = |rank: usize| {
+        spawn_rank_with(
+            rank,
+            2,
+            port,
+            [args(killed.path(), &sets), vec!["--resume".into(), "auto".into()]].concat(),
+        )
+    };
+    wait_ok(vec![resume(0), resume(1)]);
+    // Every rank started where rank 0 did (the start's agreement refuses any other step).
+    let resumed: Vec<u64> = read_jsonl(&killed.path().join("events.jsonl"))
+        .iter()
+        .filter(|e| e["event"] == "resumed")
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(resumed, [2]);
+    assert_bitwise_equal(
+        &straight.path().join("model.safetensors"),
+        &killed.path().join("model.safetensors"),
+    );
 }

@@ -144,10 +144,15 @@ fn a_stopped_rank_0_hosting_the_store_makes_the_others_fail_within_the_timeout()
 }
 
 /// Rank 0 frozen inside a checkpoint write, its peer waiting at the fence behind it (where the
-/// store is all it reads): the peer ends within the timeout, naming rank 0.
+/// store is all it reads): the peer ends within the timeout, naming rank 0. (A synchronous
+/// write: in the background the peer waits at the fence for the copy only.)
 #[test]
 fn a_rank_0_stopped_while_it_writes_alone_is_named_by_the_rank_waiting_for_it() {
-    let mut pair = Pair::start(&["checkpoint.interval=3", "faults.pause_in_checkpoint_write_ms=60000"]);
+    let mut pair = Pair::start(&[
+        "checkpoint.interval=3",
+        "checkpoint.async=false",
+        "faults.pause_in_checkpoint_write_ms=60000",
+    ]);
     pair.wait_for("checkpoint 3's write", |run| {
         run.join("checkpoints/.tmp-step-00000003/model.safetensors").is_file()
     });

@@ -4,6 +4,7 @@
 mod common;
 mod support;
 
+mod background_checkpoint;
 mod checkpoint;
 mod cluster;
 mod determinism;

@@ -1,12 +1,15 @@
-//! What a run leaves on disk to be resumed: checkpoints ([`store`]), their `trainer_state.json`
+//! What a run leaves on disk to be resumed: checkpoints ([`store`]; written whole by
+//! [`writer`], in the background from a host copy [`snapshot`]), their `trainer_state.json`
 //! ([`state`]), which ones to keep ([`retention`], pure) and what may change between a
 //! checkpoint and the config resuming it ([`compare`]). Also the final weights file.
 pub mod compare;
 pub mod fresh;
 pub mod lineage;
 pub mod retention;
+pub mod snapshot;
 pub mod state;
 pub mod store;
+pub mod writer;
 
 use crate::model::Params;
 use std::path::{Path, PathBuf};

@@ -600,11 +600,11 @@ pub fn newest_valid_past(root: &Path, past: Option<u64>) -> (Option<Loaded>, Vec
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::checkpoint::state::*;
 
-    fn state(step: u64) -> TrainerState {
+    pub(crate) fn state(step: u64) -> TrainerState {
         TrainerState {
             format: STATE_FORMAT,
             step,
@@ -636,12 +636,12 @@ mod tests {
         }
     }
 
-    fn tensors() -> Vec<(String, Tensor)> {
+    pub(crate) fn tensors() -> Vec<(String, Tensor)> {
         vec![("a".into(), Tensor::from_slice(&[1.0f32, 2.0])), ("b".into(), Tensor::from_slice(&[3.0f32]))]
     }
 
     /// The weights of `Config::default()`'s model, each filled with its index.
-    fn weights() -> Vec<(String, Tensor)> {
+    pub(crate) fn weights() -> Vec<(String, Tensor)> {
         let specs = crate::model::describe(&Config::default().model);
         specs
             .into_iter()

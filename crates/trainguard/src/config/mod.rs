@@ -821,6 +821,10 @@ pub struct CheckpointConfig {
     /// file. `false` for benchmarks and smoke runs, whose result is their metrics: GPT-2's take
     /// seconds and gigabytes to write.
     pub at_end: bool,
+    /// Write interval checkpoints in the background: the state is copied to host memory at the
+    /// step boundary (pinned on CUDA) and a writer thread writes, fsyncs and renames it while
+    /// training goes on. Stops and the last step's checkpoint are written at once.
+    pub r#async: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -832,6 +836,7 @@ impl Default for CheckpointConfig {
             keep_every: 0,
             keep_best: false,
             at_end: true,
+            r#async: true,
         }
     }
 }
@@ -968,6 +973,9 @@ pub struct FaultsConfig {
     /// Sleep this long inside every checkpoint write, after the model file is in the temporary
     /// directory and before the rest: a window in which a kill leaves a half-written checkpoint.
     pub pause_in_checkpoint_write_ms: Option<u64>,
+    /// The host copy of every background checkpoint fails as if out of host memory: each is
+    /// written synchronously instead, with a warning.
+    pub fail_checkpoint_copy: bool,
     /// Run an op that has no deterministic implementation (`put_`) inside this step: with
     /// `deterministic: true` libtorch refuses it.
     pub nondeterministic_op_at_step: Option<u64>,

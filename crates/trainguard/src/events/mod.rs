@@ -165,6 +165,19 @@ pub enum Event {
         error: String,
         training_goes_on: bool,
     },
+    /// Training waited `seconds` for the background write of checkpoint `step` to end, before
+    /// `before` (the next checkpoint, a stop, the end of training, a rollback).
+    CheckpointWaited {
+        step: u64,
+        seconds: f64,
+        before: String,
+    },
+    /// `checkpoint.async`, but this checkpoint was written at once: no host copy (`why`: out of
+    /// host memory, say) or no writer thread.
+    CheckpointWrittenInForeground {
+        step: u64,
+        why: String,
+    },
     NonfiniteSkipped {
         step: u64,
         loss: f64,

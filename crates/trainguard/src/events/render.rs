@@ -16,7 +16,9 @@ impl Reporter {
             | Event::CheckpointsSetAside { .. }
             | Event::FinalWeightsSetAside { .. }
             | Event::CheckpointSaved { .. }
-            | Event::CheckpointFailed { .. } => checkpoint_news(event),
+            | Event::CheckpointFailed { .. }
+            | Event::CheckpointWaited { .. }
+            | Event::CheckpointWrittenInForeground { .. } => checkpoint_news(event),
             Event::Stopped { .. }
             | Event::TraceWritten(_)
             | Event::RanksCompared { .. }
@@ -318,6 +320,12 @@ fn checkpoint_news(event: &Event) {
             true => tracing::warn!("checkpoint at step {step} failed, training goes on: {error}"),
             false => tracing::warn!("checkpoint at step {step} failed: {error}"),
         },
+        Event::CheckpointWaited { step, seconds, before } => tracing::info!(
+            "waited {seconds:.2}s for the background write of checkpoint {step} to end (before the {before})"
+        ),
+        Event::CheckpointWrittenInForeground { step, why } => tracing::warn!(
+            "checkpoint at step {step} written synchronously, training waits for it ({why}); checkpoint.async goes on with the next one"
+        ),
         _ => {}
     }
 }

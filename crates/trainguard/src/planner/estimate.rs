@@ -363,6 +363,8 @@ pub struct Setup {
     pub cuda_overhead: u64,
     /// Allocator fragmentation margin as a share of the peak allocated.
     pub fragmentation: f64,
+    /// `checkpoint.async`: a host copy of the checkpointed state is kept for the writer.
+    pub background_checkpoint: bool,
 }
 
 impl Setup {
@@ -475,6 +477,9 @@ pub struct Estimate {
     /// `total = fixed + per_sample · micro_batch` while accumulating (see [`Estimate::linear`]).
     pub fixed: u64,
     pub per_sample: u64,
+    /// Host memory (not the GPU's; on the CPU beside `total`) that `checkpoint.async` keeps for
+    /// its copy of what a checkpoint holds: weights, master weights, optimizer state.
+    pub checkpoint_copy: u64,
 }
 
 fn round_up(bytes: u64, to: u64) -> u64 {
@@ -705,6 +710,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         total: peak_allocated + fragmentation + cuda_overhead,
         fixed,
         per_sample,
+        checkpoint_copy: if s.background_checkpoint { weights + master_weights + optimizer } else { 0 },
     }
 }
 
@@ -916,6 +922,7 @@ pub(crate) mod fixtures {
             gpus: 1,
             cuda_overhead: 1 << 30,
             fragmentation: 0.1,
+            background_checkpoint: false,
         }
     }
 
@@ -967,6 +974,25 @@ mod tests {
         assert_eq!(e.states(), 8 * p);
         assert_eq!(estimate(&m, &setup(Precision::Fp32, OptimizerName::Sgd), 1, 1).optimizer, 0);
         assert_eq!(estimate(&m, &setup(Precision::Fp32, OptimizerName::SgdMomentum), 1, 1).optimizer, 4 * p);
+    }
+
+    /// `checkpoint.async` keeps a host copy of what a checkpoint holds; the GPU's total is
+    /// unchanged.
+    #[test]
+    fn a_background_checkpoint_counts_its_host_copy_outside_the_gpu_total() {
+        let m = Transformer { params_override: None, ..gpt2() };
+        let p = m.params();
+        let sync = estimate(&m, &setup(Precision::Fp32, OptimizerName::Adamw), 1, 1);
+        let s = Setup { background_checkpoint: true, ..setup(Precision::Fp32, OptimizerName::Adamw) };
+        let background = estimate(&m, &s, 1, 1);
+        assert_eq!(
+            (sync.checkpoint_copy, background.checkpoint_copy),
+            (0, 12 * p),
+            "weights and both moments"
+        );
+        assert_eq!(background.total, sync.total);
+        let s = Setup { background_checkpoint: true, ..setup(Precision::Bf16Mixed, OptimizerName::Adamw) };
+        assert_eq!(estimate(&m, &s, 1, 1).checkpoint_copy, 14 * p, "16-bit weights, fp32 masters, moments");
     }
 
     #[test]

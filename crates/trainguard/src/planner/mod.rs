@@ -400,6 +400,7 @@ fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup 
         gpus: a.gpus,
         cuda_overhead,
         fragmentation: a.fragmentation,
+        background_checkpoint: config.checkpoint.r#async,
     }
 }
 

@@ -180,6 +180,9 @@ pub fn render(r: &Report) -> String {
     ));
     rows.push(("CUDA context and workspaces".into(), v(e.cuda_overhead)));
     rows.push(("= total per GPU".into(), v(e.total)));
+    if e.checkpoint_copy > 0 {
+        rows.push(("host memory: background checkpoint copy".into(), v(e.checkpoint_copy)));
+    }
     let width = rows.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0).max(50);
     let _ =
         writeln!(o, "\n  {:<width$} {unit:>10}", format!("memory per GPU at micro-batch {}", r.micro_batch));

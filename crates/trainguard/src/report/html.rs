@@ -432,6 +432,11 @@ fn header(r: &RunData, color: Option<&str>) -> String {
             .collect();
         row(&mut t, "continues", runs.join(" → "));
     }
+    let waits: Vec<f64> = r.events_of("checkpoint_waited").filter_map(|e| e["seconds"].as_f64()).collect();
+    if !waits.is_empty() {
+        let total: f64 = waits.iter().sum();
+        row(&mut t, "waits for background checkpoints", format!("{} ({total:.2}s in all)", waits.len()));
+    }
     if let Some(v) = sm("time_lost_s") {
         row(
             &mut t,

@@ -212,6 +212,13 @@ pub fn marks(run: &RunData) -> Vec<Mark> {
             }
             "checkpoint_saved" => format!("checkpoint {}", n(e, "path")),
             "checkpoint_failed" => format!("checkpoint failed: {}", n(e, "error")),
+            "checkpoint_waited" => {
+                let waited = e["seconds"].as_f64().map_or("?".into(), |s| format!("{s:.2}s"));
+                format!(
+                    "waited {waited} for the background write of checkpoint {step} (before the {})",
+                    n(e, "before")
+                )
+            }
             "leak_suspected" => format!("leak suspected: {}", n(e, "message")),
             "thrash_detected" => {
                 format!("allocator thrash ({} retries): {}", n(e, "total_retries"), n(e, "action"))
@@ -255,6 +262,7 @@ pub fn mark_color(kind: &str) -> &'static str {
         "oom_escalated" => "#7f0000",
         "regrow_attempt" => "#2ca02c",
         "checkpoint_saved" => "#9a9a9a",
+        "checkpoint_waited" => "#8c564b",
         "checkpoint_failed" | "nonfinite_skipped" | "graphs_off" => "#ff7f0e",
         "leak_suspected" | "thrash_detected" => "#9467bd",
         "loss_scale_changed" => "#bcbd22",
@@ -325,6 +333,23 @@ mod tests {
         assert_eq!(m[0].label, "diverged (data step 32): loss 9.5 past 3.6");
         assert_eq!(m[1].label, "rolled back from step 32 to 30: data steps 31–32 skipped");
         assert_ne!(mark_color("rolled_back"), mark_color("whatever"));
+    }
+
+    /// Training held up by a background checkpoint write is marked, with how long and why.
+    #[test]
+    fn waits_for_a_background_checkpoint_are_marked() {
+        let events = vec![
+            serde_json::json!({"event": "checkpoint_saved", "step": 4, "path": "c/step-00000004", "seconds": 2.0, "deleted": []}),
+            serde_json::json!({"event": "checkpoint_waited", "step": 4, "seconds": 1.25, "before": "next checkpoint"}),
+        ];
+        let m = marks(&RunData { events, ..RunData::default() });
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[1].kind.as_str(), m[1].step), ("checkpoint_waited", 4));
+        assert_eq!(
+            m[1].label,
+            "waited 1.25s for the background write of checkpoint 4 (before the next checkpoint)"
+        );
+        assert_eq!(mark_color(&m[1].kind), "#8c564b");
     }
 
     #[test]

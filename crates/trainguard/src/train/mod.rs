@@ -1,6 +1,7 @@
 //! Training: a run's state and its loop across optimizer steps (schedule, evaluation,
 //! checkpoints, stops, resume), reporting through [`events`](crate::events) only. The step
 //! itself lives in [`step`](crate::step).
+mod checkpointer;
 mod config_file;
 mod error;
 mod finished;

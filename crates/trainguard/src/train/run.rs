@@ -3,9 +3,9 @@
 //! optimizer step at a time with its stop checks, evaluation, metrics and checkpoint cadence
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
+use super::checkpointer::{Checkpointer, WaitFor};
 use super::resume::{
-    corrupt_path, leave_the_old_line, ranks_change, schedule_change, Checkpointer, Progress, Resume, Start,
-    TrainState,
+    corrupt_path, leave_the_old_line, ranks_change, schedule_change, Progress, Resume, Start, TrainState,
 };
 use super::run_dir::RunDir;
 use super::start::Decision;
@@ -281,6 +281,9 @@ impl<'a> Run<'a> {
             Some(StepFault::Crash) => return Err(TrainError::InjectedCrash { step }),
             None => {}
         }
+        // The step boundary: a background checkpoint that has ended is reported here, a failure
+        // as a synchronous one's.
+        self.ckpt.poll(&mut self.reporter);
         let (stop_now, since_checkpoint) = self.stop_reason(stop)?;
         self.since_checkpoint = since_checkpoint;
         if let Some(reason) = stop_now {
@@ -546,7 +549,7 @@ impl<'a> Run<'a> {
             false => 0.0,
         };
         let margin =
-            Duration::from_secs_f64(self.slowest_recent + eval + tasks + 1.5 * self.ckpt.last_seconds + 1.0);
+            Duration::from_secs_f64(self.slowest_recent + eval + tasks + self.ckpt.stop_cost_s() + 1.0);
         let mut reason = if stop.requested() {
             Some(StopReason::Signal)
         } else {
@@ -598,6 +601,28 @@ impl<'a> Run<'a> {
         })
     }
 
+    /// Waits for the checkpoint being written in the background, if any, and returns the step of
+    /// the newest complete checkpoint of this run (written or resumed from; None when there is
+    /// none), the same on every rank: under a group every rank calls it at the same step, rank 0
+    /// waits for its writer, the others at the fence, and rank 0's answer is agreed. For a
+    /// rollback to the last checkpoint on disk.
+    pub fn wait_for_checkpoint(&mut self) -> Result<Option<u64>, TrainError> {
+        self.ckpt.wait(WaitFor::Rollback, &mut self.reporter);
+        self.after_writer()?;
+        let mine = self.ckpt.last_saved;
+        let Some(d) = self.dist.as_deref() else { return Ok(mine) };
+        // Step + 1, so that "none" (0) is below every step; only rank 0 writes.
+        let rank0 = if d.rank == 0 { mine.map_or(0.0, |s| (s + 1) as f64) } else { 0.0 };
+        let agreed = d.max_each(&[rank0])?[0] as u64;
+        Ok(agreed.checked_sub(1))
+    }
+
+    /// After a step failed: the background write in flight ends and is reported before the
+    /// error does (a checkpoint copied before the failure is as good as a synchronous one).
+    pub(super) fn settle_checkpoint(&mut self) {
+        self.ckpt.wait(WaitFor::Stop, &mut self.reporter);
+    }
+
     /// A collective that failed because a peer ended on a second signal (it said so in the
     /// store first) is that planned stop here too, from the newest complete checkpoint: under
     /// torchrun this rank then exits 0 like the peer, and the group the person stopped is not
@@ -639,6 +664,8 @@ impl<'a> Run<'a> {
     /// A checkpoint of `completed` steps for a stop: the one just written on schedule when it
     /// already holds this step (a stop right after an interval checkpoint writes nothing twice).
     fn save_for_stop(&mut self, completed: u64) -> Option<std::path::PathBuf> {
+        // A stop waits for the background write first: it may be this very step's.
+        self.ckpt.wait(WaitFor::Stop, &mut self.reporter);
         match self.ckpt.last_saved_path(completed) {
             Some(path) => Some(path),
             None => self.save(completed, false),
@@ -656,6 +683,7 @@ impl<'a> Run<'a> {
                 t.max_steps
             );
         }
+        self.ckpt.wait(WaitFor::End, &mut self.reporter);
         let elapsed = self.started.elapsed().as_secs_f64();
         // The weights first: a comparison that fails (a peer gone, memory short) loses nothing.
         if plan.is_writer() && plan.config.checkpoint.at_end {

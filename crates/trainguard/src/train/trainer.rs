@@ -31,7 +31,10 @@ pub fn train(
 
 fn run_to_the_end(mut run: Run, stop: &Interrupter) -> Result<RunSummary, TrainError> {
     while run.has_next() {
-        run.step(stop).map_err(|e| run.peer_stopped(e))?;
+        if let Err(e) = run.step(stop) {
+            run.settle_checkpoint();
+            return Err(run.peer_stopped(e));
+        }
     }
     run.finish()
 }
