@@ -99,6 +99,12 @@ fn each_level_and_offload_is_planned_within_three_percent_of_the_measured_per_ra
         let est = j["estimate"]["peak_allocated"].as_u64().unwrap();
         assert_eq!(j["setup"]["shard"], level, "plan reads dist.shard from the config");
         assert_eq!(j["setup"]["offload_optimizer"], offload);
+        if level != "none" {
+            // The plan is for the busiest rank: the one owning the embedding, rank 0 (the
+            // largest tensor goes first, to the lowest rank), whose summary the run writes.
+            let share = j["estimate"]["sharding"]["owned_share"].as_f64().unwrap();
+            assert!(share > 0.6, "{level}: the busiest rank owns {share}");
+        }
         let dir = tempfile::tempdir().unwrap();
         let (resident, mapped) = measured(world, dir.path(), &extra);
         for (what, m) in [("resident", resident), ("mapped", mapped)] {
@@ -170,6 +176,10 @@ fn the_8b_shape_on_eight_h100s_lists_every_level_and_says_what_fits() {
     let budget = j["recommendation"]["budget_bytes"].as_u64().unwrap();
     assert!(chosen["total_bytes"].as_u64().unwrap() <= budget);
     assert!(chosen["micro_batch"].as_u64().unwrap() >= 1);
+    let out = Command::new(bin()).arg("plan").args(base).args(["--precision", "bf16-pure"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("per rank by dist.shard over 8 rank(s)"), "{text}");
+    assert!(text.contains("→ dist.shard: gradients fits: micro-batch"), "{text}");
 }
 
 #[test]
