@@ -24,6 +24,7 @@ mod oom;
 mod optimizers;
 mod paths;
 mod plan;
+mod plan_sharding;
 mod prepare;
 mod reference;
 mod report;

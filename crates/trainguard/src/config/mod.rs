@@ -1042,7 +1042,9 @@ pub enum DistBackend {
 }
 
 /// `dist.shard`: what each rank keeps only its own part of, in the order the levels add up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ShardLevel {
     #[default]

@@ -9,6 +9,7 @@
 //!
 //! Notation: L layers, h hidden, a heads, s sequence length, b micro-batch, v vocabulary,
 //! f MLP width, e bytes per activation element (4 in fp32, 2 in 16-bit).
+use super::sharding::RankMemory;
 use crate::config::{Arch, ModelConfig};
 use crate::model::memory::{Activations, DocumentForm, Regime, Widths};
 use crate::model::{Part, TensorSpec};
@@ -300,7 +301,7 @@ impl OptimizerState for OptimizerName {
 
 /// Where the figures are for: a CUDA device (allocator rounding, dropout masks as bytes,
 /// fragmentation and context), or the CPU analogue of `--profile` (none of those).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Target {
     Cuda,
@@ -359,6 +360,12 @@ pub struct Setup {
     pub target: Target,
     /// Data-parallel ranks (one GPU each).
     pub gpus: u64,
+    /// `dist.shard`: what each rank keeps only its own part of (see [`super::sharding`]).
+    pub shard: crate::config::ShardLevel,
+    /// `memory.offload_optimizer`: the optimizer state in host memory.
+    pub offload_optimizer: bool,
+    /// `dist.bucket_mb`: the size of the sharded collectives' pieces.
+    pub bucket_mb: f64,
     /// CUDA context, cuBLAS/cuDNN workspaces and the like, per process.
     pub cuda_overhead: u64,
     /// Allocator fragmentation margin as a share of the peak allocated.
@@ -452,6 +459,9 @@ pub struct Estimate {
     pub cross_entropy: u64,
     /// Data-parallel gradient buckets (PyTorch DDP keeps a flat copy of the gradients).
     pub dp_buffers: u64,
+    /// What `dist.shard` and `memory.offload_optimizer` change on this rank (the busiest one):
+    /// its share, its optimizer state, host memory, the collectives' buffers and bytes sent.
+    pub sharding: RankMemory,
     /// Tables the model holds besides its parameters: RoPE's fp32 cos and sin (2 × s × head
     /// dim); none for GPT-2.
     pub buffers: u64,
@@ -553,8 +563,33 @@ fn per_tensor(model: &Transformer, target: Target, bytes_of: impl Fn(&[u64]) -> 
 
 /// [`per_tensor`] from each parameter's description (its part, its decay flag).
 fn per_spec(model: &Transformer, target: Target, bytes_of: impl Fn(&TensorSpec) -> u64) -> u64 {
+    per_spec_owned(model, target, &vec![true; model.specs().len()], bytes_of)
+}
+
+/// The optimizer state (and scratch) of the parameters `owned` marks, for `s`'s target: what
+/// a rank owning them holds.
+pub fn owned_optimizer_bytes(m: &Transformer, s: &Setup, owned: &[bool]) -> u64 {
+    per_spec_owned(m, s.target, owned, |t| s.optimizer.state_for(t, s.precision.state_bytes()))
+        + optimizer_scratch(m, s)
+}
+
+/// [`per_spec`] over the parameters `owned` marks (all of them: the same figure).
+fn per_spec_owned(
+    model: &Transformer,
+    target: Target,
+    owned: &[bool],
+    bytes_of: impl Fn(&TensorSpec) -> u64,
+) -> u64 {
     let round = if target == Target::Cuda { CUDA_ROUND } else { 1 };
-    let sum: u64 = model.specs().iter().map(&bytes_of).filter(|&b| b > 0).map(|b| round_up(b, round)).sum();
+    let sum: u64 = model
+        .specs()
+        .iter()
+        .zip(owned)
+        .filter(|(_, &o)| o)
+        .map(|(t, _)| bytes_of(t))
+        .filter(|&b| b > 0)
+        .map(|b| round_up(b, round))
+        .sum();
     match model.params_override {
         Some(p) => (sum as f64 * p as f64 / model.layout_params().max(1) as f64).round() as u64,
         None => sum,
@@ -639,13 +674,21 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
     let gradients = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.grad_bytes());
-    let optimizer =
-        per_spec(m, s.target, |t| s.optimizer.state_for(t, p.state_bytes())) + optimizer_scratch(m, s);
-    // The all-reduce buckets hold every gradient in fp32 whatever the precision (`Dist::plan_buckets`).
-    let dp_buffers =
-        if s.gpus > 1 { per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * 4) } else { 0 };
+    // The owned parameters' state (all of them unsharded) and the optimizer's scratch, for the
+    // target the update runs on (the host under offload); the all-reduce buckets hold every
+    // gradient in fp32 whatever the precision (`Dist::plan_buckets`).
+    let sharding = RankMemory::of(
+        m,
+        s,
+        gradients,
+        |target, owned| owned_optimizer_bytes(m, &Setup { target, ..s.clone() }, owned),
+        |owned, bytes| per_spec_owned(m, s.target, owned, |t| t.numel() as u64 * bytes),
+    );
+    let optimizer = sharding.optimizer_on_device;
+    let dp_buffers = sharding.dp_buffers;
     let buffers = buffers(m, s);
-    let base = weights + master_weights + optimizer + dp_buffers + buffers;
+    let host_copies = if s.target == Target::Cpu { sharding.host_copies } else { 0 };
+    let base = weights + master_weights + optimizer + dp_buffers + buffers + host_copies;
     // Earlier micro-steps' sum, or the graphs' accumulators (which a single micro-step has too).
     let graphs = s.cuda_graphs && s.target == Target::Cuda;
     let held = if accumulation > 1 || graphs { gradients } else { 0 };
@@ -659,7 +702,18 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let copies_released = if p.is_mixed() && !s.keeps_casts() { weights } else { 0 };
     let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
     let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
-    let peak_allocated = base + held + at.transient.max(grads_done).max(first_blocks);
+    // After the last micro-step (the earlier ones' sum added in): the sharded collectives
+    // beside the gradients, autocast's copies released.
+    let collectives = sharding.after_backward(gradients).saturating_sub(copies_released);
+    let during = held + at.transient.max(grads_done).max(first_blocks);
+    let scatter_or_gather = if sharding.after_backward(gradients)
+        > sharding.gradients_after_update + sharding.all_gather_transient
+    {
+        "gradients' reduce-scatter"
+    } else {
+        "parameters' all-gather"
+    };
+    let peak_allocated = base + during.max(collectives);
     let (fragmentation, cuda_overhead) = match s.target {
         Target::Cuda => ((peak_allocated as f64 * s.fragmentation).round() as u64, s.cuda_overhead),
         Target::Cpu => (0, 0),
@@ -692,10 +746,13 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         logits: at.logits,
         cross_entropy: at.cross_entropy,
         dp_buffers,
+        sharding,
         buffers,
         embedding_grad_transient: at.embedding_grad_transient,
         block_backward_transient: at.block_backward,
-        peak_phase: if first_blocks > at.transient.max(grads_done) {
+        peak_phase: if collectives > during {
+            scatter_or_gather
+        } else if first_blocks > at.transient.max(grads_done) {
             "first blocks' recomputed backward"
         } else if at.transient < grads_done {
             "end of backward"
@@ -920,6 +977,9 @@ pub(crate) mod fixtures {
             fused_linear: false,
             target: Target::Cuda,
             gpus: 1,
+            shard: crate::config::ShardLevel::None,
+            offload_optimizer: false,
+            bucket_mb: 25.0,
             cuda_overhead: 1 << 30,
             fragmentation: 0.1,
             background_checkpoint: false,

@@ -11,6 +11,7 @@ pub mod presets;
 pub mod profile;
 pub mod recommend;
 pub mod report;
+pub mod sharding;
 
 use crate::config::{self, Arch, Config, ConfigError};
 use crate::run_plan::{self, RunPlan};
@@ -124,9 +125,16 @@ pub struct PlanArgs {
     /// Memory per GPU (`24GiB`, `80GB`); overrides a preset; the fallback for `--gpu auto`.
     #[arg(long, value_name = "SIZE", help_heading = "GPU")]
     pub gpu_memory: Option<String>,
-    /// Data-parallel GPUs (the global batch is split over them).
-    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "GPU")]
+    /// Data-parallel GPUs, one rank each (the global batch is split over them; `--world-size`).
+    #[arg(long, visible_alias = "world-size", value_name = "N", default_value_t = 1, help_heading = "GPU")]
     pub gpus: u64,
+    /// `dist.shard` to plan for: none, optimizer (each rank keeps its parameters' optimizer
+    /// state) or gradients (and receives only its own gradients). Default: the config's.
+    #[arg(long, value_enum, value_name = "LEVEL", help_heading = "GPU")]
+    pub shard: Option<crate::config::ShardLevel>,
+    /// The optimizer state in host memory (`memory.offload_optimizer`; also on when the config's is).
+    #[arg(long, help_heading = "GPU")]
+    pub offload_optimizer: bool,
     /// Share of the GPU's memory a plan may fill [default: 0.85 for an estimate, 0.90 with
     /// --profile, which measures what the allocator reserved instead of estimating it].
     #[arg(long, value_name = "FRACTION", help_heading = "GPU")]
@@ -148,6 +156,16 @@ pub struct PlanArgs {
     /// Device for --profile: cpu, cuda, cuda:N (default: the config's `device`).
     #[arg(long, value_name = "DEVICE", requires = "profile", help_heading = "Output and actions")]
     pub device: Option<String>,
+    /// What the estimate is for: cuda (the default) or cpu — the figures a CPU run measures, with
+    /// no allocator rounding, fragmentation or CUDA context (--profile sets it from its device).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "TARGET",
+        conflicts_with = "profile",
+        help_heading = "Output and actions"
+    )]
+    pub target: Option<Target>,
     /// Measure exactly these micro-batches (`1,2,4`) instead of searching.
     #[arg(
         long,
@@ -248,7 +266,7 @@ fn check_flags(a: &PlanArgs) -> Result<(u64, Option<u64>), PlannerError> {
         return Err(usage(format!("--fragmentation must be in [0, 1), got {}", a.fragmentation)));
     }
     if a.gpus == 0 {
-        return Err(usage("--gpus must be at least 1, got 0"));
+        return Err(usage("--gpus (--world-size) must be at least 1, got 0"));
     }
     if a.profile_steps == 0 {
         return Err(usage("--profile-steps must be at least 1, got 0"));
@@ -398,6 +416,9 @@ fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup 
         fused_linear: config.kernels.fused_linear,
         target: Target::Cuda,
         gpus: a.gpus,
+        shard: a.shard.unwrap_or(config.dist.shard),
+        offload_optimizer: a.offload_optimizer || config.memory.offload_optimizer,
+        bucket_mb: config.dist.bucket_mb,
         cuda_overhead,
         fragmentation: a.fragmentation,
         background_checkpoint: config.checkpoint.r#async,
@@ -473,7 +494,10 @@ impl Inputs {
         apply_model_flags(a, &mut config, described_by_flags)?;
         let model = Transformer { params_override: params, ..Transformer::from_config(&config.model) };
         check_model(&model)?;
-        let setup = setup_of(a, &config, cuda_overhead);
+        let mut setup = setup_of(a, &config, cuda_overhead);
+        if a.target == Some(Target::Cpu) {
+            setup = Setup { target: Target::Cpu, cuda_overhead: 0, fragmentation: 0.0, ..setup };
+        }
         let (micro, rank_batch, accumulation) = batch_split(a, &config, &model, global, described_by_flags)?;
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;
         Ok(Self { config, source, model, setup, micro, global, rank_batch, accumulation, target })
@@ -560,6 +584,9 @@ fn model_or_setup_flags(a: &PlanArgs) -> Vec<&'static str> {
         ("--seq-len", a.seq_len.is_some()),
         ("--ffn", a.ffn.is_some()),
         ("--kv-heads", a.kv_heads.is_some()),
+        ("--shard", a.shard.is_some()),
+        ("--offload-optimizer", a.offload_optimizer),
+        ("--target", a.target.is_some()),
         ("--untied", a.untied),
         ("--tied", a.tied),
         ("--no-bias", a.no_bias),
@@ -634,6 +661,13 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
             Budget { capacity: t.capacity_bytes, margin: args.margin.unwrap_or(ESTIMATE_MARGIN) },
         )
     });
+    // The level table where sharding or offload is in question: several ranks, a level or
+    // offload asked for, or one GPU that does not fit as configured.
+    let in_question = args.gpus > 1
+        || inputs.setup.shard != config::ShardLevel::None
+        || inputs.setup.offload_optimizer
+        || rec.as_ref().is_some_and(|r| !r.fits);
+    let levels = if in_question { plan_levels(args, &inputs) } else { None };
     let prof = if args.profile { Some(run_profile(args, &inputs)?) } else { None };
 
     let mut nothing_fits = None;
@@ -670,6 +704,7 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
         estimate: &est,
         gpu: inputs.target.as_ref(),
         recommendation: rec.as_ref(),
+        levels: levels.as_ref(),
         profile: prof.as_ref(),
         applied: applied.as_ref(),
     };
@@ -683,6 +718,40 @@ pub fn run(args: &PlanArgs) -> Result<(), PlannerError> {
         Some(msg) => Err(PlannerError::NothingFits(msg)),
         None => Ok(()),
     }
+}
+
+/// Each `dist.shard` level (and offload) at the plan's world size, planned as the
+/// recommendation plans (the largest micro-batch that fits, with the config's savers), and the
+/// cheapest that fits; with no GPU given, each at the table's micro-batch (none chosen).
+fn plan_levels(args: &PlanArgs, inputs: &Inputs) -> Option<sharding::Levels> {
+    let (m, micro, accumulation) = (&inputs.model, inputs.micro, inputs.accumulation);
+    let rank_of = |s: &Setup| estimate::estimate(m, s, micro, accumulation).sharding;
+    Some(match inputs.target.as_ref() {
+        Some(t) => {
+            let budget =
+                Budget { capacity: t.capacity_bytes, margin: args.margin.unwrap_or(ESTIMATE_MARGIN) };
+            let mut levels = sharding::choose(&inputs.setup, rank_of, |s| {
+                let r = recommend::recommend(m, s, inputs.rank_batch, budget);
+                let at = r.micro_batch.unwrap_or(1);
+                let k = inputs.rank_batch.map_or(accumulation, |rb| rb.div_ceil(at));
+                (r.micro_batch, r.total_bytes, estimate::estimate(m, s, at, k).peak_allocated, r.fits)
+            });
+            // Nothing fits: what else it would take on the most sharded level.
+            if let (None, Some(last)) = (levels.chosen, levels.rows.last()) {
+                let s = Setup {
+                    shard: last.shard,
+                    offload_optimizer: last.offload_optimizer,
+                    ..inputs.setup.clone()
+                };
+                levels.levers = recommend::levers(m, &s, inputs.rank_batch, budget.bytes());
+            }
+            levels
+        }
+        None => sharding::choose(&inputs.setup, rank_of, |s| {
+            let e = estimate::estimate(m, s, micro, accumulation);
+            (Some(micro), e.total, e.peak_allocated, false)
+        }),
+    })
 }
 
 /// The run plan (training's, for one process on the profiled device) and the comparison setup a
@@ -722,6 +791,7 @@ fn profile_inputs(args: &PlanArgs, inputs: &Inputs) -> Result<(RunPlan, Setup), 
         // On CPU, scaled_dot_product_attention falls back to the unfused maths with dropout.
         flash: device.is_cuda() || plan.config.model.dropout == 0.0,
         target: if device.is_cuda() { Target::Cuda } else { Target::Cpu },
+        // One process: no collectives (its optimizer owns every parameter).
         gpus: 1,
         cuda_overhead: 0,
         fragmentation: 0.0,

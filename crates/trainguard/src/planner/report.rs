@@ -5,6 +5,7 @@ use super::estimate::{Estimate, PrecisionBytes, Setup, Target, Transformer};
 use super::gpu::GpuTarget;
 use super::profile::{Outcome, ProfileReport};
 use super::recommend::Recommendation;
+use super::sharding::Levels;
 use super::Applied;
 use crate::config::Arch;
 use serde::Serialize;
@@ -29,6 +30,8 @@ pub struct Report<'a> {
     pub estimate: &'a Estimate,
     pub gpu: Option<&'a GpuTarget>,
     pub recommendation: Option<&'a Recommendation>,
+    /// Each `dist.shard` level (and offload) at this world size, and the cheapest that fits.
+    pub levels: Option<&'a Levels>,
     pub profile: Option<&'a ProfileReport>,
     pub applied: Option<&'a Applied>,
 }
@@ -154,17 +157,27 @@ pub fn render(r: &Report) -> String {
     if e.buffers > 0 {
         rows.insert(4, ("buffers (RoPE cos and sin tables, fp32)".into(), v(e.buffers)));
     }
-    if r.gpus > 1 {
+    let sh = &e.sharding;
+    if sh.shard != crate::config::ShardLevel::None && r.gpus > 1 {
+        let i = rows.iter().position(|(n, _)| n.starts_with("optimizer state")).unwrap_or(0);
+        rows[i].0 =
+            format!("{} of the {:.1}% of parameters this rank owns", rows[i].0, sh.owned_share * 100.0);
+    }
+    if s.offload_optimizer && s.target == Target::Cuda {
+        let i = rows.iter().position(|(n, _)| n.starts_with("optimizer state")).unwrap_or(0);
+        rows[i].0 = format!("{} (in host memory: {})", rows[i].0, size(sh.host_bytes as f64));
+    }
+    let host_copies = if s.target == Target::Cpu { sh.host_copies } else { 0 };
+    if host_copies > 0 {
+        rows.push(("host copies of the parameters the update runs on (offload)".into(), v(host_copies)));
+    }
+    if e.dp_buffers > 0 {
         rows.push(("data-parallel gradient buckets".into(), v(e.dp_buffers)));
     }
     // The rows are what exists at the start of backward; the peak may be elsewhere, holding
     // more (gradients being made) or less (activations freed): the difference, so they add up.
-    let listed = e.states()
-        + e.buffers
-        + e.activations
-        + e.logits
-        + e.cross_entropy
-        + if r.gpus > 1 { e.dp_buffers } else { 0 };
+    let listed =
+        e.states() + e.buffers + e.activations + e.logits + e.cross_entropy + e.dp_buffers + host_copies;
     if e.peak_allocated > listed {
         rows.push((format!("+ also alive at the peak ({})", e.peak_phase), v(e.peak_allocated - listed)));
     } else if e.peak_allocated < listed {
@@ -237,6 +250,9 @@ pub fn render(r: &Report) -> String {
                 writeln!(o, "\nno GPU given: add --gpu NAME|auto or --gpu-memory SIZE for a recommendation");
         }
     }
+    if let Some(l) = r.levels {
+        render_levels(&mut o, r, l);
+    }
     if let Some(p) = r.profile {
         render_profile(&mut o, r, p);
     }
@@ -244,6 +260,78 @@ pub fn render(r: &Report) -> String {
         render_applied(&mut o, a, r.gpus);
     }
     o
+}
+
+/// The level table: per-rank memory, bytes each rank sends a step, and the level chosen.
+fn render_levels(o: &mut String, r: &Report, l: &Levels) {
+    let name = |row: &super::sharding::LevelPlan| {
+        format!("{}{}", row.shard.name(), if row.offload_optimizer { " + offload" } else { "" })
+    };
+    let _ = writeln!(
+        o,
+        "\nper rank by dist.shard over {} rank(s) (the busiest rank; bytes sent a step in fp32):",
+        l.world_size
+    );
+    let _ = writeln!(
+        o,
+        "  {:<20} {:>7} {:>12} {:>12} {:>12} {:>12} {:>7} {:>12}",
+        "level", "owns", "optimizer", "host", "sent/step", "peak alloc", "micro", "total"
+    );
+    for row in &l.rows {
+        let k = &row.rank;
+        let _ = writeln!(
+            o,
+            "  {:<20} {:>6.1}% {:>12} {:>12} {:>12} {:>12} {:>7} {:>12}{}",
+            name(row),
+            k.owned_share * 100.0,
+            size(k.optimizer_state as f64),
+            if k.host_bytes > 0 { size(k.host_bytes as f64) } else { "—".into() },
+            size(k.comm.total() as f64),
+            size(row.peak_allocated_bytes as f64),
+            row.micro_batch.map_or("—".into(), |b| b.to_string()),
+            size(row.total_bytes as f64),
+            if row.fits {
+                ""
+            } else if r.gpu.is_some() {
+                "  does not fit"
+            } else {
+                ""
+            }
+        );
+    }
+    if r.gpu.is_some() {
+        let _ = match l.chosen.map(|i| &l.rows[i]) {
+            Some(row) => writeln!(
+                o,
+                "  → dist.shard: {}{} fits: micro-batch {}, {} a rank ({} peak allocated); order tried: {}",
+                row.shard.name(),
+                if row.offload_optimizer { " with memory.offload_optimizer: true" } else { "" },
+                row.micro_batch.unwrap_or(1),
+                size(row.total_bytes as f64),
+                size(row.peak_allocated_bytes as f64),
+                l.order
+            ),
+            None => writeln!(o, "  → no level fits, not even at micro-batch 1 (order tried: {})", l.order),
+        };
+        if let (None, Some(last)) = (l.chosen, l.rows.last()) {
+            let _ = writeln!(
+                o,
+                "  on {}{} (saving at micro-batch 1):",
+                last.shard.name(),
+                if last.offload_optimizer { " + offload" } else { "" }
+            );
+            for lever in &l.levers {
+                let _ = writeln!(
+                    o,
+                    "    - {:<60} saves {:>10} → {:>10}  {}",
+                    lever.change,
+                    size(lever.saving_bytes as f64),
+                    size(lever.total_bytes as f64),
+                    if lever.closes_gap { "fits" } else { "still over" }
+                );
+            }
+        }
+    }
 }
 
 fn arch_name(a: Arch) -> &'static str {
@@ -486,6 +574,7 @@ mod tests {
             estimate: &e,
             gpu: Some(&g),
             recommendation: Some(&rec),
+            levels: None,
             profile: None,
             applied: None,
         };
