@@ -187,7 +187,9 @@ impl Checkpointer {
         }
         let failed: Vec<usize> = (0..world).filter(|&r| all[r][0] != 1.0).collect();
         if !failed.is_empty() {
-            return Some(Err(format!("rank(s) {failed:?} could not write their optimizer part (their log says why)")));
+            return Some(Err(format!(
+                "rank(s) {failed:?} could not write their optimizer part (their log says why)"
+            )));
         }
         Some(Ok((1..world)
             .map(|r| store::StagedShard {
