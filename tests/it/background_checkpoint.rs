@@ -55,7 +55,7 @@ fn kill_9_during_background_writes_always_resumes_bitwise() {
         let mut child = cmd.spawn().unwrap();
         rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         // Counted from the moment training starts (start-up's length varies with the load).
-        let delay = Duration::from_millis(20 + (rng >> 33) % 700);
+        let delay = Duration::from_millis(20 + (rng >> 33) % 200);
         let mut started: Option<Instant> = None;
         let finished = loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -66,10 +66,14 @@ fn kill_9_during_background_writes_always_resumes_bitwise() {
             {
                 started = Some(Instant::now());
             }
-            // Killed only while a background write is in flight.
+            // Killed only while a background write is in flight, and once this attempt has
+            // completed a checkpoint of its own (every attempt moves on, whatever the load).
+            let moved_on =
+                || store::list(&store::root(killed.path())).last().map(|(s, _)| *s) > newest_before;
             if kills < KILLS
                 && started.is_some_and(|t| t.elapsed() >= delay)
                 && write_in_flight(killed.path())
+                && moved_on()
             {
                 break None;
             }

@@ -192,8 +192,8 @@ fn bad_mixture_entries_are_refused_naming_their_key() {
             "data.sources[1].weight: must be a positive",
         ),
         (
-            format!("data.sources=[{good}, {}]", entry("tokens:/no/such/shards", "1")),
-            "data.sources[1].source:",
+            format!("data.sources=[{good}, {}]", entry("text:/no/such/file.txt", "1")),
+            "data.sources[1].source: file `/no/such/file.txt` does not exist",
         ),
         (
             format!("data.sources=[{good}, {}]", entry("csv:x", "1")),

@@ -26,6 +26,9 @@ impl Run<'_> {
     ) -> Result<(), TrainError> {
         let plan = self.plan;
         let cfg = &plan.config.divergence;
+        // A background write in flight finishes first: the checkpoints on disk are then all
+        // this run will have, none renamed into place behind the rollback's back.
+        self.wait_for_checkpoint()?;
         // The state this step's loss judged is the one after the previous update, which may be
         // what broke: the last good state is a checkpoint of fewer than `step` steps.
         let target = newest_before(self.ckpt.root(), step);
@@ -118,7 +121,9 @@ impl Run<'_> {
         // The decision goes into the checkpoint it returned to: killed from here on, the run
         // resumes with the data skipped and the learning rate lowered, as it goes on now.
         self.save(to_step, true);
-        self.after_writer()?;
+        // Written before training goes on (not in the background): a kill from here resumes
+        // with the record.
+        self.wait_for_checkpoint()?;
         let record = &self.state.progress.divergence;
         let (Decision::RollBack { skip, .. }, Some(rollback)) = (decision, record.rollbacks.last()) else {
             return Ok(());
