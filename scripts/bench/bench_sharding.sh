@@ -34,8 +34,9 @@ for world in $worlds; do
       "${TORCHRUN[@]}" --nproc_per_node="$world" --master_addr=127.0.0.1 --master_port=$port --no-python "$BIN" train \
         "${common[@]}" --set "out_dir=$out" --set "dist.shard=$level" >"$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
     fi
-    plan=$("$BIN" plan "${common[@]}" --world-size "$world" --shard "$level" --json 2>/dev/null \
-      | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(round(d["per_rank_peak_bytes"]/2**20,1))' 2>/dev/null || echo -)
+    # The plan's row for this level, for the CPU (the busiest rank: rank 0 owns the largest share).
+    plan=$("$BIN" plan "${common[@]}" --target cpu --world-size "$world" --shard "$level" --json 2>/dev/null \
+      | "$PY" -c 'import json,sys; d=json.load(sys.stdin); r=[r for r in d["levels"]["rows"] if r["shard"]==sys.argv[1] and not r["offload_optimizer"]][0]; print(round(r["peak_allocated_bytes"]/2**20,1))' "$level" 2>/dev/null || echo -)
     "$PY" - "$out" "$world" "$level" "$plan" <<'PYEOF'
 import json, sys, statistics
 out, world, level, plan = sys.argv[1:]
