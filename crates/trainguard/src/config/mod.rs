@@ -10,7 +10,7 @@ pub mod notify;
 mod validate;
 
 pub use load::{apply_override, load, parse_duration, parse_size, saved, yaml_tree, ConfigError};
-pub use validate::{validate, Problem};
+pub use validate::{check_task_name, validate, Problem};
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

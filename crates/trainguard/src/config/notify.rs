@@ -2,7 +2,6 @@
 //! webhook URL as a secret ([`WebhookUrl`]): anything trainguard writes or prints of it (the
 //! run's `config.yaml`, `config show`, a checkpoint's config, logs) shows its scheme and host
 //! only. Parsing and the per-key rules; sending is `crate::notify`'s.
-use super::validate::Problem;
 use serde::{Deserialize, Serialize};
 
 /// The environment variable read for the URL when `notify.webhook` and `notify.webhook_env`
@@ -186,35 +185,31 @@ fn is_env_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// The `notify.*` rules.
-pub(super) fn check(n: &NotifyConfig, p: &mut Vec<Problem>) {
+/// The `notify.*` rules: each broken one as (key, what was expected).
+pub(super) fn check(n: &NotifyConfig) -> Vec<(&'static str, String)> {
+    let mut p = Vec::new();
     if let Some(why) = n.webhook.as_ref().and_then(WebhookUrl::problem) {
-        p.push(Problem::new("notify.webhook", why));
+        p.push(("notify.webhook", why));
     }
     if let Some(name) = n.webhook_env.as_deref().filter(|v| !is_env_name(v)) {
-        p.push(Problem::new(
+        p.push((
             "notify.webhook_env",
             format!("expected an environment variable's name (letters, digits, _), got `{name}`"),
         ));
     }
     for name in n.on.iter().filter(|v| !NOTIFY_NAMES.contains(&v.as_str())) {
-        p.push(Problem::new(
-            "notify.on",
-            format!("expected a list of {}; got `{name}`", NOTIFY_NAMES.join(", ")),
-        ));
+        p.push(("notify.on", format!("expected a list of {}; got `{name}`", NOTIFY_NAMES.join(", "))));
     }
     if !(n.timeout_s > 0.0 && n.timeout_s <= MAX_NOTIFY_TIMEOUT_S) {
-        p.push(Problem::new(
+        p.push((
             "notify.timeout_s",
             format!("expected seconds in (0, {MAX_NOTIFY_TIMEOUT_S}], got {}", n.timeout_s),
         ));
     }
     if n.retries > MAX_NOTIFY_RETRIES {
-        p.push(Problem::new(
-            "notify.retries",
-            format!("expected at most {MAX_NOTIFY_RETRIES}, got {}", n.retries),
-        ));
+        p.push(("notify.retries", format!("expected at most {MAX_NOTIFY_RETRIES}, got {}", n.retries)));
     }
+    p
 }
 
 #[cfg(test)]
@@ -263,9 +258,7 @@ mod tests {
     }
 
     fn keys(n: NotifyConfig) -> Vec<String> {
-        let mut p = Vec::new();
-        check(&n, &mut p);
-        p.into_iter().map(|p| p.key).collect()
+        check(&n).into_iter().map(|(key, _)| key.to_string()).collect()
     }
 
     #[test]

@@ -297,7 +297,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     }
     let ev = &c.eval;
     for (i, task) in ev.tasks.iter().enumerate() {
-        if let Err(why) = crate::eval::check_name(&task.name) {
+        if let Err(why) = check_task_name(&task.name) {
             check(false, &format!("eval.tasks[{i}].name"), why);
         }
         if ev.tasks[..i].iter().any(|t| t.name == task.name) {
@@ -429,7 +429,7 @@ pub fn validate(c: &Config) -> Vec<Problem> {
     check_cuda_graphs(c, &mut check);
     check_document_mask(c, &mut check);
     check_faults(c, &mut check);
-    super::notify::check(&c.notify, &mut p);
+    p.extend(super::notify::check(&c.notify).into_iter().map(|(key, why)| Problem::new(key, why)));
     p
 }
 
@@ -658,6 +658,20 @@ fn check_one_source(source: &str, key: &str, vocab_size: usize, check: &mut impl
             key,
             format!("unknown source kind `{kind}`: use synthetic, text:<path> or tokens:<path>"),
         ),
+    }
+}
+
+/// `eval.tasks[i].name`: it names metrics fields (`eval_NAME_acc`), so 1 to 64 letters, digits,
+/// `_` or `-`. Here, not in `eval`, so that the config does not depend on what it configures.
+pub fn check_task_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    match ok {
+        true => Ok(()),
+        false => Err(format!(
+            "a task name is 1 to 64 letters, digits, `_` or `-` (it names metrics fields), got {name:?}"
+        )),
     }
 }
 

@@ -51,17 +51,7 @@ pub fn is_usage(cause: &(dyn std::error::Error + 'static)) -> bool {
 
 /// A task's name: it becomes part of metrics fields (`eval_NAME_acc`), so letters, digits, `_`
 /// and `-` only. The message says what is expected.
-pub fn check_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-    match ok {
-        true => Ok(()),
-        false => Err(format!(
-            "a task name is 1 to 64 letters, digits, `_` or `-` (it names metrics fields), got {name:?}"
-        )),
-    }
-}
+pub use crate::config::check_task_name as check_name;
 
 /// A task read and encoded, ready to score.
 pub struct Task {
