@@ -32,9 +32,14 @@ pub(crate) fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets:
 }
 
 pub(crate) fn spawn_rank_with(rank: usize, world: usize, port: u16, args: Vec<String>) -> Child {
-    Command::new(bin())
-        .args(args)
-        .env("RANK", rank.to_string())
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    as_rank(cmd, rank, world, port)
+}
+
+/// `cmd` started as rank `rank` of `world`, with the environment torchrun gives a rank.
+pub(crate) fn as_rank(mut cmd: Command, rank: usize, world: usize, port: u16) -> Child {
+    cmd.env("RANK", rank.to_string())
         .env("LOCAL_RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("LOCAL_WORLD_SIZE", world.to_string())

@@ -32,17 +32,7 @@ fn corpora(dir: &Path, web: f64, digits: f64) -> String {
 
 /// Rank `rank` of `world`, started by hand with torchrun's environment.
 fn spawn_rank(rank: usize, world: usize, port: u16, dir: &Path, sets: &[&str]) -> Child {
-    command(dir, "configs/debug.yaml", sets)
-        .env("RANK", rank.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("WORLD_SIZE", world.to_string())
-        .env("LOCAL_WORLD_SIZE", world.to_string())
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    crate::dist::as_rank(command(dir, "configs/debug.yaml", sets), rank, world, port)
 }
 
 fn wait_all(children: Vec<Child>) -> Vec<std::process::Output> {

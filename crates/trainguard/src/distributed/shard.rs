@@ -76,10 +76,6 @@ impl Ownership {
         Self { world, owner, numel: numels.to_vec() }
     }
 
-    pub fn world(&self) -> usize {
-        self.world
-    }
-
     pub fn owner(&self, param: usize) -> usize {
         self.owner[param]
     }
