@@ -81,7 +81,7 @@ fn optimizer_files(dir: &Path) -> Vec<String> {
 fn each_shard_level_on_two_three_and_four_ranks_equals_one_process() {
     let s = tempfile::tempdir().unwrap();
     train(s.path(), "configs/debug.yaml", &RUN).ok();
-    for level in ["optimizer", "gradients"] {
+    for level in ["optimizer", "gradients", "parameters"] {
         for world in [2, 3, 4] {
             let d = tempfile::tempdir().unwrap();
             let shard = format!("dist.shard={level}");
@@ -95,21 +95,24 @@ fn each_shard_level_on_two_three_and_four_ranks_equals_one_process() {
 }
 
 /// Llama with Adafactor (factored rows: its state laid out per whole matrix), sharded over 3
-/// ranks, equals one process.
+/// ranks at both gradient levels, equals one process; a vocabulary of 250 padded to 256 rows
+/// (the padded embedding's rows, which no gather writes, stay zero under `parameters`).
 #[test]
 fn llama_with_adafactor_sharded_over_three_ranks_equals_one_process() {
-    let sets = [&RUN[..], &["optimizer.name=adafactor", "train.threads=1"]].concat();
+    let sets = [&RUN[..], &["optimizer.name=adafactor", "train.threads=1", "model.vocab_size=250"]].concat();
     let s = tempfile::tempdir().unwrap();
     train(s.path(), "configs/llama-debug.yaml", &sets).ok();
-    let d = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let rank = |r| {
-        let mut a = args(d.path(), &[&sets[..], &["dist.shard=gradients"]].concat());
-        a[2] = repo().join("configs/llama-debug.yaml").display().to_string();
-        spawn_rank_with(r, 3, port, a)
-    };
-    wait_ok(vec![rank(0), rank(1), rank(2)]);
-    assert_like(d.path(), s.path(), "llama with adafactor");
+    for level in ["dist.shard=gradients", "dist.shard=parameters"] {
+        let d = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let rank = |r| {
+            let mut a = args(d.path(), &[&sets[..], &[level]].concat());
+            a[2] = repo().join("configs/llama-debug.yaml").display().to_string();
+            spawn_rank_with(r, 3, port, a)
+        };
+        wait_ok(vec![rank(0), rank(1), rank(2)]);
+        assert_like(d.path(), s.path(), &format!("llama with adafactor, {level}"));
+    }
 }
 
 /// 8-bit AdamW's quantisation rounds a gradient's last-bit differences (another order of the
@@ -281,4 +284,62 @@ fn replicated_ranks_at_their_floor_escalate_to_sharding_instead_of_exiting_3() {
     .unwrap();
     assert_eq!(state["guard"]["escalation_level"], 1);
     assert_eq!(optimizer_files(e.path()).len(), 2, "each rank wrote its part");
+}
+
+/// `dist.shard: parameters`: rank 1 alone, under a cap between the peaks at micro-batch 16 and
+/// 32 (measured here), runs out of memory in the middle of a micro-step, between two of its
+/// gathers. Both ranks leave the attempt at the next collective (rank 0 was waiting there),
+/// replay step 1 at 16 together, and train on to the weights of one process at 16.
+#[test]
+fn an_oom_on_one_rank_between_the_gathers_of_a_micro_step_replays_on_every_rank() {
+    let base = [
+        "dist.shard=parameters",
+        "train.global_batch_size=64",
+        "train.max_steps=3",
+        "train.warmup_steps=1",
+        "train.eval_interval=0",
+        "checkpoint.interval=0",
+        "dist.timeout_s=30",
+    ];
+    let peak = |micro: &str| rank_peak(&[&base[..], &[micro]].concat());
+    let (at16, at32) = (peak("train.micro_batch_size=16"), peak("train.micro_batch_size=32"));
+    assert!(at16 + (2 << 20) < at32, "a larger micro-batch needs more: {at16} vs {at32}");
+    let cap = format!("memory.limit={}", (at16 + at32) / 2);
+    let sets = [&base[..], &["train.micro_batch_size=32"]].concat();
+    let (d, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let port = free_port();
+    let rank1 = [&sets[..], &[cap.as_str()]].concat();
+    wait_ok(vec![spawn_rank(0, 2, port, d.path(), &sets), spawn_rank(1, 2, port, d.path(), &rank1)]);
+    let events = read_jsonl(&d.path().join("events.jsonl"));
+    let recovered: Vec<_> = events.iter().filter(|e| e["event"] == "oom_recovered").collect();
+    assert_eq!(recovered.len(), 1, "{recovered:?}");
+    assert_eq!((recovered[0]["step"].as_u64(), recovered[0]["new_micro_batch"].as_u64()), (Some(1), Some(16)));
+    assert!(recovered[0]["error"].as_str().unwrap().contains("another rank"), "rank 0 followed rank 1");
+    let metrics = read_jsonl(&d.path().join("metrics.jsonl"));
+    assert!(metrics.iter().all(|m| m["micro_batch"] == 16 && m["accumulation"] == 2), "global batch kept");
+    train(s.path(), "configs/debug.yaml", &[&base[1..], &["train.micro_batch_size=16"]].concat()).ok();
+    assert_like(d.path(), s.path(), "after the replay");
+}
+
+/// The escalation to `shard_parameters`: two replicated ranks at their floor under a per-rank cap
+/// between the replicated peak and the `parameters` one train on once every rank holds only its
+/// own parameters through the step, the global batch kept; between steps the model is whole and
+/// the same on both ranks (the run's closing comparison).
+#[test]
+fn replicated_ranks_at_their_floor_escalate_to_sharded_parameters() {
+    let (replicated, sharded) =
+        (rank_peak(&HEAVY), rank_peak(&[&HEAVY[..], &["dist.shard=parameters"]].concat()));
+    assert!(sharded + (40 << 20) < replicated, "ZeRO-3 holds less: {sharded} vs {replicated}");
+    let cap = format!("memory.limit={}", (replicated + sharded) / 2);
+    let capped = [&HEAVY[..], &[cap.as_str(), "oom.escalate=[shard_parameters]"]].concat();
+    let e = tempfile::tempdir().unwrap();
+    ranks(2, e.path(), &capped);
+    let events = read_jsonl(&e.path().join("events.jsonl"));
+    let escalated: Vec<_> = events.iter().filter(|e| e["event"] == "oom_escalated").collect();
+    assert_eq!(escalated.len(), 1, "{events:?}");
+    let metrics = read_jsonl(&e.path().join("metrics.jsonl"));
+    assert_eq!(metrics.len(), 4);
+    assert!(metrics.iter().all(|m| m["micro_batch"] == 2 && m["accumulation"] == 1), "global batch kept");
+    let compared = events.iter().find(|e| e["event"] == "ranks_compared").expect("ranks compared");
+    assert_eq!(compared["checksum_spread"], 0.0, "both ranks hold the same whole weights");
 }

@@ -9,6 +9,7 @@
 #include <torch/headeronly/version.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Logging.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
@@ -238,6 +239,25 @@ int tg_backward(const void* const* roots, const void* const* grads, size_t n_roo
     const torch::autograd::variable_list got =
         torch::autograd::Engine::get_default_engine().execute(root_edges, seeds, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false, input_edges);
     for (size_t i = 0; i < n_inputs; ++i) out[i] = new at::Tensor(got[i]);
+  });
+}
+
+// Frees (nbytes 0) or allocates anew (nbytes > 0, contents undefined) the memory under `tensor`'s
+// storage, keeping the storage object, so every tensor sharing it (the model's parameter, its
+// shallow clones, the optimizer's views) sees the change. What `dist.shard: parameters` does with
+// the parameters a rank does not own between their uses, as FSDP resizes its storages.
+int tg_storage_resize(void* tensor, int64_t nbytes, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    c10::StorageImpl* s = static_cast<at::Tensor*>(tensor)->storage().unsafeGetStorageImpl();
+    if (nbytes == 0) {
+      s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+      s->set_nbytes(0);
+      return;
+    }
+    c10::Allocator* a = s->allocator();
+    TORCH_CHECK(a != nullptr, "the storage has no allocator to allocate it again with");
+    s->set_data_ptr_noswap(a->allocate(static_cast<size_t>(nbytes)));
+    s->set_nbytes(static_cast<size_t>(nbytes));
   });
 }
 

@@ -90,6 +90,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_storage_resize(tensor: *mut c_void, nbytes: i64, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_current_device(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
@@ -230,6 +231,19 @@ pub fn empty_cache() -> Result<(), ShimError> {
     let mut err = [0u8; ERR_LEN];
     // SAFETY: `err` is ERR_LEN bytes.
     result(unsafe { tg_empty_cache(err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+}
+
+/// Frees the memory under `t`'s storage (`nbytes` 0) or allocates it anew (contents undefined),
+/// for every tensor sharing that storage: `dist.shard: parameters` frees the parameters a rank
+/// does not own between their uses. Reading a tensor whose storage is freed is an error of the
+/// caller's: it must be allocated again (and written) first.
+pub fn resize_storage(t: &Tensor, nbytes: usize) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: `t` is a live tensor whose C++ object outlives the call; `err` is ERR_LEN bytes.
+    let code = unsafe {
+        tg_storage_resize(t.as_ptr() as *mut c_void, nbytes as i64, err.as_mut_ptr().cast(), ERR_LEN)
+    };
+    result(code, &err)
 }
 
 /// Makes `device` this thread's current CUDA device (see `tg_set_current_device`).

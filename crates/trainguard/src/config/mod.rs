@@ -503,6 +503,8 @@ pub enum Escalation {
     ShardOptimizer,
     /// With several ranks: and receives only its own parameters' gradients (`dist.shard: gradients`).
     ShardGradients,
+    /// With several ranks: and holds only its own parameters through the step (`dist.shard: parameters`).
+    ShardParameters,
 }
 
 impl Escalation {
@@ -514,6 +516,7 @@ impl Escalation {
             Escalation::OffloadOptimizer => "offload_optimizer",
             Escalation::ShardOptimizer => "shard_optimizer",
             Escalation::ShardGradients => "shard_gradients",
+            Escalation::ShardParameters => "shard_parameters",
         }
     }
 
@@ -533,6 +536,9 @@ impl Escalation {
             }
             Escalation::ShardGradients => {
                 "shard_gradients (each rank keeps only its own parameters' optimizer state and gradients)"
+            }
+            Escalation::ShardParameters => {
+                "shard_parameters (each rank also holds only its own parameters through the step, gathering the others block by block)"
             }
         }
     }
@@ -1016,8 +1022,10 @@ pub struct DistConfig {
     /// job's GPUs. None (default): as long as rank 0's heartbeat moves.
     pub writer_wait_s: Option<u64>,
     /// Sharded data parallel: `none` (every rank holds everything), `optimizer` (each rank keeps
-    /// the optimizer state of the parameters it owns: ZeRO-1) or `gradients` (and receives only
-    /// its own parameters' averaged gradients, by reduce-scatter: ZeRO-2). See docs/sharding.md.
+    /// the optimizer state of the parameters it owns: ZeRO-1), `gradients` (and receives only
+    /// its own parameters' averaged gradients, by reduce-scatter: ZeRO-2) or `parameters` (and
+    /// holds only its own parameters during the step, each block's gathered for its forward and
+    /// its backward: ZeRO-3). See docs/sharding.md.
     pub shard: ShardLevel,
 }
 
@@ -1051,6 +1059,8 @@ pub enum ShardLevel {
     None,
     Optimizer,
     Gradients,
+    /// Also the parameters (ZeRO-3): each block's gathered for its forward and its backward.
+    Parameters,
 }
 
 impl ShardLevel {
@@ -1059,6 +1069,7 @@ impl ShardLevel {
             Self::None => "none",
             Self::Optimizer => "optimizer",
             Self::Gradients => "gradients",
+            Self::Parameters => "parameters",
         }
     }
 }

@@ -498,6 +498,16 @@ fn check_cuda_graphs(c: &Config, check: &mut impl FnMut(bool, &str, String)) {
         "memory.offload_activations",
         format!("must be false with kernels.cuda_graphs (offload copies through host memory; {why}); checkpointing and a chunked loss can be graphed"),
     );
+    check(
+        !c.oom.escalate.contains(&super::Escalation::ShardParameters),
+        "oom.escalate",
+        format!("`shard_parameters` cannot run with kernels.cuda_graphs (each block's weights are gathered from the other ranks inside the micro-step; {why}): use `shard_gradients`, or set kernels.cuda_graphs false"),
+    );
+    check(
+        c.dist.shard != super::ShardLevel::Parameters,
+        "dist.shard",
+        format!("`parameters` cannot run with kernels.cuda_graphs (each block's weights are gathered from the other ranks inside the micro-step; {why}): use `gradients`, or set kernels.cuda_graphs false"),
+    );
 }
 
 /// `data.document_mask` and `data.eos_id`: an id the embedding has; a mask that CUDA graphs

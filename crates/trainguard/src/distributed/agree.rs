@@ -114,6 +114,19 @@ pub fn owned_gradients(
     Ok((owned, loss))
 }
 
+/// `dist.shard: parameters`: this rank's gradients (its own parameters', summed over the ranks
+/// unit by unit inside the micro-steps) and loss, agreed on like the others: every rank goes on,
+/// or every rank drops the attempt.
+pub fn reduced_gradients(
+    local: Result<(Vec<Tensor>, f64), TchError>,
+    dist: Option<&Dist>,
+    last_resort: bool,
+) -> Result<(Vec<Tensor>, f64), StepError> {
+    let Some(d) = dist else { return Ok(local?) };
+    let ((grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
+    Ok((grads, loss))
+}
+
 /// The global gradient norm from each rank's squared norm of its own gradients (`local`), agreed
 /// like the work before the update: a rank that ran out of memory computing its part replays
 /// with every other.

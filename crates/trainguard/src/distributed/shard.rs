@@ -112,6 +112,21 @@ impl Ownership {
             .collect()
     }
 
+    /// The ownership of the parameters `idx` alone (each keeps its owner), laid out as their own
+    /// flat `world × slot` buffer: one unit's gather under `dist.shard: parameters`.
+    pub fn restricted(&self, idx: &[usize]) -> Self {
+        Self {
+            world: self.world,
+            owner: idx.iter().map(|&i| self.owner[i]).collect(),
+            numel: idx.iter().map(|&i| self.numel[i]).collect(),
+        }
+    }
+
+    /// Per parameter: its element count.
+    pub fn numels(&self) -> &[i64] {
+        &self.numel
+    }
+
     /// How uneven the split is: the largest share over the even one (1.0 = perfectly even).
     pub fn imbalance(&self) -> f64 {
         let total: i64 = self.numel.iter().sum();

@@ -13,13 +13,13 @@ use super::{collective, torch_error, Dist, DistError};
 use tch::{Kind, Tensor};
 
 /// Where a parameter's elements sit: its owner's slot, from `start` within that slot.
-struct Placed {
-    owner: usize,
+pub(super) struct Placed {
+    pub owner: usize,
     start: i64,
     len: i64,
 }
 
-fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
+pub(super) fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
     let slot = own.slot();
     own.offsets()
         .iter()
@@ -34,7 +34,7 @@ fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
 
 /// The part of `[p.start, p.start + p.len)` inside the piece `[from, from + len)` of a slot, as
 /// (offset in the parameter, offset in the piece, length).
-fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
+pub(super) fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
     let lo = p.start.max(from);
     let hi = (p.start + p.len).min(from + len);
     (lo < hi).then(|| (lo - p.start, lo - from, hi - lo))

@@ -417,14 +417,15 @@ impl Model {
 
     /// `grads` (one per parameter, full shapes) cut as [`Model::optimizer_params`] cuts them.
     pub fn optimizer_grads(&self, grads: &[Tensor]) -> Result<Vec<Tensor>, TchError> {
-        grads
-            .iter()
-            .zip(&self.user_rows)
-            .map(|(g, rows)| match rows {
-                Some(r) => g.f_narrow(0, 0, *r),
-                None => Ok(g.shallow_clone()),
-            })
-            .collect()
+        grads.iter().enumerate().map(|(i, g)| self.optimizer_grad(i, g)).collect()
+    }
+
+    /// Parameter `i`'s gradient `g` cut as [`Model::optimizer_params`] cuts the parameter.
+    pub fn optimizer_grad(&self, i: usize, g: &Tensor) -> Result<Tensor, TchError> {
+        match self.user_rows[i] {
+            Some(r) => g.f_narrow(0, 0, r),
+            None => Ok(g.shallow_clone()),
+        }
     }
 
     /// The shape [`Model::user_tensor`] has.

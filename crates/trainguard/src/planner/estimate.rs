@@ -670,6 +670,12 @@ pub fn outside_activations(m: &Transformer, s: &Setup, b: u64) -> u64 {
 /// gradient is added in place, and with a chunked loss the logits are one chunk's, with the
 /// head's gradient of the chunk before alive while the next chunk's arrives.
 pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Estimate {
+    // `dist.shard: parameters` over several ranks: every block recomputed, the weights and the
+    // gradients of a micro-step those of `Gathered`, and every weight whole between steps.
+    let gathered = (s.shard == crate::config::ShardLevel::Parameters && s.gpus > 1)
+        .then(|| super::sharding::Gathered::of(m, s.gpus));
+    let every_block = Setup { activation_checkpointing: true, checkpoint_blocks: 1, checkpoint_first: None, ..s.clone() };
+    let s = if gathered.is_some() { &every_block } else { s };
     let p = s.precision;
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
     let master_weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.master_bytes());
@@ -688,10 +694,26 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let dp_buffers = sharding.dp_buffers;
     let buffers = buffers(m, s);
     let host_copies = if s.target == Target::Cpu { sharding.host_copies } else { 0 };
-    let base = weights + master_weights + optimizer + dp_buffers + buffers + host_copies;
-    // Earlier micro-steps' sum, or the graphs' accumulators (which a single micro-step has too).
-    let graphs = s.cuda_graphs && s.target == Target::Cuda;
-    let held = if accumulation > 1 || graphs { gradients } else { 0 };
+    let between_steps = weights + master_weights + optimizer + dp_buffers + buffers + host_copies;
+    // `block`: what a gathered block adds while it runs (its weights and its gradients).
+    let (base, gradients, held, block) = match &gathered {
+        Some(g) => {
+            let resident = |bytes: u64| g.share_of(bytes, g.resident);
+            // The collectives' pieces are allocated once, with the layout.
+            let pieces = sharding.all_gather_transient;
+            // The fp32 accumulators of the owned parameters' gradients live through the micro-steps
+            // (holding the earlier ones' sum: nothing more is held).
+            let accumulators = 4 * g.owned;
+            let base = resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
+            let block = g.share_of(weights + master_weights, g.block_extra) + g.block * p.grad_bytes();
+            (base + accumulators, g.outer * p.grad_bytes(), 0, block)
+        }
+        None => {
+            // Earlier micro-steps' sum, or the graphs' accumulators (a single micro-step has them too).
+            let graphs = s.cuda_graphs && s.target == Target::Cuda;
+            (between_steps, gradients, if accumulation > 1 || graphs { gradients } else { 0 }, 0)
+        }
+    };
 
     let at = Moments::at(m, s, micro);
     // At the end of backward autograd has released what the forward saved, autocast's 16-bit
@@ -705,7 +727,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // After the last micro-step (the earlier ones' sum added in): the sharded collectives
     // beside the gradients, autocast's copies released.
     let collectives = sharding.after_backward(gradients).saturating_sub(copies_released);
-    let during = held + at.transient.max(grads_done).max(first_blocks);
+    let during = held + at.transient.max(at.body + block).max(grads_done).max(first_blocks + block);
     let scatter_or_gather = if sharding.after_backward(gradients)
         > sharding.gradients_after_update + sharding.all_gather_transient
     {
@@ -713,7 +735,12 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     } else {
         "parameters' all-gather"
     };
-    let peak_allocated = base + during.max(collectives);
+    // Under `parameters` the gather after the update, every weight whole, is a moment of its own.
+    let whole_again = match gathered {
+        Some(_) => between_steps + sharding.all_gather_transient,
+        None => 0,
+    };
+    let peak_allocated = (base + during.max(collectives)).max(whole_again);
     let (fragmentation, cuda_overhead) = match s.target {
         Target::Cuda => ((peak_allocated as f64 * s.fragmentation).round() as u64, s.cuda_overhead),
         Target::Cpu => (0, 0),
@@ -750,7 +777,9 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
         buffers,
         embedding_grad_transient: at.embedding_grad_transient,
         block_backward_transient: at.block_backward,
-        peak_phase: if collectives > during {
+        peak_phase: if whole_again > base + during.max(collectives) {
+            "weights gathered whole after the update"
+        } else if collectives > during {
             scatter_or_gather
         } else if first_blocks > at.transient.max(grads_done) {
             "first blocks' recomputed backward"
@@ -804,6 +833,8 @@ struct Moments {
     embedding_grad_transient: u64,
     /// The larger of the two moments with the activations each holds.
     transient: u64,
+    /// The last block's moment alone (under `dist.shard: parameters` a block's gather adds to it).
+    body: u64,
     /// Which of them: the head's backward (`start of backward`) or the last block's.
     head_wins: bool,
 }
@@ -894,6 +925,7 @@ impl Moments {
             block_backward,
             embedding_grad_transient,
             transient: outside + (in_head + head).max(in_body + block_backward),
+            body: outside + in_body + block_backward,
             head_wins: in_head + head >= in_body + block_backward,
         }
     }

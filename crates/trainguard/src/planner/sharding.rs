@@ -108,6 +108,10 @@ impl Comm {
             ShardLevel::None => Self { all_reduce, ..Self::default() },
             ShardLevel::Optimizer => Self { all_reduce, all_gather: piece, ..Self::default() },
             ShardLevel::Gradients => Self { reduce_scatter: piece, all_gather: piece, ..Self::default() },
+            // Each block's (and the embeddings') parameters gathered for the forward, again for
+            // the backward, and all of them after the update: three all-gathers of the model
+            // (a micro-step more: two more, and its own reduce-scatter).
+            ShardLevel::Parameters => Self { reduce_scatter: piece, all_gather: 3 * piece, ..Self::default() },
         }
     }
 }
@@ -232,6 +236,55 @@ impl RankMemory {
     }
 }
 
+/// `dist.shard: parameters` on several ranks: the elements of weights a rank holds in the
+/// middle of a micro-step (its own, the embeddings' and the head's for the micro-step's whole,
+/// the largest block's while it runs), and of the gradients: fp32 accumulators of its own, the
+/// embeddings' and head's full ones from the head's backward on, one block's until its
+/// reduce-scatter. Between steps every parameter is whole (gathered after the update).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gathered {
+    /// Elements the rank owns, of the embeddings and head, of the largest block.
+    pub owned: u64,
+    pub outer: u64,
+    pub block: u64,
+    /// Elements of weights resident through the micro-step (owned, or the embeddings' and
+    /// head's), those a block's gather adds (its parameters not among them), and all.
+    pub resident: u64,
+    pub block_extra: u64,
+    pub total: u64,
+}
+
+impl Gathered {
+    pub fn of(m: &Transformer, world: u64) -> Self {
+        use crate::model::Part;
+        let part = RankPart::of(m, ShardLevel::Parameters, world);
+        let numels = optimizer_numels(m);
+        let specs = m.specs();
+        let in_block = |b: usize| -> u64 {
+            specs.iter().zip(&numels).filter(|(t, _)| t.part == Part::Block(b)).map(|(_, &n)| n as u64).sum()
+        };
+        let largest = (0..m.layers as usize).max_by_key(|&b| (in_block(b), std::cmp::Reverse(b)));
+        let mut out =
+            Self { owned: part.elements, outer: 0, block: 0, resident: 0, block_extra: 0, total: part.total };
+        for ((t, &n), &owned) in specs.iter().zip(&numels).zip(&part.owned) {
+            let n = n as u64;
+            let outer = !matches!(t.part, Part::Block(_));
+            let gathered_block = largest.is_some_and(|b| t.part == Part::Block(b));
+            out.outer += if outer { n } else { 0 };
+            out.block += if gathered_block { n } else { 0 };
+            out.resident += if owned || outer { n } else { 0 };
+            out.block_extra += if gathered_block && !owned { n } else { 0 };
+        }
+        out
+    }
+
+    /// `bytes` (of all the weights) scaled to `elements` of them.
+    pub fn share_of(&self, bytes: u64, elements: u64) -> u64 {
+        (bytes as f64 * elements as f64 / self.total.max(1) as f64).round() as u64
+    }
+
+}
+
 /// Every parameter's bytes at `bytes` an element (the buckets: all of them, whatever the level).
 fn per_owned_all(m: &Transformer, per_owned: &impl Fn(&[bool], u64) -> u64, bytes: u64) -> u64 {
     per_owned(&vec![true; m.specs().len()], bytes)
@@ -248,7 +301,8 @@ pub fn candidates(world: u64) -> Vec<(ShardLevel, bool)> {
         (ShardLevel::None, false),
         (ShardLevel::Optimizer, false),
         (ShardLevel::Gradients, false),
-        (ShardLevel::Gradients, true),
+        (ShardLevel::Parameters, false),
+        (ShardLevel::Parameters, true),
     ]
 }
 
@@ -278,7 +332,7 @@ pub struct Levels {
     pub levers: Vec<super::recommend::Lever>,
 }
 
-pub const ORDER: &str = "none, optimizer, gradients (cheapest communication first), then optimizer offload on the most sharded level; the first with a micro-batch that fits is chosen";
+pub const ORDER: &str = "none, optimizer, gradients, parameters (cheapest communication first), then optimizer offload on the most sharded level; the first with a micro-batch that fits is chosen";
 
 /// The level table for `setup`'s world size, each level planned by `plan(setup) -> (micro,
 /// total, peak_allocated, fits)`.
@@ -423,12 +477,12 @@ mod tests {
         let s = Setup { gpus: 4, ..cuda_fp32_adamw() };
         let rank_of = |s: &Setup| estimate(&m, s, 1, 2).sharding;
         let levels = choose(&s, rank_of, |s| (Some(1), 0, 0, s.shard >= ShardLevel::Optimizer));
-        assert_eq!(levels.rows.len(), 4);
+        assert_eq!(levels.rows.len(), 5);
         assert_eq!(levels.chosen, Some(1));
         let none_fits = choose(&s, rank_of, |_| (None, 0, 0, false));
         assert_eq!(none_fits.chosen, None);
         let last = choose(&s, rank_of, |s| (Some(1), 0, 0, s.offload_optimizer));
-        assert_eq!(last.rows[last.chosen.unwrap()].shard, ShardLevel::Gradients);
+        assert_eq!(last.rows[last.chosen.unwrap()].shard, ShardLevel::Parameters);
         assert_eq!(candidates(1), vec![(ShardLevel::None, false), (ShardLevel::None, true)]);
     }
 }

@@ -3,6 +3,7 @@
 //! micro-batches under autocast with the memory savers, lets the ranks agree, unscales, applies
 //! the injected faults, clips, and updates only when the loss and gradient norm are finite.
 use super::faults::Faults;
+use super::gathered;
 use super::graphs::{MicroGraphs, Notice};
 use super::micro::{evaluate, forward_backward, StepData};
 use super::precision::{self, Autocast, LossScaler, ScaleChange};
@@ -137,9 +138,40 @@ pub fn optimizer_step(
     Ok(outcome)
 }
 
-/// One attempt of a step at micro-batch `micro`, as the guard runs it.
+/// One attempt of a step at micro-batch `micro`, as the guard runs it. Under `dist.shard:
+/// parameters` every parameter is whole again after it, whether it updated or failed (the ranks
+/// agreed on the failure, so all gather together): the guard's replay and a checkpoint for a
+/// stop read the whole model. Only a fatal error, after which nothing is saved, leaves them.
 #[allow(clippy::too_many_arguments)]
 fn attempt(
+    t: &mut Trainable,
+    settings: &StepSettings,
+    data: &StepData,
+    step: u64,
+    lr: f64,
+    micro: usize,
+    scale: f64,
+    p: &mut Progress,
+    mut dist: Option<&mut Dist>,
+    faults: &mut Faults,
+) -> Result<StepOutcome, StepError> {
+    let outcome = attempt_once(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+    let Some(shards) = &mut t.layout.params else { return outcome };
+    if matches!(outcome, Err(StepError::Fatal(_))) {
+        return outcome;
+    }
+    let restored = catch_torch_panics(|| {
+        shards.restore_all(&t.model, dist.as_deref()).map_err(|e| StepError::Fatal(Box::new(e)))
+    });
+    match restored {
+        Ok(()) => outcome,
+        Err(StepError::Torch(e)) => Err(StepError::Fatal(format!("dist.shard parameters: the parameters could not be gathered whole again after the step ({e}); resume from the newest checkpoint (--resume auto)").into())),
+        Err(e) => Err(e),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attempt_once(
     t: &mut Trainable,
     settings: &StepSettings,
     data: &StepData,
@@ -170,18 +202,38 @@ fn attempt(
         Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
     // Each rank's own work is caught where it is done (a libtorch error tch raised as a
     // panic included), so a failing rank still joins the agreement that follows.
-    let local = moved.and_then(|()| {
-        catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p))
-    });
+    // The injected leak allocates like the step's own work: before the ranks agree on it (under
+    // `dist.shard: parameters` before the work, which leaves the parameters gathered by others
+    // freed).
+    let leak = |faults: &mut Faults| catch_torch_panics(|| faults.leak_graph(model, data, step, micro));
+    let local = match &mut layout.params {
+        None => moved
+            .and_then(|()| {
+                catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p))
+            })
+            .and_then(|r| leak(faults).map(|()| r)),
+        Some(shards) => moved.and_then(|()| leak(faults)).and_then(|()| {
+            catch_torch_panics(|| {
+                gathered::forward_backward(model, data, step, micro, &savers, scale, p, shards, dist.as_deref())
+            })
+        }),
+    };
     drop(autocast);
-    // The injected leak allocates like the step's own work: before the ranks agree on it.
-    let local =
-        local.and_then(|r| catch_torch_panics(|| faults.leak_graph(model, data, step, micro)).map(|()| r));
     let last_resort = p.last_resort();
     // Replicated (and `dist.shard: optimizer`): every rank holds every averaged gradient and
     // computes the same norm alone. `dist.shard: gradients`: each rank receives its own
     // parameters' only, and the norm is summed over the ranks in an agreement of its own.
     let (mut grads, mut loss, sharded_norm) = match layout.shards_gradients() {
+        // `dist.shard: parameters`: summed over the ranks already, unit by unit.
+        Some(_) if layout.params.is_some() => {
+            let (mut grads, mut loss) = agree::reduced_gradients(local, dist.as_deref(), last_resort)?;
+            let local = catch_torch_panics(|| -> Result<f64, StepError> {
+                unscale_and_corrupt(&mut grads, &mut loss, scale, faults, step, scaled)?;
+                Ok(squared_norm(&grads)?)
+            });
+            let norm = agree::global_norm(local, dist.as_deref(), last_resort)?;
+            (grads, loss, Some(norm))
+        }
         None => {
             let (grads, loss) = agree::gradients(local, dist.as_deref_mut(), last_resort)?;
             (grads, loss, None)
@@ -225,8 +277,11 @@ fn attempt(
             layout.update(model, opt, &grads, lr)
         });
         agree::update_done(update, dist.as_deref())?;
-        if let Some(s) = &layout.shard {
-            agree::parameters_gathered(model, s, dist.as_deref())?;
+        match &layout.shard {
+            // Gathered by `attempt`, into the memory freed through the step.
+            Some(_) if layout.params.is_some() => {}
+            Some(s) => agree::parameters_gathered(model, s, dist.as_deref())?,
+            None => {}
         }
     }
     Ok(StepOutcome { loss, grad_norm, applied, overflow })

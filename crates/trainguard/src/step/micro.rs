@@ -111,7 +111,7 @@ pub fn forward_backward(
 
 /// `f(x, y, loss weight, dropout seed)` for each micro-batch of this rank's share of step `step`
 /// split into `micro`, in order.
-fn each_micro_batch(
+pub(super) fn each_micro_batch(
     data: &StepData,
     step: u64,
     micro: usize,

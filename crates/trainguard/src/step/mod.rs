@@ -6,6 +6,7 @@
 //! (schedule, evaluation cadence, checkpoints, stops: `train`), nor the OOM policy (`guard`).
 mod engine;
 mod faults;
+mod gathered;
 pub mod graphs;
 mod micro;
 pub mod precision;

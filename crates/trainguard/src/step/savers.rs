@@ -66,7 +66,10 @@ impl Savers {
                 self.offload = true;
             }
             // Where the optimizer state lives: the step's layout, not its savers.
-            Escalation::OffloadOptimizer | Escalation::ShardOptimizer | Escalation::ShardGradients => {}
+            Escalation::OffloadOptimizer
+            | Escalation::ShardOptimizer
+            | Escalation::ShardGradients
+            | Escalation::ShardParameters => {}
         }
         self
     }
@@ -203,7 +206,7 @@ pub fn loss_and_grads(
 /// Pushes `grad_out` back through the graphs of `outs` (each of which it is the gradient of: a
 /// block's output, or its stream and its output not yet added) into the parameters `idx` (added
 /// to `grads`) and into the leaf `input` when there is one, whose gradient it returns.
-fn push_back(
+pub(super) fn push_back(
     outs: &[Tensor],
     grad_out: &Tensor,
     params: &[Tensor],
@@ -223,7 +226,7 @@ fn push_back(
 
 /// Head + loss on `hidden` (requires grad): the head's gradients go into `grads`; returns the
 /// weighted loss (detached) and the gradient with respect to `hidden`.
-fn head_backward(
+pub(super) fn head_backward(
     model: &Model,
     hidden: &Tensor,
     y: &Tensor,
@@ -291,7 +294,7 @@ pub fn offload(t: &Tensor) -> Result<Tensor, TchError> {
 }
 
 /// A kept segment input back on `device`, without waiting when it comes from pinned memory.
-fn reload(kept: &Tensor, device: Device) -> Result<Tensor, TchError> {
+pub(super) fn reload(kept: &Tensor, device: Device) -> Result<Tensor, TchError> {
     kept.f_to_device_(device, kept.kind(), device.is_cuda(), false)
 }
 

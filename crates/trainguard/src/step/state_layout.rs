@@ -6,6 +6,7 @@
 //! and moving an optimizer's state into another layout (the OOM guard's escalations).
 use crate::config::{Escalation, ShardLevel};
 use crate::distributed::shard::Sharding;
+use crate::distributed::zero3::ParameterShards;
 use crate::model::Model;
 use crate::optim::{Optimizer, OptimizerSpec};
 use tch::{Device, TchError, Tensor};
@@ -34,6 +35,7 @@ impl LayoutSpec {
             Escalation::OffloadOptimizer => Self { offload: true, ..s },
             Escalation::ShardOptimizer => Self { shard: s.shard.max(ShardLevel::Optimizer), ..s },
             Escalation::ShardGradients => Self { shard: s.shard.max(ShardLevel::Gradients), ..s },
+            Escalation::ShardParameters => Self { shard: s.shard.max(ShardLevel::Parameters), ..s },
             Escalation::ActivationCheckpointing | Escalation::OffloadActivations => s,
         })
     }
@@ -54,6 +56,8 @@ pub struct StateLayout {
     /// Under offload: the host copies of the parameters the optimizer updates (this rank's own
     /// under sharding), in the optimizer's order.
     host: Option<Vec<Tensor>>,
+    /// `dist.shard: parameters`: what each unit gathers, and the collectives' buffers.
+    pub params: Option<ParameterShards>,
 }
 
 impl StateLayout {
@@ -67,7 +71,8 @@ impl StateLayout {
         let params = model.optimizer_params()?;
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
-        let layout = Self { base: spec, spec, opt_spec: *opt_spec, shard, host: None };
+        let shards = parameter_shards(shard.as_ref(), spec, model, device)?;
+        let layout = Self { base: spec, spec, opt_spec: *opt_spec, shard, host: None, params: shards };
         let (opt, host) = layout.optimizer_for(opt_spec, model, &params, device)?;
         Ok((opt, Self { host, ..layout }))
     }
@@ -86,7 +91,8 @@ impl StateLayout {
         let params = model.optimizer_params()?;
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
-        let next = Self { base: self.base, spec, opt_spec: self.opt_spec, shard, host: None };
+        let shards = parameter_shards(shard.as_ref(), spec, model, device)?;
+        let next = Self { base: self.base, spec, opt_spec: self.opt_spec, shard, host: None, params: shards };
         let keep = next.state_names(&model.params.names);
         // Each state tensor is named `<kind>.<parameter name>`: what the new layout keeps.
         let saved: Vec<(String, Tensor)> = opt
@@ -154,6 +160,15 @@ impl StateLayout {
         }
     }
 
+    /// The parameters this rank's optimizer updates, as it sees them (views of the model's):
+    /// only those, since under `dist.shard: parameters` the others' memory is freed mid-step.
+    fn my_params(&self, model: &Model) -> Result<Vec<Tensor>, TchError> {
+        match &self.shard {
+            Some(s) => s.owned.iter().map(|&i| model.user_tensor(i)).collect(),
+            None => model.optimizer_params(),
+        }
+    }
+
     /// The names of the parameters whose state this rank's optimizer holds.
     pub fn state_names(&self, names: &[String]) -> Vec<String> {
         match &self.shard {
@@ -171,7 +186,7 @@ impl StateLayout {
         grads: &[Tensor],
         lr: f64,
     ) -> Result<(), TchError> {
-        let params = self.mine(model.optimizer_params()?);
+        let params = self.my_params(model)?;
         let Some(host) = &self.host else { return opt.step(&params, grads, lr) };
         let down: Vec<Tensor> = grads
             .iter()
@@ -191,10 +206,25 @@ impl StateLayout {
     pub fn refresh_host(&self, model: &Model) -> Result<(), TchError> {
         let Some(host) = &self.host else { return Ok(()) };
         let _no_grad = tch::no_grad_guard();
-        for (h, p) in host.iter().zip(self.mine(model.optimizer_params()?)) {
+        for (h, p) in host.iter().zip(self.my_params(model)?) {
             h.shallow_clone().f_copy_(&p)?;
         }
         Ok(())
+    }
+}
+
+/// The units and buffers of `dist.shard: parameters`; None at the other levels.
+fn parameter_shards(
+    shard: Option<&Sharding>,
+    spec: LayoutSpec,
+    model: &Model,
+    device: Device,
+) -> Result<Option<ParameterShards>, TchError> {
+    match shard {
+        Some(s) if s.level == ShardLevel::Parameters => {
+            Ok(Some(ParameterShards::new(model, s, spec.world, device)?))
+        }
+        _ => Ok(None),
     }
 }
 

@@ -1,0 +1,323 @@
+//! `dist.shard: parameters` (ZeRO-3): through the step a rank holds only the parameters it owns.
+//! The memory of the others is freed (their storage resized to nothing, as FSDP does; the tensor
+//! objects stay, so the model and its views need not know) and gathered again from their owners
+//! for the unit that needs them: the embeddings and the head for a micro-step's whole, each
+//! block for its forward and again for its backward. A unit's gradients are reduce-scattered
+//! into this rank's fp32 accumulators as soon as its backward is done, and the full ones freed.
+//! Between steps every parameter is whole again (gathered after the update, as at the other
+//! levels): checkpoints, validation and sampling read the whole model.
+//!
+//! **Lockstep.** A rank that runs out of memory in the middle of a micro-step must not leave its
+//! peers waiting in a gather it will never join. Before every collective the ranks say whether
+//! they are still well (one number, all-reduced): a rank whose work failed says so at its next
+//! collective, and every rank leaves the attempt there, together, for the step's agreement and
+//! the guard's replay. What a collective needs is allocated before that word (the gathered
+//! parameters' memory; the pieces' buffers once, when the layout is built), so nothing a rank
+//! does alone fails inside one.
+use super::shard::{Ownership, Sharding};
+use super::zero::{overlap, placements};
+use super::{collective, torch_error, Dist, DistError};
+use crate::ffi::resize_storage;
+use crate::model::Model;
+use tch::{Device, Kind, TchError, Tensor};
+
+/// Which parameters each unit gathers, who owns them, and the buffers the collectives reuse.
+pub struct ParameterShards {
+    rank: usize,
+    /// The parameters of each unit: [`OUTER`] (embeddings, final norm, head), then each block.
+    units: Vec<Vec<usize>>,
+    /// Per unit: its parameters' owners, laid out slot per rank as [`Ownership`] lays out all.
+    owns: Vec<Ownership>,
+    /// The whole model's ownership (the gather after the update).
+    all: Ownership,
+    /// Per parameter (the model's, padded): its bytes, and whether its memory is here now.
+    nbytes: Vec<usize>,
+    whole: Vec<bool>,
+    owned: Vec<bool>,
+    chunk: i64,
+    /// fp32 `world × chunk` and `chunk` elements: every collective's pieces.
+    wide: Tensor,
+    piece: Tensor,
+}
+
+/// The unit of the embeddings and the head: gathered for a micro-step's whole.
+pub const OUTER: usize = 0;
+
+/// The unit of block `i`.
+pub fn block_unit(i: usize) -> usize {
+    1 + i
+}
+
+impl ParameterShards {
+    /// For `model` under `sharding` (its ownership over the optimizer's parameters) on `world`
+    /// ranks; the buffers on `device`. Every parameter is whole when this returns.
+    pub fn new(model: &Model, sharding: &Sharding, world: usize, device: Device) -> Result<Self, TchError> {
+        let groups = model.param_groups();
+        let mut outer: Vec<usize> = groups.embed.iter().chain(&groups.head).copied().collect();
+        outer.sort_unstable();
+        outer.dedup();
+        let units: Vec<Vec<usize>> = std::iter::once(outer).chain(groups.blocks.iter().cloned()).collect();
+        let own = &sharding.ownership;
+        let owns = units.iter().map(|u| own.restricted(u)).collect();
+        let tensors = &model.params.tensors;
+        let chunk = sharding.chunk.max(1);
+        Ok(Self {
+            rank: sharding.rank,
+            units,
+            owns,
+            all: own.clone(),
+            nbytes: tensors.iter().map(|t| t.numel() * t.kind().elt_size_in_bytes()).collect(),
+            whole: vec![true; tensors.len()],
+            owned: (0..tensors.len()).map(|i| own.owner(i) == sharding.rank).collect(),
+            chunk,
+            wide: Tensor::f_zeros([world.max(1) as i64 * chunk], (Kind::Float, device))?,
+            piece: Tensor::f_zeros([chunk], (Kind::Float, device))?,
+        })
+    }
+
+    pub fn n_units(&self) -> usize {
+        self.units.len()
+    }
+
+    /// The parameters of `unit`.
+    pub fn unit(&self, unit: usize) -> &[usize] {
+        &self.units[unit]
+    }
+
+    /// Frees the memory of `unit`'s parameters this rank does not own.
+    pub fn release(&mut self, model: &Model, unit: usize) -> Result<(), TchError> {
+        for &i in &self.units[unit] {
+            if !self.owned[i] && self.whole[i] {
+                resize_storage(&model.params.tensors[i], 0).map_err(|e| TchError::Torch(e.to_string()))?;
+                self.whole[i] = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees every parameter this rank does not own (the start of an attempt).
+    pub fn release_all(&mut self, model: &Model) -> Result<(), TchError> {
+        (0..self.units.len()).try_for_each(|u| self.release(model, u))
+    }
+
+    /// Memory again for `params` that were freed, zeroed (a padded vocabulary's rows, which no
+    /// gather writes, stay zero). An out-of-memory here is an ordinary failed attempt.
+    fn allocate(&mut self, model: &Model, params: &[usize]) -> Result<(), TchError> {
+        let _no_grad = tch::no_grad_guard();
+        for &i in params {
+            if !self.whole[i] {
+                let t = &model.params.tensors[i];
+                resize_storage(t, self.nbytes[i]).map_err(|e| TchError::Torch(e.to_string()))?;
+                self.whole[i] = true;
+                let _ = t.shallow_clone().f_zero_()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `unit`'s parameters gathered from their owners into this rank's model: memory for them,
+    /// the ranks' word, the gather. Ok(false): a peer's attempt failed, leave it.
+    pub fn gather(&mut self, model: &Model, lock: &mut Lockstep, unit: usize) -> Result<bool, TchError> {
+        let params = self.units[unit].clone();
+        self.allocate(model, &params)?;
+        let Some(d) = lock.dist else { return Ok(true) };
+        if !lock.well()? {
+            return Ok(false);
+        }
+        let tensors: Vec<Tensor> = params.iter().map(|&i| model.user_tensor(i)).collect::<Result<_, _>>()?;
+        lock.collective(d.gather_pieces(&tensors, &self.owns[unit], self.chunk, &self.wide, &self.piece))?;
+        Ok(true)
+    }
+
+    /// `grads` (one per parameter of `unit`, as the optimizer shapes them; None: no gradient
+    /// here, or a micro-step this rank has no samples for) summed over the ranks into `accs`,
+    /// the accumulators of the parameters this rank owns (indexed by parameter; None for the
+    /// others). Ok(false): a peer's attempt failed, leave it.
+    pub fn reduce_scatter(
+        &self,
+        lock: &mut Lockstep,
+        unit: usize,
+        grads: &[Option<Tensor>],
+        accs: &[Option<Tensor>],
+    ) -> Result<bool, TchError> {
+        let Some(d) = lock.dist else {
+            // One process: its gradients are the sums.
+            for (&i, g) in self.units[unit].iter().zip(grads) {
+                if let (Some(acc), Some(g)) = (&accs[i], g) {
+                    let _ = acc.shallow_clone().f_add_(&g.f_reshape([-1])?)?;
+                }
+            }
+            return Ok(true);
+        };
+        // Contiguous before the word: a flat view of each then allocates nothing.
+        let flats: Vec<Option<Tensor>> =
+            grads.iter().map(|g| g.as_ref().map(|g| g.f_contiguous()?.f_view([-1])).transpose()).collect::<Result<_, _>>()?;
+        if !lock.well()? {
+            return Ok(false);
+        }
+        let mine: Vec<Option<Tensor>> = self.units[unit].iter().map(|&i| accs[i].as_ref().map(Tensor::shallow_clone)).collect();
+        lock.collective(d.scatter_pieces(&flats, &mine, &self.owns[unit], self.chunk, &self.wide, &self.piece))?;
+        Ok(true)
+    }
+
+    /// Every parameter whole on every rank again: memory for the freed ones and one gather of
+    /// all from their owners (after the update, or after a failed attempt the ranks agreed on).
+    pub fn restore_all(&mut self, model: &Model, dist: Option<&Dist>) -> Result<(), DistError> {
+        let all: Vec<usize> = (0..self.whole.len()).collect();
+        self.allocate(model, &all).map_err(torch_error("parameter gather"))?;
+        let Some(d) = dist else { return Ok(()) };
+        let params = model.optimizer_params().map_err(torch_error("parameter gather"))?;
+        d.gather_pieces(&params, &self.all, self.chunk, &self.wide, &self.piece)
+    }
+
+    /// Per parameter: an fp32 accumulator of its optimizer-shaped gradient when this rank owns
+    /// it, zeroed.
+    pub fn accumulators(&self, model: &Model) -> Result<Vec<Option<Tensor>>, TchError> {
+        (0..self.whole.len())
+            .map(|i| {
+                let n: i64 = model.user_shape(i).iter().product();
+                self.owned[i].then(|| Tensor::f_zeros([n], (Kind::Float, self.wide.device()))).transpose()
+            })
+            .collect()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+/// The ranks' word before each collective of an attempt under `dist.shard: parameters`.
+pub struct Lockstep<'a> {
+    dist: Option<&'a Dist>,
+    /// Words said so far, and in the whole attempt (the same on every rank).
+    said: usize,
+    total: usize,
+    /// A collective failed: the group is broken, no word follows.
+    broken: bool,
+}
+
+impl<'a> Lockstep<'a> {
+    pub fn new(dist: Option<&'a Dist>, total: usize) -> Self {
+        Self { dist, said: 0, total, broken: false }
+    }
+
+    /// This rank is well; whether every rank is.
+    fn well(&mut self) -> Result<bool, TchError> {
+        self.word(0.0)
+    }
+
+    fn word(&mut self, failed: f64) -> Result<bool, TchError> {
+        self.said += 1;
+        let Some(d) = self.dist else { return Ok(true) };
+        let worst = d.max(failed).map_err(|e| {
+            self.broken = true;
+            TchError::Torch(e.to_string())
+        })?;
+        Ok(worst == 0.0)
+    }
+
+    fn collective(&mut self, r: Result<(), DistError>) -> Result<(), TchError> {
+        r.map_err(|e| {
+            self.broken = true;
+            TchError::Torch(e.to_string())
+        })
+    }
+
+    /// This rank's work failed: its peers, waiting at the next word, hear it there (when the
+    /// attempt has one left; past the last they meet this rank at the step's agreement).
+    pub fn fail(&mut self) {
+        if !self.broken && self.said < self.total && self.dist.is_some() {
+            let _ = self.word(1.0);
+        }
+        self.said = self.total;
+    }
+}
+
+impl Dist {
+    /// Each rank's `params` of `own` put into the others' (the pieces of `chunk` elements per
+    /// rank through `wide` and `piece`, which nothing else uses meanwhile). Writes only: the
+    /// destination parameters' memory must be there.
+    pub(super) fn gather_pieces(
+        &self,
+        params: &[Tensor],
+        own: &Ownership,
+        chunk: i64,
+        wide: &Tensor,
+        piece: &Tensor,
+    ) -> Result<(), DistError> {
+        const WHAT: &str = "parameter gather";
+        let torch = torch_error(WHAT);
+        let _no_grad = tch::no_grad_guard();
+        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
+        let placed = placements(own, &numels);
+        let (slot, world) = (own.slot(), self.world_size as i64);
+        let chunk = chunk.clamp(1, slot);
+        let mut from = 0;
+        while from < slot {
+            let len = chunk.min(slot - from);
+            let mut mine = piece.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
+                if let Some((at, to, n)) = overlap(p, from, len) {
+                    let src = params[i].f_view([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
+                    mine.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
+                }
+            }
+            let mut all = wide.f_narrow(0, 0, world * len).map_err(torch)?;
+            self.group.all_gather(&mut all, &mut mine).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
+                if let Some((at, to, n)) = overlap(p, from, len) {
+                    let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
+                    let mut dst = params[i].f_view([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
+                    dst.f_copy_(&src).map_err(torch)?;
+                }
+            }
+            from += len;
+        }
+        Ok(())
+    }
+
+    /// `flats` (flat gradients of the parameters of `own`; None: zeros) summed over the ranks,
+    /// each rank's own added into its `accs` (flat fp32; None for the parameters it does not own).
+    pub(super) fn scatter_pieces(
+        &self,
+        flats: &[Option<Tensor>],
+        accs: &[Option<Tensor>],
+        own: &Ownership,
+        chunk: i64,
+        wide: &Tensor,
+        piece: &Tensor,
+    ) -> Result<(), DistError> {
+        const WHAT: &str = "gradient reduce-scatter";
+        let torch = torch_error(WHAT);
+        let _no_grad = tch::no_grad_guard();
+        let numels = own.numels();
+        let placed = placements(own, numels);
+        let (slot, world) = (own.slot(), self.world_size as i64);
+        let chunk = chunk.clamp(1, slot);
+        let mut from = 0;
+        while from < slot {
+            let len = chunk.min(slot - from);
+            let mut input = wide.f_narrow(0, 0, world * len).and_then(|mut b| b.f_zero_()).map_err(torch)?;
+            for (i, p) in placed.iter().enumerate() {
+                if let (Some((at, to, n)), Some(g)) = (overlap(p, from, len), &flats[i]) {
+                    input
+                        .f_narrow(0, p.owner as i64 * len + to, n)
+                        .and_then(|mut dst| dst.f_copy_(&g.f_narrow(0, at, n)?))
+                        .map_err(torch)?;
+                }
+            }
+            let mut out = piece.f_narrow(0, 0, len).map_err(torch)?;
+            self.group.reduce_scatter(&mut out, &mut input).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
+                if let (Some((at, to, n)), Some(acc)) = (overlap(p, from, len), &accs[i]) {
+                    let _ = acc
+                        .f_narrow(0, at, n)
+                        .and_then(|mut dst| dst.f_add_(&out.f_narrow(0, to, n)?))
+                        .map_err(torch)?;
+                }
+            }
+            from += len;
+        }
+        Ok(())
+    }
+}
