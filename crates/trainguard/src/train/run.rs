@@ -912,7 +912,7 @@ fn mixture_change(then: &crate::config::DataConfig, now: &crate::config::DataCon
 fn step_data<'c>(
     corpus: &'c Corpus,
     plan: &RunPlan,
-    skipped: &'c [crate::checkpoint::state::SkippedWindow],
+    skipped: &'c [crate::data::skips::SkippedWindow],
 ) -> StepData<'c> {
     StepData {
         corpus,
