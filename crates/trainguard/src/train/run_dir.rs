@@ -130,11 +130,13 @@ fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
         Ok(t) => t,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
         Err(e) if e.kind() == ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
-        // A regular file longer than any config loads: not ours either (a FIFO, a directory, … is
-        // refused as what it is).
-        Err(e) if e.kind() == ErrorKind::InvalidInput && file.metadata().is_ok_and(|m| m.is_file()) => {
-            String::new()
-        }
+        // A regular file longer than any config loads: not ours either. A directory is refused as
+        // the OS says it (a FIFO, a device, … as what it is).
+        Err(e) if e.kind() == ErrorKind::InvalidInput => match file.metadata() {
+            Ok(m) if m.is_file() => String::new(),
+            Ok(m) if m.is_dir() => return Err(std::io::Error::from_raw_os_error(libc::EISDIR)),
+            _ => return Err(e),
+        },
         Err(e) => return Err(e),
     };
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
