@@ -8,7 +8,7 @@ use std::process::Command;
 use tch::Device;
 use trainguard::config::ModelConfig;
 use trainguard::model::Model;
-use trainguard::planner::estimate::Transformer;
+use trainguard::planner::shape::Transformer;
 
 /// `trainguard plan <args>` run in `dir`.
 fn plan_in(dir: &Path, args: &[&str]) -> Run {

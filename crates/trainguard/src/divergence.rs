@@ -10,8 +10,9 @@
 //! wild values, so a spike stands out by many robust standard deviations while ordinary noise
 //! does not. The window holds only steps judged healthy, so a run of spikes cannot become the
 //! normal it is judged against.
-use crate::checkpoint::state::{DivergenceRecord, RollbackRecord, SkippedWindow};
+use crate::checkpoint::state::{DivergenceRecord, RollbackRecord};
 use crate::config::DivergenceConfig;
+use crate::data::skips::SkippedWindow;
 use serde::Serialize;
 
 /// MAD × this estimates the standard deviation of normally distributed values.

@@ -7,6 +7,7 @@
 use crate::checkpoint::store;
 use crate::config::{Config, KernelsConfig, ModelConfig};
 use crate::data::shards;
+use crate::fs::run_files;
 use crate::model::Model;
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -102,7 +103,7 @@ impl Dataset {
 
 /// Opens a checkpoint, a run directory or an exported Hugging Face directory.
 pub fn open(target: &Path) -> Result<Trained, SampleError> {
-    if target.join("config.json").is_file() && !target.join(store::CONFIG_FILE).is_file() {
+    if target.join("config.json").is_file() && !target.join(run_files::CONFIG).is_file() {
         let (model, weights) = crate::hf::import(target).map_err(|e| input(e.to_string()))?;
         let tokenizer = target.join("tokenizer.json");
         let (dataset, dataset_unusable) = match tokenizer.is_file().then(|| {
@@ -137,20 +138,20 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
             target.display()
         )));
     }
-    let final_weights = target.join(store::MODEL_FILE);
+    let final_weights = target.join(run_files::WEIGHTS);
     // `recorded`: what the run trained on, as its checkpoint says (a run's final weights: its
     // newest checkpoint's word for it).
-    let (config, weights, recorded) = if target.join(store::STATE_FILE).is_file() {
+    let (config, weights, recorded) = if target.join(run_files::STATE).is_file() {
         let l = store::load(target).map_err(|e| input(e.to_string()))?;
         (l.config, l.weights, l.state.data)
-    } else if target.join(store::CONFIG_FILE).is_file() && final_weights.is_file() {
+    } else if target.join(run_files::CONFIG).is_file() && final_weights.is_file() {
         let yaml = crate::fs::whole_file::read_string_at_most(
-            &target.join(store::CONFIG_FILE),
+            &target.join(run_files::CONFIG),
             crate::config::limits::MAX_CONFIG_BYTES,
         )
-        .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+        .map_err(|e| input(format!("{}: {e}", target.join(run_files::CONFIG).display())))?;
         let config: Config = crate::config::saved(&yaml)
-            .map_err(|e| input(format!("{}: {e}", target.join(store::CONFIG_FILE).display())))?;
+            .map_err(|e| input(format!("{}: {e}", target.join(run_files::CONFIG).display())))?;
         let recorded = store::list(&store::root(target))
             .last()
             .and_then(|(_, dir)| store::load_state(dir).ok())
@@ -166,7 +167,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
         // loads, which carries its own config. Those passed over are named.
         let root = store::root(target);
         if !root.is_dir() {
-            return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {}, checkpoints/ or config.json)", target.display(), store::STATE_FILE, store::CONFIG_FILE)));
+            return Err(input(format!("{}: not a checkpoint, run or Hugging Face directory (no {}, {}, checkpoints/ or config.json)", target.display(), run_files::STATE, run_files::CONFIG)));
         }
         let (newest, skipped) = store::newest_valid(&root);
         let why = || skipped.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");

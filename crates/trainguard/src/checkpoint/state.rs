@@ -1,5 +1,7 @@
 //! `trainer_state.json`: everything besides tensors that a resumed run needs to continue
 //! exactly where the checkpoint left off.
+// Recorded here, defined with the sampler that skips them (`step` names it through this path).
+pub use crate::data::skips::SkippedWindow;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -149,13 +151,6 @@ pub struct DivergenceRecord {
     pub rollbacks: Vec<RollbackRecord>,
     /// Steps (the loop's index, from 0) below this one train at `train.lr` × `divergence.lr_factor`.
     pub lowered_lr_until: Option<u64>,
-}
-
-/// Data steps `from..to` (the sampler's step index, from 0; `to` excluded), skipped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SkippedWindow {
-    pub from: u64,
-    pub to: u64,
 }
 
 /// One rollback: the step that diverged (counted from 1, as reported), the data step it drew

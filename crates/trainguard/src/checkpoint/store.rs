@@ -16,15 +16,15 @@
 //! every optimizer file).
 use super::state::{TrainerState, STATE_FORMAT};
 use crate::config::Config;
-use crate::fs::whole_file;
+use crate::fs::{run_files, whole_file};
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use tch::{Device, Tensor};
 
-pub const MODEL_FILE: &str = "model.safetensors";
+pub const MODEL_FILE: &str = run_files::WEIGHTS;
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub const STATE_FILE: &str = "trainer_state.json";
-pub const CONFIG_FILE: &str = "config.yaml";
+pub const STATE_FILE: &str = run_files::STATE;
+pub const CONFIG_FILE: &str = run_files::CONFIG;
 const TMP_PREFIX: &str = ".tmp-";
 /// A checkpoint moved aside while the same step is written again.
 const OLD_PREFIX: &str = ".tmp-old-";

@@ -1,9 +1,16 @@
 //! Which data a step draws once windows of it were skipped: the divergence guard marks the data
 //! steps that led to a loss spike as never to be drawn again, and the sampler then maps each
 //! optimizer step to the next data step past them. Pure; the windows themselves are recorded in
-//! `trainer_state.json` (`checkpoint::state::SkippedWindow`), so a resumed run draws exactly what
-//! the run that skipped them would have drawn.
-use crate::checkpoint::state::SkippedWindow;
+//! the checkpoints' `trainer_state.json`, so a resumed run draws exactly what the run that
+//! skipped them would have drawn.
+use serde::{Deserialize, Serialize};
+
+/// Data steps `from..to` (the sampler's step index, from 0; `to` excluded), skipped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedWindow {
+    pub from: u64,
+    pub to: u64,
+}
 
 /// The data step (the step index the sampler draws samples for) of optimizer step `step` (the
 /// loop's index, from 0): the `step`-th data step outside every window in `skipped`. Without

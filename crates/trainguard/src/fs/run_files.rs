@@ -17,6 +17,10 @@ pub const STOP: &str = "stop.json";
 pub const WEIGHTS: &str = "model.safetensors";
 /// The checkpoints, one `step-NNNNNNNN` directory each.
 pub const CHECKPOINTS: &str = "checkpoints";
+/// In each checkpoint: the trainer's state (step, progress, the files' sizes), beside the
+/// weights ([`WEIGHTS`]), the optimizer's state and the config ([`CONFIG`]). A directory holding
+/// one is a checkpoint.
+pub const STATE: &str = "trainer_state.json";
 /// TensorBoard's event files (`metrics.tensorboard`).
 pub const TENSORBOARD: &str = "tb";
 /// PyTorch profiler traces (`metrics.trace`).

@@ -6,6 +6,18 @@
 //! that exists) and the new text replaces it through a rename.
 use std::path::{Path, PathBuf};
 
+/// What `--apply` did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Applied {
+    pub path: PathBuf,
+    /// None when the file already held these values (nothing written).
+    pub backup: Option<PathBuf>,
+    pub micro_batch: u64,
+    pub global_batch: u64,
+    pub accumulation: u64,
+    pub diff: String,
+}
+
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EditError {
     #[error("`{section}` is written in flow style or as a scalar on one line; --apply edits block mappings only: set {section}.{key} by hand")]

@@ -11,14 +11,16 @@ pub mod presets;
 pub mod profile;
 pub mod recommend;
 pub mod report;
+pub mod shape;
 pub mod sharding;
 
 use crate::config::{self, Arch, Config, ConfigError};
 use crate::run_plan::{self, RunPlan};
-use estimate::{OptimizerName, Precision, Setup, Target, Transformer};
+use apply::Applied;
 use gpu::GpuTarget;
 use profile::{Measured, ProfileError, ProfileReport};
 use recommend::Budget;
+use shape::{OptimizerName, Precision, Setup, Target, Transformer};
 use std::path::{Path, PathBuf};
 
 /// Share of the card an estimate may fill: the rest covers what estimating cannot see.
@@ -224,18 +226,6 @@ impl PlannerError {
 
 fn usage(msg: impl Into<String>) -> PlannerError {
     PlannerError::Usage(msg.into())
-}
-
-/// What `--apply` did.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct Applied {
-    pub path: PathBuf,
-    /// None when the file already held these values (nothing written).
-    pub backup: Option<PathBuf>,
-    pub micro_batch: u64,
-    pub global_batch: u64,
-    pub accumulation: u64,
-    pub diff: String,
 }
 
 /// Everything resolved from the flags.

@@ -20,8 +20,9 @@
 //!
 //! Each measured step accumulates [`ACCUMULATION`] micro-batches, so the gradients of the first
 //! are held while the second runs: the peak of any run that accumulates.
-use super::estimate::{estimate, Setup, Transformer};
+use super::estimate::estimate;
 use super::recommend::largest_fitting;
+use super::shape::{Setup, Transformer};
 use crate::config::OomPolicy;
 use crate::data::{Corpus, DataError, Sampler};
 use crate::events::Reporter;

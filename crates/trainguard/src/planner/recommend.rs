@@ -4,7 +4,8 @@
 //! of every block or of the fewest first blocks that suffice, flash attention, a shorter
 //! sequence) close the gap, each with its estimated saving.
 //! Also the search used by the measurement: double, then bisect.
-use super::estimate::{estimate, Precision, Setup, Transformer, OPTIMIZERS};
+use super::estimate::estimate;
+use super::shape::{Lever, Precision, Setup, Transformer, OPTIMIZERS};
 use serde::Serialize;
 
 /// What a run may use on one GPU.
@@ -42,15 +43,6 @@ pub struct Recommendation {
     pub over_by_bytes: Option<u64>,
     /// Nothing fits: what each change would save at micro-batch 1, largest saving first.
     pub levers: Vec<Lever>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Lever {
-    pub change: String,
-    pub saving_bytes: u64,
-    pub total_bytes: u64,
-    /// The change alone brings micro-batch 1 within the budget.
-    pub closes_gap: bool,
 }
 
 /// Largest `b` in `1..=limit` for which `fits(b)` holds, assuming that once a size does not fit

@@ -1,12 +1,13 @@
 //! What `trainguard plan` prints: the estimate table, the recommendation (or the gap and the
 //! levers), the profile's estimate-vs-measured table and the `--apply` diff; or all of it as one
 //! JSON object (`--json`, schema [`SCHEMA`]; every size in bytes).
-use super::estimate::{Estimate, PrecisionBytes, Setup, Target, Transformer};
+use super::apply::Applied;
+use super::estimate::Estimate;
 use super::gpu::GpuTarget;
 use super::profile::{Outcome, ProfileReport};
 use super::recommend::Recommendation;
+use super::shape::{PrecisionBytes, Setup, Target, Transformer};
 use super::sharding::Levels;
-use super::Applied;
 use crate::config::Arch;
 use serde::Serialize;
 use std::fmt::Write;

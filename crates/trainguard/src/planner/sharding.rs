@@ -18,7 +18,7 @@
 //! `memory.offload_optimizer` moves that state (and its scratch) to the host with copies of the
 //! owned parameters in their dtype: on a GPU the device holds neither; on the CPU (host = device)
 //! the copies add to the peak.
-use super::estimate::{PrecisionBytes, Setup, Target, Transformer};
+use super::shape::{Lever, PrecisionBytes, Setup, Target, Transformer};
 use crate::config::ShardLevel;
 use crate::distributed::shard::Ownership;
 use crate::step::LayoutSpec;
@@ -329,7 +329,7 @@ pub struct Levels {
     pub chosen: Option<usize>,
     pub order: &'static str,
     /// When no level fits: the levers at micro-batch 1 on the last (most sharded) level.
-    pub levers: Vec<super::recommend::Lever>,
+    pub levers: Vec<Lever>,
 }
 
 pub const ORDER: &str = "none, optimizer, gradients, parameters (cheapest communication first), then optimizer offload on the most sharded level; the first with a micro-batch that fits is chosen";
@@ -365,7 +365,8 @@ pub fn choose(
 mod tests {
     use super::*;
     use crate::planner::estimate::fixtures::{cpu_fp32_adamw, cuda_fp32_adamw, gpt2_small, llama32_1b};
-    use crate::planner::estimate::{estimate, owned_optimizer_bytes, Precision};
+    use crate::planner::estimate::{estimate, owned_optimizer_bytes};
+    use crate::planner::shape::Precision;
 
     fn at(s: &Setup, shard: ShardLevel, world: u64, offload: bool) -> Setup {
         Setup { shard, gpus: world, offload_optimizer: offload, ..s.clone() }

@@ -69,7 +69,7 @@ pub(super) fn check(out_dir: &Path, overwrite: bool) -> Result<(), PlacementErro
 /// directory is not one, though it holds the run's config.yaml. `metrics.jsonl` or
 /// `events.jsonl` alone do not make one: other tools write files of those names.
 pub(super) fn is_run(dir: &Path) -> bool {
-    if dir.join(store::STATE_FILE).exists() {
+    if dir.join(run_files::STATE).exists() {
         return false;
     }
     // A regular file only (a FIFO would block the read), and no larger than trainguard writes.

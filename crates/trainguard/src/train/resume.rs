@@ -256,7 +256,7 @@ pub(super) fn leave_the_old_line(
 
 /// The learning rate a changed schedule (`max_steps`, `lr`, warmup) gives the step resumed,
 /// against the checkpoint's: a longer run can send it back up.
-pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
+fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
     let step = l.state.step;
     let (before, now) = (LrSchedule::from_config(&l.config.train).at(step), plan.schedule.at(step));
     (before != now).then(|| {
@@ -270,12 +270,7 @@ pub(super) fn schedule_change(l: &Loaded, plan: &RunPlan) -> Option<String> {
 /// batch (the checkpoint's and this run's). Where the global batch is the same, so are each
 /// step's samples (each rank takes its share of them): the update is the same sum in another
 /// order; with dropout, the masks are drawn per micro-batch and differ.
-pub(super) fn ranks_change(
-    saved: Option<usize>,
-    now: usize,
-    saved_global: usize,
-    global: usize,
-) -> Option<String> {
+fn ranks_change(saved: Option<usize>, now: usize, saved_global: usize, global: usize) -> Option<String> {
     let saved = saved.filter(|&s| s != now)?;
     let share = |g: usize, n: usize| {
         if g.is_multiple_of(n) {
@@ -296,12 +291,37 @@ pub(super) fn ranks_change(
     ))
 }
 
-/// Refuses a checkpoint whose model differs from the config; returns the safe changes.
-pub(super) fn check_compatible(
+/// What changed since checkpoint `l` was written, in the order said: the config's safe
+/// changes and the data's ([`check_compatible`], which refuses the rest), the learning rate at
+/// the step resumed, the number of ranks, the mixture's weights.
+pub(super) fn changed_since(
     l: &Loaded,
-    cfg: &Config,
+    plan: &RunPlan,
     data: &DataRecord,
 ) -> Result<Vec<String>, CheckpointError> {
+    let (cfg, t) = (&plan.config, &plan.config.train);
+    let mut changed = check_compatible(l, cfg, data)?;
+    changed.extend(schedule_change(l, plan));
+    changed.extend(ranks_change(
+        l.state.world_size,
+        plan.world_size,
+        l.config.train.global_batch_size,
+        t.global_batch_size,
+    ));
+    changed.extend(mixture_change(&l.config.data, &cfg.data));
+    Ok(changed)
+}
+
+/// The resumed run's mixture against its checkpoint's, when either is one.
+fn mixture_change(then: &crate::config::DataConfig, now: &crate::config::DataConfig) -> Option<String> {
+    if then.sources.is_empty() && now.sources.is_empty() {
+        return None;
+    }
+    crate::data::mixture::weights_change(&then.weighted(), &now.weighted())
+}
+
+/// Refuses a checkpoint whose model differs from the config; returns the safe changes.
+fn check_compatible(l: &Loaded, cfg: &Config, data: &DataRecord) -> Result<Vec<String>, CheckpointError> {
     let (mut model, mut other) = compare::differences(&l.config, cfg);
     match data_change(l.state.data.as_ref(), data, l.state.step) {
         Some(DataChange::Tokenizer(why)) => model.push(why),

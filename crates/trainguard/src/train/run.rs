@@ -4,11 +4,9 @@
 //! ([`Run::step`]), and the end ([`Run::finish`]: final weights, summary). The step itself is
 //! `step::optimizer_step`, the same one `plan --profile` measures.
 use super::checkpointer::{Checkpointer, WaitFor};
-use super::resume::{
-    corrupt_path, leave_the_old_line, ranks_change, schedule_change, Progress, Resume, Start, TrainState,
-};
+use super::resume::{corrupt_path, Progress, Resume, Start, TrainState};
 use super::run_dir::RunDir;
-use super::start::Decision;
+use super::start::{self, Decision};
 use super::watch::MemoryWatch;
 use super::TrainError;
 use crate::checkpoint::state::DataRecord;
@@ -65,129 +63,33 @@ pub struct Run<'a> {
 
 impl<'a> Run<'a> {
     /// Builds what the run needs, resuming from a checkpoint when asked; and the writing rank's
-    /// hold on `out_dir`, for the caller to keep until the run's end is recorded.
+    /// hold on `out_dir`, for the caller to keep until the run's end is recorded. Wiring, in the
+    /// order the start goes: what the run reads (its [`Inputs`]), the allocator's settings, where
+    /// it starts ([`start::decide`]), the state it starts in, the run directory cleared for it
+    /// ([`start::take_the_directory`]), the reporter, the group.
     pub(super) fn build(
         plan: &'a RunPlan,
         resume: &Resume,
         mut dist: Option<&'a mut Dist>,
         notifier: Option<&crate::notify::Notifier>,
     ) -> Result<(Self, Option<RunDir>), TrainError> {
-        let cfg = &plan.config;
-        let t = &cfg.train;
-        let device = plan.device;
-        if let Some(n) = t.threads {
+        let (cfg, device) = (&plan.config, plan.device);
+        if let Some(n) = cfg.train.threads {
             tch::set_num_threads(n as i32);
         }
-        let corpus = Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len, t.eval_interval > 0);
-        if let Some(d) = dist.as_deref() {
-            // First of all collectives: a rank whose config differs would meet its peers in
-            // other ones, or train something else.
-            crate::distributed::ranks::check_same_start(d, cfg, corpus.as_ref().ok())
-                .map_err(TrainError::from_start)?;
-        }
-        let corpus = corpus?;
-        let tasks = crate::eval::tasks_of(cfg)?;
-        let unigram_entropy = corpus.val_entropy;
-        let document_eos =
-            crate::model::documents::run_eos(&cfg.data, corpus.manifest.as_ref().map(|m| m.eos_id))?;
-
-        let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
-        let data = data_record(cfg, &corpus);
+        let Inputs { corpus, tasks, document_eos, data } = Inputs::load(plan, dist.as_deref())?;
         let mut ckpt = Checkpointer::new(plan, data.clone());
-        // Inside what the ranks compare (every rank checks init_from): a refusal is one their
-        // peers hear of.
-        // What reading a checkpoint maps: counted out of the CPU cap's baseline below.
-        let before_reading = ProcessMemory::read().map_or(0, |p| p.vm_bytes);
-        let (mut held, resumed) = super::start::decide(plan, resume, ckpt.root(), &data);
-        let reading = ProcessMemory::read().map_or(0, |p| p.vm_bytes).saturating_sub(before_reading);
-        let start_step = resumed.as_ref().map_or(0, |d| d.step());
-        // Before the first CUDA allocation (on NCCL the comparison below is one): allocator
-        // options and the CUDA memory cap.
-        let fraction = crate::memory::limit_fraction(plan.memory_limit, device)?;
-        let allocator =
-            crate::memory::allocator::configure(&cfg.memory.allocator, fraction, device.is_cuda())?;
-        if let Some(d) = dist.as_deref() {
-            // The ranks compare where they start, before anything is written. A rank that
-            // cannot start (rank 0 alone refuses an out_dir holding another run; a checkpoint
-            // only one rank sees) says so (-1), rather than its peers failing later in a
-            // collective without the cause (on NCCL after dist.timeout_s); without a
-            // shared filesystem a rank may find no checkpoint, or an older one, and would
-            // silently train from another step.
-            let (lowest, highest) = d.spread(if resumed.is_ok() { start_step as f64 } else { -1.0 })?;
-            if resumed.is_ok() && lowest < 0.0 {
-                return Err(TrainError::PeerCouldNotStart);
-            }
-            if resumed.is_ok() && lowest != highest {
-                return Err(TrainError::ResumeDisagrees { lowest: lowest as u64, highest: highest as u64 });
-            }
-        }
-        let Decision { start: Start { mut loaded, skipped, restored }, mut changed } = resumed?;
-
-        // The model and optimizer, and the state resumed into them, are built before the run
-        // directory is touched: a checkpoint refused only here (its optimizer state of another
-        // shape) leaves the run it was refused over as it was. The memory cap goes on first,
-        // after the corpus is loaded: it counts what training allocates.
-        let mut baseline_vm = match plan.memory_limit {
-            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
-            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
-        };
-        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
-        let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
-        let recording =
-            crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
-        let mut state = fresh_state(plan, recording)?;
-        if let Some(eos) = document_eos {
-            state.trainable.model.mask_documents(eos);
-            say_how_documents_are_masked(plan, eos);
-        }
-        match (&loaded, &cfg.init_from) {
-            (Some(l), _) => state.restore(l, ckpt.root())?,
-            (None, Some(dir)) => {
-                crate::hf::init_from(&state.trainable.model, dir)?;
-                let t = &state.trainable;
-                t.layout
-                    .refresh_host(&t.model)
-                    .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
-            }
-            (None, None) => {}
-        }
-        if let Some(l) = loaded.as_mut() {
-            // Its tensors are copied into the model and optimizer: what they held goes back, and
-            // the CPU cap no longer counts them as start-up memory.
-            (l.weights, l.optimizer) = (Vec::new(), Vec::new());
-            baseline_vm = baseline_vm.saturating_sub(reading);
-            if let (Some(limit), tch::Device::Cpu) = (plan.memory_limit, device) {
-                crate::memory::rebase_cpu_limit(baseline_vm, limit)?;
-            }
-        }
-
-        if let Some(h) = held.as_mut() {
-            h.prepare(cfg)?;
-        }
-        let left = match run_dir {
-            Some(dir) => leave_the_old_line(
-                dir,
-                ckpt.root(),
-                loaded.as_ref().map(|l| (start_step, l.path.as_path())),
-                t.max_steps,
-            )?,
-            None => Default::default(),
-        };
-        if let Some(h) = held.as_ref() {
-            h.mark_job()?;
-        }
-        changed.extend(loaded.as_ref().and_then(|l| schedule_change(l, plan)));
-        changed.extend(loaded.as_ref().and_then(|l| {
-            ranks_change(
-                l.state.world_size,
-                plan.world_size,
-                l.config.train.global_batch_size,
-                t.global_batch_size,
-            )
-        }));
-        changed.extend(loaded.as_ref().and_then(|l| mixture_change(&l.config.data, &cfg.data)));
+        // Before the first CUDA allocation (on NCCL the ranks' comparison of their starts is
+        // one): allocator options and the CUDA memory cap.
+        let allocator = allocator_settings(plan)?;
+        let (mut held, mut decision) = start::decide(plan, resume, ckpt.root(), &data, dist.as_deref())?;
+        let start_step = decision.step();
+        let Started { state, baseline_vm, baseline_rss, deterministic } =
+            Started::build(plan, &mut decision, ckpt.root(), document_eos)?;
+        let left = start::take_the_directory(held.as_mut(), plan, ckpt.root(), &decision)?;
+        let Decision { start: Start { loaded, skipped, restored }, changed, .. } = decision;
         let resumed_at = loaded.as_ref().map(|_| start_step);
-        let mut reporter = open_reporter(plan, run_dir, resumed_at, notifier)?;
+        let mut reporter = open_reporter(plan, resumed_at, notifier)?;
         report_what_the_start_found(&mut reporter, start_step, restored, skipped, left);
         warn_of_allocator_settings(&allocator, device);
         if let Some(d) = deterministic {
@@ -196,26 +98,23 @@ impl<'a> Run<'a> {
         if let Some(d) = dist.as_deref_mut() {
             join_group(d, plan, &state)?;
         }
-
+        let micro = state.guard.micro_batch();
+        let t = &cfg.train;
         reporter.emit(Event::RunStarted {
             device: format!("{device:?}").to_lowercase(),
             params: state.trainable.model.num_params(),
             corpus: corpus.description.clone(),
-            unigram_entropy,
+            unigram_entropy: corpus.val_entropy,
             global_batch_size: t.global_batch_size,
-            micro_batch_size: state.guard.micro_batch(),
+            micro_batch_size: micro,
             configured_micro_batch_size: plan.micro_batch,
-            accumulation: crate::data::batch::accumulation(
-                t.global_batch_size,
-                state.guard.micro_batch(),
-                plan.world_size,
-            )
-            .unwrap_or(plan.accumulation),
+            accumulation: crate::data::batch::accumulation(t.global_batch_size, micro, plan.world_size)
+                .unwrap_or(plan.accumulation),
             world_size: plan.world_size,
             tokens_per_step: plan.tokens_per_step,
             max_steps: t.max_steps,
             memory_limit_bytes: plan.memory_limit,
-            allocator: allocator.clone(),
+            allocator,
         });
         if let Some(l) = &loaded {
             ckpt.adopt(l);
@@ -729,9 +628,103 @@ impl<'a> Run<'a> {
     }
 }
 
-/// What the run trains on, as its checkpoints record it.
-/// The model, optimizer, loss scaler and OOM guard as a fresh run starts them (a resume then
-/// restores its checkpoint into them).
+/// What the run reads before it decides where it starts: the corpus (the ranks compare theirs
+/// and their configs first of all), `eval.tasks` encoded, where documents end
+/// (`data.document_mask`) and the data as checkpoints record it.
+struct Inputs {
+    corpus: Corpus,
+    tasks: Vec<crate::eval::Task>,
+    document_eos: Option<u32>,
+    data: DataRecord,
+}
+
+impl Inputs {
+    fn load(plan: &RunPlan, dist: Option<&Dist>) -> Result<Self, TrainError> {
+        let cfg = &plan.config;
+        let corpus =
+            Corpus::load(&cfg.data, cfg.model.vocab_size, cfg.model.seq_len, cfg.train.eval_interval > 0);
+        if let Some(d) = dist {
+            // First of all collectives: a rank whose config differs would meet its peers in
+            // other ones, or train something else.
+            crate::distributed::ranks::check_same_start(d, cfg, corpus.as_ref().ok())
+                .map_err(TrainError::from_start)?;
+        }
+        let corpus = corpus?;
+        let tasks = crate::eval::tasks_of(cfg)?;
+        let document_eos =
+            crate::model::documents::run_eos(&cfg.data, corpus.manifest.as_ref().map(|m| m.eos_id))?;
+        let data = data_record(cfg, &corpus);
+        Ok(Self { corpus, tasks, document_eos, data })
+    }
+}
+
+/// The allocator's options and the CUDA memory cap (`memory.limit` as a share of the device),
+/// set before the first CUDA allocation.
+fn allocator_settings(plan: &RunPlan) -> Result<crate::memory::allocator::EffectiveSettings, TrainError> {
+    let fraction = crate::memory::limit_fraction(plan.memory_limit, plan.device)?;
+    Ok(crate::memory::allocator::configure(&plan.config.memory.allocator, fraction, plan.device.is_cuda())?)
+}
+
+/// The state the run starts in, and the memory it started with.
+struct Started {
+    state: TrainState,
+    /// Process memory at start-up (CPU runs' summary figures), the checkpoint read not counted.
+    baseline_vm: u64,
+    baseline_rss: u64,
+    deterministic: Option<crate::determinism::Determinism>,
+}
+
+impl Started {
+    /// The model and optimizer, and the state resumed into them (or `init_from`'s weights), are
+    /// built before the run directory is touched: a checkpoint refused only here (its optimizer
+    /// state of another shape) leaves the run it was refused over as it was. The memory cap goes
+    /// on first, after the corpus is loaded: it counts what training allocates. The loaded
+    /// checkpoint's tensors are let go once copied.
+    fn build(
+        plan: &RunPlan,
+        decision: &mut Decision,
+        root: &Path,
+        document_eos: Option<u32>,
+    ) -> Result<Self, TrainError> {
+        let (cfg, device) = (&plan.config, plan.device);
+        let mut baseline_vm = match plan.memory_limit {
+            Some(limit) => apply_limit(limit, device)?.baseline_bytes,
+            None => ProcessMemory::read().map_or(0, |p| p.vm_bytes),
+        };
+        let baseline_rss = ProcessMemory::read().map_or(0, |p| p.rss_bytes);
+        let deterministic = if cfg.deterministic { Some(crate::determinism::enable()?) } else { None };
+        let recording =
+            crate::memory::oom_snapshot::start(cfg.memory.snapshot_on_oom, device, plan.is_writer());
+        let mut state = fresh_state(plan, recording)?;
+        if let Some(eos) = document_eos {
+            state.trainable.model.mask_documents(eos);
+            say_how_documents_are_masked(plan, eos);
+        }
+        let loaded = &mut decision.start.loaded;
+        match (loaded.as_ref(), &cfg.init_from) {
+            (Some(l), _) => state.restore(l, root)?,
+            (None, Some(dir)) => {
+                crate::hf::init_from(&state.trainable.model, dir)?;
+                let t = &state.trainable;
+                t.layout
+                    .refresh_host(&t.model)
+                    .map_err(|e| unrecovered(e, None, plan.micro_batch, device))?;
+            }
+            (None, None) => {}
+        }
+        if let Some(l) = loaded.as_mut() {
+            // Its tensors are copied into the model and optimizer: what they held goes back, and
+            // the CPU cap no longer counts them as start-up memory.
+            (l.weights, l.optimizer) = (Vec::new(), Vec::new());
+            baseline_vm = baseline_vm.saturating_sub(decision.reading);
+            if let (Some(limit), tch::Device::Cpu) = (plan.memory_limit, device) {
+                crate::memory::rebase_cpu_limit(baseline_vm, limit)?;
+            }
+        }
+        Ok(Self { state, baseline_vm, baseline_rss, deterministic })
+    }
+}
+
 /// The log's word on `data.document_mask`: where documents end, and which attention path runs
 /// (a fused RoPE node that cannot take positions inside documents is left out, and said so).
 fn say_how_documents_are_masked(plan: &RunPlan, eos: u32) {
@@ -746,6 +739,8 @@ fn say_how_documents_are_masked(plan: &RunPlan, eos: u32) {
     }
 }
 
+/// The model, optimizer, loss scaler and OOM guard as a fresh run starts them (a resume then
+/// restores its checkpoint into them).
 fn fresh_state(plan: &RunPlan, recording: bool) -> Result<TrainState, TrainError> {
     let (cfg, t, device) = (&plan.config, &plan.config.train, plan.device);
     let scaler = LossScaler::new(t.loss_scale_initial, t.loss_scale_growth_interval);
@@ -817,11 +812,11 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
 /// from the step resumed at), TensorBoard's when asked, and the writing rank's notifier.
 fn open_reporter(
     plan: &RunPlan,
-    run_dir: Option<&Path>,
     resumed_at: Option<u64>,
     notifier: Option<&crate::notify::Notifier>,
 ) -> Result<Reporter, TrainError> {
     let (cfg, t) = (&plan.config, &plan.config.train);
+    let run_dir = plan.is_writer().then_some(cfg.out_dir.as_path());
     let file_error = |e: crate::events::SinkError| TrainError::RunDirFile { file: e.path, source: e.source };
     let mut reporter = Reporter::new(run_dir, t.log_interval, t.max_steps, resumed_at).map_err(file_error)?;
     if let (Some(dir), true) = (run_dir, cfg.metrics.tensorboard) {
@@ -878,6 +873,7 @@ fn warn_of_allocator_settings(allocator: &crate::memory::allocator::EffectiveSet
     }
 }
 
+/// What the run trains on, as its checkpoints record it.
 fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
     let primary = cfg.data.primary_source();
     let manifest = match &corpus.mixture {
@@ -900,19 +896,11 @@ fn data_record(cfg: &crate::config::Config, corpus: &Corpus) -> DataRecord {
     }
 }
 
-/// The resumed run's mixture against its checkpoint's, when either is one.
-fn mixture_change(then: &crate::config::DataConfig, now: &crate::config::DataConfig) -> Option<String> {
-    if then.sources.is_empty() && now.sources.is_empty() {
-        return None;
-    }
-    crate::data::mixture::weights_change(&then.weighted(), &now.weighted())
-}
-
 /// Where this rank's samples come from, past the data steps the divergence guard skipped.
 fn step_data<'c>(
     corpus: &'c Corpus,
     plan: &RunPlan,
-    skipped: &'c [crate::checkpoint::state::SkippedWindow],
+    skipped: &'c [crate::data::skips::SkippedWindow],
 ) -> StepData<'c> {
     StepData {
         corpus,

@@ -13,6 +13,7 @@ use crate::checkpoint::fresh;
 use crate::fs::created_dirs::{self, remove_created};
 use crate::fs::dir_lock::{RunDirLock, LOCK_FILE};
 use crate::fs::run_files;
+use crate::fs::whole_file;
 use crate::job::{deadline, stop_record};
 use std::path::{Path, PathBuf};
 
@@ -73,7 +74,7 @@ impl RunDir {
             tracing::warn!("{} was not as trainguard writes it (written or edited by hand; --config may have named it): kept as {}", config_file.display(), kept.display());
         }
         // Whole: `sample` and `report` read it, and a truncated one still parses (defaults).
-        crate::fs::whole_file::replace(&config_file, yaml.as_bytes()).map_err(|e| of(&config_file, e))?;
+        whole_file::replace(&config_file, yaml.as_bytes()).map_err(|e| of(&config_file, e))?;
         self.provisional.clear();
         self.provisional_lock = false;
         Ok(())
@@ -124,10 +125,18 @@ impl Drop for RunDir {
 /// another comment. One written before the header is trainguard's when its text is as this
 /// version writes the config it reads as.
 fn keep_a_written_config(file: &Path) -> std::io::Result<Option<PathBuf>> {
-    let text = match std::fs::read_to_string(file) {
+    use std::io::ErrorKind;
+    let text = match whole_file::read_string_at_most(file, crate::config::limits::MAX_CONFIG_BYTES) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.kind() == std::io::ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == ErrorKind::InvalidData => String::new(), // not UTF-8: not ours
+        // A regular file longer than any config loads: not ours either. A directory is refused as
+        // the OS says it (a FIFO, a device, … as what it is).
+        Err(e) if e.kind() == ErrorKind::InvalidInput => match file.metadata() {
+            Ok(m) if m.is_file() => String::new(),
+            Ok(m) if m.is_dir() => return Err(std::io::Error::from_raw_os_error(libc::EISDIR)),
+            _ => return Err(e),
+        },
         Err(e) => return Err(e),
     };
     let (first, body) = text.split_once('\n').unwrap_or((&text, ""));
