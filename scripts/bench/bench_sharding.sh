@@ -25,7 +25,7 @@ common=(--config configs/debug.yaml "${model[@]}" --set train.global_batch_size=
 port=29700
 printf '%-6s %-10s %14s %14s %12s %14s\n' world level "peak MiB" "plan MiB" "step s" "checkpoint s"
 for world in $worlds; do
-  for level in none optimizer gradients; do
+  for level in none optimizer gradients parameters; do
     [ "$world" = 1 ] && [ "$level" != none ] && continue
     out=$work/$world-$level; port=$((port + 1))
     if [ "$world" = 1 ]; then

@@ -168,7 +168,10 @@ fn the_8b_shape_on_eight_h100s_lists_every_level_and_says_what_fits() {
     assert!(sent(&rows[1]) > sent(&rows[0]), "ZeRO-1 adds the all-gather to the all-reduce");
     let share = rows[2]["rank"]["owned_share"].as_f64().unwrap();
     assert!((0.125..0.13).contains(&share), "8 ranks own an eighth each, within a tensor: {share}");
-    assert!(sent(&rows[3]) > sent(&rows[2]), "ZeRO-3 gathers the parameters for the forward and the backward");
+    assert!(
+        sent(&rows[3]) > sent(&rows[2]),
+        "ZeRO-3 gathers the parameters for the forward and the backward"
+    );
     let chosen = &rows[levels["chosen"].as_u64().expect("bf16-mixed fits a level") as usize];
     assert_eq!(chosen["shard"], "parameters", "{levels}");
     let budget = j["recommendation"]["budget_bytes"].as_u64().unwrap();

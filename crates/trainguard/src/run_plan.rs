@@ -217,7 +217,8 @@ impl RunPlan {
         if env.world_size == 1 {
             // One rank owns every parameter: sharding would move nothing.
             let escalate = &config.oom.escalate;
-            let sharding = [Escalation::ShardOptimizer, Escalation::ShardGradients, Escalation::ShardParameters];
+            let sharding =
+                [Escalation::ShardOptimizer, Escalation::ShardGradients, Escalation::ShardParameters];
             if let Some(e) = escalate.iter().find(|e| sharding.contains(e)) {
                 problems.push(Problem::new(
                     "oom.escalate",

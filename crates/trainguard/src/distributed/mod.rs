@@ -403,7 +403,8 @@ impl Dist {
             }
             total.f_double_value(&[])
         };
-        let sums = params.iter().map(l1).collect::<Result<Vec<f64>, _>>().map_err(torch_error("weight check"))?;
+        let sums =
+            params.iter().map(l1).collect::<Result<Vec<f64>, _>>().map_err(torch_error("weight check"))?;
         let negated: Vec<f64> = sums.iter().map(|s| -s).collect();
         let hi = self.all_reduce_values("weight check", &sums, ReduceOp::Max)?;
         let lo = self.all_reduce_values("weight check", &negated, ReduceOp::Max)?;

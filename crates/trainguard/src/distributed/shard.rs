@@ -188,6 +188,20 @@ mod tests {
     }
 
     #[test]
+    fn a_units_ownership_keeps_each_parameters_owner_and_pads_to_its_own_largest_share() {
+        let numels = vec![10, 3, 7, 7, 1, 5];
+        let all = Ownership::assign(&numels, 3);
+        let unit = all.restricted(&[1, 3, 4]);
+        assert_eq!(unit.numels(), &[3, 7, 1]);
+        for (k, &i) in [1, 3, 4].iter().enumerate() {
+            assert_eq!(unit.owner(k), all.owner(i), "parameter {i} keeps its owner");
+        }
+        let largest = (0..3).map(|r| unit.elements(r)).max().unwrap();
+        assert_eq!(unit.slot(), largest.max(1));
+        assert!(unit.slot() < all.slot(), "a unit's slot is its own, not the model's");
+    }
+
+    #[test]
     fn the_assignment_is_the_same_for_the_same_sizes() {
         let numels = vec![5, 5, 5, 5, 9, 1];
         assert_eq!(Ownership::assign(&numels, 4), Ownership::assign(&numels, 4));

@@ -10,16 +10,16 @@
 //! rank's addition.
 use super::shard::Ownership;
 use super::{collective, torch_error, Dist, DistError};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, TchError, Tensor};
 
 /// Where a parameter's elements sit: its owner's slot, from `start` within that slot.
-pub(super) struct Placed {
-    pub owner: usize,
+struct Placed {
+    owner: usize,
     start: i64,
     len: i64,
 }
 
-pub(super) fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
+fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
     let slot = own.slot();
     own.offsets()
         .iter()
@@ -34,7 +34,7 @@ pub(super) fn placements(own: &Ownership, numels: &[i64]) -> Vec<Placed> {
 
 /// The part of `[p.start, p.start + p.len)` inside the piece `[from, from + len)` of a slot, as
 /// (offset in the parameter, offset in the piece, length).
-pub(super) fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
+fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
     let lo = p.start.max(from);
     let hi = (p.start + p.len).min(from + len);
     (lo < hi).then(|| (lo - p.start, lo - from, hi - lo))
@@ -50,58 +50,31 @@ impl Dist {
         own: &Ownership,
         chunk: i64,
     ) -> Result<Vec<Tensor>, DistError> {
-        const WHAT: &str = "gradient reduce-scatter";
-        let torch = torch_error(WHAT);
+        let torch = torch_error("gradient reduce-scatter");
         let _no_grad = tch::no_grad_guard();
-        let numels: Vec<i64> = grads.iter().map(|g| g.numel() as i64).collect();
-        let placed = placements(own, &numels);
-        let flats: Vec<Tensor> =
-            grads.iter().map(|g| g.f_reshape([-1])).collect::<Result<_, _>>().map_err(torch)?;
-        let mine: Vec<usize> = (0..grads.len()).filter(|&i| placed[i].owner == self.rank).collect();
-        let out: Vec<Tensor> = mine
+        let flats: Vec<Option<Tensor>> =
+            grads.iter().map(|g| g.f_reshape([-1]).map(Some)).collect::<Result<_, _>>().map_err(torch)?;
+        let device = grads.first().map_or(self.small, |g| g.device());
+        let sums: Vec<Option<Tensor>> = grads
             .iter()
-            .map(|&i| Tensor::f_zeros([numels[i]], (Kind::Float, grads[i].device())))
+            .enumerate()
+            .map(|(i, g)| {
+                (own.owner(i) == self.rank)
+                    .then(|| Tensor::f_zeros([g.numel() as i64], (Kind::Float, device)))
+                    .transpose()
+            })
             .collect::<Result<_, _>>()
             .map_err(torch)?;
-        let (slot, world) = (own.slot(), self.world_size as i64);
-        let chunk = chunk.clamp(1, slot);
-        let device = grads.first().map_or(self.small, |g| g.device());
-        // One input buffer for every piece (the last may be shorter: a prefix of it).
-        let buffer = Tensor::f_empty([world * chunk], (Kind::Float, device)).map_err(torch)?;
-        let mut from = 0;
-        while from < slot {
-            let len = chunk.min(slot - from);
-            let mut input =
-                buffer.f_narrow(0, 0, world * len).and_then(|mut b| b.f_zero_()).map_err(torch)?;
-            for (i, p) in placed.iter().enumerate() {
-                if let Some((at, to, n)) = overlap(p, from, len) {
-                    input
-                        .f_narrow(0, p.owner as i64 * len + to, n)
-                        .and_then(|mut dst| dst.f_copy_(&flats[i].f_narrow(0, at, n)?))
-                        .map_err(torch)?;
-                }
-            }
-            let mut piece = Tensor::f_empty([len], (Kind::Float, device)).map_err(torch)?;
-            self.group
-                .reduce_scatter(&mut piece, &mut input)
-                .map_err(collective(WHAT, self.heartbeat.as_ref()))?;
-            for (k, &i) in mine.iter().enumerate() {
-                if let Some((at, to, n)) = overlap(&placed[i], from, len) {
-                    out[k]
-                        .f_narrow(0, at, n)
-                        .and_then(|mut dst| dst.f_copy_(&piece.f_narrow(0, to, n)?))
-                        .map_err(torch)?;
-                }
-            }
-            from += len;
-        }
+        let (wide, piece) = self.pieces(own, chunk, device).map_err(torch)?;
+        self.scatter_pieces(&flats, &sums, own, chunk, &wide, &piece)?;
         // In place: an fp32 gradient is its accumulator, not a copy of it.
         let scale = 1.0 / self.world_size as f64;
-        mine.iter()
-            .zip(out)
-            .map(|(&i, mut sum)| {
+        sums.into_iter()
+            .zip(grads)
+            .filter_map(|(sum, g)| sum.map(|s| (s, g)))
+            .map(|(mut sum, g)| {
                 let _ = sum.f_mul_scalar_(scale)?;
-                sum.f_to_kind(grads[i].kind())?.f_view(grads[i].size().as_slice())
+                sum.f_to_kind(g.kind())?.f_view(g.size().as_slice())
             })
             .collect::<Result<_, _>>()
             .map_err(torch)
@@ -115,6 +88,32 @@ impl Dist {
         own: &Ownership,
         chunk: i64,
     ) -> Result<(), DistError> {
+        let device = params.first().map_or(self.small, |p| p.device());
+        let (wide, piece) = self.pieces(own, chunk, device).map_err(torch_error("parameter all-gather"))?;
+        self.gather_pieces(params, own, chunk, &wide, &piece)
+    }
+
+    /// The two buffers the pieces go through: `world × len` and `len` fp32 elements, len the
+    /// piece's (at most `chunk`, at most the slot).
+    fn pieces(&self, own: &Ownership, chunk: i64, device: Device) -> Result<(Tensor, Tensor), TchError> {
+        let len = chunk.clamp(1, own.slot());
+        Ok((
+            Tensor::f_empty([self.world_size as i64 * len], (Kind::Float, device))?,
+            Tensor::f_empty([len], (Kind::Float, device))?,
+        ))
+    }
+
+    /// Each rank's `params` of `own` put into the others' (the pieces of `chunk` elements per
+    /// rank through `wide` and `piece`, which nothing else uses meanwhile). Writes only: the
+    /// destination parameters' memory must be there.
+    pub(super) fn gather_pieces(
+        &self,
+        params: &[Tensor],
+        own: &Ownership,
+        chunk: i64,
+        wide: &Tensor,
+        piece: &Tensor,
+    ) -> Result<(), DistError> {
         const WHAT: &str = "parameter all-gather";
         let torch = torch_error(WHAT);
         let _no_grad = tch::no_grad_guard();
@@ -122,27 +121,69 @@ impl Dist {
         let placed = placements(own, &numels);
         let (slot, world) = (own.slot(), self.world_size as i64);
         let chunk = chunk.clamp(1, slot);
-        let device = params.first().map_or(self.small, |p| p.device());
-        let (pieces, gathered) = (
-            Tensor::f_empty([chunk], (Kind::Float, device)).map_err(torch)?,
-            Tensor::f_empty([world * chunk], (Kind::Float, device)).map_err(torch)?,
-        );
         let mut from = 0;
         while from < slot {
             let len = chunk.min(slot - from);
-            let mut piece = pieces.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
+            let mut mine = piece.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
             for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
                 if let Some((at, to, n)) = overlap(p, from, len) {
                     let src = params[i].f_reshape([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
-                    piece.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
+                    mine.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
                 }
             }
-            let mut all = gathered.f_narrow(0, 0, world * len).map_err(torch)?;
-            self.group.all_gather(&mut all, &mut piece).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            let mut all = wide.f_narrow(0, 0, world * len).map_err(torch)?;
+            self.group.all_gather(&mut all, &mut mine).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
             for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
                 if let Some((at, to, n)) = overlap(p, from, len) {
                     let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
                     write_flat(&params[i], at, &src).map_err(torch)?;
+                }
+            }
+            from += len;
+        }
+        Ok(())
+    }
+
+    /// `flats` (flat gradients of the parameters of `own`; None: zeros) summed over the ranks,
+    /// each rank's own added into its `accs` (flat fp32; None for the parameters it does not own).
+    pub(super) fn scatter_pieces(
+        &self,
+        flats: &[Option<Tensor>],
+        accs: &[Option<Tensor>],
+        own: &Ownership,
+        chunk: i64,
+        wide: &Tensor,
+        piece: &Tensor,
+    ) -> Result<(), DistError> {
+        const WHAT: &str = "gradient reduce-scatter";
+        let torch = torch_error(WHAT);
+        let _no_grad = tch::no_grad_guard();
+        let numels = own.numels();
+        let placed = placements(own, numels);
+        let (slot, world) = (own.slot(), self.world_size as i64);
+        let chunk = chunk.clamp(1, slot);
+        let mut from = 0;
+        while from < slot {
+            let len = chunk.min(slot - from);
+            let mut input = wide.f_narrow(0, 0, world * len).and_then(|mut b| b.f_zero_()).map_err(torch)?;
+            for (i, p) in placed.iter().enumerate() {
+                if let (Some((at, to, n)), Some(g)) = (overlap(p, from, len), &flats[i]) {
+                    input
+                        .f_narrow(0, p.owner as i64 * len + to, n)
+                        .and_then(|mut dst| dst.f_copy_(&g.f_narrow(0, at, n)?))
+                        .map_err(torch)?;
+                }
+            }
+            let mut out = piece.f_narrow(0, 0, len).map_err(torch)?;
+            self.group
+                .reduce_scatter(&mut out, &mut input)
+                .map_err(collective(WHAT, self.heartbeat.as_ref()))?;
+            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
+                if let (Some((at, to, n)), Some(acc)) = (overlap(p, from, len), &accs[i]) {
+                    let _ = acc
+                        .f_narrow(0, at, n)
+                        .and_then(|mut dst| dst.f_add_(&out.f_narrow(0, to, n)?))
+                        .map_err(torch)?;
                 }
             }
             from += len;

@@ -15,8 +15,7 @@
 //! parameters' memory; the pieces' buffers once, when the layout is built), so nothing a rank
 //! does alone fails inside one.
 use super::shard::{Ownership, Sharding};
-use super::zero::{overlap, placements};
-use super::{collective, torch_error, Dist, DistError};
+use super::{torch_error, Dist, DistError};
 use crate::ffi::resize_storage;
 use crate::model::Model;
 use tch::{Device, Kind, TchError, Tensor};
@@ -150,13 +149,23 @@ impl ParameterShards {
             return Ok(true);
         };
         // Contiguous before the word: a flat view of each then allocates nothing.
-        let flats: Vec<Option<Tensor>> =
-            grads.iter().map(|g| g.as_ref().map(|g| g.f_contiguous()?.f_view([-1])).transpose()).collect::<Result<_, _>>()?;
+        let flats: Vec<Option<Tensor>> = grads
+            .iter()
+            .map(|g| g.as_ref().map(|g| g.f_contiguous()?.f_view([-1])).transpose())
+            .collect::<Result<_, _>>()?;
         if !lock.well()? {
             return Ok(false);
         }
-        let mine: Vec<Option<Tensor>> = self.units[unit].iter().map(|&i| accs[i].as_ref().map(Tensor::shallow_clone)).collect();
-        lock.collective(d.scatter_pieces(&flats, &mine, &self.owns[unit], self.chunk, &self.wide, &self.piece))?;
+        let mine: Vec<Option<Tensor>> =
+            self.units[unit].iter().map(|&i| accs[i].as_ref().map(Tensor::shallow_clone)).collect();
+        lock.collective(d.scatter_pieces(
+            &flats,
+            &mine,
+            &self.owns[unit],
+            self.chunk,
+            &self.wide,
+            &self.piece,
+        ))?;
         Ok(true)
     }
 
@@ -230,94 +239,5 @@ impl<'a> Lockstep<'a> {
             let _ = self.word(1.0);
         }
         self.said = self.total;
-    }
-}
-
-impl Dist {
-    /// Each rank's `params` of `own` put into the others' (the pieces of `chunk` elements per
-    /// rank through `wide` and `piece`, which nothing else uses meanwhile). Writes only: the
-    /// destination parameters' memory must be there.
-    pub(super) fn gather_pieces(
-        &self,
-        params: &[Tensor],
-        own: &Ownership,
-        chunk: i64,
-        wide: &Tensor,
-        piece: &Tensor,
-    ) -> Result<(), DistError> {
-        const WHAT: &str = "parameter gather";
-        let torch = torch_error(WHAT);
-        let _no_grad = tch::no_grad_guard();
-        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
-        let placed = placements(own, &numels);
-        let (slot, world) = (own.slot(), self.world_size as i64);
-        let chunk = chunk.clamp(1, slot);
-        let mut from = 0;
-        while from < slot {
-            let len = chunk.min(slot - from);
-            let mut mine = piece.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
-            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
-                if let Some((at, to, n)) = overlap(p, from, len) {
-                    let src = params[i].f_view([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
-                    mine.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
-                }
-            }
-            let mut all = wide.f_narrow(0, 0, world * len).map_err(torch)?;
-            self.group.all_gather(&mut all, &mut mine).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
-            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
-                if let Some((at, to, n)) = overlap(p, from, len) {
-                    let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
-                    let mut dst = params[i].f_view([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
-                    dst.f_copy_(&src).map_err(torch)?;
-                }
-            }
-            from += len;
-        }
-        Ok(())
-    }
-
-    /// `flats` (flat gradients of the parameters of `own`; None: zeros) summed over the ranks,
-    /// each rank's own added into its `accs` (flat fp32; None for the parameters it does not own).
-    pub(super) fn scatter_pieces(
-        &self,
-        flats: &[Option<Tensor>],
-        accs: &[Option<Tensor>],
-        own: &Ownership,
-        chunk: i64,
-        wide: &Tensor,
-        piece: &Tensor,
-    ) -> Result<(), DistError> {
-        const WHAT: &str = "gradient reduce-scatter";
-        let torch = torch_error(WHAT);
-        let _no_grad = tch::no_grad_guard();
-        let numels = own.numels();
-        let placed = placements(own, numels);
-        let (slot, world) = (own.slot(), self.world_size as i64);
-        let chunk = chunk.clamp(1, slot);
-        let mut from = 0;
-        while from < slot {
-            let len = chunk.min(slot - from);
-            let mut input = wide.f_narrow(0, 0, world * len).and_then(|mut b| b.f_zero_()).map_err(torch)?;
-            for (i, p) in placed.iter().enumerate() {
-                if let (Some((at, to, n)), Some(g)) = (overlap(p, from, len), &flats[i]) {
-                    input
-                        .f_narrow(0, p.owner as i64 * len + to, n)
-                        .and_then(|mut dst| dst.f_copy_(&g.f_narrow(0, at, n)?))
-                        .map_err(torch)?;
-                }
-            }
-            let mut out = piece.f_narrow(0, 0, len).map_err(torch)?;
-            self.group.reduce_scatter(&mut out, &mut input).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
-            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
-                if let (Some((at, to, n)), Some(acc)) = (overlap(p, from, len), &accs[i]) {
-                    let _ = acc
-                        .f_narrow(0, at, n)
-                        .and_then(|mut dst| dst.f_add_(&out.f_narrow(0, to, n)?))
-                        .map_err(torch)?;
-                }
-            }
-            from += len;
-        }
-        Ok(())
     }
 }

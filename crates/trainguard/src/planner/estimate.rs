@@ -317,7 +317,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // gradients of a micro-step those of `Gathered`, and every weight whole between steps.
     let gathered = (s.shard == crate::config::ShardLevel::Parameters && s.gpus > 1)
         .then(|| super::sharding::Gathered::of(m, s.gpus));
-    let every_block = Setup { activation_checkpointing: true, checkpoint_blocks: 1, checkpoint_first: None, ..s.clone() };
+    let every_block =
+        Setup { activation_checkpointing: true, checkpoint_blocks: 1, checkpoint_first: None, ..s.clone() };
     let s = if gathered.is_some() { &every_block } else { s };
     let p = s.precision;
     let weights = per_tensor(m, s.target, |sh| sh.iter().product::<u64>() * p.weight_bytes());
@@ -347,7 +348,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
             // The fp32 accumulators of the owned parameters' gradients live through the micro-steps
             // (holding the earlier ones' sum: nothing more is held).
             let accumulators = 4 * g.owned;
-            let base = resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
+            let base =
+                resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
             let block = g.share_of(weights + master_weights, g.block_extra) + g.block * p.grad_bytes();
             (base + accumulators, g.outer * p.grad_bytes(), 0, block)
         }

@@ -111,7 +111,9 @@ impl Comm {
             // Each block's (and the embeddings') parameters gathered for the forward, again for
             // the backward, and all of them after the update: three all-gathers of the model
             // (a micro-step more: two more, and its own reduce-scatter).
-            ShardLevel::Parameters => Self { reduce_scatter: piece, all_gather: 3 * piece, ..Self::default() },
+            ShardLevel::Parameters => {
+                Self { reduce_scatter: piece, all_gather: 3 * piece, ..Self::default() }
+            }
         }
     }
 }
@@ -282,7 +284,6 @@ impl Gathered {
     pub fn share_of(&self, bytes: u64, elements: u64) -> u64 {
         (bytes as f64 * elements as f64 / self.total.max(1) as f64).round() as u64
     }
-
 }
 
 /// Every parameter's bytes at `bytes` an element (the buckets: all of them, whatever the level).
@@ -470,6 +471,32 @@ mod tests {
         let (on, off) = (estimate(&m, &at(&cpu, ShardLevel::None, 1, true), 1, 2), estimate(&m, &cpu, 1, 2));
         assert_eq!(on.optimizer, off.optimizer, "host = device");
         assert_eq!(on.peak_allocated - off.peak_allocated, on.gradients, "the fp32 host copies");
+    }
+
+    /// Under `parameters` a rank holds through the step its own parameters, the embeddings and
+    /// head, and one block: less than all, more than its share; a block's gather adds only what
+    /// the rank does not own.
+    #[test]
+    fn the_parameters_level_holds_its_own_the_outer_unit_and_one_block() {
+        let m = llama32_1b();
+        let g = Gathered::of(&m, 8);
+        let specs = m.specs();
+        let block0: u64 = specs
+            .iter()
+            .zip(optimizer_numels(&m))
+            .filter(|(t, _)| t.part == crate::model::Part::Block(0))
+            .map(|(_, n)| n as u64)
+            .sum();
+        assert_eq!(g.block, block0, "every block of this shape is the same size");
+        assert!(g.owned < g.resident && g.resident < g.total, "{g:?}");
+        assert!(g.resident <= g.owned + g.outer && g.block_extra <= g.block);
+        assert_eq!(g.total, optimizer_numels(&m).iter().sum::<i64>() as u64);
+        let s = Setup { gpus: 8, shard: ShardLevel::Parameters, ..cuda_fp32_adamw() };
+        let gradients = Setup { shard: ShardLevel::Gradients, ..s.clone() };
+        assert!(
+            estimate(&m, &s, 1, 2).peak_allocated < estimate(&m, &gradients, 1, 2).peak_allocated,
+            "sharding the parameters holds less than sharding the gradients"
+        );
     }
 
     #[test]

@@ -111,6 +111,7 @@ pub fn optimizer_step(
     let scale = t.scaler.as_ref().map_or(1.0, |s| s.scale);
     let outcome = guard.run(step, reporter, |micro, p| {
         let result = attempt(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+        let result = whole_again(t, dist.as_deref(), result);
         if result.is_err() {
             // Whatever the graphs held goes back with the failed attempt's memory.
             t.graphs.release();
@@ -138,31 +139,21 @@ pub fn optimizer_step(
     Ok(outcome)
 }
 
-/// One attempt of a step at micro-batch `micro`, as the guard runs it. Under `dist.shard:
-/// parameters` every parameter is whole again after it, whether it updated or failed (the ranks
-/// agreed on the failure, so all gather together): the guard's replay and a checkpoint for a
-/// stop read the whole model. Only a fatal error, after which nothing is saved, leaves them.
-#[allow(clippy::too_many_arguments)]
-fn attempt(
+/// Under `dist.shard: parameters`, every parameter whole again after an attempt, whether it
+/// updated or failed (the ranks agreed on the failure, so all gather together): the guard's replay
+/// and a checkpoint for a stop read the whole model. Only a fatal error, after which nothing is
+/// saved, leaves them as they are.
+fn whole_again(
     t: &mut Trainable,
-    settings: &StepSettings,
-    data: &StepData,
-    step: u64,
-    lr: f64,
-    micro: usize,
-    scale: f64,
-    p: &mut Progress,
-    mut dist: Option<&mut Dist>,
-    faults: &mut Faults,
+    dist: Option<&Dist>,
+    outcome: Result<StepOutcome, StepError>,
 ) -> Result<StepOutcome, StepError> {
-    let outcome = attempt_once(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
     let Some(shards) = &mut t.layout.params else { return outcome };
     if matches!(outcome, Err(StepError::Fatal(_))) {
         return outcome;
     }
-    let restored = catch_torch_panics(|| {
-        shards.restore_all(&t.model, dist.as_deref()).map_err(|e| StepError::Fatal(Box::new(e)))
-    });
+    let restored =
+        catch_torch_panics(|| shards.restore_all(&t.model, dist).map_err(|e| StepError::Fatal(Box::new(e))));
     match restored {
         Ok(()) => outcome,
         Err(StepError::Torch(e)) => Err(StepError::Fatal(format!("dist.shard parameters: the parameters could not be gathered whole again after the step ({e}); resume from the newest checkpoint (--resume auto)").into())),
@@ -170,8 +161,9 @@ fn attempt(
     }
 }
 
+/// One attempt of a step at micro-batch `micro`, as the guard runs it.
 #[allow(clippy::too_many_arguments)]
-fn attempt_once(
+fn attempt(
     t: &mut Trainable,
     settings: &StepSettings,
     data: &StepData,
@@ -214,7 +206,17 @@ fn attempt_once(
             .and_then(|r| leak(faults).map(|()| r)),
         Some(shards) => moved.and_then(|()| leak(faults)).and_then(|()| {
             catch_torch_panics(|| {
-                gathered::forward_backward(model, data, step, micro, &savers, scale, p, shards, dist.as_deref())
+                gathered::forward_backward(
+                    model,
+                    data,
+                    step,
+                    micro,
+                    &savers,
+                    scale,
+                    p,
+                    shards,
+                    dist.as_deref(),
+                )
             })
         }),
     };

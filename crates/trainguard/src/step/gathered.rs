@@ -141,8 +141,15 @@ impl MicroStep<'_> {
         }
         let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
         let hidden = h.f_detach()?.f_set_requires_grad(true)?;
-        let (loss, mut grad_out) =
-            head_backward(model, &hidden, y, weight, self.savers.loss_chunk_tokens, &groups.head, &mut grads)?;
+        let (loss, mut grad_out) = head_backward(
+            model,
+            &hidden,
+            y,
+            weight,
+            self.savers.loss_chunk_tokens,
+            &groups.head,
+            &mut grads,
+        )?;
         drop((h, hidden));
         for i in (0..n).rev() {
             if !shards.gather(model, lock, block_unit(i))? {
