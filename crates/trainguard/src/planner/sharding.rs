@@ -208,7 +208,7 @@ impl RankMemory {
             host_bytes,
             reduce_scatter_transient,
             all_gather_transient: if sharded { buffers } else { 0 },
-            gradients_after_update: if s.shard == ShardLevel::Gradients && several {
+            gradients_after_update: if s.shard >= ShardLevel::Gradients && several {
                 owned_grads
             } else {
                 gradients
