@@ -393,3 +393,30 @@ fn sharded_parameters_with_the_savers_and_bf16_equal_one_process() {
         }
     }
 }
+
+/// The other optimizers at `parameters` on 2 ranks: SGD and Muon (whose Newton–Schulz needs each
+/// whole matrix, which its owner has) equal one process within 1e-5. 8-bit AdamW's quantisation
+/// turns the sums' other order into visible steps, as it does for replicated ranks: its weights
+/// stay within three times the replicated ranks' own distance from one process.
+#[test]
+fn sgd_muon_and_adamw8bit_with_sharded_parameters_train_as_one_process() {
+    for name in ["sgd", "muon"] {
+        let opt = format!("optimizer.name={name}");
+        let sets = [&RUN[..], &[opt.as_str()]].concat();
+        let (s, d) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        train(s.path(), "configs/debug.yaml", &sets).ok();
+        ranks(2, d.path(), &[&sets[..], &["dist.shard=parameters"]].concat());
+        assert_like(d.path(), s.path(), &format!("{name} at parameters"));
+    }
+    let sets = [&RUN[..], &["optimizer.name=adamw8bit"]].concat();
+    let (s, r, p) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    train(s.path(), "configs/debug.yaml", &sets).ok();
+    ranks(2, r.path(), &[&sets[..], &["dist.shard=none"]].concat());
+    ranks(2, p.path(), &[&sets[..], &["dist.shard=parameters"]].concat());
+    let (replicated, sharded) = (max_weight_diff(r.path(), s.path()), max_weight_diff(p.path(), s.path()));
+    assert!(
+        sharded <= 3.0 * replicated.max(1e-6),
+        "adamw8bit: parameters {sharded} vs replicated {replicated}"
+    );
+}
