@@ -110,7 +110,11 @@ pub fn owned_gradients(
         return Ok((shard.pick_tensors(&grads), loss));
     };
     let ((grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
-    let owned = fatal_on_error(|| d.reduce_scatter_gradients(&grads, &shard.ownership, shard.chunk))?;
+    // What the reduce-scatter writes into, agreed on before it runs: a rank that cannot make it
+    // replays with every other, and the collective allocates nothing.
+    let outputs = catch_torch_panics(|| Ok(d.scatter_outputs(&grads, &shard.ownership, shard.chunk)?));
+    let (outputs, _) = settle(d, outputs, last_resort, |_| 0.0)?;
+    let owned = fatal_on_error(|| d.reduce_scatter_gradients(outputs, &shard.ownership, shard.chunk))?;
     Ok((owned, loss))
 }
 
@@ -140,15 +144,17 @@ pub fn global_norm(
     Ok((mean * d.world_size as f64).sqrt())
 }
 
-/// After every rank applied the update to its own parameters: each rank's put back on all.
+/// After every rank applied the update to its own parameters: each rank's put back on all,
+/// through `pieces` (made before the update was agreed on).
 pub fn parameters_gathered(
     model: &crate::model::Model,
     shard: &Sharding,
     dist: Option<&Dist>,
+    pieces: Option<&super::zero::Pieces>,
 ) -> Result<(), StepError> {
-    let Some(d) = dist else { return Ok(()) };
+    let (Some(d), Some(pieces)) = (dist, pieces) else { return Ok(()) };
     let params = model.optimizer_params()?;
-    fatal_on_error(|| d.all_gather_parameters(&params, &shard.ownership, shard.chunk))
+    fatal_on_error(|| d.all_gather_parameters(&params, &shard.ownership, shard.chunk, pieces))
 }
 
 /// This rank's validation loss (`local`, from `evaluate`), averaged over the ranks.

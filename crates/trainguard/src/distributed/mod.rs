@@ -9,7 +9,7 @@ pub mod ranks;
 mod round;
 pub mod shard;
 mod store;
-mod zero;
+pub mod zero;
 pub mod zero3;
 
 pub use round::JobDeadline;

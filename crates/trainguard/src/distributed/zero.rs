@@ -40,67 +40,103 @@ fn overlap(p: &Placed, from: i64, len: i64) -> Option<(i64, i64, i64)> {
     (lo < hi).then(|| (lo - p.start, lo - from, hi - lo))
 }
 
+/// Everything the gradients' reduce-scatter writes into or reads through, allocated before the
+/// ranks agree to run it: an out-of-memory making them is then one rank's failed attempt, which
+/// every rank replays, and the collective itself allocates nothing.
+pub struct ScatterOutputs {
+    /// Each gradient flat (a view where it is contiguous).
+    flats: Vec<Option<Tensor>>,
+    /// Per parameter this rank owns: the fp32 sum, and the gradient returned in its dtype and
+    /// shape (a view of the sum when that is fp32).
+    sums: Vec<Option<Tensor>>,
+    outs: Vec<Tensor>,
+    pieces: Pieces,
+}
+
+/// The two buffers the pieces go through: `world × len` and `len` fp32 elements, len the piece's
+/// (at most `chunk`, at most the slot).
+pub struct Pieces {
+    wide: Tensor,
+    piece: Tensor,
+}
+
 impl Dist {
-    /// Each of `grads` (one per parameter, laid out by `own`) summed over the ranks and divided
-    /// by the world size, returned for the parameters this rank owns only, in parameter order
-    /// (new tensors, each of its gradient's shape and dtype).
-    pub fn reduce_scatter_gradients(
+    /// What [`Dist::reduce_scatter_gradients`] needs for `grads` (one per parameter, laid out by
+    /// `own`).
+    pub fn scatter_outputs(
         &self,
         grads: &[Tensor],
+        own: &Ownership,
+        chunk: i64,
+    ) -> Result<ScatterOutputs, TchError> {
+        let _no_grad = tch::no_grad_guard();
+        let flats = grads.iter().map(|g| g.f_reshape([-1]).map(Some)).collect::<Result<_, _>>()?;
+        let device = grads.first().map_or(self.small, |g| g.device());
+        let mut outs = Vec::new();
+        let sums = grads
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                if own.owner(i) != self.rank {
+                    return Ok(None);
+                }
+                let sum = Tensor::f_zeros([g.numel() as i64], (Kind::Float, device))?;
+                outs.push(match g.kind() {
+                    Kind::Float => sum.f_view(g.size().as_slice())?,
+                    kind => Tensor::f_empty(g.size().as_slice(), (kind, device))?,
+                });
+                Ok(Some(sum))
+            })
+            .collect::<Result<_, TchError>>()?;
+        Ok(ScatterOutputs { flats, sums, outs, pieces: self.pieces(own, chunk, device)? })
+    }
+
+    /// Each of the gradients `o` was made for summed over the ranks and divided by the world
+    /// size, returned for the parameters this rank owns only, in parameter order (each of its
+    /// gradient's shape and dtype).
+    pub fn reduce_scatter_gradients(
+        &self,
+        o: ScatterOutputs,
         own: &Ownership,
         chunk: i64,
     ) -> Result<Vec<Tensor>, DistError> {
         let torch = torch_error("gradient reduce-scatter");
         let _no_grad = tch::no_grad_guard();
-        let flats: Vec<Option<Tensor>> =
-            grads.iter().map(|g| g.f_reshape([-1]).map(Some)).collect::<Result<_, _>>().map_err(torch)?;
-        let device = grads.first().map_or(self.small, |g| g.device());
-        let sums: Vec<Option<Tensor>> = grads
-            .iter()
-            .enumerate()
-            .map(|(i, g)| {
-                (own.owner(i) == self.rank)
-                    .then(|| Tensor::f_zeros([g.numel() as i64], (Kind::Float, device)))
-                    .transpose()
-            })
-            .collect::<Result<_, _>>()
-            .map_err(torch)?;
-        let (wide, piece) = self.pieces(own, chunk, device).map_err(torch)?;
-        self.scatter_pieces(&flats, &sums, own, chunk, &wide, &piece)?;
+        self.scatter_pieces(&o.flats, &o.sums, own, chunk, &o.pieces.wide, &o.pieces.piece)?;
         // In place: an fp32 gradient is its accumulator, not a copy of it.
         let scale = 1.0 / self.world_size as f64;
-        sums.into_iter()
-            .zip(grads)
-            .filter_map(|(sum, g)| sum.map(|s| (s, g)))
-            .map(|(mut sum, g)| {
-                let _ = sum.f_mul_scalar_(scale)?;
-                sum.f_to_kind(g.kind())?.f_view(g.size().as_slice())
-            })
-            .collect::<Result<_, _>>()
-            .map_err(torch)
+        for (mut sum, out) in o.sums.into_iter().flatten().zip(&o.outs) {
+            let _ = sum.f_mul_scalar_(scale).map_err(torch)?;
+            if out.kind() != Kind::Float {
+                out.shallow_clone()
+                    .f_copy_(&sum.f_view(out.size().as_slice()).map_err(torch)?)
+                    .map_err(torch)?;
+            }
+        }
+        Ok(o.outs)
     }
 
-    /// Every rank's owned `params` (laid out by `own`) copied into the others' `params`: after
-    /// each rank updated its own, all hold the same weights again.
+    /// The buffers [`Dist::all_gather_parameters`] goes through, made before the update is
+    /// agreed on: after it, a rank that could not make them would leave its peers' updated
+    /// parameters ungathered.
+    pub fn pieces(&self, own: &Ownership, chunk: i64, device: Device) -> Result<Pieces, TchError> {
+        let len = chunk.clamp(1, own.slot());
+        Ok(Pieces {
+            wide: Tensor::f_empty([self.world_size as i64 * len], (Kind::Float, device))?,
+            piece: Tensor::f_empty([len], (Kind::Float, device))?,
+        })
+    }
+
+    /// Every rank's owned `params` (laid out by `own`) copied into the others' `params` through
+    /// `pieces`: after each rank updated its own, all hold the same weights again.
     pub fn all_gather_parameters(
         &self,
         params: &[Tensor],
         own: &Ownership,
         chunk: i64,
+        pieces: &Pieces,
     ) -> Result<(), DistError> {
-        let device = params.first().map_or(self.small, |p| p.device());
-        let (wide, piece) = self.pieces(own, chunk, device).map_err(torch_error("parameter all-gather"))?;
-        self.gather_pieces(params, own, chunk, &wide, &piece)
-    }
-
-    /// The two buffers the pieces go through: `world × len` and `len` fp32 elements, len the
-    /// piece's (at most `chunk`, at most the slot).
-    fn pieces(&self, own: &Ownership, chunk: i64, device: Device) -> Result<(Tensor, Tensor), TchError> {
-        let len = chunk.clamp(1, own.slot());
-        Ok((
-            Tensor::f_empty([self.world_size as i64 * len], (Kind::Float, device))?,
-            Tensor::f_empty([len], (Kind::Float, device))?,
-        ))
+        self.gather_pieces(params, own, chunk, &pieces.wide, &pieces.piece)
     }
 
     /// Each rank's `params` of `own` put into the others' (the pieces of `chunk` elements per

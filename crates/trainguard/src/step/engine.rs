@@ -253,7 +253,14 @@ fn attempt(
     };
     // What runs between the two agreements allocates on each rank alone (the clipping's
     // norms, above all): the second agreement lets every rank replay if one ran out.
+    // The buffers of the parameters' all-gather after the update (`optimizer`, `gradients`):
+    // made here, where a rank that cannot make them replays with every other, not after the
+    // update, where its peers' updated parameters would stay ungathered.
+    let mut pieces = None;
     let prepared = catch_torch_panics(|| -> Result<Prepared, StepError> {
+        if let (Some(s), Some(d), None) = (&layout.shard, dist.as_deref(), &layout.params) {
+            pieces = Some(d.pieces(&s.ownership, s.chunk, settings.device)?);
+        }
         let grad_norm = match sharded_norm {
             None => {
                 unscale_and_corrupt(&mut grads, &mut loss, scale, faults, step, scaled)?;
@@ -282,7 +289,7 @@ fn attempt(
         match &layout.shard {
             // Gathered by `attempt`, into the memory freed through the step.
             Some(_) if layout.params.is_some() => {}
-            Some(s) => agree::parameters_gathered(model, s, dist.as_deref())?,
+            Some(s) => agree::parameters_gathered(model, s, dist.as_deref(), pieces.as_ref())?,
             None => {}
         }
     }
