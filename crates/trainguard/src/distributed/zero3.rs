@@ -12,8 +12,8 @@
 //! they are still well (one number, all-reduced): a rank whose work failed says so at its next
 //! collective, and every rank leaves the attempt there, together, for the step's agreement and
 //! the guard's replay. What a collective needs is allocated before that word (the gathered
-//! parameters' memory; the pieces' buffers once, when the layout is built), so nothing a rank
-//! does alone fails inside one.
+//! parameters' memory; the pieces' buffers once, when the layout is built), so none of our own
+//! work fails inside one (Gloo's temporaries inside its collectives are beyond our reach).
 use super::shard::{Ownership, Sharding};
 use super::{torch_error, Dist, DistError};
 use crate::ffi::resize_storage;
