@@ -22,7 +22,6 @@ use tch::{Device, Kind, TchError, Tensor};
 
 /// Which parameters each unit gathers, who owns them, and the buffers the collectives reuse.
 pub struct ParameterShards {
-    rank: usize,
     /// The parameters of each unit: [`OUTER`] (embeddings, final norm, head), then each block.
     units: Vec<Vec<usize>>,
     /// Per unit: its parameters' owners, laid out slot per rank as [`Ownership`] lays out all.
@@ -61,7 +60,6 @@ impl ParameterShards {
         let tensors = &model.params.tensors;
         let chunk = sharding.chunk.max(1);
         Ok(Self {
-            rank: sharding.rank,
             units,
             owns,
             all: own.clone(),
@@ -72,10 +70,6 @@ impl ParameterShards {
             wide: Tensor::f_zeros([world.max(1) as i64 * chunk], (Kind::Float, device))?,
             piece: Tensor::f_zeros([chunk], (Kind::Float, device))?,
         })
-    }
-
-    pub fn n_units(&self) -> usize {
-        self.units.len()
     }
 
     /// The parameters of `unit`.
@@ -188,10 +182,6 @@ impl ParameterShards {
                 self.owned[i].then(|| Tensor::f_zeros([n], (Kind::Float, self.wide.device()))).transpose()
             })
             .collect()
-    }
-
-    pub fn rank(&self) -> usize {
-        self.rank
     }
 }
 
