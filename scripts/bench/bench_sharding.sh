@@ -4,7 +4,8 @@
 # checkpoint takes (rank 0 writing all the optimizer state alone at `none`; every rank writing its
 # part in parallel at the shard levels), with `plan`'s per-rank estimate beside the peak when
 # `plan` prints one. A 13M-parameter GPT-2 (AdamW: ~150 MB of optimizer state) so that the state
-# is what differs.
+# is what differs. `parameters` runs twice: with its gathers overlapping the compute (the
+# default, dist.overlap) and with each waited for (`parameters/waited`).
 #   scripts/bench/bench_sharding.sh [--worlds "1 2 4"] [--steps N]
 set -euo pipefail
 source "$(dirname "$0")/../tools.sh"
@@ -23,21 +24,23 @@ common=(--config configs/debug.yaml "${model[@]}" --set train.global_batch_size=
   --set checkpoint.interval=2 --set checkpoint.keep_last=1 --set train.threads=1 --set memory.limit=1TiB
   --set dist.timeout_s=120)
 port=29700
-printf '%-6s %-10s %14s %14s %12s %14s\n' world level "peak MiB" "plan MiB" "step s" "checkpoint s"
+printf '%-6s %-17s %14s %14s %12s %14s\n' world level "peak MiB" "plan MiB" "step s" "checkpoint s"
 for world in $worlds; do
-  for level in none optimizer gradients parameters; do
+  for row in none optimizer gradients parameters parameters/waited; do
+    level=${row%/*}; overlap=true
+    [ "$row" = parameters/waited ] && overlap=false
     [ "$world" = 1 ] && [ "$level" != none ] && continue
-    out=$work/$world-$level; port=$((port + 1))
+    out=$work/$world-${row/\//-}; port=$((port + 1))
     if [ "$world" = 1 ]; then
       "$BIN" train "${common[@]}" --set "out_dir=$out" >"$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
     else
       "${TORCHRUN[@]}" --nproc_per_node="$world" --master_addr=127.0.0.1 --master_port=$port --no-python "$BIN" train \
-        "${common[@]}" --set "out_dir=$out" --set "dist.shard=$level" >"$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
+        "${common[@]}" --set "out_dir=$out" --set "dist.shard=$level" --set "dist.overlap=$overlap" >"$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }
     fi
     # The plan's row for this level, for the CPU (the busiest rank: rank 0 owns the largest share).
-    plan=$("$BIN" plan "${common[@]}" --target cpu --world-size "$world" --shard "$level" --json 2>/dev/null \
+    plan=$("$BIN" plan "${common[@]}" --set "dist.overlap=$overlap" --target cpu --world-size "$world" --shard "$level" --json 2>/dev/null \
       | "$PY" -c 'import json,sys; d=json.load(sys.stdin); r=[r for r in d["levels"]["rows"] if r["shard"]==sys.argv[1] and not r["offload_optimizer"]][0]; print(round(r["peak_allocated_bytes"]/2**20,1))' "$level" 2>/dev/null || echo -)
-    "$PY" - "$out" "$world" "$level" "$plan" <<'PYEOF'
+    "$PY" - "$out" "$world" "$row" "$plan" <<'PYEOF'
 import json, sys, statistics
 out, world, level, plan = sys.argv[1:]
 events = [json.loads(l) for l in open(f"{out}/events.jsonl")]
@@ -45,7 +48,7 @@ metrics = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
 done = next(e for e in events if e["event"] == "run_finished")
 saves = [e["seconds"] for e in events if e["event"] == "checkpoint_saved"]
 steps = [m["step_time_s"] for m in metrics[1:] if m.get("step_time_s") is not None]
-print(f"{world:<6} {level:<10} {done['peak_mapped_above_start_bytes'] / 2**20:14.1f} {plan:>14} "
+print(f"{world:<6} {level:<17} {done['peak_mapped_above_start_bytes'] / 2**20:14.1f} {plan:>14} "
       f"{statistics.median(steps) if steps else float('nan'):12.3f} {statistics.median(saves):14.3f}")
 PYEOF
   done

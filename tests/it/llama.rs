@@ -133,7 +133,7 @@ fn kill_9_mid_run_then_resume_is_bitwise_equal_to_a_straight_run() {
                 child.wait().unwrap();
                 kills += 1;
                 for (_, dir) in store::list(&store::root(killed.path())) {
-                    store::load(&dir).unwrap_or_else(|e| panic!("after kill {kills}: {e}"));
+                    store::load_checkpoint(&dir).unwrap_or_else(|e| panic!("after kill {kills}: {e}"));
                 }
             }
             Some(status) => {

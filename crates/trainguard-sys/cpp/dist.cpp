@@ -122,6 +122,29 @@ int tg_pg_all_gather(void* group, void* output, void* input, char* err, size_t e
   });
 }
 
+// The same broadcast, started and not waited for: the work, which holds the tensor until it
+// completes, for tg_work_wait (null on failure, with the message in err). What overlaps compute
+// (dist.overlap): on Gloo its own threads run it, on NCCL its stream.
+void* tg_pg_broadcast_start(void* group, void* tensor, int root, char* err, size_t err_len) {
+  c10::intrusive_ptr<c10d::Work>* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    out = new c10::intrusive_ptr<c10d::Work>(g->backend->broadcast(ts, o));
+  });
+  return out;
+}
+
+// Waits for a started collective to complete, then frees it (whatever the outcome).
+int tg_work_wait(void* work, char* err, size_t err_len) {
+  auto* w = static_cast<c10::intrusive_ptr<c10d::Work>*>(work);
+  int rc = guarded(err, err_len, [&] { (*w)->wait(); });
+  delete w;
+  return rc;
+}
+
 int tg_pg_barrier(void* group, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { static_cast<Group*>(group)->backend->barrier()->wait(); });
 }

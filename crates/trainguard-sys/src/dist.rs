@@ -45,6 +45,14 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn tg_pg_broadcast_start(
+        group: *mut c_void,
+        tensor: *mut c_void,
+        root: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn tg_work_wait(work: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_free(group: *mut c_void);
     fn tg_store_new(
@@ -215,6 +223,27 @@ impl ProcessGroup {
         )
     }
 
+    /// [`ProcessGroup::broadcast`] started, not waited for: the collective runs meanwhile (on
+    /// Gloo's threads, on NCCL's stream) and [`Work::wait`] completes it. The work holds the
+    /// tensor until then.
+    pub fn broadcast_start(&self, tensor: &mut Tensor, root: usize) -> Result<Work, ShimError> {
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: as in all_reduce; the returned work keeps its own reference to the tensor.
+        let handle = unsafe {
+            tg_pg_broadcast_start(
+                self.handle,
+                tensor.as_mut_ptr().cast(),
+                root as c_int,
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        };
+        if handle.is_null() {
+            return Err(ShimError::Torch(message(&err)));
+        }
+        Ok(Work { handle })
+    }
+
     pub fn barrier(&self) -> Result<(), ShimError> {
         let mut err = [0u8; ERR_LEN];
         // SAFETY: the handle is live until drop.
@@ -226,6 +255,36 @@ impl Drop for ProcessGroup {
     fn drop(&mut self) {
         // SAFETY: created by tg_pg_new, freed once.
         unsafe { tg_pg_free(self.handle) }
+    }
+}
+
+/// A collective started on a [`ProcessGroup`] and not yet complete. Dropped unwaited, it is
+/// waited for (its outcome unread): the peers run it to its end whatever this rank does next,
+/// so the next collective must come after it here too.
+pub struct Work {
+    handle: *mut c_void,
+}
+
+// SAFETY: c10d's work is waited for from whichever thread holds it, once.
+unsafe impl Send for Work {}
+
+impl Work {
+    /// Blocks until the collective completed on this rank.
+    pub fn wait(mut self) -> Result<(), ShimError> {
+        let handle = std::mem::replace(&mut self.handle, std::ptr::null_mut());
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: a live handle from tg_pg_broadcast_start, waited for and freed once.
+        check(unsafe { tg_work_wait(handle, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
+    }
+}
+
+impl Drop for Work {
+    fn drop(&mut self) {
+        if !self.handle.is_null() {
+            let mut err = [0u8; ERR_LEN];
+            // SAFETY: as in wait; the handle is nulled there, so this runs only when unwaited.
+            let _ = unsafe { tg_work_wait(self.handle, err.as_mut_ptr().cast(), ERR_LEN) };
+        }
     }
 }
 

@@ -264,6 +264,7 @@ impl RunPlan {
                 world: env.world_size,
                 chunk: LayoutSpec::chunk_for(config.dist.bucket_mb, env.world_size),
                 offload: config.memory.offload_optimizer,
+                overlap: config.dist.overlap,
             },
             schedule: LrSchedule::from_config(t),
             checkpoints,

@@ -142,7 +142,7 @@ pub fn open(target: &Path) -> Result<Trained, SampleError> {
     // `recorded`: what the run trained on, as its checkpoint says (a run's final weights: its
     // newest checkpoint's word for it).
     let (config, weights, recorded) = if target.join(run_files::STATE).is_file() {
-        let l = store::load(target).map_err(|e| input(e.to_string()))?;
+        let l = store::load_checkpoint(target).map_err(|e| input(e.to_string()))?;
         (l.config, l.weights, l.state.data)
     } else if target.join(run_files::CONFIG).is_file() && final_weights.is_file() {
         let yaml = crate::fs::whole_file::read_string_at_most(

@@ -390,7 +390,7 @@ pub fn load_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
 }
 
 /// Reads and checks a checkpoint directory: state, sizes, both tensor files, config.
-pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
+pub fn load_checkpoint(dir: &Path) -> Result<Loaded, CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: dir.to_path_buf(), why };
     let state = load_state(dir)?;
     // A copy of a checkpoint may have any name; one named for a step must hold that step (the
@@ -591,7 +591,7 @@ pub fn newest_valid(root: &Path) -> (Option<Loaded>, Vec<CheckpointError>) {
 pub fn newest_valid_past(root: &Path, past: Option<u64>) -> (Option<Loaded>, Vec<CheckpointError>) {
     let mut skipped = Vec::new();
     for (_, dir) in list(root).into_iter().rev().take_while(|(step, _)| past.is_none_or(|p| *step > p)) {
-        match load(&dir) {
+        match load_checkpoint(&dir) {
             Ok(l) => return (Some(l), skipped),
             Err(e) => skipped.push(e),
         }
@@ -659,7 +659,7 @@ pub(crate) mod tests {
                 .unwrap();
         }
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [5, 10]);
-        let l = load(&root.join("step-00000010")).unwrap();
+        let l = load_checkpoint(&root.join("step-00000010")).unwrap();
         assert_eq!(l.state.step, 10);
         assert_eq!(l.state.files.len(), 2);
         assert_eq!(l.config, Config::default());
@@ -671,13 +671,13 @@ pub(crate) mod tests {
         save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         assert_eq!(list(&root).len(), 2);
         // A file of one given for the checkpoint, and a path to nothing, are told apart.
-        let why = |p: &Path| match load(p) {
+        let why = |p: &Path| match load_checkpoint(p) {
             Err(CheckpointError::Corrupt { why, .. }) => why,
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         };
         assert!(why(&root.join("step-00000010").join(MODEL_FILE))
             .starts_with("a file, not a checkpoint directory"));
-        let missing = load(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
+        let missing = load_checkpoint(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(
             missing.starts_with("no checkpoint at ")
                 && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"),
@@ -721,7 +721,7 @@ pub(crate) mod tests {
         fs::remove_file(&model).unwrap();
         crate::fs::whole_file::tests::fifo(&newest, MODEL_FILE);
         for what in ["a FIFO (named pipe)", "a character device"] {
-            match load(&newest) {
+            match load_checkpoint(&newest) {
                 Err(CheckpointError::Corrupt { why, .. }) => {
                     assert_eq!(why, format!("{MODEL_FILE}: {what}, not a regular file"))
                 }
@@ -739,7 +739,7 @@ pub(crate) mod tests {
         let model = newest.join(MODEL_FILE);
         let len = fs::metadata(&model).unwrap().len();
         File::options().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
-        assert!(matches!(load(&newest), Err(CheckpointError::Corrupt { .. })));
+        assert!(matches!(load_checkpoint(&newest), Err(CheckpointError::Corrupt { .. })));
         let (found, skipped) = newest_valid(&root);
         assert_eq!(found.unwrap().state.step, 5);
         assert_eq!(skipped.len(), 1);
@@ -766,7 +766,7 @@ pub(crate) mod tests {
             *bad.last_mut().unwrap() ^= 0x40;
             fs::write(&path, &bad).unwrap();
             assert!(!Tensor::read_safetensors(&path).unwrap().is_empty(), "still parses");
-            match load(&newest) {
+            match load_checkpoint(&newest) {
                 Err(CheckpointError::Corrupt { why, .. }) => {
                     assert!(why.contains(file) && why.contains("CRC-32C"), "{why}")
                 }
@@ -774,14 +774,14 @@ pub(crate) mod tests {
             }
             assert_eq!(newest_valid(&root).0.unwrap().state.step, 5, "auto passes over it");
             fs::write(&path, &good).unwrap();
-            assert!(load(&newest).is_ok());
+            assert!(load_checkpoint(&newest).is_ok());
         }
         // Written before checksums: checked by size alone, still loads.
         let text = fs::read_to_string(newest.join(STATE_FILE)).unwrap();
         let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
         old.as_object_mut().unwrap().remove("checksums");
         fs::write(newest.join(STATE_FILE), old.to_string()).unwrap();
-        assert!(load(&newest).unwrap().state.checksums.is_empty());
+        assert!(load_checkpoint(&newest).unwrap().state.checksums.is_empty());
     }
 
     #[test]
@@ -801,7 +801,7 @@ pub(crate) mod tests {
         let found = clean_temporaries(&root);
         assert_eq!(found.restored, [10]);
         assert_eq!(found.removed.len(), 3, "{:?}", found.removed);
-        assert_eq!(load(&ten).unwrap().state.step, 10, "complete, loads");
+        assert_eq!(load_checkpoint(&ten).unwrap().state.step, 10, "complete, loads");
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10, 20]);
         assert!(fs::read_dir(&root)
             .unwrap()
@@ -828,7 +828,7 @@ pub(crate) mod tests {
         assert_eq!(aside, root.join("set-aside-1700000000"));
         assert_eq!(list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [10]);
         assert_eq!(list(&aside).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [20, 30], "moved, not deleted");
-        assert!(load(&aside.join("step-00000030")).is_ok());
+        assert!(load_checkpoint(&aside.join("step-00000030")).is_ok());
         save(&root, &state(20), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let (again, steps) = set_aside_after(&root, None, 1700000000).unwrap().unwrap();
         assert_eq!(
@@ -857,7 +857,7 @@ pub(crate) mod tests {
         assert_eq!(steps, [10, 20]);
         assert!(list(&root).is_empty(), "{:?}", list(&root));
         assert_eq!(list(&aside).len(), 2, "moved, not deleted");
-        assert!(load(&theirs).is_ok(), "the checkpoint resumed stays where it is");
+        assert!(load_checkpoint(&theirs).is_ok(), "the checkpoint resumed stays where it is");
         // Named through another path (`./`, a symlinked directory), the resumed one is still the same.
         save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&tensors())).unwrap();
         let roundabout = root.join("..").join("checkpoints").join(dir_name(10));
@@ -932,7 +932,7 @@ pub(crate) mod tests {
         // Refused by its state before its tensor files are read (here one is cut short too).
         let model = fs::read(newest.join(MODEL_FILE)).unwrap();
         fs::write(newest.join(MODEL_FILE), &model[..model.len() / 2]).unwrap();
-        match load(&newest) {
+        match load_checkpoint(&newest) {
             Err(CheckpointError::Corrupt { why, .. }) => assert!(why.contains("world_size 0"), "{why}"),
             other => panic!("loaded: {:?}", other.map(|l| l.path)),
         }
@@ -943,11 +943,11 @@ pub(crate) mod tests {
         let renamed = root.join("step-00000007");
         fs::rename(&five, &renamed).unwrap();
         assert!(
-            matches!(load(&renamed), Err(CheckpointError::Corrupt { why, .. }) if why.contains("holds step 5, its directory names step 7"))
+            matches!(load_checkpoint(&renamed), Err(CheckpointError::Corrupt { why, .. }) if why.contains("holds step 5, its directory names step 7"))
         );
         let copy = dir.path().join("mine");
         fs::rename(&renamed, &copy).unwrap();
-        assert_eq!(load(&copy).unwrap().state.step, 5);
+        assert_eq!(load_checkpoint(&copy).unwrap().state.step, 5);
     }
 
     #[test]
@@ -986,7 +986,7 @@ pub(crate) mod tests {
             serde_json::from_str(&fs::read_to_string(ckpt.join(STATE_FILE)).unwrap()).unwrap();
         st["checksums"][MODEL_FILE] = serde_json::json!(crc32c::crc32c(&garbage));
         fs::write(ckpt.join(STATE_FILE), st.to_string()).unwrap();
-        match load(&ckpt) {
+        match load_checkpoint(&ckpt) {
             Err(CheckpointError::Corrupt { why, .. }) => assert!(
                 why.starts_with(
                     "model.safetensors: not a whole safetensors file (cut short, or another format)"
@@ -1025,7 +1025,7 @@ pub(crate) mod tests {
         let mut moments = tensors();
         let _ = moments[0].1.f_fill_(f64::NAN).unwrap();
         save(&root, &state(10), &Config::default(), &weights(), OptimizerParts::whole(&moments)).unwrap();
-        match load(&root.join("step-00000010")) {
+        match load_checkpoint(&root.join("step-00000010")) {
             Err(CheckpointError::Corrupt { why, .. }) => {
                 assert!(why.contains(&format!("`{}` in optimizer.safetensors holds", moments[0].0)), "{why}")
             }

@@ -148,7 +148,7 @@ mod tests {
             assert_eq!(back.unwrap().state.step, step, "the buffers come back");
             assert_eq!(written.deleted, if step == 3 { vec![1] } else { vec![] });
         }
-        let loaded = store::load(&root.join(store::dir_name(3))).unwrap();
+        let loaded = store::load_checkpoint(&root.join(store::dir_name(3))).unwrap();
         assert_eq!(loaded.optimizer[0].1.double_value(&[0]), 3.0);
         assert_eq!(store::list(&root).iter().map(|(s, _)| *s).collect::<Vec<_>>(), [2, 3]);
     }

@@ -1027,6 +1027,10 @@ pub struct DistConfig {
     /// holds only its own parameters during the step, each block's gathered for its forward and
     /// its backward: ZeRO-3). See docs/sharding.md.
     pub shard: ShardLevel,
+    /// Under `dist.shard: parameters`: the next block's gather runs while this block computes
+    /// (started before it, waited for after), at the cost of a second block's weights held at
+    /// once. false: each gather waits before the compute that needs it. See docs/sharding.md.
+    pub overlap: bool,
 }
 
 impl Default for DistConfig {
@@ -1037,6 +1041,7 @@ impl Default for DistConfig {
             bucket_mb: 25.0,
             writer_wait_s: None,
             shard: ShardLevel::None,
+            overlap: true,
         }
     }
 }

@@ -60,6 +60,32 @@ pub struct Pieces {
     piece: Tensor,
 }
 
+impl Pieces {
+    /// For `world` ranks and pieces of `len` elements a rank, on `device`.
+    pub fn new(world: usize, len: i64, device: Device) -> Result<Self, TchError> {
+        Ok(Self {
+            wide: Tensor::f_zeros([world.max(1) as i64 * len], (Kind::Float, device))?,
+            piece: Tensor::f_zeros([len], (Kind::Float, device))?,
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.piece.device()
+    }
+}
+
+/// A gather of one unit's parameters started ([`Dist::start_gather`]): a broadcast a
+/// parameter. Dropped unfinished, each is waited for.
+pub struct StartedGather {
+    works: Vec<crate::ffi::dist::Work>,
+}
+
+const GATHER: &str = "parameter all-gather";
+
+fn numels_of(params: &[Tensor]) -> Vec<i64> {
+    params.iter().map(|p| p.numel() as i64).collect()
+}
+
 impl Dist {
     /// What [`Dist::reduce_scatter_gradients`] needs for `grads` (one per parameter, laid out by
     /// `own`).
@@ -102,7 +128,7 @@ impl Dist {
     ) -> Result<Vec<Tensor>, DistError> {
         let torch = torch_error("gradient reduce-scatter");
         let _no_grad = tch::no_grad_guard();
-        self.scatter_pieces(&o.flats, &o.sums, own, chunk, &o.pieces.wide, &o.pieces.piece)?;
+        self.scatter_pieces(&o.flats, &o.sums, own, chunk, &o.pieces)?;
         // In place: an fp32 gradient is its accumulator, not a copy of it.
         let scale = 1.0 / self.world_size as f64;
         for (mut sum, out) in o.sums.into_iter().flatten().zip(&o.outs) {
@@ -120,11 +146,7 @@ impl Dist {
     /// agreed on: after it, a rank that could not make them would leave its peers' updated
     /// parameters ungathered.
     pub fn pieces(&self, own: &Ownership, chunk: i64, device: Device) -> Result<Pieces, TchError> {
-        let len = chunk.clamp(1, own.slot());
-        Ok(Pieces {
-            wide: Tensor::f_empty([self.world_size as i64 * len], (Kind::Float, device))?,
-            piece: Tensor::f_empty([len], (Kind::Float, device))?,
-        })
+        Pieces::new(self.world_size, chunk.clamp(1, own.slot()), device)
     }
 
     /// Every rank's owned `params` (laid out by `own`) copied into the others' `params` through
@@ -136,46 +158,96 @@ impl Dist {
         chunk: i64,
         pieces: &Pieces,
     ) -> Result<(), DistError> {
-        self.gather_pieces(params, own, chunk, &pieces.wide, &pieces.piece)
+        self.gather_pieces(params, own, chunk, pieces)
     }
 
     /// Each rank's `params` of `own` put into the others' (the pieces of `chunk` elements per
-    /// rank through `wide` and `piece`, which nothing else uses meanwhile). Writes only: the
-    /// destination parameters' memory must be there.
+    /// rank through `pieces`, which nothing else uses meanwhile). Writes only: the destination
+    /// parameters' memory must be there.
     pub(super) fn gather_pieces(
         &self,
         params: &[Tensor],
         own: &Ownership,
         chunk: i64,
-        wide: &Tensor,
-        piece: &Tensor,
+        pieces: &Pieces,
     ) -> Result<(), DistError> {
-        const WHAT: &str = "parameter all-gather";
-        let torch = torch_error(WHAT);
+        let Pieces { wide, piece } = pieces;
+        let torch = torch_error(GATHER);
         let _no_grad = tch::no_grad_guard();
-        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
-        let placed = placements(own, &numels);
+        let placed = placements(own, &numels_of(params));
         let (slot, world) = (own.slot(), self.world_size as i64);
         let chunk = chunk.clamp(1, slot);
         let mut from = 0;
         while from < slot {
             let len = chunk.min(slot - from);
-            let mut mine = piece.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
-            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
-                if let Some((at, to, n)) = overlap(p, from, len) {
-                    let src = params[i].f_reshape([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
-                    mine.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
-                }
-            }
+            let mut mine = self.fill_piece(&placed, params, from, len, piece)?;
             let mut all = wide.f_narrow(0, 0, world * len).map_err(torch)?;
-            self.group.all_gather(&mut all, &mut mine).map_err(collective(WHAT, self.heartbeat.as_ref()))?;
-            for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
-                if let Some((at, to, n)) = overlap(p, from, len) {
-                    let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
-                    write_flat(&params[i], at, &src).map_err(torch)?;
-                }
-            }
+            self.group.all_gather(&mut all, &mut mine).map_err(collective(GATHER, self.heartbeat.as_ref()))?;
+            self.spread_piece(&placed, params, from, len, &all)?;
             from += len;
+        }
+        Ok(())
+    }
+
+    /// Each of `params` (contiguous) sent by its owner under `own` straight into the others'
+    /// memory, one broadcast a parameter, started: the collectives run while the caller
+    /// computes, through no buffer of ours, and [`Dist::finish_gather`] waits for them. A
+    /// unit's few large tensors, not the whole model's: [`Dist::gather_pieces`] does that.
+    pub(super) fn start_gather(&self, params: &[Tensor], own: &Ownership) -> Result<StartedGather, DistError> {
+        let works = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.group.broadcast_start(&mut p.shallow_clone(), own.owner(i)))
+            .collect::<Result<_, _>>()
+            .map_err(collective(GATHER, self.heartbeat.as_ref()))?;
+        Ok(StartedGather { works })
+    }
+
+    /// Waits for `started`: the parameters it sends are in place on every rank.
+    pub(super) fn finish_gather(&self, started: StartedGather) -> Result<(), DistError> {
+        for work in started.works {
+            work.wait().map_err(collective(GATHER, self.heartbeat.as_ref()))?;
+        }
+        Ok(())
+    }
+
+    /// This rank's parameters' elements in the piece `[from, from + len)` of its slot, copied
+    /// into `piece` (zero elsewhere): what it adds to the gather.
+    fn fill_piece(
+        &self,
+        placed: &[Placed],
+        params: &[Tensor],
+        from: i64,
+        len: i64,
+        piece: &Tensor,
+    ) -> Result<Tensor, DistError> {
+        let torch = torch_error(GATHER);
+        let mine = piece.f_narrow(0, 0, len).and_then(|mut p| p.f_zero_()).map_err(torch)?;
+        for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner == self.rank) {
+            if let Some((at, to, n)) = overlap(p, from, len) {
+                let src = params[i].f_reshape([-1]).and_then(|f| f.f_narrow(0, at, n)).map_err(torch)?;
+                mine.f_narrow(0, to, n).and_then(|mut dst| dst.f_copy_(&src)).map_err(torch)?;
+            }
+        }
+        Ok(mine)
+    }
+
+    /// The other ranks' parameters' elements of the piece `[from, from + len)`, gathered in
+    /// `all` (rank after rank), written into `params`.
+    fn spread_piece(
+        &self,
+        placed: &[Placed],
+        params: &[Tensor],
+        from: i64,
+        len: i64,
+        all: &Tensor,
+    ) -> Result<(), DistError> {
+        let torch = torch_error(GATHER);
+        for (i, p) in placed.iter().enumerate().filter(|(_, p)| p.owner != self.rank) {
+            if let Some((at, to, n)) = overlap(p, from, len) {
+                let src = all.f_narrow(0, p.owner as i64 * len + to, n).map_err(torch)?;
+                write_flat(&params[i], at, &src).map_err(torch)?;
+            }
         }
         Ok(())
     }
@@ -188,9 +260,9 @@ impl Dist {
         accs: &[Option<Tensor>],
         own: &Ownership,
         chunk: i64,
-        wide: &Tensor,
-        piece: &Tensor,
+        pieces: &Pieces,
     ) -> Result<(), DistError> {
+        let Pieces { wide, piece } = pieces;
         const WHAT: &str = "gradient reduce-scatter";
         let torch = torch_error(WHAT);
         let _no_grad = tch::no_grad_guard();

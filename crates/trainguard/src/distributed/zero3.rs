@@ -14,7 +14,16 @@
 //! the guard's replay. What a collective needs is allocated before that word (the gathered
 //! parameters' memory; the pieces' buffers once, when the layout is built), so none of our own
 //! work fails inside one (Gloo's temporaries inside its collectives are beyond our reach).
+//!
+//! **Overlap** (`dist.overlap`). A block's gather can be started before the block ahead of it
+//! computes and waited for after ([`ParameterShards::start_gather`], [`ParameterShards::finish`]):
+//! the collectives run on Gloo's threads or NCCL's stream meanwhile. They are broadcasts, one a
+//! parameter from its owner straight into the others' memory: no buffer of ours, none shared
+//! with the word or the collectives the compute leads to (a reduce-scatter). A started gather
+//! completes on every rank, whatever this rank's work did meanwhile (an unfinished one is
+//! waited for when dropped), before the next collective it could be confused with.
 use super::shard::{Ownership, Sharding};
+use super::zero::{Pieces, StartedGather};
 use super::{torch_error, Dist, DistError};
 use crate::ffi::resize_storage;
 use crate::model::Model;
@@ -33,9 +42,18 @@ pub struct ParameterShards {
     whole: Vec<bool>,
     owned: Vec<bool>,
     chunk: i64,
-    /// fp32 `world × chunk` and `chunk` elements: every collective's pieces.
-    wide: Tensor,
-    piece: Tensor,
+    /// Every collective's pieces (of `chunk` elements a rank).
+    pieces: Pieces,
+    /// `dist.overlap` with peers: block gathers may be started ahead.
+    overlap: bool,
+    pending: Option<Gathering>,
+}
+
+/// A block's gather started by [`ParameterShards::prefetch`] and still running. Dropped
+/// unfinished (an attempt that failed meanwhile), it is waited for.
+struct Gathering {
+    unit: usize,
+    started: StartedGather,
 }
 
 /// The unit of the embeddings and the head: gathered for a micro-step's whole.
@@ -49,14 +67,20 @@ pub fn block_unit(i: usize) -> usize {
 impl ParameterShards {
     /// For `model` under `sharding` (its ownership over the optimizer's parameters) on `world`
     /// ranks; the buffers on `device`. Every parameter is whole when this returns.
-    pub fn new(model: &Model, sharding: &Sharding, world: usize, device: Device) -> Result<Self, TchError> {
+    pub fn new(
+        model: &Model,
+        sharding: &Sharding,
+        world: usize,
+        overlap: bool,
+        device: Device,
+    ) -> Result<Self, TchError> {
         let groups = model.param_groups();
         let mut outer: Vec<usize> = groups.embed.iter().chain(&groups.head).copied().collect();
         outer.sort_unstable();
         outer.dedup();
         let units: Vec<Vec<usize>> = std::iter::once(outer).chain(groups.blocks.iter().cloned()).collect();
         let own = &sharding.ownership;
-        let owns = units.iter().map(|u| own.restricted(u)).collect();
+        let owns: Vec<Ownership> = units.iter().map(|u| own.restricted(u)).collect();
         let tensors = &model.params.tensors;
         let chunk = sharding.chunk.max(1);
         Ok(Self {
@@ -67,8 +91,9 @@ impl ParameterShards {
             whole: vec![true; tensors.len()],
             owned: (0..tensors.len()).map(|i| own.owner(i) == sharding.rank).collect(),
             chunk,
-            wide: Tensor::f_zeros([world.max(1) as i64 * chunk], (Kind::Float, device))?,
-            piece: Tensor::f_zeros([chunk], (Kind::Float, device))?,
+            pieces: Pieces::new(world, chunk, device)?,
+            overlap: overlap && world > 1,
+            pending: None,
         })
     }
 
@@ -90,6 +115,7 @@ impl ParameterShards {
 
     /// Frees every parameter this rank does not own (the start of an attempt).
     pub fn release_all(&mut self, model: &Model) -> Result<(), TchError> {
+        self.pending = None;
         (0..self.units.len()).try_for_each(|u| self.release(model, u))
     }
 
@@ -108,18 +134,56 @@ impl ParameterShards {
         Ok(())
     }
 
-    /// `unit`'s parameters gathered from their owners into this rank's model: memory for them,
-    /// the ranks' word, the gather. Ok(false): a peer's attempt failed, leave it.
+    /// `unit`'s parameters gathered from their owners into this rank's model: the gather
+    /// [`ParameterShards::prefetch`] started for it, completed, or else memory for them, the
+    /// ranks' word and the gather. Ok(false): a peer's attempt failed, leave it.
     pub fn gather(&mut self, model: &Model, lock: &mut Lockstep, unit: usize) -> Result<bool, TchError> {
+        if let Some(g) = self.pending.take() {
+            let prefetched = g.unit == unit;
+            Self::finish(lock, g)?;
+            if prefetched {
+                return Ok(true);
+            }
+        }
         let params = self.units[unit].clone();
         self.allocate(model, &params)?;
         let Some(d) = lock.dist else { return Ok(true) };
         if !lock.well()? {
             return Ok(false);
         }
-        let tensors: Vec<Tensor> = params.iter().map(|&i| model.user_tensor(i)).collect::<Result<_, _>>()?;
-        lock.collective(d.gather_pieces(&tensors, &self.owns[unit], self.chunk, &self.wide, &self.piece))?;
+        let tensors = self.tensors(model, unit)?;
+        lock.collective(d.gather_pieces(&tensors, &self.owns[unit], self.chunk, &self.pieces))?;
         Ok(true)
+    }
+
+    /// Under `dist.overlap` with peers: memory for block unit `unit`'s parameters, the ranks'
+    /// word, and its gather started, left running while the caller computes; the next
+    /// [`ParameterShards::gather`] of it completes it. Until then its parameters must not be
+    /// read. Otherwise nothing (that gather does it all). Ok(false): a peer's attempt failed.
+    pub fn prefetch(&mut self, model: &Model, lock: &mut Lockstep, unit: usize) -> Result<bool, TchError> {
+        let (Some(d), true, true) = (lock.dist, self.overlap, unit != OUTER) else { return Ok(true) };
+        if let Some(g) = self.pending.take() {
+            Self::finish(lock, g)?;
+        }
+        let params = self.units[unit].clone();
+        self.allocate(model, &params)?;
+        if !lock.well()? {
+            return Ok(false);
+        }
+        let tensors = self.tensors(model, unit)?;
+        let started = lock.collective(d.start_gather(&tensors, &self.owns[unit]))?;
+        self.pending = Some(Gathering { unit, started });
+        Ok(true)
+    }
+
+    /// Waits for `gathering`: its parameters are in place.
+    fn finish(lock: &mut Lockstep, gathering: Gathering) -> Result<(), TchError> {
+        let d = lock.dist.expect("a gather started with peers");
+        lock.collective(d.finish_gather(gathering.started))
+    }
+
+    fn tensors(&self, model: &Model, unit: usize) -> Result<Vec<Tensor>, TchError> {
+        self.units[unit].iter().map(|&i| model.user_tensor(i)).collect()
     }
 
     /// `grads` (one per parameter of `unit`, as the optimizer shapes them; None: no gradient
@@ -157,8 +221,7 @@ impl ParameterShards {
             &mine,
             &self.owns[unit],
             self.chunk,
-            &self.wide,
-            &self.piece,
+            &self.pieces,
         ))?;
         Ok(true)
     }
@@ -166,11 +229,13 @@ impl ParameterShards {
     /// Every parameter whole on every rank again: memory for the freed ones and one gather of
     /// all from their owners (after the update, or after a failed attempt the ranks agreed on).
     pub fn restore_all(&mut self, model: &Model, dist: Option<&Dist>) -> Result<(), DistError> {
+        // A gather a failed attempt left running completes first; this one writes them all.
+        self.pending = None;
         let all: Vec<usize> = (0..self.whole.len()).collect();
         self.allocate(model, &all).map_err(torch_error("parameter gather"))?;
         let Some(d) = dist else { return Ok(()) };
         let params = model.optimizer_params().map_err(torch_error("parameter gather"))?;
-        d.gather_pieces(&params, &self.all, self.chunk, &self.wide, &self.piece)
+        d.gather_pieces(&params, &self.all, self.chunk, &self.pieces)
     }
 
     /// Per parameter: an fp32 accumulator of its optimizer-shaped gradient when this rank owns
@@ -179,7 +244,7 @@ impl ParameterShards {
         (0..self.whole.len())
             .map(|i| {
                 let n: i64 = model.user_shape(i).iter().product();
-                self.owned[i].then(|| Tensor::f_zeros([n], (Kind::Float, self.wide.device()))).transpose()
+                self.owned[i].then(|| Tensor::f_zeros([n], (Kind::Float, self.pieces.device()))).transpose()
             })
             .collect()
     }
@@ -215,7 +280,7 @@ impl<'a> Lockstep<'a> {
         Ok(worst == 0.0)
     }
 
-    fn collective(&mut self, r: Result<(), DistError>) -> Result<(), TchError> {
+    fn collective<T>(&mut self, r: Result<T, DistError>) -> Result<T, TchError> {
         r.map_err(|e| {
             self.broken = true;
             TchError::Torch(e.to_string())

@@ -348,9 +348,12 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
             // The fp32 accumulators of the owned parameters' gradients live through the micro-steps
             // (holding the earlier ones' sum: nothing more is held).
             let accumulators = 4 * g.owned;
+            // `dist.overlap`: the next block's weights gathered while this one runs.
+            let blocks_whole = if s.overlap { 2 } else { 1 };
             let base =
                 resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
-            let block = g.share_of(weights + master_weights, g.block_extra) + g.block * p.grad_bytes();
+            let block = g.share_of(weights + master_weights, blocks_whole * g.block_extra)
+                + g.block * p.grad_bytes();
             (base + accumulators, g.outer * p.grad_bytes(), 0, block)
         }
         None => {
@@ -673,6 +676,7 @@ pub(crate) mod fixtures {
             shard: crate::config::ShardLevel::None,
             offload_optimizer: false,
             bucket_mb: 25.0,
+            overlap: true,
             cuda_overhead: 1 << 30,
             fragmentation: 0.1,
             background_checkpoint: false,

@@ -409,6 +409,7 @@ fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup 
         shard: a.shard.unwrap_or(config.dist.shard),
         offload_optimizer: a.offload_optimizer || config.memory.offload_optimizer,
         bucket_mb: config.dist.bucket_mb,
+        overlap: config.dist.overlap,
         cuda_overhead,
         fragmentation: a.fragmentation,
         background_checkpoint: config.checkpoint.r#async,

@@ -303,6 +303,8 @@ pub struct Setup {
     pub offload_optimizer: bool,
     /// `dist.bucket_mb`: the size of the sharded collectives' pieces.
     pub bucket_mb: f64,
+    /// `dist.overlap`: under `parameters`, a second block gathered while one computes.
+    pub overlap: bool,
     /// CUDA context, cuBLAS/cuDNN workspaces and the like, per process.
     pub cuda_overhead: u64,
     /// Allocator fragmentation margin as a share of the peak allocated.

@@ -109,7 +109,8 @@ struct MicroStep<'a> {
 
 impl MicroStep<'_> {
     /// The forward and backward of `batch` (inputs, targets, loss weight, dropout seed), or,
-    /// without one, only the collectives. Some(weighted loss); None: a peer's attempt failed.
+    /// without one, only the collectives, in the same order. Some(weighted loss; zero without a
+    /// batch); None: a peer's attempt failed.
     fn run(
         &self,
         shards: &mut ParameterShards,
@@ -117,59 +118,67 @@ impl MicroStep<'_> {
         batch: Option<(&Tensor, &Tensor, f64, u64)>,
     ) -> Result<Option<Tensor>, TchError> {
         let (model, n) = (self.model, self.model.n_blocks());
-        let Some((x, y, weight, seed)) = batch else { return self.idle(shards, lock) };
         let params = &model.params.tensors;
         let groups = model.param_groups();
-        let documents = model.documents(x)?;
+        let documents = batch.map(|(x, ..)| model.documents(x)).transpose()?.flatten();
         let documents = documents.as_ref();
         if !shards.gather(model, lock, OUTER)? {
             return Ok(None);
         }
         let mut inputs = Vec::with_capacity(n);
-        let mut h = {
-            let _no_grad = tch::no_grad_guard();
-            model.embed(x, documents, true, Some(seed))?
-        };
+        let mut h = batch
+            .map(|(x, _, _, seed)| {
+                let _no_grad = tch::no_grad_guard();
+                model.embed(x, documents, true, Some(seed))
+            })
+            .transpose()?;
         for i in 0..n {
-            if !shards.gather(model, lock, block_unit(i))? {
+            // The next block's gather (dist.overlap) runs while this one computes.
+            if !shards.gather(model, lock, block_unit(i))?
+                || (i + 1 < n && !shards.prefetch(model, lock, block_unit(i + 1))?)
+            {
                 return Ok(None);
             }
-            let _no_grad = tch::no_grad_guard();
-            inputs.push(if self.savers.offload { offload(&h)? } else { h.shallow_clone() });
-            h = model.block(i, &h, documents, true, Some(seed))?;
+            if let (Some(x), Some((_, _, _, seed))) = (h.take(), batch) {
+                let _no_grad = tch::no_grad_guard();
+                inputs.push(if self.savers.offload { offload(&x)? } else { x.shallow_clone() });
+                h = Some(model.block(i, &x, documents, true, Some(seed))?);
+            }
             shards.release(model, block_unit(i))?;
         }
         let mut grads: Vec<Option<Tensor>> = (0..params.len()).map(|_| None).collect();
-        let hidden = h.f_detach()?.f_set_requires_grad(true)?;
-        let (loss, mut grad_out) = head_backward(
-            model,
-            &hidden,
-            y,
-            weight,
-            self.savers.loss_chunk_tokens,
-            &groups.head,
-            &mut grads,
-        )?;
-        drop((h, hidden));
+        let mut head = None;
+        if let (Some(h), Some((_, y, weight, _))) = (h, batch) {
+            let hidden = h.f_detach()?.f_set_requires_grad(true)?;
+            let groups = &groups.head;
+            head = Some(head_backward(model, &hidden, y, weight, self.savers.loss_chunk_tokens, groups, &mut grads)?);
+        }
         for i in (0..n).rev() {
-            if !shards.gather(model, lock, block_unit(i))? {
+            // The block below's gather runs while this one's backward does.
+            if !shards.gather(model, lock, block_unit(i))?
+                || (i > 0 && !shards.prefetch(model, lock, block_unit(i - 1))?)
+            {
                 return Ok(None);
             }
-            let kept = inputs.pop().expect("one input kept per block");
-            let input = reload(&kept, x.device())?.f_detach()?.f_set_requires_grad(true)?;
-            drop(kept);
-            let out = model.block_graph(i, &input, documents, true, Some(seed))?;
-            grad_out = push_back(&out, &grad_out, params, &groups.blocks[i], Some(input), &mut grads)?
-                .expect("the block input's gradient");
-            drop(out);
+            if let (Some((_, grad_out)), Some((x, _, _, seed))) = (head.as_mut(), batch) {
+                let kept = inputs.pop().expect("one input kept per block");
+                let input = reload(&kept, x.device())?.f_detach()?.f_set_requires_grad(true)?;
+                drop(kept);
+                let out = model.block_graph(i, &input, documents, true, Some(seed))?;
+                *grad_out = push_back(&out, grad_out, params, &groups.blocks[i], Some(input), &mut grads)?
+                    .expect("the block input's gradient");
+            }
             shards.release(model, block_unit(i))?;
             if !self.scatter(shards, lock, block_unit(i), model, &mut grads)? {
                 return Ok(None);
             }
         }
-        let e = model.embed(x, documents, true, Some(seed))?;
-        push_back(&[e], &grad_out, params, &groups.embed, None, &mut grads)?;
-        drop(grad_out);
+        let mut loss = Tensor::from(0.0f64);
+        if let (Some((l, grad_out)), Some((x, _, _, seed))) = (head, batch) {
+            let e = model.embed(x, documents, true, Some(seed))?;
+            push_back(&[e], &grad_out, params, &groups.embed, None, &mut grads)?;
+            loss = l;
+        }
         if !self.scatter(shards, lock, OUTER, model, &mut grads)? {
             return Ok(None);
         }
@@ -193,36 +202,5 @@ impl MicroStep<'_> {
             .map(|i| grads[i].take().map(|g| model.optimizer_grad(i, &g)).transpose())
             .collect::<Result<_, _>>()?;
         shards.reduce_scatter(lock, unit, &taken, self.accs)
-    }
-
-    /// A micro-step without samples: its collectives in the same order, with nothing to add.
-    fn idle(&self, shards: &mut ParameterShards, lock: &mut Lockstep) -> Result<Option<Tensor>, TchError> {
-        let (model, n) = (self.model, self.model.n_blocks());
-        let nothing = |shards: &ParameterShards, unit| -> Vec<Option<Tensor>> {
-            shards.unit(unit).iter().map(|_| None).collect()
-        };
-        if !shards.gather(model, lock, OUTER)? {
-            return Ok(None);
-        }
-        for i in 0..n {
-            if !shards.gather(model, lock, block_unit(i))? {
-                return Ok(None);
-            }
-            shards.release(model, block_unit(i))?;
-        }
-        for i in (0..n).rev() {
-            if !shards.gather(model, lock, block_unit(i))? {
-                return Ok(None);
-            }
-            shards.release(model, block_unit(i))?;
-            if !shards.reduce_scatter(lock, block_unit(i), &nothing(shards, block_unit(i)), self.accs)? {
-                return Ok(None);
-            }
-        }
-        if !shards.reduce_scatter(lock, OUTER, &nothing(shards, OUTER), self.accs)? {
-            return Ok(None);
-        }
-        shards.release(model, OUTER)?;
-        Ok(Some(Tensor::from(0.0f64)))
     }
 }

@@ -20,11 +20,13 @@ pub struct LayoutSpec {
     /// Elements per rank in each piece of the sharded collectives (from `dist.bucket_mb`).
     pub chunk: i64,
     pub offload: bool,
+    /// `dist.overlap`: under `parameters`, the next block's gather overlaps this one's compute.
+    pub overlap: bool,
 }
 
 impl Default for LayoutSpec {
     fn default() -> Self {
-        Self { shard: ShardLevel::None, rank: 0, world: 1, chunk: 1 << 20, offload: false }
+        Self { shard: ShardLevel::None, rank: 0, world: 1, chunk: 1 << 20, offload: false, overlap: true }
     }
 }
 
@@ -222,7 +224,7 @@ fn parameter_shards(
 ) -> Result<Option<ParameterShards>, TchError> {
     match shard {
         Some(s) if s.level == ShardLevel::Parameters => {
-            Ok(Some(ParameterShards::new(model, s, spec.world, device)?))
+            Ok(Some(ParameterShards::new(model, s, spec.world, spec.overlap, device)?))
         }
         _ => Ok(None),
     }

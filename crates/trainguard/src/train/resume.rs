@@ -192,7 +192,7 @@ pub(super) fn resolve_resume(resume: &Resume, root: &Path, writer: bool) -> Resu
         Resume::Path(p) if !p.join(store::STATE_FILE).exists() && !store::list(p).is_empty() => {
             Err(CheckpointError::CheckpointsNotCheckpoint { path: p.clone() })
         }
-        Resume::Path(p) => Ok(Start { loaded: Some(store::load(p)?), ..Start::default() }),
+        Resume::Path(p) => Ok(Start { loaded: Some(store::load_checkpoint(p)?), ..Start::default() }),
         Resume::AutoOr(p) => {
             // The job's own checkpoints are past the step it began from (the first attempt set
             // aside any later one before the job was recorded); an older one is another run's.
@@ -362,7 +362,7 @@ fn restore(l: &Loaded, t: &mut Trainable) -> Result<(), CheckpointError> {
     let corrupt = |why: String| CheckpointError::Corrupt { path: l.path.clone(), why };
     let _no_grad = tch::no_grad_guard();
     for (i, (name, p)) in model.params.names.iter().zip(&model.params.tensors).enumerate() {
-        // `store::load` found each weight of the checkpoint's model in its shape, or with the
+        // `store::load_checkpoint` found each weight of the checkpoint's model in its shape, or with the
         // user's rows where written before model.pad_vocab_to; that model is this run's
         // (`check_compatible`). So a weight of another shape is the latter, whose optimizer
         // state is unpadded too.
