@@ -437,7 +437,8 @@ fn overlapped_gathers_train_bit_for_bit_as_waited_ones() {
         "checkpoint.interval=6",
         "dist.timeout_s=30",
     ];
-    let (o, w, s) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (o, w, s) =
+        (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     ranks(3, o.path(), &sets);
     ranks(3, w.path(), &[&sets[..], &["dist.overlap=false"]].concat());
     assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "overlapped against waited gathers");

@@ -677,7 +677,8 @@ pub(crate) mod tests {
         };
         assert!(why(&root.join("step-00000010").join(MODEL_FILE))
             .starts_with("a file, not a checkpoint directory"));
-        let missing = load_checkpoint(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
+        let missing =
+            load_checkpoint(&root.join("step-00000011")).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(
             missing.starts_with("no checkpoint at ")
                 && missing.contains("`--resume` takes `auto`, `none` or a checkpoint directory"),

@@ -182,7 +182,9 @@ impl Dist {
             let len = chunk.min(slot - from);
             let mut mine = self.fill_piece(&placed, params, from, len, piece)?;
             let mut all = wide.f_narrow(0, 0, world * len).map_err(torch)?;
-            self.group.all_gather(&mut all, &mut mine).map_err(collective(GATHER, self.heartbeat.as_ref()))?;
+            self.group
+                .all_gather(&mut all, &mut mine)
+                .map_err(collective(GATHER, self.heartbeat.as_ref()))?;
             self.spread_piece(&placed, params, from, len, &all)?;
             from += len;
         }
@@ -193,7 +195,11 @@ impl Dist {
     /// memory, one broadcast a parameter, started: the collectives run while the caller
     /// computes, through no buffer of ours, and [`Dist::finish_gather`] waits for them. A
     /// unit's few large tensors, not the whole model's: [`Dist::gather_pieces`] does that.
-    pub(super) fn start_gather(&self, params: &[Tensor], own: &Ownership) -> Result<StartedGather, DistError> {
+    pub(super) fn start_gather(
+        &self,
+        params: &[Tensor],
+        own: &Ownership,
+    ) -> Result<StartedGather, DistError> {
         let works = params
             .iter()
             .enumerate()

@@ -216,13 +216,7 @@ impl ParameterShards {
         }
         let mine: Vec<Option<Tensor>> =
             self.units[unit].iter().map(|&i| accs[i].as_ref().map(Tensor::shallow_clone)).collect();
-        lock.collective(d.scatter_pieces(
-            &flats,
-            &mine,
-            &self.owns[unit],
-            self.chunk,
-            &self.pieces,
-        ))?;
+        lock.collective(d.scatter_pieces(&flats, &mine, &self.owns[unit], self.chunk, &self.pieces))?;
         Ok(true)
     }
 

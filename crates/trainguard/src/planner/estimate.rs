@@ -352,8 +352,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
             let blocks_whole = if s.overlap { 2 } else { 1 };
             let base =
                 resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
-            let block = g.share_of(weights + master_weights, blocks_whole * g.block_extra)
-                + g.block * p.grad_bytes();
+            let block =
+                g.share_of(weights + master_weights, blocks_whole * g.block_extra) + g.block * p.grad_bytes();
             (base + accumulators, g.outer * p.grad_bytes(), 0, block)
         }
         None => {

@@ -499,6 +499,26 @@ mod tests {
         );
     }
 
+    /// `dist.overlap` holds the next block's weights while one runs: never less than waiting
+    /// for each gather, at most one more block's weights that the rank does not own, and more
+    /// where a block's moment is the peak (at one of these micro-batches of Llama-3.2-1B).
+    #[test]
+    fn overlapped_gathers_add_at_most_a_second_block() {
+        let m = llama32_1b();
+        let g = Gathered::of(&m, 8);
+        let on = Setup { gpus: 8, shard: ShardLevel::Parameters, overlap: true, ..cuda_fp32_adamw() };
+        let off = Setup { overlap: false, ..on.clone() };
+        let weights = estimate(&m, &off, 1, 2).weights;
+        for micro in [1, 4, 16] {
+            let (a, b) = (estimate(&m, &on, micro, 2), estimate(&m, &off, micro, 2));
+            assert!(a.peak_allocated >= b.peak_allocated, "micro {micro}");
+            assert!(
+                a.peak_allocated - b.peak_allocated <= g.share_of(weights, g.block_extra),
+                "micro {micro}"
+            );
+        }
+    }
+
     #[test]
     fn the_first_level_in_order_that_fits_is_chosen() {
         let m = llama32_1b();

@@ -151,7 +151,15 @@ impl MicroStep<'_> {
         if let (Some(h), Some((_, y, weight, _))) = (h, batch) {
             let hidden = h.f_detach()?.f_set_requires_grad(true)?;
             let groups = &groups.head;
-            head = Some(head_backward(model, &hidden, y, weight, self.savers.loss_chunk_tokens, groups, &mut grads)?);
+            head = Some(head_backward(
+                model,
+                &hidden,
+                y,
+                weight,
+                self.savers.loss_chunk_tokens,
+                groups,
+                &mut grads,
+            )?);
         }
         for i in (0..n).rev() {
             // The block below's gather runs while this one's backward does.

@@ -197,5 +197,9 @@ pub(super) fn judge(
 /// The newest checkpoint in `root` of fewer than `step` steps that loads; a broken one is
 /// passed over, as `--resume auto` passes it over.
 fn newest_before(root: &Path, step: u64) -> Option<Loaded> {
-    store::list(root).into_iter().rev().filter(|(s, _)| *s < step).find_map(|(_, dir)| store::load_checkpoint(&dir).ok())
+    store::list(root)
+        .into_iter()
+        .rev()
+        .filter(|(s, _)| *s < step)
+        .find_map(|(_, dir)| store::load_checkpoint(&dir).ok())
 }
