@@ -137,6 +137,21 @@ void* tg_pg_broadcast_start(void* group, void* tensor, int root, char* err, size
   return out;
 }
 
+// `tensor` summed over the ranks into root's (the others' are left undefined), started and not
+// waited for, as tg_pg_broadcast_start.
+void* tg_pg_reduce_start(void* group, void* tensor, int root, char* err, size_t err_len) {
+  c10::intrusive_ptr<c10d::Work>* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto* g = static_cast<Group*>(group);
+    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
+    c10d::ReduceOptions o;
+    o.rootRank = root;
+    o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    out = new c10::intrusive_ptr<c10d::Work>(g->backend->reduce(ts, o));
+  });
+  return out;
+}
+
 // Waits for a started collective to complete, then frees it (whatever the outcome).
 int tg_work_wait(void* work, char* err, size_t err_len) {
   auto* w = static_cast<c10::intrusive_ptr<c10d::Work>*>(work);

@@ -52,6 +52,13 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> *mut c_void;
+    fn tg_pg_reduce_start(
+        group: *mut c_void,
+        tensor: *mut c_void,
+        root: c_int,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
     fn tg_work_wait(work: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_free(group: *mut c_void);
@@ -227,10 +234,25 @@ impl ProcessGroup {
     /// Gloo's threads, on NCCL's stream) and [`Work::wait`] completes it. The work holds the
     /// tensor until then.
     pub fn broadcast_start(&self, tensor: &mut Tensor, root: usize) -> Result<Work, ShimError> {
+        self.start(tg_pg_broadcast_start, tensor, root)
+    }
+
+    /// `tensor` summed over the ranks into `root`'s (the others' are left undefined), started
+    /// and not waited for, as [`ProcessGroup::broadcast_start`].
+    pub fn reduce_start(&self, tensor: &mut Tensor, root: usize) -> Result<Work, ShimError> {
+        self.start(tg_pg_reduce_start, tensor, root)
+    }
+
+    fn start(
+        &self,
+        collective: unsafe extern "C" fn(*mut c_void, *mut c_void, c_int, *mut c_char, usize) -> *mut c_void,
+        tensor: &mut Tensor,
+        root: usize,
+    ) -> Result<Work, ShimError> {
         let mut err = [0u8; ERR_LEN];
         // SAFETY: as in all_reduce; the returned work keeps its own reference to the tensor.
         let handle = unsafe {
-            tg_pg_broadcast_start(
+            collective(
                 self.handle,
                 tensor.as_mut_ptr().cast(),
                 root as c_int,
@@ -273,7 +295,7 @@ impl Work {
     pub fn wait(mut self) -> Result<(), ShimError> {
         let handle = std::mem::replace(&mut self.handle, std::ptr::null_mut());
         let mut err = [0u8; ERR_LEN];
-        // SAFETY: a live handle from tg_pg_broadcast_start, waited for and freed once.
+        // SAFETY: a live handle from a tg_pg_*_start, waited for and freed once.
         check(unsafe { tg_work_wait(handle, err.as_mut_ptr().cast(), ERR_LEN) }, &err)
     }
 }

@@ -1028,8 +1028,10 @@ pub struct DistConfig {
     /// its backward: ZeRO-3). See docs/sharding.md.
     pub shard: ShardLevel,
     /// Under `dist.shard: parameters`: the next block's gather runs while this block computes
-    /// (started before it, waited for after), at the cost of a second block's weights held at
-    /// once. false: each gather waits before the compute that needs it. See docs/sharding.md.
+    /// (started before it, waited for after), and a block's gradient reduce while the next
+    /// block's backward does, at the cost of a second block's weights and one block's fp32
+    /// gradients held at once. false: each collective is waited for where it is issued. See
+    /// docs/sharding.md.
     pub overlap: bool,
 }
 

@@ -74,9 +74,9 @@ impl Pieces {
     }
 }
 
-/// A gather of one unit's parameters started ([`Dist::start_gather`]): a broadcast a
-/// parameter. Dropped unfinished, each is waited for.
-pub struct StartedGather {
+/// Collectives started and left running ([`Dist::start_gather`], [`Dist::start_reduce`]), one
+/// a parameter; [`Dist::finish`] waits for them. Dropped unfinished, each is waited for.
+pub struct Started {
     works: Vec<crate::ffi::dist::Work>,
 }
 
@@ -193,26 +193,35 @@ impl Dist {
 
     /// Each of `params` (contiguous) sent by its owner under `own` straight into the others'
     /// memory, one broadcast a parameter, started: the collectives run while the caller
-    /// computes, through no buffer of ours, and [`Dist::finish_gather`] waits for them. A
-    /// unit's few large tensors, not the whole model's: [`Dist::gather_pieces`] does that.
-    pub(super) fn start_gather(
-        &self,
-        params: &[Tensor],
-        own: &Ownership,
-    ) -> Result<StartedGather, DistError> {
+    /// computes, through no buffer of ours, and [`Dist::finish`] waits for them. A unit's few
+    /// large tensors, not the whole model's: [`Dist::gather_pieces`] does that.
+    pub(super) fn start_gather(&self, params: &[Tensor], own: &Ownership) -> Result<Started, DistError> {
         let works = params
             .iter()
             .enumerate()
             .map(|(i, p)| self.group.broadcast_start(&mut p.shallow_clone(), own.owner(i)))
             .collect::<Result<_, _>>()
             .map_err(collective(GATHER, self.heartbeat.as_ref()))?;
-        Ok(StartedGather { works })
+        Ok(Started { works })
     }
 
-    /// Waits for `started`: the parameters it sends are in place on every rank.
-    pub(super) fn finish_gather(&self, started: StartedGather) -> Result<(), DistError> {
+    /// Each of `flats` (fp32, contiguous; one a parameter of `own`) summed over the ranks into
+    /// its owner's, one reduce a parameter, started: once [`Dist::finish`] returns, the owner's
+    /// tensor holds the sum (the others' are left undefined).
+    pub(super) fn start_reduce(&self, flats: &[Tensor], own: &Ownership) -> Result<Started, DistError> {
+        let works = flats
+            .iter()
+            .enumerate()
+            .map(|(i, g)| self.group.reduce_start(&mut g.shallow_clone(), own.owner(i)))
+            .collect::<Result<_, _>>()
+            .map_err(collective("gradient reduce", self.heartbeat.as_ref()))?;
+        Ok(Started { works })
+    }
+
+    /// Waits for `started`: what it sends is in place on every rank.
+    pub(super) fn finish(&self, started: Started) -> Result<(), DistError> {
         for work in started.works {
-            work.wait().map_err(collective(GATHER, self.heartbeat.as_ref()))?;
+            work.wait().map_err(collective("a started collective", self.heartbeat.as_ref()))?;
         }
         Ok(())
     }

@@ -19,11 +19,12 @@
 //! computes and waited for after ([`ParameterShards::start_gather`], [`ParameterShards::finish`]):
 //! the collectives run on Gloo's threads or NCCL's stream meanwhile. They are broadcasts, one a
 //! parameter from its owner straight into the others' memory: no buffer of ours, none shared
-//! with the word or the collectives the compute leads to (a reduce-scatter). A started gather
-//! completes on every rank, whatever this rank's work did meanwhile (an unfinished one is
-//! waited for when dropped), before the next collective it could be confused with.
+//! with the word or another collective. Likewise a block's gradients are reduced to their
+//! owners, one a parameter, while the next block's backward runs, and added into the
+//! accumulators before the next unit's reduce. A started collective completes on every rank,
+//! whatever this rank's work did meanwhile (an unfinished one is waited for when dropped).
 use super::shard::{Ownership, Sharding};
-use super::zero::{Pieces, StartedGather};
+use super::zero::{Pieces, Started};
 use super::{torch_error, Dist, DistError};
 use crate::ffi::resize_storage;
 use crate::model::Model;
@@ -44,16 +45,26 @@ pub struct ParameterShards {
     chunk: i64,
     /// Every collective's pieces (of `chunk` elements a rank).
     pieces: Pieces,
-    /// `dist.overlap` with peers: block gathers may be started ahead.
+    /// `dist.overlap` with peers: block gathers started ahead, block reduces left running.
     overlap: bool,
     pending: Option<Gathering>,
+    reducing: Option<Reducing>,
 }
 
 /// A block's gather started by [`ParameterShards::prefetch`] and still running. Dropped
 /// unfinished (an attempt that failed meanwhile), it is waited for.
 struct Gathering {
     unit: usize,
-    started: StartedGather,
+    started: Started,
+}
+
+/// A block's gradients (flat fp32, one a parameter) being summed into their owners' by
+/// [`ParameterShards::reduce_scatter`] under `dist.overlap`; [`ParameterShards::settle`] adds
+/// this rank's sums into its accumulators. Dropped unfinished, it is waited for.
+struct Reducing {
+    unit: usize,
+    flats: Vec<Tensor>,
+    started: Started,
 }
 
 /// The unit of the embeddings and the head: gathered for a micro-step's whole.
@@ -94,6 +105,7 @@ impl ParameterShards {
             pieces: Pieces::new(world, chunk, device)?,
             overlap: overlap && world > 1,
             pending: None,
+            reducing: None,
         })
     }
 
@@ -115,7 +127,7 @@ impl ParameterShards {
 
     /// Frees every parameter this rank does not own (the start of an attempt).
     pub fn release_all(&mut self, model: &Model) -> Result<(), TchError> {
-        self.pending = None;
+        (self.pending, self.reducing) = (None, None);
         (0..self.units.len()).try_for_each(|u| self.release(model, u))
     }
 
@@ -179,7 +191,7 @@ impl ParameterShards {
     /// Waits for `gathering`: its parameters are in place.
     fn finish(lock: &mut Lockstep, gathering: Gathering) -> Result<(), TchError> {
         let d = lock.dist.expect("a gather started with peers");
-        lock.collective(d.finish_gather(gathering.started))
+        lock.collective(d.finish(gathering.started))
     }
 
     fn tensors(&self, model: &Model, unit: usize) -> Result<Vec<Tensor>, TchError> {
@@ -189,9 +201,11 @@ impl ParameterShards {
     /// `grads` (one per parameter of `unit`, as the optimizer shapes them; None: no gradient
     /// here, or a micro-step this rank has no samples for) summed over the ranks into `accs`,
     /// the accumulators of the parameters this rank owns (indexed by parameter; None for the
-    /// others). Ok(false): a peer's attempt failed, leave it.
+    /// others). Under `dist.overlap` a block's are reduced to their owners one a parameter, and
+    /// left running while the next block's backward computes: the next call, or
+    /// [`ParameterShards::settle`], adds them in. Ok(false): a peer's attempt failed, leave it.
     pub fn reduce_scatter(
-        &self,
+        &mut self,
         lock: &mut Lockstep,
         unit: usize,
         grads: &[Option<Tensor>],
@@ -206,6 +220,27 @@ impl ParameterShards {
             }
             return Ok(true);
         };
+        // The previous block's sums first: the accumulators' order, and its memory back.
+        self.settle(lock, accs)?;
+        if self.overlap && unit != OUTER {
+            // fp32 and flat before the word (a copy only for 16-bit gradients); zeros where this
+            // rank has none, as the pieces' zeroed slots are.
+            let device = self.pieces.device();
+            let flats: Vec<Tensor> = grads
+                .iter()
+                .zip(self.owns[unit].numels())
+                .map(|(g, &n)| match g {
+                    Some(g) => g.f_to_kind(Kind::Float)?.f_contiguous()?.f_view([-1]),
+                    None => Tensor::f_zeros([n], (Kind::Float, device)),
+                })
+                .collect::<Result<_, _>>()?;
+            if !lock.well()? {
+                return Ok(false);
+            }
+            let started = lock.collective(d.start_reduce(&flats, &self.owns[unit]))?;
+            self.reducing = Some(Reducing { unit, flats, started });
+            return Ok(true);
+        }
         // Contiguous before the word: a flat view of each then allocates nothing.
         let flats: Vec<Option<Tensor>> = grads
             .iter()
@@ -220,11 +255,25 @@ impl ParameterShards {
         Ok(true)
     }
 
+    /// The reduces [`ParameterShards::reduce_scatter`] left running, completed: this rank's
+    /// sums added into `accs`.
+    pub fn settle(&mut self, lock: &mut Lockstep, accs: &[Option<Tensor>]) -> Result<(), TchError> {
+        let Some(Reducing { unit, flats, started }) = self.reducing.take() else { return Ok(()) };
+        let d = lock.dist.expect("reduces started with peers");
+        lock.collective(d.finish(started))?;
+        for (&i, flat) in self.units[unit].iter().zip(&flats) {
+            if let Some(acc) = &accs[i] {
+                let _ = acc.shallow_clone().f_add_(flat)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every parameter whole on every rank again: memory for the freed ones and one gather of
     /// all from their owners (after the update, or after a failed attempt the ranks agreed on).
     pub fn restore_all(&mut self, model: &Model, dist: Option<&Dist>) -> Result<(), DistError> {
-        // A gather a failed attempt left running completes first; this one writes them all.
-        self.pending = None;
+        // What a failed attempt left running completes first; this gather writes them all.
+        (self.pending, self.reducing) = (None, None);
         let all: Vec<usize> = (0..self.whole.len()).collect();
         self.allocate(model, &all).map_err(torch_error("parameter gather"))?;
         let Some(d) = dist else { return Ok(()) };

@@ -340,7 +340,9 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     let host_copies = if s.target == Target::Cpu { sharding.host_copies } else { 0 };
     let between_steps = weights + master_weights + optimizer + dp_buffers + buffers + host_copies;
     // `block`: what a gathered block adds while it runs (its weights and its gradients).
-    let (base, gradients, held, block) = match &gathered {
+    // `in_flight`: a block's gradients still being reduced (`dist.overlap`) when the embeddings'
+    // backward ends the micro-step.
+    let (base, gradients, held, block, in_flight) = match &gathered {
         Some(g) => {
             let resident = |bytes: u64| g.share_of(bytes, g.resident);
             // The collectives' pieces are allocated once, with the layout.
@@ -348,18 +350,20 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
             // The fp32 accumulators of the owned parameters' gradients live through the micro-steps
             // (holding the earlier ones' sum: nothing more is held).
             let accumulators = 4 * g.owned;
-            // `dist.overlap`: the next block's weights gathered while this one runs.
-            let blocks_whole = if s.overlap { 2 } else { 1 };
+            // `dist.overlap`: the next block's weights gathered while this one runs, and the
+            // block before's gradients (fp32) still being reduced.
+            let (blocks_whole, reducing) = if s.overlap { (2, 4 * g.block) } else { (1, 0) };
             let base =
                 resident(weights) + resident(master_weights) + optimizer + buffers + host_copies + pieces;
-            let block =
-                g.share_of(weights + master_weights, blocks_whole * g.block_extra) + g.block * p.grad_bytes();
-            (base + accumulators, g.outer * p.grad_bytes(), 0, block)
+            let block = g.share_of(weights + master_weights, blocks_whole * g.block_extra)
+                + g.block * p.grad_bytes()
+                + reducing;
+            (base + accumulators, g.outer * p.grad_bytes(), 0, block, reducing)
         }
         None => {
             // Earlier micro-steps' sum, or the graphs' accumulators (a single micro-step has them too).
             let graphs = s.cuda_graphs && s.target == Target::Cuda;
-            (between_steps, gradients, if accumulation > 1 || graphs { gradients } else { 0 }, 0)
+            (between_steps, gradients, if accumulation > 1 || graphs { gradients } else { 0 }, 0, 0)
         }
     };
 
@@ -370,7 +374,7 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // bf16-mixed's end of backward measured 2 bytes a parameter below the estimate that kept them.)
     // The linear node's kept casts stay to the step's end (with graphs, the run's).
     let copies_released = if p.is_mixed() && !s.keeps_casts() { weights } else { 0 };
-    let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
+    let grads_done = (gradients + at.embedding_grad_transient + in_flight).saturating_sub(copies_released);
     let first_blocks = first_segment_backward(m, s, micro, gradients, &at);
     // After the last micro-step (the earlier ones' sum added in): the sharded collectives
     // beside the gradients, autocast's copies released.
@@ -414,7 +418,8 @@ pub fn estimate(m: &Transformer, s: &Setup, micro: u64, accumulation: u64) -> Es
     // not add up when the peak was at the end of backward or in the first blocks' recomputation).
     let accumulating = |b: u64| {
         let at = Moments::at(m, s, b);
-        let grads_done = (gradients + at.embedding_grad_transient).saturating_sub(copies_released);
+        let grads_done =
+            (gradients + at.embedding_grad_transient + in_flight).saturating_sub(copies_released);
         base + gradients + at.transient.max(grads_done).max(first_segment_backward(m, s, b, gradients, &at))
     };
     // Its line through micro and 2·micro: the slope per sample, and what does not grow.

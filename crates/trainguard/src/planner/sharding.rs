@@ -499,11 +499,12 @@ mod tests {
         );
     }
 
-    /// `dist.overlap` holds the next block's weights while one runs: never less than waiting
-    /// for each gather, at most one more block's weights that the rank does not own, and more
-    /// where a block's moment is the peak (at one of these micro-batches of Llama-3.2-1B).
+    /// `dist.overlap` holds the next block's weights while one runs, and the block before's fp32
+    /// gradients while they are reduced: never less than waiting for each collective, at most
+    /// one more block's weights that the rank does not own and one block's gradients, and more
+    /// at one of these micro-batches of Llama-3.2-1B.
     #[test]
-    fn overlapped_gathers_add_at_most_a_second_block() {
+    fn overlapped_collectives_add_at_most_a_block_of_weights_and_one_of_gradients() {
         let m = llama32_1b();
         let g = Gathered::of(&m, 8);
         let on = Setup { gpus: 8, shard: ShardLevel::Parameters, overlap: true, ..cuda_fp32_adamw() };
@@ -512,10 +513,8 @@ mod tests {
         for micro in [1, 4, 16] {
             let (a, b) = (estimate(&m, &on, micro, 2), estimate(&m, &off, micro, 2));
             assert!(a.peak_allocated >= b.peak_allocated, "micro {micro}");
-            assert!(
-                a.peak_allocated - b.peak_allocated <= g.share_of(weights, g.block_extra),
-                "micro {micro}"
-            );
+            let most = g.share_of(weights, g.block_extra) + 4 * g.block;
+            assert!(a.peak_allocated - b.peak_allocated <= most, "micro {micro}");
         }
     }
 
