@@ -148,7 +148,8 @@ fn kill_9_at_random_moments_never_loses_a_complete_checkpoint() {
             assert_eq!(step, newest_before, "attempt {attempt} resumed from the wrong checkpoint");
         }
         if let Some(status) = finished {
-            assert!(status.success(), "attempt {attempt} failed");
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            assert!(status.success(), "attempt {attempt} failed ({status}):\n{log}");
             break;
         }
     }
