@@ -170,8 +170,9 @@ pub fn clean_temporaries(root: &Path) -> Leftovers {
         .into_iter()
         .flatten()
         .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with(TMP_PREFIX))
+        .map(|e| e.file_name())
+        .filter(|n| is_temporary(n))
+        .map(|n| n.to_string_lossy().into_owned())
         .collect();
     for name in names {
         let path = root.join(&name);
@@ -191,6 +192,12 @@ pub fn clean_temporaries(root: &Path) -> Leftovers {
         let _ = fsync(root);
     }
     found
+}
+
+/// Whether a name in the checkpoints directory is one of a run's temporaries, which
+/// [`clean_temporaries`] removes or puts back.
+pub fn is_temporary(name: &std::ffi::OsStr) -> bool {
+    name.to_string_lossy().starts_with(TMP_PREFIX)
 }
 
 /// `base`, or `base-2`, `base-3`, … : the first that is not taken.

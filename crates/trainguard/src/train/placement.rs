@@ -57,7 +57,7 @@ pub(super) fn check(out_dir: &Path, overwrite: bool) -> Result<(), PlacementErro
     if !files.is_empty() {
         return Err(PlacementError::HoldsUsersFiles { out_dir: out_dir.to_path_buf(), files });
     }
-    match run_below(&store::root(&real)) {
+    match run_in_checkpoints(&store::root(&real)) {
         Some(run) => Err(PlacementError::HoldsRun { out_dir: out_dir.to_path_buf(), run }),
         None => Ok(()),
     }
@@ -90,24 +90,29 @@ fn run_owning_checkpoints(dir: &Path) -> Option<PathBuf> {
     is_run(run).then(|| run.to_path_buf())
 }
 
-/// The first run directory anywhere below `dir`. Links are not followed: deleting a checkpoint
-/// removes a link, not what it points to.
+/// The first run directory in a checkpoints directory, passing over the run's own temporaries
+/// (`.tmp-*`: a checkpoint a killed run left half written or half deleted, its config.yaml still
+/// there): `store::clean_temporaries` removes or restores them before anything else is written.
+fn run_in_checkpoints(root: &Path) -> Option<PathBuf> {
+    subdirs(root).filter(|e| !store::is_temporary(&e.file_name())).find_map(|e| run_at_or_below(&e.path()))
+}
+
+/// The first run directory anywhere below `dir`.
 fn run_below(dir: &Path) -> Option<PathBuf> {
-    let subdirs = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()));
-    for entry in subdirs {
-        let path = entry.path();
-        if is_run(&path) {
-            return Some(path);
-        }
-        if let Some(run) = run_below(&path) {
-            return Some(run);
-        }
+    subdirs(dir).find_map(|e| run_at_or_below(&e.path()))
+}
+
+fn run_at_or_below(path: &Path) -> Option<PathBuf> {
+    match is_run(path) {
+        true => Some(path.to_path_buf()),
+        false => run_below(path),
     }
-    None
+}
+
+/// The directories in `dir`. Links are not followed: deleting a checkpoint removes a link, not
+/// what it points to.
+fn subdirs(dir: &Path) -> impl Iterator<Item = std::fs::DirEntry> {
+    std::fs::read_dir(dir).into_iter().flatten().flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
 }
 
 /// `path` absolute, its existing part with links resolved and `..` applied as the kernel does:
@@ -207,6 +212,22 @@ mod tests {
         std::fs::copy(a.join("config.yaml"), x.join("config.yaml")).unwrap();
         assert!(matches!(check(&x, false), Err(PlacementError::HoldsRun { .. })), "x a run too");
         assert!(check(&x, true).is_ok(), "--overwrite moves x aside whole, the run inside with it");
+    }
+
+    #[test]
+    fn a_checkpoint_a_killed_run_left_half_deleted_is_not_another_run() {
+        let d = tempfile::tempdir().unwrap();
+        let run = d.path().join("run");
+        make_run(&run);
+        // Killed inside `store::remove`: the state file gone, config.yaml not yet.
+        let doomed = store::root(&run).join(format!(".tmp-del-{}", store::dir_name(72)));
+        make_run(&doomed);
+        assert!(is_run(&doomed), "on its own it reads as a run");
+        assert!(check(&run, false).is_ok(), "the run's own leftover, which its start removes");
+        assert!(store::clean_temporaries(&store::root(&run)).removed.contains(&doomed));
+        // The same directory under a name of the user's: refused.
+        make_run(&store::root(&run).join("del-72"));
+        assert!(matches!(check(&run, false), Err(PlacementError::HoldsRun { .. })));
     }
 
     #[test]
