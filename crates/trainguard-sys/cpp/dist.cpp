@@ -122,34 +122,39 @@ int tg_pg_all_gather(void* group, void* output, void* input, char* err, size_t e
   });
 }
 
-// The same broadcast, started and not waited for: the work, which holds the tensor until it
-// completes, for tg_work_wait (null on failure, with the message in err). What overlaps compute
-// (dist.overlap): on Gloo its own threads run it, on NCCL its stream.
-void* tg_pg_broadcast_start(void* group, void* tensor, int root, char* err, size_t err_len) {
+// A collective `launch` starts (on one tensor, root `root`), not waited for: the work, which
+// holds the tensor until it completes, for tg_work_wait (null on failure, with the message in
+// err). What overlaps compute (dist.overlap): on Gloo its own threads run it, on NCCL its stream.
+extern "C++" {
+template <typename Options, typename Launch>
+void* start_rooted(void* group, void* tensor, int root, char* err, size_t err_len, Options o, Launch launch) {
   c10::intrusive_ptr<c10d::Work>* out = nullptr;
   guarded(err, err_len, [&] {
     auto* g = static_cast<Group*>(group);
     std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
-    c10d::BroadcastOptions o;
     o.rootRank = root;
-    out = new c10::intrusive_ptr<c10d::Work>(g->backend->broadcast(ts, o));
+    out = new c10::intrusive_ptr<c10d::Work>(launch(*g->backend, ts, o));
   });
   return out;
 }
+}  // extern "C++": a template, used by the two below
 
-// `tensor` summed over the ranks into root's (the others' are left undefined), started and not
-// waited for, as tg_pg_broadcast_start.
+// tg_pg_broadcast, started.
+void* tg_pg_broadcast_start(void* group, void* tensor, int root, char* err, size_t err_len) {
+  return start_rooted(group, tensor, root, err, err_len, c10d::BroadcastOptions{},
+                      [](c10d::Backend& b, std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) {
+                        return b.broadcast(ts, o);
+                      });
+}
+
+// `tensor` summed over the ranks into root's (the others' are left undefined), started.
 void* tg_pg_reduce_start(void* group, void* tensor, int root, char* err, size_t err_len) {
-  c10::intrusive_ptr<c10d::Work>* out = nullptr;
-  guarded(err, err_len, [&] {
-    auto* g = static_cast<Group*>(group);
-    std::vector<at::Tensor> ts{*static_cast<at::Tensor*>(tensor)};
-    c10d::ReduceOptions o;
-    o.rootRank = root;
-    o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-    out = new c10::intrusive_ptr<c10d::Work>(g->backend->reduce(ts, o));
-  });
-  return out;
+  c10d::ReduceOptions sum;
+  sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return start_rooted(group, tensor, root, err, err_len, sum,
+                      [](c10d::Backend& b, std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o) {
+                        return b.reduce(ts, o);
+                      });
 }
 
 // Waits for a started collective to complete, then frees it (whatever the outcome).

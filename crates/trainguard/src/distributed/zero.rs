@@ -10,6 +10,8 @@
 //! rank's addition.
 use super::shard::Ownership;
 use super::{collective, torch_error, Dist, DistError};
+use crate::ffi::dist::{ProcessGroup, Work};
+use crate::ffi::ShimError;
 use tch::{Device, Kind, TchError, Tensor};
 
 /// Where a parameter's elements sit: its owner's slot, from `start` within that slot.
@@ -77,7 +79,7 @@ impl Pieces {
 /// Collectives started and left running ([`Dist::start_gather`], [`Dist::start_reduce`]), one
 /// a parameter; [`Dist::finish`] waits for them. Dropped unfinished, each is waited for.
 pub struct Started {
-    works: Vec<crate::ffi::dist::Work>,
+    works: Vec<Work>,
 }
 
 const GATHER: &str = "parameter all-gather";
@@ -196,25 +198,30 @@ impl Dist {
     /// computes, through no buffer of ours, and [`Dist::finish`] waits for them. A unit's few
     /// large tensors, not the whole model's: [`Dist::gather_pieces`] does that.
     pub(super) fn start_gather(&self, params: &[Tensor], own: &Ownership) -> Result<Started, DistError> {
-        let works = params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| self.group.broadcast_start(&mut p.shallow_clone(), own.owner(i)))
-            .collect::<Result<_, _>>()
-            .map_err(collective(GATHER, self.heartbeat.as_ref()))?;
-        Ok(Started { works })
+        self.start_each(params, own, GATHER, ProcessGroup::broadcast_start)
     }
 
     /// Each of `flats` (fp32, contiguous; one a parameter of `own`) summed over the ranks into
     /// its owner's, one reduce a parameter, started: once [`Dist::finish`] returns, the owner's
     /// tensor holds the sum (the others' are left undefined).
     pub(super) fn start_reduce(&self, flats: &[Tensor], own: &Ownership) -> Result<Started, DistError> {
-        let works = flats
+        self.start_each(flats, own, "gradient reduce", ProcessGroup::reduce_start)
+    }
+
+    /// `start` on each of `tensors`, rooted at its owner under `own`.
+    fn start_each(
+        &self,
+        tensors: &[Tensor],
+        own: &Ownership,
+        what: &'static str,
+        start: impl Fn(&ProcessGroup, &mut Tensor, usize) -> Result<Work, ShimError>,
+    ) -> Result<Started, DistError> {
+        let works = tensors
             .iter()
             .enumerate()
-            .map(|(i, g)| self.group.reduce_start(&mut g.shallow_clone(), own.owner(i)))
+            .map(|(i, t)| start(&self.group, &mut t.shallow_clone(), own.owner(i)))
             .collect::<Result<_, _>>()
-            .map_err(collective("gradient reduce", self.heartbeat.as_ref()))?;
+            .map_err(collective(what, self.heartbeat.as_ref()))?;
         Ok(Started { works })
     }
 
