@@ -4,16 +4,19 @@
 # checkpoint takes (rank 0 writing all the optimizer state alone at `none`; every rank writing its
 # part in parallel at the shard levels), with `plan`'s per-rank estimate beside the peak when
 # `plan` prints one. A 13M-parameter GPT-2 (AdamW: ~150 MB of optimizer state) so that the state
-# is what differs. `parameters` runs twice: with its gathers overlapping the compute (the
-# default, dist.overlap) and with each waited for (`parameters/waited`).
-#   scripts/bench/bench_sharding.sh [--worlds "1 2 4"] [--steps N]
+# is what differs. `none` and `parameters` run twice: with their collectives overlapping the
+# compute (the default, dist.overlap: the all-reduce during backward; the gathers ahead) and with
+# each waited for (`none/waited`, `parameters/waited`). `--levels` picks rows.
+#   scripts/bench/bench_sharding.sh [--worlds "1 2 4"] [--levels "none none/waited"] [--steps N]
 set -euo pipefail
 source "$(dirname "$0")/../tools.sh"
 worlds="1 2 4"; steps=8
+levels="none none/waited optimizer gradients parameters parameters/waited"
 while [ $# -gt 0 ]; do
   case "$1" in
     --worlds) worlds=${2:?}; shift 2 ;;
     --steps) steps=${2:?}; shift 2 ;;
+    --levels) levels=${2:?}; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -26,10 +29,10 @@ common=(--config configs/debug.yaml "${model[@]}" --set train.global_batch_size=
 port=29700
 printf '%-6s %-17s %14s %14s %12s %14s\n' world level "peak MiB" "plan MiB" "step s" "checkpoint s"
 for world in $worlds; do
-  for row in none optimizer gradients parameters parameters/waited; do
+  for row in $levels; do
     level=${row%/*}; overlap=true
-    [ "$row" = parameters/waited ] && overlap=false
-    [ "$world" = 1 ] && [ "$level" != none ] && continue
+    [ "$row" != "$level" ] && overlap=false
+    [ "$world" = 1 ] && [ "$row" != none ] && continue
     out=$work/$world-${row/\//-}; port=$((port + 1))
     if [ "$world" = 1 ]; then
       "$BIN" train "${common[@]}" --set "out_dir=$out" >"$out.log" 2>&1 || { cat "$out.log" >&2; exit 1; }

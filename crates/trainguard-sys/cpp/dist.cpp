@@ -12,6 +12,8 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -24,6 +26,67 @@ using trainguard::guarded;
 struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> backend;
+};
+
+// The replicated all-reduce started as backward makes the gradients (dist.overlap): a hook on
+// each parameter of a block copies its gradient (plus the earlier micro-steps' sum) into its
+// bucket while armed, and a bucket whose parameters all arrived is all-reduced at once, in a
+// fixed order (`order`), so that every rank starts the same collectives in the same sequence.
+// `finish` fills what no hook did from the step's gradients and starts the rest: every rank
+// starts every bucket once an attempt, whether its backward succeeded or not.
+struct Buckets {
+  std::mutex m;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<at::Tensor> flats;
+  std::vector<int64_t> bucket_of, offset;  // per parameter
+  std::vector<int64_t> awaited;  // per bucket: its hooked parameters, + 1 if it holds others
+  std::vector<int64_t> order;    // the buckets in the order they start
+  bool armed = false;
+  std::vector<at::Tensor> sums;  // per parameter: the earlier micro-steps' (or none)
+  std::vector<char> arrived;
+  std::vector<int64_t> missing;  // per bucket
+  size_t next = 0;               // into order
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::string fault;  // a gradient that arrived twice: its bucket may have started without it
+
+  at::Tensor slot(size_t i, int64_t n) { return flats[bucket_of[i]].narrow(0, offset[i], n); }
+
+  void start_ready() {
+    while (next < order.size() && missing[order[next]] == 0) {
+      std::vector<at::Tensor> ts{flats[order[next]]};
+      works.push_back(backend->allreduce(ts));
+      ++next;
+    }
+  }
+
+  void arrive(size_t i, const at::Tensor& grad) {
+    std::lock_guard<std::mutex> lock(m);
+    if (!armed) return;
+    if (arrived[i]) {
+      fault = "the gradient of parameter " + std::to_string(i) + " arrived twice in one backward";
+      return;
+    }
+    auto g = grad.reshape({-1});
+    auto dst = slot(i, g.numel());
+    if (sums[i].defined()) {
+      at::add_out(dst, sums[i].reshape({-1}), g);
+    } else {
+      dst.copy_(g);
+    }
+    arrived[i] = 1;
+    --missing[bucket_of[i]];
+    start_ready();
+  }
+
+  void reset() {
+    armed = false;
+    std::fill(arrived.begin(), arrived.end(), 0);
+    for (auto& t : sums) t = at::Tensor();
+    missing = awaited;
+    next = 0;
+    works.clear();
+    fault.clear();
+  }
 };
 }  // namespace
 
@@ -164,6 +227,95 @@ int tg_work_wait(void* work, char* err, size_t err_len) {
   delete w;
   return rc;
 }
+
+// Buckets over `flats` (fp32, contiguous) for `n` parameters: parameter i's gradient at
+// `offset[i]` of bucket `bucket[i]`, with a hook where hooked[i]. Buckets start in `order`.
+void* tg_buckets_new(void* group, void** params, const int64_t* bucket, const int64_t* offset,
+                     const uint8_t* hooked, size_t n, void** flats, const int64_t* order, size_t n_buckets,
+                     char* err, size_t err_len) {
+  std::shared_ptr<Buckets>* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto b = std::make_shared<Buckets>();
+    b->backend = static_cast<Group*>(group)->backend;
+    for (size_t k = 0; k < n_buckets; ++k) {
+      b->flats.push_back(*static_cast<at::Tensor*>(flats[k]));
+      b->order.push_back(order[k]);
+    }
+    std::vector<int64_t> hooks(n_buckets, 0), others(n_buckets, 0);
+    for (size_t i = 0; i < n; ++i) {
+      b->bucket_of.push_back(bucket[i]);
+      b->offset.push_back(offset[i]);
+      ++(hooked[i] ? hooks : others)[bucket[i]];
+    }
+    for (size_t k = 0; k < n_buckets; ++k) b->awaited.push_back(hooks[k] + (others[k] > 0 ? 1 : 0));
+    b->sums.resize(n);
+    b->arrived.assign(n, 0);
+    b->reset();
+    // The hooks stay on the parameters for the process's life; once the buckets are freed
+    // they find nothing and return.
+    std::weak_ptr<Buckets> weak = b;
+    for (size_t i = 0; i < n; ++i) {
+      if (!hooked[i]) continue;
+      static_cast<at::Tensor*>(params[i])->register_hook([weak, i](const at::Tensor& grad) {
+        if (auto b = weak.lock()) b->arrive(i, grad);
+      });
+    }
+    out = new std::shared_ptr<Buckets>(b);
+  });
+  return out;
+}
+
+// Arms the hooks for the next backward (the step's last micro-step): `sums[i]` (or null) is
+// what the earlier micro-steps gave parameter i, added to its gradient on the way.
+int tg_buckets_arm(void* buckets, void** sums, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    auto& b = **static_cast<std::shared_ptr<Buckets>*>(buckets);
+    std::lock_guard<std::mutex> lock(b.m);
+    for (size_t i = 0; i < b.sums.size(); ++i) {
+      b.sums[i] = sums && sums[i] ? *static_cast<at::Tensor*>(sums[i]) : at::Tensor();
+    }
+    b.armed = true;
+  });
+}
+
+// Ends the attempt: each parameter no hook gave is copied from `grads[i]` (grads null: left as
+// it is, on a rank whose backward failed and whose buckets are reduced only to keep the ranks
+// in step), the buckets not started yet are, and every bucket is waited for.
+// `started_early`: how many had started from inside backward.
+int tg_buckets_finish(void* buckets, void** grads, size_t* started_early, char* err, size_t err_len) {
+  auto& b = **static_cast<std::shared_ptr<Buckets>*>(buckets);
+  std::lock_guard<std::mutex> lock(b.m);
+  *started_early = b.next;
+  int rc = guarded(err, err_len, [&] {
+    b.armed = false;
+    std::string first_error;
+    try {
+      for (size_t i = 0; grads && i < b.offset.size(); ++i) {
+        if (b.arrived[i]) continue;
+        auto g = static_cast<at::Tensor*>(grads[i])->reshape({-1});
+        b.slot(i, g.numel()).copy_(g);
+      }
+    } catch (const std::exception& e) {
+      first_error = e.what();
+    }
+    std::fill(b.missing.begin(), b.missing.end(), 0);
+    b.start_ready();
+    // Every bucket waited for, a failed one too: the next collective must come after all.
+    for (auto& w : b.works) {
+      try {
+        w->wait();
+      } catch (const std::exception& e) {
+        if (first_error.empty()) first_error = e.what();
+      }
+    }
+    if (first_error.empty() && !b.fault.empty()) first_error = b.fault;
+    if (!first_error.empty()) throw std::runtime_error(first_error);
+  });
+  b.reset();
+  return rc;
+}
+
+void tg_buckets_free(void* buckets) { delete static_cast<std::shared_ptr<Buckets>*>(buckets); }
 
 int tg_pg_barrier(void* group, char* err, size_t err_len) {
   return guarded(err, err_len, [&] { static_cast<Group*>(group)->backend->barrier()->wait(); });

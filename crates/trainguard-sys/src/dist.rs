@@ -61,6 +61,33 @@ extern "C" {
     ) -> *mut c_void;
     fn tg_work_wait(work: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_pg_barrier(group: *mut c_void, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_buckets_new(
+        group: *mut c_void,
+        params: *mut *mut c_void,
+        bucket: *const i64,
+        offset: *const i64,
+        hooked: *const u8,
+        n: usize,
+        flats: *mut *mut c_void,
+        order: *const i64,
+        n_buckets: usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn tg_buckets_arm(
+        buckets: *mut c_void,
+        sums: *mut *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_buckets_finish(
+        buckets: *mut c_void,
+        grads: *mut *mut c_void,
+        started_early: *mut usize,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn tg_buckets_free(buckets: *mut c_void);
     fn tg_pg_free(group: *mut c_void);
     fn tg_store_new(
         host: *const c_char,
@@ -307,6 +334,137 @@ impl Drop for Work {
             // SAFETY: as in wait; the handle is nulled there, so this runs only when unwaited.
             let _ = unsafe { tg_work_wait(self.handle, err.as_mut_ptr().cast(), ERR_LEN) };
         }
+    }
+}
+
+/// Where a parameter's gradient goes in [`OverlappedBuckets`]: bucket, offset in it, and whether a
+/// hook sends it from inside backward (a parameter of a block, whose gradient backward makes
+/// once); the others are copied in by [`OverlappedBuckets::finish`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BucketSlot {
+    pub bucket: usize,
+    pub offset: i64,
+    pub hooked: bool,
+}
+
+/// The replicated gradient all-reduce started from inside backward (`dist.overlap`): armed for
+/// the last micro-step, a hook on each hooked parameter adds its gradient to the earlier
+/// micro-steps' sum straight into its bucket, and each bucket whose parameters all arrived is
+/// all-reduced at once, the buckets starting in a fixed order on every rank. [`Self::finish`]
+/// starts the rest and waits for all. The hooks stay on the parameters (a tensor's hooks cannot
+/// be taken off without growing its list each step); freed, the buckets leave them inert.
+pub struct OverlappedBuckets {
+    handle: *mut c_void,
+}
+
+// SAFETY: the C++ side locks its state for every call and every hook.
+unsafe impl Send for OverlappedBuckets {}
+
+/// Handles of `tensors`, for a C array of at::Tensor*.
+fn handles(tensors: &[Tensor]) -> Vec<*mut c_void> {
+    tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+impl ProcessGroup {
+    /// Buckets `flats` (fp32, contiguous, one dimension) for `params`, parameter i's gradient at
+    /// `slots[i]`; buckets start in `order` (a permutation of the buckets).
+    pub fn overlapped_buckets(
+        &self,
+        params: &[Tensor],
+        slots: &[BucketSlot],
+        flats: &[Tensor],
+        order: &[usize],
+    ) -> Result<OverlappedBuckets, ShimError> {
+        let bad = |why: String| Err(ShimError::Torch(format!("overlapped buckets: {why}")));
+        if slots.len() != params.len() {
+            return bad(format!("{} slots for {} parameters", slots.len(), params.len()));
+        }
+        let mut sorted = order.to_vec();
+        sorted.sort_unstable();
+        if sorted != (0..flats.len()).collect::<Vec<_>>() {
+            return bad(format!("order {order:?} is not a permutation of {} buckets", flats.len()));
+        }
+        for (i, (slot, p)) in slots.iter().zip(params).enumerate() {
+            let room = flats.get(slot.bucket).map_or(0, |f| f.numel() as i64);
+            if slot.offset < 0 || slot.offset + p.numel() as i64 > room {
+                return bad(format!("parameter {i} does not fit in bucket {}", slot.bucket));
+            }
+        }
+        let bucket: Vec<i64> = slots.iter().map(|s| s.bucket as i64).collect();
+        let offset: Vec<i64> = slots.iter().map(|s| s.offset).collect();
+        let hooked: Vec<u8> = slots.iter().map(|s| u8::from(s.hooked)).collect();
+        let order: Vec<i64> = order.iter().map(|&k| k as i64).collect();
+        let (mut params, mut flats) = (handles(params), handles(flats));
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: every array holds `n` or `n_buckets` entries (checked above), the tensors are
+        // live tch handles that C++ copies (a reference each), and the indices are in range.
+        let handle = unsafe {
+            tg_buckets_new(
+                self.handle,
+                params.as_mut_ptr(),
+                bucket.as_ptr(),
+                offset.as_ptr(),
+                hooked.as_ptr(),
+                params.len(),
+                flats.as_mut_ptr(),
+                order.as_ptr(),
+                flats.len(),
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        };
+        if handle.is_null() {
+            return Err(ShimError::Torch(message(&err)));
+        }
+        Ok(OverlappedBuckets { handle })
+    }
+}
+
+impl OverlappedBuckets {
+    /// Arms the hooks for the next backward: `sums` (one per parameter, the earlier
+    /// micro-steps' gradients; none on the first) are added to the gradients on the way.
+    pub fn arm(&self, sums: Option<&[Tensor]>, n_params: usize) -> Result<(), ShimError> {
+        let mut sums = match sums {
+            Some(s) if s.len() != n_params => {
+                return Err(ShimError::Torch(format!("{} sums for {n_params} parameters", s.len())))
+            }
+            Some(s) => handles(s),
+            None => vec![std::ptr::null_mut(); n_params],
+        };
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: one entry (a live tensor or null) per parameter the buckets were made for.
+        check(
+            unsafe { tg_buckets_arm(self.handle, sums.as_mut_ptr(), err.as_mut_ptr().cast(), ERR_LEN) },
+            &err,
+        )
+    }
+
+    /// Ends the attempt: each parameter no hook sent is copied from `grads` (none on a rank
+    /// whose backward failed: its buckets are reduced as they are, only to keep the ranks in
+    /// step), every bucket not started is, and all are waited for. Returns how many buckets
+    /// had started from inside backward.
+    pub fn finish(&self, grads: Option<&[Tensor]>, n_params: usize) -> Result<usize, ShimError> {
+        let mut grads = match grads {
+            Some(g) if g.len() != n_params => {
+                return Err(ShimError::Torch(format!("{} gradients for {n_params} parameters", g.len())))
+            }
+            Some(g) => handles(g),
+            None => Vec::new(),
+        };
+        let ptr = if grads.is_empty() { std::ptr::null_mut() } else { grads.as_mut_ptr() };
+        let mut err = [0u8; ERR_LEN];
+        let mut early = 0usize;
+        // SAFETY: null, or one live tensor per parameter the buckets were made for.
+        let code =
+            unsafe { tg_buckets_finish(self.handle, ptr, &mut early, err.as_mut_ptr().cast(), ERR_LEN) };
+        check(code, &err).map(|()| early)
+    }
+}
+
+impl Drop for OverlappedBuckets {
+    fn drop(&mut self) {
+        // SAFETY: created by tg_buckets_new, freed once.
+        unsafe { tg_buckets_free(self.handle) }
     }
 }
 

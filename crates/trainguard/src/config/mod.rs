@@ -1027,11 +1027,12 @@ pub struct DistConfig {
     /// holds only its own parameters during the step, each block's gathered for its forward and
     /// its backward: ZeRO-3). See docs/sharding.md.
     pub shard: ShardLevel,
-    /// Under `dist.shard: parameters`: the next block's gather runs while this block computes
-    /// (started before it, waited for after), and a block's gradient reduce while the next
-    /// block's backward does, at the cost of a second block's weights and one block's fp32
-    /// gradients held at once. false: each collective is waited for where it is issued. See
-    /// docs/sharding.md.
+    /// Communication beside compute. Replicated gradients (`none`, `optimizer`): the last
+    /// micro-step's backward all-reduces each block's bucket as it fills. `parameters`: the next
+    /// block's gather runs while this block computes (started before it, waited for after), and
+    /// a block's gradient reduce while the next block's backward does, at the cost of a second
+    /// block's weights and one block's fp32 gradients held at once. false: each collective is
+    /// waited for where it is issued. See docs/sharding.md.
     pub overlap: bool,
 }
 

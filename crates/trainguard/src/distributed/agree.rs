@@ -81,6 +81,10 @@ pub fn gradients(
     last_resort: bool,
 ) -> Result<(Vec<Tensor>, f64), StepError> {
     let Some(d) = dist else { return Ok(local?) };
+    // Under `dist.overlap` the buckets' all-reduces began inside backward: every rank, its
+    // attempt failed or not, starts the rest and waits for all before the agreement, which
+    // would otherwise meet a peer's bucket. A failure in them cannot be replayed: fatal.
+    fatal_on_error(|| d.reduce_all(local.as_ref().ok().map(|(g, _)| g.as_slice())))?;
     let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
     // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
     fatal_on_error(|| d.average_gradients(&mut grads))?;

@@ -18,7 +18,7 @@ pub use env::{from_process_env, DistEnv, EnvError};
 pub use error_file::write_error_file;
 pub use heartbeat::StopNotice;
 
-use crate::ffi::dist::{Backend, ProcessGroup, ReduceOp};
+use crate::ffi::dist::{Backend, BucketSlot, OverlappedBuckets, ProcessGroup, ReduceOp};
 use crate::ffi::ShimError;
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -63,6 +63,10 @@ pub struct Dist {
     pub backend: Backend,
     group: ProcessGroup,
     buckets: Vec<Bucket>,
+    /// The same buckets all-reduced from inside the last micro-step's backward (`dist.overlap`).
+    overlapped: Option<OverlappedBuckets>,
+    /// Whether the first step's count of buckets started inside backward was logged.
+    overlap_told: bool,
     /// Names the silent rank when a collective fails; None if it could not start.
     heartbeat: Option<heartbeat::Heartbeat>,
     /// Where small agreement tensors live: the CPU for Gloo, the rank's GPU for NCCL.
@@ -145,6 +149,8 @@ impl Dist {
             backend,
             group,
             buckets: Vec::new(),
+            overlapped: None,
+            overlap_told: false,
             heartbeat,
             small,
             job_deadline,
@@ -192,20 +198,23 @@ impl Dist {
         }
     }
 
-    /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order.
+    /// Lays gradients out in flat buckets of about `bucket_bytes`, in parameter order. With
+    /// `hooked` (one flag a parameter: a block's, whose gradient backward makes once), the
+    /// buckets are all-reduced from inside backward as they fill (`dist.overlap`): a bucket
+    /// holds hooked parameters only or none, and the hooked ones start first, the last first
+    /// (backward makes the last block's gradients first), the others at the end.
     pub fn plan_buckets(
         &mut self,
         params: &[Tensor],
         bucket_bytes: usize,
         device: Device,
+        hooked: Option<&[bool]>,
     ) -> Result<(), TchError> {
-        let mut buckets = Vec::new();
+        let is_hooked = |i: usize| hooked.is_some_and(|h| h[i]);
+        let mut buckets: Vec<Bucket> = Vec::new();
         let mut slots = Vec::new();
         let mut len = 0i64;
-        let flush = |slots: &mut Vec<(usize, i64, i64)>,
-                     len: &mut i64,
-                     out: &mut Vec<Bucket>|
-         -> Result<(), TchError> {
+        let flush = |slots: &mut Vec<(usize, i64, i64)>, len: &mut i64, out: &mut Vec<Bucket>| {
             if !slots.is_empty() {
                 out.push(Bucket {
                     flat: Tensor::f_zeros([*len], (Kind::Float, device))?,
@@ -213,9 +222,12 @@ impl Dist {
                 });
                 *len = 0;
             }
-            Ok(())
+            Ok::<(), TchError>(())
         };
         for (i, p) in params.iter().enumerate() {
+            if i > 0 && is_hooked(i) != is_hooked(i - 1) {
+                flush(&mut slots, &mut len, &mut buckets)?;
+            }
             let n = p.numel() as i64;
             slots.push((i, len, n));
             len += n;
@@ -224,12 +236,29 @@ impl Dist {
             }
         }
         flush(&mut slots, &mut len, &mut buckets)?;
+        self.overlapped = None;
+        if hooked.is_some() {
+            let hooked_bucket = |b: &Bucket| b.slots.iter().all(|&(i, _, _)| is_hooked(i));
+            let (first, last): (Vec<usize>, Vec<usize>) =
+                (0..buckets.len()).rev().partition(|&k| hooked_bucket(&buckets[k]));
+            let order: Vec<usize> = first.into_iter().chain(last.into_iter().rev()).collect();
+            let mut where_ = vec![BucketSlot { bucket: 0, offset: 0, hooked: false }; params.len()];
+            for (k, b) in buckets.iter().enumerate() {
+                for &(i, offset, _) in &b.slots {
+                    where_[i] = BucketSlot { bucket: k, offset, hooked: is_hooked(i) };
+                }
+            }
+            let flats: Vec<Tensor> = buckets.iter().map(|b| b.flat.shallow_clone()).collect();
+            let made = self.group.overlapped_buckets(params, &where_, &flats, &order);
+            self.overlapped = Some(made.map_err(|e| TchError::Torch(e.to_string()))?);
+        }
         self.buckets = buckets;
         Ok(())
     }
 
     /// Frees the all-reduce buckets (sharded gradients are reduce-scattered instead).
     pub fn release_buckets(&mut self) {
+        self.overlapped = None;
         self.buckets.clear();
     }
 
@@ -237,7 +266,20 @@ impl Dist {
         self.buckets.len()
     }
 
-    /// Replaces each gradient by its mean over ranks: one all-reduce per bucket.
+    /// Under `dist.overlap`, before the step's last micro-step: its backward all-reduces each
+    /// block's bucket as it fills, adding `sums` (the earlier micro-steps' gradients, one per
+    /// parameter; none on the first) on the way. Nothing without overlapped buckets.
+    pub fn arm_overlap(&self, sums: Option<&[Tensor]>) -> Result<(), TchError> {
+        let Some(o) = &self.overlapped else { return Ok(()) };
+        o.arm(sums, self.bucket_params()).map_err(|e| TchError::Torch(e.to_string()))
+    }
+
+    fn bucket_params(&self) -> usize {
+        self.buckets.iter().map(|b| b.slots.len()).sum()
+    }
+
+    /// Replaces each gradient by its mean over ranks: one all-reduce per bucket, started and
+    /// finished here, or (under `dist.overlap`) from inside backward by [`Dist::reduce_all`].
     pub fn average_gradients(&mut self, grads: &mut [Tensor]) -> Result<(), DistError> {
         let torch = torch_error("gradient all-reduce");
         let _no_grad = tch::no_grad_guard();
@@ -250,17 +292,20 @@ impl Dist {
                 silent: None,
             });
         }
+        let reduced = self.overlapped.is_some();
         for b in &mut self.buckets {
-            for &(i, off, n) in &b.slots {
-                b.flat
-                    .f_narrow(0, off, n)
-                    .map_err(torch)?
-                    .f_copy_(&grads[i].f_reshape([n]).map_err(torch)?)
-                    .map_err(torch)?;
+            if !reduced {
+                for &(i, off, n) in &b.slots {
+                    b.flat
+                        .f_narrow(0, off, n)
+                        .map_err(torch)?
+                        .f_copy_(&grads[i].f_reshape([n]).map_err(torch)?)
+                        .map_err(torch)?;
+                }
+                self.group
+                    .all_reduce(&mut b.flat, ReduceOp::Sum)
+                    .map_err(collective("gradient all-reduce", heartbeat))?;
             }
-            self.group
-                .all_reduce(&mut b.flat, ReduceOp::Sum)
-                .map_err(collective("gradient all-reduce", heartbeat))?;
             for &(i, off, n) in &b.slots {
                 let avg = b
                     .flat
@@ -273,6 +318,26 @@ impl Dist {
             }
         }
         Ok(())
+    }
+
+    /// Under `dist.overlap`: every bucket not started from inside backward is, from this rank's
+    /// gradients (`grads`; none when its attempt failed: its buckets are reduced as they are,
+    /// so that its peers' collectives complete), and all are waited for. Every rank calls it
+    /// once an attempt, before the agreement, whatever its backward did. False without overlap.
+    pub fn reduce_all(&mut self, grads: Option<&[Tensor]>) -> Result<bool, DistError> {
+        let Some(o) = &self.overlapped else { return Ok(false) };
+        let n = self.bucket_params();
+        let early = o.finish(grads, n).map_err(collective("gradient all-reduce", self.heartbeat.as_ref()))?;
+        if grads.is_some() && !std::mem::replace(&mut self.overlap_told, true) {
+            // Fewer than the blocks' buckets: their gradients did not all come through the hooks
+            // (CUDA graphs, kernels.accumulate_in_gemm's sums), and those wait for the end.
+            tracing::info!(
+                "rank {}: dist.overlap: {early} of {} gradient buckets all-reduced during backward",
+                self.rank,
+                self.buckets.len()
+            );
+        }
+        Ok(true)
     }
 
     /// All ranks learn whether any ran out of memory or failed otherwise, and the mean of the
@@ -420,5 +485,79 @@ impl Dist {
 
     pub fn barrier(&self) -> Result<(), DistError> {
         self.group.barrier().map_err(collective("barrier", self.heartbeat.as_ref()))
+    }
+}
+
+#[cfg(test)]
+mod overlap_tests {
+    use super::*;
+
+    /// A group of one Gloo rank on a free local port.
+    fn alone() -> Dist {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let env = DistEnv {
+            rank: 0,
+            local_rank: 0,
+            world_size: 1,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            use_agent_store: false,
+            restart_count: 0,
+            error_file: None,
+        };
+        Dist::init(&env, Backend::Gloo, Device::Cpu, 30, None).unwrap()
+    }
+
+    fn flat(d: &Dist, k: usize) -> Vec<f32> {
+        Vec::<f32>::try_from(&d.buckets[k].flat).unwrap()
+    }
+
+    #[test]
+    fn an_armed_backward_fills_and_starts_the_hooked_buckets_and_finish_does_the_rest() {
+        let mut d = alone();
+        // A "block" parameter (hooked) and an "embedding" one, each a bucket of its own.
+        let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true);
+        let b = Tensor::from_slice(&[4.0f32, 5.0]).set_requires_grad(true);
+        let params = [a.shallow_clone(), b.shallow_clone()];
+        d.plan_buckets(&params, 4, Device::Cpu, Some(&[true, false])).unwrap();
+        assert_eq!(d.bucket_count(), 2);
+        let backward = || {
+            let loss = (&a * &a).sum(Kind::Float) + (&b * 3.0).sum(Kind::Float);
+            Tensor::f_run_backward(&[&loss], &params, false, false).unwrap()
+        };
+        // The earlier micro-steps' sums, added on the way by the hook.
+        let sums = [Tensor::from_slice(&[10.0f32, 10.0, 10.0]), Tensor::from_slice(&[1.0f32, 1.0])];
+        d.arm_overlap(Some(&sums)).unwrap();
+        let mut grads = backward();
+        assert_eq!(flat(&d, 0), [12.0, 14.0, 16.0], "sum + 2a, written inside backward");
+        assert_eq!(flat(&d, 1), [0.0, 0.0], "not hooked: left for finish");
+        // The caller's own accumulation, as forward_backward does it.
+        for (g, s) in grads.iter_mut().zip(&sums) {
+            *g = &*g + s;
+        }
+        assert!(d.reduce_all(Some(&grads)).unwrap());
+        assert_eq!(flat(&d, 1), [4.0, 4.0], "copied from the gradients by finish");
+        d.average_gradients(&mut grads).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), [12.0, 14.0, 16.0]);
+
+        // Unarmed (an earlier micro-step): the hooks write nothing; finish takes the gradients.
+        let _ = d.buckets[0].flat.zero_();
+        let grads = backward();
+        assert_eq!(flat(&d, 0), [0.0, 0.0, 0.0]);
+        d.reduce_all(Some(&grads)).unwrap();
+        assert_eq!(flat(&d, 0), [2.0, 4.0, 6.0]);
+
+        // A gradient that arrives twice in one armed backward is an error, not a wrong sum.
+        d.arm_overlap(None).unwrap();
+        backward();
+        let grads = backward();
+        let err = d.reduce_all(Some(&grads)).unwrap_err().to_string();
+        assert!(err.contains("arrived twice"), "{err}");
+        // And the next attempt starts clean.
+        d.arm_overlap(None).unwrap();
+        let grads = backward();
+        d.reduce_all(Some(&grads)).unwrap();
+        assert_eq!(flat(&d, 0), [2.0, 4.0, 6.0]);
     }
 }

@@ -201,7 +201,9 @@ fn attempt(
     let local = match &mut layout.params {
         None => moved
             .and_then(|()| {
-                catch_torch_panics(|| forward_backward(model, data, step, micro, &savers, scale, graphs, p))
+                catch_torch_panics(|| {
+                    forward_backward(model, data, step, micro, &savers, scale, graphs, p, dist.as_deref())
+                })
             })
             .and_then(|r| leak(faults).map(|()| r)),
         Some(shards) => moved.and_then(|()| leak(faults)).and_then(|()| {

@@ -7,6 +7,7 @@ use super::savers::{loss_and_grads, Savers};
 use crate::checkpoint::state::SkippedWindow;
 use crate::data::batch;
 use crate::data::{Corpus, Sampler};
+use crate::distributed::Dist;
 use crate::ffi::kernels;
 use crate::ffi::linear::KeptCasts;
 use crate::guard::Progress;
@@ -58,7 +59,8 @@ impl StepData<'_> {
 /// loss scaling; 1 otherwise), computed in micro-batches of `micro`, and that loss (unscaled).
 /// Each micro-batch's loss is weighted by its share of the tokens, so the result does not depend
 /// on the split. Where `graphs` apply, the micro-steps add into their accumulators (and replay
-/// as CUDA graphs once captured).
+/// as CUDA graphs once captured). With `dist` under `dist.overlap`, the last micro-step's
+/// backward starts the gradient all-reduce bucket by bucket ([`Dist::arm_overlap`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,
@@ -69,6 +71,7 @@ pub fn forward_backward(
     scale: f64,
     graphs: &mut MicroGraphs,
     progress: &mut Progress,
+    dist: Option<&Dist>,
 ) -> Result<(Vec<Tensor>, f64), TchError> {
     let (grads, loss_sum) = if graphs.applies(savers, scale) {
         graphs.begin_step(model, micro)?;
@@ -86,7 +89,13 @@ pub fn forward_backward(
         let _casts = (savers.checkpoint_every == 0).then(KeptCasts::start).transpose()?;
         let (mut grads, mut loss_sum): (Vec<Tensor>, Option<Tensor>) = (Vec::new(), None);
         let mut _sums = None;
+        let last = batch::split(data.rank_batch, micro).count().saturating_sub(1);
+        let mut index = 0;
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
+            if let (true, Some(d)) = (index == last, dist) {
+                d.arm_overlap(loss_sum.is_some().then_some(grads.as_slice()))?;
+            }
+            index += 1;
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
             match loss_sum.take() {
                 None => {
@@ -188,10 +197,10 @@ mod tests {
         let plain = Savers::default();
         let off = &mut MicroGraphs::new(false);
         let (whole, loss_whole) =
-            forward_backward(&model, &data, 4, 10, &plain, 1.0, off, &mut Progress::default()).unwrap();
+            forward_backward(&model, &data, 4, 10, &plain, 1.0, off, &mut Progress::default(), None).unwrap();
         for micro in [3, 4, 7] {
             let (split, loss_split) =
-                forward_backward(&model, &data, 4, micro, &plain, 1.0, off, &mut Progress::default())
+                forward_backward(&model, &data, 4, micro, &plain, 1.0, off, &mut Progress::default(), None)
                     .unwrap();
             assert!(
                 (loss_whole - loss_split).abs() < 1e-5,
@@ -232,12 +241,30 @@ mod tests {
             if step == 7 {
                 graphed.release();
             }
-            let (want, want_loss) =
-                forward_backward(&model, &data, step, micro, &plain, 1.0, usual, &mut Progress::default())
-                    .unwrap();
-            let (got, got_loss) =
-                forward_backward(&model, &data, step, micro, &plain, 1.0, graphed, &mut Progress::default())
-                    .unwrap();
+            let (want, want_loss) = forward_backward(
+                &model,
+                &data,
+                step,
+                micro,
+                &plain,
+                1.0,
+                usual,
+                &mut Progress::default(),
+                None,
+            )
+            .unwrap();
+            let (got, got_loss) = forward_backward(
+                &model,
+                &data,
+                step,
+                micro,
+                &plain,
+                1.0,
+                graphed,
+                &mut Progress::default(),
+                None,
+            )
+            .unwrap();
             assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "step {step}: loss");
             assert_eq!(got.len(), want.len());
             for (a, b) in got.iter().zip(&want) {
@@ -248,9 +275,11 @@ mod tests {
         // Checkpointing and a chunked loss go through the accumulators as well, to the bit.
         let savers = Savers { checkpoint_every: 1, loss_chunk_tokens: Some(16), ..plain };
         let (want, want_loss) =
-            forward_backward(&model, &data, 8, 4, &savers, 1.0, usual, &mut Progress::default()).unwrap();
+            forward_backward(&model, &data, 8, 4, &savers, 1.0, usual, &mut Progress::default(), None)
+                .unwrap();
         let (got, got_loss) =
-            forward_backward(&model, &data, 8, 4, &savers, 1.0, graphed, &mut Progress::default()).unwrap();
+            forward_backward(&model, &data, 8, 4, &savers, 1.0, graphed, &mut Progress::default(), None)
+                .unwrap();
         assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "savers: loss");
         assert!(got.iter().zip(&want).all(|(a, b)| a.equal(b)), "savers: a gradient differs");
         let (held, _) = graphed.results().unwrap();
@@ -258,7 +287,8 @@ mod tests {
         // Offload runs as usual, outside them.
         let offload = Savers { offload: true, ..savers };
         let (a, _) =
-            forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default()).unwrap();
+            forward_backward(&model, &data, 9, 4, &offload, 1.0, graphed, &mut Progress::default(), None)
+                .unwrap();
         let (held, _) = graphed.results().unwrap();
         assert!(!a[0].equal(&held[0]), "offload's step did not go through the accumulators");
     }
@@ -338,6 +368,7 @@ mod tests {
                 1.0,
                 &mut MicroGraphs::new(false),
                 &mut Progress::default(),
+                None,
             );
             crate::ffi::set_autocast(false, false, false).unwrap();
             let (grads, loss) = out.unwrap();
@@ -452,6 +483,7 @@ mod tests {
                     1.0,
                     &mut mode,
                     &mut Progress::default(),
+                    None,
                 )
                 .unwrap();
                 crate::ffi::set_autocast(false, false, false).unwrap();
@@ -538,6 +570,7 @@ mod tests {
                 1.0,
                 &mut MicroGraphs::new(graphs),
                 &mut Progress::default(),
+                None,
             );
             crate::ffi::set_autocast(false, false, false).unwrap();
             let (grads, loss) = out.unwrap();

@@ -790,8 +790,15 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
             s.ownership.imbalance()
         ),
         _ => {
-            d.plan_buckets(params, (cfg.dist.bucket_mb * (1 << 20) as f64) as usize, device)
-                .map_err(unrecovered)?;
+            // Under dist.overlap a block's parameters' buckets are all-reduced from inside
+            // backward (their gradients made once there; the embeddings' and head's are not).
+            let hooked = cfg.dist.overlap.then(|| {
+                let mut hooked = vec![false; params.len()];
+                t.model.param_groups().blocks.iter().flatten().for_each(|&i| hooked[i] = true);
+                hooked
+            });
+            let bytes = (cfg.dist.bucket_mb * (1 << 20) as f64) as usize;
+            d.plan_buckets(params, bytes, device, hooked.as_deref()).map_err(unrecovered)?;
             tracing::info!(
                 "rank {} of {}: gradients averaged in {} bucket(s){}",
                 d.rank,
