@@ -61,7 +61,8 @@ struct Buckets {
 
   void arrive(size_t i, const at::Tensor& grad) {
     std::lock_guard<std::mutex> lock(m);
-    if (!armed) return;
+    // Undefined: added somewhere else (kernels.accumulate_in_gemm's sums), which `finish` reads.
+    if (!armed || !grad.defined()) return;
     if (arrived[i]) {
       fault = "the gradient of parameter " + std::to_string(i) + " arrived twice in one backward";
       return;

@@ -268,10 +268,12 @@ impl Dist {
 
     /// Under `dist.overlap`, before the step's last micro-step: its backward all-reduces each
     /// block's bucket as it fills, adding `sums` (the earlier micro-steps' gradients, one per
-    /// parameter; none on the first) on the way. Nothing without overlapped buckets.
-    pub fn arm_overlap(&self, sums: Option<&[Tensor]>) -> Result<(), TchError> {
-        let Some(o) = &self.overlapped else { return Ok(()) };
-        o.arm(sums, self.bucket_params()).map_err(|e| TchError::Torch(e.to_string()))
+    /// parameter; none on the first) on the way. False (nothing armed) without overlapped
+    /// buckets.
+    pub fn arm_overlap(&self, sums: Option<&[Tensor]>) -> Result<bool, TchError> {
+        let Some(o) = &self.overlapped else { return Ok(false) };
+        o.arm(sums, self.bucket_params()).map_err(|e| TchError::Torch(e.to_string()))?;
+        Ok(true)
     }
 
     fn bucket_params(&self) -> usize {
@@ -323,9 +325,10 @@ impl Dist {
     /// Under `dist.overlap`: every bucket not started from inside backward is, from this rank's
     /// gradients (`grads`; none when its attempt failed: its buckets are reduced as they are,
     /// so that its peers' collectives complete), and all are waited for. Every rank calls it
-    /// once an attempt, before the agreement, whatever its backward did. False without overlap.
-    pub fn reduce_all(&mut self, grads: Option<&[Tensor]>) -> Result<bool, DistError> {
-        let Some(o) = &self.overlapped else { return Ok(false) };
+    /// once an attempt, before the agreement, whatever its backward did. How many buckets had
+    /// started inside backward; none without overlap.
+    pub fn reduce_all(&mut self, grads: Option<&[Tensor]>) -> Result<Option<usize>, DistError> {
+        let Some(o) = &self.overlapped else { return Ok(None) };
         let n = self.bucket_params();
         let early = o.finish(grads, n).map_err(collective("gradient all-reduce", self.heartbeat.as_ref()))?;
         if grads.is_some() && !std::mem::replace(&mut self.overlap_told, true) {
@@ -337,7 +340,7 @@ impl Dist {
                 self.buckets.len()
             );
         }
-        Ok(true)
+        Ok(Some(early))
     }
 
     /// All ranks learn whether any ran out of memory or failed otherwise, and the mean of the
@@ -489,11 +492,11 @@ impl Dist {
 }
 
 #[cfg(test)]
-mod overlap_tests {
+pub(crate) mod overlap_tests {
     use super::*;
 
     /// A group of one Gloo rank on a free local port.
-    fn alone() -> Dist {
+    pub(crate) fn alone() -> Dist {
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let env = DistEnv {
             rank: 0,
@@ -536,7 +539,7 @@ mod overlap_tests {
         for (g, s) in grads.iter_mut().zip(&sums) {
             *g = &*g + s;
         }
-        assert!(d.reduce_all(Some(&grads)).unwrap());
+        assert_eq!(d.reduce_all(Some(&grads)).unwrap(), Some(1), "the hooked bucket started inside backward");
         assert_eq!(flat(&d, 1), [4.0, 4.0], "copied from the gradients by finish");
         d.average_gradients(&mut grads).unwrap();
         assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), [12.0, 14.0, 16.0]);

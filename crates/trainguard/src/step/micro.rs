@@ -93,7 +93,11 @@ pub fn forward_backward(
         let mut index = 0;
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
             if let (true, Some(d)) = (index == last, dist) {
-                d.arm_overlap(loss_sum.is_some().then_some(grads.as_slice()))?;
+                if d.arm_overlap(loss_sum.is_some().then_some(grads.as_slice()))? {
+                    // The last micro-step's weight gradients come out of backward, through the
+                    // hooks that start their buckets, not added inside the GEMMs past them.
+                    _sums = None;
+                }
             }
             index += 1;
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
@@ -655,6 +659,58 @@ mod tests {
         assert!(out.unwrap().1.iter().any(|g| !g.defined()), "the second scope is still open");
         let off = linear_node_gpt2_with(kernels(false)).1;
         assert!(off.sum_weight_grads_into(&sums).unwrap().is_none(), "switched off: no scope");
+    }
+
+    /// Under `dist.overlap` the last micro-step runs outside `kernels.accumulate_in_gemm`'s
+    /// sums, so that every block weight's gradient reaches its bucket's hook inside backward:
+    /// with the node's kernels emulated, every block bucket starts there (none would with the
+    /// sums: the node adds past the hooks), and the step's gradients are those without overlap.
+    #[test]
+    fn overlapped_buckets_see_every_block_gradient_with_the_sums_in_the_gemms() {
+        use crate::config::KernelsConfig;
+        let _emulation = CudaEmulation::start();
+        let kernels = KernelsConfig { fused_linear: true, accumulate_in_gemm: true, ..KernelsConfig::aten() };
+        let (_, model, corpus, _) = linear_node_gpt2_with(kernels);
+        let data = StepData::single(&corpus, Sampler { seed: 1, seq_len: 8 }, Device::Cpu, 8);
+        let run = |dist: Option<&crate::distributed::Dist>| {
+            crate::ffi::set_autocast(false, true, false).unwrap();
+            let out = forward_backward(
+                &model,
+                &data,
+                4,
+                3,
+                &Savers::default(),
+                1.0,
+                &mut MicroGraphs::new(false),
+                &mut Progress::default(),
+                dist,
+            );
+            crate::ffi::set_autocast(false, false, false).unwrap();
+            out.unwrap().0
+        };
+        let want = run(None);
+        let mut d = crate::distributed::overlap_tests::alone();
+        let groups = model.param_groups();
+        let mut hooked = vec![false; model.params.tensors.len()];
+        groups.blocks.iter().flatten().for_each(|&i| hooked[i] = true);
+        // Four bytes a bucket at least: one parameter each.
+        d.plan_buckets(&model.params.tensors, 4, Device::Cpu, Some(&hooked)).unwrap();
+        let mut got = run(Some(&d));
+        let early = d.reduce_all(Some(&got)).unwrap();
+        assert_eq!(early, Some(hooked.iter().filter(|&&h| h).count()), "every block parameter's bucket");
+        d.average_gradients(&mut got).unwrap();
+        let tied = model.params.names.iter().position(|n| n == "wte.weight").unwrap();
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            // The tied embedding's gradients are added in another order with the sums than
+            // without (the head's in the GEMM, or after): fp32's last bits of the largest value.
+            let diff = (a - b).abs().max().double_value(&[]);
+            let within = if i == tied { 1e-6 * b.abs().max().double_value(&[]) } else { 0.0 };
+            assert!(
+                a.equal(b) || diff <= within,
+                "gradient {i} ({}) differs by {diff}",
+                model.params.names[i]
+            );
+        }
     }
 
     #[test]
