@@ -359,7 +359,9 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
     let (d, plain) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let sets = ["device=cuda", "train.max_steps=10", "train.warmup_steps=2", "dist.backend=nccl"];
     let single = train(plain.path(), "configs/debug.yaml", &sets).ok();
-    let mut cmd = command(d.path(), "configs/debug.yaml", &sets);
+    // Small buckets, so that dist.overlap has several to start inside backward (on autograd's
+    // device thread, on NCCL's stream).
+    let mut cmd = command(d.path(), "configs/debug.yaml", &[&sets[..], &["dist.bucket_mb=0.05"]].concat());
     cmd.env("RANK", "0")
         .env("LOCAL_RANK", "0")
         .env("WORLD_SIZE", "1")
@@ -370,6 +372,12 @@ fn nccl_with_one_rank_trains_like_the_plain_run() {
     let diff = max_weight_diff(d.path(), plain.path());
     eprintln!("NCCL world 1 vs plain: max weight difference {diff}");
     assert!(diff <= 1e-5);
+    let said = r.stderr().lines().find(|l| l.contains("during backward")).map(str::to_string);
+    eprintln!("{said:?}");
+    let early = said
+        .as_deref()
+        .and_then(|l| l.split("dist.overlap: ").nth(1)?.split(' ').next()?.parse::<usize>().ok());
+    assert!(early.is_some_and(|n| n > 0), "buckets started inside backward: {said:?}");
 }
 
 /// `metrics.trace` on CUDA: the trace holds the GPU's kernels (through CUPTI), the summary
