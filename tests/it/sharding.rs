@@ -353,6 +353,55 @@ fn replicated_ranks_at_their_floor_escalate_to_sharded_parameters() {
     assert_eq!(compared["checksum_spread"], 0.0, "both ranks hold the same whole weights");
 }
 
+/// Two replicated ranks escalating to `parameters` under caps spread from the sharded peak to
+/// the replicated one: wherever a cap falls (in the setup, in the replicated step, in the move
+/// of the optimizer state, after it), the ranks agree. Both finish, or both stop with the same
+/// documented code and its reason, never a collective that failed under them: the all-reduce's
+/// scratch met the cap inside backward (Gloo allocates it on its own thread), or one rank moved
+/// to the new layout and gathered while the other, its move failed, waited at the agreement.
+#[test]
+fn ranks_escalating_under_any_cap_finish_or_stop_together() {
+    let (replicated, sharded) =
+        (rank_peak(&HEAVY), rank_peak(&[&HEAVY[..], &["dist.shard=gradients"]].concat()));
+    let mut seen = std::collections::BTreeMap::new();
+    for i in 0..8u64 {
+        let cap = format!("memory.limit={}", sharded + (replicated - sharded) * i / 7);
+        let capped = [&HEAVY[..], &[cap.as_str(), "oom.escalate=[shard_parameters]"]].concat();
+        let d = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let outs: Vec<_> = (0..2)
+            .map(|r| spawn_rank(r, 2, port, d.path(), &capped))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
+        let code = outs[0].status.code();
+        assert_eq!(outs[1].status.code(), code, "{cap}: the ranks stop together:\n{}\n{}", err(0), err(1));
+        for r in 0..2 {
+            assert!(!err(r).contains("collective `"), "{cap}, rank {r}: no collective fails: {}", err(r));
+        }
+        match code {
+            Some(0) => assert_eq!(read_jsonl(&d.path().join("metrics.jsonl")).len(), 4, "{cap}"),
+            Some(3) => assert!(err(0).contains("out of memory") && err(1).contains("out of memory"), "{cap}"),
+            // The move freed the state it gave up before making the new one: one rank names
+            // that, the other its peer's failure.
+            Some(1) => {
+                let (a, b) = (err(0), err(1));
+                let moved = |e: &str| e.contains("could not move the optimizer state");
+                let peer = |e: &str| e.contains("other rank(s) failed");
+                assert!(
+                    (moved(&a) || moved(&b)) && (moved(&a) || peer(&a)) && (moved(&b) || peer(&b)),
+                    "{cap}:\n{a}\n{b}"
+                );
+            }
+            other => panic!("{cap}: exit {other:?}:\n{}\n{}", err(0), err(1)),
+        }
+        *seen.entry(code).or_insert(0) += 1;
+    }
+    assert!(seen.get(&Some(0)).is_some_and(|&n| n >= 3), "most caps above the sharded peak train: {seen:?}");
+}
+
 /// `parameters` with the loss in chunks and the kept block inputs offloaded, on 2 and 3 ranks,
 /// equals one process with the same savers within 1e-5. In bf16-mixed the fp32 sums' other order
 /// moves a weight's last bit after the first step and bf16 carries it (AdamW turns a gradient

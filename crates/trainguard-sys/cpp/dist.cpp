@@ -279,9 +279,9 @@ int tg_buckets_arm(void* buckets, void** sums, char* err, size_t err_len) {
   });
 }
 
-// Ends the attempt: each parameter no hook gave is copied from `grads[i]` (grads null: left as
-// it is, on a rank whose backward failed and whose buckets are reduced only to keep the ranks
-// in step), the buckets not started yet are, and every bucket is waited for.
+// Ends the attempt: each parameter no hook gave is copied from `grads[i]` (null: left as it
+// is, on a rank whose backward failed and whose buckets are reduced only to keep the ranks in
+// step), the buckets not started yet are, and every bucket is waited for.
 // `started_early`: how many had started from inside backward.
 int tg_buckets_finish(void* buckets, void** grads, size_t* started_early, char* err, size_t err_len) {
   auto& b = **static_cast<std::shared_ptr<Buckets>*>(buckets);
@@ -291,8 +291,8 @@ int tg_buckets_finish(void* buckets, void** grads, size_t* started_early, char* 
     b.armed = false;
     std::string first_error;
     try {
-      for (size_t i = 0; grads && i < b.offset.size(); ++i) {
-        if (b.arrived[i]) continue;
+      for (size_t i = 0; i < b.offset.size(); ++i) {
+        if (b.arrived[i] || !grads[i]) continue;
         auto g = static_cast<at::Tensor*>(grads[i])->reshape({-1});
         b.slot(i, g.numel()).copy_(g);
       }

@@ -355,6 +355,7 @@ pub struct BucketSlot {
 /// be taken off without growing its list each step); freed, the buckets leave them inert.
 pub struct OverlappedBuckets {
     handle: *mut c_void,
+    n_params: usize,
 }
 
 // SAFETY: the C++ side locks its state for every call and every hook.
@@ -416,21 +417,15 @@ impl ProcessGroup {
         if handle.is_null() {
             return Err(ShimError::Torch(message(&err)));
         }
-        Ok(OverlappedBuckets { handle })
+        Ok(OverlappedBuckets { handle, n_params: slots.len() })
     }
 }
 
 impl OverlappedBuckets {
     /// Arms the hooks for the next backward: `sums` (one per parameter, the earlier
     /// micro-steps' gradients; none on the first) are added to the gradients on the way.
-    pub fn arm(&self, sums: Option<&[Tensor]>, n_params: usize) -> Result<(), ShimError> {
-        let mut sums = match sums {
-            Some(s) if s.len() != n_params => {
-                return Err(ShimError::Torch(format!("{} sums for {n_params} parameters", s.len())))
-            }
-            Some(s) => handles(s),
-            None => vec![std::ptr::null_mut(); n_params],
-        };
+    pub fn arm(&self, sums: Option<&[Tensor]>) -> Result<(), ShimError> {
+        let mut sums = self.per_parameter(sums, "sums")?;
         let mut err = [0u8; ERR_LEN];
         // SAFETY: one entry (a live tensor or null) per parameter the buckets were made for.
         check(
@@ -443,21 +438,26 @@ impl OverlappedBuckets {
     /// whose backward failed: its buckets are reduced as they are, only to keep the ranks in
     /// step), every bucket not started is, and all are waited for. Returns how many buckets
     /// had started from inside backward.
-    pub fn finish(&self, grads: Option<&[Tensor]>, n_params: usize) -> Result<usize, ShimError> {
-        let mut grads = match grads {
-            Some(g) if g.len() != n_params => {
-                return Err(ShimError::Torch(format!("{} gradients for {n_params} parameters", g.len())))
-            }
-            Some(g) => handles(g),
-            None => Vec::new(),
-        };
-        let ptr = if grads.is_empty() { std::ptr::null_mut() } else { grads.as_mut_ptr() };
+    pub fn finish(&self, grads: Option<&[Tensor]>) -> Result<usize, ShimError> {
+        let mut grads = self.per_parameter(grads, "gradients")?;
         let mut err = [0u8; ERR_LEN];
         let mut early = 0usize;
-        // SAFETY: null, or one live tensor per parameter the buckets were made for.
-        let code =
-            unsafe { tg_buckets_finish(self.handle, ptr, &mut early, err.as_mut_ptr().cast(), ERR_LEN) };
+        // SAFETY: one entry (a live tensor or null) per parameter the buckets were made for.
+        let code = unsafe {
+            tg_buckets_finish(self.handle, grads.as_mut_ptr(), &mut early, err.as_mut_ptr().cast(), ERR_LEN)
+        };
         check(code, &err).map(|()| early)
+    }
+
+    /// One handle a parameter for C++: `tensors`' (as many as the parameters), or nulls.
+    fn per_parameter(&self, tensors: Option<&[Tensor]>, what: &str) -> Result<Vec<*mut c_void>, ShimError> {
+        match tensors {
+            Some(t) if t.len() != self.n_params => {
+                Err(ShimError::Torch(format!("{} {what} for {} parameters", t.len(), self.n_params)))
+            }
+            Some(t) => Ok(handles(t)),
+            None => Ok(vec![std::ptr::null_mut(); self.n_params]),
+        }
     }
 }
 

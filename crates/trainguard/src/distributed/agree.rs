@@ -74,6 +74,17 @@ impl fmt::Display for PeerFailed {
 
 impl std::error::Error for PeerFailed {}
 
+/// This rank's move of its optimizer state into the layout an escalation asks for (`local`),
+/// agreed on before any rank runs its attempt in it.
+pub fn layout_moved(
+    local: Result<(), TchError>,
+    dist: Option<&Dist>,
+    last_resort: bool,
+) -> Result<(), StepError> {
+    let Some(d) = dist else { return Ok(local?) };
+    settle(d, local.map_err(StepError::Torch), last_resort, |_| 0.0).map(|_| ())
+}
+
 /// This rank's gradients and loss (`local`, from `forward_backward`), averaged over the ranks.
 pub fn gradients(
     local: Result<(Vec<Tensor>, f64), TchError>,
@@ -85,6 +96,7 @@ pub fn gradients(
     // attempt failed or not, starts the rest and waits for all before the agreement, which
     // would otherwise meet a peer's bucket. A failure in them cannot be replayed: fatal.
     fatal_on_error(|| d.reduce_all(local.as_ref().ok().map(|(g, _)| g.as_slice())))?;
+    let local = local.and_then(|r| catch_torch_panics(|| d.check_room_to_all_reduce()).map(|()| r));
     let ((mut grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
     // Past the agreement a failure cannot be replayed on one rank alone: any error is fatal.
     fatal_on_error(|| d.average_gradients(&mut grads))?;

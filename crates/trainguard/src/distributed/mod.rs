@@ -65,7 +65,7 @@ pub struct Dist {
     buckets: Vec<Bucket>,
     /// The same buckets all-reduced from inside the last micro-step's backward (`dist.overlap`).
     overlapped: Option<OverlappedBuckets>,
-    /// Whether the first step's count of buckets started inside backward was logged.
+    /// Whether the first successful attempt's count of buckets started inside backward was logged.
     overlap_told: bool,
     /// Names the silent rank when a collective fails; None if it could not start.
     heartbeat: Option<heartbeat::Heartbeat>,
@@ -78,7 +78,8 @@ pub struct Dist {
     fences: u64,
 }
 
-/// A flat buffer made once, so averaging gradients allocates nothing.
+/// A flat buffer made once, so averaging gradients allocates no tensor (Gloo's own scratch:
+/// [`Dist::check_room_to_all_reduce`]).
 struct Bucket {
     flat: Tensor,
     /// (parameter index, offset, numel)
@@ -272,12 +273,28 @@ impl Dist {
     /// buckets.
     pub fn arm_overlap(&self, sums: Option<&[Tensor]>) -> Result<bool, TchError> {
         let Some(o) = &self.overlapped else { return Ok(false) };
-        o.arm(sums, self.bucket_params()).map_err(|e| TchError::Torch(e.to_string()))?;
+        o.arm(sums).map_err(|e| TchError::Torch(e.to_string()))?;
         Ok(true)
     }
 
-    fn bucket_params(&self) -> usize {
-        self.buckets.iter().map(|b| b.slots.len()).sum()
+    /// Gloo passes a bucket round the ring through host scratch it allocates for each all-reduce
+    /// (two segments, at most 1/world of the bucket in all: gloo/allreduce.cc), and a rank
+    /// whose scratch fails cannot leave the ring: its peers wait on it until the timeout. So
+    /// before the step's agreement, where such a rank replays with every other, this checks
+    /// that the largest bucket's size, and 1 MiB for the transport's own bookkeeping, can be
+    /// allocated on the host; freed at once, it is there again for the all-reduces, since only
+    /// the agreement runs in between. Nothing to check under NCCL, whose buffers are its own,
+    /// nor under `dist.overlap`, whose all-reduces ran before the agreement.
+    pub fn check_room_to_all_reduce(&self) -> Result<(), TchError> {
+        if self.overlapped.is_some() {
+            return Ok(());
+        }
+        let host = |b: &&Bucket| self.backend == Backend::Gloo && b.flat.device() == Device::Cpu;
+        let bytes = |b: &Bucket| b.flat.numel() as i64 * b.flat.kind().elt_size_in_bytes() as i64;
+        match self.buckets.iter().filter(host).map(bytes).max() {
+            Some(largest) => Tensor::f_empty([largest + (1 << 20)], (Kind::Uint8, Device::Cpu)).map(drop),
+            None => Ok(()),
+        }
     }
 
     /// Replaces each gradient by its mean over ranks: one all-reduce per bucket, started and
@@ -329,8 +346,7 @@ impl Dist {
     /// started inside backward; none without overlap.
     pub fn reduce_all(&mut self, grads: Option<&[Tensor]>) -> Result<Option<usize>, DistError> {
         let Some(o) = &self.overlapped else { return Ok(None) };
-        let n = self.bucket_params();
-        let early = o.finish(grads, n).map_err(collective("gradient all-reduce", self.heartbeat.as_ref()))?;
+        let early = o.finish(grads).map_err(collective("gradient all-reduce", self.heartbeat.as_ref()))?;
         if grads.is_some() && !std::mem::replace(&mut self.overlap_told, true) {
             // Fewer than the blocks' buckets: their gradients did not all come through the hooks
             // (CUDA graphs, kernels.accumulate_in_gemm's sums), and those wait for the end.

@@ -110,8 +110,10 @@ pub fn optimizer_step(
     guard.begin_step(step, reporter);
     let scale = t.scaler.as_ref().map_or(1.0, |s| s.scale);
     let outcome = guard.run(step, reporter, |micro, p| {
-        let result = attempt(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
-        let result = whole_again(t, dist.as_deref(), result);
+        let result = move_layout(t, settings, p, dist.as_deref_mut()).and_then(|()| {
+            let result = attempt(t, settings, data, step, lr, micro, scale, p, dist.as_deref_mut(), faults);
+            whole_again(t, dist.as_deref(), result)
+        });
         if result.is_err() {
             // Whatever the graphs held goes back with the failed attempt's memory.
             t.graphs.release();
@@ -161,6 +163,36 @@ fn whole_again(
     }
 }
 
+/// The optimizer state moved into the layout the guard's escalations ask for (offloaded,
+/// sharded), before the attempt. A move changes which collectives the attempt runs (sharded
+/// gradients are reduce-scattered, sharded parameters gathered block by block), so whenever the
+/// layout wanted is not the one the ranks last agreed on, they agree on it first: every rank
+/// attempts in the new layout, or every rank drops the attempt, and one whose move failed (an
+/// out-of-memory making the new state) tries again on the next.
+fn move_layout(
+    t: &mut Trainable,
+    settings: &StepSettings,
+    p: &Progress,
+    dist: Option<&mut Dist>,
+) -> Result<(), StepError> {
+    let Trainable { model, opt, layout, .. } = t;
+    let wanted = layout.base.escalated(&settings.escalate[..p.escalation_level()]);
+    if wanted == layout.agreed {
+        return Ok(());
+    }
+    let moved = match wanted == layout.spec {
+        true => Ok(()),
+        false => catch_torch_panics(|| layout.change_to(wanted, opt, model, settings.device)),
+    };
+    agree::layout_moved(moved, dist.as_deref(), p.last_resort())?;
+    layout.agreed = wanted;
+    if let (Some(_), Some(d)) = (layout.shards_gradients(), dist) {
+        // Gradients are reduce-scattered from now on: the all-reduce buckets go.
+        d.release_buckets();
+    }
+    Ok(())
+}
+
 /// One attempt of a step at micro-batch `micro`, as the guard runs it.
 #[allow(clippy::too_many_arguments)]
 fn attempt(
@@ -178,18 +210,6 @@ fn attempt(
     let Trainable { model, opt, layout, scaler, graphs } = t;
     let scaled = scaler.is_some();
     let savers = settings.savers_at(p.escalation_level());
-    // The guard escalated to offloading or sharding the optimizer state: moved before the
-    // attempt (on every rank alike: the ranks escalate together).
-    // A failure to move it is this rank's failed attempt, agreed on like any other.
-    let wanted = layout.base.escalated(&settings.escalate[..p.escalation_level()]);
-    let moved = match wanted == layout.spec {
-        true => Ok(()),
-        false => catch_torch_panics(|| layout.change_to(wanted, opt, model, settings.device)),
-    };
-    if let (Ok(()), Some(_), Some(d)) = (&moved, layout.shards_gradients(), dist.as_deref_mut()) {
-        // Gradients are reduce-scattered from now on: the all-reduce buckets go.
-        d.release_buckets();
-    }
     let autocast =
         Autocast::enter(settings.precision, settings.device).map_err(|e| StepError::Fatal(Box::new(e)))?;
     // Each rank's own work is caught where it is done (a libtorch error tch raised as a
@@ -199,14 +219,11 @@ fn attempt(
     // freed).
     let leak = |faults: &mut Faults| catch_torch_panics(|| faults.leak_graph(model, data, step, micro));
     let local = match &mut layout.params {
-        None => moved
-            .and_then(|()| {
-                catch_torch_panics(|| {
-                    forward_backward(model, data, step, micro, &savers, scale, graphs, p, dist.as_deref())
-                })
-            })
-            .and_then(|r| leak(faults).map(|()| r)),
-        Some(shards) => moved.and_then(|()| leak(faults)).and_then(|()| {
+        None => catch_torch_panics(|| {
+            forward_backward(model, data, step, micro, &savers, scale, graphs, p, dist.as_deref())
+        })
+        .and_then(|r| leak(faults).map(|()| r)),
+        Some(shards) => leak(faults).and_then(|()| {
             catch_torch_panics(|| {
                 gathered::forward_backward(
                     model,

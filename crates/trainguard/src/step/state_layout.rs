@@ -53,6 +53,9 @@ pub struct StateLayout {
     /// What the run configured; `spec` is that with the OOM guard's escalations applied.
     pub base: LayoutSpec,
     pub spec: LayoutSpec,
+    /// The layout the ranks last agreed they all hold: a move that failed on one rank alone
+    /// leaves their `spec`s apart until they agree again (crate::step::engine).
+    pub agreed: LayoutSpec,
     opt_spec: OptimizerSpec,
     pub shard: Option<Sharding>,
     /// Under offload: the host copies of the parameters the optimizer updates (this rank's own
@@ -74,7 +77,8 @@ impl StateLayout {
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
         let shards = parameter_shards(shard.as_ref(), spec, model, device)?;
-        let layout = Self { base: spec, spec, opt_spec: *opt_spec, shard, host: None, params: shards };
+        let layout =
+            Self { base: spec, spec, agreed: spec, opt_spec: *opt_spec, shard, host: None, params: shards };
         let (opt, host) = layout.optimizer_for(opt_spec, model, &params, device)?;
         Ok((opt, Self { host, ..layout }))
     }
@@ -94,7 +98,7 @@ impl StateLayout {
         let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
         let shard = Sharding::new(spec.shard, &numels, spec.rank, spec.world, spec.chunk);
         let shards = parameter_shards(shard.as_ref(), spec, model, device)?;
-        let next = Self { base: self.base, spec, opt_spec: self.opt_spec, shard, host: None, params: shards };
+        let next = Self { spec, shard, host: None, params: shards, ..*self };
         let keep = next.state_names(&model.params.names);
         // Each state tensor is named `<kind>.<parameter name>`: what the new layout keeps.
         let saved: Vec<(String, Tensor)> = opt
