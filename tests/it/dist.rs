@@ -51,9 +51,14 @@ pub(crate) fn as_rank(mut cmd: Command, rank: usize, world: usize, port: u16) ->
         .unwrap()
 }
 
+/// Every rank's output, whatever its exit.
+pub(crate) fn wait_all(children: Vec<Child>) -> Vec<std::process::Output> {
+    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+}
+
 /// Every rank's output, once each has exited 0.
 pub(crate) fn wait_ok(children: Vec<Child>) -> Vec<std::process::Output> {
-    let outs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    let outs = wait_all(children);
     for (rank, out) in outs.iter().enumerate() {
         // Every rank's stderr: the first to fail explains why the others did.
         let all = outs

@@ -2,7 +2,7 @@
 //! on 2, 3 and 4 ranks equals one process, checkpoints every rank writes its part of, resumed at
 //! other world sizes and levels, and a rank killed inside a checkpoint write.
 use crate::common::*;
-use crate::dist::{args, spawn_rank, spawn_rank_with, wait_ok};
+use crate::dist::{args, spawn_rank, spawn_rank_with, wait_all, wait_ok};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -261,12 +261,7 @@ fn replicated_ranks_at_their_floor_escalate_to_sharding_instead_of_exiting_3() {
 
     let d = tempfile::tempdir().unwrap();
     let port = free_port();
-    let outs: Vec<_> = (0..2)
-        .map(|r| spawn_rank(r, 2, port, d.path(), &capped))
-        .collect::<Vec<_>>()
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect();
+    let outs = wait_all((0..2).map(|r| spawn_rank(r, 2, port, d.path(), &capped)).collect());
     for (r, o) in outs.iter().enumerate() {
         assert_eq!(o.status.code(), Some(3), "rank {r}: {}", String::from_utf8_lossy(&o.stderr));
     }
@@ -369,12 +364,7 @@ fn ranks_escalating_under_any_cap_finish_or_stop_together() {
         let capped = [&HEAVY[..], &[cap.as_str(), "oom.escalate=[shard_parameters]"]].concat();
         let d = tempfile::tempdir().unwrap();
         let port = free_port();
-        let outs: Vec<_> = (0..2)
-            .map(|r| spawn_rank(r, 2, port, d.path(), &capped))
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|c| c.wait_with_output().unwrap())
-            .collect();
+        let outs = wait_all((0..2).map(|r| spawn_rank(r, 2, port, d.path(), &capped)).collect());
         let err = |r: usize| String::from_utf8_lossy(&outs[r].stderr).to_string();
         let code = outs[0].status.code();
         assert_eq!(outs[1].status.code(), code, "{cap}: the ranks stop together:\n{}\n{}", err(0), err(1));
