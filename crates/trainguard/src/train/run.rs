@@ -792,14 +792,18 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
         _ => {
             // Under dist.overlap a block's parameters' buckets are all-reduced from inside
             // backward (their gradients made once there; the embeddings' and head's are not).
-            // Not under a CPU cap: Gloo allocates each all-reduce's scratch on its own thread,
-            // and one that met the cap inside backward could not be replayed; after backward
-            // the room for it is checked before the agreement (Dist::check_room_to_all_reduce).
-            let cpu_cap = plan.memory_limit.is_some() && !device.is_cuda();
-            if cfg.dist.overlap && cpu_cap && d.rank == 0 {
-                tracing::info!("dist.overlap: under memory.limit on the CPU the gradient all-reduces wait for the end of backward (Gloo's scratch is then checked for before the ranks agree)");
+            // Not where a rank runs under a CPU cap: Gloo allocates each all-reduce's scratch
+            // on its own thread, and one that met the cap inside backward could not be replayed;
+            // after backward the room for it is checked before the agreement
+            // (Dist::check_room_to_all_reduce). The cap is each rank's own: the ranks agree.
+            let capped = match cfg.dist.overlap {
+                true => d.flagged_ranks(plan.memory_limit.is_some() && !device.is_cuda())?,
+                false => Vec::new(),
+            };
+            if !capped.is_empty() && d.rank == 0 {
+                tracing::info!("dist.overlap: rank(s) {capped:?} run under memory.limit on the CPU: the gradient all-reduces wait for the end of backward (the room for Gloo's scratch is then checked before the ranks agree)");
             }
-            let hooked = (cfg.dist.overlap && !cpu_cap).then(|| {
+            let hooked = (cfg.dist.overlap && capped.is_empty()).then(|| {
                 let mut hooked = vec![false; params.len()];
                 t.model.param_groups().blocks.iter().flatten().for_each(|&i| hooked[i] = true);
                 hooked
