@@ -397,10 +397,6 @@ impl Model {
         }
     }
 
-    /// What the optimizer updates: every parameter, a padded vocabulary matrix as its user rows
-    /// (a contiguous view of the same storage). Per-tensor statistics (Adafactor's RMS terms,
-    /// 8-bit AdamW's blocks) then see exactly the unpadded model's tensors, the optimizer state
-    /// has the user's shapes, and the padded rows are never written.
     /// Which parameters are the blocks' weight matrices (2-D, decayed, inside a block): what
     /// Muon orthogonalises; the embeddings and the LM head are not.
     pub fn block_matrices(&self) -> Vec<bool> {
@@ -411,6 +407,18 @@ impl Model {
         out
     }
 
+    /// Which parameters are inside a block (whose gradient backward makes once, in one piece:
+    /// `dist.overlap` all-reduces their buckets from inside backward).
+    pub fn block_params(&self) -> Vec<bool> {
+        let mut out = vec![false; self.params.tensors.len()];
+        self.groups.blocks.iter().flatten().for_each(|&i| out[i] = true);
+        out
+    }
+
+    /// What the optimizer updates: every parameter, a padded vocabulary matrix as its user rows
+    /// (a contiguous view of the same storage). Per-tensor statistics (Adafactor's RMS terms,
+    /// 8-bit AdamW's blocks) then see exactly the unpadded model's tensors, the optimizer state
+    /// has the user's shapes, and the padded rows are never written.
     pub fn optimizer_params(&self) -> Result<Vec<Tensor>, TchError> {
         (0..self.params.tensors.len()).map(|i| self.user_tensor(i)).collect()
     }

@@ -245,30 +245,22 @@ mod tests {
             if step == 7 {
                 graphed.release();
             }
-            let (want, want_loss) = forward_backward(
-                &model,
-                &data,
-                step,
-                micro,
-                &plain,
-                1.0,
-                usual,
-                &mut Progress::default(),
-                None,
-            )
-            .unwrap();
-            let (got, got_loss) = forward_backward(
-                &model,
-                &data,
-                step,
-                micro,
-                &plain,
-                1.0,
-                graphed,
-                &mut Progress::default(),
-                None,
-            )
-            .unwrap();
+            let run = |graphs: &mut MicroGraphs| {
+                forward_backward(
+                    &model,
+                    &data,
+                    step,
+                    micro,
+                    &plain,
+                    1.0,
+                    graphs,
+                    &mut Progress::default(),
+                    None,
+                )
+                .unwrap()
+            };
+            let (want, want_loss) = run(usual);
+            let (got, got_loss) = run(graphed);
             assert_eq!(got_loss.to_bits(), want_loss.to_bits(), "step {step}: loss");
             assert_eq!(got.len(), want.len());
             for (a, b) in got.iter().zip(&want) {
@@ -690,9 +682,7 @@ mod tests {
         };
         let want = run(None);
         let mut d = crate::distributed::overlap_tests::alone();
-        let groups = model.param_groups();
-        let mut hooked = vec![false; model.params.tensors.len()];
-        groups.blocks.iter().flatten().for_each(|&i| hooked[i] = true);
+        let hooked = model.block_params();
         // Four bytes a bucket at least: one parameter each.
         d.plan_buckets(&model.params.tensors, 4, Device::Cpu, Some(&hooked)).unwrap();
         let mut got = run(Some(&d));

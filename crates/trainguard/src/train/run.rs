@@ -803,11 +803,7 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
             if !capped.is_empty() && d.rank == 0 {
                 tracing::info!("dist.overlap: rank(s) {capped:?} run under memory.limit on the CPU: the gradient all-reduces wait for the end of backward (the room for Gloo's scratch is then checked before the ranks agree)");
             }
-            let hooked = (cfg.dist.overlap && capped.is_empty()).then(|| {
-                let mut hooked = vec![false; params.len()];
-                t.model.param_groups().blocks.iter().flatten().for_each(|&i| hooked[i] = true);
-                hooked
-            });
+            let hooked = (cfg.dist.overlap && capped.is_empty()).then(|| t.model.block_params());
             let bytes = (cfg.dist.bucket_mb * (1 << 20) as f64) as usize;
             d.plan_buckets(params, bytes, device, hooked.as_deref()).map_err(unrecovered)?;
             tracing::info!(
