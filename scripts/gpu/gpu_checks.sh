@@ -9,7 +9,7 @@
 # (a part with under 10 s left is skipped), so that on a lent machine's short budget one slow
 # part cannot starve the rest and the call ends before the device's limit; PADS (default "64 1") picks the `bench` part's vocabulary
 # paddings, BENCH_CONFIGS (default gpt2-124m and smollm2-135m) its and `profile`'s models.
-#   scripts/gpu/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers cap detcost kernels fill
+#   scripts/gpu/gpu_checks.sh [part ...]     parts: env tests plan bench profile optim savers offload cap detcost kernels fill
 #                                        (default: all)
 #   tests   tests/it/gpu.rs: allocator stats, empty_cache, CUDA OOM replay under memory.limit (bitwise,
 #           deterministic mode), kill -9 + --resume auto bitwise (deterministic mode), the OOM
@@ -31,6 +31,10 @@
 #   optim   scripts/bench/bench_optimizers.sh --device cuda: one update of each optimizer against fused
 #           AdamW on gpt2-124m's parameters
 #   savers  scripts/bench/bench_savers.sh --device cuda: peak allocated per memory saver
+#   offload scripts/bench/bench_offload.sh --device cuda: Llama-3.2-1B bf16-mixed at micro-batch 1 with the
+#           optimizer state on the card and in host memory (memory.offload_optimizer): step time and
+#           peaks; a memory.limit between the peaks: exit 3 without offload, trained with it and
+#           through oom.escalate: [offload_optimizer]
 #   cap     gpt2-124m at micro-batch 64 under memory.limit=16GiB: the guard settles the size
 #   detcost scripts/bench/bench_determinism.sh: tokens/s of gpt2-124m bf16-mixed with deterministic and
 #           memory.snapshot_on_oom on and off
@@ -54,7 +58,7 @@ source "$(dirname "$0")/../tools.sh"
 dest=${OUT:-runs/gpu-checks}; mkdir -p "$dest"
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
   || { echo "no CUDA device visible to $PY: nothing to check here" >&2; exit 2; }
-parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench profile optim savers cap detcost kernels fill)
+parts=("$@"); [ ${#parts[@]} -gt 0 ] || parts=(env tests plan bench profile optim savers offload cap detcost kernels fill)
 
 failed=0
 part() {  # part NAME COMMAND...: runs it (within its time limit), logs it, records its exit status and time
@@ -102,6 +106,7 @@ for p in "${parts[@]}"; do
       tar czf "$dest/profile.tgz" -C "$dest" profile && rm -rf "$dest/profile" ;;
     optim) part optim bash scripts/bench/bench_optimizers.sh --device cuda ;;
     savers) part savers bash scripts/bench/bench_savers.sh --device cuda ;;
+    offload) part offload bash scripts/bench/bench_offload.sh --device cuda ;;
     cap)
       run_dir=$(mktemp -d)  # not under $dest: the run's checkpoints are gigabytes
       part cap "$BIN" train --config configs/gpt2-124m.yaml --set device=cuda --set out_dir="$run_dir" \
@@ -113,7 +118,7 @@ for p in "${parts[@]}"; do
     fill)  # its nine files as one: a device call brings back at most eight
       part fill env OUT="$dest/fill" bash scripts/gpu/fill_card.sh
       tar czf "$dest/fill.tgz" -C "$dest" fill && rm -rf "$dest/fill" ;;
-    *) echo "unknown part '$p' (env tests plan bench profile optim savers cap detcost kernels fill)" >&2; exit 2 ;;
+    *) echo "unknown part '$p' (env tests plan bench profile optim savers offload cap detcost kernels fill)" >&2; exit 2 ;;
   esac
 done
 cat "$dest/summary.txt"

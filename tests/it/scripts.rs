@@ -1,7 +1,7 @@
 //! The job scripts as a user runs them: scripts/launch/slurm.sbatch driven with fake `srun`, `scontrol`,
 //! `squeue` and `torchrun` on PATH (what it runs, when it requeues), and scripts/launch/torchrun.sh with
 //! the real torchrun (its exit code from the stop record), and scripts/bench/bench_vs_pytorch.sh on the
-//! CPU (its table of tokens/s, MFU and ratios).
+//! CPU (its table of tokens/s, MFU and ratios), and scripts/bench/bench_offload.sh on the CPU (its rows).
 use crate::common::*;
 use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
@@ -382,4 +382,46 @@ fn bench_vs_pytorch_prints_throughput_mfu_and_ratios_on_cpu() {
     let o = bench(&["--dtype", "fp16", "configs/debug.yaml"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("--dtype must be fp32 or bf16"), "{}", text(&o));
+}
+
+/// scripts/bench/bench_offload.sh (the GPU checks' part `offload`) on the CPU, where it can only
+/// show its mechanics: the runs with the optimizer state on the device and in host memory train
+/// and print their step times and peaks; under a cap too small for either, each capped row gives
+/// the run's exit status and its error's first line.
+#[test]
+fn bench_offload_prints_both_layouts_and_what_each_did_under_the_cap_on_cpu() {
+    let tiny = ["--set", "model.n_embd=64", "--set", "model.n_head=2", "--set", "model.n_layer=2"];
+    let o = Command::new("bash")
+        .current_dir(repo())
+        .arg("scripts/bench/bench_offload.sh")
+        .args(["--device", "cpu", "--steps", "3", "--cap", "1"])
+        .args(tiny)
+        .env("TRAINGUARD_BIN", bin())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let row = |label: &str| -> Vec<String> {
+        let line =
+            out.lines().find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("no row `{label}`: {out}"));
+        line[label.len()..].split_whitespace().map(str::to_string).collect()
+    };
+    for label in ["optimizer on the device", "offload_optimizer"] {
+        let r = row(label);
+        assert_eq!(r[0], "0", "{label} trains: {out}");
+        assert!(r[1].parse::<f64>().unwrap() > 0.0, "{label}'s median step time: {out}");
+        assert!(
+            r[2].parse::<u64>().unwrap() > 0 && r[3].parse::<u64>().unwrap() > 0,
+            "{label}'s peaks: {out}"
+        );
+    }
+    assert!(out.contains("step time with offload / without: "), "{out}");
+    assert!(out.contains("memory.limit=1MiB, between the two peaks:"), "{out}");
+    for label in ["  on the device", "  offload_optimizer", "  escalate to offload"] {
+        let r = row(label);
+        assert!(r[0] == "1" || r[0] == "3", "{label} cannot train under 1 MiB: {out}");
+        let at = out.find(&format!("{label} ")).unwrap();
+        let next = out[at..].lines().nth(1).unwrap_or_default();
+        assert!(next.trim_start().starts_with("error: "), "{label}'s error under its row: {out}");
+    }
 }

@@ -27,10 +27,21 @@ pub enum DistError {
     // The advice before libtorch's text, whose C++ trace lines the report cuts.
     #[error("cannot join the process group at {addr}{}: {message}", if .message.contains("timeout") { " (not every rank joined within dist.timeout_s: one that failed before joining, on its config for instance, names why in its own error; or fewer than WORLD_SIZE ranks were started)" } else { "" })]
     Init { addr: String, message: String },
-    #[error("collective `{what}` failed (a rank died, hung or timed out?){}: {message}", .silent.as_ref().map(|s| format!("; {s}")).unwrap_or_default())]
+    #[error("collective `{what}` {}{}: {message}", collective_outcome(.message), .silent.as_ref().map(|s| format!("; {s}")).unwrap_or_default())]
     Collective { what: &'static str, message: String, silent: Option<String> },
     #[error("dist.backend: {0}")]
     Backend(String),
+}
+
+/// How a failed collective ended, in words: the transports say a timeout several ways (Gloo's
+/// blocking wait "Timed out waiting …", its pair closed by the timeout while a collective started
+/// earlier was running, NCCL's watchdog "… timeout"), and the reader should not need to know them.
+fn collective_outcome(message: &str) -> &'static str {
+    let lower = message.to_lowercase();
+    match lower.contains("timed out") || lower.contains("timeout") {
+        true => "timed out after dist.timeout_s (a rank died or hung?)",
+        false => "failed (a rank died, hung or timed out?)",
+    }
 }
 
 /// What one rank brings to an agreement: its value (e.g. its loss), or how its work failed.
@@ -578,5 +589,24 @@ pub(crate) mod overlap_tests {
         let grads = backward();
         d.reduce_all(Some(&grads)).unwrap();
         assert_eq!(flat(&d, 0), [2.0, 4.0, 6.0]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::collective_outcome;
+
+    /// Gloo's texts as its collectives end (captured from runs of libtorch 2.11: hung_rank's, and
+    /// a rank killed with -9): a blocking wait past dist.timeout_s, a pair the timeout closed
+    /// under a collective started inside backward (dist.overlap), and a peer that died.
+    #[test]
+    fn every_transport_timeout_is_called_one_and_a_dead_peer_is_not() {
+        let waited = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete";
+        let closed = "libtorch: Application timeout caused pair closure";
+        let died = "libtorch: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:59068: Connection reset by peer";
+        for timeout in [waited, closed] {
+            assert!(collective_outcome(timeout).starts_with("timed out after dist.timeout_s"), "{timeout}");
+        }
+        assert!(collective_outcome(died).starts_with("failed"), "{died}");
     }
 }
