@@ -15,7 +15,8 @@
 #           deterministic mode), kill -9 + --resume auto bitwise (deterministic mode), the OOM
 #           snapshot (pickle.load, _memory_viz), a leak stopped with its diagnosis,
 #           expandable_segments + NVML, NCCL with one rank, the planner within ±10% (llama with
-#           the fused RMSNorm too), offload (losses unchanged), batches uploaded without waiting,
+#           the fused RMSNorm too), offload (losses unchanged), the optimizer offloaded (its state off the
+#           card, the losses within rounding), batches uploaded without waiting,
 #           the fused RMSNorm against the step-by-step form, 8-bit AdamW's CUDA kernel against
 #           the CPU's, thrash shrink, the fused cross-entropy's kernels against its CPU path
 #           (and its peak against PyTorch's loss; the gradient written in the forward against the

@@ -561,6 +561,53 @@ fn offload_lowers_the_peak_allocated_on_cuda() {
     }
 }
 
+/// `memory.offload_optimizer` on a GPU: the AdamW state leaves the card (the peak allocated falls
+/// by most of its 8 bytes a parameter), and the update the host runs through the pinned buffers
+/// (gradients down by queued copies and one wait, the weights up without one) gives the losses
+/// of the update on the card within the two kernels' rounding. A missing wait would update from
+/// gradients not yet copied, a weight copy lost would train on the old weights: either moves
+/// the losses far past that.
+#[test]
+fn offloading_the_optimizer_on_cuda_frees_its_state_and_trains_as_the_card_does() {
+    let Some(_) = cuda() else { return };
+    let run = |offload: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let sets = [
+            "device=cuda",
+            "model.n_layer=4",
+            "model.n_embd=512",
+            "model.n_head=8",
+            "model.seq_len=256",
+            "model.vocab_size=16384",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=4",
+            "train.max_steps=5",
+            "train.warmup_steps=0",
+            "train.eval_interval=0",
+            "checkpoint.at_end=false",
+            offload,
+        ];
+        let r = train(dir.path(), "configs/debug.yaml", &sets).ok();
+        let peak = r.metrics().iter().filter_map(|m| m["peak_allocated_bytes"].as_u64()).max().unwrap();
+        let params = r.events_of("run_started")[0]["params"].as_u64().unwrap();
+        (peak, params, series(&r.metrics(), "loss").iter().map(|l| l.as_f64().unwrap()).collect::<Vec<_>>())
+    };
+    let ((on_card, params, card), (offloaded, _, host)) =
+        (run("memory.offload_optimizer=false"), run("memory.offload_optimizer=true"));
+    eprintln!(
+        "peak allocated: state on the card {on_card}, offloaded {offloaded}; losses {card:?} and {host:?}"
+    );
+    assert!(
+        offloaded + params * 8 * 4 / 5 < on_card,
+        "offload should free most of AdamW's {} bytes: {on_card} → {offloaded}",
+        params * 8
+    );
+    assert_eq!(card.len(), 5);
+    for (a, b) in card.iter().zip(&host) {
+        assert!(((a - b) / a).abs() < 1e-4, "offload changed the losses: {card:?} vs {host:?}");
+    }
+}
+
 /// `oom.on_thrash: shrink` on a real allocator: a cap just above what a step allocates makes
 /// the caching allocator free its cache and retry. When the retries rise three steps in a row
 /// the micro-batch is halved ahead of an out-of-memory, the global batch unchanged. Whether a

@@ -261,4 +261,14 @@ int tg_storage_resize(void* tensor, int64_t nbytes, char* err, size_t err_len) {
   });
 }
 
+// `dst.copy_(src)` without waiting for it: between a CUDA device and pinned host memory the
+// copy is queued on the current stream and the call returns at once (elsewhere it is the
+// ordinary copy). The caller keeps both tensors alive, and synchronizes before the host reads
+// or writes the pinned side.
+int tg_copy_async(void* dst, const void* src, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] {
+    static_cast<at::Tensor*>(dst)->copy_(*static_cast<const at::Tensor*>(src), /*non_blocking=*/true);
+  });
+}
+
 }  // extern "C"

@@ -91,6 +91,7 @@ extern "C" {
     ) -> c_int;
     fn tg_empty_cache(err: *mut c_char, err_len: usize) -> c_int;
     fn tg_storage_resize(tensor: *mut c_void, nbytes: i64, err: *mut c_char, err_len: usize) -> c_int;
+    fn tg_copy_async(dst: *mut c_void, src: *const c_void, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_reset_peak_stats(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_current_device(device: c_int, err: *mut c_char, err_len: usize) -> c_int;
     fn tg_set_onednn_enabled(on: c_int, err: *mut c_char, err_len: usize) -> c_int;
@@ -242,6 +243,23 @@ pub fn resize_storage(t: &Tensor, nbytes: usize) -> Result<(), ShimError> {
     // SAFETY: `t` is a live tensor whose C++ object outlives the call; `err` is ERR_LEN bytes.
     let code = unsafe {
         tg_storage_resize(t.as_ptr() as *mut c_void, nbytes as i64, err.as_mut_ptr().cast(), ERR_LEN)
+    };
+    result(code, &err)
+}
+
+/// Copies `src` into `dst` without waiting: between a CUDA device and pinned host memory the
+/// copy is queued on the current stream (elsewhere it is an ordinary copy). Both must stay alive,
+/// and the host must not read or write the pinned side, until the stream is synchronized.
+pub fn copy_async(dst: &Tensor, src: &Tensor) -> Result<(), ShimError> {
+    let mut err = [0u8; ERR_LEN];
+    // SAFETY: both are live tensors whose C++ objects outlive the call; `err` is ERR_LEN bytes.
+    let code = unsafe {
+        tg_copy_async(
+            dst.as_ptr() as *mut c_void,
+            src.as_ptr() as *const c_void,
+            err.as_mut_ptr().cast(),
+            ERR_LEN,
+        )
     };
     result(code, &err)
 }
