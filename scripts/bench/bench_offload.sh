@@ -67,17 +67,18 @@ PYEOF
 mib() { [ "$1" = - ] && echo - || "$PY" -c "print(f'{$1 / 2**20:.0f}')"; }
 
 printf '%-26s %6s %10s %14s %15s\n' run exit "step s" "peak res. MiB" "peak alloc. MiB"
-row() {  # row LABEL NAME RC
+# row LABEL NAME RC: prints the run's row; leaves its figures in t, res, alloc and esc.
+row() {
   read -r t res alloc esc <<<"$(figures "$2")"
-  [ "$t" != - ] && t=$(printf %.3f "$t")
-  printf '%-26s %6s %10s %14s %15s\n' "$1" "$3" "$t" "$(mib "$res")" "$(mib "$alloc")"
+  local shown=$t; [ "$t" != - ] && shown=$(printf %.3f "$t")
+  printf '%-26s %6s %10s %14s %15s\n' "$1" "$3" "$shown" "$(mib "$res")" "$(mib "$alloc")"
   # The error's first line, and its first listed problem when it lists them.
   [ "$3" = 0 ] || grep -m1 -A1 "^error:" "$work/$2.log" | grep -v "^[^e ]" | grep -E "^error:|^  - " | cut -c1-220 | sed 's/^/      /' || true
 }
 rc=$(run state-on-device --set memory.offload_optimizer=false); row "optimizer on the device" state-on-device "$rc"
-read -r t_dev res_dev _ _ <<<"$(figures state-on-device)"
+t_dev=$t; res_dev=$res
 rc=$(run state-on-host --set memory.offload_optimizer=true); row "offload_optimizer" state-on-host "$rc"
-read -r t_host res_host _ _ <<<"$(figures state-on-host)"
+t_host=$t; res_host=$res
 if [ "$t_dev" != - ] && [ "$t_host" != - ]; then
   "$PY" -c "print(f'step time with offload / without: {$t_host / $t_dev:.2f}x')"
 fi
@@ -96,5 +97,4 @@ rc=$(run capped-on-host --set "memory.limit=${cap}MiB" --set memory.offload_opti
 row "  offload_optimizer" capped-on-host "$rc"
 rc=$(run capped-escalating --set "memory.limit=${cap}MiB" --set memory.offload_optimizer=false --set 'oom.escalate=[offload_optimizer]')
 row "  escalate to offload" capped-escalating "$rc"
-read -r _ _ _ esc <<<"$(figures capped-escalating)"
 echo "  escalations in the escalating run: $esc"
