@@ -6,17 +6,22 @@
 # `plan` prints one. A 13M-parameter GPT-2 (AdamW: ~150 MB of optimizer state) so that the state
 # is what differs. `none` and `parameters` run twice: with their collectives overlapping the
 # compute (the default, dist.overlap: the all-reduce during backward; the gathers ahead) and with
-# each waited for (`none/waited`, `parameters/waited`). `--levels` picks rows.
-#   scripts/bench/bench_sharding.sh [--worlds "1 2 4"] [--levels "none none/waited"] [--steps N]
+# each waited for (`none/waited`, `parameters/waited`; `gradients/waited` on request). `--levels`
+# picks rows. Every run has a `memory.limit` (1 TiB: glibc then returns large blocks at once, so
+# the peak is what was mapped) unless `--no-cap`; but under a CPU cap no rank starts a collective
+# inside backward (docs/sharding.md), so `--no-cap` is how the all-reduce and the `gradients`
+# reduces during backward are timed against waited ones.
+#   scripts/bench/bench_sharding.sh [--worlds "1 2 4"] [--levels "none none/waited"] [--steps N] [--no-cap]
 set -euo pipefail
 source "$(dirname "$0")/../tools.sh"
-worlds="1 2 4"; steps=8
+worlds="1 2 4"; steps=8; cap=(--set memory.limit=1TiB)
 levels="none none/waited optimizer gradients parameters parameters/waited"
 while [ $# -gt 0 ]; do
   case "$1" in
     --worlds) worlds=${2:?}; shift 2 ;;
     --steps) steps=${2:?}; shift 2 ;;
     --levels) levels=${2:?}; shift 2 ;;
+    --no-cap) cap=(); shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -24,7 +29,7 @@ work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 model=(--set model.n_embd=512 --set model.n_head=8 --set model.n_layer=4)
 common=(--config configs/debug.yaml "${model[@]}" --set train.global_batch_size=8 --set train.micro_batch_size=2
   --set "train.max_steps=$steps" --set train.warmup_steps=1 --set train.eval_interval=0
-  --set checkpoint.interval=2 --set checkpoint.keep_last=1 --set train.threads=1 --set memory.limit=1TiB
+  --set checkpoint.interval=2 --set checkpoint.keep_last=1 --set train.threads=1 "${cap[@]}"
   --set dist.timeout_s=120)
 port=29700
 printf '%-6s %-17s %14s %14s %12s %14s\n' world level "peak MiB" "plan MiB" "step s" "checkpoint s"

@@ -487,3 +487,45 @@ fn overlapped_gathers_train_bit_for_bit_as_waited_ones() {
     train(s.path(), "configs/debug.yaml", &fifty[1..]).ok();
     assert_like(t.path(), s.path(), "overlapped collectives on 3 ranks");
 }
+
+/// `dist.shard: gradients` under `dist.overlap` (the default): the last micro-step's backward
+/// sums each block parameter's gradient into its owner's as soon as it is made, in place, in
+/// pieces (`dist.bucket_mb=0.01`: several a tensor). Two ranks (32 + 31 samples at micro-batch
+/// 8; rank 1 recomputing its blocks, so its gradients come in another order) train the same
+/// bits as with the reduce-scatter after backward, and rank 0 (which alone logs) sent its
+/// blocks' gradients (not the embeddings' or the head's) from inside backward.
+#[test]
+fn gradients_reduced_into_their_owners_during_backward_train_bit_for_bit_as_after_it() {
+    let sets = [
+        &RUN[..],
+        &[
+            "dist.shard=gradients",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=63",
+            "dist.bucket_mb=0.01",
+        ],
+    ]
+    .concat();
+    let run = |dir: &Path, sets: &[&str]| {
+        let port = free_port();
+        let own = [sets, &["memory.activation_checkpointing=blocks"]].concat();
+        wait_ok(vec![spawn_rank(0, 2, port, dir, sets), spawn_rank(1, 2, port, dir, &own)])
+    };
+    let (o, w) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let stderr = String::from_utf8_lossy(&run(o.path(), &sets)[0].stderr).into_owned();
+    let said = stderr
+        .lines()
+        .find_map(|l| {
+            l.split("dist.overlap: ")
+                .nth(1)?
+                .strip_suffix(" gradients reduced into their owners during backward")
+        })
+        .unwrap_or_else(|| {
+            panic!("rank 0 did not say how many gradients it sent inside backward:\n{stderr}")
+        });
+    let (early, all) = said.split_once(" of ").unwrap();
+    let (early, all): (usize, usize) = (early.parse().unwrap(), all.parse().unwrap());
+    assert!(early > 0 && early < all, "{early} of {all} gradients sent inside backward");
+    run(w.path(), &[&sets[..], &["dist.overlap=false"]].concat());
+    assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "reduced during backward against after it");
+}

@@ -34,6 +34,12 @@ struct Group {
 // fixed order (`order`), so that every rank starts the same collectives in the same sequence.
 // `finish` fills what no hook did from the step's gradients and starts the rest: every rank
 // starts every bucket once an attempt, whether its backward succeeded or not.
+//
+// With `owner` set (dist.shard: gradients) there are no buckets: each parameter is one, and its
+// gradient (added into the earlier micro-steps' sum, in place) is summed over the ranks into its
+// owner's copy, in place, in pieces of `chunk` elements (c10d reduce). Nothing is allocated for
+// it: a rank whose gradient is missing (its backward failed) sends `scratch` instead, one piece
+// made with the layout, so that its peers' reduces complete.
 struct Buckets {
   std::mutex m;
   c10::intrusive_ptr<c10d::Backend> backend;
@@ -48,13 +54,44 @@ struct Buckets {
   size_t next = 0;               // into order
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::string fault;  // a gradient that arrived twice: its bucket may have started without it
+  // Reduced into owners (dist.shard: gradients); empty `owner`: all-reduced buckets.
+  std::vector<int64_t> owner, numel;  // per parameter
+  std::vector<at::Tensor> targets;    // per parameter: the flat fp32 tensor reduced in place
+  at::Tensor scratch;
+  int64_t chunk = 1;
+  int64_t rank = 0;
+
+  bool reduces() const { return !owner.empty(); }
 
   at::Tensor slot(size_t i, int64_t n) { return flats[bucket_of[i]].narrow(0, offset[i], n); }
 
+  // Parameter i's pieces, each summed into its owner's: from its target, or from `scratch` on a
+  // rank that has none (the same number of collectives either way).
+  void start_reduces(size_t i) {
+    at::Tensor t = targets[i];
+    if (t.defined() && t.numel() != numel[i]) {
+      fault = "the gradient of parameter " + std::to_string(i) + " has " + std::to_string(t.numel()) +
+              " elements, not " + std::to_string(numel[i]);
+      t = at::Tensor();
+    }
+    c10d::ReduceOptions o;
+    o.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    o.rootRank = owner[i];
+    for (int64_t from = 0; from < numel[i]; from += chunk) {
+      int64_t len = std::min(chunk, numel[i] - from);
+      std::vector<at::Tensor> ts{t.defined() ? t.narrow(0, from, len) : scratch.narrow(0, 0, len)};
+      works.push_back(backend->reduce(ts, o));
+    }
+  }
+
   void start_ready() {
     while (next < order.size() && missing[order[next]] == 0) {
-      std::vector<at::Tensor> ts{flats[order[next]]};
-      works.push_back(backend->allreduce(ts));
+      if (reduces()) {
+        start_reduces(order[next]);
+      } else {
+        std::vector<at::Tensor> ts{flats[order[next]]};
+        works.push_back(backend->allreduce(ts));
+      }
       ++next;
     }
   }
@@ -68,11 +105,17 @@ struct Buckets {
       return;
     }
     auto g = grad.reshape({-1});
-    auto dst = slot(i, g.numel());
-    if (sums[i].defined()) {
-      at::add_out(dst, sums[i].reshape({-1}), g);
+    if (reduces()) {
+      // Into the sum the caller holds (fp32, contiguous: checked when armed), or the gradient
+      // itself (a copy only where it is not flat fp32, written back to the caller's by finish).
+      targets[i] = sums[i].defined() ? sums[i].view({-1}).add_(g) : g.to(at::kFloat);
     } else {
-      dst.copy_(g);
+      auto dst = slot(i, g.numel());
+      if (sums[i].defined()) {
+        at::add_out(dst, sums[i].reshape({-1}), g);
+      } else {
+        dst.copy_(g);
+      }
     }
     arrived[i] = 1;
     --missing[bucket_of[i]];
@@ -83,12 +126,26 @@ struct Buckets {
     armed = false;
     std::fill(arrived.begin(), arrived.end(), 0);
     for (auto& t : sums) t = at::Tensor();
+    for (auto& t : targets) t = at::Tensor();
     missing = awaited;
     next = 0;
     works.clear();
     fault.clear();
   }
 };
+
+// Registers a hook on each hooked parameter that hands its gradient to `b` while it lives.
+void hook_parameters(const std::shared_ptr<Buckets>& b, void** params, const uint8_t* hooked, size_t n) {
+  // The hooks stay on the parameters for the process's life; once the buckets are freed they
+  // find nothing and return.
+  std::weak_ptr<Buckets> weak = b;
+  for (size_t i = 0; i < n; ++i) {
+    if (!hooked[i]) continue;
+    static_cast<at::Tensor*>(params[i])->register_hook([weak, i](const at::Tensor& grad) {
+      if (auto b = weak.lock()) b->arrive(i, grad);
+    });
+  }
+}
 }  // namespace
 
 extern "C" {
@@ -252,15 +309,39 @@ void* tg_buckets_new(void* group, void** params, const int64_t* bucket, const in
     b->sums.resize(n);
     b->arrived.assign(n, 0);
     b->reset();
-    // The hooks stay on the parameters for the process's life; once the buckets are freed
-    // they find nothing and return.
-    std::weak_ptr<Buckets> weak = b;
+    hook_parameters(b, params, hooked, n);
+    out = new std::shared_ptr<Buckets>(b);
+  });
+  return out;
+}
+
+// dist.shard: gradients: each of the `n` parameters summed into its owner's (`owner[i]`, of
+// `numel[i]` elements), the hooked ones from inside backward, in pieces of `chunk` elements;
+// parameters start in `order`. `scratch` (fp32, at least `chunk` elements) is what a rank with
+// no gradient sends. `rank`: this rank, whose owned gradients finish writes back.
+void* tg_reduces_new(void* group, void** params, const uint8_t* hooked, const int64_t* owner,
+                     const int64_t* numel, const int64_t* order, size_t n, int64_t chunk, int64_t rank,
+                     void* scratch, char* err, size_t err_len) {
+  std::shared_ptr<Buckets>* out = nullptr;
+  guarded(err, err_len, [&] {
+    auto b = std::make_shared<Buckets>();
+    b->backend = static_cast<Group*>(group)->backend;
+    b->scratch = *static_cast<at::Tensor*>(scratch);
+    b->chunk = chunk;
+    b->rank = rank;
     for (size_t i = 0; i < n; ++i) {
-      if (!hooked[i]) continue;
-      static_cast<at::Tensor*>(params[i])->register_hook([weak, i](const at::Tensor& grad) {
-        if (auto b = weak.lock()) b->arrive(i, grad);
-      });
+      b->owner.push_back(owner[i]);
+      b->numel.push_back(numel[i]);
+      b->order.push_back(order[i]);
+      b->bucket_of.push_back(static_cast<int64_t>(i));
+      b->offset.push_back(0);
+      b->awaited.push_back(1);
     }
+    b->sums.resize(n);
+    b->targets.resize(n);
+    b->arrived.assign(n, 0);
+    b->reset();
+    hook_parameters(b, params, hooked, n);
     out = new std::shared_ptr<Buckets>(b);
   });
   return out;
@@ -274,6 +355,11 @@ int tg_buckets_arm(void* buckets, void** sums, char* err, size_t err_len) {
     std::lock_guard<std::mutex> lock(b.m);
     for (size_t i = 0; i < b.sums.size(); ++i) {
       b.sums[i] = sums && sums[i] ? *static_cast<at::Tensor*>(sums[i]) : at::Tensor();
+      // Reduced in place: the sum must be the caller's own fp32 memory, flat-viewable.
+      if (b.reduces() && b.sums[i].defined() &&
+          (b.sums[i].scalar_type() != at::kFloat || !b.sums[i].is_contiguous())) {
+        throw std::runtime_error("the sum of parameter " + std::to_string(i) + " is not contiguous fp32");
+      }
     }
     b.armed = true;
   });
@@ -294,7 +380,11 @@ int tg_buckets_finish(void* buckets, void** grads, size_t* started_early, char* 
       for (size_t i = 0; i < b.offset.size(); ++i) {
         if (b.arrived[i] || !grads[i]) continue;
         auto g = static_cast<at::Tensor*>(grads[i])->reshape({-1});
-        b.slot(i, g.numel()).copy_(g);
+        if (b.reduces()) {
+          b.targets[i] = g.to(at::kFloat);
+        } else {
+          b.slot(i, g.numel()).copy_(g);
+        }
       }
     } catch (const std::exception& e) {
       first_error = e.what();
@@ -311,9 +401,22 @@ int tg_buckets_finish(void* buckets, void** grads, size_t* started_early, char* 
     }
     if (first_error.empty() && !b.fault.empty()) first_error = b.fault;
     if (!first_error.empty()) throw std::runtime_error(first_error);
+    // This rank's sums where they were reduced into a copy (not flat fp32) of its gradient.
+    for (size_t i = 0; b.reduces() && i < b.owner.size(); ++i) {
+      if (b.owner[i] != b.rank || !grads[i] || !b.targets[i].defined()) continue;
+      auto& g = *static_cast<at::Tensor*>(grads[i]);
+      if (b.targets[i].data_ptr() != g.data_ptr()) g.copy_(b.targets[i].view(g.sizes()));
+    }
   });
   b.reset();
   return rc;
+}
+
+// Which parameters' gradients a hook took in the armed backward (one byte each into `out`).
+void tg_buckets_arrived(void* buckets, uint8_t* out, size_t n) {
+  auto& b = **static_cast<std::shared_ptr<Buckets>*>(buckets);
+  std::lock_guard<std::mutex> lock(b.m);
+  for (size_t i = 0; i < n && i < b.arrived.size(); ++i) out[i] = b.arrived[i] ? 1 : 0;
 }
 
 void tg_buckets_free(void* buckets) { delete static_cast<std::shared_ptr<Buckets>*>(buckets); }

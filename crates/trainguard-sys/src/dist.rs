@@ -87,6 +87,21 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    fn tg_reduces_new(
+        group: *mut c_void,
+        params: *mut *mut c_void,
+        hooked: *const u8,
+        owner: *const i64,
+        numel: *const i64,
+        order: *const i64,
+        n: usize,
+        chunk: i64,
+        rank: i64,
+        scratch: *mut c_void,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> *mut c_void;
+    fn tg_buckets_arrived(buckets: *mut c_void, out: *mut u8, n: usize);
     fn tg_buckets_free(buckets: *mut c_void);
     fn tg_pg_free(group: *mut c_void);
     fn tg_store_new(
@@ -419,6 +434,73 @@ impl ProcessGroup {
         }
         Ok(OverlappedBuckets { handle, n_params: slots.len() })
     }
+
+    /// `dist.shard: gradients` under `dist.overlap`: parameter i's gradient summed into rank
+    /// `reduce.owners[i]`'s, in place, in pieces of `reduce.chunk` elements (c10d reduce), the
+    /// `hooked` ones from inside backward; parameters start in `reduce.order` (a permutation).
+    /// `reduce.scratch` (fp32, at least a piece) is what a rank without a gradient sends. The
+    /// same [`OverlappedBuckets`] calls drive it, with no bucket memory.
+    pub fn overlapped_reduces(
+        &self,
+        params: &[Tensor],
+        hooked: &[bool],
+        reduce: &OwnerReduces,
+    ) -> Result<OverlappedBuckets, ShimError> {
+        let n = params.len();
+        let bad = |why: String| Err(ShimError::Torch(format!("overlapped reduces: {why}")));
+        if [hooked.len(), reduce.owners.len(), reduce.numels.len(), reduce.order.len()] != [n; 4] {
+            return bad(format!("{n} parameters, and hooks, owners, sizes or order of another length"));
+        }
+        let mut sorted = reduce.order.clone();
+        sorted.sort_unstable();
+        if sorted != (0..n).collect::<Vec<_>>() {
+            return bad(format!("order {:?} is not a permutation of {n} parameters", reduce.order));
+        }
+        let piece = reduce.chunk.max(1);
+        if reduce.scratch.kind() != tch::Kind::Float || (reduce.scratch.numel() as i64) < piece {
+            return bad(format!("the scratch must be fp32 and hold a piece of {piece} elements"));
+        }
+        let hooked: Vec<u8> = hooked.iter().map(|&h| u8::from(h)).collect();
+        let owner: Vec<i64> = reduce.owners.iter().map(|&r| r as i64).collect();
+        let order: Vec<i64> = reduce.order.iter().map(|&i| i as i64).collect();
+        let mut params = handles(params);
+        let mut err = [0u8; ERR_LEN];
+        // SAFETY: every array holds `n` entries (checked above), the tensors are live tch
+        // handles that C++ copies (a reference each), and the indices are in range.
+        let handle = unsafe {
+            tg_reduces_new(
+                self.handle,
+                params.as_mut_ptr(),
+                hooked.as_ptr(),
+                owner.as_ptr(),
+                reduce.numels.as_ptr(),
+                order.as_ptr(),
+                n,
+                piece,
+                reduce.rank as i64,
+                reduce.scratch.as_ptr() as *mut c_void,
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        };
+        if handle.is_null() {
+            return Err(ShimError::Torch(message(&err)));
+        }
+        Ok(OverlappedBuckets { handle, n_params: n })
+    }
+}
+
+/// Where [`ProcessGroup::overlapped_reduces`] sends each parameter's gradient.
+pub struct OwnerReduces {
+    /// Per parameter: the rank that receives its sum, and its elements.
+    pub owners: Vec<usize>,
+    pub numels: Vec<i64>,
+    /// The parameters in the order their reduces start, the same on every rank.
+    pub order: Vec<usize>,
+    /// Elements per collective.
+    pub chunk: i64,
+    pub rank: usize,
+    pub scratch: Tensor,
 }
 
 impl OverlappedBuckets {
@@ -447,6 +529,15 @@ impl OverlappedBuckets {
             tg_buckets_finish(self.handle, grads.as_mut_ptr(), &mut early, err.as_mut_ptr().cast(), ERR_LEN)
         };
         check(code, &err).map(|()| early)
+    }
+
+    /// Which parameters' gradients a hook took in the armed backward: theirs are on their way
+    /// already, and the caller must not write them.
+    pub fn arrived(&self) -> Vec<bool> {
+        let mut out = vec![0u8; self.n_params];
+        // SAFETY: `out` holds one byte per parameter the buckets were made for.
+        unsafe { tg_buckets_arrived(self.handle, out.as_mut_ptr(), out.len()) };
+        out.into_iter().map(|b| b != 0).collect()
     }
 
     /// One handle a parameter for C++: `tensors`' (as many as the parameters), or nulls.

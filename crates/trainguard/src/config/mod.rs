@@ -1028,7 +1028,9 @@ pub struct DistConfig {
     /// its backward: ZeRO-3). See docs/sharding.md.
     pub shard: ShardLevel,
     /// Communication beside compute. Replicated gradients (`none`, `optimizer`): the last
-    /// micro-step's backward all-reduces each block's bucket as it fills. `parameters`: the next
+    /// micro-step's backward all-reduces each block's bucket as it fills. `gradients`: it sums
+    /// each block gradient into its owner's, in place, as backward makes it (fp32 gradients; no
+    /// reduce-scatter buffers). `parameters`: the next
     /// block's gather runs while this block computes (started before it, waited for after), and
     /// a block's gradient reduce while the next block's backward does, at the cost of a second
     /// block's weights and one block's fp32 gradients held at once. false: each collective is

@@ -114,7 +114,9 @@ fn fatal_on_error<T>(f: impl FnOnce() -> Result<T, super::DistError>) -> Result<
 
 /// `dist.shard: gradients`: this rank's gradients and loss (`local`: one gradient per
 /// optimizer parameter), summed over the ranks with each rank receiving only those of the
-/// parameters it owns, averaged. The full gradients are freed when this returns.
+/// parameters it owns, averaged: reduce-scattered after the agreement, or under `dist.overlap`
+/// reduced into their owners from inside backward. The full gradients are freed when this
+/// returns.
 pub fn owned_gradients(
     local: Result<(Vec<Tensor>, f64), TchError>,
     dist: Option<&mut Dist>,
@@ -125,6 +127,13 @@ pub fn owned_gradients(
         let (grads, loss) = local?;
         return Ok((shard.pick_tensors(&grads), loss));
     };
+    if d.overlaps() {
+        // Reduced into their owners from inside backward (`dist.overlap`): as with the buckets,
+        // every rank starts the rest and waits for all before the agreement.
+        fatal_on_error(|| d.reduce_all(local.as_ref().ok().map(|(g, _)| g.as_slice())))?;
+        let ((grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
+        return Ok((fatal_on_error(|| d.owned_means(&grads, shard))?, loss));
+    }
     let ((grads, _), loss) = settle(d, local.map_err(StepError::Torch), last_resort, |(_, loss)| *loss)?;
     // What the reduce-scatter writes into, agreed on before it runs: a rank that cannot make it
     // replays with every other, and the collective allocates nothing.

@@ -18,7 +18,7 @@ pub use env::{from_process_env, DistEnv, EnvError};
 pub use error_file::write_error_file;
 pub use heartbeat::StopNotice;
 
-use crate::ffi::dist::{Backend, BucketSlot, OverlappedBuckets, ProcessGroup, ReduceOp};
+use crate::ffi::dist::{Backend, BucketSlot, OverlappedBuckets, OwnerReduces, ProcessGroup, ReduceOp};
 use crate::ffi::ShimError;
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -74,8 +74,12 @@ pub struct Dist {
     pub backend: Backend,
     group: ProcessGroup,
     buckets: Vec<Bucket>,
-    /// The same buckets all-reduced from inside the last micro-step's backward (`dist.overlap`).
+    /// The same buckets all-reduced from inside the last micro-step's backward (`dist.overlap`),
+    /// or under `dist.shard: gradients` each gradient reduced into its owner's from there.
     overlapped: Option<OverlappedBuckets>,
+    /// What `overlapped` starts, for the log: "gradient buckets all-reduced" or "gradients
+    /// reduced into their owners", and how many there are.
+    overlap_units: (&'static str, usize),
     /// Whether the first successful attempt's count of buckets started inside backward was logged.
     overlap_told: bool,
     /// Names the silent rank when a collective fails; None if it could not start.
@@ -162,6 +166,7 @@ impl Dist {
             group,
             buckets: Vec::new(),
             overlapped: None,
+            overlap_units: ("gradient buckets all-reduced", 0),
             overlap_told: false,
             heartbeat,
             small,
@@ -263,6 +268,7 @@ impl Dist {
             let flats: Vec<Tensor> = buckets.iter().map(|b| b.flat.shallow_clone()).collect();
             let made = self.group.overlapped_buckets(params, &where_, &flats, &order);
             self.overlapped = Some(made.map_err(|e| TchError::Torch(e.to_string()))?);
+            self.overlap_units = ("gradient buckets all-reduced", buckets.len());
         }
         self.buckets = buckets;
         Ok(())
@@ -272,6 +278,54 @@ impl Dist {
     pub fn release_buckets(&mut self) {
         self.overlapped = None;
         self.buckets.clear();
+    }
+
+    /// Whether collectives start from inside backward (`dist.overlap`, where it was allowed).
+    pub fn overlaps(&self) -> bool {
+        self.overlapped.is_some()
+    }
+
+    /// `dist.shard: gradients` under `dist.overlap`: the last micro-step's backward sums each
+    /// block parameter's gradient (`hooked`) into its owner's under `own`, in place, as soon as
+    /// backward made it; the others follow after backward ([`Dist::reduce_all`]). Pieces of
+    /// `piece` elements; the one buffer made is a piece of scratch, what a rank whose backward
+    /// failed sends so that its peers' reduces complete. Replaces the all-reduce buckets.
+    /// Only fp32 gradients are summed in place (bf16's would round at every rank's addition):
+    /// false, and nothing set up, for others (`bf16-pure`), which are reduce-scattered after
+    /// backward through fp32 pieces.
+    pub fn reduce_into_owners_in_backward(
+        &mut self,
+        params: &[Tensor],
+        hooked: &[bool],
+        own: &shard::Ownership,
+        piece: i64,
+        device: Device,
+    ) -> Result<bool, TchError> {
+        self.release_buckets();
+        if params.iter().any(|p| p.kind() != Kind::Float) {
+            return Ok(false);
+        }
+        // The blocks' parameters, the last first (backward makes them first), then the others.
+        let (first, rest): (Vec<usize>, Vec<usize>) = (0..params.len()).rev().partition(|&i| hooked[i]);
+        let reduce = OwnerReduces {
+            owners: (0..params.len()).map(|i| own.owner(i)).collect(),
+            numels: own.numels().to_vec(),
+            order: first.into_iter().chain(rest.into_iter().rev()).collect(),
+            chunk: piece.max(1),
+            rank: self.rank,
+            scratch: Tensor::f_zeros([piece.max(1)], (Kind::Float, device))?,
+        };
+        let made = self.group.overlapped_reduces(params, hooked, &reduce);
+        self.overlapped = Some(made.map_err(|e| TchError::Torch(e.to_string()))?);
+        self.overlap_units = ("gradients reduced into their owners", params.len());
+        Ok(true)
+    }
+
+    /// Under `dist.overlap`, after the armed backward: the parameters whose gradients went out
+    /// from inside it (their memory is being reduced: the caller must not add into it). None
+    /// when nothing was armed.
+    pub fn overlap_arrived(&self) -> Option<Vec<bool>> {
+        self.overlapped.as_ref().map(|o| o.arrived())
     }
 
     pub fn bucket_count(&self) -> usize {
@@ -361,11 +415,8 @@ impl Dist {
         if grads.is_some() && !std::mem::replace(&mut self.overlap_told, true) {
             // Fewer than the blocks' buckets: their gradients did not all come through the hooks
             // (CUDA graphs, kernels.accumulate_in_gemm's sums), and those wait for the end.
-            tracing::info!(
-                "rank {}: dist.overlap: {early} of {} gradient buckets all-reduced during backward",
-                self.rank,
-                self.buckets.len()
-            );
+            let (what, all) = self.overlap_units;
+            tracing::info!("rank {}: dist.overlap: {early} of {all} {what} during backward", self.rank);
         }
         Ok(Some(early))
     }
@@ -524,12 +575,21 @@ pub(crate) mod overlap_tests {
 
     /// A group of one Gloo rank on a free local port.
     pub(crate) fn alone() -> Dist {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        rank_of(0, 1, free_port())
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    /// Rank `rank` of a Gloo group of `world` at `port` (rank 0 hosts the store); every rank
+    /// must join at once, each on a thread of its own.
+    fn rank_of(rank: usize, world: usize, port: u16) -> Dist {
         let env = DistEnv {
-            rank: 0,
-            local_rank: 0,
-            world_size: 1,
-            local_world_size: 1,
+            rank,
+            local_rank: rank,
+            world_size: world,
+            local_world_size: world,
             master_addr: "127.0.0.1".into(),
             master_port: port,
             use_agent_store: false,
@@ -537,6 +597,109 @@ pub(crate) mod overlap_tests {
             error_file: None,
         };
         Dist::init(&env, Backend::Gloo, Device::Cpu, 30, None).unwrap()
+    }
+
+    /// A "block" parameter `a` (hooked) and an "embedding" one `b`, the loss a·a + 3b summed
+    /// (scaled by `k`): d/da = 2ka, d/db = 3k.
+    struct TwoParams {
+        a: Tensor,
+        b: Tensor,
+    }
+
+    impl TwoParams {
+        fn new() -> Self {
+            Self {
+                a: Tensor::from_slice(&[1.0f32, 2.0, 3.0]).set_requires_grad(true),
+                b: Tensor::from_slice(&[4.0f32, 5.0]).set_requires_grad(true),
+            }
+        }
+
+        fn params(&self) -> [Tensor; 2] {
+            [self.a.shallow_clone(), self.b.shallow_clone()]
+        }
+
+        fn backward(&self, k: f64) -> Vec<Tensor> {
+            let loss = ((&self.a * &self.a).sum(Kind::Float) + (&self.b * 3.0).sum(Kind::Float)) * k;
+            Tensor::f_run_backward(&[&loss], &self.params(), false, false).unwrap()
+        }
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        Vec::<f32>::try_from(t).unwrap()
+    }
+
+    /// `dist.shard: gradients` under `dist.overlap`, one rank: the armed backward adds the
+    /// block parameter's gradient into the caller's sum in place and sends it (in pieces of 2:
+    /// 3 elements are two reduces); the caller must not add it again; finish sends the rest.
+    #[test]
+    fn an_armed_backward_reduces_the_hooked_gradients_into_their_owners_in_place() {
+        let mut d = alone();
+        let two = TwoParams::new();
+        let own = shard::Ownership::assign(&[3, 2], 1);
+        assert!(d
+            .reduce_into_owners_in_backward(&two.params(), &[true, false], &own, 2, Device::Cpu)
+            .unwrap());
+        let sums = [Tensor::from_slice(&[10.0f32, 10.0, 10.0]), Tensor::from_slice(&[1.0f32, 1.0])];
+        d.arm_overlap(Some(&sums)).unwrap();
+        let micro = two.backward(1.0);
+        assert_eq!(values(&sums[0]), [12.0, 14.0, 16.0], "sum + 2a, in the caller's memory, inside backward");
+        assert_eq!(values(&sums[1]), [1.0, 1.0], "not hooked: the caller adds it");
+        assert_eq!(d.overlap_arrived(), Some(vec![true, false]));
+        let _ = sums[1].shallow_clone().f_add_(&micro[1]).unwrap();
+        assert_eq!(d.reduce_all(Some(&sums)).unwrap(), Some(1), "the hooked one started inside backward");
+        let shard = shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], 0, 1, 2).unwrap();
+        let owned = d.owned_means(&sums, &shard).unwrap();
+        assert_eq!((values(&owned[0]), values(&owned[1])), (vec![12.0, 14.0, 16.0], vec![4.0, 4.0]));
+
+        // One micro-step (no sums): the gradient itself is sent and returned.
+        d.arm_overlap(None).unwrap();
+        let grads = two.backward(1.0);
+        d.reduce_all(Some(&grads)).unwrap();
+        assert_eq!((values(&grads[0]), values(&grads[1])), (vec![2.0, 4.0, 6.0], vec![3.0, 3.0]));
+
+        // A sum that is not the caller's fp32 memory cannot be reduced in place: refused.
+        let halves = [sums[0].to_kind(Kind::BFloat16), sums[1].shallow_clone()];
+        let err = d.arm_overlap(Some(&halves)).unwrap_err().to_string();
+        assert!(err.contains("not contiguous fp32"), "{err}");
+        d.reduce_all(None).unwrap();
+        // bf16 parameters are not set up at all (reduce-scattered through fp32 pieces instead).
+        let bf16 = [two.a.to_kind(Kind::BFloat16), two.b.to_kind(Kind::BFloat16)];
+        assert!(!d.reduce_into_owners_in_backward(&bf16, &[true, false], &own, 2, Device::Cpu).unwrap());
+        assert!(!d.overlaps());
+    }
+
+    /// Two ranks: rank 1's attempt fails before its backward (as one that ran out of memory
+    /// there), and it still sends every piece, from its scratch, so rank 0's reduces complete
+    /// instead of waiting for it; the next attempt, whole on both, sums each gradient into its
+    /// owner's (`a` is rank 0's, `b` rank 1's).
+    #[test]
+    fn a_rank_whose_backward_failed_still_sends_every_reduce_and_the_next_attempt_sums() {
+        let port = free_port();
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let mut d = rank_of(rank, 2, port);
+                    let two = TwoParams::new();
+                    let own = shard::Ownership::assign(&[3, 2], 2);
+                    d.reduce_into_owners_in_backward(&two.params(), &[true, false], &own, 2, Device::Cpu)
+                        .unwrap();
+                    d.arm_overlap(None).unwrap();
+                    match rank {
+                        0 => d.reduce_all(Some(&two.backward(1.0))).unwrap(),
+                        _ => d.reduce_all(None).unwrap(),
+                    };
+                    d.arm_overlap(None).unwrap();
+                    let grads = two.backward(1.0 + rank as f64);
+                    d.reduce_all(Some(&grads)).unwrap();
+                    let shard =
+                        shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], rank, 2, 1);
+                    d.owned_means(&grads, &shard.unwrap()).unwrap().iter().map(values).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let owned: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+        // Mean over the ranks of 2ka (k = 1, 2) and of 3k.
+        assert_eq!(owned, [vec![vec![3.0, 6.0, 9.0]], vec![vec![4.5, 4.5]]]);
     }
 
     fn flat(d: &Dist, k: usize) -> Vec<f32> {

@@ -144,6 +144,23 @@ impl Dist {
         Ok(o.outs)
     }
 
+    /// Under [`Dist::reduce_into_owners_in_backward`], once [`Dist::reduce_all`] returned: the
+    /// gradients (`grads`, one per parameter) of the parameters this rank owns, which hold the
+    /// sums over the ranks, divided by the world size in place. The others' are dropped.
+    pub fn owned_means(
+        &self,
+        grads: &[Tensor],
+        shard: &super::shard::Sharding,
+    ) -> Result<Vec<Tensor>, DistError> {
+        let torch = torch_error("gradient reduce");
+        let _no_grad = tch::no_grad_guard();
+        let owned = shard.pick_tensors(grads);
+        for g in &owned {
+            let _ = g.shallow_clone().f_mul_scalar_(1.0 / self.world_size as f64).map_err(torch)?;
+        }
+        Ok(owned)
+    }
+
     /// The buffers [`Dist::all_gather_parameters`] goes through, made before the update is
     /// agreed on: after it, a rank that could not make them would leave its peers' updated
     /// parameters ungathered.

@@ -682,6 +682,7 @@ pub(crate) mod fixtures {
             offload_optimizer: false,
             bucket_mb: 25.0,
             overlap: true,
+            overlap_in_backward: true,
             cuda_overhead: 1 << 30,
             fragmentation: 0.1,
             background_checkpoint: false,

@@ -410,6 +410,7 @@ fn setup_of(a: &PlanArgs, config: &config::Config, cuda_overhead: u64) -> Setup 
         offload_optimizer: a.offload_optimizer || config.memory.offload_optimizer,
         bucket_mb: config.dist.bucket_mb,
         overlap: config.dist.overlap,
+        overlap_in_backward: config.dist.overlap,
         cuda_overhead,
         fragmentation: a.fragmentation,
         background_checkpoint: config.checkpoint.r#async,
@@ -487,7 +488,15 @@ impl Inputs {
         check_model(&model)?;
         let mut setup = setup_of(a, &config, cuda_overhead);
         if a.target == Some(Target::Cpu) {
-            setup = Setup { target: Target::Cpu, cuda_overhead: 0, fragmentation: 0.0, ..setup };
+            // Gloo's ranks under a cap start no collective inside backward (train/run.rs).
+            let overlap_in_backward = setup.overlap_in_backward && config.memory.limit.is_none();
+            setup = Setup {
+                target: Target::Cpu,
+                cuda_overhead: 0,
+                fragmentation: 0.0,
+                overlap_in_backward,
+                ..setup
+            };
         }
         let (micro, rank_batch, accumulation) = batch_split(a, &config, &model, global, described_by_flags)?;
         let target = gpu::resolve(a.gpu.as_deref(), gpu_memory, gpu::detect).map_err(usage)?;

@@ -305,6 +305,10 @@ pub struct Setup {
     pub bucket_mb: f64,
     /// `dist.overlap`: under `parameters`, a second block gathered while one computes.
     pub overlap: bool,
+    /// `dist.overlap` where its collectives start from inside backward: not on the CPU under
+    /// `memory.limit` (Gloo's scratch there). Under `gradients`, fp32 gradients are then
+    /// reduced into their owners in place, with no reduce-scatter buffers.
+    pub overlap_in_backward: bool,
     /// CUDA context, cuBLAS/cuDNN workspaces and the like, per process.
     pub cuda_overhead: u64,
     /// Allocator fragmentation margin as a share of the peak allocated.

@@ -131,7 +131,8 @@ pub struct RankMemory {
     pub optimizer_state: u64,
     /// Of that, on the device (none under offload on a GPU).
     pub optimizer_on_device: u64,
-    /// fp32 all-reduce buckets (`none` and `optimizer` with several ranks).
+    /// fp32 all-reduce buckets (`none` and `optimizer` with several ranks), or the piece of
+    /// scratch of `gradients` reduced into their owners from inside backward.
     pub dp_buffers: u64,
     /// Under offload: the host copies of the owned parameters the update runs on (on the CPU
     /// they are on the "device" too).
@@ -190,11 +191,16 @@ impl RankMemory {
             .max()
             .unwrap_or(0);
         let sharded = several && s.shard != ShardLevel::None;
-        let reduce_scatter_transient = if sharded && s.shard == ShardLevel::Gradients {
+        // fp32 gradients reduced into their owners in place from inside backward
+        // (`Dist::reduce_into_owners_in_backward`): a piece of scratch kept, no reduce-scatter.
+        let in_backward =
+            sharded && s.shard == ShardLevel::Gradients && s.overlap_in_backward && p.grad_bytes() == 4;
+        let reduce_scatter_transient = if sharded && s.shard == ShardLevel::Gradients && !in_backward {
             per_owned(&part.owned, 4) + buffers + largest_owned * (4 + p.grad_bytes())
         } else {
             0
         };
+        let dp_buffers = if in_backward { 4 * chunk * world } else { dp_buffers };
         Self {
             shard: s.shard,
             offload_optimizer: s.offload_optimizer,
@@ -411,7 +417,8 @@ mod tests {
     #[test]
     fn each_level_drops_what_it_shards_and_adds_its_collectives_buffers() {
         let m = llama32_1b();
-        let s = Setup { precision: Precision::Bf16Mixed, ..cpu_fp32_adamw() };
+        // Under a CPU cap: `gradients` reduce-scatters after backward.
+        let s = Setup { precision: Precision::Bf16Mixed, overlap_in_backward: false, ..cpu_fp32_adamw() };
         let (none, opt, grads) = (
             estimate(&m, &at(&s, ShardLevel::None, 4, false), 1, 2),
             estimate(&m, &at(&s, ShardLevel::Optimizer, 4, false), 1, 2),
@@ -429,6 +436,31 @@ mod tests {
         assert!(grads.sharding.reduce_scatter_transient >= 4 * grads.sharding.owned_elements + 4 * 5 * chunk);
         assert!(none.peak_allocated > opt.peak_allocated && opt.peak_allocated > grads.peak_allocated);
         assert!(grads.sharding.owned_elements * 4 >= psi && grads.sharding.owned_elements * 4 < psi * 6 / 5);
+    }
+
+    /// `gradients` under `dist.overlap` (no CPU cap): fp32 gradients are summed into their
+    /// owners in place from inside backward, so the reduce-scatter's fp32 sums and pieces are not
+    /// made; a piece of scratch is kept instead. bf16-pure's gradients still reduce-scatter.
+    #[test]
+    fn gradients_reduced_in_backward_keep_a_piece_of_scratch_instead_of_the_reduce_scatter() {
+        let m = llama32_1b();
+        let after = Setup { precision: Precision::Bf16Mixed, overlap_in_backward: false, ..cpu_fp32_adamw() };
+        let during = Setup { overlap_in_backward: true, ..after.clone() };
+        let (a, d) = (
+            estimate(&m, &at(&after, ShardLevel::Gradients, 4, false), 1, 2),
+            estimate(&m, &at(&during, ShardLevel::Gradients, 4, false), 1, 2),
+        );
+        let piece = 4 * LayoutSpec::chunk_for(25.0, 4) as u64 * 4;
+        assert_eq!((d.sharding.dp_buffers, d.sharding.reduce_scatter_transient), (piece, 0));
+        assert!(a.sharding.reduce_scatter_transient > 4 * a.sharding.owned_elements);
+        // The moment after backward loses the sums and pieces; the step's peak, where the
+        // activations are, gains at most the scratch.
+        let grads = 4 * RankPart::of(&m, ShardLevel::None, 1).total;
+        assert!(d.sharding.after_backward(grads) < a.sharding.after_backward(grads));
+        assert!(d.peak_allocated <= a.peak_allocated + piece, "{} vs {}", d.peak_allocated, a.peak_allocated);
+        let pure = Setup { precision: Precision::Bf16Pure, ..during };
+        let p = estimate(&m, &at(&pure, ShardLevel::Gradients, 4, false), 1, 2);
+        assert_eq!(p.sharding.dp_buffers, 0, "bf16 gradients are reduce-scattered through fp32 pieces");
     }
 
     #[test]

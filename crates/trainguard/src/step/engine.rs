@@ -186,9 +186,19 @@ fn move_layout(
     };
     agree::layout_moved(moved, dist.as_deref(), p.last_resort())?;
     layout.agreed = wanted;
-    if let (Some(_), Some(d)) = (layout.shards_gradients(), dist) {
-        // Gradients are reduce-scattered from now on: the all-reduce buckets go.
+    if let (Some(s), Some(d)) = (layout.shards_gradients(), dist) {
+        // Gradients go to their owners from now on: the all-reduce buckets go. Where they were
+        // all-reduced from inside backward (`dist.overlap`), they are reduced from there,
+        // unless each block gathers its own (`parameters`).
+        let hooked = (d.overlaps() && layout.params.is_none()).then(|| model.block_params());
         d.release_buckets();
+        if let Some(hooked) = hooked {
+            let piece = s.chunk * d.world_size as i64;
+            // A piece of scratch, made where the buckets were just freed.
+            let params = &model.params.tensors;
+            d.reduce_into_owners_in_backward(params, &hooked, &s.ownership, piece, settings.device)
+                .map_err(|e| StepError::Fatal(Box::new(e)))?;
+        }
     }
     Ok(())
 }

@@ -92,15 +92,27 @@ pub fn forward_backward(
         let last = batch::split(data.rank_batch, micro).count().saturating_sub(1);
         let mut index = 0;
         each_micro_batch(data, step, micro, progress, |x, y, weight, seed| {
+            let mut armed = None;
             if let (true, Some(d)) = (index == last, dist) {
                 if d.arm_overlap(loss_sum.is_some().then_some(grads.as_slice()))? {
                     // The last micro-step's weight gradients come out of backward, through the
-                    // hooks that start their buckets, not added inside the GEMMs past them.
+                    // hooks that start their collectives, not added inside the GEMMs past them.
                     _sums = None;
+                    armed = Some(d);
                 }
             }
             index += 1;
             let (loss, micro_grads) = loss_and_grads(model, x, y, weight * scale, seed, savers)?;
+            // What the hooks sent is in the sums already, which are being reduced: not added
+            // again. (A step of one micro-step keeps its gradients: they are its sums.)
+            let micro_grads = match armed.filter(|_| loss_sum.is_some()).and_then(Dist::overlap_arrived) {
+                Some(sent) => micro_grads
+                    .iter()
+                    .zip(sent)
+                    .map(|(g, sent)| if sent { Tensor::new() } else { g.shallow_clone() })
+                    .collect(),
+                None => micro_grads,
+            };
             match loss_sum.take() {
                 None => {
                     // The first micro-step's gradients are the sums; the later ones' linear

@@ -777,33 +777,46 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
     let unrecovered = |e| unrecovered(e, None, plan.micro_batch, device);
     d.broadcast_params(params)?;
     t.layout.refresh_host(&t.model).map_err(unrecovered)?;
-    match &t.layout.shard {
-        // Reduce-scattered in pieces made per step: no buckets kept.
-        Some(s) if t.layout.shards_gradients().is_some() => tracing::info!(
-            "rank {} of {}: dist.shard {}: owns {} of {} parameters ({} elements; the largest share is {:.2}x an even one)",
-            d.rank,
-            d.world_size,
-            s.level.name(),
-            s.owned.len(),
-            params.len(),
-            s.ownership.elements(d.rank),
-            s.ownership.imbalance()
-        ),
-        _ => {
-            // Under dist.overlap a block's parameters' buckets are all-reduced from inside
-            // backward (their gradients made once there; the embeddings' and head's are not).
-            // Not where a rank runs under a CPU cap: Gloo allocates each all-reduce's scratch
-            // on its own thread, and one that met the cap inside backward could not be replayed;
-            // after backward the room for it is checked before the agreement
-            // (Dist::check_room_to_all_reduce). The cap is each rank's own: the ranks agree.
-            let capped = match cfg.dist.overlap {
-                true => d.flagged_ranks(plan.memory_limit.is_some() && !device.is_cuda())?,
-                false => Vec::new(),
-            };
-            if !capped.is_empty() && d.rank == 0 {
-                tracing::info!("dist.overlap: rank(s) {capped:?} run under memory.limit on the CPU: the gradient all-reduces wait for the end of backward (the room for Gloo's scratch is then checked before the ranks agree)");
+    // Under dist.overlap the gradients of a block's parameters leave from inside backward
+    // (made once there; the embeddings' and head's are not): all-reduced in buckets, or under
+    // `dist.shard: gradients` reduced into their owners. Not where a rank runs under a CPU cap:
+    // Gloo allocates each collective's scratch on its own thread, and one that met the cap
+    // inside backward could not be replayed; after backward the room for the all-reduce is
+    // checked before the agreement (Dist::check_room_to_all_reduce). The cap is each rank's
+    // own: the ranks agree.
+    let capped = match cfg.dist.overlap {
+        true => d.flagged_ranks(plan.memory_limit.is_some() && !device.is_cuda())?,
+        false => Vec::new(),
+    };
+    if !capped.is_empty() && d.rank == 0 {
+        tracing::info!("dist.overlap: rank(s) {capped:?} run under memory.limit on the CPU: the gradients' collectives wait for the end of backward (the room for Gloo's scratch is then checked before the ranks agree)");
+    }
+    let hooked = (cfg.dist.overlap && capped.is_empty()).then(|| t.model.block_params());
+    match (&t.layout.shard, t.layout.shards_gradients()) {
+        // Reduce-scattered in pieces made per step, or reduced from inside backward: no buckets.
+        (Some(s), Some(_)) => {
+            if let (Some(hooked), None) = (&hooked, &t.layout.params) {
+                let piece = s.chunk * d.world_size as i64;
+                if !d
+                    .reduce_into_owners_in_backward(params, hooked, &s.ownership, piece, device)
+                    .map_err(unrecovered)?
+                    && d.rank == 0
+                {
+                    tracing::info!("dist.overlap: bf16-pure gradients are reduce-scattered after backward, through fp32 pieces (summed in bf16 they would round at every rank's addition)");
+                }
             }
-            let hooked = (cfg.dist.overlap && capped.is_empty()).then(|| t.model.block_params());
+            tracing::info!(
+                "rank {} of {}: dist.shard {}: owns {} of {} parameters ({} elements; the largest share is {:.2}x an even one)",
+                d.rank,
+                d.world_size,
+                s.level.name(),
+                s.owned.len(),
+                params.len(),
+                s.ownership.elements(d.rank),
+                s.ownership.imbalance()
+            )
+        }
+        _ => {
             let bytes = (cfg.dist.bucket_mb * (1 << 20) as f64) as usize;
             d.plan_buckets(params, bytes, device, hooked.as_deref()).map_err(unrecovered)?;
             tracing::info!(
