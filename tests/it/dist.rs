@@ -932,8 +932,16 @@ fn two_ranks_killed_during_a_background_write_resume_from_the_last_complete_chec
 /// embeddings' or the head's) inside backward.
 #[test]
 fn gradients_all_reduced_during_backward_train_bit_for_bit_as_after_it() {
-    let sets = [&RUN[..], &["train.micro_batch_size=8", "train.global_batch_size=63", "dist.bucket_mb=0.01"]]
-        .concat();
+    overlapped_as_waited(&RUN, "gradient buckets all-reduced");
+}
+
+/// Two ranks with `sets` and 32 + 31 samples at micro-batch 8 (rank 1 recomputing its blocks, so
+/// that its gradients come in another order, and `dist.bucket_mb=0.01`), under `dist.overlap`
+/// and then with each collective waited for: the same bits, and rank 0 (which alone logs) said
+/// that some, not all, of its `units` (as it names them) left from inside backward.
+pub(crate) fn overlapped_as_waited(sets: &[&str], units: &str) {
+    let sets =
+        [sets, &["train.micro_batch_size=8", "train.global_batch_size=63", "dist.bucket_mb=0.01"]].concat();
     let run = |dir: &Path, sets: &[&str]| {
         let port = free_port();
         let own = [sets, &["memory.activation_checkpointing=blocks"]].concat();
@@ -941,15 +949,14 @@ fn gradients_all_reduced_during_backward_train_bit_for_bit_as_after_it() {
     };
     let (o, w) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let stderr = String::from_utf8_lossy(&run(o.path(), &sets)[0].stderr).into_owned();
+    let tail = format!(" {units} during backward");
     let said = stderr
         .lines()
-        .find_map(|l| {
-            l.split("dist.overlap: ").nth(1)?.strip_suffix(" gradient buckets all-reduced during backward")
-        })
-        .unwrap_or_else(|| panic!("rank 0 did not say how many buckets overlapped:\n{stderr}"));
+        .find_map(|l| l.split("dist.overlap: ").nth(1)?.strip_suffix(tail.as_str()))
+        .unwrap_or_else(|| panic!("rank 0 did not say how many {units} overlapped:\n{stderr}"));
     let (early, all) = said.split_once(" of ").unwrap();
     let (early, all): (usize, usize) = (early.parse().unwrap(), all.parse().unwrap());
-    assert!(early > 0 && early < all, "{early} of {all} buckets started inside backward");
+    assert!(early > 0 && early < all, "{early} of {all} {units} inside backward");
     run(w.path(), &[&sets[..], &["dist.overlap=false"]].concat());
-    assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "all-reduced during backward against after it");
+    assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "{units} during backward against after it");
 }

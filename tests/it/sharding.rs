@@ -2,7 +2,7 @@
 //! on 2, 3 and 4 ranks equals one process, checkpoints every rank writes its part of, resumed at
 //! other world sizes and levels, and a rank killed inside a checkpoint write.
 use crate::common::*;
-use crate::dist::{args, spawn_rank, spawn_rank_with, wait_all, wait_ok};
+use crate::dist::{args, overlapped_as_waited, spawn_rank, spawn_rank_with, wait_all, wait_ok};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -496,36 +496,30 @@ fn overlapped_gathers_train_bit_for_bit_as_waited_ones() {
 /// blocks' gradients (not the embeddings' or the head's) from inside backward.
 #[test]
 fn gradients_reduced_into_their_owners_during_backward_train_bit_for_bit_as_after_it() {
-    let sets = [
-        &RUN[..],
-        &[
-            "dist.shard=gradients",
-            "train.micro_batch_size=8",
-            "train.global_batch_size=63",
-            "dist.bucket_mb=0.01",
-        ],
-    ]
-    .concat();
-    let run = |dir: &Path, sets: &[&str]| {
+    overlapped_as_waited(
+        &[&RUN[..], &["dist.shard=gradients"]].concat(),
+        "gradients reduced into their owners",
+    );
+}
+
+/// The reduces during backward in both 16-bit precisions, on 2 ranks at `gradients`: bf16-mixed's
+/// fp32 gradients are summed in place, and train the same bits as the reduce-scatter after
+/// backward; bf16-pure's bf16 gradients are not (bf16 would round at each rank's addition):
+/// rank 0 says so, and they go through the fp32 pieces after backward as without overlap.
+#[test]
+fn sixteen_bit_gradients_reduced_during_backward_or_after_it_as_their_dtype_allows() {
+    let short = ["train.max_steps=6", "train.eval_interval=0", "checkpoint.interval=6"];
+    for precision in ["bf16-mixed", "bf16-pure"] {
+        let p = format!("precision={precision}");
+        let sets = [&RUN[..], &short[..], &["dist.shard=gradients", p.as_str()]].concat();
+        let (o, w) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         let port = free_port();
-        let own = [sets, &["memory.activation_checkpointing=blocks"]].concat();
-        wait_ok(vec![spawn_rank(0, 2, port, dir, sets), spawn_rank(1, 2, port, dir, &own)])
-    };
-    let (o, w) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let stderr = String::from_utf8_lossy(&run(o.path(), &sets)[0].stderr).into_owned();
-    let said = stderr
-        .lines()
-        .find_map(|l| {
-            l.split("dist.overlap: ")
-                .nth(1)?
-                .strip_suffix(" gradients reduced into their owners during backward")
-        })
-        .unwrap_or_else(|| {
-            panic!("rank 0 did not say how many gradients it sent inside backward:\n{stderr}")
-        });
-    let (early, all) = said.split_once(" of ").unwrap();
-    let (early, all): (usize, usize) = (early.parse().unwrap(), all.parse().unwrap());
-    assert!(early > 0 && early < all, "{early} of {all} gradients sent inside backward");
-    run(w.path(), &[&sets[..], &["dist.overlap=false"]].concat());
-    assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "reduced during backward against after it");
+        let outs = wait_ok((0..2).map(|r| spawn_rank(r, 2, port, o.path(), &sets)).collect());
+        let said = String::from_utf8_lossy(&outs[0].stderr).into_owned();
+        let in_backward = said.contains("gradients reduced into their owners during backward");
+        let after = said.contains("bf16-pure gradients are reduce-scattered after backward");
+        assert_eq!((in_backward, after), (precision == "bf16-mixed", precision == "bf16-pure"), "{said}");
+        ranks(2, w.path(), &[&sets[..], &["dist.overlap=false"]].concat());
+        assert_eq!(max_weight_diff(o.path(), w.path()), 0.0, "{precision}: during backward against after it");
+    }
 }
