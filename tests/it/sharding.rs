@@ -283,6 +283,28 @@ fn replicated_ranks_at_their_floor_escalate_to_sharding_instead_of_exiting_3() {
     .unwrap();
     assert_eq!(state["guard"]["escalation_level"], 1);
     assert_eq!(optimizer_files(e.path()).len(), 2, "each rank wrote its part");
+
+    // Resumed to step 6 without the cap, and a copy of the run resumed under it: the level comes
+    // back in both, and with no rank capped the gradients are reduced into their owners from
+    // inside backward (the escalation set up where the replicated buckets were). The weights
+    // are those of the capped resume (reduce-scattered after backward), within 1e-5.
+    let f = tempfile::tempdir().unwrap();
+    let copied = std::process::Command::new("cp").arg("-rT").arg(e.path()).arg(f.path()).status().unwrap();
+    assert!(copied.success());
+    let escalating = [&HEAVY[..], &["oom.escalate=[shard_gradients]", "train.max_steps=6"]].concat();
+    let resumed = |dir: &Path, sets: &[&str]| {
+        let port = free_port();
+        let rank = |r| {
+            spawn_rank_with(r, 2, port, [args(dir, sets), vec!["--resume".into(), "auto".into()]].concat())
+        };
+        String::from_utf8_lossy(&wait_ok(vec![rank(0), rank(1)])[0].stderr).into_owned()
+    };
+    let said = resumed(e.path(), &escalating);
+    assert!(said.contains("gradients reduced into their owners during backward"), "{said}");
+    let said = resumed(f.path(), &[&escalating[..], &[cap.as_str()]].concat());
+    assert!(!said.contains("during backward"), "{said}");
+    let diff = max_weight_diff(e.path(), f.path());
+    assert!(diff <= 1e-5, "resumed and overlapped against resumed under the cap: {diff}");
 }
 
 /// `dist.shard: parameters`: rank 1 alone, under a cap between the peaks at micro-batch 16 and
