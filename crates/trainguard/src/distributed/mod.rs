@@ -286,10 +286,11 @@ impl Dist {
     }
 
     /// `dist.shard: gradients` under `dist.overlap`: the last micro-step's backward sums each
-    /// block parameter's gradient (`hooked`) into its owner's under `own`, in place, as soon as
+    /// block parameter's gradient (`hooked`) into its owner's under `shard`, in place, as soon as
     /// backward made it; the others follow after backward ([`Dist::reduce_all`]). Pieces of
-    /// `piece` elements; the one buffer made is a piece of scratch, what a rank whose backward
-    /// failed sends so that its peers' reduces complete. Replaces the all-reduce buckets.
+    /// `dist.bucket_mb` (the sharded collectives' per-rank chunk over every rank); the one
+    /// buffer made is a piece of scratch, what a rank whose backward failed sends so that its
+    /// peers' reduces complete. Replaces the all-reduce buckets.
     /// Only fp32 gradients are summed in place (bf16's would round at every rank's addition):
     /// false, and nothing set up, for others (`bf16-pure`), which are reduce-scattered after
     /// backward through fp32 pieces.
@@ -297,23 +298,23 @@ impl Dist {
         &mut self,
         params: &[Tensor],
         hooked: &[bool],
-        own: &shard::Ownership,
-        piece: i64,
+        shard: &shard::Sharding,
         device: Device,
     ) -> Result<bool, TchError> {
         self.release_buckets();
         if params.iter().any(|p| p.kind() != Kind::Float) {
             return Ok(false);
         }
+        let (own, piece) = (&shard.ownership, (shard.chunk * self.world_size as i64).max(1));
         // The blocks' parameters, the last first (backward makes them first), then the others.
         let (first, rest): (Vec<usize>, Vec<usize>) = (0..params.len()).rev().partition(|&i| hooked[i]);
         let reduce = OwnerReduces {
             owners: (0..params.len()).map(|i| own.owner(i)).collect(),
             numels: own.numels().to_vec(),
             order: first.into_iter().chain(rest.into_iter().rev()).collect(),
-            chunk: piece.max(1),
+            chunk: piece,
             rank: self.rank,
-            scratch: Tensor::f_zeros([piece.max(1)], (Kind::Float, device))?,
+            scratch: Tensor::f_zeros([piece], (Kind::Float, device))?,
         };
         let made = self.group.overlapped_reduces(params, hooked, &reduce);
         self.overlapped = Some(made.map_err(|e| TchError::Torch(e.to_string()))?);
@@ -635,9 +636,9 @@ pub(crate) mod overlap_tests {
     fn an_armed_backward_reduces_the_hooked_gradients_into_their_owners_in_place() {
         let mut d = alone();
         let two = TwoParams::new();
-        let own = shard::Ownership::assign(&[3, 2], 1);
+        let shard = shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], 0, 1, 2).unwrap();
         assert!(d
-            .reduce_into_owners_in_backward(&two.params(), &[true, false], &own, 2, Device::Cpu)
+            .reduce_into_owners_in_backward(&two.params(), &[true, false], &shard, Device::Cpu)
             .unwrap());
         let sums = [Tensor::from_slice(&[10.0f32, 10.0, 10.0]), Tensor::from_slice(&[1.0f32, 1.0])];
         d.arm_overlap(Some(&sums)).unwrap();
@@ -647,7 +648,6 @@ pub(crate) mod overlap_tests {
         assert_eq!(d.overlap_arrived(), Some(vec![true, false]));
         let _ = sums[1].shallow_clone().f_add_(&micro[1]).unwrap();
         assert_eq!(d.reduce_all(Some(&sums)).unwrap(), Some(1), "the hooked one started inside backward");
-        let shard = shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], 0, 1, 2).unwrap();
         let owned = d.owned_means(&sums, &shard).unwrap();
         assert_eq!((values(&owned[0]), values(&owned[1])), (vec![12.0, 14.0, 16.0], vec![4.0, 4.0]));
 
@@ -664,7 +664,7 @@ pub(crate) mod overlap_tests {
         d.reduce_all(None).unwrap();
         // bf16 parameters are not set up at all (reduce-scattered through fp32 pieces instead).
         let bf16 = [two.a.to_kind(Kind::BFloat16), two.b.to_kind(Kind::BFloat16)];
-        assert!(!d.reduce_into_owners_in_backward(&bf16, &[true, false], &own, 2, Device::Cpu).unwrap());
+        assert!(!d.reduce_into_owners_in_backward(&bf16, &[true, false], &shard, Device::Cpu).unwrap());
         assert!(!d.overlaps());
     }
 
@@ -680,8 +680,11 @@ pub(crate) mod overlap_tests {
                 std::thread::spawn(move || {
                     let mut d = rank_of(rank, 2, port);
                     let two = TwoParams::new();
-                    let own = shard::Ownership::assign(&[3, 2], 2);
-                    d.reduce_into_owners_in_backward(&two.params(), &[true, false], &own, 2, Device::Cpu)
+                    // Pieces of 2 elements: a chunk of 1 on each of the 2 ranks.
+                    let shard =
+                        shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], rank, 2, 1)
+                            .unwrap();
+                    d.reduce_into_owners_in_backward(&two.params(), &[true, false], &shard, Device::Cpu)
                         .unwrap();
                     d.arm_overlap(None).unwrap();
                     match rank {
@@ -691,9 +694,7 @@ pub(crate) mod overlap_tests {
                     d.arm_overlap(None).unwrap();
                     let grads = two.backward(1.0 + rank as f64);
                     d.reduce_all(Some(&grads)).unwrap();
-                    let shard =
-                        shard::Sharding::new(crate::config::ShardLevel::Gradients, &[3, 2], rank, 2, 1);
-                    d.owned_means(&grads, &shard.unwrap()).unwrap().iter().map(values).collect::<Vec<_>>()
+                    d.owned_means(&grads, &shard).unwrap().iter().map(values).collect::<Vec<_>>()
                 })
             })
             .collect();

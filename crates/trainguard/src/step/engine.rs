@@ -193,10 +193,9 @@ fn move_layout(
         let hooked = (d.overlaps() && layout.params.is_none()).then(|| model.block_params());
         d.release_buckets();
         if let Some(hooked) = hooked {
-            let piece = s.chunk * d.world_size as i64;
             // A piece of scratch, made where the buckets were just freed.
             let params = &model.params.tensors;
-            d.reduce_into_owners_in_backward(params, &hooked, &s.ownership, piece, settings.device)
+            d.reduce_into_owners_in_backward(params, &hooked, s, settings.device)
                 .map_err(|e| StepError::Fatal(Box::new(e)))?;
         }
     }

@@ -796,10 +796,7 @@ fn join_group(d: &mut Dist, plan: &RunPlan, state: &TrainState) -> Result<(), Tr
         // Reduce-scattered in pieces made per step, or reduced from inside backward: no buckets.
         (Some(s), Some(_)) => {
             if let (Some(hooked), None) = (&hooked, &t.layout.params) {
-                let piece = s.chunk * d.world_size as i64;
-                if !d
-                    .reduce_into_owners_in_backward(params, hooked, &s.ownership, piece, device)
-                    .map_err(unrecovered)?
+                if !d.reduce_into_owners_in_backward(params, hooked, s, device).map_err(unrecovered)?
                     && d.rank == 0
                 {
                     tracing::info!("dist.overlap: bf16-pure gradients are reduce-scattered after backward, through fp32 pieces (summed in bf16 they would round at every rank's addition)");
