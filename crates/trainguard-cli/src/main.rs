@@ -32,10 +32,19 @@ fn main() {
         let code = exit_code(&err);
         job::tell_the_launcher(&err, code, training);
         job::notify_end(code, &message(&err));
-        std::process::exit(code);
+        end(code);
     }
     job::notify_end(exit::SUCCESS, "");
-    std::process::exit(exit::SUCCESS);
+    end(exit::SUCCESS);
+}
+
+/// Ends the process once stdout is written. Not `std::process::exit`: it runs libtorch's static
+/// destructors while a rank's heartbeat thread may be inside libtorch, which crashed finished
+/// ranks now and then ([`trainguard::ffi::os::end_process`]).
+fn end(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    trainguard::ffi::os::end_process(code)
 }
 
 /// The command line, or the process ends: `--help` and `--version` print (a failed write,
@@ -60,10 +69,10 @@ fn parse_command_line() -> Cli {
         if std::io::stdout().is_terminal() { e.render().ansi().to_string() } else { e.render().to_string() };
     if let Err(err) = out(&text) {
         report(&err);
-        std::process::exit(exit::FAILURE);
+        end(exit::FAILURE);
     }
     // `trainguard` alone prints the help and is a usage error, as clap has it.
-    std::process::exit(e.exit_code());
+    end(e.exit_code());
 }
 
 /// The continuation printed as it is drawn; on a terminal, a line end after it so the prompt

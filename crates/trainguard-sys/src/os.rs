@@ -52,6 +52,19 @@ pub fn exit_now(code: i32) -> ! {
     unsafe { libc::_exit(code) }
 }
 
+/// Ends the process with `code` once C's output buffers are written (`fflush(NULL)`), without
+/// static destructors ([`exit_now`]): at the end of a command, detached threads may still be
+/// inside libtorch (a rank's heartbeat adding to the group's store, a store request left
+/// behind), and `exit` then crashed a rank whose work was done (SIGSEGV, seen in CI under a
+/// memory cap). Rust's stdout is the caller's to flush.
+pub fn end_process(code: i32) -> ! {
+    // SAFETY: fflush(NULL) flushes every open C output stream; it takes no pointer of ours.
+    unsafe {
+        libc::fflush(std::ptr::null_mut());
+    }
+    exit_now(code)
+}
+
 /// This process's real user id.
 pub fn user_id() -> u32 {
     // SAFETY: getuid cannot fail.
