@@ -2,7 +2,7 @@
 //! each level against the peak a real run measures on the CPU (2 Gloo ranks a level; offload on
 //! one process), the level table and its choice, and the flags' errors.
 use crate::common::*;
-use crate::dist::{spawn_rank_with, wait_ok};
+use crate::dist::{as_rank, wait_ok};
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -59,13 +59,20 @@ fn measured(world: usize, dir: &Path, extra: &[String]) -> (u64, u64) {
         args.push("--set".into());
         args.push(s);
     }
-    if world == 1 {
+    // MKL's memory manager off: it keeps the buffers of each thread's largest products, whose
+    // size follows the CPU's kernels and which no plan counts (the first case mapped 978.7 MiB
+    // with it on an AVX-512 Xeon, 943.9 MiB without, against 943.3 MiB planned; 952.8 MiB with
+    // it on another machine).
+    let command = || {
         let mut cmd = Command::new(bin());
-        cmd.args(&args[..]);
-        run(cmd, dir).ok();
+        cmd.args(&args[..]).env("MKL_DISABLE_FAST_MM", "1");
+        cmd
+    };
+    if world == 1 {
+        run(command(), dir).ok();
     } else {
         let port = free_port();
-        wait_ok((0..world).map(|r| spawn_rank_with(r, world, port, args.clone())).collect());
+        wait_ok((0..world).map(|r| as_rank(command(), r, world, port)).collect());
     }
     let finished = read_jsonl(&dir.join("events.jsonl"))
         .into_iter()
@@ -89,8 +96,9 @@ fn each_level_and_offload_is_planned_within_three_percent_of_the_measured_per_ra
     // Held to ±3% of the mapped peak: the address space `memory.limit` caps on the CPU, and what
     // the plan's bytes count. The resident peak is printed beside it. Every level's estimate falls
     // short of it by the process's own threads and the code pages it touches after the start,
-    // which no level changes and which the environment moves: the same run read 965 MiB resident
-    // in a warm tree and 972–974 MiB in fresh clones (mapped: 952.8 MiB in all three).
+    // which no level changes and which the environment moves (the first case: 958–976 MiB
+    // resident on three machines). Mapped, with MKL's buffers left out (`measured`), the first
+    // case reads 943.9 MiB against 943.3 planned.
     let cases: [(&str, usize, bool); 6] = [
         ("none", 1, false),
         ("none", 1, true),
@@ -99,7 +107,7 @@ fn each_level_and_offload_is_planned_within_three_percent_of_the_measured_per_ra
         ("gradients", 2, false),
         ("parameters", 2, false),
     ];
-    let mut planned_peaks = Vec::new();
+    let (mut planned_peaks, mut outside) = (Vec::new(), Vec::new());
     for (level, world, offload) in cases {
         let extra = vec![format!("dist.shard={level}"), format!("memory.offload_optimizer={offload}")];
         let j = planned(world, &extra);
@@ -122,15 +130,14 @@ fn each_level_and_offload_is_planned_within_three_percent_of_the_measured_per_ra
                 m as f64 / 1048576.0,
                 err * 100.0
             );
-            if what == "mapped" {
-                assert!(
-                    err.abs() <= 0.03,
-                    "{level} × {world}, offload {offload}: planned {est} vs {what} {m}"
-                );
+            if what == "mapped" && err.abs() > 0.03 {
+                outside.push(format!("{level} × {world}, offload {offload}: planned {est} vs {what} {m}"));
             }
         }
         planned_peaks.push(est);
     }
+    // Every case is measured and printed before any is judged.
+    assert!(outside.is_empty(), "outside ±3%: {outside:#?}");
     // What the levels change is real: offload adds the host copies on the CPU, every level
     // below holds less than the one above.
     assert!(planned_peaks[1] > planned_peaks[0]);
