@@ -83,9 +83,20 @@ pub fn torchrun() -> PathBuf {
     repo().join(".venv/bin/torchrun")
 }
 
-/// A TCP port nothing listens on now (the OS's pick), for a store or a rendezvous.
+/// A TCP port nothing listens on now, for a store or a rendezvous. Taken below the kernel's
+/// ephemeral range (32768 and up) and above the bench scripts' 29xxx, each once per test
+/// process: the OS's own pick came from the ephemeral range, where another test's outgoing
+/// connection could take it as its local port before the rank listened (EADDRINUSE, seen in CI).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LOW: u32 = 21_000;
+    const SPAN: u32 = 8_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(u32::MAX, std::process::id() % SPAN, Ordering::Relaxed, Ordering::Relaxed);
+    (0..SPAN)
+        .map(|_| (LOW + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16)
+        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
+        .expect("a free port between 21000 and 28999")
 }
 
 /// `trainguard train --config <config> --set out_dir=<dir> --set train.threads=1 <sets…>`.
